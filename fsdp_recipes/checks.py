@@ -1,0 +1,96 @@
+"""Proof that training is really sharded: wrapper type and the parameter elements each rank holds."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+
+REPORT_NAME = "fsdp_report.json"
+
+
+class NotShardedError(RuntimeError):
+    """The accelerate config asked for FSDP but the prepared model is not FSDP-wrapped as configured."""
+
+
+def wrapper_kind(model: torch.nn.Module) -> str:
+    if isinstance(model, FullyShardedDataParallel):
+        return "FSDP1"
+    if isinstance(model, FSDPModule):
+        return "FSDP2"
+    return type(model).__name__
+
+
+def param_elements(model: torch.nn.Module) -> tuple[int, int]:
+    """(elements this rank stores, elements of the whole model), padding excluded."""
+    if isinstance(model, FullyShardedDataParallel):
+        local = total = 0
+        for module in FullyShardedDataParallel.fsdp_modules(model):
+            handle = module._handle
+            if handle is None:
+                continue
+            flat = handle.flat_param
+            total += flat._unpadded_unsharded_size.numel()
+            local += flat._sharded_size.numel() - flat._shard_numel_padded if handle.uses_sharded_strategy else flat._unpadded_unsharded_size.numel()
+        return local, total
+    local = total = 0
+    for p in model.parameters():
+        total += p.numel()
+        local += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+    return local, total
+
+
+def expected_fsdp_version() -> int | None:
+    """The FSDP version the launcher asked for, or None when it did not ask for FSDP."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    return int(os.environ.get("FSDP_VERSION", "1"))
+
+
+def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str) -> dict:
+    """Check the prepared model against the launch config on every rank; rank 0 writes the report.
+
+    Raises NotShardedError on every rank when FSDP was asked for and is not what runs.
+    """
+    kind = wrapper_kind(model)
+    local, total = param_elements(model)
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    rank_info = {"rank": accelerator.process_index, "wrapper": kind, "local_param_elements": local}
+    gathered = [None] * accelerator.num_processes
+    if dist.is_available() and dist.is_initialized():
+        dist.all_gather_object(gathered, rank_info)
+    else:
+        gathered = [rank_info]
+    report = {
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "fsdp_version": getattr(plugin, "fsdp_version", None),
+        "sharding_strategy": _strategy_name(plugin),
+        "world_size": accelerator.num_processes,
+        "device": str(accelerator.device),
+        "total_param_elements": total,
+        "ranks": gathered,
+    }
+    want = expected_fsdp_version()
+    if want is not None and kind != f"FSDP{want}":
+        raise NotShardedError(
+            f"the accelerate config asks for FSDP{want} but the model is {kind} "
+            f"(distributed type {report['distributed_type']}, {accelerator.num_processes} process(es)); "
+            "launch with `accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes 2+`"
+        )
+    if accelerator.is_main_process:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _strategy_name(plugin) -> str | None:
+    if plugin is None:
+        return None
+    if plugin.fsdp_version == 2:
+        return "FULL_SHARD" if plugin.reshard_after_forward else "SHARD_GRAD_OP"
+    return plugin.sharding_strategy.name if plugin.sharding_strategy is not None else None

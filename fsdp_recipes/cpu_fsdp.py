@@ -1,0 +1,138 @@
+"""Make accelerate's FSDP path real on a machine without an accelerator.
+
+Why this exists: with accelerate 1.15 every stock way of launching FSDP on a CPU-only machine silently
+runs something else (DistributedType.NO, MULTI_CPU + DDP, or one process) and exits 0, because
+``AcceleratorState`` only switches to FSDP when the base type is an accelerator type. That would make
+every CPU test of this repository test DDP or nothing. See ``../shared/notes/cpu-fsdp.md``.
+
+What :func:`enable` does, only when no accelerator is present and the launcher asked for FSDP
+(``ACCELERATE_USE_FSDP=true``) across several processes:
+
+1. sets ``ACCELERATE_USE_CPU=true`` so the process group is gloo (MULTI_CPU), then turns MULTI_CPU into
+   FSDP inside ``AcceleratorState`` and mirrors the type into ``PartialState``'s shared state (later
+   ``AcceleratorState()`` calls would otherwise copy MULTI_CPU back);
+2. uses ``torch.device("cpu")`` as the device: FSDP1 rejects ``cpu:0`` ("Inconsistent compute device
+   and device_id") and ``None`` ("FSDP needs a non-CPU accelerator device");
+3. gives the FSDP plugin a CPU ``param_init_fn`` where its post-init raises "no available devices"
+   (sync_module_states / cpu_ram_efficient_loading);
+4. skips FSDP1's "module has CPU parameters or buffers when sync_module_states=True" check: the gloo
+   broadcast itself works;
+5. makes ``Tensor.pin_memory`` a no-op (it raises without an accelerator) and gives ``torch.cpu.Stream``
+   the ``synchronize`` FSDP1 calls when offloading;
+6. makes FSDP1's ``FlatParamHandle.to_cpu`` a no-op: with ``offload_to_cpu`` (FULL_STATE_DICT, which
+   accelerate's ``save_fsdp_model`` forces on) it "moves" the parameter to the CPU it is already on, then
+   frees that same storage, and rank 0 segfaults.
+
+These patch private internals of the exact versions pinned in requirements.txt. Nothing here runs when an
+accelerator exists: there, the stock path is already real FSDP.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_ENABLED = False
+CPU = torch.device("cpu")
+
+
+def accelerator_present() -> bool:
+    """True when torch sees any accelerator (CUDA, XPU, MPS, ...): the stock FSDP path works there."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
+def fsdp_requested() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def needed() -> bool:
+    """The patch applies to a multi-process FSDP launch on a machine with no accelerator."""
+    return fsdp_requested() and not accelerator_present() and launched_world_size() > 1
+
+
+def enable() -> bool:
+    """Apply the patches if :func:`needed`; return whether they are active. Idempotent.
+
+    Call it before ``TrainingArguments`` (or anything else) creates accelerate's ``PartialState``.
+    """
+    global _ENABLED
+    if _ENABLED:
+        return True
+    if not needed():
+        return False
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    _patch_accelerator_state()
+    _patch_fsdp_plugin()
+    _patch_fsdp1_internals()
+    _ENABLED = True
+    return True
+
+
+def is_enabled() -> bool:
+    return _ENABLED
+
+
+def _patch_accelerator_state() -> None:
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original_init = AcceleratorState.__init__
+
+    @functools.wraps(original_init)
+    def init(self, *args, **kwargs):
+        was_initialized = AcceleratorState._shared_state != {} and AcceleratorState._shared_state != PartialState._shared_state
+        original_init(self, *args, **kwargs)
+        if was_initialized or self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        plugin = kwargs.get("fsdp_plugin")
+        if plugin is None:
+            return
+        self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision != "no":
+            plugin.set_mixed_precision(self._mixed_precision)
+        self.fsdp_plugin = plugin
+        self.device = CPU
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        PartialState._shared_state["device"] = CPU
+
+    AcceleratorState.__init__ = init
+
+
+def _patch_fsdp_plugin() -> None:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    original_post_init = FullyShardedDataParallelPlugin.__post_init__
+
+    @functools.wraps(original_post_init)
+    def post_init(self):
+        try:
+            original_post_init(self)
+        except RuntimeError as err:
+            # Raised at the very end of post-init, after every other field is set, when
+            # sync_module_states asks for an accelerator to materialise meta tensors on.
+            if "no available devices" not in str(err):
+                raise
+            self.param_init_fn = lambda module: module.to_empty(device=CPU, recurse=False)
+
+    FullyShardedDataParallelPlugin.__post_init__ = post_init
+
+
+def _patch_fsdp1_internals() -> None:
+    import contextlib
+
+    from torch.distributed.fsdp import _flat_param, _init_utils
+
+    _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
+    _flat_param.FlatParamHandle.to_cpu = contextlib.contextmanager(lambda self: (yield))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    if not hasattr(torch.cpu.Stream, "synchronize"):
+        torch.cpu.Stream.synchronize = lambda self: None

@@ -1,0 +1,87 @@
+"""Training data: hub or local files, as packed plain text or chat messages with assistant-only loss."""
+
+from __future__ import annotations
+
+from itertools import chain
+from pathlib import Path
+
+from datasets import Dataset, load_dataset
+from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
+
+from .arguments import DATA_EXTENSIONS, DataArguments, RecipeError
+
+IGNORE_INDEX = -100
+
+
+def load_raw(args: DataArguments) -> Dataset:
+    if args.train_file is not None:
+        builder = DATA_EXTENSIONS[Path(args.train_file).suffix]
+        raw = load_dataset(builder, data_files={"train": args.train_file}, split="train")
+    else:
+        raw = load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_split)
+    if args.max_train_samples is not None:
+        raw = raw.select(range(min(args.max_train_samples, len(raw))))
+    return raw
+
+
+def resolve_format(args: DataArguments, columns: list[str]) -> str:
+    fmt = args.data_format
+    if fmt == "auto":
+        fmt = "chat" if args.messages_column in columns else "text"
+    needed = args.messages_column if fmt == "chat" else args.text_column
+    if needed not in columns:
+        raise RecipeError(f"data_format={fmt}: column {needed!r} not in the dataset (columns: {', '.join(columns)})")
+    return fmt
+
+
+def pack_text(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArguments) -> Dataset:
+    """Tokenize, append EOS to each document, concatenate, and cut into blocks of block_size."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def tokenize(batch):
+        return {"input_ids": [ids + eos for ids in tokenizer(batch[args.text_column], add_special_tokens=False)["input_ids"]]}
+
+    def group(batch):
+        ids = list(chain.from_iterable(batch["input_ids"]))
+        usable = len(ids) // args.block_size * args.block_size
+        blocks = [ids[i : i + args.block_size] for i in range(0, usable, args.block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks], "attention_mask": [[1] * len(b) for b in blocks]}
+
+    tokenized = raw.map(tokenize, batched=True, remove_columns=raw.column_names, num_proc=args.preprocessing_num_workers, desc="Tokenizing")
+    return tokenized.map(group, batched=True, batch_size=1000, num_proc=args.preprocessing_num_workers, desc=f"Packing into {args.block_size}-token blocks")
+
+
+def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArguments) -> Dataset:
+    """Render messages with the chat template; labels are the assistant tokens, everything else is ignored."""
+    if not tokenizer.chat_template:
+        raise RecipeError("data_format=chat needs a tokenizer with a chat template; this tokenizer has none")
+
+    def render(example):
+        out = tokenizer.apply_chat_template(
+            example[args.messages_column], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = out["input_ids"][: args.block_size], out["assistant_masks"][: args.block_size]
+        if not any(mask):
+            raise RecipeError(
+                "the chat template marks no assistant tokens: it needs {% generation %} blocks around assistant "
+                "content for assistant-only loss"
+            )
+        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+    return raw.map(render, remove_columns=raw.column_names, num_proc=args.preprocessing_num_workers, desc="Applying chat template")
+
+
+def build_dataset(args: DataArguments, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, object]:
+    """Return the tokenized training set and the collator that batches it."""
+    raw = load_raw(args)
+    fmt = resolve_format(args, raw.column_names)
+    if fmt == "text":
+        dataset = pack_text(raw, tokenizer, args)
+        collator = default_data_collator
+    else:
+        dataset = tokenize_chat(raw, tokenizer, args)
+        collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+    if len(dataset) == 0:
+        raise RecipeError(f"no training examples after preprocessing: the data is shorter than block_size={args.block_size}")
+    return dataset, collator

@@ -1,0 +1,33 @@
+"""Model and tokenizer: fine-tune weights from the hub or a folder, or build from a config for pre-training."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .arguments import ModelArguments, RecipeError
+
+
+def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        # Packed blocks need no padding; chat batches pad, and the padded labels are ignored anyway.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    common = dict(trust_remote_code=args.trust_remote_code, attn_implementation=args.attn_implementation)
+    if args.model_name_or_path is not None:
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, **common)
+    else:
+        config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype, **common)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > vocab:
+        raise RecipeError(
+            f"tokenizer {args.tokenizer_name!r} has {len(tokenizer)} tokens but the model's embedding has {vocab} rows; "
+            "use the model's own tokenizer"
+        )
+    return model

@@ -1,0 +1,89 @@
+"""Train a causal language model with Fully Sharded Data Parallel, through accelerate and the Trainer.
+
+    accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py [recipe.yaml] [--flag value ...]
+
+With no recipe it trains the embedded default (a tiny Llama built from assets/, no hub, no GPU needed).
+A recipe YAML sets the defaults of ModelArguments, DataArguments and TrainingArguments; flags override
+it. `python train_fsdp.py --help` lists every argument.
+"""
+
+import logging
+import sys
+
+import transformers
+from transformers import Trainer, TrainerCallback, set_seed
+
+from fsdp_recipes import cpu_fsdp
+from fsdp_recipes.arguments import RecipeError, parse_args
+from fsdp_recipes.checks import verify_and_report
+from fsdp_recipes.data import build_dataset
+from fsdp_recipes.export import save_final_model
+from fsdp_recipes.modeling import load_model, load_tokenizer
+
+logger = logging.getLogger("train_fsdp")
+
+
+class VerifyFSDP(TrainerCallback):
+    """Once the Trainer has prepared the model: stop unless it is FSDP-wrapped as the config asks."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir)
+        local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
+        logger.info(
+            f"{report['ranks'][0]['wrapper']} {report['sharding_strategy']} on {report['world_size']} process(es), "
+            f"{report['device']}: this rank holds {local:,} of {report['total_param_elements']:,} parameter elements"
+        )
+
+
+def main(model_args, data_args, training_args):
+    # ---------- logging ----------
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout)
+    transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
+    logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
+    if cpu_fsdp.is_enabled():
+        logger.info("no accelerator found: running FSDP over gloo on CPU (fsdp_recipes.cpu_fsdp)")
+
+    # ---------- model and tokenizer ----------
+    set_seed(training_args.seed)
+    tokenizer = load_tokenizer(model_args)
+
+    # ---------- data ----------
+    with training_args.main_process_first(desc="dataset preprocessing"):
+        train_dataset, collator = build_dataset(data_args, tokenizer)
+    logger.info(f"training examples: {len(train_dataset):,}")
+
+    model = load_model(model_args, tokenizer)
+
+    # ---------- train ----------
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        data_collator=collator,
+        processing_class=tokenizer,
+    )
+    trainer.add_callback(VerifyFSDP(trainer))
+    resume = training_args.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() in ("true", "false"):
+        resume = resume.lower() == "true" or None
+    result = trainer.train(resume_from_checkpoint=resume)
+    trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics)
+    trainer.save_state()
+
+    # ---------- save ----------
+    save_final_model(trainer, tokenizer)
+    logger.info(f"model saved to {training_args.output_dir} (loads with AutoModelForCausalLM.from_pretrained)")
+
+
+if __name__ == "__main__":
+    cpu_fsdp.enable()  # before anything creates accelerate's state
+    try:
+        args = parse_args()
+    except RecipeError as err:
+        print(f"train_fsdp.py: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    main(*args)
