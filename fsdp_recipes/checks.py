@@ -69,7 +69,7 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str) -> d
     report = {
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "fsdp_version": getattr(plugin, "fsdp_version", None),
-        "sharding_strategy": _strategy_name(plugin),
+        "sharding_strategy": _strategy_name(plugin, getattr(accelerator, "parallelism_config", None)),
         "world_size": accelerator.num_processes,
         "device": str(accelerator.device),
         "total_param_elements": total,
@@ -88,9 +88,12 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str) -> d
     return report
 
 
-def _strategy_name(plugin) -> str | None:
+def _strategy_name(plugin, parallelism_config=None) -> str | None:
     if plugin is None:
         return None
     if plugin.fsdp_version == 2:
+        # FSDP2 expresses HYBRID_SHARD as a (dp_replicate, dp_shard) mesh rather than a strategy name.
+        if parallelism_config is not None and parallelism_config.dp_replicate_size > 1:
+            return "HYBRID_SHARD" if plugin.reshard_after_forward else "HYBRID_SHARD_ZERO2"
         return "FULL_SHARD" if plugin.reshard_after_forward else "SHARD_GRAD_OP"
     return plugin.sharding_strategy.name if plugin.sharding_strategy is not None else None
