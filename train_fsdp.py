@@ -66,10 +66,9 @@ def main(model_args, data_args, training_args):
         processing_class=tokenizer,
     )
     trainer.add_callback(VerifyFSDP(trainer))
-    resume = training_args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("true", "false"):
-        resume = resume.lower() == "true" or None
-    result = trainer.train(resume_from_checkpoint=resume)
+    if training_args.resume_from_checkpoint:
+        logger.info(f"resuming from {training_args.resume_from_checkpoint}")
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
     trainer.save_state()

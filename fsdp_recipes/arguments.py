@@ -150,4 +150,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         raise
     except ValueError as err:  # TrainingArguments.__post_init__ checks
         raise RecipeError(str(err).replace("\n", " ")) from None
+    training_args.resume_from_checkpoint = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     return model_args, data_args, training_args
+
+
+def resolve_resume(value: str | None, output_dir: str) -> str | None:
+    """``true`` means the newest ``checkpoint-N`` in output_dir; a path must exist; ``false`` or unset: no resume."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if value is None or str(value).lower() == "false":
+        return None
+    if str(value).lower() == "true":
+        last = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+        if last is None:
+            raise RecipeError(f"--resume_from_checkpoint true: no checkpoint-N folder in output_dir {output_dir!r}")
+        return last
+    if not Path(value).is_dir():
+        raise RecipeError(f"--resume_from_checkpoint {value!r} is not a folder: give a checkpoint-N folder, or true for the latest")
+    return value

@@ -1,0 +1,144 @@
+"""Every shipped config, launched for real: 2+ CPU processes, the tiny default model, real FSDP."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import ALL_CONFIGS, QUICK, REPO, launch, logged_losses, read_json
+
+# The FSDP2 HSDP config is multi-node; on one machine it runs as 2 replicas x 2 shards = 4 processes.
+LAUNCH_OVERRIDES = {
+    "accelerate_configs/hybrid_shard.yaml": (
+        "--num_machines", "1", "--num_processes", "4",
+        "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2",
+    ),
+}
+
+
+@dataclass
+class Run:
+    config: str
+    output_dir: Path
+    world_size: int
+    fsdp_version: int
+    shard_group: int  # processes one parameter is split over
+
+    @property
+    def report(self) -> dict:
+        return read_json(self.output_dir / "fsdp_report.json")
+
+
+def expected_layout(config: str) -> tuple[int, int, int]:
+    """(world size, fsdp_version, shard group size) that the config should produce on this CPU machine."""
+    cfg = yaml.safe_load((REPO / config).read_text())
+    fsdp = cfg["fsdp_config"]
+    overrides = LAUNCH_OVERRIDES.get(config, ())
+    world = int(overrides[overrides.index("--num_processes") + 1]) if overrides else cfg["num_processes"]
+    if fsdp["fsdp_version"] == 2:
+        shard = int(overrides[overrides.index("--parallelism_config_dp_shard_size") + 1]) if overrides else world
+    else:
+        # NO_SHARD keeps everything; FSDP1 HYBRID_SHARD sizes its shard group from the device count, 1 on CPU.
+        shard = 1 if fsdp["fsdp_sharding_strategy"] in ("NO_SHARD", "HYBRID_SHARD") else world
+    return world, fsdp["fsdp_version"], shard
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """Launch each config once per session and share the result between the tests below."""
+    runs: dict[str, Run] = {}
+
+    def get(config: str) -> Run:
+        if config not in runs:
+            out = tmp_path_factory.mktemp(config.replace("/", "_").replace(".yaml", ""))
+            launch(config, *QUICK, "--output_dir", str(out), launch_args=LAUNCH_OVERRIDES.get(config, ()))
+            runs[config] = Run(config, out, *expected_layout(config))
+        return runs[config]
+
+    return get
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_really_fsdp_and_sharded(trained, config):
+    run = trained(config)
+    report = run.report
+    assert report["distributed_type"] == "FSDP"
+    assert report["fsdp_version"] == run.fsdp_version
+    assert report["world_size"] == run.world_size == len(report["ranks"])
+    total = report["total_param_elements"]
+    assert total > 200_000  # the whole tiny model, not an empty or partial count
+    for rank in report["ranks"]:
+        assert rank["wrapper"] == f"FSDP{run.fsdp_version}"
+        # exact: every weight dimension of the tiny model divides evenly by 2
+        assert rank["local_param_elements"] * run.shard_group == total, rank
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_loss_finite_and_falling(trained, config):
+    losses = logged_losses(trained(config).output_dir)
+    assert len(losses) == 6
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.85 * losses[0], losses
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_sharded_checkpoints_on_disk(trained, config):
+    run = trained(config)
+    for step in (6, 12):
+        shards = run.output_dir / f"checkpoint-{step}" / "pytorch_model_fsdp_0"
+        assert (shards / ".metadata").is_file()
+        assert sorted(p.name for p in shards.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(run.world_size)]
+        assert (run.output_dir / f"checkpoint-{step}" / "optimizer_0" / ".metadata").is_file()
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_final_folder_loads_with_trained_weights(trained, config, tmp_path):
+    from accelerate.utils import merge_fsdp_weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = trained(config)
+    out = run.output_dir
+    assert read_json(out / "config.json")["architectures"] == ["LlamaForCausalLM"]
+    assert (out / "generation_config.json").is_file()
+    assert not (out / ".final-sharded").exists() and not (out / ".export-tmp").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert len(tokenizer) == model.config.vocab_size
+
+    # Reference: accelerate's own merger over the last training checkpoint (taken after the final step).
+    merge_fsdp_weights(str(out / "checkpoint-12" / "pytorch_model_fsdp_0"), str(tmp_path), safe_serialization=True)
+    reference = load_file(tmp_path / "model.safetensors")
+    loaded = model.state_dict()
+    assert set(loaded) == set(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(loaded[name], tensor), name
+    initial = AutoModelForCausalLM.from_config(model.config)
+    assert not torch.equal(initial.state_dict()["lm_head.weight"], loaded["lm_head.weight"])
+
+
+@pytest.mark.parametrize(
+    "config, resume_arg",
+    [("accelerate_configs/zero3.yaml", "true"), ("accelerate_configs/zero2.yaml", "checkpoint-6")],
+)
+def test_resume_reaches_the_uninterrupted_weights(trained, config, resume_arg, tmp_path):
+    """A run stopped after checkpoint-6 and resumed ends bit-identical to the run that never stopped (FSDP2, fp32 master)."""
+    full = trained(config)
+    partial = tmp_path / "resumed"
+    partial.mkdir()
+    shutil.copytree(full.output_dir / "checkpoint-6", partial / "checkpoint-6")
+    resume = "true" if resume_arg == "true" else str(partial / resume_arg)
+    proc = launch(config, *QUICK, "--output_dir", str(partial), "--resume_from_checkpoint", resume)
+    assert f"resuming from {partial / 'checkpoint-6'}" in proc.stdout
+    assert read_json(partial / "trainer_state.json")["global_step"] == 12
+    resumed = load_file(partial / "model.safetensors")
+    uninterrupted = load_file(full.output_dir / "model.safetensors")
+    assert set(resumed) == set(uninterrupted)
+    for name in uninterrupted:
+        assert torch.equal(resumed[name], uninterrupted[name]), name
