@@ -15,7 +15,7 @@ from transformers import Trainer, TrainerCallback, set_seed
 
 from fsdp_recipes import cpu_fsdp
 from fsdp_recipes.arguments import RecipeError, parse_args
-from fsdp_recipes.checks import verify_and_report
+from fsdp_recipes.checks import NotShardedError, verify_and_report
 from fsdp_recipes.data import build_dataset
 from fsdp_recipes.export import save_final_model
 from fsdp_recipes.modeling import load_model, load_tokenizer
@@ -81,8 +81,7 @@ def main(model_args, data_args, training_args):
 if __name__ == "__main__":
     cpu_fsdp.enable()  # before anything creates accelerate's state
     try:
-        args = parse_args()
-    except RecipeError as err:
+        main(*parse_args())
+    except (RecipeError, NotShardedError) as err:
         print(f"train_fsdp.py: error: {err}", file=sys.stderr)
         sys.exit(2)
-    main(*args)

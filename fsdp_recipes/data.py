@@ -51,25 +51,44 @@ def pack_text(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArgume
     return tokenized.map(group, batched=True, batch_size=1000, num_proc=args.preprocessing_num_workers, desc=f"Packing into {args.block_size}-token blocks")
 
 
+def assistant_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of the whole conversation and a 0/1 mask of the assistant tokens.
+
+    Templates with ``{% generation %}`` blocks mark assistant tokens themselves. Most hub templates (Llama 3,
+    Qwen, Mistral) have none: there each assistant turn is located by rendering the conversation up to the
+    turn's prompt and up to its end, and the tokens between the two are the assistant's.
+    """
+    def render(msgs, **kw):
+        return list(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, **kw)["input_ids"])
+
+    if "{% generation %}" in (tokenizer.chat_template or ""):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), list(out["assistant_masks"])
+    ids = render(messages)
+    mask = [0] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start, end = len(render(messages[:i], add_generation_prompt=True)), len(render(messages[: i + 1]))
+        if ids[:end] != render(messages[: i + 1]):
+            raise RecipeError("the chat template renders a conversation's prefix differently from the whole; cannot locate assistant tokens")
+        mask[start:end] = [1] * (end - start)
+    return ids, mask
+
+
 def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArguments) -> Dataset:
     """Render messages with the chat template; labels are the assistant tokens, everything else is ignored."""
     if not tokenizer.chat_template:
         raise RecipeError("data_format=chat needs a tokenizer with a chat template; this tokenizer has none")
 
     def render(example):
-        out = tokenizer.apply_chat_template(
-            example[args.messages_column], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids, mask = out["input_ids"][: args.block_size], out["assistant_masks"][: args.block_size]
-        if not any(mask):
-            raise RecipeError(
-                "the chat template marks no assistant tokens: it needs {% generation %} blocks around assistant "
-                "content for assistant-only loss"
-            )
+        ids, mask = assistant_mask(tokenizer, example[args.messages_column])
+        ids, mask = ids[: args.block_size], mask[: args.block_size]
         labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
-    return raw.map(render, remove_columns=raw.column_names, num_proc=args.preprocessing_num_workers, desc="Applying chat template")
+    dataset = raw.map(render, remove_columns=raw.column_names, num_proc=args.preprocessing_num_workers, desc="Applying chat template")
+    return dataset.filter(lambda ex: any(t != IGNORE_INDEX for t in ex["labels"]), desc="Dropping examples with no assistant tokens")
 
 
 def build_dataset(args: DataArguments, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, object]:

@@ -1,0 +1,84 @@
+"""Data preparation: packed text blocks and chat examples with loss on assistant tokens only."""
+
+from __future__ import annotations
+
+import pytest
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from conftest import REPO
+from fsdp_recipes.arguments import DataArguments, RecipeError
+from fsdp_recipes.data import IGNORE_INDEX, build_dataset, pack_text, resolve_format, tokenize_chat
+
+CORPUS = str(REPO / "assets" / "data" / "tiny_corpus.txt")
+CHAT = str(REPO / "assets" / "data" / "tiny_chat.jsonl")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
+
+
+def test_packing_concatenates_documents_with_eos_into_full_blocks(tokenizer):
+    docs = ["Ada sees the red cat.", "The owl walks slowly to the barn with Ben.", "Cleo has 3 cats."] * 5
+    args = DataArguments(train_file=CORPUS, block_size=16)
+    packed = pack_text(Dataset.from_dict({"text": docs}), tokenizer, args)
+    stream = [t for d in docs for t in tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+    assert len(packed) == len(stream) // 16
+    assert [t for row in packed["input_ids"] for t in row] == stream[: len(packed) * 16]
+    assert packed["labels"] == packed["input_ids"]
+    assert all(len(row) == 16 for row in packed["input_ids"])
+
+
+def test_chat_labels_only_assistant_tokens(tokenizer):
+    messages = [{"role": "user", "content": "How many cats?"}, {"role": "assistant", "content": "Ada has 4 cats."}]
+    args = DataArguments(train_file=CHAT, block_size=64)
+    row = tokenize_chat(Dataset.from_dict({"messages": [messages]}), tokenizer, args)[0]
+    trained = [t for t in row["labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == "Ada has 4 cats.<|end|>"
+    assert len(trained) < len(row["input_ids"])  # the user turn is not trained on
+    kept = [i for i, t in zip(row["input_ids"], row["labels"]) if t != IGNORE_INDEX]
+    assert kept == trained
+
+
+def test_format_auto_detects_chat_and_local_jsonl_loads(tokenizer):
+    args = DataArguments(train_file=CHAT, block_size=64, max_train_samples=10)
+    dataset, collator = build_dataset(args, tokenizer)
+    assert len(dataset) == 10
+    batch = collator([dataset[0], dataset[1]])
+    assert batch["input_ids"].shape == batch["labels"].shape
+    assert (batch["labels"] == IGNORE_INDEX).any() and (batch["labels"] != IGNORE_INDEX).any()
+
+
+@pytest.mark.parametrize("ext", ["csv", "parquet", "json"])
+def test_local_tabular_text_files(tokenizer, tmp_path, ext):
+    texts = [line for line in open(CORPUS).read().splitlines()[:50]]
+    path = tmp_path / f"train.{ext}"
+    frame = Dataset.from_dict({"text": texts})
+    {"csv": frame.to_csv, "parquet": frame.to_parquet, "json": frame.to_json}[ext](str(path))
+    dataset, _ = build_dataset(DataArguments(train_file=str(path), block_size=32), tokenizer)
+    assert len(dataset) > 10 and len(dataset[0]["input_ids"]) == 32
+
+
+def test_missing_column_is_a_clear_error():
+    with pytest.raises(RecipeError, match="column 'body' not in the dataset"):
+        resolve_format(DataArguments(train_file=CORPUS, text_column="body"), ["text"])
+
+
+def test_templates_without_generation_blocks_locate_assistant_turns(tokenizer):
+    """Most hub chat templates have no {% generation %} markers: the prefix-rendering path must find the same tokens."""
+    plain = AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
+    plain.chat_template = plain.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    messages = [
+        {"role": "user", "content": "How many cats?"},
+        {"role": "assistant", "content": "Ada has 4 cats."},
+        {"role": "user", "content": "And dogs?"},
+        {"role": "assistant", "content": "Two dogs."},
+    ]
+    args = DataArguments(train_file=CHAT, block_size=128)
+    marked = tokenize_chat(Dataset.from_dict({"messages": [messages]}), tokenizer, args)[0]
+    derived = tokenize_chat(Dataset.from_dict({"messages": [messages]}), plain, args)[0]
+    assert derived["input_ids"] == marked["input_ids"]
+    # the prefix path also trains on the role header the template emits after the prompt, which is nothing here
+    assert derived["labels"] == marked["labels"]
+    assert tokenizer.decode([t for t in derived["labels"] if t != IGNORE_INDEX]) == "Ada has 4 cats.<|end|>Two dogs.<|end|>"
