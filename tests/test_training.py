@@ -142,3 +142,34 @@ def test_resume_reaches_the_uninterrupted_weights(trained, config, resume_arg, t
     assert set(resumed) == set(uninterrupted)
     for name in uninterrupted:
         assert torch.equal(resumed[name], uninterrupted[name]), name
+
+
+def test_finetune_from_local_folder_loads_the_weights_on_every_rank(trained, tmp_path):
+    """model_name_or_path = a folder train_fsdp.py wrote. With learning rate 0 the final weights must equal the
+    folder's: a rank that got uninitialised or unsynced weights (cpu_ram_efficient_loading) would change them."""
+    base = trained("accelerate_configs/zero3.yaml").output_dir
+    out = tmp_path / "lr0"
+    launch(
+        "accelerate_configs/fsdp1/zero3.yaml", "recipes/tiny-llama/chat_sft.yaml", "--model_name_or_path", str(base),
+        "--learning_rate", "0", "--max_steps", "2", "--save_steps", "2", "--output_dir", str(out),
+    )
+    before, after = load_file(base / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(before) == set(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
+def test_chat_sft_from_local_folder(trained, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = trained("accelerate_configs/zero3.yaml").output_dir
+    out = tmp_path / "chat"
+    launch(
+        "accelerate_configs/zero3.yaml", "recipes/tiny-llama/chat_sft.yaml", "--model_name_or_path", str(base),
+        "--max_steps", "12", "--logging_steps", "2", "--save_steps", "12", "--output_dir", str(out),
+    )
+    losses = logged_losses(out)
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert "{% generation %}" in tokenizer.chat_template
+    AutoModelForCausalLM.from_pretrained(out)

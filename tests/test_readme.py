@@ -1,0 +1,66 @@
+"""Every command README.md shows runs as shown, and the output it promises is what you get."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from conftest import REPO, logged_losses, run
+
+README = (REPO / "README.md").read_text()
+NEEDS_HUB = "# needs hub + GPUs"
+TEST_COMMAND = "python -m pytest -q tests"
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def shown_output() -> list[str]:
+    block = re.search(r"What you will see.*?```\n(.*?)```", README, flags=re.S).group(1)
+    return [line.split("INFO ", 1)[1] for line in block.splitlines() if line.startswith("INFO ")]
+
+
+def test_readme_shows_setup_main_and_test_commands():
+    commands = readme_commands()
+    assert commands[0] == "pip install -r requirements.txt"
+    assert "accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py" in commands
+    assert TEST_COMMAND in commands
+    assert TEST_COMMAND in (REPO / ".ci" / "run").read_text()  # CI runs exactly what the README says
+
+
+def test_every_readme_command_runs(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", "*.egg-info", ".pytest_cache"))
+    outputs = {}
+    skipped = []
+    for command in readme_commands():
+        if command == TEST_COMMAND:
+            continue  # this is that command
+        if command.endswith(NEEDS_HUB):
+            skipped.append(command)
+            continue
+        # pip install -e . must keep pointing at the real checkout, not this copy
+        cwd = REPO if command.startswith("pip ") else repo
+        proc = run(["bash", "-c", command], cwd=cwd, timeout=900)
+        assert proc.returncode == 0, f"{command}\n{proc.stderr[-4000:]}"
+        outputs[command] = proc.stdout + proc.stderr
+    assert len(skipped) == 1 and "recipes/llama-3.2-1b/sft.yaml" in skipped[0]
+
+    # The main command: what the README promises.
+    main = outputs["accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py"]
+    for line in shown_output():
+        assert line in main, line
+    run_dir = repo / "runs" / "tiny-llama-pretrain"
+    losses = logged_losses(run_dir)
+    assert losses[-1] <= losses[0] * 2 / 3, losses  # falls by at least a third
+    for loss in re.findall(r"'loss': '([\d.]+)'", README):
+        assert f"'loss': '{loss}'" in main
+    for step in (60, 120):
+        assert (run_dir / f"checkpoint-{step}" / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert "LlamaForCausalLM" in outputs[next(c for c in outputs if c.startswith("python -c"))]
+    assert (repo / "runs" / "x" / "checkpoint-10" / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert (repo / "runs" / "tiny-llama-chat" / "model.safetensors").is_file()
