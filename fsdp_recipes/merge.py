@@ -1,0 +1,452 @@
+"""Any FSDP checkpoint -> a Hugging Face model folder, streamed in bounded memory.
+
+Sources: a sharded DCP model folder (FSDP1 or FSDP2, any number of ranks and nodes: ``pytorch_model_fsdp_0``),
+or a full state dict (``model.safetensors`` [+ index], ``pytorch_model_fsdp.bin``). Optimizer state is never
+read. Tensors are read in groups of at most ``memory_budget`` bytes (a larger tensor alone) and appended to
+safetensors shards whose header is computed up front, so peak memory follows the largest tensor and the
+budget, never the model size. Output goes to a temporary folder beside the target and is renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from huggingface_hub import split_state_dict_into_shards_factory
+from huggingface_hub.serialization._base import parse_size_to_int
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from tqdm.auto import tqdm
+
+DCP_MODEL_DIR = "pytorch_model_fsdp_0"
+FULL_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model_fsdp.bin")
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+class CheckpointError(ValueError):
+    """Bad input: the message names the problem and the fix, on one line."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * (dtype or self.dtype).itemsize
+
+
+def clean_name(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+# ----------------------------------------------------------------------------------------------- sources
+
+
+def dcp_problems(dcp_dir: Path) -> list[str]:
+    """What makes a DCP folder unreadable: missing or unreadable .metadata, missing or truncated .distcp files."""
+    meta_path = dcp_dir / ".metadata"
+    if not meta_path.is_file():
+        return [f"missing {meta_path}"]
+    try:
+        metadata = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
+    except Exception as err:  # a truncated pickle raises several different types
+        return [f"unreadable {meta_path} ({type(err).__name__})"]
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        path = dcp_dir / name
+        if not path.is_file():
+            problems.append(f"missing {path}")
+        elif path.stat().st_size < size:
+            problems.append(f"truncated {path} ({path.stat().st_size} of {size} bytes)")
+    return problems
+
+
+class DCPSource:
+    """A sharded ``torch.distributed.checkpoint`` folder, read without a process group."""
+
+    kind = "sharded (DCP)"
+
+    def __init__(self, dcp_dir: Path):
+        self.path = dcp_dir
+        problems = dcp_problems(dcp_dir)
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {dcp_dir} is incomplete: {'; '.join(problems[:3])}; it was not finished writing or was "
+                "copied partly: use an earlier checkpoint-N or copy the folder again"
+            )
+        metadata = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
+        stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        if stored and all(k.startswith("optimizer.") for k in stored):
+            raise CheckpointError(f"{dcp_dir} holds optimizer state, not model weights: give {dcp_dir.parent / DCP_MODEL_DIR} or the checkpoint-N folder")
+        # accelerate stores {"model": state_dict}; DCP flattens that to "model.<name>"
+        self.keys = {clean_name(k.removeprefix("model.")): k for k in stored}
+        self.tensors = {n: TensorInfo(tuple(stored[k].size), stored[k].properties.dtype) for n, k in self.keys.items()}
+        self.ranks = len({info.relative_path for info in metadata.storage_data.values()})
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        buffers = {self.keys[n]: torch.empty(self.tensors[n].shape, dtype=self.tensors[n].dtype) for n in names}
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(buffers, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+        return {n: buffers[self.keys[n]] for n in names}
+
+
+class SafetensorsSource:
+    """``model.safetensors`` or an index of shards: tensors are read one at a time from memory maps."""
+
+    kind = "full (safetensors)"
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.path = folder
+        index = folder / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+        self.ranks = 1
+        self.tensors, self._where = {}, {}
+        for name in files:
+            with safe_open(str(folder / name), framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    dtype = {code: dt for dt, code in SAFETENSORS_DTYPES.items()}[sl.get_dtype()]
+                    self.tensors[clean_name(key)] = TensorInfo(tuple(sl.get_shape()), dtype)
+                    self._where[clean_name(key)] = (name, key)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        out = {}
+        for n in names:
+            file, key = self._where[n]
+            with safe_open(str(self.path / file), framework="pt") as f:
+                out[n] = f.get_tensor(key)
+        return out
+
+
+class TorchBinSource:
+    """``pytorch_model_fsdp.bin`` (FULL_STATE_DICT, torch.save): memory-mapped, so pages are read on demand."""
+
+    kind = "full (torch.save)"
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as err:
+            raise CheckpointError(f"{path} is unreadable ({type(err).__name__}): the file is truncated or not a torch.save state dict") from None
+        self._state = {clean_name(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        self.tensors = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in self._state.items()}
+        self.ranks = 1
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: self._state[n] for n in names}
+
+
+# ----------------------------------------------------------------------------------------------- input
+
+
+def checkpoint_steps(run_dir: Path) -> list[Path]:
+    found = [p for p in run_dir.glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+
+
+def checkpoint_problems(ckpt: Path) -> list[str]:
+    """Why a checkpoint-N folder cannot be merged (empty when it can)."""
+    if (ckpt / DCP_MODEL_DIR).is_dir():
+        return dcp_problems(ckpt / DCP_MODEL_DIR)
+    if any((ckpt / f).is_file() for f in FULL_FILES):
+        return []
+    return [f"no {DCP_MODEL_DIR}/ and no full weights in {ckpt}"]
+
+
+@dataclass
+class ResolvedInput:
+    source: object
+    checkpoint_dir: Path  # where config/tokenizer are looked for first
+    notes: list[str] = field(default_factory=list)
+
+
+def open_source(folder: Path):
+    if (folder / DCP_MODEL_DIR).is_dir():
+        return DCPSource(folder / DCP_MODEL_DIR)
+    if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
+        return SafetensorsSource(folder)
+    return TorchBinSource(folder / "pytorch_model_fsdp.bin")
+
+
+def resolve_input(path: str | os.PathLike) -> ResolvedInput:
+    """A checkpoint-N folder, its pytorch_model_fsdp_0 folder, or a run folder (newest complete checkpoint)."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist: give a checkpoint-N folder, its {DCP_MODEL_DIR} folder, or a run's output folder")
+    if not p.is_dir():
+        raise CheckpointError(f"{p} is a file: give the folder that holds it (a checkpoint-N folder or {DCP_MODEL_DIR})")
+    if p.name.startswith("optimizer"):
+        raise CheckpointError(f"{p} holds optimizer state, not model weights: give {p.parent / DCP_MODEL_DIR} or {p.parent}")
+    if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
+        return ResolvedInput(DCPSource(p), p.parent)
+    if (p / DCP_MODEL_DIR).is_dir():
+        return ResolvedInput(open_source(p), p)
+    steps = checkpoint_steps(p)
+    if not steps and any((p / f).is_file() for f in FULL_FILES):
+        return ResolvedInput(open_source(p), p)
+    if steps:
+        notes = []
+        for ckpt in steps:
+            problems = checkpoint_problems(ckpt)
+            if not problems:
+                notes.append(f"using {ckpt.name}, the newest complete checkpoint in {p}")
+                return ResolvedInput(open_source(ckpt), ckpt, notes)
+            notes.append(f"skipping {ckpt.name}: {problems[0]}")
+        raise CheckpointError(f"no complete checkpoint in {p} ({'; '.join(notes)}): resume training to write one")
+    hints = sorted({str(q.parent) for q in p.glob("*/checkpoint-*")} | {str(q.parent) for q in p.glob("*/*/.metadata")})
+    hint = f"; did you mean {hints[0]}?" if hints else f"; expected checkpoint-N/ folders or {DCP_MODEL_DIR}/ inside"
+    raise CheckpointError(f"{p} is not a checkpoint{hint}")
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+
+def _safetensors_header(names: list[str], infos: dict[str, TensorInfo], dtype: torch.dtype | None) -> tuple[bytes, list[tuple[str, int]]]:
+    header, offset, layout = {"__metadata__": {"format": "pt"}}, 0, []
+    for n in names:
+        size = infos[n].nbytes(dtype)
+        header[n] = {"dtype": SAFETENSORS_DTYPES[dtype or infos[n].dtype], "shape": list(infos[n].shape), "data_offsets": [offset, offset + size]}
+        layout.append((n, size))
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw, layout
+
+
+def _groups(names: list[str], infos: dict[str, TensorInfo], budget: int):
+    group, size = [], 0
+    for n in names:
+        if group and size + infos[n].nbytes() > budget:
+            yield group
+            group, size = [], 0
+        group.append(n)
+        size += infos[n].nbytes()
+    if group:
+        yield group
+
+
+def write_weights(
+    source, names: list[str], out_dir: Path, max_shard_size: str | int = "5GB", dtype: torch.dtype | None = None,
+    memory_budget: str | int = "512MB",
+) -> list[str]:
+    """Stream ``names`` from ``source`` into safetensors shards (+ index) in ``out_dir``, as save_pretrained names them."""
+    infos = source.tensors
+    budget = parse_size_to_int(memory_budget) if isinstance(memory_budget, str) else memory_budget
+    split = split_state_dict_into_shards_factory(
+        {n: infos[n] for n in names}, get_storage_size=lambda info: info.nbytes(dtype),
+        filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size,
+    )
+    total = sum(infos[n].nbytes(dtype) for n in names)
+    written = []
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Writing weights") as bar:
+        for filename, shard_names in split.filename_to_tensors.items():
+            shard_names = sorted(shard_names)
+            header, _ = _safetensors_header(shard_names, infos, dtype)
+            with open(out_dir / filename, "wb") as f:
+                f.write(header)
+                for group in _groups(shard_names, infos, budget):
+                    tensors = source.read(group)
+                    for n in group:
+                        t = tensors.pop(n)
+                        t = (t if dtype is None else t.to(dtype)).contiguous()
+                        f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                        bar.update(infos[n].nbytes(dtype))
+                        del t
+                f.flush()
+                os.fsync(f.fileno())
+            written.append(filename)
+    if split.is_sharded:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        written.append("model.safetensors.index.json")
+    return written
+
+
+def weights_to_write(source, config) -> tuple[type, list[str], list[str]]:
+    """(model class, names save_pretrained would write, tied names it leaves out), checked against the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    tied = sorted(set(getattr(skeleton, "all_tied_weights_keys", None) or {}) & set(expected)) if getattr(config, "tie_word_embeddings", False) else []
+    wanted = sorted(set(expected) - set(tied))
+    missing = [n for n in wanted if n not in source.tensors]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint lacks {len(missing)} weight(s) of {type(skeleton).__name__} (e.g. {missing[0]}): the config does not "
+            "belong to this checkpoint; pass the right --base-model"
+        )
+    wrong = [n for n in wanted if tuple(source.tensors[n].shape) != expected[n]]
+    if wrong:
+        n = wrong[0]
+        raise CheckpointError(f"{n} has shape {source.tensors[n].shape} in the checkpoint but {expected[n]} in the config: pass the right --base-model")
+    return type(skeleton), wanted, tied
+
+
+def write_model_files(source, out_dir: Path, config, tokenizer=None, generation_config=None, dtype=None,
+                      max_shard_size="5GB", memory_budget="512MB") -> list[str]:
+    """Weights, config.json (architectures = the model class), generation config and tokenizer into ``out_dir``."""
+    model_cls, names, _ = weights_to_write(source, config)
+    files = write_weights(source, names, out_dir, max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget)
+    config.architectures = [model_cls.__name__]
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(out_dir)
+    if generation_config is not None:
+        generation_config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return sorted(p.name for p in out_dir.iterdir())
+
+
+# ----------------------------------------------------------------------------------------------- merge
+
+
+def find_model_files(resolved: ResolvedInput, base_model: str | None):
+    """Config, generation config and tokenizer: from the checkpoint, then its run folder, then --base-model."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    places = [resolved.checkpoint_dir, resolved.checkpoint_dir.parent]
+    config_dir = next((d for d in places if (d / "config.json").is_file()), None)
+    if config_dir is None and base_model is None:
+        raise CheckpointError(f"no config.json in {resolved.checkpoint_dir} or its parent: pass --base-model <hub id or folder the run started from>")
+    config_from = base_model if config_dir is None else str(config_dir)
+    config = AutoConfig.from_pretrained(config_from)
+    if config_dir is not None and (config_dir / "generation_config.json").is_file():
+        generation_config = GenerationConfig.from_pretrained(config_dir)
+    else:
+        generation_config = GenerationConfig.from_model_config(config)
+    tok_dir = next((d for d in places if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
+    tok_from = str(tok_dir) if tok_dir is not None else base_model
+    if tok_from is None:
+        raise CheckpointError(f"no tokenizer files in {resolved.checkpoint_dir} or its parent: pass --base-model <hub id or folder with the tokenizer>")
+    return config, generation_config, AutoTokenizer.from_pretrained(tok_from), {"config": config_from, "tokenizer": tok_from}
+
+
+@dataclass
+class MergeResult:
+    output: Path
+    files: list[str]
+    notes: list[str]
+    tensors: int
+    bytes: int
+
+
+def merge_checkpoint(
+    input_path: str | os.PathLike, output_path: str | os.PathLike, *, base_model: str | None = None,
+    dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB", memory_budget: str | int = "512MB",
+    overwrite: bool = False, verify: bool = False, log=print,
+) -> MergeResult:
+    """Turn an FSDP checkpoint into a folder ``from_pretrained`` loads; never leaves a half-written folder."""
+    resolved = resolve_input(input_path)
+    for note in resolved.notes:
+        log(note)
+    out = Path(output_path).absolute()
+    src_root = (resolved.checkpoint_dir if resolved.checkpoint_dir.name.startswith("checkpoint-") else Path(input_path)).absolute()
+    if out == src_root or src_root in out.parents or Path(input_path).absolute() in out.parents:
+        raise CheckpointError(f"output {out} is inside the input {Path(input_path)}: choose a folder outside it")
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"output {out} already exists: choose another folder or pass --overwrite")
+    config, generation_config, tokenizer, origin = find_model_files(resolved, base_model)
+    log(f"config from {origin['config']}, tokenizer from {origin['tokenizer']}")
+    _, names, tied = weights_to_write(resolved.source, config)
+    size = sum(resolved.source.tensors[n].nbytes(dtype) for n in names)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < size + (64 << 20):
+        raise CheckpointError(f"not enough free disk space in {out.parent}: need {size / 1e9:.2f} GB, have {free / 1e9:.2f} GB; free space or choose another output")
+    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        files = write_model_files(resolved.source, staging, config, tokenizer, generation_config, dtype, max_shard_size, memory_budget)
+        if verify:
+            verify_folder(staging, resolved.source, names, dtype)
+            log(f"verified: {len(names)} tensors equal the checkpoint; from_pretrained (meta device) loads the folder")
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            staging.rename(out)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if tied:
+        log(f"tied weights written once, as save_pretrained does: {', '.join(tied)}")
+    return MergeResult(out, files, resolved.notes, len(names), size)
+
+
+def verify_folder(folder: Path, source, names: list[str], dtype: torch.dtype | None = None) -> None:
+    """Every tensor re-read from the output equals the checkpoint's (exact), and from_pretrained loads the folder."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    index = folder / "model.safetensors.index.json"
+    where = json.loads(index.read_text())["weight_map"] if index.is_file() else {n: "model.safetensors" for n in names}
+    if sorted(where) != sorted(names):
+        raise CheckpointError(f"verify: {folder} holds {len(where)} tensors, expected {len(names)}")
+    for group in _groups(names, source.tensors, 512 << 20):
+        expected = source.read(group)
+        for n in group:
+            with safe_open(str(folder / where[n]), framework="pt") as f:
+                got = f.get_tensor(n)
+            want = expected[n] if dtype is None else expected[n].to(dtype)
+            if got.dtype != want.dtype or not torch.equal(got, want):
+                raise CheckpointError(f"verify: {n} in {folder} differs from the checkpoint")
+    AutoModelForCausalLM.from_pretrained(folder, device_map="meta")
+
+
+def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
+    """What a checkpoint holds, without writing anything."""
+    resolved = resolve_input(input_path)
+    src, ckpt = resolved.source, resolved.checkpoint_dir
+    state = ckpt / "trainer_state.json"
+    dtypes: dict[str, int] = {}
+    for info in src.tensors.values():
+        dtypes[str(info.dtype).removeprefix("torch.")] = dtypes.get(str(info.dtype).removeprefix("torch."), 0) + 1
+    places = [ckpt, ckpt.parent]
+    return {
+        "input": str(Path(input_path)),
+        "checkpoint": str(ckpt),
+        "notes": resolved.notes,
+        "format": src.kind,
+        "ranks": src.ranks,
+        "step": json.loads(state.read_text()).get("global_step") if state.is_file() else None,
+        "tensors": len(src.tensors),
+        "parameters": sum(i.nbytes() // i.dtype.itemsize for i in src.tensors.values()),
+        "bytes": sum(i.nbytes() for i in src.tensors.values()),
+        "dtypes": dtypes,
+        "config": next((str(d / "config.json") for d in places if (d / "config.json").is_file()), None),
+        "tokenizer": next((str(d) for d in places if any((d / f).is_file() for f in TOKENIZER_FILES)), None),
+        "optimizer_state": (ckpt / "optimizer_0").is_dir() or (ckpt / "optimizer.bin").is_file(),
+    }
