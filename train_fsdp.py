@@ -17,7 +17,7 @@ from fsdp_recipes import cpu_fsdp
 from fsdp_recipes.arguments import RecipeError, parse_args
 from fsdp_recipes.checks import NotShardedError, verify_and_report
 from fsdp_recipes.data import build_dataset
-from fsdp_recipes.export import save_final_model
+from fsdp_recipes.export import DescribeCheckpoints, save_final_model
 from fsdp_recipes.modeling import load_model, load_tokenizer
 
 logger = logging.getLogger("train_fsdp")
@@ -66,6 +66,7 @@ def main(model_args, data_args, training_args):
         processing_class=tokenizer,
     )
     trainer.add_callback(VerifyFSDP(trainer))
+    trainer.add_callback(DescribeCheckpoints(trainer, tokenizer))
     if training_args.resume_from_checkpoint:
         logger.info(f"resuming from {training_args.resume_from_checkpoint}")
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

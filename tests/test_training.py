@@ -4,66 +4,12 @@ from __future__ import annotations
 
 import math
 import shutil
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
-from conftest import ALL_CONFIGS, QUICK, REPO, launch, logged_losses, read_json
-
-# The FSDP2 HSDP config is multi-node; on one machine it runs as 2 replicas x 2 shards = 4 processes.
-LAUNCH_OVERRIDES = {
-    "accelerate_configs/hybrid_shard.yaml": (
-        "--num_machines", "1", "--num_processes", "4",
-        "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2",
-    ),
-}
-
-
-@dataclass
-class Run:
-    config: str
-    output_dir: Path
-    world_size: int
-    fsdp_version: int
-    shard_group: int  # processes one parameter is split over
-
-    @property
-    def report(self) -> dict:
-        return read_json(self.output_dir / "fsdp_report.json")
-
-
-def expected_layout(config: str) -> tuple[int, int, int]:
-    """(world size, fsdp_version, shard group size) that the config should produce on this CPU machine."""
-    cfg = yaml.safe_load((REPO / config).read_text())
-    fsdp = cfg["fsdp_config"]
-    overrides = LAUNCH_OVERRIDES.get(config, ())
-    world = int(overrides[overrides.index("--num_processes") + 1]) if overrides else cfg["num_processes"]
-    if fsdp["fsdp_version"] == 2:
-        shard = int(overrides[overrides.index("--parallelism_config_dp_shard_size") + 1]) if overrides else world
-    else:
-        # NO_SHARD keeps everything; FSDP1 HYBRID_SHARD sizes its shard group from the device count, 1 on CPU.
-        shard = 1 if fsdp["fsdp_sharding_strategy"] in ("NO_SHARD", "HYBRID_SHARD") else world
-    return world, fsdp["fsdp_version"], shard
-
-
-@pytest.fixture(scope="session")
-def trained(tmp_path_factory):
-    """Launch each config once per session and share the result between the tests below."""
-    runs: dict[str, Run] = {}
-
-    def get(config: str) -> Run:
-        if config not in runs:
-            out = tmp_path_factory.mktemp(config.replace("/", "_").replace(".yaml", ""))
-            launch(config, *QUICK, "--output_dir", str(out), launch_args=LAUNCH_OVERRIDES.get(config, ()))
-            runs[config] = Run(config, out, *expected_layout(config))
-        return runs[config]
-
-    return get
-
+from conftest import ALL_CONFIGS, QUICK, launch, logged_losses, read_json
 
 @pytest.mark.parametrize("config", ALL_CONFIGS)
 def test_really_fsdp_and_sharded(trained, config):

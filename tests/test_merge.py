@@ -1,0 +1,227 @@
+"""tools/merge_checkpoint.py against real checkpoints written by train_fsdp.py, and every bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.utils import merge_fsdp_weights
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO, run
+from fsdp_recipes.merge import CheckpointError, inspect_checkpoint, merge_checkpoint
+
+TOOL = str(REPO / "tools" / "merge_checkpoint.py")
+SHARDED = ["accelerate_configs/zero3.yaml", "accelerate_configs/zero2.yaml", "accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero2.yaml"]
+FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
+
+
+def cli_main(argv: list[str]) -> int:
+    """The CLI's main(), in this process: bad-input cases need no fresh interpreter each."""
+    spec = importlib.util.spec_from_file_location("merge_checkpoint_cli", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def reference_weights(dcp_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """accelerate merge-weights: an independent implementation that loads the whole state dict."""
+    merge_fsdp_weights(str(dcp_dir), str(tmp), safe_serialization=True)
+    return load_file(tmp / "model.safetensors")
+
+
+def logits(model, tokenizer) -> torch.Tensor:
+    batch = tokenizer(["Ada sees the red cat near the barn.", "The owl walks slowly"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def assert_same_model(folder: Path, reference: dict[str, torch.Tensor], tied: bool = False):
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert (folder / "generation_config.json").is_file()
+    loaded = model.state_dict()
+    for name, tensor in reference.items():
+        assert torch.equal(loaded[name], tensor), name
+    expected = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    expected.load_state_dict(reference, strict=not tied)
+    assert torch.equal(logits(model, tokenizer), logits(expected, tokenizer))
+
+
+@pytest.mark.parametrize("config", SHARDED)
+def test_merged_run_equals_accelerate_merge_weights(trained, config, tmp_path):
+    run_dir = trained(config).output_dir
+    out = tmp_path / "merged"
+    result = merge_checkpoint(run_dir, out, verify=True, log=lambda *_: None)
+    assert result.notes == [f"using checkpoint-12, the newest complete checkpoint in {run_dir}"]
+    reference = reference_weights(run_dir / "checkpoint-12" / "pytorch_model_fsdp_0", tmp_path / "ref")
+    written = load_file(out / "model.safetensors")
+    assert set(written) == set(reference)
+    for name in reference:
+        assert torch.equal(written[name], reference[name]), name
+        assert not any(p in name for p in ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"))
+    assert_same_model(out, reference)
+    assert not list(tmp_path.glob(".merged.*"))
+
+
+def test_middle_checkpoint_and_its_model_folder_merge_alone(trained, tmp_path):
+    """Each checkpoint-N carries its own config and tokenizer, so it merges without the run folder."""
+    ckpt = trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6"
+    alone = tmp_path / "checkpoint-6"
+    shutil.copytree(ckpt, alone)
+    merge_checkpoint(alone, tmp_path / "a", log=lambda *_: None)
+    merge_checkpoint(alone / "pytorch_model_fsdp_0", tmp_path / "b", log=lambda *_: None)
+    reference = reference_weights(alone / "pytorch_model_fsdp_0", tmp_path / "ref")
+    assert_same_model(tmp_path / "a", reference)
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
+
+
+def test_tied_embeddings_written_once_as_save_pretrained_does(trained, tmp_path_factory, tmp_path):
+    tied_cfg = tmp_path_factory.mktemp("tied-config")
+    for f in (REPO / "assets" / "tiny-llama").iterdir():
+        shutil.copy(f, tied_cfg)
+    config = json.loads((tied_cfg / "config.json").read_text())
+    (tied_cfg / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    run_dir = trained("accelerate_configs/zero3.yaml", "--config_name", str(tied_cfg)).output_dir
+    out = tmp_path / "merged"
+    merge_checkpoint(run_dir, out, verify=True, log=lambda *_: None)
+    written = load_file(out / "model.safetensors")
+    assert "model.embed_tokens.weight" in written and "lm_head.weight" not in written
+    reference = reference_weights(run_dir / "checkpoint-12" / "pytorch_model_fsdp_0", tmp_path / "ref")
+    assert set(reference) - set(written) <= {"lm_head.weight"}
+    assert_same_model(out, {k: v for k, v in reference.items() if k != "lm_head.weight"}, tied=True)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
+def test_full_state_dict_checkpoints(trained, config, tmp_path):
+    run_dir = trained(config, launch_args=FULL).output_dir
+    ckpt = run_dir / "checkpoint-12"
+    assert (ckpt / "pytorch_model_fsdp.bin").is_file() and not (ckpt / "pytorch_model_fsdp_0").exists()
+    from_safetensors = tmp_path / "a"
+    merge_checkpoint(ckpt, from_safetensors, verify=True, log=lambda *_: None)
+    bin_only = tmp_path / "checkpoint-12"
+    shutil.copytree(ckpt, bin_only, ignore=shutil.ignore_patterns("model.safetensors"))
+    merge_checkpoint(bin_only, tmp_path / "b", verify=True, log=lambda *_: None)
+    reference = torch.load(ckpt / "pytorch_model_fsdp.bin", weights_only=True)
+    for folder in (from_safetensors, tmp_path / "b"):
+        assert_same_model(folder, reference)
+    # the run's own final folder (written by train_fsdp.py) holds the same weights
+    final = load_file(run_dir / "model.safetensors")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+def test_dtype_sharding_verify_and_inspect_through_the_cli(trained, tmp_path):
+    run_dir = trained("accelerate_configs/fsdp1/zero3.yaml").output_dir
+    out = tmp_path / "bf16"
+    proc = run(["python", TOOL, str(run_dir / "checkpoint-12"), str(out), "--dtype", "bfloat16", "--max-shard-size", "200KB", "--verify"])
+    assert proc.returncode == 0, proc.stderr
+    assert "verified: 39 tensors equal the checkpoint" in proc.stdout
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and all((out / s).stat().st_size <= 200_000 + 64_000 for s in shards)  # header + one tensor may exceed
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    reference = reference_weights(run_dir / "checkpoint-12" / "pytorch_model_fsdp_0", tmp_path / "ref")
+    assert all(torch.equal(model.state_dict()[k], v.to(torch.bfloat16)) for k, v in reference.items())
+
+    proc = run(["python", TOOL, str(run_dir), "--inspect"])
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert (info["format"], info["ranks"], info["step"], info["tensors"], info["parameters"]) == ("sharded (DCP)", 2, 12, 39, 242496)
+    assert info["optimizer_state"] is True and not (tmp_path / "inspect").exists()
+    help_text = run(["python", TOOL, "--help"]).stdout
+    assert "INPUT" in help_text.upper() and "--max-shard-size" in help_text and "memory" in help_text
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.fixture
+def checkpoint(trained, tmp_path) -> Path:
+    """A private copy of a real 2-rank FSDP2 checkpoint, for breaking."""
+    copy = tmp_path / "run" / "checkpoint-12"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", copy)
+    return copy
+
+
+def break_checkpoint(ckpt: Path, how: str) -> tuple[Path, str]:
+    """Damage the checkpoint; return the input path to give and the error text expected."""
+    model = ckpt / "pytorch_model_fsdp_0"
+    if how == "nonexistent":
+        return ckpt.parent / "nope", "does not exist"
+    if how == "not a checkpoint":
+        return ckpt.parent.parent, f"is not a checkpoint; did you mean {ckpt.parent}?"
+    if how == "missing .metadata":
+        (model / ".metadata").unlink()
+        return ckpt, "missing"
+    if how == "missing .distcp":
+        (model / "__1_0.distcp").unlink()
+        return ckpt, "missing"
+    if how == "truncated .distcp":
+        data = (model / "__0_0.distcp").read_bytes()
+        (model / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+        return ckpt, "truncated"
+    if how == "optimizer folder":
+        return ckpt / "optimizer_0", "holds optimizer state, not model weights"
+    if how == "no config":
+        for f in ckpt.parent.rglob("*"):
+            if f.is_file() and (f.name.startswith("tokenizer") or f.name.endswith("config.json") or f.suffix == ".jinja"):
+                f.unlink()
+        return ckpt, "no config.json"
+    raise AssertionError(how)
+
+
+CASES = ["nonexistent", "not a checkpoint", "missing .metadata", "missing .distcp", "truncated .distcp", "optimizer folder", "no config"]
+
+
+@pytest.mark.parametrize("how", CASES)
+def test_bad_input_is_one_clear_line_and_leaves_nothing(checkpoint, how, tmp_path, capsys):
+    source, expected = break_checkpoint(checkpoint, how)
+    out = tmp_path / "out"
+    assert cli_main([str(source), str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("merge_checkpoint.py: error: ") and "\n" not in err, err
+    assert expected in err, err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_output_inside_input_and_existing_output(checkpoint, tmp_path):
+    with pytest.raises(CheckpointError, match="is inside the input"):
+        merge_checkpoint(checkpoint, checkpoint / "merged", log=lambda *_: None)
+    with pytest.raises(CheckpointError, match="is inside the input"):
+        merge_checkpoint(checkpoint.parent, checkpoint.parent / "merged", log=lambda *_: None)
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="already exists: choose another folder or pass --overwrite"):
+        merge_checkpoint(checkpoint, existing, log=lambda *_: None)
+    assert (existing / "keep.txt").read_text() == "mine"
+    merge_checkpoint(checkpoint, existing, overwrite=True, log=lambda *_: None)
+    assert (existing / "model.safetensors").is_file() and not (existing / "keep.txt").exists()
+
+
+def test_base_model_supplies_config_and_tokenizer(checkpoint, tmp_path):
+    break_checkpoint(checkpoint, "no config")
+    merge_checkpoint(checkpoint, tmp_path / "out", base_model=str(REPO / "assets" / "tiny-llama"), verify=True, log=lambda *_: None)
+    AutoTokenizer.from_pretrained(tmp_path / "out")
+    with pytest.raises(CheckpointError, match="shape"):
+        wrong = tmp_path / "wrong"
+        shutil.copytree(REPO / "assets" / "tiny-llama", wrong)
+        cfg = json.loads((wrong / "config.json").read_text())
+        (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 64}))
+        merge_checkpoint(checkpoint, tmp_path / "out2", base_model=str(wrong), log=lambda *_: None)
+
+
+def test_inspect_writes_nothing(checkpoint):
+    before = sorted(p for p in checkpoint.parent.rglob("*"))
+    info = inspect_checkpoint(checkpoint.parent)
+    assert info["step"] == 12 and info["ranks"] == 2
+    assert sorted(p for p in checkpoint.parent.rglob("*")) == before
