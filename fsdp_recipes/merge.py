@@ -9,12 +9,14 @@ budget, never the model size. Output goes to a temporary folder beside the targe
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
 import struct
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.serialization._base import parse_size_to_int
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from tqdm.auto import tqdm
 
 DCP_MODEL_DIR = "pytorch_model_fsdp_0"
@@ -82,6 +84,62 @@ def dcp_problems(dcp_dir: Path) -> list[str]:
     return problems
 
 
+class _FileSlice(io.RawIOBase):
+    """A read-only window on part of a file: torch.load and zipfile read one record of a .distcp file through it."""
+
+    def __init__(self, f, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, offset, whence=0):
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.length + offset
+        return self.pos
+
+    def readinto(self, buffer):
+        n = max(0, min(len(buffer), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(n)
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _raw_record(dcp_dir: Path, info, chunk, dtype: torch.dtype) -> tuple[str, int] | None:
+    """(file, byte offset) of a chunk's raw data inside its torch.save record, or None if it is not plain bytes."""
+    if info.transform_descriptors:
+        return None
+    with open(dcp_dir / info.relative_path, "rb") as f:
+        view = _FileSlice(f, info.offset, info.length)
+        try:
+            tensor = torch.load(view, map_location="meta", weights_only=True)  # reads the header, not the data
+            view.seek(0)
+            archive = zipfile.ZipFile(view)
+            records = [z for z in archive.infolist() if re.search(r"/data/\d+$", z.filename)]
+            byteorder = [z for z in archive.infolist() if z.filename.endswith("/byteorder")]
+            order = archive.read(byteorder[0]).decode() if byteorder else "little"
+        except Exception:
+            return None
+        if (
+            len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or order != "little"
+            or not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != tuple(chunk.sizes)
+            or not tensor.is_contiguous() or tensor.storage_offset() != 0
+            or records[0].file_size != tensor.numel() * tensor.element_size()
+        ):
+            return None
+        f.seek(info.offset + records[0].header_offset)
+        local = f.read(30)  # zip local file header: the data follows its name and extra field
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        return info.relative_path, info.offset + records[0].header_offset + 30 + name_len + extra_len
+
+
 class DCPSource:
     """A sharded ``torch.distributed.checkpoint`` folder, read without a process group."""
 
@@ -95,7 +153,7 @@ class DCPSource:
                 f"checkpoint {dcp_dir} is incomplete: {'; '.join(problems[:3])}; it was not finished writing or was "
                 "copied partly: use an earlier checkpoint-N or copy the folder again"
             )
-        metadata = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
+        metadata = self._metadata = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
         stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         if stored and all(k.startswith("optimizer.") for k in stored):
             raise CheckpointError(f"{dcp_dir} holds optimizer state, not model weights: give {dcp_dir.parent / DCP_MODEL_DIR} or the checkpoint-N folder")
@@ -103,6 +161,30 @@ class DCPSource:
         self.keys = {clean_name(k.removeprefix("model.")): k for k in stored}
         self.tensors = {n: TensorInfo(tuple(stored[k].size), stored[k].properties.dtype) for n, k in self.keys.items()}
         self.ranks = len({info.relative_path for info in metadata.storage_data.values()})
+
+    def copy_into(self, name: str, fd: int, offset: int) -> bool:
+        """Copy the tensor's bytes from the .distcp files straight into ``fd`` at ``offset`` (kernel copy, no
+        tensor in memory). Only for the common layout: every chunk a whole-row (dim-0) slice stored as one
+        contiguous, uncompressed, little-endian torch.save record. Returns False when that does not hold."""
+        meta = self._metadata.state_dict_metadata[self.keys[name]]
+        info = self.tensors[name]
+        row_bytes = info.nbytes() // info.shape[0] if info.shape and info.shape[0] else 0
+        copies = []
+        for chunk in meta.chunks:
+            if not row_bytes or any(chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != info.shape[1:]:
+                return False
+            where = _raw_record(self.path, self._metadata.storage_data[MetadataIndex(self.keys[name], chunk.offsets)], chunk, info.dtype)
+            if where is None:
+                return False
+            copies.append((where, offset + chunk.offsets[0] * row_bytes, chunk.sizes[0] * row_bytes))
+        if sum(n for _, _, n in copies) != info.nbytes():
+            return False
+        for (file, src), dst, count in copies:
+            with open(self.path / file, "rb") as f:
+                while count:
+                    done = os.copy_file_range(f.fileno(), fd, count, src, dst)
+                    src, dst, count = src + done, dst + done, count - done
+        return True
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         buffers = {self.keys[n]: torch.empty(self.tensors[n].shape, dtype=self.tensors[n].dtype) for n in names}
@@ -267,20 +349,31 @@ def write_weights(
     written = []
     with tqdm(total=total, unit="B", unit_scale=True, desc="Writing weights") as bar:
         for filename, shard_names in split.filename_to_tensors.items():
-            shard_names = sorted(shard_names)
-            header, _ = _safetensors_header(shard_names, infos, dtype)
-            with open(out_dir / filename, "wb") as f:
-                f.write(header)
-                for group in _groups(shard_names, infos, budget):
+            header, layout = _safetensors_header(sorted(shard_names), infos, dtype)
+            offsets, position = {}, len(header)
+            for n, size in layout:
+                offsets[n], position = position, position + size
+            fd = os.open(out_dir / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, header)
+                os.ftruncate(fd, position)
+                slow = []
+                for n, size in layout:
+                    if dtype is None and hasattr(source, "copy_into") and source.copy_into(n, fd, offsets[n]):
+                        bar.update(size)
+                    else:
+                        slow.append(n)
+                for group in _groups(slow, infos, budget):
                     tensors = source.read(group)
                     for n in group:
                         t = tensors.pop(n)
                         t = (t if dtype is None else t.to(dtype)).contiguous()
-                        f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                        if t.numel():
+                            os.pwrite(fd, t.reshape(-1).view(torch.uint8).numpy(), offsets[n])
                         bar.update(infos[n].nbytes(dtype))
                         del t
-                f.flush()
-                os.fsync(f.fileno())
+            finally:
+                os.close(fd)
             written.append(filename)
     if split.is_sharded:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}

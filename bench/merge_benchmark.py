@@ -1,0 +1,75 @@
+"""Time tools/merge_checkpoint.py against `accelerate merge-weights` and `cp` on the same checkpoint.
+
+    python bench/merge_benchmark.py --size 1GB --size 6GB [--ranks 2] [--workdir /tmp/merge-bench]
+
+For each size: builds a multi-rank FSDP2-layout checkpoint (bench/synthetic.py), reads it once to warm the
+page cache, then runs each command under /usr/bin/time -v and prints wall time, peak RSS and the ratios
+against merge-weights and cp as a Markdown table. Needs free disk of about 4x the size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from huggingface_hub.serialization._base import parse_size_to_int
+
+from synthetic import make_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """(wall seconds, peak RSS in GB) of a command, from /usr/bin/time -v."""
+    subprocess.run(["sync"], check=True)  # start each command with no dirty pages left by the previous one
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", proc.stderr).group(1)
+    seconds = sum(float(x) * 60**i for i, x in enumerate(reversed(wall.split(":"))))
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
+    return seconds, rss_kb / 1e6
+
+
+def bench(size: str, ranks: int, workdir: Path, memory_budget: str) -> list[tuple]:
+    work = workdir / size
+    shutil.rmtree(work, ignore_errors=True)
+    ckpt = make_checkpoint(work / "run", parse_size_to_int(size), ranks=ranks)
+    shards = ckpt / "pytorch_model_fsdp_0"
+    nbytes = sum(f.stat().st_size for f in shards.iterdir())
+    subprocess.run(["cat", *map(str, shards.iterdir())], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    rows = []
+    commands = {
+        "cp -r (copy of the shards)": ["cp", "-r", str(shards), str(work / "cp")],
+        "accelerate merge-weights": ["accelerate", "merge-weights", str(shards), str(work / "merge-weights")],
+        "tools/merge_checkpoint.py": [sys.executable, str(REPO / "tools" / "merge_checkpoint.py"), str(ckpt), str(work / "merged"),
+                                      "--memory-budget", memory_budget],
+    }
+    results = {name: timed(cmd) for name, cmd in commands.items()}
+    base_mw, base_cp = results["accelerate merge-weights"], results["cp -r (copy of the shards)"]
+    for name, (wall, rss) in results.items():
+        rows.append((f"{nbytes / 1e9:.2f} GB, {ranks} ranks", name, wall, rss, wall / base_mw[0], wall / base_cp[0], rss / base_mw[1]))
+    shutil.rmtree(work)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", action="append", help="checkpoint size (fp32), e.g. 1GB; repeatable (default: 1GB)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks that wrote the checkpoint")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/merge-bench"))
+    parser.add_argument("--memory-budget", default="512MB", help="passed to merge_checkpoint.py")
+    args = parser.parse_args()
+    rows = [row for size in (args.size or ["1GB"]) for row in bench(size, args.ranks, args.workdir, args.memory_budget)]
+    print("| checkpoint | command | wall s | peak RSS GB | time vs merge-weights | time vs cp | RSS vs merge-weights |")
+    print("|---|---|---|---|---|---|---|")
+    for ckpt, name, wall, rss, r_mw, r_cp, r_rss in rows:
+        print(f"| {ckpt} | {name} | {wall:.1f} | {rss:.2f} | {r_mw:.2f}x | {r_cp:.2f}x | {r_rss:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

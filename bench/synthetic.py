@@ -1,0 +1,76 @@
+"""A multi-rank FSDP2-layout checkpoint of a chosen size, without training: for benchmarks and memory tests.
+
+Each of ``ranks`` gloo processes generates only its own dim-0 shard of every weight of a Llama-shaped model
+and saves them as DTensors with torch.distributed.checkpoint, the way accelerate saves an FSDP2 model
+(``pytorch_model_fsdp_0/`` holding ``{"model": state_dict}``). config.json and the tiny tokenizer are
+written beside it so the checkpoint merges on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from transformers import LlamaConfig
+
+TINY = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
+
+
+def llama_config(target_bytes: int, hidden: int = 2048, vocab: int = 32000) -> LlamaConfig:
+    """A Llama config whose fp32 weights take about ``target_bytes`` (at least one layer)."""
+    intermediate = 4 * hidden
+    per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
+    fixed = 2 * vocab * hidden + hidden
+    layers = max(1, round((target_bytes / 4 - fixed) / per_layer))
+    return LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=hidden // 128,
+                       num_key_value_heads=hidden // 128, vocab_size=vocab, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+
+
+def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _worker(rank: int, world: int, port: int, out: str, config_dict: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = _shapes(LlamaConfig(**config_dict))
+    state = {}
+    for i, (name, shape) in enumerate(sorted(shapes.items())):
+        rows = -(-shape[0] // world)
+        local_rows = max(0, min(rows, shape[0] - rank * rows))
+        gen = torch.Generator().manual_seed(i * 1000 + rank)
+        local = torch.randn((local_rows, *shape[1:]), generator=gen)
+        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                         stride=torch.empty(shape, device="meta").stride())
+    dcp.save({"model": state}, checkpoint_id=out)
+    dist.destroy_process_group()
+
+
+def make_checkpoint(folder: str | os.PathLike, target_bytes: int, ranks: int = 2) -> Path:
+    """Write ``folder/checkpoint-1/{pytorch_model_fsdp_0, config.json, tokenizer}``; return the checkpoint folder."""
+    ckpt = Path(folder) / "checkpoint-1"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
+    config = llama_config(target_bytes)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(ranks, port, str(ckpt / "pytorch_model_fsdp_0"), config.to_dict()), nprocs=ranks, join=True)
+    config.save_pretrained(ckpt)
+    for f in TINY.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, ckpt)
+    return ckpt
