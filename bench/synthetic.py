@@ -30,8 +30,8 @@ def llama_config(target_bytes: int, hidden: int = 2048, vocab: int = 32000) -> L
     per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
     fixed = 2 * vocab * hidden + hidden
     layers = max(1, round((target_bytes / 4 - fixed) / per_layer))
-    return LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=hidden // 128,
-                       num_key_value_heads=hidden // 128, vocab_size=vocab, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    return LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=max(1, hidden // 128),
+                       num_key_value_heads=max(1, hidden // 128), vocab_size=vocab, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 
 
 def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -59,12 +59,12 @@ def _worker(rank: int, world: int, port: int, out: str, config_dict: dict) -> No
     dist.destroy_process_group()
 
 
-def make_checkpoint(folder: str | os.PathLike, target_bytes: int, ranks: int = 2) -> Path:
+def make_checkpoint(folder: str | os.PathLike, target_bytes: int, ranks: int = 2, hidden: int = 2048, vocab: int = 32000) -> Path:
     """Write ``folder/checkpoint-1/{pytorch_model_fsdp_0, config.json, tokenizer}``; return the checkpoint folder."""
     ckpt = Path(folder) / "checkpoint-1"
     shutil.rmtree(ckpt, ignore_errors=True)
     (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
-    config = llama_config(target_bytes)
+    config = llama_config(target_bytes, hidden, vocab)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -17,6 +17,7 @@ import shutil
 import struct
 import warnings
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -356,8 +357,7 @@ def write_weights(
             fd = os.open(out_dir / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.write(fd, header)
-                os.ftruncate(fd, position)
-                slow = []
+                slow = []  # raw copies go first, in layout order: sequential appends write fastest
                 for n, size in layout:
                     if dtype is None and hasattr(source, "copy_into") and source.copy_into(n, fd, offsets[n]):
                         bar.update(size)
@@ -372,6 +372,7 @@ def write_weights(
                             os.pwrite(fd, t.reshape(-1).view(torch.uint8).numpy(), offsets[n])
                         bar.update(infos[n].nbytes(dtype))
                         del t
+                os.ftruncate(fd, position)  # only grows the file when trailing tensors are empty
             finally:
                 os.close(fd)
             written.append(filename)
@@ -401,14 +402,14 @@ def weights_to_write(source, config) -> tuple[type, list[str], list[str]]:
     if wrong:
         n = wrong[0]
         raise CheckpointError(f"{n} has shape {source.tensors[n].shape} in the checkpoint but {expected[n]} in the config: pass the right --base-model")
+    extra = sorted(set(source.tensors) - set(expected))
+    if extra:
+        raise CheckpointError(f"the checkpoint has {len(extra)} weight(s) {type(skeleton).__name__} does not (e.g. {extra[0]}): pass the right --base-model")
     return type(skeleton), wanted, tied
 
 
-def write_model_files(source, out_dir: Path, config, tokenizer=None, generation_config=None, dtype=None,
-                      max_shard_size="5GB", memory_budget="512MB") -> list[str]:
-    """Weights, config.json (architectures = the model class), generation config and tokenizer into ``out_dir``."""
-    model_cls, names, _ = weights_to_write(source, config)
-    files = write_weights(source, names, out_dir, max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget)
+def describe_folder(out_dir: Path, model_cls: type, config, tokenizer=None, generation_config=None, dtype=None) -> None:
+    """config.json (architectures = the model class, never an FSDP wrapper), generation config and tokenizer."""
     config.architectures = [model_cls.__name__]
     if dtype is not None:
         config.dtype = dtype
@@ -417,6 +418,14 @@ def write_model_files(source, out_dir: Path, config, tokenizer=None, generation_
         generation_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+
+
+def write_model_files(source, out_dir: Path, config, tokenizer=None, generation_config=None, dtype=None,
+                      max_shard_size="5GB", memory_budget="512MB") -> list[str]:
+    """Weights, config, generation config and tokenizer into ``out_dir``; returns the file names."""
+    model_cls, names, _ = weights_to_write(source, config)
+    write_weights(source, names, out_dir, max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget)
+    describe_folder(out_dir, model_cls, config, tokenizer, generation_config, dtype)
     return sorted(p.name for p in out_dir.iterdir())
 
 
@@ -468,35 +477,61 @@ def merge_checkpoint(
         raise CheckpointError(f"output {out} is inside the input {Path(input_path)}: choose a folder outside it")
     if out.exists() and not overwrite:
         raise CheckpointError(f"output {out} already exists: choose another folder or pass --overwrite")
-    config, generation_config, tokenizer, origin = find_model_files(resolved, base_model)
-    log(f"config from {origin['config']}, tokenizer from {origin['tokenizer']}")
-    _, names, tied = weights_to_write(resolved.source, config)
-    size = sum(resolved.source.tensors[n].nbytes(dtype) for n in names)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out.parent).free
-    if free < size + (64 << 20):
-        raise CheckpointError(f"not enough free disk space in {out.parent}: need {size / 1e9:.2f} GB, have {free / 1e9:.2f} GB; free space or choose another output")
-    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        files = write_model_files(resolved.source, staging, config, tokenizer, generation_config, dtype, max_shard_size, memory_budget)
-        if verify:
-            verify_folder(staging, resolved.source, names, dtype)
-            log(f"verified: {len(names)} tensors equal the checkpoint; from_pretrained (meta device) loads the folder")
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            staging.rename(out)
-            shutil.rmtree(old)
-        else:
-            staging.rename(out)
-    except BaseException:
+    with ThreadPoolExecutor(1) as pool:
+        # transformers' import and the model skeleton take seconds: when config.json already says nothing is
+        # tied, every checkpoint tensor is written, so the copy starts while they load and checks follow.
+        described = pool.submit(_describe, resolved, base_model)
+        names = _untied_names(resolved) or described.result()[4]
+        size = sum(resolved.source.tensors[n].nbytes(dtype) for n in names)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(out.parent).free
+        if free < size + (64 << 20):
+            raise CheckpointError(f"not enough free disk space in {out.parent}: need {size / 1e9:.2f} GB, have {free / 1e9:.2f} GB; free space or choose another output")
+        staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        staging.mkdir()
+        try:
+            write_weights(resolved.source, names, staging, max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget)
+            config, generation_config, tokenizer, origin, expected, tied, model_cls = described.result()
+            if expected != names:
+                raise CheckpointError(f"config.json does not describe this checkpoint's weights (e.g. {sorted(set(expected) ^ set(names))[0]}): pass the right --base-model")
+            log(f"config from {origin['config']}, tokenizer from {origin['tokenizer']}")
+            describe_folder(staging, model_cls, config, tokenizer, generation_config, dtype)
+            files = sorted(p.name for p in staging.iterdir())
+            if verify:
+                verify_folder(staging, resolved.source, names, dtype)
+                log(f"verified: {len(names)} tensors equal the checkpoint; from_pretrained (meta device) loads the folder")
+            if out.exists():
+                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                out.rename(old)
+                staging.rename(out)
+                shutil.rmtree(old)
+            else:
+                staging.rename(out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     if tied:
         log(f"tied weights written once, as save_pretrained does: {', '.join(tied)}")
     return MergeResult(out, files, resolved.notes, len(names), size)
+
+
+def _describe(resolved: ResolvedInput, base_model: str | None):
+    config, generation_config, tokenizer, origin = find_model_files(resolved, base_model)
+    model_cls, names, tied = weights_to_write(resolved.source, config)
+    return config, generation_config, tokenizer, origin, names, tied, model_cls
+
+
+def _untied_names(resolved: ResolvedInput) -> list[str] | None:
+    """Every checkpoint tensor, when the run's config.json states tie_word_embeddings: false; else None."""
+    for folder in (resolved.checkpoint_dir, resolved.checkpoint_dir.parent):
+        if (folder / "config.json").is_file():
+            try:
+                tied = json.loads((folder / "config.json").read_text()).get("tie_word_embeddings")
+            except ValueError:
+                return None
+            return sorted(resolved.source.tensors) if tied is False else None
+    return None
 
 
 def verify_folder(folder: Path, source, names: list[str], dtype: torch.dtype | None = None) -> None:
