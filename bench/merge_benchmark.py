@@ -3,7 +3,7 @@
     python bench/merge_benchmark.py --size 1GB --size 6GB [--ranks 2] [--workdir /tmp/merge-bench]
 
 For each size: builds a multi-rank FSDP2-layout checkpoint (bench/synthetic.py), reads it once to warm the
-page cache, then runs each command under /usr/bin/time -v and prints wall time, peak RSS and the ratios
+page cache, then runs each command (best of --repeats) under /usr/bin/time -v and prints wall time, peak RSS and the ratios
 against merge-weights and cp as a Markdown table. Needs free disk of about 4x the size.
 """
 
@@ -23,9 +23,13 @@ from synthetic import make_checkpoint
 REPO = Path(__file__).resolve().parent.parent
 
 
-def timed(cmd: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS in GB) of a command, from /usr/bin/time -v."""
-    subprocess.run(["sync"], check=True)  # start each command with no dirty pages left by the previous one
+def timed(cmd: list[str], warm: list[Path]) -> tuple[float, float]:
+    """(wall seconds, peak RSS in GB) of a command, from /usr/bin/time -v.
+
+    Every command starts alike: no dirty pages left by the previous one (sync) and the checkpoint in the
+    page cache (merge-weights' 6 GB of RSS evicts it otherwise, which would slow whoever runs next)."""
+    subprocess.run(["sync"], check=True)
+    subprocess.run(["cat", *map(str, warm)], stdout=subprocess.DEVNULL, check=True)
     proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -35,21 +39,27 @@ def timed(cmd: list[str]) -> tuple[float, float]:
     return seconds, rss_kb / 1e6
 
 
-def bench(size: str, ranks: int, workdir: Path, memory_budget: str) -> list[tuple]:
+def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int) -> list[tuple]:
     work = workdir / size
     shutil.rmtree(work, ignore_errors=True)
     ckpt = make_checkpoint(work / "run", parse_size_to_int(size), ranks=ranks)
     shards = ckpt / "pytorch_model_fsdp_0"
     nbytes = sum(f.stat().st_size for f in shards.iterdir())
-    subprocess.run(["cat", *map(str, shards.iterdir())], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
     rows = []
+    outputs = {name: work / name for name in ("cp", "merge-weights", "merged")}
     commands = {
-        "cp -r (copy of the shards)": ["cp", "-r", str(shards), str(work / "cp")],
-        "accelerate merge-weights": ["accelerate", "merge-weights", str(shards), str(work / "merge-weights")],
-        "tools/merge_checkpoint.py": [sys.executable, str(REPO / "tools" / "merge_checkpoint.py"), str(ckpt), str(work / "merged"),
-                                      "--memory-budget", memory_budget],
+        "cp -r (copy of the shards)": (["cp", "-r", str(shards), str(outputs["cp"])], outputs["cp"]),
+        "accelerate merge-weights": (["accelerate", "merge-weights", str(shards), str(outputs["merge-weights"])], outputs["merge-weights"]),
+        "tools/merge_checkpoint.py": ([sys.executable, str(REPO / "tools" / "merge_checkpoint.py"), str(ckpt), str(outputs["merged"]),
+                                       "--memory-budget", memory_budget], outputs["merged"]),
     }
-    results = {name: timed(cmd) for name, cmd in commands.items()}
+    results = {}
+    for _ in range(repeats):  # best of `repeats`, commands interleaved so drifts in disk speed hit all alike
+        for name, (cmd, out) in commands.items():
+            wall, rss = timed(cmd, list(shards.iterdir()))
+            best = results.get(name, (float("inf"), 0.0))
+            results[name] = (min(best[0], wall), max(best[1], rss))
+            shutil.rmtree(out)
     base_mw, base_cp = results["accelerate merge-weights"], results["cp -r (copy of the shards)"]
     for name, (wall, rss) in results.items():
         rows.append((f"{nbytes / 1e9:.2f} GB, {ranks} ranks", name, wall, rss, wall / base_mw[0], wall / base_cp[0], rss / base_mw[1]))
@@ -63,8 +73,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="ranks that wrote the checkpoint")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/merge-bench"))
     parser.add_argument("--memory-budget", default="512MB", help="passed to merge_checkpoint.py")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each command; the fastest is reported")
     args = parser.parse_args()
-    rows = [row for size in (args.size or ["1GB"]) for row in bench(size, args.ranks, args.workdir, args.memory_budget)]
+    rows = [row for size in (args.size or ["1GB"]) for row in bench(size, args.ranks, args.workdir, args.memory_budget, args.repeats)]
     print("| checkpoint | command | wall s | peak RSS GB | time vs merge-weights | time vs cp | RSS vs merge-weights |")
     print("|---|---|---|---|---|---|---|")
     for ckpt, name, wall, rss, r_mw, r_cp, r_rss in rows:

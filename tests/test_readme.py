@@ -11,6 +11,7 @@ from conftest import REPO, logged_losses, run
 
 README = (REPO / "README.md").read_text()
 NEEDS_HUB = "# needs hub + GPUs"
+LONG = "# long"  # the full benchmark: its 1 GB form runs here instead
 TEST_COMMAND = "python -m pytest -q tests"
 
 
@@ -40,7 +41,7 @@ def test_every_readme_command_runs(tmp_path):
     for command in readme_commands():
         if command == TEST_COMMAND:
             continue  # this is that command
-        if command.endswith(NEEDS_HUB):
+        if command.endswith((NEEDS_HUB, LONG)):
             skipped.append(command)
             continue
         # pip install -e . must keep pointing at the real checkout, not this copy
@@ -48,7 +49,7 @@ def test_every_readme_command_runs(tmp_path):
         proc = run(["bash", "-c", command], cwd=cwd, timeout=900)
         assert proc.returncode == 0, f"{command}\n{proc.stderr[-4000:]}"
         outputs[command] = proc.stdout + proc.stderr
-    assert len(skipped) == 1 and "recipes/llama-3.2-1b/sft.yaml" in skipped[0]
+    assert len(skipped) == 2 and "recipes/llama-3.2-1b/sft.yaml" in skipped[0] and "--size 6GB" in skipped[1]
 
     # The main command: what the README promises.
     main = outputs["accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py"]
@@ -64,3 +65,11 @@ def test_every_readme_command_runs(tmp_path):
     assert "LlamaForCausalLM" in outputs[next(c for c in outputs if c.startswith("python -c"))]
     assert (repo / "runs" / "x" / "checkpoint-10" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert (repo / "runs" / "tiny-llama-chat" / "model.safetensors").is_file()
+
+    # The converter commands.
+    assert (repo / "runs" / "tiny-llama-merged-60" / "model.safetensors").is_file()
+    assert len(list((repo / "runs" / "tiny-llama-merged").glob("model-*-of-*.safetensors"))) >= 2
+    inspect = outputs["python tools/merge_checkpoint.py runs/tiny-llama-pretrain --inspect"]
+    assert '"step": 120' in inspect and '"ranks": 2' in inspect
+    bench = next(out for cmd, out in outputs.items() if cmd.startswith("python bench/merge_benchmark.py"))
+    assert "| tools/merge_checkpoint.py |" in bench and "| accelerate merge-weights |" in bench
