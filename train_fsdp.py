@@ -8,6 +8,7 @@ it. `python train_fsdp.py --help` lists every argument.
 """
 
 import logging
+import os
 import sys
 
 import transformers
@@ -16,6 +17,7 @@ from transformers import Trainer, TrainerCallback, set_seed
 from fsdp_recipes import cpu_fsdp
 from fsdp_recipes.arguments import RecipeError, parse_args
 from fsdp_recipes.checks import NotShardedError, verify_and_report
+from fsdp_recipes.config_check import check_launch, errors
 from fsdp_recipes.data import build_dataset
 from fsdp_recipes.export import DescribeCheckpoints, save_final_model
 from fsdp_recipes.modeling import load_model, load_tokenizer
@@ -79,10 +81,24 @@ def main(model_args, data_args, training_args):
     logger.info(f"model saved to {training_args.output_dir} (loads with AutoModelForCausalLM.from_pretrained)")
 
 
+def preflight(model_args, training_args) -> None:
+    """Check the launcher's accelerate config with this run's settings: a broken config fails in seconds, on every
+    rank, before any process group or weight exists. Warnings are printed once."""
+    config, problems = check_launch(model_args, training_args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for problem in problems:
+            if problem.level == "warning":
+                print(problem, file=sys.stderr)
+    if errors(problems):
+        raise RecipeError(f"{config} has {len(errors(problems))} error(s): " + " | ".join(str(p) for p in errors(problems)))
+
+
 if __name__ == "__main__":
     cpu_fsdp.enable()  # before anything creates accelerate's state
     try:
-        main(*parse_args())
+        args = parse_args()
+        preflight(args[0], args[2])
+        main(*args)
     except (RecipeError, NotShardedError) as err:
         print(f"train_fsdp.py: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -2,9 +2,11 @@
 
 Sources: a sharded DCP model folder (FSDP1 or FSDP2, any number of ranks and nodes: ``pytorch_model_fsdp_0``),
 or a full state dict (``model.safetensors`` [+ index], ``pytorch_model_fsdp.bin``). Optimizer state is never
-read. Tensors are read in groups of at most ``memory_budget`` bytes (a larger tensor alone) and appended to
-safetensors shards whose header is computed up front, so peak memory follows the largest tensor and the
-budget, never the model size. Output goes to a temporary folder beside the target and is renamed at the end.
+read. The safetensors headers are computed up front from the checkpoint's metadata; then each DCP chunk that
+is a plain record is copied by the kernel (copy_file_range) straight to its place in the output, and the
+rest (casts, other layouts) is read in groups of at most ``memory_budget`` bytes (a larger tensor alone).
+Peak memory follows the budget and the largest tensor, never the model size. Output goes to a hidden
+folder beside the target and is renamed when complete.
 """
 
 from __future__ import annotations

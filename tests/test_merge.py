@@ -17,7 +17,10 @@ from conftest import REPO, run
 from fsdp_recipes.merge import CheckpointError, inspect_checkpoint, merge_checkpoint
 
 TOOL = str(REPO / "tools" / "merge_checkpoint.py")
-SHARDED = ["accelerate_configs/zero3.yaml", "accelerate_configs/zero2.yaml", "accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero2.yaml"]
+SHARDED = [
+    "accelerate_configs/zero3.yaml", "accelerate_configs/zero2.yaml", "accelerate_configs/fsdp1/zero3.yaml",
+    "accelerate_configs/fsdp1/zero2.yaml", "accelerate_configs/hybrid_shard.yaml",  # the last: 4 ranks, 2 replicas
+]
 FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
 
 
@@ -206,6 +209,16 @@ def test_output_inside_input_and_existing_output(checkpoint, tmp_path):
     assert (existing / "keep.txt").read_text() == "mine"
     merge_checkpoint(checkpoint, existing, overwrite=True, log=lambda *_: None)
     assert (existing / "model.safetensors").is_file() and not (existing / "keep.txt").exists()
+
+
+def test_full_disk_is_refused_before_writing(checkpoint, tmp_path, monkeypatch):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(CheckpointError, match=r"not enough free disk space in .*: need 0.00 GB, have 0.00 GB"):
+        merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))]
 
 
 def test_base_model_supplies_config_and_tokenizer(checkpoint, tmp_path):

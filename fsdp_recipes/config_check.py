@@ -1,0 +1,293 @@
+"""Check an accelerate FSDP config (with its recipe and model) before it wastes a cluster.
+
+Every problem at once, each with the file, the key, what is wrong and the fix. Errors make the check fail;
+warnings are settings that work but cost, or that accelerate will silently ignore. The valid keys come from
+accelerate itself (its config dataclass and its launch parser), so they follow the pinned version.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
+STATE_DICT_TYPES = ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"]
+WRAP_POLICIES = ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"]
+MIXED_PRECISION = ["no", "fp16", "bf16", "fp8"]
+BOOL_KEYS = [
+    "fsdp_offload_params", "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_use_orig_params",
+    "fsdp_forward_prefetch", "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload",
+]
+FSDP1_ONLY = ["fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_use_orig_params"]
+FSDP2_ONLY = ["fsdp_reshard_after_forward"]
+LARGE_MODEL = 1_000_000_000  # parameters above which FULL_STATE_DICT gathering on rank 0 becomes a problem
+
+
+@dataclass
+class Problem:
+    level: str  # "error" or "warning"
+    file: str
+    key: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.level}: {self.file}: {self.key}: {self.message}; fix: {self.fix}"
+
+
+def _known_keys() -> tuple[set[str], set[str], set[str]]:
+    """(top-level, fsdp_config, parallelism_config) keys that accelerate 1.15 reads."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    dests = {a.dest for a in launch_command_parser()._actions}
+    return (
+        set(ClusterConfig.__dataclass_fields__),
+        {d for d in dests if d.startswith("fsdp_")},
+        {d for d in dests if d.startswith("parallelism_config_")},
+    )
+
+
+def _suggest(key: str, valid) -> str:
+    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+    return f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(sorted(valid))}"
+
+
+def _as_bool(value) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return None
+
+
+class _Checker:
+    def __init__(self, path: str):
+        self.path, self.problems = path, []
+
+    def error(self, key, message, fix, file=None):
+        self.problems.append(Problem("error", file or self.path, key, message, fix))
+
+    def warn(self, key, message, fix, file=None):
+        self.problems.append(Problem("warning", file or self.path, key, message, fix))
+
+
+def check_config(
+    config_path: str | os.PathLike, recipe_path: str | os.PathLike | None = None, model: str | None = None,
+    recipe: dict | None = None,
+) -> list[Problem]:
+    """All problems of an accelerate config, alone or with a recipe YAML (or its parsed dict) and a model.
+
+    ``model``: a hub id, a local folder or a config.json; only its config is read (on the meta device).
+    """
+    c = _Checker(str(config_path))
+    try:
+        raw = yaml.safe_load(Path(config_path).read_text())
+    except FileNotFoundError:
+        c.error("-", "file does not exist", "give the path of an accelerate config YAML")
+        return c.problems
+    except yaml.YAMLError as err:
+        c.error("-", f"not valid YAML ({str(err).splitlines()[0]})", "fix the YAML syntax")
+        return c.problems
+    if not isinstance(raw, dict):
+        c.error("-", "not a mapping of keys to values", "use accelerate_configs/zero3.yaml as a template")
+        return c.problems
+    if recipe is None and recipe_path is not None:
+        recipe = yaml.safe_load(Path(recipe_path).read_text()) or {}
+    recipe = recipe or {}
+    recipe_file = str(recipe_path or "recipe")
+
+    top, fsdp_keys, pc_keys = _known_keys()
+    for key in raw:
+        if key not in top:
+            c.error(key, "unknown key (accelerate refuses the file)", _suggest(key, top))
+    fsdp = raw.get("fsdp_config") or {}
+    pc = raw.get("parallelism_config") or {}
+    if not isinstance(fsdp, dict):
+        c.error("fsdp_config", "must be a mapping", "indent the fsdp_* keys under fsdp_config:")
+        fsdp = {}
+    for key in fsdp:
+        if key not in fsdp_keys:
+            c.error(f"fsdp_config.{key}", "unknown key (accelerate would silently ignore it)", _suggest(key, fsdp_keys))
+    for key in pc:
+        if key not in pc_keys:
+            c.error(f"parallelism_config.{key}", "unknown key (accelerate would silently ignore it)", _suggest(key, pc_keys))
+
+    dist_type = raw.get("distributed_type")
+    if dist_type != "FSDP":
+        if fsdp:
+            c.error("distributed_type", f"is {dist_type!r} but the file carries fsdp_config, which is then ignored", "set distributed_type: FSDP")
+        else:
+            c.error("distributed_type", f"is {dist_type!r}, not FSDP", "set distributed_type: FSDP and add fsdp_config")
+        return c.problems
+
+    mp = raw.get("mixed_precision", "no")
+    if mp not in MIXED_PRECISION:
+        c.error("mixed_precision", f"{mp!r} is not one of {', '.join(MIXED_PRECISION)}", "use bf16 on GPUs that support it")
+    elif mp == "fp16":
+        c.warn("mixed_precision", "fp16 with FSDP needs a sharded gradient scaler and overflows more easily than bf16", "use bf16 where the GPU supports it")
+
+    version = fsdp.get("fsdp_version")
+    if version is None:
+        c.error("fsdp_config.fsdp_version", "missing: accelerate then defaults to FSDP1", "set fsdp_version: 2 (or 1)")
+        version = 1
+    elif str(version) not in ("1", "2"):
+        c.error("fsdp_config.fsdp_version", f"{version!r} is not 1 or 2", "set fsdp_version: 2 (or 1)")
+        version = 1
+    version = int(version)
+
+    for key in BOOL_KEYS + (["fsdp_reshard_after_forward"] if version == 2 else []):
+        if key in fsdp and _as_bool(fsdp[key]) is None:
+            c.error(f"fsdp_config.{key}", f"{fsdp[key]!r} is not true or false", f"set {key}: true or false")
+
+    strategy = fsdp.get("fsdp_sharding_strategy")
+    if version == 2:
+        for key in FSDP1_ONLY:
+            if key in fsdp:
+                fix = "use fsdp_reshard_after_forward: true (FULL_SHARD) or false (SHARD_GRAD_OP)" if key == "fsdp_sharding_strategy" else f"remove {key}"
+                c.error(f"fsdp_config.{key}", "is an FSDP1 setting; fsdp_version: 2 ignores it", fix)
+    else:
+        for key in FSDP2_ONLY:
+            if key in fsdp:
+                c.error(f"fsdp_config.{key}", "is an FSDP2 setting under fsdp_version: 1", "use fsdp_sharding_strategy: FULL_SHARD or SHARD_GRAD_OP")
+        if strategy is not None:
+            if isinstance(strategy, int) or (isinstance(strategy, str) and strategy.isdigit()):
+                n = int(strategy)
+                if 1 <= n <= len(STRATEGIES):
+                    c.warn("fsdp_config.fsdp_sharding_strategy", f"the legacy integer {n} means {STRATEGIES[n - 1]}", f"write fsdp_sharding_strategy: {STRATEGIES[n - 1]}")
+                    strategy = STRATEGIES[n - 1]
+                else:
+                    c.error("fsdp_config.fsdp_sharding_strategy", f"integer {n} is not 1-5", f"use one of {', '.join(STRATEGIES)}")
+            elif strategy not in STRATEGIES:
+                c.error("fsdp_config.fsdp_sharding_strategy", f"{strategy!r} is not a strategy", _suggest(str(strategy), STRATEGIES).replace("valid keys", "valid values"))
+        prefetch = fsdp.get("fsdp_backward_prefetch")
+        if prefetch is not None and prefetch not in PREFETCH:
+            c.error("fsdp_config.fsdp_backward_prefetch", f"{prefetch!r} is not one of {', '.join(PREFETCH)}", "use BACKWARD_PRE")
+        elif prefetch == "BACKWARD_POST":
+            c.warn("fsdp_config.fsdp_backward_prefetch", "BACKWARD_POST overlaps less communication than BACKWARD_PRE", "use BACKWARD_PRE unless memory is tight")
+
+    sd_type = fsdp.get("fsdp_state_dict_type")
+    if sd_type is not None and sd_type not in STATE_DICT_TYPES:
+        c.error("fsdp_config.fsdp_state_dict_type", f"{sd_type!r} is not a state-dict type", _suggest(str(sd_type), STATE_DICT_TYPES).replace("valid keys", "valid values"))
+    if version == 2 and sd_type == "LOCAL_STATE_DICT":
+        c.error("fsdp_config.fsdp_state_dict_type", "LOCAL_STATE_DICT does not exist in FSDP2", "use SHARDED_STATE_DICT")
+    wrap = fsdp.get("fsdp_auto_wrap_policy")
+    if wrap is not None and wrap not in WRAP_POLICIES:
+        c.error("fsdp_config.fsdp_auto_wrap_policy", f"{wrap!r} is not a wrap policy", f"use one of {', '.join(WRAP_POLICIES)}")
+    if wrap != "TRANSFORMER_BASED_WRAP" and "fsdp_transformer_layer_cls_to_wrap" in fsdp:
+        c.warn("fsdp_config.fsdp_transformer_layer_cls_to_wrap", f"ignored: the wrap policy is {wrap}", "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP or remove the key")
+    if wrap != "SIZE_BASED_WRAP" and "fsdp_min_num_params" in fsdp:
+        c.warn("fsdp_config.fsdp_min_num_params", f"ignored: the wrap policy is {wrap}", "remove it, or set fsdp_auto_wrap_policy: SIZE_BASED_WRAP")
+
+    if _as_bool(fsdp.get("fsdp_cpu_ram_efficient_loading")) and not _as_bool(fsdp.get("fsdp_sync_module_states")):
+        c.error("fsdp_config.fsdp_cpu_ram_efficient_loading", "needs fsdp_sync_module_states: true (ranks other than 0 would keep empty weights)", "add fsdp_sync_module_states: true")
+    if _as_bool(fsdp.get("fsdp_offload_params")):
+        c.warn("fsdp_config.fsdp_offload_params", "CPU offload makes each step several times slower", "use it only when zero3 does not fit, even with activation checkpointing")
+
+    # ----- processes, machines, hybrid sharding -----
+    procs, machines = raw.get("num_processes", -1), raw.get("num_machines", 1)
+    if not isinstance(procs, int) or procs < 1:
+        c.error("num_processes", f"{procs!r} is not a positive integer", "set it to the total number of GPUs over all machines")
+    elif not isinstance(machines, int) or machines < 1:
+        c.error("num_machines", f"{machines!r} is not a positive integer", "set it to the number of nodes")
+    else:
+        if procs % machines:
+            c.error("num_processes", f"{procs} processes do not split evenly over {machines} machines", "set num_processes = num_machines x GPUs per machine")
+        rank = raw.get("machine_rank", 0)
+        if isinstance(rank, int) and not 0 <= rank < machines:
+            c.error("machine_rank", f"{rank} is not in 0..{machines - 1}", "pass --machine_rank on each node")
+        hybrid = strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2") if version == 1 else bool(pc)
+        if version == 1 and hybrid and machines == 1:
+            c.warn("fsdp_config.fsdp_sharding_strategy", f"{strategy} on one machine behaves as FULL_SHARD", "use zero3.yaml on one node, or set num_machines")
+        if version == 2 and pc:
+            rep = int(pc.get("parallelism_config_dp_replicate_size", 1))
+            shard = int(pc.get("parallelism_config_dp_shard_size", 1))
+            other = int(pc.get("parallelism_config_tp_size", 1)) * int(pc.get("parallelism_config_cp_size", 1))
+            if rep * shard * other != procs:
+                c.error("parallelism_config", f"dp_replicate_size x dp_shard_size = {rep} x {shard} (x tp x cp {other}) is not num_processes {procs}",
+                        "make dp_replicate_size = num_machines and dp_shard_size = GPUs per machine")
+            elif shard == 1 and int(pc.get("parallelism_config_cp_size", 1)) == 1:
+                c.error("parallelism_config.parallelism_config_dp_shard_size", "1 leaves FSDP nothing to shard across (accelerate refuses it)", "use dp_shard_size >= 2")
+            if rep > 1 and machines > 1 and rep != machines:
+                c.warn("parallelism_config.parallelism_config_dp_replicate_size", f"{rep} replicas over {machines} machines: shard groups then span nodes", "set dp_replicate_size = num_machines")
+
+    # ----- with the recipe -----
+    ac_fsdp = _as_bool(fsdp.get("fsdp_activation_checkpointing"))
+    for key in ("gradient_checkpointing", "activation_checkpointing"):
+        if ac_fsdp and _as_bool(recipe.get(key)):
+            c.error(key, "is on together with the accelerate config's fsdp_activation_checkpointing: layers would be checkpointed twice (transformers refuses it)",
+                    f"drop {key} from the recipe, or set fsdp_activation_checkpointing: false", file=recipe_file)
+    if sd_type == "SHARDED_STATE_DICT" and _as_bool(recipe.get("save_only_model")):
+        c.error("save_only_model", "cannot be combined with SHARDED_STATE_DICT (transformers refuses it)", "drop save_only_model, or use FULL_STATE_DICT", file=recipe_file)
+    if recipe.get("fp16") and mp == "bf16" or recipe.get("bf16") and mp == "fp16":
+        c.error("fp16" if recipe.get("fp16") else "bf16", f"disagrees with the accelerate config's mixed_precision: {mp}", "set mixed precision in one place: the accelerate config", file=recipe_file)
+
+    # ----- with the model -----
+    model = model or recipe.get("model_name_or_path") or recipe.get("config_name")
+    if model:
+        _check_model(c, fsdp, wrap, sd_type, model)
+    return c.problems
+
+
+def _check_model(c: _Checker, fsdp: dict, wrap, sd_type, model: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        source = str(Path(model).parent) if model.endswith(".json") else model
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        c.warn("model", f"could not read the config of {model!r} ({type(err).__name__}); model checks skipped", "give a local folder or config.json")
+        return
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    classes = {type(m).__name__ for m in skeleton.modules()}
+    layer = next(iter(sorted(getattr(skeleton, "_no_split_modules", None) or [])), None)
+    wanted = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+    if wrap == "TRANSFORMER_BASED_WRAP" and wanted:
+        for name in [w.strip() for w in str(wanted).split(",") if w.strip()]:
+            if name not in classes:
+                fix = f"use {layer}, {type(skeleton).__name__}'s decoder layer" if layer else _suggest(name, classes)
+                c.error("fsdp_config.fsdp_transformer_layer_cls_to_wrap", f"{name!r} is not a module class of {type(skeleton).__name__}", fix)
+    params = sum(p.numel() for p in skeleton.parameters())
+    if sd_type == "FULL_STATE_DICT" and params > LARGE_MODEL:
+        c.warn("fsdp_config.fsdp_state_dict_type", f"FULL_STATE_DICT gathers all {params / 1e9:.1f}B parameters on rank 0 at every save", "use SHARDED_STATE_DICT and tools/merge_checkpoint.py")
+
+
+def errors(problems: list[Problem]) -> list[Problem]:
+    return [p for p in problems if p.level == "error"]
+
+
+def launcher_config_file() -> Path | None:
+    """The --config_file of the `accelerate launch` that started this process, read from /proc (Linux)."""
+    pid = os.getppid()
+    for _ in range(3):  # accelerate's launcher runs torchrun's agent in-process: usually the direct parent
+        try:
+            args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+            cwd = Path(f"/proc/{pid}/cwd").resolve()
+        except OSError:
+            return None
+        for i, arg in enumerate(args):
+            if arg in ("--config_file", "--config-file") and i + 1 < len(args):
+                return cwd / args[i + 1]
+            if arg.startswith(("--config_file=", "--config-file=")):
+                return cwd / arg.split("=", 1)[1]
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def check_launch(model_args, training_args) -> tuple[Path | None, list[Problem]]:
+    """The check train_fsdp.py runs before anything is loaded: the launcher's config with this run's settings."""
+    config = launcher_config_file()
+    if config is None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return config, []
+    settings = {k: getattr(training_args, k, None) for k in ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16")}
+    return config, check_config(config, recipe=settings, model=model_args.model_name_or_path or model_args.config_name)

@@ -1,0 +1,113 @@
+"""tools/check_config.py: every shipped config and recipe passes; each rule rejects its broken config."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ALL_CONFIGS, REPO, launch, run
+from fsdp_recipes.config_check import check_config, errors
+
+RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml"))
+TINY = str(REPO / "assets" / "tiny-llama")
+FSDP2 = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+FSDP1 = yaml.safe_load((REPO / "accelerate_configs" / "fsdp1" / "zero3.yaml").read_text())
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_shipped_configs_and_recipes_pass(config, recipe):
+    problems = check_config(REPO / config, REPO / recipe, model=TINY)
+    assert not errors(problems), [str(p) for p in problems]
+
+
+def variant(base: dict, drop=(), recipe_overrides=None, **changes) -> dict:
+    cfg = json.loads(json.dumps(base))
+    for key, value in changes.items():
+        if key.startswith("fsdp_"):
+            cfg["fsdp_config"][key] = value
+        else:
+            cfg[key] = value
+    for key in drop:
+        cfg["fsdp_config"].pop(key, None) if key.startswith("fsdp_") else cfg.pop(key, None)
+    return cfg
+
+
+LARGE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+         "num_hidden_layers": 32, "num_attention_heads": 32, "vocab_size": 32000}
+
+# (case, config, recipe, model, level, key, text in the message or fix)
+CASES = [
+    ("typo top-level key", {**FSDP2, "mixed_precison": "bf16"}, {}, None, "error", "mixed_precison", "did you mean mixed_precision?"),
+    ("typo fsdp key", variant(FSDP1, fsdp_sharding_stratgy="FULL_SHARD"), {}, None, "error", "fsdp_config.fsdp_sharding_stratgy", "did you mean fsdp_sharding_strategy?"),
+    ("unknown parallelism key", {**FSDP2, "parallelism_config": {"parallelism_config_dp_shrad_size": 2}}, {}, None, "error", "parallelism_config.parallelism_config_dp_shrad_size", "did you mean parallelism_config_dp_shard_size?"),
+    ("bad strategy name", variant(FSDP1, fsdp_sharding_strategy="FULL_SHARDED"), {}, None, "error", "fsdp_config.fsdp_sharding_strategy", "did you mean FULL_SHARD?"),
+    ("legacy integer strategy", variant(FSDP1, fsdp_sharding_strategy=2), {}, None, "warning", "fsdp_config.fsdp_sharding_strategy", "legacy integer 2 means SHARD_GRAD_OP"),
+    ("integer strategy out of range", variant(FSDP1, fsdp_sharding_strategy=9), {}, None, "error", "fsdp_config.fsdp_sharding_strategy", "integer 9 is not 1-5"),
+    ("bad prefetch", variant(FSDP1, fsdp_backward_prefetch="BACKWARDS_PRE"), {}, None, "error", "fsdp_config.fsdp_backward_prefetch", "is not one of BACKWARD_PRE"),
+    ("bad state dict type", variant(FSDP2, fsdp_state_dict_type="SHARDED"), {}, None, "error", "fsdp_config.fsdp_state_dict_type", "did you mean SHARDED_STATE_DICT?"),
+    ("LOCAL_STATE_DICT under FSDP2", variant(FSDP2, fsdp_state_dict_type="LOCAL_STATE_DICT"), {}, None, "error", "fsdp_config.fsdp_state_dict_type", "does not exist in FSDP2"),
+    ("bad mixed precision", {**FSDP2, "mixed_precision": "bfloat16"}, {}, None, "error", "mixed_precision", "is not one of no, fp16, bf16, fp8"),
+    ("bad boolean", variant(FSDP2, fsdp_offload_params="yes"), {}, None, "error", "fsdp_config.fsdp_offload_params", "is not true or false"),
+    ("missing fsdp_version", variant(FSDP2, drop=("fsdp_version",)), {}, None, "error", "fsdp_config.fsdp_version", "defaults to FSDP1"),
+    ("FSDP1 key under version 2", variant(FSDP2, fsdp_sharding_strategy="FULL_SHARD"), {}, None, "error", "fsdp_config.fsdp_sharding_strategy", "FSDP1 setting; fsdp_version: 2 ignores it"),
+    ("FSDP2 key under version 1", variant(FSDP1, fsdp_reshard_after_forward=True), {}, None, "error", "fsdp_config.fsdp_reshard_after_forward", "FSDP2 setting under fsdp_version: 1"),
+    ("ram-efficient loading without sync", variant(FSDP1, fsdp_sync_module_states=False), {}, None, "error", "fsdp_config.fsdp_cpu_ram_efficient_loading", "needs fsdp_sync_module_states: true"),
+    ("double activation checkpointing", variant(FSDP2, fsdp_activation_checkpointing=True), {"gradient_checkpointing": True}, None, "error", "gradient_checkpointing", "checkpointed twice"),
+    ("sharded state dict with save_only_model", FSDP2, {"save_only_model": True}, None, "error", "save_only_model", "cannot be combined with SHARDED_STATE_DICT"),
+    ("wrap class the model lacks", variant(FSDP2, fsdp_transformer_layer_cls_to_wrap="GPT2Block"), {}, TINY, "error", "fsdp_config.fsdp_transformer_layer_cls_to_wrap", "use LlamaDecoderLayer"),
+    ("processes do not split over machines", {**FSDP2, "num_processes": 3, "num_machines": 2}, {}, None, "error", "num_processes", "do not split evenly over 2 machines"),
+    ("machine rank out of range", {**FSDP2, "num_processes": 4, "num_machines": 2, "machine_rank": 2}, {}, None, "error", "machine_rank", "is not in 0..1"),
+    ("HSDP mesh does not fit", {**FSDP2, "num_processes": 8, "num_machines": 2, "parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}}, {}, None, "error", "parallelism_config", "is not num_processes 8"),
+    ("distributed type not FSDP", {**FSDP2, "distributed_type": "MULTI_GPU"}, {}, None, "error", "distributed_type", "carries fsdp_config, which is then ignored"),
+    ("mixed precision in two places", FSDP2, {"fp16": True}, None, "error", "fp16", "disagrees with the accelerate config's mixed_precision: bf16"),
+    ("offload costs", variant(FSDP2, fsdp_offload_params=True), {}, None, "warning", "fsdp_config.fsdp_offload_params", "several times slower"),
+    ("BACKWARD_POST", variant(FSDP1, fsdp_backward_prefetch="BACKWARD_POST"), {}, None, "warning", "fsdp_config.fsdp_backward_prefetch", "overlaps less"),
+    ("fp16", {**FSDP2, "mixed_precision": "fp16"}, {}, None, "warning", "mixed_precision", "fp16 with FSDP"),
+    ("ignored key", variant(FSDP2, fsdp_min_num_params=1000), {}, None, "warning", "fsdp_config.fsdp_min_num_params", "ignored: the wrap policy is TRANSFORMER_BASED_WRAP"),
+    ("FULL_STATE_DICT on a large model", variant(FSDP2, fsdp_state_dict_type="FULL_STATE_DICT"), {}, "LARGE", "warning", "fsdp_config.fsdp_state_dict_type", "gathers all 6.7B parameters"),
+]
+
+
+@pytest.mark.parametrize("case, config, recipe, model, level, key, text", CASES, ids=[c[0] for c in CASES])
+def test_each_rule(tmp_path, case, config, recipe, model, level, key, text):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    if model == "LARGE":
+        (tmp_path / "large").mkdir()
+        (tmp_path / "large" / "config.json").write_text(json.dumps(LARGE))
+        model = str(tmp_path / "large" / "config.json")
+    problems = check_config(path, recipe=recipe, model=model)
+    hits = [p for p in problems if p.key == key and p.level == level and text in f"{p.message}; fix: {p.fix}"]
+    assert hits, [str(p) for p in problems]
+    if level == "warning":
+        assert not errors(problems), [str(p) for p in problems]
+
+
+def test_all_problems_at_once_through_the_cli(tmp_path):
+    broken = variant(FSDP1, fsdp_sync_module_states=False, fsdp_backward_prefetch="SOON")
+    broken["mixed_precison"] = "bf16"
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(broken))
+    proc = run(["python", str(REPO / "tools" / "check_config.py"), str(path)])
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith(f"error: {path}: ") for line in lines), lines
+    proc = run(["python", str(REPO / "tools" / "check_config.py"), *[str(REPO / c) for c in ALL_CONFIGS]])
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
+    config = tmp_path / "copied.yaml"
+    config.write_text(yaml.safe_dump(variant(FSDP2, fsdp_sync_module_states=False)))
+    out = tmp_path / "out"
+    start = time.monotonic()
+    proc = run(["accelerate", "launch", "--config_file", str(config), str(REPO / "train_fsdp.py"), "--output_dir", str(out)])
+    assert proc.returncode != 0
+    assert proc.stderr.count("needs fsdp_sync_module_states: true") == 2  # every rank refuses
+    assert "running FSDP over gloo" not in proc.stdout and not out.exists()
+    assert time.monotonic() - start < 60
