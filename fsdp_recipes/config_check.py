@@ -53,9 +53,9 @@ def _known_keys() -> tuple[set[str], set[str], set[str]]:
     )
 
 
-def _suggest(key: str, valid) -> str:
-    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
-    return f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(sorted(valid))}"
+def _suggest(key: str, valid, what: str = "keys") -> str:
+    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6) or sorted(v for v in valid if v.startswith(key))[:1]
+    return f"did you mean {close[0]}?" if close else f"valid {what}: {', '.join(sorted(valid))}"
 
 
 def _as_bool(value) -> bool | None:
@@ -164,7 +164,7 @@ def check_config(
                 else:
                     c.error("fsdp_config.fsdp_sharding_strategy", f"integer {n} is not 1-5", f"use one of {', '.join(STRATEGIES)}")
             elif strategy not in STRATEGIES:
-                c.error("fsdp_config.fsdp_sharding_strategy", f"{strategy!r} is not a strategy", _suggest(str(strategy), STRATEGIES).replace("valid keys", "valid values"))
+                c.error("fsdp_config.fsdp_sharding_strategy", f"{strategy!r} is not a strategy", _suggest(str(strategy), STRATEGIES, "values"))
         prefetch = fsdp.get("fsdp_backward_prefetch")
         if prefetch is not None and prefetch not in PREFETCH:
             c.error("fsdp_config.fsdp_backward_prefetch", f"{prefetch!r} is not one of {', '.join(PREFETCH)}", "use BACKWARD_PRE")
@@ -173,7 +173,7 @@ def check_config(
 
     sd_type = fsdp.get("fsdp_state_dict_type")
     if sd_type is not None and sd_type not in STATE_DICT_TYPES:
-        c.error("fsdp_config.fsdp_state_dict_type", f"{sd_type!r} is not a state-dict type", _suggest(str(sd_type), STATE_DICT_TYPES).replace("valid keys", "valid values"))
+        c.error("fsdp_config.fsdp_state_dict_type", f"{sd_type!r} is not a state-dict type", _suggest(str(sd_type), STATE_DICT_TYPES, "values"))
     if version == 2 and sd_type == "LOCAL_STATE_DICT":
         c.error("fsdp_config.fsdp_state_dict_type", "LOCAL_STATE_DICT does not exist in FSDP2", "use SHARDED_STATE_DICT")
     wrap = fsdp.get("fsdp_auto_wrap_policy")

@@ -102,12 +102,13 @@ def test_all_problems_at_once_through_the_cli(tmp_path):
 
 
 def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
+    """A typo accelerate itself would silently ignore (offload never happens) stops every rank in seconds."""
     config = tmp_path / "copied.yaml"
-    config.write_text(yaml.safe_dump(variant(FSDP2, fsdp_sync_module_states=False)))
+    config.write_text(yaml.safe_dump(variant(FSDP2, fsdp_offload_param=True)))
     out = tmp_path / "out"
     start = time.monotonic()
     proc = run(["accelerate", "launch", "--config_file", str(config), str(REPO / "train_fsdp.py"), "--output_dir", str(out)])
     assert proc.returncode != 0
-    assert proc.stderr.count("needs fsdp_sync_module_states: true") == 2  # every rank refuses
+    assert proc.stderr.count("fsdp_config.fsdp_offload_param: unknown key (accelerate would silently ignore it); fix: did you mean fsdp_offload_params?") == 2  # every rank refuses
     assert "running FSDP over gloo" not in proc.stdout and not out.exists()
     assert time.monotonic() - start < 60
