@@ -1,0 +1,166 @@
+"""Per-GPU memory of FSDP training, from the ZeRO formulas plus activations.
+
+Model states with mixed precision keep fp32 master weights: per parameter 4 bytes of weights, 4 of gradients
+and, with Adam, 8 of optimizer state (m and v): 16 bytes, divided over the S processes that shard them
+(S = N for FULL_SHARD and SHARD_GRAD_OP, S = processes per node for HYBRID_SHARD, S = 1 for NO_SHARD).
+On top: the bf16 all-gather working set (the unit being computed and the one prefetched), for SHARD_GRAD_OP
+the gathered bf16 parameters held from forward to backward (2 bytes per parameter), and activations.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+GiB = 1024**3
+OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd_momentum": 4, "sgd": 0}  # state bytes per parameter
+STRATEGIES = ["NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD"]
+# Shipped configs in the order of their communication cost per step, cheapest first.
+SHIPPED = [
+    ("fsdp1/no_shard.yaml", "NO_SHARD", False),
+    ("zero2.yaml", "SHARD_GRAD_OP", False),
+    ("hybrid_shard.yaml", "HYBRID_SHARD", False),
+    ("zero3.yaml", "FULL_SHARD", False),
+    ("zero3_offload.yaml", "FULL_SHARD", True),
+]
+
+
+@dataclass
+class ModelShape:
+    params: int
+    hidden: int | None = None
+    layers: int | None = None
+    vocab: int | None = None
+    heads: int | None = None
+    largest_unit: int | None = None  # parameters of the largest FSDP unit (a decoder layer or the embeddings)
+
+
+@dataclass
+class Setup:
+    strategy: str = "FULL_SHARD"
+    nproc_per_node: int = 8
+    nnodes: int = 1
+    offload: bool = False
+    precision: str = "bf16"  # bf16/fp16 mixed precision with fp32 master weights, or fp32
+    optimizer: str = "adamw"
+    micro_batch: int = 1
+    seq_len: int = 2048
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class Estimate:
+    shard_group: int
+    params: float
+    grads: float
+    optimizer: float
+    gathered_params: float
+    all_gather_working_set: float
+    activations: float
+    gpu_total: float
+    cpu_offload_per_node: float
+    cpu_loading_per_node: float
+    cpu_merging: float
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_count(text: str) -> int:
+    """'7B', '175b', '350M', '1.5e9' or '124000000' -> an integer parameter count."""
+    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([kKmMbBtT]?)\s*", text)
+    if not m:
+        raise ValueError(f"{text!r} is not a parameter count (e.g. 7B, 350M)")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def model_shape(model: str) -> ModelShape:
+    """From a parameter count ('7B'), or a hub id / folder / config.json (only the config is read: meta device)."""
+    try:
+        return ModelShape(params=parse_count(model))
+    except ValueError:
+        pass
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = model[: -len("/config.json")] if model.endswith("config.json") else model
+    config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in skeleton.parameters())
+    layer_types = set(getattr(skeleton, "_no_split_modules", None) or [])
+    units = [sum(p.numel() for p in m.parameters()) for m in skeleton.modules() if type(m).__name__ in layer_types]
+    embed = skeleton.get_input_embeddings().weight.numel()
+    return ModelShape(
+        params=params, hidden=config.hidden_size, layers=config.num_hidden_layers, vocab=config.vocab_size,
+        heads=config.num_attention_heads, largest_unit=max(units + [embed]),
+    )
+
+
+def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[float, list[str]]:
+    """Activation memory of one micro-batch (Korthikanti et al. 2022, with a fused attention kernel:
+    34*s*b*h bytes per layer in 16-bit; with checkpointing only each layer's input, 2*s*b*h, plus one
+    layer being recomputed), plus fp32 logits and their gradient (8*s*b*V)."""
+    if not (shape.hidden and shape.layers and shape.vocab):
+        return 0.0, ["activations unknown for a bare parameter count: give a model config"]
+    sbh = setup.seq_len * setup.micro_batch * shape.hidden
+    width = 1 if setup.precision != "fp32" else 2
+    per_layer = 34 * sbh * width
+    body = (2 * sbh * width * shape.layers + per_layer) if setup.activation_checkpointing else per_layer * shape.layers
+    logits = 8 * setup.seq_len * setup.micro_batch * shape.vocab
+    return float(body + logits), []
+
+
+def estimate(shape: ModelShape, setup: Setup) -> Estimate:
+    if setup.strategy not in STRATEGIES:
+        raise ValueError(f"strategy {setup.strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if setup.optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"optimizer {setup.optimizer!r} is not one of {', '.join(OPTIMIZER_BYTES)}")
+    world = setup.nproc_per_node * setup.nnodes
+    shard = {"NO_SHARD": 1, "HYBRID_SHARD": setup.nproc_per_node}.get(setup.strategy, world)
+    P = shape.params
+    master = 4  # fp32 weights, also with bf16/fp16 mixed precision
+    compute = 4 if setup.precision == "fp32" else 2
+    params, grads, optim = master * P / shard, master * P / shard, OPTIMIZER_BYTES[setup.optimizer] * P / shard
+    unit = shape.largest_unit or P / max(shape.layers or 32, 1)
+    working = 0.0 if setup.strategy == "NO_SHARD" else 2 * unit * compute  # the unit in use and the prefetched one
+    gathered = compute * P if setup.strategy == "SHARD_GRAD_OP" else 0.0
+    acts, notes = activation_bytes(shape, setup)
+    offload_node = 0.0
+    if setup.offload:
+        offload_node = (params + grads + optim) * setup.nproc_per_node
+        params = grads = optim = 0.0
+        notes.append("offload: parameters, gradients and the optimizer step live in CPU RAM")
+    if shape.largest_unit is None:
+        notes.append(f"largest unit taken as P/{shape.layers or 32} for a bare parameter count")
+    total = params + grads + optim + gathered + working + acts
+    return Estimate(
+        shard_group=shard, params=params, grads=grads, optimizer=optim, gathered_params=gathered,
+        all_gather_working_set=working, activations=acts, gpu_total=total, cpu_offload_per_node=offload_node,
+        # cpu_ram_efficient_loading: only rank 0 of the node holds the full checkpoint (in its saved dtype, fp32 assumed)
+        cpu_loading_per_node=4.0 * P, cpu_merging=0.5 * GiB, notes=notes,
+    )
+
+
+def fitting_configs(shape: ModelShape, setup: Setup, gpu_bytes: float) -> list[tuple[str, float, bool]]:
+    """(config, GPU bytes, fits) for every shipped FSDP2/FSDP1 config, cheapest in communication first."""
+    rows = []
+    for name, strategy, offload in SHIPPED:
+        est = estimate(shape, Setup(**{**asdict(setup), "strategy": strategy, "offload": offload}))
+        rows.append((name, est.gpu_total, est.gpu_total <= gpu_bytes))
+    return rows
+
+
+def parse_bytes(text: str) -> float:
+    m = re.fullmatch(r"\s*([\d.]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size such as 80GiB")
+    unit = {"GiB": GiB, "GB": 1e9, "MiB": 1024**2, "MB": 1e6, "TiB": 1024**4, "TB": 1e12, None: 1}[m.group(2)]
+    return float(m.group(1)) * unit
+
+
+def human(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= 0.01 * GiB or n == 0 else f"{n / 1024**2:.2f} MiB"
+

@@ -1,0 +1,91 @@
+"""Estimate per-GPU memory of FSDP training and list which shipped configs fit.
+
+    python tools/estimate_memory.py 7B --nproc-per-node 4 --strategy FULL_SHARD
+    python tools/estimate_memory.py assets/tiny-llama --config accelerate_configs/zero2.yaml --micro-batch 8 --seq-len 128
+    python tools/estimate_memory.py meta-llama/Llama-3.1-8B --nproc-per-node 8 --gpu-memory 80GiB --json
+
+Formula (model states, mixed precision with fp32 master weights and Adam): 16 bytes per parameter P
+(4 weights + 4 gradients + 8 Adam m and v) divided over the S processes that shard them: S = N for
+FULL_SHARD and SHARD_GRAD_OP, S = processes per node for HYBRID_SHARD, S = 1 for NO_SHARD (16P/S).
+Plus: 2 x the largest FSDP unit in bf16 (all-gather working set), 2P more for SHARD_GRAD_OP (gathered
+parameters kept from forward to backward), and activations 34*s*b*h bytes per layer (2*s*b*h with
+activation checkpointing) + fp32 logits 8*s*b*V. With offload the model states move to CPU RAM.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+import yaml
+
+from fsdp_recipes.memory import OPTIMIZER_BYTES, STRATEGIES, Setup, estimate, fitting_configs, human, model_shape, parse_bytes
+
+
+def setup_from_config(path: str, setup: Setup) -> Setup:
+    """Strategy and offload from an accelerate config (FSDP1 strategy names, FSDP2 reshard/mesh)."""
+    cfg = yaml.safe_load(open(path))
+    fsdp, pc = cfg.get("fsdp_config") or {}, cfg.get("parallelism_config") or {}
+    if int(fsdp.get("fsdp_version", 1)) == 2:
+        strategy = "HYBRID_SHARD" if int(pc.get("parallelism_config_dp_replicate_size", 1)) > 1 else (
+            "FULL_SHARD" if fsdp.get("fsdp_reshard_after_forward", True) else "SHARD_GRAD_OP")
+    else:
+        strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).replace("HYBRID_SHARD_ZERO2", "HYBRID_SHARD")
+    return Setup(**{**asdict(setup), "strategy": strategy, "offload": bool(fsdp.get("fsdp_offload_params", False)),
+                    "precision": {"no": "fp32"}.get(cfg.get("mixed_precision", "no"), cfg.get("mixed_precision", "bf16"))})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="parameter count (7B, 350M), hub id, local folder or config.json")
+    parser.add_argument("--nproc-per-node", type=int, default=8)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD")
+    parser.add_argument("--config", help="an accelerate config: takes strategy, offload and precision from it")
+    parser.add_argument("--offload", action="store_true", help="CPU offload of parameters, gradients and optimizer")
+    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adamw")
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--gpu-memory", help="e.g. 80GiB: list the shipped configs that fit, cheapest communication first")
+    parser.add_argument("--json", action="store_true", help="print the same as JSON")
+    args = parser.parse_args(argv)
+    try:
+        shape = model_shape(args.model)
+        setup = Setup(args.strategy, args.nproc_per_node, args.nnodes, args.offload, args.precision, args.optimizer,
+                      args.micro_batch, args.seq_len, args.activation_checkpointing)
+        if args.config:
+            setup = setup_from_config(args.config, setup)
+        est = estimate(shape, setup)
+        fits = fitting_configs(shape, setup, parse_bytes(args.gpu_memory)) if args.gpu_memory else None
+    except (ValueError, OSError) as err:
+        print(f"estimate_memory.py: error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        out = {"model": asdict(shape), "setup": asdict(setup), "per_gpu_bytes": est.as_dict()}
+        if fits is not None:
+            out["configs"] = [{"config": c, "gpu_bytes": b, "fits": f} for c, b, f in fits]
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{shape.params:,} parameters, {setup.strategy}{' + offload' if setup.offload else ''}, "
+          f"{setup.nnodes} x {setup.nproc_per_node} processes (shard group {est.shard_group}), {setup.precision}, {setup.optimizer}")
+    for label, value in [("parameters (fp32 master)", est.params), ("gradients", est.grads), ("optimizer state", est.optimizer),
+                         ("gathered parameters (SHARD_GRAD_OP)", est.gathered_params), ("all-gather working set", est.all_gather_working_set),
+                         ("activations", est.activations), ("total per GPU", est.gpu_total)]:
+        print(f"  {label:<38}{human(value):>12}")
+    print(f"  {'CPU RAM per node, offload':<38}{human(est.cpu_offload_per_node):>12}")
+    print(f"  {'CPU RAM per node, loading (rank 0)':<38}{human(est.cpu_loading_per_node):>12}")
+    print(f"  {'CPU RAM, tools/merge_checkpoint.py':<38}{human(est.cpu_merging):>12}")
+    for note in est.notes:
+        print(f"  note: {note}")
+    if fits is not None:
+        print(f"shipped configs on {args.gpu_memory} GPUs, cheapest communication first:")
+        for config, need, ok in fits:
+            print(f"  {'fits   ' if ok else 'too big'}  accelerate_configs/{config:<24}{human(need):>12}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
