@@ -76,6 +76,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for config in args.config or CONFIGS:
             for nproc in args.nproc or [2, 4]:
+                if yaml.safe_load((REPO / config).read_text()).get("parallelism_config") and nproc < 4:
+                    continue  # HSDP needs 2 replicas x 2+ shards
                 report = measure(config, nproc, Path(tmp) / f"{config.replace('/', '_')}-{nproc}")
                 setup, note = cpu_setup(config, nproc)
                 est = estimate(shape, setup)

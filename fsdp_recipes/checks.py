@@ -45,6 +45,37 @@ def param_elements(model: torch.nn.Module) -> tuple[int, int]:
     return local, total
 
 
+def _local(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state (FSDP1: its flat-parameter shards,
+    padding included; FSDP2: the local parts of the DTensors)."""
+    if isinstance(model, FullyShardedDataParallel):
+        flats = [m._handle.flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle is not None]
+        params, grads = sum(_local(f) for f in flats), sum(_local(f.grad) for f in flats)
+    else:
+        params = sum(_local(p) for p in model.parameters())
+        grads = sum(_local(p.grad) for p in model.parameters())
+    optim = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            optim += sum(_local(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {"params": params, "grads": grads, "optimizer": optim}
+
+
+def gather(obj, accelerator) -> list:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * accelerator.num_processes
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def expected_fsdp_version() -> int | None:
     """The FSDP version the launcher asked for, or None when it did not ask for FSDP."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
@@ -61,11 +92,7 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str) -> d
     local, total = param_elements(model)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     rank_info = {"rank": accelerator.process_index, "wrapper": kind, "local_param_elements": local}
-    gathered = [None] * accelerator.num_processes
-    if dist.is_available() and dist.is_initialized():
-        dist.all_gather_object(gathered, rank_info)
-    else:
-        gathered = [rank_info]
+    gathered = gather(rank_info, accelerator)
     report = {
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "fsdp_version": getattr(plugin, "fsdp_version", None),
@@ -86,6 +113,17 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str) -> d
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         (Path(output_dir) / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: list[dict]) -> None:
+    """Record each rank's measured bytes of model states (after the first optimizer step) in the report."""
+    if not accelerator.is_main_process:
+        return
+    path = Path(output_dir) / REPORT_NAME
+    report = json.loads(path.read_text())
+    for rank, grad, state in zip(report["ranks"], grads, states):
+        rank["bytes"] = {**state, "grads": grad}
+    path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def _strategy_name(plugin, parallelism_config=None) -> str | None:

@@ -71,5 +71,11 @@ def test_every_readme_command_runs(tmp_path):
     assert len(list((repo / "runs" / "tiny-llama-merged").glob("model-*-of-*.safetensors"))) >= 2
     inspect = outputs["python tools/merge_checkpoint.py runs/tiny-llama-pretrain --inspect"]
     assert '"step": 120' in inspect and '"ranks": 2' in inspect
+    checked = next(out for cmd, out in outputs.items() if cmd.startswith("python tools/check_config.py"))
+    assert "ok: accelerate_configs/zero3.yaml" in checked
+    estimated = next(out for cmd, out in outputs.items() if cmd.startswith("python tools/estimate_memory.py 7B"))
+    assert re.search(r"model states \(16P/S with Adam\)\s+26\.08 GiB", estimated)  # 16 bytes x 7e9 / 4 GPUs = 28e9 bytes
+    calibrated = next(out for cmd, out in outputs.items() if cmd.startswith("python bench/estimate_calibration.py"))
+    assert "| accelerate_configs/zero3.yaml | 2 |" in calibrated and "(target: 5%)" in calibrated
     bench = next(out for cmd, out in outputs.items() if cmd.startswith("python bench/merge_benchmark.py"))
     assert "| tools/merge_checkpoint.py |" in bench and "| accelerate merge-weights |" in bench

@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     print(f"{shape.params:,} parameters, {setup.strategy}{' + offload' if setup.offload else ''}, "
           f"{setup.nnodes} x {setup.nproc_per_node} processes (shard group {est.shard_group}), {setup.precision}, {setup.optimizer}")
     for label, value in [("parameters (fp32 master)", est.params), ("gradients", est.grads), ("optimizer state", est.optimizer),
+                         ("model states (16P/S with Adam)", est.params + est.grads + est.optimizer),
                          ("gathered parameters (SHARD_GRAD_OP)", est.gathered_params), ("all-gather working set", est.all_gather_working_set),
                          ("activations", est.activations), ("total per GPU", est.gpu_total)]:
         print(f"  {label:<38}{human(value):>12}")

@@ -1,0 +1,95 @@
+"""tools/estimate_memory.py: the ZeRO reference points, and agreement with the bytes real FSDP runs hold per rank."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from conftest import ALL_CONFIGS, REPO, run
+from fsdp_recipes.memory import GiB, ModelShape, Setup, estimate, fitting_configs, model_shape, parse_count
+
+TOOL = str(REPO / "tools" / "estimate_memory.py")
+TINY = str(REPO / "assets" / "tiny-llama")
+
+
+def states(est) -> float:
+    return est.params + est.grads + est.optimizer
+
+
+@pytest.mark.parametrize(
+    "params, nproc, nnodes, strategy, expected",
+    [
+        ("7B", 4, 1, "NO_SHARD", 112e9),  # 16 bytes x 7e9, on every GPU
+        ("7B", 4, 1, "FULL_SHARD", 28e9),  # 16 x 7e9 / 4
+        ("7B", 8, 2, "HYBRID_SHARD", 14e9),  # shard group = 8 GPUs of a node
+    ],
+)
+def test_zero_reference_points(params, nproc, nnodes, strategy, expected):
+    est = estimate(ModelShape(params=parse_count(params)), Setup(strategy=strategy, nproc_per_node=nproc, nnodes=nnodes))
+    assert states(est) == pytest.approx(expected)
+
+
+def test_175b_on_64_gpus_is_about_41_gib():
+    est = estimate(ModelShape(params=parse_count("175B")), Setup(strategy="FULL_SHARD", nproc_per_node=8, nnodes=8))
+    assert states(est) / GiB == pytest.approx(41, abs=0.5)
+
+
+def test_strategy_extras_and_offload():
+    shape = ModelShape(params=int(1e9), hidden=2048, layers=16, vocab=32000, largest_unit=int(65.5e6))
+    full = estimate(shape, Setup(strategy="FULL_SHARD", nproc_per_node=8))
+    zero2 = estimate(shape, Setup(strategy="SHARD_GRAD_OP", nproc_per_node=8))
+    assert zero2.gathered_params == 2e9 and full.gathered_params == 0  # bf16 parameters kept from forward to backward
+    assert full.all_gather_working_set == 2 * 65.5e6 * 2
+    offload = estimate(shape, Setup(strategy="FULL_SHARD", nproc_per_node=8, offload=True))
+    assert states(offload) == 0 and offload.cpu_offload_per_node == pytest.approx(16e9)
+    ckpt = estimate(shape, Setup(activation_checkpointing=True, micro_batch=4))
+    plain = estimate(shape, Setup(activation_checkpointing=False, micro_batch=4))
+    assert ckpt.activations < plain.activations / 5
+
+
+def test_model_shape_from_a_config_matches_the_real_model():
+    shape = model_shape(TINY)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY))
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.largest_unit == model.get_input_embeddings().weight.numel()  # the 474 x 64 embedding beats a layer
+
+
+def test_gpu_memory_lists_shipped_configs_cheapest_first():
+    shape = ModelShape(params=int(7e9))
+    rows = fitting_configs(shape, Setup(nproc_per_node=8), 80 * GiB)
+    assert [r[0] for r in rows] == ["fsdp1/no_shard.yaml", "zero2.yaml", "hybrid_shard.yaml", "zero3.yaml", "zero3_offload.yaml"]
+    assert [r[2] for r in rows] == [False, True, True, True, True]
+    for config, _, _ in rows:
+        assert f"accelerate_configs/{config}" in ALL_CONFIGS
+
+
+def test_cli_text_and_json():
+    proc = run(["python", TOOL, "7B", "--nproc-per-node", "4", "--strategy", "FULL_SHARD", "--gpu-memory", "80GiB", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    per_gpu = data["per_gpu_bytes"]
+    assert per_gpu["params"] + per_gpu["grads"] + per_gpu["optimizer"] == pytest.approx(28e9)
+    assert [c["config"] for c in data["configs"]][0] == "fsdp1/no_shard.yaml"
+    proc = run(["python", TOOL, TINY, "--config", str(REPO / "accelerate_configs" / "zero2.yaml"), "--nproc-per-node", "2"])
+    assert proc.returncode == 0 and "SHARD_GRAD_OP" in proc.stdout and "activations" in proc.stdout
+    assert "16 bytes per parameter" in run(["python", TOOL, "--help"]).stdout
+    bad = run(["python", TOOL, "seven billion"])
+    assert bad.returncode == 1 and bad.stderr.startswith("estimate_memory.py: error:")
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_estimate_within_5_percent_of_measured_bytes(trained, config):
+    """The training runs record each rank's bytes of parameters, gradients and optimizer state after step 1."""
+    from bench.estimate_calibration import cpu_setup
+
+    run_ = trained(config)
+    report = run_.report
+    setup, _ = cpu_setup(config, run_.world_size)
+    est = estimate(model_shape(TINY), setup)
+    for rank in report["ranks"]:
+        measured = rank["bytes"]
+        assert measured["params"] == pytest.approx(est.params, rel=0.05)
+        assert measured["grads"] == pytest.approx(est.grads, rel=0.05)
+        assert measured["optimizer"] == pytest.approx(est.optimizer, rel=0.05)
