@@ -12,43 +12,17 @@ import os
 import sys
 
 import transformers
-from transformers import Trainer, TrainerCallback, set_seed
+from transformers import Trainer, set_seed
 
 from fsdp_recipes import cpu_fsdp
 from fsdp_recipes.arguments import RecipeError, parse_args
-from fsdp_recipes.checks import NotShardedError, add_measured_bytes, gather, state_bytes, verify_and_report
+from fsdp_recipes.checks import NotShardedError, ShardingReport
 from fsdp_recipes.config_check import check_launch, errors
 from fsdp_recipes.data import build_dataset
 from fsdp_recipes.export import DescribeCheckpoints, save_final_model
 from fsdp_recipes.modeling import load_model, load_tokenizer
 
 logger = logging.getLogger("train_fsdp")
-
-
-class VerifyFSDP(TrainerCallback):
-    """Once the Trainer has prepared the model: stop unless it is FSDP-wrapped as the config asks."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.grad_bytes = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir)
-        local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
-        logger.info(
-            f"{report['ranks'][0]['wrapper']} {report['sharding_strategy']} on {report['world_size']} process(es), "
-            f"{report['device']}: this rank holds {local:,} of {report['total_param_elements']:,} parameter elements"
-        )
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.grad_bytes is None:  # gradients exist only between backward and the optimizer step
-            self.grad_bytes = state_bytes(self.trainer.model_wrapped)["grads"]
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1:  # the optimizer state exists from the first step on
-            accelerator = self.trainer.accelerator
-            measured = state_bytes(self.trainer.model_wrapped, self.trainer.optimizer)
-            add_measured_bytes(args.output_dir, accelerator, gather(self.grad_bytes, accelerator), gather(measured, accelerator))
 
 
 def main(model_args, data_args, training_args):
@@ -78,7 +52,7 @@ def main(model_args, data_args, training_args):
         data_collator=collator,
         processing_class=tokenizer,
     )
-    trainer.add_callback(VerifyFSDP(trainer))
+    trainer.add_callback(ShardingReport(trainer))
     trainer.add_callback(DescribeCheckpoints(trainer, tokenizer))
     if training_args.resume_from_checkpoint:
         logger.info(f"resuming from {training_args.resume_from_checkpoint}")

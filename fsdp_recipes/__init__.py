@@ -1,10 +1,13 @@
 """FSDP training recipes: the logic behind train_fsdp.py and tools/.
 
-- cpu_fsdp:   makes accelerate's FSDP path real on machines without an accelerator (tests, laptops)
-- arguments:  ModelArguments, DataArguments and recipe YAML + flag parsing
-- data:       packed plain text or chat messages with assistant-only loss
-- modeling:   model and tokenizer loading
-- checks:     proof that the prepared model is FSDP-wrapped and sharded
-- export:     sharded (DCP) checkpoint -> Hugging Face model folder
-- tiny:       the embedded default model, tokenizer and corpus
+- arguments:     ModelArguments, DataArguments and recipe YAML + flag parsing
+- data:          packed plain text or chat messages with assistant-only loss
+- modeling:      model and tokenizer loading
+- checks:        proof that the prepared model is FSDP-wrapped and sharded (fsdp_report.json)
+- config_check:  accelerate config + recipe + model checks (tools/check_config.py, train_fsdp.py)
+- export:        saving during training: self-describing checkpoints, the final model folder
+- merge:         any FSDP checkpoint -> Hugging Face folder, streamed (tools/merge_checkpoint.py)
+- memory:        the memory formulas (tools/estimate_memory.py)
+- cpu_fsdp:      makes accelerate's FSDP path real on machines without an accelerator (tests, laptops)
+- tiny:          the embedded default model, tokenizer and corpus
 """

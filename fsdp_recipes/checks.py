@@ -6,12 +6,16 @@ import json
 import os
 from pathlib import Path
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
+from transformers import TrainerCallback
 
 REPORT_NAME = "fsdp_report.json"
+logger = logging.getLogger("train_fsdp")
 
 
 class NotShardedError(RuntimeError):
@@ -135,3 +139,30 @@ def _strategy_name(plugin, parallelism_config=None) -> str | None:
             return "HYBRID_SHARD" if plugin.reshard_after_forward else "HYBRID_SHARD_ZERO2"
         return "FULL_SHARD" if plugin.reshard_after_forward else "SHARD_GRAD_OP"
     return plugin.sharding_strategy.name if plugin.sharding_strategy is not None else None
+
+
+class ShardingReport(TrainerCallback):
+    """Once the Trainer has prepared the model, stop unless it is FSDP-wrapped as the config asks; then record in
+    fsdp_report.json what each rank holds: parameter elements, and bytes of model states after the first step."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.grad_bytes = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir)
+        local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
+        logger.info(
+            f"{report['ranks'][0]['wrapper']} {report['sharding_strategy']} on {report['world_size']} process(es), "
+            f"{report['device']}: this rank holds {local:,} of {report['total_param_elements']:,} parameter elements"
+        )
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.grad_bytes is None:  # gradients exist only between backward and the optimizer step
+            self.grad_bytes = state_bytes(self.trainer.model_wrapped)["grads"]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:  # the optimizer state exists from the first step on
+            accelerator = self.trainer.accelerator
+            measured = state_bytes(self.trainer.model_wrapped, self.trainer.optimizer)
+            add_measured_bytes(args.output_dir, accelerator, gather(self.grad_bytes, accelerator), gather(measured, accelerator))
