@@ -80,14 +80,17 @@ def gather(obj, accelerator) -> list:
     return out
 
 
-def expected_fsdp_version() -> int | None:
-    """The FSDP version the launcher asked for, or None when it did not ask for FSDP."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
-        return None
-    return int(os.environ.get("FSDP_VERSION", "1"))
+def expected_fsdp_version(training_args=None) -> int | None:
+    """The FSDP version asked for, by the accelerate launcher or by TrainingArguments' own --fsdp (the
+    torchrun route), or None when nobody asked for FSDP."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return int(os.environ.get("FSDP_VERSION", "1"))
+    if training_args is not None and getattr(training_args, "fsdp_plugin_args", None):
+        return int(training_args.fsdp_plugin_args["fsdp_version"])
+    return None
 
 
-def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str) -> dict:
+def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, training_args=None) -> dict:
     """Check the prepared model against the launch config on every rank; rank 0 writes the report.
 
     Raises NotShardedError on every rank when FSDP was asked for and is not what runs.
@@ -106,7 +109,7 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str) -> d
         "total_param_elements": total,
         "ranks": gathered,
     }
-    want = expected_fsdp_version()
+    want = expected_fsdp_version(training_args)
     if want is not None and kind != f"FSDP{want}":
         raise NotShardedError(
             f"the accelerate config asks for FSDP{want} but the model is {kind} "
@@ -150,7 +153,7 @@ class ShardingReport(TrainerCallback):
         self.grad_bytes = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir)
+        report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir, args)
         local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
         logger.info(
             f"{report['ranks'][0]['wrapper']} {report['sharding_strategy']} on {report['world_size']} process(es), "
