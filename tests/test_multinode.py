@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -21,13 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_fake_slurm_nodes_shard_over_all_processes_and_match_one_node(tmp_path):
+@pytest.mark.parametrize("config, shard_group", [("accelerate_configs/zero3.yaml", 4), ("accelerate_configs/hybrid_shard.yaml", 2)])
+def test_two_fake_slurm_nodes_match_one_node(trained, tmp_path, config, shard_group):
+    """zero3: sharded over all 4 processes of both nodes. hybrid_shard: sharded inside each node, one replica per node."""
     shared = tmp_path / "shared-output"  # both "nodes" write here, as on a shared filesystem
     env = {
         **os.environ, "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[0-1]", "MAIN_PROCESS_IP": "127.0.0.1",
         "MAIN_PROCESS_PORT": str(free_port()), "GPUS_PER_NODE": "2", "OMP_NUM_THREADS": "1",
     }
-    args = ["bash", SCRIPT, "accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(shared)]
+    args = ["bash", SCRIPT, config, *QUICK, "--output_dir", str(shared)]
     nodes = [subprocess.Popen(args, cwd=REPO, env={**env, "SLURM_NODEID": str(rank)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     logs = [node.communicate(timeout=600)[0] for node in nodes]
@@ -37,14 +40,18 @@ def test_two_fake_slurm_nodes_shard_over_all_processes_and_match_one_node(tmp_pa
     report = read_json(shared / "fsdp_report.json")
     assert report["world_size"] == 4 and report["distributed_type"] == "FSDP"
     total = report["total_param_elements"]
-    assert sum(rank["local_param_elements"] for rank in report["ranks"]) == total  # every element on exactly one rank
-    for rank in report["ranks"]:  # a quarter each, give or take the 474 embedding rows split 119/119/118/118
-        assert rank["wrapper"] == "FSDP2" and abs(rank["local_param_elements"] * 4 - total) < 0.01 * total, rank
+    replicas = 4 // shard_group
+    assert sum(rank["local_param_elements"] for rank in report["ranks"]) == total * replicas  # each element once per replica
+    for rank in report["ranks"]:  # 1/shard_group each, give or take the 474 embedding rows split 119/119/118/118
+        assert rank["wrapper"] == "FSDP2" and abs(rank["local_param_elements"] * shard_group - total) < 0.01 * total, rank
     shards = shared / "checkpoint-12" / "pytorch_model_fsdp_0"
     assert sorted(p.name for p in shards.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
 
-    single = tmp_path / "one-node"
-    launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(single), launch_args=("--num_processes", "4"))
+    if shard_group == 4:
+        single = tmp_path / "one-node"
+        launch(config, *QUICK, "--output_dir", str(single), launch_args=("--num_processes", "4"))
+    else:  # the session's one-machine run of the same 2 x 2 mesh
+        single = trained(config).output_dir
     two_nodes, one_node = load_file(shared / "model.safetensors"), load_file(single / "model.safetensors")
     assert set(two_nodes) == set(one_node)
     for name in one_node:
