@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .merge import DCP_MODEL_DIR, DCPSource, write_model_files
+from .merge import DCP_MODEL_DIR, DCPSource, describe_folder, write_model_files
 
 
 def unwrapped_model_class(model: torch.nn.Module) -> type:
@@ -25,12 +25,7 @@ def unwrapped_model_class(model: torch.nn.Module) -> type:
 
 def save_model_description(model, tokenizer, folder: str | os.PathLike) -> None:
     """config.json (with the real class in architectures), generation config and tokenizer: no weights."""
-    config = model.config
-    config.architectures = [unwrapped_model_class(model).__name__]
-    config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    describe_folder(Path(folder), unwrapped_model_class(model), model.config, tokenizer, getattr(model, "generation_config", None))
 
 
 class DescribeCheckpoints(TrainerCallback):
@@ -71,7 +66,6 @@ def save_final_model(trainer, tokenizer) -> None:
         staging = out / ".export-tmp"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        model.config.architectures = [unwrapped_model_class(model).__name__]
         files = write_model_files(
             DCPSource(shards / DCP_MODEL_DIR), staging, model.config, tokenizer, getattr(model, "generation_config", None)
         )

@@ -434,12 +434,19 @@ def write_model_files(source, out_dir: Path, config, tokenizer=None, generation_
 # ----------------------------------------------------------------------------------------------- merge
 
 
+def _description_dirs(resolved: ResolvedInput) -> tuple[Path | None, Path | None]:
+    """(folder with config.json, folder with tokenizer files): the checkpoint first, then its run folder."""
+    places = [resolved.checkpoint_dir, resolved.checkpoint_dir.parent]
+    config_dir = next((d for d in places if (d / "config.json").is_file()), None)
+    tok_dir = next((d for d in places if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
+    return config_dir, tok_dir
+
+
 def find_model_files(resolved: ResolvedInput, base_model: str | None):
     """Config, generation config and tokenizer: from the checkpoint, then its run folder, then --base-model."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    places = [resolved.checkpoint_dir, resolved.checkpoint_dir.parent]
-    config_dir = next((d for d in places if (d / "config.json").is_file()), None)
+    config_dir, tok_dir = _description_dirs(resolved)
     if config_dir is None and base_model is None:
         raise CheckpointError(f"no config.json in {resolved.checkpoint_dir} or its parent: pass --base-model <hub id or folder the run started from>")
     config_from = base_model if config_dir is None else str(config_dir)
@@ -448,7 +455,6 @@ def find_model_files(resolved: ResolvedInput, base_model: str | None):
         generation_config = GenerationConfig.from_pretrained(config_dir)
     else:
         generation_config = GenerationConfig.from_model_config(config)
-    tok_dir = next((d for d in places if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
     tok_from = str(tok_dir) if tok_dir is not None else base_model
     if tok_from is None:
         raise CheckpointError(f"no tokenizer files in {resolved.checkpoint_dir} or its parent: pass --base-model <hub id or folder with the tokenizer>")
@@ -526,14 +532,14 @@ def _describe(resolved: ResolvedInput, base_model: str | None):
 
 def _untied_names(resolved: ResolvedInput) -> list[str] | None:
     """Every checkpoint tensor, when the run's config.json states tie_word_embeddings: false; else None."""
-    for folder in (resolved.checkpoint_dir, resolved.checkpoint_dir.parent):
-        if (folder / "config.json").is_file():
-            try:
-                tied = json.loads((folder / "config.json").read_text()).get("tie_word_embeddings")
-            except ValueError:
-                return None
-            return sorted(resolved.source.tensors) if tied is False else None
-    return None
+    config_dir, _ = _description_dirs(resolved)
+    if config_dir is None:
+        return None
+    try:
+        tied = json.loads((config_dir / "config.json").read_text()).get("tie_word_embeddings")
+    except ValueError:
+        return None
+    return sorted(resolved.source.tensors) if tied is False else None
 
 
 def verify_folder(folder: Path, source, names: list[str], dtype: torch.dtype | None = None) -> None:
@@ -564,7 +570,7 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
     dtypes: dict[str, int] = {}
     for info in src.tensors.values():
         dtypes[str(info.dtype).removeprefix("torch.")] = dtypes.get(str(info.dtype).removeprefix("torch."), 0) + 1
-    places = [ckpt, ckpt.parent]
+    config_dir, tok_dir = _description_dirs(resolved)
     return {
         "input": str(Path(input_path)),
         "checkpoint": str(ckpt),
@@ -576,7 +582,7 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         "parameters": sum(i.nbytes() // i.dtype.itemsize for i in src.tensors.values()),
         "bytes": sum(i.nbytes() for i in src.tensors.values()),
         "dtypes": dtypes,
-        "config": next((str(d / "config.json") for d in places if (d / "config.json").is_file()), None),
-        "tokenizer": next((str(d) for d in places if any((d / f).is_file() for f in TOKENIZER_FILES)), None),
+        "config": str(config_dir / "config.json") if config_dir else None,
+        "tokenizer": str(tok_dir) if tok_dir else None,
         "optimizer_state": (ckpt / "optimizer_0").is_dir() or (ckpt / "optimizer.bin").is_file(),
     }

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import ALL_CONFIGS, REPO, launch, run
+from conftest import ALL_CONFIGS, REPO, run
 from fsdp_recipes.config_check import check_config, errors
 
 RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml"))
@@ -25,7 +24,7 @@ def test_shipped_configs_and_recipes_pass(config, recipe):
     assert not errors(problems), [str(p) for p in problems]
 
 
-def variant(base: dict, drop=(), recipe_overrides=None, **changes) -> dict:
+def variant(base: dict, drop=(), **changes) -> dict:
     cfg = json.loads(json.dumps(base))
     for key, value in changes.items():
         if key.startswith("fsdp_"):

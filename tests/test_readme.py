@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 import shutil
 
-import pytest
-
 from conftest import REPO, logged_losses, run
 
 README = (REPO / "README.md").read_text()
