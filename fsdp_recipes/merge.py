@@ -65,15 +65,16 @@ def clean_name(name: str) -> str:
 # ----------------------------------------------------------------------------------------------- sources
 
 
-def dcp_problems(dcp_dir: Path) -> list[str]:
-    """What makes a DCP folder unreadable: missing or unreadable .metadata, missing or truncated .distcp files."""
+def _checked_metadata(dcp_dir: Path):
+    """(DCP metadata or None, what makes the folder unreadable: missing or unreadable .metadata, missing or
+    truncated .distcp files)."""
     meta_path = dcp_dir / ".metadata"
     if not meta_path.is_file():
-        return [f"missing {meta_path}"]
+        return None, [f"missing {meta_path}"]
     try:
         metadata = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
     except Exception as err:  # a truncated pickle raises several different types
-        return [f"unreadable {meta_path} ({type(err).__name__})"]
+        return None, [f"unreadable {meta_path} ({type(err).__name__})"]
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -84,7 +85,12 @@ def dcp_problems(dcp_dir: Path) -> list[str]:
             problems.append(f"missing {path}")
         elif path.stat().st_size < size:
             problems.append(f"truncated {path} ({path.stat().st_size} of {size} bytes)")
-    return problems
+    return metadata, problems
+
+
+def dcp_problems(dcp_dir: Path) -> list[str]:
+    """What makes a DCP folder unreadable (empty when it can be merged)."""
+    return _checked_metadata(dcp_dir)[1]
 
 
 class _FileSlice(io.RawIOBase):
@@ -150,13 +156,13 @@ class DCPSource:
 
     def __init__(self, dcp_dir: Path):
         self.path = dcp_dir
-        problems = dcp_problems(dcp_dir)
+        metadata, problems = _checked_metadata(dcp_dir)
         if problems:
             raise CheckpointError(
                 f"checkpoint {dcp_dir} is incomplete: {'; '.join(problems[:3])}; it was not finished writing or was "
                 "copied partly: use an earlier checkpoint-N or copy the folder again"
             )
-        metadata = self._metadata = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
+        self._metadata = metadata
         stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         if stored and all(k.startswith("optimizer.") for k in stored):
             raise CheckpointError(f"{dcp_dir} holds optimizer state, not model weights: give {dcp_dir.parent / DCP_MODEL_DIR} or the checkpoint-N folder")
