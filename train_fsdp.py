@@ -12,15 +12,15 @@ import os
 import sys
 
 import transformers
-from transformers import Trainer, set_seed
+from transformers import set_seed
 
 from fsdp_recipes import cpu_fsdp
 from fsdp_recipes.arguments import RecipeError, parse_args
-from fsdp_recipes.checks import NotShardedError, ShardingReport
-from fsdp_recipes.config_check import check_launch, errors
+from fsdp_recipes.checks import NotShardedError
 from fsdp_recipes.data import build_dataset
-from fsdp_recipes.export import DescribeCheckpoints, save_final_model
+from fsdp_recipes.export import save_final_model
 from fsdp_recipes.modeling import load_model, load_tokenizer
+from fsdp_recipes.trainer import FSDPTrainer
 
 logger = logging.getLogger("train_fsdp")
 
@@ -45,15 +45,13 @@ def main(model_args, data_args, training_args):
     model = load_model(model_args, tokenizer)
 
     # ---------- train ----------
-    trainer = Trainer(
+    trainer = FSDPTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
         data_collator=collator,
         processing_class=tokenizer,
     )
-    trainer.add_callback(ShardingReport(trainer))
-    trainer.add_callback(DescribeCheckpoints(trainer, tokenizer))
     if training_args.resume_from_checkpoint:
         logger.info(f"resuming from {training_args.resume_from_checkpoint}")
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -66,24 +64,14 @@ def main(model_args, data_args, training_args):
     logger.info(f"model saved to {training_args.output_dir} (loads with AutoModelForCausalLM.from_pretrained)")
 
 
-def preflight(model_args, training_args) -> None:
-    """Check the launcher's accelerate config with this run's settings: a broken config fails in seconds, on every
-    rank, before any process group or weight exists. Warnings are printed once."""
-    config, problems = check_launch(model_args, training_args)
-    if int(os.environ.get("RANK", "0")) == 0:
-        for problem in problems:
-            if problem.level == "warning":
-                print(problem, file=sys.stderr)
-    if errors(problems):
-        raise RecipeError(f"{config} has {len(errors(problems))} error(s): " + " | ".join(str(p) for p in errors(problems)))
-
-
 if __name__ == "__main__":
     cpu_fsdp.enable()  # before anything creates accelerate's state
     try:
+        if problem := cpu_fsdp.single_process_problem():
+            raise RecipeError(problem)
         args = parse_args()
-        preflight(args[0], args[2])
         main(*args)
     except (RecipeError, NotShardedError) as err:
-        print(f"train_fsdp.py: error: {err}", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one message per machine
+            print(f"train_fsdp.py: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +61,39 @@ class ModelArguments:
             raise RecipeError(f"config_name={self.config_name!r} does not exist: give a folder holding config.json")
         if self.tokenizer_name is None:
             self.tokenizer_name = self.model_name_or_path or self.config_name
+        for key, weights in (("model_name_or_path", True), ("tokenizer_name", False)):
+            if getattr(self, key) is not None and (problem := model_source_problem(getattr(self, key), weights)):
+                raise RecipeError(f"{key}={getattr(self, key)!r} {problem}")
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def model_source_problem(name: str, weights: bool) -> str | None:
+    """Why a local folder or hub id cannot be loaded, found without loading it (None when it looks loadable).
+    Hub ids are only checked offline (HF_HUB_OFFLINE=1), against the local cache."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if (path / "pytorch_model_fsdp_0").is_dir() and weights:
+            return (
+                f"is a sharded FSDP checkpoint: merge it first (python tools/merge_checkpoint.py {name} MERGED) and "
+                "fine-tune from MERGED, or continue its run with --resume_from_checkpoint"
+            )
+        if not (path / "config.json").is_file():
+            return "is a folder without config.json: give a folder written by save_pretrained or tools/merge_checkpoint.py"
+        if weights and not any((path / f).is_file() for f in WEIGHT_FILES):
+            return f"has no weights ({', '.join(WEIGHT_FILES)}): give a folder written by save_pretrained or tools/merge_checkpoint.py"
+        return None
+    if path.exists():
+        return "is a file: give the folder that holds config.json"
+    parts = name.split("/")
+    if name.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir()):
+        return "does not exist (relative paths start where you launch): give a local model folder or a hub id"
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return "is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE=1 forbids downloading it"
+    return None
 
 
 @dataclass
@@ -126,10 +161,22 @@ def load_recipe(path: Path, anchor_paths: bool = False) -> dict:
     return recipe
 
 
+@dataclass
+class RunArguments:
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train from scratch into an output_dir that holds another run: its checkpoint-N folders are deleted first."},
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
-    """``[recipe.yaml] [--flag value ...]``; with no recipe, the embedded default recipe is used."""
+    """``[recipe.yaml] [--flag value ...]``; with no recipe, the embedded default recipe is used.
+
+    Every check runs before TrainingArguments is built: building it starts accelerate's PartialState, which
+    joins the process group. Bad input therefore fails on each rank in seconds and leaves nothing behind.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml")):
         recipe = load_recipe(Path(argv.pop(0)))
     elif argv and not argv[0].startswith("-"):
@@ -144,27 +191,113 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         hints = [f"{key} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(key, known, 1)) else key for key in unknown]
         raise RecipeError(f"unknown recipe key(s): {', '.join(hints)}; see `train_fsdp.py --help`")
     parser.set_defaults(**recipe)
+    raw = parser.parse_args(argv)  # plain values: no dataclass, no process group yet
+    check_accelerate_config(raw)
+    model_args, data_args, run_args = (_build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
+    output_dir = raw.output_dir or "trainer_output"
+    resume = resolve_resume(raw.resume_from_checkpoint, output_dir)
+    check_output_dir(output_dir, resuming=resume is not None, overwrite=run_args.overwrite_output_dir)
     try:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    except RecipeError:
-        raise
+        training_args = _build(TrainingArguments, raw)
     except ValueError as err:  # TrainingArguments.__post_init__ checks
         raise RecipeError(str(err).replace("\n", " ")) from None
-    training_args.resume_from_checkpoint = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    training_args.resume_from_checkpoint = resume
     return model_args, data_args, training_args
 
 
+def _build(cls, raw):
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return cls(**{k: v for k, v in vars(raw).items() if k in names})
+
+
+def check_accelerate_config(raw) -> None:
+    """The launcher's accelerate config, checked with this run's settings (tools/check_config.py's rules).
+    Warnings are printed once; errors stop every rank."""
+    from .config_check import check_launch, errors
+
+    config, problems = check_launch(raw, raw)
+    for problem in problems:
+        if problem.level == "warning":
+            _say(str(problem))
+    if errors(problems):
+        raise RecipeError(f"{config} has {len(errors(problems))} error(s): " + " | ".join(str(p) for p in errors(problems)))
+
+
+def _say(message: str) -> None:
+    """Once per job (global rank 0): every rank parses the same arguments."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"train_fsdp.py: {message}", file=sys.stderr, flush=True)
+
+
 def resolve_resume(value: str | None, output_dir: str) -> str | None:
-    """``true`` means the newest ``checkpoint-N`` in output_dir; a path must exist; ``false`` or unset: no resume."""
-    from transformers.trainer_utils import get_last_checkpoint
+    """``true``: the newest complete checkpoint-N in output_dir (newer, incomplete ones are named and set aside);
+    a path: that checkpoint, which must be complete; ``false`` or unset: no resume."""
+    from .checkpoints import checkpoint_status, newest_resumable, set_aside
 
     if value is None or str(value).lower() == "false":
         return None
     if str(value).lower() == "true":
-        last = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
-        if last is None:
-            raise RecipeError(f"--resume_from_checkpoint true: no checkpoint-N folder in output_dir {output_dir!r}")
-        return last
+        chosen, skipped = newest_resumable(output_dir) if Path(output_dir).is_dir() else (None, [])
+        for status in skipped:
+            _say(f"skipping {status.summary()}")
+            if os.environ.get("RANK", "0") == "0":
+                _say(f"moved it to {set_aside(Path(status.path)).name} (nothing deleted)")
+        if chosen is None:
+            what = f" ({len(skipped)} incomplete one(s) set aside)" if skipped else ""
+            raise RecipeError(
+                f"--resume_from_checkpoint true: no complete checkpoint-N folder in output_dir {output_dir!r}{what}; "
+                "start without --resume_from_checkpoint"
+            )
+        return _resumable(chosen)
     if not Path(value).is_dir():
         raise RecipeError(f"--resume_from_checkpoint {value!r} is not a folder: give a checkpoint-N folder, or true for the latest")
-    return value
+    status = checkpoint_status(value)
+    if not status.resumable:
+        chosen, _ = newest_resumable(Path(value).parent)
+        instead = f"resume from {chosen.path} (the newest complete one) or" if chosen else "start"
+        raise RecipeError(f"cannot resume from {status.summary()}; {instead} without it")
+    return _resumable(status)
+
+
+def _resumable(status) -> str:
+    """The checkpoint path, after checking it fits this launch."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if status.state_dict_type == "SHARDED_STATE_DICT" and not fsdp:
+        raise RecipeError(
+            f"{status.path} holds FSDP shards: resume it under FSDP (`accelerate launch --config_file "
+            "accelerate_configs/<config>.yaml train_fsdp.py ...`), or merge it with tools/merge_checkpoint.py and "
+            "fine-tune from the merged folder"
+        )
+    if status.world_size and status.world_size != world:
+        _say(
+            f"{Path(status.path).name} was saved by {status.world_size} processes, this run has {world}: the shards "
+            "are resharded on load; ranks without a saved RNG state start from the seed, and the data order follows "
+            "the new global batch size (keep per_device_train_batch_size x processes equal to continue the same order)"
+        )
+    return status.path
+
+
+def check_output_dir(output_dir: str, resuming: bool, overwrite: bool) -> None:
+    """A new run must not write into another run's checkpoints: a later `resume true` would pick theirs."""
+    from .checkpoints import INCOMPLETE_PREFIX
+    from .merge import checkpoint_steps
+
+    out = Path(output_dir)
+    if resuming or not out.is_dir():
+        return
+    earlier = checkpoint_steps(out) + sorted(out.glob(f"{INCOMPLETE_PREFIX}checkpoint-*"))
+    if not earlier:
+        return
+    if not overwrite:
+        names = ", ".join(p.name for p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise RecipeError(
+            f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
+            "--resume_from_checkpoint true, choose a new --output_dir, or pass --overwrite_output_dir true to delete them"
+        )
+    if os.environ.get("RANK", "0") == "0":
+        import shutil
+
+        for ckpt in earlier:
+            shutil.rmtree(ckpt)
+        _say(f"--overwrite_output_dir: deleted {len(earlier)} checkpoint folder(s) of the earlier run in {output_dir}")

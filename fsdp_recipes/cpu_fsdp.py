@@ -59,6 +59,16 @@ def needed() -> bool:
     return fsdp_requested() and not accelerator_present() and launched_world_size() > 1
 
 
+def single_process_problem() -> str | None:
+    """FSDP asked for on one process without an accelerator would silently train an unwrapped model."""
+    if fsdp_requested() and not accelerator_present() and launched_world_size() < 2:
+        return (
+            "the accelerate config asks for FSDP, but without a GPU FSDP runs over gloo and needs 2 or more processes; "
+            "this launch has 1: pass --num_processes 2 (or more) to accelerate launch"
+        )
+    return None
+
+
 def enable() -> bool:
     """Apply the patches if :func:`needed`; return whether they are active. Idempotent.
 

@@ -6,6 +6,7 @@ turns shards into a model.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from .checks import REPORT_NAME
 from .merge import DCP_MODEL_DIR, DCPSource, describe_folder, write_model_files
 
 
@@ -30,15 +32,25 @@ def save_model_description(model, tokenizer, folder: str | os.PathLike) -> None:
 
 class DescribeCheckpoints(TrainerCallback):
     """Write config and tokenizer into each checkpoint-N, which the Trainer leaves weights-only under
-    SHARDED_STATE_DICT, so any checkpoint merges on its own (tools/merge_checkpoint.py)."""
+    SHARDED_STATE_DICT, so any checkpoint merges on its own (tools/merge_checkpoint.py); then, once every
+    rank has finished its files, the run's fsdp_report.json with the state-dict type (FSDP version,
+    strategy and world size, which the shards themselves do not record: tools/check_checkpoint.py)."""
 
     def __init__(self, trainer, tokenizer):
         self.trainer, self.tokenizer = trainer, tokenizer
 
     def on_save(self, args, state, control, **kwargs):
+        accelerator = self.trainer.accelerator
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if state.is_world_process_zero:
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            save_model_description(self.trainer.accelerator.unwrap_model(self.trainer.model), self.tokenizer, folder)
+            save_model_description(accelerator.unwrap_model(self.trainer.model), self.tokenizer, folder)
+        accelerator.wait_for_everyone()  # every rank's rng state is written after the shared shards
+        run_report = Path(args.output_dir) / REPORT_NAME
+        if state.is_world_process_zero and run_report.is_file():
+            plugin = getattr(accelerator.state, "fsdp_plugin", None)
+            report = json.loads(run_report.read_text())
+            report["state_dict_type"] = str(plugin.state_dict_type).split(".")[-1] if plugin else None
+            (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def save_final_model(trainer, tokenizer) -> None:

@@ -65,7 +65,7 @@ def clean_name(name: str) -> str:
 # ----------------------------------------------------------------------------------------------- sources
 
 
-def _checked_metadata(dcp_dir: Path):
+def checked_metadata(dcp_dir: Path):
     """(DCP metadata or None, what makes the folder unreadable: missing or unreadable .metadata, missing or
     truncated .distcp files)."""
     meta_path = dcp_dir / ".metadata"
@@ -90,7 +90,7 @@ def _checked_metadata(dcp_dir: Path):
 
 def dcp_problems(dcp_dir: Path) -> list[str]:
     """What makes a DCP folder unreadable (empty when it can be merged)."""
-    return _checked_metadata(dcp_dir)[1]
+    return checked_metadata(dcp_dir)[1]
 
 
 class _FileSlice(io.RawIOBase):
@@ -156,7 +156,7 @@ class DCPSource:
 
     def __init__(self, dcp_dir: Path):
         self.path = dcp_dir
-        metadata, problems = _checked_metadata(dcp_dir)
+        metadata, problems = checked_metadata(dcp_dir)
         if problems:
             raise CheckpointError(
                 f"checkpoint {dcp_dir} is incomplete: {'; '.join(problems[:3])}; it was not finished writing or was "

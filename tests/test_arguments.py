@@ -66,7 +66,7 @@ def test_bad_recipe_is_a_clear_error(tmp_path, text, message):
 
 
 def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(RecipeError, match="no checkpoint-N folder"):
+    with pytest.raises(RecipeError, match="no complete checkpoint-N folder"):
         parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "true"])
 
 

@@ -1,0 +1,171 @@
+"""Training checkpoints: is a ``checkpoint-N`` folder complete and resumable, and which one does a resume use.
+
+The Trainer writes a checkpoint in place, in this order: model shards (every rank, then ``.metadata``),
+optimizer shards (likewise), ``scheduler.pt`` (rank 0), one ``rng_state_<rank>.pth`` per rank, then
+``trainer_state.json`` (rank 0), and our ``fsdp_report.json`` once every rank is done. A job killed
+in between leaves a folder that looks like a checkpoint; resuming from it would either crash or, worse,
+silently restart the optimizer (the Trainer skips optimizer files it does not find). Completeness is
+therefore judged file by file, against the DCP metadata's own list of shards and byte ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .checks import REPORT_NAME
+from .merge import DCP_MODEL_DIR, checked_metadata, checkpoint_steps
+
+OPTIMIZER_DIR = "optimizer_0"
+FULL_MODEL_FILE = "pytorch_model_fsdp.bin"
+FULL_OPTIMIZER_FILE = "optimizer.bin"
+INCOMPLETE_PREFIX = "incomplete-"  # outside the Trainer's `checkpoint-*` glob: never rotated, never resumed
+
+
+@dataclass
+class CheckpointStatus:
+    path: str
+    step: int | None = None
+    state_dict_type: str | None = None  # SHARDED_STATE_DICT or FULL_STATE_DICT
+    fsdp_version: int | None = None  # from our fsdp_report.json; None for checkpoints other scripts wrote
+    sharding_strategy: str | None = None
+    world_size: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def resumable(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        name = Path(self.path).name
+        what = ", ".join(
+            part for part in (
+                f"step {self.step}" if self.step is not None else None,
+                f"FSDP{self.fsdp_version}" if self.fsdp_version else None,
+                self.sharding_strategy,
+                self.state_dict_type,
+                f"{self.world_size} rank(s)" if self.world_size else None,
+            ) if part
+        )
+        verdict = "resumable" if self.resumable else "INCOMPLETE: " + "; ".join(self.problems)
+        return f"{name} ({what}): {verdict}" if what else f"{name}: {verdict}"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "resumable": self.resumable}
+
+
+def _torch_file_problem(path: Path) -> str | None:
+    """torch.save files are zip archives whose directory sits at the end: a cut-off file has none."""
+    if not path.is_file():
+        return f"missing {path.name}"
+    try:
+        zipfile.ZipFile(path).close()
+    except (zipfile.BadZipFile, OSError):
+        return f"truncated or unreadable {path.name}"
+    return None
+
+
+def _dcp_problems(folder: Path, what: str) -> tuple[list[str], set[int]]:
+    """Problems of a DCP folder and the ranks whose shard files its metadata names."""
+    if not folder.is_dir():
+        return [f"missing {folder.name}/ ({what})"], set()
+    metadata, problems = checked_metadata(folder)
+    ckpt = folder.parent
+    problems = [p.replace(f"{ckpt}/", "") for p in problems]
+    ranks = set()
+    if metadata is not None:
+        for info in metadata.storage_data.values():
+            if m := re.match(r"__(\d+)_\d+\.distcp$", info.relative_path):
+                ranks.add(int(m.group(1)))
+    return problems, ranks
+
+
+def checkpoint_status(ckpt: str | os.PathLike) -> CheckpointStatus:
+    """Everything a resume needs, checked without loading a tensor."""
+    ckpt = Path(ckpt)
+    status = CheckpointStatus(str(ckpt))
+    if not ckpt.is_dir():
+        status.problems.append(f"{ckpt} is not a folder")
+        return status
+    try:
+        _check(ckpt, status)
+    except OSError as err:  # a file vanished while we looked (another rank set the folder aside)
+        status.problems.append(f"unreadable: {err.strerror} ({Path(err.filename or ckpt).name})")
+    return status
+
+
+def _check(ckpt: Path, status: CheckpointStatus) -> None:
+    if not any((ckpt / name).exists() for name in ("trainer_state.json", DCP_MODEL_DIR, OPTIMIZER_DIR, FULL_MODEL_FILE)):
+        status.problems.append("not a training checkpoint (no trainer_state.json, model or optimizer state)")
+        return
+    report = ckpt / REPORT_NAME
+    if report.is_file():
+        try:
+            info = json.loads(report.read_text())
+            status.fsdp_version, status.world_size = info.get("fsdp_version"), info.get("world_size")
+            status.sharding_strategy = info.get("sharding_strategy")
+        except json.JSONDecodeError:
+            status.problems.append(f"unreadable {REPORT_NAME}")
+
+    state = ckpt / "trainer_state.json"
+    if not state.is_file():
+        status.problems.append("missing trainer_state.json (the Trainer writes it last: the save did not finish)")
+    else:
+        try:
+            status.step = json.loads(state.read_text())["global_step"]
+        except (json.JSONDecodeError, KeyError):
+            status.problems.append("unreadable trainer_state.json")
+        name_step = int(ckpt.name.split("-")[1]) if re.fullmatch(r"checkpoint-\d+", ckpt.name) else None
+        if status.step is not None and name_step is not None and status.step != name_step:
+            status.problems.append(f"trainer_state.json says step {status.step}, the folder name step {name_step}")
+
+    ranks: set[int] = set()
+    if (ckpt / DCP_MODEL_DIR).is_dir() or not (ckpt / FULL_MODEL_FILE).is_file():
+        status.state_dict_type = "SHARDED_STATE_DICT"
+        for folder, what in ((ckpt / DCP_MODEL_DIR, "model shards"), (ckpt / OPTIMIZER_DIR, "optimizer shards")):
+            problems, found = _dcp_problems(folder, what)
+            status.problems += problems
+            ranks |= found
+    else:
+        status.state_dict_type = "FULL_STATE_DICT"
+        status.problems += [p for p in (_torch_file_problem(ckpt / FULL_MODEL_FILE), _torch_file_problem(ckpt / FULL_OPTIMIZER_FILE)) if p]
+
+    if problem := _torch_file_problem(ckpt / "scheduler.pt"):
+        status.problems.append(problem)
+
+    rng_files = {int(m.group(1)) for p in ckpt.glob("rng_state_*.pth") if (m := re.fullmatch(r"rng_state_(\d+)\.pth", p.name))}
+    if status.world_size is None and (ranks or rng_files):
+        status.world_size = max(ranks | rng_files) + 1
+    if status.world_size and status.world_size > 1:
+        rng_names = [f"rng_state_{r}.pth" for r in range(status.world_size)]
+    else:
+        rng_names = ["rng_state.pth"]
+    status.problems += [p for p in (_torch_file_problem(ckpt / n) for n in rng_names) if p]
+
+
+def set_aside(ckpt: Path) -> Path:
+    """Move an incomplete checkpoint out of the Trainer's way (a resumed run rewrites that step into a clean
+    folder, and rotation never counts it); nothing is deleted."""
+    target = ckpt.parent / f"{INCOMPLETE_PREFIX}{ckpt.name}"
+    n = 1
+    while target.exists():
+        target = ckpt.parent / f"{INCOMPLETE_PREFIX}{ckpt.name}.{n}"
+        n += 1
+    os.rename(ckpt, target)
+    return target
+
+
+def newest_resumable(run_dir: str | os.PathLike) -> tuple[CheckpointStatus | None, list[CheckpointStatus]]:
+    """(the newest complete checkpoint in run_dir or None, the newer incomplete ones it passed over)."""
+    skipped = []
+    for ckpt in checkpoint_steps(Path(run_dir)):
+        status = checkpoint_status(ckpt)
+        if status.resumable:
+            return status, skipped
+        skipped.append(status)
+    return None, skipped

@@ -1,0 +1,70 @@
+"""train_fsdp.py with a fault injected, for the fault-injection tests: the real script, launched for real,
+and a real SIGKILL at a chosen point.
+
+    FSDP_FAULT="<ranks>:<point>:<step>"   ranks: all | 0 | 1 | 0,1 ...
+      point step      rank(s) die before the first micro-batch after <step> optimizer steps
+      point optimizer rank(s) die while checkpoint-<step> is written: model shards done, optimizer shards not begun
+    FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into <dir>
+"""
+
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+from transformers import Trainer
+
+from fsdp_recipes.trainer import FSDPTrainer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _dies(ranks: str) -> bool:
+    return ranks == "all" or os.environ["RANK"] in ranks.split(",")
+
+
+def _die() -> None:
+    print(f"fault injection: SIGKILL rank {os.environ['RANK']} ({os.environ['FSDP_FAULT']})", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if os.environ.get("FSDP_FAULT"):
+    ranks, point, step = os.environ["FSDP_FAULT"].split(":")
+    if point == "step":
+        training_step = Trainer.training_step
+
+        def training_step_or_die(self, *args, **kwargs):
+            if self.state.global_step == int(step) and _dies(ranks):
+                _die()
+            return training_step(self, *args, **kwargs)
+
+        Trainer.training_step = training_step_or_die
+    elif point == "optimizer":
+        import transformers.trainer
+
+        save_optimizer = transformers.trainer.save_fsdp_optimizer  # the Trainer saves model shards just before
+
+        def save_optimizer_or_die(*args, **kwargs):
+            if Path(args[4]).name == f"checkpoint-{step}" and _dies(ranks):
+                _die()
+            return save_optimizer(*args, **kwargs)
+
+        transformers.trainer.save_fsdp_optimizer = save_optimizer_or_die
+    else:
+        raise SystemExit(f"FSDP_FAULT point {point!r}: use step or optimizer")
+
+if os.environ.get("FSDP_DUMP_OPTIMIZER"):
+    load = FSDPTrainer._load_optimizer_and_scheduler
+
+    def load_then_dump(self, checkpoint):
+        load(self, checkpoint)
+        if checkpoint is not None:
+            from accelerate.utils import save_fsdp_optimizer
+
+            save_fsdp_optimizer(self.accelerator.state.fsdp_plugin, self.accelerator, self.optimizer, self.model, os.environ["FSDP_DUMP_OPTIMIZER"])
+
+    FSDPTrainer._load_optimizer_and_scheduler = load_then_dump
+
+sys.argv[0] = str(REPO / "train_fsdp.py")
+runpy.run_path(str(REPO / "train_fsdp.py"), run_name="__main__")

@@ -1,0 +1,53 @@
+"""Is a training checkpoint complete and resumable? Reads metadata and file sizes only, no tensors.
+
+    python tools/check_checkpoint.py runs/tiny-llama-pretrain/checkpoint-120   # one checkpoint
+    python tools/check_checkpoint.py runs/tiny-llama-pretrain                  # every checkpoint of a run
+    python tools/check_checkpoint.py runs/tiny-llama-pretrain --json
+
+Exit status 0 when the checkpoint (or, for a run folder, at least one) is resumable, 1 otherwise.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fsdp_recipes.checkpoints import checkpoint_status
+from fsdp_recipes.merge import checkpoint_steps
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Report whether FSDP training checkpoints are complete and resumable: step, FSDP version, sharding "
+        "strategy, state-dict type, world size, and every missing or truncated file (model and optimizer shards "
+        "against their DCP metadata, scheduler, per-rank RNG states, trainer state). For a run folder, also which "
+        "checkpoint `--resume_from_checkpoint true` would use.",
+    )
+    parser.add_argument("path", help="a checkpoint-N folder, or a run's output folder holding checkpoint-N folders")
+    parser.add_argument("--json", action="store_true", help="print a JSON report instead of one line per checkpoint")
+    args = parser.parse_args(argv)
+
+    path = Path(args.path)
+    if not path.is_dir():
+        print(f"check_checkpoint.py: error: {path} is not a folder: give a checkpoint-N folder or a run's output folder", file=sys.stderr)
+        return 1
+    folders = checkpoint_steps(path) or [path]
+    statuses = [checkpoint_status(folder) for folder in folders]
+    chosen = next((s for s in statuses if s.resumable), None)
+    if args.json:
+        print(json.dumps({"checkpoints": [s.to_dict() for s in statuses], "resume_uses": chosen and chosen.path}, indent=2))
+    else:
+        for status in statuses:
+            print(status.summary())
+        if len(statuses) > 1 or folders[0] != path:
+            skipped = [Path(s.path).name for s in statuses[: statuses.index(chosen)]] if chosen else []
+            if chosen is None:
+                print("resume: no resumable checkpoint; start without --resume_from_checkpoint")
+            else:
+                aside = f" (setting aside {', '.join(skipped)})" if skipped else ""
+                print(f"resume: --resume_from_checkpoint true uses {Path(chosen.path).name}{aside}")
+    return 0 if chosen else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
