@@ -23,10 +23,17 @@ def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None =
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def launch(config: str, *script_args: str, launch_args: tuple[str, ...] = (), cwd: Path = REPO, check: bool = True):
+# train_fsdp.py with a SIGKILL injected at a chosen point (FSDP_FAULT), for the fault-tolerance tests.
+FAULT_SCRIPT = REPO / "tests" / "helpers" / "train_with_fault.py"
+
+
+def launch(
+    config: str, *script_args: str, launch_args: tuple[str, ...] = (), cwd: Path = REPO, check: bool = True,
+    script: Path = REPO / "train_fsdp.py", env: dict | None = None,
+):
     """`accelerate launch --config_file CONFIG [launch_args] train_fsdp.py [script_args]`."""
-    cmd = ["accelerate", "launch", "--config_file", str(REPO / config), *launch_args, str(REPO / "train_fsdp.py"), *script_args]
-    proc = run(cmd, cwd=cwd)
+    cmd = ["accelerate", "launch", "--config_file", str(REPO / config), *launch_args, str(script), *script_args]
+    proc = run(cmd, cwd=cwd, env=env)
     if check and proc.returncode != 0:
         pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
     return proc

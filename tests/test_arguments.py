@@ -87,3 +87,43 @@ def test_bad_value_fails_under_launch_before_any_process_group(tmp_path):
     assert "running FSDP over gloo" not in proc.stdout  # main() never began: no process group, no model
     assert not out.exists()
     assert time.monotonic() - start < 60
+
+
+def test_bad_input_fails_before_training_arguments_join_the_process_group(tmp_path, monkeypatch):
+    """Building TrainingArguments starts accelerate's PartialState (the process group): every check comes first."""
+    from transformers import TrainingArguments
+
+    def built(self):
+        raise AssertionError("TrainingArguments was built before the input was checked")
+
+    monkeypatch.setattr(TrainingArguments, "__post_init__", built)
+    (tmp_path / "taken" / "checkpoint-3").mkdir(parents=True)
+    cases = [
+        ["--train_file", "/nonexistent/corpus.txt"],
+        [write(tmp_path, CORPUS + "model_name_or_path: ./no-such-model\n")],
+        [write(tmp_path, TINY + CORPUS + "num_train_epoch: 3\n")],
+        ["--output_dir", str(tmp_path / "taken")],
+        ["--output_dir", str(tmp_path / "empty"), "--resume_from_checkpoint", "true"],
+    ]
+    for argv in cases:
+        with pytest.raises(RecipeError):
+            parse_args(argv)
+
+
+def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
+    from fsdp_recipes.arguments import model_source_problem
+
+    run_dir = trained("accelerate_configs/zero3.yaml").output_dir
+    assert model_source_problem(str(run_dir), weights=True) is None  # a final model folder
+    assert "is a sharded FSDP checkpoint: merge it first" in model_source_problem(str(run_dir / "checkpoint-6"), weights=True)
+    assert model_source_problem(str(run_dir / "checkpoint-6"), weights=False) is None  # its tokenizer is fine
+    assert "without config.json" in model_source_problem(str(tmp_path), weights=True)
+    assert "is a file" in model_source_problem(str(run_dir / "config.json"), weights=True)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    assert "does not exist" in model_source_problem("outputs/my-run", weights=True)  # a path, not a hub id
+    assert model_source_problem("meta-llama/Llama-3.2-1B", weights=True) is None  # online: left to from_pretrained
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert "HF_HUB_OFFLINE=1" in model_source_problem("meta-llama/Llama-3.2-1B", weights=True)
