@@ -18,7 +18,7 @@ from fsdp_recipes import cpu_fsdp
 from fsdp_recipes.arguments import RecipeError, parse_args
 from fsdp_recipes.checks import NotShardedError
 from fsdp_recipes.data import build_dataset
-from fsdp_recipes.export import save_final_model
+from fsdp_recipes.export import export_checkpoint, finished_checkpoint_step, save_final_model
 from fsdp_recipes.modeling import load_model, load_tokenizer
 from fsdp_recipes.trainer import FSDPTrainer
 
@@ -32,6 +32,15 @@ def main(model_args, data_args, training_args):
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     if cpu_fsdp.is_enabled():
         logger.info("no accelerator found: running FSDP over gloo on CPU (fsdp_recipes.cpu_fsdp)")
+
+    if (step := finished_checkpoint_step(training_args)) is not None:
+        logger.info(
+            f"{training_args.resume_from_checkpoint} is at step {step}, max_steps is {training_args.max_steps}: "
+            f"nothing left to train; writing its model to {training_args.output_dir}"
+        )
+        if training_args.process_index == 0:
+            export_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir, log=logger.info)
+        return
 
     # ---------- model and tokenizer ----------
     set_seed(training_args.seed)

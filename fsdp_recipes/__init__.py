@@ -6,6 +6,8 @@
 - checks:        proof that the prepared model is FSDP-wrapped and sharded (fsdp_report.json)
 - config_check:  accelerate config + recipe + model checks (tools/check_config.py, train_fsdp.py)
 - export:        saving during training: self-describing checkpoints, the final model folder
+- trainer:       FSDPTrainer: the Trainer plus FSDP checks and an exact FSDP1 optimizer resume
+- checkpoints:   is a training checkpoint complete and resumable; which one a resume uses
 - merge:         any FSDP checkpoint -> Hugging Face folder, streamed (tools/merge_checkpoint.py)
 - memory:        the memory formulas (tools/estimate_memory.py)
 - cpu_fsdp:      makes accelerate's FSDP path real on machines without an accelerator (tests, laptops)

@@ -81,8 +81,38 @@ def save_final_model(trainer, tokenizer) -> None:
         files = write_model_files(
             DCPSource(shards / DCP_MODEL_DIR), staging, model.config, tokenizer, getattr(model, "generation_config", None)
         )
-        for name in sorted(files, key=lambda n: n == "config.json"):
-            os.replace(staging / name, out / name)
-        staging.rmdir()
+        publish(staging, out, files)
         shutil.rmtree(shards)
     accelerator.wait_for_everyone()
+
+
+def publish(staging: Path, out: Path, files: list[str]) -> None:
+    """Move finished files into ``out``, config.json last: until it is there, the folder does not load."""
+    for name in sorted(files, key=lambda n: n == "config.json"):
+        os.replace(staging / name, out / name)
+    shutil.rmtree(staging)
+
+
+def finished_checkpoint_step(training_args) -> int | None:
+    """The step of the checkpoint being resumed when it already reaches max_steps, else None.
+
+    The Trainer resumed at global_step == max_steps still runs one more optimizer step (transformers 5.23),
+    so a job killed after its last checkpoint, while writing the final model, would end one step past the
+    run that never stopped. Such a resume exports the checkpoint instead of training.
+    """
+    ckpt = training_args.resume_from_checkpoint
+    if not ckpt or training_args.max_steps <= 0:
+        return None
+    step = json.loads((Path(ckpt) / "trainer_state.json").read_text())["global_step"]
+    return step if step >= training_args.max_steps else None
+
+
+def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, log=print) -> None:
+    """The final model folder of a run, written from one of its checkpoints (tools/merge_checkpoint.py's code)."""
+    from .merge import merge_checkpoint
+
+    ckpt, out = Path(ckpt), Path(out)
+    staging = out / ".export-tmp"
+    result = merge_checkpoint(ckpt, staging, overwrite=True, log=log)
+    publish(staging, out, result.files)
+    shutil.copy2(ckpt / "trainer_state.json", out / "trainer_state.json")

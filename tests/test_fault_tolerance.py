@@ -66,6 +66,24 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, config, fault,
     assert [g["lr"] for g in loaded["param_groups"]] == [g["lr"] for g in saved["param_groups"]]
 
 
+def test_killed_while_writing_the_final_model_resumes_without_training(trained, tmp_path):
+    """After the last checkpoint nothing is left to train: the Trainer would still run one more step (it checks
+    max_steps only after a step), so the resume writes the final folder from the checkpoint instead."""
+    config = "accelerate_configs/zero3.yaml"
+    out = tmp_path / "run"
+    killed = launch(config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False)
+    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr
+    assert not (out / "model.safetensors").exists() and (out / "checkpoint-12").is_dir()
+    resumed = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert "is at step 12, max_steps is 12: nothing left to train" in resumed.stdout
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]
+    assert read_json(out / "trainer_state.json")["global_step"] == 12
+    final = load_file(out / "model.safetensors")
+    reference = load_file(trained(config).output_dir / "model.safetensors")
+    assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
+    assert read_json(out / "config.json")["architectures"] == ["LlamaForCausalLM"]
+
+
 def test_resume_on_more_processes_reshards(trained, tmp_path):
     """Saved by 2 processes x 8 sequences, resumed on 4 x 4: the same sequences in each global batch, so the run
     continues the same trajectory; only the order of floating-point sums over ranks differs (bf16 autocast).

@@ -64,6 +64,12 @@ def test_every_readme_command_runs(tmp_path):
     assert (repo / "runs" / "x" / "checkpoint-10" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert (repo / "runs" / "tiny-llama-chat" / "model.safetensors").is_file()
 
+    # Resume: the checker's output is the one shown, and the relaunch resumes from what it names.
+    shown = re.search(r"python tools/check_checkpoint.py runs/x\n.*?```\n\n```\n(.*?)```", README, flags=re.S).group(1)
+    assert outputs["python tools/check_checkpoint.py runs/x"].strip() == shown.strip()
+    resumed = next(out for cmd, out in outputs.items() if cmd.endswith("--output_dir runs/x --resume_from_checkpoint true"))
+    assert "runs/x/checkpoint-20 is at step 20, max_steps is 20: nothing left to train" in resumed
+
     # The converter commands.
     assert (repo / "runs" / "tiny-llama-merged-60" / "model.safetensors").is_file()
     assert len(list((repo / "runs" / "tiny-llama-merged").glob("model-*-of-*.safetensors"))) >= 2
