@@ -35,11 +35,26 @@ def test_enable_applies_only_to_multiprocess_fsdp_without_accelerator(env, expec
 
 
 def test_single_process_fsdp_launch_on_cpu_stops_with_clear_error(tmp_path):
-    """One process gets no gloo group, so accelerate silently trains unwrapped: the script must refuse."""
+    """One process gets no gloo group, so accelerate would silently train unwrapped: the script refuses first."""
     proc = launch(
-        "accelerate_configs/zero3.yaml", "--max_steps", "2", "--output_dir", str(tmp_path),
+        "accelerate_configs/zero3.yaml", "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
         launch_args=("--num_processes", "1"), check=False,
     )
     assert proc.returncode != 0
-    assert "train_fsdp.py: error: the accelerate config asks for FSDP2 but the model is LlamaForCausalLM" in proc.stderr
-    assert not (tmp_path / "model.safetensors").exists()
+    assert "train_fsdp.py: error: the accelerate config asks for FSDP, but without a GPU FSDP runs over gloo and needs 2 or more processes" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwrapped_model_under_an_fsdp_launch_is_refused(monkeypatch, tmp_path):
+    """The guard after preparation: whatever the cause, a model that is not FSDP-wrapped as asked stops the run."""
+    from accelerate import Accelerator
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import REPO
+    from fsdp_recipes.checks import NotShardedError, verify_and_report
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama"))
+    with pytest.raises(NotShardedError, match="asks for FSDP2 but the model is LlamaForCausalLM"):
+        verify_and_report(model, Accelerator(cpu=True), str(tmp_path))  # this process: no FSDP
