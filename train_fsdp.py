@@ -74,11 +74,8 @@ def main(model_args, data_args, training_args):
 
 
 if __name__ == "__main__":
-    cpu_fsdp.enable()  # before anything creates accelerate's state
     try:
-        if problem := cpu_fsdp.single_process_problem():
-            raise RecipeError(problem)
-        args = parse_args()
+        args = parse_args()  # also makes FSDP real where there is no GPU (fsdp_recipes.cpu_fsdp)
         main(*args)
     except (RecipeError, NotShardedError) as err:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one message per machine

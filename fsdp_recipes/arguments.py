@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
+from . import cpu_fsdp
 from .tiny import REPO_ROOT
 
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny-llama" / "pretrain.yaml"
@@ -192,17 +193,59 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         raise RecipeError(f"unknown recipe key(s): {', '.join(hints)}; see `train_fsdp.py --help`")
     parser.set_defaults(**recipe)
     raw = parser.parse_args(argv)  # plain values: no dataclass, no process group yet
+    trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp
+    if problem := cpu_fsdp.single_process_problem(trainer_fsdp):
+        raise RecipeError(problem)
     check_accelerate_config(raw)
     model_args, data_args, run_args = (_build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
     output_dir = raw.output_dir or "trainer_output"
-    resume = resolve_resume(raw.resume_from_checkpoint, output_dir)
+    resume = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp)
     check_output_dir(output_dir, resuming=resume is not None, overwrite=run_args.overwrite_output_dir)
+    cpu_fsdp.enable(trainer_fsdp)  # must precede TrainingArguments, which creates accelerate's PartialState
     try:
         training_args = _build(TrainingArguments, raw)
     except ValueError as err:  # TrainingArguments.__post_init__ checks
         raise RecipeError(str(err).replace("\n", " ")) from None
     training_args.resume_from_checkpoint = resume
     return model_args, data_args, training_args
+
+
+# The fsdp_config keys TrainingArguments reads (transformers 5.23, TrainingArguments._process_fsdp_args); it
+# ignores any other key silently. Keys may carry an "fsdp_" prefix; keys starting with "_" are comments.
+TRAINER_FSDP_KEYS = {
+    "version", "reshard_after_forward", "auto_wrap_policy", "min_num_params", "transformer_layer_cls_to_wrap",
+    "state_dict_type", "cpu_ram_efficient_loading", "cpu_offload", "activation_checkpointing", "forward_prefetch",
+    "backward_prefetch", "use_orig_params", "sync_module_states", "limit_all_gathers",
+    "xla", "xla_fsdp_settings", "xla_fsdp_v2", "xla_fsdp_grad_ckpt",
+}
+
+
+def check_trainer_fsdp(raw) -> bool:
+    """Normalise TrainingArguments' --fsdp (the torchrun route) and check its fsdp_config; True if FSDP is asked for.
+
+    ``--fsdp true`` arrives as the string "true", which TrainingArguments rejects ("Unknown fsdp option"): it
+    becomes True, the non-deprecated form. A fsdp_config key TrainingArguments does not read is an error."""
+    if isinstance(raw.fsdp, str) and raw.fsdp.lower() in ("true", "false", ""):
+        raw.fsdp = raw.fsdp.lower() == "true" or None
+    if not raw.fsdp:
+        return False
+    config = raw.fsdp_config
+    if isinstance(config, str):
+        import json
+
+        if not Path(config).is_file():
+            raise RecipeError(f"--fsdp_config {config!r} does not exist: give a JSON file such as accelerate_configs/torchrun/zero3.json")
+        try:
+            config = json.loads(Path(config).read_text())
+        except json.JSONDecodeError as err:
+            raise RecipeError(f"--fsdp_config {raw.fsdp_config!r} is not valid JSON: {err}") from None
+    import difflib
+
+    unknown = [k for k in (config or {}) if not k.startswith("_") and k.removeprefix("fsdp_") not in TRAINER_FSDP_KEYS]
+    if unknown:
+        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k.removeprefix("fsdp_"), TRAINER_FSDP_KEYS, 1)) else k for k in unknown]
+        raise RecipeError(f"fsdp_config has key(s) TrainingArguments would silently ignore: {', '.join(hints)}")
+    return True
 
 
 def _build(cls, raw):
@@ -229,7 +272,7 @@ def _say(message: str) -> None:
         print(f"train_fsdp.py: {message}", file=sys.stderr, flush=True)
 
 
-def resolve_resume(value: str | None, output_dir: str) -> str | None:
+def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = False) -> str | None:
     """``true``: the newest complete checkpoint-N in output_dir (newer, incomplete ones are named and set aside);
     a path: that checkpoint, which must be complete; ``false`` or unset: no resume."""
     from .checkpoints import checkpoint_status, newest_resumable, set_aside
@@ -248,7 +291,7 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
                 f"--resume_from_checkpoint true: no complete checkpoint-N folder in output_dir {output_dir!r}{what}; "
                 "start without --resume_from_checkpoint"
             )
-        return _resumable(chosen)
+        return _resumable(chosen, trainer_fsdp)
     if not Path(value).is_dir():
         raise RecipeError(f"--resume_from_checkpoint {value!r} is not a folder: give a checkpoint-N folder, or true for the latest")
     status = checkpoint_status(value)
@@ -256,14 +299,13 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
         chosen, _ = newest_resumable(Path(value).parent)
         instead = f"resume from {chosen.path} (the newest complete one) or" if chosen else "start"
         raise RecipeError(f"cannot resume from {status.summary()}; {instead} without it")
-    return _resumable(status)
+    return _resumable(status, trainer_fsdp)
 
 
-def _resumable(status) -> str:
+def _resumable(status, trainer_fsdp: bool) -> str:
     """The checkpoint path, after checking it fits this launch."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if status.state_dict_type == "SHARDED_STATE_DICT" and not fsdp:
+    if status.state_dict_type == "SHARDED_STATE_DICT" and not (cpu_fsdp.fsdp_requested() or trainer_fsdp):
         raise RecipeError(
             f"{status.path} holds FSDP shards: resume it under FSDP (`accelerate launch --config_file "
             "accelerate_configs/<config>.yaml train_fsdp.py ...`), or merge it with tools/merge_checkpoint.py and "

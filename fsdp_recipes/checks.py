@@ -81,12 +81,12 @@ def gather(obj, accelerator) -> list:
 
 
 def expected_fsdp_version(training_args=None) -> int | None:
-    """The FSDP version asked for, by the accelerate launcher or by TrainingArguments' own --fsdp (the
-    torchrun route), or None when nobody asked for FSDP."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return int(os.environ.get("FSDP_VERSION", "1"))
+    """The FSDP version asked for, by TrainingArguments' own --fsdp (the torchrun route) or by the accelerate
+    launcher's config, or None when nobody asked for FSDP."""
     if training_args is not None and getattr(training_args, "fsdp_plugin_args", None):
         return int(training_args.fsdp_plugin_args["fsdp_version"])
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return int(os.environ.get("FSDP_VERSION", "1"))
     return None
 
 
@@ -112,7 +112,7 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
     want = expected_fsdp_version(training_args)
     if want is not None and kind != f"FSDP{want}":
         raise NotShardedError(
-            f"the accelerate config asks for FSDP{want} but the model is {kind} "
+            f"the launch asks for FSDP{want} but the model is {kind} "
             f"(distributed type {report['distributed_type']}, {accelerator.num_processes} process(es)); "
             "launch with `accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes 2+`"
         )

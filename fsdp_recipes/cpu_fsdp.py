@@ -5,8 +5,9 @@ runs something else (DistributedType.NO, MULTI_CPU + DDP, or one process) and ex
 ``AcceleratorState`` only switches to FSDP when the base type is an accelerator type. That would make
 every CPU test of this repository test DDP or nothing. See ``../shared/notes/cpu-fsdp.md``.
 
-What :func:`enable` does, only when no accelerator is present and the launcher asked for FSDP
-(``ACCELERATE_USE_FSDP=true``) across several processes:
+What :func:`enable` does, only when no accelerator is present and FSDP is asked for across several
+processes, by the accelerate launcher (``ACCELERATE_USE_FSDP=true``) or by TrainingArguments' ``--fsdp``
+under torchrun (``fsdp_recipes.arguments`` calls it just before TrainingArguments exists):
 
 1. sets ``ACCELERATE_USE_CPU=true`` so the process group is gloo (MULTI_CPU), then turns MULTI_CPU into
    FSDP inside ``AcceleratorState`` and mirrors the type into ``PartialState``'s shared state (later
@@ -54,22 +55,23 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def needed() -> bool:
-    """The patch applies to a multi-process FSDP launch on a machine with no accelerator."""
-    return fsdp_requested() and not accelerator_present() and launched_world_size() > 1
+def needed(trainer_fsdp: bool = False) -> bool:
+    """The patch applies to a multi-process FSDP launch on a machine with no accelerator. FSDP is asked for
+    by the accelerate launcher's config, or (the torchrun route) by TrainingArguments' ``--fsdp``."""
+    return (fsdp_requested() or trainer_fsdp) and not accelerator_present() and launched_world_size() > 1
 
 
-def single_process_problem() -> str | None:
+def single_process_problem(trainer_fsdp: bool = False) -> str | None:
     """FSDP asked for on one process without an accelerator would silently train an unwrapped model."""
-    if fsdp_requested() and not accelerator_present() and launched_world_size() < 2:
+    if (fsdp_requested() or trainer_fsdp) and not accelerator_present() and launched_world_size() < 2:
         return (
-            "the accelerate config asks for FSDP, but without a GPU FSDP runs over gloo and needs 2 or more processes; "
-            "this launch has 1: pass --num_processes 2 (or more) to accelerate launch"
+            "FSDP is asked for, but without a GPU FSDP runs over gloo and needs 2 or more processes; this launch has 1: "
+            "pass --num_processes 2 (or more) to accelerate launch, or --nproc_per_node 2 to torchrun"
         )
     return None
 
 
-def enable() -> bool:
+def enable(trainer_fsdp: bool = False) -> bool:
     """Apply the patches if :func:`needed`; return whether they are active. Idempotent.
 
     Call it before ``TrainingArguments`` (or anything else) creates accelerate's ``PartialState``.
@@ -77,7 +79,7 @@ def enable() -> bool:
     global _ENABLED
     if _ENABLED:
         return True
-    if not needed():
+    if not needed(trainer_fsdp):
         return False
     os.environ["ACCELERATE_USE_CPU"] = "true"
     _patch_accelerator_state()

@@ -127,3 +127,21 @@ def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert "HF_HUB_OFFLINE=1" in model_source_problem("meta-llama/Llama-3.2-1B", weights=True)
+
+
+def test_torchrun_route_fsdp_flags(tmp_path):
+    import argparse
+
+    from fsdp_recipes.arguments import check_trainer_fsdp
+
+    shipped = str(REPO / "accelerate_configs" / "torchrun" / "zero3.json")
+    raw = argparse.Namespace(fsdp="true", fsdp_config=shipped)
+    assert check_trainer_fsdp(raw) is True and raw.fsdp is True  # the string TrainingArguments would reject
+    assert check_trainer_fsdp(argparse.Namespace(fsdp="false", fsdp_config=None)) is False
+    assert check_trainer_fsdp(argparse.Namespace(fsdp=None, fsdp_config=None)) is False
+    typo = tmp_path / "fsdp.json"
+    typo.write_text('{"version": 2, "fsdp_state_dict_typ": "SHARDED_STATE_DICT"}')
+    with pytest.raises(RecipeError, match=r"silently ignore: fsdp_state_dict_typ \(did you mean state_dict_type\?\)"):
+        check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(typo)))
+    with pytest.raises(RecipeError, match="does not exist"):
+        check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(tmp_path / "nope.json")))
