@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from huggingface_hub.serialization._base import parse_size_to_int
@@ -23,20 +24,25 @@ from synthetic import make_checkpoint
 REPO = Path(__file__).resolve().parent.parent
 
 
-def timed(cmd: list[str], warm: list[Path]) -> tuple[float, float]:
-    """(wall seconds, peak RSS in GB) of a command, from /usr/bin/time -v.
+def timed(cmd: list[str], warm: list[Path]) -> tuple[float, float, float]:
+    """(wall seconds, wall seconds until the output is on disk, peak RSS in GB) of a command, from /usr/bin/time -v.
 
     Every command starts alike: no dirty pages left by the previous one (sync) and the checkpoint in the
-    page cache (merge-weights' 6 GB of RSS evicts it otherwise, which would slow whoever runs next)."""
+    page cache (merge-weights' 6 GB of RSS evicts it otherwise, which would slow whoever runs next). The
+    second time adds the `sync` that follows: a command that returns while the kernel still holds its output
+    in dirty pages has not finished writing, and how much the kernel holds back varies from run to run."""
     subprocess.run(["sync"], check=True)
     subprocess.run(["cat", *map(str, warm)], stdout=subprocess.DEVNULL, check=True)
+    start = time.monotonic()
     proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    subprocess.run(["sync"], check=True)
+    on_disk = time.monotonic() - start
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", proc.stderr).group(1)
     seconds = sum(float(x) * 60**i for i, x in enumerate(reversed(wall.split(":"))))
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
-    return seconds, rss_kb / 1e6
+    return seconds, on_disk, rss_kb / 1e6
 
 
 def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int) -> list[tuple]:
@@ -56,13 +62,14 @@ def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int
     results = {}
     for _ in range(repeats):  # best of `repeats`, commands interleaved so drifts in disk speed hit all alike
         for name, (cmd, out) in commands.items():
-            wall, rss = timed(cmd, list(shards.iterdir()))
-            best = results.get(name, (float("inf"), 0.0))
-            results[name] = (min(best[0], wall), max(best[1], rss))
+            wall, on_disk, rss = timed(cmd, list(shards.iterdir()))
+            best = results.get(name, (float("inf"), float("inf"), 0.0))
+            results[name] = (min(best[0], wall), min(best[1], on_disk), max(best[2], rss))
             shutil.rmtree(out)
     base_mw, base_cp = results["accelerate merge-weights"], results["cp -r (copy of the shards)"]
-    for name, (wall, rss) in results.items():
-        rows.append((f"{nbytes / 1e9:.2f} GB, {ranks} ranks", name, wall, rss, wall / base_mw[0], wall / base_cp[0], rss / base_mw[1]))
+    for name, (wall, on_disk, rss) in results.items():
+        rows.append((f"{nbytes / 1e9:.2f} GB, {ranks} ranks", name, wall, rss, wall / base_mw[0], wall / base_cp[0],
+                     rss / base_mw[2], on_disk, on_disk / base_cp[1]))
     shutil.rmtree(work)
     return rows
 
@@ -76,10 +83,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each command; the fastest is reported")
     args = parser.parse_args()
     rows = [row for size in (args.size or ["1GB"]) for row in bench(size, args.ranks, args.workdir, args.memory_budget, args.repeats)]
-    print("| checkpoint | command | wall s | peak RSS GB | time vs merge-weights | time vs cp | RSS vs merge-weights |")
-    print("|---|---|---|---|---|---|---|")
-    for ckpt, name, wall, rss, r_mw, r_cp, r_rss in rows:
-        print(f"| {ckpt} | {name} | {wall:.1f} | {rss:.2f} | {r_mw:.2f}x | {r_cp:.2f}x | {r_rss:.2f}x |")
+    print("| checkpoint | command | wall s | peak RSS GB | time vs merge-weights | time vs cp | RSS vs merge-weights | on disk s (+sync) | on disk vs cp |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for ckpt, name, wall, rss, r_mw, r_cp, r_rss, on_disk, r_disk in rows:
+        print(f"| {ckpt} | {name} | {wall:.1f} | {rss:.2f} | {r_mw:.2f}x | {r_cp:.2f}x | {r_rss:.2f}x | {on_disk:.1f} | {r_disk:.2f}x |")
 
 
 if __name__ == "__main__":

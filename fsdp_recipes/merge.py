@@ -171,29 +171,22 @@ class DCPSource:
         self.tensors = {n: TensorInfo(tuple(stored[k].size), stored[k].properties.dtype) for n, k in self.keys.items()}
         self.ranks = len({info.relative_path for info in metadata.storage_data.values()})
 
-    def copy_into(self, name: str, fd: int, offset: int) -> bool:
-        """Copy the tensor's bytes from the .distcp files straight into ``fd`` at ``offset`` (kernel copy, no
-        tensor in memory). Only for the common layout: every chunk a whole-row (dim-0) slice stored as one
-        contiguous, uncompressed, little-endian torch.save record. Returns False when that does not hold."""
+    def copy_plan(self, name: str) -> list[tuple[Path, int, int, int]] | None:
+        """Where the tensor's bytes lie in the .distcp files, as (file, offset, offset in the tensor, bytes), for a
+        kernel copy with no tensor in memory. Only for the common layout: every chunk a whole-row (dim-0) slice
+        stored as one contiguous, uncompressed, little-endian torch.save record. None when that does not hold."""
         meta = self._metadata.state_dict_metadata[self.keys[name]]
         info = self.tensors[name]
         row_bytes = info.nbytes() // info.shape[0] if info.shape and info.shape[0] else 0
-        copies = []
+        plan = []
         for chunk in meta.chunks:
             if not row_bytes or any(chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != info.shape[1:]:
-                return False
+                return None
             where = _raw_record(self.path, self._metadata.storage_data[MetadataIndex(self.keys[name], chunk.offsets)], chunk, info.dtype)
             if where is None:
-                return False
-            copies.append((where, offset + chunk.offsets[0] * row_bytes, chunk.sizes[0] * row_bytes))
-        if sum(n for _, _, n in copies) != info.nbytes():
-            return False
-        for (file, src), dst, count in copies:
-            with open(self.path / file, "rb") as f:
-                while count:
-                    done = os.copy_file_range(f.fileno(), fd, count, src, dst)
-                    src, dst, count = src + done, dst + done, count - done
-        return True
+                return None
+            plan.append((self.path / where[0], where[1], chunk.offsets[0] * row_bytes, chunk.sizes[0] * row_bytes))
+        return plan if sum(n for *_, n in plan) == info.nbytes() else None
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         buffers = {self.keys[n]: torch.empty(self.tensors[n].shape, dtype=self.tensors[n].dtype) for n in names}
@@ -343,6 +336,15 @@ def _groups(names: list[str], infos: dict[str, TensorInfo], budget: int):
         yield group
 
 
+def _copy_range(src: Path, src_offset: int, fd: int, dst_offset: int, count: int) -> None:
+    with open(src, "rb") as f:
+        while count:
+            done = os.copy_file_range(f.fileno(), fd, count, src_offset, dst_offset)
+            if done == 0:
+                raise CheckpointError(f"{src} ended early: the file is truncated; copy the checkpoint again")
+            src_offset, dst_offset, count = src_offset + done, dst_offset + done, count - done
+
+
 def write_weights(
     source, names: list[str], out_dir: Path, max_shard_size: str | int = "5GB", dtype: torch.dtype | None = None,
     memory_budget: str | int = "512MB",
@@ -365,12 +367,15 @@ def write_weights(
             fd = os.open(out_dir / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.write(fd, header)
-                slow = []  # raw copies go first, in layout order: sequential appends write fastest
-                for n, size in layout:
-                    if dtype is None and hasattr(source, "copy_into") and source.copy_into(n, fd, offsets[n]):
-                        bar.update(size)
-                    else:
-                        slow.append(n)
+                # Kernel copies first, in the order the bytes lie in the checkpoint files: read sequentially, the
+                # copy runs as fast as `cp` (in layout order it was up to 1.5x slower). Everything else is read,
+                # cast and written after, in budgeted groups.
+                plans = {n: source.copy_plan(n) for n, _ in layout} if dtype is None and hasattr(source, "copy_plan") else {}
+                slow = [n for n, _ in layout if plans.get(n) is None]
+                pieces = sorted((src, src_offset, offsets[n] + at, count) for n, plan in plans.items() if plan for src, src_offset, at, count in plan)
+                for src, src_offset, dst_offset, count in pieces:
+                    _copy_range(src, src_offset, fd, dst_offset, count)
+                    bar.update(count)
                 for group in _groups(slow, infos, budget):
                     tensors = source.read(group)
                     for n in group:
