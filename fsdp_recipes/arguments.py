@@ -187,10 +187,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     known = {action.dest for action in parser._actions}
     unknown = sorted(set(recipe) - known)
     if unknown:
-        import difflib
-
-        hints = [f"{key} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(key, known, 1)) else key for key in unknown]
-        raise RecipeError(f"unknown recipe key(s): {', '.join(hints)}; see `train_fsdp.py --help`")
+        raise RecipeError(f"unknown recipe key(s): {with_hints(unknown, known)}; see `train_fsdp.py --help`")
     parser.set_defaults(**recipe)
     raw = parser.parse_args(argv)  # plain values: no dataclass, no process group yet
     trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp
@@ -239,13 +236,18 @@ def check_trainer_fsdp(raw) -> bool:
             config = json.loads(Path(config).read_text())
         except json.JSONDecodeError as err:
             raise RecipeError(f"--fsdp_config {raw.fsdp_config!r} is not valid JSON: {err}") from None
-    import difflib
-
     unknown = [k for k in (config or {}) if not k.startswith("_") and k.removeprefix("fsdp_") not in TRAINER_FSDP_KEYS]
     if unknown:
-        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k.removeprefix("fsdp_"), TRAINER_FSDP_KEYS, 1)) else k for k in unknown]
-        raise RecipeError(f"fsdp_config has key(s) TrainingArguments would silently ignore: {', '.join(hints)}")
+        raise RecipeError(f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, TRAINER_FSDP_KEYS, 'fsdp_')}")
     return True
+
+
+def with_hints(unknown: list[str], known, prefix: str = "") -> str:
+    """'key (did you mean known_key?), other' for an error message; ``prefix`` is ignored when matching."""
+    import difflib
+
+    hints = [(k, difflib.get_close_matches(k.removeprefix(prefix), known, 1)) for k in unknown]
+    return ", ".join(f"{k} (did you mean {m[0]}?)" if m else k for k, m in hints)
 
 
 def _build(cls, raw):
@@ -266,9 +268,13 @@ def check_accelerate_config(raw) -> None:
         raise RecipeError(f"{config} has {len(errors(problems))} error(s): " + " | ".join(str(p) for p in errors(problems)))
 
 
+def _rank0() -> bool:
+    """Every rank parses the same arguments: messages and file moves happen once, on global rank 0."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _say(message: str) -> None:
-    """Once per job (global rank 0): every rank parses the same arguments."""
-    if os.environ.get("RANK", "0") == "0":
+    if _rank0():
         print(f"train_fsdp.py: {message}", file=sys.stderr, flush=True)
 
 
@@ -283,7 +289,7 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
         chosen, skipped = newest_resumable(output_dir) if Path(output_dir).is_dir() else (None, [])
         for status in skipped:
             _say(f"skipping {status.summary()}")
-            if os.environ.get("RANK", "0") == "0":
+            if _rank0():
                 _say(f"moved it to {set_aside(Path(status.path)).name} (nothing deleted)")
         if chosen is None:
             what = f" ({len(skipped)} incomplete one(s) set aside)" if skipped else ""
@@ -337,7 +343,7 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool) -> None:
             f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
             "--resume_from_checkpoint true, choose a new --output_dir, or pass --overwrite_output_dir true to delete them"
         )
-    if os.environ.get("RANK", "0") == "0":
+    if _rank0():
         import shutil
 
         for ckpt in earlier:

@@ -84,17 +84,19 @@ def test_killed_while_writing_the_final_model_resumes_without_training(trained, 
     assert read_json(out / "config.json")["architectures"] == ["LlamaForCausalLM"]
 
 
-def test_resume_on_more_processes_reshards(trained, tmp_path):
+@pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
+def test_resume_on_more_processes_reshards(trained, config, tmp_path):
     """Saved by 2 processes x 8 sequences, resumed on 4 x 4: the same sequences in each global batch, so the run
     continues the same trajectory; only the order of floating-point sums over ranks differs (bf16 autocast).
     Tolerance: per tensor, the distance to the uninterrupted weights is under 5% of how far the last 6 steps
-    moved that tensor (measured: at most 0.3%). Resuming without the weights or the optimizer state is far off."""
-    uninterrupted = trained("accelerate_configs/zero3.yaml").output_dir
+    moved that tensor (measured: at most 0.3%, FSDP1 and FSDP2). Resuming without the weights or the optimizer
+    state is far off."""
+    uninterrupted = trained(config).output_dir
     out = tmp_path / "run"
     out.mkdir()
     shutil.copytree(uninterrupted / "checkpoint-6", out / "checkpoint-6")
     proc = launch(
-        "accelerate_configs/zero3.yaml", *QUICK, "--per_device_train_batch_size", "4", "--output_dir", str(out),
+        config, *QUICK, "--per_device_train_batch_size", "4", "--output_dir", str(out),
         "--resume_from_checkpoint", "true", launch_args=("--num_processes", "4"),
     )
     assert "checkpoint-6 was saved by 2 processes, this run has 4" in proc.stderr
