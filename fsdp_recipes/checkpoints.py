@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -9,7 +9,6 @@ import socket
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 

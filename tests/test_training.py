@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ALL_CONFIGS, QUICK, launch, logged_losses, read_json
+from conftest import ALL_CONFIGS, launch, logged_losses, read_json
 
 @pytest.mark.parametrize("config", ALL_CONFIGS)
 def test_really_fsdp_and_sharded(trained, config):
