@@ -9,6 +9,7 @@
 - trainer:       FSDPTrainer: the Trainer plus FSDP checks and an exact FSDP1 optimizer resume
 - checkpoints:   is a training checkpoint complete and resumable; which one a resume uses
 - merge:         any FSDP checkpoint -> Hugging Face folder, streamed (tools/merge_checkpoint.py)
+- dcp_files:     a DCP folder's tensors and byte ranges, read without importing torch (merge's fast path)
 - memory:        the memory formulas (tools/estimate_memory.py)
 - cpu_fsdp:      makes accelerate's FSDP path real on machines without an accelerator (tests, laptops)
 - tiny:          the embedded default model, tokenizer and corpus

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .checks import REPORT_NAME
-from .merge import DCP_MODEL_DIR, checked_metadata, checkpoint_steps
+from .dcp_files import check_folder
+from .merge import DCP_MODEL_DIR, checkpoint_steps
 
 OPTIMIZER_DIR = "optimizer_0"
 FULL_MODEL_FILE = "pytorch_model_fsdp.bin"
@@ -73,12 +74,12 @@ def _dcp_problems(folder: Path, what: str) -> tuple[list[str], set[int]]:
     """Problems of a DCP folder and the ranks whose shard files its metadata names."""
     if not folder.is_dir():
         return [f"missing {folder.name}/ ({what})"], set()
-    metadata, problems = checked_metadata(folder)
+    layout, problems = check_folder(folder)
     ckpt = folder.parent
     problems = [p.replace(f"{ckpt}/", "") for p in problems]
     ranks = set()
-    if metadata is not None:
-        for info in metadata.storage_data.values():
+    if layout is not None:
+        for info in layout.storage.values():
             if m := re.match(r"__(\d+)_\d+\.distcp$", info.relative_path):
                 ranks.add(int(m.group(1)))
     return problems, ranks

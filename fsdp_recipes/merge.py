@@ -2,8 +2,9 @@
 
 Sources: a sharded DCP model folder (FSDP1 or FSDP2, any number of ranks and nodes: ``pytorch_model_fsdp_0``),
 or a full state dict (``model.safetensors`` [+ index], ``pytorch_model_fsdp.bin``). Optimizer state is never
-read. The safetensors headers are computed up front from the checkpoint's metadata; then each DCP chunk that
-is a plain record is copied by the kernel (copy_file_range) straight to its place in the output, and the
+read. The safetensors headers are computed up front from the checkpoint's metadata (read without torch:
+dcp_files); then each DCP chunk that is a plain record is copied by the kernel (copy_file_range) straight to
+its place in the output, and the
 rest (casts, other layouts) is read in groups of at most ``memory_budget`` bytes (a larger tensor alone).
 Peak memory follows the budget and the largest tensor, never the model size. Output goes to a hidden
 folder beside the target and is renamed when complete.
@@ -11,32 +12,32 @@ folder beside the target and is renamed when complete.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
 import shutil
 import struct
 import warnings
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
 from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.serialization._base import parse_size_to_int
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from tqdm.auto import tqdm
+
+from .dcp_files import DTYPE_SIZES, check_folder, raw_tensor
+
+# torch is imported where tensors are handled, not here: a merge that only copies bytes never needs it on the
+# critical path (dcp_files), and its import (about 2 s) overlaps the copy in a background thread.
 
 DCP_MODEL_DIR = "pytorch_model_fsdp_0"
 FULL_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model_fsdp.bin")
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
 }
 
 
@@ -44,16 +45,27 @@ class CheckpointError(ValueError):
     """Bad input: the message names the problem and the fix, on one line."""
 
 
+def dtype_name(dtype) -> str | None:
+    """"bfloat16" for torch.bfloat16 or "bfloat16"; None stays None (keep the saved dtype)."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str  # torch name: "float32"
 
-    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+    def nbytes(self, dtype: str | None = None) -> int:
         n = 1
         for d in self.shape:
             n *= d
-        return n * (dtype or self.dtype).itemsize
+        return n * DTYPE_SIZES[dtype or self.dtype]
 
 
 def clean_name(name: str) -> str:
@@ -65,88 +77,9 @@ def clean_name(name: str) -> str:
 # ----------------------------------------------------------------------------------------------- sources
 
 
-def checked_metadata(dcp_dir: Path):
-    """(DCP metadata or None, what makes the folder unreadable: missing or unreadable .metadata, missing or
-    truncated .distcp files)."""
-    meta_path = dcp_dir / ".metadata"
-    if not meta_path.is_file():
-        return None, [f"missing {meta_path}"]
-    try:
-        metadata = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
-    except Exception as err:  # a truncated pickle raises several different types
-        return None, [f"unreadable {meta_path} ({type(err).__name__})"]
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    problems = []
-    for name, size in sorted(needed.items()):
-        path = dcp_dir / name
-        if not path.is_file():
-            problems.append(f"missing {path}")
-        elif path.stat().st_size < size:
-            problems.append(f"truncated {path} ({path.stat().st_size} of {size} bytes)")
-    return metadata, problems
-
-
 def dcp_problems(dcp_dir: Path) -> list[str]:
     """What makes a DCP folder unreadable (empty when it can be merged)."""
-    return checked_metadata(dcp_dir)[1]
-
-
-class _FileSlice(io.RawIOBase):
-    """A read-only window on part of a file: torch.load and zipfile read one record of a .distcp file through it."""
-
-    def __init__(self, f, start: int, length: int):
-        self.f, self.start, self.length, self.pos = f, start, length, 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def tell(self):
-        return self.pos
-
-    def seek(self, offset, whence=0):
-        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.length + offset
-        return self.pos
-
-    def readinto(self, buffer):
-        n = max(0, min(len(buffer), self.length - self.pos))
-        self.f.seek(self.start + self.pos)
-        data = self.f.read(n)
-        buffer[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
-def _raw_record(dcp_dir: Path, info, chunk, dtype: torch.dtype) -> tuple[str, int] | None:
-    """(file, byte offset) of a chunk's raw data inside its torch.save record, or None if it is not plain bytes."""
-    if info.transform_descriptors:
-        return None
-    with open(dcp_dir / info.relative_path, "rb") as f:
-        view = _FileSlice(f, info.offset, info.length)
-        try:
-            tensor = torch.load(view, map_location="meta", weights_only=True)  # reads the header, not the data
-            view.seek(0)
-            archive = zipfile.ZipFile(view)
-            records = [z for z in archive.infolist() if re.search(r"/data/\d+$", z.filename)]
-            byteorder = [z for z in archive.infolist() if z.filename.endswith("/byteorder")]
-            order = archive.read(byteorder[0]).decode() if byteorder else "little"
-        except Exception:
-            return None
-        if (
-            len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or order != "little"
-            or not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != tuple(chunk.sizes)
-            or not tensor.is_contiguous() or tensor.storage_offset() != 0
-            or records[0].file_size != tensor.numel() * tensor.element_size()
-        ):
-            return None
-        f.seek(info.offset + records[0].header_offset)
-        local = f.read(30)  # zip local file header: the data follows its name and extra field
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        return info.relative_path, info.offset + records[0].header_offset + 30 + name_len + extra_len
+    return check_folder(dcp_dir)[1]
 
 
 class DCPSource:
@@ -156,40 +89,43 @@ class DCPSource:
 
     def __init__(self, dcp_dir: Path):
         self.path = dcp_dir
-        metadata, problems = checked_metadata(dcp_dir)
+        layout, problems = check_folder(dcp_dir)
         if problems:
             raise CheckpointError(
                 f"checkpoint {dcp_dir} is incomplete: {'; '.join(problems[:3])}; it was not finished writing or was "
                 "copied partly: use an earlier checkpoint-N or copy the folder again"
             )
-        self._metadata = metadata
-        stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        self._layout = layout
+        stored = layout.tensors
         if stored and all(k.startswith("optimizer.") for k in stored):
             raise CheckpointError(f"{dcp_dir} holds optimizer state, not model weights: give {dcp_dir.parent / DCP_MODEL_DIR} or the checkpoint-N folder")
         # accelerate stores {"model": state_dict}; DCP flattens that to "model.<name>"
         self.keys = {clean_name(k.removeprefix("model.")): k for k in stored}
-        self.tensors = {n: TensorInfo(tuple(stored[k].size), stored[k].properties.dtype) for n, k in self.keys.items()}
-        self.ranks = len({info.relative_path for info in metadata.storage_data.values()})
+        self.tensors = {n: TensorInfo(stored[k].shape, stored[k].dtype) for n, k in self.keys.items()}
+        self.ranks = len({info.relative_path for info in layout.storage.values()})
 
     def copy_plan(self, name: str) -> list[tuple[Path, int, int, int]] | None:
         """Where the tensor's bytes lie in the .distcp files, as (file, offset, offset in the tensor, bytes), for a
         kernel copy with no tensor in memory. Only for the common layout: every chunk a whole-row (dim-0) slice
         stored as one contiguous, uncompressed, little-endian torch.save record. None when that does not hold."""
-        meta = self._metadata.state_dict_metadata[self.keys[name]]
-        info = self.tensors[name]
+        key, info = self.keys[name], self.tensors[name]
         row_bytes = info.nbytes() // info.shape[0] if info.shape and info.shape[0] else 0
         plan = []
-        for chunk in meta.chunks:
-            if not row_bytes or any(chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != info.shape[1:]:
+        for chunk in self._layout.tensors[key].chunks:
+            if not row_bytes or any(chunk.offsets[1:]) or chunk.sizes[1:] != info.shape[1:]:
                 return None
-            where = _raw_record(self.path, self._metadata.storage_data[MetadataIndex(self.keys[name], chunk.offsets)], chunk, info.dtype)
-            if where is None:
+            stored = self._layout.storage.get((key, chunk.offsets))
+            raw = raw_tensor(self.path, stored) if stored else None
+            if raw is None or raw.dtype != info.dtype or raw.shape != chunk.sizes:
                 return None
-            plan.append((self.path / where[0], where[1], chunk.offsets[0] * row_bytes, chunk.sizes[0] * row_bytes))
+            plan.append((self.path / stored.relative_path, raw.data_offset, chunk.offsets[0] * row_bytes, raw.nbytes))
         return plan if sum(n for *_, n in plan) == info.nbytes() else None
 
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        buffers = {self.keys[n]: torch.empty(self.tensors[n].shape, dtype=self.tensors[n].dtype) for n in names}
+    def read(self, names: list[str]) -> dict:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        buffers = {self.keys[n]: torch.empty(self.tensors[n].shape, dtype=torch_dtype(self.tensors[n].dtype)) for n in names}
         with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(buffers, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
@@ -213,11 +149,11 @@ class SafetensorsSource:
             with safe_open(str(folder / name), framework="pt") as f:
                 for key in f.keys():
                     sl = f.get_slice(key)
-                    dtype = {code: dt for dt, code in SAFETENSORS_DTYPES.items()}[sl.get_dtype()]
+                    dtype = {code: name for name, code in SAFETENSORS_DTYPES.items()}[sl.get_dtype()]
                     self.tensors[clean_name(key)] = TensorInfo(tuple(sl.get_shape()), dtype)
                     self._where[clean_name(key)] = (name, key)
 
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def read(self, names: list[str]) -> dict:
         from safetensors import safe_open
 
         out = {}
@@ -234,16 +170,18 @@ class TorchBinSource:
     kind = "full (torch.save)"
 
     def __init__(self, path: Path):
+        import torch
+
         self.path = path
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as err:
             raise CheckpointError(f"{path} is unreadable ({type(err).__name__}): the file is truncated or not a torch.save state dict") from None
         self._state = {clean_name(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
-        self.tensors = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in self._state.items()}
+        self.tensors = {n: TensorInfo(tuple(t.shape), dtype_name(t.dtype)) for n, t in self._state.items()}
         self.ranks = 1
 
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def read(self, names: list[str]) -> dict:
         return {n: self._state[n] for n in names}
 
 
@@ -312,7 +250,7 @@ def resolve_input(path: str | os.PathLike) -> ResolvedInput:
 # ----------------------------------------------------------------------------------------------- writing
 
 
-def _safetensors_header(names: list[str], infos: dict[str, TensorInfo], dtype: torch.dtype | None) -> tuple[bytes, list[tuple[str, int]]]:
+def _safetensors_header(names: list[str], infos: dict[str, TensorInfo], dtype: str | None) -> tuple[bytes, list[tuple[str, int]]]:
     header, offset, layout = {"__metadata__": {"format": "pt"}}, 0, []
     for n in names:
         size = infos[n].nbytes(dtype)
@@ -346,11 +284,11 @@ def _copy_range(src: Path, src_offset: int, fd: int, dst_offset: int, count: int
 
 
 def write_weights(
-    source, names: list[str], out_dir: Path, max_shard_size: str | int = "5GB", dtype: torch.dtype | None = None,
+    source, names: list[str], out_dir: Path, max_shard_size: str | int = "5GB", dtype: str | None = None,
     memory_budget: str | int = "512MB",
 ) -> list[str]:
     """Stream ``names`` from ``source`` into safetensors shards (+ index) in ``out_dir``, as save_pretrained names them."""
-    infos = source.tensors
+    infos, dtype = source.tensors, dtype_name(dtype)
     budget = parse_size_to_int(memory_budget) if isinstance(memory_budget, str) else memory_budget
     split = split_state_dict_into_shards_factory(
         {n: infos[n] for n in names}, get_storage_size=lambda info: info.nbytes(dtype),
@@ -380,9 +318,9 @@ def write_weights(
                     tensors = source.read(group)
                     for n in group:
                         t = tensors.pop(n)
-                        t = (t if dtype is None else t.to(dtype)).contiguous()
+                        t = (t if dtype is None else t.to(torch_dtype(dtype))).contiguous()
                         if t.numel():
-                            os.pwrite(fd, t.reshape(-1).view(torch.uint8).numpy(), offsets[n])
+                            os.pwrite(fd, t.reshape(-1).view(torch_dtype("uint8")).numpy(), offsets[n])
                         bar.update(infos[n].nbytes(dtype))
                         del t
                 os.ftruncate(fd, position)  # only grows the file when trailing tensors are empty
@@ -398,6 +336,7 @@ def write_weights(
 
 def weights_to_write(source, config) -> tuple[type, list[str], list[str]]:
     """(model class, names save_pretrained would write, tied names it leaves out), checked against the checkpoint."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -425,7 +364,7 @@ def describe_folder(out_dir: Path, model_cls: type, config, tokenizer=None, gene
     """config.json (architectures = the model class, never an FSDP wrapper), generation config and tokenizer."""
     config.architectures = [model_cls.__name__]
     if dtype is not None:
-        config.dtype = dtype
+        config.dtype = torch_dtype(dtype_name(dtype))
     config.save_pretrained(out_dir)
     if generation_config is not None:
         generation_config.save_pretrained(out_dir)
@@ -483,10 +422,12 @@ class MergeResult:
 
 def merge_checkpoint(
     input_path: str | os.PathLike, output_path: str | os.PathLike, *, base_model: str | None = None,
-    dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB", memory_budget: str | int = "512MB",
+    dtype=None, max_shard_size: str | int = "5GB", memory_budget: str | int = "512MB",
     overwrite: bool = False, verify: bool = False, log=print,
 ) -> MergeResult:
-    """Turn an FSDP checkpoint into a folder ``from_pretrained`` loads; never leaves a half-written folder."""
+    """Turn an FSDP checkpoint into a folder ``from_pretrained`` loads; never leaves a half-written folder.
+    ``dtype``: torch.bfloat16 or "bfloat16" casts, None keeps the saved dtype."""
+    dtype = dtype_name(dtype)
     resolved = resolve_input(input_path)
     for note in resolved.notes:
         log(note)
@@ -497,8 +438,9 @@ def merge_checkpoint(
     if out.exists() and not overwrite:
         raise CheckpointError(f"output {out} already exists: choose another folder or pass --overwrite")
     with ThreadPoolExecutor(1) as pool:
-        # transformers' import and the model skeleton take seconds: when config.json already says nothing is
-        # tied, every checkpoint tensor is written, so the copy starts while they load and checks follow.
+        # torch + transformers imports and the model skeleton take about 4 s of CPU: when config.json already
+        # says nothing is tied, every checkpoint tensor is written, so the copy (which needs neither) starts at
+        # once while they load in this thread, and their checks run before anything is renamed into place.
         described = pool.submit(_describe, resolved, base_model)
         names = _untied_names(resolved) or described.result()[4]
         size = sum(resolved.source.tensors[n].nbytes(dtype) for n in names)
@@ -553,11 +495,13 @@ def _untied_names(resolved: ResolvedInput) -> list[str] | None:
     return sorted(resolved.source.tensors) if tied is False else None
 
 
-def verify_folder(folder: Path, source, names: list[str], dtype: torch.dtype | None = None) -> None:
+def verify_folder(folder: Path, source, names: list[str], dtype: str | None = None) -> None:
     """Every tensor re-read from the output equals the checkpoint's (exact), and from_pretrained loads the folder."""
+    import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    dtype = dtype_name(dtype)
     index = folder / "model.safetensors.index.json"
     where = json.loads(index.read_text())["weight_map"] if index.is_file() else {n: "model.safetensors" for n in names}
     if sorted(where) != sorted(names):
@@ -567,7 +511,7 @@ def verify_folder(folder: Path, source, names: list[str], dtype: torch.dtype | N
         for n in group:
             with safe_open(str(folder / where[n]), framework="pt") as f:
                 got = f.get_tensor(n)
-            want = expected[n] if dtype is None else expected[n].to(dtype)
+            want = expected[n] if dtype is None else expected[n].to(torch_dtype(dtype))
             if got.dtype != want.dtype or not torch.equal(got, want):
                 raise CheckpointError(f"verify: {n} in {folder} differs from the checkpoint")
     AutoModelForCausalLM.from_pretrained(folder, device_map="meta")
@@ -580,7 +524,7 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
     state = ckpt / "trainer_state.json"
     dtypes: dict[str, int] = {}
     for info in src.tensors.values():
-        dtypes[str(info.dtype).removeprefix("torch.")] = dtypes.get(str(info.dtype).removeprefix("torch."), 0) + 1
+        dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
     config_dir, tok_dir = _description_dirs(resolved)
     return {
         "input": str(Path(input_path)),
@@ -590,7 +534,7 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         "ranks": src.ranks,
         "step": json.loads(state.read_text()).get("global_step") if state.is_file() else None,
         "tensors": len(src.tensors),
-        "parameters": sum(i.nbytes() // i.dtype.itemsize for i in src.tensors.values()),
+        "parameters": sum(i.nbytes() // DTYPE_SIZES[i.dtype] for i in src.tensors.values()),
         "bytes": sum(i.nbytes() for i in src.tensors.values()),
         "dtypes": dtypes,
         "config": str(config_dir / "config.json") if config_dir else None,

@@ -11,11 +11,9 @@ import json
 import os
 import sys
 
-import torch
-
 from fsdp_recipes.merge import CheckpointError, inspect_checkpoint, merge_checkpoint
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def main(argv=None) -> int:
@@ -29,7 +27,7 @@ def main(argv=None) -> int:
     parser.add_argument("input", help="a checkpoint-N folder, its pytorch_model_fsdp_0 folder, or a run's output folder (newest complete checkpoint)")
     parser.add_argument("output", nargs="?", help="folder to create (written beside it first, renamed when complete)")
     parser.add_argument("--base-model", help="hub id or folder for config.json and tokenizer when the checkpoint has none")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: keep the saved dtype)")
+    parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep the saved dtype)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, as save_pretrained")
     parser.add_argument("--memory-budget", default="512MB", help="bytes of tensors read at once (a larger tensor is read alone)")
     parser.add_argument("--verify", action="store_true", help="re-read the output, compare every tensor with the checkpoint, load it on the meta device")
@@ -43,7 +41,7 @@ def main(argv=None) -> int:
         if args.output is None:
             parser.error("OUTPUT is required unless --inspect is given")
         result = merge_checkpoint(
-            args.input, args.output, base_model=args.base_model, dtype=DTYPES.get(args.dtype),
+            args.input, args.output, base_model=args.base_model, dtype=args.dtype,
             max_shard_size=args.max_shard_size, memory_budget=args.memory_budget, overwrite=args.overwrite, verify=args.verify,
         )
     except CheckpointError as err:

@@ -1,0 +1,97 @@
+"""The torch-free DCP reader the merge copies with: same answers as torch's, and it falls back to torch when unsure."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import run
+from fsdp_recipes.dcp_files import FileSlice, _layout_from, _MetadataUnpickler, raw_tensor, read_layout
+from fsdp_recipes.merge import DCPSource
+
+
+def torch_layout(folder: Path):
+    return _layout_from(dcp.FileSystemReader(str(folder)).read_metadata())
+
+
+def record_tensor(folder: Path, stored) -> torch.Tensor:
+    with open(folder / stored.relative_path, "rb") as f:
+        return torch.load(FileSlice(f, stored.offset, stored.length), weights_only=True)
+
+
+@pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
+def test_layout_and_raw_bytes_match_torch_on_real_checkpoints(trained, config):
+    """Every chunk of a real FSDP2 and FSDP1 checkpoint is found where torch.load finds it, byte for byte."""
+    folder = trained(config).output_dir / "checkpoint-12" / "pytorch_model_fsdp_0"
+    layout = read_layout(folder)
+    assert layout == torch_layout(folder)
+    assert len(layout.tensors) == 39 and all(len(t.chunks) == 2 for t in layout.tensors.values())
+    for stored in layout.storage.values():
+        raw = raw_tensor(folder, stored)
+        assert raw is not None, stored  # the fast path is the one taken on real checkpoints
+        expected = record_tensor(folder, stored)
+        with open(folder / stored.relative_path, "rb") as f:
+            f.seek(raw.data_offset)
+            data = f.read(raw.nbytes)
+        assert (raw.dtype, raw.shape) == (str(expected.dtype).removeprefix("torch."), tuple(expected.shape))
+        assert data == expected.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_merge_copies_without_importing_torch(trained, tmp_path):
+    """Planning and copying a whole checkpoint leaves torch unimported (its import is the time we save)."""
+    ckpt = trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12"
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom fsdp_recipes.merge import DCPSource, write_weights\n"
+        f"src = DCPSource(Path({str(ckpt / 'pytorch_model_fsdp_0')!r}))\n"
+        "assert all(src.copy_plan(n) for n in src.tensors)\n"
+        f"write_weights(src, sorted(src.tensors), Path({str(tmp_path)!r}))\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    proc = run(["python", "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    source = DCPSource(ckpt / "pytorch_model_fsdp_0")
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "model.safetensors")
+    expected = source.read(sorted(source.tensors))
+    assert all(torch.equal(written[n], expected[n]) for n in expected)
+
+
+def test_metadata_naming_other_classes_is_read_by_torch(trained, tmp_path):
+    """A .metadata that names a class we do not stand in for (another torch version) is left to torch's reader."""
+    folder = tmp_path / "pytorch_model_fsdp_0"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12" / "pytorch_model_fsdp_0", folder)
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    metadata.planner_data = {"written": Path("/somewhere"), "when": __import__("datetime").date(2026, 11, 22)}
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(pickle.UnpicklingError, match="datetime.date"):
+        _MetadataUnpickler(io.BytesIO((folder / ".metadata").read_bytes())).load()
+    assert read_layout(folder) == torch_layout(folder)
+    assert len(read_layout(folder).tensors) == 39
+
+
+def test_records_that_are_not_plain_bytes_go_to_torch(tmp_path):
+    """A transposed tensor is stored with its strides: no raw copy; it is read through torch, correctly."""
+    a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"t": a.T, "c": a.clone(), "h": a.to(torch.bfloat16), "s": a[1:]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": state}, checkpoint_id=str(tmp_path), no_dist=True)
+    source = DCPSource(tmp_path)
+    assert source.copy_plan("t") is None
+    assert all(source.copy_plan(n) is not None for n in ("c", "h", "s"))
+    for name, (src, offset, at, count) in ((n, source.copy_plan(n)[0]) for n in ("c", "h", "s")):
+        with open(src, "rb") as f:
+            f.seek(offset)
+            assert f.read(count) == state[name].contiguous().view(torch.uint8).numpy().tobytes(), name
+    got = source.read(["t", "c", "h", "s"])
+    assert all(torch.equal(got[n], state[n]) for n in state)
