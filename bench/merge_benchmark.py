@@ -2,9 +2,11 @@
 
     python bench/merge_benchmark.py --size 1GB --size 6GB [--ranks 2] [--workdir /tmp/merge-bench]
 
-For each size: builds a multi-rank FSDP2-layout checkpoint (bench/synthetic.py), reads it once to warm the
-page cache, then runs each command (best of --repeats) under /usr/bin/time -v and prints wall time, peak RSS and the ratios
-against merge-weights and cp as a Markdown table. Needs free disk of about 4x the size.
+For each size: builds a multi-rank FSDP2-layout checkpoint (bench/synthetic.py) as train_fsdp.py leaves one
+(config, tokenizer, manifest), reads it once to warm the page cache, then runs each command (best of --repeats)
+under /usr/bin/time -v and prints wall time, peak RSS and the ratios against merge-weights and cp as a Markdown
+table. The converter runs twice: on that checkpoint, and on the same shards without the manifest, as other tools
+leave them (it then imports transformers to check config against weights). Needs free disk of about 5x the size.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 from huggingface_hub.serialization._base import parse_size_to_int
 
 from synthetic import make_checkpoint
+
+from fsdp_recipes.merge import MANIFEST
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,13 +55,18 @@ def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int
     ckpt = make_checkpoint(work / "run", parse_size_to_int(size), ranks=ranks)
     shards = ckpt / "pytorch_model_fsdp_0"
     nbytes = sum(f.stat().st_size for f in shards.iterdir())
+    # the same shards as another tool leaves them: config and tokenizer, no manifest (transformers checks them)
+    bare = work / "bare" / ckpt.name
+    shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns(MANIFEST, shards.name))
+    (bare / shards.name).symlink_to(shards)
     rows = []
-    outputs = {name: work / name for name in ("cp", "merge-weights", "merged")}
+    outputs = {name: work / name for name in ("cp", "merge-weights", "merged", "merged-bare")}
+    tool = [sys.executable, str(REPO / "tools" / "merge_checkpoint.py")]
     commands = {
         "cp -r (copy of the shards)": (["cp", "-r", str(shards), str(outputs["cp"])], outputs["cp"]),
         "accelerate merge-weights": (["accelerate", "merge-weights", str(shards), str(outputs["merge-weights"])], outputs["merge-weights"]),
-        "tools/merge_checkpoint.py": ([sys.executable, str(REPO / "tools" / "merge_checkpoint.py"), str(ckpt), str(outputs["merged"]),
-                                       "--memory-budget", memory_budget], outputs["merged"]),
+        "tools/merge_checkpoint.py (our checkpoint)": ([*tool, str(ckpt), str(outputs["merged"]), "--memory-budget", memory_budget], outputs["merged"]),
+        "tools/merge_checkpoint.py (no manifest)": ([*tool, str(bare), str(outputs["merged-bare"]), "--memory-budget", memory_budget], outputs["merged-bare"]),
     }
     results = {}
     for _ in range(repeats):  # best of `repeats`, commands interleaved so drifts in disk speed hit all alike

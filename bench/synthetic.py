@@ -2,8 +2,8 @@
 
 Each of ``ranks`` gloo processes generates only its own dim-0 shard of every weight of a Llama-shaped model
 and saves them as DTensors with torch.distributed.checkpoint, the way accelerate saves an FSDP2 model
-(``pytorch_model_fsdp_0/`` holding ``{"model": state_dict}``). config.json and the tiny tokenizer are
-written beside it so the checkpoint merges on its own.
+(``pytorch_model_fsdp_0/`` holding ``{"model": state_dict}``). config.json, the tiny tokenizer and the
+manifest are written beside it as a training run writes them, so the checkpoint merges on its own.
 """
 
 from __future__ import annotations
@@ -69,8 +69,11 @@ def make_checkpoint(folder: str | os.PathLike, target_bytes: int, ranks: int = 2
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_worker, args=(ranks, port, str(ckpt / "pytorch_model_fsdp_0"), config.to_dict()), nprocs=ranks, join=True)
-    config.save_pretrained(ckpt)
-    for f in TINY.iterdir():
-        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
-            shutil.copy(f, ckpt)
+    # config, generation config, tokenizer and manifest as the training run's DescribeCheckpoints writes them
+    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    from fsdp_recipes.merge import describe_folder, write_manifest
+
+    files = describe_folder(ckpt, LlamaForCausalLM, config, AutoTokenizer.from_pretrained(TINY), GenerationConfig.from_model_config(config))
+    write_manifest(ckpt, config, files)
     return ckpt

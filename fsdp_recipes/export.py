@@ -15,7 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from .checks import REPORT_NAME
-from .merge import DCP_MODEL_DIR, DCPSource, describe_folder, write_model_files
+from .merge import DCP_MODEL_DIR, DCPSource, describe_folder, write_manifest, write_model_files
 
 
 def unwrapped_model_class(model: torch.nn.Module) -> type:
@@ -25,14 +25,15 @@ def unwrapped_model_class(model: torch.nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
-def save_model_description(model, tokenizer, folder: str | os.PathLike) -> None:
+def save_model_description(model, tokenizer, folder: str | os.PathLike) -> list[str]:
     """config.json (with the real class in architectures), generation config and tokenizer: no weights."""
-    describe_folder(Path(folder), unwrapped_model_class(model), model.config, tokenizer, getattr(model, "generation_config", None))
+    return describe_folder(Path(folder), unwrapped_model_class(model), model.config, tokenizer, getattr(model, "generation_config", None))
 
 
 class DescribeCheckpoints(TrainerCallback):
     """Write config and tokenizer into each checkpoint-N, which the Trainer leaves weights-only under
-    SHARDED_STATE_DICT, so any checkpoint merges on its own (tools/merge_checkpoint.py); then, once every
+    SHARDED_STATE_DICT, so any checkpoint merges on its own (tools/merge_checkpoint.py), with a manifest
+    (model_description.json) that spares the merge importing transformers to check them; then, once every
     rank has finished its files, the run's fsdp_report.json with the state-dict type (FSDP version,
     strategy and world size, which the shards themselves do not record: tools/check_checkpoint.py)."""
 
@@ -43,7 +44,8 @@ class DescribeCheckpoints(TrainerCallback):
         accelerator = self.trainer.accelerator
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if state.is_world_process_zero:
-            save_model_description(accelerator.unwrap_model(self.trainer.model), self.tokenizer, folder)
+            model = accelerator.unwrap_model(self.trainer.model)
+            write_manifest(folder, model.config, save_model_description(model, self.tokenizer, folder))
         accelerator.wait_for_everyone()  # every rank's rng state is written after the shared shards
         run_report = Path(args.output_dir) / REPORT_NAME
         if state.is_world_process_zero and run_report.is_file():

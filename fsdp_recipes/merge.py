@@ -12,12 +12,14 @@ folder beside the target and is renamed when complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import struct
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,7 @@ DCP_MODEL_DIR = "pytorch_model_fsdp_0"
 FULL_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model_fsdp.bin")
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+MANIFEST = "model_description.json"  # written into each checkpoint by the training run: write_manifest
 SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
@@ -334,8 +337,8 @@ def write_weights(
     return written
 
 
-def weights_to_write(source, config) -> tuple[type, list[str], list[str]]:
-    """(model class, names save_pretrained would write, tied names it leaves out), checked against the checkpoint."""
+def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str]]:
+    """(model class, shape of every state-dict name, tied names save_pretrained leaves out), from a meta-device model."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -343,33 +346,66 @@ def weights_to_write(source, config) -> tuple[type, list[str], list[str]]:
         skeleton = AutoModelForCausalLM.from_config(config)
     expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
     tied = sorted(set(getattr(skeleton, "all_tied_weights_keys", None) or {}) & set(expected)) if getattr(config, "tie_word_embeddings", False) else []
+    return type(skeleton), expected, tied
+
+
+def check_weights(source, model_name: str, expected: dict[str, tuple[int, ...]], tied: list[str]) -> list[str]:
+    """The names to write (all but the tied ones), after checking the checkpoint holds exactly the model's weights."""
     wanted = sorted(set(expected) - set(tied))
     missing = [n for n in wanted if n not in source.tensors]
     if missing:
         raise CheckpointError(
-            f"the checkpoint lacks {len(missing)} weight(s) of {type(skeleton).__name__} (e.g. {missing[0]}): the config does not "
+            f"the checkpoint lacks {len(missing)} weight(s) of {model_name} (e.g. {missing[0]}): the config does not "
             "belong to this checkpoint; pass the right --base-model"
         )
-    wrong = [n for n in wanted if tuple(source.tensors[n].shape) != expected[n]]
+    wrong = [n for n in wanted if tuple(source.tensors[n].shape) != tuple(expected[n])]
     if wrong:
         n = wrong[0]
-        raise CheckpointError(f"{n} has shape {source.tensors[n].shape} in the checkpoint but {expected[n]} in the config: pass the right --base-model")
+        raise CheckpointError(f"{n} has shape {source.tensors[n].shape} in the checkpoint but {tuple(expected[n])} in the config: pass the right --base-model")
     extra = sorted(set(source.tensors) - set(expected))
     if extra:
-        raise CheckpointError(f"the checkpoint has {len(extra)} weight(s) {type(skeleton).__name__} does not (e.g. {extra[0]}): pass the right --base-model")
-    return type(skeleton), wanted, tied
+        raise CheckpointError(f"the checkpoint has {len(extra)} weight(s) {model_name} does not (e.g. {extra[0]}): pass the right --base-model")
+    return wanted
 
 
-def describe_folder(out_dir: Path, model_cls: type, config, tokenizer=None, generation_config=None, dtype=None) -> None:
-    """config.json (architectures = the model class, never an FSDP wrapper), generation config and tokenizer."""
+def weights_to_write(source, config) -> tuple[type, list[str], list[str]]:
+    """(model class, names save_pretrained would write, tied names it leaves out), checked against the checkpoint."""
+    model_cls, expected, tied = model_skeleton(config)
+    return model_cls, check_weights(source, model_cls.__name__, expected, tied), tied
+
+
+def describe_folder(out_dir: Path, model_cls: type, config, tokenizer=None, generation_config=None, dtype=None) -> list[str]:
+    """config.json (architectures = the model class, never an FSDP wrapper), generation config and tokenizer; returns
+    the names of the files written."""
     config.architectures = [model_cls.__name__]
     if dtype is not None:
         config.dtype = torch_dtype(dtype_name(dtype))
     config.save_pretrained(out_dir)
+    files = ["config.json"]
     if generation_config is not None:
         generation_config.save_pretrained(out_dir)
+        files.append("generation_config.json")
     if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+        saved = tokenizer.save_pretrained(out_dir)
+        files += [Path(f).name for f in saved if Path(f).parent == Path(out_dir) and Path(f).is_file()]
+    return sorted(set(files))
+
+
+def write_manifest(folder: Path, config, files: list[str]) -> None:
+    """MANIFEST beside a checkpoint's config.json: what a merge would otherwise import transformers and build the
+    model for (its class, the name and shape of every weight, the tied ones), and a hash of each description file,
+    so that a merge can copy them as they are, and notices when one was edited since."""
+    model_cls, expected, tied = model_skeleton(config)
+    manifest = {
+        "format": 1, "model_class": model_cls.__name__, "tied": tied,
+        "files": {name: _sha256(Path(folder) / name) for name in sorted(files)},
+        "weights": {name: list(shape) for name, shape in sorted(expected.items())},
+    }
+    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def write_model_files(source, out_dir: Path, config, tokenizer=None, generation_config=None, dtype=None,
@@ -437,12 +473,18 @@ def merge_checkpoint(
         raise CheckpointError(f"output {out} is inside the input {Path(input_path)}: choose a folder outside it")
     if out.exists() and not overwrite:
         raise CheckpointError(f"output {out} already exists: choose another folder or pass --overwrite")
+    # A checkpoint our training run wrote carries a manifest: its description files are copied and the weights
+    # checked against it, with no torch or transformers at all. Otherwise torch + transformers imports and the
+    # model skeleton take about 4 s of CPU: when config.json already says nothing is tied, every checkpoint tensor
+    # is written, so the copy (which needs neither) starts at once while they load in a thread, and their checks
+    # run before anything is renamed into place.
+    manifest = described_by_manifest(resolved) if base_model is None and dtype is None else None
     with ThreadPoolExecutor(1) as pool:
-        # torch + transformers imports and the model skeleton take about 4 s of CPU: when config.json already
-        # says nothing is tied, every checkpoint tensor is written, so the copy (which needs neither) starts at
-        # once while they load in this thread, and their checks run before anything is renamed into place.
-        described = pool.submit(_describe, resolved, base_model)
-        names = _untied_names(resolved) or described.result()[4]
+        if manifest is not None:
+            names, description = manifest.names, lambda: manifest
+        else:
+            future = pool.submit(_describe, resolved, base_model, dtype)
+            names, description = _untied_names(resolved) or future.result().names, future.result
         size = sum(resolved.source.tensors[n].nbytes(dtype) for n in names)
         out.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(out.parent).free
@@ -453,11 +495,11 @@ def merge_checkpoint(
         staging.mkdir()
         try:
             write_weights(resolved.source, names, staging, max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget)
-            config, generation_config, tokenizer, origin, expected, tied, model_cls = described.result()
-            if expected != names:
-                raise CheckpointError(f"config.json does not describe this checkpoint's weights (e.g. {sorted(set(expected) ^ set(names))[0]}): pass the right --base-model")
-            log(f"config from {origin['config']}, tokenizer from {origin['tokenizer']}")
-            describe_folder(staging, model_cls, config, tokenizer, generation_config, dtype)
+            described = description()
+            if described.names != names:
+                raise CheckpointError(f"config.json does not describe this checkpoint's weights (e.g. {sorted(set(described.names) ^ set(names))[0]}): pass the right --base-model")
+            log(f"config from {described.origin['config']}, tokenizer from {described.origin['tokenizer']}")
+            described.write(staging)
             files = sorted(p.name for p in staging.iterdir())
             if verify:
                 verify_folder(staging, resolved.source, names, dtype)
@@ -472,15 +514,47 @@ def merge_checkpoint(
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    if tied:
-        log(f"tied weights written once, as save_pretrained does: {', '.join(tied)}")
+    if described.tied:
+        log(f"tied weights written once, as save_pretrained does: {', '.join(described.tied)}")
     return MergeResult(out, files, resolved.notes, len(names), size)
 
 
-def _describe(resolved: ResolvedInput, base_model: str | None):
+@dataclass
+class Description:
+    """What goes beside the weights: the names to write, and how to write config, generation config and tokenizer."""
+
+    names: list[str]
+    tied: list[str]
+    origin: dict[str, str]
+    write: Callable[[Path], object]
+
+
+def _describe(resolved: ResolvedInput, base_model: str | None, dtype: str | None) -> Description:
     config, generation_config, tokenizer, origin = find_model_files(resolved, base_model)
     model_cls, names, tied = weights_to_write(resolved.source, config)
-    return config, generation_config, tokenizer, origin, names, tied, model_cls
+    return Description(names, tied, origin, lambda out: describe_folder(out, model_cls, config, tokenizer, generation_config, dtype))
+
+
+def described_by_manifest(resolved: ResolvedInput) -> Description | None:
+    """The checkpoint's own description (write_manifest), when it has one with a tokenizer and no described file
+    changed since; None sends the merge through transformers."""
+    config_dir, _ = _description_dirs(resolved)
+    if config_dir is None or not (config_dir / MANIFEST).is_file():
+        return None
+    try:
+        manifest = json.loads((config_dir / MANIFEST).read_text())
+        files, tied = dict(manifest["files"]), list(manifest["tied"])
+        expected = {name: tuple(shape) for name, shape in manifest["weights"].items()}
+        model_name = str(manifest["model_class"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if manifest.get("format") != 1 or "config.json" not in files or not any(f in files for f in TOKENIZER_FILES):
+        return None
+    if any(not (config_dir / name).is_file() or _sha256(config_dir / name) != digest for name, digest in files.items()):
+        return None
+    names = check_weights(resolved.source, model_name, expected, tied)
+    origin = {"config": str(config_dir), "tokenizer": str(config_dir)}
+    return Description(names, tied, origin, lambda out: [shutil.copyfile(config_dir / name, out / name) for name in files])
 
 
 def _untied_names(resolved: ResolvedInput) -> list[str] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, run
-from fsdp_recipes.merge import CheckpointError, inspect_checkpoint, merge_checkpoint
+from fsdp_recipes.merge import MANIFEST, CheckpointError, inspect_checkpoint, merge_checkpoint
 
 TOOL = str(REPO / "tools" / "merge_checkpoint.py")
 SHARDED = [
@@ -85,6 +86,40 @@ def test_middle_checkpoint_and_its_model_folder_merge_alone(trained, tmp_path):
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
 
 
+def without_manifest(ckpt: Path, tmp: Path) -> Path:
+    """A copy of the checkpoint as another tool would leave it: no model_description.json."""
+    copy = tmp / "no-manifest" / ckpt.name
+    shutil.copytree(ckpt, copy, ignore=shutil.ignore_patterns(MANIFEST))
+    return copy
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+MERGE_AND_LIST_MODULES = """
+import sys
+from fsdp_recipes.merge import merge_checkpoint
+merge_checkpoint(sys.argv[1], sys.argv[2], log=lambda *a: None)
+print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers", "accelerate"}))
+"""
+
+
+def test_checkpoint_manifest_makes_torch_and_transformers_unneeded(trained, tmp_path):
+    """Our checkpoints carry a manifest: merged without importing torch or transformers (their import is most of a
+    merge's fixed cost), into the same bytes as the path that builds the model with transformers."""
+    ckpt = trained("accelerate_configs/fsdp1/zero2.yaml").output_dir / "checkpoint-12"
+    assert (ckpt / MANIFEST).is_file()
+    proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(ckpt), str(tmp_path / "fast")])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(without_manifest(ckpt, tmp_path)), str(tmp_path / "slow")])
+    assert proc.returncode == 0, proc.stderr
+    assert "transformers" in proc.stdout
+    assert folder_bytes(tmp_path / "fast") == folder_bytes(tmp_path / "slow")
+    assert_same_model(tmp_path / "fast", reference_weights(ckpt / "pytorch_model_fsdp_0", tmp_path / "ref"))
+
+
 def test_tied_embeddings_written_once_as_save_pretrained_does(trained, tmp_path_factory, tmp_path):
     tied_cfg = tmp_path_factory.mktemp("tied-config")
     for f in (REPO / "assets" / "tiny-llama").iterdir():
@@ -94,6 +129,9 @@ def test_tied_embeddings_written_once_as_save_pretrained_does(trained, tmp_path_
     run_dir = trained("accelerate_configs/zero3.yaml", "--config_name", str(tied_cfg)).output_dir
     out = tmp_path / "merged"
     merge_checkpoint(run_dir, out, verify=True, log=lambda *_: None)
+    # the manifest records the tie; through transformers (no manifest) the folder comes out the same, byte for byte
+    merge_checkpoint(without_manifest(run_dir / "checkpoint-12", tmp_path), tmp_path / "via-transformers", log=lambda *_: None)
+    assert folder_bytes(tmp_path / "via-transformers") == folder_bytes(out)
     written = load_file(out / "model.safetensors")
     assert "model.embed_tokens.weight" in written and "lm_head.weight" not in written
     reference = reference_weights(run_dir / "checkpoint-12" / "pytorch_model_fsdp_0", tmp_path / "ref")
@@ -231,6 +269,23 @@ def test_base_model_supplies_config_and_tokenizer(checkpoint, tmp_path):
         cfg = json.loads((wrong / "config.json").read_text())
         (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 64}))
         merge_checkpoint(checkpoint, tmp_path / "out2", base_model=str(wrong), log=lambda *_: None)
+
+
+def test_edited_config_or_manifest_is_still_checked(checkpoint, tmp_path):
+    """An edited config.json no longer matches the manifest's hash, so transformers checks it against the weights;
+    a manifest that disagrees with the weights is refused by the same check."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
+    with pytest.raises(CheckpointError, match="has shape .* in the checkpoint but .* in the config"):
+        merge_checkpoint(checkpoint, tmp_path / "a", log=lambda *_: None)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"]["config.json"] = hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()
+    manifest["weights"]["model.norm.weight"] = [7]
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"model.norm.weight has shape \(\d+,\) in the checkpoint but \(7,\)"):
+        merge_checkpoint(checkpoint, tmp_path / "b", log=lambda *_: None)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".a", ".b", "a", "b"))]
 
 
 def test_inspect_writes_nothing(checkpoint):
