@@ -82,4 +82,5 @@ def test_every_readme_command_runs(tmp_path):
     calibrated = next(out for cmd, out in outputs.items() if cmd.startswith("python bench/estimate_calibration.py"))
     assert "| accelerate_configs/zero3.yaml | 2 |" in calibrated and "(target: 5%)" in calibrated
     bench = next(out for cmd, out in outputs.items() if cmd.startswith("python bench/merge_benchmark.py"))
-    assert "| tools/merge_checkpoint.py |" in bench and "| accelerate merge-weights |" in bench
+    assert "| accelerate merge-weights |" in bench and "| cp -r (copy of the shards) |" in bench
+    assert "| tools/merge_checkpoint.py (our checkpoint) |" in bench and "| tools/merge_checkpoint.py (no manifest) |" in bench
