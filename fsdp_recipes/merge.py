@@ -478,10 +478,10 @@ def merge_checkpoint(
     # model skeleton take about 4 s of CPU: when config.json already says nothing is tied, every checkpoint tensor
     # is written, so the copy (which needs neither) starts at once while they load in a thread, and their checks
     # run before anything is renamed into place.
-    manifest = described_by_manifest(resolved) if base_model is None and dtype is None else None
+    own = described_by_manifest(resolved) if base_model is None and dtype is None else None
     with ThreadPoolExecutor(1) as pool:
-        if manifest is not None:
-            names, description = manifest.names, lambda: manifest
+        if own is not None:
+            names, description = own.names, lambda: own
         else:
             future = pool.submit(_describe, resolved, base_model, dtype)
             names, description = _untied_names(resolved) or future.result().names, future.result
