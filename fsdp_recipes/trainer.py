@@ -7,11 +7,17 @@ and a freshly created optimizer has no state entries, so DCP fills nothing. Weig
 come back, Adam's moments do not, and the run continues silently wrong. Giving the optimizer its state
 entries first (``_init_optim_state``: one step with zero gradients and lr 0, exactly what
 ``get_optimizer_state_dict`` does for FSDP2 before loading) makes DCP restore every moment.
+
+It also moves one step of saving. The Trainer deletes checkpoints beyond ``save_total_limit`` as soon as rank 0
+has written trainer_state.json, while the other ranks may still be writing their RNG state: a rank killed in
+that window left the run with no complete checkpoint (with a limit of 1, the only good one was just deleted).
+``FSDPTrainer`` deletes them once every rank is done.
 """
 
 from __future__ import annotations
 
 from transformers import Trainer
+from transformers.trainer_utils import rotate_checkpoints
 
 from .checks import ShardingReport
 from .export import DescribeCheckpoints
@@ -33,3 +39,17 @@ class FSDPTrainer(Trainer):
 
             _init_optim_state(self.optimizer.optimizer)  # the torch optimizer inside accelerate's wrapper
         super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # the Trainer's own rotation, which would run before the other ranks finish
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=self._get_output_dir(trial=trial), save_total_limit=limit,
+                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
+            )

@@ -84,6 +84,24 @@ def test_killed_while_writing_the_final_model_resumes_without_training(trained, 
     assert read_json(out / "config.json")["architectures"] == ["LlamaForCausalLM"]
 
 
+def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained, tmp_path):
+    """With save_total_limit 1 the Trainer deletes the older checkpoint as soon as rank 0 has written
+    trainer_state.json, while other ranks may still be writing their files: a rank killed there left no complete
+    checkpoint at all. FSDPTrainer deletes only after every rank is done, so the resume starts from checkpoint-6."""
+    config = "accelerate_configs/zero3.yaml"
+    out = tmp_path / "run"
+    limit_1 = ("--save_total_limit", "1")
+    killed = launch(config, *QUICK, *limit_1, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:rng:12"}, check=False)
+    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    assert (out / "checkpoint-12" / "trainer_state.json").is_file() and not (out / "checkpoint-12" / "rng_state_1.pth").exists()
+    assert (out / "checkpoint-6" / "trainer_state.json").is_file()
+    resumed = launch(config, *QUICK, *limit_1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert "skipping checkpoint-12" in resumed.stderr and f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12"]  # the limit still holds
+    final, reference = load_file(out / "model.safetensors"), load_file(trained(config).output_dir / "model.safetensors")
+    assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
+
+
 @pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
 def test_resume_on_more_processes_reshards(trained, config, tmp_path):
     """Saved by 2 processes x 8 sequences, resumed on 4 x 4: the same sequences in each global batch, so the run

@@ -4,6 +4,7 @@ and a real SIGKILL at a chosen point.
     FSDP_FAULT="<ranks>:<point>:<step>"   ranks: all | 0 | 1 | 0,1 ...
       point step      rank(s) die before the first micro-batch after <step> optimizer steps
       point optimizer rank(s) die while checkpoint-<step> is written: model shards done, optimizer shards not begun
+      point rng       rank(s) die while checkpoint-<step> is written: all shards done, their RNG state file not begun
       point final     rank(s) die as the final model folder is about to be written (<step> is ignored)
     FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into <dir>
 """
@@ -52,6 +53,15 @@ if os.environ.get("FSDP_FAULT"):
             return save_optimizer(*args, **kwargs)
 
         transformers.trainer.save_fsdp_optimizer = save_optimizer_or_die
+    elif point == "rng":
+        save_rng_state = Trainer._save_rng_state
+
+        def save_rng_state_or_die(self, output_dir):
+            if Path(output_dir).name == f"checkpoint-{step}" and _dies(ranks):
+                _die()
+            return save_rng_state(self, output_dir)
+
+        Trainer._save_rng_state = save_rng_state_or_die
     elif point == "final":
         import fsdp_recipes.export
 
@@ -63,7 +73,7 @@ if os.environ.get("FSDP_FAULT"):
         save_final_model = fsdp_recipes.export.save_final_model  # train_fsdp.py imports it by name after this
         fsdp_recipes.export.save_final_model = save_final_model_or_die
     else:
-        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer or final")
+        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng or final")
 
 if os.environ.get("FSDP_DUMP_OPTIMIZER"):
     load = FSDPTrainer._load_optimizer_and_scheduler
