@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import FAULT_SCRIPT, QUICK, launch, logged_losses, read_json
-from fsdp_recipes.merge import DCPSource
+from fsdp_recipes.merge import DCPSource, merge_checkpoint
 
 # (config, fault): which rank(s) die, at which point, after how many steps. The uninterrupted run
 # checkpoints at steps 6 and 12, so every fault lands between checkpoint-6 and the end.
@@ -82,6 +82,25 @@ def test_killed_while_writing_the_final_model_resumes_without_training(trained, 
     reference = load_file(trained(config).output_dir / "model.safetensors")
     assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
     assert read_json(out / "config.json")["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_epoch_based_run_killed_while_writing_the_final_model(tmp_path):
+    """Without max_steps the Trainer resumed at the end of its last epoch trains nothing (no extra step to guard
+    against, unlike above): the final folder holds the last checkpoint's weights."""
+    config = "accelerate_configs/zero3.yaml"
+    epochs = ("--max_steps", "-1", "--num_train_epochs", "1", "--save_strategy", "epoch")
+    out = tmp_path / "run"
+    killed = launch(config, *QUICK, *epochs, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False)
+    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr
+    [ckpt] = out.glob("checkpoint-*")
+    step = read_json(ckpt / "trainer_state.json")["global_step"]
+    assert step > 12 and not (out / "model.safetensors").exists()
+    launch(config, *QUICK, *epochs, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert [p.name for p in out.glob("checkpoint-*")] == [ckpt.name]
+    assert read_json(out / "trainer_state.json")["global_step"] == step
+    merge_checkpoint(ckpt, tmp_path / "merged", log=lambda *_: None)
+    final, reference = load_file(out / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
 
 
 def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained, tmp_path):
