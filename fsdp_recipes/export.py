@@ -7,6 +7,7 @@ turns shards into a model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -15,7 +16,9 @@ import torch
 from transformers import TrainerCallback
 
 from .checks import REPORT_NAME
-from .merge import DCP_MODEL_DIR, DCPSource, describe_folder, write_manifest, write_model_files
+from .merge import DCP_MODEL_DIR, MANIFEST, DCPSource, describe_folder, write_manifest, write_model_files
+
+logger = logging.getLogger(__name__)
 
 
 def unwrapped_model_class(model: torch.nn.Module) -> type:
@@ -43,12 +46,16 @@ class DescribeCheckpoints(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if state.is_world_process_zero:
-            model = accelerator.unwrap_model(self.trainer.model)
-            write_manifest(folder, model.config, save_model_description(model, self.tokenizer, folder))
-        accelerator.wait_for_everyone()  # every rank's rng state is written after the shared shards
+        if not state.is_world_process_zero:
+            return  # FSDPTrainer._save_checkpoint has waited for every rank's files before this
+        model = accelerator.unwrap_model(self.trainer.model)
+        files = save_model_description(model, self.tokenizer, folder)
+        try:
+            write_manifest(folder, model.config, files)
+        except Exception as err:  # only a shortcut for the merge, never worth a failed run
+            logger.warning(f"no {MANIFEST} in {folder} ({type(err).__name__}: {err}); merging it checks the config with transformers")
         run_report = Path(args.output_dir) / REPORT_NAME
-        if state.is_world_process_zero and run_report.is_file():
+        if run_report.is_file():
             plugin = getattr(accelerator.state, "fsdp_plugin", None)
             report = json.loads(run_report.read_text())
             report["state_dict_type"] = str(plugin.state_dict_type).split(".")[-1] if plugin else None
