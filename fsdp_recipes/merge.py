@@ -136,32 +136,51 @@ class DCPSource:
 
 
 class SafetensorsSource:
-    """``model.safetensors`` or an index of shards: tensors are read one at a time from memory maps."""
+    """``model.safetensors`` or an index of shards. Tensors are laid out as plain bytes: copied by the kernel like
+    DCP records (the header is read here, without torch), or read one at a time from memory maps to be cast."""
 
     kind = "full (safetensors)"
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
-
         self.path = folder
         index = folder / "model.safetensors.index.json"
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
         self.ranks = 1
         self.tensors, self._where = {}, {}
-        for name in files:
-            with safe_open(str(folder / name), framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    dtype = {code: name for name, code in SAFETENSORS_DTYPES.items()}[sl.get_dtype()]
-                    self.tensors[clean_name(key)] = TensorInfo(tuple(sl.get_shape()), dtype)
-                    self._where[clean_name(key)] = (name, key)
+        codes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+        for file in files:
+            path = folder / file
+            if not path.is_file():
+                raise CheckpointError(f"{path} is missing ({index.name} names it): copy the checkpoint again")
+            with open(path, "rb") as f:
+                try:
+                    (length,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(length))
+                except (struct.error, ValueError, MemoryError, OverflowError):
+                    raise CheckpointError(f"{path} is not a readable safetensors file (truncated?): copy the checkpoint again") from None
+            end = 0
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                if entry["dtype"] not in codes:
+                    raise CheckpointError(f"{path}: {key} has dtype {entry['dtype']}, which this tool does not convert")
+                begin, stop = entry["data_offsets"]
+                self.tensors[clean_name(key)] = TensorInfo(tuple(entry["shape"]), codes[entry["dtype"]])
+                self._where[clean_name(key)] = (file, key, 8 + length + begin, stop - begin)
+                end = max(end, stop)
+            if path.stat().st_size < 8 + length + end:
+                raise CheckpointError(f"{path} is truncated ({path.stat().st_size} of {8 + length + end} bytes): copy the checkpoint again")
+
+    def copy_plan(self, name: str) -> list[tuple[Path, int, int, int]] | None:
+        file, _, offset, nbytes = self._where[name]
+        return [(self.path / file, offset, 0, nbytes)] if nbytes == self.tensors[name].nbytes() else None
 
     def read(self, names: list[str]) -> dict:
         from safetensors import safe_open
 
         out = {}
         for n in names:
-            file, key = self._where[n]
+            file, key, *_ = self._where[n]
             with safe_open(str(self.path / file), framework="pt") as f:
                 out[n] = f.get_tensor(key)
         return out

@@ -157,6 +157,16 @@ def test_full_state_dict_checkpoints(trained, config, tmp_path):
     # the run's own final folder (written by train_fsdp.py) holds the same weights
     final = load_file(run_dir / "model.safetensors")
     assert all(torch.equal(final[k], reference[k]) for k in reference)
+    # safetensors are copied by the kernel too, without torch; a cut-off file is named
+    proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(ckpt), str(tmp_path / "c")])
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == (from_safetensors / "model.safetensors").read_bytes()
+    cut = tmp_path / "cut" / "checkpoint-12"
+    shutil.copytree(ckpt, cut, ignore=shutil.ignore_patterns("pytorch_model_fsdp.bin"))
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"model.safetensors is truncated \(\d+ of \d+ bytes\): copy the checkpoint again"):
+        merge_checkpoint(cut, tmp_path / "d", log=lambda *_: None)
 
 
 def test_dtype_sharding_verify_and_inspect_through_the_cli(trained, tmp_path):
