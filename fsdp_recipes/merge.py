@@ -632,5 +632,6 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         "dtypes": dtypes,
         "config": str(config_dir / "config.json") if config_dir else None,
         "tokenizer": str(tok_dir) if tok_dir else None,
+        "manifest": str(config_dir / MANIFEST) if config_dir and (config_dir / MANIFEST).is_file() else None,
         "optimizer_state": (ckpt / "optimizer_0").is_dir() or (ckpt / "optimizer.bin").is_file(),
     }

@@ -188,6 +188,7 @@ def test_dtype_sharding_verify_and_inspect_through_the_cli(trained, tmp_path):
     info = json.loads(proc.stdout)
     assert (info["format"], info["ranks"], info["step"], info["tensors"], info["parameters"]) == ("sharded (DCP)", 2, 12, 39, 242496)
     assert info["optimizer_state"] is True and not (tmp_path / "inspect").exists()
+    assert info["manifest"] == str(run_dir / "checkpoint-12" / "model_description.json")
     help_text = run(["python", TOOL, "--help"]).stdout
     assert "INPUT" in help_text.upper() and "--max-shard-size" in help_text and "memory" in help_text
 
