@@ -12,6 +12,7 @@ folder beside the target and is renamed when complete.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -414,7 +415,7 @@ def write_manifest(folder: Path, config, files: list[str]) -> None:
     """MANIFEST beside a checkpoint's config.json: what a merge would otherwise import transformers and build the
     model for (its class, the name and shape of every weight, the tied ones), and a hash of each description file,
     so that a merge can copy them as they are, and notices when one was edited since."""
-    model_cls, expected, tied = model_skeleton(config)
+    model_cls, expected, tied = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
     manifest = {
         "format": 1, "model_class": model_cls.__name__, "tied": tied,
         "files": {name: _sha256(Path(folder) / name) for name in sorted(files)},
