@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 
 from .dcp_files import DTYPE_SIZES, check_folder, raw_tensor
 
-# torch is imported where tensors are handled, not here: a merge that only copies bytes never needs it on the
-# critical path (dcp_files), and its import (about 2 s) overlaps the copy in a background thread.
+# torch is imported where tensors are handled, not here: a merge of a checkpoint with a manifest only copies
+# bytes and never imports it (dcp_files, MANIFEST); otherwise its import overlaps the copy in a thread.
 
 DCP_MODEL_DIR = "pytorch_model_fsdp_0"
 FULL_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model_fsdp.bin")
