@@ -95,3 +95,17 @@ def test_records_that_are_not_plain_bytes_go_to_torch(tmp_path):
             assert f.read(count) == state[name].contiguous().view(torch.uint8).numpy().tobytes(), name
     got = source.read(["t", "c", "h", "s"])
     assert all(torch.equal(got[n], state[n]) for n in state)
+
+
+def test_uneven_shards_over_three_ranks_are_copied_raw(tmp_path):
+    """Rows that do not divide by the rank count (a 1001-token vocabulary over 3 ranks: 334/334/333): every chunk
+    is still a raw copy, and the merged folder equals what torch reads from the checkpoint (verify)."""
+    from bench.synthetic import make_checkpoint
+    from fsdp_recipes.merge import merge_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "run", 1, ranks=3, hidden=256, vocab=1001)
+    source = DCPSource(ckpt / "pytorch_model_fsdp_0")
+    assert source.tensors["lm_head.weight"].shape == (1001, 256)
+    assert sorted(count for *_, count in source.copy_plan("lm_head.weight")) == [333 * 256 * 4, 334 * 256 * 4, 334 * 256 * 4]
+    assert all(source.copy_plan(n) is not None for n in source.tensors)
+    merge_checkpoint(ckpt, tmp_path / "out", verify=True, log=lambda *_: None)
