@@ -81,11 +81,6 @@ def clean_name(name: str) -> str:
 # ----------------------------------------------------------------------------------------------- sources
 
 
-def dcp_problems(dcp_dir: Path) -> list[str]:
-    """What makes a DCP folder unreadable (empty when it can be merged)."""
-    return check_folder(dcp_dir)[1]
-
-
 class DCPSource:
     """A sharded ``torch.distributed.checkpoint`` folder, read without a process group."""
 
@@ -219,7 +214,7 @@ def checkpoint_steps(run_dir: Path) -> list[Path]:
 def checkpoint_problems(ckpt: Path) -> list[str]:
     """Why a checkpoint-N folder cannot be merged (empty when it can)."""
     if (ckpt / DCP_MODEL_DIR).is_dir():
-        return dcp_problems(ckpt / DCP_MODEL_DIR)
+        return check_folder(ckpt / DCP_MODEL_DIR)[1]
     if any((ckpt / f).is_file() for f in FULL_FILES):
         return []
     return [f"no {DCP_MODEL_DIR}/ and no full weights in {ckpt}"]
