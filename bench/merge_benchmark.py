@@ -23,7 +23,7 @@ from huggingface_hub.serialization._base import parse_size_to_int
 
 from synthetic import make_checkpoint
 
-from fsdp_recipes.merge import MANIFEST
+from fsdp_recipes.checkpoint_files import MANIFEST
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -72,7 +72,7 @@ def make_checkpoint(folder: str | os.PathLike, target_bytes: int, ranks: int = 2
     # config, generation config, tokenizer and manifest as the training run's DescribeCheckpoints writes them
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-    from fsdp_recipes.merge import describe_folder, write_manifest
+    from fsdp_recipes.description import describe_folder, write_manifest
 
     files = describe_folder(ckpt, LlamaForCausalLM, config, AutoTokenizer.from_pretrained(TINY), GenerationConfig.from_model_config(config))
     write_manifest(ckpt, config, files)

@@ -328,8 +328,7 @@ def _resumable(status, trainer_fsdp: bool) -> str:
 
 def check_output_dir(output_dir: str, resuming: bool, overwrite: bool) -> None:
     """A new run must not write into another run's checkpoints: a later `resume true` would pick theirs."""
-    from .checkpoints import INCOMPLETE_PREFIX
-    from .merge import checkpoint_steps
+    from .checkpoint_files import INCOMPLETE_PREFIX, checkpoint_steps
 
     out = Path(output_dir)
     if resuming or not out.is_dir():

@@ -17,14 +17,10 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .checks import REPORT_NAME
+from .checkpoint_files import (
+    DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, REPORT_NAME, checkpoint_steps,
+)
 from .dcp_files import check_folder
-from .merge import DCP_MODEL_DIR, checkpoint_steps
-
-OPTIMIZER_DIR = "optimizer_0"
-FULL_MODEL_FILE = "pytorch_model_fsdp.bin"
-FULL_OPTIMIZER_FILE = "optimizer.bin"
-INCOMPLETE_PREFIX = "incomplete-"  # outside the Trainer's `checkpoint-*` glob: never rotated, never resumed
 
 
 @dataclass
@@ -59,14 +55,27 @@ class CheckpointStatus:
         return {**asdict(self), "resumable": self.resumable}
 
 
-def _torch_file_problem(path: Path) -> str | None:
-    """torch.save files are zip archives whose directory sits at the end: a cut-off file has none."""
+def _torch_file_problem(path: Path, load: bool = False) -> str | None:
+    """torch.save files are zip archives whose directory sits at the end: a cut-off file has none. ``load``: the
+    file is also loaded as the Trainer will load it (weights_only, numpy's RNG state allowed), so one naming code
+    is refused here, in one line, rather than deep inside a resumed run."""
     if not path.is_file():
         return f"missing {path.name}"
     try:
         zipfile.ZipFile(path).close()
     except (zipfile.BadZipFile, OSError):
         return f"truncated or unreadable {path.name}"
+    if load:
+        import numpy as np
+        import torch
+
+        np_core = np._core if hasattr(np, "_core") else np.core
+        allowed = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # as the Trainer
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 (UnpicklingError, RuntimeError ...: refused either way)
+            return f"refused {path.name}: it holds more than tensors and plain data ({type(err).__name__}); a pickle can run code"
     return None
 
 
@@ -135,7 +144,7 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
         status.state_dict_type = "FULL_STATE_DICT"
         status.problems += [p for p in (_torch_file_problem(ckpt / FULL_MODEL_FILE), _torch_file_problem(ckpt / FULL_OPTIMIZER_FILE)) if p]
 
-    if problem := _torch_file_problem(ckpt / "scheduler.pt"):
+    if problem := _torch_file_problem(ckpt / "scheduler.pt", load=True):
         status.problems.append(problem)
 
     rng_files = {int(m.group(1)) for p in ckpt.glob("rng_state_*.pth") if (m := re.fullmatch(r"rng_state_(\d+)\.pth", p.name))}
@@ -145,7 +154,7 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
         rng_names = [f"rng_state_{r}.pth" for r in range(status.world_size)]
     else:
         rng_names = ["rng_state.pth"]
-    status.problems += [p for p in (_torch_file_problem(ckpt / n) for n in rng_names) if p]
+    status.problems += [p for p in (_torch_file_problem(ckpt / n, load=True) for n in rng_names) if p]
 
 
 def set_aside(ckpt: Path) -> Path:

@@ -14,7 +14,8 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
-REPORT_NAME = "fsdp_report.json"
+from .checkpoint_files import REPORT_NAME
+
 logger = logging.getLogger("train_fsdp")
 
 

@@ -1,13 +1,19 @@
-"""Reading a torch.distributed.checkpoint (DCP) folder's layout without importing torch.
+"""Reading a torch.distributed.checkpoint (DCP) folder's layout without importing torch, and without running code.
 
 Importing torch and torch.distributed.checkpoint takes about 2 s here: as long as copying a few GB from the
 page cache, so it doubled the time of a merge whose work is a kernel copy. Underneath, a DCP folder is plain
 data: ``.metadata`` is a pickle of a few small dataclasses (names, shapes, dtypes, which file and byte range
 holds each chunk) and each ``.distcp`` file is a run of torch.save records (zip archives). Both are read here
 with restricted unpicklers that build stand-ins for exactly the classes those pickles name and import or call
-nothing else. A pickle naming anything else (another torch version's format) makes the metadata fall back to
-torch's own reader (a plain pickle.load, as DCP itself loads), and a record to the merge's slow path, which
-loads it with torch.
+nothing else.
+
+A checkpoint may come from anywhere, and a pickle can run any code it names. DCP itself loads ``.metadata``
+with plain ``pickle.load`` (torch 2.13, FileSystemReader.read_metadata), so every tool here reads it through
+this module first and refuses a file that names anything but DCP's metadata dataclasses and enums
+(UnsafeCheckpointError); DCP's own load then only ever sees a vetted file. A name this module does not know is
+accepted only when it is a dataclass or enum of ``torch.distributed.checkpoint`` (another torch version's
+metadata); it is never looked up as a dotted attribute path. Records that are not plain tensors go to torch's
+``weights_only`` loader (the merge's slow path, DCP's own reader), never to plain pickle.
 """
 
 from __future__ import annotations
@@ -66,7 +72,11 @@ class Layout:
 
 
 class _Standin:
-    """Any DCP metadata dataclass: its pickled state becomes attributes."""
+    """Any DCP metadata dataclass: its pickled state becomes attributes (an enum's value: ``args``)."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+        self.__dict__.update(kwargs)
 
     def __setstate__(self, state):
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) and (state[0] is None or isinstance(state[0], dict)):
@@ -85,13 +95,36 @@ class _UnknownGlobal(pickle.UnpicklingError):
     pass
 
 
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint pickle names something that is not checkpoint data: it is never unpickled."""
+
+
+_DCP_MODULE = "torch.distributed.checkpoint."
+
+
+def _is_dcp_data_class(module: str, name: str) -> bool:
+    """A DCP metadata dataclass or enum this module has no stand-in for (a newer torch). Importing a module of
+    torch.distributed.checkpoint runs only torch's own code; a dotted name (an attribute path) is never followed."""
+    import dataclasses
+    import enum
+    import importlib
+
+    if not module.startswith(_DCP_MODULE) or not name.isidentifier():
+        return False
+    try:
+        obj = importlib.import_module(module).__dict__.get(name)
+    except ImportError:
+        return False
+    return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     _standins = {name: type(name, (_Standin,), {}) for name in _DCP_CLASSES}
 
     def find_class(self, module, name):
-        if module.startswith("torch.distributed.checkpoint.") and name in self._standins:
+        if module.startswith(_DCP_MODULE) and name in self._standins:
             return self._standins[name]
-        if module.startswith("torch.distributed.checkpoint.") and name == "_MEM_FORMAT_ENCODING":
+        if module.startswith(_DCP_MODULE) and name == "_MEM_FORMAT_ENCODING":
             return lambda value: value
         if module == "torch" and name in DTYPE_SIZES:
             return name
@@ -103,7 +136,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             return lambda *parts: "/".join(map(str, parts))  # StorageMeta.checkpoint_id, unused
         if (module, name) == ("collections", "OrderedDict"):
             return dict
-        raise _UnknownGlobal(f"{module}.{name}")
+        if _is_dcp_data_class(module, name):
+            return self._standins.setdefault(name, type(name, (_Standin,), {}))
+        raise UnsafeCheckpointError(f"{module}.{name}")
 
 
 def _layout_from(metadata) -> Layout:
@@ -120,22 +155,25 @@ def _layout_from(metadata) -> Layout:
         )
     storage = {}
     for index, info in (metadata.storage_data or {}).items():
-        where = (index.fqn, None if index.offset is None else tuple(index.offset))
+        offset = getattr(index, "offset", None)  # a default left out of the pickled state
+        where = (index.fqn, None if offset is None else tuple(offset))
         storage[where] = Stored(info.relative_path, info.offset, info.length, bool(getattr(info, "transform_descriptors", None)))
     return Layout(tensors, storage)
 
 
 def read_layout(dcp_dir: Path) -> Layout:
-    """The folder's tensors and where their chunks lie; raises when ``.metadata`` is unreadable."""
+    """The folder's tensors and where their chunks lie. Raises UnsafeCheckpointError when ``.metadata`` names
+    anything but DCP metadata (it could run code), another exception when it is unreadable."""
     path = Path(dcp_dir) / ".metadata"
-    try:
-        with open(path, "rb") as f:
-            return _layout_from(_MetadataUnpickler(f).load())
-    except Exception:  # a name we do not stand in for, or known names pickled another way: torch reads it
-        pass
-    import torch.distributed.checkpoint as dcp
+    with open(path, "rb") as f:
+        return _layout_from(_MetadataUnpickler(f).load())
 
-    return _layout_from(dcp.FileSystemReader(str(dcp_dir)).read_metadata())
+
+def unsafe_message(path: Path, err: UnsafeCheckpointError) -> str:
+    return (
+        f"{path} names {err}, which DCP metadata never holds: refusing to unpickle it (a pickle can run code); "
+        "use a checkpoint you or your training run wrote"
+    )
 
 
 def check_folder(dcp_dir: Path) -> tuple[Layout | None, list[str]]:
@@ -146,6 +184,8 @@ def check_folder(dcp_dir: Path) -> tuple[Layout | None, list[str]]:
         return None, [f"missing {meta_path}"]
     try:
         layout = read_layout(dcp_dir)
+    except UnsafeCheckpointError as err:
+        return None, [unsafe_message(meta_path, err)]
     except Exception as err:  # a truncated pickle raises several different types
         return None, [f"unreadable {meta_path} ({type(err).__name__})"]
     needed: dict[str, int] = {}
@@ -212,7 +252,7 @@ class _RecordUnpickler(pickle.Unpickler):
             return _STORAGE_DTYPES[name]
         if (module, name) == ("collections", "OrderedDict"):
             return dict
-        raise _UnknownGlobal(f"{module}.{name}")
+        raise _UnknownGlobal(f"{module}.{name}")  # not a plain tensor record: torch's weights_only loader reads it
 
     def persistent_load(self, pid):
         return tuple(pid)  # ("storage", dtype name, key, location, numel)

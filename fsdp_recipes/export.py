@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .checks import REPORT_NAME
-from .merge import DCP_MODEL_DIR, MANIFEST, DCPSource, describe_folder, write_manifest, write_model_files
+from .checkpoint_files import DCP_MODEL_DIR, MANIFEST, REPORT_NAME
+from .description import describe_folder, write_manifest
+from .merge import write_model_files
+from .sources import DCPSource
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run
-from fsdp_recipes.dcp_files import FileSlice, _layout_from, _MetadataUnpickler, raw_tensor, read_layout
-from fsdp_recipes.merge import DCPSource
+from fsdp_recipes.dcp_files import FileSlice, UnsafeCheckpointError, _layout_from, _MetadataUnpickler, raw_tensor, read_layout
+from fsdp_recipes.sources import DCPSource
 
 
 def torch_layout(folder: Path):
@@ -48,7 +48,7 @@ def test_merge_copies_without_importing_torch(trained, tmp_path):
     """Planning and copying a whole checkpoint leaves torch unimported (its import is the time we save)."""
     ckpt = trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12"
     code = (
-        "import sys\nfrom pathlib import Path\nfrom fsdp_recipes.merge import DCPSource, write_weights\n"
+        "import sys\nfrom pathlib import Path\nfrom fsdp_recipes.sources import DCPSource\nfrom fsdp_recipes.safetensors_writer import write_weights\n"
         f"src = DCPSource(Path({str(ckpt / 'pytorch_model_fsdp_0')!r}))\n"
         "assert all(src.copy_plan(n) for n in src.tensors)\n"
         f"write_weights(src, sorted(src.tensors), Path({str(tmp_path)!r}))\n"
@@ -65,18 +65,26 @@ def test_merge_copies_without_importing_torch(trained, tmp_path):
     assert all(torch.equal(written[n], expected[n]) for n in expected)
 
 
-def test_metadata_naming_other_classes_is_read_by_torch(trained, tmp_path):
-    """A .metadata that names a class we do not stand in for (another torch version) is left to torch's reader."""
+def test_metadata_naming_other_classes(trained, tmp_path):
+    """A .metadata naming a DCP dataclass or enum we have no stand-in for (another torch version's metadata) is
+    read; one naming anything else, however harmless, is refused and never handed to a plain unpickler."""
     folder = tmp_path / "pytorch_model_fsdp_0"
     shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12" / "pytorch_model_fsdp_0", folder)
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    metadata.planner_data = {"written": Path("/somewhere"), "when": __import__("datetime").date(2026, 11, 22)}
+    from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+
+    metadata.planner_data = {"kinds": [WriteItemType.TENSOR, LoadItemType.BYTE_IO], "written": Path("/somewhere")}
     with open(folder / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    with pytest.raises(pickle.UnpicklingError, match="datetime.date"):
-        _MetadataUnpickler(io.BytesIO((folder / ".metadata").read_bytes())).load()
     assert read_layout(folder) == torch_layout(folder)
     assert len(read_layout(folder).tensors) == 39
+    metadata.planner_data = {"when": __import__("datetime").date(2026, 11, 22)}
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(UnsafeCheckpointError, match="datetime.date"):
+        read_layout(folder)
+    with pytest.raises(UnsafeCheckpointError, match="datetime.date"):
+        _MetadataUnpickler(io.BytesIO((folder / ".metadata").read_bytes())).load()
 
 
 def test_records_that_are_not_plain_bytes_go_to_torch(tmp_path):
@@ -87,14 +95,14 @@ def test_records_that_are_not_plain_bytes_go_to_torch(tmp_path):
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": state}, checkpoint_id=str(tmp_path), no_dist=True)
     source = DCPSource(tmp_path)
-    assert source.copy_plan("t") is None
-    assert all(source.copy_plan(n) is not None for n in ("c", "h", "s"))
-    for name, (src, offset, at, count) in ((n, source.copy_plan(n)[0]) for n in ("c", "h", "s")):
+    assert source.copy_plan("model.t") is None
+    assert all(source.copy_plan(f"model.{n}") is not None for n in ("c", "h", "s"))
+    for name, (src, offset, at, count) in ((n, source.copy_plan(f"model.{n}")[0]) for n in ("c", "h", "s")):
         with open(src, "rb") as f:
             f.seek(offset)
             assert f.read(count) == state[name].contiguous().view(torch.uint8).numpy().tobytes(), name
-    got = source.read(["t", "c", "h", "s"])
-    assert all(torch.equal(got[n], state[n]) for n in state)
+    got = source.read([f"model.{n}" for n in state])
+    assert all(torch.equal(got[f"model.{n}"], state[n]) for n in state)
 
 
 def test_uneven_shards_over_three_ranks_are_copied_raw(tmp_path):
@@ -105,7 +113,7 @@ def test_uneven_shards_over_three_ranks_are_copied_raw(tmp_path):
 
     ckpt = make_checkpoint(tmp_path / "run", 1, ranks=3, hidden=256, vocab=1001)
     source = DCPSource(ckpt / "pytorch_model_fsdp_0")
-    assert source.tensors["lm_head.weight"].shape == (1001, 256)
-    assert sorted(count for *_, count in source.copy_plan("lm_head.weight")) == [333 * 256 * 4, 334 * 256 * 4, 334 * 256 * 4]
+    assert source.tensors["model.lm_head.weight"].shape == (1001, 256)
+    assert sorted(count for *_, count in source.copy_plan("model.lm_head.weight")) == [333 * 256 * 4, 334 * 256 * 4, 334 * 256 * 4]
     assert all(source.copy_plan(n) is not None for n in source.tensors)
     merge_checkpoint(ckpt, tmp_path / "out", verify=True, log=lambda *_: None)

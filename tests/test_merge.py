@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -333,3 +335,113 @@ def test_peak_memory_does_not_grow_with_model_size(tmp_path):
         base_kb, peak_kb = map(int, proc.stdout.split())
         assert (peak_kb - base_kb) * 1024 < 64e6, (mode, base_kb, peak_kb)
     assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "cast-big" / "model.safetensors").values())
+
+
+# ------------------------------------------------------------------------------------------ where the output goes
+
+
+def test_output_never_destroys_or_mixes_with_the_input(checkpoint, tmp_path):
+    """Compared as real paths: the output may not be the input, inside it or hold it, however it is spelled
+    (`..`, symlinks), --overwrite included; --overwrite never replaces a folder holding training checkpoints."""
+    run_dir = checkpoint.parent
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    link = tmp_path / "link"
+    link.symlink_to(checkpoint)
+    cases = {
+        str(run_dir): "holds the input",  # merging a checkpoint over its own run folder
+        str(run_dir / ".." / run_dir.name / checkpoint.name): "is the input",
+        str(link): "is the input",
+        str(link / "merged"): "is inside the input",
+    }
+    for output, expected in cases.items():
+        with pytest.raises(CheckpointError, match=expected):
+            merge_checkpoint(checkpoint, output, overwrite=True, log=lambda *_: None)
+    other_run = tmp_path / "other-run"
+    shutil.copytree(checkpoint, other_run / "checkpoint-3")
+    with pytest.raises(CheckpointError, match=r"holds training checkpoints \(checkpoint-3, ...\): --overwrite only replaces a model folder"):
+        merge_checkpoint(checkpoint, other_run, overwrite=True, log=lambda *_: None)
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+    assert (other_run / "checkpoint-3" / "trainer_state.json").is_file()
+    # a symlink to a model folder is replaced where it points, and stays a link
+    target = tmp_path / "models" / "m"
+    merge_checkpoint(checkpoint, target, log=lambda *_: None)
+    (tmp_path / "m-link").symlink_to(target)
+    merge_checkpoint(checkpoint, tmp_path / "m-link", overwrite=True, log=lambda *_: None)
+    assert (tmp_path / "m-link").is_symlink() and (target / "model.safetensors").is_file()
+
+
+def test_stale_staging_of_a_killed_merge_is_removed(checkpoint, tmp_path):
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = tmp_path / f".out.tmp-{host}-{dead.pid}"
+    live = tmp_path / f".out.tmp-{host}-{os.getppid()}"  # a process that is alive: its merge may be running
+    not_ours = tmp_path / f".out.tmp-otherhost-{dead.pid}"
+    for folder in (stale, live, not_ours):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    said = []
+    merge_checkpoint(checkpoint, tmp_path / "out", log=said.append)
+    assert not stale.exists() and live.exists() and not_ours.exists()
+    assert f"removed {stale}, left by a merge that was killed (process {dead.pid})" in said
+
+
+def test_output_on_another_filesystem_and_without_copy_file_range(checkpoint, tmp_path, monkeypatch):
+    """Checkpoints on one filesystem, the model written to another (tmpfs here); and the kernel copy refused
+    (EXDEV, as between filesystems on older kernels) or missing (macOS): the same bytes, by sendfile or read/write."""
+    import errno
+
+    import fsdp_recipes.safetensors_writer as writer
+
+    reference = tmp_path / "same-fs"
+    merge_checkpoint(checkpoint, reference, log=lambda *_: None)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.stat(shm).st_dev != os.stat(tmp_path).st_dev:
+        out = Path(tempfile.mkdtemp(dir=shm)) / "merged"
+        try:
+            merge_checkpoint(checkpoint, out, log=lambda *_: None)
+            assert folder_bytes(out) == folder_bytes(reference)
+        finally:
+            shutil.rmtree(out.parent)
+
+    def refuse(*args):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    used = []
+    real_copy = writer.RangeCopier.copy
+    monkeypatch.setattr(writer.RangeCopier, "copy", lambda self, *a: used.append(self.method) or real_copy(self, *a))
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    merge_checkpoint(checkpoint, tmp_path / "sendfile", log=lambda *_: None)
+    monkeypatch.setattr(os, "sendfile", refuse)
+    merge_checkpoint(checkpoint, tmp_path / "buffered", log=lambda *_: None)
+
+    def sockets_only(*args):
+        raise OSError(errno.ENOTSOCK, "Socket operation on non-socket")
+
+    monkeypatch.delattr(os, "copy_file_range")  # as on macOS, whose sendfile only writes to sockets
+    monkeypatch.setattr(os, "sendfile", sockets_only)
+    merge_checkpoint(checkpoint, tmp_path / "missing", log=lambda *_: None)
+    assert {"copy_file_range", "sendfile", "read/write"} <= set(used)
+    for folder in ("sendfile", "buffered", "missing"):
+        assert folder_bytes(tmp_path / folder) == folder_bytes(reference), folder
+
+
+def test_a_failed_check_stops_the_copy(tmp_path):
+    """The check running beside the copy is asked between pieces of COPY_STEP bytes: once it fails, nothing more
+    is copied."""
+    from bench.synthetic import make_checkpoint
+    from fsdp_recipes.safetensors_writer import COPY_STEP, Cancelled, write_weights
+    from fsdp_recipes.sources import DCPSource
+
+    ckpt = make_checkpoint(tmp_path / "run", 3 * COPY_STEP, ranks=2, hidden=512, vocab=8000)
+    source = DCPSource(ckpt / "pytorch_model_fsdp_0")
+    asked = []
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(Cancelled):
+        write_weights(source, sorted(source.tensors), out, cancelled=lambda: asked.append(1) or len(asked) > 1)
+    written = sum(os.stat(p).st_blocks * 512 for p in out.iterdir())
+    assert written <= 2 * COPY_STEP, written

@@ -1,0 +1,169 @@
+"""What goes beside the weights of a model folder: config.json, generation config, tokenizer; and the checkpoint
+manifest (``model_description.json``) that lets a merge check and copy them without transformers.
+
+The model's weight names, shapes and tied names come from the model class built on the meta device from the
+config (``model_skeleton``), or from the manifest the training run wrote beside the config, when no described file
+changed since. A config is required (from the checkpoint, its parent, or --base-model); a tokenizer is optional.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint_files import MANIFEST, TOKENIZER_FILES, CheckpointError
+from .sources import ResolvedInput, WeightMap, dtype_name, match_namespace, torch_dtype
+
+
+def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str]]:
+    """(model class, shape of every state-dict name, tied names save_pretrained leaves out), from a meta-device model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    tied = sorted(set(getattr(skeleton, "all_tied_weights_keys", None) or {}) & set(expected)) if getattr(config, "tie_word_embeddings", False) else []
+    return type(skeleton), expected, tied
+
+
+def describe_folder(out_dir: Path, model_cls: type, config, tokenizer=None, generation_config=None, dtype=None) -> list[str]:
+    """config.json (architectures = the model class, never an FSDP wrapper), generation config and tokenizer; returns
+    the names of the files written."""
+    config.architectures = [model_cls.__name__]
+    if dtype is not None:
+        config.dtype = torch_dtype(dtype_name(dtype))
+    config.save_pretrained(out_dir)
+    files = ["config.json"]
+    if generation_config is not None:
+        generation_config.save_pretrained(out_dir)
+        files.append("generation_config.json")
+    if tokenizer is not None:
+        saved = tokenizer.save_pretrained(out_dir)
+        files += [Path(f).name for f in saved if Path(f).parent == Path(out_dir) and Path(f).is_file()]
+    return sorted(set(files))
+
+
+def write_manifest(folder: Path, config, files: list[str]) -> None:
+    """MANIFEST beside a checkpoint's config.json: what a merge would otherwise import transformers and build the
+    model for (its class, the name and shape of every weight, the tied ones), and a hash of each description file,
+    so that a merge can copy them as they are, and notices when one was edited since."""
+    model_cls, expected, tied = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
+    manifest = {
+        "format": 1, "model_class": model_cls.__name__, "tied": tied,
+        "files": {name: _sha256(Path(folder) / name) for name in sorted(files)},
+        "weights": {name: list(shape) for name, shape in sorted(expected.items())},
+    }
+    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass
+class Description:
+    """The weights to write (checked against the model) and how to write config, generation config and tokenizer."""
+
+    weights: WeightMap
+    tied: list[str]
+    origin: dict[str, str]
+    write: Callable[[Path], object]
+    notes: list[str] = field(default_factory=list)
+
+
+def description_dirs(resolved: ResolvedInput) -> tuple[Path | None, Path | None]:
+    """(folder with config.json, folder with tokenizer files), looked for beside the weights, then up."""
+    config_dir = next((d for d in resolved.places if (d / "config.json").is_file()), None)
+    tok_dir = next((d for d in resolved.places if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
+    return config_dir, tok_dir
+
+
+def config_origin(resolved: ResolvedInput, base_model: str | None) -> str:
+    """Where config.json comes from; checked before any copy. Raises CheckpointError when there is none."""
+    config_dir, _ = description_dirs(resolved)
+    if base_model is None and config_dir is None:
+        where = " or ".join(str(p) for p in resolved.places)
+        raise CheckpointError(f"no config.json in {where}: pass --base-model <hub id or folder the run started from>")
+    if base_model is not None:
+        return base_model
+    try:
+        config = json.loads((config_dir / "config.json").read_text())
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise ValueError("no model_type")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config_dir / 'config.json'} is not a model config ({err}): fix it or pass --base-model") from None
+    return str(config_dir)
+
+
+def _one_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, dtype: str | None) -> Description:
+    """Config, generation config and tokenizer through transformers, the weights matched against the model built
+    from the config. Every load error is a one-line CheckpointError."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config_from = config_origin(resolved, base_model)
+    config_dir, tok_dir = description_dirs(resolved)
+    try:
+        config = AutoConfig.from_pretrained(config_from)
+    except Exception as err:  # noqa: BLE001 (OSError, ValueError, KeyError ...: transformers raises many)
+        raise CheckpointError(f"cannot load the config from {config_from} ({_one_line(err)}): pass --base-model <a folder or hub id with a valid config.json>") from None
+    if config_dir is not None and base_model is None and (config_dir / "generation_config.json").is_file():
+        try:
+            generation_config = GenerationConfig.from_pretrained(config_dir)
+        except Exception as err:  # noqa: BLE001
+            raise CheckpointError(f"cannot load {config_dir / 'generation_config.json'} ({_one_line(err)}): fix or delete it") from None
+    else:
+        generation_config = GenerationConfig.from_model_config(config)
+    notes, tokenizer, tok_from = [], None, None
+    if tok_dir is not None:
+        tok_from = str(tok_dir)
+    elif base_model is not None and (not Path(base_model).is_dir() or any((Path(base_model) / f).is_file() for f in TOKENIZER_FILES)):
+        tok_from = base_model
+    if tok_from is None:
+        notes.append(f"no tokenizer in {' or '.join(str(p) for p in resolved.places)}: the model folder has none (copy one in, or pass --base-model with one)")
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tok_from)
+        except Exception as err:  # noqa: BLE001
+            raise CheckpointError(f"cannot load the tokenizer from {tok_from} ({_one_line(err)}): fix or remove its files, or pass --base-model") from None
+    try:
+        model_cls, expected, tied = model_skeleton(config)
+    except Exception as err:  # noqa: BLE001 (a config transformers cannot build a causal LM from)
+        raise CheckpointError(f"cannot build a causal LM from the config in {config_from} ({_one_line(err)}): pass --base-model") from None
+    weights = match_namespace(resolved.source.tensors, expected, tied, model_cls.__name__)
+    origin = {"config": config_from, "tokenizer": tok_from or "(none)"}
+    return Description(weights, tied, origin, lambda out: describe_folder(out, model_cls, config, tokenizer, generation_config, dtype), notes)
+
+
+def described_by_manifest(resolved: ResolvedInput) -> Description | None:
+    """The checkpoint's own description (write_manifest), when no described file changed since; None sends the
+    merge through transformers."""
+    config_dir, _ = description_dirs(resolved)
+    if config_dir is None or not (config_dir / MANIFEST).is_file():
+        return None
+    try:
+        manifest = json.loads((config_dir / MANIFEST).read_text())
+        files, tied = dict(manifest["files"]), list(manifest["tied"])
+        expected = {name: tuple(shape) for name, shape in manifest["weights"].items()}
+        model_name = str(manifest["model_class"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if manifest.get("format") != 1 or "config.json" not in files or any("/" in name or name.startswith(".") for name in files):
+        return None
+    if any(not (config_dir / name).is_file() or _sha256(config_dir / name) != digest for name, digest in files.items()):
+        return None
+    weights = match_namespace(resolved.source.tensors, expected, tied, model_name)
+    has_tokenizer = any(f in files for f in TOKENIZER_FILES)
+    origin = {"config": str(config_dir), "tokenizer": str(config_dir) if has_tokenizer else "(none)"}
+    notes = [] if has_tokenizer else [f"no tokenizer in {config_dir}: the model folder has none"]
+    return Description(weights, tied, origin, lambda out: [shutil.copyfile(config_dir / name, out / name) for name in files], notes)

@@ -1,0 +1,149 @@
+"""Streaming tensors from a checkpoint source into safetensors shards (+ index), as save_pretrained names them.
+
+The headers are computed up front from the source's shapes and dtypes; then each tensor whose bytes lie plain in
+the source is copied by the kernel straight to its place in the output (copy_file_range; sendfile or a buffered
+loop across filesystems and where it is missing), and the rest (casts, other layouts) is read in groups of at
+most ``memory_budget`` bytes (a larger tensor alone). Peak memory follows the budget and the largest tensor,
+never the model size.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+from huggingface_hub import split_state_dict_into_shards_factory
+from huggingface_hub.serialization._base import parse_size_to_int
+from tqdm.auto import tqdm
+
+from .checkpoint_files import CheckpointError
+from .sources import SAFETENSORS_DTYPES, TensorInfo, dtype_name, torch_dtype
+
+COPY_STEP = 64 << 20  # bytes per kernel copy call: how often a failed check running beside the copy is noticed
+# copy_file_range or sendfile cannot do these (another filesystem, an old kernel, a filesystem without it, macOS's
+# sendfile, which only writes to sockets): copy another way
+_NO_RANGE_COPY = {errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENOTSOCK, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+class Cancelled(Exception):
+    """The copy was stopped because a check running beside it failed."""
+
+
+def _safetensors_header(names: list[str], infos: dict[str, TensorInfo], dtype: str | None) -> tuple[bytes, list[tuple[str, int]]]:
+    header, offset, layout = {"__metadata__": {"format": "pt"}}, 0, []
+    for n in names:
+        size = infos[n].nbytes(dtype)
+        header[n] = {"dtype": SAFETENSORS_DTYPES[dtype or infos[n].dtype], "shape": list(infos[n].shape), "data_offsets": [offset, offset + size]}
+        layout.append((n, size))
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw, layout
+
+
+def groups(names: list[str], infos: dict[str, TensorInfo], budget: int):
+    group, size = [], 0
+    for n in names:
+        if group and size + infos[n].nbytes() > budget:
+            yield group
+            group, size = [], 0
+        group.append(n)
+        size += infos[n].nbytes()
+    if group:
+        yield group
+
+
+class RangeCopier:
+    """Copies byte ranges between files by the fastest means that works here: copy_file_range (in the kernel,
+    no user-space buffer), else sendfile, else read/pwrite through one buffer. Falls back once per merge, on the
+    first call that says the fast means cannot do it, and remembers."""
+
+    def __init__(self):
+        self.method = "copy_file_range" if hasattr(os, "copy_file_range") else "sendfile" if hasattr(os, "sendfile") else "read/write"
+
+    def copy(self, src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> int:
+        """Copy up to ``count`` bytes; returns how many (0 at the end of the source)."""
+        while True:
+            try:
+                if self.method == "copy_file_range":
+                    return os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
+                if self.method == "sendfile":
+                    os.lseek(dst_fd, dst_offset, os.SEEK_SET)
+                    return os.sendfile(dst_fd, src_fd, src_offset, count)
+                data = os.pread(src_fd, min(count, 8 << 20), src_offset)
+                return os.pwrite(dst_fd, data, dst_offset) if data else 0
+            except OSError as err:
+                if err.errno not in _NO_RANGE_COPY or self.method == "read/write":
+                    raise
+                self.method = "sendfile" if self.method == "copy_file_range" and hasattr(os, "sendfile") else "read/write"
+
+
+def copy_range(copier: RangeCopier, src: Path, src_offset: int, fd: int, dst_offset: int, count: int,
+               cancelled: Callable[[], bool] = lambda: False, progress: Callable[[int], object] = lambda n: None) -> None:
+    with open(src, "rb") as f:
+        while count:
+            if cancelled():
+                raise Cancelled
+            done = copier.copy(f.fileno(), src_offset, fd, dst_offset, min(count, COPY_STEP))
+            if done == 0:
+                raise CheckpointError(f"{src} ended early: the file is truncated; copy the checkpoint again")
+            src_offset, dst_offset, count = src_offset + done, dst_offset + done, count - done
+            progress(done)
+
+
+def write_weights(
+    source, names: dict[str, str] | list[str], out_dir: Path, max_shard_size: str | int = "5GB", dtype: str | None = None,
+    memory_budget: str | int = "512MB", cancelled: Callable[[], bool] = lambda: False,
+) -> list[str]:
+    """Stream the source's tensors into safetensors shards (+ index) in ``out_dir``; returns the file names.
+    ``names``: output name -> source tensor name (a list: the same names). ``cancelled`` is asked between pieces
+    of at most COPY_STEP bytes; when it says yes, Cancelled is raised."""
+    mapping = dict(names) if isinstance(names, dict) else {n: n for n in names}
+    infos, dtype = {out: source.tensors[src] for out, src in mapping.items()}, dtype_name(dtype)
+    budget = parse_size_to_int(memory_budget) if isinstance(memory_budget, str) else memory_budget
+    split = split_state_dict_into_shards_factory(
+        infos, get_storage_size=lambda info: info.nbytes(dtype), filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size,
+    )
+    total = sum(info.nbytes(dtype) for info in infos.values())
+    copier, written = RangeCopier(), []
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Writing weights") as bar:
+        for filename, shard_names in split.filename_to_tensors.items():
+            header, layout = _safetensors_header(sorted(shard_names), infos, dtype)
+            offsets, position = {}, len(header)
+            for n, size in layout:
+                offsets[n], position = position, position + size
+            fd = os.open(out_dir / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, header)
+                # Kernel copies first, in the order the bytes lie in the checkpoint files: read sequentially, the
+                # copy runs as fast as `cp` (in layout order it was up to 1.5x slower). Everything else is read,
+                # cast and written after, in budgeted groups.
+                plans = {n: source.copy_plan(mapping[n]) for n, _ in layout} if dtype is None and hasattr(source, "copy_plan") else {}
+                slow = [n for n, _ in layout if plans.get(n) is None]
+                pieces = sorted((src, src_offset, offsets[n] + at, count) for n, plan in plans.items() if plan for src, src_offset, at, count in plan)
+                for src, src_offset, dst_offset, count in pieces:
+                    copy_range(copier, src, src_offset, fd, dst_offset, count, cancelled, bar.update)
+                for group in groups(slow, infos, budget):
+                    if cancelled():
+                        raise Cancelled
+                    tensors = source.read([mapping[n] for n in group])
+                    for n in group:
+                        t = tensors.pop(mapping[n])
+                        t = (t if dtype is None else t.to(torch_dtype(dtype))).contiguous()
+                        if t.numel():
+                            os.pwrite(fd, t.reshape(-1).view(torch_dtype("uint8")).numpy(), offsets[n])
+                        bar.update(infos[n].nbytes(dtype))
+                        del t
+                os.ftruncate(fd, position)  # only grows the file when trailing tensors are empty
+            finally:
+                os.close(fd)
+            written.append(filename)
+    if split.is_sharded:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        written.append("model.safetensors.index.json")
+    return written

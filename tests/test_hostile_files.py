@@ -1,0 +1,137 @@
+"""Checkpoint files may come from anywhere: a pickle in any of them that would run code is refused, in one line,
+by every reader (tools/check_checkpoint.py, tools/merge_checkpoint.py with and without --inspect, and the resume
+path of train_fsdp.py), and nothing it names ever runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import QUICK, REPO, launch, run
+from fsdp_recipes.arguments import RecipeError, resolve_resume
+from fsdp_recipes.checkpoint_files import CheckpointError
+from fsdp_recipes.sources import DCPSource
+
+TOOLS = REPO / "tools"
+
+
+class Payload:
+    """Unpickling this runs a shell command that creates ``marker``: proof that code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def cli(tool: str, argv: list[str]) -> int:
+    spec = importlib.util.spec_from_file_location(f"{tool}_cli", TOOLS / f"{tool}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+@pytest.fixture
+def run_dir(trained, tmp_path) -> Path:
+    """A private copy of a real 2-rank FSDP2 run's newest checkpoint."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", copy / "checkpoint-12")
+    return copy
+
+
+def poison_metadata(folder: Path, marker: Path) -> None:
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    metadata.planner_data = Payload(marker)  # an attribute DCP's own pickle.load restores as it comes
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def one_line_error(text: str, prefix: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(prefix), text
+    return lines[0]
+
+
+@pytest.mark.parametrize("folder", ["pytorch_model_fsdp_0", "optimizer_0"])
+def test_metadata_that_runs_code_is_refused_by_every_tool(run_dir, folder, tmp_path, capsys):
+    ckpt = run_dir / "checkpoint-12"
+    marker = tmp_path / "code-ran"
+    poison_metadata(ckpt / folder, marker)
+    # the payload is live: a plain unpickler runs it (what DCP's own reader would do)
+    pickle.loads((ckpt / folder / ".metadata").read_bytes())
+    assert marker.exists()
+    marker.unlink()
+
+    proc = run(["python", str(TOOLS / "check_checkpoint.py"), str(ckpt)])
+    assert proc.returncode == 1 and "refusing to unpickle it" in proc.stdout and "posix.system" in proc.stdout, proc.stdout + proc.stderr
+    assert len(proc.stdout.strip().splitlines()) == 1
+    if folder == "pytorch_model_fsdp_0":  # the merge reads only the model's folder
+        for argv in ([str(ckpt), str(tmp_path / "out")], [str(ckpt), "--inspect"], [str(run_dir), str(tmp_path / "out")]):
+            assert cli("merge_checkpoint", argv) == 1
+            err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+            assert "posix.system" in err and ("refusing to unpickle" in err or "no complete checkpoint" in err), err
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(RecipeError, match="cannot resume from checkpoint-12 .*refusing to unpickle"):
+        resolve_resume(str(ckpt), str(run_dir))
+    assert not marker.exists()
+
+
+def test_resume_of_a_poisoned_run_stops_before_training(run_dir, tmp_path):
+    """The real launch: `--resume_from_checkpoint true` finds the poisoned checkpoint, sets it aside, runs nothing."""
+    marker = tmp_path / "code-ran"
+    poison_metadata(run_dir / "checkpoint-12" / "pytorch_model_fsdp_0", marker)
+    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run_dir), "--resume_from_checkpoint", "true", check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert len(errors) == 1 and "no complete checkpoint-N folder" in errors[0], proc.stderr[-3000:]
+    assert "refusing to unpickle" in proc.stderr
+    assert not marker.exists() and (run_dir / "incomplete-checkpoint-12").is_dir()
+
+
+@pytest.mark.parametrize("name", ["rng_state_1.pth", "scheduler.pt"])
+def test_small_pickles_are_loaded_weights_only_before_a_resume(run_dir, name, tmp_path):
+    ckpt = run_dir / "checkpoint-12"
+    marker = tmp_path / "code-ran"
+    torch.save({"state": Payload(marker)}, ckpt / name)
+    proc = run(["python", str(TOOLS / "check_checkpoint.py"), str(ckpt)])
+    assert proc.returncode == 1 and f"refused {name}: it holds more than tensors" in proc.stdout, proc.stdout + proc.stderr
+    with pytest.raises(RecipeError, match=f"refused {name}"):
+        resolve_resume(str(ckpt), str(run_dir))
+    assert not marker.exists()
+
+
+def test_tensor_record_and_full_state_dict_that_run_code(tmp_path, capsys):
+    """A .distcp record (DCP reads records with torch.load weights_only) and a pytorch_model_fsdp.bin."""
+    marker = tmp_path / "code-ran"
+    folder = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {"w": torch.ones(4, 4)}}, checkpoint_id=str(folder), no_dist=True)
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    record = io.BytesIO()
+    torch.save(Payload(marker), record)
+    (folder / "__0_0.distcp").write_bytes(record.getvalue())
+    for index in metadata.storage_data:
+        metadata.storage_data[index].offset, metadata.storage_data[index].length = 0, len(record.getvalue())
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    source = DCPSource(folder)
+    assert source.copy_plan("model.w") is None  # not a plain tensor record: the torch path
+    with pytest.raises(CheckpointError, match=r"a tensor record in .* is refused: it names code"):
+        source.read(["model.w"])
+
+    full = tmp_path / "full"
+    full.mkdir()
+    torch.save({"model.embed_tokens.weight": Payload(marker)}, full / "pytorch_model_fsdp.bin")
+    assert cli("merge_checkpoint", [str(full), str(tmp_path / "out"), "--base-model", str(REPO / "assets" / "tiny-llama")]) == 1
+    err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert "names code (refused" in err, err
+    assert not marker.exists() and not (tmp_path / "out").exists()
