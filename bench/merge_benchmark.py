@@ -5,8 +5,10 @@
 For each size: builds a multi-rank FSDP2-layout checkpoint (bench/synthetic.py) as train_fsdp.py leaves one
 (config, tokenizer, manifest), reads it once to warm the page cache, then runs each command (best of --repeats)
 under /usr/bin/time -v and prints wall time, peak RSS and the ratios against merge-weights and cp as a Markdown
-table. The converter runs twice: on that checkpoint, and on the same shards without the manifest, as other tools
-leave them (it then imports transformers to check config against weights). Needs free disk of about 5x the size.
+table. The converter runs three times: on that checkpoint; on the same shards without the manifest, as other
+tools leave them (it then imports transformers to check config against weights); and on the same records as raw
+torch DCP writes them (``dcp.save(model.state_dict())``: flat names, no "model." namespace) with nothing but
+config.json beside them (no manifest, no tokenizer). Needs free disk of about 5x the size.
 """
 
 from __future__ import annotations
@@ -49,6 +51,26 @@ def timed(cmd: list[str], warm: list[Path]) -> tuple[float, float, float]:
     return seconds, on_disk, rss_kb / 1e6
 
 
+def raw_dcp_copy(shards: Path, raw: Path, config: Path) -> None:
+    """The checkpoint as ``dcp.save(model.state_dict())`` writes it: the same records (a record holds only the
+    tensor), linked, and a .metadata naming them without accelerate's "model." namespace; config.json beside."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    raw.mkdir(parents=True)
+    metadata = dcp.FileSystemReader(str(shards)).read_metadata()
+    metadata.state_dict_metadata = {k.removeprefix("model."): v for k, v in metadata.state_dict_metadata.items()}
+    metadata.storage_data = {
+        MetadataIndex(i.fqn.removeprefix("model."), i.offset, i.index): info for i, info in metadata.storage_data.items()
+    }
+    (raw / ".metadata").write_bytes(pickle.dumps(metadata))
+    for record in shards.glob("*.distcp"):
+        (raw / record.name).symlink_to(record)
+    shutil.copy(config, raw / "config.json")
+
+
 def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int) -> list[tuple]:
     work = workdir / size
     shutil.rmtree(work, ignore_errors=True)
@@ -59,14 +81,17 @@ def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int
     bare = work / "bare" / ckpt.name
     shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns(MANIFEST, shards.name))
     (bare / shards.name).symlink_to(shards)
+    raw = work / "raw-dcp"
+    raw_dcp_copy(shards, raw, ckpt / "config.json")
     rows = []
-    outputs = {name: work / name for name in ("cp", "merge-weights", "merged", "merged-bare")}
+    outputs = {name: work / name for name in ("cp", "merge-weights", "merged", "merged-bare", "merged-raw")}
     tool = [sys.executable, str(REPO / "tools" / "merge_checkpoint.py")]
     commands = {
         "cp -r (copy of the shards)": (["cp", "-r", str(shards), str(outputs["cp"])], outputs["cp"]),
         "accelerate merge-weights": (["accelerate", "merge-weights", str(shards), str(outputs["merge-weights"])], outputs["merge-weights"]),
         "tools/merge_checkpoint.py (our checkpoint)": ([*tool, str(ckpt), str(outputs["merged"]), "--memory-budget", memory_budget], outputs["merged"]),
         "tools/merge_checkpoint.py (no manifest)": ([*tool, str(bare), str(outputs["merged-bare"]), "--memory-budget", memory_budget], outputs["merged-bare"]),
+        "tools/merge_checkpoint.py (raw torch DCP, config.json only)": ([*tool, str(raw), str(outputs["merged-raw"]), "--memory-budget", memory_budget], outputs["merged-raw"]),
     }
     results = {}
     for _ in range(repeats):  # best of `repeats`, commands interleaved so drifts in disk speed hit all alike

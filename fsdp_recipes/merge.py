@@ -20,12 +20,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_files import MANIFEST, CheckpointError, overlap, real, training_content
+from .checkpoint_files import ADAPTER_CONFIG, MANIFEST, CheckpointError, overlap, real, training_content
 from .dcp_files import DTYPE_SIZES
 from .description import (
     Description, config_origin, described_by_manifest, describe_folder, describe_with_transformers, description_dirs,
     model_skeleton,
 )
+from .lora import MergedLoraSource, adapter_tensors, find_adapter_config, is_lora, read_adapter_config
 from .safetensors_writer import Cancelled, groups, write_weights
 from .sources import ResolvedInput, WeightMap, dtype_name, guess_namespace, match_namespace, resolve_input, torch_dtype
 
@@ -104,20 +105,23 @@ class MergeResult:
 def merge_checkpoint(
     input_path: str | os.PathLike, output_path: str | os.PathLike, *, base_model: str | None = None,
     dtype=None, max_shard_size: str | int = "5GB", memory_budget: str | int = "512MB",
-    overwrite: bool = False, verify: bool = False, log=print,
+    overwrite: bool = False, verify: bool = False, adapter_only: bool = False, log=print,
 ) -> MergeResult:
     """Turn an FSDP checkpoint into a folder ``from_pretrained`` loads; never leaves a half-written folder.
-    ``dtype``: torch.bfloat16 or "bfloat16" casts, None keeps the saved dtype."""
+    ``dtype``: torch.bfloat16 or "bfloat16" casts, None keeps the saved dtype. A PEFT LoRA checkpoint gives the
+    base model with the adapter merged in, or with ``adapter_only`` the adapter folder PeftModel loads."""
     dtype = dtype_name(dtype)
     resolved = resolve_input(input_path)
     for note in resolved.notes:
         log(note)
     out = check_output(input_path, resolved, output_path, overwrite)
+    own, base_model = _lora(resolved, base_model, adapter_only, log)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out, log)
     # A checkpoint our training run wrote carries a manifest: its description files are copied and the weights
     # checked against it, with no torch or transformers at all. Otherwise transformers checks them in a thread.
-    own = described_by_manifest(resolved) if base_model is None and dtype is None else None
+    if own is None and base_model is None and dtype is None and not isinstance(resolved.source, MergedLoraSource):
+        own = described_by_manifest(resolved)
     if own is None:
         config_origin(resolved, base_model)  # no config at all: fail now, not after the copy
     with ThreadPoolExecutor(1) as pool:
@@ -139,7 +143,7 @@ def merge_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
-            write = dict(max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget)
+            write = dict(max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, stem="adapter_model" if adapter_only else "model")
             try:
                 write_weights(resolved.source, weights.names, staging, cancelled=wrong_guess, **write)
             except Cancelled:
@@ -157,8 +161,8 @@ def merge_checkpoint(
             described.write(staging)
             files = sorted(p.name for p in staging.iterdir())
             if verify:
-                verify_folder(staging, resolved.source, names, dtype)
-                log(f"verified: {len(names)} tensors equal the checkpoint; from_pretrained (meta device) loads the folder")
+                verify_folder(staging, resolved.source, names, dtype, stem="adapter_model" if adapter_only else "model")
+                log(f"verified: {len(names)} tensors equal the checkpoint" + ("" if adapter_only else "; from_pretrained (meta device) loads the folder"))
             if out.exists():
                 old = _staging_name(out, "old")
                 out.rename(old)
@@ -175,6 +179,33 @@ def merge_checkpoint(
     return MergeResult(out, files, resolved.notes, len(names), size)
 
 
+def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, log) -> tuple[Description | None, str | None]:
+    """A PEFT LoRA checkpoint: its source becomes the merged weights (or, ``adapter_only``, the description of the
+    adapter folder is returned). Without a config anywhere, the base model the adapter config names is used when
+    it is a local folder. Returns (description or None, base model)."""
+    if not is_lora(resolved.source.tensors):
+        if adapter_only:
+            raise CheckpointError("--adapter-only: this checkpoint holds no LoRA adapter (no lora_A/lora_B weights)")
+        return None, base_model
+    config_path = find_adapter_config(resolved.places)
+    adapter_config = read_adapter_config(config_path)
+    merged = MergedLoraSource(resolved.source, adapter_config, config_path)
+    if adapter_only:
+        names = adapter_tensors(resolved.source)
+        origin = {"config": str(config_path), "tokenizer": "(none: an adapter folder)"}
+        log(f"PEFT LoRA checkpoint: writing adapter {merged.adapter!r} ({len(names)} tensors) as PeftModel.from_pretrained loads it")
+        return Description(WeightMap(names, "", len(resolved.source.tensors) - len(names)), [], origin,
+                           lambda out: shutil.copyfile(config_path, out / ADAPTER_CONFIG)), base_model
+    resolved.source = merged
+    log(f"PEFT LoRA checkpoint: merging adapter {merged.adapter!r} ({len(merged.pairs)} modules, lora_alpha "
+        f"{merged.alpha:g}{', rsLoRA' if merged.rslora else ''}) into the base weights, as merge_and_unload does")
+    named = adapter_config.get("base_model_name_or_path")
+    if base_model is None and description_dirs(resolved)[0] is None and named and (Path(named) / "config.json").is_file():
+        log(f"config from the base model {ADAPTER_CONFIG} names: {named}")
+        return None, named
+    return None, base_model
+
+
 def _early_guess(resolved: ResolvedInput) -> WeightMap | None:
     """The weights to start copying before transformers has checked them: every stored weight under their common
     namespace, when the config.json states tie_word_embeddings: false (else tied weights would be written twice).
@@ -189,15 +220,16 @@ def _early_guess(resolved: ResolvedInput) -> WeightMap | None:
     return guess_namespace(resolved.source.tensors) if tied is False else None
 
 
-def verify_folder(folder: Path, source, names: dict[str, str], dtype: str | None = None) -> None:
-    """Every tensor re-read from the output equals the checkpoint's (exact), and from_pretrained loads the folder."""
+def verify_folder(folder: Path, source, names: dict[str, str], dtype: str | None = None, stem: str = "model") -> None:
+    """Every tensor re-read from the output equals the checkpoint's (exact), and from_pretrained loads the folder
+    (a model; an adapter folder is checked tensor by tensor only)."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     dtype = dtype_name(dtype)
-    index = folder / "model.safetensors.index.json"
-    where = json.loads(index.read_text())["weight_map"] if index.is_file() else {n: "model.safetensors" for n in names}
+    index = folder / f"{stem}.safetensors.index.json"
+    where = json.loads(index.read_text())["weight_map"] if index.is_file() else {n: f"{stem}.safetensors" for n in names}
     if sorted(where) != sorted(names):
         raise CheckpointError(f"verify: {folder} holds {len(where)} tensors, expected {len(names)}")
     by_source = {src: out for out, src in names.items()}
@@ -210,7 +242,8 @@ def verify_folder(folder: Path, source, names: dict[str, str], dtype: str | None
             want = expected[src] if dtype is None else expected[src].to(torch_dtype(dtype))
             if got.dtype != want.dtype or not torch.equal(got, want):
                 raise CheckpointError(f"verify: {n} in {folder} differs from the checkpoint")
-    AutoModelForCausalLM.from_pretrained(folder, device_map="meta")
+    if stem == "model":
+        AutoModelForCausalLM.from_pretrained(folder, device_map="meta")
 
 
 def inspect_checkpoint(input_path: str | os.PathLike) -> dict:

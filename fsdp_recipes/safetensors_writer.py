@@ -97,7 +97,7 @@ def copy_range(copier: RangeCopier, src: Path, src_offset: int, fd: int, dst_off
 
 def write_weights(
     source, names: dict[str, str] | list[str], out_dir: Path, max_shard_size: str | int = "5GB", dtype: str | None = None,
-    memory_budget: str | int = "512MB", cancelled: Callable[[], bool] = lambda: False,
+    memory_budget: str | int = "512MB", cancelled: Callable[[], bool] = lambda: False, stem: str = "model",
 ) -> list[str]:
     """Stream the source's tensors into safetensors shards (+ index) in ``out_dir``; returns the file names.
     ``names``: output name -> source tensor name (a list: the same names). ``cancelled`` is asked between pieces
@@ -106,7 +106,7 @@ def write_weights(
     infos, dtype = {out: source.tensors[src] for out, src in mapping.items()}, dtype_name(dtype)
     budget = parse_size_to_int(memory_budget) if isinstance(memory_budget, str) else memory_budget
     split = split_state_dict_into_shards_factory(
-        infos, get_storage_size=lambda info: info.nbytes(dtype), filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size,
+        infos, get_storage_size=lambda info: info.nbytes(dtype), filename_pattern=stem + "{suffix}.safetensors", max_shard_size=max_shard_size,
     )
     total = sum(info.nbytes(dtype) for info in infos.values())
     copier, written = RangeCopier(), []
@@ -144,6 +144,6 @@ def write_weights(
             written.append(filename)
     if split.is_sharded:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        written.append("model.safetensors.index.json")
+        (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        written.append(f"{stem}.safetensors.index.json")
     return written

@@ -270,19 +270,20 @@ def match_namespace(stored: dict[str, TensorInfo], expected: dict[str, tuple[int
             suffix = ".".join(parts[i:])
             if suffix in expected and tuple(stored[n].shape) == tuple(expected[suffix]):
                 votes[".".join(parts[:i]) + ("." if i else "")] += 1
+    names = sorted(weight_candidates(stored)) or sorted(stored)
+    found = (", ".join(names[:3]) + (", ..." if len(names) > 3 else "")) or "no tensors"
     if not votes:
-        first = ", ".join(sorted(stored)[:3]) or "no tensors"
         raise CheckpointError(
-            f"found no weights of {model_name} in the checkpoint: it stores {first}{', ...' if len(stored) > 3 else ''}; "
-            f"expected names like {wanted[0]} (under any prefix) with the config's shapes: pass the right --base-model"
+            f"found no weights of {model_name} in the checkpoint: it stores {found}; expected names like {wanted[0]} "
+            "(under any prefix) with the config's shapes: pass the right --base-model"
         )
     prefix = max(votes, key=lambda p: (votes[p], -len(p)))
     inside = {n[len(prefix):]: n for n in weight_candidates(stored) if n.startswith(prefix)}
     missing = [n for n in wanted if n not in inside]
     if missing:
         raise CheckpointError(
-            f"the checkpoint lacks {len(missing)} weight(s) of {model_name} (e.g. {prefix}{missing[0]}): the config does "
-            "not belong to this checkpoint; pass the right --base-model"
+            f"the checkpoint lacks {len(missing)} of the {len(wanted)} weights of {model_name} (e.g. {prefix}{missing[0]}); "
+            f"it stores {found}: the config does not belong to this checkpoint; pass the right --base-model"
         )
     wrong = [n for n in wanted if tuple(stored[inside[n]].shape) != tuple(expected[n])]
     if wrong:
@@ -338,7 +339,8 @@ def resolve_input(path: str | os.PathLike) -> ResolvedInput:
     if p.name.startswith("optimizer"):
         raise CheckpointError(f"{p} holds optimizer state, not model weights: give {p.parent / DCP_MODEL_DIR} or {p.parent}")
     if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
-        return ResolvedInput(DCPSource(p), p.parent, weights_dir=p)
+        # accelerate's model folder belongs to the checkpoint-N around it; any other DCP folder is the checkpoint
+        return ResolvedInput(DCPSource(p), p.parent, weights_dir=p) if p.name == DCP_MODEL_DIR else ResolvedInput(DCPSource(p), p)
     if (p / DCP_MODEL_DIR).is_dir():
         return ResolvedInput(open_source(p), p)
     steps = checkpoint_steps(p)

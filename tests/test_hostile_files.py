@@ -135,3 +135,16 @@ def test_tensor_record_and_full_state_dict_that_run_code(tmp_path, capsys):
     err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
     assert "names code (refused" in err, err
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_checkpoint_tools_start_without_torch():
+    """Reading names and layouts needs no torch: check_checkpoint.py --help and the modules training imports for them."""
+    code = (
+        "import runpy, sys\nsys.argv = ['check_checkpoint.py', '--help']\n"
+        "try:\n    runpy.run_path(%r, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "import fsdp_recipes.checkpoints, fsdp_recipes.checkpoint_files, fsdp_recipes.merge\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'accelerate'}))\n"
+    ) % str(TOOLS / "check_checkpoint.py")
+    proc = run(["python", "-c", code])
+    assert proc.returncode == 0 and "Report whether FSDP training checkpoints" in proc.stdout, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -225,6 +225,9 @@ def break_checkpoint(ckpt: Path, how: str) -> tuple[Path, str]:
         return ckpt, "truncated"
     if how == "optimizer folder":
         return ckpt / "optimizer_0", "holds optimizer state, not model weights"
+    if how == "broken config":
+        (ckpt / "config.json").write_text("{ not json")
+        return ckpt, "config.json is not a model config"
     if how == "no config":
         for f in ckpt.parent.rglob("*"):
             if f.is_file() and (f.name.startswith("tokenizer") or f.name.endswith("config.json") or f.suffix == ".jinja"):
@@ -233,7 +236,7 @@ def break_checkpoint(ckpt: Path, how: str) -> tuple[Path, str]:
     raise AssertionError(how)
 
 
-CASES = ["nonexistent", "not a checkpoint", "missing .metadata", "missing .distcp", "truncated .distcp", "optimizer folder", "no config"]
+CASES = ["nonexistent", "not a checkpoint", "missing .metadata", "missing .distcp", "truncated .distcp", "optimizer folder", "no config", "broken config"]
 
 
 @pytest.mark.parametrize("how", CASES)

@@ -28,7 +28,10 @@ def test_readme_shows_setup_main_and_test_commands():
     assert commands[0] == "pip install -r requirements.txt"
     assert "accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py" in commands
     assert TEST_COMMAND in commands
-    assert TEST_COMMAND in (REPO / ".ci" / "run").read_text()  # CI runs exactly what the README says
+    ci = (REPO / ".ci" / "run").read_text()
+    assert TEST_COMMAND in ci  # CI runs exactly what the README says, test requirements included
+    test_setup = commands[commands.index(TEST_COMMAND) - 1]
+    assert test_setup == "pip install -r requirements-test.txt" and "pip install --quiet -r requirements-test.txt" in ci
 
 
 def test_every_readme_command_runs(tmp_path):

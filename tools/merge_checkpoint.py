@@ -4,6 +4,13 @@
     python tools/merge_checkpoint.py outputs/my-run outputs/my-run-merged      # newest complete checkpoint
     python tools/merge_checkpoint.py CKPT OUT --dtype bfloat16 --max-shard-size 5GB --verify
     python tools/merge_checkpoint.py CKPT --inspect                            # what is inside, no writing
+    python tools/merge_checkpoint.py lightning.ckpt OUT --base-model BASE      # another tool's checkpoint
+    python tools/merge_checkpoint.py PEFT_CKPT OUT --adapter-only              # a LoRA run: the adapter alone
+
+Checkpoints from other tools are accepted: raw torch DCP (flat names), torch's get_state_dict beside its
+optimizer, accelerate and the stock Trainer, Lightning, PEFT LoRA (merged, or --adapter-only). The weights
+are found by matching stored names and shapes against the model built from config.json (from the checkpoint,
+its parent, or --base-model); --inspect says which layout was recognised. The tokenizer is copied when present.
 """
 
 import argparse
@@ -21,12 +28,14 @@ def main(argv=None) -> int:
         description="Merge a sharded (FSDP1/FSDP2 DCP, any number of ranks) or full FSDP checkpoint into a Hugging Face "
         "model folder: config.json, generation config, tokenizer and safetensors shards with an index. Cost: one read "
         "of the model weights and one write, at about disk speed; memory is bounded by --memory-budget and the largest "
-        "tensor, not the model size. Optimizer state is skipped.",
+        "tensor, not the model size. Optimizer state is skipped. Accepts checkpoints of this repository, accelerate, the "
+        "Trainer, raw torch DCP, Lightning and PEFT LoRA (merged into the base weights, or --adapter-only).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("input", help="a checkpoint-N folder, its pytorch_model_fsdp_0 folder, or a run's output folder (newest complete checkpoint)")
+    parser.add_argument("input", help="a checkpoint-N folder, a DCP folder (pytorch_model_fsdp_0, raw torch, Lightning), or a run's output folder (newest complete checkpoint)")
     parser.add_argument("output", nargs="?", help="folder to create (written beside it first, renamed when complete)")
-    parser.add_argument("--base-model", help="hub id or folder for config.json and tokenizer when the checkpoint has none")
+    parser.add_argument("--base-model", help="hub id or folder for config.json (and tokenizer) when the checkpoint has none; a folder with only config.json is enough")
+    parser.add_argument("--adapter-only", action="store_true", help="PEFT LoRA checkpoint: write the adapter folder (adapter_config.json, adapter_model.safetensors) instead of the merged model")
     parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep the saved dtype)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, as save_pretrained")
     parser.add_argument("--memory-budget", default="512MB", help="bytes of tensors read at once (a larger tensor is read alone)")
@@ -43,9 +52,14 @@ def main(argv=None) -> int:
         result = merge_checkpoint(
             args.input, args.output, base_model=args.base_model, dtype=args.dtype,
             max_shard_size=args.max_shard_size, memory_budget=args.memory_budget, overwrite=args.overwrite, verify=args.verify,
+            adapter_only=args.adapter_only,
         )
     except CheckpointError as err:
         print(f"merge_checkpoint.py: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # disk full, permission denied ...: nothing was left behind (the staging folder is removed)
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"merge_checkpoint.py: error: {err.strerror or err}{where}: nothing was written; fix it and run again", file=sys.stderr)
         return 1
     print(f"wrote {result.output}: {result.tensors} tensors, {result.bytes / 1e6:.1f} MB in {', '.join(result.files)}")
     return 0

@@ -1,0 +1,139 @@
+"""PEFT LoRA checkpoints (a peft model trained under FSDP and saved whole): the base weights with the adapter's
+deltas merged in, exactly as peft's ``merge_and_unload`` computes them, or the adapter alone, as
+``PeftModel.from_pretrained`` loads it.
+
+peft names a wrapped linear's weight ``<module>.base_layer.weight`` and its adapter ``<module>.lora_A.<adapter>.weight``
+and ``<module>.lora_B.<adapter>.weight``; the merged weight is ``W + (B @ A) * scaling`` with scaling ``alpha / r``
+(``alpha / sqrt(r)`` with rsLoRA), computed in float32 for half-precision weights as peft does on CPU. Variants whose
+merge is not this (DoRA, LoRA on embeddings, LoRA biases, per-module alpha patterns, modules_to_save) are refused
+by name rather than merged wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from .checkpoint_files import ADAPTER_CONFIG, CheckpointError
+from .sources import TensorInfo
+
+LORA_WEIGHT = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
+_UNSUPPORTED = {  # name part -> what it is
+    "lora_magnitude_vector": "DoRA (use_dora)", "lora_embedding_A": "LoRA on embeddings", "lora_embedding_B": "LoRA on embeddings",
+    "modules_to_save": "modules_to_save", "original_module": "modules_to_save", "lora_bias": "LoRA biases",
+}
+
+
+def is_lora(names) -> bool:
+    return any(".lora_A." in n or ".lora_B." in n or ".base_layer." in n for n in names)
+
+
+def find_adapter_config(places: list[Path]) -> Path:
+    found = next((p / ADAPTER_CONFIG for p in places if (p / ADAPTER_CONFIG).is_file()), None)
+    if found is None:
+        raise CheckpointError(
+            f"this is a PEFT LoRA checkpoint, but there is no {ADAPTER_CONFIG} in {' or '.join(str(p) for p in places)}: "
+            "copy the adapter_config.json of the run (PeftModel.save_pretrained writes it) beside the checkpoint"
+        )
+    return found
+
+
+def read_adapter_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not a mapping")
+        alpha, r = float(config["lora_alpha"]), int(config["r"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path} is not a LoRA adapter config ({type(err).__name__}: {err}): copy the run's adapter_config.json again") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{path}: peft_type {config.get('peft_type')} is not LoRA; only LoRA adapters are merged")
+    for key, what in (("use_dora", "DoRA"), ("alpha_pattern", "per-module alpha (alpha_pattern)"), ("lora_bias", "LoRA biases"),
+                      ("modules_to_save", "modules_to_save"), ("layer_replication", "layer_replication")):
+        if config.get(key):
+            raise CheckpointError(f"{path}: {what} is not supported by this merge: merge with peft's merge_and_unload instead")
+    if alpha <= 0 or r <= 0:
+        raise CheckpointError(f"{path}: lora_alpha {alpha} and r {r} must be positive")
+    return config
+
+
+class MergedLoraSource:
+    """A source's tensors as the merged model names them: ``<module>.weight`` for each LoRA-wrapped linear (merged
+    when read, never copied raw), every other tensor unchanged. The adapter's own tensors are not among them."""
+
+    def __init__(self, base, config: dict, config_path: Path):
+        self.base, self.ranks, self.path = base, base.ranks, getattr(base, "path", None)
+        self.kind = f"{base.kind} + LoRA (merged)"
+        self.alpha, self.rslora, self.transpose = float(config["lora_alpha"]), bool(config.get("use_rslora")), bool(config.get("fan_in_fan_out"))
+        for name in base.tensors:
+            for part, what in _UNSUPPORTED.items():
+                if f".{part}." in name or name.endswith(f".{part}"):
+                    raise CheckpointError(f"{name}: {what} is not supported by this merge: merge with peft's merge_and_unload instead")
+        pairs: dict[str, dict[str, str]] = {}
+        adapters = set()
+        for name in base.tensors:
+            if m := LORA_WEIGHT.match(name):
+                pairs.setdefault(m["module"], {})[m["ab"]] = name
+                adapters.add(m["adapter"])
+        if len(adapters) > 1:
+            raise CheckpointError(f"the checkpoint holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); merge one with peft's merge_and_unload")
+        self.adapter = next(iter(adapters), None)
+        self.pairs = pairs
+        self._merged: dict[str, tuple[str, str, str]] = {}
+        self._plain: dict[str, str] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, info in base.tensors.items():
+            if LORA_WEIGHT.match(name):
+                continue
+            merged_name = name.replace(".base_layer.", ".")
+            module = name.split(".base_layer.")[0]
+            if name.endswith(".base_layer.weight") and module in pairs:
+                if set(pairs[module]) != {"A", "B"}:
+                    raise CheckpointError(f"{module} has lora_{''.join(pairs[module])} but not both lora_A and lora_B: the checkpoint is incomplete")
+                self._merged[merged_name] = (name, pairs[module]["A"], pairs[module]["B"])
+            else:
+                self._plain[merged_name] = name
+            self.tensors[merged_name] = info
+        orphans = sorted(set(pairs) - {n.split(".base_layer.")[0] for n, *_ in self._merged.values()})
+        if orphans:
+            raise CheckpointError(f"{orphans[0]} has LoRA weights but no base_layer.weight: the checkpoint is incomplete")
+        self.config_path = config_path
+
+    def copy_plan(self, name: str):
+        if name in self._merged or not hasattr(self.base, "copy_plan"):
+            return None
+        return self.base.copy_plan(self._plain[name])
+
+    def scaling(self, r: int) -> float:
+        return self.alpha / math.sqrt(r) if self.rslora else self.alpha / r
+
+    def read(self, names: list[str]) -> dict:
+        import torch
+
+        needed = sorted({k for n in names for k in (self._merged[n] if n in self._merged else (self._plain[n],))})
+        got = self.base.read(needed)
+        out = {}
+        for n in names:
+            if n not in self._merged:
+                out[n] = got[self._plain[n]]
+                continue
+            weight, a, b = (got[k] for k in self._merged[n])
+            # peft's get_delta_weight + merge (safe_merge=False): half precision on CPU goes through float32
+            cast = b.dtype in (torch.float16, torch.bfloat16)
+            delta = (b.float() @ a.float()) if cast else b @ a
+            delta = (delta.T if self.transpose else delta) * self.scaling(a.shape[0])
+            out[n] = weight + (delta.to(b.dtype) if cast else delta)
+        return out
+
+
+def adapter_tensors(source) -> dict[str, str]:
+    """peft's saved names (``base_model.model.<module>.lora_A.weight``, the adapter name dropped) -> source names."""
+    names = {}
+    for name in source.tensors:
+        if m := LORA_WEIGHT.match(name):
+            start = name.find("base_model.model.")
+            saved = f"{m['module']}.lora_{m['ab']}.weight"
+            names[saved[start:] if start >= 0 else saved] = name
+    return names
