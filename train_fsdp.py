@@ -64,6 +64,12 @@ def main(model_args, data_args, training_args):
     if training_args.resume_from_checkpoint:
         logger.info(f"resuming from {training_args.resume_from_checkpoint}")
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if (step := trainer.preemption.stopped_at) is not None:
+        logger.warning(
+            f"stopped by {trainer.preemption.describe()} after step {step}: saved {training_args.output_dir}/checkpoint-{step}; "
+            "the run is not finished: run the same command with --resume_from_checkpoint true to continue"
+        )
+        sys.exit(128 + trainer.preemption.signal)
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
     trainer.save_state()
@@ -81,3 +87,11 @@ if __name__ == "__main__":
         if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one message per machine
             print(f"train_fsdp.py: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(
+                "train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "
+                "--resume_from_checkpoint true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)",
+                file=sys.stderr,
+            )
+        sys.exit(130)

@@ -168,6 +168,11 @@ class RunArguments:
         default=False,
         metadata={"help": "Train from scratch into an output_dir that holds another run: its checkpoint-N folders are deleted first."},
     )
+    allow_no_fsdp: bool = field(
+        default=False,
+        metadata={"help": "Train without FSDP on purpose (debugging). A launch without an FSDP config is otherwise refused: "
+                  "`python train_fsdp.py` or `accelerate launch` with no config would train one unsharded model and exit 0."},
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
@@ -198,6 +203,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     output_dir = raw.output_dir or "trainer_output"
     resume = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp)
     check_output_dir(output_dir, resuming=resume is not None, overwrite=run_args.overwrite_output_dir)
+    if not (cpu_fsdp.fsdp_requested() or trainer_fsdp) and not run_args.allow_no_fsdp:
+        raise RecipeError(no_fsdp_problem())
+    warn_unused_accelerators()
     cpu_fsdp.enable(trainer_fsdp)  # must precede TrainingArguments, which creates accelerate's PartialState
     try:
         training_args = _build(TrainingArguments, raw)
@@ -240,6 +248,31 @@ def check_trainer_fsdp(raw) -> bool:
     if unknown:
         raise RecipeError(f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, TRAINER_FSDP_KEYS, 'fsdp_')}")
     return True
+
+
+def no_fsdp_problem() -> str:
+    """Why this launch would train without FSDP, and the command that trains with it."""
+    fix = ("launch with an FSDP config: `accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py ...` "
+           "(or torchrun with --fsdp true --fsdp_config accelerate_configs/torchrun/zero3.json); pass --allow_no_fsdp true "
+           "to train without FSDP on purpose")
+    if any(k.startswith("ACCELERATE_") for k in os.environ):
+        why = "accelerate launch without an FSDP config (its default config, or distributed_type other than FSDP)"
+    elif "WORLD_SIZE" in os.environ:
+        why = "a launch without --fsdp (torchrun or another launcher)"
+    else:
+        why = "no launcher: `python train_fsdp.py` runs one process"
+    return f"this launch would train without FSDP ({why}): {fix}"
+
+
+def warn_unused_accelerators() -> None:
+    """The shipped configs say num_processes: 2 so they run anywhere; on an 8-GPU node that quietly uses 2."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices > local:
+        _say(f"warning: this node has {devices} GPUs and this launch uses {local} of them: pass --num_processes "
+             f"{devices} to accelerate launch (x the number of nodes), or --nproc_per_node {devices} to torchrun")
 
 
 def with_hints(unknown: list[str], known, prefix: str = "") -> str:

@@ -287,7 +287,7 @@ def launcher_config_file() -> Path | None:
 def check_launch(model_args, training_args) -> tuple[Path | None, list[Problem]]:
     """The check train_fsdp.py runs before anything is loaded: the launcher's config with this run's settings."""
     config = launcher_config_file()
-    if config is None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+    if config is None:
         return config, []
     settings = {k: getattr(training_args, k, None) for k in ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16")}
     return config, check_config(config, recipe=settings, model=model_args.model_name_or_path or model_args.config_name)

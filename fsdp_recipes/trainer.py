@@ -12,6 +12,9 @@ It also moves one step of saving. The Trainer deletes checkpoints beyond ``save_
 has written trainer_state.json, while the other ranks may still be writing their RNG state: a rank killed in
 that window left the run with no complete checkpoint (with a limit of 1, the only good one was just deleted).
 ``FSDPTrainer`` deletes them once every rank is done.
+
+SIGTERM and SIGUSR1 (a cluster's time limit or preemption) end the run after the current optimizer step with a
+complete checkpoint of that step (fsdp_recipes.preemption).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from .checks import ShardingReport
 from .export import DescribeCheckpoints
+from .preemption import Preemption
 
 
 class FSDPTrainer(Trainer):
@@ -28,6 +32,8 @@ class FSDPTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.add_callback(ShardingReport(self))
         self.add_callback(DescribeCheckpoints(self, self.processing_class))
+        self.preemption = Preemption()  # SIGTERM/SIGUSR1: checkpoint at the end of the current step, then stop
+        self.add_callback(self.preemption)
 
     def _fsdp1_sharded(self) -> bool:
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)

@@ -18,9 +18,10 @@ ALL_CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in CONFIG_DIR.rglob("*
 QUICK = ["--max_steps", "12", "--save_steps", "6", "--logging_steps", "2", "--warmup_steps", "2", "--save_total_limit", "3"]
 
 
-def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None, new_session: bool = False) -> subprocess.CompletedProcess:
+    """``new_session``: the command gets a process group of its own (a signal to that group spares pytest)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, start_new_session=new_session)
 
 
 # train_fsdp.py with a SIGKILL injected at a chosen point (FSDP_FAULT), for the fault-tolerance tests.
@@ -29,11 +30,11 @@ FAULT_SCRIPT = REPO / "tests" / "helpers" / "train_with_fault.py"
 
 def launch(
     config: str, *script_args: str, launch_args: tuple[str, ...] = (), cwd: Path = REPO, check: bool = True,
-    script: Path = REPO / "train_fsdp.py", env: dict | None = None,
+    script: Path = REPO / "train_fsdp.py", env: dict | None = None, new_session: bool = False,
 ):
     """`accelerate launch --config_file CONFIG [launch_args] train_fsdp.py [script_args]`."""
     cmd = ["accelerate", "launch", "--config_file", str(REPO / config), *launch_args, str(script), *script_args]
-    proc = run(cmd, cwd=cwd, env=env)
+    proc = run(cmd, cwd=cwd, env=env, new_session=new_session)
     if check and proc.returncode != 0:
         pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
     return proc

@@ -13,6 +13,7 @@ from fsdp_recipes.arguments import DEFAULT_RECIPE, RecipeError, parse_args
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml"))
 TINY = f"config_name: {REPO}/assets/tiny-llama\n"
 CORPUS = f"train_file: {REPO}/assets/data/tiny_corpus.txt\n"
+NO_FSDP = ("--allow_no_fsdp", "true")  # parse_args in this process: no launcher, no FSDP config
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -22,7 +23,7 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 def test_default_recipe_when_no_recipe_given(tmp_path):
-    model_args, data_args, training_args = parse_args(["--max_steps", "20", "--output_dir", str(tmp_path)])
+    model_args, data_args, training_args = parse_args(["--max_steps", "20", "--output_dir", str(tmp_path), *NO_FSDP])
     assert model_args.config_name == str(REPO / "assets" / "tiny-llama")  # anchored to the repository
     assert data_args.train_file == str(REPO / "assets" / "data" / "tiny_corpus.txt")
     assert training_args.max_steps == 20  # flag overrides the recipe's 120
@@ -36,12 +37,12 @@ def test_shipped_recipes_parse(recipe, monkeypatch):
     text = recipe.read_text()
     if "model_name_or_path: runs/" in text:  # a recipe that starts from the default run's output
         pytest.skip("needs the default run's output; exercised by test_chat_sft_from_local_folder")
-    parse_args([str(recipe), "--output_dir", "/tmp/unused"])
+    parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])
 
 
 def test_recipe_sets_defaults_and_flags_override(tmp_path):
     path = write(tmp_path, TINY + CORPUS + "learning_rate: 1.0e-4\nblock_size: 64\n")
-    _, data_args, training_args = parse_args([path, "--learning_rate", "1e-5"])
+    _, data_args, training_args = parse_args([path, "--learning_rate", "1e-5", *NO_FSDP])
     assert training_args.learning_rate == 1e-5
     assert data_args.block_size == 64
 
@@ -145,3 +146,31 @@ def test_torchrun_route_fsdp_flags(tmp_path):
         check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(typo)))
     with pytest.raises(RecipeError, match="does not exist"):
         check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(tmp_path / "nope.json")))
+
+
+def test_launches_that_would_train_without_fsdp_stop_first(tmp_path):
+    """No launcher, accelerate without a config, and a config with distributed_type MULTI_CPU beside an fsdp_config:
+    each would train one unsharded model and exit 0; each stops before anything loads, naming the command to use.
+    --allow_no_fsdp true trains without FSDP on purpose."""
+    import yaml
+
+    home = tmp_path / "hf-home"  # no default accelerate config from this machine's user
+    env = {"HF_HOME": str(home)}
+    out = tmp_path / "out"
+    multi_cpu = tmp_path / "multi_cpu.yaml"
+    config = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    multi_cpu.write_text(yaml.safe_dump({**config, "distributed_type": "MULTI_CPU"}))
+    launches = {
+        "no launcher: `python train_fsdp.py` runs one process": ["python", str(REPO / "train_fsdp.py")],
+        "accelerate launch without an FSDP config": ["accelerate", "launch", str(REPO / "train_fsdp.py")],
+        "distributed_type: is 'MULTI_CPU' but the file carries fsdp_config": ["accelerate", "launch", "--config_file", str(multi_cpu), str(REPO / "train_fsdp.py")],
+    }
+    for why, cmd in launches.items():
+        proc = run([*cmd, "--max_steps", "2", "--output_dir", str(out)], env=env)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+        assert proc.returncode != 0 and len(errors) == 1 and why in errors[0], proc.stderr[-3000:]
+        assert "accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py" in errors[0] or "MULTI_CPU" in why
+        assert not out.exists()
+    proc = run(["python", str(REPO / "train_fsdp.py"), "--max_steps", "2", "--output_dir", str(out), "--allow_no_fsdp", "true"], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "model.safetensors").is_file()

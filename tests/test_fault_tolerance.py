@@ -67,6 +67,33 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, config, fault,
     assert [g["lr"] for g in loaded["param_groups"]] == [g["lr"] for g in saved["param_groups"]]
 
 
+# (config, signal): SIGTERM from rank 0 to the whole process group (launcher included, as SLURM sends it), or
+# SIGUSR1 to rank 1 alone (rank 0 never gets it and must stop at the same step).
+SIGNALS = [("accelerate_configs/zero3.yaml", "0:sigterm:8", "SIGTERM", 143), ("accelerate_configs/fsdp1/zero3.yaml", "1:usr1:8", "SIGUSR1", 138)]
+
+
+@pytest.mark.parametrize("config, fault, name, code", SIGNALS, ids=["fsdp2-sigterm-group", "fsdp1-usr1-one-rank"])
+def test_preempted_run_saves_its_step_and_resumes_exactly(trained, config, fault, name, code, tmp_path):
+    """The signal lands during step 9: every rank finishes it, checkpoint-9 is written as a periodic one would be
+    (judged resumable), the job exits 128 + signal with how to resume, and the resumed run ends bit-identical."""
+    from fsdp_recipes.checkpoints import checkpoint_status
+
+    uninterrupted = trained(config).output_dir
+    out = tmp_path / "run"
+    stopped = launch(config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": fault}, check=False, new_session=True)
+    assert f"stopped by {name} after step 9: saved {out}/checkpoint-9; the run is not finished: run the same command with --resume_from_checkpoint true" in stopped.stdout + stopped.stderr, stopped.stderr[-3000:]
+    assert stopped.returncode != 0 and f"exitcode  : {code}" in stopped.stderr or stopped.returncode == code, stopped.stderr[-3000:]
+    assert checkpoint_status(out / "checkpoint-9").resumable and not (out / "model.safetensors").exists()
+    resumed = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert f"resuming from {out / 'checkpoint-9'}" in resumed.stdout
+    final, reference = load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
+    assert set(final) == set(reference)
+    for tensor_name in reference:
+        assert torch.equal(final[tensor_name], reference[tensor_name]), tensor_name
+    # the loss logged at step 10 averages steps 9-10 in the uninterrupted run but only step 10 after the resume
+    assert logged_losses(out)[-1] == logged_losses(uninterrupted)[-1]
+
+
 def test_killed_while_writing_the_final_model_resumes_without_training(trained, tmp_path):
     """After the last checkpoint nothing is left to train: the Trainer would still run one more step (it checks
     max_steps only after a step), so the resume writes the final folder from the checkpoint instead."""

@@ -121,3 +121,39 @@ def test_torchrun_on_two_nodes_matches_accelerate(trained, tmp_path):
     reference = trained("accelerate_configs/zero3.yaml", launch_args=("--mixed_precision", "no")).output_dir
     assert_same_weights(shared, reference)
     assert (shared / "checkpoint-12" / "pytorch_model_fsdp_0" / ".metadata").is_file()
+
+
+def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
+    """SLURM's early warning (--signal=B:USR1@180) reaches the batch script: both nodes' processes finish their step
+    and write the checkpoint of that step, the job requeues itself, and the requeued job (SLURM_RESTART_COUNT=1)
+    resumes from that checkpoint by itself and finishes."""
+    import signal
+    import time
+
+    from fsdp_recipes.checkpoints import checkpoint_status
+
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "logs", "__pycache__", "*.egg-info", ".pytest_cache"))
+    shared, requeued = tmp_path / "shared-output", tmp_path / "requeued"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **slurm_env(2, 1), "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}", "FAKE_SLURM_REQUEUED": str(requeued)}
+    cmd = ["bash", "tools/slurm/train_fsdp.sbatch", "accelerate_configs/zero3.yaml", "--max_steps", "40", "--save_steps", "6",
+           "--logging_steps", "2", "--warmup_steps", "2", "--output_dir", str(shared)]
+    job = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not (shared / "checkpoint-6" / "trainer_state.json").is_file():
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-3000:]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    output = job.communicate(timeout=300)[0]
+    logs = [(repo / "logs" / f"fsdp-42-node{n}.log").read_text() for n in (0, 1)]
+    assert job.returncode == 0 and f"requeued job 42" in output, output + logs[0][-3000:]
+    assert requeued.read_text().split() == ["42"]
+    step = max(int(p.name.split("-")[1]) for p in shared.glob("checkpoint-*"))
+    assert 6 < step < 40 and f"stopped by SIGUSR1 after step {step}" in logs[0], logs[0][-3000:]
+    assert checkpoint_status(shared / f"checkpoint-{step}").resumable and not (shared / "model.safetensors").exists()
+
+    again = subprocess.run(cmd, cwd=repo, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=600)
+    logs = [(repo / "logs" / f"fsdp-42-node{n}.log").read_text() for n in (0, 1)]
+    assert again.returncode == 0, again.stdout + logs[0][-3000:]
+    assert "requeued job (restart 1): resuming" in logs[0] and f"resuming from {shared / f'checkpoint-{step}'}" in logs[0]
+    assert read_json(shared / "trainer_state.json")["global_step"] == 40 and (shared / "model.safetensors").is_file()

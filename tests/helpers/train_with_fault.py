@@ -6,6 +6,9 @@ and a real SIGKILL at a chosen point.
       point optimizer rank(s) die while checkpoint-<step> is written: model shards done, optimizer shards not begun
       point rng       rank(s) die while checkpoint-<step> is written: all shards done, their RNG state file not begun
       point final     rank(s) die as the final model folder is about to be written (<step> is ignored)
+      point sigterm   rank(s) send SIGTERM to the whole process group (launcher and every rank, as SLURM does)
+                      before the first micro-batch after <step> optimizer steps
+      point usr1      rank(s) send SIGUSR1 to themselves only, at the same moment (the others must stop alike)
     FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into <dir>
 """
 
@@ -33,7 +36,22 @@ def _die() -> None:
 
 if os.environ.get("FSDP_FAULT"):
     ranks, point, step = os.environ["FSDP_FAULT"].split(":")
-    if point == "step":
+    if point in ("sigterm", "usr1"):
+        training_step = Trainer.training_step
+        sent = []
+
+        def training_step_then_signal(self, *args, **kwargs):
+            if self.state.global_step == int(step) and _dies(ranks) and not sent:
+                sent.append(point)
+                print(f"fault injection: {point} from rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+                if point == "sigterm":
+                    os.killpg(os.getpgrp(), signal.SIGTERM)
+                else:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+            return training_step(self, *args, **kwargs)
+
+        Trainer.training_step = training_step_then_signal
+    elif point == "step":
         training_step = Trainer.training_step
 
         def training_step_or_die(self, *args, **kwargs):
@@ -73,7 +91,7 @@ if os.environ.get("FSDP_FAULT"):
         save_final_model = fsdp_recipes.export.save_final_model  # train_fsdp.py imports it by name after this
         fsdp_recipes.export.save_final_model = save_final_model_or_die
     else:
-        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng or final")
+        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, sigterm or usr1")
 
 if os.environ.get("FSDP_DUMP_OPTIMIZER"):
     load = FSDPTrainer._load_optimizer_and_scheduler

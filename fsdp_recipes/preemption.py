@@ -1,0 +1,58 @@
+"""Preemption: SIGTERM or SIGUSR1 ends the run after the current optimizer step, with a complete checkpoint.
+
+SLURM sends SIGTERM to every process of a job step at the time limit or on preemption (then SIGKILL after
+KillWait, 30 s by default), and with ``#SBATCH --signal=USR1@<seconds>`` SIGUSR1 that long before the limit
+(tools/slurm/train_fsdp.sbatch asks for it and requeues the job). Without a handler every rank dies at once and
+the work since the last periodic checkpoint is lost. Here a signal only sets a flag; at the end of each optimizer
+step the ranks agree, by an all-reduce of that flag, whether any of them got one (the signal reaches ranks at
+slightly different moments, and every rank must stop at the same step), and if so the Trainer writes
+``checkpoint-<step>`` exactly as a periodic save would and stops. train_fsdp.py then says how to resume and exits
+with 128 + the signal number.
+
+The agreement costs one all-reduce of one integer per optimizer step. It runs on a gloo group, on the CPU, so a
+GPU run never waits for its device to drain at step ends.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from transformers import TrainerCallback
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preemption(TrainerCallback):
+    def __init__(self):
+        self.received = 0  # the signal number, 0 while none came
+        self.stopped_at: int | None = None  # the step whose checkpoint was written because of it
+        self.signal = 0
+        self._group = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.received = signum
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and self._group is None:
+            # every rank gets here, in the same order: the collective creation is matched
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.received], dtype=torch.int32)
+        if self._group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item():
+            self.signal, self.stopped_at = int(flag.item()), state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def describe(self) -> str:
+        return signal.Signals(self.signal).name if self.signal else ""
