@@ -20,18 +20,23 @@ from fsdp_recipes.checks import NotShardedError
 from fsdp_recipes.data import build_dataset
 from fsdp_recipes.export import export_checkpoint, finished_checkpoint_step, save_final_model
 from fsdp_recipes.modeling import load_model, load_tokenizer
+from fsdp_recipes.preflight import hold_output_dir, save_resolved_arguments
 from fsdp_recipes.trainer import FSDPTrainer
 
 logger = logging.getLogger("train_fsdp")
 
 
-def main(model_args, data_args, training_args):
-    # ---------- logging ----------
+def main(model_args, data_args, preflight):
+    # ---------- preflight: every input check has passed; join the process group, take output_dir ----------
+    training_args = preflight.start()  # makes FSDP real without a GPU, then joins the process group
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout)
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     if cpu_fsdp.is_enabled():
         logger.info("no accelerator found: running FSDP over gloo on CPU (fsdp_recipes.cpu_fsdp)")
+    hold_output_dir(training_args)  # one run per output_dir
+    preflight.apply(training_args, say=logger.warning)  # set aside or delete what the checks found (rank 0)
+    save_resolved_arguments(model_args, data_args, training_args, preflight.config_file)
 
     if (step := finished_checkpoint_step(training_args)) is not None:
         logger.info(
@@ -39,7 +44,8 @@ def main(model_args, data_args, training_args):
             f"nothing left to train; writing its model to {training_args.output_dir}"
         )
         if training_args.process_index == 0:
-            export_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir, log=logger.info)
+            export_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir,
+                              base_model=model_args.model_name_or_path or model_args.config_name, log=logger.info)
         return
 
     # ---------- model and tokenizer ----------
@@ -81,8 +87,7 @@ def main(model_args, data_args, training_args):
 
 if __name__ == "__main__":
     try:
-        args = parse_args()  # also makes FSDP real where there is no GPU (fsdp_recipes.cpu_fsdp)
-        main(*args)
+        main(*parse_args())  # parse_args reads and checks only; main's preflight acts
     except (RecipeError, NotShardedError) as err:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one message per machine
             print(f"train_fsdp.py: error: {err}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from . import cpu_fsdp
+from .preflight import Preflight
 from .tiny import REPO_ROOT
 
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny-llama" / "pretrain.yaml"
@@ -135,10 +137,78 @@ class DataArguments:
                 )
             if not path.is_file():
                 raise RecipeError(f"train_file={self.train_file!r} does not exist (paths are relative to where you launch)")
+            if problem := train_file_problem(path, self):
+                raise RecipeError(f"train_file={self.train_file!r}: {problem}")
         if self.data_format not in ("auto", "text", "chat"):
             raise RecipeError(f"data_format={self.data_format!r} is not one of auto, text, chat")
         if self.block_size < 8:
             raise RecipeError(f"block_size={self.block_size} is too small: use at least 8 tokens")
+
+
+SAMPLE_BYTES = 1 << 20  # the part of a data file checked before anything starts: the first MiB
+
+
+def train_file_problem(path: Path, args: DataArguments) -> str | None:
+    """What makes a local data file unusable, from its first MiB (the whole file is read after the process group
+    exists, by datasets, where a bad line would be a traceback on every rank): empty, not UTF-8 text, JSON lines
+    that do not parse, chat messages that are not role/content turns, no assistant turn to train on."""
+    import codecs
+    import json
+
+    if path.stat().st_size == 0:
+        return "the file is empty: give a file with training examples"
+    if path.suffix == ".parquet":
+        return None  # binary by design; datasets checks its schema
+    with open(path, "rb") as f:
+        head = f.read(SAMPLE_BYTES)
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SAMPLE_BYTES)
+    except UnicodeDecodeError as err:
+        return f"byte {err.start} is not UTF-8 text: is this the right file (a {path.suffix} of text is expected)?"
+    if "\x00" in text:
+        return "the file holds NUL bytes: it is binary, not text"
+    if path.suffix not in (".json", ".jsonl"):
+        return None
+    lines = text.splitlines()
+    if len(head) == SAMPLE_BYTES:
+        lines = lines[:-1]  # the last line may be cut
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        if len(head) == SAMPLE_BYTES:
+            return None  # one large JSON array: datasets parses it
+        try:
+            records = list(enumerate(json.loads(text), 1))
+        except json.JSONDecodeError as err:
+            return f"not valid JSON ({err.msg} at line {err.lineno})"
+    else:
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append((number, json.loads(line)))
+            except json.JSONDecodeError as err:
+                return f"line {number} is not JSON ({err.msg}): one JSON object per line is expected"
+    if not records:
+        return "no JSON records in the file"
+    for number, record in records:
+        if not isinstance(record, dict):
+            return f"record {number} is a {type(record).__name__}, not an object with a {args.text_column!r} or {args.messages_column!r} field"
+    chat = args.data_format == "chat" or (args.data_format == "auto" and args.messages_column in records[0][1])
+    if not chat:
+        missing = next((n for n, r in records if args.text_column not in r), None)
+        return None if missing is None else f"record {missing} has no {args.text_column!r} field (set text_column, or data_format)"
+    assistant_turns = 0
+    for number, record in records:
+        messages = record.get(args.messages_column)
+        if not isinstance(messages, list) or not messages:
+            return f"record {number}: {args.messages_column!r} is {type(messages).__name__ if messages is not None else 'missing'}, not a list of turns"
+        for turn in messages:
+            if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or "content" not in turn:
+                return f"record {number}: every turn needs a 'role' and a 'content' (got {str(turn)[:80]})"
+        assistant_turns += sum(turn["role"] == "assistant" for turn in messages)
+    if not assistant_turns:
+        return f"no conversation has an assistant turn: the loss is computed on assistant tokens only, so there is nothing to train on"
+    return None
 
 
 # Keys of the embedded default recipe that point into this repository: anchored here so the default
@@ -175,14 +245,23 @@ class RunArguments:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
+def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, Preflight]:
     """``[recipe.yaml] [--flag value ...]``; with no recipe, the embedded default recipe is used.
 
-    Every check runs before TrainingArguments is built: building it starts accelerate's PartialState, which
-    joins the process group. Bad input therefore fails on each rank in seconds and leaves nothing behind.
+    Reads and checks only: no file is moved, nothing is patched, no process group is joined. What the run then
+    does before loading anything (build TrainingArguments, which joins the process group; take output_dir; set
+    checkpoints aside) is the returned Preflight, carried out by train_fsdp.py. Bad input therefore fails on each
+    rank in seconds and leaves nothing behind.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
+    parser = HfArgumentParser(
+        (ModelArguments, DataArguments, RunArguments, TrainingArguments),
+        usage="accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py [recipe.yaml] [--flag value ...]",
+        description="Train a causal LM with FSDP. The optional first argument is a recipe YAML whose keys set the "
+        "defaults of every argument below; flags override it (without a recipe: recipes/tiny-llama/pretrain.yaml). "
+        "A model or data source given as a flag replaces the recipe's. Resume with --resume_from_checkpoint true "
+        "(the newest complete checkpoint in output_dir) or a checkpoint-N folder.",
+    )
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml")):
         recipe = load_recipe(Path(argv.pop(0)))
     elif argv and not argv[0].startswith("-"):
@@ -193,26 +272,31 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     unknown = sorted(set(recipe) - known)
     if unknown:
         raise RecipeError(f"unknown recipe key(s): {with_hints(unknown, known)}; see `train_fsdp.py --help`")
+    check_flags(argv, parser)
+    check_recipe_types(recipe, parser)
+    given = {a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--")}
+    for pair in (("model_name_or_path", "config_name"), ("dataset_name", "train_file")):
+        if given & set(pair):  # a source on the command line replaces the recipe's, whichever kind it is
+            for key in set(pair) - given:
+                recipe.pop(key, None)
     parser.set_defaults(**recipe)
     raw = parser.parse_args(argv)  # plain values: no dataclass, no process group yet
     trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp
     if problem := cpu_fsdp.single_process_problem(trainer_fsdp):
         raise RecipeError(problem)
     check_accelerate_config(raw)
-    model_args, data_args, run_args = (_build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
+    model_args, data_args, run_args = (build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
     output_dir = raw.output_dir or "trainer_output"
-    resume = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp)
-    check_output_dir(output_dir, resuming=resume is not None, overwrite=run_args.overwrite_output_dir)
+    plan = Preflight(raw, trainer_fsdp)
+    plan.resume = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp, plan)
+    check_output_dir(output_dir, resuming=plan.resume is not None, overwrite=run_args.overwrite_output_dir, plan=plan)
     if not (cpu_fsdp.fsdp_requested() or trainer_fsdp) and not run_args.allow_no_fsdp:
         raise RecipeError(no_fsdp_problem())
     warn_unused_accelerators()
-    cpu_fsdp.enable(trainer_fsdp)  # must precede TrainingArguments, which creates accelerate's PartialState
-    try:
-        training_args = _build(TrainingArguments, raw)
-    except ValueError as err:  # TrainingArguments.__post_init__ checks
-        raise RecipeError(str(err).replace("\n", " ")) from None
-    training_args.resume_from_checkpoint = resume
-    return model_args, data_args, training_args
+    from .config_check import launcher_config_file
+
+    plan.config_file = str(launcher_config_file() or "") or None
+    return model_args, data_args, plan
 
 
 # The fsdp_config keys TrainingArguments reads (transformers 5.23, TrainingArguments._process_fsdp_args); it
@@ -250,6 +334,35 @@ def check_trainer_fsdp(raw) -> bool:
     return True
 
 
+def check_flags(argv: list[str], parser) -> None:
+    """An unknown flag is one line with the closest known one (argparse would print its 120-line usage per rank)."""
+    options = {s for action in parser._actions for s in action.option_strings}
+    unknown = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options]
+    if unknown:
+        names = {o.removeprefix("--") for o in options}
+        raise RecipeError(f"unknown flag(s): {with_hints([u.removeprefix('--') for u in unknown], names)}; see `train_fsdp.py --help`")
+
+
+def check_recipe_types(recipe: dict, parser) -> None:
+    """Recipe values bypass argparse's conversion (they become defaults as they are): check them the same way."""
+    actions = {a.dest: a for a in parser._actions}
+    for key, value in recipe.items():
+        action = actions[key]
+        if value is None or action.type is None:
+            continue
+        many = action.nargs in ("+", "*")
+        values = value if many and isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, (list, dict)):
+                raise RecipeError(f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {getattr(action.type, '__name__', 'value')}")
+            try:
+                converted = action.type(str(v).lower() if isinstance(v, bool) else v if isinstance(v, str) else str(v))
+            except (TypeError, ValueError) as err:
+                raise RecipeError(f"recipe key {key}: {v!r} is not a valid {getattr(action.type, '__name__', 'value')} ({err})") from None
+            if action.choices is not None and converted not in action.choices and str(converted) not in map(str, action.choices):
+                raise RecipeError(f"recipe key {key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
+
+
 def no_fsdp_problem() -> str:
     """Why this launch would train without FSDP, and the command that trains with it."""
     fix = ("launch with an FSDP config: `accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py ...` "
@@ -283,7 +396,7 @@ def with_hints(unknown: list[str], known, prefix: str = "") -> str:
     return ", ".join(f"{k} (did you mean {m[0]}?)" if m else k for k, m in hints)
 
 
-def _build(cls, raw):
+def build(cls, raw):
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     return cls(**{k: v for k, v in vars(raw).items() if k in names})
 
@@ -311,10 +424,22 @@ def _say(message: str) -> None:
         print(f"train_fsdp.py: {message}", file=sys.stderr, flush=True)
 
 
-def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = False) -> str | None:
+def _set_aside(path: Path, prefix: str, why: str, plan: Preflight | None) -> None:
+    """Recorded in the plan (train_fsdp.py's preflight moves it), or, called without one, moved now on rank 0."""
+    from .checkpoints import set_aside
+
+    if plan is not None:
+        plan.set_aside.append((path, prefix, why))
+    elif _rank0():
+        _say(f"{why}: moved {path.name} to {set_aside(path, prefix).name} (nothing deleted)")
+
+
+def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = False, plan: Preflight | None = None) -> str | None:
     """``true``: the newest complete checkpoint-N in output_dir (newer, incomplete ones are named and set aside);
-    a path: that checkpoint, which must be complete; ``false`` or unset: no resume."""
-    from .checkpoints import checkpoint_status, newest_resumable, set_aside
+    a path: that checkpoint, which must be complete (an earlier one of output_dir sets the later ones aside);
+    ``false`` or unset: no resume."""
+    from .checkpoint_files import INCOMPLETE_PREFIX
+    from .checkpoints import checkpoint_status, newest_resumable
 
     if value is None or str(value).lower() == "false":
         return None
@@ -322,10 +447,9 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
         chosen, skipped = newest_resumable(output_dir) if Path(output_dir).is_dir() else (None, [])
         for status in skipped:
             _say(f"skipping {status.summary()}")
-            if _rank0():
-                _say(f"moved it to {set_aside(Path(status.path)).name} (nothing deleted)")
+            _set_aside(Path(status.path), INCOMPLETE_PREFIX, "incomplete", plan)
         if chosen is None:
-            what = f" ({len(skipped)} incomplete one(s) set aside)" if skipped else ""
+            what = f" (incomplete: {', '.join(Path(s.path).name for s in skipped)})" if skipped else ""
             raise RecipeError(
                 f"--resume_from_checkpoint true: no complete checkpoint-N folder in output_dir {output_dir!r}{what}; "
                 "start without --resume_from_checkpoint"
@@ -338,7 +462,22 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
         chosen, _ = newest_resumable(Path(value).parent)
         instead = f"resume from {chosen.path} (the newest complete one) or" if chosen else "start"
         raise RecipeError(f"cannot resume from {status.summary()}; {instead} without it")
-    return _resumable(status, trainer_fsdp)
+    path = _resumable(status, trainer_fsdp)
+    set_aside_later_checkpoints(Path(value), output_dir, plan)
+    return path
+
+
+def set_aside_later_checkpoints(ckpt: Path, output_dir: str, plan: Preflight | None = None) -> None:
+    """Resuming an earlier checkpoint of this output_dir starts another branch of the run: its later checkpoints
+    would be rewritten in place (the Trainer saves into checkpoint-N as it finds it) or, being newer, picked by
+    the next `--resume_from_checkpoint true`. They are moved aside as replaced-checkpoint-N; nothing is deleted."""
+    from .checkpoint_files import REPLACED_PREFIX, checkpoint_steps, real
+
+    if real(ckpt.parent) != real(output_dir) or not re.fullmatch(r"checkpoint-\d+", ckpt.name):
+        return
+    for later in checkpoint_steps(Path(output_dir)):
+        if int(later.name.split("-")[1]) > int(ckpt.name.split("-")[1]):
+            _set_aside(later, REPLACED_PREFIX, f"resuming {ckpt.name} starts a new branch of the run", plan)
 
 
 def _resumable(status, trainer_fsdp: bool) -> str:
@@ -359,14 +498,19 @@ def _resumable(status, trainer_fsdp: bool) -> str:
     return status.path
 
 
-def check_output_dir(output_dir: str, resuming: bool, overwrite: bool) -> None:
+def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, plan: Preflight | None = None) -> None:
     """A new run must not write into another run's checkpoints: a later `resume true` would pick theirs."""
-    from .checkpoint_files import INCOMPLETE_PREFIX, checkpoint_steps
+    from .checkpoint_files import INCOMPLETE_PREFIX, REPLACED_PREFIX, checkpoint_steps
 
     out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise RecipeError(f"output_dir {output_dir!r} is a file: choose a folder (it is created if missing)")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"output_dir {output_dir!r}: {existing} is not writable: choose a folder you can write to")
     if resuming or not out.is_dir():
         return
-    earlier = checkpoint_steps(out) + sorted(out.glob(f"{INCOMPLETE_PREFIX}checkpoint-*"))
+    earlier = checkpoint_steps(out) + sorted(out.glob(f"{INCOMPLETE_PREFIX}checkpoint-*")) + sorted(out.glob(f"{REPLACED_PREFIX}checkpoint-*"))
     if not earlier:
         return
     if not overwrite:
@@ -375,7 +519,9 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool) -> None:
             f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
             "--resume_from_checkpoint true, choose a new --output_dir, or pass --overwrite_output_dir true to delete them"
         )
-    if _rank0():
+    if plan is not None:
+        plan.delete += earlier
+    elif _rank0():
         import shutil
 
         for ckpt in earlier:

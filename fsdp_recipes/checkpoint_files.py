@@ -18,6 +18,7 @@ ADAPTER_CONFIG = "adapter_config.json"  # peft
 REPORT_NAME = "fsdp_report.json"  # the proof of sharding, per run and per checkpoint (fsdp_recipes.checks)
 MANIFEST = "model_description.json"  # written into each checkpoint by the training run (fsdp_recipes.description)
 INCOMPLETE_PREFIX = "incomplete-"  # outside the Trainer's `checkpoint-*` glob: never rotated, never resumed
+REPLACED_PREFIX = "replaced-"  # a checkpoint of a step a resumed run trains again (another branch of the run)
 # FSDP1, torch.compile and activation checkpointing put these inside parameter names
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -43,7 +44,7 @@ def training_content(folder: Path) -> str | None:
     for name in (DCP_MODEL_DIR, OPTIMIZER_DIR, "trainer_state.json", FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, ".metadata"):
         if (folder / name).exists():
             return f"a training checkpoint ({name})"
-    if any(folder.glob("*.distcp")) or any(folder.glob(f"{INCOMPLETE_PREFIX}checkpoint-*")):
+    if any(folder.glob("*.distcp")) or any(folder.glob(f"{INCOMPLETE_PREFIX}checkpoint-*")) or any(folder.glob(f"{REPLACED_PREFIX}checkpoint-*")):
         return "training checkpoint files"
     return None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -157,13 +158,16 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
     status.problems += [p for p in (_torch_file_problem(ckpt / n, load=True) for n in rng_names) if p]
 
 
-def set_aside(ckpt: Path) -> Path:
-    """Move an incomplete checkpoint out of the Trainer's way (a resumed run rewrites that step into a clean
-    folder, and rotation never counts it); nothing is deleted."""
-    target = ckpt.parent / f"{INCOMPLETE_PREFIX}{ckpt.name}"
+def set_aside(ckpt: Path, prefix: str = INCOMPLETE_PREFIX) -> Path:
+    """Move a checkpoint out of the Trainer's way (a resumed run rewrites that step into a clean folder, and
+    rotation never counts it). An incomplete one replaces the one set aside for the same step before (both are
+    unusable; keeping every attempt piles them up on a full disk); a replaced complete one is kept beside."""
+    target = ckpt.parent / f"{prefix}{ckpt.name}"
+    if prefix == INCOMPLETE_PREFIX and target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
     n = 1
     while target.exists():
-        target = ckpt.parent / f"{INCOMPLETE_PREFIX}{ckpt.name}.{n}"
+        target = ckpt.parent / f"{prefix}{ckpt.name}.{n}"
         n += 1
     os.rename(ckpt, target)
     return target

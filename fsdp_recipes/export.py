@@ -38,24 +38,28 @@ def save_model_description(model, tokenizer, folder: str | os.PathLike) -> list[
 class DescribeCheckpoints(TrainerCallback):
     """Write config and tokenizer into each checkpoint-N, which the Trainer leaves weights-only under
     SHARDED_STATE_DICT, so any checkpoint merges on its own (tools/merge_checkpoint.py), with a manifest
-    (model_description.json) that spares the merge importing transformers to check them; then, once every
-    rank has finished its files, the run's fsdp_report.json with the state-dict type (FSDP version,
-    strategy and world size, which the shards themselves do not record: tools/check_checkpoint.py)."""
+    (model_description.json) that spares the merge importing transformers to check them. FSDPTrainer calls
+    ``describe`` before the Trainer writes anything into the folder, so a checkpoint whose trainer_state.json
+    (written last) exists has them too. Then, once every rank has finished its files, the run's
+    fsdp_report.json with the state-dict type (FSDP version, strategy and world size, which the shards
+    themselves do not record: tools/check_checkpoint.py)."""
 
     def __init__(self, trainer, tokenizer):
         self.trainer, self.tokenizer = trainer, tokenizer
+
+    def describe(self, folder: Path) -> None:
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        files = save_model_description(model, self.tokenizer, folder)
+        try:
+            write_manifest(folder, model.config, files)
+        except Exception as err:  # only a shortcut for the merge, never worth a failed run
+            logger.warning(f"no {MANIFEST} in {folder} ({type(err).__name__}: {err}); merging it checks the config with transformers")
 
     def on_save(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if not state.is_world_process_zero:
             return  # FSDPTrainer._save_checkpoint has waited for every rank's files before this
-        model = accelerator.unwrap_model(self.trainer.model)
-        files = save_model_description(model, self.tokenizer, folder)
-        try:
-            write_manifest(folder, model.config, files)
-        except Exception as err:  # only a shortcut for the merge, never worth a failed run
-            logger.warning(f"no {MANIFEST} in {folder} ({type(err).__name__}: {err}); merging it checks the config with transformers")
         run_report = Path(args.output_dir) / REPORT_NAME
         if run_report.is_file():
             plugin = getattr(accelerator.state, "fsdp_plugin", None)
@@ -83,6 +87,9 @@ def save_final_model(trainer, tokenizer) -> None:
         accelerator.wait_for_everyone()
         return
     shards = out / ".final-sharded"
+    if accelerator.is_main_process:
+        remove_export_leftovers(out, log=logger.info)
+    accelerator.wait_for_everyone()
     save_fsdp_model(plugin, accelerator, trainer.model, str(shards))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -95,6 +102,18 @@ def save_final_model(trainer, tokenizer) -> None:
         publish(staging, out, files)
         shutil.rmtree(shards)
     accelerator.wait_for_everyone()
+
+
+EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp")  # this module's own staging folders in output_dir
+
+
+def remove_export_leftovers(out: Path, log=print) -> None:
+    """The staging folders a final export killed midway left in ``out`` (only ours: fixed names, real folders)."""
+    for name in EXPORT_LEFTOVERS:
+        path = Path(out) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+            log(f"removed {path}, left by an export that did not finish")
 
 
 def publish(staging: Path, out: Path, files: list[str]) -> None:
@@ -118,12 +137,18 @@ def finished_checkpoint_step(training_args) -> int | None:
     return step if step >= training_args.max_steps else None
 
 
-def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, log=print) -> None:
-    """The final model folder of a run, written from one of its checkpoints (tools/merge_checkpoint.py's code)."""
+def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print) -> None:
+    """The final model folder of a run, written from one of its checkpoints (tools/merge_checkpoint.py's code).
+    ``base_model``: the run's own model source, for a checkpoint whose config.json is missing."""
+    from .description import description_dirs
     from .merge import merge_checkpoint
+    from .sources import resolve_input
 
     ckpt, out = Path(ckpt), Path(out)
+    remove_export_leftovers(out, log=log)
     staging = out / ".export-tmp"
-    result = merge_checkpoint(ckpt, staging, overwrite=True, log=log)
+    if description_dirs(resolve_input(ckpt))[0] is not None:
+        base_model = None  # the checkpoint describes itself
+    result = merge_checkpoint(ckpt, staging, overwrite=True, base_model=base_model, log=log)
     publish(staging, out, result.files)
     shutil.copy2(ckpt / "trainer_state.json", out / "trainer_state.json")

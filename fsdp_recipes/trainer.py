@@ -19,19 +19,27 @@ complete checkpoint of that step (fsdp_recipes.preemption).
 
 from __future__ import annotations
 
-from transformers import Trainer
-from transformers.trainer_utils import rotate_checkpoints
+import logging
+from pathlib import Path
 
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from .checkpoint_files import REPLACED_PREFIX
+from .checkpoints import set_aside
 from .checks import ShardingReport
 from .export import DescribeCheckpoints
 from .preemption import Preemption
+
+logger = logging.getLogger(__name__)
 
 
 class FSDPTrainer(Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.add_callback(ShardingReport(self))
-        self.add_callback(DescribeCheckpoints(self, self.processing_class))
+        self.describer = DescribeCheckpoints(self, self.processing_class)
+        self.add_callback(self.describer)
         self.preemption = Preemption()  # SIGTERM/SIGUSR1: checkpoint at the end of the current step, then stop
         self.add_callback(self.preemption)
 
@@ -47,6 +55,14 @@ class FSDPTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
 
     def _save_checkpoint(self, model, trial) -> None:
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save:
+            if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files
+                moved = set_aside(folder, REPLACED_PREFIX)
+                logger.warning(f"{folder} existed (another run's step {self.state.global_step}): moved it to {moved.name}")
+            folder.mkdir(parents=True)
+            self.describer.describe(folder)  # before any shard, so before trainer_state.json
+        self.accelerator.wait_for_everyone()
         limit = self.args.save_total_limit
         self.args.save_total_limit = None  # the Trainer's own rotation, which would run before the other ranks finish
         try:

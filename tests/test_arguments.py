@@ -23,7 +23,8 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 def test_default_recipe_when_no_recipe_given(tmp_path):
-    model_args, data_args, training_args = parse_args(["--max_steps", "20", "--output_dir", str(tmp_path), *NO_FSDP])
+    model_args, data_args, preflight = parse_args(["--max_steps", "20", "--output_dir", str(tmp_path), *NO_FSDP])
+    training_args = preflight.start()
     assert model_args.config_name == str(REPO / "assets" / "tiny-llama")  # anchored to the repository
     assert data_args.train_file == str(REPO / "assets" / "data" / "tiny_corpus.txt")
     assert training_args.max_steps == 20  # flag overrides the recipe's 120
@@ -37,13 +38,13 @@ def test_shipped_recipes_parse(recipe, monkeypatch):
     text = recipe.read_text()
     if "model_name_or_path: runs/" in text:  # a recipe that starts from the default run's output
         pytest.skip("needs the default run's output; exercised by test_chat_sft_from_local_folder")
-    parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])
+    parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])[2].start()  # TrainingArguments' own checks too
 
 
 def test_recipe_sets_defaults_and_flags_override(tmp_path):
     path = write(tmp_path, TINY + CORPUS + "learning_rate: 1.0e-4\nblock_size: 64\n")
-    _, data_args, training_args = parse_args([path, "--learning_rate", "1e-5", *NO_FSDP])
-    assert training_args.learning_rate == 1e-5
+    _, data_args, preflight = parse_args([path, "--learning_rate", "1e-5", *NO_FSDP])
+    assert preflight.raw.learning_rate == 1e-5
     assert data_args.block_size == 64
 
 
@@ -58,6 +59,9 @@ def test_recipe_sets_defaults_and_flags_override(tmp_path):
         (TINY + CORPUS + "block_size: 2\n", "block_size=2 is too small"),
         ("- a list\n", "must be a mapping"),
         ("lr: [\n", "not valid YAML"),
+        (TINY + CORPUS + "learning_rate: [1, 2]\n", "recipe key learning_rate: [1, 2] is a list; give one float"),
+        (TINY + CORPUS + "max_steps: ten\n", "recipe key max_steps: 'ten' is not a valid int"),
+        (TINY + CORPUS + "lr_scheduler_type: cosinus\n", "recipe key lr_scheduler_type: 'cosinus' is not one of"),
     ],
 )
 def test_bad_recipe_is_a_clear_error(tmp_path, text, message):
@@ -74,8 +78,10 @@ def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
 def test_help_lists_script_and_training_arguments():
     proc = run(["python", str(REPO / "train_fsdp.py"), "--help"])
     assert proc.returncode == 0
-    for flag in ("--model_name_or_path", "--config_name", "--train_file", "--data_format", "--block_size", "--learning_rate"):
+    for flag in ("--model_name_or_path", "--config_name", "--train_file", "--data_format", "--block_size", "--learning_rate", "--allow_no_fsdp"):
         assert flag in proc.stdout
+    text = " ".join(proc.stdout.split())  # argparse wraps lines
+    assert "train_fsdp.py [recipe.yaml] [--flag value ...]" in text and "--resume_from_checkpoint true" in text
 
 
 def test_bad_value_fails_under_launch_before_any_process_group(tmp_path):
@@ -84,7 +90,7 @@ def test_bad_value_fails_under_launch_before_any_process_group(tmp_path):
     start = time.monotonic()
     proc = launch("accelerate_configs/zero3.yaml", recipe, "--output_dir", str(out), check=False)
     assert proc.returncode != 0
-    assert "learning_rate" in proc.stderr and "invalid float value: 'fast'" in proc.stderr
+    assert "recipe key learning_rate: 'fast' is not a valid float" in proc.stderr
     assert "running FSDP over gloo" not in proc.stdout  # main() never began: no process group, no model
     assert not out.exists()
     assert time.monotonic() - start < 60
@@ -171,6 +177,25 @@ def test_launches_that_would_train_without_fsdp_stop_first(tmp_path):
         assert proc.returncode != 0 and len(errors) == 1 and why in errors[0], proc.stderr[-3000:]
         assert "accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py" in errors[0] or "MULTI_CPU" in why
         assert not out.exists()
-    proc = run(["python", str(REPO / "train_fsdp.py"), "--max_steps", "2", "--output_dir", str(out), "--allow_no_fsdp", "true"], env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (out / "model.safetensors").is_file()
+    parse_args(["--max_steps", "2", "--output_dir", str(out), "--allow_no_fsdp", "true"])  # on purpose: allowed
+
+
+def test_flags_replace_the_recipes_model_and_data_source(tmp_path):
+    """--model_name_or_path over the default recipe (which sets config_name) fine-tunes that model; --dataset_name
+    replaces its train_file; a misspelled flag is one line with the closest one."""
+    model = tmp_path / "my-model"
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(model)
+    AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama").save_pretrained(model)
+    model_args, data_args, _ = parse_args(["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
+    assert (model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name) == (str(model), None, str(model))
+    assert data_args.train_file.endswith("tiny_corpus.txt")
+    _, data_args, _ = parse_args(["--dataset_name", "someone/data", "--output_dir", str(tmp_path / "o"), *NO_FSDP])
+    assert (data_args.dataset_name, data_args.train_file) == ("someone/data", None)
+    with pytest.raises(RecipeError, match=r"unknown flag\(s\): learnig_rate \(did you mean learning_rate\?\)"):
+        parse_args(["--learnig_rate", "1e-4"])
+    proc = run(["python", str(REPO / "train_fsdp.py"), "--learnig_rate", "1e-4"])
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "train_fsdp.py: error: unknown flag(s): learnig_rate (did you mean learning_rate?); see `train_fsdp.py --help`"
+    ], proc.stderr

@@ -71,7 +71,7 @@ def test_damaged_newest_checkpoint_is_named_skipped_and_set_aside(run_dir, damag
 
     assert resolve_resume("true", str(run_dir)) == str(run_dir / "checkpoint-6")
     err = capsys.readouterr().err
-    assert "skipping checkpoint-12" in err and problem in err and "moved it to incomplete-checkpoint-12" in err
+    assert "skipping checkpoint-12" in err and problem in err and "moved checkpoint-12 to incomplete-checkpoint-12" in err
     assert not (run_dir / "checkpoint-12").exists() and (run_dir / "incomplete-checkpoint-12").is_dir()
 
 
@@ -79,14 +79,16 @@ def test_explicit_incomplete_checkpoint_is_refused_with_the_alternative(run_dir)
     (run_dir / "checkpoint-12" / "rng_state_0.pth").unlink()
     with pytest.raises(RecipeError, match=f"resume from {run_dir / 'checkpoint-6'} \\(the newest complete one\\)"):
         resolve_resume(str(run_dir / "checkpoint-12"), str(run_dir))
+    assert (run_dir / "checkpoint-12").is_dir()  # a refused resume moves nothing
+    # an earlier checkpoint of the run starts a new branch: the later one is set aside, never rewritten in place
     assert resolve_resume(str(run_dir / "checkpoint-6"), str(run_dir)) == str(run_dir / "checkpoint-6")
-    assert (run_dir / "checkpoint-12").is_dir()  # an explicit path never moves anything
+    assert not (run_dir / "checkpoint-12").exists() and (run_dir / "replaced-checkpoint-12").is_dir()
 
 
 def test_no_complete_checkpoint_is_a_clear_error(run_dir):
     for step in (6, 12):
         (run_dir / f"checkpoint-{step}" / "trainer_state.json").unlink()
-    with pytest.raises(RecipeError, match="no complete checkpoint-N folder .* \\(2 incomplete one\\(s\\) set aside\\)"):
+    with pytest.raises(RecipeError, match="no complete checkpoint-N folder .* \\(incomplete: checkpoint-12, checkpoint-6\\)"):
         resolve_resume("true", str(run_dir))
 
 

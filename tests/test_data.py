@@ -82,3 +82,33 @@ def test_templates_without_generation_blocks_locate_assistant_turns(tokenizer):
     # the prefix path also trains on the role header the template emits after the prompt, which is nothing here
     assert derived["labels"] == marked["labels"]
     assert tokenizer.decode([t for t in derived["labels"] if t != IGNORE_INDEX]) == "Ada has 4 cats.<|end|>Two dogs.<|end|>"
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("empty.jsonl", b"", "the file is empty"),
+        ("garbage.jsonl", bytes(range(128, 256)) * 8, "is not UTF-8 text"),
+        ("nul.txt", b"text\x00\x01\x02", "holds NUL bytes"),
+        ("broken.jsonl", b'{"text": "a"}\n{"text": \n', "line 2 is not JSON"),
+        ("no-role.jsonl", b'{"messages": [{"content": "hi"}]}\n', "every turn needs a 'role' and a 'content'"),
+        ("string.jsonl", b'{"messages": "hello"}\n', "'messages' is str, not a list of turns"),
+        ("no-assistant.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n', "no conversation has an assistant turn"),
+        ("no-text.jsonl", b'{"body": "hi"}\n', "record 1 has no 'text' field"),
+    ],
+)
+def test_bad_data_files_are_one_line_errors_before_anything_starts(tmp_path, name, content, message):
+    """Checked from the file's first MiB while arguments are parsed, before the process group: one line each."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(RecipeError) as err:
+        DataArguments(train_file=str(path))
+    assert message in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path):
+    from fsdp_recipes.arguments import check_output_dir
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RecipeError, match="is a file: choose a folder"):
+        check_output_dir(str(tmp_path / "file"), resuming=False, overwrite=False)

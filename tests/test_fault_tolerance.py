@@ -218,3 +218,60 @@ def test_bad_input_stops_every_rank_before_anything_is_set_up(case, tmp_path):
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]  # one message, not one per rank
     assert "running FSDP over gloo" not in proc.stdout  # main() never began
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_finished_checkpoint_without_its_description_and_export_leftovers(trained, tmp_path):
+    """(a) a final checkpoint whose config.json and tokenizer were never written (rank 0 killed right after
+    trainer_state.json, as before description files came first) still exports with the run's own config; (e) the
+    staging folders of a killed export are removed by the next run."""
+    config = "accelerate_configs/zero3.yaml"
+    uninterrupted = trained(config).output_dir
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(uninterrupted / "checkpoint-12", out / "checkpoint-12")
+    for f in (out / "checkpoint-12").iterdir():
+        if f.name.startswith(("config", "generation_config", "tokenizer", "chat_template", "model_description")):
+            f.unlink()
+    for leftover in (".final-sharded", ".export-tmp"):
+        (out / leftover / "pytorch_model_fsdp_0").mkdir(parents=True)
+        (out / leftover / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"partial")
+    proc = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert "nothing left to train" in proc.stdout
+    assert "removed" in proc.stdout + proc.stderr and not (out / ".final-sharded").exists() and not (out / ".export-tmp").exists()
+    final, reference = load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+def test_an_earlier_checkpoint_starts_a_branch_and_later_ones_are_never_rewritten(trained, tmp_path):
+    """(b) resuming checkpoint-6 of a run that reached checkpoint-12: checkpoint-12 is moved aside before the
+    resumed run writes its own step 12 (the Trainer would write into the old folder, mixing two runs' files)."""
+    config = "accelerate_configs/zero3.yaml"
+    uninterrupted = trained(config).output_dir
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out, ignore=shutil.ignore_patterns("model.safetensors", "run_args.json"))
+    old = (out / "checkpoint-12" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes()
+    proc = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-6"))
+    assert "resuming checkpoint-6 starts a new branch of the run: moved checkpoint-12 to replaced-checkpoint-12" in proc.stdout + proc.stderr
+    assert (out / "replaced-checkpoint-12" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes() == old
+    final, reference = load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+def test_one_run_per_output_dir(tmp_path):
+    """(c) an output_dir another live run holds is refused on every rank; the holder is named."""
+    import fcntl
+    import os
+
+    out = tmp_path / "run"
+    out.mkdir()
+    fd = os.open(out / ".run.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, b"host elsewhere, pid 4242, since 2026-11-22 09:00:00\n")
+    try:
+        proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), check=False)
+    finally:
+        os.close(fd)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "is in use by another run (host elsewhere, pid 4242, since 2026-11-22 09:00:00)" in errors[0]
+    assert not list(out.glob("checkpoint-*"))

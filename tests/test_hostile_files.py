@@ -71,9 +71,9 @@ def test_metadata_that_runs_code_is_refused_by_every_tool(run_dir, folder, tmp_p
     assert marker.exists()
     marker.unlink()
 
-    proc = run(["python", str(TOOLS / "check_checkpoint.py"), str(ckpt)])
-    assert proc.returncode == 1 and "refusing to unpickle it" in proc.stdout and "posix.system" in proc.stdout, proc.stdout + proc.stderr
-    assert len(proc.stdout.strip().splitlines()) == 1
+    assert cli("check_checkpoint", [str(ckpt)]) == 1
+    said = capsys.readouterr().out
+    assert "refusing to unpickle it" in said and "posix.system" in said and len(said.strip().splitlines()) == 1, said
     if folder == "pytorch_model_fsdp_0":  # the merge reads only the model's folder
         for argv in ([str(ckpt), str(tmp_path / "out")], [str(ckpt), "--inspect"], [str(run_dir), str(tmp_path / "out")]):
             assert cli("merge_checkpoint", argv) == 1
@@ -86,7 +86,7 @@ def test_metadata_that_runs_code_is_refused_by_every_tool(run_dir, folder, tmp_p
 
 
 def test_resume_of_a_poisoned_run_stops_before_training(run_dir, tmp_path):
-    """The real launch: `--resume_from_checkpoint true` finds the poisoned checkpoint, sets it aside, runs nothing."""
+    """The real launch: `--resume_from_checkpoint true` finds the poisoned checkpoint and stops, running nothing."""
     marker = tmp_path / "code-ran"
     poison_metadata(run_dir / "checkpoint-12" / "pytorch_model_fsdp_0", marker)
     proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run_dir), "--resume_from_checkpoint", "true", check=False)
@@ -94,16 +94,16 @@ def test_resume_of_a_poisoned_run_stops_before_training(run_dir, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert len(errors) == 1 and "no complete checkpoint-N folder" in errors[0], proc.stderr[-3000:]
     assert "refusing to unpickle" in proc.stderr
-    assert not marker.exists() and (run_dir / "incomplete-checkpoint-12").is_dir()
+    assert not marker.exists() and (run_dir / "checkpoint-12").is_dir()  # a refused resume moves nothing
 
 
 @pytest.mark.parametrize("name", ["rng_state_1.pth", "scheduler.pt"])
-def test_small_pickles_are_loaded_weights_only_before_a_resume(run_dir, name, tmp_path):
+def test_small_pickles_are_loaded_weights_only_before_a_resume(run_dir, name, tmp_path, capsys):
     ckpt = run_dir / "checkpoint-12"
     marker = tmp_path / "code-ran"
     torch.save({"state": Payload(marker)}, ckpt / name)
-    proc = run(["python", str(TOOLS / "check_checkpoint.py"), str(ckpt)])
-    assert proc.returncode == 1 and f"refused {name}: it holds more than tensors" in proc.stdout, proc.stdout + proc.stderr
+    assert cli("check_checkpoint", [str(ckpt)]) == 1
+    assert f"refused {name}: it holds more than tensors" in capsys.readouterr().out
     with pytest.raises(RecipeError, match=f"refused {name}"):
         resolve_resume(str(ckpt), str(run_dir))
     assert not marker.exists()

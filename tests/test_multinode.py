@@ -136,7 +136,7 @@ def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
     shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "logs", "__pycache__", "*.egg-info", ".pytest_cache"))
     shared, requeued = tmp_path / "shared-output", tmp_path / "requeued"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **slurm_env(2, 1), "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}", "FAKE_SLURM_REQUEUED": str(requeued)}
-    cmd = ["bash", "tools/slurm/train_fsdp.sbatch", "accelerate_configs/zero3.yaml", "--max_steps", "40", "--save_steps", "6",
+    cmd = ["bash", "tools/slurm/train_fsdp.sbatch", "accelerate_configs/zero3.yaml", "--max_steps", "24", "--save_steps", "6",
            "--logging_steps", "2", "--warmup_steps", "2", "--output_dir", str(shared)]
     job = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
@@ -149,11 +149,11 @@ def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
     assert job.returncode == 0 and f"requeued job 42" in output, output + logs[0][-3000:]
     assert requeued.read_text().split() == ["42"]
     step = max(int(p.name.split("-")[1]) for p in shared.glob("checkpoint-*"))
-    assert 6 < step < 40 and f"stopped by SIGUSR1 after step {step}" in logs[0], logs[0][-3000:]
+    assert 6 < step < 24 and f"stopped by SIGUSR1 after step {step}" in logs[0], logs[0][-3000:]
     assert checkpoint_status(shared / f"checkpoint-{step}").resumable and not (shared / "model.safetensors").exists()
 
     again = subprocess.run(cmd, cwd=repo, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=600)
     logs = [(repo / "logs" / f"fsdp-42-node{n}.log").read_text() for n in (0, 1)]
     assert again.returncode == 0, again.stdout + logs[0][-3000:]
     assert "requeued job (restart 1): resuming" in logs[0] and f"resuming from {shared / f'checkpoint-{step}'}" in logs[0]
-    assert read_json(shared / "trainer_state.json")["global_step"] == 40 and (shared / "model.safetensors").is_file()
+    assert read_json(shared / "trainer_state.json")["global_step"] == 24 and (shared / "model.safetensors").is_file()
