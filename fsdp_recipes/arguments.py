@@ -207,7 +207,7 @@ def train_file_problem(path: Path, args: DataArguments) -> str | None:
                 return f"record {number}: every turn needs a 'role' and a 'content' (got {str(turn)[:80]})"
         assistant_turns += sum(turn["role"] == "assistant" for turn in messages)
     if not assistant_turns:
-        return f"no conversation has an assistant turn: the loss is computed on assistant tokens only, so there is nothing to train on"
+        return "no conversation has an assistant turn: the loss is computed on assistant tokens only, so there is nothing to train on"
     return None
 
 

@@ -144,6 +144,11 @@ def check_config(
     for key in BOOL_KEYS + (["fsdp_reshard_after_forward"] if version == 2 else []):
         if key in fsdp and _as_bool(fsdp[key]) is None:
             c.error(f"fsdp_config.{key}", f"{fsdp[key]!r} is not true or false", f"set {key}: true or false")
+    for key, where in (("fsdp_min_num_params", fsdp), ("main_process_port", raw), ("machine_rank", raw)):
+        value = where.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            name = f"fsdp_config.{key}" if where is fsdp else key
+            c.error(name, f"{value!r} is not a non-negative integer (accelerate would fail on it at launch)", f"write {key} as a plain number, e.g. 100000000")
 
     strategy = fsdp.get("fsdp_sharding_strategy")
     if version == 2:

@@ -52,6 +52,7 @@ CASES = [
     ("LOCAL_STATE_DICT under FSDP2", variant(FSDP2, fsdp_state_dict_type="LOCAL_STATE_DICT"), {}, None, "error", "fsdp_config.fsdp_state_dict_type", "does not exist in FSDP2"),
     ("bad mixed precision", {**FSDP2, "mixed_precision": "bfloat16"}, {}, None, "error", "mixed_precision", "is not one of no, fp16, bf16, fp8"),
     ("bad boolean", variant(FSDP2, fsdp_offload_params="yes"), {}, None, "error", "fsdp_config.fsdp_offload_params", "is not true or false"),
+    ("number as words", variant(FSDP2, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params="ten million", drop=("fsdp_transformer_layer_cls_to_wrap",)), {}, None, "error", "fsdp_config.fsdp_min_num_params", "'ten million' is not a non-negative integer"),
     ("missing fsdp_version", variant(FSDP2, drop=("fsdp_version",)), {}, None, "error", "fsdp_config.fsdp_version", "defaults to FSDP1"),
     ("FSDP1 key under version 2", variant(FSDP2, fsdp_sharding_strategy="FULL_SHARD"), {}, None, "error", "fsdp_config.fsdp_sharding_strategy", "FSDP1 setting; fsdp_version: 2 ignores it"),
     ("FSDP2 key under version 1", variant(FSDP1, fsdp_reshard_after_forward=True), {}, None, "error", "fsdp_config.fsdp_reshard_after_forward", "FSDP2 setting under fsdp_version: 1"),

@@ -146,7 +146,7 @@ def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
     job.send_signal(signal.SIGUSR1)
     output = job.communicate(timeout=300)[0]
     logs = [(repo / "logs" / f"fsdp-42-node{n}.log").read_text() for n in (0, 1)]
-    assert job.returncode == 0 and f"requeued job 42" in output, output + logs[0][-3000:]
+    assert job.returncode == 0 and "requeued job 42" in output, output + logs[0][-3000:]
     assert requeued.read_text().split() == ["42"]
     step = max(int(p.name.split("-")[1]) for p in shared.glob("checkpoint-*"))
     assert 6 < step < 24 and f"stopped by SIGUSR1 after step {step}" in logs[0], logs[0][-3000:]
