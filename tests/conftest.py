@@ -18,6 +18,14 @@ ALL_CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in CONFIG_DIR.rglob("*
 QUICK = ["--max_steps", "12", "--save_steps", "6", "--logging_steps", "2", "--warmup_steps", "2", "--save_total_limit", "3"]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None, new_session: bool = False) -> subprocess.CompletedProcess:
     """``new_session``: the command gets a process group of its own (a signal to that group spares pytest)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
@@ -32,8 +40,10 @@ def launch(
     config: str, *script_args: str, launch_args: tuple[str, ...] = (), cwd: Path = REPO, check: bool = True,
     script: Path = REPO / "train_fsdp.py", env: dict | None = None, new_session: bool = False,
 ):
-    """`accelerate launch --config_file CONFIG [launch_args] train_fsdp.py [script_args]`."""
-    cmd = ["accelerate", "launch", "--config_file", str(REPO / config), *launch_args, str(script), *script_args]
+    """`accelerate launch --config_file CONFIG [launch_args] train_fsdp.py [script_args]`, on a free port (29500,
+    torchrun's default, would make two test suites on one machine collide)."""
+    port = () if "--main_process_port" in launch_args else ("--main_process_port", str(free_port()))
+    cmd = ["accelerate", "launch", "--config_file", str(REPO / config), *port, *launch_args, str(script), *script_args]
     proc = run(cmd, cwd=cwd, env=env, new_session=new_session)
     if check and proc.returncode != 0:
         pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
@@ -83,6 +93,17 @@ def expected_layout(config: str) -> tuple[int, int, int]:
         # NO_SHARD keeps everything; FSDP1 HYBRID_SHARD sizes its shard group from the device count, 1 on CPU.
         shard = 1 if fsdp["fsdp_sharding_strategy"] in ("NO_SHARD", "HYBRID_SHARD") else world
     return world, fsdp["fsdp_version"], shard
+
+
+# Tests that launch real multi-process runs (directly or through these fixtures) are the slow tier;
+# `python -m pytest -q -m "not slow" tests` is the quick one, for development.
+SLOW_FIXTURES = {"trained", "corpus"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

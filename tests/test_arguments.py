@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, launch, run
+from conftest import REPO, free_port, launch, run
 from fsdp_recipes.arguments import DEFAULT_RECIPE, RecipeError, parse_args
 
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml"))
@@ -84,6 +85,7 @@ def test_help_lists_script_and_training_arguments():
     assert "train_fsdp.py [recipe.yaml] [--flag value ...]" in text and "--resume_from_checkpoint true" in text
 
 
+@pytest.mark.slow
 def test_bad_value_fails_under_launch_before_any_process_group(tmp_path):
     recipe = write(tmp_path, TINY + CORPUS + "learning_rate: fast\n")
     out = tmp_path / "out"
@@ -154,12 +156,15 @@ def test_torchrun_route_fsdp_flags(tmp_path):
         check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(tmp_path / "nope.json")))
 
 
-def test_launches_that_would_train_without_fsdp_stop_first(tmp_path):
+@pytest.mark.slow
+def test_launches_that_would_train_without_fsdp_stop_first(tmp_path, monkeypatch):
     """No launcher, accelerate without a config, and a config with distributed_type MULTI_CPU beside an fsdp_config:
     each would train one unsharded model and exit 0; each stops before anything loads, naming the command to use.
     --allow_no_fsdp true trains without FSDP on purpose."""
     import yaml
 
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_")] + ["WORLD_SIZE"]:
+        monkeypatch.delenv(key, raising=False)
     home = tmp_path / "hf-home"  # no default accelerate config from this machine's user
     env = {"HF_HOME": str(home)}
     out = tmp_path / "out"
@@ -167,9 +172,8 @@ def test_launches_that_would_train_without_fsdp_stop_first(tmp_path):
     config = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
     multi_cpu.write_text(yaml.safe_dump({**config, "distributed_type": "MULTI_CPU"}))
     launches = {
-        "no launcher: `python train_fsdp.py` runs one process": ["python", str(REPO / "train_fsdp.py")],
         "accelerate launch without an FSDP config": ["accelerate", "launch", str(REPO / "train_fsdp.py")],
-        "distributed_type: is 'MULTI_CPU' but the file carries fsdp_config": ["accelerate", "launch", "--config_file", str(multi_cpu), str(REPO / "train_fsdp.py")],
+        "distributed_type: is 'MULTI_CPU' but the file carries fsdp_config": ["accelerate", "launch", "--config_file", str(multi_cpu), "--main_process_port", str(free_port()), str(REPO / "train_fsdp.py")],
     }
     for why, cmd in launches.items():
         proc = run([*cmd, "--max_steps", "2", "--output_dir", str(out)], env=env)
@@ -178,6 +182,8 @@ def test_launches_that_would_train_without_fsdp_stop_first(tmp_path):
         assert "accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py" in errors[0] or "MULTI_CPU" in why
         assert not out.exists()
     parse_args(["--max_steps", "2", "--output_dir", str(out), "--allow_no_fsdp", "true"])  # on purpose: allowed
+    with pytest.raises(RecipeError, match=r"no launcher: `python train_fsdp.py` runs one process\): launch with an FSDP config"):
+        parse_args(["--max_steps", "2", "--output_dir", str(out)])  # this process: started by pytest, no launcher
 
 
 def test_flags_replace_the_recipes_model_and_data_source(tmp_path):

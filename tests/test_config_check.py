@@ -8,7 +8,7 @@ import time
 import pytest
 import yaml
 
-from conftest import ALL_CONFIGS, REPO, run
+from conftest import ALL_CONFIGS, REPO, free_port, run
 from fsdp_recipes.config_check import check_config, errors
 
 RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml"))
@@ -101,13 +101,14 @@ def test_all_problems_at_once_through_the_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
     """A typo accelerate itself would silently ignore (offload never happens) stops every rank in seconds."""
     config = tmp_path / "copied.yaml"
     config.write_text(yaml.safe_dump(variant(FSDP2, fsdp_offload_param=True)))
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = run(["accelerate", "launch", "--config_file", str(config), str(REPO / "train_fsdp.py"), "--output_dir", str(out)])
+    proc = run(["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()), str(REPO / "train_fsdp.py"), "--output_dir", str(out)])
     assert proc.returncode != 0
     assert proc.stderr.count("fsdp_config.fsdp_offload_param: unknown key (accelerate would silently ignore it); fix: did you mean fsdp_offload_params?") == 1  # one message per machine
     assert "running FSDP over gloo" not in proc.stdout and not out.exists()

@@ -105,6 +105,7 @@ def test_records_that_are_not_plain_bytes_go_to_torch(tmp_path):
     assert all(torch.equal(got[f"model.{n}"], state[n]) for n in state)
 
 
+@pytest.mark.slow
 def test_uneven_shards_over_three_ranks_are_copied_raw(tmp_path):
     """Rows that do not divide by the rank count (a 1001-token vocabulary over 3 ranks: 334/334/333): every chunk
     is still a raw copy, and the merged folder equals what torch reads from the checkpoint (verify)."""

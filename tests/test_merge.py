@@ -323,6 +323,7 @@ print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
+@pytest.mark.slow
 def test_peak_memory_does_not_grow_with_model_size(tmp_path):
     """A 2-rank checkpoint 10x the 32 MB read budget: peak RSS grows by far less than the checkpoint,
     both on the raw-copy path and on the read-cast-write path (--dtype)."""
@@ -432,6 +433,7 @@ def test_output_on_another_filesystem_and_without_copy_file_range(checkpoint, tm
         assert folder_bytes(tmp_path / folder) == folder_bytes(reference), folder
 
 
+@pytest.mark.slow
 def test_a_failed_check_stops_the_copy(tmp_path):
     """The check running beside the copy is asked between pieces of COPY_STEP bytes: once it fails, nothing more
     is copied."""

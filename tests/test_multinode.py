@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import QUICK, REPO, read_json
+from conftest import QUICK, REPO, free_port, read_json
 from fsdp_recipes.merge import merge_checkpoint
 
+pytestmark = pytest.mark.slow
+
 FAKE_SLURM = REPO / "tests" / "helpers" / "fake_slurm"  # srun, running each "node" as a local process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_nodes(commands: list[list[str]], cwd: Path, env: dict | None = None) -> list[str]:
@@ -72,7 +68,7 @@ def test_sbatch_file_as_shipped_on_two_fake_nodes(tmp_path):
     shards = shared / "checkpoint-12" / "pytorch_model_fsdp_0"
     assert sorted(p.name for p in shards.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     single = tmp_path / "one-node"
-    run_nodes([["accelerate", "launch", "--config_file", "accelerate_configs/zero3.yaml", "--num_processes", "4",
+    run_nodes([["accelerate", "launch", "--config_file", "accelerate_configs/zero3.yaml", "--num_processes", "4", "--main_process_port", str(free_port()),
                 "train_fsdp.py", *QUICK, "--output_dir", str(single)]], cwd=REPO)
     assert_same_weights(shared, single)
     merged = tmp_path / "merged"
