@@ -127,3 +127,24 @@ def test_unreadable_layout_names_what_was_found(corpus, config_only, tmp_path, c
     err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
     assert "weights of GPT2LMHeadModel (e.g. transformer.h.0.attn.c_attn.bias); it stores lm_head.weight, model.embed_tokens.weight" in err, err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+ACCELERATE_LOOPS = [
+    ("accelerate_configs/fsdp1/zero3.yaml", (), 'weights under "model."'),  # FSDP1, sharded: pytorch_model_fsdp_0/
+    ("accelerate_configs/zero3.yaml", ("--fsdp_state_dict_type", "FULL_STATE_DICT"), "weights at the top level"),  # FSDP2, full .bin
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, launch_args, layout", ACCELERATE_LOOPS, ids=["fsdp1-sharded", "fsdp2-full-bin"])
+def test_plain_accelerate_loop_save_state(config, launch_args, layout, config_only, tmp_path, capsys):
+    """A user's own accelerate loop (no Trainer) and its `accelerator.save_state` folder, beside a random_states
+    pickle the merge never reads."""
+    from conftest import launch
+
+    state = tmp_path / "state"
+    launch(config, str(state), launch_args=launch_args, script=REPO / "tests" / "helpers" / "accelerate_loop.py")
+    assert list(state.glob("random_states_*.pkl"))
+    assert cli("merge_checkpoint", [str(state), str(tmp_path / "merged"), "--base-model", str(config_only)]) == 0
+    assert f"layout: 39 {layout}" in capsys.readouterr().out
+    assert_equal_weights(tmp_path / "merged", Path(f"{state}.truth.safetensors"))

@@ -51,26 +51,26 @@ def slurm_env(nodes: int, per_node: int) -> dict:
     }
 
 
-def test_sbatch_file_as_shipped_on_two_fake_nodes(tmp_path):
-    """tools/slurm/train_fsdp.sbatch run by bash under a fake srun: 2 nodes x 2 processes, zero3 sharded over all 4,
-    one log per node, and the checkpoint both nodes wrote into one folder merges into the same model."""
+def test_sbatch_file_as_shipped_on_two_fake_nodes(trained, tmp_path):
+    """tools/slurm/train_fsdp.sbatch run by bash under a fake srun: 2 nodes, the processes per node taken from
+    SLURM's GPU count (SLURM_GPUS_PER_NODE "cpu:1", typed as SLURM writes it), zero3 sharded over both, one log per
+    node; the final model equals the same run on one machine, and the checkpoint both nodes wrote into one folder
+    merges into it. (More processes per node through the same launch_node.sh: the hybrid test below.)"""
     repo = tmp_path / "repo"  # the batch file writes logs/ where it is submitted from: a copy of the repository
     shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "logs", "__pycache__", "*.egg-info", ".pytest_cache"))
     shared = tmp_path / "shared-output"
-    env = {**slurm_env(2, 2), "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}"}
+    env = {**slurm_env(2, 1), "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}", "SLURM_GPUS_PER_NODE": "cpu:1"}
+    del env["GPUS_PER_NODE"]
     cmd = ["bash", "tools/slurm/train_fsdp.sbatch", "accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(shared)]
     run_nodes([cmd], cwd=repo, env=env)
     logs = [(repo / "logs" / f"fsdp-42-node{n}.log").read_text() for n in (0, 1)]
-    assert "node 0/2" in logs[0] and "node 1/2" in logs[1]
+    assert "node 0/2" in logs[0] and "node 1/2" in logs[1] and ": 1 processes," in logs[0]
     assert "model saved to" in logs[0]
 
-    assert_sharded(read_json(shared / "fsdp_report.json"), world=4, shard_group=4, wrapper="FSDP2")
+    assert_sharded(read_json(shared / "fsdp_report.json"), world=2, shard_group=2, wrapper="FSDP2")
     shards = shared / "checkpoint-12" / "pytorch_model_fsdp_0"
-    assert sorted(p.name for p in shards.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
-    single = tmp_path / "one-node"
-    run_nodes([["accelerate", "launch", "--config_file", "accelerate_configs/zero3.yaml", "--num_processes", "4", "--main_process_port", str(free_port()),
-                "train_fsdp.py", *QUICK, "--output_dir", str(single)]], cwd=REPO)
-    assert_same_weights(shared, single)
+    assert sorted(p.name for p in shards.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(2)]
+    assert_same_weights(shared, trained("accelerate_configs/zero3.yaml").output_dir)  # the session's one-machine run
     merged = tmp_path / "merged"
     merge_checkpoint(shared / "checkpoint-12", merged, log=lambda *_: None)
     assert_same_weights(merged, shared)
