@@ -12,10 +12,12 @@ import os
 import sys
 
 import transformers
+from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
 from fsdp_recipes import cpu_fsdp
 from fsdp_recipes.arguments import RecipeError, parse_args
+from fsdp_recipes.checkpoints import disk_full_problem
 from fsdp_recipes.checks import NotShardedError
 from fsdp_recipes.data import build_dataset
 from fsdp_recipes.export import export_checkpoint, finished_checkpoint_step, save_final_model
@@ -69,7 +71,12 @@ def main(model_args, data_args, preflight):
     )
     if training_args.resume_from_checkpoint:
         logger.info(f"resuming from {training_args.resume_from_checkpoint}")
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    try:
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        if (problem := disk_full_problem(err, training_args.output_dir)) is None:
+            raise
+        raise RecipeError(problem) from None
     if (step := trainer.preemption.stopped_at) is not None:
         logger.warning(
             f"stopped by {trainer.preemption.describe()} after step {step}: saved {training_args.output_dir}/checkpoint-{step}; "

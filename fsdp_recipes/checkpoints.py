@@ -182,3 +182,22 @@ def newest_resumable(run_dir: str | os.PathLike) -> tuple[CheckpointStatus | Non
             return status, skipped
         skipped.append(status)
     return None, skipped
+
+
+def disk_full_problem(err: BaseException, output_dir: str | os.PathLike) -> str | None:
+    """The one line for a save that ran out of disk (None when ``err`` is something else): torch.save reports it as
+    "unexpected pos" from its zip writer, DCP wraps the OSError of one of its writer threads."""
+    import errno
+
+    text = f"{err!r} {getattr(err, '__cause__', None)!r}"
+    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left" in text or "unexpected pos" in text
+    if not full:
+        return None
+    out = Path(output_dir)
+    free = shutil.disk_usage(out).free
+    chosen, _ = newest_resumable(out)
+    size = sum(f.stat().st_size for f in Path(chosen.path).rglob("*") if f.is_file()) if chosen else 0
+    need = f"a checkpoint takes {size / 1e6:.1f} MB, {free / 1e6:.1f} MB is free: {max(size - free, 0) / 1e6:.1f} MB more" if chosen else f"{free / 1e6:.1f} MB is free"
+    kept = f"{Path(chosen.path).name} is intact" if chosen else "no complete checkpoint was written yet"
+    return (f"no space left on {out}: {need}; {kept}: free space (or move output_dir), then run the same command "
+            "with --resume_from_checkpoint true")
