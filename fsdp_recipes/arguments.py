@@ -426,12 +426,10 @@ def _say(message: str) -> None:
 
 def _set_aside(path: Path, prefix: str, why: str, plan: Preflight | None) -> None:
     """Recorded in the plan (train_fsdp.py's preflight moves it), or, called without one, moved now on rank 0."""
-    from .checkpoints import set_aside
-
-    if plan is not None:
-        plan.set_aside.append((path, prefix, why))
-    elif _rank0():
-        _say(f"{why}: moved {path.name} to {set_aside(path, prefix).name} (nothing deleted)")
+    now = Preflight(None, False) if plan is None else plan
+    now.set_aside.append((path, prefix, why))
+    if plan is None and _rank0():
+        now.carry_out(_say)
 
 
 def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = False, plan: Preflight | None = None) -> str | None:
@@ -519,11 +517,7 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, plan: Pre
             f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
             "--resume_from_checkpoint true, choose a new --output_dir, or pass --overwrite_output_dir true to delete them"
         )
-    if plan is not None:
-        plan.delete += earlier
-    elif _rank0():
-        import shutil
-
-        for ckpt in earlier:
-            shutil.rmtree(ckpt)
-        _say(f"--overwrite_output_dir: deleted {len(earlier)} checkpoint folder(s) of the earlier run in {output_dir}")
+    now = Preflight(None, False) if plan is None else plan
+    now.delete += earlier
+    if plan is None and _rank0():
+        now.carry_out(_say)

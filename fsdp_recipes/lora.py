@@ -63,7 +63,7 @@ class MergedLoraSource:
     """A source's tensors as the merged model names them: ``<module>.weight`` for each LoRA-wrapped linear (merged
     when read, never copied raw), every other tensor unchanged. The adapter's own tensors are not among them."""
 
-    def __init__(self, base, config: dict, config_path: Path):
+    def __init__(self, base, config: dict):
         self.base, self.ranks, self.path = base, base.ranks, getattr(base, "path", None)
         self.kind = f"{base.kind} + LoRA (merged)"
         self.alpha, self.rslora, self.transpose = float(config["lora_alpha"]), bool(config.get("use_rslora")), bool(config.get("fan_in_fan_out"))
@@ -99,7 +99,6 @@ class MergedLoraSource:
         orphans = sorted(set(pairs) - {n.split(".base_layer.")[0] for n, *_ in self._merged.values()})
         if orphans:
             raise CheckpointError(f"{orphans[0]} has LoRA weights but no base_layer.weight: the checkpoint is incomplete")
-        self.config_path = config_path
 
     def copy_plan(self, name: str):
         if name in self._merged or not hasattr(self.base, "copy_plan"):

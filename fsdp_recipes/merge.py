@@ -139,11 +139,12 @@ def merge_checkpoint(
         def wrong_guess() -> bool:  # the check beside the copy has failed, or found other weights than guessed
             return future is not None and future.done() and (future.exception() is not None or future.result().weights.names != weights.names)
 
+        stem = "adapter_model" if adapter_only else "model"
         staging = _staging_name(out, "tmp")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
-            write = dict(max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, stem="adapter_model" if adapter_only else "model")
+            write = dict(max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, stem=stem)
             try:
                 write_weights(resolved.source, weights.names, staging, cancelled=wrong_guess, **write)
             except Cancelled:
@@ -161,7 +162,7 @@ def merge_checkpoint(
             described.write(staging)
             files = sorted(p.name for p in staging.iterdir())
             if verify:
-                verify_folder(staging, resolved.source, names, dtype, stem="adapter_model" if adapter_only else "model")
+                verify_folder(staging, resolved.source, names, dtype, stem=stem)
                 log(f"verified: {len(names)} tensors equal the checkpoint" + ("" if adapter_only else "; from_pretrained (meta device) loads the folder"))
             if out.exists():
                 old = _staging_name(out, "old")
@@ -189,7 +190,7 @@ def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, l
         return None, base_model
     config_path = find_adapter_config(resolved.places)
     adapter_config = read_adapter_config(config_path)
-    merged = MergedLoraSource(resolved.source, adapter_config, config_path)
+    merged = MergedLoraSource(resolved.source, adapter_config)
     if adapter_only:
         names = adapter_tensors(resolved.source)
         origin = {"config": str(config_path), "tokenizer": "(none: an adapter folder)"}

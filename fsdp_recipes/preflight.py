@@ -58,17 +58,21 @@ class Preflight:
 
     def apply(self, training_args, say) -> None:
         """Rank 0 moves and deletes what parsing decided; the others wait for it."""
+        if training_args.process_index == 0:
+            self.carry_out(say)
+        _barrier()
+
+    def carry_out(self, say) -> None:
+        """The moves and deletions themselves (one process: the caller decides which)."""
         from .checkpoints import set_aside
 
-        if training_args.process_index == 0:
-            for path, prefix, why in self.set_aside:
-                if path.is_dir():
-                    say(f"{why}: moved {path.name} to {set_aside(path, prefix).name} (nothing deleted)")
-            for path in self.delete:
-                shutil.rmtree(path)
-            if self.delete:
-                say(f"--overwrite_output_dir: deleted {len(self.delete)} checkpoint folder(s) of the earlier run in {path.parent}")
-        _barrier()
+        for path, prefix, why in self.set_aside:
+            if path.is_dir():
+                say(f"{why}: moved {path.name} to {set_aside(path, prefix).name} (nothing deleted)")
+        for path in self.delete:
+            shutil.rmtree(path)
+        if self.delete:
+            say(f"--overwrite_output_dir: deleted {len(self.delete)} checkpoint folder(s) of the earlier run in {self.delete[0].parent}")
 
 
 def _barrier() -> None:
