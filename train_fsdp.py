@@ -21,7 +21,9 @@ from fsdp_recipes.checkpoints import disk_full_problem
 from fsdp_recipes.checks import NotShardedError
 from fsdp_recipes.data import build_dataset
 from fsdp_recipes.export import export_checkpoint, finished_checkpoint_step, save_final_model
+from fsdp_recipes.launcher import tell_launcher
 from fsdp_recipes.modeling import load_model, load_tokenizer
+from fsdp_recipes.preemption import was_interrupted, watch_interrupts
 from fsdp_recipes.preflight import hold_output_dir, save_resolved_arguments
 from fsdp_recipes.trainer import FSDPTrainer
 
@@ -38,7 +40,7 @@ def main(model_args, data_args, preflight):
         logger.info("no accelerator found: running FSDP over gloo on CPU (fsdp_recipes.cpu_fsdp)")
     hold_output_dir(training_args)  # one run per output_dir
     preflight.apply(training_args, say=logger.warning)  # set aside or delete what the checks found (rank 0)
-    save_resolved_arguments(model_args, data_args, training_args, preflight.config_file)
+    save_resolved_arguments(model_args, data_args, training_args, preflight.launch)
 
     if (step := finished_checkpoint_step(training_args)) is not None:
         logger.info(
@@ -78,10 +80,12 @@ def main(model_args, data_args, preflight):
             raise
         raise RecipeError(problem) from None
     if (step := trainer.preemption.stopped_at) is not None:
-        logger.warning(
+        message = (
             f"stopped by {trainer.preemption.describe()} after step {step}: saved {training_args.output_dir}/checkpoint-{step}; "
             "the run is not finished: run the same command with --resume_from_checkpoint true to continue"
         )
+        logger.warning(message)
+        tell_launcher(f"train_fsdp.py: {message}")
         sys.exit(128 + trainer.preemption.signal)
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
@@ -92,18 +96,27 @@ def main(model_args, data_args, preflight):
     logger.info(f"model saved to {training_args.output_dir} (loads with AutoModelForCausalLM.from_pretrained)")
 
 
+def fail(message: str, code: int) -> None:
+    """One line per machine on stderr, and the same line as the launcher's root cause (its report ends with it)."""
+    tell_launcher(message)
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one message per machine
+        print(message, file=sys.stderr)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
+    watch_interrupts()
     try:
-        main(*parse_args())  # parse_args reads and checks only; main's preflight acts
+        try:
+            main(*parse_args())  # parse_args reads and checks only; main's preflight acts
+        except (RecipeError, NotShardedError, KeyboardInterrupt):
+            raise
+        except Exception:
+            if was_interrupted():  # a peer left on Ctrl-C while this rank was in a collective
+                raise KeyboardInterrupt from None
+            raise
     except (RecipeError, NotShardedError) as err:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one message per machine
-            print(f"train_fsdp.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"train_fsdp.py: error: {err}", 2)
     except KeyboardInterrupt:
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(
-                "train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "
-                "--resume_from_checkpoint true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)",
-                file=sys.stderr,
-            )
-        sys.exit(130)
+        fail("train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "
+             "--resume_from_checkpoint true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)", 130)

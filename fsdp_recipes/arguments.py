@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from . import cpu_fsdp
+from . import cpu_fsdp, launcher
 from .preflight import Preflight
 from .tiny import REPO_ROOT
 
@@ -284,18 +284,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp
     if problem := cpu_fsdp.single_process_problem(trainer_fsdp):
         raise RecipeError(problem)
-    check_accelerate_config(raw)
+    plan = Preflight(raw, trainer_fsdp)
+    check_launch(raw, plan)
     model_args, data_args, run_args = (build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
     output_dir = raw.output_dir or "trainer_output"
-    plan = Preflight(raw, trainer_fsdp)
     plan.resume = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp, plan)
     check_output_dir(output_dir, resuming=plan.resume is not None, overwrite=run_args.overwrite_output_dir, plan=plan)
     if not (cpu_fsdp.fsdp_requested() or trainer_fsdp) and not run_args.allow_no_fsdp:
-        raise RecipeError(no_fsdp_problem())
-    warn_unused_accelerators()
-    from .config_check import launcher_config_file
-
-    plan.config_file = str(launcher_config_file() or "") or None
+        raise RecipeError(launcher.no_fsdp_problem())
+    if warning := launcher.unused_accelerators_warning():
+        _say(warning)
     return model_args, data_args, plan
 
 
@@ -363,31 +361,6 @@ def check_recipe_types(recipe: dict, parser) -> None:
                 raise RecipeError(f"recipe key {key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
 
 
-def no_fsdp_problem() -> str:
-    """Why this launch would train without FSDP, and the command that trains with it."""
-    fix = ("launch with an FSDP config: `accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py ...` "
-           "(or torchrun with --fsdp true --fsdp_config accelerate_configs/torchrun/zero3.json); pass --allow_no_fsdp true "
-           "to train without FSDP on purpose")
-    if any(k.startswith("ACCELERATE_") for k in os.environ):
-        why = "accelerate launch without an FSDP config (its default config, or distributed_type other than FSDP)"
-    elif "WORLD_SIZE" in os.environ:
-        why = "a launch without --fsdp (torchrun or another launcher)"
-    else:
-        why = "no launcher: `python train_fsdp.py` runs one process"
-    return f"this launch would train without FSDP ({why}): {fix}"
-
-
-def warn_unused_accelerators() -> None:
-    """The shipped configs say num_processes: 2 so they run anywhere; on an 8-GPU node that quietly uses 2."""
-    import torch
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if devices > local:
-        _say(f"warning: this node has {devices} GPUs and this launch uses {local} of them: pass --num_processes "
-             f"{devices} to accelerate launch (x the number of nodes), or --nproc_per_node {devices} to torchrun")
-
-
 def with_hints(unknown: list[str], known, prefix: str = "") -> str:
     """'key (did you mean known_key?), other' for an error message; ``prefix`` is ignored when matching."""
     import difflib
@@ -401,17 +374,21 @@ def build(cls, raw):
     return cls(**{k: v for k, v in vars(raw).items() if k in names})
 
 
-def check_accelerate_config(raw) -> None:
-    """The launcher's accelerate config, checked with this run's settings (tools/check_config.py's rules).
-    Warnings are printed once; errors stop every rank."""
-    from .config_check import check_launch, errors
+def check_launch(raw, plan: Preflight) -> None:
+    """The launcher's accelerate settings (config file, its default, launch flags or FSDP_* variables), checked
+    with this run's settings by tools/check_config.py's rules. Warnings are printed once; errors stop every rank."""
+    from .config_check import errors
 
-    config, problems = check_launch(raw, raw)
+    plan.launch = launcher.launch_settings()
+    if plan.launch is None or (raw.allow_no_fsdp and plan.launch.config.get("distributed_type") != "FSDP"):
+        return  # nothing to check, or a run without FSDP on purpose
+    settings = {k: getattr(raw, k, None) for k in ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16")}
+    problems = launcher.check(plan.launch, settings, raw.model_name_or_path or raw.config_name)
     for problem in problems:
         if problem.level == "warning":
             _say(str(problem))
     if errors(problems):
-        raise RecipeError(f"{config} has {len(errors(problems))} error(s): " + " | ".join(str(p) for p in errors(problems)))
+        raise RecipeError(f"{plan.launch.describe()} has {len(errors(problems))} error(s): " + " | ".join(str(p) for p in errors(problems)))
 
 
 def _rank0() -> bool:

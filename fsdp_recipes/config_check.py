@@ -99,22 +99,30 @@ def check_config(
         return c.problems
     if recipe is None and recipe_path is not None:
         recipe = yaml.safe_load(Path(recipe_path).read_text()) or {}
-    recipe = recipe or {}
-    recipe_file = str(recipe_path or "recipe")
+    return check_settings(raw, str(config_path), recipe, str(recipe_path or "recipe"), model)
 
+
+def check_settings(
+    raw: dict, label: str, recipe: dict | None = None, recipe_file: str = "recipe", model: str | None = None,
+    check_keys: bool = True,
+) -> list[Problem]:
+    """All problems of accelerate settings given as a config mapping; ``label`` names where they came from.
+    ``check_keys=False`` skips the unknown-key rules (settings that accelerate itself named, not a file)."""
+    c = _Checker(label)
+    recipe = recipe or {}
     top, fsdp_keys, pc_keys = _known_keys()
-    for key in raw:
-        if key not in top:
-            c.error(key, "unknown key (accelerate refuses the file)", _suggest(key, top))
     fsdp = raw.get("fsdp_config") or {}
     pc = raw.get("parallelism_config") or {}
     if not isinstance(fsdp, dict):
         c.error("fsdp_config", "must be a mapping", "indent the fsdp_* keys under fsdp_config:")
         fsdp = {}
-    for key in fsdp:
+    for key in raw if check_keys else ():
+        if key not in top:
+            c.error(key, "unknown key (accelerate refuses the file)", _suggest(key, top))
+    for key in fsdp if check_keys else ():
         if key not in fsdp_keys:
             c.error(f"fsdp_config.{key}", "unknown key (accelerate would silently ignore it)", _suggest(key, fsdp_keys))
-    for key in pc:
+    for key in pc if check_keys else ():
         if key not in pc_keys:
             c.error(f"parallelism_config.{key}", "unknown key (accelerate would silently ignore it)", _suggest(key, pc_keys))
 
@@ -266,33 +274,3 @@ def _check_model(c: _Checker, fsdp: dict, wrap, sd_type, model: str) -> None:
 
 def errors(problems: list[Problem]) -> list[Problem]:
     return [p for p in problems if p.level == "error"]
-
-
-def launcher_config_file() -> Path | None:
-    """The --config_file of the `accelerate launch` that started this process, read from /proc (Linux)."""
-    pid = os.getppid()
-    for _ in range(3):  # accelerate's launcher runs torchrun's agent in-process: usually the direct parent
-        try:
-            args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-            cwd = Path(f"/proc/{pid}/cwd").resolve()
-        except OSError:
-            return None
-        for i, arg in enumerate(args):
-            if arg in ("--config_file", "--config-file") and i + 1 < len(args):
-                return cwd / args[i + 1]
-            if arg.startswith(("--config_file=", "--config-file=")):
-                return cwd / arg.split("=", 1)[1]
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return None
-    return None
-
-
-def check_launch(model_args, training_args) -> tuple[Path | None, list[Problem]]:
-    """The check train_fsdp.py runs before anything is loaded: the launcher's config with this run's settings."""
-    config = launcher_config_file()
-    if config is None:
-        return config, []
-    settings = {k: getattr(training_args, k, None) for k in ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16")}
-    return config, check_config(config, recipe=settings, model=model_args.model_name_or_path or model_args.config_name)

@@ -56,3 +56,31 @@ class Preemption(TrainerCallback):
 
     def describe(self) -> str:
         return signal.Signals(self.signal).name if self.signal else ""
+
+
+# Ctrl-C sends SIGINT to the whole foreground process group: the launcher and every rank. A rank inside a
+# collective at that moment may first see its peer leave (gloo: "Connection closed by peer") and fail with that
+# before its own KeyboardInterrupt is raised; that failure is the interrupt too, and is reported as one.
+_interrupts: list[int] = []
+_raise_on_interrupt = True
+
+
+def _on_interrupt(signum, frame):
+    _interrupts.append(signum)
+    if _raise_on_interrupt:
+        raise KeyboardInterrupt
+
+
+def watch_interrupts() -> None:
+    """SIGINT raises KeyboardInterrupt, as Python's default handler does, and is remembered."""
+    signal.signal(signal.SIGINT, _on_interrupt)
+
+
+def was_interrupted() -> bool:
+    """Whether SIGINT came, counting one that arrived but whose handler has not run yet (it runs here, quietly)."""
+    import time
+
+    global _raise_on_interrupt
+    _raise_on_interrupt = False
+    time.sleep(0.05)  # a call: the interpreter runs pending signal handlers
+    return bool(_interrupts)

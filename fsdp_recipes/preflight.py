@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import cpu_fsdp
+from .launcher import LaunchSettings
 
 LOCK_NAME = ".run.lock"
 ARGS_NAME = "run_args.json"
@@ -38,7 +39,7 @@ class Preflight:
     resume: str | None = None
     set_aside: list[tuple[Path, str, str]] = field(default_factory=list)  # (checkpoint, prefix, why)
     delete: list[Path] = field(default_factory=list)
-    config_file: str | None = None  # the launcher's accelerate config
+    launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.launcher)
 
     def start(self):
         """Patch (CPU only) and build TrainingArguments: this joins the process group."""
@@ -120,16 +121,18 @@ def hold_output_dir(training_args) -> None:
         )
 
 
-def save_resolved_arguments(model_args, data_args, training_args, config_file: str | None) -> None:
-    """output_dir/run_args.json on rank 0: every argument in force and the accelerate config's own text."""
+def save_resolved_arguments(model_args, data_args, training_args, launch: LaunchSettings | None) -> None:
+    """output_dir/run_args.json on rank 0: every argument in force, the accelerate config file's own text, and the
+    accelerate settings in force (that file with the launch flags over it, or the FSDP_* variables)."""
     if training_args.process_index != 0:
         return
-    config_text = None
-    if config_file and Path(config_file).is_file():
-        config_text = Path(config_file).read_text()
+    config_file = launch.config_file if launch else None
     record = {
         "model": asdict(model_args), "data": asdict(data_args), "training": json.loads(training_args.to_json_string()),
-        "accelerate_config_file": config_file, "accelerate_config": config_text,
+        "accelerate_config_file": str(config_file) if config_file else None,
+        "accelerate_config": config_file.read_text() if config_file and config_file.is_file() else None,
+        "accelerate_settings": launch.config if launch else None,
+        "accelerate_settings_from": launch.describe() if launch else None,
         "world_size": training_args.world_size,
     }
     path = Path(training_args.output_dir) / ARGS_NAME

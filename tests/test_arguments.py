@@ -205,3 +205,18 @@ def test_flags_replace_the_recipes_model_and_data_source(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "train_fsdp.py: error: unknown flag(s): learnig_rate (did you mean learning_rate?); see `train_fsdp.py --help`"
     ], proc.stderr
+
+
+def test_output_dir_on_a_read_only_filesystem_is_one_line(tmp_path):
+    """Root writes through file modes, so the case a cluster user meets is a read-only mount: refused in parse_args."""
+    import subprocess
+
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("mounting a read-only tmpfs needs root, which this machine does not give the tests")
+    try:
+        with pytest.raises(RecipeError, match=rf"output_dir '{disk}/run': {disk} is not writable: choose a folder you can write to"):
+            parse_args(["--output_dir", str(disk / "run"), *NO_FSDP])
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -101,15 +101,96 @@ def test_all_problems_at_once_through_the_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_launch_flags_override_the_file_and_are_named_in_the_problem(tmp_path, monkeypatch):
+    """accelerate launch's flags override its config file's keys: the settings in force are checked, and a problem
+    a flag caused names the flag; without --config_file accelerate's default config is the file."""
+    from fsdp_recipes import launcher
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    config = tmp_path / "zero3.yaml"
+    config.write_text(yaml.safe_dump(FSDP2))
+    settings = launcher.from_launch_args(["--config_file", "zero3.yaml", "--num_processes", "3", "--num_machines", "2", "--fsdp_reshard_after_forward", "false", "train_fsdp.py"], tmp_path)
+    assert settings.config_file == config and settings.config["fsdp_config"]["fsdp_reshard_after_forward"] == "false"
+    assert settings.config["fsdp_config"]["fsdp_version"] == FSDP2["fsdp_config"]["fsdp_version"]  # the file's, untouched
+    problems = errors(launcher.check(settings, {}, None))
+    assert [(p.file, p.key) for p in problems] == [("accelerate launch", "--num_processes")], problems
+    assert "3 processes do not split evenly over 2 machines" in problems[0].message
+    assert settings.describe() == f"{config} + accelerate launch (--fsdp_reshard_after_forward, --num_machines, --num_processes)"
+
+    ignored = launcher.from_launch_args(["--config_file", str(config), "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "x.py"], tmp_path)
+    [problem] = errors(launcher.check(ignored, {}, None))  # FSDP2 would silently keep FULL_SHARD
+    assert (problem.key, problem.message) == ("--fsdp_sharding_strategy", "is an FSDP1 setting; fsdp_version: 2 ignores it")
+
+    default = tmp_path / "hf" / "accelerate" / "default_config.yaml"  # `accelerate launch x.py`, no --config_file
+    default.parent.mkdir(parents=True)
+    default.write_text(yaml.safe_dump(variant(FSDP2, fsdp_offload_param=True)))
+    settings = launcher.from_launch_args(["x.py"], tmp_path)
+    [problem] = errors(launcher.check(settings, {}, None))
+    assert (settings.config_file, problem.file, problem.key) == (default, str(default), "fsdp_config.fsdp_offload_param")
+
+    default.unlink()  # flags only: accelerate's defaults, and the missing fsdp_version named as the flag to add
+    settings = launcher.from_launch_args(["--use_fsdp", "--num_processes", "2", "x.py"], tmp_path)
+    [problem] = errors(launcher.check(settings, {}, None))
+    assert (settings.config_file, problem.file, problem.key) == (None, "accelerate launch", "--fsdp_version")
+
+
+def test_fsdp_variables_of_other_launchers_are_checked():
+    """torchrun or srun with ACCELERATE_USE_FSDP=true: the FSDP_* variables are the settings, named in problems.
+    Under accelerate launch (which writes every variable with defaults) its command line is read instead."""
+    from fsdp_recipes import launcher
+
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+           "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
+    settings = launcher.from_environment(env)
+    assert settings.config["num_processes"] == 4 and settings.config["num_machines"] == 2
+    assert settings.config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    problems = errors(launcher.check(settings, {}, TINY))
+    assert [(p.file, p.key) for p in problems] == [("environment", "FSDP_SHARDING_STRATEGY")], problems
+    fixed = {k: v for k, v in env.items() if k != "FSDP_SHARDING_STRATEGY"}
+    assert not errors(launcher.check(launcher.from_environment(fixed), {}, TINY))
+    wrong_class = launcher.check(launcher.from_environment({**fixed, "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block"}), {}, TINY)
+    assert [(p.file, p.key) for p in errors(wrong_class)] == [("environment", "FSDP_TRANSFORMER_CLS_TO_WRAP")], wrong_class
+    assert launcher.from_environment({**env, "ACCELERATE_DYNAMO_BACKEND": "NO"}) is None
+    assert launcher.from_environment({"WORLD_SIZE": "2"}) is None
+
+
+def test_more_gpus_than_processes_is_a_warning_with_the_flag(monkeypatch):
+    from fsdp_recipes.launcher import unused_accelerators_warning
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert "this node has 8 GPUs and this launch uses 2 of them: pass --num_processes 8" in unused_accelerators_warning(devices=8)
+    assert unused_accelerators_warning(devices=2) is None and unused_accelerators_warning(devices=0) is None
+
+
+def elastic_root_cause(stderr: str) -> str:
+    """The message torch elastic's failure report gives as the root cause (its report's last text line)."""
+    report = stderr.split("Root Cause (first observed failure):", 1)[1]
+    return [line for line in report.splitlines() if line.strip().startswith("traceback :")][0].split("traceback :", 1)[1].strip()
+
+
 @pytest.mark.slow
 def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
-    """A typo accelerate itself would silently ignore (offload never happens) stops every rank in seconds."""
+    """A typo accelerate itself would silently ignore (offload never happens), in the --config_file or in
+    accelerate's default config, and a launch flag FSDP2 ignores: every rank stops in seconds, one line per machine,
+    and that line is also the root cause the launcher's failure report ends with."""
     config = tmp_path / "copied.yaml"
     config.write_text(yaml.safe_dump(variant(FSDP2, fsdp_offload_param=True)))
+    default = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    default.parent.mkdir(parents=True)
+    default.write_text(config.read_text())
+    typo = "fsdp_config.fsdp_offload_param: unknown key (accelerate would silently ignore it); fix: did you mean fsdp_offload_params?"
     out = tmp_path / "out"
-    start = time.monotonic()
-    proc = run(["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()), str(REPO / "train_fsdp.py"), "--output_dir", str(out)])
-    assert proc.returncode != 0
-    assert proc.stderr.count("fsdp_config.fsdp_offload_param: unknown key (accelerate would silently ignore it); fix: did you mean fsdp_offload_params?") == 1  # one message per machine
-    assert "running FSDP over gloo" not in proc.stdout and not out.exists()
-    assert time.monotonic() - start < 60
+    port = ["--main_process_port", str(free_port())]
+    launches = [
+        (["--config_file", str(config), *port, "--fsdp_sharding_strategy", "SHARD_GRAD_OP"], [f"{config}: {typo}", "accelerate launch: --fsdp_sharding_strategy: is an FSDP1 setting"]),
+        (port, [f"{default}: {typo}"]),  # no --config_file: accelerate's default config
+    ]
+    for launch_args, wanted in launches:
+        start = time.monotonic()
+        proc = run(["accelerate", "launch", *launch_args, str(REPO / "train_fsdp.py"), "--output_dir", str(out)], env={"HF_HOME": str(tmp_path / "hf")})
+        ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+        assert proc.returncode != 0 and len(ours) == 1, proc.stderr[-3000:]  # one message per machine
+        assert all(w in ours[0] for w in wanted), ours
+        assert elastic_root_cause(proc.stderr) == ours[0]
+        assert "running FSDP over gloo" not in proc.stdout and not out.exists()
+        assert time.monotonic() - start < 60

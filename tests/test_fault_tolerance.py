@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import FAULT_SCRIPT, QUICK, launch, logged_losses, read_json
+from test_config_check import elastic_root_cause
 from fsdp_recipes.merge import merge_checkpoint
 from fsdp_recipes.sources import DCPSource
 
@@ -69,7 +70,7 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, config, fault,
     assert [g["lr"] for g in loaded["param_groups"]] == [g["lr"] for g in saved["param_groups"]]
 
 
-# (config, signal): SIGTERM from rank 0 to the whole process group (launcher included, as SLURM sends it), or
+# (config, signal): SIGTERM from rank 0 to the launcher and every rank (as SLURM sends it to a job step), or
 # SIGUSR1 to rank 1 alone (rank 0 never gets it and must stop at the same step).
 SIGNALS = [("accelerate_configs/zero2.yaml", "0:sigterm:8", "SIGTERM", 143), ("accelerate_configs/fsdp1/zero2.yaml", "1:usr1:8", "SIGUSR1", 138)]
 
@@ -84,8 +85,11 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(trained, config, fault
     out = tmp_path / "run"
     stopped = launch(config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": fault}, check=False, new_session=True)
     assert f"stopped by {name} after step 9: saved {out}/checkpoint-9; the run is not finished: run the same command with --resume_from_checkpoint true" in stopped.stdout + stopped.stderr, stopped.stderr[-3000:]
-    assert stopped.returncode != 0 and f"exitcode  : {code}" in stopped.stderr or stopped.returncode == code, stopped.stderr[-3000:]
+    # the ranks exit 128 + signal; a launcher that got SIGTERM too exits 1 through torch elastic's SignalException
+    assert stopped.returncode != 0 and (f"exitcode  : {code}" in stopped.stderr or "SignalException" in stopped.stderr), stopped.stderr[-3000:]
     assert checkpoint_status(out / "checkpoint-9").resumable and not (out / "model.safetensors").exists()
+    if "Root Cause (first observed failure)" in stopped.stderr:  # the launcher's report ends with our line
+        assert elastic_root_cause(stopped.stderr).startswith(f"train_fsdp.py: stopped by {name} after step 9"), stopped.stderr[-3000:]
     resumed = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert f"resuming from {out / 'checkpoint-9'}" in resumed.stdout
     assert "pin_memory" not in resumed.stderr  # nothing to pin to on CPU: no warning per DataLoader
@@ -98,6 +102,19 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(trained, config, fault
         assert torch.equal(final[tensor_name], reference[tensor_name]), tensor_name
     # the loss logged at step 10 averages steps 9-10 in the uninterrupted run but only step 10 after the resume
     assert logged_losses(out)[-1] == logged_losses(uninterrupted)[-1]
+
+
+def test_ctrl_c_is_one_line_on_how_to_resume(tmp_path):
+    """SIGINT to the launcher's process group (what Ctrl-C at a terminal sends; the launcher forwards it to the
+    ranks): one line per machine saying how to resume, not a traceback per rank. The launcher's own traceback
+    (torch elastic's SignalException) is the launcher's."""
+    out = tmp_path / "run"
+    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "0:sigint:3"}, check=False, new_session=True)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py:")]
+    assert proc.returncode != 0 and ours == [
+        "train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with --resume_from_checkpoint "
+        "true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)"], proc.stderr[-3000:]
+    assert "[rank" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_killed_while_writing_the_final_model_resumes_without_training(trained, tmp_path):

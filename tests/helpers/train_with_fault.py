@@ -6,9 +6,11 @@ and a real SIGKILL at a chosen point.
       point optimizer rank(s) die while checkpoint-<step> is written: model shards done, optimizer shards not begun
       point rng       rank(s) die while checkpoint-<step> is written: all shards done, their RNG state file not begun
       point final     rank(s) die as the final model folder is about to be written (<step> is ignored)
-      point sigterm   rank(s) send SIGTERM to the whole process group (launcher and every rank, as SLURM does)
+      point sigterm   rank(s) send SIGTERM to the launcher and every rank at once (as SLURM does to a job step)
                       before the first micro-batch after <step> optimizer steps
       point usr1      rank(s) send SIGUSR1 to themselves only, at the same moment (the others must stop alike)
+      point sigint    rank(s) send SIGINT to the launcher's process group, as Ctrl-C at a terminal does (torch
+                      elastic starts each rank in a session of its own: the launcher forwards it to them)
     FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into <dir>
 """
 
@@ -29,6 +31,15 @@ def _dies(ranks: str) -> bool:
     return ranks == "all" or os.environ["RANK"] in ranks.split(",")
 
 
+def _launcher_and_ranks() -> list[int]:
+    """This rank's parent (the launcher, which runs torch elastic's agent in-process) and the parent's children."""
+    launcher = os.getppid()
+    children = []
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        children += [int(pid) for pid in (task / "children").read_text().split()]
+    return [launcher, *children]
+
+
 def _die() -> None:
     print(f"fault injection: SIGKILL rank {os.environ['RANK']} ({os.environ['FSDP_FAULT']})", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -36,7 +47,7 @@ def _die() -> None:
 
 if os.environ.get("FSDP_FAULT"):
     ranks, point, step = os.environ["FSDP_FAULT"].split(":")
-    if point in ("sigterm", "usr1"):
+    if point in ("sigterm", "usr1", "sigint"):
         training_step = Trainer.training_step
         sent = []
 
@@ -45,7 +56,10 @@ if os.environ.get("FSDP_FAULT"):
                 sent.append(point)
                 print(f"fault injection: {point} from rank {os.environ['RANK']}", file=sys.stderr, flush=True)
                 if point == "sigterm":
-                    os.killpg(os.getpgrp(), signal.SIGTERM)
+                    for pid in _launcher_and_ranks():
+                        os.kill(pid, signal.SIGTERM)
+                elif point == "sigint":
+                    os.killpg(os.getpgid(os.getppid()), signal.SIGINT)
                 else:
                     os.kill(os.getpid(), signal.SIGUSR1)
             return training_step(self, *args, **kwargs)
@@ -91,7 +105,7 @@ if os.environ.get("FSDP_FAULT"):
         save_final_model = fsdp_recipes.export.save_final_model  # train_fsdp.py imports it by name after this
         fsdp_recipes.export.save_final_model = save_final_model_or_die
     else:
-        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, sigterm or usr1")
+        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, sigterm, usr1 or sigint")
 
 if os.environ.get("FSDP_DUMP_OPTIMIZER"):
     load = FSDPTrainer._load_optimizer_and_scheduler

@@ -1,0 +1,202 @@
+"""What the launcher set up for this process, seen from inside it, and what we tell the launcher back.
+
+Every launch path ends in the same environment variables (accelerate launch turns its config file plus its
+command-line flags into ACCELERATE_USE_FSDP and FSDP_*), but the variables lose what a user needs to fix a
+mistake: which file, which key, which flag. So the settings in force are rebuilt from where they came from:
+
+- ``accelerate launch`` (found among this process's parents, Linux /proc): its own argument parser reads its
+  command line; the config is ``--config_file`` or, without one, accelerate's default config; flags given on the
+  command line override the file's keys, as accelerate does (``nondefault`` in its parser).
+- any other launcher (torchrun, srun, mpirun) with ``ACCELERATE_USE_FSDP=true``: the FSDP_* variables.
+
+The result is checked with tools/check_config.py's rules, each problem named by file and key, launch flag or
+variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+LAUNCH_FLAGS = "accelerate launch"  # Problem.file for a setting that came from a launch flag
+ENVIRONMENT = "environment"  # ... and for one that came from an FSDP_* variable
+# accelerate's launcher writes FSDP_<KEY> for fsdp_config's fsdp_<key>, except this one (accelerate/utils/launch.py)
+ENV_NAMES = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "fsdp_transformer_layer_cls_to_wrap"}
+# launch flags that set distributed_type rather than a key of the same name
+TYPE_FLAGS = {"use_fsdp": "FSDP", "multi_gpu": "MULTI_GPU", "cpu": "MULTI_CPU", "use_deepspeed": "DEEPSPEED"}
+
+
+@dataclass
+class LaunchSettings:
+    """The accelerate settings in force, as a config mapping (what an accelerate config YAML would hold)."""
+
+    config: dict
+    config_file: Path | None = None  # the file they started from, if any
+    origin: dict[str, str] = field(default_factory=dict)  # checker key -> the flag or variable that set it
+    where: str = LAUNCH_FLAGS  # what origin's names are
+
+    def describe(self) -> str:
+        parts = [str(self.config_file)] if self.config_file else []
+        if self.origin:
+            parts.append(f"{self.where} ({', '.join(sorted(set(self.origin.values())))})")
+        return " + ".join(parts) or self.where
+
+    def attribute(self, problems: list) -> list:
+        """A problem with a key that a flag or variable set names that flag or variable, not the file."""
+        for problem in problems:
+            if problem.key in self.origin:
+                problem.file, problem.key = self.where, self.origin[problem.key]
+        return problems
+
+
+def accelerate_default_config() -> Path:
+    """The file `accelerate launch` reads without --config_file (accelerate/commands/config/config_args.py), from
+    the environment now rather than at import time: HF_HOME may have been set after accelerate was imported."""
+    home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
+    return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
+
+
+def find_accelerate_launch() -> tuple[list[str], Path] | None:
+    """The arguments after `launch` of the `accelerate launch` that started this process, and its directory."""
+    pid = os.getppid()
+    for _ in range(3):  # accelerate runs torchrun's agent in-process: usually the direct parent
+        try:
+            args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
+            cwd = Path(f"/proc/{pid}/cwd").resolve()
+        except OSError:
+            return None
+        for i, arg in enumerate(args[:-1]):
+            if (Path(arg).name == "accelerate" and args[i + 1] == "launch") or arg.endswith(("accelerate-launch", "accelerate.commands.launch")):
+                return args[i + 2 if args[i + 1] == "launch" else i + 1:], cwd
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
+    """The settings `accelerate launch <argv>` puts in force: its config file overlaid with its explicit flags."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    args = launch_command_parser().parse_args(argv)
+    given = getattr(args, "nondefault", set())
+    path = Path(args.config_file) if args.config_file else (accelerate_default_config() if not args.cpu else None)
+    if path is not None and not path.is_absolute():
+        path = cwd / path
+    config: dict = {}
+    if path is not None and path.is_file():
+        config = yaml.safe_load(path.read_text()) or {}
+    else:
+        path = None  # no file: accelerate's own defaults, set by flags
+        config = {"num_processes": int(os.environ.get("WORLD_SIZE", "1")), "num_machines": 1}
+    settings = LaunchSettings(config, path)
+    top = set(ClusterConfig.__dataclass_fields__)
+    for dest in sorted(given):
+        flag, value = f"--{dest}", getattr(args, dest)
+        if dest in TYPE_FLAGS and value:
+            config["distributed_type"], key = TYPE_FLAGS[dest], "distributed_type"
+        elif dest.startswith("fsdp_"):
+            config.setdefault("fsdp_config", {})[dest] = value
+            key = f"fsdp_config.{dest}"
+        elif dest.startswith("parallelism_config_"):
+            config.setdefault("parallelism_config", {})[dest] = value
+            key = f"parallelism_config.{dest}"
+        elif dest in top:
+            config[dest], key = value, dest
+        else:
+            continue  # launcher-only flags (--main_process_port's peers, --debug, ...)
+        settings.origin[key] = flag
+    if path is None and config.get("distributed_type") == "FSDP":
+        settings.origin.setdefault("fsdp_config.fsdp_version", "--fsdp_version")  # missing: say the flag to add
+    return settings
+
+
+def from_environment(env=os.environ) -> LaunchSettings | None:
+    """The settings of a launch that set ACCELERATE_USE_FSDP itself (torchrun, srun): its FSDP_* variables."""
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or "ACCELERATE_DYNAMO_BACKEND" in env:
+        return None  # the second: set by accelerate launch, whose variables carry defaults for every key
+    world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    config = {"distributed_type": "FSDP", "num_processes": world, "num_machines": max(1, world // max(1, local)),
+              "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"), "fsdp_config": {}}
+    settings = LaunchSettings(config, None, where=ENVIRONMENT)
+    for name, value in env.items():
+        if name.startswith("FSDP_"):
+            key = ENV_NAMES.get(name, "fsdp_" + name.removeprefix("FSDP_").lower())
+            config["fsdp_config"][key] = int(value) if key == "fsdp_min_num_params" and value.isdigit() else value
+            settings.origin[f"fsdp_config.{key}"] = name
+    settings.origin.setdefault("fsdp_config.fsdp_version", "FSDP_VERSION")
+    if "ACCELERATE_MIXED_PRECISION" in env:
+        settings.origin["mixed_precision"] = "ACCELERATE_MIXED_PRECISION"
+    return settings
+
+
+def launch_settings() -> LaunchSettings | None:
+    """The accelerate settings of this launch, or None where accelerate is not asked for FSDP or anything else."""
+    if (launch := find_accelerate_launch()) is not None:
+        try:
+            return from_launch_args(*launch)
+        except SystemExit:  # accelerate's parser refused its own command line: the launcher would have too
+            return None
+    return from_environment()
+
+
+def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> list:
+    """tools/check_config.py's rules on the settings in force, each problem named where the setting came from."""
+    from .config_check import check_settings
+
+    unknown_ok = settings.config_file is None  # keys not from a file were named by accelerate itself
+    problems = check_settings(settings.config, str(settings.config_file or settings.where), recipe=run_settings,
+                              model=model, check_keys=not unknown_ok)
+    return settings.attribute(problems)
+
+
+def no_fsdp_problem() -> str:
+    """Why this launch would train without FSDP, and the command that trains with it."""
+    fix = ("launch with an FSDP config: `accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py ...` "
+           "(or torchrun with --fsdp true --fsdp_config accelerate_configs/torchrun/zero3.json); pass --allow_no_fsdp true "
+           "to train without FSDP on purpose")
+    if any(k.startswith("ACCELERATE_") for k in os.environ):
+        why = "accelerate launch without an FSDP config (its default config, or distributed_type other than FSDP)"
+    elif "WORLD_SIZE" in os.environ:
+        why = "a launch without --fsdp (torchrun or another launcher)"
+    else:
+        why = "no launcher: `python train_fsdp.py` runs one process"
+    return f"this launch would train without FSDP ({why}): {fix}"
+
+
+def unused_accelerators_warning(devices: int | None = None) -> str | None:
+    """The shipped configs say num_processes: 2 so they run anywhere; on an 8-GPU node that quietly uses 2."""
+    if devices is None:
+        import torch
+
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if devices > local:
+        return (f"warning: this node has {devices} GPUs and this launch uses {local} of them: pass --num_processes "
+                f"{devices} to accelerate launch (x the number of nodes), or --nproc_per_node {devices} to torchrun")
+    return None
+
+
+def tell_launcher(message: str) -> None:
+    """Hand our one-line message to torch elastic (accelerate launch, torchrun) as this worker's error record.
+
+    The launcher then prints it as the root cause at the end of its failure report, in place of "To enable
+    traceback see: ...": the user's first and last line are ours. The file is in the format torch's own @record
+    writes (torch/distributed/elastic/multiprocessing/errors/error_handler.py); without a launcher, nothing.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}  # the launcher prints py_callstack
+        Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+    except OSError as err:  # the launcher's report is then its default one; ours is already on stderr
+        print(f"train_fsdp.py: could not write the launcher's error file {path}: {err}", file=sys.stderr)
