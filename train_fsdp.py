@@ -10,6 +10,7 @@ it. `python train_fsdp.py --help` lists every argument.
 import logging
 import os
 import sys
+from pathlib import Path
 
 import transformers
 from torch.distributed.checkpoint.api import CheckpointException
@@ -19,9 +20,10 @@ from fsdp_recipes import cpu_fsdp
 from fsdp_recipes.arguments import RecipeError, parse_args
 from fsdp_recipes.checkpoints import disk_full_problem
 from fsdp_recipes.checks import NotShardedError
-from fsdp_recipes.data import build_dataset
+from fsdp_recipes.data import build_datasets
 from fsdp_recipes.export import export_checkpoint, finished_checkpoint_step, save_final_model
 from fsdp_recipes.launcher import tell_launcher
+from fsdp_recipes.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
 from fsdp_recipes.modeling import load_model, load_tokenizer
 from fsdp_recipes.preemption import was_interrupted, watch_interrupts
 from fsdp_recipes.preflight import hold_output_dir, save_resolved_arguments
@@ -58,8 +60,8 @@ def main(model_args, data_args, preflight):
 
     # ---------- data ----------
     with training_args.main_process_first(desc="dataset preprocessing"):
-        train_dataset, collator = build_dataset(data_args, tokenizer)
-    logger.info(f"training examples: {len(train_dataset):,}")
+        train_dataset, eval_dataset, collator = build_datasets(data_args, tokenizer, training_args.seed)
+    logger.info(f"training examples: {len(train_dataset):,}" + (f", evaluation examples: {len(eval_dataset):,}" if eval_dataset else ""))
 
     model = load_model(model_args, tokenizer)
 
@@ -68,9 +70,12 @@ def main(model_args, data_args, preflight):
         model=model,
         args=training_args,
         train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
         data_collator=collator,
         processing_class=tokenizer,
     )
+    trainer.throughput.flops_per_token = flops_per_token(model, data_args.block_size)
+    trainer.throughput.peak = device_peak_flops(preflight.run_args.peak_tflops)
     if training_args.resume_from_checkpoint:
         logger.info(f"resuming from {training_args.resume_from_checkpoint}")
     try:
@@ -89,11 +94,30 @@ def main(model_args, data_args, preflight):
         sys.exit(128 + trainer.preemption.signal)
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
+    if eval_dataset is not None:
+        metrics = trainer.evaluate()  # sharded, like training; every rank gets the same numbers
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
     trainer.save_state()
+    if training_args.process_index == 0 and (plot := plot_losses(trainer.state.log_history, Path(training_args.output_dir) / LOSS_PLOT)):
+        logger.info(f"loss curve: {plot}")
 
     # ---------- save ----------
     save_final_model(trainer, tokenizer)
     logger.info(f"model saved to {training_args.output_dir} (loads with AutoModelForCausalLM.from_pretrained)")
+
+
+def device_peak_flops(tflops: float | None) -> float | None:
+    """The accelerator's dense bf16 peak in FLOPS for MFU: --peak_tflops, else the table; None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    if tflops is None and (tflops := peak_tflops(name)) is None:
+        logger.warning(f"MFU is not reported: {name!r} is not in fsdp_recipes/metrics.py's table; pass --peak_tflops")
+        return None
+    return tflops * 1e12
 
 
 def fail(message: str, code: int) -> None:

@@ -122,6 +122,14 @@ class DataArguments:
     block_size: int = field(default=256, metadata={"help": "Tokens per packed block (text) or the truncation length (chat)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N raw examples (for quick runs)."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    validation_file: str | None = field(
+        default=None, metadata={"help": "Local evaluation file, in the same format as train_file. Evaluation runs at "
+                                "eval_strategy/eval_steps and at the end; eval_loss and eval_perplexity land in the metrics."},
+    )
+    dataset_test_split: str | None = field(default=None, metadata={"help": "Evaluate on this split of dataset_name (e.g. validation)."})
+    validation_split_percentage: int | None = field(
+        default=None, metadata={"help": "Evaluate on this share (1-50 percent) of the training data, held out from training (seeded)."},
+    )
 
     def __post_init__(self):
         if (self.dataset_name is None) == (self.train_file is None):
@@ -143,6 +151,27 @@ class DataArguments:
             raise RecipeError(f"data_format={self.data_format!r} is not one of auto, text, chat")
         if self.block_size < 8:
             raise RecipeError(f"block_size={self.block_size} is too small: use at least 8 tokens")
+        sources = [k for k in ("validation_file", "dataset_test_split", "validation_split_percentage") if getattr(self, k) is not None]
+        if len(sources) > 1:
+            raise RecipeError(f"set one evaluation source, not {' and '.join(sources)}")
+        if self.dataset_test_split is not None and self.dataset_name is None:
+            raise RecipeError("dataset_test_split is a split of dataset_name: with a local train_file give validation_file "
+                              "or validation_split_percentage")
+        if self.validation_split_percentage is not None and not 1 <= self.validation_split_percentage <= 50:
+            raise RecipeError(f"validation_split_percentage={self.validation_split_percentage} is not between 1 and 50")
+        if self.validation_file is not None:
+            path = Path(self.validation_file)
+            if self.train_file is not None and path.suffix != Path(self.train_file).suffix:
+                raise RecipeError(f"validation_file={self.validation_file!r} is a {path.suffix} and train_file a "
+                                  f"{Path(self.train_file).suffix}: give both in the same format")
+            if path.suffix not in DATA_EXTENSIONS or not path.is_file():
+                raise RecipeError(f"validation_file={self.validation_file!r} does not exist or is not one of {', '.join(sorted(DATA_EXTENSIONS))}")
+            if problem := train_file_problem(path, self):
+                raise RecipeError(f"validation_file={self.validation_file!r}: {problem}")
+
+    @property
+    def evaluates(self) -> bool:
+        return any(getattr(self, k) is not None for k in ("validation_file", "dataset_test_split", "validation_split_percentage"))
 
 
 SAMPLE_BYTES = 1 << 20  # the part of a data file checked before anything starts: the first MiB
@@ -243,6 +272,11 @@ class RunArguments:
         metadata={"help": "Train without FSDP on purpose (debugging). A launch without an FSDP config is otherwise refused: "
                   "`python train_fsdp.py` or `accelerate launch` with no config would train one unsharded model and exit 0."},
     )
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={"help": "The GPU's dense bf16 peak in TFLOPS, for MFU in the logs (default: from a table of common "
+                  "GPUs, fsdp_recipes/metrics.py). MFU is not reported on CPU."},
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, Preflight]:
@@ -287,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     plan = Preflight(raw, trainer_fsdp)
     check_launch(raw, plan)
     model_args, data_args, run_args = (build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
+    check_training_values(raw, model_args, data_args)
+    plan.run_args = run_args
     output_dir = raw.output_dir or "trainer_output"
     plan.resume = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp, plan)
     check_output_dir(output_dir, resuming=plan.resume is not None, overwrite=run_args.overwrite_output_dir, plan=plan)
@@ -295,6 +331,37 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if warning := launcher.unused_accelerators_warning():
         _say(warning)
     return model_args, data_args, plan
+
+
+def check_training_values(raw, model_args: ModelArguments, data_args: DataArguments) -> None:
+    """Values TrainingArguments accepts that train nothing, or the wrong thing, without a word."""
+    if raw.max_steps == 0:
+        raise RecipeError("max_steps=0 would still train one step and save checkpoint-1: give a positive number of "
+                          "steps, or leave max_steps at -1 to train num_train_epochs")
+    if raw.learning_rate <= 0:
+        raise RecipeError(f"learning_rate={raw.learning_rate} leaves the weights unchanged: give a positive rate such as 2e-5")
+    if str(raw.eval_strategy or "no").lower() not in ("no", "intervalstrategy.no") and not data_args.evaluates:
+        raise RecipeError(f"eval_strategy={raw.eval_strategy} needs evaluation data: set validation_file, "
+                          "validation_split_percentage or dataset_test_split")
+    positions = model_positions(model_args.model_name_or_path or model_args.config_name)
+    if positions is not None and data_args.block_size > positions:
+        raise RecipeError(f"block_size={data_args.block_size} is longer than the model's {positions} positions: "
+                          f"use block_size {positions} or less")
+
+
+def model_positions(source: str | None) -> int | None:
+    """The longest sequence the model's config allows, or None when its config is not on this machine (a hub
+    model not yet downloaded: nothing is fetched here; the model load explains any problem later)."""
+    if source is None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+    except Exception:  # an unreadable config is model_source_problem's to explain, or the load's
+        return None
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", None)
 
 
 # The fsdp_config keys TrainingArguments reads (transformers 5.23, TrainingArguments._process_fsdp_args); it

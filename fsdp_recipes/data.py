@@ -13,15 +13,24 @@ from .arguments import DATA_EXTENSIONS, DataArguments, RecipeError
 IGNORE_INDEX = -100
 
 
-def load_raw(args: DataArguments) -> Dataset:
+def load_raw(args: DataArguments, seed: int = 42) -> tuple[Dataset, Dataset | None]:
+    """The raw training examples and the raw evaluation examples (None without an evaluation source)."""
     if args.train_file is not None:
         builder = DATA_EXTENSIONS[Path(args.train_file).suffix]
-        raw = load_dataset(builder, data_files={"train": args.train_file}, split="train")
+        files = {"train": args.train_file} | ({"validation": args.validation_file} if args.validation_file else {})
+        raw = load_dataset(builder, data_files=files)
+        train, evaluation = raw["train"], raw.get("validation")
     else:
-        raw = load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_split)
+        train = load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_split)
+        evaluation = None
+        if args.dataset_test_split is not None:
+            evaluation = load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_test_split)
     if args.max_train_samples is not None:
-        raw = raw.select(range(min(args.max_train_samples, len(raw))))
-    return raw
+        train = train.select(range(min(args.max_train_samples, len(train))))
+    if args.validation_split_percentage is not None:  # held out before tokenizing: no document is in both
+        split = train.train_test_split(test_size=args.validation_split_percentage / 100, seed=seed)
+        train, evaluation = split["train"], split["test"]
+    return train, evaluation
 
 
 def resolve_format(args: DataArguments, columns: list[str]) -> str:
@@ -91,16 +100,19 @@ def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataAr
     return dataset.filter(lambda ex: any(t != IGNORE_INDEX for t in ex["labels"]), desc="Dropping examples with no assistant tokens")
 
 
-def build_dataset(args: DataArguments, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, object]:
-    """Return the tokenized training set and the collator that batches it."""
-    raw = load_raw(args)
+def build_datasets(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int = 42) -> tuple[Dataset, Dataset | None, object]:
+    """The tokenized training set, the tokenized evaluation set (or None) and the collator that batches both."""
+    raw, raw_eval = load_raw(args, seed)
     fmt = resolve_format(args, raw.column_names)
-    if fmt == "text":
-        dataset = pack_text(raw, tokenizer, args)
-        collator = default_data_collator
-    else:
-        dataset = tokenize_chat(raw, tokenizer, args)
-        collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+    prepare = pack_text if fmt == "text" else tokenize_chat
+    dataset = prepare(raw, tokenizer, args)
+    collator = default_data_collator if fmt == "text" else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
     if len(dataset) == 0:
         raise RecipeError(f"no training examples after preprocessing: the data is shorter than block_size={args.block_size}")
-    return dataset, collator
+    evaluation = None
+    if raw_eval is not None:
+        resolve_format(args, raw_eval.column_names)
+        evaluation = prepare(raw_eval, tokenizer, args)
+        if len(evaluation) == 0:
+            raise RecipeError(f"no evaluation examples after preprocessing: the evaluation data is shorter than block_size={args.block_size}")
+    return dataset, evaluation, collator

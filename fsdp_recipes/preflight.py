@@ -40,6 +40,7 @@ class Preflight:
     set_aside: list[tuple[Path, str, str]] = field(default_factory=list)  # (checkpoint, prefix, why)
     delete: list[Path] = field(default_factory=list)
     launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.launcher)
+    run_args: object = None  # fsdp_recipes.arguments.RunArguments: this script's own options
 
     def start(self):
         """Patch (CPU only) and build TrainingArguments: this joins the process group."""

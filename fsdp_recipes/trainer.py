@@ -15,11 +15,15 @@ that window left the run with no complete checkpoint (with a limit of 1, the onl
 
 SIGTERM and SIGUSR1 (a cluster's time limit or preemption) end the run after the current optimizer step with a
 complete checkpoint of that step (fsdp_recipes.preemption).
+
+Every training log line carries tokens per second (in all and per device) and, on GPUs, MFU; evaluation logs carry
+eval_perplexity; the end-of-run metrics carry the run's averages (fsdp_recipes.metrics).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from transformers import Trainer
@@ -29,6 +33,7 @@ from .checkpoint_files import REPLACED_PREFIX
 from .checkpoints import set_aside
 from .checks import ShardingReport
 from .export import DescribeCheckpoints
+from .metrics import Throughput, perplexity
 from .preemption import Preemption
 
 logger = logging.getLogger(__name__)
@@ -42,6 +47,37 @@ class FSDPTrainer(Trainer):
         self.add_callback(self.describer)
         self.preemption = Preemption()  # SIGTERM/SIGUSR1: checkpoint at the end of the current step, then stop
         self.add_callback(self.preemption)
+        self.throughput = Throughput()  # train_fsdp.py sets its FLOPs per token and peak where MFU is known
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        self.throughput.count(inputs)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self.throughput.exclude(time.perf_counter() - start)
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """Called on every rank at the same steps (the Trainer's logging decision is global): the token count's
+        all-reduce is matched."""
+        if "loss" in logs:
+            logs.update(self.throughput.window(self._sum_over_ranks, self.accelerator.num_processes))
+        if "eval_loss" in logs:
+            logs["eval_perplexity"] = perplexity(logs["eval_loss"])
+        if "train_runtime" in logs:  # the end-of-run metrics; the steps after the last logging step count too
+            self.throughput.window(self._sum_over_ranks, self.accelerator.num_processes)
+            logs.update({f"train_{k}": v for k, v in self.throughput.averages(self.accelerator.num_processes).items()})
+        super().log(logs, *args, **kwargs)
+
+    def _sum_over_ranks(self, value: int) -> int:
+        import torch
+
+        if self.accelerator.num_processes == 1:
+            return value
+        return int(self.accelerator.reduce(torch.tensor(value, device=self.accelerator.device), reduction="sum").item())
 
     def _fsdp1_sharded(self) -> bool:
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
@@ -55,6 +91,13 @@ class FSDPTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
 
     def _save_checkpoint(self, model, trial) -> None:
+        start = time.perf_counter()
+        try:
+            self._save_checkpoint_beside(model, trial)
+        finally:
+            self.throughput.exclude(time.perf_counter() - start)
+
+    def _save_checkpoint_beside(self, model, trial) -> None:
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.args.should_save:
             if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files

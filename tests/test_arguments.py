@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -220,3 +221,18 @@ def test_output_dir_on_a_read_only_filesystem_is_one_line(tmp_path):
             parse_args(["--output_dir", str(disk / "run"), *NO_FSDP])
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_steps", "0"], "max_steps=0 would still train one step and save checkpoint-1"),
+    (["--learning_rate", "0"], "learning_rate=0.0 leaves the weights unchanged"),
+    (["--block_size", "1024"], "block_size=1024 is longer than the model's 256 positions: use block_size 256 or less"),
+    (["--eval_strategy", "steps"], "eval_strategy=steps needs evaluation data: set validation_file"),
+    (["--validation_split_percentage", "10", "--validation_file", "x.txt"], "set one evaluation source, not validation_file and validation_split_percentage"),
+    (["--validation_split_percentage", "80"], "validation_split_percentage=80 is not between 1 and 50"),
+    (["--dataset_test_split", "test"], "dataset_test_split is a split of dataset_name"),
+    (["--validation_file", f"{REPO}/assets/data/tiny_chat.jsonl"], "is a .jsonl and train_file a .txt: give both in the same format"),
+])
+def test_values_that_would_train_nothing_or_the_wrong_thing(argv, message, tmp_path):
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        parse_args([*argv, "--output_dir", str(tmp_path / "o"), *NO_FSDP])

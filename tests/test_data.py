@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from conftest import REPO
 from fsdp_recipes.arguments import DataArguments, RecipeError
-from fsdp_recipes.data import IGNORE_INDEX, build_dataset, pack_text, resolve_format, tokenize_chat
+from fsdp_recipes.data import IGNORE_INDEX, build_datasets, pack_text, resolve_format, tokenize_chat
 
 CORPUS = str(REPO / "assets" / "data" / "tiny_corpus.txt")
 CHAT = str(REPO / "assets" / "data" / "tiny_chat.jsonl")
@@ -43,7 +43,7 @@ def test_chat_labels_only_assistant_tokens(tokenizer):
 
 def test_format_auto_detects_chat_and_local_jsonl_loads(tokenizer):
     args = DataArguments(train_file=CHAT, block_size=64, max_train_samples=10)
-    dataset, collator = build_dataset(args, tokenizer)
+    dataset, _, collator = build_datasets(args, tokenizer)
     assert len(dataset) == 10
     batch = collator([dataset[0], dataset[1]])
     assert batch["input_ids"].shape == batch["labels"].shape
@@ -56,7 +56,7 @@ def test_local_tabular_text_files(tokenizer, tmp_path, ext):
     path = tmp_path / f"train.{ext}"
     frame = Dataset.from_dict({"text": texts})
     {"csv": frame.to_csv, "parquet": frame.to_parquet, "json": frame.to_json}[ext](str(path))
-    dataset, _ = build_dataset(DataArguments(train_file=str(path), block_size=32), tokenizer)
+    dataset, _, _ = build_datasets(DataArguments(train_file=str(path), block_size=32), tokenizer)
     assert len(dataset) > 10 and len(dataset[0]["input_ids"]) == 32
 
 

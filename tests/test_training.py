@@ -97,3 +97,47 @@ def test_chat_sft_from_local_folder(trained, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert "{% generation %}" in tokenizer.chat_template
     AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.slow
+def test_evaluation_throughput_loss_plot_and_tensorboard(tmp_path):
+    """One 2-process FSDP2 run with a held-out 10% evaluated every 6 steps and at the end, reported to
+    TensorBoard: eval_loss and eval_perplexity equal on every rank, tokens per second at every logging step and
+    the run's token count in the end metrics, loss.png a PNG that decodes, TensorBoard scalars written."""
+    from matplotlib.image import imread
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import FAULT_SCRIPT, QUICK
+
+    out, dumps = tmp_path / "run", tmp_path / "eval"
+    dumps.mkdir()
+    launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), "--validation_split_percentage", "10",
+           "--eval_strategy", "steps", "--eval_steps", "6", "--report_to", "tensorboard", script=FAULT_SCRIPT, env={"FSDP_DUMP_EVAL": str(dumps)})
+    final = read_json(out / "eval_results.json")
+    assert math.isclose(final["eval_perplexity"], math.exp(final["eval_loss"]), rel_tol=1e-9)
+    for step in (6, 12):
+        ranks = [read_json(dumps / f"rank{r}-step{step}.json") for r in (0, 1)]
+        assert [(m["eval_loss"], m["eval_perplexity"]) for m in ranks] == [(ranks[0]["eval_loss"], ranks[0]["eval_perplexity"])] * 2
+    history = read_json(out / "trainer_state.json")["log_history"]
+    assert [e["step"] for e in history if "eval_loss" in e] == [6, 12, 12]  # eval_steps, and the final evaluation
+
+    train_logs = [e for e in history if "loss" in e]
+    assert len(train_logs) == 6
+    for entry in train_logs:
+        assert entry["tokens_per_second"] > 0 and "mfu" not in entry  # no MFU on CPU
+        assert math.isclose(entry["tokens_per_second"], 2 * entry["tokens_per_second_per_device"], rel_tol=1e-3)
+    args, metrics = read_json(out / "run_args.json")["training"], read_json(out / "train_results.json")
+    block_size = read_json(out / "run_args.json")["data"]["block_size"]
+    assert metrics["train_tokens"] == 12 * 2 * args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * block_size
+    assert metrics["train_tokens_per_second"] > 0
+
+    png = out / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and imread(png).shape[0] > 100
+
+    scalars: dict[str, list] = {}  # the final evaluation, after training ended, opens a second event file
+    for events in (out / "runs").rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events)).Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend(e.step for e in accumulator.Scalars(tag))
+    assert sorted(scalars["train/loss"]) == [2, 4, 6, 8, 10, 12] and sorted(scalars["eval/loss"]) == [6, 12, 12]
+    assert len(scalars["train/tokens_per_second"]) == 6 and len(scalars["eval/perplexity"]) == 3

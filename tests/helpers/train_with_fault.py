@@ -12,6 +12,7 @@ and a real SIGKILL at a chosen point.
       point sigint    rank(s) send SIGINT to the launcher's process group, as Ctrl-C at a terminal does (torch
                       elastic starts each rank in a session of its own: the launcher forwards it to them)
     FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into <dir>
+    FSDP_DUMP_EVAL=<dir>        each rank writes the metrics of each evaluation to <dir>/rank<R>-step<S>.json
 """
 
 import os
@@ -118,6 +119,19 @@ if os.environ.get("FSDP_DUMP_OPTIMIZER"):
             save_fsdp_optimizer(self.accelerator.state.fsdp_plugin, self.accelerator, self.optimizer, self.model, os.environ["FSDP_DUMP_OPTIMIZER"])
 
     FSDPTrainer._load_optimizer_and_scheduler = load_then_dump
+
+if os.environ.get("FSDP_DUMP_EVAL"):
+    evaluate = FSDPTrainer.evaluate
+
+    def evaluate_then_dump(self, *args, **kwargs):
+        import json
+
+        metrics = evaluate(self, *args, **kwargs)
+        path = Path(os.environ["FSDP_DUMP_EVAL"]) / f"rank{os.environ['RANK']}-step{self.state.global_step}.json"
+        path.write_text(json.dumps(metrics))
+        return metrics
+
+    FSDPTrainer.evaluate = evaluate_then_dump
 
 sys.argv[0] = str(REPO / "train_fsdp.py")
 runpy.run_path(str(REPO / "train_fsdp.py"), run_name="__main__")

@@ -1,0 +1,109 @@
+"""What a run reports besides its loss: tokens per second, model FLOPs utilisation, perplexity, loss.png.
+
+Throughput is measured between logging steps on training time only (evaluation and checkpoint writing are
+left out), from the tokens each rank fed the model, summed over ranks with one all-reduce per logging step.
+MFU (GPUs only) follows the PaLM paper's count, as torchtitan does: 6 x the non-embedding parameters per token
+for the forward and backward matmuls, plus 12 x layers x hidden x sequence length for attention, against the
+device's dense bf16 peak (the table below, or --peak_tflops).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+# Dense bf16 tensor-core peaks (TFLOPS) from the vendors' datasheets; the first name found in the device's
+# name wins, so the more specific names come first.
+PEAK_BF16_TFLOPS = {
+    "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "H200": 989, "H800": 989, "H20": 148,
+    "A100": 312, "A800": 312, "L40S": 362, "L4": 121, "A10": 125,
+    "B200": 2250, "GB200": 2500, "MI300X": 1307, "MI325X": 1307,
+}
+LOSS_PLOT = "loss.png"
+
+
+def peak_tflops(device_name: str) -> float | None:
+    for name, tflops in PEAK_BF16_TFLOPS.items():
+        if name.lower() in device_name.lower():
+            return float(tflops)
+    return None
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """6N + 12 L H T: N the parameters outside the embeddings, L layers, H hidden size, T the sequence length."""
+    config = getattr(model.config, "text_config", None) or model.config
+    embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None for p in m.parameters()}
+    non_embedding = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+    return 6 * non_embedding + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+
+
+class Throughput:
+    """Tokens and training seconds since the last logging step, and since the start."""
+
+    def __init__(self, flops_per_token: float | None = None, peak: float | None = None):
+        self.flops_per_token, self.peak = flops_per_token, peak  # peak in FLOPS; None: no MFU (CPU, unknown GPU)
+        self.tokens = 0  # this rank's, since the last logging step
+        self.excluded = 0.0  # seconds of evaluation and saving since the last logging step
+        self.started: float | None = None
+        self.total_tokens = self.total_seconds = 0
+
+    def count(self, inputs: dict) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+        ids = inputs.get("input_ids")
+        self.tokens += ids.numel() if ids is not None else 0
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
+
+    def window(self, reduce_sum, world_size: int) -> dict:
+        """Metrics of the window that ends now; ``reduce_sum`` sums an int over ranks (a collective: every rank calls)."""
+        now = time.perf_counter()
+        tokens = reduce_sum(self.tokens)
+        seconds = max(now - (self.started or now) - self.excluded, 1e-9)
+        self.total_tokens += tokens
+        self.total_seconds += seconds
+        self.tokens, self.excluded, self.started = 0, 0.0, now
+        return self._metrics(tokens, seconds, world_size)
+
+    def averages(self, world_size: int) -> dict:
+        if not self.total_seconds:
+            return {}
+        return {"tokens": self.total_tokens, **self._metrics(self.total_tokens, self.total_seconds, world_size)}
+
+    def _metrics(self, tokens: int, seconds: float, world_size: int) -> dict:
+        per_device = tokens / seconds / world_size
+        metrics = {"tokens_per_second": round(tokens / seconds, 1), "tokens_per_second_per_device": round(per_device, 1)}
+        if self.peak and self.flops_per_token:
+            metrics["mfu"] = round(per_device * self.flops_per_token / self.peak, 4)
+        return metrics
+
+
+def plot_losses(log_history: list[dict], path: Path) -> Path | None:
+    """Training loss (and evaluation loss where evaluated) against step, as a PNG; None without any loss logged."""
+    train = [(e["step"], e["loss"]) for e in log_history if "loss" in e and "step" in e]
+    evaluation = [(e["step"], e["eval_loss"]) for e in log_history if "eval_loss" in e and "step" in e]
+    if not train and not evaluation:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for points, label, style in ((train, "training loss", "-"), (evaluation, "evaluation loss", "o-")):
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
