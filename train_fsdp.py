@@ -80,8 +80,9 @@ def main(model_args, data_args, preflight):
         logger.info(f"resuming from {training_args.resume_from_checkpoint}")
     try:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        if (problem := disk_full_problem(err, training_args.output_dir)) is None:
+    except (Exception, CheckpointException, KeyboardInterrupt) as err:  # DCP's CheckpointException is a BaseException
+        trainer.close_progress_bar()  # our one line then starts a line of its own
+        if isinstance(err, KeyboardInterrupt) or (problem := disk_full_problem(err, training_args.output_dir)) is None:
             raise
         raise RecipeError(problem) from None
     if (step := trainer.preemption.stopped_at) is not None:

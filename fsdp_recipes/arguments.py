@@ -120,6 +120,16 @@ class DataArguments:
     text_column: str = field(default="text", metadata={"help": "Column holding plain text."})
     messages_column: str = field(default="messages", metadata={"help": "Column holding chat messages (role/content dicts)."})
     block_size: int = field(default=256, metadata={"help": "Tokens per packed block (text) or the truncation length (chat)."})
+    packing: str = field(
+        default="concat",
+        metadata={
+            "help": "concat: text documents are concatenated and cut into block_size blocks (a token may attend to the "
+            "previous document). padding_free: each document (at most block_size tokens; longer ones are split) keeps "
+            "its own positions, and a batch is one row of whole documents that attend only within themselves "
+            "(transformers' DataCollatorWithFlattening: no padding, no cross-document attention; chat data too).",
+            "choices": ["concat", "padding_free"],
+        },
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N raw examples (for quick runs)."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
     validation_file: str | None = field(
@@ -338,8 +348,10 @@ def check_training_values(raw, model_args: ModelArguments, data_args: DataArgume
     if raw.max_steps == 0:
         raise RecipeError("max_steps=0 would still train one step and save checkpoint-1: give a positive number of "
                           "steps, or leave max_steps at -1 to train num_train_epochs")
-    if raw.learning_rate <= 0:
-        raise RecipeError(f"learning_rate={raw.learning_rate} leaves the weights unchanged: give a positive rate such as 2e-5")
+    if raw.learning_rate < 0:
+        raise RecipeError(f"learning_rate={raw.learning_rate} is negative: give a positive rate such as 2e-5")
+    if raw.learning_rate == 0:  # a load check may want exactly this; a training run never does
+        _say("warning: learning_rate=0: the weights will not change (fine to check that a model loads; not training)")
     if str(raw.eval_strategy or "no").lower() not in ("no", "intervalstrategy.no") and not data_args.evaluates:
         raise RecipeError(f"eval_strategy={raw.eval_strategy} needs evaluation data: set validation_file, "
                           "validation_split_percentage or dataset_test_split")
@@ -447,9 +459,10 @@ def check_launch(raw, plan: Preflight) -> None:
     from .config_check import errors
 
     plan.launch = launcher.launch_settings()
-    if plan.launch is None or (raw.allow_no_fsdp and plan.launch.config.get("distributed_type") != "FSDP"):
-        return  # nothing to check, or a run without FSDP on purpose
-    settings = {k: getattr(raw, k, None) for k in ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16")}
+    fsdp = plan.launch is not None and (plan.launch.config.get("distributed_type") == "FSDP" or "fsdp_config" in plan.launch.config)
+    if not fsdp or (raw.allow_no_fsdp and plan.launch.config.get("distributed_type") != "FSDP"):
+        return  # nothing of FSDP to check (a launch without FSDP is refused below, by name), or no FSDP on purpose
+    settings = {k: getattr(raw, k, None) for k in ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16", "dtype")}
     problems = launcher.check(plan.launch, settings, raw.model_name_or_path or raw.config_name)
     for problem in problems:
         if problem.level == "warning":

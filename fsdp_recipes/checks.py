@@ -91,6 +91,33 @@ def expected_fsdp_version(training_args=None) -> int | None:
     return None
 
 
+def _dtype(value) -> str | None:
+    return str(value).removeprefix("torch.") if value is not None else None
+
+
+def wrapped_units(model: torch.nn.Module) -> dict[str, int]:
+    """How many modules of each class FSDP wraps as a unit of its own (the root included)."""
+    if isinstance(model, FullyShardedDataParallel):
+        classes = [type(m.module).__name__ for m in FullyShardedDataParallel.fsdp_modules(model)]
+    else:  # FSDP2 swaps each wrapped module's class for a subclass named FSDP<Class>: name the module's own
+        classes = [next(c for c in type(m).__mro__ if not issubclass(c, FSDPModule)).__name__ for m in model.modules() if isinstance(m, FSDPModule)]
+    return {name: classes.count(name) for name in sorted(set(classes))}
+
+
+def precision_contract(model: torch.nn.Module, accelerator) -> dict:
+    """The dtypes the run keeps and moves: master weights (what the optimizer updates), compute (FSDP's mixed
+    precision policy, else accelerate's autocast), gradient reduction, and the saved model. The optimizer state's
+    dtype is added after the first step, when it exists."""
+    master = next((p.dtype for p in model.parameters()), None)
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
+    compute = getattr(policy, "param_dtype", None) or autocast or master
+    reduce = getattr(policy, "reduce_dtype", None) or getattr(policy, "param_dtype", None) or master
+    return {"master_weights": _dtype(master), "compute": _dtype(compute), "gradient_reduction": _dtype(reduce),
+            "optimizer_state": None, "saved_model": _dtype(master)}
+
+
 def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, training_args=None) -> dict:
     """Check the prepared model against the launch config on every rank; rank 0 writes the report.
 
@@ -108,6 +135,8 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
         "world_size": accelerator.num_processes,
         "device": str(accelerator.device),
         "total_param_elements": total,
+        "wrapped_units": wrapped_units(model),
+        "precision": precision_contract(model, accelerator),
         "ranks": gathered,
     }
     want = expected_fsdp_version(training_args)
@@ -123,12 +152,22 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
     return report
 
 
-def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: list[dict]) -> None:
-    """Record each rank's measured bytes of model states (after the first optimizer step) in the report."""
+def optimizer_state_dtype(optimizer) -> str | None:
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:  # Adam's moments, not its step counter
+                return _dtype(value.dtype)
+    return None
+
+
+def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: list[dict], optimizer_dtype: str | None = None) -> None:
+    """Record each rank's measured bytes of model states (after the first optimizer step) in the report, and the
+    dtype of the optimizer state."""
     if not accelerator.is_main_process:
         return
     path = Path(output_dir) / REPORT_NAME
     report = json.loads(path.read_text())
+    report.setdefault("precision", {})["optimizer_state"] = optimizer_dtype
     for rank, grad, state in zip(report["ranks"], grads, states):
         rank["bytes"] = {**state, "grads": grad}
     path.write_text(json.dumps(report, indent=2) + "\n")
@@ -160,6 +199,12 @@ class ShardingReport(TrainerCallback):
             f"{report['ranks'][0]['wrapper']} {report['sharding_strategy']} on {report['world_size']} process(es), "
             f"{report['device']}: this rank holds {local:,} of {report['total_param_elements']:,} parameter elements"
         )
+        units, precision = report["wrapped_units"], report["precision"]
+        logger.info(
+            "wrapped units: " + ", ".join(f"{n} x {name}" for name, n in units.items()) + "; dtypes: master weights "
+            f"{precision['master_weights']}, compute {precision['compute']}, gradient reduction "
+            f"{precision['gradient_reduction']}, saved model {precision['saved_model']} (fsdp_report.json)"
+        )
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.grad_bytes is None:  # gradients exist only between backward and the optimizer step
@@ -169,4 +214,5 @@ class ShardingReport(TrainerCallback):
         if state.global_step == 1:  # the optimizer state exists from the first step on
             accelerator = self.trainer.accelerator
             measured = state_bytes(self.trainer.model_wrapped, self.trainer.optimizer)
-            add_measured_bytes(args.output_dir, accelerator, gather(self.grad_bytes, accelerator), gather(measured, accelerator))
+            add_measured_bytes(args.output_dir, accelerator, gather(self.grad_bytes, accelerator), gather(measured, accelerator),
+                               optimizer_state_dtype(self.trainer.optimizer))

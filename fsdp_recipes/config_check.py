@@ -237,6 +237,10 @@ def check_settings(
                     f"drop {key} from the recipe, or set fsdp_activation_checkpointing: false", file=recipe_file)
     if sd_type == "SHARDED_STATE_DICT" and _as_bool(recipe.get("save_only_model")):
         c.error("save_only_model", "cannot be combined with SHARDED_STATE_DICT (transformers refuses it)", "drop save_only_model, or use FULL_STATE_DICT", file=recipe_file)
+    if recipe.get("dtype") in ("bfloat16", "float16"):
+        c.warn("dtype", f"{recipe['dtype']} keeps the master weights and the optimizer state in 16 bits: updates smaller than "
+               "their precision are rounded away", "keep dtype: float32 and set mixed_precision: bf16 in the accelerate config "
+               "(FSDP computes in bf16, keeps fp32 master weights)", file=recipe_file)
     if recipe.get("fp16") and mp == "bf16" or recipe.get("bf16") and mp == "fp16":
         c.error("fp16" if recipe.get("fp16") else "bf16", f"disagrees with the accelerate config's mixed_precision: {mp}", "set mixed precision in one place: the accelerate config", file=recipe_file)
 

@@ -1,4 +1,11 @@
-"""Training data: hub or local files, as packed plain text or chat messages with assistant-only loss."""
+"""Training data: hub or local files, as packed plain text or chat messages with assistant-only loss.
+
+Two ways to pack (``packing``): ``concat`` joins the documents and cuts blocks of block_size tokens (every
+token counts, but one may attend to the end of the previous document); ``padding_free`` keeps each document
+whole with positions restarting at 0, and a batch is one row of documents that attend only within themselves:
+transformers' DataCollatorWithFlattening gives position_ids, from which its attention masks (sdpa, eager, flash)
+find the document boundaries.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ from itertools import chain
 from pathlib import Path
 
 from datasets import Dataset, load_dataset
-from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase, default_data_collator
 
 from .arguments import DATA_EXTENSIONS, DataArguments, RecipeError
 
@@ -60,6 +67,22 @@ def pack_text(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArgume
     return tokenized.map(group, batched=True, batch_size=1000, num_proc=args.preprocessing_num_workers, desc=f"Packing into {args.block_size}-token blocks")
 
 
+def split_documents(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArguments) -> Dataset:
+    """Each document with EOS, as examples of at most block_size tokens (a longer one is split): for padding-free
+    batches, where every example keeps positions of its own."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def tokenize(batch):
+        pieces = []
+        for ids in tokenizer(batch[args.text_column], add_special_tokens=False)["input_ids"]:
+            ids = ids + eos
+            pieces += [ids[i : i + args.block_size] for i in range(0, len(ids), args.block_size)]
+        pieces = [p for p in pieces if len(p) > 1]  # one token predicts nothing
+        return {"input_ids": pieces, "labels": [list(p) for p in pieces]}
+
+    return raw.map(tokenize, batched=True, remove_columns=raw.column_names, num_proc=args.preprocessing_num_workers, desc="Tokenizing documents")
+
+
 def assistant_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and a 0/1 mask of the assistant tokens.
 
@@ -100,13 +123,31 @@ def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataAr
     return dataset.filter(lambda ex: any(t != IGNORE_INDEX for t in ex["labels"]), desc="Dropping examples with no assistant tokens")
 
 
+class PaddingFreeCollator(DataCollatorWithFlattening):
+    """Documents flattened into one row with position_ids restarting per document, and ``use_cache=False``.
+
+    transformers 5.23 finds the document boundaries in position_ids only when no KV cache is passed
+    (masking_utils._preprocess_mask_arguments), and a model with use_cache on builds one even in training: the
+    batch would then silently attend across documents. The Trainer sets the model's use_cache from
+    TrainingArguments.use_cache (off by default); the flag travels with the batch so that --use_cache true, or a
+    loop other than the Trainer, cannot turn packing into cross-document attention.
+    """
+
+    def __call__(self, features, *args, **kwargs):
+        return {**super().__call__(features, *args, **kwargs), "use_cache": False}
+
+
 def build_datasets(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int = 42) -> tuple[Dataset, Dataset | None, object]:
     """The tokenized training set, the tokenized evaluation set (or None) and the collator that batches both."""
     raw, raw_eval = load_raw(args, seed)
     fmt = resolve_format(args, raw.column_names)
-    prepare = pack_text if fmt == "text" else tokenize_chat
+    if args.packing == "padding_free":
+        prepare = split_documents if fmt == "text" else tokenize_chat
+        collator = PaddingFreeCollator(return_position_ids=True, separator_id=IGNORE_INDEX)
+    else:
+        prepare = pack_text if fmt == "text" else tokenize_chat
+        collator = default_data_collator if fmt == "text" else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
     dataset = prepare(raw, tokenizer, args)
-    collator = default_data_collator if fmt == "text" else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
     if len(dataset) == 0:
         raise RecipeError(f"no training examples after preprocessing: the data is shorter than block_size={args.block_size}")
     evaluation = None

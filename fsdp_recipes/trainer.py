@@ -49,6 +49,15 @@ class FSDPTrainer(Trainer):
         self.add_callback(self.preemption)
         self.throughput = Throughput()  # train_fsdp.py sets its FLOPs per token and peak where MFU is known
 
+    def close_progress_bar(self) -> None:
+        """A run that fails mid-training leaves tqdm's bar open, without its newline."""
+        from transformers.trainer_callback import ProgressCallback
+
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+                callback.training_bar.close()
+                callback.training_bar = None
+
     def training_step(self, model, inputs, *args, **kwargs):
         self.throughput.count(inputs)
         return super().training_step(model, inputs, *args, **kwargs)

@@ -225,7 +225,7 @@ def test_output_dir_on_a_read_only_filesystem_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--max_steps", "0"], "max_steps=0 would still train one step and save checkpoint-1"),
-    (["--learning_rate", "0"], "learning_rate=0.0 leaves the weights unchanged"),
+    (["--learning_rate=-1e-4"], "learning_rate=-0.0001 is negative"),
     (["--block_size", "1024"], "block_size=1024 is longer than the model's 256 positions: use block_size 256 or less"),
     (["--eval_strategy", "steps"], "eval_strategy=steps needs evaluation data: set validation_file"),
     (["--validation_split_percentage", "10", "--validation_file", "x.txt"], "set one evaluation source, not validation_file and validation_split_percentage"),
@@ -236,3 +236,9 @@ def test_output_dir_on_a_read_only_filesystem_is_one_line(tmp_path):
 def test_values_that_would_train_nothing_or_the_wrong_thing(argv, message, tmp_path):
     with pytest.raises(RecipeError, match=re.escape(message)):
         parse_args([*argv, "--output_dir", str(tmp_path / "o"), *NO_FSDP])
+
+
+def test_learning_rate_zero_is_a_warning(tmp_path, capsys):
+    """A run that checks a model loads may want the weights unchanged (test_training.py does): warned, not refused."""
+    parse_args(["--learning_rate", "0", "--output_dir", str(tmp_path / "o"), *NO_FSDP])
+    assert "warning: learning_rate=0: the weights will not change" in capsys.readouterr().err

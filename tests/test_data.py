@@ -112,3 +112,36 @@ def test_output_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(RecipeError, match="is a file: choose a folder"):
         check_output_dir(str(tmp_path / "file"), resuming=False, overwrite=False)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_padding_free_batch_gives_each_document_its_own_logits(tokenizer, attention, tmp_path):
+    """packing: padding_free. Documents of different lengths in one flattened row (the collator's position_ids
+    restart per document) get the same logits as each document run alone: no token attends across a boundary.
+    With concat packing the second document's logits change (it attends to the first), so the test can fail."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    docs = ["Ada sees the red cat.", "The owl walks slowly to the barn with Ben and the old dog.", "Cleo has 3 cats."]
+    corpus = tmp_path / "docs.txt"
+    corpus.write_text("\n".join(docs) + "\n")
+    dataset, _, collator = build_datasets(DataArguments(train_file=str(corpus), block_size=32, packing="padding_free"), tokenizer)
+    assert len(dataset) == 3
+    batch = collator([dataset[i] for i in range(3)])
+    lengths = [len(dataset[i]["input_ids"]) for i in range(3)]
+    assert batch["input_ids"].shape == (1, sum(lengths)) and "attention_mask" not in batch
+    assert batch["position_ids"][0].tolist() == [p for n in lengths for p in range(n)]
+    starts = [sum(lengths[:i]) for i in range(3)]
+    assert all(batch["labels"][0, s] == IGNORE_INDEX for s in starts)  # no label predicted across a boundary
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", attn_implementation=attention)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]  # as the Trainer calls it
+        concatenated = model(input_ids=batch["input_ids"]).logits[0]
+        for i, start in enumerate(starts):
+            alone = model(input_ids=torch.tensor([dataset[i]["input_ids"]])).logits[0]
+            torch.testing.assert_close(packed[start : start + lengths[i]], alone, rtol=1e-5, atol=1e-5)
+        second = slice(starts[1], starts[1] + lengths[1])
+        assert not torch.allclose(concatenated[second], model(input_ids=torch.tensor([dataset[1]["input_ids"]])).logits[0], atol=1e-3)

@@ -317,7 +317,7 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tm
     try:
         out = disk / "run"
         proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), check=False)
-        errors = [line for line in proc.stderr.splitlines() if "train_fsdp.py: error:" in line]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
         assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
         assert f"train_fsdp.py: error: no space left on {out}: a checkpoint takes 3.5 MB" in errors[0]
         assert "MB more; checkpoint-6 is intact: free space (or move output_dir), then run the same command with --resume_from_checkpoint true" in errors[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ALL_CONFIGS, launch, logged_losses, read_json
+from conftest import ALL_CONFIGS, REPO, launch, logged_losses, read_json
 
 @pytest.mark.parametrize("config", ALL_CONFIGS)
 def test_really_fsdp_and_sharded(trained, config):
@@ -23,6 +23,32 @@ def test_really_fsdp_and_sharded(trained, config):
         assert rank["wrapper"] == f"FSDP{run.fsdp_version}"
         # exact: every weight dimension of the tiny model divides evenly by 2
         assert rank["local_param_elements"] * run.shard_group == total, rank
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_precision_and_wrapping_contract(trained, config):
+    """fsdp_report.json names the wrapped layer class with its count, and the dtypes of master weights, compute,
+    gradient reduction, optimizer state and saved model; each checked against what the run wrote or was given."""
+    import yaml
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = trained(config)
+    layers = read_json(run.output_dir / "config.json")["num_hidden_layers"]
+    units = run.report["wrapped_units"]
+    assert units["LlamaDecoderLayer"] == layers and units["LlamaForCausalLM"] == 1  # the wrap class, and the root
+    # FSDP2 (accelerate's fsdp2_prepare_model) also makes the embeddings, the LM head and the final norm units
+    assert set(units) - {"LlamaDecoderLayer", "LlamaForCausalLM"} == ({"Embedding", "Linear", "LlamaRMSNorm"} if run.fsdp_version == 2 else set())
+    precision = run.report["precision"]
+    mixed = yaml.safe_load((REPO / config).read_text())["mixed_precision"]
+    assert precision["compute"] == {"bf16": "bfloat16", "no": "float32"}[mixed]
+    with safe_open(run.output_dir / "model.safetensors", "pt") as f:
+        saved = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert saved == {"F32"} and precision["saved_model"] == precision["master_weights"] == "float32"
+    step = max(int(p.name.split("-")[1]) for p in run.output_dir.glob("checkpoint-*"))
+    optimizer = FileSystemReader(str(run.output_dir / f"checkpoint-{step}" / "optimizer_0")).read_metadata()
+    moments = {str(m.properties.dtype).removeprefix("torch.") for k, m in optimizer.state_dict_metadata.items() if "exp_avg" in k}
+    assert moments == {precision["optimizer_state"]}
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS)
@@ -84,14 +110,17 @@ def test_finetune_from_local_folder_loads_the_weights_on_every_rank(trained, tmp
 
 
 def test_chat_sft_from_local_folder(trained, tmp_path):
+    """Chat SFT over a pre-trained folder, with padding-free batches (whole conversations in one row, no padding;
+    test_data.py proves no token attends across conversations): trains under FSDP2 and loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = trained("accelerate_configs/zero3.yaml").output_dir
     out = tmp_path / "chat"
     launch(
         "accelerate_configs/zero3.yaml", "recipes/tiny-llama/chat_sft.yaml", "--model_name_or_path", str(base),
-        "--max_steps", "12", "--logging_steps", "2", "--save_steps", "12", "--output_dir", str(out),
+        "--max_steps", "12", "--logging_steps", "2", "--save_steps", "12", "--output_dir", str(out), "--packing", "padding_free",
     )
+    assert read_json(out / "run_args.json")["data"]["packing"] == "padding_free"
     losses = logged_losses(out)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
     tokenizer = AutoTokenizer.from_pretrained(out)
