@@ -27,6 +27,7 @@ from fsdp_recipes.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_l
 from fsdp_recipes.modeling import load_model, load_tokenizer
 from fsdp_recipes.preemption import was_interrupted, watch_interrupts
 from fsdp_recipes.preflight import hold_output_dir, save_resolved_arguments
+from fsdp_recipes.profiling import StepProfiler, parse_steps
 from fsdp_recipes.trainer import FSDPTrainer
 
 logger = logging.getLogger("train_fsdp")
@@ -74,6 +75,8 @@ def main(model_args, data_args, preflight):
         data_collator=collator,
         processing_class=tokenizer,
     )
+    if preflight.run_args.profile_steps:
+        trainer.add_callback(StepProfiler(*parse_steps(preflight.run_args.profile_steps), training_args.output_dir, training_args.process_index))
     trainer.throughput.flops_per_token = flops_per_token(model, data_args.block_size)
     trainer.throughput.peak = device_peak_flops(preflight.run_args.peak_tflops)
     if training_args.resume_from_checkpoint:

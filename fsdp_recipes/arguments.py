@@ -282,6 +282,12 @@ class RunArguments:
         metadata={"help": "Train without FSDP on purpose (debugging). A launch without an FSDP config is otherwise refused: "
                   "`python train_fsdp.py` or `accelerate launch` with no config would train one unsharded model and exit 0."},
     )
+    profile_steps: str | None = field(
+        default=None,
+        metadata={"help": "Profile these optimizer steps, e.g. 5-8: a Chrome trace per rank in output_dir/profile/ "
+                  "(and a CUDA memory snapshot on GPUs), and one line with the share of time in all-gather, "
+                  "reduce-scatter and all-reduce and how much of it overlapped compute."},
+    )
     peak_tflops: float | None = field(
         default=None,
         metadata={"help": "The GPU's dense bf16 peak in TFLOPS, for MFU in the logs (default: from a table of common "
@@ -355,6 +361,15 @@ def check_training_values(raw, model_args: ModelArguments, data_args: DataArgume
     if str(raw.eval_strategy or "no").lower() not in ("no", "intervalstrategy.no") and not data_args.evaluates:
         raise RecipeError(f"eval_strategy={raw.eval_strategy} needs evaluation data: set validation_file, "
                           "validation_split_percentage or dataset_test_split")
+    if raw.profile_steps is not None:
+        from .profiling import parse_steps
+
+        try:
+            first, last = parse_steps(str(raw.profile_steps))
+        except ValueError as err:
+            raise RecipeError(f"profile_steps={err}") from None
+        if raw.max_steps > 0 and last > raw.max_steps:
+            raise RecipeError(f"profile_steps={raw.profile_steps} ends after max_steps={raw.max_steps}: profile steps within the run")
     positions = model_positions(model_args.model_name_or_path or model_args.config_name)
     if positions is not None and data_args.block_size > positions:
         raise RecipeError(f"block_size={data_args.block_size} is longer than the model's {positions} positions: "

@@ -131,8 +131,9 @@ def test_chat_sft_from_local_folder(trained, tmp_path):
 @pytest.mark.slow
 def test_evaluation_throughput_loss_plot_and_tensorboard(tmp_path):
     """One 2-process FSDP2 run with a held-out 10% evaluated every 6 steps and at the end, reported to
-    TensorBoard: eval_loss and eval_perplexity equal on every rank, tokens per second at every logging step and
-    the run's token count in the end metrics, loss.png a PNG that decodes, TensorBoard scalars written."""
+    TensorBoard, steps 3-4 profiled: eval_loss and eval_perplexity equal on every rank, tokens per second at every
+    logging step and the run's token count in the end metrics, loss.png a PNG that decodes, TensorBoard scalars
+    written, a Chrome trace per rank holding FSDP's collectives and a summary of their share."""
     from matplotlib.image import imread
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -141,7 +142,8 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(tmp_path):
     out, dumps = tmp_path / "run", tmp_path / "eval"
     dumps.mkdir()
     launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), "--validation_split_percentage", "10",
-           "--eval_strategy", "steps", "--eval_steps", "6", "--report_to", "tensorboard", script=FAULT_SCRIPT, env={"FSDP_DUMP_EVAL": str(dumps)})
+           "--eval_strategy", "steps", "--eval_steps", "6", "--report_to", "tensorboard", "--profile_steps", "3-4",
+           script=FAULT_SCRIPT, env={"FSDP_DUMP_EVAL": str(dumps)})
     final = read_json(out / "eval_results.json")
     assert math.isclose(final["eval_perplexity"], math.exp(final["eval_loss"]), rel_tol=1e-9)
     for step in (6, 12):
@@ -162,6 +164,14 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(tmp_path):
 
     png = out / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and imread(png).shape[0] > 100
+
+    for rank in (0, 1):
+        trace = read_json(out / "profile" / f"rank{rank}.trace.json")["traceEvents"]
+        names = {e.get("name") for e in trace}
+        assert {"gloo:all_gather", "gloo:all_reduce"} <= names and any(n.startswith("FSDP::all_gather") for n in names if n)
+    summary = read_json(out / "profile" / "summary.json")
+    assert summary["steps"] == [3, 4] and 0 < summary["all_gather_share"] <= summary["communication_share"] <= 1
+    assert 0 <= summary["overlapped_share"] <= 1
 
     scalars: dict[str, list] = {}  # the final evaluation, after training ended, opens a second event file
     for events in (out / "runs").rglob("events.out.tfevents.*"):

@@ -1,0 +1,145 @@
+"""``--profile_steps 5-8``: a torch.profiler trace of those optimizer steps on every rank, and how much of
+their time went to FSDP's communication.
+
+Each rank writes ``output_dir/profile/rank<R>.trace.json`` (Chrome trace format: open it in Perfetto,
+https://ui.perfetto.dev, or chrome://tracing) and, on CUDA, ``rank<R>.memory.pickle`` for PyTorch's memory
+viewer (https://pytorch.org/memory_viz). Rank 0 prints one line and writes ``profile/summary.json``: the share
+of the profiled steps' wall time spent in all-gather, reduce-scatter and all-reduce, and the share of that
+communication that ran while compute ran too (overlapped). On GPUs both come from the device timeline (NCCL
+kernels against the other kernels); on CPU from the host (gloo's collectives, run on its worker threads, against
+the aten operators of the training thread). gloo has no reduce-scatter of its own: on CPU FSDP's reduce-scatter
+runs as an all-reduce and is counted there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger("train_fsdp")
+PROFILE_DIR = "profile"
+COLLECTIVES = {  # the share reported for each, by the names torch's process groups and NCCL give their work
+    "all_gather": ("all_gather", "allgather", "_allgather_base"),
+    "reduce_scatter": ("reduce_scatter", "reducescatter", "_reduce_scatter_base"),
+    "all_reduce": ("all_reduce", "allreduce"),
+}
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """'5-8' (optimizer steps, inclusive, counted from 1) or '5' -> (first, last)."""
+    first, _, last = text.partition("-")
+    first, last = int(first), int(last or first)
+    if not 1 <= first <= last:
+        raise ValueError(f"{text!r}: give the first and last optimizer step to profile, e.g. 5-8 (counted from 1)")
+    return first, last
+
+
+def collective_kind(name: str, on_device: bool) -> str | None:
+    """The collective an event executes: NCCL kernels on the device; on the host, gloo's own events (its worker
+    threads run them; the c10d::* calls on the main thread only enqueue them)."""
+    lowered = name.lower()
+    if not ("nccl" in lowered if on_device else lowered.startswith("gloo:")):
+        return None
+    return next((kind for kind, tags in COLLECTIVES.items() if any(t in lowered for t in tags)), None)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a, b) -> float:
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += max(0.0, min(end, b[k][1]) - max(start, b[k][0]))
+            k += 1
+    return total
+
+
+def summarize(events, wall_us: float, on_device: bool) -> dict:
+    """Shares of wall time per collective kind, and the overlapped share of all communication.
+
+    ``events``: the profiler's FunctionEvents; on GPUs the device kernels count, on CPU the host operators.
+    """
+    comm: dict[str, list] = {kind: [] for kind in COLLECTIVES}
+    compute = []
+    for event in events:
+        device = str(getattr(event, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
+        if device != on_device:
+            continue
+        start, end = event.time_range.start, event.time_range.end
+        if (kind := collective_kind(event.name, on_device)) is not None:
+            comm[kind].append((start, end))
+        elif on_device or (event.name.startswith("aten::") and not event.name.startswith("aten::_foreach")):
+            compute.append((start, end))
+    comm_union = _union([i for spans in comm.values() for i in spans])
+    compute_union = _union(compute)
+    communicated = _length(comm_union)
+    summary = {f"{kind}_share": round(_length(_union(spans)) / wall_us, 4) for kind, spans in comm.items()}
+    summary["communication_share"] = round(communicated / wall_us, 4)
+    summary["overlapped_share"] = round(_intersection(comm_union, compute_union) / communicated, 4) if communicated else None
+    summary["timeline"] = "device (NCCL kernels)" if on_device else "host (gloo)"
+    return summary
+
+
+class StepProfiler(TrainerCallback):
+    """Profiles optimizer steps ``first``..``last`` (counted from 1) on every rank."""
+
+    def __init__(self, first: int, last: int, output_dir: str, rank: int):
+        self.first, self.last, self.rank = first, last, rank
+        self.folder = Path(output_dir) / PROFILE_DIR
+        self.profiler = None
+        self.cuda = torch.cuda.is_available()
+        self.summary: dict | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.profiler is None and self.summary is None and state.global_step + 1 == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
+            self.profiler = torch.profiler.profile(activities=activities)
+            if self.cuda:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+            self.profiler.__enter__()
+            self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.profiler is None or state.global_step < self.last:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - self.started) * 1e6
+        self.profiler.__exit__(None, None, None)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.profiler.export_chrome_trace(str(self.folder / f"rank{self.rank}.trace.json"))
+        if self.cuda:
+            torch.cuda.memory._dump_snapshot(str(self.folder / f"rank{self.rank}.memory.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self.summary = {"steps": [self.first, self.last], "wall_seconds": round(wall_us / 1e6, 4),
+                        **summarize(self.profiler.events(), wall_us, on_device=self.cuda)}
+        self.profiler = None
+        if self.rank == 0:
+            (self.folder / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
+            s = self.summary
+            logger.info(
+                f"profile of steps {self.first}-{self.last} (rank 0, {s['timeline']}): all-gather {s['all_gather_share']:.1%}, "
+                f"reduce-scatter {s['reduce_scatter_share']:.1%}, all-reduce {s['all_reduce_share']:.1%} of "
+                f"{s['wall_seconds']:.2f} s; {s['overlapped_share'] or 0:.0%} of communication overlapped compute; "
+                f"traces in {self.folder}"
+            )
