@@ -51,6 +51,18 @@ class ModelArguments:
         default=None, metadata={"help": "Attention kernel, e.g. sdpa, eager, flash_attention_2. Default: transformers' choice."}
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub repository."})
+    # LoRA with peft, under the names TRL uses (trl.ModelConfig), so recipes carry over.
+    use_peft: bool = field(
+        default=False,
+        metadata={"help": "Train a LoRA adapter (peft) instead of all weights, sharded by FSDP like the rest. The run ends "
+                  "with the merged model in output_dir and the adapter in output_dir/adapter/."},
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA path."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Module names to adapt, e.g. q_proj v_proj (default: every linear layer but the LM head)."},
+    )
 
     def __post_init__(self):
         if (self.model_name_or_path is None) == (self.config_name is None):
@@ -60,6 +72,9 @@ class ModelArguments:
             )
         if self.dtype not in DTYPES:
             raise RecipeError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
+            raise RecipeError(f"LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got r={self.lora_r}, "
+                              f"alpha={self.lora_alpha}, dropout={self.lora_dropout}")
         if self.config_name is not None and not Path(self.config_name).exists():
             raise RecipeError(f"config_name={self.config_name!r} does not exist: give a folder holding config.json")
         if self.tokenizer_name is None:

@@ -50,6 +50,21 @@ def param_elements(model: torch.nn.Module) -> tuple[int, int]:
     return local, total
 
 
+def trainable_elements(model: torch.nn.Module) -> int:
+    """Elements of trainable parameters this rank stores (FSDP2: local parts of DTensors; FSDP1 with
+    use_orig_params: the parameters are views into this rank's shard)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters() if p.requires_grad)
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    """The trainable parameters' names with layer numbers folded (``...layers.*.self_attn.q_proj.lora_A...``)."""
+    import re
+
+    names = {re.sub(r"\.\d+\.", ".*.", n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""))
+             for n, p in model.named_parameters() if p.requires_grad}
+    return sorted(names)
+
+
 def _local(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
@@ -118,15 +133,17 @@ def precision_contract(model: torch.nn.Module, accelerator) -> dict:
             "optimizer_state": None, "saved_model": _dtype(master)}
 
 
-def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, training_args=None) -> dict:
+def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, training_args=None, trainable_total: int | None = None) -> dict:
     """Check the prepared model against the launch config on every rank; rank 0 writes the report.
 
     Raises NotShardedError on every rank when FSDP was asked for and is not what runs.
     """
     kind = wrapper_kind(model)
     local, total = param_elements(model)
+    trainable_total = total if trainable_total is None else trainable_total  # counted before sharding (FSDPTrainer)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    rank_info = {"rank": accelerator.process_index, "wrapper": kind, "local_param_elements": local}
+    rank_info = {"rank": accelerator.process_index, "wrapper": kind, "local_param_elements": local,
+                 "local_trainable_elements": trainable_elements(model)}
     gathered = gather(rank_info, accelerator)
     report = {
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
@@ -135,6 +152,8 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
         "world_size": accelerator.num_processes,
         "device": str(accelerator.device),
         "total_param_elements": total,
+        "trainable_param_elements": trainable_total,
+        "trainable": trainable_names(model) if trainable_total < total else "all",
         "wrapped_units": wrapped_units(model),
         "precision": precision_contract(model, accelerator),
         "ranks": gathered,
@@ -193,12 +212,19 @@ class ShardingReport(TrainerCallback):
         self.grad_bytes = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir, args)
+        report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir, args, self.trainer.trainable_total)
         local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
         logger.info(
             f"{report['ranks'][0]['wrapper']} {report['sharding_strategy']} on {report['world_size']} process(es), "
             f"{report['device']}: this rank holds {local:,} of {report['total_param_elements']:,} parameter elements"
         )
+        if report["trainable"] != "all":
+            mine = report["ranks"][self.trainer.accelerator.process_index]["local_trainable_elements"]
+            logger.info(
+                f"trainable: {report['trainable_param_elements']:,} of {report['total_param_elements']:,} parameter elements "
+                f"({report['trainable_param_elements'] / report['total_param_elements']:.2%}), sharded like the rest: this rank "
+                f"holds {mine:,} of them; {len(report['trainable'])} parameter names in fsdp_report.json"
+            )
         units, precision = report["wrapped_units"], report["precision"]
         logger.info(
             "wrapped units: " + ", ".join(f"{n} x {name}" for name, n in units.items()) + "; dtypes: master weights "

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .checkpoint_files import DCP_MODEL_DIR, MANIFEST, REPORT_NAME
+from .checkpoint_files import ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, REPORT_NAME
 from .description import describe_folder, write_manifest
 from .merge import write_model_files
 from .sources import DCPSource
@@ -30,9 +30,26 @@ def unwrapped_model_class(model: torch.nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
+def lora_parts(model) -> tuple[torch.nn.Module, object | None]:
+    """(the base model, the LoRA config) of a peft model; (model, None) for any other."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return model, None
+    if isinstance(model, PeftModel):
+        return model.get_base_model(), model.peft_config[model.active_adapter]
+    return model, None
+
+
 def save_model_description(model, tokenizer, folder: str | os.PathLike) -> list[str]:
-    """config.json (with the real class in architectures), generation config and tokenizer: no weights."""
-    return describe_folder(Path(folder), unwrapped_model_class(model), model.config, tokenizer, getattr(model, "generation_config", None))
+    """config.json (with the real class in architectures), generation config and tokenizer: no weights. For a peft
+    model, the base model's and adapter_config.json, so the folder merges on its own (fsdp_recipes.lora)."""
+    model, lora = lora_parts(model)
+    files = describe_folder(Path(folder), unwrapped_model_class(model), model.config, tokenizer, getattr(model, "generation_config", None))
+    if lora is not None:
+        lora.save_pretrained(str(folder))
+        files.append(ADAPTER_CONFIG)
+    return files
 
 
 class DescribeCheckpoints(TrainerCallback):
@@ -51,7 +68,7 @@ class DescribeCheckpoints(TrainerCallback):
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         files = save_model_description(model, self.tokenizer, folder)
         try:
-            write_manifest(folder, model.config, files)
+            write_manifest(folder, lora_parts(model)[0].config, files)
         except Exception as err:  # only a shortcut for the merge, never worth a failed run
             logger.warning(f"no {MANIFEST} in {folder} ({type(err).__name__}: {err}); merging it checks the config with transformers")
 
@@ -80,7 +97,15 @@ def save_final_model(trainer, tokenizer) -> None:
     accelerator, out = trainer.accelerator, Path(trainer.args.output_dir)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     model = accelerator.unwrap_model(trainer.model)
-    if plugin is None or "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
+    base, lora = lora_parts(model)
+    if plugin is None and lora is not None:  # a run without FSDP (--allow_no_fsdp): the whole model is here
+        if accelerator.is_main_process:
+            model.save_pretrained(str(out / ADAPTER_DIR))
+            model.merge_and_unload().save_pretrained(str(out))
+            save_model_description(base, tokenizer, out)
+        accelerator.wait_for_everyone()
+        return
+    if plugin is None or ("SHARDED_STATE_DICT" not in str(plugin.state_dict_type) and lora is None):
         trainer.save_model(str(out))
         if accelerator.is_main_process:
             save_model_description(model, tokenizer, out)  # save_pretrained names the FSDP<Model> subclass
@@ -92,7 +117,11 @@ def save_final_model(trainer, tokenizer) -> None:
     accelerator.wait_for_everyone()
     save_fsdp_model(plugin, accelerator, trainer.model, str(shards))
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and lora is not None:  # the merged model, and the adapter beside it
+        save_model_description(model, tokenizer, shards)
+        write_final_folder(shards, out, log=logger.info)
+        shutil.rmtree(shards)
+    elif accelerator.is_main_process:
         staging = out / ".export-tmp"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
@@ -104,7 +133,8 @@ def save_final_model(trainer, tokenizer) -> None:
     accelerator.wait_for_everyone()
 
 
-EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp")  # this module's own staging folders in output_dir
+EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp", ".adapter-tmp")  # this module's own staging folders in output_dir
+ADAPTER_DIR = "adapter"  # a LoRA run's adapter, beside the merged model: PeftModel.from_pretrained loads it
 
 
 def remove_export_leftovers(out: Path, log=print) -> None:
@@ -140,15 +170,28 @@ def finished_checkpoint_step(training_args) -> int | None:
 def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print) -> None:
     """The final model folder of a run, written from one of its checkpoints (tools/merge_checkpoint.py's code).
     ``base_model``: the run's own model source, for a checkpoint whose config.json is missing."""
+    remove_export_leftovers(Path(out), log=log)
+    write_final_folder(Path(ckpt), Path(out), base_model, log)
+
+
+def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log=print) -> None:
+    """``out`` becomes the model folder of checkpoint ``ckpt``; a LoRA checkpoint gives the merged model and the
+    adapter in ``out/adapter``."""
     from .description import description_dirs
     from .merge import merge_checkpoint
     from .sources import resolve_input
 
-    ckpt, out = Path(ckpt), Path(out)
-    remove_export_leftovers(out, log=log)
     staging = out / ".export-tmp"
     if description_dirs(resolve_input(ckpt))[0] is not None:
         base_model = None  # the checkpoint describes itself
     result = merge_checkpoint(ckpt, staging, overwrite=True, base_model=base_model, log=log)
+    if (ckpt / ADAPTER_CONFIG).is_file():  # a LoRA run: the adapter too, in a folder of its own
+        adapter_staging = out / ".adapter-tmp"
+        merge_checkpoint(ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log)
+        adapter = out / ADAPTER_DIR
+        if adapter.is_dir() and not adapter.is_symlink() and (adapter / ADAPTER_CONFIG).is_file():
+            shutil.rmtree(adapter)  # an earlier export of this run (it has an adapter_config.json: ours to replace)
+        os.replace(adapter_staging, adapter)
     publish(staging, out, result.files)
-    shutil.copy2(ckpt / "trainer_state.json", out / "trainer_state.json")
+    if (ckpt / "trainer_state.json").is_file():
+        shutil.copy2(ckpt / "trainer_state.json", out / "trainer_state.json")

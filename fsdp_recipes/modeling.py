@@ -30,4 +30,20 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
             f"tokenizer {args.tokenizer_name!r} has {len(tokenizer)} tokens but the model's embedding has {vocab} rows; "
             "use the model's own tokenizer"
         )
+    if args.use_peft:
+        model = add_lora(model, args)
     return model
+
+
+def add_lora(model: PreTrainedModel, args: ModelArguments):
+    """The model wrapped by peft with a LoRA adapter: only the adapter trains. The Trainer gives FSDP a wrap
+    policy that keeps LoRA layers in units of their own (transformers' update_fsdp_plugin_peft)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules or "all-linear"
+    try:
+        config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                            target_modules=targets, task_type="CAUSAL_LM")
+        return get_peft_model(model, config)
+    except ValueError as err:  # e.g. a target module name the model does not have
+        raise RecipeError(f"LoRA: {err}") from None

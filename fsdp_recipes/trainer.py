@@ -16,6 +16,12 @@ that window left the run with no complete checkpoint (with a limit of 1, the onl
 SIGTERM and SIGUSR1 (a cluster's time limit or preemption) end the run after the current optimizer step with a
 complete checkpoint of that step (fsdp_recipes.preemption).
 
+LoRA (peft) runs checkpoint the whole model, the frozen base weights with the adapter. The Trainer asks accelerate
+for adapter-only FSDP checkpoints, and under FSDP1 with SHARDED_STATE_DICT those come out empty (transformers 5.23,
+accelerate 1.15, measured: a 0-byte shard per rank): the resume then loads nothing and trains on from a fresh
+adapter. A whole checkpoint also merges on its own (tools/merge_checkpoint.py). FSDPTrainer switches the
+Trainer's adapter_only request off around its checkpoint saves and loads (``_whole_lora_checkpoints``).
+
 Every training log line carries tokens per second (in all and per device) and, on GPUs, MFU; evaluation logs carry
 eval_perplexity; the end-of-run metrics carry the run's averages (fsdp_recipes.metrics).
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import Trainer
@@ -42,6 +49,7 @@ logger = logging.getLogger(__name__)
 class FSDPTrainer(Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.trainable_total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # before sharding
         self.add_callback(ShardingReport(self))
         self.describer = DescribeCheckpoints(self, self.processing_class)
         self.add_callback(self.describer)
@@ -91,6 +99,30 @@ class FSDPTrainer(Trainer):
     def _fsdp1_sharded(self) -> bool:
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         return plugin is not None and plugin.fsdp_version == 1 and "SHARDED" in str(plugin.state_dict_type)
+
+    @contextmanager
+    def _whole_lora_checkpoints(self):
+        import transformers.trainer as hf_trainer
+
+        from .export import lora_parts
+
+        if not self.is_fsdp_enabled or lora_parts(self.accelerator.unwrap_model(self.model))[1] is None:
+            yield
+            return
+        ask = hf_trainer.get_fsdp_ckpt_kwargs  # {"adapter_only": True} where accelerate supports it
+        hf_trainer.get_fsdp_ckpt_kwargs = dict  # no adapter_only: the whole model
+        try:
+            yield
+        finally:
+            hf_trainer.get_fsdp_ckpt_kwargs = ask
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        with self._whole_lora_checkpoints():
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        with self._whole_lora_checkpoints():
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None and self._fsdp1_sharded():

@@ -230,6 +230,7 @@ def test_output_dir_on_a_read_only_filesystem_is_one_line(tmp_path):
     (["--eval_strategy", "steps"], "eval_strategy=steps needs evaluation data: set validation_file"),
     (["--validation_split_percentage", "10", "--validation_file", "x.txt"], "set one evaluation source, not validation_file and validation_split_percentage"),
     (["--validation_split_percentage", "80"], "validation_split_percentage=80 is not between 1 and 50"),
+    (["--use_peft", "true", "--lora_r", "0"], "LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1"),
     (["--profile_steps", "8-5"], "profile_steps='8-5': give the first and last optimizer step to profile"),
     (["--profile_steps", "5-8", "--max_steps", "6"], "profile_steps=5-8 ends after max_steps=6"),
     (["--dataset_test_split", "test"], "dataset_test_split is a split of dataset_name"),

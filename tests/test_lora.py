@@ -1,0 +1,54 @@
+"""LoRA (peft) under FSDP2 and FSDP1: only the adapter trains, sharded like the rest; a SIGKILL mid-run resumes to
+the same bits; the run ends with the merged model (equal to peft's own merge_and_unload of the trained adapter)
+and the adapter folder PeftModel loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FAULT_SCRIPT, QUICK, launch, logged_losses, read_json
+
+pytestmark = pytest.mark.slow
+
+LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-2"]
+CASES = [("accelerate_configs/zero3.yaml", "1:step:9"), ("accelerate_configs/fsdp1/zero3.yaml", "0:optimizer:12")]
+
+
+@pytest.mark.parametrize("config, fault", CASES, ids=["fsdp2", "fsdp1"])
+def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, config, fault, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = trained("accelerate_configs/zero3.yaml").output_dir  # a pre-trained folder to adapt
+    args = [*QUICK, "--model_name_or_path", str(base), *LORA]
+    whole, out = tmp_path / "whole", tmp_path / "killed"
+    launch(config, *args, "--output_dir", str(whole))
+    losses = logged_losses(whole)
+    assert losses[-1] < losses[0], losses
+
+    report = read_json(whole / "fsdp_report.json")
+    assert 0 < report["trainable_param_elements"] < report["total_param_elements"] / 5
+    assert sum(r["local_trainable_elements"] for r in report["ranks"]) == report["trainable_param_elements"]
+    assert all(0 < r["local_trainable_elements"] < report["trainable_param_elements"] for r in report["ranks"])  # sharded
+    assert report["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in report["trainable"])
+
+    killed = launch(config, *args, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": fault}, check=False)
+    assert killed.returncode != 0 and not (out / "model.safetensors").exists()
+    launch(config, *args, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        resumed, reference = load_file(out / name), load_file(whole / name)
+        assert set(resumed) == set(reference)
+        for key in reference:
+            assert torch.equal(resumed[key], reference[key]), (name, key)
+
+    merged = AutoModelForCausalLM.from_pretrained(whole).state_dict()
+    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), whole / "adapter").merge_and_unload().state_dict()
+    untouched = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    assert set(merged) == set(by_peft)
+    changed = 0
+    for key in by_peft:
+        torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
+        changed += not torch.equal(merged[key], untouched[key])
+    assert changed == 4 * 7  # every targeted linear of the 4 layers moved; nothing else did
