@@ -132,7 +132,7 @@ def fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-if __name__ == "__main__":
+def run() -> None:
     watch_interrupts()
     try:
         try:
@@ -148,3 +148,27 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         fail("train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "
              "--resume_from_checkpoint true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)", 130)
+
+
+def exit_after_atexit(code: list[int]) -> None:
+    """Registered first, so it runs after every other atexit handler (threads are already joined by then): flush
+    and leave. What it skips is only the interpreter tearing down torch, transformers and peft module by module,
+    about 1.5 s per process and per launch, after all output is written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code[0])
+
+
+if __name__ == "__main__":
+    import atexit
+
+    exit_code = [0]
+    atexit.register(exit_after_atexit, exit_code)
+    try:
+        run()
+    except SystemExit as stop:
+        exit_code[0] = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        raise
+    except BaseException:
+        exit_code[0] = 1  # Python prints the traceback before atexit runs
+        raise
