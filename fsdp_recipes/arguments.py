@@ -64,6 +64,23 @@ class ModelArguments:
         default=None, metadata={"help": "Module names to adapt, e.g. q_proj v_proj (default: every linear layer but the LM head)."},
     )
 
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={"help": "QLoRA: load the base weights in 4 bits with bitsandbytes (CUDA only) and train a LoRA adapter "
+                  "(needs use_peft and model_name_or_path)."},
+    )
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit data type: nf4 or fp4.", "choices": ["nf4", "fp4"]})
+    bnb_4bit_compute_dtype: str = field(
+        default="bfloat16", metadata={"help": "dtype the 4-bit weights are dequantized to for compute.", "choices": ["bfloat16", "float16", "float32"]},
+    )
+    bnb_4bit_quant_storage: str = field(
+        default="bfloat16",
+        metadata={"help": "dtype the packed 4-bit weights are stored in. Under FSDP it must equal the dtype of the model's "
+                  "other parameters (dtype): FSDP shards all of a unit's parameters as one dtype.",
+                  "choices": ["bfloat16", "float16", "float32", "uint8"]},
+    )
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Quantize the quantization constants too (double quantization)."})
+
     def __post_init__(self):
         if (self.model_name_or_path is None) == (self.config_name is None):
             raise RecipeError(
@@ -72,6 +89,12 @@ class ModelArguments:
             )
         if self.dtype not in DTYPES:
             raise RecipeError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.load_in_4bit:
+            if not (self.use_peft and self.model_name_or_path):
+                raise RecipeError("load_in_4bit (QLoRA) quantizes pre-trained weights and trains a LoRA adapter on them: "
+                                  "set use_peft: true and model_name_or_path")
+            if problem := qlora_problem():
+                raise RecipeError(problem)
         if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
             raise RecipeError(f"LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got r={self.lora_r}, "
                               f"alpha={self.lora_alpha}, dropout={self.lora_dropout}")
@@ -82,6 +105,20 @@ class ModelArguments:
         for key, weights in (("model_name_or_path", True), ("tokenizer_name", False)):
             if getattr(self, key) is not None and (problem := model_source_problem(getattr(self, key), weights)):
                 raise RecipeError(f"{key}={getattr(self, key)!r} {problem}")
+
+
+def qlora_problem() -> str | None:
+    """QLoRA needs bitsandbytes' 4-bit kernels: CUDA and the bitsandbytes package."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("load_in_4bit (QLoRA) needs a CUDA GPU: bitsandbytes' 4-bit weights have no CPU path to train with; "
+                "on this machine use use_peft without load_in_4bit (LoRA on full-precision weights)")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "load_in_4bit (QLoRA) needs bitsandbytes: pip install bitsandbytes"
+    return None
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -492,7 +529,8 @@ def check_launch(raw, plan: Preflight) -> None:
     fsdp = plan.launch is not None and (plan.launch.config.get("distributed_type") == "FSDP" or "fsdp_config" in plan.launch.config)
     if not fsdp or (raw.allow_no_fsdp and plan.launch.config.get("distributed_type") != "FSDP"):
         return  # nothing of FSDP to check (a launch without FSDP is refused below, by name), or no FSDP on purpose
-    settings = {k: getattr(raw, k, None) for k in ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16", "dtype")}
+    settings = {k: getattr(raw, k, None) for k in ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16", "dtype",
+                                          "load_in_4bit", "bnb_4bit_quant_storage", "bnb_4bit_compute_dtype")}
     problems = launcher.check(plan.launch, settings, raw.model_name_or_path or raw.config_name)
     for problem in problems:
         if problem.level == "warning":

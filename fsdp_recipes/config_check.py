@@ -237,7 +237,18 @@ def check_settings(
                     f"drop {key} from the recipe, or set fsdp_activation_checkpointing: false", file=recipe_file)
     if sd_type == "SHARDED_STATE_DICT" and _as_bool(recipe.get("save_only_model")):
         c.error("save_only_model", "cannot be combined with SHARDED_STATE_DICT (transformers refuses it)", "drop save_only_model, or use FULL_STATE_DICT", file=recipe_file)
-    if recipe.get("dtype") in ("bfloat16", "float16"):
+    if _as_bool(recipe.get("load_in_4bit")):  # QLoRA: FSDP shards the packed 4-bit weights as plain tensors
+        storage = recipe.get("bnb_4bit_quant_storage") or "uint8"
+        weights = recipe.get("dtype") or "float32"
+        if version == 2 and storage == "uint8":
+            c.error("bnb_4bit_quant_storage", "uint8 storage under FSDP2: fully_shard would shard the packed bytes as "
+                    "parameters of their own dtype beside the model's others", "set bnb_4bit_quant_storage to the model's dtype (bfloat16)",
+                    file=recipe_file)
+        elif storage != weights:
+            c.error("bnb_4bit_quant_storage", f"{storage} differs from the other parameters' dtype {weights}: FSDP flattens "
+                    "a unit's parameters into one dtype and refuses (FSDP1) or mis-shards (FSDP2) the mix",
+                    f"set bnb_4bit_quant_storage and dtype to the same dtype, e.g. both bfloat16", file=recipe_file)
+    if recipe.get("dtype") in ("bfloat16", "float16") and not _as_bool(recipe.get("load_in_4bit")):  # QLoRA: the base is frozen
         c.warn("dtype", f"{recipe['dtype']} keeps the master weights and the optimizer state in 16 bits: updates smaller than "
                "their precision are rounded away", "keep dtype: float32 and set mixed_precision: bf16 in the accelerate config "
                "(FSDP computes in bf16, keeps fp32 master weights)", file=recipe_file)

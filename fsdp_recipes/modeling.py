@@ -19,6 +19,13 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
 def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     common = dict(trust_remote_code=args.trust_remote_code, attn_implementation=args.attn_implementation)
+    if args.load_in_4bit:  # QLoRA (CUDA only: arguments.qlora_problem refused anything else before we got here)
+        from transformers import BitsAndBytesConfig
+
+        common["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type, bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
+            bnb_4bit_compute_dtype=getattr(torch, args.bnb_4bit_compute_dtype), bnb_4bit_quant_storage=getattr(torch, args.bnb_4bit_quant_storage),
+        )
     if args.model_name_or_path is not None:
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, **common)
     else:

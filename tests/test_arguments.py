@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port, launch, run
-from fsdp_recipes.arguments import DEFAULT_RECIPE, RecipeError, parse_args
+from fsdp_recipes.arguments import DEFAULT_RECIPE, RecipeError, parse_args, qlora_problem
 
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml"))
 TINY = f"config_name: {REPO}/assets/tiny-llama\n"
@@ -40,6 +40,10 @@ def test_shipped_recipes_parse(recipe, monkeypatch):
     text = recipe.read_text()
     if "model_name_or_path: runs/" in text:  # a recipe that starts from the default run's output
         pytest.skip("needs the default run's output; exercised by test_chat_sft_from_local_folder")
+    if "load_in_4bit: true" in text and (problem := qlora_problem()):  # QLoRA without CUDA: one clear line
+        with pytest.raises(RecipeError, match=re.escape(problem)):
+            parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])
+        return
     parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])[2].start()  # TrainingArguments' own checks too
 
 
@@ -230,6 +234,7 @@ def test_output_dir_on_a_read_only_filesystem_is_one_line(tmp_path):
     (["--eval_strategy", "steps"], "eval_strategy=steps needs evaluation data: set validation_file"),
     (["--validation_split_percentage", "10", "--validation_file", "x.txt"], "set one evaluation source, not validation_file and validation_split_percentage"),
     (["--validation_split_percentage", "80"], "validation_split_percentage=80 is not between 1 and 50"),
+    (["--load_in_4bit", "true"], "load_in_4bit (QLoRA) quantizes pre-trained weights and trains a LoRA adapter"),
     (["--use_peft", "true", "--lora_r", "0"], "LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1"),
     (["--profile_steps", "8-5"], "profile_steps='8-5': give the first and last optimizer step to profile"),
     (["--profile_steps", "5-8", "--max_steps", "6"], "profile_steps=5-8 ends after max_steps=6"),

@@ -59,6 +59,8 @@ CASES = [
     ("ram-efficient loading without sync", variant(FSDP1, fsdp_sync_module_states=False), {}, None, "error", "fsdp_config.fsdp_cpu_ram_efficient_loading", "needs fsdp_sync_module_states: true"),
     ("double activation checkpointing", variant(FSDP2, fsdp_activation_checkpointing=True), {"gradient_checkpointing": True}, None, "error", "gradient_checkpointing", "checkpointed twice"),
     ("bf16 master weights and optimizer state", FSDP2, {"dtype": "bfloat16"}, None, "warning", "dtype", "keeps the master weights and the optimizer state in 16 bits"),
+    ("QLoRA uint8 storage under FSDP2", FSDP2, {"load_in_4bit": True, "bnb_4bit_quant_storage": "uint8", "dtype": "bfloat16"}, None, "error", "bnb_4bit_quant_storage", "uint8 storage under FSDP2"),
+    ("QLoRA storage unlike the other parameters", FSDP1, {"load_in_4bit": True, "bnb_4bit_quant_storage": "float16", "dtype": "bfloat16"}, None, "error", "bnb_4bit_quant_storage", "float16 differs from the other parameters' dtype bfloat16"),
     ("sharded state dict with save_only_model", FSDP2, {"save_only_model": True}, None, "error", "save_only_model", "cannot be combined with SHARDED_STATE_DICT"),
     ("wrap class the model lacks", variant(FSDP2, fsdp_transformer_layer_cls_to_wrap="GPT2Block"), {}, TINY, "error", "fsdp_config.fsdp_transformer_layer_cls_to_wrap", "use LlamaDecoderLayer"),
     ("processes do not split over machines", {**FSDP2, "num_processes": 3, "num_machines": 2}, {}, None, "error", "num_processes", "do not split evenly over 2 machines"),
