@@ -182,6 +182,7 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(tmp_path):
     assert len(scalars["train/tokens_per_second"]) == 6 and len(scalars["eval/perplexity"]) == 3
 
 
+@pytest.mark.slow
 def test_gpt2_with_tied_embeddings(tmp_path):
     """GPT-2 from a tiny config (2 GPT2Blocks, tied input and output embeddings), FSDP2 on 2 processes: each block
     is a unit, the tied tensor is sharded and saved once, and the final folder loads with the head still tied to
