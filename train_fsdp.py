@@ -10,6 +10,7 @@ it. `python train_fsdp.py --help` lists every argument.
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import transformers
@@ -125,10 +126,15 @@ def device_peak_flops(tflops: float | None) -> float | None:
 
 
 def fail(message: str, code: int) -> None:
-    """One line per machine on stderr, and the same line as the launcher's root cause (its report ends with it)."""
+    """One line per machine on stderr, and the same line as the launcher's root cause (its report ends with it).
+
+    Every rank fails alike, and local rank 0 prints. The launcher stops the other ranks as soon as one exits, so
+    the others give local rank 0 a head start: were they first, it could be stopped before its line."""
     tell_launcher(message)
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank fails alike: one message per machine
-        print(message, file=sys.stderr)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    else:
+        time.sleep(3)
     sys.exit(code)
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import FAULT_SCRIPT, QUICK, launch, logged_losses, read_json
+from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, read_json
 from test_config_check import elastic_root_cause
 from fsdp_recipes.merge import merge_checkpoint
 from fsdp_recipes.sources import DCPSource
@@ -95,6 +95,8 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(trained, config, fault
     assert "pin_memory" not in resumed.stderr  # nothing to pin to on CPU: no warning per DataLoader
     args = read_json(out / "run_args.json")  # the arguments in force, the accelerate config's text included
     assert args["accelerate_config_file"].endswith(config) and "fsdp_version" in args["accelerate_config"]
+    assert args["accelerate_settings"]["fsdp_config"]["fsdp_version"] == (2 if "fsdp1" not in config else 1)  # in force: file + flags
+    assert args["accelerate_settings_from"] == f"{REPO / config} + accelerate launch (--main_process_port)"  # the tests pick a free port
     assert args["training"]["resume_from_checkpoint"] == str(out / "checkpoint-9") and args["world_size"] == 2
     final, reference = load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
     assert set(final) == set(reference)

@@ -113,7 +113,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 LIGHTNING = """
-import sys, torch, warnings, lightning as L
+import os, sys, torch, warnings, lightning as L
 from pathlib import Path
 from lightning.pytorch.strategies import ModelParallelStrategy
 sys.path.insert(0, {helpers!r})
@@ -148,6 +148,13 @@ full = get_model_state_dict(module.model, options=StateDictOptions(full_state_di
 if trainer.global_rank == 0:
     from safetensors.torch import save_file
     save_file({{k: v.contiguous() for k, v in full.items()}}, str(out / "lightning.truth.safetensors"))
+# Everything is written. Leave without the interpreter's teardown, where gloo's threads now and then abort the
+# process ("terminate called without an active exception", SIGABRT) after the work is done.
+trainer.strategy.barrier()
+torch.distributed.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
