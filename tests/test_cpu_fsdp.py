@@ -14,12 +14,15 @@ from conftest import launch, run
         ({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "1"}, False),
         ({"ACCELERATE_USE_FSDP": "false", "WORLD_SIZE": "2"}, False),
         ({"WORLD_SIZE": "2"}, False),
+        ({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "SIMULATE_ACCELERATOR": "1"}, False),  # a GPU node: stock path
     ],
 )
 def test_enable_applies_only_to_multiprocess_fsdp_without_accelerator(env, expected):
-    # a fresh interpreter: the patches are process-wide
+    # a fresh interpreter: the patches are process-wide. SIMULATE_ACCELERATOR makes torch report an accelerator,
+    # as on a GPU node, where nothing may be patched.
     code = (
         "import os, accelerate.state as s, torch\n"
+        "if os.environ.get('SIMULATE_ACCELERATOR'): torch.accelerator.is_available = lambda: True\n"
         "from fsdp_recipes import cpu_fsdp\n"
         "before = s.AcceleratorState.__init__\n"
         "active = cpu_fsdp.enable()\n"
