@@ -151,6 +151,9 @@ def model_source_problem(name: str, weights: bool) -> str | None:
     return None
 
 
+EVAL_SOURCES = ("validation_file", "dataset_test_split", "validation_split_percentage")  # DataArguments' evaluation data
+
+
 @dataclass
 class DataArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id (needs hub access)."})
@@ -213,7 +216,7 @@ class DataArguments:
             raise RecipeError(f"data_format={self.data_format!r} is not one of auto, text, chat")
         if self.block_size < 8:
             raise RecipeError(f"block_size={self.block_size} is too small: use at least 8 tokens")
-        sources = [k for k in ("validation_file", "dataset_test_split", "validation_split_percentage") if getattr(self, k) is not None]
+        sources = [k for k in EVAL_SOURCES if getattr(self, k) is not None]
         if len(sources) > 1:
             raise RecipeError(f"set one evaluation source, not {' and '.join(sources)}")
         if self.dataset_test_split is not None and self.dataset_name is None:
@@ -233,7 +236,7 @@ class DataArguments:
 
     @property
     def evaluates(self) -> bool:
-        return any(getattr(self, k) is not None for k in ("validation_file", "dataset_test_split", "validation_split_percentage"))
+        return any(getattr(self, k) is not None for k in EVAL_SOURCES)
 
 
 SAMPLE_BYTES = 1 << 20  # the part of a data file checked before anything starts: the first MiB

@@ -31,6 +31,12 @@ def wrapper_kind(model: torch.nn.Module) -> str:
     return type(model).__name__
 
 
+def unwrapped_model_class(model: torch.nn.Module) -> type:
+    """The module's own class: FSDP2 swaps in a subclass named FSDP<Class>, which must never reach config.json or
+    the report."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
 def param_elements(model: torch.nn.Module) -> tuple[int, int]:
     """(elements this rank stores, elements of the whole model), padding excluded."""
     if isinstance(model, FullyShardedDataParallel):
@@ -114,8 +120,8 @@ def wrapped_units(model: torch.nn.Module) -> dict[str, int]:
     """How many modules of each class FSDP wraps as a unit of its own (the root included)."""
     if isinstance(model, FullyShardedDataParallel):
         classes = [type(m.module).__name__ for m in FullyShardedDataParallel.fsdp_modules(model)]
-    else:  # FSDP2 swaps each wrapped module's class for a subclass named FSDP<Class>: name the module's own
-        classes = [next(c for c in type(m).__mro__ if not issubclass(c, FSDPModule)).__name__ for m in model.modules() if isinstance(m, FSDPModule)]
+    else:
+        classes = [unwrapped_model_class(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)]
     return {name: classes.count(name) for name in sorted(set(classes))}
 
 

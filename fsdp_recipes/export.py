@@ -16,18 +16,12 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoint_files import ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, REPORT_NAME
+from .checks import unwrapped_model_class
 from .description import describe_folder, write_manifest
 from .merge import write_model_files
 from .sources import DCPSource
 
 logger = logging.getLogger(__name__)
-
-
-def unwrapped_model_class(model: torch.nn.Module) -> type:
-    """The model's own class: FSDP2 swaps in a subclass named FSDP<Model>, which must never reach config.json."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
 def lora_parts(model) -> tuple[torch.nn.Module, object | None]:

@@ -152,9 +152,9 @@ def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> li
     """tools/check_config.py's rules on the settings in force, each problem named where the setting came from."""
     from .config_check import check_settings
 
-    unknown_ok = settings.config_file is None  # keys not from a file were named by accelerate itself
+    # keys not from a file were named by accelerate itself (its flags, its variables): only a file's can be unknown
     problems = check_settings(settings.config, str(settings.config_file or settings.where), recipe=run_settings,
-                              model=model, check_keys=not unknown_ok)
+                              model=model, check_keys=settings.config_file is not None)
     return settings.attribute(problems)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # Dense bf16 tensor-core peaks (TFLOPS) from the vendors' datasheets; the first name found in the device's
@@ -48,7 +49,7 @@ class Throughput:
     def __init__(self, flops_per_token: float | None = None, peak: float | None = None):
         self.flops_per_token, self.peak = flops_per_token, peak  # peak in FLOPS; None: no MFU (CPU, unknown GPU)
         self.tokens = 0  # this rank's, since the last logging step
-        self.excluded = 0.0  # seconds of evaluation and saving since the last logging step
+        self.excluded_seconds = 0.0  # of evaluation and saving since the last logging step
         self.started: float | None = None
         self.total_tokens = self.total_seconds = 0
 
@@ -58,17 +59,23 @@ class Throughput:
         ids = inputs.get("input_ids")
         self.tokens += ids.numel() if ids is not None else 0
 
-    def exclude(self, seconds: float) -> None:
-        self.excluded += seconds
+    @contextmanager
+    def excluded(self):
+        """Time spent inside (evaluation, checkpoint writing) is not training time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded_seconds += time.perf_counter() - start
 
     def window(self, reduce_sum, world_size: int) -> dict:
         """Metrics of the window that ends now; ``reduce_sum`` sums an int over ranks (a collective: every rank calls)."""
         now = time.perf_counter()
         tokens = reduce_sum(self.tokens)
-        seconds = max(now - (self.started or now) - self.excluded, 1e-9)
+        seconds = max(now - (self.started or now) - self.excluded_seconds, 1e-9)
         self.total_tokens += tokens
         self.total_seconds += seconds
-        self.tokens, self.excluded, self.started = 0, 0.0, now
+        self.tokens, self.excluded_seconds, self.started = 0, 0.0, now
         return self._metrics(tokens, seconds, world_size)
 
     def averages(self, world_size: int) -> dict:

@@ -58,9 +58,10 @@ class Preemption(TrainerCallback):
         return signal.Signals(self.signal).name if self.signal else ""
 
 
-# Ctrl-C sends SIGINT to the whole foreground process group: the launcher and every rank. A rank inside a
-# collective at that moment may first see its peer leave (gloo: "Connection closed by peer") and fail with that
-# before its own KeyboardInterrupt is raised; that failure is the interrupt too, and is reported as one.
+# Ctrl-C sends SIGINT to the foreground process group; torch elastic starts each rank in a session of its own and
+# forwards the signal to every rank. A rank inside a collective at that moment may first see its peer leave (gloo:
+# "Connection closed by peer") and fail with that before its own KeyboardInterrupt is raised; that failure is the
+# interrupt too, and is reported as one.
 _interrupts: list[int] = []
 _raise_on_interrupt = True
 

@@ -29,7 +29,6 @@ eval_perplexity; the end-of-run metrics carry the run's averages (fsdp_recipes.m
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from .checkpoint_files import REPLACED_PREFIX
 from .checkpoints import set_aside
 from .checks import ShardingReport
-from .export import DescribeCheckpoints
+from .export import DescribeCheckpoints, lora_parts
 from .metrics import Throughput, perplexity
 from .preemption import Preemption
 
@@ -71,11 +70,8 @@ class FSDPTrainer(Trainer):
         return super().training_step(model, inputs, *args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
+        with self.throughput.excluded():
             return super().evaluate(*args, **kwargs)
-        finally:
-            self.throughput.exclude(time.perf_counter() - start)
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         """Called on every rank at the same steps (the Trainer's logging decision is global): the token count's
@@ -104,8 +100,6 @@ class FSDPTrainer(Trainer):
     def _whole_lora_checkpoints(self):
         import transformers.trainer as hf_trainer
 
-        from .export import lora_parts
-
         if not self.is_fsdp_enabled or lora_parts(self.accelerator.unwrap_model(self.model))[1] is None:
             yield
             return
@@ -132,30 +126,24 @@ class FSDPTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
 
     def _save_checkpoint(self, model, trial) -> None:
-        start = time.perf_counter()
-        try:
-            self._save_checkpoint_beside(model, trial)
-        finally:
-            self.throughput.exclude(time.perf_counter() - start)
-
-    def _save_checkpoint_beside(self, model, trial) -> None:
-        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self.args.should_save:
-            if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files
-                moved = set_aside(folder, REPLACED_PREFIX)
-                logger.warning(f"{folder} existed (another run's step {self.state.global_step}): moved it to {moved.name}")
-            folder.mkdir(parents=True)
-            self.describer.describe(folder)  # before any shard, so before trainer_state.json
-        self.accelerator.wait_for_everyone()
-        limit = self.args.save_total_limit
-        self.args.save_total_limit = None  # the Trainer's own rotation, which would run before the other ranks finish
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            rotate_checkpoints(
-                output_dir=self._get_output_dir(trial=trial), save_total_limit=limit,
-                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
-            )
+        with self.throughput.excluded():  # writing a checkpoint is not training time
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            if self.args.should_save:
+                if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files
+                    moved = set_aside(folder, REPLACED_PREFIX)
+                    logger.warning(f"{folder} existed (another run's step {self.state.global_step}): moved it to {moved.name}")
+                folder.mkdir(parents=True)
+                self.describer.describe(folder)  # before any shard, so before trainer_state.json
+            self.accelerator.wait_for_everyone()
+            limit = self.args.save_total_limit
+            self.args.save_total_limit = None  # the Trainer's own rotation, which would run before the other ranks finish
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self.args.save_total_limit = limit
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                rotate_checkpoints(
+                    output_dir=self._get_output_dir(trial=trial), save_total_limit=limit,
+                    best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
+                )
