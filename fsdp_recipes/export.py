@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .checkpoint_files import ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, REPORT_NAME
+from .checkpoint_files import ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, REPORT_NAME, CheckpointError
 from .checks import unwrapped_model_class
 from .description import describe_folder, write_manifest
 from .merge import write_model_files
@@ -161,6 +161,15 @@ def finished_checkpoint_step(training_args) -> int | None:
     return step if step >= training_args.max_steps else None
 
 
+def is_exported_adapter(folder: Path) -> bool:
+    """A real folder (no symlink) holding only what an adapter export writes: adapter_config.json and
+    adapter_model safetensors files. Only such a folder is replaced by the next export."""
+    if folder.is_symlink() or not folder.is_dir() or not (folder / ADAPTER_CONFIG).is_file():
+        return False
+    return all(p.is_file() and not p.is_symlink() and (p.name == ADAPTER_CONFIG or p.name.startswith("adapter_model"))
+               for p in folder.iterdir())
+
+
 def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print) -> None:
     """The final model folder of a run, written from one of its checkpoints (tools/merge_checkpoint.py's code).
     ``base_model``: the run's own model source, for a checkpoint whose config.json is missing."""
@@ -176,15 +185,18 @@ def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log
     from .sources import resolve_input
 
     staging = out / ".export-tmp"
+    lora, adapter = (ckpt / ADAPTER_CONFIG).is_file(), out / ADAPTER_DIR
+    if lora and (adapter.exists() or adapter.is_symlink()) and not is_exported_adapter(adapter):
+        raise CheckpointError(f"{adapter} exists and is not an adapter folder an export wrote (only adapter files in a real "
+                              "folder): move it out of output_dir, then run the same command again")
     if description_dirs(resolve_input(ckpt))[0] is not None:
         base_model = None  # the checkpoint describes itself
     result = merge_checkpoint(ckpt, staging, overwrite=True, base_model=base_model, log=log)
-    if (ckpt / ADAPTER_CONFIG).is_file():  # a LoRA run: the adapter too, in a folder of its own
+    if lora:  # a LoRA run: the adapter too, in a folder of its own
         adapter_staging = out / ".adapter-tmp"
         merge_checkpoint(ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log)
-        adapter = out / ADAPTER_DIR
-        if adapter.is_dir() and not adapter.is_symlink() and (adapter / ADAPTER_CONFIG).is_file():
-            shutil.rmtree(adapter)  # an earlier export of this run (it has an adapter_config.json: ours to replace)
+        if adapter.exists():
+            shutil.rmtree(adapter)  # an earlier export's (is_exported_adapter above)
         os.replace(adapter_staging, adapter)
     publish(staging, out, result.files)
     if (ckpt / "trainer_state.json").is_file():

@@ -10,12 +10,11 @@ from safetensors.torch import load_file
 
 from conftest import FAULT_SCRIPT, QUICK, launch, logged_losses, read_json
 
-pytestmark = pytest.mark.slow
-
 LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-2"]
 CASES = [("accelerate_configs/zero3.yaml", "1:step:9"), ("accelerate_configs/fsdp1/zero3.yaml", "0:optimizer:12")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config, fault", CASES, ids=["fsdp2", "fsdp1"])
 def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, config, fault, tmp_path):
     from peft import PeftModel
@@ -52,3 +51,20 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
         torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
         changed += not torch.equal(merged[key], untouched[key])
     assert changed == 4 * 7  # every targeted linear of the 4 layers moved; nothing else did
+
+
+def test_only_an_exported_adapter_folder_is_replaced(tmp_path):
+    """The next export replaces output_dir/adapter only when it holds nothing but adapter files in a real folder."""
+    from fsdp_recipes.export import is_exported_adapter
+
+    ours = tmp_path / "adapter"
+    ours.mkdir()
+    (ours / "adapter_config.json").write_text("{}")
+    (ours / "adapter_model.safetensors").write_bytes(b"")
+    assert is_exported_adapter(ours)
+    link = tmp_path / "link"
+    link.symlink_to(ours)
+    assert not is_exported_adapter(link)
+    (ours / "notes.txt").write_text("a user's file")
+    assert not is_exported_adapter(ours)
+    assert not is_exported_adapter(tmp_path / "missing")
