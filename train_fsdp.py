@@ -23,6 +23,7 @@ from fsdp_recipes.checkpoints import disk_full_problem
 from fsdp_recipes.checks import NotShardedError
 from fsdp_recipes.data import build_datasets
 from fsdp_recipes.export import export_checkpoint, finished_checkpoint_step, save_final_model
+from fsdp_recipes.internals import InternalsChanged
 from fsdp_recipes.launcher import tell_launcher
 from fsdp_recipes.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
 from fsdp_recipes.modeling import load_model, load_tokenizer
@@ -143,13 +144,13 @@ def run() -> None:
     try:
         try:
             main(*parse_args())  # parse_args reads and checks only; main's preflight acts
-        except (RecipeError, NotShardedError, KeyboardInterrupt):
+        except (RecipeError, NotShardedError, InternalsChanged, KeyboardInterrupt):
             raise
         except Exception:
             if was_interrupted():  # a peer left on Ctrl-C while this rank was in a collective
                 raise KeyboardInterrupt from None
             raise
-    except (RecipeError, NotShardedError) as err:
+    except (RecipeError, NotShardedError, InternalsChanged) as err:
         fail(f"train_fsdp.py: error: {err}", 2)
     except KeyboardInterrupt:
         fail("train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "

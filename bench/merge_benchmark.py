@@ -21,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from huggingface_hub.serialization._base import parse_size_to_int
-
 from synthetic import make_checkpoint
 
+from fsdp_recipes import internals
 from fsdp_recipes.checkpoint_files import MANIFEST
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,7 +73,7 @@ def raw_dcp_copy(shards: Path, raw: Path, config: Path) -> None:
 def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int) -> list[tuple]:
     work = workdir / size
     shutil.rmtree(work, ignore_errors=True)
-    ckpt = make_checkpoint(work / "run", parse_size_to_int(size), ranks=ranks)
+    ckpt = make_checkpoint(work / "run", internals.get("huggingface_hub.serialization._base.parse_size_to_int")(size), ranks=ranks)
     shards = ckpt / "pytorch_model_fsdp_0"
     nbytes = sum(f.stat().st_size for f in shards.iterdir())
     # the same shards as another tool leaves them: config and tokenizer, no manifest (transformers checks them)

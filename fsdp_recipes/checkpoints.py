@@ -18,6 +18,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import internals
 from .checkpoint_files import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, REPORT_NAME, checkpoint_steps,
 )
@@ -70,8 +71,7 @@ def _torch_file_problem(path: Path, load: bool = False) -> str | None:
         import numpy as np
         import torch
 
-        np_core = np._core if hasattr(np, "_core") else np.core
-        allowed = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # as the Trainer
+        allowed = [internals.get("numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # as the Trainer
         try:
             with torch.serialization.safe_globals(allowed):
                 torch.load(path, map_location="cpu", weights_only=True)

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
+from . import internals
 from .checkpoint_files import REPORT_NAME
 
 logger = logging.getLogger("train_fsdp")
@@ -42,12 +43,17 @@ def param_elements(model: torch.nn.Module) -> tuple[int, int]:
     if isinstance(model, FullyShardedDataParallel):
         local = total = 0
         for module in FullyShardedDataParallel.fsdp_modules(model):
-            handle = module._handle
+            handle = internals.attr(module, "torch.distributed.fsdp.FullyShardedDataParallel._handle")
             if handle is None:
                 continue
             flat = handle.flat_param
-            total += flat._unpadded_unsharded_size.numel()
-            local += flat._sharded_size.numel() - flat._shard_numel_padded if handle.uses_sharded_strategy else flat._unpadded_unsharded_size.numel()
+            whole = internals.attr(flat, "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size").numel()
+            total += whole
+            if handle.uses_sharded_strategy:
+                local += (internals.attr(flat, "torch.distributed.fsdp._flat_param.FlatParameter._sharded_size").numel()
+                          - internals.attr(flat, "torch.distributed.fsdp._flat_param.FlatParameter._shard_numel_padded"))
+            else:
+                local += whole
         return local, total
     local = total = 0
     for p in model.parameters():
@@ -82,7 +88,8 @@ def state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
     """Bytes this rank holds of parameters, gradients and optimizer state (FSDP1: its flat-parameter shards,
     padding included; FSDP2: the local parts of the DTensors)."""
     if isinstance(model, FullyShardedDataParallel):
-        flats = [m._handle.flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle is not None]
+        handles = [internals.attr(m, "torch.distributed.fsdp.FullyShardedDataParallel._handle") for m in FullyShardedDataParallel.fsdp_modules(model)]
+        flats = [h.flat_param for h in handles if h is not None]
         params, grads = sum(_local(f) for f in flats), sum(_local(f.grad) for f in flats)
     else:
         params = sum(_local(p) for p in model.parameters())

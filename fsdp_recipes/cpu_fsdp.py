@@ -24,8 +24,9 @@ under torchrun (``fsdp_recipes.arguments`` calls it just before TrainingArgument
    accelerate's ``save_fsdp_model`` forces on) it "moves" the parameter to the CPU it is already on, then
    frees that same storage, and rank 0 segfaults.
 
-These patch private internals of the exact versions pinned in requirements.txt. Nothing here runs when an
-accelerator exists: there, the stock path is already real FSDP.
+These patch private internals of the exact versions pinned in requirements.txt, each named in
+fsdp_recipes/internals.py and checked before anything is patched. Nothing here runs when an accelerator exists:
+there, the stock path is already real FSDP.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import functools
 import os
 
 import torch
+
+from . import internals
 
 _ENABLED = False
 CPU = torch.device("cpu")
@@ -81,6 +84,7 @@ def enable(trainer_fsdp: bool = False) -> bool:
         return True
     if not needed(trainer_fsdp):
         return False
+    internals.require(*CPU_PRIVATE)  # all or nothing: a half-patched run would be wrong without a word
     os.environ["ACCELERATE_USE_CPU"] = "true"
     _patch_accelerator_state()
     _patch_fsdp_plugin()
@@ -89,19 +93,29 @@ def enable(trainer_fsdp: bool = False) -> bool:
     return True
 
 
+CPU_PRIVATE = (
+    "accelerate.state.AcceleratorState._shared_state",
+    "accelerate.state.PartialState._shared_state",
+    "torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states",
+    "torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu",
+)
+
+
 def is_enabled() -> bool:
     return _ENABLED
 
 
 def _patch_accelerator_state() -> None:
-    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
     original_init = AcceleratorState.__init__
 
     @functools.wraps(original_init)
     def init(self, *args, **kwargs):
-        was_initialized = AcceleratorState._shared_state != {} and AcceleratorState._shared_state != PartialState._shared_state
+        accelerator_shared = internals.get("accelerate.state.AcceleratorState._shared_state")
+        partial_shared = internals.get("accelerate.state.PartialState._shared_state")
+        was_initialized = accelerator_shared != {} and accelerator_shared != partial_shared
         original_init(self, *args, **kwargs)
         if was_initialized or self.distributed_type != DistributedType.MULTI_CPU:
             return
@@ -109,12 +123,13 @@ def _patch_accelerator_state() -> None:
         if plugin is None:
             return
         self.distributed_type = DistributedType.FSDP
-        if self._mixed_precision != "no":
-            plugin.set_mixed_precision(self._mixed_precision)
+        mixed_precision = internals.attr(self, "accelerate.state.AcceleratorState._mixed_precision")
+        if mixed_precision != "no":
+            plugin.set_mixed_precision(mixed_precision)
         self.fsdp_plugin = plugin
         self.device = CPU
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        PartialState._shared_state["device"] = CPU
+        partial_shared["distributed_type"] = DistributedType.FSDP
+        partial_shared["device"] = CPU
 
     AcceleratorState.__init__ = init
 
@@ -141,10 +156,8 @@ def _patch_fsdp_plugin() -> None:
 def _patch_fsdp1_internals() -> None:
     import contextlib
 
-    from torch.distributed.fsdp import _flat_param, _init_utils
-
-    _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
-    _flat_param.FlatParamHandle.to_cpu = contextlib.contextmanager(lambda self: (yield))
+    internals.patch("torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states", lambda module_states: None)
+    internals.patch("torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu", contextlib.contextmanager(lambda self: (yield)))
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None

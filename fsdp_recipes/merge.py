@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import internals
 from .checkpoint_files import ADAPTER_CONFIG, MANIFEST, CheckpointError, overlap, real, training_content
 from .dcp_files import DTYPE_SIZES
 from .description import (
@@ -110,6 +111,7 @@ def merge_checkpoint(
     """Turn an FSDP checkpoint into a folder ``from_pretrained`` loads; never leaves a half-written folder.
     ``dtype``: torch.bfloat16 or "bfloat16" casts, None keeps the saved dtype. A PEFT LoRA checkpoint gives the
     base model with the adapter merged in, or with ``adapter_only`` the adapter folder PeftModel loads."""
+    internals.require("huggingface_hub.serialization._base.parse_size_to_int")  # needed at the end; checked first
     dtype = dtype_name(dtype)
     resolved = resolve_input(input_path)
     for note in resolved.notes:

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from . import internals
+
 logger = logging.getLogger("train_fsdp")
 PROFILE_DIR = "profile"
 COLLECTIVES = {  # the share reported for each, by the names torch's process groups and NCCL give their work
@@ -115,7 +117,7 @@ class StepProfiler(TrainerCallback):
             activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
             self.profiler = torch.profiler.profile(activities=activities)
             if self.cuda:
-                torch.cuda.memory._record_memory_history(max_entries=100_000)
+                internals.get("torch.cuda.memory._record_memory_history")(max_entries=100_000)
             self.profiler.__enter__()
             self.started = time.perf_counter()
 
@@ -129,8 +131,8 @@ class StepProfiler(TrainerCallback):
         self.folder.mkdir(parents=True, exist_ok=True)
         self.profiler.export_chrome_trace(str(self.folder / f"rank{self.rank}.trace.json"))
         if self.cuda:
-            torch.cuda.memory._dump_snapshot(str(self.folder / f"rank{self.rank}.memory.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            internals.get("torch.cuda.memory._dump_snapshot")(str(self.folder / f"rank{self.rank}.memory.pickle"))
+            internals.get("torch.cuda.memory._record_memory_history")(enabled=None)
         self.summary = {"steps": [self.first, self.last], "wall_seconds": round(wall_us / 1e6, 4),
                         **summarize(self.profiler.events(), wall_us, on_device=self.cuda)}
         self.profiler = None

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from huggingface_hub import split_state_dict_into_shards_factory
-from huggingface_hub.serialization._base import parse_size_to_int
 from tqdm.auto import tqdm
 
+from . import internals
 from .checkpoint_files import CheckpointError
 from .sources import SAFETENSORS_DTYPES, TensorInfo, dtype_name, torch_dtype
 
@@ -104,7 +104,7 @@ def write_weights(
     of at most COPY_STEP bytes; when it says yes, Cancelled is raised."""
     mapping = dict(names) if isinstance(names, dict) else {n: n for n in names}
     infos, dtype = {out: source.tensors[src] for out, src in mapping.items()}, dtype_name(dtype)
-    budget = parse_size_to_int(memory_budget) if isinstance(memory_budget, str) else memory_budget
+    budget = internals.get("huggingface_hub.serialization._base.parse_size_to_int")(memory_budget) if isinstance(memory_budget, str) else memory_budget
     split = split_state_dict_into_shards_factory(
         infos, get_storage_size=lambda info: info.nbytes(dtype), filename_pattern=stem + "{suffix}.safetensors", max_shard_size=max_shard_size,
     )

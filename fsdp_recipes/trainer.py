@@ -35,6 +35,7 @@ from pathlib import Path
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from . import internals
 from .checkpoint_files import REPLACED_PREFIX
 from .checkpoints import set_aside
 from .checks import ShardingReport
@@ -45,8 +46,13 @@ from .preemption import Preemption
 logger = logging.getLogger(__name__)
 
 
+OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._save_optimizer_and_scheduler",
+             "transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler")
+
+
 class FSDPTrainer(Trainer):
     def __init__(self, *args, **kwargs):
+        internals.require(*OVERRIDES)  # a renamed base method would leave ours never called
         super().__init__(*args, **kwargs)
         self.trainable_total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # before sharding
         self.add_callback(ShardingReport(self))
@@ -98,17 +104,15 @@ class FSDPTrainer(Trainer):
 
     @contextmanager
     def _whole_lora_checkpoints(self):
-        import transformers.trainer as hf_trainer
-
         if not self.is_fsdp_enabled or lora_parts(self.accelerator.unwrap_model(self.model))[1] is None:
             yield
             return
-        ask = hf_trainer.get_fsdp_ckpt_kwargs  # {"adapter_only": True} where accelerate supports it
-        hf_trainer.get_fsdp_ckpt_kwargs = dict  # no adapter_only: the whole model
+        # {"adapter_only": True} where accelerate supports it; dict() asks for the whole model
+        ask = internals.patch("transformers.trainer.get_fsdp_ckpt_kwargs", dict)
         try:
             yield
         finally:
-            hf_trainer.get_fsdp_ckpt_kwargs = ask
+            internals.patch("transformers.trainer.get_fsdp_ckpt_kwargs", ask)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         with self._whole_lora_checkpoints():
@@ -120,14 +124,13 @@ class FSDPTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None and self._fsdp1_sharded():
-            from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-            _init_optim_state(self.optimizer.optimizer)  # the torch optimizer inside accelerate's wrapper
+            init_optim_state = internals.get("torch.distributed.checkpoint.state_dict._init_optim_state")
+            init_optim_state(self.optimizer.optimizer)  # the torch optimizer inside accelerate's wrapper
         super()._load_optimizer_and_scheduler(checkpoint)
 
     def _save_checkpoint(self, model, trial) -> None:
         with self.throughput.excluded():  # writing a checkpoint is not training time
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = Path(internals.get("transformers.Trainer._get_output_dir")(self, trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             if self.args.should_save:
                 if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files
                     moved = set_aside(folder, REPLACED_PREFIX)
@@ -144,6 +147,6 @@ class FSDPTrainer(Trainer):
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 rotate_checkpoints(
-                    output_dir=self._get_output_dir(trial=trial), save_total_limit=limit,
+                    output_dir=internals.get("transformers.Trainer._get_output_dir")(self, trial=trial), save_total_limit=limit,
                     best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
                 )

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from fsdp_recipes.internals import InternalsChanged
 from fsdp_recipes.merge import CheckpointError, inspect_checkpoint, merge_checkpoint
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
             max_shard_size=args.max_shard_size, memory_budget=args.memory_budget, overwrite=args.overwrite, verify=args.verify,
             adapter_only=args.adapter_only,
         )
-    except CheckpointError as err:
+    except (CheckpointError, InternalsChanged) as err:
         print(f"merge_checkpoint.py: error: {err}", file=sys.stderr)
         return 1
     except OSError as err:  # disk full, permission denied ...: nothing was left behind (the staging folder is removed)

@@ -1,0 +1,157 @@
+"""Every private symbol of torch, accelerate, transformers, huggingface_hub and numpy that this repository touches.
+
+Private names move between releases without notice. A renamed one must not turn a patch into dead code (the
+CPU run would then silently train DDP again), an override into a method nobody calls, or an attribute read into
+a traceback from deep inside a run. So each one is named here, with why we need it, and the code reaches it only
+through :func:`get`, :func:`patch`, :func:`attr` and :func:`require`: a symbol that is gone stops the run with
+one line naming it, the installed version and the version requirements.txt pins. ``tests/test_internals.py``
+scans the code for private accesses that bypass this module and checks every name here resolves.
+
+Kinds: ``module`` names something importable (a function, a class attribute, a method); ``instance`` names an
+attribute that only objects have (checked by :func:`attr` when read); ``override`` names a private method of a
+library class that one of our subclasses overrides (checked by :func:`require` when the subclass is created).
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+from pathlib import Path
+
+MODULE, INSTANCE, OVERRIDE = "module", "instance", "override"
+
+PRIVATE: dict[str, tuple[str, str]] = {
+    # fsdp_recipes/cpu_fsdp.py: real FSDP without an accelerator (../shared/notes/cpu-fsdp.md)
+    "accelerate.state.AcceleratorState._shared_state": (MODULE, "cpu_fsdp: was the state built before this call"),
+    "accelerate.state.PartialState._shared_state": (MODULE, "cpu_fsdp: FSDP mirrored into the shared state"),
+    "accelerate.state.AcceleratorState._mixed_precision": (INSTANCE, "cpu_fsdp: the plugin's mixed precision"),
+    "torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states": (
+        MODULE, "cpu_fsdp: FSDP1's CPU-parameter check skipped (the gloo broadcast works)"),
+    "torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu": (
+        MODULE, "cpu_fsdp: a no-op on CPU (FULL_STATE_DICT with offload_to_cpu segfaults rank 0)"),
+    # fsdp_recipes/checks.py: FSDP1's flat parameters, for per-rank elements and bytes
+    "torch.distributed.fsdp.FullyShardedDataParallel._handle": (INSTANCE, "checks: an FSDP1 unit's flat parameter"),
+    "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size": (INSTANCE, "checks: elements of a unit"),
+    "torch.distributed.fsdp._flat_param.FlatParameter._sharded_size": (INSTANCE, "checks: elements of this rank's shard"),
+    "torch.distributed.fsdp._flat_param.FlatParameter._shard_numel_padded": (INSTANCE, "checks: padding in the shard"),
+    # fsdp_recipes/trainer.py: FSDPTrainer
+    "torch.distributed.checkpoint.state_dict._init_optim_state": (MODULE, "trainer: FSDP1 sharded resume restores Adam"),
+    "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer: whole-model LoRA checkpoints (swapped)"),
+    "transformers.Trainer._save_checkpoint": (OVERRIDE, "trainer: no rewrite in place; rotation after every rank"),
+    "transformers.Trainer._save_optimizer_and_scheduler": (OVERRIDE, "trainer: whole-model LoRA checkpoints"),
+    "transformers.Trainer._load_from_checkpoint": (OVERRIDE, "trainer: whole-model LoRA checkpoints"),
+    "transformers.Trainer._load_optimizer_and_scheduler": (OVERRIDE, "trainer: FSDP1 sharded resume restores Adam"),
+    "transformers.Trainer._get_output_dir": (MODULE, "trainer: the folder a checkpoint goes to"),
+    # fsdp_recipes/profiling.py: PyTorch's memory viewer snapshot (CUDA only)
+    "torch.cuda.memory._record_memory_history": (MODULE, "profiling: CUDA memory snapshot"),
+    "torch.cuda.memory._dump_snapshot": (MODULE, "profiling: CUDA memory snapshot"),
+    # fsdp_recipes/checkpoints.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
+    "numpy._core.multiarray._reconstruct": (MODULE, "checkpoints: RNG state files load with weights_only"),
+    # fsdp_recipes/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
+    "huggingface_hub.serialization._base.parse_size_to_int": (MODULE, "merge: shard sizes as huggingface_hub reads them"),
+}
+
+
+class InternalsChanged(RuntimeError):
+    """A private symbol this repository relies on is not in the installed library."""
+
+
+def _package(path: str) -> str:
+    return path.split(".", 1)[0].replace("_", "-")
+
+
+def pinned(package: str) -> str | None:
+    """The version requirements.txt pins, when this is a checkout that has it."""
+    requirements = Path(__file__).resolve().parent.parent / "requirements.txt"
+    try:
+        lines = requirements.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, version = line.split("#", 1)[0].strip().partition("==")
+        if name.strip().lower().replace("_", "-") == package:
+            return version.strip()
+    return None
+
+
+def problem(path: str, detail: str = "") -> InternalsChanged:
+    package = _package(path)
+    try:
+        installed = f"{package} {metadata.version(package)}"
+    except metadata.PackageNotFoundError:
+        installed = f"{package} (not installed)"
+    pin = pinned(package)
+    want = f"{package}=={pin}, the version requirements.txt pins" if pin else "the version requirements.txt pins"
+    why = PRIVATE.get(path, ("", "unregistered"))[1]
+    return InternalsChanged(
+        f"{installed} has no {path}{detail}, a private symbol this repository needs ({why}); it was tested with {want}: "
+        f"install it with `pip install -r requirements.txt`"
+    )
+
+
+def _registered(path: str, *kinds: str) -> None:
+    if path not in PRIVATE or PRIVATE[path][0] not in kinds:
+        raise KeyError(f"{path} is not registered as {'/'.join(kinds)} in fsdp_recipes/internals.py's PRIVATE")
+
+
+def _resolve(path: str):
+    """Import the longest importable prefix, then walk attributes."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                raise problem(path)
+            obj = getattr(obj, name)
+        return obj
+    raise problem(path)
+
+
+def get(path: str):
+    """The object a registered ``module`` symbol names."""
+    _registered(path, MODULE)
+    return _resolve(path)
+
+
+def patch(path: str, replacement) -> object:
+    """Replace a registered symbol on its owner; return the original. A missing one is an error, never a new
+    attribute that nothing calls."""
+    _registered(path, MODULE)
+    original = _resolve(path)
+    owner_path, name = path.rsplit(".", 1)
+    setattr(_resolve(owner_path), name, replacement)
+    return original
+
+
+def attr(obj, path: str):
+    """A registered ``instance`` attribute of ``obj``."""
+    _registered(path, INSTANCE)
+    name = path.rsplit(".", 1)[1]
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise problem(path, f" (on {type(obj).__name__})") from None
+
+
+def require(*paths: str) -> None:
+    """Check that registered symbols exist (overrides: before the subclass relies on the base calling them)."""
+    for path in paths:
+        _registered(path, MODULE, OVERRIDE)
+        _resolve(path)
+
+
+def check_all() -> list[str]:
+    """Every ``module`` and ``override`` symbol that does not resolve in the installed libraries (CUDA-only ones
+    resolve on CPU builds too: they are Python functions)."""
+    missing = []
+    for path, (kind, _) in PRIVATE.items():
+        if kind == INSTANCE:
+            continue
+        try:
+            _resolve(path)
+        except InternalsChanged:
+            missing.append(path)
+    return missing
