@@ -43,6 +43,8 @@ def main(model_args, data_args, preflight):
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     if cpu_fsdp.is_enabled():
         logger.info("no accelerator found: running FSDP over gloo on CPU (fsdp_recipes.cpu_fsdp)")
+    elif preflight.cpu_ddp:
+        logger.info("no accelerator found: running DDP over gloo on CPU (fsdp_recipes.cpu_fsdp)")
     hold_output_dir(training_args)  # one run per output_dir
     preflight.apply(training_args, say=logger.warning)  # set aside or delete what the checks found (rank 0)
     save_resolved_arguments(model_args, data_args, training_args, preflight.launch)
@@ -76,6 +78,7 @@ def main(model_args, data_args, preflight):
         eval_dataset=eval_dataset,
         data_collator=collator,
         processing_class=tokenizer,
+        zero1=preflight.run_args.zero1,
     )
     if preflight.run_args.profile_steps:
         trainer.add_callback(StepProfiler(*parse_steps(preflight.run_args.profile_steps), training_args.output_dir, training_args.process_index))

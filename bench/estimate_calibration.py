@@ -1,4 +1,4 @@
-"""Calibrate tools/estimate_memory.py against real FSDP training on CPU.
+"""Calibrate tools/estimate_memory.py against real FSDP (and DDP, ZeRO-1) training on CPU.
 
     python bench/estimate_calibration.py [--nproc 2 --nproc 4] [--config accelerate_configs/zero3.yaml ...]
 
@@ -35,9 +35,11 @@ def launch_args(config: str, nproc: int) -> list[str]:
     return args
 
 
-def cpu_setup(config: str, nproc: int) -> tuple[Setup, str]:
+def cpu_setup(config: str, nproc: int, zero1: bool = False) -> tuple[Setup, str]:
     """The setup the estimate should describe on this CPU machine, and a note where it differs from a GPU node."""
     cfg = yaml.safe_load((REPO / config).read_text())
+    if "fsdp_config" not in cfg:  # accelerate_configs/ddp.yaml
+        return Setup(strategy="ZERO1" if zero1 else "DDP", nproc_per_node=nproc), ""
     fsdp = cfg["fsdp_config"]
     note = ""
     if fsdp["fsdp_version"] == 2:
@@ -55,9 +57,9 @@ def cpu_setup(config: str, nproc: int) -> tuple[Setup, str]:
     return setup, note
 
 
-def measure(config: str, nproc: int, out: Path) -> dict:
+def measure(config: str, nproc: int, out: Path, zero1: bool = False) -> dict:
     cmd = ["accelerate", "launch", "--config_file", str(REPO / config), *launch_args(config, nproc), str(REPO / "train_fsdp.py"),
-           "--max_steps", "2", "--save_steps", "1000", "--logging_steps", "1", "--output_dir", str(out)]
+           "--max_steps", "2", "--save_steps", "1000", "--logging_steps", "1", "--output_dir", str(out), *(["--zero1", "true"] if zero1 else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -75,11 +77,13 @@ def main() -> None:
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for config in args.config or CONFIGS:
-            for nproc in args.nproc or [2, 4]:
-                if yaml.safe_load((REPO / config).read_text()).get("parallelism_config") and nproc < 4:
+            cfg = yaml.safe_load((REPO / config).read_text())
+            for nproc, zero1 in [(n, z) for n in args.nproc or [2, 4] for z in ([False, True] if "fsdp_config" not in cfg else [False])]:
+                if cfg.get("parallelism_config") and nproc < 4:
                     continue  # HSDP needs 2 replicas x 2+ shards
-                report = measure(config, nproc, Path(tmp) / f"{config.replace('/', '_')}-{nproc}")
-                setup, note = cpu_setup(config, nproc)
+                report = measure(config, nproc, Path(tmp) / f"{config.replace('/', '_')}-{nproc}-{zero1}", zero1)
+                setup, note = cpu_setup(config, nproc, zero1)
+                note = "--zero1 true" + (f"; {note}" if note else "") if zero1 else note
                 est = estimate(shape, setup)
                 measured = max(r["bytes"]["params"] + r["bytes"]["grads"] + r["bytes"]["optimizer"] for r in report["ranks"])
                 rank = max(report["ranks"], key=lambda r: sum(r["bytes"].values()))["bytes"]

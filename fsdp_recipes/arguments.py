@@ -13,6 +13,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from . import cpu_fsdp, launcher
+from .config_check import ZERO1_UNDER_FSDP
 from .preflight import Preflight
 from .tiny import REPO_ROOT
 
@@ -337,6 +338,12 @@ class RunArguments:
         metadata={"help": "Train without FSDP on purpose (debugging). A launch without an FSDP config is otherwise refused: "
                   "`python train_fsdp.py` or `accelerate launch` with no config would train one unsharded model and exit 0."},
     )
+    zero1: bool = field(
+        default=False,
+        metadata={"help": "ZeRO stage 1 under DDP (accelerate_configs/ddp.yaml): each of the N processes keeps 1/N of the "
+                  "optimizer state (torch's ZeroRedundancyOptimizer); parameters and gradients stay replicated. FSDP "
+                  "configs shard the optimizer state already."},
+    )
     profile_steps: str | None = field(
         default=None,
         metadata={"help": "Profile these optimizer steps, e.g. 5-8: a Chrome trace per rank in output_dir/profile/ "
@@ -397,8 +404,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     output_dir = raw.output_dir or "trainer_output"
     plan.resume = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp, plan)
     check_output_dir(output_dir, resuming=plan.resume is not None, overwrite=run_args.overwrite_output_dir, plan=plan)
-    if not (cpu_fsdp.fsdp_requested() or trainer_fsdp) and not run_args.allow_no_fsdp:
+    fsdp = cpu_fsdp.fsdp_requested() or trainer_fsdp
+    if not fsdp and not run_args.allow_no_fsdp and not (plan.launch is not None and plan.launch.ddp):
         raise RecipeError(launcher.no_fsdp_problem())
+    if run_args.zero1 and cpu_fsdp.launched_world_size() < 2:
+        raise RecipeError("zero1 shards the optimizer state across processes and this launch has 1: launch with "
+                          "--config_file accelerate_configs/ddp.yaml (2+ processes), or drop zero1")
+    if run_args.zero1 and fsdp:  # the accelerate-launch route is named by the config check above, by file and key
+        raise RecipeError(f"zero1 {ZERO1_UNDER_FSDP}: drop zero1, or launch with accelerate_configs/ddp.yaml")
     if warning := launcher.unused_accelerators_warning():
         _say(warning)
     return model_args, data_args, plan
@@ -530,10 +543,10 @@ def check_launch(raw, plan: Preflight) -> None:
 
     plan.launch = launcher.launch_settings()
     fsdp = plan.launch is not None and (plan.launch.config.get("distributed_type") == "FSDP" or "fsdp_config" in plan.launch.config)
-    if not fsdp or (raw.allow_no_fsdp and plan.launch.config.get("distributed_type") != "FSDP"):
-        return  # nothing of FSDP to check (a launch without FSDP is refused below, by name), or no FSDP on purpose
+    if (not fsdp or (raw.allow_no_fsdp and plan.launch.config.get("distributed_type") != "FSDP")) and not (plan.launch and plan.launch.ddp):
+        return  # nothing to check (a launch without FSDP is refused below, by name), or no FSDP on purpose
     settings = {k: getattr(raw, k, None) for k in ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16", "dtype",
-                                          "load_in_4bit", "bnb_4bit_quant_storage", "bnb_4bit_compute_dtype")}
+                                          "load_in_4bit", "bnb_4bit_quant_storage", "bnb_4bit_compute_dtype", "zero1")}
     problems = launcher.check(plan.launch, settings, raw.model_name_or_path or raw.config_name)
     for problem in problems:
         if problem.level == "warning":
@@ -614,6 +627,12 @@ def _resumable(status, trainer_fsdp: bool) -> str:
             f"{status.path} holds FSDP shards: resume it under FSDP (`accelerate launch --config_file "
             "accelerate_configs/<config>.yaml train_fsdp.py ...`), or merge it with tools/merge_checkpoint.py and "
             "fine-tune from the merged folder"
+        )
+    if status.state_dict_type == "PLAIN" and (cpu_fsdp.fsdp_requested() or trainer_fsdp):
+        raise RecipeError(
+            f"{status.path} was saved without FSDP (DDP or ZeRO-1): resume it with the same launch (`accelerate launch "
+            "--config_file accelerate_configs/ddp.yaml train_fsdp.py ...`), or start an FSDP run from its weights with "
+            f"--model_name_or_path {status.path}"
         )
     if status.world_size and status.world_size != world:
         _say(

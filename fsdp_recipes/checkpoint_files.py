@@ -13,6 +13,7 @@ OPTIMIZER_DIR = "optimizer_0"
 FULL_MODEL_FILE = "pytorch_model_fsdp.bin"  # accelerate's FULL_STATE_DICT model
 FULL_OPTIMIZER_FILE = "optimizer.bin"
 FULL_FILES = ("model.safetensors.index.json", "model.safetensors", FULL_MODEL_FILE)
+PLAIN_OPTIMIZER_FILE = "optimizer.pt"  # the Trainer's own layout without FSDP (DDP, ZeRO-1 consolidated, one process)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ADAPTER_CONFIG = "adapter_config.json"  # peft
 REPORT_NAME = "fsdp_report.json"  # the proof of sharding, per run and per checkpoint (fsdp_recipes.checks)
@@ -41,7 +42,7 @@ def training_content(folder: Path) -> str | None:
         return None
     if steps := checkpoint_steps(folder):
         return f"training checkpoints ({steps[0].name}, ...)"
-    for name in (DCP_MODEL_DIR, OPTIMIZER_DIR, "trainer_state.json", FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, ".metadata"):
+    for name in (DCP_MODEL_DIR, OPTIMIZER_DIR, "trainer_state.json", FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, PLAIN_OPTIMIZER_FILE, ".metadata"):
         if (folder / name).exists():
             return f"a training checkpoint ({name})"
     if any(folder.glob("*.distcp")) or any(folder.glob(f"{INCOMPLETE_PREFIX}checkpoint-*")) or any(folder.glob(f"{REPLACED_PREFIX}checkpoint-*")):

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from . import internals
 from .checkpoint_files import (
-    DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, REPORT_NAME, checkpoint_steps,
+    DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
+    CheckpointError, checkpoint_steps,
 )
 from .dcp_files import check_folder
 
@@ -29,7 +30,7 @@ from .dcp_files import check_folder
 class CheckpointStatus:
     path: str
     step: int | None = None
-    state_dict_type: str | None = None  # SHARDED_STATE_DICT or FULL_STATE_DICT
+    state_dict_type: str | None = None  # SHARDED_STATE_DICT, FULL_STATE_DICT or PLAIN (saved without FSDP: DDP, ZeRO-1)
     fsdp_version: int | None = None  # from our fsdp_report.json; None for checkpoints other scripts wrote
     sharding_strategy: str | None = None
     world_size: int | None = None
@@ -110,7 +111,7 @@ def checkpoint_status(ckpt: str | os.PathLike) -> CheckpointStatus:
 
 
 def _check(ckpt: Path, status: CheckpointStatus) -> None:
-    if not any((ckpt / name).exists() for name in ("trainer_state.json", DCP_MODEL_DIR, OPTIMIZER_DIR, FULL_MODEL_FILE)):
+    if not any((ckpt / name).exists() for name in ("trainer_state.json", DCP_MODEL_DIR, OPTIMIZER_DIR, FULL_MODEL_FILE, PLAIN_OPTIMIZER_FILE)):
         status.problems.append("not a training checkpoint (no trainer_state.json, model or optimizer state)")
         return
     report = ckpt / REPORT_NAME
@@ -135,7 +136,18 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
             status.problems.append(f"trainer_state.json says step {status.step}, the folder name step {name_step}")
 
     ranks: set[int] = set()
-    if (ckpt / DCP_MODEL_DIR).is_dir() or not (ckpt / FULL_MODEL_FILE).is_file():
+    fsdp_files = (ckpt / DCP_MODEL_DIR).is_dir() or (ckpt / OPTIMIZER_DIR).is_dir() or (ckpt / FULL_MODEL_FILE).is_file()
+    if not fsdp_files and ((ckpt / PLAIN_OPTIMIZER_FILE).exists() or (report.is_file() and status.fsdp_version is None)):
+        status.state_dict_type = "PLAIN"  # the Trainer's own files: model.safetensors (+ index), optimizer.pt
+        from .sources import SafetensorsSource
+
+        try:
+            SafetensorsSource(ckpt)
+        except CheckpointError as err:
+            status.problems.append(f"model weights: {str(err).split(': copy')[0].replace(f'{ckpt}/', '')}")
+        if problem := _torch_file_problem(ckpt / PLAIN_OPTIMIZER_FILE):
+            status.problems.append(problem)
+    elif (ckpt / DCP_MODEL_DIR).is_dir() or not (ckpt / FULL_MODEL_FILE).is_file():
         status.state_dict_type = "SHARDED_STATE_DICT"
         for folder, what in ((ckpt / DCP_MODEL_DIR, "model shards"), (ckpt / OPTIMIZER_DIR, "optimizer shards")):
             problems, found = _dcp_problems(folder, what)

@@ -96,7 +96,7 @@ def state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
         grads = sum(_local(p.grad) for p in model.parameters())
     optim = 0
     if optimizer is not None:
-        for state in optimizer.state.values():
+        for state in local_optimizer(optimizer).state.values():
             optim += sum(_local(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     return {"params": params, "grads": grads, "optimizer": optim}
 
@@ -146,10 +146,12 @@ def precision_contract(model: torch.nn.Module, accelerator) -> dict:
             "optimizer_state": None, "saved_model": _dtype(master)}
 
 
-def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, training_args=None, trainable_total: int | None = None) -> dict:
+def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, training_args=None, trainable_total: int | None = None,
+                      optimizer=None) -> dict:
     """Check the prepared model against the launch config on every rank; rank 0 writes the report.
 
-    Raises NotShardedError on every rank when FSDP was asked for and is not what runs.
+    Raises NotShardedError on every rank when FSDP was asked for and is not what runs, or when the launcher started
+    several processes and each trains alone (accelerate's DistributedType.NO: N unconnected runs).
     """
     kind = wrapper_kind(model)
     local, total = param_elements(model)
@@ -161,7 +163,7 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
     report = {
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "fsdp_version": getattr(plugin, "fsdp_version", None),
-        "sharding_strategy": _strategy_name(plugin, getattr(accelerator, "parallelism_config", None)),
+        "sharding_strategy": _strategy_name(plugin, getattr(accelerator, "parallelism_config", None), optimizer),
         "world_size": accelerator.num_processes,
         "device": str(accelerator.device),
         "total_param_elements": total,
@@ -171,6 +173,12 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
         "precision": precision_contract(model, accelerator),
         "ranks": gathered,
     }
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes == 1:
+        raise NotShardedError(
+            f"the launcher started {launched} processes but each trains alone (distributed type "
+            f"{report['distributed_type']}): launch with `accelerate launch --config_file accelerate_configs/<config>.yaml`"
+        )
     want = expected_fsdp_version(training_args)
     if want is not None and kind != f"FSDP{want}":
         raise NotShardedError(
@@ -184,8 +192,17 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
     return report
 
 
+def local_optimizer(optimizer):
+    """The torch optimizer that holds this rank's state: inside accelerate's wrapper, and inside ZeRO-1's
+    ZeroRedundancyOptimizer (whose own ``state`` stays empty; its local optimizer ``optim`` steps this rank's part)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
 def optimizer_state_dtype(optimizer) -> str | None:
-    for state in optimizer.state.values():
+    for state in local_optimizer(optimizer).state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.dim() > 0:  # Adam's moments, not its step counter
                 return _dtype(value.dtype)
@@ -205,9 +222,11 @@ def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: l
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def _strategy_name(plugin, parallelism_config=None) -> str | None:
+def _strategy_name(plugin, parallelism_config=None, optimizer=None) -> str | None:
     if plugin is None:
-        return None
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return "ZERO1" if isinstance(getattr(optimizer, "optimizer", optimizer), ZeroRedundancyOptimizer) else None
     if plugin.fsdp_version == 2:
         # FSDP2 expresses HYBRID_SHARD as a (dp_replicate, dp_shard) mesh rather than a strategy name.
         if parallelism_config is not None and parallelism_config.dp_replicate_size > 1:
@@ -225,10 +244,11 @@ class ShardingReport(TrainerCallback):
         self.grad_bytes = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir, args, self.trainer.trainable_total)
+        report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir, args, self.trainer.trainable_total,
+                                   self.trainer.optimizer)
         local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
         logger.info(
-            f"{report['ranks'][0]['wrapper']} {report['sharding_strategy']} on {report['world_size']} process(es), "
+            f"{report['ranks'][0]['wrapper']} {report['sharding_strategy'] or 'replicated'} on {report['world_size']} process(es), "
             f"{report['device']}: this rank holds {local:,} of {report['total_param_elements']:,} parameter elements"
         )
         if report["trainable"] != "all":
@@ -240,7 +260,7 @@ class ShardingReport(TrainerCallback):
             )
         units, precision = report["wrapped_units"], report["precision"]
         logger.info(
-            "wrapped units: " + ", ".join(f"{n} x {name}" for name, n in units.items()) + "; dtypes: master weights "
+            "wrapped units: " + (", ".join(f"{n} x {name}" for name, n in units.items()) or "none (not FSDP)") + "; dtypes: master weights "
             f"{precision['master_weights']}, compute {precision['compute']}, gradient reduction "
             f"{precision['gradient_reduction']}, saved model {precision['saved_model']} (fsdp_report.json)"
         )

@@ -25,6 +25,8 @@ BOOL_KEYS = [
 ]
 FSDP1_ONLY = ["fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_use_orig_params"]
 FSDP2_ONLY = ["fsdp_reshard_after_forward"]
+DDP_TYPES = ("MULTI_GPU", "MULTI_CPU")  # accelerate's distributed types for DistributedDataParallel
+ZERO1_UNDER_FSDP = "is for DDP launches (accelerate_configs/ddp.yaml); under FSDP it would wrap a sharded optimizer in a second sharding"
 LARGE_MODEL = 1_000_000_000  # parameters above which FULL_STATE_DICT gathering on rank 0 becomes a problem
 
 
@@ -127,19 +129,39 @@ def check_settings(
             c.error(f"parallelism_config.{key}", "unknown key (accelerate would silently ignore it)", _suggest(key, pc_keys))
 
     dist_type = raw.get("distributed_type")
-    if dist_type != "FSDP":
+    ddp = dist_type in DDP_TYPES and not fsdp  # accelerate_configs/ddp.yaml: DDP, and ZeRO-1 with the recipe's zero1
+    if dist_type != "FSDP" and not ddp:
         if fsdp:
             c.error("distributed_type", f"is {dist_type!r} but the file carries fsdp_config, which is then ignored", "set distributed_type: FSDP")
         else:
-            c.error("distributed_type", f"is {dist_type!r}, not FSDP", "set distributed_type: FSDP and add fsdp_config")
+            c.error("distributed_type", f"is {dist_type!r}, not FSDP or DDP", "set distributed_type: FSDP and add fsdp_config "
+                    "(or MULTI_GPU for DDP, as accelerate_configs/ddp.yaml)")
         return c.problems
 
     mp = raw.get("mixed_precision", "no")
     if mp not in MIXED_PRECISION:
         c.error("mixed_precision", f"{mp!r} is not one of {', '.join(MIXED_PRECISION)}", "use bf16 on GPUs that support it")
-    elif mp == "fp16":
+    elif mp == "fp16" and not ddp:
         c.warn("mixed_precision", "fp16 with FSDP needs a sharded gradient scaler and overflows more easily than bf16", "use bf16 where the GPU supports it")
+    if ddp:
+        version = strategy = sd_type = wrap = None
+    else:
+        version, strategy, sd_type, wrap = _check_fsdp_keys(c, fsdp)
+        if _as_bool(recipe.get("zero1")):
+            c.error("zero1", ZERO1_UNDER_FSDP, "drop zero1 (FSDP shards the optimizer state already), or launch with "
+                    "accelerate_configs/ddp.yaml", file=recipe_file)
+    _check_processes(c, raw, pc, version, strategy)
+    _check_with_recipe(c, recipe, recipe_file, fsdp, version, sd_type, mp, ddp)
 
+    # ----- with the model -----
+    model = model or recipe.get("model_name_or_path") or recipe.get("config_name")
+    if model and not ddp:
+        _check_model(c, fsdp, wrap, sd_type, model)
+    return c.problems
+
+
+def _check_fsdp_keys(c: _Checker, fsdp: dict) -> tuple:
+    """The fsdp_config section alone; returns (version, sharding strategy, state-dict type, wrap policy)."""
     version = fsdp.get("fsdp_version")
     if version is None:
         c.error("fsdp_config.fsdp_version", "missing: accelerate then defaults to FSDP1", "set fsdp_version: 2 (or 1)")
@@ -152,11 +174,6 @@ def check_settings(
     for key in BOOL_KEYS + (["fsdp_reshard_after_forward"] if version == 2 else []):
         if key in fsdp and _as_bool(fsdp[key]) is None:
             c.error(f"fsdp_config.{key}", f"{fsdp[key]!r} is not true or false", f"set {key}: true or false")
-    for key, where in (("fsdp_min_num_params", fsdp), ("main_process_port", raw), ("machine_rank", raw)):
-        value = where.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            name = f"fsdp_config.{key}" if where is fsdp else key
-            c.error(name, f"{value!r} is not a non-negative integer (accelerate would fail on it at launch)", f"write {key} as a plain number, e.g. 100000000")
 
     strategy = fsdp.get("fsdp_sharding_strategy")
     if version == 2:
@@ -202,7 +219,17 @@ def check_settings(
     if _as_bool(fsdp.get("fsdp_offload_params")):
         c.warn("fsdp_config.fsdp_offload_params", "CPU offload makes each step several times slower", "use it only when zero3 does not fit, even with activation checkpointing")
 
-    # ----- processes, machines, hybrid sharding -----
+    return version, strategy, sd_type, wrap
+
+
+def _check_processes(c: _Checker, raw: dict, pc: dict, version, strategy) -> None:
+    """Processes, machines, hybrid sharding."""
+    fsdp = raw.get("fsdp_config") or {}
+    for key, where in (("fsdp_min_num_params", fsdp), ("main_process_port", raw), ("machine_rank", raw)):
+        value = where.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            name = f"fsdp_config.{key}" if where is fsdp else key
+            c.error(name, f"{value!r} is not a non-negative integer (accelerate would fail on it at launch)", f"write {key} as a plain number, e.g. 100000000")
     procs, machines = raw.get("num_processes", -1), raw.get("num_machines", 1)
     if not isinstance(procs, int) or procs < 1:
         c.error("num_processes", f"{procs!r} is not a positive integer", "set it to the total number of GPUs over all machines")
@@ -229,7 +256,9 @@ def check_settings(
             if rep > 1 and machines > 1 and rep != machines:
                 c.warn("parallelism_config.parallelism_config_dp_replicate_size", f"{rep} replicas over {machines} machines: shard groups then span nodes", "set dp_replicate_size = num_machines")
 
-    # ----- with the recipe -----
+
+
+def _check_with_recipe(c: _Checker, recipe: dict, recipe_file: str, fsdp: dict, version, sd_type, mp, ddp: bool) -> None:
     ac_fsdp = _as_bool(fsdp.get("fsdp_activation_checkpointing"))
     for key in ("gradient_checkpointing", "activation_checkpointing"):
         if ac_fsdp and _as_bool(recipe.get(key)):
@@ -240,26 +269,22 @@ def check_settings(
     if _as_bool(recipe.get("load_in_4bit")):  # QLoRA: FSDP shards the packed 4-bit weights as plain tensors
         storage = recipe.get("bnb_4bit_quant_storage") or "uint8"
         weights = recipe.get("dtype") or "float32"
-        if version == 2 and storage == "uint8":
+        if ddp:
+            pass  # DDP replicates the quantized model as it is: any storage dtype works
+        elif version == 2 and storage == "uint8":
             c.error("bnb_4bit_quant_storage", "uint8 storage under FSDP2: fully_shard would shard the packed bytes as "
                     "parameters of their own dtype beside the model's others", "set bnb_4bit_quant_storage to the model's dtype (bfloat16)",
                     file=recipe_file)
         elif storage != weights:
             c.error("bnb_4bit_quant_storage", f"{storage} differs from the other parameters' dtype {weights}: FSDP flattens "
                     "a unit's parameters into one dtype and refuses (FSDP1) or mis-shards (FSDP2) the mix",
-                    f"set bnb_4bit_quant_storage and dtype to the same dtype, e.g. both bfloat16", file=recipe_file)
+                    "set bnb_4bit_quant_storage and dtype to the same dtype, e.g. both bfloat16", file=recipe_file)
     if recipe.get("dtype") in ("bfloat16", "float16") and not _as_bool(recipe.get("load_in_4bit")):  # QLoRA: the base is frozen
         c.warn("dtype", f"{recipe['dtype']} keeps the master weights and the optimizer state in 16 bits: updates smaller than "
                "their precision are rounded away", "keep dtype: float32 and set mixed_precision: bf16 in the accelerate config "
                "(FSDP computes in bf16, keeps fp32 master weights)", file=recipe_file)
     if recipe.get("fp16") and mp == "bf16" or recipe.get("bf16") and mp == "fp16":
         c.error("fp16" if recipe.get("fp16") else "bf16", f"disagrees with the accelerate config's mixed_precision: {mp}", "set mixed precision in one place: the accelerate config", file=recipe_file)
-
-    # ----- with the model -----
-    model = model or recipe.get("model_name_or_path") or recipe.get("config_name")
-    if model:
-        _check_model(c, fsdp, wrap, sd_type, model)
-    return c.problems
 
 
 def _check_model(c: _Checker, fsdp: dict, wrap, sd_type, model: str) -> None:

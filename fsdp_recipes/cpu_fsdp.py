@@ -64,6 +64,16 @@ def needed(trainer_fsdp: bool = False) -> bool:
     return (fsdp_requested() or trainer_fsdp) and not accelerator_present() and launched_world_size() > 1
 
 
+def enable_ddp(trainer_fsdp: bool = False) -> bool:
+    """A multi-process launch without FSDP (accelerate_configs/ddp.yaml) on a machine with no accelerator: accelerate
+    1.15 makes each rank DistributedType.NO there, N unconnected runs that each train alone. ACCELERATE_USE_CPU
+    makes it MULTI_CPU, DistributedDataParallel over gloo. Patches nothing. Returns whether it applied."""
+    if fsdp_requested() or trainer_fsdp or accelerator_present() or launched_world_size() < 2:
+        return False
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    return True
+
+
 def single_process_problem(trainer_fsdp: bool = False) -> str | None:
     """FSDP asked for on one process without an accelerator would silently train an unwrapped model."""
     if (fsdp_requested() or trainer_fsdp) and not accelerator_present() and launched_world_size() < 2:

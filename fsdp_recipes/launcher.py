@@ -30,6 +30,7 @@ ENVIRONMENT = "environment"  # ... and for one that came from an FSDP_* variable
 ENV_NAMES = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "fsdp_transformer_layer_cls_to_wrap"}
 # launch flags that set distributed_type rather than a key of the same name
 TYPE_FLAGS = {"use_fsdp": "FSDP", "multi_gpu": "MULTI_GPU", "cpu": "MULTI_CPU", "use_deepspeed": "DEEPSPEED"}
+DDP_TYPES = ("MULTI_GPU", "MULTI_CPU")  # accelerate's names for DistributedDataParallel
 
 
 @dataclass
@@ -40,6 +41,15 @@ class LaunchSettings:
     config_file: Path | None = None  # the file they started from, if any
     origin: dict[str, str] = field(default_factory=dict)  # checker key -> the flag or variable that set it
     where: str = LAUNCH_FLAGS  # what origin's names are
+    named: bool = False  # the file was named on the command line (--config_file), not accelerate's default config
+
+    @property
+    def ddp(self) -> bool:
+        """DDP asked for by name: a config file given with --config_file that says MULTI_GPU or MULTI_CPU and has no
+        fsdp_config (accelerate_configs/ddp.yaml), or --multi_gpu. accelerate's default config, written by `accelerate
+        config default` as MULTI_GPU on any multi-GPU machine, is not a request for DDP."""
+        named = self.named or self.origin.get("distributed_type") in ("--multi_gpu", "--cpu")
+        return named and self.config.get("distributed_type") in DDP_TYPES and not self.config.get("fsdp_config")
 
     def describe(self) -> str:
         parts = [str(self.config_file)] if self.config_file else []
@@ -97,7 +107,7 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
     else:
         path = None  # no file: accelerate's own defaults, set by flags
         config = {"num_processes": int(os.environ.get("WORLD_SIZE", "1")), "num_machines": 1}
-    settings = LaunchSettings(config, path)
+    settings = LaunchSettings(config, path, named=bool(args.config_file) and path is not None)
     top = set(ClusterConfig.__dataclass_fields__)
     for dest in sorted(given):
         flag, value = f"--{dest}", getattr(args, dest)
@@ -161,8 +171,8 @@ def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> li
 def no_fsdp_problem() -> str:
     """Why this launch would train without FSDP, and the command that trains with it."""
     fix = ("launch with an FSDP config: `accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py ...` "
-           "(or torchrun with --fsdp true --fsdp_config accelerate_configs/torchrun/zero3.json); pass --allow_no_fsdp true "
-           "to train without FSDP on purpose")
+           "(or torchrun with --fsdp true --fsdp_config accelerate_configs/torchrun/zero3.json); for DDP or ZeRO-1, "
+           "--config_file accelerate_configs/ddp.yaml; pass --allow_no_fsdp true to train without FSDP on purpose")
     if any(k.startswith("ACCELERATE_") for k in os.environ):
         why = "accelerate launch without an FSDP config (its default config, or distributed_type other than FSDP)"
     elif "WORLD_SIZE" in os.environ:

@@ -1,8 +1,9 @@
-"""Per-GPU memory of FSDP training, from the ZeRO formulas plus activations.
+"""Per-GPU memory of FSDP (and DDP, ZeRO-1) training, from the ZeRO formulas plus activations.
 
 Model states with mixed precision keep fp32 master weights: per parameter 4 bytes of weights, 4 of gradients
 and, with Adam, 8 of optimizer state (m and v): 16 bytes, divided over the S processes that shard them
-(S = N for FULL_SHARD and SHARD_GRAD_OP, S = processes per node for HYBRID_SHARD, S = 1 for NO_SHARD).
+(S = N for FULL_SHARD and SHARD_GRAD_OP, S = processes per node for HYBRID_SHARD, S = 1 for NO_SHARD and DDP).
+ZeRO-1 (DDP + ZeroRedundancyOptimizer) shards only the optimizer state: 8P + 8P/N.
 On top: the bf16 all-gather working set (the unit being computed and the one prefetched), for SHARD_GRAD_OP
 the gathered bf16 parameters held from forward to backward (2 bytes per parameter), and activations.
 """
@@ -14,10 +15,13 @@ from dataclasses import asdict, dataclass, field
 
 GiB = 1024**3
 OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd_momentum": 4, "sgd": 0}  # state bytes per parameter
-STRATEGIES = ["NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD"]
+STRATEGIES = ["DDP", "ZERO1", "NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD"]
+REPLICATED = ("DDP", "ZERO1")  # no FSDP: whole parameters and gradients on every process
 # Shipped configs in the order of their communication cost per step, cheapest first.
 SHIPPED = [
+    ("ddp.yaml", "DDP", False),
     ("fsdp1/no_shard.yaml", "NO_SHARD", False),
+    ("ddp.yaml --zero1 true", "ZERO1", False),
     ("zero2.yaml", "SHARD_GRAD_OP", False),
     ("hybrid_shard.yaml", "HYBRID_SHARD", False),
     ("zero3.yaml", "FULL_SHARD", False),
@@ -119,16 +123,23 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     if setup.optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer {setup.optimizer!r} is not one of {', '.join(OPTIMIZER_BYTES)}")
     world = setup.nproc_per_node * setup.nnodes
-    shard = {"NO_SHARD": 1, "HYBRID_SHARD": setup.nproc_per_node}.get(setup.strategy, world)
+    shard = {"NO_SHARD": 1, "DDP": 1, "ZERO1": 1, "HYBRID_SHARD": setup.nproc_per_node}.get(setup.strategy, world)
     P = shape.params
     master = 4  # fp32 weights, also with bf16/fp16 mixed precision
     compute = 4 if setup.precision == "fp32" else 2
     params, grads, optim = master * P / shard, master * P / shard, OPTIMIZER_BYTES[setup.optimizer] * P / shard
+    if setup.strategy == "ZERO1":
+        optim = OPTIMIZER_BYTES[setup.optimizer] * P / world  # ZeroRedundancyOptimizer: 1/N of the state per rank
     unit = shape.largest_unit or P / max(shape.layers or 32, 1)
-    working = 0.0 if setup.strategy == "NO_SHARD" else 2 * unit * compute  # the unit in use and the prefetched one
+    # the unit in use and the prefetched one; nothing is gathered without sharded parameters
+    working = 0.0 if setup.strategy in ("NO_SHARD", *REPLICATED) else 2 * unit * compute
     gathered = compute * P if setup.strategy == "SHARD_GRAD_OP" else 0.0
     acts, notes = activation_bytes(shape, setup)
+    if setup.strategy in REPLICATED:
+        notes.append("DDP also keeps its gradient buckets (about 4P bytes more unless gradient_as_bucket_view)")
     offload_node = 0.0
+    if setup.offload and setup.strategy in REPLICATED:
+        raise ValueError(f"offload is an FSDP setting; {setup.strategy} keeps every state on the GPU")
     if setup.offload:
         offload_node = (params + grads + optim) * setup.nproc_per_node
         params = grads = optim = 0.0
@@ -145,7 +156,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
 
 
 def fitting_configs(shape: ModelShape, setup: Setup, gpu_bytes: float) -> list[tuple[str, float, bool]]:
-    """(config, GPU bytes, fits) for every shipped FSDP2/FSDP1 config, cheapest in communication first."""
+    """(config, GPU bytes, fits) for every shipped config (DDP, ZeRO-1, FSDP1, FSDP2), cheapest in communication first."""
     rows = []
     for name, strategy, offload in SHIPPED:
         est = estimate(shape, Setup(**{**asdict(setup), "strategy": strategy, "offload": offload}))

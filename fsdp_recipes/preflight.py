@@ -4,7 +4,7 @@ Argument parsing (fsdp_recipes.arguments) only reads and decides; it never moves
 a process group, so bad input fails on every rank in seconds and changes nothing. Once every check has passed,
 ``Preflight`` (what parsing decided) is carried out here, in this order:
 
-1. ``start``: make FSDP real where there is no accelerator (fsdp_recipes.cpu_fsdp), build TrainingArguments,
+1. ``start``: make FSDP (or DDP) real where there is no accelerator (fsdp_recipes.cpu_fsdp), build TrainingArguments,
    which starts accelerate's PartialState and joins the process group;
 2. ``hold_output_dir``: one run per output_dir at a time; a POSIX lock on ``output_dir/.run.lock`` held by
    global rank 0 while it lives (the kernel drops it when the process dies, so a killed run never holds it);
@@ -41,6 +41,7 @@ class Preflight:
     delete: list[Path] = field(default_factory=list)
     launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.launcher)
     run_args: object = None  # fsdp_recipes.arguments.RunArguments: this script's own options
+    cpu_ddp: bool = False  # DDP over gloo on a machine without an accelerator (cpu_fsdp.enable_ddp)
 
     def start(self):
         """Patch (CPU only) and build TrainingArguments: this joins the process group."""
@@ -48,7 +49,12 @@ class Preflight:
 
         from .arguments import RecipeError, build
 
-        cpu_fsdp.enable(self.trainer_fsdp)  # must precede TrainingArguments, which creates accelerate's PartialState
+        # both must precede TrainingArguments, which creates accelerate's PartialState
+        self.cpu_ddp = cpu_fsdp.enable_ddp(self.trainer_fsdp) if not cpu_fsdp.enable(self.trainer_fsdp) else False
+        if getattr(self.raw, "ddp_find_unused_parameters", None) is None:
+            # the Trainer's default (True without gradient checkpointing) makes DDP walk the autograd graph every
+            # step for parameters a causal LM always uses; torch warns about it on every rank. FSDP ignores it.
+            self.raw.ddp_find_unused_parameters = False
         if not cpu_fsdp.accelerator_present():
             self.raw.dataloader_pin_memory = False  # nothing to pin to: torch warns once per DataLoader otherwise
         try:

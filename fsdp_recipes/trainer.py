@@ -8,6 +8,11 @@ come back, Adam's moments do not, and the run continues silently wrong. Giving t
 entries first (``_init_optim_state``: one step with zero gradients and lr 0, exactly what
 ``get_optimizer_state_dict`` does for FSDP2 before loading) makes DCP restore every moment.
 
+With ``zero1`` (DDP launches only) the optimizer is torch's ZeroRedundancyOptimizer around the Trainer's own
+choice (AdamW by default, with the same settings): each rank keeps the state of 1/N of the parameters.
+Checkpoints hold the whole state in one optimizer.pt, gathered on rank 0 (``consolidate_state_dict``); a resume
+gives every rank its part back, so a run may resume on another number of processes.
+
 It also moves one step of saving. The Trainer deletes checkpoints beyond ``save_total_limit`` as soon as rank 0
 has written trainer_state.json, while the other ranks may still be writing their RNG state: a rank killed in
 that window left the run with no complete checkpoint (with a limit of 1, the only good one was just deleted).
@@ -46,13 +51,41 @@ from .preemption import Preemption
 logger = logging.getLogger(__name__)
 
 
+def zero1_optimizer_class():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.optim import Optimizer
+
+    class ZeRO1(ZeroRedundancyOptimizer):
+        """torch's ZeroRedundancyOptimizer, except that before its state was ever consolidated its state_dict is the
+        plain (empty) one of a fresh optimizer. accelerate wraps every optimizer by round-tripping its state_dict on
+        each rank (to move it to the device), where ZeroRedundancyOptimizer raises "not consolidated". Checkpoints
+        consolidate first (FSDPTrainer._save_optimizer_and_scheduler)."""
+
+        consolidated = False
+
+        def consolidate_state_dict(self, to: int = 0) -> None:
+            super().consolidate_state_dict(to)
+            self.consolidated = True
+
+        def state_dict(self):
+            if not self.consolidated and not self.optim.state:  # a fresh optimizer: no state anywhere yet
+                return Optimizer.state_dict(self)
+            return super().state_dict()
+
+    return ZeRO1
+
+
 OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._save_optimizer_and_scheduler",
              "transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler")
 
 
 class FSDPTrainer(Trainer):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, zero1: bool = False, **kwargs):
         internals.require(*OVERRIDES)  # a renamed base method would leave ours never called
+        if zero1:  # the Trainer's own optimizer and settings, each rank stepping its 1/N of the parameters
+            optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(kwargs["args"], kwargs.get("model"))
+            kwargs["optimizer_cls_and_kwargs"] = (zero1_optimizer_class(), {"optimizer_class": optimizer_cls, **optimizer_kwargs})
+        self.zero1 = zero1
         super().__init__(*args, **kwargs)
         self.trainable_total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # before sharding
         self.add_callback(ShardingReport(self))
@@ -115,6 +148,8 @@ class FSDPTrainer(Trainer):
             internals.patch("transformers.trainer.get_fsdp_ckpt_kwargs", ask)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.zero1:  # every rank sends its part to rank 0, which writes the whole state as one optimizer.pt
+            self.optimizer.optimizer.consolidate_state_dict(to=0)
         with self._whole_lora_checkpoints():
             super()._save_optimizer_and_scheduler(output_dir)
 

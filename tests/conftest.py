@@ -14,6 +14,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "accelerate_configs"
 ALL_CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
+DDP_CONFIG = "accelerate_configs/ddp.yaml"  # DDP, and ZeRO-1 with --zero1 true: no fsdp_config
+FSDP_CONFIGS = [c for c in ALL_CONFIGS if c != DDP_CONFIG]
 # Fast test settings on top of the default recipe: enough steps for the loss to fall, one mid-run checkpoint.
 QUICK = ["--max_steps", "12", "--save_steps", "6", "--logging_steps", "2", "--warmup_steps", "2", "--save_total_limit", "3"]
 
@@ -73,7 +75,7 @@ class Run:
     config: str
     output_dir: Path
     world_size: int
-    fsdp_version: int
+    fsdp_version: int | None  # None: DDP
     shard_group: int  # processes one parameter is split over
 
     @property
@@ -84,6 +86,8 @@ class Run:
 def expected_layout(config: str) -> tuple[int, int, int]:
     """(world size, fsdp_version, shard group size) that the config should produce on this CPU machine."""
     cfg = yaml.safe_load((REPO / config).read_text())
+    if "fsdp_config" not in cfg:  # DDP: every rank holds everything
+        return cfg["num_processes"], None, 1
     fsdp = cfg["fsdp_config"]
     overrides = LAUNCH_OVERRIDES.get(config, ())
     world = int(overrides[overrides.index("--num_processes") + 1]) if overrides else cfg["num_processes"]

@@ -10,7 +10,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
 
-from conftest import ALL_CONFIGS, REPO
+from conftest import ALL_CONFIGS, DDP_CONFIG, FSDP_CONFIGS, REPO
 
 HEADER_FIELDS = ["ZeRO", "NOT a DeepSpeed config", "Memory per GPU", "Choose it when", "Launch:", "Tested with:", "Config revision:"]
 
@@ -18,10 +18,10 @@ HEADER_FIELDS = ["ZeRO", "NOT a DeepSpeed config", "Memory per GPU", "Choose it 
 def test_configs_are_found_recursively():
     assert "accelerate_configs/zero3.yaml" in ALL_CONFIGS
     assert any(c.startswith("accelerate_configs/fsdp1/") for c in ALL_CONFIGS)
-    assert len(ALL_CONFIGS) == 9
+    assert len(ALL_CONFIGS) == 10 and DDP_CONFIG in ALL_CONFIGS
 
 
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_loads_with_accelerate_loader(config):
     loaded = load_config_from_file(str(REPO / config))  # raises on unknown top-level keys
     assert loaded.distributed_type == DistributedType.FSDP
@@ -32,7 +32,7 @@ def test_loads_with_accelerate_loader(config):
     assert loaded.mixed_precision == "bf16"
 
 
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_passes_accelerate_launch_validation(config):
     parser = launch_command_parser()
     args = parser.parse_args(["--config_file", str(REPO / config), "train_fsdp.py"])
@@ -60,10 +60,10 @@ def test_header_documents_the_config(config):
 
 
 def test_top_level_is_fsdp2_and_fsdp1_sits_beside_it():
-    for config in ALL_CONFIGS:
+    for config in FSDP_CONFIGS:
         version = yaml.safe_load((REPO / config).read_text())["fsdp_config"]["fsdp_version"]
         assert version == (1 if "/fsdp1/" in config else 2), config
-    strategies = {c: yaml.safe_load((REPO / c).read_text())["fsdp_config"] for c in ALL_CONFIGS}
+    strategies = {c: yaml.safe_load((REPO / c).read_text())["fsdp_config"] for c in FSDP_CONFIGS}
     assert strategies["accelerate_configs/zero3.yaml"]["fsdp_reshard_after_forward"] is True
     assert strategies["accelerate_configs/zero2.yaml"]["fsdp_reshard_after_forward"] is False
     assert strategies["accelerate_configs/zero3_offload.yaml"]["fsdp_offload_params"] is True
@@ -73,3 +73,12 @@ def test_top_level_is_fsdp2_and_fsdp1_sits_beside_it():
         "zero3.yaml": "FULL_SHARD", "zero2.yaml": "SHARD_GRAD_OP", "zero3_offload.yaml": "FULL_SHARD",
         "no_shard.yaml": "NO_SHARD", "hybrid_shard.yaml": "HYBRID_SHARD",
     }
+
+
+def test_ddp_config_is_plain_ddp_for_accelerate():
+    """ddp.yaml: accelerate's own loader and launch validation make it a multi-GPU (DDP) launch, no FSDP."""
+    loaded = load_config_from_file(str(REPO / DDP_CONFIG))
+    assert loaded.distributed_type == DistributedType.MULTI_GPU and not loaded.fsdp_config
+    assert loaded.mixed_precision == "bf16"
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(REPO / DDP_CONFIG), "train_fsdp.py"]))
+    assert args.multi_gpu and not args.use_fsdp and args.num_processes >= 2

@@ -64,10 +64,21 @@ def test_model_shape_from_a_config_matches_the_real_model():
 def test_gpu_memory_lists_shipped_configs_cheapest_first():
     shape = ModelShape(params=int(7e9))
     rows = fitting_configs(shape, Setup(nproc_per_node=8), 80 * GiB)
-    assert [r[0] for r in rows] == ["fsdp1/no_shard.yaml", "zero2.yaml", "hybrid_shard.yaml", "zero3.yaml", "zero3_offload.yaml"]
-    assert [r[2] for r in rows] == [False, True, True, True, True]
+    assert [r[0] for r in rows] == ["ddp.yaml", "fsdp1/no_shard.yaml", "ddp.yaml --zero1 true", "zero2.yaml", "hybrid_shard.yaml",
+                                    "zero3.yaml", "zero3_offload.yaml"]
+    assert [r[2] for r in rows] == [False, False, True, True, True, True, True]
     for config, _, _ in rows:
-        assert f"accelerate_configs/{config}" in ALL_CONFIGS
+        assert f"accelerate_configs/{config.split()[0]}" in ALL_CONFIGS
+
+
+def test_zero1_shards_only_the_optimizer_state():
+    shape = ModelShape(params=int(7e9))
+    ddp, zero1 = (estimate(shape, Setup(strategy=s, nproc_per_node=8)) for s in ("DDP", "ZERO1"))
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (28e9, 28e9, 56e9)  # 16P on every GPU
+    assert (zero1.params, zero1.grads, zero1.optimizer) == (28e9, 28e9, 7e9)  # 8P + 8P/N
+    assert zero1.all_gather_working_set == ddp.all_gather_working_set == 0
+    with pytest.raises(ValueError, match="offload is an FSDP setting"):
+        estimate(shape, Setup(strategy="ZERO1", offload=True))
 
 
 def test_cli_text_and_json():
@@ -76,7 +87,7 @@ def test_cli_text_and_json():
     data = json.loads(proc.stdout)
     per_gpu = data["per_gpu_bytes"]
     assert per_gpu["params"] + per_gpu["grads"] + per_gpu["optimizer"] == pytest.approx(28e9)
-    assert [c["config"] for c in data["configs"]][0] == "fsdp1/no_shard.yaml"
+    assert [c["config"] for c in data["configs"]][0] == "ddp.yaml"
     proc = run(["python", TOOL, TINY, "--config", str(REPO / "accelerate_configs" / "zero2.yaml"), "--nproc-per-node", "2"])
     assert proc.returncode == 0 and "SHARD_GRAD_OP" in proc.stdout and "activations" in proc.stdout
     assert "16 bytes per parameter" in run(["python", TOOL, "--help"]).stdout

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ALL_CONFIGS, REPO, launch, logged_losses, read_json
+from conftest import FSDP_CONFIGS, REPO, launch, logged_losses, read_json
 
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_really_fsdp_and_sharded(trained, config):
     run = trained(config)
     report = run.report
@@ -25,7 +25,7 @@ def test_really_fsdp_and_sharded(trained, config):
         assert rank["local_param_elements"] * run.shard_group == total, rank
 
 
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_precision_and_wrapping_contract(trained, config):
     """fsdp_report.json names the wrapped layer class with its count, and the dtypes of master weights, compute,
     gradient reduction, optimizer state and saved model; each checked against what the run wrote or was given."""
@@ -51,7 +51,7 @@ def test_precision_and_wrapping_contract(trained, config):
     assert moments == {precision["optimizer_state"]}
 
 
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_loss_finite_and_falling(trained, config):
     losses = logged_losses(trained(config).output_dir)
     assert len(losses) == 6
@@ -59,7 +59,7 @@ def test_loss_finite_and_falling(trained, config):
     assert losses[-1] < 0.85 * losses[0], losses
 
 
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_sharded_checkpoints_on_disk(trained, config):
     run = trained(config)
     for step in (6, 12):
@@ -69,7 +69,7 @@ def test_sharded_checkpoints_on_disk(trained, config):
         assert (run.output_dir / f"checkpoint-{step}" / "optimizer_0" / ".metadata").is_file()
 
 
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_final_folder_loads_with_trained_weights(trained, config, tmp_path):
     from accelerate.utils import merge_fsdp_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer

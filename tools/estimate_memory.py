@@ -1,4 +1,4 @@
-"""Estimate per-GPU memory of FSDP training and list which shipped configs fit.
+"""Estimate per-GPU memory of FSDP (or DDP, ZeRO-1) training and list which shipped configs fit.
 
     python tools/estimate_memory.py 7B --nproc-per-node 4 --strategy FULL_SHARD
     python tools/estimate_memory.py assets/tiny-llama --config accelerate_configs/zero2.yaml --micro-batch 8 --seq-len 128
@@ -6,7 +6,8 @@
 
 Formula (model states, mixed precision with fp32 master weights and Adam): 16 bytes per parameter P
 (4 weights + 4 gradients + 8 Adam m and v) divided over the S processes that shard them: S = N for
-FULL_SHARD and SHARD_GRAD_OP, S = processes per node for HYBRID_SHARD, S = 1 for NO_SHARD (16P/S).
+FULL_SHARD and SHARD_GRAD_OP, S = processes per node for HYBRID_SHARD, S = 1 for NO_SHARD and DDP (16P/S);
+ZeRO-1 (ddp.yaml --zero1 true) shards only Adam's 8 bytes: 8P + 8P/N.
 Plus: 2 x the largest FSDP unit in bf16 (all-gather working set), 2P more for SHARD_GRAD_OP (gathered
 parameters kept from forward to backward), and activations 34*s*b*h bytes per layer (2*s*b*h with
 activation checkpointing) + fp32 logits 8*s*b*V. With offload the model states move to CPU RAM.
@@ -19,14 +20,18 @@ from dataclasses import asdict
 
 import yaml
 
+from fsdp_recipes.config_check import DDP_TYPES
 from fsdp_recipes.memory import OPTIMIZER_BYTES, STRATEGIES, Setup, estimate, fitting_configs, human, model_shape, parse_bytes
 
 
 def setup_from_config(path: str, setup: Setup) -> Setup:
-    """Strategy and offload from an accelerate config (FSDP1 strategy names, FSDP2 reshard/mesh)."""
+    """Strategy and offload from an accelerate config (FSDP1 strategy names, FSDP2 reshard/mesh; a DDP config is DDP,
+    or ZERO1 when --strategy ZERO1 asks for the recipe's zero1)."""
     cfg = yaml.safe_load(open(path))
     fsdp, pc = cfg.get("fsdp_config") or {}, cfg.get("parallelism_config") or {}
-    if int(fsdp.get("fsdp_version", 1)) == 2:
+    if cfg.get("distributed_type") in DDP_TYPES and not fsdp:
+        strategy = "ZERO1" if setup.strategy == "ZERO1" else "DDP"
+    elif int(fsdp.get("fsdp_version", 1)) == 2:
         strategy = "HYBRID_SHARD" if int(pc.get("parallelism_config_dp_replicate_size", 1)) > 1 else (
             "FULL_SHARD" if fsdp.get("fsdp_reshard_after_forward", True) else "SHARD_GRAD_OP")
     else:
