@@ -209,6 +209,28 @@ def optimizer_state_dtype(optimizer) -> str | None:
     return None
 
 
+def peak_memory() -> dict[str, int]:
+    """This process's peak memory so far: resident set (Linux reports kibibytes) and, on CUDA, the most the caching
+    allocator ever handed out (torch.cuda.max_memory_allocated) and reserved."""
+    import resource
+
+    peak = {"rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        peak["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    return peak
+
+
+def add_peak_memory(output_dir: str, accelerator, peaks: list[dict]) -> None:
+    if not accelerator.is_main_process:
+        return
+    path = Path(output_dir) / REPORT_NAME
+    report = json.loads(path.read_text())
+    for rank, peak in zip(report["ranks"], peaks):
+        rank["peak_memory"] = peak
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: list[dict], optimizer_dtype: str | None = None) -> None:
     """Record each rank's measured bytes of model states (after the first optimizer step) in the report, and the
     dtype of the optimizer state."""
@@ -237,7 +259,8 @@ def _strategy_name(plugin, parallelism_config=None, optimizer=None) -> str | Non
 
 class ShardingReport(TrainerCallback):
     """Once the Trainer has prepared the model, stop unless it is FSDP-wrapped as the config asks; then record in
-    fsdp_report.json what each rank holds: parameter elements, and bytes of model states after the first step."""
+    fsdp_report.json what each rank holds: parameter elements, bytes of model states after the first step, and
+    its peak memory at the end of training (resident set; on GPUs CUDA's max allocated)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -275,3 +298,7 @@ class ShardingReport(TrainerCallback):
             measured = state_bytes(self.trainer.model_wrapped, self.trainer.optimizer)
             add_measured_bytes(args.output_dir, accelerator, gather(self.grad_bytes, accelerator), gather(measured, accelerator),
                                optimizer_state_dtype(self.trainer.optimizer))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        accelerator = self.trainer.accelerator
+        add_peak_memory(args.output_dir, accelerator, gather(peak_memory(), accelerator))

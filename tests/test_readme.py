@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -54,7 +55,17 @@ def test_every_readme_command_runs(tmp_path):
         proc = run(["bash", "-c", command], cwd=cwd, timeout=900)
         assert proc.returncode == 0, f"{command}\n{proc.stderr[-4000:]}"
         outputs[command] = proc.stdout + proc.stderr
-    assert len(skipped) == 2 and "recipes/llama-3.2-1b/sft.yaml" in skipped[0] and "--size 6GB" in skipped[1]
+    assert len(skipped) == 3 and "recipes/llama-3.2-1b/sft.yaml" in skipped[0] and "--size 6GB" in skipped[1]
+    assert "bench/scaling.py --quick" in skipped[2]
+
+    # The scaling benchmark's one-minute form: every file, and a record per run with what the table needs.
+    smoke = repo / "runs" / "scaling-smoke"
+    assert (smoke / "scaling.png").read_bytes().startswith(b"\x89PNG") and "| FULL_SHARD (FSDP2) |" in (smoke / "scaling.md").read_text()
+    result = json.loads((smoke / "scaling.json").read_text())
+    [record] = result["records"]
+    assert (record["strategy"], record["fsdp_version"], record["processes"]) == ("FULL_SHARD", 2, 2)
+    assert record["tokens_per_second"] > 0 and record["peak_memory_bytes"] > record["model_state_bytes"] > 0
+    assert result["overhead"]["tokens_per_second_lower_by"] < 0.5 and not result["failures"]
 
     # The main command: what the README promises.
     main = outputs["accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py"]

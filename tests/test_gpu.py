@@ -1,0 +1,134 @@
+"""GPU smoke tests: every shipped config on all visible GPUs, what the CPU cannot show. `python -m pytest -m gpu tests`
+on a GPU node; skipped with a reason elsewhere.
+
+Each config trains a ~100M-parameter Llama built from a config for 20 steps in bf16, and the test asserts the
+wrapper and the sharding, the model-state bytes per GPU against tools/estimate_memory.py's formula (within 10%), a
+peak CUDA memory above them, that offload lowers the peak, and that the last checkpoint merges into a folder that
+loads. bench/scaling.py produces the GPU tables for the README.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import ALL_CONFIGS, DDP_CONFIG, REPO, launch, read_json
+
+pytestmark = [
+    pytest.mark.gpu, pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run `python -m pytest -m gpu tests` on a GPU node"),
+]
+HIDDEN, LAYERS, STEPS = 768, 14, 20  # 99M parameters with the tiny tokenizer's vocabulary
+
+
+def gpus() -> int:
+    return torch.cuda.device_count()
+
+
+def strategy_and_shard(config: str, n: int) -> tuple[str, int]:
+    """(the estimator's strategy name, processes one parameter is split over) on one node of n GPUs."""
+    cfg = yaml.safe_load((REPO / config).read_text())
+    fsdp = cfg.get("fsdp_config")
+    if fsdp is None:
+        return "DDP", 1
+    if fsdp["fsdp_version"] == 2:
+        if cfg.get("parallelism_config"):
+            return "HYBRID_SHARD", n // 2
+        return ("FULL_SHARD" if fsdp.get("fsdp_reshard_after_forward", True) else "SHARD_GRAD_OP"), n
+    name = fsdp["fsdp_sharding_strategy"]
+    return name, {"NO_SHARD": 1}.get(name, n)  # FSDP1 HYBRID_SHARD on one node: the node's GPUs
+
+
+def launch_args(config: str, n: int) -> tuple[str, ...]:
+    args = ("--num_processes", str(n), "--num_machines", "1")
+    if yaml.safe_load((REPO / config).read_text()).get("parallelism_config"):
+        args += ("--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", str(n // 2))
+    return args
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")
+    config.hidden_size, config.num_hidden_layers, config.intermediate_size = HIDDEN, LAYERS, HIDDEN * 8 // 3 // 16 * 16
+    config.num_attention_heads = config.num_key_value_heads = HIDDEN // 64
+    folder = tmp_path_factory.mktemp("model-100m")
+    config.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gpu_run(model_dir, tmp_path_factory):
+    runs: dict[str, Path] = {}
+
+    def get(config: str) -> Path:
+        if config not in runs:
+            out = tmp_path_factory.mktemp(config.replace("/", "_").removesuffix(".yaml"))
+            launch(config, "--config_name", str(model_dir), "--max_steps", str(STEPS), "--save_steps", "10", "--logging_steps", "5",
+                   "--output_dir", str(out), launch_args=launch_args(config, gpus()))
+            runs[config] = out
+        return runs[config]
+
+    return get
+
+
+def runnable(config: str) -> bool:
+    return not (yaml.safe_load((REPO / config).read_text()).get("parallelism_config") and gpus() < 4)
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_config_trains_sharded_in_bf16_within_the_estimate(gpu_run, model_dir, config):
+    from fsdp_recipes.memory import Setup, estimate, model_shape
+
+    if not runnable(config):
+        pytest.skip("FSDP2 HSDP runs as 2 replicas x 2+ shards: needs 4 GPUs")
+    n = gpus()
+    report = read_json(gpu_run(config) / "fsdp_report.json")
+    strategy, shard = strategy_and_shard(config, n)
+    version = (yaml.safe_load((REPO / config).read_text()).get("fsdp_config") or {}).get("fsdp_version")
+    assert report["world_size"] == n and report["device"].startswith("cuda")
+    assert report["precision"]["compute"] == "bfloat16" and report["precision"]["master_weights"] == "float32"
+    total = report["total_param_elements"]
+    assert 90e6 < total < 110e6
+    offload = bool((yaml.safe_load((REPO / config).read_text()).get("fsdp_config") or {}).get("fsdp_offload_params"))
+    est = estimate(model_shape(str(model_dir)), Setup(strategy=strategy, nproc_per_node=n, offload=offload, micro_batch=8, seq_len=128))
+    for rank in report["ranks"]:
+        # accelerate wraps in DDP only with 2+ processes; FSDP wraps on one GPU too
+        assert rank["wrapper"] == (f"FSDP{version}" if version else "DistributedDataParallel" if n > 1 else "LlamaForCausalLM")
+        assert rank["local_param_elements"] * shard == pytest.approx(total, rel=1e-3)
+        peak = rank["peak_memory"]["cuda_max_allocated_bytes"]
+        states = sum(rank["bytes"].values())
+        if not offload:
+            assert states == pytest.approx(est.params + est.grads + est.optimizer, rel=0.10)
+            assert peak > states
+        print(f"{config} rank {rank['rank']}: peak {peak / 2**30:.2f} GiB, estimate {est.gpu_total / 2**30:.2f} GiB")
+
+
+def test_offload_lowers_the_peak(gpu_run):
+    for plain, offload in (("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"),
+                           ("accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml")):
+        peaks = [max(r["peak_memory"]["cuda_max_allocated_bytes"] for r in read_json(gpu_run(c) / "fsdp_report.json")["ranks"])
+                 for c in (plain, offload)]
+        assert peaks[1] < peaks[0], (plain, peaks)
+
+
+@pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml", DDP_CONFIG])
+def test_last_checkpoint_merges_into_a_folder_that_loads(gpu_run, config, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_recipes.merge import merge_checkpoint
+
+    out = gpu_run(config)
+    merge_checkpoint(out / f"checkpoint-{STEPS}", tmp_path / "merged", log=lambda _: None)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    final = load_file(out / "model.safetensors")
+    for name, tensor in model.state_dict().items():
+        if name in final:
+            assert torch.equal(tensor, final[name]), name
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["num_hidden_layers"] == LAYERS
