@@ -101,11 +101,13 @@ class ModelArguments:
                               f"alpha={self.lora_alpha}, dropout={self.lora_dropout}")
         if self.config_name is not None and not Path(self.config_name).exists():
             raise RecipeError(f"config_name={self.config_name!r} does not exist: give a folder holding config.json")
-        if self.tokenizer_name is None:
+        defaulted = self.tokenizer_name is None
+        if defaulted:
             self.tokenizer_name = self.model_name_or_path or self.config_name
         for key, weights in (("model_name_or_path", True), ("tokenizer_name", False)):
             if getattr(self, key) is not None and (problem := model_source_problem(getattr(self, key), weights)):
-                raise RecipeError(f"{key}={getattr(self, key)!r} {problem}")
+                origin = f" (from {'model_name_or_path' if self.model_name_or_path else 'config_name'}: none was given)" if key == "tokenizer_name" and defaulted else ""
+                raise RecipeError(f"{key}={getattr(self, key)!r}{origin} {problem}")
 
 
 def qlora_problem() -> str | None:
@@ -122,6 +124,7 @@ def qlora_problem() -> str | None:
     return None
 
 
+TOKENIZER_SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one loads
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -135,6 +138,11 @@ def model_source_problem(name: str, weights: bool) -> str | None:
                 f"is a sharded FSDP checkpoint: merge it first (python tools/merge_checkpoint.py {name} MERGED) and "
                 "fine-tune from MERGED, or continue its run with --resume_from_checkpoint"
             )
+        if not weights:  # a tokenizer: its own files, with or without a model's config.json
+            if not any((path / f).is_file() for f in TOKENIZER_SOURCE_FILES):
+                return (f"has no tokenizer files ({', '.join(TOKENIZER_SOURCE_FILES)}): pass --tokenizer_name with a folder or "
+                        "hub id that has them (this repository's tiny one: assets/tiny-llama)")
+            return None
         if not (path / "config.json").is_file():
             return "is a folder without config.json: give a folder written by save_pretrained or tools/merge_checkpoint.py"
         if weights and not any((path / f).is_file() for f in WEIGHT_FILES):

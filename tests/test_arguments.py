@@ -250,3 +250,21 @@ def test_learning_rate_zero_is_a_warning(tmp_path, capsys):
     """A run that checks a model loads may want the weights unchanged (test_training.py does): warned, not refused."""
     parse_args(["--learning_rate", "0", "--output_dir", str(tmp_path / "o"), *NO_FSDP])
     assert "warning: learning_rate=0: the weights will not change" in capsys.readouterr().err
+
+
+def test_a_tokenizer_comes_from_its_own_files(tmp_path):
+    """A config-only folder (a model trained from scratch) has no tokenizer: one line names where the tokenizer was
+    looked for and the flag to pass; a tokenizer-only folder (no config.json) is a fine tokenizer."""
+    from fsdp_recipes.arguments import RecipeError, parse_args
+
+    tiny = REPO / "assets" / "tiny-llama"
+    config_only, tokenizer_only = tmp_path / "config", tmp_path / "tokenizer"
+    config_only.mkdir(), tokenizer_only.mkdir()
+    (config_only / "config.json").write_bytes((tiny / "config.json").read_bytes())
+    for f in tiny.glob("tokenizer*"):
+        (tokenizer_only / f.name).write_bytes(f.read_bytes())
+    common = ["--output_dir", str(tmp_path / "o"), *NO_FSDP]
+    with pytest.raises(RecipeError, match=r"tokenizer_name='.*config' \(from config_name: none was given\) has no tokenizer files .*pass --tokenizer_name"):
+        parse_args(["--config_name", str(config_only), *common])
+    model_args, _, _ = parse_args(["--config_name", str(config_only), "--tokenizer_name", str(tokenizer_only), *common])
+    assert model_args.tokenizer_name == str(tokenizer_only)
