@@ -11,7 +11,7 @@ entries first (``_init_optim_state``: one step with zero gradients and lr 0, exa
 With ``zero1`` (DDP launches only) the optimizer is torch's ZeroRedundancyOptimizer around the Trainer's own
 choice (AdamW by default, with the same settings): each rank keeps the state of 1/N of the parameters.
 Checkpoints hold the whole state in one optimizer.pt, gathered on rank 0 (``consolidate_state_dict``); a resume
-gives every rank its part back, so a run may resume on another number of processes.
+gives every rank its part back (ZeroRedundancyOptimizer.load_state_dict).
 
 It also moves one step of saving. The Trainer deletes checkpoints beyond ``save_total_limit`` as soon as rank 0
 has written trainer_state.json, while the other ranks may still be writing their RNG state: a rank killed in
