@@ -85,11 +85,13 @@ def test_zero1_killed_run_resumes_to_the_uninterrupted_weights(trained, tmp_path
         assert all(torch.equal(again[index][k], v) for k, v in moments.items()), index
 
 
-def test_a_ddp_checkpoint_is_not_resumed_under_fsdp(trained, tmp_path):
-    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(tmp_path / "o"),
-                  "--resume_from_checkpoint", str(trained(DDP_CONFIG).output_dir / "checkpoint-6"), check=False)
-    assert proc.returncode != 0
-    assert "was saved without FSDP (DDP or ZeRO-1): resume it with the same launch" in proc.stderr
+def test_a_ddp_checkpoint_is_not_resumed_under_fsdp(trained):
+    from fsdp_recipes.arguments import RecipeError, _resumable
+
+    status = checkpoint_status(trained(DDP_CONFIG).output_dir / "checkpoint-6")
+    with pytest.raises(RecipeError, match=r"was saved without FSDP \(DDP or ZeRO-1\): resume it with the same launch"):
+        _resumable(status, trainer_fsdp=True)  # what parse_args does under an FSDP launch
+    assert _resumable(status, trainer_fsdp=False) == status.path
 
 
 def test_only_a_named_ddp_config_is_a_ddp_launch(tmp_path):
