@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from overhead import model_config  # the Llama of assets/tiny-llama, resized
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
 BATCH, BLOCK = 8, 128  # per device, as the default recipe; tokens per step = BATCH x BLOCK x processes
@@ -76,17 +78,6 @@ def default_nprocs(gpus: int) -> list[int]:
         return [2, 4]  # FSDP over gloo needs 2+; 4 oversubscribes 2 cores, which the table then shows
     counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= gpus]
     return counts + ([gpus] if gpus not in counts else [])
-
-
-def model_config(folder: Path, hidden: int, layers: int) -> Path:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")
-    config.hidden_size, config.num_hidden_layers = hidden, layers
-    config.intermediate_size = hidden * 8 // 3 // 16 * 16
-    config.num_attention_heads = config.num_key_value_heads = max(1, hidden // 64)
-    config.save_pretrained(folder)
-    return folder
 
 
 def launch(script: Path, config: str, nproc: int, args: list[str], times: Path, cwd: Path) -> tuple[float, subprocess.CompletedProcess]:
