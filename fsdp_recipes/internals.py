@@ -3,12 +3,12 @@
 Private names move between releases without notice. A renamed one must not turn a patch into dead code (the
 CPU run would then silently train DDP again), an override into a method nobody calls, or an attribute read into
 a traceback from deep inside a run. So each one is named here, with why we need it, and the code reaches it only
-through :func:`get`, :func:`patch`, :func:`attr` and :func:`require`: a symbol that is gone stops the run with
+through :func:`get`, :func:`patch`, :func:`attr`, :func:`set_attr` and :func:`require`: a symbol that is gone stops the run with
 one line naming it, the installed version and the version requirements.txt pins. ``tests/test_internals.py``
 scans the code for private accesses that bypass this module and checks every name here resolves.
 
 Kinds: ``module`` names something importable (a function, a class attribute, a method); ``instance`` names an
-attribute that only objects have (checked by :func:`attr` when read); ``override`` names a private method of a
+attribute that only objects have (checked by :func:`attr` when read and by :func:`set_attr` before it is set); ``override`` names a private method of a
 library class that one of our subclasses overrides (checked by :func:`require` when the subclass is created).
 """
 
@@ -36,6 +36,7 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.distributed.fsdp._flat_param.FlatParameter._shard_numel_padded": (INSTANCE, "checks: padding in the shard"),
     # fsdp_recipes/trainer.py: FSDPTrainer
     "torch.distributed.checkpoint.state_dict._init_optim_state": (MODULE, "trainer: FSDP1 sharded resume restores Adam"),
+    "torch.distributed.optim.ZeroRedundancyOptimizer._all_state_dicts": (INSTANCE, "trainer: ZeRO-1 state gathered in one copy"),
     "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer: whole-model LoRA checkpoints (swapped)"),
     "transformers.Trainer._save_checkpoint": (OVERRIDE, "trainer: no rewrite in place; rotation after every rank"),
     "transformers.Trainer._save_optimizer_and_scheduler": (OVERRIDE, "trainer: whole-model LoRA checkpoints"),
@@ -134,6 +135,12 @@ def attr(obj, path: str):
         return getattr(obj, name)
     except AttributeError:
         raise problem(path, f" (on {type(obj).__name__})") from None
+
+
+def set_attr(obj, path: str, value) -> None:
+    """Set a registered ``instance`` attribute that ``obj`` already has (never a new one nothing reads)."""
+    attr(obj, path)
+    setattr(obj, path.rsplit(".", 1)[1], value)
 
 
 def require(*paths: str) -> None:

@@ -15,7 +15,7 @@ from fsdp_recipes import internals
 
 SCANNED = sorted([*(REPO / "fsdp_recipes").glob("*.py"), REPO / "train_fsdp.py", *(REPO / "tools").glob("*.py"),
                   *(REPO / "bench").glob("*.py"), *(REPO / "tests" / "helpers").glob("*.py")])
-ACCESSORS = {"get", "patch", "attr", "require"}
+ACCESSORS = {"get", "patch", "attr", "set_attr", "require"}
 LIBRARIES = {"numpy", "torch", "accelerate", "transformers", "huggingface_hub", "datasets", "peft", "safetensors", "lightning"}
 
 
@@ -73,7 +73,7 @@ def registry_strings(sources: dict[str, str]) -> tuple[set[str], list[str]]:
                 strings.add(node.value)
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ACCESSORS
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "internals"):
-                for arg in node.args[:1] if node.func.attr != "attr" else node.args[1:2]:
+                for arg in node.args[:1] if node.func.attr not in ("attr", "set_attr") else node.args[1:2]:
                     if isinstance(arg, ast.Constant) and arg.value not in internals.PRIVATE:
                         unregistered.append(f"{name}:{node.lineno}: {arg.value}")
     return strings, unregistered
