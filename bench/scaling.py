@@ -177,10 +177,15 @@ def overhead(model: Path, steps: int, warmup: int, nproc: int, work: Path, gpus:
     for name, measured in runs.items():
         step = statistics.median(m[0] for m in measured)
         result[name] = {"tokens_per_second": BATCH * BLOCK * nproc / step, "step_seconds": step,
-                        "time_to_first_step_seconds": statistics.median(m[1] for m in measured)}
+                        "time_to_first_step_seconds": statistics.median(m[1] for m in measured),
+                        "runs_tokens_per_second": [BATCH * BLOCK * nproc / m[0] for m in measured]}
     ours, bare = result["train_fsdp.py"]["tokens_per_second"], result["bare accelerate + Trainer"]["tokens_per_second"]
     result["tokens_per_second_lower_by"] = 1 - ours / bare
     return result
+
+
+def spread(measured: dict) -> str:
+    return ", ".join(f"{x:,.0f}" for x in measured["runs_tokens_per_second"])
 
 
 def mb(n: float) -> str:
@@ -204,9 +209,9 @@ def write_markdown(path: Path, records: list[Record], over: dict | None, failure
         ours, bare = over["train_fsdp.py"], over["bare accelerate + Trainer"]
         lines += ["", f"Overhead of this repository's layer (`{over['config']}`, {over['processes']} processes, {over['steps']} steps, "
                   f"{over['repeats']} runs each in ABBA order, medians):", "",
-                  "| script | tokens/s | step (s) | launch to end of first step (s) |", "|---|---|---|---|",
-                  f"| train_fsdp.py | {ours['tokens_per_second']:,.0f} | {ours['step_seconds']:.3f} | {ours['time_to_first_step_seconds']:.1f} |",
-                  f"| bare accelerate + Trainer (bench/bare_trainer.py) | {bare['tokens_per_second']:,.0f} | {bare['step_seconds']:.3f} | "
+                  "| script | tokens/s (each run) | step (s) | launch to end of first step (s) |", "|---|---|---|---|",
+                  f"| train_fsdp.py | {ours['tokens_per_second']:,.0f} ({spread(ours)}) | {ours['step_seconds']:.3f} | {ours['time_to_first_step_seconds']:.1f} |",
+                  f"| bare accelerate + Trainer (bench/bare_trainer.py) | {bare['tokens_per_second']:,.0f} ({spread(bare)}) | {bare['step_seconds']:.3f} | "
                   f"{bare['time_to_first_step_seconds']:.1f} |", "",
                   f"train_fsdp.py's tokens/s is {over['tokens_per_second_lower_by']:+.1%} lower than the bare script's (target: under 3%)."]
     if failures:
@@ -253,7 +258,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default 8 with --quick, else 16; the last 2 are profiled)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
-    parser.add_argument("--repeats", type=int, help="runs of each script in the overhead comparison (default 2 with --quick, else 4)")
+    parser.add_argument("--repeats", type=int, help="runs of each script in the overhead comparison (default 3 with --quick, else 4)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the train_fsdp.py against bare-Trainer comparison")
     command = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(command)
@@ -288,7 +293,7 @@ def main(argv=None) -> int:
         over = None
         if not args.no_overhead:
             nproc = max(nprocs) if gpus else 2  # every GPU; on CPU the 2 processes the shipped configs launch
-            repeats = args.repeats or (2 if args.quick else 4)
+            repeats = args.repeats or (3 if args.quick else 4)
             print(f"[{time.time() - began:5.0f} s] overhead: train_fsdp.py against bench/bare_trainer.py, {nproc} processes, "
                   f"{repeats} runs each", flush=True)
             over = overhead(model, max(steps, 10), args.warmup, nproc, work, gpus, repeats)
