@@ -96,7 +96,10 @@ def test_config_trains_sharded_in_bf16_within_the_estimate(gpu_run, model_dir, c
     total = report["total_param_elements"]
     assert 90e6 < total < 110e6
     offload = bool((yaml.safe_load((REPO / config).read_text()).get("fsdp_config") or {}).get("fsdp_offload_params"))
-    est = estimate(model_shape(str(model_dir)), Setup(strategy=strategy, nproc_per_node=n, offload=offload, micro_batch=8, seq_len=128))
+    # FSDP2 HSDP on one node: 2 replicas of n/2 shards, which the formula calls 2 nodes of n/2
+    nodes = 2 if strategy == "HYBRID_SHARD" and version == 2 else 1
+    est = estimate(model_shape(str(model_dir)), Setup(strategy=strategy, nproc_per_node=n // nodes, nnodes=nodes, offload=offload,
+                                                     micro_batch=8, seq_len=128))
     for rank in report["ranks"]:
         # accelerate wraps in DDP only with 2+ processes; FSDP wraps on one GPU too
         assert rank["wrapper"] == (f"FSDP{version}" if version else "DistributedDataParallel" if n > 1 else "LlamaForCausalLM")
