@@ -70,10 +70,11 @@ def raw_dcp_copy(shards: Path, raw: Path, config: Path) -> None:
     shutil.copy(config, raw / "config.json")
 
 
-def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int) -> list[tuple]:
+def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int, hidden: int = 2048, vocab: int = 32000) -> list[tuple]:
     work = workdir / size
     shutil.rmtree(work, ignore_errors=True)
-    ckpt = make_checkpoint(work / "run", internals.get("huggingface_hub.serialization._base.parse_size_to_int")(size), ranks=ranks)
+    target = internals.get("huggingface_hub.serialization._base.parse_size_to_int")(size)
+    ckpt = make_checkpoint(work / "run", target, ranks=ranks, hidden=hidden, vocab=vocab)
     shards = ckpt / "pytorch_model_fsdp_0"
     nbytes = sum(f.stat().st_size for f in shards.iterdir())
     # the same shards as another tool leaves them: config and tokenizer, no manifest (transformers checks them)
@@ -114,8 +115,11 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/merge-bench"))
     parser.add_argument("--memory-budget", default="512MB", help="passed to merge_checkpoint.py")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each command; the fastest is reported")
+    parser.add_argument("--hidden", type=int, default=2048, help="model width: with --vocab, sets the smallest checkpoint (one layer)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary: the embeddings alone are 2 x vocab x hidden x 4 bytes")
     args = parser.parse_args()
-    rows = [row for size in (args.size or ["1GB"]) for row in bench(size, args.ranks, args.workdir, args.memory_budget, args.repeats)]
+    rows = [row for size in (args.size or ["1GB"])
+            for row in bench(size, args.ranks, args.workdir, args.memory_budget, args.repeats, args.hidden, args.vocab)]
     print("| checkpoint | command | wall s | peak RSS GB | time vs merge-weights | time vs cp | RSS vs merge-weights | on disk s (+sync) | on disk vs cp |")
     print("|---|---|---|---|---|---|---|---|---|")
     for ckpt, name, wall, rss, r_mw, r_cp, r_rss, on_disk, r_disk in rows:

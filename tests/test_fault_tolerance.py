@@ -237,8 +237,8 @@ BAD_INPUT = {  # case: (recipe or None for the default, extra flags, the one err
 }
 
 
-@pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_stops_every_rank_before_anything_is_set_up(case, tmp_path):
+def bad_input(case: str, tmp_path) -> tuple[list[str], str]:
+    """(the arguments after train_fsdp.py, the error line) of a BAD_INPUT case, with its files in place."""
     recipe_text, flags, message = BAD_INPUT[case]
     out = tmp_path / "out"
     if case == "another run's checkpoints":
@@ -247,13 +247,34 @@ def test_bad_input_stops_every_rank_before_anything_is_set_up(case, tmp_path):
     if recipe_text:
         (tmp_path / "recipe.yaml").write_text(recipe_text)
         recipe = [str(tmp_path / "recipe.yaml")]
+    return [*recipe, *flags, "--output_dir", str(out)], message
+
+
+def test_bad_input_stops_every_rank_before_anything_is_set_up(tmp_path, monkeypatch):
+    """One case through a real 2-process launch (every rank stops in parsing, one line, nothing written); the
+    others take the same path, so their lines are checked where it runs, in this process."""
+    from fsdp_recipes.arguments import RecipeError, parse_args
+
+    (tmp_path / "launched").mkdir()
+    args, message = bad_input("unknown recipe key", tmp_path / "launched")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    proc = launch("accelerate_configs/zero3.yaml", *recipe, *flags, "--output_dir", str(out), check=False)
+    proc = launch("accelerate_configs/zero3.yaml", *args, check=False)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]  # one message, not one per rank
     assert "running FSDP over gloo" not in proc.stdout  # main() never began
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+
+    monkeypatch.chdir(REPO)  # the recipes' relative paths, as a launch from the repository root
+    for case in BAD_INPUT:
+        folder = tmp_path / case.replace(" ", "-").replace("'", "")
+        folder.mkdir()
+        args, message = bad_input(case, folder)
+        before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+        with pytest.raises(RecipeError) as err:
+            parse_args(args)
+        assert message in str(err.value), (case, str(err.value))
+        assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before, case
 
 
 def test_an_earlier_checkpoint_starts_a_branch_and_later_ones_are_never_rewritten(trained, tmp_path):
