@@ -69,8 +69,9 @@ def gpu_run(model_dir, tmp_path_factory):
     def get(config: str) -> Path:
         if config not in runs:
             out = tmp_path_factory.mktemp(config.replace("/", "_").removesuffix(".yaml"))
-            launch(config, "--config_name", str(model_dir), "--max_steps", str(STEPS), "--save_steps", "10", "--logging_steps", "5",
-                   "--output_dir", str(out), launch_args=launch_args(config, gpus()))
+            launch(config, "--config_name", str(model_dir), "--tokenizer_name", str(REPO / "assets" / "tiny-llama"),
+                   "--max_steps", str(STEPS), "--save_steps", "10", "--logging_steps", "5", "--output_dir", str(out),
+                   launch_args=launch_args(config, gpus()))
             runs[config] = out
         return runs[config]
 
