@@ -112,7 +112,8 @@ def main(model_args, data_args, preflight):
         logger.info(f"loss curve: {plot}")
 
     # ---------- save ----------
-    save_final_model(trainer, tokenizer)
+    with trainer.model_config_for_saving():
+        save_final_model(trainer, tokenizer)
     logger.info(f"model saved to {training_args.output_dir} (loads with AutoModelForCausalLM.from_pretrained)")
 
 

@@ -103,6 +103,9 @@ class FSDPTrainer(Trainer):
             optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(kwargs["args"], kwargs.get("model"))
             kwargs["optimizer_cls_and_kwargs"] = (zero1_optimizer_class(), {"optimizer_class": optimizer_cls, **optimizer_kwargs})
         self.zero1 = zero1
+        model = kwargs.get("model")
+        # the Trainer overwrites it with TrainingArguments.use_cache (off for training); saved configs keep the model's
+        self.model_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         super().__init__(*args, **kwargs)
         self.trainable_total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # before sharding
         self.add_callback(ShardingReport(self))
@@ -180,8 +183,24 @@ class FSDPTrainer(Trainer):
             init_optim_state(self.optimizer.optimizer)  # the torch optimizer inside accelerate's wrapper
         super()._load_optimizer_and_scheduler(checkpoint)
 
+    @contextmanager
+    def model_config_for_saving(self):
+        """The model's own use_cache in every config.json written meanwhile (checkpoints, the final folder): the
+        Trainer sets it to TrainingArguments.use_cache, false by default, and a folder saved that way would return no
+        KV cache from a plain forward call."""
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        if config is None or self.model_use_cache is None or not hasattr(config, "use_cache"):
+            yield
+            return
+        training = config.use_cache
+        config.use_cache = self.model_use_cache
+        try:
+            yield
+        finally:
+            config.use_cache = training
+
     def _save_checkpoint(self, model, trial) -> None:
-        with self.throughput.excluded():  # writing a checkpoint is not training time
+        with self.throughput.excluded(), self.model_config_for_saving():  # writing a checkpoint is not training time
             folder = Path(internals.get("transformers.Trainer._get_output_dir")(self, trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             if self.args.should_save:
                 if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files

@@ -77,6 +77,8 @@ def test_final_folder_loads_with_trained_weights(trained, config, tmp_path):
     run = trained(config)
     out = run.output_dir
     assert read_json(out / "config.json")["architectures"] == ["LlamaForCausalLM"]
+    # the model's own use_cache, not the Trainer's training setting (TrainingArguments.use_cache, false)
+    assert read_json(out / "config.json")["use_cache"] is read_json(out / "checkpoint-12" / "config.json")["use_cache"] is True
     assert (out / "generation_config.json").is_file()
     assert not (out / ".final-sharded").exists() and not (out / ".export-tmp").exists()
     model = AutoModelForCausalLM.from_pretrained(out)
