@@ -549,10 +549,12 @@ def check_launch(raw, plan: Preflight) -> None:
     with this run's settings by tools/check_config.py's rules. Warnings are printed once; errors stop every rank."""
     from .config_check import errors
 
-    plan.launch = launcher.launch_settings()
-    fsdp = plan.launch is not None and (plan.launch.config.get("distributed_type") == "FSDP" or "fsdp_config" in plan.launch.config)
-    if (not fsdp or (raw.allow_no_fsdp and plan.launch.config.get("distributed_type") != "FSDP")) and not (plan.launch and plan.launch.ddp):
-        return  # nothing to check (a launch without FSDP is refused below, by name), or no FSDP on purpose
+    plan.launch = launch = launcher.launch_settings()
+    if launch is None:
+        return  # nothing to check (a launch without FSDP is refused below, by name)
+    fsdp_type = launch.config.get("distributed_type") == "FSDP"
+    if not launch.ddp and (not (fsdp_type or "fsdp_config" in launch.config) or (raw.allow_no_fsdp and not fsdp_type)):
+        return  # neither FSDP nor a DDP config (refused below, by name), or no FSDP on purpose
     settings = {k: getattr(raw, k, None) for k in ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16", "dtype",
                                           "load_in_4bit", "bnb_4bit_quant_storage", "bnb_4bit_compute_dtype", "zero1")}
     problems = launcher.check(plan.launch, settings, raw.model_name_or_path or raw.config_name)

@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from . import internals
 from .checkpoint_files import REPORT_NAME
+from .cpu_fsdp import launched_world_size
 
 logger = logging.getLogger("train_fsdp")
 
@@ -173,7 +174,7 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
         "precision": precision_contract(model, accelerator),
         "ranks": gathered,
     }
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = launched_world_size()
     if launched > 1 and accelerator.num_processes == 1:
         raise NotShardedError(
             f"the launcher started {launched} processes but each trains alone (distributed type "
@@ -192,13 +193,20 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
     return report
 
 
+def _zero1(optimizer):
+    """ZeRO-1's ZeroRedundancyOptimizer inside accelerate's AcceleratedOptimizer, or None."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, ZeroRedundancyOptimizer) else None
+
+
 def local_optimizer(optimizer):
     """The torch optimizer that holds this rank's state: inside accelerate's wrapper, and inside ZeRO-1's
     ZeroRedundancyOptimizer (whose own ``state`` stays empty; its local optimizer ``optim`` steps this rank's part)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    if (zero := _zero1(optimizer)) is not None:
+        return zero.optim
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def optimizer_state_dtype(optimizer) -> str | None:
@@ -246,9 +254,7 @@ def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: l
 
 def _strategy_name(plugin, parallelism_config=None, optimizer=None) -> str | None:
     if plugin is None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return "ZERO1" if isinstance(getattr(optimizer, "optimizer", optimizer), ZeroRedundancyOptimizer) else None
+        return "ZERO1" if _zero1(optimizer) is not None else None
     if plugin.fsdp_version == 2:
         # FSDP2 expresses HYBRID_SHARD as a (dp_replicate, dp_shard) mesh rather than a strategy name.
         if parallelism_config is not None and parallelism_config.dp_replicate_size > 1:

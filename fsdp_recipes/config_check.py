@@ -150,7 +150,7 @@ def check_settings(
         if _as_bool(recipe.get("zero1")):
             c.error("zero1", ZERO1_UNDER_FSDP, "drop zero1 (FSDP shards the optimizer state already), or launch with "
                     "accelerate_configs/ddp.yaml", file=recipe_file)
-    _check_processes(c, raw, pc, version, strategy)
+    _check_processes(c, raw, fsdp, pc, version, strategy)
     _check_with_recipe(c, recipe, recipe_file, fsdp, version, sd_type, mp, ddp)
 
     # ----- with the model -----
@@ -222,9 +222,8 @@ def _check_fsdp_keys(c: _Checker, fsdp: dict) -> tuple:
     return version, strategy, sd_type, wrap
 
 
-def _check_processes(c: _Checker, raw: dict, pc: dict, version, strategy) -> None:
+def _check_processes(c: _Checker, raw: dict, fsdp: dict, pc: dict, version, strategy) -> None:
     """Processes, machines, hybrid sharding."""
-    fsdp = raw.get("fsdp_config") or {}
     for key, where in (("fsdp_min_num_params", fsdp), ("main_process_port", raw), ("machine_rank", raw)):
         value = where.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -257,7 +256,6 @@ def _check_processes(c: _Checker, raw: dict, pc: dict, version, strategy) -> Non
                 c.warn("parallelism_config.parallelism_config_dp_replicate_size", f"{rep} replicas over {machines} machines: shard groups then span nodes", "set dp_replicate_size = num_machines")
 
 
-
 def _check_with_recipe(c: _Checker, recipe: dict, recipe_file: str, fsdp: dict, version, sd_type, mp, ddp: bool) -> None:
     ac_fsdp = _as_bool(fsdp.get("fsdp_activation_checkpointing"))
     for key in ("gradient_checkpointing", "activation_checkpointing"):
@@ -266,12 +264,11 @@ def _check_with_recipe(c: _Checker, recipe: dict, recipe_file: str, fsdp: dict, 
                     f"drop {key} from the recipe, or set fsdp_activation_checkpointing: false", file=recipe_file)
     if sd_type == "SHARDED_STATE_DICT" and _as_bool(recipe.get("save_only_model")):
         c.error("save_only_model", "cannot be combined with SHARDED_STATE_DICT (transformers refuses it)", "drop save_only_model, or use FULL_STATE_DICT", file=recipe_file)
-    if _as_bool(recipe.get("load_in_4bit")):  # QLoRA: FSDP shards the packed 4-bit weights as plain tensors
+    # QLoRA: FSDP shards the packed 4-bit weights as plain tensors (DDP replicates them as they are: any storage works)
+    if _as_bool(recipe.get("load_in_4bit")) and not ddp:
         storage = recipe.get("bnb_4bit_quant_storage") or "uint8"
         weights = recipe.get("dtype") or "float32"
-        if ddp:
-            pass  # DDP replicates the quantized model as it is: any storage dtype works
-        elif version == 2 and storage == "uint8":
+        if version == 2 and storage == "uint8":
             c.error("bnb_4bit_quant_storage", "uint8 storage under FSDP2: fully_shard would shard the packed bytes as "
                     "parameters of their own dtype beside the model's others", "set bnb_4bit_quant_storage to the model's dtype (bfloat16)",
                     file=recipe_file)

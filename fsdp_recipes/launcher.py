@@ -30,7 +30,6 @@ ENVIRONMENT = "environment"  # ... and for one that came from an FSDP_* variable
 ENV_NAMES = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "fsdp_transformer_layer_cls_to_wrap"}
 # launch flags that set distributed_type rather than a key of the same name
 TYPE_FLAGS = {"use_fsdp": "FSDP", "multi_gpu": "MULTI_GPU", "cpu": "MULTI_CPU", "use_deepspeed": "DEEPSPEED"}
-DDP_TYPES = ("MULTI_GPU", "MULTI_CPU")  # accelerate's names for DistributedDataParallel
 
 
 @dataclass
@@ -48,6 +47,8 @@ class LaunchSettings:
         """DDP asked for by name: a config file given with --config_file that says MULTI_GPU or MULTI_CPU and has no
         fsdp_config (accelerate_configs/ddp.yaml), or --multi_gpu. accelerate's default config, written by `accelerate
         config default` as MULTI_GPU on any multi-GPU machine, is not a request for DDP."""
+        from .config_check import DDP_TYPES
+
         named = self.named or self.origin.get("distributed_type") in ("--multi_gpu", "--cpu")
         return named and self.config.get("distributed_type") in DDP_TYPES and not self.config.get("fsdp_config")
 

@@ -99,11 +99,11 @@ OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._sav
 class FSDPTrainer(Trainer):
     def __init__(self, *args, zero1: bool = False, **kwargs):
         internals.require(*OVERRIDES)  # a renamed base method would leave ours never called
+        model = kwargs.get("model")
         if zero1:  # the Trainer's own optimizer and settings, each rank stepping its 1/N of the parameters
-            optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(kwargs["args"], kwargs.get("model"))
+            optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(kwargs["args"], model)
             kwargs["optimizer_cls_and_kwargs"] = (zero1_optimizer_class(), {"optimizer_class": optimizer_cls, **optimizer_kwargs})
         self.zero1 = zero1
-        model = kwargs.get("model")
         # the Trainer overwrites it with TrainingArguments.use_cache (off for training); saved configs keep the model's
         self.model_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         super().__init__(*args, **kwargs)
@@ -201,7 +201,8 @@ class FSDPTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         with self.throughput.excluded(), self.model_config_for_saving():  # writing a checkpoint is not training time
-            folder = Path(internals.get("transformers.Trainer._get_output_dir")(self, trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            run_dir = internals.get("transformers.Trainer._get_output_dir")(self, trial=trial)
+            folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             if self.args.should_save:
                 if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files
                     moved = set_aside(folder, REPLACED_PREFIX)
@@ -218,6 +219,6 @@ class FSDPTrainer(Trainer):
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 rotate_checkpoints(
-                    output_dir=internals.get("transformers.Trainer._get_output_dir")(self, trial=trial), save_total_limit=limit,
+                    output_dir=run_dir, save_total_limit=limit,
                     best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
                 )

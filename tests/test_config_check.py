@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import ALL_CONFIGS, REPO, free_port, run
-from fsdp_recipes.config_check import check_config, errors
+from fsdp_recipes.config_check import check_config, check_settings, errors
 
 RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml"))
 TINY = str(REPO / "assets" / "tiny-llama")
@@ -197,3 +197,8 @@ def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
         assert elastic_root_cause(proc.stderr) == ours[0]
         assert "running FSDP over gloo" not in proc.stdout and not out.exists()
         assert time.monotonic() - start < 60
+
+
+def test_fsdp_config_that_is_not_a_mapping_is_an_error_not_a_crash():
+    problems = check_settings({"distributed_type": "FSDP", "fsdp_config": "fsdp_version: 2", "num_processes": 2}, "x.yaml", check_keys=False)
+    assert [p.key for p in errors(problems)][:1] == ["fsdp_config"] and "must be a mapping" in str(problems[0])
