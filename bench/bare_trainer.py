@@ -55,6 +55,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(bare.config_name))
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator, callbacks=[StepTimes()])
     trainer.train()
+    # Without it gloo's worker threads meet interpreter teardown: now and then SIGABRT ("terminate called without
+    # an active exception", pytorch/pytorch#190489) after a run that succeeded. accelerate does it on end_training.
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
