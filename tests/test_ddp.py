@@ -4,13 +4,14 @@ holds half of Adam's state, the weights equal DDP's, checkpoints resume exactly 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DDP_CONFIG, FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, read_json
+from conftest import DDP_CONFIG, QUICK, REPO, launch, logged_losses, read_json
 from fsdp_recipes.checkpoints import checkpoint_status
 from fsdp_recipes.launcher import LaunchSettings
 from fsdp_recipes.memory import Setup, estimate, model_shape
@@ -71,11 +72,12 @@ def test_zero1_checkpoint_is_whole_and_merges(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero1_killed_run_resumes_to_the_uninterrupted_weights(trained, tmp_path):
+def test_zero1_resumed_run_ends_on_the_uninterrupted_weights(trained, tmp_path):
+    """From checkpoint-6, as a run stopped after step 6 leaves it (how a SIGKILL'd run gets back to its last
+    checkpoint is test_fault_tolerance's): the consolidated optimizer state goes back to its shards exactly."""
     reference = trained(DDP_CONFIG, *ZERO1).output_dir
     out = tmp_path / "run"
-    killed = launch(DDP_CONFIG, *QUICK, *ZERO1, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:step:9"}, check=False)
-    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    shutil.copytree(reference / "checkpoint-6", out / "checkpoint-6")
     resumed = launch(DDP_CONFIG, *QUICK, *ZERO1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     assert read_json(out / "trainer_state.json")["global_step"] == 12

@@ -1,28 +1,31 @@
-"""LoRA (peft) under FSDP2 and FSDP1: only the adapter trains, sharded like the rest; a SIGKILL mid-run resumes to
-the same bits; the run ends with the merged model (equal to peft's own merge_and_unload of the trained adapter)
-and the adapter folder PeftModel loads."""
+"""LoRA (peft) under FSDP2 and FSDP1: only the adapter trains, sharded like the rest; a resume from the mid-run
+checkpoint ends on the same bits (how a SIGKILL'd or preempted run comes back to that checkpoint is
+test_fault_tolerance's); the run ends with the merged model (equal to peft's own merge_and_unload of the trained
+adapter) and the adapter folder PeftModel loads."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAULT_SCRIPT, QUICK, launch, logged_losses, read_json
+from conftest import QUICK, launch, logged_losses, read_json
 
 LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-2"]
-CASES = [("accelerate_configs/zero3.yaml", "1:step:9"), ("accelerate_configs/fsdp1/zero3.yaml", "0:optimizer:12")]
+CONFIGS = ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, fault", CASES, ids=["fsdp2", "fsdp1"])
-def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, config, fault, tmp_path):
+@pytest.mark.parametrize("config", CONFIGS, ids=["fsdp2", "fsdp1"])
+def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, config, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = trained("accelerate_configs/zero3.yaml").output_dir  # a pre-trained folder to adapt
     args = [*QUICK, "--model_name_or_path", str(base), *LORA]
-    whole, out = tmp_path / "whole", tmp_path / "killed"
+    whole, out = tmp_path / "whole", tmp_path / "resumed"
     launch(config, *args, "--output_dir", str(whole))
     losses = logged_losses(whole)
     assert losses[-1] < losses[0], losses
@@ -33,9 +36,9 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
     assert all(0 < r["local_trainable_elements"] < report["trainable_param_elements"] for r in report["ranks"])  # sharded
     assert report["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in report["trainable"])
 
-    killed = launch(config, *args, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": fault}, check=False)
-    assert killed.returncode != 0 and not (out / "model.safetensors").exists()
-    launch(config, *args, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    shutil.copytree(whole / "checkpoint-6", out / "checkpoint-6")  # what a run stopped after step 6 leaves
+    resumed = launch(config, *args, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         resumed, reference = load_file(out / name), load_file(whole / name)
         assert set(resumed) == set(reference)
