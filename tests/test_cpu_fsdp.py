@@ -44,7 +44,8 @@ def test_single_process_fsdp_launch_on_cpu_stops_with_clear_error(tmp_path):
         launch_args=("--num_processes", "1"), check=False,
     )
     assert proc.returncode != 0
-    assert "train_fsdp.py: error: FSDP is asked for, but without a GPU FSDP runs over gloo and needs 2 or more processes" in proc.stderr
+    assert ("train_fsdp.py: error: FSDP is asked for, but without a GPU FSDP runs over gloo and needs 2 or more processes; "
+            "this launch has 1: pass --num_processes 2") in proc.stderr
     assert not (tmp_path / "out").exists()
 
 

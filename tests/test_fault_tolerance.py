@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 
 import pytest
 import torch
@@ -214,25 +215,13 @@ def test_resume_on_more_processes_reshards(trained, config, tmp_path):
     assert resumed_losses[3] == pytest.approx(reference_losses[3], rel=0.01)  # step 8, the first after the resume
 
 
-def test_resume_on_one_cpu_process_is_refused_clearly(trained, tmp_path):
-    out = tmp_path / "run"
-    out.mkdir()
-    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", out / "checkpoint-6")
-    proc = launch(
-        "accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true",
-        launch_args=("--num_processes", "1"), check=False,
-    )
-    assert proc.returncode != 0
-    assert "needs 2 or more processes; this launch has 1: pass --num_processes 2" in proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6"]
-
-
 TINY = "config_name: assets/tiny-llama\n"
 CORPUS = "train_file: assets/data/tiny_corpus.txt\n"
 BAD_INPUT = {  # case: (recipe or None for the default, extra flags, the one error line)
     "missing dataset file": (None, ["--train_file", "/nonexistent/corpus.txt"], "train_file='/nonexistent/corpus.txt' does not exist"),
     "missing model path": ("model_name_or_path: ./no-such-model\n" + CORPUS, [], "model_name_or_path='./no-such-model' does not exist"),
     "unknown recipe key": (TINY + CORPUS + "num_train_epoch: 3\n", [], "unknown recipe key(s): num_train_epoch (did you mean num_train_epochs?)"),
+    "bad value": (TINY + CORPUS + "learning_rate: fast\n", [], "recipe key learning_rate: 'fast' is not a valid float"),
     "another run's checkpoints": (None, [], "already holds another run's checkpoints (checkpoint-6)"),
 }
 
@@ -258,8 +247,9 @@ def test_bad_input_stops_every_rank_before_anything_is_set_up(tmp_path, monkeypa
     (tmp_path / "launched").mkdir()
     args, message = bad_input("unknown recipe key", tmp_path / "launched")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    start = time.monotonic()
     proc = launch("accelerate_configs/zero3.yaml", *args, check=False)
-    assert proc.returncode != 0
+    assert proc.returncode != 0 and time.monotonic() - start < 60  # seconds, not a timeout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]  # one message, not one per rank
     assert "running FSDP over gloo" not in proc.stdout  # main() never began
