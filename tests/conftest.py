@@ -124,3 +124,17 @@ def trained(tmp_path_factory):
         return runs[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def gpt2_run(trained, tmp_path_factory) -> Run:
+    """GPT-2 from a tiny config (2 GPT2Blocks, input and output embeddings tied) on zero3.yaml with QUICK settings:
+    a second architecture, and the tied case, for the training and merge tests."""
+    from transformers import AutoTokenizer, GPT2Config
+
+    tokenizer = REPO / "assets" / "tiny-llama"
+    config_dir = tmp_path_factory.mktemp("tiny-gpt2")
+    GPT2Config(vocab_size=len(AutoTokenizer.from_pretrained(tokenizer)), n_positions=128, n_embd=64, n_layer=2, n_head=4,
+               tie_word_embeddings=True).save_pretrained(config_dir)
+    return trained("accelerate_configs/zero3.yaml", "--config_name", str(config_dir), "--tokenizer_name", str(tokenizer),
+                   "--block_size", "64", "--learning_rate", "3e-3")

@@ -184,20 +184,13 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(tmp_path):
     assert len(scalars["train/tokens_per_second"]) == 6 and len(scalars["eval/perplexity"]) == 3
 
 
-@pytest.mark.slow
-def test_gpt2_with_tied_embeddings(tmp_path):
+def test_gpt2_with_tied_embeddings(gpt2_run):
     """GPT-2 from a tiny config (2 GPT2Blocks, tied input and output embeddings), FSDP2 on 2 processes: each block
     is a unit, the tied tensor is sharded and saved once, and the final folder loads with the head still tied to
     the trained embedding."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
-    config_dir = tmp_path / "tiny-gpt2"
-    GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=64, n_layer=2, n_head=4, tie_word_embeddings=True).save_pretrained(config_dir)
-    out = tmp_path / "run"
-    launch("accelerate_configs/zero3.yaml", "--config_name", str(config_dir), "--tokenizer_name", str(REPO / "assets" / "tiny-llama"),
-           "--block_size", "64", "--max_steps", "12", "--logging_steps", "2", "--save_steps", "12", "--learning_rate", "3e-3",
-           "--output_dir", str(out))
+    out = gpt2_run.output_dir
     report = read_json(out / "fsdp_report.json")
     assert report["wrapped_units"]["GPT2Block"] == 2 and report["wrapped_units"]["GPT2LMHeadModel"] == 1
     assert sum(r["local_param_elements"] for r in report["ranks"]) == report["total_param_elements"]
