@@ -42,38 +42,52 @@ def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _worker(rank: int, world: int, port: int, out: str, config_dict: dict) -> None:
+def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, dict]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    shapes = _shapes(LlamaConfig(**config_dict))
-    state = {}
-    for i, (name, shape) in enumerate(sorted(shapes.items())):
-        rows = -(-shape[0] // world)
-        local_rows = max(0, min(rows, shape[0] - rank * rows))
-        gen = torch.Generator().manual_seed(i * 1000 + rank)
-        local = torch.randn((local_rows, *shape[1:]), generator=gen)
-        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                         stride=torch.empty(shape, device="meta").stride())
-    dcp.save({"model": state}, checkpoint_id=out)
+    for out, config_dict in jobs:
+        shapes = _shapes(LlamaConfig(**config_dict))
+        state = {}
+        for i, (name, shape) in enumerate(sorted(shapes.items())):
+            rows = -(-shape[0] // world)
+            local_rows = max(0, min(rows, shape[0] - rank * rows))
+            gen = torch.Generator().manual_seed(i * 1000 + rank)
+            local = torch.randn((local_rows, *shape[1:]), generator=gen)
+            state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                             stride=torch.empty(shape, device="meta").stride())
+        dcp.save({"model": state}, checkpoint_id=out)
+        del state
     dist.destroy_process_group()
 
 
-def make_checkpoint(folder: str | os.PathLike, target_bytes: int, ranks: int = 2, hidden: int = 2048, vocab: int = 32000) -> Path:
-    """Write ``folder/checkpoint-1/{pytorch_model_fsdp_0, config.json, tokenizer}``; return the checkpoint folder."""
-    ckpt = Path(folder) / "checkpoint-1"
-    shutil.rmtree(ckpt, ignore_errors=True)
-    (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
-    config = llama_config(target_bytes, hidden, vocab)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(ranks, port, str(ckpt / "pytorch_model_fsdp_0"), config.to_dict()), nprocs=ranks, join=True)
-    # config, generation config, tokenizer and manifest as the training run's DescribeCheckpoints writes them
+def make_checkpoints(sizes: dict[str | os.PathLike, int], ranks: int = 2, hidden: int = 2048, vocab: int = 32000) -> list[Path]:
+    """For each ``folder: target_bytes``, write ``folder/checkpoint-1/{pytorch_model_fsdp_0, config.json, tokenizer}``,
+    all from one set of ``ranks`` processes (starting them is most of the time for small sizes); return the
+    checkpoint folders."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
     from fsdp_recipes.description import describe_folder, write_manifest
 
-    files = describe_folder(ckpt, LlamaForCausalLM, config, AutoTokenizer.from_pretrained(TINY), GenerationConfig.from_model_config(config))
-    write_manifest(ckpt, config, files)
+    jobs = []
+    for folder, target_bytes in sizes.items():
+        ckpt = Path(folder) / "checkpoint-1"
+        shutil.rmtree(ckpt, ignore_errors=True)
+        (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
+        jobs.append((ckpt, llama_config(target_bytes, hidden, vocab)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(ranks, port, [(str(c / "pytorch_model_fsdp_0"), config.to_dict()) for c, config in jobs]), nprocs=ranks, join=True)
+    # config, generation config, tokenizer and manifest as the training run's DescribeCheckpoints writes them
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    for ckpt, config in jobs:
+        files = describe_folder(ckpt, LlamaForCausalLM, config, tokenizer, GenerationConfig.from_model_config(config))
+        write_manifest(ckpt, config, files)
+    return [ckpt for ckpt, _ in jobs]
+
+
+def make_checkpoint(folder: str | os.PathLike, target_bytes: int, ranks: int = 2, hidden: int = 2048, vocab: int = 32000) -> Path:
+    """Write ``folder/checkpoint-1/{pytorch_model_fsdp_0, config.json, tokenizer}``; return the checkpoint folder."""
+    [ckpt] = make_checkpoints({folder: target_bytes}, ranks, hidden, vocab)
     return ckpt

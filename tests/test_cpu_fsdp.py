@@ -2,39 +2,49 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import launch, run
 
 
-@pytest.mark.parametrize(
-    "env, expected",
-    [
-        ({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}, True),
-        ({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "1"}, False),
-        ({"ACCELERATE_USE_FSDP": "false", "WORLD_SIZE": "2"}, False),
-        ({"WORLD_SIZE": "2"}, False),
-        ({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "SIMULATE_ACCELERATOR": "1"}, False),  # a GPU node: stock path
-    ],
-)
-def test_enable_applies_only_to_multiprocess_fsdp_without_accelerator(env, expected):
-    # a fresh interpreter: the patches are process-wide. SIMULATE_ACCELERATOR makes torch report an accelerator,
-    # as on a GPU node, where nothing may be patched.
-    code = (
-        "import os, accelerate.state as s, torch\n"
-        "if os.environ.get('SIMULATE_ACCELERATOR'): torch.accelerator.is_available = lambda: True\n"
-        "from fsdp_recipes import cpu_fsdp\n"
-        "before = s.AcceleratorState.__init__\n"
-        "active = cpu_fsdp.enable()\n"
-        "patched = s.AcceleratorState.__init__ is not before\n"
-        "print(active, patched, os.environ.get('ACCELERATE_USE_CPU'), torch.Tensor.pin_memory.__name__ == '<lambda>')\n"
-    )
-    proc = run(["env", "-u", "ACCELERATE_USE_FSDP", "-u", "WORLD_SIZE", "-u", "ACCELERATE_USE_CPU", *[f"{k}={v}" for k, v in env.items()], "python", "-c", code])
+# A fresh interpreter: the patches are process-wide. SIMULATE_ACCELERATOR makes torch report an accelerator, as on
+# a GPU node, where nothing may be patched. Prints, per case: applied, AcceleratorState patched, ACCELERATE_USE_CPU,
+# pin_memory patched.
+PROBE = """
+import json, os, sys, accelerate.state as s, torch
+from fsdp_recipes import cpu_fsdp
+for env in json.loads(sys.argv[1]):
+    for key in ("ACCELERATE_USE_FSDP", "WORLD_SIZE", "ACCELERATE_USE_CPU"):
+        os.environ.pop(key, None)
+    os.environ.update({k: v for k, v in env.items() if k != "SIMULATE_ACCELERATOR"})
+    torch.accelerator.is_available = (lambda: True) if "SIMULATE_ACCELERATOR" in env else lambda: False
+    before = s.AcceleratorState.__init__
+    active = cpu_fsdp.enable()
+    print(active, s.AcceleratorState.__init__ is not before, os.environ.get("ACCELERATE_USE_CPU"), torch.Tensor.pin_memory.__name__ == "<lambda>")
+"""
+
+
+def probe(cases: list[dict]) -> list[list[str]]:
+    proc = run(["python", "-c", PROBE, json.dumps(cases)])
     assert proc.returncode == 0, proc.stderr
-    if expected:
-        assert proc.stdout.split() == ["True", "True", "true", "True"]
-    else:
-        assert proc.stdout.split() == ["False", "False", "None", "False"]
+    return [line.split() for line in proc.stdout.splitlines()]
+
+
+def test_enable_applies_to_multiprocess_fsdp_without_accelerator():
+    assert probe([{"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}]) == [["True", "True", "true", "True"]]
+
+
+def test_enable_applies_nowhere_else():
+    """Cases that must patch nothing, in one interpreter: a case that wrongly patched would show in its own line."""
+    cases = [
+        {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "1"},
+        {"ACCELERATE_USE_FSDP": "false", "WORLD_SIZE": "2"},
+        {"WORLD_SIZE": "2"},
+        {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "SIMULATE_ACCELERATOR": "1"},  # a GPU node: the stock path
+    ]
+    assert probe(cases) == [["False", "False", "None", "False"]] * len(cases)
 
 
 def test_single_process_fsdp_launch_on_cpu_stops_with_clear_error(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -81,18 +82,24 @@ def test_zero1_shards_only_the_optimizer_state():
         estimate(shape, Setup(strategy="ZERO1", offload=True))
 
 
-def test_cli_text_and_json():
+def test_cli_text_and_json(capsys):
+    """One run as a command (the entry point), the rest through its main() in this process."""
     proc = run(["python", TOOL, "7B", "--nproc-per-node", "4", "--strategy", "FULL_SHARD", "--gpu-memory", "80GiB", "--json"])
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     per_gpu = data["per_gpu_bytes"]
     assert per_gpu["params"] + per_gpu["grads"] + per_gpu["optimizer"] == pytest.approx(28e9)
     assert [c["config"] for c in data["configs"]][0] == "ddp.yaml"
-    proc = run(["python", TOOL, TINY, "--config", str(REPO / "accelerate_configs" / "zero2.yaml"), "--nproc-per-node", "2"])
-    assert proc.returncode == 0 and "SHARD_GRAD_OP" in proc.stdout and "activations" in proc.stdout
-    assert "16 bytes per parameter" in run(["python", TOOL, "--help"]).stdout
-    bad = run(["python", TOOL, "seven billion"])
-    assert bad.returncode == 1 and bad.stderr.startswith("estimate_memory.py: error:")
+    spec = importlib.util.spec_from_file_location("estimate_memory_cli", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([TINY, "--config", str(REPO / "accelerate_configs" / "zero2.yaml"), "--nproc-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "SHARD_GRAD_OP" in out and "activations" in out
+    with pytest.raises(SystemExit) as stop:
+        tool.main(["--help"])
+    assert stop.value.code == 0 and "16 bytes per parameter" in capsys.readouterr().out
+    assert tool.main(["seven billion"]) == 1 and capsys.readouterr().err.startswith("estimate_memory.py: error:")
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS)

@@ -307,34 +307,45 @@ def test_inspect_writes_nothing(checkpoint):
     assert sorted(p for p in checkpoint.parent.rglob("*")) == before
 
 
+# Peak RSS is a high-water mark: after the small checkpoint through both paths (same code and largest tensor: the
+# baseline), the big one through both can only raise it by what the larger of the two needs.
 MEASURE = """
 import resource, sys, torch
 from fsdp_recipes.merge import merge_checkpoint
-small, big, out, mode = sys.argv[1:]
-kw = dict(memory_budget="32MB", dtype=torch.bfloat16 if mode == "cast" else None, log=lambda *a: None)
-merge_checkpoint(small, out + "-small", **kw)  # same code paths and largest tensor: the baseline
+small, big, out = sys.argv[1:]
+modes = {"raw": None, "cast": torch.bfloat16}
+for mode, dtype in modes.items():
+    merge_checkpoint(small, f"{out}/{mode}-small", memory_budget="32MB", dtype=dtype, log=lambda *a: None)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-merge_checkpoint(big, out + "-big", **kw)
+for mode, dtype in modes.items():
+    merge_checkpoint(big, f"{out}/{mode}-big", memory_budget="32MB", dtype=dtype, log=lambda *a: None)
 print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> tuple[Path, Path]:
+    """(one layer, 330 MB): 2-rank FSDP2 checkpoints of a Llama shape, written by one pair of processes."""
+    from bench.synthetic import make_checkpoints
+
+    folder = tmp_path_factory.mktemp("synthetic")
+    small, big = make_checkpoints({folder / "small": 1, folder / "big": 330_000_000}, ranks=2, hidden=512, vocab=8000)
+    return small, big
+
+
 @pytest.mark.slow
-def test_peak_memory_does_not_grow_with_model_size(tmp_path):
+def test_peak_memory_does_not_grow_with_model_size(synthetic, tmp_path):
     """A 2-rank checkpoint 10x the 32 MB read budget: peak RSS grows by far less than the checkpoint,
     both on the raw-copy path and on the read-cast-write path (--dtype)."""
-    from bench.synthetic import make_checkpoint
-
-    small = make_checkpoint(tmp_path / "small", 1, ranks=2, hidden=512, vocab=8000)  # one layer
-    big = make_checkpoint(tmp_path / "big", 330_000_000, ranks=2, hidden=512, vocab=8000)
+    small, big = synthetic
     big_bytes = sum(f.stat().st_size for f in (big / "pytorch_model_fsdp_0").glob("*.distcp"))
     assert big_bytes > 300e6
-    for mode in ("raw", "cast"):
-        proc = run(["python", "-c", MEASURE, str(small), str(big), str(tmp_path / mode), mode])
-        assert proc.returncode == 0, proc.stderr
-        base_kb, peak_kb = map(int, proc.stdout.split())
-        assert (peak_kb - base_kb) * 1024 < 64e6, (mode, base_kb, peak_kb)
+    proc = run(["python", "-c", MEASURE, str(small), str(big), str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr
+    base_kb, peak_kb = map(int, proc.stdout.split())
+    assert (peak_kb - base_kb) * 1024 < 64e6, (base_kb, peak_kb)
     assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "cast-big" / "model.safetensors").values())
+    assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "raw-big" / "model.safetensors").values())
 
 
 # ------------------------------------------------------------------------------------------ where the output goes
@@ -430,14 +441,14 @@ def test_output_on_another_filesystem_and_without_copy_file_range(checkpoint, tm
 
 
 @pytest.mark.slow
-def test_a_failed_check_stops_the_copy(tmp_path):
+def test_a_failed_check_stops_the_copy(synthetic, tmp_path):
     """The check running beside the copy is asked between pieces of COPY_STEP bytes: once it fails, nothing more
     is copied."""
-    from bench.synthetic import make_checkpoint
     from fsdp_recipes.safetensors_writer import COPY_STEP, Cancelled, write_weights
     from fsdp_recipes.sources import DCPSource
 
-    ckpt = make_checkpoint(tmp_path / "run", 3 * COPY_STEP, ranks=2, hidden=512, vocab=8000)
+    ckpt = synthetic[1]
+    assert sum(f.stat().st_size for f in (ckpt / "pytorch_model_fsdp_0").glob("*.distcp")) > 3 * COPY_STEP
     source = DCPSource(ckpt / "pytorch_model_fsdp_0")
     asked = []
     out = tmp_path / "out"
