@@ -153,7 +153,7 @@ def test_epoch_based_run_killed_while_writing_the_final_model(tmp_path):
     """Without max_steps the Trainer resumed at the end of its last epoch trains nothing (no extra step to guard
     against, unlike above): the final folder holds the last checkpoint's weights."""
     config = "accelerate_configs/zero3.yaml"
-    epochs = ("--max_steps", "-1", "--num_train_epochs", "1", "--save_strategy", "epoch")
+    epochs = ("--max_steps", "-1", "--num_train_epochs", "1", "--save_strategy", "epoch", "--max_train_samples", "600")  # 16 steps
     out = tmp_path / "run"
     killed = launch(config, *QUICK, *epochs, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False)
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr
