@@ -72,3 +72,19 @@ def test_unwrapped_model_under_an_fsdp_launch_is_refused(monkeypatch, tmp_path):
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama"))
     with pytest.raises(NotShardedError, match="asks for FSDP2 but the model is LlamaForCausalLM"):
         verify_and_report(model, Accelerator(cpu=True), str(tmp_path))  # this process: no FSDP
+
+
+def test_every_program_that_starts_a_process_group_ends_it():
+    """A gloo process group left to interpreter teardown can abort a run that finished (SIGABRT, "terminate called
+    without an active exception", pytorch/pytorch#190489): each program we launch destroys its group or leaves
+    with os._exit after its atexit handlers (train_fsdp.py, and the scripts that run it)."""
+    import re
+
+    from conftest import REPO
+
+    starts = re.compile(r"\b(Accelerator|Trainer|FSDPTrainer|init_process_group)\(")
+    ends = ("end_training()", "destroy_process_group()", "os._exit(")
+    programs = [REPO / "train_fsdp.py", *(REPO / "bench").glob("*.py"), *(REPO / "tests" / "helpers").glob("*.py")]
+    starting = [p for p in programs if starts.search(p.read_text())]
+    assert {p.name for p in starting} >= {"train_fsdp.py", "bare_trainer.py", "accelerate_loop.py", "synthetic.py"}
+    assert [p.name for p in starting if not any(end in p.read_text() for end in ends)] == []
