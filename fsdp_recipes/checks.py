@@ -229,27 +229,33 @@ def peak_memory() -> dict[str, int]:
     return peak
 
 
-def add_peak_memory(output_dir: str, accelerator, peaks: list[dict]) -> None:
+def _update_report(output_dir: str, accelerator, update) -> None:
+    """Apply ``update`` to fsdp_report.json, on the main process (the one that wrote it)."""
     if not accelerator.is_main_process:
         return
     path = Path(output_dir) / REPORT_NAME
     report = json.loads(path.read_text())
-    for rank, peak in zip(report["ranks"], peaks):
-        rank["peak_memory"] = peak
+    update(report)
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def add_peak_memory(output_dir: str, accelerator, peaks: list[dict]) -> None:
+    def update(report):
+        for rank, peak in zip(report["ranks"], peaks):
+            rank["peak_memory"] = peak
+
+    _update_report(output_dir, accelerator, update)
 
 
 def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: list[dict], optimizer_dtype: str | None = None) -> None:
     """Record each rank's measured bytes of model states (after the first optimizer step) in the report, and the
     dtype of the optimizer state."""
-    if not accelerator.is_main_process:
-        return
-    path = Path(output_dir) / REPORT_NAME
-    report = json.loads(path.read_text())
-    report.setdefault("precision", {})["optimizer_state"] = optimizer_dtype
-    for rank, grad, state in zip(report["ranks"], grads, states):
-        rank["bytes"] = {**state, "grads": grad}
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    def update(report):
+        report.setdefault("precision", {})["optimizer_state"] = optimizer_dtype
+        for rank, grad, state in zip(report["ranks"], grads, states):
+            rank["bytes"] = {**state, "grads": grad}
+
+    _update_report(output_dir, accelerator, update)
 
 
 def _strategy_name(plugin, parallelism_config=None, optimizer=None) -> str | None:
