@@ -41,6 +41,10 @@ BENCH = Path(__file__).resolve().parent
 BATCH, BLOCK = 8, 128  # per device, as the default recipe; tokens per step = BATCH x BLOCK x processes
 
 
+def label(name: str, fsdp_version: int | None) -> str:
+    return name + (f" (FSDP{fsdp_version})" if fsdp_version else "")
+
+
 @dataclass(frozen=True)
 class Strategy:
     name: str
@@ -50,7 +54,7 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        return self.name + (f" (FSDP{self.fsdp_version})" if self.fsdp_version else "")
+        return label(self.name, self.fsdp_version)
 
 
 STRATEGIES = [
@@ -80,7 +84,7 @@ def default_nprocs(gpus: int) -> list[int]:
     return counts + ([gpus] if gpus not in counts else [])
 
 
-def launch(script: Path, config: str, nproc: int, args: list[str], times: Path, cwd: Path) -> tuple[float, subprocess.CompletedProcess]:
+def launch(script: Path, config: str, nproc: int, args: list[str], times: Path, gpus: int) -> tuple[float, subprocess.CompletedProcess]:
     import socket
 
     with socket.socket() as s:  # a free port: two benchmarks (or a test suite) may run at once
@@ -89,10 +93,10 @@ def launch(script: Path, config: str, nproc: int, args: list[str], times: Path, 
     cmd = ["accelerate", "launch", "--config_file", str(REPO / config), "--num_processes", str(nproc), "--num_machines", "1",
            "--main_process_port", str(port), str(script), *args]
     env = {**os.environ, "SCALING_STEP_TIMES": str(times), "TOKENIZERS_PARALLELISM": "false"}
-    if not gpu_count():
+    if not gpus:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // nproc))
     started = time.time()
-    return started, subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    return started, subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
 
 
 def step_stats(times: Path, started: float, first_timed: int, last_timed: int) -> tuple[float, float]:
@@ -136,7 +140,7 @@ def run_one(strategy: Strategy, nproc: int, model: Path, steps: int, warmup: int
     times = out.with_suffix(".times.json")
     profile = f"{steps - 1}-{steps}"
     args = common_args(model, steps, out, gpus) + ["--save_steps", str(10 * steps), "--profile_steps", profile, *strategy.args]
-    started, proc = launch(BENCH / "timed_run.py", strategy.config, nproc, args, times, REPO)
+    started, proc = launch(BENCH / "timed_run.py", strategy.config, nproc, args, times, gpus)
     if proc.returncode != 0:
         return f"{strategy.label} on {nproc}: failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
     step, first = step_stats(times, started, warmup + 1, steps - 2)  # the profiled steps are not timed
@@ -169,7 +173,7 @@ def overhead(model: Path, steps: int, warmup: int, nproc: int, work: Path, gpus:
             script = BENCH / "timed_run.py" if name == "train_fsdp.py" else BENCH / "bare_trainer.py"
             if name == "train_fsdp.py":
                 args += ["--save_steps", str(10 * steps)]
-            started, proc = launch(script, config, nproc, args, times, REPO)
+            started, proc = launch(script, config, nproc, args, times, gpus)
             if proc.returncode != 0:
                 sys.exit(f"scaling.py: error: {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
             runs[name].append(step_stats(times, started, warmup + 1, steps))
@@ -202,7 +206,7 @@ def write_markdown(path: Path, records: list[Record], over: dict | None, failure
     lines = [header, "", "| strategy | config | processes | tokens/s | samples/s | model states per rank (MB) | "
              "peak memory per rank (MB) | communication share of step time | overlapped |", "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r.strategy}{f' (FSDP{r.fsdp_version})' if r.fsdp_version else ''} | `{r.config}` | {r.processes} | "
+        lines.append(f"| {label(r.strategy, r.fsdp_version)} | `{r.config}` | {r.processes} | "
                      f"{r.tokens_per_second:,.0f} | {r.samples_per_second:,.1f} | {mb(r.model_state_bytes)} | {mb(r.peak_memory_bytes)} "
                      f"({r.peak_memory_kind}) | {share(r)} | {'-' if r.overlapped_share is None else f'{r.overlapped_share:.0%}'} |")
     if over:
@@ -226,14 +230,14 @@ def write_plot(path: Path, records: list[Record]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (speed, states, memory) = plt.subplots(1, 3, figsize=(16, 4.5))
-    labels = sorted({(r.strategy, r.fsdp_version) for r in records}, key=lambda k: [s.name for s in STRATEGIES].index(k[0]))
-    for name, version in labels:
+    series = sorted({(r.strategy, r.fsdp_version) for r in records}, key=lambda k: [s.name for s in STRATEGIES].index(k[0]))
+    for name, version in series:
         rows = sorted((r for r in records if (r.strategy, r.fsdp_version) == (name, version)), key=lambda r: r.processes)
-        label = name + (f" (FSDP{version})" if version else "")
+        legend = label(name, version)
         style = "--" if version == 1 else "-"
-        speed.plot([r.processes for r in rows], [r.tokens_per_second for r in rows], style, marker="o", label=label)
-        states.plot([r.processes for r in rows], [r.model_state_bytes / 1e6 for r in rows], style, marker="o", label=label)
-        memory.plot([r.processes for r in rows], [r.peak_memory_bytes / 1e6 for r in rows], style, marker="o", label=label)
+        speed.plot([r.processes for r in rows], [r.tokens_per_second for r in rows], style, marker="o", label=legend)
+        states.plot([r.processes for r in rows], [r.model_state_bytes / 1e6 for r in rows], style, marker="o", label=legend)
+        memory.plot([r.processes for r in rows], [r.peak_memory_bytes / 1e6 for r in rows], style, marker="o", label=legend)
     kind = records[0].peak_memory_kind if records else ""
     speed.set(xlabel="processes", ylabel="tokens/s (all processes)", title="throughput")
     states.set(xlabel="processes", ylabel="MB per rank (largest rank)", title="model states (params + grads + optimizer)")
