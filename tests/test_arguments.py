@@ -241,8 +241,6 @@ def test_learning_rate_zero_is_a_warning(tmp_path, capsys):
 def test_a_tokenizer_comes_from_its_own_files(tmp_path):
     """A config-only folder (a model trained from scratch) has no tokenizer: one line names where the tokenizer was
     looked for and the flag to pass; a tokenizer-only folder (no config.json) is a fine tokenizer."""
-    from fsdp_recipes.arguments import RecipeError, parse_args
-
     tiny = REPO / "assets" / "tiny-llama"
     config_only, tokenizer_only = tmp_path / "config", tmp_path / "tokenizer"
     config_only.mkdir(), tokenizer_only.mkdir()

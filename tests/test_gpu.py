@@ -9,6 +9,7 @@ loads. bench/scaling.py produces the GPU tables for the README.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from bench.estimate_calibration import launch_args
 from conftest import ALL_CONFIGS, DDP_CONFIG, REPO, launch, read_json
 
 pytestmark = [
@@ -29,9 +31,14 @@ def gpus() -> int:
     return torch.cuda.device_count()
 
 
+@functools.cache
+def shipped(config: str) -> dict:
+    return yaml.safe_load((REPO / config).read_text())
+
+
 def strategy_and_shard(config: str, n: int) -> tuple[str, int]:
     """(the estimator's strategy name, processes one parameter is split over) on one node of n GPUs."""
-    cfg = yaml.safe_load((REPO / config).read_text())
+    cfg = shipped(config)
     fsdp = cfg.get("fsdp_config")
     if fsdp is None:
         return "DDP", 1
@@ -41,13 +48,6 @@ def strategy_and_shard(config: str, n: int) -> tuple[str, int]:
         return ("FULL_SHARD" if fsdp.get("fsdp_reshard_after_forward", True) else "SHARD_GRAD_OP"), n
     name = fsdp["fsdp_sharding_strategy"]
     return name, {"NO_SHARD": 1}.get(name, n)  # FSDP1 HYBRID_SHARD on one node: the node's GPUs
-
-
-def launch_args(config: str, n: int) -> tuple[str, ...]:
-    args = ("--num_processes", str(n), "--num_machines", "1")
-    if yaml.safe_load((REPO / config).read_text()).get("parallelism_config"):
-        args += ("--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", str(n // 2))
-    return args
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def gpu_run(model_dir, tmp_path_factory):
             out = tmp_path_factory.mktemp(config.replace("/", "_").removesuffix(".yaml"))
             launch(config, "--config_name", str(model_dir), "--tokenizer_name", str(REPO / "assets" / "tiny-llama"),
                    "--max_steps", str(STEPS), "--save_steps", "10", "--logging_steps", "5", "--output_dir", str(out),
-                   launch_args=launch_args(config, gpus()))
+                   launch_args=tuple(launch_args(config, gpus())))
             runs[config] = out
         return runs[config]
 
@@ -79,7 +79,7 @@ def gpu_run(model_dir, tmp_path_factory):
 
 
 def runnable(config: str) -> bool:
-    return not (yaml.safe_load((REPO / config).read_text()).get("parallelism_config") and gpus() < 4)
+    return not (shipped(config).get("parallelism_config") and gpus() < 4)
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS)
@@ -91,12 +91,13 @@ def test_config_trains_sharded_in_bf16_within_the_estimate(gpu_run, model_dir, c
     n = gpus()
     report = read_json(gpu_run(config) / "fsdp_report.json")
     strategy, shard = strategy_and_shard(config, n)
-    version = (yaml.safe_load((REPO / config).read_text()).get("fsdp_config") or {}).get("fsdp_version")
+    fsdp = shipped(config).get("fsdp_config") or {}
+    version = fsdp.get("fsdp_version")
     assert report["world_size"] == n and report["device"].startswith("cuda")
     assert report["precision"]["compute"] == "bfloat16" and report["precision"]["master_weights"] == "float32"
     total = report["total_param_elements"]
     assert 90e6 < total < 110e6
-    offload = bool((yaml.safe_load((REPO / config).read_text()).get("fsdp_config") or {}).get("fsdp_offload_params"))
+    offload = bool(fsdp.get("fsdp_offload_params"))
     # FSDP2 HSDP on one node: 2 replicas of n/2 shards, which the formula calls 2 nodes of n/2
     nodes = 2 if strategy == "HYBRID_SHARD" and version == 2 else 1
     est = estimate(model_shape(str(model_dir)), Setup(strategy=strategy, nproc_per_node=n // nodes, nnodes=nodes, offload=offload,
