@@ -8,17 +8,27 @@ with restricted unpicklers that build stand-ins for exactly the classes those pi
 nothing else.
 
 A checkpoint may come from anywhere, and a pickle can run any code it names. DCP itself loads ``.metadata``
-with plain ``pickle.load`` (torch 2.13, FileSystemReader.read_metadata), so every tool here reads it through
-this module first and refuses a file that names anything but DCP's metadata dataclasses and enums
-(UnsafeCheckpointError); DCP's own load then only ever sees a vetted file. A name this module does not know is
-accepted only when it is a dataclass or enum of ``torch.distributed.checkpoint`` (another torch version's
-metadata); it is never looked up as a dotted attribute path. Records that are not plain tensors go to torch's
-``weights_only`` loader (the merge's slow path, DCP's own reader), never to plain pickle.
+with plain ``pickle.load`` (torch 2.13, FileSystemReader.read_metadata) and every byte record (a non-tensor value:
+an optimizer's learning rate, a step count) with ``torch.load(weights_only=False)`` (DefaultLoadPlanner.load_bytes).
+This module is the one reader of those pickles, and it reads with allow-lists only:
+
+- ``.metadata``: DCP's metadata dataclasses and enums, torch dtypes and sizes. A name this module does not know is
+  accepted only when it is a dataclass or enum of ``torch.distributed.checkpoint`` (another torch version's
+  metadata); it is never looked up as a dotted attribute path. Every storage path it names must be a file
+  directly inside the folder (no ``/``, no ``..``, no symlink out).
+- every record of every ``.distcp`` file (``vet_records``): a tensor record may name only torch's tensor rebuild
+  and storage types; a byte record only plain data (numbers, strings, lists, dicts, tuples, None, tensors).
+- ``guard_torch_dcp`` makes torch's own DCP reader go through both checks on every load that follows in this
+  process (resume in train_fsdp.py, the merge's torch path), so the checks cannot be skipped by a code path that
+  forgot them: a vetted pickle names only allow-listed globals, and only then is it unpickled.
+
+UnsafeCheckpointError names what was refused; nothing a refused file names is ever imported or called.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 import struct
@@ -66,6 +76,7 @@ class Stored:
 class Layout:
     tensors: dict[str, TensorEntry]  # DCP key ("model.lm_head.weight") -> entry; byte entries left out
     storage: dict[tuple[str, tuple[int, ...] | None], Stored]  # (key, chunk offsets) -> record
+    byte_keys: frozenset[str] = frozenset()  # keys of byte entries (pickled values): vetted, never weights
 
 
 # ----------------------------------------------------------------------------------------------- .metadata
@@ -97,6 +108,10 @@ class _UnknownGlobal(pickle.UnpicklingError):
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint pickle names something that is not checkpoint data: it is never unpickled."""
+
+
+class EscapingPathError(UnsafeCheckpointError):
+    """DCP metadata names a storage file outside its own folder."""
 
 
 _DCP_MODULE = "torch.distributed.checkpoint."
@@ -143,10 +158,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _layout_from(metadata) -> Layout:
     """Our plain view of a DCP Metadata object, torch's or the stand-in."""
-    tensors = {}
+    tensors, byte_keys = {}, set()
     for key, meta in metadata.state_dict_metadata.items():
         if not hasattr(meta, "chunks"):
-            continue  # BytesStorageMetadata: pickled objects, never model weights
+            byte_keys.add(key)  # BytesStorageMetadata: pickled objects, never model weights
+            continue
         props = meta.properties
         dtype = props.dtype if hasattr(props, "dtype") else props.state[0]
         tensors[key] = TensorEntry(
@@ -157,8 +173,16 @@ def _layout_from(metadata) -> Layout:
     for index, info in (metadata.storage_data or {}).items():
         offset = getattr(index, "offset", None)  # a default left out of the pickled state
         where = (index.fqn, None if offset is None else tuple(offset))
+        if not _plain_file_name(info.relative_path):
+            raise EscapingPathError(f"storage path {info.relative_path!r}")
         storage[where] = Stored(info.relative_path, info.offset, info.length, bool(getattr(info, "transform_descriptors", None)))
-    return Layout(tensors, storage)
+    return Layout(tensors, storage, frozenset(byte_keys))
+
+
+def _plain_file_name(name) -> bool:
+    """A file directly inside the folder: DCP writes names like ``__0_0.distcp``; anything with a separator or
+    ``..`` would make torch's reader open a file elsewhere."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 def read_layout(dcp_dir: Path) -> Layout:
@@ -170,15 +194,21 @@ def read_layout(dcp_dir: Path) -> Layout:
 
 
 def unsafe_message(path: Path, err: UnsafeCheckpointError) -> str:
+    if isinstance(err, EscapingPathError):
+        return (f"{path} names {err}, outside its folder: refusing to read it (a checkpoint's files lie inside it); "
+                "use a checkpoint you or your training run wrote")
+    if isinstance(err, UnsafeRecordError):
+        return f"{path}: {err}: refusing to unpickle it (a pickle can run code); use a checkpoint you or your training run wrote"
     return (
         f"{path} names {err}, which DCP metadata never holds: refusing to unpickle it (a pickle can run code); "
         "use a checkpoint you or your training run wrote"
     )
 
 
-def check_folder(dcp_dir: Path) -> tuple[Layout | None, list[str]]:
-    """(layout or None, what makes the folder unreadable: missing or unreadable .metadata, missing or truncated
-    .distcp files)."""
+def check_folder(dcp_dir: Path, byte_records: bool = True) -> tuple[Layout | None, list[str]]:
+    """(layout or None, what makes the folder unreadable or unsafe: missing, unreadable or unsafe .metadata, missing,
+    truncated or escaping .distcp files, records that name more than their allow-list). ``byte_records=False``
+    leaves byte records unvetted, for a reader that never loads them (the merge reads tensors only)."""
     meta_path = Path(dcp_dir) / ".metadata"
     if not meta_path.is_file():
         return None, [f"missing {meta_path}"]
@@ -192,12 +222,17 @@ def check_folder(dcp_dir: Path) -> tuple[Layout | None, list[str]]:
     for info in layout.storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     problems = []
+    folder = os.path.realpath(dcp_dir)
     for name, size in sorted(needed.items()):
         path = Path(dcp_dir) / name
-        if not path.is_file():
+        if os.path.dirname(os.path.realpath(path)) != folder:
+            problems.append(unsafe_message(meta_path, EscapingPathError(f"storage path {name!r} (a link to {os.path.realpath(path)})")))
+        elif not path.is_file():
             problems.append(f"missing {path}")
         elif path.stat().st_size < size:
             problems.append(f"truncated {path} ({path.stat().st_size} of {size} bytes)")
+    if not problems:
+        problems = vet_records(dcp_dir, layout, byte_records)
     return layout, problems
 
 
@@ -297,3 +332,122 @@ def raw_tensor(dcp_dir: Path, stored: Stored) -> RawTensor | None:
         local = f.read(30)  # zip local file header: the data follows its name and extra field
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         return RawTensor(dtype, shape, stored.offset + data[0].header_offset + 30 + name_len + extra_len, data[0].file_size)
+
+
+# ----------------------------------------------------------------------------------------------- vetting every record
+
+
+class UnsafeRecordError(UnsafeCheckpointError):
+    """A .distcp record whose pickle names more than its kind of record may."""
+
+
+_RECORD_LIMIT = 256 << 20  # bytes of one record's pickle (not its tensor data): DCP's are a few hundred bytes
+
+
+class _VettingUnpickler(pickle.Unpickler):
+    """Reads a record's data.pkl only to learn what it names: tensor rebuilds and storages (tensor records), plus
+    plain data (byte records). Everything it builds is a stand-in; nothing it names is imported or called."""
+
+    def __init__(self, file, plain_data: bool):
+        super().__init__(file)
+        self.plain_data = plain_data
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda *args: ("tensor",)
+        if module == "torch" and (name in _STORAGE_DTYPES or name in DTYPE_SIZES):
+            return name
+        if (module, name) in (("collections", "OrderedDict"), ("torch", "Size")):
+            return lambda *args: dict() if name == "OrderedDict" else tuple(*args)
+        if self.plain_data and module == "builtins" and name in ("set", "frozenset", "complex"):
+            return lambda *args: None
+        raise UnsafeRecordError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return tuple(pid)  # ("storage", dtype name, key, location, numel)
+
+
+def vet_record(stream, plain_data: bool) -> None:
+    """Raise UnsafeCheckpointError unless the torch.save record in ``stream`` names only its allow-list (a tensor
+    record: a tensor; a byte record: plain data and tensors); OSError/zipfile.BadZipFile/ValueError when it is not a
+    readable record at all."""
+    archive = zipfile.ZipFile(stream)
+    pkl = [z for z in archive.infolist() if z.filename.endswith("/data.pkl") or z.filename == "data.pkl"]
+    if len(pkl) != 1:
+        raise ValueError(f"{len(pkl)} data.pkl entries")
+    if pkl[0].file_size > _RECORD_LIMIT:
+        raise ValueError(f"a {pkl[0].file_size}-byte pickle")
+    _VettingUnpickler(io.BytesIO(archive.read(pkl[0])), plain_data).load()
+
+
+def vet_records(dcp_dir: Path, layout: Layout, byte_records: bool = True) -> list[str]:
+    """The first record of the folder that names more than its allow-list, or is unreadable, as a problem line."""
+    by_file: dict[str, list[tuple[str, Stored]]] = {}
+    for (key, _), stored in sorted(layout.storage.items(), key=lambda item: (item[1].relative_path, item[1].offset)):
+        if key in layout.byte_keys and not byte_records:
+            continue
+        by_file.setdefault(stored.relative_path, []).append((key, stored))
+    for name, items in sorted(by_file.items()):
+        path = Path(dcp_dir) / name
+        with open(path, "rb") as f:
+            for key, stored in items:
+                is_bytes = key in layout.byte_keys
+                what = f"{'byte' if is_bytes else 'tensor'} record {key!r}"
+                if stored.transformed:
+                    if is_bytes:  # torch would decode and unpickle it with weights_only=False
+                        return [f"{path}: {what} is compressed or transformed, so it cannot be checked before it is "
+                                "unpickled: refusing it; use a checkpoint saved without DCP storage extensions"]
+                    continue  # a tensor record: torch decodes it and reads it with weights_only=True
+                try:
+                    vet_record(FileSlice(f, stored.offset, stored.length), plain_data=is_bytes)
+                except UnsafeCheckpointError as err:
+                    return [unsafe_message(path, UnsafeRecordError(f"{what} names {err}"))]
+                except Exception as err:  # noqa: BLE001 (zipfile, pickle and struct errors of a damaged record)
+                    return [f"unreadable {what} in {path} ({type(err).__name__}): copy the checkpoint again"]
+    return []
+
+
+def vet_metadata(data: bytes, path) -> None:
+    """Raise UnsafeCheckpointError unless ``data`` (a .metadata file's bytes) names only DCP metadata and keeps its
+    storage inside its folder."""
+    _layout_from(_MetadataUnpickler(io.BytesIO(data)).load())
+
+
+_guarded: list[bool] = []
+
+
+def guard_torch_dcp() -> None:
+    """From now on in this process, torch's DCP reader unpickles nothing this module has not vetted: the
+    ``.metadata`` it reads (vetted bytes are then unpickled as they are: they name only allow-listed classes) and
+    every byte record (a byte record is vetted, then handed to torch's own loader). Idempotent."""
+    if _guarded:
+        return
+    from . import internals
+
+    metadata_path = internals.get("torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path")
+    load_bytes = internals.get("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes")
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = metadata_path(self, kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            data = f.read()
+        vet_metadata(data, path)
+        metadata = pickle.loads(data)  # noqa: S301 (vetted above: it names only DCP metadata classes)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def vetted_load_bytes(self, read_item, value):
+        try:
+            vet_record(value, plain_data=True)
+        except UnsafeCheckpointError as err:
+            raise UnsafeRecordError(f"byte record {read_item.dest_index.fqn!r} names {err}: refusing to unpickle it") from None
+        value.seek(0)
+        return load_bytes(self, read_item, value)
+
+    internals.patch("torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata", read_metadata)
+    internals.patch("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes", vetted_load_bytes)
+    _guarded.append(True)

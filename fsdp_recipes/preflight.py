@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import cpu_fsdp
+from .dcp_files import guard_torch_dcp
 from .launcher import LaunchSettings
 
 LOCK_NAME = ".run.lock"
@@ -49,6 +50,7 @@ class Preflight:
 
         from .arguments import RecipeError, build
 
+        guard_torch_dcp()  # a resume's DCP load unpickles nothing our allow-lists have not vetted
         # both must precede TrainingArguments, which creates accelerate's PartialState
         self.cpu_ddp = cpu_fsdp.enable_ddp(self.trainer_fsdp) if not cpu_fsdp.enable(self.trainer_fsdp) else False
         if getattr(self.raw, "ddp_find_unused_parameters", None) is None:

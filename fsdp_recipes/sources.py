@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint_files import DCP_MODEL_DIR, FULL_FILES, WRAPPER_PREFIXES, CheckpointError, checkpoint_steps
-from .dcp_files import DTYPE_SIZES, UnsafeCheckpointError, check_folder, raw_tensor, read_layout, unsafe_message
+from .dcp_files import DTYPE_SIZES, UnsafeCheckpointError, check_folder, guard_torch_dcp, raw_tensor, unsafe_message
 
 SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
@@ -72,9 +72,9 @@ class DCPSource:
 
     def __init__(self, dcp_dir: Path):
         self.path = Path(dcp_dir)
-        layout, problems = check_folder(self.path)
+        layout, problems = check_folder(self.path, byte_records=False)  # a merge reads tensor records only
         if problems:
-            if problems[0].startswith(str(self.path / ".metadata")):  # unsafe: check_folder's own sentence
+            if "refusing to" in problems[0] or problems[0].startswith("unreadable"):  # check_folder's own sentence
                 raise CheckpointError(problems[0])
             raise CheckpointError(
                 f"checkpoint {dcp_dir} is incomplete: {'; '.join(problems[:3])}; it was not finished writing or was "
@@ -107,24 +107,35 @@ class DCPSource:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        # DCP's reader unpickles .metadata with plain pickle: this folder's was vetted by check_folder above;
-        # vetted again here, in case the file changed since. Records are read by torch with weights_only.
-        try:
-            read_layout(self.path)
-        except UnsafeCheckpointError as err:
-            raise CheckpointError(unsafe_message(self.path / ".metadata", err)) from None
+        # DCP's reader unpickles .metadata with plain pickle: this folder's was vetted by check_folder above, and
+        # torch's reader vets it again as it reads it (guard_torch_dcp). Records are read by torch with weights_only.
+        guard_torch_dcp()
         buffers = {self.keys[n]: torch.empty(self.tensors[n].shape, dtype=torch_dtype(self.tensors[n].dtype)) for n in names}
         with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
             warnings.simplefilter("ignore", UserWarning)
             try:
                 dcp.load(buffers, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
             except (Exception, CheckpointException) as err:  # noqa: BLE001 (DCP's wraps the record's error; a BaseException)
+                if unsafe := _unsafe_cause(err):
+                    raise CheckpointError(unsafe_message(self.path / ".metadata", unsafe)) from None
                 refused = "Weights only load failed" in str(err)
                 raise CheckpointError(
                     f"a tensor record in {self.path} is " + ("refused: it names code or objects that are not tensors "
                     "(torch.load weights_only)" if refused else f"unreadable ({type(err).__name__})") + "; use a checkpoint you or your run wrote"
                 ) from None
         return {n: buffers[self.keys[n]] for n in names}
+
+
+def _unsafe_cause(err: BaseException) -> UnsafeCheckpointError | None:
+    """The refusal of guard_torch_dcp inside DCP's error (a CheckpointException holds each rank's (error, trace))."""
+    if isinstance(err, UnsafeCheckpointError):
+        return err
+    failures = getattr(err, "failures", None)
+    for failure in failures.values() if isinstance(failures, dict) else ():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, UnsafeCheckpointError):
+            return cause
+    return None
 
 
 class SafetensorsSource:
@@ -301,7 +312,7 @@ def match_namespace(stored: dict[str, TensorInfo], expected: dict[str, tuple[int
 def checkpoint_problems(ckpt: Path) -> list[str]:
     """Why a checkpoint-N folder cannot be merged (empty when it can)."""
     if (ckpt / DCP_MODEL_DIR).is_dir():
-        return check_folder(ckpt / DCP_MODEL_DIR)[1]
+        return check_folder(ckpt / DCP_MODEL_DIR, byte_records=False)[1]
     if any((ckpt / f).is_file() for f in FULL_FILES):
         return []
     return [f"no {DCP_MODEL_DIR}/ and no full weights in {ckpt}"]

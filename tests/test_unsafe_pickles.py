@@ -1,0 +1,175 @@
+"""The pickle class, generated: every file of a checkpoint that can carry a pickle, with every kind of payload, is
+refused before anything unpickles it, by every reader (tools/check_checkpoint.py, the resume check of
+train_fsdp.py, the merge), and torch's own DCP reader refuses it too once guarded (the resume's actual load).
+Nothing a payload names ever runs: each payload, unpickled plainly, would create a marker file."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fsdp_recipes.arguments import RecipeError, resolve_resume
+from fsdp_recipes.checkpoint_files import CheckpointError
+from fsdp_recipes.checkpoints import checkpoint_status
+from fsdp_recipes.dcp_files import UnsafeCheckpointError, guard_torch_dcp
+from fsdp_recipes.merge import merge_checkpoint
+from test_hostile_files import cli
+
+
+class Payload:
+    """Unpickled plainly, runs ``how`` (a callable and its argument) which creates the marker file."""
+
+    def __init__(self, how: str, marker: Path):
+        self.how, self.marker = how, str(marker)
+
+    def __reduce__(self):
+        import subprocess
+
+        if self.how == "os.system":
+            return os.system, (f"touch {self.marker}",)
+        if self.how == "subprocess":
+            return subprocess.call, (["touch", self.marker],)
+        if self.how == "eval":
+            return eval, (f"open({self.marker!r}, 'w').close()",)
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+PAYLOADS = ["os.system", "subprocess", "eval", "exec"]
+
+
+def _quiet_save(state: dict, folder: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def _poison_dcp(folder: Path, payload, where: str) -> None:
+    """Point one entry of a DCP folder's metadata at a record holding the payload: an existing byte record (an
+    optimizer's learning rate), a new byte entry, or a tensor record. The payload is a real torch.save record, as
+    DCP writes them, in a file of its own."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # test-only: forging DCP metadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    record = io.BytesIO()
+    torch.save(payload, record)
+    evil = folder / "__9_0.distcp"
+    evil.write_bytes(record.getvalue())
+    here = _StorageInfo(evil.name, 0, len(record.getvalue()))
+    is_bytes = {k: isinstance(v, BytesStorageMetadata) for k, v in metadata.state_dict_metadata.items()}
+    if where == "extra byte entry":
+        metadata.state_dict_metadata["model.evil"] = BytesStorageMetadata()
+        metadata.storage_data[MetadataIndex("model.evil")] = here
+    else:
+        key = sorted(k for k, b in is_bytes.items() if b == (where == "byte record"))[0]
+        for index in [i for i in metadata.storage_data if i.fqn == key]:
+            metadata.storage_data[index] = here
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _plain_read(folder: Path) -> None:
+    """What an unguarded reader does with a byte record: torch.load(weights_only=False)."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    info = next(i for i in metadata.storage_data.values() if i.relative_path == "__9_0.distcp")
+    with open(folder / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
+
+
+@pytest.fixture
+def checkpoint(trained, tmp_path) -> Path:
+    copy = tmp_path / "run" / "checkpoint-12"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", copy)
+    return copy
+
+
+def _assert_refused_everywhere(ckpt: Path, marker: Path, capsys, merge_reads_it: bool) -> None:
+    assert cli("check_checkpoint", [str(ckpt)]) == 1
+    said = capsys.readouterr().out.strip().splitlines()
+    assert "INCOMPLETE" in said[0] and ("refusing" in said[0] or "refused" in said[0]), said
+    with pytest.raises(RecipeError, match="cannot resume from checkpoint-12 .*refus"):
+        resolve_resume(str(ckpt), str(ckpt.parent))
+    if merge_reads_it:
+        with pytest.raises(CheckpointError, match="refus"):
+            merge_checkpoint(ckpt, ckpt.parent.parent / "merged", log=lambda *_: None)
+        assert not (ckpt.parent.parent / "merged").exists()
+    assert not marker.exists(), "the payload ran"
+
+
+@pytest.mark.parametrize("how", PAYLOADS)
+@pytest.mark.parametrize("folder,where", [
+    ("optimizer_0", "byte record"), ("optimizer_0", "extra byte entry"), ("optimizer_0", "tensor record"),
+    ("pytorch_model_fsdp_0", "extra byte entry"), ("pytorch_model_fsdp_0", "tensor record"),
+])
+def test_dcp_records_with_payloads(checkpoint, folder, where, how, tmp_path, capsys):
+    marker = tmp_path / "code-ran"
+    _poison_dcp(checkpoint / folder, Payload(how, marker), where)
+    # the payload is live: torch's unguarded reader would run it (shown once, on the plain bytes)
+    if how == "os.system":
+        _plain_read(checkpoint / folder)
+        assert marker.exists()
+        marker.unlink()
+    merge_reads_it = folder == "pytorch_model_fsdp_0" and where == "tensor record"  # a merge reads tensors only
+    _assert_refused_everywhere(checkpoint, marker, capsys, merge_reads_it)
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"])
+@pytest.mark.parametrize("how", PAYLOADS)
+def test_small_files_with_payloads(checkpoint, name, how, tmp_path, capsys):
+    marker = tmp_path / "code-ran"
+    torch.save({"state": Payload(how, marker)}, checkpoint / name)
+    _assert_refused_everywhere(checkpoint, marker, capsys, merge_reads_it=False)
+
+
+@pytest.mark.parametrize("path", ["../escape.distcp", "/etc/passwd", "sub/../../x.distcp", "..", "link"])
+def test_storage_paths_stay_inside_the_checkpoint(checkpoint, path, tmp_path, capsys):
+    folder = checkpoint / "pytorch_model_fsdp_0"
+    outside = tmp_path / "elsewhere.distcp"
+    shutil.copyfile(folder / "__0_0.distcp", outside)
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    if path == "link":
+        (folder / "__0_0.distcp").unlink()
+        (folder / "__0_0.distcp").symlink_to(outside)
+    else:
+        for info in metadata.storage_data.values():
+            if info.relative_path == "__0_0.distcp":
+                info.relative_path = path
+        (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert cli("check_checkpoint", [str(checkpoint)]) == 1
+    assert "outside its folder: refusing to read it" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="outside its folder"):
+        merge_checkpoint(checkpoint, tmp_path / "merged", log=lambda *_: None)
+
+
+@pytest.mark.parametrize("how", PAYLOADS)
+def test_torch_dcp_reader_is_guarded(tmp_path, how):
+    """The resume's own load (DCP, as accelerate calls it) refuses a payload even where no earlier check ran."""
+    marker = tmp_path / "code-ran"
+    _quiet_save({"w": torch.ones(2, 2), "lr": 0.5, "evil": Payload(how, marker)}, tmp_path / "ckpt")
+    guard_torch_dcp()
+    with pytest.raises(BaseException) as caught:  # DCP wraps its ranks' errors in a CheckpointException
+        dcp.load({"w": torch.zeros(2, 2), "lr": 0.0, "evil": None}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert "refusing to unpickle" in str(caught.value) and not marker.exists()
+    state = {"w": torch.zeros(2, 2), "lr": 0.0}  # the same checkpoint's plain entries still load
+    dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert state["lr"] == 0.5 and torch.equal(state["w"], torch.ones(2, 2))
+    poisoned = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata()
+    poisoned.planner_data = Payload(how, marker)
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(poisoned))
+    with pytest.raises(UnsafeCheckpointError):
+        dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata()
+    assert not marker.exists()
+
+
+def test_real_checkpoints_pass_every_check(checkpoint):
+    """Our own checkpoints (model, optimizer with its byte records, RNG and scheduler files) are resumable."""
+    status = checkpoint_status(checkpoint)
+    assert status.resumable, status.problems
