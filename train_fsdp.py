@@ -29,6 +29,7 @@ from fsdp_recipes.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_l
 from fsdp_recipes.modeling import load_model, load_tokenizer
 from fsdp_recipes.preemption import was_interrupted, watch_interrupts
 from fsdp_recipes.preflight import hold_output_dir, save_resolved_arguments
+from fsdp_recipes.removal import RefusedRemoval
 from fsdp_recipes.profiling import StepProfiler, parse_steps
 from fsdp_recipes.trainer import FSDPTrainer
 
@@ -148,13 +149,13 @@ def run() -> None:
     try:
         try:
             main(*parse_args())  # parse_args reads and checks only; main's preflight acts
-        except (RecipeError, NotShardedError, InternalsChanged, KeyboardInterrupt):
+        except (RecipeError, NotShardedError, InternalsChanged, RefusedRemoval, KeyboardInterrupt):
             raise
         except Exception:
             if was_interrupted():  # a peer left on Ctrl-C while this rank was in a collective
                 raise KeyboardInterrupt from None
             raise
-    except (RecipeError, NotShardedError, InternalsChanged) as err:
+    except (RecipeError, NotShardedError, InternalsChanged, RefusedRemoval) as err:
         fail(f"train_fsdp.py: error: {err}", 2)
     except KeyboardInterrupt:
         fail("train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "

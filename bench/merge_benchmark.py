@@ -14,6 +14,7 @@ config.json beside them (no manifest, no tokenizer). Needs free disk of about 5x
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -25,6 +26,9 @@ from synthetic import make_checkpoint
 
 from fsdp_recipes import internals
 from fsdp_recipes.checkpoint_files import MANIFEST
+from fsdp_recipes.removal import make_folder, remove, remove_inside
+
+BENCH_WORK = "merge benchmark"
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,14 +69,15 @@ def raw_dcp_copy(shards: Path, raw: Path, config: Path) -> None:
         MetadataIndex(i.fqn.removeprefix("model."), i.offset, i.index): info for i, info in metadata.storage_data.items()
     }
     (raw / ".metadata").write_bytes(pickle.dumps(metadata))
-    for record in shards.glob("*.distcp"):
-        (raw / record.name).symlink_to(record)
+    for record in shards.glob("*.distcp"):  # hard links: no copy, and the files lie inside the folder (a symlink out is refused)
+        os.link(record, raw / record.name)
     shutil.copy(config, raw / "config.json")
 
 
 def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int, hidden: int = 2048, vocab: int = 32000) -> list[tuple]:
     work = workdir / size
-    shutil.rmtree(work, ignore_errors=True)
+    remove(work, BENCH_WORK, missing_ok=True)  # an earlier run's, marked by make_folder
+    make_folder(work, BENCH_WORK)
     target = internals.get("huggingface_hub.serialization._base.parse_size_to_int")(size)
     ckpt = make_checkpoint(work / "run", target, ranks=ranks, hidden=hidden, vocab=vocab)
     shards = ckpt / "pytorch_model_fsdp_0"
@@ -99,12 +104,12 @@ def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int
             wall, on_disk, rss = timed(cmd, list(shards.iterdir()))
             best = results.get(name, (float("inf"), float("inf"), 0.0))
             results[name] = (min(best[0], wall), min(best[1], on_disk), max(best[2], rss))
-            shutil.rmtree(out)
+            remove_inside(work, out.name, BENCH_WORK)
     base_mw, base_cp = results["accelerate merge-weights"], results["cp -r (copy of the shards)"]
     for name, (wall, on_disk, rss) in results.items():
         rows.append((f"{nbytes / 1e9:.2f} GB, {ranks} ranks", name, wall, rss, wall / base_mw[0], wall / base_cp[0],
                      rss / base_mw[2], on_disk, on_disk / base_cp[1]))
-    shutil.rmtree(work)
+    remove(work, BENCH_WORK)
     return rows
 
 

@@ -9,7 +9,6 @@ manifest are written beside it as a training run writes them, so the checkpoint 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 from pathlib import Path
 
@@ -21,6 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from transformers import LlamaConfig
 
+from fsdp_recipes.removal import make_folder, remove
+
+BENCH_CHECKPOINT = "benchmark checkpoint"
 TINY = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
 
 
@@ -72,8 +74,9 @@ def make_checkpoints(sizes: dict[str | os.PathLike, int], ranks: int = 2, hidden
     jobs = []
     for folder, target_bytes in sizes.items():
         ckpt = Path(folder) / "checkpoint-1"
-        shutil.rmtree(ckpt, ignore_errors=True)
-        (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
+        remove(ckpt, BENCH_CHECKPOINT, missing_ok=True)  # only one this function wrote (its marker)
+        make_folder(ckpt, BENCH_CHECKPOINT)
+        (ckpt / "pytorch_model_fsdp_0").mkdir()
         jobs.append((ckpt, llama_config(target_bytes, hidden, vocab)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

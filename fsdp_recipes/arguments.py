@@ -411,7 +411,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     plan.run_args = run_args
     output_dir = raw.output_dir or "trainer_output"
     plan.resume = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp, plan)
-    check_output_dir(output_dir, resuming=plan.resume is not None, overwrite=run_args.overwrite_output_dir, plan=plan)
+    inputs = {"model_name_or_path": model_args.model_name_or_path, "config_name": model_args.config_name,
+              "tokenizer_name": model_args.tokenizer_name}
+    check_output_dir(output_dir, resuming=plan.resume is not None, overwrite=run_args.overwrite_output_dir, plan=plan,
+                     resume=plan.resume, inputs=inputs)
     fsdp = cpu_fsdp.fsdp_requested() or trainer_fsdp
     if not fsdp and not run_args.allow_no_fsdp and not (plan.launch is not None and plan.launch.ddp):
         raise RecipeError(launcher.no_fsdp_problem())
@@ -653,26 +656,52 @@ def _resumable(status, trainer_fsdp: bool) -> str:
     return status.path
 
 
-def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, plan: Preflight | None = None) -> None:
-    """A new run must not write into another run's checkpoints: a later `resume true` would pick theirs."""
-    from .checkpoint_files import INCOMPLETE_PREFIX, REPLACED_PREFIX, checkpoint_steps
+def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, plan: Preflight | None = None,
+                     resume: str | None = None, inputs: dict[str, str | None] | None = None) -> None:
+    """A new run must not write into another run's checkpoints: a later `resume true` would pick theirs, rotation
+    would delete them. Nor may output_dir be, hold or lie inside a local input (the final model would replace the
+    model it was trained from). A resume from a checkpoint outside output_dir is a new run for this check."""
+    from .checkpoint_files import INCOMPLETE_PREFIX, REPLACED_PREFIX, checkpoint_steps, is_checkpoint_folder, overlap, real
+    from .checkpoints import CHECKPOINT_PURPOSE
+    from .removal import is_ours
 
+    if not str(output_dir).strip():
+        raise RecipeError("output_dir is empty: give a folder for checkpoints and the final model, e.g. --output_dir runs/my-run")
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise RecipeError(f"output_dir {output_dir!r} is a file: choose a folder (it is created if missing)")
     existing = next(p for p in (out, *out.absolute().parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RecipeError(f"output_dir {output_dir!r}: {existing} is not writable: choose a folder you can write to")
+    for key, source in (inputs or {}).items():
+        if source and Path(source).expanduser().exists() and overlap(real(output_dir), real(source)):
+            how = "is" if real(output_dir) == real(source) else "is inside" if real(source) in real(output_dir).parents else "holds"
+            raise RecipeError(f"output_dir {output_dir!r} {how} {key} {source!r}: the run's model folder would replace or "
+                              "mix with its input; choose another --output_dir")
+    if resuming and resume is not None and real(resume).parent != real(output_dir):
+        resuming = False  # another folder's checkpoint: this output_dir starts a new line of checkpoints
     if resuming or not out.is_dir():
         return
     earlier = checkpoint_steps(out) + sorted(out.glob(f"{INCOMPLETE_PREFIX}checkpoint-*")) + sorted(out.glob(f"{REPLACED_PREFIX}checkpoint-*"))
     if not earlier:
         return
+    if resume is not None:
+        raise RecipeError(
+            f"output_dir {output_dir!r} holds another run's checkpoints ({earlier[0].name}, ...) and the resume comes from "
+            f"{resume}: its new checkpoints would mix with them (and rotation delete them); resume into the checkpoint's "
+            "own folder, or choose an empty --output_dir"
+        )
     if not overwrite:
         names = ", ".join(p.name for p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
         raise RecipeError(
             f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
             "--resume_from_checkpoint true, choose a new --output_dir, or pass --overwrite_output_dir true to delete them"
+        )
+    foreign = [p for p in earlier if not (is_ours(p, CHECKPOINT_PURPOSE) or is_checkpoint_folder(p))]
+    if foreign:
+        raise RecipeError(
+            f"--overwrite_output_dir: {foreign[0]} holds files a training checkpoint does not (or is a link): refusing to "
+            "delete it; move what you want to keep out of it, or choose a new --output_dir"
         )
     now = Preflight(None, False) if plan is None else plan
     now.delete += earlier

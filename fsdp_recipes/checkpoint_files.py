@@ -50,6 +50,51 @@ def training_content(folder: Path) -> str | None:
     return None
 
 
+# What each kind of folder we may replace holds, exactly (fsdp_recipes.removal removes nothing else): file names
+# as patterns, and the subfolders whose own contents are checked the same way.
+_DESCRIPTION_FILES = (r"config\.json", r"generation_config\.json", r"tokenizer(_config)?\.json", r"tokenizer\.model",
+                      r"special_tokens_map\.json", r"added_tokens\.json", r"vocab\.json", r"merges\.txt", r"chat_template\.(jinja|json)")
+_MODEL_FILES = (*_DESCRIPTION_FILES, r"model(-\d+-of-\d+)?\.safetensors", r"model\.safetensors\.index\.json",
+                r"trainer_state\.json", r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors",
+                r"adapter_model\.safetensors\.index\.json", r"\.made-by-fsdp-recipes")
+_CHECKPOINT_FILES = (*_MODEL_FILES, r"training_args\.bin", r"scheduler\.pt", r"scaler\.pt", r"rng_state(_\d+)?\.pth",
+                     r"optimizer\.(pt|bin)", r"pytorch_model_fsdp(_\d+)?\.bin", r"model_description\.json", r"fsdp_report\.json")
+_DCP_FILES = (r"\.metadata", r"__\d+_\d+\.distcp", r"\.made-by-fsdp-recipes")
+
+
+def _only(folder: Path, files: tuple[str, ...], folders: dict[str, tuple[str, ...]]) -> bool:
+    """``folder`` is a real folder holding only regular files named by ``files`` and real subfolders named in
+    ``folders``, which in turn hold only the files named there."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    for entry in folder.iterdir():
+        if entry.is_symlink():
+            return False
+        if entry.is_dir():
+            pattern = next((v for k, v in folders.items() if re.fullmatch(k, entry.name)), None)
+            if pattern is None or not _only(entry, pattern, {}):
+                return False
+        elif not entry.is_file() or not any(re.fullmatch(p, entry.name) for p in files):
+            return False
+    return True
+
+
+def is_model_folder(folder: Path) -> bool:
+    """Only what a merge or an export writes: weights, config, generation config, tokenizer (and an adapter/)."""
+    return _only(Path(folder), _MODEL_FILES, {"adapter": _MODEL_FILES})
+
+
+def is_exported_adapter(folder: Path) -> bool:
+    """A real folder holding only what an adapter export writes: adapter_config.json and adapter_model files."""
+    return (Path(folder) / ADAPTER_CONFIG).is_file() and _only(
+        Path(folder), (r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors", r"adapter_model\.safetensors\.index\.json"), {})
+
+
+def is_checkpoint_folder(folder: Path) -> bool:
+    """Only what a training checkpoint holds (the Trainer's files, DCP shard folders, our description)."""
+    return _only(Path(folder), _CHECKPOINT_FILES, {r"pytorch_model_fsdp_\d+": _DCP_FILES, r"optimizer_\d+": _DCP_FILES})
+
+
 def real(path: str | os.PathLike) -> Path:
     """The path with every symlink and `..` resolved, also when it does not exist yet."""
     return Path(os.path.realpath(os.path.expanduser(path)))

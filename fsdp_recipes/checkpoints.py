@@ -21,9 +21,10 @@ from pathlib import Path
 from . import internals
 from .checkpoint_files import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
-    CheckpointError, checkpoint_steps,
+    CheckpointError, checkpoint_steps, is_checkpoint_folder, real,
 )
 from .dcp_files import check_folder
+from .removal import move, remove
 
 
 @dataclass
@@ -172,17 +173,37 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
 
 def set_aside(ckpt: Path, prefix: str = INCOMPLETE_PREFIX) -> Path:
     """Move a checkpoint out of the Trainer's way (a resumed run rewrites that step into a clean folder, and
-    rotation never counts it). An incomplete one replaces the one set aside for the same step before (both are
-    unusable; keeping every attempt piles them up on a full disk); a replaced complete one is kept beside."""
+    rotation never counts it). Nothing is deleted: an earlier folder set aside for the same step stays beside it
+    (an "incomplete" one may still be the only copy of something; the user decides)."""
     target = ckpt.parent / f"{prefix}{ckpt.name}"
-    if prefix == INCOMPLETE_PREFIX and target.is_dir() and not target.is_symlink():
-        shutil.rmtree(target)
     n = 1
-    while target.exists():
+    while target.exists() or target.is_symlink():
         target = ckpt.parent / f"{prefix}{ckpt.name}.{n}"
         n += 1
-    os.rename(ckpt, target)
-    return target
+    return move(ckpt, target)
+
+
+CHECKPOINT_PURPOSE = "training checkpoint"  # the marker FSDPTrainer writes into each checkpoint-N it makes
+
+
+def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = None) -> list[Path]:
+    """Delete the oldest checkpoint-N folders beyond ``limit`` (by step: mtime is unreliable on fuse and network
+    filesystems), never the newest nor ``keep`` (the best model's); only folders this project made or shaped
+    exactly like a checkpoint (fsdp_recipes.removal). Returns what was deleted."""
+    if not limit or limit <= 0:
+        return []
+    steps = checkpoint_steps(Path(run_dir))  # newest first
+    protected = {steps[0]} if steps else set()
+    if keep:
+        protected |= {p for p in steps if real(p) == real(keep)}
+    deleted = []
+    for ckpt in reversed(steps):
+        if len(steps) - len(deleted) <= max(limit, len(protected)):
+            break
+        if ckpt not in protected:
+            remove(ckpt, CHECKPOINT_PURPOSE, shape=is_checkpoint_folder)
+            deleted.append(ckpt)
+    return deleted
 
 
 def newest_resumable(run_dir: str | os.PathLike) -> tuple[CheckpointStatus | None, list[CheckpointStatus]]:

@@ -15,10 +15,13 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .checkpoint_files import ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, REPORT_NAME, CheckpointError
+from .checkpoint_files import (
+    ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, REPORT_NAME, CheckpointError, is_exported_adapter, is_model_folder,
+)
 from .checks import unwrapped_model_class
 from .description import describe_folder, write_manifest
 from .merge import write_model_files
+from .removal import make_folder, move, remove, replace_file
 from .sources import DCPSource
 
 logger = logging.getLogger(__name__)
@@ -108,43 +111,49 @@ def save_final_model(trainer, tokenizer) -> None:
     shards = out / ".final-sharded"
     if accelerator.is_main_process:
         remove_export_leftovers(out, log=logger.info)
+        make_folder(shards, EXPORT_STAGING)
     accelerator.wait_for_everyone()
     save_fsdp_model(plugin, accelerator, trainer.model, str(shards))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and lora is not None:  # the merged model, and the adapter beside it
         save_model_description(model, tokenizer, shards)
         write_final_folder(shards, out, log=logger.info)
-        shutil.rmtree(shards)
+        remove(shards, EXPORT_STAGING)
     elif accelerator.is_main_process:
-        staging = out / ".export-tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        staging = make_folder(out / ".export-tmp", EXPORT_STAGING)
         files = write_model_files(
             DCPSource(shards / DCP_MODEL_DIR), staging, model.config, tokenizer, getattr(model, "generation_config", None)
         )
         publish(staging, out, files)
-        shutil.rmtree(shards)
+        remove(shards, EXPORT_STAGING)
     accelerator.wait_for_everyone()
 
 
 EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp", ".adapter-tmp")  # this module's own staging folders in output_dir
+EXPORT_STAGING = "export staging"  # their marker's purpose (fsdp_recipes.removal)
+
+
+def _staged_result(folder: Path) -> bool:
+    """A staging folder a merge finished (its marker already taken out): only model or adapter files."""
+    return is_model_folder(folder) or is_exported_adapter(folder)
 ADAPTER_DIR = "adapter"  # a LoRA run's adapter, beside the merged model: PeftModel.from_pretrained loads it
 
 
 def remove_export_leftovers(out: Path, log=print) -> None:
-    """The staging folders a final export killed midway left in ``out`` (only ours: fixed names, real folders)."""
+    """The staging folders a final export killed midway left in ``out``: only ours (marked, or holding only what a
+    merge writes); a folder of another kind under one of these names is refused, in one line."""
     for name in EXPORT_LEFTOVERS:
         path = Path(out) / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+        if path.exists() or path.is_symlink():
+            remove(path, EXPORT_STAGING, shape=_staged_result)
             log(f"removed {path}, left by an export that did not finish")
 
 
 def publish(staging: Path, out: Path, files: list[str]) -> None:
     """Move finished files into ``out``, config.json last: until it is there, the folder does not load."""
     for name in sorted(files, key=lambda n: n == "config.json"):
-        os.replace(staging / name, out / name)
-    shutil.rmtree(staging)
+        replace_file(staging / name, out / name, EXPORT_STAGING, shape=_staged_result)
+    remove(staging, EXPORT_STAGING, shape=_staged_result)
 
 
 def finished_checkpoint_step(training_args) -> int | None:
@@ -159,15 +168,6 @@ def finished_checkpoint_step(training_args) -> int | None:
         return None
     step = json.loads((Path(ckpt) / "trainer_state.json").read_text())["global_step"]
     return step if step >= training_args.max_steps else None
-
-
-def is_exported_adapter(folder: Path) -> bool:
-    """A real folder (no symlink) holding only what an adapter export writes: adapter_config.json and
-    adapter_model safetensors files. Only such a folder is replaced by the next export."""
-    if folder.is_symlink() or not folder.is_dir() or not (folder / ADAPTER_CONFIG).is_file():
-        return False
-    return all(p.is_file() and not p.is_symlink() and (p.name == ADAPTER_CONFIG or p.name.startswith("adapter_model"))
-               for p in folder.iterdir())
 
 
 def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print) -> None:
@@ -196,8 +196,8 @@ def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log
         adapter_staging = out / ".adapter-tmp"
         merge_checkpoint(ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log)
         if adapter.exists():
-            shutil.rmtree(adapter)  # an earlier export's (is_exported_adapter above)
-        os.replace(adapter_staging, adapter)
+            remove(adapter, "adapter folder", shape=is_exported_adapter)  # an earlier export's (checked above)
+        move(adapter_staging, adapter)
     publish(staging, out, result.files)
     if (ckpt / "trainer_state.json").is_file():
         shutil.copy2(ckpt / "trainer_state.json", out / "trainer_state.json")

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import internals
-from .checkpoint_files import ADAPTER_CONFIG, MANIFEST, CheckpointError, overlap, real, training_content
+from .checkpoint_files import (
+    ADAPTER_CONFIG, MANIFEST, CheckpointError, is_exported_adapter, is_model_folder, overlap, real, training_content,
+)
 from .dcp_files import DTYPE_SIZES
 from .description import (
     Description, config_origin, described_by_manifest, describe_folder, describe_with_transformers, description_dirs,
     model_skeleton,
 )
+from .removal import MARKER, contents, is_ours, make_folder, move, remove, remove_file, unmark
 from .lora import MergedLoraSource, adapter_tensors, find_adapter_config, is_lora, read_adapter_config
 from .safetensors_writer import Cancelled, groups, write_weights
 from .sources import ResolvedInput, WeightMap, dtype_name, guess_namespace, match_namespace, resolve_input, torch_dtype
@@ -42,7 +45,7 @@ def write_model_files(source, out_dir: Path, config, tokenizer=None, generation_
     weights = match_namespace(source.tensors, expected, tied, model_cls.__name__)
     write_weights(source, weights.names, out_dir, max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget)
     describe_folder(out_dir, model_cls, config, tokenizer, generation_config, dtype)
-    return sorted(p.name for p in out_dir.iterdir())
+    return sorted(p.name for p in out_dir.iterdir() if p.name != MARKER)
 
 
 # ----------------------------------------------------------------------------------------------- the output
@@ -63,7 +66,13 @@ def check_output(input_path, resolved: ResolvedInput, output_path, overwrite: bo
             raise CheckpointError(f"output {output_path} already exists: choose another folder or pass --overwrite")
         if what := training_content(out):
             raise CheckpointError(f"output {output_path} holds {what}: --overwrite only replaces a model folder; choose another output")
+        if not (is_model_folder(out) or is_exported_adapter(out)):
+            raise CheckpointError(f"output {output_path} holds more than a model folder ({contents(out)}): --overwrite only "
+                                  "replaces a folder of weights, config and tokenizer files; choose another output")
     return out
+
+
+STAGING = "merge staging"  # the marker purpose of the hidden folders a merge writes into before the rename
 
 
 def _staging_name(out: Path, kind: str, pid: int | None = None) -> Path:
@@ -75,9 +84,9 @@ def remove_stale_staging(out: Path, log=print) -> None:
     pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-{re.escape(socket.gethostname())}-(\d+)")
     for path in out.parent.glob(f".{out.name}.*"):
         m = pattern.fullmatch(path.name)
-        if not m or not path.is_dir() or path.is_symlink() or _alive(int(m.group(2))):
-            continue
-        shutil.rmtree(path)
+        if not m or not is_ours(path, STAGING) or _alive(int(m.group(2))):
+            continue  # only our own marked staging folders: a folder merely named like one is someone else's
+        remove(path, STAGING)
         log(f"removed {path}, left by a merge that was killed (process {m.group(2)})")
 
 
@@ -142,9 +151,7 @@ def merge_checkpoint(
             return future is not None and future.done() and (future.exception() is not None or future.result().weights.names != weights.names)
 
         stem = "adapter_model" if adapter_only else "model"
-        staging = _staging_name(out, "tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        staging = make_folder(_staging_name(out, "tmp"), STAGING)
         try:
             write = dict(max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, stem=stem)
             try:
@@ -154,7 +161,8 @@ def merge_checkpoint(
             described: Description = own if future is None else future.result()  # raises the check's error
             if described.weights.names != weights.names:  # the guess was wrong: the checked weights, again
                 for p in staging.iterdir():
-                    p.unlink()
+                    if p.name != MARKER:
+                        remove_file(staging, p.name, STAGING)
                 write_weights(resolved.source, described.weights.names, staging, **write)
             names = described.weights.names
             for note in described.notes:
@@ -162,19 +170,21 @@ def merge_checkpoint(
             log(described.weights.describe())
             log(f"config from {described.origin['config']}, tokenizer from {described.origin['tokenizer']}")
             described.write(staging)
-            files = sorted(p.name for p in staging.iterdir())
+            files = sorted(p.name for p in staging.iterdir() if p.name != MARKER)
             if verify:
                 verify_folder(staging, resolved.source, names, dtype, stem=stem)
                 log(f"verified: {len(names)} tensors equal the checkpoint" + ("" if adapter_only else "; from_pretrained (meta device) loads the folder"))
-            if out.exists():
-                old = _staging_name(out, "old")
-                out.rename(old)
-                staging.rename(out)
-                shutil.rmtree(old)
+            if out.exists():  # check_output: a model folder, and --overwrite was given
+                old = move(out, _staging_name(out, "old"))
+                unmark(staging, STAGING)
+                move(staging, out)
+                remove(old, STAGING, shape=lambda p: is_model_folder(p) or is_exported_adapter(p))
             else:
-                staging.rename(out)
+                unmark(staging, STAGING)
+                move(staging, out)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            if is_ours(staging, STAGING):
+                remove(staging, STAGING)
             raise
     if described.tied:
         log(f"tied weights written once, as save_pretrained does: {', '.join(described.tied)}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import time
 from dataclasses import asdict, dataclass, field
@@ -74,13 +73,15 @@ class Preflight:
 
     def carry_out(self, say) -> None:
         """The moves and deletions themselves (one process: the caller decides which)."""
-        from .checkpoints import set_aside
+        from .checkpoint_files import is_checkpoint_folder
+        from .checkpoints import CHECKPOINT_PURPOSE, set_aside
+        from .removal import remove
 
         for path, prefix, why in self.set_aside:
             if path.is_dir():
                 say(f"{why}: moved {path.name} to {set_aside(path, prefix).name} (nothing deleted)")
-        for path in self.delete:
-            shutil.rmtree(path)
+        for path in self.delete:  # checked by check_output_dir before anything started; checked again here
+            remove(path, CHECKPOINT_PURPOSE, shape=is_checkpoint_folder)
         if self.delete:
             say(f"--overwrite_output_dir: deleted {len(self.delete)} checkpoint folder(s) of the earlier run in {self.delete[0].parent}")
 

@@ -38,15 +38,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import internals
 from .checkpoint_files import REPLACED_PREFIX
-from .checkpoints import set_aside
+from .checkpoints import CHECKPOINT_PURPOSE, rotate, set_aside
 from .checks import ShardingReport
 from .export import DescribeCheckpoints, lora_parts
 from .metrics import Throughput, perplexity
 from .preemption import Preemption
+from .removal import make_folder
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ class FSDPTrainer(Trainer):
                 if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files
                     moved = set_aside(folder, REPLACED_PREFIX)
                     logger.warning(f"{folder} existed (another run's step {self.state.global_step}): moved it to {moved.name}")
-                folder.mkdir(parents=True)
+                make_folder(folder, CHECKPOINT_PURPOSE)  # marked: rotation and --overwrite_output_dir delete only ours
                 self.describer.describe(folder)  # before any shard, so before trainer_state.json
             self.accelerator.wait_for_everyone()
             limit = self.args.save_total_limit
@@ -218,7 +219,4 @@ class FSDPTrainer(Trainer):
                 self.args.save_total_limit = limit
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
-                rotate_checkpoints(
-                    output_dir=run_dir, save_total_limit=limit,
-                    best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
-                )
+                rotate(run_dir, limit, keep=self.state.best_model_checkpoint)

@@ -20,6 +20,7 @@ import sys
 
 from fsdp_recipes.internals import InternalsChanged
 from fsdp_recipes.merge import CheckpointError, inspect_checkpoint, merge_checkpoint
+from fsdp_recipes.removal import RefusedRemoval
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
             max_shard_size=args.max_shard_size, memory_budget=args.memory_budget, overwrite=args.overwrite, verify=args.verify,
             adapter_only=args.adapter_only,
         )
-    except (CheckpointError, InternalsChanged) as err:
+    except (CheckpointError, InternalsChanged, RefusedRemoval) as err:
         print(f"merge_checkpoint.py: error: {err}", file=sys.stderr)
         return 1
     except OSError as err:  # disk full, permission denied ...: nothing was left behind (the staging folder is removed)

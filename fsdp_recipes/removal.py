@@ -1,0 +1,142 @@
+"""The one place that deletes, replaces or moves paths. Standard library only.
+
+Every tool here writes next to things it did not make: a user's home folder given as an output, another run's
+checkpoints, the model a run fine-tunes. So nothing is removed on a name or a guess. A folder is removed only when
+
+- this project made it: ``make_folder`` writes a marker file into it (``MARKER``: tool, purpose, host, process,
+  time), and ``remove`` asks for the same purpose back; or
+- it has an exact, documented shape that a caller passes in (``shape``): a model folder holding only the files a
+  merge writes, a checkpoint holding only the files a training checkpoint holds. Anything else inside it
+  (a notes.txt, a data/ folder, a .ssh/) and it is refused.
+
+A symlink is never followed into: a link is refused, not its target removed. Everything refused raises
+``RefusedRemoval`` with one line naming the path and what it holds. ``tests/test_removal.py`` fails when any other
+module of the package, tools/, bench/ or train_fsdp.py calls rmtree, unlink, remove, rename, replace or rmdir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+MARKER = ".made-by-fsdp-recipes"
+
+
+class RefusedRemoval(ValueError):
+    """A path this project did not make, or not in a shape it may replace: left as it is."""
+
+
+def make_folder(path: str | os.PathLike, purpose: str, exist_ok: bool = False) -> Path:
+    """Create ``path`` (parents too) and mark it as made for ``purpose``; an existing folder is marked only when
+    ``exist_ok`` and it is empty or already ours for that purpose."""
+    path = Path(path)
+    if path.is_symlink():
+        raise RefusedRemoval(f"{path} is a symbolic link: refusing to write through it; remove the link or choose another path")
+    if path.exists() and not exist_ok:
+        raise RefusedRemoval(f"{path} exists: refusing to take it over; move it away or choose another path")
+    if path.exists() and any(p.name != MARKER for p in path.iterdir()) and not is_ours(path, purpose):
+        raise RefusedRemoval(f"{path} exists and holds {contents(path)}: refusing to take it over; move it away")
+    path.mkdir(parents=True, exist_ok=True)
+    record = {"tool": "fsdp-recipes", "purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    (path / MARKER).write_text(json.dumps(record) + "\n")
+    return path
+
+
+def marker(path: str | os.PathLike) -> dict | None:
+    """The marker ``make_folder`` wrote into the real folder ``path`` (None: not ours, or not a real folder)."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        return None
+    file = path / MARKER
+    try:
+        if file.is_symlink() or not file.is_file() or file.stat().st_size > 4096:
+            return None
+        record = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("tool") == "fsdp-recipes" else None
+
+
+def is_ours(path: str | os.PathLike, purpose: str) -> bool:
+    record = marker(path)
+    return record is not None and record.get("purpose") == purpose
+
+
+def unmark(path: str | os.PathLike, purpose: str) -> None:
+    """Take the marker out of a folder of ours that becomes a result (a merged model folder ships without it)."""
+    if not is_ours(path, purpose):
+        raise RefusedRemoval(f"{path} is not a {purpose} folder this project made: refusing to touch it")
+    (Path(path) / MARKER).unlink()
+
+
+def contents(path: Path, limit: int = 3) -> str:
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in path.iterdir())
+    except OSError as err:
+        return f"unreadable contents ({err.strerror})"
+    if not names:
+        return "nothing"
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def remove(path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] | None = None, missing_ok: bool = False) -> None:
+    """Delete the folder ``path``: only when this project made it for ``purpose`` (its marker), or when ``shape``
+    (an exact-shape predicate) accepts it. Anything else: RefusedRemoval naming it and what it holds."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        if missing_ok:
+            return
+        raise RefusedRemoval(f"{path} does not exist")
+    if path.is_symlink() or not path.is_dir():
+        raise RefusedRemoval(f"{path} is {'a symbolic link' if path.is_symlink() else 'not a folder'}: refusing to "
+                             f"remove it as a {purpose}; move it away yourself")
+    if not (is_ours(path, purpose) or (shape is not None and shape(path))):
+        raise RefusedRemoval(f"{path} is not a {purpose} this project made (it holds {contents(path)}): refusing to "
+                             "remove it; move it away yourself, or choose another path")
+    shutil.rmtree(path)
+
+
+def remove_inside(folder: str | os.PathLike, name: str, purpose: str) -> None:
+    """Delete ``folder/name`` (a file or a folder, whatever it holds) inside a folder this project made for
+    ``purpose``: what a tool writes into its own work folder is its own."""
+    path = Path(folder) / name
+    if not is_ours(folder, purpose) or "/" in name or name in ("", ".", "..", MARKER):
+        raise RefusedRemoval(f"{path}: not inside a {purpose} folder this project made: refusing to delete it")
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def remove_file(folder: str | os.PathLike, name: str, purpose: str) -> None:
+    """Delete the file ``name`` directly inside a folder this project made for ``purpose``."""
+    if not is_ours(folder, purpose) or "/" in name or name in ("", ".", "..", MARKER):
+        raise RefusedRemoval(f"{Path(folder) / name}: not a file of a {purpose} folder this project made: refusing to delete it")
+    (Path(folder) / name).unlink()
+
+
+def move(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Rename ``src`` to ``dst`` on one filesystem; never over an existing path (a file or a folder)."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists() or dst.is_symlink():
+        raise RefusedRemoval(f"{dst} exists: refusing to move {src.name} over it")
+    os.rename(src, dst)
+    return dst
+
+
+def replace_file(src: str | os.PathLike, dst: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] | None = None) -> None:
+    """Move a finished file out of a folder this project made for ``purpose`` (or of the exact ``shape``) onto
+    ``dst`` (a file of the same name is replaced, as an export replaces an earlier export's; a folder or link there
+    is refused)."""
+    src, dst = Path(src), Path(dst)
+    if not (is_ours(src.parent, purpose) or (shape is not None and shape(src.parent))):
+        raise RefusedRemoval(f"{src} is not in a {purpose} folder this project made: refusing to move it")
+    if dst.is_symlink() or dst.is_dir():
+        raise RefusedRemoval(f"{dst} is {'a symbolic link' if dst.is_symlink() else 'a folder'}: refusing to replace it with {src.name}")
+    os.replace(src, dst)

@@ -1,0 +1,221 @@
+"""The deletion class: one module (fsdp_recipes/removal.py) deletes, replaces or moves paths, and only what this
+project made (its marker) or what has an exact, documented shape. Generated: every tool that deletes, given
+folders of every other kind, refuses in one line and leaves them as they were."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from fsdp_recipes.arguments import RecipeError, check_output_dir
+from fsdp_recipes.checkpoint_files import is_checkpoint_folder, is_model_folder
+from fsdp_recipes.checkpoints import CHECKPOINT_PURPOSE, rotate, set_aside
+from fsdp_recipes.export import remove_export_leftovers
+from fsdp_recipes.merge import merge_checkpoint, remove_stale_staging
+from fsdp_recipes.preflight import Preflight
+from fsdp_recipes.removal import MARKER, RefusedRemoval, make_folder, remove
+from test_hostile_files import cli
+
+DELETING = {("shutil", "rmtree"), ("shutil", "move"), ("os", "remove"), ("os", "unlink"), ("os", "rename"), ("os", "replace"),
+            ("os", "rmdir"), ("os", "removedirs"), ("os", "renames")}
+PATH_METHODS = {"unlink", "rmdir", "rename"}  # Path methods no str or list has; Path.replace is checked by its arity
+
+
+def _deleting_calls(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module in ("os", "shutil"):
+            found += [f"{path.name}:{node.lineno} from {node.module} import {a.name}" for a in node.names if (node.module, a.name) in DELETING]
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, owner = node.func.attr, node.func.value
+        if isinstance(owner, ast.Name) and (owner.id, name) in DELETING:
+            found.append(f"{path.name}:{node.lineno} {owner.id}.{name}")
+        elif name in PATH_METHODS or (name == "replace" and len(node.args) == 1 and not node.keywords):  # str.replace takes 2
+            found.append(f"{path.name}:{node.lineno} .{name}()")
+    return found
+
+
+def test_only_the_removal_module_deletes_or_moves():
+    files = [*(REPO / "fsdp_recipes").rglob("*.py"), *(REPO / "tools").rglob("*.py"), *(REPO / "bench").rglob("*.py"), REPO / "train_fsdp.py"]
+    offenders = [hit for f in files if f.name != "removal.py" for hit in _deleting_calls(f)]
+    assert offenders == [], "delete, replace or move only through fsdp_recipes/removal.py: " + ", ".join(offenders)
+    # the scan finds what it looks for (it can fail)
+    probe = REPO / "fsdp_recipes" / "removal.py"
+    assert len(_deleting_calls(probe)) >= 4
+
+
+@pytest.fixture
+def merge_checkpoint_dir(trained) -> Path:
+    """A real 2-rank FSDP2 checkpoint (only read)."""
+    return trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12"
+
+
+def _model_folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        (path / name).write_text("{}")
+    return path
+
+
+# Folders that are not ours, of every kind a careless command meets: each must survive every deleting path.
+def _home(p):
+    p.mkdir(); (p / ".bashrc").write_text("x"); (p / ".ssh").mkdir(); (p / ".ssh" / "id_rsa").write_text("k"); (p / "projects").mkdir()
+
+
+def _notes(p):
+    p.mkdir(); (p / "notes.txt").write_text("mine"); (p / "data").mkdir()
+
+
+def _model_plus_notes(p):
+    _model_folder(p); (p / "notes.txt").write_text("mine")
+
+
+def _model_with_folder(p):
+    _model_folder(p); (p / "data").mkdir(); (p / "data" / "x.jsonl").write_text("{}")
+
+
+def _link_to_model(p):
+    target = _model_folder(p.parent / f"{p.name}-target")
+    p.symlink_to(target)
+
+
+def _model_with_link(p):
+    _model_folder(p); (p / "tokenizer_config.json").symlink_to(p.parent)
+
+
+def _forged_marker(p):
+    _notes(p); (p / MARKER).write_text('{"tool": "someone-else"}')
+
+
+FOREIGN = {"home": _home, "notes": _notes, "model+notes": _model_plus_notes, "model+data/": _model_with_folder,
+           "link to a model": _link_to_model, "model with a link": _model_with_link, "forged marker": _forged_marker}
+
+
+def _snapshot(path: Path) -> list[str]:
+    if path.is_symlink():
+        return ["link -> " + os.readlink(path)]
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("kind", sorted(FOREIGN))
+def test_remove_refuses_what_we_did_not_make(tmp_path, kind):
+    victim = tmp_path / "victim"
+    FOREIGN[kind](victim)
+    before = _snapshot(victim)
+    for shape in (None, is_model_folder, is_checkpoint_folder):
+        with pytest.raises(RefusedRemoval, match="refusing"):
+            remove(victim, "merge staging", shape=shape)
+    assert _snapshot(victim) == before
+
+
+# a link to a model folder is replaced where it points and stays a link (test_merge.py): not foreign to a merge
+@pytest.mark.parametrize("kind", sorted(set(FOREIGN) - {"link to a model"}))
+def test_merge_overwrite_never_replaces_a_foreign_folder(merge_checkpoint_dir, tmp_path, kind, capsys):
+    out = tmp_path / "out"
+    FOREIGN[kind](out)
+    before = _snapshot(out)
+    assert cli("merge_checkpoint", [str(merge_checkpoint_dir), str(out), "--overwrite"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("merge_checkpoint.py: error: ") and str(out) in err[0], err
+    assert _snapshot(out) == before
+
+
+def test_merge_overwrite_replaces_a_model_folder(merge_checkpoint_dir, tmp_path):
+    out = _model_folder(tmp_path / "out")
+    merge_checkpoint(merge_checkpoint_dir, out, overwrite=True, log=lambda *_: None)
+    assert is_model_folder(out) and not (out / MARKER).exists()  # the result ships without our marker
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no staging left
+
+
+def test_staging_named_folders_of_others_are_kept(tmp_path):
+    import socket
+
+    out = tmp_path / "merged"
+    dead = 2 ** 22 + 12345  # no such process
+    theirs = tmp_path / f".merged.tmp-{socket.gethostname()}-{dead}"
+    _notes(theirs)
+    ours = make_folder(tmp_path / f".merged.old-{socket.gethostname()}-{dead}", "merge staging")
+    remove_stale_staging(out, log=lambda *_: None)
+    assert theirs.is_dir() and (theirs / "notes.txt").is_file()
+    assert not ours.exists()
+    export_dir = tmp_path / "run"
+    export_dir.mkdir()
+    _notes(export_dir / ".export-tmp")
+    with pytest.raises(RefusedRemoval, match="export-tmp"):
+        remove_export_leftovers(export_dir, log=lambda *_: None)
+    assert (export_dir / ".export-tmp" / "notes.txt").is_file()
+
+
+def _checkpoint(path: Path, marked: bool) -> Path:
+    if marked:
+        make_folder(path, CHECKPOINT_PURPOSE)
+    else:
+        path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text('{"global_step": %d}' % int(path.name.split("-")[-1]))
+    (path / "pytorch_model_fsdp_0").mkdir()
+    (path / "pytorch_model_fsdp_0" / ".metadata").write_bytes(b"x")
+    return path
+
+
+def test_rotation_deletes_only_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    for step in (1, 2, 3, 4):
+        _checkpoint(run / f"checkpoint-{step}", marked=step != 2)
+    (run / "checkpoint-1" / "notes.txt").write_text("marked by us: ours, whatever was added")
+    _notes(run / "checkpoint-0")  # named like one, holds a user's files
+    with pytest.raises(RefusedRemoval, match="checkpoint-0"):
+        rotate(run, 2)
+    assert (run / "checkpoint-0" / "notes.txt").is_file()
+    shutil.rmtree(run / "checkpoint-0")  # the test's own cleanup
+    assert [p.name for p in rotate(run, 2)] == ["checkpoint-1", "checkpoint-2"]  # unmarked but checkpoint-shaped
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_setting_aside_never_deletes(tmp_path):
+    run = tmp_path / "run"
+    first = set_aside(_checkpoint(run / "checkpoint-5", marked=True))
+    second = set_aside(_checkpoint(run / "checkpoint-5", marked=True))
+    assert first.is_dir() and second.is_dir() and first != second
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    for key, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("where", ["is", "inside", "holds"])
+@pytest.mark.parametrize("key", ["model_name_or_path", "config_name", "tokenizer_name"])
+def test_output_dir_never_overlaps_an_input(tmp_path, where, key, launched):
+    model = _model_folder(tmp_path / "models" / "base")
+    out = {"is": model, "inside": model / "run", "holds": tmp_path / "models"}[where]
+    before = _snapshot(tmp_path)
+    with pytest.raises(RecipeError, match=f"output_dir .* {key} .*choose another --output_dir"):
+        check_output_dir(str(out), resuming=False, overwrite=True, plan=Preflight(None, False), inputs={key: str(model)})
+    assert _snapshot(tmp_path) == before
+
+
+def test_resume_into_another_runs_output_dir_is_refused(tmp_path, launched):
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    ckpt_a = _checkpoint(run_a / "checkpoint-4", marked=True)
+    _checkpoint(run_b / "checkpoint-2", marked=True)
+    for overwrite in (False, True):
+        with pytest.raises(RecipeError, match="holds another run's checkpoints .* the resume comes from"):
+            check_output_dir(str(run_b), resuming=True, overwrite=overwrite, plan=Preflight(None, False), resume=str(ckpt_a))
+    check_output_dir(str(tmp_path / "c"), resuming=True, overwrite=False, resume=str(ckpt_a))  # a fresh folder: fine
+    check_output_dir(str(run_a), resuming=True, overwrite=False, resume=str(ckpt_a))  # its own folder: fine
+
+
+def test_overwrite_output_dir_refuses_a_checkpoint_holding_other_files(tmp_path, launched):
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoint-3", marked=False)
+    (run / "checkpoint-3" / "notes.txt").write_text("mine")
+    with pytest.raises(RecipeError, match="checkpoint-3 holds files a training checkpoint does not"):
+        check_output_dir(str(run), resuming=False, overwrite=True, plan=Preflight(None, False))
+    assert (run / "checkpoint-3" / "notes.txt").is_file()
