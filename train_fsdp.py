@@ -86,6 +86,8 @@ def main(model_args, data_args, preflight):
     trainer.throughput.flops_per_token = flops_per_token(model, data_args.block_size)
     trainer.throughput.peak = device_peak_flops(preflight.run_args.peak_tflops)
     if training_args.resume_from_checkpoint:
+        if problem := trainer.resume_mismatch(training_args.resume_from_checkpoint):
+            raise RecipeError(problem)  # every rank reads the same headers: all stop alike, before any load
         logger.info(f"resuming from {training_args.resume_from_checkpoint}")
     try:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

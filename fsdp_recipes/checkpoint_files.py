@@ -17,6 +17,7 @@ PLAIN_OPTIMIZER_FILE = "optimizer.pt"  # the Trainer's own layout without FSDP (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ADAPTER_CONFIG = "adapter_config.json"  # peft
 REPORT_NAME = "fsdp_report.json"  # the proof of sharding, per run and per checkpoint (fsdp_recipes.checks)
+SHARD_DIGESTS = "shard_digests.json"  # each .distcp file's size and sample hash, written once every rank is done
 MANIFEST = "model_description.json"  # written into each checkpoint by the training run (fsdp_recipes.description)
 INCOMPLETE_PREFIX = "incomplete-"  # outside the Trainer's `checkpoint-*` glob: never rotated, never resumed
 REPLACED_PREFIX = "replaced-"  # a checkpoint of a step a resumed run trains again (another branch of the run)
@@ -58,7 +59,8 @@ _MODEL_FILES = (*_DESCRIPTION_FILES, r"model(-\d+-of-\d+)?\.safetensors", r"mode
                 r"trainer_state\.json", r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors",
                 r"adapter_model\.safetensors\.index\.json", r"\.made-by-fsdp-recipes")
 _CHECKPOINT_FILES = (*_MODEL_FILES, r"training_args\.bin", r"scheduler\.pt", r"scaler\.pt", r"rng_state(_\d+)?\.pth",
-                     r"optimizer\.(pt|bin)", r"pytorch_model_fsdp(_\d+)?\.bin", r"model_description\.json", r"fsdp_report\.json")
+                     r"optimizer\.(pt|bin)", r"pytorch_model_fsdp(_\d+)?\.bin", r"model_description\.json", r"fsdp_report\.json",
+                     r"shard_digests\.json")
 _DCP_FILES = (r"\.metadata", r"__\d+_\d+\.distcp", r"\.made-by-fsdp-recipes")
 
 

@@ -23,7 +23,7 @@ from .checkpoint_files import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
     CheckpointError, checkpoint_steps, is_checkpoint_folder, real,
 )
-from .dcp_files import check_folder
+from .dcp_files import check_folder, digest_problems
 from .removal import move, remove
 
 
@@ -154,6 +154,8 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
             problems, found = _dcp_problems(folder, what)
             status.problems += problems
             ranks |= found
+        if not status.problems:
+            status.problems += digest_problems(ckpt, (DCP_MODEL_DIR, OPTIMIZER_DIR))
     else:
         status.state_dict_type = "FULL_STATE_DICT"
         status.problems += [p for p in (_torch_file_problem(ckpt / FULL_MODEL_FILE), _torch_file_problem(ckpt / FULL_OPTIMIZER_FILE)) if p]
@@ -169,6 +171,48 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
     else:
         rng_names = ["rng_state.pth"]
     status.problems += [p for p in (_torch_file_problem(ckpt / n, load=True) for n in rng_names) if p]
+
+
+def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
+    """Name -> full shape of the model weights a checkpoint holds, read from its DCP metadata or safetensors headers
+    (no tensor is loaded); None for a layout whose names cannot be read without loading it (FULL_STATE_DICT .bin)."""
+    from .dcp_files import read_layout
+    from .sources import SafetensorsSource, clean_name
+
+    if (ckpt / DCP_MODEL_DIR).is_dir():
+        stored = {clean_name(k): tuple(t.shape) for k, t in read_layout(ckpt / DCP_MODEL_DIR).tensors.items()}
+        if stored and all(k.startswith("model.") for k in stored):  # accelerate saves {"model": state_dict}
+            stored = {k.removeprefix("model."): v for k, v in stored.items()}
+        return stored
+    if (ckpt / "model.safetensors").is_file() or (ckpt / "model.safetensors.index.json").is_file():
+        return {name: tuple(info.shape) for name, info in SafetensorsSource(ckpt).tensors.items()}
+    return None
+
+
+def model_mismatch(ckpt: str | os.PathLike, expected: dict[str, tuple[int, ...]], tied: set[str] = frozenset()) -> str | None:
+    """Why the checkpoint's weights are not the weights of the model this run built (names and full shapes: layers,
+    sizes, LoRA targets and rank), in one line; None when they match. ``tied``: names a checkpoint may leave out."""
+    from .sources import clean_name
+
+    stored = stored_weights(Path(ckpt))
+    if stored is None:
+        return None
+    expected = {clean_name(k): tuple(v) for k, v in expected.items()}
+    missing = sorted(set(expected) - set(stored) - set(tied))
+    extra = sorted(set(stored) - set(expected))
+    other = sorted(n for n in set(stored) & set(expected) if stored[n] != expected[n])
+    if not (missing or extra or other):
+        return None
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} weight(s) of this run's model are not in it (e.g. {missing[0]})")
+    if extra:
+        parts.append(f"it holds {len(extra)} weight(s) this model does not have (e.g. {extra[0]})")
+    if other:
+        n = other[0]
+        parts.append(f"{len(other)} weight(s) differ in shape (e.g. {n}: {stored[n]} saved, {expected[n]} in this model)")
+    return (f"{ckpt} was saved from another model: {'; '.join(parts)}; resume with the model, config and LoRA settings "
+            "(use_peft, lora_r, lora_target_modules) it was saved with, or start without --resume_from_checkpoint")
 
 
 def set_aside(ckpt: Path, prefix: str = INCOMPLETE_PREFIX) -> Path:

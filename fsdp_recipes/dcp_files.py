@@ -28,6 +28,7 @@ UnsafeCheckpointError names what was refused; nothing a refused file names is ev
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import re
@@ -451,3 +452,58 @@ def guard_torch_dcp() -> None:
     internals.patch("torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata", read_metadata)
     internals.patch("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes", vetted_load_bytes)
     _guarded.append(True)
+
+
+# ----------------------------------------------------------------------------------------------- shard digests
+
+_DIGEST_SAMPLE = 1 << 20  # bytes hashed at each end of a .distcp file: cheap at any size, different on every rank
+
+
+def shard_digest(path: Path) -> dict:
+    """Size and a SHA-256 of the first and last MiB: tells two ranks' files apart (a swap, a copy from another
+    checkpoint, a file replaced since) without reading a 100 GB shard. Not a defence against forgery."""
+    import hashlib
+
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(_DIGEST_SAMPLE))
+        if size > _DIGEST_SAMPLE:
+            f.seek(max(size - _DIGEST_SAMPLE, _DIGEST_SAMPLE))
+            digest.update(f.read(_DIGEST_SAMPLE))
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def write_shard_digests(ckpt: Path, folders: tuple[str, ...]) -> None:
+    """SHARD_DIGESTS in a checkpoint whose every rank has finished writing (rank 0, after the last barrier)."""
+    from .checkpoint_files import SHARD_DIGESTS
+
+    files = {f"{folder}/{p.name}": shard_digest(p) for folder in folders if (ckpt / folder).is_dir()
+             for p in sorted((ckpt / folder).glob("*.distcp"))}
+    (ckpt / SHARD_DIGESTS).write_text(json.dumps({"format": 1, "sample_bytes": _DIGEST_SAMPLE, "files": files}, indent=1) + "\n")
+
+
+def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
+    """Shard files of ``folders`` that are not the ones the training run wrote (checked when the checkpoint has
+    SHARD_DIGESTS: checkpoints of other tools have none)."""
+    from .checkpoint_files import SHARD_DIGESTS
+
+    path = Path(ckpt) / SHARD_DIGESTS
+    if not path.is_file():
+        return []
+    try:
+        record = json.loads(path.read_text()) if path.stat().st_size < (64 << 20) else None
+        files = record["files"] if isinstance(record, dict) and record.get("sample_bytes") == _DIGEST_SAMPLE else None
+        if not isinstance(files, dict):
+            raise ValueError
+    except (ValueError, TypeError, KeyError, OSError, UnicodeDecodeError):
+        return [f"unreadable {SHARD_DIGESTS}"]
+    problems = []
+    for name, expected in sorted(files.items()):
+        if not isinstance(name, str) or name.split("/")[0] not in folders:
+            continue
+        shard = Path(ckpt) / name
+        if shard.is_file() and shard_digest(shard) != expected:
+            problems.append(f"{name} is not the file this checkpoint wrote ({SHARD_DIGESTS} has another size or hash: "
+                            "swapped with another rank's, replaced or damaged): copy the checkpoint again")
+    return problems

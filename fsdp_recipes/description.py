@@ -145,6 +145,18 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
     return Description(weights, tied, origin, lambda out: describe_folder(out, model_cls, config, tokenizer, generation_config, dtype), notes)
 
 
+def _agrees_with_config(config_path: Path, model_name: str, tied: list[str]) -> bool:
+    """The manifest's class and tie agree with what config.json states. A manifest can be edited with its hashes;
+    without this, one claiming an untied model's head as tied would silently drop it from the merged folder."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, OSError):
+        return False
+    if not isinstance(config, dict) or config.get("architectures") != [model_name]:
+        return False
+    return config.get("tie_word_embeddings") is bool(tied)
+
+
 def described_by_manifest(resolved: ResolvedInput) -> Description | None:
     """The checkpoint's own description (write_manifest), when no described file changed since; None sends the
     merge through transformers."""
@@ -162,6 +174,8 @@ def described_by_manifest(resolved: ResolvedInput) -> Description | None:
         return None
     if any(not (config_dir / name).is_file() or _sha256(config_dir / name) != digest for name, digest in files.items()):
         return None
+    if not _agrees_with_config(config_dir / "config.json", model_name, tied):
+        return None  # transformers builds the model from config.json and checks the weights against it
     weights = match_namespace(resolved.source.tensors, expected, tied, model_name)
     has_tokenizer = any(f in files for f in TOKENIZER_FILES)
     origin = {"config": str(config_dir), "tokenizer": str(config_dir) if has_tokenizer else "(none)"}

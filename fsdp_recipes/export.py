@@ -16,9 +16,10 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoint_files import (
-    ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, REPORT_NAME, CheckpointError, is_exported_adapter, is_model_folder,
+    ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, CheckpointError, is_exported_adapter, is_model_folder,
 )
 from .checks import unwrapped_model_class
+from .dcp_files import write_shard_digests
 from .description import describe_folder, write_manifest
 from .merge import write_model_files
 from .removal import make_folder, move, remove, replace_file
@@ -80,6 +81,7 @@ class DescribeCheckpoints(TrainerCallback):
             report = json.loads(run_report.read_text())
             report["state_dict_type"] = str(plugin.state_dict_type).split(".")[-1] if plugin else None
             (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+        write_shard_digests(folder, (DCP_MODEL_DIR, OPTIMIZER_DIR))  # a swapped or replaced shard is then named
 
 
 def save_final_model(trainer, tokenizer) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint_files import DCP_MODEL_DIR, FULL_FILES, WRAPPER_PREFIXES, CheckpointError, checkpoint_steps
-from .dcp_files import DTYPE_SIZES, UnsafeCheckpointError, check_folder, guard_torch_dcp, raw_tensor, unsafe_message
+from .dcp_files import DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, unsafe_message
 
 SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
@@ -73,8 +73,10 @@ class DCPSource:
     def __init__(self, dcp_dir: Path):
         self.path = Path(dcp_dir)
         layout, problems = check_folder(self.path, byte_records=False)  # a merge reads tensor records only
+        if not problems and self.path.name == DCP_MODEL_DIR:
+            problems = digest_problems(self.path.parent, (DCP_MODEL_DIR,))
         if problems:
-            if "refusing to" in problems[0] or problems[0].startswith("unreadable"):  # check_folder's own sentence
+            if "refusing to" in problems[0] or problems[0].startswith("unreadable") or "not the file" in problems[0]:  # complete sentences
                 raise CheckpointError(problems[0])
             raise CheckpointError(
                 f"checkpoint {dcp_dir} is incomplete: {'; '.join(problems[:3])}; it was not finished writing or was "
@@ -312,7 +314,7 @@ def match_namespace(stored: dict[str, TensorInfo], expected: dict[str, tuple[int
 def checkpoint_problems(ckpt: Path) -> list[str]:
     """Why a checkpoint-N folder cannot be merged (empty when it can)."""
     if (ckpt / DCP_MODEL_DIR).is_dir():
-        return check_folder(ckpt / DCP_MODEL_DIR, byte_records=False)[1]
+        return check_folder(ckpt / DCP_MODEL_DIR, byte_records=False)[1] or digest_problems(ckpt, (DCP_MODEL_DIR,))
     if any((ckpt / f).is_file() for f in FULL_FILES):
         return []
     return [f"no {DCP_MODEL_DIR}/ and no full weights in {ckpt}"]

@@ -42,7 +42,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import internals
 from .checkpoint_files import REPLACED_PREFIX
-from .checkpoints import CHECKPOINT_PURPOSE, rotate, set_aside
+from .checkpoints import CHECKPOINT_PURPOSE, model_mismatch, rotate, set_aside
 from .checks import ShardingReport
 from .export import DescribeCheckpoints, lora_parts
 from .metrics import Throughput, perplexity
@@ -109,6 +109,9 @@ class FSDPTrainer(Trainer):
         self.model_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         super().__init__(*args, **kwargs)
         self.trainable_total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # before sharding
+        # name -> full shape, before sharding: what a checkpoint resumed into this model must hold (model_mismatch)
+        self.weight_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        self.tied_names = set(getattr(lora_parts(self.model)[0], "all_tied_weights_keys", None) or ())
         self.add_callback(ShardingReport(self))
         self.describer = DescribeCheckpoints(self, self.processing_class)
         self.add_callback(self.describer)
@@ -173,6 +176,11 @@ class FSDPTrainer(Trainer):
             self.optimizer.optimizer.consolidate_state_dict(to=0)
         with self._whole_lora_checkpoints():
             super()._save_optimizer_and_scheduler(output_dir)
+
+    def resume_mismatch(self, checkpoint: str) -> str | None:
+        """Why ``checkpoint`` cannot be resumed into this run's model (another size, layer count or LoRA setting),
+        checked from its file headers before anything loads; None when it matches."""
+        return model_mismatch(checkpoint, self.weight_shapes, self.tied_names)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         with self._whole_lora_checkpoints():

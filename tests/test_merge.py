@@ -257,8 +257,14 @@ def test_output_inside_input_and_existing_output(checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match="already exists: choose another folder or pass --overwrite"):
         merge_checkpoint(checkpoint, existing, log=lambda *_: None)
     assert (existing / "keep.txt").read_text() == "mine"
+    # --overwrite replaces a model folder only: a user's file in it is never deleted (issue 19)
+    with pytest.raises(CheckpointError, match=r"holds more than a model folder \(keep.txt\)"):
+        merge_checkpoint(checkpoint, existing, overwrite=True, log=lambda *_: None)
+    assert (existing / "keep.txt").read_text() == "mine"
+    (existing / "keep.txt").unlink()
+    (existing / "config.json").write_text("{}")  # an earlier model folder: replaced
     merge_checkpoint(checkpoint, existing, overwrite=True, log=lambda *_: None)
-    assert (existing / "model.safetensors").is_file() and not (existing / "keep.txt").exists()
+    assert (existing / "model.safetensors").is_file() and json.loads((existing / "config.json").read_text())["model_type"]
 
 
 def test_full_disk_is_refused_before_writing(checkpoint, tmp_path, monkeypatch):
@@ -387,12 +393,17 @@ def test_stale_staging_of_a_killed_merge_is_removed(checkpoint, tmp_path):
     stale = tmp_path / f".out.tmp-{host}-{dead.pid}"
     live = tmp_path / f".out.tmp-{host}-{os.getppid()}"  # a process that is alive: its merge may be running
     not_ours = tmp_path / f".out.tmp-otherhost-{dead.pid}"
+    unmarked = tmp_path / f".out.old-{host}-{dead.pid}"  # named like ours, but no marker: someone else's
+    from fsdp_recipes.removal import make_folder
+
     for folder in (stale, live, not_ours):
-        folder.mkdir()
+        make_folder(folder, "merge staging")  # as a merge makes its staging folder
         (folder / "model.safetensors").write_bytes(b"partial")
+    unmarked.mkdir()
+    (unmarked / "model.safetensors").write_bytes(b"theirs")
     said = []
     merge_checkpoint(checkpoint, tmp_path / "out", log=said.append)
-    assert not stale.exists() and live.exists() and not_ours.exists()
+    assert not stale.exists() and live.exists() and not_ours.exists() and unmarked.exists()
     assert f"removed {stale}, left by a merge that was killed (process {dead.pid})" in said
 
 

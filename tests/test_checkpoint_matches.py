@@ -1,0 +1,134 @@
+"""A checkpoint must match what it is loaded into. Resume: names and full shapes of every weight (layers, sizes,
+LoRA targets and rank), read from the checkpoint's headers before anything loads. Checked on real checkpoints of
+both FSDP versions, GPT-2 (tied embeddings) and one real launch. Merge: the shard files must be the ones each rank
+wrote (shard_digests.json), and a manifest must agree with config.json before it is trusted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from conftest import QUICK, REPO, launch
+from fsdp_recipes.checkpoints import model_mismatch
+
+TINY = REPO / "assets" / "tiny-llama"
+
+
+def shapes(model) -> tuple[dict, set]:
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+    return {n: tuple(t.shape) for n, t in model.state_dict().items()}, tied
+
+
+def tiny(**changes):
+    config = AutoConfig.from_pretrained(TINY)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
+def test_same_model_matches_others_do_not(trained, config):
+    ckpt = trained(config).output_dir / "checkpoint-12"
+    assert model_mismatch(ckpt, *shapes(tiny())) is None
+    problem = model_mismatch(ckpt, *shapes(tiny(num_hidden_layers=2)))
+    assert problem and "saved from another model" in problem and "holds 18 weight(s) this model does not have" in problem, problem
+    problem = model_mismatch(ckpt, *shapes(tiny(intermediate_size=96)))
+    assert "differ in shape" in problem and "mlp" in problem, problem
+    problem = model_mismatch(ckpt, *shapes(tiny(num_hidden_layers=6)))
+    assert "weight(s) of this run's model are not in it (e.g. model.layers.4" in problem, problem
+
+
+def test_lora_settings_must_match(trained):
+    from peft import LoraConfig, get_peft_model
+
+    ckpt = trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12"
+    lora = get_peft_model(tiny(), LoraConfig(r=4, target_modules=["q_proj"]))
+    problem = model_mismatch(ckpt, *shapes(lora))
+    assert problem and "not in it (e.g. base_model.model." in problem, problem
+
+
+def test_tied_embeddings_match(gpt2_run):
+    ckpt = sorted(gpt2_run.output_dir.glob("checkpoint-*"))[-1]
+    config = AutoConfig.from_pretrained(ckpt)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert model_mismatch(ckpt, *shapes(model)) is None
+
+
+def test_resuming_into_a_smaller_model_stops_before_loading(trained, tmp_path):
+    """The 4-layer run's checkpoint resumed into a 2-layer model (the hostile try: layers dropped, exit 0)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
+    small = tmp_path / "small"
+    small.mkdir()
+    config = json.loads((TINY / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run), "--config_name", str(small),
+                  "--tokenizer_name", str(TINY), "--resume_from_checkpoint", "true", check=False)
+    assert proc.returncode != 0, proc.stderr[-3000:]  # the launcher reports its ranks' exit 2 as 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert len(lines) == 1 and "was saved from another model" in lines[0] and "layers.2" in lines[0], proc.stderr[-3000:]
+    assert not (run / "checkpoint-12").exists() and not (run / "model.safetensors").exists()
+
+
+@pytest.fixture
+def checkpoint(trained, tmp_path) -> Path:
+    copy = tmp_path / "run" / "checkpoint-12"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", copy)
+    return copy
+
+
+@pytest.mark.parametrize("folder", ["pytorch_model_fsdp_0", "optimizer_0"])
+def test_shards_swapped_between_ranks_are_named(checkpoint, folder, tmp_path, monkeypatch):
+    """Two ranks' files have the same layout: the merge would write permuted rows, a resume load the wrong halves.
+    The digests written once every rank finished tell them apart."""
+    from fsdp_recipes.arguments import RecipeError, resolve_resume
+    from fsdp_recipes.checkpoint_files import SHARD_DIGESTS, CheckpointError
+    from fsdp_recipes.checkpoints import checkpoint_status
+    from fsdp_recipes.merge import merge_checkpoint
+
+    for key, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert (checkpoint / SHARD_DIGESTS).is_file() and checkpoint_status(checkpoint).resumable
+    a, b = checkpoint / folder / "__0_0.distcp", checkpoint / folder / "__1_0.distcp"
+    if folder == "pytorch_model_fsdp_0":
+        assert a.stat().st_size == b.stat().st_size  # same layout: nothing but the contents differs
+    a.rename(tmp_path / "swap")
+    b.rename(a)
+    (tmp_path / "swap").rename(b)
+    problems = checkpoint_status(checkpoint).problems
+    # the optimizer's files differ in size (rank 0 holds the byte records): the metadata's byte ranges see that first
+    why = "is not the file this checkpoint wrote" if folder == "pytorch_model_fsdp_0" else "truncated optimizer_0/__1_0.distcp"
+    assert problems and why in problems[0], problems
+    with pytest.raises(RecipeError, match=why):
+        resolve_resume(str(checkpoint), str(checkpoint.parent))
+    if folder == "pytorch_model_fsdp_0":
+        with pytest.raises(CheckpointError, match="__0_0.distcp is not the file this checkpoint wrote"):
+            merge_checkpoint(checkpoint, tmp_path / "merged", log=lambda *_: None)
+        assert not (tmp_path / "merged").exists()
+
+
+def test_a_manifest_claiming_a_tie_the_config_does_not_state_is_not_trusted(checkpoint, tmp_path):
+    """An edited manifest (hashes kept valid) that calls the untied head tied would drop lm_head from the merged
+    folder; it disagrees with config.json, so transformers checks the weights instead, and the head is written."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from fsdp_recipes.checkpoint_files import MANIFEST
+    from fsdp_recipes.merge import merge_checkpoint
+
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    assert manifest["tied"] == [] and json.loads((checkpoint / "config.json").read_text())["tie_word_embeddings"] is False
+    manifest["tied"] = ["lm_head.weight"]
+    manifest["files"]["config.json"] = hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    merge_checkpoint(checkpoint, tmp_path / "merged", log=lambda *_: None)
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" in f.keys()
