@@ -134,10 +134,13 @@ class _BoundedLoader(yaml.SafeLoader):
 
 
 def load_yaml(path: str | os.PathLike, what: str, limit: int = YAML_LIMIT) -> dict:
-    """The mapping at the top of a YAML file ({} for an empty file), read by ``read_text`` and ``_BoundedLoader``."""
+    """The mapping at the top of a YAML file ({} for a file of nothing but comments), read by ``read_text`` and
+    ``_BoundedLoader``. An explicit top-level `null` is refused like any other value that is not a mapping."""
     text = read_text(path, what, limit)
+    loader = _BoundedLoader(text)
     try:
-        data = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader subclass)
+        node = loader.get_single_node()
+        data = {} if node is None else loader.construct_document(node)
     except _Refused as err:
         raise UnreadableFile(path, what, err.reason, err.fix) from None
     except yaml.MarkedYAMLError as err:
@@ -147,7 +150,9 @@ def load_yaml(path: str | os.PathLike, what: str, limit: int = YAML_LIMIT) -> di
         raise UnreadableFile(path, what, f"is not valid YAML ({' '.join(str(err).split())})", "fix the YAML syntax") from None
     except ValueError as err:  # a constructor's own: a 4301-digit integer, a 13th month in a date
         raise UnreadableFile(path, what, f"holds a value YAML cannot build ({str(err).split(';')[0]})", "is this the right file?") from None
-    return _mapping(path, what, {} if data is None else data, "write it as `key: value` lines")
+    finally:
+        loader.dispose()
+    return _mapping(path, what, data, "write it as `key: value` lines")
 
 
 def load_json(path: str | os.PathLike, what: str, limit: int) -> dict:
