@@ -255,6 +255,19 @@ def test_recipe(yaml_files, case, capsys):
     assert result["outcome"] == "RecipeError", result
     line = one_line(result)
     assert line.startswith("recipe '") and YAML_PATHS[case] in line, line
+    if case == UNKNOWN_KEYS_60MB:  # parsed whole, it took minutes
+        assert result["seconds"] < 0.5 and "over the 262,144-byte limit" in line, result
+
+
+def test_launcher_reads_the_config_in_force_within_bounds(yaml_files):
+    """train_fsdp.py rebuilds the settings of its `accelerate launch` from the config file (fsdp_recipes.launcher);
+    its refusal is an UnreadableFile, which train_fsdp.py prints as its one error line."""
+    from fsdp_recipes.bounded import UnreadableFile
+    from fsdp_recipes.launcher import from_launch_args
+
+    for case in ("billion_laughs", "list_at_top", "binary", UNKNOWN_KEYS_60MB):
+        with pytest.raises(UnreadableFile, match=f"^accelerate config '{yaml_files[case]}' "):
+            from_launch_args(["--config_file", yaml_files[case], "train_fsdp.py"], Path.cwd())
 
 
 @pytest.mark.parametrize("case", YAML_CASES)
@@ -263,6 +276,23 @@ def test_check_config(yaml_files, case, capsys):
     assert result["outcome"] == 1 and not result["message"].startswith("ok"), result
     line = one_line(result)
     assert line.startswith("error: ") and YAML_PATHS[case] in line, line
+
+
+MESH_KEYS = ["parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
+             "parallelism_config_cp_size"]
+
+
+@pytest.mark.parametrize("value", ["two", "[2]", "-1", "0", "2.5", "true", ".inf", "'2x'"])
+@pytest.mark.parametrize("key", MESH_KEYS)
+def test_check_config_mesh_sizes_that_are_not_numbers(tmp_path, key, value, capsys):
+    """An FSDP2 config's parallelism_config sizes given as words (or lists, fractions...): one error naming the key."""
+    config = tmp_path / "config.yaml"
+    config.write_text("distributed_type: FSDP\nnum_processes: 4\nnum_machines: 2\nmixed_precision: bf16\n"
+                      "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                      f"parallelism_config:\n  {key}: {value}\n")
+    result = bounded(tool("check_config"), [str(config)], capsys=capsys)
+    assert result["outcome"] == 1, result
+    assert one_line(result).startswith(f"error: {config}: parallelism_config.{key}: "), result
 
 
 @pytest.mark.parametrize("case", YAML_CASES)
