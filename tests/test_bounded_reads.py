@@ -259,15 +259,19 @@ def test_recipe(yaml_files, case, capsys):
         assert result["seconds"] < 0.5 and "over the 262,144-byte limit" in line, result
 
 
-def test_launcher_reads_the_config_in_force_within_bounds(yaml_files):
-    """train_fsdp.py rebuilds the settings of its `accelerate launch` from the config file (fsdp_recipes.launcher);
-    its refusal is an UnreadableFile, which train_fsdp.py prints as its one error line."""
+def test_launcher_reads_the_config_in_force_within_bounds(yaml_files, monkeypatch):
+    """train_fsdp.py rebuilds the settings of its `accelerate launch` from the config file (fsdp_recipes.launcher):
+    a refused file is a RecipeError, which train_fsdp.py prints as its one error line."""
+    from fsdp_recipes import launcher
     from fsdp_recipes.bounded import UnreadableFile
-    from fsdp_recipes.launcher import from_launch_args
 
     for case in ("billion_laughs", "list_at_top", "binary", UNKNOWN_KEYS_60MB):
+        argv = ["--config_file", yaml_files[case], "train_fsdp.py"]
         with pytest.raises(UnreadableFile, match=f"^accelerate config '{yaml_files[case]}' "):
-            from_launch_args(["--config_file", yaml_files[case], "train_fsdp.py"], Path.cwd())
+            launcher.from_launch_args(argv, Path.cwd())
+        monkeypatch.setattr(launcher, "find_accelerate_launch", lambda: (argv, Path.cwd()))  # as if launched so
+        with pytest.raises(RecipeError, match=f"^accelerate config '{yaml_files[case]}' "):
+            launcher.launch_settings()
 
 
 @pytest.mark.parametrize("case", YAML_CASES)
