@@ -9,7 +9,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from . import cpu_fsdp, launcher
@@ -320,14 +319,16 @@ _REPO_PATH_KEYS = ("config_name", "tokenizer_name", "model_name_or_path", "train
 
 
 def load_recipe(path: Path, anchor_paths: bool = False) -> dict:
-    if not path.is_file():
+    """The recipe's mapping, read within bounds (fsdp_recipes.bounded: no folder, pipe, device, oversize or binary
+    file, no YAML aliases); every refusal is a RecipeError naming the file and the fix."""
+    from .bounded import UnreadableFile, load_yaml
+
+    if not os.path.lexists(path):
         raise RecipeError(f"recipe {str(path)!r} does not exist: give a YAML file such as {DEFAULT_RECIPE.relative_to(REPO_ROOT)}")
     try:
-        recipe = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise RecipeError(f"recipe {str(path)!r} is not valid YAML: {err}".replace("\n", " ")) from None
-    if not isinstance(recipe, dict):
-        raise RecipeError(f"recipe {str(path)!r} must be a mapping of argument names to values")
+        recipe = load_yaml(path, "recipe")
+    except UnreadableFile as err:
+        raise RecipeError(str(err)) from None
     if anchor_paths:
         for key in _REPO_PATH_KEYS:
             if isinstance(recipe.get(key), str) and not Path(recipe[key]).is_absolute():

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import internals
+from .bounded import UnreadableFile, load_json
 from .checkpoint_files import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
     CheckpointError, checkpoint_steps, is_checkpoint_folder, real,
@@ -111,27 +112,64 @@ def checkpoint_status(ckpt: str | os.PathLike) -> CheckpointStatus:
     return status
 
 
+REPORT_LIMIT = 64 << 20  # fsdp_report.json: a few hundred bytes per rank
+STATE_LIMIT = 256 << 20  # trainer_state.json grows by about 200 bytes per logged step: a million steps fit
+MAX_WORLD_SIZE = 65536  # processes; the rank files checked below are named from it, one per rank
+
+
+def _whole(value, low: int, high: int | None) -> bool:
+    """A JSON whole number (not true/false, not 2.0) in low..high."""
+    return type(value) is int and value >= low and (high is None or value <= high)
+
+
+def _shown(value) -> str:
+    """A value from a JSON file as a message shows it: short, on one line."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _read_report(path: Path, status: CheckpointStatus) -> str | None:
+    """fsdp_report.json's fsdp_version, world_size and sharding_strategy into ``status``, each checked for its type
+    and range first (world_size names the rank files looked for); or the problem, with nothing taken from it."""
+    try:
+        info = load_json(path, REPORT_NAME, REPORT_LIMIT)
+    except UnreadableFile as err:
+        return f"unreadable {REPORT_NAME} ({err.reason})"
+    version, world, strategy = info.get("fsdp_version"), info.get("world_size"), info.get("sharding_strategy")
+    if version is not None and not _whole(version, 1, 2):
+        return f"unreadable {REPORT_NAME} (fsdp_version {_shown(version)} is not 1 or 2)"
+    if "world_size" in info and not _whole(world, 1, MAX_WORLD_SIZE):
+        return f"unreadable {REPORT_NAME} (world_size {_shown(world)} is not a number of processes from 1 to {MAX_WORLD_SIZE})"
+    if strategy is not None and not (isinstance(strategy, str) and len(strategy) <= 40):
+        return f"unreadable {REPORT_NAME} (sharding_strategy {_shown(strategy)} is not a strategy name)"
+    status.fsdp_version, status.world_size, status.sharding_strategy = version, world, strategy
+    return None
+
+
 def _check(ckpt: Path, status: CheckpointStatus) -> None:
     if not any((ckpt / name).exists() for name in ("trainer_state.json", DCP_MODEL_DIR, OPTIMIZER_DIR, FULL_MODEL_FILE, PLAIN_OPTIMIZER_FILE)):
         status.problems.append("not a training checkpoint (no trainer_state.json, model or optimizer state)")
         return
     report = ckpt / REPORT_NAME
-    if report.is_file():
-        try:
-            info = json.loads(report.read_text())
-            status.fsdp_version, status.world_size = info.get("fsdp_version"), info.get("world_size")
-            status.sharding_strategy = info.get("sharding_strategy")
-        except json.JSONDecodeError:
-            status.problems.append(f"unreadable {REPORT_NAME}")
+    if os.path.lexists(report) and (problem := _read_report(report, status)):  # optional, but when there, sound
+        status.problems.append(problem)
 
     state = ckpt / "trainer_state.json"
-    if not state.is_file():
+    if not os.path.lexists(state):
         status.problems.append("missing trainer_state.json (the Trainer writes it last: the save did not finish)")
     else:
         try:
-            status.step = json.loads(state.read_text())["global_step"]
-        except (json.JSONDecodeError, KeyError):
-            status.problems.append("unreadable trainer_state.json")
+            trainer_state = load_json(state, "trainer_state.json", STATE_LIMIT)
+        except UnreadableFile as err:
+            status.problems.append(f"unreadable trainer_state.json ({err.reason})")
+        else:
+            step = trainer_state.get("global_step")
+            if _whole(step, 0, None):
+                status.step = step
+            elif "global_step" not in trainer_state:
+                status.problems.append("unreadable trainer_state.json (no global_step)")
+            else:
+                status.problems.append(f"unreadable trainer_state.json (global_step {_shown(step)} is not a step number, a whole number of at least 0)")
         name_step = int(ckpt.name.split("-")[1]) if re.fullmatch(r"checkpoint-\d+", ckpt.name) else None
         if status.step is not None and name_step is not None and status.step != name_step:
             status.problems.append(f"trainer_state.json says step {status.step}, the folder name step {name_step}")

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from .bounded import UnreadableFile, load_yaml
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
@@ -88,19 +88,13 @@ def check_config(
     ``model``: a hub id, a local folder or a config.json; only its config is read (on the meta device).
     """
     c = _Checker(str(config_path))
-    try:
-        raw = yaml.safe_load(Path(config_path).read_text())
-    except FileNotFoundError:
-        c.error("-", "file does not exist", "give the path of an accelerate config YAML")
+    try:  # within bounds (fsdp_recipes.bounded): no folder, pipe, device, oversize or binary file, no YAML aliases
+        raw = load_yaml(config_path, "accelerate config")
+        if recipe is None and recipe_path is not None:
+            recipe = load_yaml(recipe_path, "recipe")
+    except UnreadableFile as err:
+        c.error("-", err.reason, err.fix, file=err.path)
         return c.problems
-    except yaml.YAMLError as err:
-        c.error("-", f"not valid YAML ({str(err).splitlines()[0]})", "fix the YAML syntax")
-        return c.problems
-    if not isinstance(raw, dict):
-        c.error("-", "not a mapping of keys to values", "use accelerate_configs/zero3.yaml as a template")
-        return c.problems
-    if recipe is None and recipe_path is not None:
-        recipe = yaml.safe_load(Path(recipe_path).read_text()) or {}
     return check_settings(raw, str(config_path), recipe, str(recipe_path or "recipe"), model)
 
 
@@ -118,6 +112,9 @@ def check_settings(
     if not isinstance(fsdp, dict):
         c.error("fsdp_config", "must be a mapping", "indent the fsdp_* keys under fsdp_config:")
         fsdp = {}
+    if not isinstance(pc, dict):
+        c.error("parallelism_config", "must be a mapping", "indent the parallelism_config_* keys under parallelism_config:")
+        pc = {}
     for key in raw if check_keys else ():
         if key not in top:
             c.error(key, "unknown key (accelerate refuses the file)", _suggest(key, top))
@@ -243,17 +240,37 @@ def _check_processes(c: _Checker, raw: dict, fsdp: dict, pc: dict, version, stra
         hybrid = strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2") if version == 1 else bool(pc)
         if version == 1 and hybrid and machines == 1:
             c.warn("fsdp_config.fsdp_sharding_strategy", f"{strategy} on one machine behaves as FULL_SHARD", "use zero3.yaml on one node, or set num_machines")
-        if version == 2 and pc:
-            rep = int(pc.get("parallelism_config_dp_replicate_size", 1))
-            shard = int(pc.get("parallelism_config_dp_shard_size", 1))
-            other = int(pc.get("parallelism_config_tp_size", 1)) * int(pc.get("parallelism_config_cp_size", 1))
+        if version == 2 and pc and (sizes := _mesh_sizes(c, pc)):
+            rep, shard, tp, cp = sizes
+            other = tp * cp
             if rep * shard * other != procs:
                 c.error("parallelism_config", f"dp_replicate_size x dp_shard_size = {rep} x {shard} (x tp x cp {other}) is not num_processes {procs}",
                         "make dp_replicate_size = num_machines and dp_shard_size = GPUs per machine")
-            elif shard == 1 and int(pc.get("parallelism_config_cp_size", 1)) == 1:
+            elif shard == 1 and cp == 1:
                 c.error("parallelism_config.parallelism_config_dp_shard_size", "1 leaves FSDP nothing to shard across (accelerate refuses it)", "use dp_shard_size >= 2")
             if rep > 1 and machines > 1 and rep != machines:
                 c.warn("parallelism_config.parallelism_config_dp_replicate_size", f"{rep} replicas over {machines} machines: shard groups then span nodes", "set dp_replicate_size = num_machines")
+
+
+MESH_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")  # parallelism_config_<name>, 1 when unset
+
+
+def _mesh_sizes(c: _Checker, pc: dict) -> tuple[int, ...] | None:
+    """parallelism_config's mesh sizes, or None after an error for each one that is not a whole number >= 1.
+    Text such as "2" is taken, as accelerate does (it passes the sizes on as environment variables)."""
+    sizes = []
+    for name in MESH_SIZES:
+        key = f"parallelism_config_{name}"
+        value = 1 if pc.get(key) is None else pc[key]  # unset or null: accelerate's default
+        try:
+            size = int(value) if isinstance(value, str) else value
+        except ValueError:
+            size = None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            c.error(f"parallelism_config.{key}", f"{value!r} is not a whole number of at least 1", f"write {key} as a number, e.g. 2")
+            size = None
+        sizes.append(size)
+    return None if None in sizes else tuple(sizes)
 
 
 def _check_with_recipe(c: _Checker, recipe: dict, recipe_file: str, fsdp: dict, version, sd_type, mp, ddp: bool) -> None:

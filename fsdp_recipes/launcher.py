@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from .bounded import UnreadableFile, load_yaml
 
 LAUNCH_FLAGS = "accelerate launch"  # Problem.file for a setting that came from a launch flag
 ENVIRONMENT = "environment"  # ... and for one that came from an FSDP_* variable
@@ -104,7 +104,7 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
         path = cwd / path
     config: dict = {}
     if path is not None and path.is_file():
-        config = yaml.safe_load(path.read_text()) or {}
+        config = load_yaml(path, "accelerate config")  # within bounds (fsdp_recipes.bounded), or UnreadableFile
     else:
         path = None  # no file: accelerate's own defaults, set by flags
         config = {"num_processes": int(os.environ.get("WORLD_SIZE", "1")), "num_machines": 1}
@@ -156,6 +156,10 @@ def launch_settings() -> LaunchSettings | None:
             return from_launch_args(*launch)
         except SystemExit:  # accelerate's parser refused its own command line: the launcher would have too
             return None
+        except UnreadableFile as err:  # its config file: the error train_fsdp.py reports in one line
+            from .arguments import RecipeError  # here, not at the top: arguments imports this module
+
+            raise RecipeError(str(err)) from None
     return from_environment()
 
 

@@ -71,21 +71,27 @@ class Estimate:
         return asdict(self)
 
 
+# What a parameter count looks like, valid or not ('7B', '-5', '1e999B', 'nan'): such a text is never taken for a
+# hub id or a folder, so a bad count is refused as one rather than looked up.
+COUNT_LIKE = re.compile(r"\s*[-+]?(\d[\d.]*|\.\d+|nan|inf(inity)?)(e[-+]?\d+)?\s*[kmbt]?\s*", re.IGNORECASE)
+
+
 def parse_count(text: str) -> int:
-    """'7B', '175b', '350M', '1.5e9' or '124000000' -> an integer parameter count."""
+    """'7B', '175b', '350M', '1.5e9' or '124000000' -> an integer parameter count (at least 1, finite)."""
     m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([kKmMbBtT]?)\s*", text)
-    if not m:
-        raise ValueError(f"{text!r} is not a parameter count (e.g. 7B, 350M)")
-    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+    try:
+        count = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()] if m else None
+    except ValueError:  # '1.2.3'
+        count = None
+    if count is None or not 1 <= count < float("inf"):
+        raise ValueError(f"{text!r} is not a parameter count of at least 1 (e.g. 7B, 350M)")
+    return int(count)
 
 
 def model_shape(model: str) -> ModelShape:
     """From a parameter count ('7B'), or a hub id / folder / config.json (only the config is read: meta device)."""
-    try:
+    if COUNT_LIKE.fullmatch(model):
         return ModelShape(params=parse_count(model))
-    except ValueError:
-        pass
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -165,11 +171,15 @@ def fitting_configs(shape: ModelShape, setup: Setup, gpu_bytes: float) -> list[t
 
 
 def parse_bytes(text: str) -> float:
+    """'80GiB', '40GB', '512MiB' or a number of bytes -> bytes (more than 0, finite)."""
     m = re.fullmatch(r"\s*([\d.]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text)
-    if not m:
-        raise ValueError(f"{text!r} is not a size such as 80GiB")
-    unit = {"GiB": GiB, "GB": 1e9, "MiB": 1024**2, "MB": 1e6, "TiB": 1024**4, "TB": 1e12, None: 1}[m.group(2)]
-    return float(m.group(1)) * unit
+    try:
+        size = float(m.group(1)) * {"GiB": GiB, "GB": 1e9, "MiB": 1024**2, "MB": 1e6, "TiB": 1024**4, "TB": 1e12, None: 1}[m.group(2)] if m else None
+    except ValueError:  # '1.2.3GiB'
+        size = None
+    if size is None or not 0 < size < float("inf"):
+        raise ValueError(f"{text!r} is not a size above 0 such as 80GiB")
+    return size
 
 
 def human(n: float) -> str:

@@ -29,8 +29,12 @@ def free_port() -> int:
 
 
 def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None, new_session: bool = False) -> subprocess.CompletedProcess:
-    """``new_session``: the command gets a process group of its own (a signal to that group spares pytest)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    """``new_session``: the command gets a process group of its own (a signal to that group spares pytest).
+
+    PYTHONPATH starts with this checkout: `python tools/x.py` puts tools/, not the repository, first on sys.path,
+    and would otherwise import whichever fsdp_recipes is installed (an editable install of another checkout)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, **(env or {})}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, start_new_session=new_session)
 
 

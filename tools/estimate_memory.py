@@ -18,43 +18,94 @@ import json
 import sys
 from dataclasses import asdict
 
-import yaml
-
+from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.config_check import DDP_TYPES
-from fsdp_recipes.memory import OPTIMIZER_BYTES, STRATEGIES, Setup, estimate, fitting_configs, human, model_shape, parse_bytes
+from fsdp_recipes.memory import (
+    COUNT_LIKE, OPTIMIZER_BYTES, STRATEGIES, Setup, estimate, fitting_configs, human, model_shape, parse_bytes, parse_count,
+)
+
+MAX_COUNT = 2**31 - 1  # far above any real node, batch or sequence, and low enough that the formulas stay finite
 
 
 def setup_from_config(path: str, setup: Setup) -> Setup:
     """Strategy and offload from an accelerate config (FSDP1 strategy names, FSDP2 reshard/mesh; a DDP config is DDP,
-    or ZERO1 when --strategy ZERO1 asks for the recipe's zero1)."""
-    cfg = yaml.safe_load(open(path))
+    or ZERO1 when --strategy ZERO1 asks for the recipe's zero1). Read within bounds (fsdp_recipes.bounded); a value
+    of the wrong type is a ValueError that sends the user to tools/check_config.py, which names the key."""
+    cfg = load_yaml(path, "accelerate config")
     fsdp, pc = cfg.get("fsdp_config") or {}, cfg.get("parallelism_config") or {}
-    if cfg.get("distributed_type") in DDP_TYPES and not fsdp:
-        strategy = "ZERO1" if setup.strategy == "ZERO1" else "DDP"
-    elif int(fsdp.get("fsdp_version", 1)) == 2:
-        strategy = "HYBRID_SHARD" if int(pc.get("parallelism_config_dp_replicate_size", 1)) > 1 else (
-            "FULL_SHARD" if fsdp.get("fsdp_reshard_after_forward", True) else "SHARD_GRAD_OP")
-    else:
-        strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).replace("HYBRID_SHARD_ZERO2", "HYBRID_SHARD")
+    mp = cfg.get("mixed_precision", "no")
+    try:
+        if not (isinstance(fsdp, dict) and isinstance(pc, dict) and isinstance(mp, str)):
+            raise ValueError("fsdp_config, parallelism_config or mixed_precision has the wrong type")
+        if cfg.get("distributed_type") in DDP_TYPES and not fsdp:
+            strategy = "ZERO1" if setup.strategy == "ZERO1" else "DDP"
+        elif int(fsdp.get("fsdp_version", 1)) == 2:
+            strategy = "HYBRID_SHARD" if int(pc.get("parallelism_config_dp_replicate_size", 1)) > 1 else (
+                "FULL_SHARD" if fsdp.get("fsdp_reshard_after_forward", True) else "SHARD_GRAD_OP")
+        else:
+            strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).replace("HYBRID_SHARD_ZERO2", "HYBRID_SHARD")
+    except (TypeError, ValueError, OverflowError) as err:  # int() of a list, a word or .inf
+        raise ValueError(f"accelerate config {path!r} has a value this tool cannot read ({err}): "
+                         f"python tools/check_config.py {path} names it") from None
     return Setup(**{**asdict(setup), "strategy": strategy, "offload": bool(fsdp.get("fsdp_offload_params", False)),
-                    "precision": {"no": "fp32"}.get(cfg.get("mixed_precision", "no"), cfg.get("mixed_precision", "bf16"))})
+                    "precision": {"no": "fp32"}.get(mp, mp)})
+
+
+def whole_number(text: str) -> int:
+    """argparse type of the counts (processes, nodes, batch, sequence): a whole number from 1 to MAX_COUNT."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to {MAX_COUNT}")
+    return value
+
+
+def size(text: str) -> str:
+    """argparse type of --gpu-memory: checked here, kept as written (the report names it as given)."""
+    try:
+        parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def model(text: str) -> str:
+    """argparse type of the model: a text that looks like a parameter count must be a valid one."""
+    if COUNT_LIKE.fullmatch(text):
+        try:
+            parse_count(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring's formula as written, and each option's default, once."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line (argparse would print the usage first), exit 2 as argparse does."""
+        self.exit(2, f"{self.prog}: error: {message}: see {self.prog} --help\n")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="parameter count (7B, 350M), hub id, local folder or config.json")
-    parser.add_argument("--nproc-per-node", type=int, default=8)
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD")
+    parser = Parser(prog="estimate_memory.py", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                    formatter_class=HelpFormatter)
+    parser.add_argument("model", type=model, help="parameter count (7B, 350M), hub id, local folder or config.json")
+    parser.add_argument("--nproc-per-node", type=whole_number, default=8, help="processes (GPUs) per node")
+    parser.add_argument("--nnodes", type=whole_number, default=1, help="nodes")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD", help="FSDP sharding strategy, or DDP / ZERO1")
     parser.add_argument("--config", help="an accelerate config: takes strategy, offload and precision from it")
     parser.add_argument("--offload", action="store_true", help="CPU offload of parameters, gradients and optimizer")
-    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adamw")
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--gpu-memory", help="e.g. 80GiB: list the shipped configs that fit, cheapest communication first")
+    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute precision (master weights stay fp32)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adamw", help="optimizer, for its state bytes per parameter")
+    parser.add_argument("--micro-batch", type=whole_number, default=1, help="sequences per process per step")
+    parser.add_argument("--seq-len", type=whole_number, default=2048, help="tokens per sequence")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="keep only each layer's input for the backward pass")
+    parser.add_argument("--gpu-memory", type=size, help="e.g. 80GiB: list the shipped configs that fit, cheapest communication first")
     parser.add_argument("--json", action="store_true", help="print the same as JSON")
     args = parser.parse_args(argv)
     try:
