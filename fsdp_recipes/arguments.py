@@ -650,6 +650,56 @@ def warn_long_warmup(warmup_steps: float, total_steps: int, learning_rate: float
              f"the learning rate never reaches learning_rate={_shown(learning_rate)}")
 
 
+def batches_per_process(examples: int, batch_size: int, processes: int, drop_last: bool = False) -> int:
+    """Micro-batches one process draws in an epoch of ``examples``: the Trainer batches the dataset and accelerate
+    deals the batches out to the data-parallel processes (even_batches, its default: a process left short wraps
+    around to the first batches; with drop_last the incomplete batch and round are dropped instead)."""
+    if drop_last:
+        return examples // batch_size // processes
+    return -(-(-(-examples // batch_size)) // processes)  # ceil(ceil(examples / batch_size) / processes)
+
+
+def steps_per_epoch(batches: int, accumulation: int) -> int:
+    """Optimizer steps an epoch gives, as the Trainer counts them (transformers 5.23,
+    Trainer.set_initial_training_values): a last, shorter accumulation is a step of its own; at least 1."""
+    return max(-(-batches // accumulation), 1)
+
+
+def check_run_length(args, examples: int, profile_steps: str | None = None) -> int:
+    """The checks that need the training set's size (train_fsdp.py, once it is built, before the Trainer is):
+    an accumulation longer than an epoch, a profile past the run's end, a warmup as long as the run. ``args``:
+    TrainingArguments, or anything with its fields and world_size (every process is data-parallel here: no
+    tensor or context parallelism). Returns the run's optimizer steps."""
+    import math
+
+    size, processes, accumulation = args.per_device_train_batch_size, args.world_size, args.gradient_accumulation_steps
+    batches = batches_per_process(examples, size, processes, args.dataloader_drop_last)
+    source = f"{examples:,} examples / (per_device_train_batch_size={size} x {processes} process{'es' if processes > 1 else ''})"
+    if batches == 0:
+        raise RecipeError(f"per_device_train_batch_size={size} leaves no batch with dataloader_drop_last ({source}): "
+                          "lower per_device_train_batch_size, drop dataloader_drop_last, or give more data")
+    if batches < accumulation:  # every optimizer step would average `batches` micro-batches, not `accumulation`
+        raise RecipeError(f"gradient_accumulation_steps={accumulation} is more than the {batches} micro-batch"
+                          f"{'es' if batches > 1 else ''} an epoch gives each process ({source}): every optimizer step "
+                          f"would average {batches} instead of {accumulation}: use gradient_accumulation_steps {batches} "
+                          "or less, a smaller per_device_train_batch_size, or more data")
+    per_epoch = steps_per_epoch(batches, accumulation)
+    epoch_based = args.max_steps <= 0
+    total = math.ceil(args.num_train_epochs * per_epoch) if epoch_based else args.max_steps
+    length = f"num_train_epochs={_shown(args.num_train_epochs)} x {per_epoch} steps an epoch" if epoch_based else f"max_steps={args.max_steps}"
+    if profile_steps:
+        from .profiling import parse_steps
+
+        first, last = parse_steps(str(profile_steps))
+        if last > total:
+            start = max(1, total - (last - first))  # as many steps, ending with the run
+            raise RecipeError(f"profile_steps={profile_steps} ends after the run's {total} optimizer steps ({length}): "
+                              f"profile steps within the run, e.g. {start}-{total}")
+    if epoch_based and args.warmup_steps >= 1:  # with max_steps, parse_args has warned already
+        warn_long_warmup(args.warmup_steps, total, args.learning_rate)
+    return total
+
+
 def model_positions(source: str | None) -> int | None:
     """The longest sequence the model's config allows, or None when its config is not on this machine (a hub
     model not yet downloaded: nothing is fetched here; the model load explains any problem later)."""

@@ -13,7 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.arguments import FINITE_ONLY, MAX_COUNT, VALUE_RULES, RecipeError, numeric_fields, parse_args, value_problem
+from fsdp_recipes.arguments import (
+    FINITE_ONLY, MAX_COUNT, VALUE_RULES, RecipeError, batches_per_process, check_run_length, numeric_fields,
+    parse_args, steps_per_epoch, value_problem,
+)
 
 NO_FSDP = ("--allow_no_fsdp", "true")  # parse_args in this process: no launcher, no FSDP config
 NUMERIC = numeric_fields()
@@ -236,3 +239,90 @@ def test_legitimate_but_surprising_values_are_warned(tmp_path, capsys):
     assert "warmup_steps" not in capsys.readouterr().err
     parse(tmp_path, "--learning_rate", "0", "--weight_decay", "1e6")  # no step at all: only the learning-rate warning
     assert "warning: learning_rate=0" in capsys.readouterr().err
+
+
+# ---------- the checks that need the training set's size (train_fsdp.py, before the Trainer is built) ----------
+
+
+@pytest.mark.parametrize("examples, batch, processes, drop_last, batches", [
+    (100, 8, 1, False, 13),  # ceil(100 / 8)
+    (100, 8, 2, False, 7),  # 13 batches over 2 processes: one wraps around
+    (100, 8, 2, True, 6),  # 12 full batches, 6 each
+    (37, 4, 3, False, 4),  # 10 batches: 4, 3 + 1 wrapped, 3 + 1 wrapped
+    (37, 4, 3, True, 3),  # 9 full batches
+    (16, 8, 2, False, 1),
+    (10, 8, 2, True, 0),  # one full batch for two processes: dropped
+    (1, 8, 4, False, 1),
+])
+def test_batches_per_process(examples, batch, processes, drop_last, batches):
+    assert batches_per_process(examples, batch, processes, drop_last) == batches
+
+
+def test_batches_per_process_is_what_accelerate_deals_out():
+    """Against accelerate's own sharding of a DataLoader (no process group needed to build one)."""
+    import torch
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    for examples in (1, 7, 37, 64, 100):
+        for batch in (1, 4, 8):
+            for processes in (1, 2, 3, 4):
+                for drop_last in (False, True):
+                    loader = DataLoader(list(range(examples)), batch_size=batch, drop_last=drop_last)
+                    lengths = {len(prepare_data_loader(loader, torch.device("cpu"), num_processes=processes, process_index=p,
+                                                       put_on_device=False)) for p in range(processes)}
+                    assert lengths == {batches_per_process(examples, batch, processes, drop_last)}, (examples, batch, processes, drop_last)
+
+
+@pytest.mark.parametrize("batches, accumulation, steps", [(10, 1, 10), (10, 3, 4), (20, 10, 2), (21, 10, 3), (10, 1000, 1), (1, 1, 1)])
+def test_steps_per_epoch_as_the_trainer_counts_them(batches, accumulation, steps):
+    assert steps_per_epoch(batches, accumulation) == steps
+
+
+def run_args(**kw):
+    """The TrainingArguments fields check_run_length reads (train_fsdp.py passes the real object)."""
+    from transformers import TrainingArguments
+
+    values = dict(per_device_train_batch_size=8, world_size=2, gradient_accumulation_steps=1, dataloader_drop_last=False,
+                  max_steps=-1, num_train_epochs=3.0, warmup_steps=0, learning_rate=3e-3) | kw
+    assert all(hasattr(TrainingArguments, k) for k in values)  # the same names as the real thing
+    return SimpleNamespace(**values)
+
+
+def test_accumulation_longer_than_an_epoch_is_refused():
+    """100 examples, 8 per process, 2 processes: 7 micro-batches each an epoch. Accumulating 1000 would make every
+    optimizer step average 7: under 1% of what was asked."""
+    with pytest.raises(RecipeError) as err:
+        check_run_length(run_args(gradient_accumulation_steps=1000), 100)
+    assert str(err.value) == (
+        "gradient_accumulation_steps=1000 is more than the 7 micro-batches an epoch gives each process (100 examples / "
+        "(per_device_train_batch_size=8 x 2 processes)): every optimizer step would average 7 instead of 1000: use "
+        "gradient_accumulation_steps 7 or less, a smaller per_device_train_batch_size, or more data"
+    )
+    with pytest.raises(RecipeError, match="gradient_accumulation_steps=8 is more than the 7 micro-batches"):
+        check_run_length(run_args(gradient_accumulation_steps=8, max_steps=50), 100)  # with max_steps too
+    assert check_run_length(run_args(gradient_accumulation_steps=7), 100) == 3  # 1 step an epoch, 3 epochs
+    assert check_run_length(run_args(gradient_accumulation_steps=3, num_train_epochs=2.0), 100) == 6  # ceil(7 / 3) x 2
+    assert check_run_length(run_args(num_train_epochs=0.5, world_size=1), 100) == 7  # ceil(13 x 0.5)
+    with pytest.raises(RecipeError, match=r"^per_device_train_batch_size=8 leaves no batch with dataloader_drop_last"):
+        check_run_length(run_args(dataloader_drop_last=True), 10)
+
+
+def test_profile_steps_beyond_an_epoch_based_run_are_refused():
+    """With max_steps -1 the run's end comes from the data: 7 batches, accumulating 3, 2 epochs = 6 steps."""
+    two_epochs = run_args(gradient_accumulation_steps=3, num_train_epochs=2.0)
+    with pytest.raises(RecipeError) as err:
+        check_run_length(two_epochs, 100, "5-8")
+    assert str(err.value) == ("profile_steps=5-8 ends after the run's 6 optimizer steps (num_train_epochs=2 x 3 steps an "
+                              "epoch): profile steps within the run, e.g. 3-6")  # as many steps, ending with the run
+    assert check_run_length(two_epochs, 100, "5-6") == 6
+    assert check_run_length(run_args(max_steps=10), 100, "9-10") == 10  # max_steps sets the end, not the epochs
+    with pytest.raises(RecipeError, match=r"profile_steps=11 ends after the run's 10 optimizer steps \(max_steps=10\): profile steps within the run, e.g. 10-10$"):
+        check_run_length(run_args(max_steps=10), 100, "11")
+
+
+def test_warmup_longer_than_an_epoch_based_run_is_warned(capsys):
+    check_run_length(run_args(warmup_steps=30), 100)  # 7 steps an epoch x 3
+    assert "warning: warmup_steps=30 covers the whole run of 21 optimizer steps" in capsys.readouterr().err
+    check_run_length(run_args(warmup_steps=20), 100)
+    assert capsys.readouterr().err == ""
