@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
 from fsdp_recipes import cpu_fsdp
-from fsdp_recipes.arguments import RecipeError, parse_args
+from fsdp_recipes.arguments import RecipeError, check_run_length, parse_args
 from fsdp_recipes.checkpoints import disk_full_problem
 from fsdp_recipes.checks import NotShardedError
 from fsdp_recipes.data import build_datasets
@@ -68,6 +68,7 @@ def main(model_args, data_args, preflight):
     with training_args.main_process_first(desc="dataset preprocessing"):
         train_dataset, eval_dataset, collator = build_datasets(data_args, tokenizer, training_args.seed)
     logger.info(f"training examples: {len(train_dataset):,}" + (f", evaluation examples: {len(eval_dataset):,}" if eval_dataset else ""))
+    check_run_length(training_args, len(train_dataset), preflight.run_args.profile_steps)  # needs the data's size
 
     model = load_model(model_args, tokenizer)
 
