@@ -27,7 +27,7 @@ from fsdp_recipes.internals import InternalsChanged
 from fsdp_recipes.launcher import tell_launcher
 from fsdp_recipes.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
 from fsdp_recipes.modeling import load_model, load_tokenizer
-from fsdp_recipes.preemption import was_interrupted, watch_interrupts
+from fsdp_recipes.preemption import Stopped, stop_received, was_interrupted, watch_interrupts, watch_stops
 from fsdp_recipes.preflight import hold_output_dir, save_resolved_arguments
 from fsdp_recipes.removal import RefusedRemoval
 from fsdp_recipes.profiling import StepProfiler, parse_steps
@@ -119,6 +119,8 @@ def main(model_args, data_args, preflight):
     with trainer.model_config_for_saving():
         save_final_model(trainer, tokenizer)
     logger.info(f"model saved to {training_args.output_dir} (loads with AutoModelForCausalLM.from_pretrained)")
+    if late := trainer.preemption.late():  # the run is complete: exit 0, and say why the signal changed nothing
+        logger.warning(f"{late} arrived after the last training step: the run had finished, and its model was written; nothing is left to do")
 
 
 def device_peak_flops(tflops: float | None) -> float | None:
@@ -149,6 +151,7 @@ def fail(message: str, code: int) -> None:
 
 def run() -> None:
     watch_interrupts()
+    watch_stops()  # until the Trainer's preemption handler takes over: a stop before training ends in one line
     try:
         try:
             main(*parse_args())  # parse_args reads and checks only; main's preflight acts
@@ -157,9 +160,15 @@ def run() -> None:
         except Exception:
             if was_interrupted():  # a peer left on Ctrl-C while this rank was in a collective
                 raise KeyboardInterrupt from None
+            if signum := stop_received():  # a peer stopped by SIGTERM/SIGUSR1 before training left the collective
+                raise Stopped(signum) from None
             raise
     except (RecipeError, NotShardedError, InternalsChanged, RefusedRemoval) as err:
         fail(f"train_fsdp.py: error: {err}", 2)
+    except Stopped as stop:
+        fail(f"train_fsdp.py: stopped by {stop.describe()} before training started: nothing was trained or saved by this "
+             "run; run the same command again to start (with --resume_from_checkpoint true, to continue from the last "
+             "checkpoint of an earlier run)", 128 + stop.signum)
     except KeyboardInterrupt:
         fail("train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "
              "--resume_from_checkpoint true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)", 130)

@@ -261,19 +261,26 @@ def train_file_problem(path: Path, args: DataArguments) -> str | None:
         return "the file is empty: give a file with training examples"
     if path.suffix == ".parquet":
         return None  # binary by design; datasets checks its schema
-    with open(path, "rb") as f:
-        head = f.read(SAMPLE_BYTES)
     try:
-        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SAMPLE_BYTES)
+        with open(path, "rb") as f:
+            head = f.read(SAMPLE_BYTES)
+    except OSError as err:
+        return f"cannot be read ({err.strerror}): check its permissions"
+    try:  # utf-8-sig: a byte-order mark, which editors on Windows write and datasets accepts, is not text
+        text = codecs.getincrementaldecoder("utf-8-sig")().decode(head, final=len(head) < SAMPLE_BYTES)
     except UnicodeDecodeError as err:
         return f"byte {err.start} is not UTF-8 text: is this the right file (a {path.suffix} of text is expected)?"
     if "\x00" in text:
         return "the file holds NUL bytes: it is binary, not text"
+    if path.suffix == ".csv":
+        return _csv_problem(text, len(head) == SAMPLE_BYTES, args)
     if path.suffix not in (".json", ".jsonl"):
         return None
     lines = text.splitlines()
     if len(head) == SAMPLE_BYTES:
         lines = lines[:-1]  # the last line may be cut
+        if not lines:
+            return None  # a first record longer than the sample: datasets reads it whole
     if path.suffix == ".json" and text.lstrip().startswith("["):
         if len(head) == SAMPLE_BYTES:
             return None  # one large JSON array: datasets parses it
@@ -298,7 +305,13 @@ def train_file_problem(path: Path, args: DataArguments) -> str | None:
     chat = args.data_format == "chat" or (args.data_format == "auto" and args.messages_column in records[0][1])
     if not chat:
         missing = next((n for n, r in records if args.text_column not in r), None)
-        return None if missing is None else f"record {missing} has no {args.text_column!r} field (set text_column, or data_format)"
+        if missing is not None:
+            return f"record {missing} has no {args.text_column!r} field (set text_column, or data_format)"
+        wrong = next((n for n, r in records if not isinstance(r[args.text_column], str)), None)
+        if wrong is not None:
+            value = dict(records)[wrong][args.text_column]
+            return f"record {wrong}: {args.text_column!r} is {_kind(value)}, not text: fix or drop that record"
+        return None
     assistant_turns = 0
     for number, record in records:
         messages = record.get(args.messages_column)
@@ -307,9 +320,34 @@ def train_file_problem(path: Path, args: DataArguments) -> str | None:
         for turn in messages:
             if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or "content" not in turn:
                 return f"record {number}: every turn needs a 'role' and a 'content' (got {str(turn)[:80]})"
+            if not isinstance(turn["content"], str):
+                return f"record {number}: a {turn['role']!r} turn's 'content' is {_kind(turn['content'])}, not text: fix or drop that record"
         assistant_turns += sum(turn["role"] == "assistant" for turn in messages)
     if not assistant_turns:
         return "no conversation has an assistant turn: the loss is computed on assistant tokens only, so there is nothing to train on"
+    return None
+
+
+def _kind(value) -> str:
+    return "null" if value is None else f"a {type(value).__name__} ({str(value)[:40]})"
+
+
+def _csv_problem(text: str, cut: bool, args: DataArguments) -> str | None:
+    """A CSV's header must name the text column, and no sampled row may leave it empty (datasets reads an empty
+    cell as null, which the tokenizer cannot take)."""
+    import csv
+
+    rows = list(csv.reader(text.splitlines()[:-1] if cut else text.splitlines()))
+    if not rows:
+        return None
+    header = rows[0]
+    if args.data_format != "chat" and args.text_column not in header:
+        return f"the CSV header ({', '.join(header)[:120]}) has no {args.text_column!r} column: set text_column"
+    if args.text_column in header:
+        column = header.index(args.text_column)
+        for number, row in enumerate(rows[1:], 2):
+            if row and (len(row) <= column or not row[column].strip()):
+                return f"line {number}: the {args.text_column!r} cell is empty: fix or drop that row"
     return None
 
 
@@ -413,6 +451,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     plan.run_args = run_args
     output_dir = raw.output_dir or "trainer_output"
     plan.resume = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp, plan)
+    plan.requeue_record = check_requeue(output_dir, plan.resume)
     inputs = {"model_name_or_path": model_args.model_name_or_path, "config_name": model_args.config_name,
               "tokenizer_name": model_args.tokenizer_name}
     check_output_dir(output_dir, resuming=plan.resume is not None, overwrite=run_args.overwrite_output_dir, plan=plan,
@@ -866,6 +905,36 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
     path = _resumable(status, trainer_fsdp)
     set_aside_later_checkpoints(Path(value), output_dir, plan)
     return path
+
+
+REQUEUE_RECORD = "requeue_progress.json"  # output_dir: the newest checkpoint each requeued attempt of a job started from
+MAX_STALLED_REQUEUES = 3
+
+
+def check_requeue(output_dir: str, resume: str | None) -> dict | None:
+    """A job SLURM requeued (SLURM_RESTART_COUNT > 0) that starts from the same checkpoint as its last attempt made no
+    progress: after MAX_STALLED_REQUEUES such starts in a row it stops instead of looping forever (the time limit
+    is too short to reach the next checkpoint, or the job fails before its first step). Returns the record preflight
+    writes (rank 0); None outside a requeued job."""
+    import json
+
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if not restart.isdigit() or int(restart) == 0:
+        return None
+    step = int(Path(resume).name.split("-")[-1]) if resume and re.fullmatch(r"checkpoint-\d+", Path(resume).name) else 0
+    try:
+        last = json.loads((Path(output_dir) / REQUEUE_RECORD).read_text())
+        last_step, stalled = int(last["step"]), int(last["stalled"])
+    except (OSError, ValueError, KeyError, TypeError):
+        last_step, stalled = -1, 0
+    stalled = stalled + 1 if step <= last_step else 0
+    if stalled >= MAX_STALLED_REQUEUES:
+        raise RecipeError(
+            f"requeued {stalled} times in a row without a new checkpoint (each attempt started from "
+            f"{Path(resume).name if resume else 'no checkpoint'}): not starting again; give the job a longer time limit "
+            f"or checkpoint more often (save_steps), then delete {Path(output_dir) / REQUEUE_RECORD} and resubmit"
+        )
+    return {"restart": int(restart), "step": step, "stalled": stalled}
 
 
 def set_aside_later_checkpoints(ckpt: Path, output_dir: str, plan: Preflight | None = None) -> None:

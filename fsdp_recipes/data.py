@@ -50,12 +50,22 @@ def resolve_format(args: DataArguments, columns: list[str]) -> str:
     return fmt
 
 
+def texts(batch: dict, column: str) -> list[str]:
+    """The batch's documents, each checked to be text: a null or a number (an empty CSV cell, a bad record past
+    the part of the file checked before the run) is one line naming it, not a tokenizer traceback on every rank."""
+    for value in batch[column]:
+        if not isinstance(value, str):
+            raise RecipeError(f"a record's {column!r} is {'null' if value is None else type(value).__name__ + ' ' + str(value)[:40]}, "
+                              "not text: fix or drop that record in the data")
+    return batch[column]
+
+
 def pack_text(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArguments) -> Dataset:
     """Tokenize, append EOS to each document, concatenate, and cut into blocks of block_size."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def tokenize(batch):
-        return {"input_ids": [ids + eos for ids in tokenizer(batch[args.text_column], add_special_tokens=False)["input_ids"]]}
+        return {"input_ids": [ids + eos for ids in tokenizer(texts(batch, args.text_column), add_special_tokens=False)["input_ids"]]}
 
     def group(batch):
         ids = list(chain.from_iterable(batch["input_ids"]))
@@ -74,7 +84,7 @@ def split_documents(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: Data
 
     def tokenize(batch):
         pieces = []
-        for ids in tokenizer(batch[args.text_column], add_special_tokens=False)["input_ids"]:
+        for ids in tokenizer(texts(batch, args.text_column), add_special_tokens=False)["input_ids"]:
             ids = ids + eos
             pieces += [ids[i : i + args.block_size] for i in range(0, len(ids), args.block_size)]
         pieces = [p for p in pieces if len(p) > 1]  # one token predicts nothing
@@ -114,6 +124,10 @@ def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataAr
         raise RecipeError("data_format=chat needs a tokenizer with a chat template; this tokenizer has none")
 
     def render(example):
+        for turn in example[args.messages_column] or []:
+            if not isinstance(turn.get("content"), str):
+                raise RecipeError(f"a conversation's {turn.get('role')!r} turn has content {turn.get('content')!r:.40}, not text: "
+                                  "fix or drop that record in the data")
         ids, mask = assistant_mask(tokenizer, example[args.messages_column])
         ids, mask = ids[: args.block_size], mask[: args.block_size]
         labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]

@@ -57,6 +57,49 @@ class Preemption(TrainerCallback):
     def describe(self) -> str:
         return signal.Signals(self.signal).name if self.signal else ""
 
+    def late(self) -> str | None:
+        """The signal that came after the last step (training had finished; the run still writes its model)."""
+        return signal.Signals(self.received).name if self.received and self.stopped_at is None else None
+
+
+# Before the Trainer exists (argument checks, process group, data, model loading) there is no step to finish and
+# nothing to save: a stop signal ends the run at once, in one line, with 128 + the signal number (Stopped), instead
+# of the default handler's silent death or a traceback. Preemption replaces these handlers when it is created.
+class Stopped(BaseException):
+    """SIGTERM or SIGUSR1 before training started."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    def describe(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+_stops: list[int] = []
+_raise_on_stop = True
+
+
+def _on_stop_before_training(signum, frame):
+    _stops.append(signum)
+    if _raise_on_stop:
+        raise Stopped(signum)
+
+
+def watch_stops() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_stop_before_training)
+
+
+def stop_received() -> int:
+    """The stop signal that came before training (0: none), counting one whose handler has not run yet."""
+    import time
+
+    global _raise_on_stop
+    _raise_on_stop = False
+    time.sleep(0.05)  # a call: the interpreter runs pending signal handlers
+    return _stops[-1] if _stops else 0
+
 
 # Ctrl-C sends SIGINT to the foreground process group; torch elastic starts each rank in a session of its own and
 # forwards the signal to every rank. A rank inside a collective at that moment may first see its peer leave (gloo:

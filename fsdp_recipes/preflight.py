@@ -42,6 +42,7 @@ class Preflight:
     launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.launcher)
     run_args: object = None  # fsdp_recipes.arguments.RunArguments: this script's own options
     cpu_ddp: bool = False  # DDP over gloo on a machine without an accelerator (cpu_fsdp.enable_ddp)
+    requeue_record: dict | None = None  # a requeued SLURM job's progress, written to output_dir (check_requeue)
 
     def start(self):
         """Patch (CPU only) and build TrainingArguments: this joins the process group."""
@@ -82,6 +83,11 @@ class Preflight:
                 say(f"{why}: moved {path.name} to {set_aside(path, prefix).name} (nothing deleted)")
         for path in self.delete:  # checked by check_output_dir before anything started; checked again here
             remove(path, CHECKPOINT_PURPOSE, shape=is_checkpoint_folder)
+        if self.requeue_record is not None:
+            from .arguments import REQUEUE_RECORD
+
+            out = Path(self.raw.output_dir or "trainer_output")
+            (out / REQUEUE_RECORD).write_text(json.dumps(self.requeue_record) + "\n")
         if self.delete:
             say(f"--overwrite_output_dir: deleted {len(self.delete)} checkpoint folder(s) of the earlier run in {self.delete[0].parent}")
 

@@ -9,6 +9,7 @@ and a real SIGKILL at a chosen point.
       point sigterm   rank(s) send SIGTERM to the launcher and every rank at once (as SLURM does to a job step)
                       before the first micro-batch after <step> optimizer steps
       point usr1      rank(s) send SIGUSR1 to themselves only, at the same moment (the others must stop alike)
+      point early     rank(s) send <step> (TERM or USR1) to themselves while the model loads (before training)
       point sigint    rank(s) send SIGINT to the launcher's process group, as Ctrl-C at a terminal does (torch
                       elastic starts each rank in a session of its own: the launcher forwards it to them)
     FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into <dir>
@@ -95,6 +96,17 @@ if os.environ.get("FSDP_FAULT"):
             return save_rng_state(self, output_dir)
 
         Trainer._save_rng_state = save_rng_state_or_die
+    elif point == "early":
+        import fsdp_recipes.modeling
+
+        def load_model_after_signal(*args, **kwargs):
+            if _dies(ranks):
+                print(f"fault injection: SIG{step} to rank {os.environ['RANK']} while loading", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), getattr(signal, f"SIG{step}"))
+            return load_model(*args, **kwargs)
+
+        load_model = fsdp_recipes.modeling.load_model  # train_fsdp.py imports it by name after this
+        fsdp_recipes.modeling.load_model = load_model_after_signal
     elif point == "final":
         import fsdp_recipes.export
 
@@ -106,7 +118,7 @@ if os.environ.get("FSDP_FAULT"):
         save_final_model = fsdp_recipes.export.save_final_model  # train_fsdp.py imports it by name after this
         fsdp_recipes.export.save_final_model = save_final_model_or_die
     else:
-        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, sigterm, usr1 or sigint")
+        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, early, sigterm, usr1 or sigint")
 
 if os.environ.get("FSDP_DUMP_OPTIMIZER"):
     load = FSDPTrainer._load_optimizer_and_scheduler

@@ -13,6 +13,11 @@ config=${1:?usage: launch_node.sh ACCELERATE_CONFIG [RECIPE.yaml] [--flag value 
 shift
 nnodes=${SLURM_NNODES:?not inside a SLURM job: SLURM_NNODES is unset}
 node_rank=${SLURM_NODEID:?not inside a SLURM job: SLURM_NODEID is unset}
+# a node rank outside 0..nnodes-1 would wait for a rendezvous that never completes (a hang, not an error)
+if ! [[ "$nnodes" =~ ^[1-9][0-9]*$ && "$node_rank" =~ ^[0-9]+$ ]] || (( node_rank >= nnodes )); then
+    echo "launch_node.sh: error: SLURM_NODEID=${node_rank} does not fit SLURM_NNODES=${nnodes} (node ranks are 0..NNODES-1): run it through train_fsdp.sbatch's srun, one task per node" >&2
+    exit 2
+fi
 gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-8}}
 per_node=${GPUS_PER_NODE:-${gpus##*:}}  # SLURM_GPUS_PER_NODE may read "a100:8"
 main_ip=${MAIN_PROCESS_IP:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:?}" | head -n 1)}

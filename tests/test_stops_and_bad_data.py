@@ -1,0 +1,124 @@
+"""Stops and data that used to end in a traceback or a hang, each now one line with a defined exit: a stop signal
+before training, a SLURM requeue loop that makes no progress, a node rank outside the job, and data files whose
+records are null, numbers or empty cells (and ones that are fine although they look odd: a byte-order mark, a
+first record over the sampled MiB)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import QUICK, REPO, launch
+from fsdp_recipes.arguments import MAX_STALLED_REQUEUES, REQUEUE_RECORD, RecipeError, check_requeue, train_file_problem
+
+FAULT = REPO / "tests" / "helpers" / "train_with_fault.py"
+
+
+def _plain(**kw):
+    """The data arguments these checks read (DataArguments' own __post_init__ would check the file first)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"text_column": "text", "messages_column": "messages", "data_format": "auto", **kw})
+
+
+CHAT_OK = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+BAD_JSONL = {
+    "text null": ([{"text": "a"}, {"text": None}], "record 2: 'text' is null, not text"),
+    "text number": ([{"text": 5}], "record 1: 'text' is a int (5), not text"),
+    "text list": ([{"text": ["a"]}], "record 1: 'text' is a list"),
+    "text object": ([{"text": {"a": 1}}], "record 1: 'text' is a dict"),
+    "chat content null": ([CHAT_OK, {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}],
+                          "record 2: a 'user' turn's 'content' is null, not text"),
+    "chat content number": ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3.5}]}],
+                            "record 1: a 'assistant' turn's 'content' is a float"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_JSONL))
+def test_records_that_are_not_text_are_named(tmp_path, case):
+    records, expected = BAD_JSONL[case]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    problem = train_file_problem(path, _plain())
+    assert problem and expected in problem, problem
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ("text,label\nhello,1\n,2\n", "line 3: the 'text' cell is empty"),
+    ("text,label\nhello,1\n   ,2\n", "line 3: the 'text' cell is empty"),
+    ("body,label\nhello,1\n", "has no 'text' column"),
+    ("text,label\nhello,1\nworld,2\n", None),
+])
+def test_csv_cells(tmp_path, rows, expected):
+    path = tmp_path / "d.csv"
+    path.write_text(rows)
+    problem = train_file_problem(path, _plain())
+    assert (problem is None) if expected is None else (problem and expected in problem), problem
+
+
+def test_files_datasets_reads_are_accepted(tmp_path):
+    """A byte-order mark and a first record longer than the sampled MiB: datasets reads both."""
+    from datasets import load_dataset
+
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"text": "hello"}\n{"text": "world"}\n')
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps({"text": "x" * (1 << 21)}) + "\n" + json.dumps({"text": "y"}) + "\n")
+    for path in (bom, big):
+        assert train_file_problem(path, _plain()) is None, path
+        assert len(load_dataset("json", data_files=str(path), split="train")) == 2  # and datasets does read it
+
+
+def test_a_null_past_the_sample_is_one_error_not_a_tokenizer_traceback():
+    from datasets import Dataset
+
+    from fsdp_recipes.data import pack_text
+    from fsdp_recipes.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(_plain(tokenizer_name=str(REPO / "assets" / "tiny-llama"), trust_remote_code=False))
+    raw = Dataset.from_dict({"text": ["fine", None]})
+    with pytest.raises(RecipeError, match="a record's 'text' is null, not text"):
+        pack_text(raw, tokenizer, _plain(block_size=8, preprocessing_num_workers=None))
+
+
+def test_requeue_loop_without_progress_stops(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    ckpt = str(out / "checkpoint-9")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert check_requeue(str(out), ckpt) is None  # not a requeued job: nothing recorded
+    for restart in range(1, MAX_STALLED_REQUEUES + 1):  # the first requeue, then attempts that start where it did
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        record = check_requeue(str(out), ckpt)
+        assert record == {"restart": restart, "step": 9, "stalled": restart - 1}
+        (out / REQUEUE_RECORD).write_text(json.dumps(record))  # what preflight writes on rank 0
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(MAX_STALLED_REQUEUES + 1))
+    with pytest.raises(RecipeError, match=f"requeued {MAX_STALLED_REQUEUES} times in a row without a new checkpoint"):
+        check_requeue(str(out), ckpt)
+    assert check_requeue(str(out), str(out / "checkpoint-12"))["stalled"] == 0  # a newer checkpoint: progress
+
+
+@pytest.mark.parametrize("nodes, node_id", [("2", "2"), ("2", "7"), ("2", "-1"), ("two", "0"), ("0", "0")])
+def test_node_rank_outside_the_job_is_refused_not_a_hang(nodes, node_id):
+    env = {**os.environ, "SLURM_NNODES": nodes, "SLURM_NODEID": node_id, "PATH": f"{REPO / 'tests/helpers/fake_slurm'}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(REPO / "tools/slurm/launch_node.sh"), "accelerate_configs/zero3.yaml"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stderr.startswith("launch_node.sh: error: SLURM_NODEID="), proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [("TERM", 143)])
+def test_stop_signal_before_training_is_one_line(tmp_path, sig, code):
+    out = tmp_path / "run"
+    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), script=FAULT,
+                  env={"FSDP_FAULT": f"all:early:{sig}"}, check=False)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py:")]
+    assert proc.returncode != 0 and ours == [
+        f"train_fsdp.py: stopped by SIG{sig} before training started: nothing was trained or saved by this run; run the same "
+        "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)"
+    ], proc.stderr[-3000:]
+    assert f"exitcode  : {code}" in proc.stderr and "Traceback (most recent call last)" not in proc.stderr, proc.stderr[-3000:]
+    assert not list(out.glob("checkpoint-*"))
