@@ -12,6 +12,7 @@ from pathlib import Path
 from transformers import HfArgumentParser, TrainingArguments
 
 from . import cpu_fsdp, launcher
+from .bounded import YAML_LIMIT, UnreadableFile, load_json
 from .config_check import ZERO1_UNDER_FSDP
 from .preflight import Preflight
 from .tiny import REPO_ROOT
@@ -779,14 +780,12 @@ def check_trainer_fsdp(raw) -> bool:
         return False
     config = raw.fsdp_config
     if isinstance(config, str):
-        import json
-
         if not Path(config).is_file():
             raise RecipeError(f"--fsdp_config {config!r} does not exist: give a JSON file such as accelerate_configs/torchrun/zero3.json")
         try:
-            config = json.loads(Path(config).read_text())
-        except json.JSONDecodeError as err:
-            raise RecipeError(f"--fsdp_config {raw.fsdp_config!r} is not valid JSON: {err}") from None
+            config = load_json(Path(config), "--fsdp_config", YAML_LIMIT)
+        except UnreadableFile as err:
+            raise RecipeError(str(err)) from None
     unknown = [k for k in (config or {}) if not k.startswith("_") and k.removeprefix("fsdp_") not in TRAINER_FSDP_KEYS]
     if unknown:
         raise RecipeError(f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, TRAINER_FSDP_KEYS, 'fsdp_')}")
@@ -916,14 +915,12 @@ def check_requeue(output_dir: str, resume: str | None) -> dict | None:
     progress: after MAX_STALLED_REQUEUES such starts in a row it stops instead of looping forever (the time limit
     is too short to reach the next checkpoint, or the job fails before its first step). Returns the record preflight
     writes (rank 0); None outside a requeued job."""
-    import json
-
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
     if not restart.isdigit() or int(restart) == 0:
         return None
     step = int(Path(resume).name.split("-")[-1]) if resume and re.fullmatch(r"checkpoint-\d+", Path(resume).name) else 0
     try:
-        last = json.loads((Path(output_dir) / REQUEUE_RECORD).read_text())
+        last = load_json(Path(output_dir) / REQUEUE_RECORD, REQUEUE_RECORD, 4096)
         last_step, stalled = int(last["step"]), int(last["stalled"])
     except (OSError, ValueError, KeyError, TypeError):
         last_step, stalled = -1, 0

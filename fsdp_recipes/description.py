@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .bounded import JSON_LIMIT, load_json
 from .checkpoint_files import MANIFEST, TOKENIZER_FILES, CheckpointError
 from .sources import ResolvedInput, WeightMap, dtype_name, match_namespace, torch_dtype
 
@@ -93,8 +94,8 @@ def config_origin(resolved: ResolvedInput, base_model: str | None) -> str:
     if base_model is not None:
         return base_model
     try:
-        config = json.loads((config_dir / "config.json").read_text())
-        if not isinstance(config, dict) or "model_type" not in config:
+        config = load_json(config_dir / "config.json", "config.json", JSON_LIMIT)
+        if "model_type" not in config:
             raise ValueError("no model_type")
     except (ValueError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{config_dir / 'config.json'} is not a model config ({err}): fix it or pass --base-model") from None
@@ -149,7 +150,7 @@ def _agrees_with_config(config_path: Path, model_name: str, tied: list[str]) -> 
     """The manifest's class and tie agree with what config.json states. A manifest can be edited with its hashes;
     without this, one claiming an untied model's head as tied would silently drop it from the merged folder."""
     try:
-        config = json.loads(config_path.read_text())
+        config = load_json(config_path, "config.json", JSON_LIMIT)
     except (ValueError, OSError):
         return False
     if not isinstance(config, dict) or config.get("architectures") != [model_name]:
@@ -164,7 +165,7 @@ def described_by_manifest(resolved: ResolvedInput) -> Description | None:
     if config_dir is None or not (config_dir / MANIFEST).is_file():
         return None
     try:
-        manifest = json.loads((config_dir / MANIFEST).read_text())
+        manifest = load_json(config_dir / MANIFEST, MANIFEST, JSON_LIMIT)
         files, tied = dict(manifest["files"]), list(manifest["tied"])
         expected = {name: tuple(shape) for name, shape in manifest["weights"].items()}
         model_name = str(manifest["model_class"])

@@ -11,11 +11,11 @@ by name rather than merged wrong.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 
+from .bounded import JSON_LIMIT, load_json
 from .checkpoint_files import ADAPTER_CONFIG, CheckpointError
 from .sources import TensorInfo
 
@@ -42,9 +42,7 @@ def find_adapter_config(places: list[Path]) -> Path:
 
 def read_adapter_config(path: Path) -> dict:
     try:
-        config = json.loads(path.read_text())
-        if not isinstance(config, dict):
-            raise ValueError("not a mapping")
+        config = load_json(path, ADAPTER_CONFIG, JSON_LIMIT)
         alpha, r = float(config["lora_alpha"]), int(config["r"])
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path} is not a LoRA adapter config ({type(err).__name__}: {err}): copy the run's adapter_config.json again") from None

@@ -24,6 +24,7 @@ from . import internals
 from .checkpoint_files import (
     ADAPTER_CONFIG, MANIFEST, CheckpointError, is_exported_adapter, is_model_folder, overlap, real, training_content,
 )
+from .bounded import JSON_LIMIT, load_json
 from .dcp_files import DTYPE_SIZES
 from .description import (
     Description, config_origin, described_by_manifest, describe_folder, describe_with_transformers, description_dirs,
@@ -227,7 +228,7 @@ def _early_guess(resolved: ResolvedInput) -> WeightMap | None:
     if config_dir is None:
         return None
     try:
-        tied = json.loads((config_dir / "config.json").read_text()).get("tie_word_embeddings")
+        tied = load_json(config_dir / "config.json", "config.json", JSON_LIMIT).get("tie_word_embeddings")
     except (ValueError, AttributeError):
         return None
     return guess_namespace(resolved.source.tensors) if tied is False else None
@@ -273,7 +274,7 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
     config_dir, tok_dir = description_dirs(resolved)
     try:
-        step = json.loads(state.read_text()).get("global_step") if state.is_file() else None
+        step = load_json(state, "trainer_state.json", 256 << 20).get("global_step") if state.is_file() else None
     except (ValueError, AttributeError):
         step = None
     return {

@@ -20,9 +20,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .bounded import JSON_LIMIT, load_json
 from .checkpoint_files import DCP_MODEL_DIR, FULL_FILES, WRAPPER_PREFIXES, CheckpointError, checkpoint_steps
 from .dcp_files import DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, unsafe_message
 
+SAFETENSORS_HEADER_LIMIT = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE): a larger header is not one
 SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
@@ -150,7 +152,7 @@ class SafetensorsSource:
         self.path = folder
         index = folder / "model.safetensors.index.json"
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+            files = sorted(set(load_json(index, index.name, JSON_LIMIT)["weight_map"].values())) if index.is_file() else ["model.safetensors"]
         except (ValueError, KeyError, TypeError, AttributeError):
             raise CheckpointError(f"{index} is not a safetensors index (no weight_map): copy the checkpoint again") from None
         self.ranks = 1
@@ -163,7 +165,7 @@ class SafetensorsSource:
             with open(path, "rb") as f:
                 try:
                     (length,) = struct.unpack("<Q", f.read(8))
-                    if length > path.stat().st_size:
+                    if length > min(path.stat().st_size, SAFETENSORS_HEADER_LIMIT):
                         raise ValueError
                     header = json.loads(f.read(length))
                     entries = {k: v for k, v in header.items() if k != "__metadata__"}
