@@ -27,7 +27,7 @@ from fsdp_recipes.internals import InternalsChanged
 from fsdp_recipes.launcher import tell_launcher
 from fsdp_recipes.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
 from fsdp_recipes.modeling import load_model, load_tokenizer
-from fsdp_recipes.preemption import Stopped, stop_received, was_interrupted, watch_interrupts, watch_stops
+from fsdp_recipes.preemption import Stopped, quiet_stops, stop_received, was_interrupted, watch_interrupts, watch_stops
 from fsdp_recipes.preflight import hold_output_dir, save_resolved_arguments
 from fsdp_recipes.removal import RefusedRemoval
 from fsdp_recipes.profiling import StepProfiler, parse_steps
@@ -141,6 +141,7 @@ def fail(message: str, code: int) -> None:
 
     Every rank fails alike, and local rank 0 prints. The launcher stops the other ranks as soon as one exits, so
     the others give local rank 0 a head start: were they first, it could be stopped before its line."""
+    quiet_stops()  # the launcher's SIGTERM to the ranks still waiting here is no second failure
     tell_launcher(message)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)

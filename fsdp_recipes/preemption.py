@@ -91,6 +91,13 @@ def watch_stops() -> None:
         signal.signal(sig, _on_stop_before_training)
 
 
+def quiet_stops() -> None:
+    """A run that is already ending (one line said, waiting to exit): a stop signal, such as the launcher's SIGTERM
+    to the ranks that are left, is only recorded."""
+    global _raise_on_stop
+    _raise_on_stop = False
+
+
 def stop_received() -> int:
     """The stop signal that came before training (0: none), counting one whose handler has not run yet."""
     import time

@@ -71,7 +71,7 @@ def is_ours(path: str | os.PathLike, purpose: str) -> bool:
 def unmark(path: str | os.PathLike, purpose: str) -> None:
     """Take the marker out of a folder of ours that becomes a result (a merged model folder ships without it)."""
     if not is_ours(path, purpose):
-        raise RefusedRemoval(f"{path} is not a {purpose} folder this project made: refusing to touch it")
+        raise RefusedRemoval(f"{path} is not a folder this project made ({purpose}): refusing to touch it")
     (Path(path) / MARKER).unlink()
 
 
@@ -95,9 +95,9 @@ def remove(path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] 
         raise RefusedRemoval(f"{path} does not exist")
     if path.is_symlink() or not path.is_dir():
         raise RefusedRemoval(f"{path} is {'a symbolic link' if path.is_symlink() else 'not a folder'}: refusing to "
-                             f"remove it as a {purpose}; move it away yourself")
+                             f"remove it ({purpose}); move it away yourself")
     if not (is_ours(path, purpose) or (shape is not None and shape(path))):
-        raise RefusedRemoval(f"{path} is not a {purpose} this project made (it holds {contents(path)}): refusing to "
+        raise RefusedRemoval(f"{path} is not a folder this project made ({purpose}; it holds {contents(path)}): refusing to "
                              "remove it; move it away yourself, or choose another path")
     shutil.rmtree(path)
 
@@ -107,7 +107,7 @@ def remove_inside(folder: str | os.PathLike, name: str, purpose: str) -> None:
     ``purpose``: what a tool writes into its own work folder is its own."""
     path = Path(folder) / name
     if not is_ours(folder, purpose) or "/" in name or name in ("", ".", "..", MARKER):
-        raise RefusedRemoval(f"{path}: not inside a {purpose} folder this project made: refusing to delete it")
+        raise RefusedRemoval(f"{path}: not inside a folder this project made ({purpose}): refusing to delete it")
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
@@ -117,7 +117,7 @@ def remove_inside(folder: str | os.PathLike, name: str, purpose: str) -> None:
 def remove_file(folder: str | os.PathLike, name: str, purpose: str) -> None:
     """Delete the file ``name`` directly inside a folder this project made for ``purpose``."""
     if not is_ours(folder, purpose) or "/" in name or name in ("", ".", "..", MARKER):
-        raise RefusedRemoval(f"{Path(folder) / name}: not a file of a {purpose} folder this project made: refusing to delete it")
+        raise RefusedRemoval(f"{Path(folder) / name}: not a file of a folder this project made ({purpose}): refusing to delete it")
     (Path(folder) / name).unlink()
 
 
@@ -136,7 +136,7 @@ def replace_file(src: str | os.PathLike, dst: str | os.PathLike, purpose: str, s
     is refused)."""
     src, dst = Path(src), Path(dst)
     if not (is_ours(src.parent, purpose) or (shape is not None and shape(src.parent))):
-        raise RefusedRemoval(f"{src} is not in a {purpose} folder this project made: refusing to move it")
+        raise RefusedRemoval(f"{src} is not in a folder this project made ({purpose}): refusing to move it")
     if dst.is_symlink() or dst.is_dir():
         raise RefusedRemoval(f"{dst} is {'a symbolic link' if dst.is_symlink() else 'a folder'}: refusing to replace it with {src.name}")
     os.replace(src, dst)

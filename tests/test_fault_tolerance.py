@@ -134,8 +134,11 @@ def test_killed_while_writing_the_final_model_resumes_without_training(trained, 
     for f in (out / "checkpoint-12").iterdir():
         if f.name.startswith(("config", "generation_config", "tokenizer", "chat_template", "model_description")):
             f.unlink()
-    for leftover in (".final-sharded", ".export-tmp"):
-        (out / leftover / "pytorch_model_fsdp_0").mkdir(parents=True)
+    from fsdp_recipes.removal import make_folder
+
+    for leftover in (".final-sharded", ".export-tmp"):  # as the export makes them: marked, then written into
+        make_folder(out / leftover, "export staging")
+        (out / leftover / "pytorch_model_fsdp_0").mkdir()
         (out / leftover / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"partial")
     resumed = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert "is at step 12, max_steps is 12: nothing left to train" in resumed.stdout
