@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -434,6 +435,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         raise RecipeError(f"unknown recipe key(s): {with_hints(unknown, known)}; see `train_fsdp.py --help`")
     check_flags(argv, parser)
     check_flag_values(argv, parser)
+    check_flag_words(argv, parser)
     check_recipe_types(recipe, parser)
     given = {a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--")}
     for pair in (("model_name_or_path", "config_name"), ("dataset_name", "train_file")):
@@ -673,6 +675,26 @@ def check_flag_values(argv: list[str], parser) -> None:
             raise RecipeError(f"{name}={value!r} is not {kind}: {hint}") from None
 
 
+def check_flag_words(argv: list[str], parser) -> None:
+    """A true/false flag given a word that is neither, or a flag given a value outside its choices: one line naming
+    it (argparse would print its usage and exit with status 2 on every rank)."""
+    actions = {s: a for a in parser._actions for s in a.option_strings if a.type not in (None, int, float) or a.choices}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if (action := actions.get(flag)) is None:
+            continue
+        if not eq:
+            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+                continue  # a bare true/false flag means true; argparse names a missing value itself
+            value = argv[i + 1]
+        try:
+            converted = action.type(value) if action.type is not None else value
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
+            raise RecipeError(f"{action.dest}={value!r}: {str(err).rstrip('.')}") from None
+        if action.choices is not None and converted not in action.choices and str(converted) not in map(str, action.choices):
+            raise RecipeError(f"{action.dest}={value!r} is not one of {', '.join(map(str, action.choices))}")
+
+
 def _argparse_reads_as_value(text: str) -> bool:
     """Whether argparse takes ``--flag text`` with text as the value: which negative numbers it reads as numbers
     changed across Python versions (-1e-4 is a flag to 3.11's), so this asks a parser of this Python."""
@@ -803,7 +825,10 @@ def check_flags(argv: list[str], parser) -> None:
 
 def check_recipe_types(recipe: dict, parser) -> None:
     """Recipe values bypass argparse's conversion (they become defaults as they are): check them the same way."""
-    actions = {a.dest: a for a in parser._actions}
+    actions = {}
+    for a in parser._actions:  # a true-by-default flag has two: --name (typed) and --no_name (store_false, untyped)
+        if a.dest not in actions or actions[a.dest].type is None:
+            actions[a.dest] = a
     for key, value in recipe.items():
         action = actions[key]
         if value is None or action.type is None:
@@ -815,7 +840,7 @@ def check_recipe_types(recipe: dict, parser) -> None:
                 raise RecipeError(f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {getattr(action.type, '__name__', 'value')}")
             try:
                 converted = action.type(str(v).lower() if isinstance(v, bool) else v if isinstance(v, str) else str(v))
-            except (TypeError, ValueError) as err:
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as err:  # string_to_bool raises the last
                 raise RecipeError(f"recipe key {key}: {v!r} is not a valid {getattr(action.type, '__name__', 'value')} ({err})") from None
             if action.choices is not None and converted not in action.choices and str(converted) not in map(str, action.choices):
                 raise RecipeError(f"recipe key {key}: {v!r} is not one of {', '.join(map(str, action.choices))}")

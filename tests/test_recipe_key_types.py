@@ -1,0 +1,75 @@
+"""Every recipe key, generated from the parser itself: a value of the wrong type (a mapping or a list where one
+value belongs, a word where a flag's true/false belongs, a choice that is not one) is one RecipeError line naming
+the key, raised by parse_args before anything starts; never a traceback, argparse's usage or a value taken as is."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from fsdp_recipes.arguments import RecipeError, parse_args
+
+NO_FSDP = ["--allow_no_fsdp", "true"]
+
+
+def _parser():
+    """The parser parse_args builds (its actions are what a recipe key may name)."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from fsdp_recipes.arguments import DataArguments, ModelArguments, RunArguments
+
+    return HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
+
+
+def _typed_actions() -> dict:
+    """One action per key: the typed --name of a true-by-default flag, not its untyped --no_name twin."""
+    actions = {}
+    for a in _parser()._actions:
+        if a.option_strings and a.dest != "help" and (a.dest not in actions or actions[a.dest].type is None):
+            actions[a.dest] = a
+    return actions
+
+
+ACTIONS = _typed_actions()
+
+
+def _wrong_values(action) -> list:
+    many = action.nargs in ("+", "*")
+    values = [{"nested": 1}] + ([] if many else [[1, 2]])
+    if action.choices:
+        values.append("not-a-choice")
+    if action.type is not None and getattr(action.type, "__name__", "") in ("int", "float"):
+        values.append("twelve")
+    if getattr(action.type, "__name__", "") in ("string_to_bool", "strtobool"):
+        values.append("maybe")
+    return values
+
+
+CASES = [(key, value) for key, action in sorted(ACTIONS.items()) for value in _wrong_values(action)]
+
+
+def test_cases_cover_every_key():
+    assert {key for key, _ in CASES} == set(ACTIONS) and len(ACTIONS) > 100
+
+
+@pytest.mark.parametrize("key, value", CASES, ids=[f"{k}={v!r}"[:60] for k, v in CASES])
+def test_a_wrong_type_in_a_recipe_is_one_line(tmp_path, key, value):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt", key: value}))
+    with pytest.raises(RecipeError) as err:
+        parse_args([str(recipe), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
+    message = str(err.value)
+    assert "\n" not in message and key in message, message
+
+
+FLAG_CASES = [(key, "maybe" if getattr(a.type, "__name__", "") in ("string_to_bool", "strtobool") else "not-a-choice")
+              for key, a in sorted(ACTIONS.items())
+              if getattr(a.type, "__name__", "") in ("string_to_bool", "strtobool") or (a.choices and a.nargs not in ("+", "*"))]
+
+
+@pytest.mark.parametrize("key, value", FLAG_CASES, ids=[f"--{k} {v}" for k, v in FLAG_CASES])
+def test_a_wrong_word_for_a_flag_is_one_line(tmp_path, key, value):
+    with pytest.raises(RecipeError) as err:
+        parse_args(["--config_name", "assets/tiny-llama", "--output_dir", str(tmp_path / "o"), *NO_FSDP, f"--{key}", value])
+    message = str(err.value)
+    assert "\n" not in message and key in message, message
