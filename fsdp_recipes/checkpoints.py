@@ -25,7 +25,7 @@ from .checkpoint_files import (
     CheckpointError, checkpoint_steps, is_checkpoint_folder, real,
 )
 from .dcp_files import check_folder, digest_problems
-from .removal import move, remove
+from .removal import contents, is_ours, move, remove
 
 
 @dataclass
@@ -268,13 +268,19 @@ def set_aside(ckpt: Path, prefix: str = INCOMPLETE_PREFIX) -> Path:
 CHECKPOINT_PURPOSE = "training checkpoint"  # the marker FSDPTrainer writes into each checkpoint-N it makes
 
 
-def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = None) -> list[Path]:
+def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = None, warn=print) -> list[Path]:
     """Delete the oldest checkpoint-N folders beyond ``limit`` (by step: mtime is unreliable on fuse and network
     filesystems), never the newest nor ``keep`` (the best model's); only folders this project made or shaped
-    exactly like a checkpoint (fsdp_recipes.removal). Returns what was deleted."""
+    exactly like a checkpoint (fsdp_recipes.removal). One that is neither is kept and named through ``warn``: a
+    run of days is not stopped for a file someone put beside its checkpoints. Returns what was deleted."""
     if not limit or limit <= 0:
         return []
-    steps = checkpoint_steps(Path(run_dir))  # newest first
+    steps = []
+    for ckpt in checkpoint_steps(Path(run_dir)):  # newest first
+        if is_ours(ckpt, CHECKPOINT_PURPOSE) or is_checkpoint_folder(ckpt):
+            steps.append(ckpt)
+        else:  # not counted either: it does not cost one of the run's own checkpoints its place
+            warn(f"save_total_limit: kept {ckpt.name}, which holds more than a checkpoint ({contents(ckpt)}); move it away")
     protected = {steps[0]} if steps else set()
     if keep:
         protected |= {p for p in steps if real(p) == real(keep)}

@@ -227,4 +227,4 @@ class FSDPTrainer(Trainer):
                 self.args.save_total_limit = limit
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
-                rotate(run_dir, limit, keep=self.state.best_model_checkpoint)
+                rotate(run_dir, limit, keep=self.state.best_model_checkpoint, warn=logger.warning)

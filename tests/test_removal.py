@@ -168,13 +168,12 @@ def test_rotation_deletes_only_checkpoints(tmp_path):
     for step in (1, 2, 3, 4):
         _checkpoint(run / f"checkpoint-{step}", marked=step != 2)
     (run / "checkpoint-1" / "notes.txt").write_text("marked by us: ours, whatever was added")
-    _notes(run / "checkpoint-0")  # named like one, holds a user's files
-    with pytest.raises(RefusedRemoval, match="checkpoint-0"):
-        rotate(run, 2)
+    _notes(run / "checkpoint-0")  # named like one, holds a user's files: kept, named, and the run goes on
+    said = []
+    assert [p.name for p in rotate(run, 2, warn=said.append)] == ["checkpoint-1", "checkpoint-2"]  # unmarked but checkpoint-shaped
+    assert len(said) == 1 and "kept checkpoint-0, which holds more than a checkpoint (data/, notes.txt)" in said[0], said
     assert (run / "checkpoint-0" / "notes.txt").is_file()
-    shutil.rmtree(run / "checkpoint-0")  # the test's own cleanup
-    assert [p.name for p in rotate(run, 2)] == ["checkpoint-1", "checkpoint-2"]  # unmarked but checkpoint-shaped
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-0", "checkpoint-3", "checkpoint-4"]
 
 
 def test_setting_aside_never_deletes(tmp_path):
