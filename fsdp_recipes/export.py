@@ -133,12 +133,12 @@ def save_final_model(trainer, tokenizer) -> None:
 
 EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp", ".adapter-tmp")  # this module's own staging folders in output_dir
 EXPORT_STAGING = "export staging"  # their marker's purpose (fsdp_recipes.removal)
+ADAPTER_DIR = "adapter"  # a LoRA run's adapter, beside the merged model: PeftModel.from_pretrained loads it
 
 
 def _staged_result(folder: Path) -> bool:
     """A staging folder a merge finished (its marker already taken out): only model or adapter files."""
     return is_model_folder(folder) or is_exported_adapter(folder)
-ADAPTER_DIR = "adapter"  # a LoRA run's adapter, beside the merged model: PeftModel.from_pretrained loads it
 
 
 def remove_export_leftovers(out: Path, log=print) -> None:
