@@ -20,7 +20,12 @@ This module is the one reader of those pickles, and it reads with allow-lists on
   and storage types; a byte record only plain data (numbers, strings, lists, dicts, tuples, None, tensors).
 - ``guard_torch_dcp`` makes torch's own DCP reader go through both checks on every load that follows in this
   process (resume in train_fsdp.py, the merge's torch path), so the checks cannot be skipped by a code path that
-  forgot them: a vetted pickle names only allow-listed globals, and only then is it unpickled.
+  forgot them. A vetted ``.metadata`` is unpickled as the very bytes that were vetted, by the same (Python's)
+  unpickler. A byte record is a zip archive, and Python's zipfile and torch's reader (miniz) do not read every
+  archive alike (a second central directory, names that differ only in case): so a byte record is read by torch's
+  own restricted reader (``torch.load(weights_only=True)``: the parser that would have run the pickle is the one
+  that refuses it), and torch's loader then gets a record re-written from that plain value, never the original.
+  ``vet_records`` checks byte records the same way before a resume starts.
 
 UnsafeCheckpointError names what was refused; nothing a refused file names is ever imported or called.
 """
@@ -381,6 +386,23 @@ def vet_record(stream, plain_data: bool) -> None:
     _VettingUnpickler(io.BytesIO(archive.read(pkl[0])), plain_data).load()
 
 
+def load_byte_record(stream, key: str):
+    """A byte record's value, read by torch's restricted reader (weights_only: tensors and plain data; its own zip
+    parser, the one DCP would use), after this module's allow-list. UnsafeRecordError when either refuses it."""
+    import torch
+
+    try:
+        vet_record(stream, plain_data=True)
+        stream.seek(0)
+        return torch.load(stream, map_location="cpu", weights_only=True)
+    except UnsafeCheckpointError as err:
+        raise UnsafeRecordError(f"byte record {key!r} names {err}: refusing to unpickle it") from None
+    except Exception as err:  # noqa: BLE001 (torch's UnpicklingError, a zip its reader finds malformed ...)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UnsafeRecordError(f"byte record {key!r} is refused by torch's restricted reader ({first[:160]}): refusing to "
+                                "unpickle it") from None
+
+
 def vet_records(dcp_dir: Path, layout: Layout, byte_records: bool = True) -> list[str]:
     """The first record of the folder that names more than its allow-list, or is unreadable, as a problem line."""
     by_file: dict[str, list[tuple[str, Stored]]] = {}
@@ -405,7 +427,19 @@ def vet_records(dcp_dir: Path, layout: Layout, byte_records: bool = True) -> lis
                     return [unsafe_message(path, UnsafeRecordError(f"{what} names {err}"))]
                 except Exception as err:  # noqa: BLE001 (zipfile, pickle and struct errors of a damaged record)
                     return [f"unreadable {what} in {path} ({type(err).__name__}): copy the checkpoint again"]
+                if is_bytes:  # as the resume will read it: torch's zip reader may see another archive in the bytes
+                    try:
+                        load_byte_record(io.BytesIO(_read_range(f, stored)), key)
+                    except (UnsafeRecordError, ValueError) as err:
+                        return [f"{path}: {err}; use a checkpoint you or your training run wrote"]
     return []
+
+
+def _read_range(f, stored: Stored) -> bytes:
+    if stored.length > _RECORD_LIMIT:
+        raise ValueError(f"a {stored.length}-byte byte record")
+    f.seek(stored.offset)
+    return f.read(stored.length)
 
 
 def vet_metadata(data: bytes, path) -> None:
@@ -442,12 +476,12 @@ def guard_torch_dcp() -> None:
         return metadata
 
     def vetted_load_bytes(self, read_item, value):
-        try:
-            vet_record(value, plain_data=True)
-        except UnsafeCheckpointError as err:
-            raise UnsafeRecordError(f"byte record {read_item.dest_index.fqn!r} names {err}: refusing to unpickle it") from None
-        value.seek(0)
-        return load_bytes(self, read_item, value)
+        import torch
+
+        rewritten = io.BytesIO()
+        torch.save(load_byte_record(value, read_item.dest_index.fqn), rewritten)  # only plain data, re-encoded by us
+        rewritten.seek(0)
+        return load_bytes(self, read_item, rewritten)
 
     internals.patch("torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata", read_metadata)
     internals.patch("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes", vetted_load_bytes)
