@@ -211,6 +211,20 @@ def unsafe_message(path: Path, err: UnsafeCheckpointError) -> str:
     )
 
 
+def _storage_file_problem(folder: Path, name: str) -> str | None:
+    """A storage file that is not a regular file directly inside ``folder`` (links resolved): named, else None."""
+    import stat
+
+    path = folder / name
+    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(folder):
+        return f"storage path {name!r} (a link to {os.path.realpath(path)})"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # missing: torch's own error names it
+    return None if stat.S_ISREG(mode) else f"storage path {name!r} (not a regular file)"
+
+
 def check_folder(dcp_dir: Path, byte_records: bool = True) -> tuple[Layout | None, list[str]]:
     """(layout or None, what makes the folder unreadable or unsafe: missing, unreadable or unsafe .metadata, missing,
     truncated or escaping .distcp files, records that name more than their allow-list). ``byte_records=False``
@@ -228,11 +242,10 @@ def check_folder(dcp_dir: Path, byte_records: bool = True) -> tuple[Layout | Non
     for info in layout.storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     problems = []
-    folder = os.path.realpath(dcp_dir)
     for name, size in sorted(needed.items()):
         path = Path(dcp_dir) / name
-        if os.path.dirname(os.path.realpath(path)) != folder:
-            problems.append(unsafe_message(meta_path, EscapingPathError(f"storage path {name!r} (a link to {os.path.realpath(path)})")))
+        if (problem := _storage_file_problem(Path(dcp_dir), name)) and "a link" in problem:
+            problems.append(unsafe_message(meta_path, EscapingPathError(problem)))
         elif not path.is_file():
             problems.append(f"missing {path}")
         elif path.stat().st_size < size:
@@ -470,6 +483,10 @@ def guard_torch_dcp() -> None:
             data = f.read()
         vet_metadata(data, path)
         metadata = pickle.loads(data)  # noqa: S301 (vetted above: it names only DCP metadata classes)
+        # checked again as torch opens them: a file swapped for a link out or a FIFO since the checks would hang
+        for name in sorted({info.relative_path for info in (metadata.storage_data or {}).values()}):
+            if problem := _storage_file_problem(Path(str(self.path)), name):
+                raise EscapingPathError(problem)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -173,3 +173,59 @@ def test_real_checkpoints_pass_every_check(checkpoint):
     """Our own checkpoints (model, optimizer with its byte records, RNG and scheduler files) are resumable."""
     status = checkpoint_status(checkpoint)
     assert status.resumable, status.problems
+
+
+@pytest.mark.parametrize("trick", ["concat", "case"])
+def test_zip_records_torch_reads_differently_from_zipfile(checkpoint, trick, tmp_path, capsys):
+    """A byte record that Python's zipfile reads as a harmless float and torch's zip reader as a payload (found by
+    the hostile review): refused before the resume, and by the guarded load itself."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+    import zip_differentials
+
+    from fsdp_recipes.dcp_files import vet_record
+
+    marker = tmp_path / "code-ran"
+    plain = io.BytesIO()
+    torch.save(0.001, plain)
+    evil = getattr(zip_differentials, trick)(plain.getvalue(), pickle.dumps(Payload("os.system", marker), protocol=2))
+    vet_record(io.BytesIO(evil), plain_data=True)  # zipfile sees only the float: the differential is real
+    torch.load(io.BytesIO(evil), weights_only=False)  # and torch's reader runs the payload
+    assert marker.exists()
+    marker.unlink()
+
+    folder = checkpoint / "optimizer_0"
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    key = sorted(i.fqn for i in metadata.storage_data if "param_groups" in i.fqn)[0]
+    (folder / "__9_0.distcp").write_bytes(evil)
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # test-only: forging DCP metadata
+
+    for index in [i for i in metadata.storage_data if i.fqn == key]:
+        metadata.storage_data[index] = _StorageInfo("__9_0.distcp", 0, len(evil))
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    _assert_refused_everywhere(checkpoint, marker, capsys, merge_reads_it=False)
+    guard_torch_dcp()
+    with pytest.raises(BaseException) as caught:
+        dcp.load({key: None}, checkpoint_id=str(folder), no_dist=True)
+    assert "refusing to unpickle" in str(caught.value) and not marker.exists()
+
+
+def test_a_shard_swapped_for_a_fifo_after_the_checks_does_not_hang_the_load(tmp_path):
+    """The checks before a resume saw a regular file; by the time torch opens it, it is a link to a FIFO (which would
+    block the load forever, deaf to SIGTERM). The guarded reader checks every storage file again as it reads."""
+    import signal
+
+    _quiet_save({"w": torch.ones(2, 2)}, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "__0_0.distcp").unlink()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "ckpt" / "__0_0.distcp").symlink_to(tmp_path / "fifo")
+    guard_torch_dcp()
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("the load blocked on the FIFO")))
+    signal.alarm(30)
+    try:
+        with pytest.raises(BaseException) as caught:
+            dcp.load({"w": torch.zeros(2, 2)}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    finally:
+        signal.alarm(0)
+    assert "a link to" in str(caught.value) and not isinstance(caught.value, TimeoutError)
