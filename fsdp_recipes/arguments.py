@@ -1001,10 +1001,9 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, plan: Pre
     """A new run must not write into another run's checkpoints: a later `resume true` would pick theirs, rotation
     would delete them. Nor may output_dir be, hold or lie inside a local input (the final model would replace the
     model it was trained from). A resume from a checkpoint outside output_dir is a new run for this check."""
-    from .checkpoint_files import INCOMPLETE_PREFIX, REPLACED_PREFIX, checkpoint_steps, is_checkpoint_folder, overlap, real
-    from .checkpoints import CHECKPOINT_PURPOSE
-    from .removal import is_ours
-
+    from .checkpoint_files import (
+        INCOMPLETE_PREFIX, REPLACED_PREFIX, checkpoint_steps, foreign_entries, is_checkpoint_folder, overlap, real,
+    )
     if not str(output_dir).strip():
         raise RecipeError("output_dir is empty: give a folder for checkpoints and the final model, e.g. --output_dir runs/my-run")
     out = Path(output_dir)
@@ -1018,6 +1017,10 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, plan: Pre
             how = "is" if real(output_dir) == real(source) else "is inside" if real(source) in real(output_dir).parents else "holds"
             raise RecipeError(f"output_dir {output_dir!r} {how} {key} {source!r}: the run's model folder would replace or "
                               "mix with its input; choose another --output_dir")
+    if out.is_dir() and (foreign := foreign_entries(out)):
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise RecipeError(f"output_dir {output_dir!r} holds files a training run does not write ({shown}): the run's "
+                          "checkpoints and model files would be written among them; choose an empty or new --output_dir")
     if resuming and resume is not None and real(resume).parent != real(output_dir):
         resuming = False  # another folder's checkpoint: this output_dir starts a new line of checkpoints
     if resuming or not out.is_dir():
@@ -1037,7 +1040,7 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, plan: Pre
             f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
             "--resume_from_checkpoint true, choose a new --output_dir, or pass --overwrite_output_dir true to delete them"
         )
-    foreign = [p for p in earlier if not (is_ours(p, CHECKPOINT_PURPOSE) or is_checkpoint_folder(p))]
+    foreign = [p for p in earlier if not is_checkpoint_folder(p)]
     if foreign:
         raise RecipeError(
             f"--overwrite_output_dir: {foreign[0]} holds files a training checkpoint does not (or is a link): refusing to "

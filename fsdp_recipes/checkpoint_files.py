@@ -86,6 +86,18 @@ def is_model_folder(folder: Path) -> bool:
     return _only(Path(folder), _MODEL_FILES, {"adapter": _MODEL_FILES})
 
 
+# What a training run writes into its output_dir, beside the model files: checkpoints, set-aside ones, its records,
+# tensorboard's runs/, profiles, the adapter, its lock and staging folders. Anything else there is someone's.
+_RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", r"adapter", r"runs",
+                r"profile", r"run_args\.json", r"fsdp_report\.json", r"(all|train|eval)_results\.json", r"loss\.png",
+                r"\.run\.lock", r"requeue_progress\.json", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
+
+
+def foreign_entries(output_dir: Path) -> list[str]:
+    """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/): sorted."""
+    return sorted(p.name for p in Path(output_dir).iterdir() if not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES))
+
+
 def is_exported_adapter(folder: Path) -> bool:
     """A real folder holding only what an adapter export writes: adapter_config.json and adapter_model files."""
     return (Path(folder) / ADAPTER_CONFIG).is_file() and _only(

@@ -25,7 +25,7 @@ from .checkpoint_files import (
     CheckpointError, checkpoint_steps, is_checkpoint_folder, real,
 )
 from .dcp_files import check_folder, digest_problems
-from .removal import contents, is_ours, move, remove
+from .removal import contents, move, remove
 
 
 @dataclass
@@ -271,13 +271,13 @@ CHECKPOINT_PURPOSE = "training checkpoint"  # the marker FSDPTrainer writes into
 def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = None, warn=print) -> list[Path]:
     """Delete the oldest checkpoint-N folders beyond ``limit`` (by step: mtime is unreliable on fuse and network
     filesystems), never the newest nor ``keep`` (the best model's); only folders this project made or shaped
-    exactly like a checkpoint (fsdp_recipes.removal). One that is neither is kept and named through ``warn``: a
+    exactly like a checkpoint, holding nothing else (fsdp_recipes.removal). One that holds more is kept and named through ``warn``: a
     run of days is not stopped for a file someone put beside its checkpoints. Returns what was deleted."""
     if not limit or limit <= 0:
         return []
     steps = []
     for ckpt in checkpoint_steps(Path(run_dir)):  # newest first
-        if is_ours(ckpt, CHECKPOINT_PURPOSE) or is_checkpoint_folder(ckpt):
+        if is_checkpoint_folder(ckpt):
             steps.append(ckpt)
         else:  # not counted either: it does not cost one of the run's own checkpoints its place
             warn(f"save_total_limit: kept {ckpt.name}, which holds more than a checkpoint ({contents(ckpt)}); move it away")

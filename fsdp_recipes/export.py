@@ -16,13 +16,13 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoint_files import (
-    ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, CheckpointError, is_exported_adapter, is_model_folder,
+    ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, CheckpointError, is_exported_adapter,
 )
 from .checks import unwrapped_model_class
 from .dcp_files import write_shard_digests
 from .description import describe_folder, write_manifest
 from .merge import write_model_files
-from .removal import make_folder, move, remove, replace_file
+from .removal import make_folder, move, remove, replace_file, unmark
 from .sources import DCPSource
 
 logger = logging.getLogger(__name__)
@@ -136,26 +136,23 @@ EXPORT_STAGING = "export staging"  # their marker's purpose (fsdp_recipes.remova
 ADAPTER_DIR = "adapter"  # a LoRA run's adapter, beside the merged model: PeftModel.from_pretrained loads it
 
 
-def _staged_result(folder: Path) -> bool:
-    """A staging folder a merge finished (its marker already taken out): only model or adapter files."""
-    return is_model_folder(folder) or is_exported_adapter(folder)
 
 
 def remove_export_leftovers(out: Path, log=print) -> None:
-    """The staging folders a final export killed midway left in ``out``: only ours (marked, or holding only what a
-    merge writes); a folder of another kind under one of these names is refused, in one line."""
+    """The staging folders a final export killed midway left in ``out``: only ours (marked when made); a folder of
+    another kind under one of these names is refused, in one line."""
     for name in EXPORT_LEFTOVERS:
         path = Path(out) / name
         if path.exists() or path.is_symlink():
-            remove(path, EXPORT_STAGING, shape=_staged_result)
+            remove(path, EXPORT_STAGING)
             log(f"removed {path}, left by an export that did not finish")
 
 
 def publish(staging: Path, out: Path, files: list[str]) -> None:
     """Move finished files into ``out``, config.json last: until it is there, the folder does not load."""
     for name in sorted(files, key=lambda n: n == "config.json"):
-        replace_file(staging / name, out / name, EXPORT_STAGING, shape=_staged_result)
-    remove(staging, EXPORT_STAGING, shape=_staged_result)
+        replace_file(staging / name, out / name, EXPORT_STAGING)
+    remove(staging, EXPORT_STAGING)
 
 
 def finished_checkpoint_step(training_args) -> int | None:
@@ -193,12 +190,13 @@ def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log
                               "folder): move it out of output_dir, then run the same command again")
     if description_dirs(resolve_input(ckpt))[0] is not None:
         base_model = None  # the checkpoint describes itself
-    result = merge_checkpoint(ckpt, staging, overwrite=True, base_model=base_model, log=log)
+    result = merge_checkpoint(ckpt, staging, overwrite=True, base_model=base_model, log=log, output_purpose=EXPORT_STAGING)
     if lora:  # a LoRA run: the adapter too, in a folder of its own
         adapter_staging = out / ".adapter-tmp"
-        merge_checkpoint(ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log)
+        merge_checkpoint(ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log, output_purpose=EXPORT_STAGING)
         if adapter.exists():
             remove(adapter, "adapter folder", shape=is_exported_adapter)  # an earlier export's (checked above)
+        unmark(adapter_staging, EXPORT_STAGING)
         move(adapter_staging, adapter)
     publish(staging, out, result.files)
     if (ckpt / "trainer_state.json").is_file():

@@ -30,7 +30,7 @@ from .description import (
     Description, config_origin, described_by_manifest, describe_folder, describe_with_transformers, description_dirs,
     model_skeleton,
 )
-from .removal import MARKER, contents, is_ours, make_folder, move, remove, remove_file, unmark
+from .removal import MARKER, contents, is_ours, make_folder, move, remark, remove, remove_file, unmark
 from .lora import MergedLoraSource, adapter_tensors, find_adapter_config, is_lora, read_adapter_config
 from .safetensors_writer import Cancelled, groups, write_weights
 from .sources import ResolvedInput, WeightMap, dtype_name, guess_namespace, match_namespace, resolve_input, torch_dtype
@@ -116,11 +116,13 @@ class MergeResult:
 def merge_checkpoint(
     input_path: str | os.PathLike, output_path: str | os.PathLike, *, base_model: str | None = None,
     dtype=None, max_shard_size: str | int = "5GB", memory_budget: str | int = "512MB",
-    overwrite: bool = False, verify: bool = False, adapter_only: bool = False, log=print,
+    overwrite: bool = False, verify: bool = False, adapter_only: bool = False, log=print, output_purpose: str | None = None,
 ) -> MergeResult:
     """Turn an FSDP checkpoint into a folder ``from_pretrained`` loads; never leaves a half-written folder.
     ``dtype``: torch.bfloat16 or "bfloat16" casts, None keeps the saved dtype. A PEFT LoRA checkpoint gives the
-    base model with the adapter merged in, or with ``adapter_only`` the adapter folder PeftModel loads."""
+    base model with the adapter merged in, or with ``adapter_only`` the adapter folder PeftModel loads.
+    ``output_purpose``: the output is itself a staging folder of a caller (the final export), and stays marked for
+    that purpose (fsdp_recipes.removal) so that only it is ever removed; otherwise the result carries no marker."""
     internals.require("huggingface_hub.serialization._base.parse_size_to_int")  # needed at the end; checked first
     dtype = dtype_name(dtype)
     resolved = resolve_input(input_path)
@@ -175,17 +177,17 @@ def merge_checkpoint(
             if verify:
                 verify_folder(staging, resolved.source, names, dtype, stem=stem)
                 log(f"verified: {len(names)} tensors equal the checkpoint" + ("" if adapter_only else "; from_pretrained (meta device) loads the folder"))
+            remark(staging, STAGING, output_purpose) if output_purpose else unmark(staging, STAGING)
             if out.exists():  # check_output: a model folder, and --overwrite was given
                 old = move(out, _staging_name(out, "old"))
-                unmark(staging, STAGING)
                 move(staging, out)
                 remove(old, STAGING, shape=lambda p: is_model_folder(p) or is_exported_adapter(p))
             else:
-                unmark(staging, STAGING)
                 move(staging, out)
         except BaseException:
-            if is_ours(staging, STAGING):
-                remove(staging, STAGING)
+            for purpose in {STAGING, output_purpose} - {None}:
+                if is_ours(staging, purpose):
+                    remove(staging, purpose)
             raise
     if described.tied:
         log(f"tied weights written once, as save_pretrained does: {', '.join(described.tied)}")

@@ -3,11 +3,13 @@
 Every tool here writes next to things it did not make: a user's home folder given as an output, another run's
 checkpoints, the model a run fine-tunes. So nothing is removed on a name or a guess. A folder is removed only when
 
-- this project made it: ``make_folder`` writes a marker file into it (``MARKER``: tool, purpose, host, process,
-  time), and ``remove`` asks for the same purpose back; or
-- it has an exact, documented shape that a caller passes in (``shape``): a model folder holding only the files a
-  merge writes, a checkpoint holding only the files a training checkpoint holds. Anything else inside it
-  (a notes.txt, a data/ folder, a .ssh/) and it is refused.
+- the caller names an exact, documented shape (``shape``) and the folder has it: a model folder holding only the
+  files a merge writes, a checkpoint holding only the files a training checkpoint holds. Anything else inside it
+  (a notes.txt, a data/ folder, a .ssh/) and it is refused, whoever made it; or
+- without a shape, this project made it: ``make_folder`` writes a marker file into it (``MARKER``: tool, purpose,
+  host, process, time, and the folder's device and inode), and ``remove`` asks for the same purpose back. The
+  marker counts only in the folder it was written into: a copy (``cp -a``) or a marker file copied elsewhere has
+  another inode, and proves nothing.
 
 A symlink is never followed into: a link is refused, not its target removed. Everything refused raises
 ``RefusedRemoval`` with one line naming the path and what it holds. ``tests/test_removal.py`` fails when any other
@@ -42,10 +44,22 @@ def make_folder(path: str | os.PathLike, purpose: str, exist_ok: bool = False) -
     if path.exists() and any(p.name != MARKER for p in path.iterdir()) and not is_ours(path, purpose):
         raise RefusedRemoval(f"{path} exists and holds {contents(path)}: refusing to take it over; move it away")
     path.mkdir(parents=True, exist_ok=True)
-    record = {"tool": "fsdp-recipes", "purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(),
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    (path / MARKER).write_text(json.dumps(record) + "\n")
+    _write_marker(path, purpose)
     return path
+
+
+def _write_marker(path: Path, purpose: str) -> None:
+    where = os.lstat(path)
+    record = {"tool": "fsdp-recipes", "purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": where.st_dev, "inode": where.st_ino}
+    (path / MARKER).write_text(json.dumps(record) + "\n")
+
+
+def remark(path: str | os.PathLike, purpose: str, new_purpose: str) -> None:
+    """A folder of ours changes purpose (a merge's staging becomes an export's staging)."""
+    if not is_ours(path, purpose):
+        raise RefusedRemoval(f"{path} is not a folder this project made ({purpose}): refusing to touch it")
+    _write_marker(Path(path), new_purpose)
 
 
 def marker(path: str | os.PathLike) -> dict | None:
@@ -58,9 +72,12 @@ def marker(path: str | os.PathLike) -> dict | None:
         if file.is_symlink() or not file.is_file() or file.stat().st_size > 4096:
             return None
         record = json.loads(file.read_text())
+        where = os.lstat(path)
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and record.get("tool") == "fsdp-recipes" else None
+    if not isinstance(record, dict) or record.get("tool") != "fsdp-recipes":
+        return None
+    return record if (record.get("device"), record.get("inode")) == (where.st_dev, where.st_ino) else None
 
 
 def is_ours(path: str | os.PathLike, purpose: str) -> bool:
@@ -86,8 +103,9 @@ def contents(path: Path, limit: int = 3) -> str:
 
 
 def remove(path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] | None = None, missing_ok: bool = False) -> None:
-    """Delete the folder ``path``: only when this project made it for ``purpose`` (its marker), or when ``shape``
-    (an exact-shape predicate) accepts it. Anything else: RefusedRemoval naming it and what it holds."""
+    """Delete the folder ``path``: when ``shape`` (an exact-shape predicate) is given, only if it accepts the folder;
+    without one, only if this project made it for ``purpose`` (its marker). Anything else: RefusedRemoval naming it
+    and what it holds."""
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         if missing_ok:
@@ -96,7 +114,7 @@ def remove(path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] 
     if path.is_symlink() or not path.is_dir():
         raise RefusedRemoval(f"{path} is {'a symbolic link' if path.is_symlink() else 'not a folder'}: refusing to "
                              f"remove it ({purpose}); move it away yourself")
-    if not (is_ours(path, purpose) or (shape is not None and shape(path))):
+    if not (shape(path) if shape is not None else is_ours(path, purpose)):
         raise RefusedRemoval(f"{path} is not a folder this project made ({purpose}; it holds {contents(path)}): refusing to "
                              "remove it; move it away yourself, or choose another path")
     shutil.rmtree(path)
@@ -135,7 +153,7 @@ def replace_file(src: str | os.PathLike, dst: str | os.PathLike, purpose: str, s
     ``dst`` (a file of the same name is replaced, as an export replaces an earlier export's; a folder or link there
     is refused)."""
     src, dst = Path(src), Path(dst)
-    if not (is_ours(src.parent, purpose) or (shape is not None and shape(src.parent))):
+    if not (shape(src.parent) if shape is not None else is_ours(src.parent, purpose)):
         raise RefusedRemoval(f"{src} is not in a folder this project made ({purpose}): refusing to move it")
     if dst.is_symlink() or dst.is_dir():
         raise RefusedRemoval(f"{dst} is {'a symbolic link' if dst.is_symlink() else 'a folder'}: refusing to replace it with {src.name}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -166,13 +167,28 @@ def test_rotation_deletes_only_checkpoints(tmp_path):
     run = tmp_path / "run"
     for step in (1, 2, 3, 4):
         _checkpoint(run / f"checkpoint-{step}", marked=step != 2)
-    (run / "checkpoint-1" / "notes.txt").write_text("marked by us: ours, whatever was added")
-    _notes(run / "checkpoint-0")  # named like one, holds a user's files: kept, named, and the run goes on
+    (run / "checkpoint-1" / "notes.txt").write_text("made by a run, then a file was added: no longer only a checkpoint")
+    _notes(run / "checkpoint-0")  # named like one, holds a user's files
     said = []
-    assert [p.name for p in rotate(run, 2, warn=said.append)] == ["checkpoint-1", "checkpoint-2"]  # unmarked but checkpoint-shaped
-    assert len(said) == 1 and "kept checkpoint-0, which holds more than a checkpoint (data/, notes.txt)" in said[0], said
-    assert (run / "checkpoint-0" / "notes.txt").is_file()
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-0", "checkpoint-3", "checkpoint-4"]
+    assert [p.name for p in rotate(run, 2, warn=said.append)] == ["checkpoint-2"]  # unmarked but checkpoint-shaped
+    assert len(said) == 2 and "kept checkpoint-1, which holds more than a checkpoint" in said[0], said
+    assert "kept checkpoint-0, which holds more than a checkpoint (data/, notes.txt)" in said[1], said
+    assert (run / "checkpoint-0" / "notes.txt").is_file() and (run / "checkpoint-1" / "notes.txt").is_file()
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-0", "checkpoint-1", "checkpoint-3", "checkpoint-4"]
+
+
+def test_a_copied_marker_proves_nothing(tmp_path):
+    """The marker binds to the folder it was written into (device and inode): cp -a of a marked folder, or the
+    marker file copied into another folder, does not make that folder ours."""
+    ours = make_folder(tmp_path / "ours", "merge staging")
+    copy = tmp_path / "copy"
+    shutil.copytree(ours, copy)  # as cp -a
+    (copy / "photo.jpg").write_bytes(b"x")
+    with pytest.raises(RefusedRemoval, match="refusing"):
+        remove(copy, "merge staging")
+    assert (copy / "photo.jpg").is_file()
+    remove(ours, "merge staging")
+    assert not ours.exists()
 
 
 def test_setting_aside_never_deletes(tmp_path):
@@ -217,3 +233,17 @@ def test_overwrite_output_dir_refuses_a_checkpoint_holding_other_files(tmp_path,
     with pytest.raises(RecipeError, match="checkpoint-3 holds files a training checkpoint does not"):
         check_output_dir(str(run), resuming=False, overwrite=True, plan=Preflight(None, False))
     assert (run / "checkpoint-3" / "notes.txt").is_file()
+
+
+@pytest.mark.parametrize("kind", sorted(FOREIGN))
+def test_output_dir_holding_someone_elses_files_is_refused(tmp_path, kind, launched):
+    """The final export writes config.json, tokenizer files and weights into output_dir: a folder holding anything a
+    run does not write (a home folder, a project) is refused before anything starts."""
+    out = tmp_path / "out"
+    FOREIGN[kind](out)
+    if kind in ("link to a model",):  # a link to a model folder holds only model files: a run may write there
+        return
+    before = _snapshot(out)
+    with pytest.raises(RecipeError, match="holds files a training run does not write"):
+        check_output_dir(str(out), resuming=False, overwrite=True, plan=Preflight(None, False))
+    assert _snapshot(out) == before
