@@ -94,8 +94,9 @@ _RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(incomplete|replaced)-checkp
 
 
 def foreign_entries(output_dir: Path) -> list[str]:
-    """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/): sorted."""
-    return sorted(p.name for p in Path(output_dir).iterdir() if not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES))
+    """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/), and links (a run
+    would write through them): sorted."""
+    return sorted(p.name for p in Path(output_dir).iterdir() if p.is_symlink() or not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES))
 
 
 def is_exported_adapter(folder: Path) -> bool:
