@@ -99,3 +99,37 @@ def test_equal_keys_in_different_mappings_are_fine(tmp_path):
     path.write_text("c: [{x: 1, 'x': 2}]\n")  # a quoted key is the same key
     with pytest.raises(UnreadableFile, match="has the key 'x' twice"):
         load_yaml(path, "file")
+
+
+# --- 2. worker processes bounded by the machine ---------------------------------------------------------------------
+
+def _arguments_on(monkeypatch, cpus):
+    """fsdp_recipes/arguments.py imported afresh (as another module) on a machine with ``cpus`` CPUs."""
+    import os
+    import sys
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    spec = importlib.util.spec_from_file_location("fsdp_recipes._arguments_probe", REPO / "fsdp_recipes" / "arguments.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("cpus, bound", [(None, 64), (1, 64), (2, 64), (16, 64), (17, 68), (40, 160), (256, 1024)])
+@pytest.mark.parametrize("field", ["dataloader_num_workers", "preprocessing_num_workers"])
+def test_worker_counts_are_bounded_by_the_machine(monkeypatch, cpus, bound, field):
+    arguments = _arguments_on(monkeypatch, cpus)
+    assert arguments.value_problem(field, bound) is None
+    for value in (bound + 1, 100000, arguments.MAX_COUNT):
+        problem = arguments.value_problem(field, value)
+        assert problem.startswith(f"{field}={value} is more than {bound}: "), problem
+        assert f"at most {bound}: max(64, 4 x the {cpus or 1} CPUs of this machine)" in problem and "\n" not in problem
+
+
+def test_a_fork_bomb_of_workers_is_refused_by_parse_args(tmp_path):
+    from fsdp_recipes.arguments import MAX_WORKERS, parse_args
+
+    for field in ("dataloader_num_workers", "preprocessing_num_workers"):
+        with pytest.raises(RecipeError, match=rf"^{field}=100000 is more than {MAX_WORKERS}: .*CPUs of this machine"):
+            parse_args([f"--{field}", "100000", "--output_dir", str(tmp_path / "o"), "--allow_no_fsdp", "true"])
