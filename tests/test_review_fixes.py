@@ -312,3 +312,61 @@ def test_the_config_peft_writes_still_merges_as_merge_and_unload(tmp_path):
     ours = merged.read(sorted(merged.tensors))
     by_peft = model.merge_and_unload().state_dict()
     assert len(by_peft) == len(ours) and all(torch.equal(ours[f"base_model.model.{k}"], v) for k, v in by_peft.items())
+
+
+# --- 5. estimate_memory.py model sizes and paths --------------------------------------------------------------------
+
+COUNT_PROBLEMS = {  # count -> what the message says is wrong
+    **{c: "is not the size of any model: " for c in ("9999999999999999999999999B", "101T", "1e15", "100000000000001", "1e6T", "100000001M")},
+    **{c: "is not a parameter count: it is negative" for c in ("-7B", "-7", "-0.5M", "-1e3", "-100T", "-1")},
+    **{c: "is not a finite number" for c in ("nan", "NaN", "inf", "-inf", "infinity", "1e999B", "-1e999")},
+    **{c: "is not a parameter count: it is less than 1" for c in ("0", "0B", "0.5", ".5", "1e-3")},
+}
+
+
+@pytest.mark.parametrize("count", sorted(COUNT_PROBLEMS))
+def test_parameter_counts_beyond_any_model_or_below_one(count, capsys):
+    from fsdp_recipes.memory import parse_count
+
+    with pytest.raises(ValueError, match=re.escape(COUNT_PROBLEMS[count])):
+        parse_count(count)
+    forms = [[count], ["--", count], [count, "--nproc-per-node", "2"]] if count.startswith("-") else [[count]]
+    for argv in forms:  # argparse took '-7B' for an option, then said the model was missing
+        assert cli("estimate_memory", argv) == 2
+        line = one_line(capsys.readouterr().err, f"estimate_memory.py: error: argument model: {count!r} ")
+        assert COUNT_PROBLEMS[count] in line, (argv, line)
+
+
+@pytest.mark.parametrize("count, params", [("1", 1), ("7B", 7 * 10**9), ("100T", 10**14), ("1e14", 10**14), ("+7B", 7 * 10**9),
+                                           ("7e-3B", 7 * 10**6), ("1.5e9", 1_500_000_000), (" 350m ", 350 * 10**6)])
+def test_parameter_counts_up_to_100t_are_taken(count, params, capsys):
+    from fsdp_recipes.memory import parse_count
+
+    assert parse_count(count) == params
+    assert cli("estimate_memory", [count, "--json"]) == 0
+    assert f'"params": {params}' in capsys.readouterr().out
+
+
+def test_a_model_path_that_is_not_a_model_config(tmp_path, capsys):
+    """Each went to transformers (or to the hub as a repo id: '/dev/zero' was 'Repo id must be in the form ...')."""
+    import os
+
+    fifo, junk, empty = tmp_path / "fifo", tmp_path / "junk.json", tmp_path / "empty"
+    os.mkfifo(fifo)
+    junk.write_text("not json")
+    empty.mkdir()
+    cases = {
+        "/dev/zero": "model config '/dev/zero' is a character device, not a file",
+        str(fifo): f"model config {str(fifo)!r} is a FIFO (named pipe), not a file",
+        str(junk): f"model config {str(junk)!r} is not valid JSON",
+        str(empty): f"model folder {str(empty)!r} holds no config.json",
+        str(tmp_path / "missing"): f"model config {str(tmp_path / 'missing')!r} does not exist",
+        "./no-such-model": "model config './no-such-model' does not exist",
+    }
+    for model, said in cases.items():
+        assert cli("estimate_memory", [model]) == 1
+        assert said in one_line(capsys.readouterr().err, "estimate_memory.py: error: "), model
+    (empty / "my_config.json").write_text((REPO / "assets" / "tiny-llama" / "config.json").read_text())
+    for model in (REPO / "assets" / "tiny-llama", REPO / "assets" / "tiny-llama" / "config.json", empty / "my_config.json"):
+        assert cli("estimate_memory", [str(model), "--json"]) == 0, model
+        assert '"hidden": ' in capsys.readouterr().out
