@@ -529,6 +529,13 @@ INF = float("inf")
 SEED_MAX = 2**32 - 1  # transformers' set_seed seeds numpy, which refuses more
 MAX_COUNT = 2**63 - 1  # the largest int64: whole numbers (counts, steps, sizes) beyond it overflow where torch keeps them
 STEPS_FIX = "give a whole number of optimizer steps, or a fraction of the run below 1 (0.1: every tenth of it)"
+# Worker processes (dataloader_num_workers per training process, preprocessing_num_workers for datasets.map) are
+# forked as asked: 100000 forked until the machine stopped. More than a few per core only queue for the cores, so
+# the bound follows this machine (computed once, at import); 64 stays allowed on small machines, where a recipe
+# written for a large node may still ask for that many.
+CPUS = os.cpu_count() or 1
+MAX_WORKERS = max(64, 4 * CPUS)
+WORKERS_BOUND = f"at most {MAX_WORKERS}: max(64, 4 x the {CPUS} CPUs of this machine)"
 
 # A rule for every int or float field of ModelArguments, DataArguments, RunArguments and TrainingArguments
 # (numeric_fields()); tests/test_training_values.py fails for a field that has neither a rule here nor a place in
@@ -541,7 +548,7 @@ VALUE_RULES: dict[str, Rule] = {
     # DataArguments
     "block_size": Rule(8, INF, "use at least 8 tokens"),
     "max_train_samples": Rule(1, INF, "keep at least 1 example, or leave it unset to train on all of them"),
-    "preprocessing_num_workers": Rule(1, INF, "give 1 or more tokenizing processes, or leave it unset to tokenize in the training process"),
+    "preprocessing_num_workers": Rule(1, MAX_WORKERS, f"give 1 or more tokenizing processes ({WORKERS_BOUND}), or leave it unset to tokenize in the training process"),
     "validation_split_percentage": Rule(1, 50, "hold out between 1 and 50 percent"),
     # RunArguments
     "peak_tflops": Rule(0, INF, "give the GPU's dense bf16 peak in TFLOPS (989 for an H100 SXM), or leave it unset", low_open=True),
@@ -569,7 +576,7 @@ VALUE_RULES: dict[str, Rule] = {
     "save_total_limit": Rule(1, INF, "keep at least 1 checkpoint, or leave it unset to keep them all"),
     "seed": Rule(0, SEED_MAX, f"give a seed from 0 to {SEED_MAX}"),
     "data_seed": Rule(0, SEED_MAX, f"give a seed from 0 to {SEED_MAX}, or leave it unset to use seed"),
-    "dataloader_num_workers": Rule(0, INF, "give 0 to load batches in the training process, or a number of worker processes"),
+    "dataloader_num_workers": Rule(0, MAX_WORKERS, f"give 0 to load batches in the training process, or a number of worker processes ({WORKERS_BOUND})"),
     "dataloader_prefetch_factor": Rule(1, INF, "give a positive number of batches per worker, or leave it unset"),
     "ddp_bucket_cap_mb": Rule(1, INF, "give a positive bucket size in MB, or leave it unset"),
     "ddp_timeout": Rule(1, INF, "give the collectives' timeout in seconds, e.g. 1800"),

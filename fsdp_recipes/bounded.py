@@ -10,7 +10,8 @@ Each reader here refuses these before they cost memory or time, in one line that
 - at most ``limit + 1`` bytes are read, so a file that grows after the stat cannot slip past the limit;
 - the bytes must be UTF-8 text without NUL bytes;
 - YAML is parsed by a safe loader that refuses aliases and anchors outright (recipes and configs never need
-  them), nesting deeper than ``MAX_DEPTH`` and more than ``MAX_VALUES`` values, and keys that are not names;
+  them), nesting deeper than ``MAX_DEPTH`` and more than ``MAX_VALUES`` values, keys that are not names, and
+  a key given twice in one mapping (YAML itself keeps the last without a word);
 - the top level must be a mapping (a JSON object).
 
 Standard library and pyyaml only: the checkpoint tools import this and must start without torch.
@@ -128,11 +129,19 @@ class _BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
 
     def construct_mapping(self, node, deep=False):
+        seen: dict[str, int] = {}  # key -> its line
         for key_node, _ in node.value:
+            line = key_node.start_mark.line + 1
             if key_node.tag != "tag:yaml.org,2002:str":  # 1:, yes:, null:, [a]: ... would be ints, bools, None, lists
                 shown = repr(key_node.value[:60]) if isinstance(key_node, yaml.ScalarNode) else "that is a collection"
-                raise _Refused(f"has a key {shown} at line {key_node.start_mark.line + 1} that YAML reads as "
+                raise _Refused(f"has a key {shown} at line {line} that YAML reads as "
                                f"{key_node.tag.rsplit(':', 1)[-1]}, not a name", "write keys as names (quote one that looks like a value)")
+            # pyyaml keeps the last of two equal keys without a word: `num_processes: 2` then `num_processes: 8`
+            # would launch 8, whichever of them the user edited last
+            if key_node.value in seen:
+                raise _Refused(f"has the key {key_node.value[:60]!r} twice (lines {seen[key_node.value]} and {line})",
+                               "keep one of them: YAML would silently take the last")
+            seen[key_node.value] = line
         return super().construct_mapping(node, deep)
 
 

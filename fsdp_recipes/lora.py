@@ -40,20 +40,66 @@ def find_adapter_config(places: list[Path]) -> Path:
     return found
 
 
+MAX_RANK = 65536  # far above any adapter trained (r 8 to 256; 65536 is a full-rank 64K-wide linear)
+MAX_ALPHA = 2**20  # alpha is r or 2r in every published recipe: far above twice the largest rank, a typo or junk
+_FLAGS = ("use_rslora", "fan_in_fan_out", "use_dora", "lora_bias")  # read as true/false: "false" would be truthy
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _config_problem(config: dict) -> str | None:
+    """Why an adapter config's values cannot be merged (or loaded by peft): the first wrong key, or None.
+    json reads NaN and Infinity as floats, and every value may be of any JSON type. lora_dropout and
+    target_modules are not used by the merge, but PeftModel.from_pretrained reads them from the folder
+    --adapter-only writes (a copy of this file)."""
+    alpha, r = config["lora_alpha"], config["r"]
+    if not _is_number(alpha) or not math.isfinite(alpha) or not 0 < alpha <= MAX_ALPHA:
+        return f"lora_alpha {_shown(alpha)} is not a number above 0 and at most {MAX_ALPHA}"
+    if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= MAX_RANK:
+        return f"r {_shown(r)} is not a whole number from 1 to {MAX_RANK}"
+    if "lora_dropout" in config:
+        dropout = config["lora_dropout"]
+        if not _is_number(dropout) or not math.isfinite(dropout) or not 0 <= dropout < 1:
+            return f"lora_dropout {_shown(dropout)} is not a probability from 0 to below 1"
+    for key in _FLAGS:
+        if key in config and not isinstance(config[key], bool):
+            return f"{key} {_shown(config[key])} is not true or false"
+    for key, kinds, what in (("peft_type", (str,), "a string"), ("base_model_name_or_path", (str, type(None)), "a string or null"),
+                             ("target_modules", (str, list, type(None)), "a name, a list of names or null"),
+                             ("rank_pattern", (dict, type(None)), "a mapping or null"), ("alpha_pattern", (dict, type(None)), "a mapping or null"),
+                             ("modules_to_save", (list, type(None)), "a list or null"), ("layer_replication", (list, type(None)), "a list or null")):
+        if key in config and not isinstance(config[key], kinds):
+            return f"{key} {_shown(config[key])} is not {what}"
+    if isinstance(config.get("target_modules"), list) and not all(isinstance(m, str) for m in config["target_modules"]):
+        return f"target_modules {_shown(config['target_modules'])} is not a list of names"
+    return None
+
+
 def read_adapter_config(path: Path) -> dict:
+    """adapter_config.json, with every value the merge reads checked: a NaN alpha, a rank of 10**12 or 0, a
+    "false" flag (truthy) would otherwise merge into NaN or wrong weights with exit 0."""
     try:
         config = load_json(path, ADAPTER_CONFIG, JSON_LIMIT)
-        alpha, r = float(config["lora_alpha"]), int(config["r"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path} is not a LoRA adapter config ({type(err).__name__}: {err}): copy the run's adapter_config.json again") from None
+    except ValueError as err:  # UnreadableFile: names the file and the fix
+        raise CheckpointError(str(err)) from None
+    missing = [key for key in ("lora_alpha", "r") if key not in config]
+    if missing:
+        raise CheckpointError(f"{path} is not a LoRA adapter config (no {' and no '.join(missing)}): copy the run's adapter_config.json again")
+    if problem := _config_problem(config):
+        raise CheckpointError(f"{path}: {problem}: copy the run's adapter_config.json again (PeftModel.save_pretrained writes it)")
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{path}: peft_type {config.get('peft_type')} is not LoRA; only LoRA adapters are merged")
     for key, what in (("use_dora", "DoRA"), ("alpha_pattern", "per-module alpha (alpha_pattern)"), ("lora_bias", "LoRA biases"),
                       ("modules_to_save", "modules_to_save"), ("layer_replication", "layer_replication")):
         if config.get(key):
             raise CheckpointError(f"{path}: {what} is not supported by this merge: merge with peft's merge_and_unload instead")
-    if alpha <= 0 or r <= 0:
-        raise CheckpointError(f"{path}: lora_alpha {alpha} and r {r} must be positive")
     return config
 
 
@@ -79,6 +125,13 @@ class MergedLoraSource:
             raise CheckpointError(f"the checkpoint holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); merge one with peft's merge_and_unload")
         self.adapter = next(iter(adapters), None)
         self.pairs = pairs
+        # peft scales by the config's r (rank_pattern: per module); the merge by lora_A's rows, the same number in
+        # any adapter peft can load. A config whose r differs is another run's: its alpha is not this adapter's.
+        if not config.get("rank_pattern"):
+            for pair in pairs.values():
+                if "A" in pair and base.tensors[pair["A"]].shape[0] != config["r"]:
+                    raise CheckpointError(f"{pair['A']} has rank {base.tensors[pair['A']].shape[0]} but {ADAPTER_CONFIG} says r "
+                                          f"{config['r']}: it is another run's config; copy this run's {ADAPTER_CONFIG}")
         self._merged: dict[str, tuple[str, str, str]] = {}
         self._plain: dict[str, str] = {}
         self.tensors: dict[str, TensorInfo] = {}
@@ -122,6 +175,12 @@ class MergedLoraSource:
             delta = (b.float() @ a.float()) if cast else b @ a
             delta = (delta.T if self.transpose else delta) * self.scaling(a.shape[0])
             out[n] = weight + (delta.to(b.dtype) if cast else delta)
+            # a merge that overflows is refused, not written with exit 0 (the checked config cannot rule out
+            # adapter weights that are themselves huge); a base weight that is already not finite is the checkpoint's own
+            if not torch.isfinite(out[n]).all() and torch.isfinite(weight).all():
+                raise CheckpointError(f"{n}: merging lora_B @ lora_A x {self.scaling(a.shape[0]):g} into it gives values that are not "
+                                      f"finite in {str(out[n].dtype).removeprefix('torch.')}: the adapter's weights or lora_alpha are far too large; "
+                                      "is this the run's adapter?")
         return out
 
 

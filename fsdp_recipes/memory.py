@@ -76,16 +76,49 @@ class Estimate:
 COUNT_LIKE = re.compile(r"\s*[-+]?(\d[\d.]*|\.\d+|nan|inf(inity)?)(e[-+]?\d+)?\s*[kmbt]?\s*", re.IGNORECASE)
 
 
+MAX_PARAMS = 10**14  # 100T: over ten times the largest model trained; a count beyond it is a typo, not a model
+
+
 def parse_count(text: str) -> int:
-    """'7B', '175b', '350M', '1.5e9' or '124000000' -> an integer parameter count (at least 1, finite)."""
-    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([kKmMbBtT]?)\s*", text)
+    """'7B', '175b', '350M', '1.5e9' or '124000000' -> an integer parameter count (from 1 to MAX_PARAMS)."""
+    m = re.fullmatch(r"\s*([-+]?(?:[\d.]+(?:e[-+]?\d+)?|nan|inf(?:inity)?))\s*([kmbt]?)\s*", text, re.IGNORECASE)
     try:
         count = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()] if m else None
     except ValueError:  # '1.2.3'
         count = None
-    if count is None or not 1 <= count < float("inf"):
-        raise ValueError(f"{text!r} is not a parameter count of at least 1 (e.g. 7B, 350M)")
+    if count is None:
+        raise ValueError(f"{text!r} is not a parameter count: give one such as 7B, 350M or 1.5e9")
+    if count != count or count in (float("inf"), float("-inf")):
+        raise ValueError(f"{text!r} is not a finite number: give a parameter count such as 7B or 350M")
+    if count < 0:
+        raise ValueError(f"{text!r} is not a parameter count: it is negative (a model has at least 1 parameter, e.g. 7B, 350M)")
+    if count < 1:
+        raise ValueError(f"{text!r} is not a parameter count: it is less than 1 (give one such as 7B or 350M)")
+    if count > MAX_PARAMS:
+        raise ValueError(f"{text!r} is not the size of any model: {count:.3g} parameters is more than 100T (1e14), ten times "
+                         "the largest trained; check the number and its suffix (K, M, B, T)")
     return int(count)
+
+
+def _local_config(model: str):
+    """The config.json a model text names on this machine (a folder holding one, or the file itself), checked to
+    be a readable JSON file within bounds; None for a hub id. A text is taken as a path when it exists or is written
+    as one (absolute, ./, ../, ~): /dev/zero or a FIFO would otherwise reach transformers' reader (or be sent to the
+    hub as a repo id, with an error about repo names)."""
+    import os
+    from pathlib import Path
+
+    from .bounded import JSON_LIMIT, load_json
+
+    path = os.path.expanduser(model)  # a str, as given: Path would drop a leading ./ from the messages
+    if not (os.path.lexists(path) or os.path.isabs(path) or model.startswith((".", "~"))):
+        return None
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model folder {model!r} holds no config.json: give a folder save_pretrained wrote, its config.json, or a hub id")
+        path = os.path.join(path, "config.json")
+    load_json(path, "model config", JSON_LIMIT)  # UnreadableFile (a ValueError) names the file and what is wrong
+    return Path(path)
 
 
 def model_shape(model: str) -> ModelShape:
@@ -95,8 +128,8 @@ def model_shape(model: str) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    source = model[: -len("/config.json")] if model.endswith("config.json") else model
-    config = AutoConfig.from_pretrained(source)
+    local = _local_config(model)
+    config = AutoConfig.from_pretrained(model if local is None else str(local.parent if local.name == "config.json" else local))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     params = sum(p.numel() for p in skeleton.parameters())

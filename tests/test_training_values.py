@@ -105,7 +105,8 @@ BY_HAND = {
     "save_steps": (["0", "-1", "2.5"], ["0.5", "1", "100"]),
     "eval_steps": (["0", "-1", "6.5"], ["0.25", "6"]),
     "save_total_limit": (["0", "-1"], ["1", "5"]),
-    "dataloader_num_workers": (["-1"], ["0", "2"]),
+    "dataloader_num_workers": (["-1", "100000"], ["0", "2"]),  # 100000 forked until the machine stopped
+    "preprocessing_num_workers": (["0", "-1", "100000"], ["1", "4"]),
     "block_size": (["0", "-1", "1"], ["8", "256"]),
     "lora_r": (["0", "-1"], ["1", "16"]),
     "lora_dropout": (["-0.1", "1"], ["0", "0.5"]),

@@ -86,15 +86,24 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class Parser(argparse.ArgumentParser):
+    argv: list[str] = []
+
     def error(self, message):
-        """One line (argparse would print the usage first), exit 2 as argparse does."""
+        """One line (argparse would print the usage first), exit 2 as argparse does. argparse takes a model of
+        '-7B' for an unknown option and then says the model is missing: the count's own problem is said instead."""
+        negative = next((a for a in self.argv if a.startswith("-") and COUNT_LIKE.fullmatch(a)), None)
+        if negative is not None and ("required: model" in message or "unrecognized arguments" in message):
+            try:
+                parse_count(negative)
+            except ValueError as err:
+                message = f"argument model: {err}"
         self.exit(2, f"{self.prog}: error: {message}: see {self.prog} --help\n")
 
 
 def main(argv=None) -> int:
     parser = Parser(prog="estimate_memory.py", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                     formatter_class=HelpFormatter)
-    parser.add_argument("model", type=model, help="parameter count (7B, 350M), hub id, local folder or config.json")
+    parser.add_argument("model", type=model, help="parameter count (7B, 350M; at most 100T), hub id, local folder or config.json")
     parser.add_argument("--nproc-per-node", type=whole_number, default=8, help="processes (GPUs) per node")
     parser.add_argument("--nnodes", type=whole_number, default=1, help="nodes")
     parser.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD", help="FSDP sharding strategy, or DDP / ZERO1")
@@ -107,6 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--activation-checkpointing", action="store_true", help="keep only each layer's input for the backward pass")
     parser.add_argument("--gpu-memory", type=size, help="e.g. 80GiB: list the shipped configs that fit, cheapest communication first")
     parser.add_argument("--json", action="store_true", help="print the same as JSON")
+    parser.argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         shape = model_shape(args.model)

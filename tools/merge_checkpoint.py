@@ -18,15 +18,52 @@ import json
 import os
 import sys
 
+from fsdp_recipes import internals
 from fsdp_recipes.internals import InternalsChanged
 from fsdp_recipes.merge import CheckpointError, inspect_checkpoint, merge_checkpoint
 from fsdp_recipes.removal import RefusedRemoval
 
 DTYPES = ("float32", "bfloat16", "float16")
+# The smallest sizes taken, in bytes as huggingface_hub reads "100KB" and "64MB" (decimal units). A shard limit
+# below 100KB gives nearly every tensor of any real model a file of its own, which is a slip, not a choice (the
+# tiny test models shard at 200KB). The merge process holds torch and transformers, some hundreds of MB, whatever
+# the budget: below 64MB a budget saves nothing and only reads the tensors one by one.
+MIN_SHARD_SIZE, MIN_MEMORY_BUDGET = ("100KB", 100_000), ("64MB", 64_000_000)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line (argparse would print the usage first), exit 2 as argparse does."""
+        self.exit(2, f"{self.prog}: error: {message}: see {self.prog} --help\n")
+
+
+def size_type(parse_size, example: str, minimum: tuple[str, int]):
+    """argparse type of a size option: bytes as huggingface_hub's parse_size_to_int reads them ("5GB", "512MB"),
+    finite and at least ``minimum``; anything else is one line naming the value and what to give."""
+    shown, least = minimum
+
+    def size(text: str) -> int:
+        if text.strip()[-2:].upper() not in ("KB", "MB", "GB", "TB"):  # '5': bytes? megabytes? save_pretrained wants a unit too
+            raise argparse.ArgumentTypeError(f"{text!r} has no unit: give a number and a unit (KB, MB, GB or TB), e.g. {example}")
+        try:
+            value = parse_size(text)
+        except (ValueError, OverflowError):  # 'nanGB' (int() of NaN), 'infGB' and '1e400GB' (of infinity), 'fiveGB'
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite size: give a number and a unit (KB, MB, GB or TB), e.g. {example}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is {'not positive' if value <= 0 else f'below {shown}'}: give at least {shown}, e.g. {example}")
+        return value
+
+    return size
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    try:  # the private parser of "5GB": a renamed one is one line here, not a traceback from argparse
+        parse_size = internals.get("huggingface_hub.serialization._base.parse_size_to_int")
+    except InternalsChanged as err:
+        print(f"merge_checkpoint.py: error: {err}", file=sys.stderr)
+        return 1
+    parser = Parser(
+        prog="merge_checkpoint.py",
         description="Merge a sharded (FSDP1/FSDP2 DCP, any number of ranks) or full FSDP checkpoint into a Hugging Face "
         "model folder: config.json, generation config, tokenizer and safetensors shards with an index. Cost: one read "
         "of the model weights and one write, at about disk speed; memory is bounded by --memory-budget and the largest "
@@ -39,8 +76,10 @@ def main(argv=None) -> int:
     parser.add_argument("--base-model", help="hub id or folder for config.json (and tokenizer) when the checkpoint has none; a folder with only config.json is enough")
     parser.add_argument("--adapter-only", action="store_true", help="PEFT LoRA checkpoint: write the adapter folder (adapter_config.json, adapter_model.safetensors) instead of the merged model")
     parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep the saved dtype)")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, as save_pretrained")
-    parser.add_argument("--memory-budget", default="512MB", help="bytes of tensors read at once (a larger tensor is read alone)")
+    parser.add_argument("--max-shard-size", default="5GB", type=size_type(parse_size, "5GB", MIN_SHARD_SIZE),
+                        help=f"largest safetensors file, as save_pretrained (at least {MIN_SHARD_SIZE[0]})")
+    parser.add_argument("--memory-budget", default="512MB", type=size_type(parse_size, "512MB", MIN_MEMORY_BUDGET),
+                        help=f"bytes of tensors read at once (a larger tensor is read alone; at least {MIN_MEMORY_BUDGET[0]})")
     parser.add_argument("--verify", action="store_true", help="re-read the output, compare every tensor with the checkpoint, load it on the meta device")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--inspect", action="store_true", help="print what the checkpoint holds and exit; writes nothing")
