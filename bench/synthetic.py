@@ -69,6 +69,7 @@ def make_checkpoints(sizes: dict[str | os.PathLike, int], ranks: int = 2, hidden
     checkpoint folders."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
+    from fsdp_recipes.dcp_files import write_shard_digests
     from fsdp_recipes.description import describe_folder, write_manifest
 
     jobs = []
@@ -87,6 +88,7 @@ def make_checkpoints(sizes: dict[str | os.PathLike, int], ranks: int = 2, hidden
     for ckpt, config in jobs:
         files = describe_folder(ckpt, LlamaForCausalLM, config, tokenizer, GenerationConfig.from_model_config(config))
         write_manifest(ckpt, config, files)
+        write_shard_digests(ckpt, ("pytorch_model_fsdp_0",))  # as a training run does once every rank is done
     return [ckpt for ckpt, _ in jobs]
 
 

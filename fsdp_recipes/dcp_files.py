@@ -537,18 +537,24 @@ def write_shard_digests(ckpt: Path, folders: tuple[str, ...]) -> None:
 def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
     """Shard files of ``folders`` that are not the ones the training run wrote (checked when the checkpoint has
     SHARD_DIGESTS: checkpoints of other tools have none)."""
-    from .checkpoint_files import SHARD_DIGESTS
+    from .bounded import JSON_LIMIT, load_json
+    from .checkpoint_files import MANIFEST, SHARD_DIGESTS
 
     path = Path(ckpt) / SHARD_DIGESTS
-    if not path.is_file():
-        return []
+    if not os.path.lexists(path):
+        try:  # our runs announce the digests in the manifest, which is written before any shard
+            announced = os.path.lexists(Path(ckpt) / MANIFEST) and load_json(Path(ckpt) / MANIFEST, MANIFEST, JSON_LIMIT).get("shard_digests")
+        except ValueError:
+            announced = False  # an unreadable manifest only costs the merge its shortcut (described_by_manifest)
+        return [f"missing {SHARD_DIGESTS} (written last, once every rank had finished: the save did not finish, or it "
+                "was removed)"] if announced else []
     try:
-        record = json.loads(path.read_text()) if path.stat().st_size < (64 << 20) else None
-        files = record["files"] if isinstance(record, dict) and record.get("sample_bytes") == _DIGEST_SAMPLE else None
+        record = load_json(path, SHARD_DIGESTS, JSON_LIMIT)
+        files = record["files"] if record.get("sample_bytes") == _DIGEST_SAMPLE else None
         if not isinstance(files, dict):
             raise ValueError
-    except (ValueError, TypeError, KeyError, OSError, UnicodeDecodeError):
-        return [f"unreadable {SHARD_DIGESTS}"]
+    except (ValueError, TypeError, KeyError, OSError):
+        return [f"unreadable {SHARD_DIGESTS}: copy the checkpoint again"]
     problems = []
     for name, expected in sorted(files.items()):
         if not isinstance(name, str) or name.split("/")[0] not in folders:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bounded import JSON_LIMIT, load_json
-from .checkpoint_files import MANIFEST, TOKENIZER_FILES, CheckpointError
+from .checkpoint_files import MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES, CheckpointError
 from .sources import ResolvedInput, WeightMap, dtype_name, match_namespace, torch_dtype
 
 
@@ -57,6 +57,7 @@ def write_manifest(folder: Path, config, files: list[str]) -> None:
     model_cls, expected, tied = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
     manifest = {
         "format": 1, "model_class": model_cls.__name__, "tied": tied,
+        "shard_digests": SHARD_DIGESTS,  # written last, once every rank is done: a checkpoint without it is incomplete
         "files": {name: _sha256(Path(folder) / name) for name in sorted(files)},
         "weights": {name: list(shape) for name, shape in sorted(expected.items())},
     }

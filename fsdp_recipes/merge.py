@@ -132,16 +132,20 @@ def merge_checkpoint(
     own, base_model = _lora(resolved, base_model, adapter_only, log)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out, log)
-    # A checkpoint our training run wrote carries a manifest: its description files are copied and the weights
-    # checked against it, with no torch or transformers at all. Otherwise transformers checks them in a thread.
+    # A checkpoint our training run wrote carries a manifest: the copy starts from it at once, its description files
+    # are copied as they are, and transformers checks config.json against the weights in a thread beside the copy
+    # all the same (a manifest is a claim: it may have been edited with its hashes). Otherwise that check comes first.
+    from_manifest = None
     if own is None and base_model is None and dtype is None and not isinstance(resolved.source, MergedLoraSource):
-        own = described_by_manifest(resolved)
+        own = from_manifest = described_by_manifest(resolved)
     if own is None:
         config_origin(resolved, base_model)  # no config at all: fail now, not after the copy
     with ThreadPoolExecutor(1) as pool:
         future: Future | None = None
         if own is not None:
             weights = own.weights
+            if from_manifest is not None:
+                future = pool.submit(describe_with_transformers, resolved, None, None)
         else:
             future = pool.submit(describe_with_transformers, resolved, base_model, dtype)
             weights = (_early_guess(resolved) if base_model is None else None) or future.result().weights
@@ -162,6 +166,9 @@ def merge_checkpoint(
             except Cancelled:
                 pass
             described: Description = own if future is None else future.result()  # raises the check's error
+            if from_manifest is not None:
+                _agree(from_manifest, described)
+                described = from_manifest
             if described.weights.names != weights.names:  # the guess was wrong: the checked weights, again
                 for p in staging.iterdir():
                     if p.name != MARKER:
@@ -193,6 +200,17 @@ def merge_checkpoint(
         log(f"tied weights written once, as save_pretrained does: {', '.join(described.tied)}")
     size = sum(resolved.source.tensors[n].nbytes(dtype) for n in names.values())
     return MergeResult(out, files, resolved.notes, len(names), size)
+
+
+def _agree(manifest: Description, checked: Description) -> None:
+    """The manifest's weights and ties are those transformers finds for config.json and the shards."""
+    if manifest.weights.names != checked.weights.names or sorted(manifest.tied) != sorted(checked.tied):
+        only = sorted(set(manifest.weights.names) ^ set(checked.weights.names))
+        raise CheckpointError(
+            f"{MANIFEST} disagrees with config.json and the shards ({len(only)} weight name(s) differ, e.g. "
+            f"{only[0] if only else 'the tied weights'}): the checkpoint was edited; restore it, or delete {MANIFEST} to merge "
+            "what config.json describes"
+        )
 
 
 def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, log) -> tuple[Description | None, str | None]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bounded import JSON_LIMIT, load_json
-from .checkpoint_files import DCP_MODEL_DIR, FULL_FILES, WRAPPER_PREFIXES, CheckpointError, checkpoint_steps
+from .checkpoint_files import DCP_MODEL_DIR, FULL_FILES, SHARD_DIGESTS, WRAPPER_PREFIXES, CheckpointError, checkpoint_steps
 from .dcp_files import DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, unsafe_message
 
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE): a larger header is not one
@@ -78,7 +78,7 @@ class DCPSource:
         if not problems and self.path.name == DCP_MODEL_DIR:
             problems = digest_problems(self.path.parent, (DCP_MODEL_DIR,))
         if problems:
-            if "refusing to" in problems[0] or problems[0].startswith("unreadable") or "not the file" in problems[0]:  # complete sentences
+            if "refusing to" in problems[0] or problems[0].startswith("unreadable") or "not the file" in problems[0] or SHARD_DIGESTS in problems[0]:  # complete sentences
                 raise CheckpointError(problems[0])
             raise CheckpointError(
                 f"checkpoint {dcp_dir} is incomplete: {'; '.join(problems[:3])}; it was not finished writing or was "

@@ -6,6 +6,7 @@ wrote (shard_digests.json), and a manifest must agree with config.json before it
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -132,3 +133,43 @@ def test_a_manifest_claiming_a_tie_the_config_does_not_state_is_not_trusted(chec
     merge_checkpoint(checkpoint, tmp_path / "merged", log=lambda *_: None)
     with safe_open(str(tmp_path / "merged" / "model.safetensors"), framework="pt") as f:
         assert "lm_head.weight" in f.keys()
+
+
+def test_a_manifest_edited_with_its_hashes_does_not_vouch_for_a_config(checkpoint, tmp_path):
+    """config.json edited to 3 layers and the manifest's hash of it updated (the hostile review's forgery): the
+    merge would have written a 3-layer config beside 4 layers of weights; transformers' check beside the copy
+    refuses it in one line, and nothing is left behind."""
+    import hashlib
+
+    from fsdp_recipes.checkpoint_files import MANIFEST, CheckpointError
+    from fsdp_recipes.merge import merge_checkpoint
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"]["config.json"] = hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="does not|disagrees"):
+        merge_checkpoint(checkpoint, tmp_path / "merged", log=lambda *_: None)
+    assert not (tmp_path / "merged").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".merged")]
+
+
+@pytest.mark.parametrize("how", ["deleted", "fifo", "nested"])
+def test_digests_announced_by_the_manifest_must_be_there(checkpoint, how, tmp_path):
+    """Swapping two ranks' shards and deleting (or replacing) shard_digests.json (the hostile review) no longer
+    hides the swap: the manifest, written before any shard, announces the digests."""
+    from fsdp_recipes.checkpoint_files import SHARD_DIGESTS, CheckpointError
+    from fsdp_recipes.checkpoints import checkpoint_status
+    from fsdp_recipes.merge import merge_checkpoint
+
+    digests = checkpoint / SHARD_DIGESTS
+    digests.unlink()
+    if how == "fifo":
+        os.mkfifo(digests)
+    elif how == "nested":
+        digests.write_text("[" * 200_000 + "]" * 200_000)
+    problems = checkpoint_status(checkpoint).problems
+    why = "missing shard_digests.json" if how == "deleted" else "unreadable shard_digests.json"
+    assert problems and why in problems[0], problems
+    with pytest.raises(CheckpointError, match=why):
+        merge_checkpoint(checkpoint, tmp_path / "merged", log=lambda *_: None)

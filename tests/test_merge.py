@@ -107,17 +107,17 @@ print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers", 
 """
 
 
-def test_checkpoint_manifest_makes_torch_and_transformers_unneeded(trained, tmp_path):
-    """Our checkpoints carry a manifest: merged without importing torch or transformers (their import is most of a
-    merge's fixed cost), into the same bytes as the path that builds the model with transformers."""
+def test_checkpoint_manifest_gives_the_same_folder_as_transformers(trained, tmp_path):
+    """Our checkpoints carry a manifest: the copy starts from it (config and tokenizer copied as they are) while
+    transformers checks config.json against the weights beside it; the folder is the same, byte for byte, as the
+    one the path without a manifest writes."""
     ckpt = trained("accelerate_configs/fsdp1/zero2.yaml").output_dir / "checkpoint-12"
     assert (ckpt / MANIFEST).is_file()
     proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(ckpt), str(tmp_path / "fast")])
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
+    assert "transformers" in proc.stdout  # the manifest is a claim: config.json is still checked against the shards
     proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(without_manifest(ckpt, tmp_path)), str(tmp_path / "slow")])
     assert proc.returncode == 0, proc.stderr
-    assert "transformers" in proc.stdout
     assert folder_bytes(tmp_path / "fast") == folder_bytes(tmp_path / "slow")
     assert_same_model(tmp_path / "fast", reference_weights(ckpt / "pytorch_model_fsdp_0", tmp_path / "ref"))
 
@@ -155,9 +155,9 @@ def test_full_state_dict_checkpoints(trained, config, tmp_path):
     # the run's own final folder (written by train_fsdp.py) holds the same weights
     final = load_file(run_dir / "model.safetensors")
     assert all(torch.equal(final[k], reference[k]) for k in reference)
-    # safetensors are copied by the kernel too, without torch; a cut-off file is named
+    # safetensors are copied by the kernel too (transformers checks the manifest beside the copy); a cut-off file is named
     proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(ckpt), str(tmp_path / "c")])
-    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+    assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "c" / "model.safetensors").read_bytes() == (from_safetensors / "model.safetensors").read_bytes()
     cut = tmp_path / "cut" / "checkpoint-12"
     shutil.copytree(ckpt, cut, ignore=shutil.ignore_patterns("pytorch_model_fsdp.bin"))
