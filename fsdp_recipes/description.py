@@ -79,6 +79,37 @@ class Description:
     notes: list[str] = field(default_factory=list)
 
 
+# The files a merge reads or copies beside the weights (config, generation config, tokenizer): each must be a
+# regular file of a sane size where it exists. A FIFO or /dev/zero under one of these names used to be skipped
+# (is_file is false) and the tokenizer loaded without it: a model folder silently missing its special tokens.
+DESCRIPTION_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES, "special_tokens_map.json",
+                     "added_tokens.json", "chat_template.jinja", "chat_template.json", MANIFEST, "adapter_config.json")
+DESCRIPTION_LIMIT = 256 << 20  # tokenizer.json of the largest vocabularies is tens of MB
+
+
+def description_file_problems(resolved: ResolvedInput) -> list[str]:
+    """Description files in the places a merge looks that are not regular files, or too large to be one."""
+    import os
+    import stat
+
+    problems = []
+    for place in resolved.places:
+        for name in DESCRIPTION_FILES:
+            path = place / name
+            if not os.path.lexists(path):
+                continue
+            try:
+                st = os.stat(path)
+            except OSError as err:
+                problems.append(f"{path} cannot be read ({err.strerror}): replace it with the file, or remove it")
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                problems.append(f"{path} is not a regular file (a folder, a FIFO or a device): replace it with the file, or remove it")
+            elif st.st_size > DESCRIPTION_LIMIT:
+                problems.append(f"{path} is {st.st_size / 1e6:.0f} MB, more than a model's {name} ever is: is this the right file?")
+    return problems
+
+
 def description_dirs(resolved: ResolvedInput) -> tuple[Path | None, Path | None]:
     """(folder with config.json, folder with tokenizer files), looked for beside the weights, then up."""
     config_dir = next((d for d in resolved.places if (d / "config.json").is_file()), None)

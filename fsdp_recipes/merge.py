@@ -28,7 +28,7 @@ from .bounded import JSON_LIMIT, load_json
 from .dcp_files import DTYPE_SIZES
 from .description import (
     Description, config_origin, described_by_manifest, describe_folder, describe_with_transformers, description_dirs,
-    model_skeleton,
+    description_file_problems, model_skeleton,
 )
 from .removal import MARKER, contents, is_ours, make_folder, move, remark, remove, remove_file, unmark
 from .lora import MergedLoraSource, adapter_tensors, find_adapter_config, is_lora, read_adapter_config
@@ -128,6 +128,8 @@ def merge_checkpoint(
     resolved = resolve_input(input_path)
     for note in resolved.notes:
         log(note)
+    if problems := description_file_problems(resolved):
+        raise CheckpointError(problems[0])
     out = check_output(input_path, resolved, output_path, overwrite)
     own, base_model = _lora(resolved, base_model, adapter_only, log)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The JSON a merge reads beside the shards (config.json, the manifest, a safetensors index) may be anything: a
+"""The JSON a merge reads beside the shards (config.json, the manifest, a safetensors index, the tokenizer's) may be anything: a
 FIFO, /dev/zero, a 64 MB file, a list, a cut-off file, a bomb of nesting. Generated: each file x each kind, the
 merge ends within seconds, with a merged folder or one line, never a hang, a traceback or a memory blow-up."""
 
@@ -57,7 +57,7 @@ def _timed_cli(argv: list[str], seconds: int = 60) -> int:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("name", ["config.json", "model_description.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("name", ["config.json", "model_description.json", "model.safetensors.index.json", "tokenizer_config.json"])
 def test_hostile_json_beside_the_weights(checkpoint, tmp_path, name, kind, capsys):
     if name == "model.safetensors.index.json":  # a full (safetensors) checkpoint: the index names the shards
         full = tmp_path / "full"

@@ -229,3 +229,36 @@ def test_a_shard_swapped_for_a_fifo_after_the_checks_does_not_hang_the_load(tmp_
     finally:
         signal.alarm(0)
     assert "a link to" in str(caught.value) and not isinstance(caught.value, TimeoutError)
+
+
+def _unpickling_calls(path: Path) -> list[tuple[str, int, str]]:
+    """(file, line, what) for every call that unpickles: pickle.load(s), torch.load, a DCP load."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)):
+            continue
+        owner, name = node.func.value.id, node.func.attr
+        if (owner, name) in (("pickle", "load"), ("pickle", "loads"), ("dcp", "load"), ("dcp", "load_state_dict")):
+            found.append((path.name, node.lineno, f"{owner}.{name}"))
+        elif (owner, name) == ("torch", "load"):
+            weights_only = next((k.value for k in node.keywords if k.arg == "weights_only"), None)
+            ok = isinstance(weights_only, ast.Constant) and weights_only.value is True
+            found.append((path.name, node.lineno, "torch.load" + ("" if ok else " without weights_only=True")))
+    return found
+
+
+def test_only_the_allow_listed_readers_unpickle():
+    """Plain pickle only in dcp_files.py (on bytes its allow-list vetted), torch.load only with weights_only=True,
+    and a DCP load only in sources.py, which guards torch's reader first. The scan can fail: it finds the known ones."""
+    repo = Path(__file__).resolve().parent.parent
+    files = [*(repo / "fsdp_recipes").rglob("*.py"), *(repo / "tools").rglob("*.py"), *(repo / "bench").rglob("*.py"), repo / "train_fsdp.py"]
+    calls = [c for f in files for c in _unpickling_calls(f)]
+    allowed = {("dcp_files.py", "pickle.loads"), ("dcp_files.py", "torch.load"), ("sources.py", "torch.load"),
+               ("checkpoints.py", "torch.load"), ("sources.py", "dcp.load")}
+    assert [c for c in calls if (c[0], c[2]) not in allowed] == []
+    assert {(c[0], c[2]) for c in calls} == allowed  # each allowed reader is still where this test says
+    source = (repo / "fsdp_recipes" / "sources.py").read_text()
+    read = source[source.index("    def read(self, names"):]
+    assert read.index("guard_torch_dcp()") < read.index("dcp.load(")
