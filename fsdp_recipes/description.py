@@ -84,7 +84,8 @@ class Description:
 # (is_file is false) and the tokenizer loaded without it: a model folder silently missing its special tokens.
 DESCRIPTION_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES, "special_tokens_map.json",
                      "added_tokens.json", "chat_template.jinja", "chat_template.json", MANIFEST, "adapter_config.json")
-DESCRIPTION_LIMIT = 256 << 20  # tokenizer.json of the largest vocabularies is tens of MB
+DESCRIPTION_LIMIT = 256 << 20  # tokenizer.json / tokenizer.model of the largest vocabularies: tens of MB
+# the other description files are small JSON (a tokenizer_config.json with a long chat template: ~100 KB)
 
 
 def description_file_problems(resolved: ResolvedInput) -> list[str]:
@@ -105,7 +106,7 @@ def description_file_problems(resolved: ResolvedInput) -> list[str]:
                 continue
             if not stat.S_ISREG(st.st_mode):
                 problems.append(f"{path} is not a regular file (a folder, a FIFO or a device): replace it with the file, or remove it")
-            elif st.st_size > DESCRIPTION_LIMIT:
+            elif st.st_size > (DESCRIPTION_LIMIT if name in ("tokenizer.json", "tokenizer.model") else JSON_LIMIT):
                 problems.append(f"{path} is {st.st_size / 1e6:.0f} MB, more than a model's {name} ever is: is this the right file?")
     return problems
 
