@@ -186,7 +186,10 @@ def merge_checkpoint(
             if verify:
                 verify_folder(staging, resolved.source, names, dtype, stem=stem)
                 log(f"verified: {len(names)} tensors equal the checkpoint" + ("" if adapter_only else "; from_pretrained (meta device) loads the folder"))
-            remark(staging, STAGING, output_purpose) if output_purpose else unmark(staging, STAGING)
+            if output_purpose:  # a caller's staging folder: it stays marked, for that caller to remove
+                remark(staging, STAGING, output_purpose)
+            else:  # a result: it ships without our marker
+                unmark(staging, STAGING)
             if out.exists():  # check_output: a model folder, and --overwrite was given
                 old = move(out, _staging_name(out, "old"))
                 move(staging, out)
