@@ -17,21 +17,21 @@ import transformers
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
-from fsdp_recipes import cpu_fsdp
-from fsdp_recipes.arguments import RecipeError, check_run_length, parse_args
-from fsdp_recipes.checkpoints import disk_full_problem
-from fsdp_recipes.checks import NotShardedError
-from fsdp_recipes.data import build_datasets
-from fsdp_recipes.export import export_checkpoint, finished_checkpoint_step, save_final_model
-from fsdp_recipes.internals import InternalsChanged
-from fsdp_recipes.launcher import tell_launcher
-from fsdp_recipes.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
-from fsdp_recipes.modeling import load_model, load_tokenizer
-from fsdp_recipes.preemption import Stopped, quiet_stops, stop_received, was_interrupted, watch_interrupts, watch_stops
-from fsdp_recipes.preflight import hold_output_dir, save_resolved_arguments
+from fsdp_recipes.compat import cpu_fsdp
+from fsdp_recipes.config.arguments import RecipeError, check_run_length, parse_args
+from fsdp_recipes.ckpt.status import disk_full_problem
+from fsdp_recipes.train.sharding import NotShardedError
+from fsdp_recipes.train.data import build_datasets
+from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_step, save_final_model
+from fsdp_recipes.compat.internals import InternalsChanged
+from fsdp_recipes.config.launcher import tell_launcher
+from fsdp_recipes.train.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
+from fsdp_recipes.train.modeling import load_model, load_tokenizer
+from fsdp_recipes.train.preemption import Stopped, quiet_stops, stop_received, was_interrupted, watch_interrupts, watch_stops
+from fsdp_recipes.train.preflight import hold_output_dir, save_resolved_arguments
 from fsdp_recipes.removal import RefusedRemoval
-from fsdp_recipes.profiling import StepProfiler, parse_steps
-from fsdp_recipes.trainer import FSDPTrainer
+from fsdp_recipes.train.profiling import StepProfiler, parse_steps
+from fsdp_recipes.train.trainer import FSDPTrainer
 
 logger = logging.getLogger("train_fsdp")
 
@@ -43,9 +43,9 @@ def main(model_args, data_args, preflight):
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     if cpu_fsdp.is_enabled():
-        logger.info("no accelerator found: running FSDP over gloo on CPU (fsdp_recipes.cpu_fsdp)")
+        logger.info("no accelerator found: running FSDP over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
     elif preflight.cpu_ddp:
-        logger.info("no accelerator found: running DDP over gloo on CPU (fsdp_recipes.cpu_fsdp)")
+        logger.info("no accelerator found: running DDP over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
     hold_output_dir(training_args)  # one run per output_dir
     preflight.apply(training_args, say=logger.warning)  # set aside or delete what the checks found (rank 0)
     save_resolved_arguments(model_args, data_args, training_args, preflight.launch)
@@ -131,7 +131,7 @@ def device_peak_flops(tflops: float | None) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     if tflops is None and (tflops := peak_tflops(name)) is None:
-        logger.warning(f"MFU is not reported: {name!r} is not in fsdp_recipes/metrics.py's table; pass --peak_tflops")
+        logger.warning(f"MFU is not reported: {name!r} is not in fsdp_recipes/train/metrics.py's table; pass --peak_tflops")
         return None
     return tflops * 1e12
 

@@ -5,7 +5,7 @@
 
 No recipe, no checks, no callbacks of ours (no sharding report, contract, manifest, preemption, throughput log),
 no checkpoint and no final model: HfArgumentParser, a model built from a config, text packed into block_size
-blocks, Trainer.train(). The one thing it shares with train_fsdp.py is fsdp_recipes.cpu_fsdp, without which an
+blocks, Trainer.train(). The one thing it shares with train_fsdp.py is fsdp_recipes.compat.cpu_fsdp, without which an
 FSDP config on a machine without a GPU would not run FSDP at all (it does nothing where a GPU exists), and
 bench/step_times.py, which records step times the same way in both. bench/scaling.py runs it beside
 train_fsdp.py.
@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes import cpu_fsdp
+from fsdp_recipes.compat import cpu_fsdp
 
 REPO = Path(__file__).resolve().parent.parent
 

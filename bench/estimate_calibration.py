@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from fsdp_recipes.memory import Setup, estimate, model_shape
+from fsdp_recipes.config.memory import Setup, estimate, model_shape
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,11 +22,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TIMED = {  # what is timed: class path -> method
-    "throughput logging": [("fsdp_recipes.metrics", "Throughput", "count"), ("fsdp_recipes.metrics", "Throughput", "window")],
-    "contract check (start, first step)": [("fsdp_recipes.checks", "ShardingReport", "on_train_begin"),
-                                           ("fsdp_recipes.checks", "ShardingReport", "on_pre_optimizer_step"),
-                                           ("fsdp_recipes.checks", "ShardingReport", "on_step_end")],
-    "preemption flag all-reduce": [("fsdp_recipes.preemption", "Preemption", "on_step_end")],
+    "throughput logging": [("fsdp_recipes.train.metrics", "Throughput", "count"), ("fsdp_recipes.train.metrics", "Throughput", "window")],
+    "contract check (start, first step)": [("fsdp_recipes.train.sharding", "ShardingReport", "on_train_begin"),
+                                           ("fsdp_recipes.train.sharding", "ShardingReport", "on_pre_optimizer_step"),
+                                           ("fsdp_recipes.train.sharding", "ShardingReport", "on_step_end")],
+    "preemption flag all-reduce": [("fsdp_recipes.train.preemption", "Preemption", "on_step_end")],
 }
 WRAPPER = '''
 import atexit, importlib, json, os, runpy, sys, time
@@ -42,7 +42,7 @@ for piece, targets in json.loads(os.environ["OVERHEAD_TIMED"]).items():
             finally:
                 timings[__piece] = timings.get(__piece, 0.0) + time.perf_counter() - start
         setattr(owner, name, timed)
-import fsdp_recipes.trainer as trainer_module
+import fsdp_recipes.train.trainer as trainer_module
 train = trainer_module.FSDPTrainer.train
 def timed_train(self, *args, **kwargs):
     start = time.perf_counter()

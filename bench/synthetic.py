@@ -69,8 +69,8 @@ def make_checkpoints(sizes: dict[str | os.PathLike, int], ranks: int = 2, hidden
     checkpoint folders."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-    from fsdp_recipes.dcp_files import write_shard_digests
-    from fsdp_recipes.description import describe_folder, write_manifest
+    from fsdp_recipes.ckpt.dcp import write_shard_digests
+    from fsdp_recipes.ckpt.description import describe_folder, write_manifest
 
     jobs = []
     for folder, target_bytes in sizes.items():

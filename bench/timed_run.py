@@ -7,7 +7,7 @@ from pathlib import Path
 
 from step_times import StepTimes
 
-import fsdp_recipes.trainer as trainer_module
+import fsdp_recipes.train.trainer as trainer_module
 
 REPO = Path(__file__).resolve().parent.parent
 _init = trainer_module.FSDPTrainer.__init__

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port, run
-from fsdp_recipes.arguments import DEFAULT_RECIPE, RecipeError, parse_args, qlora_problem
+from fsdp_recipes.config.arguments import DEFAULT_RECIPE, RecipeError, parse_args, qlora_problem
 
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml"))
 TINY = f"config_name: {REPO}/assets/tiny-llama\n"
@@ -111,7 +111,7 @@ def test_bad_input_fails_before_training_arguments_join_the_process_group(tmp_pa
 
 
 def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
-    from fsdp_recipes.arguments import model_source_problem
+    from fsdp_recipes.config.arguments import model_source_problem
 
     run_dir = trained("accelerate_configs/zero3.yaml").output_dir
     assert model_source_problem(str(run_dir), weights=True) is None  # a final model folder
@@ -132,7 +132,7 @@ def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
 def test_torchrun_route_fsdp_flags(tmp_path):
     import argparse
 
-    from fsdp_recipes.arguments import check_trainer_fsdp
+    from fsdp_recipes.config.arguments import check_trainer_fsdp
 
     shipped = str(REPO / "accelerate_configs" / "torchrun" / "zero3.json")
     raw = argparse.Namespace(fsdp="true", fsdp_config=shipped)

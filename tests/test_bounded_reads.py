@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.arguments import RecipeError, load_recipe, parse_args
+from fsdp_recipes.config.arguments import RecipeError, load_recipe, parse_args
 from fsdp_recipes.bounded import YAML_LIMIT
-from fsdp_recipes.checkpoints import REPORT_LIMIT, STATE_LIMIT
+from fsdp_recipes.ckpt.status import REPORT_LIMIT, STATE_LIMIT
 
 CASE_SECONDS = 2  # the slowest case takes a fifth of that; a hang is stopped by the alarm at twice this
 LAUGHS = "".join([  # 346 bytes that a YAML loader expanding aliases turns into 10^9 strings
@@ -35,7 +35,7 @@ JSON_TOPS = {"list": [1, 2], "string": "text", "null": None, "float_1e9": 1e9, "
 # the same shapes as values of one key of a checkpoint's JSON files
 WRONG_VALUES = {"null": None, "string": "2", "float_1e9": 1e9, "int_1e9": 10**9, "negative": -1, "zero": 0,
                 "int_10e30": 10**30, "bool": True, "fraction": 2.5, "list": [1], "object": {"a": 1}}
-REPORT = {"fsdp_version": None, "world_size": 1, "sharding_strategy": None}  # a DDP run's, as fsdp_recipes.checks writes it
+REPORT = {"fsdp_version": None, "world_size": 1, "sharding_strategy": None}  # a DDP run's, as fsdp_recipes.train.sharding writes it
 STEP = 3
 
 
@@ -218,7 +218,7 @@ def recipe_reader(path: str):
 def yaml_files(tmp_path_factory) -> dict[str, str]:
     """The YAML cases, after one run of each reader on a sound file: what they import on first use (accelerate's
     launch parser, transformers' argument classes) is imported before any case's alarm starts."""
-    from fsdp_recipes.config_check import _known_keys
+    from fsdp_recipes.config.accelerate_config import _known_keys
 
     _known_keys()
     folder = tmp_path_factory.mktemp("bounded")
@@ -260,9 +260,9 @@ def test_recipe(yaml_files, case, capsys):
 
 
 def test_launcher_reads_the_config_in_force_within_bounds(yaml_files, monkeypatch):
-    """train_fsdp.py rebuilds the settings of its `accelerate launch` from the config file (fsdp_recipes.launcher):
+    """train_fsdp.py rebuilds the settings of its `accelerate launch` from the config file (fsdp_recipes.config.launcher):
     a refused file is a RecipeError, which train_fsdp.py prints as its one error line."""
-    from fsdp_recipes import launcher
+    from fsdp_recipes.config import launcher
     from fsdp_recipes.bounded import UnreadableFile
 
     for case in ("billion_laughs", "list_at_top", "binary", UNKNOWN_KEYS_60MB):

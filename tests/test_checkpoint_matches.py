@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import QUICK, REPO, launch
-from fsdp_recipes.checkpoints import model_mismatch
+from fsdp_recipes.ckpt.status import model_mismatch
 
 TINY = REPO / "assets" / "tiny-llama"
 
@@ -89,10 +89,10 @@ def checkpoint(trained, tmp_path) -> Path:
 def test_shards_swapped_between_ranks_are_named(checkpoint, folder, tmp_path, monkeypatch):
     """Two ranks' files have the same layout: the merge would write permuted rows, a resume load the wrong halves.
     The digests written once every rank finished tell them apart."""
-    from fsdp_recipes.arguments import RecipeError, resolve_resume
-    from fsdp_recipes.checkpoint_files import SHARD_DIGESTS, CheckpointError
-    from fsdp_recipes.checkpoints import checkpoint_status
-    from fsdp_recipes.merge import merge_checkpoint
+    from fsdp_recipes.config.arguments import RecipeError, resolve_resume
+    from fsdp_recipes.ckpt.layout import SHARD_DIGESTS, CheckpointError
+    from fsdp_recipes.ckpt.status import checkpoint_status
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     for key, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "RANK": "0"}.items():
         monkeypatch.setenv(key, value)
@@ -122,8 +122,8 @@ def test_a_manifest_claiming_a_tie_the_config_does_not_state_is_not_trusted(chec
 
     from safetensors import safe_open
 
-    from fsdp_recipes.checkpoint_files import MANIFEST
-    from fsdp_recipes.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.layout import MANIFEST
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     assert manifest["tied"] == [] and json.loads((checkpoint / "config.json").read_text())["tie_word_embeddings"] is False
@@ -141,8 +141,8 @@ def test_a_manifest_edited_with_its_hashes_does_not_vouch_for_a_config(checkpoin
     refuses it in one line, and nothing is left behind."""
     import hashlib
 
-    from fsdp_recipes.checkpoint_files import MANIFEST, CheckpointError
-    from fsdp_recipes.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.layout import MANIFEST, CheckpointError
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
@@ -158,9 +158,9 @@ def test_a_manifest_edited_with_its_hashes_does_not_vouch_for_a_config(checkpoin
 def test_digests_announced_by_the_manifest_must_be_there(checkpoint, how, tmp_path):
     """Swapping two ranks' shards and deleting (or replacing) shard_digests.json (the hostile review) no longer
     hides the swap: the manifest, written before any shard, announces the digests."""
-    from fsdp_recipes.checkpoint_files import SHARD_DIGESTS, CheckpointError
-    from fsdp_recipes.checkpoints import checkpoint_status
-    from fsdp_recipes.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.layout import SHARD_DIGESTS, CheckpointError
+    from fsdp_recipes.ckpt.status import checkpoint_status
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     digests = checkpoint / SHARD_DIGESTS
     digests.unlink()

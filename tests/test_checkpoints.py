@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run
-from fsdp_recipes.arguments import RecipeError, check_output_dir, resolve_resume
-from fsdp_recipes.checkpoints import checkpoint_status
+from fsdp_recipes.config.arguments import RecipeError, check_output_dir, resolve_resume
+from fsdp_recipes.ckpt.status import checkpoint_status
 
 TOOL = str(REPO / "tools" / "check_checkpoint.py")
 FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")

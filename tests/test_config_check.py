@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import ALL_CONFIGS, REPO, free_port, run
-from fsdp_recipes.config_check import check_config, check_settings, errors
+from fsdp_recipes.config.accelerate_config import check_config, check_settings, errors
 
 RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml"))
 TINY = str(REPO / "assets" / "tiny-llama")
@@ -107,7 +107,7 @@ def test_all_problems_at_once_through_the_cli(tmp_path):
 def test_launch_flags_override_the_file_and_are_named_in_the_problem(tmp_path, monkeypatch):
     """accelerate launch's flags override its config file's keys: the settings in force are checked, and a problem
     a flag caused names the flag; without --config_file accelerate's default config is the file."""
-    from fsdp_recipes import launcher
+    from fsdp_recipes.config import launcher
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     config = tmp_path / "zero3.yaml"
@@ -140,7 +140,7 @@ def test_launch_flags_override_the_file_and_are_named_in_the_problem(tmp_path, m
 def test_fsdp_variables_of_other_launchers_are_checked():
     """torchrun or srun with ACCELERATE_USE_FSDP=true: the FSDP_* variables are the settings, named in problems.
     Under accelerate launch (which writes every variable with defaults) its command line is read instead."""
-    from fsdp_recipes import launcher
+    from fsdp_recipes.config import launcher
 
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
            "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
@@ -158,7 +158,7 @@ def test_fsdp_variables_of_other_launchers_are_checked():
 
 
 def test_more_gpus_than_processes_is_a_warning_with_the_flag(monkeypatch):
-    from fsdp_recipes.launcher import unused_accelerators_warning
+    from fsdp_recipes.config.launcher import unused_accelerators_warning
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert "this node has 8 GPUs and this launch uses 2 of them: pass --num_processes 8" in unused_accelerators_warning(devices=8)

@@ -14,7 +14,7 @@ from conftest import launch, run
 # pin_memory patched.
 PROBE = """
 import json, os, sys, accelerate.state as s, torch
-from fsdp_recipes import cpu_fsdp
+from fsdp_recipes.compat import cpu_fsdp
 for env in json.loads(sys.argv[1]):
     for key in ("ACCELERATE_USE_FSDP", "WORLD_SIZE", "ACCELERATE_USE_CPU"):
         os.environ.pop(key, None)
@@ -65,7 +65,7 @@ def test_unwrapped_model_under_an_fsdp_launch_is_refused(monkeypatch, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import REPO
-    from fsdp_recipes.checks import NotShardedError, verify_and_report
+    from fsdp_recipes.train.sharding import NotShardedError, verify_and_report
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")

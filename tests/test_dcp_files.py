@@ -13,8 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run
-from fsdp_recipes.dcp_files import FileSlice, UnsafeCheckpointError, _layout_from, _MetadataUnpickler, raw_tensor, read_layout
-from fsdp_recipes.sources import DCPSource
+from fsdp_recipes.ckpt.dcp import FileSlice, UnsafeCheckpointError, _layout_from, _MetadataUnpickler, raw_tensor, read_layout
+from fsdp_recipes.ckpt.sources import DCPSource
 
 
 def torch_layout(folder: Path):
@@ -48,7 +48,7 @@ def test_merge_copies_without_importing_torch(trained, tmp_path):
     """Planning and copying a whole checkpoint leaves torch unimported (its import is the time we save)."""
     ckpt = trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12"
     code = (
-        "import sys\nfrom pathlib import Path\nfrom fsdp_recipes.sources import DCPSource\nfrom fsdp_recipes.safetensors_writer import write_weights\n"
+        "import sys\nfrom pathlib import Path\nfrom fsdp_recipes.ckpt.sources import DCPSource\nfrom fsdp_recipes.ckpt.safetensors_writer import write_weights\n"
         f"src = DCPSource(Path({str(ckpt / 'pytorch_model_fsdp_0')!r}))\n"
         "assert all(src.copy_plan(n) for n in src.tensors)\n"
         f"write_weights(src, sorted(src.tensors), Path({str(tmp_path)!r}))\n"
@@ -110,7 +110,7 @@ def test_uneven_shards_over_three_ranks_are_copied_raw(tmp_path):
     """Rows that do not divide by the rank count (a 1001-token vocabulary over 3 ranks: 334/334/333): every chunk
     is still a raw copy, and the merged folder equals what torch reads from the checkpoint (verify)."""
     from bench.synthetic import make_checkpoint
-    from fsdp_recipes.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "run", 1, ranks=3, hidden=256, vocab=1001)
     source = DCPSource(ckpt / "pytorch_model_fsdp_0")

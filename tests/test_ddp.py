@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DDP_CONFIG, QUICK, REPO, launch, logged_losses, read_json
-from fsdp_recipes.checkpoints import checkpoint_status
-from fsdp_recipes.launcher import LaunchSettings
-from fsdp_recipes.memory import Setup, estimate, model_shape
+from fsdp_recipes.ckpt.status import checkpoint_status
+from fsdp_recipes.config.launcher import LaunchSettings
+from fsdp_recipes.config.memory import Setup, estimate, model_shape
 
 ZERO1 = ("--zero1", "true")
 
@@ -58,7 +58,7 @@ def test_zero1_trains_the_same_weights_as_ddp(trained):
 def test_zero1_checkpoint_is_whole_and_merges(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fsdp_recipes.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     out = trained(DDP_CONFIG, *ZERO1).output_dir
     status = checkpoint_status(out / "checkpoint-12")
@@ -89,7 +89,7 @@ def test_zero1_resumed_run_ends_on_the_uninterrupted_weights(trained, tmp_path):
 
 
 def test_a_ddp_checkpoint_is_not_resumed_under_fsdp(trained):
-    from fsdp_recipes.arguments import RecipeError, _resumable
+    from fsdp_recipes.config.arguments import RecipeError, _resumable
 
     status = checkpoint_status(trained(DDP_CONFIG).output_dir / "checkpoint-6")
     with pytest.raises(RecipeError, match=r"was saved without FSDP \(DDP or ZeRO-1\): resume it with the same launch"):
@@ -108,8 +108,8 @@ def test_only_a_named_ddp_config_is_a_ddp_launch(tmp_path):
 
 
 def test_zero1_is_refused_where_it_cannot_work(tmp_path):
-    from fsdp_recipes.arguments import RecipeError, parse_args
-    from fsdp_recipes.config_check import check_config, errors
+    from fsdp_recipes.config.arguments import RecipeError, parse_args
+    from fsdp_recipes.config.accelerate_config import check_config, errors
 
     problems = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", recipe={"zero1": True}))
     assert [p.key for p in problems] == ["zero1"] and "is for DDP launches" in str(problems[0])

@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, read_json
 from test_config_check import elastic_root_cause
-from fsdp_recipes.merge import merge_checkpoint
-from fsdp_recipes.sources import DCPSource
+from fsdp_recipes.ckpt.merge import merge_checkpoint
+from fsdp_recipes.ckpt.sources import DCPSource
 
 pytestmark = pytest.mark.slow  # every test here launches real runs
 
@@ -80,7 +80,7 @@ SIGNALS = [("accelerate_configs/zero2.yaml", "0:sigterm:8", "SIGTERM", 143), ("a
 def test_preempted_run_saves_its_step_and_resumes_exactly(trained, config, fault, name, code, tmp_path):
     """The signal lands during step 9: every rank finishes it, checkpoint-9 is written as a periodic one would be
     (judged resumable), the job exits 128 + signal with how to resume, and the resumed run ends bit-identical."""
-    from fsdp_recipes.checkpoints import checkpoint_status
+    from fsdp_recipes.ckpt.status import checkpoint_status
 
     uninterrupted = trained(config).output_dir
     out = tmp_path / "run"
@@ -245,7 +245,7 @@ def bad_input(case: str, tmp_path) -> tuple[list[str], str]:
 def test_bad_input_stops_every_rank_before_anything_is_set_up(tmp_path, monkeypatch):
     """One case through a real 2-process launch (every rank stops in parsing, one line, nothing written); the
     others take the same path, so their lines are checked where it runs, in this process."""
-    from fsdp_recipes.arguments import RecipeError, parse_args
+    from fsdp_recipes.config.arguments import RecipeError, parse_args
 
     (tmp_path / "launched").mkdir()
     args, message = bad_input("unknown recipe key", tmp_path / "launched")
@@ -302,8 +302,8 @@ def test_one_run_per_output_dir(tmp_path):
     import sys
     from types import SimpleNamespace
 
-    from fsdp_recipes.arguments import RecipeError
-    from fsdp_recipes.preflight import LOCK_NAME, hold_output_dir
+    from fsdp_recipes.config.arguments import RecipeError
+    from fsdp_recipes.train.preflight import LOCK_NAME, hold_output_dir
 
     out = tmp_path / "run"
     out.mkdir()
@@ -324,7 +324,7 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tm
     resumable (a resume then sets the torn checkpoint-12 aside, as after any kill mid-save)."""
     import subprocess
 
-    from fsdp_recipes.checkpoints import checkpoint_status
+    from fsdp_recipes.ckpt.status import checkpoint_status
 
     disk = tmp_path / "small-disk"
     disk.mkdir()

@@ -84,7 +84,7 @@ def runnable(config: str) -> bool:
 
 @pytest.mark.parametrize("config", ALL_CONFIGS)
 def test_config_trains_sharded_in_bf16_within_the_estimate(gpu_run, model_dir, config):
-    from fsdp_recipes.memory import Setup, estimate, model_shape
+    from fsdp_recipes.config.memory import Setup, estimate, model_shape
 
     if not runnable(config):
         pytest.skip("FSDP2 HSDP runs as 2 replicas x 2+ shards: needs 4 GPUs")
@@ -127,7 +127,7 @@ def test_last_checkpoint_merges_into_a_folder_that_loads(gpu_run, config, tmp_pa
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fsdp_recipes.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     out = gpu_run(config)
     merge_checkpoint(out / f"checkpoint-{STEPS}", tmp_path / "merged", log=lambda _: None)

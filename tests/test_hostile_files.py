@@ -17,9 +17,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import REPO, run
-from fsdp_recipes.arguments import RecipeError, resolve_resume
-from fsdp_recipes.checkpoint_files import CheckpointError
-from fsdp_recipes.sources import DCPSource
+from fsdp_recipes.config.arguments import RecipeError, resolve_resume
+from fsdp_recipes.ckpt.layout import CheckpointError
+from fsdp_recipes.ckpt.sources import DCPSource
 
 TOOLS = REPO / "tools"
 
@@ -128,7 +128,7 @@ def test_checkpoint_tools_start_without_torch():
     code = (
         "import runpy, sys\nsys.argv = ['check_checkpoint.py', '--help']\n"
         "try:\n    runpy.run_path(%r, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-        "import fsdp_recipes.checkpoints, fsdp_recipes.checkpoint_files, fsdp_recipes.merge\n"
+        "import fsdp_recipes.ckpt.status, fsdp_recipes.ckpt.layout, fsdp_recipes.ckpt.merge\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'accelerate'}))\n"
     ) % str(TOOLS / "check_checkpoint.py")
     proc = run(["python", "-c", code])

@@ -1,4 +1,4 @@
-"""Private symbols of torch/accelerate/transformers/huggingface_hub: all named in fsdp_recipes/internals.py, all there
+"""Private symbols of torch/accelerate/transformers/huggingface_hub: all named in fsdp_recipes/compat/internals.py, all there
 in the pinned versions, and a missing one stops with a line naming it instead of a dead patch."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run
-from fsdp_recipes import internals
+from fsdp_recipes.compat import internals
 
-SCANNED = sorted([*(REPO / "fsdp_recipes").glob("*.py"), REPO / "train_fsdp.py", *(REPO / "tools").glob("*.py"),
+SCANNED = sorted([*(REPO / "fsdp_recipes").rglob("*.py"), REPO / "train_fsdp.py", *(REPO / "tools").glob("*.py"),
                   *(REPO / "bench").glob("*.py"), *(REPO / "tests" / "helpers").glob("*.py")])
 ACCESSORS = {"get", "patch", "attr", "set_attr", "require"}
 LIBRARIES = {"numpy", "torch", "accelerate", "transformers", "huggingface_hub", "datasets", "peft", "safetensors", "lightning"}
@@ -44,7 +44,7 @@ def own_names(trees) -> set[str]:
 
 
 def bypasses(sources: dict[str, str]) -> list[str]:
-    """Library privates reached without fsdp_recipes.internals: `from x._y import z`, `from x import _y`, and
+    """Library privates reached without fsdp_recipes.compat.internals: `from x._y import z`, `from x import _y`, and
     `obj._name` where the repository does not define _name. `super()._name` is allowed for a registered override."""
     trees = {name: ast.parse(text) for name, text in sources.items()}
     ours, found = own_names(trees.values()), []
@@ -105,8 +105,9 @@ def test_every_registered_name_is_used_and_every_used_name_registered():
 def test_every_private_method_our_classes_override_is_registered():
     registered = {p for p, (kind, _) in internals.PRIVATE.items() if kind == internals.OVERRIDE}
     missing = []
-    for path in sorted((REPO / "fsdp_recipes").glob("*.py")):
-        module = importlib.import_module(f"fsdp_recipes.{path.stem}")
+    for path in sorted((REPO / "fsdp_recipes").rglob("*.py")):
+        dotted = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        module = importlib.import_module(dotted)
         for cls in vars(module).values():
             if not (inspect.isclass(cls) and cls.__module__ == module.__name__):
                 continue
@@ -130,7 +131,7 @@ def test_a_missing_symbol_stops_cpu_fsdp_before_anything_is_patched():
         "import os, accelerate.state as s, torch\n"
         "from torch.distributed.fsdp import _flat_param\n"
         "del _flat_param.FlatParamHandle.to_cpu  # as if torch had renamed it\n"
-        "from fsdp_recipes import cpu_fsdp, internals\n"
+        "from fsdp_recipes.compat import cpu_fsdp, internals\n"
         "before = s.AcceleratorState.__init__\n"
         "try:\n    cpu_fsdp.enable()\nexcept internals.InternalsChanged as err:\n    print(err)\n"
         "print(s.AcceleratorState.__init__ is before, os.environ.get('ACCELERATE_USE_CPU'), torch.Tensor.pin_memory.__name__)\n"
@@ -146,7 +147,7 @@ def test_a_missing_symbol_stops_cpu_fsdp_before_anything_is_patched():
 def test_a_renamed_trainer_method_stops_the_trainer_before_it_trains(monkeypatch):
     from transformers import Trainer
 
-    from fsdp_recipes.trainer import FSDPTrainer
+    from fsdp_recipes.train.trainer import FSDPTrainer
 
     monkeypatch.delattr(Trainer, "_load_optimizer_and_scheduler")
     with pytest.raises(internals.InternalsChanged, match=r"transformers .* has no transformers\.Trainer\._load_optimizer_and_scheduler"):

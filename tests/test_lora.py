@@ -58,7 +58,7 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
 
 def test_only_an_exported_adapter_folder_is_replaced(tmp_path):
     """The next export replaces output_dir/adapter only when it holds nothing but adapter files in a real folder."""
-    from fsdp_recipes.export import is_exported_adapter
+    from fsdp_recipes.train.export import is_exported_adapter
 
     ours = tmp_path / "adapter"
     ours.mkdir()

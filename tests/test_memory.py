@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import ALL_CONFIGS, REPO, run
-from fsdp_recipes.memory import GiB, ModelShape, Setup, estimate, fitting_configs, model_shape, parse_count
+from fsdp_recipes.config.memory import GiB, ModelShape, Setup, estimate, fitting_configs, model_shape, parse_count
 
 TOOL = str(REPO / "tools" / "estimate_memory.py")
 TINY = str(REPO / "assets" / "tiny-llama")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, run
-from fsdp_recipes.merge import MANIFEST, CheckpointError, inspect_checkpoint, merge_checkpoint
+from fsdp_recipes.ckpt.merge import MANIFEST, CheckpointError, inspect_checkpoint, merge_checkpoint
 
 TOOL = str(REPO / "tools" / "merge_checkpoint.py")
 SHARDED = [
@@ -101,7 +101,7 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
 
 MERGE_AND_LIST_MODULES = """
 import sys
-from fsdp_recipes.merge import merge_checkpoint
+from fsdp_recipes.ckpt.merge import merge_checkpoint
 merge_checkpoint(sys.argv[1], sys.argv[2], log=lambda *a: None)
 print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers", "accelerate"}))
 """
@@ -315,7 +315,7 @@ def test_inspect_writes_nothing(checkpoint):
 
 MEASURE = """
 import resource, sys, torch
-from fsdp_recipes.merge import merge_checkpoint
+from fsdp_recipes.ckpt.merge import merge_checkpoint
 small, big, out, mode = sys.argv[1:]
 kw = dict(memory_budget="32MB", dtype=torch.bfloat16 if mode == "cast" else None, log=lambda *a: None)
 merge_checkpoint(small, out + "-small", **kw)  # same code paths and largest tensor: the baseline
@@ -412,7 +412,7 @@ def test_output_on_another_filesystem_and_without_copy_file_range(checkpoint, tm
     (EXDEV, as between filesystems on older kernels) or missing (macOS): the same bytes, by sendfile or read/write."""
     import errno
 
-    import fsdp_recipes.safetensors_writer as writer
+    import fsdp_recipes.ckpt.safetensors_writer as writer
 
     reference = tmp_path / "same-fs"
     merge_checkpoint(checkpoint, reference, log=lambda *_: None)
@@ -451,8 +451,8 @@ def test_output_on_another_filesystem_and_without_copy_file_range(checkpoint, tm
 def test_a_failed_check_stops_the_copy(synthetic, tmp_path):
     """The check running beside the copy is asked between pieces of COPY_STEP bytes: once it fails, nothing more
     is copied."""
-    from fsdp_recipes.safetensors_writer import COPY_STEP, Cancelled, write_weights
-    from fsdp_recipes.sources import DCPSource
+    from fsdp_recipes.ckpt.safetensors_writer import COPY_STEP, Cancelled, write_weights
+    from fsdp_recipes.ckpt.sources import DCPSource
 
     ckpt = synthetic[1]
     assert sum(f.stat().st_size for f in (ckpt / "pytorch_model_fsdp_0").glob("*.distcp")) > 3 * COPY_STEP

@@ -1,4 +1,4 @@
-"""fsdp_recipes.metrics: the FLOPs count behind MFU, the peak table, perplexity, the loss plot."""
+"""fsdp_recipes.train.metrics: the FLOPs count behind MFU, the peak table, perplexity, the loss plot."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import REPO
-from fsdp_recipes.metrics import Throughput, flops_per_token, peak_tflops, perplexity, plot_losses
+from fsdp_recipes.train.metrics import Throughput, flops_per_token, peak_tflops, perplexity, plot_losses
 
 
 def test_flops_per_token_is_six_n_plus_attention():

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import QUICK, REPO, free_port, read_json
-from fsdp_recipes.merge import merge_checkpoint
+from fsdp_recipes.ckpt.merge import merge_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +126,7 @@ def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
     import signal
     import time
 
-    from fsdp_recipes.checkpoints import checkpoint_status
+    from fsdp_recipes.ckpt.status import checkpoint_status
 
     repo = tmp_path / "repo"
     shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "logs", "__pycache__", "*.egg-info", ".pytest_cache"))

@@ -1,4 +1,4 @@
-"""fsdp_recipes.profiling: the step range and the arithmetic of communication shares and overlap."""
+"""fsdp_recipes.train.profiling: the step range and the arithmetic of communication shares and overlap."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsdp_recipes.profiling import parse_steps, summarize
+from fsdp_recipes.train.profiling import parse_steps, summarize
 
 
 def event(name, start, end, device="CPU"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from fsdp_recipes.arguments import RecipeError, parse_args
+from fsdp_recipes.config.arguments import RecipeError, parse_args
 
 NO_FSDP = ["--allow_no_fsdp", "true"]
 
@@ -16,7 +16,7 @@ def _parser():
     """The parser parse_args builds (its actions are what a recipe key may name)."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    from fsdp_recipes.arguments import DataArguments, ModelArguments, RunArguments
+    from fsdp_recipes.config.arguments import DataArguments, ModelArguments, RunArguments
 
     return HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.arguments import RecipeError, check_output_dir
-from fsdp_recipes.checkpoint_files import is_checkpoint_folder, is_model_folder
-from fsdp_recipes.checkpoints import CHECKPOINT_PURPOSE, rotate, set_aside
-from fsdp_recipes.export import remove_export_leftovers
-from fsdp_recipes.merge import merge_checkpoint, remove_stale_staging
-from fsdp_recipes.preflight import Preflight
+from fsdp_recipes.config.arguments import RecipeError, check_output_dir
+from fsdp_recipes.ckpt.layout import is_checkpoint_folder, is_model_folder
+from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
+from fsdp_recipes.train.export import remove_export_leftovers
+from fsdp_recipes.ckpt.merge import merge_checkpoint, remove_stale_staging
+from fsdp_recipes.train.preflight import Preflight
 from fsdp_recipes.removal import MARKER, RefusedRemoval, make_folder, remove
 from test_hostile_files import cli
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.arguments import RecipeError, load_recipe
+from fsdp_recipes.config.arguments import RecipeError, load_recipe
 from fsdp_recipes.bounded import UnreadableFile, load_yaml
 
 TOOLS = REPO / "tools"
@@ -104,12 +104,12 @@ def test_equal_keys_in_different_mappings_are_fine(tmp_path):
 # --- 2. worker processes bounded by the machine ---------------------------------------------------------------------
 
 def _arguments_on(monkeypatch, cpus):
-    """fsdp_recipes/arguments.py imported afresh (as another module) on a machine with ``cpus`` CPUs."""
+    """fsdp_recipes/config/arguments.py imported afresh (as another module) on a machine with ``cpus`` CPUs."""
     import os
     import sys
 
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
-    spec = importlib.util.spec_from_file_location("fsdp_recipes._arguments_probe", REPO / "fsdp_recipes" / "arguments.py")
+    spec = importlib.util.spec_from_file_location("fsdp_recipes._arguments_probe", REPO / "fsdp_recipes" / "config" / "arguments.py")
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -128,7 +128,7 @@ def test_worker_counts_are_bounded_by_the_machine(monkeypatch, cpus, bound, fiel
 
 
 def test_a_fork_bomb_of_workers_is_refused_by_parse_args(tmp_path):
-    from fsdp_recipes.arguments import MAX_WORKERS, parse_args
+    from fsdp_recipes.config.arguments import MAX_WORKERS, parse_args
 
     for field in ("dataloader_num_workers", "preprocessing_num_workers"):
         with pytest.raises(RecipeError, match=rf"^{field}=100000 is more than {MAX_WORKERS}: .*CPUs of this machine"):
@@ -215,7 +215,7 @@ def write_adapter_config(folder: Path, config: dict) -> Path:
 
 @pytest.mark.parametrize("key", sorted(BAD_ADAPTER_VALUES))
 def test_adapter_config_values_that_cannot_merge_are_refused(key, tmp_path):
-    from fsdp_recipes.lora import CheckpointError, read_adapter_config
+    from fsdp_recipes.ckpt.lora_merge import CheckpointError, read_adapter_config
 
     valid = peft_adapter_config(tmp_path)
     assert read_adapter_config(write_adapter_config(tmp_path, valid))["r"] == 4
@@ -229,7 +229,7 @@ def test_adapter_config_values_that_cannot_merge_are_refused(key, tmp_path):
 
 @pytest.mark.parametrize("key", sorted(GOOD_ADAPTER_VALUES))
 def test_adapter_config_values_peft_writes_are_taken(key, tmp_path):
-    from fsdp_recipes.lora import read_adapter_config
+    from fsdp_recipes.ckpt.lora_merge import read_adapter_config
 
     valid = peft_adapter_config(tmp_path)
     for value in GOOD_ADAPTER_VALUES[key]:
@@ -238,7 +238,7 @@ def test_adapter_config_values_peft_writes_are_taken(key, tmp_path):
 
 @pytest.mark.parametrize("missing", [["r"], ["lora_alpha"], ["lora_alpha", "r"]])
 def test_an_adapter_config_without_r_or_alpha(missing, tmp_path):
-    from fsdp_recipes.lora import CheckpointError, read_adapter_config
+    from fsdp_recipes.ckpt.lora_merge import CheckpointError, read_adapter_config
 
     config = {k: v for k, v in peft_adapter_config(tmp_path).items() if k not in missing}
     with pytest.raises(CheckpointError, match=f"is not a LoRA adapter config \\(no {' and no '.join(missing)}\\)"):
@@ -251,7 +251,7 @@ class FakeSource:
     def __init__(self, r: int, scale: float = 1.0):
         import torch
 
-        from fsdp_recipes.sources import TensorInfo
+        from fsdp_recipes.ckpt.sources import TensorInfo
 
         gen = torch.Generator().manual_seed(r)
         self.values = {"q.base_layer.weight": torch.randn(3, 5, generator=gen), "q.lora_A.default.weight": torch.randn(r, 5, generator=gen) * scale,
@@ -267,7 +267,7 @@ class FakeSource:
 def test_a_config_whose_r_is_not_the_adapters_is_refused(rank):
     import torch
 
-    from fsdp_recipes.lora import CheckpointError, MergedLoraSource
+    from fsdp_recipes.ckpt.lora_merge import CheckpointError, MergedLoraSource
 
     source = FakeSource(rank)
     config = {"r": rank, "lora_alpha": 8}
@@ -281,7 +281,7 @@ def test_a_config_whose_r_is_not_the_adapters_is_refused(rank):
 
 
 def test_a_merge_that_overflows_is_refused_not_written():
-    from fsdp_recipes.lora import CheckpointError, MergedLoraSource
+    from fsdp_recipes.ckpt.lora_merge import CheckpointError, MergedLoraSource
 
     source = FakeSource(2, scale=1e20)  # B @ A about 1e40: beyond float32
     with pytest.raises(CheckpointError, match=r"^q.weight: merging lora_B @ lora_A x 4 into it gives values that are not finite in float32"):
@@ -298,8 +298,8 @@ def test_the_config_peft_writes_still_merges_as_merge_and_unload(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fsdp_recipes.lora import MergedLoraSource, read_adapter_config
-    from fsdp_recipes.sources import TensorInfo
+    from fsdp_recipes.ckpt.lora_merge import MergedLoraSource, read_adapter_config
+    from fsdp_recipes.ckpt.sources import TensorInfo
 
     torch.manual_seed(0)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_rslora=True)
@@ -326,7 +326,7 @@ COUNT_PROBLEMS = {  # count -> what the message says is wrong
 
 @pytest.mark.parametrize("count", sorted(COUNT_PROBLEMS))
 def test_parameter_counts_beyond_any_model_or_below_one(count, capsys):
-    from fsdp_recipes.memory import parse_count
+    from fsdp_recipes.config.memory import parse_count
 
     with pytest.raises(ValueError, match=re.escape(COUNT_PROBLEMS[count])):
         parse_count(count)
@@ -340,7 +340,7 @@ def test_parameter_counts_beyond_any_model_or_below_one(count, capsys):
 @pytest.mark.parametrize("count, params", [("1", 1), ("7B", 7 * 10**9), ("100T", 10**14), ("1e14", 10**14), ("+7B", 7 * 10**9),
                                            ("7e-3B", 7 * 10**6), ("1.5e9", 1_500_000_000), (" 350m ", 350 * 10**6)])
 def test_parameter_counts_up_to_100t_are_taken(count, params, capsys):
-    from fsdp_recipes.memory import parse_count
+    from fsdp_recipes.config.memory import parse_count
 
     assert parse_count(count) == params
     assert cli("estimate_memory", [count, "--json"]) == 0

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from conftest import QUICK, REPO, launch
-from fsdp_recipes.arguments import MAX_STALLED_REQUEUES, REQUEUE_RECORD, RecipeError, check_requeue, train_file_problem
+from fsdp_recipes.config.arguments import MAX_STALLED_REQUEUES, REQUEUE_RECORD, RecipeError, check_requeue, train_file_problem
 
 FAULT = REPO / "tests" / "helpers" / "train_with_fault.py"
 
@@ -75,8 +75,8 @@ def test_files_datasets_reads_are_accepted(tmp_path):
 def test_a_null_past_the_sample_is_one_error_not_a_tokenizer_traceback():
     from datasets import Dataset
 
-    from fsdp_recipes.data import pack_text
-    from fsdp_recipes.modeling import load_tokenizer
+    from fsdp_recipes.train.data import pack_text
+    from fsdp_recipes.train.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(_plain(tokenizer_name=str(REPO / "assets" / "tiny-llama"), trust_remote_code=False))
     raw = Dataset.from_dict({"text": ["fine", None]})

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.arguments import (
+from fsdp_recipes.config.arguments import (
     FINITE_ONLY, MAX_COUNT, VALUE_RULES, RecipeError, batches_per_process, check_run_length, numeric_fields,
     parse_args, steps_per_epoch, value_problem,
 )

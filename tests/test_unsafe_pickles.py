@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fsdp_recipes.arguments import RecipeError, resolve_resume
-from fsdp_recipes.checkpoint_files import CheckpointError
-from fsdp_recipes.checkpoints import checkpoint_status
-from fsdp_recipes.dcp_files import UnsafeCheckpointError, guard_torch_dcp
-from fsdp_recipes.merge import merge_checkpoint
+from fsdp_recipes.config.arguments import RecipeError, resolve_resume
+from fsdp_recipes.ckpt.layout import CheckpointError
+from fsdp_recipes.ckpt.status import checkpoint_status
+from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError, guard_torch_dcp
+from fsdp_recipes.ckpt.merge import merge_checkpoint
 from test_hostile_files import cli
 
 
@@ -184,7 +184,7 @@ def test_zip_records_torch_reads_differently_from_zipfile(checkpoint, trick, tmp
     sys.path.insert(0, str(Path(__file__).parent / "helpers"))
     import zip_differentials
 
-    from fsdp_recipes.dcp_files import vet_record
+    from fsdp_recipes.ckpt.dcp import vet_record
 
     marker = tmp_path / "code-ran"
     plain = io.BytesIO()
@@ -250,15 +250,15 @@ def _unpickling_calls(path: Path) -> list[tuple[str, int, str]]:
 
 
 def test_only_the_allow_listed_readers_unpickle():
-    """Plain pickle only in dcp_files.py (on bytes its allow-list vetted), torch.load only with weights_only=True,
+    """Plain pickle only in ckpt/dcp.py (on bytes its allow-list vetted), torch.load only with weights_only=True,
     and a DCP load only in sources.py, which guards torch's reader first. The scan can fail: it finds the known ones."""
     repo = Path(__file__).resolve().parent.parent
     files = [*(repo / "fsdp_recipes").rglob("*.py"), *(repo / "tools").rglob("*.py"), *(repo / "bench").rglob("*.py"), repo / "train_fsdp.py"]
     calls = [c for f in files for c in _unpickling_calls(f)]
-    allowed = {("dcp_files.py", "pickle.loads"), ("dcp_files.py", "torch.load"), ("sources.py", "torch.load"),
-               ("checkpoints.py", "torch.load"), ("sources.py", "dcp.load")}
+    allowed = {("dcp.py", "pickle.loads"), ("dcp.py", "torch.load"), ("sources.py", "torch.load"),
+               ("status.py", "torch.load"), ("sources.py", "dcp.load")}
     assert [c for c in calls if (c[0], c[2]) not in allowed] == []
     assert {(c[0], c[2]) for c in calls} == allowed  # each allowed reader is still where this test says
-    source = (repo / "fsdp_recipes" / "sources.py").read_text()
+    source = (repo / "fsdp_recipes" / "ckpt" / "sources.py").read_text()
     read = source[source.index("    def read(self, names"):]
     assert read.index("guard_torch_dcp()") < read.index("dcp.load(")

@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from fsdp_recipes.checkpoint_files import checkpoint_steps
-from fsdp_recipes.checkpoints import checkpoint_status
+from fsdp_recipes.ckpt.layout import checkpoint_steps
+from fsdp_recipes.ckpt.status import checkpoint_status
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ Exit status 1 when there is an error; warnings (settings that work but cost) are
 import argparse
 import sys
 
-from fsdp_recipes.config_check import check_config, errors
+from fsdp_recipes.config.accelerate_config import check_config, errors
 
 
 def main(argv=None) -> int:

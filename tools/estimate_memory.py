@@ -19,8 +19,8 @@ import sys
 from dataclasses import asdict
 
 from fsdp_recipes.bounded import load_yaml
-from fsdp_recipes.config_check import DDP_TYPES
-from fsdp_recipes.memory import (
+from fsdp_recipes.config.accelerate_config import DDP_TYPES
+from fsdp_recipes.config.memory import (
     COUNT_LIKE, OPTIMIZER_BYTES, STRATEGIES, Setup, estimate, fitting_configs, human, model_shape, parse_bytes, parse_count,
 )
 

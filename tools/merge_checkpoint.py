@@ -18,9 +18,9 @@ import json
 import os
 import sys
 
-from fsdp_recipes import internals
-from fsdp_recipes.internals import InternalsChanged
-from fsdp_recipes.merge import CheckpointError, inspect_checkpoint, merge_checkpoint
+from fsdp_recipes.compat import internals
+from fsdp_recipes.compat.internals import InternalsChanged
+from fsdp_recipes.ckpt.merge import CheckpointError, inspect_checkpoint, merge_checkpoint
 from fsdp_recipes.removal import RefusedRemoval
 
 DTYPES = ("float32", "bfloat16", "float16")

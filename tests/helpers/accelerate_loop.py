@@ -3,7 +3,7 @@
 
     accelerate launch --config_file accelerate_configs/fsdp1/zero3.yaml tests/helpers/accelerate_loop.py OUT
 
-fsdp_recipes.cpu_fsdp only makes accelerate's FSDP real on a machine without a GPU (elsewhere it does nothing);
+fsdp_recipes.compat.cpu_fsdp only makes accelerate's FSDP real on a machine without a GPU (elsewhere it does nothing);
 what save_state writes is accelerate's own.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_recipes import cpu_fsdp
+from fsdp_recipes.compat import cpu_fsdp
 
 cpu_fsdp.enable()
 warnings.filterwarnings("ignore")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from transformers import Trainer
 
-from fsdp_recipes.trainer import FSDPTrainer
+from fsdp_recipes.train.trainer import FSDPTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,7 +97,7 @@ if os.environ.get("FSDP_FAULT"):
 
         Trainer._save_rng_state = save_rng_state_or_die
     elif point == "early":
-        import fsdp_recipes.modeling
+        import fsdp_recipes.train.modeling
 
         def load_model_after_signal(*args, **kwargs):
             if _dies(ranks):
@@ -105,18 +105,18 @@ if os.environ.get("FSDP_FAULT"):
                 os.kill(os.getpid(), getattr(signal, f"SIG{step}"))
             return load_model(*args, **kwargs)
 
-        load_model = fsdp_recipes.modeling.load_model  # train_fsdp.py imports it by name after this
-        fsdp_recipes.modeling.load_model = load_model_after_signal
+        load_model = fsdp_recipes.train.modeling.load_model  # train_fsdp.py imports it by name after this
+        fsdp_recipes.train.modeling.load_model = load_model_after_signal
     elif point == "final":
-        import fsdp_recipes.export
+        import fsdp_recipes.train.export
 
         def save_final_model_or_die(*args, **kwargs):
             if _dies(ranks):
                 _die()
             return save_final_model(*args, **kwargs)
 
-        save_final_model = fsdp_recipes.export.save_final_model  # train_fsdp.py imports it by name after this
-        fsdp_recipes.export.save_final_model = save_final_model_or_die
+        save_final_model = fsdp_recipes.train.export.save_final_model  # train_fsdp.py imports it by name after this
+        fsdp_recipes.train.export.save_final_model = save_final_model_or_die
     else:
         raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, early, sigterm, usr1 or sigint")
 

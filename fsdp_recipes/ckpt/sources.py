@@ -20,9 +20,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bounded import JSON_LIMIT, load_json
-from .checkpoint_files import DCP_MODEL_DIR, FULL_FILES, SHARD_DIGESTS, WRAPPER_PREFIXES, CheckpointError, checkpoint_steps
-from .dcp_files import DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, unsafe_message
+from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, FULL_FILES, SHARD_DIGESTS, WRAPPER_PREFIXES, CheckpointError, checkpoint_steps
+from fsdp_recipes.ckpt.dcp import DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, unsafe_message
 
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE): a larger header is not one
 SAFETENSORS_DTYPES = {

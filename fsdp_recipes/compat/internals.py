@@ -21,7 +21,7 @@ from pathlib import Path
 MODULE, INSTANCE, OVERRIDE = "module", "instance", "override"
 
 PRIVATE: dict[str, tuple[str, str]] = {
-    # fsdp_recipes/cpu_fsdp.py: real FSDP without an accelerator (../shared/notes/cpu-fsdp.md)
+    # fsdp_recipes/compat/cpu_fsdp.py: real FSDP without an accelerator (../shared/notes/cpu-fsdp.md)
     "accelerate.state.AcceleratorState._shared_state": (MODULE, "cpu_fsdp: was the state built before this call"),
     "accelerate.state.PartialState._shared_state": (MODULE, "cpu_fsdp: FSDP mirrored into the shared state"),
     "accelerate.state.AcceleratorState._mixed_precision": (INSTANCE, "cpu_fsdp: the plugin's mixed precision"),
@@ -29,12 +29,12 @@ PRIVATE: dict[str, tuple[str, str]] = {
         MODULE, "cpu_fsdp: FSDP1's CPU-parameter check skipped (the gloo broadcast works)"),
     "torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu": (
         MODULE, "cpu_fsdp: a no-op on CPU (FULL_STATE_DICT with offload_to_cpu segfaults rank 0)"),
-    # fsdp_recipes/checks.py: FSDP1's flat parameters, for per-rank elements and bytes
+    # fsdp_recipes/train/sharding.py: FSDP1's flat parameters, for per-rank elements and bytes
     "torch.distributed.fsdp.FullyShardedDataParallel._handle": (INSTANCE, "checks: an FSDP1 unit's flat parameter"),
     "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size": (INSTANCE, "checks: elements of a unit"),
     "torch.distributed.fsdp._flat_param.FlatParameter._sharded_size": (INSTANCE, "checks: elements of this rank's shard"),
     "torch.distributed.fsdp._flat_param.FlatParameter._shard_numel_padded": (INSTANCE, "checks: padding in the shard"),
-    # fsdp_recipes/trainer.py: FSDPTrainer
+    # fsdp_recipes/train/trainer.py: FSDPTrainer
     "torch.distributed.checkpoint.state_dict._init_optim_state": (MODULE, "trainer: FSDP1 sharded resume restores Adam"),
     "torch.distributed.optim.ZeroRedundancyOptimizer._all_state_dicts": (INSTANCE, "trainer: ZeRO-1 state gathered in one copy"),
     "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer: whole-model LoRA checkpoints (swapped)"),
@@ -43,16 +43,16 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "transformers.Trainer._load_from_checkpoint": (OVERRIDE, "trainer: whole-model LoRA checkpoints"),
     "transformers.Trainer._load_optimizer_and_scheduler": (OVERRIDE, "trainer: FSDP1 sharded resume restores Adam"),
     "transformers.Trainer._get_output_dir": (MODULE, "trainer: the folder a checkpoint goes to"),
-    # fsdp_recipes/dcp_files.py: torch's DCP reader unpickles .metadata and byte records only after our allow-lists
+    # fsdp_recipes/ckpt/dcp.py: torch's DCP reader unpickles .metadata and byte records only after our allow-lists
     "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (MODULE, "dcp_files: the .metadata torch reads"),
     "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": (MODULE, "dcp_files: .metadata vetted first (patched)"),
     "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (MODULE, "dcp_files: byte records vetted first (patched)"),
-    # fsdp_recipes/profiling.py: PyTorch's memory viewer snapshot (CUDA only)
+    # fsdp_recipes/train/profiling.py: PyTorch's memory viewer snapshot (CUDA only)
     "torch.cuda.memory._record_memory_history": (MODULE, "profiling: CUDA memory snapshot"),
     "torch.cuda.memory._dump_snapshot": (MODULE, "profiling: CUDA memory snapshot"),
-    # fsdp_recipes/checkpoints.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
+    # fsdp_recipes/ckpt/status.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
     "numpy._core.multiarray._reconstruct": (MODULE, "checkpoints: RNG state files load with weights_only"),
-    # fsdp_recipes/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
+    # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
     "huggingface_hub.serialization._base.parse_size_to_int": (MODULE, "merge: shard sizes as huggingface_hub reads them"),
 }
 
@@ -67,7 +67,9 @@ def _package(path: str) -> str:
 
 def pinned(package: str) -> str | None:
     """The version requirements.txt pins, when this is a checkout that has it."""
-    requirements = Path(__file__).resolve().parent.parent / "requirements.txt"
+    from fsdp_recipes.tiny import REPO_ROOT
+
+    requirements = REPO_ROOT / "requirements.txt"
     try:
         lines = requirements.read_text().splitlines()
     except OSError:
@@ -96,7 +98,7 @@ def problem(path: str, detail: str = "") -> InternalsChanged:
 
 def _registered(path: str, *kinds: str) -> None:
     if path not in PRIVATE or PRIVATE[path][0] not in kinds:
-        raise KeyError(f"{path} is not registered as {'/'.join(kinds)} in fsdp_recipes/internals.py's PRIVATE")
+        raise KeyError(f"{path} is not registered as {'/'.join(kinds)} in fsdp_recipes/compat/internals.py's PRIVATE")
 
 
 def _resolve(path: str):

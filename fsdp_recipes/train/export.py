@@ -1,6 +1,6 @@
 """Saving from a live training run: every checkpoint self-describing, every run ending in a model folder.
 
-The conversion itself is ``fsdp_recipes.merge``, the code behind ``tools/merge_checkpoint.py``: one path
+The conversion itself is ``fsdp_recipes.ckpt.merge``, the code behind ``tools/merge_checkpoint.py``: one path
 turns shards into a model.
 """
 
@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .checkpoint_files import (
+from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, CheckpointError, is_exported_adapter,
 )
-from .checks import unwrapped_model_class
-from .dcp_files import write_shard_digests
-from .description import describe_folder, write_manifest
-from .merge import write_model_files
-from .removal import make_folder, move, remove, replace_file, unmark
-from .sources import DCPSource
+from fsdp_recipes.train.sharding import unwrapped_model_class
+from fsdp_recipes.ckpt.dcp import write_shard_digests
+from fsdp_recipes.ckpt.description import describe_folder, write_manifest
+from fsdp_recipes.ckpt.merge import write_model_files
+from fsdp_recipes.removal import make_folder, move, remove, replace_file, unmark
+from fsdp_recipes.ckpt.sources import DCPSource
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def lora_parts(model) -> tuple[torch.nn.Module, object | None]:
 
 def save_model_description(model, tokenizer, folder: str | os.PathLike) -> list[str]:
     """config.json (with the real class in architectures), generation config and tokenizer: no weights. For a peft
-    model, the base model's and adapter_config.json, so the folder merges on its own (fsdp_recipes.lora)."""
+    model, the base model's and adapter_config.json, so the folder merges on its own (fsdp_recipes.ckpt.lora_merge)."""
     model, lora = lora_parts(model)
     files = describe_folder(Path(folder), unwrapped_model_class(model), model.config, tokenizer, getattr(model, "generation_config", None))
     if lora is not None:
@@ -179,9 +179,9 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_mode
 def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log=print) -> None:
     """``out`` becomes the model folder of checkpoint ``ckpt``; a LoRA checkpoint gives the merged model and the
     adapter in ``out/adapter``."""
-    from .description import description_dirs
-    from .merge import merge_checkpoint
-    from .sources import resolve_input
+    from fsdp_recipes.ckpt.description import description_dirs
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.sources import resolve_input
 
     staging = out / ".export-tmp"
     lora, adapter = (ckpt / ADAPTER_CONFIG).is_file(), out / ADAPTER_DIR

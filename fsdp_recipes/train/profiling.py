@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from . import internals
+from fsdp_recipes.compat import internals
 
 logger = logging.getLogger("train_fsdp")
 PROFILE_DIR = "profile"

@@ -14,9 +14,9 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
-from . import internals
-from .checkpoint_files import REPORT_NAME
-from .cpu_fsdp import launched_world_size
+from fsdp_recipes.compat import internals
+from fsdp_recipes.ckpt.layout import REPORT_NAME
+from fsdp_recipes.compat.cpu_fsdp import launched_world_size
 
 logger = logging.getLogger("train_fsdp")
 

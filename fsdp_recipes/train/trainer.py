@@ -19,7 +19,7 @@ that window left the run with no complete checkpoint (with a limit of 1, the onl
 ``FSDPTrainer`` deletes them once every rank is done.
 
 SIGTERM and SIGUSR1 (a cluster's time limit or preemption) end the run after the current optimizer step with a
-complete checkpoint of that step (fsdp_recipes.preemption).
+complete checkpoint of that step (fsdp_recipes.train.preemption).
 
 LoRA (peft) runs checkpoint the whole model, the frozen base weights with the adapter. The Trainer asks accelerate
 for adapter-only FSDP checkpoints, and under FSDP1 with SHARDED_STATE_DICT those come out empty (transformers 5.23,
@@ -28,7 +28,7 @@ adapter. A whole checkpoint also merges on its own (tools/merge_checkpoint.py). 
 Trainer's adapter_only request off around its checkpoint saves and loads (``_whole_lora_checkpoints``).
 
 Every training log line carries tokens per second (in all and per device) and, on GPUs, MFU; evaluation logs carry
-eval_perplexity; the end-of-run metrics carry the run's averages (fsdp_recipes.metrics).
+eval_perplexity; the end-of-run metrics carry the run's averages (fsdp_recipes.train.metrics).
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ from pathlib import Path
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from . import internals
-from .checkpoint_files import REPLACED_PREFIX
-from .checkpoints import CHECKPOINT_PURPOSE, model_mismatch, rotate, set_aside
-from .checks import ShardingReport
-from .export import DescribeCheckpoints, lora_parts
-from .metrics import Throughput, perplexity
-from .preemption import Preemption
-from .removal import make_folder
+from fsdp_recipes.compat import internals
+from fsdp_recipes.ckpt.layout import REPLACED_PREFIX
+from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, model_mismatch, rotate, set_aside
+from fsdp_recipes.train.sharding import ShardingReport
+from fsdp_recipes.train.export import DescribeCheckpoints, lora_parts
+from fsdp_recipes.train.metrics import Throughput, perplexity
+from fsdp_recipes.train.preemption import Preemption
+from fsdp_recipes.removal import make_folder
 
 logger = logging.getLogger(__name__)
 

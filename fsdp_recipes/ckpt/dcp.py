@@ -470,7 +470,7 @@ def guard_torch_dcp() -> None:
     every byte record (a byte record is vetted, then handed to torch's own loader). Idempotent."""
     if _guarded:
         return
-    from . import internals
+    from fsdp_recipes.compat import internals
 
     metadata_path = internals.get("torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path")
     load_bytes = internals.get("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes")
@@ -527,7 +527,7 @@ def shard_digest(path: Path) -> dict:
 
 def write_shard_digests(ckpt: Path, folders: tuple[str, ...]) -> None:
     """SHARD_DIGESTS in a checkpoint whose every rank has finished writing (rank 0, after the last barrier)."""
-    from .checkpoint_files import SHARD_DIGESTS
+    from fsdp_recipes.ckpt.layout import SHARD_DIGESTS
 
     files = {f"{folder}/{p.name}": shard_digest(p) for folder in folders if (ckpt / folder).is_dir()
              for p in sorted((ckpt / folder).glob("*.distcp"))}
@@ -537,8 +537,8 @@ def write_shard_digests(ckpt: Path, folders: tuple[str, ...]) -> None:
 def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
     """Shard files of ``folders`` that are not the ones the training run wrote (checked when the checkpoint has
     SHARD_DIGESTS: checkpoints of other tools have none)."""
-    from .bounded import JSON_LIMIT, load_json
-    from .checkpoint_files import MANIFEST, SHARD_DIGESTS
+    from fsdp_recipes.bounded import JSON_LIMIT, load_json
+    from fsdp_recipes.ckpt.layout import MANIFEST, SHARD_DIGESTS
 
     path = Path(ckpt) / SHARD_DIGESTS
     if not os.path.lexists(path):

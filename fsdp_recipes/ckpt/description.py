@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bounded import JSON_LIMIT, load_json
-from .checkpoint_files import MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES, CheckpointError
-from .sources import ResolvedInput, WeightMap, dtype_name, match_namespace, torch_dtype
+from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.ckpt.layout import MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES, CheckpointError
+from fsdp_recipes.ckpt.sources import ResolvedInput, WeightMap, dtype_name, match_namespace, torch_dtype
 
 
 def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str]]:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bounded import UnreadableFile, load_yaml
+from fsdp_recipes.bounded import UnreadableFile, load_yaml
 
 LAUNCH_FLAGS = "accelerate launch"  # Problem.file for a setting that came from a launch flag
 ENVIRONMENT = "environment"  # ... and for one that came from an FSDP_* variable
@@ -47,7 +47,7 @@ class LaunchSettings:
         """DDP asked for by name: a config file given with --config_file that says MULTI_GPU or MULTI_CPU and has no
         fsdp_config (accelerate_configs/ddp.yaml), or --multi_gpu. accelerate's default config, written by `accelerate
         config default` as MULTI_GPU on any multi-GPU machine, is not a request for DDP."""
-        from .config_check import DDP_TYPES
+        from fsdp_recipes.config.accelerate_config import DDP_TYPES
 
         named = self.named or self.origin.get("distributed_type") in ("--multi_gpu", "--cpu")
         return named and self.config.get("distributed_type") in DDP_TYPES and not self.config.get("fsdp_config")
@@ -157,7 +157,7 @@ def launch_settings() -> LaunchSettings | None:
         except SystemExit:  # accelerate's parser refused its own command line: the launcher would have too
             return None
         except UnreadableFile as err:  # its config file: the error train_fsdp.py reports in one line
-            from .arguments import RecipeError  # here, not at the top: arguments imports this module
+            from fsdp_recipes.config.arguments import RecipeError  # here, not at the top: arguments imports this module
 
             raise RecipeError(str(err)) from None
     return from_environment()
@@ -165,7 +165,7 @@ def launch_settings() -> LaunchSettings | None:
 
 def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> list:
     """tools/check_config.py's rules on the settings in force, each problem named where the setting came from."""
-    from .config_check import check_settings
+    from fsdp_recipes.config.accelerate_config import check_settings
 
     # keys not from a file were named by accelerate itself (its flags, its variables): only a file's can be unknown
     problems = check_settings(settings.config, str(settings.config_file or settings.where), recipe=run_settings,

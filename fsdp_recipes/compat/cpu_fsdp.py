@@ -7,7 +7,7 @@ every CPU test of this repository test DDP or nothing. See ``../shared/notes/cpu
 
 What :func:`enable` does, only when no accelerator is present and FSDP is asked for across several
 processes, by the accelerate launcher (``ACCELERATE_USE_FSDP=true``) or by TrainingArguments' ``--fsdp``
-under torchrun (``fsdp_recipes.arguments`` calls it just before TrainingArguments exists):
+under torchrun (``fsdp_recipes.config.arguments`` calls it just before TrainingArguments exists):
 
 1. sets ``ACCELERATE_USE_CPU=true`` so the process group is gloo (MULTI_CPU), then turns MULTI_CPU into
    FSDP inside ``AcceleratorState`` and mirrors the type into ``PartialState``'s shared state (later
@@ -25,7 +25,7 @@ under torchrun (``fsdp_recipes.arguments`` calls it just before TrainingArgument
    frees that same storage, and rank 0 segfaults.
 
 These patch private internals of the exact versions pinned in requirements.txt, each named in
-fsdp_recipes/internals.py and checked before anything is patched. Nothing here runs when an accelerator exists:
+fsdp_recipes/compat/internals.py and checked before anything is patched. Nothing here runs when an accelerator exists:
 there, the stock path is already real FSDP.
 """
 
@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from . import internals
+from fsdp_recipes.compat import internals
 
 _ENABLED = False
 CPU = torch.device("cpu")

@@ -108,7 +108,7 @@ def _local_config(model: str):
     import os
     from pathlib import Path
 
-    from .bounded import JSON_LIMIT, load_json
+    from fsdp_recipes.bounded import JSON_LIMIT, load_json
 
     path = os.path.expanduser(model)  # a str, as given: Path would drop a leading ./ from the messages
     if not (os.path.lexists(path) or os.path.isabs(path) or model.startswith((".", "~"))):

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bounded import UnreadableFile, load_yaml
+from fsdp_recipes.bounded import UnreadableFile, load_yaml
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]

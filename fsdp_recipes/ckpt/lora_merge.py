@@ -15,9 +15,9 @@ import math
 import re
 from pathlib import Path
 
-from .bounded import JSON_LIMIT, load_json
-from .checkpoint_files import ADAPTER_CONFIG, CheckpointError
-from .sources import TensorInfo
+from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.ckpt.layout import ADAPTER_CONFIG, CheckpointError
+from fsdp_recipes.ckpt.sources import TensorInfo
 
 LORA_WEIGHT = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 _UNSUPPORTED = {  # name part -> what it is

@@ -16,9 +16,9 @@ FULL_FILES = ("model.safetensors.index.json", "model.safetensors", FULL_MODEL_FI
 PLAIN_OPTIMIZER_FILE = "optimizer.pt"  # the Trainer's own layout without FSDP (DDP, ZeRO-1 consolidated, one process)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ADAPTER_CONFIG = "adapter_config.json"  # peft
-REPORT_NAME = "fsdp_report.json"  # the proof of sharding, per run and per checkpoint (fsdp_recipes.checks)
+REPORT_NAME = "fsdp_report.json"  # the proof of sharding, per run and per checkpoint (fsdp_recipes.train.sharding)
 SHARD_DIGESTS = "shard_digests.json"  # each .distcp file's size and sample hash, written once every rank is done
-MANIFEST = "model_description.json"  # written into each checkpoint by the training run (fsdp_recipes.description)
+MANIFEST = "model_description.json"  # written into each checkpoint by the training run (fsdp_recipes.ckpt.description)
 INCOMPLETE_PREFIX = "incomplete-"  # outside the Trainer's `checkpoint-*` glob: never rotated, never resumed
 REPLACED_PREFIX = "replaced-"  # a checkpoint of a step a resumed run trains again (another branch of the run)
 # FSDP1, torch.compile and activation checkpointing put these inside parameter names

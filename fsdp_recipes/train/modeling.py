@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .arguments import ModelArguments, RecipeError
+from fsdp_recipes.config.arguments import ModelArguments, RecipeError
 
 
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:

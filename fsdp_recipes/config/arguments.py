@@ -12,11 +12,12 @@ from pathlib import Path
 
 from transformers import HfArgumentParser, TrainingArguments
 
-from . import cpu_fsdp, launcher
-from .bounded import YAML_LIMIT, UnreadableFile, load_json
-from .config_check import ZERO1_UNDER_FSDP
-from .preflight import Preflight
-from .tiny import REPO_ROOT
+from fsdp_recipes.compat import cpu_fsdp
+from fsdp_recipes.config import launcher
+from fsdp_recipes.bounded import YAML_LIMIT, UnreadableFile, load_json
+from fsdp_recipes.config.accelerate_config import ZERO1_UNDER_FSDP
+from fsdp_recipes.train.preflight import Preflight
+from fsdp_recipes.tiny import REPO_ROOT
 
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny-llama" / "pretrain.yaml"
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text"}
@@ -361,7 +362,7 @@ _REPO_PATH_KEYS = ("config_name", "tokenizer_name", "model_name_or_path", "train
 def load_recipe(path: Path, anchor_paths: bool = False) -> dict:
     """The recipe's mapping, read within bounds (fsdp_recipes.bounded: no folder, pipe, device, oversize or binary
     file, no YAML aliases); every refusal is a RecipeError naming the file and the fix."""
-    from .bounded import UnreadableFile, load_yaml
+    from fsdp_recipes.bounded import UnreadableFile, load_yaml
 
     if not os.path.lexists(path):
         raise RecipeError(f"recipe {str(path)!r} does not exist: give a YAML file such as {DEFAULT_RECIPE.relative_to(REPO_ROOT)}")
@@ -402,7 +403,7 @@ class RunArguments:
     peak_tflops: float | None = field(
         default=None,
         metadata={"help": "The GPU's dense bf16 peak in TFLOPS, for MFU in the logs (default: from a table of common "
-                  "GPUs, fsdp_recipes/metrics.py). MFU is not reported on CPU."},
+                  "GPUs, fsdp_recipes/train/metrics.py). MFU is not reported on CPU."},
     )
 
 
@@ -494,7 +495,7 @@ def check_training_values(raw, model_args: ModelArguments, data_args: DataArgume
         raise RecipeError(f"eval_strategy={raw.eval_strategy} needs evaluation data: set validation_file, "
                           "validation_split_percentage or dataset_test_split")
     if raw.profile_steps is not None:
-        from .profiling import parse_steps
+        from fsdp_recipes.train.profiling import parse_steps
 
         try:
             first, last = parse_steps(str(raw.profile_steps))
@@ -761,7 +762,7 @@ def check_run_length(args, examples: int, profile_steps: str | None = None) -> i
     total = math.ceil(args.num_train_epochs * per_epoch) if epoch_based else args.max_steps
     length = f"num_train_epochs={_shown(args.num_train_epochs)} x {per_epoch} steps an epoch" if epoch_based else f"max_steps={args.max_steps}"
     if profile_steps:
-        from .profiling import parse_steps
+        from fsdp_recipes.train.profiling import parse_steps
 
         first, last = parse_steps(str(profile_steps))
         if last > total:
@@ -869,7 +870,7 @@ def build(cls, raw):
 def check_launch(raw, plan: Preflight) -> None:
     """The launcher's accelerate settings (config file, its default, launch flags or FSDP_* variables), checked
     with this run's settings by tools/check_config.py's rules. Warnings are printed once; errors stop every rank."""
-    from .config_check import errors
+    from fsdp_recipes.config.accelerate_config import errors
 
     plan.launch = launch = launcher.launch_settings()
     if launch is None:
@@ -909,8 +910,8 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
     """``true``: the newest complete checkpoint-N in output_dir (newer, incomplete ones are named and set aside);
     a path: that checkpoint, which must be complete (an earlier one of output_dir sets the later ones aside);
     ``false`` or unset: no resume."""
-    from .checkpoint_files import INCOMPLETE_PREFIX
-    from .checkpoints import checkpoint_status, newest_resumable
+    from fsdp_recipes.ckpt.layout import INCOMPLETE_PREFIX
+    from fsdp_recipes.ckpt.status import checkpoint_status, newest_resumable
 
     if value is None or str(value).lower() == "false":
         return None
@@ -970,7 +971,7 @@ def set_aside_later_checkpoints(ckpt: Path, output_dir: str, plan: Preflight | N
     """Resuming an earlier checkpoint of this output_dir starts another branch of the run: its later checkpoints
     would be rewritten in place (the Trainer saves into checkpoint-N as it finds it) or, being newer, picked by
     the next `--resume_from_checkpoint true`. They are moved aside as replaced-checkpoint-N; nothing is deleted."""
-    from .checkpoint_files import REPLACED_PREFIX, checkpoint_steps, real
+    from fsdp_recipes.ckpt.layout import REPLACED_PREFIX, checkpoint_steps, real
 
     if real(ckpt.parent) != real(output_dir) or not re.fullmatch(r"checkpoint-\d+", ckpt.name):
         return
@@ -1008,7 +1009,7 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, plan: Pre
     """A new run must not write into another run's checkpoints: a later `resume true` would pick theirs, rotation
     would delete them. Nor may output_dir be, hold or lie inside a local input (the final model would replace the
     model it was trained from). A resume from a checkpoint outside output_dir is a new run for this check."""
-    from .checkpoint_files import (
+    from fsdp_recipes.ckpt.layout import (
         INCOMPLETE_PREFIX, REPLACED_PREFIX, checkpoint_steps, foreign_entries, is_checkpoint_folder, overlap, real,
     )
     if not str(output_dir).strip():

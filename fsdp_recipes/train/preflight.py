@@ -1,10 +1,10 @@
 """What train_fsdp.py does between checking its input and loading anything: the preflight section.
 
-Argument parsing (fsdp_recipes.arguments) only reads and decides; it never moves a file, patches torch or joins
+Argument parsing (fsdp_recipes.config.arguments) only reads and decides; it never moves a file, patches torch or joins
 a process group, so bad input fails on every rank in seconds and changes nothing. Once every check has passed,
 ``Preflight`` (what parsing decided) is carried out here, in this order:
 
-1. ``start``: make FSDP (or DDP) real where there is no accelerator (fsdp_recipes.cpu_fsdp), build TrainingArguments,
+1. ``start``: make FSDP (or DDP) real where there is no accelerator (fsdp_recipes.compat.cpu_fsdp), build TrainingArguments,
    which starts accelerate's PartialState and joins the process group;
 2. ``hold_output_dir``: one run per output_dir at a time; a POSIX lock on ``output_dir/.run.lock`` held by
    global rank 0 while it lives (the kernel drops it when the process dies, so a killed run never holds it);
@@ -23,9 +23,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import cpu_fsdp
-from .dcp_files import guard_torch_dcp
-from .launcher import LaunchSettings
+from fsdp_recipes.compat import cpu_fsdp
+from fsdp_recipes.ckpt.dcp import guard_torch_dcp
+from fsdp_recipes.config.launcher import LaunchSettings
 
 LOCK_NAME = ".run.lock"
 ARGS_NAME = "run_args.json"
@@ -39,8 +39,8 @@ class Preflight:
     resume: str | None = None
     set_aside: list[tuple[Path, str, str]] = field(default_factory=list)  # (checkpoint, prefix, why)
     delete: list[Path] = field(default_factory=list)
-    launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.launcher)
-    run_args: object = None  # fsdp_recipes.arguments.RunArguments: this script's own options
+    launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.config.launcher)
+    run_args: object = None  # fsdp_recipes.config.arguments.RunArguments: this script's own options
     cpu_ddp: bool = False  # DDP over gloo on a machine without an accelerator (cpu_fsdp.enable_ddp)
     requeue_record: dict | None = None  # a requeued SLURM job's progress, written to output_dir (check_requeue)
 
@@ -48,7 +48,7 @@ class Preflight:
         """Patch (CPU only) and build TrainingArguments: this joins the process group."""
         from transformers import TrainingArguments
 
-        from .arguments import RecipeError, build
+        from fsdp_recipes.config.arguments import RecipeError, build
 
         guard_torch_dcp()  # a resume's DCP load unpickles nothing our allow-lists have not vetted
         # both must precede TrainingArguments, which creates accelerate's PartialState
@@ -74,9 +74,9 @@ class Preflight:
 
     def carry_out(self, say) -> None:
         """The moves and deletions themselves (one process: the caller decides which)."""
-        from .checkpoint_files import is_checkpoint_folder
-        from .checkpoints import CHECKPOINT_PURPOSE, set_aside
-        from .removal import remove
+        from fsdp_recipes.ckpt.layout import is_checkpoint_folder
+        from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, set_aside
+        from fsdp_recipes.removal import remove
 
         for path, prefix, why in self.set_aside:
             if path.is_dir():
@@ -84,7 +84,7 @@ class Preflight:
         for path in self.delete:  # checked by check_output_dir before anything started; checked again here
             remove(path, CHECKPOINT_PURPOSE, shape=is_checkpoint_folder)
         if self.requeue_record is not None:
-            from .arguments import REQUEUE_RECORD
+            from fsdp_recipes.config.arguments import REQUEUE_RECORD
 
             out = Path(self.raw.output_dir or "trainer_output")
             (out / REQUEUE_RECORD).write_text(json.dumps(self.requeue_record) + "\n")
@@ -111,7 +111,7 @@ def _broadcast(value):
 
 def hold_output_dir(training_args) -> None:
     """Take output_dir for this run (global rank 0 holds the lock); every rank stops alike when another run has it."""
-    from .arguments import RecipeError
+    from fsdp_recipes.config.arguments import RecipeError
 
     holder = None
     if training_args.process_index == 0:
