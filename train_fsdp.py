@@ -17,38 +17,34 @@ import transformers
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
-from fsdp_recipes.compat import cpu_fsdp
-from fsdp_recipes.config.arguments import RecipeError, check_run_length, parse_args
 from fsdp_recipes.ckpt.status import disk_full_problem
-from fsdp_recipes.train.sharding import NotShardedError
+from fsdp_recipes.config.launcher import tell_launcher
+from fsdp_recipes.config.parse import parse_args
+from fsdp_recipes.config.values import check_run_length, parse_steps
+from fsdp_recipes.errors import InternalsChanged, NotShardedError, RecipeError, RefusedRemoval
+from fsdp_recipes.train import preflight
 from fsdp_recipes.train.data import build_datasets
 from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_step, save_final_model
-from fsdp_recipes.compat.internals import InternalsChanged
-from fsdp_recipes.config.launcher import tell_launcher
 from fsdp_recipes.train.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
 from fsdp_recipes.train.modeling import load_model, load_tokenizer
 from fsdp_recipes.train.preemption import Stopped, quiet_stops, stop_received, was_interrupted, watch_interrupts, watch_stops
-from fsdp_recipes.train.preflight import hold_output_dir, save_resolved_arguments
-from fsdp_recipes.removal import RefusedRemoval
-from fsdp_recipes.train.profiling import StepProfiler, parse_steps
+from fsdp_recipes.train.profiling import StepProfiler
 from fsdp_recipes.train.trainer import FSDPTrainer
 
 logger = logging.getLogger("train_fsdp")
 
 
-def main(model_args, data_args, preflight):
+def main(model_args, data_args, plan):
     # ---------- preflight: every input check has passed; join the process group, take output_dir ----------
-    training_args = preflight.start()  # makes FSDP real without a GPU, then joins the process group
+    training_args, on_cpu = preflight.start(plan)  # makes FSDP real without a GPU, then joins the process group
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout)
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
-    if cpu_fsdp.is_enabled():
-        logger.info("no accelerator found: running FSDP over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
-    elif preflight.cpu_ddp:
-        logger.info("no accelerator found: running DDP over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
-    hold_output_dir(training_args)  # one run per output_dir
-    preflight.apply(training_args, say=logger.warning)  # set aside or delete what the checks found (rank 0)
-    save_resolved_arguments(model_args, data_args, training_args, preflight.launch)
+    if on_cpu:
+        logger.info(f"no accelerator found: running {on_cpu} over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
+    preflight.hold_output_dir(training_args)  # one run per output_dir
+    preflight.apply(plan, training_args, say=logger.warning)  # set aside or delete what the checks decided (rank 0)
+    preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch)
 
     if (step := finished_checkpoint_step(training_args)) is not None:
         logger.info(
@@ -68,7 +64,7 @@ def main(model_args, data_args, preflight):
     with training_args.main_process_first(desc="dataset preprocessing"):
         train_dataset, eval_dataset, collator = build_datasets(data_args, tokenizer, training_args.seed)
     logger.info(f"training examples: {len(train_dataset):,}" + (f", evaluation examples: {len(eval_dataset):,}" if eval_dataset else ""))
-    check_run_length(training_args, len(train_dataset), preflight.run_args.profile_steps)  # needs the data's size
+    check_run_length(training_args, len(train_dataset), plan.run_args.profile_steps)  # needs the data's size
 
     model = load_model(model_args, tokenizer)
 
@@ -80,12 +76,12 @@ def main(model_args, data_args, preflight):
         eval_dataset=eval_dataset,
         data_collator=collator,
         processing_class=tokenizer,
-        zero1=preflight.run_args.zero1,
+        zero1=plan.run_args.zero1,
     )
-    if preflight.run_args.profile_steps:
-        trainer.add_callback(StepProfiler(*parse_steps(preflight.run_args.profile_steps), training_args.output_dir, training_args.process_index))
+    if plan.run_args.profile_steps:
+        trainer.add_callback(StepProfiler(*parse_steps(plan.run_args.profile_steps), training_args.output_dir, training_args.process_index))
     trainer.throughput.flops_per_token = flops_per_token(model, data_args.block_size)
-    trainer.throughput.peak = device_peak_flops(preflight.run_args.peak_tflops)
+    trainer.throughput.peak = device_peak_flops(plan.run_args.peak_tflops)
     if training_args.resume_from_checkpoint:
         if problem := trainer.resume_mismatch(training_args.resume_from_checkpoint):
             raise RecipeError(problem)  # every rank reads the same headers: all stop alike, before any load
@@ -155,7 +151,7 @@ def run() -> None:
     watch_stops()  # until the Trainer's preemption handler takes over: a stop before training ends in one line
     try:
         try:
-            main(*parse_args())  # parse_args reads and checks only; main's preflight acts
+            main(*parse_args())  # parse_args reads and checks only; main's preflight acts on its plan
         except (RecipeError, NotShardedError, InternalsChanged, RefusedRemoval, KeyboardInterrupt):
             raise
         except Exception:

@@ -24,6 +24,8 @@ import stat
 
 import yaml
 
+from fsdp_recipes.errors import UnreadableFile
+
 # Recipes and accelerate configs are a few KB (the largest shipped one is 3.3 KB). The limit is far above that and
 # low enough that the worst file within it parses in well under a second: the YAML parser that can refuse aliases
 # as they come is pure Python, about 1.5 s per MiB.
@@ -36,16 +38,6 @@ MAX_VALUES = 1000  # keys, values and list items together: later checks suggest 
 
 _SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-class UnreadableFile(ValueError):
-    """A file refused before or while reading it. ``str()`` is the whole one-line message (the file, the problem,
-    the fix); ``reason`` and ``fix`` are its parts, for callers that name the file their own way. Callers with an
-    error type of their own (RecipeError, a checker's problem list) catch this and pass the message on."""
-
-    def __init__(self, path: str | os.PathLike, what: str, reason: str, fix: str):
-        super().__init__(f"{what} {str(path)!r} {reason}: {fix}")
-        self.path, self.reason, self.fix = str(path), reason, fix
 
 
 def _kind(mode: int) -> str | None:

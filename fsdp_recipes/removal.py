@@ -26,11 +26,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fsdp_recipes.errors import RefusedRemoval
+
 MARKER = ".made-by-fsdp-recipes"
-
-
-class RefusedRemoval(ValueError):
-    """A path this project did not make, or not in a shape it may replace: left as it is."""
 
 
 def make_folder(path: str | os.PathLike, purpose: str, exist_ok: bool = False) -> Path:

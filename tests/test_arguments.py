@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port, run
-from fsdp_recipes.config.arguments import DEFAULT_RECIPE, RecipeError, parse_args, qlora_problem
+from fsdp_recipes.config.model_source import qlora_problem
+from fsdp_recipes.config.parse import DEFAULT_RECIPE, parse_args
+from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.train import preflight
 
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml"))
 TINY = f"config_name: {REPO}/assets/tiny-llama\n"
@@ -24,8 +27,8 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 def test_default_recipe_when_no_recipe_given(tmp_path):
-    model_args, data_args, preflight = parse_args(["--max_steps", "20", "--output_dir", str(tmp_path), *NO_FSDP])
-    training_args = preflight.start()
+    model_args, data_args, plan = parse_args(["--max_steps", "20", "--output_dir", str(tmp_path), *NO_FSDP])
+    training_args, _ = preflight.start(plan)
     assert model_args.config_name == str(REPO / "assets" / "tiny-llama")  # anchored to the repository
     assert data_args.train_file == str(REPO / "assets" / "data" / "tiny_corpus.txt")
     assert training_args.max_steps == 20  # flag overrides the recipe's 120
@@ -43,13 +46,13 @@ def test_shipped_recipes_parse(recipe, monkeypatch):
         with pytest.raises(RecipeError, match=re.escape(problem)):
             parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])
         return
-    parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])[2].start()  # TrainingArguments' own checks too
+    preflight.start(parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])[2])  # TrainingArguments' own checks too
 
 
 def test_recipe_sets_defaults_and_flags_override(tmp_path):
     path = write(tmp_path, TINY + CORPUS + "learning_rate: 1.0e-4\nblock_size: 64\n")
-    _, data_args, preflight = parse_args([path, "--learning_rate", "1e-5", *NO_FSDP])
-    assert preflight.raw.learning_rate == 1e-5
+    _, data_args, plan = parse_args([path, "--learning_rate", "1e-5", *NO_FSDP])
+    assert plan.raw.learning_rate == 1e-5
     assert data_args.block_size == 64
 
 
@@ -111,7 +114,7 @@ def test_bad_input_fails_before_training_arguments_join_the_process_group(tmp_pa
 
 
 def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
-    from fsdp_recipes.config.arguments import model_source_problem
+    from fsdp_recipes.config.model_source import model_source_problem
 
     run_dir = trained("accelerate_configs/zero3.yaml").output_dir
     assert model_source_problem(str(run_dir), weights=True) is None  # a final model folder
@@ -132,7 +135,7 @@ def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
 def test_torchrun_route_fsdp_flags(tmp_path):
     import argparse
 
-    from fsdp_recipes.config.arguments import check_trainer_fsdp
+    from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
 
     shipped = str(REPO / "accelerate_configs" / "torchrun" / "zero3.json")
     raw = argparse.Namespace(fsdp="true", fsdp_config=shipped)

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.config.arguments import RecipeError, load_recipe, parse_args
+from fsdp_recipes.config.parse import load_recipe, parse_args
+from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.bounded import YAML_LIMIT
 from fsdp_recipes.ckpt.status import REPORT_LIMIT, STATE_LIMIT
 

@@ -89,7 +89,8 @@ def checkpoint(trained, tmp_path) -> Path:
 def test_shards_swapped_between_ranks_are_named(checkpoint, folder, tmp_path, monkeypatch):
     """Two ranks' files have the same layout: the merge would write permuted rows, a resume load the wrong halves.
     The digests written once every rank finished tell them apart."""
-    from fsdp_recipes.config.arguments import RecipeError, resolve_resume
+    from fsdp_recipes.ckpt.resume import resolve_resume
+    from fsdp_recipes.errors import RecipeError
     from fsdp_recipes.ckpt.layout import SHARD_DIGESTS, CheckpointError
     from fsdp_recipes.ckpt.status import checkpoint_status
     from fsdp_recipes.ckpt.merge import merge_checkpoint

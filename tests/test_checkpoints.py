@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run
-from fsdp_recipes.config.arguments import RecipeError, check_output_dir, resolve_resume
+from fsdp_recipes.ckpt.resume import check_output_dir, resolve_resume
+from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.ckpt.status import checkpoint_status
+from fsdp_recipes.config.plan import Plan
+from fsdp_recipes.train import preflight
 
 TOOL = str(REPO / "tools" / "check_checkpoint.py")
 FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
@@ -69,7 +72,9 @@ def test_damaged_newest_checkpoint_is_named_skipped_and_set_aside(run_dir, damag
     status = checkpoint_status(run_dir / "checkpoint-12")
     assert not status.resumable and any(problem in p for p in status.problems), status.problems
 
-    assert resolve_resume("true", str(run_dir)) == str(run_dir / "checkpoint-6")
+    resume = resolve_resume("true", str(run_dir))  # decides; the preflight moves
+    assert resume.path == str(run_dir / "checkpoint-6") and (run_dir / "checkpoint-12").is_dir()
+    preflight.carry_out(Plan(set_aside=resume.set_aside))
     err = capsys.readouterr().err
     assert "skipping checkpoint-12" in err and problem in err and "moved checkpoint-12 to incomplete-checkpoint-12" in err
     assert not (run_dir / "checkpoint-12").exists() and (run_dir / "incomplete-checkpoint-12").is_dir()
@@ -81,7 +86,9 @@ def test_explicit_incomplete_checkpoint_is_refused_with_the_alternative(run_dir)
         resolve_resume(str(run_dir / "checkpoint-12"), str(run_dir))
     assert (run_dir / "checkpoint-12").is_dir()  # a refused resume moves nothing
     # an earlier checkpoint of the run starts a new branch: the later one is set aside, never rewritten in place
-    assert resolve_resume(str(run_dir / "checkpoint-6"), str(run_dir)) == str(run_dir / "checkpoint-6")
+    resume = resolve_resume(str(run_dir / "checkpoint-6"), str(run_dir))
+    assert resume.path == str(run_dir / "checkpoint-6") and (run_dir / "checkpoint-12").is_dir()
+    preflight.carry_out(Plan(set_aside=resume.set_aside))
     assert not (run_dir / "checkpoint-12").exists() and (run_dir / "replaced-checkpoint-12").is_dir()
 
 
@@ -102,7 +109,9 @@ def test_output_dir_of_another_run(run_dir):
     with pytest.raises(RecipeError, match="already holds another run's checkpoints \\(checkpoint-12, checkpoint-6\\)"):
         check_output_dir(str(run_dir), resuming=False, overwrite=False)
     check_output_dir(str(run_dir), resuming=True, overwrite=False)  # resuming it is fine
-    check_output_dir(str(run_dir), resuming=False, overwrite=True)
+    delete = check_output_dir(str(run_dir), resuming=False, overwrite=True)  # decides; the preflight deletes
+    assert sorted(p.name for p in delete) == ["checkpoint-12", "checkpoint-6"] and (run_dir / "checkpoint-12").is_dir()
+    preflight.carry_out(Plan(delete=delete))
     assert not list(run_dir.glob("checkpoint-*")) and (run_dir / "model.safetensors").is_file()
 
 

@@ -7,7 +7,8 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from conftest import REPO
-from fsdp_recipes.config.arguments import DataArguments, RecipeError
+from fsdp_recipes.config.arguments import DataArguments
+from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train.data import IGNORE_INDEX, build_datasets, pack_text, resolve_format, tokenize_chat
 
 CORPUS = str(REPO / "assets" / "data" / "tiny_corpus.txt")
@@ -107,7 +108,7 @@ def test_bad_data_files_are_one_line_errors_before_anything_starts(tmp_path, nam
 
 
 def test_output_dir_that_is_a_file_is_refused(tmp_path):
-    from fsdp_recipes.config.arguments import check_output_dir
+    from fsdp_recipes.ckpt.resume import check_output_dir
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(RecipeError, match="is a file: choose a folder"):

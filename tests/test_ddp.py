@@ -89,7 +89,8 @@ def test_zero1_resumed_run_ends_on_the_uninterrupted_weights(trained, tmp_path):
 
 
 def test_a_ddp_checkpoint_is_not_resumed_under_fsdp(trained):
-    from fsdp_recipes.config.arguments import RecipeError, _resumable
+    from fsdp_recipes.ckpt.resume import _resumable
+    from fsdp_recipes.errors import RecipeError
 
     status = checkpoint_status(trained(DDP_CONFIG).output_dir / "checkpoint-6")
     with pytest.raises(RecipeError, match=r"was saved without FSDP \(DDP or ZeRO-1\): resume it with the same launch"):
@@ -108,7 +109,8 @@ def test_only_a_named_ddp_config_is_a_ddp_launch(tmp_path):
 
 
 def test_zero1_is_refused_where_it_cannot_work(tmp_path):
-    from fsdp_recipes.config.arguments import RecipeError, parse_args
+    from fsdp_recipes.config.parse import parse_args
+    from fsdp_recipes.errors import RecipeError
     from fsdp_recipes.config.accelerate_config import check_config, errors
 
     problems = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", recipe={"zero1": True}))

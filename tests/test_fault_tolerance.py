@@ -245,7 +245,8 @@ def bad_input(case: str, tmp_path) -> tuple[list[str], str]:
 def test_bad_input_stops_every_rank_before_anything_is_set_up(tmp_path, monkeypatch):
     """One case through a real 2-process launch (every rank stops in parsing, one line, nothing written); the
     others take the same path, so their lines are checked where it runs, in this process."""
-    from fsdp_recipes.config.arguments import RecipeError, parse_args
+    from fsdp_recipes.config.parse import parse_args
+    from fsdp_recipes.errors import RecipeError
 
     (tmp_path / "launched").mkdir()
     args, message = bad_input("unknown recipe key", tmp_path / "launched")
@@ -302,7 +303,7 @@ def test_one_run_per_output_dir(tmp_path):
     import sys
     from types import SimpleNamespace
 
-    from fsdp_recipes.config.arguments import RecipeError
+    from fsdp_recipes.errors import RecipeError
     from fsdp_recipes.train.preflight import LOCK_NAME, hold_output_dir
 
     out = tmp_path / "run"

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsdp_recipes.train.profiling import parse_steps, summarize
+from fsdp_recipes.config.values import parse_steps
+from fsdp_recipes.train.profiling import summarize
 
 
 def event(name, start, end, device="CPU"):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from fsdp_recipes.config.arguments import RecipeError, parse_args
+from fsdp_recipes.config.parse import parse_args
+from fsdp_recipes.errors import RecipeError
 
 NO_FSDP = ["--allow_no_fsdp", "true"]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.config.arguments import RecipeError, check_output_dir
+from fsdp_recipes.ckpt.resume import check_output_dir
+from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.ckpt.layout import is_checkpoint_folder, is_model_folder
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
 from fsdp_recipes.train.export import remove_export_leftovers
 from fsdp_recipes.ckpt.merge import merge_checkpoint, remove_stale_staging
-from fsdp_recipes.train.preflight import Preflight
 from fsdp_recipes.removal import MARKER, RefusedRemoval, make_folder, remove
 from test_hostile_files import cli
 
@@ -211,7 +211,7 @@ def test_output_dir_never_overlaps_an_input(tmp_path, where, key, launched):
     out = {"is": model, "inside": model / "run", "holds": tmp_path / "models"}[where]
     before = _snapshot(tmp_path)
     with pytest.raises(RecipeError, match=f"output_dir .* {key} .*choose another --output_dir"):
-        check_output_dir(str(out), resuming=False, overwrite=True, plan=Preflight(None, False), inputs={key: str(model)})
+        check_output_dir(str(out), resuming=False, overwrite=True, inputs={key: str(model)})
     assert _snapshot(tmp_path) == before
 
 
@@ -221,7 +221,7 @@ def test_resume_into_another_runs_output_dir_is_refused(tmp_path, launched):
     _checkpoint(run_b / "checkpoint-2", marked=True)
     for overwrite in (False, True):
         with pytest.raises(RecipeError, match="holds another run's checkpoints .* the resume comes from"):
-            check_output_dir(str(run_b), resuming=True, overwrite=overwrite, plan=Preflight(None, False), resume=str(ckpt_a))
+            check_output_dir(str(run_b), resuming=True, overwrite=overwrite, resume=str(ckpt_a))
     check_output_dir(str(tmp_path / "c"), resuming=True, overwrite=False, resume=str(ckpt_a))  # a fresh folder: fine
     check_output_dir(str(run_a), resuming=True, overwrite=False, resume=str(ckpt_a))  # its own folder: fine
 
@@ -231,7 +231,7 @@ def test_overwrite_output_dir_refuses_a_checkpoint_holding_other_files(tmp_path,
     _checkpoint(run / "checkpoint-3", marked=False)
     (run / "checkpoint-3" / "notes.txt").write_text("mine")
     with pytest.raises(RecipeError, match="checkpoint-3 holds files a training checkpoint does not"):
-        check_output_dir(str(run), resuming=False, overwrite=True, plan=Preflight(None, False))
+        check_output_dir(str(run), resuming=False, overwrite=True)
     assert (run / "checkpoint-3" / "notes.txt").is_file()
 
 
@@ -245,5 +245,5 @@ def test_output_dir_holding_someone_elses_files_is_refused(tmp_path, kind, launc
         return
     before = _snapshot(out)
     with pytest.raises(RecipeError, match="holds files a training run does not write"):
-        check_output_dir(str(out), resuming=False, overwrite=True, plan=Preflight(None, False))
+        check_output_dir(str(out), resuming=False, overwrite=True)
     assert _snapshot(out) == before

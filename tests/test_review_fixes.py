@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.config.arguments import RecipeError, load_recipe
+from fsdp_recipes.config.parse import load_recipe
+from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.bounded import UnreadableFile, load_yaml
 
 TOOLS = REPO / "tools"
@@ -104,12 +105,12 @@ def test_equal_keys_in_different_mappings_are_fine(tmp_path):
 # --- 2. worker processes bounded by the machine ---------------------------------------------------------------------
 
 def _arguments_on(monkeypatch, cpus):
-    """fsdp_recipes/config/arguments.py imported afresh (as another module) on a machine with ``cpus`` CPUs."""
+    """fsdp_recipes/config/values.py imported afresh (as another module) on a machine with ``cpus`` CPUs."""
     import os
     import sys
 
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
-    spec = importlib.util.spec_from_file_location("fsdp_recipes._arguments_probe", REPO / "fsdp_recipes" / "config" / "arguments.py")
+    spec = importlib.util.spec_from_file_location("fsdp_recipes._values_probe", REPO / "fsdp_recipes" / "config" / "values.py")
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -128,7 +129,8 @@ def test_worker_counts_are_bounded_by_the_machine(monkeypatch, cpus, bound, fiel
 
 
 def test_a_fork_bomb_of_workers_is_refused_by_parse_args(tmp_path):
-    from fsdp_recipes.config.arguments import MAX_WORKERS, parse_args
+    from fsdp_recipes.config.parse import parse_args
+    from fsdp_recipes.config.values import MAX_WORKERS
 
     for field in ("dataloader_num_workers", "preprocessing_num_workers"):
         with pytest.raises(RecipeError, match=rf"^{field}=100000 is more than {MAX_WORKERS}: .*CPUs of this machine"):

@@ -12,7 +12,9 @@ import subprocess
 import pytest
 
 from conftest import QUICK, REPO, launch
-from fsdp_recipes.config.arguments import MAX_STALLED_REQUEUES, REQUEUE_RECORD, RecipeError, check_requeue, train_file_problem
+from fsdp_recipes.ckpt.resume import check_requeue, MAX_STALLED_REQUEUES, REQUEUE_RECORD
+from fsdp_recipes.config.data_files import train_file_problem
+from fsdp_recipes.errors import RecipeError
 
 FAULT = REPO / "tests" / "helpers" / "train_with_fault.py"
 

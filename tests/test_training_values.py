@@ -13,10 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.config.arguments import (
-    FINITE_ONLY, MAX_COUNT, VALUE_RULES, RecipeError, batches_per_process, check_run_length, numeric_fields,
-    parse_args, steps_per_epoch, value_problem,
-)
+from fsdp_recipes.config.parse import parse_args
+from fsdp_recipes.config.values import batches_per_process, check_run_length, FINITE_ONLY, MAX_COUNT, numeric_fields, steps_per_epoch, value_problem, VALUE_RULES
+from fsdp_recipes.errors import RecipeError
 
 NO_FSDP = ("--allow_no_fsdp", "true")  # parse_args in this process: no launcher, no FSDP config
 NUMERIC = numeric_fields()

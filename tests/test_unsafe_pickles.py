@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fsdp_recipes.config.arguments import RecipeError, resolve_resume
+from fsdp_recipes.ckpt.resume import resolve_resume
+from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.ckpt.layout import CheckpointError
 from fsdp_recipes.ckpt.status import checkpoint_status
 from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError, guard_torch_dcp

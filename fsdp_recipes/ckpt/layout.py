@@ -8,6 +8,8 @@ import os
 import re
 from pathlib import Path
 
+from fsdp_recipes.errors import CheckpointError
+
 DCP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's sharded model folder in a checkpoint-N
 OPTIMIZER_DIR = "optimizer_0"
 FULL_MODEL_FILE = "pytorch_model_fsdp.bin"  # accelerate's FULL_STATE_DICT model
@@ -23,10 +25,6 @@ INCOMPLETE_PREFIX = "incomplete-"  # outside the Trainer's `checkpoint-*` glob: 
 REPLACED_PREFIX = "replaced-"  # a checkpoint of a step a resumed run trains again (another branch of the run)
 # FSDP1, torch.compile and activation checkpointing put these inside parameter names
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
-
-
-class CheckpointError(ValueError):
-    """Bad input: the message names the problem and the fix, on one line."""
 
 
 def checkpoint_steps(run_dir: Path) -> list[Path]:

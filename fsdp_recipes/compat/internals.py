@@ -18,6 +18,8 @@ import importlib
 from importlib import metadata
 from pathlib import Path
 
+from fsdp_recipes.errors import InternalsChanged
+
 MODULE, INSTANCE, OVERRIDE = "module", "instance", "override"
 
 PRIVATE: dict[str, tuple[str, str]] = {
@@ -47,6 +49,8 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (MODULE, "dcp_files: the .metadata torch reads"),
     "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": (MODULE, "dcp_files: .metadata vetted first (patched)"),
     "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (MODULE, "dcp_files: byte records vetted first (patched)"),
+    # fsdp_recipes/config/trainer_fsdp.py: the fsdp_config keys TrainingArguments reads, from its own code
+    "transformers.training_args.TrainingArguments._process_fsdp_args": (MODULE, "trainer_fsdp: --fsdp_config keys it reads"),
     # fsdp_recipes/train/profiling.py: PyTorch's memory viewer snapshot (CUDA only)
     "torch.cuda.memory._record_memory_history": (MODULE, "profiling: CUDA memory snapshot"),
     "torch.cuda.memory._dump_snapshot": (MODULE, "profiling: CUDA memory snapshot"),
@@ -55,10 +59,6 @@ PRIVATE: dict[str, tuple[str, str]] = {
     # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
     "huggingface_hub.serialization._base.parse_size_to_int": (MODULE, "merge: shard sizes as huggingface_hub reads them"),
 }
-
-
-class InternalsChanged(RuntimeError):
-    """A private symbol this repository relies on is not in the installed library."""
 
 
 def _package(path: str) -> str:

@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.bounded import UnreadableFile, load_yaml
+from fsdp_recipes.bounded import load_yaml
+from fsdp_recipes.console import say
+from fsdp_recipes.errors import RecipeError, UnreadableFile
 
 LAUNCH_FLAGS = "accelerate launch"  # Problem.file for a setting that came from a launch flag
 ENVIRONMENT = "environment"  # ... and for one that came from an FSDP_* variable
@@ -157,8 +159,6 @@ def launch_settings() -> LaunchSettings | None:
         except SystemExit:  # accelerate's parser refused its own command line: the launcher would have too
             return None
         except UnreadableFile as err:  # its config file: the error train_fsdp.py reports in one line
-            from fsdp_recipes.config.arguments import RecipeError  # here, not at the top: arguments imports this module
-
             raise RecipeError(str(err)) from None
     return from_environment()
 
@@ -171,6 +171,31 @@ def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> li
     problems = check_settings(settings.config, str(settings.config_file or settings.where), recipe=run_settings,
                               model=model, check_keys=settings.config_file is not None)
     return settings.attribute(problems)
+
+
+RUN_SETTINGS = ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16", "dtype",
+                "load_in_4bit", "bnb_4bit_quant_storage", "bnb_4bit_compute_dtype", "zero1")  # what the rules compare
+
+
+def check_launch(raw) -> LaunchSettings | None:
+    """The launcher's accelerate settings (config file, its default, launch flags or FSDP_* variables), checked
+    with this run's settings (``raw``: the parsed flags and recipe) by tools/check_config.py's rules. Warnings are
+    printed once; errors stop every rank. Returns the settings (None: not an accelerate FSDP or DDP launch)."""
+    from fsdp_recipes.config.accelerate_config import errors
+
+    launch = launch_settings()
+    if launch is None:
+        return None  # nothing to check (a launch without FSDP is refused by parse_args, by name)
+    fsdp_type = launch.config.get("distributed_type") == "FSDP"
+    if not launch.ddp and (not (fsdp_type or "fsdp_config" in launch.config) or (raw.allow_no_fsdp and not fsdp_type)):
+        return launch  # neither FSDP nor a DDP config (refused by parse_args, by name), or no FSDP on purpose
+    problems = check(launch, {k: getattr(raw, k, None) for k in RUN_SETTINGS}, raw.model_name_or_path or raw.config_name)
+    for problem in problems:
+        if problem.level == "warning":
+            say(str(problem))
+    if errors(problems):
+        raise RecipeError(f"{launch.describe()} has {len(errors(problems))} error(s): " + " | ".join(str(p) for p in errors(problems)))
+    return launch
 
 
 def no_fsdp_problem() -> str:

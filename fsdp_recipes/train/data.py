@@ -15,7 +15,8 @@ from pathlib import Path
 from datasets import Dataset, load_dataset
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase, default_data_collator
 
-from fsdp_recipes.config.arguments import DATA_EXTENSIONS, DataArguments, RecipeError
+from fsdp_recipes.config.arguments import DATA_EXTENSIONS, DataArguments
+from fsdp_recipes.errors import RecipeError
 
 IGNORE_INDEX = -100
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from fsdp_recipes.config.arguments import ModelArguments, RecipeError
+from fsdp_recipes.config.arguments import ModelArguments
+from fsdp_recipes.errors import RecipeError
 
 
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:

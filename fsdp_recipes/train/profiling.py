@@ -32,15 +32,6 @@ COLLECTIVES = {  # the share reported for each, by the names torch's process gro
 }
 
 
-def parse_steps(text: str) -> tuple[int, int]:
-    """'5-8' (optimizer steps, inclusive, counted from 1) or '5' -> (first, last)."""
-    first, _, last = text.partition("-")
-    first, last = int(first), int(last or first)
-    if not 1 <= first <= last:
-        raise ValueError(f"{text!r}: give the first and last optimizer step to profile, e.g. 5-8 (counted from 1)")
-    return first, last
-
-
 def collective_kind(name: str, on_device: bool) -> str | None:
     """The collective an event executes: NCCL kernels on the device; on the host, gloo's own events (its worker
     threads run them; the c10d::* calls on the main thread only enqueue them)."""

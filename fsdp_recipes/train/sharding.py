@@ -17,12 +17,9 @@ from transformers import TrainerCallback
 from fsdp_recipes.compat import internals
 from fsdp_recipes.ckpt.layout import REPORT_NAME
 from fsdp_recipes.compat.cpu_fsdp import launched_world_size
+from fsdp_recipes.errors import NotShardedError
 
 logger = logging.getLogger("train_fsdp")
-
-
-class NotShardedError(RuntimeError):
-    """The accelerate config asked for FSDP but the prepared model is not FSDP-wrapped as configured."""
 
 
 def wrapper_kind(model: torch.nn.Module) -> str:

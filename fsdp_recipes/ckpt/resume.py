@@ -1,0 +1,182 @@
+"""Which checkpoint a run resumes from, and what the run may do to the checkpoints already in its output_dir.
+
+Decides only: a later checkpoint a resume replaces, an incomplete one it skips, the checkpoints
+``--overwrite_output_dir`` deletes come back as lists (``SetAside``, paths) that the training script's preflight
+(fsdp_recipes.train.preflight) carries out on rank 0 once every check on every rank has passed. Nothing here
+moves or deletes anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+from fsdp_recipes.bounded import load_json
+from fsdp_recipes.ckpt.layout import (
+    INCOMPLETE_PREFIX, REPLACED_PREFIX, checkpoint_steps, foreign_entries, is_checkpoint_folder, overlap, real,
+)
+from fsdp_recipes.ckpt.status import checkpoint_status, newest_resumable
+from fsdp_recipes.console import say
+from fsdp_recipes.errors import RecipeError
+
+
+class SetAside(NamedTuple):
+    """A checkpoint to move out of the way (renamed with ``prefix``; nothing is deleted), and why."""
+
+    path: Path
+    prefix: str
+    why: str
+
+
+class Resume(NamedTuple):
+    """What ``--resume_from_checkpoint`` decided: the checkpoint (None: no resume) and what to set aside first."""
+
+    path: str | None
+    set_aside: list[SetAside]
+
+def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = False) -> Resume:
+    """``true``: the newest complete checkpoint-N in output_dir (newer, incomplete ones are named and set aside);
+    a path: that checkpoint, which must be complete (an earlier one of output_dir sets the later ones aside);
+    ``false`` or unset: no resume."""
+    if value is None or str(value).lower() == "false":
+        return Resume(None, [])
+    if str(value).lower() == "true":
+        chosen, skipped = newest_resumable(output_dir) if Path(output_dir).is_dir() else (None, [])
+        for status in skipped:
+            say(f"skipping {status.summary()}")
+        if chosen is None:
+            what = f" (incomplete: {', '.join(Path(s.path).name for s in skipped)})" if skipped else ""
+            raise RecipeError(
+                f"--resume_from_checkpoint true: no complete checkpoint-N folder in output_dir {output_dir!r}{what}; "
+                "start without --resume_from_checkpoint"
+            )
+        return Resume(_resumable(chosen, trainer_fsdp), [SetAside(Path(s.path), INCOMPLETE_PREFIX, "incomplete") for s in skipped])
+    if not Path(value).is_dir():
+        raise RecipeError(f"--resume_from_checkpoint {value!r} is not a folder: give a checkpoint-N folder, or true for the latest")
+    status = checkpoint_status(value)
+    if not status.resumable:
+        chosen, _ = newest_resumable(Path(value).parent)
+        instead = f"resume from {chosen.path} (the newest complete one) or" if chosen else "start"
+        raise RecipeError(f"cannot resume from {status.summary()}; {instead} without it")
+    return Resume(_resumable(status, trainer_fsdp), later_checkpoints(Path(value), output_dir))
+
+
+REQUEUE_RECORD = "requeue_progress.json"  # output_dir: the newest checkpoint each requeued attempt of a job started from
+
+
+MAX_STALLED_REQUEUES = 3
+
+
+def check_requeue(output_dir: str, resume: str | None) -> dict | None:
+    """A job SLURM requeued (SLURM_RESTART_COUNT > 0) that starts from the same checkpoint as its last attempt made no
+    progress: after MAX_STALLED_REQUEUES such starts in a row it stops instead of looping forever (the time limit
+    is too short to reach the next checkpoint, or the job fails before its first step). Returns the record preflight
+    writes (rank 0); None outside a requeued job."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if not restart.isdigit() or int(restart) == 0:
+        return None
+    step = int(Path(resume).name.split("-")[-1]) if resume and re.fullmatch(r"checkpoint-\d+", Path(resume).name) else 0
+    try:
+        last = load_json(Path(output_dir) / REQUEUE_RECORD, REQUEUE_RECORD, 4096)
+        last_step, stalled = int(last["step"]), int(last["stalled"])
+    except (OSError, ValueError, KeyError, TypeError):
+        last_step, stalled = -1, 0
+    stalled = stalled + 1 if step <= last_step else 0
+    if stalled >= MAX_STALLED_REQUEUES:
+        raise RecipeError(
+            f"requeued {stalled} times in a row without a new checkpoint (each attempt started from "
+            f"{Path(resume).name if resume else 'no checkpoint'}): not starting again; give the job a longer time limit "
+            f"or checkpoint more often (save_steps), then delete {Path(output_dir) / REQUEUE_RECORD} and resubmit"
+        )
+    return {"restart": int(restart), "step": step, "stalled": stalled}
+
+
+def later_checkpoints(ckpt: Path, output_dir: str) -> list[SetAside]:
+    """Resuming an earlier checkpoint of this output_dir starts another branch of the run: its later checkpoints
+    would be rewritten in place (the Trainer saves into checkpoint-N as it finds it) or, being newer, picked by
+    the next `--resume_from_checkpoint true`. They are moved aside as replaced-checkpoint-N; nothing is deleted."""
+    if real(ckpt.parent) != real(output_dir) or not re.fullmatch(r"checkpoint-\d+", ckpt.name):
+        return []
+    step = int(ckpt.name.split("-")[1])
+    return [SetAside(later, REPLACED_PREFIX, f"resuming {ckpt.name} starts a new branch of the run")
+            for later in checkpoint_steps(Path(output_dir)) if int(later.name.split("-")[1]) > step]
+
+
+def _resumable(status, trainer_fsdp: bool) -> str:
+    """The checkpoint path, after checking it fits this launch."""
+    from fsdp_recipes.compat import cpu_fsdp  # imports torch: not at the toolkit's import time
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if status.state_dict_type == "SHARDED_STATE_DICT" and not (cpu_fsdp.fsdp_requested() or trainer_fsdp):
+        raise RecipeError(
+            f"{status.path} holds FSDP shards: resume it under FSDP (`accelerate launch --config_file "
+            "accelerate_configs/<config>.yaml train_fsdp.py ...`), or merge it with tools/merge_checkpoint.py and "
+            "fine-tune from the merged folder"
+        )
+    if status.state_dict_type == "PLAIN" and (cpu_fsdp.fsdp_requested() or trainer_fsdp):
+        raise RecipeError(
+            f"{status.path} was saved without FSDP (DDP or ZeRO-1): resume it with the same launch (`accelerate launch "
+            "--config_file accelerate_configs/ddp.yaml train_fsdp.py ...`), or start an FSDP run from its weights with "
+            f"--model_name_or_path {status.path}"
+        )
+    if status.world_size and status.world_size != world:
+        say(
+            f"{Path(status.path).name} was saved by {status.world_size} processes, this run has {world}: the shards "
+            "are resharded on load; ranks without a saved RNG state start from the seed, and the data order follows "
+            "the new global batch size (keep per_device_train_batch_size x processes equal to continue the same order)"
+        )
+    return status.path
+
+
+def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: str | None = None,
+                     inputs: dict[str, str | None] | None = None) -> list[Path]:
+    """A new run must not write into another run's checkpoints: a later `resume true` would pick theirs, rotation
+    would delete them. Nor may output_dir be, hold or lie inside a local input (the final model would replace the
+    model it was trained from). A resume from a checkpoint outside output_dir is a new run for this check.
+    Returns the checkpoint folders of an earlier run that ``--overwrite_output_dir`` deletes (checked here to hold
+    only checkpoint files; the preflight deletes them)."""
+    if not str(output_dir).strip():
+        raise RecipeError("output_dir is empty: give a folder for checkpoints and the final model, e.g. --output_dir runs/my-run")
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise RecipeError(f"output_dir {output_dir!r} is a file: choose a folder (it is created if missing)")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"output_dir {output_dir!r}: {existing} is not writable: choose a folder you can write to")
+    for key, source in (inputs or {}).items():
+        if source and Path(source).expanduser().exists() and overlap(real(output_dir), real(source)):
+            how = "is" if real(output_dir) == real(source) else "is inside" if real(source) in real(output_dir).parents else "holds"
+            raise RecipeError(f"output_dir {output_dir!r} {how} {key} {source!r}: the run's model folder would replace or "
+                              "mix with its input; choose another --output_dir")
+    if out.is_dir() and (foreign := foreign_entries(out)):
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise RecipeError(f"output_dir {output_dir!r} holds files a training run does not write ({shown}): the run's "
+                          "checkpoints and model files would be written among them; choose an empty or new --output_dir")
+    if resuming and resume is not None and real(resume).parent != real(output_dir):
+        resuming = False  # another folder's checkpoint: this output_dir starts a new line of checkpoints
+    if resuming or not out.is_dir():
+        return []
+    earlier = checkpoint_steps(out) + sorted(out.glob(f"{INCOMPLETE_PREFIX}checkpoint-*")) + sorted(out.glob(f"{REPLACED_PREFIX}checkpoint-*"))
+    if not earlier:
+        return []
+    if resume is not None:
+        raise RecipeError(
+            f"output_dir {output_dir!r} holds another run's checkpoints ({earlier[0].name}, ...) and the resume comes from "
+            f"{resume}: its new checkpoints would mix with them (and rotation delete them); resume into the checkpoint's "
+            "own folder, or choose an empty --output_dir"
+        )
+    if not overwrite:
+        names = ", ".join(p.name for p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise RecipeError(
+            f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
+            "--resume_from_checkpoint true, choose a new --output_dir, or pass --overwrite_output_dir true to delete them"
+        )
+    foreign = [p for p in earlier if not is_checkpoint_folder(p)]
+    if foreign:
+        raise RecipeError(
+            f"--overwrite_output_dir: {foreign[0]} holds files a training checkpoint does not (or is a link): refusing to "
+            "delete it; move what you want to keep out of it, or choose a new --output_dir"
+        )
+    return earlier

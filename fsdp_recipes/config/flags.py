@@ -1,0 +1,107 @@
+"""Flags and recipe values checked the way argparse would, but as one line naming the key and the fix: argparse
+itself prints its whole usage (hundreds of lines, once per rank) and exits 2; recipe values bypass it entirely."""
+
+from __future__ import annotations
+
+import argparse
+
+from fsdp_recipes.errors import RecipeError
+
+def check_flags(argv: list[str], parser) -> None:
+    """An unknown flag is one line with the closest known one (argparse would print its 120-line usage per rank)."""
+    options = {s for action in parser._actions for s in action.option_strings}
+    unknown = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options]
+    if unknown:
+        names = {o.removeprefix("--") for o in options}
+        raise RecipeError(f"unknown flag(s): {with_hints([u.removeprefix('--') for u in unknown], names)}; see `train_fsdp.py --help`")
+
+
+def check_flag_values(argv: list[str], parser) -> None:
+    """A number flag whose value is not a number is one line naming it (argparse would print its usage and exit
+    with status 2 on every rank), as is a negative value argparse would take for a flag (-inf, -1e-4)."""
+    actions = {s: a for a in parser._actions for s in a.option_strings if a.type in (int, float)}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if (action := actions.get(flag)) is None:
+            continue
+        name, kind = action.dest, "a whole number" if action.type is int else "a number"
+        if not eq:
+            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+                raise RecipeError(f"{name} has no value: give {kind} after --{name}")
+            value = argv[i + 1]
+            if value.startswith("-") and not _argparse_reads_as_value(value):
+                raise RecipeError(f"{name}={value} would be read as a flag: write --{name}={value}")
+        try:
+            action.type(value)
+        except ValueError:
+            try:
+                whole = float(value)
+            except ValueError:
+                whole = None
+            hint = f"write it as {int(whole)}" if action.type is int and whole is not None and whole.is_integer() else f"give {kind}"
+            raise RecipeError(f"{name}={value!r} is not {kind}: {hint}") from None
+
+
+def check_flag_words(argv: list[str], parser) -> None:
+    """A true/false flag given a word that is neither, or a flag given a value outside its choices: one line naming
+    it (argparse would print its usage and exit with status 2 on every rank)."""
+    actions = {s: a for a in parser._actions for s in a.option_strings if a.type not in (None, int, float) or a.choices}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if (action := actions.get(flag)) is None:
+            continue
+        if not eq:
+            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+                continue  # a bare true/false flag means true; argparse names a missing value itself
+            value = argv[i + 1]
+        try:
+            converted = action.type(value) if action.type is not None else value
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
+            raise RecipeError(f"{action.dest}={value!r}: {str(err).rstrip('.')}") from None
+        if action.choices is not None and converted not in action.choices and str(converted) not in map(str, action.choices):
+            raise RecipeError(f"{action.dest}={value!r} is not one of {', '.join(map(str, action.choices))}")
+
+
+def _argparse_reads_as_value(text: str) -> bool:
+    """Whether argparse takes ``--flag text`` with text as the value: which negative numbers it reads as numbers
+    changed across Python versions (-1e-4 is a flag to 3.11's), so this asks a parser of this Python."""
+    import argparse
+
+    probe = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    probe.add_argument("--x")
+    try:
+        probe.parse_args(["--x", text])
+    except argparse.ArgumentError:
+        return False
+    return True
+
+
+def check_recipe_types(recipe: dict, parser) -> None:
+    """Recipe values bypass argparse's conversion (they become defaults as they are): check them the same way."""
+    actions = {}
+    for a in parser._actions:  # a true-by-default flag has two: --name (typed) and --no_name (store_false, untyped)
+        if a.dest not in actions or actions[a.dest].type is None:
+            actions[a.dest] = a
+    for key, value in recipe.items():
+        action = actions[key]
+        if value is None or action.type is None:
+            continue
+        many = action.nargs in ("+", "*")
+        values = value if many and isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, (list, dict)):
+                raise RecipeError(f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {getattr(action.type, '__name__', 'value')}")
+            try:
+                converted = action.type(str(v).lower() if isinstance(v, bool) else v if isinstance(v, str) else str(v))
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as err:  # string_to_bool raises the last
+                raise RecipeError(f"recipe key {key}: {v!r} is not a valid {getattr(action.type, '__name__', 'value')} ({err})") from None
+            if action.choices is not None and converted not in action.choices and str(converted) not in map(str, action.choices):
+                raise RecipeError(f"recipe key {key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
+
+
+def with_hints(unknown: list[str], known, prefix: str = "") -> str:
+    """'key (did you mean known_key?), other' for an error message; ``prefix`` is ignored when matching."""
+    import difflib
+
+    hints = [(k, difflib.get_close_matches(k.removeprefix(prefix), known, 1)) for k in unknown]
+    return ", ".join(f"{k} (did you mean {m[0]}?)" if m else k for k, m in hints)

@@ -1,0 +1,112 @@
+"""``train_fsdp.py [recipe.yaml] [--flag value ...]`` read into the argument dataclasses and a Plan: a recipe YAML
+sets the defaults, command-line flags win. Reads and decides only (fsdp_recipes.train.preflight acts on the Plan)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from transformers import HfArgumentParser, TrainingArguments
+
+from fsdp_recipes.bounded import load_yaml
+from fsdp_recipes.ckpt.resume import check_output_dir, check_requeue, resolve_resume
+from fsdp_recipes.compat import cpu_fsdp
+from fsdp_recipes.config import launcher
+from fsdp_recipes.config.accelerate_config import ZERO1_UNDER_FSDP
+from fsdp_recipes.config.arguments import build, DataArguments, ModelArguments, RunArguments
+from fsdp_recipes.config.flags import check_flag_values, check_flag_words, check_flags, check_recipe_types, with_hints
+from fsdp_recipes.config.plan import Plan
+from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
+from fsdp_recipes.config.values import check_training_values
+from fsdp_recipes.console import say
+from fsdp_recipes.errors import RecipeError, UnreadableFile
+from fsdp_recipes.tiny import REPO_ROOT
+
+DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny-llama" / "pretrain.yaml"
+
+
+# Keys of the embedded default recipe that point into this repository: anchored here so the default
+# runs from any working directory. Paths in user recipes stay relative to the working directory.
+_REPO_PATH_KEYS = ("config_name", "tokenizer_name", "model_name_or_path", "train_file")
+
+
+def load_recipe(path: Path, anchor_paths: bool = False) -> dict:
+    """The recipe's mapping, read within bounds (fsdp_recipes.bounded: no folder, pipe, device, oversize or binary
+    file, no YAML aliases); every refusal is a RecipeError naming the file and the fix."""
+    if not os.path.lexists(path):
+        raise RecipeError(f"recipe {str(path)!r} does not exist: give a YAML file such as {DEFAULT_RECIPE.relative_to(REPO_ROOT)}")
+    try:
+        recipe = load_yaml(path, "recipe")
+    except UnreadableFile as err:
+        raise RecipeError(str(err)) from None
+    if anchor_paths:
+        for key in _REPO_PATH_KEYS:
+            if isinstance(recipe.get(key), str) and not Path(recipe[key]).is_absolute():
+                recipe[key] = str(REPO_ROOT / recipe[key])
+    return recipe
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, Plan]:
+    """``[recipe.yaml] [--flag value ...]``; with no recipe, the embedded default recipe is used.
+
+    Reads and checks only: no file is moved, nothing is patched, no process group is joined. What the run then
+    does before loading anything (build TrainingArguments, which joins the process group; take output_dir; set
+    checkpoints aside) is the returned Plan, carried out by fsdp_recipes.train.preflight. Bad input therefore fails on each
+    rank in seconds and leaves nothing behind.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(
+        (ModelArguments, DataArguments, RunArguments, TrainingArguments),
+        usage="accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py [recipe.yaml] [--flag value ...]",
+        description="Train a causal LM with FSDP. The optional first argument is a recipe YAML whose keys set the "
+        "defaults of every argument below; flags override it (without a recipe: recipes/tiny-llama/pretrain.yaml). "
+        "A model or data source given as a flag replaces the recipe's. Resume with --resume_from_checkpoint true "
+        "(the newest complete checkpoint in output_dir) or a checkpoint-N folder.",
+    )
+    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml")):
+        recipe = load_recipe(Path(argv.pop(0)))
+    elif argv and not argv[0].startswith("-"):
+        raise RecipeError(f"{argv[0]!r} is not a recipe: give a .yaml file first, then --flags")
+    else:
+        recipe = load_recipe(DEFAULT_RECIPE, anchor_paths=True)
+    known = {action.dest for action in parser._actions}
+    unknown = sorted(set(recipe) - known)
+    if unknown:
+        raise RecipeError(f"unknown recipe key(s): {with_hints(unknown, known)}; see `train_fsdp.py --help`")
+    check_flags(argv, parser)
+    check_flag_values(argv, parser)
+    check_flag_words(argv, parser)
+    check_recipe_types(recipe, parser)
+    given = {a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--")}
+    for pair in (("model_name_or_path", "config_name"), ("dataset_name", "train_file")):
+        if given & set(pair):  # a source on the command line replaces the recipe's, whichever kind it is
+            for key in set(pair) - given:
+                recipe.pop(key, None)
+    parser.set_defaults(**recipe)
+    raw = parser.parse_args(argv)  # plain values: no dataclass, no process group yet
+    trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp
+    if problem := cpu_fsdp.single_process_problem(trainer_fsdp):
+        raise RecipeError(problem)
+    plan = Plan(raw, trainer_fsdp, launch=launcher.check_launch(raw))
+    model_args, data_args, run_args = (build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
+    check_training_values(raw, model_args, data_args)
+    plan.run_args = run_args
+    output_dir = raw.output_dir or "trainer_output"
+    plan.resume, plan.set_aside = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp)
+    plan.requeue_record = check_requeue(output_dir, plan.resume)
+    inputs = {"model_name_or_path": model_args.model_name_or_path, "config_name": model_args.config_name,
+              "tokenizer_name": model_args.tokenizer_name}
+    plan.delete = check_output_dir(output_dir, resuming=plan.resume is not None, overwrite=run_args.overwrite_output_dir,
+                                   resume=plan.resume, inputs=inputs)
+    fsdp = cpu_fsdp.fsdp_requested() or trainer_fsdp
+    if not fsdp and not run_args.allow_no_fsdp and not (plan.launch is not None and plan.launch.ddp):
+        raise RecipeError(launcher.no_fsdp_problem())
+    if run_args.zero1 and cpu_fsdp.launched_world_size() < 2:
+        raise RecipeError("zero1 shards the optimizer state across processes and this launch has 1: launch with "
+                          "--config_file accelerate_configs/ddp.yaml (2+ processes), or drop zero1")
+    if run_args.zero1 and fsdp:  # the accelerate-launch route is named by the config check above, by file and key
+        raise RecipeError(f"zero1 {ZERO1_UNDER_FSDP}: drop zero1, or launch with accelerate_configs/ddp.yaml")
+    if warning := launcher.unused_accelerators_warning():
+        say(warning)
+    return model_args, data_args, plan

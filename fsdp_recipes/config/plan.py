@@ -1,0 +1,24 @@
+"""What the checks decided: the one object that passes from argument parsing (fsdp_recipes.config.parse) to the
+training script's preflight (fsdp_recipes.train.preflight), which carries it out. Data only: building a Plan
+moves no file, patches nothing and joins no process group, so bad input fails on every rank in seconds and
+leaves nothing behind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsdp_recipes.ckpt.resume import SetAside
+from fsdp_recipes.config.launcher import LaunchSettings
+
+
+@dataclass
+class Plan:
+    raw: object = None  # the parsed flags and recipe values (argparse.Namespace): TrainingArguments is built from them
+    trainer_fsdp: bool = False  # FSDP asked for through TrainingArguments' --fsdp (the torchrun route)
+    resume: str | None = None  # the checkpoint to resume from
+    set_aside: list[SetAside] = field(default_factory=list)  # checkpoints to move out of the way first (renamed)
+    delete: list[Path] = field(default_factory=list)  # an earlier run's checkpoints --overwrite_output_dir deletes
+    launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.config.launcher)
+    run_args: object = None  # fsdp_recipes.config.arguments.RunArguments: this script's own options
+    requeue_record: dict | None = None  # a requeued SLURM job's progress, written to output_dir (ckpt.resume.check_requeue)

@@ -1,0 +1,74 @@
+"""The torchrun route: TrainingArguments' own ``--fsdp`` and ``--fsdp_config`` (no accelerate config file). Its
+fsdp_config is checked against the keys TrainingArguments reads, which it otherwise ignores without a word."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from fsdp_recipes.bounded import YAML_LIMIT, load_json
+from fsdp_recipes.compat import internals
+from fsdp_recipes.config.flags import with_hints
+from fsdp_recipes.errors import RecipeError, UnreadableFile
+
+
+@functools.cache
+def trainer_fsdp_keys() -> frozenset[str]:
+    """The fsdp_config keys TrainingArguments reads, taken from its own code (``_process_fsdp_args``): every
+    ``fsdp_config["key"]``, ``.get("key")``, ``.setdefault("key")`` and ``"key" in fsdp_config`` there. A key a newer
+    transformers reads is accepted without a change here; one it stops reading is refused again. Keys may carry an
+    "fsdp_" prefix (TrainingArguments strips it); keys starting with "_" are comments."""
+    import inspect
+
+    method = internals.get("transformers.training_args.TrainingArguments._process_fsdp_args")
+    keys = keys_read(inspect.getsource(method))
+    if len(keys) < 5:  # the method was rewritten in a way this reading no longer sees
+        raise internals.problem("transformers.training_args.TrainingArguments._process_fsdp_args",
+                                f" reading fsdp_config keys as this repository expects (found {sorted(keys)})")
+    return frozenset(keys)
+
+
+def keys_read(source: str) -> set[str]:
+    """The string keys a function's source reads from ``<anything>.fsdp_config``."""
+    import ast
+    import textwrap
+
+    def is_config(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "fsdp_config"
+
+    def text(node) -> str | None:
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    keys = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if isinstance(node, ast.Subscript) and is_config(node.value):
+            keys.add(text(node.slice))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_config(node.func.value) and node.args:
+            keys.add(text(node.args[0]))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, ast.In) for op in node.ops) and is_config(node.comparators[0]):
+            keys.add(text(node.left))
+    keys.discard(None)
+    return keys
+
+
+def check_trainer_fsdp(raw) -> bool:
+    """Normalise TrainingArguments' --fsdp (the torchrun route) and check its fsdp_config; True if FSDP is asked for.
+
+    ``--fsdp true`` arrives as the string "true", which TrainingArguments rejects ("Unknown fsdp option"): it
+    becomes True, the non-deprecated form. A fsdp_config key TrainingArguments does not read is an error."""
+    if isinstance(raw.fsdp, str) and raw.fsdp.lower() in ("true", "false", ""):
+        raw.fsdp = raw.fsdp.lower() == "true" or None
+    if not raw.fsdp:
+        return False
+    config = raw.fsdp_config
+    if isinstance(config, str):
+        if not Path(config).is_file():
+            raise RecipeError(f"--fsdp_config {config!r} does not exist: give a JSON file such as accelerate_configs/torchrun/zero3.json")
+        try:
+            config = load_json(Path(config), "--fsdp_config", YAML_LIMIT)
+        except UnreadableFile as err:
+            raise RecipeError(str(err)) from None
+    unknown = [k for k in (config or {}) if not k.startswith("_") and k.removeprefix("fsdp_") not in trainer_fsdp_keys()]
+    if unknown:
+        raise RecipeError(f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, trainer_fsdp_keys(), 'fsdp_')}")
+    return True

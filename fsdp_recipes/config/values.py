@@ -1,0 +1,276 @@
+"""The values a run's numeric fields accept (VALUE_RULES, one rule per field of every argument dataclass and of
+TrainingArguments) and the checks that need several values at once: a run that would train nothing, or the
+wrong thing, without a word. ``check_run_length`` needs the training set's size and runs once it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from transformers import TrainingArguments
+
+from fsdp_recipes.config.arguments import DataArguments, ModelArguments, RunArguments
+from fsdp_recipes.config.model_source import model_positions
+from fsdp_recipes.console import say
+from fsdp_recipes.errors import RecipeError
+
+def check_training_values(raw, model_args: ModelArguments, data_args: DataArguments) -> None:
+    """Values TrainingArguments accepts that train nothing, or the wrong thing, without a word."""
+    if raw.output_dir is not None and not str(raw.output_dir).strip():  # TrainingArguments would os.makedirs('')
+        raise RecipeError(f"output_dir={raw.output_dir!r} is empty: give the folder to write the run to")
+    if raw.max_steps == 0:
+        raise RecipeError("max_steps=0 would still train one step and save checkpoint-1: give a positive number of "
+                          "steps, or leave max_steps at -1 to train num_train_epochs")
+    if raw.learning_rate < 0:
+        raise RecipeError(f"learning_rate={raw.learning_rate} is negative: give a positive rate such as 2e-5")
+    check_value_ranges(raw)  # every numeric field: finite, and within its rule (VALUE_RULES)
+    if raw.learning_rate == 0:  # a load check may want exactly this; a training run never does
+        say("warning: learning_rate=0: the weights will not change (fine to check that a model loads; not training)")
+    if raw.learning_rate * raw.weight_decay >= 1:  # the decay multiplies each weight by 1 - lr x wd every step
+        raise RecipeError(f"weight_decay={_shown(raw.weight_decay)} with learning_rate={_shown(raw.learning_rate)} would "
+                          f"multiply every weight by 1 - learning_rate x weight_decay = {1 - raw.learning_rate * raw.weight_decay:.3g} "
+                          f"each step, before any gradient: give a weight_decay below {1 / raw.learning_rate:g}, e.g. 0.01")
+    if raw.max_steps > 0 and raw.warmup_steps >= 1:
+        warn_long_warmup(raw.warmup_steps, raw.max_steps, raw.learning_rate)
+    if str(raw.eval_strategy or "no").lower() not in ("no", "intervalstrategy.no") and not data_args.evaluates:
+        raise RecipeError(f"eval_strategy={raw.eval_strategy} needs evaluation data: set validation_file, "
+                          "validation_split_percentage or dataset_test_split")
+    if raw.profile_steps is not None:
+        try:
+            first, last = parse_steps(str(raw.profile_steps))
+        except ValueError as err:
+            raise RecipeError(f"profile_steps={err}") from None
+        if raw.max_steps > 0 and last > raw.max_steps:
+            raise RecipeError(f"profile_steps={raw.profile_steps} ends after max_steps={raw.max_steps}: profile steps within the run")
+    positions = model_positions(model_args.model_name_or_path or model_args.config_name)
+    if positions is not None and data_args.block_size > positions:
+        raise RecipeError(f"block_size={data_args.block_size} is longer than the model's {positions} positions: "
+                          f"use block_size {positions} or less")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The values a numeric field accepts: from ``low`` to ``high`` (an end marked open is itself refused), plus
+    ``special`` values with a meaning of their own (max_steps -1: train num_train_epochs). ``fraction``: a step
+    count where transformers 5 reads a float in (0, 1) as a fraction of the run; from 1 up it must be a whole
+    number. ``strategy``: the field is read only when that strategy is "steps" (otherwise only finite)."""
+
+    low: float
+    high: float
+    fix: str  # what to give instead: the part of the message after the colon
+    low_open: bool = False
+    high_open: bool = False
+    special: tuple = ()
+    fraction: bool = False
+    strategy: str | None = None
+
+
+INF = float("inf")
+
+
+SEED_MAX = 2**32 - 1  # transformers' set_seed seeds numpy, which refuses more
+
+
+MAX_COUNT = 2**63 - 1  # the largest int64: whole numbers (counts, steps, sizes) beyond it overflow where torch keeps them
+
+
+STEPS_FIX = "give a whole number of optimizer steps, or a fraction of the run below 1 (0.1: every tenth of it)"
+
+
+# Worker processes (dataloader_num_workers per training process, preprocessing_num_workers for datasets.map) are
+# forked as asked: 100000 forked until the machine stopped. More than a few per core only queue for the cores, so
+# the bound follows this machine (computed once, at import); 64 stays allowed on small machines, where a recipe
+# written for a large node may still ask for that many.
+CPUS = os.cpu_count() or 1
+
+
+MAX_WORKERS = max(64, 4 * CPUS)
+
+
+WORKERS_BOUND = f"at most {MAX_WORKERS}: max(64, 4 x the {CPUS} CPUs of this machine)"
+
+
+# A rule for every int or float field of ModelArguments, DataArguments, RunArguments and TrainingArguments
+# (numeric_fields()); tests/test_training_values.py fails for a field that has neither a rule here nor a place in
+# FINITE_ONLY, so a field a new transformers adds gets a decision.
+VALUE_RULES: dict[str, Rule] = {
+    # ModelArguments: refused even without use_peft, where they are unused: such a value is a typo either way
+    "lora_r": Rule(1, INF, "give the LoRA rank, e.g. 16"),
+    "lora_alpha": Rule(1, INF, "give a positive alpha, e.g. twice lora_r (the update is scaled by alpha / r)"),
+    "lora_dropout": Rule(0, 1, "give a dropout probability below 1, e.g. 0.05", high_open=True),
+    # DataArguments
+    "block_size": Rule(8, INF, "use at least 8 tokens"),
+    "max_train_samples": Rule(1, INF, "keep at least 1 example, or leave it unset to train on all of them"),
+    "preprocessing_num_workers": Rule(1, MAX_WORKERS, f"give 1 or more tokenizing processes ({WORKERS_BOUND}), or leave it unset to tokenize in the training process"),
+    "validation_split_percentage": Rule(1, 50, "hold out between 1 and 50 percent"),
+    # RunArguments
+    "peak_tflops": Rule(0, INF, "give the GPU's dense bf16 peak in TFLOPS (989 for an H100 SXM), or leave it unset", low_open=True),
+    # TrainingArguments
+    "per_device_train_batch_size": Rule(1, INF, "give at least 1 example per process and micro-batch"),
+    "per_device_eval_batch_size": Rule(1, INF, "give at least 1 example per process and evaluation batch"),
+    "num_train_epochs": Rule(0, MAX_COUNT, "give a positive number of epochs (0.5 trains half of one), or a positive max_steps", low_open=True),
+    "max_steps": Rule(1, INF, "give a positive number of optimizer steps, or -1 to train num_train_epochs", special=(-1,)),
+    "learning_rate": Rule(0, 10, "give a rate such as 2e-5 (an Adam-type optimizer moves each weight by about that much a step)"),
+    "warmup_steps": Rule(0, MAX_COUNT, "give a whole number of warmup steps, or a fraction of the run below 1 (0.1: the first tenth)", fraction=True),
+    "weight_decay": Rule(0, INF, "give 0 for none, or a coefficient such as 0.01"),
+    "adam_beta1": Rule(0, 1, "give a decay rate below 1, e.g. 0.9", high_open=True),
+    "adam_beta2": Rule(0, 1, "give a decay rate below 1, e.g. 0.999", high_open=True),
+    "adam_epsilon": Rule(0, 1, "give a small positive number, e.g. 1e-8 (the update is divided by it plus the gradient's scale)", low_open=True),
+    "gradient_accumulation_steps": Rule(1, INF, "give 1 (no accumulation) or more micro-batches per optimizer step"),
+    "max_grad_norm": Rule(0, INF, "give the clipping threshold, e.g. 1.0, or 0 not to clip"),
+    "label_smoothing_factor": Rule(0, 1, "give 0 for none, or a factor below 1 such as 0.1 (1 would train towards uniform guesses)", high_open=True),
+    "neftune_noise_alpha": Rule(0, INF, "give a positive noise scale such as 5, or leave it unset for no noise", low_open=True),
+    "torch_empty_cache_steps": Rule(1, INF, "give a positive number of steps, or leave it unset"),
+    "logging_steps": Rule(0, MAX_COUNT, STEPS_FIX, low_open=True, fraction=True, strategy="logging_strategy"),
+    "eval_steps": Rule(0, MAX_COUNT, STEPS_FIX + ", or leave it unset to evaluate every logging_steps", low_open=True, fraction=True, strategy="eval_strategy"),
+    "save_steps": Rule(0, MAX_COUNT, STEPS_FIX, low_open=True, fraction=True, strategy="save_strategy"),
+    "eval_delay": Rule(0, MAX_COUNT, "give 0 to evaluate from the start, or the epochs or steps to wait first"),
+    "eval_accumulation_steps": Rule(1, INF, "give a positive number of steps, or leave it unset"),
+    "save_total_limit": Rule(1, INF, "keep at least 1 checkpoint, or leave it unset to keep them all"),
+    "seed": Rule(0, SEED_MAX, f"give a seed from 0 to {SEED_MAX}"),
+    "data_seed": Rule(0, SEED_MAX, f"give a seed from 0 to {SEED_MAX}, or leave it unset to use seed"),
+    "dataloader_num_workers": Rule(0, MAX_WORKERS, f"give 0 to load batches in the training process, or a number of worker processes ({WORKERS_BOUND})"),
+    "dataloader_prefetch_factor": Rule(1, INF, "give a positive number of batches per worker, or leave it unset"),
+    "ddp_bucket_cap_mb": Rule(1, INF, "give a positive bucket size in MB, or leave it unset"),
+    "ddp_timeout": Rule(1, INF, "give the collectives' timeout in seconds, e.g. 1800"),
+    "local_rank": Rule(0, INF, "leave it to the launcher (-1: not launched)", special=(-1,)),
+}
+
+
+# Numeric fields with no range of their own, on purpose (name -> why): checked as finite numbers only.
+FINITE_ONLY: dict[str, str] = {}
+
+
+_numeric: dict[str, type] = {}  # numeric_fields(), found once: the dataclasses do not change while we run
+
+
+def numeric_fields() -> dict[str, type]:
+    """Every int or float field (None allowed or not) of the dataclasses parse_args builds, by name: int or float."""
+    import typing
+
+    if not _numeric:
+        for cls in (ModelArguments, DataArguments, RunArguments, TrainingArguments):
+            hints = typing.get_type_hints(cls)
+            for f in dataclasses.fields(cls):
+                kinds = set(typing.get_args(hints[f.name])) or {hints[f.name]}  # bool is its own type, not in {int, float}
+                if f.init and kinds & {int, float}:
+                    _numeric[f.name] = float if float in kinds else int
+    return dict(_numeric)
+
+
+def _shown(value) -> str:
+    """A number as a flag would give it: 0 rather than 0.0, 1e+30 as Python writes it."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return str(value)
+
+
+def _steps_strategy(raw, key: str) -> bool:
+    value = getattr(raw, key, None)
+    return str(getattr(value, "value", value)).lower() == "steps"  # a string from argparse, an enum from a caller
+
+
+def value_problem(name: str, value, raw=None) -> str | None:
+    """Why ``value`` is refused for the numeric field ``name`` (None: it is fine). Anything but a finite number,
+    or an integer beyond int64, is refused for every field, with a rule or without; then the field's rule applies.
+    ``raw`` (the other values) tells whether a step interval is read at all; without it, it is."""
+    import math
+
+    rule = VALUE_RULES.get(name)
+    fix = rule.fix if rule else "give a finite number"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{name}={value!r} is not a number: {fix}"
+    shown = _shown(value)
+    if not math.isfinite(value):
+        return f"{name}={shown} is not a finite number: {fix}"
+    if isinstance(value, int) and abs(value) > MAX_COUNT:
+        return f"{name}={shown} is beyond {MAX_COUNT}, the largest 64-bit integer: {fix}"
+    if rule is None or value in rule.special:
+        return None
+    if rule.strategy and raw is not None and not _steps_strategy(raw, rule.strategy):
+        # logging_steps is also the evaluation interval when eval_strategy is steps and eval_steps is unset
+        if not (name == "logging_steps" and _steps_strategy(raw, "eval_strategy") and not getattr(raw, "eval_steps", None)):
+            return None
+    if value < rule.low or (rule.low_open and value == rule.low):
+        why = ("is not positive" if rule.low == 0 else f"is not above {_shown(rule.low)}") if rule.low_open else f"is less than {_shown(rule.low)}"
+    elif value > rule.high or (rule.high_open and value == rule.high):
+        why = f"is not below {_shown(rule.high)}" if rule.high_open else f"is more than {_shown(rule.high)}"
+    elif rule.fraction and value > 1 and not float(value).is_integer():
+        why = "is neither a fraction of the run (below 1) nor a whole number of steps"
+    else:
+        return None
+    return f"{name}={shown} {why}: {fix}"
+
+
+def check_value_ranges(raw) -> None:
+    """Every numeric field parse_args gives, against its rule: one line naming the first that is out of range."""
+    for name in numeric_fields():
+        if problem := value_problem(name, getattr(raw, name, None), raw):
+            raise RecipeError(problem)
+
+
+def warn_long_warmup(warmup_steps: float, total_steps: int, learning_rate: float) -> None:
+    """Legitimate (a learning-rate range test warms up over the whole run) but rarely meant: said, not refused."""
+    if warmup_steps >= total_steps:
+        say(f"warning: warmup_steps={_shown(warmup_steps)} covers the whole run of {total_steps} optimizer steps: "
+             f"the learning rate never reaches learning_rate={_shown(learning_rate)}")
+
+
+def batches_per_process(examples: int, batch_size: int, processes: int, drop_last: bool = False) -> int:
+    """Micro-batches one process draws in an epoch of ``examples``: the Trainer batches the dataset and accelerate
+    deals the batches out to the data-parallel processes (even_batches, its default: a process left short wraps
+    around to the first batches; with drop_last the incomplete batch and round are dropped instead)."""
+    if drop_last:
+        return examples // batch_size // processes
+    return -(-(-(-examples // batch_size)) // processes)  # ceil(ceil(examples / batch_size) / processes)
+
+
+def steps_per_epoch(batches: int, accumulation: int) -> int:
+    """Optimizer steps an epoch gives, as the Trainer counts them (transformers 5.23,
+    Trainer.set_initial_training_values): a last, shorter accumulation is a step of its own; at least 1."""
+    return max(-(-batches // accumulation), 1)
+
+
+def check_run_length(args, examples: int, profile_steps: str | None = None) -> int:
+    """The checks that need the training set's size (train_fsdp.py, once it is built, before the Trainer is):
+    an accumulation longer than an epoch, a profile past the run's end, a warmup as long as the run. ``args``:
+    TrainingArguments, or anything with its fields and world_size (every process is data-parallel here: no
+    tensor or context parallelism). Returns the run's optimizer steps."""
+    import math
+
+    size, processes, accumulation = args.per_device_train_batch_size, args.world_size, args.gradient_accumulation_steps
+    batches = batches_per_process(examples, size, processes, args.dataloader_drop_last)
+    source = f"{examples:,} examples / (per_device_train_batch_size={size} x {processes} process{'es' if processes > 1 else ''})"
+    if batches == 0:
+        raise RecipeError(f"per_device_train_batch_size={size} leaves no batch with dataloader_drop_last ({source}): "
+                          "lower per_device_train_batch_size, drop dataloader_drop_last, or give more data")
+    if batches < accumulation:  # every optimizer step would average `batches` micro-batches, not `accumulation`
+        raise RecipeError(f"gradient_accumulation_steps={accumulation} is more than the {batches} micro-batch"
+                          f"{'es' if batches > 1 else ''} an epoch gives each process ({source}): every optimizer step "
+                          f"would average {batches} instead of {accumulation}: use gradient_accumulation_steps {batches} "
+                          "or less, a smaller per_device_train_batch_size, or more data")
+    per_epoch = steps_per_epoch(batches, accumulation)
+    epoch_based = args.max_steps <= 0
+    total = math.ceil(args.num_train_epochs * per_epoch) if epoch_based else args.max_steps
+    length = f"num_train_epochs={_shown(args.num_train_epochs)} x {per_epoch} steps an epoch" if epoch_based else f"max_steps={args.max_steps}"
+    if profile_steps:
+        first, last = parse_steps(str(profile_steps))
+        if last > total:
+            start = max(1, total - (last - first))  # as many steps, ending with the run
+            raise RecipeError(f"profile_steps={profile_steps} ends after the run's {total} optimizer steps ({length}): "
+                              f"profile steps within the run, e.g. {start}-{total}")
+    if epoch_based and args.warmup_steps >= 1:  # with max_steps, parse_args has warned already
+        warn_long_warmup(args.warmup_steps, total, args.learning_rate)
+    return total
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """'5-8' (optimizer steps, inclusive, counted from 1) or '5' -> (first, last)."""
+    first, _, last = text.partition("-")
+    first, last = int(first), int(last or first)
+    if not 1 <= first <= last:
+        raise ValueError(f"{text!r}: give the first and last optimizer step to profile, e.g. 5-8 (counted from 1)")
+    return first, last

@@ -1,0 +1,40 @@
+"""The exception types every part of the package raises, in one place, so each product can name another's
+errors without importing it. Standard library only.
+
+Every one of them carries a whole one-line message: the problem and the fix. ``train_fsdp.py`` and the tools print
+that line and exit non-zero (2 for bad input); none of them is a traceback a user should have to read.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class RecipeError(ValueError):
+    """A recipe, flag or input that cannot work; raised before any process group or model is set up."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or model folder that cannot be read or written as asked: the message names the problem and the fix."""
+
+
+class RefusedRemoval(ValueError):
+    """A path this project did not make, or not in a shape it may replace: left as it is (fsdp_recipes.removal)."""
+
+
+class NotShardedError(RuntimeError):
+    """The accelerate config asked for FSDP but the prepared model is not FSDP-wrapped as configured."""
+
+
+class InternalsChanged(RuntimeError):
+    """A private symbol this repository relies on is not in the installed library (fsdp_recipes.compat.internals)."""
+
+
+class UnreadableFile(ValueError):
+    """A file refused before or while reading it. ``str()`` is the whole one-line message (the file, the problem,
+    the fix); ``reason`` and ``fix`` are its parts, for callers that name the file their own way. Callers with an
+    error type of their own (RecipeError, a checker's problem list) catch this and pass the message on."""
+
+    def __init__(self, path: str | os.PathLike, what: str, reason: str, fix: str):
+        super().__init__(f"{what} {str(path)!r} {reason}: {fix}")
+        self.path, self.reason, self.fix = str(path), reason, fix
