@@ -1,16 +1,21 @@
-"""FSDP training recipes: the logic behind train_fsdp.py and tools/.
+"""FSDP training recipes: the logic behind train_fsdp.py and tools/, in three products and a compatibility layer.
 
-- arguments:     ModelArguments, DataArguments and recipe YAML + flag parsing
-- data:          packed plain text or chat messages with assistant-only loss
-- modeling:      model and tokenizer loading
-- checks:        proof that the prepared model is FSDP-wrapped and sharded (fsdp_report.json)
-- config_check:  accelerate config + recipe + model checks (tools/check_config.py, train_fsdp.py)
-- export:        saving during training: self-describing checkpoints, the final model folder
-- trainer:       FSDPTrainer: the Trainer plus FSDP checks and an exact FSDP1 optimizer resume
-- checkpoints:   is a training checkpoint complete and resumable; which one a resume uses
-- merge:         any FSDP checkpoint -> Hugging Face folder, streamed (tools/merge_checkpoint.py)
-- dcp_files:     a DCP folder's tensors and byte ranges, read without importing torch (merge's fast path)
-- memory:        the memory formulas (tools/estimate_memory.py)
-- cpu_fsdp:      makes accelerate's FSDP path real on machines without an accelerator (tests, laptops)
-- tiny:          the embedded default model, tokenizer and corpus
+- config/:  what a run asks for, checked before anything starts (train_fsdp.py's arguments, tools/check_config.py,
+            tools/estimate_memory.py)
+- train/:   the training path (train_fsdp.py)
+- ckpt/:    the checkpoint toolkit (tools/merge_checkpoint.py, tools/check_checkpoint.py; resume and export)
+- compat/:  every patch of another library and the registry of the private symbols we touch
+
+Shared by all of them, importing nothing else of the package but errors:
+
+- errors:   the exception types (each carries a one-line message: the problem and the fix)
+- console:  one-line messages printed once per launch
+- bounded:  YAML and JSON read within bounds (no pipe, device, oversize file, alias bomb or duplicate key)
+- removal:  the one place that deletes, replaces or moves anything, and only what this project made
+- tiny:     the embedded default: a tiny Llama config, tokenizer and corpus
+
+Who may import whom is written in each subpackage's docstring ("May import:") and enforced by tests/test_layout.py:
+train -> config -> ckpt -> compat -> the shared modules, never the other way, and no import cycles.
+
+May import: fsdp_recipes.errors
 """

@@ -1,1 +1,18 @@
-"""placeholder"""
+"""The checkpoint toolkit: what a checkpoint holds, whether it is complete, which one a run resumes, and the merge
+of any FSDP checkpoint (ours, accelerate's, raw torch DCP, the stock Trainer's, Lightning's, peft's) into a Hugging
+Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the training path's own export).
+
+- layout:             file names, and the exact shapes of model and checkpoint folders (what may be replaced)
+- dcp:                a DCP folder's metadata and records, read without torch; the one allow-listed reader of its pickles
+- readers, namespace, resolve: tensors from each format; stored names matched to a model's; which folder was meant
+- status:             is a checkpoint complete and resumable; does it match the model; rotation
+- resume:             which checkpoint a run resumes, what it sets aside or deletes (decided, never done, here)
+- description:        the model a checkpoint holds (config, tokenizer, dtypes), recorded and checked
+- lora_merge:         peft LoRA checkpoints merged as merge_and_unload does, or the adapter alone
+- safetensors_writer, merge: the streamed conversion itself
+
+Imports no torch or transformers at import time (a subprocess test checks it): checking a checkpoint takes a
+fraction of a second, and the merge pays for torch only where a format needs it. Never imports the training path.
+
+May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny, fsdp_recipes.compat
+"""

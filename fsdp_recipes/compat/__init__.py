@@ -1,1 +1,11 @@
-"""placeholder"""
+"""Where this repository reaches into other libraries: every patch of torch, accelerate or transformers, and the
+registry of every private symbol the package touches (internals: a renamed one stops the run with one line naming
+it and the pinned version). Nothing outside this package patches another library (tests/test_layout.py).
+
+- internals:           the registry, and the only way to get, patch or set a private symbol
+- cpu_fsdp:            makes accelerate's FSDP (and DDP) real on machines without an accelerator
+- torch_dcp:           torch's DCP reader made to vet what it unpickles (the vetting is fsdp_recipes.ckpt.dcp's)
+- trainer_checkpoints: LoRA checkpoints under FSDP hold the whole model
+
+May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny
+"""

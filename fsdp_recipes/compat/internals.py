@@ -32,14 +32,13 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu": (
         MODULE, "cpu_fsdp: a no-op on CPU (FULL_STATE_DICT with offload_to_cpu segfaults rank 0)"),
     # fsdp_recipes/train/sharding.py: FSDP1's flat parameters, for per-rank elements and bytes
-    "torch.distributed.fsdp.FullyShardedDataParallel._handle": (INSTANCE, "checks: an FSDP1 unit's flat parameter"),
-    "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size": (INSTANCE, "checks: elements of a unit"),
-    "torch.distributed.fsdp._flat_param.FlatParameter._sharded_size": (INSTANCE, "checks: elements of this rank's shard"),
-    "torch.distributed.fsdp._flat_param.FlatParameter._shard_numel_padded": (INSTANCE, "checks: padding in the shard"),
+    "torch.distributed.fsdp.FullyShardedDataParallel._handle": (INSTANCE, "sharding: an FSDP1 unit's flat parameter"),
+    "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size": (INSTANCE, "sharding: elements of a unit"),
+    "torch.distributed.fsdp._flat_param.FlatParameter._sharded_size": (INSTANCE, "sharding: elements of this rank's shard"),
+    "torch.distributed.fsdp._flat_param.FlatParameter._shard_numel_padded": (INSTANCE, "sharding: padding in the shard"),
     # fsdp_recipes/train/trainer.py: FSDPTrainer
     "torch.distributed.checkpoint.state_dict._init_optim_state": (MODULE, "trainer: FSDP1 sharded resume restores Adam"),
     "torch.distributed.optim.ZeroRedundancyOptimizer._all_state_dicts": (INSTANCE, "trainer: ZeRO-1 state gathered in one copy"),
-    "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer: whole-model LoRA checkpoints (swapped)"),
     "transformers.Trainer._save_checkpoint": (OVERRIDE, "trainer: no rewrite in place; rotation after every rank"),
     "transformers.Trainer._save_optimizer_and_scheduler": (OVERRIDE, "trainer: whole-model LoRA checkpoints"),
     "transformers.Trainer._load_from_checkpoint": (OVERRIDE, "trainer: whole-model LoRA checkpoints"),
@@ -49,13 +48,15 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (MODULE, "dcp_files: the .metadata torch reads"),
     "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": (MODULE, "dcp_files: .metadata vetted first (patched)"),
     "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (MODULE, "dcp_files: byte records vetted first (patched)"),
+    # fsdp_recipes/compat/trainer_checkpoints.py: whole-model LoRA checkpoints under FSDP
+    "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer_checkpoints: whole-model LoRA checkpoints (swapped)"),
     # fsdp_recipes/config/trainer_fsdp.py: the fsdp_config keys TrainingArguments reads, from its own code
     "transformers.training_args.TrainingArguments._process_fsdp_args": (MODULE, "trainer_fsdp: --fsdp_config keys it reads"),
     # fsdp_recipes/train/profiling.py: PyTorch's memory viewer snapshot (CUDA only)
     "torch.cuda.memory._record_memory_history": (MODULE, "profiling: CUDA memory snapshot"),
     "torch.cuda.memory._dump_snapshot": (MODULE, "profiling: CUDA memory snapshot"),
     # fsdp_recipes/ckpt/status.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
-    "numpy._core.multiarray._reconstruct": (MODULE, "checkpoints: RNG state files load with weights_only"),
+    "numpy._core.multiarray._reconstruct": (MODULE, "status: RNG state files load with weights_only"),
     # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
     "huggingface_hub.serialization._base.parse_size_to_int": (MODULE, "merge: shard sizes as huggingface_hub reads them"),
 }

@@ -1,1 +1,17 @@
-"""placeholder"""
+"""The config tools: what a run asks for, checked before anything starts, and what it will cost.
+
+- parse:             ``train_fsdp.py [recipe.yaml] [--flag value ...]`` -> the argument dataclasses and a Plan
+- arguments:         ModelArguments, DataArguments, RunArguments (TrainingArguments is transformers')
+- values, flags:     every numeric field's range; flags and recipe values checked as one line, not argparse's usage
+- model_source, data_files: is the model loadable, is the data file usable, found without loading either
+- trainer_fsdp:      the torchrun route (TrainingArguments' --fsdp_config), checked against the keys it reads
+- plan:              the Plan: what the checks decided, carried out by fsdp_recipes.train.preflight
+- accelerate_config: the rules of tools/check_config.py for accelerate config files
+- launcher:          the settings of this launch (accelerate launch's flags and file, or FSDP_* variables)
+- strategy:          the one mapping from an accelerate config to a sharding strategy
+- memory:            the memory model behind tools/estimate_memory.py
+
+Nothing here joins a process group, moves a file or loads a model: bad input fails in seconds on every rank.
+
+May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny, fsdp_recipes.compat, fsdp_recipes.ckpt
+"""

@@ -4,18 +4,15 @@ on every rank, where a bad line would be a traceback per process instead of one 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fsdp_recipes.config.arguments import DataArguments
 
 SAMPLE_BYTES = 1 << 20  # the part of a data file checked before anything starts: the first MiB
 
 
-def train_file_problem(path: Path, args: DataArguments) -> str | None:
+def train_file_problem(path: Path, args) -> str | None:
     """What makes a local data file unusable, from its first MiB (the whole file is read after the process group
     exists, by datasets, where a bad line would be a traceback on every rank): empty, not UTF-8 text, JSON lines
-    that do not parse, chat messages that are not role/content turns, no assistant turn to train on."""
+    that do not parse, chat messages that are not role/content turns, no assistant turn to train on. ``args``: the
+    DataArguments (data_format and the column names), passed in by DataArguments itself."""
     import codecs
     import json
 

@@ -1,1 +1,13 @@
-"""placeholder"""
+"""The training path behind train_fsdp.py, in the order a run meets it:
+
+- preflight:  carries out the Plan (fsdp_recipes.config.plan): patches for CPU, the process group, output_dir's lock
+- data:       packed plain text, or chat messages with assistant-only loss; padding-free batches
+- modeling:   the model and tokenizer, LoRA (peft) and QLoRA
+- trainer:    FSDPTrainer: the Trainer plus the sharding proof, exact FSDP1/ZeRO-1 resumes, safe rotation
+- sharding:   proof that the prepared model is FSDP-wrapped and sharded (fsdp_report.json)
+- preemption: SIGTERM/SIGUSR1 save a checkpoint and stop cleanly
+- metrics, profiling: throughput and MFU, the loss plot; a profiled step range
+- export:     self-describing checkpoints, and the final model folder that from_pretrained loads
+
+May import: anything in fsdp_recipes
+"""

@@ -41,6 +41,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_recipes.compat import internals
+from fsdp_recipes.compat.trainer_checkpoints import whole_model_fsdp_checkpoints
 from fsdp_recipes.ckpt.layout import REPLACED_PREFIX
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, model_mismatch, rotate, set_aside
 from fsdp_recipes.train.sharding import ShardingReport
@@ -164,12 +165,8 @@ class FSDPTrainer(Trainer):
         if not self.is_fsdp_enabled or lora_parts(self.accelerator.unwrap_model(self.model))[1] is None:
             yield
             return
-        # {"adapter_only": True} where accelerate supports it; dict() asks for the whole model
-        ask = internals.patch("transformers.trainer.get_fsdp_ckpt_kwargs", dict)
-        try:
+        with whole_model_fsdp_checkpoints():
             yield
-        finally:
-            internals.patch("transformers.trainer.get_fsdp_ckpt_kwargs", ask)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.zero1:  # every rank sends its part to rank 0, which writes the whole state as one optimizer.pt
