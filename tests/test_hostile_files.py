@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import REPO, run
 from fsdp_recipes.config.arguments import RecipeError, resolve_resume
 from fsdp_recipes.ckpt.layout import CheckpointError
-from fsdp_recipes.ckpt.sources import DCPSource
+from fsdp_recipes.ckpt.readers import DCPSource
 
 TOOLS = REPO / "tools"
 
