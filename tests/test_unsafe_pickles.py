@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 from fsdp_recipes.config.arguments import RecipeError, resolve_resume
 from fsdp_recipes.ckpt.layout import CheckpointError
 from fsdp_recipes.ckpt.status import checkpoint_status
-from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError, guard_torch_dcp
+from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError
+from fsdp_recipes.compat.torch_dcp import guard_torch_dcp
 from fsdp_recipes.ckpt.merge import merge_checkpoint
 from test_hostile_files import cli
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.compat import cpu_fsdp
-from fsdp_recipes.ckpt.dcp import guard_torch_dcp
+from fsdp_recipes.compat.torch_dcp import guard_torch_dcp
 from fsdp_recipes.config.launcher import LaunchSettings
 
 LOCK_NAME = ".run.lock"
