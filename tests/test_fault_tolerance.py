@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, read_json
 from test_config_check import elastic_root_cause
 from fsdp_recipes.ckpt.merge import merge_checkpoint
-from fsdp_recipes.ckpt.sources import DCPSource
+from fsdp_recipes.ckpt.readers import DCPSource
 
 pytestmark = pytest.mark.slow  # every test here launches real runs
 

@@ -20,7 +20,7 @@ from conftest import REPO, run
 from fsdp_recipes.ckpt.resume import resolve_resume
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.ckpt.layout import CheckpointError
-from fsdp_recipes.ckpt.sources import DCPSource
+from fsdp_recipes.ckpt.readers import DCPSource
 
 TOOLS = REPO / "tools"
 

@@ -452,7 +452,7 @@ def test_a_failed_check_stops_the_copy(synthetic, tmp_path):
     """The check running beside the copy is asked between pieces of COPY_STEP bytes: once it fails, nothing more
     is copied."""
     from fsdp_recipes.ckpt.safetensors_writer import COPY_STEP, Cancelled, write_weights
-    from fsdp_recipes.ckpt.sources import DCPSource
+    from fsdp_recipes.ckpt.readers import DCPSource
 
     ckpt = synthetic[1]
     assert sum(f.stat().st_size for f in (ckpt / "pytorch_model_fsdp_0").glob("*.distcp")) > 3 * COPY_STEP

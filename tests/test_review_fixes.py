@@ -253,7 +253,7 @@ class FakeSource:
     def __init__(self, r: int, scale: float = 1.0):
         import torch
 
-        from fsdp_recipes.ckpt.sources import TensorInfo
+        from fsdp_recipes.ckpt.readers import TensorInfo
 
         gen = torch.Generator().manual_seed(r)
         self.values = {"q.base_layer.weight": torch.randn(3, 5, generator=gen), "q.lora_A.default.weight": torch.randn(r, 5, generator=gen) * scale,
@@ -301,7 +301,7 @@ def test_the_config_peft_writes_still_merges_as_merge_and_unload(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fsdp_recipes.ckpt.lora_merge import MergedLoraSource, read_adapter_config
-    from fsdp_recipes.ckpt.sources import TensorInfo
+    from fsdp_recipes.ckpt.readers import TensorInfo
 
     torch.manual_seed(0)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_rslora=True)

@@ -20,7 +20,8 @@ from fsdp_recipes.ckpt.resume import resolve_resume
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.ckpt.layout import CheckpointError
 from fsdp_recipes.ckpt.status import checkpoint_status
-from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError, guard_torch_dcp
+from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError
+from fsdp_recipes.compat.torch_dcp import guard_torch_dcp
 from fsdp_recipes.ckpt.merge import merge_checkpoint
 from test_hostile_files import cli
 
@@ -252,14 +253,14 @@ def _unpickling_calls(path: Path) -> list[tuple[str, int, str]]:
 
 def test_only_the_allow_listed_readers_unpickle():
     """Plain pickle only in ckpt/dcp.py (on bytes its allow-list vetted), torch.load only with weights_only=True,
-    and a DCP load only in sources.py, which guards torch's reader first. The scan can fail: it finds the known ones."""
+    and a DCP load only in readers.py, which guards torch's reader first. The scan can fail: it finds the known ones."""
     repo = Path(__file__).resolve().parent.parent
     files = [*(repo / "fsdp_recipes").rglob("*.py"), *(repo / "tools").rglob("*.py"), *(repo / "bench").rglob("*.py"), repo / "train_fsdp.py"]
     calls = [c for f in files for c in _unpickling_calls(f)]
-    allowed = {("dcp.py", "pickle.loads"), ("dcp.py", "torch.load"), ("sources.py", "torch.load"),
-               ("status.py", "torch.load"), ("sources.py", "dcp.load")}
+    allowed = {("dcp.py", "pickle.loads"), ("dcp.py", "torch.load"), ("readers.py", "torch.load"),
+               ("status.py", "torch.load"), ("readers.py", "dcp.load")}
     assert [c for c in calls if (c[0], c[2]) not in allowed] == []
     assert {(c[0], c[2]) for c in calls} == allowed  # each allowed reader is still where this test says
-    source = (repo / "fsdp_recipes" / "ckpt" / "sources.py").read_text()
+    source = (repo / "fsdp_recipes" / "ckpt" / "readers.py").read_text()
     read = source[source.index("    def read(self, names"):]
     assert read.index("guard_torch_dcp()") < read.index("dcp.load(")

@@ -18,13 +18,14 @@ This module is the one reader of those pickles, and it reads with allow-lists on
   directly inside the folder (no ``/``, no ``..``, no symlink out).
 - every record of every ``.distcp`` file (``vet_records``): a tensor record may name only torch's tensor rebuild
   and storage types; a byte record only plain data (numbers, strings, lists, dicts, tuples, None, tensors).
-- ``guard_torch_dcp`` makes torch's own DCP reader go through both checks on every load that follows in this
-  process (resume in train_fsdp.py, the merge's torch path), so the checks cannot be skipped by a code path that
-  forgot them. A vetted ``.metadata`` is unpickled as the very bytes that were vetted, by the same (Python's)
-  unpickler. A byte record is a zip archive, and Python's zipfile and torch's reader (miniz) do not read every
-  archive alike (a second central directory, names that differ only in case): so a byte record is read by torch's
-  own restricted reader (``torch.load(weights_only=True)``: the parser that would have run the pickle is the one
-  that refuses it), and torch's loader then gets a record re-written from that plain value, never the original.
+- ``guard_torch_dcp`` (fsdp_recipes/compat/torch_dcp.py, the patch of torch's reader) makes torch's own DCP reader
+  go through both checks on every load that follows in this process (resume in train_fsdp.py, the merge's torch
+  path), so the checks cannot be skipped by a code path that forgot them; what it runs is ``vetted_metadata`` and
+  ``vetted_byte_record`` here. A vetted ``.metadata`` is unpickled as the very bytes that were vetted, by the same
+  (Python's) unpickler. A byte record is a zip archive, and Python's zipfile and torch's reader (miniz) do not read
+  every archive alike (a second central directory, names that differ only in case): so a byte record is read by
+  torch's own restricted reader (``torch.load(weights_only=True)``: the parser that would have run the pickle is the
+  one that refuses it), and torch's loader then gets a record re-written from that plain value, never the original.
   ``vet_records`` checks byte records the same way before a resume starts.
 
 UnsafeCheckpointError names what was refused; nothing a refused file names is ever imported or called.
@@ -461,48 +462,28 @@ def vet_metadata(data: bytes, path) -> None:
     _layout_from(_MetadataUnpickler(io.BytesIO(data)).load())
 
 
-_guarded: list[bool] = []
+def vetted_metadata(data: bytes, path, folder: Path):
+    """torch's DCP Metadata from a ``.metadata`` file's bytes, for torch's own reader (guard_torch_dcp): the bytes
+    are unpickled only after ``vet_metadata`` passed them (so they name only allow-listed classes), and every storage
+    file they name is checked again as torch is about to open it: a file swapped for a link out or a FIFO since the
+    checks would hang the load."""
+    vet_metadata(data, path)
+    metadata = pickle.loads(data)  # noqa: S301 (vetted above: it names only DCP metadata classes)
+    for name in sorted({info.relative_path for info in (metadata.storage_data or {}).values()}):
+        if problem := _storage_file_problem(folder, name):
+            raise EscapingPathError(problem)
+    return metadata
 
 
-def guard_torch_dcp() -> None:
-    """From now on in this process, torch's DCP reader unpickles nothing this module has not vetted: the
-    ``.metadata`` it reads (vetted bytes are then unpickled as they are: they name only allow-listed classes) and
-    every byte record (a byte record is vetted, then handed to torch's own loader). Idempotent."""
-    if _guarded:
-        return
-    from fsdp_recipes.compat import internals
+def vetted_byte_record(stream, key: str) -> io.BytesIO:
+    """A byte record for torch's loader (guard_torch_dcp): its plain value as ``load_byte_record`` reads it,
+    re-encoded by us, never the original bytes. UnsafeRecordError when it is refused."""
+    import torch
 
-    metadata_path = internals.get("torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path")
-    load_bytes = internals.get("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes")
-
-    def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        path = metadata_path(self, kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
-        vet_metadata(data, path)
-        metadata = pickle.loads(data)  # noqa: S301 (vetted above: it names only DCP metadata classes)
-        # checked again as torch opens them: a file swapped for a link out or a FIFO since the checks would hang
-        for name in sorted({info.relative_path for info in (metadata.storage_data or {}).values()}):
-            if problem := _storage_file_problem(Path(str(self.path)), name):
-                raise EscapingPathError(problem)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    def vetted_load_bytes(self, read_item, value):
-        import torch
-
-        rewritten = io.BytesIO()
-        torch.save(load_byte_record(value, read_item.dest_index.fqn), rewritten)  # only plain data, re-encoded by us
-        rewritten.seek(0)
-        return load_bytes(self, read_item, rewritten)
-
-    internals.patch("torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata", read_metadata)
-    internals.patch("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes", vetted_load_bytes)
-    _guarded.append(True)
+    rewritten = io.BytesIO()
+    torch.save(load_byte_record(stream, key), rewritten)  # only plain data, re-encoded by us
+    rewritten.seek(0)
+    return rewritten
 
 
 # ----------------------------------------------------------------------------------------------- shard digests

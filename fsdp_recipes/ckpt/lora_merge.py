@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt.layout import ADAPTER_CONFIG, CheckpointError
-from fsdp_recipes.ckpt.sources import TensorInfo
+from fsdp_recipes.ckpt.readers import TensorInfo
 
 LORA_WEIGHT = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 _UNSUPPORTED = {  # name part -> what it is

@@ -33,7 +33,9 @@ from fsdp_recipes.ckpt.description import (
 from fsdp_recipes.removal import MARKER, contents, is_ours, make_folder, move, remark, remove, remove_file, unmark
 from fsdp_recipes.ckpt.lora_merge import MergedLoraSource, adapter_tensors, find_adapter_config, is_lora, read_adapter_config
 from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, write_weights
-from fsdp_recipes.ckpt.sources import ResolvedInput, WeightMap, dtype_name, guess_namespace, match_namespace, resolve_input, torch_dtype
+from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
+from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype
+from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
 
 # torch is imported where tensors are handled, not here: a merge of a checkpoint with a manifest only copies
 # bytes and never imports it; otherwise its import overlaps the copy in a thread.

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from fsdp_recipes.compat import internals
 from fsdp_recipes.ckpt.layout import CheckpointError
-from fsdp_recipes.ckpt.sources import SAFETENSORS_DTYPES, TensorInfo, dtype_name, torch_dtype
+from fsdp_recipes.ckpt.readers import SAFETENSORS_DTYPES, TensorInfo, dtype_name, torch_dtype
 
 COPY_STEP = 64 << 20  # bytes per kernel copy call: how often a failed check running beside the copy is noticed
 # copy_file_range or sendfile cannot do these (another filesystem, an old kernel, a filesystem without it, macOS's

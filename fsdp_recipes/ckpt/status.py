@@ -178,7 +178,7 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
     fsdp_files = (ckpt / DCP_MODEL_DIR).is_dir() or (ckpt / OPTIMIZER_DIR).is_dir() or (ckpt / FULL_MODEL_FILE).is_file()
     if not fsdp_files and ((ckpt / PLAIN_OPTIMIZER_FILE).exists() or (report.is_file() and status.fsdp_version is None)):
         status.state_dict_type = "PLAIN"  # the Trainer's own files: model.safetensors (+ index), optimizer.pt
-        from fsdp_recipes.ckpt.sources import SafetensorsSource
+        from fsdp_recipes.ckpt.readers import SafetensorsSource
 
         try:
             SafetensorsSource(ckpt)
@@ -215,7 +215,8 @@ def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
     """Name -> full shape of the model weights a checkpoint holds, read from its DCP metadata or safetensors headers
     (no tensor is loaded); None for a layout whose names cannot be read without loading it (FULL_STATE_DICT .bin)."""
     from fsdp_recipes.ckpt.dcp import read_layout
-    from fsdp_recipes.ckpt.sources import SafetensorsSource, clean_name
+    from fsdp_recipes.ckpt.namespace import clean_name
+    from fsdp_recipes.ckpt.readers import SafetensorsSource
 
     if (ckpt / DCP_MODEL_DIR).is_dir():
         stored = {clean_name(k): tuple(t.shape) for k, t in read_layout(ckpt / DCP_MODEL_DIR).tensors.items()}
@@ -230,7 +231,7 @@ def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
 def model_mismatch(ckpt: str | os.PathLike, expected: dict[str, tuple[int, ...]], tied: set[str] = frozenset()) -> str | None:
     """Why the checkpoint's weights are not the weights of the model this run built (names and full shapes: layers,
     sizes, LoRA targets and rank), in one line; None when they match. ``tied``: names a checkpoint may leave out."""
-    from fsdp_recipes.ckpt.sources import clean_name
+    from fsdp_recipes.ckpt.namespace import clean_name
 
     stored = stored_weights(Path(ckpt))
     if stored is None:

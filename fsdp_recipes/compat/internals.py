@@ -44,7 +44,8 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "transformers.Trainer._load_from_checkpoint": (OVERRIDE, "trainer: whole-model LoRA checkpoints"),
     "transformers.Trainer._load_optimizer_and_scheduler": (OVERRIDE, "trainer: FSDP1 sharded resume restores Adam"),
     "transformers.Trainer._get_output_dir": (MODULE, "trainer: the folder a checkpoint goes to"),
-    # fsdp_recipes/ckpt/dcp.py: torch's DCP reader unpickles .metadata and byte records only after our allow-lists
+    # fsdp_recipes/compat/torch_dcp.py: torch's DCP reader unpickles .metadata and byte records only after our
+    # allow-lists (fsdp_recipes/ckpt/dcp.py)
     "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (MODULE, "dcp_files: the .metadata torch reads"),
     "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": (MODULE, "dcp_files: .metadata vetted first (patched)"),
     "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (MODULE, "dcp_files: byte records vetted first (patched)"),

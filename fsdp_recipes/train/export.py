@@ -23,7 +23,7 @@ from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, write_manifest
 from fsdp_recipes.ckpt.merge import write_model_files
 from fsdp_recipes.removal import make_folder, move, remove, replace_file, unmark
-from fsdp_recipes.ckpt.sources import DCPSource
+from fsdp_recipes.ckpt.readers import DCPSource
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log
     adapter in ``out/adapter``."""
     from fsdp_recipes.ckpt.description import description_dirs
     from fsdp_recipes.ckpt.merge import merge_checkpoint
-    from fsdp_recipes.ckpt.sources import resolve_input
+    from fsdp_recipes.ckpt.resolve import resolve_input
 
     staging = out / ".export-tmp"
     lora, adapter = (ckpt / ADAPTER_CONFIG).is_file(), out / ADAPTER_DIR

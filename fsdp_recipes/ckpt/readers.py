@@ -1,37 +1,33 @@
-"""Readers of the checkpoint formats a merge accepts, and which of their tensors are the model's weights.
+"""Readers of the checkpoint formats a merge accepts, each behind the same face, so that the merge never asks
+which format it was given.
 
-Formats: a sharded DCP folder (FSDP1 or FSDP2, any number of ranks and nodes, whoever wrote it), a full
-safetensors state dict (``model.safetensors`` [+ index]) or a torch.save one (``pytorch_model_fsdp.bin``, read
-``weights_only``). Every tool names tensors its own way: accelerate and the Trainer store ``model.<name>``,
-``dcp.save(model.state_dict())`` stores ``<name>``, torch's ``get_state_dict`` beside its optimizer stores
-``model.<name>`` and ``optim.…``, Lightning ``model.<attribute>.<name>``. The namespace holding the weights is
-found by matching the stored names and shapes against the model (``match_namespace``); optimizer namespaces are
-never weights.
+A checkpoint to merge may come from any tool and any number of ranks: a sharded DCP folder (FSDP1 or FSDP2, any
+number of ranks and nodes, whoever wrote it), a full safetensors state dict (``model.safetensors`` [+ index]) or a
+torch.save one (``pytorch_model_fsdp.bin``, read ``weights_only``). Each reader answers ``tensors`` (every stored
+tensor's shape and dtype, known before any byte of it is read, so a merge can check names and plan memory and
+disk first), ``read`` and, where the bytes lie plain in the files, ``copy_plan``, so that the copy can be the
+kernel's and no tensor needs to be in memory. A stored name loses only its FSDP/compile wrapper names here; which
+of the stored tensors are the model's weights is ``namespace``'s question.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import struct
 import warnings
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, FULL_FILES, SHARD_DIGESTS, WRAPPER_PREFIXES, CheckpointError, checkpoint_steps
-from fsdp_recipes.ckpt.dcp import DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, unsafe_message
+from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, SHARD_DIGESTS, CheckpointError
+from fsdp_recipes.ckpt.dcp import DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, raw_tensor, unsafe_message
+from fsdp_recipes.ckpt.namespace import clean_name
 
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE): a larger header is not one
 SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
 }
-# top-level names under which tools store optimizer state beside the model (get_state_dict: optim, accelerate:
-# optimizer, Lightning: optimizer_0, ...): never weights, whatever their shapes
-OPTIMIZER_NAMESPACE = re.compile(r"^(optim|optimizer|optimizers|optimizer_\d+|optimizer_states?|optim_state)\.")
 
 
 def dtype_name(dtype) -> str | None:
@@ -55,15 +51,6 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n * DTYPE_SIZES[dtype or self.dtype]
-
-
-def clean_name(name: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-# ----------------------------------------------------------------------------------------------- formats
 
 
 class DCPSource:
@@ -110,6 +97,8 @@ class DCPSource:
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
+
+        from fsdp_recipes.compat.torch_dcp import guard_torch_dcp
 
         # DCP's reader unpickles .metadata with plain pickle: this folder's was vetted by check_folder above, and
         # torch's reader vets it again as it reads it (guard_torch_dcp). Records are read by torch with weights_only.
@@ -235,141 +224,3 @@ def _flatten(state: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-# ----------------------------------------------------------------------------------------------- the model's namespace
-
-
-@dataclass
-class WeightMap:
-    """Which stored tensor holds each of the model's weights."""
-
-    names: dict[str, str]  # model weight name -> source tensor name
-    prefix: str  # the namespace they were found under ("" for flat keys)
-    ignored: int = 0  # stored tensors outside it (optimizer state, other modules)
-
-    def describe(self) -> str:
-        where = f'under "{self.prefix}"' if self.prefix else "at the top level (no prefix)"
-        rest = f"; {self.ignored} other stored tensor(s) ignored (optimizer state, other modules)" if self.ignored else ""
-        return f"layout: {len(self.names)} weights {where}{rest}"
-
-
-def weight_candidates(stored) -> list[str]:
-    return [n for n in stored if not OPTIMIZER_NAMESPACE.match(n)]
-
-
-def guess_namespace(stored: dict[str, TensorInfo]) -> WeightMap | None:
-    """The weights without knowing the model: every non-optimizer tensor, under the longest dotted prefix they all
-    share. Right for every producer above; ``match_namespace`` has the last word."""
-    names = weight_candidates(stored)
-    if not names:
-        return None
-    parts = [n.split(".") for n in names]
-    common = []
-    for column in zip(*(p[:-1] for p in parts)):
-        if len(set(column)) != 1:
-            break
-        common.append(column[0])
-    prefix = "".join(f"{c}." for c in common)
-    return WeightMap({n[len(prefix):]: n for n in names}, prefix, len(stored) - len(names))
-
-
-def match_namespace(stored: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]], tied: list[str], model_name: str) -> WeightMap:
-    """The namespace whose names and shapes are the model's, checked: every weight present with its shape, nothing
-    unknown inside it. Raises CheckpointError naming what was found and what was expected."""
-    wanted = sorted(set(expected) - set(tied))
-    votes: Counter[str] = Counter()
-    for n in weight_candidates(stored):
-        parts = n.split(".")
-        for i in range(len(parts)):
-            suffix = ".".join(parts[i:])
-            if suffix in expected and tuple(stored[n].shape) == tuple(expected[suffix]):
-                votes[".".join(parts[:i]) + ("." if i else "")] += 1
-    names = sorted(weight_candidates(stored)) or sorted(stored)
-    found = (", ".join(names[:3]) + (", ..." if len(names) > 3 else "")) or "no tensors"
-    if not votes:
-        raise CheckpointError(
-            f"found no weights of {model_name} in the checkpoint: it stores {found}; expected names like {wanted[0]} "
-            "(under any prefix) with the config's shapes: pass the right --base-model"
-        )
-    prefix = max(votes, key=lambda p: (votes[p], -len(p)))
-    inside = {n[len(prefix):]: n for n in weight_candidates(stored) if n.startswith(prefix)}
-    missing = [n for n in wanted if n not in inside]
-    if missing:
-        raise CheckpointError(
-            f"the checkpoint lacks {len(missing)} of the {len(wanted)} weights of {model_name} (e.g. {prefix}{missing[0]}); "
-            f"it stores {found}: the config does not belong to this checkpoint; pass the right --base-model"
-        )
-    wrong = [n for n in wanted if tuple(stored[inside[n]].shape) != tuple(expected[n])]
-    if wrong:
-        n = wrong[0]
-        raise CheckpointError(f"{n} has shape {tuple(stored[inside[n]].shape)} in the checkpoint but {tuple(expected[n])} in the config: pass the right --base-model")
-    extra = sorted(set(inside) - set(expected))
-    if extra:
-        raise CheckpointError(f"the checkpoint has {len(extra)} weight(s) {model_name} does not (e.g. {prefix}{extra[0]}): pass the right --base-model")
-    return WeightMap({n: inside[n] for n in wanted}, prefix, len(stored) - len(inside))
-
-
-# ----------------------------------------------------------------------------------------------- finding the input
-
-
-def checkpoint_problems(ckpt: Path) -> list[str]:
-    """Why a checkpoint-N folder cannot be merged (empty when it can)."""
-    if (ckpt / DCP_MODEL_DIR).is_dir():
-        return check_folder(ckpt / DCP_MODEL_DIR, byte_records=False)[1] or digest_problems(ckpt, (DCP_MODEL_DIR,))
-    if any((ckpt / f).is_file() for f in FULL_FILES):
-        return []
-    return [f"no {DCP_MODEL_DIR}/ and no full weights in {ckpt}"]
-
-
-@dataclass
-class ResolvedInput:
-    source: object
-    checkpoint_dir: Path  # the checkpoint: where its trainer state lies
-    notes: list[str] = field(default_factory=list)
-    weights_dir: Path | None = None  # the folder holding the weights, when not checkpoint_dir
-
-    @property
-    def places(self) -> list[Path]:
-        """Where config and tokenizer are looked for, in order: beside the weights, the checkpoint, its parent."""
-        found = [self.weights_dir, self.checkpoint_dir, self.checkpoint_dir.parent]
-        return [p for i, p in enumerate(found) if p is not None and p not in found[:i]]
-
-
-def open_source(folder: Path):
-    if (folder / DCP_MODEL_DIR).is_dir():
-        return DCPSource(folder / DCP_MODEL_DIR)
-    if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
-        return SafetensorsSource(folder)
-    return TorchBinSource(folder / "pytorch_model_fsdp.bin")
-
-
-def resolve_input(path: str | os.PathLike) -> ResolvedInput:
-    """A checkpoint-N folder, a DCP folder (ours, raw torch, Lightning's), or a run folder (newest complete checkpoint)."""
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p} does not exist: give a checkpoint-N folder, its {DCP_MODEL_DIR} folder, or a run's output folder")
-    if not p.is_dir():
-        raise CheckpointError(f"{p} is a file: give the folder that holds it (a checkpoint-N folder or {DCP_MODEL_DIR})")
-    if p.name.startswith("optimizer"):
-        raise CheckpointError(f"{p} holds optimizer state, not model weights: give {p.parent / DCP_MODEL_DIR} or {p.parent}")
-    if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
-        # accelerate's model folder belongs to the checkpoint-N around it; any other DCP folder is the checkpoint
-        return ResolvedInput(DCPSource(p), p.parent, weights_dir=p) if p.name == DCP_MODEL_DIR else ResolvedInput(DCPSource(p), p)
-    if (p / DCP_MODEL_DIR).is_dir():
-        return ResolvedInput(open_source(p), p)
-    steps = checkpoint_steps(p)
-    if not steps and any((p / f).is_file() for f in FULL_FILES):
-        return ResolvedInput(open_source(p), p)
-    if steps:
-        notes = []
-        for ckpt in steps:
-            problems = checkpoint_problems(ckpt)
-            if not problems:
-                notes.append(f"using {ckpt.name}, the newest complete checkpoint in {p}")
-                return ResolvedInput(open_source(ckpt), ckpt, notes)
-            notes.append(f"skipping {ckpt.name}: {problems[0]}")
-        raise CheckpointError(f"no complete checkpoint in {p} ({'; '.join(notes)}): resume training to write one")
-    hints = sorted({str(q.parent) for q in p.glob("*/checkpoint-*")} | {str(q.parent) for q in p.glob("*/*/.metadata")} | {str(q.parent) for q in p.glob("*/.metadata")})
-    hint = f"; did you mean {hints[0]}?" if hints else f"; expected checkpoint-N/ folders, {DCP_MODEL_DIR}/ or a DCP .metadata inside"
-    raise CheckpointError(f"{p} is not a checkpoint{hint}")

@@ -1,0 +1,80 @@
+"""What folder the user meant, and which reader opens it.
+
+People point a merge at whatever they have at hand: a run's output folder, one checkpoint-N, the sharded model
+folder inside it, or a DCP folder another tool wrote. Failing on any of them but one, or merging a newest
+checkpoint that was never finished writing, would cost a user a merge of a broken model or a guess at our
+layout. So the input is resolved here once, before anything is read: a run folder gives its newest complete
+checkpoint (saying which it skipped and why), an optimizer folder is refused as not weights, and a path that is
+none of these gets a hint at the folder that probably was meant.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, FULL_FILES, CheckpointError, checkpoint_steps
+from fsdp_recipes.ckpt.dcp import check_folder, digest_problems
+from fsdp_recipes.ckpt.readers import DCPSource, SafetensorsSource, TorchBinSource
+
+def checkpoint_problems(ckpt: Path) -> list[str]:
+    """Why a checkpoint-N folder cannot be merged (empty when it can)."""
+    if (ckpt / DCP_MODEL_DIR).is_dir():
+        return check_folder(ckpt / DCP_MODEL_DIR, byte_records=False)[1] or digest_problems(ckpt, (DCP_MODEL_DIR,))
+    if any((ckpt / f).is_file() for f in FULL_FILES):
+        return []
+    return [f"no {DCP_MODEL_DIR}/ and no full weights in {ckpt}"]
+
+
+@dataclass
+class ResolvedInput:
+    source: object
+    checkpoint_dir: Path  # the checkpoint: where its trainer state lies
+    notes: list[str] = field(default_factory=list)
+    weights_dir: Path | None = None  # the folder holding the weights, when not checkpoint_dir
+
+    @property
+    def places(self) -> list[Path]:
+        """Where config and tokenizer are looked for, in order: beside the weights, the checkpoint, its parent."""
+        found = [self.weights_dir, self.checkpoint_dir, self.checkpoint_dir.parent]
+        return [p for i, p in enumerate(found) if p is not None and p not in found[:i]]
+
+
+def open_source(folder: Path):
+    if (folder / DCP_MODEL_DIR).is_dir():
+        return DCPSource(folder / DCP_MODEL_DIR)
+    if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
+        return SafetensorsSource(folder)
+    return TorchBinSource(folder / "pytorch_model_fsdp.bin")
+
+
+def resolve_input(path: str | os.PathLike) -> ResolvedInput:
+    """A checkpoint-N folder, a DCP folder (ours, raw torch, Lightning's), or a run folder (newest complete checkpoint)."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist: give a checkpoint-N folder, its {DCP_MODEL_DIR} folder, or a run's output folder")
+    if not p.is_dir():
+        raise CheckpointError(f"{p} is a file: give the folder that holds it (a checkpoint-N folder or {DCP_MODEL_DIR})")
+    if p.name.startswith("optimizer"):
+        raise CheckpointError(f"{p} holds optimizer state, not model weights: give {p.parent / DCP_MODEL_DIR} or {p.parent}")
+    if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
+        # accelerate's model folder belongs to the checkpoint-N around it; any other DCP folder is the checkpoint
+        return ResolvedInput(DCPSource(p), p.parent, weights_dir=p) if p.name == DCP_MODEL_DIR else ResolvedInput(DCPSource(p), p)
+    if (p / DCP_MODEL_DIR).is_dir():
+        return ResolvedInput(open_source(p), p)
+    steps = checkpoint_steps(p)
+    if not steps and any((p / f).is_file() for f in FULL_FILES):
+        return ResolvedInput(open_source(p), p)
+    if steps:
+        notes = []
+        for ckpt in steps:
+            problems = checkpoint_problems(ckpt)
+            if not problems:
+                notes.append(f"using {ckpt.name}, the newest complete checkpoint in {p}")
+                return ResolvedInput(open_source(ckpt), ckpt, notes)
+            notes.append(f"skipping {ckpt.name}: {problems[0]}")
+        raise CheckpointError(f"no complete checkpoint in {p} ({'; '.join(notes)}): resume training to write one")
+    hints = sorted({str(q.parent) for q in p.glob("*/checkpoint-*")} | {str(q.parent) for q in p.glob("*/*/.metadata")} | {str(q.parent) for q in p.glob("*/.metadata")})
+    hint = f"; did you mean {hints[0]}?" if hints else f"; expected checkpoint-N/ folders, {DCP_MODEL_DIR}/ or a DCP .metadata inside"
+    raise CheckpointError(f"{p} is not a checkpoint{hint}")

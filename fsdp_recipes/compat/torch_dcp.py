@@ -1,0 +1,52 @@
+"""The patch of torch's DCP reader that makes every DCP load in this process unpickle only what our allow-lists vetted.
+
+torch's ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with plain ``pickle`` and
+``DefaultLoadPlanner.load_bytes`` loads every byte record with ``torch.load(weights_only=False)``: a checkpoint
+from anywhere could run any code it names as soon as a resume (accelerate's load) or a merge reads it. Checking
+each folder before it is loaded is not enough on its own: a code path that forgot the check, or a file changed
+between the check and the load, would go through unvetted. So the reader itself is patched, once per process,
+to hand the bytes it read to fsdp_recipes.ckpt.dcp (the one reader of DCP pickles, with the allow-lists) and to
+go on only with what that returns. The patching lives here, with the other patches of libraries' private
+symbols (each registered in fsdp_recipes/compat/internals.py); the judging of bytes stays in ckpt/dcp.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdp_recipes.compat import internals
+
+_guarded: list[bool] = []
+
+
+def guard_torch_dcp() -> None:
+    """From now on in this process, torch's DCP reader unpickles nothing fsdp_recipes.ckpt.dcp has not vetted: the
+    ``.metadata`` it reads (vetted bytes are then unpickled as they are: they name only allow-listed classes) and
+    every byte record (a byte record is vetted, then handed to torch's own loader). Idempotent."""
+    if _guarded:
+        return
+    metadata_path = internals.get("torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path")
+    load_bytes = internals.get("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes")
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        from fsdp_recipes.ckpt.dcp import vetted_metadata
+
+        path = metadata_path(self, kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            data = f.read()
+        metadata = vetted_metadata(data, path, Path(str(self.path)))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def vetted_load_bytes(self, read_item, value):
+        from fsdp_recipes.ckpt.dcp import vetted_byte_record
+
+        return load_bytes(self, read_item, vetted_byte_record(value, read_item.dest_index.fqn))
+
+    internals.patch("torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata", read_metadata)
+    internals.patch("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes", vetted_load_bytes)
+    _guarded.append(True)
