@@ -21,7 +21,7 @@ from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.ckpt.layout import CheckpointError
 from fsdp_recipes.ckpt.status import checkpoint_status
 from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError
-from fsdp_recipes.compat.torch_dcp import guard_torch_dcp
+from fsdp_recipes.ckpt.dcp import guard_torch_dcp
 from fsdp_recipes.ckpt.merge import merge_checkpoint
 from test_hostile_files import cli
 

@@ -18,7 +18,7 @@ This module is the one reader of those pickles, and it reads with allow-lists on
   directly inside the folder (no ``/``, no ``..``, no symlink out).
 - every record of every ``.distcp`` file (``vet_records``): a tensor record may name only torch's tensor rebuild
   and storage types; a byte record only plain data (numbers, strings, lists, dicts, tuples, None, tensors).
-- ``guard_torch_dcp`` (fsdp_recipes/compat/torch_dcp.py, the patch of torch's reader) makes torch's own DCP reader
+- ``guard_torch_dcp`` (through fsdp_recipes/compat/torch_dcp.py, the patch of torch's reader) makes torch's own DCP reader
   go through both checks on every load that follows in this process (resume in train_fsdp.py, the merge's torch
   path), so the checks cannot be skipped by a code path that forgot them; what it runs is ``vetted_metadata`` and
   ``vetted_byte_record`` here. A vetted ``.metadata`` is unpickled as the very bytes that were vetted, by the same
@@ -29,6 +29,11 @@ This module is the one reader of those pickles, and it reads with allow-lists on
   ``vet_records`` checks byte records the same way before a resume starts.
 
 UnsafeCheckpointError names what was refused; nothing a refused file names is ever imported or called.
+
+Size: one module on purpose (about 550 lines). It is the only place allowed to unpickle anything from a DCP folder
+(tests/test_unsafe_pickles.py fails on a pickle read anywhere else): the allow-lists, the restricted unpicklers,
+the record vetting and the readers that use them are kept together so that one file holds every line a
+reviewer of that guarantee has to read.
 """
 
 from __future__ import annotations
@@ -545,3 +550,12 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
             problems.append(f"{name} is not the file this checkpoint wrote ({SHARD_DIGESTS} has another size or hash: "
                             "swapped with another rank's, replaced or damaged): copy the checkpoint again")
     return problems
+
+
+def guard_torch_dcp() -> None:
+    """From now on in this process, torch's DCP reader unpickles nothing this module has not vetted: its
+    ``.metadata`` (``vetted_metadata``) and every byte record (``vetted_byte_record``). The patch of torch's reader
+    is fsdp_recipes.compat.torch_dcp's; the allow-lists are here. Idempotent."""
+    from fsdp_recipes.compat.torch_dcp import install
+
+    install(vetted_metadata, vetted_byte_record)

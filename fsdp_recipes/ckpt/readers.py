@@ -20,7 +20,9 @@ from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, SHARD_DIGESTS, CheckpointError
-from fsdp_recipes.ckpt.dcp import DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, raw_tensor, unsafe_message
+from fsdp_recipes.ckpt.dcp import (
+    DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, unsafe_message,
+)
 from fsdp_recipes.ckpt.namespace import clean_name
 
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE): a larger header is not one
@@ -97,8 +99,6 @@ class DCPSource:
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
-
-        from fsdp_recipes.compat.torch_dcp import guard_torch_dcp
 
         # DCP's reader unpickles .metadata with plain pickle: this folder's was vetted by check_folder above, and
         # torch's reader vets it again as it reads it (guard_torch_dcp). Records are read by torch with weights_only.

@@ -46,9 +46,9 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "transformers.Trainer._get_output_dir": (MODULE, "trainer: the folder a checkpoint goes to"),
     # fsdp_recipes/compat/torch_dcp.py: torch's DCP reader unpickles .metadata and byte records only after our
     # allow-lists (fsdp_recipes/ckpt/dcp.py)
-    "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (MODULE, "dcp_files: the .metadata torch reads"),
-    "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": (MODULE, "dcp_files: .metadata vetted first (patched)"),
-    "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (MODULE, "dcp_files: byte records vetted first (patched)"),
+    "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (MODULE, "torch_dcp: the .metadata torch reads"),
+    "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": (MODULE, "torch_dcp: .metadata vetted first (patched)"),
+    "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (MODULE, "torch_dcp: byte records vetted first (patched)"),
     # fsdp_recipes/compat/trainer_checkpoints.py: whole-model LoRA checkpoints under FSDP
     "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer_checkpoints: whole-model LoRA checkpoints (swapped)"),
     # fsdp_recipes/config/trainer_fsdp.py: the fsdp_config keys TrainingArguments reads, from its own code

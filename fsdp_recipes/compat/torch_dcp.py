@@ -5,9 +5,10 @@ torch's ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with plain ``
 from anywhere could run any code it names as soon as a resume (accelerate's load) or a merge reads it. Checking
 each folder before it is loaded is not enough on its own: a code path that forgot the check, or a file changed
 between the check and the load, would go through unvetted. So the reader itself is patched, once per process,
-to hand the bytes it read to fsdp_recipes.ckpt.dcp (the one reader of DCP pickles, with the allow-lists) and to
-go on only with what that returns. The patching lives here, with the other patches of libraries' private
-symbols (each registered in fsdp_recipes/compat/internals.py); the judging of bytes stays in ckpt/dcp.py.
+to hand the bytes it read to the vetting functions it is given (fsdp_recipes.ckpt.dcp's, the one reader of DCP
+pickles, with the allow-lists: ``ckpt.dcp.guard_torch_dcp`` installs them) and to go on only with what they return.
+The patching lives here, with the other patches of libraries' private symbols (each registered in
+fsdp_recipes/compat/internals.py); the judging of bytes stays in ckpt/dcp.py, which compat does not import.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from fsdp_recipes.compat import internals
 _guarded: list[bool] = []
 
 
-def guard_torch_dcp() -> None:
-    """From now on in this process, torch's DCP reader unpickles nothing fsdp_recipes.ckpt.dcp has not vetted: the
-    ``.metadata`` it reads (vetted bytes are then unpickled as they are: they name only allow-listed classes) and
-    every byte record (a byte record is vetted, then handed to torch's own loader). Idempotent."""
+def install(vetted_metadata, vetted_byte_record) -> None:
+    """From now on in this process, torch's DCP reader unpickles nothing these have not vetted: the ``.metadata`` it
+    reads becomes ``vetted_metadata(data, path, folder)`` (the Metadata, unpickled from vetted bytes), and every byte
+    record ``vetted_byte_record(stream, key)`` (a stream torch's own loader then reads). Idempotent."""
     if _guarded:
         return
     metadata_path = internals.get("torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path")
@@ -30,8 +31,6 @@ def guard_torch_dcp() -> None:
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
-
-        from fsdp_recipes.ckpt.dcp import vetted_metadata
 
         path = metadata_path(self, kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
@@ -43,8 +42,6 @@ def guard_torch_dcp() -> None:
         return metadata
 
     def vetted_load_bytes(self, read_item, value):
-        from fsdp_recipes.ckpt.dcp import vetted_byte_record
-
         return load_bytes(self, read_item, vetted_byte_record(value, read_item.dest_index.fqn))
 
     internals.patch("torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata", read_metadata)

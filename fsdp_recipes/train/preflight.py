@@ -27,7 +27,7 @@ from fsdp_recipes.ckpt.layout import is_checkpoint_folder
 from fsdp_recipes.ckpt.resume import REQUEUE_RECORD
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, set_aside
 from fsdp_recipes.compat import cpu_fsdp
-from fsdp_recipes.compat.torch_dcp import guard_torch_dcp
+from fsdp_recipes.ckpt.dcp import guard_torch_dcp
 from fsdp_recipes.config.arguments import build
 from fsdp_recipes.config.launcher import LaunchSettings
 from fsdp_recipes.config.plan import Plan
