@@ -18,8 +18,11 @@ from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, FULL_FILES, CheckpointError,
 from fsdp_recipes.ckpt.dcp import check_folder, digest_problems
 from fsdp_recipes.ckpt.readers import DCPSource, SafetensorsSource, TorchBinSource
 
-def checkpoint_problems(ckpt: Path) -> list[str]:
-    """Why a checkpoint-N folder cannot be merged (empty when it can)."""
+
+def weight_problems(ckpt: Path) -> list[str]:
+    """Why a checkpoint-N folder's weights cannot be merged (empty when they can). "Complete" for a merge means
+    this: its model weights are all there and readable; optimizer, scheduler and RNG files are not looked at. A
+    resume needs all of them (fsdp_recipes.ckpt.status.checkpoint_status, "resumable")."""
     if (ckpt / DCP_MODEL_DIR).is_dir():
         return check_folder(ckpt / DCP_MODEL_DIR, byte_records=False)[1] or digest_problems(ckpt, (DCP_MODEL_DIR,))
     if any((ckpt / f).is_file() for f in FULL_FILES):
@@ -50,7 +53,8 @@ def open_source(folder: Path):
 
 
 def resolve_input(path: str | os.PathLike) -> ResolvedInput:
-    """A checkpoint-N folder, a DCP folder (ours, raw torch, Lightning's), or a run folder (newest complete checkpoint)."""
+    """A checkpoint-N folder, a DCP folder (ours, raw torch, Lightning's), or a run folder (its newest checkpoint whose
+    weights are complete: see weight_problems)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p} does not exist: give a checkpoint-N folder, its {DCP_MODEL_DIR} folder, or a run's output folder")
@@ -69,7 +73,7 @@ def resolve_input(path: str | os.PathLike) -> ResolvedInput:
     if steps:
         notes = []
         for ckpt in steps:
-            problems = checkpoint_problems(ckpt)
+            problems = weight_problems(ckpt)
             if not problems:
                 notes.append(f"using {ckpt.name}, the newest complete checkpoint in {p}")
                 return ResolvedInput(open_source(ckpt), ckpt, notes)

@@ -296,7 +296,8 @@ def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = Non
 
 
 def newest_resumable(run_dir: str | os.PathLike) -> tuple[CheckpointStatus | None, list[CheckpointStatus]]:
-    """(the newest complete checkpoint in run_dir or None, the newer incomplete ones it passed over)."""
+    """(the newest resumable checkpoint in run_dir or None, the newer ones it passed over). Resumable: every file a
+    resume reads is there and sound (checkpoint_status); a merge asks less (fsdp_recipes.ckpt.resolve.weight_problems)."""
     skipped = []
     for ckpt in checkpoint_steps(Path(run_dir)):
         status = checkpoint_status(ckpt)
