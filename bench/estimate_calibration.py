@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from fsdp_recipes.config.memory import Setup, estimate, model_shape
+from fsdp_recipes.config.strategy import strategy_of
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,20 +40,21 @@ def cpu_setup(config: str, nproc: int, zero1: bool = False) -> tuple[Setup, str]
     """The setup the estimate should describe on this CPU machine, and a note where it differs from a GPU node."""
     cfg = yaml.safe_load((REPO / config).read_text())
     if "fsdp_config" not in cfg:  # accelerate_configs/ddp.yaml
-        return Setup(strategy="ZERO1" if zero1 else "DDP", nproc_per_node=nproc), ""
-    fsdp = cfg["fsdp_config"]
-    note = ""
-    if fsdp["fsdp_version"] == 2:
-        strategy = "FULL_SHARD" if fsdp.get("fsdp_reshard_after_forward", True) else "SHARD_GRAD_OP"
-        if cfg.get("parallelism_config"):
-            strategy, note = "HYBRID_SHARD", "2 replicas on one machine: shard group nproc/2"
-        setup = Setup(strategy=strategy, nproc_per_node=nproc // 2 if strategy == "HYBRID_SHARD" else nproc, nnodes=2 if strategy == "HYBRID_SHARD" else 1)
+        return Setup(strategy=strategy_of(cfg, zero1).name, nproc_per_node=nproc), ""
+    if cfg.get("parallelism_config"):  # as launch_args launches it: 2 replicas of nproc/2 shards
+        cfg = {**cfg, "parallelism_config": {"parallelism_config_dp_replicate_size": 2,
+                                             "parallelism_config_dp_shard_size": nproc // 2}}
+    strategy = strategy_of(cfg)
+    name, note = strategy.memory_strategy, ""
+    if strategy.fsdp_version == 2:
+        if name == "HYBRID_SHARD":
+            note = "2 replicas on one machine: shard group nproc/2"
+        setup = Setup(strategy=name, nproc_per_node=nproc // 2 if name == "HYBRID_SHARD" else nproc, nnodes=2 if name == "HYBRID_SHARD" else 1)
     else:
-        strategy = fsdp["fsdp_sharding_strategy"]
-        if strategy == "HYBRID_SHARD":
-            strategy, note = "NO_SHARD", "FSDP1 HYBRID_SHARD on CPU: shard group = device count = 1"
-        setup = Setup(strategy=strategy, nproc_per_node=nproc)
-    if fsdp.get("fsdp_offload_params"):
+        if name == "HYBRID_SHARD":
+            name, note = "NO_SHARD", "FSDP1 HYBRID_SHARD on CPU: shard group = device count = 1"
+        setup = Setup(strategy=name, nproc_per_node=nproc)
+    if strategy.offload:
         note = (note + "; " if note else "") + "offload: the states are on CPU either way here"
     return setup, note
 

@@ -14,11 +14,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ASSETS = REPO_ROOT / "assets"
-MODEL_DIR = ASSETS / "tiny-llama"
 CORPUS = ASSETS / "data" / "tiny_corpus.txt"
 CHAT = ASSETS / "data" / "tiny_chat.jsonl"
 
-VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 
 # `{% generation %}` marks assistant text, so `return_assistant_tokens_mask` can limit the loss to it.

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fsdp_recipes.config.strategy import strategy_of
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "accelerate_configs"
 ALL_CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
@@ -90,17 +92,17 @@ class Run:
 def expected_layout(config: str) -> tuple[int, int, int]:
     """(world size, fsdp_version, shard group size) that the config should produce on this CPU machine."""
     cfg = yaml.safe_load((REPO / config).read_text())
-    if "fsdp_config" not in cfg:  # DDP: every rank holds everything
+    strategy = strategy_of(cfg)
+    if strategy.fsdp_version is None:  # DDP: every rank holds everything
         return cfg["num_processes"], None, 1
-    fsdp = cfg["fsdp_config"]
     overrides = LAUNCH_OVERRIDES.get(config, ())
     world = int(overrides[overrides.index("--num_processes") + 1]) if overrides else cfg["num_processes"]
-    if fsdp["fsdp_version"] == 2:
+    if strategy.fsdp_version == 2:
         shard = int(overrides[overrides.index("--parallelism_config_dp_shard_size") + 1]) if overrides else world
     else:
         # NO_SHARD keeps everything; FSDP1 HYBRID_SHARD sizes its shard group from the device count, 1 on CPU.
-        shard = 1 if fsdp["fsdp_sharding_strategy"] in ("NO_SHARD", "HYBRID_SHARD") else world
-    return world, fsdp["fsdp_version"], shard
+        shard = 1 if strategy.name in ("NO_SHARD", "HYBRID_SHARD") else world
+    return world, strategy.fsdp_version, shard
 
 
 # Tests that launch real multi-process runs (directly or through these fixtures) are the slow tier;

@@ -19,6 +19,7 @@ import yaml
 
 from bench.estimate_calibration import launch_args
 from conftest import ALL_CONFIGS, DDP_CONFIG, REPO, launch, read_json
+from fsdp_recipes.config.strategy import strategy_of
 
 pytestmark = [
     pytest.mark.gpu, pytest.mark.slow,
@@ -38,16 +39,11 @@ def shipped(config: str) -> dict:
 
 def strategy_and_shard(config: str, n: int) -> tuple[str, int]:
     """(the estimator's strategy name, processes one parameter is split over) on one node of n GPUs."""
-    cfg = shipped(config)
-    fsdp = cfg.get("fsdp_config")
-    if fsdp is None:
-        return "DDP", 1
-    if fsdp["fsdp_version"] == 2:
-        if cfg.get("parallelism_config"):
-            return "HYBRID_SHARD", n // 2
-        return ("FULL_SHARD" if fsdp.get("fsdp_reshard_after_forward", True) else "SHARD_GRAD_OP"), n
-    name = fsdp["fsdp_sharding_strategy"]
-    return name, {"NO_SHARD": 1}.get(name, n)  # FSDP1 HYBRID_SHARD on one node: the node's GPUs
+    strategy = strategy_of(shipped(config))
+    name = strategy.memory_strategy
+    if strategy.fsdp_version == 2 and name == "HYBRID_SHARD":  # FSDP2 HSDP on one node: 2 replicas of n/2
+        return name, n // 2
+    return name, {"NO_SHARD": 1, "DDP": 1}.get(name, n)  # FSDP1 HYBRID_SHARD on one node: the node's GPUs
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +87,12 @@ def test_config_trains_sharded_in_bf16_within_the_estimate(gpu_run, model_dir, c
     n = gpus()
     report = read_json(gpu_run(config) / "fsdp_report.json")
     strategy, shard = strategy_and_shard(config, n)
-    fsdp = shipped(config).get("fsdp_config") or {}
-    version = fsdp.get("fsdp_version")
+    version = strategy_of(shipped(config)).fsdp_version
     assert report["world_size"] == n and report["device"].startswith("cuda")
     assert report["precision"]["compute"] == "bfloat16" and report["precision"]["master_weights"] == "float32"
     total = report["total_param_elements"]
     assert 90e6 < total < 110e6
-    offload = bool(fsdp.get("fsdp_offload_params"))
+    offload = strategy_of(shipped(config)).offload
     # FSDP2 HSDP on one node: 2 replicas of n/2 shards, which the formula calls 2 nodes of n/2
     nodes = 2 if strategy == "HYBRID_SHARD" and version == 2 else 1
     est = estimate(model_shape(str(model_dir)), Setup(strategy=strategy, nproc_per_node=n // nodes, nnodes=nodes, offload=offload,

@@ -19,35 +19,30 @@ import sys
 from dataclasses import asdict
 
 from fsdp_recipes.bounded import load_yaml
-from fsdp_recipes.config.accelerate_config import DDP_TYPES
 from fsdp_recipes.config.memory import (
     COUNT_LIKE, OPTIMIZER_BYTES, STRATEGIES, Setup, estimate, fitting_configs, human, model_shape, parse_bytes, parse_count,
 )
+from fsdp_recipes.config.strategy import strategy_of
 
 MAX_COUNT = 2**31 - 1  # far above any real node, batch or sequence, and low enough that the formulas stay finite
 
 
 def setup_from_config(path: str, setup: Setup) -> Setup:
-    """Strategy and offload from an accelerate config (FSDP1 strategy names, FSDP2 reshard/mesh; a DDP config is DDP,
-    or ZERO1 when --strategy ZERO1 asks for the recipe's zero1). Read within bounds (fsdp_recipes.bounded); a value
-    of the wrong type is a ValueError that sends the user to tools/check_config.py, which names the key."""
+    """Strategy and offload from an accelerate config (fsdp_recipes.config.strategy: FSDP1 strategy names, FSDP2
+    reshard/mesh; a DDP config is DDP, or ZERO1 when --strategy ZERO1 asks for the recipe's zero1). Read within bounds
+    (fsdp_recipes.bounded); a value of the wrong type is a ValueError that sends the user to tools/check_config.py,
+    which names the key."""
     cfg = load_yaml(path, "accelerate config")
     fsdp, pc = cfg.get("fsdp_config") or {}, cfg.get("parallelism_config") or {}
     mp = cfg.get("mixed_precision", "no")
     try:
         if not (isinstance(fsdp, dict) and isinstance(pc, dict) and isinstance(mp, str)):
             raise ValueError("fsdp_config, parallelism_config or mixed_precision has the wrong type")
-        if cfg.get("distributed_type") in DDP_TYPES and not fsdp:
-            strategy = "ZERO1" if setup.strategy == "ZERO1" else "DDP"
-        elif int(fsdp.get("fsdp_version", 1)) == 2:
-            strategy = "HYBRID_SHARD" if int(pc.get("parallelism_config_dp_replicate_size", 1)) > 1 else (
-                "FULL_SHARD" if fsdp.get("fsdp_reshard_after_forward", True) else "SHARD_GRAD_OP")
-        else:
-            strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).replace("HYBRID_SHARD_ZERO2", "HYBRID_SHARD")
+        strategy = strategy_of(cfg, zero1=setup.strategy == "ZERO1")
     except (TypeError, ValueError, OverflowError) as err:  # int() of a list, a word or .inf
         raise ValueError(f"accelerate config {path!r} has a value this tool cannot read ({err}): "
                          f"python tools/check_config.py {path} names it") from None
-    return Setup(**{**asdict(setup), "strategy": strategy, "offload": bool(fsdp.get("fsdp_offload_params", False)),
+    return Setup(**{**asdict(setup), "strategy": strategy.memory_strategy, "offload": strategy.offload,
                     "precision": {"no": "fp32"}.get(mp, mp)})
 
 

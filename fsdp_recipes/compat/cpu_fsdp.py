@@ -50,8 +50,11 @@ def accelerator_present() -> bool:
     return torch.cuda.is_available()
 
 
-def fsdp_requested() -> bool:
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+def fsdp_requested(env=None) -> bool:
+    """FSDP asked for by the launcher: ACCELERATE_USE_FSDP=true in ``env`` (this process's environment when None),
+    set by accelerate launch from an FSDP config, or by hand under torchrun or srun. The one place it is read."""
+    env = os.environ if env is None else env
+    return env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def launched_world_size() -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_recipes.bounded import UnreadableFile, load_yaml
+from fsdp_recipes.config.strategy import DDP_TYPES  # accelerate's distributed types for DistributedDataParallel
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
@@ -25,7 +26,6 @@ BOOL_KEYS = [
 ]
 FSDP1_ONLY = ["fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_use_orig_params"]
 FSDP2_ONLY = ["fsdp_reshard_after_forward"]
-DDP_TYPES = ("MULTI_GPU", "MULTI_CPU")  # accelerate's distributed types for DistributedDataParallel
 ZERO1_UNDER_FSDP = "is for DDP launches (accelerate_configs/ddp.yaml); under FSDP it would wrap a sharded optimizer in a second sharding"
 LARGE_MODEL = 1_000_000_000  # parameters above which FULL_STATE_DICT gathering on rank 0 becomes a problem
 

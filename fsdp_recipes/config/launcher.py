@@ -134,7 +134,9 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
 
 def from_environment(env=os.environ) -> LaunchSettings | None:
     """The settings of a launch that set ACCELERATE_USE_FSDP itself (torchrun, srun): its FSDP_* variables."""
-    if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or "ACCELERATE_DYNAMO_BACKEND" in env:
+    from fsdp_recipes.compat.cpu_fsdp import fsdp_requested  # here, not at the top: it imports torch
+
+    if not fsdp_requested(env) or "ACCELERATE_DYNAMO_BACKEND" in env:
         return None  # the second: set by accelerate launch, whose variables carry defaults for every key
     world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
     config = {"distributed_type": "FSDP", "num_processes": world, "num_machines": max(1, world // max(1, local)),

@@ -13,20 +13,14 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
+from fsdp_recipes.config.strategy import shipped_configs
+
 GiB = 1024**3
 OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd_momentum": 4, "sgd": 0}  # state bytes per parameter
 STRATEGIES = ["DDP", "ZERO1", "NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD"]
 REPLICATED = ("DDP", "ZERO1")  # no FSDP: whole parameters and gradients on every process
-# Shipped configs in the order of their communication cost per step, cheapest first.
-SHIPPED = [
-    ("ddp.yaml", "DDP", False),
-    ("fsdp1/no_shard.yaml", "NO_SHARD", False),
-    ("ddp.yaml --zero1 true", "ZERO1", False),
-    ("zero2.yaml", "SHARD_GRAD_OP", False),
-    ("hybrid_shard.yaml", "HYBRID_SHARD", False),
-    ("zero3.yaml", "FULL_SHARD", False),
-    ("zero3_offload.yaml", "FULL_SHARD", True),
-]
+# Per-step communication, cheapest first: the order in which --gpu-memory lists the shipped configs.
+COMMUNICATION_ORDER = ["DDP", "NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD"]
 
 
 @dataclass
@@ -194,10 +188,22 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     )
 
 
+def shipped_table() -> list[tuple[str, str, bool]]:
+    """(config, strategy, offload) for each distinct estimate among the shipped configs (fsdp_recipes.config.strategy
+    reads them from accelerate_configs/; of an FSDP1 and an FSDP2 config with the same estimate, the FSDP2 one),
+    cheapest communication first."""
+    rows: dict[tuple[str, bool], str] = {}
+    for label, strategy in sorted(shipped_configs().items(), key=lambda item: (item[1].fsdp_version == 1, item[0])):
+        rows.setdefault((strategy.memory_strategy, strategy.offload), label)
+    rank = {name: i for i, name in enumerate(COMMUNICATION_ORDER)}
+    return sorted(((label, name, offload) for (name, offload), label in rows.items()),
+                  key=lambda row: (rank.get(row[1], len(rank)), row[2]))
+
+
 def fitting_configs(shape: ModelShape, setup: Setup, gpu_bytes: float) -> list[tuple[str, float, bool]]:
     """(config, GPU bytes, fits) for every shipped config (DDP, ZeRO-1, FSDP1, FSDP2), cheapest in communication first."""
     rows = []
-    for name, strategy, offload in SHIPPED:
+    for name, strategy, offload in shipped_table():
         est = estimate(shape, Setup(**{**asdict(setup), "strategy": strategy, "offload": offload}))
         rows.append((name, est.gpu_total, est.gpu_total <= gpu_bytes))
     return rows

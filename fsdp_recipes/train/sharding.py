@@ -16,7 +16,8 @@ from transformers import TrainerCallback
 
 from fsdp_recipes.compat import internals
 from fsdp_recipes.ckpt.layout import REPORT_NAME
-from fsdp_recipes.compat.cpu_fsdp import launched_world_size
+from fsdp_recipes.compat.cpu_fsdp import fsdp_requested, launched_world_size
+from fsdp_recipes.config.strategy import fsdp_strategy_name
 from fsdp_recipes.errors import NotShardedError
 
 logger = logging.getLogger("train_fsdp")
@@ -112,7 +113,7 @@ def expected_fsdp_version(training_args=None) -> int | None:
     launcher's config, or None when nobody asked for FSDP."""
     if training_args is not None and getattr(training_args, "fsdp_plugin_args", None):
         return int(training_args.fsdp_plugin_args["fsdp_version"])
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if fsdp_requested():
         return int(os.environ.get("FSDP_VERSION", "1"))
     return None
 
@@ -256,14 +257,16 @@ def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: l
 
 
 def _strategy_name(plugin, parallelism_config=None, optimizer=None) -> str | None:
+    """The strategy that runs (fsdp_recipes.config.strategy's names), from accelerate's FSDP plugin; without FSDP,
+    ZERO1 or None (DDP: replicated)."""
     if plugin is None:
         return "ZERO1" if _zero1(optimizer) is not None else None
     if plugin.fsdp_version == 2:
         # FSDP2 expresses HYBRID_SHARD as a (dp_replicate, dp_shard) mesh rather than a strategy name.
-        if parallelism_config is not None and parallelism_config.dp_replicate_size > 1:
-            return "HYBRID_SHARD" if plugin.reshard_after_forward else "HYBRID_SHARD_ZERO2"
-        return "FULL_SHARD" if plugin.reshard_after_forward else "SHARD_GRAD_OP"
-    return plugin.sharding_strategy.name if plugin.sharding_strategy is not None else None
+        replicas = parallelism_config.dp_replicate_size if parallelism_config is not None else 1
+        return fsdp_strategy_name(2, reshard_after_forward=plugin.reshard_after_forward, dp_replicate_size=replicas)
+    strategy = plugin.sharding_strategy
+    return fsdp_strategy_name(plugin.fsdp_version, sharding_strategy=strategy.name if strategy is not None else None)
 
 
 class ShardingReport(TrainerCallback):

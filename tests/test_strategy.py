@@ -1,0 +1,136 @@
+"""fsdp_recipes.config.strategy: every shipped accelerate config maps to the strategy its file says, the memory
+estimator lists every shipped strategy, and the training report names strategies the same way."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from conftest import REPO
+from fsdp_recipes.config import memory
+from fsdp_recipes.config.strategy import Strategy, shipped_configs, strategy_of
+
+CONFIG_DIR = REPO / "accelerate_configs"
+# walked here with os.walk, not with the module's rglob: a config in any subfolder counts
+SHIPPED = sorted(Path(root, name).relative_to(CONFIG_DIR).as_posix()
+                 for root, _, files in os.walk(CONFIG_DIR) for name in files if name.endswith((".yaml", ".yml")))
+NAMES = r"\b(FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD_ZERO2|HYBRID_SHARD)\b"
+
+
+def read(label: str) -> dict:
+    return yaml.safe_load((CONFIG_DIR / label).read_text())
+
+
+def expected(label: str) -> Strategy:
+    """The strategy from the file's keys, read here without the module: a DDP type without fsdp_config is DDP; FSDP1
+    names its strategy; FSDP2 says it with reshard_after_forward and the number of replicas."""
+    cfg = read(label)
+    fsdp = cfg.get("fsdp_config")
+    if not fsdp:
+        assert cfg["distributed_type"] in ("MULTI_GPU", "MULTI_CPU"), label
+        return Strategy("DDP", False, None)
+    assert cfg["distributed_type"] == "FSDP", label
+    version = fsdp["fsdp_version"]
+    if version == 1:
+        name = fsdp["fsdp_sharding_strategy"]
+    else:
+        replicas = (cfg.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1)
+        name = {(True, False): "FULL_SHARD", (False, False): "SHARD_GRAD_OP", (True, True): "HYBRID_SHARD",
+                (False, True): "HYBRID_SHARD_ZERO2"}[(fsdp.get("fsdp_reshard_after_forward", True) is True, replicas > 1)]
+    return Strategy(name, fsdp.get("fsdp_offload_params", False) is True, version)
+
+
+def title(label: str) -> str:
+    """The header's opening sentence, after '<file>:' and before 'This is an accelerate ... config'."""
+    lines = [line.lstrip("# ").rstrip() for line in (CONFIG_DIR / label).read_text().splitlines()[1:] if line.startswith("#")]
+    text = " ".join(lines).split("This is an accelerate")[0]
+    return text.split(":", 1)[1]
+
+
+def test_the_walk_finds_every_shipped_config():
+    assert len(SHIPPED) == 10 and "ddp.yaml" in SHIPPED and "fsdp1/no_shard.yaml" in SHIPPED
+    assert sorted(label for label in shipped_configs() if not label.endswith(" --zero1 true")) == SHIPPED
+
+
+@pytest.mark.parametrize("label", SHIPPED)
+def test_shipped_config_maps_to_the_strategy_its_file_says(label):
+    want = expected(label)
+    assert strategy_of(read(label)) == want
+    assert shipped_configs()[label] == want
+    # and the header says the same in words
+    head = title(label)
+    if want.fsdp_version is None:
+        assert "DistributedDataParallel" in head and "--zero1 true" in head, head
+        assert strategy_of(read(label), zero1=True) == shipped_configs()[label + " --zero1 true"] == Strategy("ZERO1")
+    else:
+        assert f"FSDP{want.fsdp_version}" in head, head
+        assert re.search(NAMES, head).group(1) == want.name, head
+    assert ("offload" in head.lower()) == want.offload, head
+
+
+def test_unset_keys_take_accelerates_defaults_and_zero1_applies_only_to_ddp():
+    assert strategy_of({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": True}}) == Strategy("FULL_SHARD", True, 1)
+    fsdp2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": False}}
+    assert strategy_of(fsdp2) == Strategy("SHARD_GRAD_OP", False, 2)
+    hsdp = strategy_of({**fsdp2, "parallelism_config": {"parallelism_config_dp_replicate_size": 2}})
+    assert hsdp == Strategy("HYBRID_SHARD_ZERO2", False, 2) and hsdp.memory_strategy == "HYBRID_SHARD"
+    assert strategy_of(fsdp2, zero1=True).name == "SHARD_GRAD_OP"
+    assert strategy_of({"distributed_type": "MULTI_CPU"}, zero1=True) == Strategy("ZERO1")
+    for bad in ({"fsdp_config": [1]}, {"fsdp_config": {"fsdp_version": "two"}}):
+        with pytest.raises(ValueError):
+            strategy_of(bad)
+
+
+def test_memory_table_covers_every_shipped_config():
+    table = memory.shipped_table()
+    rows = {(strategy, offload): label for label, strategy, offload in table}
+    for label in SHIPPED:
+        want = expected(label)
+        name = {"HYBRID_SHARD_ZERO2": "HYBRID_SHARD"}.get(want.name, want.name)
+        assert (name, want.offload) in rows, label
+    assert rows[("ZERO1", False)] == "ddp.yaml --zero1 true"
+    for label, strategy, offload in table:
+        assert strategy in memory.STRATEGIES
+        want = expected(label.split()[0])
+        assert (want.memory_strategy if "--zero1" not in label else "ZERO1", want.offload) == (strategy, offload), label
+    assert [r[1] for r in table] == sorted((r[1] for r in table), key=memory.COMMUNICATION_ORDER.index)
+
+
+@pytest.mark.parametrize("label", [c for c in SHIPPED if read(c).get("fsdp_config")])
+def test_training_report_names_the_strategy_as_the_file_does(label):
+    """sharding._strategy_name reads accelerate's plugin, not the file: fed what accelerate makes of the file, it
+    gives the file's strategy."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from fsdp_recipes.train.sharding import _strategy_name
+
+    cfg, want = read(label), expected(label)
+    fsdp = cfg["fsdp_config"]
+    plugin = SimpleNamespace(fsdp_version=fsdp["fsdp_version"], reshard_after_forward=fsdp.get("fsdp_reshard_after_forward", True),
+                             sharding_strategy=ShardingStrategy[fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")])
+    mesh = SimpleNamespace(dp_replicate_size=(cfg.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1))
+    assert _strategy_name(plugin, mesh) == want.name
+
+
+@pytest.mark.parametrize("value", [None, "true", "TRUE", "True", "false", "1", "yes", ""])
+def test_accelerate_use_fsdp_means_the_same_everywhere(value, monkeypatch):
+    """cpu_fsdp.fsdp_requested reads ACCELERATE_USE_FSDP; the launcher's settings and the report's expected version
+    follow it."""
+    from fsdp_recipes.compat import cpu_fsdp
+    from fsdp_recipes.config import launcher
+    from fsdp_recipes.train.sharding import expected_fsdp_version
+
+    env = {"WORLD_SIZE": "2", "FSDP_VERSION": "2"} | ({} if value is None else {"ACCELERATE_USE_FSDP": value})
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_DYNAMO_BACKEND"):
+        monkeypatch.delenv(key, raising=False)
+    for key, setting in env.items():
+        monkeypatch.setenv(key, setting)
+    asked = value is not None and value.lower() == "true"
+    assert cpu_fsdp.fsdp_requested() == cpu_fsdp.fsdp_requested(env) == asked
+    assert (launcher.from_environment(env) is not None) == asked
+    assert expected_fsdp_version() == (2 if asked else None)
