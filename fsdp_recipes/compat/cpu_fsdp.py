@@ -3,11 +3,11 @@
 Why this exists: with accelerate 1.15 every stock way of launching FSDP on a CPU-only machine silently
 runs something else (DistributedType.NO, MULTI_CPU + DDP, or one process) and exits 0, because
 ``AcceleratorState`` only switches to FSDP when the base type is an accelerator type. That would make
-every CPU test of this repository test DDP or nothing. See ``../shared/notes/cpu-fsdp.md``.
+every CPU test of this repository test DDP or nothing (README.md, "Without a GPU").
 
 What :func:`enable` does, only when no accelerator is present and FSDP is asked for across several
 processes, by the accelerate launcher (``ACCELERATE_USE_FSDP=true``) or by TrainingArguments' ``--fsdp``
-under torchrun (``fsdp_recipes.config.arguments`` calls it just before TrainingArguments exists):
+under torchrun (``fsdp_recipes.train.preflight.start`` calls it just before TrainingArguments exists):
 
 1. sets ``ACCELERATE_USE_CPU=true`` so the process group is gloo (MULTI_CPU), then turns MULTI_CPU into
    FSDP inside ``AcceleratorState`` and mirrors the type into ``PartialState``'s shared state (later
