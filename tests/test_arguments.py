@@ -255,3 +255,26 @@ def test_a_tokenizer_comes_from_its_own_files(tmp_path):
         parse_args(["--config_name", str(config_only), *common])
     model_args, _, _ = parse_args(["--config_name", str(config_only), "--tokenizer_name", str(tokenizer_only), *common])
     assert model_args.tokenizer_name == str(tokenizer_only)
+
+
+def test_fsdp_config_keys_are_read_from_transformers_itself():
+    """The keys --fsdp_config may hold come from TrainingArguments' own code, so a key a newer transformers reads is
+    accepted and one it no longer reads is refused, without a list here to go stale."""
+    from fsdp_recipes.config.trainer_fsdp import keys_read, trainer_fsdp_keys
+
+    # the keys TrainingArguments' docstring (transformers 5.23) documents for fsdp_config, not the code under test
+    documented = {"min_num_params", "transformer_layer_cls_to_wrap", "cpu_ram_efficient_loading",
+                  "activation_checkpointing", "xla", "xla_fsdp_settings", "xla_fsdp_grad_ckpt", "version",
+                  "reshard_after_forward", "cpu_offload", "state_dict_type", "auto_wrap_policy"}
+    assert documented <= trainer_fsdp_keys()
+    assert not {"sharding_strategy_typo", "fsdp_state_dict_typ"} & trainer_fsdp_keys()
+    source = (
+        "def f(self):\n"
+        "    a = self.fsdp_config['indexed']\n"
+        "    b = self.fsdp_config.get('got', 1)\n"
+        "    self.fsdp_config.setdefault('defaulted', False)\n"
+        "    if 'tested' in self.fsdp_config:\n"
+        "        pass\n"
+        "    other = self.other_config.get('not_fsdp')\n"
+    )
+    assert keys_read(source) == {"indexed", "got", "defaulted", "tested"}
