@@ -24,8 +24,8 @@ from pathlib import Path
 
 from synthetic import make_checkpoint
 
-from fsdp_recipes.compat import internals
 from fsdp_recipes.ckpt.layout import MANIFEST
+from fsdp_recipes.compat import internals
 from fsdp_recipes.removal import make_folder, remove, remove_inside
 
 BENCH_WORK = "merge benchmark"

@@ -137,6 +137,19 @@ def remove_file(folder: str | os.PathLike, name: str, purpose: str) -> None:
     (Path(folder) / name).unlink()
 
 
+def remove_lock_file(path: str | os.PathLike, content: bytes) -> bool:
+    """Delete the lock file ``path`` only while it holds exactly ``content``: the line this process wrote into it, or
+    a dead owner's line its caller has just read. Another run's lock, a link or a folder is never removed."""
+    path = Path(path)
+    try:
+        if path.is_symlink() or not path.is_file() or path.read_bytes() != content:
+            return False
+        path.unlink()
+    except OSError:
+        return False
+    return True
+
+
 def move(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Rename ``src`` to ``dst`` on one filesystem; never over an existing path (a file or a folder)."""
     src, dst = Path(src), Path(dst)

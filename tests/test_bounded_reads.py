@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.config.parse import load_recipe, parse_args
-from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.bounded import YAML_LIMIT
 from fsdp_recipes.ckpt.status import REPORT_LIMIT, STATE_LIMIT
+from fsdp_recipes.config.parse import load_recipe, parse_args
+from fsdp_recipes.errors import RecipeError
 
 CASE_SECONDS = 2  # the slowest case takes a fifth of that; a hang is stopped by the alarm at twice this
 LAUGHS = "".join([  # 346 bytes that a YAML loader expanding aliases turns into 10^9 strings
@@ -264,7 +264,7 @@ def test_launcher_reads_the_config_in_force_within_bounds(yaml_files, monkeypatc
     """train_fsdp.py rebuilds the settings of its `accelerate launch` from the config file (fsdp_recipes.config.launcher):
     a refused file is a RecipeError, which train_fsdp.py prints as its one error line."""
     from fsdp_recipes.config import launcher
-    from fsdp_recipes.bounded import UnreadableFile
+    from fsdp_recipes.errors import UnreadableFile
 
     for case in ("billion_laughs", "list_at_top", "binary", UNKNOWN_KEYS_60MB):
         argv = ["--config_file", yaml_files[case], "train_fsdp.py"]

@@ -89,11 +89,12 @@ def checkpoint(trained, tmp_path) -> Path:
 def test_shards_swapped_between_ranks_are_named(checkpoint, folder, tmp_path, monkeypatch):
     """Two ranks' files have the same layout: the merge would write permuted rows, a resume load the wrong halves.
     The digests written once every rank finished tell them apart."""
-    from fsdp_recipes.ckpt.resume import resolve_resume
-    from fsdp_recipes.errors import RecipeError
-    from fsdp_recipes.ckpt.layout import SHARD_DIGESTS, CheckpointError
-    from fsdp_recipes.ckpt.status import checkpoint_status
+    from fsdp_recipes.ckpt.layout import SHARD_DIGESTS
     from fsdp_recipes.ckpt.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.resume import resolve_resume
+    from fsdp_recipes.ckpt.status import checkpoint_status
+    from fsdp_recipes.errors import RecipeError
+    from fsdp_recipes.errors import CheckpointError
 
     for key, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "RANK": "0"}.items():
         monkeypatch.setenv(key, value)
@@ -142,8 +143,9 @@ def test_a_manifest_edited_with_its_hashes_does_not_vouch_for_a_config(checkpoin
     refuses it in one line, and nothing is left behind."""
     import hashlib
 
-    from fsdp_recipes.ckpt.layout import MANIFEST, CheckpointError
+    from fsdp_recipes.ckpt.layout import MANIFEST
     from fsdp_recipes.ckpt.merge import merge_checkpoint
+    from fsdp_recipes.errors import CheckpointError
 
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
@@ -159,9 +161,10 @@ def test_a_manifest_edited_with_its_hashes_does_not_vouch_for_a_config(checkpoin
 def test_digests_announced_by_the_manifest_must_be_there(checkpoint, how, tmp_path):
     """Swapping two ranks' shards and deleting (or replacing) shard_digests.json (the hostile review) no longer
     hides the swap: the manifest, written before any shard, announces the digests."""
-    from fsdp_recipes.ckpt.layout import SHARD_DIGESTS, CheckpointError
-    from fsdp_recipes.ckpt.status import checkpoint_status
+    from fsdp_recipes.ckpt.layout import SHARD_DIGESTS
     from fsdp_recipes.ckpt.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.status import checkpoint_status
+    from fsdp_recipes.errors import CheckpointError
 
     digests = checkpoint / SHARD_DIGESTS
     digests.unlink()

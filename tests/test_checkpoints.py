@@ -10,9 +10,9 @@ import pytest
 
 from conftest import REPO, run
 from fsdp_recipes.ckpt.resume import check_output_dir, resolve_resume
-from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.ckpt.status import checkpoint_status
 from fsdp_recipes.config.plan import Plan
+from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train import preflight
 
 TOOL = str(REPO / "tools" / "check_checkpoint.py")

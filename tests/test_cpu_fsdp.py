@@ -65,7 +65,8 @@ def test_unwrapped_model_under_an_fsdp_launch_is_refused(monkeypatch, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import REPO
-    from fsdp_recipes.train.sharding import NotShardedError, verify_and_report
+    from fsdp_recipes.errors import NotShardedError
+    from fsdp_recipes.train.sharding import verify_and_report
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")

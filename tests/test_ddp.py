@@ -109,9 +109,9 @@ def test_only_a_named_ddp_config_is_a_ddp_launch(tmp_path):
 
 
 def test_zero1_is_refused_where_it_cannot_work(tmp_path):
+    from fsdp_recipes.config.accelerate_config import check_config, errors
     from fsdp_recipes.config.parse import parse_args
     from fsdp_recipes.errors import RecipeError
-    from fsdp_recipes.config.accelerate_config import check_config, errors
 
     problems = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", recipe={"zero1": True}))
     assert [p.key for p in problems] == ["zero1"] and "is for DDP launches" in str(problems[0])

@@ -304,7 +304,8 @@ def test_one_run_per_output_dir(tmp_path):
     from types import SimpleNamespace
 
     from fsdp_recipes.errors import RecipeError
-    from fsdp_recipes.train.preflight import LOCK_NAME, hold_output_dir
+    from fsdp_recipes.train.preflight import hold_output_dir
+    from fsdp_recipes.train.run_lock import LOCK_NAME
 
     out = tmp_path / "run"
     out.mkdir()

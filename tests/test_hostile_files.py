@@ -17,10 +17,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import REPO, run
-from fsdp_recipes.ckpt.resume import resolve_resume
-from fsdp_recipes.errors import RecipeError
-from fsdp_recipes.ckpt.layout import CheckpointError
 from fsdp_recipes.ckpt.readers import DCPSource
+from fsdp_recipes.ckpt.resume import resolve_resume
+from fsdp_recipes.errors import CheckpointError, RecipeError
 
 TOOLS = REPO / "tools"
 

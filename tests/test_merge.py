@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, run
-from fsdp_recipes.ckpt.merge import MANIFEST, CheckpointError, inspect_checkpoint, merge_checkpoint
+from fsdp_recipes.ckpt.merge import MANIFEST, inspect_checkpoint, merge_checkpoint
+from fsdp_recipes.errors import CheckpointError
 
 TOOL = str(REPO / "tools" / "merge_checkpoint.py")
 SHARDED = [
@@ -451,8 +452,8 @@ def test_output_on_another_filesystem_and_without_copy_file_range(checkpoint, tm
 def test_a_failed_check_stops_the_copy(synthetic, tmp_path):
     """The check running beside the copy is asked between pieces of COPY_STEP bytes: once it fails, nothing more
     is copied."""
-    from fsdp_recipes.ckpt.safetensors_writer import COPY_STEP, Cancelled, write_weights
     from fsdp_recipes.ckpt.readers import DCPSource
+    from fsdp_recipes.ckpt.safetensors_writer import COPY_STEP, Cancelled, write_weights
 
     ckpt = synthetic[1]
     assert sum(f.stat().st_size for f in (ckpt / "pytorch_model_fsdp_0").glob("*.distcp")) > 3 * COPY_STEP

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.ckpt.resume import check_output_dir
-from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.ckpt.layout import is_checkpoint_folder, is_model_folder
-from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
-from fsdp_recipes.train.export import remove_export_leftovers
 from fsdp_recipes.ckpt.merge import merge_checkpoint, remove_stale_staging
-from fsdp_recipes.removal import MARKER, RefusedRemoval, make_folder, remove
+from fsdp_recipes.ckpt.resume import check_output_dir
+from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
+from fsdp_recipes.errors import RecipeError, RefusedRemoval
+from fsdp_recipes.removal import MARKER, make_folder, remove
+from fsdp_recipes.train.export import remove_export_leftovers
 from test_hostile_files import cli
 
 DELETING = {("shutil", "rmtree"), ("shutil", "move"), ("os", "remove"), ("os", "unlink"), ("os", "rename"), ("os", "replace"),

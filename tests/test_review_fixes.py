@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.config.parse import load_recipe
-from fsdp_recipes.errors import RecipeError
-from fsdp_recipes.bounded import UnreadableFile, load_yaml
+from fsdp_recipes.errors import RecipeError, UnreadableFile
 
 TOOLS = REPO / "tools"
 SHIPPED_YAML = sorted(p for folder in ("accelerate_configs", "recipes") for p in (REPO / folder).rglob("*") if p.suffix in (".yaml", ".yml"))
@@ -217,7 +217,8 @@ def write_adapter_config(folder: Path, config: dict) -> Path:
 
 @pytest.mark.parametrize("key", sorted(BAD_ADAPTER_VALUES))
 def test_adapter_config_values_that_cannot_merge_are_refused(key, tmp_path):
-    from fsdp_recipes.ckpt.lora_merge import CheckpointError, read_adapter_config
+    from fsdp_recipes.ckpt.lora_merge import read_adapter_config
+    from fsdp_recipes.errors import CheckpointError
 
     valid = peft_adapter_config(tmp_path)
     assert read_adapter_config(write_adapter_config(tmp_path, valid))["r"] == 4
@@ -240,7 +241,8 @@ def test_adapter_config_values_peft_writes_are_taken(key, tmp_path):
 
 @pytest.mark.parametrize("missing", [["r"], ["lora_alpha"], ["lora_alpha", "r"]])
 def test_an_adapter_config_without_r_or_alpha(missing, tmp_path):
-    from fsdp_recipes.ckpt.lora_merge import CheckpointError, read_adapter_config
+    from fsdp_recipes.ckpt.lora_merge import read_adapter_config
+    from fsdp_recipes.errors import CheckpointError
 
     config = {k: v for k, v in peft_adapter_config(tmp_path).items() if k not in missing}
     with pytest.raises(CheckpointError, match=f"is not a LoRA adapter config \\(no {' and no '.join(missing)}\\)"):
@@ -269,7 +271,8 @@ class FakeSource:
 def test_a_config_whose_r_is_not_the_adapters_is_refused(rank):
     import torch
 
-    from fsdp_recipes.ckpt.lora_merge import CheckpointError, MergedLoraSource
+    from fsdp_recipes.ckpt.lora_merge import MergedLoraSource
+    from fsdp_recipes.errors import CheckpointError
 
     source = FakeSource(rank)
     config = {"r": rank, "lora_alpha": 8}
@@ -283,7 +286,8 @@ def test_a_config_whose_r_is_not_the_adapters_is_refused(rank):
 
 
 def test_a_merge_that_overflows_is_refused_not_written():
-    from fsdp_recipes.ckpt.lora_merge import CheckpointError, MergedLoraSource
+    from fsdp_recipes.ckpt.lora_merge import MergedLoraSource
+    from fsdp_recipes.errors import CheckpointError
 
     source = FakeSource(2, scale=1e20)  # B @ A about 1e40: beyond float32
     with pytest.raises(CheckpointError, match=r"^q.weight: merging lora_B @ lora_A x 4 into it gives values that are not finite in float32"):

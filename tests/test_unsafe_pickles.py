@@ -16,13 +16,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fsdp_recipes.ckpt.resume import resolve_resume
-from fsdp_recipes.errors import RecipeError
-from fsdp_recipes.ckpt.layout import CheckpointError
-from fsdp_recipes.ckpt.status import checkpoint_status
 from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError
 from fsdp_recipes.ckpt.dcp import guard_torch_dcp
 from fsdp_recipes.ckpt.merge import merge_checkpoint
+from fsdp_recipes.ckpt.resume import resolve_resume
+from fsdp_recipes.ckpt.status import checkpoint_status
+from fsdp_recipes.errors import CheckpointError, RecipeError
 from test_hostile_files import cli
 
 

@@ -18,10 +18,9 @@ import json
 import os
 import sys
 
+from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
 from fsdp_recipes.compat import internals
-from fsdp_recipes.compat.internals import InternalsChanged
-from fsdp_recipes.ckpt.merge import CheckpointError, inspect_checkpoint, merge_checkpoint
-from fsdp_recipes.removal import RefusedRemoval
+from fsdp_recipes.errors import CheckpointError, InternalsChanged, RefusedRemoval
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The smallest sizes taken, in bytes as huggingface_hub reads "100KB" and "64MB" (decimal units). A shard limit

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.ckpt.layout import MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES, CheckpointError
+from fsdp_recipes.ckpt.layout import MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES
 from fsdp_recipes.ckpt.namespace import WeightMap, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput
+from fsdp_recipes.errors import CheckpointError
 
 
 def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str]]:

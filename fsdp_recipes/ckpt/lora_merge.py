@@ -16,8 +16,9 @@ import re
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.ckpt.layout import ADAPTER_CONFIG, CheckpointError
+from fsdp_recipes.ckpt.layout import ADAPTER_CONFIG
 from fsdp_recipes.ckpt.readers import TensorInfo
+from fsdp_recipes.errors import CheckpointError
 
 LORA_WEIGHT = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 _UNSUPPORTED = {  # name part -> what it is

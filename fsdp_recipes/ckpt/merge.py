@@ -20,22 +20,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_recipes.compat import internals
-from fsdp_recipes.ckpt.layout import (
-    ADAPTER_CONFIG, MANIFEST, CheckpointError, is_exported_adapter, is_model_folder, overlap, real, training_content,
-)
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt.dcp import DTYPE_SIZES
 from fsdp_recipes.ckpt.description import (
     Description, config_origin, described_by_manifest, describe_folder, describe_with_transformers, description_dirs,
     description_file_problems, model_skeleton,
 )
-from fsdp_recipes.removal import MARKER, contents, is_ours, make_folder, move, remark, remove, remove_file, unmark
+from fsdp_recipes.ckpt.layout import (
+    ADAPTER_CONFIG, MANIFEST, is_exported_adapter, is_model_folder, overlap, real, training_content,
+)
 from fsdp_recipes.ckpt.lora_merge import MergedLoraSource, adapter_tensors, find_adapter_config, is_lora, read_adapter_config
-from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, write_weights
 from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
+from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, write_weights
+from fsdp_recipes.compat import internals
+from fsdp_recipes.errors import CheckpointError
+from fsdp_recipes.removal import MARKER, contents, is_ours, make_folder, move, remark, remove, remove_file, unmark
 
 # torch is imported where tensors are handled, not here: a merge of a checkpoint with a manifest only copies
 # bytes and never imports it; otherwise its import overlaps the copy in a thread.

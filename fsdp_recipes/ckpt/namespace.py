@@ -17,7 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fsdp_recipes.ckpt.layout import WRAPPER_PREFIXES, CheckpointError
+from fsdp_recipes.ckpt.layout import WRAPPER_PREFIXES
+from fsdp_recipes.errors import CheckpointError
 
 if TYPE_CHECKING:  # annotations only: readers imports this module (clean_name)
     from fsdp_recipes.ckpt.readers import TensorInfo

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, SHARD_DIGESTS, CheckpointError
 from fsdp_recipes.ckpt.dcp import (
     DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, unsafe_message,
 )
+from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, SHARD_DIGESTS
 from fsdp_recipes.ckpt.namespace import clean_name
+from fsdp_recipes.errors import CheckpointError
 
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE): a larger header is not one
 SAFETENSORS_DTYPES = {

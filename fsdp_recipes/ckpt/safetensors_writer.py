@@ -19,9 +19,9 @@ from pathlib import Path
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
-from fsdp_recipes.compat import internals
-from fsdp_recipes.ckpt.layout import CheckpointError
 from fsdp_recipes.ckpt.readers import SAFETENSORS_DTYPES, TensorInfo, dtype_name, torch_dtype
+from fsdp_recipes.compat import internals
+from fsdp_recipes.errors import CheckpointError
 
 COPY_STEP = 64 << 20  # bytes per kernel copy call: how often a failed check running beside the copy is noticed
 # copy_file_range or sendfile cannot do these (another filesystem, an old kernel, a filesystem without it, macOS's

@@ -18,13 +18,14 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.compat import internals
-from fsdp_recipes.bounded import UnreadableFile, load_json
+from fsdp_recipes.bounded import load_json
+from fsdp_recipes.ckpt.dcp import check_folder, digest_problems
 from fsdp_recipes.ckpt.layout import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
-    CheckpointError, checkpoint_steps, is_checkpoint_folder, real,
+    checkpoint_steps, is_checkpoint_folder, real,
 )
-from fsdp_recipes.ckpt.dcp import check_folder, digest_problems
+from fsdp_recipes.compat import internals
+from fsdp_recipes.errors import CheckpointError, UnreadableFile
 from fsdp_recipes.removal import contents, move, remove
 
 

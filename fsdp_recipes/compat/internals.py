@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 from importlib import metadata
-from pathlib import Path
 
 from fsdp_recipes.errors import InternalsChanged
 

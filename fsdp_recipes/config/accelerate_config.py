@@ -12,8 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_recipes.bounded import UnreadableFile, load_yaml
+from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.config.strategy import DDP_TYPES  # accelerate's distributed types for DistributedDataParallel
+from fsdp_recipes.errors import UnreadableFile
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]

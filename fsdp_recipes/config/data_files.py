@@ -91,7 +91,7 @@ def _kind(value) -> str:
     return "null" if value is None else f"a {type(value).__name__} ({str(value)[:40]})"
 
 
-def _csv_problem(text: str, cut: bool, args: DataArguments) -> str | None:
+def _csv_problem(text: str, cut: bool, args) -> str | None:
     """A CSV's header must name the text column, and no sampled row may leave it empty (datasets reads an empty
     cell as null, which the tokenizer cannot take)."""
     import csv

@@ -15,15 +15,16 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from fsdp_recipes.ckpt.layout import (
-    ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, CheckpointError, is_exported_adapter,
-)
-from fsdp_recipes.train.sharding import unwrapped_model_class
 from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, write_manifest
+from fsdp_recipes.ckpt.layout import (
+    ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_exported_adapter,
+)
 from fsdp_recipes.ckpt.merge import write_model_files
-from fsdp_recipes.removal import make_folder, move, remove, replace_file, unmark
 from fsdp_recipes.ckpt.readers import DCPSource
+from fsdp_recipes.errors import CheckpointError
+from fsdp_recipes.removal import make_folder, move, remove, replace_file, unmark
+from fsdp_recipes.train.sharding import unwrapped_model_class
 
 logger = logging.getLogger(__name__)
 

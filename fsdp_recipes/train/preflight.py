@@ -6,8 +6,8 @@ the Plan it returns (fsdp_recipes.config.plan) is carried out here, in this orde
 
 1. ``start``: make FSDP (or DDP) real where there is no accelerator (fsdp_recipes.compat.cpu_fsdp), build
    TrainingArguments, which starts accelerate's PartialState and joins the process group;
-2. ``hold_output_dir``: one run per output_dir at a time; a POSIX lock on ``output_dir/.run.lock`` held by
-   global rank 0 while it lives (the kernel drops it when the process dies, so a killed run never holds it);
+2. ``hold_output_dir``: one run per output_dir at a time (fsdp_recipes.train.run_lock: a POSIX lock held by
+   global rank 0 while it lives, or a lock file where the filesystem has no POSIX locks);
 3. ``apply``: on rank 0, set aside incomplete or superseded checkpoints and delete those --overwrite_output_dir
    named; every rank waits for it;
 4. ``save_resolved_arguments``: the arguments in force (model, data, training, and the accelerate config) as
@@ -17,27 +17,23 @@ the Plan it returns (fsdp_recipes.config.plan) is carried out here, in this orde
 from __future__ import annotations
 
 import json
-import os
-import socket
-import time
 from dataclasses import asdict
 from pathlib import Path
 
+from fsdp_recipes.ckpt.dcp import guard_torch_dcp
 from fsdp_recipes.ckpt.layout import is_checkpoint_folder
 from fsdp_recipes.ckpt.resume import REQUEUE_RECORD
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, set_aside
 from fsdp_recipes.compat import cpu_fsdp
-from fsdp_recipes.ckpt.dcp import guard_torch_dcp
 from fsdp_recipes.config.arguments import build
 from fsdp_recipes.config.launcher import LaunchSettings
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.removal import remove
+from fsdp_recipes.train import run_lock
 
-LOCK_NAME = ".run.lock"
 ARGS_NAME = "run_args.json"
-_held: list[int] = []  # the lock's file descriptor, open for the life of the process
 
 
 def start(plan: Plan):
@@ -101,24 +97,14 @@ def _broadcast(value):
     return box[0]
 
 
-def hold_output_dir(training_args) -> None:
-    """Take output_dir for this run (global rank 0 holds the lock); every rank stops alike when another run has it."""
+def hold_output_dir(training_args, warn=say) -> None:
+    """Take output_dir for this run (global rank 0 holds the lock: fsdp_recipes.train.run_lock); every rank stops
+    alike when another run has it."""
     holder = None
     if training_args.process_index == 0:
         out = Path(training_args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            import fcntl
-
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 300, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-        else:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
-            _held.append(fd)
+        holder = run_lock.take(out, warn)
     holder = _broadcast(holder)
     if holder is not None:
         raise RecipeError(

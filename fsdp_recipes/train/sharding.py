@@ -14,8 +14,8 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
-from fsdp_recipes.compat import internals
 from fsdp_recipes.ckpt.layout import REPORT_NAME
+from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.cpu_fsdp import fsdp_requested, launched_world_size
 from fsdp_recipes.config.strategy import fsdp_strategy_name
 from fsdp_recipes.errors import NotShardedError

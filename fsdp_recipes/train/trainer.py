@@ -40,15 +40,15 @@ from pathlib import Path
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from fsdp_recipes.compat import internals
-from fsdp_recipes.compat.trainer_checkpoints import whole_model_fsdp_checkpoints
 from fsdp_recipes.ckpt.layout import REPLACED_PREFIX
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, model_mismatch, rotate, set_aside
-from fsdp_recipes.train.sharding import ShardingReport
+from fsdp_recipes.compat import internals
+from fsdp_recipes.compat.trainer_checkpoints import whole_model_fsdp_checkpoints
+from fsdp_recipes.removal import make_folder
 from fsdp_recipes.train.export import DescribeCheckpoints, lora_parts
 from fsdp_recipes.train.metrics import Throughput, perplexity
 from fsdp_recipes.train.preemption import Preemption
-from fsdp_recipes.removal import make_folder
+from fsdp_recipes.train.sharding import ShardingReport
 
 logger = logging.getLogger(__name__)
 

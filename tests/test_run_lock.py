@@ -1,0 +1,99 @@
+"""One run per output_dir on any filesystem: a POSIX lock where there are POSIX locks, an O_EXCL lock file with
+host and pid where lockf fails with ENOLCK or EOPNOTSUPP (Lustre without flock, NFS without lockd); simulated
+here by making lockf fail as those filesystems do."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.train import run_lock
+from fsdp_recipes.train.preflight import hold_output_dir
+
+
+def _args(out):
+    return SimpleNamespace(process_index=0, output_dir=str(out))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def no_posix_locks(monkeypatch):
+    def refuse(fd, cmd, *args):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "lockf", refuse)
+
+
+def test_a_filesystem_without_posix_locks_gets_a_lock_file_and_one_warning(tmp_path, no_posix_locks):
+    said = []
+    hold_output_dir(_args(tmp_path), warn=said.append)
+    owner = tmp_path / run_lock.OWNER_NAME
+    assert len(said) == 1 and "without POSIX locks" in said[0] and str(owner) in said[0]
+    assert f"pid {os.getpid()}" in owner.read_text() and socket.gethostname() in owner.read_text()
+    with pytest.raises(RecipeError, match="is in use by another run .*pid"):  # a second run: refused, not a warning
+        hold_output_dir(_args(tmp_path), warn=said.append)
+
+
+def test_a_stale_lock_file_of_this_host_is_taken_over(tmp_path, no_posix_locks):
+    owner = tmp_path / run_lock.OWNER_NAME
+    owner.write_text(f"host {socket.gethostname()}, pid {_dead_pid()}, since 2026-01-01 00:00:00\n")
+    hold_output_dir(_args(tmp_path), warn=lambda m: None)
+    assert f"pid {os.getpid()}," in owner.read_text()
+
+
+@pytest.mark.parametrize("line", ["host another-node-7, pid 4242, since 2026-01-01 00:00:00\n", "garbage\n", ""])
+def test_a_lock_file_that_cannot_be_judged_is_named_not_removed(tmp_path, no_posix_locks, line):
+    owner = tmp_path / run_lock.OWNER_NAME
+    owner.write_text(line)
+    with pytest.raises(RecipeError, match=f"if that run is gone, delete {owner}"):
+        hold_output_dir(_args(tmp_path), warn=lambda m: None)
+    assert owner.read_text() == line
+
+
+def test_a_live_pid_on_this_host_keeps_its_lock(tmp_path, no_posix_locks):
+    owner = tmp_path / run_lock.OWNER_NAME
+    owner.write_text(f"host {socket.gethostname()}, pid {os.getppid()}, since 2026-01-01 00:00:00\n")
+    with pytest.raises(RecipeError, match=f"pid {os.getppid()}"):
+        hold_output_dir(_args(tmp_path), warn=lambda m: None)
+
+
+def test_a_lock_held_elsewhere_is_in_use_not_a_filesystem_without_locks(tmp_path, monkeypatch):
+    def held(fd, cmd, *args):
+        raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    monkeypatch.setattr(fcntl, "lockf", held)
+    (tmp_path / run_lock.LOCK_NAME).write_text("host n1, pid 1, since then\n")
+    said = []
+    with pytest.raises(RecipeError, match=r"in use by another run \(host n1, pid 1, since then\)"):
+        hold_output_dir(_args(tmp_path), warn=said.append)
+    assert said == [] and not (tmp_path / run_lock.OWNER_NAME).exists()
+
+
+def test_the_lock_file_is_removed_when_the_run_ends(tmp_path):
+    """A real process on a filesystem made lockless: its lock file is gone after it exits 0."""
+    code = (
+        "import errno, fcntl, os, sys\n"
+        "from types import SimpleNamespace\n"
+        "def refuse(*a):\n    raise OSError(errno.EOPNOTSUPP, 'not supported')\n"
+        "fcntl.lockf = refuse\n"
+        "from fsdp_recipes.train.preflight import hold_output_dir\n"
+        f"hold_output_dir(SimpleNamespace(process_index=0, output_dir={str(tmp_path)!r}), warn=print)\n"
+        f"print(os.path.exists({str(tmp_path / run_lock.OWNER_NAME)!r}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("True")  # held while it ran
+    assert not (tmp_path / run_lock.OWNER_NAME).exists()  # and removed at its end
