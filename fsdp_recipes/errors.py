@@ -38,3 +38,20 @@ class UnreadableFile(ValueError):
     def __init__(self, path: str | os.PathLike, what: str, reason: str, fix: str):
         super().__init__(f"{what} {str(path)!r} {reason}: {fix}")
         self.path, self.reason, self.fix = str(path), reason, fix
+
+
+class UnknownToThisVersion(CheckpointError):
+    """A checkpoint file names a dtype or class the installed torch does not know: another torch version wrote it,
+    and the checkpoint may well be complete. It is never called incomplete, passed over, set aside or deleted for
+    that; what reads it stops with this one line instead. ``reason`` is the line without its verdict and fix."""
+
+    FIX = "use the torch version that wrote it, or a newer fsdp-recipes"
+
+    def __init__(self, path: str | os.PathLike, what: str, kind: str, version: str):
+        self.path, self.what, self.kind, self.version = str(path), what, kind, version
+        self.reason = f"{self.path} names {what}, a {kind} torch {version} does not know"
+        super().__init__(f"unreadable by this version: {self.reason}; another torch version wrote it, and it may be complete: {self.FIX}")
+
+    def at(self, path: str | os.PathLike) -> UnknownToThisVersion:
+        """The same error, naming the file it was found in."""
+        return UnknownToThisVersion(path, self.what, self.kind, self.version)

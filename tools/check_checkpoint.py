@@ -4,7 +4,12 @@
     python tools/check_checkpoint.py runs/tiny-llama-pretrain                  # every checkpoint of a run
     python tools/check_checkpoint.py runs/tiny-llama-pretrain --json
 
-Exit status 0 when the checkpoint (or, for a run folder, at least one) is resumable, 1 otherwise.
+Each checkpoint is "resumable", "INCOMPLETE: <what is missing or damaged>", or "UNREADABLE BY THIS VERSION (<the
+dtype or class another torch version wrote>)": that one may be complete, and `--resume_from_checkpoint true` stops
+at it rather than passing over it.
+
+Exit status 0 when the checkpoint (or, for a run folder, the one `--resume_from_checkpoint true` would use) is
+resumable, 1 otherwise.
 """
 
 import argparse
@@ -33,7 +38,9 @@ def main(argv=None) -> int:
         return 1
     folders = checkpoint_steps(path) or [path]
     statuses = [checkpoint_status(folder) for folder in folders]
-    chosen = next((s for s in statuses if s.resumable), None)
+    # as resolve_resume("true"): the newest resumable one, unless a newer one may be complete (unreadable by this version)
+    stop = next((s for s in statuses if s.resumable or s.may_be_complete), None)
+    chosen = stop if stop is not None and stop.resumable else None
     if args.json:
         print(json.dumps({"checkpoints": [s.to_dict() for s in statuses], "resume_uses": chosen and chosen.path}, indent=2))
     else:
@@ -41,7 +48,10 @@ def main(argv=None) -> int:
             print(status.summary())
         if len(statuses) > 1 or folders[0] != path:
             skipped = [Path(s.path).name for s in statuses[: statuses.index(chosen)]] if chosen else []
-            if chosen is None:
+            if stop is not None and chosen is None:
+                print(f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (unreadable by this version, "
+                      "it may be complete): resume it with the torch version that wrote it, or an earlier checkpoint by its path")
+            elif chosen is None:
                 print("resume: no resumable checkpoint; start without --resume_from_checkpoint")
             else:
                 aside = f" (setting aside {', '.join(skipped)})" if skipped else ""

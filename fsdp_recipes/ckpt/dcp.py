@@ -30,7 +30,13 @@ This module is the one reader of those pickles, and it reads with allow-lists on
 
 UnsafeCheckpointError names what was refused; nothing a refused file names is ever imported or called.
 
-Size: one module on purpose (about 550 lines). It is the only place allowed to unpickle anything from a DCP folder
+Another torch version's checkpoint is not an unsafe or incomplete one: every dtype the installed torch has is read
+by its name (nothing is looked up), and a dtype name or a ``torch.distributed.checkpoint`` class this torch does not
+have (a newer torch's float8 variant, a class a newer DCP added) raises ``UnknownToThisVersion``
+(fsdp_recipes.errors): "unreadable by this version", never a problem of the folder, so that nothing that may be a
+good checkpoint is called incomplete, passed over or deleted because of it.
+
+Size: one module on purpose (about 670 lines). It is the only place allowed to unpickle anything from a DCP folder
 (tests/test_unsafe_pickles.py fails on a pickle read anywhere else): the allow-lists, the restricted unpicklers,
 the record vetting and the readers that use them are kept together so that one file holds every line a
 reviewer of that guarantee has to read.
@@ -45,10 +51,24 @@ import pickle
 import re
 import struct
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-# bytes per element of the dtypes (torch names) a checkpoint may hold
+from fsdp_recipes.errors import UnknownToThisVersion
+
+# Every dtype of torch 2.13, by name: [n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)] (a test
+# checks this list against the installed torch). A pickle names a dtype as torch.<name>; the name is all we keep.
+TORCH_DTYPE_NAMES = frozenset({
+    "bfloat16", "bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "cdouble", "cfloat", "chalf",
+    "complex128", "complex32", "complex64", "double", "float", "float16", "float32", "float4_e2m1fn_x2", "float64",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "half", "int", "int1",
+    "int16", "int2", "int3", "int32", "int4", "int5", "int6", "int64", "int7", "int8", "long", "qint32", "qint8",
+    "quint2x4", "quint4x2", "quint8", "short", "uint1", "uint16", "uint2", "uint3", "uint32", "uint4", "uint5",
+    "uint6", "uint64", "uint7", "uint8",
+})
+# a name of torch that reads as a dtype (or a legacy storage type) another torch version may have and this one lacks
+_DTYPE_LIKE = re.compile(r"(?:b?float|complex|u?int|qu?int|bits?)\d\w*|[A-Z]\w*Storage")
+# bytes per element of the dtypes (torch names) a merge converts: a tensor of any other dtype is refused in one line
 DTYPE_SIZES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
     "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -59,6 +79,35 @@ _STORAGE_DTYPES = {
     "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
     "ByteStorage": "uint8", "BoolStorage": "bool",
 }
+# the other storage classes torch.save names (complex and quantized tensors): vetted, never copied raw
+_OTHER_STORAGES = frozenset({"ComplexDoubleStorage", "ComplexFloatStorage", "QInt32Storage", "QInt8Storage",
+                             "QUInt2x4Storage", "QUInt4x2Storage", "QUInt8Storage"})
+
+
+def torch_version() -> str:
+    """The installed torch's version, read from its package metadata (torch itself is not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def _unknown_torch_name(module: str, name: str) -> str | None:
+    """"dtype" or "DCP class" when ``module.name`` is one another torch version may have and this one has not
+    (never imported or called: the caller refuses it either way, as unreadable by this version); None otherwise."""
+    if module == "torch" and _DTYPE_LIKE.fullmatch(name) and name not in TORCH_DTYPE_NAMES:
+        return "dtype"
+    if module.startswith(_DCP_MODULE) and name.isidentifier() and all(p.isidentifier() for p in module.split(".")):
+        import importlib
+
+        try:
+            found = importlib.import_module(module).__dict__  # torch's own module: runs only torch's code
+        except ImportError:
+            return "DCP class"  # a module of torch.distributed.checkpoint this torch does not have
+        return "DCP class" if name not in found else None
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,6 +138,9 @@ class Layout:
     tensors: dict[str, TensorEntry]  # DCP key ("model.lm_head.weight") -> entry; byte entries left out
     storage: dict[tuple[str, tuple[int, ...] | None], Stored]  # (key, chunk offsets) -> record
     byte_keys: frozenset[str] = frozenset()  # keys of byte entries (pickled values): vetted, never weights
+    # the DCP classes .metadata names, (module, name): read here by stand-ins whatever module holds them; torch's own
+    # reader needs each where it is named (require_this_torch)
+    dcp_names: frozenset[tuple[str, str]] = field(default=frozenset(), compare=False)
 
 
 # ----------------------------------------------------------------------------------------------- .metadata
@@ -148,12 +200,18 @@ def _is_dcp_data_class(module: str, name: str) -> bool:
 class _MetadataUnpickler(pickle.Unpickler):
     _standins = {name: type(name, (_Standin,), {}) for name in _DCP_CLASSES}
 
+    def __init__(self, file):
+        super().__init__(file)
+        self.dcp_names: set[tuple[str, str]] = set()
+
     def find_class(self, module, name):
+        if module.startswith(_DCP_MODULE):
+            self.dcp_names.add((module, name))
         if module.startswith(_DCP_MODULE) and name in self._standins:
             return self._standins[name]
         if module.startswith(_DCP_MODULE) and name == "_MEM_FORMAT_ENCODING":
             return lambda value: value
-        if module == "torch" and name in DTYPE_SIZES:
+        if module == "torch" and name in TORCH_DTYPE_NAMES:
             return name
         if (module, name) == ("torch", "Size"):
             return lambda dims=(): tuple(dims)
@@ -165,6 +223,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return dict
         if _is_dcp_data_class(module, name):
             return self._standins.setdefault(name, type(name, (_Standin,), {}))
+        if kind := _unknown_torch_name(module, name):
+            raise UnknownToThisVersion(".metadata", f"{module}.{name}", kind, torch_version())
         raise UnsafeCheckpointError(f"{module}.{name}")
 
 
@@ -199,10 +259,44 @@ def _plain_file_name(name) -> bool:
 
 def read_layout(dcp_dir: Path) -> Layout:
     """The folder's tensors and where their chunks lie. Raises UnsafeCheckpointError when ``.metadata`` names
-    anything but DCP metadata (it could run code), another exception when it is unreadable."""
+    anything but DCP metadata (it could run code), UnknownToThisVersion when it names a dtype or DCP class this
+    torch does not have (another version's checkpoint), another exception when it is unreadable."""
     path = Path(dcp_dir) / ".metadata"
     with open(path, "rb") as f:
-        return _layout_from(_MetadataUnpickler(f).load())
+        try:
+            return _read_metadata(f)
+        except UnknownToThisVersion as err:
+            raise err.at(path) from None
+
+
+def _read_metadata(f) -> Layout:
+    unpickler = _MetadataUnpickler(f)
+    layout = _layout_from(unpickler.load())
+    layout.dcp_names = frozenset(unpickler.dcp_names)
+    return layout
+
+
+# where torch 2.13 keeps the DCP classes its checkpoints name (a test checks each against the installed torch)
+_DCP_NAMES_OF_THIS_TORCH = frozenset({
+    *((f"{_DCP_MODULE}metadata", name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+      "TensorProperties", "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    (f"{_DCP_MODULE}filesystem", "_StorageInfo"),
+})
+
+
+def require_this_torch(layout: Layout, path) -> None:
+    """UnknownToThisVersion unless every DCP class ``.metadata`` names is where it names it in the installed torch
+    (a class another torch version moved or added: the stand-ins here read it, torch's own reader, which a resume
+    uses, cannot). Imports a module of torch.distributed.checkpoint only for a name this torch's checkpoints do not use."""
+    import importlib
+
+    for module, name in sorted(layout.dcp_names - _DCP_NAMES_OF_THIS_TORCH):
+        try:
+            if hasattr(importlib.import_module(module), name):
+                continue
+        except ImportError:
+            pass
+        raise UnknownToThisVersion(path, f"{module}.{name}", "DCP class", torch_version())
 
 
 def unsafe_message(path: Path, err: UnsafeCheckpointError) -> str:
@@ -234,12 +328,17 @@ def _storage_file_problem(folder: Path, name: str) -> str | None:
 def check_folder(dcp_dir: Path, byte_records: bool = True) -> tuple[Layout | None, list[str]]:
     """(layout or None, what makes the folder unreadable or unsafe: missing, unreadable or unsafe .metadata, missing,
     truncated or escaping .distcp files, records that name more than their allow-list). ``byte_records=False``
-    leaves byte records unvetted, for a reader that never loads them (the merge reads tensors only)."""
+    leaves byte records unvetted, for a reader that never loads them (the merge reads tensors only).
+
+    Raises UnknownToThisVersion when ``.metadata`` or a record names a dtype or DCP class this torch does not have:
+    that is no problem of the folder (it may be complete), and a caller must not treat it as one."""
     meta_path = Path(dcp_dir) / ".metadata"
     if not meta_path.is_file():
         return None, [f"missing {meta_path}"]
     try:
         layout = read_layout(dcp_dir)
+    except UnknownToThisVersion:
+        raise
     except UnsafeCheckpointError as err:
         return None, [unsafe_message(meta_path, err)]
     except Exception as err:  # a truncated pickle raises several different types
@@ -378,14 +477,18 @@ class _VettingUnpickler(pickle.Unpickler):
         self.plain_data = plain_data
 
     def find_class(self, module, name):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda *args: ("tensor",)
-        if module == "torch" and (name in _STORAGE_DTYPES or name in DTYPE_SIZES):
+        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3")):
+            return lambda *args: ("tensor",)  # v3: dtypes without a legacy storage class (uint16, float8 ...)
+        if module == "torch" and (name in _STORAGE_DTYPES or name in _OTHER_STORAGES or name in TORCH_DTYPE_NAMES):
+            return name
+        if (module, name) == ("torch.storage", "UntypedStorage"):
             return name
         if (module, name) in (("collections", "OrderedDict"), ("torch", "Size")):
             return lambda *args: dict() if name == "OrderedDict" else tuple(*args)
         if self.plain_data and module == "builtins" and name in ("set", "frozenset", "complex"):
             return lambda *args: None
+        if kind := _unknown_torch_name(module, name):
+            raise UnknownToThisVersion("a record", f"{module}.{name}", kind, torch_version())
         raise UnsafeRecordError(f"{module}.{name}")
 
     def persistent_load(self, pid):
@@ -414,6 +517,8 @@ def load_byte_record(stream, key: str):
         vet_record(stream, plain_data=True)
         stream.seek(0)
         return torch.load(stream, map_location="cpu", weights_only=True)
+    except UnknownToThisVersion as err:
+        raise err.at(f"byte record {key!r}") from None
     except UnsafeCheckpointError as err:
         raise UnsafeRecordError(f"byte record {key!r} names {err}: refusing to unpickle it") from None
     except Exception as err:  # noqa: BLE001 (torch's UnpicklingError, a zip its reader finds malformed ...)
@@ -442,6 +547,8 @@ def vet_records(dcp_dir: Path, layout: Layout, byte_records: bool = True) -> lis
                     continue  # a tensor record: torch decodes it and reads it with weights_only=True
                 try:
                     vet_record(FileSlice(f, stored.offset, stored.length), plain_data=is_bytes)
+                except UnknownToThisVersion as err:
+                    raise err.at(f"{path} ({what})") from None
                 except UnsafeCheckpointError as err:
                     return [unsafe_message(path, UnsafeRecordError(f"{what} names {err}"))]
                 except Exception as err:  # noqa: BLE001 (zipfile, pickle and struct errors of a damaged record)
@@ -449,6 +556,8 @@ def vet_records(dcp_dir: Path, layout: Layout, byte_records: bool = True) -> lis
                 if is_bytes:  # as the resume will read it: torch's zip reader may see another archive in the bytes
                     try:
                         load_byte_record(io.BytesIO(_read_range(f, stored)), key)
+                    except UnknownToThisVersion as err:
+                        raise err.at(f"{path} ({what})") from None
                     except (UnsafeRecordError, ValueError) as err:
                         return [f"{path}: {err}; use a checkpoint you or your training run wrote"]
     return []
@@ -461,10 +570,13 @@ def _read_range(f, stored: Stored) -> bytes:
     return f.read(stored.length)
 
 
-def vet_metadata(data: bytes, path) -> None:
-    """Raise UnsafeCheckpointError unless ``data`` (a .metadata file's bytes) names only DCP metadata and keeps its
-    storage inside its folder."""
-    _layout_from(_MetadataUnpickler(io.BytesIO(data)).load())
+def vet_metadata(data: bytes, path) -> Layout:
+    """The layout of ``data`` (a .metadata file's bytes): UnsafeCheckpointError unless it names only DCP metadata and
+    keeps its storage inside its folder; UnknownToThisVersion when it names a dtype or DCP class this torch lacks."""
+    try:
+        return _read_metadata(io.BytesIO(data))
+    except UnknownToThisVersion as err:
+        raise err.at(path) from None
 
 
 def vetted_metadata(data: bytes, path, folder: Path):
@@ -472,7 +584,7 @@ def vetted_metadata(data: bytes, path, folder: Path):
     are unpickled only after ``vet_metadata`` passed them (so they name only allow-listed classes), and every storage
     file they name is checked again as torch is about to open it: a file swapped for a link out or a FIFO since the
     checks would hang the load."""
-    vet_metadata(data, path)
+    require_this_torch(vet_metadata(data, path), path)  # and the classes it names are where this torch has them
     metadata = pickle.loads(data)  # noqa: S301 (vetted above: it names only DCP metadata classes)
     for name in sorted({info.relative_path for info in (metadata.storage_data or {}).values()}):
         if problem := _storage_file_problem(folder, name):

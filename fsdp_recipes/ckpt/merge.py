@@ -31,7 +31,7 @@ from fsdp_recipes.ckpt.layout import (
 )
 from fsdp_recipes.ckpt.lora_merge import MergedLoraSource, adapter_tensors, find_adapter_config, is_lora, read_adapter_config
 from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
-from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype
+from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype, unconvertible_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
 from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, write_weights
 from fsdp_recipes.compat import internals
@@ -154,6 +154,8 @@ def merge_checkpoint(
         else:
             future = pool.submit(describe_with_transformers, resolved, base_model, dtype)
             weights = (_early_guess(resolved) if base_model is None else None) or future.result().weights
+        if odd := next((n for n in weights.names.values() if resolved.source.tensors[n].dtype not in DTYPE_SIZES), None):
+            raise CheckpointError(unconvertible_dtype(resolved.source.tensors[odd].dtype, f"{resolved.checkpoint_dir}: weight {odd!r}"))
         size = sum(resolved.source.tensors[n].nbytes(dtype) for n in weights.names.values())
         free = shutil.disk_usage(out.parent).free
         if free < size + (64 << 20):
@@ -314,8 +316,8 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         "ranks": src.ranks,
         "step": step,
         "tensors": len(infos),
-        "parameters": sum(i.nbytes() // DTYPE_SIZES[i.dtype] for i in infos),
-        "bytes": sum(i.nbytes() for i in infos),
+        "parameters": sum(i.numel for i in infos),
+        "bytes": sum(i.nbytes() for i in infos) if all(i.dtype in DTYPE_SIZES for i in infos) else None,  # None: a dtype it does not convert
         "dtypes": dtypes,
         "config": str(config_dir / "config.json") if config_dir else None,
         "tokenizer": str(tok_dir) if tok_dir else None,

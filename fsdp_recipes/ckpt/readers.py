@@ -20,7 +20,8 @@ from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt.dcp import (
-    DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, unsafe_message,
+    DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, require_this_torch,
+    unsafe_message,
 )
 from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, SHARD_DIGESTS
 from fsdp_recipes.ckpt.namespace import clean_name
@@ -44,16 +45,30 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
+def unconvertible_dtype(dtype: str, what: str) -> str:
+    """The one line for a tensor whose dtype the merge does not convert (a dtype torch has, but safetensors or this
+    tool does not take: uint16, complex64, float8_e8m0fnu ...)."""
+    return (f"{what} is {dtype}, which this tool does not convert to safetensors (it converts {', '.join(DTYPE_SIZES)}): "
+            "convert the checkpoint's weights with torch to one of those, or use the tool that wrote it")
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     shape: tuple[int, ...]
     dtype: str  # torch name: "float32"
 
-    def nbytes(self, dtype: str | None = None) -> int:
+    @property
+    def numel(self) -> int:
         n = 1
         for d in self.shape:
             n *= d
-        return n * DTYPE_SIZES[dtype or self.dtype]
+        return n
+
+    def nbytes(self, dtype: str | None = None) -> int:
+        dtype = dtype or self.dtype
+        if dtype not in DTYPE_SIZES:
+            raise CheckpointError(unconvertible_dtype(dtype, "a tensor"))
+        return self.numel * DTYPE_SIZES[dtype]
 
 
 class DCPSource:
@@ -103,6 +118,8 @@ class DCPSource:
 
         # DCP's reader unpickles .metadata with plain pickle: this folder's was vetted by check_folder above, and
         # torch's reader vets it again as it reads it (guard_torch_dcp). Records are read by torch with weights_only.
+        # A DCP class our stand-ins read but this torch has elsewhere (another version's): one line, not torch's error.
+        require_this_torch(self._layout, self.path / ".metadata")
         guard_torch_dcp()
         buffers = {self.keys[n]: torch.empty(self.tensors[n].shape, dtype=torch_dtype(self.tensors[n].dtype)) for n in names}
         with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent

@@ -17,13 +17,14 @@ from pathlib import Path
 from fsdp_recipes.ckpt.dcp import check_folder, digest_problems
 from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, FULL_FILES, checkpoint_steps
 from fsdp_recipes.ckpt.readers import DCPSource, SafetensorsSource, TorchBinSource
-from fsdp_recipes.errors import CheckpointError
+from fsdp_recipes.errors import CheckpointError, UnknownToThisVersion
 
 
 def weight_problems(ckpt: Path) -> list[str]:
     """Why a checkpoint-N folder's weights cannot be merged (empty when they can). "Complete" for a merge means
     this: its model weights are all there and readable; optimizer, scheduler and RNG files are not looked at. A
-    resume needs all of them (fsdp_recipes.ckpt.status.checkpoint_status, "resumable")."""
+    resume needs all of them (fsdp_recipes.ckpt.status.checkpoint_status, "resumable"). UnknownToThisVersion when
+    its metadata names a dtype or class this torch does not know: not a problem of the checkpoint."""
     if (ckpt / DCP_MODEL_DIR).is_dir():
         return check_folder(ckpt / DCP_MODEL_DIR, byte_records=False)[1] or digest_problems(ckpt, (DCP_MODEL_DIR,))
     if any((ckpt / f).is_file() for f in FULL_FILES):
@@ -74,7 +75,10 @@ def resolve_input(path: str | os.PathLike) -> ResolvedInput:
     if steps:
         notes = []
         for ckpt in steps:
-            problems = weight_problems(ckpt)
+            try:
+                problems = weight_problems(ckpt)
+            except UnknownToThisVersion as err:  # may be complete: never passed over for an older one
+                raise CheckpointError(f"{ckpt.name} in {p} is {err}; or merge an earlier checkpoint-N by its path") from None
             if not problems:
                 notes.append(f"using {ckpt.name}, the newest complete checkpoint in {p}")
                 return ResolvedInput(open_source(ckpt), ckpt, notes)

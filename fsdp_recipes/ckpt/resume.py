@@ -4,6 +4,10 @@ Decides only: a later checkpoint a resume replaces, an incomplete one it skips, 
 ``--overwrite_output_dir`` deletes come back as lists (``SetAside``, paths) that the training script's preflight
 (fsdp_recipes.train.preflight) carries out on rank 0 once every check on every rank has passed. Nothing here
 moves or deletes anything.
+
+A checkpoint this version cannot read (a dtype or class another torch version wrote: ``status.may_be_complete``) may
+be good: a resume stops at it, in one line, rather than passing over it or setting it aside, and no message offers
+the flag that deletes it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,14 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
         return Resume(None, [])
     if str(value).lower() == "true":
         chosen, skipped = newest_resumable(output_dir) if Path(output_dir).is_dir() else (None, [])
+        if blocked := next((s for s in skipped if s.may_be_complete), None):  # never passed over for an older one
+            earlier = chosen.path if chosen else "<an earlier checkpoint-N>"
+            raise RecipeError(
+                f"--resume_from_checkpoint true: {Path(blocked.path).name} in {output_dir!r} is unreadable by this version "
+                f"({blocked.unreadable}); another torch version wrote it, and it may be complete, so nothing was skipped, "
+                "set aside or deleted: resume with the torch version that wrote it, or resume an earlier checkpoint "
+                f"explicitly with --resume_from_checkpoint {earlier} (later checkpoints are then moved aside, never deleted)"
+            )
         for status in skipped:
             say(f"skipping {status.summary()}")
         if chosen is None:
@@ -58,6 +70,9 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
     status = checkpoint_status(value)
     if not status.resumable:
         chosen, _ = newest_resumable(Path(value).parent)
+        if status.may_be_complete:  # summary(): why this version cannot read it, and the fix
+            instead = f"; or resume from {chosen.path}, the newest checkpoint this version reads" if chosen else ""
+            raise RecipeError(f"cannot resume from {status.summary()}{instead}")
         instead = f"resume from {chosen.path} (the newest complete one) or" if chosen else "start"
         raise RecipeError(f"cannot resume from {status.summary()}; {instead} without it")
     return Resume(_resumable(status, trainer_fsdp), later_checkpoints(Path(value), output_dir))
@@ -169,9 +184,23 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
         )
     if not overwrite:
         names = ", ".join(p.name for p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        statuses = [checkpoint_status(p) for p in earlier]
+        if unread := next((s for s in statuses if s.may_be_complete), None):  # never offer to delete what may be good
+            raise RecipeError(
+                f"output_dir {output_dir!r} already holds another run's checkpoints ({names}); {Path(unread.path).name} "
+                f"may be complete but is unreadable by this version ({unread.unreadable}): resume it with the torch "
+                "version that wrote it, or choose a new --output_dir"
+            )
+        if good := [s for s in statuses if s.resumable]:
+            newest = set(checkpoint_steps(out))  # what `true` looks at; a folder set aside is resumed by its path
+            how = "true" if any(Path(s.path) in newest for s in good) else good[0].path
+            raise RecipeError(
+                f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
+                f"--resume_from_checkpoint {how}, or choose a new --output_dir"
+            )
         raise RecipeError(
-            f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
-            "--resume_from_checkpoint true, choose a new --output_dir, or pass --overwrite_output_dir true to delete them"
+            f"output_dir {output_dir!r} already holds another run's checkpoints ({names}), none of them complete: resume "
+            "is not possible; choose a new --output_dir, or pass --overwrite_output_dir true to delete them"
         )
     foreign = [p for p in earlier if not is_checkpoint_folder(p)]
     if foreign:

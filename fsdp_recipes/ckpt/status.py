@@ -6,6 +6,10 @@ optimizer shards (likewise), ``scheduler.pt`` (rank 0), one ``rng_state_<rank>.p
 in between leaves a folder that looks like a checkpoint; resuming from it would either crash or, worse,
 silently restart the optimizer (the Trainer skips optimizer files it does not find). Completeness is
 therefore judged file by file, against the DCP metadata's own list of shards and byte ranges.
+
+A checkpoint whose metadata names a dtype or DCP class the installed torch does not know (another torch version
+wrote it) is neither: it is "unreadable by this version" (``CheckpointStatus.unreadable``). Nothing says it is
+incomplete, and a resume stops at it rather than passing over it (fsdp_recipes.ckpt.resume).
 """
 
 from __future__ import annotations
@@ -19,13 +23,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.bounded import load_json
-from fsdp_recipes.ckpt.dcp import check_folder, digest_problems
+from fsdp_recipes.ckpt.dcp import check_folder, digest_problems, require_this_torch
 from fsdp_recipes.ckpt.layout import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
     checkpoint_steps, is_checkpoint_folder, real,
 )
 from fsdp_recipes.compat import internals
-from fsdp_recipes.errors import CheckpointError, UnreadableFile
+from fsdp_recipes.errors import CheckpointError, UnknownToThisVersion, UnreadableFile
 from fsdp_recipes.removal import contents, move, remove
 
 
@@ -38,10 +42,17 @@ class CheckpointStatus:
     sharding_strategy: str | None = None
     world_size: int | None = None
     problems: list[str] = field(default_factory=list)
+    # why this version cannot read it (UnknownToThisVersion.reason): another torch version wrote it; not a problem
+    unreadable: str | None = None
 
     @property
     def resumable(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.unreadable
+
+    @property
+    def may_be_complete(self) -> bool:
+        """Nothing found missing or damaged, but this version cannot read all of it: never skipped or set aside."""
+        return bool(self.unreadable) and not self.problems
 
     def summary(self) -> str:
         name = Path(self.path).name
@@ -54,11 +65,16 @@ class CheckpointStatus:
                 f"{self.world_size} rank(s)" if self.world_size else None,
             ) if part
         )
-        verdict = "resumable" if self.resumable else "INCOMPLETE: " + "; ".join(self.problems)
+        if self.resumable:
+            verdict = "resumable"
+        elif self.problems:
+            verdict = "INCOMPLETE: " + "; ".join(self.problems) + (f"; and unreadable by this version: {self.unreadable}" if self.unreadable else "")
+        else:
+            verdict = f"UNREADABLE BY THIS VERSION ({self.unreadable}): another torch version wrote it, and it may be complete; {UnknownToThisVersion.FIX}"
         return f"{name} ({what}): {verdict}" if what else f"{name}: {verdict}"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "resumable": self.resumable}
+        return {**asdict(self), "resumable": self.resumable, "may_be_complete": self.may_be_complete}
 
 
 def _torch_file_problem(path: Path, load: bool = False) -> str | None:
@@ -84,12 +100,22 @@ def _torch_file_problem(path: Path, load: bool = False) -> str | None:
     return None
 
 
-def _dcp_problems(folder: Path, what: str) -> tuple[list[str], set[int]]:
-    """Problems of a DCP folder and the ranks whose shard files its metadata names."""
+def _dcp_problems(folder: Path, what: str, status: CheckpointStatus) -> tuple[list[str], set[int]]:
+    """Problems of a DCP folder and the ranks whose shard files its metadata names; what this version cannot read
+    goes to ``status.unreadable``, not among the problems."""
     if not folder.is_dir():
         return [f"missing {folder.name}/ ({what})"], set()
-    layout, problems = check_folder(folder)
     ckpt = folder.parent
+    try:
+        layout, problems = check_folder(folder)
+    except UnknownToThisVersion as err:
+        status.unreadable = status.unreadable or err.reason.replace(f"{ckpt}/", "")
+        return [], set()
+    try:
+        if layout is not None:  # torch's reader, which the resume uses, must find each class where it is named
+            require_this_torch(layout, folder / ".metadata")
+    except UnknownToThisVersion as err:
+        status.unreadable = status.unreadable or err.reason.replace(f"{ckpt}/", "")
     problems = [p.replace(f"{ckpt}/", "") for p in problems]
     ranks = set()
     if layout is not None:
@@ -190,7 +216,7 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
     elif (ckpt / DCP_MODEL_DIR).is_dir() or not (ckpt / FULL_MODEL_FILE).is_file():
         status.state_dict_type = "SHARDED_STATE_DICT"
         for folder, what in ((ckpt / DCP_MODEL_DIR, "model shards"), (ckpt / OPTIMIZER_DIR, "optimizer shards")):
-            problems, found = _dcp_problems(folder, what)
+            problems, found = _dcp_problems(folder, what, status)
             status.problems += problems
             ranks |= found
         if not status.problems:
