@@ -35,13 +35,14 @@ logger = logging.getLogger("train_fsdp")
 
 
 def main(model_args, data_args, plan):
-    # ---------- preflight: every input check has passed; join the process group, take output_dir ----------
+    # ---------- preflight: input checked; join the process group, decide the resume, take output_dir ----------
     training_args, on_cpu = preflight.start(plan)  # makes FSDP real without a GPU, then joins the process group
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout)
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     if on_cpu:
         logger.info(f"no accelerator found: running {on_cpu} over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
+    preflight.decide_resume(plan, training_args)  # one resume decision for the launch, made on rank 0
     preflight.hold_output_dir(training_args)  # one run per output_dir
     preflight.apply(plan, training_args, say=logger.warning)  # set aside or delete what the checks decided (rank 0)
     preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch)

@@ -79,8 +79,9 @@ def test_bad_recipe_is_a_clear_error(tmp_path, text, message):
 
 
 def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
+    plan = parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "true", *NO_FSDP])[2]
     with pytest.raises(RecipeError, match="no complete checkpoint-N folder"):
-        parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "true"])
+        preflight.decide_resume(plan)  # the resume is decided once the process group exists (here: one process)
 
 
 def test_help_lists_script_and_training_arguments():
@@ -106,11 +107,15 @@ def test_bad_input_fails_before_training_arguments_join_the_process_group(tmp_pa
         [write(tmp_path, CORPUS + "model_name_or_path: ./no-such-model\n")],
         [write(tmp_path, TINY + CORPUS + "num_train_epoch: 3\n")],
         ["--output_dir", str(tmp_path / "taken")],
-        ["--output_dir", str(tmp_path / "empty"), "--resume_from_checkpoint", "true"],
     ]
     for argv in cases:
         with pytest.raises(RecipeError):
             parse_args(argv)
+    # which checkpoint a resume uses is decided once, after the group starts (on rank 0, for every rank); without
+    # a group, that decision needs no TrainingArguments either
+    plan = parse_args(["--output_dir", str(tmp_path / "empty"), "--resume_from_checkpoint", "true", *NO_FSDP])[2]
+    with pytest.raises(RecipeError, match="no complete checkpoint-N folder"):
+        preflight.decide_resume(plan)
 
 
 def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):

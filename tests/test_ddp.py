@@ -94,7 +94,7 @@ def test_a_ddp_checkpoint_is_not_resumed_under_fsdp(trained):
 
     status = checkpoint_status(trained(DDP_CONFIG).output_dir / "checkpoint-6")
     with pytest.raises(RecipeError, match=r"was saved without FSDP \(DDP or ZeRO-1\): resume it with the same launch"):
-        _resumable(status, trainer_fsdp=True)  # what parse_args does under an FSDP launch
+        _resumable(status, trainer_fsdp=True)  # what the resume decision (rank 0, preflight) does under an FSDP launch
     assert _resumable(status, trainer_fsdp=False) == status.path
 
 

@@ -8,12 +8,19 @@ moves or deletes anything.
 A checkpoint this version cannot read (a dtype or class another torch version wrote: ``status.may_be_complete``) may
 be good: a resume stops at it, in one line, rather than passing over it or setting it aside, and no message offers
 the flag that deletes it.
+
+A launch makes one resume decision: ``decide`` (every file of the checkpoints it weighs, every rank's RNG state
+once) runs on global rank 0 after the process group starts, and the other ranks take it. Each rank then compares
+what it sees without reading a file (``sight``: the newest checkpoint-N name, the chosen folder), and
+``disagreement`` turns the ranks' sights into the one line every rank stops with when they differ (a network
+filesystem's attribute cache can show nodes different folders).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,11 +47,23 @@ class Resume(NamedTuple):
     path: str | None
     set_aside: list[SetAside]
 
-def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = False) -> Resume:
+
+def requested(value: str | None) -> bool:
+    """``--resume_from_checkpoint`` asks for a resume (true, or a path)."""
+    return value is not None and str(value).lower() != "false"
+
+
+def explicit(value: str | None) -> str | None:
+    """The checkpoint path ``--resume_from_checkpoint`` names, None for true, false or unset."""
+    return str(value) if requested(value) and str(value).lower() != "true" else None
+
+
+def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = False, say=say) -> Resume:
     """``true``: the newest complete checkpoint-N in output_dir (newer, incomplete ones are named and set aside);
     a path: that checkpoint, which must be complete (an earlier one of output_dir sets the later ones aside);
-    ``false`` or unset: no resume."""
-    if value is None or str(value).lower() == "false":
+    ``false`` or unset: no resume. Reads every file of each checkpoint it weighs: in a launch, global rank 0 alone
+    calls it (``decide``)."""
+    if not requested(value):
         return Resume(None, [])
     if str(value).lower() == "true":
         chosen, skipped = newest_resumable(output_dir) if Path(output_dir).is_dir() else (None, [])
@@ -64,7 +83,7 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
                 f"--resume_from_checkpoint true: no complete checkpoint-N folder in output_dir {output_dir!r}{what}; "
                 "start without --resume_from_checkpoint"
             )
-        return Resume(_resumable(chosen, trainer_fsdp), [SetAside(Path(s.path), INCOMPLETE_PREFIX, "incomplete") for s in skipped])
+        return Resume(_resumable(chosen, trainer_fsdp, say), [SetAside(Path(s.path), INCOMPLETE_PREFIX, "incomplete") for s in skipped])
     if not Path(value).is_dir():
         raise RecipeError(f"--resume_from_checkpoint {value!r} is not a folder: give a checkpoint-N folder, or true for the latest")
     status = checkpoint_status(value)
@@ -75,7 +94,7 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
             raise RecipeError(f"cannot resume from {status.summary()}{instead}")
         instead = f"resume from {chosen.path} (the newest complete one) or" if chosen else "start"
         raise RecipeError(f"cannot resume from {status.summary()}; {instead} without it")
-    return Resume(_resumable(status, trainer_fsdp), later_checkpoints(Path(value), output_dir))
+    return Resume(_resumable(status, trainer_fsdp, say), later_checkpoints(Path(value), output_dir))
 
 
 REQUEUE_RECORD = "requeue_progress.json"  # output_dir: the newest checkpoint each requeued attempt of a job started from
@@ -108,6 +127,69 @@ def check_requeue(output_dir: str, resume: str | None) -> dict | None:
     return {"restart": int(restart), "step": step, "stalled": stalled}
 
 
+class Decision(NamedTuple):
+    """Global rank 0's resume decision, which every rank of the launch takes (``decide``)."""
+
+    path: str | None  # the checkpoint to resume from; None: no resume
+    set_aside: list[SetAside]
+    requeue_record: dict | None  # check_requeue's record, written to output_dir by rank 0
+    notes: list[str]  # what the decision has to say (checkpoints skipped, a resharded resume), said once it stands
+    error: str | None  # the one line the launch stops with (a RecipeError's text); None when it may go on
+
+
+def decide(value: str | None, output_dir: str, trainer_fsdp: bool = False) -> Decision:
+    """``resolve_resume`` and ``check_requeue`` as one Decision: what they say is kept for later (the other ranks may
+    yet disagree), a refusal becomes ``error``. The reading part of a resume: run it on global rank 0 only."""
+    notes: list[str] = []
+    try:
+        resume = resolve_resume(value, output_dir, trainer_fsdp, say=notes.append)
+        return Decision(resume.path, resume.set_aside, check_requeue(output_dir, resume.path), notes, None)
+    except RecipeError as err:
+        return Decision(None, [], None, notes, str(err))
+
+
+class Sight(NamedTuple):
+    """What one rank sees of a resume, from folder names alone (no file is read): compared across ranks."""
+
+    host: str
+    newest: str | None  # ``true``: the newest checkpoint-N folder in output_dir (None: none)
+    found: bool  # the checkpoint rank 0 chose (or the path given) is a folder here
+
+
+def sight(value: str | None, output_dir: str, chosen: str | None) -> Sight:
+    """This rank's Sight of the resume ``value`` asks for, given rank 0's choice ``chosen``."""
+    if explicit(value) is not None:
+        return Sight(socket.gethostname(), None, Path(value).is_dir())
+    out = Path(output_dir)
+    steps = checkpoint_steps(out) if out.is_dir() else []
+    return Sight(socket.gethostname(), steps[0].name if steps else None, chosen is not None and Path(chosen).is_dir())
+
+
+def disagreement(value: str | None, output_dir: str, chosen: str | None, sights: list[Sight]) -> str | None:
+    """The one line for ranks that do not see the resume as global rank 0 does (``sights[r]``: rank r's), or None.
+    Every rank computes it from the same gathered sights, so all stop alike, before anything is moved."""
+    first = sights[0]
+    others = [(rank, s) for rank, s in enumerate(sights) if (s.newest, s.found) != (first.newest, first.found)]
+    if not others:
+        return None
+    rank, other = others[0]
+    more = f" (and {len(others) - 1} more rank(s))" if len(others) > 1 else ""
+    (seen, seen_host), (unseen, unseen_host) = ((0, first.host), (rank, other.host))[:: 1 if first.found else -1]
+    if (path := explicit(value)) is not None:
+        what = (f"--resume_from_checkpoint {path!r} is a folder for rank {seen} ({seen_host}) and not for rank {unseen} "
+                f"({unseen_host}){more}")
+    elif other.newest != first.newest:
+        what = (f"--resume_from_checkpoint true: in output_dir {output_dir!r} rank 0 ({first.host}) sees "
+                f"{first.newest or 'no checkpoint-N folder'} as the newest checkpoint, rank {rank} ({other.host}) sees "
+                f"{other.newest or 'no checkpoint-N folder'}{more}")
+    else:
+        what = (f"--resume_from_checkpoint true: rank 0 ({first.host}) chose {Path(chosen).name} in output_dir "
+                f"{output_dir!r}, which rank {seen} ({seen_host}) sees and rank {unseen} ({unseen_host}) does not{more}")
+    return (f"{what}: the ranks must see the same checkpoints (a network filesystem's attribute cache can show nodes "
+            "an older folder: wait for it, or mount output_dir without attribute caching, e.g. NFS actimeo=0), then run "
+            "the same command again; nothing was moved or deleted")
+
+
 def later_checkpoints(ckpt: Path, output_dir: str) -> list[SetAside]:
     """Resuming an earlier checkpoint of this output_dir starts another branch of the run: its later checkpoints
     would be rewritten in place (the Trainer saves into checkpoint-N as it finds it) or, being newer, picked by
@@ -119,7 +201,7 @@ def later_checkpoints(ckpt: Path, output_dir: str) -> list[SetAside]:
             for later in checkpoint_steps(Path(output_dir)) if int(later.name.split("-")[1]) > step]
 
 
-def _resumable(status, trainer_fsdp: bool) -> str:
+def _resumable(status, trainer_fsdp: bool, say=say) -> str:
     """The checkpoint path, after checking it fits this launch."""
     from fsdp_recipes.compat import cpu_fsdp  # imports torch: not at the toolkit's import time
 

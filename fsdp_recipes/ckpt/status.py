@@ -80,23 +80,30 @@ class CheckpointStatus:
 def _torch_file_problem(path: Path, load: bool = False) -> str | None:
     """torch.save files are zip archives whose directory sits at the end: a cut-off file has none. ``load``: the
     file is also loaded as the Trainer will load it (weights_only, numpy's RNG state allowed), so one naming code
-    is refused here, in one line, rather than deep inside a resumed run."""
+    is refused here, in one line, rather than deep inside a resumed run. The file is opened once for both (a
+    resume's check reads each rank's RNG state once: fsdp_recipes.ckpt.resume.decide)."""
     if not path.is_file():
         return f"missing {path.name}"
     try:
-        zipfile.ZipFile(path).close()
-    except (zipfile.BadZipFile, OSError):
+        file = open(path, "rb")  # noqa: SIM115 (closed below, after the load)
+    except OSError:
         return f"truncated or unreadable {path.name}"
-    if load:
-        import numpy as np
-        import torch
-
-        allowed = [internals.get("numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # as the Trainer
+    with file:
         try:
-            with torch.serialization.safe_globals(allowed):
-                torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001 (UnpicklingError, RuntimeError ...: refused either way)
-            return f"refused {path.name}: it holds more than tensors and plain data ({type(err).__name__}); a pickle can run code"
+            zipfile.ZipFile(file).close()  # leaves ``file`` open
+        except (zipfile.BadZipFile, OSError):
+            return f"truncated or unreadable {path.name}"
+        if load:
+            import numpy as np
+            import torch
+
+            allowed = [internals.get("numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # as the Trainer
+            file.seek(0)
+            try:
+                with torch.serialization.safe_globals(allowed):
+                    torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as err:  # noqa: BLE001 (UnpicklingError, RuntimeError ...: refused either way)
+                return f"refused {path.name}: it holds more than tensors and plain data ({type(err).__name__}); a pickle can run code"
     return None
 
 

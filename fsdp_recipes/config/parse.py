@@ -10,7 +10,7 @@ from pathlib import Path
 from transformers import HfArgumentParser, TrainingArguments
 
 from fsdp_recipes.bounded import load_yaml
-from fsdp_recipes.ckpt.resume import check_output_dir, check_requeue, resolve_resume
+from fsdp_recipes.ckpt.resume import check_output_dir, explicit, requested
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config import launcher
 from fsdp_recipes.config.accelerate_config import ZERO1_UNDER_FSDP
@@ -51,9 +51,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     """``[recipe.yaml] [--flag value ...]``; with no recipe, the embedded default recipe is used.
 
     Reads and checks only: no file is moved, nothing is patched, no process group is joined. What the run then
-    does before loading anything (build TrainingArguments, which joins the process group; take output_dir; set
-    checkpoints aside) is the returned Plan, carried out by fsdp_recipes.train.preflight. Bad input therefore fails on each
-    rank in seconds and leaves nothing behind.
+    does before loading anything (build TrainingArguments, which joins the process group; decide the resume once,
+    on rank 0; take output_dir; set checkpoints aside) is the returned Plan, carried out by
+    fsdp_recipes.train.preflight. Bad input therefore fails on each rank in seconds and leaves nothing behind; a
+    resume's checkpoint is judged in the preflight, as soon as the group exists.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser(
@@ -93,12 +94,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     check_training_values(raw, model_args, data_args)
     plan.run_args = run_args
     output_dir = raw.output_dir or "trainer_output"
-    plan.resume, plan.set_aside = resolve_resume(raw.resume_from_checkpoint, output_dir, trainer_fsdp)
-    plan.requeue_record = check_requeue(output_dir, plan.resume)
+    # Which checkpoint a resume uses (reading its files), what it sets aside and the requeue record are decided once
+    # per launch, on global rank 0 after the process group starts (fsdp_recipes.train.preflight.decide_resume): here
+    # each rank would read every rank's files, and could see another newest checkpoint than its peers.
     inputs = {"model_name_or_path": model_args.model_name_or_path, "config_name": model_args.config_name,
               "tokenizer_name": model_args.tokenizer_name}
-    plan.delete = check_output_dir(output_dir, resuming=plan.resume is not None, overwrite=run_args.overwrite_output_dir,
-                                   resume=plan.resume, inputs=inputs)
+    plan.delete = check_output_dir(output_dir, resuming=requested(raw.resume_from_checkpoint),
+                                   overwrite=run_args.overwrite_output_dir, resume=explicit(raw.resume_from_checkpoint),
+                                   inputs=inputs)
     fsdp = cpu_fsdp.fsdp_requested() or trainer_fsdp
     if not fsdp and not run_args.allow_no_fsdp and not (plan.launch is not None and plan.launch.ddp):
         raise RecipeError(launcher.no_fsdp_problem())

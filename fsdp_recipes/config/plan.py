@@ -16,6 +16,7 @@ from fsdp_recipes.config.launcher import LaunchSettings
 class Plan:
     raw: object = None  # the parsed flags and recipe values (argparse.Namespace): TrainingArguments is built from them
     trainer_fsdp: bool = False  # FSDP asked for through TrainingArguments' --fsdp (the torchrun route)
+    # resume, set_aside and requeue_record: decided once per launch after the group starts (preflight.decide_resume)
     resume: str | None = None  # the checkpoint to resume from
     set_aside: list[SetAside] = field(default_factory=list)  # checkpoints to move out of the way first (renamed)
     delete: list[Path] = field(default_factory=list)  # an earlier run's checkpoints --overwrite_output_dir deletes

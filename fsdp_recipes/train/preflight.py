@@ -6,11 +6,14 @@ the Plan it returns (fsdp_recipes.config.plan) is carried out here, in this orde
 
 1. ``start``: make FSDP (or DDP) real where there is no accelerator (fsdp_recipes.compat.cpu_fsdp), build
    TrainingArguments, which starts accelerate's PartialState and joins the process group;
-2. ``hold_output_dir``: one run per output_dir at a time (fsdp_recipes.train.run_lock: a POSIX lock held by
+2. ``decide_resume``: one resume decision for the launch (fsdp_recipes.ckpt.resume.decide: which checkpoint, what
+   to set aside, the requeue record), made on global rank 0, which alone reads the checkpoints' files; every rank
+   takes it, after checking from folder names that it sees what rank 0 saw;
+3. ``hold_output_dir``: one run per output_dir at a time (fsdp_recipes.train.run_lock: a POSIX lock held by
    global rank 0 while it lives, or a lock file where the filesystem has no POSIX locks);
-3. ``apply``: on rank 0, set aside incomplete or superseded checkpoints and delete those --overwrite_output_dir
+4. ``apply``: on rank 0, set aside incomplete or superseded checkpoints and delete those --overwrite_output_dir
    named; every rank waits for it;
-4. ``save_resolved_arguments``: the arguments in force (model, data, training, and the accelerate config) as
+5. ``save_resolved_arguments``: the arguments in force (model, data, training, and the accelerate config) as
    ``output_dir/run_args.json``.
 """
 
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from fsdp_recipes.ckpt.dcp import guard_torch_dcp
 from fsdp_recipes.ckpt.layout import is_checkpoint_folder
-from fsdp_recipes.ckpt.resume import REQUEUE_RECORD
+from fsdp_recipes.ckpt.resume import decide, disagreement, requested, REQUEUE_RECORD, sight
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, set_aside
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config.arguments import build
@@ -59,6 +62,29 @@ def start(plan: Plan):
     return training_args, on_cpu
 
 
+def decide_resume(plan: Plan, training_args=None, say=say) -> None:
+    """The launch's one resume decision, into ``plan`` (resume, set_aside, requeue_record) and ``training_args``.
+
+    Global rank 0 decides (fsdp_recipes.ckpt.resume.decide: every file of the checkpoints it weighs, each rank's
+    RNG state once: O(world) reads in all) and broadcasts the decision. Every rank then reports what it sees from
+    folder names alone (the newest checkpoint-N in output_dir, the chosen folder); when a rank sees otherwise than
+    rank 0, all stop with the same line naming who saw what. Nothing is moved before this has passed (``apply``).
+    Without a process group (one process) this is rank 0 alone."""
+    value, output_dir = plan.raw.resume_from_checkpoint, plan.raw.output_dir or "trainer_output"
+    decision = _broadcast(decide(value, output_dir, plan.trainer_fsdp) if _rank() == 0 else None)
+    if requested(value):
+        sights = _all_gather(sight(value, output_dir, decision.path))
+        if problem := disagreement(value, output_dir, decision.path, sights):
+            raise RecipeError(problem)
+    for note in decision.notes:
+        say(note)
+    if decision.error:
+        raise RecipeError(decision.error)
+    plan.resume, plan.set_aside, plan.requeue_record = decision.path, decision.set_aside, decision.requeue_record
+    if training_args is not None:
+        training_args.resume_from_checkpoint = plan.resume
+
+
 def apply(plan: Plan, training_args, say=say) -> None:
     """Rank 0 moves and deletes what the checks decided; the others wait for it."""
     if training_args.process_index == 0:
@@ -85,6 +111,23 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_gather(value) -> list:
+    """Every rank's ``value``, in rank order, on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def _broadcast(value):

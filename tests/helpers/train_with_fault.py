@@ -14,6 +14,9 @@ and a real SIGKILL at a chosen point.
                       elastic starts each rank in a session of its own: the launcher forwards it to them)
     FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into <dir>
     FSDP_DUMP_EVAL=<dir>        each rank writes the metrics of each evaluation to <dir>/rank<R>-step<S>.json
+    FSDP_RANK_CWD=<rank>:<dir>  that rank works in <dir>: a relative --output_dir is another folder for it, as for a
+                                node whose filesystem shows other contents at the same path (a stale network mount)
+    FSDP_COUNT_LOADS=<dir>      each rank appends the file of every torch.load from a file to <dir>/rank<R>.txt
 """
 
 import os
@@ -144,6 +147,24 @@ if os.environ.get("FSDP_DUMP_EVAL"):
         return metrics
 
     FSDPTrainer.evaluate = evaluate_then_dump
+
+if os.environ.get("FSDP_RANK_CWD"):
+    rank, folder = os.environ["FSDP_RANK_CWD"].split(":", 1)
+    if os.environ["RANK"] == rank:
+        os.chdir(folder)
+
+if os.environ.get("FSDP_COUNT_LOADS"):
+    import torch
+
+    torch_load = torch.load
+
+    def load_counted(f, *args, **kwargs):
+        if isinstance(name := getattr(f, "name", f), (str, os.PathLike)):  # a file (DCP also loads from memory)
+            with open(Path(os.environ["FSDP_COUNT_LOADS"]) / f"rank{os.environ['RANK']}.txt", "a") as record:
+                record.write(f"{os.path.abspath(name)}\n")
+        return torch_load(f, *args, **kwargs)
+
+    torch.load = load_counted
 
 sys.argv[0] = str(REPO / "train_fsdp.py")
 runpy.run_path(str(REPO / "train_fsdp.py"), run_name="__main__")

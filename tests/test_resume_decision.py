@@ -1,0 +1,188 @@
+"""One resume decision per launch (issue 21): global rank 0 reads the checkpoints (each rank's RNG state once) after
+the process group starts, every rank takes its decision, and ranks that see other checkpoints than rank 0 stop
+alike with one line naming who saw what, before anything is moved."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import FAULT_SCRIPT, QUICK, launch
+from fsdp_recipes.ckpt.resume import decide, disagreement, sight, Sight
+from fsdp_recipes.config.plan import Plan
+from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.train import preflight
+
+CONFIG = "accelerate_configs/zero3.yaml"
+WORLD = 8  # the synthetic checkpoint's ranks
+HOST = socket.gethostname()
+
+
+def plain_checkpoint(folder: Path, step: int, world: int) -> Path:
+    """A complete checkpoint of a run without FSDP over ``world`` processes, written by hand: one RNG file per rank."""
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt = folder / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    save_file({"weight": torch.zeros(2)}, ckpt / "model.safetensors")
+    torch.save({"state": {}, "param_groups": []}, ckpt / "optimizer.pt")
+    torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
+    for rank in range(world):
+        torch.save({"python": [rank], "cpu": torch.zeros(2)}, ckpt / f"rng_state_{rank}.pth")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    (ckpt / "fsdp_report.json").write_text(json.dumps({"fsdp_version": None, "world_size": world, "sharding_strategy": None}))
+    return ckpt
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """The files under a folder this process opens (Python's audit hook sees every open), while ``watch`` is set."""
+    seen: list[str] = []
+    watch: list[Path] = []
+
+    def hook(event, args):
+        if event == "open" and watch and isinstance(args[0], (str, Path)) and str(args[0]).startswith(str(watch[0])):
+            seen.append(Path(args[0]).name)
+
+    sys.addaudithook(hook)  # cannot be removed: inert once ``watch`` is emptied
+    yield seen, watch
+    watch.clear()
+
+
+def test_rank_0_reads_each_rank_file_once_and_the_others_read_none(tmp_path, monkeypatch, opened):
+    """O(world) reads per resume: rank 0's decision opens each rank's RNG file once (and unpickles it once); a rank
+    other than 0 takes the broadcast decision and opens no file of the checkpoint at all."""
+    import torch
+
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    run = tmp_path / "run"
+    ckpt = plain_checkpoint(run, 4, WORLD)
+    (newer := plain_checkpoint(run, 8, WORLD)).joinpath("trainer_state.json").unlink()  # incomplete: skipped
+    seen, watch = opened
+    loads = Counter()
+    torch_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: loads.update([getattr(f, "name", f)]) or torch_load(f, *a, **k))
+
+    plan = Plan(raw=type("Raw", (), {"resume_from_checkpoint": "true", "output_dir": str(run)})())
+    watch.append(run)
+    preflight.decide_resume(plan)  # one process: global rank 0
+    watch.clear()
+    rng = Counter(name for name in seen if name.startswith("rng_state_"))
+    assert rng == {f"rng_state_{r}.pth": 2 for r in range(WORLD)}, rng  # once in each of the two folders weighed
+    assert sorted(Counter(str(p) for p in loads).values()) == [1] * len(loads)  # every file unpickled once
+    assert plan.resume == str(ckpt) and [s.path for s in plan.set_aside] == [newer]
+
+    decision = decide("true", str(run))  # what rank 0 broadcasts
+    monkeypatch.setattr(preflight, "_rank", lambda: 3)
+    monkeypatch.setattr(preflight, "_broadcast", lambda value: decision)
+    monkeypatch.setattr(preflight, "_all_gather", lambda value: [value] * WORLD)
+    seen.clear()
+    loads.clear()
+    other = Plan(raw=plan.raw)
+    watch.append(run)
+    preflight.decide_resume(other)
+    watch.clear()
+    assert seen == [] and not loads  # folder names only
+    assert (other.resume, other.set_aside) == (plan.resume, plan.set_aside)
+
+
+def test_disagreements_are_one_line_naming_who_saw_what(tmp_path):
+    out = str(tmp_path / "run")
+    chosen = f"{out}/checkpoint-12"
+    same = [Sight("a", "checkpoint-12", True), Sight("b", "checkpoint-12", True)]
+    assert disagreement("true", out, chosen, same) is None
+    stale = [Sight("a", "checkpoint-12", True), Sight("b", "checkpoint-12", True), Sight("c", "checkpoint-6", False),
+             Sight("d", None, False)]
+    line = disagreement("true", out, chosen, stale)
+    assert line.startswith(f"--resume_from_checkpoint true: in output_dir {out!r} rank 0 (a) sees checkpoint-12 as the "
+                           "newest checkpoint, rank 2 (c) sees checkpoint-6 (and 1 more rank(s)): ")
+    assert line.endswith("then run the same command again; nothing was moved or deleted") and "\n" not in line
+    # the newest agrees (an incomplete one), the chosen older one is missing on a rank
+    unseen = [Sight("a", "checkpoint-18", True), Sight("b", "checkpoint-18", False)]
+    assert "rank 0 (a) chose checkpoint-12 in output_dir" in disagreement("true", out, chosen, unseen)
+    assert "which rank 0 (a) sees and rank 1 (b) does not" in disagreement("true", out, chosen, unseen)
+    # a path: a folder for one rank and not another, whichever rank 0 is
+    given = [Sight("a", None, False), Sight("b", None, True)]
+    assert f"--resume_from_checkpoint {chosen!r} is a folder for rank 1 (b) and not for rank 0 (a)" in disagreement(chosen, out, chosen, given)
+    assert disagreement(chosen, out, chosen, [Sight("a", None, True)] * 3) is None
+
+
+def test_rank_0s_refusal_reaches_every_rank_and_a_disagreement_comes_first(tmp_path, monkeypatch):
+    """A rank that sees what rank 0 does stops with rank 0's line; one that sees otherwise stops every rank with the
+    disagreement instead (rank 0's verdict may rest on a stale view)."""
+    run = tmp_path / "run"
+    (run / "checkpoint-6").mkdir(parents=True)  # not a checkpoint: no complete one
+    raw = type("Raw", (), {"resume_from_checkpoint": "true", "output_dir": str(run)})()
+    decision = decide("true", str(run))
+    assert decision.error.startswith("--resume_from_checkpoint true: no complete checkpoint-N folder")
+    monkeypatch.setattr(preflight, "_rank", lambda: 1)
+    monkeypatch.setattr(preflight, "_broadcast", lambda value: decision)
+    monkeypatch.setattr(preflight, "_all_gather", lambda value: [sight("true", str(run), None), value])
+    with pytest.raises(RecipeError, match="^--resume_from_checkpoint true: no complete checkpoint-N folder"):
+        preflight.decide_resume(Plan(raw=raw))
+    monkeypatch.setattr(preflight, "_all_gather", lambda value: [sight("true", str(run), None), Sight(HOST, "checkpoint-9", False)])
+    with pytest.raises(RecipeError, match="rank 0 .* sees checkpoint-6 as the newest checkpoint, rank 1 .* sees checkpoint-9"):
+        preflight.decide_resume(Plan(raw=raw))
+
+
+def tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_ranks_that_see_another_newest_checkpoint_stop_alike(trained, tmp_path):
+    """A real 2-process launch where rank 1 sees another folder at output_dir's path (it works in another directory
+    and output_dir is relative, as a node with a stale mount would): rank 0 sees checkpoint-18 (incomplete, which it
+    would set aside) and checkpoint-12, rank 1 only checkpoint-6. Every rank stops with the same one line naming
+    both views; nothing is moved, locked or written; rank 1 opened no checkpoint file, rank 0 each RNG file once."""
+    reference = trained(CONFIG).output_dir
+    node0, node1, loads = tmp_path / "node0", tmp_path / "node1", tmp_path / "loads"
+    for step in (6, 12):
+        shutil.copytree(reference / f"checkpoint-{step}", node0 / "run" / f"checkpoint-{step}")
+    shutil.copytree(reference / "checkpoint-12", node0 / "run" / "checkpoint-18")
+    (node0 / "run" / "checkpoint-18" / "trainer_state.json").unlink()
+    shutil.copytree(reference / "checkpoint-6", node1 / "run" / "checkpoint-6")
+    loads.mkdir()
+    before = tree(tmp_path / "node0"), tree(tmp_path / "node1")
+
+    proc = launch(CONFIG, *QUICK, "--output_dir", "run", "--resume_from_checkpoint", "true", cwd=node0, script=FAULT_SCRIPT,
+                  env={"FSDP_RANK_CWD": f"1:{node1}", "FSDP_COUNT_LOADS": str(loads)}, check=False)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert (f"train_fsdp.py: error: --resume_from_checkpoint true: in output_dir 'run' rank 0 ({HOST}) sees checkpoint-18 "
+            f"as the newest checkpoint, rank 1 ({HOST}) sees checkpoint-6: ") in errors[0], errors[0]
+    assert "nothing was moved or deleted" in errors[0] and "skipping checkpoint-18" not in proc.stderr
+    assert (tree(node0), tree(node1)) == before  # no set-aside, no lock, no run_args.json
+
+    rank0 = Counter(Path(p).relative_to(node0 / "run").as_posix() for p in (loads / "rank0.txt").read_text().split())
+    assert {p: n for p, n in rank0.items() if "rng_state" in p} == {
+        f"checkpoint-{step}/rng_state_{rank}.pth": 1 for step in (18, 12) for rank in (0, 1)}, rank0
+    assert not (loads / "rank1.txt").exists()  # rank 1 loaded nothing
+
+
+def test_a_resume_loads_each_rank_rng_state_once_to_check_and_once_to_use(trained, tmp_path):
+    """The normal resume through the one decision: rank 0 checks both RNG files once, then each rank loads its own
+    (the Trainer): 2 x world loads, not world^2; the run ends bit-identical to the uninterrupted one."""
+    import torch
+    from safetensors.torch import load_file
+
+    reference = trained(CONFIG).output_dir
+    out, loads = tmp_path / "run", tmp_path / "loads"
+    shutil.copytree(reference / "checkpoint-6", out / "checkpoint-6")
+    loads.mkdir()
+    proc = launch(CONFIG, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true", script=FAULT_SCRIPT,
+                  env={"FSDP_COUNT_LOADS": str(loads)})
+    assert f"resuming from {out / 'checkpoint-6'}" in proc.stdout
+    rng = {rank: Counter(Path(p).name for p in (loads / f"rank{rank}.txt").read_text().split() if "rng_state" in p)
+           for rank in (0, 1)}
+    assert rng == {0: {"rng_state_0.pth": 2, "rng_state_1.pth": 1}, 1: {"rng_state_1.pth": 1}}, rng
+    final, expected = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert set(final) == set(expected) and all(torch.equal(final[k], expected[k]) for k in expected)
