@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
 from fsdp_recipes.ckpt.status import disk_full_problem
+from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout
 from fsdp_recipes.config.launcher import tell_launcher
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.config.values import check_run_length, parse_steps
@@ -42,6 +43,7 @@ def main(model_args, data_args, plan):
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     if on_cpu:
         logger.info(f"no accelerator found: running {on_cpu} over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
+        apply_ddp_timeout(training_args.ddp_timeout)  # transformers gives a CPU process group none
     preflight.hold_output_dir(training_args)  # one run per output_dir
     preflight.apply(plan, training_args, say=logger.warning)  # set aside or delete what the checks decided (rank 0)
     preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch)
