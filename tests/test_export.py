@@ -64,6 +64,17 @@ def test_a_failed_rank_is_named_and_nothing_is_published(tmp_path):
         wait_for_parts(tmp_path, 2)
 
 
+def test_a_rank_whose_heartbeat_stops_is_given_up_on(tmp_path, monkeypatch):
+    import fsdp_recipes.train.export as export
+
+    monkeypatch.setattr(export, "PART_POLL_SECONDS", 0.05)
+    monkeypatch.setattr(export, "PART_STALE_SECONDS", 0.3)
+    (tmp_path / ".part-0.done").write_text('{"files": [], "seconds": 1}\n')
+    (tmp_path / ".part-1.alive").write_text("7\n")  # written once, then never again
+    with pytest.raises(CheckpointError, match=r"rank 1 has shown no sign of life for 0 s .*\.part-1\.alive stopped changing"):
+        wait_for_parts(tmp_path, 2)
+
+
 def test_a_bad_save_dtype_is_one_line(tmp_path):
     """Refused by RunArguments before anything starts; train_fsdp.py prints the message as its one line."""
     from fsdp_recipes.config.parse import parse_args

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -95,9 +96,9 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     (collective, as every checkpoint), then every rank streams its part of the safetensors files from those shards
     (memory bounded by the largest tensor): rank r writes shards r, r+N, ... (safetensors_writer.write_weights).
     No rank waits on a collective after that, so no ``ddp_timeout`` bounds the conversion: each rank leaves a
-    completion file in the staging folder and is done; rank 0 waits for those files (no deadline: a rank that
-    dies ends the launch, and a rank that fails says so in a file rank 0 reads), then writes the index, config and
-    tokenizer and moves everything in, config.json last. A LoRA run's merged model is written by rank 0 alone
+    completion file in the staging folder and is done; rank 0 waits for those files (wait_for_parts: no deadline on
+    the writing; a rank that fails says so in a file, one that dies or hangs stops its heartbeat file), then
+    writes config and tokenizer and moves everything in, config.json last. A LoRA run's merged model is written by rank 0 alone
     (the merge of the adapter), the other ranks again not waiting. A killed export leaves only marked staging
     folders and no config.json: the folder never looks complete (remove_export_leftovers clears them next time).
     """
@@ -152,9 +153,11 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     publish(staging, out, sorted(set(weight_names) | set(described)))
     remove(shards, EXPORT_STAGING)
     seconds = round(time.monotonic() - started, 3)
-    record_export(out, {"dtype": dtype, "writers": sum(1 for p in parts.values() if p["files"]), "shards": sum(n.endswith(".safetensors") for n in weight_names),
+    writers = sum(1 for p in parts.values() if p["files"])
+    size = sum((out / n).stat().st_size for n in weight_names if n.endswith(".safetensors"))
+    record_export(out, {"dtype": dtype, "writers": writers, "shards": sum(n.endswith(".safetensors") for n in weight_names),
                         "bytes": size, "seconds": seconds, "ranks": {str(r): p for r, p in sorted(parts.items())}})
-    logger.info(f"final model: {size / 1e6:,.1f} MB in {dtype}, written by {world} rank(s) in parallel in {seconds:.1f} s (fsdp_report.json: export)")
+    logger.info(f"final model: {size / 1e6:,.1f} MB in {dtype}, written by {writers} of {world} rank(s) in parallel in {seconds:.1f} s (fsdp_report.json: export)")
 
 
 # Every shard of the final export is at most 5 GB (save_pretrained's default) and, above this size, about 1/N of the
@@ -163,6 +166,11 @@ PART_MIN_BYTES = 64 << 20
 PART_MAX_BYTES = 5 * 10**9
 PART_POLL_SECONDS = 1.0  # how often rank 0 looks for the other ranks' completion files
 PART_LOG_SECONDS = 60.0  # how often it says whom it is waiting for
+# A writing rank rewrites .part-K.alive (a counter) from a thread every PART_BEAT_SECONDS, however slow its writes;
+# rank 0 gives up on a rank whose counter has not changed for PART_STALE_SECONDS by its own clock (no clock is
+# compared across machines): a rank on another node that died or hangs, where no launcher stops rank 0 for it.
+PART_BEAT_SECONDS = 10.0
+PART_STALE_SECONDS = 300.0
 
 
 def part_shard_size(total: int, world: int) -> int:
@@ -203,12 +211,26 @@ def write_part(source, staging: Path, config, part: tuple[int, int], dtype, max_
     """This rank's shards of the final folder into ``staging``, then its completion file: ``.part-K.done`` (the files
     and the seconds it took), or ``.part-K.failed`` (the error) before the error goes on up. Returns what
     write_weight_part returns."""
-    rank, started = part[0], time.monotonic()
+    rank, started, stop = part[0], time.monotonic(), threading.Event()
+
+    def beat():
+        count = 0
+        while True:
+            count += 1
+            (staging / f".part-{rank}.alive").write_text(f"{count}\n")
+            if stop.wait(PART_BEAT_SECONDS):
+                return
+
+    beating = threading.Thread(target=beat, name="export-heartbeat", daemon=True)
+    beating.start()
     try:
         result = write_weight_part(source, staging, config, part, dtype, max_shard_size)
     except BaseException as err:
         (staging / f".part-{rank}.failed").write_text(f"{type(err).__name__}: {err}"[:2000] + "\n")
         raise
+    finally:
+        stop.set()
+        beating.join()
     record = {"files": result[1], "seconds": round(time.monotonic() - started, 3)}
     (staging / f".part-{rank}.tmp").write_text(json.dumps(record) + "\n")
     replace_file(staging / f".part-{rank}.tmp", staging / f".part-{rank}.done", EXPORT_STAGING)  # whole, or absent
@@ -216,19 +238,31 @@ def write_part(source, staging: Path, config, part: tuple[int, int], dtype, max_
 
 
 def wait_for_parts(staging: Path, world: int, log=print) -> dict[int, dict]:
-    """Rank 0's wait for every rank's completion file, without a collective and so without a deadline: a rank that
-    dies ends the launch (torch elastic stops the others), one that fails leaves ``.part-K.failed``, raised here."""
+    """Rank 0's wait for every rank's completion file, without a collective and so without a deadline on the writing:
+    one that fails leaves ``.part-K.failed``, raised here; one that dies ends the launch on its machine (torch
+    elastic stops the others), and one whose heartbeat (``.part-K.alive``) stops changing for PART_STALE_SECONDS
+    is given up on, on any machine."""
     parts: dict[int, dict] = {}
     last_said = time.monotonic()
+    beats: dict[int, tuple[str | None, float]] = {rank: (None, last_said) for rank in range(world)}  # last seen, when
+    again = "nothing was published; run the same command with --resume_from_checkpoint true to export the last checkpoint"
     while len(parts) < world:
         for rank in sorted(set(range(world)) - set(parts)):
             failed, done = staging / f".part-{rank}.failed", staging / f".part-{rank}.done"
             if failed.is_file():
-                raise CheckpointError(f"rank {rank} failed writing its part of the final model ({failed.read_text().strip()}): "
-                                      "nothing was published; run the same command with --resume_from_checkpoint true to export "
-                                      "the last checkpoint")
+                raise CheckpointError(f"rank {rank} failed writing its part of the final model ({failed.read_text().strip()}): {again}")
             if done.is_file():
                 parts[rank] = json.loads(done.read_text())
+                continue
+            try:
+                beat = (staging / f".part-{rank}.alive").read_text()
+            except OSError:
+                beat = None
+            if beat != beats[rank][0]:
+                beats[rank] = (beat, time.monotonic())
+            elif time.monotonic() - beats[rank][1] > PART_STALE_SECONDS:
+                raise CheckpointError(f"rank {rank} has shown no sign of life for {PART_STALE_SECONDS:.0f} s while writing its part "
+                                      f"of the final model ({staging / f'.part-{rank}.alive'} stopped changing): it died or hangs; {again}")
         if len(parts) < world:
             if time.monotonic() - last_said >= PART_LOG_SECONDS:
                 log(f"final model: waiting for rank(s) {', '.join(str(r) for r in sorted(set(range(world)) - set(parts)))} "
