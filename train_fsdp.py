@@ -18,13 +18,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
 from fsdp_recipes.ckpt.status import disk_full_problem
+from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout
 from fsdp_recipes.config.launcher import tell_launcher
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.config.values import check_run_length, parse_steps
 from fsdp_recipes.errors import InternalsChanged, NotShardedError, RecipeError, RefusedRemoval
 from fsdp_recipes.train import preflight
 from fsdp_recipes.train.data import build_datasets
-from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_step, save_final_model
+from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_step, save_dtype_problem, save_final_model
 from fsdp_recipes.train.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
 from fsdp_recipes.train.modeling import load_model, load_tokenizer
 from fsdp_recipes.train.preemption import Stopped, quiet_stops, stop_received, was_interrupted, watch_interrupts, watch_stops
@@ -42,6 +43,7 @@ def main(model_args, data_args, plan):
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     if on_cpu:
         logger.info(f"no accelerator found: running {on_cpu} over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
+        apply_ddp_timeout(training_args.ddp_timeout)  # transformers gives a CPU process group none
     preflight.decide_resume(plan, training_args)  # one resume decision for the launch, made on rank 0
     preflight.hold_output_dir(training_args)  # one run per output_dir
     preflight.apply(plan, training_args, say=logger.warning)  # set aside or delete what the checks decided (rank 0)
@@ -54,7 +56,8 @@ def main(model_args, data_args, plan):
         )
         if training_args.process_index == 0:
             export_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir,
-                              base_model=model_args.model_name_or_path or model_args.config_name, log=logger.info)
+                              base_model=model_args.model_name_or_path or model_args.config_name, log=logger.info,
+                              dtype=plan.run_args.save_dtype)
         return
 
     # ---------- model and tokenizer ----------
@@ -78,7 +81,10 @@ def main(model_args, data_args, plan):
         data_collator=collator,
         processing_class=tokenizer,
         zero1=plan.run_args.zero1,
+        save_dtype=plan.run_args.save_dtype,
     )
+    if problem := save_dtype_problem(trainer, plan.run_args.save_dtype):
+        raise RecipeError(problem)  # every rank alike, before training
     if plan.run_args.profile_steps:
         trainer.add_callback(StepProfiler(*parse_steps(plan.run_args.profile_steps), training_args.output_dir, training_args.process_index))
     trainer.throughput.flops_per_token = flops_per_token(model, data_args.block_size)
@@ -114,7 +120,7 @@ def main(model_args, data_args, plan):
 
     # ---------- save ----------
     with trainer.model_config_for_saving():
-        save_final_model(trainer, tokenizer)
+        save_final_model(trainer, tokenizer, plan.run_args.save_dtype)
     logger.info(f"model saved to {training_args.output_dir} (loads with AutoModelForCausalLM.from_pretrained)")
     if late := trainer.preemption.late():  # the run is complete: exit 0, and say why the signal changed nothing
         logger.warning(f"{late} arrived after the last training step: the run had finished, and its model was written; nothing is left to do")

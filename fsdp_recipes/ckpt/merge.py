@@ -11,6 +11,7 @@ the input, inside it or hold it, and --overwrite never replaces a folder holding
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from pathlib import Path
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt.dcp import DTYPE_SIZES
 from fsdp_recipes.ckpt.description import (
-    Description, config_origin, described_by_manifest, describe_folder, describe_with_transformers, description_dirs,
+    Description, config_origin, described_by_manifest, describe_with_transformers, description_dirs,
     description_file_problems, model_skeleton,
 )
 from fsdp_recipes.ckpt.layout import (
@@ -33,7 +34,7 @@ from fsdp_recipes.ckpt.lora_merge import MergedLoraSource, adapter_tensors, find
 from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype, unconvertible_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
-from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, write_weights
+from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, weight_files, write_weights
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError
 from fsdp_recipes.removal import MARKER, contents, is_ours, make_folder, move, remark, remove, remove_file, unmark
@@ -42,14 +43,16 @@ from fsdp_recipes.removal import MARKER, contents, is_ours, make_folder, move, r
 # bytes and never imports it; otherwise its import overlaps the copy in a thread.
 
 
-def write_model_files(source, out_dir: Path, config, tokenizer=None, generation_config=None, dtype=None,
-                      max_shard_size="5GB", memory_budget="512MB") -> list[str]:
-    """Weights, config, generation config and tokenizer into ``out_dir``; returns the file names."""
-    model_cls, expected, tied = model_skeleton(config)
+def write_weight_part(source, out_dir: Path, config, part: tuple[int, int] = (0, 1), dtype=None, max_shard_size: str | int = "5GB",
+                      memory_budget: str | int = "512MB") -> tuple[type, list[str], list[str]]:
+    """Part ``part`` = (k, n) of the weights of the model ``config`` describes, from ``source`` into ``out_dir``: n
+    processes given the same arguments write every shard once between them, k = 0 the index too
+    (safetensors_writer.write_weights). Returns (the model class, the files this call wrote, every weight file of
+    the folder)."""
+    model_cls, expected, tied = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
     weights = match_namespace(source.tensors, expected, tied, model_cls.__name__)
-    write_weights(source, weights.names, out_dir, max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget)
-    describe_folder(out_dir, model_cls, config, tokenizer, generation_config, dtype)
-    return sorted(p.name for p in out_dir.iterdir() if p.name != MARKER)
+    written = write_weights(source, weights.names, out_dir, max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, part=part)
+    return model_cls, written, weight_files(source, weights.names, max_shard_size, dtype)
 
 
 # ----------------------------------------------------------------------------------------------- the output

@@ -95,23 +95,41 @@ def copy_range(copier: RangeCopier, src: Path, src_offset: int, fd: int, dst_off
             progress(done)
 
 
-def write_weights(
-    source, names: dict[str, str] | list[str], out_dir: Path, max_shard_size: str | int = "5GB", dtype: str | None = None,
-    memory_budget: str | int = "512MB", cancelled: Callable[[], bool] = lambda: False, stem: str = "model",
-) -> list[str]:
-    """Stream the source's tensors into safetensors shards (+ index) in ``out_dir``; returns the file names.
-    ``names``: output name -> source tensor name (a list: the same names). ``cancelled`` is asked between pieces
-    of at most COPY_STEP bytes; when it says yes, Cancelled is raised."""
+def weight_files(source, names: dict[str, str] | list[str], max_shard_size: str | int = "5GB", dtype: str | None = None,
+                 stem: str = "model") -> list[str]:
+    """The names of the files ``write_weights`` writes for these arguments (shards in order, then the index if any)."""
+    split, _, _ = _plan(source, names, max_shard_size, dtype_name(dtype), stem)
+    return list(split.filename_to_tensors) + ([f"{stem}.safetensors.index.json"] if split.is_sharded else [])
+
+
+def _plan(source, names, max_shard_size, dtype: str | None, stem: str):
     mapping = dict(names) if isinstance(names, dict) else {n: n for n in names}
-    infos, dtype = {out: source.tensors[src] for out, src in mapping.items()}, dtype_name(dtype)
-    budget = internals.get("huggingface_hub.serialization._base.parse_size_to_int")(memory_budget) if isinstance(memory_budget, str) else memory_budget
+    infos = {out: source.tensors[src] for out, src in mapping.items()}
     split = split_state_dict_into_shards_factory(
         infos, get_storage_size=lambda info: info.nbytes(dtype), filename_pattern=stem + "{suffix}.safetensors", max_shard_size=max_shard_size,
     )
+    return split, infos, mapping
+
+
+def write_weights(
+    source, names: dict[str, str] | list[str], out_dir: Path, max_shard_size: str | int = "5GB", dtype: str | None = None,
+    memory_budget: str | int = "512MB", cancelled: Callable[[], bool] = lambda: False, stem: str = "model",
+    part: tuple[int, int] = (0, 1),
+) -> list[str]:
+    """Stream the source's tensors into safetensors shards (+ index) in ``out_dir``; returns the names of the files
+    written. ``names``: output name -> source tensor name (a list: the same names). ``cancelled`` is asked between
+    pieces of at most COPY_STEP bytes; when it says yes, Cancelled is raised. ``part`` = (k, n): only the shards
+    whose position in the plan is k modulo n, and the index only for k = 0, so that n processes given the same
+    arguments write one folder between them (the final export: fsdp_recipes.train.export)."""
+    dtype = dtype_name(dtype)
+    split, infos, mapping = _plan(source, names, max_shard_size, dtype, stem)
+    budget = internals.get("huggingface_hub.serialization._base.parse_size_to_int")(memory_budget) if isinstance(memory_budget, str) else memory_budget
+    mine = [(f, shard) for i, (f, shard) in enumerate(split.filename_to_tensors.items()) if i % part[1] == part[0]]
     total = sum(info.nbytes(dtype) for info in infos.values())
     copier, written = RangeCopier(), []
-    with tqdm(total=total, unit="B", unit_scale=True, desc="Writing weights") as bar:
-        for filename, shard_names in split.filename_to_tensors.items():
+    with tqdm(total=sum(infos[n].nbytes(dtype) for _, shard in mine for n in shard), unit="B", unit_scale=True, desc="Writing weights",
+              disable=part[0] != 0) as bar:  # one bar: the first part's
+        for filename, shard_names in mine:
             header, layout = _safetensors_header(sorted(shard_names), infos, dtype)
             offsets, position = {}, len(header)
             for n, size in layout:
@@ -142,7 +160,7 @@ def write_weights(
             finally:
                 os.close(fd)
             written.append(filename)
-    if split.is_sharded:
+    if split.is_sharded and part[0] == 0:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
         (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         written.append(f"{stem}.safetensors.index.json")

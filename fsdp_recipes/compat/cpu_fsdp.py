@@ -24,6 +24,11 @@ under torchrun (``fsdp_recipes.train.preflight.start`` calls it just before Trai
    accelerate's ``save_fsdp_model`` forces on) it "moves" the parameter to the CPU it is already on, then
    frees that same storage, and rank 0 segfaults.
 
+And :func:`apply_ddp_timeout`, called once the process group exists: transformers 5.23 gives accelerate's
+``PartialState`` no ``timeout`` when ``ACCELERATE_USE_CPU`` is set (item 1, and :func:`enable_ddp`), so over gloo
+every collective waited torch's 30 minutes whatever ``--ddp_timeout`` said. It sets the run's timeout on the
+default process group, as the GPU path gets it.
+
 These patch private internals of the exact versions pinned in requirements.txt, each named in
 fsdp_recipes/compat/internals.py and checked before anything is patched. Nothing here runs when an accelerator exists:
 there, the stock path is already real FSDP.
@@ -112,6 +117,19 @@ CPU_PRIVATE = (
     "torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states",
     "torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu",
 )
+
+
+def apply_ddp_timeout(seconds: float) -> bool:
+    """``--ddp_timeout`` on the default gloo process group of a CPU run (see the module docstring); returns whether
+    it was set. Nothing where an accelerator is present (transformers passes the timeout there) or without a group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if accelerator_present() or not (dist.is_available() and dist.is_initialized()):
+        return False
+    internals.get("torch.distributed.distributed_c10d._set_pg_timeout")(datetime.timedelta(seconds=seconds))
+    return True
 
 
 def is_enabled() -> bool:

@@ -30,6 +30,7 @@ PRIVATE: dict[str, tuple[str, str]] = {
         MODULE, "cpu_fsdp: FSDP1's CPU-parameter check skipped (the gloo broadcast works)"),
     "torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu": (
         MODULE, "cpu_fsdp: a no-op on CPU (FULL_STATE_DICT with offload_to_cpu segfaults rank 0)"),
+    "torch.distributed.distributed_c10d._set_pg_timeout": (MODULE, "cpu_fsdp: --ddp_timeout on CPU, where transformers drops it"),
     # fsdp_recipes/train/sharding.py: FSDP1's flat parameters, for per-rank elements and bytes
     "torch.distributed.fsdp.FullyShardedDataParallel._handle": (INSTANCE, "sharding: an FSDP1 unit's flat parameter"),
     "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size": (INSTANCE, "sharding: elements of a unit"),

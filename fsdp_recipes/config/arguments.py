@@ -218,6 +218,17 @@ class RunArguments:
         metadata={"help": "The GPU's dense bf16 peak in TFLOPS, for MFU in the logs (default: from a table of common "
                   "GPUs, fsdp_recipes/train/metrics.py). MFU is not reported on CPU."},
     )
+    save_dtype: str = field(
+        default="auto",
+        metadata={"help": "dtype of the weights in the final model folder (and its config.json dtype). auto: the dtype "
+                  "they were trained in, the parameters' dtype (--dtype; float32 master weights under bf16 mixed "
+                  "precision give a float32 folder). bfloat16 halves a float32 model. fsdp_report.json states it "
+                  "(precision.saved_model, and export.dtype once written).", "choices": list(DTYPES)},
+    )
+
+    def __post_init__(self):
+        if self.save_dtype not in DTYPES:
+            raise RecipeError(f"save_dtype={self.save_dtype!r} is not one of {', '.join(DTYPES)}")
 
 
 def build(cls, raw):

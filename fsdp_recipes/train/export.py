@@ -6,10 +6,13 @@ turns shards into a model.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -20,7 +23,7 @@ from fsdp_recipes.ckpt.description import describe_folder, write_manifest
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_exported_adapter,
 )
-from fsdp_recipes.ckpt.merge import write_model_files
+from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.errors import CheckpointError
 from fsdp_recipes.removal import make_folder, move, remove, replace_file, unmark
@@ -85,12 +88,19 @@ class DescribeCheckpoints(TrainerCallback):
         write_shard_digests(folder, (DCP_MODEL_DIR, OPTIMIZER_DIR))  # a swapped or replaced shard is then named
 
 
-def save_final_model(trainer, tokenizer) -> None:
-    """Leave a complete Hugging Face model folder in ``trainer.args.output_dir``, whatever the state-dict type.
+def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
+    """Leave a complete Hugging Face model folder in ``trainer.args.output_dir``, whatever the state-dict type, its
+    weights in ``export_dtype(model, save_dtype)``.
 
-    Under SHARDED_STATE_DICT the stock ``Trainer.save_model`` writes nothing, so every rank saves its shard
-    with DCP and rank 0 streams the shards into safetensors files (memory bounded by the largest tensor).
-    Files are staged in a hidden folder and moved in at the end, config.json last.
+    Under SHARDED_STATE_DICT the stock ``Trainer.save_model`` writes nothing, so every rank saves its shard with DCP
+    (collective, as every checkpoint), then every rank streams its part of the safetensors files from those shards
+    (memory bounded by the largest tensor): rank r writes shards r, r+N, ... (safetensors_writer.write_weights).
+    No rank waits on a collective after that, so no ``ddp_timeout`` bounds the conversion: each rank leaves a
+    completion file in the staging folder and is done; rank 0 waits for those files (wait_for_parts: no deadline on
+    the writing; a rank that fails says so in a file, one that dies or hangs stops its heartbeat file), then
+    writes config and tokenizer and moves everything in, config.json last. A LoRA run's merged model is written by rank 0 alone
+    (the merge of the adapter), the other ranks again not waiting. A killed export leaves only marked staging
+    folders and no config.json: the folder never looks complete (remove_export_leftovers clears them next time).
     """
     from accelerate.utils import save_fsdp_model
 
@@ -98,38 +108,177 @@ def save_final_model(trainer, tokenizer) -> None:
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     model = accelerator.unwrap_model(trainer.model)
     base, lora = lora_parts(model)
+    dtype = export_dtype(model, save_dtype)
+    cast = None if dtype == parameter_dtype(model) else dtype
     if plugin is None and lora is not None:  # a run without FSDP (--allow_no_fsdp): the whole model is here
         if accelerator.is_main_process:
             model.save_pretrained(str(out / ADAPTER_DIR))
             model.merge_and_unload().save_pretrained(str(out))
             save_model_description(base, tokenizer, out)
-        accelerator.wait_for_everyone()
-        return
+        return  # no barrier: the other ranks have nothing left to do (see the docstring)
     if plugin is None or ("SHARDED_STATE_DICT" not in str(plugin.state_dict_type) and lora is None):
-        trainer.save_model(str(out))
+        trainer.save_model(str(out))  # the gather inside is collective; rank 0's write after it is not
         if accelerator.is_main_process:
             save_model_description(model, tokenizer, out)  # save_pretrained names the FSDP<Model> subclass
-        accelerator.wait_for_everyone()
         return
-    shards = out / ".final-sharded"
+    started = time.monotonic()
+    shards, staging = out / ".final-sharded", out / ".export-tmp"
     if accelerator.is_main_process:
         remove_export_leftovers(out, log=logger.info)
         make_folder(shards, EXPORT_STAGING)
+        if lora is None:
+            make_folder(staging, EXPORT_STAGING)
     accelerator.wait_for_everyone()
     save_fsdp_model(plugin, accelerator, trainer.model, str(shards))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process and lora is not None:  # the merged model, and the adapter beside it
-        save_model_description(model, tokenizer, shards)
-        write_final_folder(shards, out, log=logger.info)
-        remove(shards, EXPORT_STAGING)
-    elif accelerator.is_main_process:
-        staging = make_folder(out / ".export-tmp", EXPORT_STAGING)
-        files = write_model_files(
-            DCPSource(shards / DCP_MODEL_DIR), staging, model.config, tokenizer, getattr(model, "generation_config", None)
-        )
-        publish(staging, out, files)
-        remove(shards, EXPORT_STAGING)
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # every rank's DCP shard is written: the last collective of the run
+    if lora is not None:  # the merged model, and the adapter beside it: rank 0 alone
+        if accelerator.is_main_process:
+            save_model_description(model, tokenizer, shards)
+            write_final_folder(shards, out, log=logger.info, dtype=cast)
+            remove(shards, EXPORT_STAGING)
+            record_export(out, {"dtype": dtype, "writers": 1, "seconds": round(time.monotonic() - started, 3)})
+        return
+    rank, world = accelerator.process_index, accelerator.num_processes
+    source = DCPSource(shards / DCP_MODEL_DIR)
+    size = sum(info.nbytes(cast) for info in source.tensors.values())
+    model_cls, _, weight_names = write_part(source, staging, model.config, (rank, world), cast, part_shard_size(size, world))
+    if not accelerator.is_main_process:
+        return
+    parts = wait_for_parts(staging, world, log=logger.info)
+    if missing := [n for n in weight_names if not (staging / n).is_file()]:
+        raise CheckpointError(f"the final export finished without {', '.join(missing[:3])} in {staging}: nothing was published; "
+                              "run the same command with --resume_from_checkpoint true to export the last checkpoint again")
+    config = copy.deepcopy(model.config)  # describe_folder sets its dtype
+    described = describe_folder(staging, model_cls, config, tokenizer, getattr(model, "generation_config", None), dtype)
+    publish(staging, out, sorted(set(weight_names) | set(described)))
+    remove(shards, EXPORT_STAGING)
+    seconds = round(time.monotonic() - started, 3)
+    writers = sum(1 for p in parts.values() if p["files"])
+    size = sum((out / n).stat().st_size for n in weight_names if n.endswith(".safetensors"))
+    record_export(out, {"dtype": dtype, "writers": writers, "shards": sum(n.endswith(".safetensors") for n in weight_names),
+                        "bytes": size, "seconds": seconds, "ranks": {str(r): p for r, p in sorted(parts.items())}})
+    logger.info(f"final model: {size / 1e6:,.1f} MB in {dtype}, written by {writers} of {world} rank(s) in parallel in {seconds:.1f} s (fsdp_report.json: export)")
+
+
+# Every shard of the final export is at most 5 GB (save_pretrained's default) and, above this size, about 1/N of the
+# model, so that N ranks each write a share; a smaller model is written in fewer, larger shards.
+PART_MIN_BYTES = 64 << 20
+PART_MAX_BYTES = 5 * 10**9
+PART_POLL_SECONDS = 1.0  # how often rank 0 looks for the other ranks' completion files
+PART_LOG_SECONDS = 60.0  # how often it says whom it is waiting for
+# A writing rank rewrites .part-K.alive (a counter) from a thread every PART_BEAT_SECONDS, however slow its writes;
+# rank 0 gives up on a rank whose counter has not changed for PART_STALE_SECONDS by its own clock (no clock is
+# compared across machines): a rank on another node that died or hangs, where no launcher stops rank 0 for it.
+PART_BEAT_SECONDS = 10.0
+PART_STALE_SECONDS = 300.0
+
+
+def part_shard_size(total: int, world: int) -> int:
+    """The largest shard of an export of ``total`` bytes by ``world`` ranks: every rank gets a shard when it can."""
+    return min(PART_MAX_BYTES, max(PART_MIN_BYTES, -(-total // max(world, 1))))
+
+
+def parameter_dtype(model) -> str:
+    """The dtype the model's weights are trained in: that of its (base model's) floating parameters."""
+    for param in lora_parts(model)[0].parameters():
+        if param.is_floating_point():
+            return str(param.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def export_dtype(model, save_dtype: str = "auto") -> str:
+    """The dtype of the final folder's weights: ``--save_dtype``, or for "auto" the dtype the weights were trained in
+    (parameter_dtype: ModelArguments.dtype; under FSDP mixed precision the float32 master weights, not the bf16
+    compute copies)."""
+    return parameter_dtype(model) if save_dtype in (None, "auto") else save_dtype
+
+
+def save_dtype_problem(trainer, save_dtype: str) -> str | None:
+    """--save_dtype casts only where this module writes the weights itself (SHARDED_STATE_DICT): elsewhere the Trainer's
+    save_model writes the parameters as they are. Checked before training, not after it."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    sharded = plugin is not None and ("SHARDED_STATE_DICT" in str(plugin.state_dict_type) or lora_parts(model)[1] is not None)
+    if sharded or export_dtype(model, save_dtype) == parameter_dtype(model):
+        return None
+    return (f"save_dtype={save_dtype}: this run's final folder is written by the Trainer's save_model (no FSDP, or "
+            f"fsdp_state_dict_type {str(getattr(plugin, 'state_dict_type', None)).split('.')[-1]}), in the parameters' "
+            f"dtype {parameter_dtype(model)}: use an FSDP config with SHARDED_STATE_DICT, or leave save_dtype at auto and "
+            f"cast afterwards with tools/merge_checkpoint.py CHECKPOINT OUT --dtype {save_dtype}")
+
+
+def write_part(source, staging: Path, config, part: tuple[int, int], dtype, max_shard_size: int):
+    """This rank's shards of the final folder into ``staging``, then its completion file: ``.part-K.done`` (the files
+    and the seconds it took), or ``.part-K.failed`` (the error) before the error goes on up. Returns what
+    write_weight_part returns."""
+    rank, started, stop = part[0], time.monotonic(), threading.Event()
+
+    def beat():
+        count = 0
+        while True:
+            count += 1
+            (staging / f".part-{rank}.alive").write_text(f"{count}\n")
+            if stop.wait(PART_BEAT_SECONDS):
+                return
+
+    beating = threading.Thread(target=beat, name="export-heartbeat", daemon=True)
+    beating.start()
+    try:
+        result = write_weight_part(source, staging, config, part, dtype, max_shard_size)
+    except BaseException as err:
+        (staging / f".part-{rank}.failed").write_text(f"{type(err).__name__}: {err}"[:2000] + "\n")
+        raise
+    finally:
+        stop.set()
+        beating.join()
+    record = {"files": result[1], "seconds": round(time.monotonic() - started, 3)}
+    (staging / f".part-{rank}.tmp").write_text(json.dumps(record) + "\n")
+    replace_file(staging / f".part-{rank}.tmp", staging / f".part-{rank}.done", EXPORT_STAGING)  # whole, or absent
+    return result
+
+
+def wait_for_parts(staging: Path, world: int, log=print) -> dict[int, dict]:
+    """Rank 0's wait for every rank's completion file, without a collective and so without a deadline on the writing:
+    one that fails leaves ``.part-K.failed``, raised here; one that dies ends the launch on its machine (torch
+    elastic stops the others), and one whose heartbeat (``.part-K.alive``) stops changing for PART_STALE_SECONDS
+    is given up on, on any machine."""
+    parts: dict[int, dict] = {}
+    last_said = time.monotonic()
+    beats: dict[int, tuple[str | None, float]] = {rank: (None, last_said) for rank in range(world)}  # last seen, when
+    again = "nothing was published; run the same command with --resume_from_checkpoint true to export the last checkpoint"
+    while len(parts) < world:
+        for rank in sorted(set(range(world)) - set(parts)):
+            failed, done = staging / f".part-{rank}.failed", staging / f".part-{rank}.done"
+            if failed.is_file():
+                raise CheckpointError(f"rank {rank} failed writing its part of the final model ({failed.read_text().strip()}): {again}")
+            if done.is_file():
+                parts[rank] = json.loads(done.read_text())
+                continue
+            try:
+                beat = (staging / f".part-{rank}.alive").read_text()
+            except OSError:
+                beat = None
+            if beat != beats[rank][0]:
+                beats[rank] = (beat, time.monotonic())
+            elif time.monotonic() - beats[rank][1] > PART_STALE_SECONDS:
+                raise CheckpointError(f"rank {rank} has shown no sign of life for {PART_STALE_SECONDS:.0f} s while writing its part "
+                                      f"of the final model ({staging / f'.part-{rank}.alive'} stopped changing): it died or hangs; {again}")
+        if len(parts) < world:
+            if time.monotonic() - last_said >= PART_LOG_SECONDS:
+                log(f"final model: waiting for rank(s) {', '.join(str(r) for r in sorted(set(range(world)) - set(parts)))} "
+                    "to finish their shards (no timeout applies)")
+                last_said = time.monotonic()
+            time.sleep(PART_POLL_SECONDS)
+    return parts
+
+
+def record_export(out: Path, export: dict) -> None:
+    """The export's dtype, writers and time in the run's fsdp_report.json (rank 0; the report is the run's, when it exists)."""
+    path = Path(out) / REPORT_NAME
+    if path.is_file():
+        report = json.loads(path.read_text())
+        report["export"] = export
+        path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp", ".adapter-tmp")  # this module's own staging folders in output_dir
@@ -170,16 +319,18 @@ def finished_checkpoint_step(training_args) -> int | None:
     return step if step >= training_args.max_steps else None
 
 
-def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print) -> None:
+def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print,
+                      dtype: str | None = None) -> None:
     """The final model folder of a run, written from one of its checkpoints (tools/merge_checkpoint.py's code).
-    ``base_model``: the run's own model source, for a checkpoint whose config.json is missing."""
+    ``base_model``: the run's own model source, for a checkpoint whose config.json is missing. ``dtype``: cast the
+    weights (--save_dtype; None or "auto" keeps the saved dtype)."""
     remove_export_leftovers(Path(out), log=log)
-    write_final_folder(Path(ckpt), Path(out), base_model, log)
+    write_final_folder(Path(ckpt), Path(out), base_model, log, dtype=None if dtype == "auto" else dtype)
 
 
-def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log=print) -> None:
-    """``out`` becomes the model folder of checkpoint ``ckpt``; a LoRA checkpoint gives the merged model and the
-    adapter in ``out/adapter``."""
+def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log=print, dtype: str | None = None) -> None:
+    """``out`` becomes the model folder of checkpoint ``ckpt``; a LoRA checkpoint gives the merged model (cast to
+    ``dtype`` when given) and the adapter in ``out/adapter``."""
     from fsdp_recipes.ckpt.description import description_dirs
     from fsdp_recipes.ckpt.merge import merge_checkpoint
     from fsdp_recipes.ckpt.resolve import resolve_input
@@ -191,7 +342,7 @@ def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log
                               "folder): move it out of output_dir, then run the same command again")
     if description_dirs(resolve_input(ckpt))[0] is not None:
         base_model = None  # the checkpoint describes itself
-    result = merge_checkpoint(ckpt, staging, overwrite=True, base_model=base_model, log=log, output_purpose=EXPORT_STAGING)
+    result = merge_checkpoint(ckpt, staging, overwrite=True, base_model=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING)
     if lora:  # a LoRA run: the adapter too, in a folder of its own
         adapter_staging = out / ".adapter-tmp"
         merge_checkpoint(ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log, output_purpose=EXPORT_STAGING)

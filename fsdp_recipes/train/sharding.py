@@ -131,10 +131,11 @@ def wrapped_units(model: torch.nn.Module) -> dict[str, int]:
     return {name: classes.count(name) for name in sorted(set(classes))}
 
 
-def precision_contract(model: torch.nn.Module, accelerator) -> dict:
+def precision_contract(model: torch.nn.Module, accelerator, saved_model: str | None = None) -> dict:
     """The dtypes the run keeps and moves: master weights (what the optimizer updates), compute (FSDP's mixed
-    precision policy, else accelerate's autocast), gradient reduction, and the saved model. The optimizer state's
-    dtype is added after the first step, when it exists."""
+    precision policy, else accelerate's autocast), gradient reduction, and the saved model (the final folder's
+    weights: --save_dtype, by default the master weights'). The optimizer state's dtype is added after the first
+    step, when it exists."""
     master = next((p.dtype for p in model.parameters()), None)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     policy = getattr(plugin, "mixed_precision_policy", None)
@@ -142,11 +143,11 @@ def precision_contract(model: torch.nn.Module, accelerator) -> dict:
     compute = getattr(policy, "param_dtype", None) or autocast or master
     reduce = getattr(policy, "reduce_dtype", None) or getattr(policy, "param_dtype", None) or master
     return {"master_weights": _dtype(master), "compute": _dtype(compute), "gradient_reduction": _dtype(reduce),
-            "optimizer_state": None, "saved_model": _dtype(master)}
+            "optimizer_state": None, "saved_model": saved_model or _dtype(master)}
 
 
 def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, training_args=None, trainable_total: int | None = None,
-                      optimizer=None) -> dict:
+                      optimizer=None, saved_model: str | None = None) -> dict:
     """Check the prepared model against the launch config on every rank; rank 0 writes the report.
 
     Raises NotShardedError on every rank when FSDP was asked for and is not what runs, or when the launcher started
@@ -169,7 +170,7 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
         "trainable_param_elements": trainable_total,
         "trainable": trainable_names(model) if trainable_total < total else "all",
         "wrapped_units": wrapped_units(model),
-        "precision": precision_contract(model, accelerator),
+        "precision": precision_contract(model, accelerator, saved_model),
         "ranks": gathered,
     }
     launched = launched_world_size()
@@ -280,7 +281,7 @@ class ShardingReport(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir, args, self.trainer.trainable_total,
-                                   self.trainer.optimizer)
+                                   self.trainer.optimizer, getattr(self.trainer, "export_dtype", None))
         local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
         logger.info(
             f"{report['ranks'][0]['wrapper']} {report['sharding_strategy'] or 'replicated'} on {report['world_size']} process(es), "

@@ -45,7 +45,7 @@ from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, model_mismatch, rotate,
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import whole_model_fsdp_checkpoints
 from fsdp_recipes.removal import make_folder
-from fsdp_recipes.train.export import DescribeCheckpoints, lora_parts
+from fsdp_recipes.train.export import DescribeCheckpoints, export_dtype, lora_parts
 from fsdp_recipes.train.metrics import Throughput, perplexity
 from fsdp_recipes.train.preemption import Preemption
 from fsdp_recipes.train.sharding import ShardingReport
@@ -99,7 +99,7 @@ OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._sav
 
 
 class FSDPTrainer(Trainer):
-    def __init__(self, *args, zero1: bool = False, **kwargs):
+    def __init__(self, *args, zero1: bool = False, save_dtype: str = "auto", **kwargs):
         internals.require(*OVERRIDES)  # a renamed base method would leave ours never called
         model = kwargs.get("model")
         if zero1:  # the Trainer's own optimizer and settings, each rank stepping its 1/N of the parameters
@@ -110,6 +110,7 @@ class FSDPTrainer(Trainer):
         self.model_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         super().__init__(*args, **kwargs)
         self.trainable_total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # before sharding
+        self.save_dtype, self.export_dtype = save_dtype, export_dtype(self.model, save_dtype)  # the final folder's (fsdp_report.json)
         # name -> full shape, before sharding: what a checkpoint resumed into this model must hold (model_mismatch)
         self.weight_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.tied_names = set(getattr(lora_parts(self.model)[0], "all_tied_weights_keys", None) or ())

@@ -6,12 +6,16 @@ and a real SIGKILL at a chosen point.
       point optimizer rank(s) die while checkpoint-<step> is written: model shards done, optimizer shards not begun
       point rng       rank(s) die while checkpoint-<step> is written: all shards done, their RNG state file not begun
       point final     rank(s) die as the final model folder is about to be written (<step> is ignored)
+      point slowexport rank(s) sleep <step> seconds before writing their part of the final model folder (after the
+                      export's last collective): a conversion slower than --ddp_timeout
       point sigterm   rank(s) send SIGTERM to the launcher and every rank at once (as SLURM does to a job step)
                       before the first micro-batch after <step> optimizer steps
       point usr1      rank(s) send SIGUSR1 to themselves only, at the same moment (the others must stop alike)
       point early     rank(s) send <step> (TERM or USR1) to themselves while the model loads (before training)
       point sigint    rank(s) send SIGINT to the launcher's process group, as Ctrl-C at a terminal does (torch
                       elastic starts each rank in a session of its own: the launcher forwards it to them)
+    FSDP_EXPORT_PART_MIN=<bytes>  the final export's smallest shard (export.PART_MIN_BYTES): the tiny model in
+                                  shards for every rank
     FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into <dir>
     FSDP_DUMP_EVAL=<dir>        each rank writes the metrics of each evaluation to <dir>/rank<R>-step<S>.json
     FSDP_RANK_CWD=<rank>:<dir>  that rank works in <dir>: a relative --output_dir is another folder for it, as for a
@@ -120,8 +124,27 @@ if os.environ.get("FSDP_FAULT"):
 
         save_final_model = fsdp_recipes.train.export.save_final_model  # train_fsdp.py imports it by name after this
         fsdp_recipes.train.export.save_final_model = save_final_model_or_die
+    elif point == "slowexport":
+        import time
+
+        import fsdp_recipes.train.export
+
+        write_part = fsdp_recipes.train.export.write_part  # save_final_model calls it through the module
+
+        def slow_write_part(*args, **kwargs):
+            if _dies(ranks):
+                print(f"fault injection: rank {os.environ['RANK']} writes its part of the final model {step} s late", file=sys.stderr, flush=True)
+                time.sleep(float(step))
+            return write_part(*args, **kwargs)
+
+        fsdp_recipes.train.export.write_part = slow_write_part
     else:
-        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, early, sigterm, usr1 or sigint")
+        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, slowexport, early, sigterm, usr1 or sigint")
+
+if os.environ.get("FSDP_EXPORT_PART_MIN"):
+    import fsdp_recipes.train.export
+
+    fsdp_recipes.train.export.PART_MIN_BYTES = int(os.environ["FSDP_EXPORT_PART_MIN"])
 
 if os.environ.get("FSDP_DUMP_OPTIMIZER"):
     load = FSDPTrainer._load_optimizer_and_scheduler

@@ -1,0 +1,141 @@
+"""The final export (fsdp_recipes/train/export.py, issue 21): every rank writes its part of the model folder, no
+rank waits on a collective bounded by --ddp_timeout while the others write, and --save_dtype sets the weights' dtype."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from conftest import FAULT_SCRIPT, free_port, launch, read_json, run
+from fsdp_recipes.ckpt.readers import TensorInfo
+from fsdp_recipes.ckpt.safetensors_writer import weight_files, write_weights
+from fsdp_recipes.errors import CheckpointError
+from fsdp_recipes.train.export import part_shard_size, wait_for_parts
+
+
+def header_dtypes(path) -> set[str]:
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    return {v["dtype"] for k, v in json.loads(raw[8:8 + size]).items() if k != "__metadata__"}
+
+
+class MemorySource:
+    """A checkpoint source held in memory (no copy_plan: every tensor goes through read)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.data = tensors
+        self.tensors = {n: TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()}
+
+    def read(self, names):
+        return {n: self.data[n].clone() for n in names}
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_parts_written_apart_make_the_folder_one_writer_makes(tmp_path, dtype):
+    gen = torch.Generator().manual_seed(0)
+    source = MemorySource({f"layer.{i}.weight": torch.randn(64 + i, 32, generator=gen) for i in range(7)})
+    names = sorted(source.tensors)
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    whole.mkdir(), parts.mkdir()
+    size = 20_000 if dtype is None else 10_000  # about two tensors a shard: four shards for three parts
+    assert write_weights(source, names, whole, max_shard_size=size, dtype=dtype) == weight_files(source, names, size, dtype)
+    written = [write_weights(source, names, parts, max_shard_size=size, dtype=dtype, part=(k, 3)) for k in range(3)]
+    assert all(written) and sorted(sum(written, [])) == sorted(p.name for p in whole.iterdir())  # each rank some, none twice
+    assert "model.safetensors.index.json" in written[0]
+    for p in whole.iterdir():
+        assert (parts / p.name).read_bytes() == p.read_bytes(), p.name
+        if p.suffix == ".safetensors":
+            assert header_dtypes(p) == {"BF16" if dtype else "F32"}
+
+
+def test_shard_size_gives_every_rank_a_share_of_a_large_model():
+    assert part_shard_size(10 << 30, 8) == -(-(10 << 30) // 8)  # 1.25 GiB each
+    assert part_shard_size(280 * 10**9, 8) == 5 * 10**9  # save_pretrained's largest shard
+    assert part_shard_size(1 << 20, 2) == 64 << 20  # a small model: one shard, one writer
+
+
+def test_a_failed_rank_is_named_and_nothing_is_published(tmp_path):
+    (tmp_path / ".part-0.done").write_text('{"files": ["model-00001-of-00002.safetensors"], "seconds": 1}\n')
+    (tmp_path / ".part-1.failed").write_text("OSError: [Errno 28] No space left on device\n")
+    with pytest.raises(CheckpointError, match=r"rank 1 failed writing its part of the final model \(OSError: \[Errno 28\]"):
+        wait_for_parts(tmp_path, 2)
+
+
+def test_a_rank_whose_heartbeat_stops_is_given_up_on(tmp_path, monkeypatch):
+    import fsdp_recipes.train.export as export
+
+    monkeypatch.setattr(export, "PART_POLL_SECONDS", 0.05)
+    monkeypatch.setattr(export, "PART_STALE_SECONDS", 0.3)
+    (tmp_path / ".part-0.done").write_text('{"files": [], "seconds": 1}\n')
+    (tmp_path / ".part-1.alive").write_text("7\n")  # written once, then never again
+    with pytest.raises(CheckpointError, match=r"rank 1 has shown no sign of life for 0 s .*\.part-1\.alive stopped changing"):
+        wait_for_parts(tmp_path, 2)
+
+
+def test_a_bad_save_dtype_is_one_line(tmp_path):
+    """Refused by RunArguments before anything starts; train_fsdp.py prints the message as its one line."""
+    from fsdp_recipes.config.parse import parse_args
+    from fsdp_recipes.errors import RecipeError
+
+    for args in (["--save_dtype", "bf16"], [str(tmp_path / "recipe.yaml")]):
+        (tmp_path / "recipe.yaml").write_text("save_dtype: bf16\n")
+        with pytest.raises(RecipeError) as err:
+            parse_args([*args, "--output_dir", str(tmp_path / "out"), "--allow_no_fsdp", "true"])
+        assert str(err.value).endswith("save_dtype='bf16' is not one of auto, float32, bfloat16, float16") or \
+            str(err.value) == "recipe key save_dtype: 'bf16' is not one of auto, float32, bfloat16, float16"
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_ddp_timeout_holds_on_cpu(tmp_path):
+    """The control: on CPU a collective really ends at --ddp_timeout (transformers gives a gloo group none;
+    compat.cpu_fsdp.apply_ddp_timeout sets it), so the export test below would fail on a timed wait."""
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import time, torch.distributed as dist\n"
+        "from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout\n"
+        "dist.init_process_group('gloo')\n"
+        "assert apply_ddp_timeout(2)\n"
+        "if dist.get_rank() == 0:\n    time.sleep(6)\n"
+        "start = time.monotonic()\n"
+        "try:\n    dist.barrier()\nexcept RuntimeError as err:\n"
+        "    print(f'rank {dist.get_rank()} timed out after {time.monotonic() - start:.0f} s: {str(err)[:60]}', flush=True)\n"
+    )
+    proc = run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)], timeout=120)
+    assert "rank 1 timed out after 2 s" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_export_slower_than_ddp_timeout_finishes_and_loads_in_bfloat16(tmp_path):
+    """Rank 0 writes its part of the final model 20 s late under --ddp_timeout 8: the run exits 0 (before issue 21,
+    rank 1 died in the barrier after 8 s), both ranks wrote shards, and the folder loads, in bfloat16, with the
+    trained weights."""
+    from accelerate.utils import merge_fsdp_weights
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    proc = launch(
+        "accelerate_configs/zero3.yaml", "--max_steps", "4", "--save_steps", "4", "--logging_steps", "2",
+        "--ddp_timeout", "8", "--save_dtype", "bfloat16", "--output_dir", str(out), script=FAULT_SCRIPT,
+        env={"FSDP_FAULT": "0:slowexport:20", "FSDP_EXPORT_PART_MIN": "1000"},
+    )
+    assert "rank 0 writes its part of the final model 20 s late" in proc.stderr
+    assert not (out / ".final-sharded").exists() and not (out / ".export-tmp").exists()
+    report = read_json(out / "fsdp_report.json")
+    assert report["precision"]["saved_model"] == report["export"]["dtype"] == "bfloat16"
+    assert report["precision"]["master_weights"] == "float32"
+    assert report["export"]["writers"] == 2 and report["export"]["seconds"] >= 20
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) == report["export"]["shards"] >= 2 and (out / "model.safetensors.index.json").is_file()
+    assert {d for s in shards for d in header_dtypes(s)} == {"BF16"}
+    assert read_json(out / "config.json")["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    merge_fsdp_weights(str(out / "checkpoint-4" / "pytorch_model_fsdp_0"), str(tmp_path / "ref"), safe_serialization=True)
+    reference, loaded = load_file(tmp_path / "ref" / "model.safetensors"), model.state_dict()
+    assert set(reference) == set(loaded)
+    assert all(torch.equal(loaded[k], v.to(torch.bfloat16)) for k, v in reference.items())
