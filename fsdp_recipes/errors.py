@@ -45,7 +45,7 @@ class UnknownToThisVersion(CheckpointError):
     and the checkpoint may well be complete. It is never called incomplete, passed over, set aside or deleted for
     that; what reads it stops with this one line instead. ``reason`` is the line without its verdict and fix."""
 
-    FIX = "use the torch version that wrote it, or a newer fsdp-recipes"
+    FIX = "use the torch version that wrote it"
 
     def __init__(self, path: str | os.PathLike, what: str, kind: str, version: str):
         self.path, self.what, self.kind, self.version = str(path), what, kind, version

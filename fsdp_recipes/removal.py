@@ -142,8 +142,11 @@ def remove_lock_file(path: str | os.PathLike, content: bytes) -> bool:
     a dead owner's line its caller has just read. Another run's lock, a link or a folder is never removed."""
     path = Path(path)
     try:
-        if path.is_symlink() or not path.is_file() or path.read_bytes() != content:
+        if path.is_symlink() or not path.is_file():
             return False
+        with open(path, "rb") as f:
+            if f.read(len(content) + 1) != content:
+                return False
         path.unlink()
     except OSError:
         return False

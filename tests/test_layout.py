@@ -27,7 +27,16 @@ def modules(root: Path) -> dict[str, Path]:
 
 
 def _type_checking_only(node, parents) -> bool:
-    return any(isinstance(p, ast.If) and "TYPE_CHECKING" in ast.unparse(p.test) for p in parents)
+    """Inside the body (not the else) of ``if TYPE_CHECKING:`` / ``if typing.TYPE_CHECKING:``: never run."""
+    chain = [*parents, node]
+    for parent, child in zip(chain, chain[1:]):
+        test = getattr(parent, "test", None) if isinstance(parent, ast.If) else None
+        if test is not None and ast.unparse(test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") and child in parent.body:
+            return True
+    return False
+
+
+DYNAMIC = ("import_module", "__import__", "run_module")  # importlib.import_module("x"), __import__("x"), runpy.run_module("x")
 
 
 def imports(path: Path, known: dict[str, Path], own: str) -> dict[str, int]:
@@ -36,6 +45,14 @@ def imports(path: Path, known: dict[str, Path], own: str) -> dict[str, int]:
     package = own if path.name == "__init__.py" else own.rpartition(".")[0]
 
     def visit(node, parents):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and node.args[0].value.startswith(PACKAGE) \
+                and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in DYNAMIC:
+            target = node.args[0].value
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != own:
+                found.setdefault(target, node.lineno)
         if isinstance(node, (ast.Import, ast.ImportFrom)) and not _type_checking_only(node, parents):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -223,6 +240,12 @@ BASE = {
     ("def f():\n    from fsdp_recipes.train import loop\n", "ckpt/layout.py:2 imports fsdp_recipes.train.loop"),  # lazy counts
     ("from ..train.loop import x\n", "ckpt/layout.py:1 imports fsdp_recipes.train.loop"),  # relative
     ("import fsdp_recipes.train.loop\n", "ckpt/layout.py:1 imports fsdp_recipes.train.loop"),
+    ("import importlib\nimportlib.import_module('fsdp_recipes.train.loop')\n", "ckpt/layout.py:2 imports fsdp_recipes.train.loop"),
+    ("m = __import__('fsdp_recipes.train.loop')\n", "ckpt/layout.py:1 imports fsdp_recipes.train.loop"),
+    ("import runpy\nrunpy.run_module('fsdp_recipes.train.loop')\n", "ckpt/layout.py:2 imports fsdp_recipes.train.loop"),
+    ("if not TYPE_CHECKING:\n    from fsdp_recipes.train import loop\n", "ckpt/layout.py:2 imports fsdp_recipes.train.loop"),
+    ("if TYPE_CHECKING:\n    pass\nelse:\n    from fsdp_recipes.train import loop\n", "ckpt/layout.py:4 imports fsdp_recipes.train.loop"),
+    ("if TYPE_CHECKING or True:\n    from fsdp_recipes.train import loop\n", "ckpt/layout.py:2 imports fsdp_recipes.train.loop"),
 ])
 def test_a_forbidden_import_is_found(tmp_path, bad, expected):
     root = _tree(tmp_path, {**BASE, f"{PACKAGE}/ckpt/layout.py": bad})

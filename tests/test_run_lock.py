@@ -77,7 +77,7 @@ def test_a_lock_held_elsewhere_is_in_use_not_a_filesystem_without_locks(tmp_path
     monkeypatch.setattr(fcntl, "lockf", held)
     (tmp_path / run_lock.LOCK_NAME).write_text("host n1, pid 1, since then\n")
     said = []
-    with pytest.raises(RecipeError, match=r"in use by another run \(host n1, pid 1, since then\)"):
+    with pytest.raises(RecipeError, match=r"in use by another run \(host n1, pid 1, since then; a run that died holds nothing"):
         hold_output_dir(_args(tmp_path), warn=said.append)
     assert said == [] and not (tmp_path / run_lock.OWNER_NAME).exists()
 
@@ -97,3 +97,57 @@ def test_the_lock_file_is_removed_when_the_run_ends(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("True")  # held while it ran
     assert not (tmp_path / run_lock.OWNER_NAME).exists()  # and removed at its end
+
+
+def _make(path, kind):
+    """A lock file as a hostile or broken filesystem leaves it."""
+    host = socket.gethostname()
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link":
+        (path.parent / "target").write_text(f"host {host}, pid {_dead_pid()}, since then\n")
+        path.symlink_to(path.parent / "target")
+    elif kind == "huge":
+        with open(path, "wb") as f:
+            f.truncate(1 << 30)  # sparse: 1 GiB of NULs, read only as far as a lock line goes
+    elif kind == "overflowing pid":
+        path.write_text(f"host {host}, pid 99999999999999999999, since then\n")
+    elif kind == "unicode digit pid":
+        path.write_text(f"host {host}, pid \u00b2, since then\n")
+    elif kind == "escape codes":
+        path.write_bytes(b"host \x1b[2J\x1b[31mevil, pid 1, since then\n")
+    elif kind == "dead owner, then more":
+        path.write_text(f"host {host}, pid {_dead_pid()}, since then\n" + "x" * 400)
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "link", "huge", "overflowing pid", "unicode digit pid", "escape codes",
+                                  "dead owner, then more"])
+def test_a_broken_or_hostile_lock_file_is_one_line_and_left_alone(tmp_path, no_posix_locks, kind):
+    owner = tmp_path / run_lock.OWNER_NAME
+    _make(owner, kind)
+    with pytest.raises(RecipeError, match=f"in use by another run .*{owner}") as err:
+        hold_output_dir(_args(tmp_path), warn=lambda m: None)
+    message = str(err.value)
+    assert "\n" not in message and "\x1b" not in message and len(message) < 1000, message
+    assert owner.is_symlink() or owner.exists()  # nothing removed that this run cannot judge
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_posix_lock_path_that_is_not_a_file_is_one_line(tmp_path, kind):
+    _make(tmp_path / run_lock.LOCK_NAME, kind)
+    with pytest.raises(RecipeError, match=f"in use by another run .*{run_lock.LOCK_NAME}.*remove it"):
+        hold_output_dir(_args(tmp_path), warn=lambda m: None)
+
+
+def test_a_lock_naming_this_very_process_or_this_slurm_job_is_stale(tmp_path, no_posix_locks, monkeypatch):
+    owner = tmp_path / run_lock.OWNER_NAME
+    owner.write_text(f"host {socket.gethostname()}, pid {os.getpid()}, since then\n")  # a recycled pid: not held by us
+    hold_output_dir(_args(tmp_path), warn=lambda m: None)
+    other = tmp_path / "requeued"
+    other.mkdir()
+    (other / run_lock.OWNER_NAME).write_text(f"host {socket.gethostname()}, pid {os.getppid()}, job 4242, since then\n")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the same job, requeued: its earlier attempt is over
+    hold_output_dir(_args(other), warn=lambda m: None)
+    assert "job 4242" in (other / run_lock.OWNER_NAME).read_text() and f"pid {os.getpid()}," in (other / run_lock.OWNER_NAME).read_text()

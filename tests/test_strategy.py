@@ -134,3 +134,16 @@ def test_accelerate_use_fsdp_means_the_same_everywhere(value, monkeypatch):
     assert cpu_fsdp.fsdp_requested() == cpu_fsdp.fsdp_requested(env) == asked
     assert (launcher.from_environment(env) is not None) == asked
     assert expected_fsdp_version() == (2 if asked else None)
+
+
+@pytest.mark.parametrize("text, strategy, offload", [("false", "SHARD_GRAD_OP", False), ("False", "SHARD_GRAD_OP", False),
+                                                     ("no", "SHARD_GRAD_OP", False), ("true", "FULL_SHARD", True)])
+def test_quoted_booleans_read_as_accelerate_reads_them(text, strategy, offload):
+    """accelerate reads a quoted "false" as false (str_to_bool); bool("false") would be true."""
+    from accelerate.utils import str_to_bool
+
+    from fsdp_recipes.config.strategy import strategy_of
+
+    assert bool(str_to_bool(text)) is offload  # what accelerate itself makes of the text
+    config = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": text, "fsdp_offload_params": text}}
+    assert strategy_of(config).name == strategy and strategy_of(config).offload is offload

@@ -87,7 +87,7 @@ def is_model_folder(folder: Path) -> bool:
 # tensorboard's runs/, profiles, the adapter, its lock and staging folders. Anything else there is someone's.
 _RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", r"adapter", r"runs",
                 r"profile", r"run_args\.json", r"fsdp_report\.json", r"(all|train|eval)_results\.json", r"loss\.png",
-                r"\.run\.lock", r"\.run\.lock\.owner", r"requeue_progress\.json", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
+                r"\.run\.lock", r"\.run\.lock\.owner", r"training_args\.bin", r"requeue_progress\.json", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
 
 
 def foreign_entries(output_dir: Path) -> list[str]:

@@ -68,12 +68,12 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
     if str(value).lower() == "true":
         chosen, skipped = newest_resumable(output_dir) if Path(output_dir).is_dir() else (None, [])
         if blocked := next((s for s in skipped if s.may_be_complete), None):  # never passed over for an older one
-            earlier = chosen.path if chosen else "<an earlier checkpoint-N>"
+            earlier = (f", or resume an earlier checkpoint explicitly with --resume_from_checkpoint {chosen.path} (later "
+                       "checkpoints are then moved aside, never deleted)") if chosen else ""
             raise RecipeError(
                 f"--resume_from_checkpoint true: {Path(blocked.path).name} in {output_dir!r} is unreadable by this version "
                 f"({blocked.unreadable}); another torch version wrote it, and it may be complete, so nothing was skipped, "
-                "set aside or deleted: resume with the torch version that wrote it, or resume an earlier checkpoint "
-                f"explicitly with --resume_from_checkpoint {earlier} (later checkpoints are then moved aside, never deleted)"
+                f"set aside or deleted: resume with the torch version that wrote it{earlier}"
             )
         for status in skipped:
             say(f"skipping {status.summary()}")
@@ -146,6 +146,9 @@ def decide(value: str | None, output_dir: str, trainer_fsdp: bool = False) -> De
         return Decision(resume.path, resume.set_aside, check_requeue(output_dir, resume.path), notes, None)
     except RecipeError as err:
         return Decision(None, [], None, notes, str(err))
+    except Exception as err:  # rank 0 alone decides: whatever stops it must reach every rank as the decision's error
+        return Decision(None, [], None, notes, f"the resume could not be decided ({type(err).__name__}: {err}); "
+                        "check output_dir and --resume_from_checkpoint")
 
 
 class Sight(NamedTuple):

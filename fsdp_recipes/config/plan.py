@@ -22,4 +22,5 @@ class Plan:
     delete: list[Path] = field(default_factory=list)  # an earlier run's checkpoints --overwrite_output_dir deletes
     launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.config.launcher)
     run_args: object = None  # fsdp_recipes.config.arguments.RunArguments: this script's own options
+    notes: list[str] = field(default_factory=list)  # what the resume decision said, printed once output_dir is held
     requeue_record: dict | None = None  # a requeued SLURM job's progress, written to output_dir (ckpt.resume.check_requeue)

@@ -9,11 +9,12 @@ from pathlib import Path
 from fsdp_recipes.bounded import YAML_LIMIT, load_json
 from fsdp_recipes.compat import internals
 from fsdp_recipes.config.flags import with_hints
+from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, UnreadableFile
 
 
 @functools.cache
-def trainer_fsdp_keys() -> frozenset[str]:
+def trainer_fsdp_keys() -> frozenset[str] | None:
     """The fsdp_config keys TrainingArguments reads, taken from its own code (``_process_fsdp_args``): every
     ``fsdp_config["key"]``, ``.get("key")``, ``.setdefault("key")`` and ``"key" in fsdp_config`` there. A key a newer
     transformers reads is accepted without a change here; one it stops reading is refused again. Keys may carry an
@@ -21,7 +22,13 @@ def trainer_fsdp_keys() -> frozenset[str]:
     import inspect
 
     method = internals.get("transformers.training_args.TrainingArguments._process_fsdp_args")
-    keys = keys_read(inspect.getsource(method))
+    try:
+        source = inspect.getsource(method)
+    except (OSError, TypeError):  # an install without .py sources: the keys cannot be read, so they are not checked
+        say("warning: transformers' source is not installed, so --fsdp_config keys are not checked against the ones "
+            "TrainingArguments reads (a misspelt key would be ignored by it)")
+        return None
+    keys = keys_read(source)
     if len(keys) < 5:  # the method was rewritten in a way this reading no longer sees
         raise internals.problem("transformers.training_args.TrainingArguments._process_fsdp_args",
                                 f" reading fsdp_config keys as this repository expects (found {sorted(keys)})")
@@ -68,7 +75,9 @@ def check_trainer_fsdp(raw) -> bool:
             config = load_json(Path(config), "--fsdp_config", YAML_LIMIT)
         except UnreadableFile as err:
             raise RecipeError(str(err)) from None
-    unknown = [k for k in (config or {}) if not k.startswith("_") and k.removeprefix("fsdp_") not in trainer_fsdp_keys()]
+    if (keys := trainer_fsdp_keys()) is None:
+        return True
+    unknown = [k for k in (config or {}) if not k.startswith("_") and k.removeprefix("fsdp_") not in keys]
     if unknown:
-        raise RecipeError(f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, trainer_fsdp_keys(), 'fsdp_')}")
+        raise RecipeError(f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, keys, 'fsdp_')}")
     return True

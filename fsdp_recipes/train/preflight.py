@@ -31,6 +31,7 @@ from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config.arguments import build
 from fsdp_recipes.config.launcher import LaunchSettings
 from fsdp_recipes.config.plan import Plan
+from fsdp_recipes import console
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.removal import remove
@@ -76,10 +77,12 @@ def decide_resume(plan: Plan, training_args=None, say=say) -> None:
         sights = _all_gather(sight(value, output_dir, decision.path))
         if problem := disagreement(value, output_dir, decision.path, sights):
             raise RecipeError(problem)
-    for note in decision.notes:
-        say(note)
     if decision.error:
+        for note in decision.notes:
+            say(note)
         raise RecipeError(decision.error)
+    # printed by apply, once output_dir is held: a second run refused there says nothing of the first run's checkpoints
+    plan.notes = decision.notes
     plan.resume, plan.set_aside, plan.requeue_record = decision.path, decision.set_aside, decision.requeue_record
     if training_args is not None:
         training_args.resume_from_checkpoint = plan.resume
@@ -94,6 +97,8 @@ def apply(plan: Plan, training_args, say=say) -> None:
 
 def carry_out(plan: Plan, say=say) -> None:
     """The moves and deletions themselves, in this process (``apply`` runs it on rank 0 of a launch)."""
+    for note in plan.notes:
+        console.say(note)  # stderr, as every check's line: not the log's stdout
     for path, prefix, why in plan.set_aside:
         if path.is_dir():
             say(f"{why}: moved {path.name} to {set_aside(path, prefix).name} (nothing deleted)")
@@ -152,7 +157,7 @@ def hold_output_dir(training_args, warn=say) -> None:
     if holder is not None:
         raise RecipeError(
             f"output_dir {training_args.output_dir!r} is in use by another run ({holder}): wait for it to end, or choose "
-            "another --output_dir (a run that died holds nothing: its lock went with it)"
+            "another --output_dir"
         )
 
 
