@@ -376,3 +376,45 @@ def test_a_model_path_that_is_not_a_model_config(tmp_path, capsys):
     for model in (REPO / "assets" / "tiny-llama", REPO / "assets" / "tiny-llama" / "config.json", empty / "my_config.json"):
         assert cli("estimate_memory", [str(model), "--json"]) == 0, model
         assert '"hidden": ' in capsys.readouterr().out
+
+
+# --- session 9's review: the layout change and the issue-21 pieces -------------------------------------------------
+
+def _run_with_checkpoint(run: Path) -> None:
+    ckpt = run / "checkpoint-4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+
+
+@pytest.mark.parametrize("missing", ["{other}/checkpoint-4", "{other}/not-there", ""])
+def test_an_explicit_resume_path_that_is_not_a_folder_is_named_first(tmp_path, missing):
+    """Before anything else judges output_dir: a typo in the path is named as a typo, not as another run's folder."""
+    from fsdp_recipes.config.parse import parse_args
+
+    _run_with_checkpoint(tmp_path / "a")
+    path = missing.format(other=tmp_path / "aa")
+    with pytest.raises(RecipeError, match=f"--resume_from_checkpoint {re.escape(repr(path))} is not a folder"):
+        parse_args(["--allow_no_fsdp", "true", "--output_dir", str(tmp_path / "a"), "--resume_from_checkpoint", path])
+
+
+def test_the_files_a_run_without_fsdp_writes_are_a_runs_files(tmp_path):
+    """The Trainer's save_model (DDP, ZeRO-1, --allow_no_fsdp) writes training_args.bin beside the model: a resume into
+    that output_dir must not call it someone else's file."""
+    from fsdp_recipes.ckpt.layout import foreign_entries
+
+    for name in ("training_args.bin", "model.safetensors", "config.json", "run_args.json", ".run.lock", ".run.lock.owner"):
+        (tmp_path / name).write_text("x")
+    assert foreign_entries(tmp_path) == []
+    (tmp_path / "notes.txt").write_text("mine")
+    assert foreign_entries(tmp_path) == ["notes.txt"]
+
+
+def test_any_failure_of_rank_0s_resume_decision_becomes_its_error(tmp_path, monkeypatch):
+    """Rank 0 alone decides: an exception there must travel to every rank as the decision's error, not leave the
+    others waiting in the broadcast."""
+    from fsdp_recipes.ckpt.resume import decide
+
+    (tmp_path / "requeue_progress.json").write_text('{"step": 1e999, "stalled": 0}')
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    decision = decide(None, str(tmp_path))
+    assert decision.path is None and decision.error and "the resume could not be decided" in decision.error

@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     # Which checkpoint a resume uses (reading its files), what it sets aside and the requeue record are decided once
     # per launch, on global rank 0 after the process group starts (fsdp_recipes.train.preflight.decide_resume): here
     # each rank would read every rank's files, and could see another newest checkpoint than its peers.
-    if (path := explicit(raw.resume_from_checkpoint)) is not None and not Path(path).is_dir():  # cheap: no file read
+    if (path := explicit(raw.resume_from_checkpoint)) is not None and not (path.strip() and Path(path).is_dir()):  # no file read
         raise RecipeError(f"--resume_from_checkpoint {path!r} is not a folder: give a checkpoint-N folder, or true for the latest")
     inputs = {"model_name_or_path": model_args.model_name_or_path, "config_name": model_args.config_name,
               "tokenizer_name": model_args.tokenizer_name}
