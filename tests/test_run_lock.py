@@ -77,7 +77,7 @@ def test_a_lock_held_elsewhere_is_in_use_not_a_filesystem_without_locks(tmp_path
     monkeypatch.setattr(fcntl, "lockf", held)
     (tmp_path / run_lock.LOCK_NAME).write_text("host n1, pid 1, since then\n")
     said = []
-    with pytest.raises(RecipeError, match=r"in use by another run \(host n1, pid 1, since then; a run that died holds nothing"):
+    with pytest.raises(RecipeError, match=r"in use by another run \(host n1, pid 1, since then\) \(a run that died holds nothing"):
         hold_output_dir(_args(tmp_path), warn=said.append)
     assert said == [] and not (tmp_path / run_lock.OWNER_NAME).exists()
 

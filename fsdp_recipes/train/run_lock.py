@@ -26,6 +26,7 @@ OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no PO
 NO_POSIX_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 _held: list[int] = []  # the POSIX lock's file descriptor, open for the life of the process
 _mine: set[str] = set()  # the lock files this process created (its own pid in one it did not create is a recycled pid)
+POSIX_HINT = " (a run that died holds nothing: its lock went with it"  # closed by the caller's parenthesis
 LINE_LIMIT = 300  # bytes of a lock file read: the line this project writes is well under it
 
 
@@ -71,7 +72,7 @@ def take(out: Path, warn) -> str | None:
         if err.errno not in NO_POSIX_LOCKS:  # EAGAIN/EACCES: another process holds it
             holder = _shown(os.pread(fd, LINE_LIMIT, 0)) if os.fstat(fd).st_size else "another process"
             os.close(fd)
-            return f"{holder}; a run that died holds nothing: its lock went with it"
+            return f"{holder}){POSIX_HINT}"
         os.close(fd)
         holder = _take_by_file(out)
         if holder is None:
