@@ -12,7 +12,8 @@ of the 3-layer tiny model (``assets/tiny-llama`` config, also saved with save_pr
 
 How memory is read: this process polls ``/proc/<pid>/status`` of every rank (the launcher's descendants whose
 command line runs train_fsdp.py, rank from their RANK environment variable) every ``--interval`` seconds and
-keeps the largest ``RssAnon`` (private, anonymous memory: tensors the rank allocated; not the page cache or
+keeps the largest ``RssAnon`` until the run logs its sharding report (after accelerate's ``prepare``: loading +
+prepare), and over the whole run, ``RssAnon`` (private, anonymous memory: tensors the rank allocated; not the page cache or
 the safetensors file pages it maps, which the kernel can drop and which every process shares) and the last
 ``VmHWM`` (the kernel's own exact peak RSS, which does count mapped file pages). RssAnon has no kernel peak,
 so a spike shorter than the interval can be missed; loading a 1 GB model takes seconds, far longer.
@@ -101,7 +102,9 @@ def _ranks(root: int) -> dict[int, int]:
 
 
 def measure(model: Path, nprocs: int, efficient: bool, work: Path, interval: float) -> dict[int, dict[str, int]]:
-    """Launch one LoRA step; return {rank: {RssAnon: peak, VmHWM: peak, VmRSS: peak}}."""
+    """Launch one LoRA step; return {rank: {RssAnon, VmHWM, VmRSS: peaks during loading + prepare, RssAnon_whole_run}}.
+    Loading + prepare ends when the run logs its sharding report ("this rank holds ..."), written after
+    accelerate's prepare, before the first step."""
     config = work / f"zero3-efficient-{efficient}.yaml"
     text = CONFIG.read_text()
     if not efficient:
@@ -121,23 +124,30 @@ def measure(model: Path, nprocs: int, efficient: bool, work: Path, interval: flo
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log = open(work / f"{out.name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    peaks: dict[int, dict[str, int]] = {}
+    peaks: dict[int, dict[str, int]] = {}  # loading + prepare: until the sharding report's log line
+    whole: dict[int, dict[str, int]] = {}  # the whole run (the step and the final export too)
     pids: dict[int, int] = {}
+    prepared = False
     while proc.poll() is None:
         if len(pids) < nprocs:
             pids.update(_ranks(proc.pid))
+        if not prepared:  # logged once FSDP has wrapped the model and the weights are broadcast (collectives: every rank is there)
+            prepared = "this rank holds" in Path(log.name).read_text(errors="replace")
         for rank, pid in pids.items():
             try:
                 now = _status(pid)
             except (OSError, ValueError):
                 continue
-            peak = peaks.setdefault(rank, {})
-            for k, v in now.items():
-                peak[k] = max(peak.get(k, 0), v)
+            for table in (whole,) if prepared else (whole, peaks):
+                peak = table.setdefault(rank, {})
+                for k, v in now.items():
+                    peak[k] = max(peak.get(k, 0), v)
         time.sleep(interval)
     log.close()
     if proc.returncode:
         raise SystemExit(f"launch failed ({proc.returncode}); see {log.name}:\n" + Path(log.name).read_text()[-3000:])
+    for rank, peak in whole.items():
+        peaks.setdefault(rank, {})["RssAnon_whole_run"] = peak.get("RssAnon", 0)
     return peaks
 
 
@@ -177,15 +187,17 @@ def main(argv=None) -> int:
                     row[f"{k}_peak"] = peak[rank].get(k, 0)
                     row[f"{k}_tiny"] = base.get(rank, {}).get(k, 0)
                     row[f"{k}_growth_x_model"] = round((row[f"{k}_peak"] - row[f"{k}_tiny"]) / model_bytes, 3)
+                row["RssAnon_whole_run_growth_x_model"] = round((peak[rank]["RssAnon_whole_run"] - base.get(rank, {}).get("RssAnon_whole_run", 0)) / model_bytes, 3)
                 results.append(row)
                 print(f"  {n} ranks, efficient loading {'on ' if efficient else 'off'}, rank {rank}: "
                       f"peak RssAnon {row['RssAnon_peak'] / 2**20:8,.0f} MiB (tiny {row['RssAnon_tiny'] / 2**20:6,.0f}), "
                       f"growth {row['RssAnon_growth_x_model']:5.2f}x model | peak RSS (VmHWM) {row['VmHWM_peak'] / 2**20:8,.0f} MiB, "
                       f"growth {row['VmHWM_growth_x_model']:5.2f}x model", flush=True)
-    print("\n| ranks | efficient loading | rank | RssAnon growth / model bytes | VmHWM growth / model bytes |")
-    print("|---|---|---|---|---|")
+    print("\nGrowth over the tiny model's run, in the model's bytes; loading + prepare unless said otherwise")
+    print("| ranks | efficient loading | rank | RssAnon | VmHWM (peak RSS) | RssAnon, whole run (1 LoRA step, export) |")
+    print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['nprocs']} | {'on' if r['cpu_ram_efficient_loading'] else 'off'} | {r['rank']} | {r['RssAnon_growth_x_model']:.2f} | {r['VmHWM_growth_x_model']:.2f} |")
+        print(f"| {r['nprocs']} | {'on' if r['cpu_ram_efficient_loading'] else 'off'} | {r['rank']} | {r['RssAnon_growth_x_model']:.2f} | {r['VmHWM_growth_x_model']:.2f} | {r['RssAnon_whole_run_growth_x_model']:.2f} |")
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
     return 0
