@@ -15,7 +15,6 @@ import torch.distributed as dist
 from fsdp_recipes.compat import internals
 
 TARGET = "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict"
-_installed = False
 
 
 def _scatter_shard(full: torch.Tensor | None, meta_param, world: int, rank: int) -> torch.Tensor:
@@ -62,12 +61,11 @@ def load_full_state_dict(accelerator, model: torch.nn.Module, full_sd: dict, cpu
     return model
 
 
-_original = None
+_original = None  # accelerate's own function, once installed
 
 
 def install() -> None:
-    """Swap accelerate's broadcast for the scatter (every rank must, before prepare)."""
-    global _installed, _original
-    if not _installed:
+    """Swap accelerate's broadcast for the scatter (every rank must, before prepare). Idempotent."""
+    global _original
+    if _original is None:
         _original = internals.patch(TARGET, load_full_state_dict)
-        _installed = True

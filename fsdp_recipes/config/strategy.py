@@ -38,7 +38,7 @@ class Strategy:
         return "HYBRID_SHARD" if self.name == "HYBRID_SHARD_ZERO2" else self.name
 
 
-def _flag(value) -> bool:
+def as_flag(value) -> bool:
     """A config's true/false as accelerate reads it (accelerate.utils.str_to_bool on strings: "false" is false)."""
     if isinstance(value, str):
         return value.strip().lower() in ("y", "yes", "t", "true", "on", "1")
@@ -67,11 +67,11 @@ def strategy_of(config: dict, zero1: bool = False) -> Strategy:
         return Strategy("ZERO1" if zero1 else "DDP")
     version = int(fsdp.get("fsdp_version", 1))
     if version == 2:
-        name = fsdp_strategy_name(2, reshard_after_forward=_flag(fsdp.get("fsdp_reshard_after_forward", True)),
+        name = fsdp_strategy_name(2, reshard_after_forward=as_flag(fsdp.get("fsdp_reshard_after_forward", True)),
                                   dp_replicate_size=int(pc.get("parallelism_config_dp_replicate_size", 1)))
     else:
         name = fsdp_strategy_name(version, sharding_strategy=str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")))
-    return Strategy(name, _flag(fsdp.get("fsdp_offload_params", False)), version)
+    return Strategy(name, as_flag(fsdp.get("fsdp_offload_params", False)), version)
 
 
 @functools.cache

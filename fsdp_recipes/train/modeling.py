@@ -7,13 +7,10 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from fsdp_recipes.compat import rank0_scatter
+from fsdp_recipes.compat import cpu_fsdp, rank0_scatter
+from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.config.arguments import ModelArguments
 from fsdp_recipes.errors import RecipeError
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "y", "on")
 
 
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
@@ -34,8 +31,8 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
             load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type, bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
             bnb_4bit_compute_dtype=getattr(torch, args.bnb_4bit_compute_dtype), bnb_4bit_quant_storage=getattr(torch, args.bnb_4bit_quant_storage),
         )
-    if args.model_name_or_path is not None and not args.load_in_4bit and _env_true("FSDP_CPU_RAM_EFFICIENT_LOADING") \
-            and _env_true("ACCELERATE_USE_FSDP"):
+    if args.model_name_or_path is not None and not args.load_in_4bit and cpu_fsdp.fsdp_requested() \
+            and as_flag(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")):
         rank0_scatter.install()  # every rank: after wrapping, rank 0 scatters each rank its rows of every parameter
     if args.model_name_or_path is not None:
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, **common)
