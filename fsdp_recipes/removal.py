@@ -137,6 +137,17 @@ def remove_file(folder: str | os.PathLike, name: str, purpose: str) -> None:
     (Path(folder) / name).unlink()
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host: what decides that a lock or staging folder it left is stale."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # gone, or a number no pid can be
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 def remove_lock_file(path: str | os.PathLike, content: bytes) -> bool:
     """Delete the lock file ``path`` only while it holds exactly ``content``: the line this process wrote into it, or
     a dead owner's line its caller has just read. Another run's lock, a link or a folder is never removed."""

@@ -151,3 +151,10 @@ def test_a_lock_naming_this_very_process_or_this_slurm_job_is_stale(tmp_path, no
     monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the same job, requeued: its earlier attempt is over
     hold_output_dir(_args(other), warn=lambda m: None)
     assert "job 4242" in (other / run_lock.OWNER_NAME).read_text() and f"pid {os.getpid()}," in (other / run_lock.OWNER_NAME).read_text()
+
+
+def test_a_pid_no_process_can_have_is_stale_not_a_traceback(tmp_path, no_posix_locks):
+    owner = tmp_path / run_lock.OWNER_NAME
+    owner.write_text(f"host {socket.gethostname()}, pid 9999999999, since then\n")  # past any pid_max: os.kill overflows
+    hold_output_dir(_args(tmp_path), warn=lambda m: None)
+    assert f"pid {os.getpid()}," in owner.read_text()

@@ -37,7 +37,9 @@ from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
 from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, weight_files, write_weights
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError
-from fsdp_recipes.removal import MARKER, contents, is_ours, make_folder, move, remark, remove, remove_file, unmark
+from fsdp_recipes.removal import (
+    MARKER, contents, is_ours, make_folder, move, process_alive, remark, remove, remove_file, unmark,
+)
 
 # torch is imported where tensors are handled, not here: a merge of a checkpoint with a manifest only copies
 # bytes and never imports it; otherwise its import overlaps the copy in a thread.
@@ -91,20 +93,10 @@ def remove_stale_staging(out: Path, log=print) -> None:
     pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-{re.escape(socket.gethostname())}-(\d+)")
     for path in out.parent.glob(f".{out.name}.*"):
         m = pattern.fullmatch(path.name)
-        if not m or not is_ours(path, STAGING) or _alive(int(m.group(2))):
+        if not m or not is_ours(path, STAGING) or process_alive(int(m.group(2))):
             continue  # only our own marked staging folders: a folder merely named like one is someone else's
         remove(path, STAGING)
         log(f"removed {path}, left by a merge that was killed (process {m.group(2)})")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ----------------------------------------------------------------------------------------------- merge

@@ -19,7 +19,7 @@ import stat
 import time
 from pathlib import Path
 
-from fsdp_recipes.removal import remove_lock_file
+from fsdp_recipes.removal import process_alive, remove_lock_file
 
 LOCK_NAME = ".run.lock"
 OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no POSIX locks
@@ -85,16 +85,6 @@ def take(out: Path, warn) -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
 def _stale(path: Path, text: bytes) -> bool:
     """A lock file this project wrote on this host whose run is over: its pid is gone (or is this very process,
     which has not taken it), or its SLURM job is this job (a requeued job's earlier attempt has ended)."""
@@ -104,7 +94,7 @@ def _stale(path: Path, text: bytes) -> bool:
     pid, job = int(found[2]), found[3]
     if job is not None and job.decode() == os.environ.get("SLURM_JOB_ID"):
         return True
-    return (pid == os.getpid() and str(path) not in _mine) or not _alive(pid)
+    return (pid == os.getpid() and str(path) not in _mine) or not process_alive(pid)
 
 
 def _take_by_file(out: Path) -> str | None:
