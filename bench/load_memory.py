@@ -101,22 +101,24 @@ def _ranks(root: int) -> dict[int, int]:
     return found
 
 
-def measure(model: Path, nprocs: int, efficient: bool, work: Path, interval: float) -> dict[int, dict[str, int]]:
-    """Launch one LoRA step; return {rank: {RssAnon, VmHWM, VmRSS: peaks during loading + prepare, RssAnon_whole_run}}.
+def measure(model: Path, nprocs: int, efficient: bool, work: Path, interval: float,
+            config_file: Path = CONFIG, lora: bool = True) -> dict[int, dict[str, int]]:
+    """Launch one step (LoRA, or full fine-tuning with lora False) under config_file; return {rank: {RssAnon, VmHWM, VmRSS: peaks during loading + prepare, RssAnon_whole_run}}.
     Loading + prepare ends when the run logs its sharding report ("this rank holds ..."), written after
     accelerate's prepare, before the first step."""
-    config = work / f"zero3-efficient-{efficient}.yaml"
-    text = CONFIG.read_text()
+    tag = f"{config_file.parent.name}-{config_file.stem}"
+    config = work / f"{tag}-efficient-{efficient}.yaml"
+    text = config_file.read_text()
     if not efficient:
         text = text.replace("fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false")
     config.write_text(text)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = work / f"run-{model.name}-{nprocs}-{efficient}"
+    out = work / f"run-{model.name}-{tag}-{'lora' if lora else 'full'}-{nprocs}-{efficient}"
     cmd = ["accelerate", "launch", "--config_file", str(config), "--num_processes", str(nprocs), "--num_machines", "1",
            "--main_process_port", str(port), str(REPO / "train_fsdp.py"),
-           "--model_name_or_path", str(model), "--tokenizer_name", str(TINY), "--use_peft", "true",
+           "--model_name_or_path", str(model), "--tokenizer_name", str(TINY), "--use_peft", str(lora).lower(),
            "--train_file", str(REPO / "assets" / "data" / "tiny_corpus.txt"), "--block_size", "32",
            "--per_device_train_batch_size", "1", "--max_steps", "1", "--save_strategy", "no", "--report_to", "none",
            "--dataloader_pin_memory", "false", "--output_dir", str(out), "--overwrite_output_dir", "true"]
@@ -157,6 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tied", action="store_true", help="tie lm_head to embed_tokens")
     p.add_argument("--nprocs", type=int, nargs="+", default=[2])
+    p.add_argument("--config", type=Path, default=CONFIG, help="accelerate config (default accelerate_configs/zero3.yaml, FSDP2)")
+    p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     p.add_argument("--setting", choices=["on", "off", "both"], default="both", help="fsdp_cpu_ram_efficient_loading")
     p.add_argument("--interval", type=float, default=0.02)
     p.add_argument("--work", type=Path, help="folder for the models and runs (default: a temporary one)")
@@ -179,10 +183,12 @@ def main(argv=None) -> int:
     results = []
     for n in a.nprocs:
         for efficient in settings:
-            base = measure(tiny, n, efficient, work, a.interval)
-            peak = measure(big, n, efficient, work, a.interval)
+            base = measure(tiny, n, efficient, work, a.interval, a.config, not a.full)
+            peak = measure(big, n, efficient, work, a.interval, a.config, not a.full)
             for rank in sorted(peak):
-                row = {"nprocs": n, "cpu_ram_efficient_loading": efficient, "rank": rank, "model_bytes": model_bytes, "dtype": a.dtype, "tied": a.tied}
+                row = {"config": str(a.config.resolve().relative_to(REPO)) if a.config.resolve().is_relative_to(REPO) else str(a.config),
+                       "training": "full" if a.full else "lora", "nprocs": n, "cpu_ram_efficient_loading": efficient, "rank": rank,
+                       "model_bytes": model_bytes, "dtype": a.dtype, "tied": a.tied}
                 for k in ("RssAnon", "VmHWM"):
                     row[f"{k}_peak"] = peak[rank].get(k, 0)
                     row[f"{k}_tiny"] = base.get(rank, {}).get(k, 0)

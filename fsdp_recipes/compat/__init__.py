@@ -6,7 +6,8 @@ it and the pinned version). Nothing outside this package patches another library
 - cpu_fsdp:            makes accelerate's FSDP (and DDP) real on machines without an accelerator
 - torch_dcp:           torch's DCP reader made to vet what it unpickles (the vetting is fsdp_recipes.ckpt.dcp's)
 - trainer_checkpoints: LoRA checkpoints under FSDP hold the whole model
-- rank0_scatter:       rank-0-only loading (FSDP2): rank 0 sends each rank its rows, not every weight whole
+- rank0_loading:       rank-0-only loading: FSDP2, rank 0 sends each rank its rows, not every weight whole; FSDP1,
+                       the other ranks hold no weights until FSDP fills each unit
 
 May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny
 """

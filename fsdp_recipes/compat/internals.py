@@ -49,8 +49,9 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (MODULE, "torch_dcp: the .metadata torch reads"),
     "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": (MODULE, "torch_dcp: .metadata vetted first (patched)"),
     "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (MODULE, "torch_dcp: byte records vetted first (patched)"),
-    # fsdp_recipes/compat/rank0_scatter.py: rank-0-only loading scatters each rank its rows (no full copy elsewhere)
-    "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict": (MODULE, "rank0_scatter: rank 0 scatters, not broadcasts (patched)"),
+    # fsdp_recipes/compat/rank0_loading.py: rank-0-only loading without a full copy on the other ranks
+    "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict": (MODULE, "rank0_loading: FSDP2, rank 0 scatters, not broadcasts (patched)"),
+    "torch.distributed.fsdp._init_utils._sync_params_and_buffers": (MODULE, "rank0_loading: FSDP1 on CPU, broadcast tensor by tensor (patched)"),
     # fsdp_recipes/compat/trainer_checkpoints.py: whole-model LoRA checkpoints under FSDP
     "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer_checkpoints: whole-model LoRA checkpoints (swapped)"),
     # fsdp_recipes/config/trainer_fsdp.py: the fsdp_config keys TrainingArguments reads, from its own code

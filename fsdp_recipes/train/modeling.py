@@ -7,10 +7,14 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from fsdp_recipes.compat import cpu_fsdp, rank0_scatter
+import torch.distributed as dist
+
+from fsdp_recipes.compat import cpu_fsdp, rank0_loading
 from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.config.arguments import ModelArguments
+from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.train.sharding import expected_fsdp_version
 
 
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
@@ -31,10 +35,16 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
             load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type, bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
             bnb_4bit_compute_dtype=getattr(torch, args.bnb_4bit_compute_dtype), bnb_4bit_quant_storage=getattr(torch, args.bnb_4bit_quant_storage),
         )
-    if args.model_name_or_path is not None and not args.load_in_4bit and cpu_fsdp.fsdp_requested() \
-            and as_flag(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")):
-        rank0_scatter.install()  # every rank: after wrapping, rank 0 scatters each rank its rows of every parameter
+    rank0_only = args.model_name_or_path is not None and not args.load_in_4bit and cpu_fsdp.fsdp_requested() \
+        and as_flag(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"))
+    fsdp1 = expected_fsdp_version() == 1
+    if rank0_only and not fsdp1:
+        rank0_loading.install()  # every rank: after wrapping, rank 0 scatters each rank its rows of every parameter
+    if rank0_only and fsdp1 and not cpu_fsdp.accelerator_present():
+        rank0_loading.install_fsdp1()  # the sync of module states never writes into the file's pages
     if args.model_name_or_path is not None:
+        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+            common["device_map"] = "meta"  # rank 0 sends the weights; FSDP shards them as they arrive
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, **common)
     else:
         config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
@@ -47,6 +57,12 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
         )
     if args.use_peft:
         model = add_lora(model, args)
+    if rank0_only and dist.is_initialized():
+        if dist.get_rank() != 0:
+            model = rank0_loading.hollow_weights(model)
+        model = rank0_loading.receive_buffers(model)
+        say("rank-0-only loading: ranks other than 0 build the model on the meta device, not from the files, and "
+            + ("FSDP1 fills each unit from rank 0 as it wraps it" if fsdp1 else "rank 0 scatters each rank its rows"))
     return model
 
 

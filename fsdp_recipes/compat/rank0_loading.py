@@ -1,0 +1,146 @@
+"""Rank-0-only loading without a full copy on the other ranks (fsdp_cpu_ram_efficient_loading).
+
+transformers 5.23 does not load a non-zero rank's model on the meta device: it maps the safetensors file there too
+(no RAM until a page is touched), and a dtype other than the file's (float32, our default, from a bf16 hub model)
+converts the whole model in every rank's private memory. So a rank other than 0 builds its model on the meta
+device (``device_map="meta"``: transformers' own dtypes and ties, nothing read), its weights then uninitialised
+memory no page of which is touched (:func:`hollow_weights`), and receives rank 0's buffers.
+What the FSDP wrappers then do decides what each rank holds:
+
+FSDP2: accelerate moves the model to meta itself, then its ``fsdp2_load_full_state_dict`` broadcasts every
+parameter whole from rank 0: each other rank allocates the full parameter, receives it, then keeps its shard. For a
+model whose embedding and LM head are a quarter of its bytes each, that transient makes a non-zero rank peak at
+~0.8x the model (bench/load_memory.py). Here rank 0 scatters each dim-0-sharded parameter instead: every rank
+receives only its own rows. Parameters placed any other way (2-D meshes, replicated) keep accelerate's broadcast,
+which is correct, only bigger.
+
+FSDP1 (``sync_module_states``): each unit's parameters are broadcast from rank 0 INTO the tensors every rank holds.
+Were those views of the private file mapping, every written page would become the rank's own (copy on write) and
+stay until the last weight of the file is released at the end of ``prepare``: every rank, rank 0 included, peaked
+at 2x the model (bench/load_memory.py). The other ranks' untouched stand-ins are written unit by unit and freed as
+each unit is sharded; on CPU the broadcast goes tensor by tensor (:func:`install_fsdp1`), which never writes rank
+0's tensors (torch's coalesced broadcast copies its bucket back on every rank, the sender too). What remains is
+FSDP1's own: a unit is flattened whole, so a rank holds its shards plus about twice its largest unit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fsdp_recipes.compat import internals
+
+TARGET = "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict"
+
+
+def _scatter_shard(full: torch.Tensor | None, meta_param, world: int, rank: int) -> torch.Tensor:
+    """This rank's dim-0 chunk (torch.chunk's split, as Shard(0) makes it) of rank 0's ``full``."""
+    rows, rest = meta_param.shape[0], tuple(meta_param.shape[1:])
+    per = -(-rows // world)
+    local_rows = max(0, min(per, rows - rank * per))
+    buf = torch.empty((per, *rest), dtype=meta_param.dtype, device=meta_param.device_mesh.device_type)
+    chunks = None
+    if rank == 0:
+        full = full.detach().to(device=buf.device, dtype=buf.dtype)
+        chunks = []
+        for r in range(world):
+            start, n = min(r * per, rows), max(0, min(per, rows - r * per))
+            piece = full.narrow(0, start, n)
+            if n < per:  # gloo scatter wants equal sizes: pad the short last chunks
+                piece = torch.cat([piece, piece.new_zeros((per - n, *rest))])
+            chunks.append(piece.contiguous())
+    dist.scatter(buf, chunks, src=0)
+    return buf if local_rows == per else buf.narrow(0, 0, local_rows).clone()
+
+
+def load_full_state_dict(accelerator, model: torch.nn.Module, full_sd: dict, cpu_offload: bool = False):
+    from torch.distributed.tensor import DTensor, Shard
+
+    meta_sd = model.state_dict()
+    scatterable = all(
+        isinstance(p, DTensor) and p.device_mesh.ndim == 1 and list(p.placements) == [Shard(0)]
+        and p.device_mesh.size() == dist.get_world_size() for p in meta_sd.values()
+    )
+    if not scatterable:
+        return _original(accelerator, model, full_sd, cpu_offload)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sharded = {}
+    for name, meta_param in meta_sd.items():
+        if rank == 0 and name not in full_sd:
+            raise KeyError(f"{name!r} is in the sharded model but not in rank 0's full state dict")
+        local = _scatter_shard(full_sd[name] if rank == 0 else None, meta_param, world, rank)
+        if cpu_offload:
+            local = local.to("cpu")
+        sharded[name] = DTensor.from_local(local, meta_param.device_mesh, meta_param.placements, run_check=False,
+                                           shape=meta_param.shape, stride=meta_param.stride())
+    model.load_state_dict(sharded, assign=True)
+    return model
+
+
+_original = None  # accelerate's own function, once installed
+
+
+def install() -> None:
+    """FSDP2: swap accelerate's broadcast for the scatter (every rank must, before prepare). Idempotent."""
+    global _original
+    if _original is None:
+        _original = internals.patch(TARGET, load_full_state_dict)
+
+
+def hollow_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """A rank other than 0, its model built on the meta device: every parameter becomes an uninitialised CPU tensor
+    of its shape, dtype and requires_grad (pages the kernel gives only when written: no RAM until then), a tensor
+    shared by modules (tied embeddings) one shared tensor. Not meta: accelerate's FSDP2 prepare tells parameters
+    apart by data_ptr(), which is 0 for every meta tensor (the optimizer then steps one parameter of all)."""
+    hollow: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the original, alive till the end; its stand-in)
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in hollow:
+                stand_in = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="cpu"), requires_grad=param.requires_grad)
+                hollow[id(param)] = (param, stand_in)
+            module._parameters[name] = hollow[id(param)][1]
+    return model
+
+
+def receive_buffers(model: torch.nn.Module) -> torch.nn.Module:
+    """Every rank (a collective): the buffers of rank 0's model, such as rotary frequencies, replace this rank's.
+    A rank other than 0 built its model on the meta device (``from_pretrained(device_map="meta")``: its dtypes and
+    ties are transformers' own, and nothing is read), where buffers computed at construction are meta too; FSDP1's
+    sync and accelerate's FSDP2 path both keep the buffers a rank has. A buffer shared by modules stays shared."""
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    received: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (this rank's, alive till the end; rank 0's)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is None:
+                continue
+            if id(buffer) not in received:
+                wire = buffer.detach().to(device).contiguous() if rank == 0 else torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+                dist.broadcast(wire, src=0)
+                received[id(buffer)] = (buffer, buffer if rank == 0 else wire.to("cpu"))
+            module._buffers[name] = received[id(buffer)][1]
+    return model
+
+
+def _broadcast_each(process_group, module_states: list, broadcast_bucket_size: int, src: int) -> None:
+    """torch's _sync_params_and_buffers, one tensor at a time (the bucket size is moot)."""
+    for tensor in module_states:
+        if tensor.is_contiguous():
+            dist.broadcast(tensor, group=process_group, group_src=src)
+        else:
+            staged = tensor.contiguous()
+            dist.broadcast(staged, group=process_group, group_src=src)
+            if dist.get_rank(process_group) != src:
+                tensor.copy_(staged)
+
+
+_sync_original = None
+
+
+def install_fsdp1() -> None:
+    """FSDP1 on CPU: the sync of module states broadcasts tensor by tensor (see the module docstring). Idempotent."""
+    global _sync_original
+    if _sync_original is None:
+        _sync_original = internals.patch("torch.distributed.fsdp._init_utils._sync_params_and_buffers", _broadcast_each)
