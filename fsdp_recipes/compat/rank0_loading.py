@@ -94,13 +94,11 @@ def hollow_weights(model: torch.nn.Module) -> torch.nn.Module:
     apart by data_ptr(), which is 0 for every meta tensor (the optimizer then steps one parameter of all)."""
     hollow: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the original, alive till the end; its stand-in)
     for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
+        for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in hollow:
                 stand_in = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="cpu"), requires_grad=param.requires_grad)
                 hollow[id(param)] = (param, stand_in)
-            module._parameters[name] = hollow[id(param)][1]
+            setattr(module, name, hollow[id(param)][1])
     return model
 
 
@@ -113,14 +111,12 @@ def receive_buffers(model: torch.nn.Module) -> torch.nn.Module:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     received: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (this rank's, alive till the end; rank 0's)
     for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is None:
-                continue
+        for name, buffer in list(module.named_buffers(recurse=False)):
             if id(buffer) not in received:
                 wire = buffer.detach().to(device).contiguous() if rank == 0 else torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
                 dist.broadcast(wire, src=0)
                 received[id(buffer)] = (buffer, buffer if rank == 0 else wire.to("cpu"))
-            module._buffers[name] = received[id(buffer)][1]
+            setattr(module, name, received[id(buffer)][1])  # an existing buffer's name: stays a buffer, persistence kept
     return model
 
 
