@@ -7,6 +7,7 @@ it and the pinned version). Nothing outside this package patches another library
 - torch_dcp:           torch's DCP reader made to vet what it unpickles (the vetting is fsdp_recipes.ckpt.dcp's)
 - trainer_checkpoints: LoRA checkpoints under FSDP hold the whole model
 - rank0_scatter:       rank-0-only loading (FSDP2): rank 0 sends each rank its rows, not every weight whole
+- peft_lora:           peft's get_peft_model without transformers' FutureWarning about a deprecated alias
 
 May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny
 """
