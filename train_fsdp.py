@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
 from fsdp_recipes.ckpt.status import disk_full_problem
-from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout
+from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout, cpu_precision
 from fsdp_recipes.config.launcher import tell_launcher
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.config.values import check_run_length, parse_steps
@@ -44,6 +44,8 @@ def main(model_args, data_args, plan):
     if on_cpu:
         logger.info(f"no accelerator found: running {on_cpu} over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
         apply_ddp_timeout(training_args.ddp_timeout)  # transformers gives a CPU process group none
+    if (precision := cpu_precision()) is not None and (note := precision.line()):
+        logger.info(note)  # fp32 (or bf16 kept by --cpu_bf16) on a CPU without native bf16, as preflight.start decided
     preflight.decide_resume(plan, training_args)  # one resume decision for the launch, made on rank 0
     preflight.hold_output_dir(training_args)  # one run per output_dir
     preflight.apply(plan, training_args, say=logger.warning)  # set aside or delete what the checks decided (rank 0)

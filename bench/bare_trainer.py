@@ -6,9 +6,9 @@
 No recipe, no checks, no callbacks of ours (no sharding report, contract, manifest, preemption, throughput log),
 no checkpoint and no final model: HfArgumentParser, a model built from a config, text packed into block_size
 blocks, Trainer.train(). The one thing it shares with train_fsdp.py is fsdp_recipes.compat.cpu_fsdp, without which an
-FSDP config on a machine without a GPU would not run FSDP at all (it does nothing where a GPU exists), and
-bench/step_times.py, which records step times the same way in both. bench/scaling.py runs it beside
-train_fsdp.py.
+FSDP config on a machine without a GPU would not run FSDP at all (it does nothing where a GPU exists; on a CPU
+without native bf16 it makes both compute in fp32), and bench/step_times.py, which records step times the same
+way in both. bench/scaling.py runs it beside train_fsdp.py.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class BareArguments:
 def main() -> None:
     if not cpu_fsdp.enable():  # before TrainingArguments creates accelerate's state
         cpu_fsdp.enable_ddp()
+    cpu_fsdp.choose_cpu_precision(False, False)  # fp32 on a CPU without native bf16, as train_fsdp.py (a fair baseline)
     from datasets import load_dataset
     from transformers import (
         AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments, default_data_collator,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -302,11 +301,16 @@ def main(argv=None) -> int:
                   f"{repeats} runs each", flush=True)
             over = overhead(model, max(steps, 10), args.warmup, nproc, work, gpus, repeats)
             print(f"  train_fsdp.py tokens/s lower by {over['tokens_per_second_lower_by']:+.1%}", flush=True)
+    from fsdp_recipes.compat.cpu_fsdp import cpu_name, native_bf16, read_cpuinfo
+
+    cpuinfo = read_cpuinfo()
     device = (f"{gpus} x {__import__('torch').cuda.get_device_name()}" if gpus else
-              f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), FSDP over gloo")
+              f"CPU ({os.cpu_count()} cores, {cpu_name(cpuinfo)}), FSDP over gloo")
+    # train_fsdp.py and bench/bare_trainer.py compute in fp32 on a CPU without native bf16 (fsdp_recipes.compat.cpu_fsdp)
+    precision = "fp32 (this CPU has no native bf16)" if not gpus and native_bf16(cpuinfo) is False else "bf16 mixed precision"
     params = records[0].parameters if records else 0
     header = (f"# Scaling: {device}\n\nLlama {params / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), "
-              f"{BATCH} x {BLOCK} tokens per process per step, bf16 mixed precision, {steps} steps per run "
+              f"{BATCH} x {BLOCK} tokens per process per step, {precision}, {steps} steps per run "
               f"({args.warmup} warm-up and 2 profiled steps not timed). `{shlex.join(['python', 'bench/scaling.py', *command])}` "
               f"took {time.time() - began:.0f} s.")
     (output / "scaling.json").write_text(json.dumps({"device": device, "records": [asdict(r) for r in records],

@@ -68,6 +68,7 @@ CASES = [
     ("HSDP mesh does not fit", {**FSDP2, "num_processes": 8, "num_machines": 2, "parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}}, {}, None, "error", "parallelism_config", "is not num_processes 8"),
     ("distributed type not FSDP", {**FSDP2, "distributed_type": "MULTI_GPU"}, {}, None, "error", "distributed_type", "carries fsdp_config, which is then ignored"),
     ("mixed precision in two places", FSDP2, {"fp16": True}, None, "error", "fp16", "disagrees with the accelerate config's mixed_precision: bf16"),
+    ("cpu_bf16 without bf16", {**FSDP2, "mixed_precision": "no"}, {"cpu_bf16": True}, None, "error", "cpu_bf16", "keeps bf16 mixed precision on a CPU without native bf16, and mixed_precision is no"),
     ("offload costs", variant(FSDP2, fsdp_offload_params=True), {}, None, "warning", "fsdp_config.fsdp_offload_params", "several times slower"),
     ("BACKWARD_POST", variant(FSDP1, fsdp_backward_prefetch="BACKWARD_POST"), {}, None, "warning", "fsdp_config.fsdp_backward_prefetch", "overlaps less"),
     ("fp16", {**FSDP2, "mixed_precision": "fp16"}, {}, None, "warning", "mixed_precision", "fp16 with FSDP"),

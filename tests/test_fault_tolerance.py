@@ -192,7 +192,7 @@ def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained,
 @pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
 def test_resume_on_more_processes_reshards(trained, config, tmp_path):
     """Saved by 2 processes x 8 sequences, resumed on 4 x 4: the same sequences in each global batch, so the run
-    continues the same trajectory; only the order of floating-point sums over ranks differs (bf16 autocast).
+    continues the same trajectory; only the order of floating-point sums over ranks differs (bf16 autocast, or fp32 on a CPU without native bf16).
     Tolerance: per tensor, the distance to the uninterrupted weights is under 5% of how far the last 6 steps
     moved that tensor (measured: at most 0.3%, FSDP1 and FSDP2). Resuming without the weights or the optimizer
     state is far off."""

@@ -28,20 +28,26 @@ def test_really_fsdp_and_sharded(trained, config):
 @pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_precision_and_wrapping_contract(trained, config):
     """fsdp_report.json names the wrapped layer class with its count, and the dtypes of master weights, compute,
-    gradient reduction, optimizer state and saved model; each checked against what the run wrote or was given."""
+    gradient reduction, optimizer state and saved model; each checked against what the run wrote or was given.
+    The configs' bf16 is tested as bf16: on a CPU without native bf16 (which computes in fp32 by default,
+    tests/test_cpu_precision.py) the run keeps it with --cpu_bf16 true."""
     import yaml
     from safetensors import safe_open
     from torch.distributed.checkpoint import FileSystemReader
 
-    run = trained(config)
+    from fsdp_recipes.compat.cpu_fsdp import native_bf16, read_cpuinfo
+
+    mixed = yaml.safe_load((REPO / config).read_text())["mixed_precision"]
+    force = mixed == "bf16" and not torch.cuda.is_available() and native_bf16(read_cpuinfo()) is False
+    run = trained(config, *(("--cpu_bf16", "true") if force else ()))
     layers = read_json(run.output_dir / "config.json")["num_hidden_layers"]
     units = run.report["wrapped_units"]
     assert units["LlamaDecoderLayer"] == layers and units["LlamaForCausalLM"] == 1  # the wrap class, and the root
     # FSDP2 (accelerate's fsdp2_prepare_model) also makes the embeddings, the LM head and the final norm units
     assert set(units) - {"LlamaDecoderLayer", "LlamaForCausalLM"} == ({"Embedding", "Linear", "LlamaRMSNorm"} if run.fsdp_version == 2 else set())
     precision = run.report["precision"]
-    mixed = yaml.safe_load((REPO / config).read_text())["mixed_precision"]
     assert precision["compute"] == {"bf16": "bfloat16", "no": "float32"}[mixed]
+    assert precision.get("cpu_bf16", {}).get("forced", False) is force
     with safe_open(run.output_dir / "model.safetensors", "pt") as f:
         saved = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
     assert saved == {"F32"} and precision["saved_model"] == precision["master_weights"] == "float32"

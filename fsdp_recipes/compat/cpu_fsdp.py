@@ -29,6 +29,15 @@ And :func:`apply_ddp_timeout`, called once the process group exists: transformer
 every collective waited torch's 30 minutes whatever ``--ddp_timeout`` said. It sets the run's timeout on the
 default process group, as the GPU path gets it.
 
+And :func:`choose_cpu_precision`, called before TrainingArguments exists on every launch route: bf16 mixed precision
+(the shipped configs' ``mixed_precision: bf16``, or TrainingArguments' ``bf16: true``) on a machine without an
+accelerator whose CPU lacks native bf16 instructions (x86 without avx512_bf16 or amx_bf16 in /proc/cpuinfo's
+"flags", Arm without bf16 in its "Features") computes in fp32 instead: there a bf16 matmul runs about 50x slower
+than fp32 (torch 2.13 on a 2-core AMD EPYC with AVX2: 0.37 against 18 GFLOP/s for 1024x1024). It says so in one line
+and in fsdp_report.json (``precision.cpu_bf16``); ``--cpu_bf16 true`` (RunArguments) keeps bf16 there anyway. A CPU
+with native bf16, one whose instructions cannot be read, and every accelerator keep bf16 exactly as asked.
+``torch.backends.cpu.get_cpu_capability()`` cannot tell: it says AVX512 with and without avx512_bf16.
+
 These patch private internals of the exact versions pinned in requirements.txt, each named in
 fsdp_recipes/compat/internals.py and checked before anything is patched. Nothing here runs when an accelerator exists:
 there, the stock path is already real FSDP.
@@ -38,10 +47,13 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
+from dataclasses import dataclass
 
 import torch
 
 from fsdp_recipes.compat import internals
+from fsdp_recipes.errors import RecipeError
 
 _ENABLED = False
 CPU = torch.device("cpu")
@@ -192,3 +204,121 @@ def _patch_fsdp1_internals() -> None:
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None
+
+
+# /proc/cpuinfo's names of the instructions that compute bf16 natively: x86 lists them under "flags", Arm under
+# "Features". Without them torch 2.13 computes bf16 through fp32 conversions, far slower than fp32 itself.
+X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+ARM_BF16_FEATURE = "bf16"
+CPU_BF16_SWITCH = "--cpu_bf16 true"
+CPUINFO = "/proc/cpuinfo"
+
+
+def _instruction_sets(cpuinfo: str) -> tuple[str, list[str]] | None:
+    """("flags", [...]) on x86, ("Features", [...]) on Arm: the first processor's line (the cores of one machine share
+    their instruction sets); None when the text has neither (another architecture, or no such file)."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return key.strip(), value.split()
+    return None
+
+
+def native_bf16(cpuinfo: str) -> bool | None:
+    """Whether the CPU described by ``cpuinfo`` (the text of /proc/cpuinfo) computes bf16 natively; None when it
+    names no instruction sets."""
+    if (found := _instruction_sets(cpuinfo)) is None:
+        return None
+    key, names = found
+    wanted = X86_BF16_FLAGS if key == "flags" else (ARM_BF16_FEATURE,)
+    return any(name in names for name in wanted)
+
+
+def _bf16_names(cpuinfo: str) -> str:
+    """What a CPU with native bf16 would list, in this architecture's words."""
+    found = _instruction_sets(cpuinfo)
+    return f"{ARM_BF16_FEATURE} in {CPUINFO}'s Features" if found and found[0] == "Features" else \
+        f"{' or '.join(X86_BF16_FLAGS)} in {CPUINFO}'s flags"
+
+
+def cpu_name(cpuinfo: str) -> str:
+    """The CPU's name as /proc/cpuinfo gives it ("model name" on x86), else the machine's architecture."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() == "model name" and value.strip():
+            return value.strip()
+    return platform.machine() or "unknown CPU"
+
+
+def read_cpuinfo() -> str:
+    """The start of /proc/cpuinfo (the first processor's lines are in it), or "" where there is none (macOS)."""
+    try:
+        with open(CPUINFO, encoding="utf-8", errors="replace") as f:
+            return f.read(1 << 16)
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class CpuPrecision:
+    """bf16 mixed precision asked for on a machine without an accelerator: which CPU, and what runs."""
+
+    asked_by: str  # where bf16 was asked for, as the user wrote it
+    cpu: str
+    native_bf16: bool | None  # None: the CPU's instructions could not be read; bf16 is then kept, as asked
+    forced: bool  # --cpu_bf16 true
+    lacks: str = ""  # what /proc/cpuinfo would list if it had native bf16
+
+    @property
+    def mixed_precision(self) -> str:
+        """accelerate's mixed precision for this run: "no" (fp32 compute) or "bf16"."""
+        return "no" if self.native_bf16 is False and not self.forced else "bf16"
+
+    def line(self) -> str | None:
+        """The one line a run prints about it; None where bf16 runs natively or the CPU could not be read."""
+        if self.native_bf16 is not False:
+            return None
+        why = f"this CPU ({self.cpu}) has no native bf16 instructions (no {self.lacks}), so bf16 runs many times slower than fp32"
+        if self.forced:
+            return f"{self.asked_by} keeps bf16 compute ({CPU_BF16_SWITCH}) although {why}"
+        return f"{self.asked_by} computes in fp32 here: {why}; {CPU_BF16_SWITCH} keeps bf16"
+
+    def record(self) -> dict:
+        """fsdp_report.json's ``precision.cpu_bf16``."""
+        return {"asked_by": self.asked_by, "cpu": self.cpu, "native_bf16": self.native_bf16, "forced": self.forced,
+                "compute": "float32" if self.mixed_precision == "no" else "bfloat16", "note": self.line()}
+
+
+_CPU_PRECISION: CpuPrecision | None = None
+
+
+def choose_cpu_precision(bf16_flag: bool, force: bool, env=None, cpuinfo: str | None = None) -> CpuPrecision | None:
+    """Decide the compute precision of a run on a machine without an accelerator, before TrainingArguments reads it:
+    where bf16 is asked for (``mixed_precision: bf16`` from the launcher, or ``bf16_flag``, TrainingArguments' bf16)
+    and the CPU lacks native bf16, set the launcher's ACCELERATE_MIXED_PRECISION in ``env`` (this process's environment
+    when None) to "no"; the caller then clears its own bf16 flag when the result's ``mixed_precision`` is "no".
+    ``force`` (--cpu_bf16 true) keeps bf16. Returns the decision (also :func:`cpu_precision`), or None where there
+    is an accelerator or bf16 is not asked for. Reads /proc/cpuinfo's first lines (``cpuinfo`` replaces them in tests);
+    measures nothing."""
+    global _CPU_PRECISION
+    env = os.environ if env is None else env
+    launcher_bf16 = env.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "bf16"
+    if force and not (launcher_bf16 or bf16_flag):
+        raise RecipeError(f"cpu_bf16 keeps bf16 mixed precision on a CPU without native bf16, and this run asks for none "
+                          f"(mixed_precision: {env.get('ACCELERATE_MIXED_PRECISION', 'no')}, bf16: false): drop cpu_bf16, or set "
+                          "mixed_precision: bf16 in the accelerate config")
+    if accelerator_present() or not (launcher_bf16 or bf16_flag):
+        _CPU_PRECISION = None
+        return None
+    text = read_cpuinfo() if cpuinfo is None else cpuinfo
+    asked_by = "bf16 mixed precision (accelerate's mixed_precision: bf16)" if launcher_bf16 else "bf16 mixed precision (bf16: true)"
+    decision = CpuPrecision(asked_by, cpu_name(text), native_bf16(text), force, _bf16_names(text))
+    if decision.mixed_precision == "no":
+        env["ACCELERATE_MIXED_PRECISION"] = "no"  # read by TrainingArguments and AcceleratorState; the ranks' own copy
+    _CPU_PRECISION = decision
+    return decision
+
+
+def cpu_precision() -> CpuPrecision | None:
+    """What :func:`choose_cpu_precision` decided in this process (None: not called, an accelerator, or no bf16)."""
+    return _CPU_PRECISION

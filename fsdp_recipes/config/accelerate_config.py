@@ -300,6 +300,9 @@ def _check_with_recipe(c: _Checker, recipe: dict, recipe_file: str, fsdp: dict, 
                "(FSDP computes in bf16, keeps fp32 master weights)", file=recipe_file)
     if recipe.get("fp16") and mp == "bf16" or recipe.get("bf16") and mp == "fp16":
         c.error("fp16" if recipe.get("fp16") else "bf16", f"disagrees with the accelerate config's mixed_precision: {mp}", "set mixed precision in one place: the accelerate config", file=recipe_file)
+    if _as_bool(recipe.get("cpu_bf16")) and mp != "bf16" and not _as_bool(recipe.get("bf16")):
+        c.error("cpu_bf16", f"keeps bf16 mixed precision on a CPU without native bf16, and mixed_precision is {mp}",
+                "drop cpu_bf16, or set mixed_precision: bf16 in the accelerate config", file=recipe_file)
 
 
 def _check_model(c: _Checker, fsdp: dict, wrap, sd_type, model: str) -> None:

@@ -225,6 +225,13 @@ class RunArguments:
                   "precision give a float32 folder). bfloat16 halves a float32 model. fsdp_report.json states it "
                   "(precision.saved_model, and export.dtype once written).", "choices": list(DTYPES)},
     )
+    cpu_bf16: bool = field(
+        default=False,
+        metadata={"help": "Keep bf16 mixed precision on a CPU without native bf16 instructions (x86 without avx512_bf16 "
+                  "or amx_bf16, Arm without bf16 in /proc/cpuinfo). Without it such a CPU computes in fp32 instead of "
+                  "the config's mixed_precision: bf16 (or bf16: true), many times faster there, and the run says so in "
+                  "one line and in fsdp_report.json (precision.cpu_bf16). GPUs and CPUs with native bf16 keep bf16 either way."},
+    )
 
     def __post_init__(self):
         if self.save_dtype not in DTYPES:

@@ -69,7 +69,9 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
 def add_lora(model: PreTrainedModel, args: ModelArguments):
     """The model wrapped by peft with a LoRA adapter: only the adapter trains. The Trainer gives FSDP a wrap
     policy that keeps LoRA layers in units of their own (transformers' update_fsdp_plugin_peft)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from fsdp_recipes.compat.peft_lora import get_peft_model  # without peft's deprecated-alias warning
 
     targets = args.lora_target_modules or "all-linear"
     try:

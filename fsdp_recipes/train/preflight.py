@@ -49,6 +49,10 @@ def start(plan: Plan):
     # both must precede TrainingArguments, which creates accelerate's PartialState
     on_cpu = "FSDP" if cpu_fsdp.enable(plan.trainer_fsdp) else "DDP" if cpu_fsdp.enable_ddp(plan.trainer_fsdp) else None
     raw = plan.raw
+    # before TrainingArguments, which reads the mixed precision: fp32 on a CPU without native bf16 (the script says so)
+    precision = cpu_fsdp.choose_cpu_precision(bool(getattr(raw, "bf16", False)), bool(getattr(plan.run_args, "cpu_bf16", False)))
+    if precision is not None and precision.mixed_precision == "no":
+        raw.bf16 = False
     if getattr(raw, "ddp_find_unused_parameters", None) is None:
         # the Trainer's default (True without gradient checkpointing) makes DDP walk the autograd graph every
         # step for parameters a causal LM always uses; torch warns about it on every rank. FSDP ignores it.

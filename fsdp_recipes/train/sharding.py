@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from fsdp_recipes.ckpt.layout import REPORT_NAME
 from fsdp_recipes.compat import internals
-from fsdp_recipes.compat.cpu_fsdp import fsdp_requested, launched_world_size
+from fsdp_recipes.compat.cpu_fsdp import cpu_precision, fsdp_requested, launched_world_size
 from fsdp_recipes.config.strategy import fsdp_strategy_name
 from fsdp_recipes.errors import NotShardedError
 
@@ -142,8 +142,11 @@ def precision_contract(model: torch.nn.Module, accelerator, saved_model: str | N
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
     compute = getattr(policy, "param_dtype", None) or autocast or master
     reduce = getattr(policy, "reduce_dtype", None) or getattr(policy, "param_dtype", None) or master
-    return {"master_weights": _dtype(master), "compute": _dtype(compute), "gradient_reduction": _dtype(reduce),
-            "optimizer_state": None, "saved_model": saved_model or _dtype(master)}
+    contract = {"master_weights": _dtype(master), "compute": _dtype(compute), "gradient_reduction": _dtype(reduce),
+                "optimizer_state": None, "saved_model": saved_model or _dtype(master)}
+    if (cpu := cpu_precision()) is not None:  # bf16 asked for without an accelerator: this CPU, and what runs
+        contract["cpu_bf16"] = cpu.record()
+    return contract
 
 
 def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, training_args=None, trainable_total: int | None = None,
