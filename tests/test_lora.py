@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import QUICK, launch, logged_losses, read_json
+from conftest import QUICK, REPO, launch, logged_losses, read_json
 
 LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-2"]
 CONFIGS = ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"]
@@ -54,6 +54,40 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
         torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
         changed += not torch.equal(merged[key], untouched[key])
     assert changed == 4 * 7  # every targeted linear of the 4 layers moved; nothing else did
+
+
+@pytest.mark.slow
+def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(tmp_path, monkeypatch):
+    """recipes/tiny-llama/lora_sft.yaml builds its base from a config: the run saves that base once, and the adapter
+    loads onto it exactly as a new user would write it, from where the recipe was launched."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, set_seed
+
+    for folder in ("assets", "recipes"):  # what a fresh checkout has, and no runs/
+        shutil.copytree(REPO / folder, tmp_path / folder)
+    launch("accelerate_configs/zero3.yaml", "recipes/tiny-llama/lora_sft.yaml", "--max_steps", "10", "--save_steps", "5", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+
+    # the new user's code, word for word
+    adapter = "runs/tiny-llama-lora/adapter"
+    base = json.loads(open(f"{adapter}/adapter_config.json").read())["base_model_name_or_path"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+
+    assert base == "runs/tiny-llama-lora/base_model"
+    base_weights = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    set_seed(42)  # the recipe's seed: the base is the config's model as the run built it, random and frozen
+    built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("assets/tiny-llama")).state_dict()
+    assert set(built) == set(base_weights) and all(torch.equal(built[k], base_weights[k]) for k in built)
+    merged = AutoModelForCausalLM.from_pretrained("runs/tiny-llama-lora").state_dict()
+    by_peft = model.merge_and_unload().state_dict()
+    assert set(merged) == set(by_peft)
+    changed = 0
+    for key in by_peft:
+        torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
+        changed += not torch.equal(merged[key], base_weights[key])
+    assert changed == 4 * 7  # every targeted linear moved; the frozen rest is the base's, bit for bit
 
 
 def test_only_an_exported_adapter_folder_is_replaced(tmp_path):
