@@ -1,20 +1,43 @@
-"""LoRA (peft) under FSDP2 and FSDP1: only the adapter trains, sharded like the rest; a resume from the mid-run
-checkpoint ends on the same bits (how a SIGKILL'd or preempted run comes back to that checkpoint is
-test_fault_tolerance's); the run ends with the merged model (equal to peft's own merge_and_unload of the trained
-adapter) and the adapter folder PeftModel loads."""
+"""LoRA (peft) under FSDP2 and FSDP1: only the adapter trains, sharded like the rest; checkpoints hold the adapter
+alone (weights and optimizer state, every rank's slice); a run killed with SIGKILL and resumed from its mid-run
+checkpoint ends on the same bits; the run ends with the merged model (equal to peft's own merge_and_unload of the
+trained adapter) and the adapter folder PeftModel loads; the merge tool makes both from a checkpoint and the base."""
 
 from __future__ import annotations
 
+import math
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import QUICK, REPO, launch, logged_losses, read_json
+from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, read_json, run
+from fsdp_recipes.ckpt.dcp import read_layout
+from fsdp_recipes.ckpt.readers import DCPSource
 
 LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-2"]
 CONFIGS = ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"]
+
+
+def adapter_only_layout(folder: Path, world: int = 2) -> dict[str, int]:
+    """Checks that a DCP folder of a LoRA checkpoint holds every rank's slice, each file non-empty, and returns each
+    tensor's elements (read with the vetted reader, ckpt/dcp.py)."""
+    layout = read_layout(folder)
+    files = {stored.relative_path for stored in layout.storage.values()}
+    assert files == {f"__{r}_0.distcp" for r in range(world)}, files  # every rank wrote
+    assert all((folder / f).stat().st_size > 0 for f in files)
+    elements = {}
+    for name, entry in layout.tensors.items():
+        total = math.prod(entry.shape)
+        assert sum(math.prod(c.sizes) for c in entry.chunks) == total, name  # no rank's slice is missing
+        writers = {layout.storage[(name, c.offsets)].relative_path for c in entry.chunks if math.prod(c.sizes)}
+        if entry.shape and entry.shape[0] >= world:  # sharded by rows: each rank holds a non-empty slice (not a step count)
+            assert len(writers) == world, (name, writers)
+        elements[name] = total
+    return elements
 
 
 @pytest.mark.slow
@@ -36,9 +59,28 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
     assert all(0 < r["local_trainable_elements"] < report["trainable_param_elements"] for r in report["ranks"])  # sharded
     assert report["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in report["trainable"])
 
-    shutil.copytree(whole / "checkpoint-6", out / "checkpoint-6")  # what a run stopped after step 6 leaves
-    resumed = launch(config, *args, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    # Adapter-only checkpoints: the adapter's weights and Adam's moments, every rank's slice, not the frozen base.
+    ckpt = whole / "checkpoint-6"
+    weights = adapter_only_layout(ckpt / "pytorch_model_fsdp_0")
+    assert len(weights) == 4 * 7 * 2 and all(".lora_A.default." in n or ".lora_B.default." in n for n in weights)
+    assert sum(weights.values()) == report["trainable_param_elements"]
+    moments = adapter_only_layout(ckpt / "optimizer_0")
+    assert {n.rsplit(".", 1)[1] for n in moments} >= {"exp_avg", "exp_avg_sq"}
+    assert sum(v for n, v in moments.items() if n.endswith(".exp_avg")) == report["trainable_param_elements"]
+    checked = run([sys.executable, "tools/check_checkpoint.py", str(ckpt)])
+    assert checked.returncode == 0 and "LoRA adapter only, 2 rank(s)): resumable" in checked.stdout, checked.stdout
+
+    # SIGKILL after step 9 (checkpoint-6 is the last one), then resume: the same bits as the run never stopped.
+    killed = launch(config, *args, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:step:9"}, check=False)
+    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    as_loaded = tmp_path / "optimizer-as-loaded"
+    resumed = launch(config, *args, "--output_dir", str(out), "--resume_from_checkpoint", "true", script=FAULT_SCRIPT,
+                     env={"FSDP_DUMP_OPTIMIZER": str(as_loaded)})
     assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
+    saved, loaded = DCPSource(out / "checkpoint-6" / "optimizer_0"), DCPSource(as_loaded / "optimizer_0")
+    assert saved.tensors and set(saved.tensors) == set(loaded.tensors)
+    saved_values, loaded_values = saved.read(sorted(saved.tensors)), loaded.read(sorted(saved.tensors))
+    assert all(torch.equal(saved_values[n], loaded_values[n]) for n in saved_values)  # Adam's state came back whole
     for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         resumed, reference = load_file(out / name), load_file(whole / name)
         assert set(resumed) == set(reference)
@@ -54,6 +96,24 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
         torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
         changed += not torch.equal(merged[key], untouched[key])
     assert changed == 4 * 7  # every targeted linear of the 4 layers moved; nothing else did
+
+    # The merge tool: checkpoint + base (the one adapter_config.json records, or --base-model) -> the merged model,
+    # equal to peft's merge of the adapter folder it writes from the same checkpoint.
+    final = whole / "checkpoint-12"
+    adapter = tmp_path / "adapter-12"
+    assert run([sys.executable, "tools/merge_checkpoint.py", str(final), str(adapter), "--adapter-only"]).returncode == 0
+    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload().state_dict()
+    assert not any(torch.equal(by_peft[k], untouched[k]) for k in by_peft if "proj" in k)
+    for extra in ([], ["--base-model", str(base)]):
+        folder = tmp_path / f"merged{len(extra)}"
+        done = run([sys.executable, "tools/merge_checkpoint.py", str(final), str(folder), *extra])
+        assert done.returncode == 0 and f"the frozen base's weights from {base}" in done.stdout, done.stdout + done.stderr
+        tool = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        assert set(tool) == set(by_peft)
+        for key in by_peft:
+            torch.testing.assert_close(tool[key], by_peft[key], rtol=0, atol=1e-6)
+    without = run([sys.executable, "tools/merge_checkpoint.py", str(final), str(tmp_path / "nobase"), "--base-model", str(tmp_path)])
+    assert without.returncode != 0 and "holds the LoRA adapter alone" in without.stderr and "--base-model" in without.stderr
 
 
 @pytest.mark.slow

@@ -30,7 +30,10 @@ from fsdp_recipes.ckpt.description import (
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG, MANIFEST, is_exported_adapter, is_model_folder, overlap, real, training_content,
 )
-from fsdp_recipes.ckpt.lora_merge import MergedLoraSource, adapter_tensors, find_adapter_config, is_lora, read_adapter_config
+from fsdp_recipes.ckpt.lora_merge import (
+    LORA_WEIGHT, AdapterOnBaseSource, MergedLoraSource, adapter_tensors, base_weights, find_adapter_config, holds_adapter_only, is_lora,
+    read_adapter_config,
+)
 from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype, unconvertible_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
@@ -228,11 +231,17 @@ def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, l
         return None, base_model
     config_path = find_adapter_config(resolved.places)
     adapter_config = read_adapter_config(config_path)
-    merged = MergedLoraSource(resolved.source, adapter_config)
+    alone = holds_adapter_only(resolved.source.tensors)  # an adapter-only checkpoint: the base's weights are the base model's
+    if alone and not adapter_only:
+        base, base_dir = base_weights(base_model, adapter_config, config_path)
+        resolved.source = AdapterOnBaseSource(resolved.source, base, base_dir)
+        log(f"adapter-only LoRA checkpoint: the frozen base's weights from {base_dir}")
+    merged = None if alone and adapter_only else MergedLoraSource(resolved.source, adapter_config)
     if adapter_only:
         names = adapter_tensors(resolved.source)
+        adapter = merged.adapter if merged else LORA_WEIGHT.match(next(iter(names.values())))["adapter"]
         origin = {"config": str(config_path), "tokenizer": "(none: an adapter folder)"}
-        log(f"PEFT LoRA checkpoint: writing adapter {merged.adapter!r} ({len(names)} tensors) as PeftModel.from_pretrained loads it")
+        log(f"PEFT LoRA checkpoint: writing adapter {adapter!r} ({len(names)} tensors) as PeftModel.from_pretrained loads it")
         return Description(WeightMap(names, "", len(resolved.source.tensors) - len(names)), [], origin,
                            lambda out: shutil.copyfile(config_path, out / ADAPTER_CONFIG)), base_model
     resolved.source = merged

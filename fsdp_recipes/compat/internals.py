@@ -51,8 +51,10 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (MODULE, "torch_dcp: byte records vetted first (patched)"),
     # fsdp_recipes/compat/rank0_scatter.py: rank-0-only loading scatters each rank its rows (no full copy elsewhere)
     "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict": (MODULE, "rank0_scatter: rank 0 scatters, not broadcasts (patched)"),
-    # fsdp_recipes/compat/trainer_checkpoints.py: whole-model LoRA checkpoints under FSDP
+    # fsdp_recipes/compat/trainer_checkpoints.py: adapter-only LoRA checkpoints (SHARDED), whole-model ones (FULL)
     "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer_checkpoints: whole-model LoRA checkpoints (swapped)"),
+    "accelerate.utils.fsdp_utils._get_model_state_dict": (MODULE, "trainer_checkpoints: the adapter's every-rank slices (patched)"),
+    "accelerate.utils.fsdp_utils._set_model_state_dict": (MODULE, "trainer_checkpoints: the adapter loaded back (patched)"),
     # fsdp_recipes/config/trainer_fsdp.py: the fsdp_config keys TrainingArguments reads, from its own code
     "transformers.training_args.TrainingArguments._process_fsdp_args": (MODULE, "trainer_fsdp: --fsdp_config keys it reads"),
     # fsdp_recipes/train/profiling.py: PyTorch's memory viewer snapshot (CUDA only)
