@@ -165,3 +165,65 @@ def test_only_an_exported_adapter_folder_is_replaced(tmp_path):
     (ours / "notes.txt").write_text("a user's file")
     assert not is_exported_adapter(ours)
     assert not is_exported_adapter(tmp_path / "missing")
+
+
+def test_a_lora_base_is_saved_once_and_another_models_is_refused(tmp_path):
+    """The base a LoRA run builds from a config is saved whole (a resume trains on those very weights); a base of
+    another config in the same output_dir is refused, in one line, and left as it was."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_recipes.config.arguments import ModelArguments
+    from fsdp_recipes.errors import RecipeError
+    from fsdp_recipes.train.modeling import lora_base, save_lora_base, use_lora_base
+
+    args = ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True)
+    assert lora_base(ModelArguments(config_name=args.config_name), str(tmp_path)) is None  # no LoRA: nothing to save
+    base = lora_base(args, str(tmp_path))
+    assert base == str(tmp_path / "base_model")
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    use_lora_base(args, str(tmp_path), log=lambda _: None)
+    assert torch.equal(torch.random.get_rng_state(), before)  # every rank goes on from the same RNG state
+    assert (args.model_name_or_path, args.config_name) == (base, None)
+    saved = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    assert sorted(p.name for p in (tmp_path).iterdir()) == ["base_model"]  # its staging folder is gone
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in Path(base).iterdir()}
+
+    said = []
+    save_lora_base(ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True), base, log=said.append)
+    assert "saved by an earlier run of this output_dir" in said[0]  # kept, not rebuilt
+    again = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    assert all(torch.equal(saved[k], again[k]) for k in saved)
+
+    other = tmp_path / "other-config"
+    other.mkdir()
+    config = json.loads((REPO / "assets" / "tiny-llama" / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    wrong = ModelArguments(config_name=str(other), tokenizer_name=str(REPO / "assets" / "tiny-llama"), use_peft=True)
+    with pytest.raises(RecipeError, match=r"holds another model's base .*num_hidden_layers.*choose another --output_dir"):
+        save_lora_base(wrong, base)
+
+
+def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
+    """What stock adapter-only saves left (FSDP1: no tensor at all; accelerate PR #4206's FSDP2 bug: rank 0's slice
+    only) is incomplete, named; every slice present is fine, and a LoRA adapter alone is named as such."""
+    from fsdp_recipes.ckpt.dcp import Chunk, Layout, TensorEntry
+    from fsdp_recipes.ckpt.status import CheckpointStatus, _coverage_problems
+
+    folder = tmp_path / "checkpoint-6" / "pytorch_model_fsdp_0"
+    name = "model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    halves = (Chunk((0, 0), (4, 64)), Chunk((4, 0), (4, 64)))
+    status = CheckpointStatus(str(folder.parent))
+    assert _coverage_problems(folder, Layout({name: TensorEntry("float32", (8, 64), halves)}, {}), status) == []
+    assert status.lora == "adapter only"
+    status = CheckpointStatus(str(folder.parent))
+    whole = {name: TensorEntry("float32", (8, 64), halves), name.replace("lora_A.default", "base_layer"): TensorEntry("float32", (64, 64), ())}
+    assert _coverage_problems(folder, Layout({k: v for k, v in whole.items()}, {}), status)[0].startswith(
+        "pytorch_model_fsdp_0/: model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight holds 0 of its 4096 elements")
+    assert status.lora == "whole model"
+    [problem] = _coverage_problems(folder, Layout({name: TensorEntry("float32", (8, 64), halves[:1])}, {}), CheckpointStatus("x"))
+    assert problem == f"pytorch_model_fsdp_0/: {name} holds 256 of its 512 elements (a rank's slice is missing): use an earlier checkpoint"
+    [problem] = _coverage_problems(folder, Layout({}, {}), CheckpointStatus("x"))
+    assert problem.startswith("pytorch_model_fsdp_0/ holds no tensors")
