@@ -227,3 +227,60 @@ def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
     assert problem == f"pytorch_model_fsdp_0/: {name} holds 256 of its 512 elements (a rank's slice is missing): use an earlier checkpoint"
     [problem] = _coverage_problems(folder, Layout({}, {}), CheckpointStatus("x"))
     assert problem.startswith("pytorch_model_fsdp_0/ holds no tensors")
+
+
+def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
+    """An adapter-only checkpoint (the adapter's tensors by peft's names, as FSDPTrainer saves them) plus its base
+    gives peft's own merge_and_unload: the base the adapter config records, or --base-model; without a base that
+    loads, or with another model's, it stops in one line."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
+    from fsdp_recipes.errors import CheckpointError
+
+    base_dir, ckpt = tmp_path / "base", tmp_path / "run" / "checkpoint-3"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(base_dir)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # a trained adapter: the merge moves the weights
+    adapter = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert len(adapter) == 4 * 2 * 2
+    dcp.save({"model": adapter}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
+    model.peft_config["default"].save_pretrained(str(ckpt))
+    model.save_pretrained(str(tmp_path / "peft-adapter"))
+    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "peft-adapter").merge_and_unload().state_dict()
+    assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir)
+
+    assert inspect_checkpoint(ckpt)["layout"].startswith("layout: 16 LoRA adapter tensors (lora_A, lora_B) and no frozen base weight")
+    said = []
+    merge_checkpoint(ckpt, tmp_path / "merged", log=said.append)  # the base adapter_config.json records
+    assert f"adapter-only LoRA checkpoint: the frozen base's weights from {base_dir}" in said
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert set(merged) == set(by_peft)
+    for key in by_peft:
+        torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
+
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    (ckpt / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(tmp_path / "moved")}))
+    with pytest.raises(CheckpointError, match=r"holds the LoRA adapter alone .* names '.*moved', which is not a local folder .* pass --base-model"):
+        merge_checkpoint(ckpt, tmp_path / "nobase")
+    merge_checkpoint(ckpt, tmp_path / "given", base_model=str(base_dir), log=said.append)
+    given = AutoModelForCausalLM.from_pretrained(tmp_path / "given").state_dict()
+    assert all(torch.equal(given[k], merged[k]) for k in merged)
+
+    other = tmp_path / "other"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", intermediate_size=64)).save_pretrained(other)
+    with pytest.raises(CheckpointError, match=r"down_proj has LoRA weights in the checkpoint but no weight of that size in the base model"):
+        merge_checkpoint(ckpt, tmp_path / "wrong", base_model=str(other))
+    merge_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True, log=said.append)
+    from safetensors.torch import load_file as load
+
+    written, by_peft_adapter = load(tmp_path / "adapter" / "adapter_model.safetensors"), load(tmp_path / "peft-adapter" / "adapter_model.safetensors")
+    assert set(written) == set(by_peft_adapter) and all(torch.equal(written[k], by_peft_adapter[k]) for k in written)

@@ -300,8 +300,9 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
     resolved = resolve_input(input_path)
     src, ckpt = resolved.source, resolved.checkpoint_dir
     state = ckpt / "trainer_state.json"
-    own = described_by_manifest(resolved)
-    weights = own.weights if own is not None else guess_namespace(src.tensors)
+    alone = holds_adapter_only(src.tensors)  # a LoRA run's checkpoint without the frozen base: nothing to match to the config
+    own = None if alone else described_by_manifest(resolved)
+    weights = WeightMap({n: n for n in src.tensors}, "", 0) if alone else own.weights if own is not None else guess_namespace(src.tensors)
     infos = [src.tensors[n] for n in (weights.names.values() if weights else [])]
     dtypes: dict[str, int] = {}
     for info in infos:
@@ -316,7 +317,9 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         "checkpoint": str(ckpt),
         "notes": resolved.notes,
         "format": src.kind,
-        "layout": (weights.describe() + ("" if own else " (guessed; a merge checks it against the config)")) if weights else "no weights found",
+        "layout": (f"layout: {len(infos)} LoRA adapter tensors (lora_A, lora_B) and no frozen base weight: a merge adds the base "
+                   "(--base-model, or the one adapter_config.json names)") if alone else
+                  (weights.describe() + ("" if own else " (guessed; a merge checks it against the config)")) if weights else "no weights found",
         "ranks": src.ranks,
         "step": step,
         "tensors": len(infos),
