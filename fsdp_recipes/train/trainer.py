@@ -167,10 +167,6 @@ class FSDPTrainer(Trainer):
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         return plugin is not None and "SHARDED" in str(plugin.state_dict_type)
 
-    def adapter_only_checkpoints(self) -> bool:
-        """This run's checkpoints hold the LoRA adapter alone (FSDP with SHARDED_STATE_DICT), not the frozen base."""
-        return self.is_fsdp_enabled and self._sharded() and lora_parts(self.accelerator.unwrap_model(self.model))[1] is not None
-
     @contextmanager
     def _lora_checkpoints(self):
         if not self.is_fsdp_enabled or lora_parts(self.accelerator.unwrap_model(self.model))[1] is None:
