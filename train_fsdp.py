@@ -27,7 +27,7 @@ from fsdp_recipes.train import preflight
 from fsdp_recipes.train.data import build_datasets
 from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_step, save_dtype_problem, save_final_model
 from fsdp_recipes.train.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
-from fsdp_recipes.train.modeling import load_model, load_tokenizer
+from fsdp_recipes.train.modeling import load_model, load_tokenizer, lora_base, use_lora_base
 from fsdp_recipes.train.preemption import Stopped, quiet_stops, stop_received, was_interrupted, watch_interrupts, watch_stops
 from fsdp_recipes.train.profiling import StepProfiler
 from fsdp_recipes.train.trainer import FSDPTrainer
@@ -58,12 +58,13 @@ def main(model_args, data_args, plan):
         )
         if training_args.process_index == 0:
             export_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir,
-                              base_model=model_args.model_name_or_path or model_args.config_name, log=logger.info,
+                              base_model=lora_base(model_args, training_args.output_dir) or model_args.model_name_or_path or model_args.config_name, log=logger.info,
                               dtype=plan.run_args.save_dtype)
         return
 
     # ---------- model and tokenizer ----------
     set_seed(training_args.seed)
+    use_lora_base(model_args, training_args.output_dir, log=logger.info)  # LoRA on a config: its random base, saved once
     tokenizer = load_tokenizer(model_args)
 
     # ---------- data ----------

@@ -1,20 +1,43 @@
-"""LoRA (peft) under FSDP2 and FSDP1: only the adapter trains, sharded like the rest; a resume from the mid-run
-checkpoint ends on the same bits (how a SIGKILL'd or preempted run comes back to that checkpoint is
-test_fault_tolerance's); the run ends with the merged model (equal to peft's own merge_and_unload of the trained
-adapter) and the adapter folder PeftModel loads."""
+"""LoRA (peft) under FSDP2 and FSDP1: only the adapter trains, sharded like the rest; checkpoints hold the adapter
+alone (weights and optimizer state, every rank's slice); a run killed with SIGKILL and resumed from its mid-run
+checkpoint ends on the same bits; the run ends with the merged model (equal to peft's own merge_and_unload of the
+trained adapter) and the adapter folder PeftModel loads; the merge tool makes both from a checkpoint and the base."""
 
 from __future__ import annotations
 
+import math
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import QUICK, launch, logged_losses, read_json
+from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, read_json, run
+from fsdp_recipes.ckpt.dcp import read_layout
+from fsdp_recipes.ckpt.readers import DCPSource
 
 LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-2"]
 CONFIGS = ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"]
+
+
+def adapter_only_layout(folder: Path, world: int = 2) -> dict[str, int]:
+    """Checks that a DCP folder of a LoRA checkpoint holds every rank's slice, each file non-empty, and returns each
+    tensor's elements (read with the vetted reader, ckpt/dcp.py)."""
+    layout = read_layout(folder)
+    files = {stored.relative_path for stored in layout.storage.values()}
+    assert files == {f"__{r}_0.distcp" for r in range(world)}, files  # every rank wrote
+    assert all((folder / f).stat().st_size > 0 for f in files)
+    elements = {}
+    for name, entry in layout.tensors.items():
+        total = math.prod(entry.shape)
+        assert sum(math.prod(c.sizes) for c in entry.chunks) == total, name  # no rank's slice is missing
+        writers = {layout.storage[(name, c.offsets)].relative_path for c in entry.chunks if math.prod(c.sizes)}
+        if entry.shape and entry.shape[0] >= world:  # sharded by rows: each rank holds a non-empty slice (not a step count)
+            assert len(writers) == world, (name, writers)
+        elements[name] = total
+    return elements
 
 
 @pytest.mark.slow
@@ -36,9 +59,28 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
     assert all(0 < r["local_trainable_elements"] < report["trainable_param_elements"] for r in report["ranks"])  # sharded
     assert report["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in report["trainable"])
 
-    shutil.copytree(whole / "checkpoint-6", out / "checkpoint-6")  # what a run stopped after step 6 leaves
-    resumed = launch(config, *args, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    # Adapter-only checkpoints: the adapter's weights and Adam's moments, every rank's slice, not the frozen base.
+    ckpt = whole / "checkpoint-6"
+    weights = adapter_only_layout(ckpt / "pytorch_model_fsdp_0")
+    assert len(weights) == 4 * 7 * 2 and all(".lora_A.default." in n or ".lora_B.default." in n for n in weights)
+    assert sum(weights.values()) == report["trainable_param_elements"]
+    moments = adapter_only_layout(ckpt / "optimizer_0")
+    assert {n.rsplit(".", 1)[1] for n in moments} >= {"exp_avg", "exp_avg_sq"}
+    assert sum(v for n, v in moments.items() if n.endswith(".exp_avg")) == report["trainable_param_elements"]
+    checked = run([sys.executable, "tools/check_checkpoint.py", str(ckpt)])
+    assert checked.returncode == 0 and "LoRA adapter only, 2 rank(s)): resumable" in checked.stdout, checked.stdout
+
+    # SIGKILL after step 9 (checkpoint-6 is the last one), then resume: the same bits as the run never stopped.
+    killed = launch(config, *args, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:step:9"}, check=False)
+    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    as_loaded = tmp_path / "optimizer-as-loaded"
+    resumed = launch(config, *args, "--output_dir", str(out), "--resume_from_checkpoint", "true", script=FAULT_SCRIPT,
+                     env={"FSDP_DUMP_OPTIMIZER": str(as_loaded)})
     assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
+    saved, loaded = DCPSource(out / "checkpoint-6" / "optimizer_0"), DCPSource(as_loaded / "optimizer_0")
+    assert saved.tensors and set(saved.tensors) == set(loaded.tensors)
+    saved_values, loaded_values = saved.read(sorted(saved.tensors)), loaded.read(sorted(saved.tensors))
+    assert all(torch.equal(saved_values[n], loaded_values[n]) for n in saved_values)  # Adam's state came back whole
     for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         resumed, reference = load_file(out / name), load_file(whole / name)
         assert set(resumed) == set(reference)
@@ -54,6 +96,58 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
         torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
         changed += not torch.equal(merged[key], untouched[key])
     assert changed == 4 * 7  # every targeted linear of the 4 layers moved; nothing else did
+
+    # The merge tool: checkpoint + base (the one adapter_config.json records, or --base-model) -> the merged model,
+    # equal to peft's merge of the adapter folder it writes from the same checkpoint.
+    final = whole / "checkpoint-12"
+    adapter = tmp_path / "adapter-12"
+    assert run([sys.executable, "tools/merge_checkpoint.py", str(final), str(adapter), "--adapter-only"]).returncode == 0
+    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload().state_dict()
+    assert not any(torch.equal(by_peft[k], untouched[k]) for k in by_peft if "proj" in k)
+    for extra in ([], ["--base-model", str(base)]):
+        folder = tmp_path / f"merged{len(extra)}"
+        done = run([sys.executable, "tools/merge_checkpoint.py", str(final), str(folder), *extra])
+        assert done.returncode == 0 and f"the frozen base's weights from {base}" in done.stdout, done.stdout + done.stderr
+        tool = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        assert set(tool) == set(by_peft)
+        for key in by_peft:
+            torch.testing.assert_close(tool[key], by_peft[key], rtol=0, atol=1e-6)
+    without = run([sys.executable, "tools/merge_checkpoint.py", str(final), str(tmp_path / "nobase"), "--base-model", str(tmp_path)])
+    assert without.returncode != 0 and "holds the LoRA adapter alone" in without.stderr and "--base-model" in without.stderr
+
+
+@pytest.mark.slow
+def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(tmp_path, monkeypatch):
+    """recipes/tiny-llama/lora_sft.yaml builds its base from a config: the run saves that base once, and the adapter
+    loads onto it exactly as a new user would write it, from where the recipe was launched."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, set_seed
+
+    for folder in ("assets", "recipes"):  # what a fresh checkout has, and no runs/
+        shutil.copytree(REPO / folder, tmp_path / folder)
+    launch("accelerate_configs/zero3.yaml", "recipes/tiny-llama/lora_sft.yaml", "--max_steps", "10", "--save_steps", "5", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+
+    # the new user's code, word for word
+    adapter = "runs/tiny-llama-lora/adapter"
+    base = json.loads(open(f"{adapter}/adapter_config.json").read())["base_model_name_or_path"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+
+    assert base == "runs/tiny-llama-lora/base_model"
+    base_weights = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    set_seed(42)  # the recipe's seed: the base is the config's model as the run built it, random and frozen
+    built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("assets/tiny-llama")).state_dict()
+    assert set(built) == set(base_weights) and all(torch.equal(built[k], base_weights[k]) for k in built)
+    merged = AutoModelForCausalLM.from_pretrained("runs/tiny-llama-lora").state_dict()
+    by_peft = model.merge_and_unload().state_dict()
+    assert set(merged) == set(by_peft)
+    changed = 0
+    for key in by_peft:
+        torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
+        changed += not torch.equal(merged[key], base_weights[key])
+    assert changed == 4 * 7  # every targeted linear moved; the frozen rest is the base's, bit for bit
 
 
 def test_only_an_exported_adapter_folder_is_replaced(tmp_path):
@@ -71,3 +165,122 @@ def test_only_an_exported_adapter_folder_is_replaced(tmp_path):
     (ours / "notes.txt").write_text("a user's file")
     assert not is_exported_adapter(ours)
     assert not is_exported_adapter(tmp_path / "missing")
+
+
+def test_a_lora_base_is_saved_once_and_another_models_is_refused(tmp_path):
+    """The base a LoRA run builds from a config is saved whole (a resume trains on those very weights); a base of
+    another config in the same output_dir is refused, in one line, and left as it was."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_recipes.config.arguments import ModelArguments
+    from fsdp_recipes.errors import RecipeError
+    from fsdp_recipes.train.modeling import lora_base, save_lora_base, use_lora_base
+
+    args = ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True)
+    assert lora_base(ModelArguments(config_name=args.config_name), str(tmp_path)) is None  # no LoRA: nothing to save
+    base = lora_base(args, str(tmp_path))
+    assert base == str(tmp_path / "base_model")
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    use_lora_base(args, str(tmp_path), log=lambda _: None)
+    assert torch.equal(torch.random.get_rng_state(), before)  # every rank goes on from the same RNG state
+    assert (args.model_name_or_path, args.config_name) == (base, None)
+    saved = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    assert sorted(p.name for p in (tmp_path).iterdir()) == ["base_model"]  # its staging folder is gone
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in Path(base).iterdir()}
+
+    said = []
+    save_lora_base(ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True), base, log=said.append)
+    assert "saved by an earlier run of this output_dir" in said[0]  # kept, not rebuilt
+    again = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    assert all(torch.equal(saved[k], again[k]) for k in saved)
+
+    other = tmp_path / "other-config"
+    other.mkdir()
+    config = json.loads((REPO / "assets" / "tiny-llama" / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    wrong = ModelArguments(config_name=str(other), tokenizer_name=str(REPO / "assets" / "tiny-llama"), use_peft=True)
+    with pytest.raises(RecipeError, match=r"holds another model's base .*num_hidden_layers.*choose another --output_dir"):
+        save_lora_base(wrong, base)
+
+
+def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
+    """What stock adapter-only saves left (FSDP1: no tensor at all; accelerate PR #4206's FSDP2 bug: rank 0's slice
+    only) is incomplete, named; every slice present is fine, and a LoRA adapter alone is named as such."""
+    from fsdp_recipes.ckpt.dcp import Chunk, Layout, TensorEntry
+    from fsdp_recipes.ckpt.status import CheckpointStatus, _coverage_problems
+
+    folder = tmp_path / "checkpoint-6" / "pytorch_model_fsdp_0"
+    name = "model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    halves = (Chunk((0, 0), (4, 64)), Chunk((4, 0), (4, 64)))
+    status = CheckpointStatus(str(folder.parent))
+    assert _coverage_problems(folder, Layout({name: TensorEntry("float32", (8, 64), halves)}, {}), status) == []
+    assert status.lora == "adapter only"
+    status = CheckpointStatus(str(folder.parent))
+    whole = {name: TensorEntry("float32", (8, 64), halves), name.replace("lora_A.default", "base_layer"): TensorEntry("float32", (64, 64), ())}
+    assert _coverage_problems(folder, Layout({k: v for k, v in whole.items()}, {}), status)[0].startswith(
+        "pytorch_model_fsdp_0/: model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight holds 0 of its 4096 elements")
+    assert status.lora == "whole model"
+    [problem] = _coverage_problems(folder, Layout({name: TensorEntry("float32", (8, 64), halves[:1])}, {}), CheckpointStatus("x"))
+    assert problem == f"pytorch_model_fsdp_0/: {name} holds 256 of its 512 elements (a rank's slice is missing): use an earlier checkpoint"
+    [problem] = _coverage_problems(folder, Layout({}, {}), CheckpointStatus("x"))
+    assert problem.startswith("pytorch_model_fsdp_0/ holds no tensors")
+
+
+def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
+    """An adapter-only checkpoint (the adapter's tensors by peft's names, as FSDPTrainer saves them) plus its base
+    gives peft's own merge_and_unload: the base the adapter config records, or --base-model; without a base that
+    loads, or with another model's, it stops in one line."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
+    from fsdp_recipes.errors import CheckpointError
+
+    base_dir, ckpt = tmp_path / "base", tmp_path / "run" / "checkpoint-3"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(base_dir)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # a trained adapter: the merge moves the weights
+    adapter = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert len(adapter) == 4 * 2 * 2
+    dcp.save({"model": adapter}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
+    model.peft_config["default"].save_pretrained(str(ckpt))
+    model.save_pretrained(str(tmp_path / "peft-adapter"))
+    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "peft-adapter").merge_and_unload().state_dict()
+    assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir)
+
+    assert inspect_checkpoint(ckpt)["layout"].startswith("layout: 16 LoRA adapter tensors (lora_A, lora_B) and no frozen base weight")
+    said = []
+    merge_checkpoint(ckpt, tmp_path / "merged", log=said.append)  # the base adapter_config.json records
+    assert f"adapter-only LoRA checkpoint: the frozen base's weights from {base_dir}" in said
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert set(merged) == set(by_peft)
+    for key in by_peft:
+        torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
+
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    (ckpt / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(tmp_path / "moved")}))
+    with pytest.raises(CheckpointError, match=r"holds the LoRA adapter alone .* names '.*moved', which is not a local folder .* pass --base-model"):
+        merge_checkpoint(ckpt, tmp_path / "nobase")
+    merge_checkpoint(ckpt, tmp_path / "given", base_model=str(base_dir), log=said.append)
+    given = AutoModelForCausalLM.from_pretrained(tmp_path / "given").state_dict()
+    assert all(torch.equal(given[k], merged[k]) for k in merged)
+
+    other = tmp_path / "other"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", intermediate_size=64)).save_pretrained(other)
+    with pytest.raises(CheckpointError, match=r"down_proj has LoRA weights in the checkpoint but no weight of that size in the base model"):
+        merge_checkpoint(ckpt, tmp_path / "wrong", base_model=str(other))
+    merge_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True, log=said.append)
+    from safetensors.torch import load_file as load
+
+    written, by_peft_adapter = load(tmp_path / "adapter" / "adapter_model.safetensors"), load(tmp_path / "peft-adapter" / "adapter_model.safetensors")
+    assert set(written) == set(by_peft_adapter) and all(torch.equal(written[k], by_peft_adapter[k]) for k in written)

@@ -6,11 +6,14 @@
     python tools/merge_checkpoint.py CKPT --inspect                            # what is inside, no writing
     python tools/merge_checkpoint.py lightning.ckpt OUT --base-model BASE      # another tool's checkpoint
     python tools/merge_checkpoint.py PEFT_CKPT OUT --adapter-only              # a LoRA run: the adapter alone
+    python tools/merge_checkpoint.py PEFT_CKPT OUT --base-model BASE           # a LoRA run's adapter-only checkpoint + its base
 
 Checkpoints from other tools are accepted: raw torch DCP (flat names), torch's get_state_dict beside its
 optimizer, accelerate and the stock Trainer, Lightning, PEFT LoRA (merged, or --adapter-only). The weights
 are found by matching stored names and shapes against the model built from config.json (from the checkpoint,
 its parent, or --base-model); --inspect says which layout was recognised. The tokenizer is copied when present.
+A LoRA checkpoint of train_fsdp.py holds the adapter alone: the merge reads the frozen base's weights from
+--base-model, else from the folder its adapter_config.json names (base_model_name_or_path).
 """
 
 import argparse
@@ -72,7 +75,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("input", help="a checkpoint-N folder, a DCP folder (pytorch_model_fsdp_0, raw torch, Lightning), or a run's output folder (newest complete checkpoint)")
     parser.add_argument("output", nargs="?", help="folder to create (written beside it first, renamed when complete)")
-    parser.add_argument("--base-model", help="hub id or folder for config.json (and tokenizer) when the checkpoint has none; a folder with only config.json is enough")
+    parser.add_argument("--base-model", help="hub id or folder for config.json (and tokenizer) when the checkpoint has none; a folder with only config.json is enough. "
+                        "For an adapter-only LoRA checkpoint, also the base weights: a local model folder (or a hub id in the local cache); "
+                        "default: the base its adapter_config.json names")
     parser.add_argument("--adapter-only", action="store_true", help="PEFT LoRA checkpoint: write the adapter folder (adapter_config.json, adapter_model.safetensors) instead of the merged model")
     parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep the saved dtype)")
     parser.add_argument("--max-shard-size", default="5GB", type=size_type(parse_size, "5GB", MIN_SHARD_SIZE),

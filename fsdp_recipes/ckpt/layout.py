@@ -17,6 +17,7 @@ FULL_FILES = ("model.safetensors.index.json", "model.safetensors", FULL_MODEL_FI
 PLAIN_OPTIMIZER_FILE = "optimizer.pt"  # the Trainer's own layout without FSDP (DDP, ZeRO-1 consolidated, one process)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ADAPTER_CONFIG = "adapter_config.json"  # peft
+LORA_BASE_DIR = "base_model"  # a LoRA run's base built from a config, saved once in its output_dir: the adapter names it
 REPORT_NAME = "fsdp_report.json"  # the proof of sharding, per run and per checkpoint (fsdp_recipes.train.sharding)
 SHARD_DIGESTS = "shard_digests.json"  # each .distcp file's size and sample hash, written once every rank is done
 MANIFEST = "model_description.json"  # written into each checkpoint by the training run (fsdp_recipes.ckpt.description)
@@ -85,7 +86,7 @@ def is_model_folder(folder: Path) -> bool:
 
 # What a training run writes into its output_dir, beside the model files: checkpoints, set-aside ones, its records,
 # tensorboard's runs/, profiles, the adapter, its lock and staging folders. Anything else there is someone's.
-_RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", r"adapter", r"runs",
+_RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", r"adapter", LORA_BASE_DIR, r"\.base-tmp", r"runs",
                 r"profile", r"run_args\.json", r"fsdp_report\.json", r"(all|train|eval)_results\.json", r"loss\.png",
                 r"\.run\.lock", r"\.run\.lock\.owner", r"training_args\.bin", r"requeue_progress\.json", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
 

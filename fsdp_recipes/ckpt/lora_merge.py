@@ -194,3 +194,83 @@ def adapter_tensors(source) -> dict[str, str]:
             saved = f"{m['module']}.lora_{m['ab']}.weight"
             names[saved[start:] if start >= 0 else saved] = name
     return names
+
+
+def holds_adapter_only(names) -> bool:
+    """The stored tensors are a LoRA adapter alone (an adapter-only checkpoint): no frozen base weight among them."""
+    names = list(names)
+    return bool(names) and all(LORA_WEIGHT.match(n) for n in names)
+
+
+class AdapterOnBaseSource:
+    """An adapter-only checkpoint's tensors with the base model's weights beside them, named as a whole-model LoRA
+    checkpoint names them (``<prefix><module>.base_layer.weight`` for each wrapped module, ``<prefix><name>`` for the
+    rest), so that MergedLoraSource merges it like any other. The base is read from its own safetensors files."""
+
+    def __init__(self, adapter, base, base_dir: Path):
+        self.adapter, self.base, self.path = adapter, base, getattr(adapter, "path", None)
+        self.ranks, self.kind = adapter.ranks, f"{adapter.kind}, adapter only, + base {base_dir}"
+        first = next(iter(adapter.tensors))
+        start = first.find("base_model.model.")
+        if start < 0:
+            raise CheckpointError(f"{first}: an adapter-only checkpoint names its tensors under base_model.model. (peft's names); this one does not")
+        prefix = first[: start + len("base_model.model.")]
+        modules = {m["module"] for n in adapter.tensors if (m := LORA_WEIGHT.match(n))}
+        self._base_names: dict[str, str] = {}
+        for name in base.tensors:
+            module, _, leaf = name.rpartition(".")
+            wrapped = f"{prefix}{module}" in modules
+            self._base_names[f"{prefix}{module}.base_layer.{leaf}" if wrapped else f"{prefix}{name}"] = name
+        unmatched = sorted(m for m in modules if f"{m}.base_layer.weight" not in self._base_names or
+                           base.tensors[self._base_names[f"{m}.base_layer.weight"]].numel != self._lora_numel(adapter, m))
+        if unmatched:
+            raise CheckpointError(f"{unmatched[0].removeprefix(prefix)} has LoRA weights in the checkpoint but no weight of that size in the base "
+                                  f"model {base_dir}: it is another model than the one the adapter was trained on; give its base with --base-model")
+        self.tensors = {**{n: base.tensors[b] for n, b in self._base_names.items()}, **adapter.tensors}
+
+    @staticmethod
+    def _lora_numel(adapter, module: str) -> int:
+        """The elements of the weight lora_B @ lora_A is added to: out x in."""
+        a = next(info for n, info in adapter.tensors.items() if n.startswith(f"{module}.lora_A."))
+        b = next(info for n, info in adapter.tensors.items() if n.startswith(f"{module}.lora_B."))
+        return a.shape[-1] * b.shape[0]
+
+    def copy_plan(self, name: str):
+        if name in self._base_names and hasattr(self.base, "copy_plan"):
+            return self.base.copy_plan(self._base_names[name])
+        return None
+
+    def read(self, names: list[str]) -> dict:
+        from_base = [n for n in names if n in self._base_names]
+        out = self.base.read([self._base_names[n] for n in from_base]) if from_base else {}
+        out = {n: out[self._base_names[n]] for n in from_base}
+        rest = [n for n in names if n not in self._base_names]
+        if rest:
+            out.update(self.adapter.read(rest))
+        return out
+
+
+def base_weights(base_model: str | None, adapter_config: dict, config_path: Path):
+    """(the safetensors source, its folder) of the base an adapter-only checkpoint is merged into: ``--base-model``, else
+    the local folder adapter_config.json names (base_model_name_or_path)."""
+    from fsdp_recipes.ckpt.readers import SafetensorsSource
+
+    named = adapter_config.get("base_model_name_or_path")
+    folder = Path(base_model or named or "")
+    if not folder.is_dir() and (base_model or named) and (cached := _hub_cache(base_model or named)):
+        folder = cached  # a hub id the run downloaded: its snapshot in the local cache (no download here)
+    if not ((folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()):
+        given = f"--base-model {base_model}" if base_model else f"{config_path} names {named!r}" if named else f"{config_path} names no base"
+        raise CheckpointError(f"this checkpoint holds the LoRA adapter alone (not the frozen base) and {given}, which is not a local folder "
+                              "with safetensors weights: pass --base-model <the folder of the model the adapter was trained on>")
+    return SafetensorsSource(folder), folder
+
+
+def _hub_cache(repo_id: str) -> Path | None:
+    """The local snapshot of hub model ``repo_id`` when its weights are in the cache, else None (never downloads)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=["*.json", "*.safetensors"]))
+    except (OSError, ValueError):  # not a hub id (HFValidationError), or not in the cache (LocalEntryNotFoundError)
+        return None

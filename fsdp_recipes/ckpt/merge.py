@@ -30,7 +30,10 @@ from fsdp_recipes.ckpt.description import (
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG, MANIFEST, is_exported_adapter, is_model_folder, overlap, real, training_content,
 )
-from fsdp_recipes.ckpt.lora_merge import MergedLoraSource, adapter_tensors, find_adapter_config, is_lora, read_adapter_config
+from fsdp_recipes.ckpt.lora_merge import (
+    LORA_WEIGHT, AdapterOnBaseSource, MergedLoraSource, adapter_tensors, base_weights, find_adapter_config, holds_adapter_only, is_lora,
+    read_adapter_config,
+)
 from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype, unconvertible_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
@@ -228,11 +231,17 @@ def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, l
         return None, base_model
     config_path = find_adapter_config(resolved.places)
     adapter_config = read_adapter_config(config_path)
-    merged = MergedLoraSource(resolved.source, adapter_config)
+    alone = holds_adapter_only(resolved.source.tensors)  # an adapter-only checkpoint: the base's weights are the base model's
+    if alone and not adapter_only:
+        base, base_dir = base_weights(base_model, adapter_config, config_path)
+        resolved.source = AdapterOnBaseSource(resolved.source, base, base_dir)
+        log(f"adapter-only LoRA checkpoint: the frozen base's weights from {base_dir}")
+    merged = None if alone and adapter_only else MergedLoraSource(resolved.source, adapter_config)
     if adapter_only:
         names = adapter_tensors(resolved.source)
+        adapter = merged.adapter if merged else LORA_WEIGHT.match(next(iter(names.values())))["adapter"]
         origin = {"config": str(config_path), "tokenizer": "(none: an adapter folder)"}
-        log(f"PEFT LoRA checkpoint: writing adapter {merged.adapter!r} ({len(names)} tensors) as PeftModel.from_pretrained loads it")
+        log(f"PEFT LoRA checkpoint: writing adapter {adapter!r} ({len(names)} tensors) as PeftModel.from_pretrained loads it")
         return Description(WeightMap(names, "", len(resolved.source.tensors) - len(names)), [], origin,
                            lambda out: shutil.copyfile(config_path, out / ADAPTER_CONFIG)), base_model
     resolved.source = merged
@@ -291,8 +300,9 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
     resolved = resolve_input(input_path)
     src, ckpt = resolved.source, resolved.checkpoint_dir
     state = ckpt / "trainer_state.json"
-    own = described_by_manifest(resolved)
-    weights = own.weights if own is not None else guess_namespace(src.tensors)
+    alone = holds_adapter_only(src.tensors)  # a LoRA run's checkpoint without the frozen base: nothing to match to the config
+    own = None if alone else described_by_manifest(resolved)
+    weights = WeightMap({n: n for n in src.tensors}, "", 0) if alone else own.weights if own is not None else guess_namespace(src.tensors)
     infos = [src.tensors[n] for n in (weights.names.values() if weights else [])]
     dtypes: dict[str, int] = {}
     for info in infos:
@@ -307,7 +317,9 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         "checkpoint": str(ckpt),
         "notes": resolved.notes,
         "format": src.kind,
-        "layout": (weights.describe() + ("" if own else " (guessed; a merge checks it against the config)")) if weights else "no weights found",
+        "layout": (f"layout: {len(infos)} LoRA adapter tensors (lora_A, lora_B) and no frozen base weight: a merge adds the base "
+                   "(--base-model, or the one adapter_config.json names)") if alone else
+                  (weights.describe() + ("" if own else " (guessed; a merge checks it against the config)")) if weights else "no weights found",
         "ranks": src.ranks,
         "step": step,
         "tensors": len(infos),

@@ -44,6 +44,8 @@ class CheckpointStatus:
     problems: list[str] = field(default_factory=list)
     # why this version cannot read it (UnknownToThisVersion.reason): another torch version wrote it; not a problem
     unreadable: str | None = None
+    # a LoRA run's sharded model: "adapter only" (the frozen base is the base model's) or "whole model"; None otherwise
+    lora: str | None = None
 
     @property
     def resumable(self) -> bool:
@@ -62,6 +64,7 @@ class CheckpointStatus:
                 f"FSDP{self.fsdp_version}" if self.fsdp_version else None,
                 self.sharding_strategy,
                 self.state_dict_type,
+                f"LoRA {self.lora}" if self.lora else None,
                 f"{self.world_size} rank(s)" if self.world_size else None,
             ) if part
         )
@@ -124,12 +127,38 @@ def _dcp_problems(folder: Path, what: str, status: CheckpointStatus) -> tuple[li
     except UnknownToThisVersion as err:
         status.unreadable = status.unreadable or err.reason.replace(f"{ckpt}/", "")
     problems = [p.replace(f"{ckpt}/", "") for p in problems]
+    if layout is not None and not problems:
+        problems = _coverage_problems(folder, layout, status)
     ranks = set()
     if layout is not None:
         for info in layout.storage.values():
             if m := re.match(r"__(\d+)_\d+\.distcp$", info.relative_path):
                 ranks.add(int(m.group(1)))
     return problems, ranks
+
+
+def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[str]:
+    """A model folder that holds no tensor, or a tensor whose stored slices do not add up to its shape (a rank's
+    slice missing: an adapter-only save that kept rank 0's alone); for the model, whether it is a LoRA adapter alone."""
+    from fsdp_recipes.ckpt.lora_merge import LORA_WEIGHT
+
+    if folder.name == DCP_MODEL_DIR:
+        if not layout.tensors:
+            return [f"{folder.name}/ holds no tensors (an adapter-only save that selected nothing): use an earlier checkpoint"]
+        if any(LORA_WEIGHT.match(name) for name in layout.tensors):
+            status.lora = "adapter only" if all(LORA_WEIGHT.match(name) for name in layout.tensors) else "whole model"
+    for name, entry in layout.tensors.items():
+        total, held = 1, 0
+        for size in entry.shape:
+            total *= size
+        for chunk in entry.chunks:
+            n = 1
+            for size in chunk.sizes:
+                n *= size
+            held += n
+        if held < total:
+            return [f"{folder.name}/: {name} holds {held} of its {total} elements (a rank's slice is missing): use an earlier checkpoint"]
+    return []
 
 
 def checkpoint_status(ckpt: str | os.PathLike) -> CheckpointStatus:

@@ -5,7 +5,7 @@ it and the pinned version). Nothing outside this package patches another library
 - internals:           the registry, and the only way to get, patch or set a private symbol
 - cpu_fsdp:            makes accelerate's FSDP (and DDP) real on machines without an accelerator
 - torch_dcp:           torch's DCP reader made to vet what it unpickles (the vetting is fsdp_recipes.ckpt.dcp's)
-- trainer_checkpoints: LoRA checkpoints under FSDP hold the whole model
+- trainer_checkpoints: LoRA checkpoints under FSDP hold the adapter, every rank's slice (SHARDED), or the whole model (FULL)
 - rank0_loading:       rank-0-only loading: FSDP2, rank 0 sends each rank its rows, not every weight whole; FSDP1,
                        the other ranks hold no weights until FSDP fills each unit
 - peft_lora:           peft's get_peft_model without transformers' FutureWarning about a deprecated alias

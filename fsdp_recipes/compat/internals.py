@@ -40,8 +40,8 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.distributed.checkpoint.state_dict._init_optim_state": (MODULE, "trainer: FSDP1 sharded resume restores Adam"),
     "torch.distributed.optim.ZeroRedundancyOptimizer._all_state_dicts": (INSTANCE, "trainer: ZeRO-1 state gathered in one copy"),
     "transformers.Trainer._save_checkpoint": (OVERRIDE, "trainer: no rewrite in place; rotation after every rank"),
-    "transformers.Trainer._save_optimizer_and_scheduler": (OVERRIDE, "trainer: whole-model LoRA checkpoints"),
-    "transformers.Trainer._load_from_checkpoint": (OVERRIDE, "trainer: whole-model LoRA checkpoints"),
+    "transformers.Trainer._save_optimizer_and_scheduler": (OVERRIDE, "trainer: LoRA checkpoints, adapter-only or whole"),
+    "transformers.Trainer._load_from_checkpoint": (OVERRIDE, "trainer: LoRA checkpoints, adapter-only or whole"),
     "transformers.Trainer._load_optimizer_and_scheduler": (OVERRIDE, "trainer: FSDP1 sharded resume restores Adam"),
     "transformers.Trainer._get_output_dir": (MODULE, "trainer: the folder a checkpoint goes to"),
     # fsdp_recipes/compat/torch_dcp.py: torch's DCP reader unpickles .metadata and byte records only after our
@@ -52,8 +52,10 @@ PRIVATE: dict[str, tuple[str, str]] = {
     # fsdp_recipes/compat/rank0_loading.py: rank-0-only loading without a full copy on the other ranks
     "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict": (MODULE, "rank0_loading: FSDP2, rank 0 scatters, not broadcasts (patched)"),
     "torch.distributed.fsdp._init_utils._sync_params_and_buffers": (MODULE, "rank0_loading: FSDP1 on CPU, broadcast tensor by tensor (patched)"),
-    # fsdp_recipes/compat/trainer_checkpoints.py: whole-model LoRA checkpoints under FSDP
+    # fsdp_recipes/compat/trainer_checkpoints.py: adapter-only LoRA checkpoints (SHARDED), whole-model ones (FULL)
     "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer_checkpoints: whole-model LoRA checkpoints (swapped)"),
+    "accelerate.utils.fsdp_utils._get_model_state_dict": (MODULE, "trainer_checkpoints: the adapter's every-rank slices (patched)"),
+    "accelerate.utils.fsdp_utils._set_model_state_dict": (MODULE, "trainer_checkpoints: the adapter loaded back (patched)"),
     # fsdp_recipes/config/trainer_fsdp.py: the fsdp_config keys TrainingArguments reads, from its own code
     "transformers.training_args.TrainingArguments._process_fsdp_args": (MODULE, "trainer_fsdp: --fsdp_config keys it reads"),
     # fsdp_recipes/train/profiling.py: PyTorch's memory viewer snapshot (CUDA only)

@@ -3,7 +3,7 @@
 - preflight:  carries out the Plan (fsdp_recipes.config.plan): patches for CPU, the process group, output_dir's lock
 - run_lock:   one run per output_dir (a POSIX lock, or an O_EXCL lock file where the filesystem has none)
 - data:       packed plain text, or chat messages with assistant-only loss; padding-free batches
-- modeling:   the model and tokenizer, LoRA (peft) and QLoRA
+- modeling:   the model and tokenizer, LoRA (peft) and QLoRA; a LoRA base built from a config, saved once
 - trainer:    FSDPTrainer: the Trainer plus the sharding proof, exact FSDP1/ZeRO-1 resumes, safe rotation
 - sharding:   proof that the prepared model is FSDP-wrapped and sharded (fsdp_report.json)
 - preemption: SIGTERM/SIGUSR1 save a checkpoint and stop cleanly

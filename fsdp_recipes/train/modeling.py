@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-import torch.distributed as dist
-
+from fsdp_recipes.ckpt.layout import LORA_BASE_DIR
 from fsdp_recipes.compat import cpu_fsdp, rank0_loading
 from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.config.arguments import ModelArguments
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train.sharding import expected_fsdp_version
+from fsdp_recipes.removal import is_ours, make_folder, move, remove, unmark
 
 
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
@@ -80,3 +82,69 @@ def add_lora(model: PreTrainedModel, args: ModelArguments):
         return get_peft_model(model, config)
     except ValueError as err:  # e.g. a target module name the model does not have
         raise RecipeError(f"LoRA: {err}") from None
+
+
+BASE_STAGING = "LoRA base staging"  # the marker purpose of output_dir/.base-tmp (fsdp_recipes.removal)
+# config.json keys that say nothing of the weights' shapes: they may differ between the saved base and the recipe's config
+_CONFIG_BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version", "use_cache"}
+
+
+def lora_base(args: ModelArguments, output_dir: str) -> str | None:
+    """Where a LoRA run built from ``config_name`` keeps its base: ``output_dir/base_model`` (None for any other run).
+    Its frozen base is random, so no other copy of it exists: saved once, the adapter's adapter_config.json names a
+    base that loads, checkpoints need not hold it, and a resume starts from the very same weights."""
+    if not args.use_peft or args.model_name_or_path is not None:
+        return None
+    return str(Path(output_dir) / LORA_BASE_DIR)
+
+
+def use_lora_base(args: ModelArguments, output_dir: str, log=print) -> None:
+    """A LoRA run built from a config trains on its saved base (``lora_base``): global rank 0 saves it (or checks the one
+    saved before), then every rank loads it as the model to fine-tune. Every rank stops alike on a problem."""
+    import torch.distributed as dist
+
+    if (base := lora_base(args, output_dir)) is None:
+        return
+    problem = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            save_lora_base(args, base, log)
+        except RecipeError as err:
+            problem = str(err)
+    if dist.is_initialized():
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)  # also the barrier: no rank loads the base before it is there
+        problem = box[0]
+    if problem:
+        raise RecipeError(problem)
+    args.model_name_or_path, args.config_name = base, None
+
+
+def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
+    """Build the model of ``args.config_name`` (from the current RNG state, left as it was: every rank goes on alike)
+    and save it with its tokenizer as the folder ``base``, whole or not at all. A base an earlier run of this
+    output_dir saved is kept when its config matches (a resume trains on the weights its checkpoints were made on);
+    another model's is refused. Global rank 0 alone calls it, before any rank loads the model."""
+    out = Path(base)
+    config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
+    if (out / "config.json").is_file():
+        saved = AutoConfig.from_pretrained(base, trust_remote_code=args.trust_remote_code).to_dict()
+        wanted = config.to_dict()
+        if differ := sorted(k for k in (set(saved) | set(wanted)) - _CONFIG_BOOKKEEPING if saved.get(k) != wanted.get(k)):
+            raise RecipeError(f"{base} holds another model's base than config_name {args.config_name!r} describes ({', '.join(differ[:3])} "
+                              "differ(s)): it is an earlier run's LoRA base; choose another --output_dir, or move that folder away")
+        log(f"LoRA base: {base}, saved by an earlier run of this output_dir (built from {args.config_name})")
+        return
+    staging = out.parent / ".base-tmp"
+    if is_ours(staging, BASE_STAGING):  # a run killed while saving its base
+        remove(staging, BASE_STAGING)
+    make_folder(staging, BASE_STAGING)
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    with torch.random.fork_rng(devices=[]):  # the ranks that do not build it keep the same RNG state as this one
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    model.save_pretrained(str(staging))
+    AutoTokenizer.from_pretrained(args.tokenizer_name, trust_remote_code=args.trust_remote_code).save_pretrained(str(staging))
+    unmark(staging, BASE_STAGING)
+    move(staging, out)
+    log(f"LoRA base: built from {args.config_name} (random weights, frozen) and saved once to {base}; the adapter names it "
+        "(adapter_config.json: base_model_name_or_path) and the run loads it from there")

@@ -21,11 +21,12 @@ that window left the run with no complete checkpoint (with a limit of 1, the onl
 SIGTERM and SIGUSR1 (a cluster's time limit or preemption) end the run after the current optimizer step with a
 complete checkpoint of that step (fsdp_recipes.train.preemption).
 
-LoRA (peft) runs checkpoint the whole model, the frozen base weights with the adapter. The Trainer asks accelerate
-for adapter-only FSDP checkpoints, and under FSDP1 with SHARDED_STATE_DICT those come out empty (transformers 5.23,
-accelerate 1.15, measured: a 0-byte shard per rank): the resume then loads nothing and trains on from a fresh
-adapter. A whole checkpoint also merges on its own (tools/merge_checkpoint.py). FSDPTrainer switches the
-Trainer's adapter_only request off around its checkpoint saves and loads (``_whole_lora_checkpoints``).
+LoRA (peft) runs under SHARDED_STATE_DICT checkpoint the adapter alone: its weights and its optimizer state, each
+rank its slice, not the frozen base (which a resume takes from the model source again, and a merge from the base
+model: tools/merge_checkpoint.py --base-model, or the base adapter_config.json names). Stock, those checkpoints come
+out empty under FSDP1 (fsdp_recipes.compat.trainer_checkpoints says why, and is the fix); under FULL_STATE_DICT the
+checkpoints hold the whole model, as before. ``_lora_checkpoints`` applies the one or the other around the
+Trainer's checkpoint saves and loads.
 
 Every training log line carries tokens per second (in all and per device) and, on GPUs, MFU; evaluation logs carry
 eval_perplexity; the end-of-run metrics carry the run's averages (fsdp_recipes.train.metrics).
@@ -43,7 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from fsdp_recipes.ckpt.layout import REPLACED_PREFIX
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, model_mismatch, rotate, set_aside
 from fsdp_recipes.compat import internals
-from fsdp_recipes.compat.trainer_checkpoints import whole_model_fsdp_checkpoints
+from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
 from fsdp_recipes.removal import make_folder
 from fsdp_recipes.train.export import DescribeCheckpoints, export_dtype, lora_parts
 from fsdp_recipes.train.metrics import Throughput, perplexity
@@ -114,6 +115,7 @@ class FSDPTrainer(Trainer):
         # name -> full shape, before sharding: what a checkpoint resumed into this model must hold (model_mismatch)
         self.weight_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.tied_names = set(getattr(lora_parts(self.model)[0], "all_tied_weights_keys", None) or ())
+        self.frozen_names = {name for name, p in self.model.named_parameters() if not p.requires_grad}
         self.add_callback(ShardingReport(self))
         self.describer = DescribeCheckpoints(self, self.processing_class)
         self.add_callback(self.describer)
@@ -161,27 +163,32 @@ class FSDPTrainer(Trainer):
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         return plugin is not None and plugin.fsdp_version == 1 and "SHARDED" in str(plugin.state_dict_type)
 
+    def _sharded(self) -> bool:
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        return plugin is not None and "SHARDED" in str(plugin.state_dict_type)
+
     @contextmanager
-    def _whole_lora_checkpoints(self):
+    def _lora_checkpoints(self):
         if not self.is_fsdp_enabled or lora_parts(self.accelerator.unwrap_model(self.model))[1] is None:
             yield
             return
-        with whole_model_fsdp_checkpoints():
+        with adapter_only_fsdp_checkpoints() if self._sharded() else whole_model_fsdp_checkpoints():
             yield
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.zero1:  # every rank sends its part to rank 0, which writes the whole state as one optimizer.pt
             self.optimizer.optimizer.consolidate_state_dict(to=0)
-        with self._whole_lora_checkpoints():
+        with self._lora_checkpoints():
             super()._save_optimizer_and_scheduler(output_dir)
 
     def resume_mismatch(self, checkpoint: str) -> str | None:
         """Why ``checkpoint`` cannot be resumed into this run's model (another size, layer count or LoRA setting),
         checked from its file headers before anything loads; None when it matches."""
-        return model_mismatch(checkpoint, self.weight_shapes, self.tied_names)
+        # the frozen base may be absent (an adapter-only checkpoint: it comes from the model source); when present, it must fit
+        return model_mismatch(checkpoint, self.weight_shapes, self.tied_names | self.frozen_names)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        with self._whole_lora_checkpoints():
+        with self._lora_checkpoints():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
