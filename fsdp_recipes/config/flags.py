@@ -76,6 +76,11 @@ def _argparse_reads_as_value(text: str) -> bool:
     return True
 
 
+# TrainingArguments fields typed ``str`` (so one value as a flag) that take a list too, as recipes often write them
+# (alignment-handbook's ``report_to: [wandb]``): a recipe value is passed on as it is, so a list of them is fine.
+LIST_VALUED = {"report_to"}
+
+
 def check_recipe_types(recipe: dict, parser) -> None:
     """Recipe values bypass argparse's conversion (they become defaults as they are): check them the same way."""
     actions = {}
@@ -86,7 +91,7 @@ def check_recipe_types(recipe: dict, parser) -> None:
         action = actions[key]
         if value is None or action.type is None:
             continue
-        many = action.nargs in ("+", "*")
+        many = action.nargs in ("+", "*") or key in LIST_VALUED
         values = value if many and isinstance(value, list) else [value]
         for v in values:
             if isinstance(v, (list, dict)):
