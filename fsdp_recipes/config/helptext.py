@@ -11,6 +11,7 @@ import sys
 from transformers import HfArgumentParser, TrainingArguments
 
 from fsdp_recipes.config.arguments import DataArguments, ModelArguments, RunArguments
+from fsdp_recipes.console import HelpFormatter
 
 HELP_FLAGS = ("-h", "--help", "--help-all")
 
@@ -26,7 +27,7 @@ COMMON_TRAINING = (
 )
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+class _Formatter(HelpFormatter):
     """Each option once: HfArgumentParser adds a dashed spelling of every flag (--output-dir next to --output_dir),
     which doubles the help without telling anything. TRL's aliases (--max_length) are kept."""
 
@@ -37,10 +38,6 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
                                  choices=action.choices, help=action.help, metavar=action.metavar)
         return super()._format_action_invocation(action)
 
-    def _get_help_string(self, action):
-        # ArgumentDefaultsHelpFormatter appends the default; a help text that states its own default keeps only that
-        text = action.help or ""
-        return text if "(default" in text or action.default is argparse.SUPPRESS else super()._get_help_string(action)
 
 
 def build_parser(show_all: bool = False) -> HfArgumentParser:
