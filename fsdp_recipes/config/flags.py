@@ -94,6 +94,8 @@ def check_recipe_types(recipe: dict, parser) -> None:
         many = action.nargs in ("+", "*") or key in LIST_VALUED
         values = value if many and isinstance(value, list) else [value]
         for v in values:
+            if key in LIST_VALUED and not isinstance(v, str):
+                raise RecipeError(f"recipe key {key}: {v!r} is not a name: give a name or a list of names")
             if isinstance(v, (list, dict)):
                 raise RecipeError(f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {getattr(action.type, '__name__', 'value')}")
             try:
