@@ -90,6 +90,13 @@ def test_alias_and_our_name_with_different_values_is_an_error_naming_both(tmp_pa
     assert all(name in str(err.value) for name in named), str(err.value)
 
 
+def test_trl_flags_without_an_equivalent_are_named_with_the_other_unknown_flags(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        parse_args([write(tmp_path, TINY + CORPUS), "--padding_free", "true", "--eval_packing=false", "--learnig_rate", "1", *NO_FSDP])
+    assert str(err.value).startswith("flags: TRL flag(s) with no equivalent here: padding_free, eval_packing; unknown "
+                                     "flag(s): learnig_rate (did you mean learning_rate?)"), str(err.value)
+
+
 def test_alias_and_our_name_agreeing_is_fine(tmp_path):
     _, data_args, _ = parse_args([write(tmp_path, TINY + CORPUS + "max_length: 64\nblock_size: 64\n"), "--max_seq_length", "48", *NO_FSDP])
     assert data_args.block_size == 48  # a flag overrides the recipe, whichever spelling
@@ -165,3 +172,9 @@ def test_handbook_recipe_trains_unchanged(workdir):
     out = workdir / "runs" / "tiny-chat-sft"
     assert (out / "model.safetensors").is_file() and (out / "adapter").is_dir(), proc.stderr[-2000:]
     assert len(logged_losses(out)) == 2
+
+
+@pytest.mark.slow
+def test_help_under_accelerate_launch_is_printed_once():
+    proc = launch("accelerate_configs/zero3.yaml", "--help")
+    assert proc.stdout.count("usage:") == 1 and "usage:" not in proc.stderr, proc.stderr[-2000:]

@@ -15,7 +15,7 @@ from fsdp_recipes.config.accelerate_config import ZERO1_UNDER_FSDP
 from fsdp_recipes.config.arguments import build, DataArguments, ModelArguments, RunArguments
 from fsdp_recipes.config.flags import check_flag_values, check_flag_words, check_flags, check_recipe_types
 from fsdp_recipes.config.plan import Plan
-from fsdp_recipes.config.trl_names import check_flag_aliases, rename_recipe_keys, unknown_keys_problem
+from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys, unknown_keys_problem
 from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
 from fsdp_recipes.config.values import check_training_values
 from fsdp_recipes.console import say
@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     unknown = sorted(set(recipe) - known)
     if unknown:
         raise RecipeError(unknown_keys_problem(unknown, known))
+    check_trl_flags(argv, parser)
     check_flags(argv, parser)
     check_flag_aliases(argv, parser)
     check_flag_values(argv, parser)

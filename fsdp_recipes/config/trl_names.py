@@ -53,13 +53,21 @@ def check_flag_aliases(argv: list[str], parser) -> None:
         seen[dest[flag]] = (flag, value)
 
 
-def unknown_keys_problem(unknown: list[str], known) -> str:
-    """One line naming every recipe key that means nothing here: TRL's first, then the rest with hints."""
+def unknown_keys_problem(unknown: list[str], known, what: str = "recipe", kind: str = "key") -> str:
+    """One line naming every recipe key (or flag) that means nothing here: TRL's first, then the rest with hints."""
     trl = [k for k in unknown if k in NO_EQUIVALENT]
     other = [k for k in unknown if k not in NO_EQUIVALENT]
     parts = []
     if trl:
-        parts.append(f"TRL key(s) with no equivalent here: {', '.join(trl)}")
+        parts.append(f"TRL {kind}(s) with no equivalent here: {', '.join(trl)}")
     if other:
-        parts.append(f"unknown key(s): {with_hints(other, known)}")
-    return f"recipe: {'; '.join(parts)}: remove them (see `train_fsdp.py --help`)"
+        parts.append(f"unknown {kind}(s): {with_hints(other, known)}")
+    return f"{what}: {'; '.join(parts)}: remove them (see `train_fsdp.py --help`)"
+
+
+def check_trl_flags(argv: list[str], parser) -> None:
+    """A TRL flag with no equivalent is named as TRL's (with every other unknown flag, in the same line)."""
+    options = {s for action in parser._actions for s in action.option_strings}
+    unknown = [a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options]
+    if set(unknown) & NO_EQUIVALENT:
+        raise RecipeError(unknown_keys_problem(unknown, {o.removeprefix("--") for o in options}, "flags", "flag"))
