@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 @dataclass
 class BareArguments:
     config_name: str = field(metadata={"help": "folder with the model's config.json"})
-    tokenizer_name: str = field(default=str(REPO / "assets" / "tiny-llama"))
-    train_file: str = field(default=str(REPO / "assets" / "data" / "tiny_corpus.txt"))
-    block_size: int = field(default=128)
+    tokenizer_name: str = field(default=str(REPO / "assets" / "tiny-llama"), metadata={"help": "folder of the tokenizer"})
+    train_file: str = field(default=str(REPO / "assets" / "data" / "tiny_corpus.txt"), metadata={"help": "text file, one document per line"})
+    block_size: int = field(default=128, metadata={"help": "tokens per packed block"})
 
 
 def main() -> None:

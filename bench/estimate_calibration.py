@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.config.memory import Setup, estimate, model_shape
 from fsdp_recipes.config.strategy import strategy_of
 
@@ -69,7 +70,7 @@ def measure(config: str, nproc: int, out: Path, zero1: bool = False) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--nproc", type=int, action="append", help="processes (repeatable; default 2 and 4)")
     parser.add_argument("--config", action="append", help="configs to run (default: all shipped)")
     args = parser.parse_args()

@@ -15,6 +15,7 @@ disk (the DCP copy and the folder) and memory for the fp32 weights and gradients
 from __future__ import annotations
 
 import argparse
+from fsdp_recipes.console import HelpFormatter
 import json
 import os
 import subprocess
@@ -28,14 +29,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--size", default="3GB", help="fp32 weight bytes, e.g. 3GB")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--save_dtype", default="auto")
-    parser.add_argument("--ddp_timeout", type=int, default=60)
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ranks", type=int, default=2, help="processes of the run that writes the checkpoint")
+    parser.add_argument("--save_dtype", default="auto", help="train_fsdp.py --save_dtype of the exported model")
+    parser.add_argument("--ddp_timeout", type=int, default=60, help="train_fsdp.py --ddp_timeout, seconds a collective may wait")
+    parser.add_argument("--hidden", type=int, default=2048, help="model width; the layer count follows from --size")
     parser.add_argument("--mixed_precision", default="no", help="bf16 compute is slow on CPUs without bf16 units")
-    parser.add_argument("--workdir", default="/tmp/export-bench")
+    parser.add_argument("--workdir", default="/tmp/export-bench", help="folder for the model and the run")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 

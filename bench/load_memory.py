@@ -25,6 +25,7 @@ model at some moment grows by 1x or more.
 from __future__ import annotations
 
 import argparse
+from fsdp_recipes.console import HelpFormatter
 import json
 import os
 import socket
@@ -154,15 +155,15 @@ def measure(model: Path, nprocs: int, efficient: bool, work: Path, interval: flo
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gigabytes", type=float, default=1.0, help="model size in fp32 (default 1.0)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--gigabytes", type=float, default=1.0, help="model size in fp32, gigabytes")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved model")
     p.add_argument("--tied", action="store_true", help="tie lm_head to embed_tokens")
-    p.add_argument("--nprocs", type=int, nargs="+", default=[2])
+    p.add_argument("--nprocs", type=int, nargs="+", default=[2], help="process counts to measure")
     p.add_argument("--config", type=Path, default=CONFIG, help="accelerate config (default accelerate_configs/zero3.yaml, FSDP2)")
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     p.add_argument("--setting", choices=["on", "off", "both"], default="both", help="fsdp_cpu_ram_efficient_loading")
-    p.add_argument("--interval", type=float, default=0.02)
+    p.add_argument("--interval", type=float, default=0.02, help="seconds between memory samples")
     p.add_argument("--work", type=Path, help="folder for the models and runs (default: a temporary one)")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args(argv)

@@ -27,6 +27,7 @@ from synthetic import make_checkpoint
 from fsdp_recipes.ckpt.layout import MANIFEST
 from fsdp_recipes.compat import internals
 from fsdp_recipes.removal import make_folder, remove, remove_inside
+from fsdp_recipes.console import HelpFormatter
 
 BENCH_WORK = "merge benchmark"
 
@@ -114,10 +115,10 @@ def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--size", action="append", help="checkpoint size (fp32), e.g. 1GB; repeatable (default: 1GB)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks that wrote the checkpoint")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/merge-bench"))
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/merge-bench"), help="folder for the checkpoints and merged models")
     parser.add_argument("--memory-budget", default="512MB", help="passed to merge_checkpoint.py")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each command; the fastest is reported")
     parser.add_argument("--hidden", type=int, default=2048, help="model width: with --vocab, sets the smallest checkpoint (one layer)")

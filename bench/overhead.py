@@ -13,6 +13,7 @@ Target: the logging and the contract check together under 1% of step time.
 from __future__ import annotations
 
 import argparse
+from fsdp_recipes.console import RawHelpFormatter
 import json
 import os
 import subprocess
@@ -70,12 +71,12 @@ def model_config(folder: Path, hidden: int, layers: int) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--config", default="accelerate_configs/zero3.yaml")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=RawHelpFormatter, epilog=__doc__)
+    parser.add_argument("--config", default="accelerate_configs/zero3.yaml", help="accelerate config of the run, relative to the repository")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps of the run")
+    parser.add_argument("--hidden", type=int, default=512, help="model width (the Llama of assets/tiny-llama, resized)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers")
+    parser.add_argument("--nproc", type=int, default=2, help="processes")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

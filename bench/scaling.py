@@ -22,6 +22,7 @@ Writes DIR/scaling.md (the tables), DIR/scaling.json (one record per run) and DI
 from __future__ import annotations
 
 import argparse
+from fsdp_recipes.console import RawHelpFormatter
 import json
 import os
 import shlex
@@ -252,13 +253,13 @@ def write_plot(path: Path, records: list[Record]) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=RawHelpFormatter)
     parser.add_argument("--output", required=True, help="folder for scaling.md, scaling.json and scaling.png")
     parser.add_argument("--quick", action="store_true", help="DDP, ZeRO-1 and the FSDP2 configs only, fewer steps: under 10 minutes on 2 CPU cores")
     parser.add_argument("--nproc", type=int, action="append", help="process counts (repeatable; default 2 and 4 on CPU, 1 2 4 ... all GPUs)")
     parser.add_argument("--strategy", action="append", help="only these configs (e.g. accelerate_configs/zero3.yaml; repeatable)")
     parser.add_argument("--hidden", type=int, default=512, help="model width (the Llama of assets/tiny-llama, resized)")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default 8 with --quick, else 16; the last 2 are profiled)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
     parser.add_argument("--repeats", type=int, help="runs of each script in the overhead comparison (default 3 with --quick, else 4)")

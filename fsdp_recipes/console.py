@@ -1,4 +1,5 @@
-"""One-line messages from the training script's checks, printed once per launch. Standard library only.
+"""One-line messages from the training script's checks, printed once per launch, and the help formatter of every
+tool's ``--help``. Standard library only.
 
 Every rank parses the same arguments and runs the same checks before any process group exists, so a warning
 would otherwise appear once per process: it is printed by global rank 0 alone (``RANK``, set by every launcher).
@@ -6,6 +7,7 @@ would otherwise appear once per process: it is printed by global rank 0 alone (`
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -18,3 +20,17 @@ def say(message: str) -> None:
     """``train_fsdp.py: message`` on stderr, on global rank 0."""
     if rank0():
         print(f"train_fsdp.py: {message}", file=sys.stderr, flush=True)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` of every tool: each option's default shown once. argparse's ArgumentDefaultsHelpFormatter appends
+    "(default: X)" to every help text, also to one that states its default in words: "(default: keep the saved
+    dtype) (default: None)". A help text that says "(default ...)" itself keeps only that."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action)
+
+
+class RawHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """HelpFormatter keeping the description and epilog as written (a docstring's formula, a table)."""

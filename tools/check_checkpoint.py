@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes.ckpt.layout import checkpoint_steps
+from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.ckpt.status import checkpoint_status
 
 
@@ -27,6 +28,7 @@ def main(argv=None) -> int:
         "strategy, state-dict type, world size, and every missing or truncated file (model and optimizer shards "
         "against their DCP metadata, scheduler, per-rank RNG states, trainer state). For a run folder, also which "
         "checkpoint `--resume_from_checkpoint true` would use.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("path", help="a checkpoint-N folder, or a run's output folder holding checkpoint-N folders")
     parser.add_argument("--json", action="store_true", help="print a JSON report instead of one line per checkpoint")

@@ -9,11 +9,12 @@ Exit status 1 when there is an error; warnings (settings that work but cost) are
 import argparse
 import sys
 
+from fsdp_recipes.console import RawHelpFormatter
 from fsdp_recipes.config.accelerate_config import check_config, errors
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=RawHelpFormatter,
                                      epilog="Errors: unknown or misspelled keys, wrong values, FSDP1 keys under fsdp_version 2 and the "
                                      "reverse, settings that cannot work together, a wrap class the model lacks, process counts "
                                      "that do not fit. Warnings: offload, BACKWARD_POST, FULL_STATE_DICT on large models, fp16, "

@@ -18,6 +18,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from fsdp_recipes.console import RawHelpFormatter
 from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.config.memory import (
     COUNT_LIKE, OPTIMIZER_BYTES, STRATEGIES, Setup, estimate, fitting_configs, human, model_shape, parse_bytes, parse_count,
@@ -76,10 +77,6 @@ def model(text: str) -> str:
     return text
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The docstring's formula as written, and each option's default, once."""
-
-
 class Parser(argparse.ArgumentParser):
     argv: list[str] = []
 
@@ -97,7 +94,7 @@ class Parser(argparse.ArgumentParser):
 
 def main(argv=None) -> int:
     parser = Parser(prog="estimate_memory.py", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-                    formatter_class=HelpFormatter)
+                    formatter_class=RawHelpFormatter)
     parser.add_argument("model", type=model, help="parameter count (7B, 350M; at most 100T), hub id, local folder or config.json")
     parser.add_argument("--nproc-per-node", type=whole_number, default=8, help="processes (GPUs) per node")
     parser.add_argument("--nnodes", type=whole_number, default=1, help="nodes")

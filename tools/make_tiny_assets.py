@@ -9,11 +9,12 @@ Deterministic: the same versions give the same bytes. Takes a few seconds; nothi
 import argparse
 from pathlib import Path
 
+from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.tiny import ASSETS, build_all
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, default=ASSETS, help=f"folder to write into (default: {ASSETS})")
     args = parser.parse_args()
     for path in build_all(args.out):

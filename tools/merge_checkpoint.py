@@ -24,6 +24,7 @@ import sys
 from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError, InternalsChanged, RefusedRemoval
+from fsdp_recipes.console import HelpFormatter
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The smallest sizes taken, in bytes as huggingface_hub reads "100KB" and "64MB" (decimal units). A shard limit
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         "of the model weights and one write, at about disk speed; memory is bounded by --memory-budget and the largest "
         "tensor, not the model size. Optimizer state is skipped. Accepts checkpoints of this repository, accelerate, the "
         "Trainer, raw torch DCP, Lightning and PEFT LoRA (merged into the base weights, or --adapter-only).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("input", help="a checkpoint-N folder, a DCP folder (pytorch_model_fsdp_0, raw torch, Lightning), or a run's output folder (newest complete checkpoint)")
     parser.add_argument("output", nargs="?", help="folder to create (written beside it first, renamed when complete)")

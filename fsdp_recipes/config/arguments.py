@@ -18,8 +18,21 @@ DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet":
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+# TRL's names (SFTConfig, ScriptArguments, ModelConfig) for the same settings: extra spellings of our flags and
+# recipe keys, shown in --help. Only exact equivalents; the TRL keys that mean something else are translated or
+# refused in fsdp_recipes.config.trl_names.
+TRL_ALIASES = {"max_length": "block_size", "max_seq_length": "block_size", "dataset_text_field": "text_column",
+               "dataset_num_proc": "preprocessing_num_workers", "dataset_config": "dataset_config_name",
+               "dataset_train_split": "dataset_split", "torch_dtype": "dtype"}
+
+
+def _aliases(name: str) -> list[str]:
+    return [f"--{alias}" for alias, ours in TRL_ALIASES.items() if ours == name]
+
+
 @dataclass
 class ModelArguments:
+    _argument_group_name = "model and LoRA (LoRA keys are TRL's ModelConfig names)"
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "Hub model id or local folder with weights to fine-tune. Leave unset to train from `config_name`."},
@@ -38,6 +51,7 @@ class ModelArguments:
             "help": "dtype the weights are loaded in. Keep float32 with FSDP mixed precision (bf16 in the accelerate "
             "config): FSDP then keeps fp32 master weights and computes in bf16.",
             "choices": list(DTYPES),
+            "aliases": _aliases("dtype"),
         },
     )
     attn_implementation: str | None = field(
@@ -107,9 +121,10 @@ EVAL_SOURCES = ("validation_file", "dataset_test_split", "validation_split_perce
 
 @dataclass
 class DataArguments:
+    _argument_group_name = "data (TRL's SFTConfig names are accepted where they mean the same)"
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id (needs hub access)."})
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
-    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration name.", "aliases": _aliases("dataset_config_name")})
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on.", "aliases": _aliases("dataset_split")})
     train_file: str | None = field(
         default=None,
         metadata={"help": f"Local training file: {', '.join(sorted(DATA_EXTENSIONS))}. Text files give one example per line."},
@@ -123,21 +138,41 @@ class DataArguments:
             "choices": ["auto", "text", "chat"],
         },
     )
-    text_column: str = field(default="text", metadata={"help": "Column holding plain text."})
+    text_column: str = field(default="text", metadata={"help": "Column holding plain text.", "aliases": _aliases("text_column")})
     messages_column: str = field(default="messages", metadata={"help": "Column holding chat messages (role/content dicts)."})
-    block_size: int = field(default=256, metadata={"help": "Tokens per packed block (text) or the truncation length (chat)."})
+    block_size: int = field(default=256, metadata={
+        "help": "Tokens per packed block (text) or the truncation length (chat). TRL's max_length; TRL's null (no "
+        "truncation) has no equivalent here.", "aliases": _aliases("block_size")})
     packing: str = field(
         default="concat",
         metadata={
             "help": "concat: text documents are concatenated and cut into block_size blocks (a token may attend to the "
             "previous document). padding_free: each document (at most block_size tokens; longer ones are split) keeps "
             "its own positions, and a batch is one row of whole documents that attend only within themselves "
-            "(transformers' DataCollatorWithFlattening: no padding, no cross-document attention; chat data too).",
-            "choices": ["concat", "padding_free"],
+            "(transformers' DataCollatorWithFlattening: no padding, no cross-document attention; chat data too). "
+            "TRL's true/false: true is padding_free (with packing_strategy wrapped: concat); false (one example per "
+            "row, truncated) is chat data's concat, and has no equivalent for text data.",
+            "choices": ["concat", "padding_free", "true", "false"],
         },
     )
+    packing_strategy: str | None = field(
+        default=None,
+        metadata={"help": "TRL's, with packing true: wrapped is concat; bfd_split is padding_free; bfd (TRL's default) is "
+                  "padding_free for chat data, and refused for text data (bfd truncates a long document, padding_free "
+                  "splits it).", "choices": ["bfd", "bfd_split", "wrapped"]},
+    )
+    assistant_only_loss: bool | None = field(
+        default=None,
+        metadata={"help": "TRL's. Chat data here always trains on the assistant tokens only: true is accepted for chat "
+                  "data and refused for text data; false (loss on the whole conversation) is refused for chat data."},
+    )
+    completion_only_loss: bool | None = field(
+        default=None,
+        metadata={"help": "TRL's. Prompt-completion datasets have no equivalent here, so true is refused; false (or "
+                  "unset) is what text and chat data do already."},
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N raw examples (for quick runs)."})
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization.", "aliases": _aliases("preprocessing_num_workers")})
     validation_file: str | None = field(
         default=None, metadata={"help": "Local evaluation file, in the same format as train_file. Evaluation runs at "
                                 "eval_strategy/eval_steps and at the end; eval_loss and eval_perplexity land in the metrics."},
@@ -163,8 +198,12 @@ class DataArguments:
                 raise RecipeError(f"train_file={self.train_file!r} does not exist (paths are relative to where you launch)")
             if problem := train_file_problem(path, self):
                 raise RecipeError(f"train_file={self.train_file!r}: {problem}")
+        self._trl_names()
         if self.data_format not in ("auto", "text", "chat"):
             raise RecipeError(f"data_format={self.data_format!r} is not one of auto, text, chat")
+        if self.block_size is None:
+            raise RecipeError("block_size (TRL's max_length) is null: TRL's no-truncation has no equivalent here; give a "
+                              "number of tokens")
         if self.block_size < 8:
             raise RecipeError(f"block_size={self.block_size} is too small: use at least 8 tokens")
         sources = [k for k in EVAL_SOURCES if getattr(self, k) is not None]
@@ -185,6 +224,37 @@ class DataArguments:
             if problem := train_file_problem(path, self):
                 raise RecipeError(f"validation_file={self.validation_file!r}: {problem}")
 
+    def _trl_names(self):
+        """TRL's packing true/false and packing_strategy become our packing mode; what has no equivalent is refused
+        here, or once the data's format is known (format_problem)."""
+        trl_packing = {"true": True, "false": False}.get(str(self.packing).lower())
+        if self.packing_strategy is not None and trl_packing is not True:
+            raise RecipeError(f"packing_strategy={self.packing_strategy} is TRL's choice for packing: true; packing is "
+                              f"{self.packing}: drop packing_strategy, or set packing: true")
+        if self.completion_only_loss:
+            raise RecipeError("completion_only_loss=true is for TRL's prompt-completion datasets, which have no equivalent "
+                              "here: give chat data (messages; loss on assistant tokens) or drop completion_only_loss")
+        self.trl_packing = trl_packing
+        if trl_packing is not None:
+            self.packing = "concat" if trl_packing is False or self.packing_strategy == "wrapped" else "padding_free"
+        if self.data_format != "auto" and (problem := self.format_problem(self.data_format)):
+            raise RecipeError(problem)
+
+    def format_problem(self, fmt: str) -> str | None:
+        """Why a TRL setting given here has no equivalent for data of this format (text or chat), or None."""
+        if fmt == "text" and self.trl_packing is False:
+            return ("packing=false (TRL: one document per row, truncated at max_length) has no equivalent for text data "
+                    "here: give packing: padding_free (documents kept apart, longer ones split) or concat")
+        if fmt == "text" and self.trl_packing and self.packing_strategy in (None, "bfd"):
+            return ("packing=true with TRL's packing_strategy bfd truncates long documents; for text data here "
+                    "padding_free splits them: set packing_strategy: bfd_split (or packing: padding_free)")
+        if fmt == "text" and self.assistant_only_loss:
+            return "assistant_only_loss=true needs chat data (a messages column); this data is text: drop it"
+        if fmt == "chat" and self.assistant_only_loss is False:
+            return ("assistant_only_loss=false (loss on the whole conversation) has no equivalent here: chat data trains on "
+                    "assistant tokens only; drop it, or give the data as text")
+        return None
+
     @property
     def evaluates(self) -> bool:
         return any(getattr(self, k) is not None for k in EVAL_SOURCES)
@@ -192,6 +262,7 @@ class DataArguments:
 
 @dataclass
 class RunArguments:
+    _argument_group_name = "run"
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Train from scratch into an output_dir that holds another run: its checkpoint-N folders are deleted first."},

@@ -76,6 +76,11 @@ def _argparse_reads_as_value(text: str) -> bool:
     return True
 
 
+# TrainingArguments fields typed ``str`` (so one value as a flag) that take a list too, as recipes often write them
+# (alignment-handbook's ``report_to: [wandb]``): a recipe value is passed on as it is, so a list of them is fine.
+LIST_VALUED = {"report_to"}
+
+
 def check_recipe_types(recipe: dict, parser) -> None:
     """Recipe values bypass argparse's conversion (they become defaults as they are): check them the same way."""
     actions = {}
@@ -86,9 +91,11 @@ def check_recipe_types(recipe: dict, parser) -> None:
         action = actions[key]
         if value is None or action.type is None:
             continue
-        many = action.nargs in ("+", "*")
+        many = action.nargs in ("+", "*") or key in LIST_VALUED
         values = value if many and isinstance(value, list) else [value]
         for v in values:
+            if key in LIST_VALUED and not isinstance(v, str):
+                raise RecipeError(f"recipe key {key}: {v!r} is not a name: give a name or a list of names")
             if isinstance(v, (list, dict)):
                 raise RecipeError(f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {getattr(action.type, '__name__', 'value')}")
             try:

@@ -7,16 +7,15 @@ import os
 import sys
 from pathlib import Path
 
-from transformers import HfArgumentParser, TrainingArguments
-
 from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.ckpt.resume import check_output_dir, explicit, requested
 from fsdp_recipes.compat import cpu_fsdp
-from fsdp_recipes.config import launcher
+from fsdp_recipes.config import helptext, launcher
 from fsdp_recipes.config.accelerate_config import ZERO1_UNDER_FSDP
 from fsdp_recipes.config.arguments import build, DataArguments, ModelArguments, RunArguments
-from fsdp_recipes.config.flags import check_flag_values, check_flag_words, check_flags, check_recipe_types, with_hints
+from fsdp_recipes.config.flags import check_flag_values, check_flag_words, check_flags, check_recipe_types
 from fsdp_recipes.config.plan import Plan
+from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys, unknown_keys_problem
 from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
 from fsdp_recipes.config.values import check_training_values
 from fsdp_recipes.console import say
@@ -57,25 +56,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     resume's checkpoint is judged in the preflight, as soon as the group exists.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(
-        (ModelArguments, DataArguments, RunArguments, TrainingArguments),
-        usage="accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py [recipe.yaml] [--flag value ...]",
-        description="Train a causal LM with FSDP. The optional first argument is a recipe YAML whose keys set the "
-        "defaults of every argument below; flags override it (without a recipe: recipes/tiny-llama/pretrain.yaml). "
-        "A model or data source given as a flag replaces the recipe's. Resume with --resume_from_checkpoint true "
-        "(the newest complete checkpoint in output_dir) or a checkpoint-N folder.",
-    )
+    helptext.quiet_unless_first(argv)
+    parser = helptext.build_parser(show_all="--help-all" in argv)
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml")):
         recipe = load_recipe(Path(argv.pop(0)))
     elif argv and not argv[0].startswith("-"):
         raise RecipeError(f"{argv[0]!r} is not a recipe: give a .yaml file first, then --flags")
     else:
         recipe = load_recipe(DEFAULT_RECIPE, anchor_paths=True)
+    recipe = rename_recipe_keys(recipe)
     known = {action.dest for action in parser._actions}
     unknown = sorted(set(recipe) - known)
     if unknown:
-        raise RecipeError(f"unknown recipe key(s): {with_hints(unknown, known)}; see `train_fsdp.py --help`")
+        raise RecipeError(unknown_keys_problem(unknown, known))
+    check_trl_flags(argv, parser)
     check_flags(argv, parser)
+    check_flag_aliases(argv, parser)
     check_flag_values(argv, parser)
     check_flag_words(argv, parser)
     check_recipe_types(recipe, parser)

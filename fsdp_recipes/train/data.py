@@ -48,6 +48,8 @@ def resolve_format(args: DataArguments, columns: list[str]) -> str:
     needed = args.messages_column if fmt == "chat" else args.text_column
     if needed not in columns:
         raise RecipeError(f"data_format={fmt}: column {needed!r} not in the dataset (columns: {', '.join(columns)})")
+    if problem := args.format_problem(fmt):  # a TRL setting that means nothing for this kind of data
+        raise RecipeError(problem)
     return fmt
 
 

@@ -1,0 +1,92 @@
+"""The training script's parser and its ``--help``: argument groups (model, LoRA, data, run, the most used
+TrainingArguments), with the rest of TrainingArguments' ~110 options behind ``--help-all``. Printed by local rank 0
+alone: under ``accelerate launch`` every process parses the same flags, and help once per process is noise."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from transformers import HfArgumentParser, TrainingArguments
+
+from fsdp_recipes.config.arguments import DataArguments, ModelArguments, RunArguments
+from fsdp_recipes.console import HelpFormatter
+
+HELP_FLAGS = ("-h", "--help", "--help-all")
+
+LORA = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "bnb_4bit_quant_type",
+        "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "use_bnb_nested_quant")
+
+# The TrainingArguments a recipe usually sets, in the order a reader looks for them.
+COMMON_TRAINING = (
+    "output_dir", "num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm",
+    "optim", "bf16", "gradient_checkpointing", "logging_strategy", "logging_steps", "eval_strategy", "eval_steps",
+    "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "seed", "report_to",
+)
+
+
+class _Formatter(HelpFormatter):
+    """Each option once: HfArgumentParser adds a dashed spelling of every flag (--output-dir next to --output_dir),
+    which doubles the help without telling anything. TRL's aliases (--max_length) are kept."""
+
+    def _format_action_invocation(self, action):
+        shown = [s for s in action.option_strings if "-" not in s[2:] or s.replace("-", "_")[2:] not in
+                 {o[2:] for o in action.option_strings if o != s}]
+        action = argparse.Action(shown, action.dest, nargs=action.nargs, default=action.default, type=action.type,
+                                 choices=action.choices, help=action.help, metavar=action.metavar)
+        return super()._format_action_invocation(action)
+
+
+
+def build_parser(show_all: bool = False) -> HfArgumentParser:
+    parser = HfArgumentParser(
+        (ModelArguments, DataArguments, RunArguments, TrainingArguments),
+        usage="accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py [recipe.yaml] [--flag value ...]",
+        description="Train a causal LM with FSDP. The optional first argument is a recipe YAML whose keys set the "
+        "defaults of every argument below; flags override it (without a recipe: recipes/tiny-llama/pretrain.yaml). "
+        "A model or data source given as a flag replaces the recipe's. Resume with --resume_from_checkpoint true "
+        "(the newest complete checkpoint in output_dir) or a checkpoint-N folder. TRL's SFTConfig names are "
+        "accepted where they mean the same (shown next to ours).",
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--help-all", action="help", help="show this help with every TrainingArguments option and exit")
+    groups = {g.title: g for g in parser._action_groups}
+    model = groups[ModelArguments._argument_group_name]
+    model.title = "model"
+    lora = parser.add_argument_group("LoRA and QLoRA (TRL's ModelConfig names)")
+    common = parser.add_argument_group("training (the most used transformers TrainingArguments)")
+    rest = parser.add_argument_group(
+        "all other transformers TrainingArguments" if show_all else
+        "other TrainingArguments: about 110 more transformers options, listed by --help-all")
+    by_dest = {a.dest: a for a in parser._actions}
+    _move(model, lora, [by_dest[d] for d in LORA])
+    default = parser._optionals
+    _move(default, common, [by_dest[d] for d in COMMON_TRAINING])
+    others = [a for a in default._group_actions if a.dest not in ("help", "help_all")]
+    _move(default, rest, others)
+    if not show_all:
+        for action in others:
+            action.help = argparse.SUPPRESS
+        parser.epilog = (f"{len(others)} more transformers TrainingArguments options (fsdp, optimizer, hub, logging "
+                         "details ...) are accepted too: --help-all lists them.")
+    data, run = groups[DataArguments._argument_group_name], groups[RunArguments._argument_group_name]
+    parser._action_groups = [g for g in (parser._positionals, default, model, lora, data, run, common, rest)]
+    return parser
+
+
+def _move(source, target, actions) -> None:
+    for action in actions:
+        source._group_actions.remove(action)
+        target._group_actions.append(action)
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
+
+
+def quiet_unless_first(argv: list[str]) -> None:
+    """Help asked under a launcher: local rank 0 prints it, the other processes exit 0 without a word."""
+    if wants_help(argv) and os.environ.get("LOCAL_RANK", "0") != "0":
+        sys.exit(0)

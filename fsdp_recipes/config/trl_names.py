@@ -1,0 +1,73 @@
+"""TRL's names for our settings (trl.SFTConfig, ScriptArguments, ModelConfig), so a recipe written for TRL's
+``sft.py`` runs here where its keys mean the same thing. The exact equivalents are extra spellings of our flags
+(arguments.TRL_ALIASES, shown in --help); TRL's packing, packing_strategy, assistant_only_loss and
+completion_only_loss are DataArguments fields that translate or refuse themselves. What TRL has and we do not is
+named, all of it in one line, rather than dropped."""
+
+from __future__ import annotations
+
+from fsdp_recipes.config.arguments import TRL_ALIASES
+from fsdp_recipes.config.flags import with_hints
+from fsdp_recipes.errors import RecipeError
+
+# TRL / alignment-handbook keys with no equivalent here (read from trl/trainer/sft_config.py, model_config.py and
+# scripts/utils.py, and alignment-handbook's recipes): a recipe holding them is refused, naming them as TRL's.
+NO_EQUIVALENT = frozenset({
+    "model_revision", "model_init_kwargs", "chat_template", "chat_template_path", "dataset_mixture", "datasets",
+    "dataset_kwargs", "dataset_streaming", "streaming", "test_split_size", "eos_token", "pad_token", "truncation_mode",
+    "shuffle_dataset", "padding_free", "pad_to_multiple_of", "eval_packing", "loss_type", "activation_offloading",
+    "router_aux_loss_coef", "lora_target_parameters", "lora_modules_to_save", "lora_task_type", "use_rslora",
+    "use_dora", "ignore_bias_buffers", "load_in_8bit",
+})
+
+
+def rename_recipe_keys(recipe: dict) -> dict:
+    """The recipe with TRL's spellings under our names; an alias and our name (or two aliases) giving different
+    values is an error naming both."""
+    out = {k: v for k, v in recipe.items() if k not in TRL_ALIASES}
+    origin = {k: k for k in out}
+    for alias, ours in TRL_ALIASES.items():
+        if alias not in recipe:
+            continue
+        if ours in out and out[ours] != recipe[alias]:
+            raise RecipeError(f"recipe keys {origin[ours]}: {out[ours]!r} and {alias}: {recipe[alias]!r} are the same "
+                              f"setting ({alias} is TRL's name for {ours}) with different values: keep one")
+        out[ours], origin[ours] = recipe[alias], alias
+    return out
+
+
+def check_flag_aliases(argv: list[str], parser) -> None:
+    """Two spellings of one flag (``--max_length 512 --block_size 256``) with different values: one line naming both
+    (argparse would silently keep the last)."""
+    dest = {s: a.dest for a in parser._actions for s in a.option_strings if a.nargs is None or a.nargs == "?"}
+    seen: dict[str, tuple[str, str]] = {}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in dest:
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
+        if (earlier := seen.get(dest[flag])) and earlier[0] != flag and earlier[1] != value:
+            raise RecipeError(f"{earlier[0]} {earlier[1]} and {flag} {value} are the same setting ({dest[flag]}) with "
+                              "different values: give one")
+        seen[dest[flag]] = (flag, value)
+
+
+def unknown_keys_problem(unknown: list[str], known, what: str = "recipe", kind: str = "key") -> str:
+    """One line naming every recipe key (or flag) that means nothing here: TRL's first, then the rest with hints."""
+    trl = [k for k in unknown if k in NO_EQUIVALENT]
+    other = [k for k in unknown if k not in NO_EQUIVALENT]
+    parts = []
+    if trl:
+        parts.append(f"TRL {kind}(s) with no equivalent here: {', '.join(trl)}")
+    if other:
+        parts.append(f"unknown {kind}(s): {with_hints(other, known)}")
+    return f"{what}: {'; '.join(parts)}: remove them (see `train_fsdp.py --help`)"
+
+
+def check_trl_flags(argv: list[str], parser) -> None:
+    """A TRL flag with no equivalent is named as TRL's (with every other unknown flag, in the same line)."""
+    options = {s for action in parser._actions for s in action.option_strings}
+    unknown = [a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options]
+    if set(unknown) & NO_EQUIVALENT:
+        raise RecipeError(unknown_keys_problem(unknown, {o.removeprefix("--") for o in options}, "flags", "flag"))

@@ -1,0 +1,180 @@
+"""TRL's names: recipes written for TRL's sft.py (alignment-handbook style, tests/fixtures/trl/) run here where
+their keys mean the same thing, and the keys that do not are named, all of them in one line; an alias and our
+name giving different values is an error naming both; TRL settings with no equivalent for the data are refused."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, launch, logged_losses
+from fsdp_recipes.config.parse import parse_args
+from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.train.data import IGNORE_INDEX, build_datasets
+
+FIXTURES = REPO / "tests" / "fixtures" / "trl"
+NO_FSDP = ("--allow_no_fsdp", "true")
+TINY = f"config_name: {REPO}/assets/tiny-llama\n"
+CORPUS = f"train_file: {REPO}/assets/data/tiny_corpus.txt\n"
+CHAT = f"train_file: {REPO}/assets/data/tiny_chat.jsonl\n"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """Where the fixtures' relative paths point: a tiny pre-trained model (random weights) and a chat dataset folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("trl")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama"))
+    model.save_pretrained(root / "tiny-model")
+    AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama").save_pretrained(root / "tiny-model")
+    (root / "data").mkdir()
+    shutil.copy(REPO / "assets" / "data" / "tiny_chat.jsonl", root / "data" / "train.jsonl")
+    return root
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_handbook_recipe_reads_as_our_settings(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    model_args, data_args, plan = parse_args([str(FIXTURES / "sft_tiny_chat.yaml"), *NO_FSDP])
+    assert (data_args.block_size, data_args.dataset_split, data_args.preprocessing_num_workers) == (64, "train", 1)
+    assert data_args.packing == "concat"  # TRL's packing false on chat data: one conversation per row, padded
+    assert model_args.dtype == "float32" and model_args.use_peft and model_args.lora_target_modules == ["q_proj", "v_proj"]
+    assert plan.raw.max_steps == 4 and plan.raw.learning_rate == 1e-2
+    from transformers import AutoTokenizer
+
+    dataset, _, _ = build_datasets(data_args, AutoTokenizer.from_pretrained("tiny-model"))
+    labels = dataset[0]["labels"]
+    assert len(dataset[0]["input_ids"]) <= 64 and IGNORE_INDEX in labels and set(labels) != {IGNORE_INDEX}  # assistant-only
+
+
+def test_keys_without_a_meaning_here_are_named_in_one_line(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    with pytest.raises(RecipeError) as err:
+        parse_args([str(FIXTURES / "sft_handbook_extras.yaml"), *NO_FSDP])
+    message = str(err.value)
+    assert "\n" not in message
+    trl, _, unknown = message.partition("unknown key(s)")
+    for key in ("chat_template", "dataset_mixture", "eval_packing", "loss_type", "model_revision"):
+        assert re.search(rf"\b{key}\b", trl), (key, message)
+    assert "wamrup_steps (did you mean warmup_steps?)" in unknown and "warmup_ratio" in unknown, message
+    for meaningful in ("max_seq_length", "dataset_num_proc", "packing", "torch_dtype"):
+        assert not re.search(rf"\b{meaningful}\b", message), (meaningful, message)
+
+
+def test_dataset_text_field_is_text_column(tmp_path):
+    _, data_args, _ = parse_args([write(tmp_path, TINY + CORPUS), "--dataset_text_field", "text", "--max_seq_length", "32", *NO_FSDP])
+    assert (data_args.text_column, data_args.block_size) == ("text", 32)
+    with pytest.raises(RecipeError, match="record 1 has no 'body' field"):
+        _, data_args, _ = parse_args([write(tmp_path, TINY + f"train_file: {REPO}/assets/data/tiny_chat.jsonl\ndata_format: text\n"),
+                                      "--dataset_text_field", "body", *NO_FSDP])
+
+
+@pytest.mark.parametrize("text, argv, named", [
+    (TINY + CORPUS + "max_length: 64\nblock_size: 128\n", [], ("block_size", "max_length")),
+    (TINY + CORPUS + "max_length: 64\nmax_seq_length: 32\n", [], ("max_length", "max_seq_length")),
+    (TINY + CORPUS, ["--max_length", "64", "--block_size=128"], ("--max_length", "--block_size")),
+    (TINY + CORPUS, ["--dataset_text_field", "body", "--text_column", "text"], ("--dataset_text_field", "--text_column")),
+])
+def test_alias_and_our_name_with_different_values_is_an_error_naming_both(tmp_path, text, argv, named):
+    with pytest.raises(RecipeError) as err:
+        parse_args([write(tmp_path, text), *argv, *NO_FSDP])
+    assert all(name in str(err.value) for name in named), str(err.value)
+
+
+def test_trl_flags_without_an_equivalent_are_named_with_the_other_unknown_flags(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        parse_args([write(tmp_path, TINY + CORPUS), "--padding_free", "true", "--eval_packing=false", "--learnig_rate", "1", *NO_FSDP])
+    assert str(err.value).startswith("flags: TRL flag(s) with no equivalent here: padding_free, eval_packing; unknown "
+                                     "flag(s): learnig_rate (did you mean learning_rate?)"), str(err.value)
+
+
+def test_alias_and_our_name_agreeing_is_fine(tmp_path):
+    _, data_args, _ = parse_args([write(tmp_path, TINY + CORPUS + "max_length: 64\nblock_size: 64\n"), "--max_seq_length", "48", *NO_FSDP])
+    assert data_args.block_size == 48  # a flag overrides the recipe, whichever spelling
+
+
+@pytest.mark.parametrize("text, packing", [
+    (CORPUS + "packing: true\npacking_strategy: wrapped\n", "concat"),
+    (CORPUS + "packing: true\npacking_strategy: bfd_split\n", "padding_free"),
+    (CHAT + "packing: true\n", "padding_free"),
+    (CHAT + "packing: false\nassistant_only_loss: true\n", "concat"),
+    (CORPUS + "packing: padding_free\nassistant_only_loss: false\ncompletion_only_loss: false\n", "padding_free"),
+])
+def test_trl_packing_becomes_our_mode(tmp_path, text, packing):
+    _, data_args, _ = parse_args([write(tmp_path, TINY + text + "block_size: 64\n"), *NO_FSDP])
+    assert data_args.packing == packing
+    from transformers import AutoTokenizer
+
+    build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))  # the data-format checks pass
+
+
+@pytest.mark.parametrize("text, message", [
+    (CORPUS + "packing: false\n", "packing=false (TRL: one document per row, truncated at max_length) has no equivalent for text data"),
+    (CORPUS + "packing: true\n", "set packing_strategy: bfd_split"),
+    (CORPUS + "assistant_only_loss: true\n", "assistant_only_loss=true needs chat data"),
+    (CHAT + "assistant_only_loss: false\n", "assistant_only_loss=false (loss on the whole conversation) has no equivalent"),
+    (CORPUS + "completion_only_loss: true\n", "completion_only_loss=true is for TRL's prompt-completion datasets"),
+    (CORPUS + "packing: concat\npacking_strategy: bfd\n", "packing_strategy=bfd is TRL's choice for packing: true"),
+    (CORPUS + "max_length: null\n", "TRL's no-truncation has no equivalent here"),
+])
+def test_trl_settings_without_an_equivalent_are_refused(tmp_path, text, message):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        _, data_args, _ = parse_args([write(tmp_path, TINY + text), *NO_FSDP])
+        build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))  # the format is known here
+
+
+def test_trl_packing_flag_on_the_command_line(tmp_path):
+    _, data_args, _ = parse_args([write(tmp_path, TINY + CHAT), "--packing", "true", *NO_FSDP])
+    assert data_args.packing == "padding_free"
+
+
+def help_text(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv)
+    assert stop.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_is_grouped_with_aliases_and_the_rest_behind_help_all(capsys):
+    short, full = help_text(["--help"], capsys), help_text(["--help-all"], capsys)
+    titles = [line[:-1] for line in short.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles[1:] == ["model", "LoRA and QLoRA (TRL's ModelConfig names)",
+                          "data (TRL's SFTConfig names are accepted where they mean the same)", "run",
+                          "training (the most used transformers TrainingArguments)"], titles
+    assert "--block_size BLOCK_SIZE, --max_length BLOCK_SIZE, --max_seq_length BLOCK_SIZE" in short
+    assert "--text_column TEXT_COLUMN, --dataset_text_field TEXT_COLUMN" in short
+    assert "--output-dir" not in short and "--output-dir" not in full  # each option once
+    assert "--fsdp_config" not in short and "--fsdp_config" in full and "--help-all lists them" in " ".join(short.split())
+    assert len(short.splitlines()) < 300 < len(full.splitlines())
+
+
+def test_help_under_a_launcher_is_printed_by_local_rank_0_only(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert help_text(["--help"], capsys) == "" and capsys.readouterr().err == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert "--block_size" in help_text(["--help"], capsys)
+
+
+@pytest.mark.slow
+def test_handbook_recipe_trains_unchanged(workdir):
+    proc = launch("accelerate_configs/zero3.yaml", str(FIXTURES / "sft_tiny_chat.yaml"), cwd=workdir)
+    out = workdir / "runs" / "tiny-chat-sft"
+    assert (out / "model.safetensors").is_file() and (out / "adapter").is_dir(), proc.stderr[-2000:]
+    assert len(logged_losses(out)) == 2
+
+
+@pytest.mark.slow
+def test_help_under_accelerate_launch_is_printed_once():
+    proc = launch("accelerate_configs/zero3.yaml", "--help")
+    assert proc.stdout.count("usage:") == 1 and "usage:" not in proc.stderr, proc.stderr[-2000:]
