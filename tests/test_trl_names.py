@@ -125,6 +125,7 @@ def test_trl_packing_becomes_our_mode(tmp_path, text, packing):
     (CORPUS + "completion_only_loss: true\n", "completion_only_loss=true is for TRL's prompt-completion datasets"),
     (CORPUS + "packing: concat\npacking_strategy: bfd\n", "packing_strategy=bfd is TRL's choice for packing: true"),
     (CORPUS + "max_length: null\n", "TRL's no-truncation has no equivalent here"),
+    (CHAT + "packing: true\npacking_strategy: wrapped\n", "packing_strategy wrapped joins conversations into fixed blocks"),
 ])
 def test_trl_settings_without_an_equivalent_are_refused(tmp_path, text, message):
     from transformers import AutoTokenizer

@@ -248,6 +248,10 @@ class DataArguments:
         if fmt == "text" and self.trl_packing and self.packing_strategy in (None, "bfd"):
             return ("packing=true with TRL's packing_strategy bfd truncates long documents; for text data here "
                     "padding_free splits them: set packing_strategy: bfd_split (or packing: padding_free)")
+        if fmt == "chat" and self.trl_packing and self.packing_strategy == "wrapped":
+            return ("packing=true with TRL's packing_strategy wrapped joins conversations into fixed blocks; chat data here "
+                    "is packed without mixing conversations (padding_free) or kept one per row: set packing_strategy: bfd "
+                    "(or packing: padding_free)")
         if fmt == "text" and self.assistant_only_loss:
             return "assistant_only_loss=true needs chat data (a messages column); this data is text: drop it"
         if fmt == "chat" and self.assistant_only_loss is False:
