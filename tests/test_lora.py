@@ -206,6 +206,27 @@ def test_a_lora_base_is_saved_once_and_another_models_is_refused(tmp_path):
         save_lora_base(wrong, base)
 
 
+@pytest.mark.parametrize("kind", ["folder of the user's", "link to a base"])
+def test_a_base_model_path_that_is_not_a_saved_base_is_refused_before_anything_is_built(tmp_path, kind):
+    """output_dir/base_model that is a folder without config.json, or a link (to weights this run did not save, even
+    a real base), is neither used nor replaced, and no staging copy of a new base is left beside it."""
+    from fsdp_recipes.config.arguments import ModelArguments
+    from fsdp_recipes.errors import RecipeError
+    from fsdp_recipes.train.modeling import save_lora_base
+
+    run = tmp_path / "run"
+    run.mkdir()
+    if kind == "folder of the user's":
+        (run / "base_model").mkdir()
+        (run / "base_model" / "notes.txt").write_text("mine")
+    else:
+        (run / "base_model").symlink_to(REPO / "assets" / "tiny-llama")
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    with pytest.raises(RecipeError, match="choose another --output_dir, or move it away"):
+        save_lora_base(ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True), str(run / "base_model"))
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+
+
 def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
     """What stock adapter-only saves left (FSDP1: no tensor at all; accelerate PR #4206's FSDP2 bug: rank 0's slice
     only) is incomplete, named; every slice present is fine, and a LoRA adapter alone is named as such."""

@@ -127,6 +127,11 @@ def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
     another model's is refused. Global rank 0 alone calls it, before any rank loads the model."""
     out = Path(base)
     config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
+    if out.is_symlink() or ((out.exists() or out.is_symlink()) and not (out / "config.json").is_file()):
+        # a link leads to weights this run did not save; a folder without config.json is not a base at all: either is
+        # someone else's, neither used nor replaced, and refused before a base is built beside it
+        raise RecipeError(f"{base} is {'a link' if out.is_symlink() else 'not a saved LoRA base (no config.json)'}: a LoRA run "
+                          "built from config_name keeps its base there; choose another --output_dir, or move it away")
     if (out / "config.json").is_file():
         saved = AutoConfig.from_pretrained(base, trust_remote_code=args.trust_remote_code).to_dict()
         wanted = config.to_dict()
@@ -139,12 +144,17 @@ def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
     if is_ours(staging, BASE_STAGING):  # a run killed while saving its base
         remove(staging, BASE_STAGING)
     make_folder(staging, BASE_STAGING)
-    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    with torch.random.fork_rng(devices=[]):  # the ranks that do not build it keep the same RNG state as this one
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
-    model.save_pretrained(str(staging))
-    AutoTokenizer.from_pretrained(args.tokenizer_name, trust_remote_code=args.trust_remote_code).save_pretrained(str(staging))
-    unmark(staging, BASE_STAGING)
-    move(staging, out)
+    try:
+        dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+        with torch.random.fork_rng(devices=[]):  # the ranks that do not build it keep the same RNG state as this one
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
+        model.save_pretrained(str(staging))
+        AutoTokenizer.from_pretrained(args.tokenizer_name, trust_remote_code=args.trust_remote_code).save_pretrained(str(staging))
+        move(staging, out)
+    except BaseException:
+        if is_ours(staging, BASE_STAGING):  # nothing half-saved is left to block the next run
+            remove(staging, BASE_STAGING)
+        raise
+    unmark(out, BASE_STAGING)
     log(f"LoRA base: built from {args.config_name} (random weights, frozen) and saved once to {base}; the adapter names it "
         "(adapter_config.json: base_model_name_or_path) and the run loads it from there")
