@@ -44,8 +44,10 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
         rank0_loading.install()  # every rank: after wrapping, rank 0 scatters each rank its rows of every parameter
     if rank0_only and fsdp1 and not cpu_fsdp.accelerator_present():
         rank0_loading.install_fsdp1()  # the sync of module states never writes into the file's pages
+    receives = rank0_only and dist.is_initialized()  # rank 0 sends, every other rank receives what it holds
+    other_rank = receives and dist.get_rank() != 0
     if args.model_name_or_path is not None:
-        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        if other_rank:
             common["device_map"] = "meta"  # rank 0 sends the weights; FSDP shards them as they arrive
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, **common)
     else:
@@ -59,8 +61,8 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
         )
     if args.use_peft:
         model = add_lora(model, args)
-    if rank0_only and dist.is_initialized():
-        if dist.get_rank() != 0:
+    if receives:
+        if other_rank:
             model = rank0_loading.hollow_weights(model)
         model = rank0_loading.receive_buffers(model)
         say("rank-0-only loading: ranks other than 0 build the model on the meta device, not from the files, and "
