@@ -27,7 +27,7 @@ from fsdp_recipes.train import preflight
 from fsdp_recipes.train.data import build_datasets
 from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_step, save_dtype_problem, save_final_model
 from fsdp_recipes.train.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
-from fsdp_recipes.train.modeling import load_model, load_tokenizer, lora_base, use_lora_base
+from fsdp_recipes.train.modeling import load_model, load_tokenizer, lora_base, lora_base_identity, use_lora_base
 from fsdp_recipes.train.preemption import Stopped, quiet_stops, stop_received, was_interrupted, watch_interrupts, watch_stops
 from fsdp_recipes.train.profiling import StepProfiler
 from fsdp_recipes.train.trainer import FSDPTrainer
@@ -74,6 +74,8 @@ def main(model_args, data_args, plan):
     check_run_length(training_args, len(train_dataset), plan.run_args.profile_steps)  # needs the data's size
 
     model = load_model(model_args, tokenizer)
+    # a LoRA base replaced, zeroed or truncated since the checkpoint (or since this output_dir saved it) is refused
+    base_record = lora_base_identity(model_args, training_args.resume_from_checkpoint, log=logger.info)
 
     # ---------- train ----------
     trainer = FSDPTrainer(
@@ -86,6 +88,7 @@ def main(model_args, data_args, plan):
         zero1=plan.run_args.zero1,
         save_dtype=plan.run_args.save_dtype,
     )
+    trainer.describer.base_record = base_record  # into every checkpoint and the adapter folder
     if problem := save_dtype_problem(trainer, plan.run_args.save_dtype):
         raise RecipeError(problem)  # every rank alike, before training
     if plan.run_args.profile_steps:

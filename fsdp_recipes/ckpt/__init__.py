@@ -9,6 +9,7 @@ Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the
 - resume:             which checkpoint a run resumes, what it sets aside or deletes (decided, never done, here)
 - description:        the model a checkpoint holds (config, tokenizer, dtypes), recorded and checked
 - lora_merge:         peft LoRA checkpoints merged as merge_and_unload does, or the adapter alone
+- base_identity:      which base a LoRA adapter was trained on, recorded, and checked on resume and merge
 - safetensors_writer, merge: the streamed conversion itself
 
 Imports no torch or transformers at import time (a subprocess test checks it): checking a checkpoint takes a

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.ckpt.layout import MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES
+from fsdp_recipes.ckpt.layout import BASE_IDENTITY, MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES
 from fsdp_recipes.ckpt.namespace import WeightMap, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput
@@ -86,7 +86,7 @@ class Description:
 # regular file of a sane size where it exists. A FIFO or /dev/zero under one of these names used to be skipped
 # (is_file is false) and the tokenizer loaded without it: a model folder silently missing its special tokens.
 DESCRIPTION_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES, "special_tokens_map.json",
-                     "added_tokens.json", "chat_template.jinja", "chat_template.json", MANIFEST, "adapter_config.json")
+                     "added_tokens.json", "chat_template.jinja", "chat_template.json", MANIFEST, "adapter_config.json", BASE_IDENTITY)
 DESCRIPTION_LIMIT = 256 << 20  # tokenizer.json / tokenizer.model of the largest vocabularies: tens of MB
 # the other description files are small JSON (a tokenizer_config.json with a long chat template: ~100 KB)
 

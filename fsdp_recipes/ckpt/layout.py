@@ -17,6 +17,7 @@ FULL_FILES = ("model.safetensors.index.json", "model.safetensors", FULL_MODEL_FI
 PLAIN_OPTIMIZER_FILE = "optimizer.pt"  # the Trainer's own layout without FSDP (DDP, ZeRO-1 consolidated, one process)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ADAPTER_CONFIG = "adapter_config.json"  # peft
+BASE_IDENTITY = "base_identity.json"  # a LoRA run's base model, recorded in its checkpoints and adapter (ckpt.base_identity)
 LORA_BASE_DIR = "base_model"  # a LoRA run's base built from a config, saved once in its output_dir: the adapter names it
 REPORT_NAME = "fsdp_report.json"  # the proof of sharding, per run and per checkpoint (fsdp_recipes.train.sharding)
 SHARD_DIGESTS = "shard_digests.json"  # each .distcp file's size and sample hash, written once every rank is done
@@ -55,7 +56,7 @@ _DESCRIPTION_FILES = (r"config\.json", r"generation_config\.json", r"tokenizer(_
                       r"special_tokens_map\.json", r"added_tokens\.json", r"vocab\.json", r"merges\.txt", r"chat_template\.(jinja|json)")
 _MODEL_FILES = (*_DESCRIPTION_FILES, r"model(-\d+-of-\d+)?\.safetensors", r"model\.safetensors\.index\.json",
                 r"trainer_state\.json", r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors",
-                r"adapter_model\.safetensors\.index\.json", r"\.made-by-fsdp-recipes")
+                r"adapter_model\.safetensors\.index\.json", r"base_identity\.json", r"\.made-by-fsdp-recipes")
 _CHECKPOINT_FILES = (*_MODEL_FILES, r"training_args\.bin", r"scheduler\.pt", r"scaler\.pt", r"rng_state(_\d+)?\.pth",
                      r"optimizer\.(pt|bin)", r"pytorch_model_fsdp(_\d+)?\.bin", r"model_description\.json", r"fsdp_report\.json",
                      r"shard_digests\.json")
@@ -100,7 +101,8 @@ def foreign_entries(output_dir: Path) -> list[str]:
 def is_exported_adapter(folder: Path) -> bool:
     """A real folder holding only what an adapter export writes: adapter_config.json and adapter_model files."""
     return (Path(folder) / ADAPTER_CONFIG).is_file() and _only(
-        Path(folder), (r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors", r"adapter_model\.safetensors\.index\.json"), {})
+        Path(folder), (r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors", r"adapter_model\.safetensors\.index\.json",
+                         r"base_identity\.json"), {})
 
 
 def is_checkpoint_folder(folder: Path) -> bool:

@@ -252,25 +252,15 @@ class AdapterOnBaseSource:
 
 def base_weights(base_model: str | None, adapter_config: dict, config_path: Path):
     """(the safetensors source, its folder) of the base an adapter-only checkpoint is merged into: ``--base-model``, else
-    the local folder adapter_config.json names (base_model_name_or_path)."""
+    the local folder adapter_config.json names (base_model_name_or_path); a hub id the run downloaded is read from the
+    local cache's snapshot (never downloaded here)."""
+    from fsdp_recipes.ckpt.base_identity import local_folder
     from fsdp_recipes.ckpt.readers import SafetensorsSource
 
     named = adapter_config.get("base_model_name_or_path")
-    folder = Path(base_model or named or "")
-    if not folder.is_dir() and (base_model or named) and (cached := _hub_cache(base_model or named)):
-        folder = cached  # a hub id the run downloaded: its snapshot in the local cache (no download here)
-    if not ((folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()):
+    folder = local_folder(base_model or named) if (base_model or named) else None
+    if folder is None or not ((folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()):
         given = f"--base-model {base_model}" if base_model else f"{config_path} names {named!r}" if named else f"{config_path} names no base"
         raise CheckpointError(f"this checkpoint holds the LoRA adapter alone (not the frozen base) and {given}, which is not a local folder "
                               "with safetensors weights: pass --base-model <the folder of the model the adapter was trained on>")
     return SafetensorsSource(folder), folder
-
-
-def _hub_cache(repo_id: str) -> Path | None:
-    """The local snapshot of hub model ``repo_id`` when its weights are in the cache, else None (never downloads)."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=["*.json", "*.safetensors"]))
-    except (OSError, ValueError):  # not a hub id (HFValidationError), or not in the cache (LocalEntryNotFoundError)
-        return None

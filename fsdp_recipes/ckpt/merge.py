@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import DTYPE_SIZES
 from fsdp_recipes.ckpt.description import (
     Description, config_origin, described_by_manifest, describe_with_transformers, description_dirs,
     description_file_problems, model_skeleton,
 )
 from fsdp_recipes.ckpt.layout import (
-    ADAPTER_CONFIG, MANIFEST, is_exported_adapter, is_model_folder, overlap, real, training_content,
+    ADAPTER_CONFIG, BASE_IDENTITY, MANIFEST, is_exported_adapter, is_model_folder, overlap, real, training_content,
 )
 from fsdp_recipes.ckpt.lora_merge import (
     LORA_WEIGHT, AdapterOnBaseSource, MergedLoraSource, adapter_tensors, base_weights, find_adapter_config, holds_adapter_only, is_lora,
@@ -231,9 +232,16 @@ def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, l
         return None, base_model
     config_path = find_adapter_config(resolved.places)
     adapter_config = read_adapter_config(config_path)
+    recorded = base_identity.read(config_path.parent)  # the base the run trained on, when it recorded one
     alone = holds_adapter_only(resolved.source.tensors)  # an adapter-only checkpoint: the base's weights are the base model's
     if alone and not adapter_only:
         base, base_dir = base_weights(base_model, adapter_config, config_path)
+        if recorded is None:
+            log(f"no {BASE_IDENTITY} beside {config_path.name} (a checkpoint of an older run or of another tool): the base "
+                f"model {base_dir} is not checked against the one the adapter was trained on")
+        elif problem := base_identity.base_problem(recorded, base_dir, str(config_path.parent), (
+                f"pass --base-model <the base it was trained on> (to merge into another base on purpose, move {BASE_IDENTITY} away)")):
+            raise CheckpointError(problem)
         resolved.source = AdapterOnBaseSource(resolved.source, base, base_dir)
         log(f"adapter-only LoRA checkpoint: the frozen base's weights from {base_dir}")
     merged = None if alone and adapter_only else MergedLoraSource(resolved.source, adapter_config)
@@ -242,8 +250,12 @@ def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, l
         adapter = merged.adapter if merged else LORA_WEIGHT.match(next(iter(names.values())))["adapter"]
         origin = {"config": str(config_path), "tokenizer": "(none: an adapter folder)"}
         log(f"PEFT LoRA checkpoint: writing adapter {adapter!r} ({len(names)} tensors) as PeftModel.from_pretrained loads it")
-        return Description(WeightMap(names, "", len(resolved.source.tensors) - len(names)), [], origin,
-                           lambda out: shutil.copyfile(config_path, out / ADAPTER_CONFIG)), base_model
+        def write(out: Path) -> None:
+            shutil.copyfile(config_path, out / ADAPTER_CONFIG)
+            if recorded is not None:  # checked as a record above; the adapter folder keeps naming its base
+                base_identity.write(out, recorded)
+
+        return Description(WeightMap(names, "", len(resolved.source.tensors) - len(names)), [], origin, write), base_model
     resolved.source = merged
     log(f"PEFT LoRA checkpoint: merging adapter {merged.adapter!r} ({len(merged.pairs)} modules, lora_alpha "
         f"{merged.alpha:g}{', rsLoRA' if merged.rslora else ''}) into the base weights, as merge_and_unload does")

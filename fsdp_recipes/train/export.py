@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, write_manifest
 from fsdp_recipes.ckpt.layout import (
@@ -43,14 +44,17 @@ def lora_parts(model) -> tuple[torch.nn.Module, object | None]:
     return model, None
 
 
-def save_model_description(model, tokenizer, folder: str | os.PathLike) -> list[str]:
+def save_model_description(model, tokenizer, folder: str | os.PathLike, base_record: dict | None = None) -> list[str]:
     """config.json (with the real class in architectures), generation config and tokenizer: no weights. For a peft
-    model, the base model's and adapter_config.json, so the folder merges on its own (fsdp_recipes.ckpt.lora_merge)."""
+    model, the base model's and adapter_config.json, so the folder merges on its own (fsdp_recipes.ckpt.lora_merge),
+    and the base's identity (``base_record``, when known: a resume and a merge check the base they are given)."""
     model, lora = lora_parts(model)
     files = describe_folder(Path(folder), unwrapped_model_class(model), model.config, tokenizer, getattr(model, "generation_config", None))
     if lora is not None:
         lora.save_pretrained(str(folder))
         files.append(ADAPTER_CONFIG)
+        if base_record is not None:
+            base_identity.write(folder, base_record)
     return files
 
 
@@ -65,10 +69,11 @@ class DescribeCheckpoints(TrainerCallback):
 
     def __init__(self, trainer, tokenizer):
         self.trainer, self.tokenizer = trainer, tokenizer
+        self.base_record = None  # a LoRA run's base identity (train_fsdp.py sets it on rank 0)
 
     def describe(self, folder: Path) -> None:
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        files = save_model_description(model, self.tokenizer, folder)
+        files = save_model_description(model, self.tokenizer, folder, self.base_record)
         try:
             write_manifest(folder, lora_parts(model)[0].config, files)
         except Exception as err:  # only a shortcut for the merge, never worth a failed run
@@ -113,6 +118,8 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     if plugin is None and lora is not None:  # a run without FSDP (--allow_no_fsdp): the whole model is here
         if accelerator.is_main_process:
             model.save_pretrained(str(out / ADAPTER_DIR))
+            if trainer.describer.base_record is not None:
+                base_identity.write(out / ADAPTER_DIR, trainer.describer.base_record)
             model.merge_and_unload().save_pretrained(str(out))
             save_model_description(base, tokenizer, out)
         return  # no barrier: the other ranks have nothing left to do (see the docstring)
@@ -133,7 +140,7 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     accelerator.wait_for_everyone()  # every rank's DCP shard is written: the last collective of the run
     if lora is not None:  # the merged model, and the adapter beside it: rank 0 alone
         if accelerator.is_main_process:
-            save_model_description(model, tokenizer, shards)
+            save_model_description(model, tokenizer, shards, trainer.describer.base_record)  # the adapter folder gets the record
             write_final_folder(shards, out, log=logger.info, dtype=cast)
             remove(shards, EXPORT_STAGING)
             record_export(out, {"dtype": dtype, "writers": 1, "seconds": round(time.monotonic() - started, 3)})

@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.layout import LORA_BASE_DIR
 from fsdp_recipes.compat import cpu_fsdp, rank0_loading
 from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.config.arguments import ModelArguments
 from fsdp_recipes.console import say
-from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.errors import CheckpointError, RecipeError
 from fsdp_recipes.train.sharding import expected_fsdp_version
 from fsdp_recipes.removal import is_ours, make_folder, move, remove, unmark
 
@@ -88,7 +89,7 @@ def add_lora(model: PreTrainedModel, args: ModelArguments):
 
 BASE_STAGING = "LoRA base staging"  # the marker purpose of output_dir/.base-tmp (fsdp_recipes.removal)
 # config.json keys that say nothing of the weights' shapes: they may differ between the saved base and the recipe's config
-_CONFIG_BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version", "use_cache"}
+_CONFIG_BOOKKEEPING = base_identity.CONFIG_BOOKKEEPING
 
 
 def lora_base(args: ModelArguments, output_dir: str) -> str | None:
@@ -152,6 +153,7 @@ def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
         model.save_pretrained(str(staging))
         AutoTokenizer.from_pretrained(args.tokenizer_name, trust_remote_code=args.trust_remote_code).save_pretrained(str(staging))
+        base_identity.write(staging, base_identity.identity(staging, name=base))  # a later run notices a changed base
         move(staging, out)
     except BaseException:
         if is_ours(staging, BASE_STAGING):  # nothing half-saved is left to block the next run
@@ -160,3 +162,47 @@ def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
     unmark(out, BASE_STAGING)
     log(f"LoRA base: built from {args.config_name} (random weights, frozen) and saved once to {base}; the adapter names it "
         "(adapter_config.json: base_model_name_or_path) and the run loads it from there")
+
+
+def lora_base_identity(args: ModelArguments, resume_from_checkpoint: str | None, log=print) -> dict | None:
+    """The identity of a LoRA run's base model (fsdp_recipes.ckpt.base_identity), computed by global rank 0 once
+    the model is loaded (a hub base is in the local cache by then), and checked against the record of the checkpoint
+    being resumed and of a base this run saved (output_dir/base_model): a base replaced, zeroed or truncated since
+    is refused, on every rank alike, before training. Returns the record on rank 0 (written into every checkpoint
+    and the adapter folder), None elsewhere and for runs without LoRA."""
+    if not args.use_peft:
+        return None
+    record = problem = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            record, problem = _base_identity(args.model_name_or_path, resume_from_checkpoint, log)
+        except (CheckpointError, OSError) as err:
+            problem = f"the base model {args.model_name_or_path} cannot be checked: {err}"
+    if dist.is_initialized():
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        raise RecipeError(problem)
+    return record
+
+
+def _base_identity(name: str, ckpt: str | None, log) -> tuple[dict | None, str | None]:
+    folder = base_identity.local_folder(name)
+    if folder is None or not any(folder.glob("*.safetensors")):
+        log(f"LoRA base {name}: no local safetensors weights to record (checkpoints will not be able to check the base they resume on)")
+        return None, None
+    record = base_identity.identity(folder, name=name)
+    if (saved := base_identity.read(folder)) and (diff := base_identity.difference(saved, record)):
+        return None, (f"the LoRA base {folder} changed since a run saved it ({diff}): restore it, or move it away to build "
+                      "a new one (the adapters and checkpoints trained on it then no longer apply)")
+    if ckpt is None:
+        return record, None
+    if (saved := base_identity.read(ckpt)) is None:
+        log(f"{ckpt} records no base model ({base_identity.BASE_IDENTITY}: a checkpoint of an older run or of another tool): "
+            f"the base {name} is not checked against it")
+    elif diff := base_identity.difference(saved, record):
+        return None, (f"the base model {name} is not the one {ckpt} was trained on ({saved.get('base_model')}, recorded in its "
+                      f"{base_identity.BASE_IDENTITY}): {diff}; resume with that base (--model_name_or_path), or start without "
+                      "--resume_from_checkpoint")
+    return record, None

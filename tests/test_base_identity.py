@@ -1,0 +1,219 @@
+"""A LoRA adapter names its base by path or hub id; the bytes behind the name may change. The run records the base's
+identity (fsdp_recipes.ckpt.base_identity) in its saved base, every checkpoint and the adapter folder; a resume and
+a merge given another base (replaced, zeroed, truncated, one weight edited) stop in one line, naming what differs.
+
+Each kind of change is generated here on a small base written with safetensors; the identity must see every one
+and must not see what does not change the weights (how they are split into files, headers, bookkeeping keys)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import REPO, launch, run
+from fsdp_recipes.ckpt import base_identity
+from fsdp_recipes.errors import CheckpointError
+
+CONFIG = {"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 2, "vocab_size": 32, "architectures": ["LlamaForCausalLM"],
+          "transformers_version": "5.23.0", "dtype": "float32", "use_cache": True, "_name_or_path": "somewhere"}
+
+
+def make_base(folder: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"model.layers.{i}.{n}.weight": torch.randn(8, 16, generator=g) for i in range(2) for n in ("q_proj", "v_proj")}
+    tensors["model.embed_tokens.weight"] = torch.randn(32, 16, generator=g).to(torch.bfloat16)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    return tensors
+
+
+def flip_byte(folder: Path, rng: random.Random) -> str:
+    """One bit of one byte inside one tensor's data, at a random place."""
+    path = folder / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(raw[:8], "little")
+    entries = {k: v for k, v in json.loads(raw[8:header]).items() if k != "__metadata__"}
+    name = rng.choice(sorted(entries))
+    begin, end = entries[name]["data_offsets"]
+    raw[header + rng.randrange(begin, end)] ^= 1 << rng.randrange(8)
+    path.write_bytes(bytes(raw))
+    return name
+
+
+def rewrite(folder: Path, edit) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def edit_config(folder: Path, **changes) -> None:
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **changes}))
+
+
+CHANGES = {  # name -> (edit of the base folder, what the difference names)
+    "zeroed": (lambda f: rewrite(f, lambda t: [v.zero_() for v in t.values()]), r"5 of 5 weight\(s\) hold other values"),
+    "another seed": (lambda f: make_base(f, seed=1), r"5 of 5 weight\(s\) hold other values"),
+    "one weight scaled": (lambda f: rewrite(f, lambda t: t["model.layers.1.v_proj.weight"].mul_(1.0001)), r"1 of 5 .*model\.layers\.1\.v_proj"),
+    "a dtype": (lambda f: rewrite(f, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].float()})), r"1 of 5 .*embed_tokens"),
+    "a shape": (lambda f: rewrite(f, lambda t: t.update({"model.layers.0.q_proj.weight": t["model.layers.0.q_proj.weight"].reshape(16, 8)})), r"1 of 5 .*layers\.0\.q_proj"),
+    "a weight renamed": (lambda f: rewrite(f, lambda t: t.update({"model.layers.0.k_proj.weight": t.pop("model.layers.0.q_proj.weight")})),
+                         r"1 weight\(s\) missing \(e\.g\. model\.layers\.0\.q_proj\.weight\); 1 weight\(s\) it did not have"),
+    "a weight dropped": (lambda f: rewrite(f, lambda t: t.pop("model.layers.1.q_proj.weight")), r"1 weight\(s\) missing"),
+    "a weight added": (lambda f: rewrite(f, lambda t: t.update({"lm_head.weight": torch.ones(32, 16)})), r"1 weight\(s\) it did not have \(e\.g\. lm_head"),
+    "the config": (lambda f: edit_config(f, rope_theta=1.0), r"config\.json describes another model"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_every_change_of_the_weights_or_config_is_named(tmp_path, change):
+    make_base(tmp_path)
+    recorded = base_identity.identity(tmp_path)
+    edit, named = CHANGES[change]
+    edit(tmp_path)
+    diff = base_identity.difference(recorded, base_identity.identity(tmp_path))
+    assert diff is not None and re.search(named, diff), diff
+
+
+def test_any_single_flipped_bit_is_seen(tmp_path):
+    rng = random.Random(1234)
+    make_base(tmp_path)
+    recorded = base_identity.identity(tmp_path)
+    for _ in range(20):  # 20 places drawn at random: each a different base
+        make_base(tmp_path)
+        name = flip_byte(tmp_path, rng)
+        diff = base_identity.difference(recorded, base_identity.identity(tmp_path))
+        assert diff == f"1 of 5 weight(s) hold other values, dtype or shape (e.g. {name})", diff
+
+
+def test_what_does_not_change_the_weights_keeps_the_identity(tmp_path):
+    """Re-sharded into several files with an index, the header's order and metadata changed, config keys that
+    transformers rewrites on each save: still the same base."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    tensors = make_base(tmp_path / "a")
+    recorded = base_identity.identity(tmp_path / "a")
+    b = tmp_path / "b"
+    b.mkdir()
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=600)
+    assert len(split.filename_to_tensors) > 1
+    for file, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in reversed(names)}, b / file, metadata={"format": "pt", "note": "re-saved"})
+    (b / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": split.tensor_to_filename}))
+    (b / "config.json").write_text(json.dumps({**CONFIG, "transformers_version": "9.0", "dtype": "bfloat16", "use_cache": False,
+                                               "architectures": ["Other"], "_name_or_path": "elsewhere"}))
+    assert base_identity.difference(recorded, base_identity.identity(b)) is None
+
+
+def test_a_truncated_or_missing_base_is_refused_in_one_line(tmp_path):
+    make_base(tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        base_identity.identity(tmp_path)
+    path.unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        base_identity.identity(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["not json", "[]", '{"format": 1}', '{"format": 2, "config_sha256": "x", "tensors": {}}',
+                                     '{"format": 1, "config_sha256": "x", "tensors": {"a": 1}}'])
+def test_a_record_that_is_not_one_is_refused(tmp_path, content):
+    (tmp_path / base_identity.BASE_IDENTITY).write_text(content)
+    with pytest.raises(CheckpointError, match="is not a base identity record"):
+        base_identity.read(tmp_path)
+    (tmp_path / base_identity.BASE_IDENTITY).unlink()
+    (tmp_path / base_identity.BASE_IDENTITY).mkdir()  # a folder under its name
+    with pytest.raises(CheckpointError, match="is not a base identity record"):
+        base_identity.read(tmp_path)
+
+
+def adapter_only_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny Llama base (save_pretrained) and a checkpoint holding only its LoRA adapter, as FSDPTrainer saves it,
+    with the base's identity recorded beside adapter_config.json."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base, ckpt = tmp_path / "base", tmp_path / "run" / "checkpoint-3"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(base)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    dcp.save({"model": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}},
+             checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
+    model.peft_config["default"].save_pretrained(str(ckpt))
+    base_identity.write(ckpt, base_identity.identity(base))
+    return base, ckpt
+
+
+def test_a_merge_onto_another_base_than_the_recorded_one_stops_before_writing(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
+
+    base, ckpt = adapter_only_checkpoint(tmp_path)
+    merge_checkpoint(ckpt, tmp_path / "merged")  # the base adapter_config.json names, as recorded
+    AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    rng = random.Random(7)
+    for kind in ("one bit", "zeroed", "truncated"):
+        other = tmp_path / kind
+        shutil.copytree(base, other)
+        if kind == "one bit":
+            flip_byte(other, rng)
+        elif kind == "zeroed":
+            rewrite(other, lambda t: [v.zero_() for v in t.values()])
+        else:
+            (other / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes()[:-64])
+        expected = f"{other}/model.safetensors is truncated" if kind == "truncated" else rf"the base model {other} is not the one {ckpt} was trained on"
+        with pytest.raises(CheckpointError, match=expected):
+            merge_checkpoint(ckpt, tmp_path / f"out-{kind}", base_model=str(other))
+        assert not (tmp_path / f"out-{kind}").exists()
+    done = run([sys.executable, "tools/merge_checkpoint.py", str(ckpt), str(tmp_path / "cli"), "--base-model", str(tmp_path / "zeroed")])
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1 and "hold other values" in lines[0] and "--base-model" in lines[0], done.stderr
+    assert not (tmp_path / "cli").exists()
+
+    merge_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)  # the adapter folder keeps naming its base
+    assert base_identity.read(tmp_path / "adapter") == base_identity.read(ckpt)
+    (ckpt / base_identity.BASE_IDENTITY).unlink()  # a checkpoint of another tool: merged, and said it was not checked
+    said = []
+    merge_checkpoint(ckpt, tmp_path / "unchecked", base_model=str(tmp_path / "zeroed"), log=said.append)
+    assert any(f"no {base_identity.BASE_IDENTITY} beside adapter_config.json" in s and "is not checked" in s for s in said), said
+
+
+@pytest.mark.slow
+def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(tmp_path):
+    """The LoRA recipe (its base built from a config and saved once): every checkpoint and the adapter record the
+    base; the base zeroed since, or rebuilt from another seed, stops the resume in one line, before training."""
+    out = tmp_path / "run"
+    args = ["recipes/tiny-llama/lora_sft.yaml", "--max_steps", "4", "--save_steps", "2", "--output_dir", str(out)]
+    launch("accelerate_configs/zero3.yaml", *args)
+    recorded = base_identity.identity(out / "base_model")
+    for folder in ("base_model", "checkpoint-2", "checkpoint-4", "adapter"):
+        assert base_identity.read(out / folder)["tensors"] == recorded["tensors"], folder
+
+    shutil.copytree(out / "base_model", tmp_path / "kept")
+    rewrite(out / "base_model", lambda t: t["model.layers.1.self_attn.o_proj.weight"].zero_())
+    resume = [*args[:2], "6", *args[3:], "--resume_from_checkpoint", "true"]
+    refused = launch("accelerate_configs/zero3.yaml", *resume, check=False)
+    assert refused.returncode != 0, refused.stderr[-2000:]
+    assert f"the LoRA base {out / 'base_model'} changed since a run saved it (1 of 39 weight(s) hold other values" in refused.stderr
+    assert "model.layers.1.self_attn.o_proj.weight" in refused.stderr and not (out / "checkpoint-6").exists()
+
+    shutil.move(out / "base_model", tmp_path / "zeroed")  # a new base gets built, from another seed: not the checkpoints'
+    refused = launch("accelerate_configs/zero3.yaml", *resume, "--seed", "7", check=False)
+    assert refused.returncode != 0, refused.stderr[-2000:]
+    assert f"is not the one {out / 'checkpoint-4'} was trained on" in refused.stderr and "30 of 39 weight(s) hold other values" in refused.stderr  # the norms are ones in both
+    assert not (out / "checkpoint-6").exists()
