@@ -217,3 +217,31 @@ def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(tmp
     assert refused.returncode != 0, refused.stderr[-2000:]
     assert f"is not the one {out / 'checkpoint-4'} was trained on" in refused.stderr and "30 of 39 weight(s) hold other values" in refused.stderr  # the norms are ones in both
     assert not (out / "checkpoint-6").exists()
+
+
+def test_a_hub_base_is_found_in_the_local_cache_and_checked(tmp_path, monkeypatch):
+    """A hub id the run downloaded: its snapshot in the cache is the base (nothing is downloaded), checked like a folder."""
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
+
+    base, ckpt = adapter_only_checkpoint(tmp_path)
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny" / "snapshots" / ("a" * 40)
+    shutil.copytree(base, snapshot)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a hub model's own tokenizer, which the merge copies
+        shutil.copy(REPO / "assets" / "tiny-llama" / name, snapshot / name)
+    (cache / "models--someone--tiny" / "refs").mkdir()
+    (cache / "models--someone--tiny" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: never a network try from this test
+    assert base_identity.local_folder("someone/tiny") == snapshot
+    assert base_identity.local_folder("someone/absent") is None
+    said = []
+    merge_checkpoint(ckpt, tmp_path / "from-hub", base_model="someone/tiny", log=said.append)
+    assert f"adapter-only LoRA checkpoint: the frozen base's weights from {snapshot}" in said
+    rewrite(snapshot, lambda t: t["model.norm.weight"].mul_(2))
+    with pytest.raises(CheckpointError, match=rf"the base model {snapshot} is not the one .* 1 of 39 weight\(s\) .*model\.norm\.weight"):
+        merge_checkpoint(ckpt, tmp_path / "changed", base_model="someone/tiny")
