@@ -95,6 +95,9 @@ def main(model_args, data_args, plan):
         trainer.add_callback(StepProfiler(*parse_steps(plan.run_args.profile_steps), training_args.output_dir, training_args.process_index))
     trainer.throughput.flops_per_token = flops_per_token(model, data_args.block_size)
     trainer.throughput.peak = device_peak_flops(plan.run_args.peak_tflops)
+    if trainer.inexact_full_resume() and training_args.save_strategy != "no" and not training_args.resume_from_checkpoint:
+        logger.warning("FSDP1 with fsdp_state_dict_type: FULL_STATE_DICT and fsdp_use_orig_params: true writes checkpoints that "
+                       "do not resume exactly (torch 2.13): a resume is refused; SHARDED_STATE_DICT (every shipped config) resumes exactly")
     if training_args.resume_from_checkpoint:
         if problem := trainer.resume_mismatch(training_args.resume_from_checkpoint):
             raise RecipeError(problem)  # every rank reads the same headers: all stop alike, before any load

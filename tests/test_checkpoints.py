@@ -143,3 +143,35 @@ def test_cli_one_checkpoint_a_run_and_json(run_dir):
     proc = run(["python", TOOL, str(run_dir / "nope")])
     assert proc.returncode == 1 and proc.stderr.startswith("check_checkpoint.py: error: ") and "is not a folder" in proc.stderr
     assert "--json" in run(["python", TOOL, "--help"]).stdout
+
+
+@pytest.mark.slow
+def test_fsdp1_full_state_dict_resumes_exactly_or_not_at_all(tmp_path):
+    """FSDP1 FULL_STATE_DICT (accelerate's FSDP1 default) with use_orig_params: torch 2.13 loads weights and Adam state
+    that equal the saved ones, yet the first update after the resume differs (measured). The run says so at start,
+    and the resume is refused in one line naming the fix; with use_orig_params false a run resumes to the same bits.
+    A LoRA checkpoint's model card (peft's README.md, saved under FULL_STATE_DICT) does not stop the rotation."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import launch
+
+    config, no_orig = "accelerate_configs/fsdp1/zero3.yaml", (*FULL, "--fsdp_use_orig_params", "false")
+    args = ["--max_steps", "4", "--save_steps", "3", "--logging_steps", "1"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    launch(config, *args, "--output_dir", str(whole), launch_args=no_orig)
+    resumed.mkdir()
+    shutil.copytree(whole / "checkpoint-3", resumed / "checkpoint-3")
+    launch(config, *args, "--output_dir", str(resumed), "--resume_from_checkpoint", "true", launch_args=no_orig)
+    a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    lora = tmp_path / "lora"
+    lora_args = ["recipes/tiny-llama/lora_sft.yaml", "--save_steps", "1", "--save_total_limit", "1", "--output_dir", str(lora)]
+    done = launch(config, *lora_args, "--max_steps", "3", launch_args=FULL)
+    assert "writes checkpoints that do not resume exactly" in done.stdout + done.stderr
+    assert sorted(p.name for p in lora.glob("checkpoint-*")) == ["checkpoint-3"] and "holds more than a checkpoint" not in done.stdout + done.stderr
+    assert (lora / "checkpoint-3" / "README.md").is_file()  # peft's model card: the reason it is a checkpoint's file
+    refused = launch(config, *lora_args, "--max_steps", "5", "--resume_from_checkpoint", "true", launch_args=FULL, check=False)
+    assert refused.returncode != 0 and "FSDP1 with fsdp_use_orig_params: true does not resume exactly" in refused.stderr, refused.stderr[-2000:]
+    assert "SHARDED_STATE_DICT" in refused.stderr and not (lora / "checkpoint-4").exists()

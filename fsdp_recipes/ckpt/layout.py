@@ -59,7 +59,7 @@ _MODEL_FILES = (*_DESCRIPTION_FILES, r"model(-\d+-of-\d+)?\.safetensors", r"mode
                 r"adapter_model\.safetensors\.index\.json", r"base_identity\.json", r"\.made-by-fsdp-recipes")
 _CHECKPOINT_FILES = (*_MODEL_FILES, r"training_args\.bin", r"scheduler\.pt", r"scaler\.pt", r"rng_state(_\d+)?\.pth",
                      r"optimizer\.(pt|bin)", r"pytorch_model_fsdp(_\d+)?\.bin", r"model_description\.json", r"fsdp_report\.json",
-                     r"shard_digests\.json")
+                     r"shard_digests\.json", r"README\.md")  # README.md: peft's model card, saved with a LoRA adapter
 _DCP_FILES = (r"\.metadata", r"__\d+_\d+\.distcp", r"\.made-by-fsdp-recipes")
 
 

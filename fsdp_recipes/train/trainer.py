@@ -41,7 +41,7 @@ from pathlib import Path
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from fsdp_recipes.ckpt.layout import REPLACED_PREFIX
+from fsdp_recipes.ckpt.layout import FULL_MODEL_FILE, REPLACED_PREFIX
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, model_mismatch, rotate, set_aside
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
@@ -181,9 +181,21 @@ class FSDPTrainer(Trainer):
         with self._lora_checkpoints():
             super()._save_optimizer_and_scheduler(output_dir)
 
+    def inexact_full_resume(self) -> bool:
+        """FSDP1 + FULL_STATE_DICT + use_orig_params: measured (torch 2.13, accelerate 1.15), the resumed weights and Adam
+        state equal the saved ones, yet the first update after the resume differs from the run that never stopped,
+        with or without sync_module_states; use_orig_params false resumes to the same bits (tests/test_checkpoints.py)."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        return plugin is not None and plugin.fsdp_version == 1 and bool(plugin.use_orig_params) and "FULL" in str(plugin.state_dict_type)
+
     def resume_mismatch(self, checkpoint: str) -> str | None:
         """Why ``checkpoint`` cannot be resumed into this run's model (another size, layer count or LoRA setting),
         checked from its file headers before anything loads; None when it matches."""
+        if self.inexact_full_resume() and (Path(checkpoint) / FULL_MODEL_FILE).is_file():
+            return (f"{checkpoint} is a FULL_STATE_DICT checkpoint, which FSDP1 with fsdp_use_orig_params: true does not resume "
+                    "exactly (the run would drift from the one that never stopped; a checkpoint saved this way does not load "
+                    "with use_orig_params false either): merge it (tools/merge_checkpoint.py) and train on from the merged model, "
+                    "and train with fsdp_state_dict_type: SHARDED_STATE_DICT (every shipped config) or fsdp_use_orig_params: false")
         # the frozen base may be absent (an adapter-only checkpoint: it comes from the model source); when present, it must fit
         return model_mismatch(checkpoint, self.weight_shapes, self.tied_names | self.frozen_names)
 
