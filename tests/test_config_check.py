@@ -73,6 +73,8 @@ CASES = [
     ("BACKWARD_POST", variant(FSDP1, fsdp_backward_prefetch="BACKWARD_POST"), {}, None, "warning", "fsdp_config.fsdp_backward_prefetch", "overlaps less"),
     ("fp16", {**FSDP2, "mixed_precision": "fp16"}, {}, None, "warning", "mixed_precision", "fp16 with FSDP"),
     ("ignored key", variant(FSDP2, fsdp_min_num_params=1000), {}, None, "warning", "fsdp_config.fsdp_min_num_params", "ignored: the wrap policy is TRANSFORMER_BASED_WRAP"),
+    ("FSDP1 FULL_STATE_DICT with use_orig_params", variant(FSDP1, fsdp_state_dict_type="FULL_STATE_DICT"), {}, None, "warning", "fsdp_config.fsdp_state_dict_type", "do not resume exactly"),
+    ("FSDP1 without a state-dict type (accelerate's default: FULL)", variant(FSDP1, drop=("fsdp_state_dict_type",)), {}, None, "warning", "fsdp_config.fsdp_state_dict_type", "do not resume exactly"),
     ("FULL_STATE_DICT on a large model", variant(FSDP2, fsdp_state_dict_type="FULL_STATE_DICT"), {}, "LARGE", "warning", "fsdp_config.fsdp_state_dict_type", "gathers all 6.7B parameters"),
 ]
 

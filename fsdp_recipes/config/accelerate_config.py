@@ -198,6 +198,10 @@ def _check_fsdp_keys(c: _Checker, fsdp: dict) -> tuple:
             c.error("fsdp_config.fsdp_backward_prefetch", f"{prefetch!r} is not one of {', '.join(PREFETCH)}", "use BACKWARD_PRE")
         elif prefetch == "BACKWARD_POST":
             c.warn("fsdp_config.fsdp_backward_prefetch", "BACKWARD_POST overlaps less communication than BACKWARD_PRE", "use BACKWARD_PRE unless memory is tight")
+        if fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT") == "FULL_STATE_DICT" and _as_bool(fsdp.get("fsdp_use_orig_params", True)):
+            # train_fsdp.py refuses such a resume: measured, its first update differs from the run that never stopped
+            c.warn("fsdp_config.fsdp_state_dict_type", "FULL_STATE_DICT with fsdp_use_orig_params: true (FSDP1) writes checkpoints "
+                   "that do not resume exactly (torch 2.13)", "use SHARDED_STATE_DICT (every shipped config), or fsdp_use_orig_params: false")
 
     sd_type = fsdp.get("fsdp_state_dict_type")
     if sd_type is not None and sd_type not in STATE_DICT_TYPES:
