@@ -185,9 +185,13 @@ def test_a_merge_onto_another_base_than_the_recorded_one_stops_before_writing(tm
     assert done.returncode != 0 and len(lines) == 1 and "hold other values" in lines[0] and "--base-model" in lines[0], done.stderr
     assert not (tmp_path / "cli").exists()
 
+    from fsdp_recipes.ckpt.status import checkpoint_status
+
+    assert f"LoRA adapter only (base {base})" in checkpoint_status(ckpt).summary()  # what check_checkpoint.py prints
     merge_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)  # the adapter folder keeps naming its base
     assert base_identity.read(tmp_path / "adapter") == base_identity.read(ckpt)
     (ckpt / base_identity.BASE_IDENTITY).unlink()  # a checkpoint of another tool: merged, and said it was not checked
+    assert "LoRA adapter only (base not recorded: no base_identity.json)" in checkpoint_status(ckpt).summary()
     said = []
     merge_checkpoint(ckpt, tmp_path / "unchecked", base_model=str(tmp_path / "zeroed"), log=said.append)
     assert any(f"no {base_identity.BASE_IDENTITY} beside adapter_config.json" in s and "is not checked" in s for s in said), said

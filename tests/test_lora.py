@@ -68,7 +68,7 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
     assert {n.rsplit(".", 1)[1] for n in moments} >= {"exp_avg", "exp_avg_sq"}
     assert sum(v for n, v in moments.items() if n.endswith(".exp_avg")) == report["trainable_param_elements"]
     checked = run([sys.executable, "tools/check_checkpoint.py", str(ckpt)])
-    assert checked.returncode == 0 and "LoRA adapter only, 2 rank(s)): resumable" in checked.stdout, checked.stdout
+    assert checked.returncode == 0 and f"LoRA adapter only (base {base}), 2 rank(s)): resumable" in checked.stdout, checked.stdout
 
     # SIGKILL after step 9 (checkpoint-6 is the last one), then resume: the same bits as the run never stopped.
     killed = launch(config, *args, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:step:9"}, check=False)

@@ -147,6 +147,14 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
             return [f"{folder.name}/ holds no tensors (an adapter-only save that selected nothing): use an earlier checkpoint"]
         if any(LORA_WEIGHT.match(name) for name in layout.tensors):
             status.lora = "adapter only" if all(LORA_WEIGHT.match(name) for name in layout.tensors) else "whole model"
+            if status.lora == "adapter only":  # the frozen base comes from elsewhere: say which one the run recorded
+                from fsdp_recipes.ckpt import base_identity
+
+                try:
+                    record = base_identity.read(folder.parent)
+                except CheckpointError as err:
+                    return [str(err)]
+                status.lora += f" (base {record['base_model']})" if record else f" (base not recorded: no {base_identity.BASE_IDENTITY})"
     for name, entry in layout.tensors.items():
         total, held = 1, 0
         for size in entry.shape:
