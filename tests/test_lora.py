@@ -305,3 +305,28 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
 
     written, by_peft_adapter = load(tmp_path / "adapter" / "adapter_model.safetensors"), load(tmp_path / "peft-adapter" / "adapter_model.safetensors")
     assert set(written) == set(by_peft_adapter) and all(torch.equal(written[k], by_peft_adapter[k]) for k in written)
+
+
+@pytest.mark.slow
+def test_full_state_dict_lora_checkpoints_hold_the_adapter_and_resume_exactly(tmp_path):
+    """FSDP2 FULL_STATE_DICT: the checkpoint's pytorch_model_fsdp.bin holds the adapter alone (every rank's rows
+    gathered: accelerate PR #4206's bug kept rank 0's), the resume ends on the same bits, the merge tool adds the base."""
+    full = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
+    args = ["recipes/tiny-llama/lora_sft.yaml", "--max_steps", "6", "--save_steps", "3"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(whole), launch_args=full)
+    saved = torch.load(whole / "checkpoint-3" / "pytorch_model_fsdp.bin", weights_only=True)
+    lora = load_file(whole / "adapter" / "adapter_model.safetensors")
+    assert len(saved) == len(lora) == 4 * 7 * 2 and all(".lora_A." in n or ".lora_B." in n for n in saved)
+    assert sum(t.numel() for t in saved.values()) == sum(t.numel() for t in lora.values())  # whole tensors, not a rank's rows
+    resumed.mkdir()
+    for folder in ("checkpoint-3", "base_model"):
+        shutil.copytree(whole / folder, resumed / folder)
+    launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(resumed), "--resume_from_checkpoint", "true", launch_args=full)
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        a, b = load_file(whole / name), load_file(resumed / name)
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), name
+    merged = tmp_path / "merged"
+    assert run([sys.executable, "tools/merge_checkpoint.py", str(whole / "checkpoint-6"), str(merged)]).returncode == 0
+    a, b = load_file(whole / "model.safetensors"), load_file(merged / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

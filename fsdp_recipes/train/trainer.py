@@ -172,7 +172,8 @@ class FSDPTrainer(Trainer):
         if not self.is_fsdp_enabled or lora_parts(self.accelerator.unwrap_model(self.model))[1] is None:
             yield
             return
-        with adapter_only_fsdp_checkpoints() if self._sharded() else whole_model_fsdp_checkpoints():
+        plugin = self.accelerator.state.fsdp_plugin
+        with adapter_only_fsdp_checkpoints() if self._sharded() or plugin.fsdp_version == 2 else whole_model_fsdp_checkpoints():
             yield
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
