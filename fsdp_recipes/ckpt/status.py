@@ -46,6 +46,7 @@ class CheckpointStatus:
     unreadable: str | None = None
     # a LoRA run's sharded model: "adapter only" (the frozen base is the base model's) or "whole model"; None otherwise
     lora: str | None = None
+    base_model: str | None = None  # an adapter-only checkpoint's base, as the run recorded it (ckpt.base_identity)
 
     @property
     def resumable(self) -> bool:
@@ -64,7 +65,7 @@ class CheckpointStatus:
                 f"FSDP{self.fsdp_version}" if self.fsdp_version else None,
                 self.sharding_strategy,
                 self.state_dict_type,
-                f"LoRA {self.lora}" if self.lora else None,
+                f"LoRA {self.lora}" + (f" (base {self.base_model})" if self.base_model else "") if self.lora else None,
                 f"{self.world_size} rank(s)" if self.world_size else None,
             ) if part
         )
@@ -154,7 +155,7 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
                     record = base_identity.read(folder.parent)
                 except CheckpointError as err:
                     return [str(err)]
-                status.lora += f" (base {record['base_model']})" if record else f" (base not recorded: no {base_identity.BASE_IDENTITY})"
+                status.base_model = record["base_model"] if record else f"not recorded: no {base_identity.BASE_IDENTITY}"
     for name, entry in layout.tensors.items():
         total, held = 1, 0
         for size in entry.shape:
