@@ -249,3 +249,27 @@ def test_a_hub_base_is_found_in_the_local_cache_and_checked(tmp_path, monkeypatc
     rewrite(snapshot, lambda t: t["model.norm.weight"].mul_(2))
     with pytest.raises(CheckpointError, match=rf"the base model {snapshot} is not the one .* 1 of 39 weight\(s\) .*model\.norm\.weight"):
         merge_checkpoint(ckpt, tmp_path / "changed", base_model="someone/tiny")
+
+
+def test_the_resume_check_compares_what_it_can_and_refuses_what_it_cannot(tmp_path):
+    """train/modeling.py's check before a LoRA resume, on its own: the same base passes; another one, or a base with no
+    safetensors weights to compare while the checkpoint records one, is the one-line problem every rank raises."""
+    from fsdp_recipes.train.modeling import _base_identity
+
+    base, ckpt = tmp_path / "base", tmp_path / "checkpoint-2"
+    make_base(base)
+    ckpt.mkdir()
+    base_identity.write(ckpt, base_identity.identity(base))
+    said = []
+    record, problem = _base_identity(str(base), str(ckpt), said.append)
+    assert problem is None and record["tensors"] == base_identity.read(ckpt)["tensors"]
+    record, problem = _base_identity(str(base), None, said.append)  # a fresh run: recorded, nothing to compare
+    assert problem is None and record is not None
+    make_base(base, seed=3)
+    record, problem = _base_identity(str(base), str(ckpt), said.append)
+    assert record is None and problem.startswith(f"the base model {base} is not the one {ckpt} was trained on") and "5 of 5" in problem
+    (base / "model.safetensors").rename(base / "pytorch_model.bin")
+    record, problem = _base_identity(str(base), str(ckpt), said.append)
+    assert record is None and "has no local safetensors weights to compare" in problem
+    (ckpt / base_identity.BASE_IDENTITY).unlink()  # an older checkpoint: nothing to compare, said once
+    assert _base_identity(str(base), str(ckpt), said.append) == (None, None) and "no local safetensors weights to record" in said[-1]

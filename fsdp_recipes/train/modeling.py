@@ -190,6 +190,9 @@ def lora_base_identity(args: ModelArguments, resume_from_checkpoint: str | None,
 def _base_identity(name: str, ckpt: str | None, log) -> tuple[dict | None, str | None]:
     folder = base_identity.local_folder(name)
     if folder is None or not any(folder.glob("*.safetensors")):
+        if ckpt is not None and base_identity.read(ckpt) is not None:  # the checkpoint names its base: this one cannot be compared
+            return None, (f"{ckpt} records the base it was trained on, and the base model {name} has no local safetensors weights "
+                          "to compare (a .bin-only folder?): resume with that base (--model_name_or_path), or start without --resume_from_checkpoint")
         log(f"LoRA base {name}: no local safetensors weights to record (checkpoints will not be able to check the base they resume on)")
         return None, None
     record = base_identity.identity(folder, name=name)
