@@ -273,3 +273,18 @@ def test_the_resume_check_compares_what_it_can_and_refuses_what_it_cannot(tmp_pa
     assert record is None and "has no local safetensors weights to compare" in problem
     (ckpt / base_identity.BASE_IDENTITY).unlink()  # an older checkpoint: nothing to compare, said once
     assert _base_identity(str(base), str(ckpt), said.append) == (None, None) and "no local safetensors weights to record" in said[-1]
+
+
+def test_a_folder_with_both_a_single_file_and_an_index_is_the_single_file(tmp_path):
+    """from_pretrained loads model.safetensors when both are there: the identity (and the merge) read the same file,
+    not the index's shards beside it."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    make_base(tmp_path)
+    recorded = base_identity.identity(tmp_path)
+    other = {n: torch.zeros_like(t) for n, t in load_file(tmp_path / "model.safetensors").items()}
+    split = split_torch_state_dict_into_shards(other, max_shard_size=600)
+    for file, names in split.filename_to_tensors.items():
+        save_file({n: other[n] for n in names}, tmp_path / file)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": split.tensor_to_filename}))
+    assert base_identity.difference(recorded, base_identity.identity(tmp_path)) is None

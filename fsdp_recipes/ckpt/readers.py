@@ -158,8 +158,10 @@ class SafetensorsSource:
     def __init__(self, folder: Path):
         self.path = folder
         index = folder / "model.safetensors.index.json"
+        # from_pretrained reads model.safetensors when a folder holds both it and an index: these are the weights it loads
+        whole = (folder / "model.safetensors").is_file()
         try:
-            files = sorted(set(load_json(index, index.name, JSON_LIMIT)["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+            files = sorted(set(load_json(index, index.name, JSON_LIMIT)["weight_map"].values())) if index.is_file() and not whole else ["model.safetensors"]
         except (ValueError, KeyError, TypeError, AttributeError):
             raise CheckpointError(f"{index} is not a safetensors index (no weight_map): copy the checkpoint again") from None
         self.ranks = 1
