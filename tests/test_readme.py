@@ -65,7 +65,11 @@ def test_every_readme_command_runs(tmp_path):
     [record] = result["records"]
     assert (record["strategy"], record["fsdp_version"], record["processes"]) == ("FULL_SHARD", 2, 2)
     assert record["tokens_per_second"] > 0 and record["peak_memory_bytes"] > record["model_state_bytes"] > 0
-    assert result["overhead"]["tokens_per_second_lower_by"] < 0.5 and not result["failures"]
+    # the overhead is measured, not judged here: a speed target is the benchmark's, never a timed test (a shared
+    # 2-core machine moved it from +2% to +45%)
+    over = result["overhead"]
+    assert over["tokens_per_second_lower_by"] == 1 - over["train_fsdp.py"]["tokens_per_second"] / over["bare accelerate + Trainer"]["tokens_per_second"]
+    assert all(over[s]["tokens_per_second"] > 0 for s in ("train_fsdp.py", "bare accelerate + Trainer")) and not result["failures"]
 
     # The main command: what the README promises.
     main = outputs["accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py"]
