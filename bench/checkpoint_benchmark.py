@@ -1,0 +1,188 @@
+"""What a checkpoint costs a training run: the stall per save, its size, and memory over many saves.
+
+    PYTHONPATH=. python bench/checkpoint_benchmark.py                      # ~1 GB fp32 model, 2 ranks, 20 saves
+    PYTHONPATH=. python bench/checkpoint_benchmark.py --gigabytes 0.1 --saves 5   # a check: about 2 minutes
+
+It builds a model folder (random Llama weights saved with save_pretrained, bench/load_memory.py's builder) and
+launches train_fsdp.py (through bench/timed_run.py, which records when each optimizer step ends) under
+zero3.yaml, for full fine-tuning and for LoRA, twice each: without saves, and with a SHARDED_STATE_DICT checkpoint
+after every step (``--save_steps 1``, ``--save_total_limit 2``). Reported, side by side:
+
+- the stall per save: the median step time (end of step to end of step) with a save minus the same without; saves
+  are synchronous here (training waits for the files), so this is also the save's wall time;
+- the checkpoint's size on disk (``du``-like sum of its files), against the base model's weights: a LoRA checkpoint
+  holds the adapter and its Adam state alone (fsdp_recipes/compat/trainer_checkpoints.py), where one holding the
+  whole model would add the frozen base's bytes;
+- each rank's private memory (RssAnon, /proc/<pid>/status, sampled every ``--interval`` s) over the saves: its peak
+  over the first quarter of the saves against the last quarter, so growth from save to save shows.
+
+Asynchronous saves (training going on while a checkpoint is written) are not built yet: issue 22.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.load_memory import TINY, _status, build_model  # noqa: E402
+from fsdp_recipes.console import HelpFormatter  # noqa: E402
+
+CONFIG = REPO / "accelerate_configs" / "zero3.yaml"
+
+
+def _ranks(root: int) -> dict[int, int]:
+    """{rank: pid} of the bench/timed_run.py processes below ``root``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            rank = [e[5:] for e in environ if e.startswith(b"RANK=")]
+            if any(arg.endswith(b"timed_run.py") for arg in cmdline) and rank:
+                found[int(rank[0])] = child
+    return found
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def run(model: Path, lora: bool, saves: int, steps: int, nprocs: int, work: Path, interval: float) -> dict:
+    """One launch; returns step times, per-rank RssAnon samples and the last checkpoint's size."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    name = f"{'lora' if lora else 'full'}-{'saves' if saves else 'nosave'}"
+    out, times = work / name, work / f"{name}-steps.json"
+    cmd = ["accelerate", "launch", "--config_file", str(CONFIG), "--num_processes", str(nprocs), "--num_machines", "1",
+           "--main_process_port", str(port), str(REPO / "bench" / "timed_run.py"),
+           "--model_name_or_path", str(model), "--tokenizer_name", str(TINY), "--use_peft", str(lora).lower(),
+           "--train_file", str(REPO / "assets" / "data" / "tiny_corpus.txt"), "--block_size", "32",
+           "--per_device_train_batch_size", "1", "--max_steps", str(steps), "--logging_steps", str(steps),
+           "--save_strategy", "steps" if saves else "no", "--save_steps", "1", "--save_total_limit", "2",
+           "--report_to", "none", "--dataloader_pin_memory", "false", "--output_dir", str(out), "--overwrite_output_dir", "true"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "SCALING_STEP_TIMES": str(times)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(REPO / "bench"), env.get("PYTHONPATH")]))
+    log_path = work / f"{name}.log"
+    samples: dict[int, list[tuple[float, int]]] = {}
+    pids: dict[int, int] = {}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            if len(pids) < nprocs:
+                pids.update(_ranks(proc.pid))
+            for rank, pid in pids.items():
+                try:
+                    samples.setdefault(rank, []).append((time.time(), _status(pid)["RssAnon"]))
+                except (OSError, KeyError, ValueError):
+                    pass
+            time.sleep(interval)
+    if proc.returncode:
+        raise SystemExit(f"launch failed ({proc.returncode}); see {log_path}:\n" + log_path.read_text()[-3000:])
+    ends = json.loads(times.read_text())["step_end"]
+    last = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]), default=None)
+    return {"step_end": ends, "samples": samples, "checkpoint_bytes": folder_bytes(last) if last else None,
+            "checkpoint_model_bytes": folder_bytes(last / "pytorch_model_fsdp_0") if last else None}
+
+
+def step_seconds(ends: list[float], skip: int) -> list[float]:
+    """Durations of the steps after the first ``skip`` (the first steps warm up)."""
+    return [b - a for a, b in zip(ends[skip:], ends[skip + 1:])]
+
+
+def rss_growth(ends: list[float], samples: dict[int, list[tuple[float, int]]]) -> dict[int, dict[str, int]]:
+    """Per rank: peak RssAnon over the first and the last quarter of the steps (each step a save)."""
+    n = len(ends)
+    quarter = max(1, n // 4)
+    first, last = (ends[0], ends[quarter]), (ends[n - 1 - quarter], ends[-1])
+    out = {}
+    for rank, rows in samples.items():
+        early = [v for t, v in rows if first[0] <= t <= first[1]]
+        late = [v for t, v in rows if last[0] <= t <= last[1]]
+        if early and late:
+            out[rank] = {"first_quarter_peak": max(early), "last_quarter_peak": max(late)}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--gigabytes", type=float, default=1.0, help="model size in fp32, gigabytes")
+    p.add_argument("--saves", type=int, default=20, help="checkpoints written by the run with saves (one per step)")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the step times")
+    p.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
+    p.add_argument("--interval", type=float, default=0.05, help="seconds between memory samples")
+    p.add_argument("--work", type=Path, help="folder for the model and the runs (default: a temporary one)")
+    p.add_argument("--output", type=Path, help="write results.json and README.md (a table) into this folder")
+    a = p.parse_args(argv)
+    work = a.work or Path(tempfile.mkdtemp(prefix="checkpoint_benchmark-"))
+    model = work / f"model-{a.gigabytes}"
+    if not (model / "nbytes").exists():
+        model.mkdir(parents=True, exist_ok=True)
+        (model / "nbytes").write_text(str(build_model(model, int(a.gigabytes * 1e9), "float32", tied=False)))
+    base_bytes = int((model / "nbytes").read_text())
+    steps = a.saves + a.warmup
+    print(f"model {model}: {base_bytes / 1e9:.2f} GB of fp32 weights; {a.nprocs} ranks, {steps} steps, a checkpoint after "
+          f"every step in the runs with saves ({CONFIG.relative_to(REPO)}, SHARDED_STATE_DICT)", flush=True)
+    rows = []
+    for lora in (False, True):
+        measured = {}
+        for saves in (0, a.saves):
+            began = time.time()
+            measured[saves] = run(model, lora, saves, steps, a.nprocs, work, a.interval)
+            print(f"  {'LoRA' if lora else 'full'} {'with' if saves else 'without'} saves: {time.time() - began:.0f} s", flush=True)
+        plain = statistics.median(step_seconds(measured[0]["step_end"], a.warmup))
+        saving = statistics.median(step_seconds(measured[a.saves]["step_end"], a.warmup))
+        growth = rss_growth(measured[a.saves]["step_end"], measured[a.saves]["samples"])
+        row = {"training": "LoRA" if lora else "full", "nprocs": a.nprocs, "saves": a.saves, "base_bytes": base_bytes,
+               "step_seconds_without_saves": round(plain, 4), "step_seconds_with_saves": round(saving, 4),
+               "stall_per_save_seconds": round(saving - plain, 4), "checkpoint_bytes": measured[a.saves]["checkpoint_bytes"],
+               "checkpoint_model_bytes": measured[a.saves]["checkpoint_model_bytes"],
+               "checkpoint_vs_base": round(measured[a.saves]["checkpoint_bytes"] / base_bytes, 4),
+               "rss": {str(r): v for r, v in sorted(growth.items())}}
+        rows.append(row)
+        print(f"    stall per save {row['stall_per_save_seconds']:.2f} s (step {plain:.2f} s -> {saving:.2f} s); checkpoint "
+              f"{row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base; RssAnon peak first/last quarter: "
+              + ", ".join(f"rank {r} {v['first_quarter_peak'] / 2**20:,.0f}/{v['last_quarter_peak'] / 2**20:,.0f} MiB" for r, v in sorted(growth.items())),
+              flush=True)
+    lines = [f"Checkpoint cost, {base_bytes / 1e9:.2f} GB fp32 model, {a.nprocs} CPU ranks (FSDP2 FULL_SHARD over gloo, "
+             f"SHARDED_STATE_DICT, synchronous saves), {a.saves} saves (one per step):", "",
+             "| training | step without saves (s) | step with a save (s) | stall per save (s) | checkpoint (MB) | vs base weights | RssAnon peak, first -> last quarter of the saves (MiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rss = "; ".join(f"rank {k}: {v['first_quarter_peak'] / 2**20:,.0f} -> {v['last_quarter_peak'] / 2**20:,.0f}" for k, v in r["rss"].items())
+        lines.append(f"| {r['training']} | {r['step_seconds_without_saves']:.2f} | {r['step_seconds_with_saves']:.2f} | {r['stall_per_save_seconds']:.2f} | "
+                     f"{r['checkpoint_bytes'] / 1e6:,.1f} | {r['checkpoint_vs_base']:.1%} | {rss} |")
+    print("\n" + "\n".join(lines))
+    if a.output:
+        a.output.mkdir(parents=True, exist_ok=True)
+        (a.output / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+        cmd = "PYTHONPATH=. python bench/checkpoint_benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        (a.output / "README.md").write_text("\n".join([*lines, "", f"Command: `{cmd}`", ""]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
