@@ -148,7 +148,10 @@ def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
     assert 6 < step < 24 and f"stopped by SIGUSR1 after step {step}" in logs[0], logs[0][-3000:]
     assert checkpoint_status(shared / f"checkpoint-{step}").resumable and not (shared / "model.safetensors").exists()
 
-    again = subprocess.run(cmd, cwd=repo, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=600)
+    # a job script that names a checkpoint itself: the requeued job still continues from the newest one (the
+    # user's --resume_from_checkpoint is replaced, not given twice: train_fsdp.py refuses a flag with two values)
+    explicit = [*cmd, "--resume_from_checkpoint", str(shared / "checkpoint-6")]
+    again = subprocess.run(explicit, cwd=repo, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=600)
     logs = [(repo / "logs" / f"fsdp-42-node{n}.log").read_text() for n in (0, 1)]
     assert again.returncode == 0, again.stdout + logs[0][-3000:]
     assert "requeued job (restart 1): resuming" in logs[0] and f"resuming from {shared / f'checkpoint-{step}'}" in logs[0]

@@ -179,3 +179,39 @@ def test_handbook_recipe_trains_unchanged(workdir):
 def test_help_under_accelerate_launch_is_printed_once():
     proc = launch("accelerate_configs/zero3.yaml", "--help")
     assert proc.stdout.count("usage:") == 1 and "usage:" not in proc.stderr, proc.stderr[-2000:]
+
+
+def _two_values(action) -> tuple[str, str] | None:
+    """Two different values argparse accepts for ``action`` (None: a flag without a single value)."""
+    if action.choices:
+        values = [str(c) for c in action.choices]
+        return (values[0], values[1]) if len(values) > 1 else None
+    if action.type is int:
+        return "1", "2"
+    if action.type is float:
+        return "0.1", "0.2"
+    if action.nargs in (None, "?") and action.type in (None, str):
+        return "a", "b"
+    return None
+
+
+def test_a_flag_given_twice_with_different_values_is_an_error_for_every_flag():
+    """Generated over every single-valued flag of train_fsdp.py: the same flag twice (a flag appended to a long
+    command) with different values, in either spelling (`--x v`, `--x=v`), is one line naming both; the same value
+    twice passes. argparse alone keeps the last without a word."""
+    from fsdp_recipes.config import helptext
+    from fsdp_recipes.config.trl_names import check_flag_aliases
+
+    parser = helptext.build_parser(show_all=True)
+    checked = 0
+    for action in parser._actions:
+        long = [s for s in action.option_strings if s.startswith("--")]
+        if not long or action.dest == "help" or (values := _two_values(action)) is None:
+            continue
+        flag, (a, b) = long[0], values
+        for argv in ([flag, a, flag, b], [f"{flag}={a}", flag, b], [flag, a, f"{flag}={b}"]):
+            with pytest.raises(RecipeError, match=re.escape(f"{flag} {a} and {flag} {b} are given twice with different values: give one")):
+                check_flag_aliases(argv, parser)
+        check_flag_aliases([flag, a, f"{flag}={a}"], parser)  # the same value twice
+        checked += 1
+    assert checked > 80, checked  # 92 today: every single-valued TrainingArguments field, and ours

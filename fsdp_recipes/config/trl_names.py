@@ -37,8 +37,9 @@ def rename_recipe_keys(recipe: dict) -> dict:
 
 
 def check_flag_aliases(argv: list[str], parser) -> None:
-    """Two spellings of one flag (``--max_length 512 --block_size 256``) with different values: one line naming both
-    (argparse would silently keep the last)."""
+    """One setting given twice with different values, by two spellings (``--max_length 512 --block_size 256``) or by
+    the same flag (``--learning_rate 1e-3 ... --learning_rate 2e-3``, a flag appended to a long command): one line
+    naming both (argparse would silently keep the last). The same value twice is harmless and passes."""
     dest = {s: a.dest for a in parser._actions for s in a.option_strings if a.nargs is None or a.nargs == "?"}
     seen: dict[str, tuple[str, str]] = {}
     for i, arg in enumerate(argv):
@@ -47,9 +48,9 @@ def check_flag_aliases(argv: list[str], parser) -> None:
             continue
         if not eq:
             value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
-        if (earlier := seen.get(dest[flag])) and earlier[0] != flag and earlier[1] != value:
-            raise RecipeError(f"{earlier[0]} {earlier[1]} and {flag} {value} are the same setting ({dest[flag]}) with "
-                              "different values: give one")
+        if (earlier := seen.get(dest[flag])) and earlier[1] != value:
+            what = f"the same setting ({dest[flag]})" if earlier[0] != flag else "given twice"
+            raise RecipeError(f"{earlier[0]} {earlier[1]} and {flag} {value} are {what} with different values: give one")
         seen[dest[flag]] = (flag, value)
 
 

@@ -29,6 +29,17 @@ if grep -q '^parallelism_config:' "$config"; then
 fi
 resume=()
 if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]]; then
+    # a requeued job continues from the newest complete checkpoint, whatever the first run was told: the user's own
+    # --resume_from_checkpoint is dropped (train_fsdp.py refuses a flag given twice with different values)
+    args=()
+    skip=0
+    for arg in "$@"; do
+        if [[ "$skip" -eq 1 ]]; then skip=0; continue; fi
+        if [[ "$arg" == --resume_from_checkpoint ]]; then skip=1; continue; fi
+        [[ "$arg" == --resume_from_checkpoint=* ]] && continue
+        args+=("$arg")
+    done
+    set -- "${args[@]}"
     resume=(--resume_from_checkpoint true)
     echo "requeued job (restart ${SLURM_RESTART_COUNT}): resuming from the newest complete checkpoint"
 fi
