@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
 from fsdp_recipes.ckpt.status import disk_full_problem
-from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout, cpu_precision
+from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout, bf16_weights_line, cpu_precision
 from fsdp_recipes.config.launcher import tell_launcher
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.config.values import check_run_length, parse_steps
@@ -74,6 +74,9 @@ def main(model_args, data_args, plan):
     check_run_length(training_args, len(train_dataset), plan.run_args.profile_steps)  # needs the data's size
 
     model = load_model(model_args, tokenizer)
+    how = f"--dtype {model_args.dtype}" + (": the saved model's dtype" if model_args.dtype == "auto" else "")
+    if note := bf16_weights_line(next(model.parameters()).dtype, how):
+        logger.info(note)  # once per launch; the fp32 decision for bf16 mixed precision does not reach bf16 weights
     # a LoRA base replaced, zeroed or truncated since the checkpoint (or since this output_dir saved it) is refused
     base_record = lora_base_identity(model_args, training_args.resume_from_checkpoint, log=logger.info)
 

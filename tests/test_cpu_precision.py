@@ -148,3 +148,32 @@ def test_cpu_bf16_true_keeps_bf16_here(tmp_path):
     precision = read_json(tmp_path / "out" / "fsdp_report.json")["precision"]
     assert precision["compute"] == precision["gradient_reduction"] == "bfloat16" and precision["master_weights"] == "float32"
     assert precision["cpu_bf16"]["forced"] is True and precision["cpu_bf16"]["compute"] == "bfloat16"
+
+
+def test_bf16_weights_are_named_where_they_compute_in_bf16(no_accelerator):
+    """--dtype bfloat16 (or a bf16 model loaded with --dtype auto) computes in bf16 whatever the mixed precision: on a
+    CPU without native bf16 that is one line naming the fix; elsewhere, and for fp32 weights, nothing."""
+    import torch
+
+    from fsdp_recipes.compat.cpu_fsdp import bf16_weights_line
+
+    line = bf16_weights_line(torch.bfloat16, "--dtype bfloat16", EPYC_AVX2)
+    assert line.startswith("the model's weights are bfloat16 (--dtype bfloat16): they compute in bf16, and this CPU (AMD EPYC 7B13)")
+    assert line.endswith("--dtype float32 computes in fp32")
+    assert bf16_weights_line(torch.float32, "--dtype float32", EPYC_AVX2) is None
+    assert bf16_weights_line(torch.bfloat16, "--dtype bfloat16", ZEN4_AVX512_BF16) is None
+    assert bf16_weights_line(torch.bfloat16, "--dtype bfloat16", NEOVERSE_V1) is None
+
+
+@pytest.mark.slow
+@without_native_bf16
+def test_dtype_bfloat16_is_reported_as_what_it_computes(tmp_path):
+    """The shipped bf16 config turns bf16 mixed precision into fp32 here, but weights loaded as bf16 still compute in
+    bf16: the run says so once, and fsdp_report.json's cpu_bf16 says bf16, as its compute does."""
+    proc = launch("accelerate_configs/zero3.yaml", "--max_steps", "2", "--save_strategy", "no", "--dtype", "bfloat16",
+                  "--output_dir", str(tmp_path / "out"))
+    out = proc.stdout + proc.stderr
+    assert out.count("the model's weights are bfloat16 (--dtype bfloat16): they compute in bf16") == 1, out[-3000:]
+    precision = read_json(tmp_path / "out" / "fsdp_report.json")["precision"]
+    assert precision["master_weights"] == precision["compute"] == precision["cpu_bf16"]["compute"] == "bfloat16", precision
+    assert precision["cpu_bf16"]["note"] == "the model's weights are bfloat16: they compute in bfloat16 whatever the mixed precision"

@@ -319,6 +319,19 @@ def choose_cpu_precision(bf16_flag: bool, force: bool, env=None, cpuinfo: str | 
     return decision
 
 
+def bf16_weights_line(weights_dtype, how: str, cpuinfo: str | None = None) -> str | None:
+    """The one line for a model whose weights are bfloat16 (``how``: --dtype bfloat16, or a bf16 model loaded with
+    --dtype auto) on a CPU without native bf16: the weights compute in their own dtype whatever the mixed precision,
+    so the fp32 decision above does not reach them. None elsewhere."""
+    import torch
+
+    text = read_cpuinfo() if cpuinfo is None else cpuinfo
+    if weights_dtype != torch.bfloat16 or accelerator_present() or native_bf16(text) is not False:
+        return None
+    return (f"the model's weights are bfloat16 ({how}): they compute in bf16, and this CPU ({cpu_name(text)}) has no native "
+            f"bf16 instructions (no {_bf16_names(text)}), so training runs many times slower than fp32; --dtype float32 computes in fp32")
+
+
 def cpu_precision() -> CpuPrecision | None:
     """What :func:`choose_cpu_precision` decided in this process (None: not called, an accelerator, or no bf16)."""
     return _CPU_PRECISION

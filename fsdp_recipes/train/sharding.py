@@ -145,7 +145,12 @@ def precision_contract(model: torch.nn.Module, accelerator, saved_model: str | N
     contract = {"master_weights": _dtype(master), "compute": _dtype(compute), "gradient_reduction": _dtype(reduce),
                 "optimizer_state": None, "saved_model": saved_model or _dtype(master)}
     if (cpu := cpu_precision()) is not None:  # bf16 asked for without an accelerator: this CPU, and what runs
-        contract["cpu_bf16"] = cpu.record()
+        record = cpu.record()
+        if record["compute"] != contract["compute"]:  # bf16 weights (--dtype bfloat16) compute in bf16 whatever the decision
+            record["compute"] = contract["compute"]
+            record["note"] = (f"the model's weights are {contract['master_weights']}: they compute in {contract['compute']} "
+                              "whatever the mixed precision")
+        contract["cpu_bf16"] = record
     return contract
 
 
