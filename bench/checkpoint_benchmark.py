@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.load_memory import TINY, _status, build_model  # noqa: E402
+from bench.load_memory import TINY, build_model  # noqa: E402
 from fsdp_recipes.console import HelpFormatter  # noqa: E402
 
 CONFIG = REPO / "accelerate_configs" / "zero3.yaml"
@@ -64,6 +64,14 @@ def _ranks(root: int) -> dict[int, int]:
             if any(arg.endswith(b"timed_run.py") for arg in cmdline) and rank:
                 found[int(rank[0])] = child
     return found
+
+
+def rss_anon(pid: int) -> int:
+    """RssAnon of ``pid`` in bytes: its private memory (tensors), not the file pages it maps."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("RssAnon")
 
 
 def folder_bytes(folder: Path) -> int:
@@ -96,7 +104,7 @@ def run(model: Path, lora: bool, saves: int, steps: int, nprocs: int, work: Path
                 pids.update(_ranks(proc.pid))
             for rank, pid in pids.items():
                 try:
-                    samples.setdefault(rank, []).append((time.time(), _status(pid)["RssAnon"]))
+                    samples.setdefault(rank, []).append((time.time(), rss_anon(pid)))
                 except (OSError, KeyError, ValueError):
                     pass
             time.sleep(interval)
