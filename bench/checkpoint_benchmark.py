@@ -35,35 +35,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.load_memory import TINY, build_model  # noqa: E402
+from bench.load_memory import TINY, build_model, rank_pids  # noqa: E402
 from fsdp_recipes.console import HelpFormatter  # noqa: E402
 
 CONFIG = REPO / "accelerate_configs" / "zero3.yaml"
-
-
-def _ranks(root: int) -> dict[int, int]:
-    """{rank: pid} of the bench/timed_run.py processes below ``root``."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = {}, [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            todo.append(child)
-            try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            rank = [e[5:] for e in environ if e.startswith(b"RANK=")]
-            if any(arg.endswith(b"timed_run.py") for arg in cmdline) and rank:
-                found[int(rank[0])] = child
-    return found
 
 
 def rss_anon(pid: int) -> int:
@@ -101,7 +76,7 @@ def run(model: Path, lora: bool, saves: int, steps: int, nprocs: int, work: Path
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             if len(pids) < nprocs:
-                pids.update(_ranks(proc.pid))
+                pids.update(rank_pids(proc.pid, b"timed_run.py"))
             for rank, pid in pids.items():
                 try:
                     samples.setdefault(rank, []).append((time.time(), rss_anon(pid)))

@@ -73,8 +73,8 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
-def _ranks(root: int) -> dict[int, int]:
-    """{rank: pid} of the train_fsdp.py processes below root."""
+def rank_pids(root: int, script: bytes = b"train_fsdp.py") -> dict[int, int]:
+    """{rank: pid} of the processes below ``root`` whose command line runs ``script`` (rank from their RANK)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -82,7 +82,7 @@ def _ranks(root: int) -> dict[int, int]:
         try:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
+        except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry))
     found, todo = {}, [root]
@@ -95,7 +95,7 @@ def _ranks(root: int) -> dict[int, int]:
                 environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(arg.endswith(b"train_fsdp.py") for arg in cmdline):
+            if any(arg.endswith(script) for arg in cmdline):
                 rank = [e[5:] for e in environ if e.startswith(b"RANK=")]
                 if rank:
                     found[int(rank[0])] = child
@@ -133,7 +133,7 @@ def measure(model: Path, nprocs: int, efficient: bool, work: Path, interval: flo
     prepared = False
     while proc.poll() is None:
         if len(pids) < nprocs:
-            pids.update(_ranks(proc.pid))
+            pids.update(rank_pids(proc.pid))
         if not prepared:  # logged once FSDP has wrapped the model and the weights are broadcast (collectives: every rank is there)
             prepared = "this rank holds" in Path(log.name).read_text(errors="replace")
         for rank, pid in pids.items():
