@@ -22,6 +22,13 @@ FSDP_CONFIGS = [c for c in ALL_CONFIGS if c != DDP_CONFIG]
 QUICK = ["--max_steps", "12", "--save_steps", "6", "--logging_steps", "2", "--warmup_steps", "2", "--save_total_limit", "3"]
 
 
+def quick(**changes: str) -> list[str]:
+    """QUICK with some values changed: train_fsdp.py refuses a flag given twice with different values."""
+    flags = dict(zip(QUICK[::2], QUICK[1::2]))
+    flags.update({f"--{name}": value for name, value in changes.items()})
+    return [item for pair in flags.items() for item in pair]
+
+
 def free_port() -> int:
     import socket
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, read_json
+from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, quick, read_json
 from test_config_check import elastic_root_cause
 from fsdp_recipes.ckpt.merge import merge_checkpoint
 from fsdp_recipes.ckpt.readers import DCPSource
@@ -156,14 +156,14 @@ def test_epoch_based_run_killed_while_writing_the_final_model(tmp_path):
     """Without max_steps the Trainer resumed at the end of its last epoch trains nothing (no extra step to guard
     against, unlike above): the final folder holds the last checkpoint's weights."""
     config = "accelerate_configs/zero3.yaml"
-    epochs = ("--max_steps", "-1", "--num_train_epochs", "1", "--save_strategy", "epoch", "--max_train_samples", "600")  # 16 steps
+    epochs = (*quick(max_steps="-1"), "--num_train_epochs", "1", "--save_strategy", "epoch", "--max_train_samples", "600")  # 16 steps
     out = tmp_path / "run"
-    killed = launch(config, *QUICK, *epochs, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False)
+    killed = launch(config, *epochs, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False)
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr
     [ckpt] = out.glob("checkpoint-*")
     step = read_json(ckpt / "trainer_state.json")["global_step"]
     assert step > 12 and not (out / "model.safetensors").exists()
-    launch(config, *QUICK, *epochs, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    launch(config, *epochs, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert [p.name for p in out.glob("checkpoint-*")] == [ckpt.name]
     assert read_json(out / "trainer_state.json")["global_step"] == step
     merge_checkpoint(ckpt, tmp_path / "merged", log=lambda *_: None)
@@ -177,12 +177,12 @@ def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained,
     checkpoint at all. FSDPTrainer deletes only after every rank is done, so the resume starts from checkpoint-6."""
     config = "accelerate_configs/zero3.yaml"
     out = tmp_path / "run"
-    limit_1 = ("--save_total_limit", "1")
-    killed = launch(config, *QUICK, *limit_1, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:rng:12"}, check=False)
+    limit_1 = quick(save_total_limit="1")
+    killed = launch(config, *limit_1, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:rng:12"}, check=False)
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
     assert (out / "checkpoint-12" / "trainer_state.json").is_file() and not (out / "checkpoint-12" / "rng_state_1.pth").exists()
     assert (out / "checkpoint-6" / "trainer_state.json").is_file()
-    resumed = launch(config, *QUICK, *limit_1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    resumed = launch(config, *limit_1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert "skipping checkpoint-12" in resumed.stderr and f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12"]  # the limit still holds
     final, reference = load_file(out / "model.safetensors"), load_file(trained(config).output_dir / "model.safetensors")
