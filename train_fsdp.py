@@ -17,6 +17,7 @@ import transformers
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
+from fsdp_recipes.ckpt.layout import ADAPTER_DIR, FINAL_MODEL_DIR
 from fsdp_recipes.ckpt.status import disk_full_problem
 from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout, bf16_weights_line, cpu_precision
 from fsdp_recipes.config.launcher import tell_launcher
@@ -54,12 +55,13 @@ def main(model_args, data_args, plan):
     if (step := finished_checkpoint_step(training_args)) is not None:
         logger.info(
             f"{training_args.resume_from_checkpoint} is at step {step}, max_steps is {training_args.max_steps}: "
-            f"nothing left to train; writing its model to {training_args.output_dir}"
+            f"nothing left to train; writing its model to {Path(training_args.output_dir) / FINAL_MODEL_DIR}"
         )
         if training_args.process_index == 0:
             export_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir,
                               base_model=lora_base(model_args, training_args.output_dir) or model_args.model_name_or_path or model_args.config_name, log=logger.info,
                               dtype=plan.run_args.save_dtype)
+            logger.info(final_line(training_args.output_dir))
         return
 
     # ---------- model and tokenizer ----------
@@ -133,9 +135,17 @@ def main(model_args, data_args, plan):
     # ---------- save ----------
     with trainer.model_config_for_saving():
         save_final_model(trainer, tokenizer, plan.run_args.save_dtype)
-    logger.info(f"model saved to {training_args.output_dir} (loads with AutoModelForCausalLM.from_pretrained)")
+    logger.info(final_line(training_args.output_dir))
     if late := trainer.preemption.late():  # the run is complete: exit 0, and say why the signal changed nothing
         logger.warning(f"{late} arrived after the last training step: the run had finished, and its model was written; nothing is left to do")
+
+
+def final_line(output_dir: str) -> str:
+    """The run's last line: where the model is, alone in its folder (what from_pretrained and an upload take)."""
+    out = Path(output_dir)
+    adapter = f"; its LoRA adapter: {out / ADAPTER_DIR}" if (out / ADAPTER_DIR / "adapter_config.json").is_file() else ""
+    return (f"model saved to {out / FINAL_MODEL_DIR} (only the model: loads with AutoModelForCausalLM.from_pretrained, uploads "
+            f"with `hf upload`){adapter}; checkpoints and run records stay in {out}")
 
 
 def device_peak_flops(tflops: float | None) -> float | None:

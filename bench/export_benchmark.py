@@ -68,7 +68,7 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         started = time.monotonic()
-        model = AutoModelForCausalLM.from_pretrained(out)
+        model = AutoModelForCausalLM.from_pretrained(out / "model")
         print(f"from_pretrained: loads, {model.dtype}, {sum(p.numel() for p in model.parameters()):,} parameters, in {time.monotonic() - started:.0f} s")
     sys.exit(proc.returncode)
 

@@ -92,6 +92,11 @@ class Run:
     shard_group: int  # processes one parameter is split over
 
     @property
+    def model_dir(self) -> Path:
+        """The run's final model, in a folder of its own."""
+        return self.output_dir / "model"
+
+    @property
     def report(self) -> dict:
         return read_json(self.output_dir / "fsdp_report.json")
 

@@ -122,11 +122,12 @@ def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
     from fsdp_recipes.config.model_source import model_source_problem
 
     run_dir = trained("accelerate_configs/zero3.yaml").output_dir
-    assert model_source_problem(str(run_dir), weights=True) is None  # a final model folder
+    assert model_source_problem(str(run_dir / "model"), weights=True) is None  # a final model folder
+    assert f"is a training run's folder: its final model is {run_dir / 'model'}; give that" == model_source_problem(str(run_dir), weights=True)
     assert "is a sharded FSDP checkpoint: merge it first" in model_source_problem(str(run_dir / "checkpoint-6"), weights=True)
     assert model_source_problem(str(run_dir / "checkpoint-6"), weights=False) is None  # its tokenizer is fine
     assert "without config.json" in model_source_problem(str(tmp_path), weights=True)
-    assert "is a file" in model_source_problem(str(run_dir / "config.json"), weights=True)
+    assert "is a file" in model_source_problem(str(run_dir / "model" / "config.json"), weights=True)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs").mkdir()
     assert "does not exist" in model_source_problem("outputs/my-run", weights=True)  # a path, not a hub id

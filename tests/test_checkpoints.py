@@ -163,7 +163,7 @@ def test_fsdp1_full_state_dict_resumes_exactly_or_not_at_all(tmp_path):
     resumed.mkdir()
     shutil.copytree(whole / "checkpoint-3", resumed / "checkpoint-3")
     launch(config, *args, "--output_dir", str(resumed), "--resume_from_checkpoint", "true", launch_args=no_orig)
-    a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    a, b = load_file(whole / "model" / "model.safetensors"), load_file(resumed / "model" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
     lora = tmp_path / "lora"

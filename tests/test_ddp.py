@@ -49,7 +49,7 @@ def test_zero1_holds_half_the_optimizer_state_per_rank(trained):
 
 def test_zero1_trains_the_same_weights_as_ddp(trained):
     """Same gradients (DDP's all-reduce), the same AdamW update, each parameter updated by one rank and broadcast."""
-    ddp, zero1 = (load_file(trained(DDP_CONFIG, *args).output_dir / "model.safetensors") for args in ((), ZERO1))
+    ddp, zero1 = (load_file(trained(DDP_CONFIG, *args).model_dir / "model.safetensors") for args in ((), ZERO1))
     assert set(ddp) == set(zero1)
     for name in ddp:
         torch.testing.assert_close(zero1[name], ddp[name], rtol=0, atol=1e-6, msg=name)
@@ -64,10 +64,11 @@ def test_zero1_checkpoint_is_whole_and_merges(trained, tmp_path):
     status = checkpoint_status(out / "checkpoint-12")
     assert status.resumable and status.state_dict_type == "PLAIN" and status.sharding_strategy == "ZERO1"
     optimizer = torch.load(out / "checkpoint-12" / "optimizer.pt", weights_only=True)
-    params = len(list(AutoModelForCausalLM.from_pretrained(out).parameters()))
+    params = len(list(AutoModelForCausalLM.from_pretrained(out / "model").parameters()))
+    assert not (out / "model" / "training_args.bin").exists()  # the Trainer's save_model writes it; the model folder ships without
     assert sorted(optimizer["state"]) == list(range(params))  # every parameter's moments, gathered from both ranks
     merge_checkpoint(out / "checkpoint-12", tmp_path / "merged", log=lambda _: None)
-    merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(out / "model.safetensors")
+    merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert all(torch.equal(merged[k], final[k]) for k in final)
 
 
@@ -81,7 +82,7 @@ def test_zero1_resumed_run_ends_on_the_uninterrupted_weights(trained, tmp_path):
     resumed = launch(DDP_CONFIG, *QUICK, *ZERO1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     assert read_json(out / "trainer_state.json")["global_step"] == 12
-    final, expected = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
+    final, expected = load_file(out / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
     assert all(torch.equal(final[k], expected[k]) for k in expected)
     saved, again = (torch.load(d / "checkpoint-12" / "optimizer.pt", weights_only=True)["state"] for d in (reference, out))
     for index, moments in saved.items():  # Adam's moments came back on both ranks: they end equal too

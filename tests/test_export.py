@@ -129,11 +129,11 @@ def test_export_slower_than_ddp_timeout_finishes_and_loads_in_bfloat16(tmp_path)
     assert report["precision"]["saved_model"] == report["export"]["dtype"] == "bfloat16"
     assert report["precision"]["master_weights"] == "float32"
     assert report["export"]["writers"] == 2 and report["export"]["seconds"] >= 20
-    shards = sorted(out.glob("model-*.safetensors"))
-    assert len(shards) == report["export"]["shards"] >= 2 and (out / "model.safetensors.index.json").is_file()
+    shards = sorted((out / "model").glob("model-*.safetensors"))
+    assert len(shards) == report["export"]["shards"] >= 2 and (out / "model" / "model.safetensors.index.json").is_file()
     assert {d for s in shards for d in header_dtypes(s)} == {"BF16"}
-    assert read_json(out / "config.json")["dtype"] == "bfloat16"
-    model = AutoModelForCausalLM.from_pretrained(out)
+    assert read_json(out / "model" / "config.json")["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert model.dtype == torch.bfloat16
     merge_fsdp_weights(str(out / "checkpoint-4" / "pytorch_model_fsdp_0"), str(tmp_path / "ref"), safe_serialization=True)
     reference, loaded = load_file(tmp_path / "ref" / "model.safetensors"), model.state_dict()

@@ -43,7 +43,7 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, config, fault,
     out = tmp_path / "run"
     killed = launch(config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": fault}, check=False)
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
-    assert not (out / "model.safetensors").exists()
+    assert not (out / "model").exists() and not list(out.glob(".run.lock*"))  # no model, and no lock file left behind
 
     as_loaded = tmp_path / "optimizer-as-loaded"
     resumed = launch(
@@ -55,8 +55,10 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, config, fault,
         assert "skipping checkpoint-12" in resumed.stderr and "missing optimizer_0/" in resumed.stderr
         assert (out / "incomplete-checkpoint-12" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert read_json(out / "trainer_state.json")["global_step"] == 12
+    assert sorted(p.name for p in (out / "model").iterdir()) == sorted(p.name for p in trained(config).model_dir.iterdir())
+    assert not list(out.glob(".run.lock*"))
 
-    final, reference = load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
+    final, reference = load_file(out / "model" / "model.safetensors"), load_file(uninterrupted / "model" / "model.safetensors")
     assert set(final) == set(reference)
     for name in reference:
         assert torch.equal(final[name], reference[name]), name
@@ -88,7 +90,7 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(trained, config, fault
     assert f"stopped by {name} after step 9: saved {out}/checkpoint-9; the run is not finished: run the same command with --resume_from_checkpoint true" in stopped.stdout + stopped.stderr, stopped.stderr[-3000:]
     # the ranks exit 128 + signal; a launcher that got SIGTERM too exits 1 through torch elastic's SignalException
     assert stopped.returncode != 0 and (f"exitcode  : {code}" in stopped.stderr or "SignalException" in stopped.stderr), stopped.stderr[-3000:]
-    assert checkpoint_status(out / "checkpoint-9").resumable and not (out / "model.safetensors").exists()
+    assert checkpoint_status(out / "checkpoint-9").resumable and not (out / "model").exists()
     if "Root Cause (first observed failure)" in stopped.stderr:  # the launcher's report ends with our line
         assert elastic_root_cause(stopped.stderr).startswith(f"train_fsdp.py: stopped by {name} after step 9"), stopped.stderr[-3000:]
     resumed = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
@@ -99,7 +101,7 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(trained, config, fault
     assert args["accelerate_settings"]["fsdp_config"]["fsdp_version"] == (2 if "fsdp1" not in config else 1)  # in force: file + flags
     assert args["accelerate_settings_from"] == f"{REPO / config} + accelerate launch (--main_process_port)"  # the tests pick a free port
     assert args["training"]["resume_from_checkpoint"] == str(out / "checkpoint-9") and args["world_size"] == 2
-    final, reference = load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
+    final, reference = load_file(out / "model" / "model.safetensors"), load_file(uninterrupted / "model" / "model.safetensors")
     assert set(final) == set(reference)
     for tensor_name in reference:
         assert torch.equal(final[tensor_name], reference[tensor_name]), tensor_name
@@ -130,7 +132,7 @@ def test_killed_while_writing_the_final_model_resumes_without_training(trained, 
     out = tmp_path / "run"
     killed = launch(config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False)
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr
-    assert not (out / "model.safetensors").exists() and (out / "checkpoint-12").is_dir()
+    assert not (out / "model").exists() and (out / "checkpoint-12").is_dir()
     for f in (out / "checkpoint-12").iterdir():
         if f.name.startswith(("config", "generation_config", "tokenizer", "chat_template", "model_description")):
             f.unlink()
@@ -146,10 +148,10 @@ def test_killed_while_writing_the_final_model_resumes_without_training(trained, 
     assert not (out / ".final-sharded").exists() and not (out / ".export-tmp").exists()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]
     assert read_json(out / "trainer_state.json")["global_step"] == 12
-    final = load_file(out / "model.safetensors")
-    reference = load_file(trained(config).output_dir / "model.safetensors")
+    final = load_file(out / "model" / "model.safetensors")
+    reference = load_file(trained(config).model_dir / "model.safetensors")
     assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
-    assert read_json(out / "config.json")["architectures"] == ["LlamaForCausalLM"]
+    assert read_json(out / "model" / "config.json")["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_epoch_based_run_killed_while_writing_the_final_model(tmp_path):
@@ -162,12 +164,12 @@ def test_epoch_based_run_killed_while_writing_the_final_model(tmp_path):
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr
     [ckpt] = out.glob("checkpoint-*")
     step = read_json(ckpt / "trainer_state.json")["global_step"]
-    assert step > 12 and not (out / "model.safetensors").exists()
+    assert step > 12 and not (out / "model").exists()
     launch(config, *epochs, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert [p.name for p in out.glob("checkpoint-*")] == [ckpt.name]
     assert read_json(out / "trainer_state.json")["global_step"] == step
     merge_checkpoint(ckpt, tmp_path / "merged", log=lambda *_: None)
-    final, reference = load_file(out / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+    final, reference = load_file(out / "model" / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
     assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
 
 
@@ -185,7 +187,7 @@ def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained,
     resumed = launch(config, *limit_1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert "skipping checkpoint-12" in resumed.stderr and f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12"]  # the limit still holds
-    final, reference = load_file(out / "model.safetensors"), load_file(trained(config).output_dir / "model.safetensors")
+    final, reference = load_file(out / "model" / "model.safetensors"), load_file(trained(config).model_dir / "model.safetensors")
     assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
 
 
@@ -206,7 +208,7 @@ def test_resume_on_more_processes_reshards(trained, config, tmp_path):
     )
     assert "checkpoint-6 was saved by 2 processes, this run has 4" in proc.stderr
     assert read_json(out / "fsdp_report.json")["world_size"] == 4
-    final, reference = load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
+    final, reference = load_file(out / "model" / "model.safetensors"), load_file(uninterrupted / "model" / "model.safetensors")
     source = DCPSource(uninterrupted / "checkpoint-6" / "pytorch_model_fsdp_0")
     at_6 = source.read(list(source.tensors))
     for name, tensor in reference.items():
@@ -277,20 +279,20 @@ def test_an_earlier_checkpoint_starts_a_branch_and_later_ones_are_never_rewritte
     config = "accelerate_configs/zero3.yaml"
     uninterrupted = trained(config).output_dir
     out = tmp_path / "run"
-    shutil.copytree(uninterrupted, out, ignore=shutil.ignore_patterns("model.safetensors", "run_args.json"))
+    shutil.copytree(uninterrupted, out, ignore=shutil.ignore_patterns("model", "run_args.json"))
     old = (out / "checkpoint-12" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes()
     proc = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-6"))
     assert "resuming checkpoint-6 starts a new branch of the run: moved checkpoint-12 to replaced-checkpoint-12" in proc.stdout + proc.stderr
     assert (out / "replaced-checkpoint-12" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes() == old
-    final, reference = load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
+    final, reference = load_file(out / "model" / "model.safetensors"), load_file(uninterrupted / "model" / "model.safetensors")
     assert all(torch.equal(final[k], reference[k]) for k in reference)
 
 
 HOLD_LOCK = """
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
-fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-os.write(fd, b"host elsewhere, pid 4242, since 2026-11-22 09:00:00\\n")
+import os, sys, time
+from types import SimpleNamespace
+from fsdp_recipes.train.preflight import hold_output_dir
+hold_output_dir(SimpleNamespace(process_index=0, output_dir=sys.argv[1]))
 print("held", flush=True)
 time.sleep(60)
 """
@@ -305,14 +307,13 @@ def test_one_run_per_output_dir(tmp_path):
 
     from fsdp_recipes.errors import RecipeError
     from fsdp_recipes.train.preflight import hold_output_dir
-    from fsdp_recipes.train.run_lock import LOCK_NAME
 
     out = tmp_path / "run"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out / LOCK_NAME)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RecipeError, match=r"is in use by another run \(host elsewhere, pid 4242, since 2026-11-22 09:00:00\)"):
+        with pytest.raises(RecipeError, match=rf"is in use by another run \(pid {holder.pid} on "):
             hold_output_dir(SimpleNamespace(process_index=0, output_dir=str(out)))
     finally:
         holder.kill()

@@ -127,7 +127,7 @@ def test_last_checkpoint_merges_into_a_folder_that_loads(gpu_run, config, tmp_pa
     out = gpu_run(config)
     merge_checkpoint(out / f"checkpoint-{STEPS}", tmp_path / "merged", log=lambda _: None)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    final = load_file(out / "model.safetensors")
+    final = load_file(out / "model" / "model.safetensors")
     for name, tensor in model.state_dict().items():
         if name in final:
             assert torch.equal(tensor, final[name]), name

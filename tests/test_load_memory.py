@@ -65,7 +65,7 @@ def test_rank0_only_loading_gives_every_rank_the_files_weights(tmp_path, tied, c
     build_model(folder, None, "float32", tied=tied)
     launch(f"accelerate_configs/{config}", "--model_name_or_path", str(folder), "--learning_rate", "0",
            "--max_steps", "2", "--save_steps", "2", "--output_dir", str(out))
-    before, after = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    before, after = load_file(folder / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert set(before) == set(after)
     for name in before:
         assert torch.equal(before[name], after[name]), name
@@ -90,7 +90,7 @@ def test_rank0_only_loading_trains_like_every_rank_loading(tmp_path, config):
         outs[efficient] = tmp_path / f"out-{efficient}"
         launch(str(copy), "--model_name_or_path", str(folder), "--dtype", "float32", "--max_steps", "3",
                "--save_steps", "3", "--output_dir", str(outs[efficient]))
-    on, off = load_file(outs[True] / "model.safetensors"), load_file(outs[False] / "model.safetensors")
+    on, off = load_file(outs[True] / "model" / "model.safetensors"), load_file(outs[False] / "model" / "model.safetensors")
     assert set(on) == set(off) and "lm_head.weight" not in on
     changed = [n for n in on if not torch.equal(on[n], load_file(folder / "model.safetensors")[n].float())]
     assert changed, "training changed no weight: the comparison would prove nothing"

@@ -46,7 +46,7 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = trained("accelerate_configs/zero3.yaml").output_dir  # a pre-trained folder to adapt
+    base = trained("accelerate_configs/zero3.yaml").model_dir  # a pre-trained model to adapt
     args = [*QUICK, "--model_name_or_path", str(base), *LORA]
     whole, out = tmp_path / "whole", tmp_path / "resumed"
     launch(config, *args, "--output_dir", str(whole))
@@ -81,13 +81,13 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
     assert saved.tensors and set(saved.tensors) == set(loaded.tensors)
     saved_values, loaded_values = saved.read(sorted(saved.tensors)), loaded.read(sorted(saved.tensors))
     assert all(torch.equal(saved_values[n], loaded_values[n]) for n in saved_values)  # Adam's state came back whole
-    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+    for name in ("model/model.safetensors", "adapter/adapter_model.safetensors"):
         resumed, reference = load_file(out / name), load_file(whole / name)
         assert set(resumed) == set(reference)
         for key in reference:
             assert torch.equal(resumed[key], reference[key]), (name, key)
 
-    merged = AutoModelForCausalLM.from_pretrained(whole).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(whole / "model").state_dict()
     by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), whole / "adapter").merge_and_unload().state_dict()
     untouched = AutoModelForCausalLM.from_pretrained(base).state_dict()
     assert set(merged) == set(by_peft)
@@ -140,7 +140,7 @@ def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(tmp_path, monke
     set_seed(42)  # the recipe's seed: the base is the config's model as the run built it, random and frozen
     built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("assets/tiny-llama")).state_dict()
     assert set(built) == set(base_weights) and all(torch.equal(built[k], base_weights[k]) for k in built)
-    merged = AutoModelForCausalLM.from_pretrained("runs/tiny-llama-lora").state_dict()
+    merged = AutoModelForCausalLM.from_pretrained("runs/tiny-llama-lora/model").state_dict()
     by_peft = model.merge_and_unload().state_dict()
     assert set(merged) == set(by_peft)
     changed = 0
@@ -323,10 +323,10 @@ def test_full_state_dict_lora_checkpoints_hold_the_adapter_and_resume_exactly(tm
     for folder in ("checkpoint-3", "base_model"):
         shutil.copytree(whole / folder, resumed / folder)
     launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(resumed), "--resume_from_checkpoint", "true", launch_args=full)
-    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+    for name in ("model/model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = load_file(whole / name), load_file(resumed / name)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), name
     merged = tmp_path / "merged"
     assert run([sys.executable, "tools/merge_checkpoint.py", str(whole / "checkpoint-6"), str(merged)]).returncode == 0
-    a, b = load_file(whole / "model.safetensors"), load_file(merged / "model.safetensors")
+    a, b = load_file(whole / "model" / "model.safetensors"), load_file(merged / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -154,7 +154,7 @@ def test_full_state_dict_checkpoints(trained, config, tmp_path):
     for folder in (from_safetensors, tmp_path / "b"):
         assert_same_model(folder, reference)
     # the run's own final folder (written by train_fsdp.py) holds the same weights
-    final = load_file(run_dir / "model.safetensors")
+    final = load_file(run_dir / "model" / "model.safetensors")
     assert all(torch.equal(final[k], reference[k]) for k in reference)
     # safetensors are copied by the kernel too (transformers checks the manifest beside the copy); a cut-off file is named
     proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(ckpt), str(tmp_path / "c")])

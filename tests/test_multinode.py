@@ -30,7 +30,7 @@ def run_nodes(commands: list[list[str]], cwd: Path, env: dict | None = None) -> 
 
 
 def assert_same_weights(folder: Path, reference: Path) -> None:
-    got, want = load_file(folder / "model.safetensors"), load_file(reference / "model.safetensors")
+    got, want = load_file(folder / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
     assert set(got) == set(want)
     for name in want:
         assert torch.equal(got[name], want[name]), name
@@ -146,7 +146,7 @@ def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
     assert requeued.read_text().split() == ["42"]
     step = max(int(p.name.split("-")[1]) for p in shared.glob("checkpoint-*"))
     assert 6 < step < 24 and f"stopped by SIGUSR1 after step {step}" in logs[0], logs[0][-3000:]
-    assert checkpoint_status(shared / f"checkpoint-{step}").resumable and not (shared / "model.safetensors").exists()
+    assert checkpoint_status(shared / f"checkpoint-{step}").resumable and not (shared / "model").exists()
 
     # a job script that names a checkpoint itself: the requeued job still continues from the newest one (the
     # user's --resume_from_checkpoint is replaced, not given twice: train_fsdp.py refuses a flag with two values)
@@ -155,4 +155,4 @@ def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
     logs = [(repo / "logs" / f"fsdp-42-node{n}.log").read_text() for n in (0, 1)]
     assert again.returncode == 0, again.stdout + logs[0][-3000:]
     assert "requeued job (restart 1): resuming" in logs[0] and f"resuming from {shared / f'checkpoint-{step}'}" in logs[0]
-    assert read_json(shared / "trainer_state.json")["global_step"] == 24 and (shared / "model.safetensors").is_file()
+    assert read_json(shared / "trainer_state.json")["global_step"] == 24 and (shared / "model" / "model.safetensors").is_file()

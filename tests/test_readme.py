@@ -87,9 +87,9 @@ def test_every_readme_command_runs(tmp_path):
         assert (run_dir / f"checkpoint-{step}" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert "LlamaForCausalLM" in outputs[next(c for c in outputs if c.startswith("python -c"))]
     assert (repo / "runs" / "x" / "checkpoint-10" / "pytorch_model_fsdp_0" / ".metadata").is_file()
-    assert (repo / "runs" / "tiny-llama-chat" / "model.safetensors").is_file()
+    assert (repo / "runs" / "tiny-llama-chat" / "model" / "model.safetensors").is_file()
     lora = repo / "runs" / "tiny-llama-lora"
-    assert (lora / "model.safetensors").is_file() and (lora / "adapter" / "adapter_model.safetensors").is_file()
+    assert (lora / "model" / "model.safetensors").is_file() and (lora / "adapter" / "adapter_model.safetensors").is_file()
 
     # Resume: the checker's output is the one shown, and the relaunch resumes from what it names.
     shown = re.search(r"python tools/check_checkpoint.py runs/x\n.*?```\n\n```\n(.*?)```", README, flags=re.S).group(1)

@@ -184,5 +184,5 @@ def test_a_resume_loads_each_rank_rng_state_once_to_check_and_once_to_use(traine
     rng = {rank: Counter(Path(p).name for p in (loads / f"rank{rank}.txt").read_text().split() if "rng_state" in p)
            for rank in (0, 1)}
     assert rng == {0: {"rng_state_0.pth": 2, "rng_state_1.pth": 1}, 1: {"rng_state_1.pth": 1}}, rng
-    final, expected = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
+    final, expected = load_file(out / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
     assert set(final) == set(expected) and all(torch.equal(final[k], expected[k]) for k in expected)

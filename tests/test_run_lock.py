@@ -1,6 +1,6 @@
-"""One run per output_dir on any filesystem: a POSIX lock where there are POSIX locks, an O_EXCL lock file with
-host and pid where lockf fails with ENOLCK or EOPNOTSUPP (Lustre without flock, NFS without lockd); simulated
-here by making lockf fail as those filesystems do."""
+"""One run per output_dir on any filesystem: a kernel lock on the folder itself (no file, nothing left behind)
+where the filesystem has one, an O_EXCL lock file with host and pid where flock fails with ENOLCK, EOPNOTSUPP or
+EBADF (Lustre without flock, NFS); simulated here by making flock fail as those filesystems do."""
 
 from __future__ import annotations
 
@@ -29,19 +29,19 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-@pytest.fixture
-def no_posix_locks(monkeypatch):
+@pytest.fixture(params=[errno.ENOLCK, errno.EBADF])  # Lustre without flock; NFS (flock as a POSIX lock, refused on a read-only fd)
+def no_posix_locks(monkeypatch, request):
     def refuse(fd, cmd, *args):
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        raise OSError(request.param, os.strerror(request.param))
 
-    monkeypatch.setattr(fcntl, "lockf", refuse)
+    monkeypatch.setattr(fcntl, "flock", refuse)
 
 
 def test_a_filesystem_without_posix_locks_gets_a_lock_file_and_one_warning(tmp_path, no_posix_locks):
     said = []
     hold_output_dir(_args(tmp_path), warn=said.append)
     owner = tmp_path / run_lock.OWNER_NAME
-    assert len(said) == 1 and "without POSIX locks" in said[0] and str(owner) in said[0]
+    assert len(said) == 1 and "without folder locks" in said[0] and str(owner) in said[0]
     assert f"pid {os.getpid()}" in owner.read_text() and socket.gethostname() in owner.read_text()
     with pytest.raises(RecipeError, match="is in use by another run .*pid"):  # a second run: refused, not a warning
         hold_output_dir(_args(tmp_path), warn=said.append)
@@ -72,14 +72,13 @@ def test_a_live_pid_on_this_host_keeps_its_lock(tmp_path, no_posix_locks):
 
 def test_a_lock_held_elsewhere_is_in_use_not_a_filesystem_without_locks(tmp_path, monkeypatch):
     def held(fd, cmd, *args):
-        raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        raise OSError(errno.EWOULDBLOCK, os.strerror(errno.EWOULDBLOCK))
 
-    monkeypatch.setattr(fcntl, "lockf", held)
-    (tmp_path / run_lock.LOCK_NAME).write_text("host n1, pid 1, since then\n")
+    monkeypatch.setattr(fcntl, "flock", held)  # held by a process on another host: /proc/locks here does not name it
     said = []
-    with pytest.raises(RecipeError, match=r"in use by another run \(host n1, pid 1, since then\) \(a run that died holds nothing"):
+    with pytest.raises(RecipeError, match=r"in use by another run \(another process\) \(a run that died holds nothing"):
         hold_output_dir(_args(tmp_path), warn=said.append)
-    assert said == [] and not (tmp_path / run_lock.OWNER_NAME).exists()
+    assert said == [] and list(tmp_path.iterdir()) == []
 
 
 def test_the_lock_file_is_removed_when_the_run_ends(tmp_path):
@@ -88,7 +87,7 @@ def test_the_lock_file_is_removed_when_the_run_ends(tmp_path):
         "import errno, fcntl, os, sys\n"
         "from types import SimpleNamespace\n"
         "def refuse(*a):\n    raise OSError(errno.EOPNOTSUPP, 'not supported')\n"
-        "fcntl.lockf = refuse\n"
+        "fcntl.flock = refuse\n"
         "from fsdp_recipes.train.preflight import hold_output_dir\n"
         f"hold_output_dir(SimpleNamespace(process_index=0, output_dir={str(tmp_path)!r}), warn=print)\n"
         f"print(os.path.exists({str(tmp_path / run_lock.OWNER_NAME)!r}))\n"
@@ -134,11 +133,37 @@ def test_a_broken_or_hostile_lock_file_is_one_line_and_left_alone(tmp_path, no_p
     assert owner.is_symlink() or owner.exists()  # nothing removed that this run cannot judge
 
 
-@pytest.mark.parametrize("kind", ["folder", "fifo"])
-def test_a_posix_lock_path_that_is_not_a_file_is_one_line(tmp_path, kind):
-    _make(tmp_path / run_lock.LOCK_NAME, kind)
-    with pytest.raises(RecipeError, match=f"in use by another run .*{run_lock.LOCK_NAME}.*remove it"):
-        hold_output_dir(_args(tmp_path), warn=lambda m: None)
+HOLD = """
+import os, signal, sys
+from types import SimpleNamespace
+from fsdp_recipes.train.preflight import hold_output_dir
+hold_output_dir(SimpleNamespace(process_index=0, output_dir=sys.argv[1]), warn=print)
+print("held", flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[2] == "raise":
+    raise RuntimeError("the run failed")
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("end", ["exit", "raise", "kill"])
+def test_a_run_leaves_no_lock_file_however_it_ends_and_its_folder_is_free_again(tmp_path, end):
+    """Held while it runs (another run is refused, naming the holder's pid), nothing left in output_dir after it
+    ends, whether it exits, fails or is killed with SIGKILL."""
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out), end], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held", proc.stderr.read()
+    if end == "exit":
+        with pytest.raises(RecipeError, match=rf"in use by another run \(pid {proc.pid} on {socket.gethostname()}\)"):
+            hold_output_dir(_args(out), warn=lambda m: None)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    proc.wait(timeout=60)
+    assert proc.returncode == {"exit": 0, "raise": 1, "kill": -9}[end]
+    assert list(out.iterdir()) == []
+    hold_output_dir(_args(out), warn=lambda m: None)  # free again
 
 
 def test_a_lock_naming_this_very_process_or_this_slurm_job_is_stale(tmp_path, no_posix_locks, monkeypatch):

@@ -40,7 +40,7 @@ def test_precision_and_wrapping_contract(trained, config):
     mixed = yaml.safe_load((REPO / config).read_text())["mixed_precision"]
     force = mixed == "bf16" and not torch.cuda.is_available() and native_bf16(read_cpuinfo()) is False
     run = trained(config, *(("--cpu_bf16", "true") if force else ()))
-    layers = read_json(run.output_dir / "config.json")["num_hidden_layers"]
+    layers = read_json(run.model_dir / "config.json")["num_hidden_layers"]
     units = run.report["wrapped_units"]
     assert units["LlamaDecoderLayer"] == layers and units["LlamaForCausalLM"] == 1  # the wrap class, and the root
     # FSDP2 (accelerate's fsdp2_prepare_model) also makes the embeddings, the LM head and the final norm units
@@ -48,7 +48,7 @@ def test_precision_and_wrapping_contract(trained, config):
     precision = run.report["precision"]
     assert precision["compute"] == {"bf16": "bfloat16", "no": "float32"}[mixed]
     assert precision.get("cpu_bf16", {}).get("forced", False) is force
-    with safe_open(run.output_dir / "model.safetensors", "pt") as f:
+    with safe_open(run.model_dir / "model.safetensors", "pt") as f:
         saved = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
     assert saved == {"F32"} and precision["saved_model"] == precision["master_weights"] == "float32"
     step = max(int(p.name.split("-")[1]) for p in run.output_dir.glob("checkpoint-*"))
@@ -81,14 +81,16 @@ def test_final_folder_loads_with_trained_weights(trained, config, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = trained(config)
-    out = run.output_dir
-    assert read_json(out / "config.json")["architectures"] == ["LlamaForCausalLM"]
+    out, final = run.output_dir, run.model_dir
+    # the model alone in its folder: what from_pretrained and an upload need (no training_args.bin, no marker, no lock)
+    assert sorted(p.name for p in final.iterdir()) == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+                                                         "tokenizer.json", "tokenizer_config.json"]
+    assert read_json(final / "config.json")["architectures"] == ["LlamaForCausalLM"]
     # the model's own use_cache, not the Trainer's training setting (TrainingArguments.use_cache, false)
-    assert read_json(out / "config.json")["use_cache"] is read_json(out / "checkpoint-12" / "config.json")["use_cache"] is True
-    assert (out / "generation_config.json").is_file()
-    assert not (out / ".final-sharded").exists() and not (out / ".export-tmp").exists()
-    model = AutoModelForCausalLM.from_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert read_json(final / "config.json")["use_cache"] is read_json(out / "checkpoint-12" / "config.json")["use_cache"] is True
+    assert not (out / ".final-sharded").exists() and not (out / ".export-tmp").exists() and not list(out.glob(".run.lock*"))
+    model = AutoModelForCausalLM.from_pretrained(final)
+    tokenizer = AutoTokenizer.from_pretrained(final)
     assert len(tokenizer) == model.config.vocab_size
 
     # Reference: accelerate's own merger over the last training checkpoint (taken after the final step).
@@ -105,13 +107,13 @@ def test_final_folder_loads_with_trained_weights(trained, config, tmp_path):
 def test_finetune_from_local_folder_loads_the_weights_on_every_rank(trained, tmp_path):
     """model_name_or_path = a folder train_fsdp.py wrote. With learning rate 0 the final weights must equal the
     folder's: a rank that got uninitialised or unsynced weights (cpu_ram_efficient_loading) would change them."""
-    base = trained("accelerate_configs/zero3.yaml").output_dir
+    base = trained("accelerate_configs/zero3.yaml").model_dir
     out = tmp_path / "lr0"
     launch(
         "accelerate_configs/fsdp1/zero3.yaml", "recipes/tiny-llama/chat_sft.yaml", "--model_name_or_path", str(base),
         "--learning_rate", "0", "--max_steps", "2", "--save_steps", "2", "--output_dir", str(out),
     )
-    before, after = load_file(base / "model.safetensors"), load_file(out / "model.safetensors")
+    before, after = load_file(base / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert set(before) == set(after)
     for name in before:
         assert torch.equal(before[name], after[name]), name
@@ -122,7 +124,7 @@ def test_chat_sft_from_local_folder(trained, tmp_path):
     test_data.py proves no token attends across conversations): trains under FSDP2 and loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = trained("accelerate_configs/zero3.yaml").output_dir
+    base = trained("accelerate_configs/zero3.yaml").model_dir
     out = tmp_path / "chat"
     launch(
         "accelerate_configs/zero3.yaml", "recipes/tiny-llama/chat_sft.yaml", "--model_name_or_path", str(base),
@@ -131,9 +133,9 @@ def test_chat_sft_from_local_folder(trained, tmp_path):
     assert read_json(out / "run_args.json")["data"]["packing"] == "padding_free"
     losses = logged_losses(out)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
-    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
     assert "{% generation %}" in tokenizer.chat_template
-    AutoModelForCausalLM.from_pretrained(out)
+    AutoModelForCausalLM.from_pretrained(out / "model")
 
 
 @pytest.mark.slow
@@ -202,8 +204,8 @@ def test_gpt2_with_tied_embeddings(gpt2_run):
     assert sum(r["local_param_elements"] for r in report["ranks"]) == report["total_param_elements"]
     losses = logged_losses(out)
     assert losses[-1] < losses[0], losses
-    saved = load_file(out / "model.safetensors")
+    saved = load_file(out / "model" / "model.safetensors")
     assert "lm_head.weight" not in saved and "transformer.wte.weight" in saved  # tied: written once
-    model = AutoModelForCausalLM.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     assert torch.equal(model.transformer.wte.weight, saved["transformer.wte.weight"])

@@ -171,7 +171,7 @@ def test_help_under_a_launcher_is_printed_by_local_rank_0_only(monkeypatch, caps
 def test_handbook_recipe_trains_unchanged(workdir):
     proc = launch("accelerate_configs/zero3.yaml", str(FIXTURES / "sft_tiny_chat.yaml"), cwd=workdir)
     out = workdir / "runs" / "tiny-chat-sft"
-    assert (out / "model.safetensors").is_file() and (out / "adapter").is_dir(), proc.stderr[-2000:]
+    assert (out / "model" / "model.safetensors").is_file() and (out / "adapter").is_dir(), proc.stderr[-2000:]
     assert len(logged_losses(out)) == 2
 
 

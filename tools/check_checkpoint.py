@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from fsdp_recipes.ckpt.layout import checkpoint_steps
+from fsdp_recipes.ckpt.layout import checkpoint_steps, final_model_folder
 from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.ckpt.status import checkpoint_status
 
@@ -38,13 +38,16 @@ def main(argv=None) -> int:
     if not path.is_dir():
         print(f"check_checkpoint.py: error: {path} is not a folder: give a checkpoint-N folder or a run's output folder", file=sys.stderr)
         return 1
+    run_folder = bool(checkpoint_steps(path))
+    final = final_model_folder(path) if run_folder else None
     folders = checkpoint_steps(path) or [path]
     statuses = [checkpoint_status(folder) for folder in folders]
     # as resolve_resume("true"): the newest resumable one, unless a newer one may be complete (unreadable by this version)
     stop = next((s for s in statuses if s.resumable or s.may_be_complete), None)
     chosen = stop if stop is not None and stop.resumable else None
     if args.json:
-        print(json.dumps({"checkpoints": [s.to_dict() for s in statuses], "resume_uses": chosen and chosen.path}, indent=2))
+        print(json.dumps({"checkpoints": [s.to_dict() for s in statuses], "resume_uses": chosen and chosen.path,
+                          "final_model": final and str(final)}, indent=2))
     else:
         for status in statuses:
             print(status.summary())
@@ -58,6 +61,9 @@ def main(argv=None) -> int:
             else:
                 aside = f" (setting aside {', '.join(skipped)})" if skipped else ""
                 print(f"resume: --resume_from_checkpoint true uses {Path(chosen.path).name}{aside}")
+        if run_folder:
+            print(f"final model: {final}" + (" (written by an earlier version, beside the checkpoints)" if final == path else "")
+                  if final else "final model: none yet (the run has not finished; tools/merge_checkpoint.py makes one from a checkpoint)")
     return 0 if chosen else 1
 
 

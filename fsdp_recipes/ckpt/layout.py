@@ -19,6 +19,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ADAPTER_CONFIG = "adapter_config.json"  # peft
 BASE_IDENTITY = "base_identity.json"  # a LoRA run's base model, recorded in its checkpoints and adapter (ckpt.base_identity)
 LORA_BASE_DIR = "base_model"  # a LoRA run's base built from a config, saved once in its output_dir: the adapter names it
+FINAL_MODEL_DIR = "model"  # a run's final model, alone in its folder: what from_pretrained and an upload need
+ADAPTER_DIR = "adapter"  # a LoRA run's adapter, beside it: PeftModel.from_pretrained loads it
 REPORT_NAME = "fsdp_report.json"  # the proof of sharding, per run and per checkpoint (fsdp_recipes.train.sharding)
 SHARD_DIGESTS = "shard_digests.json"  # each .distcp file's size and sample hash, written once every rank is done
 MANIFEST = "model_description.json"  # written into each checkpoint by the training run (fsdp_recipes.ckpt.description)
@@ -32,6 +34,16 @@ def checkpoint_steps(run_dir: Path) -> list[Path]:
     """A run folder's checkpoint-N folders, newest first."""
     found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+
+
+def final_model_folder(run_dir: str | os.PathLike) -> Path | None:
+    """Where a run's final model is: ``run_dir/model/`` (written since the model got a folder of its own), or
+    ``run_dir`` itself for a run an earlier version wrote (config.json beside the checkpoints); None before a run ends."""
+    run_dir = Path(run_dir)
+    for folder in (run_dir / FINAL_MODEL_DIR, run_dir):
+        if (folder / "config.json").is_file() and any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+            return folder
+    return None
 
 
 def training_content(folder: Path) -> str | None:
@@ -82,20 +94,25 @@ def _only(folder: Path, files: tuple[str, ...], folders: dict[str, tuple[str, ..
 
 def is_model_folder(folder: Path) -> bool:
     """Only what a merge or an export writes: weights, config, generation config, tokenizer (and an adapter/)."""
-    return _only(Path(folder), _MODEL_FILES, {"adapter": _MODEL_FILES})
+    return _only(Path(folder), _MODEL_FILES, {ADAPTER_DIR: _MODEL_FILES})
 
 
 # What a training run writes into its output_dir, beside the model files: checkpoints, set-aside ones, its records,
 # tensorboard's runs/, profiles, the adapter, its lock and staging folders. Anything else there is someone's.
-_RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", r"adapter", LORA_BASE_DIR, r"\.base-tmp", r"runs",
+_RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", ADAPTER_DIR, LORA_BASE_DIR, r"\.base-tmp", r"runs",
                 r"profile", r"run_args\.json", r"fsdp_report\.json", r"(all|train|eval)_results\.json", r"loss\.png",
                 r"\.run\.lock", r"\.run\.lock\.owner", r"training_args\.bin", r"requeue_progress\.json", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
 
 
 def foreign_entries(output_dir: Path) -> list[str]:
-    """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/), and links (a run
-    would write through them): sorted."""
-    return sorted(p.name for p in Path(output_dir).iterdir() if p.is_symlink() or not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES))
+    """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/), links (a run
+    would write through them), and a ``model/`` that holds more than a model (the export replaces that folder): sorted."""
+    def foreign(p: Path) -> bool:
+        if p.name == FINAL_MODEL_DIR:
+            return not is_model_folder(p)
+        return p.is_symlink() or not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES)
+
+    return sorted(p.name for p in Path(output_dir).iterdir() if foreign(p))
 
 
 def is_exported_adapter(folder: Path) -> bool:

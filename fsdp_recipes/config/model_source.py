@@ -41,6 +41,8 @@ def model_source_problem(name: str, weights: bool) -> str | None:
                         "hub id that has them (this repository's tiny one: assets/tiny-llama)")
             return None
         if not (path / "config.json").is_file():
+            if (path / "model" / "config.json").is_file():  # a run folder: its model has a folder of its own
+                return f"is a training run's folder: its final model is {Path(name) / 'model'}; give that"
             return "is a folder without config.json: give a folder written by save_pretrained or tools/merge_checkpoint.py"
         if weights and not any((path / f).is_file() for f in WEIGHT_FILES):
             return f"has no weights ({', '.join(WEIGHT_FILES)}): give a folder written by save_pretrained or tools/merge_checkpoint.py"

@@ -22,12 +22,13 @@ from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, write_manifest
 from fsdp_recipes.ckpt.layout import (
-    ADAPTER_CONFIG, DCP_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_exported_adapter,
+    ADAPTER_CONFIG, ADAPTER_DIR, DCP_MODEL_DIR, FINAL_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_exported_adapter,
+    is_model_folder,
 )
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.errors import CheckpointError
-from fsdp_recipes.removal import make_folder, move, remove, replace_file, unmark
+from fsdp_recipes.removal import MARKER, make_folder, move, remove, remove_inside, replace_file, unmark
 from fsdp_recipes.train.sharding import unwrapped_model_class
 
 logger = logging.getLogger(__name__)
@@ -94,8 +95,9 @@ class DescribeCheckpoints(TrainerCallback):
 
 
 def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
-    """Leave a complete Hugging Face model folder in ``trainer.args.output_dir``, whatever the state-dict type, its
-    weights in ``export_dtype(model, save_dtype)``.
+    """Leave a complete Hugging Face model folder in ``output_dir/model/``, whatever the state-dict type, its
+    weights in ``export_dtype(model, save_dtype)``: only what from_pretrained and an upload need (the run's records,
+    checkpoints and lock stay in output_dir; a LoRA run's adapter goes to ``output_dir/adapter/``).
 
     Under SHARDED_STATE_DICT the stock ``Trainer.save_model`` writes nothing, so every rank saves its shard with DCP
     (collective, as every checkpoint), then every rank streams its part of the safetensors files from those shards
@@ -103,9 +105,9 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     No rank waits on a collective after that, so no ``ddp_timeout`` bounds the conversion: each rank leaves a
     completion file in the staging folder and is done; rank 0 waits for those files (wait_for_parts: no deadline on
     the writing; a rank that fails says so in a file, one that dies or hangs stops its heartbeat file), then
-    writes config and tokenizer and moves everything in, config.json last. A LoRA run's merged model is written by rank 0 alone
-    (the merge of the adapter), the other ranks again not waiting. A killed export leaves only marked staging
-    folders and no config.json: the folder never looks complete (remove_export_leftovers clears them next time).
+    writes config and tokenizer and renames the staging folder to ``model/`` (publish). A LoRA run's merged model is
+    written by rank 0 alone (the merge of the adapter), the other ranks again not waiting. A killed export leaves
+    only marked staging folders: no ``model/`` that looks complete (remove_export_leftovers clears them next time).
     """
     from accelerate.utils import save_fsdp_model
 
@@ -115,26 +117,30 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     base, lora = lora_parts(model)
     dtype = export_dtype(model, save_dtype)
     cast = None if dtype == parameter_dtype(model) else dtype
+    started = time.monotonic()
+    shards, staging = out / ".final-sharded", out / ".export-tmp"
+    via_shards = plugin is not None and ("SHARDED_STATE_DICT" in str(plugin.state_dict_type) or lora is not None)
+    if accelerator.is_main_process:
+        remove_export_leftovers(out, log=logger.info)
+        if not (via_shards and lora is not None):  # write_final_folder merges into a staging folder of its own
+            make_folder(staging, EXPORT_STAGING)
+        if via_shards:
+            make_folder(shards, EXPORT_STAGING)
     if plugin is None and lora is not None:  # a run without FSDP (--allow_no_fsdp): the whole model is here
         if accelerator.is_main_process:
             model.save_pretrained(str(out / ADAPTER_DIR))
             if trainer.describer.base_record is not None:
                 base_identity.write(out / ADAPTER_DIR, trainer.describer.base_record)
-            model.merge_and_unload().save_pretrained(str(out))
-            save_model_description(base, tokenizer, out)
+            model.merge_and_unload().save_pretrained(str(staging))
+            publish(staging, out, [*save_model_description(base, tokenizer, staging), *weight_files(staging)])
         return  # no barrier: the other ranks have nothing left to do (see the docstring)
-    if plugin is None or ("SHARDED_STATE_DICT" not in str(plugin.state_dict_type) and lora is None):
-        trainer.save_model(str(out))  # the gather inside is collective; rank 0's write after it is not
+    if not via_shards:
+        accelerator.wait_for_everyone()  # the staging folder exists before any rank writes into it
+        trainer.save_model(str(staging))  # the gather inside is collective; rank 0's write after it is not
         if accelerator.is_main_process:
-            save_model_description(model, tokenizer, out)  # save_pretrained names the FSDP<Model> subclass
+            described = save_model_description(model, tokenizer, staging)  # save_pretrained names the FSDP<Model> subclass
+            publish(staging, out, [*described, *weight_files(staging)])  # not the Trainer's training_args.bin (a pickle)
         return
-    started = time.monotonic()
-    shards, staging = out / ".final-sharded", out / ".export-tmp"
-    if accelerator.is_main_process:
-        remove_export_leftovers(out, log=logger.info)
-        make_folder(shards, EXPORT_STAGING)
-        if lora is None:
-            make_folder(staging, EXPORT_STAGING)
     accelerator.wait_for_everyone()
     save_fsdp_model(plugin, accelerator, trainer.model, str(shards))
     accelerator.wait_for_everyone()  # every rank's DCP shard is written: the last collective of the run
@@ -157,14 +163,19 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
                               "run the same command with --resume_from_checkpoint true to export the last checkpoint again")
     config = copy.deepcopy(model.config)  # describe_folder sets its dtype
     described = describe_folder(staging, model_cls, config, tokenizer, getattr(model, "generation_config", None), dtype)
+    size = sum((staging / n).stat().st_size for n in weight_names if n.endswith(".safetensors"))
     publish(staging, out, sorted(set(weight_names) | set(described)))
     remove(shards, EXPORT_STAGING)
     seconds = round(time.monotonic() - started, 3)
     writers = sum(1 for p in parts.values() if p["files"])
-    size = sum((out / n).stat().st_size for n in weight_names if n.endswith(".safetensors"))
     record_export(out, {"dtype": dtype, "writers": writers, "shards": sum(n.endswith(".safetensors") for n in weight_names),
                         "bytes": size, "seconds": seconds, "ranks": {str(r): p for r, p in sorted(parts.items())}})
     logger.info(f"final model: {size / 1e6:,.1f} MB in {dtype}, written by {writers} of {world} rank(s) in parallel in {seconds:.1f} s (fsdp_report.json: export)")
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The weight files save_pretrained wrote into ``folder``."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("model") and p.name.endswith((".safetensors", ".safetensors.index.json")))
 
 
 # Every shard of the final export is at most 5 GB (save_pretrained's default) and, above this size, about 1/N of the
@@ -290,9 +301,6 @@ def record_export(out: Path, export: dict) -> None:
 
 EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp", ".adapter-tmp")  # this module's own staging folders in output_dir
 EXPORT_STAGING = "export staging"  # their marker's purpose (fsdp_recipes.removal)
-ADAPTER_DIR = "adapter"  # a LoRA run's adapter, beside the merged model: PeftModel.from_pretrained loads it
-
-
 
 
 def remove_export_leftovers(out: Path, log=print) -> None:
@@ -305,11 +313,19 @@ def remove_export_leftovers(out: Path, log=print) -> None:
             log(f"removed {path}, left by an export that did not finish")
 
 
-def publish(staging: Path, out: Path, files: list[str]) -> None:
-    """Move finished files into ``out``, config.json last: until it is there, the folder does not load."""
-    for name in sorted(files, key=lambda n: n == "config.json"):
-        replace_file(staging / name, out / name, EXPORT_STAGING)
-    remove(staging, EXPORT_STAGING)
+def publish(staging: Path, out: Path, files: list[str]) -> Path:
+    """The finished staging folder becomes ``out/model/``, holding ``files`` and nothing else, in one rename: until
+    then there is no new model folder, and never a half-written one. An earlier export's model folder is replaced
+    (only one that holds nothing but model files: anything else there is refused, in one line)."""
+    for entry in staging.iterdir():
+        if entry.name not in files and entry.name != MARKER:
+            remove_inside(staging, entry.name, EXPORT_STAGING)  # completion files, the Trainer's training_args.bin
+    final = out / FINAL_MODEL_DIR
+    if final.exists() or final.is_symlink():
+        remove(final, "an earlier run's final model", shape=is_model_folder)
+    move(staging, final)
+    unmark(final, EXPORT_STAGING)  # the folder keeps its inode through the rename: still ours
+    return final
 
 
 def finished_checkpoint_step(training_args) -> int | None:
@@ -328,7 +344,7 @@ def finished_checkpoint_step(training_args) -> int | None:
 
 def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print,
                       dtype: str | None = None) -> None:
-    """The final model folder of a run, written from one of its checkpoints (tools/merge_checkpoint.py's code).
+    """The final model folder of a run (``out/model/``), written from one of its checkpoints (tools/merge_checkpoint.py's code).
     ``base_model``: the run's own model source, for a checkpoint whose config.json is missing. ``dtype``: cast the
     weights (--save_dtype; None or "auto" keeps the saved dtype)."""
     remove_export_leftovers(Path(out), log=log)
@@ -336,7 +352,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_mode
 
 
 def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log=print, dtype: str | None = None) -> None:
-    """``out`` becomes the model folder of checkpoint ``ckpt``; a LoRA checkpoint gives the merged model (cast to
+    """``out/model/`` becomes the model folder of checkpoint ``ckpt``; a LoRA checkpoint gives the merged model (cast to
     ``dtype`` when given) and the adapter in ``out/adapter``."""
     from fsdp_recipes.ckpt.description import description_dirs
     from fsdp_recipes.ckpt.merge import merge_checkpoint

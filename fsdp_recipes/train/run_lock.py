@@ -1,11 +1,13 @@
 """One run per output_dir: the lock global rank 0 takes before anything is written there.
 
-A POSIX lock (``lockf``) on ``output_dir/.run.lock`` first: the kernel drops it when the process dies, so a killed
-run never holds it. Some cluster filesystems have no POSIX locks at all (Lustre mounted without flock, NFS without
-lockd): ``lockf`` then fails with ENOLCK or EOPNOTSUPP, which is not "in use". There the lock is a file created
-with O_EXCL, ``.run.lock.owner``, holding host and pid; the run removes it when it ends, and a later run judges it
-stale when it names this host and a pid that is gone (one warning says which lock is in force). A lock file left
-by a run on another host cannot be judged from here: the message names it, to delete once that run is known gone.
+A kernel lock (``flock``) on the output_dir folder itself first: no file is made, so none is left behind however
+the run ends, and the kernel drops the lock when the process dies, so a killed run never holds it (its holder is
+named from /proc/locks). Some cluster filesystems have no such lock on a folder (Lustre mounted without flock; NFS,
+which takes flock as a POSIX lock that a folder opened read-only cannot hold): ``flock`` then fails with ENOLCK,
+EOPNOTSUPP or EBADF, which is not "in use". There the lock is a file created with O_EXCL, ``.run.lock.owner``,
+holding host and pid; the run removes it when it ends, and a later run judges it stale when it names this host
+and a pid that is gone (one warning says which lock is in force). A lock file left by a run on another host cannot
+be judged from here: the message names it, to delete once that run is known gone.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from pathlib import Path
 
 from fsdp_recipes.removal import process_alive, remove_lock_file
 
-LOCK_NAME = ".run.lock"
-OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no POSIX locks
-NO_POSIX_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
-_held: list[int] = []  # the POSIX lock's file descriptor, open for the life of the process
+OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no folder locks
+NO_FOLDER_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
+_held: list[int] = []  # the locked folder's file descriptor, open for the life of the process
 _mine: set[str] = set()  # the lock files this process created (its own pid in one it did not create is a recycled pid)
-POSIX_HINT = " (a run that died holds nothing: its lock went with it"  # closed by the caller's parenthesis
+KERNEL_HINT = " (a run that died holds nothing: its lock went with it"  # closed by the caller's parenthesis
+PROC_LOCKS_LIMIT = 1 << 20  # bytes of /proc/locks read to name a holder
 LINE_LIMIT = 300  # bytes of a lock file read: the line this project writes is well under it
 
 
@@ -58,31 +60,40 @@ def take(out: Path, warn) -> str | None:
     """Take ``out`` for this process. Returns None when taken, else who holds it and what to do (one line)."""
     import fcntl
 
-    path = out / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as err:
-        return f"{path} cannot be opened as a lock file ({os.strerror(err.errno)}): remove it if it is not a run's lock"
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return f"{path} is not a regular file: remove it"
+        return f"{out} cannot be opened as a folder ({os.strerror(err.errno)}): give a real folder as --output_dir"
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
-        if err.errno not in NO_POSIX_LOCKS:  # EAGAIN/EACCES: another process holds it
-            holder = _shown(os.pread(fd, LINE_LIMIT, 0)) if os.fstat(fd).st_size else "another process"
+        if err.errno not in NO_FOLDER_LOCKS:  # EWOULDBLOCK: another process holds it
+            holder = _holder(os.fstat(fd))
             os.close(fd)
-            return f"{holder}){POSIX_HINT}"
+            return f"{holder}){KERNEL_HINT}"
         os.close(fd)
         holder = _take_by_file(out)
         if holder is None:
-            warn(f"{out} is on a filesystem without POSIX locks ({os.strerror(err.errno)}): one run per output_dir is "
+            warn(f"{out} is on a filesystem without folder locks ({os.strerror(err.errno)}): one run per output_dir is "
                  f"kept by the lock file {out / OWNER_NAME} instead, removed when this run ends")
         return holder
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, _owner_line().encode(), 0)
     _held.append(fd)
     return None
+
+
+def _holder(folder: os.stat_result) -> str:
+    """Who holds the folder's lock, from /proc/locks (this host's kernel): "pid N on HOST", or "another process"."""
+    key = f"{os.major(folder.st_dev):02x}:{os.minor(folder.st_dev):02x}:{folder.st_ino}".encode()
+    try:
+        with open("/proc/locks", "rb") as f:
+            table = f.read(PROC_LOCKS_LIMIT)
+    except OSError:
+        return "another process"
+    for line in table.splitlines():
+        fields = line.split()
+        if b"FLOCK" in fields and key in fields and (pids := [f for f in fields if f.isdigit()]):
+            return f"pid {int(pids[0])} on {socket.gethostname()}"
+    return "another process"
 
 
 def _stale(path: Path, text: bytes) -> bool:
