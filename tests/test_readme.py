@@ -7,12 +7,14 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from conftest import REPO, logged_losses, run
 
 README = (REPO / "README.md").read_text()
 NEEDS_HUB = "# needs hub + GPUs"
 LONG = "# long"  # the full benchmark: its 1 GB form runs here instead
+ON_GPU = "# on a GPU"  # without CUDA: its one line saying so, exit 1
 TEST_COMMAND = "python -m pytest -q tests"
 
 
@@ -41,22 +43,28 @@ def test_readme_shows_setup_main_and_test_commands():
 @pytest.mark.slow
 def test_every_readme_command_runs(tmp_path):
     repo = tmp_path / "repo"
-    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", "*.egg-info", ".pytest_cache"))
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", "*.egg-info", ".pytest_cache", "wheels"))
     outputs = {}
-    skipped = []
+    skipped, on_gpu = [], []
     for command in readme_commands():
         if command == TEST_COMMAND or command.startswith("pip install -r ") or command.startswith(f"{TEST_COMMAND.rsplit(' ', 1)[0]} -m "):
             continue  # this is that command (or its quick tier); .ci/run runs the installs just before it (test above)
         if command.endswith((NEEDS_HUB, LONG)):
             skipped.append(command)
             continue
+        if command.endswith(ON_GPU) and not torch.cuda.is_available():
+            proc = run(["bash", "-c", command], cwd=repo, timeout=300, env={"OUT": str(tmp_path / "gpu-check")})
+            assert proc.returncode == 1 and proc.stderr.strip().startswith("gpu_check.py: error: no CUDA device here"), command
+            on_gpu.append(command)
+            continue
         # pip install -e . must keep pointing at the real checkout, not this copy
         cwd = REPO if command.startswith("pip ") else repo
         proc = run(["bash", "-c", command], cwd=cwd, timeout=900)
         assert proc.returncode == 0, f"{command}\n{proc.stderr[-4000:]}"
         outputs[command] = proc.stdout + proc.stderr
-    assert len(skipped) == 3 and "recipes/llama-3.2-1b/sft.yaml" in skipped[0] and "--size 6GB" in skipped[1]
-    assert "bench/scaling.py --quick" in skipped[2]
+    assert len(skipped) == 4 and "recipes/llama-3.2-1b/sft.yaml" in skipped[0] and "--size 6GB" in skipped[1]
+    assert "bench/scaling.py --quick" in skipped[2] and skipped[3].startswith("bash bench/gpu_wheels.sh")
+    assert len(on_gpu) == (0 if torch.cuda.is_available() else 2)
 
     # The scaling benchmark's one-minute form: every file, and a record per run with what the table needs.
     smoke = repo / "runs" / "scaling-smoke"

@@ -1,0 +1,482 @@
+"""Ground truth on one GPU: everything a person needs to judge this repository there, written under one folder.
+
+    bash bench/gpu_wheels.sh                                  # here, with network: what the GPU image lacks -> bench/wheels/
+    python3 bench/gpu_check.py --part 1 --output OUT          # on the GPU: environment, pytest -m gpu, FSDP2 configs
+    python3 bench/gpu_check.py --part 2 --output OUT          # FSDP1 and DDP configs, LoRA, QLoRA, a profile, scaling
+
+Each part stays under --budget seconds (default 560: one device command may run 600) and skips, with the reason,
+what would not fit. The GPU machine has no network: `bench/wheels/` (carried beside the tree) holds the pinned
+wheels its image lacks or holds in another version, installed first with --no-index --no-deps; what is still
+another version than requirements.txt pins (torch 2.11 against 2.13, say) is one line in the report, as is any
+private name of a library that moved (fsdp_recipes.compat.internals).
+
+Per config, a ~1B Llama built from a config (Llama-3.2-1B's shape, the tiny tokenizer's vocabulary) trains 20
+steps in bf16 on one GPU: tokens/s and MFU (the median of the logging windows after the first), peak CUDA memory
+allocated and reserved against tools/estimate_memory.py's figure, the model-state bytes against the formula, and
+for the zero3 configs a merge of the last checkpoint that must load with the trained weights. Checks, each against
+a number and each able to fail: model states within 10% of the formula, peak allocated within 10% of the estimate,
+MFU between 5% and 85% of the device's bf16 peak, offload's peak below the same config without it, the merge equal
+to the final model. OUT holds at most 7 files (environment.json, results.json, report.md, pytest.txt, logs.txt,
+and scaling.md/scaling.json for part 2): what one device command brings back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from fsdp_recipes.console import RawHelpFormatter  # noqa: E402
+
+WHEELS = REPO / "bench" / "wheels"
+# What the wheels hold: the packages the GPU image ('cuda', as /work/.library/device/KINDS.md lists it on
+# 2026-11-17) lacks, or holds in another version than requirements.txt pins, with the dependencies of those that
+# the image lacks too. None: the version requirements.txt pins. bitsandbytes (QLoRA) is 43 MB of the 64 MiB that
+# travel with the tree; the rest about 20 MB.
+CARRY: dict[str, str | None] = {
+    "datasets": None, "dill": "0.4.1", "multiprocess": "0.70.19",
+    "transformers": None, "tokenizers": None, "peft": None,
+    "huggingface_hub": None, "httpx2": "2.16.2", "httpcore2": "2.16.2", "truststore": "0.10.5",
+    "bitsandbytes": "0.50.2",
+}
+GPU_IMAGE = frozenset("""
+absl-py accelerate aiohttp anyio attrs certifi charset-normalizer click filelock fonttools fsspec h11 hf-xet httpcore
+httpx huggingface-hub idna jinja2 markupsafe matplotlib networkx numpy packaging pandas peft pillow pip pluggy psutil
+pyarrow pydantic pygments pytest python-dateutil pytorch-lightning pyyaml regex requests rich safetensors sentencepiece
+setuptools shellingham six sympy tensorboard tokenizers torch tqdm transformers triton typer typing-extensions urllib3
+xxhash annotated-doc
+""".split())
+PINNED = ("torch", "transformers", "accelerate", "datasets", "peft", "safetensors", "huggingface_hub", "tokenizers")
+
+# The model: Llama-3.2-1B's layers (hidden 2048, 16 layers, MLP 8192, 32 heads, 8 KV heads), 0.97B parameters with
+# the tiny tokenizer's vocabulary; 20 steps of 4 x 1024 tokens.
+MODEL = {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "max_position_embeddings": 2048}
+STEPS, BATCH, SEQ = 20, 4, 1024
+PROCESSES = 1  # the one GPU (the CPU test of this script runs 2: FSDP over gloo needs 2)
+FSDP2 = ["accelerate_configs/zero3.yaml", "accelerate_configs/zero2.yaml", "accelerate_configs/zero3_offload.yaml",
+         "accelerate_configs/hybrid_shard.yaml"]
+FSDP1 = ["accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero2.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml",
+         "accelerate_configs/fsdp1/no_shard.yaml", "accelerate_configs/fsdp1/hybrid_shard.yaml", "accelerate_configs/ddp.yaml"]
+MERGED = {"accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"}  # these also save and merge a checkpoint
+OFFLOAD_PAIRS = [("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"),
+                 ("accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml")]
+TOLERANCE, MFU_BAND = 0.10, (0.05, 0.85)
+RUN_SECONDS = 75  # what one config's run takes at most on an H100 (start, 20 steps, export): below this, it is skipped
+
+
+def model_config():
+    """The ~1B Llama's config: assets/tiny-llama's, with MODEL's shape."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", **MODEL, head_dim=MODEL["hidden_size"] // MODEL["num_attention_heads"])
+
+
+# ---------- the wheels and the versions (no GPU needed: tested on CPU) ----------
+
+def pins(requirements: Path = REPO / "requirements.txt") -> dict[str, str]:
+    """``name==version`` lines of requirements.txt, by normalised name."""
+    found = {}
+    for line in requirements.read_text().splitlines():
+        if match := re.match(r"\s*([A-Za-z0-9_.-]+)==([^\s#;]+)", line):
+            found[norm(match[1])] = match[2]
+    return found
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheel_list() -> list[str]:
+    """``name==version`` of every wheel bench/gpu_wheels.sh downloads."""
+    pinned = pins()
+    return [f"{name}=={version or pinned[norm(name)]}" for name, version in CARRY.items()]
+
+
+def installed_versions(names=PINNED) -> dict[str, str | None]:
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def version_lines(installed: dict[str, str | None], pinned: dict[str, str]) -> list[str]:
+    """One line per package that is not the version requirements.txt pins, saying what that means here."""
+    lines = []
+    for name, version in installed.items():
+        want = pinned.get(norm(name))
+        if want is None or version == want:
+            continue
+        if version is None:
+            lines.append(f"{name}: not installed (requirements.txt pins {want}): put its wheel in bench/wheels (bench/gpu_wheels.sh)")
+        elif name == "torch":
+            lines.append(f"torch {version} here, requirements.txt pins {want}: the tests and figures of this check are of {version}; "
+                         "fsdp_recipes/compat/cpu_fsdp.py's CPU patches are not used with a GPU")
+        else:
+            lines.append(f"{name} {version} here, requirements.txt pins {want}: bench/wheels lacks the pinned wheel, or it did not install")
+    return lines
+
+
+def install_wheels(log) -> list[str]:
+    """Install the carried wheels the environment lacks or holds in another version; lines saying what happened."""
+    wheels = sorted(WHEELS.glob("*.whl")) if WHEELS.is_dir() else []
+    if not wheels:
+        return [f"no wheels in {WHEELS}: nothing installed (run bench/gpu_wheels.sh where there is network, and carry bench/wheels)"]
+    wanted = []
+    for wheel in wheels:
+        name, version = wheel.name.split("-")[:2]
+        try:
+            have = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            have = None
+        if have != version:
+            wanted.append(wheel)
+    if not wanted:
+        return ["every carried wheel is installed already"]
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", *map(str, wanted)],
+                          capture_output=True, text=True)
+    log(proc.stdout + proc.stderr)
+    names = ", ".join(w.name.split("-")[0] + " " + w.name.split("-")[1] for w in wanted)
+    if proc.returncode != 0:
+        return [f"pip could not install the carried wheels ({names}): {tail(proc.stderr, 1)}"]
+    return [f"installed from bench/wheels: {names}"]
+
+
+# ---------- the table and the checks (no GPU needed: tested on CPU) ----------
+
+def check(name: str, value: float | None, low: float | None, high: float | None, detail: str) -> dict:
+    """A named comparison against a number: passed only when the value is there and inside [low, high]."""
+    passed = value is not None and (low is None or value >= low) and (high is None or value <= high)
+    return {"check": name, "value": value, "low": low, "high": high, "passed": passed, "detail": detail}
+
+
+def config_checks(row: dict) -> list[dict]:
+    """What one config's run must show: states against the formula, peak against the estimate, MFU in its band."""
+    found = []
+    name = row["config"]
+    if row.get("estimate_states") and not row.get("offload"):
+        ratio = row["states_bytes"] / row["estimate_states"]
+        found.append(check(f"{name}: model states / formula", round(ratio, 3), 1 - TOLERANCE, 1 + TOLERANCE,
+                           f"{gib(row['states_bytes'])} against {gib(row['estimate_states'])}"))
+    if row.get("estimate_peak"):
+        ratio = row["peak_allocated"] / row["estimate_peak"] if row.get("peak_allocated") else None
+        found.append(check(f"{name}: peak allocated / estimate", ratio and round(ratio, 3), 1 - TOLERANCE, 1 + TOLERANCE,
+                           f"{gib(row.get('peak_allocated'))} against {gib(row['estimate_peak'])}"))
+    if row.get("fsdp_version") or "ddp" in name:
+        found.append(check(f"{name}: MFU", row.get("mfu"), *MFU_BAND, "model FLOPs utilisation against the bf16 peak"))
+    if "merge_equal" in row:
+        found.append(check(f"{name}: merged checkpoint loads with the final weights", float(row["merge_equal"]), 1.0, 1.0,
+                           row.get("merge_detail", "")))
+    return found
+
+
+def offload_checks(rows: dict[str, dict]) -> list[dict]:
+    found = []
+    for plain, offload in OFFLOAD_PAIRS:
+        a, b = rows.get(plain, {}).get("peak_allocated"), rows.get(offload, {}).get("peak_allocated")
+        if a is not None or b is not None:
+            found.append(check(f"{offload}: peak / {plain}'s peak", round(b / a, 3) if a and b else None, None, 0.99,
+                               f"{gib(b)} with offload, {gib(a)} without"))
+    return found
+
+
+def gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def markdown(rows: list[dict], checks: list[dict], notes: list[str]) -> str:
+    """report.md: the per-run table, every check with its verdict, and the notes (versions, skips, errors)."""
+    head = ["run", "wrapper", "tokens/s", "MFU", "peak allocated", "peak reserved", "estimate", "states", "formula", "seconds"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["config"], r.get("wrapper") or "-", f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
+                 f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-", gib(r.get("peak_allocated")), gib(r.get("peak_reserved")),
+                 gib(r.get("estimate_peak")), gib(r.get("states_bytes")), gib(r.get("estimate_states")),
+                 f"{r['seconds']:.0f}" if r.get("seconds") else "-"]
+        if r.get("error"):
+            cells[1:] = [f"FAILED: {r['error']}"] + [""] * (len(head) - 2)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| check | value | wanted | verdict | detail |", "|---|---|---|---|---|"]
+    for c in checks:
+        wanted = f"{'' if c['low'] is None else c['low']} .. {'' if c['high'] is None else c['high']}".strip()
+        lines.append(f"| {c['check']} | {'-' if c['value'] is None else c['value']} | {wanted} | {'pass' if c['passed'] else 'FAIL'} | {c['detail']} |")
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def log_metrics(log_history: list[dict]) -> tuple[float | None, float | None]:
+    """(tokens/s, MFU): medians of the logging windows after the first (which holds the compilation and warm-up)."""
+    windows = [e for e in log_history if "tokens_per_second" in e]
+    windows = windows[1:] or windows
+    tps = statistics.median(e["tokens_per_second"] for e in windows) if windows else None
+    mfus = [e["mfu"] for e in windows if e.get("mfu") is not None]
+    return tps, statistics.median(mfus) if mfus else None
+
+
+def tail(text: str, lines: int = 1) -> str:
+    """A failed command's own one-line error when it printed one ("...: error: ..."), else its last lines of text."""
+    kept = [line.strip() for line in text.strip().splitlines() if re.search(r"[A-Za-z]", line) and not line.startswith(("W1", "I1", "E1"))]
+    errors = [line for line in kept if re.match(r"[\w./-]+: error: ", line)]
+    return " / ".join((errors or kept)[-lines:])[:400]
+
+
+# ---------- the runs (need CUDA) ----------
+
+class Check:
+    def __init__(self, output: Path, budget: float):
+        self.output, self.deadline = output, time.monotonic() + budget
+        self.rows: list[dict] = []
+        self.checks: list[dict] = []
+        self.notes: list[str] = []
+        self.environment: dict = {}
+        self.work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "logs.txt").write_text("")
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, text: str) -> None:
+        with open(self.output / "logs.txt", "a") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+
+    def save(self) -> None:
+        (self.output / "environment.json").write_text(json.dumps(self.environment, indent=2) + "\n")
+        (self.output / "results.json").write_text(json.dumps({"rows": self.rows, "checks": self.checks, "notes": self.notes}, indent=2) + "\n")
+        title = f"# GPU check: {self.environment.get('gpu', 'no GPU')}\n\n"
+        (self.output / "report.md").write_text(title + markdown(self.rows, self.checks, self.notes))
+
+    def run(self, cmd: list[str], seconds: float, cwd: Path = REPO) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
+        self.log(f"$ {' '.join(cmd)}")
+        try:
+            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=max(seconds, 1))
+        except subprocess.TimeoutExpired as err:
+            out = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+            proc = subprocess.CompletedProcess(cmd, 124, out, f"timed out after {seconds:.0f} s (this part's budget)")
+        self.log(proc.stdout[-4000:] + proc.stderr[-4000:])
+        return proc
+
+    # ----- steps -----
+    def describe_environment(self) -> None:
+        import torch
+
+        env = {"python": platform.python_version(), "versions": installed_versions(), "pinned": {n: pins().get(norm(n)) for n in PINNED},
+               "cuda_available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda}
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name()
+            env["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+            env["bf16"] = torch.cuda.is_bf16_supported()
+        if shutil.which("nvidia-smi"):
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True)
+            env["nvidia_smi"] = smi.stdout.strip()
+        from fsdp_recipes.compat import internals
+
+        env["moved_private_names"] = internals.check_all()
+        self.environment = env
+        self.notes += version_lines(env["versions"], pins())
+        self.notes += [f"a private name this repository uses moved: {p}" for p in env["moved_private_names"]]
+
+    def pytest_gpu(self, seconds: float) -> None:
+        proc = self.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"], seconds)
+        (self.output / "pytest.txt").write_text(proc.stdout[-200_000:] + proc.stderr[-20_000:])
+        summary = next((line for line in reversed(proc.stdout.splitlines()) if re.search(r"\d+ (passed|failed|error|skipped)", line)), "no summary")
+        self.checks.append(check("pytest -m gpu: exit status", float(proc.returncode), 0, 0, summary.strip("= ")))
+
+    def model_folder(self) -> Path:
+        folder = self.work / "model-1b"
+        if not folder.is_dir():
+            model_config().save_pretrained(folder)
+        return folder
+
+    def train(self, label: str, config: str, *args: str, launch: tuple[str, ...] = ()) -> tuple[dict, Path | None]:
+        row = {"config": label}
+        if self.left() < RUN_SECONDS:
+            row["error"] = f"not run: {self.left():.0f} s left of this part's budget"
+            return row, None
+        out = self.work / re.sub(r"[^a-z0-9]+", "-", label.lower())
+        cmd = ["accelerate", "launch", "--config_file", str(REPO / config), "--num_machines", "1", "--num_processes", str(PROCESSES), *launch,
+               str(REPO / "train_fsdp.py"), "--tokenizer_name", str(REPO / "assets" / "tiny-llama"), "--max_steps", str(STEPS),
+               "--logging_steps", str(max(1, STEPS // 4)), "--per_device_train_batch_size", str(BATCH), "--block_size", str(SEQ), "--output_dir", str(out),
+               "--report_to", "none", *args]
+        started = time.monotonic()
+        proc = self.run(cmd, self.left() - 5)
+        row["seconds"] = round(time.monotonic() - started, 1)
+        if proc.returncode != 0:
+            row["error"] = tail(proc.stderr) or f"exit status {proc.returncode}"
+            return row, None
+        report = json.loads((out / "fsdp_report.json").read_text())
+        rank = report["ranks"][0]
+        peak = rank.get("peak_memory", {})
+        row.update(wrapper=rank.get("wrapper"), fsdp_version=report.get("fsdp_version"), states_bytes=sum(rank["bytes"].values()),
+                   peak_allocated=peak.get("cuda_max_allocated_bytes"), peak_reserved=peak.get("cuda_max_reserved_bytes"),
+                   parameters=report["total_param_elements"])
+        history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+        row["tokens_per_second"], row["mfu"] = log_metrics(history)
+        if (summary := out / "profile" / "summary.json").is_file():
+            row["profile"] = json.loads(summary.read_text())
+        return row, out
+
+    def estimate(self, row: dict, config: str, lora: bool = False) -> None:
+        import yaml
+
+        from fsdp_recipes.config.memory import Setup, estimate, model_shape
+        from fsdp_recipes.config.strategy import strategy_of
+
+        if lora:
+            return  # the formula counts full fine-tuning
+        strategy = strategy_of(yaml.safe_load((REPO / config).read_text()))
+        est = estimate(model_shape(str(self.model_folder())), Setup(strategy=strategy.memory_strategy, nproc_per_node=PROCESSES, nnodes=1,
+                                                                   offload=strategy.offload, micro_batch=BATCH, seq_len=SEQ))
+        row.update(offload=strategy.offload, estimate_peak=est.gpu_total, estimate_states=est.params + est.grads + est.optimizer)
+
+    def merge(self, row: dict, out: Path) -> None:
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        from fsdp_recipes.ckpt.merge import merge_checkpoint
+
+        merged = self.work / "merged"
+        try:
+            merge_checkpoint(out / f"checkpoint-{STEPS}", merged, overwrite=True, log=lambda *_: None)
+            model = AutoModelForCausalLM.from_pretrained(merged).state_dict()
+            final = load_file(out / "model" / "model.safetensors")
+            differ = [n for n in final if not torch.equal(model[n], final[n])]
+            row["merge_equal"] = not differ and set(final) <= set(model)
+            row["merge_detail"] = f"{len(final)} tensors" + (f", {len(differ)} differ ({differ[0]}, ...)" if differ else ", all equal")
+        except Exception as err:  # a check that failed, not a crash of the check
+            row["merge_equal"], row["merge_detail"] = False, f"{type(err).__name__}: {str(err)[:300]}"
+
+    def configs(self, configs: list[str]) -> None:
+        import torch
+
+        for config in configs:
+            if "hybrid_shard" in config and not config.startswith("accelerate_configs/fsdp1") and torch.cuda.device_count() < 4:
+                self.rows.append({"config": config, "error": "not run: FSDP2 HSDP is 2 replicas x 2+ shards (4 GPUs)"})
+                continue
+            args = ["--config_name", str(self.model_folder())]
+            args += ["--save_steps", str(STEPS)] if config in MERGED else ["--save_strategy", "no"]
+            if config == "accelerate_configs/zero3.yaml":
+                args += ["--profile_steps", f"{STEPS - 3}-{STEPS - 2}"]  # the trace summary: the last timed window is left out
+            row, out = self.train(config, config, *args)
+            if out is not None:
+                self.estimate(row, config)
+                if config in MERGED:
+                    self.merge(row, out)
+            self.rows.append(row)
+            self.checks += config_checks(row) if not row.get("error") else [check(f"{config}: ran", None, None, None, row["error"])]
+            self.remove_run(out)
+            self.save()
+        self.checks += offload_checks({r["config"]: r for r in self.rows})
+
+    def lora(self) -> None:
+        row, out = self.train("LoRA (zero3)", "accelerate_configs/zero3.yaml", "--config_name", str(self.model_folder()),
+                              "--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32", "--save_strategy", "no")
+        self.rows.append(row)
+        base = out / "base_model" if out is not None else None
+        self.checks.append(check("LoRA: ran", 1.0 if out else None, 1, 1, row.get("error", "trained and exported")))
+        self.save()
+        if base is None or not base.is_dir():
+            return
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            self.rows.append({"config": "QLoRA (zero3)", "error": "not run: bitsandbytes is not installed (its wheel: bench/gpu_wheels.sh)"})
+            return
+        row, _ = self.train("QLoRA (zero3)", "accelerate_configs/zero3.yaml", "--model_name_or_path", str(base), "--dtype", "bfloat16",
+                            "--load_in_4bit", "true", "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_compute_dtype", "bfloat16",
+                            "--bnb_4bit_quant_storage", "bfloat16", "--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32",
+                            "--save_strategy", "no")
+        self.rows.append(row)
+        self.checks.append(check("QLoRA: ran", None if row.get("error") else 1.0, 1, 1, row.get("error", "trained and exported")))
+        self.save()
+
+    def scaling(self) -> None:
+        if self.left() < 120:
+            self.notes.append(f"bench/scaling.py not run: {self.left():.0f} s left of this part's budget")
+            return
+        folder = self.work / "scaling"
+        proc = self.run([sys.executable, str(REPO / "bench" / "scaling.py"), "--output", str(folder), "--quick", "--nproc", "1",
+                         "--strategy", "accelerate_configs/zero3.yaml", "--strategy", "accelerate_configs/ddp.yaml", "--no-overhead"],
+                        self.left() - 5)
+        for name in ("scaling.md", "scaling.json"):
+            if (folder / name).is_file():
+                shutil.copy(folder / name, self.output / name)
+        self.checks.append(check("bench/scaling.py on 1 GPU: exit status", float(proc.returncode), 0, 0, tail(proc.stderr) if proc.returncode else "scaling.md"))
+
+    def remove_run(self, out: Path | None) -> None:
+        """A run's checkpoints and exported model take GBs of the machine's 64: only the numbers are kept."""
+        from fsdp_recipes.removal import remove_inside
+
+        if out is not None:
+            remove_inside(self.work, out.name, "gpu check work")
+
+
+def make_work(check_run: Check) -> None:
+    from fsdp_recipes.removal import make_folder
+
+    make_folder(check_run.work, "gpu check work", exist_ok=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=RawHelpFormatter)
+    parser.add_argument("--part", type=int, choices=(1, 2), help="1: environment, pytest -m gpu, FSDP2 configs; 2: FSDP1 and DDP "
+                        "configs, LoRA, QLoRA, scaling")
+    parser.add_argument("--output", type=Path, help="folder for the report (e.g. $OUT on the device machine)")
+    parser.add_argument("--budget", type=float, default=560, help="seconds this part may take; what would not fit is skipped, with the reason")
+    parser.add_argument("--wheel-list", action="store_true", help="print the wheels bench/gpu_wheels.sh downloads, one per line, and exit")
+    args = parser.parse_args(argv)
+    if args.wheel_list:
+        print("\n".join(wheel_list()))
+        return 0
+    if args.part is None or args.output is None:
+        parser.error("give --part 1 or 2 and --output FOLDER (or --wheel-list)")
+
+    from fsdp_recipes.removal import remove
+
+    import torch
+
+    if not torch.cuda.is_available():  # before anything is installed: the wheels are for the GPU machine's Python
+        print("gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest", file=sys.stderr)
+        return 1
+    check_run = Check(args.output, args.budget)
+    make_work(check_run)
+    check_run.notes += install_wheels(check_run.log)
+    check_run.describe_environment()
+    check_run.save()
+    if args.part == 1:
+        check_run.pytest_gpu(min(300, check_run.left() - 3 * RUN_SECONDS))
+        check_run.configs(FSDP2)
+    else:
+        check_run.configs(FSDP1)
+        check_run.lora()
+        check_run.scaling()
+    check_run.save()
+    remove(check_run.work, "gpu check work")
+    failed = [c["check"] for c in check_run.checks if not c["passed"]]
+    print(f"gpu_check part {args.part}: {len(check_run.checks) - len(failed)} of {len(check_run.checks)} checks passed; report: {args.output / 'report.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""bench/gpu_check.py, the parts that need no GPU: the wheel list against requirements.txt and the GPU image, the
+version lines, the checks (each must fail when its number is off), the table, and the script's refusal on a
+machine without CUDA before it installs anything."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_check  # noqa: E402
+
+
+def test_every_pinned_wheel_is_the_version_requirements_txt_pins():
+    pinned = gpu_check.pins()
+    listed = dict(line.split("==") for line in gpu_check.wheel_list())
+    assert set(listed) == set(gpu_check.CARRY)
+    for name, version in listed.items():
+        if gpu_check.norm(name) in pinned:
+            assert version == pinned[gpu_check.norm(name)], name
+    # what the GPU image lacks among the packages this repository needs: all carried
+    assert {"datasets", "dill", "multiprocess", "bitsandbytes"} <= set(gpu_check.CARRY)
+    assert not {"datasets", "dill", "multiprocess", "bitsandbytes"} & gpu_check.GPU_IMAGE
+
+
+# the GPU machine's Python (KINDS.md): Linux, x86-64, CPython 3.12
+GPU_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
+              "platform_machine": "x86_64", "platform_python_implementation": "CPython", "implementation_name": "cpython", "extra": ""}
+
+
+def _requirements(name: str) -> list[str]:
+    """A package's requirements on the GPU machine's Python (no extras), as its installed metadata states them."""
+    from packaging.requirements import Requirement
+
+    found = []
+    for line in metadata.requires(name) or []:
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate(GPU_PYTHON):
+            found.append(gpu_check.norm(requirement.name))
+    return found
+
+
+@pytest.mark.parametrize("name", [n for n in gpu_check.CARRY if n != "bitsandbytes"])
+def test_what_a_carried_wheel_needs_is_carried_or_on_the_gpu_image(name):
+    """Installed with --no-deps on the GPU machine: each dependency must be there already or travel too."""
+    have = {gpu_check.norm(n) for n in gpu_check.GPU_IMAGE} | {gpu_check.norm(n) for n in gpu_check.CARRY}
+    missing = [dep for dep in _requirements(name) if dep not in have]
+    assert missing == [], f"{name} needs {missing}: add them to CARRY (and check their size)"
+
+
+def test_version_lines_name_each_difference_once():
+    pinned = {"torch": "2.13.0", "transformers": "5.23.0", "datasets": "5.2.0"}
+    assert gpu_check.version_lines({"torch": "2.13.0", "transformers": "5.23.0", "datasets": "5.2.0"}, pinned) == []
+    lines = gpu_check.version_lines({"torch": "2.11.0", "transformers": "5.17.0", "datasets": None}, pinned)
+    assert len(lines) == 3
+    assert lines[0].startswith("torch 2.11.0 here, requirements.txt pins 2.13.0")
+    assert lines[1].startswith("transformers 5.17.0 here, requirements.txt pins 5.23.0")
+    assert lines[2].startswith("datasets: not installed (requirements.txt pins 5.2.0)") and "bench/gpu_wheels.sh" in lines[2]
+
+
+ROW = {"config": "accelerate_configs/zero3.yaml", "fsdp_version": 2, "offload": False, "states_bytes": 100, "estimate_states": 100,
+       "peak_allocated": 200, "estimate_peak": 200, "mfu": 0.4}
+
+
+@pytest.mark.parametrize("change, failing", [
+    ({}, []),
+    ({"states_bytes": 109}, []),
+    ({"states_bytes": 111}, ["model states / formula"]),
+    ({"states_bytes": 89}, ["model states / formula"]),
+    ({"peak_allocated": 225}, ["peak allocated / estimate"]),
+    ({"peak_allocated": None}, ["peak allocated / estimate"]),
+    ({"mfu": 0.9}, ["MFU"]),
+    ({"mfu": 0.01}, ["MFU"]),
+    ({"mfu": None}, ["MFU"]),
+    ({"merge_equal": False}, ["merged checkpoint loads with the final weights"]),
+    ({"merge_equal": True}, []),
+])
+def test_config_checks_fail_when_a_number_is_off(change, failing):
+    checks = gpu_check.config_checks({**ROW, **change})
+    assert sorted(c["check"].split(": ", 1)[1] for c in checks if not c["passed"]) == sorted(failing)
+    assert len(checks) == 3 + ("merge_equal" in change)
+
+
+def test_offload_must_lower_the_peak():
+    rows = {"accelerate_configs/zero3.yaml": {"peak_allocated": 100}, "accelerate_configs/zero3_offload.yaml": {"peak_allocated": 60}}
+    [lower] = gpu_check.offload_checks(rows)
+    assert lower["passed"] and lower["value"] == 0.6
+    rows["accelerate_configs/zero3_offload.yaml"]["peak_allocated"] = 100
+    assert not gpu_check.offload_checks(rows)[0]["passed"]
+    del rows["accelerate_configs/zero3_offload.yaml"]["peak_allocated"]
+    assert not gpu_check.offload_checks(rows)[0]["passed"]  # a run that failed proves nothing: not a pass
+
+
+def test_the_report_shows_every_run_and_every_verdict():
+    rows = [{**ROW, "wrapper": "FSDPModule", "tokens_per_second": 12345.6, "peak_reserved": 300, "seconds": 61},
+            {"config": "accelerate_configs/hybrid_shard.yaml", "error": "not run: FSDP2 HSDP is 2 replicas x 2+ shards (4 GPUs)"}]
+    checks = gpu_check.config_checks({**ROW, "mfu": 0.99})
+    text = gpu_check.markdown(rows, checks, ["torch 2.11.0 here, requirements.txt pins 2.13.0"])
+    table = [line for line in text.splitlines() if line.startswith("| accelerate_configs")]
+    assert len(table) == 2 + len(checks)
+    assert "12,346" in table[0] and "40.0%" in table[0] and "FAILED: not run: FSDP2 HSDP" in table[1]
+    assert text.count("| FAIL |") == 1 and text.count("| pass |") == 2
+    assert text.rstrip().endswith("- torch 2.11.0 here, requirements.txt pins 2.13.0")
+
+
+def test_a_failed_run_is_named_by_its_own_error_line():
+    stderr = ("W1124 02:25:31 api.py:1028] Sending process 25167 closing signal SIGTERM\n"
+              "train_fsdp.py: error: --block_size 4096 is longer than the model's 2048 positions\n"
+              "Traceback (most recent call last):\n  File ...\n" + "=" * 60 + "\n")
+    assert gpu_check.tail(stderr) == "train_fsdp.py: error: --block_size 4096 is longer than the model's 2048 positions"
+    assert gpu_check.tail("RuntimeError: CUDA out of memory\n" + "=" * 60 + "\n") == "RuntimeError: CUDA out of memory"
+
+
+def test_throughput_leaves_out_the_first_window():
+    history = [{"loss": 5.0, "tokens_per_second": 10.0, "mfu": 0.01}, {"tokens_per_second": 100.0, "mfu": 0.3},
+               {"tokens_per_second": 120.0, "mfu": 0.4}, {"tokens_per_second": 110.0, "mfu": 0.35}, {"train_runtime": 3}]
+    assert gpu_check.log_metrics(history) == (110.0, 0.35)
+    assert gpu_check.log_metrics([{"loss": 1.0}]) == (None, None)
+
+
+def test_the_model_is_about_one_billion_parameters():
+    from transformers import AutoModelForCausalLM
+
+    import torch
+
+    config = gpu_check.model_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert 0.9e9 < sum(p.numel() for p in model.parameters()) < 1.1e9
+
+
+def test_without_cuda_it_stops_in_one_line_before_installing_anything(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--part", "1", "--output", str(tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        "gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_wheel_list_is_what_the_download_script_reads():
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--wheel-list"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == gpu_check.wheel_list()
+    script = (REPO / "bench" / "gpu_wheels.sh").read_text()
+    assert "gpu_check.py --wheel-list" in script and "--no-deps" in script and "--python-version 3.12" in script
+    assert json.dumps(gpu_check.wheel_list())  # plain strings
+
+
+@pytest.mark.slow
+def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
+    """The same commands, report reading, estimate, merge and LoRA run as on the GPU, with the tiny model and 4 steps
+    on two CPU processes (FSDP over gloo needs 2): what would break there for a reason other than CUDA breaks here first. On CPU there is no
+    CUDA peak and no MFU, so those checks fail, as they must without their numbers; QLoRA is not run without
+    bitsandbytes, and says so."""
+    from transformers import AutoConfig
+
+    monkeypatch.setattr(gpu_check, "MODEL", {"max_position_embeddings": 128})
+    monkeypatch.setattr(gpu_check, "model_config", lambda: AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama"))
+    monkeypatch.setattr(gpu_check, "STEPS", 4)
+    monkeypatch.setattr(gpu_check, "SEQ", 64)
+    monkeypatch.setattr(gpu_check, "RUN_SECONDS", 1)
+    monkeypatch.setattr(gpu_check, "PROCESSES", 2)
+    run = gpu_check.Check(tmp_path / "out", budget=900)
+    gpu_check.make_work(run)
+    run.configs(["accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"])
+    run.lora()
+    run.save()
+    rows = {r["config"]: r for r in run.rows}
+    zero3 = rows["accelerate_configs/zero3.yaml"]
+    assert "error" not in zero3, zero3
+    assert zero3["wrapper"] == "FSDP2" and zero3["tokens_per_second"] > 0 and zero3["states_bytes"] > 0
+    assert zero3["estimate_states"] > 0 and zero3["merge_equal"] is True and zero3["profile"]["steps"] == [1, 2]
+    assert rows["accelerate_configs/zero3_offload.yaml"]["offload"] is True
+    assert "error" not in rows["LoRA (zero3)"] and rows["QLoRA (zero3)"]["error"].startswith("not run: bitsandbytes is not installed")
+    verdicts = {c["check"]: c["passed"] for c in run.checks}
+    assert verdicts["accelerate_configs/zero3.yaml: merged checkpoint loads with the final weights"] is True
+    assert verdicts["accelerate_configs/zero3.yaml: model states / formula"] is True  # the formula holds on CPU too
+    assert verdicts["accelerate_configs/zero3.yaml: MFU"] is False and verdicts["LoRA: ran"] is True
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert report.count("| accelerate_configs/zero3.yaml |") == 1 and "| LoRA (zero3) |" in report
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["environment.json", "logs.txt", "report.md", "results.json"]
+    assert not list(run.work.glob("accelerate*"))  # each run's GBs removed once its numbers are read
