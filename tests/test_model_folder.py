@@ -102,3 +102,11 @@ def test_a_run_folder_of_the_earlier_layout_resumes_and_gets_its_model_folder(tr
     assert set(final) == set(expected) and all(final[k].equal(expected[k]) for k in expected)
     assert read_json(out / "model" / "config.json") == read_json(reference.model_dir / "config.json")
     assert MARKER not in {p.name for p in (out / "model").iterdir()}
+    # the merge tool and the checker read either layout's run folder by its checkpoints
+    merged = subprocess.run([sys.executable, "tools/merge_checkpoint.py", str(out), str(tmp_path / "merged")], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert merged.returncode == 0 and "using checkpoint-12" in merged.stdout + merged.stderr, merged.stderr[-2000:]
+    again = load_file(tmp_path / "merged" / "model.safetensors")
+    assert all(again[k].equal(final[k]) for k in final)
+    checked = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0 and checked.stdout.strip().endswith(f"final model: {out / 'model'}")
