@@ -61,6 +61,8 @@ def main(model_args, data_args, plan):
             export_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir,
                               base_model=lora_base(model_args, training_args.output_dir) or model_args.model_name_or_path or model_args.config_name, log=logger.info,
                               dtype=plan.run_args.save_dtype)
+            if note := stale_model_note(training_args.output_dir):
+                logger.warning(note)
             logger.info(final_line(training_args.output_dir))
         return
 
@@ -135,9 +137,22 @@ def main(model_args, data_args, plan):
     # ---------- save ----------
     with trainer.model_config_for_saving():
         save_final_model(trainer, tokenizer, plan.run_args.save_dtype)
+    if training_args.process_index == 0 and (note := stale_model_note(training_args.output_dir)):
+        logger.warning(note)
     logger.info(final_line(training_args.output_dir))
     if late := trainer.preemption.late():  # the run is complete: exit 0, and say why the signal changed nothing
         logger.warning(f"{late} arrived after the last training step: the run had finished, and its model was written; nothing is left to do")
+
+
+def stale_model_note(output_dir: str) -> str | None:
+    """A run folder an earlier version wrote its model into (config.json and weights at its top level), resumed since:
+    that model is an earlier step's, and stays where it is (ours to read, not to delete)."""
+    out = Path(output_dir)
+    if (out / "config.json").is_file() and any((out / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")):
+        return (f"{out} still holds the model an earlier version of this repository wrote at its top level (config.json and "
+                f"weights): it is an earlier step's; this run's final model is {out / FINAL_MODEL_DIR}. Delete the old files "
+                "by hand if you no longer need them")
+    return None
 
 
 def final_line(output_dir: str) -> str:

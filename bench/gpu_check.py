@@ -1,12 +1,12 @@
 """Ground truth on one GPU: everything a person needs to judge this repository there, written under one folder.
 
     bash bench/gpu_wheels.sh                                  # here, with network: what the GPU image lacks -> bench/wheels/
-    python3 bench/gpu_check.py --part 1 --output OUT          # on the GPU: environment, pytest -m gpu, FSDP2 configs
-    python3 bench/gpu_check.py --part 2 --output OUT          # FSDP1 and DDP configs, LoRA, QLoRA, a profile, scaling
+    python3 bench/gpu_check.py --part 1 --install-wheels --output OUT   # on the GPU: environment, pytest -m gpu, FSDP2 configs
+    python3 bench/gpu_check.py --part 2 --output OUT                    # FSDP1 and DDP configs, LoRA, QLoRA, a profile, scaling
 
 Each part stays under --budget seconds (default 560: one device command may run 600) and skips, with the reason,
 what would not fit. The GPU machine has no network: `bench/wheels/` (carried beside the tree) holds the pinned
-wheels its image lacks or holds in another version, installed first with --no-index --no-deps; what is still
+wheels its image lacks or holds in another version, installed with --install-wheels (--no-index --no-deps); what is still
 another version than requirements.txt pins (torch 2.11 against 2.13, say) is one line in the report, as is any
 private name of a library that moved (fsdp_recipes.compat.internals).
 
@@ -445,14 +445,20 @@ def main(argv=None) -> int:
     parser.add_argument("--output", type=Path, help="folder for the report (e.g. $OUT on the device machine)")
     parser.add_argument("--budget", type=float, default=560, help="seconds this part may take; what would not fit is skipped, with the reason")
     parser.add_argument("--wheel-list", action="store_true", help="print the wheels bench/gpu_wheels.sh downloads, one per line, and exit")
+    parser.add_argument("--install-wheels", action="store_true", help="first pip-install (--no-index --no-deps) the carried wheels of "
+                        "bench/wheels that this Python lacks or holds in another version (default: install nothing)")
     args = parser.parse_args(argv)
     if args.wheel_list:
         print("\n".join(wheel_list()))
         return 0
     if args.part is None or args.output is None:
         parser.error("give --part 1 or 2 and --output FOLDER (or --wheel-list)")
+    if args.output.is_symlink() or (args.output.exists() and not args.output.is_dir()):
+        parser.error(f"--output {args.output} is not a folder: give a new or empty folder for the report")
+    if args.output.is_dir() and any(args.output.iterdir()):
+        parser.error(f"--output {args.output} is not empty: give a new or empty folder (the report's files would mix with what is there)")
 
-    from fsdp_recipes.removal import remove
+    from fsdp_recipes.removal import is_ours, remove
 
     import torch
 
@@ -460,19 +466,23 @@ def main(argv=None) -> int:
         print("gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest", file=sys.stderr)
         return 1
     check_run = Check(args.output, args.budget)
-    make_work(check_run)
-    check_run.notes += install_wheels(check_run.log)
-    check_run.describe_environment()
-    check_run.save()
-    if args.part == 1:
-        check_run.pytest_gpu(min(300, check_run.left() - 3 * RUN_SECONDS))
-        check_run.configs(FSDP2)
-    else:
-        check_run.configs(FSDP1)
-        check_run.lora()
-        check_run.scaling()
-    check_run.save()
-    remove(check_run.work, "gpu check work")
+    try:
+        make_work(check_run)
+        if args.install_wheels:
+            check_run.notes += install_wheels(check_run.log)
+        check_run.describe_environment()
+        check_run.save()
+        if args.part == 1:
+            check_run.pytest_gpu(min(300, check_run.left() - 3 * RUN_SECONDS))
+            check_run.configs(FSDP2)
+        else:
+            check_run.configs(FSDP1)
+            check_run.lora()
+            check_run.scaling()
+        check_run.save()
+    finally:
+        if is_ours(check_run.work, "gpu check work"):
+            remove(check_run.work, "gpu check work")
     failed = [c["check"] for c in check_run.checks if not c["passed"]]
     print(f"gpu_check part {args.part}: {len(check_run.checks) - len(failed)} of {len(check_run.checks)} checks passed; report: {args.output / 'report.md'}")
     return 1 if failed else 0

@@ -112,7 +112,7 @@ def test_output_dir_of_another_run(run_dir):
     delete = check_output_dir(str(run_dir), resuming=False, overwrite=True)  # decides; the preflight deletes
     assert sorted(p.name for p in delete) == ["checkpoint-12", "checkpoint-6"] and (run_dir / "checkpoint-12").is_dir()
     preflight.carry_out(Plan(delete=delete))
-    assert not list(run_dir.glob("checkpoint-*")) and (run_dir / "model.safetensors").is_file()
+    assert not list(run_dir.glob("checkpoint-*")) and (run_dir / "model" / "model.safetensors").is_file()
 
 
 def test_full_state_dict_checkpoint(trained, tmp_path):

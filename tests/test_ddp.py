@@ -30,7 +30,7 @@ def test_ddp_is_real_ddp_and_trains(trained):
         assert rank["bytes"] == {"params": 4 * total, "grads": 4 * total, "optimizer": 8 * total}
     losses = logged_losses(run.output_dir)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.85 * losses[0], losses
-    assert read_json(run.output_dir / "config.json")["use_cache"] is read_json(run.output_dir / "checkpoint-12" / "config.json")["use_cache"] is True
+    assert read_json(run.model_dir / "config.json")["use_cache"] is read_json(run.output_dir / "checkpoint-12" / "config.json")["use_cache"] is True
 
 
 def test_zero1_holds_half_the_optimizer_state_per_rank(trained):

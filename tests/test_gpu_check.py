@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +187,23 @@ def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
     assert report.count("| accelerate_configs/zero3.yaml |") == 1 and "| LoRA (zero3) |" in report
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["environment.json", "logs.txt", "report.md", "results.json"]
     assert not list(run.work.glob("accelerate*"))  # each run's GBs removed once its numbers are read
+
+
+@pytest.mark.parametrize("kind", ["file", "non-empty folder", "link"])
+def test_an_output_that_is_not_a_new_or_empty_folder_is_refused_in_one_line(tmp_path, kind):
+    out = tmp_path / "out"
+    if kind == "file":
+        out.write_text("mine")
+    elif kind == "link":
+        (tmp_path / "elsewhere").mkdir()
+        out.symlink_to(tmp_path / "elsewhere")
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in Path(tempfile.gettempdir()).glob("gpu-check-*"))
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--part", "2", "--output", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"gpu_check.py: error: --output {out} is not")
+    assert (out.read_text() == "mine") if kind == "file" else sorted(p.name for p in out.iterdir()) in ([], ["notes.txt"])
+    assert sorted(p.name for p in Path(tempfile.gettempdir()).glob("gpu-check-*")) == before  # no work folder left
+

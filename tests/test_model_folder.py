@@ -15,7 +15,8 @@ from fsdp_recipes.ckpt.layout import final_model_folder, foreign_entries
 from fsdp_recipes.ckpt.resume import check_output_dir
 from fsdp_recipes.errors import RecipeError, RefusedRemoval
 from fsdp_recipes.removal import MARKER, is_ours, make_folder
-from fsdp_recipes.train.export import EXPORT_STAGING, publish
+from fsdp_recipes.config.model_source import model_source_problem
+from fsdp_recipes.train.export import EXPORT_STAGING, publish, publish_adapter
 from test_removal import FOREIGN, _model_folder, _snapshot
 
 MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
@@ -51,7 +52,7 @@ def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_at_the
     out.mkdir()
     FOREIGN[kind](out / "model")
     before = _snapshot(out / "model")
-    assert "model" in foreign_entries(out)
+    assert any(e == "model" or e.startswith("model/") for e in foreign_entries(out))
     with pytest.raises(RecipeError, match=r"holds files a training run does not write \(model"):
         check_output_dir(str(out), resuming=False, overwrite=False)
     staging = _staging(out)
@@ -59,6 +60,111 @@ def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_at_the
         publish(staging, out, MODEL_FILES)
     assert _snapshot(out / "model") == before
     assert (staging / "model.safetensors").is_file()  # the new model is still there, in its marked staging folder
+
+
+# What a merge or the export never writes into model/: each one makes the folder someone's (a resume would delete it)
+NOT_EXPORTED = {
+    "notes.txt": lambda m: (m / "notes.txt").write_text("mine"),
+    "adapter/": lambda m: ((m / "adapter").mkdir(), (m / "adapter" / "adapter_config.json").write_text("{}")),
+    "trainer_state.json": lambda m: (m / "trainer_state.json").write_text("{}"),
+    "adapter_config.json": lambda m: (m / "adapter_config.json").write_text("{}"),
+    "adapter_model.safetensors": lambda m: (m / "adapter_model.safetensors").write_text("x"),
+    "base_identity.json": lambda m: (m / "base_identity.json").write_text("{}"),
+    "training_args.bin": lambda m: (m / "training_args.bin").write_text("pickle"),
+    "README.md": lambda m: (m / "README.md").write_text("# my card"),
+    "eval/": lambda m: ((m / "eval").mkdir(), (m / "eval" / "config.json").write_text("{}")),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(NOT_EXPORTED))
+def test_model_folder_shape_is_exactly_what_the_export_writes(tmp_path, entry):
+    out = tmp_path / "run"
+    _model_folder(out / "model")
+    assert foreign_entries(out) == []  # the export's own folder: replaced by the next export
+    NOT_EXPORTED[entry](out / "model")
+    before = _snapshot(out / "model")
+    assert foreign_entries(out) == [f"model/{entry}"]  # named, so the user knows what to move
+    with pytest.raises(RecipeError, match=f"holds files a training run does not write \\(model/{entry}\\): .* move them out of output_dir"):
+        check_output_dir(str(out), resuming=True, overwrite=False)
+    with pytest.raises(RefusedRemoval):
+        publish(_staging(out), out, MODEL_FILES)
+    assert _snapshot(out / "model") == before
+
+
+def _exported_adapter(path):
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text("{}")
+    (path / "adapter_model.safetensors").write_text("old")
+    return path
+
+
+ADAPTER_KINDS = {**FOREIGN, "a file": lambda p: p.write_text("not a folder"), "adapter+README.md": lambda p: (
+    _exported_adapter(p), (p / "README.md").write_text("# my card")), "empty": lambda p: p.mkdir()}
+
+
+@pytest.mark.parametrize("kind", sorted(ADAPTER_KINDS))
+def test_an_adapter_name_holding_anything_else_is_refused_before_the_run_and_at_the_export(tmp_path, kind):
+    out = tmp_path / "run"
+    out.mkdir()
+    ADAPTER_KINDS[kind](out / "adapter")
+    before = _snapshot(out / "adapter") if (out / "adapter").is_dir() else (out / "adapter").read_text()
+    found = foreign_entries(out)  # (a link's target lies beside it, as adapter-target)
+    assert len([e for e in found if e == "adapter" or e.startswith("adapter/")]) == 1, found
+    with pytest.raises(RecipeError, match=r"holds files a training run does not write \(adapter"):
+        check_output_dir(str(out), resuming=True, overwrite=False)
+    staging = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
+    (staging / "adapter_config.json").write_text("{}")
+    with pytest.raises(RefusedRemoval):
+        publish_adapter(staging, out)
+    assert (_snapshot(out / "adapter") if (out / "adapter").is_dir() else (out / "adapter").read_text()) == before
+
+
+def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files(tmp_path):
+    out = tmp_path / "run"
+    _exported_adapter(out / "adapter")
+    (out / "adapter" / "adapter_model-00001-of-00002.safetensors").write_text("old")
+    assert foreign_entries(out) == []
+    staging = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
+    for name in ("adapter_config.json", "adapter_model.safetensors", "README.md", "base_identity.json"):
+        (staging / name).write_text("new")  # README.md: the model card peft's save_pretrained writes
+    adapter = publish_adapter(staging, out)
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "base_identity.json"]
+    assert (adapter / "adapter_model.safetensors").read_text() == "new" and not (out / ".adapter-tmp").exists()
+
+
+def test_a_run_folder_given_as_the_model_points_at_its_model_folder_in_either_layout(tmp_path):
+    for name, old_layout in (("new", False), ("old", True)):
+        run = tmp_path / name
+        _model_folder(run / "model")
+        (run / "checkpoint-4").mkdir()
+        if old_layout:  # an earlier version's model at the top, resumed since: model/ is the newer one
+            for file in MODEL_FILES:
+                (run / file).write_text("{}")
+        assert model_source_problem(str(run), weights=True) == f"is a training run's folder: its final model is {run / 'model'}; give that"
+        assert model_source_problem(str(run / "model"), weights=True) is None
+
+
+def test_check_checkpoint_on_a_finished_run_that_kept_no_checkpoint(tmp_path):
+    done, started = tmp_path / "done", tmp_path / "started"
+    _model_folder(done / "model")
+    (done / "run_args.json").write_text("{}")
+    started.mkdir()
+    (started / "run_args.json").write_text("{}")
+    results = {}
+    for run in (done, started):
+        proc = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(run)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        results[run.name] = (proc.returncode, proc.stdout.strip().splitlines())
+    assert results["done"] == (0, [f"{done}: no checkpoint-N folders (saved with save_strategy no, or none written yet): nothing to resume",
+                                   f"final model: {done / 'model'}"])
+    assert results["started"][0] == 1 and results["started"][1][-1] == "final model: none (the run has not finished)"
+    proc = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(done), "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and read_json_text(proc.stdout) == {"checkpoints": [], "resume_uses": None, "final_model": str(done / "model")}
+
+
+def read_json_text(text):
+    import json
+
+    return json.loads(text)
 
 
 def test_check_checkpoint_names_the_final_model_in_either_layout(tmp_path):
@@ -96,6 +202,7 @@ def test_a_run_folder_of_the_earlier_layout_resumes_and_gets_its_model_folder(tr
     old = _snapshot(out)
     resumed = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert f"model saved to {out / 'model'} (only the model" in resumed.stdout
+    assert f"{out} still holds the model an earlier version of this repository wrote at its top level" in resumed.stdout + resumed.stderr
     assert sorted(set(_snapshot(out)) - set(old)) == sorted(["model", *(f"model/{p.name}" for p in reference.model_dir.iterdir())])
     assert (out / ".run.lock").read_text().startswith("host old")  # not ours to delete
     final, expected = load_file(out / "model" / "model.safetensors"), load_file(reference.model_dir / "model.safetensors")

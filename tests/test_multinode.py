@@ -29,8 +29,9 @@ def run_nodes(commands: list[list[str]], cwd: Path, env: dict | None = None) -> 
     return logs
 
 
-def assert_same_weights(folder: Path, reference: Path) -> None:
-    got, want = load_file(folder / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
+def assert_same_weights(model: Path, reference: Path) -> None:
+    """Two model folders (a run's output_dir/model, or the merge tool's output) hold the same weights."""
+    got, want = load_file(model / "model.safetensors"), load_file(reference / "model.safetensors")
     assert set(got) == set(want)
     for name in want:
         assert torch.equal(got[name], want[name]), name
@@ -70,10 +71,10 @@ def test_sbatch_file_as_shipped_on_two_fake_nodes(trained, tmp_path):
     assert_sharded(read_json(shared / "fsdp_report.json"), world=2, shard_group=2, wrapper="FSDP2")
     shards = shared / "checkpoint-12" / "pytorch_model_fsdp_0"
     assert sorted(p.name for p in shards.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(2)]
-    assert_same_weights(shared, trained("accelerate_configs/zero3.yaml").output_dir)  # the session's one-machine run
+    assert_same_weights(shared / "model", trained("accelerate_configs/zero3.yaml").model_dir)  # the session's one-machine run
     merged = tmp_path / "merged"
     merge_checkpoint(shared / "checkpoint-12", merged, log=lambda *_: None)
-    assert_same_weights(merged, shared)
+    assert_same_weights(merged, shared / "model")
 
 
 def test_hybrid_shard_shards_inside_each_node(trained, tmp_path):
@@ -83,7 +84,7 @@ def test_hybrid_shard_shards_inside_each_node(trained, tmp_path):
     cmd = ["bash", str(REPO / "tools" / "slurm" / "launch_node.sh"), config, *QUICK, "--output_dir", str(shared)]
     run_nodes([["env", f"SLURM_NODEID={n}", *cmd] for n in (0, 1)], cwd=REPO, env=slurm_env(2, 2))
     assert_sharded(read_json(shared / "fsdp_report.json"), world=4, shard_group=2, wrapper="FSDP2")
-    assert_same_weights(shared, trained(config).output_dir)  # the session's one-machine run of the same 2 x 2 mesh
+    assert_same_weights(shared / "model", trained(config).model_dir)  # the session's one-machine run of the same 2 x 2 mesh
 
 
 def test_fsdp1_on_two_nodes_by_hand(trained, tmp_path):
@@ -98,7 +99,7 @@ def test_fsdp1_on_two_nodes_by_hand(trained, tmp_path):
     ]
     run_nodes(commands, cwd=REPO)
     assert_sharded(read_json(shared / "fsdp_report.json"), world=2, shard_group=2, wrapper="FSDP1")
-    assert_same_weights(shared, trained(config).output_dir)
+    assert_same_weights(shared / "model", trained(config).model_dir)
 
 
 def test_torchrun_on_two_nodes_matches_accelerate(trained, tmp_path):
@@ -114,8 +115,8 @@ def test_torchrun_on_two_nodes_matches_accelerate(trained, tmp_path):
     ]
     run_nodes(commands, cwd=REPO)
     assert_sharded(read_json(shared / "fsdp_report.json"), world=2, shard_group=2, wrapper="FSDP2")
-    reference = trained("accelerate_configs/zero3.yaml", launch_args=("--mixed_precision", "no")).output_dir
-    assert_same_weights(shared, reference)
+    reference = trained("accelerate_configs/zero3.yaml", launch_args=("--mixed_precision", "no")).model_dir
+    assert_same_weights(shared / "model", reference)
     assert (shared / "checkpoint-12" / "pytorch_model_fsdp_0" / ".metadata").is_file()
 
 

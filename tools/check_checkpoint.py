@@ -38,8 +38,16 @@ def main(argv=None) -> int:
     if not path.is_dir():
         print(f"check_checkpoint.py: error: {path} is not a folder: give a checkpoint-N folder or a run's output folder", file=sys.stderr)
         return 1
-    run_folder = bool(checkpoint_steps(path))
-    final = final_model_folder(path) if run_folder else None
+    final_dir = final_model_folder(path)
+    run_folder = bool(checkpoint_steps(path)) or (path / "run_args.json").is_file() or (final_dir is not None and final_dir != path)
+    final = final_dir if run_folder else None
+    if run_folder and not checkpoint_steps(path):  # a finished run that kept no checkpoint (save_strategy no)
+        if args.json:
+            print(json.dumps({"checkpoints": [], "resume_uses": None, "final_model": final and str(final)}, indent=2))
+        else:
+            print(f"{path}: no checkpoint-N folders (saved with save_strategy no, or none written yet): nothing to resume")
+            print(f"final model: {final}" if final else "final model: none (the run has not finished)")
+        return 0 if final else 1
     folders = checkpoint_steps(path) or [path]
     statuses = [checkpoint_status(folder) for folder in folders]
     # as resolve_resume("true"): the newest resumable one, unless a newer one may be complete (unreadable by this version)

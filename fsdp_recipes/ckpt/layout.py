@@ -66,7 +66,9 @@ def training_content(folder: Path) -> str | None:
 # as patterns, and the subfolders whose own contents are checked the same way.
 _DESCRIPTION_FILES = (r"config\.json", r"generation_config\.json", r"tokenizer(_config)?\.json", r"tokenizer\.model",
                       r"special_tokens_map\.json", r"added_tokens\.json", r"vocab\.json", r"merges\.txt", r"chat_template\.(jinja|json)")
-_MODEL_FILES = (*_DESCRIPTION_FILES, r"model(-\d+-of-\d+)?\.safetensors", r"model\.safetensors\.index\.json",
+_WEIGHT_FILES = (r"model(-\d+-of-\d+)?\.safetensors", r"model\.safetensors\.index\.json")
+_EXPORTED_MODEL_FILES = (*_DESCRIPTION_FILES, *_WEIGHT_FILES)  # exactly what a merge or the final export writes
+_MODEL_FILES = (*_EXPORTED_MODEL_FILES,
                 r"trainer_state\.json", r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors",
                 r"adapter_model\.safetensors\.index\.json", r"base_identity\.json", r"\.made-by-fsdp-recipes")
 _CHECKPOINT_FILES = (*_MODEL_FILES, r"training_args\.bin", r"scheduler\.pt", r"scaler\.pt", r"rng_state(_\d+)?\.pth",
@@ -93,8 +95,15 @@ def _only(folder: Path, files: tuple[str, ...], folders: dict[str, tuple[str, ..
 
 
 def is_model_folder(folder: Path) -> bool:
-    """Only what a merge or an export writes: weights, config, generation config, tokenizer (and an adapter/)."""
-    return _only(Path(folder), _MODEL_FILES, {ADAPTER_DIR: _MODEL_FILES})
+    """Only what a merge or the final export writes, the folder we may replace: weights and their index, config,
+    generation config, tokenizer and chat template files; no subfolder (a trainer_state.json, an adapter, a notes.txt
+    there are someone's)."""
+    return _only(Path(folder), _EXPORTED_MODEL_FILES, {})
+
+
+def unlike_model_folder(folder: Path) -> str:
+    """The first entry of ``folder`` that makes it more than a model folder (for the one-line refusal)."""
+    return _first_unlike(folder, _EXPORTED_MODEL_FILES)
 
 
 # What a training run writes into its output_dir, beside the model files: checkpoints, set-aside ones, its records,
@@ -106,20 +115,42 @@ _RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(incomplete|replaced)-checkp
 
 def foreign_entries(output_dir: Path) -> list[str]:
     """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/), links (a run
-    would write through them), and a ``model/`` that holds more than a model (the export replaces that folder): sorted."""
-    def foreign(p: Path) -> bool:
-        if p.name == FINAL_MODEL_DIR:
-            return not is_model_folder(p)
-        return p.is_symlink() or not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES)
+    would write through them), and what makes ``model/`` or ``adapter/`` more than the export writes there (the
+    export replaces those folders): ``model/notes.txt``, ``adapter`` (a file). Sorted."""
+    found = []
+    for p in Path(output_dir).iterdir():
+        if p.name == FINAL_MODEL_DIR and not is_model_folder(p):
+            found.append(f"{p.name}/{unlike_model_folder(p)}" if p.is_dir() and not p.is_symlink() else p.name)
+        elif p.name == ADAPTER_DIR and not is_exported_adapter(p):
+            found.append(f"{p.name}/{unlike_adapter_folder(p)}" if p.is_dir() and not p.is_symlink() else p.name)
+        elif p.name not in (FINAL_MODEL_DIR, ADAPTER_DIR) and (p.is_symlink() or not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES)):
+            found.append(p.name)
+    return sorted(found)
 
-    return sorted(p.name for p in Path(output_dir).iterdir() if foreign(p))
+
+_ADAPTER_FILES = (r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors", r"adapter_model\.safetensors\.index\.json",
+                  r"base_identity\.json")
 
 
 def is_exported_adapter(folder: Path) -> bool:
     """A real folder holding only what an adapter export writes: adapter_config.json and adapter_model files."""
-    return (Path(folder) / ADAPTER_CONFIG).is_file() and _only(
-        Path(folder), (r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors", r"adapter_model\.safetensors\.index\.json",
-                         r"base_identity\.json"), {})
+    return (Path(folder) / ADAPTER_CONFIG).is_file() and _only(Path(folder), _ADAPTER_FILES, {})
+
+
+def is_adapter_file(name: str) -> bool:
+    return any(re.fullmatch(p, name) for p in _ADAPTER_FILES)
+
+
+def unlike_adapter_folder(folder: Path) -> str:
+    """The first entry of ``folder`` that makes it more than an exported adapter (for the one-line refusal)."""
+    return _first_unlike(folder, _ADAPTER_FILES) or f"(no {ADAPTER_CONFIG})"
+
+
+def _first_unlike(folder: Path, files: tuple[str, ...]) -> str:
+    for entry in sorted(Path(folder).iterdir()):
+        if entry.is_symlink() or not entry.is_file() or not any(re.fullmatch(p, entry.name) for p in files):
+            return entry.name + ("/" if entry.is_dir() and not entry.is_symlink() else "")
+    return ""
 
 
 def is_checkpoint_folder(folder: Path) -> bool:

@@ -252,8 +252,9 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
                               "mix with its input; choose another --output_dir")
     if out.is_dir() and (foreign := foreign_entries(out)):
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
-        raise RecipeError(f"output_dir {output_dir!r} holds files a training run does not write ({shown}): the run's "
-                          "checkpoints and model files would be written among them; choose an empty or new --output_dir")
+        raise RecipeError(f"output_dir {output_dir!r} holds files a training run does not write ({shown}): the run "
+                          "would write (or replace) its checkpoints, model/ and adapter/ among them; move them out of output_dir, "
+                          "or choose an empty or new --output_dir")
     if resuming and resume is not None and real(resume).parent != real(output_dir):
         resuming = False  # another folder's checkpoint: this output_dir starts a new line of checkpoints
     if resuming or not out.is_dir():

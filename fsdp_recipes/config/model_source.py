@@ -35,6 +35,9 @@ def model_source_problem(name: str, weights: bool) -> str | None:
                 f"is a sharded FSDP checkpoint: merge it first (python tools/merge_checkpoint.py {name} MERGED) and "
                 "fine-tune from MERGED, or continue its run with --resume_from_checkpoint"
             )
+        if weights and (path / "model" / "config.json").is_file() and ((path / "run_args.json").is_file() or any(path.glob("checkpoint-*"))):
+            # a run folder, also one an earlier version wrote its model into: a resume since may have left that stale
+            return f"is a training run's folder: its final model is {Path(name) / 'model'}; give that"
         if not weights:  # a tokenizer: its own files, with or without a model's config.json
             if not any((path / f).is_file() for f in TOKENIZER_SOURCE_FILES):
                 return (f"has no tokenizer files ({', '.join(TOKENIZER_SOURCE_FILES)}): pass --tokenizer_name with a folder or "

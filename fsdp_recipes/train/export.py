@@ -22,8 +22,8 @@ from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, write_manifest
 from fsdp_recipes.ckpt.layout import (
-    ADAPTER_CONFIG, ADAPTER_DIR, DCP_MODEL_DIR, FINAL_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_exported_adapter,
-    is_model_folder,
+    ADAPTER_CONFIG, ADAPTER_DIR, DCP_MODEL_DIR, FINAL_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_adapter_file,
+    is_exported_adapter, is_model_folder,
 )
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
@@ -128,9 +128,12 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
             make_folder(shards, EXPORT_STAGING)
     if plugin is None and lora is not None:  # a run without FSDP (--allow_no_fsdp): the whole model is here
         if accelerator.is_main_process:
-            model.save_pretrained(str(out / ADAPTER_DIR))
+            adapter_staging = out / ".adapter-tmp"
+            make_folder(adapter_staging, EXPORT_STAGING)
+            model.save_pretrained(str(adapter_staging))
             if trainer.describer.base_record is not None:
-                base_identity.write(out / ADAPTER_DIR, trainer.describer.base_record)
+                base_identity.write(adapter_staging, trainer.describer.base_record)
+            publish_adapter(adapter_staging, out)
             model.merge_and_unload().save_pretrained(str(staging))
             publish(staging, out, [*save_model_description(base, tokenizer, staging), *weight_files(staging)])
         return  # no barrier: the other ranks have nothing left to do (see the docstring)
@@ -328,6 +331,20 @@ def publish(staging: Path, out: Path, files: list[str]) -> Path:
     return final
 
 
+def publish_adapter(staging: Path, out: Path) -> Path:
+    """The finished adapter staging folder becomes ``out/adapter/`` in one rename, holding only the adapter's files
+    (not peft's README.md model card); an earlier export's adapter folder is replaced, anything else there refused."""
+    for entry in staging.iterdir():
+        if entry.name != MARKER and not is_adapter_file(entry.name):
+            remove_inside(staging, entry.name, EXPORT_STAGING)
+    adapter = out / ADAPTER_DIR
+    if adapter.exists() or adapter.is_symlink():
+        remove(adapter, "an earlier run's adapter folder", shape=is_exported_adapter)
+    move(staging, adapter)
+    unmark(adapter, EXPORT_STAGING)
+    return adapter
+
+
 def finished_checkpoint_step(training_args) -> int | None:
     """The step of the checkpoint being resumed when it already reaches max_steps, else None.
 
@@ -362,17 +379,15 @@ def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log
     lora, adapter = (ckpt / ADAPTER_CONFIG).is_file(), out / ADAPTER_DIR
     if lora and (adapter.exists() or adapter.is_symlink()) and not is_exported_adapter(adapter):
         raise CheckpointError(f"{adapter} exists and is not an adapter folder an export wrote (only adapter files in a real "
-                              "folder): move it out of output_dir, then run the same command again")
+                              "folder): move it out of output_dir; the checkpoints are kept, and --resume_from_checkpoint true then writes "
+                              "the final model from the last one")
     if description_dirs(resolve_input(ckpt))[0] is not None:
         base_model = None  # the checkpoint describes itself
     result = merge_checkpoint(ckpt, staging, overwrite=True, base_model=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING)
     if lora:  # a LoRA run: the adapter too, in a folder of its own
         adapter_staging = out / ".adapter-tmp"
         merge_checkpoint(ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log, output_purpose=EXPORT_STAGING)
-        if adapter.exists():
-            remove(adapter, "adapter folder", shape=is_exported_adapter)  # an earlier export's (checked above)
-        unmark(adapter_staging, EXPORT_STAGING)
-        move(adapter_staging, adapter)
+        publish_adapter(adapter_staging, out)
     publish(staging, out, result.files)
     if (ckpt / "trainer_state.json").is_file():
         shutil.copy2(ckpt / "trainer_state.json", out / "trainer_state.json")
