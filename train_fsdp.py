@@ -94,6 +94,7 @@ def main(model_args, data_args, plan):
         processing_class=tokenizer,
         zero1=plan.run_args.zero1,
         save_dtype=plan.run_args.save_dtype,
+        async_checkpoints=plan.run_args.async_checkpoints,
     )
     trainer.describer.base_record = base_record  # into every checkpoint and the adapter folder
     if problem := save_dtype_problem(trainer, plan.run_args.save_dtype):
@@ -105,6 +106,8 @@ def main(model_args, data_args, plan):
     if trainer.inexact_full_resume() and training_args.save_strategy != "no" and not training_args.resume_from_checkpoint:
         logger.warning("FSDP1 with fsdp_state_dict_type: FULL_STATE_DICT and fsdp_use_orig_params: true writes checkpoints that "
                        "do not resume exactly (torch 2.13): a resume is refused; SHARDED_STATE_DICT (every shipped config) resumes exactly")
+    if training_args.save_strategy != "no":
+        logger.info(trainer.async_saves.describe())
     if training_args.resume_from_checkpoint:
         if problem := trainer.resume_mismatch(training_args.resume_from_checkpoint):
             raise RecipeError(problem)  # every rank reads the same headers: all stop alike, before any load

@@ -300,6 +300,12 @@ class RunArguments:
                   "precision give a float32 folder). bfloat16 halves a float32 model. fsdp_report.json states it "
                   "(precision.saved_model, and export.dtype once written).", "choices": list(DTYPES)},
     )
+    async_checkpoints: bool = field(
+        default=True,
+        metadata={"help": "FSDP2 SHARDED_STATE_DICT: write checkpoint shards in the background while training goes on "
+                  "(a host copy of this rank's shards held meanwhile, one checkpoint at a time; complete once every rank "
+                  "wrote it). false: wait for each, as the stock Trainer does."},
+    )
     cpu_bf16: bool = field(
         default=False,
         metadata={"help": "Keep bf16 mixed precision on a CPU without native bf16 instructions (x86 without avx512_bf16 "

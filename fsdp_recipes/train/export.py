@@ -81,11 +81,15 @@ class DescribeCheckpoints(TrainerCallback):
             logger.warning(f"no {MANIFEST} in {folder} ({type(err).__name__}: {err}); merging it checks the config with transformers")
 
     def on_save(self, args, state, control, **kwargs):
-        accelerator = self.trainer.accelerator
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if not state.is_world_process_zero:
-            return  # FSDPTrainer._save_checkpoint has waited for every rank's files before this
-        run_report = Path(args.output_dir) / REPORT_NAME
+        if not state.is_world_process_zero or getattr(self.trainer, "async_saves", None) and self.trainer.async_saves.is_pending(folder):
+            return  # FSDPTrainer._save_checkpoint has waited for every rank's files before this (or AsyncCheckpoints will)
+        self.finish_checkpoint(folder)
+
+    def finish_checkpoint(self, folder: Path) -> None:
+        """The run's report and shard_digests.json, once every rank's files of ``folder`` are written (rank 0)."""
+        accelerator = self.trainer.accelerator
+        run_report = Path(self.trainer.args.output_dir) / REPORT_NAME
         if run_report.is_file():
             plugin = getattr(accelerator.state, "fsdp_plugin", None)
             report = json.loads(run_report.read_text())

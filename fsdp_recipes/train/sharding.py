@@ -254,6 +254,14 @@ def add_peak_memory(output_dir: str, accelerator, peaks: list[dict]) -> None:
     _update_report(output_dir, accelerator, update)
 
 
+def add_checkpoint_writes(output_dir: str, accelerator, writes: dict) -> None:
+    """How the run's checkpoints were written (fsdp_recipes.train.async_checkpoints.AsyncCheckpoints.report)."""
+    def update(report):
+        report["checkpoint_writes"] = writes
+
+    _update_report(output_dir, accelerator, update)
+
+
 def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: list[dict], optimizer_dtype: str | None = None) -> None:
     """Record each rank's measured bytes of model states (after the first optimizer step) in the report, and the
     dtype of the optimizer state."""

@@ -35,7 +35,7 @@ eval_perplexity; the end-of-run metrics carry the run's averages (fsdp_recipes.t
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from transformers import Trainer
@@ -46,10 +46,11 @@ from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, model_mismatch, rotate,
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
 from fsdp_recipes.removal import make_folder
+from fsdp_recipes.train.async_checkpoints import AsyncCheckpoints
 from fsdp_recipes.train.export import DescribeCheckpoints, export_dtype, lora_parts
 from fsdp_recipes.train.metrics import Throughput, perplexity
 from fsdp_recipes.train.preemption import Preemption
-from fsdp_recipes.train.sharding import ShardingReport
+from fsdp_recipes.train.sharding import ShardingReport, add_checkpoint_writes
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._sav
 
 
 class FSDPTrainer(Trainer):
-    def __init__(self, *args, zero1: bool = False, save_dtype: str = "auto", **kwargs):
+    def __init__(self, *args, zero1: bool = False, save_dtype: str = "auto", async_checkpoints: bool = True, **kwargs):
         internals.require(*OVERRIDES)  # a renamed base method would leave ours never called
         model = kwargs.get("model")
         if zero1:  # the Trainer's own optimizer and settings, each rank stepping its 1/N of the parameters
@@ -122,6 +123,25 @@ class FSDPTrainer(Trainer):
         self.preemption = Preemption()  # SIGTERM/SIGUSR1: checkpoint at the end of the current step, then stop
         self.add_callback(self.preemption)
         self.throughput = Throughput()  # train_fsdp.py sets its FLOPs per token and peak where MFU is known
+        self.async_saves = AsyncCheckpoints(self, async_checkpoints)  # checkpoints written while training goes on
+        self.add_callback(self.async_saves)
+        self.run_dir, self.save_limit = Path(self.args.output_dir), self.args.save_total_limit
+
+    def train(self, *args, **kwargs):
+        """The Trainer's train, then the asynchronous save still in flight written (or abandoned on an exception)."""
+        try:
+            result = super().train(*args, **kwargs)
+        except BaseException:
+            self.async_saves.abandon()
+            raise
+        self.async_saves.finish()
+        if self.args.save_strategy != "no":
+            add_checkpoint_writes(self.args.output_dir, self.accelerator, self.async_saves.report())
+        return result
+
+    def rotate_checkpoints(self) -> None:
+        """Checkpoints beyond save_total_limit deleted, once every rank has finished the newest (rank 0)."""
+        rotate(self.run_dir, self.save_limit, keep=self.state.best_model_checkpoint, warn=logger.warning)
 
     def close_progress_bar(self) -> None:
         """A run that fails mid-training leaves tqdm's bar open, without its newline."""
@@ -230,6 +250,9 @@ class FSDPTrainer(Trainer):
         with self.throughput.excluded(), self.model_config_for_saving():  # writing a checkpoint is not training time
             run_dir = internals.get("transformers.Trainer._get_output_dir")(self, trial=trial)
             folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            background = self.async_saves.active
+            if background:
+                self.async_saves.finish()  # at most one save in flight: the previous one completes (and rotates) first
             if self.args.should_save:
                 if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files
                     moved = set_aside(folder, REPLACED_PREFIX)
@@ -238,11 +261,15 @@ class FSDPTrainer(Trainer):
                 self.describer.describe(folder)  # before any shard, so before trainer_state.json
             self.accelerator.wait_for_everyone()
             limit = self.args.save_total_limit
+            self.run_dir, self.save_limit = Path(run_dir), limit
             self.args.save_total_limit = None  # the Trainer's own rotation, which would run before the other ranks finish
             try:
-                super()._save_checkpoint(model, trial)
+                with self.async_saves.saving(folder, self.state.global_step) if background else nullcontext():
+                    super()._save_checkpoint(model, trial)
             finally:
                 self.args.save_total_limit = limit
+            if background:
+                return  # complete, and rotated, once every rank has written it (AsyncCheckpoints)
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
-                rotate(run_dir, limit, keep=self.state.best_model_checkpoint, warn=logger.warning)
+                self.rotate_checkpoints()

@@ -8,6 +8,9 @@ and a real SIGKILL at a chosen point.
       point final     rank(s) die as the final model folder is about to be written (<step> is ignored)
       point slowexport rank(s) sleep <step> seconds before writing their part of the final model folder (after the
                       export's last collective): a conversion slower than --ddp_timeout
+      point heldsave  rank(s)' background writes of checkpoint-<step> (asynchronous checkpoints) wait until training
+                      has reached step <step> + 2: the write can only finish while training goes on
+      point killheldsave  the same, and rank(s) die at step <step> + 2, checkpoint-<step> still being written
       point sigterm   rank(s) send SIGTERM to the launcher and every rank at once (as SLURM does to a job step)
                       before the first micro-batch after <step> optimizer steps
       point usr1      rank(s) send SIGUSR1 to themselves only, at the same moment (the others must stop alike)
@@ -138,8 +141,33 @@ if os.environ.get("FSDP_FAULT"):
             return write_part(*args, **kwargs)
 
         fsdp_recipes.train.export.write_part = slow_write_part
+    elif point in ("heldsave", "killheldsave"):
+        import threading
+
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        released = threading.Event()
+        write_data = FileSystemWriter.write_data
+        training_step = Trainer.training_step
+
+        def held_write_data(self, *args, **kwargs):  # runs in DCP's writing thread
+            if Path(str(self.path)).parent.name == f"checkpoint-{step}" and _dies(ranks):
+                released.wait()
+            return write_data(self, *args, **kwargs)
+
+        def training_step_then_release(self, *args, **kwargs):
+            if self.state.global_step == int(step) + 2 and _dies(ranks):
+                print(f"fault injection: checkpoint-{step} still being written at step {self.state.global_step}", file=sys.stderr, flush=True)
+                if point == "killheldsave":
+                    _die()
+                released.set()
+            return training_step(self, *args, **kwargs)
+
+        FileSystemWriter.write_data = held_write_data
+        Trainer.training_step = training_step_then_release
     else:
-        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, slowexport, early, sigterm, usr1 or sigint")
+        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, slowexport, early, sigterm, usr1, sigint, "
+                         "heldsave or killheldsave")
 
 if os.environ.get("FSDP_EXPORT_PART_MIN"):
     import fsdp_recipes.train.export

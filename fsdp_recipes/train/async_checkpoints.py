@@ -1,0 +1,160 @@
+"""Asynchronous checkpoints: training goes on while a checkpoint's shards are written.
+
+Where it applies (FSDP2 with SHARDED_STATE_DICT, every shipped FSDP2 config; not with load_best_model_at_end, which
+loads a checkpoint inside the Trainer's own loop), each checkpoint-N is saved as before, except that the model's and
+the optimizer's DCP shards go through DCP's ``async_save`` (fsdp_recipes.compat.async_dcp): the rank's shard of the
+weights and of Adam's state is copied to host memory (the staging, as large as those shards: stated at the start of
+the run) and a thread writes it, while the next steps train. The small files (scheduler, RNG states, config,
+tokenizer) are written at once.
+
+A checkpoint is complete only once every rank has finished: until then it has no trainer_state.json and no
+shard_digests.json, so a run killed meanwhile (kill -9 included) resumes from the checkpoint before it
+(``--resume_from_checkpoint true`` passes over an incomplete one and sets it aside). At the end of each optimizer
+step the ranks agree, with one all-reduce of one number while a save is in flight, whether every write has
+finished; the step that sees it writes shard_digests.json, then trainer_state.json (the Trainer's, as it was at the
+checkpoint's step), then rotates the old checkpoints away. At most one save is in flight: the next checkpoint, the
+end of training (a preemption's stop included) and the final export wait for it first. An exception abandons it:
+nothing more is written, and the checkpoint stays incomplete.
+
+``--async_checkpoints false`` writes every checkpoint before training goes on, as the stock Trainer does.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from fsdp_recipes.compat.async_dcp import async_dcp_saves
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Pending:
+    folder: Path
+    step: int
+    futures: list
+    started: float
+    staged_bytes: list = dataclasses.field(default_factory=list)  # per save (model, optimizer): this rank's host copy
+    trainer_state: tuple[Path, object] | None = None  # rank 0: where trainer_state.json goes, and the state at the step
+
+
+class AsyncCheckpoints(TrainerCallback):
+    def __init__(self, trainer, enabled: bool):
+        self.trainer, self.enabled = trainer, enabled
+        self.groups: list = []  # a gloo group for each save of a checkpoint (compat.async_dcp), made on first use
+        self.pending: Pending | None = None
+        self.completed: list[dict] = []  # per checkpoint: step, seconds, the step training had reached (the report)
+
+    def why_not(self) -> str | None:
+        """Why checkpoints of this run cannot be asynchronous (None: they are)."""
+        plugin = getattr(self.trainer.accelerator.state, "fsdp_plugin", None)
+        if plugin is None or plugin.fsdp_version != 2:
+            return "only FSDP2 writes them exactly (FSDP1 and DDP checkpoints are written before training goes on)"
+        if "SHARDED" not in str(plugin.state_dict_type):
+            return "FULL_STATE_DICT checkpoints are gathered whole, not written by DCP"
+        if self.trainer.args.load_best_model_at_end:
+            return "load_best_model_at_end loads a checkpoint inside the Trainer's loop"
+        return None
+
+    def describe(self) -> str:
+        """One line for the start of the run: how its checkpoints are written."""
+        if not self.enabled:
+            return "checkpoints are written before training goes on (--async_checkpoints false)"
+        if (reason := self.why_not()) is not None:
+            return f"checkpoints are written before training goes on: {reason}"
+        return ("checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
+                "each): a host copy of this rank's weight and optimizer shards is held until written, one checkpoint at a time")
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.why_not() is None
+
+    @contextmanager
+    def saving(self, folder: Path, step: int):
+        """Around the Trainer's _save_checkpoint: its DCP saves start in the background; trainer_state.json is held back."""
+        import torch.distributed as dist
+
+        if self.pending is not None:
+            self.finish()  # at most one in flight
+        def group(i: int):  # every rank makes the same saves in the same order, so the i-th group matches
+            while len(self.groups) <= i:
+                self.groups.append(dist.new_group(backend="gloo"))
+            return self.groups[i]
+
+        pending = Pending(folder, step, [], time.monotonic())
+        state = self.trainer.state
+
+        def hold(path):  # the state as it is now, written by its own save_to_json once every rank is done
+            held = copy.deepcopy(state)
+            del held.save_to_json  # the copy's own method again (deepcopy took this hold along)
+            pending.trainer_state = (Path(path), held)
+
+        state.save_to_json = hold  # this instance only, for this save
+        try:
+            with async_dcp_saves(group, pending.futures, pending.staged_bytes):
+                yield
+        finally:
+            del state.save_to_json
+        self.pending = pending
+
+    def is_pending(self, folder: Path) -> bool:
+        return self.pending is not None and self.pending.folder == Path(folder)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.pending is None:
+            return
+        import torch
+
+        done = all(f.done() for f in self.pending.futures)
+        agreed = self.trainer.accelerator.reduce(torch.tensor(int(done), device=self.trainer.accelerator.device), reduction="sum")
+        if int(agreed.item()) == self.trainer.accelerator.num_processes:
+            self._complete(state.global_step)
+
+    def finish(self) -> None:
+        """Wait for the save in flight on this rank, then for every rank, then complete it."""
+        if self.pending is None:
+            return
+        for future in self.pending.futures:
+            future.result()
+        self.trainer.accelerator.wait_for_everyone()
+        self._complete(self.trainer.state.global_step)
+
+    def abandon(self) -> None:
+        """After an exception: write nothing more; the checkpoint stays incomplete (no trainer_state.json)."""
+        if self.pending is not None:
+            logger.warning(f"{self.pending.folder.name}: its asynchronous save was abandoned; it stays incomplete, and a resume passes over it")
+            self.pending = None
+
+    def _complete(self, reached: int) -> None:
+        pending, self.pending = self.pending, None
+        for future in pending.futures:
+            future.result()  # a failed write raises here, on the rank that saw it
+        seconds = round(time.monotonic() - pending.started, 3)
+        staged = sum(pending.staged_bytes)
+        self.completed.append({"step": pending.step, "seconds": seconds, "training_reached": reached, "staged_bytes": staged})
+        if self.trainer.args.should_save:
+            self.trainer.describer.finish_checkpoint(pending.folder)  # shard_digests.json: every rank's files are written
+            if pending.trainer_state is not None:
+                path, held = pending.trainer_state
+                held.save_to_json(str(path))  # last: the checkpoint is complete
+            self.trainer.rotate_checkpoints()
+        if self.trainer.is_world_process_zero():
+            logger.info(f"{pending.folder.name} written in the background in {seconds:.1f} s while training went on to step {reached} "
+                        f"(a host copy of {staged / 2**20:,.1f} MiB of this rank's shards held meanwhile)")
+
+    def report(self) -> dict:
+        """fsdp_report.json's checkpoint_writes: how checkpoints were written, and (background) what each cost here."""
+        if not self.active:
+            return {"mode": "blocking", "why": "--async_checkpoints false" if not self.enabled else self.why_not()}
+        done = self.completed
+        return {"mode": "background", "saves": len(done),
+                "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),  # rank 0's host copy per save
+                "seconds_max": max((c["seconds"] for c in done), default=0.0),
+                "last": done[-5:]}

@@ -1,0 +1,73 @@
+"""Asynchronous checkpoints (fsdp_recipes.train.async_checkpoints), with real multi-process runs: a checkpoint whose
+writing is held back by fault injection until training has gone on two more steps, so that the overlap is certain
+and not a matter of timing; the same run killed while that write is in flight; the flag that turns it off."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FAULT_SCRIPT, launch, quick, read_json
+
+pytestmark = pytest.mark.slow  # every test here launches real runs
+
+ZERO3 = "accelerate_configs/zero3.yaml"
+EVERY_3 = quick(save_steps="3")  # checkpoints 3, 6, 9, 12 of the same 12 steps as the session's reference run
+
+
+def assert_same_model(model_dir, reference_dir) -> None:
+    final, reference = load_file(model_dir / "model.safetensors"), load_file(reference_dir / "model.safetensors")
+    assert set(final) == set(reference)
+    for name in reference:
+        assert torch.equal(final[name], reference[name]), name
+
+
+def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
+    out = tmp_path / "run"
+    run = launch(ZERO3, *EVERY_3, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:heldsave:3"})
+    assert "checkpoints are written in the background while training goes on" in run.stdout
+    assert "fault injection: checkpoint-3 still being written at step 5" in run.stderr
+    written = {int(s): int(r) for s, r in re.findall(r"checkpoint-(\d+) written in the background in [\d.]+ s while training went on to step (\d+)", run.stdout)}
+    assert sorted(written) == [3, 6, 9, 12] and written[3] >= 5, written  # its write finished only after step 5
+    for step in (6, 9):
+        assert written[step] > step  # nothing held: still written while the next step trained
+    for step in (6, 9, 12):  # save_total_limit 3: the newest three, each complete
+        assert read_json(out / f"checkpoint-{step}" / "trainer_state.json")["global_step"] == step
+        assert (out / f"checkpoint-{step}" / "shard_digests.json").is_file()
+    assert not (out / "checkpoint-3").exists()  # rotated away once checkpoint-12 was complete
+    writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
+    assert writes["mode"] == "background" and writes["saves"] == 4
+    rank0 = read_json(out / "fsdp_report.json")["ranks"][0]["bytes"]  # measured by the run from its own tensors
+    shards = rank0["params"] + rank0["optimizer"]  # this rank's weights and Adam's two moments
+    assert shards <= writes["staged_bytes_max"] <= shards + 4096, (writes, rank0)  # + Adam's step counters
+    assert_same_model(out / "model", trained(ZERO3).model_dir)  # saving in the background changes no training step
+
+
+def test_killed_while_a_checkpoint_is_written_resumes_from_the_one_before_to_the_same_bits(trained, tmp_path):
+    """checkpoint-6's write is held until step 8, where every rank is killed: it has shards but no trainer_state.json.
+    The resume takes checkpoint-3, which was itself written while steps 4 and 5 trained, so an exact end also proves
+    that a background save holds the weights of its own step, not the ones training has moved on to."""
+    out = tmp_path / "run"
+    killed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:killheldsave:6"}, check=False)
+    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    assert "checkpoint-6 still being written at step 8" in killed.stderr
+    assert (out / "checkpoint-6" / "pytorch_model_fsdp_0").is_dir() and not (out / "checkpoint-6" / "trainer_state.json").exists()
+    assert read_json(out / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
+
+    resumed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert f"resuming from {out / 'checkpoint-3'}" in resumed.stdout
+    assert (out / "incomplete-checkpoint-6").is_dir()  # set aside, never deleted
+    assert read_json(out / "trainer_state.json")["global_step"] == 12
+    assert_same_model(out / "model", trained(ZERO3).model_dir)
+
+
+def test_async_checkpoints_false_waits_for_each_and_says_so(trained, tmp_path):
+    out = tmp_path / "run"
+    run = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--async_checkpoints", "false")
+    assert "checkpoints are written before training goes on (--async_checkpoints false)" in run.stdout
+    assert "written in the background" not in run.stdout
+    assert read_json(out / "fsdp_report.json")["checkpoint_writes"] == {"mode": "blocking", "why": "--async_checkpoints false"}
+    assert_same_model(out / "model", trained(ZERO3).model_dir)
