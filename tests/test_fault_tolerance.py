@@ -173,16 +173,19 @@ def test_epoch_based_run_killed_while_writing_the_final_model(tmp_path):
     assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
 
 
-def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained, tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained, tmp_path, background):
     """With save_total_limit 1 the Trainer deletes the older checkpoint as soon as rank 0 has written
     trainer_state.json, while other ranks may still be writing their files: a rank killed there left no complete
-    checkpoint at all. FSDPTrainer deletes only after every rank is done, so the resume starts from checkpoint-6."""
+    checkpoint at all. FSDPTrainer deletes only after every rank is done, so the resume starts from checkpoint-6.
+    A background save (the default) goes further: trainer_state.json itself waits for every rank's files."""
     config = "accelerate_configs/zero3.yaml"
     out = tmp_path / "run"
-    limit_1 = quick(save_total_limit="1")
+    limit_1 = [*quick(save_total_limit="1"), "--async_checkpoints", str(background).lower()]
     killed = launch(config, *limit_1, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:rng:12"}, check=False)
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
-    assert (out / "checkpoint-12" / "trainer_state.json").is_file() and not (out / "checkpoint-12" / "rng_state_1.pth").exists()
+    assert (out / "checkpoint-12" / "trainer_state.json").is_file() is not background
+    assert not (out / "checkpoint-12" / "rng_state_1.pth").exists()
     assert (out / "checkpoint-6" / "trainer_state.json").is_file()
     resumed = launch(config, *limit_1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert "skipping checkpoint-12" in resumed.stderr and f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
