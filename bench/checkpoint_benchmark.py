@@ -6,13 +6,14 @@
 It builds a model folder (random Llama weights saved with save_pretrained, bench/load_memory.py's builder) and
 launches train_fsdp.py (through bench/timed_run.py, which records when each optimizer step ends) under
 zero3.yaml, for full fine-tuning and for LoRA, three times each: without saves, and with a SHARDED_STATE_DICT
-checkpoint after every step (``--save_steps 1``, ``--save_total_limit 2``) written synchronously
+checkpoint every ``--save-steps`` steps (``--save_total_limit 2``) written synchronously
 (``--async_checkpoints false``: training waits for the files) and in the background (the default). Reported, side
 by side:
 
-- the stall per save: the median step time (end of step to end of step) with a save minus the same without; for
-  synchronous saves this is also the save's wall time; a background save's wall time (from the save's start to
-  every rank's files written) is the median the run logs for its saves;
+- the stall per save: the time the steps after the warm-up took with saves minus the same steps without, divided
+  by the saves among them (a background save's cost is spread over the steps its write overlaps, so a median step
+  would miss it); for synchronous saves this is also the save's wall time; a background save's wall time (from the
+  save's start to every rank's files written) is the median the run logs for its saves;
 - the checkpoint's size on disk (``du``-like sum of its files), against the base model's weights: a LoRA checkpoint
   holds the adapter and its Adam state alone (fsdp_recipes/compat/trainer_checkpoints.py), where one holding the
   whole model would add the frozen base's bytes;
@@ -58,7 +59,7 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def run(model: Path, lora: bool, mode: str, steps: int, nprocs: int, work: Path, interval: float) -> dict:
+def run(model: Path, lora: bool, mode: str, steps: int, nprocs: int, work: Path, interval: float, save_steps: int = 1) -> dict:
     """One launch; returns step times, per-rank RssAnon samples and the last checkpoint's size."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,7 +72,7 @@ def run(model: Path, lora: bool, mode: str, steps: int, nprocs: int, work: Path,
            "--model_name_or_path", str(model), "--tokenizer_name", str(TINY), "--use_peft", str(lora).lower(),
            "--train_file", str(REPO / "assets" / "data" / "tiny_corpus.txt"), "--block_size", "32",
            "--per_device_train_batch_size", "1", "--max_steps", str(steps), "--logging_steps", str(steps),
-           "--save_strategy", "steps" if saves else "no", "--save_steps", "1", "--save_total_limit", "2",
+           "--save_strategy", "steps" if saves else "no", "--save_steps", str(save_steps), "--save_total_limit", "2",
            "--report_to", "none", "--dataloader_pin_memory", "false", "--output_dir", str(out), "--overwrite_output_dir", "true",
            "--async_checkpoints", str(mode == "async").lower()]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "SCALING_STEP_TIMES": str(times)}
@@ -121,7 +122,8 @@ def rss_growth(ends: list[float], samples: dict[int, list[tuple[float, int]]]) -
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--gigabytes", type=float, default=1.0, help="model size in fp32, gigabytes")
-    p.add_argument("--saves", type=int, default=20, help="checkpoints written by the run with saves (one per step)")
+    p.add_argument("--saves", type=int, default=20, help="checkpoints written by each run with saves")
+    p.add_argument("--save-steps", type=int, default=1, help="steps between checkpoints (1: a save after every step)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the step times")
     p.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
     p.add_argument("--interval", type=float, default=0.05, help="seconds between memory samples")
@@ -134,22 +136,25 @@ def main(argv=None) -> int:
         model.mkdir(parents=True, exist_ok=True)
         (model / "nbytes").write_text(str(build_model(model, int(a.gigabytes * 1e9), "float32", tied=False)))
     base_bytes = int((model / "nbytes").read_text())
-    steps = a.saves + a.warmup
+    steps = a.saves * a.save_steps + a.warmup
     print(f"model {model}: {base_bytes / 1e9:.2f} GB of fp32 weights; {a.nprocs} ranks, {steps} steps, a checkpoint after "
-          f"every step in the runs with saves ({CONFIG.relative_to(REPO)}, SHARDED_STATE_DICT)", flush=True)
+          f"every {a.save_steps} step(s) in the runs with saves ({CONFIG.relative_to(REPO)}, SHARDED_STATE_DICT)", flush=True)
     rows = []
     for lora in (False, True):
         measured = {}
         for mode in ("nosave", "sync", "async"):
             began = time.time()
-            measured[mode] = run(model, lora, mode, steps, a.nprocs, work, a.interval)
+            measured[mode] = run(model, lora, mode, steps, a.nprocs, work, a.interval, a.save_steps)
             print(f"  {'LoRA' if lora else 'full'} {mode}: {time.time() - began:.0f} s", flush=True)
         plain = statistics.median(step_seconds(measured["nosave"]["step_end"], a.warmup))
+        plain_total = sum(step_seconds(measured["nosave"]["step_end"], a.warmup))
         row = {"training": "LoRA" if lora else "full", "nprocs": a.nprocs, "saves": a.saves, "base_bytes": base_bytes,
                "step_seconds_without_saves": round(plain, 4)}
         for mode in ("sync", "async"):
-            saving = statistics.median(step_seconds(measured[mode]["step_end"], a.warmup))
-            row[mode] = {"step_seconds_with_saves": round(saving, 4), "stall_per_save_seconds": round(saving - plain, 4),
+            times = step_seconds(measured[mode]["step_end"], a.warmup)
+            saving = sum(times) / len(times)
+            stall = (sum(times) - plain_total) / (len(times) // a.save_steps)  # the saves after the warm-up
+            row[mode] = {"step_seconds_with_saves": round(saving, 4), "stall_per_save_seconds": round(stall, 4),
                          "rss": {str(r): v for r, v in sorted(rss_growth(measured[mode]["step_end"], measured[mode]["samples"]).items())}}
         row["sync"]["save_seconds"] = row["sync"]["stall_per_save_seconds"]
         row["async"]["save_seconds"] = round(statistics.median(measured["async"]["background_seconds"]), 4) if measured["async"]["background_seconds"] else None
@@ -169,8 +174,8 @@ def main(argv=None) -> int:
         return "n/a (the synchronous save cost nothing measurable)" if r["async_stall_vs_sync_save"] is None else f"{r['async_stall_vs_sync_save']:.0%}"
 
     lines = [f"Checkpoint cost, {base_bytes / 1e9:.2f} GB fp32 model, {a.nprocs} CPU ranks (FSDP2 FULL_SHARD over gloo, "
-             f"SHARDED_STATE_DICT), {a.saves} saves (one per step), synchronous (--async_checkpoints false) and in the background (default):", "",
-             "| training | step without saves (s) | sync: step with a save (s) | sync: stall = save (s) | background: step with a save (s) | background: stall (s) | background: its write (s) | background stall vs sync save | checkpoint (MB) | vs base weights |",
+             f"SHARDED_STATE_DICT), {a.saves} saves (one every {a.save_steps} step(s)), synchronous (--async_checkpoints false) and in the background (default):", "",
+             "| training | median step without saves (s) | sync: mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | background: its write (s) | background stall vs sync save | checkpoint (MB) | vs base weights |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['training']} | {r['step_seconds_without_saves']:.2f} | {r['sync']['step_seconds_with_saves']:.2f} | {r['sync']['stall_per_save_seconds']:.2f} | "

@@ -5,12 +5,15 @@ and not a matter of timing; the same run killed while that write is in flight; t
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAULT_SCRIPT, launch, quick, read_json
+from conftest import FAULT_SCRIPT, REPO, launch, quick, read_json
 
 pytestmark = pytest.mark.slow  # every test here launches real runs
 
@@ -62,6 +65,20 @@ def test_killed_while_a_checkpoint_is_written_resumes_from_the_one_before_to_the
     assert (out / "incomplete-checkpoint-6").is_dir()  # set aside, never deleted
     assert read_json(out / "trainer_state.json")["global_step"] == 12
     assert_same_model(out / "model", trained(ZERO3).model_dir)
+
+
+def test_an_error_while_a_checkpoint_is_written_leaves_it_incomplete(tmp_path):
+    """An exception in training abandons the save in flight: its files may still be written, but never
+    trainer_state.json, so no resume takes it; the run ends with the error, without waiting on anything."""
+    out = tmp_path / "run"
+    began = time.monotonic()
+    failed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:raiseheldsave:6"}, check=False)
+    assert failed.returncode != 0 and "fault injection: an error in step 9" in failed.stderr, failed.stderr[-3000:]
+    assert time.monotonic() - began < 240  # not the 30 minutes of a collective timeout
+    assert "checkpoint-6: its asynchronous save was abandoned; it stays incomplete" in failed.stdout + failed.stderr
+    assert not (out / "checkpoint-6" / "trainer_state.json").exists() and (out / "checkpoint-3" / "trainer_state.json").is_file()
+    proc = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "resume: --resume_from_checkpoint true uses checkpoint-3" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_async_checkpoints_false_waits_for_each_and_says_so(trained, tmp_path):
