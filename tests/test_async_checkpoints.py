@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAULT_SCRIPT, REPO, launch, quick, read_json
+from conftest import FAULT_SCRIPT, QUICK, REPO, launch, quick, read_json
 
 pytestmark = pytest.mark.slow  # every test here launches real runs
 
@@ -64,6 +64,23 @@ def test_killed_while_a_checkpoint_is_written_resumes_from_the_one_before_to_the
     assert f"resuming from {out / 'checkpoint-3'}" in resumed.stdout
     assert (out / "incomplete-checkpoint-6").is_dir()  # set aside, never deleted
     assert read_json(out / "trainer_state.json")["global_step"] == 12
+    assert_same_model(out / "model", trained(ZERO3).model_dir)
+
+
+def test_preempted_while_a_checkpoint_is_written_finishes_it_saves_its_step_and_resumes_exactly(trained, tmp_path):
+    """checkpoint-6's write is held until step 8, when SIGTERM reaches the launcher and every rank: the preemption's
+    checkpoint-9 waits for it, both end complete, and the resumed run ends on the uninterrupted run's bits."""
+    from fsdp_recipes.ckpt.status import checkpoint_status
+
+    out = tmp_path / "run"
+    stopped = launch(ZERO3, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:sigtermheldsave:6"},
+                     check=False, new_session=True)
+    assert "checkpoint-6 still being written at step 8" in stopped.stderr
+    assert f"stopped by SIGTERM after step 9: saved {out}/checkpoint-9" in stopped.stdout + stopped.stderr, stopped.stderr[-3000:]
+    assert stopped.returncode != 0 and not (out / "model").exists()
+    assert checkpoint_status(out / "checkpoint-6").resumable and checkpoint_status(out / "checkpoint-9").resumable
+    resumed = launch(ZERO3, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert f"resuming from {out / 'checkpoint-9'}" in resumed.stdout
     assert_same_model(out / "model", trained(ZERO3).model_dir)
 
 

@@ -12,6 +12,7 @@ and a real SIGKILL at a chosen point.
                       has reached step <step> + 2: the write can only finish while training goes on
       point killheldsave  the same, and rank(s) die at step <step> + 2, checkpoint-<step> still being written
       point raiseheldsave the same, and rank(s) release the write and raise an error in that step
+      point sigtermheldsave the same, and rank 0 releases it and sends SIGTERM to the launcher and every rank then
       point sigterm   rank(s) send SIGTERM to the launcher and every rank at once (as SLURM does to a job step)
                       before the first micro-batch after <step> optimizer steps
       point usr1      rank(s) send SIGUSR1 to themselves only, at the same moment (the others must stop alike)
@@ -142,7 +143,7 @@ if os.environ.get("FSDP_FAULT"):
             return write_part(*args, **kwargs)
 
         fsdp_recipes.train.export.write_part = slow_write_part
-    elif point in ("heldsave", "killheldsave", "raiseheldsave"):
+    elif point in ("heldsave", "killheldsave", "raiseheldsave", "sigtermheldsave"):
         import threading
 
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -162,6 +163,9 @@ if os.environ.get("FSDP_FAULT"):
                 if point == "killheldsave":
                     _die()
                 released.set()
+                if point == "sigtermheldsave" and os.environ["RANK"] == "0":  # as SLURM signals a job step
+                    for pid in _launcher_and_ranks():
+                        os.kill(pid, signal.SIGTERM)
                 if point == "raiseheldsave":
                     raise RuntimeError(f"fault injection: an error in step {self.state.global_step + 1}")
             return training_step(self, *args, **kwargs)
@@ -170,7 +174,7 @@ if os.environ.get("FSDP_FAULT"):
         Trainer.training_step = training_step_then_release
     else:
         raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, slowexport, early, sigterm, usr1, sigint, "
-                         "heldsave, killheldsave or raiseheldsave")
+                         "heldsave, killheldsave, raiseheldsave or sigtermheldsave")
 
 if os.environ.get("FSDP_EXPORT_PART_MIN"):
     import fsdp_recipes.train.export
