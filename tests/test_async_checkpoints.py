@@ -98,6 +98,20 @@ def test_an_error_while_a_checkpoint_is_written_leaves_it_incomplete(tmp_path):
     assert "resume: --resume_from_checkpoint true uses checkpoint-3" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_the_trainers_end_of_training_cleanup_waits_for_the_save_in_flight(tmp_path):
+    """With a best checkpoint and save_total_limit 1, the Trainer deletes every other checkpoint folder as training
+    ends (found by review: it deleted checkpoint-12 while its files were written, and the run failed without a model).
+    greater_is_better makes the first checkpoint, the highest loss, the best one."""
+    out = tmp_path / "run"
+    best = ["--validation_split_percentage", "10", "--eval_strategy", "steps", "--eval_steps", "3", "--metric_for_best_model",
+            "eval_loss", "--greater_is_better", "true"]
+    run = launch(ZERO3, *quick(save_steps="3", save_total_limit="1"), *best, "--output_dir", str(out))
+    assert "checkpoints are written in the background while training goes on" in run.stdout
+    assert read_json(out / "trainer_state.json")["best_model_checkpoint"] == str(out / "checkpoint-3")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]  # the Trainer's cleanup, after the write
+    assert (out / "model" / "model.safetensors").is_file()
+
+
 def test_async_checkpoints_false_waits_for_each_and_says_so(trained, tmp_path):
     out = tmp_path / "run"
     run = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--async_checkpoints", "false")

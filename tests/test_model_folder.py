@@ -217,3 +217,21 @@ def test_a_run_folder_of_the_earlier_layout_resumes_and_gets_its_model_folder(tr
     assert all(again[k].equal(final[k]) for k in final)
     checked = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0 and checked.stdout.strip().endswith(f"final model: {out / 'model'}")
+
+
+def test_a_run_folder_as_the_model_gets_no_config_warning_before_the_runs_own_line(tmp_path):
+    """The config checker read a run folder's (missing) top-level config.json and warned "could not read the config"
+    first; the run's own check then named the folder to give. Only that line is left."""
+    import yaml
+
+    from fsdp_recipes.config.accelerate_config import check_settings
+
+    run = tmp_path / "run"
+    _model_folder(run / "model")
+    (run / "run_args.json").write_text("{}")
+    (run / "checkpoint-4").mkdir()
+    raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    assert [p for p in check_settings(raw, "zero3.yaml", model=str(run)) if p.key == "model"] == []
+    assert model_source_problem(str(run), weights=True).startswith("is a training run's folder")
+    missing = [p for p in check_settings(raw, "zero3.yaml", model=str(tmp_path / "nothing-here")) if p.key == "model"]
+    assert missing and "could not read the config" in str(missing[0])  # a path that is nothing at all still warns

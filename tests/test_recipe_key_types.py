@@ -74,3 +74,23 @@ def test_a_wrong_word_for_a_flag_is_one_line(tmp_path, key, value):
         parse_args(["--config_name", "assets/tiny-llama", "--output_dir", str(tmp_path / "o"), *NO_FSDP, f"--{key}", value])
     message = str(err.value)
     assert "\n" not in message and key in message, message
+
+
+NULL_CASES = sorted(key for key, a in ACTIONS.items() if a.default is not None)
+
+
+def test_null_cases_cover_the_keys_with_a_default():
+    assert len(NULL_CASES) > 80 and "async_checkpoints" in NULL_CASES and "learning_rate" in NULL_CASES
+
+
+@pytest.mark.parametrize("key", NULL_CASES)
+def test_null_for_a_key_with_a_default_is_one_line(tmp_path, key):
+    """`key: null` in a recipe became the value None, replacing the default without a word: a true-by-default bool
+    read as false (async_checkpoints: null turned background saves off), a number as missing."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt", key: None}))
+    with pytest.raises(RecipeError) as err:
+        parse_args([str(recipe), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
+    message = str(err.value)
+    own = {"block_size": "block_size (TRL's max_length) is null: TRL's no-truncation has no equivalent here"}
+    assert "\n" not in message and message.startswith(own.get(key, f"recipe key {key}: null is not a value here")), message

@@ -313,8 +313,12 @@ def _check_model(c: _Checker, fsdp: dict, wrap, sd_type, model: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from fsdp_recipes.config.model_source import model_source_problem
+
+    source = str(Path(model).parent) if model.endswith(".json") else model
+    if source == model and Path(model).is_dir() and not (Path(model) / "config.json").is_file() and model_source_problem(model, weights=True):
+        return  # not a model folder (a run's folder, a checkpoint): the run's own check names it, in one line
     try:
-        source = str(Path(model).parent) if model.endswith(".json") else model
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:
         c.warn("model", f"could not read the config of {model!r} ({type(err).__name__}); model checks skipped", "give a local folder or config.json")

@@ -81,6 +81,10 @@ def _argparse_reads_as_value(text: str) -> bool:
 LIST_VALUED = {"report_to"}
 
 
+# keys whose null means something in another tool's recipes, refused with that meaning named (DataArguments)
+NULL_MEANS_MORE = {"block_size"}  # TRL's max_length: null, no truncation
+
+
 def check_recipe_types(recipe: dict, parser) -> None:
     """Recipe values bypass argparse's conversion (they become defaults as they are): check them the same way."""
     actions = {}
@@ -89,6 +93,10 @@ def check_recipe_types(recipe: dict, parser) -> None:
             actions[a.dest] = a
     for key, value in recipe.items():
         action = actions[key]
+        if value is None and action.default is not None and key not in NULL_MEANS_MORE:  # it would replace the default
+            # with None: a true-by-default bool read as false, a number as missing
+            raise RecipeError(f"recipe key {key}: null is not a value here (its default is {action.default!r}): give a value, "
+                              "or leave the key out for the default")
         if value is None or action.type is None:
             continue
         many = action.nargs in ("+", "*") or key in LIST_VALUED

@@ -13,8 +13,9 @@ shard_digests.json, so a run killed meanwhile (kill -9 included) resumes from th
 step the ranks agree, with one all-reduce of one number while a save is in flight, whether every write has
 finished; the step that sees it writes shard_digests.json, then trainer_state.json (the Trainer's, as it was at the
 checkpoint's step), then rotates the old checkpoints away. At most one save is in flight: the next checkpoint, the
-end of training (a preemption's stop included) and the final export wait for it first. An exception abandons it:
-nothing more is written, and the checkpoint stays incomplete.
+end of training (a preemption's stop included, and the Trainer's end-of-training cleanup) and the final export wait
+for it first. An exception abandons it: the writing threads finish their shard files, but nothing makes the
+checkpoint complete.
 
 ``--async_checkpoints false`` writes every checkpoint before training goes on, as the stock Trainer does.
 """
@@ -56,7 +57,7 @@ class AsyncCheckpoints(TrainerCallback):
         """Why checkpoints of this run cannot be asynchronous (None: they are)."""
         plugin = getattr(self.trainer.accelerator.state, "fsdp_plugin", None)
         if plugin is None or plugin.fsdp_version != 2:
-            return "only FSDP2 writes them exactly (FSDP1 and DDP checkpoints are written before training goes on)"
+            return f"background saves are built for FSDP2's sharded checkpoints, and this run is {'FSDP1' if plugin else 'not FSDP'}"
         if "SHARDED" not in str(plugin.state_dict_type):
             return "FULL_STATE_DICT checkpoints are gathered whole, not written by DCP"
         if self.trainer.args.load_best_model_at_end:
@@ -68,7 +69,7 @@ class AsyncCheckpoints(TrainerCallback):
         if not self.enabled:
             return "checkpoints are written before training goes on (--async_checkpoints false)"
         if (reason := self.why_not()) is not None:
-            return f"checkpoints are written before training goes on: {reason}"
+            return f"checkpoints are written before training goes on ({reason}; --async_checkpoints has no effect here)"
         return ("checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
                 "each): a host copy of this rank's weight and optimizer shards is held until written, one checkpoint at a time")
 
@@ -125,9 +126,12 @@ class AsyncCheckpoints(TrainerCallback):
             future.result()
         self.trainer.accelerator.wait_for_everyone()
         self._complete(self.trainer.state.global_step)
+        self.trainer.accelerator.wait_for_everyone()  # no rank goes on (to say "saved", or exit) before it is complete
 
     def abandon(self) -> None:
-        """After an exception: write nothing more; the checkpoint stays incomplete (no trainer_state.json)."""
+        """After an exception: the checkpoint stays incomplete (no shard_digests.json, no trainer_state.json, no rotation).
+        The writing threads finish the shard files they began (a thread cannot be stopped), so a process whose peer
+        died ends when its write does, or when the launcher stops it."""
         if self.pending is not None:
             logger.warning(f"{self.pending.folder.name}: its asynchronous save was abandoned; it stays incomplete, and a resume passes over it")
             self.pending = None

@@ -96,7 +96,7 @@ def zero1_optimizer_class():
     return ZeRO1
 
 
-OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._save_optimizer_and_scheduler",
+OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._finalize_training", "transformers.Trainer._save_optimizer_and_scheduler",
              "transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler")
 
 
@@ -138,6 +138,12 @@ class FSDPTrainer(Trainer):
         if self.args.save_strategy != "no":
             add_checkpoint_writes(self.args.output_dir, self.accelerator, self.async_saves.report())
         return result
+
+    def _finalize_training(self, *args, **kwargs):
+        """The save in flight finished first: the Trainer's end-of-training cleanup (save_total_limit 1 with a best
+        checkpoint) deletes every other checkpoint folder, which must not be one whose files are still being written."""
+        self.async_saves.finish()
+        return super()._finalize_training(*args, **kwargs)
 
     def rotate_checkpoints(self) -> None:
         """Checkpoints beyond save_total_limit deleted, once every rank has finished the newest (rank 0)."""
