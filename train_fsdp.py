@@ -10,7 +10,6 @@ it. `python train_fsdp.py --help` lists every argument.
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import transformers
@@ -29,7 +28,9 @@ from fsdp_recipes.train.data import build_datasets
 from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_step, save_dtype_problem, save_final_model
 from fsdp_recipes.train.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
 from fsdp_recipes.train.modeling import load_model, load_tokenizer, lora_base, lora_base_identity, use_lora_base
-from fsdp_recipes.train.preemption import Stopped, quiet_stops, stop_received, was_interrupted, watch_interrupts, watch_stops
+from fsdp_recipes.train.preemption import (
+    Stopped, quiet_stops, stop_received, wait_for_stop, was_interrupted, watch_interrupts, watch_stops,
+)
 from fsdp_recipes.train.profiling import StepProfiler
 from fsdp_recipes.train.trainer import FSDPTrainer
 
@@ -183,14 +184,20 @@ def fail(message: str, code: int) -> None:
     """One line per machine on stderr, and the same line as the launcher's root cause (its report ends with it).
 
     Every rank fails alike, and local rank 0 prints. The launcher stops the other ranks as soon as one exits, so
-    the others give local rank 0 a head start: were they first, it could be stopped before its line."""
+    the others wait for local rank 0 to print and exit (the launcher then stops them): were they first, it could be
+    stopped before its line. A head start of 3 s was not enough on a loaded machine, where rank 0 can reach its
+    error much later than rank 1 (seen: no line at all); a rank whose error rank 0 does not share (a folder only
+    it sees) still ends within the wait."""
     quiet_stops()  # the launcher's SIGTERM to the ranks still waiting here is no second failure
     tell_launcher(message)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)
     else:
-        time.sleep(3)
+        wait_for_stop(FAIL_WAIT_SECONDS)  # the launcher's SIGTERM, once local rank 0 has exited, ends the wait
     sys.exit(code)
+
+
+FAIL_WAIT_SECONDS = 30  # how long a failing rank other than local rank 0 waits for it to print its line
 
 
 def run() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import yaml
@@ -192,14 +191,12 @@ def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
         (port, [f"{default}: {typo}"]),  # no --config_file: accelerate's default config
     ]
     for launch_args, wanted in launches:
-        start = time.monotonic()
         proc = run(["accelerate", "launch", *launch_args, str(REPO / "train_fsdp.py"), "--output_dir", str(out)], env={"HF_HOME": str(tmp_path / "hf")})
         ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
         assert proc.returncode != 0 and len(ours) == 1, proc.stderr[-3000:]  # one message per machine
         assert all(w in ours[0] for w in wanted), ours
         assert elastic_root_cause(proc.stderr) == ours[0]
-        assert "running FSDP over gloo" not in proc.stdout and not out.exists()
-        assert time.monotonic() - start < 60
+        assert "running FSDP over gloo" not in proc.stdout and not out.exists()  # stopped before the group or the model
 
 
 def test_fsdp_config_that_is_not_a_mapping_is_an_error_not_a_crash():

@@ -135,3 +135,19 @@ def was_interrupted() -> bool:
     _raise_on_interrupt = False
     time.sleep(0.05)  # a call: the interpreter runs pending signal handlers
     return bool(_interrupts)
+
+
+def wait_for_stop(seconds: float) -> None:
+    """For a rank that is ending: sleep up to ``seconds``, less when the launcher ends it first (SIGTERM, SIGUSR1 or
+    SIGINT, whoever handled them before: here they are only counted)."""
+    import time
+
+    global _raise_on_stop, _raise_on_interrupt
+    _raise_on_stop = _raise_on_interrupt = False
+    watch_stops()  # the Preemption callback's handler, if training had started, would only note it
+    signal.signal(signal.SIGINT, _on_interrupt)
+    if _stops or _interrupts:  # the launcher is already ending the job (Ctrl-C, a stop): rank 0 needs a head start only
+        seconds = min(seconds, 3)
+    end, seen = time.monotonic() + seconds, len(_stops) + len(_interrupts)
+    while time.monotonic() < end and len(_stops) + len(_interrupts) == seen:
+        time.sleep(0.1)
