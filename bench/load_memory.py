@@ -159,6 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--gigabytes", type=float, default=1.0, help="model size in fp32, gigabytes")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved model")
     p.add_argument("--tied", action="store_true", help="tie lm_head to embed_tokens")
+    p.add_argument("--hidden", type=int, default=2048,
+                   help="model width; layers fill --gigabytes (2048: 2 layers at 1 GB, the embeddings half the model; 1024: 15 "
+                        "layers, as a real model's share of them; FSDP1's peak depends on the largest wrapped unit)")
     p.add_argument("--nprocs", type=int, nargs="+", default=[2], help="process counts to measure")
     p.add_argument("--config", type=Path, default=CONFIG, help="accelerate config (default accelerate_configs/zero3.yaml, FSDP2)")
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
@@ -170,15 +173,16 @@ def main(argv=None) -> int:
     work = a.work or Path(tempfile.mkdtemp(prefix="load_memory-"))
     work.mkdir(parents=True, exist_ok=True)
     tag = f"{a.dtype}-{'tied' if a.tied else 'untied'}"
-    big, tiny = work / f"big-{a.gigabytes}-{tag}", work / f"tiny-{tag}"
+    big, tiny = work / f"big-{a.gigabytes}-{a.hidden}-{tag}", work / f"tiny-{tag}"
     sizes = {}
     for folder, target in ((big, int(a.gigabytes * 1e9)), (tiny, None)):
         marker = folder / "nbytes"
         if not marker.exists():
             marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(str(build_model(folder, target, a.dtype, a.tied)))
+            marker.write_text(str(build_model(folder, target, a.dtype, a.tied, hidden=a.hidden)))
         sizes[folder] = int(marker.read_text())
     model_bytes = sizes[big]
+    layers = json.loads((big / "config.json").read_text())["num_hidden_layers"]
     print(f"model {big}: {model_bytes / 2**20:,.0f} MiB of weights ({tag}); tiny baseline {sizes[tiny] / 2**20:,.1f} MiB", flush=True)
     settings = {"on": [True], "off": [False], "both": [True, False]}[a.setting]
     results = []
@@ -189,7 +193,8 @@ def main(argv=None) -> int:
             for rank in sorted(peak):
                 row = {"config": str(a.config.resolve().relative_to(REPO)) if a.config.resolve().is_relative_to(REPO) else str(a.config),
                        "training": "full" if a.full else "lora", "nprocs": n, "cpu_ram_efficient_loading": efficient, "rank": rank,
-                       "model_bytes": model_bytes, "dtype": a.dtype, "tied": a.tied}
+                       "model_bytes": model_bytes, "dtype": a.dtype, "tied": a.tied,
+                       "hidden": a.hidden, "layers": layers}
                 for k in ("RssAnon", "VmHWM"):
                     row[f"{k}_peak"] = peak[rank].get(k, 0)
                     row[f"{k}_tiny"] = base.get(rank, {}).get(k, 0)

@@ -11,8 +11,8 @@ FSDP2: accelerate moves the model to meta itself, then its ``fsdp2_load_full_sta
 parameter whole from rank 0: each other rank allocates the full parameter, receives it, then keeps its shard. For a
 model whose embedding and LM head are a quarter of its bytes each, that transient makes a non-zero rank peak at
 ~0.8x the model (bench/load_memory.py). Here rank 0 scatters each dim-0-sharded parameter instead: every rank
-receives only its own rows. Parameters placed any other way (2-D meshes, replicated) keep accelerate's broadcast,
-which is correct, only bigger.
+receives only its own rows, and rank 0 lets go of each full parameter once scattered. Parameters placed any other
+way (2-D meshes, replicated) keep accelerate's broadcast, which is correct, only bigger.
 
 FSDP1 (``sync_module_states``): each unit's parameters are broadcast from rank 0 INTO the tensors every rank holds.
 Were those views of the private file mapping, every written page would become the rank's own (copy on write) and
@@ -64,11 +64,23 @@ def load_full_state_dict(accelerator, model: torch.nn.Module, full_sd: dict, cpu
     if not scatterable:
         return _original(accelerator, model, full_sd, cpu_offload)
     world, rank = dist.get_world_size(), dist.get_rank()
+    if rank == 0 and (missing := next((name for name in meta_sd if name not in full_sd), None)):
+        raise KeyError(f"{missing!r} is in the sharded model but not in rank 0's full state dict")
+    # a weight shared by modules (tied embeddings) is one parameter under several names: scattered once (twice, a
+    # non-zero rank held two shards of it until accelerate re-tied them: 0.76x the fp32 model instead of 0.5x)
+    first: dict[int, str] = {}
+    alias = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
     sharded = {}
     for name, meta_param in meta_sd.items():
-        if rank == 0 and name not in full_sd:
-            raise KeyError(f"{name!r} is in the sharded model but not in rank 0's full state dict")
-        local = _scatter_shard(full_sd[name] if rank == 0 else None, meta_param, world, rank)
+        if alias.get(name, name) in sharded:
+            sharded[name] = sharded[alias[name]]
+            if rank == 0:
+                del full_sd[name]
+            continue
+        # popped: accelerate's dict holds the only reference to rank 0's full weights once the model went to meta,
+        # so each is freed as soon as it is scattered (a bf16 file loaded as fp32 is a private full copy: rank 0
+        # held it and every shard at once, 1.5x the fp32 model on 2 ranks)
+        local = _scatter_shard(full_sd.pop(name) if rank == 0 else None, meta_param, world, rank)
         if cpu_offload:
             local = local.to("cpu")
         sharded[name] = DTensor.from_local(local, meta_param.device_mesh, meta_param.placements, run_check=False,
