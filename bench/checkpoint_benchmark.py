@@ -124,6 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--gigabytes", type=float, default=1.0, help="model size in fp32, gigabytes")
     p.add_argument("--saves", type=int, default=20, help="checkpoints written by each run with saves")
     p.add_argument("--save-steps", type=int, default=1, help="steps between checkpoints (1: a save after every step)")
+    p.add_argument("--training", choices=["full", "lora", "both"], default="both", help="which runs: full fine-tuning, LoRA or both")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the step times")
     p.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
     p.add_argument("--interval", type=float, default=0.05, help="seconds between memory samples")
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
     print(f"model {model}: {base_bytes / 1e9:.2f} GB of fp32 weights; {a.nprocs} ranks, {steps} steps, a checkpoint after "
           f"every {a.save_steps} step(s) in the runs with saves ({CONFIG.relative_to(REPO)}, SHARDED_STATE_DICT)", flush=True)
     rows = []
-    for lora in (False, True):
+    for lora in {"full": (False,), "lora": (True,), "both": (False, True)}[a.training]:
         measured = {}
         for mode in ("nosave", "sync", "async"):
             began = time.time()

@@ -43,6 +43,7 @@ def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
     assert not (out / "checkpoint-3").exists()  # rotated away once checkpoint-12 was complete
     writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
     assert writes["mode"] == "background" and writes["saves"] == 4
+    assert writes["host_copies_made"] == 2, writes  # the model's and the optimizer's, made at checkpoint-3, reused by 6, 9, 12
     rank0 = read_json(out / "fsdp_report.json")["ranks"][0]["bytes"]  # measured by the run from its own tensors
     shards = rank0["params"] + rank0["optimizer"]  # this rank's weights and Adam's two moments
     assert shards <= writes["staged_bytes_max"] <= shards + 4096, (writes, rank0)  # + Adam's step counters

@@ -10,23 +10,84 @@ threads run at once, and two threads sharing one group interleave its collective
 deadlock, seen). Each call's future is appended to ``futures``; the caller waits for them
 (fsdp_recipes.train.async_checkpoints). Outside the context nothing changes: the final export's save stays
 synchronous.
+
+The staging: DCP's default (FileSystemWriter's own stager) builds a new host copy for every save, and for a DTensor
+already on the CPU deep-copies it first and then allocates the copy it fills: two copies and a fresh allocation per
+save, 4.4 s of the training thread per checkpoint of a 0.79 GB model on 2 CPU ranks (py-spy), as long as the
+synchronous save it replaced. :class:`ReusedHostCopy` makes the host copy once (per save of a checkpoint: the
+model's, the optimizer's) and copies into it at every later checkpoint: one memcpy, memory bounded by one copy of
+this rank's shards and held for the run. Reuse is safe because at most one checkpoint is in flight (the caller
+finishes a save before the next begins).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
+from fsdp_recipes.compat import internals
+
+
+class ReusedHostCopy:
+    """A DCP AsyncStager: the state dict copied into host buffers made at the first save and reused after (made again
+    only if the tensors' names, shapes or dtypes change). Pinned where CUDA is (faster copies from the GPU)."""
+
+    _synchronize_after_execute = False  # the copy is done when stage returns
+
+    def __init__(self):
+        self.copy, self.layout = None, None
+        self.made = 0  # host copies made: 1 for a whole run unless the state dict changed shape
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict):
+        import torch
+
+        layout = _layout(state_dict)
+        if self.copy is None or layout != self.layout:
+            self.copy = None  # the old buffers go before the new ones are made
+            self.copy = internals.get("torch.distributed._state_dict_utils._create_cpu_state_dict")(state_dict, pin_memory=torch.cuda.is_available())
+            self.layout = layout
+            self.made += 1
+        return internals.get("torch.distributed._state_dict_utils._copy_state_dict")(state_dict, self.copy)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _layout(state, path: str = "") -> tuple:
+    """Names, kinds, shapes and dtypes of a nested state dict's leaves: when they differ, the host copy is made again."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        local = state.to_local()
+        return ((path, "dtensor", tuple(state.shape), tuple(local.shape), local.dtype, str(state.placements)),)
+    if isinstance(state, torch.Tensor):
+        return ((path, "tensor", tuple(state.shape), state.dtype),)
+    if isinstance(state, dict):
+        return tuple(x for k, v in state.items() for x in _layout(v, f"{path}.{k}"))
+    if isinstance(state, (list, tuple)):
+        return tuple(x for i, v in enumerate(state) for x in _layout(v, f"{path}[{i}]"))
+    return ((path, type(state).__name__),)
+
 
 @contextmanager
-def async_dcp_saves(groups, futures: list, staged_bytes: list):
-    """``futures`` gets each save's future, ``staged_bytes`` the bytes of this rank's tensors it copied to host memory."""
+def async_dcp_saves(groups, stagers, futures: list, staged_bytes: list):
+    """``groups(i)`` and ``stagers(i)``: the gloo group and the ReusedHostCopy of the i-th save of a checkpoint;
+    ``futures`` gets each save's future, ``staged_bytes`` the bytes of this rank's tensors it copied to host memory."""
     import torch.distributed.checkpoint as dcp
 
     save = dcp.save
 
     def staged(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None, no_dist=False, **_):
+        i = len(futures)
         futures.append(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-                                      process_group=groups(len(futures)), no_dist=no_dist))
+                                      process_group=groups(i), async_stager=stagers(i), no_dist=no_dist))
         staged_bytes.append(local_bytes(state_dict))
         # accelerate does not read save's result (the metadata); the future holds it
 

@@ -3,8 +3,9 @@
 Where it applies (FSDP2 with SHARDED_STATE_DICT, every shipped FSDP2 config; not with load_best_model_at_end, which
 loads a checkpoint inside the Trainer's own loop), each checkpoint-N is saved as before, except that the model's and
 the optimizer's DCP shards go through DCP's ``async_save`` (fsdp_recipes.compat.async_dcp): the rank's shard of the
-weights and of Adam's state is copied to host memory (the staging, as large as those shards: stated at the start of
-the run) and a thread writes it, while the next steps train. The small files (scheduler, RNG states, config,
+weights and of Adam's state is copied to host memory (the staging, as large as those shards: made at the first
+checkpoint and reused by every later one, so held for the run; stated at the start of the run) and a thread writes
+it, while the next steps train. The small files (scheduler, RNG states, config,
 tokenizer) are written at once.
 
 A checkpoint is complete only once every rank has finished: until then it has no trainer_state.json and no
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from fsdp_recipes.compat.async_dcp import async_dcp_saves
+from fsdp_recipes.compat.async_dcp import ReusedHostCopy, async_dcp_saves
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class AsyncCheckpoints(TrainerCallback):
     def __init__(self, trainer, enabled: bool):
         self.trainer, self.enabled = trainer, enabled
         self.groups: list = []  # a gloo group for each save of a checkpoint (compat.async_dcp), made on first use
+        self.stagers: list = []  # and its host copy (compat.async_dcp.ReusedHostCopy), reused by every checkpoint
         self.pending: Pending | None = None
         self.completed: list[dict] = []  # per checkpoint: step, seconds, the step training had reached (the report)
 
@@ -71,7 +73,8 @@ class AsyncCheckpoints(TrainerCallback):
         if (reason := self.why_not()) is not None:
             return f"checkpoints are written before training goes on ({reason}; --async_checkpoints has no effect here)"
         return ("checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
-                "each): a host copy of this rank's weight and optimizer shards is held until written, one checkpoint at a time")
+                "each): a host copy of this rank's weight and optimizer shards, made at the first checkpoint and reused by every "
+                "later one (held for the run), one checkpoint at a time")
 
     @property
     def active(self) -> bool:
@@ -89,6 +92,11 @@ class AsyncCheckpoints(TrainerCallback):
                 self.groups.append(dist.new_group(backend="gloo"))
             return self.groups[i]
 
+        def stager(i: int):
+            while len(self.stagers) <= i:
+                self.stagers.append(ReusedHostCopy())
+            return self.stagers[i]
+
         pending = Pending(folder, step, [], time.monotonic())
         state = self.trainer.state
 
@@ -99,7 +107,7 @@ class AsyncCheckpoints(TrainerCallback):
 
         state.save_to_json = hold  # this instance only, for this save
         try:
-            with async_dcp_saves(group, pending.futures, pending.staged_bytes):
+            with async_dcp_saves(group, stager, pending.futures, pending.staged_bytes):
                 yield
         finally:
             del state.save_to_json
@@ -151,7 +159,7 @@ class AsyncCheckpoints(TrainerCallback):
             self.trainer.rotate_checkpoints()
         if self.trainer.is_world_process_zero():
             logger.info(f"{pending.folder.name} written in the background in {seconds:.1f} s while training went on to step {reached} "
-                        f"(a host copy of {staged / 2**20:,.1f} MiB of this rank's shards held meanwhile)")
+                        f"(from a host copy of {staged / 2**20:,.1f} MiB of this rank's shards, reused by every checkpoint)")
 
     def report(self) -> dict:
         """fsdp_report.json's checkpoint_writes: how checkpoints were written, and (background) what each cost here."""
@@ -161,4 +169,5 @@ class AsyncCheckpoints(TrainerCallback):
         return {"mode": "background", "saves": len(done),
                 "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),  # rank 0's host copy per save
                 "seconds_max": max((c["seconds"] for c in done), default=0.0),
+                "host_copies_made": sum(s.made for s in self.stagers),  # one per save of a checkpoint (model, optimizer), reused
                 "last": done[-5:]}

@@ -1,0 +1,78 @@
+"""The host copy background saves stage into (fsdp_recipes.compat.async_dcp.ReusedHostCopy): a snapshot that later
+training steps cannot change, made once and reused by every later save (bounded memory, no growth over many
+saves), made again when the state dict changes shape. Plain tensors and a DTensor on a one-process gloo mesh."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_recipes.compat.async_dcp import ReusedHostCopy
+
+
+def pointers(state) -> list[int]:
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for v in state.values():
+        if isinstance(v, dict):
+            out += pointers(v)
+        elif isinstance(v, DTensor):
+            out.append(v.to_local().data_ptr())
+        elif isinstance(v, torch.Tensor):
+            out.append(v.data_ptr())
+    return out
+
+
+def test_a_snapshot_reused_by_every_save_and_made_again_on_a_new_shape():
+    live = {"w": torch.randn(64, 8), "optim": {"exp_avg": torch.randn(64, 8), "step": torch.tensor(3.0)}}
+    stager = ReusedHostCopy()
+    first = stager.stage(live)
+    expected = {"w": live["w"].clone(), "exp_avg": live["optim"]["exp_avg"].clone()}
+    live["w"].add_(1.0)  # training goes on after the save started
+    live["optim"]["exp_avg"].mul_(2.0)
+    assert torch.equal(first["w"], expected["w"]) and torch.equal(first["optim"]["exp_avg"], expected["exp_avg"])
+    assert set(pointers(first)).isdisjoint(pointers(live))
+
+    for step in range(25):  # the later saves copy into the same buffers
+        live["w"].add_(1.0)
+        again = stager.stage(live)
+        assert pointers(again) == pointers(first)
+        assert torch.equal(again["w"], live["w"]) and torch.equal(again["optim"]["exp_avg"], live["optim"]["exp_avg"])
+    assert stager.made == 1
+
+    live["w"] = torch.randn(32, 8)  # another shape: a new host copy, not a failed copy into the old one
+    third = stager.stage(live)
+    assert stager.made == 2 and third["w"].shape == (32, 8) and torch.equal(third["w"], live["w"])
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # undone after the test: launches elsewhere must not inherit them
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_dtensor_shard_is_copied_into_the_same_host_buffer(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    live = {"model": {"w": distribute_tensor(torch.randn(16, 4), mesh, [Shard(0)])}}
+    stager = ReusedHostCopy()
+    first = stager.stage(live)
+    assert isinstance(first["model"]["w"], DTensor) and first["model"]["w"].placements == (Shard(0),)
+    before = live["model"]["w"].to_local().clone()
+    live["model"]["w"].to_local().add_(1.0)
+    assert torch.equal(first["model"]["w"].to_local(), before)
+    second = stager.stage(live)
+    assert pointers(second) == pointers(first) and stager.made == 1
+    assert torch.equal(second["model"]["w"].to_local(), live["model"]["w"].to_local())
