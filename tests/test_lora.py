@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, read_json, run
+from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, quick, read_json, run
 from fsdp_recipes.ckpt.dcp import read_layout
 from fsdp_recipes.ckpt.readers import DCPSource
 
@@ -330,3 +330,25 @@ def test_full_state_dict_lora_checkpoints_hold_the_adapter_and_resume_exactly(tm
     assert run([sys.executable, "tools/merge_checkpoint.py", str(whole / "checkpoint-6"), str(merged)]).returncode == 0
     a, b = load_file(whole / "model" / "model.safetensors"), load_file(merged / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_bf16_lora_run_ends_on_peft_s_merge_of_its_adapter(tmp_path):
+    """--dtype bfloat16 over a bf16 base: the adapter trains in fp32 (mixed precision upcasts trainable weights), the
+    final model/ is exactly peft's merge_and_unload of the run's adapter/ into the bf16 base (it was garbage: fp32
+    sums written into the bf16 places of the merged file, overwriting the tensors after them)."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).to(torch.bfloat16).save_pretrained(base)
+    out = tmp_path / "run"
+    launch(CONFIGS[0], *quick(max_steps="2", save_steps="2"), *LORA, "--model_name_or_path", str(base),
+           "--tokenizer_name", str(REPO / "assets" / "tiny-llama"), "--dtype", "bfloat16", "--output_dir", str(out))
+    final = load_file(out / "model" / "model.safetensors")
+    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), out / "adapter").merge_and_unload().state_dict()
+    trained = [k for k in final if "q_proj" in k]
+    assert trained and any(not torch.equal(final[k], load_file(base / "model.safetensors")[k]) for k in trained)  # the adapter moved them
+    for key in final:
+        assert final[key].dtype == torch.bfloat16 and torch.equal(final[key], by_peft[key]), key

@@ -175,7 +175,10 @@ class MergedLoraSource:
             cast = b.dtype in (torch.float16, torch.bfloat16)
             delta = (b.float() @ a.float()) if cast else b @ a
             delta = (delta.T if self.transpose else delta) * self.scaling(a.shape[0])
-            out[n] = weight + (delta.to(b.dtype) if cast else delta)
+            # peft adds in place (weight.data += delta): the sum in the wider dtype, kept in the base weight's. Here
+            # the adapter trains in fp32 over a bf16 base under mixed precision, and an fp32 sum written where the
+            # header says bf16 overwrote the tensors after it (a bf16 LoRA run's final model was garbage)
+            out[n] = (weight + (delta.to(b.dtype) if cast else delta)).to(weight.dtype)
             # a merge that overflows is refused, not written with exit 0 (the checked config cannot rule out
             # adapter weights that are themselves huge); a base weight that is already not finite is the checkpoint's own
             if not torch.isfinite(out[n]).all() and torch.isfinite(weight).all():

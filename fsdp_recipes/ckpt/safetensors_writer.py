@@ -151,7 +151,12 @@ def write_weights(
                     tensors = source.read([mapping[n] for n in group])
                     for n in group:
                         t = tensors.pop(mapping[n])
-                        t = (t if dtype is None else t.to(torch_dtype(dtype))).contiguous()
+                        # the dtype and shape the header states, whatever a source's read gave: bytes of another size
+                        # would run into the next tensor's place in the file
+                        t = t.to(torch_dtype(dtype or infos[n].dtype)).contiguous()
+                        if tuple(t.shape) != tuple(infos[n].shape) or t.numel() * t.element_size() != infos[n].nbytes(dtype):
+                            raise CheckpointError(f"{n}: the checkpoint gave a tensor of shape {tuple(t.shape)}, where its "
+                                                  f"metadata states {tuple(infos[n].shape)}: the checkpoint is inconsistent; copy it again")
                         if t.numel():
                             os.pwrite(fd, t.reshape(-1).view(torch_dtype("uint8")).numpy(), offsets[n])
                         bar.update(infos[n].nbytes(dtype))
