@@ -303,7 +303,7 @@ class RunArguments:
     async_checkpoints: bool = field(
         default=True,
         metadata={"help": "FSDP2 SHARDED_STATE_DICT: write checkpoint shards in the background while training goes on "
-                  "(a host copy of this rank's shards, made once and held for the run; one checkpoint at a time; complete once every rank "
+                  "(a host copy of this rank's shards, kept for the run; one at a time; complete once every rank "
                   "wrote it). false: wait for each, as the stock Trainer does."},
     )
     cpu_bf16: bool = field(
