@@ -352,3 +352,29 @@ def test_a_bf16_lora_run_ends_on_peft_s_merge_of_its_adapter(tmp_path):
     assert trained and any(not torch.equal(final[k], load_file(base / "model.safetensors")[k]) for k in trained)  # the adapter moved them
     for key in final:
         assert final[key].dtype == torch.bfloat16 and torch.equal(final[key], by_peft[key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=["fsdp2", "fsdp1"])
+def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(tmp_path, config):
+    """A base with tied embeddings: torch's ignore_frozen_params dropped the frozen head under one of its two names
+    only, so every checkpoint also held lm_head.weight: neither adapter-only nor whole, and the merge refused it
+    ("has LoRA weights but no base_layer.weight"). Now it holds the adapter alone, check_checkpoint says so, and the
+    merge of the checkpoint is the run's own final model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
+
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)).save_pretrained(base)
+    out = tmp_path / "run"
+    launch(config, *quick(max_steps="2", save_steps="2"), *LORA, "--model_name_or_path", str(base),
+           "--tokenizer_name", str(REPO / "assets" / "tiny-llama"), "--output_dir", str(out))
+    names = adapter_only_layout(out / "checkpoint-2" / "pytorch_model_fsdp_0")
+    assert names and all("lora_" in n for n in names), sorted(n for n in names if "lora_" not in n)
+    assert "no frozen base weight" in inspect_checkpoint(out / "checkpoint-2")["layout"]
+    merge_checkpoint(out / "checkpoint-2", tmp_path / "merged", log=lambda line: None)
+    merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    assert set(merged) == set(final) and "lm_head.weight" not in final  # tied: written once
+    assert all(torch.equal(merged[k], final[k]) for k in final)

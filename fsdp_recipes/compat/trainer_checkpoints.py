@@ -50,6 +50,20 @@ def _options(sd_options, **changes):
     return replace(sd_options, **changes) if sd_options is not None else StateDictOptions(**changes)  # None: FSDP1, sharded
 
 
+_WRAPPERS = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")  # as fsdp_recipes.ckpt.layout's
+
+
+def _frozen_names(model) -> set[str]:
+    """Every name of every frozen parameter, a shared one's included, as the state dict names them (no wrappers)."""
+    names = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            for wrapper in _WRAPPERS:
+                name = name.replace(wrapper, "")
+            names.add(name)
+    return names
+
+
 @contextmanager
 def adapter_only_fsdp_checkpoints():
     get, put = internals.get(_GET), internals.get(_SET)
@@ -59,7 +73,12 @@ def adapter_only_fsdp_checkpoints():
             return get(model, adapter_only, sd_options)
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(model, options=_options(sd_options, ignore_frozen_params=True))
+        state = get_model_state_dict(model, options=_options(sd_options, ignore_frozen_params=True))
+        # torch drops a frozen weight under its first name only: a tied one (lm_head.weight = embed_tokens.weight)
+        # stayed under the other, and the checkpoint was then neither adapter-only nor whole (the merge refused it)
+        for name in _frozen_names(model) & set(state):
+            del state[name]
+        return state
 
     def set_trained_state_dict(model, state_dict, adapter_only=False, sd_options=None):
         if not adapter_only:
