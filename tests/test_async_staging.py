@@ -76,3 +76,19 @@ def test_a_dtensor_shard_is_copied_into_the_same_host_buffer(one_process_group):
     second = stager.stage(live)
     assert pointers(second) == pointers(first) and stager.made == 1
     assert torch.equal(second["model"]["w"].to_local(), live["model"]["w"].to_local())
+
+
+def test_a_tied_weight_gets_one_host_buffer_and_is_counted_once():
+    from fsdp_recipes.compat.async_dcp import local_bytes
+
+    embedding = torch.randn(10, 4)
+    live = {"model": {"embed_tokens.weight": embedding, "lm_head.weight": embedding, "norm.weight": torch.ones(4)}}
+    stager = ReusedHostCopy()
+    staged = stager.stage(live)
+    assert staged["model"]["embed_tokens.weight"] is staged["model"]["lm_head.weight"]  # one buffer for both names
+    assert torch.equal(staged["model"]["lm_head.weight"], embedding)
+    assert staged["model"]["norm.weight"].data_ptr() != staged["model"]["lm_head.weight"].data_ptr()
+    assert local_bytes(live) == (10 * 4 + 4) * 4
+    embedding.add_(1.0)
+    again = stager.stage(live)
+    assert torch.equal(again["model"]["embed_tokens.weight"], embedding) and stager.made == 1

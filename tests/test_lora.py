@@ -378,3 +378,21 @@ def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(tmp_p
     merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert set(merged) == set(final) and "lm_head.weight" not in final  # tied: written once
     assert all(torch.equal(merged[k], final[k]) for k in final)
+
+
+@pytest.mark.slow
+def test_lora_on_a_tied_head_under_fsdp2_efficient_loading_is_one_line(tmp_path):
+    """accelerate 1.15's FSDP2 preparation with fsdp_cpu_ram_efficient_loading (every shipped config) crashes in
+    tie_weights when the tied LM head is a LoRA layer: the run stops before preparing, with one line naming the two
+    ways out, instead of accelerate's KeyError."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)).save_pretrained(base)
+    proc = launch(CONFIGS[0], *quick(max_steps="2"), *LORA, "--lora_target_modules", "q_proj", "lm_head", "--model_name_or_path", str(base),
+                  "--tokenizer_name", str(REPO / "assets" / "tiny-llama"), "--output_dir", str(tmp_path / "run"), check=False)
+    assert proc.returncode != 0
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("train_fsdp.py: error: LoRA on the LM head of a model with tied")]
+    assert len(said) == 1, proc.stderr[-3000:]  # our line once (the launcher's own summary may quote it again)
+    assert "fsdp_cpu_ram_efficient_loading: false" in " ".join((proc.stdout + proc.stderr).split())
+    assert "KeyError" not in proc.stderr  # not accelerate's traceback

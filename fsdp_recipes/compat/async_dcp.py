@@ -48,6 +48,7 @@ class ReusedHostCopy:
         if self.copy is None or layout != self.layout:
             self.copy = None  # the old buffers go before the new ones are made
             self.copy = internals.get("torch.distributed._state_dict_utils._create_cpu_state_dict")(state_dict, pin_memory=torch.cuda.is_available())
+            _share_ties(state_dict, self.copy, {})
             self.layout = layout
             self.made += 1
         return internals.get("torch.distributed._state_dict_utils._copy_state_dict")(state_dict, self.copy)
@@ -57,6 +58,31 @@ class ReusedHostCopy:
 
     def close(self) -> None:
         pass
+
+
+def _local(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _share_ties(state, copy, seen: dict) -> None:
+    """A tensor the state dict holds under several names (tied embeddings: lm_head.weight and embed_tokens.weight)
+    gets one host buffer, not one per name (torch's helper makes one per name, held for the run)."""
+    import torch
+
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    for key, value in items:
+        if isinstance(value, torch.Tensor):
+            local = _local(value)
+            if local.numel():
+                tie = (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype)
+                if tie in seen and not isinstance(copy, tuple):
+                    copy[key] = seen[tie]
+                else:
+                    seen.setdefault(tie, copy[key])
+        elif isinstance(value, (dict, list, tuple)):
+            _share_ties(value, copy[key], seen)
 
 
 def _layout(state, path: str = "") -> tuple:
@@ -98,17 +124,21 @@ def async_dcp_saves(groups, stagers, futures: list, staged_bytes: list):
         dcp.save = save
 
 
-def local_bytes(state) -> int:
-    """Bytes of the tensors in a (nested) state dict that live on this rank: a DTensor counts its local shard."""
+def local_bytes(state, seen: set | None = None) -> int:
+    """Bytes of the tensors in a (nested) state dict that live on this rank: a DTensor counts its local shard, a tensor
+    held under several names (tied embeddings) once."""
     import torch
-    from torch.distributed.tensor import DTensor
 
-    if isinstance(state, DTensor):
-        return local_bytes(state.to_local())
+    seen = set() if seen is None else seen
     if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
+        local = _local(state)
+        tie = (local.data_ptr(), tuple(local.shape), local.dtype)
+        if local.numel() and tie in seen:
+            return 0
+        seen.add(tie)
+        return local.numel() * local.element_size()
     if isinstance(state, dict):
-        return sum(local_bytes(v) for v in state.values())
+        return sum(local_bytes(v, seen) for v in state.values())
     if isinstance(state, (list, tuple)):
-        return sum(local_bytes(v) for v in state)
+        return sum(local_bytes(v, seen) for v in state)
     return 0

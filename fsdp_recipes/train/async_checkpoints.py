@@ -52,6 +52,7 @@ class AsyncCheckpoints(TrainerCallback):
         self.trainer, self.enabled = trainer, enabled
         self.groups: list = []  # a gloo group for each save of a checkpoint (compat.async_dcp), made on first use
         self.stagers: list = []  # and its host copy (compat.async_dcp.ReusedHostCopy), reused by every checkpoint
+        self.host_copies_made = 0  # by stagers already let go (release)
         self.pending: Pending | None = None
         self.completed: list[dict] = []  # per checkpoint: step, seconds, the step training had reached (the report)
 
@@ -136,6 +137,11 @@ class AsyncCheckpoints(TrainerCallback):
         self._complete(self.trainer.state.global_step)
         self.trainer.accelerator.wait_for_everyone()  # no rank goes on (to say "saved", or exit) before it is complete
 
+    def release(self) -> None:
+        """After the last save: the host copies are let go (the final export and what follows gain nothing from them)."""
+        self.host_copies_made += sum(s.made for s in self.stagers)
+        self.stagers.clear()
+
     def abandon(self) -> None:
         """After an exception: the checkpoint stays incomplete (no shard_digests.json, no trainer_state.json, no rotation).
         The writing threads finish the shard files they began (a thread cannot be stopped), so a process whose peer
@@ -169,5 +175,5 @@ class AsyncCheckpoints(TrainerCallback):
         return {"mode": "background", "saves": len(done),
                 "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),  # rank 0's host copy per save
                 "seconds_max": max((c["seconds"] for c in done), default=0.0),
-                "host_copies_made": sum(s.made for s in self.stagers),  # one per save of a checkpoint (model, optimizer), reused
+                "host_copies_made": self.host_copies_made + sum(s.made for s in self.stagers),  # one per save of a checkpoint (model, optimizer), reused
                 "last": done[-5:]}

@@ -62,6 +62,13 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
         )
     if args.use_peft:
         model = add_lora(model, args)
+        if not fsdp1 and cpu_fsdp.fsdp_requested() and as_flag(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")) \
+                and lora_on_tied_head(model):
+            raise RecipeError(
+                "LoRA on the LM head of a model with tied embeddings (lora_target_modules names it) fails in accelerate "
+                "1.15's FSDP2 preparation with fsdp_cpu_ram_efficient_loading (tie_weights: \"attribute 'weight' already "
+                "exists\"): leave the head out of lora_target_modules, or set fsdp_cpu_ram_efficient_loading: false in "
+                "your copy of the config")
     if receives:
         if other_rank:
             model = rank0_loading.hollow_weights(model)
@@ -85,6 +92,16 @@ def add_lora(model: PreTrainedModel, args: ModelArguments):
         return get_peft_model(model, config)
     except ValueError as err:  # e.g. a target module name the model does not have
         raise RecipeError(f"LoRA: {err}") from None
+
+
+def lora_on_tied_head(model) -> bool:
+    """The LM head is a LoRA layer and shares its weight with the input embedding."""
+    from peft.tuners.lora import LoraLayer
+
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if not isinstance(head, LoraLayer):
+        return False
+    return head.get_base_layer().weight is getattr(embedding, "weight", None)
 
 
 BASE_STAGING = "LoRA base staging"  # the marker purpose of output_dir/.base-tmp (fsdp_recipes.removal)

@@ -135,6 +135,7 @@ class FSDPTrainer(Trainer):
             self.async_saves.abandon()
             raise
         self.async_saves.finish()
+        self.async_saves.release()
         if self.args.save_strategy != "no":
             add_checkpoint_writes(self.args.output_dir, self.accelerator, self.async_saves.report())
         return result
