@@ -31,15 +31,13 @@ class ReusedHostCopy:
     """A DCP AsyncStager: the state dict copied into host buffers made at the first save and reused after (made again
     only if the tensors' names, shapes or dtypes change). Pinned where CUDA is (faster copies from the GPU)."""
 
-    _synchronize_after_execute = False  # the copy is done when stage returns
-
     def __init__(self):
         self.copy, self.layout = None, None
         self.made = 0  # host copies made: 1 for a whole run unless the state dict changed shape
 
     @property
     def should_synchronize_after_execute(self) -> bool:
-        return False
+        return False  # the copy is done when stage returns
 
     def stage(self, state_dict):
         import torch
@@ -66,6 +64,11 @@ def _local(tensor):
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _same_tensor(local) -> tuple:
+    """What a tensor held under several names (tied embeddings) has in common under each: its memory and its view."""
+    return (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype)
+
+
 def _share_ties(state, copy, seen: dict) -> None:
     """A tensor the state dict holds under several names (tied embeddings: lm_head.weight and embed_tokens.weight)
     gets one host buffer, not one per name (torch's helper makes one per name, held for the run)."""
@@ -76,7 +79,7 @@ def _share_ties(state, copy, seen: dict) -> None:
         if isinstance(value, torch.Tensor):
             local = _local(value)
             if local.numel():
-                tie = (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype)
+                tie = _same_tensor(local)
                 if tie in seen and not isinstance(copy, tuple):
                     copy[key] = seen[tie]
                 else:
@@ -132,7 +135,7 @@ def local_bytes(state, seen: set | None = None) -> int:
     seen = set() if seen is None else seen
     if isinstance(state, torch.Tensor):
         local = _local(state)
-        tie = (local.data_ptr(), tuple(local.shape), local.dtype)
+        tie = _same_tensor(local)
         if local.numel() and tie in seen:
             return 0
         seen.add(tie)

@@ -38,8 +38,8 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
             load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type, bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
             bnb_4bit_compute_dtype=getattr(torch, args.bnb_4bit_compute_dtype), bnb_4bit_quant_storage=getattr(torch, args.bnb_4bit_quant_storage),
         )
-    rank0_only = args.model_name_or_path is not None and not args.load_in_4bit and cpu_fsdp.fsdp_requested() \
-        and as_flag(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"))
+    efficient_loading = cpu_fsdp.fsdp_requested() and as_flag(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"))
+    rank0_only = args.model_name_or_path is not None and not args.load_in_4bit and efficient_loading
     fsdp1 = expected_fsdp_version() == 1
     if rank0_only and not fsdp1:
         rank0_loading.install()  # every rank: after wrapping, rank 0 scatters each rank its rows of every parameter
@@ -62,8 +62,7 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
         )
     if args.use_peft:
         model = add_lora(model, args)
-        if not fsdp1 and cpu_fsdp.fsdp_requested() and as_flag(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")) \
-                and lora_on_tied_head(model):
+        if not fsdp1 and efficient_loading and lora_on_tied_head(model):
             raise RecipeError(
                 "LoRA on the LM head of a model with tied embeddings (lora_target_modules names it) fails in accelerate "
                 "1.15's FSDP2 preparation with fsdp_cpu_ram_efficient_loading (tie_weights: \"attribute 'weight' already "
