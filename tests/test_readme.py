@@ -35,6 +35,8 @@ def test_readme_shows_setup_main_and_test_commands():
     assert TEST_COMMAND in commands
     ci = (REPO / ".ci" / "run").read_text()
     assert TEST_COMMAND in ci  # CI runs exactly what the README says, test requirements included
+    # and the full suite last: CI judges a run by its last summary, and the GPU smoke tests all skip without CUDA
+    assert ci.strip().splitlines()[-1] == TEST_COMMAND
     test_setup = commands[commands.index(TEST_COMMAND) - 1]
     assert test_setup == "pip install -r requirements-test.txt" and "pip install --quiet -r requirements-test.txt" in ci
     assert commands[0].replace("pip install", "pip install --quiet") in ci
