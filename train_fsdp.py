@@ -96,6 +96,7 @@ def main(model_args, data_args, plan):
         zero1=plan.run_args.zero1,
         save_dtype=plan.run_args.save_dtype,
         async_checkpoints=plan.run_args.async_checkpoints,
+        direct_io_checkpoints=plan.run_args.direct_io_checkpoints,
     )
     trainer.describer.base_record = base_record  # into every checkpoint and the adapter folder
     if problem := save_dtype_problem(trainer, plan.run_args.save_dtype):

@@ -7,8 +7,9 @@ It builds a model folder (random Llama weights saved with save_pretrained, bench
 launches train_fsdp.py (through bench/timed_run.py, which records when each optimizer step ends) under
 zero3.yaml, for full fine-tuning and for LoRA, three times each: without saves, and with a SHARDED_STATE_DICT
 checkpoint every ``--save-steps`` steps (``--save_total_limit 2``) written synchronously
-(``--async_checkpoints false``: training waits for the files) and in the background (the default). Reported, side
-by side:
+(``--async_checkpoints false``: training waits for the files) and in the background (the default); shard files
+written past the page cache (O_DIRECT, the default where the filesystem takes it), and with ``--page-cache`` also
+through it (``--direct_io_checkpoints false``), each mode then twice. Reported, side by side:
 
 - the stall per save: the time the steps after the warm-up took with saves minus the same steps without, divided
   by the saves among them (a background save's cost is spread over the steps its write overlaps, so a median step
@@ -60,7 +61,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def run(model: Path, lora: bool, mode: str, steps: int, nprocs: int, work: Path, interval: float, save_steps: int = 1) -> dict:
-    """One launch; returns step times, per-rank RssAnon samples and the last checkpoint's size."""
+    """One launch (``mode``: nosave, sync, async; ``-cache``: through the page cache); returns step times, per-rank
+    RssAnon samples and the last checkpoint's size."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -74,7 +76,7 @@ def run(model: Path, lora: bool, mode: str, steps: int, nprocs: int, work: Path,
            "--per_device_train_batch_size", "1", "--max_steps", str(steps), "--logging_steps", str(steps),
            "--save_strategy", "steps" if saves else "no", "--save_steps", str(save_steps), "--save_total_limit", "2",
            "--report_to", "none", "--dataloader_pin_memory", "false", "--output_dir", str(out), "--overwrite_output_dir", "true",
-           "--async_checkpoints", str(mode == "async").lower()]
+           "--async_checkpoints", str(mode.startswith("async")).lower(), "--direct_io_checkpoints", str(not mode.endswith("-cache")).lower()]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "SCALING_STEP_TIMES": str(times)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(REPO / "bench"), env.get("PYTHONPATH")]))
     log_path = work / f"{name}.log"
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the step times")
     p.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
     p.add_argument("--interval", type=float, default=0.05, help="seconds between memory samples")
+    p.add_argument("--page-cache", action="store_true", help="also run both save modes with --direct_io_checkpoints false")
     p.add_argument("--work", type=Path, help="folder for the model and the runs (default: a temporary one)")
     p.add_argument("--output", type=Path, help="write results.json and README.md (a table) into this folder")
     a = p.parse_args(argv)
@@ -141,32 +144,36 @@ def main(argv=None) -> int:
     print(f"model {model}: {base_bytes / 1e9:.2f} GB of fp32 weights; {a.nprocs} ranks, {steps} steps, a checkpoint after "
           f"every {a.save_steps} step(s) in the runs with saves ({CONFIG.relative_to(REPO)}, SHARDED_STATE_DICT)", flush=True)
     rows = []
+    kinds = [("direct", "")] + ([("page cache", "-cache")] if a.page_cache else [])  # the shard files' writes
     for lora in {"full": (False,), "lora": (True,), "both": (False, True)}[a.training]:
         measured = {}
-        for mode in ("nosave", "sync", "async"):
+        for mode in ["nosave", *(m + suffix for _, suffix in kinds for m in ("sync", "async"))]:
             began = time.time()
             measured[mode] = run(model, lora, mode, steps, a.nprocs, work, a.interval, a.save_steps)
             print(f"  {'LoRA' if lora else 'full'} {mode}: {time.time() - began:.0f} s", flush=True)
         plain = statistics.median(step_seconds(measured["nosave"]["step_end"], a.warmup))
         plain_total = sum(step_seconds(measured["nosave"]["step_end"], a.warmup))
-        row = {"training": "LoRA" if lora else "full", "nprocs": a.nprocs, "saves": a.saves, "base_bytes": base_bytes,
-               "step_seconds_without_saves": round(plain, 4)}
-        for mode in ("sync", "async"):
-            times = step_seconds(measured[mode]["step_end"], a.warmup)
-            saving = sum(times) / len(times)
-            stall = (sum(times) - plain_total) / (len(times) // a.save_steps)  # the saves after the warm-up
-            row[mode] = {"step_seconds_with_saves": round(saving, 4), "stall_per_save_seconds": round(stall, 4),
-                         "rss": {str(r): v for r, v in sorted(rss_growth(measured[mode]["step_end"], measured[mode]["samples"]).items())}}
-        row["sync"]["save_seconds"] = row["sync"]["stall_per_save_seconds"]
-        row["async"]["save_seconds"] = round(statistics.median(measured["async"]["background_seconds"]), 4) if measured["async"]["background_seconds"] else None
-        row["async_stall_vs_sync_save"] = round(row["async"]["stall_per_save_seconds"] / row["sync"]["save_seconds"], 4) if row["sync"]["save_seconds"] > 0 else None
-        row["checkpoint_bytes"] = measured["async"]["checkpoint_bytes"]
-        row["checkpoint_model_bytes"] = measured["async"]["checkpoint_model_bytes"]
-        row["checkpoint_vs_base"] = round(row["checkpoint_bytes"] / base_bytes, 4)
-        rows.append(row)
-        print(f"    stall per save: sync {row['sync']['stall_per_save_seconds']:.2f} s, background {row['async']['stall_per_save_seconds']:.2f} s "
-              f"(its write {row['async']['save_seconds']} s); checkpoint {row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base",
-              flush=True)
+        for writes, suffix in kinds:
+            row = {"training": "LoRA" if lora else "full", "shard_files": writes, "nprocs": a.nprocs, "saves": a.saves,
+                   "base_bytes": base_bytes, "step_seconds_without_saves": round(plain, 4)}
+            for mode in ("sync", "async"):
+                got = measured[mode + suffix]
+                times = step_seconds(got["step_end"], a.warmup)
+                saving = sum(times) / len(times)
+                stall = (sum(times) - plain_total) / (len(times) // a.save_steps)  # the saves after the warm-up
+                row[mode] = {"step_seconds_with_saves": round(saving, 4), "stall_per_save_seconds": round(stall, 4),
+                             "rss": {str(r): v for r, v in sorted(rss_growth(got["step_end"], got["samples"]).items())}}
+            background = measured["async" + suffix]
+            row["sync"]["save_seconds"] = row["sync"]["stall_per_save_seconds"]
+            row["async"]["save_seconds"] = round(statistics.median(background["background_seconds"]), 4) if background["background_seconds"] else None
+            row["async_stall_vs_sync_save"] = round(row["async"]["stall_per_save_seconds"] / row["sync"]["save_seconds"], 4) if row["sync"]["save_seconds"] > 0 else None
+            row["checkpoint_bytes"] = background["checkpoint_bytes"]
+            row["checkpoint_model_bytes"] = background["checkpoint_model_bytes"]
+            row["checkpoint_vs_base"] = round(row["checkpoint_bytes"] / base_bytes, 4)
+            rows.append(row)
+            print(f"    {writes}: stall per save: sync {row['sync']['stall_per_save_seconds']:.2f} s, background {row['async']['stall_per_save_seconds']:.2f} s "
+                  f"(its write {row['async']['save_seconds']} s); checkpoint {row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base",
+                  flush=True)
 
     def rss(r):
         return "; ".join(f"rank {k}: {v['first_quarter_peak'] / 2**20:,.0f} -> {v['last_quarter_peak'] / 2**20:,.0f}" for k, v in r["rss"].items())
@@ -176,15 +183,15 @@ def main(argv=None) -> int:
 
     lines = [f"Checkpoint cost, {base_bytes / 1e9:.2f} GB fp32 model, {a.nprocs} CPU ranks (FSDP2 FULL_SHARD over gloo, "
              f"SHARDED_STATE_DICT), {a.saves} saves (one every {a.save_steps} step(s)), synchronous (--async_checkpoints false) and in the background (default):", "",
-             "| training | median step without saves (s) | sync: mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | background: its write (s) | background stall vs sync save | checkpoint (MB) | vs base weights |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| training | shard files written | median step without saves (s) | sync: mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | background: its write (s) | background stall vs sync save | checkpoint (MB) | vs base weights |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['training']} | {r['step_seconds_without_saves']:.2f} | {r['sync']['step_seconds_with_saves']:.2f} | {r['sync']['stall_per_save_seconds']:.2f} | "
+        lines.append(f"| {r['training']} | {r['shard_files']} | {r['step_seconds_without_saves']:.2f} | {r['sync']['step_seconds_with_saves']:.2f} | {r['sync']['stall_per_save_seconds']:.2f} | "
                      f"{r['async']['step_seconds_with_saves']:.2f} | {r['async']['stall_per_save_seconds']:.2f} | {r['async']['save_seconds']} | {ratio(r)} | "
                      f"{r['checkpoint_bytes'] / 1e6:,.1f} | {r['checkpoint_vs_base']:.1%} |")
-    lines += ["", "RssAnon peak, first -> last quarter of the saves (MiB):", "", "| training | sync | background |", "|---|---|---|"]
+    lines += ["", "RssAnon peak, first -> last quarter of the saves (MiB):", "", "| training | shard files written | sync | background |", "|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['training']} | {rss(r['sync'])} | {rss(r['async'])} |")
+        lines.append(f"| {r['training']} | {r['shard_files']} | {rss(r['sync'])} | {rss(r['async'])} |")
     print("\n" + "\n".join(lines))
     if a.output:
         a.output.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,25 @@ def launch(
     return proc
 
 
+def o_direct_here(folder: Path) -> bool:
+    """Whether files in ``folder`` open with O_DIRECT (checkpoint shards are written so where they do)."""
+    if not getattr(os, "O_DIRECT", 0):
+        return False
+    try:
+        os.close(os.open(folder / ".o_direct_probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        return False
+    os.unlink(folder / ".o_direct_probe")
+    return True
+
+
+def shard_files_written(count: int, folder: Path) -> dict:
+    """fsdp_report.json's checkpoint_writes.shard_files for ``count`` shard files written in ``folder``."""
+    if o_direct_here(folder):
+        return {"direct": count, "page_cache": 0}
+    return {"direct": 0, "page_cache": count, "page_cache_why": "the filesystem refused open(O_DIRECT)"}
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

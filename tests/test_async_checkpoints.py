@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAULT_SCRIPT, QUICK, REPO, launch, quick, read_json
+from conftest import FAULT_SCRIPT, QUICK, REPO, launch, quick, read_json, shard_files_written
 
 pytestmark = pytest.mark.slow  # every test here launches real runs
 
@@ -44,6 +44,7 @@ def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
     writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
     assert writes["mode"] == "background" and writes["saves"] == 4
     assert writes["host_copies_made"] == 2, writes  # the model's and the optimizer's, made at checkpoint-3, reused by 6, 9, 12
+    assert writes["direct_io"] is True and writes["shard_files"] == shard_files_written(8, out), writes  # rank 0: 4 x (model, optimizer)
     rank0 = read_json(out / "fsdp_report.json")["ranks"][0]["bytes"]  # measured by the run from its own tensors
     shards = rank0["params"] + rank0["optimizer"]  # this rank's weights and Adam's two moments
     assert shards <= writes["staged_bytes_max"] <= shards + 4096, (writes, rank0)  # + Adam's step counters
@@ -114,9 +115,12 @@ def test_the_trainers_end_of_training_cleanup_waits_for_the_save_in_flight(tmp_p
 
 
 def test_async_checkpoints_false_waits_for_each_and_says_so(trained, tmp_path):
+    """And --direct_io_checkpoints false: DCP writes the shard files itself, through the page cache (the resume tests
+    and the FSDP1 runs read checkpoints written direct, the default)."""
     out = tmp_path / "run"
-    run = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--async_checkpoints", "false")
+    run = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--async_checkpoints", "false", "--direct_io_checkpoints", "false")
     assert "checkpoints are written before training goes on (--async_checkpoints false)" in run.stdout
     assert "written in the background" not in run.stdout
-    assert read_json(out / "fsdp_report.json")["checkpoint_writes"] == {"mode": "blocking", "why": "--async_checkpoints false"}
+    assert read_json(out / "fsdp_report.json")["checkpoint_writes"] == {
+        "mode": "blocking", "why": "--async_checkpoints false", "direct_io": False}
     assert_same_model(out / "model", trained(ZERO3).model_dir)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FSDP_CONFIGS, REPO, launch, logged_losses, read_json
+from conftest import FSDP_CONFIGS, REPO, launch, logged_losses, read_json, shard_files_written
 
 @pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_really_fsdp_and_sharded(trained, config):
@@ -73,6 +73,9 @@ def test_sharded_checkpoints_on_disk(trained, config):
         assert (shards / ".metadata").is_file()
         assert sorted(p.name for p in shards.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(run.world_size)]
         assert (run.output_dir / f"checkpoint-{step}" / "optimizer_0" / ".metadata").is_file()
+    # written past the page cache (FSDP1's and FSDP2's, in the foreground or the background): rank 0's model and
+    # optimizer shard files of checkpoints 6 and 12
+    assert run.report["checkpoint_writes"]["shard_files"] == shard_files_written(4, run.output_dir)
 
 
 @pytest.mark.parametrize("config", FSDP_CONFIGS)

@@ -1,15 +1,22 @@
-"""The one patch behind asynchronous checkpoints: accelerate's sharded saves through DCP's ``async_save``.
+"""The one patch behind our checkpoint saves: accelerate's sharded saves through DCP, written past the page cache,
+and (asynchronous checkpoints) through DCP's ``async_save``.
 
 accelerate 1.15 writes SHARDED_STATE_DICT checkpoints with ``torch.distributed.checkpoint.save`` (save_fsdp_model,
 save_fsdp_optimizer, which the Trainer calls for each checkpoint), reaching it as ``dist_cp.save`` after importing
-the module inside the function. Within ``async_dcp_saves(groups, futures)`` that name is DCP's ``async_save``
-instead: the state dict is copied to host memory (DCP's staging) before the call returns, so training goes on from
-a snapshot of this step, and a thread of its own writes the files. Each save of a checkpoint (the model's, then the
-optimizer's) coordinates with the other ranks over a gloo group of its own, ``groups(i)`` for the i-th save: their
-threads run at once, and two threads sharing one group interleave its collectives differently on each rank (a
-deadlock, seen). Each call's future is appended to ``futures``; the caller waits for them
-(fsdp_recipes.train.async_checkpoints). Outside the context nothing changes: the final export's save stays
-synchronous.
+the module inside the function. Within ``checkpoint_saves(...)`` that name is a wrapper:
+
+- Direct writes (``direct=True``): the storage writer accelerate made (DCP's FileSystemWriter) gets a FileSystem
+  whose shard files (.distcp) are fsdp_recipes.direct_writes.DirectFile: O_DIRECT where the filesystem takes it,
+  the same bytes (the format is DCP's own; any DCP reader reads them). ``files`` counts the shard files written
+  either way and why the page cache wrote some.
+- In the background (``background=Background(...)``): DCP's ``async_save`` instead: the state dict is copied to host
+  memory (the staging) before the call returns, so training goes on from a snapshot of this step, and a thread of
+  its own writes the files. Each save of a checkpoint (the model's, then the optimizer's) coordinates with the other
+  ranks over a gloo group of its own, ``groups(i)`` for the i-th save: their threads run at once, and two threads
+  sharing one group interleave its collectives differently on each rank (a deadlock, seen). Each call's future is
+  appended to ``futures``; the caller waits for them (fsdp_recipes.train.async_checkpoints).
+
+Outside the context nothing changes: the final export's save is ordinary.
 
 The staging: DCP's default (FileSystemWriter's own stager) builds a new host copy for every save, and for a DTensor
 already on the CPU deep-copies it first and then allocates the copy it fills: two copies and a fresh allocation per
@@ -22,9 +29,16 @@ finishes a save before the next begins).
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
+
 from fsdp_recipes.compat import internals
+from fsdp_recipes.direct_writes import DirectFile
 
 
 class ReusedHostCopy:
@@ -105,22 +119,86 @@ def _layout(state, path: str = "") -> tuple:
     return ((path, type(state).__name__),)
 
 
-@contextmanager
-def async_dcp_saves(groups, stagers, futures: list, staged_bytes: list):
-    """``groups(i)`` and ``stagers(i)``: the gloo group and the ReusedHostCopy of the i-th save of a checkpoint;
-    ``futures`` gets each save's future, ``staged_bytes`` the bytes of this rank's tensors it copied to host memory."""
-    import torch.distributed.checkpoint as dcp
+@dataclasses.dataclass
+class Background:
+    """What background saves need: ``groups(i)`` and ``stagers(i)``, the gloo group and the ReusedHostCopy of the i-th
+    save of a checkpoint; ``futures`` gets each save's future, ``staged_bytes`` the bytes of this rank's tensors it
+    copied to host memory."""
+    groups: Callable
+    stagers: Callable
+    futures: list
+    staged_bytes: list
 
+
+class ShardFiles:
+    """How this rank's checkpoint shard files were written (fsdp_report.json's checkpoint_writes.shard_files)."""
+
+    def __init__(self):
+        self.direct, self.page_cache, self.why = 0, 0, None
+        self._lock = threading.Lock()  # background saves write from DCP's threads
+
+    def add(self, page_cache_why: str | None) -> None:
+        with self._lock:
+            if page_cache_why is None:
+                self.direct += 1
+            else:
+                self.page_cache += 1
+                self.why = self.why or page_cache_why
+
+    def report(self) -> dict:
+        return {"direct": self.direct, "page_cache": self.page_cache, **({"page_cache_why": self.why} if self.why else {})}
+
+
+class _DirectShardFiles(FileSystem):
+    """DCP's FileSystem, its shard files (.distcp) written by DirectFile; every other file as before."""
+
+    def __init__(self, sync: bool, files: ShardFiles):
+        super().__init__()
+        self.sync, self.files = sync, files
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        if mode != "wb" or not str(path).endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = DirectFile(path, sync=self.sync)
+        try:
+            yield stream
+        except BaseException:
+            stream.abort()  # not written whole: no tail, no fsync; the save fails and the checkpoint stays incomplete
+            raise
+        stream.close()
+        self.files.add(stream.page_cache_why)
+
+
+def _writing_direct(storage_writer, files: ShardFiles):
+    if type(getattr(storage_writer, "fs", None)) is FileSystem:  # DCP's FileSystemWriter, as accelerate makes it
+        storage_writer.fs = _DirectShardFiles(storage_writer.sync_files, files)
+    else:
+        files.why = files.why or f"a storage writer without DCP's FileSystem ({type(storage_writer).__name__})"
+    return storage_writer
+
+
+@contextmanager
+def checkpoint_saves(files: ShardFiles, *, direct: bool, background: Background | None = None):
+    """accelerate's DCP saves inside: shard files written past the page cache (``direct``), in the background (given
+    ``background``)."""
     save = dcp.save
 
-    def staged(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None, no_dist=False, **_):
-        i = len(futures)
-        futures.append(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-                                      process_group=groups(i), async_stager=stagers(i), no_dist=no_dist))
-        staged_bytes.append(local_bytes(state_dict))
-        # accelerate does not read save's result (the metadata); the future holds it
+    def wrapped(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None, no_dist=False, **kwargs):
+        if direct:
+            storage_writer = _writing_direct(storage_writer, files)
+        if background is None:
+            return save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+                        process_group=process_group, no_dist=no_dist, **kwargs)
+        i = len(background.futures)
+        background.futures.append(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+                                                 process_group=background.groups(i), async_stager=background.stagers(i), no_dist=no_dist))
+        background.staged_bytes.append(local_bytes(state_dict))
+        return None  # accelerate does not read save's result (the metadata); the future holds it
 
-    dcp.save = staged
+    dcp.save = wrapped
     try:
         yield
     finally:

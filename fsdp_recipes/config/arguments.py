@@ -295,16 +295,20 @@ class RunArguments:
     )
     save_dtype: str = field(
         default="auto",
-        metadata={"help": "dtype of the weights in the final model folder (and its config.json dtype). auto: the dtype "
-                  "they were trained in, the parameters' dtype (--dtype; float32 master weights under bf16 mixed "
-                  "precision give a float32 folder). bfloat16 halves a float32 model. fsdp_report.json states it "
-                  "(precision.saved_model, and export.dtype once written).", "choices": list(DTYPES)},
+        metadata={"help": "dtype of the final model folder's weights (and config.json's dtype). auto: the parameters' "
+                  "dtype as trained (--dtype; float32 master weights under bf16 mixed precision give float32). "
+                  "fsdp_report.json states it (precision.saved_model, export.dtype).", "choices": list(DTYPES)},
     )
     async_checkpoints: bool = field(
         default=True,
         metadata={"help": "FSDP2 SHARDED_STATE_DICT: write checkpoint shards in the background while training goes on "
                   "(a host copy of this rank's shards, kept for the run; one at a time; complete once every rank "
                   "wrote it). false: wait for each, as the stock Trainer does."},
+    )
+    direct_io_checkpoints: bool = field(
+        default=True,
+        metadata={"help": "Checkpoint shards written with O_DIRECT (past the page cache) where the filesystem takes "
+                  "it: same files, far less CPU. false: through the cache."},
     )
     cpu_bf16: bool = field(
         default=False,

@@ -71,6 +71,9 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
             action.help = argparse.SUPPRESS
         parser.epilog = (f"{len(others)} more transformers TrainingArguments options (fsdp, optimizer, hub, logging "
                          "details ...) are accepted too: --help-all lists them.")
+    for action in parser._actions:  # HfArgumentParser gives --no_<flag> the whole help of --<flag> again
+        if action.nargs == 0 and action.const is False and action.option_strings[0].startswith("--no_") and action.help != argparse.SUPPRESS:
+            action.help = f"the same as --{action.dest} false%(default).0s"  # %(default) in it: no "(default: False)" added
     data, run = groups[DataArguments._argument_group_name], groups[RunArguments._argument_group_name]
     parser._action_groups = [g for g in (parser._positionals, default, model, lora, data, run, common, rest)]
     return parser

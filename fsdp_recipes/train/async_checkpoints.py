@@ -19,6 +19,10 @@ for it first. An exception abandons it: the writing threads finish their shard f
 checkpoint complete.
 
 ``--async_checkpoints false`` writes every checkpoint before training goes on, as the stock Trainer does.
+
+Either way (and under FSDP1), the DCP shard files are written past the page cache where the filesystem takes O_DIRECT
+(fsdp_recipes.direct_writes: a fraction of the CPU a write through the cache costs, which a background write takes
+from training); ``--direct_io_checkpoints false`` writes them through the page cache.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from fsdp_recipes.compat.async_dcp import ReusedHostCopy, async_dcp_saves
+from fsdp_recipes.compat.async_dcp import Background, ReusedHostCopy, ShardFiles, checkpoint_saves
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +52,9 @@ class Pending:
 
 
 class AsyncCheckpoints(TrainerCallback):
-    def __init__(self, trainer, enabled: bool):
-        self.trainer, self.enabled = trainer, enabled
+    def __init__(self, trainer, enabled: bool, direct: bool = True):
+        self.trainer, self.enabled, self.direct = trainer, enabled, direct
+        self.shard_files = ShardFiles()  # how this rank's shard files were written (direct or through the page cache)
         self.groups: list = []  # a gloo group for each save of a checkpoint (compat.async_dcp), made on first use
         self.stagers: list = []  # and its host copy (compat.async_dcp.ReusedHostCopy), reused by every checkpoint
         self.host_copies_made = 0  # by stagers already let go (release)
@@ -108,11 +113,15 @@ class AsyncCheckpoints(TrainerCallback):
 
         state.save_to_json = hold  # this instance only, for this save
         try:
-            with async_dcp_saves(group, stager, pending.futures, pending.staged_bytes):
+            with checkpoint_saves(self.shard_files, direct=self.direct, background=Background(group, stager, pending.futures, pending.staged_bytes)):
                 yield
         finally:
             del state.save_to_json
         self.pending = pending
+
+    def writing(self):
+        """Around the Trainer's _save_checkpoint when it saves in the foreground: the shard files written direct."""
+        return checkpoint_saves(self.shard_files, direct=self.direct)
 
     def is_pending(self, folder: Path) -> bool:
         return self.pending is not None and self.pending.folder == Path(folder)
@@ -169,10 +178,12 @@ class AsyncCheckpoints(TrainerCallback):
 
     def report(self) -> dict:
         """fsdp_report.json's checkpoint_writes: how checkpoints were written, and (background) what each cost here."""
+        # this rank's shard files (rank 0's in the report); with --direct_io_checkpoints false DCP writes them itself
+        files = {"direct_io": True, "shard_files": self.shard_files.report()} if self.direct else {"direct_io": False}
         if not self.active:
-            return {"mode": "blocking", "why": "--async_checkpoints false" if not self.enabled else self.why_not()}
+            return {"mode": "blocking", "why": "--async_checkpoints false" if not self.enabled else self.why_not(), **files}
         done = self.completed
-        return {"mode": "background", "saves": len(done),
+        return {"mode": "background", **files, "saves": len(done),
                 "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),  # rank 0's host copy per save
                 "seconds_max": max((c["seconds"] for c in done), default=0.0),
                 "host_copies_made": self.host_copies_made + sum(s.made for s in self.stagers),  # one per save of a checkpoint (model, optimizer), reused

@@ -35,7 +35,7 @@ eval_perplexity; the end-of-run metrics carry the run's averages (fsdp_recipes.t
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import Trainer
@@ -101,7 +101,8 @@ OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._fin
 
 
 class FSDPTrainer(Trainer):
-    def __init__(self, *args, zero1: bool = False, save_dtype: str = "auto", async_checkpoints: bool = True, **kwargs):
+    def __init__(self, *args, zero1: bool = False, save_dtype: str = "auto", async_checkpoints: bool = True,
+                 direct_io_checkpoints: bool = True, **kwargs):
         internals.require(*OVERRIDES)  # a renamed base method would leave ours never called
         model = kwargs.get("model")
         if zero1:  # the Trainer's own optimizer and settings, each rank stepping its 1/N of the parameters
@@ -123,7 +124,7 @@ class FSDPTrainer(Trainer):
         self.preemption = Preemption()  # SIGTERM/SIGUSR1: checkpoint at the end of the current step, then stop
         self.add_callback(self.preemption)
         self.throughput = Throughput()  # train_fsdp.py sets its FLOPs per token and peak where MFU is known
-        self.async_saves = AsyncCheckpoints(self, async_checkpoints)  # checkpoints written while training goes on
+        self.async_saves = AsyncCheckpoints(self, async_checkpoints, direct_io_checkpoints)  # checkpoints written while training goes on
         self.add_callback(self.async_saves)
         self.run_dir, self.save_limit = Path(self.args.output_dir), self.args.save_total_limit
 
@@ -271,7 +272,7 @@ class FSDPTrainer(Trainer):
             self.run_dir, self.save_limit = Path(run_dir), limit
             self.args.save_total_limit = None  # the Trainer's own rotation, which would run before the other ranks finish
             try:
-                with self.async_saves.saving(folder, self.state.global_step) if background else nullcontext():
+                with self.async_saves.saving(folder, self.state.global_step) if background else self.async_saves.writing():
                     super()._save_checkpoint(model, trial)
             finally:
                 self.args.save_total_limit = limit

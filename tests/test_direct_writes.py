@@ -1,0 +1,191 @@
+"""Shard files written past the page cache (fsdp_recipes.direct_writes, and DCP's writer given it in
+fsdp_recipes.compat.async_dcp): the bytes are exactly an ordinary write's for every size and way of writing them,
+every way the filesystem can refuse O_DIRECT ends in the same bytes through the page cache, and DCP's files (written
+by torch itself, single process) are the same files. The multi-process runs that write checkpoints this way and
+resume from them bit-exact are tests/test_async_checkpoints.py and tests/test_fault_tolerance.py."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+
+import pytest
+
+from conftest import o_direct_here
+from fsdp_recipes import direct_writes
+from fsdp_recipes.direct_writes import BLOCK, CHUNK, DirectFile
+
+
+def write_in_pieces(path, data: bytes, pieces: list[int], **kwargs) -> DirectFile:
+    f = DirectFile(path, **kwargs)
+    at = 0
+    for size in pieces:
+        assert f.write(data[at:at + size]) == len(data[at:at + size])
+        at += size
+        assert f.tell() == min(at, len(data))
+    f.write(memoryview(data)[at:])  # any buffer: bytes, memoryview (torch.save hands both)
+    assert f.tell() == len(data)
+    f.close()
+    f.close()  # twice: DCP closes the stream, and so does the context around it
+    return f
+
+
+def cases(seed: int, count: int):
+    """Sizes around every boundary the writer has (a block, a chunk, an empty file), cut into random pieces."""
+    rng = random.Random(seed)
+    edges = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + BLOCK + 7]
+    sizes = edges + [rng.randrange(1, 3 * CHUNK) for _ in range(count - len(edges))]
+    for size in sizes:
+        cuts = sorted(rng.sample(range(size), min(size, rng.randrange(0, 6)))) if size else []
+        yield size, [b - a for a, b in zip([0, *cuts], cuts)]
+
+
+@pytest.mark.parametrize("size, pieces", list(cases(seed=22, count=16)))
+def test_the_bytes_are_an_ordinary_writes_whatever_the_size_and_pieces(tmp_path, size, pieces):
+    data = random.Random(size).randbytes(size)
+    f = write_in_pieces(tmp_path / "shard.distcp", data, pieces)
+    assert (tmp_path / "shard.distcp").read_bytes() == data
+    assert f.page_cache_why is None if o_direct_here(tmp_path) else f.page_cache_why is not None
+
+
+def test_turned_off_it_writes_the_same_bytes_through_the_page_cache_and_says_so(tmp_path):
+    data = os.urandom(CHUNK + 3)
+    f = write_in_pieces(tmp_path / "x", data, [5, BLOCK], direct=False, sync=False)
+    assert (tmp_path / "x").read_bytes() == data and f.page_cache_why == "O_DIRECT is off"
+
+
+def _is_direct(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+
+
+def test_a_filesystem_that_refuses_open_o_direct_gets_the_page_cache(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def refusing(path, flags, *args):
+        if flags & direct_writes.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")  # what tmpfs before Linux 6.6 and some FUSE mounts say
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(direct_writes.os, "open", refusing)
+    data = os.urandom(2 * CHUNK + 11)
+    f = write_in_pieces(tmp_path / "x", data, [CHUNK + 1])
+    assert (tmp_path / "x").read_bytes() == data and f.page_cache_why == "the filesystem refused open(O_DIRECT)"
+
+
+@pytest.mark.parametrize("refusal", ["EINVAL on the second chunk", "a short unaligned write"])
+def test_a_filesystem_that_refuses_a_direct_write_midway_gets_the_rest_through_the_page_cache(tmp_path, monkeypatch, refusal):
+    if not o_direct_here(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT at open (the test above)")
+    real_pwrite, calls = os.pwrite, []
+
+    def flaky(fd, data, offset):
+        calls.append(offset)
+        if _is_direct(fd) and len(calls) == 2:
+            if refusal.startswith("EINVAL"):
+                raise OSError(errno.EINVAL, "Invalid argument")
+            # written, but short and unaligned (a FUSE daemon may do it; the kernel would refuse an unaligned direct write)
+            plain = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
+            try:
+                return real_pwrite(plain, memoryview(data)[:BLOCK + 100], offset)
+            finally:
+                os.close(plain)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(direct_writes.os, "pwrite", flaky)
+    data = os.urandom(3 * CHUNK + 5)
+    f = write_in_pieces(tmp_path / "x", data, [7])
+    assert (tmp_path / "x").read_bytes() == data
+    assert f.page_cache_why == ("the filesystem refused an aligned O_DIRECT write" if refusal.startswith("EINVAL")
+                                else "a short O_DIRECT write left the offset unaligned")
+
+
+def test_another_error_is_raised_and_abort_writes_no_tail(tmp_path, monkeypatch):
+    real_pwrite = os.pwrite
+
+    def full(fd, data, offset):
+        if offset >= CHUNK:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(direct_writes.os, "pwrite", full)
+    f = DirectFile(tmp_path / "x")
+    with pytest.raises(OSError, match="No space left"):
+        f.write(os.urandom(3 * CHUNK))
+    f.abort()
+    assert (tmp_path / "x").stat().st_size == CHUNK  # what was written: never a file that looks whole
+    f.close()  # after abort: nothing, no error
+
+
+# --- DCP's own writer, given direct shard files ------------------------------------------------------------------
+
+def _state():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(1500, 1100, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+            "step": torch.tensor(3), "extra": {"lr": 0.1, "names": ["a", "b"]}}
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_dcp_shard_files_are_the_same_files_and_load_the_same_tensors(tmp_path, direct):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_recipes.compat.async_dcp import ShardFiles, checkpoint_saves
+
+    state = _state()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "plain")), no_dist=True)
+    files = ShardFiles()
+    with checkpoint_saves(files, direct=direct):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ours")), no_dist=True)
+    assert dcp.save is not None and dcp.save.__name__ == "save"  # put back
+    shards = sorted(p.name for p in (tmp_path / "plain").glob("*.distcp"))
+    assert shards and shards == sorted(p.name for p in (tmp_path / "ours").glob("*.distcp"))
+    for name in shards:
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+    expected = {"direct": 0, "page_cache": 0}
+    if direct:
+        expected = {"direct": 1, "page_cache": 0} if o_direct_here(tmp_path) else {"direct": 0, "page_cache": 1, "page_cache_why": files.why}
+    assert files.report() == expected
+    loaded = {"w": torch.zeros(1500, 1100), "b": torch.zeros(7, dtype=torch.bfloat16), "step": torch.tensor(0), "extra": {"lr": 0.0, "names": []}}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path / "ours")), no_dist=True)
+    assert all(torch.equal(loaded[k], state[k]) for k in ("w", "b", "step")) and loaded["extra"] == state["extra"]
+
+
+def test_a_storage_writer_of_another_kind_is_left_as_it_is_and_said(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from fsdp_recipes.compat.async_dcp import ShardFiles, checkpoint_saves
+
+    class OtherFS(FileSystem):
+        pass
+
+    writer = dcp.FileSystemWriter(str(tmp_path / "ours"))
+    writer.fs = OtherFS()
+    files = ShardFiles()
+    with checkpoint_saves(files, direct=True):
+        dcp.save(_state(), storage_writer=writer, no_dist=True)
+    assert type(writer.fs) is OtherFS
+    assert files.report() == {"direct": 0, "page_cache": 0, "page_cache_why": "a storage writer without DCP's FileSystem (FileSystemWriter)"}
+
+
+def test_a_failed_dcp_write_raises_and_leaves_no_whole_looking_shard(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_recipes.compat.async_dcp import ShardFiles, checkpoint_saves
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(direct_writes.os, "pwrite", full)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as raised, checkpoint_saves(ShardFiles(), direct=True):
+        dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "ours")), no_dist=True)
+    error = raised.value.failures[0][0]  # (the exception, its stack)
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+    assert not (tmp_path / "ours" / ".metadata").exists()  # DCP's own mark of a finished save
+    assert all(p.stat().st_size == 0 for p in (tmp_path / "ours").glob("*.distcp"))
