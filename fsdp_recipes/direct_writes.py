@@ -17,6 +17,7 @@ Linux 6.6, some FUSE and network mounts; macOS has no O_DIRECT) the same buffer 
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import mmap
 import os
@@ -61,7 +62,10 @@ class DirectFile(io.RawIOBase):
         return self.fd
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
+        view = memoryview(data)
+        if not view.nbytes:
+            return 0  # as a file does (an empty multi-dimensional buffer cannot be cast)
+        view = view.cast("B")
         done = 0
         while done < len(view):
             n = min(CHUNK - self._filled, len(view) - done)
@@ -97,11 +101,11 @@ class DirectFile(io.RawIOBase):
         self._filled = rest
 
     def _buffered(self, why: str | None) -> None:
-        """The rest of the file through the page cache (``why``: None for the last partial block, which must)."""
+        """The rest of the file through the page cache (``why``: None for the last partial block, which must). The same
+        descriptor, O_DIRECT cleared: never the path again (it may have been renamed or replaced since)."""
         self.page_cache_why = self.page_cache_why or why
-        fd = os.open(self.path, os.O_WRONLY)
-        os.close(self.fd)
-        self.fd, self.direct = fd, False
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~O_DIRECT)
+        self.direct = False
 
     def close(self) -> None:
         if self.closed:
@@ -121,9 +125,14 @@ class DirectFile(io.RawIOBase):
             self.abort()
 
     def abort(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        fd, self.fd = self.fd, -1  # forgotten before closing: a failed close still frees the number, which is never closed twice
+        try:
+            if fd >= 0:
+                os.close(fd)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         self._view.release()
         try:
             self._buffer.close()

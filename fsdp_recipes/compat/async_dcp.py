@@ -135,6 +135,7 @@ class ShardFiles:
 
     def __init__(self):
         self.direct, self.page_cache, self.why = 0, 0, None
+        self.other_writer = None  # a save whose storage writer was not DCP's FileSystemWriter: left as it was
         self._lock = threading.Lock()  # background saves write from DCP's threads
 
     def add(self, page_cache_why: str | None) -> None:
@@ -146,7 +147,8 @@ class ShardFiles:
                 self.why = self.why or page_cache_why
 
     def report(self) -> dict:
-        return {"direct": self.direct, "page_cache": self.page_cache, **({"page_cache_why": self.why} if self.why else {})}
+        return {"direct": self.direct, "page_cache": self.page_cache, **({"page_cache_why": self.why} if self.why else {}),
+                **({"other_writer": self.other_writer} if self.other_writer else {})}
 
 
 class _DirectShardFiles(FileSystem):
@@ -176,7 +178,7 @@ def _writing_direct(storage_writer, files: ShardFiles):
     if type(getattr(storage_writer, "fs", None)) is FileSystem:  # DCP's FileSystemWriter, as accelerate makes it
         storage_writer.fs = _DirectShardFiles(storage_writer.sync_files, files)
     else:
-        files.why = files.why or f"a storage writer without DCP's FileSystem ({type(storage_writer).__name__})"
+        files.other_writer = f"{type(storage_writer).__name__} without DCP's FileSystem: its files written as it writes them"
     return storage_writer
 
 
