@@ -37,6 +37,10 @@ class DirectFile(io.RawIOBase):
         super().__init__()
         self.path, self.sync = os.fspath(path), sync
         self.fd, self.direct = -1, False
+        self._buffer = mmap.mmap(-1, CHUNK)  # anonymous mmap: page-aligned
+        self._view = memoryview(self._buffer)
+        self._filled = 0  # bytes in the buffer
+        self._written = 0  # bytes of the file already written (a multiple of BLOCK while direct)
         self.page_cache_why = None if direct and O_DIRECT else "O_DIRECT is off" if O_DIRECT else "this platform has no O_DIRECT"
         if direct and O_DIRECT:
             try:
@@ -47,10 +51,6 @@ class DirectFile(io.RawIOBase):
                 self.page_cache_why = "the filesystem refused open(O_DIRECT)"
         if self.fd < 0:
             self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._buffer = mmap.mmap(-1, CHUNK)  # anonymous mmap: page-aligned
-        self._view = memoryview(self._buffer)
-        self._filled = 0  # bytes in the buffer
-        self._written = 0  # bytes of the file already written (a multiple of BLOCK while direct)
 
     def writable(self) -> bool:
         return True
@@ -110,6 +110,8 @@ class DirectFile(io.RawIOBase):
     def close(self) -> None:
         if self.closed:
             return
+        if self.fd < 0:  # the open failed: nothing to finish
+            return self.abort()
         try:
             if self.direct:
                 aligned = self._filled - self._filled % BLOCK

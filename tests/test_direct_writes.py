@@ -234,3 +234,14 @@ def test_a_failed_dcp_write_raises_and_leaves_no_whole_looking_shard(tmp_path, m
     assert isinstance(error, OSError) and error.errno == errno.ENOSPC
     assert not (tmp_path / "ours" / ".metadata").exists()  # DCP's own mark of a finished save
     assert all(p.stat().st_size == 0 for p in (tmp_path / "ours").glob("*.distcp"))
+
+
+def test_a_path_that_cannot_be_opened_fails_as_open_does_and_leaves_nothing_open(tmp_path):
+    before = len(os.listdir("/proc/self/fd"))
+    for bad in (tmp_path / "missing" / "x", tmp_path):  # no such folder; a folder
+        with pytest.raises(OSError) as raised:
+            DirectFile(bad)
+        with pytest.raises(OSError) as plain:
+            open(bad, "wb")
+        assert raised.value.errno == plain.value.errno
+    assert len(os.listdir("/proc/self/fd")) == before
