@@ -33,7 +33,7 @@ class DirectFile(io.RawIOBase):
     what was not written yet is dropped (after an error: the file is incomplete and whoever made it knows).
     ``page_cache_why``: None if every whole block went out with O_DIRECT, else why the page cache wrote some."""
 
-    def __init__(self, path, *, sync: bool = True, direct: bool = True):
+    def __init__(self, path, *, sync: bool = True):
         super().__init__()
         self.path, self.sync = os.fspath(path), sync
         self.fd, self.direct = -1, False
@@ -41,8 +41,8 @@ class DirectFile(io.RawIOBase):
         self._view = memoryview(self._buffer)
         self._filled = 0  # bytes in the buffer
         self._written = 0  # bytes of the file already written (a multiple of BLOCK while direct)
-        self.page_cache_why = None if direct and O_DIRECT else "O_DIRECT is off" if O_DIRECT else "this platform has no O_DIRECT"
-        if direct and O_DIRECT:
+        self.page_cache_why = None if O_DIRECT else "this platform has no O_DIRECT"
+        if O_DIRECT:
             try:
                 self.fd, self.direct = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o644), True
             except OSError as e:
