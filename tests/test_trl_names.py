@@ -147,7 +147,8 @@ def help_text(argv, capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_help_is_grouped_with_aliases_and_the_rest_behind_help_all(capsys):
+def test_help_is_grouped_with_aliases_and_the_rest_behind_help_all(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal: CI's differs from a developer's
     short, full = help_text(["--help"], capsys), help_text(["--help-all"], capsys)
     titles = [line[:-1] for line in short.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert titles[1:] == ["model", "LoRA and QLoRA (TRL's ModelConfig names)",
@@ -157,7 +158,7 @@ def test_help_is_grouped_with_aliases_and_the_rest_behind_help_all(capsys):
     assert "--text_column TEXT_COLUMN, --dataset_text_field TEXT_COLUMN" in short
     assert "--output-dir" not in short and "--output-dir" not in full  # each option once
     assert "--fsdp_config" not in short and "--fsdp_config" in full and "--help-all lists them" in " ".join(short.split())
-    assert len(short.splitlines()) < 300 < len(full.splitlines())
+    assert len(short.splitlines()) < 280 and 2 * len(short.splitlines()) < len(full.splitlines())
 
 
 def test_help_under_a_launcher_is_printed_by_local_rank_0_only(monkeypatch, capsys):
