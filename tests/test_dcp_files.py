@@ -118,3 +118,48 @@ def test_uneven_shards_over_three_ranks_are_copied_raw(tmp_path):
     assert sorted(count for *_, count in source.copy_plan("model.lm_head.weight")) == [333 * 256 * 4, 334 * 256 * 4, 334 * 256 * 4]
     assert all(source.copy_plan(n) is not None for n in source.tensors)
     merge_checkpoint(ckpt, tmp_path / "out", verify=True, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("crc", [True, False])
+def test_records_saved_without_zip_crc_are_read_as_torch_reads_them(tmp_path, crc):
+    """torch.save under set_crc32_options(False) (our checkpoint shards; anyone's DCP save) stores a CRC-32 of zero,
+    which torch.load never checks and Python's ZipFile.read refuses: such records are still vetted, copied raw and
+    read back exactly, tensor records and byte records alike, for every dtype and a spread of shapes."""
+    from fsdp_recipes.ckpt.dcp import vet_records
+
+    gen = torch.Generator().manual_seed(0)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)
+    state = {f"w{i}": torch.randn(shape, generator=gen).to(dtype) for i, (shape, dtype) in enumerate(
+        (s, d) for s in ((7,), (3, 5), (64, 33), (1, 1, 9)) for d in dtypes)}
+    extras = {"step": 17, "lr": 3e-4, "names": ["a", "b"]}
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(crc)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"model": state, "extra": extras}, checkpoint_id=str(tmp_path), no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(before)
+    layout = read_layout(tmp_path)
+    record = next(s for (key, _), s in layout.storage.items() if key == "model.w0")
+    with open(tmp_path / record.relative_path, "rb") as f:
+        archive = __import__("zipfile").ZipFile(FileSlice(f, record.offset, record.length))
+        pkl = next(z for z in archive.infolist() if z.filename.endswith("data.pkl"))
+        if crc:
+            archive.read(pkl)
+        else:  # the case this test is for: Python's zip reader refuses the record torch reads
+            with pytest.raises(Exception, match="CRC"):
+                archive.read(pkl)
+    assert vet_records(tmp_path, layout) == []
+    source = DCPSource(tmp_path)
+    assert all(source.copy_plan(f"model.{n}") is not None for n in state)  # the raw copy, not torch's slow path
+    for name, tensor in state.items():
+        [(src, offset, _, count)] = source.copy_plan(f"model.{name}")
+        with open(src, "rb") as f:
+            f.seek(offset)
+            assert f.read(count) == tensor.contiguous().view(torch.uint8).numpy().tobytes(), name
+    loaded = {"model": {n: torch.empty_like(t) for n, t in state.items()}, "extra": {k: None for k in extras}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)  # torch's reader, through our guard where installed
+    assert all(torch.equal(loaded["model"][n], t) for n, t in state.items()) and loaded["extra"] == extras

@@ -432,16 +432,16 @@ def raw_tensor(dcp_dir: Path, stored: Stored) -> RawTensor | None:
         return None
     with open(Path(dcp_dir) / stored.relative_path, "rb") as f:
         try:
-            archive = zipfile.ZipFile(FileSlice(f, stored.offset, stored.length))
-            entries = archive.infolist()
+            record = FileSlice(f, stored.offset, stored.length)
+            entries = zipfile.ZipFile(record).infolist()
             pkl = [z for z in entries if z.filename.endswith("/data.pkl")]
             data = [z for z in entries if re.search(r"/data/\d+$", z.filename)]
             order = [z for z in entries if z.filename.endswith("/byteorder")]
             if len(pkl) != 1 or len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
                 return None
-            if order and archive.read(order[0]).decode() != "little":
+            if order and stored_member(record, order[0], 16) != b"little":
                 return None
-            kind, storage, offset, shape, stride = _RecordUnpickler(io.BytesIO(archive.read(pkl[0]))).load()
+            kind, storage, offset, shape, stride = _RecordUnpickler(io.BytesIO(stored_member(record, pkl[0], _RECORD_LIMIT))).load()
         except Exception:
             return None
         if kind != "tensor" or storage[0] != "storage" or offset != 0:
@@ -452,10 +452,35 @@ def raw_tensor(dcp_dir: Path, stored: Stored) -> RawTensor | None:
             numel *= d
         if any(s != r for s, r, d in zip(stride, _row_major(shape), shape) if d > 1) or data[0].file_size != numel * DTYPE_SIZES[dtype]:
             return None
-        f.seek(stored.offset + data[0].header_offset)
-        local = f.read(30)  # zip local file header: the data follows its name and extra field
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        return RawTensor(dtype, shape, stored.offset + data[0].header_offset + 30 + name_len + extra_len, data[0].file_size)
+        try:
+            start = _member_start(record, data[0])
+        except (OSError, ValueError):
+            return None
+        return RawTensor(dtype, shape, stored.offset + start, data[0].file_size)
+
+
+def _member_start(stream, info: zipfile.ZipInfo) -> int:
+    """Where a member's bytes start in ``stream``: after its zip local file header, name and extra field."""
+    stream.seek(info.header_offset)
+    local = stream.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise ValueError(f"no local file header for {info.filename!r}")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def stored_member(stream, info: zipfile.ZipInfo, limit: int) -> bytes:
+    """The bytes of an uncompressed member of a torch.save record, at most ``limit``, read as torch's own reader reads
+    them: without checking the zip CRC-32. ``torch.save`` writes a CRC of zero under
+    ``torch.serialization.set_crc32_options(False)`` (our checkpoint shards, fsdp_recipes.compat.async_dcp; anyone's),
+    and torch.load never checks it, where Python's ``ZipFile.read`` raises "Bad CRC-32" on such a record."""
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size > limit:
+        raise ValueError(f"{info.filename!r}: compressed, or more than {limit} bytes")
+    stream.seek(_member_start(stream, info))
+    data = stream.read(info.file_size)
+    if len(data) != info.file_size:
+        raise ValueError(f"{info.filename!r} is cut off")
+    return data
 
 
 # ----------------------------------------------------------------------------------------------- vetting every record
@@ -503,9 +528,7 @@ def vet_record(stream, plain_data: bool) -> None:
     pkl = [z for z in archive.infolist() if z.filename.endswith("/data.pkl") or z.filename == "data.pkl"]
     if len(pkl) != 1:
         raise ValueError(f"{len(pkl)} data.pkl entries")
-    if pkl[0].file_size > _RECORD_LIMIT:
-        raise ValueError(f"a {pkl[0].file_size}-byte pickle")
-    _VettingUnpickler(io.BytesIO(archive.read(pkl[0])), plain_data).load()
+    _VettingUnpickler(io.BytesIO(stored_member(stream, pkl[0], _RECORD_LIMIT)), plain_data).load()
 
 
 def load_byte_record(stream, key: str):
