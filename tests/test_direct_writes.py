@@ -174,6 +174,28 @@ def _state():
             "step": torch.tensor(3), "extra": {"lr": 0.1, "names": ["a", "b"]}}
 
 
+def _with_crc(state, folder, shard) -> bytes:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    return (folder / shard).read_bytes()
+
+
+def test_torch_load_checks_no_zip_crc_so_leaving_it_out_loses_no_check(tmp_path):
+    """Why our shard records carry no CRC-32: torch's reader never checks it. A record with its CRC whose data
+    byte was flipped loads, flipped, without a word (if a torch ever checks it, this fails: then keep the CRC)."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(4096), buffer)
+    assert torch.serialization.get_crc32_options()
+    data = bytearray(buffer.getvalue())
+    data[data.find(bytes(4 * 4096)) + 1000] = 1
+    assert int(torch.count_nonzero(torch.load(io.BytesIO(bytes(data)), weights_only=True))) == 1
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_dcp_shard_files_are_the_same_files_and_load_the_same_tensors(tmp_path, direct):
     import torch
@@ -182,15 +204,23 @@ def test_dcp_shard_files_are_the_same_files_and_load_the_same_tensors(tmp_path, 
     from fsdp_recipes.compat.async_dcp import ShardFiles, checkpoint_saves
 
     state = _state()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "plain")), no_dist=True)
+    # What DCP writes, given our writer leaves out the zip CRC (direct) or not (DCP's own writer, left alone).
+    torch.serialization.set_crc32_options(not direct)
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "plain")), no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(True)
     files = ShardFiles()
     with checkpoint_saves(files, direct=direct):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ours")), no_dist=True)
     assert dcp.save is not None and dcp.save.__name__ == "save"  # put back
+    assert torch.serialization.get_crc32_options()  # put back: torch.save elsewhere in this thread writes its CRC
     shards = sorted(p.name for p in (tmp_path / "plain").glob("*.distcp"))
     assert shards and shards == sorted(p.name for p in (tmp_path / "ours").glob("*.distcp"))
     for name in shards:
         assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+    if direct:
+        assert (tmp_path / "ours" / shards[0]).read_bytes() != _with_crc(state, tmp_path / "with-crc", shards[0])
     expected = {"direct": 0, "page_cache": 0}
     if direct:
         expected = {"direct": 1, "page_cache": 0} if o_direct_here(tmp_path) else {"direct": 0, "page_cache": 1, "page_cache_why": files.why}
