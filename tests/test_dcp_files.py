@@ -163,3 +163,79 @@ def test_records_saved_without_zip_crc_are_read_as_torch_reads_them(tmp_path, cr
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)  # torch's reader, through our guard where installed
     assert all(torch.equal(loaded["model"][n], t) for n, t in state.items()) and loaded["extra"] == extras
+
+
+def _record(tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+def _raw_copy_or_none(tmp_path, data: bytes):
+    """What the converter would copy for a record holding ``data``: the bytes raw_tensor points at, or None."""
+    from fsdp_recipes.ckpt.dcp import Stored
+
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(b"\x00" * 37 + data + b"\xff" * 64)  # other records before and after it, as in a .distcp file
+    raw = raw_tensor(tmp_path, Stored(path.name, 37, len(data), False))
+    if raw is None:
+        return None
+    assert raw.data_offset >= 37 and raw.data_offset + raw.nbytes <= 37 + len(data), "the copy reaches outside its record"
+    return path.read_bytes()[raw.data_offset:raw.data_offset + raw.nbytes]
+
+
+def _torch_bytes(data: bytes):
+    try:
+        t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 (torch refuses the record)
+        return None
+    return t.contiguous().view(torch.uint8).numpy().tobytes() if isinstance(t, torch.Tensor) else None
+
+
+def _hostile_variants(data: bytes) -> dict[str, bytes]:
+    """Records crafted so that Python's zip reader and torch's could disagree (a review found each of these making
+    the converter copy bytes other than the tensor torch loads)."""
+    import struct
+    import zipfile
+
+    infos = {i.filename: i for i in zipfile.ZipFile(io.BytesIO(data)).infolist()}
+    folder = next(iter(infos)).split("/")[0]
+    out = {}
+    decoy = data.replace(f"{folder}/byteorder".encode(), f"{folder}/byteordeX".encode())  # a second byteorder-like name
+    out["renamed byteorder"] = decoy
+    out["storage key renamed in the pickle"] = data.replace(b"X\x01\x00\x00\x000q", b"X\x01\x00\x00\x001q", 1)
+    out["data member renamed"] = data.replace(f"{folder}/data/0".encode(), f"{folder}/data/1".encode())
+    out["byteorder big"] = data.replace(b"little", b"bigxxx")
+    out["bytes prepended"] = b"PK\x03\x04junk" + data
+    end = data.rfind(b"PK\x05\x06")
+    out["second central directory"] = data[:end] + data[data.find(b"PK\x01\x02"):end] + data[end:]
+    info = infos[f"{folder}/data/0"]
+    at = info.header_offset + 28
+    out["extra field past the end"] = data[:at] + struct.pack("<H", 0xFFF0) + data[at + 2:]
+    out["cut off"] = data[: len(data) // 2]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_a_raw_copy_is_always_the_tensor_torch_loads(tmp_path, dtype):
+    """The converter copies a record's bytes without torch only when they are the tensor torch.load returns:
+    the plain record is copied raw; crafted ones (second central directory, renamed members, decoy names, a
+    member past the record's end, bytes prepended) and 400 random mutations of the archive's headers are
+    either that tensor's bytes or left to torch (None), and a copy never reaches outside its record."""
+    import random
+
+    tensor = (torch.arange(96).reshape(8, 12) * 3).to(dtype)
+    data = _record(tensor)
+    assert _raw_copy_or_none(tmp_path, data) == _torch_bytes(data) is not None
+    cases = _hostile_variants(data)
+    rng = random.Random(0)
+    header_bytes = [i for i in range(len(data)) if data[i]]  # zip structures, names, pickle (not the zero padding)
+    for n in range(400):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            mutated[rng.choice(header_bytes)] = rng.randrange(256)
+        cases[f"mutation {n}"] = bytes(mutated)
+    for name, variant in cases.items():
+        copied = _raw_copy_or_none(tmp_path, variant)
+        if copied is not None:
+            assert copied == _torch_bytes(variant), name

@@ -276,3 +276,44 @@ def test_a_path_that_cannot_be_opened_fails_as_open_does_and_leaves_nothing_open
             open(bad, "wb")
         assert raised.value.errno == plain.value.errno
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_leaving_out_the_crc_in_a_writer_thread_leaves_other_threads_saves_alone(tmp_path, monkeypatch):
+    """The background writer thread turns the CRC off while its shard file is open; the training thread's own
+    torch.save meanwhile (the Trainer's RNG state) keeps its CRC, which zip tools check: the setting is per thread."""
+    import io
+    import threading
+    import zipfile
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_recipes.compat import async_dcp
+
+    inside, release, crc_in_writer = threading.Event(), threading.Event(), []
+
+    class HeldFile(async_dcp.DirectFile):
+        def write(self, data):
+            if not inside.is_set():
+                crc_in_writer.append(torch.serialization.get_crc32_options())
+                inside.set()
+                release.wait(30)
+            return super().write(data)
+
+    monkeypatch.setattr(async_dcp, "DirectFile", HeldFile)
+
+    def save():
+        with async_dcp.checkpoint_saves(async_dcp.ShardFiles(), direct=True):
+            dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ckpt")), no_dist=True)
+
+    writer = threading.Thread(target=save)
+    writer.start()
+    try:
+        assert inside.wait(30) and crc_in_writer == [False]  # the writer is inside its shard file, CRC off there
+        buffer = io.BytesIO()
+        torch.save({"rng": torch.arange(5)}, buffer)
+        assert zipfile.ZipFile(buffer).testzip() is None  # every CRC present and right
+    finally:
+        release.set()
+        writer.join(60)
+    assert not writer.is_alive() and (tmp_path / "ckpt" / ".metadata").is_file() and torch.serialization.get_crc32_options()

@@ -427,45 +427,118 @@ def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def raw_tensor(dcp_dir: Path, stored: Stored) -> RawTensor | None:
     """Where a chunk's bytes lie when its record is one contiguous, uncompressed, little-endian tensor from the
-    start of its storage; None otherwise (the caller then loads it with torch)."""
+    start of its storage, laid out exactly as torch.save writes it (``_torch_save_layout``); None otherwise (the
+    caller then loads it with torch, and copies what torch reads)."""
     if stored.transformed:
         return None
     with open(Path(dcp_dir) / stored.relative_path, "rb") as f:
         try:
             record = FileSlice(f, stored.offset, stored.length)
-            entries = zipfile.ZipFile(record).infolist()
-            pkl = [z for z in entries if z.filename.endswith("/data.pkl")]
-            data = [z for z in entries if re.search(r"/data/\d+$", z.filename)]
-            order = [z for z in entries if z.filename.endswith("/byteorder")]
-            if len(pkl) != 1 or len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
+            members = _torch_save_layout(record, stored.length)
+            if members is None or "data.pkl" not in members:
                 return None
-            if order and stored_member(record, order[0], 16) != b"little":
+            data = {name: info for name, info in members.items() if name.startswith("data/")}
+            if len(data) != 1 or ("byteorder" in members and stored_member(record, members["byteorder"], 16) != b"little"):
                 return None
-            kind, storage, offset, shape, stride = _RecordUnpickler(io.BytesIO(stored_member(record, pkl[0], _RECORD_LIMIT))).load()
+            kind, storage, offset, shape, stride = _RecordUnpickler(io.BytesIO(stored_member(record, members["data.pkl"], _RECORD_LIMIT))).load()
+            [(data_name, data_info)] = data.items()
+            if kind != "tensor" or storage[0] != "storage" or offset != 0 or f"data/{storage[2]}" != data_name:
+                return None
+            dtype = storage[1]
+            numel = 1
+            for d in shape:
+                numel *= d
+            if (any(s != r for s, r, d in zip(stride, _row_major(shape), shape) if d > 1) or data_info.file_size != numel * DTYPE_SIZES[dtype]
+                    or storage[4] != numel):
+                return None
+            return RawTensor(dtype, shape, stored.offset + _member_start(record, data_info), data_info.file_size)
         except Exception:
             return None
-        if kind != "tensor" or storage[0] != "storage" or offset != 0:
+
+
+# The members of a torch.save archive (beside data/<key>, one per storage), under one folder name.
+_TORCH_SAVE_MEMBERS = {"data.pkl", ".format_version", ".storage_alignment", "byteorder", "version", ".data/serialization_id"}
+_END, _END64, _LOCATOR64 = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
+
+
+def _torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None:
+    """The members of a torch.save record by name (``data.pkl``, ``data/0``, ...), when the archive is laid out as
+    torch.save writes it, so that Python's zip reader and torch's (miniz) cannot see different members: one folder
+    name, known member names (no NUL, no duplicate), stored uncompressed with no flag torch's reader refuses, the
+    small text members ASCII, one after another from
+    byte 0 (each followed by nothing or its data descriptor), then the central directory exactly where the end
+    record (or its zip64 record) puts it, then the end record, then nothing. None otherwise."""
+    infos = zipfile.ZipFile(record).infolist()
+    record.seek(length - 22)
+    end = record.read(22)
+    if len(end) != 22 or end[:4] != _END or not infos:
+        return None
+    disk, cd_disk, disk_entries, entries, cd_size, cd_offset, comment = struct.unpack("<HHHHIIH", end[4:22])
+    if disk or cd_disk or disk_entries != entries or comment:
+        return None  # torch's reader refuses multi-disk archives
+    end_at = length - 22
+    record.seek(max(0, length - 42))
+    locator = record.read(20)
+    if locator[:4] == _LOCATOR64:  # torch writes the zip64 end record (56 bytes) and its locator before the end record
+        end_at = struct.unpack("<Q", locator[8:16])[0]
+        record.seek(end_at)
+        end64 = record.read(56)
+        size, _, _, disk, cd_disk, disk_entries = struct.unpack("<QHHIIQ", end64[4:32])
+        if (len(end64) != 56 or end64[:4] != _END64 or end_at + 56 != length - 42 or size != 44 or disk or cd_disk
+                or struct.unpack("<I", locator[4:8])[0] or struct.unpack("<I", locator[16:20])[0] != 1):
             return None
-        dtype = storage[1]
-        numel = 1
-        for d in shape:
-            numel *= d
-        if any(s != r for s, r, d in zip(stride, _row_major(shape), shape) if d > 1) or data[0].file_size != numel * DTYPE_SIZES[dtype]:
+        numbers = struct.unpack("<QQQ", end64[32:56])
+        if disk_entries != numbers[0]:
             return None
-        try:
-            start = _member_start(record, data[0])
-        except (OSError, ValueError):
+        if any(short not in (full, saturated) for short, full, saturated in zip((entries, cd_size, cd_offset), numbers, (0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF))):
+            return None  # the two end records disagree: readers may differ on which they believe
+        entries, cd_size, cd_offset = numbers
+    if entries != len(infos) or cd_offset + cd_size != end_at:
+        return None
+    record.seek(cd_offset)
+    directory, at = record.read(cd_size), 0
+    for info in infos:  # the directory walked by its own lengths, as miniz walks it, names the members zipfile found
+        if directory[at:at + 4] != b"PK\x01\x02" or len(directory) < at + 46:
             return None
-        return RawTensor(dtype, shape, stored.offset + start, data[0].file_size)
+        name_len, extra_len, comment_len = struct.unpack("<HHH", directory[at + 28:at + 34])
+        if directory[at + 46:at + 46 + name_len] != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+            return None
+        at += 46 + name_len + extra_len + comment_len
+    if at != cd_size:
+        return None
+    folder = infos[0].filename.split("/", 1)[0]
+    members, position = {}, 0
+    for info in sorted(infos, key=lambda i: i.header_offset):
+        name = info.filename.removeprefix(folder + "/")
+        if (info.filename == name or "\0" in info.filename or name in members or info.compress_type != zipfile.ZIP_STORED
+                or info.flag_bits & ~0x808 or info.compress_size != info.file_size
+                or not (name in _TORCH_SAVE_MEMBERS or re.fullmatch(r"data/\d+", name)) or info.header_offset != position):
+            return None
+        members[name] = info
+        position = _member_start(record, info) + info.file_size
+        if info.flag_bits & 0x8:  # a data descriptor follows: signature, CRC, sizes (4 or 8 bytes each)
+            record.seek(position)
+            descriptor = record.read(4)
+            position += (16 if not info.file_size >> 32 else 24) if descriptor == b"PK\x07\x08" else 0
+    if position != cd_offset:
+        return None
+    texts = {name: stored_member(record, info, 64) for name, info in members.items() if name != "data.pkl" and not name.startswith("data/")}
+    numbers = [texts[n] for n in ("version", ".format_version", ".storage_alignment") if n in texts]
+    if not all(t.isascii() for t in texts.values()) or not all(t.strip().isdigit() for t in numbers):
+        return None  # torch reads these as text and numbers (its version, the serialization id) and refuses the record
+    return members
 
 
 def _member_start(stream, info: zipfile.ZipInfo) -> int:
-    """Where a member's bytes start in ``stream``: after its zip local file header, name and extra field."""
+    """Where a member's bytes start in ``stream``: after its zip local file header, name and extra field. The
+    local header must name the member the central directory names (as zipfile checks)."""
     stream.seek(info.header_offset)
     local = stream.read(30)
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
         raise ValueError(f"no local file header for {info.filename!r}")
     name_len, extra_len = struct.unpack("<HH", local[26:30])
+    if stream.read(name_len) != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+        raise ValueError(f"the local header of {info.filename!r} names another file")
     return info.header_offset + 30 + name_len + extra_len
 
 
