@@ -48,11 +48,12 @@ def save(state, folder: Path, kind: str) -> tuple[float, float, dict]:
 
 
 def loads_the_same(state, folder: Path) -> bool:
+    """The files hold the tensors saved, read back by our checkpoint reader (torch's DCP reader, guarded)."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
-    loaded = {k: torch.empty_like(v) for k, v in state.items()}
-    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    from fsdp_recipes.ckpt.readers import DCPSource
+
+    loaded = DCPSource(folder).read(sorted(state))
     return all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
