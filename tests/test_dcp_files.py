@@ -189,7 +189,7 @@ def _torch_bytes(data: bytes):
         t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 (torch refuses the record)
         return None
-    return t.contiguous().view(torch.uint8).numpy().tobytes() if isinstance(t, torch.Tensor) else None
+    return t.resolve_neg().resolve_conj().contiguous().view(torch.uint8).numpy().tobytes() if isinstance(t, torch.Tensor) else None
 
 
 def _hostile_variants(data: bytes) -> dict[str, bytes]:
@@ -209,6 +209,8 @@ def _hostile_variants(data: bytes) -> dict[str, bytes]:
     out["bytes prepended"] = b"PK\x03\x04junk" + data
     end = data.rfind(b"PK\x05\x06")
     out["second central directory"] = data[:end] + data[data.find(b"PK\x01\x02"):end] + data[end:]
+    directory = data.rfind(f"{folder}/data/0".encode())  # its central directory entry: the DOS "directory" attribute
+    out["data member marked a directory"] = data[:directory - 8] + struct.pack("<I", 0x10) + data[directory - 4:]
     info = infos[f"{folder}/data/0"]
     at = info.header_offset + 28
     out["extra field past the end"] = data[:at] + struct.pack("<H", 0xFFF0) + data[at + 2:]
@@ -239,3 +241,43 @@ def test_a_raw_copy_is_always_the_tensor_torch_loads(tmp_path, dtype):
         copied = _raw_copy_or_none(tmp_path, variant)
         if copied is not None:
             assert copied == _torch_bytes(variant), name
+
+
+def _record_with_pickle(pkl: bytes, numel: int) -> bytes:
+    """A record as torch's own writer lays it out, around a hand-made data.pkl."""
+    buffer = io.BytesIO()
+    writer = torch._C.PyTorchFileWriter(buffer)
+    for name, value in (("data.pkl", pkl), ("byteorder", b"little"), ("data/0", bytes(4 * numel))):
+        writer.write_record(name, value, len(value))
+    writer.write_end_of_file()
+    return buffer.getvalue()
+
+
+def _tensor_pickle(size: tuple, stride: tuple, tail: bytes = b"") -> bytes:
+    """data.pkl of _rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict()) + ``tail`` opcodes before STOP."""
+    def ints(values):
+        return b"(" + b"".join(b"K" + bytes([v]) for v in values) + b"t"
+    numel = 1
+    for d in size:
+        numel *= d
+    storage = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK" + bytes([numel]) + b"tQ"
+    hooks = b"ccollections\nOrderedDict\n)R"
+    return b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(" + storage + b"K\x00" + ints(size) + ints(stride) + b"\x89" + hooks + b"tR" + tail + b"."
+
+
+def test_records_torch_would_read_differently_or_refuse_are_never_copied_raw(tmp_path):
+    """A negated view (torch.save keeps the flag, torch.load applies it), a BUILD after the tensor (torch calls
+    set_ on it), opcodes torch's restricted reader refuses, and a shape of many dimensions (which took quadratic
+    time before any check): none is copied raw, and the last returns at once."""
+    import time
+
+    neg = _record(torch._neg_view(torch.arange(1.0, 7.0)))
+    assert _torch_bytes(neg) is not None and _raw_copy_or_none(tmp_path, neg) is None
+    plain = _record_with_pickle(_tensor_pickle((2, 3), (3, 1)), 6)
+    assert _raw_copy_or_none(tmp_path, plain) == _torch_bytes(plain) is not None  # the hand-made record is a good one
+    for tail in (b"N\x62", b"2", b"p0\n"):  # BUILD(None), DUP, a text PUT: a raw copy would not be torch's reading
+        assert _raw_copy_or_none(tmp_path, _record_with_pickle(_tensor_pickle((2, 3), (3, 1), tail), 6)) is None, tail
+    many = _record_with_pickle(_tensor_pickle((1,) * 20000, (1,) * 20000), 1)
+    started = time.perf_counter()
+    assert _raw_copy_or_none(tmp_path, many) is None
+    assert time.perf_counter() - started < 1.0

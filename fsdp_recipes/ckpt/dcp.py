@@ -48,8 +48,10 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import re
 import struct
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -401,20 +403,73 @@ class RawTensor:
     nbytes: int
 
 
+# The opcodes torch.save writes in a tensor record's data.pkl (protocol 2; every one of them torch's weights_only
+# reader takes too). A record with any other is read by torch.
+_RECORD_OPCODES = {"PROTO", "GLOBAL", "BINPERSID", "BINPUT", "LONG_BINPUT", "BINUNICODE", "BININT", "BININT1", "BININT2",
+                   "LONG1", "EMPTY_TUPLE", "MARK", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NEWFALSE", "REDUCE", "STOP"}
+_MAX_DIMS = 64
+
+
+class _StorageType:
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+
+
+@dataclass(frozen=True)
+class _Storage:
+    dtype: str
+    key: str
+    numel: int
+
+
+class _PlainTensor:
+    """What _rebuild_tensor_v2 builds from a plain record: a contiguous, fresh tensor (checked as it is built)."""
+
+    def __init__(self, storage, offset, size, stride, requires_grad, hooks, *metadata):
+        if (type(storage) is not _Storage or type(offset) is not int or offset != 0 or type(size) is not tuple
+                or type(stride) is not tuple or len(size) != len(stride) or len(size) > _MAX_DIMS
+                or any(type(d) is not int or d < 0 for d in (*size, *stride)) or requires_grad is not False
+                or type(hooks) is not dict or hooks or metadata not in ((), (None,))):
+            raise ValueError("not a plain tensor record")  # a view's flags (neg, conj), hooks, odd types: torch reads it
+        self.storage, self.shape, self.stride = storage, size, stride
+
+    def __setstate__(self, state):
+        raise ValueError("BUILD on the tensor")  # torch would call set_() with it
+
+
 class _RecordUnpickler(pickle.Unpickler):
-    """data.pkl of a torch.save'd tensor: _rebuild_tensor_v2(storage, storage_offset, size, stride, ...)."""
+    """data.pkl of a plain torch.save'd tensor: _rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict()),
+    its storage a persistent id ("storage", <dtype>Storage, key, location, numel); anything else raises."""
+
+    def __init__(self, data: bytes):
+        with warnings.catch_warnings():  # genops decodes a STRING opcode's escapes, warning on a bad one
+            warnings.simplefilter("ignore")
+            if any(op.name not in _RECORD_OPCODES for op, _, _ in pickletools.genops(data)):
+                raise ValueError("an opcode torch.save does not write in a tensor record")
+        super().__init__(io.BytesIO(data))
+        self.storages = []
 
     def find_class(self, module, name):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: ("tensor", storage, offset, tuple(size), tuple(stride))
+            return _PlainTensor
         if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+            return _StorageType(_STORAGE_DTYPES[name])
         if (module, name) == ("collections", "OrderedDict"):
             return dict
         raise _UnknownGlobal(f"{module}.{name}")  # not a plain tensor record: torch's weights_only loader reads it
 
     def persistent_load(self, pid):
-        return tuple(pid)  # ("storage", dtype name, key, location, numel)
+        if (type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage" or type(pid[1]) is not _StorageType
+                or type(pid[2]) is not str or type(pid[3]) is not str or type(pid[4]) is not int or self.storages):
+            raise ValueError("not one plain storage")
+        self.storages.append(_Storage(pid[1].dtype, pid[2], pid[4]))
+        return self.storages[0]
+
+    def tensor(self) -> _PlainTensor:
+        result = self.load()
+        if type(result) is not _PlainTensor:
+            raise ValueError("not a tensor")
+        return result
 
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -427,12 +482,12 @@ def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def raw_tensor(dcp_dir: Path, stored: Stored) -> RawTensor | None:
     """Where a chunk's bytes lie when its record is one contiguous, uncompressed, little-endian tensor from the
-    start of its storage, laid out exactly as torch.save writes it (``_torch_save_layout``); None otherwise (the
-    caller then loads it with torch, and copies what torch reads)."""
+    start of its storage, laid out exactly as torch.save writes it (``_torch_save_layout``, ``_RecordUnpickler``);
+    None otherwise (the caller then loads it with torch, and copies what torch reads)."""
     if stored.transformed:
         return None
-    with open(Path(dcp_dir) / stored.relative_path, "rb") as f:
-        try:
+    try:
+        with open(Path(dcp_dir) / stored.relative_path, "rb") as f:
             record = FileSlice(f, stored.offset, stored.length)
             members = _torch_save_layout(record, stored.length)
             if members is None or "data.pkl" not in members:
@@ -440,32 +495,32 @@ def raw_tensor(dcp_dir: Path, stored: Stored) -> RawTensor | None:
             data = {name: info for name, info in members.items() if name.startswith("data/")}
             if len(data) != 1 or ("byteorder" in members and stored_member(record, members["byteorder"], 16) != b"little"):
                 return None
-            kind, storage, offset, shape, stride = _RecordUnpickler(io.BytesIO(stored_member(record, members["data.pkl"], _RECORD_LIMIT))).load()
+            tensor = _RecordUnpickler(stored_member(record, members["data.pkl"], _RECORD_LIMIT)).tensor()
             [(data_name, data_info)] = data.items()
-            if kind != "tensor" or storage[0] != "storage" or offset != 0 or f"data/{storage[2]}" != data_name:
-                return None
-            dtype = storage[1]
             numel = 1
-            for d in shape:
+            for d in tensor.shape:
                 numel *= d
-            if (any(s != r for s, r, d in zip(stride, _row_major(shape), shape) if d > 1) or data_info.file_size != numel * DTYPE_SIZES[dtype]
-                    or storage[4] != numel):
+            dtype = tensor.storage.dtype
+            if (f"data/{tensor.storage.key}" != data_name or tensor.storage.numel != numel or data_info.file_size != numel * DTYPE_SIZES[dtype]
+                    or any(s != r for s, r, d in zip(tensor.stride, _row_major(tensor.shape), tensor.shape) if d > 1)):
                 return None
-            return RawTensor(dtype, shape, stored.offset + _member_start(record, data_info), data_info.file_size)
-        except Exception:
-            return None
+            return RawTensor(dtype, tensor.shape, stored.offset + _member_start(record, data_info), data_info.file_size)
+    except Exception:
+        return None
 
 
 # The members of a torch.save archive (beside data/<key>, one per storage), under one folder name.
 _TORCH_SAVE_MEMBERS = {"data.pkl", ".format_version", ".storage_alignment", "byteorder", "version", ".data/serialization_id"}
 _END, _END64, _LOCATOR64 = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
+_FILE_VERSIONS = range(1, 4)  # torch.save's record format versions up to torch 2.13's (3); a newer one goes to torch
 
 
 def _torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None:
     """The members of a torch.save record by name (``data.pkl``, ``data/0``, ...), when the archive is laid out as
     torch.save writes it, so that Python's zip reader and torch's (miniz) cannot see different members: one folder
-    name, known member names (no NUL, no duplicate), stored uncompressed with no flag torch's reader refuses, the
-    small text members ASCII, one after another from
+    name, known member names (no NUL, no duplicate, no "directory" attribute, one zip64 field at most), stored
+    uncompressed with no flag torch's reader refuses, the small text members ASCII, a record version torch 2.13
+    writes, one after another from
     byte 0 (each followed by nothing or its data descriptor), then the central directory exactly where the end
     record (or its zip64 record) puts it, then the end record, then nothing. None otherwise."""
     infos = zipfile.ZipFile(record).infolist()
@@ -500,9 +555,11 @@ def _torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None
     for info in infos:  # the directory walked by its own lengths, as miniz walks it, names the members zipfile found
         if directory[at:at + 4] != b"PK\x01\x02" or len(directory) < at + 46:
             return None
-        name_len, extra_len, comment_len = struct.unpack("<HHH", directory[at + 28:at + 34])
-        if directory[at + 46:at + 46 + name_len] != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
-            return None
+        name_len, extra_len, comment_len, disk_start, _, external = struct.unpack("<HHHHHI", directory[at + 28:at + 42])
+        name = directory[at + 46:at + 46 + name_len]
+        if (name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437") or b"\0" in name or disk_start
+                or external & 0x10 or not _one_zip64_field(directory[at + 46 + name_len:at + 46 + name_len + extra_len])):
+            return None  # a "directory" member torch extracts nothing from, another disk, readers picking other zip64 fields
         at += 46 + name_len + extra_len + comment_len
     if at != cd_size:
         return None
@@ -524,9 +581,23 @@ def _torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None
         return None
     texts = {name: stored_member(record, info, 64) for name, info in members.items() if name != "data.pkl" and not name.startswith("data/")}
     numbers = [texts[n] for n in ("version", ".format_version", ".storage_alignment") if n in texts]
-    if not all(t.isascii() for t in texts.values()) or not all(t.strip().isdigit() for t in numbers):
+    if (not all(t.isascii() for t in texts.values()) or not all(t.strip().isdigit() and len(t) < 20 for t in numbers)
+            or "version" not in texts or int(texts["version"]) not in _FILE_VERSIONS):
         return None  # torch reads these as text and numbers (its version, the serialization id) and refuses the record
     return members
+
+
+def _one_zip64_field(extra: bytes) -> bool:
+    """A central directory entry's extra fields, read by their own lengths to the end, hold at most one zip64 field
+    (Python's zipfile reads the last, miniz the first)."""
+    at, zip64 = 0, 0
+    while at < len(extra):
+        if at + 4 > len(extra):
+            return False
+        kind, size = struct.unpack("<HH", extra[at:at + 4])
+        zip64 += kind == 1
+        at += 4 + size
+    return at == len(extra) and zip64 <= 1
 
 
 def _member_start(stream, info: zipfile.ZipInfo) -> int:
