@@ -74,14 +74,15 @@ def main(argv=None) -> int:
     nbytes = count * (16 << 20)
     parent = make_folder(Path(tempfile.mkdtemp(prefix="direct_writes-", dir=a.folder)), WORK, exist_ok=True)
     times = {"page cache": [], "direct, CRC kept": [], "direct": []}
+    folders = {kind: kind.replace(" ", "_").replace(",", "") for kind in times}
     try:
         for i in range(a.repeats):
             for kind in times:
-                folder = parent / f"{kind.replace(' ', '_').replace(',', '')}-{i}"
+                folder = parent / f"{folders[kind]}-{i}"
                 wall, cpu, files = save(state, folder, kind)
                 times[kind].append((wall, cpu))
                 print(f"  {kind:16s} {i}: {wall:6.2f} s wall, {cpu:6.2f} s CPU {files if kind != 'page cache' else ''}", flush=True)
-        same = all(loads_the_same(state, parent / f"{kind.replace(' ', '_').replace(',', '')}-0") for kind in times)
+        same = all(loads_the_same(state, parent / f"{folders[kind]}-0") for kind in times)
     finally:
         remove(parent, WORK)
     med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}

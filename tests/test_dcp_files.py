@@ -6,6 +6,7 @@ import io
 import pickle
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -143,7 +144,7 @@ def test_records_saved_without_zip_crc_are_read_as_torch_reads_them(tmp_path, cr
     layout = read_layout(tmp_path)
     record = next(s for (key, _), s in layout.storage.items() if key == "model.w0")
     with open(tmp_path / record.relative_path, "rb") as f:
-        archive = __import__("zipfile").ZipFile(FileSlice(f, record.offset, record.length))
+        archive = zipfile.ZipFile(FileSlice(f, record.offset, record.length))
         pkl = next(z for z in archive.infolist() if z.filename.endswith("data.pkl"))
         if crc:
             archive.read(pkl)
@@ -196,7 +197,6 @@ def _hostile_variants(data: bytes) -> dict[str, bytes]:
     """Records crafted so that Python's zip reader and torch's could disagree (a review found each of these making
     the converter copy bytes other than the tensor torch loads)."""
     import struct
-    import zipfile
 
     infos = {i.filename: i for i in zipfile.ZipFile(io.BytesIO(data)).infolist()}
     folder = next(iter(infos)).split("/")[0]

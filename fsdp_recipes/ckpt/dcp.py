@@ -557,7 +557,7 @@ def _torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None
             return None
         name_len, extra_len, comment_len, disk_start, _, external = struct.unpack("<HHHHHI", directory[at + 28:at + 42])
         name = directory[at + 46:at + 46 + name_len]
-        if (name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437") or b"\0" in name or disk_start
+        if (name != _raw_name(info) or b"\0" in name or disk_start
                 or external & 0x10 or not _one_zip64_field(directory[at + 46 + name_len:at + 46 + name_len + extra_len])):
             return None  # a "directory" member torch extracts nothing from, another disk, readers picking other zip64 fields
         at += 46 + name_len + extra_len + comment_len
@@ -567,7 +567,7 @@ def _torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None
     members, position = {}, 0
     for info in sorted(infos, key=lambda i: i.header_offset):
         name = info.filename.removeprefix(folder + "/")
-        if (info.filename == name or "\0" in info.filename or name in members or info.compress_type != zipfile.ZIP_STORED
+        if (info.filename == name or name in members or info.compress_type != zipfile.ZIP_STORED
                 or info.flag_bits & ~0x808 or info.compress_size != info.file_size
                 or not (name in _TORCH_SAVE_MEMBERS or re.fullmatch(r"data/\d+", name)) or info.header_offset != position):
             return None
@@ -600,6 +600,11 @@ def _one_zip64_field(extra: bytes) -> bool:
     return at == len(extra) and zip64 <= 1
 
 
+def _raw_name(info: zipfile.ZipInfo) -> bytes:
+    """A member's name as its headers hold it (zipfile's ``filename`` stops at a NUL; this does not)."""
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+
+
 def _member_start(stream, info: zipfile.ZipInfo) -> int:
     """Where a member's bytes start in ``stream``: after its zip local file header, name and extra field. The
     local header must name the member the central directory names (as zipfile checks)."""
@@ -608,7 +613,7 @@ def _member_start(stream, info: zipfile.ZipInfo) -> int:
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
         raise ValueError(f"no local file header for {info.filename!r}")
     name_len, extra_len = struct.unpack("<HH", local[26:30])
-    if stream.read(name_len) != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+    if stream.read(name_len) != _raw_name(info):
         raise ValueError(f"the local header of {info.filename!r} names another file")
     return info.header_offset + 30 + name_len + extra_len
 
