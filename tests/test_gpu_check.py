@@ -167,7 +167,9 @@ def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "SEQ", 64)
     monkeypatch.setattr(gpu_check, "RUN_SECONDS", 1)
     monkeypatch.setattr(gpu_check, "PROCESSES", 2)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the work folder main() removes: under tmp_path here
     run = gpu_check.Check(tmp_path / "out", budget=900)
+    assert run.work.parent == tmp_path
     gpu_check.make_work(run)
     run.configs(["accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"])
     run.lora()
