@@ -100,17 +100,22 @@ def test_an_error_while_a_checkpoint_is_written_leaves_it_incomplete(tmp_path):
     assert "resume: --resume_from_checkpoint true uses checkpoint-3" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_the_trainers_end_of_training_cleanup_waits_for_the_save_in_flight(tmp_path):
+def test_the_trainers_end_of_training_cleanup_waits_for_the_save_in_flight_and_deletes_only_checkpoints(tmp_path):
     """With a best checkpoint and save_total_limit 1, the Trainer deletes every other checkpoint folder as training
     ends (found by review: it deleted checkpoint-12 while its files were written, and the run failed without a model).
-    greater_is_better makes the first checkpoint, the highest loss, the best one."""
+    greater_is_better makes the first checkpoint, the highest loss, the best one. The Trainer's cleanup is
+    shutil.rmtree of whatever a checkpoint-N folder holds: a user's notes put into the newest, checkpoint-12, keep it,
+    and it is said; checkpoint-6 and checkpoint-9, ours alone, go."""
     out = tmp_path / "run"
     best = ["--validation_split_percentage", "10", "--eval_strategy", "steps", "--eval_steps", "3", "--metric_for_best_model",
             "eval_loss", "--greater_is_better", "true"]
-    run = launch(ZERO3, *quick(save_steps="3", save_total_limit="1"), *best, "--output_dir", str(out))
+    run = launch(ZERO3, *quick(save_steps="3", save_total_limit="1"), *best, "--output_dir", str(out), script=FAULT_SCRIPT,
+                 env={"FSDP_NOTE_BEFORE_CLEANUP": "eval-notes.txt"})
     assert "checkpoints are written in the background while training goes on" in run.stdout
     assert read_json(out / "trainer_state.json")["best_model_checkpoint"] == str(out / "checkpoint-3")
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]  # the Trainer's cleanup, after the write
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-3"]  # after the write
+    assert (out / "checkpoint-12" / "eval-notes.txt").read_text() == "a user's notes\n"
+    assert "save_total_limit: kept checkpoint-12, which holds more than a checkpoint" in run.stdout + run.stderr
     assert (out / "model" / "model.safetensors").is_file()
 
 

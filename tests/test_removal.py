@@ -177,6 +177,21 @@ def test_rotation_deletes_only_checkpoints(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-0", "checkpoint-1", "checkpoint-3", "checkpoint-4"]
 
 
+@pytest.mark.parametrize("best", [1, 3, 5])
+def test_the_end_of_training_cleanup_keeps_the_best_alone_and_what_is_not_only_a_checkpoint(tmp_path, best):
+    """save_total_limit 1 with a best model, as training ends: the Trainer's rule (every other checkpoint goes, the
+    newest included), through rotate."""
+    run = tmp_path / "run"
+    for step in (1, 2, 3, 4, 5):
+        _checkpoint(run / f"checkpoint-{step}", marked=True)
+    (run / "checkpoint-4" / "eval.txt").write_text("a user's")
+    said = []
+    gone = rotate(run, 1, keep=str(run / f"checkpoint-{best}"), warn=said.append, keep_newest=False)
+    assert sorted(p.name for p in run.iterdir()) == sorted({f"checkpoint-{best}", "checkpoint-4"})
+    assert sorted(p.name for p in gone) == sorted({f"checkpoint-{s}" for s in (1, 2, 3, 5)} - {f"checkpoint-{best}"})
+    assert len(said) == 1 and "kept checkpoint-4" in said[0]
+
+
 def test_a_copied_marker_proves_nothing(tmp_path):
     """The marker binds to the folder it was written into (device and inode): cp -a of a marked folder, or the
     marker file copied into another folder, does not make that folder ours."""

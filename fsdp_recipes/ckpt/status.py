@@ -341,9 +341,10 @@ def set_aside(ckpt: Path, prefix: str = INCOMPLETE_PREFIX) -> Path:
 CHECKPOINT_PURPOSE = "training checkpoint"  # the marker FSDPTrainer writes into each checkpoint-N it makes
 
 
-def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = None, warn=print) -> list[Path]:
+def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = None, warn=print, keep_newest: bool = True) -> list[Path]:
     """Delete the oldest checkpoint-N folders beyond ``limit`` (by step: mtime is unreliable on fuse and network
-    filesystems), never the newest nor ``keep`` (the best model's); only folders this project made or shaped
+    filesystems), never ``keep`` (the best model's) nor, unless ``keep_newest`` is false, the newest (the end of training
+    with a best model and a limit of 1 keeps the best alone, as the Trainer does); only folders this project made or shaped
     exactly like a checkpoint, holding nothing else (fsdp_recipes.removal). One that holds more is kept and named through ``warn``: a
     run of days is not stopped for a file someone put beside its checkpoints. Returns what was deleted."""
     if not limit or limit <= 0:
@@ -354,7 +355,7 @@ def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = Non
             steps.append(ckpt)
         else:  # not counted either: it does not cost one of the run's own checkpoints its place
             warn(f"save_total_limit: kept {ckpt.name}, which holds more than a checkpoint ({contents(ckpt)}); move it away")
-    protected = {steps[0]} if steps else set()
+    protected = {steps[0]} if steps and keep_newest else set()
     if keep:
         protected |= {p for p in steps if real(p) == real(keep)}
     deleted = []

@@ -40,7 +40,7 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.distributed.checkpoint.state_dict._init_optim_state": (MODULE, "trainer: FSDP1 sharded resume restores Adam"),
     "torch.distributed.optim.ZeroRedundancyOptimizer._all_state_dicts": (INSTANCE, "trainer: ZeRO-1 state gathered in one copy"),
     "transformers.Trainer._save_checkpoint": (OVERRIDE, "trainer: no rewrite in place; rotation after every rank"),
-    "transformers.Trainer._finalize_training": (OVERRIDE, "trainer: a background save finished before the end-of-training cleanup"),
+    "transformers.Trainer._finalize_training": (OVERRIDE, "trainer: the end-of-training cleanup done by our rotation, after the background save"),
     "transformers.Trainer._save_optimizer_and_scheduler": (OVERRIDE, "trainer: LoRA checkpoints, adapter-only or whole"),
     "transformers.Trainer._load_from_checkpoint": (OVERRIDE, "trainer: LoRA checkpoints, adapter-only or whole"),
     "transformers.Trainer._load_optimizer_and_scheduler": (OVERRIDE, "trainer: FSDP1 sharded resume restores Adam"),

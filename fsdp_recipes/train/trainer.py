@@ -142,10 +142,20 @@ class FSDPTrainer(Trainer):
         return result
 
     def _finalize_training(self, *args, **kwargs):
-        """The save in flight finished first: the Trainer's end-of-training cleanup (save_total_limit 1 with a best
-        checkpoint) deletes every other checkpoint folder, which must not be one whose files are still being written."""
+        """The Trainer's end-of-training cleanup (save_total_limit 1 with a best checkpoint: every other checkpoint
+        folder goes), done by our rotation after the save in flight has finished: the Trainer's own shutil.rmtree
+        would delete a folder whose files are still being written, and whatever a checkpoint-N folder holds besides
+        a checkpoint (a file a user put there; rotate keeps such a folder and says so)."""
         self.async_saves.finish()
-        return super()._finalize_training(*args, **kwargs)
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            result = super()._finalize_training(*args, **kwargs)
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.should_save and limit == 1 and self.state.best_model_checkpoint is not None:
+            rotate(self.run_dir, 1, keep=self.state.best_model_checkpoint, warn=logger.warning, keep_newest=False)
+        return result
 
     def rotate_checkpoints(self) -> None:
         """Checkpoints beyond save_total_limit deleted, once every rank has finished the newest (rank 0)."""

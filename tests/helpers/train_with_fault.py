@@ -21,6 +21,8 @@ and a real SIGKILL at a chosen point.
                       elastic starts each rank in a session of its own: the launcher forwards it to them)
     FSDP_EXPORT_PART_MIN=<bytes>  the final export's smallest shard (export.PART_MIN_BYTES): the tiny model in
                                   shards for every rank
+    FSDP_NOTE_BEFORE_CLEANUP=<name>  rank 0 writes a file <name> into the newest checkpoint-N just before the Trainer's
+                                end-of-training cleanup, as a user's tool that keeps its notes beside a checkpoint would
     FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into <dir>
     FSDP_DUMP_EVAL=<dir>        each rank writes the metrics of each evaluation to <dir>/rank<R>-step<S>.json
     FSDP_RANK_CWD=<rank>:<dir>  that rank works in <dir>: a relative --output_dir is another folder for it, as for a
@@ -180,6 +182,17 @@ if os.environ.get("FSDP_EXPORT_PART_MIN"):
     import fsdp_recipes.train.export
 
     fsdp_recipes.train.export.PART_MIN_BYTES = int(os.environ["FSDP_EXPORT_PART_MIN"])
+
+if os.environ.get("FSDP_NOTE_BEFORE_CLEANUP"):
+    finalize_training = Trainer._finalize_training  # FSDPTrainer's override calls it through super()
+
+    def note_then_finalize(self, *args, **kwargs):
+        if os.environ["RANK"] == "0":
+            newest = max(Path(self.args.output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+            (newest / os.environ["FSDP_NOTE_BEFORE_CLEANUP"]).write_text("a user's notes\n")
+        return finalize_training(self, *args, **kwargs)
+
+    Trainer._finalize_training = note_then_finalize
 
 if os.environ.get("FSDP_DUMP_OPTIMIZER"):
     load = FSDPTrainer._load_optimizer_and_scheduler
