@@ -262,3 +262,54 @@ def test_output_dir_holding_someone_elses_files_is_refused(tmp_path, kind, launc
     with pytest.raises(RecipeError, match="holds files a training run does not write"):
         check_output_dir(str(out), resuming=False, overwrite=True)
     assert _snapshot(out) == before
+
+
+# Where the libraries a run goes through delete, move or replace files, and why none of it reaches what this project
+# did not make. A pinned upgrade that adds one fails here, to be judged before it can delete a user's folder.
+LIBRARY_DELETES = {
+    "transformers.trainer:Trainer._finalize_training": "save_total_limit is None around it (FSDPTrainer._finalize_training), which rotates itself",
+    "transformers.trainer_utils:rotate_checkpoints": "Trainer._save_checkpoint's; save_total_limit is None around it (FSDPTrainer._save_checkpoint)",
+    "transformers.trainer_pt_utils:remove_dummy_checkpoint": "DeepSpeed's save_model only",
+    "transformers.trainer_jit_checkpoint:CheckpointManager.execute_jit_checkpoint": "its own sentinel file",
+    "transformers.modeling_utils:PreTrainedModel.save_pretrained": "stale shards in the target folder: we save only into folders we just made",
+    "accelerate.accelerator:Accelerator.save_model": "not called: the Trainer saves through save_pretrained",
+    "accelerate.accelerator:Accelerator.save_state": "total_limit of automatic checkpoint naming, which the Trainer does not set",
+    "accelerate.utils.fsdp_utils:merge_fsdp_weights": "accelerate merge-weights (the benchmark's baseline), never called by us",
+    "transformers.integrations.integration_utils:NeptuneCallback.__del__": "its own temporary folder",
+}
+LIBRARY_MODULES = ["transformers.trainer", "transformers.trainer_utils", "transformers.trainer_pt_utils", "transformers.trainer_callback",
+                   "transformers.trainer_jit_checkpoint", "transformers.training_args", "transformers.modeling_utils",
+                   "transformers.integrations.integration_utils", "accelerate.accelerator", "accelerate.checkpointing",
+                   "accelerate.utils.fsdp_utils", "peft.peft_model", "peft.utils.save_and_load"]
+
+
+def _library_deletes(module: str) -> set[str]:
+    import importlib
+    import inspect
+
+    found, scope = set(), []
+
+    class Visitor(ast.NodeVisitor):
+        def visit_FunctionDef(self, node):
+            scope.append(node.name)
+            self.generic_visit(node)
+            scope.pop()
+
+        visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
+
+        def visit_Call(self, node):
+            func = node.func
+            if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and (func.value.id, func.attr) in DELETING:
+                found.add(f"{module}:{'.'.join(scope)}")
+            self.generic_visit(node)
+
+    Visitor().visit(ast.parse(inspect.getsource(importlib.import_module(module))))
+    return found
+
+
+def test_every_delete_in_the_libraries_a_run_goes_through_is_known_and_cannot_reach_a_users_files():
+    found = set().union(*map(_library_deletes, LIBRARY_MODULES))
+    assert found == set(LIBRARY_DELETES), f"new: {sorted(found - set(LIBRARY_DELETES))}; gone: {sorted(set(LIBRARY_DELETES) - found)}"
+    from fsdp_recipes.train.trainer import FSDPTrainer
+
+    assert {"_finalize_training", "_save_checkpoint"} <= set(vars(FSDPTrainer))  # the two Trainer deletes, taken over
