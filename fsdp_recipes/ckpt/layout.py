@@ -8,6 +8,8 @@ import os
 import re
 from pathlib import Path
 
+from fsdp_recipes.removal import is_ours
+
 
 DCP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's sharded model folder in a checkpoint-N
 OPTIMIZER_DIR = "optimizer_0"
@@ -153,9 +155,24 @@ def _first_unlike(folder: Path, files: tuple[str, ...]) -> str:
     return ""
 
 
+CHECKPOINT_PURPOSE = "training checkpoint"  # the marker FSDPTrainer writes into each checkpoint-N it makes
+_CHECKPOINT_WEIGHTS = (r"pytorch_model_fsdp_\d+", r"pytorch_model_fsdp(_\d+)?\.bin", r"model(-\d+-of-\d+)?\.safetensors",
+                       r"adapter_model(-\d+-of-\d+)?\.safetensors")
+
+
 def is_checkpoint_folder(folder: Path) -> bool:
-    """Only what a training checkpoint holds (the Trainer's files, DCP shard folders, our description)."""
-    return _only(Path(folder), _CHECKPOINT_FILES, {r"pytorch_model_fsdp_\d+": _DCP_FILES, r"optimizer_\d+": _DCP_FILES})
+    """Only what a training checkpoint holds (the Trainer's files, DCP shard folders, our description), and a
+    checkpoint: made by this project (its marker), or holding trainer_state.json and weights. A folder of a user's
+    files that merely carry a checkpoint's names (a README.md, a config.json) is none; README.md (peft's model card)
+    belongs only beside an adapter."""
+    folder = Path(folder)
+    if not _only(folder, _CHECKPOINT_FILES, {r"pytorch_model_fsdp_\d+": _DCP_FILES, r"optimizer_\d+": _DCP_FILES}):
+        return False
+    names = [entry.name for entry in folder.iterdir()]
+    if "README.md" in names and ADAPTER_CONFIG not in names:
+        return False
+    weights = any(re.fullmatch(pattern, name) for pattern in _CHECKPOINT_WEIGHTS for name in names)
+    return is_ours(folder, CHECKPOINT_PURPOSE) or ("trainer_state.json" in names and weights)
 
 
 def real(path: str | os.PathLike) -> Path:

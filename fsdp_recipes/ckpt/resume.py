@@ -31,6 +31,7 @@ from fsdp_recipes.ckpt.layout import (
 from fsdp_recipes.ckpt.status import checkpoint_status, newest_resumable
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.removal import contents
 
 
 class SetAside(NamedTuple):
@@ -291,7 +292,7 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
     foreign = [p for p in earlier if not is_checkpoint_folder(p)]
     if foreign:
         raise RecipeError(
-            f"--overwrite_output_dir: {foreign[0]} holds files a training checkpoint does not (or is a link): refusing to "
-            "delete it; move what you want to keep out of it, or choose a new --output_dir"
+            f"--overwrite_output_dir: {foreign[0]} is not a training checkpoint holding nothing else (it holds "
+            f"{contents(foreign[0])}, or is a link): refusing to delete it; move what you want to keep out of it, or choose a new --output_dir"
         )
     return earlier

@@ -26,10 +26,10 @@ from fsdp_recipes.bounded import load_json
 from fsdp_recipes.ckpt.dcp import check_folder, digest_problems, require_this_torch
 from fsdp_recipes.ckpt.layout import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
-    checkpoint_steps, is_checkpoint_folder, real,
+    CHECKPOINT_PURPOSE, checkpoint_steps, is_checkpoint_folder, real,
 )
 from fsdp_recipes.compat import internals
-from fsdp_recipes.errors import CheckpointError, UnknownToThisVersion, UnreadableFile
+from fsdp_recipes.errors import CheckpointError, RefusedRemoval, UnknownToThisVersion, UnreadableFile
 from fsdp_recipes.removal import contents, move, remove
 
 
@@ -338,15 +338,12 @@ def set_aside(ckpt: Path, prefix: str = INCOMPLETE_PREFIX) -> Path:
     return move(ckpt, target)
 
 
-CHECKPOINT_PURPOSE = "training checkpoint"  # the marker FSDPTrainer writes into each checkpoint-N it makes
 
 
 def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = None, warn=print, keep_newest: bool = True) -> list[Path]:
-    """Delete the oldest checkpoint-N folders beyond ``limit`` (by step: mtime is unreliable on fuse and network
-    filesystems), never ``keep`` (the best model's) nor, unless ``keep_newest`` is false, the newest (the end of training
-    with a best model and a limit of 1 keeps the best alone, as the Trainer does); only folders this project made or shaped
-    exactly like a checkpoint, holding nothing else (fsdp_recipes.removal). One that holds more is kept and named through ``warn``: a
-    run of days is not stopped for a file someone put beside its checkpoints. Returns what was deleted."""
+    """Delete the oldest checkpoints beyond ``limit`` by step (mtime misleads on fuse and network filesystems), never ``keep``
+    (the best) nor, with ``keep_newest``, the newest; only checkpoints holding nothing else (layout.is_checkpoint_folder).
+    Any other folder, or one that will not go, is kept and named through ``warn``, never stopping a run. Returns what went."""
     if not limit or limit <= 0:
         return []
     steps = []
@@ -358,13 +355,17 @@ def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = Non
     protected = {steps[0]} if steps and keep_newest else set()
     if keep:
         protected |= {p for p in steps if real(p) == real(keep)}
-    deleted = []
+    deleted, tried = [], 0
     for ckpt in reversed(steps):
-        if len(steps) - len(deleted) <= max(limit, len(protected)):
+        if len(steps) - tried <= max(limit, len(protected)):
             break
         if ckpt not in protected:
-            remove(ckpt, CHECKPOINT_PURPOSE, shape=is_checkpoint_folder)
-            deleted.append(ckpt)
+            tried += 1  # a folder that would not go still counts: a newer one is never deleted in its place
+            try:
+                remove(ckpt, CHECKPOINT_PURPOSE, shape=is_checkpoint_folder)
+                deleted.append(ckpt)
+            except (OSError, RefusedRemoval) as err:  # a file held open over NFS, a permission: never worth a run
+                warn(f"save_total_limit: could not delete {ckpt.name} ({err}); delete it yourself")
     return deleted
 
 
