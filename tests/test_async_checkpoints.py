@@ -115,7 +115,7 @@ def test_the_trainers_end_of_training_cleanup_waits_for_the_save_in_flight_and_d
     assert read_json(out / "trainer_state.json")["best_model_checkpoint"] == str(out / "checkpoint-3")
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-3"]  # after the write
     assert (out / "checkpoint-12" / "eval-notes.txt").read_text() == "a user's notes\n"
-    assert "save_total_limit: kept checkpoint-12, which holds more than a checkpoint" in run.stdout + run.stderr
+    assert "save_total_limit: kept checkpoint-12, not a checkpoint holding nothing else (it holds eval-notes.txt" in run.stdout + run.stderr
     assert (out / "model" / "model.safetensors").is_file()
 
 

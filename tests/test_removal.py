@@ -171,8 +171,8 @@ def test_rotation_deletes_only_checkpoints(tmp_path):
     _notes(run / "checkpoint-0")  # named like one, holds a user's files
     said = []
     assert [p.name for p in rotate(run, 2, warn=said.append)] == ["checkpoint-2"]  # unmarked but checkpoint-shaped
-    assert len(said) == 2 and "kept checkpoint-1, which holds more than a checkpoint" in said[0], said
-    assert "kept checkpoint-0, which holds more than a checkpoint (data/, notes.txt)" in said[1], said
+    assert len(said) == 2 and "kept checkpoint-1, not a checkpoint holding nothing else (it holds notes.txt, which a checkpoint does not)" in said[0], said
+    assert "kept checkpoint-0, not a checkpoint holding nothing else (it holds data/, which a checkpoint does not)" in said[1], said
     assert (run / "checkpoint-0" / "notes.txt").is_file() and (run / "checkpoint-1" / "notes.txt").is_file()
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-0", "checkpoint-1", "checkpoint-3", "checkpoint-4"]
 
@@ -194,13 +194,13 @@ def test_the_end_of_training_cleanup_keeps_the_best_alone_and_what_is_not_only_a
 
 # A user's folder named like a checkpoint whose every file carries a name a checkpoint may hold: no checkpoint
 # without our marker or its core (trainer_state.json and weights); README.md (peft's card) only beside an adapter.
-NAMED_LIKE = ["README.md", "config.json", "tokenizer.json", "generation_config.json", "model_description.json", "scheduler.pt",
-              "trainer_state.json", "training_args.bin"]
+NAMED_LIKE = ["README.md", "config.json", "tokenizer.json", "generation_config.json", "chat_template.jinja", "vocab.txt",
+              "model.safetensors", "pytorch_model.bin"]
 LOOKALIKES = [{name} for name in NAMED_LIKE] + [set(NAMED_LIKE), {"README.md", "model.safetensors", "trainer_state.json"},
-                                                 {"config.json", "tokenizer.json", "model.safetensors"}]
+                                                 {"config.json", "tokenizer.json", "model.safetensors"}, set()]
 
 
-@pytest.mark.parametrize("names", LOOKALIKES, ids=["+".join(sorted(n)) for n in LOOKALIKES])
+@pytest.mark.parametrize("names", LOOKALIKES, ids=["+".join(sorted(n)) or "empty" for n in LOOKALIKES])
 def test_a_folder_of_checkpoint_names_without_a_checkpoint_is_never_deleted(tmp_path, names, launched):
     run = tmp_path / "run"
     _checkpoint(run / "checkpoint-9", marked=True)
@@ -210,10 +210,49 @@ def test_a_folder_of_checkpoint_names_without_a_checkpoint_is_never_deleted(tmp_
         (user / name).write_text("a user's")
     assert not is_checkpoint_folder(user)
     said = []
-    assert rotate(run, 1, warn=said.append) == [] and "kept checkpoint-5" in said[0]
+    assert rotate(run, 1, warn=said.append) == [] and "kept checkpoint-5, not a checkpoint holding nothing else (it " in said[0]
     with pytest.raises(RecipeError, match="checkpoint-5 is not a training checkpoint holding nothing else"):
         check_output_dir(str(run), resuming=False, overwrite=True)
     assert sorted(p.name for p in user.iterdir()) == sorted(names)
+
+
+STOCK_CHECKPOINTS = {  # what other writers leave, complete or cut short (no trainer_state.json, no marker)
+    "incomplete sharded": ["rng_state_0.pth", "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/__1_0.distcp"],
+    "rank-local DCP metadata": ["pytorch_model_fsdp_0/__0.metadata", "pytorch_model_fsdp_0/__0_0.distcp", "trainer_state.json"],
+    "bin weights": ["pytorch_model.bin", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "training_args.bin"],
+    "sharded bin": ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json", "trainer_state.json"],
+    "peft bin + BERT vocab": ["adapter_model.bin", "adapter_config.json", "README.md", "vocab.txt", "optimizer.pt"],
+    "T5 tokenizer": ["model.safetensors", "spiece.model", "scheduler.pt"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(STOCK_CHECKPOINTS))
+def test_other_writers_checkpoints_and_incomplete_ones_are_checkpoints(tmp_path, kind, launched):
+    """--overwrite_output_dir is what the refusal of an incomplete checkpoint names: it must be able to delete one, and
+    rotation must not keep the stock Trainer's checkpoints forever (the disk would fill)."""
+    run = tmp_path / "run"
+    for name in STOCK_CHECKPOINTS[kind]:
+        (run / "checkpoint-4" / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / "checkpoint-4" / name).write_bytes(b"x")
+    assert is_checkpoint_folder(run / "checkpoint-4")
+    assert check_output_dir(str(run), resuming=False, overwrite=True) == [run / "checkpoint-4"]
+
+
+def test_an_unreadable_folder_is_named_and_rotation_goes_on(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    for step in (1, 2, 3):
+        _checkpoint(run / f"checkpoint-{step}", marked=True)
+    iterdir = Path.iterdir
+
+    def denied(self):
+        if self.name == "optimizer_0" and self.parent.name == "checkpoint-2" or self.name == "checkpoint-2":
+            raise PermissionError(13, "Permission denied", str(self))
+        return iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", denied)
+    said = []
+    assert [p.name for p in rotate(run, 1, warn=said.append)] == ["checkpoint-1"]
+    assert said == ["save_total_limit: kept checkpoint-2, not a checkpoint holding nothing else (unreadable: Permission denied); move it away"]
 
 
 def test_a_readme_put_into_our_checkpoint_keeps_it(tmp_path):
@@ -299,7 +338,7 @@ def test_overwrite_output_dir_refuses_a_checkpoint_holding_other_files(tmp_path,
     run = tmp_path / "run"
     _checkpoint(run / "checkpoint-3", marked=False)
     (run / "checkpoint-3" / "notes.txt").write_text("mine")
-    with pytest.raises(RecipeError, match="checkpoint-3 is not a training checkpoint holding nothing else .it holds notes.txt, pytorch_model_fsdp_0/"):
+    with pytest.raises(RecipeError, match="checkpoint-3 is not a training checkpoint holding nothing else .it holds notes.txt, which a checkpoint does not"):
         check_output_dir(str(run), resuming=False, overwrite=True)
     assert (run / "checkpoint-3" / "notes.txt").is_file()
 

@@ -75,8 +75,12 @@ _MODEL_FILES = (*_EXPORTED_MODEL_FILES,
                 r"adapter_model\.safetensors\.index\.json", r"base_identity\.json", r"\.made-by-fsdp-recipes")
 _CHECKPOINT_FILES = (*_MODEL_FILES, r"training_args\.bin", r"scheduler\.pt", r"scaler\.pt", r"rng_state(_\d+)?\.pth",
                      r"optimizer\.(pt|bin)", r"pytorch_model_fsdp(_\d+)?\.bin", r"model_description\.json", r"fsdp_report\.json",
-                     r"shard_digests\.json", r"README\.md")  # README.md: peft's model card, saved with a LoRA adapter
-_DCP_FILES = (r"\.metadata", r"__\d+_\d+\.distcp", r"\.made-by-fsdp-recipes")
+                     r"shard_digests\.json", r"README\.md",  # README.md: peft's model card, saved with a LoRA adapter
+                     # the stock Trainer's other model files (save_safetensors false, BERT's and T5's tokenizers)
+                     r"pytorch_model(-\d+-of-\d+)?\.bin", r"pytorch_model\.bin\.index\.json", r"adapter_model\.bin", r"vocab\.txt",
+                     r"spiece\.model")
+_DCP_FILES = (r"\.metadata", r"__\d+\.metadata", r"__\d+_\d+\.distcp", r"\.made-by-fsdp-recipes")  # __N.metadata: rank-local
+_CHECKPOINT_FOLDERS = {r"pytorch_model_fsdp_\d+": _DCP_FILES, r"optimizer_\d+": _DCP_FILES}
 
 
 def _only(folder: Path, files: tuple[str, ...], folders: dict[str, tuple[str, ...]]) -> bool:
@@ -156,23 +160,43 @@ def _first_unlike(folder: Path, files: tuple[str, ...]) -> str:
 
 
 CHECKPOINT_PURPOSE = "training checkpoint"  # the marker FSDPTrainer writes into each checkpoint-N it makes
-_CHECKPOINT_WEIGHTS = (r"pytorch_model_fsdp_\d+", r"pytorch_model_fsdp(_\d+)?\.bin", r"model(-\d+-of-\d+)?\.safetensors",
-                       r"adapter_model(-\d+-of-\d+)?\.safetensors")
+# What only training writes: a folder holding none of it (a model's or tokenizer's files alone) is no checkpoint.
+_TRAINING_STATE = (r"trainer_state\.json", r"pytorch_model_fsdp_\d+", r"optimizer_\d+", r"pytorch_model_fsdp(_\d+)?\.bin",
+                   r"optimizer\.(pt|bin)", r"rng_state(_\d+)?\.pth", r"scheduler\.pt", r"scaler\.pt", r"training_args\.bin")
 
 
 def is_checkpoint_folder(folder: Path) -> bool:
     """Only what a training checkpoint holds (the Trainer's files, DCP shard folders, our description), and a
-    checkpoint: made by this project (its marker), or holding trainer_state.json and weights. A folder of a user's
-    files that merely carry a checkpoint's names (a README.md, a config.json) is none; README.md (peft's model card)
-    belongs only beside an adapter."""
+    checkpoint: made by this project (its marker), or holding some training state (an incomplete one counts: it is
+    what --overwrite_output_dir is for). A folder of a user's files that merely carry a checkpoint's names (a
+    README.md, a config.json, a saved model) is none; README.md (peft's model card) belongs only beside an adapter."""
     folder = Path(folder)
-    if not _only(folder, _CHECKPOINT_FILES, {r"pytorch_model_fsdp_\d+": _DCP_FILES, r"optimizer_\d+": _DCP_FILES}):
+    if not _only(folder, _CHECKPOINT_FILES, _CHECKPOINT_FOLDERS):
         return False
     names = [entry.name for entry in folder.iterdir()]
     if "README.md" in names and ADAPTER_CONFIG not in names:
         return False
-    weights = any(re.fullmatch(pattern, name) for pattern in _CHECKPOINT_WEIGHTS for name in names)
-    return is_ours(folder, CHECKPOINT_PURPOSE) or ("trainer_state.json" in names and weights)
+    return is_ours(folder, CHECKPOINT_PURPOSE) or any(re.fullmatch(p, name) for p in _TRAINING_STATE for name in names)
+
+
+def checkpoint_unlike(folder: Path) -> str | None:
+    """None for a checkpoint holding nothing else (is_checkpoint_folder); else why not, for the one line that keeps it."""
+    try:
+        if is_checkpoint_folder(folder):
+            return None
+        entries = [] if folder.is_symlink() else sorted(folder.iterdir())
+        for entry in entries:
+            inner = next((files for pattern, files in _CHECKPOINT_FOLDERS.items() if re.fullmatch(pattern, entry.name)), None)
+            if entry.is_symlink() or (entry.is_dir() and (inner is None or not _only(entry, inner, {}))) or (
+                    not entry.is_dir() and not any(re.fullmatch(p, entry.name) for p in _CHECKPOINT_FILES)):
+                return f"it holds {entry.name}{'/' if entry.is_dir() and not entry.is_symlink() else ''}, which a checkpoint does not"
+    except OSError as err:  # a colleague's 0700 folder, a stale NFS handle
+        return f"unreadable: {err.strerror}"
+    if folder.is_symlink() or not entries:
+        return "it is a link" if folder.is_symlink() else "it is empty"
+    if (folder / "README.md").exists() and not (folder / ADAPTER_CONFIG).exists():
+        return "it holds README.md, which a checkpoint holds only beside an adapter"
+    return "it holds no training state, not even our marker"
 
 
 def real(path: str | os.PathLike) -> Path:

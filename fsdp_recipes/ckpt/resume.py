@@ -26,12 +26,11 @@ from typing import NamedTuple
 
 from fsdp_recipes.bounded import load_json
 from fsdp_recipes.ckpt.layout import (
-    INCOMPLETE_PREFIX, REPLACED_PREFIX, checkpoint_steps, foreign_entries, is_checkpoint_folder, overlap, real,
+    INCOMPLETE_PREFIX, REPLACED_PREFIX, checkpoint_steps, checkpoint_unlike, foreign_entries, is_checkpoint_folder, overlap, real,
 )
 from fsdp_recipes.ckpt.status import checkpoint_status, newest_resumable
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
-from fsdp_recipes.removal import contents
 
 
 class SetAside(NamedTuple):
@@ -292,7 +291,7 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
     foreign = [p for p in earlier if not is_checkpoint_folder(p)]
     if foreign:
         raise RecipeError(
-            f"--overwrite_output_dir: {foreign[0]} is not a training checkpoint holding nothing else (it holds "
-            f"{contents(foreign[0])}, or is a link): refusing to delete it; move what you want to keep out of it, or choose a new --output_dir"
+            f"--overwrite_output_dir: {foreign[0]} is not a training checkpoint holding nothing else ({checkpoint_unlike(foreign[0])}): "
+            "refusing to delete it; move what you want to keep out of it, or choose a new --output_dir"
         )
     return earlier

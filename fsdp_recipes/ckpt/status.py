@@ -26,11 +26,11 @@ from fsdp_recipes.bounded import load_json
 from fsdp_recipes.ckpt.dcp import check_folder, digest_problems, require_this_torch
 from fsdp_recipes.ckpt.layout import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
-    CHECKPOINT_PURPOSE, checkpoint_steps, is_checkpoint_folder, real,
+    CHECKPOINT_PURPOSE, checkpoint_steps, checkpoint_unlike, is_checkpoint_folder, real,
 )
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError, RefusedRemoval, UnknownToThisVersion, UnreadableFile
-from fsdp_recipes.removal import contents, move, remove
+from fsdp_recipes.removal import move, remove
 
 
 @dataclass
@@ -347,11 +347,11 @@ def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = Non
     if not limit or limit <= 0:
         return []
     steps = []
-    for ckpt in checkpoint_steps(Path(run_dir)):  # newest first
-        if is_checkpoint_folder(ckpt):
+    for ckpt in checkpoint_steps(Path(run_dir)):  # newest first; another folder does not cost a checkpoint its place
+        if (why := checkpoint_unlike(ckpt)) is None:
             steps.append(ckpt)
-        else:  # not counted either: it does not cost one of the run's own checkpoints its place
-            warn(f"save_total_limit: kept {ckpt.name}, which holds more than a checkpoint ({contents(ckpt)}); move it away")
+        else:
+            warn(f"save_total_limit: kept {ckpt.name}, not a checkpoint holding nothing else ({why}); move it away")
     protected = {steps[0]} if steps and keep_newest else set()
     if keep:
         protected |= {p for p in steps if real(p) == real(keep)}
