@@ -118,6 +118,21 @@ def remove(path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] 
     shutil.rmtree(path)
 
 
+def replace_or_beside(path: Path, purpose: str, shape: Callable[[Path], bool], warn) -> Path:
+    """Where a finished result goes: ``path``, what is there removed when ``shape`` accepts it; if it holds anything
+    else (put there while a run trained) or will not go, the next free ``path.N``, said through ``warn``: the result
+    is never lost over that folder, nor that folder over the result."""
+    if not (path.exists() or path.is_symlink()):
+        return path
+    try:
+        remove(path, purpose, shape=shape)
+        return path
+    except (RefusedRemoval, OSError) as err:
+        free = next(f for n in range(2, 1 << 20) if not ((f := path.with_name(f"{path.name}.{n}")).exists() or f.is_symlink()))
+        warn(f"{path} is kept as it is ({err}); this export is in {free} instead")
+        return free
+
+
 def remove_inside(folder: str | os.PathLike, name: str, purpose: str) -> None:
     """Delete ``folder/name`` (a file or a folder, whatever it holds) inside a folder this project made for
     ``purpose``: what a tool writes into its own work folder is its own."""

@@ -13,7 +13,7 @@ import pytest
 from conftest import QUICK, REPO, launch, read_json
 from fsdp_recipes.ckpt.layout import final_model_folder, foreign_entries
 from fsdp_recipes.ckpt.resume import check_output_dir
-from fsdp_recipes.errors import RecipeError, RefusedRemoval
+from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.removal import MARKER, is_ours, make_folder
 from fsdp_recipes.config.model_source import model_source_problem
 from fsdp_recipes.train.export import EXPORT_STAGING, publish, publish_adapter
@@ -45,9 +45,11 @@ def test_publish_makes_a_model_folder_holding_only_the_model(tmp_path, earlier):
 
 
 @pytest.mark.parametrize("kind", sorted(FOREIGN))
-def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_at_the_export(tmp_path, kind):
+def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_kept_at_the_export(tmp_path, kind, caplog):
     """Every kind of folder that is not a model folder (a home, notes beside weights, a link, a forged marker), found
-    at output_dir/model: the run stops before it starts, and the export itself would refuse it, leaving it as it was."""
+    at output_dir/model: the run stops before it starts; put there while the run trains, the export leaves it as it
+    was and publishes beside it, in model.2 (then model.3), said in one warning: a finished run is never lost over it.
+    A later run in that output_dir accepts those folders as its own."""
     out = tmp_path / "run"
     out.mkdir()
     FOREIGN[kind](out / "model")
@@ -55,11 +57,12 @@ def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_at_the
     assert any(e == "model" or e.startswith("model/") for e in foreign_entries(out))
     with pytest.raises(RecipeError, match=r"holds files a training run does not write \(model"):
         check_output_dir(str(out), resuming=False, overwrite=False)
-    staging = _staging(out)
-    with pytest.raises(RefusedRemoval, match=str(out / "model")):
-        publish(staging, out, MODEL_FILES)
-    assert _snapshot(out / "model") == before
-    assert (staging / "model.safetensors").is_file()  # the new model is still there, in its marked staging folder
+    for n in (2, 3):
+        final = publish(_staging(out), out, MODEL_FILES)
+        assert final == out / f"model.{n}" and sorted(p.name for p in final.iterdir()) == MODEL_FILES
+        assert f"{out / 'model'} is kept as it is" in caplog.text and f"this export is in {final} instead" in caplog.text
+    assert _snapshot(out / "model") == before and not (out / ".export-tmp").exists()
+    assert not [e for e in foreign_entries(out) if e.startswith("model.")]
 
 
 # What a merge or the export never writes into model/: each one makes the folder someone's (a resume would delete it)
@@ -86,8 +89,7 @@ def test_model_folder_shape_is_exactly_what_the_export_writes(tmp_path, entry):
     assert foreign_entries(out) == [f"model/{entry}"]  # named, so the user knows what to move
     with pytest.raises(RecipeError, match=f"holds files a training run does not write \\(model/{entry}\\): .* move them out of output_dir"):
         check_output_dir(str(out), resuming=True, overwrite=False)
-    with pytest.raises(RefusedRemoval):
-        publish(_staging(out), out, MODEL_FILES)
+    assert publish(_staging(out), out, MODEL_FILES) == out / "model.2"  # the export goes beside it
     assert _snapshot(out / "model") == before
 
 
@@ -114,8 +116,7 @@ def test_an_adapter_name_holding_anything_else_is_refused_before_the_run_and_at_
         check_output_dir(str(out), resuming=True, overwrite=False)
     staging = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
     (staging / "adapter_config.json").write_text("{}")
-    with pytest.raises(RefusedRemoval):
-        publish_adapter(staging, out)
+    assert publish_adapter(staging, out) == out / "adapter.2"  # the export goes beside it
     assert (_snapshot(out / "adapter") if (out / "adapter").is_dir() else (out / "adapter").read_text()) == before
 
 
