@@ -12,6 +12,7 @@ Shared by all of them, importing nothing else of the package but errors:
 - console:  one-line messages printed once per launch
 - bounded:  YAML and JSON read within bounds (no pipe, device, oversize file, alias bomb or duplicate key)
 - removal:  the one place that deletes, replaces or moves anything, and only what this project made
+- locks:    who holds a run's output_dir, read without taking it (train/run_lock.py takes it)
 - direct_writes: large files written past the page cache (O_DIRECT) where the filesystem takes it
 - tiny:     the embedded default: a tiny Llama config, tokenizer and corpus
 

@@ -183,3 +183,35 @@ def test_a_pid_no_process_can_have_is_stale_not_a_traceback(tmp_path, no_posix_l
     owner.write_text(f"host {socket.gethostname()}, pid 9999999999, since then\n")  # past any pid_max: os.kill overflows
     hold_output_dir(_args(tmp_path), warn=lambda m: None)
     assert f"pid {os.getpid()}," in owner.read_text()
+
+
+def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, capsys):
+    """A real process holding the run's kernel lock (as train_fsdp.py's rank 0 does), then the lock file of a lockless
+    filesystem: check_checkpoint names the run, on the run folder and on one of its checkpoints (read from
+    /proc/locks and the lock file: nothing is taken); once it is gone, nothing."""
+    import json
+    import time
+
+    from test_hostile_files import cli
+    from test_removal import _checkpoint
+
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoint-3", marked=False)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom fsdp_recipes.train import run_lock\nfrom pathlib import Path\n"
+                               f"assert run_lock.take(Path({str(run)!r}), print) is None\nprint('held', flush=True)\nsys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for target in (run, run / "checkpoint-3"):
+            cli("check_checkpoint", [str(target)])
+            assert f"{run}: a run is training in it now (pid {holder.pid} on {socket.gethostname()})" in capsys.readouterr().out
+        cli("check_checkpoint", [str(run), "--json"])
+        assert json.loads(capsys.readouterr().out)["training_now"] == f"pid {holder.pid} on {socket.gethostname()}"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    cli("check_checkpoint", [str(run)])
+    assert "training in it now" not in capsys.readouterr().out
+    (run / run_lock.OWNER_NAME).write_text(f"host elsewhere, pid 4242, since {time.strftime('%Y-%m-%d')}\n")
+    cli("check_checkpoint", [str(run)])
+    assert f"{run}: a run is training in it now (its lock file says: host elsewhere, pid 4242, since" in capsys.readouterr().out

@@ -6,7 +6,8 @@
 
 Each checkpoint is "resumable", "INCOMPLETE: <what is missing or damaged>", or "UNREADABLE BY THIS VERSION (<the
 dtype or class another torch version wrote>)": that one may be complete, and `--resume_from_checkpoint true` stops
-at it rather than passing over it.
+at it rather than passing over it. A run training in the folder now (its lock on this host, or its lock file) is
+named first: a checkpoint it is still writing shows as INCOMPLETE until it is done.
 
 Exit status 0 when the checkpoint (or, for a run folder, the one `--resume_from_checkpoint true` would use) is
 resumable, 1 otherwise.
@@ -20,6 +21,7 @@ from pathlib import Path
 from fsdp_recipes.ckpt.layout import checkpoint_steps, final_model_folder
 from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.ckpt.status import checkpoint_status
+from fsdp_recipes.locks import live_run
 
 
 def main(argv=None) -> int:
@@ -50,13 +52,18 @@ def main(argv=None) -> int:
         return 0 if final else 1
     folders = checkpoint_steps(path) or [path]
     statuses = [checkpoint_status(folder) for folder in folders]
+    run_dir = path if run_folder else path.parent
+    training = live_run(run_dir)  # its newest checkpoint may be one still being written: INCOMPLETE is not damage then
     # as resolve_resume("true"): the newest resumable one, unless a newer one may be complete (unreadable by this version)
     stop = next((s for s in statuses if s.resumable or s.may_be_complete), None)
     chosen = stop if stop is not None and stop.resumable else None
     if args.json:
         print(json.dumps({"checkpoints": [s.to_dict() for s in statuses], "resume_uses": chosen and chosen.path,
-                          "final_model": final and str(final)}, indent=2))
+                          "final_model": final and str(final), "training_now": training}, indent=2))
     else:
+        if training:
+            print(f"{run_dir}: a run is training in it now ({training}): a checkpoint it is still writing shows as "
+                  "INCOMPLETE until it is done")
         for status in statuses:
             print(status.summary())
         if len(statuses) > 1 or folders[0] != path:

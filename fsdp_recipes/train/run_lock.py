@@ -17,43 +17,21 @@ import errno
 import os
 import re
 import socket
-import stat
 import time
 from pathlib import Path
 
+from fsdp_recipes.locks import LINE_LIMIT, OWNER_NAME, flock_holder, read_head, shown
 from fsdp_recipes.removal import process_alive, remove_lock_file
 
-OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no folder locks
 NO_FOLDER_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
 _held: list[int] = []  # the locked folder's file descriptor, open for the life of the process
 _mine: set[str] = set()  # the lock files this process created (its own pid in one it did not create is a recycled pid)
 KERNEL_HINT = " (a run that died holds nothing: its lock went with it"  # closed by the caller's parenthesis
-PROC_LOCKS_LIMIT = 1 << 20  # bytes of /proc/locks read to name a holder
-LINE_LIMIT = 300  # bytes of a lock file read: the line this project writes is well under it
 
 
 def _owner_line() -> str:
     job = f", job {os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID", "").isascii() and os.environ.get("SLURM_JOB_ID", "").isdigit() else ""
     return f"host {socket.gethostname()}, pid {os.getpid()}{job}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-
-
-def _read_head(path: Path, limit: int = LINE_LIMIT + 1) -> bytes | None:
-    """At most ``limit`` bytes of a regular file, never following a link or blocking on a FIFO; None otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    finally:
-        os.close(fd)
-
-
-def _shown(text: bytes) -> str:
-    """A lock file's text for a one-line message: control characters and non-ASCII escaped, at most LINE_LIMIT."""
-    line = text[:LINE_LIMIT].decode(errors="replace").strip()
-    shown = "".join(c if c.isprintable() and c.isascii() else ascii(c)[1:-1] for c in line) or "an empty lock file"
-    return shown if len(shown) <= 160 else shown[:160] + "..."
 
 
 def take(out: Path, warn) -> str | None:
@@ -68,7 +46,7 @@ def take(out: Path, warn) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
         if err.errno not in NO_FOLDER_LOCKS:  # EWOULDBLOCK: another process holds it
-            holder = _holder(os.fstat(fd))
+            holder = flock_holder(os.fstat(fd)) or "another process"
             os.close(fd)
             return f"{holder}){KERNEL_HINT}"
         os.close(fd)
@@ -79,21 +57,6 @@ def take(out: Path, warn) -> str | None:
         return holder
     _held.append(fd)
     return None
-
-
-def _holder(folder: os.stat_result) -> str:
-    """Who holds the folder's lock, from /proc/locks (this host's kernel): "pid N on HOST", or "another process"."""
-    key = f"{os.major(folder.st_dev):02x}:{os.minor(folder.st_dev):02x}:{folder.st_ino}".encode()
-    try:
-        with open("/proc/locks", "rb") as f:
-            table = f.read(PROC_LOCKS_LIMIT)
-    except OSError:
-        return "another process"
-    for line in table.splitlines():
-        fields = line.split()
-        if b"FLOCK" in fields and key in fields and (pids := [f for f in fields if f.isdigit()]):
-            return f"pid {int(pids[0])} on {socket.gethostname()}"
-    return "another process"
 
 
 def _stale(path: Path, text: bytes) -> bool:
@@ -115,13 +78,13 @@ def _take_by_file(out: Path) -> str | None:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         except FileExistsError:
-            text = _read_head(path)
+            text = read_head(path)
             if text is None:
                 return f"{path} is not a lock file this project writes (a link, a folder, a FIFO or unreadable): remove it"
             if len(text) <= LINE_LIMIT and _stale(path, text):
                 remove_lock_file(path, text)  # that run is over: its lock is stale
                 continue
-            return f"{_shown(text)}; {fix}"
+            return f"{shown(text)}; {fix}"
         except OSError as err:
             return f"{path} cannot be created ({os.strerror(err.errno)}); {fix}"
         line = _owner_line().encode()

@@ -1,0 +1,65 @@
+"""Who holds a run's output_dir, read without taking anything: the kernel lock a training run keeps on the folder
+(named from /proc/locks, this host only), or the lock file it writes where the filesystem has no folder locks.
+train/run_lock.py takes the lock; tools/check_checkpoint.py only asks, so that "INCOMPLETE" of a checkpoint a live
+run is still writing is not read as damage. Probing by taking the lock for an instant would make a run starting
+in that instant refuse its own folder: this never does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no folder locks
+PROC_LOCKS_LIMIT = 1 << 20  # bytes of /proc/locks read to name a holder
+LINE_LIMIT = 300  # bytes of a lock file read: the line this project writes is well under it
+
+
+def read_head(path: Path, limit: int = LINE_LIMIT + 1) -> bytes | None:
+    """At most ``limit`` bytes of a regular file, never following a link or blocking on a FIFO; None otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    finally:
+        os.close(fd)
+
+
+def shown(text: bytes) -> str:
+    """A lock file's text for a one-line message: control characters and non-ASCII escaped, at most LINE_LIMIT."""
+    line = text[:LINE_LIMIT].decode(errors="replace").strip()
+    printable = "".join(c if c.isprintable() and c.isascii() else ascii(c)[1:-1] for c in line) or "an empty lock file"
+    return printable if len(printable) <= 160 else printable[:160] + "..."
+
+
+def flock_holder(folder: os.stat_result) -> str | None:
+    """"pid N on HOST" holding a kernel lock on the folder, from /proc/locks (this host's kernel); None if none is
+    listed (or /proc/locks cannot be read)."""
+    key = f"{os.major(folder.st_dev):02x}:{os.minor(folder.st_dev):02x}:{folder.st_ino}".encode()
+    try:
+        with open("/proc/locks", "rb") as f:
+            table = f.read(PROC_LOCKS_LIMIT)
+    except OSError:
+        return None
+    for line in table.splitlines():
+        fields = line.split()
+        if b"FLOCK" in fields and key in fields and (pids := [f for f in fields if f.isdigit()]):
+            return f"pid {int(pids[0])} on {socket.gethostname()}"
+    return None
+
+
+def live_run(folder: str | os.PathLike) -> str | None:
+    """Who trains in ``folder`` now, as far as this host can tell (one phrase), or None."""
+    folder = Path(folder)
+    try:
+        held = flock_holder(os.stat(folder))
+    except OSError:
+        return None
+    if held:
+        return held
+    text = read_head(folder / OWNER_NAME)
+    return f"its lock file says: {shown(text)}" if text else None
