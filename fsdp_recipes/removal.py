@@ -93,6 +93,7 @@ def unmark(path: str | os.PathLike, purpose: str) -> None:
 def contents(path: Path, limit: int = 3) -> str:
     try:
         names = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in path.iterdir())
+        names = ["".join(c if c.isprintable() and c.isascii() else ascii(c)[1:-1] for c in n) for n in names]  # one line
     except OSError as err:
         return f"unreadable contents ({err.strerror})"
     if not names:
@@ -118,19 +119,29 @@ def remove(path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] 
     shutil.rmtree(path)
 
 
-def replace_or_beside(path: Path, purpose: str, shape: Callable[[Path], bool], warn) -> Path:
-    """Where a finished result goes: ``path``, what is there removed when ``shape`` accepts it; if it holds anything
-    else (put there while a run trained) or will not go, the next free ``path.N``, said through ``warn``: the result
-    is never lost over that folder, nor that folder over the result."""
+def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn) -> Path:
+    """Free ``path`` for a finished result (the final model, the adapter): an earlier result there (``shape``) is
+    removed; anything else (a file put there while the run trained), or what is left of an earlier result that would
+    not go, is moved to the next free ``path.kept-N``, said in one warning. Nothing of the user's is deleted, and the
+    result still lands at ``path``, where everything that reads it looks."""
     if not (path.exists() or path.is_symlink()):
         return path
-    try:
-        remove(path, purpose, shape=shape)
+    if path.is_symlink() or not shape(path):
+        why = f"held {'a link' if path.is_symlink() else contents(path)}, which the export does not write"
+    else:
+        try:
+            remove(path, purpose, shape=shape)
+            return path
+        except (OSError, RefusedRemoval) as err:  # a file held open over NFS, an immutable file: partly removed
+            why = f"could not be removed ({err.strerror if isinstance(err, OSError) else err}), what is left of it"
+    for n in range(2, 1 << 20):
+        try:
+            aside = move(path, path.with_name(f"{path.name}.kept-{n}"))
+        except RefusedRemoval:  # that name is taken
+            continue
+        warn(f"{path} {why}: moved to {aside.name} (nothing deleted); this export is in {path}")
         return path
-    except (RefusedRemoval, OSError) as err:
-        free = next(f for n in range(2, 1 << 20) if not ((f := path.with_name(f"{path.name}.{n}")).exists() or f.is_symlink()))
-        warn(f"{path} is kept as it is ({err}); this export is in {free} instead")
-        return free
+    raise RefusedRemoval(f"{path}: no free {path.name}.kept-N name to move it to: move it away yourself")
 
 
 def remove_inside(folder: str | os.PathLike, name: str, purpose: str) -> None:

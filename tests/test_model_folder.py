@@ -45,11 +45,11 @@ def test_publish_makes_a_model_folder_holding_only_the_model(tmp_path, earlier):
 
 
 @pytest.mark.parametrize("kind", sorted(FOREIGN))
-def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_kept_at_the_export(tmp_path, kind, caplog):
+def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_moved_aside_at_the_export(tmp_path, kind, caplog):
     """Every kind of folder that is not a model folder (a home, notes beside weights, a link, a forged marker), found
-    at output_dir/model: the run stops before it starts; put there while the run trains, the export leaves it as it
-    was and publishes beside it, in model.2 (then model.3), said in one warning: a finished run is never lost over it.
-    A later run in that output_dir accepts those folders as its own."""
+    at output_dir/model: the run stops before it starts; put there while the run trains, the export moves it to
+    model.kept-2 (then model.kept-3) whole, said in one warning, and the model lands in model/, where everything
+    looks: a finished run is never lost over it, nor a user's file."""
     out = tmp_path / "run"
     out.mkdir()
     FOREIGN[kind](out / "model")
@@ -57,12 +57,49 @@ def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_kept_a
     assert any(e == "model" or e.startswith("model/") for e in foreign_entries(out))
     with pytest.raises(RecipeError, match=r"holds files a training run does not write \(model"):
         check_output_dir(str(out), resuming=False, overwrite=False)
-    for n in (2, 3):
+    for n in (2, 3) if kind != "link to a model" else (2,):  # (that kind's target beside it exists once)
+        if n == 3:  # again, where the model just published was
+            (out / "model").rename(out / "published")
+            FOREIGN[kind](out / "model")
+            before = _snapshot(out / "model")
         final = publish(_staging(out), out, MODEL_FILES)
-        assert final == out / f"model.{n}" and sorted(p.name for p in final.iterdir()) == MODEL_FILES
-        assert f"{out / 'model'} is kept as it is" in caplog.text and f"this export is in {final} instead" in caplog.text
-    assert _snapshot(out / "model") == before and not (out / ".export-tmp").exists()
-    assert not [e for e in foreign_entries(out) if e.startswith("model.")]
+        assert final == out / "model" and sorted(p.name for p in final.iterdir()) == MODEL_FILES
+        assert _snapshot(out / f"model.kept-{n}") == before
+        warning = [r.getMessage() for r in caplog.records if f"model.kept-{n}" in r.getMessage()]
+        assert len(warning) == 1 and "\n" not in warning[0] and f"{out / 'model'} held " in warning[0]
+        assert f"moved to model.kept-{n} (nothing deleted); this export is in {out / 'model'}" in warning[0]
+    assert not (out / ".export-tmp").exists()
+    assert "model.kept-2" in foreign_entries(out)  # the user's, to move: a next run names it before it starts
+
+
+def test_the_aside_name_is_never_one_that_exists_and_names_are_one_line(tmp_path, caplog):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model").mkdir()
+    (out / "model" / "n\x1b[31m\nx.txt").write_text("mine")  # an escape sequence and a newline in a file name
+    (out / "model.kept-2").mkdir()
+    (out / "model.kept-3").symlink_to(tmp_path)
+    (out / "model.kept-4").write_text("a file")
+    assert publish(_staging(out), out, MODEL_FILES) == out / "model"
+    assert (out / "model.kept-5" / "n\x1b[31m\nx.txt").read_text() == "mine"
+    [warning] = [r.getMessage() for r in caplog.records if "kept-5" in r.getMessage()]
+    assert "\x1b" not in warning and "\n" not in warning and "n\\x1b[31m\\nx.txt" in warning
+
+
+def test_an_earlier_export_that_will_not_go_is_moved_aside_as_what_is_left(tmp_path, monkeypatch, caplog):
+    import errno
+    import shutil as shutil_module
+
+    out = tmp_path / "run"
+    _model_folder(out / "model")
+
+    def fails(path, *args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(shutil_module, "rmtree", fails)
+    assert publish(_staging(out), out, MODEL_FILES) == out / "model"
+    assert (out / "model.kept-2" / "config.json").is_file()
+    assert "could not be removed (Operation not permitted), what is left of it: moved to model.kept-2" in caplog.text
 
 
 # What a merge or the export never writes into model/: each one makes the folder someone's (a resume would delete it)
@@ -89,8 +126,8 @@ def test_model_folder_shape_is_exactly_what_the_export_writes(tmp_path, entry):
     assert foreign_entries(out) == [f"model/{entry}"]  # named, so the user knows what to move
     with pytest.raises(RecipeError, match=f"holds files a training run does not write \\(model/{entry}\\): .* move them out of output_dir"):
         check_output_dir(str(out), resuming=True, overwrite=False)
-    assert publish(_staging(out), out, MODEL_FILES) == out / "model.2"  # the export goes beside it
-    assert _snapshot(out / "model") == before
+    assert publish(_staging(out), out, MODEL_FILES) == out / "model"
+    assert _snapshot(out / "model.kept-2") == before  # moved aside, whole
 
 
 def _exported_adapter(path):
@@ -116,8 +153,9 @@ def test_an_adapter_name_holding_anything_else_is_refused_before_the_run_and_at_
         check_output_dir(str(out), resuming=True, overwrite=False)
     staging = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
     (staging / "adapter_config.json").write_text("{}")
-    assert publish_adapter(staging, out) == out / "adapter.2"  # the export goes beside it
-    assert (_snapshot(out / "adapter") if (out / "adapter").is_dir() else (out / "adapter").read_text()) == before
+    assert publish_adapter(staging, out) == out / "adapter"  # and what was there moved aside, whole
+    kept = out / "adapter.kept-2"
+    assert (_snapshot(kept) if kept.is_dir() and not kept.is_symlink() else kept.read_text() if not kept.is_symlink() else _snapshot(kept)) == before
 
 
 def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files(tmp_path):

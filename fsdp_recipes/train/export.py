@@ -28,7 +28,7 @@ from fsdp_recipes.ckpt.layout import (
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.errors import CheckpointError
-from fsdp_recipes.removal import MARKER, make_folder, move, remove, remove_inside, replace_file, replace_or_beside, unmark
+from fsdp_recipes.removal import MARKER, make_folder, make_room, move, remove, remove_inside, replace_file, unmark
 from fsdp_recipes.train.sharding import unwrapped_model_class
 
 logger = logging.getLogger(__name__)
@@ -323,11 +323,11 @@ def remove_export_leftovers(out: Path, log=print) -> None:
 def publish(staging: Path, out: Path, files: list[str]) -> Path:
     """The finished staging folder becomes ``out/model/``, holding ``files`` and nothing else, in one rename: until
     then there is no new model folder, and never a half-written one. An earlier export's model folder is replaced
-    (only one that holds nothing but model files); one holding anything else is kept as it is (replace_or_beside)."""
+    (only one that holds nothing but model files); one holding anything else is moved aside, never deleted (make_room)."""
     for entry in staging.iterdir():
         if entry.name not in files and entry.name != MARKER:
             remove_inside(staging, entry.name, EXPORT_STAGING)  # completion files, the Trainer's training_args.bin
-    final = replace_or_beside(out / FINAL_MODEL_DIR, "an earlier run's final model", is_model_folder, logger.warning)
+    final = make_room(out / FINAL_MODEL_DIR, "an earlier run's final model", is_model_folder, logger.warning)
     move(staging, final)
     unmark(final, EXPORT_STAGING)  # the folder keeps its inode through the rename: still ours
     return final
@@ -339,7 +339,7 @@ def publish_adapter(staging: Path, out: Path) -> Path:
     for entry in staging.iterdir():
         if entry.name != MARKER and not is_adapter_file(entry.name):
             remove_inside(staging, entry.name, EXPORT_STAGING)
-    adapter = replace_or_beside(out / ADAPTER_DIR, "an earlier run's adapter folder", is_exported_adapter, logger.warning)
+    adapter = make_room(out / ADAPTER_DIR, "an earlier run's adapter folder", is_exported_adapter, logger.warning)
     move(staging, adapter)
     unmark(adapter, EXPORT_STAGING)
     return adapter
@@ -376,11 +376,7 @@ def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log
     from fsdp_recipes.ckpt.resolve import resolve_input
 
     staging = out / ".export-tmp"
-    lora, adapter = (ckpt / ADAPTER_CONFIG).is_file(), out / ADAPTER_DIR
-    if lora and (adapter.exists() or adapter.is_symlink()) and not is_exported_adapter(adapter):
-        raise CheckpointError(f"{adapter} exists and is not an adapter folder an export wrote (only adapter files in a real "
-                              "folder): move it out of output_dir; the checkpoints are kept, and --resume_from_checkpoint true then writes "
-                              "the final model from the last one")
+    lora = (ckpt / ADAPTER_CONFIG).is_file()
     if description_dirs(resolve_input(ckpt))[0] is not None:
         base_model = None  # the checkpoint describes itself
     result = merge_checkpoint(ckpt, staging, overwrite=True, base_model=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING)
