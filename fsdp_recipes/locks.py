@@ -8,6 +8,7 @@ in that instant refuse its own folder: this never does.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no folder locks
 PROC_LOCKS_LIMIT = 1 << 20  # bytes of /proc/locks read to name a holder
 LINE_LIMIT = 300  # bytes of a lock file read: the line this project writes is well under it
+OWNER_LINE = re.compile(rb"host (\S+), pid ([0-9]{1,10})(?:, job ([0-9]{1,20}))?, since [^\n]*\n")  # what run_lock writes
 
 
 def read_head(path: Path, limit: int = LINE_LIMIT + 1) -> bytes | None:
@@ -46,8 +48,8 @@ def flock_holder(folder: os.stat_result) -> str | None:
     except OSError:
         return None
     for line in table.splitlines():
-        fields = line.split()
-        if b"FLOCK" in fields and key in fields and (pids := [f for f in fields if f.isdigit()]):
+        fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF": a run's lock is exclusive (WRITE)
+        if b"FLOCK" in fields and b"WRITE" in fields and key in fields and (pids := [f for f in fields if f.isdigit()]):
             return f"pid {int(pids[0])} on {socket.gethostname()}"
     return None
 
@@ -62,4 +64,19 @@ def live_run(folder: str | os.PathLike) -> str | None:
     if held:
         return held
     text = read_head(folder / OWNER_NAME)
-    return f"its lock file says: {shown(text)}" if text else None
+    if not text:
+        return None
+    owner = OWNER_LINE.fullmatch(text)
+    if owner and owner[1].decode(errors="replace") == socket.gethostname() and not _alive(int(owner[2])):
+        return None  # a run of this host that died: its lock file is stale (the next run removes it)
+    return f"its lock file says: {shown(text)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -185,33 +185,55 @@ def test_a_pid_no_process_can_have_is_stale_not_a_traceback(tmp_path, no_posix_l
     assert f"pid {os.getpid()}," in owner.read_text()
 
 
-def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, capsys):
-    """A real process holding the run's kernel lock (as train_fsdp.py's rank 0 does), then the lock file of a lockless
-    filesystem: check_checkpoint names the run, on the run folder and on one of its checkpoints (read from
-    /proc/locks and the lock file: nothing is taken); once it is gone, nothing."""
+def _holding(folder, how: str = "LOCK_EX") -> subprocess.Popen:
+    """A real process holding a kernel lock on ``folder`` (LOCK_EX: as train_fsdp.py's rank 0 does) until its stdin closes."""
+    code = (f"import fcntl, os, sys\nfd = os.open({str(folder)!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.{how})\n"
+            "print('held', flush=True)\nsys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+@pytest.mark.parametrize("layout", ["checkpoints", "no checkpoint yet"])
+def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, capsys, monkeypatch, layout):
+    """A real process holding the run's kernel lock, then the lock file of a lockless filesystem: check_checkpoint
+    names the run, on the run folder, on one of its checkpoints and on "." inside it (read from /proc/locks and the
+    lock file: nothing is taken); not for a shared lock of another tool, a stale lock file of this host, or once the
+    run is gone."""
     import json
-    import time
 
     from test_hostile_files import cli
     from test_removal import _checkpoint
 
     run = tmp_path / "run"
-    _checkpoint(run / "checkpoint-3", marked=False)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom fsdp_recipes.train import run_lock\nfrom pathlib import Path\n"
-                               f"assert run_lock.take(Path({str(run)!r}), print) is None\nprint('held', flush=True)\nsys.stdin.read()"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if layout == "checkpoints":
+        _checkpoint(run / "checkpoint-3", marked=False)
+    else:
+        run.mkdir()
+        (run / "run_args.json").write_text("{}")
+    targets = [run, run / "checkpoint-3", "."] if layout == "checkpoints" else [run]
+    note = f"{run}: a run is training in it now (pid "
+    holder = _holding(run)
     try:
-        assert holder.stdout.readline().strip() == "held"
-        for target in (run, run / "checkpoint-3"):
+        for target in targets:
+            monkeypatch.chdir(run / "checkpoint-3" if target == "." else tmp_path)
             cli("check_checkpoint", [str(target)])
-            assert f"{run}: a run is training in it now (pid {holder.pid} on {socket.gethostname()})" in capsys.readouterr().out
+            assert f"{note}{holder.pid} on {socket.gethostname()})" in capsys.readouterr().out, target
         cli("check_checkpoint", [str(run), "--json"])
         assert json.loads(capsys.readouterr().out)["training_now"] == f"pid {holder.pid} on {socket.gethostname()}"
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
+    shared = _holding(run, "LOCK_SH")  # another tool's shared lock is no run
+    try:
+        cli("check_checkpoint", [str(run)])
+        assert "training in it now" not in capsys.readouterr().out
+    finally:
+        shared.stdin.close()
+        shared.wait(timeout=60)
+    (run / run_lock.OWNER_NAME).write_text(f"host {socket.gethostname()}, pid {_dead_pid()}, since 2026-01-01 00:00:00\n")
     cli("check_checkpoint", [str(run)])
-    assert "training in it now" not in capsys.readouterr().out
-    (run / run_lock.OWNER_NAME).write_text(f"host elsewhere, pid 4242, since {time.strftime('%Y-%m-%d')}\n")
+    assert "training in it now" not in capsys.readouterr().out  # stale: that run died
+    (run / run_lock.OWNER_NAME).write_text("host elsewhere, pid 4242, since 2026-01-01 00:00:00\n")
     cli("check_checkpoint", [str(run)])
     assert f"{run}: a run is training in it now (its lock file says: host elsewhere, pid 4242, since" in capsys.readouterr().out

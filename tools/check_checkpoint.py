@@ -24,6 +24,11 @@ from fsdp_recipes.ckpt.status import checkpoint_status
 from fsdp_recipes.locks import live_run
 
 
+def is_run_folder(path: Path) -> bool:
+    final_dir = final_model_folder(path)
+    return bool(checkpoint_steps(path)) or (path / "run_args.json").is_file() or (final_dir is not None and final_dir != path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description="Report whether FSDP training checkpoints are complete and resumable: step, FSDP version, sharding "
@@ -41,19 +46,23 @@ def main(argv=None) -> int:
         print(f"check_checkpoint.py: error: {path} is not a folder: give a checkpoint-N folder or a run's output folder", file=sys.stderr)
         return 1
     final_dir = final_model_folder(path)
-    run_folder = bool(checkpoint_steps(path)) or (path / "run_args.json").is_file() or (final_dir is not None and final_dir != path)
+    run_folder = is_run_folder(path)
     final = final_dir if run_folder else None
+    # a run training there now: a checkpoint it is still writing is INCOMPLETE until done, which is not damage
+    run_dir = path if run_folder else path.resolve().parent
+    training = live_run(run_dir) if run_folder or is_run_folder(run_dir) else None
+    if training and not args.json:
+        print(f"{run_dir}: a run is training in it now ({training}): a checkpoint it is still writing shows as "
+              "INCOMPLETE until it is done")
     if run_folder and not checkpoint_steps(path):  # a finished run that kept no checkpoint (save_strategy no)
         if args.json:
-            print(json.dumps({"checkpoints": [], "resume_uses": None, "final_model": final and str(final)}, indent=2))
+            print(json.dumps({"checkpoints": [], "resume_uses": None, "final_model": final and str(final), "training_now": training}, indent=2))
         else:
             print(f"{path}: no checkpoint-N folders (saved with save_strategy no, or none written yet): nothing to resume")
             print(f"final model: {final}" if final else "final model: none (the run has not finished)")
         return 0 if final else 1
     folders = checkpoint_steps(path) or [path]
     statuses = [checkpoint_status(folder) for folder in folders]
-    run_dir = path if run_folder else path.parent
-    training = live_run(run_dir)  # its newest checkpoint may be one still being written: INCOMPLETE is not damage then
     # as resolve_resume("true"): the newest resumable one, unless a newer one may be complete (unreadable by this version)
     stop = next((s for s in statuses if s.resumable or s.may_be_complete), None)
     chosen = stop if stop is not None and stop.resumable else None
@@ -61,9 +70,6 @@ def main(argv=None) -> int:
         print(json.dumps({"checkpoints": [s.to_dict() for s in statuses], "resume_uses": chosen and chosen.path,
                           "final_model": final and str(final), "training_now": training}, indent=2))
     else:
-        if training:
-            print(f"{run_dir}: a run is training in it now ({training}): a checkpoint it is still writing shows as "
-                  "INCOMPLETE until it is done")
         for status in statuses:
             print(status.summary())
         if len(statuses) > 1 or folders[0] != path:

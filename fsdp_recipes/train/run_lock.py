@@ -15,12 +15,11 @@ from __future__ import annotations
 import atexit
 import errno
 import os
-import re
 import socket
 import time
 from pathlib import Path
 
-from fsdp_recipes.locks import LINE_LIMIT, OWNER_NAME, flock_holder, read_head, shown
+from fsdp_recipes.locks import LINE_LIMIT, OWNER_LINE, OWNER_NAME, flock_holder, read_head, shown
 from fsdp_recipes.removal import process_alive, remove_lock_file
 
 NO_FOLDER_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
@@ -62,7 +61,7 @@ def take(out: Path, warn) -> str | None:
 def _stale(path: Path, text: bytes) -> bool:
     """A lock file this project wrote on this host whose run is over: its pid is gone (or is this very process,
     which has not taken it), or its SLURM job is this job (a requeued job's earlier attempt has ended)."""
-    found = re.fullmatch(rb"host (\S+), pid ([0-9]{1,10})(?:, job ([0-9]{1,20}))?, since [^\n]*\n", text)
+    found = OWNER_LINE.fullmatch(text)
     if found is None or found[1].decode(errors="replace") != socket.gethostname():
         return False
     pid, job = int(found[2]), found[3]
