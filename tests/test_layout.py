@@ -285,3 +285,13 @@ def test_setting_our_own_attributes_is_not_a_patch(tmp_path):
     path = tmp_path / "mod.py"
     path.write_text("import torch\nclass A:\n    pass\na = A()\na.x = torch.zeros(1)\nself_like = A()\nsetattr(self_like, 'y', 1)\n")
     assert patches(path) == []
+
+
+def test_the_readme_map_names_every_module():
+    """README.md's "How to navigate this project" lists every module of the package: a newcomer's map stays true."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## How to navigate this project"):]
+    section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else len(section)]
+    missing = [p.relative_to(REPO).as_posix() for p in sorted((REPO / PACKAGE).rglob("*.py"))
+               if p.name != "__init__.py" and p.name not in section]
+    assert missing == [], f"add to README.md's map: {missing}"
