@@ -197,7 +197,8 @@ def test_check_checkpoint_on_a_finished_run_that_kept_no_checkpoint(tmp_path):
                                    f"final model: {done / 'model'}"])
     assert results["started"][0] == 1 and results["started"][1][-1] == "final model: none (the run has not finished)"
     proc = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(done), "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and read_json_text(proc.stdout) == {"checkpoints": [], "resume_uses": None, "final_model": str(done / "model")}
+    assert proc.returncode == 0 and read_json_text(proc.stdout) == {"checkpoints": [], "resume_uses": None, "final_model": str(done / "model"),
+                                                           "training_now": None}
 
 
 def read_json_text(text):
