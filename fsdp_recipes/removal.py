@@ -126,8 +126,9 @@ def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn) -> 
     result still lands at ``path``, where everything that reads it looks."""
     if not (path.exists() or path.is_symlink()):
         return path
-    if path.is_symlink() or not shape(path):
-        why = f"held {'a link' if path.is_symlink() else contents(path)}, which the export does not write"
+    if path.is_symlink() or not path.is_dir() or not shape(path):
+        held = "a link" if path.is_symlink() else "a file" if not path.is_dir() else contents(path)
+        why = f"held {held}, which the export does not write"
     else:
         try:
             remove(path, purpose, shape=shape)
@@ -139,6 +140,9 @@ def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn) -> 
             aside = move(path, path.with_name(f"{path.name}.kept-{n}"))
         except RefusedRemoval:  # that name is taken
             continue
+        except OSError as err:  # a mount point (EBUSY), a read-only folder: the result stays in its staging folder
+            raise RefusedRemoval(f"{path} {why}, and cannot be moved aside ({err.strerror}): move it away yourself; the "
+                                 "checkpoints are kept, and --resume_from_checkpoint true writes the final model again") from None
         warn(f"{path} {why}: moved to {aside.name} (nothing deleted); this export is in {path}")
         return path
     raise RefusedRemoval(f"{path}: no free {path.name}.kept-N name to move it to: move it away yourself")

@@ -13,7 +13,7 @@ import pytest
 from conftest import QUICK, REPO, launch, read_json
 from fsdp_recipes.ckpt.layout import final_model_folder, foreign_entries
 from fsdp_recipes.ckpt.resume import check_output_dir
-from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.errors import RecipeError, RefusedRemoval
 from fsdp_recipes.removal import MARKER, is_ours, make_folder
 from fsdp_recipes.config.model_source import model_source_problem
 from fsdp_recipes.train.export import EXPORT_STAGING, publish, publish_adapter
@@ -69,7 +69,8 @@ def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_moved_
         assert len(warning) == 1 and "\n" not in warning[0] and f"{out / 'model'} held " in warning[0]
         assert f"moved to model.kept-{n} (nothing deleted); this export is in {out / 'model'}" in warning[0]
     assert not (out / ".export-tmp").exists()
-    assert "model.kept-2" in foreign_entries(out)  # the user's, to move: a next run names it before it starts
+    # a requeued or resumed run accepts the folder the export moved (a link it names: no link is part of a run)
+    assert [e for e in foreign_entries(out) if "kept" in e] == (["model.kept-2"] if kind == "link to a model" else [])
 
 
 def test_the_aside_name_is_never_one_that_exists_and_names_are_one_line(tmp_path, caplog):
@@ -275,3 +276,27 @@ def test_a_run_folder_as_the_model_gets_no_config_warning_before_the_runs_own_li
     assert model_source_problem(str(run), weights=True).startswith("is a training run's folder")
     missing = [p for p in check_settings(raw, "zero3.yaml", model=str(tmp_path / "nothing-here")) if p.key == "model"]
     assert missing and "could not read the config" in str(missing[0])  # a path that is nothing at all still warns
+
+
+def test_a_folder_that_cannot_be_moved_aside_is_one_line(tmp_path, monkeypatch):
+    """A mount point at output_dir/model (EBUSY): one line, the model left in its staging folder, nothing deleted."""
+    import errno
+    import os
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model").mkdir()
+    (out / "model" / "notes.txt").write_text("mine")
+    rename = os.rename
+
+    def busy(src, dst):
+        if str(src) == str(out / "model"):
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(src))
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", busy)
+    staging = _staging(out)
+    with pytest.raises(RefusedRemoval) as refused:
+        publish(staging, out, MODEL_FILES)
+    assert "\n" not in str(refused.value) and "cannot be moved aside (Device or resource busy)" in str(refused.value)
+    assert (out / "model" / "notes.txt").read_text() == "mine" and (staging / "model.safetensors").is_file()

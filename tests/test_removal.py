@@ -197,7 +197,10 @@ def test_the_end_of_training_cleanup_keeps_the_best_alone_and_what_is_not_only_a
 NAMED_LIKE = ["README.md", "config.json", "tokenizer.json", "generation_config.json", "chat_template.jinja", "vocab.txt",
               "model.safetensors", "pytorch_model.bin"]
 LOOKALIKES = [{name} for name in NAMED_LIKE] + [set(NAMED_LIKE), {"README.md", "model.safetensors", "trainer_state.json"},
-                                                 {"config.json", "tokenizer.json", "model.safetensors"}, set()]
+                                                 {"config.json", "tokenizer.json", "model.safetensors"}, set(), {"training_args.bin"},
+                                                 # the Trainer's save_model of a model and of a peft adapter (a Hub snapshot)
+                                                 {"config.json", "model.safetensors", "tokenizer.json", "training_args.bin"},
+                                                 {"adapter_config.json", "adapter_model.safetensors", "README.md", "training_args.bin"}]
 
 
 @pytest.mark.parametrize("names", LOOKALIKES, ids=["+".join(sorted(n)) or "empty" for n in LOOKALIKES])
@@ -213,6 +216,9 @@ def test_a_folder_of_checkpoint_names_without_a_checkpoint_is_never_deleted(tmp_
     assert rotate(run, 1, warn=said.append) == [] and "kept checkpoint-5, not a checkpoint holding nothing else (it " in said[0]
     with pytest.raises(RecipeError, match="checkpoint-5 is not a training checkpoint holding nothing else"):
         check_output_dir(str(run), resuming=False, overwrite=True)
+    with pytest.raises(RecipeError) as refused:  # and no message offers the deleting flag for it
+        check_output_dir(str(run), resuming=False, overwrite=False)
+    assert "overwrite_output_dir" not in str(refused.value)
     assert sorted(p.name for p in user.iterdir()) == sorted(names)
 
 

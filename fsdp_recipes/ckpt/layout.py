@@ -114,7 +114,7 @@ def unlike_model_folder(folder: Path) -> str:
 
 # What a training run writes into its output_dir, beside the model files: checkpoints, set-aside ones, its records,
 # tensorboard's runs/, profiles, the adapter, its lock and staging folders. Anything else there is someone's.
-_RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", ADAPTER_DIR, LORA_BASE_DIR, r"\.base-tmp", r"runs",
+_RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(model|adapter)\.kept-\d+",  # what the export moved aside: the user's, kept r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", ADAPTER_DIR, LORA_BASE_DIR, r"\.base-tmp", r"runs",
                 r"profile", r"run_args\.json", r"fsdp_report\.json", r"(all|train|eval)_results\.json", r"loss\.png",
                 r"\.run\.lock", r"\.run\.lock\.owner", r"training_args\.bin", r"requeue_progress\.json", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
 
@@ -161,8 +161,9 @@ def _first_unlike(folder: Path, files: tuple[str, ...]) -> str:
 
 CHECKPOINT_PURPOSE = "training checkpoint"  # the marker FSDPTrainer writes into each checkpoint-N it makes
 # What only training writes: a folder holding none of it (a model's or tokenizer's files alone) is no checkpoint.
+# (not training_args.bin nor scaler.pt: the Trainer's save_model writes the first beside a plain model or adapter)
 _TRAINING_STATE = (r"trainer_state\.json", r"pytorch_model_fsdp_\d+", r"optimizer_\d+", r"pytorch_model_fsdp(_\d+)?\.bin",
-                   r"optimizer\.(pt|bin)", r"rng_state(_\d+)?\.pth", r"scheduler\.pt", r"scaler\.pt", r"training_args\.bin")
+                   r"optimizer\.(pt|bin)", r"rng_state(_\d+)?\.pth", r"scheduler\.pt")
 
 
 def is_checkpoint_folder(folder: Path) -> bool:

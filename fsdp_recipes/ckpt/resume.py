@@ -268,6 +268,7 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
             f"{resume}: its new checkpoints would mix with them (and rotation delete them); resume into the checkpoint's "
             "own folder, or choose an empty --output_dir"
         )
+    foreign = [p for p in earlier if not is_checkpoint_folder(p)]
     if not overwrite:
         names = ", ".join(p.name for p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
         statuses = [checkpoint_status(p) for p in earlier]
@@ -284,11 +285,11 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
                 f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
                 f"--resume_from_checkpoint {how}, or choose a new --output_dir"
             )
+        delete = "" if foreign else ", or pass --overwrite_output_dir true to delete them"  # only what that flag would delete
         raise RecipeError(
             f"output_dir {output_dir!r} already holds another run's checkpoints ({names}), none of them complete: resume "
-            "is not possible; choose a new --output_dir, or pass --overwrite_output_dir true to delete them"
+            f"is not possible; choose a new --output_dir{delete}"
         )
-    foreign = [p for p in earlier if not is_checkpoint_folder(p)]
     if foreign:
         raise RecipeError(
             f"--overwrite_output_dir: {foreign[0]} is not a training checkpoint holding nothing else ({checkpoint_unlike(foreign[0])}): "
