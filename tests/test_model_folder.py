@@ -31,17 +31,26 @@ def _staging(out):
     return staging
 
 
-@pytest.mark.parametrize("earlier", [None, "model folder"])
+@pytest.mark.parametrize("earlier", [None, "earlier export", "a model of the user's"])
 def test_publish_makes_a_model_folder_holding_only_the_model(tmp_path, earlier):
+    """An earlier export of this output_dir (its identity in fsdp_report.json, kept across runs) is replaced, none
+    of its files lingering; a model folder of the user's put there (shaped the same, another folder) is moved aside."""
     out = tmp_path / "run"
     out.mkdir()
-    if earlier:  # an earlier export of this run, differently sharded: none of its files may linger
-        _model_folder(out / "model")
+    (out / "fsdp_report.json").write_text("{}")
+    if earlier == "earlier export":  # differently sharded
+        publish(_staging(out), out, MODEL_FILES)
         (out / "model" / "model-00001-of-00002.safetensors").write_text("old")
+        (out / "model" / "model.safetensors").rename(out / "model" / "model-00002-of-00002.safetensors")
+    elif earlier:
+        _model_folder(out / "model")
     final = publish(_staging(out), out, MODEL_FILES)
     assert final == out / "model" and sorted(p.name for p in final.iterdir()) == MODEL_FILES
     assert all((final / n).read_text() == "new" for n in MODEL_FILES)
     assert not (out / ".export-tmp").exists() and not is_ours(final, EXPORT_STAGING)
+    kept = sorted(p.name for p in out.iterdir() if "kept" in p.name)
+    assert kept == (["model.kept-2"] if earlier == "a model of the user's" else [])
+    assert read_json(out / "fsdp_report.json")["published"]["model"][1] == final.stat().st_ino
 
 
 @pytest.mark.parametrize("kind", sorted(FOREIGN))
@@ -92,14 +101,16 @@ def test_an_earlier_export_that_will_not_go_is_moved_aside_as_what_is_left(tmp_p
     import shutil as shutil_module
 
     out = tmp_path / "run"
-    _model_folder(out / "model")
+    out.mkdir()
+    (out / "fsdp_report.json").write_text("{}")
+    publish(_staging(out), out, MODEL_FILES)  # an earlier export
 
     def fails(path, *args, **kwargs):
         raise OSError(errno.EPERM, "Operation not permitted", str(path))
 
     monkeypatch.setattr(shutil_module, "rmtree", fails)
     assert publish(_staging(out), out, MODEL_FILES) == out / "model"
-    assert (out / "model.kept-2" / "config.json").is_file()
+    assert (out / "model.kept-2" / "config.json").read_text() == "new"
     assert "could not be removed (Operation not permitted), what is left of it: moved to model.kept-2" in caplog.text
 
 
@@ -161,7 +172,11 @@ def test_an_adapter_name_holding_anything_else_is_refused_before_the_run_and_at_
 
 def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files(tmp_path):
     out = tmp_path / "run"
-    _exported_adapter(out / "adapter")
+    out.mkdir()
+    (out / "fsdp_report.json").write_text("{}")
+    earlier = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
+    (earlier / "adapter_config.json").write_text("{}")
+    publish_adapter(earlier, out)  # an earlier export (its identity recorded), then differently sharded
     (out / "adapter" / "adapter_model-00001-of-00002.safetensors").write_text("old")
     assert foreign_entries(out) == []
     staging = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
@@ -170,6 +185,7 @@ def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files
     adapter = publish_adapter(staging, out)
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "base_identity.json"]
     assert (adapter / "adapter_model.safetensors").read_text() == "new" and not (out / ".adapter-tmp").exists()
+    assert not [p for p in out.iterdir() if "kept" in p.name]  # replaced, not moved aside
 
 
 def test_a_run_folder_given_as_the_model_points_at_its_model_folder_in_either_layout(tmp_path):

@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 
+from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.removal import is_ours
 
 
@@ -208,3 +209,38 @@ def real(path: str | os.PathLike) -> Path:
 def overlap(a: Path, b: Path) -> bool:
     """Real paths a and b are the same folder, or one holds the other."""
     return a == b or a in b.parents or b in a.parents
+
+
+# What an export published, by identity: the final folders ship without our marker, so the run's fsdp_report.json
+# keeps each one's device and inode ("published"); a model-shaped folder of the user's at that name is not ours.
+PUBLISHED = "published"
+
+
+def published(out: Path) -> dict:
+    """{folder name: [device, inode]} of the final folders this output_dir's exports published ({} when unknown)."""
+    try:
+        record = load_json(Path(out) / REPORT_NAME, REPORT_NAME, JSON_LIMIT).get(PUBLISHED)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def is_published(folder: Path) -> bool:
+    """``folder`` is the very folder an export of its output_dir published (not one put in its place)."""
+    try:
+        st = os.stat(folder, follow_symlinks=False)
+    except OSError:
+        return False
+    return published(Path(folder).parent).get(Path(folder).name) == [st.st_dev, st.st_ino]
+
+
+def record_published(out: Path, folder: Path) -> None:
+    """The published folder's identity in the run's fsdp_report.json (is_published), when the report exists (rank 0)."""
+    import json
+
+    path = Path(out) / REPORT_NAME
+    if path.is_file():
+        report = load_json(path, REPORT_NAME, JSON_LIMIT)
+        st = os.stat(folder, follow_symlinks=False)
+        report[PUBLISHED] = {**published(out), folder.name: [st.st_dev, st.st_ino]}
+        path.write_text(json.dumps(report, indent=2) + "\n")

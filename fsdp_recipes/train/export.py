@@ -23,7 +23,7 @@ from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, write_manifest
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG, ADAPTER_DIR, DCP_MODEL_DIR, FINAL_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_adapter_file,
-    is_exported_adapter, is_model_folder,
+    is_exported_adapter, is_model_folder, is_published, record_published,
 )
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
@@ -327,9 +327,10 @@ def publish(staging: Path, out: Path, files: list[str]) -> Path:
     for entry in staging.iterdir():
         if entry.name not in files and entry.name != MARKER:
             remove_inside(staging, entry.name, EXPORT_STAGING)  # completion files, the Trainer's training_args.bin
-    final = make_room(out / FINAL_MODEL_DIR, "an earlier run's final model", is_model_folder, logger.warning)
+    final = make_room(out / FINAL_MODEL_DIR, "an earlier run's final model", lambda p: is_model_folder(p) and is_published(p), logger.warning)
     move(staging, final)
     unmark(final, EXPORT_STAGING)  # the folder keeps its inode through the rename: still ours
+    record_published(out, final)
     return final
 
 
@@ -339,9 +340,10 @@ def publish_adapter(staging: Path, out: Path) -> Path:
     for entry in staging.iterdir():
         if entry.name != MARKER and not is_adapter_file(entry.name):
             remove_inside(staging, entry.name, EXPORT_STAGING)
-    adapter = make_room(out / ADAPTER_DIR, "an earlier run's adapter folder", is_exported_adapter, logger.warning)
+    adapter = make_room(out / ADAPTER_DIR, "an earlier run's adapter folder", lambda p: is_exported_adapter(p) and is_published(p), logger.warning)
     move(staging, adapter)
     unmark(adapter, EXPORT_STAGING)
+    record_published(out, adapter)
     return adapter
 
 

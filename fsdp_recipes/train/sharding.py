@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
-from fsdp_recipes.ckpt.layout import REPORT_NAME
+from fsdp_recipes.ckpt.layout import PUBLISHED, REPORT_NAME, published
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.cpu_fsdp import cpu_precision, fsdp_requested, launched_world_size
 from fsdp_recipes.config.strategy import fsdp_strategy_name
@@ -196,6 +196,8 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
         )
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
+        if earlier := published(Path(output_dir)):  # an earlier export's folders stay known as ours (layout.is_published)
+            report[PUBLISHED] = earlier
         (Path(output_dir) / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
