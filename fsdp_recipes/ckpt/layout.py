@@ -115,7 +115,9 @@ def unlike_model_folder(folder: Path) -> str:
 
 # What a training run writes into its output_dir, beside the model files: checkpoints, set-aside ones, its records,
 # tensorboard's runs/, profiles, the adapter, its lock and staging folders. Anything else there is someone's.
-_RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(model|adapter)\.kept-\d+",  # what the export moved aside: the user's, kept r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", ADAPTER_DIR, LORA_BASE_DIR, r"\.base-tmp", r"runs",
+# (model|adapter).kept-N: a folder the export moved aside from its way, the user's, kept for them (removal.make_room).
+_RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(model|adapter)\.kept-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?",
+                ADAPTER_DIR, LORA_BASE_DIR, r"\.base-tmp", r"runs",
                 r"profile", r"run_args\.json", r"fsdp_report\.json", r"(all|train|eval)_results\.json", r"loss\.png",
                 r"\.run\.lock", r"\.run\.lock\.owner", r"training_args\.bin", r"requeue_progress\.json", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
 
