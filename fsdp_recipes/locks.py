@@ -55,21 +55,22 @@ def flock_holder(folder: os.stat_result) -> str | None:
 
 
 def live_run(folder: str | os.PathLike) -> str | None:
-    """Who trains in ``folder`` now, as far as this host can tell (one phrase), or None."""
+    """Whether a run trains in ``folder`` now, as far as this host can tell (the end of one line), or None."""
     folder = Path(folder)
     try:
         held = flock_holder(os.stat(folder))
     except OSError:
         return None
     if held:
-        return held
+        return f"a run is training in it now ({held})"
     text = read_head(folder / OWNER_NAME)
-    if not text:
-        return None
-    owner = OWNER_LINE.fullmatch(text)
-    if owner and owner[1].decode(errors="replace") == socket.gethostname() and not _alive(int(owner[2])):
+    owner = OWNER_LINE.fullmatch(text) if text else None
+    if owner is None:
+        return None  # none, or not a lock file this project writes
+    if owner[1].decode(errors="replace") == socket.gethostname() and not _alive(int(owner[2])):
         return None  # a run of this host that died: its lock file is stale (the next run removes it)
-    return f"its lock file says: {shown(text)}"
+    return (f"a run may be training in it ({shown(text)}, says its lock file; this host cannot tell whether that run "
+            f"is gone: if it is, delete {folder / OWNER_NAME})")
 
 
 def _alive(pid: int) -> bool:

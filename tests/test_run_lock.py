@@ -220,7 +220,7 @@ def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, ca
             cli("check_checkpoint", [str(target)])
             assert f"{note}{holder.pid} on {socket.gethostname()})" in capsys.readouterr().out, target
         cli("check_checkpoint", [str(run), "--json"])
-        assert json.loads(capsys.readouterr().out)["training_now"] == f"pid {holder.pid} on {socket.gethostname()}"
+        assert json.loads(capsys.readouterr().out)["training_now"] == f"a run is training in it now (pid {holder.pid} on {socket.gethostname()})"
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
@@ -236,4 +236,9 @@ def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, ca
     assert "training in it now" not in capsys.readouterr().out  # stale: that run died
     (run / run_lock.OWNER_NAME).write_text("host elsewhere, pid 4242, since 2026-01-01 00:00:00\n")
     cli("check_checkpoint", [str(run)])
-    assert f"{run}: a run is training in it now (its lock file says: host elsewhere, pid 4242, since" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"{run}: a run may be training in it (host elsewhere, pid 4242, since 2026-01-01 00:00:00, says its lock file; " in said
+    assert f"if it is, delete {run / run_lock.OWNER_NAME})" in said
+    (run / run_lock.OWNER_NAME).write_text("hello \x1b[31m\n")  # not a lock file this project writes
+    cli("check_checkpoint", [str(run)])
+    assert "training in it" not in capsys.readouterr().out

@@ -52,8 +52,7 @@ def main(argv=None) -> int:
     run_dir = path if run_folder else path.resolve().parent
     training = live_run(run_dir) if run_folder or is_run_folder(run_dir) else None
     if training and not args.json:
-        print(f"{run_dir}: a run is training in it now ({training}): a checkpoint it is still writing shows as "
-              "INCOMPLETE until it is done")
+        print(f"{run_dir}: {training}: a checkpoint it is still writing shows as INCOMPLETE until it is done")
     if run_folder and not checkpoint_steps(path):  # a finished run that kept no checkpoint (save_strategy no)
         if args.json:
             print(json.dumps({"checkpoints": [], "resume_uses": None, "final_model": final and str(final), "training_now": training}, indent=2))
