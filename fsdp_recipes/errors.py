@@ -3,6 +3,7 @@ errors without importing it. Standard library only.
 
 Every one of them carries a whole one-line message: the problem and the fix. ``train_fsdp.py`` and the tools print
 that line and exit non-zero (2 for bad input); none of them is a traceback a user should have to read.
+``one_line`` makes outside text (a file name, a lock file's line) fit such a message.
 """
 
 from __future__ import annotations
@@ -55,3 +56,8 @@ class UnknownToThisVersion(CheckpointError):
     def at(self, path: str | os.PathLike) -> UnknownToThisVersion:
         """The same error, naming the file it was found in."""
         return UnknownToThisVersion(path, self.what, self.kind, self.version)
+
+
+def one_line(text: str) -> str:
+    """``text`` fit for a one-line message: control characters and non-ASCII escaped (a file name, a lock file's text)."""
+    return "".join(c if c.isprintable() and c.isascii() else ascii(c)[1:-1] for c in text)

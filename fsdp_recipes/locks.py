@@ -13,6 +13,8 @@ import socket
 import stat
 from pathlib import Path
 
+from fsdp_recipes.errors import one_line
+
 OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no folder locks
 PROC_LOCKS_LIMIT = 1 << 20  # bytes of /proc/locks read to name a holder
 LINE_LIMIT = 300  # bytes of a lock file read: the line this project writes is well under it
@@ -34,7 +36,7 @@ def read_head(path: Path, limit: int = LINE_LIMIT + 1) -> bytes | None:
 def shown(text: bytes) -> str:
     """A lock file's text for a one-line message: control characters and non-ASCII escaped, at most LINE_LIMIT."""
     line = text[:LINE_LIMIT].decode(errors="replace").strip()
-    printable = "".join(c if c.isprintable() and c.isascii() else ascii(c)[1:-1] for c in line) or "an empty lock file"
+    printable = one_line(line) or "an empty lock file"
     return printable if len(printable) <= 160 else printable[:160] + "..."
 
 

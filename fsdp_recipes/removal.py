@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fsdp_recipes.errors import RefusedRemoval
+from fsdp_recipes.errors import RefusedRemoval, one_line
 
 MARKER = ".made-by-fsdp-recipes"
 
@@ -93,7 +93,7 @@ def unmark(path: str | os.PathLike, purpose: str) -> None:
 def contents(path: Path, limit: int = 3) -> str:
     try:
         names = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in path.iterdir())
-        names = ["".join(c if c.isprintable() and c.isascii() else ascii(c)[1:-1] for c in n) for n in names]  # one line
+        names = [one_line(n) for n in names]
     except OSError as err:
         return f"unreadable contents ({err.strerror})"
     if not names:

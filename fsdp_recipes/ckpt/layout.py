@@ -4,6 +4,7 @@ for torch or transformers to learn a file name."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -238,11 +239,10 @@ def is_published(folder: Path) -> bool:
 
 def record_published(out: Path, folder: Path) -> None:
     """The published folder's identity in the run's fsdp_report.json (is_published), when the report exists (rank 0)."""
-    import json
-
     path = Path(out) / REPORT_NAME
     if path.is_file():
         report = load_json(path, REPORT_NAME, JSON_LIMIT)
+        earlier = report.get(PUBLISHED)
         st = os.stat(folder, follow_symlinks=False)
-        report[PUBLISHED] = {**published(out), folder.name: [st.st_dev, st.st_ino]}
+        report[PUBLISHED] = {**(earlier if isinstance(earlier, dict) else {}), folder.name: [st.st_dev, st.st_ino]}
         path.write_text(json.dumps(report, indent=2) + "\n")

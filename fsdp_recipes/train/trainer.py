@@ -148,14 +148,22 @@ class FSDPTrainer(Trainer):
         a checkpoint (a file a user put there; rotate keeps such a folder and says so)."""
         self.async_saves.finish()
         limit = self.args.save_total_limit
-        self.args.save_total_limit = None
-        try:
+        with self.trainer_deletes_nothing():
             result = super()._finalize_training(*args, **kwargs)
-        finally:
-            self.args.save_total_limit = limit
         if self.args.should_save and limit == 1 and self.state.best_model_checkpoint is not None:
             rotate(self.run_dir, 1, keep=self.state.best_model_checkpoint, warn=logger.warning, keep_newest=False)
         return result
+
+    @contextmanager
+    def trainer_deletes_nothing(self):
+        """save_total_limit off: the only condition of the Trainer's two checkpoint deletes (rotate_checkpoints in
+        _save_checkpoint, the rmtree in _finalize_training), whose work our rotation does (test_removal lists them)."""
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            yield
+        finally:
+            self.args.save_total_limit = limit
 
     def rotate_checkpoints(self) -> None:
         """Checkpoints beyond save_total_limit deleted, once every rank has finished the newest (rank 0)."""
@@ -278,14 +286,11 @@ class FSDPTrainer(Trainer):
                 make_folder(folder, CHECKPOINT_PURPOSE)  # marked: rotation and --overwrite_output_dir delete only ours
                 self.describer.describe(folder)  # before any shard, so before trainer_state.json
             self.accelerator.wait_for_everyone()
-            limit = self.args.save_total_limit
-            self.run_dir, self.save_limit = Path(run_dir), limit
-            self.args.save_total_limit = None  # the Trainer's own rotation, which would run before the other ranks finish
-            try:
+            self.run_dir, self.save_limit = Path(run_dir), self.args.save_total_limit
+            # the Trainer's own rotation would run before the other ranks finish: ours runs after (rotate_checkpoints)
+            with self.trainer_deletes_nothing():
                 with self.async_saves.saving(folder, self.state.global_step) if background else self.async_saves.writing():
                     super()._save_checkpoint(model, trial)
-            finally:
-                self.args.save_total_limit = limit
             if background:
                 return  # complete, and rotated, once every rank has written it (AsyncCheckpoints)
             self.accelerator.wait_for_everyone()
