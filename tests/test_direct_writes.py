@@ -15,7 +15,7 @@ import pytest
 
 from conftest import o_direct_here
 from fsdp_recipes import direct_writes
-from fsdp_recipes.direct_writes import BLOCK, CHUNK, DirectFile
+from fsdp_recipes.direct_writes import BLOCK, CHUNK, GIL_FREE_COPY, DirectFile
 
 
 def write_in_pieces(path, data: bytes, pieces: list[int], **kwargs) -> DirectFile:
@@ -48,6 +48,17 @@ def test_the_bytes_are_an_ordinary_writes_whatever_the_size_and_pieces(tmp_path,
     f = write_in_pieces(tmp_path / "shard.distcp", data, pieces)
     assert (tmp_path / "shard.distcp").read_bytes() == data
     assert f.page_cache_why is None if o_direct_here(tmp_path) else f.page_cache_why is not None
+
+
+@pytest.mark.parametrize("pieces", [
+    [GIL_FREE_COPY - 1, GIL_FREE_COPY, GIL_FREE_COPY + 1, 3, CHUNK - 2 * GIL_FREE_COPY - 3, GIL_FREE_COPY + BLOCK],
+    [CHUNK - GIL_FREE_COPY + 1, GIL_FREE_COPY, 1, GIL_FREE_COPY - 1],  # copies that end a chunk, and start the next, either way
+])
+def test_the_bytes_are_an_ordinary_writes_whichever_way_each_piece_is_copied(tmp_path, pieces):
+    """Pieces below GIL_FREE_COPY are copied by memoryview, larger ones by numpy (which releases the GIL)."""
+    data = random.Random(len(pieces)).randbytes(sum(pieces) + 17)
+    write_in_pieces(tmp_path / "shard.distcp", data, pieces)
+    assert (tmp_path / "shard.distcp").read_bytes() == data
 
 
 def test_without_o_direct_it_writes_the_same_bytes_through_the_page_cache_and_says_so(tmp_path, monkeypatch):
