@@ -97,6 +97,7 @@ def main(model_args, data_args, plan):
         save_dtype=plan.run_args.save_dtype,
         async_checkpoints=plan.run_args.async_checkpoints,
         direct_io_checkpoints=plan.run_args.direct_io_checkpoints,
+        async_checkpoint_staging=plan.run_args.async_checkpoint_staging,
     )
     trainer.describer.base_record = base_record  # into every checkpoint and the adapter folder
     if problem := save_dtype_problem(trainer, plan.run_args.save_dtype):

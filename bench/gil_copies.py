@@ -22,6 +22,9 @@ import torch
 
 from fsdp_recipes import direct_writes
 from fsdp_recipes.console import HelpFormatter
+from fsdp_recipes.removal import make_folder, remove
+
+BENCH_WORK = "gil copies benchmark"
 
 
 def loop_rate(stop: threading.Event, seconds: float) -> float:
@@ -45,13 +48,13 @@ def beside_writes(folder: Path, nbytes: int, gil_free_copy: int | None) -> tuple
 
     def write():
         start = time.monotonic()
-        path = folder / "gil-copies.bin"
+        work = make_folder(folder / f"gil-copies-{os.getpid()}", BENCH_WORK)
         try:
-            with direct_writes.DirectFile(path, sync=True) as f:
+            with direct_writes.DirectFile(work / "written.bin", sync=True) as f:
                 for _ in range(max(1, nbytes // len(data))):
                     f.write(data)
         finally:
-            path.unlink(missing_ok=True)
+            remove(work, BENCH_WORK)
             took.append(time.monotonic() - start)
             done.set()
 
@@ -68,7 +71,7 @@ def beside_writes(folder: Path, nbytes: int, gil_free_copy: int | None) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--gigabytes", type=float, default=2.0, help="bytes the writing thread writes, in GB")
-    parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()), help="where the file is written (then removed)")
+    parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()), help="where a folder of ours holds the file while it is written (then removed)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     nbytes = int(args.gigabytes * 1e9)

@@ -1,6 +1,10 @@
 """Asynchronous checkpoints (fsdp_recipes.train.async_checkpoints), with real multi-process runs: a checkpoint whose
 writing is held back by fault injection until training has gone on two more steps, so that the overlap is certain
-and not a matter of timing; the same run killed while that write is in flight; the flag that turns it off."""
+and not a matter of timing; the same run killed while that write is in flight; the flag that turns it off.
+
+On CPU the shards live in host memory, so by default a save is written from the live tensors and the next optimizer
+step waits for it: a write held until step N + 2 could never finish there. The held-write tests therefore ask for the
+host copy (``--async_checkpoint_staging copy``, what GPU runs use); the in-place writes have tests of their own."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ pytestmark = pytest.mark.slow  # every test here launches real runs
 
 ZERO3 = "accelerate_configs/zero3.yaml"
 EVERY_3 = quick(save_steps="3")  # checkpoints 3, 6, 9, 12 of the same 12 steps as the session's reference run
+COPY = ("--async_checkpoint_staging", "copy")  # a host copy: the write can go on while later optimizer steps run
 
 
 def assert_same_model(model_dir, reference_dir) -> None:
@@ -30,7 +35,7 @@ def assert_same_model(model_dir, reference_dir) -> None:
 
 def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
     out = tmp_path / "run"
-    run = launch(ZERO3, *EVERY_3, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:heldsave:3"})
+    run = launch(ZERO3, *EVERY_3, *COPY, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:heldsave:3"})
     assert "checkpoints are written in the background while training goes on" in run.stdout
     assert "fault injection: checkpoint-3 still being written at step 5" in run.stderr
     written = {int(s): int(r) for s, r in re.findall(r"checkpoint-(\d+) written in the background in [\d.]+ s while training went on to step (\d+)", run.stdout)}
@@ -42,7 +47,7 @@ def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
         assert (out / f"checkpoint-{step}" / "shard_digests.json").is_file()
     assert not (out / "checkpoint-3").exists()  # rotated away once checkpoint-12 was complete
     writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
-    assert writes["mode"] == "background" and writes["saves"] == 4
+    assert writes["mode"] == "background" and writes["saves"] == 4 and writes["staging"] == "copy" and writes["in_place_saves"] == 0
     assert writes["host_copies_made"] == 2, writes  # the model's and the optimizer's, made at checkpoint-3, reused by 6, 9, 12
     assert writes["direct_io"] is True and writes["shard_files"] == shard_files_written(8, out), writes  # rank 0: 4 x (model, optimizer)
     rank0 = read_json(out / "fsdp_report.json")["ranks"][0]["bytes"]  # measured by the run from its own tensors
@@ -56,7 +61,7 @@ def test_killed_while_a_checkpoint_is_written_resumes_from_the_one_before_to_the
     The resume takes checkpoint-3, which was itself written while steps 4 and 5 trained, so an exact end also proves
     that a background save holds the weights of its own step, not the ones training has moved on to."""
     out = tmp_path / "run"
-    killed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:killheldsave:6"}, check=False)
+    killed = launch(ZERO3, *EVERY_3, *COPY, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:killheldsave:6"}, check=False)
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
     assert "checkpoint-6 still being written at step 8" in killed.stderr
     assert (out / "checkpoint-6" / "pytorch_model_fsdp_0").is_dir() and not (out / "checkpoint-6" / "trainer_state.json").exists()
@@ -75,7 +80,7 @@ def test_preempted_while_a_checkpoint_is_written_finishes_it_saves_its_step_and_
     from fsdp_recipes.ckpt.status import checkpoint_status
 
     out = tmp_path / "run"
-    stopped = launch(ZERO3, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:sigtermheldsave:6"},
+    stopped = launch(ZERO3, *QUICK, *COPY, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:sigtermheldsave:6"},
                      check=False, new_session=True)
     assert "checkpoint-6 still being written at step 8" in stopped.stderr
     assert f"stopped by SIGTERM after step 9: saved {out}/checkpoint-9" in stopped.stdout + stopped.stderr, stopped.stderr[-3000:]
@@ -86,12 +91,37 @@ def test_preempted_while_a_checkpoint_is_written_finishes_it_saves_its_step_and_
     assert_same_model(out / "model", trained(ZERO3).model_dir)
 
 
+def test_in_place_a_slow_write_holds_the_next_optimizer_step_so_the_checkpoint_is_its_steps_and_resumes_exactly(trained, tmp_path):
+    """The default on CPU: no host copy, the live shards written while the next step's forward and backward run. The
+    write of checkpoint-3 is slowed by 4 s (fault injection, before any byte is read), far longer than the tiny model's
+    steps: step 4's optimizer step must wait for it, else it would change the weights and Adam's state being written
+    and training would run on. Every rank is then killed at step 5 and the resume from checkpoint-3 must end on the
+    uninterrupted run's bits: a checkpoint holding anything but step 3's state would not."""
+    out = tmp_path / "run"
+    killed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), script=FAULT_SCRIPT,
+                    env={"FSDP_SLOW_SAVE": "3:4", "FSDP_FAULT": "all:step:5"}, check=False)
+    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    assert "straight from this rank's weight and optimizer shards, which live in host memory" in killed.stdout
+    done = re.search(r"checkpoint-3 written in the background in ([\d.]+) s while training went on to step (\d+) \(straight from this "
+                     r"rank's shards in host memory, no copy; the next optimizer step waited ([\d.]+) s for it\)", killed.stdout)
+    assert done, killed.stdout[-3000:]
+    seconds, reached, waited = float(done[1]), int(done[2]), float(done[3])
+    assert seconds >= 4 and reached == 4 and waited >= 2, done[0]  # step 4's optimizer step held until the write was done
+    assert read_json(out / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
+    resumed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert f"resuming from {out / 'checkpoint-3'}" in resumed.stdout
+    writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
+    assert writes["staging"] == "auto" and writes["in_place_saves"] == writes["saves"] == 3, writes  # 6, 9, 12 of the resumed run
+    assert writes["staged_bytes_max"] == 0 and writes["host_copies_made"] == 0, writes  # no host memory added
+    assert_same_model(out / "model", trained(ZERO3).model_dir)
+
+
 def test_an_error_while_a_checkpoint_is_written_leaves_it_incomplete(tmp_path):
     """An exception in training abandons the save in flight: its files may still be written, but never
     trainer_state.json, so no resume takes it; the run ends with the error, without waiting on anything."""
     out = tmp_path / "run"
     began = time.monotonic()
-    failed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:raiseheldsave:6"}, check=False)
+    failed = launch(ZERO3, *EVERY_3, *COPY, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:raiseheldsave:6"}, check=False)
     assert failed.returncode != 0 and "fault injection: an error in step 9" in failed.stderr, failed.stderr[-3000:]
     assert time.monotonic() - began < 240  # not the 30 minutes of a collective timeout
     assert "checkpoint-6: its asynchronous save was abandoned; it stays incomplete" in failed.stdout + failed.stderr

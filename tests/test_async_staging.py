@@ -92,3 +92,23 @@ def test_a_tied_weight_gets_one_host_buffer_and_is_counted_once():
     embedding.add_(1.0)
     again = stager.stage(live)
     assert torch.equal(again["model"]["embed_tokens.weight"], embedding) and stager.made == 1
+
+
+def test_in_place_hands_host_tensors_to_the_writer_as_they_are_and_copies_nothing():
+    """ReusedHostCopy(in_place=True) (--async_checkpoint_staging auto): tensors already in host memory are written from
+    where they are (the caller holds the optimizer step meanwhile); any tensor elsewhere (here: meta, standing in for a
+    GPU) makes the save a host copy as before."""
+    from fsdp_recipes.compat.async_dcp import on_host
+
+    live = {"model": {"w": torch.randn(8, 4)}, "optim": {"state": {"exp_avg": torch.randn(8, 4), "step": torch.tensor(2.0)}}}
+    stager = ReusedHostCopy(in_place=True)
+    for _ in range(3):
+        staged = stager.stage(live)
+        assert staged is live and stager.last_in_place and stager.made == 0 and stager.copy is None
+    assert on_host(live) and not on_host({"a": [torch.ones(2), torch.empty(2, device="meta")]})
+    assert on_host({"lr": 0.1, "names": ["w"]})  # no tensor at all: nothing to copy
+
+    copying = ReusedHostCopy()  # --async_checkpoint_staging copy
+    staged = copying.stage(live)
+    assert not copying.last_in_place and copying.made == 1
+    assert set(pointers(staged)).isdisjoint(pointers(live)) and torch.equal(staged["model"]["w"], live["model"]["w"])

@@ -24,7 +24,8 @@ save, 4.4 s of the training thread per checkpoint of a 0.79 GB model on 2 CPU ra
 synchronous save it replaced. :class:`ReusedHostCopy` makes the host copy once (per save of a checkpoint: the
 model's, the optimizer's) and copies into it at every later checkpoint: one memcpy, memory bounded by one copy of
 this rank's shards and held for the run. Reuse is safe because at most one checkpoint is in flight (the caller
-finishes a save before the next begins).
+finishes a save before the next begins). Where the shards already live in host memory, ``ReusedHostCopy(in_place=True)``
+makes no copy at all (see the class).
 """
 
 from __future__ import annotations
@@ -44,10 +45,17 @@ from fsdp_recipes.direct_writes import DirectFile
 
 class ReusedHostCopy:
     """A DCP AsyncStager: the state dict copied into host buffers made at the first save and reused after (made again
-    only if the tensors' names, shapes or dtypes change). Pinned where CUDA is (faster copies from the GPU)."""
+    only if the tensors' names, shapes or dtypes change). Pinned where CUDA is (faster copies from the GPU).
 
-    def __init__(self):
+    ``in_place``: a state dict whose every tensor already lives in host memory (CPU training, CPU offload) is handed
+    to the writer as it is, no copy (``last_in_place`` says so): whoever stages so must keep those tensors unchanged
+    until the write is done (fsdp_recipes.train.async_checkpoints holds the next optimizer step). A copy there would
+    double the host memory of the largest runs (a 70B model's fp32 weights and Adam state offloaded to the host are
+    ~840 GB per node) and costs the training thread a memcpy of every byte."""
+
+    def __init__(self, in_place: bool = False):
         self.copy, self.layout = None, None
+        self.in_place, self.last_in_place = in_place, False
         self.made = 0  # host copies made: 1 for a whole run unless the state dict changed shape
 
     @property
@@ -55,6 +63,10 @@ class ReusedHostCopy:
         return False  # the copy is done when stage returns
 
     def stage(self, state_dict):
+        self.last_in_place = self.in_place and on_host(state_dict)
+        if self.last_in_place:
+            self.copy, self.layout = None, None  # a copy made before (tensors moved since) is not kept for nothing
+            return state_dict
         layout = _layout(state_dict)
         if self.copy is None or layout != self.layout:
             self.copy = None  # the old buffers go before the new ones are made
@@ -69,6 +81,14 @@ class ReusedHostCopy:
 
     def close(self) -> None:
         pass
+
+
+def on_host(state) -> bool:
+    """Every tensor of a (nested) state dict (a DTensor: its local shard) in ordinary host memory."""
+    if isinstance(state, torch.Tensor):
+        return _local(state).device.type == "cpu"
+    items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    return all(on_host(v) for v in items)
 
 
 def _local(tensor):
@@ -120,11 +140,12 @@ def _layout(state, path: str = "") -> tuple:
 class Background:
     """What background saves need: ``groups(i)`` and ``stagers(i)``, the gloo group and the ReusedHostCopy of the i-th
     save of a checkpoint; ``futures`` gets each save's future, ``staged_bytes`` the bytes of this rank's tensors it
-    copied to host memory."""
+    copied to host memory (0 for a save written in place), ``in_place`` whether it was."""
     groups: Callable
     stagers: Callable
     futures: list
     staged_bytes: list
+    in_place: list = dataclasses.field(default_factory=list)
 
 
 class ShardFiles:
@@ -205,9 +226,11 @@ def checkpoint_saves(files: ShardFiles, *, direct: bool, background: Background 
             return save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                         process_group=process_group, no_dist=no_dist, **kwargs)
         i = len(background.futures)
+        stager = background.stagers(i)
         background.futures.append(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-                                                 process_group=background.groups(i), async_stager=background.stagers(i), no_dist=no_dist))
-        background.staged_bytes.append(local_bytes(state_dict))
+                                                 process_group=background.groups(i), async_stager=stager, no_dist=no_dist))
+        background.in_place.append(stager.last_in_place)
+        background.staged_bytes.append(0 if stager.last_in_place else local_bytes(state_dict))
         return None  # accelerate does not read save's result (the metadata); the future holds it
 
     dcp.save = wrapped

@@ -16,6 +16,7 @@ DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet":
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+STAGING = ("auto", "copy")  # async_checkpoint_staging (fsdp_recipes.compat.async_dcp.ReusedHostCopy)
 
 
 # TRL's names (SFTConfig, ScriptArguments, ModelConfig) for the same settings: extra spellings of our flags and
@@ -305,6 +306,15 @@ class RunArguments:
                   "(a host copy of this rank's shards, kept for the run; one at a time; complete once every rank "
                   "wrote it). false: wait for each, as the stock Trainer does."},
     )
+    async_checkpoint_staging: str = field(
+        default="auto",
+        metadata={"help": "What a background checkpoint writes from. auto: where every shard lives in host memory (CPU "
+                  "runs, CPU offload), straight from the live tensors, no copy, and the optimizer step after the "
+                  "checkpoint waits until its write is done (forward and backward never change them); elsewhere (GPU) "
+                  "from a host copy made at the first checkpoint and kept for the run. copy: always that host copy "
+                  "(as much host memory again as this rank's weight and optimizer shards; no optimizer step waits).",
+                  "choices": list(STAGING)},
+    )
     direct_io_checkpoints: bool = field(
         default=True,
         metadata={"help": "Checkpoint shards written with O_DIRECT (past the page cache) where the filesystem takes "
@@ -321,6 +331,8 @@ class RunArguments:
     def __post_init__(self):
         if self.save_dtype not in DTYPES:
             raise RecipeError(f"save_dtype={self.save_dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.async_checkpoint_staging not in STAGING:
+            raise RecipeError(f"async_checkpoint_staging={self.async_checkpoint_staging!r} is not one of {', '.join(STAGING)}")
 
 
 def build(cls, raw):

@@ -2,11 +2,17 @@
 
 Where it applies (FSDP2 with SHARDED_STATE_DICT, every shipped FSDP2 config; not with load_best_model_at_end, which
 loads a checkpoint inside the Trainer's own loop), each checkpoint-N is saved as before, except that the model's and
-the optimizer's DCP shards go through DCP's ``async_save`` (fsdp_recipes.compat.async_dcp): the rank's shard of the
-weights and of Adam's state is copied to host memory (the staging, as large as those shards: made at the first
-checkpoint and reused by every later one, so held for the run; stated at the start of the run) and a thread writes
-it, while the next steps train. The small files (scheduler, RNG states, config,
-tokenizer) are written at once.
+the optimizer's DCP shards go through DCP's ``async_save`` (fsdp_recipes.compat.async_dcp) and a thread writes them
+while the next steps train. What it writes from (``--async_checkpoint_staging``):
+
+- auto, where the rank's shards of the weights and of Adam's state live in host memory (CPU runs, CPU offload): the
+  live tensors themselves. Forward and backward never change them; the optimizer step does, so the first optimizer
+  step after the checkpoint waits until the write is done (a step pre-hook; its wait is in fsdp_report.json). No
+  memory is added, and the training thread copies nothing.
+- auto elsewhere (GPU), or copy: a host copy (the staging, as large as those shards: made at the first checkpoint
+  and reused by every later one, so held for the run; stated at the start of the run); no step waits.
+
+The small files (scheduler, RNG states, config, tokenizer) are written at once.
 
 A checkpoint is complete only once every rank has finished: until then it has no trainer_state.json and no
 shard_digests.json, so a run killed meanwhile (kill -9 included) resumes from the checkpoint before it
@@ -27,6 +33,7 @@ from training); ``--direct_io_checkpoints false`` writes them through the page c
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import logging
@@ -48,12 +55,15 @@ class Pending:
     futures: list
     started: float
     staged_bytes: list = dataclasses.field(default_factory=list)  # per save (model, optimizer): this rank's host copy
+    in_place: list = dataclasses.field(default_factory=list)  # per save: written from the live tensors (no host copy)
+    optimizer_wait: float = 0.0  # seconds the next optimizer step waited for an in-place write
     trainer_state: tuple[Path, object] | None = None  # rank 0: where trainer_state.json goes, and the state at the step
 
 
 class AsyncCheckpoints(TrainerCallback):
-    def __init__(self, trainer, enabled: bool, direct: bool = True):
-        self.trainer, self.enabled, self.direct = trainer, enabled, direct
+    def __init__(self, trainer, enabled: bool, direct: bool = True, staging: str = "auto"):
+        self.trainer, self.enabled, self.direct, self.staging = trainer, enabled, direct, staging
+        self.step_hook = None  # the optimizer step pre-hook while an in-place write is in flight
         self.shard_files = ShardFiles()  # how this rank's shard files were written (direct or through the page cache)
         self.groups: list = []  # a gloo group for each save of a checkpoint (compat.async_dcp), made on first use
         self.stagers: list = []  # and its host copy (compat.async_dcp.ReusedHostCopy), reused by every checkpoint
@@ -78,9 +88,20 @@ class AsyncCheckpoints(TrainerCallback):
             return "checkpoints are written before training goes on (--async_checkpoints false)"
         if (reason := self.why_not()) is not None:
             return f"checkpoints are written before training goes on ({reason}; --async_checkpoints has no effect here)"
+        if self.expects_in_place():
+            return ("checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
+                    "each): straight from this rank's weight and optimizer shards, which live in host memory (no copy; the "
+                    "optimizer step after a checkpoint waits for its write), one checkpoint at a time")
         return ("checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
                 "each): a host copy of this rank's weight and optimizer shards, made at the first checkpoint and reused by every "
                 "later one (held for the run), one checkpoint at a time")
+
+    def expects_in_place(self) -> bool:
+        """Whether saves will be written from the live tensors: staging auto, and the shards in host memory (no
+        accelerator, or FSDP's CPU offload). Each save decides from its tensors (ReusedHostCopy.stage); this is the start's line."""
+        plugin = getattr(self.trainer.accelerator.state, "fsdp_plugin", None)
+        offload = getattr(getattr(plugin, "cpu_offload", None), "offload_params", False)
+        return self.staging == "auto" and (self.trainer.accelerator.device.type == "cpu" or bool(offload))
 
     @property
     def active(self) -> bool:
@@ -100,7 +121,7 @@ class AsyncCheckpoints(TrainerCallback):
 
         def stager(i: int):
             while len(self.stagers) <= i:
-                self.stagers.append(ReusedHostCopy())
+                self.stagers.append(ReusedHostCopy(in_place=self.staging == "auto"))
             return self.stagers[i]
 
         pending = Pending(folder, step, [], time.monotonic())
@@ -113,11 +134,29 @@ class AsyncCheckpoints(TrainerCallback):
 
         state.save_to_json = hold  # this instance only, for this save
         try:
-            with checkpoint_saves(self.shard_files, direct=self.direct, background=Background(group, stager, pending.futures, pending.staged_bytes)):
+            with checkpoint_saves(self.shard_files, direct=self.direct, background=Background(group, stager, pending.futures, pending.staged_bytes, pending.in_place)):
                 yield
         finally:
             del state.save_to_json
         self.pending = pending
+        if any(pending.in_place):
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self.step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """Every optimizer step while an in-place write is in flight: wait for it (the step changes what it writes).
+        Removed once the checkpoint completes (removing it here would change the hooks torch is iterating over)."""
+        pending = self.pending
+        if pending is not None and any(pending.in_place) and not all(f.done() for f in pending.futures):
+            began = time.monotonic()
+            concurrent.futures.wait(pending.futures)  # a failed write raises where the checkpoint completes
+            pending.optimizer_wait += time.monotonic() - began
+
+    def _unhook(self) -> None:
+        if self.step_hook is not None:
+            self.step_hook.remove()
+            self.step_hook = None
 
     def writing(self):
         """Around the Trainer's _save_checkpoint when it saves in the foreground: the shard files written direct."""
@@ -158,14 +197,17 @@ class AsyncCheckpoints(TrainerCallback):
         if self.pending is not None:
             logger.warning(f"{self.pending.folder.name}: its asynchronous save was abandoned; it stays incomplete, and a resume passes over it")
             self.pending = None
+        self._unhook()
 
     def _complete(self, reached: int) -> None:
         pending, self.pending = self.pending, None
+        self._unhook()
         for future in pending.futures:
             future.result()  # a failed write raises here, on the rank that saw it
         seconds = round(time.monotonic() - pending.started, 3)
-        staged = sum(pending.staged_bytes)
-        self.completed.append({"step": pending.step, "seconds": seconds, "training_reached": reached, "staged_bytes": staged})
+        staged, in_place = sum(pending.staged_bytes), all(pending.in_place)
+        self.completed.append({"step": pending.step, "seconds": seconds, "training_reached": reached, "staged_bytes": staged,
+                               "in_place": in_place, "optimizer_wait_seconds": round(pending.optimizer_wait, 3)})
         if self.trainer.args.should_save:
             self.trainer.describer.finish_checkpoint(pending.folder)  # shard_digests.json: every rank's files are written
             if pending.trainer_state is not None:
@@ -173,8 +215,9 @@ class AsyncCheckpoints(TrainerCallback):
                 held.save_to_json(str(path))  # last: the checkpoint is complete
             self.trainer.rotate_checkpoints()
         if self.trainer.is_world_process_zero():
-            logger.info(f"{pending.folder.name} written in the background in {seconds:.1f} s while training went on to step {reached} "
-                        f"(from a host copy of {staged / 2**20:,.1f} MiB of this rank's shards, reused by every checkpoint)")
+            source = (f"straight from this rank's shards in host memory, no copy; the next optimizer step waited {pending.optimizer_wait:.1f} s for it"
+                      if in_place else f"from a host copy of {staged / 2**20:,.1f} MiB of this rank's shards, reused by every checkpoint")
+            logger.info(f"{pending.folder.name} written in the background in {seconds:.1f} s while training went on to step {reached} ({source})")
 
     def report(self) -> dict:
         """fsdp_report.json's checkpoint_writes: how checkpoints were written, and (background) what each cost here."""
@@ -184,6 +227,9 @@ class AsyncCheckpoints(TrainerCallback):
             return {"mode": "blocking", "why": "--async_checkpoints false" if not self.enabled else self.why_not(), **files}
         done = self.completed
         return {"mode": "background", **files, "saves": len(done),
+                "staging": self.staging,  # auto: in place where the shards live in host memory; each save's in "last"
+                "in_place_saves": sum(c["in_place"] for c in done),
+                "optimizer_wait_seconds_max": max((c["optimizer_wait_seconds"] for c in done), default=0.0),
                 "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),  # rank 0's host copy per save
                 "seconds_max": max((c["seconds"] for c in done), default=0.0),
                 "host_copies_made": self.host_copies_made + sum(s.made for s in self.stagers),  # one per save of a checkpoint (model, optimizer), reused

@@ -102,7 +102,7 @@ OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._fin
 
 class FSDPTrainer(Trainer):
     def __init__(self, *args, zero1: bool = False, save_dtype: str = "auto", async_checkpoints: bool = True,
-                 direct_io_checkpoints: bool = True, **kwargs):
+                 direct_io_checkpoints: bool = True, async_checkpoint_staging: str = "auto", **kwargs):
         internals.require(*OVERRIDES)  # a renamed base method would leave ours never called
         model = kwargs.get("model")
         if zero1:  # the Trainer's own optimizer and settings, each rank stepping its 1/N of the parameters
@@ -124,7 +124,7 @@ class FSDPTrainer(Trainer):
         self.preemption = Preemption()  # SIGTERM/SIGUSR1: checkpoint at the end of the current step, then stop
         self.add_callback(self.preemption)
         self.throughput = Throughput()  # train_fsdp.py sets its FLOPs per token and peak where MFU is known
-        self.async_saves = AsyncCheckpoints(self, async_checkpoints, direct_io_checkpoints)  # checkpoints written while training goes on
+        self.async_saves = AsyncCheckpoints(self, async_checkpoints, direct_io_checkpoints, async_checkpoint_staging)  # checkpoints written while training goes on
         self.add_callback(self.async_saves)
         self.run_dir, self.save_limit = Path(self.args.output_dir), self.args.save_total_limit
 

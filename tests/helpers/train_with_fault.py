@@ -19,6 +19,8 @@ and a real SIGKILL at a chosen point.
       point early     rank(s) send <step> (TERM or USR1) to themselves while the model loads (before training)
       point sigint    rank(s) send SIGINT to the launcher's process group, as Ctrl-C at a terminal does (torch
                       elastic starts each rank in a session of its own: the launcher forwards it to them)
+    FSDP_SLOW_SAVE=<step>:<seconds>  every rank's background write of checkpoint-<step> sleeps <seconds> before it
+                                reads or writes anything (combines with FSDP_FAULT)
     FSDP_EXPORT_PART_MIN=<bytes>  the final export's smallest shard (export.PART_MIN_BYTES): the tiny model in
                                   shards for every rank
     FSDP_NOTE_BEFORE_CLEANUP=<name>  rank 0 writes a file <name> into the newest checkpoint-N just before the Trainer's
@@ -177,6 +179,21 @@ if os.environ.get("FSDP_FAULT"):
     else:
         raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, slowexport, early, sigterm, usr1, sigint, "
                          "heldsave, killheldsave, raiseheldsave or sigtermheldsave")
+
+if os.environ.get("FSDP_SLOW_SAVE"):
+    import time
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    slow_step, slow_seconds = os.environ["FSDP_SLOW_SAVE"].split(":")
+    slowed_write_data = FileSystemWriter.write_data
+
+    def slow_write_data(self, *args, **kwargs):  # runs in DCP's writing thread
+        if Path(str(self.path)).parent.name == f"checkpoint-{slow_step}":
+            time.sleep(float(slow_seconds))
+        return slowed_write_data(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = slow_write_data
 
 if os.environ.get("FSDP_EXPORT_PART_MIN"):
     import fsdp_recipes.train.export
