@@ -5,9 +5,11 @@
 
 It builds a model folder (random Llama weights saved with save_pretrained, bench/load_memory.py's builder) and
 launches train_fsdp.py (through bench/timed_run.py, which records when each optimizer step ends) under
-zero3.yaml, for full fine-tuning and for LoRA, three times each: without saves, and with a SHARDED_STATE_DICT
+zero3.yaml, for full fine-tuning and for LoRA, four times each: without saves, and with a SHARDED_STATE_DICT
 checkpoint every ``--save-steps`` steps (``--save_total_limit 2``) written synchronously
-(``--async_checkpoints false``: training waits for the files) and in the background (the default); shard files
+(``--async_checkpoints false``: training waits for the files), in the background as by default (on CPU: from the
+live shards, the next optimizer step waiting for the write) and in the background from a host copy
+(``--async_checkpoint_staging copy``, what GPU runs do); shard files
 written past the page cache (O_DIRECT, the default where the filesystem takes it), and with ``--page-cache`` also
 through it (``--direct_io_checkpoints false``), each mode then twice. Reported, side by side:
 
@@ -61,8 +63,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def run(model: Path, lora: bool, mode: str, steps: int, nprocs: int, work: Path, interval: float, save_steps: int = 1) -> dict:
-    """One launch (``mode``: nosave, sync, async; ``-cache``: through the page cache); returns step times, per-rank
-    RssAnon samples and the last checkpoint's size."""
+    """One launch (``mode``: nosave, sync, async, async-copy; ``-cache``: through the page cache); returns step times,
+    per-rank RssAnon samples and the last checkpoint's size."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -76,7 +78,8 @@ def run(model: Path, lora: bool, mode: str, steps: int, nprocs: int, work: Path,
            "--per_device_train_batch_size", "1", "--max_steps", str(steps), "--logging_steps", str(steps),
            "--save_strategy", "steps" if saves else "no", "--save_steps", str(save_steps), "--save_total_limit", "2",
            "--report_to", "none", "--dataloader_pin_memory", "false", "--output_dir", str(out), "--overwrite_output_dir", "true",
-           "--async_checkpoints", str(mode.startswith("async")).lower(), "--direct_io_checkpoints", str(not mode.endswith("-cache")).lower()]
+           "--async_checkpoints", str(mode.startswith("async")).lower(), "--direct_io_checkpoints", str(not mode.endswith("-cache")).lower(),
+           "--async_checkpoint_staging", "copy" if mode.startswith("async-copy") else "auto"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "SCALING_STEP_TIMES": str(times)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(REPO / "bench"), env.get("PYTHONPATH")]))
     log_path = work / f"{name}.log"
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
     kinds = [("direct", "")] + ([("page cache", "-cache")] if a.page_cache else [])  # the shard files' writes
     for lora in {"full": (False,), "lora": (True,), "both": (False, True)}[a.training]:
         measured = {}
-        for mode in ["nosave", *(m + suffix for _, suffix in kinds for m in ("sync", "async"))]:
+        for mode in ["nosave", *(m + suffix for _, suffix in kinds for m in ("sync", "async", "async-copy"))]:
             began = time.time()
             measured[mode] = run(model, lora, mode, steps, a.nprocs, work, a.interval, a.save_steps)
             print(f"  {'LoRA' if lora else 'full'} {mode}: {time.time() - began:.0f} s", flush=True)
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
         for writes, suffix in kinds:
             row = {"training": "LoRA" if lora else "full", "shard_files": writes, "nprocs": a.nprocs, "saves": a.saves,
                    "base_bytes": base_bytes, "step_seconds_without_saves": round(plain, 4)}
-            for mode in ("sync", "async"):
+            for mode in ("sync", "async", "async-copy"):
                 got = measured[mode + suffix]
                 times = step_seconds(got["step_end"], a.warmup)
                 saving = sum(times) / len(times)
@@ -165,33 +168,38 @@ def main(argv=None) -> int:
                              "rss": {str(r): v for r, v in sorted(rss_growth(got["step_end"], got["samples"]).items())}}
             background = measured["async" + suffix]
             row["sync"]["save_seconds"] = row["sync"]["stall_per_save_seconds"]
-            row["async"]["save_seconds"] = round(statistics.median(background["background_seconds"]), 4) if background["background_seconds"] else None
-            row["async_stall_vs_sync_save"] = round(row["async"]["stall_per_save_seconds"] / row["sync"]["save_seconds"], 4) if row["sync"]["save_seconds"] > 0 else None
+            for mode in ("async", "async-copy"):
+                written = measured[mode + suffix]["background_seconds"]
+                row[mode]["save_seconds"] = round(statistics.median(written), 4) if written else None
+                row[f"{mode}_stall_vs_sync_save".replace("-", "_")] = (
+                    round(row[mode]["stall_per_save_seconds"] / row["sync"]["save_seconds"], 4) if row["sync"]["save_seconds"] > 0 else None)
             row["checkpoint_bytes"] = background["checkpoint_bytes"]
             row["checkpoint_model_bytes"] = background["checkpoint_model_bytes"]
             row["checkpoint_vs_base"] = round(row["checkpoint_bytes"] / base_bytes, 4)
             rows.append(row)
             print(f"    {writes}: stall per save: sync {row['sync']['stall_per_save_seconds']:.2f} s, background {row['async']['stall_per_save_seconds']:.2f} s "
-                  f"(its write {row['async']['save_seconds']} s); checkpoint {row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base",
+                  f"(its write {row['async']['save_seconds']} s), background from a host copy {row['async-copy']['stall_per_save_seconds']:.2f} s; checkpoint {row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base",
                   flush=True)
 
     def rss(r):
         return "; ".join(f"rank {k}: {v['first_quarter_peak'] / 2**20:,.0f} -> {v['last_quarter_peak'] / 2**20:,.0f}" for k, v in r["rss"].items())
 
-    def ratio(r):
-        return "n/a (the synchronous save cost nothing measurable)" if r["async_stall_vs_sync_save"] is None else f"{r['async_stall_vs_sync_save']:.0%}"
+    def ratio(r, key="async_stall_vs_sync_save"):
+        return "n/a (the synchronous save cost nothing measurable)" if r[key] is None else f"{r[key]:.0%}"
 
     lines = [f"Checkpoint cost, {base_bytes / 1e9:.2f} GB fp32 model, {a.nprocs} CPU ranks (FSDP2 FULL_SHARD over gloo, "
-             f"SHARDED_STATE_DICT), {a.saves} saves (one every {a.save_steps} step(s)), synchronous (--async_checkpoints false) and in the background (default):", "",
-             "| training | shard files written | median step without saves (s) | sync: mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | background: its write (s) | background stall vs sync save | checkpoint (MB) | vs base weights |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"SHARDED_STATE_DICT), {a.saves} saves (one every {a.save_steps} step(s)), synchronous (--async_checkpoints false), in the background "
+             "(default: on CPU from the live shards) and in the background from a host copy (--async_checkpoint_staging copy):", "",
+             "| training | shard files written | median step without saves (s) | sync: mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | background: its write (s) | background stall vs sync save | host copy: stall (s) | host copy: stall vs sync save | checkpoint (MB) | vs base weights |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['training']} | {r['shard_files']} | {r['step_seconds_without_saves']:.2f} | {r['sync']['step_seconds_with_saves']:.2f} | {r['sync']['stall_per_save_seconds']:.2f} | "
                      f"{r['async']['step_seconds_with_saves']:.2f} | {r['async']['stall_per_save_seconds']:.2f} | {r['async']['save_seconds']} | {ratio(r)} | "
+                     f"{r['async-copy']['stall_per_save_seconds']:.2f} | {ratio(r, 'async_copy_stall_vs_sync_save')} | "
                      f"{r['checkpoint_bytes'] / 1e6:,.1f} | {r['checkpoint_vs_base']:.1%} |")
-    lines += ["", "RssAnon peak, first -> last quarter of the saves (MiB):", "", "| training | shard files written | sync | background |", "|---|---|---|---|"]
+    lines += ["", "RssAnon peak, first -> last quarter of the saves (MiB):", "", "| training | shard files written | sync | background | background, host copy |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['training']} | {r['shard_files']} | {rss(r['sync'])} | {rss(r['async'])} |")
+        lines.append(f"| {r['training']} | {r['shard_files']} | {rss(r['sync'])} | {rss(r['async'])} | {rss(r['async-copy'])} |")
     print("\n" + "\n".join(lines))
     if a.output:
         a.output.mkdir(parents=True, exist_ok=True)
