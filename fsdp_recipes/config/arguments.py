@@ -303,8 +303,8 @@ class RunArguments:
     async_checkpoints: bool = field(
         default=True,
         metadata={"help": "FSDP2 SHARDED_STATE_DICT: write checkpoint shards in the background while training goes on "
-                  "(a host copy of this rank's shards, kept for the run; one at a time; complete once every rank "
-                  "wrote it). false: wait for each, as the stock Trainer does."},
+                  "(from the live shards or a host copy: --async_checkpoint_staging; one at a time; complete once "
+                  "every rank wrote it). false: wait for each, as the stock Trainer does."},
     )
     async_checkpoint_staging: str = field(
         default="auto",
