@@ -112,3 +112,31 @@ def test_in_place_hands_host_tensors_to_the_writer_as_they_are_and_copies_nothin
     staged = copying.stage(live)
     assert not copying.last_in_place and copying.made == 1
     assert set(pointers(staged)).isdisjoint(pointers(live)) and torch.equal(staged["model"]["w"], live["model"]["w"])
+
+
+def test_an_optimizer_that_moves_weights_outside_its_step_keeps_the_host_copy():
+    """Schedule-free optimizers rewrite the weights in train()/eval(), which the Trainer calls around steps and
+    evaluation, outside the step the in-place write holds back: such runs stage a host copy. Found by review."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.train.async_checkpoints import AsyncCheckpoints
+
+    class ScheduleFreeLike(torch.optim.SGD):
+        def train(self):
+            pass
+
+        def eval(self):
+            pass
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+
+    def decision(optim_name, inner, staging="auto"):
+        wrapper = SimpleNamespace(optimizer=inner, train=lambda: None)  # accelerate's wrapper has train() of its own
+        trainer = SimpleNamespace(args=SimpleNamespace(optim=optim_name), optimizer=wrapper if inner is not None else None)
+        return AsyncCheckpoints(trainer, True, staging=staging).in_place_allowed()
+
+    assert decision("adamw_torch", torch.optim.AdamW(params))
+    assert decision("adamw_torch", None)  # before the optimizer exists (the run's first line)
+    assert not decision("adamw_torch", ScheduleFreeLike(params, lr=0.1))
+    assert not decision("schedule_free_adamw", None)
+    assert not decision("adamw_torch", torch.optim.AdamW(params), staging="copy")

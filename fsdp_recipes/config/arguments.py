@@ -312,7 +312,9 @@ class RunArguments:
                   "runs, CPU offload), straight from the live tensors, no copy, and the optimizer step after the "
                   "checkpoint waits until its write is done (forward and backward never change them); elsewhere (GPU) "
                   "from a host copy made at the first checkpoint and kept for the run. copy: always that host copy "
-                  "(as much host memory again as this rank's weight and optimizer shards; no optimizer step waits).",
+                  "(as much host memory again as this rank's weight and optimizer shards; no optimizer step waits). "
+                  "Schedule-free optimizers, which change the weights outside their step, always get the copy; so must "
+                  "a callback of yours that changes weights or optimizer state in place (EMA swaps): pass copy.",
                   "choices": list(STAGING)},
     )
     direct_io_checkpoints: bool = field(

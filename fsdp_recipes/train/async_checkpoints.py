@@ -97,11 +97,20 @@ class AsyncCheckpoints(TrainerCallback):
                 "later one (held for the run), one checkpoint at a time")
 
     def expects_in_place(self) -> bool:
-        """Whether saves will be written from the live tensors: staging auto, and the shards in host memory (no
-        accelerator, or FSDP's CPU offload). Each save decides from its tensors (ReusedHostCopy.stage); this is the start's line."""
+        """Whether saves will be written from the live tensors: staging auto, the shards in host memory (no accelerator,
+        or FSDP's CPU offload) and nothing but optimizer steps changing them. Each save decides from its tensors
+        (ReusedHostCopy.stage); this is the start's line."""
         plugin = getattr(self.trainer.accelerator.state, "fsdp_plugin", None)
         offload = getattr(getattr(plugin, "cpu_offload", None), "offload_params", False)
-        return self.staging == "auto" and (self.trainer.accelerator.device.type == "cpu" or bool(offload))
+        return self.in_place_allowed() and (self.trainer.accelerator.device.type == "cpu" or bool(offload))
+
+    def in_place_allowed(self) -> bool:
+        """Staging auto, and an optimizer that changes the weights only in its step: a schedule-free optimizer's
+        train()/eval(), which the Trainer calls around steps and evaluation, rewrite them in place (a save in flight
+        would be torn), so such runs keep the host copy."""
+        inner = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # accelerate's wrapper has train() itself
+        moves_weights = "schedule_free" in str(self.trainer.args.optim) or callable(getattr(inner, "train", None))
+        return self.staging == "auto" and not moves_weights
 
     @property
     def active(self) -> bool:
@@ -121,7 +130,7 @@ class AsyncCheckpoints(TrainerCallback):
 
         def stager(i: int):
             while len(self.stagers) <= i:
-                self.stagers.append(ReusedHostCopy(in_place=self.staging == "auto"))
+                self.stagers.append(ReusedHostCopy(in_place=self.in_place_allowed()))
             return self.stagers[i]
 
         pending = Pending(folder, step, [], time.monotonic())
