@@ -16,7 +16,8 @@ allocated and reserved against tools/estimate_memory.py's figure, the model-stat
 for the zero3 configs a merge of the last checkpoint that must load with the trained weights. Checks, each against
 a number and each able to fail: model states within 10% of the formula, peak allocated within 10% of the estimate,
 MFU between 5% and 85% of the device's bf16 peak, offload's peak below the same config without it, the merge equal
-to the final model. OUT holds at most 7 files (environment.json, results.json, report.md, pytest.txt, logs.txt,
+to the final model, background checkpoints (zero3 and zero3_offload save at step 10 and 20) written from a host copy
+of GPU shards and from the offloaded shards themselves (no copy) with offload. OUT holds at most 7 files (environment.json, results.json, report.md, pytest.txt, logs.txt,
 and scaling.md/scaling.json for part 2): what one device command brings back.
 """
 
@@ -73,6 +74,9 @@ FSDP2 = ["accelerate_configs/zero3.yaml", "accelerate_configs/zero2.yaml", "acce
 FSDP1 = ["accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero2.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml",
          "accelerate_configs/fsdp1/no_shard.yaml", "accelerate_configs/fsdp1/hybrid_shard.yaml", "accelerate_configs/ddp.yaml"]
 MERGED = {"accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"}  # these also save and merge a checkpoint
+# these save in the background, the first checkpoint mid-run: from a host copy of the GPU shards (zero3) and from
+# the offloaded shards themselves, no copy, the next optimizer step waiting for the write (zero3_offload)
+BACKGROUND_SAVES = {"accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"}
 OFFLOAD_PAIRS = [("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"),
                  ("accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml")]
 TOLERANCE, MFU_BAND = 0.10, (0.05, 0.85)
@@ -184,6 +188,24 @@ def config_checks(row: dict) -> list[dict]:
     if "merge_equal" in row:
         found.append(check(f"{name}: merged checkpoint loads with the final weights", float(row["merge_equal"]), 1.0, 1.0,
                            row.get("merge_detail", "")))
+    return found
+
+
+def staging_checks(row: dict, on_gpu: bool) -> list[dict]:
+    """A run that saved in the background: from the live shards where they live in host memory (offload, or a CPU
+    run), with no host copy; from a host copy where they live on the GPU (fsdp_recipes.compat.async_dcp)."""
+    writes = row.get("checkpoint_writes") or {}
+    if writes.get("mode") != "background":
+        return []
+    saves, in_place = writes.get("saves", 0), writes.get("in_place_saves", 0)
+    expect_in_place = bool(row.get("offload")) or not on_gpu
+    detail = (f"{in_place} of {saves} saves in place, host copy {gib(writes.get('staged_bytes_max'))}, longest write "
+              f"{writes.get('seconds_max')} s, longest optimizer wait {writes.get('optimizer_wait_seconds_max')} s")
+    share = round(in_place / saves, 3) if saves else None
+    found = [check(f"{row['config']}: background saves written {'in place' if expect_in_place else 'from a host copy'}",
+                   share if expect_in_place else (None if share is None else 1 - share), 1.0, 1.0, detail)]
+    if expect_in_place:
+        found.append(check(f"{row['config']}: host copy bytes of in-place saves", writes.get("staged_bytes_max"), 0, 0, detail))
     return found
 
 
@@ -329,7 +351,7 @@ class Check:
         peak = rank.get("peak_memory", {})
         row.update(wrapper=rank.get("wrapper"), fsdp_version=report.get("fsdp_version"), states_bytes=sum(rank["bytes"].values()),
                    peak_allocated=peak.get("cuda_max_allocated_bytes"), peak_reserved=peak.get("cuda_max_reserved_bytes"),
-                   parameters=report["total_param_elements"])
+                   parameters=report["total_param_elements"], checkpoint_writes=report.get("checkpoint_writes"))
         history = json.loads((out / "trainer_state.json").read_text())["log_history"]
         row["tokens_per_second"], row["mfu"] = log_metrics(history)
         if (summary := out / "profile" / "summary.json").is_file():
@@ -375,7 +397,8 @@ class Check:
                 self.rows.append({"config": config, "error": "not run: FSDP2 HSDP is 2 replicas x 2+ shards (4 GPUs)"})
                 continue
             args = ["--config_name", str(self.model_folder())]
-            args += ["--save_steps", str(STEPS)] if config in MERGED else ["--save_strategy", "no"]
+            saves = config in MERGED or config in BACKGROUND_SAVES
+            args += ["--save_steps", str(STEPS // 2 if config in BACKGROUND_SAVES else STEPS)] if saves else ["--save_strategy", "no"]
             if config == "accelerate_configs/zero3.yaml":
                 args += ["--profile_steps", f"{STEPS - 3}-{STEPS - 2}"]  # the trace summary: the last timed window is left out
             row, out = self.train(config, config, *args)
@@ -384,7 +407,8 @@ class Check:
                 if config in MERGED:
                     self.merge(row, out)
             self.rows.append(row)
-            self.checks += config_checks(row) if not row.get("error") else [check(f"{config}: ran", None, None, None, row["error"])]
+            self.checks += config_checks(row) + staging_checks(row, torch.cuda.is_available()) if not row.get("error") \
+                else [check(f"{config}: ran", None, None, None, row["error"])]
             self.remove_run(out)
             self.save()
         self.checks += offload_checks({r["config"]: r for r in self.rows})

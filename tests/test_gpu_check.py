@@ -89,6 +89,24 @@ def test_config_checks_fail_when_a_number_is_off(change, failing):
     assert len(checks) == 3 + ("merge_equal" in change)
 
 
+@pytest.mark.parametrize("offload, on_gpu, in_place, staged, failing", [
+    (True, True, 2, 0, []),
+    (True, True, 1, 0, ["background saves written in place"]),  # one save copied the offloaded shards
+    (True, True, 2, 4096, ["host copy bytes of in-place saves"]),
+    (False, True, 0, 4096, []),  # GPU shards: a host copy
+    (False, True, 2, 0, ["background saves written from a host copy"]),  # GPU tensors handed to a thread live: torn
+    (False, False, 2, 0, []),  # the CPU run of this check: host shards
+])
+def test_background_saves_must_stage_as_the_shards_live(offload, on_gpu, in_place, staged, failing):
+    row = {"config": "c", "offload": offload, "checkpoint_writes": {"mode": "background", "saves": 2, "in_place_saves": in_place,
+                                                                     "staged_bytes_max": staged}}
+    checks = gpu_check.staging_checks(row, on_gpu)
+    assert sorted(c["check"].split(": ", 1)[1] for c in checks if not c["passed"]) == failing
+    assert gpu_check.staging_checks({"config": "c", "checkpoint_writes": {"mode": "blocking"}}, on_gpu) == []
+    no_saves = gpu_check.staging_checks({"config": "c", "offload": offload, "checkpoint_writes": {"mode": "background", "saves": 0}}, on_gpu)
+    assert not no_saves[0]["passed"]  # nothing saved proves nothing
+
+
 def test_offload_must_lower_the_peak():
     rows = {"accelerate_configs/zero3.yaml": {"peak_allocated": 100}, "accelerate_configs/zero3_offload.yaml": {"peak_allocated": 60}}
     [lower] = gpu_check.offload_checks(rows)
@@ -185,6 +203,8 @@ def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
     assert verdicts["accelerate_configs/zero3.yaml: merged checkpoint loads with the final weights"] is True
     assert verdicts["accelerate_configs/zero3.yaml: model states / formula"] is True  # the formula holds on CPU too
     assert verdicts["accelerate_configs/zero3.yaml: MFU"] is False and verdicts["LoRA: ran"] is True
+    for config in ("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"):  # CPU: host shards, in place
+        assert verdicts[f"{config}: background saves written in place"] is True, rows[config]["checkpoint_writes"]
     report = (tmp_path / "out" / "report.md").read_text()
     assert report.count("| accelerate_configs/zero3.yaml |") == 1 and "| LoRA (zero3) |" in report
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["environment.json", "logs.txt", "report.md", "results.json"]
