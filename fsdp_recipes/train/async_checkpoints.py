@@ -156,8 +156,8 @@ class AsyncCheckpoints(TrainerCallback):
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """Every optimizer step while an in-place write is in flight: wait for it (the step changes what it writes).
         Removed once the checkpoint completes (removing it here would change the hooks torch is iterating over)."""
-        pending = self.pending
-        if pending is not None and any(pending.in_place) and not all(f.done() for f in pending.futures):
+        pending = self.pending  # registered only while an in-place save is pending
+        if pending is not None and not all(f.done() for f in pending.futures):
             began = time.monotonic()
             concurrent.futures.wait(pending.futures)  # a failed write raises where the checkpoint completes
             pending.optimizer_wait += time.monotonic() - began

@@ -58,6 +58,20 @@ def _launcher_and_ranks() -> list[int]:
     return [launcher, *children]
 
 
+def _before_checkpoint_write(step: str, before) -> None:
+    """``before()`` runs in DCP's writing thread ahead of each write of checkpoint-<step>'s shard files."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def write_data_after(self, *args, **kwargs):
+        if Path(str(self.path)).parent.name == f"checkpoint-{step}":
+            before()
+        return write_data(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = write_data_after
+
+
 def _die() -> None:
     print(f"fault injection: SIGKILL rank {os.environ['RANK']} ({os.environ['FSDP_FAULT']})", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -150,16 +164,10 @@ if os.environ.get("FSDP_FAULT"):
     elif point in ("heldsave", "killheldsave", "raiseheldsave", "sigtermheldsave"):
         import threading
 
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
         released = threading.Event()
-        write_data = FileSystemWriter.write_data
         training_step = Trainer.training_step
-
-        def held_write_data(self, *args, **kwargs):  # runs in DCP's writing thread
-            if Path(str(self.path)).parent.name == f"checkpoint-{step}" and _dies(ranks):
-                released.wait()
-            return write_data(self, *args, **kwargs)
+        if _dies(ranks):
+            _before_checkpoint_write(step, released.wait)
 
         def training_step_then_release(self, *args, **kwargs):
             if self.state.global_step == int(step) + 2 and _dies(ranks):
@@ -174,7 +182,6 @@ if os.environ.get("FSDP_FAULT"):
                     raise RuntimeError(f"fault injection: an error in step {self.state.global_step + 1}")
             return training_step(self, *args, **kwargs)
 
-        FileSystemWriter.write_data = held_write_data
         Trainer.training_step = training_step_then_release
     else:
         raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, slowexport, early, sigterm, usr1, sigint, "
@@ -183,17 +190,8 @@ if os.environ.get("FSDP_FAULT"):
 if os.environ.get("FSDP_SLOW_SAVE"):
     import time
 
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
     slow_step, slow_seconds = os.environ["FSDP_SLOW_SAVE"].split(":")
-    slowed_write_data = FileSystemWriter.write_data
-
-    def slow_write_data(self, *args, **kwargs):  # runs in DCP's writing thread
-        if Path(str(self.path)).parent.name == f"checkpoint-{slow_step}":
-            time.sleep(float(slow_seconds))
-        return slowed_write_data(self, *args, **kwargs)
-
-    FileSystemWriter.write_data = slow_write_data
+    _before_checkpoint_write(slow_step, lambda: time.sleep(float(slow_seconds)))
 
 if os.environ.get("FSDP_EXPORT_PART_MIN"):
     import fsdp_recipes.train.export
