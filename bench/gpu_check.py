@@ -3,6 +3,7 @@
     bash bench/gpu_wheels.sh                                  # here, with network: what the GPU image lacks -> bench/wheels/
     python3 bench/gpu_check.py --part 1 --install-wheels --output OUT   # on the GPU: environment, pytest -m gpu, FSDP2 configs
     python3 bench/gpu_check.py --part 2 --output OUT                    # FSDP1 and DDP configs, LoRA, QLoRA, a profile, scaling
+    python3 bench/gpu_check.py --part all --install-wheels --output OUT # a visit of one command: both, what matters most first
 
 Each part stays under --budget seconds (default 560: one device command may run 600) and skips, with the reason,
 what would not fit. The GPU machine has no network: `bench/wheels/` (carried beside the tree) holds the pinned
@@ -81,6 +82,12 @@ OFFLOAD_PAIRS = [("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_off
                  ("accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml")]
 TOLERANCE, MFU_BAND = 0.10, (0.05, 0.85)
 RUN_SECONDS = 75  # what one config's run takes at most on an H100 (start, 20 steps, export): below this, it is skipped
+# --part all: one command for a visit shorter than two (15 minutes of device time, the start included), what matters
+# most first: the FSDP2 pair that shows offload and both background-save paths, LoRA/QLoRA, the FSDP1 pair, pytest
+# -m gpu, then the remaining configs and scaling, each skipped with its reason when the budget is spent
+ALL_FIRST = ["accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"]
+ALL_THEN = ["accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml"]
+ALL_LAST = [c for c in FSDP2 + FSDP1 if c not in ALL_FIRST + ALL_THEN]
 
 
 def model_config():
@@ -320,6 +327,9 @@ class Check:
         self.notes += [f"a private name this repository uses moved: {p}" for p in env["moved_private_names"]]
 
     def pytest_gpu(self, seconds: float) -> None:
+        if seconds < 30:
+            self.checks.append(check("pytest -m gpu: exit status", None, 0, 0, f"not run: {self.left():.0f} s left of the budget"))
+            return
         proc = self.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"], seconds)
         (self.output / "pytest.txt").write_text(proc.stdout[-200_000:] + proc.stderr[-20_000:])
         summary = next((line for line in reversed(proc.stdout.splitlines()) if re.search(r"\d+ (passed|failed|error|skipped)", line)), "no summary")
@@ -413,7 +423,6 @@ class Check:
                 else [check(f"{config}: ran", None, None, None, row["error"])]
             self.remove_run(out)
             self.save()
-        self.checks += offload_checks({r["config"]: r for r in self.rows})
 
     def lora(self) -> None:
         row, out = self.train("LoRA (zero3)", "accelerate_configs/zero3.yaml", "--config_name", str(self.model_folder()),
@@ -466,8 +475,8 @@ def make_work(check_run: Check) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=RawHelpFormatter)
-    parser.add_argument("--part", type=int, choices=(1, 2), help="1: environment, pytest -m gpu, FSDP2 configs; 2: FSDP1 and DDP "
-                        "configs, LoRA, QLoRA, scaling")
+    parser.add_argument("--part", choices=("1", "2", "all"), help="1: environment, pytest -m gpu, FSDP2 configs; 2: FSDP1 and DDP "
+                        "configs, LoRA, QLoRA, scaling; all: both in one budget, what matters most first (a visit of one command)")
     parser.add_argument("--output", type=Path, help="folder for the report (e.g. $OUT on the device machine)")
     parser.add_argument("--budget", type=float, default=560, help="seconds this part may take; what would not fit is skipped, with the reason")
     parser.add_argument("--wheel-list", action="store_true", help="print the wheels bench/gpu_wheels.sh downloads, one per line, and exit")
@@ -478,7 +487,7 @@ def main(argv=None) -> int:
         print("\n".join(wheel_list()))
         return 0
     if args.part is None or args.output is None:
-        parser.error("give --part 1 or 2 and --output FOLDER (or --wheel-list)")
+        parser.error("give --part 1, 2 or all and --output FOLDER (or --wheel-list)")
     if args.output.is_symlink() or (args.output.exists() and not args.output.is_dir()):
         parser.error(f"--output {args.output} is not a folder: give a new or empty folder for the report")
     if args.output.is_dir() and any(args.output.iterdir()):
@@ -498,13 +507,21 @@ def main(argv=None) -> int:
             check_run.notes += install_wheels(check_run.log)
         check_run.describe_environment()
         check_run.save()
-        if args.part == 1:
+        if args.part == "1":
             check_run.pytest_gpu(min(300, check_run.left() - 3 * RUN_SECONDS))
             check_run.configs(FSDP2)
-        else:
+        elif args.part == "2":
             check_run.configs(FSDP1)
             check_run.lora()
             check_run.scaling()
+        else:
+            check_run.configs(ALL_FIRST)
+            check_run.lora()
+            check_run.configs(ALL_THEN)
+            check_run.pytest_gpu(min(240, check_run.left() - 10))
+            check_run.configs(ALL_LAST)
+            check_run.scaling()
+        check_run.checks += offload_checks({r["config"]: r for r in check_run.rows})
         check_run.save()
     finally:
         if is_ours(check_run.work, "gpu check work"):
