@@ -40,6 +40,10 @@ def describe_folder(out_dir: Path, model_cls: type, config, tokenizer=None, gene
     """config.json (architectures = the model class, never an FSDP wrapper), generation config and tokenizer; returns
     the names of the files written."""
     config.architectures = [model_cls.__name__]
+    if getattr(config, "quantization_config", None) is not None:
+        # the weights written beside it are never quantized (a QLoRA run's merge writes the unquantized base's):
+        # a config still saying so would have from_pretrained quantize them again, or refuse without bitsandbytes
+        del config.quantization_config
     if dtype is not None:
         config.dtype = torch_dtype(dtype_name(dtype))
     config.save_pretrained(out_dir)

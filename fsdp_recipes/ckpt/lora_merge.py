@@ -199,6 +199,39 @@ def adapter_tensors(source) -> dict[str, str]:
     return names
 
 
+def quantized_base(tensors: dict) -> str | None:
+    """What says a whole-model LoRA checkpoint's frozen base is quantized (QLoRA): a wrapped module whose stored base
+    weight is not out x in elements (bitsandbytes' 4-bit weights are packed, two or four to an element of the storage
+    dtype) or is of an integer dtype (8-bit). Such weights cannot be merged, nor written as a model: the merge takes
+    the base's weights from the unquantized base model instead. None for a checkpoint of plain weights."""
+    pairs: dict[str, dict] = {}
+    for name, info in tensors.items():
+        if m := LORA_WEIGHT.match(name):
+            pairs.setdefault(m["module"], {})[m["ab"]] = info
+    for module, pair in sorted(pairs.items()):
+        base = tensors.get(f"{module}.base_layer.weight")
+        if base is None or set(pair) != {"A", "B"}:
+            continue
+        out_features, in_features = pair["B"].shape[0], pair["A"].shape[-1]
+        if base.numel != out_features * in_features or base.dtype in ("int8", "uint8"):
+            return (f"{module}.base_layer.weight holds {base.numel:,} {base.dtype} elements for a {out_features} x {in_features} "
+                    "weight (quantized: QLoRA)")
+    return None
+
+
+class AdapterOfQuantized:
+    """A whole-model LoRA checkpoint whose base is quantized, seen as an adapter-only checkpoint: its LoRA tensors
+    alone (AdapterOnBaseSource puts the unquantized base model's weights beside them)."""
+
+    def __init__(self, source):
+        self.source, self.ranks, self.path = source, source.ranks, getattr(source, "path", None)
+        self.kind = f"{source.kind}, its quantized base left out"
+        self.tensors = {n: info for n, info in source.tensors.items() if LORA_WEIGHT.match(n)}
+
+    def read(self, names: list[str]) -> dict:
+        return self.source.read(names)
+
+
 def holds_adapter_only(names) -> bool:
     """The stored tensors are a LoRA adapter alone (an adapter-only checkpoint): no frozen base weight among them."""
     names = list(names)

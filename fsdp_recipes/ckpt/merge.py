@@ -32,8 +32,8 @@ from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG, BASE_IDENTITY, MANIFEST, is_exported_adapter, is_model_folder, overlap, real, training_content,
 )
 from fsdp_recipes.ckpt.lora_merge import (
-    LORA_WEIGHT, AdapterOnBaseSource, MergedLoraSource, adapter_tensors, base_weights, find_adapter_config, holds_adapter_only, is_lora,
-    read_adapter_config,
+    LORA_WEIGHT, AdapterOfQuantized, AdapterOnBaseSource, MergedLoraSource, adapter_tensors, base_weights, find_adapter_config, holds_adapter_only, is_lora,
+    quantized_base, read_adapter_config,
 )
 from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype, unconvertible_dtype
@@ -234,6 +234,9 @@ def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, l
     adapter_config = read_adapter_config(config_path)
     recorded = base_identity.read(config_path.parent)  # the base the run trained on, when it recorded one
     alone = holds_adapter_only(resolved.source.tensors)  # an adapter-only checkpoint: the base's weights are the base model's
+    if not alone and (quantized := quantized_base(resolved.source.tensors)):
+        resolved.source, alone = AdapterOfQuantized(resolved.source), True
+        log(f"{quantized}: the adapter is merged into the unquantized base model's weights")
     if alone and not adapter_only:
         base, base_dir = base_weights(base_model, adapter_config, config_path)
         if recorded is None:

@@ -1,0 +1,116 @@
+"""A LoRA checkpoint whose frozen base is quantized (QLoRA under FSDP: bitsandbytes' packed 4-bit weights, 8-bit
+weights) merges into the unquantized base model's weights, exactly as peft's merge_and_unload of that base and the
+trained adapter; the adapter alone is written as for any LoRA checkpoint. Seen on an H200 (bench/results/h200/
+gpu-check-1): the run's final export added lora_B @ lora_A to a packed (4194304, 1) tensor and crashed after training.
+
+bitsandbytes' kernels need CUDA, so the quantized checkpoints here are generated: the real one's names and shapes
+(peft's names, the base weight packed into fewer elements of the storage dtype), saved with torch DCP."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import REPO
+from test_hostile_files import cli, one_line_error
+
+# (storage dtype, elements per weight element): 4-bit in bf16 storage (FSDP's QLoRA recipe), 4-bit in uint8, 8-bit
+BNB_4BIT = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16",
+            "bnb_4bit_quant_storage": "bfloat16"}
+PACKINGS = {"4bit-bf16": (torch.bfloat16, 4), "4bit-uint8": (torch.uint8, 2), "8bit-int8": (torch.int8, 1)}
+
+
+def tiny_peft(seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama"))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # trained: lora_B is no longer zero, so the merge changes the weights
+    return model
+
+
+def packed(weight: torch.Tensor, dtype: torch.dtype, per: int) -> torch.Tensor:
+    """A stand-in of the stored quantized weight: its element count and dtype, as FSDP saves Params4bit/Int8Params."""
+    return torch.randint(0, 100, (weight.numel() // per, 1 if per > 1 else weight.shape[1]), dtype=torch.int16).to(dtype) \
+        if per > 1 else torch.randint(-100, 100, weight.shape, dtype=torch.int16).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def base_and_truth(tmp_path_factory):
+    """The unquantized base model folder, the trained peft model, and peft's own merge of it."""
+    folder = tmp_path_factory.mktemp("qlora")
+    model = tiny_peft()
+    base_dir = folder / "base"
+    # what the run loaded: the base model's own weights (the LoRA modules' base_layer weights unwrapped)
+    unwrapped = {k.replace("base_model.model.", "", 1).replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama"))
+    plain.load_state_dict(unwrapped)
+    plain.save_pretrained(base_dir)
+    truth = {k: v.clone() for k, v in tiny_peft().merge_and_unload().state_dict().items()}
+    return folder, base_dir, model, truth
+
+
+def quantized_checkpoint(folder, base_dir, model, packing: str):
+    dtype, per = PACKINGS[packing]
+    state = {}
+    for name, value in model.state_dict().items():
+        module = name.split(".base_layer.")[0]
+        wrapped = name.endswith(".base_layer.weight") and any(k.startswith(f"{module}.lora_A.") for k in model.state_dict())
+        state[name] = packed(value, dtype, per) if wrapped else value
+    ckpt = folder / f"checkpoint-{packing}"
+    dcp.save({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
+    config = model.peft_config["default"].to_dict()
+    config["base_model_name_or_path"] = str(base_dir)
+    config["target_modules"] = sorted(config["target_modules"])
+    (ckpt / "adapter_config.json").write_text(json.dumps(config))
+    # the QLoRA run's model config, as the Trainer saves it beside the checkpoint: it says the weights are quantized
+    model_config = json.loads((REPO / "assets" / "tiny-llama" / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**model_config, "quantization_config": BNB_4BIT}))
+    return ckpt
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_a_quantized_base_merges_into_the_unquantized_base_as_peft_does(base_and_truth, packing, tmp_path, capsys):
+    folder, base_dir, model, truth = base_and_truth
+    ckpt = quantized_checkpoint(folder, base_dir, model, packing)
+    out = tmp_path / "merged"
+    assert cli("merge_checkpoint", [str(ckpt), str(out)]) == 0, capsys.readouterr().err
+    said = capsys.readouterr().out
+    assert "(quantized: QLoRA): the adapter is merged into the unquantized base model's weights" in said, said
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(truth)
+    for name, value in truth.items():
+        assert torch.equal(got[name], value), name
+    # the written config says nothing of quantization: from_pretrained loads the merged weights as they are, with no bitsandbytes
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(loaded[n], v) for n, v in truth.items())
+    adapter = tmp_path / "adapter"
+    assert cli("merge_checkpoint", [str(ckpt), str(adapter), "--adapter-only"]) == 0
+    written = load_file(adapter / "adapter_model.safetensors")
+    lora = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert len(written) == len(lora) > 0
+    assert all(torch.equal(lora[k.replace(".weight", ".default.weight")], v) for k, v in written.items())
+
+
+def test_a_quantized_base_without_its_unquantized_base_is_one_line(base_and_truth, tmp_path, capsys):
+    folder, base_dir, model, _ = base_and_truth
+    ckpt = quantized_checkpoint(folder, tmp_path / "gone", model, "4bit-bf16")
+    out = tmp_path / "merged"
+    assert cli("merge_checkpoint", [str(ckpt), str(out)]) == 1
+    error = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert "pass --base-model <the folder of the model the adapter was trained on>" in error, error
+    assert not out.exists()
+    assert cli("merge_checkpoint", [str(ckpt), str(out), "--base-model", str(base_dir)]) == 0
