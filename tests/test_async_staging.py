@@ -4,7 +4,9 @@ saves), made again when the state dict changes shape. Plain tensors and a DTenso
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +142,30 @@ def test_an_optimizer_that_moves_weights_outside_its_step_keeps_the_host_copy():
     assert not decision("adamw_torch", ScheduleFreeLike(params, lr=0.1))
     assert not decision("schedule_free_adamw", None)
     assert not decision("adamw_torch", torch.optim.AdamW(params), staging="copy")
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_background_saves_ask_accelerate_for_the_shards_where_they_live(fails):
+    """accelerate's FSDP2 sharded saves ask torch for state dicts with cpu_offload (ShardedStateDictConfig(offload_to_cpu=True)):
+    on a GPU every save copied each shard into new pageable memory on the training thread, and the copies, host
+    tensors, were then written "in place" with the next optimizer step held for the write (seen on an H200: 7.6 s,
+    bench/results/h200/gpu-check-1). Inside our background save accelerate's own options say no offload (GPU shards
+    go through the one reused pinned copy); afterwards, also after a failed save, its setting is back."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import _prepare_sd_options
+
+    from fsdp_recipes.train.async_checkpoints import AsyncCheckpoints
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True)
+    assert _prepare_sd_options(plugin).cpu_offload  # accelerate's own choice, which the save must not inherit
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), state=SimpleNamespace(save_to_json=None),
+                              args=SimpleNamespace(optim="adamw_torch"), optimizer=None)
+    checkpoints = AsyncCheckpoints(trainer, True)
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        with checkpoints.saving(Path("checkpoint-1"), 1):
+            assert not _prepare_sd_options(plugin).cpu_offload
+            if fails:
+                raise RuntimeError("the save failed")
+    assert _prepare_sd_options(plugin).cpu_offload

@@ -142,10 +142,22 @@ class AsyncCheckpoints(TrainerCallback):
             pending.trainer_state = (Path(path), held)
 
         state.save_to_json = hold  # this instance only, for this save
+        # accelerate asks for sharded state dicts with cpu_offload (its ShardedStateDictConfig(offload_to_cpu=True)): on
+        # a GPU, a copy of every shard into new pageable memory on the training thread at every save, whose tensors
+        # then look host-resident, so the save went "in place" from them and the next optimizer step waited for the
+        # write (an H200, bench/results/h200/gpu-check-1: 7.6 s). Without it the state dict holds the shards where
+        # they live: GPU shards are copied once into the reused pinned host copy, host shards (CPU, offload) are the
+        # same tensors either way.
+        sd_config = getattr(getattr(self.trainer.accelerator.state, "fsdp_plugin", None), "state_dict_config", None)
+        offload_to_cpu = getattr(sd_config, "offload_to_cpu", False)
         try:
+            if offload_to_cpu:
+                sd_config.offload_to_cpu = False
             with checkpoint_saves(self.shard_files, direct=self.direct, background=Background(group, stager, pending.futures, pending.staged_bytes, pending.in_place)):
                 yield
         finally:
+            if offload_to_cpu:
+                sd_config.offload_to_cpu = True
             del state.save_to_json
         self.pending = pending
         if any(pending.in_place):

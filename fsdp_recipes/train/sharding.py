@@ -238,6 +238,15 @@ def peak_memory() -> dict[str, int]:
     return peak
 
 
+def memory_at_train_begin() -> dict[str, int]:
+    """On CUDA, when training begins: what the model's loading and prepare peaked at, and what they left allocated.
+    A run's peak above the estimate is then placed: in loading, in what loading left behind, or in the steps."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {"cuda_max_allocated_before_training_bytes": torch.cuda.max_memory_allocated(),
+            "cuda_allocated_at_train_begin_bytes": torch.cuda.memory_allocated()}
+
+
 def _update_report(output_dir: str, accelerator, update) -> None:
     """Apply ``update`` to fsdp_report.json, on the main process (the one that wrote it)."""
     if not accelerator.is_main_process:
@@ -296,8 +305,10 @@ class ShardingReport(TrainerCallback):
     def __init__(self, trainer):
         self.trainer = trainer
         self.grad_bytes = None
+        self.at_train_begin: dict[str, int] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.at_train_begin = memory_at_train_begin()
         report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir, args, self.trainer.trainable_total,
                                    self.trainer.optimizer, getattr(self.trainer, "export_dtype", None))
         local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
@@ -332,4 +343,4 @@ class ShardingReport(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator
-        add_peak_memory(args.output_dir, accelerator, gather(peak_memory(), accelerator))
+        add_peak_memory(args.output_dir, accelerator, gather({**peak_memory(), **self.at_train_begin}, accelerator))
