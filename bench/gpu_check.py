@@ -81,6 +81,10 @@ BACKGROUND_SAVES = {"accelerate_configs/zero3.yaml", "accelerate_configs/zero3_o
 OFFLOAD_PAIRS = [("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"),
                  ("accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml")]
 TOLERANCE, MFU_BAND = 0.10, (0.05, 0.85)
+# tokens/s and MFU are the median of 2-step logging windows: the one a background save's optimizer wait falls in and
+# the profiled one are 2 of 9 (with 5-step windows they were 2 of 3, and the median of zero3 on an H200 was the
+# checkpoint's cost, not training's: bench/results/h200/gpu-check-1); the checkpoint's cost has its own columns
+LOGGING_STEPS = 2
 RUN_SECONDS = 75  # what one config's run takes at most on an H100 (start, 20 steps, export): below this, it is skipped
 # --part all: one command for a visit shorter than two (15 minutes of device time, the start included), what matters
 # most first: the FSDP2 pair that shows offload and both background-save paths, LoRA/QLoRA, the FSDP1 pair, pytest
@@ -233,13 +237,14 @@ def gib(n) -> str:
 
 def markdown(rows: list[dict], checks: list[dict], notes: list[str]) -> str:
     """report.md: the per-run table, every check with its verdict, and the notes (versions, skips, errors)."""
-    head = ["run", "wrapper", "tokens/s", "MFU", "peak allocated", "peak reserved", "estimate", "states", "formula", "seconds"]
+    head = ["run", "wrapper", "tokens/s", "MFU", "peak allocated", "peak reserved", "estimate", "states", "formula",
+            "loading peak / held at step 0", "seconds"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["config"], r.get("wrapper") or "-", f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
                  f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-", gib(r.get("peak_allocated")), gib(r.get("peak_reserved")),
                  gib(r.get("estimate_peak")), gib(r.get("states_bytes")), gib(r.get("estimate_states")),
-                 f"{r['seconds']:.0f}" if r.get("seconds") else "-"]
+                 f"{gib(r.get('loading_peak'))} / {gib(r.get('held_at_start'))}", f"{r['seconds']:.0f}" if r.get("seconds") else "-"]
         if r.get("error"):
             cells[1:] = [f"FAILED: {r['error']}"] + [""] * (len(head) - 2)
         lines.append("| " + " | ".join(cells) + " |")
@@ -278,6 +283,7 @@ class Check:
         self.notes: list[str] = []
         self.environment: dict = {}
         self.work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        self.only: set[str] | None = None  # --runs: these alone
         output.mkdir(parents=True, exist_ok=True)
         (output / "logs.txt").write_text("")
 
@@ -327,6 +333,8 @@ class Check:
         self.notes += [f"a private name this repository uses moved: {p}" for p in env["moved_private_names"]]
 
     def pytest_gpu(self, seconds: float) -> None:
+        if not self.wanted("pytest"):
+            return
         if seconds < 30:
             self.checks.append(check("pytest -m gpu: exit status", None, 0, 0, f"not run: {self.left():.0f} s left of the budget"))
             return
@@ -349,7 +357,7 @@ class Check:
         out = self.work / re.sub(r"[^a-z0-9]+", "-", label.lower())
         cmd = ["accelerate", "launch", "--config_file", str(REPO / config), "--num_machines", "1", "--num_processes", str(PROCESSES), *launch,
                str(REPO / "train_fsdp.py"), "--tokenizer_name", str(REPO / "assets" / "tiny-llama"), "--max_steps", str(STEPS),
-               "--logging_steps", str(max(1, STEPS // 4)), "--per_device_train_batch_size", str(BATCH), "--block_size", str(SEQ), "--output_dir", str(out),
+               "--logging_steps", str(LOGGING_STEPS), "--per_device_train_batch_size", str(BATCH), "--block_size", str(SEQ), "--output_dir", str(out),
                "--report_to", "none", *args]
         started = time.monotonic()
         proc = self.run(cmd, self.left() - 5)
@@ -362,6 +370,7 @@ class Check:
         peak = rank.get("peak_memory", {})
         row.update(wrapper=rank.get("wrapper"), fsdp_version=report.get("fsdp_version"), states_bytes=sum(rank["bytes"].values()),
                    peak_allocated=peak.get("cuda_max_allocated_bytes"), peak_reserved=peak.get("cuda_max_reserved_bytes"),
+                   loading_peak=peak.get("cuda_max_allocated_before_training_bytes"), held_at_start=peak.get("cuda_allocated_at_train_begin_bytes"),
                    parameters=report["total_param_elements"], checkpoint_writes=report.get("checkpoint_writes"))
         history = json.loads((out / "trainer_state.json").read_text())["log_history"]
         row["tokens_per_second"], row["mfu"] = log_metrics(history)
@@ -404,6 +413,8 @@ class Check:
         import torch
 
         for config in configs:
+            if not self.wanted(config):
+                continue
             if "hybrid_shard" in config and not config.startswith("accelerate_configs/fsdp1") and torch.cuda.device_count() < 4:
                 self.rows.append({"config": config, "error": "not run: FSDP2 HSDP is 2 replicas x 2+ shards (4 GPUs)"})
                 continue
@@ -425,28 +436,68 @@ class Check:
             self.save()
 
     def lora(self) -> None:
-        row, out = self.train("LoRA (zero3)", "accelerate_configs/zero3.yaml", "--config_name", str(self.model_folder()),
-                              "--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32", "--save_strategy", "no")
-        self.rows.append(row)
-        base = out / "base_model" if out is not None else None
-        self.checks.append(check("LoRA: ran", 1.0 if out else None, 1, 1, row.get("error", "trained and exported")))
-        self.save()
-        if base is None or not base.is_dir():
+        if self.wanted("lora"):
+            row, out = self.train("LoRA (zero3)", "accelerate_configs/zero3.yaml", "--config_name", str(self.model_folder()),
+                                  "--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32", "--save_strategy", "no")
+            self.rows.append(row)
+            self.checks.append(check("LoRA: ran", 1.0 if out else None, 1, 1, row.get("error", "trained and exported")))
+            self.remove_run(out)
+            self.save()
+        if not self.wanted("qlora"):
             return
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
             self.rows.append({"config": "QLoRA (zero3)", "error": "not run: bitsandbytes is not installed (its wheel: bench/gpu_wheels.sh)"})
             return
-        row, _ = self.train("QLoRA (zero3)", "accelerate_configs/zero3.yaml", "--model_name_or_path", str(base), "--dtype", "bfloat16",
-                            "--load_in_4bit", "true", "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_compute_dtype", "bfloat16",
-                            "--bnb_4bit_quant_storage", "bfloat16", "--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32",
-                            "--save_strategy", "no")
+        # QLoRA quantizes pre-trained weights: a bf16 folder of the model's (random) weights, as a hub model is
+        row, out = self.train("QLoRA (zero3)", "accelerate_configs/zero3.yaml", "--model_name_or_path", str(self.weights_folder()),
+                              "--dtype", "bfloat16", "--load_in_4bit", "true", "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_compute_dtype",
+                              "bfloat16", "--bnb_4bit_quant_storage", "bfloat16", "--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32",
+                              "--save_steps", str(STEPS), "--save_total_limit", "1")
         self.rows.append(row)
-        self.checks.append(check("QLoRA: ran", None if row.get("error") else 1.0, 1, 1, row.get("error", "trained and exported")))
+        self.checks.append(check("QLoRA: ran", None if row.get("error") else 1.0, 1, 1, row.get("error", "trained")))
+        if out is not None:
+            self.qlora_export(row, out)
+        self.remove_run(out)
         self.save()
 
+    def qlora_export(self, row: dict, out: Path) -> None:
+        """The QLoRA run's model/ is the unquantized base with the adapter merged: it loads without bitsandbytes, and
+        equals peft's merge of the exported adapter into that base."""
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        try:
+            merged = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.bfloat16).state_dict()
+            base = AutoModelForCausalLM.from_pretrained(self.weights_folder(), dtype=torch.bfloat16)
+            before = {n: t.clone() for n, t in base.state_dict().items()}
+            truth = PeftModel.from_pretrained(base, out / "adapter").merge_and_unload().state_dict()
+            differ = [n for n in truth if not torch.equal(merged[n], truth[n])]
+            moved = sum(not torch.equal(before[n], truth[n]) for n in truth)
+            value, detail = float(len(differ)), (f"{len(truth)} tensors, {moved} changed by the adapter; "
+                                                 + (f"{len(differ)} differ from peft's merge ({differ[0]}, ...)" if differ else "all equal peft's merge"))
+        except Exception as err:  # a check that failed, not a crash of the check
+            value, detail = None, f"{type(err).__name__}: {str(err)[:300]}"
+        self.checks.append(check("QLoRA: model/ is the unquantized base + the adapter, as peft merges it (tensors that differ)", value, 0, 0, detail))
+
+    def weights_folder(self) -> Path:
+        folder = self.work / "model-1b-weights"
+        if not folder.is_dir():
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(model_config(), dtype=torch.bfloat16).save_pretrained(folder)
+        return folder
+
+    def wanted(self, name: str) -> bool:
+        return self.only is None or name in self.only
+
     def scaling(self) -> None:
+        if not self.wanted("scaling"):
+            return
         if self.left() < 120:
             self.notes.append(f"bench/scaling.py not run: {self.left():.0f} s left of this part's budget")
             return
@@ -479,6 +530,8 @@ def main(argv=None) -> int:
                         "configs, LoRA, QLoRA, scaling; all: both in one budget, what matters most first (a visit of one command)")
     parser.add_argument("--output", type=Path, help="folder for the report (e.g. $OUT on the device machine)")
     parser.add_argument("--budget", type=float, default=560, help="seconds this part may take; what would not fit is skipped, with the reason")
+    parser.add_argument("--runs", help="comma-separated: only these of the part's runs (config paths as listed in this file, lora, "
+                        "qlora, pytest, scaling), for a short second visit")
     parser.add_argument("--wheel-list", action="store_true", help="print the wheels bench/gpu_wheels.sh downloads, one per line, and exit")
     parser.add_argument("--install-wheels", action="store_true", help="first pip-install (--no-index --no-deps) the carried wheels of "
                         "bench/wheels that this Python lacks or holds in another version (default: install nothing)")
@@ -486,6 +539,9 @@ def main(argv=None) -> int:
     if args.wheel_list:
         print("\n".join(wheel_list()))
         return 0
+    runs = {"lora", "qlora", "pytest", "scaling", *FSDP2, *FSDP1}
+    if args.runs and (unknown := sorted({r.strip() for r in args.runs.split(",") if r.strip()} - runs)):
+        parser.error(f"--runs: {unknown[0]!r} is not one of the runs: {', '.join(sorted(runs))}")
     if args.part is None or args.output is None:
         parser.error("give --part 1, 2 or all and --output FOLDER (or --wheel-list)")
     if args.output.is_symlink() or (args.output.exists() and not args.output.is_dir()):
@@ -501,6 +557,8 @@ def main(argv=None) -> int:
         print("gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest", file=sys.stderr)
         return 1
     check_run = Check(args.output, args.budget)
+    if args.runs:
+        check_run.only = {r.strip() for r in args.runs.split(",") if r.strip()}
     try:
         make_work(check_run)
         if args.install_wheels:
