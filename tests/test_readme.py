@@ -66,7 +66,7 @@ def test_every_readme_command_runs(tmp_path):
         outputs[command] = proc.stdout + proc.stderr
     assert len(skipped) == 4 and "recipes/llama-3.2-1b/sft.yaml" in skipped[0] and "--size 6GB" in skipped[1]
     assert "bench/scaling.py --quick" in skipped[2] and skipped[3].startswith("bash bench/gpu_wheels.sh")
-    assert len(on_gpu) == (0 if torch.cuda.is_available() else 2)
+    assert len(on_gpu) == (0 if torch.cuda.is_available() else 3)
 
     # The scaling benchmark's one-minute form: every file, and a record per run with what the table needs.
     smoke = repo / "runs" / "scaling-smoke"
