@@ -542,7 +542,8 @@ def main(argv=None) -> int:
         print("\n".join(wheel_list()))
         return 0
     runs = {"lora", "qlora", "pytest", "scaling", *FSDP2, *FSDP1}
-    if args.runs and (unknown := sorted({r.strip() for r in args.runs.split(",") if r.strip()} - runs)):
+    asked = None if args.runs is None else {r.strip() for r in args.runs.split(",") if r.strip()}
+    if asked is not None and (unknown := sorted(asked - runs) or ([] if asked else ["(none)"])):
         parser.error(f"--runs: {unknown[0]!r} is not one of the runs: {', '.join(sorted(runs))}")
     if args.part is None or args.output is None:
         parser.error("give --part 1, 2 or all and --output FOLDER (or --wheel-list)")
@@ -559,8 +560,7 @@ def main(argv=None) -> int:
         print("gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest", file=sys.stderr)
         return 1
     check_run = Check(args.output, args.budget)
-    if args.runs:
-        check_run.only = {r.strip() for r in args.runs.split(",") if r.strip()}
+    check_run.only = asked
     try:
         make_work(check_run)
         if args.install_wheels:

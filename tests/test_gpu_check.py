@@ -229,3 +229,13 @@ def test_an_output_that_is_not_a_new_or_empty_folder_is_refused_in_one_line(tmp_
     assert (out.read_text() == "mine") if kind == "file" else sorted(p.name for p in out.iterdir()) in ([], ["notes.txt"])
     assert sorted(p.name for p in Path(tempfile.gettempdir()).glob("gpu-check-*")) == before  # no work folder left
 
+
+
+@pytest.mark.parametrize("runs, named", [("zero3", "'zero3'"), ("qlora,lora,typo", "'typo'"), (" , ", "'(none)'")])
+def test_runs_that_are_not_runs_of_the_check_are_refused_in_one_line_before_any_work(tmp_path, runs, named):
+    """--runs picks what a short visit to a GPU runs: a typo (or nothing) would spend the visit running nothing."""
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--part", "all", "--runs", runs, "--output", str(tmp_path / "out")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith(f"gpu_check.py: error: --runs: {named} is not one of the runs: "), proc.stderr
+    assert "accelerate_configs/zero3.yaml" in last and not (tmp_path / "out").exists()

@@ -114,3 +114,102 @@ def test_a_quantized_base_without_its_unquantized_base_is_one_line(base_and_trut
     assert "pass --base-model <the folder of the model the adapter was trained on>" in error, error
     assert not out.exists()
     assert cli("merge_checkpoint", [str(ckpt), str(out), "--base-model", str(base_dir)]) == 0
+
+
+# ---- found by a hostile review: what must be refused, or kept, around these merges ----
+
+def test_a_quantized_checkpoint_on_another_base_of_the_same_shapes_is_refused(base_and_truth, tmp_path, capsys):
+    """Without the run's base_identity.json (a checkpoint of another tool), the weights the run did not quantize are
+    the evidence: the embeddings and norms the checkpoint holds must be the base's. A trained norm counts too."""
+    folder, base_dir, model, _ = base_and_truth
+    other = tmp_path / "other-base"
+    from transformers import AutoConfig
+
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(other)
+    ckpt = quantized_checkpoint(folder, base_dir, model, "4bit-bf16")
+    capsys.readouterr()  # DCP's own progress bars
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(other)]) == 1
+    error = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert "differs from the base model" in error and "give its base with --base-model" in error, error
+    assert not (tmp_path / "out").exists()
+    # the right base, but a norm the run trained: merging would put the base's back, silently
+    state = {k: v.clone() for k, v in dcp_state(ckpt).items()}
+    norm = next(k for k in state if k.endswith("input_layernorm.weight"))
+    state[norm] *= 3
+    trained = tmp_path / "trained-norm"
+    dcp.save({"model": state}, checkpoint_id=str(trained), no_dist=True)
+    for name in ("adapter_config.json", "config.json"):
+        (trained / name).write_bytes((ckpt / name).read_bytes())
+    capsys.readouterr()
+    assert cli("merge_checkpoint", [str(trained), str(tmp_path / "out")]) == 1
+    assert norm.split("model.", 1)[1] in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+
+
+def dcp_state(ckpt) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt), str(ckpt.parent / f"{ckpt.name}.pt"))
+    return torch.load(ckpt.parent / f"{ckpt.name}.pt", weights_only=True)["model"]
+
+
+def test_a_quantized_base_model_is_refused_as_the_base(base_and_truth, tmp_path, capsys):
+    folder, base_dir, model, _ = base_and_truth
+    from safetensors.torch import save_file
+
+    int8_base = tmp_path / "int8-base"
+    int8_base.mkdir()
+    (int8_base / "config.json").write_bytes((base_dir / "config.json").read_bytes())
+    weights = load_file(base_dir / "model.safetensors")
+    save_file({k: v.to(torch.int8) if k.endswith("proj.weight") else v for k, v in weights.items()}, str(int8_base / "model.safetensors"))
+    ckpt = quantized_checkpoint(folder, base_dir, model, "8bit-int8")
+    capsys.readouterr()
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(int8_base)]) == 1
+    error = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert "is int8: a quantized model" in error and "give the unquantized base with --base-model" in error, error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_plain_checkpoint_keeps_its_quantization_config(tmp_path, capsys):
+    """Only a merge into the unquantized base drops quantization_config: elsewhere the weights written are the
+    checkpoint's, and a config that says how they are quantized must stay (without it they load as garbage)."""
+    from transformers import AutoConfig
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama"))
+    ckpt = tmp_path / "plain"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    config = json.loads((REPO / "assets" / "tiny-llama" / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": BNB_4BIT}))
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["load_in_4bit"] is True
+
+
+def test_lora_on_a_tied_lm_head_is_refused_not_merged_into_one_of_the_two(tmp_path, capsys):
+    """peft's merge of an adapter on a tied lm_head changes the one tensor both names share; the merge writes a
+    tied weight once, from the embeddings' name, so it would drop the adapter's delta: refused by name."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)
+    base = AutoModelForCausalLM.from_config(config)
+    base.save_pretrained(tmp_path / "base")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]))
+    ckpt = tmp_path / "tied"
+    dcp.save({"model": {k: v.clone() for k, v in model.state_dict().items()}}, checkpoint_id=str(ckpt), no_dist=True)
+    adapter = {**model.peft_config["default"].to_dict(), "base_model_name_or_path": str(tmp_path / "base")}
+    adapter["target_modules"] = sorted(adapter["target_modules"])
+    (ckpt / "adapter_config.json").write_text(json.dumps(adapter))
+    (ckpt / "config.json").write_text(config.to_json_string())
+    capsys.readouterr()
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
+    error = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert "lm_head.weight has a LoRA adapter and is tied to the input embeddings" in error, error
+    assert not (tmp_path / "out").exists()
+
+
+def test_inspect_says_the_base_is_quantized(base_and_truth, capsys):
+    folder, base_dir, model, _ = base_and_truth
+    ckpt = quantized_checkpoint(folder, base_dir, model, "4bit-uint8")
+    assert cli("merge_checkpoint", [str(ckpt), "--inspect"]) == 0
+    assert "a LoRA adapter on a quantized base" in json.loads(capsys.readouterr().out)["layout"]

@@ -36,13 +36,14 @@ def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str]]
     return type(skeleton), expected, tied
 
 
-def describe_folder(out_dir: Path, model_cls: type, config, tokenizer=None, generation_config=None, dtype=None) -> list[str]:
+def describe_folder(out_dir: Path, model_cls: type, config, tokenizer=None, generation_config=None, dtype=None, dequantized: bool = False) -> list[str]:
     """config.json (architectures = the model class, never an FSDP wrapper), generation config and tokenizer; returns
     the names of the files written."""
     config.architectures = [model_cls.__name__]
-    if getattr(config, "quantization_config", None) is not None:
-        # the weights written beside it are never quantized (a QLoRA run's merge writes the unquantized base's):
-        # a config still saying so would have from_pretrained quantize them again, or refuse without bitsandbytes
+    if dequantized and getattr(config, "quantization_config", None) is not None:
+        # a QLoRA run's merge writes the unquantized base's weights: a config still saying they are quantized would
+        # have from_pretrained quantize them again, or refuse without bitsandbytes (elsewhere it stays: weights that
+        # are quantized load wrong without it)
         del config.quantization_config
     if dtype is not None:
         config.dtype = torch_dtype(dtype_name(dtype))
@@ -183,7 +184,8 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
         raise CheckpointError(f"cannot build a causal LM from the config in {config_from} ({_one_line(err)}): pass --base-model") from None
     weights = match_namespace(resolved.source.tensors, expected, tied, model_cls.__name__)
     origin = {"config": config_from, "tokenizer": tok_from or "(none)"}
-    return Description(weights, tied, origin, lambda out: describe_folder(out, model_cls, config, tokenizer, generation_config, dtype), notes)
+    return Description(weights, tied, origin, lambda out: describe_folder(out, model_cls, config, tokenizer, generation_config, dtype,
+                                                                                            resolved.dequantized), notes)
 
 
 def _agrees_with_config(config_path: Path, model_name: str, tied: list[str]) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt.layout import ADAPTER_CONFIG
-from fsdp_recipes.ckpt.readers import TensorInfo
+from fsdp_recipes.ckpt.readers import SAFETENSORS_DTYPES, TensorInfo
 from fsdp_recipes.errors import CheckpointError
 
 LORA_WEIGHT = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -157,6 +157,10 @@ class MergedLoraSource:
             return None
         return self.base.copy_plan(self._plain[name])
 
+    def merged_into_tied(self, tied: list[str]) -> str | None:
+        """A merged weight that the model ties to another (LoRA on a tied lm_head): the first one's name, or None."""
+        return next((t for t in tied for merged in self._merged if merged == t or merged.endswith(f".{t}")), None)
+
     def scaling(self, r: int) -> float:
         return self.alpha / math.sqrt(r) if self.rslora else self.alpha / r
 
@@ -232,6 +236,24 @@ class AdapterOfQuantized:
         return self.source.read(names)
 
 
+def frozen_weight_differs(checkpoint, on_base) -> str | None:
+    """A QLoRA checkpoint also holds the weights it did not quantize (embeddings, norms, the LM head) as the run
+    loaded them: the first of those the base model (``on_base``: AdapterOnBaseSource) holds otherwise, or None. A
+    different value means another base than the run's (or a weight the run trained): merged, the result would be
+    neither model. One tensor at a time; a weight the base holds in a wider dtype is compared in the checkpoint's."""
+    import torch
+
+    for name, base_name in on_base._base_names.items():
+        info = checkpoint.tensors.get(name)
+        if info is None or name.endswith(".base_layer.weight") or info.dtype not in SAFETENSORS_DTYPES or info.dtype in ("int8", "uint8") \
+                or tuple(info.shape) != tuple(on_base.base.tensors[base_name].shape):
+            continue
+        mine, theirs = checkpoint.read([name])[name], on_base.base.read([base_name])[base_name]
+        if not torch.equal(mine, theirs.to(mine.dtype)):
+            return name
+    return None
+
+
 def holds_adapter_only(names) -> bool:
     """The stored tensors are a LoRA adapter alone (an adapter-only checkpoint): no frozen base weight among them."""
     names = list(names)
@@ -262,6 +284,10 @@ class AdapterOnBaseSource:
         if unmatched:
             raise CheckpointError(f"{unmatched[0].removeprefix(prefix)} has LoRA weights in the checkpoint but no weight of that size in the base "
                                   f"model {base_dir}: it is another model than the one the adapter was trained on; give its base with --base-model")
+        if quantized := next((m for m in sorted(modules) if base.tensors[self._base_names[f"{m}.base_layer.weight"]].dtype in ("int8", "uint8")), None):
+            raise CheckpointError(f"{quantized.removeprefix(prefix)}.weight in the base model {base_dir} is "
+                                  f"{base.tensors[self._base_names[f'{quantized}.base_layer.weight']].dtype}: a quantized model, which the "
+                                  "adapter cannot be merged into; give the unquantized base with --base-model")
         self.tensors = {**{n: base.tensors[b] for n, b in self._base_names.items()}, **adapter.tensors}
 
     @staticmethod

@@ -33,7 +33,7 @@ from fsdp_recipes.ckpt.layout import (
 )
 from fsdp_recipes.ckpt.lora_merge import (
     LORA_WEIGHT, AdapterOfQuantized, AdapterOnBaseSource, MergedLoraSource, adapter_tensors, base_weights, find_adapter_config, holds_adapter_only, is_lora,
-    quantized_base, read_adapter_config,
+    frozen_weight_differs, quantized_base, read_adapter_config,
 )
 from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype, unconvertible_dtype
@@ -152,7 +152,11 @@ def merge_checkpoint(
                 future = pool.submit(describe_with_transformers, resolved, None, None)
         else:
             future = pool.submit(describe_with_transformers, resolved, base_model, dtype)
-            weights = (_early_guess(resolved) if base_model is None else None) or future.result().weights
+            lora = isinstance(resolved.source, MergedLoraSource)  # checked before the copy: its ties can refuse it
+            weights = (_early_guess(resolved) if base_model is None and not lora else None) or future.result().weights
+            if lora and (tied := resolved.source.merged_into_tied(future.result().tied)):
+                raise CheckpointError(f"{tied} has a LoRA adapter and is tied to the input embeddings: peft's merge changes both "
+                                      "tensors, this merge writes the tied weight once; merge with peft's merge_and_unload instead")
         if odd := next((n for n in weights.names.values() if resolved.source.tensors[n].dtype not in DTYPE_SIZES), None):
             raise CheckpointError(unconvertible_dtype(resolved.source.tensors[odd].dtype, f"{resolved.checkpoint_dir}: weight {odd!r}"))
         size = sum(resolved.source.tensors[n].nbytes(dtype) for n in weights.names.values())
@@ -235,7 +239,7 @@ def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, l
     recorded = base_identity.read(config_path.parent)  # the base the run trained on, when it recorded one
     alone = holds_adapter_only(resolved.source.tensors)  # an adapter-only checkpoint: the base's weights are the base model's
     if not alone and (quantized := quantized_base(resolved.source.tensors)):
-        resolved.source, alone = AdapterOfQuantized(resolved.source), True
+        resolved.source, alone, resolved.dequantized = AdapterOfQuantized(resolved.source), True, True
         log(f"{quantized}: the adapter is merged into the unquantized base model's weights")
     if alone and not adapter_only:
         base, base_dir = base_weights(base_model, adapter_config, config_path)
@@ -246,6 +250,10 @@ def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, l
                 f"pass --base-model <the base it was trained on> (to merge into another base on purpose, move {BASE_IDENTITY} away)")):
             raise CheckpointError(problem)
         resolved.source = AdapterOnBaseSource(resolved.source, base, base_dir)
+        if isinstance(resolved.source.adapter, AdapterOfQuantized) and (
+                differs := frozen_weight_differs(resolved.source.adapter.source, resolved.source)):
+            raise CheckpointError(f"{differs} in the checkpoint differs from the base model {base_dir}'s: it is another model than the "
+                                  "one the adapter was trained on (or the run trained that weight); give its base with --base-model")
         log(f"adapter-only LoRA checkpoint: the frozen base's weights from {base_dir}")
     merged = None if alone and adapter_only else MergedLoraSource(resolved.source, adapter_config)
     if adapter_only:
@@ -323,6 +331,7 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
     for info in infos:
         dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
     config_dir, tok_dir = description_dirs(resolved)
+    quantized = None if alone else quantized_base(src.tensors)
     try:
         step = load_json(state, "trainer_state.json", 256 << 20).get("global_step") if state.is_file() else None
     except (ValueError, AttributeError):
@@ -334,6 +343,8 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         "format": src.kind,
         "layout": (f"layout: {len(infos)} LoRA adapter tensors (lora_A, lora_B) and no frozen base weight: a merge adds the base "
                    "(--base-model, or the one adapter_config.json names)") if alone else
+                  (f"layout: a LoRA adapter on a quantized base ({quantized}): a merge writes the unquantized base model's weights "
+                   "with the adapter merged (--base-model, or the one adapter_config.json names)") if quantized else
                   (weights.describe() + ("" if own else " (guessed; a merge checks it against the config)")) if weights else "no weights found",
         "ranks": src.ranks,
         "step": step,

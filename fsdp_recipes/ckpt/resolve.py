@@ -38,6 +38,8 @@ class ResolvedInput:
     checkpoint_dir: Path  # the checkpoint: where its trainer state lies
     notes: list[str] = field(default_factory=list)
     weights_dir: Path | None = None  # the folder holding the weights, when not checkpoint_dir
+    # a QLoRA checkpoint merged into its unquantized base: the written config must not say the weights are quantized
+    dequantized: bool = False
 
     @property
     def places(self) -> list[Path]:
