@@ -213,3 +213,20 @@ def test_inspect_says_the_base_is_quantized(base_and_truth, capsys):
     ckpt = quantized_checkpoint(folder, base_dir, model, "4bit-uint8")
     assert cli("merge_checkpoint", [str(ckpt), "--inspect"]) == 0
     assert "a LoRA adapter on a quantized base" in json.loads(capsys.readouterr().out)["layout"]
+
+
+def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_to_bf16_merges(base_and_truth, tmp_path, capsys):
+    """A run that loaded an fp32 base in bf16 (and FSDP upcast it back to fp32) holds rounded copies of the
+    unquantized weights: the same base, not another."""
+    folder, base_dir, model, truth = base_and_truth
+    ckpt = quantized_checkpoint(folder, base_dir, model, "4bit-bf16")
+    state = dcp_state(ckpt)
+    rounded = {k: v.to(torch.bfloat16).float() if v.is_floating_point() and ".lora_" not in k else v for k, v in state.items()}
+    assert any(not torch.equal(rounded[k], state[k]) for k in state)
+    again = tmp_path / "rounded"
+    dcp.save({"model": rounded}, checkpoint_id=str(again), no_dist=True)
+    for name in ("adapter_config.json", "config.json"):
+        (again / name).write_bytes((ckpt / name).read_bytes())
+    assert cli("merge_checkpoint", [str(again), str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(got[n], v) for n, v in truth.items())  # the base's own weights, the adapter merged
