@@ -176,7 +176,7 @@ def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> li
 
 
 RUN_SETTINGS = ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16", "dtype",
-                "load_in_4bit", "bnb_4bit_quant_storage", "bnb_4bit_compute_dtype", "zero1", "cpu_bf16")  # what the rules compare
+                "load_in_4bit", "bnb_4bit_quant_storage", "bnb_4bit_compute_dtype", "zero1", "cpu_bf16", "optim")  # what the rules compare
 
 
 def check_launch(raw) -> LaunchSettings | None:
