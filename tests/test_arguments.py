@@ -154,6 +154,12 @@ def test_torchrun_route_fsdp_flags(tmp_path):
         check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(typo)))
     with pytest.raises(RecipeError, match="does not exist"):
         check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(tmp_path / "nope.json")))
+    # an optimizer FSDP2 cannot step: refused on this route too (the accelerate route's check never sees it)
+    with pytest.raises(RecipeError, match=r"--optim adafactor: transformers' Adafactor cannot step FSDP2's sharded \(DTensor\) parameters"):
+        check_trainer_fsdp(argparse.Namespace(fsdp="full_shard auto_wrap", fsdp_config=shipped, optim="adafactor"))
+    version1 = tmp_path / "fsdp1.json"
+    version1.write_text('{"version": 1}')
+    assert check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(version1), optim="adafactor")) is True
 
 
 @pytest.mark.slow

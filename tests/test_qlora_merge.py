@@ -215,18 +215,75 @@ def test_inspect_says_the_base_is_quantized(base_and_truth, capsys):
     assert "a LoRA adapter on a quantized base" in json.loads(capsys.readouterr().out)["layout"]
 
 
-def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_to_bf16_merges(base_and_truth, tmp_path, capsys):
-    """A run that loaded an fp32 base in bf16 (and FSDP upcast it back to fp32) holds rounded copies of the
-    unquantized weights: the same base, not another."""
+@pytest.mark.parametrize("loaded, stored", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.float16)])
+def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_merges(base_and_truth, loaded, stored, tmp_path, capsys):
+    """A run that loaded an fp32 base in bf16 or fp16 (and FSDP upcast it back to fp32, or kept it) holds rounded
+    copies of the unquantized weights, fp16's small values flushed or subnormal: the same base, not another. A NaN
+    both hold is the same NaN."""
     folder, base_dir, model, truth = base_and_truth
-    ckpt = quantized_checkpoint(folder, base_dir, model, "4bit-bf16")
-    state = dcp_state(ckpt)
-    rounded = {k: v.to(torch.bfloat16).float() if v.is_floating_point() and ".lora_" not in k else v for k, v in state.items()}
-    assert any(not torch.equal(rounded[k], state[k]) for k in state)
-    again = tmp_path / "rounded"
-    dcp.save({"model": rounded}, checkpoint_id=str(again), no_dist=True)
-    for name in ("adapter_config.json", "config.json"):
-        (again / name).write_bytes((ckpt / name).read_bytes())
-    assert cli("merge_checkpoint", [str(again), str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    state = dcp_state(quantized_checkpoint(folder, base_dir, model, "4bit-bf16"))
+    rounded = {k: v.to(loaded).to(stored) if v.is_floating_point() and ".lora_" not in k and v.dtype == torch.float32 else v
+               for k, v in state.items()}
+    assert any(not torch.equal(rounded[k].float(), state[k].float()) for k in state)
+    norm = next(k for k in state if k.endswith("input_layernorm.weight"))
+    base = load_file(base_dir / "model.safetensors")
+    base_norm = norm.split("base_model.model.", 1)[1]
+    base[base_norm][0] = rounded[norm][0] = float("nan")  # the same NaN in both
+    nan_base = tmp_path / "nan-base"
+    nan_base.mkdir()
+    (nan_base / "config.json").write_bytes((base_dir / "config.json").read_bytes())
+    from safetensors.torch import save_file
+
+    save_file(base, str(nan_base / "model.safetensors"))
+    ckpt = write_checkpoint(tmp_path / "rounded", rounded, folder / "checkpoint-4bit-bf16")
+    capsys.readouterr()
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(nan_base)]) == 0, capsys.readouterr().err
     got = load_file(tmp_path / "out" / "model.safetensors")
-    assert all(torch.equal(got[n], v) for n, v in truth.items())  # the base's own weights, the adapter merged
+    assert all(torch.equal(got[n], v) for n, v in truth.items() if n != base_norm)  # the base's own weights, the adapter merged
+
+
+def test_a_base_off_by_less_than_a_rounding_step_is_another_base(base_and_truth, tmp_path, capsys):
+    """A base whose unquantized weights differ by 0.5% (a fine-tuned variant) is not the run's: no tolerance lets it in."""
+    folder, base_dir, model, _ = base_and_truth
+    base = load_file(base_dir / "model.safetensors")
+    variant = tmp_path / "variant"
+    variant.mkdir()
+    (variant / "config.json").write_bytes((base_dir / "config.json").read_bytes())
+    from safetensors.torch import save_file
+
+    save_file({k: v * 1.005 if not k.endswith("proj.weight") else v for k, v in base.items()}, str(variant / "model.safetensors"))
+    ckpt = quantized_checkpoint(folder, base_dir, model, "4bit-bf16")
+    capsys.readouterr()
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(variant)]) == 1
+    assert "differs from the base model" in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+
+
+def write_checkpoint(path, state, like):
+    dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
+    for name in ("adapter_config.json", "config.json"):
+        (path / name).write_bytes((like / name).read_bytes())
+    return path
+
+
+def test_lora_on_modules_stored_both_ways_is_refused_in_one_line(tmp_path, capsys):
+    """peft decides fan_in_fan_out per module (GPT-2's Conv1D stores its weight in x out, a Linear head out x in) and
+    records one value: the merge crashed with a RuntimeError on such an adapter; now it refuses it before the copy."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=120, n_positions=64, tie_word_embeddings=False)
+    base = GPT2LMHeadModel(config)
+    base.save_pretrained(tmp_path / "base")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "lm_head"]))
+    ckpt = tmp_path / "both-ways"
+    dcp.save({"model": {k: v.clone() for k, v in model.state_dict().items()}}, checkpoint_id=str(ckpt), no_dist=True)
+    adapter = {**model.peft_config["default"].to_dict(), "base_model_name_or_path": str(tmp_path / "base")}
+    adapter["target_modules"] = sorted(adapter["target_modules"])
+    (ckpt / "adapter_config.json").write_text(json.dumps(adapter))
+    (ckpt / "config.json").write_text(config.to_json_string())
+    capsys.readouterr()
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
+    error = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert "modules stored both ways cannot be merged by one setting" in error, error
+    assert not (tmp_path / "out").exists()

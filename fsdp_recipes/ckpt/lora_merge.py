@@ -145,6 +145,14 @@ class MergedLoraSource:
                 if set(pairs[module]) != {"A", "B"}:
                     raise CheckpointError(f"{module} has lora_{''.join(pairs[module])} but not both lora_A and lora_B: the checkpoint is incomplete")
                 self._merged[merged_name] = (name, pairs[module]["A"], pairs[module]["B"])
+                a, b = base.tensors[pairs[module]["A"]].shape, base.tensors[pairs[module]["B"]].shape
+                delta = (a[-1], b[0]) if self.transpose else (b[0], a[-1])
+                if len(info.shape) == 2 and tuple(info.shape) != delta and info.numel == delta[0] * delta[1]:
+                    # peft decides fan_in_fan_out per module (GPT-2's Conv1D against a Linear head), its config once
+                    raise CheckpointError(f"{name}: lora_B @ lora_A is {delta[0]} x {delta[1]} (fan_in_fan_out "
+                                          f"{str(self.transpose).lower()} in {ADAPTER_CONFIG}) but the weight is {info.shape[0]} x "
+                                          f"{info.shape[1]}: modules stored both ways cannot be merged by one setting; merge with "
+                                          "peft's merge_and_unload instead")
             else:
                 self._plain[merged_name] = name
             self.tensors[merged_name] = info
@@ -249,9 +257,10 @@ def frozen_weight_differs(checkpoint, on_base) -> str | None:
                 or tuple(info.shape) != tuple(on_base.base.tensors[base_name].shape):
             continue
         mine, theirs = checkpoint.read([name])[name], on_base.base.read([base_name])[base_name]
-        # equal up to one bf16 rounding: the run may have loaded an fp32 base in bf16 (or fp16) and upcast it again
-        # for FSDP, so the checkpoint holds the rounded values; another base, or a trained weight, is far off
-        if not torch.allclose(mine.float(), theirs.float(), rtol=2**-7, atol=0):
+        # the base's values as they are, or as the run may have loaded them: rounded to bf16 or fp16 (and upcast again
+        # for FSDP); nothing else is the same base (a trained weight or another base differs beyond any rounding)
+        if not any(torch.equal(mine.isnan(), loaded.isnan()) and torch.equal(mine.masked_fill(mine.isnan(), 0), loaded.masked_fill(loaded.isnan(), 0))
+                   for loaded in (theirs.to(mine.dtype), theirs.to(torch.bfloat16).to(mine.dtype), theirs.to(torch.float16).to(mine.dtype))):
             return name
     return None
 

@@ -31,6 +31,17 @@ FSDP2_ONLY = ["fsdp_reshard_after_forward"]
 # step ("got mixed torch.Tensor and DTensor"): measured with the installed transformers and torch by
 # tests/test_config_check.py (the names it can build on CPU; the others need packages or devices not here)
 FSDP2_UNSTEPPABLE_OPTIMIZERS = {"adafactor": "transformers' Adafactor"}
+
+
+def unsteppable_optimizer(optim) -> tuple[str, str] | None:
+    """(problem, fix) for an --optim FSDP2 cannot step (a flag's string or an OptimizerNames member), else None."""
+    name = str(getattr(optim, "value", optim) or "").strip().lower()
+    if name not in FSDP2_UNSTEPPABLE_OPTIMIZERS:
+        return None
+    return (f"{name}: {FSDP2_UNSTEPPABLE_OPTIMIZERS[name]} cannot step FSDP2's sharded (DTensor) parameters: the run would fail "
+            "at its first optimizer step, after loading the model", "use adamw_torch (or sgd, adagrad, rmsprop), or an FSDP1 config")
+
+
 ZERO1_UNDER_FSDP = "is for DDP launches (accelerate_configs/ddp.yaml); under FSDP it would wrap a sharded optimizer in a second sharding"
 LARGE_MODEL = 1_000_000_000  # parameters above which FULL_STATE_DICT gathering on rank 0 becomes a problem
 
@@ -308,11 +319,8 @@ def _check_with_recipe(c: _Checker, recipe: dict, recipe_file: str, fsdp: dict, 
                "(FSDP computes in bf16, keeps fp32 master weights)", file=recipe_file)
     if recipe.get("fp16") and mp == "bf16" or recipe.get("bf16") and mp == "fp16":
         c.error("fp16" if recipe.get("fp16") else "bf16", f"disagrees with the accelerate config's mixed_precision: {mp}", "set mixed precision in one place: the accelerate config", file=recipe_file)
-    optim = str(getattr(recipe.get("optim"), "value", recipe.get("optim")) or "").lower()  # a flag's value or an OptimizerNames
-    if version == 2 and optim in FSDP2_UNSTEPPABLE_OPTIMIZERS:
-        c.error("optim", f"{optim}: {FSDP2_UNSTEPPABLE_OPTIMIZERS[optim]} cannot step FSDP2's sharded (DTensor) parameters: the run "
-                "would fail at its first optimizer step, after loading the model", "use adamw_torch (or sgd, adagrad, rmsprop), "
-                "or launch an FSDP1 config (accelerate_configs/fsdp1/)", file=recipe_file)
+    if version == 2 and (problem := unsteppable_optimizer(recipe.get("optim"))):
+        c.error("optim", *problem, file=recipe_file)
     if _as_bool(recipe.get("cpu_bf16")) and mp != "bf16" and not _as_bool(recipe.get("bf16")):
         c.error("cpu_bf16", f"keeps bf16 mixed precision on a CPU without native bf16, and mixed_precision is {mp}",
                 "drop cpu_bf16, or set mixed_precision: bf16 in the accelerate config", file=recipe_file)
