@@ -184,28 +184,34 @@ def test_a_plain_checkpoint_keeps_its_quantization_config(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["load_in_4bit"] is True
 
 
-def test_lora_on_a_tied_lm_head_is_refused_not_merged_into_one_of_the_two(tmp_path, capsys):
-    """peft's merge of an adapter on a tied lm_head changes the one tensor both names share; the merge writes a
-    tied weight once, from the embeddings' name, so it would drop the adapter's delta: refused by name."""
+def refused_lora_merge(tmp_path, capsys, base, target_modules: list[str]) -> str:
+    """A trained-looking peft checkpoint of ``base`` with LoRA on ``target_modules``, saved with DCP: the merge's
+    one-line error (it must refuse, and write nothing)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig
 
-    torch.manual_seed(0)
-    config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)
-    base = AutoModelForCausalLM.from_config(config)
     base.save_pretrained(tmp_path / "base")
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]))
-    ckpt = tmp_path / "tied"
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
+    ckpt = tmp_path / "ckpt"
     dcp.save({"model": {k: v.clone() for k, v in model.state_dict().items()}}, checkpoint_id=str(ckpt), no_dist=True)
     adapter = {**model.peft_config["default"].to_dict(), "base_model_name_or_path": str(tmp_path / "base")}
     adapter["target_modules"] = sorted(adapter["target_modules"])
     (ckpt / "adapter_config.json").write_text(json.dumps(adapter))
-    (ckpt / "config.json").write_text(config.to_json_string())
+    (ckpt / "config.json").write_text(base.config.to_json_string())
     capsys.readouterr()
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
-    error = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
-    assert "lm_head.weight has a LoRA adapter and is tied to the input embeddings" in error, error
     assert not (tmp_path / "out").exists()
+    return one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+
+
+def test_lora_on_a_tied_lm_head_is_refused_not_merged_into_one_of_the_two(tmp_path, capsys):
+    """peft's merge of an adapter on a tied lm_head changes the one tensor both names share; the merge writes a
+    tied weight once, from the embeddings' name, so it would drop the adapter's delta: refused by name."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True))
+    error = refused_lora_merge(tmp_path, capsys, base, ["q_proj", "lm_head"])
+    assert "lm_head.weight has a LoRA adapter and is tied to the input embeddings" in error, error
 
 
 def test_inspect_says_the_base_is_quantized(base_and_truth, capsys):
@@ -268,22 +274,9 @@ def write_checkpoint(path, state, like):
 def test_lora_on_modules_stored_both_ways_is_refused_in_one_line(tmp_path, capsys):
     """peft decides fan_in_fan_out per module (GPT-2's Conv1D stores its weight in x out, a Linear head out x in) and
     records one value: the merge crashed with a RuntimeError on such an adapter; now it refuses it before the copy."""
-    from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=120, n_positions=64, tie_word_embeddings=False)
-    base = GPT2LMHeadModel(config)
-    base.save_pretrained(tmp_path / "base")
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "lm_head"]))
-    ckpt = tmp_path / "both-ways"
-    dcp.save({"model": {k: v.clone() for k, v in model.state_dict().items()}}, checkpoint_id=str(ckpt), no_dist=True)
-    adapter = {**model.peft_config["default"].to_dict(), "base_model_name_or_path": str(tmp_path / "base")}
-    adapter["target_modules"] = sorted(adapter["target_modules"])
-    (ckpt / "adapter_config.json").write_text(json.dumps(adapter))
-    (ckpt / "config.json").write_text(config.to_json_string())
-    capsys.readouterr()
-    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
-    error = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=120, n_positions=64, tie_word_embeddings=False))
+    error = refused_lora_merge(tmp_path, capsys, base, ["c_attn", "lm_head"])
     assert "modules stored both ways cannot be merged by one setting" in error, error
-    assert not (tmp_path / "out").exists()
