@@ -134,23 +134,21 @@ def test_a_quantized_checkpoint_on_another_base_of_the_same_shapes_is_refused(ba
     assert "differs from the base model" in error and "give its base with --base-model" in error, error
     assert not (tmp_path / "out").exists()
     # the right base, but a norm the run trained: merging would put the base's back, silently
-    state = {k: v.clone() for k, v in dcp_state(ckpt).items()}
+    state = dcp_state(ckpt)
     norm = next(k for k in state if k.endswith("input_layernorm.weight"))
     state[norm] *= 3
-    trained = tmp_path / "trained-norm"
-    dcp.save({"model": state}, checkpoint_id=str(trained), no_dist=True)
-    for name in ("adapter_config.json", "config.json"):
-        (trained / name).write_bytes((ckpt / name).read_bytes())
+    trained = write_checkpoint(tmp_path / "trained-norm", state, ckpt)
     capsys.readouterr()
     assert cli("merge_checkpoint", [str(trained), str(tmp_path / "out")]) == 1
     assert norm.split("model.", 1)[1] in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
 
 
 def dcp_state(ckpt) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """The model state a DCP checkpoint holds, read by our allow-listed reader (torch's own unpickles byte records)."""
+    from fsdp_recipes.ckpt.resolve import resolve_input
 
-    dcp_to_torch_save(str(ckpt), str(ckpt.parent / f"{ckpt.name}.pt"))
-    return torch.load(ckpt.parent / f"{ckpt.name}.pt", weights_only=True)["model"]
+    source = resolve_input(ckpt).source
+    return {name.removeprefix("model."): tensor.clone() for name, tensor in source.read(list(source.tensors)).items()}
 
 
 def test_a_quantized_base_model_is_refused_as_the_base(base_and_truth, tmp_path, capsys):

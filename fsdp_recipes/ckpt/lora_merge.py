@@ -20,6 +20,7 @@ from fsdp_recipes.ckpt.layout import ADAPTER_CONFIG
 from fsdp_recipes.ckpt.readers import SAFETENSORS_DTYPES, TensorInfo
 from fsdp_recipes.errors import CheckpointError
 
+QUANTIZED_DTYPES = ("int8", "uint8")  # bitsandbytes' 8-bit weights, and 4-bit packed into uint8 storage
 LORA_WEIGHT = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 _UNSUPPORTED = {  # name part -> what it is
     "lora_magnitude_vector": "DoRA (use_dora)", "lora_embedding_A": "LoRA on embeddings", "lora_embedding_B": "LoRA on embeddings",
@@ -225,7 +226,7 @@ def quantized_base(tensors: dict) -> str | None:
         if base is None or set(pair) != {"A", "B"}:
             continue
         out_features, in_features = pair["B"].shape[0], pair["A"].shape[-1]
-        if base.numel != out_features * in_features or base.dtype in ("int8", "uint8"):
+        if base.numel != out_features * in_features or base.dtype in QUANTIZED_DTYPES:
             return (f"{module}.base_layer.weight holds {base.numel:,} {base.dtype} elements for a {out_features} x {in_features} "
                     "weight (quantized: QLoRA)")
     return None
@@ -253,7 +254,7 @@ def frozen_weight_differs(checkpoint, on_base) -> str | None:
 
     for name, base_name in on_base._base_names.items():
         info = checkpoint.tensors.get(name)
-        if info is None or name.endswith(".base_layer.weight") or info.dtype not in SAFETENSORS_DTYPES or info.dtype in ("int8", "uint8") \
+        if info is None or name.endswith(".base_layer.weight") or info.dtype not in SAFETENSORS_DTYPES or info.dtype in QUANTIZED_DTYPES \
                 or tuple(info.shape) != tuple(on_base.base.tensors[base_name].shape):
             continue
         mine, theirs = checkpoint.read([name])[name], on_base.base.read([base_name])[base_name]
@@ -295,7 +296,7 @@ class AdapterOnBaseSource:
         if unmatched:
             raise CheckpointError(f"{unmatched[0].removeprefix(prefix)} has LoRA weights in the checkpoint but no weight of that size in the base "
                                   f"model {base_dir}: it is another model than the one the adapter was trained on; give its base with --base-model")
-        if quantized := next((m for m in sorted(modules) if base.tensors[self._base_names[f"{m}.base_layer.weight"]].dtype in ("int8", "uint8")), None):
+        if quantized := next((m for m in sorted(modules) if base.tensors[self._base_names[f"{m}.base_layer.weight"]].dtype in QUANTIZED_DTYPES), None):
             raise CheckpointError(f"{quantized.removeprefix(prefix)}.weight in the base model {base_dir} is "
                                   f"{base.tensors[self._base_names[f'{quantized}.base_layer.weight']].dtype}: a quantized model, which the "
                                   "adapter cannot be merged into; give the unquantized base with --base-model")

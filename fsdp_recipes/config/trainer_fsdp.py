@@ -81,7 +81,7 @@ def check_trainer_fsdp(raw) -> bool:
     unknown = [k for k in (config or {}) if not k.startswith("_") and k.removeprefix("fsdp_") not in keys]
     if unknown:
         raise RecipeError(f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, keys, 'fsdp_')}")
-    version = (config or {}).get("version", (config or {}).get("fsdp_version"))
+    version = (config or {}).get("version", (config or {}).get("fsdp_version"))  # TrainingArguments reads either
     if str(version) == "2" and (problem := unsteppable_optimizer(getattr(raw, "optim", None))):
         raise RecipeError(f"--optim {problem[0]}; fix: {problem[1]} (--fsdp_config with \"version\": 1)")
     return True
