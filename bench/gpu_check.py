@@ -30,6 +30,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,7 @@ TOLERANCE, MFU_BAND = 0.10, (0.05, 0.85)
 # the profiled one are 2 of 9 (with 5-step windows they were 2 of 3, and the median of zero3 on an H200 was the
 # checkpoint's cost, not training's: bench/results/h200/gpu-check-1); the checkpoint's cost has its own columns
 LOGGING_STEPS = 2
+INTERRUPT_GRACE = 20  # seconds a command has after SIGINT at the deadline to print what it has (pytest: its failures)
 RUN_SECONDS = 75  # what one config's run takes at most on an H100 (start, 20 steps, export): below this, it is skipped
 # --part all: one command for a visit shorter than two (15 minutes of device time, the start included), what matters
 # most first: the FSDP2 pair that shows offload and both background-save paths, LoRA/QLoRA, the FSDP1 pair, pytest
@@ -231,23 +233,52 @@ def offload_checks(rows: dict[str, dict]) -> list[dict]:
     return found
 
 
+# Where a run's CUDA peak is reached: (label, the peak so far then, what was allocated then), from fsdp_report.json's
+# peak_memory (fsdp_recipes.train.sharding: cuda_memory_now). A peak over the estimate is then placed in loading, the
+# first forward+backward, the first optimizer step, the steps before the first checkpoint or the checkpoint itself.
+PHASE_LABELS = {"before_training": "loading and prepare", "after_first_backward": "step 1 forward+backward",
+                "after_first_step": "step 1 with its optimizer step", "before_first_save": "steps before the first save",
+                "after_first_save": "the first save"}
+
+
+def peak_phases() -> list[tuple[str, str, str]]:
+    from fsdp_recipes.train.sharding import CUDA_PHASES, phase_keys
+
+    return [(PHASE_LABELS[phase], *phase_keys(phase)) for phase in CUDA_PHASES]
+
+
+def phase_table(rows: list[dict]) -> list[str]:
+    """For the runs that recorded them: the peak so far / what was allocated, at the end of each phase."""
+    measured = [r for r in rows if r.get("phases")]
+    if not measured:
+        return []
+    phases = peak_phases()
+    head = ["run"] + [label for label, *_ in phases] + ["end of training"]
+    lines = ["", "Where the CUDA peak is reached: peak so far / allocated, at the end of each phase", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in measured:
+        cells = [f"{gib(r['phases'].get(peak))} / {gib(r['phases'].get(held))}" for _, peak, held in phases]
+        lines.append("| " + " | ".join([r["config"], *cells, gib(r.get("peak_allocated"))]) + " |")
+    return lines
+
+
 def gib(n) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
 def markdown(rows: list[dict], checks: list[dict], notes: list[str]) -> str:
     """report.md: the per-run table, every check with its verdict, and the notes (versions, skips, errors)."""
-    head = ["run", "wrapper", "tokens/s", "MFU", "peak allocated", "peak reserved", "estimate", "states", "formula",
-            "loading peak / held at step 0", "seconds"]
+    head = ["run", "wrapper", "tokens/s", "MFU", "peak allocated", "peak reserved", "estimate", "states", "formula", "seconds"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["config"], r.get("wrapper") or "-", f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
                  f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-", gib(r.get("peak_allocated")), gib(r.get("peak_reserved")),
                  gib(r.get("estimate_peak")), gib(r.get("states_bytes")), gib(r.get("estimate_states")),
-                 f"{gib(r.get('loading_peak'))} / {gib(r.get('held_at_start'))}", f"{r['seconds']:.0f}" if r.get("seconds") else "-"]
+                 f"{r['seconds']:.0f}" if r.get("seconds") else "-"]
         if r.get("error"):
             cells[1:] = [f"FAILED: {r['error']}"] + [""] * (len(head) - 2)
         lines.append("| " + " | ".join(cells) + " |")
+    lines += phase_table(rows)
     lines += ["", "| check | value | wanted | verdict | detail |", "|---|---|---|---|---|"]
     for c in checks:
         wanted = f"{'' if c['low'] is None else c['low']} .. {'' if c['high'] is None else c['high']}".strip()
@@ -303,11 +334,20 @@ class Check:
     def run(self, cmd: list[str], seconds: float, cwd: Path = REPO) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
         self.log(f"$ {' '.join(cmd)}")
+        # its own process group: at the deadline the command and its children get SIGINT first, so that pytest prints
+        # its failures and summary (a kill left "FFFFFFsFF" and no reason: bench/results/h200/gpu-check-4), then SIGKILL
+        child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=max(seconds, 1))
-        except subprocess.TimeoutExpired as err:
-            out = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
-            proc = subprocess.CompletedProcess(cmd, 124, out, f"timed out after {seconds:.0f} s (this part's budget)")
+            out, err = child.communicate(timeout=max(seconds - INTERRUPT_GRACE, 1))  # seconds: the grace included
+            proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGINT)
+            try:
+                out, err = child.communicate(timeout=INTERRUPT_GRACE)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                out, err = child.communicate()
+            proc = subprocess.CompletedProcess(cmd, 124, out, err + f"\ntimed out after {seconds:.0f} s (this part's budget)")
         self.log(proc.stdout[-4000:] + proc.stderr[-4000:])
         return proc
 
@@ -338,7 +378,7 @@ class Check:
         if seconds < 30:
             self.checks.append(check("pytest -m gpu: exit status", None, 0, 0, f"not run: {self.left():.0f} s left of the budget"))
             return
-        proc = self.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"], seconds)
+        proc = self.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-rfE", "--tb=short"], seconds)
         (self.output / "pytest.txt").write_text(proc.stdout[-200_000:] + proc.stderr[-20_000:])
         summary = next((line for line in reversed(proc.stdout.splitlines()) if re.search(r"\d+ (passed|failed|error|skipped)", line)), "no summary")
         self.checks.append(check("pytest -m gpu: exit status", float(proc.returncode), 0, 0, summary.strip("= ")))
@@ -370,7 +410,7 @@ class Check:
         peak = rank.get("peak_memory", {})
         row.update(wrapper=rank.get("wrapper"), fsdp_version=report.get("fsdp_version"), states_bytes=sum(rank["bytes"].values()),
                    peak_allocated=peak.get("cuda_max_allocated_bytes"), peak_reserved=peak.get("cuda_max_reserved_bytes"),
-                   loading_peak=peak.get("cuda_max_allocated_before_training_bytes"), held_at_start=peak.get("cuda_allocated_at_train_begin_bytes"),
+                   phases={k: v for k, v in peak.items() if any(k in keys for _, *keys in peak_phases())},
                    parameters=report["total_param_elements"], checkpoint_writes=report.get("checkpoint_writes"))
         history = json.loads((out / "trainer_state.json").read_text())["log_history"]
         row["tokens_per_second"], row["mfu"] = log_metrics(history)
@@ -568,7 +608,7 @@ def main(argv=None) -> int:
         check_run.describe_environment()
         check_run.save()
         if args.part == "1":
-            check_run.pytest_gpu(min(300, check_run.left() - 3 * RUN_SECONDS))
+            check_run.pytest_gpu(check_run.left() - 10 if asked == {"pytest"} else min(300, check_run.left() - 3 * RUN_SECONDS))
             check_run.configs(FSDP2)
         elif args.part == "2":
             check_run.configs(FSDP1)
@@ -578,7 +618,7 @@ def main(argv=None) -> int:
             check_run.configs(ALL_FIRST)
             check_run.lora()
             check_run.configs(ALL_THEN)
-            check_run.pytest_gpu(min(240, check_run.left() - 10))
+            check_run.pytest_gpu(check_run.left() - 10 if asked == {"pytest"} else min(240, check_run.left() - 10))
             check_run.configs(ALL_LAST)
             check_run.scaling()
         check_run.checks += offload_checks({r["config"]: r for r in check_run.rows})

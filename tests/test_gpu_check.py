@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -129,6 +130,23 @@ def test_the_report_shows_every_run_and_every_verdict():
     assert text.rstrip().endswith("- torch 2.11.0 here, requirements.txt pins 2.13.0")
 
 
+def test_the_report_places_the_peak_in_the_phase_it_was_reached():
+    from fsdp_recipes.train.sharding import CUDA_PHASES, phase_keys
+
+    gib = 2**30
+    phases = {}
+    for i, phase in enumerate(CUDA_PHASES):  # peak so far i+1 GiB, held (i+1)/4 GiB
+        peak, held = phase_keys(phase)
+        phases[peak], phases[held] = (i + 1) * gib, (i + 1) * gib // 4
+    rows = [{**ROW, "phases": phases, "peak_allocated": 7 * gib}, {**ROW, "config": "no phases (a CPU run)"}]
+    text = gpu_check.markdown(rows, [], [])
+    [line] = [line for line in text.splitlines() if line.startswith("| accelerate_configs") and "/" in line.split("|")[2]]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1:] == [f"{i + 1:.2f} GiB / {(i + 1) / 4:.2f} GiB" for i in range(len(CUDA_PHASES))] + ["7.00 GiB"]
+    assert "no phases" not in text.split("Where the CUDA peak is reached")[1]
+    assert "Where the CUDA peak" not in gpu_check.markdown(rows[1:], [], [])
+
+
 def test_a_failed_run_is_named_by_its_own_error_line():
     stderr = ("W1124 02:25:31 api.py:1028] Sending process 25167 closing signal SIGTERM\n"
               "train_fsdp.py: error: --block_size 4096 is longer than the model's 2048 positions\n"
@@ -239,3 +257,28 @@ def test_runs_that_are_not_runs_of_the_check_are_refused_in_one_line_before_any_
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith(f"gpu_check.py: error: --runs: {named} is not one of the runs: "), proc.stderr
     assert "accelerate_configs/zero3.yaml" in last and not (tmp_path / "out").exists()
+
+
+def test_a_command_at_its_deadline_is_interrupted_and_says_what_it_has(tmp_path, monkeypatch):
+    """pytest killed at the budget left "FFFFFFsFF" and no reason; interrupted (SIGINT), it prints its failures. The
+    command here stands for pytest: it sleeps, and on the interrupt prints its summary; its child sleeps on."""
+    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 5)
+    monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
+    script = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              "print('started', flush=True)\n"
+              "try:\n    time.sleep(600)\n"
+              "except KeyboardInterrupt:\n    print('= FAILURES = test_x: assert 75068160 < 90e6'); sys.exit(2)\n")
+    check_run = gpu_check.Check(tmp_path / "out", 60)
+    started = time.monotonic()
+    proc = check_run.run([sys.executable, "-c", script], 7)
+    assert time.monotonic() - started < 20
+    assert proc.returncode == 124 and "timed out after 7 s" in proc.stderr
+    assert "= FAILURES = test_x: assert 75068160 < 90e6" in proc.stdout
+    assert "FAILURES" in (tmp_path / "out" / "logs.txt").read_text()
+
+    # a command that ignores the interrupt is killed after the grace, its whole process group with it
+    stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('ignoring', flush=True)\ntime.sleep(600)\n"
+    started = time.monotonic()
+    proc = check_run.run([sys.executable, "-c", stubborn], 7)
+    assert proc.returncode == 124 and "ignoring" in proc.stdout and time.monotonic() - started < 20

@@ -238,13 +238,25 @@ def peak_memory() -> dict[str, int]:
     return peak
 
 
-def memory_at_train_begin() -> dict[str, int]:
-    """On CUDA, when training begins: what the model's loading and prepare peaked at, and what they left allocated.
-    A run's peak above the estimate is then placed: in loading, in what loading left behind, or in the steps."""
+# The moments ShardingReport records CUDA memory at, in run order: a run's peak over the estimate is then placed in
+# loading and prepare, the first forward+backward, the first optimizer step, the steps before the first save or
+# the save itself.
+CUDA_PHASES = ("before_training", "after_first_backward", "after_first_step", "before_first_save", "after_first_save")
+
+
+def phase_keys(phase: str) -> tuple[str, str]:
+    """fsdp_report.json's peak_memory keys for ``phase``: (the peak so far then, what was allocated then)."""
+    return f"cuda_max_allocated_{phase}_bytes", f"cuda_allocated_{phase}_bytes"
+
+
+def cuda_memory_now(phase: str) -> dict[str, int]:
+    """On CUDA, the allocator's peak so far and what is allocated now, under ``phase``'s keys; nothing elsewhere."""
+    if phase not in CUDA_PHASES:
+        raise ValueError(f"unknown phase {phase!r}: one of {', '.join(CUDA_PHASES)}")
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return {}
-    return {"cuda_max_allocated_before_training_bytes": torch.cuda.max_memory_allocated(),
-            "cuda_allocated_at_train_begin_bytes": torch.cuda.memory_allocated()}
+    peak, held = phase_keys(phase)
+    return {peak: torch.cuda.max_memory_allocated(), held: torch.cuda.memory_allocated()}
 
 
 def _update_report(output_dir: str, accelerator, update) -> None:
@@ -305,10 +317,10 @@ class ShardingReport(TrainerCallback):
     def __init__(self, trainer):
         self.trainer = trainer
         self.grad_bytes = None
-        self.at_train_begin: dict[str, int] = {}
+        self.cuda_phases: dict[str, int] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.at_train_begin = memory_at_train_begin()
+        self.cuda_phases = cuda_memory_now("before_training")
         report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir, args, self.trainer.trainable_total,
                                    self.trainer.optimizer, getattr(self.trainer, "export_dtype", None))
         local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
@@ -333,9 +345,17 @@ class ShardingReport(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.grad_bytes is None:  # gradients exist only between backward and the optimizer step
             self.grad_bytes = state_bytes(self.trainer.model_wrapped)["grads"]
+            self.cuda_phases |= cuda_memory_now("after_first_backward")
+
+    def on_save(self, args, state, control, **kwargs):
+        if phase_keys("after_first_save")[0] not in self.cuda_phases:
+            self.cuda_phases |= cuda_memory_now("after_first_save")
 
     def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save and phase_keys("before_first_save")[0] not in self.cuda_phases:
+            self.cuda_phases |= cuda_memory_now("before_first_save")  # DefaultFlowCallback has decided: the save follows
         if state.global_step == 1:  # the optimizer state exists from the first step on
+            self.cuda_phases |= cuda_memory_now("after_first_step")
             accelerator = self.trainer.accelerator
             measured = state_bytes(self.trainer.model_wrapped, self.trainer.optimizer)
             add_measured_bytes(args.output_dir, accelerator, gather(self.grad_bytes, accelerator), gather(measured, accelerator),
@@ -343,4 +363,4 @@ class ShardingReport(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator
-        add_peak_memory(args.output_dir, accelerator, gather({**peak_memory(), **self.at_train_begin}, accelerator))
+        add_peak_memory(args.output_dir, accelerator, gather({**peak_memory(), **self.cuda_phases}, accelerator))
