@@ -427,7 +427,7 @@ class Check:
         if lora:
             return  # the formula counts full fine-tuning
         strategy = strategy_of(yaml.safe_load((REPO / config).read_text()))
-        est = estimate(model_shape(str(self.model_folder())), Setup(strategy=strategy.memory_strategy, nproc_per_node=PROCESSES, nnodes=1,
+        est = estimate(model_shape(str(self.model_folder())), Setup(strategy=strategy.memory_strategy_on(PROCESSES), nproc_per_node=PROCESSES, nnodes=1,
                                                                    offload=strategy.offload, micro_batch=BATCH, seq_len=SEQ))
         row.update(offload=strategy.offload, estimate_peak=est.gpu_total, estimate_states=est.params + est.grads + est.optimizer)
 

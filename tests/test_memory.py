@@ -42,6 +42,9 @@ def test_strategy_extras_and_offload():
     full = estimate(shape, Setup(strategy="FULL_SHARD", nproc_per_node=8))
     zero2 = estimate(shape, Setup(strategy="SHARD_GRAD_OP", nproc_per_node=8))
     assert zero2.gathered_params == 2e9 and full.gathered_params == 0  # bf16 parameters kept from forward to backward
+    for replicated in ("DDP", "ZERO1"):  # autocast's bf16 copies of the fp32 weights, saved for backward; none in fp32
+        assert estimate(shape, Setup(strategy=replicated, nproc_per_node=8)).gathered_params == 2e9
+        assert estimate(shape, Setup(strategy=replicated, nproc_per_node=8, precision="fp32")).gathered_params == 0
     assert full.all_gather_working_set == 2 * 65.5e6 * 2
     offload = estimate(shape, Setup(strategy="FULL_SHARD", nproc_per_node=8, offload=True))
     assert states(offload) == 0 and offload.cpu_offload_per_node == pytest.approx(16e9)
@@ -96,6 +99,14 @@ def test_cli_text_and_json(capsys):
     assert tool.main([TINY, "--config", str(REPO / "accelerate_configs" / "zero2.yaml"), "--nproc-per-node", "2"]) == 0
     out = capsys.readouterr().out
     assert "SHARD_GRAD_OP" in out and "activations" in out
+    # FSDP1 on one process runs NO_SHARD whatever its config names (torch switches): the estimate says so
+    for name in ("fsdp1/zero2.yaml", "fsdp1/zero3.yaml", "fsdp1/hybrid_shard.yaml"):
+        assert tool.main([TINY, "--config", str(REPO / "accelerate_configs" / name), "--nproc-per-node", "1"]) == 0
+        out = capsys.readouterr().out
+        assert "NO_SHARD" in out.splitlines()[0] and "note: FSDP1 on one process runs NO_SHARD" in out, name
+    assert tool.main([TINY, "--config", str(REPO / "accelerate_configs" / "zero2.yaml"), "--nproc-per-node", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "SHARD_GRAD_OP" in out.splitlines()[0] and "runs NO_SHARD" not in out  # FSDP2 keeps it on one process
     with pytest.raises(SystemExit) as stop:
         tool.main(["--help"])
     assert stop.value.code == 0 and "16 bytes per parameter" in capsys.readouterr().out

@@ -147,3 +147,14 @@ def test_quoted_booleans_read_as_accelerate_reads_them(text, strategy, offload):
     assert bool(str_to_bool(text)) is offload  # what accelerate itself makes of the text
     config = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": text, "fsdp_offload_params": text}}
     assert strategy_of(config).name == strategy and strategy_of(config).offload is offload
+
+
+def test_fsdp1_on_one_process_is_no_shard_and_nothing_else_changes_with_the_world():
+    """torch's FSDP1 switches any sharding strategy to NO_SHARD on a world of one; FSDP2, DDP and ZeRO-1 do not."""
+    from fsdp_recipes.config.strategy import shipped_configs
+
+    for label, strategy in shipped_configs().items():
+        for world in (2, 3, 8, 64):
+            assert strategy.memory_strategy_on(world) == strategy.memory_strategy, (label, world)
+        alone = strategy.memory_strategy_on(1)
+        assert alone == ("NO_SHARD" if strategy.fsdp_version == 1 else strategy.memory_strategy), label

@@ -28,7 +28,7 @@ from fsdp_recipes.config.strategy import strategy_of
 MAX_COUNT = 2**31 - 1  # far above any real node, batch or sequence, and low enough that the formulas stay finite
 
 
-def setup_from_config(path: str, setup: Setup) -> Setup:
+def setup_from_config(path: str, setup: Setup) -> tuple[Setup, list[str]]:
     """Strategy and offload from an accelerate config (fsdp_recipes.config.strategy: FSDP1 strategy names, FSDP2
     reshard/mesh; a DDP config is DDP, or ZERO1 when --strategy ZERO1 asks for the recipe's zero1). Read within bounds
     (fsdp_recipes.bounded); a value of the wrong type is a ValueError that sends the user to tools/check_config.py,
@@ -43,8 +43,11 @@ def setup_from_config(path: str, setup: Setup) -> Setup:
     except (TypeError, ValueError, OverflowError) as err:  # int() of a list, a word or .inf
         raise ValueError(f"accelerate config {path!r} has a value this tool cannot read ({err}): "
                          f"python tools/check_config.py {path} names it") from None
-    return Setup(**{**asdict(setup), "strategy": strategy.memory_strategy, "offload": strategy.offload,
-                    "precision": {"no": "fp32"}.get(mp, mp)})
+    world = setup.nproc_per_node * setup.nnodes
+    runs_as = strategy.memory_strategy_on(world)
+    notes = [f"FSDP1 on one process runs NO_SHARD, not the config's {strategy.memory_strategy} (torch switches)"] \
+        if runs_as != strategy.memory_strategy else []
+    return Setup(**{**asdict(setup), "strategy": runs_as, "offload": strategy.offload, "precision": {"no": "fp32"}.get(mp, mp)}), notes
 
 
 def whole_number(text: str) -> int:
@@ -114,9 +117,11 @@ def main(argv=None) -> int:
         shape = model_shape(args.model)
         setup = Setup(args.strategy, args.nproc_per_node, args.nnodes, args.offload, args.precision, args.optimizer,
                       args.micro_batch, args.seq_len, args.activation_checkpointing)
+        notes = []
         if args.config:
-            setup = setup_from_config(args.config, setup)
+            setup, notes = setup_from_config(args.config, setup)
         est = estimate(shape, setup)
+        est.notes[:0] = notes
         fits = fitting_configs(shape, setup, parse_bytes(args.gpu_memory)) if args.gpu_memory else None
     except (ValueError, OSError) as err:
         print(f"estimate_memory.py: error: {err}", file=sys.stderr)
@@ -131,7 +136,7 @@ def main(argv=None) -> int:
           f"{setup.nnodes} x {setup.nproc_per_node} processes (shard group {est.shard_group}), {setup.precision}, {setup.optimizer}")
     for label, value in [("parameters (fp32 master)", est.params), ("gradients", est.grads), ("optimizer state", est.optimizer),
                          ("model states (16P/S with Adam)", est.params + est.grads + est.optimizer),
-                         ("gathered parameters (SHARD_GRAD_OP)", est.gathered_params), ("all-gather working set", est.all_gather_working_set),
+                         ("bf16 parameters held fwd->bwd", est.gathered_params), ("all-gather working set", est.all_gather_working_set),
                          ("activations", est.activations), ("total per GPU", est.gpu_total)]:
         print(f"  {label:<38}{human(value):>12}")
     print(f"  {'CPU RAM per node, offload':<38}{human(est.cpu_offload_per_node):>12}")

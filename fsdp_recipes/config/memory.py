@@ -4,8 +4,9 @@ Model states with mixed precision keep fp32 master weights: per parameter 4 byte
 and, with Adam, 8 of optimizer state (m and v): 16 bytes, divided over the S processes that shard them
 (S = N for FULL_SHARD and SHARD_GRAD_OP, S = processes per node for HYBRID_SHARD, S = 1 for NO_SHARD and DDP).
 ZeRO-1 (DDP + ZeroRedundancyOptimizer) shards only the optimizer state: 8P + 8P/N.
-On top: the bf16 all-gather working set (the unit being computed and the one prefetched), for SHARD_GRAD_OP
-the gathered bf16 parameters held from forward to backward (2 bytes per parameter), and activations.
+On top: the bf16 all-gather working set (the unit being computed and the one prefetched), bf16 parameters held
+from forward to backward (2 bytes per parameter: SHARD_GRAD_OP's gathered ones, and DDP's and ZeRO-1's autocast
+copies of the fp32 weights, which the matmuls save for backward), and activations.
 """
 
 from __future__ import annotations
@@ -166,7 +167,10 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     unit = shape.largest_unit or P / max(shape.layers or 32, 1)
     # the unit in use and the prefetched one; nothing is gathered without sharded parameters
     working = 0.0 if setup.strategy in ("NO_SHARD", *REPLICATED) else 2 * unit * compute
-    gathered = compute * P if setup.strategy == "SHARD_GRAD_OP" else 0.0
+    # held from forward to backward: SHARD_GRAD_OP's gathered parameters; a replicated model's autocast copies (on one
+    # H200, DDP's peak was 2.1 GiB over the estimate without them, 1.82 GiB being 2P: bench/results/h200/gpu-check-4)
+    held = setup.strategy == "SHARD_GRAD_OP" or (setup.strategy in REPLICATED and setup.precision != "fp32")
+    gathered = compute * P if held else 0.0
     acts, notes = activation_bytes(shape, setup)
     if setup.strategy in REPLICATED:
         notes.append("DDP also keeps its gradient buckets (about 4P bytes more unless gradient_as_bucket_view)")

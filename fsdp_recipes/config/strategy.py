@@ -37,6 +37,14 @@ class Strategy:
         as HYBRID_SHARD."""
         return "HYBRID_SHARD" if self.name == "HYBRID_SHARD_ZERO2" else self.name
 
+    def memory_strategy_on(self, world: int) -> str:
+        """memory_strategy as it runs on ``world`` processes: FSDP1 on one process is NO_SHARD whatever the config
+        names (torch switches, warning "FSDP is switching to use NO_SHARD ... since the world size is 1"; on one H200
+        its FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD and NO_SHARD peaks were the same 18.00 GiB:
+        bench/results/h200/gpu-check-4). FSDP2 keeps its strategy: its SHARD_GRAD_OP still holds the bf16 parameters
+        from forward to backward on one GPU (1.7 GiB over FULL_SHARD's peak there)."""
+        return "NO_SHARD" if self.fsdp_version == 1 and world == 1 else self.memory_strategy
+
 
 def as_flag(value) -> bool:
     """A config's true/false as accelerate reads it (accelerate.utils.str_to_bool on strings: "false" is false)."""
