@@ -304,6 +304,14 @@ def tail(text: str, lines: int = 1) -> str:
     return " / ".join((errors or kept)[-lines:])[:400]
 
 
+def signal_group(pgid: int, sig: int) -> None:
+    """Signal a process group that may have ended meanwhile (the command finished just at its deadline)."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
 # ---------- the runs (need CUDA) ----------
 
 class Check:
@@ -341,12 +349,13 @@ class Check:
             out, err = child.communicate(timeout=max(seconds - INTERRUPT_GRACE, 1))  # seconds: the grace included
             proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGINT)
+            signal_group(child.pid, signal.SIGINT)
             try:
                 out, err = child.communicate(timeout=INTERRUPT_GRACE)
             except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
+                signal_group(child.pid, signal.SIGKILL)
                 out, err = child.communicate()
+            signal_group(child.pid, signal.SIGKILL)  # what the command left running (a launcher's workers)
             proc = subprocess.CompletedProcess(cmd, 124, out, err + f"\ntimed out after {seconds:.0f} s (this part's budget)")
         self.log(proc.stdout[-4000:] + proc.stderr[-4000:])
         return proc

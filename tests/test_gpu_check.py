@@ -282,3 +282,26 @@ def test_a_command_at_its_deadline_is_interrupted_and_says_what_it_has(tmp_path,
     started = time.monotonic()
     proc = check_run.run([sys.executable, "-c", stubborn], 7)
     assert proc.returncode == 124 and "ignoring" in proc.stdout and time.monotonic() - started < 20
+
+
+def test_what_an_interrupted_command_leaves_running_is_killed_and_an_ended_group_is_no_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 5)
+    monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
+    pid_file = tmp_path / "worker.pid"
+    # a launcher that exits on the interrupt and leaves a worker that ignores it
+    script = ("import subprocess, sys, time\n"
+              "worker = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)'], "
+              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+              f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+              "time.sleep(600)\n")
+    check_run = gpu_check.Check(tmp_path / "out", 60)
+    proc = check_run.run([sys.executable, "-c", script], 7)
+    assert proc.returncode == 124
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{worker}").exists() and "Z" not in Path(f"/proc/{worker}/stat").read_text().split()[2]:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{worker}").exists() or Path(f"/proc/{worker}/stat").read_text().split()[2] == "Z"
+    ended = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    ended.wait()
+    gpu_check.signal_group(ended.pid, gpu_check.signal.SIGKILL)  # gone already: no ProcessLookupError
