@@ -51,10 +51,8 @@ def cpu_setup(config: str, nproc: int, zero1: bool = False) -> tuple[Setup, str]
         if name == "HYBRID_SHARD":
             note = "2 replicas on one machine: shard group nproc/2"
         setup = Setup(strategy=name, nproc_per_node=nproc // 2 if name == "HYBRID_SHARD" else nproc, nnodes=2 if name == "HYBRID_SHARD" else 1)
-    else:
-        if name == "HYBRID_SHARD":
-            name, note = "NO_SHARD", "FSDP1 HYBRID_SHARD on CPU: shard group = device count = 1"
-        setup = Setup(strategy=name, nproc_per_node=nproc)
+    else:  # FSDP1 HYBRID_SHARD on one machine: its node's processes are the shard group (cpu_fsdp on CPU)
+        setup = Setup(strategy=strategy.memory_strategy_on(nproc, nproc), nproc_per_node=nproc)
     if strategy.offload:
         note = (note + "; " if note else "") + "offload: the states are on CPU either way here"
     return setup, note

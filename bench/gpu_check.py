@@ -86,6 +86,7 @@ TOLERANCE, MFU_BAND = 0.10, (0.05, 0.85)
 # the profiled one are 2 of 9 (with 5-step windows they were 2 of 3, and the median of zero3 on an H200 was the
 # checkpoint's cost, not training's: bench/results/h200/gpu-check-1); the checkpoint's cost has its own columns
 LOGGING_STEPS = 2
+TREE_POLL = 1.0  # seconds between looks at what a running command has started (Check.run)
 INTERRUPT_GRACE = 20  # seconds a command has after SIGINT at the deadline to print what it has (pytest: its failures)
 RUN_SECONDS = 75  # what one config's run takes at most on an H100 (start, 20 steps, export): below this, it is skipped
 # --part all: one command for a visit shorter than two (15 minutes of device time, the start included), what matters
@@ -304,12 +305,50 @@ def tail(text: str, lines: int = 1) -> str:
     return " / ".join((errors or kept)[-lines:])[:400]
 
 
+def _started(pid: int) -> str | None:
+    """A process's start time (field 22 of /proc/PID/stat), which tells it from a later process given its pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def signal_group(pgid: int, sig: int) -> None:
     """Signal a process group that may have ended meanwhile (the command finished just at its deadline)."""
     try:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def process_tree(root: int) -> list[tuple[int, str]]:
+    """``root`` and all its descendants now, as (pid, start time), whatever session they started: torch elastic
+    starts each worker of accelerate launch and torchrun in a session of its own, out of reach of the group."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int(Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if (started := _started(pid)) is not None:
+            found.append((pid, started))
+            todo += children.get(pid, [])
+    return found
+
+
+def signal_processes(processes: list[tuple[int, str]], sig: int) -> None:
+    """Signal each process still the one listed (same pid and start time); one that has ended is no error."""
+    for pid, started in processes:
+        if _started(pid) == started:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 # ---------- the runs (need CUDA) ----------
@@ -340,23 +379,47 @@ class Check:
         (self.output / "report.md").write_text(title + markdown(self.rows, self.checks, self.notes))
 
     def run(self, cmd: list[str], seconds: float, cwd: Path = REPO) -> subprocess.CompletedProcess:
+        """Run ``cmd`` for at most ``seconds`` (INTERRUPT_GRACE included). At the deadline the command and everything
+        it started get SIGINT, so that pytest prints its failures and summary (a kill left "FFFFFFsFF" and no reason:
+        bench/results/h200/gpu-check-5), then SIGKILL after the grace; whatever way this returns or raises (Ctrl-C
+        included), nothing it started is left running to hold the GPU."""
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
         self.log(f"$ {' '.join(cmd)}")
-        # its own process group: at the deadline the command and its children get SIGINT first, so that pytest prints
-        # its failures and summary (a kill left "FFFFFFsFF" and no reason: bench/results/h200/gpu-check-4), then SIGKILL
-        child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                 start_new_session=True)
+        seen: dict[int, str] = {}  # everything it has started, looked up every TREE_POLL seconds: a launcher that
+        deadline = time.monotonic() + max(seconds - INTERRUPT_GRACE, 1)  # exits leaves its workers without a parent
         try:
-            out, err = child.communicate(timeout=max(seconds - INTERRUPT_GRACE, 1))  # seconds: the grace included
-            proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
-        except subprocess.TimeoutExpired:
-            signal_group(child.pid, signal.SIGINT)
-            try:
-                out, err = child.communicate(timeout=INTERRUPT_GRACE)
-            except subprocess.TimeoutExpired:
-                signal_group(child.pid, signal.SIGKILL)
-                out, err = child.communicate()
-            signal_group(child.pid, signal.SIGKILL)  # what the command left running (a launcher's workers)
-            proc = subprocess.CompletedProcess(cmd, 124, out, err + f"\ntimed out after {seconds:.0f} s (this part's budget)")
+            while True:
+                seen.update(process_tree(child.pid))
+                try:
+                    out, err = child.communicate(timeout=max(min(TREE_POLL, deadline - time.monotonic()), 0.01))
+                    proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() < deadline:
+                        continue
+                seen.update(process_tree(child.pid))
+                signal_processes(seen.items(), signal.SIGINT)
+                try:
+                    out, err = child.communicate(timeout=INTERRUPT_GRACE)
+                except subprocess.TimeoutExpired:
+                    seen.update(process_tree(child.pid))
+                    signal_processes(seen.items(), signal.SIGKILL)
+                    try:
+                        out, err = child.communicate(timeout=10)
+                    except subprocess.TimeoutExpired:  # a process outside the tree holds the pipes: its output is lost
+                        child.kill()
+                        out, err = "", "its output was lost: a process it started outside its tree held the pipes"
+                own = f" (it exited {child.returncode} on the interrupt)" if child.returncode not in (None, -signal.SIGKILL) else ""
+                proc = subprocess.CompletedProcess(cmd, 124, out, err + f"\ntimed out after {seconds:.0f} s (this part's budget){own}")
+                break
+        finally:
+            signal_processes(list(seen.items()) + process_tree(child.pid), signal.SIGKILL)  # what it left running
+            signal_group(child.pid, signal.SIGKILL)
+            if child.poll() is None:
+                child.kill()
+                child.wait()
         self.log(proc.stdout[-4000:] + proc.stderr[-4000:])
         return proc
 
@@ -596,6 +659,11 @@ def main(argv=None) -> int:
         parser.error(f"--runs: {unknown[0]!r} is not one of the runs: {', '.join(sorted(runs))}")
     if args.part is None or args.output is None:
         parser.error("give --part 1, 2 or all and --output FOLDER (or --wheel-list)")
+    part_runs = {"1": {"pytest", *FSDP2}, "2": {"lora", "qlora", "scaling", *FSDP1}, "all": runs}[args.part]
+    if asked and (elsewhere := sorted(asked - part_runs)):
+        parser.error(f"--runs: {elsewhere[0]!r} is not run by --part {args.part}: give --part all, or the part that runs it")
+    if not (args.budget == args.budget and 0 < args.budget < float("inf")):  # NaN is not equal to itself
+        parser.error(f"--budget {args.budget}: give the seconds this part may take, a positive number (e.g. 560)")
     if args.output.is_symlink() or (args.output.exists() and not args.output.is_dir()):
         parser.error(f"--output {args.output} is not a folder: give a new or empty folder for the report")
     if args.output.is_dir() and any(args.output.iterdir()):

@@ -131,8 +131,8 @@ def expected_layout(config: str) -> tuple[int, int, int]:
     if strategy.fsdp_version == 2:
         shard = int(overrides[overrides.index("--parallelism_config_dp_shard_size") + 1]) if overrides else world
     else:
-        # NO_SHARD keeps everything; FSDP1 HYBRID_SHARD sizes its shard group from the device count, 1 on CPU.
-        shard = 1 if strategy.name in ("NO_SHARD", "HYBRID_SHARD") else world
+        # NO_SHARD keeps everything; FSDP1 HYBRID_SHARD shards within the node (on CPU, its processes: cpu_fsdp)
+        shard = 1 if strategy.name == "NO_SHARD" else world
     return world, strategy.fsdp_version, shard
 
 

@@ -75,6 +75,27 @@ def test_gpu_memory_lists_shipped_configs_cheapest_first():
         assert f"accelerate_configs/{config.split()[0]}" in ALL_CONFIGS
 
 
+def test_gpu_memory_lists_each_config_as_it_runs_on_one_process():
+    """On one process every FSDP1 config is NO_SHARD (torch switches), the FSDP2 HSDP config cannot run, and the
+    table agrees with the estimate of each config it names."""
+    from fsdp_recipes.config.strategy import shipped_configs
+
+    shape = ModelShape(params=int(1e9), hidden=2048, layers=16, vocab=32000, largest_unit=int(65.5e6))
+    setup = Setup(nproc_per_node=1, micro_batch=4, seq_len=1024)
+    rows = fitting_configs(shape, setup, 5.3 * GiB)
+    assert [r[0] for r in rows] == ["ddp.yaml", "fsdp1/no_shard.yaml", "fsdp1/zero3_offload.yaml", "ddp.yaml --zero1 true", "zero2.yaml",
+                                    "zero3.yaml", "zero3_offload.yaml"]
+    configs = shipped_configs()
+    for label, need, fits in rows:
+        strategy = configs[label]
+        name = "ZERO1" if "--zero1" in label else strategy.memory_strategy_on(1, 1)
+        assert need == estimate(shape, Setup(**{**setup.__dict__, "strategy": name, "offload": strategy.offload})).gpu_total
+        assert fits == (need <= 5.3 * GiB)
+    assert dict((r[0], r[2]) for r in rows)["fsdp1/zero3_offload.yaml"]  # NO_SHARD + offload fits where FULL_SHARD + offload did not
+    assert not dict((r[0], r[2]) for r in rows)["zero3_offload.yaml"]
+    assert "hybrid_shard.yaml" in [r[0] for r in fitting_configs(shape, Setup(nproc_per_node=2, nnodes=2), 80 * GiB)]
+
+
 def test_zero1_shards_only_the_optimizer_state():
     shape = ModelShape(params=int(7e9))
     ddp, zero1 = (estimate(shape, Setup(strategy=s, nproc_per_node=8)) for s in ("DDP", "ZERO1"))
@@ -103,7 +124,7 @@ def test_cli_text_and_json(capsys):
     for name in ("fsdp1/zero2.yaml", "fsdp1/zero3.yaml", "fsdp1/hybrid_shard.yaml"):
         assert tool.main([TINY, "--config", str(REPO / "accelerate_configs" / name), "--nproc-per-node", "1"]) == 0
         out = capsys.readouterr().out
-        assert "NO_SHARD" in out.splitlines()[0] and "note: FSDP1 on one process runs NO_SHARD" in out, name
+        assert "NO_SHARD" in out.splitlines()[0] and "note: FSDP1 in a shard group of one process runs NO_SHARD" in out, name
     assert tool.main([TINY, "--config", str(REPO / "accelerate_configs" / "zero2.yaml"), "--nproc-per-node", "1"]) == 0
     out = capsys.readouterr().out
     assert "SHARD_GRAD_OP" in out.splitlines()[0] and "runs NO_SHARD" not in out  # FSDP2 keeps it on one process

@@ -158,3 +158,48 @@ def test_fsdp1_on_one_process_is_no_shard_and_nothing_else_changes_with_the_worl
             assert strategy.memory_strategy_on(world) == strategy.memory_strategy, (label, world)
         alone = strategy.memory_strategy_on(1)
         assert alone == ("NO_SHARD" if strategy.fsdp_version == 1 else strategy.memory_strategy), label
+
+
+def test_fsdp1_hybrid_is_refused_where_torch_would_train_processes_apart():
+    """torch groups FSDP1 HYBRID_SHARD ranks by the devices each process sees: every combination of strategy,
+    devices per process, processes per node and world; refused exactly when a process would be a node of one
+    (no gradient crosses processes) or the groups are not the nodes."""
+    from fsdp_recipes.config.strategy import FSDP1_HYBRID, fsdp1_hybrid_problem
+
+    for strategy in (*FSDP1_HYBRID, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", None):
+        for devices in (1, 2, 4, 8):
+            for local in (1, 2, 4, 8):
+                for nodes in (1, 2, 3):
+                    world = local * nodes
+                    problem = fsdp1_hybrid_problem(strategy, devices, local, world)
+                    wrong = strategy in FSDP1_HYBRID and world > 1 and devices != local or (strategy in FSDP1_HYBRID and world > 1 and devices == 1)
+                    assert (problem is not None) == wrong, (strategy, devices, local, world, problem)
+                    if problem:
+                        assert "\n" not in problem and "accelerate_configs/" in problem and strategy in problem
+    assert "alone" in fsdp1_hybrid_problem("HYBRID_SHARD", 1, 1, 2) and "alone" in fsdp1_hybrid_problem("HYBRID_SHARD", 1, 8, 16)
+
+
+def test_the_fsdp1_strategy_is_read_as_accelerate_and_transformers_pass_it():
+    from types import SimpleNamespace
+
+    from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
+    from fsdp_recipes.train.preflight import fsdp1_strategy
+
+    plain = SimpleNamespace(fsdp_plugin_args=None)
+    fsdp = {"ACCELERATE_USE_FSDP": "true"}
+    for number, name in enumerate(FSDP_SHARDING_STRATEGY, start=1):  # accelerate's names and 1-based numbers
+        assert fsdp1_strategy(plain, {**fsdp, "FSDP_SHARDING_STRATEGY": name}) == name
+        assert fsdp1_strategy(plain, {**fsdp, "FSDP_SHARDING_STRATEGY": str(number)}) == name
+        assert fsdp1_strategy(plain, {**fsdp, "FSDP_SHARDING_STRATEGY": name.lower(), "FSDP_VERSION": "1"}) == name
+        assert fsdp1_strategy(plain, {**fsdp, "FSDP_SHARDING_STRATEGY": name, "FSDP_VERSION": "2"}) is None
+        assert fsdp1_strategy(plain, {"FSDP_SHARDING_STRATEGY": name}) is None  # not an FSDP launch
+    assert fsdp1_strategy(plain, fsdp) == "FULL_SHARD"  # accelerate's default
+    # the torchrun route: TrainingArguments' --fsdp, as transformers hands it to accelerate
+    from transformers import TrainingArguments
+
+    for option in ("hybrid_shard", "hybrid_shard_zero2", "full_shard", "shard_grad_op"):
+        args = TrainingArguments(output_dir="unused", fsdp=f"{option} auto_wrap", report_to="none",
+                                 fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+        assert fsdp1_strategy(args, {}) == option.upper()
+    args = TrainingArguments(output_dir="unused", fsdp=True, report_to="none", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    assert fsdp1_strategy(args, {}) is None

@@ -65,6 +65,19 @@ def test_loss_finite_and_falling(trained, config):
     assert losses[-1] < 0.85 * losses[0], losses
 
 
+def test_fsdp1_hybrid_shard_on_one_machine_trains_as_one_job(trained):
+    """FSDP1 HYBRID_SHARD on one machine is FULL_SHARD inside it: its ranks shard and reduce gradients together and
+    log fsdp1/zero3.yaml's losses and gradient norms. Before cpu_fsdp made a CPU node's processes its devices, each
+    process was a node of one (NO_SHARD, no gradient crossing processes): the losses parted from the third step and
+    the gradient norm was half."""
+    hybrid, full = (read_json(trained(c).output_dir / "trainer_state.json")["log_history"]
+                    for c in ("accelerate_configs/fsdp1/hybrid_shard.yaml", "accelerate_configs/fsdp1/zero3.yaml"))
+    steps = [(h["loss"], h["grad_norm"], f["loss"], f["grad_norm"]) for h, f in zip(hybrid, full) if "loss" in h]
+    assert len(steps) == 6
+    for loss, norm, full_loss, full_norm in steps:
+        assert loss == pytest.approx(full_loss, rel=1e-5) and norm == pytest.approx(full_norm, rel=1e-4)
+
+
 @pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_sharded_checkpoints_on_disk(trained, config):
     run = trained(config)

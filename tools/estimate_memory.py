@@ -9,8 +9,10 @@ Formula (model states, mixed precision with fp32 master weights and Adam): 16 by
 FULL_SHARD and SHARD_GRAD_OP, S = processes per node for HYBRID_SHARD, S = 1 for NO_SHARD and DDP (16P/S);
 ZeRO-1 (ddp.yaml --zero1 true) shards only Adam's 8 bytes: 8P + 8P/N.
 Plus: 2 x the largest FSDP unit in bf16 (all-gather working set), 2P more for SHARD_GRAD_OP (gathered
-parameters kept from forward to backward), and activations 34*s*b*h bytes per layer (2*s*b*h with
-activation checkpointing) + fp32 logits 8*s*b*V. With offload the model states move to CPU RAM.
+parameters kept from forward to backward) and for DDP and ZeRO-1 in bf16 (autocast's bf16 weight copies, kept
+as long), and activations 34*s*b*h bytes per layer (2*s*b*h with activation checkpointing) + fp32 logits
+8*s*b*V. With offload the model states move to CPU RAM. FSDP1 in a shard group of one process (one process, or
+HYBRID_SHARD with one per node) runs NO_SHARD whatever the config names, and is estimated so.
 """
 
 import argparse
@@ -44,8 +46,8 @@ def setup_from_config(path: str, setup: Setup) -> tuple[Setup, list[str]]:
         raise ValueError(f"accelerate config {path!r} has a value this tool cannot read ({err}): "
                          f"python tools/check_config.py {path} names it") from None
     world = setup.nproc_per_node * setup.nnodes
-    runs_as = strategy.memory_strategy_on(world)
-    notes = [f"FSDP1 on one process runs NO_SHARD, not the config's {strategy.memory_strategy} (torch switches)"] \
+    runs_as = strategy.memory_strategy_on(world, setup.nproc_per_node)
+    notes = [f"FSDP1 in a shard group of one process runs NO_SHARD, not the config's {strategy.memory_strategy} (torch switches)"] \
         if runs_as != strategy.memory_strategy else []
     return Setup(**{**asdict(setup), "strategy": runs_as, "offload": strategy.offload, "precision": {"no": "fp32"}.get(mp, mp)}), notes
 

@@ -123,7 +123,13 @@ def enable(trainer_fsdp: bool = False) -> bool:
     return True
 
 
+def cpu_devices_per_node() -> int:
+    """What FSDP1 HYBRID_SHARD takes for a node's device count on CPU once patched: the node's processes."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
 CPU_PRIVATE = (
+    "torch.distributed.fsdp._init_utils._init_intra_and_inter_node_groups",
     "accelerate.state.AcceleratorState._shared_state",
     "accelerate.state.PartialState._shared_state",
     "torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states",
@@ -202,6 +208,12 @@ def _patch_fsdp1_internals() -> None:
     internals.patch("torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states", lambda module_states: None)
     internals.patch("torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu", contextlib.contextmanager(lambda self: (yield)))
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    # HYBRID_SHARD's "node" is as many ranks as a process sees devices: 1 on CPU, so every process was a node of
+    # one, switched to NO_SHARD, and no gradient crossed processes (the ranks trained apart). Here a node's devices
+    # are its processes, so HYBRID_SHARD shards within the node and replicates across nodes as on GPUs.
+    node_groups = internals.get("torch.distributed.fsdp._init_utils._init_intra_and_inter_node_groups")
+    internals.patch("torch.distributed.fsdp._init_utils._init_intra_and_inter_node_groups",
+                    lambda global_group, num_devices_per_node: node_groups(global_group, cpu_devices_per_node()))
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None
 

@@ -31,6 +31,8 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu": (
         MODULE, "cpu_fsdp: a no-op on CPU (FULL_STATE_DICT with offload_to_cpu segfaults rank 0)"),
     "torch.distributed.distributed_c10d._set_pg_timeout": (MODULE, "cpu_fsdp: --ddp_timeout on CPU, where transformers drops it"),
+    "torch.distributed.fsdp._init_utils._init_intra_and_inter_node_groups": (
+        MODULE, "cpu_fsdp: FSDP1 HYBRID_SHARD's node is the node's processes on CPU (its device count is 1)"),
     # fsdp_recipes/train/sharding.py: FSDP1's flat parameters, for per-rank elements and bytes
     "torch.distributed.fsdp.FullyShardedDataParallel._handle": (INSTANCE, "sharding: an FSDP1 unit's flat parameter"),
     "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size": (INSTANCE, "sharding: elements of a unit"),

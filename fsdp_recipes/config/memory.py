@@ -192,22 +192,28 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     )
 
 
-def shipped_table() -> list[tuple[str, str, bool]]:
+def shipped_table(world: int | None = None, per_node: int | None = None) -> list[tuple[str, str, bool]]:
     """(config, strategy, offload) for each distinct estimate among the shipped configs (fsdp_recipes.config.strategy
     reads them from accelerate_configs/; of an FSDP1 and an FSDP2 config with the same estimate, the FSDP2 one),
-    cheapest communication first."""
+    cheapest communication first. On ``world`` processes (``per_node`` a node) each as it runs there: FSDP1 in a
+    shard group of one is NO_SHARD; FSDP2's HSDP needs 2+ processes per node (accelerate refuses a shard of 1)."""
+    configs = [(label, strategy, strategy.memory_strategy if world is None else strategy.memory_strategy_on(world, per_node))
+               for label, strategy in shipped_configs().items()
+               if not (per_node == 1 and strategy.fsdp_version == 2 and strategy.memory_strategy == "HYBRID_SHARD")]
     rows: dict[tuple[str, bool], str] = {}
-    for label, strategy in sorted(shipped_configs().items(), key=lambda item: (item[1].fsdp_version == 1, item[0])):
-        rows.setdefault((strategy.memory_strategy, strategy.offload), label)
+    # FSDP2 first, then a config that names the strategy it runs (fsdp1/no_shard.yaml for NO_SHARD on one process)
+    for label, strategy, runs_as in sorted(configs, key=lambda c: (c[1].fsdp_version == 1, c[2] != c[1].memory_strategy, c[0])):
+        rows.setdefault((runs_as, strategy.offload), label)
     rank = {name: i for i, name in enumerate(COMMUNICATION_ORDER)}
     return sorted(((label, name, offload) for (name, offload), label in rows.items()),
                   key=lambda row: (rank.get(row[1], len(rank)), row[2]))
 
 
 def fitting_configs(shape: ModelShape, setup: Setup, gpu_bytes: float) -> list[tuple[str, float, bool]]:
-    """(config, GPU bytes, fits) for every shipped config (DDP, ZeRO-1, FSDP1, FSDP2), cheapest in communication first."""
+    """(config, GPU bytes, fits) for every shipped config (DDP, ZeRO-1, FSDP1, FSDP2), cheapest in communication
+    first, each as it runs on the setup's processes."""
     rows = []
-    for name, strategy, offload in shipped_table():
+    for name, strategy, offload in shipped_table(setup.nproc_per_node * setup.nnodes, setup.nproc_per_node):
         est = estimate(shape, Setup(**{**asdict(setup), "strategy": strategy, "offload": offload}))
         rows.append((name, est.gpu_total, est.gpu_total <= gpu_bytes))
     return rows

@@ -37,13 +37,38 @@ class Strategy:
         as HYBRID_SHARD."""
         return "HYBRID_SHARD" if self.name == "HYBRID_SHARD_ZERO2" else self.name
 
-    def memory_strategy_on(self, world: int) -> str:
-        """memory_strategy as it runs on ``world`` processes: FSDP1 on one process is NO_SHARD whatever the config
-        names (torch switches, warning "FSDP is switching to use NO_SHARD ... since the world size is 1"; on one H200
-        its FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD and NO_SHARD peaks were the same 18.00 GiB:
-        bench/results/h200/gpu-check-4). FSDP2 keeps its strategy: its SHARD_GRAD_OP still holds the bf16 parameters
-        from forward to backward on one GPU (1.7 GiB over FULL_SHARD's peak there)."""
-        return "NO_SHARD" if self.fsdp_version == 1 and world == 1 else self.memory_strategy
+    def memory_strategy_on(self, world: int, per_node: int | None = None) -> str:
+        """memory_strategy as it runs on ``world`` processes (``per_node`` of them on each node): FSDP1 in a shard
+        group of one process is NO_SHARD whatever the config names (torch switches, warning "FSDP is switching to use
+        NO_SHARD ..."): on one process, and for HYBRID_SHARD with one process per node. On one H200 FSDP1's FULL_SHARD,
+        SHARD_GRAD_OP, HYBRID_SHARD and NO_SHARD peaked at the same 18.00 GiB (bench/results/h200/gpu-check-1, -4,
+        -5). FSDP2 keeps its strategy: its SHARD_GRAD_OP still holds the bf16 parameters from forward to backward
+        on one GPU (1.7 GiB over FULL_SHARD's peak there)."""
+        alone = world == 1 or (self.name in FSDP1_HYBRID and per_node == 1)
+        return "NO_SHARD" if self.fsdp_version == 1 and alone else self.memory_strategy
+
+
+FSDP1_HYBRID = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2")  # as accelerate and torch name them
+
+
+def fsdp1_hybrid_problem(strategy: str | None, devices_per_process: int, local_world: int, world: int) -> str | None:
+    """What is wrong, if anything, with FSDP1 HYBRID_SHARD here: torch groups ranks into "nodes" of as many ranks as
+    each process sees devices (torch.cuda.device_count()), not by the node's processes. Seeing one device (one GPU
+    per task under SLURM, or a CPU), every process is a node of one: torch switches it to NO_SHARD in that group
+    of one and never reduces gradients across processes, so the ranks train apart without a word (measured on 2
+    CPU processes: the losses parted from the third step and the gradient norm halved)."""
+    if strategy not in FSDP1_HYBRID or world <= 1:
+        return None
+    if devices_per_process == 1:
+        return (f"FSDP1 {strategy} with one device visible to each process would train every process alone: torch "
+                "makes each process a node of one (NO_SHARD in a group of one) and never reduces gradients across "
+                "processes; make all of a node's GPUs visible to each of its processes, or use "
+                "accelerate_configs/fsdp1/zero3.yaml or accelerate_configs/zero3.yaml")
+    if devices_per_process != local_world:
+        return (f"FSDP1 {strategy} groups ranks by the {devices_per_process} devices each process sees, but this node "
+                f"runs {local_world} processes: its shard groups would not be the nodes; launch one process per GPU "
+                "with all of the node's GPUs visible, or use accelerate_configs/fsdp1/zero3.yaml")
+    return None
 
 
 def as_flag(value) -> bool:

@@ -20,6 +20,7 @@ the Plan it returns (fsdp_recipes.config.plan) is carried out here, in this orde
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config.arguments import build
 from fsdp_recipes.config.launcher import LaunchSettings
 from fsdp_recipes.config.plan import Plan
+from fsdp_recipes.config.strategy import fsdp1_hybrid_problem
 from fsdp_recipes import console
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
@@ -64,7 +66,39 @@ def start(plan: Plan):
     except ValueError as err:  # TrainingArguments.__post_init__ checks
         raise RecipeError(str(err).replace("\n", " ")) from None
     training_args.resume_from_checkpoint = plan.resume
+    if problem := fsdp1_hybrid_problem(fsdp1_strategy(training_args), devices_per_process(), *_local_and_world()):
+        raise RecipeError(problem)
     return training_args, on_cpu
+
+
+def fsdp1_strategy(training_args, env=None) -> str | None:
+    """The FSDP1 sharding strategy this launch asked for (None: not FSDP1): from TrainingArguments' --fsdp on the
+    torchrun route (its plugin arguments carry it as reshard_after_forward), else from accelerate launch's
+    environment (FSDP_SHARDING_STRATEGY, a name or accelerate's 1-based number)."""
+    from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
+
+    env = os.environ if env is None else env
+    plugin_args = getattr(training_args, "fsdp_plugin_args", None)
+    if plugin_args:
+        return str(plugin_args.get("reshard_after_forward", "")).upper() if int(plugin_args.get("fsdp_version", 1)) == 1 else None
+    if not cpu_fsdp.fsdp_requested(env) or env.get("FSDP_VERSION", "1") != "1":
+        return None
+    value = env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").strip()
+    if value.isdigit() and 1 <= int(value) <= len(FSDP_SHARDING_STRATEGY):
+        return FSDP_SHARDING_STRATEGY[int(value) - 1]
+    return value.upper()
+
+
+def devices_per_process() -> int:
+    """The device count FSDP1 groups HYBRID_SHARD ranks by: CUDA's, or on CPU the node's processes (cpu_fsdp)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else cpu_fsdp.cpu_devices_per_node()
+
+
+def _local_and_world() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)), world
 
 
 def decide_resume(plan: Plan, training_args=None, say=say) -> None:
