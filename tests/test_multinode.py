@@ -157,3 +157,27 @@ def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
     assert again.returncode == 0, again.stdout + logs[0][-3000:]
     assert "requeued job (restart 1): resuming" in logs[0] and f"resuming from {shared / f'checkpoint-{step}'}" in logs[0]
     assert read_json(shared / "trainer_state.json")["global_step"] == 24 and (shared / "model" / "model.safetensors").is_file()
+
+
+def test_fsdp1_hybrid_that_would_train_processes_apart_is_refused_before_loading(tmp_path):
+    """FSDP1 HYBRID_SHARD makes a node of the devices each process sees: two nodes of one process each, on
+    torchrun's route with the strategy in the environment (as accelerate's plugin reads it), trained each node alone
+    and exited 0. Now every node stops before loading, in one line; and --fsdp hybrid_shard, which accelerate's FSDP1
+    never reads (it ran FULL_SHARD), is refused rather than ignored."""
+    v1 = tmp_path / "fsdp1.json"
+    v1.write_text('{"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": "SHARDED_STATE_DICT"}')
+    flags = ["--fsdp_config", str(v1), "--max_steps", "2", "--save_strategy", "no", "--report_to", "none"]
+    port = str(free_port())
+    nodes = [subprocess.Popen(["torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
+                               "--master_port", port, "train_fsdp.py", "--fsdp", "true", *flags, "--output_dir", str(tmp_path / "apart")],
+                              cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    logs = [node.communicate(timeout=300)[0] for node in nodes]
+    for node, log in zip(nodes, logs):
+        assert node.returncode != 0, log[-2000:]
+        assert "FSDP1 HYBRID_SHARD with one device visible to each process would train every process alone" in log, log[-2000:]
+        assert "loss" not in log and not (tmp_path / "apart" / "fsdp_report.json").exists()
+    ignored = subprocess.run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "train_fsdp.py", "--fsdp",
+                              "hybrid_shard auto_wrap", *flags, "--output_dir", str(tmp_path / "ignored")],
+                             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert ignored.returncode != 0 and "--fsdp hybrid_shard would run as FULL_SHARD" in ignored.stdout + ignored.stderr

@@ -194,12 +194,33 @@ def test_the_fsdp1_strategy_is_read_as_accelerate_and_transformers_pass_it():
         assert fsdp1_strategy(plain, {**fsdp, "FSDP_SHARDING_STRATEGY": name, "FSDP_VERSION": "2"}) is None
         assert fsdp1_strategy(plain, {"FSDP_SHARDING_STRATEGY": name}) is None  # not an FSDP launch
     assert fsdp1_strategy(plain, fsdp) == "FULL_SHARD"  # accelerate's default
-    # the torchrun route: TrainingArguments' --fsdp, as transformers hands it to accelerate
+    # the torchrun route: accelerate's FSDP1 plugin runs FSDP_SHARDING_STRATEGY (default FULL_SHARD) and never the
+    # --fsdp option transformers hands it as reshard_after_forward: read so, and the ignored option refused
     from transformers import TrainingArguments
+
+    from fsdp_recipes.train.preflight import fsdp1_ignored_option
 
     for option in ("hybrid_shard", "hybrid_shard_zero2", "full_shard", "shard_grad_op"):
         args = TrainingArguments(output_dir="unused", fsdp=f"{option} auto_wrap", report_to="none",
                                  fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
-        assert fsdp1_strategy(args, {}) == option.upper()
+        runs = fsdp1_strategy(args, {})
+        assert runs == "FULL_SHARD"
+        assert (fsdp1_ignored_option(f"{option} auto_wrap", runs) is None) == (option == "full_shard")
+        assert (fsdp1_ignored_option([option, "auto_wrap"], runs) is None) == (option == "full_shard")
+        for env_value in (option.upper(), str(FSDP_SHARDING_STRATEGY.index(option.upper()) + 1)):
+            runs = fsdp1_strategy(args, {"FSDP_SHARDING_STRATEGY": env_value})
+            assert runs == option.upper() and fsdp1_ignored_option(f"{option} auto_wrap", runs) is None
+            assert fsdp1_ignored_option(True, runs) is None and fsdp1_ignored_option("true", runs) is None  # --fsdp true names none
+    ignored = fsdp1_ignored_option("hybrid_shard auto_wrap", "FULL_SHARD")
+    assert ignored.startswith("--fsdp hybrid_shard would run as FULL_SHARD") and "FSDP_SHARDING_STRATEGY=HYBRID_SHARD" in ignored
+    assert fsdp1_ignored_option("hybrid_shard auto_wrap", None) is None  # not FSDP1: not this rule's
     args = TrainingArguments(output_dir="unused", fsdp=True, report_to="none", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
-    assert fsdp1_strategy(args, {}) is None
+    assert fsdp1_strategy(args, {"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}) is None
+    # a strategy in any form accelerate or torch gives it
+    from torch.distributed.fsdp import ShardingStrategy
+
+    for member in ShardingStrategy:
+        plugin = SimpleNamespace(fsdp_plugin_args={"fsdp_version": 1, "sharding_strategy": member})
+        assert fsdp1_strategy(plugin, {}) == member.name.lstrip("_")
+        assert fsdp1_strategy(SimpleNamespace(fsdp_plugin_args={"fsdp_version": 1, "sharding_strategy": member.value}), {}) \
+            == FSDP_SHARDING_STRATEGY[member.value - 1]

@@ -25,7 +25,7 @@ from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.config.memory import (
     COUNT_LIKE, OPTIMIZER_BYTES, STRATEGIES, Setup, estimate, fitting_configs, human, model_shape, parse_bytes, parse_count,
 )
-from fsdp_recipes.config.strategy import strategy_of
+from fsdp_recipes.config.strategy import FSDP1_HYBRID, strategy_of
 
 MAX_COUNT = 2**31 - 1  # far above any real node, batch or sequence, and low enough that the formulas stay finite
 
@@ -49,6 +49,8 @@ def setup_from_config(path: str, setup: Setup) -> tuple[Setup, list[str]]:
     runs_as = strategy.memory_strategy_on(world, setup.nproc_per_node)
     notes = [f"FSDP1 in a shard group of one process runs NO_SHARD, not the config's {strategy.memory_strategy} (torch switches)"] \
         if runs_as != strategy.memory_strategy else []
+    if strategy.name in FSDP1_HYBRID and strategy.fsdp_version == 1 and setup.nproc_per_node == 1 and world > 1:
+        notes.append(f"train_fsdp.py refuses {strategy.name} with one process per node: torch would train every node alone")
     return Setup(**{**asdict(setup), "strategy": runs_as, "offload": strategy.offload, "precision": {"no": "fp32"}.get(mp, mp)}), notes
 
 

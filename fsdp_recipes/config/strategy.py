@@ -57,8 +57,10 @@ def fsdp1_hybrid_problem(strategy: str | None, devices_per_process: int, local_w
     per task under SLURM, or a CPU), every process is a node of one: torch switches it to NO_SHARD in that group
     of one and never reduces gradients across processes, so the ranks train apart without a word (measured on 2
     CPU processes: the losses parted from the third step and the gradient norm halved)."""
-    if strategy not in FSDP1_HYBRID or world <= 1:
+    strategy = None if strategy is None else str(getattr(strategy, "name", strategy)).strip().upper()
+    if strategy not in FSDP1_HYBRID or int(world) <= 1:
         return None
+    devices_per_process, local_world = int(devices_per_process), int(local_world)
     if devices_per_process == 1:
         return (f"FSDP1 {strategy} with one device visible to each process would train every process alone: torch "
                 "makes each process a node of one (NO_SHARD in a group of one) and never reduces gradients across "

@@ -66,27 +66,57 @@ def start(plan: Plan):
     except ValueError as err:  # TrainingArguments.__post_init__ checks
         raise RecipeError(str(err).replace("\n", " ")) from None
     training_args.resume_from_checkpoint = plan.resume
-    if problem := fsdp1_hybrid_problem(fsdp1_strategy(training_args), devices_per_process(), *_local_and_world()):
+    runs = fsdp1_strategy(training_args)
+    if problem := fsdp1_ignored_option(getattr(raw, "fsdp", None), runs) or fsdp1_hybrid_problem(runs, devices_per_process(), *_local_and_world()):
         raise RecipeError(problem)
     return training_args, on_cpu
 
 
-def fsdp1_strategy(training_args, env=None) -> str | None:
-    """The FSDP1 sharding strategy this launch asked for (None: not FSDP1): from TrainingArguments' --fsdp on the
-    torchrun route (its plugin arguments carry it as reshard_after_forward), else from accelerate launch's
-    environment (FSDP_SHARDING_STRATEGY, a name or accelerate's 1-based number)."""
+def strategy_name(value) -> str:
+    """An FSDP1 sharding strategy as accelerate takes it (a name in any case, its 1-based number, torch's enum)."""
     from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
 
+    value = getattr(value, "name", value)  # torch.distributed.fsdp.ShardingStrategy
+    text = str(value).strip()
+    if text.isdigit() and 1 <= int(text) <= len(FSDP_SHARDING_STRATEGY):
+        return FSDP_SHARDING_STRATEGY[int(text) - 1]
+    return text.upper().lstrip("_")  # torch's private _HYBRID_SHARD_ZERO2 is accelerate's HYBRID_SHARD_ZERO2
+
+
+def fsdp1_strategy(training_args, env=None) -> str | None:
+    """The FSDP1 sharding strategy this launch runs (None: not FSDP1), resolved as accelerate 1.15's plugin does:
+    the plugin's sharding_strategy, else FSDP_SHARDING_STRATEGY from the environment (accelerate launch sets it
+    from the config), else FULL_SHARD. On the torchrun route transformers passes the plugin its --fsdp option as
+    reshard_after_forward, which accelerate's FSDP1 never reads (fsdp1_ignored_option)."""
     env = os.environ if env is None else env
-    plugin_args = getattr(training_args, "fsdp_plugin_args", None)
+    plugin_args = getattr(training_args, "fsdp_plugin_args", None) or {}
     if plugin_args:
-        return str(plugin_args.get("reshard_after_forward", "")).upper() if int(plugin_args.get("fsdp_version", 1)) == 1 else None
-    if not cpu_fsdp.fsdp_requested(env) or env.get("FSDP_VERSION", "1") != "1":
+        version = str(plugin_args.get("fsdp_version", 1)).strip()
+    elif cpu_fsdp.fsdp_requested(env):
+        version = env.get("FSDP_VERSION", "1").strip()
+    else:
         return None
-    value = env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").strip()
-    if value.isdigit() and 1 <= int(value) <= len(FSDP_SHARDING_STRATEGY):
-        return FSDP_SHARDING_STRATEGY[int(value) - 1]
-    return value.upper()
+    if version != "1":
+        return None
+    chosen = plugin_args.get("sharding_strategy")
+    return strategy_name(chosen if chosen is not None else env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD"))
+
+
+def fsdp1_ignored_option(fsdp_option, runs: str | None) -> str | None:
+    """The strategy the torchrun route's --fsdp names (e.g. "hybrid_shard auto_wrap") when FSDP1 would run ``runs``
+    instead without a word: transformers hands it to accelerate as reshard_after_forward, and accelerate's FSDP1
+    takes FSDP_SHARDING_STRATEGY (default FULL_SHARD); measured, --fsdp "hybrid_shard auto_wrap" ran FULL_SHARD."""
+    words = fsdp_option.split() if isinstance(fsdp_option, str) else [str(getattr(w, "value", w)) for w in fsdp_option or []] \
+        if isinstance(fsdp_option, (list, tuple)) else []
+    named = [strategy_name(w) for w in words if strategy_name(w) in STRATEGY_WORDS]
+    if runs is None or not named or named[0] == runs:
+        return None
+    return (f"--fsdp {named[0].lower()} would run as {runs}: accelerate's FSDP1 takes its strategy from FSDP_SHARDING_STRATEGY "
+            f"(unset: FULL_SHARD), not from transformers' --fsdp option; set FSDP_SHARDING_STRATEGY={named[0]} in the launch's "
+            "environment (and --fsdp true), or launch with accelerate launch --config_file accelerate_configs/fsdp1/<config>.yaml")
+
+
+STRATEGY_WORDS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")  # --fsdp's, upper-cased
 
 
 def devices_per_process() -> int:
