@@ -66,6 +66,8 @@ CASES = [
     ("processes do not split over machines", {**FSDP2, "num_processes": 3, "num_machines": 2}, {}, None, "error", "num_processes", "do not split evenly over 2 machines"),
     ("machine rank out of range", {**FSDP2, "num_processes": 4, "num_machines": 2, "machine_rank": 2}, {}, None, "error", "machine_rank", "is not in 0..1"),
     ("HSDP mesh does not fit", {**FSDP2, "num_processes": 8, "num_machines": 2, "parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}}, {}, None, "error", "parallelism_config", "is not num_processes 8"),
+    ("FSDP1 HYBRID_SHARD on one machine", variant(FSDP1, fsdp_sharding_strategy="HYBRID_SHARD"), {}, None, "warning", "fsdp_config.fsdp_sharding_strategy", "behaves as FULL_SHARD"),
+    ("FSDP1 HYBRID_SHARD_ZERO2 on one machine", variant(FSDP1, fsdp_sharding_strategy="HYBRID_SHARD_ZERO2"), {}, None, "warning", "fsdp_config.fsdp_sharding_strategy", "behaves as SHARD_GRAD_OP"),
     ("FSDP1 HYBRID_SHARD with one process per machine", variant(FSDP1, fsdp_sharding_strategy="HYBRID_SHARD", num_processes=4, num_machines=4), {}, None, "error", "fsdp_config.fsdp_sharding_strategy", "would train every machine alone"),
     ("distributed type not FSDP", {**FSDP2, "distributed_type": "MULTI_GPU"}, {}, None, "error", "distributed_type", "carries fsdp_config, which is then ignored"),
     ("mixed precision in two places", FSDP2, {"fp16": True}, None, "error", "fp16", "disagrees with the accelerate config's mixed_precision: bf16"),

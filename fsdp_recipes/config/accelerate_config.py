@@ -259,7 +259,9 @@ def _check_processes(c: _Checker, raw: dict, fsdp: dict, pc: dict, version, stra
             c.error("machine_rank", f"{rank} is not in 0..{machines - 1}", "pass --machine_rank on each node")
         hybrid = strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2") if version == 1 else bool(pc)
         if version == 1 and hybrid and machines == 1:
-            c.warn("fsdp_config.fsdp_sharding_strategy", f"{strategy} on one machine behaves as FULL_SHARD", "use zero3.yaml on one node, or set num_machines")
+            single = "SHARD_GRAD_OP" if "ZERO2" in str(strategy) else "FULL_SHARD"
+            c.warn("fsdp_config.fsdp_sharding_strategy", f"{strategy} on one machine behaves as {single}",
+                   f"use {'zero2' if single == 'SHARD_GRAD_OP' else 'zero3'}.yaml on one node, or set num_machines")
         if version == 1 and hybrid and machines > 1 and procs == machines:
             c.error("fsdp_config.fsdp_sharding_strategy", f"{strategy} with one process per machine would train every machine alone: "
                     "torch runs a node of one process as NO_SHARD and reduces no gradient across nodes",
