@@ -385,8 +385,10 @@ class Check:
         included), nothing it started is left running to hold the GPU."""
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
         self.log(f"$ {' '.join(cmd)}")
+        # SIGINT as a terminal would deliver it: a check started in the background (`cmd &` in a script) inherits
+        # SIGINT ignored, and so would pytest, which then could not print its failures at the deadline
         child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                                 start_new_session=True)
+                                 start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         seen: dict[int, str] = {}  # everything it has started, looked up every TREE_POLL seconds: a launcher that
         deadline = time.monotonic() + max(seconds - INTERRUPT_GRACE, 1)  # exits leaves its workers without a parent
         try:

@@ -276,6 +276,20 @@ def test_a_visit_that_would_run_nothing_is_refused_before_any_work(tmp_path, arg
     assert not (tmp_path / "out").exists()
 
 
+def test_a_command_gets_the_interrupt_even_when_the_check_runs_with_sigint_ignored(tmp_path, monkeypatch):
+    """A check started in the background (`python3 bench/gpu_check.py ... &` in a script) inherits SIGINT ignored;
+    pytest would inherit it too and be killed at its deadline without a word. Its commands get SIGINT as default."""
+    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 5)
+    monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        check_run = gpu_check.Check(tmp_path / "out", 60)
+        proc = check_run.run([sys.executable, "-c", "import time\ntry:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n    print('interrupted')\n"], 8)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert proc.returncode == 124 and "interrupted" in proc.stdout, proc
+
+
 def test_a_command_at_its_deadline_is_interrupted_and_says_what_it_has(tmp_path, monkeypatch):
     """pytest killed at the budget left "FFFFFFsFF" and no reason; interrupted (SIGINT), it prints its failures. The
     command here stands for pytest: on the interrupt it prints its summary."""
@@ -359,7 +373,9 @@ gpu_check.tempfile.mkdtemp = lambda prefix: {str(tmp_path / "work")!r}
 check_run = gpu_check.Check(__import__("pathlib").Path({str(tmp_path / "out")!r}), 600)
 check_run.run([sys.executable, "-c", {LAUNCHER.format(pipes="", pid_file=str(pid_file), launcher_sleeps=600)!r}], 500)
 """)
-    check = subprocess.Popen([sys.executable, str(driver)], cwd=REPO)
+    # Ctrl-C at a terminal: SIGINT handled as by default, even where this suite runs in the background (`cmd &`
+    # leaves SIGINT ignored, and children inherit that)
+    check = subprocess.Popen([sys.executable, str(driver)], cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not pid_file.is_file() and time.monotonic() < deadline:
