@@ -29,6 +29,7 @@ from fsdp_recipes.ckpt.layout import is_checkpoint_folder
 from fsdp_recipes.ckpt.resume import decide, disagreement, requested, REQUEUE_RECORD, sight
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, set_aside
 from fsdp_recipes.compat import cpu_fsdp
+from fsdp_recipes.config.accelerate_config import STRATEGIES
 from fsdp_recipes.config.arguments import build
 from fsdp_recipes.config.launcher import LaunchSettings
 from fsdp_recipes.config.plan import Plan
@@ -108,15 +109,13 @@ def fsdp1_ignored_option(fsdp_option, runs: str | None) -> str | None:
     takes FSDP_SHARDING_STRATEGY (default FULL_SHARD); measured, --fsdp "hybrid_shard auto_wrap" ran FULL_SHARD."""
     words = fsdp_option.split() if isinstance(fsdp_option, str) else [str(getattr(w, "value", w)) for w in fsdp_option or []] \
         if isinstance(fsdp_option, (list, tuple)) else []
-    named = [strategy_name(w) for w in words if strategy_name(w) in STRATEGY_WORDS]
+    named = [strategy_name(w) for w in words if strategy_name(w) in STRATEGIES]  # --fsdp's words, upper-cased
     if runs is None or not named or named[0] == runs:
         return None
     return (f"--fsdp {named[0].lower()} would run as {runs}: accelerate's FSDP1 takes its strategy from FSDP_SHARDING_STRATEGY "
             f"(unset: FULL_SHARD), not from transformers' --fsdp option; set FSDP_SHARDING_STRATEGY={named[0]} in the launch's "
             "environment (and --fsdp true), or launch with accelerate launch --config_file accelerate_configs/fsdp1/<config>.yaml")
 
-
-STRATEGY_WORDS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")  # --fsdp's, upper-cased
 
 
 def devices_per_process() -> int:
