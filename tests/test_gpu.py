@@ -65,8 +65,9 @@ def gpu_run(model_dir, tmp_path_factory):
     def get(config: str) -> Path:
         if config not in runs:
             out = tmp_path_factory.mktemp(config.replace("/", "_").removesuffix(".yaml"))
+            profile = ("--profile_steps", "1-1") if strategy_of(shipped(config)).offload else ()  # where offload's peak is
             launch(config, "--config_name", str(model_dir), "--tokenizer_name", str(REPO / "assets" / "tiny-llama"),
-                   "--max_steps", str(STEPS), "--save_steps", "10", "--logging_steps", "5", "--output_dir", str(out),
+                   "--max_steps", str(STEPS), "--save_steps", "10", "--logging_steps", "5", "--output_dir", str(out), *profile,
                    launch_args=tuple(launch_args(config, gpus())))
             runs[config] = out
         return runs[config]
@@ -124,6 +125,20 @@ def test_offload_lowers_the_peak(gpu_run):
         peaks = [max(r["peak_memory"]["cuda_max_allocated_bytes"] for r in read_json(gpu_run(c) / "fsdp_report.json")["ranks"])
                  for c in (plain, offload)]
         assert peaks[1] < peaks[0], (plain, peaks)
+
+
+@pytest.mark.parametrize("config", ["accelerate_configs/zero3_offload.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml"])
+def test_the_profile_says_what_was_live_at_the_peak(gpu_run, config):
+    """--profile_steps on CUDA: the memory viewer's snapshot, and in summary.json the allocations live at the profiled
+    step's peak by the code that made them (offload's step 1 holds its whole-run peak: nothing is allocated before)."""
+    out = gpu_run(config)
+    summary = read_json(out / "profile" / "summary.json")
+    at_peak = summary["cuda_memory_at_peak"]
+    peak = read_json(out / "fsdp_report.json")["ranks"][0]["peak_memory"]["cuda_max_allocated_bytes"]
+    assert (out / "profile" / "rank0.memory.pickle").stat().st_size > 0 and summary["steps"] == [1, 1]
+    assert 0 < at_peak["recorded_bytes"] <= peak and at_peak["events"] > 0
+    assert sum(g["bytes"] for g in at_peak["groups"]) + at_peak["other_bytes"] == at_peak["recorded_bytes"]
+    assert any(g["allocated_in"].startswith("torch/") for g in at_peak["groups"]), at_peak["groups"]
 
 
 @pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml", DDP_CONFIG])

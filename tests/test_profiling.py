@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from fsdp_recipes.config.values import parse_steps
-from fsdp_recipes.train.profiling import summarize
+from fsdp_recipes.train.profiling import live_at_peak, summarize
 
 
 def event(name, start, end, device="CPU"):
@@ -46,3 +46,62 @@ def test_step_ranges(text, steps):
 def test_bad_step_ranges(text):
     with pytest.raises(ValueError):
         parse_steps(text)
+
+
+def _frame(path, line, name):
+    return {"filename": path, "line": line, "name": name}
+
+
+FSDP = _frame("/venv/lib/python3.12/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 612, "foreach_reduce")
+LLAMA = _frame("/venv/lib/python3.12/site-packages/transformers/models/llama/modeling_llama.py", 301, "forward")
+LINEAR = _frame("/venv/lib/python3.12/site-packages/torch/nn/modules/linear.py", 134, "forward")
+CXX = _frame("??", 0, "c10::cuda::CUDACachingAllocator::malloc")
+
+
+def test_live_at_peak_names_what_was_live_at_the_highest_point():
+    """The trace as torch.cuda.memory._snapshot gives it: the peak is B + C (250 bytes), A was freed before it and D
+    came after; a block freed that was allocated before the recording (addr 9) and a free_completed change nothing."""
+    trace = [
+        {"action": "free_requested", "addr": 9, "size": 1000, "frames": []},
+        {"action": "alloc", "addr": 1, "size": 100, "frames": [CXX, LINEAR, LLAMA]},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": [CXX, FSDP]},
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": []},
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+        {"action": "alloc", "addr": 3, "size": 120, "frames": [LINEAR, LLAMA]},
+        {"action": "alloc", "addr": 4, "size": 80, "frames": [CXX, LINEAR, LLAMA]},
+        {"action": "free_requested", "addr": 3, "size": 120, "frames": []},
+        {"action": "alloc", "addr": 5, "size": 30, "frames": [FSDP]},
+    ]
+    got = live_at_peak(trace)
+    assert got["recorded_bytes"] == 250 and got["events"] == len(trace) and got["other_bytes"] == 0
+    assert got["groups"] == [
+        {"bytes": 200, "blocks": 2, "allocated_in": "torch/nn/modules/linear.py:134 forward",
+         "for": "transformers/models/llama/modeling_llama.py:301 forward"},
+        {"bytes": 50, "blocks": 1, "allocated_in": "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:612 foreach_reduce",
+         "for": "-"},
+    ]
+    assert live_at_peak(trace, top=1)["other_bytes"] == 50
+    assert live_at_peak([]) == {"recorded_bytes": 0, "events": 0, "groups": [], "other_bytes": 0}
+
+
+def test_live_at_peak_takes_the_first_of_equal_peaks_and_reads_generated_traces():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(50):
+        trace, live, total, best, best_live = [], {}, 0, 0, {}
+        for addr in range(200):
+            if live and rng.random() < 0.45:
+                gone = rng.choice(sorted(live))
+                total -= live.pop(gone)
+                trace.append({"action": "free_requested", "addr": gone, "size": 0, "frames": []})
+            size = rng.randrange(1, 1000)
+            live[addr] = size
+            total += size
+            trace.append({"action": "alloc", "addr": addr, "size": size, "frames": [FSDP if addr % 2 else LLAMA]})
+            if total > best:
+                best, best_live = total, dict(live)
+        got = live_at_peak(trace)
+        assert got["recorded_bytes"] == best == sum(best_live.values())
+        assert sum(g["bytes"] for g in got["groups"]) == best
+        assert sum(g["blocks"] for g in got["groups"]) == len(best_live)

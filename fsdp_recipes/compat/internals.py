@@ -67,6 +67,7 @@ PRIVATE: dict[str, tuple[str, str]] = {
     # fsdp_recipes/train/profiling.py: PyTorch's memory viewer snapshot (CUDA only)
     "torch.cuda.memory._record_memory_history": (MODULE, "profiling: CUDA memory snapshot"),
     "torch.cuda.memory._dump_snapshot": (MODULE, "profiling: CUDA memory snapshot"),
+    "torch.cuda.memory._snapshot": (MODULE, "profiling: what was live at the profiled steps' peak (summary.json)"),
     # fsdp_recipes/ckpt/status.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
     "numpy._core.multiarray._reconstruct": (MODULE, "status: RNG state files load with weights_only"),
     # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it

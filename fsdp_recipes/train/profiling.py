@@ -5,7 +5,9 @@ Each rank writes ``output_dir/profile/rank<R>.trace.json`` (Chrome trace format:
 https://ui.perfetto.dev, or chrome://tracing) and, on CUDA, ``rank<R>.memory.pickle`` for PyTorch's memory
 viewer (https://pytorch.org/memory_viz). Rank 0 prints one line and writes ``profile/summary.json``: the share
 of the profiled steps' wall time spent in all-gather, reduce-scatter and all-reduce, and the share of that
-communication that ran while compute ran too (overlapped). On GPUs both come from the device timeline (NCCL
+communication that ran while compute ran too (overlapped); on CUDA also ``cuda_memory_at_peak``, the allocations
+live at the profiled steps' highest point grouped by the code that made them (read from the live snapshot, so no
+pickle is read back). On GPUs both come from the device timeline (NCCL
 kernels against the other kernels); on CPU from the host (gloo's collectives, run on its worker threads, against
 the aten operators of the training thread). gloo has no reduce-scatter of its own: on CPU FSDP's reduce-scatter
 runs as an all-reduce and is counted there.
@@ -93,6 +95,58 @@ def summarize(events, wall_us: float, on_device: bool) -> dict:
     return summary
 
 
+def _where(frame: dict) -> str:
+    name = frame.get("filename", "")
+    for root in ("site-packages/", "dist-packages/"):
+        if root in name:
+            name = name.split(root, 1)[1]
+            break
+    return f"{name}:{frame.get('line')} {frame.get('name')}"
+
+
+def _sites(frames: list[dict]) -> tuple[str, str]:
+    """(the innermost Python frame, the innermost Python frame outside torch): what allocated, and for whom."""
+    python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
+    site = _where(python[0]) if python else "(no Python frame)"
+    outside = next((f for f in python if "/torch/" not in f["filename"] and not f["filename"].startswith("torch/")), None)
+    return site, _where(outside) if outside else "-"
+
+
+def live_at_peak(trace: list[dict], top: int = 12) -> dict:
+    """The allocations live when the recorded trace's allocated bytes were highest, grouped by where they were made.
+
+    ``trace``: one device's ``device_traces`` from ``torch.cuda.memory._snapshot()``, in order. Bytes freed after
+    an ``alloc`` count down at ``free_requested`` (as torch.cuda.memory_allocated does); blocks allocated before the
+    recording began are not in it, so ``recorded_bytes`` is the part of the peak made while recording.
+    """
+    sizes: dict[int, int] = {}
+    total = peak = 0
+    peak_at = -1
+    for i, event in enumerate(trace):
+        if event["action"] == "alloc":
+            sizes[event["addr"]] = event["size"]
+            total += event["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif event["action"] == "free_requested" and event["addr"] in sizes:
+            total -= sizes.pop(event["addr"])
+    live: dict[int, dict] = {}
+    for event in trace[:peak_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_requested":
+            live.pop(event["addr"], None)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for event in live.values():
+        group = groups.setdefault(_sites(event.get("frames") or []), [0, 0])
+        group[0] += event["size"]
+        group[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {"recorded_bytes": peak, "events": len(trace),
+            "groups": [{"bytes": b, "blocks": n, "allocated_in": site, "for": caller} for (site, caller), (b, n) in ranked[:top]],
+            "other_bytes": sum(b for _, (b, _) in ranked[top:])}
+
+
 class StepProfiler(TrainerCallback):
     """Profiles optimizer steps ``first``..``last`` (counted from 1) on every rank."""
 
@@ -121,11 +175,16 @@ class StepProfiler(TrainerCallback):
         self.profiler.__exit__(None, None, None)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.profiler.export_chrome_trace(str(self.folder / f"rank{self.rank}.trace.json"))
+        at_peak = None
         if self.cuda:
             internals.get("torch.cuda.memory._dump_snapshot")(str(self.folder / f"rank{self.rank}.memory.pickle"))
+            traces = internals.get("torch.cuda.memory._snapshot")()["device_traces"]
+            at_peak = live_at_peak(traces[torch.cuda.current_device()])
             internals.get("torch.cuda.memory._record_memory_history")(enabled=None)
         self.summary = {"steps": [self.first, self.last], "wall_seconds": round(wall_us / 1e6, 4),
                         **summarize(self.profiler.events(), wall_us, on_device=self.cuda)}
+        if at_peak is not None:
+            self.summary["cuda_memory_at_peak"] = at_peak
         self.profiler = None
         if self.rank == 0:
             (self.folder / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
