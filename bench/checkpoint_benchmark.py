@@ -101,8 +101,32 @@ def run(model: Path, lora: bool, mode: str, steps: int, nprocs: int, work: Path,
     ends = json.loads(times.read_text())["step_end"]
     last = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]), default=None)
     background = [float(x) for x in re.findall(r"written in the background in ([\d.]+) s", log_path.read_text())]
+    device = json.loads((out / "fsdp_report.json").read_text())["device"]
     return {"step_end": ends, "samples": samples, "checkpoint_bytes": folder_bytes(last) if last else None, "background_seconds": background,
-            "checkpoint_model_bytes": folder_bytes(last / "pytorch_model_fsdp_0") if last else None}
+            "checkpoint_model_bytes": folder_bytes(last / "pytorch_model_fsdp_0") if last else None, "device": device}
+
+
+def ranks_label(nprocs: int, device: str) -> str:
+    """What trained, as the run's fsdp_report.json says: "2 CPU ranks (... over gloo" or "1 GPU rank (NVIDIA H200, ... over nccl"."""
+    if device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CUDA"
+        return f"{nprocs} GPU rank{'s' * (nprocs > 1)} ({name}, FSDP2 FULL_SHARD over nccl"
+    return f"{nprocs} CPU rank{'s' * (nprocs > 1)} (FSDP2 FULL_SHARD over gloo"
+
+
+def queued(write_seconds: float | None, step_seconds: float, save_steps: int) -> str | None:
+    """When a background write outlasts the training between two saves, training waits for it by the next save at
+    the latest (one save in flight; in place, the next optimizer step waits): its stall is then at least the write
+    less that training, whatever the overlap. The note says so and which --save-steps would let the write overlap."""
+    between = step_seconds * save_steps
+    if write_seconds is None or write_seconds <= between:
+        return None
+    need = int(write_seconds / step_seconds) + 1 if step_seconds > 0 else None
+    return (f"the background write ({write_seconds:.2f} s) outlasts the training between saves ({between:.2f} s): training "
+            f"waited for it by the next save at the latest, so this stall measures the write, not its overlap with training"
+            + (f"; --save-steps {need} or more leaves the write time to overlap" if need else ""))
 
 
 def step_seconds(ends: list[float], skip: int) -> list[float]:
@@ -173,6 +197,9 @@ def main(argv=None) -> int:
                 row[mode]["save_seconds"] = round(statistics.median(written), 4) if written else None
                 row[f"{mode}_stall_vs_sync_save".replace("-", "_")] = (
                     round(row[mode]["stall_per_save_seconds"] / row["sync"]["save_seconds"], 4) if row["sync"]["save_seconds"] > 0 else None)
+            row["training_between_saves_seconds"] = round(plain * a.save_steps, 4)
+            row["device"] = background["device"]
+            row["queued"] = queued(row["async"]["save_seconds"], plain, a.save_steps)
             row["checkpoint_bytes"] = background["checkpoint_bytes"]
             row["checkpoint_model_bytes"] = background["checkpoint_model_bytes"]
             row["checkpoint_vs_base"] = round(row["checkpoint_bytes"] / base_bytes, 4)
@@ -180,6 +207,8 @@ def main(argv=None) -> int:
             print(f"    {writes}: stall per save: sync {row['sync']['stall_per_save_seconds']:.2f} s, background {row['async']['stall_per_save_seconds']:.2f} s "
                   f"(its write {row['async']['save_seconds']} s), background from a host copy {row['async-copy']['stall_per_save_seconds']:.2f} s; checkpoint {row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base",
                   flush=True)
+            if row["queued"]:
+                print(f"    note: {row['queued']}", flush=True)
 
     def rss(r):
         return "; ".join(f"rank {k}: {v['first_quarter_peak'] / 2**20:,.0f} -> {v['last_quarter_peak'] / 2**20:,.0f}" for k, v in r["rss"].items())
@@ -187,16 +216,18 @@ def main(argv=None) -> int:
     def ratio(r, key="async_stall_vs_sync_save"):
         return "n/a (the synchronous save cost nothing measurable)" if r[key] is None else f"{r[key]:.0%}"
 
-    lines = [f"Checkpoint cost, {base_bytes / 1e9:.2f} GB fp32 model, {a.nprocs} CPU ranks (FSDP2 FULL_SHARD over gloo, "
+    lines = [f"Checkpoint cost, {base_bytes / 1e9:.2f} GB fp32 model, {ranks_label(a.nprocs, rows[0]['device'])}, "
              f"SHARDED_STATE_DICT), {a.saves} saves (one every {a.save_steps} step(s)), synchronous (--async_checkpoints false), in the background "
-             "(default: on CPU from the live shards) and in the background from a host copy (--async_checkpoint_staging copy):", "",
-             "| training | shard files written | median step without saves (s) | sync: mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | background: its write (s) | background stall vs sync save | host copy: stall (s) | host copy: stall vs sync save | checkpoint (MB) | vs base weights |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(the default: from the live shards where they are in host memory, else from a host copy) and in the background from a host "
+             "copy (--async_checkpoint_staging copy):", "",
+             "| training | shard files written | median step without saves (s) | training between saves (s) | sync: mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | background: its write (s) | background stall vs sync save | host copy: stall (s) | host copy: stall vs sync save | checkpoint (MB) | vs base weights |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['training']} | {r['shard_files']} | {r['step_seconds_without_saves']:.2f} | {r['sync']['step_seconds_with_saves']:.2f} | {r['sync']['stall_per_save_seconds']:.2f} | "
+        lines.append(f"| {r['training']} | {r['shard_files']} | {r['step_seconds_without_saves']:.2f} | {r['training_between_saves_seconds']:.2f} | {r['sync']['step_seconds_with_saves']:.2f} | {r['sync']['stall_per_save_seconds']:.2f} | "
                      f"{r['async']['step_seconds_with_saves']:.2f} | {r['async']['stall_per_save_seconds']:.2f} | {r['async']['save_seconds']} | {ratio(r)} | "
                      f"{r['async-copy']['stall_per_save_seconds']:.2f} | {ratio(r, 'async_copy_stall_vs_sync_save')} | "
                      f"{r['checkpoint_bytes'] / 1e6:,.1f} | {r['checkpoint_vs_base']:.1%} |")
+    lines += [f"\nNote ({r['training']}, {r['shard_files']}): {r['queued']}." for r in rows if r["queued"]]
     lines += ["", "RssAnon peak, first -> last quarter of the saves (MiB):", "", "| training | shard files written | sync | background | background, host copy |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['training']} | {r['shard_files']} | {rss(r['sync'])} | {rss(r['async'])} | {rss(r['async-copy'])} |")
