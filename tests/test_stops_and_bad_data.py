@@ -125,3 +125,60 @@ def test_stop_signal_before_training_is_one_line(tmp_path, sig, code):
     # no traceback of a rank (the launcher's own report about its failed children is the launcher's)
     assert f"exitcode  : {code}" in proc.stderr and "[rank" not in proc.stderr and "Stopped" not in proc.stderr, proc.stderr[-3000:]
     assert not list(out.glob("checkpoint-*"))
+
+
+LOST_SIGNAL = r"""
+import os, signal, sys, time, weakref
+from fsdp_recipes.train.preemption import Stopped, watch_interrupts, watch_stops
+watch_interrupts()
+watch_stops()
+
+class Holder:
+    pass
+
+def finalizer():
+    os.kill(os.getpid(), signal.SIG{sig})
+    for _ in range(100000):  # the handler runs here, inside the finalizer
+        pass
+
+class Finalized:
+    def __del__(self):
+        finalizer()
+
+try:
+    if "{where}" == "del":
+        Finalized()  # dropped at once: __del__ runs
+    else:
+        weakref.finalize(Holder(), finalizer)  # the object dies at once: the callback runs
+    for _ in range(100):
+        time.sleep(0.01)  # the run going on as if no signal had come
+    print("went on", flush=True)
+except Stopped as stop:
+    print("stopped", stop.describe(), flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["del", "weakref"])
+@pytest.mark.parametrize("sig, said", [("TERM", "stopped SIGTERM"), ("USR1", "stopped SIGUSR1"), ("INT", "interrupted")])
+def test_a_stop_that_lands_in_a_finalizer_still_stops_the_run_without_a_traceback(sig, said, where):
+    """Python swallows (and prints) an exception raised in a finalizer: a stop or Ctrl-C whose handler raised there was
+    lost and the run trained on (seen as a traceback in the one-line stop test). It is delivered again outside."""
+    proc = subprocess.run(["python", "-c", LOST_SIGNAL.replace("{sig}", sig).replace("{where}", where)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.strip() == said and "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, (
+        proc.stdout, proc.stderr[-2000:])
+
+
+def test_a_stop_recorded_before_the_trainer_takes_over_is_not_dropped():
+    """The last line of defence: a stop that came before training and did not end the run (its Stopped lost) ends it
+    when the Trainer's preemption handler takes over, instead of being replaced with it."""
+    from fsdp_recipes.train import preemption
+
+    preemption._stops.append(15)
+    try:
+        with pytest.raises(preemption.Stopped):
+            preemption.Preemption()
+    finally:
+        preemption._stops.clear()

@@ -28,6 +28,7 @@ class Preemption(TrainerCallback):
         self.stopped_at: int | None = None  # the step whose checkpoint was written because of it
         self.signal = 0
         self._group = None
+        stopped_before()  # a stop whose Stopped was lost (a finalizer swallows it) ends here, before training
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
 
@@ -87,8 +88,51 @@ def _on_stop_before_training(signum, frame):
 
 
 def watch_stops() -> None:
+    _catch_lost_signals()
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_stop_before_training)
+
+
+def stopped_before() -> None:
+    """Raises Stopped for a stop signal that came before this point and did not end the run."""
+    if _stops and _raise_on_stop:
+        raise Stopped(_stops[-1])
+
+
+# A handler's exception is raised wherever the main thread runs, and inside a finalizer (a __del__, a weakref
+# callback: datasets and torch have them) Python prints it as "Exception ignored in ..." and goes on: the stop or
+# Ctrl-C would be lost and training would start. Such an exception is not printed; the same signal is sent again a
+# moment later from another thread, when the main thread has left the finalizer (were it in one again, again).
+# Sent at once, its handler would run inside this hook, where Python swallows it the same way.
+REDELIVER_AFTER = 0.01  # seconds
+_hooked = False
+
+
+def _catch_lost_signals() -> None:
+    import sys
+
+    global _hooked
+    if _hooked:
+        return
+    _hooked, previous = True, sys.unraisablehook
+
+    def redeliver(unraisable):
+        import os
+        import threading
+
+        exc, signum = unraisable.exc_value, None
+        if isinstance(exc, Stopped) and _raise_on_stop and signal.getsignal(exc.signum) is _on_stop_before_training:
+            signum = exc.signum
+        elif isinstance(exc, KeyboardInterrupt) and _raise_on_interrupt and signal.getsignal(signal.SIGINT) is _on_interrupt:
+            signum = signal.SIGINT
+        if signum is None:
+            previous(unraisable)
+            return
+        again = threading.Timer(REDELIVER_AFTER, os.kill, (os.getpid(), signum))
+        again.daemon = True
+        again.start()
+
+    sys.unraisablehook = redeliver
 
 
 def quiet_stops() -> None:
@@ -124,6 +168,7 @@ def _on_interrupt(signum, frame):
 
 def watch_interrupts() -> None:
     """SIGINT raises KeyboardInterrupt, as Python's default handler does, and is remembered."""
+    _catch_lost_signals()
     signal.signal(signal.SIGINT, _on_interrupt)
 
 
