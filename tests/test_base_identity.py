@@ -288,3 +288,93 @@ def test_a_folder_with_both_a_single_file_and_an_index_is_the_single_file(tmp_pa
         save_file({n: other[n] for n in names}, tmp_path / file)
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": split.tensor_to_filename}))
     assert base_identity.difference(recorded, base_identity.identity(tmp_path)) is None
+
+
+def _with_extra(folder: Path, extra: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    save_file({**tensors, **extra}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_base_with_tensors_from_pretrained_ignores_merges_without_them(tmp_path):
+    """An old Llama folder stores every layer's rotary_emb.inv_freq (a buffer since moved to the model and not
+    saved): from_pretrained loads it without a word, so the adapter-only merge takes it as that base and leaves those
+    tensors out (it refused it as 'weights LlamaForCausalLM does not have'). A tensor from_pretrained would only
+    warn about is still refused: it may be another model."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
+
+    config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")
+    base, ckpt = tmp_path / "base", tmp_path / "run" / "checkpoint-3"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    head = config.hidden_size // config.num_attention_heads
+    _with_extra(base, {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(head // 2) for i in range(config.num_hidden_layers)})
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    dcp.save({"model": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}},
+             checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
+    model.peft_config["default"].save_pretrained(str(ckpt))
+    base_identity.write(ckpt, base_identity.identity(base))
+    said = []
+    merge_checkpoint(ckpt, tmp_path / "merged", log=said.append)
+    assert any(f"{config.num_hidden_layers} stored tensor(s) left out that from_pretrained ignores too" in s for s in said), said
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert not [n for n in merged if "inv_freq" in n]
+    expected = model.merge_and_unload().state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert all(torch.equal(loaded[n], expected[n]) for n in merged)
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    _with_extra(other, {"model.layers.0.mlp.gate_proj.bias": torch.zeros(config.intermediate_size)})
+    with pytest.raises(CheckpointError, match=r"1 weight\(s\) it did not have \(e.g. model.layers.0.mlp.gate_proj.bias\)"):
+        merge_checkpoint(ckpt, tmp_path / "out-other", base_model=str(other))  # the recorded base's identity says so first
+    (ckpt / base_identity.BASE_IDENTITY).unlink()  # without that record, the model's own weights say so
+    with pytest.raises(CheckpointError, match=r"weight\(s\) LlamaForCausalLM does not \(e.g. \S*model.layers.0.mlp.gate_proj.bias\)"):
+        merge_checkpoint(ckpt, tmp_path / "out-other", base_model=str(other))
+    assert not (tmp_path / "out-other").exists()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_only_what_transformers_drops_on_load_is_dropped(seed):
+    """Generated stored names against transformers' own rule (its _adjust_missing_and_unexpected_keys on the model
+    built from the config): the old per-layer inv_freq and position_ids buffers are dropped, anything else beside the
+    model's weights is refused."""
+    from transformers import AutoConfig
+
+    from fsdp_recipes.ckpt.description import model_skeleton
+    from fsdp_recipes.ckpt.namespace import match_namespace
+    from fsdp_recipes.ckpt.readers import TensorInfo
+
+    rng = random.Random(seed)
+    config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")
+    model_cls, expected, tied, ignorable = model_skeleton(config)
+    layer = rng.randrange(config.num_hidden_layers)
+    # Llama has inv_freq buffers (so old per-layer ones are dropped) and no position_ids buffer (so those are warned
+    # about by from_pretrained, and refused here)
+    droppable = [f"model.layers.{layer}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq",
+                 f"model.layers.{rng.randrange(config.num_hidden_layers)}.self_attn.rotary_emb.inv_freq"]
+    refused = [f"model.layers.{layer}.self_attn.inv_freq", f"model.layers.{layer}.mlp.rotary_emb", "model.norm.bias",
+               "position_ids", "model.embed_tokens.position_ids", "lm_head.bias"]
+
+    def stored(names):
+        info = {n: TensorInfo(shape, "float32") for n, shape in expected.items()}
+        info.update({n: TensorInfo((4,), "float32") for n in names})
+        return info
+
+    picked = sorted(set(rng.sample(droppable, rng.randrange(1, len(droppable) + 1))))
+    weights = match_namespace(stored(picked), expected, tied, model_cls.__name__, ignorable)
+    assert sorted(weights.dropped) == sorted(picked) and set(weights.names) == set(expected) - set(tied)
+    for name in refused:
+        with pytest.raises(CheckpointError, match="does not"):
+            match_namespace(stored(picked + [name]), expected, tied, model_cls.__name__, ignorable)
+    with pytest.raises(CheckpointError, match="does not"):  # without the rule (a caller that gives none) nothing is dropped
+        match_namespace(stored(picked), expected, tied, model_cls.__name__)

@@ -21,11 +21,13 @@ from fsdp_recipes.ckpt.layout import BASE_IDENTITY, MANIFEST, SHARD_DIGESTS, TOK
 from fsdp_recipes.ckpt.namespace import WeightMap, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput
+from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError
 
 
-def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str]]:
-    """(model class, shape of every state-dict name, tied names save_pretrained leaves out), from a meta-device model."""
+def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str], Callable[[set[str]], set[str]]]:
+    """(model class, shape of every state-dict name, tied names save_pretrained leaves out, which of some stored
+    names from_pretrained ignores without a word), from a meta-device model."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -33,7 +35,18 @@ def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str]]
         skeleton = AutoModelForCausalLM.from_config(config)
     expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
     tied = sorted(set(getattr(skeleton, "all_tied_weights_keys", None) or {}) & set(expected)) if getattr(config, "tie_word_embeddings", False) else []
-    return type(skeleton), expected, tied
+    return type(skeleton), expected, tied, lambda names: ignored_on_load(skeleton, names)
+
+
+def ignored_on_load(model, names: set[str]) -> set[str]:
+    """Of ``names`` the model does not have, those from_pretrained drops without a warning, by transformers' own rule
+    (the class's _keys_to_ignore_on_load_unexpected, old checkpoints' per-layer rotary_emb.inv_freq, position_ids).
+    An old Llama folder stores each layer's inv_freq: it loads, so it merges, without them."""
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(missing_keys=set(), unexpected_keys=set(names))
+    internals.get("transformers.modeling_utils.PreTrainedModel._adjust_missing_and_unexpected_keys")(model, info)
+    return set(names) - set(info.unexpected_keys)
 
 
 def describe_folder(out_dir: Path, model_cls: type, config, tokenizer=None, generation_config=None, dtype=None, dequantized: bool = False) -> list[str]:
@@ -62,7 +75,7 @@ def write_manifest(folder: Path, config, files: list[str]) -> None:
     """MANIFEST beside a checkpoint's config.json: what a merge would otherwise import transformers and build the
     model for (its class, the name and shape of every weight, the tied ones), and a hash of each description file,
     so that a merge can copy them as they are, and notices when one was edited since."""
-    model_cls, expected, tied = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
+    model_cls, expected, tied, _ = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
     manifest = {
         "format": 1, "model_class": model_cls.__name__, "tied": tied,
         "shard_digests": SHARD_DIGESTS,  # written last, once every rank is done: a checkpoint without it is incomplete
@@ -179,10 +192,10 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
         except Exception as err:  # noqa: BLE001
             raise CheckpointError(f"cannot load the tokenizer from {tok_from} ({_one_line(err)}): fix or remove its files, or pass --base-model") from None
     try:
-        model_cls, expected, tied = model_skeleton(config)
+        model_cls, expected, tied, ignorable = model_skeleton(config)
     except Exception as err:  # noqa: BLE001 (a config transformers cannot build a causal LM from)
         raise CheckpointError(f"cannot build a causal LM from the config in {config_from} ({_one_line(err)}): pass --base-model") from None
-    weights = match_namespace(resolved.source.tensors, expected, tied, model_cls.__name__)
+    weights = match_namespace(resolved.source.tensors, expected, tied, model_cls.__name__, ignorable)
     origin = {"config": config_from, "tokenizer": tok_from or "(none)"}
     return Description(weights, tied, origin, lambda out: describe_folder(out, model_cls, config, tokenizer, generation_config, dtype,
                                                                                             resolved.dequantized), notes)

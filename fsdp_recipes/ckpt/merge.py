@@ -55,8 +55,8 @@ def write_weight_part(source, out_dir: Path, config, part: tuple[int, int] = (0,
     processes given the same arguments write every shard once between them, k = 0 the index too
     (safetensors_writer.write_weights). Returns (the model class, the files this call wrote, every weight file of
     the folder)."""
-    model_cls, expected, tied = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
-    weights = match_namespace(source.tensors, expected, tied, model_cls.__name__)
+    model_cls, expected, tied, ignorable = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
+    weights = match_namespace(source.tensors, expected, tied, model_cls.__name__, ignorable)
     written = write_weights(source, weights.names, out_dir, max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, part=part)
     return model_cls, written, weight_files(source, weights.names, max_shard_size, dtype)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsdp_recipes.ckpt.layout import WRAPPER_PREFIXES
@@ -41,10 +42,14 @@ class WeightMap:
     names: dict[str, str]  # model weight name -> source tensor name
     prefix: str  # the namespace they were found under ("" for flat keys)
     ignored: int = 0  # stored tensors outside it (optimizer state, other modules)
+    dropped: tuple[str, ...] = ()  # stored inside it, not the model's, and dropped by from_pretrained too
 
     def describe(self) -> str:
         where = f'under "{self.prefix}"' if self.prefix else "at the top level (no prefix)"
         rest = f"; {self.ignored} other stored tensor(s) ignored (optimizer state, other modules)" if self.ignored else ""
+        if self.dropped:
+            rest += (f"; {len(self.dropped)} stored tensor(s) left out that from_pretrained ignores too (e.g. "
+                     f"{self.prefix}{self.dropped[0]}: an older version's buffers)")
         return f"layout: {len(self.names)} weights {where}{rest}"
 
 
@@ -68,9 +73,11 @@ def guess_namespace(stored: dict[str, TensorInfo]) -> WeightMap | None:
     return WeightMap({n[len(prefix):]: n for n in names}, prefix, len(stored) - len(names))
 
 
-def match_namespace(stored: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]], tied: list[str], model_name: str) -> WeightMap:
+def match_namespace(stored: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]], tied: list[str], model_name: str,
+                    ignorable: Callable[[set[str]], set[str]] | None = None) -> WeightMap:
     """The namespace whose names and shapes are the model's, checked: every weight present with its shape, nothing
-    unknown inside it. Raises CheckpointError naming what was found and what was expected."""
+    unknown inside it but what ``ignorable`` says from_pretrained drops without a word (description.ignored_on_load).
+    Raises CheckpointError naming what was found and what was expected."""
     wanted = sorted(set(expected) - set(tied))
     votes: Counter[str] = Counter()
     for n in weight_candidates(stored):
@@ -98,7 +105,9 @@ def match_namespace(stored: dict[str, TensorInfo], expected: dict[str, tuple[int
     if wrong:
         n = wrong[0]
         raise CheckpointError(f"{n} has shape {tuple(stored[inside[n]].shape)} in the checkpoint but {tuple(expected[n])} in the config: pass the right --base-model")
-    extra = sorted(set(inside) - set(expected))
+    unknown = set(inside) - set(expected)
+    dropped = sorted(ignorable(unknown)) if ignorable and unknown else []
+    extra = sorted(unknown - set(dropped))
     if extra:
         raise CheckpointError(f"the checkpoint has {len(extra)} weight(s) {model_name} does not (e.g. {prefix}{extra[0]}): pass the right --base-model")
-    return WeightMap({n: inside[n] for n in wanted}, prefix, len(stored) - len(inside))
+    return WeightMap({n: inside[n] for n in wanted}, prefix, len(stored) - len(inside), tuple(dropped))

@@ -68,6 +68,9 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.cuda.memory._record_memory_history": (MODULE, "profiling: CUDA memory snapshot"),
     "torch.cuda.memory._dump_snapshot": (MODULE, "profiling: CUDA memory snapshot"),
     "torch.cuda.memory._snapshot": (MODULE, "profiling: what was live at the profiled steps' peak (summary.json)"),
+    # fsdp_recipes/ckpt/description.py: which stored names from_pretrained drops without a word (old Llama inv_freq)
+    "transformers.modeling_utils.PreTrainedModel._adjust_missing_and_unexpected_keys": (
+        MODULE, "description: stored tensors from_pretrained ignores are left out of a merge, not refused"),
     # fsdp_recipes/ckpt/status.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
     "numpy._core.multiarray._reconstruct": (MODULE, "status: RNG state files load with weights_only"),
     # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
