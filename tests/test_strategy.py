@@ -224,3 +224,27 @@ def test_the_fsdp1_strategy_is_read_as_accelerate_and_transformers_pass_it():
         assert fsdp1_strategy(plugin, {}) == member.name.lstrip("_")
         assert fsdp1_strategy(SimpleNamespace(fsdp_plugin_args={"fsdp_version": 1, "sharding_strategy": member.value}), {}) \
             == FSDP_SHARDING_STRATEGY[member.value - 1]
+
+
+FSDP1_ONE_PROCESS = r"""
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+from fsdp_recipes.train.sharding import fsdp1_runs_as
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+for name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+    print(name, fsdp1_runs_as(FSDP(torch.nn.Linear(4, 4), sharding_strategy=ShardingStrategy[name], device_id=torch.device("cpu"))))
+print("plain", fsdp1_runs_as(torch.nn.Linear(2, 2)))
+"""
+
+
+def test_the_report_names_the_fsdp1_strategy_torch_runs():
+    """fsdp_report.json said FULL_SHARD for an FSDP1 run on one GPU, which torch runs as NO_SHARD (so the memory was
+    NO_SHARD's: bench/results/h200/gpu-check-4); it now names what torch runs, read from the wrapper, and keeps the
+    configured one beside it. A real FSDP1 wrapper in a process group of one, in its own process."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FSDP1_ONE_PROCESS], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.split("\n")[:-1] == ["FULL_SHARD NO_SHARD", "SHARD_GRAD_OP NO_SHARD", "NO_SHARD NO_SHARD", "plain None"], proc.stderr[-2000:]
+    assert Strategy("FULL_SHARD", fsdp_version=1).memory_strategy_on(1) == "NO_SHARD"  # the estimator agrees

@@ -181,6 +181,8 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
         "precision": precision_contract(model, accelerator, saved_model),
         "ranks": gathered,
     }
+    if (runs := fsdp1_runs_as(model)) and runs != report["sharding_strategy"]:
+        report["configured_strategy"], report["sharding_strategy"] = report["sharding_strategy"], runs
     launched = launched_world_size()
     if launched > 1 and accelerator.num_processes == 1:
         raise NotShardedError(
@@ -296,6 +298,13 @@ def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: l
     _update_report(output_dir, accelerator, update)
 
 
+def fsdp1_runs_as(model) -> str | None:
+    """The strategy an FSDP1 root runs, which torch may have changed from the configured one: a shard group of one
+    process (one GPU, or HYBRID_SHARD with one process per node) runs NO_SHARD. None for other wrappers."""
+    strategy = getattr(model, "sharding_strategy", None) if wrapper_kind(model) == "FSDP1" else None
+    return strategy.name.lstrip("_") if strategy is not None else None  # torch's _HYBRID_SHARD_ZERO2 is accelerate's
+
+
 def _strategy_name(plugin, parallelism_config=None, optimizer=None) -> str | None:
     """The strategy that runs (fsdp_recipes.config.strategy's names), from accelerate's FSDP plugin; without FSDP,
     ZERO1 or None (DDP: replicated)."""
@@ -325,7 +334,9 @@ class ShardingReport(TrainerCallback):
                                    self.trainer.optimizer, getattr(self.trainer, "export_dtype", None))
         local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
         logger.info(
-            f"{report['ranks'][0]['wrapper']} {report['sharding_strategy'] or 'replicated'} on {report['world_size']} process(es), "
+            f"{report['ranks'][0]['wrapper']} {report['sharding_strategy'] or 'replicated'}"
+            + (f" (configured {report['configured_strategy']}: torch runs a shard group of one so)" if "configured_strategy" in report else "")
+            + f" on {report['world_size']} process(es), "
             f"{report['device']}: this rank holds {local:,} of {report['total_param_elements']:,} parameter elements"
         )
         if report["trainable"] != "all":
