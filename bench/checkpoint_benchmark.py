@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -101,8 +102,9 @@ def run(model: Path, lora: bool, mode: str, steps: int, nprocs: int, work: Path,
     ends = json.loads(times.read_text())["step_end"]
     last = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]), default=None)
     background = [float(x) for x in re.findall(r"written in the background in ([\d.]+) s", log_path.read_text())]
-    device = json.loads((out / "fsdp_report.json").read_text())["device"]
-    return {"step_end": ends, "samples": samples, "checkpoint_bytes": folder_bytes(last) if last else None, "background_seconds": background,
+    report = json.loads((out / "fsdp_report.json").read_text())
+    device, writes = report["device"], report.get("checkpoint_writes") or {}
+    return {"in_place": bool(writes.get("in_place_saves")), "step_end": ends, "samples": samples, "checkpoint_bytes": folder_bytes(last) if last else None, "background_seconds": background,
             "checkpoint_model_bytes": folder_bytes(last / "pytorch_model_fsdp_0") if last else None, "device": device}
 
 
@@ -116,17 +118,24 @@ def ranks_label(nprocs: int, device: str) -> str:
     return f"{nprocs} CPU rank{'s' * (nprocs > 1)} (FSDP2 FULL_SHARD over gloo"
 
 
-def queued(write_seconds: float | None, step_seconds: float, save_steps: int) -> str | None:
-    """When a background write outlasts the training between two saves, training waits for it by the next save at
-    the latest (one save in flight; in place, the next optimizer step waits): its stall is then at least the write
-    less that training, whatever the overlap. The note says so and which --save-steps would let the write overlap."""
-    between = step_seconds * save_steps
-    if write_seconds is None or write_seconds <= between:
+def queued(write_seconds: float | None, step_seconds: float, save_steps: int, in_place: bool = False) -> str | None:
+    """When a background write outlasts the training it can overlap, training waits for it, and its stall is at least
+    the write less that training, however well the two run side by side: the note says so. From a host copy the
+    write can overlap the training up to the next save (one save in flight), so more --save-steps give it room; in
+    place (the live shards in host memory) the next optimizer step waits for the write, so it overlaps one step at
+    most, whatever --save-steps is."""
+    if write_seconds is None or step_seconds <= 0:
         return None
-    need = int(write_seconds / step_seconds) + 1 if step_seconds > 0 else None
-    return (f"the background write ({write_seconds:.2f} s) outlasts the training between saves ({between:.2f} s): training "
-            f"waited for it by the next save at the latest, so this stall measures the write, not its overlap with training"
-            + (f"; --save-steps {need} or more leaves the write time to overlap" if need else ""))
+    window = step_seconds if in_place else step_seconds * save_steps
+    if write_seconds <= window:
+        return None
+    if in_place:
+        return (f"the background write ({write_seconds:.2f} s) outlasts the step it can overlap ({window:.2f} s): written in place, "
+                f"the next optimizer step waits for it, so this stall measures the write less one step")
+    need = math.ceil(write_seconds / step_seconds)
+    return (f"the background write ({write_seconds:.2f} s) outlasts the training between saves ({window:.2f} s): the next save "
+            f"waited for it, so this stall measures the write, not its overlap with training; --save-steps {need} or more "
+            "leaves the write time to overlap")
 
 
 def step_seconds(ends: list[float], skip: int) -> list[float]:
@@ -199,7 +208,8 @@ def main(argv=None) -> int:
                     round(row[mode]["stall_per_save_seconds"] / row["sync"]["save_seconds"], 4) if row["sync"]["save_seconds"] > 0 else None)
             row["training_between_saves_seconds"] = round(plain * a.save_steps, 4)
             row["device"] = background["device"]
-            row["queued"] = queued(row["async"]["save_seconds"], plain, a.save_steps)
+            row["queued"] = {mode: note for mode in ("async", "async-copy") if (note := queued(
+                row[mode]["save_seconds"], plain, a.save_steps, measured[mode + suffix]["in_place"]))}
             row["checkpoint_bytes"] = background["checkpoint_bytes"]
             row["checkpoint_model_bytes"] = background["checkpoint_model_bytes"]
             row["checkpoint_vs_base"] = round(row["checkpoint_bytes"] / base_bytes, 4)
@@ -207,8 +217,8 @@ def main(argv=None) -> int:
             print(f"    {writes}: stall per save: sync {row['sync']['stall_per_save_seconds']:.2f} s, background {row['async']['stall_per_save_seconds']:.2f} s "
                   f"(its write {row['async']['save_seconds']} s), background from a host copy {row['async-copy']['stall_per_save_seconds']:.2f} s; checkpoint {row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base",
                   flush=True)
-            if row["queued"]:
-                print(f"    note: {row['queued']}", flush=True)
+            for mode, note in row["queued"].items():
+                print(f"    note ({mode}): {note}", flush=True)
 
     def rss(r):
         return "; ".join(f"rank {k}: {v['first_quarter_peak'] / 2**20:,.0f} -> {v['last_quarter_peak'] / 2**20:,.0f}" for k, v in r["rss"].items())
@@ -227,7 +237,8 @@ def main(argv=None) -> int:
                      f"{r['async']['step_seconds_with_saves']:.2f} | {r['async']['stall_per_save_seconds']:.2f} | {r['async']['save_seconds']} | {ratio(r)} | "
                      f"{r['async-copy']['stall_per_save_seconds']:.2f} | {ratio(r, 'async_copy_stall_vs_sync_save')} | "
                      f"{r['checkpoint_bytes'] / 1e6:,.1f} | {r['checkpoint_vs_base']:.1%} |")
-    lines += [f"\nNote ({r['training']}, {r['shard_files']}): {r['queued']}." for r in rows if r["queued"]]
+    lines += [f"\nNote ({r['training']}, {r['shard_files']}, {'background' if mode == 'async' else 'from a host copy'}): {note}."
+              for r in rows for mode, note in r["queued"].items()]
     lines += ["", "RssAnon peak, first -> last quarter of the saves (MiB):", "", "| training | shard files written | sync | background | background, host copy |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['training']} | {r['shard_files']} | {rss(r['sync'])} | {rss(r['async'])} | {rss(r['async-copy'])} |")

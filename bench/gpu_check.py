@@ -234,11 +234,12 @@ def staging_checks(row: dict, on_gpu: bool) -> list[dict]:
 
 
 def offload_checks(rows: dict[str, dict]) -> list[dict]:
-    """Offload's peak against the same config's without it, where this call ran both (a --runs visit may run one)."""
+    """Offload's peak against the same config's without it, where this call ran both (a --runs visit may run one; a run
+    that failed or was skipped fails its own "ran" check, not this one)."""
     found = []
     for plain, offload in OFFLOAD_PAIRS:
         a, b = rows.get(plain, {}).get("peak_allocated"), rows.get(offload, {}).get("peak_allocated")
-        if plain in rows and offload in rows:
+        if plain in rows and offload in rows and not (rows[plain].get("error") or rows[offload].get("error")):
             found.append(check(f"{offload}: peak / {plain}'s peak", round(b / a, 3) if a and b else None, None, 0.99,
                                f"{gib(b)} with offload, {gib(a)} without"))
     return found
@@ -282,8 +283,9 @@ def peak_table(rows: list[dict], top: int = 8) -> list[str]:
         if not at_peak:
             continue
         steps = "-".join(str(s) for s in r["profile"].get("steps", []))
-        lines += ["", f"{r['config']}: live at the CUDA peak of profiled step(s) {steps}, {gib(at_peak['recorded_bytes'])} "
-                      f"allocated while profiling ({at_peak['events']:,} allocator events)", "",
+        lines += ["", f"{r['config']}: live at the CUDA peak of profiled step(s) {steps}, {gib(at_peak['peak_bytes'])} "
+                      f"allocated, {gib(at_peak['before_recording_bytes'])} of it from before those steps ({at_peak['events']:,} "
+                      f"allocator events{'; the recorder kept only the newest: the peak may be earlier' if at_peak.get('truncated') else ''})", "",
                   "| bytes | blocks | allocated in | for |", "|---|---|---|---|"]
         lines += [f"| {gib(g['bytes'])} | {g['blocks']} | {g['allocated_in']} | {g['for']} |" for g in at_peak["groups"][:top]]
         rest = at_peak.get("other_bytes", 0) + sum(g["bytes"] for g in at_peak["groups"][top:])

@@ -124,6 +124,8 @@ def test_offload_must_lower_the_peak():
     # a visit that ran only one of the pair (--runs) compares nothing rather than failing a comparison it never made
     assert gpu_check.offload_checks({"accelerate_configs/zero3_offload.yaml": {"peak_allocated": 60}}) == []
     assert gpu_check.offload_checks({"accelerate_configs/zero3.yaml": {"peak_allocated": 60}}) == []
+    skipped = {"accelerate_configs/zero3.yaml": {"peak_allocated": 100}, "accelerate_configs/zero3_offload.yaml": {"error": "not run: budget"}}
+    assert gpu_check.offload_checks(skipped) == []  # its "ran" check fails; a comparison never made is not a second failure
 
 
 def test_the_report_shows_every_run_and_every_verdict():
@@ -401,10 +403,10 @@ def test_the_report_places_what_was_live_at_a_profiled_peak():
     groups = [{"bytes": (9 - i) * 2**30, "blocks": i + 1, "allocated_in": f"torch/x.py:{i} f", "for": f"transformers/y.py:{i} g"}
               for i in range(9)]
     profiled = {**ROW, "config": "accelerate_configs/zero3_offload.yaml",
-                "profile": {"steps": [1, 1], "cuda_memory_at_peak": {"recorded_bytes": 7 * 2**30, "events": 12345, "groups": groups,
-                                                                    "other_bytes": 2**30}}}
+                "profile": {"steps": [1, 1], "cuda_memory_at_peak": {"peak_bytes": 7 * 2**30, "before_recording_bytes": 2**30, "events": 12345,
+                                                                    "truncated": False, "groups": groups, "other_bytes": 2**30}}}
     text = gpu_check.markdown([ROW, profiled], [], [])
-    assert "accelerate_configs/zero3_offload.yaml: live at the CUDA peak of profiled step(s) 1-1, 7.00 GiB" in text
+    assert "accelerate_configs/zero3_offload.yaml: live at the CUDA peak of profiled step(s) 1-1, 7.00 GiB allocated, 1.00 GiB of it" in text
     assert "12,345 allocator events" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and "GiB |" in line and "torch/x.py" in line]
     assert len(rows) == 8 and rows[0].startswith("| 9.00 GiB | 1 | torch/x.py:0 f | transformers/y.py:0 g |")

@@ -150,7 +150,7 @@ try:
         Finalized()  # dropped at once: __del__ runs
     else:
         weakref.finalize(Holder(), finalizer)  # the object dies at once: the callback runs
-    for _ in range(100):
+    for _ in range(1000):  # 10 s of work: a loaded machine may start the re-send late
         time.sleep(0.01)  # the run going on as if no signal had come
     print("went on", flush=True)
 except Stopped as stop:
@@ -182,3 +182,74 @@ def test_a_stop_recorded_before_the_trainer_takes_over_is_not_dropped():
             preemption.Preemption()
     finally:
         preemption._stops.clear()
+    preemption._interrupts.append(2)  # a Ctrl-C the same way
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            preemption.Preemption()
+    finally:
+        preemption._interrupts.clear()
+
+
+TWO_SIGNALS = r"""
+import os, signal, sys, time
+from fsdp_recipes.train.preemption import Stopped, watch_interrupts, watch_stops
+watch_interrupts()
+watch_stops()
+A, B = getattr(signal, "SIG" + sys.argv[1]), getattr(signal, "SIG" + sys.argv[2])
+
+class Finalized:
+    def __del__(self):  # two signals pending at once: the second's handler runs while the first is being dealt with
+        signal.pthread_sigmask(signal.SIG_BLOCK, {A, B})
+        os.kill(os.getpid(), A)
+        os.kill(os.getpid(), B)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {A, B})
+        for _ in range(100000):
+            pass
+
+try:
+    Finalized()
+    for _ in range(1000):  # 10 s of work: a loaded machine may start the re-send late
+        time.sleep(0.01)
+    print("went on", flush=True)
+except Stopped as stop:
+    print("stopped", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.parametrize("first, second", [("USR1", "TERM"), ("TERM", "INT"), ("INT", "USR1"), ("INT", "INT")])
+def test_two_signals_at_once_in_a_finalizer_still_stop_the_run_in_one_line(first, second):
+    """(hostile review) the second signal's handler ran inside the unraisable hook dealing with the first, where Python
+    swallowed it too: a traceback, and the run went on."""
+    proc = subprocess.run(["python", "-c", TWO_SIGNALS, first, second], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    # both come back at once to the main code, so the second may end the script while it handles the first (as two
+    # signals at once in any code would): what matters is that the run did not go on and nothing was swallowed
+    assert "went on" not in proc.stdout and "Exception ignored" not in proc.stderr, (proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout.strip() in ("stopped", "interrupted") or proc.returncode != 0, (proc.stdout, proc.stderr[-2000:])
+
+
+AT_EXIT = r"""
+import atexit, os, signal, sys, time
+from fsdp_recipes.train.preemption import watch_interrupts, watch_stops
+watch_interrupts()
+watch_stops()
+
+def slow(name):
+    for _ in range(30):
+        time.sleep(0.01)
+    print("completed", name, flush=True)
+
+for name in "cba":
+    atexit.register(slow, name)
+atexit.register(os.kill, os.getpid(), signal.SIGINT)  # runs first: Ctrl-C as the program finishes
+"""
+
+
+def test_an_interrupt_at_exit_is_not_sent_again_into_the_next_exit_callback():
+    """(hostile review) a KeyboardInterrupt in an atexit callback reaches the unraisable hook too; sent again, it
+    aborted every later exit callback in turn, silently. At exit it is reported as Python always did."""
+    proc = subprocess.run(["python", "-c", AT_EXIT], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.split() == ["completed", "a", "completed", "b", "completed", "c"], (proc.stdout, proc.stderr[-2000:])

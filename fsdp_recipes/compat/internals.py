@@ -66,7 +66,6 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "transformers.training_args.TrainingArguments._process_fsdp_args": (MODULE, "trainer_fsdp: --fsdp_config keys it reads"),
     # fsdp_recipes/train/profiling.py: PyTorch's memory viewer snapshot (CUDA only)
     "torch.cuda.memory._record_memory_history": (MODULE, "profiling: CUDA memory snapshot"),
-    "torch.cuda.memory._dump_snapshot": (MODULE, "profiling: CUDA memory snapshot"),
     "torch.cuda.memory._snapshot": (MODULE, "profiling: what was live at the profiled steps' peak (summary.json)"),
     # fsdp_recipes/ckpt/description.py: which stored names from_pretrained drops without a word (old Llama inv_freq)
     "transformers.modeling_utils.PreTrainedModel._adjust_missing_and_unexpected_keys": (

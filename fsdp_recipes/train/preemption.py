@@ -83,7 +83,7 @@ _raise_on_stop = True
 
 def _on_stop_before_training(signum, frame):
     _stops.append(signum)
-    if _raise_on_stop:
+    if _raise_on_stop and not _deferred(signum, frame):
         raise Stopped(signum)
 
 
@@ -94,18 +94,67 @@ def watch_stops() -> None:
 
 
 def stopped_before() -> None:
-    """Raises Stopped for a stop signal that came before this point and did not end the run."""
+    """Raises Stopped (or KeyboardInterrupt) for a signal that came before this point and did not end the run."""
     if _stops and _raise_on_stop:
         raise Stopped(_stops[-1])
+    if _interrupts and _raise_on_interrupt:
+        raise KeyboardInterrupt
 
 
 # A handler's exception is raised wherever the main thread runs, and inside a finalizer (a __del__, a weakref
 # callback: datasets and torch have them) Python prints it as "Exception ignored in ..." and goes on: the stop or
-# Ctrl-C would be lost and training would start. Such an exception is not printed; the same signal is sent again a
-# moment later from another thread, when the main thread has left the finalizer (were it in one again, again).
-# Sent at once, its handler would run inside this hook, where Python swallows it the same way.
+# Ctrl-C would be lost and training would start. So a handler that finds itself inside a finalizer (or inside the
+# hook below) does not raise there: it sends the same signal again a moment later, from another thread, when the
+# main thread has left it (were it in one again, again). A finalizer Python calls with no frame of ours to see
+# (a weakref callback from a deallocation in C) still swallows the exception: the unraisable hook below sends the
+# signal again the same way, without the traceback. At exit (atexit callbacks, the wait for threads) an interrupt
+# is reported as Python always did: a re-sent one would only abort the next exit callback.
 REDELIVER_AFTER = 0.01  # seconds
 _hooked = False
+
+
+def _send_again(signum: int) -> None:
+    import os
+    import threading
+
+    again = threading.Timer(REDELIVER_AFTER, os.kill, (os.getpid(), signum))
+    again.daemon = True
+    again.start()
+
+
+def _deferred(signum: int, frame) -> bool:
+    """Whether ``frame`` (where the handler interrupted the main thread) is inside a finalizer or the unraisable hook,
+    where an exception would be swallowed; if so, the signal is sent again."""
+    depth = 0
+    while frame is not None and depth < 64:
+        code = frame.f_code
+        if code.co_name == "__del__" or code is _redeliver.__code__ or (
+                code.co_name == "__call__" and code.co_filename.endswith("weakref.py")):
+            _send_again(signum)
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
+def _at_exit(unraisable) -> bool:
+    import sys
+
+    return sys.is_finalizing() or "atexit" in (unraisable.err_msg or "") or unraisable.object is sys.modules.get("threading")
+
+
+def _redeliver(unraisable):
+    exc, signum = unraisable.exc_value, None
+    if isinstance(exc, Stopped) and _raise_on_stop and signal.getsignal(exc.signum) is _on_stop_before_training:
+        signum = exc.signum
+    elif isinstance(exc, KeyboardInterrupt) and _raise_on_interrupt and signal.getsignal(signal.SIGINT) is _on_interrupt:
+        signum = signal.SIGINT
+    if signum is None or _at_exit(unraisable):
+        _previous_hook[0](unraisable)
+    else:
+        _send_again(signum)
+
+
+_previous_hook: list = []
 
 
 def _catch_lost_signals() -> None:
@@ -114,25 +163,9 @@ def _catch_lost_signals() -> None:
     global _hooked
     if _hooked:
         return
-    _hooked, previous = True, sys.unraisablehook
-
-    def redeliver(unraisable):
-        import os
-        import threading
-
-        exc, signum = unraisable.exc_value, None
-        if isinstance(exc, Stopped) and _raise_on_stop and signal.getsignal(exc.signum) is _on_stop_before_training:
-            signum = exc.signum
-        elif isinstance(exc, KeyboardInterrupt) and _raise_on_interrupt and signal.getsignal(signal.SIGINT) is _on_interrupt:
-            signum = signal.SIGINT
-        if signum is None:
-            previous(unraisable)
-            return
-        again = threading.Timer(REDELIVER_AFTER, os.kill, (os.getpid(), signum))
-        again.daemon = True
-        again.start()
-
-    sys.unraisablehook = redeliver
+    _hooked = True
+    _previous_hook.append(sys.unraisablehook)
+    sys.unraisablehook = _redeliver
 
 
 def quiet_stops() -> None:
@@ -162,7 +195,7 @@ _raise_on_interrupt = True
 
 def _on_interrupt(signum, frame):
     _interrupts.append(signum)
-    if _raise_on_interrupt:
+    if _raise_on_interrupt and not _deferred(signum, frame):
         raise KeyboardInterrupt
 
 

@@ -27,6 +27,7 @@ from fsdp_recipes.compat import internals
 
 logger = logging.getLogger("train_fsdp")
 PROFILE_DIR = "profile"
+MEMORY_EVENTS = 100_000  # allocator events the CUDA memory history keeps (the newest)
 COLLECTIVES = {  # the share reported for each, by the names torch's process groups and NCCL give their work
     "all_gather": ("all_gather", "allgather", "_allgather_base"),
     "reduce_scatter": ("reduce_scatter", "reducescatter", "_reduce_scatter_base"),
@@ -104,23 +105,45 @@ def _where(frame: dict) -> str:
     return f"{name}:{frame.get('line')} {frame.get('name')}"
 
 
+BEFORE = "(allocated before the profiled steps)"
+
+
 def _sites(frames: list[dict]) -> tuple[str, str]:
-    """(the innermost Python frame, the innermost Python frame outside torch): what allocated, and for whom."""
+    """(the innermost Python frame, the innermost Python frame outside torch): what allocated, and for whom. Without
+    a Python frame (the backward pass runs on autograd's own thread), the autograd node whose backward allocated."""
     python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
-    site = _where(python[0]) if python else "(no Python frame)"
+    if not python:
+        node = next((part for f in frames for part in str(f.get("name", "")).split("::") if "Backward" in part), None)
+        return (f"autograd {node}" if node else "(no Python frame)"), "-"
     outside = next((f for f in python if "/torch/" not in f["filename"] and not f["filename"].startswith("torch/")), None)
-    return site, _where(outside) if outside else "-"
+    return _where(python[0]), _where(outside) if outside else "-"
 
 
-def live_at_peak(trace: list[dict], top: int = 12) -> dict:
-    """The allocations live when the recorded trace's allocated bytes were highest, grouped by where they were made.
+def live_at_peak(trace: list[dict], segments: list[dict] = (), top: int = 12, max_entries: int | None = None) -> dict:
+    """The allocations live when allocated bytes were highest over the recorded trace, grouped by where they were made.
 
-    ``trace``: one device's ``device_traces`` from ``torch.cuda.memory._snapshot()``, in order. Bytes freed after
-    an ``alloc`` count down at ``free_requested`` (as torch.cuda.memory_allocated does); blocks allocated before the
-    recording began are not in it, so ``recorded_bytes`` is the part of the peak made while recording.
+    ``trace``: one device's ``device_traces`` from ``torch.cuda.memory._snapshot()``, in order; ``segments``: its
+    ``segments`` (blocks still allocated when the snapshot was taken). A block's bytes count from its ``alloc`` to its
+    ``free_requested``, as torch.cuda.memory_allocated (and max_memory_allocated, the peak the estimate is compared
+    with) counts them; PyTorch's memory viewer keeps a block until ``free_completed``, when a stream that used it is
+    done too. Blocks allocated before the recording began count as live from its start: those the trace frees before
+    allocating that address, and those still allocated at the end that the trace never allocated. A trace of
+    ``max_entries`` events may have lost its oldest ones (the recorder keeps the newest): ``truncated`` says so.
     """
-    sizes: dict[int, int] = {}
-    total = peak = 0
+    allocated_in_trace = {e["addr"] for e in trace if e["action"] == "alloc"}
+    before: dict[int, int] = {}
+    seen: set[int] = set()
+    for event in trace:
+        if event["action"] == "alloc":
+            seen.add(event["addr"])
+        elif event["action"] == "free_requested" and event["addr"] not in seen and event["addr"] not in before:
+            before[event["addr"]] = event["size"]
+    for segment in segments:
+        for block in segment.get("blocks", []):
+            if block.get("state") == "active_allocated" and block["address"] not in allocated_in_trace:
+                before.setdefault(block["address"], block["size"])
+    sizes = dict(before)
+    total = peak = sum(before.values())
     peak_at = -1
     for i, event in enumerate(trace):
         if event["action"] == "alloc":
@@ -130,19 +153,20 @@ def live_at_peak(trace: list[dict], top: int = 12) -> dict:
                 peak, peak_at = total, i
         elif event["action"] == "free_requested" and event["addr"] in sizes:
             total -= sizes.pop(event["addr"])
-    live: dict[int, dict] = {}
+    live: dict[int, tuple[int, tuple[str, str]]] = {addr: (size, (BEFORE, "-")) for addr, size in before.items()}
     for event in trace[:peak_at + 1]:
         if event["action"] == "alloc":
-            live[event["addr"]] = event
+            live[event["addr"]] = (event["size"], _sites(event.get("frames") or []))
         elif event["action"] == "free_requested":
             live.pop(event["addr"], None)
     groups: dict[tuple[str, str], list[int]] = {}
-    for event in live.values():
-        group = groups.setdefault(_sites(event.get("frames") or []), [0, 0])
-        group[0] += event["size"]
+    for size, where in live.values():
+        group = groups.setdefault(where, [0, 0])
+        group[0] += size
         group[1] += 1
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
-    return {"recorded_bytes": peak, "events": len(trace),
+    return {"peak_bytes": peak, "before_recording_bytes": sum(before.values()), "events": len(trace),
+            "truncated": max_entries is not None and len(trace) >= max_entries,
             "groups": [{"bytes": b, "blocks": n, "allocated_in": site, "for": caller} for (site, caller), (b, n) in ranked[:top]],
             "other_bytes": sum(b for _, (b, _) in ranked[top:])}
 
@@ -162,7 +186,7 @@ class StepProfiler(TrainerCallback):
             activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
             self.profiler = torch.profiler.profile(activities=activities)
             if self.cuda:
-                internals.get("torch.cuda.memory._record_memory_history")(max_entries=100_000)
+                internals.get("torch.cuda.memory._record_memory_history")(max_entries=MEMORY_EVENTS)
             self.profiler.__enter__()
             self.started = time.perf_counter()
 
@@ -177,9 +201,14 @@ class StepProfiler(TrainerCallback):
         self.profiler.export_chrome_trace(str(self.folder / f"rank{self.rank}.trace.json"))
         at_peak = None
         if self.cuda:
-            internals.get("torch.cuda.memory._dump_snapshot")(str(self.folder / f"rank{self.rank}.memory.pickle"))
-            traces = internals.get("torch.cuda.memory._snapshot")()["device_traces"]
-            at_peak = live_at_peak(traces[torch.cuda.current_device()])
+            import pickle
+
+            snapshot = internals.get("torch.cuda.memory._snapshot")()  # what torch's _dump_snapshot pickles, taken once
+            with open(self.folder / f"rank{self.rank}.memory.pickle", "wb") as f:
+                pickle.dump(snapshot, f)  # for PyTorch's memory viewer; nothing here reads it back
+            device = torch.cuda.current_device()
+            at_peak = live_at_peak(snapshot["device_traces"][device], [g for g in snapshot["segments"] if g.get("device") == device],
+                                   max_entries=MEMORY_EVENTS)
             internals.get("torch.cuda.memory._record_memory_history")(enabled=None)
         self.summary = {"steps": [self.first, self.last], "wall_seconds": round(wall_us / 1e6, 4),
                         **summarize(self.profiler.events(), wall_us, on_device=self.cuda)}
