@@ -192,7 +192,7 @@ def test_a_stop_recorded_before_the_trainer_takes_over_is_not_dropped():
 
 TWO_SIGNALS = r"""
 import os, signal, sys, time
-from fsdp_recipes.train.preemption import Stopped, watch_interrupts, watch_stops
+from fsdp_recipes.train.preemption import Stopped, quiet_stops, was_interrupted, watch_interrupts, watch_stops
 watch_interrupts()
 watch_stops()
 A, B = getattr(signal, "SIG" + sys.argv[1]), getattr(signal, "SIG" + sys.argv[2])
@@ -211,10 +211,9 @@ try:
     for _ in range(1000):  # 10 s of work: a loaded machine may start the re-send late
         time.sleep(0.01)
     print("went on", flush=True)
-except Stopped as stop:
-    print("stopped", flush=True)
-except KeyboardInterrupt:
-    print("interrupted", flush=True)
+except (Stopped, KeyboardInterrupt) as stop:
+    quiet_stops(), was_interrupted()  # as train_fsdp.py's fail() does: the run is ending, later signals are only noted
+    print("stopped" if isinstance(stop, Stopped) else "interrupted", flush=True)
 """
 
 
