@@ -207,7 +207,7 @@ class StepProfiler(TrainerCallback):
             with open(self.folder / f"rank{self.rank}.memory.pickle", "wb") as f:
                 pickle.dump(snapshot, f)  # for PyTorch's memory viewer; nothing here reads it back
             device = torch.cuda.current_device()
-            at_peak = live_at_peak(snapshot["device_traces"][device], [g for g in snapshot["segments"] if g.get("device") == device],
+            at_peak = live_at_peak(snapshot["device_traces"][device], [g for g in snapshot["segments"] if g.get("device", device) == device],
                                    max_entries=MEMORY_EVENTS)
             internals.get("torch.cuda.memory._record_memory_history")(enabled=None)
         self.summary = {"steps": [self.first, self.last], "wall_seconds": round(wall_us / 1e6, 4),
