@@ -136,16 +136,20 @@ def test_a_record_that_is_not_one_is_refused(tmp_path, content):
         base_identity.read(tmp_path)
 
 
-def adapter_only_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
-    """A tiny Llama base (save_pretrained) and a checkpoint holding only its LoRA adapter, as FSDPTrainer saves it,
-    with the base's identity recorded beside adapter_config.json."""
+def adapter_only_checkpoint(tmp_path: Path, base_extra=None):
+    """A tiny Llama base (save_pretrained; ``base_extra(config)``: tensors added to its file) and a checkpoint holding
+    only its LoRA adapter, as FSDPTrainer saves it, with the base's identity recorded beside adapter_config.json.
+    Returns (base, checkpoint), and with ``base_extra`` also the peft model."""
     import torch.distributed.checkpoint as dcp
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")
     base, ckpt = tmp_path / "base", tmp_path / "run" / "checkpoint-3"
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(base)
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    if base_extra is not None:
+        _with_extra(base, base_extra(config))
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -155,7 +159,7 @@ def adapter_only_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
              checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
     model.peft_config["default"].save_pretrained(str(ckpt))
     base_identity.write(ckpt, base_identity.identity(base))
-    return base, ckpt
+    return (base, ckpt) if base_extra is None else (base, ckpt, model)
 
 
 def test_a_merge_onto_another_base_than_the_recorded_one_stops_before_writing(tmp_path):
@@ -302,28 +306,15 @@ def test_a_base_with_tensors_from_pretrained_ignores_merges_without_them(tmp_pat
     saved): from_pretrained loads it without a word, so the adapter-only merge takes it as that base and leaves those
     tensors out (it refused it as 'weights LlamaForCausalLM does not have'). A tensor from_pretrained would only
     warn about is still refused: it may be another model."""
-    import torch.distributed.checkpoint as dcp
-    from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")
-    base, ckpt = tmp_path / "base", tmp_path / "run" / "checkpoint-3"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(base)
     head = config.hidden_size // config.num_attention_heads
-    _with_extra(base, {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(head // 2) for i in range(config.num_hidden_layers)})
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_()
-    dcp.save({"model": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}},
-             checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
-    model.peft_config["default"].save_pretrained(str(ckpt))
-    base_identity.write(ckpt, base_identity.identity(base))
+    base, ckpt, model = adapter_only_checkpoint(tmp_path, lambda c: {
+        f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(head // 2) for i in range(c.num_hidden_layers)})
     said = []
     merge_checkpoint(ckpt, tmp_path / "merged", log=said.append)
     assert any(f"{config.num_hidden_layers} stored tensor(s) left out that from_pretrained ignores too" in s for s in said), said
