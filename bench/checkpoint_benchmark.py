@@ -47,6 +47,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.load_memory import TINY, build_model, rank_pids  # noqa: E402
 from fsdp_recipes.console import HelpFormatter  # noqa: E402
+from fsdp_recipes.removal import make_folder, remove  # noqa: E402
+
+BENCH_WORK = "checkpoint benchmark"
 
 CONFIG = REPO / "accelerate_configs" / "zero3.yaml"
 
@@ -167,10 +170,20 @@ def main(argv=None) -> int:
     p.add_argument("--nprocs", type=int, default=2, help="processes (ranks)")
     p.add_argument("--interval", type=float, default=0.05, help="seconds between memory samples")
     p.add_argument("--page-cache", action="store_true", help="also run both save modes with --direct_io_checkpoints false")
-    p.add_argument("--work", type=Path, help="folder for the model and the runs (default: a temporary one)")
+    p.add_argument("--work", type=Path, help="folder for the model and the runs, kept (default: a temporary one, removed at the end)")
     p.add_argument("--output", type=Path, help="write results.json and README.md (a table) into this folder")
     a = p.parse_args(argv)
-    work = a.work or Path(tempfile.mkdtemp(prefix="checkpoint_benchmark-"))
+    if a.work is not None:  # kept: the model built there is reused by the next run given the same folder
+        return measure(a, a.work, argv)
+    # a temporary folder holds the model and four runs' checkpoints, GBs each: removed however the runs end
+    work = make_folder(tempfile.mkdtemp(prefix="checkpoint_benchmark-"), BENCH_WORK, exist_ok=True)
+    try:
+        return measure(a, work, argv)
+    finally:
+        remove(work, BENCH_WORK)
+
+
+def measure(a: argparse.Namespace, work: Path, argv) -> int:
     model = work / f"model-{a.gigabytes}"
     if not (model / "nbytes").exists():
         model.mkdir(parents=True, exist_ok=True)

@@ -43,3 +43,35 @@ def test_the_ranks_are_named_as_the_run_ran():
 
 def test_step_seconds_leave_out_the_warm_up():
     assert step_seconds([0.0, 5.0, 6.0, 8.0, 11.0], skip=2) == [2.0, 3.0]
+
+
+@pytest.mark.parametrize("ends", ["returns", "raises"])
+def test_the_temporary_work_folder_is_removed_however_the_runs_end(tmp_path, monkeypatch, ends):
+    """It holds the model and four runs' checkpoints (17 GB for the 1 GB model): left behind, two runs filled this
+    machine's disk. A --work folder the user gives is kept (its model is reused)."""
+    import tempfile
+
+    import bench.checkpoint_benchmark as benchmark
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+
+    def measure(a, work, argv):
+        seen.append(work)
+        (work / "checkpoint-1").mkdir()
+        (work / "checkpoint-1" / "shard.distcp").write_bytes(b"x" * 1000)
+        if ends == "raises":
+            raise SystemExit("launch failed")
+        return 0
+
+    monkeypatch.setattr(benchmark, "measure", measure)
+    if ends == "raises":
+        with pytest.raises(SystemExit):
+            benchmark.main(["--gigabytes", "0.01"])
+    else:
+        assert benchmark.main(["--gigabytes", "0.01"]) == 0
+    assert seen and seen[0].parent == tmp_path and not seen[0].exists()
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    benchmark.main(["--work", str(kept)]) if ends == "returns" else None
+    assert kept.exists() and (ends == "raises" or (kept / "checkpoint-1").exists())
