@@ -316,3 +316,20 @@ def test_a_folder_that_cannot_be_moved_aside_is_one_line(tmp_path, monkeypatch):
         publish(staging, out, MODEL_FILES)
     assert "\n" not in str(refused.value) and "cannot be moved aside (Device or resource busy)" in str(refused.value)
     assert (out / "model" / "notes.txt").read_text() == "mine" and (staging / "model.safetensors").is_file()
+
+
+def test_an_entry_of_a_run_s_name_that_is_not_a_file_or_folder_is_foreign(tmp_path):
+    """(hostile review) a FIFO named run_args.json passed the name check, and rank 0 blocked opening it: the resume
+    hung for good. Every name a run writes, as a FIFO, is named before anything opens it."""
+    import os
+
+    names = ["run_args.json", "fsdp_report.json", "trainer_state.json", "loss.png", "checkpoint-4", "runs"]
+    for name in names:
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        os.mkfifo(folder / name)
+        assert foreign_entries(folder) == [f"{name} (not a regular file or folder)"], name
+    fine = tmp_path / "fine"
+    (fine / "checkpoint-4").mkdir(parents=True)
+    (fine / "run_args.json").write_text("{}")
+    assert foreign_entries(fine) == []

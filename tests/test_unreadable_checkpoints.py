@@ -317,3 +317,48 @@ def test_unknown_dtype_in_a_byte_record(tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     status = checkpoint_status(ckpt)
     assert status.may_be_complete and "torch.float9_e9m9" in status.unreadable and f"byte record '{key}'" in status.unreadable, status
+
+
+def test_a_metadata_file_claiming_more_than_the_limit_is_not_read(tmp_path):
+    """(hostile review) an 8 KB sparse .metadata claiming 3 GB (a pickle opcode's length, then a hole) made the
+    checker and the merge read 3.2 GB into memory before refusing it; over the limit it is not read at all."""
+    import resource
+
+    from fsdp_recipes.ckpt.dcp import METADATA_LIMIT, check_folder
+
+    folder = tmp_path / "pytorch_model_fsdp_0"
+    folder.mkdir()
+    with open(folder / ".metadata", "wb") as f:
+        f.write(b"\x80\x04\x8e" + (METADATA_LIMIT + 1).to_bytes(8, "little"))  # BINBYTES8 of the claimed length
+        f.truncate(METADATA_LIMIT + 64)  # a hole: nothing on disk
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    layout, problems = check_folder(folder)
+    assert layout is None and problems == [f"unreadable {folder / '.metadata'} (1.0 GiB, over the 1 GiB this reader takes)"]
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10  # KiB: nothing near the claim was read
+
+
+@pytest.mark.parametrize("kind", ["oversized", "missing keys", "not a mapping", "as the Trainer writes"])
+def test_rng_state_files_are_bounded_and_shaped_before_a_resume_uses_them(tmp_path, kind):
+    """(hostile review) a sparse 3 GB rng_state_1.pth was read whole and the checkpoint called resumable; one without
+    the Trainer's keys was chosen for the resume and rank 1 died in the Trainer with KeyError: 'python'."""
+    import random
+
+    import numpy as np
+
+    from fsdp_recipes.ckpt.status import LOADED_LIMIT, _torch_file_problem
+
+    path = tmp_path / "rng_state_1.pth"
+    trainer_like = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    if kind == "oversized":
+        torch.save({**trainer_like, "pad": torch.zeros(LOADED_LIMIT + 1, dtype=torch.uint8)}, path)
+    elif kind == "missing keys":
+        torch.save({"cpu": torch.get_rng_state()}, path)
+    elif kind == "not a mapping":
+        torch.save([torch.get_rng_state()], path)
+    else:
+        torch.save(trainer_like, path)
+    problem = _torch_file_problem(path, load=True, keys=("python", "numpy", "cpu"))
+    expected = {"oversized": "refused rng_state_1.pth: 16 MiB, where the Trainer writes a few KB",
+                "missing keys": "refused rng_state_1.pth: not an RNG state the Trainer wrote (it needs python, numpy, cpu)",
+                "not a mapping": "refused rng_state_1.pth: not an RNG state the Trainer wrote", "as the Trainer writes": None}[kind]
+    assert (problem is None) if expected is None else problem.startswith(expected), problem

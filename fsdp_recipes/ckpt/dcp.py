@@ -265,10 +265,21 @@ def read_layout(dcp_dir: Path) -> Layout:
     torch does not have (another version's checkpoint), another exception when it is unreadable."""
     path = Path(dcp_dir) / ".metadata"
     with open(path, "rb") as f:
+        if (size := os.fstat(f.fileno()).st_size) > METADATA_LIMIT:  # a claimed length is allocated before it is read
+            raise MetadataTooLarge(f"{size / 2**30:.1f} GiB, over the {METADATA_LIMIT >> 30} GiB this reader takes")
         try:
             return _read_metadata(f)
         except UnknownToThisVersion as err:
             raise err.at(path) from None
+
+
+# A 70B model's .metadata over 512 ranks (every tensor and Adam moment, a chunk per rank) is ~0.1 GiB; a file that
+# claims more (a hole of zeros behind a pickle opcode's length) would be read whole into memory
+METADATA_LIMIT = 1 << 30
+
+
+class MetadataTooLarge(ValueError):
+    pass
 
 
 def _read_metadata(f) -> Layout:
@@ -343,6 +354,8 @@ def check_folder(dcp_dir: Path, byte_records: bool = True) -> tuple[Layout | Non
         raise
     except UnsafeCheckpointError as err:
         return None, [unsafe_message(meta_path, err)]
+    except MetadataTooLarge as err:
+        return None, [f"unreadable {meta_path} ({err})"]
     except Exception as err:  # a truncated pickle raises several different types
         return None, [f"unreadable {meta_path} ({type(err).__name__})"]
     needed: dict[str, int] = {}

@@ -125,7 +125,7 @@ _RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(model|adapter)\.kept-\d+", 
 
 def foreign_entries(output_dir: Path) -> list[str]:
     """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/), links (a run
-    would write through them), and what makes ``model/`` or ``adapter/`` more than the export writes there (the
+    would write through them), entries of a run's name that are not regular files or folders (a FIFO), and what makes ``model/`` or ``adapter/`` more than the export writes there (the
     export replaces those folders): ``model/notes.txt``, ``adapter`` (a file). Sorted."""
     found = []
     for p in Path(output_dir).iterdir():
@@ -135,6 +135,8 @@ def foreign_entries(output_dir: Path) -> list[str]:
             found.append(f"{p.name}/{unlike_adapter_folder(p)}" if p.is_dir() and not p.is_symlink() else p.name)
         elif p.name not in (FINAL_MODEL_DIR, ADAPTER_DIR) and (p.is_symlink() or not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES)):
             found.append(p.name)
+        elif not (p.is_file() or p.is_dir()):  # a FIFO named run_args.json: opening it would block the run for good
+            found.append(f"{p.name} (not a regular file or folder)")
     return sorted(found)
 
 

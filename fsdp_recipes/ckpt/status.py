@@ -81,11 +81,18 @@ class CheckpointStatus:
         return {**asdict(self), "resumable": self.resumable, "may_be_complete": self.may_be_complete}
 
 
-def _torch_file_problem(path: Path, load: bool = False) -> str | None:
+# The files a resume loads whole (scheduler.pt, rng_state_*.pth: a few KB each): a larger one is not what the Trainer
+# writes, and its claimed tensors would be read into memory before anything else is known about it
+LOADED_LIMIT = 16 << 20
+RNG_KEYS = ("python", "numpy", "cpu")  # what the Trainer's _load_rng_state reads from every rank's file
+
+
+def _torch_file_problem(path: Path, load: bool = False, keys: tuple[str, ...] = ()) -> str | None:
     """torch.save files are zip archives whose directory sits at the end: a cut-off file has none. ``load``: the
     file is also loaded as the Trainer will load it (weights_only, numpy's RNG state allowed), so one naming code
-    is refused here, in one line, rather than deep inside a resumed run. The file is opened once for both (a
-    resume's check reads each rank's RNG state once: fsdp_recipes.ckpt.resume.decide)."""
+    is refused here, in one line, rather than deep inside a resumed run; it must be under LOADED_LIMIT and, when
+    ``keys`` are given, a mapping holding them. The file is opened once for all (a resume's check reads each
+    rank's RNG state once: fsdp_recipes.ckpt.resume.decide)."""
     if not path.is_file():
         return f"missing {path.name}"
     try:
@@ -93,6 +100,8 @@ def _torch_file_problem(path: Path, load: bool = False) -> str | None:
     except OSError:
         return f"truncated or unreadable {path.name}"
     with file:
+        if load and (size := os.fstat(file.fileno()).st_size) > LOADED_LIMIT:
+            return f"refused {path.name}: {size / 2**20:,.0f} MiB, where the Trainer writes a few KB (over {LOADED_LIMIT >> 20} MiB is not read)"
         try:
             zipfile.ZipFile(file).close()  # leaves ``file`` open
         except (zipfile.BadZipFile, OSError):
@@ -105,9 +114,11 @@ def _torch_file_problem(path: Path, load: bool = False) -> str | None:
             file.seek(0)
             try:
                 with torch.serialization.safe_globals(allowed):
-                    torch.load(file, map_location="cpu", weights_only=True)
+                    loaded = torch.load(file, map_location="cpu", weights_only=True)
             except Exception as err:  # noqa: BLE001 (UnpicklingError, RuntimeError ...: refused either way)
                 return f"refused {path.name}: it holds more than tensors and plain data ({type(err).__name__}); a pickle can run code"
+            if keys and not (isinstance(loaded, dict) and all(k in loaded for k in keys)):
+                return f"refused {path.name}: not an RNG state the Trainer wrote (it needs {', '.join(keys)})"
     return None
 
 
@@ -280,7 +291,7 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
         rng_names = [f"rng_state_{r}.pth" for r in range(status.world_size)]
     else:
         rng_names = ["rng_state.pth"]
-    status.problems += [p for p in (_torch_file_problem(ckpt / n, load=True) for n in rng_names) if p]
+    status.problems += [p for p in (_torch_file_problem(ckpt / n, load=True, keys=RNG_KEYS) for n in rng_names) if p]
 
 
 def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
