@@ -101,7 +101,7 @@ def fake_checkpoint(folder: Path) -> Path:
     save_file({"weight": torch.zeros(2)}, ckpt / "model.safetensors")
     torch.save({"state": {}, "param_groups": []}, ckpt / "optimizer.pt")
     torch.save({"last_epoch": STEP}, ckpt / "scheduler.pt")
-    torch.save({"python": [1, 2], "cpu": torch.zeros(2)}, ckpt / "rng_state.pth")
+    torch.save({"python": [1, 2], "numpy": [3], "cpu": torch.zeros(2)}, ckpt / "rng_state.pth")  # the keys the Trainer reads
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": STEP, "log_history": []}))
     (ckpt / "fsdp_report.json").write_text(json.dumps(REPORT))
     return ckpt

@@ -35,7 +35,7 @@ def plain_checkpoint(folder: Path, step: int, world: int) -> Path:
     torch.save({"state": {}, "param_groups": []}, ckpt / "optimizer.pt")
     torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
     for rank in range(world):
-        torch.save({"python": [rank], "cpu": torch.zeros(2)}, ckpt / f"rng_state_{rank}.pth")
+        torch.save({"python": [rank], "numpy": [rank], "cpu": torch.zeros(2)}, ckpt / f"rng_state_{rank}.pth")
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
     (ckpt / "fsdp_report.json").write_text(json.dumps({"fsdp_version": None, "world_size": world, "sharding_strategy": None}))
     return ckpt

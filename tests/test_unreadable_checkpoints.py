@@ -58,7 +58,7 @@ def make_checkpoint(run: Path, step: int, dtype: torch.dtype = torch.float32) ->
     _save({"optimizer": {"state": {"w": {"exp_avg": torch.zeros(4, 3), "step": torch.tensor(float(step))}},
                          "param_groups": [{"lr": 0.001, "params": ["w"]}]}}, ckpt / OPTIMIZER)
     torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
-    torch.save({"cpu_rng_state": torch.get_rng_state()}, ckpt / "rng_state.pth")
+    torch.save({"python": [1], "numpy": [2], "cpu": torch.get_rng_state()}, ckpt / "rng_state.pth")  # the keys the Trainer reads
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     return ckpt
 
