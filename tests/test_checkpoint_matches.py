@@ -177,3 +177,85 @@ def test_digests_announced_by_the_manifest_must_be_there(checkpoint, how, tmp_pa
     assert problems and why in problems[0], problems
     with pytest.raises(CheckpointError, match=why):
         merge_checkpoint(checkpoint, tmp_path / "merged", log=lambda *_: None)
+
+
+def _saved_like_a_checkpoint(folder: Path, config, lora=None, tokenizer=None) -> Path:
+    config.save_pretrained(folder)
+    if lora is not None:
+        lora.save_pretrained(str(folder))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _live(config, lora=None, tokenizer=None):
+    return (json.loads(config.to_json_string(use_diff=True)), lora.to_dict() if lora is not None else None,
+            json.loads(tokenizer.backend_tokenizer.to_str())["model"] if tokenizer is not None else None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_is_named(tmp_path, seed):
+    """(hostile review) heads, rope, activation or norm changed with every shape kept, lora_alpha or dropout changed,
+    or a tokenizer whose ids are shuffled: each resumed and trained on without a word. Generated: any key of the
+    model's config.json but the free ones, any LoRA key, a shuffled vocabulary; the same settings in another order match."""
+    import random
+
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    from fsdp_recipes.ckpt.status import FREE_CONFIG_KEYS, LORA_KEYS, description_mismatch
+
+    rng = random.Random(seed)
+    config, tokenizer = AutoConfig.from_pretrained(TINY), AutoTokenizer.from_pretrained(TINY)
+    lora = LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "k_proj"])
+    ckpt = _saved_like_a_checkpoint(tmp_path / "checkpoint-4", config, lora, tokenizer)
+    assert description_mismatch(ckpt, *_live(config, lora, tokenizer)) is None
+    reordered = LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0, target_modules=["v_proj", "k_proj", "q_proj"])
+    assert description_mismatch(ckpt, *_live(config, reordered, tokenizer)) is None
+
+    saved = json.loads(config.to_json_string(use_diff=True))
+    plain = sorted(k for k in set(saved) - FREE_CONFIG_KEYS - {"model_type"} if isinstance(saved[k], (bool, int, float, str)))
+    for key in rng.sample(plain, 5):  # model_type is the class's, not a setting
+        changed = AutoConfig.from_pretrained(TINY)
+        value = saved[key]
+        setattr(changed, key, (not value) if isinstance(value, bool) else value + 1 if isinstance(value, int)
+                else (value * 0.5 if value else 0.5) if isinstance(value, float) else f"{value}-other")
+        problem = description_mismatch(ckpt, *_live(changed, lora, tokenizer))
+        assert problem and "saved from another model" in problem and key in problem, (key, problem)
+    for key in rng.sample(sorted(FREE_CONFIG_KEYS & set(saved)), min(2, len(FREE_CONFIG_KEYS & set(saved)))):
+        changed = AutoConfig.from_pretrained(TINY)
+        setattr(changed, key, "elsewhere" if isinstance(saved[key], str) else not saved[key])
+        assert description_mismatch(ckpt, *_live(changed, lora, tokenizer)) is None, key
+
+    changes = {"r": 8, "lora_alpha": 64, "lora_dropout": 0.1, "target_modules": ["q_proj"], "use_rslora": True, "bias": "all",
+               "fan_in_fan_out": True}
+    key = rng.choice(sorted(changes))
+    assert key in LORA_KEYS
+    other = LoraConfig(**{"r": 4, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj", "k_proj"], key: changes[key]})
+    problem = description_mismatch(ckpt, *_live(config, other, tokenizer))
+    assert problem and "other LoRA settings" in problem and key in problem, problem
+
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    ids = list(model["vocab"].values())
+    rng.shuffle(ids)
+    shuffled = {**model, "vocab": dict(zip(model["vocab"], ids))}
+    problem = description_mismatch(ckpt, _live(config)[0], lora.to_dict(), shuffled)
+    assert problem and "another tokenizer" in problem, problem
+    assert description_mismatch(tmp_path / "empty", _live(config)[0], lora.to_dict(), shuffled) is None  # another tool's: nothing recorded
+
+
+def test_resuming_a_model_of_the_same_shapes_but_other_heads_stops_before_loading(trained, tmp_path):
+    """The launch: half the heads of twice the size (every weight shape the same) and another activation."""
+    run = tmp_path / "run"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((TINY / "config.json").read_text())
+    heads = {"num_attention_heads": config["num_attention_heads"] // 2, "num_key_value_heads": max(1, config["num_key_value_heads"] // 2),
+             "head_dim": config["hidden_size"] // (config["num_attention_heads"] // 2), "hidden_act": "gelu"}
+    (other / "config.json").write_text(json.dumps({**config, **heads}))
+    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run), "--config_name", str(other),
+                  "--tokenizer_name", str(TINY), "--resume_from_checkpoint", "true", check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "its config.json differs in" in lines[0] and "hidden_act" in lines[0], proc.stderr[-3000:]
+    assert not (run / "checkpoint-12").exists()

@@ -22,7 +22,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.bounded import load_json
+from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt.dcp import check_folder, digest_problems, require_this_torch
 from fsdp_recipes.ckpt.layout import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
@@ -335,6 +335,68 @@ def model_mismatch(ckpt: str | os.PathLike, expected: dict[str, tuple[int, ...]]
         parts.append(f"{len(other)} weight(s) differ in shape (e.g. {n}: {stored[n]} saved, {expected[n]} in this model)")
     return (f"{ckpt} was saved from another model: {'; '.join(parts)}; resume with the model, config and LoRA settings "
             "(use_peft, lora_r, lora_target_modules) it was saved with, or start without --resume_from_checkpoint")
+
+
+# config.json keys a resume may change: where the model came from, library bookkeeping, and what the Trainer and
+# the export set per run (use_cache, the saved dtype, attention kernels); every other key defines the model
+FREE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "use_cache", "architectures", "dtype", "torch_dtype",
+                              "attn_implementation", "_attn_implementation", "_attn_implementation_autoset"})
+# adapter_config.json keys that define what a LoRA adapter computes (r and the targets show in the shapes too)
+LORA_KEYS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora", "bias", "modules_to_save",
+             "layers_to_transform", "rank_pattern", "alpha_pattern", "fan_in_fan_out")
+
+
+def _plain(value):
+    """A value as JSON holds it (sets and tuples as sorted or plain lists), so the saved and the live compare."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return sorted(items) if all(isinstance(v, str) for v in items) else items  # module names: saved in any order
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def _differing(saved: dict, now: dict, keys) -> list[str]:
+    return [k for k in sorted(keys) if _plain(saved.get(k)) != _plain(now.get(k))]
+
+
+def description_mismatch(ckpt: str | os.PathLike, config: dict, lora: dict | None = None, vocabulary: dict | None = None) -> str | None:
+    """Why the checkpoint was saved from another model than this run's, by what it records beside its weights:
+    config.json (every key but FREE_CONFIG_KEYS: heads, rope, activation, norms change no shape), adapter_config.json
+    (LORA_KEYS: lora_alpha scales the update) and the tokenizer's vocabulary (token ids, which a shuffled vocabulary
+    of the same size changes silently). A file the checkpoint lacks (another tool's) is not compared. ``config``: the
+    run's ``config.to_diff_dict()``, as save_pretrained writes it; ``lora``: its adapter config; ``vocabulary``:
+    its tokenizer.json's ``model`` section."""
+    try:
+        return _description_mismatch(Path(ckpt), config, lora, vocabulary)
+    except UnreadableFile as err:
+        return f"{ckpt}: unreadable {Path(err.path).name} ({err.reason}): restore it from a copy, or resume from another checkpoint"
+
+
+def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, vocabulary: dict | None) -> str | None:
+    fix = ("resume with the model, config, tokenizer and LoRA settings it was saved with, or start without "
+           "--resume_from_checkpoint (another --output_dir)")
+    if (path := ckpt / "config.json").is_file():
+        saved = load_json(path, "config.json", JSON_LIMIT)
+        if differ := _differing(saved, config, (saved.keys() | config.keys()) - FREE_CONFIG_KEYS):
+            k = differ[0]
+            return (f"{ckpt} was saved from another model: its config.json differs in {len(differ)} setting(s) "
+                    f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}; {k}: {_shown(_plain(saved.get(k)))} saved, "
+                    f"{_shown(_plain(config.get(k)))} now); {fix}")
+    if lora is not None and (path := ckpt / "adapter_config.json").is_file():
+        saved = load_json(path, "adapter_config.json", JSON_LIMIT)
+        if differ := _differing(saved, lora, LORA_KEYS):
+            k = differ[0]
+            return (f"{ckpt} was saved with other LoRA settings: {', '.join(differ)} ({k}: {_shown(_plain(saved.get(k)))} saved, "
+                    f"{_shown(_plain(lora.get(k)))} now); {fix}")
+    if vocabulary is not None and (path := ckpt / "tokenizer.json").is_file():
+        saved = load_json(path, "tokenizer.json", JSON_LIMIT).get("model")
+        if isinstance(saved, dict) and _plain(saved) != _plain(vocabulary):
+            return (f"{ckpt} was saved with another tokenizer (its tokenizer.json's vocabulary differs from this run's: token "
+                    f"ids would mean other text); {fix}")
+    return None
 
 
 def set_aside(ckpt: Path, prefix: str = INCOMPLETE_PREFIX) -> Path:

@@ -34,6 +34,7 @@ eval_perplexity; the end-of-run metrics carry the run's averages (fsdp_recipes.t
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,7 +43,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_recipes.ckpt.layout import FULL_MODEL_FILE, REPLACED_PREFIX
-from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, model_mismatch, rotate, set_aside
+from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, description_mismatch, model_mismatch, rotate, set_aside
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
 from fsdp_recipes.removal import make_folder
@@ -244,7 +245,14 @@ class FSDPTrainer(Trainer):
                     "with use_orig_params false either): merge it (tools/merge_checkpoint.py) and train on from the merged model, "
                     "and train with fsdp_state_dict_type: SHARDED_STATE_DICT (every shipped config) or fsdp_use_orig_params: false")
         # the frozen base may be absent (an adapter-only checkpoint: it comes from the model source); when present, it must fit
-        return model_mismatch(checkpoint, self.weight_shapes, self.tied_names | self.frozen_names)
+        if problem := model_mismatch(checkpoint, self.weight_shapes, self.tied_names | self.frozen_names):
+            return problem
+        # the same shapes may still be another model (heads, rope, activation), adapter (lora_alpha) or tokenizer
+        base, lora = lora_parts(self.accelerator.unwrap_model(self.model))
+        backend = getattr(self.processing_class, "backend_tokenizer", None)
+        return description_mismatch(checkpoint, json.loads(base.config.to_json_string(use_diff=True)),
+                                    lora.to_dict() if lora is not None else None,
+                                    json.loads(backend.to_str()).get("model") if backend is not None else None)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         with self._lora_checkpoints():
