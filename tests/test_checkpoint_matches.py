@@ -62,16 +62,19 @@ def test_tied_embeddings_match(gpt2_run):
     assert model_mismatch(ckpt, *shapes(model)) is None
 
 
+def resume_with_config(trained, tmp_path, changes: dict):
+    """A copy of the 4-layer run's checkpoint-6 resumed with the tiny config changed by ``changes``: (run folder, process)."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**json.loads((TINY / "config.json").read_text()), **changes}))
+    return run, launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run), "--config_name", str(other),
+                       "--tokenizer_name", str(TINY), "--resume_from_checkpoint", "true", check=False)
+
+
 def test_resuming_into_a_smaller_model_stops_before_loading(trained, tmp_path):
     """The 4-layer run's checkpoint resumed into a 2-layer model (the hostile try: layers dropped, exit 0)."""
-    run = tmp_path / "run"
-    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
-    small = tmp_path / "small"
-    small.mkdir()
-    config = json.loads((TINY / "config.json").read_text())
-    (small / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
-    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run), "--config_name", str(small),
-                  "--tokenizer_name", str(TINY), "--resume_from_checkpoint", "true", check=False)
+    run, proc = resume_with_config(trained, tmp_path, {"num_hidden_layers": 2})
     assert proc.returncode != 0, proc.stderr[-3000:]  # the launcher reports its ranks' exit 2 as 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert len(lines) == 1 and "was saved from another model" in lines[0] and "layers.2" in lines[0], proc.stderr[-3000:]
@@ -246,16 +249,10 @@ def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_
 
 def test_resuming_a_model_of_the_same_shapes_but_other_heads_stops_before_loading(trained, tmp_path):
     """The launch: half the heads of twice the size (every weight shape the same) and another activation."""
-    run = tmp_path / "run"
-    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
-    other = tmp_path / "other"
-    other.mkdir()
     config = json.loads((TINY / "config.json").read_text())
-    heads = {"num_attention_heads": config["num_attention_heads"] // 2, "num_key_value_heads": max(1, config["num_key_value_heads"] // 2),
-             "head_dim": config["hidden_size"] // (config["num_attention_heads"] // 2), "hidden_act": "gelu"}
-    (other / "config.json").write_text(json.dumps({**config, **heads}))
-    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run), "--config_name", str(other),
-                  "--tokenizer_name", str(TINY), "--resume_from_checkpoint", "true", check=False)
+    run, proc = resume_with_config(trained, tmp_path, {
+        "num_attention_heads": config["num_attention_heads"] // 2, "num_key_value_heads": max(1, config["num_key_value_heads"] // 2),
+        "head_dim": config["hidden_size"] // (config["num_attention_heads"] // 2), "hidden_act": "gelu"})
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert proc.returncode != 0 and len(lines) == 1 and "its config.json differs in" in lines[0] and "hidden_act" in lines[0], proc.stderr[-3000:]
     assert not (run / "checkpoint-12").exists()
