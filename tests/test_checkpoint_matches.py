@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import QUICK, REPO, launch
-from fsdp_recipes.ckpt.status import model_mismatch
+from fsdp_recipes.ckpt.model_match import model_mismatch
 
 TINY = REPO / "assets" / "tiny-llama"
 
@@ -206,7 +206,7 @@ def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_
     from peft import LoraConfig
     from transformers import AutoTokenizer
 
-    from fsdp_recipes.ckpt.status import FREE_CONFIG_KEYS, LORA_KEYS, description_mismatch
+    from fsdp_recipes.ckpt.model_match import FREE_CONFIG_KEYS, LORA_KEYS, description_mismatch
 
     rng = random.Random(seed)
     config, tokenizer = AutoConfig.from_pretrained(TINY), AutoTokenizer.from_pretrained(TINY)

@@ -268,21 +268,6 @@ def test_output_inside_input_and_existing_output(checkpoint, tmp_path):
     assert (existing / "model.safetensors").is_file() and json.loads((existing / "config.json").read_text())["model_type"]
 
 
-def test_an_output_that_is_a_link_is_refused_and_its_target_kept(checkpoint, tmp_path):
-    """(hostile review) --overwrite on a link to someone's model folder replaced the folder the link points to:
-    removal.py refuses links rather than act on their targets, and so does the merge now."""
-    theirs = tmp_path / "elsewhere" / "their-model"
-    theirs.mkdir(parents=True)
-    for name in ("config.json", "special_tokens_map.json"):
-        (theirs / name).write_text("{}")
-    link = tmp_path / "link"
-    link.symlink_to(theirs)
-    for overwrite in (False, True):
-        with pytest.raises(CheckpointError, match=r"output .*link is a symbolic link \(to .*their-model\): give the folder itself"):
-            merge_checkpoint(checkpoint, link, overwrite=overwrite, log=lambda *_: None)
-    assert sorted(p.name for p in theirs.iterdir()) == ["config.json", "special_tokens_map.json"] and link.is_symlink()
-
-
 def test_full_disk_is_refused_before_writing(checkpoint, tmp_path, monkeypatch):
     import collections
 

@@ -67,9 +67,6 @@ def write_weight_part(source, out_dir: Path, config, part: tuple[int, int] = (0,
 def check_output(input_path, resolved: ResolvedInput, output_path, overwrite: bool) -> Path:
     """The output's real path, after refusing one that would destroy or mix with the input (compared as real
     paths: symlinks and `..` resolved) or, with --overwrite, a folder holding training checkpoints."""
-    if Path(output_path).is_symlink():  # --overwrite would replace the link's target: removal.py refuses links, so here too
-        raise CheckpointError(f"output {output_path} is a symbolic link (to {os.readlink(output_path)}): give the folder itself, "
-                              "or another output")
     out = real(output_path)
     for given in {real(input_path), real(resolved.checkpoint_dir), real(resolved.weights_dir or resolved.checkpoint_dir)}:
         if overlap(out, given):

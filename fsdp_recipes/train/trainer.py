@@ -43,7 +43,8 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_recipes.ckpt.layout import FULL_MODEL_FILE, REPLACED_PREFIX
-from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, description_mismatch, model_mismatch, rotate, set_aside
+from fsdp_recipes.ckpt.model_match import description_mismatch, model_mismatch
+from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
 from fsdp_recipes.removal import make_folder

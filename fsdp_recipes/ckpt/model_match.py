@@ -1,0 +1,121 @@
+"""Does a checkpoint belong to this run's model: what a resume checks before anything loads.
+
+Its weights' names and full shapes (layers, sizes, LoRA targets and rank), read from the DCP metadata or safetensors
+headers, and what it records beside them that shapes do not show: config.json, adapter_config.json and the
+tokenizer's vocabulary (fsdp_recipes.train.trainer.FSDPTrainer.resume_mismatch calls both).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR
+from fsdp_recipes.ckpt.status import short_json
+from fsdp_recipes.errors import UnreadableFile
+
+
+def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
+    """Name -> full shape of the model weights a checkpoint holds, read from its DCP metadata or safetensors headers
+    (no tensor is loaded); None for a layout whose names cannot be read without loading it (FULL_STATE_DICT .bin)."""
+    from fsdp_recipes.ckpt.dcp import read_layout
+    from fsdp_recipes.ckpt.namespace import clean_name
+    from fsdp_recipes.ckpt.readers import SafetensorsSource
+
+    if (ckpt / DCP_MODEL_DIR).is_dir():
+        stored = {clean_name(k): tuple(t.shape) for k, t in read_layout(ckpt / DCP_MODEL_DIR).tensors.items()}
+        if stored and all(k.startswith("model.") for k in stored):  # accelerate saves {"model": state_dict}
+            stored = {k.removeprefix("model."): v for k, v in stored.items()}
+        return stored
+    if (ckpt / "model.safetensors").is_file() or (ckpt / "model.safetensors.index.json").is_file():
+        return {name: tuple(info.shape) for name, info in SafetensorsSource(ckpt).tensors.items()}
+    return None
+
+
+def model_mismatch(ckpt: str | os.PathLike, expected: dict[str, tuple[int, ...]], tied: set[str] = frozenset()) -> str | None:
+    """Why the checkpoint's weights are not the weights of the model this run built (names and full shapes: layers,
+    sizes, LoRA targets and rank), in one line; None when they match. ``tied``: names a checkpoint may leave out."""
+    from fsdp_recipes.ckpt.namespace import clean_name
+
+    stored = stored_weights(Path(ckpt))
+    if stored is None:
+        return None
+    expected = {clean_name(k): tuple(v) for k, v in expected.items()}
+    missing = sorted(set(expected) - set(stored) - set(tied))
+    extra = sorted(set(stored) - set(expected))
+    other = sorted(n for n in set(stored) & set(expected) if stored[n] != expected[n])
+    if not (missing or extra or other):
+        return None
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} weight(s) of this run's model are not in it (e.g. {missing[0]})")
+    if extra:
+        parts.append(f"it holds {len(extra)} weight(s) this model does not have (e.g. {extra[0]})")
+    if other:
+        n = other[0]
+        parts.append(f"{len(other)} weight(s) differ in shape (e.g. {n}: {stored[n]} saved, {expected[n]} in this model)")
+    return (f"{ckpt} was saved from another model: {'; '.join(parts)}; resume with the model, config and LoRA settings "
+            "(use_peft, lora_r, lora_target_modules) it was saved with, or start without --resume_from_checkpoint")
+
+
+# config.json keys a resume may change: where the model came from, library bookkeeping, and what the Trainer and
+# the export set per run (use_cache, the saved dtype, attention kernels); every other key defines the model
+FREE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "use_cache", "architectures", "dtype", "torch_dtype",
+                              "attn_implementation", "_attn_implementation", "_attn_implementation_autoset"})
+# adapter_config.json keys that define what a LoRA adapter computes (r and the targets show in the shapes too)
+LORA_KEYS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora", "bias", "modules_to_save",
+             "layers_to_transform", "rank_pattern", "alpha_pattern", "fan_in_fan_out")
+
+
+def _plain(value):
+    """A value as JSON holds it (sets and tuples as sorted or plain lists), so the saved and the live compare."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return sorted(items) if all(isinstance(v, str) for v in items) else items  # module names: saved in any order
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def _differing(saved: dict, now: dict, keys) -> list[str]:
+    return [k for k in sorted(keys) if _plain(saved.get(k)) != _plain(now.get(k))]
+
+
+def description_mismatch(ckpt: str | os.PathLike, config: dict, lora: dict | None = None, vocabulary: dict | None = None) -> str | None:
+    """Why the checkpoint was saved from another model than this run's, by what it records beside its weights:
+    config.json (every key but FREE_CONFIG_KEYS: heads, rope, activation, norms change no shape), adapter_config.json
+    (LORA_KEYS: lora_alpha scales the update) and the tokenizer's vocabulary (token ids, which a shuffled vocabulary
+    of the same size changes silently). A file the checkpoint lacks (another tool's) is not compared. ``config``: the
+    run's ``config.to_diff_dict()``, as save_pretrained writes it; ``lora``: its adapter config; ``vocabulary``:
+    its tokenizer.json's ``model`` section."""
+    try:
+        return _description_mismatch(Path(ckpt), config, lora, vocabulary)
+    except UnreadableFile as err:
+        return f"{ckpt}: unreadable {Path(err.path).name} ({err.reason}): restore it from a copy, or resume from another checkpoint"
+
+
+def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, vocabulary: dict | None) -> str | None:
+    fix = ("resume with the model, config, tokenizer and LoRA settings it was saved with, or start without "
+           "--resume_from_checkpoint (another --output_dir)")
+    if (path := ckpt / "config.json").is_file():
+        saved = load_json(path, "config.json", JSON_LIMIT)
+        if differ := _differing(saved, config, (saved.keys() | config.keys()) - FREE_CONFIG_KEYS):
+            k = differ[0]
+            return (f"{ckpt} was saved from another model: its config.json differs in {len(differ)} setting(s) "
+                    f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}; {k}: {short_json(_plain(saved.get(k)))} saved, "
+                    f"{short_json(_plain(config.get(k)))} now); {fix}")
+    if lora is not None and (path := ckpt / "adapter_config.json").is_file():
+        saved = load_json(path, "adapter_config.json", JSON_LIMIT)
+        if differ := _differing(saved, lora, LORA_KEYS):
+            k = differ[0]
+            return (f"{ckpt} was saved with other LoRA settings: {', '.join(differ)} ({k}: {short_json(_plain(saved.get(k)))} saved, "
+                    f"{short_json(_plain(lora.get(k)))} now); {fix}")
+    if vocabulary is not None and (path := ckpt / "tokenizer.json").is_file():
+        saved = load_json(path, "tokenizer.json", JSON_LIMIT).get("model")
+        if isinstance(saved, dict) and _plain(saved) != _plain(vocabulary):
+            return (f"{ckpt} was saved with another tokenizer (its tokenizer.json's vocabulary differs from this run's: token "
+                    f"ids would mean other text); {fix}")
+    return None
