@@ -244,6 +244,14 @@ def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_
     shuffled = {**model, "vocab": dict(zip(model["vocab"], ids))}
     problem = description_mismatch(ckpt, _live(config)[0], lora.to_dict(), shuffled)
     assert problem and "another tokenizer" in problem, problem
+    # BPE applies merges in order: reordered, another tokenizer, also in the older "a b" string form of merges
+    as_strings = {**model, "merges": [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]}
+    saved = json.loads((ckpt / "tokenizer.json").read_text())
+    (ckpt / "tokenizer.json").write_text(json.dumps({**saved, "model": as_strings}))
+    assert description_mismatch(ckpt, _live(config)[0], lora.to_dict(), as_strings) is None
+    for merges in (model["merges"][::-1], as_strings["merges"][::-1]):
+        problem = description_mismatch(ckpt, _live(config)[0], lora.to_dict(), {**model, "merges": merges})
+        assert problem and "another tokenizer" in problem, problem
     assert description_mismatch(tmp_path / "empty", _live(config)[0], lora.to_dict(), shuffled) is None  # another tool's: nothing recorded
 
 

@@ -69,19 +69,25 @@ LORA_KEYS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", 
 
 
 def _plain(value):
-    """A value as JSON holds it (sets and tuples as sorted or plain lists), so the saved and the live compare."""
+    """A value as JSON holds it (sets as sorted lists, tuples as lists), so the saved and the live compare."""
     if isinstance(value, (set, frozenset)):
         return sorted(_plain(v) for v in value)
     if isinstance(value, (list, tuple)):
-        items = [_plain(v) for v in value]
-        return sorted(items) if all(isinstance(v, str) for v in items) else items  # module names: saved in any order
+        return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     return value
 
 
-def _differing(saved: dict, now: dict, keys) -> list[str]:
-    return [k for k in sorted(keys) if _plain(saved.get(k)) != _plain(now.get(k))]
+def _unordered(value):
+    """A LoRA module list as a set: peft saves target_modules in any order. Nowhere else: a BPE merge list's order
+    is the tokenizer."""
+    value = _plain(value)
+    return sorted(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else value
+
+
+def _differing(saved: dict, now: dict, keys, plain=_plain) -> list[str]:
+    return [k for k in sorted(keys) if plain(saved.get(k)) != plain(now.get(k))]
 
 
 def description_mismatch(ckpt: str | os.PathLike, config: dict, lora: dict | None = None, vocabulary: dict | None = None) -> str | None:
@@ -109,7 +115,7 @@ def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, vocabular
                     f"{short_json(_plain(config.get(k)))} now); {fix}")
     if lora is not None and (path := ckpt / "adapter_config.json").is_file():
         saved = load_json(path, "adapter_config.json", JSON_LIMIT)
-        if differ := _differing(saved, lora, LORA_KEYS):
+        if differ := _differing(saved, lora, LORA_KEYS, _unordered):
             k = differ[0]
             return (f"{ckpt} was saved with other LoRA settings: {', '.join(differ)} ({k}: {short_json(_plain(saved.get(k)))} saved, "
                     f"{short_json(_plain(lora.get(k)))} now); {fix}")

@@ -110,7 +110,6 @@ def stopped_before() -> None:
 # signal again the same way, without the traceback. At exit (atexit callbacks, the wait for threads) an interrupt
 # is reported as Python always did: a re-sent one would only abort the next exit callback.
 REDELIVER_AFTER = 0.01  # seconds
-_hooked = False
 
 
 def _send_again(signum: int) -> None:
@@ -154,18 +153,15 @@ def _redeliver(unraisable):
         _send_again(signum)
 
 
-_previous_hook: list = []
+_previous_hook: list = []  # the hook ours replaced, once installed
 
 
 def _catch_lost_signals() -> None:
     import sys
 
-    global _hooked
-    if _hooked:
-        return
-    _hooked = True
-    _previous_hook.append(sys.unraisablehook)
-    sys.unraisablehook = _redeliver
+    if not _previous_hook:
+        _previous_hook.append(sys.unraisablehook)
+        sys.unraisablehook = _redeliver
 
 
 def quiet_stops() -> None:
