@@ -146,6 +146,12 @@ def step_seconds(ends: list[float], skip: int) -> list[float]:
     return [b - a for a, b in zip(ends[skip:], ends[skip + 1:])]
 
 
+def stall_per_save(got: dict, nosave: dict, a: argparse.Namespace) -> float:
+    """The steps after the warm-up with saves less the same steps without, over the saves among them."""
+    times = step_seconds(got["step_end"], a.warmup)
+    return (sum(times) - sum(step_seconds(nosave["step_end"], a.warmup))) / (len(times) // a.save_steps)
+
+
 def rss_growth(ends: list[float], samples: dict[int, list[tuple[float, int]]]) -> dict[int, dict[str, int]]:
     """Per rank: peak RssAnon over the first and the last quarter of the steps (each step a save)."""
     n = len(ends)
@@ -197,11 +203,17 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
     for lora in {"full": (False,), "lora": (True,), "both": (False, True)}[a.training]:
         measured = {}
         for mode in ["nosave", *(m + suffix for _, suffix in kinds for m in ("sync", "async", "async-copy"))]:
+            if mode.startswith("async-copy") and not measured[mode.replace("async-copy", "async")]["in_place"]:
+                # the default staging already wrote from a host copy (a GPU run): the same launch again would only cost time
+                measured[mode] = measured[mode.replace("async-copy", "async")]
+                print(f"  {'LoRA' if lora else 'full'} {mode}: not run, the background saves were already written from a host copy", flush=True)
+                continue
             began = time.time()
             measured[mode] = run(model, lora, mode, steps, a.nprocs, work, a.interval, a.save_steps)
-            print(f"  {'LoRA' if lora else 'full'} {mode}: {time.time() - began:.0f} s", flush=True)
+            # each launch's stall as soon as it is known: a run cut short (a device's time limit) still shows it
+            print(f"  {'LoRA' if lora else 'full'} {mode}: {time.time() - began:.0f} s"
+                  + ("" if mode == "nosave" else f"; stall per save {stall_per_save(measured[mode], measured['nosave'], a):.2f} s"), flush=True)
         plain = statistics.median(step_seconds(measured["nosave"]["step_end"], a.warmup))
-        plain_total = sum(step_seconds(measured["nosave"]["step_end"], a.warmup))
         for writes, suffix in kinds:
             row = {"training": "LoRA" if lora else "full", "shard_files": writes, "nprocs": a.nprocs, "saves": a.saves,
                    "base_bytes": base_bytes, "step_seconds_without_saves": round(plain, 4)}
@@ -209,7 +221,7 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
                 got = measured[mode + suffix]
                 times = step_seconds(got["step_end"], a.warmup)
                 saving = sum(times) / len(times)
-                stall = (sum(times) - plain_total) / (len(times) // a.save_steps)  # the saves after the warm-up
+                stall = stall_per_save(got, measured["nosave"], a)
                 row[mode] = {"step_seconds_with_saves": round(saving, 4), "stall_per_save_seconds": round(stall, 4),
                              "rss": {str(r): v for r, v in sorted(rss_growth(got["step_end"], got["samples"]).items())}}
             background = measured["async" + suffix]
@@ -223,6 +235,7 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
             row["device"] = background["device"]
             row["queued"] = {mode: note for mode in ("async", "async-copy") if (note := queued(
                 row[mode]["save_seconds"], plain, a.save_steps, measured[mode + suffix]["in_place"]))}
+            row["host_copy_was_the_default"] = measured["async-copy" + suffix] is background
             row["checkpoint_bytes"] = background["checkpoint_bytes"]
             row["checkpoint_model_bytes"] = background["checkpoint_model_bytes"]
             row["checkpoint_vs_base"] = round(row["checkpoint_bytes"] / base_bytes, 4)
@@ -252,6 +265,8 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
                      f"{r['checkpoint_bytes'] / 1e6:,.1f} | {r['checkpoint_vs_base']:.1%} |")
     lines += [f"\nNote ({r['training']}, {r['shard_files']}, {'background' if mode == 'async' else 'from a host copy'}): {note}."
               for r in rows for mode, note in r["queued"].items()]
+    lines += [f"\nNote ({r['training']}, {r['shard_files']}): the default background saves were written from a host copy already, so the "
+              "host copy columns repeat them (one launch, not run twice)." for r in rows if r["host_copy_was_the_default"]]
     lines += ["", "RssAnon peak, first -> last quarter of the saves (MiB):", "", "| training | shard files written | sync | background | background, host copy |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['training']} | {r['shard_files']} | {rss(r['sync'])} | {rss(r['async'])} | {rss(r['async-copy'])} |")
