@@ -50,9 +50,9 @@ def test_strategy_extras_and_offload():
     assert states(offload) == 0 and offload.cpu_offload_per_node == pytest.approx(16e9)
     ckpt = estimate(shape, Setup(activation_checkpointing=True, micro_batch=4))
     plain = estimate(shape, Setup(activation_checkpointing=False, micro_batch=4))
-    logits = 8 * 2048 * 4 * 32000  # fp32 logits and their gradient, unaffected by checkpointing
+    logits = 2048 * 4 * (8 * 32000 + 8 * 2048)  # fp32 logits and their gradient, the final norm: unaffected by checkpointing
     sbh = 2048 * 4 * 2048
-    assert plain.activations - logits == 34 * sbh * 16  # every layer's 34 sbh bytes kept
+    assert plain.activations - logits == 34 * sbh * 16  # a shape without its MLP: the GPT formula, every layer's 34 sbh bytes kept
     assert ckpt.activations - logits == 2 * sbh * 16 + 34 * sbh  # each layer's input, plus one layer recomputed
 
 

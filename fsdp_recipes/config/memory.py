@@ -32,6 +32,9 @@ class ModelShape:
     vocab: int | None = None
     heads: int | None = None
     largest_unit: int | None = None  # parameters of the largest FSDP unit (a decoder layer or the embeddings)
+    intermediate: int | None = None  # the MLP's width
+    kv_width: int | None = None  # key/value heads x head dim (GQA: less than hidden)
+    gated: bool | None = None  # a gated MLP (down(act(gate(x)) * up(x)): Llama, Mistral, Qwen), RMSNorm decoders
 
 
 @dataclass
@@ -131,24 +134,52 @@ def model_shape(model: str) -> ModelShape:
     layer_types = set(getattr(skeleton, "_no_split_modules", None) or [])
     units = [sum(p.numel() for p in m.parameters()) for m in skeleton.modules() if type(m).__name__ in layer_types]
     embed = skeleton.get_input_embeddings().weight.numel()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    names = {n for n, _ in skeleton.named_parameters()}
     return ModelShape(
         params=params, hidden=config.hidden_size, layers=config.num_hidden_layers, vocab=config.vocab_size,
-        heads=config.num_attention_heads, largest_unit=max(units + [embed]),
+        heads=heads, largest_unit=max(units + [embed]),
+        intermediate=getattr(config, "intermediate_size", None),
+        kv_width=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
+        gated=any(n.endswith(("mlp.gate_proj.weight", "mlp.gate_up_proj.weight")) for n in names),
     )
 
 
+# CUDA's fused attention kernels keep four tensors of the key/value width per layer beyond what the model saves
+# (bench/results/h200/gpu-check-8: 0.26 GiB in sdpa_attention_forward over 16 layers of 4,096 tokens x 512 wide, bf16)
+CUDA_ATTENTION_KV_TENSORS = 4
+
+
+def saved_per_token(shape: ModelShape, width: int) -> float:
+    """Bytes one decoder layer of a gated-MLP, RMSNorm model (transformers' Llama family) saves for backward per
+    token, computing in ``width``-byte floats, as its code does it: each RMSNorm its input upcast to fp32 (the input
+    itself in fp32), the normalized and the scaled output (2 x (4h + 2wh)); the rotated query and the attention
+    output reshaped for o_proj (2wh); gate, up, act(gate) and their product (4wI); the rotated key and the value (2w
+    kv); attention's fp32 log-sum-exp per head (4 heads). Counted with autograd's saved-tensor hooks on CPU over
+    generated shapes (tests/test_memory.py)."""
+    h, w = shape.hidden, width
+    return 2 * (4 * h + 2 * w * h) + 2 * w * h + 4 * w * shape.intermediate + 2 * w * shape.kv_width + 4 * shape.heads
+
+
 def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[float, list[str]]:
-    """Activation memory of one micro-batch (Korthikanti et al. 2022, with a fused attention kernel:
-    34*s*b*h bytes per layer in 16-bit; with checkpointing only each layer's input, 2*s*b*h, plus one
-    layer being recomputed), plus fp32 logits and their gradient (8*s*b*V)."""
+    """Activation memory of one micro-batch: for a gated-MLP RMSNorm decoder what its layers save
+    (saved_per_token, plus CUDA attention's key/value copies), else Korthikanti et al. 2022's 34*s*b*h bytes per
+    layer in 16-bit (GPT's MLP, a fused attention kernel); with checkpointing only each layer's input (2*s*b*h), plus
+    one layer being recomputed; plus the final norm and the fp32 logits and their gradient (8*s*b*V)."""
     if not (shape.hidden and shape.layers and shape.vocab):
         return 0.0, ["activations unknown for a bare parameter count: give a model config"]
-    sbh = setup.seq_len * setup.micro_batch * shape.hidden
-    width = 1 if setup.precision != "fp32" else 2
-    per_layer = 34 * sbh * width
-    body = (2 * sbh * width * shape.layers + per_layer) if setup.activation_checkpointing else per_layer * shape.layers
-    logits = 8 * setup.seq_len * setup.micro_batch * shape.vocab
-    return float(body + logits), []
+    tokens = setup.seq_len * setup.micro_batch
+    width = 2 if setup.precision != "fp32" else 4
+    notes = []
+    if shape.gated and shape.intermediate and shape.kv_width and shape.heads:
+        per_layer = tokens * (saved_per_token(shape, width) + CUDA_ATTENTION_KV_TENSORS * width * shape.kv_width)
+    else:
+        per_layer = 34 * tokens * shape.hidden * width // 2
+        notes.append("activations by the GPT formula (34*s*b*h per layer): measured only for gated-MLP decoders (Llama family)")
+    body = (width * tokens * shape.hidden * shape.layers + per_layer) if setup.activation_checkpointing else per_layer * shape.layers
+    final = tokens * (4 * shape.hidden + 2 * width * shape.hidden + 8 * shape.vocab)  # the final norm; logits
+    return float(body + final), notes
 
 
 def estimate(shape: ModelShape, setup: Setup) -> Estimate:
@@ -183,7 +214,12 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         notes.append("offload: parameters, gradients and the optimizer step live in CPU RAM")
     if shape.largest_unit is None:
         notes.append(f"largest unit taken as P/{shape.layers or 32} for a bare parameter count")
-    total = params + grads + optim + gathered + working + acts
+    # gradients and activations do not peak together: backward frees each layer's activations as it makes that
+    # layer's gradients, and the step's zero_grad freed the last ones before forward; the larger of the two is
+    # counted (on an H200 every shipped config's peak came within 5% of this: tests/test_memory.py)
+    total = params + optim + gathered + working + max(grads, acts)
+    if grads and acts:
+        notes.append(f"gradients ({human(grads)}) and activations ({human(acts)}) do not peak together: the total counts the larger")
     return Estimate(
         shard_group=shard, params=params, grads=grads, optimizer=optim, gathered_params=gathered,
         all_gather_working_set=working, activations=acts, gpu_total=total, cpu_offload_per_node=offload_node,
