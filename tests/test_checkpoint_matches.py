@@ -264,3 +264,53 @@ def test_resuming_a_model_of_the_same_shapes_but_other_heads_stops_before_loadin
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert proc.returncode != 0 and len(lines) == 1 and "its config.json differs in" in lines[0] and "hidden_act" in lines[0], proc.stderr[-3000:]
     assert not (run / "checkpoint-12").exists()
+
+
+ADAMW_GROUP = {"weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-08, "amsgrad": False, "maximize": False,
+               "decoupled_weight_decay": True, "initial_lr": 5e-05, "base_lr": 5e-05}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_changed_optimizer_setting_is_named_never_dropped(seed):
+    """Generated: one hyperparameter of one param group changed (as a resume's load would replace it) is named with
+    the flag that sets it and both values; implementation flags and the scheduled lr of the moment are not settings."""
+    import random
+
+    from fsdp_recipes.train.trainer import optimizer_settings, overridden_settings
+
+    rng = random.Random(seed)
+    asked = [dict(ADAMW_GROUP, weight_decay=0.01), dict(ADAMW_GROUP)]
+    assert overridden_settings(asked, [dict(g) for g in asked], "checkpoint-6") is None
+    group, key = rng.randrange(2), rng.choice(sorted(ADAMW_GROUP))
+    loaded = [dict(g) for g in asked]
+    old = loaded[group][key]
+    loaded[group][key] = (old[0], round(rng.uniform(0.5, 0.89), 3)) if isinstance(old, tuple) else (not old) if isinstance(old, bool) else old * rng.choice([2, 10, 0.5]) + (0.1 if old == 0 else 0)
+    problem = overridden_settings(asked, loaded, "checkpoint-6")
+    flag = {"initial_lr": "--learning_rate", "base_lr": "--learning_rate", "weight_decay": "--weight_decay", "betas": "--adam_beta1/--adam_beta2",
+            "eps": "--adam_epsilon"}.get(key, key)
+    assert problem and flag in problem and "checkpoint-6 was trained with" in problem and f"param group {group}" in problem, (key, problem)
+
+    class Optimizer:  # the scheduled lr and how torch computes (foreach, fused) are no settings
+        param_groups = [dict(ADAMW_GROUP, params=[], lr=1e-7, foreach=True, fused=None, capturable=False, differentiable=False)]
+
+    class Scheduler:
+        base_lrs = [5e-05]
+
+    settings = optimizer_settings(Optimizer, Scheduler)
+    assert settings == [ADAMW_GROUP]
+    Optimizer.param_groups[0].update(lr=3e-5, foreach=False)
+    assert overridden_settings(settings, optimizer_settings(Optimizer, Scheduler), "checkpoint-6") is None
+
+
+@pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
+def test_resuming_with_another_learning_rate_stops_before_the_first_step(trained, tmp_path, config):
+    """The stock Trainer resumes with the checkpoint's learning rate whatever --learning_rate says (its optimizer and
+    scheduler state carry it): a changed one is refused in one line, nothing trained or written."""
+    run, source = tmp_path / "run", trained(config).output_dir
+    shutil.copytree(source / "checkpoint-6", run / "checkpoint-6")
+    trained_with = json.loads((source / "run_args.json").read_text())["training"]["learning_rate"]
+    proc = launch(config, *QUICK, "--output_dir", str(run), "--learning_rate", str(trained_with / 3), "--resume_from_checkpoint", "true", check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"--learning_rate is {trained_with / 3} in this run, but checkpoint-6 was trained with {trained_with}" in lines[0], lines[0]
+    assert not (run / "checkpoint-12").exists() and not (run / "model").exists()

@@ -47,6 +47,7 @@ from fsdp_recipes.ckpt.model_match import description_mismatch, model_mismatch
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
+from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.removal import make_folder
 from fsdp_recipes.train.async_checkpoints import AsyncCheckpoints
 from fsdp_recipes.train.export import DescribeCheckpoints, export_dtype, lora_parts
@@ -55,6 +56,40 @@ from fsdp_recipes.train.preemption import Preemption
 from fsdp_recipes.train.sharding import ShardingReport, add_checkpoint_writes
 
 logger = logging.getLogger(__name__)
+
+
+# Param-group entries that say how the optimizer computes, not what it computes, and the scheduled lr of the moment
+_NOT_SETTINGS = {"params", "lr", "foreach", "fused", "capturable", "differentiable"}
+# What sets a param-group entry from the command line (TrainingArguments); others come with --optim / --optim_args
+_FLAGS = {"initial_lr": "--learning_rate", "base_lr": "--learning_rate", "weight_decay": "--weight_decay",
+          "betas": "--adam_beta1/--adam_beta2", "eps": "--adam_epsilon"}
+
+
+def optimizer_settings(optimizer, scheduler) -> list[dict]:
+    """Per param group, the hyperparameters this run's arguments set (and the scheduler's base lr)."""
+    groups = [{k: v for k, v in group.items() if k not in _NOT_SETTINGS} for group in optimizer.param_groups]
+    for group, base in zip(groups, getattr(scheduler, "base_lrs", None) or []):
+        group["base_lr"] = base
+    return groups
+
+
+def overridden_settings(asked: list[dict], loaded: list[dict], checkpoint: str) -> str | None:
+    """A resume loads the optimizer's and the scheduler's state, and with it the hyperparameters the checkpoint was
+    trained with: a learning rate, weight decay, betas or epsilon changed on the command line would be silently
+    dropped. The first such setting, named with both values; None when none changed."""
+    for n, (mine, theirs) in enumerate(zip(asked, loaded)):
+        for key in sorted(mine.keys() & theirs.keys()):
+            if mine[key] != theirs[key] and not (isinstance(mine[key], float) and mine[key] != mine[key] and theirs[key] != theirs[key]):
+                flag = _FLAGS.get(key, f"the optimizer's {key} (--optim_args)")
+                return (f"{flag} is {_shown(mine[key])} in this run, but {checkpoint} was trained with {_shown(theirs[key])} (param group {n}): "
+                        f"resuming restores its optimizer and scheduler state, which would silently keep {_shown(theirs[key])}; resume "
+                        f"with the checkpoint's value, or merge it (tools/merge_checkpoint.py) and start a new run from the merged model "
+                        "to train with another")
+    return None
+
+
+def _shown(value) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def zero1_optimizer_class():
@@ -263,7 +298,10 @@ class FSDPTrainer(Trainer):
         if checkpoint is not None and self._fsdp1_sharded():
             init_optim_state = internals.get("torch.distributed.checkpoint.state_dict._init_optim_state")
             init_optim_state(self.optimizer.optimizer)  # the torch optimizer inside accelerate's wrapper
+        asked = optimizer_settings(self.optimizer, self.lr_scheduler)
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and (problem := overridden_settings(asked, optimizer_settings(self.optimizer, self.lr_scheduler), Path(checkpoint).name)):
+            raise RecipeError(problem)  # every rank loaded the same groups: all stop alike, before the first step
 
     @contextmanager
     def model_config_for_saving(self):
