@@ -174,6 +174,7 @@ def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files
     out = tmp_path / "run"
     out.mkdir()
     (out / "fsdp_report.json").write_text("{}")
+    (out / "run_args.json").write_text("{}")  # every run of ours writes it first
     earlier = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
     (earlier / "adapter_config.json").write_text("{}")
     publish_adapter(earlier, out)  # an earlier export (its identity recorded), then differently sharded

@@ -5,6 +5,7 @@ folders of every other kind, refuses in one line and leaves them as they were.""
 from __future__ import annotations
 
 import ast
+import re
 import os
 import shutil
 from pathlib import Path
@@ -358,7 +359,7 @@ def test_output_dir_holding_someone_elses_files_is_refused(tmp_path, kind, launc
     if kind in ("link to a model",):  # a link to a model folder holds only model files: a run may write there
         return
     before = _snapshot(out)
-    with pytest.raises(RecipeError, match="holds files a training run does not write"):
+    with pytest.raises(RecipeError, match="holds (files a training run does not write|another tool's model or run)"):
         check_output_dir(str(out), resuming=False, overwrite=True)
     assert _snapshot(out) == before
 
@@ -467,3 +468,53 @@ def test_every_delete_in_the_libraries_a_run_goes_through_is_known_and_cannot_re
     from fsdp_recipes.train.trainer import FSDPTrainer
 
     assert {"_finalize_training", "_save_checkpoint"} <= set(vars(FSDPTrainer))  # the two Trainer deletes, taken over
+
+
+def _stock_trainer_run(out: Path) -> None:
+    """What transformers' run_clm.py leaves in its output_dir: train, save_model, save_state, the metrics files."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+    tiny = REPO / "assets" / "tiny-llama"
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny))
+    ids = torch.randint(0, model.config.vocab_size, (4, 16))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(str(out), max_steps=2, per_device_train_batch_size=2, save_strategy="no", report_to="none",
+                             use_cpu=True, logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(tiny))
+    metrics = trainer.train().metrics
+    trainer.save_model()
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+
+
+def test_a_stock_trainers_finished_run_is_not_taken_for_ours(tmp_path):
+    """(hostile probe) A new run into a stock Trainer's finished output_dir overwrote its trainer_state.json and
+    train_results.json, merged into its all_results.json and put model/ beside its model: the names are the same as
+    ours. Without our run_args.json they are another tool's, refused before anything starts, for a new run and a resume."""
+    out = tmp_path / "stock"
+    _stock_trainer_run(out)
+    assert (out / "trainer_state.json").is_file() and (out / "all_results.json").is_file()  # the case is real
+    before = _snapshot(out)
+    for resuming in (False, True):
+        with pytest.raises(RecipeError, match=r"holds another tool's model or run \(.*no run_args.json, which every run of this repository writes first\)"):
+            check_output_dir(str(out), resuming=resuming, overwrite=True)
+    assert _snapshot(out) == before
+
+
+SHARED_NAMES = ["trainer_state.json", "all_results.json", "train_results.json", "eval_results.json", "training_args.bin",
+                "config.json", "model.safetensors", "model-00001-of-00002.safetensors", "tokenizer.json", "generation_config.json",
+                "fsdp_report.json", "loss.png", "adapter_config.json", "adapter_model.safetensors"]
+
+
+@pytest.mark.parametrize("name", SHARED_NAMES)
+def test_a_record_of_a_finished_run_is_ours_only_beside_run_args(tmp_path, name):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_text("x")
+    (out / "runs").mkdir()  # tensorboard's folder, which both write: no sign either way
+    with pytest.raises(RecipeError, match=f"holds another tool's model or run \\({re.escape(name)}"):
+        check_output_dir(str(out), resuming=False, overwrite=False)
+    (out / "run_args.json").write_text("{}")
+    assert check_output_dir(str(out), resuming=False, overwrite=False) == []

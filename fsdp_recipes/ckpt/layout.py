@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.removal import is_ours
+from fsdp_recipes.removal import MARKER, is_ours
 
 
 DCP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's sharded model folder in a checkpoint-N
@@ -123,12 +123,33 @@ _RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(model|adapter)\.kept-\d+", 
                 r"\.run\.lock", r"\.run\.lock\.owner", r"training_args\.bin", r"requeue_progress\.json", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
 
 
+# A finished run's records and top-level model files, which other tools (the stock Trainer's run_clm.py, TRL) write
+# under the same names: ours only beside the run_args.json every run of ours writes before anything else
+_SHARED_RECORDS = (*_MODEL_FILES, r"(all|train|eval)_results\.json", r"training_args\.bin", r"fsdp_report\.json", r"loss\.png")
+RUN_RECORD = "run_args.json"  # written by fsdp_recipes.train.preflight (its ARGS_NAME)
+
+
+def another_tools_run(output_dir: Path) -> bool:
+    """output_dir holds a finished run's records or model files, and no run_args.json: another tool's run."""
+    return not (Path(output_dir) / RUN_RECORD).is_file() and any(map(_shared_record, os.listdir(output_dir)))
+
+
+def _shared_record(name: str) -> bool:
+    return name != MARKER and any(re.fullmatch(r, name) for r in _SHARED_RECORDS)
+
+
 def foreign_entries(output_dir: Path) -> list[str]:
     """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/), links (a run
     would write through them), entries of a run's name that are not regular files or folders (a FIFO), and what makes ``model/`` or ``adapter/`` more than the export writes there (the
-    export replaces those folders): ``model/notes.txt``, ``adapter`` (a file). Sorted."""
+    export replaces those folders): ``model/notes.txt``, ``adapter`` (a file). A finished run's records and model
+    files without our run_args.json beside them are another tool's (a stock Trainer's trainer_state.json and
+    all_results.json would be overwritten, merged into, or mixed with this run's). Sorted."""
     found = []
+    theirs = another_tools_run(output_dir)
     for p in Path(output_dir).iterdir():
+        if theirs and _shared_record(p.name) and (p.is_file() or p.is_dir()):
+            found.append(p.name)
+            continue
         if p.name == FINAL_MODEL_DIR and not is_model_folder(p):
             found.append(f"{p.name}/{unlike_model_folder(p)}" if p.is_dir() and not p.is_symlink() else p.name)
         elif p.name == ADAPTER_DIR and not is_exported_adapter(p):

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from fsdp_recipes.bounded import load_json
 from fsdp_recipes.ckpt.layout import (
-    INCOMPLETE_PREFIX, REPLACED_PREFIX, checkpoint_steps, checkpoint_unlike, foreign_entries, is_checkpoint_folder, overlap, real,
+    INCOMPLETE_PREFIX, REPLACED_PREFIX, RUN_RECORD, another_tools_run, checkpoint_steps, checkpoint_unlike, foreign_entries, is_checkpoint_folder, overlap, real,
 )
 from fsdp_recipes.ckpt.status import checkpoint_status, newest_resumable
 from fsdp_recipes.console import say
@@ -252,6 +252,10 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
                               "mix with its input; choose another --output_dir")
     if out.is_dir() and (foreign := foreign_entries(out)):
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        if another_tools_run(out):
+            raise RecipeError(f"output_dir {output_dir!r} holds another tool's model or run ({shown}; no {RUN_RECORD}, which "
+                              "every run of this repository writes first): this run would overwrite its records and mix its model "
+                              "with this one's; choose an empty or new --output_dir (the folder is left as it is)")
         raise RecipeError(f"output_dir {output_dir!r} holds files a training run does not write ({shown}): the run "
                           "would write (or replace) its checkpoints, model/ and adapter/ among them; move them out of output_dir, "
                           "or choose an empty or new --output_dir")

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fsdp_recipes.ckpt.dcp import guard_torch_dcp
-from fsdp_recipes.ckpt.layout import is_checkpoint_folder
+from fsdp_recipes.ckpt.layout import RUN_RECORD, is_checkpoint_folder
 from fsdp_recipes.ckpt.resume import decide, disagreement, requested, REQUEUE_RECORD, sight
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, set_aside
 from fsdp_recipes.compat import cpu_fsdp
@@ -40,7 +40,7 @@ from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.removal import remove
 from fsdp_recipes.train import run_lock
 
-ARGS_NAME = "run_args.json"
+ARGS_NAME = RUN_RECORD  # its presence marks an output_dir as a run of ours (ckpt.layout.foreign_entries)
 
 
 def start(plan: Plan):
