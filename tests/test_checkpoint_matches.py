@@ -45,6 +45,18 @@ def test_same_model_matches_others_do_not(trained, config):
     assert "weight(s) of this run's model are not in it (e.g. model.layers.4" in problem, problem
 
 
+def test_full_state_dict_bin_is_matched_too(trained):
+    """(hostile probe) A FULL_STATE_DICT checkpoint (pytorch_model_fsdp.bin, a torch.save file) skipped the check:
+    its shapes are read by the merge's weights-only, memory-mapped reader."""
+    ckpt = trained("accelerate_configs/zero3.yaml", launch_args=("--fsdp_state_dict_type", "FULL_STATE_DICT")).output_dir / "checkpoint-12"
+    assert (ckpt / "pytorch_model_fsdp.bin").is_file() and not (ckpt / "pytorch_model_fsdp_0").exists()
+    assert model_mismatch(ckpt, *shapes(tiny())) is None
+    problem = model_mismatch(ckpt, *shapes(tiny(num_hidden_layers=2)))
+    assert problem and "saved from another model" in problem and "this model does not have" in problem, problem
+    problem = model_mismatch(ckpt, *shapes(tiny(intermediate_size=96)))
+    assert problem and "differ in shape" in problem, problem
+
+
 def test_lora_settings_must_match(trained):
     from peft import LoraConfig, get_peft_model
 

@@ -11,17 +11,18 @@ import os
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR
+from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, FULL_MODEL_FILE
 from fsdp_recipes.ckpt.status import short_json
 from fsdp_recipes.errors import UnreadableFile
 
 
 def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
-    """Name -> full shape of the model weights a checkpoint holds, read from its DCP metadata or safetensors headers
-    (no tensor is loaded); None for a layout whose names cannot be read without loading it (FULL_STATE_DICT .bin)."""
+    """Name -> full shape of the model weights a checkpoint holds, read from its DCP metadata, safetensors headers or
+    FULL_STATE_DICT .bin (the merge's weights-only, memory-mapped reader: shapes without reading the tensors' bytes);
+    None for a checkpoint holding none of them."""
     from fsdp_recipes.ckpt.dcp import read_layout
     from fsdp_recipes.ckpt.namespace import clean_name
-    from fsdp_recipes.ckpt.readers import SafetensorsSource
+    from fsdp_recipes.ckpt.readers import SafetensorsSource, TorchBinSource
 
     if (ckpt / DCP_MODEL_DIR).is_dir():
         stored = {clean_name(k): tuple(t.shape) for k, t in read_layout(ckpt / DCP_MODEL_DIR).tensors.items()}
@@ -30,6 +31,8 @@ def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
         return stored
     if (ckpt / "model.safetensors").is_file() or (ckpt / "model.safetensors.index.json").is_file():
         return {name: tuple(info.shape) for name, info in SafetensorsSource(ckpt).tensors.items()}
+    if (ckpt / FULL_MODEL_FILE).is_file():
+        return {name: tuple(info.shape) for name, info in TorchBinSource(ckpt / FULL_MODEL_FILE).tensors.items()}
     return None
 
 
