@@ -17,7 +17,7 @@ from fsdp_recipes.ckpt.layout import is_checkpoint_folder, is_model_folder
 from fsdp_recipes.ckpt.merge import merge_checkpoint, remove_stale_staging
 from fsdp_recipes.ckpt.resume import check_output_dir
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
-from fsdp_recipes.errors import RecipeError, RefusedRemoval
+from fsdp_recipes.errors import CheckpointError, RecipeError, RefusedRemoval
 from fsdp_recipes.removal import MARKER, make_folder, remove
 from fsdp_recipes.train.export import remove_export_leftovers
 from test_hostile_files import cli
@@ -518,3 +518,39 @@ def test_a_record_of_a_finished_run_is_ours_only_beside_run_args(tmp_path, name)
         check_output_dir(str(out), resuming=False, overwrite=False)
     (out / "run_args.json").write_text("{}")
     assert check_output_dir(str(out), resuming=False, overwrite=False) == []
+
+
+@pytest.mark.parametrize("killed_at", [1, 2])
+def test_a_merge_killed_between_its_renames_loses_nothing(merge_checkpoint_dir, tmp_path, monkeypatch, killed_at):
+    """(hostile probe) --overwrite moves the earlier output aside, then the result in: a merge killed between the two
+    left no output and the earlier model hidden as .out.old-*. The next merge puts it back before deciding anything
+    (here it then refuses to replace it without --overwrite), and names the finished result the killed one left."""
+    import fsdp_recipes.ckpt.merge as merge_module
+
+    out = _model_folder(tmp_path / "out")
+    (out / "config.json").write_text('{"mine": true}')
+    before = _snapshot(out)
+    real_move, calls = merge_module.move, []
+
+    def killed_move(src, dst):
+        calls.append(dst)
+        if len(calls) == killed_at:
+            raise KeyboardInterrupt  # the except clause then removes only our marked staging: as a kill leaves it
+        return real_move(src, dst)
+
+    monkeypatch.setattr(merge_module, "move", killed_move)
+    with pytest.raises(KeyboardInterrupt):
+        merge_checkpoint(merge_checkpoint_dir, out, overwrite=True, log=lambda *_: None)
+    monkeypatch.setattr(merge_module, "move", real_move)
+    hidden = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+    if killed_at == 2:  # the state the probe found: no output, the earlier one hidden
+        assert not out.exists() and any(".old-" in name for name in hidden), hidden
+    monkeypatch.setattr(merge_module.os, "getpid", lambda: 2 ** 22 + 777)  # the next merge is another process
+    monkeypatch.setattr(merge_module, "process_alive", lambda pid: pid == 2 ** 22 + 777)  # the killed one is gone
+    said = []
+    with pytest.raises(CheckpointError, match="already exists: choose another folder or pass --overwrite"):
+        merge_checkpoint(merge_checkpoint_dir, out, log=said.append)
+    assert _snapshot(out) == before and (out / "config.json").read_text() == '{"mine": true}'
+    if killed_at == 2:
+        assert any(line.startswith(f"restored {out}") for line in said), said
+        assert any(line.startswith("kept ") and "finished result" in line for line in said), said

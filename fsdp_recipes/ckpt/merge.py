@@ -103,6 +103,26 @@ def remove_stale_staging(out: Path, log=print) -> None:
         log(f"removed {path}, left by a merge that was killed (process {m.group(2)})")
 
 
+def restore_interrupted(out: Path, log=print) -> None:
+    """A merge with --overwrite moves the earlier output aside (``.out.old-host-pid``), then its result in: killed
+    between the two renames, it left no ``out`` and the earlier model hidden. That folder goes back to ``out``
+    (before anything decides about ``out``); where ``out`` exists again it is kept and named, as is a finished result
+    the killed merge had not yet moved in. Nothing is deleted: they were the user's outputs, not our staging."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-{re.escape(socket.gethostname())}-(\d+)")
+    for path in sorted(out.parent.glob(f".{out.name}.*")) if out.parent.is_dir() else []:
+        m = pattern.fullmatch(path.name)
+        if not m or is_ours(path, STAGING) or process_alive(int(m.group(2))) or path.is_symlink() or not path.is_dir():
+            continue  # a live merge's, our marked staging (remove_stale_staging's), or not a folder a merge moves
+        if not (is_model_folder(path) or is_exported_adapter(path)):
+            continue
+        if m.group(1) == "old" and not (out.exists() or out.is_symlink()):
+            move(path, out)
+            log(f"restored {out} from {path.name}: a merge killed between its two renames (process {m.group(2)}) had moved it aside")
+        else:
+            what = "an earlier output it had moved aside" if m.group(1) == "old" else "its finished result, not yet moved in"
+            log(f"kept {path}: {what} by a merge that was killed (process {m.group(2)}); move or delete it yourself")
+
+
 # ----------------------------------------------------------------------------------------------- merge
 
 
@@ -132,6 +152,7 @@ def merge_checkpoint(
         log(note)
     if problems := description_file_problems(resolved):
         raise CheckpointError(problems[0])
+    restore_interrupted(real(output_path), log)  # the real path, as check_output and the staging names use
     out = check_output(input_path, resolved, output_path, overwrite)
     own, base_model = _lora(resolved, base_model, adapter_only, log)
     out.parent.mkdir(parents=True, exist_ok=True)
