@@ -9,10 +9,28 @@ it. `python train_fsdp.py --help` lists every argument.
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
-import transformers
+
+def _stopped_while_importing(signum, frame):
+    """A stop (SIGTERM, SIGUSR1) or Ctrl-C while torch and transformers import (the first ~5 s) ends the run with the
+    line any stop before training gives, not a bare exit 143 or an import traceback; run() then installs the real
+    handlers. Nothing has started that needs cleaning up, so the process leaves at once."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        os.write(2, f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same "
+                    "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of "
+                    "an earlier run)\n".encode())
+    os._exit(128 + signum)
+
+
+for _signum in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
+    if signal.getsignal(_signum) is not signal.SIG_IGN:  # an ignored signal (a job started with &) stays ignored
+        signal.signal(_signum, _stopped_while_importing)
+
+import transformers  # after the handlers above: importing takes seconds
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 

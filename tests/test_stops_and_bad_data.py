@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -125,6 +126,42 @@ def test_stop_signal_before_training_is_one_line(tmp_path, sig, code):
     # no traceback of a rank (the launcher's own report about its failed children is the launcher's)
     assert f"exitcode  : {code}" in proc.stderr and "[rank" not in proc.stderr and "Stopped" not in proc.stderr, proc.stderr[-3000:]
     assert not list(out.glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("sig", ["TERM", "USR1", "INT"])
+def test_a_stop_while_torch_imports_is_one_line(tmp_path, sig):
+    """(hostile probe) SIGTERM in the first seconds of train_fsdp.py, while torch and transformers import, ended it with
+    a bare 143 and no line (Ctrl-C: an import traceback). The handlers are in place before torch is loaded (read from
+    /proc: the process has caught SIGTERM, the last installed, while no libtorch is mapped yet); the signal then
+    ends it with the one line every stop before training gives."""
+    import re
+    import signal
+    import sys
+    import time
+
+    signum = getattr(signal, "SIG" + sig)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_fsdp.py"), "--output_dir", str(tmp_path / "run")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a suite run with & ignores it
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            if int(re.search(r"SigCgt:\s*([0-9a-f]+)", status).group(1), 16) >> (signal.SIGTERM - 1) & 1:
+                break
+            assert "libtorch" not in maps, "torch was loaded before the stop handlers were in place"
+            time.sleep(0.002)
+        assert "libtorch" not in maps, "torch was loaded before the stop handlers were in place"
+        os.kill(proc.pid, signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    how = "interrupted" if sig == "INT" else f"stopped by SIG{sig}"
+    assert proc.returncode == 128 + signum and err.splitlines() == [
+        f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same command "
+        "again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)"], err[-3000:]
 
 
 SIGNALS_IN_FINALIZERS = r"""
