@@ -47,7 +47,7 @@ from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_ste
 from fsdp_recipes.train.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
 from fsdp_recipes.train.modeling import load_model, load_tokenizer, lora_base, lora_base_identity, use_lora_base
 from fsdp_recipes.train.preemption import (
-    Stopped, quiet_stops, stop_received, wait_for_stop, was_interrupted, watch_interrupts, watch_stops,
+    Stopped, quiet_stops, stop_received, training_began, wait_for_stop, was_interrupted, watch_interrupts, watch_stops,
 )
 from fsdp_recipes.train.profiling import StepProfiler
 from fsdp_recipes.train.trainer import FSDPTrainer
@@ -241,8 +241,13 @@ def run() -> None:
              "run; run the same command again to start (with --resume_from_checkpoint true, to continue from the last "
              "checkpoint of an earlier run)", 128 + stop.signum)
     except KeyboardInterrupt:
-        fail("train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "
-             "--resume_from_checkpoint true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)", 130)
+        if training_began():
+            fail("train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "
+                 "--resume_from_checkpoint true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)", 130)
+        else:  # parsing, --help, loading: nothing of this run to lose
+            fail("train_fsdp.py: interrupted before training started: nothing was trained or saved by this run; run the same "
+                 "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an "
+                 "earlier run)", 130)
 
 
 def exit_after_atexit(code: list[int]) -> None:

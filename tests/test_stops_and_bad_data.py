@@ -113,14 +113,17 @@ def test_node_rank_outside_the_job_is_refused_not_a_hang(nodes, node_id):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, code", [("TERM", 143)])
+@pytest.mark.parametrize("sig, code", [("TERM", 143), ("INT", 130)])
 def test_stop_signal_before_training_is_one_line(tmp_path, sig, code):
+    """A stop (or Ctrl-C: it said "nothing was saved since the last checkpoint", as if training had begun) while the
+    model loads."""
     out = tmp_path / "run"
     proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), script=FAULT,
                   env={"FSDP_FAULT": f"all:early:{sig}"}, check=False)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py:")]
+    how = "interrupted" if sig == "INT" else f"stopped by SIG{sig}"
     assert proc.returncode != 0 and ours == [
-        f"train_fsdp.py: stopped by SIG{sig} before training started: nothing was trained or saved by this run; run the same "
+        f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same "
         "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)"
     ], proc.stderr[-3000:]
     # no traceback of a rank (the launcher's own report about its failed children is the launcher's)

@@ -38,6 +38,8 @@ class Preemption(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         import torch.distributed as dist
 
+        global _training
+        _training = True
         if dist.is_available() and dist.is_initialized() and self._group is None:
             # every rank gets here, in the same order: the collective creation is matched
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
@@ -187,6 +189,12 @@ def stop_received() -> int:
 # interrupt too, and is reported as one.
 _interrupts: list[int] = []
 _raise_on_interrupt = True
+_training = False  # set when the Trainer begins: what a Ctrl-C's line says was lost
+
+
+def training_began() -> bool:
+    """Whether the Trainer had begun training (a Ctrl-C before then lost nothing this run made)."""
+    return _training
 
 
 def _on_interrupt(signum, frame):
