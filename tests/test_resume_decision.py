@@ -186,3 +186,50 @@ def test_a_resume_loads_each_rank_rng_state_once_to_check_and_once_to_use(traine
     assert rng == {0: {"rng_state_0.pth": 2, "rng_state_1.pth": 1}, 1: {"rng_state_1.pth": 1}}, rng
     final, expected = load_file(out / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
     assert set(final) == set(expected) and all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def _notes(p: Path):
+    p.mkdir(parents=True)
+    (p / "notes.txt").write_text("mine")
+
+
+def _saved_model(p: Path):
+    p.mkdir(parents=True)
+    (p / "config.json").write_text("{}")
+    (p / "model.safetensors").write_text("x")
+
+
+def _nested(p: Path):
+    p.mkdir(parents=True)
+    (p / "data").mkdir()
+    (p / "data" / "a.txt").write_text("mine")
+
+
+def _link(p: Path):
+    target = p.parent.parent / "elsewhere"
+    _notes(target)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.symlink_to(target, target_is_directory=True)
+
+
+@pytest.mark.parametrize("make", [_notes, _saved_model, _nested, _link], ids=lambda f: f.__name__.strip("_"))
+def test_a_folder_only_named_like_a_checkpoint_is_not_moved_aside(tmp_path, make):
+    """(hostile probe) `--resume_from_checkpoint true` renamed a user's folder called checkpoint-9 (and a link) to
+    incomplete-checkpoint-9 as if a save had died in it. Only a checkpoint's shape (or an empty folder) is set aside;
+    anything else stops the resume, naming it, before anything moves."""
+    from fsdp_recipes.ckpt.resume import resolve_resume
+
+    out = tmp_path / "run"
+    make(out / "checkpoint-9")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(RecipeError, match=r"checkpoint-9 is named like a checkpoint but is not one \(it (holds|is a link)"):
+        resolve_resume("true", str(out))
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_an_empty_checkpoint_folder_is_still_a_dead_save(tmp_path):
+    from fsdp_recipes.ckpt.resume import resolve_resume
+
+    (tmp_path / "run" / "checkpoint-9").mkdir(parents=True)  # a save killed before its first file
+    with pytest.raises(RecipeError, match=r"no complete checkpoint-N folder .* \(incomplete: checkpoint-9\)"):
+        resolve_resume("true", str(tmp_path / "run"))

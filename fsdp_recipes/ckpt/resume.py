@@ -75,6 +75,7 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
                 f"({blocked.unreadable}); another torch version wrote it, and it may be complete, so nothing was skipped, "
                 f"set aside or deleted: resume with the torch version that wrote it{earlier}"
             )
+        refuse_moving_aside([Path(s.path) for s in skipped], output_dir)
         for status in skipped:
             say(f"skipping {status.summary()}")
         if chosen is None:
@@ -94,7 +95,19 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
             raise RecipeError(f"cannot resume from {status.summary()}{instead}")
         instead = f"resume from {chosen.path} (the newest complete one) or" if chosen else "start"
         raise RecipeError(f"cannot resume from {status.summary()}; {instead} without it")
-    return Resume(_resumable(status, trainer_fsdp, say), later_checkpoints(Path(value), output_dir))
+    later = later_checkpoints(Path(value), output_dir)
+    refuse_moving_aside([aside.path for aside in later], output_dir)
+    return Resume(_resumable(status, trainer_fsdp, say), later)
+
+
+def refuse_moving_aside(folders: list[Path], output_dir: str) -> None:
+    """An incomplete or replaced checkpoint is renamed out of the way; a folder that only has a checkpoint's name (a
+    user's notes, a saved model, a link) is not one to rename: the resume stops, naming it, before anything moves. An
+    empty one (a save killed before its first file) is still a checkpoint's."""
+    for folder in folders:
+        if (unlike := checkpoint_unlike(folder)) and unlike != "it is empty":
+            raise RecipeError(f"{folder} is named like a checkpoint but is not one ({unlike}): a resume would move it aside "
+                              f"with the incomplete ones; move it out of output_dir {output_dir!r} and run again (nothing was moved)")
 
 
 REQUEUE_RECORD = "requeue_progress.json"  # output_dir: the newest checkpoint each requeued attempt of a job started from
