@@ -282,7 +282,7 @@ def test_an_earlier_checkpoint_starts_a_branch_and_later_ones_are_never_rewritte
     config = "accelerate_configs/zero3.yaml"
     uninterrupted = trained(config).output_dir
     out = tmp_path / "run"
-    shutil.copytree(uninterrupted, out, ignore=shutil.ignore_patterns("model", "run_args.json"))
+    shutil.copytree(uninterrupted, out, ignore=shutil.ignore_patterns("model"))  # run_args.json: the run is ours
     old = (out / "checkpoint-12" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes()
     proc = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-6"))
     assert "resuming checkpoint-6 starts a new branch of the run: moved checkpoint-12 to replaced-checkpoint-12" in proc.stdout + proc.stderr
