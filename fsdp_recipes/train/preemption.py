@@ -85,8 +85,17 @@ _raise_on_stop = True
 
 def _on_stop_before_training(signum, frame):
     _stops.append(signum)
-    if _raise_on_stop and not _deferred(signum, frame):
+    if _raise_on_stop and not _ending() and not _deferred(signum, frame):
         raise Stopped(signum)
+
+
+def _ending() -> bool:
+    """Whether the main thread is already handling a stop or Ctrl-C (the run is ending: on its way to its one line).
+    A second signal then is only recorded: raised there (say at the call that would have set _raise_on_stop to
+    False), it would replace the first with a traceback."""
+    import sys
+
+    return isinstance(sys.exc_info()[1], (Stopped, KeyboardInterrupt))
 
 
 def watch_stops() -> None:
@@ -199,7 +208,7 @@ def training_began() -> bool:
 
 def _on_interrupt(signum, frame):
     _interrupts.append(signum)
-    if _raise_on_interrupt and not _deferred(signum, frame):
+    if _raise_on_interrupt and not _ending() and not _deferred(signum, frame):
         raise KeyboardInterrupt
 
 
