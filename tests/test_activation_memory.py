@@ -10,17 +10,17 @@ import sys
 import pytest
 import torch
 import yaml
-from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
 
 from conftest import REPO
 from fsdp_recipes.config.memory import ModelShape, Setup, estimate, model_shape, saved_per_token
 from fsdp_recipes.config.strategy import strategy_of
 
 
-def saved_bytes(config: LlamaConfig, dtype: torch.dtype, batch: int, seq: int) -> int:
+def saved_bytes(config, dtype: torch.dtype, batch: int, seq: int) -> int:
     """Bytes of the distinct storages autograd saves for backward in one forward with labels (weights excluded)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(dtype).train()
+    model = AutoModelForCausalLM.from_config(config).to(dtype).train()
     ids = torch.randint(0, config.vocab_size, (batch, seq))
     storages: dict[int, int] = {}
 
@@ -36,29 +36,34 @@ def saved_bytes(config: LlamaConfig, dtype: torch.dtype, batch: int, seq: int) -
 
 
 def generated_shapes(count: int, seed: int):
+    """Llama and Qwen3 (a norm on each query and key head) layers; the heads' width need not be the hidden size
+    (Qwen3-0.6B: 16 x 128 heads on 1024)."""
     rng = random.Random(seed)
-    for _ in range(count):
-        heads = rng.choice([2, 4, 8])
-        head_dim = rng.choice([8, 16, 32])
-        hidden = heads * head_dim
+    for i in range(count):
+        heads = rng.choice([2, 4, 6, 8])
+        head_dim = rng.choice([8, 16, 32, 64])
+        per_head = head_dim if i % 4 < 2 else rng.choice([d for d in (8, 16, 32, 64) if d != head_dim])  # half: q width != hidden
+        hidden = heads * per_head  # transformers wants hidden a multiple of the heads
         kv_heads = rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0])
-        intermediate = rng.choice([2 * hidden, 3 * hidden, 4 * hidden, int(hidden * 2.6875) // 8 * 8])
-        yield heads, kv_heads, head_dim, hidden, intermediate, rng.choice([16, 48]), rng.choice([1, 3])
+        intermediate = rng.choice([2 * hidden, 3 * hidden, int(hidden * 2.6875) // 8 * 8])
+        yield ["llama", "qwen3"][i % 2], heads, kv_heads, head_dim, hidden, intermediate, rng.choice([16, 48]), rng.choice([1, 3])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("shape_args", list(generated_shapes(4, seed=7)), ids=lambda a: "h{3}-I{4}-heads{0}-kv{1}".format(*a))
-def test_one_layer_saves_what_the_formula_counts(dtype, shape_args):
-    heads, kv_heads, head_dim, hidden, intermediate, seq, batch = shape_args
+@pytest.mark.parametrize("shape_args", list(generated_shapes(8, seed=7)), ids=lambda a: "{0}-h{4}-I{5}-heads{1}x{3}-kv{2}".format(*a))
+def test_one_layer_saves_what_the_formula_counts(dtype, shape_args, tmp_path):
+    family, heads, kv_heads, head_dim, hidden, intermediate, seq, batch = shape_args
+    Config = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
 
     def config(layers):
-        return LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                           head_dim=head_dim, num_hidden_layers=layers, vocab_size=97, max_position_embeddings=seq,
-                           attn_implementation="sdpa")
+        return Config(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, num_hidden_layers=layers, vocab_size=97, max_position_embeddings=seq,
+                      attn_implementation="sdpa")
 
     one_layer = saved_bytes(config(2), dtype, batch, seq) - saved_bytes(config(1), dtype, batch, seq)
-    shape = ModelShape(params=1, hidden=hidden, layers=1, vocab=97, heads=heads, intermediate=intermediate,
-                       kv_width=kv_heads * head_dim, gated=True)
+    config(1).save_pretrained(tmp_path)
+    shape = model_shape(str(tmp_path))  # read from the config as tools/estimate_memory.py reads it
+    assert (shape.q_width, shape.qk_norm) == (heads * head_dim, family == "qwen3")
     expected = saved_per_token(shape, dtype.itemsize) * seq * batch
     assert one_layer == pytest.approx(expected, rel=0.01), (one_layer, expected)
 

@@ -45,12 +45,18 @@ def test_same_model_matches_others_do_not(trained, config):
     assert "weight(s) of this run's model are not in it (e.g. model.layers.4" in problem, problem
 
 
-def test_full_state_dict_bin_is_matched_too(trained):
+def test_full_state_dict_bin_is_matched_too(trained, tmp_path):
     """(hostile probe) A FULL_STATE_DICT checkpoint (pytorch_model_fsdp.bin, a torch.save file) skipped the check:
     its shapes are read by the merge's weights-only, memory-mapped reader."""
     ckpt = trained("accelerate_configs/zero3.yaml", launch_args=("--fsdp_state_dict_type", "FULL_STATE_DICT")).output_dir / "checkpoint-12"
     assert (ckpt / "pytorch_model_fsdp.bin").is_file() and not (ckpt / "pytorch_model_fsdp_0").exists()
     assert model_mismatch(ckpt, *shapes(tiny())) is None
+    # (hostile review) the .bin is what the resume loads, and it was never read when model.safetensors lay beside it
+    other = tmp_path / "checkpoint-12"
+    shutil.copytree(ckpt, other)
+    torch.save({"model.embed_tokens.weight": "hello", "x": [1, 2]}, other / "pytorch_model_fsdp.bin")
+    problem = model_mismatch(other, *shapes(tiny()))
+    assert problem and "saved from another model" in problem and "are not in it" in problem, problem
     problem = model_mismatch(ckpt, *shapes(tiny(num_hidden_layers=2)))
     assert problem and "saved from another model" in problem and "this model does not have" in problem, problem
     problem = model_mismatch(ckpt, *shapes(tiny(intermediate_size=96)))
@@ -308,6 +314,8 @@ def test_a_changed_optimizer_setting_is_named_never_dropped(seed):
     class Scheduler:
         base_lrs = [5e-05]
 
+    as_saved = [dict(g, betas=list(g["betas"])) for g in asked]  # (hostile review) torch.save gives the betas back as a list
+    assert overridden_settings(asked, as_saved, "checkpoint-6") is None
     settings = optimizer_settings(Optimizer, Scheduler)
     assert settings == [ADAMW_GROUP]
     Optimizer.param_groups[0].update(lr=3e-5, foreach=False)

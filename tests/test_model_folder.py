@@ -330,6 +330,14 @@ def test_an_entry_of_a_run_s_name_that_is_not_a_file_or_folder_is_foreign(tmp_pa
         folder.mkdir()
         os.mkfifo(folder / name)
         assert foreign_entries(folder) == [f"{name} (not a regular file or folder)"], name
+    for name in names:  # (hostile review) a folder named run_args.json crashed the run when it wrote the file
+        folder = tmp_path / f"dir-{name}"
+        (folder / name).mkdir(parents=True)
+        want = "a file where a run writes a folder" if name in ("checkpoint-4", "runs") else "a folder where a run writes a file"
+        if name in ("checkpoint-4", "runs"):
+            (folder / name).rmdir()
+            (folder / name).write_text("x")
+        assert foreign_entries(folder) == [f"{name} ({want})"], (name, foreign_entries(folder))
     fine = tmp_path / "fine"
     (fine / "checkpoint-4").mkdir(parents=True)
     (fine / "run_args.json").write_text("{}")

@@ -233,3 +233,19 @@ def test_an_empty_checkpoint_folder_is_still_a_dead_save(tmp_path):
     (tmp_path / "run" / "checkpoint-9").mkdir(parents=True)  # a save killed before its first file
     with pytest.raises(RecipeError, match=r"no complete checkpoint-N folder .* \(incomplete: checkpoint-9\)"):
         resolve_resume("true", str(tmp_path / "run"))
+
+
+def test_a_save_killed_while_torch_renames_its_metadata_is_still_a_dead_save(tmp_path):
+    """(hostile review) torch's DCP writer writes .metadata.tmp, then renames it: a checkpoint killed between was
+    refused as 'named like a checkpoint but not one'. It is an incomplete checkpoint of ours, set aside as before."""
+    from fsdp_recipes.ckpt.resume import resolve_resume
+    from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE
+    from fsdp_recipes.removal import make_folder
+
+    ckpt = make_folder(tmp_path / "run" / "checkpoint-9", CHECKPOINT_PURPOSE)
+    for shards, tmp in (("pytorch_model_fsdp_0", ".metadata.tmp"), ("optimizer_0", "__1.metadata.tmp")):
+        (ckpt / shards).mkdir()
+        (ckpt / shards / "__0_0.distcp").write_bytes(b"x" * 64)
+        (ckpt / shards / tmp).write_bytes(b"y")
+    with pytest.raises(RecipeError, match=r"no complete checkpoint-N folder .* \(incomplete: checkpoint-9\)"):
+        resolve_resume("true", str(tmp_path / "run"))

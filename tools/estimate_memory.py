@@ -11,8 +11,8 @@ ZeRO-1 (ddp.yaml --zero1 true) shards only Adam's 8 bytes: 8P + 8P/N.
 Plus: 2 x the largest FSDP unit in bf16 (all-gather working set), 2P more for SHARD_GRAD_OP (gathered
 parameters kept from forward to backward) and for DDP and ZeRO-1 in bf16 (autocast's bf16 weight copies, kept
 as long), and activations: per token and layer, what a gated-MLP RMSNorm decoder (Llama family) saves for backward,
-20h + 8I + 12kv + 4 heads bytes in bf16 (I the MLP width, kv the key/value width; CPU-counted, and CUDA attention's
-copies measured on an H200), else GPT's 34h; 2h with activation checkpointing; + the fp32 logits 8*s*b*V.
+16h + 4q + 8I + 12kv + 4 heads bytes in bf16 (q and kv the query and key/value heads' widths, I the MLP's; more
+for Qwen3's per-head norms; CPU-counted, and CUDA attention's copies measured on an H200), else GPT's 34h; 2h with activation checkpointing; + the fp32 logits 8*s*b*V.
 Gradients and activations do not peak together (backward frees one as it makes the other): the total counts the
 larger. Every CUDA peak on record (bench/results/h200) is within 10% of it. With offload the model states move to CPU RAM. FSDP1 in a shard group of one process (one process, or
 HYBRID_SHARD with one per node) runs NO_SHARD whatever the config names, and is estimated so.

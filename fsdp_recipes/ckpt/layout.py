@@ -81,7 +81,7 @@ _CHECKPOINT_FILES = (*_MODEL_FILES, r"training_args\.bin", r"scheduler\.pt", r"s
                      # the stock Trainer's other model files (save_safetensors false, BERT's and T5's tokenizers)
                      r"pytorch_model(-\d+-of-\d+)?\.bin", r"pytorch_model\.bin\.index\.json", r"adapter_model\.bin", r"vocab\.txt",
                      r"spiece\.model")
-_DCP_FILES = (r"\.metadata", r"__\d+\.metadata", r"__\d+_\d+\.distcp", r"\.made-by-fsdp-recipes")  # __N.metadata: rank-local
+_DCP_FILES = (r"\.metadata", r"__\d+\.metadata", r"(__\d+)?\.metadata\.tmp", r"__\d+_\d+\.distcp", r"\.made-by-fsdp-recipes")  # __N.metadata: rank-local; .tmp: torch writes the metadata so, then renames it (a save killed between)
 _CHECKPOINT_FOLDERS = {r"pytorch_model_fsdp_\d+": _DCP_FILES, r"optimizer_\d+": _DCP_FILES}
 
 
@@ -117,10 +117,11 @@ def unlike_model_folder(folder: Path) -> str:
 # What a training run writes into its output_dir, beside the model files: checkpoints, set-aside ones, its records,
 # tensorboard's runs/, profiles, the adapter, its lock and staging folders. Anything else there is someone's.
 # (model|adapter).kept-N: a folder the export moved aside from its way, the user's, kept for them (removal.make_room).
-_RUN_ENTRIES = (*_MODEL_FILES, r"checkpoint-\d+", r"(model|adapter)\.kept-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?",
-                ADAPTER_DIR, LORA_BASE_DIR, r"\.base-tmp", r"runs",
-                r"profile", r"run_args\.json", r"fsdp_report\.json", r"(all|train|eval)_results\.json", r"loss\.png",
-                r"\.run\.lock", r"\.run\.lock\.owner", r"training_args\.bin", r"requeue_progress\.json", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
+_RUN_FOLDERS = (r"checkpoint-\d+", r"(model|adapter)\.kept-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", FINAL_MODEL_DIR, ADAPTER_DIR,
+                LORA_BASE_DIR, r"\.base-tmp", r"runs", r"profile", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
+_RUN_FILES = (*_MODEL_FILES, r"run_args\.json", r"fsdp_report\.json", r"(all|train|eval)_results\.json", r"loss\.png",
+              r"\.run\.lock", r"\.run\.lock\.owner", r"training_args\.bin", r"requeue_progress\.json")
+_RUN_ENTRIES = (*_RUN_FILES, *_RUN_FOLDERS)
 
 
 # A finished run's records and top-level model files, which other tools (the stock Trainer's run_clm.py, TRL) write
@@ -131,7 +132,8 @@ RUN_RECORD = "run_args.json"  # written by fsdp_recipes.train.preflight (its ARG
 
 def another_tools_run(output_dir: Path) -> bool:
     """output_dir holds a finished run's records or model files, and no run_args.json: another tool's run."""
-    return not (Path(output_dir) / RUN_RECORD).is_file() and any(map(_shared_record, os.listdir(output_dir)))
+    # run_args.json in any form (a folder, a link, a FIFO) is not another tool's sign: foreign_entries names it itself
+    return not os.path.lexists(Path(output_dir) / RUN_RECORD) and any(map(_shared_record, os.listdir(output_dir)))
 
 
 def _shared_record(name: str) -> bool:
@@ -147,7 +149,7 @@ def foreign_entries(output_dir: Path) -> list[str]:
     found = []
     theirs = another_tools_run(output_dir)
     for p in Path(output_dir).iterdir():
-        if theirs and _shared_record(p.name) and (p.is_file() or p.is_dir()):
+        if theirs and _shared_record(p.name) and p.is_file():
             found.append(p.name)
             continue
         if p.name == FINAL_MODEL_DIR and not is_model_folder(p):
@@ -158,6 +160,8 @@ def foreign_entries(output_dir: Path) -> list[str]:
             found.append(p.name)
         elif not (p.is_file() or p.is_dir()):  # a FIFO named run_args.json: opening it would block the run for good
             found.append(f"{p.name} (not a regular file or folder)")
+        elif p.is_dir() != any(re.fullmatch(r, p.name) for r in _RUN_FOLDERS):  # a folder named run_args.json: the write fails
+            found.append(f"{p.name} (a {'folder' if p.is_dir() else 'file'} where a run writes a {'file' if p.is_dir() else 'folder'})")
     return sorted(found)
 
 

@@ -29,10 +29,10 @@ def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
         if stored and all(k.startswith("model.") for k in stored):  # accelerate saves {"model": state_dict}
             stored = {k.removeprefix("model."): v for k, v in stored.items()}
         return stored
+    if (ckpt / FULL_MODEL_FILE).is_file():  # before model.safetensors, which a FULL_STATE_DICT checkpoint also holds: the .bin is what a resume loads
+        return {name: tuple(info.shape) for name, info in TorchBinSource(ckpt / FULL_MODEL_FILE).tensors.items()}
     if (ckpt / "model.safetensors").is_file() or (ckpt / "model.safetensors.index.json").is_file():
         return {name: tuple(info.shape) for name, info in SafetensorsSource(ckpt).tensors.items()}
-    if (ckpt / FULL_MODEL_FILE).is_file():
-        return {name: tuple(info.shape) for name, info in TorchBinSource(ckpt / FULL_MODEL_FILE).tensors.items()}
     return None
 
 

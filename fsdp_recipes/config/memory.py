@@ -35,6 +35,9 @@ class ModelShape:
     intermediate: int | None = None  # the MLP's width
     kv_width: int | None = None  # key/value heads x head dim (GQA: less than hidden)
     gated: bool | None = None  # a gated MLP (down(act(gate(x)) * up(x)): Llama, Mistral, Qwen), RMSNorm decoders
+    q_width: int | None = None  # query heads x head dim (Qwen3, Gemma: not the hidden size); None: hidden
+    kv_heads: int | None = None
+    qk_norm: bool = False  # an RMSNorm on each query and key head (Qwen3, OLMo2)
 
 
 @dataclass
@@ -137,12 +140,14 @@ def model_shape(model: str) -> ModelShape:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     names = {n for n, _ in skeleton.named_parameters()}
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return ModelShape(
         params=params, hidden=config.hidden_size, layers=config.num_hidden_layers, vocab=config.vocab_size,
         heads=heads, largest_unit=max(units + [embed]),
         intermediate=getattr(config, "intermediate_size", None),
-        kv_width=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
+        kv_width=kv_heads * head_dim, q_width=heads * head_dim, kv_heads=kv_heads,
         gated=any(n.endswith(("mlp.gate_proj.weight", "mlp.gate_up_proj.weight")) for n in names),
+        qk_norm=any(n.endswith("self_attn.q_norm.weight") for n in names),
     )
 
 
@@ -154,12 +159,17 @@ CUDA_ATTENTION_KV_TENSORS = 4
 def saved_per_token(shape: ModelShape, width: int) -> float:
     """Bytes one decoder layer of a gated-MLP, RMSNorm model (transformers' Llama family) saves for backward per
     token, computing in ``width``-byte floats, as its code does it: each RMSNorm its input upcast to fp32 (the input
-    itself in fp32), the normalized and the scaled output (2 x (4h + 2wh)); the rotated query and the attention
-    output reshaped for o_proj (2wh); gate, up, act(gate) and their product (4wI); the rotated key and the value (2w
-    kv); attention's fp32 log-sum-exp per head (4 heads). Counted with autograd's saved-tensor hooks on CPU over
-    generated shapes (tests/test_memory.py)."""
+    itself in fp32), the normalized and the scaled output and its fp32 rsqrt (2 x (4h + 2wh + 4)); the rotated query
+    and the attention output reshaped for o_proj (2wq, q the query heads' width); gate, up, act(gate) and their product
+    (4wI); the rotated key and the value (2w kv); attention's fp32 log-sum-exp per head (4 heads); with a norm on each
+    query and key head (Qwen3) its fp32 upcast, output and rsqrt ((4 + w)(q + kv) + 4 (heads + kv heads)). Counted
+    with autograd's saved-tensor hooks on CPU over generated shapes (tests/test_activation_memory.py)."""
     h, w = shape.hidden, width
-    return 2 * (4 * h + 2 * w * h) + 2 * w * h + 4 * w * shape.intermediate + 2 * w * shape.kv_width + 4 * shape.heads
+    q = shape.q_width or h
+    body = 2 * (4 * h + 2 * w * h + 4) + 2 * w * q + 4 * w * shape.intermediate + 2 * w * shape.kv_width + 4 * shape.heads
+    if shape.qk_norm:
+        body += (4 + w) * (q + shape.kv_width) + 4 * (shape.heads + (shape.kv_heads or shape.heads))
+    return body
 
 
 def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[float, list[str]]:

@@ -79,13 +79,21 @@ def overridden_settings(asked: list[dict], loaded: list[dict], checkpoint: str) 
     dropped. The first such setting, named with both values; None when none changed."""
     for n, (mine, theirs) in enumerate(zip(asked, loaded)):
         for key in sorted(mine.keys() & theirs.keys()):
-            if mine[key] != theirs[key] and not (isinstance(mine[key], float) and mine[key] != mine[key] and theirs[key] != theirs[key]):
+            if not _same(mine[key], theirs[key]):
                 flag = _FLAGS.get(key, f"the optimizer's {key} (--optim_args)")
                 return (f"{flag} is {_shown(mine[key])} in this run, but {checkpoint} was trained with {_shown(theirs[key])} (param group {n}): "
                         f"resuming restores its optimizer and scheduler state, which would silently keep {_shown(theirs[key])}; resume "
                         f"with the checkpoint's value, or merge it (tools/merge_checkpoint.py) and start a new run from the merged model "
                         "to train with another")
     return None
+
+
+def _same(a, b) -> bool:
+    """Equal as settings: a checkpoint's betas may come back as a list (torch.save of the param groups) where this run
+    has a tuple; NaN equals NaN."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
 def _shown(value) -> str:
