@@ -394,14 +394,16 @@ def test_stale_staging_of_a_killed_merge_is_removed(checkpoint, tmp_path):
     stale = tmp_path / f".out.tmp-{host}-{dead.pid}"
     live = tmp_path / f".out.tmp-{host}-{os.getppid()}"  # a process that is alive: its merge may be running
     not_ours = tmp_path / f".out.tmp-otherhost-{dead.pid}"
-    unmarked = tmp_path / f".out.old-{host}-{dead.pid}"  # named like ours, but no marker: someone else's
+    # named like ours, no marker, not a model folder: someone else's (an unmarked model folder there is the earlier
+    # output a merge killed between its renames hid, and goes back: test_removal's killed-merge test)
+    unmarked = tmp_path / f".out.old-{host}-{dead.pid}"
     from fsdp_recipes.removal import make_folder
 
     for folder in (stale, live, not_ours):
         make_folder(folder, "merge staging")  # as a merge makes its staging folder
         (folder / "model.safetensors").write_bytes(b"partial")
     unmarked.mkdir()
-    (unmarked / "model.safetensors").write_bytes(b"theirs")
+    (unmarked / "notes.txt").write_bytes(b"theirs")
     said = []
     merge_checkpoint(checkpoint, tmp_path / "out", log=said.append)
     assert not stale.exists() and live.exists() and not_ours.exists() and unmarked.exists()
