@@ -334,3 +334,15 @@ def test_resuming_with_another_learning_rate_stops_before_the_first_step(trained
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
     assert f"--learning_rate is {trained_with / 3} in this run, but checkpoint-6 was trained with {trained_with}" in lines[0], lines[0]
     assert not (run / "checkpoint-12").exists() and not (run / "model").exists()
+
+
+def test_resuming_with_another_optimizer_is_one_line(trained, tmp_path):
+    """(hostile review) --optim sgd on resume of an AdamW checkpoint: every rank died with torch's
+    'Missing key in checkpoint state_dict: optimizer.param_groups.0.momentum'."""
+    run = tmp_path / "run"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
+    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run), "--optim", "sgd", "--resume_from_checkpoint", "true", check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert "checkpoint-6's optimizer state does not fit this run's optimizer (--optim sgd" in lines[0], lines[0]
+    assert "[rank" not in proc.stderr and not (run / "checkpoint-12").exists()  # no traceback of a rank (the launcher's report is its own)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -307,7 +308,18 @@ class FSDPTrainer(Trainer):
             init_optim_state = internals.get("torch.distributed.checkpoint.state_dict._init_optim_state")
             init_optim_state(self.optimizer.optimizer)  # the torch optimizer inside accelerate's wrapper
         asked = optimizer_settings(self.optimizer, self.lr_scheduler)
-        super()._load_optimizer_and_scheduler(checkpoint)
+        from torch.distributed.checkpoint.api import CheckpointException  # DCP's, a BaseException carrying each rank's
+
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except (RuntimeError, KeyError, ValueError, CheckpointException) as err:
+            found = re.search(r"[^\n]*param_groups[^\n]*", str(err))
+            if checkpoint is None or found is None:
+                raise
+            # another --optim (SGD's momentum where AdamW has betas): torch names the missing key, in a traceback per rank
+            raise RecipeError(f"{Path(checkpoint).name}'s optimizer state does not fit this run's optimizer (--optim "
+                              f"{getattr(self.args.optim, 'value', self.args.optim)}; {found.group(0).strip()[:200]}): resume with the --optim it was trained "
+                              "with, or merge it (tools/merge_checkpoint.py) and start a new run from the merged model") from None
         if checkpoint is not None and (problem := overridden_settings(asked, optimizer_settings(self.optimizer, self.lr_scheduler), Path(checkpoint).name)):
             raise RecipeError(problem)  # every rank loaded the same groups: all stop alike, before the first step
 
