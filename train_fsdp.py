@@ -14,15 +14,19 @@ import sys
 from pathlib import Path
 
 
+def before_training(how: str) -> str:
+    """The line for a stop or Ctrl-C before training started (``how``: "interrupted", "stopped by SIGTERM")."""
+    return (f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same command "
+            "again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)")
+
+
 def _stopped_while_importing(signum, frame):
     """A stop (SIGTERM, SIGUSR1) or Ctrl-C while torch and transformers import (the first ~5 s) ends the run with the
     line any stop before training gives, not a bare exit 143 or an import traceback; run() then installs the real
     handlers. Nothing has started that needs cleaning up, so the process leaves at once."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-        os.write(2, f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same "
-                    "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of "
-                    "an earlier run)\n".encode())
+        os.write(2, (before_training(how) + "\n").encode())
     os._exit(128 + signum)
 
 
@@ -237,17 +241,13 @@ def run() -> None:
     except (RecipeError, NotShardedError, InternalsChanged, RefusedRemoval) as err:
         fail(f"train_fsdp.py: error: {err}", 2)
     except Stopped as stop:
-        fail(f"train_fsdp.py: stopped by {stop.describe()} before training started: nothing was trained or saved by this "
-             "run; run the same command again to start (with --resume_from_checkpoint true, to continue from the last "
-             "checkpoint of an earlier run)", 128 + stop.signum)
+        fail(before_training(f"stopped by {stop.describe()}"), 128 + stop.signum)
     except KeyboardInterrupt:
         if training_began():
             fail("train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "
                  "--resume_from_checkpoint true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)", 130)
         else:  # parsing, --help, loading: nothing of this run to lose
-            fail("train_fsdp.py: interrupted before training started: nothing was trained or saved by this run; run the same "
-                 "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an "
-                 "earlier run)", 130)
+            fail(before_training("interrupted"), 130)
 
 
 def exit_after_atexit(code: list[int]) -> None:

@@ -92,15 +92,23 @@ def _staging_name(out: Path, kind: str, pid: int | None = None) -> Path:
     return out.parent / f".{out.name}.{kind}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
+def _left_by_killed_merges(out: Path) -> list[tuple[Path, str, str]]:
+    """(folder, "tmp" or "old", pid) of each ``.out.tmp-`` or ``.out.old-`` folder a merge into ``out`` on this host
+    named for itself, whose process is gone."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-{re.escape(socket.gethostname())}-(\d+)")
+    found = []
+    for path in sorted(out.parent.glob(f".{out.name}.*")) if out.parent.is_dir() else []:
+        if (m := pattern.fullmatch(path.name)) and not process_alive(int(m.group(2))):
+            found.append((path, m.group(1), m.group(2)))
+    return found
+
+
 def remove_stale_staging(out: Path, log=print) -> None:
     """Staging folders a killed merge into ``out`` left behind (this host's, their process gone): removed, said."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-{re.escape(socket.gethostname())}-(\d+)")
-    for path in out.parent.glob(f".{out.name}.*"):
-        m = pattern.fullmatch(path.name)
-        if not m or not is_ours(path, STAGING) or process_alive(int(m.group(2))):
-            continue  # only our own marked staging folders: a folder merely named like one is someone else's
-        remove(path, STAGING)
-        log(f"removed {path}, left by a merge that was killed (process {m.group(2)})")
+    for path, _, pid in _left_by_killed_merges(out):
+        if is_ours(path, STAGING):  # only our own marked staging folders: a folder merely named like one is someone else's
+            remove(path, STAGING)
+            log(f"removed {path}, left by a merge that was killed (process {pid})")
 
 
 def restore_interrupted(out: Path, log=print) -> None:
@@ -108,19 +116,15 @@ def restore_interrupted(out: Path, log=print) -> None:
     between the two renames, it left no ``out`` and the earlier model hidden. That folder goes back to ``out``
     (before anything decides about ``out``); where ``out`` exists again it is kept and named, as is a finished result
     the killed merge had not yet moved in. Nothing is deleted: they were the user's outputs, not our staging."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-{re.escape(socket.gethostname())}-(\d+)")
-    for path in sorted(out.parent.glob(f".{out.name}.*")) if out.parent.is_dir() else []:
-        m = pattern.fullmatch(path.name)
-        if not m or is_ours(path, STAGING) or process_alive(int(m.group(2))) or path.is_symlink() or not path.is_dir():
-            continue  # a live merge's, our marked staging (remove_stale_staging's), or not a folder a merge moves
-        if not (is_model_folder(path) or is_exported_adapter(path)):
-            continue
-        if m.group(1) == "old" and not (out.exists() or out.is_symlink()):
+    for path, kind, pid in _left_by_killed_merges(out):
+        if is_ours(path, STAGING) or path.is_symlink() or not (is_model_folder(path) or is_exported_adapter(path)):
+            continue  # our marked staging (remove_stale_staging's), or not a folder a merge moves aside
+        if kind == "old" and not (out.exists() or out.is_symlink()):
             move(path, out)
-            log(f"restored {out} from {path.name}: a merge killed between its two renames (process {m.group(2)}) had moved it aside")
+            log(f"restored {out} from {path.name}: a merge killed between its two renames (process {pid}) had moved it aside")
         else:
-            what = "an earlier output it had moved aside" if m.group(1) == "old" else "its finished result, not yet moved in"
-            log(f"kept {path}: {what} by a merge that was killed (process {m.group(2)}); move or delete it yourself")
+            what = "an earlier output it had moved aside" if kind == "old" else "its finished result, not yet moved in"
+            log(f"kept {path}: {what} by a merge that was killed (process {pid}); move or delete it yourself")
 
 
 # ----------------------------------------------------------------------------------------------- merge
