@@ -50,6 +50,57 @@ def test_the_bytes_are_an_ordinary_writes_whatever_the_size_and_pieces(tmp_path,
     assert f.page_cache_why is None if o_direct_here(tmp_path) else f.page_cache_why is not None
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("platform", ["as here", "no O_DIRECT, no preadv"])
+def test_copies_from_other_files_are_their_bytes_at_any_offset(tmp_path, monkeypatch, seed, platform):
+    """copy_from (the merge's byte copies): ranges of other files at any offset and length, mixed with writes, across
+    block and chunk boundaries, give the bytes those ranges hold; a range past a file's end copies what there is and
+    says how much."""
+    if platform != "as here":
+        monkeypatch.setattr(direct_writes, "O_DIRECT", 0)
+        monkeypatch.delattr(os, "preadv")
+    rng = random.Random(seed)
+    sources = []
+    for i in range(2):
+        data = rng.randbytes(rng.randrange(CHUNK // 2, 2 * CHUNK))
+        (tmp_path / f"src{i}").write_bytes(data)
+        sources.append((os.open(tmp_path / f"src{i}", os.O_RDONLY), data))
+    expected = bytearray()
+    f = DirectFile(tmp_path / "out")
+    try:
+        for _ in range(12):
+            if rng.random() < 0.25:
+                piece = rng.randbytes(rng.choice([1, BLOCK - 1, rng.randrange(1, GIL_FREE_COPY * 2)]))
+                f.write(piece)
+                expected += piece
+                continue
+            fd, data = rng.choice(sources)
+            offset = rng.randrange(len(data))
+            count = rng.choice([1, BLOCK, BLOCK + 1, rng.randrange(1, CHUNK + BLOCK), len(data) - offset + rng.randrange(1, 99)])
+            got = f.copy_from(fd, offset, count)
+            assert got == min(count, len(data) - offset)
+            expected += data[offset:offset + got]
+            assert f.tell() == len(expected)
+        f.close()
+    finally:
+        for fd, _ in sources:
+            os.close(fd)
+    assert (tmp_path / "out").read_bytes() == bytes(expected)
+
+
+def test_sync_folder_fsyncs_every_file_and_the_folder(tmp_path, monkeypatch):
+    """What the merge and the export call before renaming a finished folder into place."""
+    (tmp_path / "a").write_bytes(b"1")
+    (tmp_path / "b").write_bytes(b"2")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    direct_writes.sync_folder(tmp_path)
+    assert sorted(synced) == sorted([str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path)])
+
+
 @pytest.mark.parametrize("pieces", [
     [GIL_FREE_COPY - 1, GIL_FREE_COPY, GIL_FREE_COPY + 1, 3, CHUNK - 2 * GIL_FREE_COPY - 3, GIL_FREE_COPY + BLOCK],
     [CHUNK - GIL_FREE_COPY + 1, GIL_FREE_COPY, 1, GIL_FREE_COPY - 1],  # copies that end a chunk, and start the next, either way

@@ -410,15 +410,22 @@ def test_stale_staging_of_a_killed_merge_is_removed(checkpoint, tmp_path):
     assert f"removed {stale}, left by a merge that was killed (process {dead.pid})" in said
 
 
-def test_output_on_another_filesystem_and_without_copy_file_range(checkpoint, tmp_path, monkeypatch):
-    """Checkpoints on one filesystem, the model written to another (tmpfs here); and the kernel copy refused
-    (EXDEV, as between filesystems on older kernels) or missing (macOS): the same bytes, by sendfile or read/write."""
+def test_output_on_another_filesystem_by_either_process_and_without_o_direct(checkpoint, tmp_path, monkeypatch):
+    """Checkpoints on one filesystem, the model written to another (tmpfs here); written by the copy process (a merge
+    whose check runs beside the copy) or by this one; and where the platform has no O_DIRECT or no preadv (macOS), or
+    the filesystem refuses O_DIRECT at open: the same bytes, through the page cache."""
     import errno
 
+    import fsdp_recipes.ckpt.merge as merge
     import fsdp_recipes.ckpt.safetensors_writer as writer
+    import fsdp_recipes.direct_writes as direct_writes
 
+    children = []
+    real_start = writer._start_copies
+    monkeypatch.setattr(writer, "_start_copies", lambda files: children.append(files) or real_start(files))
     reference = tmp_path / "same-fs"
     merge_checkpoint(checkpoint, reference, log=lambda *_: None)
+    assert len(children) == 1 and children[0], "the merge beside its check did not use the copy process"
     shm = Path("/dev/shm")
     if shm.is_dir() and os.stat(shm).st_dev != os.stat(tmp_path).st_dev:
         out = Path(tempfile.mkdtemp(dir=shm)) / "merged"
@@ -427,27 +434,77 @@ def test_output_on_another_filesystem_and_without_copy_file_range(checkpoint, tm
             assert folder_bytes(out) == folder_bytes(reference)
         finally:
             shutil.rmtree(out.parent)
+    in_process = lambda *args, **kwargs: writer.write_weights(*args, **{**kwargs, "copy_process": False})  # noqa: E731
+    started = len(children)
+    monkeypatch.setattr(merge, "write_weights", in_process)
+    merge_checkpoint(checkpoint, tmp_path / "in-process", log=lambda *_: None)
+    monkeypatch.setattr(direct_writes, "O_DIRECT", 0)
+    monkeypatch.delattr(os, "preadv")
+    merge_checkpoint(checkpoint, tmp_path / "no-o-direct", log=lambda *_: None)
+    monkeypatch.undo()
+    monkeypatch.setattr(merge, "write_weights", in_process)
+    monkeypatch.setattr(writer, "_start_copies", lambda files: children.append(files) or real_start(files))
+    real_open = os.open
 
-    def refuse(*args):
-        raise OSError(errno.EXDEV, "Invalid cross-device link")
+    def no_direct_open(path, flags, *args):
+        if flags & direct_writes.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")  # tmpfs before Linux 6.6, some FUSE mounts
+        return real_open(path, flags, *args)
 
-    used = []
-    real_copy = writer.RangeCopier.copy
-    monkeypatch.setattr(writer.RangeCopier, "copy", lambda self, *a: used.append(self.method) or real_copy(self, *a))
-    monkeypatch.setattr(os, "copy_file_range", refuse)
-    merge_checkpoint(checkpoint, tmp_path / "sendfile", log=lambda *_: None)
-    monkeypatch.setattr(os, "sendfile", refuse)
-    merge_checkpoint(checkpoint, tmp_path / "buffered", log=lambda *_: None)
-
-    def sockets_only(*args):
-        raise OSError(errno.ENOTSOCK, "Socket operation on non-socket")
-
-    monkeypatch.delattr(os, "copy_file_range")  # as on macOS, whose sendfile only writes to sockets
-    monkeypatch.setattr(os, "sendfile", sockets_only)
-    merge_checkpoint(checkpoint, tmp_path / "missing", log=lambda *_: None)
-    assert {"copy_file_range", "sendfile", "read/write"} <= set(used)
-    for folder in ("sendfile", "buffered", "missing"):
+    monkeypatch.setattr(os, "open", no_direct_open)
+    merge_checkpoint(checkpoint, tmp_path / "refused", log=lambda *_: None)
+    monkeypatch.undo()
+    assert len(children) == started  # the merges after the first wrote in this process
+    for folder in ("in-process", "no-o-direct", "refused"):
         assert folder_bytes(tmp_path / folder) == folder_bytes(reference), folder
+
+
+def test_the_output_is_on_disk_before_it_is_renamed_into_place(checkpoint, tmp_path, monkeypatch):
+    """Every file of the finished staging folder is fsynced before the rename that publishes it, and the rename
+    itself after: a crash cannot leave a model folder that looks complete with empty or torn files."""
+    import fsdp_recipes.ckpt.merge as merge
+
+    events = []
+    real_sync, real_entries, real_move = merge.sync_folder, merge.sync_entries, merge.move
+    monkeypatch.setattr(merge, "sync_folder", lambda p: events.append(("files", Path(p), sorted(q.name for q in Path(p).iterdir()))) or real_sync(p))
+    monkeypatch.setattr(merge, "sync_entries", lambda p: events.append(("entries", Path(p))) or real_entries(p))
+    monkeypatch.setattr(merge, "move", lambda a, b: events.append(("move", Path(a), Path(b))) or real_move(a, b))
+    out = tmp_path / "out"
+    merge_checkpoint(checkpoint, out, log=lambda *_: None)
+    kinds = [e[0] for e in events]
+    assert kinds == ["files", "move", "entries"], events
+    (_, staged, files), (_, moved, target), (_, parent) = events
+    assert staged == moved and target == out and parent == out.parent
+    assert set(files) >= {p.name for p in out.iterdir()}  # every published file was in the folder fsynced
+
+
+def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, trained, tmp_path, monkeypatch):
+    """A record cut short after the checks (between them and the copy): the copy process stops with one line naming
+    the file, no output folder and no staging folder are left; killed by a signal, the same, with its status."""
+    import fsdp_recipes.ckpt.safetensors_writer as writer
+
+    real_start = writer._start_copies
+
+    def truncate_first(files):
+        src, offset, count = max((piece for f in files for piece in f["pieces"]), key=lambda piece: piece[2])
+        os.truncate(src, offset + count // 2)  # the record's bytes end halfway
+        return real_start(files)
+
+    monkeypatch.setattr(writer, "_start_copies", truncate_first)
+    with pytest.raises(CheckpointError, match=r"\.distcp ended early: the file is truncated; copy the checkpoint again$"):
+        merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+    def killed(files):
+        child, errors = real_start(files)
+        child.kill()
+        return child, errors
+
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", checkpoint, dirs_exist_ok=True)
+    monkeypatch.setattr(writer, "_start_copies", killed)
+    with pytest.raises(CheckpointError, match=r"^the copy process ended with status -9: nothing was published; run the merge again$"):
+        merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 @pytest.mark.slow
@@ -455,7 +512,8 @@ def test_a_failed_check_stops_the_copy(synthetic, tmp_path):
     """The check running beside the copy is asked between pieces of COPY_STEP bytes: once it fails, nothing more
     is copied."""
     from fsdp_recipes.ckpt.readers import DCPSource
-    from fsdp_recipes.ckpt.safetensors_writer import COPY_STEP, Cancelled, write_weights
+    from fsdp_recipes.ckpt.copier import COPY_STEP
+    from fsdp_recipes.ckpt.safetensors_writer import Cancelled, write_weights
 
     ckpt = synthetic[1]
     assert sum(f.stat().st_size for f in (ckpt / "pytorch_model_fsdp_0").glob("*.distcp")) > 3 * COPY_STEP

@@ -11,9 +11,10 @@ Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the
 - lora_merge:         peft LoRA checkpoints merged as merge_and_unload does, or the adapter alone
 - base_identity:      which base a LoRA adapter was trained on, recorded, and checked on resume and merge
 - safetensors_writer, merge: the streamed conversion itself
+- copier:             the conversion's byte copies, in a process of its own beside the merge's check
 
 Imports no torch or transformers at import time (a subprocess test checks it): checking a checkpoint takes a
 fraction of a second, and the merge pays for torch only where a format needs it. Never imports the training path.
 
-May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny, fsdp_recipes.compat
+May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny, fsdp_recipes.direct_writes, fsdp_recipes.compat
 """

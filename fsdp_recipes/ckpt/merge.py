@@ -40,6 +40,7 @@ from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype, unconvertible_dty
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
 from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, weight_files, write_weights
 from fsdp_recipes.compat import internals
+from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError
 from fsdp_recipes.removal import (
     MARKER, contents, is_ours, make_folder, move, process_alive, remark, remove, remove_file, unmark,
@@ -197,7 +198,8 @@ def merge_checkpoint(
         try:
             write = dict(max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, stem=stem)
             try:
-                write_weights(resolved.source, weights.names, staging, cancelled=wrong_guess, **write)
+                # a child process copies the bytes: this one's GIL belongs to the check's imports meanwhile
+                write_weights(resolved.source, weights.names, staging, cancelled=wrong_guess, copy_process=future is not None, **write)
             except Cancelled:
                 pass
             described: Description = own if future is None else future.result()  # raises the check's error
@@ -223,12 +225,15 @@ def merge_checkpoint(
                 remark(staging, STAGING, output_purpose)
             else:  # a result: it ships without our marker
                 unmark(staging, STAGING)
+            sync_folder(staging)
             if out.exists():  # check_output: a model folder, and --overwrite was given
                 old = move(out, _staging_name(out, "old"))
                 move(staging, out)
+                sync_entries(out.parent)
                 remove(old, STAGING, shape=lambda p: is_model_folder(p) or is_exported_adapter(p))
             else:
                 move(staging, out)
+                sync_entries(out.parent)
         except BaseException:
             for purpose in {STAGING, output_purpose} - {None}:
                 if is_ours(staging, purpose):

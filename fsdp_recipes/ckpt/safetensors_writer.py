@@ -1,36 +1,31 @@
 """Streaming tensors from a checkpoint source into safetensors shards (+ index), as save_pretrained names them.
 
-The headers are computed up front from the source's shapes and dtypes; then each tensor whose bytes lie plain in
-the source is copied by the kernel straight to its place in the output (copy_file_range; sendfile or a buffered
-loop across filesystems and where it is missing), and the rest (casts, other layouts) is read in groups of at
-most ``memory_budget`` bytes (a larger tensor alone). Peak memory follows the budget and the largest tensor,
-never the model size.
+The headers are computed up front from the source's shapes and dtypes; then each file is written front to back
+through fsdp_recipes.direct_writes.DirectFile (O_DIRECT where the filesystem takes it, fsynced at close): a tensor
+whose bytes lie plain in the source is read straight into the writer's buffer, the rest (casts, other layouts) is
+read in groups of at most ``memory_budget`` bytes (a larger tensor alone). Peak memory follows the budget and the
+largest tensor, never the model size.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import struct
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
+from fsdp_recipes.ckpt.copier import Cancelled, copy_piece, write_file
 from fsdp_recipes.ckpt.readers import SAFETENSORS_DTYPES, TensorInfo, dtype_name, torch_dtype
 from fsdp_recipes.compat import internals
+from fsdp_recipes.direct_writes import DirectFile
 from fsdp_recipes.errors import CheckpointError
-
-COPY_STEP = 64 << 20  # bytes per kernel copy call: how often a failed check running beside the copy is noticed
-# copy_file_range or sendfile cannot do these (another filesystem, an old kernel, a filesystem without it, macOS's
-# sendfile, which only writes to sockets): copy another way
-_NO_RANGE_COPY = {errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENOTSOCK, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
-
-
-class Cancelled(Exception):
-    """The copy was stopped because a check running beside it failed."""
 
 
 def _safetensors_header(names: list[str], infos: dict[str, TensorInfo], dtype: str | None) -> tuple[bytes, list[tuple[str, int]]]:
@@ -57,42 +52,17 @@ def groups(names: list[str], infos: dict[str, TensorInfo], budget: int):
         yield group
 
 
-class RangeCopier:
-    """Copies byte ranges between files by the fastest means that works here: copy_file_range (in the kernel,
-    no user-space buffer), else sendfile, else read/pwrite through one buffer. Falls back once per merge, on the
-    first call that says the fast means cannot do it, and remembers."""
-
-    def __init__(self):
-        self.method = "copy_file_range" if hasattr(os, "copy_file_range") else "sendfile" if hasattr(os, "sendfile") else "read/write"
-
-    def copy(self, src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> int:
-        """Copy up to ``count`` bytes; returns how many (0 at the end of the source)."""
-        while True:
-            try:
-                if self.method == "copy_file_range":
-                    return os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
-                if self.method == "sendfile":
-                    os.lseek(dst_fd, dst_offset, os.SEEK_SET)
-                    return os.sendfile(dst_fd, src_fd, src_offset, count)
-                data = os.pread(src_fd, min(count, 8 << 20), src_offset)
-                return os.pwrite(dst_fd, data, dst_offset) if data else 0
-            except OSError as err:
-                if err.errno not in _NO_RANGE_COPY or self.method == "read/write":
-                    raise
-                self.method = "sendfile" if self.method == "copy_file_range" and hasattr(os, "sendfile") else "read/write"
-
-
-def copy_range(copier: RangeCopier, src: Path, src_offset: int, fd: int, dst_offset: int, count: int,
-               cancelled: Callable[[], bool] = lambda: False, progress: Callable[[int], object] = lambda n: None) -> None:
-    with open(src, "rb") as f:
-        while count:
-            if cancelled():
-                raise Cancelled
-            done = copier.copy(f.fileno(), src_offset, fd, dst_offset, min(count, COPY_STEP))
-            if done == 0:
-                raise CheckpointError(f"{src} ended early: the file is truncated; copy the checkpoint again")
-            src_offset, dst_offset, count = src_offset + done, dst_offset + done, count - done
-            progress(done)
+def _in_order(plan: list[tuple[Path, int, int, int]] | None, size: int) -> list[tuple[Path, int, int, int]] | None:
+    """A copy plan's pieces in the order they fill the tensor, or None (read the tensor instead) when they do not
+    fill its ``size`` bytes exactly once: the file is written front to back."""
+    if plan is None:
+        return None
+    plan, at = sorted(plan, key=lambda piece: piece[2]), 0
+    for _, _, start, count in plan:
+        if start != at:
+            return None
+        at += count
+    return plan if at == size else None
 
 
 def weight_files(source, names: dict[str, str] | list[str], max_shard_size: str | int = "5GB", dtype: str | None = None,
@@ -114,59 +84,120 @@ def _plan(source, names, max_shard_size, dtype: str | None, stem: str):
 def write_weights(
     source, names: dict[str, str] | list[str], out_dir: Path, max_shard_size: str | int = "5GB", dtype: str | None = None,
     memory_budget: str | int = "512MB", cancelled: Callable[[], bool] = lambda: False, stem: str = "model",
-    part: tuple[int, int] = (0, 1),
+    part: tuple[int, int] = (0, 1), copy_process: bool = False,
 ) -> list[str]:
     """Stream the source's tensors into safetensors shards (+ index) in ``out_dir``; returns the names of the files
     written. ``names``: output name -> source tensor name (a list: the same names). ``cancelled`` is asked between
     pieces of at most COPY_STEP bytes; when it says yes, Cancelled is raised. ``part`` = (k, n): only the shards
     whose position in the plan is k modulo n, and the index only for k = 0, so that n processes given the same
-    arguments write one folder between them (the final export: fsdp_recipes.train.export)."""
+    arguments write one folder between them (the final export: fsdp_recipes.train.export). ``copy_process``: shards
+    that are byte copies alone are written by a child process (fsdp_recipes.ckpt.copier: for a caller whose other
+    threads run Python meanwhile), while this one writes the rest."""
     dtype = dtype_name(dtype)
     split, infos, mapping = _plan(source, names, max_shard_size, dtype, stem)
     budget = internals.get("huggingface_hub.serialization._base.parse_size_to_int")(memory_budget) if isinstance(memory_budget, str) else memory_budget
     mine = [(f, shard) for i, (f, shard) in enumerate(split.filename_to_tensors.items()) if i % part[1] == part[0]]
     total = sum(info.nbytes(dtype) for info in infos.values())
-    copier, written = RangeCopier(), []
+    shards, copies = [], []
+    for filename, shard_names in mine:
+        header, layout = _safetensors_header(sorted(shard_names), infos, dtype)
+        plans = {n: _in_order(source.copy_plan(mapping[n]), size) for n, size in layout} if dtype is None and hasattr(source, "copy_plan") else {}
+        if copy_process and all(plans.get(n) for n, _ in layout):
+            copies.append({"path": str(out_dir / filename), "header": header.hex(),
+                           "pieces": [[str(src), offset, count] for n, _ in layout for src, offset, _, count in plans[n]]})
+        else:
+            shards.append((out_dir / filename, header, layout, plans))
     with tqdm(total=sum(infos[n].nbytes(dtype) for _, shard in mine for n in shard), unit="B", unit_scale=True, desc="Writing weights",
               disable=part[0] != 0) as bar:  # one bar: the first part's
-        for filename, shard_names in mine:
-            header, layout = _safetensors_header(sorted(shard_names), infos, dtype)
-            offsets, position = {}, len(header)
-            for n, size in layout:
-                offsets[n], position = position, position + size
-            fd = os.open(out_dir / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.write(fd, header)
-                # Kernel copies first, in the order the bytes lie in the checkpoint files: read sequentially, the
-                # copy runs as fast as `cp` (in layout order it was up to 1.5x slower). Everything else is read,
-                # cast and written after, in budgeted groups.
-                plans = {n: source.copy_plan(mapping[n]) for n, _ in layout} if dtype is None and hasattr(source, "copy_plan") else {}
-                slow = [n for n, _ in layout if plans.get(n) is None]
-                pieces = sorted((src, src_offset, offsets[n] + at, count) for n, plan in plans.items() if plan for src, src_offset, at, count in plan)
-                for src, src_offset, dst_offset, count in pieces:
-                    copy_range(copier, src, src_offset, fd, dst_offset, count, cancelled, bar.update)
-                for group in groups(slow, infos, budget):
-                    if cancelled():
-                        raise Cancelled
-                    tensors = source.read([mapping[n] for n in group])
-                    for n in group:
-                        t = tensors.pop(mapping[n])
-                        # the dtype and shape the header states, whatever a source's read gave: bytes of another size
-                        # would run into the next tensor's place in the file
-                        t = t.to(torch_dtype(dtype or infos[n].dtype)).contiguous()
-                        if tuple(t.shape) != tuple(infos[n].shape):  # with the stated dtype, the stated bytes
-                            raise CheckpointError(f"{n}: the checkpoint gave a tensor of shape {tuple(t.shape)}, where its "
-                                                  f"metadata states {tuple(infos[n].shape)}: the checkpoint is inconsistent; copy it again")
-                        if t.numel():
-                            os.pwrite(fd, t.reshape(-1).view(torch_dtype("uint8")).numpy(), offsets[n])
-                        bar.update(infos[n].nbytes(dtype))
-                        del t
-                os.ftruncate(fd, position)  # only grows the file when trailing tensors are empty
-            finally:
-                os.close(fd)
-            written.append(filename)
+        child, errors = _start_copies(copies) if copies else (None, None)
+        try:
+            for path, header, layout, plans in shards:
+                _write_shard(path, header, layout, plans, source, mapping, infos, dtype, budget, cancelled, bar.update)
+            if child is not None:
+                _finish_copies(child, errors, cancelled, bar.update)
+        finally:
+            if child is not None:
+                if child.poll() is None:  # an error or a cancel here: the copy stops too
+                    child.kill()
+                child.wait()
+                child.stdout.close()
+                errors.close()
+    written = [name for name, _ in mine]
     if split.is_sharded and part[0] == 0:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
         (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         written.append(f"{stem}.safetensors.index.json")
     return written
+
+
+def _write_shard(path: Path, header: bytes, layout: list[tuple[str, int]], plans: dict, source, mapping: dict[str, str],
+                 infos: dict[str, TensorInfo], dtype: str | None, budget: int, cancelled: Callable[[], bool],
+                 progress: Callable[[int], object]) -> None:
+    """One safetensors file, front to back: a tensor whose bytes lie plain in the source is read straight into the
+    writer's buffer; the rest are read (and cast) in budgeted groups, in the order they are written."""
+    if all(plans.get(n) for n, _ in layout):
+        return write_file(path, header, [(src, offset, count) for n, _ in layout for src, offset, _, count in plans[n]], cancelled, progress)
+    slow = groups([n for n, _ in layout if plans.get(n) is None], infos, budget)
+    loaded: dict = {}
+    out = DirectFile(path)  # fsynced at close: a renamed output folder is on disk
+    try:
+        out.write(header)
+        for n, size in layout:
+            if cancelled():
+                raise Cancelled
+            if plan := plans.get(n):
+                for src, src_offset, _, count in plan:
+                    copy_piece(out, src, src_offset, count, cancelled, progress)
+                continue
+            if n not in loaded:
+                group = next(slow)
+                tensors = source.read([mapping[m] for m in group])
+                loaded = {m: tensors[mapping[m]] for m in group}
+                del tensors
+            # the dtype and shape the header states, whatever a source's read gave: bytes of another size would run
+            # into the next tensor's place in the file
+            t = loaded.pop(n).to(torch_dtype(dtype or infos[n].dtype)).contiguous()
+            if tuple(t.shape) != tuple(infos[n].shape):  # with the stated dtype, the stated bytes
+                raise CheckpointError(f"{n}: the checkpoint gave a tensor of shape {tuple(t.shape)}, where its "
+                                      f"metadata states {tuple(infos[n].shape)}: the checkpoint is inconsistent; copy it again")
+            if t.numel():
+                out.write(t.reshape(-1).view(torch_dtype("uint8")).numpy())
+            progress(size)
+            del t
+    except BaseException:
+        out.abort()
+        raise
+    out.close()
+
+
+def _start_copies(files: list[dict]) -> tuple[subprocess.Popen, object]:
+    """The child that writes ``files`` (fsdp_recipes.ckpt.copier), its plan sent, its stderr in a temporary file
+    (a pipe nobody reads while the copy runs could fill and stop it)."""
+    env = dict(os.environ)  # the package as this process has it, installed or not
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *filter(None, [env.get("PYTHONPATH")])])
+    errors = tempfile.TemporaryFile("w+")
+    child = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.ckpt.copier"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=errors, text=True, env=env)
+    try:
+        child.stdin.write(json.dumps({"files": files}))
+        child.stdin.close()
+    except BrokenPipeError:
+        pass  # it died at once: _finish_copies says why
+    return child, errors
+
+
+def _finish_copies(child: subprocess.Popen, errors, cancelled: Callable[[], bool], progress: Callable[[int], object]) -> None:
+    """Follow the child's progress to its end; Cancelled when the check beside fails (the caller kills it), one
+    CheckpointError with its message when it failed."""
+    for line in child.stdout:
+        if cancelled():
+            raise Cancelled
+        progress(int(line))
+    if cancelled():
+        raise Cancelled
+    code = child.wait()
+    errors.seek(0)
+    said = [line.strip() for line in errors.read().splitlines() if line.strip()]
+    if code:
+        raise CheckpointError(said[-1] if code == 1 and said else f"the copy process ended with status {code}"
+                              + (f" ({said[-1]})" if said else "") + ": nothing was published; run the merge again")

@@ -27,6 +27,7 @@ from fsdp_recipes.ckpt.layout import (
 )
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
+from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError
 from fsdp_recipes.removal import MARKER, make_folder, make_room, move, remove, remove_inside, replace_file, unmark
 from fsdp_recipes.train.sharding import unwrapped_model_class
@@ -327,8 +328,10 @@ def publish(staging: Path, out: Path, files: list[str]) -> Path:
     for entry in staging.iterdir():
         if entry.name not in files and entry.name != MARKER:
             remove_inside(staging, entry.name, EXPORT_STAGING)  # completion files, the Trainer's training_args.bin
+    sync_folder(staging)
     final = make_room(out / FINAL_MODEL_DIR, "an earlier run's final model", lambda p: is_model_folder(p) and is_published(p), logger.warning)
     move(staging, final)
+    sync_entries(out)
     unmark(final, EXPORT_STAGING)  # the folder keeps its inode through the rename: still ours
     record_published(out, final)
     return final
