@@ -1,7 +1,7 @@
 """Reading a torch.distributed.checkpoint (DCP) folder's layout without importing torch, and without running code.
 
 Importing torch and torch.distributed.checkpoint takes about 2 s here: as long as copying a few GB from the
-page cache, so it doubled the time of a merge whose work is a kernel copy. Underneath, a DCP folder is plain
+page cache, so it doubled the time of a merge whose work is a byte copy. Underneath, a DCP folder is plain
 data: ``.metadata`` is a pickle of a few small dataclasses (names, shapes, dtypes, which file and byte range
 holds each chunk) and each ``.distcp`` file is a run of torch.save records (zip archives). Both are read here
 with restricted unpicklers that build stand-ins for exactly the classes those pickles name and import or call

@@ -96,7 +96,7 @@ class DCPSource:
 
     def copy_plan(self, name: str) -> list[tuple[Path, int, int, int]] | None:
         """Where the tensor's bytes lie in the .distcp files, as (file, offset, offset in the tensor, bytes), for a
-        kernel copy with no tensor in memory. Only for the common layout: every chunk a whole-row (dim-0) slice
+        byte copy with no tensor in memory. Only for the common layout: every chunk a whole-row (dim-0) slice
         stored as one contiguous, uncompressed, little-endian torch.save record. None when that does not hold."""
         key, info = self.keys[name], self.tensors[name]
         row_bytes = info.nbytes() // info.shape[0] if info.shape and info.shape[0] else 0
