@@ -58,6 +58,11 @@ PRIVATE: dict[str, tuple[str, str]] = {
     # fsdp_recipes/compat/rank0_loading.py: rank-0-only loading without a full copy on the other ranks
     "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict": (MODULE, "rank0_loading: FSDP2, rank 0 scatters, not broadcasts (patched)"),
     "torch.distributed.fsdp._init_utils._sync_params_and_buffers": (MODULE, "rank0_loading: FSDP1 on CPU, broadcast tensor by tensor (patched)"),
+    "torch.distributed.fsdp._init_utils._sync_module_params_and_buffers": (MODULE, "rank0_loading: FSDP1 on CPU, a unit's buffers only (patched)"),
+    "torch.distributed.fsdp._flat_param.FlatParamHandle.flatten_tensors_into_flat_param": (
+        MODULE, "rank0_loading: FSDP1 on CPU, the flat parameter filled from rank 0 (patched)"),
+    "torch.distributed.fsdp._flat_param.FlatParameter": (MODULE, "rank0_loading: FSDP1 on CPU, another rank's untouched flat parameter"),
+    "torch.distributed.fsdp._flat_param.FlatParamHandle._fully_sharded_module": (INSTANCE, "rank0_loading: the unit a flat parameter is for"),
     # fsdp_recipes/compat/trainer_checkpoints.py: adapter-only LoRA checkpoints (SHARDED), whole-model ones (FULL)
     "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer_checkpoints: whole-model LoRA checkpoints (swapped)"),
     "accelerate.utils.fsdp_utils._get_model_state_dict": (MODULE, "trainer_checkpoints: the adapter's every-rank slices (patched)"),

@@ -14,13 +14,16 @@ model whose embedding and LM head are a quarter of its bytes each, that transien
 receives only its own rows, and rank 0 lets go of each full parameter once scattered. Parameters placed any other
 way (2-D meshes, replicated) keep accelerate's broadcast, which is correct, only bigger.
 
-FSDP1 (``sync_module_states``): each unit's parameters are broadcast from rank 0 INTO the tensors every rank holds.
-Were those views of the private file mapping, every written page would become the rank's own (copy on write) and
-stay until the last weight of the file is released at the end of ``prepare``: every rank, rank 0 included, peaked
-at 2x the model (bench/load_memory.py). The other ranks' untouched stand-ins are written unit by unit and freed as
-each unit is sharded; on CPU the broadcast goes tensor by tensor (:func:`install_fsdp1`), which never writes rank
-0's tensors (torch's coalesced broadcast copies its bucket back on every rank, the sender too). What remains is
-FSDP1's own: a unit is flattened whole, so a rank holds its shards plus about twice its largest unit.
+FSDP1 (``sync_module_states``): torch broadcasts each unit's parameters from rank 0 INTO the tensors every rank
+holds, then flattens the unit into one flat parameter (a copy of the whole unit) and keeps this rank's shard of it:
+a rank held its shards plus twice its largest unit (1.48x a 1 GB model on 2 ranks, whose root unit is half of it).
+On CPU (:func:`install_fsdp1`) the parameters are sent once flattened instead: the sync sends only buffers, and each
+unit's flat parameter is, on ranks other than 0, an untouched buffer into which rank 0 scatters each rank its own
+chunk (the chunk FSDP then keeps); rank 0's is the real one. The other ranks' stand-ins are never written, and a
+rank other than 0 holds its shards plus, for a moment, one chunk of one unit (received, then cloned into the shard). Where FSDP keeps the whole flat parameter (NO_SHARD)
+or broadcasts over two groups (HYBRID_SHARD: across nodes, then within), the flat parameter is broadcast whole, as
+torch would broadcast its pieces. Were the stand-ins views of the private file mapping, every written page would
+become the rank's own (copy on write): every rank, rank 0 included, peaked at 2x the model (bench/load_memory.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_recipes.compat import internals
+from fsdp_recipes.errors import InternalsChanged
 
 TARGET = "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict"
 
@@ -133,7 +137,8 @@ def receive_buffers(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _broadcast_each(process_group, module_states: list, broadcast_bucket_size: int, src: int) -> None:
-    """torch's _sync_params_and_buffers, one tensor at a time (the bucket size is moot)."""
+    """torch's _sync_params_and_buffers, one tensor at a time (the bucket size is moot): its coalesced broadcast
+    copies the bucket back on every rank, the sender too."""
     for tensor in module_states:
         if tensor.is_contiguous():
             dist.broadcast(tensor, group=process_group, group_src=src)
@@ -144,11 +149,76 @@ def _broadcast_each(process_group, module_states: list, broadcast_bucket_size: i
                 tensor.copy_(staged)
 
 
-_sync_original = None
+# id(unit's module) -> the process groups its parameters are owed over, in the order torch would broadcast them
+_owed: dict[int, list] = {}
+
+
+def _sync_buffers(module, params: list, process_group) -> None:
+    """torch's _sync_module_params_and_buffers for the unit's buffers; its parameters are sent once flattened."""
+    _sync_module_original(module, [], process_group)
+    if params:
+        _owed.setdefault(id(module), []).append(process_group)
+
+
+def _flat_param_from_rank0(self, tensors: list, aligned_numel: int, requires_grad: bool):
+    """FlatParamHandle.flatten_tensors_into_flat_param: rank 0's flat parameter is its own; another rank's an
+    untouched buffer that receives from rank 0 what FSDP keeps of it (see the module docstring)."""
+    groups = _owed.pop(id(internals.attr(self, "torch.distributed.fsdp._flat_param.FlatParamHandle._fully_sharded_module")), None)
+    if groups is None or dist.get_rank() == 0:
+        flat = _flatten_original(self, tensors, aligned_numel, requires_grad)
+    else:
+        numel = sum(t.numel() for t in tensors)  # the tensors as torch would flatten them, padding included
+        flat = internals.get("torch.distributed.fsdp._flat_param.FlatParameter")(
+            torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device), requires_grad=requires_grad)
+    if groups is None:
+        return flat
+    *across, last = groups
+    for group in across:
+        dist.broadcast(flat.data, group=group, group_src=0)
+    if last is self.process_group and self.uses_sharded_strategy:
+        _scatter_chunks(flat.data, last)
+    else:
+        dist.broadcast(flat.data, group=last, group_src=0)
+    return flat
+
+
+def _scatter_chunks(flat: torch.Tensor, group) -> None:
+    """Group rank 0's ``flat`` into every rank's own chunk of it, as torch.chunk splits it (FSDP1's shard)."""
+    world, rank, numel = dist.get_world_size(group), dist.get_rank(group), flat.numel()
+    per = -(-numel // world)
+
+    def chunk(r: int) -> torch.Tensor:
+        return flat.narrow(0, min(r * per, numel), max(0, min(per, numel - r * per)))
+
+    mine = chunk(rank)
+    buf = mine if mine.numel() == per else flat.new_empty(per)  # gloo scatters equal sizes
+    pieces = None
+    if rank == 0:
+        pieces = [c if c.numel() == per else torch.cat([c, c.new_zeros(per - c.numel())]) for c in map(chunk, range(world))]
+    dist.scatter(buf, pieces, group=group, group_src=0)
+    if buf is not mine:
+        mine.copy_(buf[:mine.numel()])
+
+
+def check_fsdp1_sent() -> None:
+    """After wrapping: every unit whose parameters the sync left to its flat parameter got them. Raises
+    InternalsChanged where torch wrapped a unit without flattening it through the method patched here: that unit
+    would keep the other ranks' uninitialised stand-ins."""
+    if _owed:
+        raise InternalsChanged(f"{len(_owed)} FSDP1 unit(s) were wrapped without their flat parameter being filled from rank 0 "
+                               f"(torch {torch.__version__} no longer flattens through FlatParamHandle.flatten_tensors_into_flat_param): "
+                               "set fsdp_cpu_ram_efficient_loading: false in your copy of the config")
+
+
+_sync_original = _sync_module_original = _flatten_original = None
 
 
 def install_fsdp1() -> None:
-    """FSDP1 on CPU: the sync of module states broadcasts tensor by tensor (see the module docstring). Idempotent."""
-    global _sync_original
+    """FSDP1 on CPU: buffers broadcast tensor by tensor, parameters scattered once flattened (see the module
+    docstring). Idempotent."""
+    global _sync_original, _sync_module_original, _flatten_original
     if _sync_original is None:
         _sync_original = internals.patch("torch.distributed.fsdp._init_utils._sync_params_and_buffers", _broadcast_each)
+        _sync_module_original = internals.patch("torch.distributed.fsdp._init_utils._sync_module_params_and_buffers", _sync_buffers)
+        _flatten_original = internals.patch("torch.distributed.fsdp._flat_param.FlatParamHandle.flatten_tensors_into_flat_param",
+                                            _flat_param_from_rank0)

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from fsdp_recipes.ckpt.layout import PUBLISHED, REPORT_NAME, published
-from fsdp_recipes.compat import internals
+from fsdp_recipes.compat import internals, rank0_loading
 from fsdp_recipes.compat.cpu_fsdp import cpu_precision, fsdp_requested, launched_world_size
 from fsdp_recipes.config.strategy import fsdp_strategy_name
 from fsdp_recipes.errors import NotShardedError
@@ -161,6 +161,7 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
     Raises NotShardedError on every rank when FSDP was asked for and is not what runs, or when the launcher started
     several processes and each trains alone (accelerate's DistributedType.NO: N unconnected runs).
     """
+    rank0_loading.check_fsdp1_sent()
     kind = wrapper_kind(model)
     local, total = param_elements(model)
     trainable_total = total if trainable_total is None else trainable_total  # counted before sharding (FSDPTrainer)
