@@ -478,6 +478,26 @@ def test_the_output_is_on_disk_before_it_is_renamed_into_place(checkpoint, tmp_p
     assert set(files) >= {p.name for p in out.iterdir()}  # every published file was in the folder fsynced
 
 
+def test_the_copy_process_runs_this_package_whatever_the_current_folder(checkpoint, tmp_path, monkeypatch):
+    """Merging from a folder that holds another fsdp_recipes (another checkout, an older copy): the copy process
+    imports the package the merge runs, not that one (``python -m`` and ``-c`` put the current folder first)."""
+    import fsdp_recipes.ckpt.safetensors_writer as writer
+
+    decoy = tmp_path / "elsewhere" / "fsdp_recipes"
+    (decoy / "ckpt").mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise SystemExit('the decoy package was imported')\n")
+    (decoy / "ckpt" / "__init__.py").write_text("")
+    children = []
+    real_start = writer._start_copies
+    monkeypatch.setattr(writer, "_start_copies", lambda files: children.append(files) or real_start(files))
+    monkeypatch.chdir(decoy.parent)
+    merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)
+    assert children
+    monkeypatch.chdir(tmp_path)
+    merge_checkpoint(checkpoint, tmp_path / "reference", log=lambda *_: None)
+    assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "reference")
+
+
 def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, trained, tmp_path, monkeypatch):
     """A record cut short after the checks (between them and the copy): the copy process stops with one line naming
     the file, no output folder and no staging folder are left; killed by a signal, the same, with its status."""

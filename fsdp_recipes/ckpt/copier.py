@@ -1,4 +1,5 @@
-"""Output files made of byte ranges of the checkpoint's files, copied in a process of its own.
+"""Output files made of byte ranges of the checkpoint's files, copied in a process of its own (started by
+safetensors_writer, which runs this module's ``main``).
 
 Why a process: a merge checks the weights with transformers in a thread beside the copy (seconds of imports, all
 Python), and each of the copy's system calls then waits for the GIL on its way back: 5.9 GB took 10.5 s where it

@@ -10,7 +10,6 @@ largest tensor, never the model size.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -173,11 +172,12 @@ def _write_shard(path: Path, header: bytes, layout: list[tuple[str, int]], plans
 def _start_copies(files: list[dict]) -> tuple[subprocess.Popen, object]:
     """The child that writes ``files`` (fsdp_recipes.ckpt.copier), its plan sent, its stderr in a temporary file
     (a pipe nobody reads while the copy runs could fill and stop it)."""
-    env = dict(os.environ)  # the package as this process has it, installed or not
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *filter(None, [env.get("PYTHONPATH")])])
+    # the package as this process has it, installed or not, ahead of the current folder that -m or -c would put
+    # first (a folder named fsdp_recipes there, another checkout's, would be imported instead)
+    start = "import sys; sys.path.insert(0, sys.argv[1]); from fsdp_recipes.ckpt.copier import main; sys.exit(main())"
     errors = tempfile.TemporaryFile("w+")
-    child = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.ckpt.copier"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=errors, text=True, env=env)
+    child = subprocess.Popen([sys.executable, "-c", start, str(Path(__file__).resolve().parents[2])], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=errors, text=True)
     try:
         child.stdin.write(json.dumps({"files": files}))
         child.stdin.close()
