@@ -479,14 +479,16 @@ def test_the_output_is_on_disk_before_it_is_renamed_into_place(checkpoint, tmp_p
 
 
 def test_the_copy_process_runs_this_package_whatever_the_current_folder(checkpoint, tmp_path, monkeypatch):
-    """Merging from a folder that holds another fsdp_recipes (another checkout, an older copy): the copy process
-    imports the package the merge runs, not that one (``python -m`` and ``-c`` put the current folder first)."""
+    """Merging from a folder that holds another fsdp_recipes (another checkout, an older copy) or a module named as
+    one of the standard library's: the copy process imports the package the merge runs and the standard library, not
+    those (``python -m`` and ``-c`` put the current folder first on the path)."""
     import fsdp_recipes.ckpt.safetensors_writer as writer
 
     decoy = tmp_path / "elsewhere" / "fsdp_recipes"
     (decoy / "ckpt").mkdir(parents=True)
     (decoy / "__init__.py").write_text("raise SystemExit('the decoy package was imported')\n")
     (decoy / "ckpt" / "__init__.py").write_text("")
+    (decoy.parent / "json.py").write_text("raise SystemExit('a json.py in the current folder was imported')\n")
     children = []
     real_start = writer._start_copies
     monkeypatch.setattr(writer, "_start_copies", lambda files: children.append(files) or real_start(files))
@@ -498,9 +500,27 @@ def test_the_copy_process_runs_this_package_whatever_the_current_folder(checkpoi
     assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "reference")
 
 
+def test_ctrl_c_during_a_merge_is_one_line(checkpoint, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the copy process runs: exit 130, one line, no output, no staging folder, no copy process left."""
+    import fsdp_recipes.ckpt.safetensors_writer as writer
+
+    started = []
+
+    def interrupted(child, *args):
+        started.append(child)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer, "_finish_copies", interrupted)
+    assert cli_main([str(checkpoint), str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "merge_checkpoint.py: interrupted: nothing was published"
+    assert started and started[0].poll() is not None  # the copy process was stopped, not left running
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, trained, tmp_path, monkeypatch):
     """A record cut short after the checks (between them and the copy): the copy process stops with one line naming
-    the file, no output folder and no staging folder are left; killed by a signal, the same, with its status."""
+    the file, no output folder and no staging folder are left; a copy process that exits 0 without its files whole,
+    or is killed by a signal: the same, one line."""
     import fsdp_recipes.ckpt.safetensors_writer as writer
 
     real_start = writer._start_copies
@@ -521,6 +541,10 @@ def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, tr
         return child, errors
 
     shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", checkpoint, dirs_exist_ok=True)
+    monkeypatch.setattr(writer, "_start_copies", lambda files: real_start([]))  # a copy process that writes nothing, exit 0
+    with pytest.raises(CheckpointError, match=r"^the copy process ended without writing model\.safetensors whole \(None of \d+ bytes\): nothing was published"):
+        merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     monkeypatch.setattr(writer, "_start_copies", killed)
     with pytest.raises(CheckpointError, match=r"^the copy process ended with status -9: nothing was published; run the merge again$"):
         merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)

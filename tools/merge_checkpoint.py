@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     except (CheckpointError, InternalsChanged, RefusedRemoval) as err:
         print(f"merge_checkpoint.py: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the staging folder and the copy process are gone by now (merge_checkpoint's cleanup)
+        print("merge_checkpoint.py: interrupted: nothing was published", file=sys.stderr)
+        return 130
     except OSError as err:  # disk full, permission denied ...: nothing was left behind (the staging folder is removed)
         where = f" ({err.filename})" if err.filename else ""
         print(f"merge_checkpoint.py: error: {err.strerror or err}{where}: nothing was written; fix it and run again", file=sys.stderr)

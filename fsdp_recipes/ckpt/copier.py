@@ -8,8 +8,8 @@ torch DCP row). A child has an interpreter of its own, and it imports neither to
 
 The plan comes from the parent (safetensors_writer.write_weights) as JSON on stdin, never from a file a user gave:
 ``{"files": [{"path": str, "header": hex, "pieces": [[source path, offset, bytes], ...]}]}``. The child prints the
-bytes copied, one line per piece of at most COPY_STEP, and on a bad source one line and exit status 1; the parent
-kills it when the check beside fails. Each file is written by DirectFile (fsynced at close), or not at all.
+bytes copied, one line per piece of at most COPY_STEP, and on a bad source one line and exit status FAILED; the
+parent kills it when the check beside fails, and checks every file's size after it. Each file is written by DirectFile (fsynced at close), or not at all.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from fsdp_recipes.direct_writes import DirectFile
 from fsdp_recipes.errors import CheckpointError
 
 COPY_STEP = 64 << 20  # bytes copied between two looks at whether a check running beside the copy has failed
+FAILED = 3  # exit status: the one line on stderr is the error (1 is Python's own, with a traceback)
 
 
 class Cancelled(Exception):
@@ -66,7 +67,7 @@ def main() -> int:
     except (CheckpointError, OSError) as err:
         print(str(err) if isinstance(err, CheckpointError) else f"{getattr(err, 'filename', None) or 'a file'}: {err.strerror or err}",
               file=sys.stderr)
-        return 1
+        return FAILED
     return 0
 
 

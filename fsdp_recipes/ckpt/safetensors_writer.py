@@ -10,6 +10,7 @@ largest tensor, never the model size.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
-from fsdp_recipes.ckpt.copier import Cancelled, copy_piece, write_file
+from fsdp_recipes.ckpt.copier import FAILED, Cancelled, copy_piece, write_file
 from fsdp_recipes.ckpt.readers import SAFETENSORS_DTYPES, TensorInfo, dtype_name, torch_dtype
 from fsdp_recipes.compat import internals
 from fsdp_recipes.direct_writes import DirectFile
@@ -113,7 +114,7 @@ def write_weights(
             for path, header, layout, plans in shards:
                 _write_shard(path, header, layout, plans, source, mapping, infos, dtype, budget, cancelled, bar.update)
             if child is not None:
-                _finish_copies(child, errors, cancelled, bar.update)
+                _finish_copies(child, errors, copies, cancelled, bar.update)
         finally:
             if child is not None:
                 if child.poll() is None:  # an error or a cancel here: the copy stops too
@@ -172,9 +173,10 @@ def _write_shard(path: Path, header: bytes, layout: list[tuple[str, int]], plans
 def _start_copies(files: list[dict]) -> tuple[subprocess.Popen, object]:
     """The child that writes ``files`` (fsdp_recipes.ckpt.copier), its plan sent, its stderr in a temporary file
     (a pipe nobody reads while the copy runs could fill and stop it)."""
-    # the package as this process has it, installed or not, ahead of the current folder that -m or -c would put
-    # first (a folder named fsdp_recipes there, another checkout's, would be imported instead)
-    start = "import sys; sys.path.insert(0, sys.argv[1]); from fsdp_recipes.ckpt.copier import main; sys.exit(main())"
+    # the package as this process has it, installed or not, and never the current folder, which -m or -c put first
+    # on the path (a folder named fsdp_recipes there, another checkout's, or a json.py would be imported instead)
+    start = ("import sys; sys.path[:] = [sys.argv[1], *(p for p in sys.path if p not in ('', '.'))]; "
+             "from fsdp_recipes.ckpt.copier import main; sys.exit(main())")
     errors = tempfile.TemporaryFile("w+")
     child = subprocess.Popen([sys.executable, "-c", start, str(Path(__file__).resolve().parents[2])], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=errors, text=True)
@@ -186,9 +188,10 @@ def _start_copies(files: list[dict]) -> tuple[subprocess.Popen, object]:
     return child, errors
 
 
-def _finish_copies(child: subprocess.Popen, errors, cancelled: Callable[[], bool], progress: Callable[[int], object]) -> None:
+def _finish_copies(child: subprocess.Popen, errors, files: list[dict], cancelled: Callable[[], bool], progress: Callable[[int], object]) -> None:
     """Follow the child's progress to its end; Cancelled when the check beside fails (the caller kills it), one
-    CheckpointError with its message when it failed."""
+    CheckpointError when it failed or its files are not whole (header and every piece: never trusted from its
+    exit status alone)."""
     for line in child.stdout:
         if cancelled():
             raise Cancelled
@@ -198,6 +201,14 @@ def _finish_copies(child: subprocess.Popen, errors, cancelled: Callable[[], bool
     code = child.wait()
     errors.seek(0)
     said = [line.strip() for line in errors.read().splitlines() if line.strip()]
+    if code == FAILED:  # the copier's own one-line error (a truncated record, a full disk)
+        raise CheckpointError(said[-1] if said else "the copy process failed without a word: nothing was published; run the merge again")
     if code:
-        raise CheckpointError(said[-1] if code == 1 and said else f"the copy process ended with status {code}"
-                              + (f" ({said[-1]})" if said else "") + ": nothing was published; run the merge again")
+        raise CheckpointError(f"the copy process ended with status {code}" + (f" ({said[-1]})" if said else "")
+                              + ": nothing was published; run the merge again")
+    for f in files:
+        want = len(f["header"]) // 2 + sum(count for _, _, count in f["pieces"])
+        have = os.stat(f["path"]).st_size if os.path.isfile(f["path"]) else None
+        if have != want:
+            raise CheckpointError(f"the copy process ended without writing {Path(f['path']).name} whole ({have} of {want} bytes): "
+                                  "nothing was published; run the merge again")
