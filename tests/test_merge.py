@@ -500,6 +500,35 @@ def test_the_copy_process_runs_this_package_whatever_the_current_folder(checkpoi
     assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "reference")
 
 
+def test_the_copy_process_is_started_as_isolated_as_the_merge_and_names_a_failed_file(checkpoint, tmp_path):
+    """``python -I`` (or -E) ignores PYTHONPATH in the merge: in its copy process too (a json.py on PYTHONPATH was
+    imported there alone). A write the copy process cannot make (a file size limit here) is one line naming the
+    file, and nothing is published."""
+    import resource
+    import subprocess
+    import sys
+
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    (decoy / "json.py").write_text("raise SystemExit('a json.py on PYTHONPATH was imported')\n")
+    env = {**os.environ, "PYTHONPATH": str(decoy)}
+    for flag in ("-I", "-E"):
+        out = tmp_path / f"out{flag}"
+        proc = subprocess.run([sys.executable, flag, str(TOOL), str(checkpoint), str(out)], capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        AutoModelForCausalLM.from_pretrained(out)
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    proc = subprocess.run([sys.executable, str(TOOL), str(checkpoint), str(tmp_path / "limited")], capture_output=True, text=True,
+                          preexec_fn=small_files, cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "Writing weights" not in line]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("merge_checkpoint.py: error: ") and "model.safetensors: File too large: nothing was published" in lines[0], lines[0]
+    assert not (tmp_path / "limited").exists() and not list(tmp_path.glob(".limited*"))
+
+
 def test_ctrl_c_during_a_merge_is_one_line(checkpoint, tmp_path, monkeypatch, capsys):
     """Ctrl-C while the copy process runs: exit 130, one line, no output, no staging folder, no copy process left."""
     import fsdp_recipes.ckpt.safetensors_writer as writer

@@ -61,12 +61,14 @@ def write_file(path: Path, header: bytes, pieces: list[tuple[Path, int, int]], c
 
 def main() -> int:
     plan = json.loads(sys.stdin.read())
+    path = None
     try:
         for f in plan["files"]:
-            write_file(Path(f["path"]), bytes.fromhex(f["header"]), f["pieces"], progress=lambda n: print(n, flush=True))
-    except (CheckpointError, OSError) as err:
-        print(str(err) if isinstance(err, CheckpointError) else f"{getattr(err, 'filename', None) or 'a file'}: {err.strerror or err}",
-              file=sys.stderr)
+            path = f["path"]
+            write_file(Path(path), bytes.fromhex(f["header"]), f["pieces"], progress=lambda n: print(n, flush=True))
+    except (CheckpointError, OSError) as err:  # a write's error names no file: the one being written
+        print(str(err) if isinstance(err, CheckpointError) else f"{err.filename or path}: {err.strerror or err}: nothing was published; "
+              "fix it (free space, a file size limit, permissions) and run the merge again", file=sys.stderr)
         return FAILED
     return 0
 

@@ -177,8 +177,10 @@ def _start_copies(files: list[dict]) -> tuple[subprocess.Popen, object]:
     # on the path (a folder named fsdp_recipes there, another checkout's, or a json.py would be imported instead)
     start = ("import sys; sys.path[:] = [sys.argv[1], *(p for p in sys.path if p not in ('', '.'))]; "
              "from fsdp_recipes.ckpt.copier import main; sys.exit(main())")
+    # and the interpreter as this one was started: a merge run with -I, -E or -s is isolated in its child too
+    flags = ["-I"] if sys.flags.isolated else [f for f, on in (("-E", sys.flags.ignore_environment), ("-s", sys.flags.no_user_site)) if on]
     errors = tempfile.TemporaryFile("w+")
-    child = subprocess.Popen([sys.executable, "-c", start, str(Path(__file__).resolve().parents[2])], stdin=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, *flags, "-c", start, str(Path(__file__).resolve().parents[2])], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=errors, text=True)
     try:
         child.stdin.write(json.dumps({"files": files}))
