@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 from fsdp_recipes.console import HelpFormatter
+from fsdp_recipes.removal import make_folder, remove
 import json
 import os
 import socket
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+BENCH_WORK = "load memory benchmark"  # the default work folder's marker (fsdp_recipes.removal)
 TINY = REPO / "assets" / "tiny-llama"
 CONFIG = REPO / "accelerate_configs" / "zero3.yaml"
 
@@ -169,7 +171,16 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, help="folder for the models and runs (default: a temporary one)")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args(argv)
-    work = a.work or Path(tempfile.mkdtemp(prefix="load_memory-"))
+    if a.work is not None:  # kept: its models are reused by the next run given the same folder
+        return run(a, a.work)
+    work = make_folder(Path(tempfile.mkdtemp(prefix="load_memory-")), BENCH_WORK, exist_ok=True)  # GBs of models: removed after
+    try:
+        return run(a, work)
+    finally:
+        remove(work, BENCH_WORK)
+
+
+def run(a: argparse.Namespace, work: Path) -> int:
     work.mkdir(parents=True, exist_ok=True)
     tag = f"{a.dtype}-{'tied' if a.tied else 'untied'}"
     big, tiny = work / f"big-{a.gigabytes}-{a.hidden}-{tag}", work / f"tiny-{tag}"
