@@ -9,7 +9,8 @@ torch DCP row). A child has an interpreter of its own, and it imports neither to
 The plan comes from the parent (safetensors_writer.write_weights) as JSON on stdin, never from a file a user gave:
 ``{"files": [{"path": str, "header": hex, "pieces": [[source path, offset, bytes], ...]}]}``. The child prints the
 bytes copied, one line per piece of at most COPY_STEP, and on a bad source one line and exit status FAILED; the
-parent kills it when the check beside fails, and checks every file's size after it. Each file is written by DirectFile (fsynced at close), or not at all.
+parent kills it when the check beside fails, and checks every file's size after it. Each file is written by
+DirectFile (fsynced at close), or not at all.
 """
 
 from __future__ import annotations

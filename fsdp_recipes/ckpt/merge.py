@@ -4,7 +4,8 @@ The order is the point: every check that can fail runs before the copy (the inpu
 config to describe it, the output path, free space), so a bad input costs seconds, never the copy of the whole
 model. The one slow check, the weights against the model transformers builds from the config (about 4 s of
 imports), runs in a thread beside the copy when it has to (the byte copies in a child process, off this one's GIL):
-the copy asks it between pieces of 64 MB and stops at once when it failed. Checkpoints our training run wrote carry a manifest and need no transformers at all.
+the copy asks it between pieces of 64 MB and stops at once when it failed. Checkpoints our training run wrote carry
+a manifest and need no transformers at all.
 Output is written into a hidden folder beside the target and renamed when complete; the output may never be
 the input, inside it or hold it, and --overwrite never replaces a folder holding training checkpoints.
 """

@@ -21,7 +21,7 @@ from pathlib import Path
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
-from fsdp_recipes.ckpt.copier import FAILED, Cancelled, copy_piece, write_file
+from fsdp_recipes.ckpt.copier import FAILED, Cancelled, copy_piece
 from fsdp_recipes.ckpt.readers import SAFETENSORS_DTYPES, TensorInfo, dtype_name, torch_dtype
 from fsdp_recipes.compat import internals
 from fsdp_recipes.direct_writes import DirectFile
@@ -135,8 +135,6 @@ def _write_shard(path: Path, header: bytes, layout: list[tuple[str, int]], plans
                  progress: Callable[[int], object]) -> None:
     """One safetensors file, front to back: a tensor whose bytes lie plain in the source is read straight into the
     writer's buffer; the rest are read (and cast) in budgeted groups, in the order they are written."""
-    if all(plans.get(n) for n, _ in layout):
-        return write_file(path, header, [(src, offset, count) for n, _ in layout for src, offset, _, count in plans[n]], cancelled, progress)
     slow = groups([n for n, _ in layout if plans.get(n) is None], infos, budget)
     loaded: dict = {}
     out = DirectFile(path)  # fsynced at close: a renamed output folder is on disk

@@ -20,9 +20,9 @@ a rank held its shards plus twice its largest unit (1.48x a 1 GB model on 2 rank
 On CPU (:func:`install_fsdp1`) the parameters are sent once flattened instead: the sync sends only buffers, and each
 unit's flat parameter is, on ranks other than 0, an untouched buffer into which rank 0 scatters each rank its own
 chunk (the chunk FSDP then keeps); rank 0's is the real one. The other ranks' stand-ins are never written, and a
-rank other than 0 holds its shards plus, for a moment, one chunk of one unit (received, then cloned into the shard). Where FSDP keeps the whole flat parameter (NO_SHARD)
-or broadcasts over two groups (HYBRID_SHARD: across nodes, then within), the flat parameter is broadcast whole, as
-torch would broadcast its pieces. Were the stand-ins views of the private file mapping, every written page would
+rank other than 0 holds its shards plus, for a moment, one chunk of one unit (received, then cloned into the
+shard). Where FSDP keeps the whole flat parameter (NO_SHARD) or broadcasts over two groups (HYBRID_SHARD: across
+nodes, then within), the flat parameter is broadcast whole, as torch would broadcast its pieces. Were the stand-ins views of the private file mapping, every written page would
 become the rank's own (copy on write): every rank, rank 0 included, peaked at 2x the model (bench/load_memory.py).
 """
 
@@ -166,12 +166,12 @@ def _flat_param_from_rank0(self, tensors: list, aligned_numel: int, requires_gra
     groups = _owed.pop(id(internals.attr(self, "torch.distributed.fsdp._flat_param.FlatParamHandle._fully_sharded_module")), None)
     if groups is None or dist.get_rank() == 0:
         flat = _flatten_original(self, tensors, aligned_numel, requires_grad)
+        if groups is None:  # a unit whose parameters the sync did not leave to us
+            return flat
     else:
         numel = sum(t.numel() for t in tensors)  # the tensors as torch would flatten them, padding included
         flat = internals.get("torch.distributed.fsdp._flat_param.FlatParameter")(
             torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device), requires_grad=requires_grad)
-    if groups is None:
-        return flat
     *across, last = groups
     for group in across:
         dist.broadcast(flat.data, group=group, group_src=0)
