@@ -7,8 +7,10 @@ buffered and 0.09 s with O_DIRECT (the device reads our buffer itself), and a 1.
 written in the foreground is training's stall. A checkpoint also has no reason to evict the dataset from the cache.
 
 O_DIRECT wants the file offset, the length and the buffer's address aligned to the device's logical block (512 or
-4096 bytes). :class:`DirectFile` gathers what is written into one page-aligned buffer and writes it out in whole
-aligned chunks; the last partial block goes through an ordinary descriptor at close. The file's bytes are exactly
+4096 bytes). :class:`DirectFile` gathers what is written into a page-aligned buffer and writes it out in whole
+aligned chunks; the last partial block goes through an ordinary descriptor at close. Two buffers take turns: a
+thread writes the full one while the caller fills the other, so the device is never idle while the caller copies
+(a single buffer wrote 3 GB out of the page cache in 2.3-3.2 s here, two in 1.4-1.7 s; `dd oflag=direct` 2.7-3.4 s). The file's bytes are exactly
 what an ordinary write makes (tested). Where ``open(O_DIRECT)`` or an aligned write fails with EINVAL (tmpfs before
 Linux 6.6, some FUSE and network mounts; macOS has no O_DIRECT) the same buffer goes out through the page cache, and
 ``DirectFile.page_cache_why`` says why.
@@ -21,11 +23,12 @@ import fcntl
 import io
 import mmap
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 BLOCK = 4096  # a multiple of every logical block size O_DIRECT asks for (512 or 4096)
-CHUNK = 16 << 20  # bytes per write: large enough that the device streams, small enough to hold per open file
+CHUNK = 32 << 20  # bytes per write: large enough that the device streams, small enough to hold twice per open file
 GIL_FREE_COPY = 64 << 10  # bytes from which a write's copy into the buffer lets other threads run (see write)
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS)
 
@@ -40,11 +43,16 @@ class DirectFile(io.RawIOBase):
         super().__init__()
         self.path, self.sync = os.fspath(path), sync
         self.fd, self.direct = -1, False
-        self._buffer = mmap.mmap(-1, CHUNK)  # anonymous mmap: page-aligned
-        self._view = memoryview(self._buffer)
-        self._array = np.frombuffer(self._buffer, dtype=np.uint8)  # the same bytes, for copies that release the GIL
+        # anonymous mmaps: page-aligned, and a page is memory only once touched (a small file costs one buffer's worth)
+        self._buffers = [mmap.mmap(-1, CHUNK) for _ in range(2)]
+        self._views = [memoryview(b) for b in self._buffers]
+        self._arrays = [np.frombuffer(b, dtype=np.uint8) for b in self._buffers]  # the same bytes, for copies that release the GIL
+        self._turn = 0  # the buffer being filled; the other may be in the writer's hands
+        self._view, self._array = self._views[0], self._arrays[0]
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None  # the write of the other buffer, until it is waited for
         self._filled = 0  # bytes in the buffer
-        self._written = 0  # bytes of the file already written (a multiple of BLOCK while direct)
+        self._written = 0  # bytes of the file written or being written (a multiple of BLOCK while direct)
         self.page_cache_why = None if O_DIRECT else "this platform has no O_DIRECT"
         if O_DIRECT:
             try:
@@ -83,7 +91,7 @@ class DirectFile(io.RawIOBase):
             self._filled += n
             done += n
             if self._filled == CHUNK:
-                self._drain(CHUNK)
+                self._hand_off()
         return done
 
     def copy_from(self, fd: int, offset: int, count: int) -> int:
@@ -111,18 +119,43 @@ class DirectFile(io.RawIOBase):
             self._filled += n
             done += n
             if self._filled == CHUNK:
-                self._drain(CHUNK)
+                self._hand_off()
         return done
 
     def flush(self) -> None:
         pass  # the buffer goes out in aligned chunks only; close writes the rest
 
+    def _hand_off(self) -> None:
+        """The full buffer to the writer thread; the caller goes on filling the other one, once its last write is done
+        (which raises that write's error, if any)."""
+        self._wait()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write")
+        self._pending = self._writer.submit(self._write_at, self._view[:CHUNK], self._written)
+        self._written += CHUNK
+        self._turn ^= 1
+        self._view, self._array, self._filled = self._views[self._turn], self._arrays[self._turn], 0
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
     def _drain(self, count: int) -> None:
-        """Write the buffer's first ``count`` bytes at the file's end; keep the rest at the buffer's start."""
+        """Write the buffer's first ``count`` bytes at the file's end, now; keep the rest at the buffer's start."""
+        self._wait()
+        self._write_at(self._view[:count], self._written)
+        self._written += count
+        rest = self._filled - count
+        self._view[:rest] = self._view[count:self._filled]
+        self._filled = rest
+
+    def _write_at(self, data: memoryview, offset: int) -> None:
+        """All of ``data`` at ``offset`` (in the writer thread, or in the caller's with none pending: never both)."""
         done = 0
-        while done < count:
+        while done < len(data):
             try:
-                n = os.pwrite(self.fd, self._view[done:count], self._written + done)
+                n = os.pwrite(self.fd, data[done:], offset + done)
             except OSError as e:
                 if not (self.direct and e.errno == errno.EINVAL):
                     raise
@@ -130,13 +163,9 @@ class DirectFile(io.RawIOBase):
                 continue
             if n <= 0:
                 raise OSError(errno.EIO, f"{self.path}: a write made no progress")
-            if self.direct and n % BLOCK and done + n < count:
+            if self.direct and n % BLOCK and done + n < len(data):
                 self._buffered("a short O_DIRECT write left the offset unaligned")
             done += n
-        self._written += count
-        rest = self._filled - count
-        self._view[:rest] = self._view[count:self._filled]
-        self._filled = rest
 
     def _buffered(self, why: str | None) -> None:
         """The rest of the file through the page cache (``why``: None for the last partial block, which must). The same
@@ -151,6 +180,7 @@ class DirectFile(io.RawIOBase):
         if self.fd < 0:  # the open failed: nothing to finish
             return self.abort()
         try:
+            self._wait()  # before testing self.direct, which that write may have cleared
             if self.direct:
                 aligned = self._filled - self._filled % BLOCK
                 if aligned:
@@ -165,6 +195,10 @@ class DirectFile(io.RawIOBase):
             self.abort()
 
     def abort(self) -> None:
+        # the writer thread first: a write still under way after the close could land in the next file given that number
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        self._pending = None  # its error, if any, was raised or is moot: the file is incomplete either way
         fd, self.fd = self.fd, -1  # forgotten before closing: a failed close still frees the number, which is never closed twice
         try:
             if fd >= 0:
@@ -173,12 +207,14 @@ class DirectFile(io.RawIOBase):
             self._release()
 
     def _release(self) -> None:
-        self._array = None  # numpy's view of the buffer, which would keep it open
-        self._view.release()
-        try:
-            self._buffer.close()
-        except BufferError:
-            pass  # a slice of it still lives (an exception's traceback holds one): freed with the last of them
+        self._array = self._arrays = None  # numpy's views of the buffers, which would keep them open
+        self._view = None
+        for view, buffer in zip(self._views, self._buffers):
+            view.release()
+            try:
+                buffer.close()
+            except BufferError:
+                pass  # a slice of it still lives (an exception's traceback holds one): freed with the last of them
         super().close()
 
 
