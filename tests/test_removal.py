@@ -8,6 +8,7 @@ import ast
 import re
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -135,8 +136,6 @@ def test_merge_overwrite_replaces_a_model_folder(merge_checkpoint_dir, tmp_path)
 
 
 def test_staging_named_folders_of_others_are_kept(tmp_path):
-    import socket
-
     out = tmp_path / "merged"
     dead = 2 ** 22 + 12345  # no such process
     theirs = tmp_path / f".merged.tmp-{socket.gethostname()}-{dead}"
@@ -518,6 +517,39 @@ def test_a_record_of_a_finished_run_is_ours_only_beside_run_args(tmp_path, name)
         check_output_dir(str(out), resuming=False, overwrite=False)
     (out / "run_args.json").write_text("{}")
     assert check_output_dir(str(out), resuming=False, overwrite=False) == []
+
+
+@pytest.mark.parametrize("kind", ["old", "tmp"])
+@pytest.mark.parametrize("whose", ["dead here", "alive here", "another host"])
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_what_a_merge_moved_aside_is_restored_or_named_never_passed_over(tmp_path, kind, whose, out_exists):
+    """A folder a merge into ``out`` moved aside (.old-) or finished (.tmp-): of a killed merge here, the earlier
+    output goes back when ``out`` is missing, anything else is kept and named; of a merge on another host or of a
+    process alive here (a merge running, or the number reused), nobody here can tell whether it still runs: it is
+    left where it is, and named (it was passed over without a word: an earlier model hidden on a shared filesystem)."""
+    import subprocess
+
+    from fsdp_recipes.ckpt.merge import restore_interrupted
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host, pid = {"dead here": (socket.gethostname(), dead.pid), "alive here": (socket.gethostname(), os.getppid()),
+                 "another host": ("node-17.cluster", dead.pid)}[whose]
+    aside = _model_folder(tmp_path / f".out.{kind}-{host}-{pid}")
+    out = tmp_path / "out"
+    if out_exists:
+        _model_folder(out)
+    before = _snapshot(aside)
+    said = []
+    restore_interrupted(out, log=said.append)
+    [line] = said
+    if whose == "dead here" and kind == "old" and not out_exists:
+        assert line.startswith(f"restored {out}") and not aside.exists() and _snapshot(out) == before
+        return
+    assert aside.exists() and _snapshot(aside) == before and str(aside) in line and f"process {pid}" in line, line
+    if whose != "dead here":
+        assert line.startswith(f"left {aside} alone") and "may still be running" in line, line
+        assert f"process {pid} on {host})" in line if whose == "another host" else f"process {pid}, alive here)" in line, line
 
 
 @pytest.mark.parametrize("killed_at", [1, 2])

@@ -94,21 +94,22 @@ def _staging_name(out: Path, kind: str, pid: int | None = None) -> Path:
     return out.parent / f".{out.name}.{kind}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
-def _left_by_killed_merges(out: Path) -> list[tuple[Path, str, str]]:
-    """(folder, "tmp" or "old", pid) of each ``.out.tmp-`` or ``.out.old-`` folder a merge into ``out`` on this host
-    named for itself, whose process is gone."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-{re.escape(socket.gethostname())}-(\d+)")
-    found = []
+def _left_by_merges(out: Path) -> list[tuple[Path, str, str, str, bool]]:
+    """(folder, "tmp" or "old", host, pid, gone) of each ``.out.tmp-`` or ``.out.old-`` folder a merge into ``out``
+    named for itself; ``gone``: on this host, and its process is gone (on another host nobody here can tell)."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-(.+)-(\d+)")
+    found, here = [], socket.gethostname()
     for path in sorted(out.parent.glob(f".{out.name}.*")) if out.parent.is_dir() else []:
-        if (m := pattern.fullmatch(path.name)) and not process_alive(int(m.group(2))):
-            found.append((path, m.group(1), m.group(2)))
+        if m := pattern.fullmatch(path.name):
+            kind, host, pid = m.groups()
+            found.append((path, kind, host, pid, host == here and not process_alive(int(pid))))
     return found
 
 
 def remove_stale_staging(out: Path, log=print) -> None:
     """Staging folders a killed merge into ``out`` left behind (this host's, their process gone): removed, said."""
-    for path, _, pid in _left_by_killed_merges(out):
-        if is_ours(path, STAGING):  # only our own marked staging folders: a folder merely named like one is someone else's
+    for path, _, _, pid, gone in _left_by_merges(out):
+        if gone and is_ours(path, STAGING):  # only our own marked staging folders: a folder merely named like one is someone else's
             remove(path, STAGING)
             log(f"removed {path}, left by a merge that was killed (process {pid})")
 
@@ -117,15 +118,21 @@ def restore_interrupted(out: Path, log=print) -> None:
     """A merge with --overwrite moves the earlier output aside (``.out.old-host-pid``), then its result in: killed
     between the two renames, it left no ``out`` and the earlier model hidden. That folder goes back to ``out``
     (before anything decides about ``out``); where ``out`` exists again it is kept and named, as is a finished result
-    the killed merge had not yet moved in. Nothing is deleted: they were the user's outputs, not our staging."""
-    for path, kind, pid in _left_by_killed_merges(out):
+    the killed merge had not yet moved in. One of another host's merge, or of a process alive here (a merge still
+    running, or the number reused since), is named and left alone. Nothing is deleted: they were the user's
+    outputs, not our staging."""
+    for path, kind, host, pid, gone in _left_by_merges(out):
         if is_ours(path, STAGING) or path.is_symlink() or not (is_model_folder(path) or is_exported_adapter(path)):
             continue  # our marked staging (remove_stale_staging's), or not a folder a merge moves aside
-        if kind == "old" and not (out.exists() or out.is_symlink()):
+        what = "an earlier output it had moved aside" if kind == "old" else "its finished result, not yet moved in"
+        if not gone:
+            where = f"process {pid} on {host}" if host != socket.gethostname() else f"process {pid}, alive here"
+            log(f"left {path} alone: {what} by a merge ({where}) that may still be running; if none is, move it back "
+                "or delete it yourself")
+        elif kind == "old" and not (out.exists() or out.is_symlink()):
             move(path, out)
             log(f"restored {out} from {path.name}: a merge killed between its two renames (process {pid}) had moved it aside")
         else:
-            what = "an earlier output it had moved aside" if kind == "old" else "its finished result, not yet moved in"
             log(f"kept {path}: {what} by a merge that was killed (process {pid}); move or delete it yourself")
 
 
