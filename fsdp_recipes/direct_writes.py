@@ -23,6 +23,7 @@ import fcntl
 import io
 import mmap
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -37,20 +38,23 @@ class DirectFile(io.RawIOBase):
     """A write-only file object (``write``, ``tell``, ``fileno``, ``close``) for one new file, written with O_DIRECT
     where possible. ``sync``: fsync before close returns. ``abort()`` instead of close: the descriptors close, and
     what was not written yet is dropped (after an error: the file is incomplete and whoever made it knows).
-    ``page_cache_why``: None if every whole block went out with O_DIRECT, else why the page cache wrote some."""
+    ``page_cache_why``: None if every whole block went out with O_DIRECT, else why the page cache wrote some.
+    A write that failed fails every later write and close (the file has a gap where it was meant to be: never a
+    file of the right size that looks whole)."""
 
     def __init__(self, path, *, sync: bool = True):
         super().__init__()
         self.path, self.sync = os.fspath(path), sync
         self.fd, self.direct = -1, False
-        # anonymous mmaps: page-aligned, and a page is memory only once touched (a small file costs one buffer's worth)
-        self._buffers = [mmap.mmap(-1, CHUNK) for _ in range(2)]
-        self._views = [memoryview(b) for b in self._buffers]
-        self._arrays = [np.frombuffer(b, dtype=np.uint8) for b in self._buffers]  # the same bytes, for copies that release the GIL
-        self._turn = 0  # the buffer being filled; the other may be in the writer's hands
-        self._view, self._array = self._views[0], self._arrays[0]
+        # anonymous mmaps: page-aligned, and a page is memory only once touched; the second buffer is made when the
+        # first is handed to the writer (a small file reserves one)
+        self._buffers, self._views, self._arrays = [], [], []
+        self._turn = -1  # the buffer being filled; the other may be in the writer's hands
+        self._next_buffer()
         self._writer: ThreadPoolExecutor | None = None
+        self._writer_thread: int | None = None
         self._pending: Future | None = None  # the write of the other buffer, until it is waited for
+        self._failed: BaseException | None = None  # the write that failed: every later write and close fails too
         self._filled = 0  # bytes in the buffer
         self._written = 0  # bytes of the file written or being written (a multiple of BLOCK while direct)
         self.page_cache_why = None if O_DIRECT else "this platform has no O_DIRECT"
@@ -73,7 +77,25 @@ class DirectFile(io.RawIOBase):
     def fileno(self) -> int:
         return self.fd
 
+    def _next_buffer(self) -> None:
+        self._turn = (self._turn + 1) % 2
+        if self._turn == len(self._buffers):
+            self._buffers.append(mmap.mmap(-1, CHUNK))
+            self._views.append(memoryview(self._buffers[-1]))
+            self._arrays.append(np.frombuffer(self._buffers[-1], dtype=np.uint8))  # the same bytes, for copies that release the GIL
+        self._view, self._array, self._filled = self._views[self._turn], self._arrays[self._turn], 0
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"{self.path}: write to a closed file")
+        if self._failed is not None:
+            raise OSError(getattr(self._failed, "errno", None) or errno.EIO,
+                          f"an earlier write of this file failed ({self._failed}): it has a gap", self.path)
+
     def write(self, data) -> int:
+        self._check_open()
+        if self._filled == CHUNK:  # a hand-off a signal interrupted
+            self._hand_off()
         view = memoryview(data)
         if not view.nbytes:
             return 0  # as a file does (an empty multi-dimensional buffer cannot be cast)
@@ -104,6 +126,9 @@ class DirectFile(io.RawIOBase):
         checkpoint's records land at other page offsets, and that copy ran 2-3x slower than `cp`'s and varied 3x
         from run to run (bench/merge_benchmark.py; a buffered write of the same bytes from user space cost 20 s
         of CPU for 5.9 GB here)."""
+        self._check_open()
+        if self._filled == CHUNK:
+            self._hand_off()
         done = 0
         while done < count:
             want = min(CHUNK - self._filled, count - done)
@@ -129,22 +154,45 @@ class DirectFile(io.RawIOBase):
         """The full buffer to the writer thread; the caller goes on filling the other one, once its last write is done
         (which raises that write's error, if any)."""
         self._wait()
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write")
-        self._pending = self._writer.submit(self._write_at, self._view[:CHUNK], self._written)
+        data, offset = self._view[:CHUNK], self._written
         self._written += CHUNK
-        self._turn ^= 1
-        self._view, self._array, self._filled = self._views[self._turn], self._arrays[self._turn], 0
+        try:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write")
+            self._pending = self._writer.submit(self._in_writer, data, offset)
+        except RuntimeError:  # the interpreter is exiting (concurrent.futures takes no new work): written here
+            self._written -= CHUNK
+            self._drain(CHUNK)
+            return
+        self._next_buffer()
+
+    def _in_writer(self, data: memoryview, offset: int) -> None:
+        self._writer_thread = threading.get_ident()
+        self._write_at(data, offset)
 
     def _wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """The pending write ended; its error is raised, and kept for every later call. A signal's exception while
+        waiting (Ctrl-C) leaves it pending: the next wait waits again."""
+        if self._failed is not None:
+            self._check_open()
+        if self._pending is None:
+            return
+        try:
+            self._pending.result()
+        except BaseException as err:
+            if self._pending.done():
+                self._pending, self._failed = None, err
+            raise
+        self._pending = None
 
     def _drain(self, count: int) -> None:
         """Write the buffer's first ``count`` bytes at the file's end, now; keep the rest at the buffer's start."""
         self._wait()
-        self._write_at(self._view[:count], self._written)
+        try:
+            self._write_at(self._view[:count], self._written)
+        except BaseException as err:
+            self._failed = err
+            raise
         self._written += count
         rest = self._filled - count
         self._view[:rest] = self._view[count:self._filled]
@@ -196,15 +244,18 @@ class DirectFile(io.RawIOBase):
 
     def abort(self) -> None:
         # the writer thread first: a write still under way after the close could land in the next file given that number
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-        self._pending = None  # its error, if any, was raised or is moot: the file is incomplete either way
-        fd, self.fd = self.fd, -1  # forgotten before closing: a failed close still frees the number, which is never closed twice
+        # (no wait where this runs in the writer itself: a file collected unclosed is closed by the thread holding it last)
         try:
-            if fd >= 0:
-                os.close(fd)
+            if self._writer is not None:
+                self._writer.shutdown(wait=threading.get_ident() != self._writer_thread)
         finally:
-            self._release()
+            self._pending = None  # its error, if any, was raised or is moot: the file is incomplete either way
+            fd, self.fd = self.fd, -1  # forgotten before closing: a failed close still frees the number, which is never closed twice
+            try:
+                if fd >= 0:
+                    os.close(fd)
+            finally:
+                self._release()
 
     def _release(self) -> None:
         self._array = self._arrays = None  # numpy's views of the buffers, which would keep them open

@@ -222,6 +222,106 @@ def test_an_error_in_the_writer_thread_is_raised_by_close_or_the_next_write(tmp_
     assert f.closed and (tmp_path / "x").stat().st_size == CHUNK
 
 
+@pytest.mark.parametrize("then", ["write", "copy_from", "close"])
+def test_a_failed_write_fails_every_later_call_never_a_whole_looking_file(tmp_path, monkeypatch, then):
+    """(review) The writer thread's error was raised once and forgotten: the next write went on past the chunk that was
+    never written, and close succeeded on a file of the full size with 32 MiB of zeros in it."""
+    real_pwrite = os.pwrite
+
+    def failing_once(fd, data, offset):
+        if offset == 0 and not failing_once.done:
+            failing_once.done = True
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    failing_once.done = False
+    monkeypatch.setattr(direct_writes.os, "pwrite", failing_once)
+    f = DirectFile(tmp_path / "x")
+    f.write(os.urandom(CHUNK))
+    with pytest.raises(OSError, match="No space left"):
+        f.write(os.urandom(CHUNK))  # waits for chunk 0's write, which failed
+    (tmp_path / "src").write_bytes(os.urandom(CHUNK + 3))
+    with open(tmp_path / "src", "rb") as src:
+        later = {"write": lambda: f.write(os.urandom(CHUNK + 3)), "copy_from": lambda: f.copy_from(src.fileno(), 0, CHUNK + 3)}
+        for call in ([later[then]] if then in later else []) + [f.close]:
+            with pytest.raises(OSError, match="an earlier write of this file failed"):
+                call()
+    f.close()  # closed by the failed close: nothing more, no error
+    assert f.closed and (tmp_path / "x").stat().st_size < 2 * CHUNK
+
+
+def test_a_signal_while_waiting_for_the_writer_leaves_its_write_to_the_next_wait(tmp_path, monkeypatch):
+    """(review) Ctrl-C while write() waited for the writer thread forgot that write: close neither waited for it nor
+    raised its error."""
+    import threading
+
+    real_pwrite, release = os.pwrite, threading.Event()
+
+    def slow_failing(fd, data, offset):
+        if offset:
+            return real_pwrite(fd, data, offset)
+        release.wait(timeout=10)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(direct_writes.os, "pwrite", slow_failing)
+    f = DirectFile(tmp_path / "x")
+    f.write(os.urandom(CHUNK))
+    real_result = direct_writes.Future.result
+
+    def interrupted(self, timeout=None):  # as a SIGINT handler's KeyboardInterrupt out of the wait
+        monkeypatch.setattr(direct_writes.Future, "result", real_result)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(direct_writes.Future, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        f.write(os.urandom(CHUNK))
+    release.set()
+    with pytest.raises(OSError, match="Input/output error"):
+        f.close()
+    assert f.closed
+
+
+def test_a_file_dropped_unclosed_during_a_write_closes_its_descriptor(tmp_path, monkeypatch):
+    """(review) Its last reference was the writer's work item: the finalizer's close ran in the writer thread, whose
+    join of itself raised before the descriptor was closed."""
+    import gc
+    import threading
+    import time
+
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(direct_writes.os, "pwrite", lambda fd, data, offset: time.sleep(0.3) or real_pwrite(fd, data, offset))
+    before = len(os.listdir("/proc/self/fd"))
+    f = DirectFile(tmp_path / "x", sync=False)
+    f.write(b"x" * CHUNK)
+    del f
+    for _ in range(100):
+        gc.collect()
+        if len(os.listdir("/proc/self/fd")) == before and not [t for t in threading.enumerate() if t.name.startswith("direct-write")]:
+            break
+        time.sleep(0.05)
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert (tmp_path / "x").stat().st_size == CHUNK
+
+
+def test_while_the_interpreter_exits_the_full_buffer_is_written_by_the_caller(tmp_path, monkeypatch):
+    """(review) concurrent.futures takes no new work once the interpreter exits: a background save still writing then
+    (AsyncCheckpoints.abandon lets it finish its files) failed its hand-off."""
+    def refused(self, *args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(direct_writes.ThreadPoolExecutor, "submit", refused)
+    data = os.urandom(3 * CHUNK + 11)
+    write_in_pieces(tmp_path / "x", data, [CHUNK - 1, 5])
+    assert (tmp_path / "x").read_bytes() == data
+
+
+def test_a_closed_file_says_so(tmp_path):
+    f = DirectFile(tmp_path / "x")
+    f.close()
+    with pytest.raises(ValueError, match="closed file"):
+        f.write(b"x")
+
+
 def test_abort_returns_only_after_the_write_under_way_has_ended(tmp_path, monkeypatch):
     """Its descriptor is closed after the writer thread's last write: a write after the close could land in whatever
     file is opened next with that number."""
