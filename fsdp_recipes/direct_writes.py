@@ -206,7 +206,7 @@ class DirectFile(io.RawIOBase):
                 n = os.pwrite(self.fd, data[done:], offset + done)
             except OSError as e:
                 if not (self.direct and e.errno == errno.EINVAL):
-                    raise
+                    raise OSError(e.errno, e.strerror, self.path) from None  # a write's error names no file: this one
                 self._buffered("the filesystem refused an aligned O_DIRECT write")
                 continue
             if n <= 0:
@@ -238,7 +238,10 @@ class DirectFile(io.RawIOBase):
             if self._filled:
                 self._drain(self._filled)
             if self.sync:
-                os.fsync(self.fd)
+                try:
+                    os.fsync(self.fd)
+                except OSError as e:  # EIO, or ENOSPC/EDQUOT a network filesystem reports only now
+                    raise OSError(e.errno, e.strerror, self.path) from None
         finally:
             self.abort()
 

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -527,6 +528,12 @@ def test_the_copy_process_is_started_as_isolated_as_the_merge_and_names_a_failed
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("merge_checkpoint.py: error: ") and "model.safetensors: File too large: nothing was published" in lines[0], lines[0]
     assert not (tmp_path / "limited").exists() and not list(tmp_path.glob(".limited*"))
+    # the same limit met by this process's own writer (a cast is no byte copy): the line names the file too (review)
+    proc = subprocess.run([sys.executable, str(TOOL), str(checkpoint), str(tmp_path / "limited"), "--dtype", "bfloat16"], capture_output=True,
+                          text=True, preexec_fn=small_files, cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "Writing weights" not in line]
+    assert proc.returncode == 1 and len(lines) == 1 and "File too large" in lines[0] and "model.safetensors" in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "limited").exists() and not list(tmp_path.glob(".limited*"))
 
 
 def test_ctrl_c_during_a_merge_is_one_line(checkpoint, tmp_path, monkeypatch, capsys):
@@ -544,6 +551,63 @@ def test_ctrl_c_during_a_merge_is_one_line(checkpoint, tmp_path, monkeypatch, ca
     assert capsys.readouterr().err.strip().splitlines()[-1] == "merge_checkpoint.py: interrupted: nothing was published"
     assert started and started[0].poll() is not None  # the copy process was stopped, not left running
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_sigterm_during_a_merge_is_one_line_and_leaves_nothing(checkpoint, tmp_path, monkeypatch, capsys):
+    """SIGTERM (a scheduler's stop, `timeout`) while the copy process runs unwinds as Ctrl-C does: exit 143, one line,
+    no output, no staging folder, no copy process; the caller's own SIGTERM handler is back afterwards. (The process
+    died at once before, and its staging folder and copy process were left until the next merge.)"""
+    import signal
+    import time
+
+    import fsdp_recipes.ckpt.safetensors_writer as writer
+
+    started = []
+
+    def stopped(child, *args):
+        started.append(child)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises here
+        raise AssertionError("SIGTERM was not handled")
+
+    monkeypatch.setattr(writer, "_finish_copies", stopped)
+    mine = lambda signum, frame: None  # noqa: E731
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert cli_main([str(checkpoint), str(tmp_path / "out")]) == 143
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "merge_checkpoint.py: stopped by SIGTERM: nothing was published"
+    assert started and started[0].poll() is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.slow
+def test_sigterm_at_any_moment_leaves_a_whole_output_or_none(checkpoint, tmp_path):
+    """The real tool, SIGTERM at moments spread over a merge: it either finished (exit 0, an output that loads) or
+    stopped (exit 143, one line, no output and no staging folder); never a traceback, never a folder left half."""
+    import signal
+    import subprocess
+    import time
+
+    for i, delay in enumerate([0.5, 1.5, 2.5, 3.5, 5.0, 8.0]):
+        out = tmp_path / f"out{i}"
+        proc = subprocess.Popen([sys.executable, TOOL, str(checkpoint), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+        left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".out{i}."))
+        assert not left, (delay, left)
+        if proc.returncode == 0:
+            assert f"wrote {out}" in stdout and (out / "config.json").is_file(), stdout
+            AutoModelForCausalLM.from_pretrained(out)
+        else:
+            assert proc.returncode in (143, -signal.SIGTERM), (delay, proc.returncode, stderr)
+            assert not out.exists(), delay
+            if proc.returncode == 143:  # after the handler is in place: one line
+                assert stderr.strip().splitlines()[-1] == "merge_checkpoint.py: stopped by SIGTERM: nothing was published", stderr
+                assert "Traceback" not in stderr, stderr
 
 
 def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, trained, tmp_path, monkeypatch):

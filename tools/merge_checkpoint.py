@@ -19,6 +19,7 @@ A LoRA checkpoint of train_fsdp.py holds the adapter alone: the merge reads the 
 import argparse
 import json
 import os
+import signal
 import sys
 
 from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
@@ -38,6 +39,16 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         """One line (argparse would print the usage first), exit 2 as argparse does."""
         self.exit(2, f"{self.prog}: error: {message}: see {self.prog} --help\n")
+
+
+class Stopped(BaseException):
+    """SIGTERM (a scheduler's stop, `timeout`, `kill`) during a merge: unwinds as Ctrl-C does, so the merge removes its
+    staging folder and stops its copy process (without it the process died at once and left both until the next merge)."""
+
+
+def _stopped(signum, frame):
+    signal.signal(signum, signal.SIG_IGN)  # a second one would cut that cleanup short; SIGKILL still ends it
+    raise Stopped
 
 
 def size_type(parse_size, example: str, minimum: tuple[str, int]):
@@ -89,6 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--inspect", action="store_true", help="print what the checkpoint holds and exit; writes nothing")
     args = parser.parse_args(argv)
+    before = signal.signal(signal.SIGTERM, _stopped)
     try:
         if args.inspect:
             print(json.dumps(inspect_checkpoint(args.input), indent=2))
@@ -106,10 +118,15 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # the staging folder and the copy process are gone by now (merge_checkpoint's cleanup)
         print("merge_checkpoint.py: interrupted: nothing was published", file=sys.stderr)
         return 130
+    except Stopped:
+        print("merge_checkpoint.py: stopped by SIGTERM: nothing was published", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except OSError as err:  # disk full, permission denied ...: nothing was left behind (the staging folder is removed)
         where = f" ({err.filename})" if err.filename else ""
         print(f"merge_checkpoint.py: error: {err.strerror or err}{where}: nothing was written; fix it and run again", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, before)
     print(f"wrote {result.output}: {result.tensors} tensors, {result.bytes / 1e6:.1f} MB in {', '.join(result.files)}")
     return 0
 
