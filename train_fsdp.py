@@ -73,9 +73,15 @@ def main(model_args, data_args, plan):
     preflight.decide_resume(plan, training_args)  # one resume decision for the launch, made on rank 0
     preflight.hold_output_dir(training_args)  # one run per output_dir
     preflight.apply(plan, training_args, say=logger.warning)  # set aside or delete what the checks decided (rank 0)
-    preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch)
+    # A resume keeps the record of the run that wrote its checkpoints until every check below has passed: a refused
+    # resume (another model, another LoRA base) rewrote it before. A new run writes it first: it marks output_dir ours.
+    resuming = bool(training_args.resume_from_checkpoint) and preflight.has_run_record(training_args)
+    if not resuming:
+        preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch)
 
     if (step := finished_checkpoint_step(training_args)) is not None:
+        if resuming:
+            preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch)
         logger.info(
             f"{training_args.resume_from_checkpoint} is at step {step}, max_steps is {training_args.max_steps}: "
             f"nothing left to train; writing its model to {Path(training_args.output_dir) / FINAL_MODEL_DIR}"
@@ -137,6 +143,8 @@ def main(model_args, data_args, plan):
         if problem := trainer.resume_mismatch(training_args.resume_from_checkpoint):
             raise RecipeError(problem)  # every rank reads the same headers: all stop alike, before any load
         logger.info(f"resuming from {training_args.resume_from_checkpoint}")
+    if resuming:
+        preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch)
     try:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except (Exception, CheckpointException, KeyboardInterrupt) as err:  # DCP's CheckpointException is a BaseException

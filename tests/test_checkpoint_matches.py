@@ -84,6 +84,7 @@ def resume_with_config(trained, tmp_path, changes: dict):
     """A copy of the 4-layer run's checkpoint-6 resumed with the tiny config changed by ``changes``: (run folder, process)."""
     run, other = tmp_path / "run", tmp_path / "other"
     shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
+    shutil.copy(trained("accelerate_configs/zero3.yaml").output_dir / "run_args.json", run / "run_args.json")
     other.mkdir()
     (other / "config.json").write_text(json.dumps({**json.loads((TINY / "config.json").read_text()), **changes}))
     return run, launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run), "--config_name", str(other),
@@ -97,6 +98,9 @@ def test_resuming_into_a_smaller_model_stops_before_loading(trained, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert len(lines) == 1 and "was saved from another model" in lines[0] and "layers.2" in lines[0], proc.stderr[-3000:]
     assert not (run / "checkpoint-12").exists() and not (run / "model").exists()
+    # the run's record still describes the run that wrote the checkpoint (a refused resume rewrote it before)
+    record = (trained("accelerate_configs/zero3.yaml").output_dir / "run_args.json").read_bytes()
+    assert (run / "run_args.json").read_bytes() == record
 
 
 @pytest.fixture
@@ -282,6 +286,7 @@ def test_resuming_a_model_of_the_same_shapes_but_other_heads_stops_before_loadin
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert proc.returncode != 0 and len(lines) == 1 and "its config.json differs in" in lines[0] and "hidden_act" in lines[0], proc.stderr[-3000:]
     assert not (run / "checkpoint-12").exists()
+    assert (run / "run_args.json").read_bytes() == (trained("accelerate_configs/zero3.yaml").output_dir / "run_args.json").read_bytes()
 
 
 ADAMW_GROUP = {"weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-08, "amsgrad": False, "maximize": False,

@@ -228,6 +228,11 @@ def hold_output_dir(training_args, warn=say) -> None:
         )
 
 
+def has_run_record(training_args) -> bool:
+    """output_dir holds a run record (a file): a resume into it may leave it as it is until its checks pass."""
+    return (Path(training_args.output_dir) / ARGS_NAME).is_file()
+
+
 def save_resolved_arguments(model_args, data_args, training_args, launch: LaunchSettings | None) -> None:
     """output_dir/run_args.json on rank 0: every argument in force, the accelerate config file's own text, and the
     accelerate settings in force (that file with the launch flags over it, or the FSDP_* variables)."""
