@@ -164,15 +164,20 @@ def test_a_filesystem_that_refuses_a_direct_write_midway_gets_the_rest_through_t
                                 else "a short O_DIRECT write left the offset unaligned")
 
 
-def test_another_error_is_raised_and_abort_writes_no_tail(tmp_path, monkeypatch):
+def disk_full_from(monkeypatch, offset: int) -> None:
+    """Every write at or past ``offset`` fails as a full disk does."""
     real_pwrite = os.pwrite
 
-    def full(fd, data, offset):
-        if offset >= CHUNK:
+    def full(fd, data, at):
+        if at >= offset:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, data, offset)
+        return real_pwrite(fd, data, at)
 
     monkeypatch.setattr(direct_writes.os, "pwrite", full)
+
+
+def test_another_error_is_raised_and_abort_writes_no_tail(tmp_path, monkeypatch):
+    disk_full_from(monkeypatch, CHUNK)
     f = DirectFile(tmp_path / "x")
     with pytest.raises(OSError, match="No space left"):
         f.write(os.urandom(3 * CHUNK))
@@ -207,14 +212,7 @@ def test_the_caller_fills_one_buffer_while_the_other_is_written(tmp_path, monkey
 @pytest.mark.parametrize("size", [2 * CHUNK, 2 * CHUNK + 1])
 def test_an_error_in_the_writer_thread_is_raised_by_close_or_the_next_write(tmp_path, monkeypatch, size):
     """The last chunk handed to the writer thread fails: close raises it (the file is short, never whole-looking)."""
-    real_pwrite = os.pwrite
-
-    def full(fd, data, offset):
-        if offset >= CHUNK:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(direct_writes.os, "pwrite", full)
+    disk_full_from(monkeypatch, CHUNK)
     f = DirectFile(tmp_path / "x")
     f.write(os.urandom(size))
     with pytest.raises(OSError, match="No space left"):
