@@ -169,6 +169,8 @@ def remove_file(folder: str | os.PathLike, name: str, purpose: str) -> None:
 
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this host: what decides that a lock or staging folder it left is stale."""
+    if pid <= 0:  # no process's number (kill(0, ...) and kill(-n, ...) would ask about process groups)
+        return False
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):  # gone, or a number no pid can be

@@ -13,6 +13,7 @@ the input, inside it or hold it, and --overwrite never replaces a folder holding
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import os
 import re
@@ -99,7 +100,7 @@ def _left_by_merges(out: Path) -> list[tuple[Path, str, str, str, bool]]:
     named for itself; ``gone``: on this host, and its process is gone (on another host nobody here can tell)."""
     pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-(.+)-(\d+)")
     found, here = [], socket.gethostname()
-    for path in sorted(out.parent.glob(f".{out.name}.*")) if out.parent.is_dir() else []:
+    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*")) if out.parent.is_dir() else []:  # 'run[1]' is no pattern
         if m := pattern.fullmatch(path.name):
             kind, host, pid = m.groups()
             found.append((path, kind, host, pid, host == here and not process_alive(int(pid))))
