@@ -90,6 +90,20 @@ def unmark(path: str | os.PathLike, purpose: str) -> None:
     (Path(path) / MARKER).unlink()
 
 
+def reclaim(path: str | os.PathLike, purpose: str, identity: tuple[int, int]) -> bool:
+    """Mark ``path`` again for ``purpose``: a folder this process made and unmarked to become a result, stopped before it
+    was renamed into place. Only while it is still that very folder (``identity``: its (device, inode) when made)."""
+    path = Path(path)
+    try:
+        where = os.lstat(path)
+    except OSError:
+        return False
+    if path.is_symlink() or not path.is_dir() or (where.st_dev, where.st_ino) != tuple(identity):
+        return False
+    _write_marker(path, purpose)
+    return True
+
+
 def contents(path: Path, limit: int = 3) -> str:
     try:
         names = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in path.iterdir())

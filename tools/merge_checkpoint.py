@@ -51,6 +51,16 @@ def _stopped(signum, frame):
     raise Stopped
 
 
+def _identity(path: str | None) -> tuple[int, int] | None:
+    """(device, inode) of the folder at ``path`` (None: none there): tells a stop after the merge moved its result into
+    place from one before."""
+    try:
+        st = os.lstat(path) if path is not None else None
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if st is not None else None
+
+
 def size_type(parse_size, example: str, minimum: tuple[str, int]):
     """argparse type of a size option: bytes as huggingface_hub's parse_size_to_int reads them ("5GB", "512MB"),
     finite and at least ``minimum``; anything else is one line naming the value and what to give."""
@@ -101,6 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--inspect", action="store_true", help="print what the checkpoint holds and exit; writes nothing")
     args = parser.parse_args(argv)
     before = signal.signal(signal.SIGTERM, _stopped)
+    earlier = _identity(args.output)
     try:
         if args.inspect:
             print(json.dumps(inspect_checkpoint(args.input), indent=2))
@@ -115,12 +126,13 @@ def main(argv=None) -> int:
     except (CheckpointError, InternalsChanged, RefusedRemoval) as err:
         print(f"merge_checkpoint.py: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the staging folder and the copy process are gone by now (merge_checkpoint's cleanup)
-        print("merge_checkpoint.py: interrupted: nothing was published", file=sys.stderr)
-        return 130
-    except Stopped:
-        print("merge_checkpoint.py: stopped by SIGTERM: nothing was published", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except (KeyboardInterrupt, Stopped) as stop:  # the staging folder and the copy process are gone (merge_checkpoint's cleanup)
+        what = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped by SIGTERM"
+        if args.output is not None and _identity(args.output) not in (earlier, None):  # after the rename into place
+            print(f"merge_checkpoint.py: {what} after {args.output} was written whole and moved into place", file=sys.stderr)
+        else:
+            print(f"merge_checkpoint.py: {what}: nothing was published", file=sys.stderr)
+        return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
     except OSError as err:  # disk full, permission denied ...: nothing was left behind (the staging folder is removed)
         where = f" ({err.filename})" if err.filename else ""
         print(f"merge_checkpoint.py: error: {err.strerror or err}{where}: nothing was written; fix it and run again", file=sys.stderr)

@@ -8,6 +8,9 @@ the copy asks it between pieces of 64 MB and stops at once when it failed. Check
 a manifest and need no transformers at all.
 Output is written into a hidden folder beside the target and renamed when complete; the output may never be
 the input, inside it or hold it, and --overwrite never replaces a folder holding training checkpoints.
+
+Size: one module (about 400 lines) for the merge's order of steps, from the checks to the rename into place, and
+the cleanup of what a killed merge left: split, the order would be spread over files.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from fsdp_recipes.compat import internals
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError
 from fsdp_recipes.removal import (
-    MARKER, contents, is_ours, make_folder, move, process_alive, remark, remove, remove_file, unmark,
+    MARKER, contents, is_ours, make_folder, move, process_alive, reclaim, remark, remove, remove_file, unmark,
 )
 
 # torch is imported where tensors are handled, not here: a merge of a checkpoint with a manifest only copies
@@ -204,6 +207,7 @@ def merge_checkpoint(
 
         stem = "adapter_model" if adapter_only else "model"
         staging = make_folder(_staging_name(out, "tmp"), STAGING)
+        made, unmarking = os.lstat(staging), False
         try:
             write = dict(max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, stem=stem)
             try:
@@ -230,11 +234,13 @@ def merge_checkpoint(
             if verify:
                 verify_folder(staging, resolved.source, names, dtype, stem=stem)
                 log(f"verified: {len(names)} tensors equal the checkpoint" + ("" if adapter_only else "; from_pretrained (meta device) loads the folder"))
+            sync_folder(staging)  # the slow part, while the folder is still ours to remove if stopped
             if output_purpose:  # a caller's staging folder: it stays marked, for that caller to remove
                 remark(staging, STAGING, output_purpose)
-            else:  # a result: it ships without our marker
+            else:  # a result: it ships without our marker (stopped before the rename, it is reclaimed below)
+                unmarking = True
                 unmark(staging, STAGING)
-            sync_folder(staging)
+            sync_entries(staging)
             if out.exists():  # check_output: a model folder, and --overwrite was given
                 old = move(out, _staging_name(out, "old"))
                 move(staging, out)
@@ -247,6 +253,8 @@ def merge_checkpoint(
             for purpose in {STAGING, output_purpose} - {None}:
                 if is_ours(staging, purpose):
                     remove(staging, purpose)
+            if unmarking and reclaim(staging, STAGING, (made.st_dev, made.st_ino)):  # still here: never moved into place
+                remove(staging, STAGING)
             raise
     if described.tied:
         log(f"tied weights written once, as save_pretrained does: {', '.join(described.tied)}")
