@@ -10,8 +10,8 @@ O_DIRECT wants the file offset, the length and the buffer's address aligned to t
 4096 bytes). :class:`DirectFile` gathers what is written into a page-aligned buffer and writes it out in whole
 aligned chunks; the last partial block goes through an ordinary descriptor at close. Two buffers take turns: a
 thread writes the full one while the caller fills the other, so the device is never idle while the caller copies
-(a single buffer wrote 3 GB out of the page cache in 2.3-3.2 s here, two in 1.4-1.7 s; `dd oflag=direct` 2.7-3.4 s). The file's bytes are exactly
-what an ordinary write makes (tested). Where ``open(O_DIRECT)`` or an aligned write fails with EINVAL (tmpfs before
+(a single buffer wrote 3 GB out of the page cache in 2.3-3.2 s here, two in 1.4-1.7 s; `dd oflag=direct` 2.7-3.4 s).
+The file's bytes are exactly what an ordinary write makes (tested). Where ``open(O_DIRECT)`` or an aligned write fails with EINVAL (tmpfs before
 Linux 6.6, some FUSE and network mounts; macOS has no O_DIRECT) the same buffer goes out through the page cache, and
 ``DirectFile.page_cache_why`` says why.
 """

@@ -555,12 +555,21 @@ def test_ctrl_c_during_a_merge_is_one_line(checkpoint, tmp_path, monkeypatch, ca
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+def sigterm_self() -> None:
+    """SIGTERM to this process, as a scheduler sends it: the tool's handler raises out of the sleep."""
+    import signal
+    import time
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    raise AssertionError("SIGTERM was not handled")
+
+
 def test_sigterm_during_a_merge_is_one_line_and_leaves_nothing(checkpoint, tmp_path, monkeypatch, capsys):
     """SIGTERM (a scheduler's stop, `timeout`) while the copy process runs unwinds as Ctrl-C does: exit 143, one line,
     no output, no staging folder, no copy process; the caller's own SIGTERM handler is back afterwards. (The process
     died at once before, and its staging folder and copy process were left until the next merge.)"""
     import signal
-    import time
 
     import fsdp_recipes.ckpt.safetensors_writer as writer
 
@@ -568,9 +577,7 @@ def test_sigterm_during_a_merge_is_one_line_and_leaves_nothing(checkpoint, tmp_p
 
     def stopped(child, *args):
         started.append(child)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(30)  # the handler raises here
-        raise AssertionError("SIGTERM was not handled")
+        sigterm_self()
 
     monkeypatch.setattr(writer, "_finish_copies", stopped)
     mine = lambda signum, frame: None  # noqa: E731
@@ -591,7 +598,6 @@ def test_sigterm_while_publishing_says_what_happened(checkpoint, tmp_path, monke
     in .out.tmp-*; SIGTERM after the rename into place: the line said "nothing was published". Now the folder is
     ours until it is synced, and a stop after the rename says the output is whole."""
     import signal
-    import time
 
     import fsdp_recipes.ckpt.merge as merge_module
 
@@ -602,9 +608,7 @@ def test_sigterm_while_publishing_says_what_happened(checkpoint, tmp_path, monke
         real(folder)
         if (Path(folder) == tmp_path) == (where == "parent") and not calls:
             calls.append(folder)
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)  # the handler raises here
-            raise AssertionError("SIGTERM was not handled")
+            sigterm_self()
 
     monkeypatch.setattr(merge_module, at, stopped)
     out = tmp_path / "out"

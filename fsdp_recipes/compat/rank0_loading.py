@@ -22,8 +22,9 @@ unit's flat parameter is, on ranks other than 0, an untouched buffer into which 
 chunk (the chunk FSDP then keeps); rank 0's is the real one. The other ranks' stand-ins are never written, and a
 rank other than 0 holds its shards plus, for a moment, one chunk of one unit (received, then cloned into the
 shard). Where FSDP keeps the whole flat parameter (NO_SHARD) or broadcasts over two groups (HYBRID_SHARD: across
-nodes, then within), the flat parameter is broadcast whole, as torch would broadcast its pieces. Were the stand-ins views of the private file mapping, every written page would
-become the rank's own (copy on write): every rank, rank 0 included, peaked at 2x the model (bench/load_memory.py).
+nodes, then within), the flat parameter is broadcast whole, as torch would broadcast its pieces. Were the stand-ins
+views of the private file mapping, every written page would become the rank's own (copy on write): every rank,
+rank 0 included, peaked at 2x the model (bench/load_memory.py).
 """
 
 from __future__ import annotations
