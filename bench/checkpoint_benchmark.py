@@ -30,6 +30,7 @@ of the base's size; no growth of RssAnon from the first to the last quarter of t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -152,6 +153,37 @@ def stall_per_save(got: dict, nosave: dict, a: argparse.Namespace) -> float:
     return (sum(times) - sum(step_seconds(nosave["step_end"], a.warmup))) / (len(times) // a.save_steps)
 
 
+def stall_of_each_save(got: dict, nosave: dict, a: argparse.Namespace) -> dict[int, float]:
+    """Per save (numbered from 1), the --save-steps steps that end with it, after the warm-up, with saves less the same
+    steps without: the first save's stall apart from the later ones' (on a GPU the first makes the pinned host copy
+    that every later one reuses: of the 0.95 s an H100's 6 saves stalled on average, bench/results/h100/
+    checkpoint-stall-1, most was the first's). A save runs after its step's on_step_end, so its cost is in the next
+    step's time; a save inside the warm-up is not measured."""
+    times, plain = step_seconds(got["step_end"], a.warmup), step_seconds(nosave["step_end"], a.warmup)
+    k, stalls = a.save_steps, {}
+    for m in itertools.count(1):
+        last = m * k - 1 - a.warmup  # the time of step m*k+1 (index into times), which holds save m
+        if last >= min(len(times), len(plain)):
+            break
+        if last >= 0:
+            first = max(0, last - k + 1)
+            stalls[m] = sum(times[first:last + 1]) - sum(plain[first:last + 1])
+    return stalls
+
+
+def first_and_later(stalls: dict[int, float]) -> dict:
+    """The first save's stall (None when it fell in the warm-up) and the median of the later ones'."""
+    later = [v for m, v in stalls.items() if m > 1]
+    return {"stall_first_save_seconds": round(stalls[1], 4) if 1 in stalls else None,
+            "stall_later_saves_median_seconds": round(statistics.median(later), 4) if later else None}
+
+
+def split(m: dict) -> str:
+    """"first / later" stall seconds for the table ("-" where not measured)."""
+    first, later = m.get("stall_first_save_seconds"), m.get("stall_later_saves_median_seconds")
+    return ("-" if first is None else f"{first:.2f}") + " / " + ("-" if later is None else f"{later:.2f}")
+
+
 def rss_growth(ends: list[float], samples: dict[int, list[tuple[float, int]]]) -> dict[int, dict[str, int]]:
     """Per rank: peak RssAnon over the first and the last quarter of the steps (each step a save)."""
     n = len(ends)
@@ -223,6 +255,7 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
                 saving = sum(times) / len(times)
                 stall = stall_per_save(got, measured["nosave"], a)
                 row[mode] = {"step_seconds_with_saves": round(saving, 4), "stall_per_save_seconds": round(stall, 4),
+                             **first_and_later(stall_of_each_save(got, measured["nosave"], a)),
                              "rss": {str(r): v for r, v in sorted(rss_growth(got["step_end"], got["samples"]).items())}}
             background = measured["async" + suffix]
             row["sync"]["save_seconds"] = row["sync"]["stall_per_save_seconds"]
@@ -241,7 +274,7 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
             row["checkpoint_vs_base"] = round(row["checkpoint_bytes"] / base_bytes, 4)
             rows.append(row)
             print(f"    {writes}: stall per save: sync {row['sync']['stall_per_save_seconds']:.2f} s, background {row['async']['stall_per_save_seconds']:.2f} s "
-                  f"(its write {row['async']['save_seconds']} s), background from a host copy {row['async-copy']['stall_per_save_seconds']:.2f} s; checkpoint {row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base",
+                  f"(first / later saves {split(row['async'])} s, its write {row['async']['save_seconds']} s), background from a host copy {row['async-copy']['stall_per_save_seconds']:.2f} s; checkpoint {row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base",
                   flush=True)
             for mode, note in row["queued"].items():
                 print(f"    note ({mode}): {note}", flush=True)
@@ -256,11 +289,11 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
              f"SHARDED_STATE_DICT), {a.saves} saves (one every {a.save_steps} step(s)), synchronous (--async_checkpoints false), in the background "
              "(the default: from the live shards where they are in host memory, else from a host copy) and in the background from a host "
              "copy (--async_checkpoint_staging copy):", "",
-             "| training | shard files written | median step without saves (s) | training between saves (s) | sync: mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | background: its write (s) | background stall vs sync save | host copy: stall (s) | host copy: stall vs sync save | checkpoint (MB) | vs base weights |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| training | shard files written | median step without saves (s) | training between saves (s) | sync: mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | background: first save / later (median) stall (s) | background: its write (s) | background stall vs sync save | host copy: stall (s) | host copy: stall vs sync save | checkpoint (MB) | vs base weights |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['training']} | {r['shard_files']} | {r['step_seconds_without_saves']:.2f} | {r['training_between_saves_seconds']:.2f} | {r['sync']['step_seconds_with_saves']:.2f} | {r['sync']['stall_per_save_seconds']:.2f} | "
-                     f"{r['async']['step_seconds_with_saves']:.2f} | {r['async']['stall_per_save_seconds']:.2f} | {r['async']['save_seconds']} | {ratio(r)} | "
+                     f"{r['async']['step_seconds_with_saves']:.2f} | {r['async']['stall_per_save_seconds']:.2f} | {split(r['async'])} | {r['async']['save_seconds']} | {ratio(r)} | "
                      f"{r['async-copy']['stall_per_save_seconds']:.2f} | {ratio(r, 'async_copy_stall_vs_sync_save')} | "
                      f"{r['checkpoint_bytes'] / 1e6:,.1f} | {r['checkpoint_vs_base']:.1%} |")
     lines += [f"\nNote ({r['training']}, {r['shard_files']}, {'background' if mode == 'async' else 'from a host copy'}): {note}."

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.checkpoint_benchmark import queued, ranks_label, step_seconds
+import argparse
+import random
+
+from bench.checkpoint_benchmark import first_and_later, queued, ranks_label, split, stall_of_each_save, step_seconds
 
 
 @pytest.mark.parametrize("write, step, save_steps, need", [
@@ -75,3 +78,66 @@ def test_the_temporary_work_folder_is_removed_however_the_runs_end(tmp_path, mon
     kept.mkdir()
     benchmark.main(["--work", str(kept)]) if ends == "returns" else None
     assert kept.exists() and (ends == "raises" or (kept / "checkpoint-1").exists())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_each_saves_stall_is_found_in_generated_step_times(seed):
+    """Step times without saves drawn at random; the same run with saves pays a known stall in the step after each
+    save's step (the Trainer saves after on_step_end: test_a_save_lands_between_its_steps_end_and_the_next). Every
+    save's stall is recovered, the first apart from the later ones, whatever the warm-up and --save-steps."""
+    rng = random.Random(seed)
+    warmup, k, saves = rng.randint(0, 4), rng.choice([1, 2, 3, 5, 100]), rng.randint(1, 7)
+    steps = saves * k + warmup
+    plain = [rng.uniform(0.01, 0.05) for _ in range(steps)]
+    paid = {m: rng.uniform(0.0, 3.0) for m in range(1, steps // k + 1)}  # the Trainer saves at every multiple of k
+    with_saves = list(plain)
+    for m, stall in paid.items():
+        if m * k < steps:  # step m*k+1 holds save m; a save after the last step is after the last step time
+            with_saves[m * k] += stall
+    ends = lambda durations: [sum(durations[:i + 1]) for i in range(steps)]  # noqa: E731
+    a = argparse.Namespace(warmup=warmup, save_steps=k)
+    found = stall_of_each_save({"step_end": ends(with_saves)}, {"step_end": ends(plain)}, a)
+    measurable = {m: v for m, v in paid.items() if warmup < m * k < steps}  # the step holding it (m*k+1) is timed after the warm-up
+    assert found.keys() == measurable.keys()
+    for m, stall in measurable.items():
+        assert found[m] == pytest.approx(stall, abs=1e-9)
+    summary = first_and_later(found)
+    assert summary["stall_first_save_seconds"] == (pytest.approx(paid[1], abs=1e-4) if 1 in measurable else None)
+    later = sorted(v for m, v in measurable.items() if m > 1)
+    if later:
+        assert min(later) - 1e-4 <= summary["stall_later_saves_median_seconds"] <= max(later) + 1e-4
+    else:
+        assert summary["stall_later_saves_median_seconds"] is None
+    assert split(summary).count("/") == 1
+
+
+def test_a_save_lands_between_its_steps_end_and_the_next(tmp_path):
+    """The order stall_of_each_save relies on, asked of a real transformers Trainer: a checkpoint at step s is written
+    after on_step_end of step s and before step s+1 ends."""
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    events = []
+
+    class Order(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            events.append(("end", state.global_step))
+
+        def on_save(self, args, state, control, **kwargs):
+            events.append(("save", state.global_step))
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(2, 1)
+
+        def forward(self, x, labels=None):
+            return {"loss": ((self.w(x).squeeze(-1) - labels) ** 2).mean()}
+
+    data = [{"x": torch.randn(2), "labels": torch.tensor(0.0)} for _ in range(8)]
+    args = TrainingArguments(str(tmp_path), max_steps=5, save_strategy="steps", save_steps=2, per_device_train_batch_size=1,
+                             report_to="none", use_cpu=True, save_only_model=True, logging_strategy="no")
+    Trainer(model=Tiny(), args=args, train_dataset=data, callbacks=[Order()]).train()
+    for s in (2, 4):
+        i = events.index(("save", s))
+        assert events[i - 1] == ("end", s) and events[i + 1] == ("end", s + 1), events
