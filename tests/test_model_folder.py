@@ -342,3 +342,43 @@ def test_an_entry_of_a_run_s_name_that_is_not_a_file_or_folder_is_foreign(tmp_pa
     (fine / "checkpoint-4").mkdir(parents=True)
     (fine / "run_args.json").write_text("{}")
     assert foreign_entries(fine) == []
+
+
+def test_a_hard_linked_record_is_foreign_and_the_run_refused_before_it_writes(tmp_path):
+    """(review) a hard link named run_args.json (`cp -al run run.bak`, or one to any file) was written through: a run
+    rewriting its records rewrote the other name's file. Generated over every file name a run writes at the top of
+    output_dir: each, hard-linked, is named, and check_output_dir refuses the folder with that name and touches
+    neither file. The same names as files of their own pass."""
+    import os
+    import re
+
+    from fsdp_recipes.ckpt import layout
+    from fsdp_recipes.ckpt.resume import check_output_dir
+    from fsdp_recipes.errors import RecipeError
+
+    def example(pattern: str) -> str:  # a name the pattern matches: its regex syntax made concrete
+        name = re.sub(r"\(([^()|]*)\|[^()]*\)", r"\1", pattern)  # first alternative
+        name = re.sub(r"\([^()]*\)\?", "", name).replace(r"\d+", "3").replace("\\", "")
+        assert re.fullmatch(pattern, name), (pattern, name)
+        return name
+
+    names = sorted({example(r) for r in layout._RUN_FILES})
+    assert "run_args.json" in names and "fsdp_report.json" in names and len(names) >= 8
+    for name in names:
+        elsewhere = tmp_path / f"backup-{name}"
+        elsewhere.write_text("the other file")
+        out = tmp_path / f"run-{name}"
+        out.mkdir()
+        if name != "run_args.json":
+            (out / "run_args.json").write_text("{}")
+        os.link(elsewhere, out / name)
+        found = foreign_entries(out)
+        assert [e for e in found if e.startswith(name + " ")] == [f"{name} (a hard link: writing it would change the other "
+                                                                   "name's file too; `cp` it to a file of its own)"], (name, found)
+        with pytest.raises(RecipeError, match=re.escape(name)) as refused:
+            check_output_dir(str(out), resuming=True, overwrite=False)
+        assert "\n" not in str(refused.value)
+        assert elsewhere.read_text() == "the other file"
+        os.unlink(out / name)
+        (out / name).write_text("a file of its own")
+        assert foreign_entries(out) == [], (name, foreign_entries(out))

@@ -141,8 +141,8 @@ def _shared_record(name: str) -> bool:
 
 
 def foreign_entries(output_dir: Path) -> list[str]:
-    """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/), links (a run
-    would write through them), entries of a run's name that are not regular files or folders (a FIFO), and what makes ``model/`` or ``adapter/`` more than the export writes there (the
+    """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/), links and hard
+    links (a run would write through them), entries of a run's name that are not regular files or folders (a FIFO), and what makes ``model/`` or ``adapter/`` more than the export writes there (the
     export replaces those folders): ``model/notes.txt``, ``adapter`` (a file). A finished run's records and model
     files without our run_args.json beside them are another tool's (a stock Trainer's trainer_state.json and
     all_results.json would be overwritten, merged into, or mixed with this run's). Sorted."""
@@ -160,6 +160,8 @@ def foreign_entries(output_dir: Path) -> list[str]:
             found.append(p.name)
         elif not (p.is_file() or p.is_dir()):  # a FIFO named run_args.json: opening it would block the run for good
             found.append(f"{p.name} (not a regular file or folder)")
+        elif p.is_file() and p.lstat().st_nlink > 1:  # `cp -al run run.bak`: rewriting the record rewrites the backup's too
+            found.append(f"{p.name} (a hard link: writing it would change the other name's file too; `cp` it to a file of its own)")
         elif p.is_dir() != any(re.fullmatch(r, p.name) for r in _RUN_FOLDERS):  # a folder named run_args.json: the write fails
             found.append(f"{p.name} (a {'folder' if p.is_dir() else 'file'} where a run writes a {'file' if p.is_dir() else 'folder'})")
     return sorted(found)
