@@ -18,13 +18,14 @@ Linux 6.6, some FUSE and network mounts; macOS has no O_DIRECT) the same buffer 
 
 from __future__ import annotations
 
+import _thread
 import errno
 import fcntl
 import io
 import mmap
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import sys
 
 import numpy as np
 
@@ -34,13 +35,60 @@ GIL_FREE_COPY = 64 << 10  # bytes from which a write's copy into the buffer lets
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS)
 
 
+class _Done:
+    """One piece of the writer thread's work (a chunk, or the thread's whole life): ``done`` once it ended, with its
+    ``error``; ``lock``, held until then, lets a waiter sleep. Flags and a C lock only: an exception a signal raises
+    in the waiter between two bytecodes (Ctrl-C) can leave no Python-level lock held, no count out of step, and no
+    waiter asleep for good (see _until)."""
+
+    __slots__ = ("file", "data", "offset", "done", "error", "lock")
+
+    def __init__(self, file=None, data=None, offset=0):
+        self.file, self.data, self.offset, self.done, self.error = file, data, offset, False, None
+        self.lock = _thread.allocate_lock()
+        self.lock.acquire()
+
+    def end(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.done = True
+        self.lock.release()
+
+
+def _until(done: _Done) -> None:
+    """Sleep until ``done`` has ended. The flag is the truth and the lock only a wake-up: a wake-up consumed by a wait a
+    signal cut short costs the next wait one timeout, never a wait for good. While the interpreter finalizes, the
+    writer thread may never run again: that is an error, not a wait."""
+    while not done.done:
+        if sys.is_finalizing():
+            raise RuntimeError("the interpreter is exiting while a write of this file is under way: it is incomplete")
+        done.lock.acquire(timeout=0.05)
+
+
+def _writer(jobs: queue.SimpleQueue, life: _Done) -> None:
+    """The writer thread: each chunk handed to it, in order, until None. It holds a file only while writing for it
+    (a file dropped unclosed is collected, and closed, when the last of its chunks is written)."""
+    try:
+        while (job := jobs.get()) is not None:
+            try:
+                job.file._write_at(job.data, job.offset)
+            except BaseException as err:
+                job.end(err)
+            else:
+                job.end()
+            finally:
+                job.file = job.data = None  # may run the file's finalizer (close) here: the job has ended first
+            del job
+    finally:
+        life.end()
+
+
 class DirectFile(io.RawIOBase):
     """A write-only file object (``write``, ``tell``, ``fileno``, ``close``) for one new file, written with O_DIRECT
     where possible. ``sync``: fsync before close returns. ``abort()`` instead of close: the descriptors close, and
     what was not written yet is dropped (after an error: the file is incomplete and whoever made it knows).
     ``page_cache_why``: None if every whole block went out with O_DIRECT, else why the page cache wrote some.
-    A write that failed fails every later write and close (the file has a gap where it was meant to be: never a
-    file of the right size that looks whole)."""
+    A write that failed, or that an exception (Ctrl-C) cut short anywhere, fails every later write and close (the
+    file may have a gap where it was meant to be: never a file of the right size that looks whole)."""
 
     def __init__(self, path, *, sync: bool = True):
         super().__init__()
@@ -51,10 +99,14 @@ class DirectFile(io.RawIOBase):
         self._buffers, self._views, self._arrays = [], [], []
         self._turn = -1  # the buffer being filled; the other may be in the writer's hands
         self._next_buffer()
-        self._writer: ThreadPoolExecutor | None = None
-        self._writer_thread: int | None = None
-        self._pending: Future | None = None  # the write of the other buffer, until it is waited for
+        self._jobs: queue.SimpleQueue | None = None  # the writer thread's work, once it runs (see _start_writer)
+        self._writer_life: _Done | None = None
+        self._writer_ident: int | None = None
+        self._pending: _Done | None = None  # the write of the other buffer, until it is waited for
         self._failed: BaseException | None = None  # the write that failed: every later write and close fails too
+        self._unfinished = False  # a write or copy_from began and did not return: its bytes are unknown
+        self._closing = False  # a close or abort began: no more writes (the writer may have been told to end)
+        self._close_cut = False  # a close began and neither returned nor raised an error (Ctrl-C): a later close says so
         self._filled = 0  # bytes in the buffer
         self._written = 0  # bytes of the file written or being written (a multiple of BLOCK while direct)
         self.page_cache_why = None if O_DIRECT else "this platform has no O_DIRECT"
@@ -86,19 +138,24 @@ class DirectFile(io.RawIOBase):
         self._view, self._array, self._filled = self._views[self._turn], self._arrays[self._turn], 0
 
     def _check_open(self) -> None:
-        if self.closed:
+        if self.closed or self._closing:
             raise ValueError(f"{self.path}: write to a closed file")
+        self._check_whole()
+
+    def _check_whole(self) -> None:
         if self._failed is not None:
             raise OSError(getattr(self._failed, "errno", None) or errno.EIO,
                           f"an earlier write of this file failed ({self._failed}): it has a gap", self.path)
+        if self._unfinished:
+            raise OSError(errno.EIO, "an earlier write of this file was cut short (an exception while it ran, e.g. "
+                          "Ctrl-C): it may have a gap", self.path)
 
     def write(self, data) -> int:
         self._check_open()
-        if self._filled == CHUNK:  # a hand-off a signal interrupted
-            self._hand_off()
         view = memoryview(data)
         if not view.nbytes:
             return 0  # as a file does (an empty multi-dimensional buffer cannot be cast)
+        self._unfinished = True  # until the last line: an exception anywhere between leaves it set
         view = view.cast("B")
         done = 0
         while done < len(view):
@@ -114,6 +171,7 @@ class DirectFile(io.RawIOBase):
             done += n
             if self._filled == CHUNK:
                 self._hand_off()
+        self._unfinished = False
         return done
 
     def copy_from(self, fd: int, offset: int, count: int) -> int:
@@ -127,8 +185,7 @@ class DirectFile(io.RawIOBase):
         from run to run (bench/merge_benchmark.py; a buffered write of the same bytes from user space cost 20 s
         of CPU for 5.9 GB here)."""
         self._check_open()
-        if self._filled == CHUNK:
-            self._hand_off()
+        self._unfinished = True
         done = 0
         while done < count:
             want = min(CHUNK - self._filled, count - done)
@@ -145,6 +202,7 @@ class DirectFile(io.RawIOBase):
             done += n
             if self._filled == CHUNK:
                 self._hand_off()
+        self._unfinished = False
         return done
 
     def flush(self) -> None:
@@ -152,38 +210,42 @@ class DirectFile(io.RawIOBase):
 
     def _hand_off(self) -> None:
         """The full buffer to the writer thread; the caller goes on filling the other one, once its last write is done
-        (which raises that write's error, if any)."""
+        (which raises that write's error, if any). While the interpreter finalizes, no thread may run again: written
+        here."""
         self._wait()
-        data, offset = self._view[:CHUNK], self._written
-        self._written += CHUNK
-        try:
-            if self._writer is None:
-                self._writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write")
-            self._pending = self._writer.submit(self._in_writer, data, offset)
-        except RuntimeError:  # the interpreter is exiting (concurrent.futures takes no new work): written here
-            self._written -= CHUNK
+        if sys.is_finalizing():
             self._drain(CHUNK)
             return
+        if self._jobs is None:
+            self._start_writer()
+        job = _Done(self, self._view[:CHUNK], self._written)
+        self._written += CHUNK
+        self._jobs.put(job)  # C: atomic. Cut short before the next line, the job is the writer's all the same, and
+        self._pending = job  # this file is unfinished: abort waits for the writer's end, which comes after every job
         self._next_buffer()
 
-    def _in_writer(self, data: memoryview, offset: int) -> None:
-        self._writer_thread = threading.get_ident()
-        self._write_at(data, offset)
+    def _start_writer(self) -> None:
+        """A thread of _thread's, not threading's: Thread.start waits on Python-level locks that a signal's exception can
+        leave held, and the new thread then waits on them for good. Its queue is known before it starts, so abort
+        tells it to end whatever happens next; its number after, so abort waits only for a thread that may hold a
+        chunk (cut short in between, none was handed to it)."""
+        self._writer_life, self._jobs = _Done(), queue.SimpleQueue()
+        self._writer_ident = _thread.start_new_thread(_writer, (self._jobs, self._writer_life))
 
     def _wait(self) -> None:
         """The pending write ended; its error is raised, and kept for every later call. A signal's exception while
         waiting (Ctrl-C) leaves it pending: the next wait waits again."""
         if self._failed is not None:
-            self._check_open()
-        if self._pending is None:
+            self._check_whole()
+        job = self._pending
+        if job is None:
             return
-        try:
-            self._pending.result()
-        except BaseException as err:
-            if self._pending.done():
-                self._pending, self._failed = None, err
-            raise
+        _until(job)
+        if job.error is not None:
+            self._failed = job.error  # before the job is let go: cut short between, the error is still kept
         self._pending = None
+        if job.error is not None:
+            raise job.error
 
     def _drain(self, count: int) -> None:
         """Write the buffer's first ``count`` bytes at the file's end, now; keep the rest at the buffer's start."""
@@ -224,40 +286,63 @@ class DirectFile(io.RawIOBase):
 
     def close(self) -> None:
         if self.closed:
+            if self._close_cut:  # a closed file's close does nothing, but this one may be short: said again
+                raise OSError(errno.EIO, "an earlier close of this file was cut short (an exception while it ran, e.g. "
+                              "Ctrl-C): it may be incomplete", self.path)
             return
         if self.fd < 0:  # the open failed: nothing to finish
             return self.abort()
+        self._closing = self._close_cut = True  # until the last line: an exception anywhere between leaves it set
         try:
-            self._wait()  # before testing self.direct, which that write may have cleared
-            if self.direct:
-                aligned = self._filled - self._filled % BLOCK
-                if aligned:
-                    self._drain(aligned)
-                if self._filled:
-                    self._buffered(None)
+            try:
+                self._finish()
+            finally:
+                self.abort()
+        except Exception:
+            self._close_cut = False  # an error, raised as itself: closing again does nothing, as for any file
+            raise
+        self._close_cut = False
+
+    def _finish(self) -> None:
+        """What close writes: the last chunks and the partial block, then fsync."""
+        self._wait()  # before testing self.direct, which that write may have cleared
+        self._check_whole()  # a write cut short: its bytes are unknown
+        if self.direct:
+            aligned = self._filled - self._filled % BLOCK
+            if aligned:
+                self._drain(aligned)
             if self._filled:
-                self._drain(self._filled)
-            if self.sync:
-                try:
-                    os.fsync(self.fd)
-                except OSError as e:  # EIO, or ENOSPC/EDQUOT a network filesystem reports only now
-                    raise OSError(e.errno, e.strerror, self.path) from None
-        finally:
-            self.abort()
+                self._buffered(None)
+        if self._filled:
+            self._drain(self._filled)
+        if self.sync:
+            try:
+                os.fsync(self.fd)
+            except OSError as e:  # EIO, or ENOSPC/EDQUOT a network filesystem reports only now
+                raise OSError(e.errno, e.strerror, self.path) from None
 
     def abort(self) -> None:
-        # the writer thread first: a write still under way after the close could land in the next file given that number
-        # (no wait where this runs in the writer itself: a file collected unclosed is closed by the thread holding it last)
+        """The descriptors close, what was not written is dropped. The writer thread ends first (after the chunks it
+        holds: a write after the close could land in whatever file is opened next with that number); cut short while
+        waiting for it, the descriptor stays open for the next close, abort or the finalizer. In the writer thread
+        itself (a file collected unclosed), it is told to end and not waited for."""
+        if self.closed:
+            return
+        self._closing = True
+        jobs, life = self._jobs, self._writer_life
+        if jobs is not None:
+            jobs.put(None)  # after every chunk handed to it; a second None (an abort again) is never read
+            if self._writer_ident not in (None, _thread.get_ident()):
+                _until(life)
+            self._jobs = None
+        self._pending = None  # its error, if any, was raised or is moot: the file is incomplete either way
         try:
-            if self._writer is not None:
-                self._writer.shutdown(wait=threading.get_ident() != self._writer_thread)
+            # forgotten before closing: a failed close still frees the number, which is never closed twice. One line:
+            # CPython runs a signal's handler at calls into Python code and backward jumps, and none lies between the
+            # two, so Ctrl-C cannot leave the number forgotten and open (a tracer, which sees lines, agrees)
+            fd, self.fd = self.fd, -1; os.close(fd) if fd >= 0 else None  # noqa: E702
         finally:
-            self._pending = None  # its error, if any, was raised or is moot: the file is incomplete either way
-            fd, self.fd = self.fd, -1  # forgotten before closing: a failed close still frees the number, which is never closed twice
-            try:
-                if fd >= 0:
-                    os.close(fd)
-            finally:
+            if self.fd < 0:  # cut short before, the file stays open for the next close or abort
                 self._release()
 
     def _release(self) -> None:
