@@ -251,8 +251,9 @@ def stall_checks(rows: list[dict]) -> list[dict]:
         for mode, key in (("async", "async_stall_vs_sync_save"), ("async-copy", "async_copy_stall_vs_sync_save")):
             detail = (f"stall {row[mode]['stall_per_save_seconds']} s per save against a synchronous save's {row['sync']['save_seconds']} s, "
                       f"its write {row[mode]['save_seconds']} s, {row['training_between_saves_seconds']} s of training between saves"
-                      + ("" if row[mode].get("stall_first_save_seconds") is None else
-                         f"; the first save {row[mode]['stall_first_save_seconds']} s, the later ones {row[mode]['stall_later_saves_median_seconds']} s (median)"))
+                      + ("" if row[mode].get("stall_first_save_seconds") is None else f"; the first save {row[mode]['stall_first_save_seconds']} s")
+                      + ("" if row[mode].get("stall_later_saves_median_seconds") is None else
+                         f", the later ones {row[mode]['stall_later_saves_median_seconds']} s (median)"))
             queued = (row.get("queued") or {}).get(mode)
             found.append(check(f"checkpoint stall ({row['training']}, {'background' if mode == 'async' else 'from a host copy'}) / sync save",
                                None if queued else row.get(key), None, STALL_TARGET, queued or detail))

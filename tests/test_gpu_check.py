@@ -433,6 +433,18 @@ def test_the_checkpoint_stall_is_held_to_issue_22s_target():
     assert gpu_check.STALL_ARGS[gpu_check.STALL_ARGS.index("--save-steps") + 1] == "100"  # room between saves on a GPU
 
 
+def test_the_stall_rows_name_the_first_save_apart_from_the_later_ones():
+    """On an H100 most of the mean stall was the first save's (it makes the pinned host copy the later ones reuse):
+    the detail says both where the benchmark measured them, and nothing where it did not."""
+    row = _stall_row(0.35, 0.35)
+    row["async"].update(stall_first_save_seconds=4.3, stall_later_saves_median_seconds=0.3)
+    row["async-copy"].update(stall_first_save_seconds=4.3, stall_later_saves_median_seconds=None)
+    background, copy = gpu_check.stall_checks([row])
+    assert background["detail"].endswith("; the first save 4.3 s, the later ones 0.3 s (median)")
+    assert copy["detail"].endswith("; the first save 4.3 s") and "None" not in copy["detail"]
+    assert "first save" not in gpu_check.stall_checks([_stall_row(0.1, 0.1)])[0]["detail"]
+
+
 def test_stall_is_a_run_of_part_2_and_all():
     with pytest.raises(SystemExit):
         gpu_check.main(["--part", "1", "--runs", "stall", "--output", "/nonexistent-out"])
