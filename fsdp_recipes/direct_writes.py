@@ -41,10 +41,11 @@ class _Done:
     in the waiter between two bytecodes (Ctrl-C) can leave no Python-level lock held, no count out of step, and no
     waiter asleep for good (see _until)."""
 
-    __slots__ = ("file", "data", "offset", "done", "error", "lock")
+    __slots__ = ("file", "data", "offset", "done", "error", "lock", "pid")
 
     def __init__(self, file=None, data=None, offset=0):
         self.file, self.data, self.offset, self.done, self.error = file, data, offset, False, None
+        self.pid = os.getpid()  # the process whose writer thread ends it: a forked child has no such thread
         self.lock = _thread.allocate_lock()
         self.lock.acquire()
 
@@ -61,6 +62,9 @@ def _until(done: _Done) -> None:
     while not done.done:
         if sys.is_finalizing():
             raise RuntimeError("the interpreter is exiting while a write of this file is under way: it is incomplete")
+        if done.pid != os.getpid():
+            raise RuntimeError("a process forked while a write of this file was under way: the child has no writer thread; "
+                               "finish files before forking")
         done.lock.acquire(timeout=0.05)
 
 
@@ -229,6 +233,8 @@ class DirectFile(io.RawIOBase):
         leave held, and the new thread then waits on them for good. Its queue is known before it starts, so abort
         tells it to end whatever happens next; its number after, so abort waits only for a thread that may hold a
         chunk (cut short in between, none was handed to it)."""
+        if self._closing:  # another thread closes this file meanwhile (misuse): no thread that nothing would end
+            raise ValueError(f"{self.path}: write to a closed file")
         self._writer_life, self._jobs = _Done(), queue.SimpleQueue()
         self._writer_ident = _thread.start_new_thread(_writer, (self._jobs, self._writer_life))
 
@@ -285,10 +291,11 @@ class DirectFile(io.RawIOBase):
         self.direct = False
 
     def close(self) -> None:
+        if self._close_cut:  # closed or not, this one may be short (or written twice, were it finished again): said again
+            self.abort()
+            raise OSError(errno.EIO, "an earlier close of this file was cut short (an exception while it ran, e.g. "
+                          "Ctrl-C): it may be incomplete", self.path)
         if self.closed:
-            if self._close_cut:  # a closed file's close does nothing, but this one may be short: said again
-                raise OSError(errno.EIO, "an earlier close of this file was cut short (an exception while it ran, e.g. "
-                              "Ctrl-C): it may be incomplete", self.path)
             return
         if self.fd < 0:  # the open failed: nothing to finish
             return self.abort()
@@ -332,8 +339,8 @@ class DirectFile(io.RawIOBase):
         jobs, life = self._jobs, self._writer_life
         if jobs is not None:
             jobs.put(None)  # after every chunk handed to it; a second None (an abort again) is never read
-            if self._writer_ident not in (None, _thread.get_ident()):
-                _until(life)
+            if self._writer_ident not in (None, _thread.get_ident()) and life.pid == os.getpid():
+                _until(life)  # (in a forked child the parent's thread writes on, into the parent's file description)
             self._jobs = None
         self._pending = None  # its error, if any, was raised or is moot: the file is incomplete either way
         try:

@@ -656,3 +656,107 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
             break
         time.sleep(0.02)
     assert len(os.listdir("/proc/self/task")) <= tasks
+
+
+def test_a_close_cut_short_twice_never_returns_on_a_torn_file(tmp_path, monkeypatch):
+    """(hostile review) Two Ctrl-Cs in one close: the second inside _release after the descriptor was closed made the
+    next close take the 'open failed' path and return on a short file; inside abort after _drain had counted its
+    bytes, the next close finished the file again and wrote a block twice. Generated over pairs of line events (the
+    second counted from the first; a raising tracer is unset, so a profile hook re-arms it), the caller then closing
+    up to three times: a close that returns has the whole file."""
+    import sys
+
+    monkeypatch.setattr(direct_writes, "CHUNK", 64 << 10)
+    data = os.urandom(2 * (64 << 10) + 4099)
+    module = direct_writes.__file__
+
+    class Injector:
+        def __init__(self, ats):
+            self.ats, self.n, self.rearm = list(ats), 0, False
+
+        def any_frame(self, frame, event, arg):
+            return self.line if frame.f_code.co_filename == module else None
+
+        def line(self, frame, event, arg):
+            if event == "line" and self.ats:
+                self.n += 1
+                if self.n == self.ats[0]:
+                    self.ats.pop(0)
+                    self.n, self.rearm = 0, bool(self.ats)
+                    raise KeyboardInterrupt
+            return self.line
+
+        def profile(self, frame, event, arg):
+            if self.rearm and sys.gettrace() is None:
+                self.rearm = False
+                sys.settrace(self.any_frame)
+                while frame is not None:
+                    if frame.f_code.co_filename == module:
+                        frame.f_trace = self.line
+                    frame = frame.f_back
+
+    for first in range(1, 70):
+        for second in range(1, 30):
+            path = tmp_path / "x"
+            f = DirectFile(path, sync=False)
+            f.write(data)
+            injector, returned = Injector([first, second]), False
+            sys.setprofile(injector.profile)
+            sys.settrace(injector.any_frame)
+            try:
+                for _ in range(3):
+                    try:
+                        f.close()
+                        returned = True
+                        break
+                    except (KeyboardInterrupt, OSError):
+                        pass
+            finally:
+                sys.settrace(None)
+                sys.setprofile(None)
+            f.abort()
+            if returned:
+                assert path.read_bytes() == data, (first, second)
+            assert f.closed and f.fd == -1
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_writer_thread(tmp_path, monkeypatch):
+    """(hostile review) After os.fork the child has no writer thread: its close or abort of an inherited file waited
+    for good. It raises (close) or returns (abort) at once; the parent's file is written whole."""
+    import threading
+    import time
+
+    real_pwrite, go = os.pwrite, threading.Event()
+    monkeypatch.setattr(direct_writes.os, "pwrite", lambda fd, data, offset: go.wait(10) and real_pwrite(fd, data, offset))
+    data = os.urandom(CHUNK + 10)
+    for how in ("close", "abort"):
+        f = DirectFile(tmp_path / how, sync=False)
+        f.write(data)  # the first chunk is with the writer thread, which waits
+        pid = os.fork()
+        if pid == 0:  # the child: whatever happens, it leaves with a status the parent reads
+            code = 3
+            try:
+                began = time.monotonic()
+                try:
+                    getattr(f, how)()
+                    code = 0 if how == "abort" else 4
+                except RuntimeError as e:
+                    code = 0 if how == "close" and "forked" in str(e) else 5
+                code = code if time.monotonic() - began < 5 else 6
+            finally:
+                os._exit(code)
+        for _ in range(200):  # 10 s
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            go.set()
+            pytest.fail(f"the forked child's {how} waited for the parent's writer thread")
+        assert os.waitstatus_to_exitcode(status) == 0, (how, status)
+        go.set()
+        f.close()
+        go.clear()
+        assert (tmp_path / how).read_bytes() == data
