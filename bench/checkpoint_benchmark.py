@@ -211,6 +211,12 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, help="folder for the model and the runs, kept (default: a temporary one, removed at the end)")
     p.add_argument("--output", type=Path, help="write results.json and README.md (a table) into this folder")
     a = p.parse_args(argv)
+    for flag, value, least in (("--saves", a.saves, 1), ("--save-steps", a.save_steps, 1), ("--warmup", a.warmup, 0), ("--nprocs", a.nprocs, 1)):
+        if value < least:  # (review) --save-steps 0 made stall_of_each_save loop for good
+            p.error(f"{flag} must be at least {least}, got {value}")
+    if a.save_steps <= a.warmup:
+        print(f"note: with --save-steps {a.save_steps} and --warmup {a.warmup} the first save falls in the warm-up: its "
+              "stall is not told apart from the later ones' (- in the table); --save-steps above --warmup measures it", flush=True)
     if a.work is not None:  # kept: the model built there is reused by the next run given the same folder
         return measure(a, a.work, argv)
     # a temporary folder holds the model and four runs' checkpoints, GBs each: removed however the runs end

@@ -141,3 +141,13 @@ def test_a_save_lands_between_its_steps_end_and_the_next(tmp_path):
     for s in (2, 4):
         i = events.index(("save", s))
         assert events[i - 1] == ("end", s) and events[i + 1] == ("end", s + 1), events
+
+
+@pytest.mark.parametrize("args", [["--save-steps", "0"], ["--saves", "0"], ["--warmup", "-1"], ["--nprocs", "0"]])
+def test_numbers_out_of_range_are_one_line_before_anything_runs(args, capsys):
+    """(hostile review) --save-steps 0 made the per-save split loop for good; --saves 0 divided by zero at the end."""
+    import bench.checkpoint_benchmark as benchmark
+
+    with pytest.raises(SystemExit) as stopped:
+        benchmark.main(args)
+    assert stopped.value.code == 2 and f"{args[0]} must be at least" in capsys.readouterr().err

@@ -161,7 +161,7 @@ def foreign_entries(output_dir: Path) -> list[str]:
         elif not (p.is_file() or p.is_dir()):  # a FIFO named run_args.json: opening it would block the run for good
             found.append(f"{p.name} (not a regular file or folder)")
         elif p.is_file() and p.lstat().st_nlink > 1:  # `cp -al run run.bak`: rewriting the record rewrites the backup's too
-            found.append(f"{p.name} (a hard link: writing it would change the other name's file too; `cp` it to a file of its own)")
+            found.append(f"{p.name} (a hard link: writing it would change the other name's file too)")
         elif p.is_dir() != any(re.fullmatch(r, p.name) for r in _RUN_FOLDERS):  # a folder named run_args.json: the write fails
             found.append(f"{p.name} (a {'folder' if p.is_dir() else 'file'} where a run writes a {'file' if p.is_dir() else 'folder'})")
     return sorted(found)
