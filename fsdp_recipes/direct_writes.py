@@ -345,8 +345,9 @@ class DirectFile(io.RawIOBase):
         self._pending = None  # its error, if any, was raised or is moot: the file is incomplete either way
         try:
             # forgotten before closing: a failed close still frees the number, which is never closed twice. One line:
-            # CPython runs a signal's handler at calls into Python code and backward jumps, and none lies between the
-            # two, so Ctrl-C cannot leave the number forgotten and open (a tracer, which sees lines, agrees)
+            # CPython runs a signal's handler only at some instructions (function entries, backward jumps, after a
+            # call returns), none of which lies between the two, so Ctrl-C cannot leave the number forgotten and open
+            # (a tracer, which sees lines, agrees)
             fd, self.fd = self.fd, -1; os.close(fd) if fd >= 0 else None  # noqa: E702
         finally:
             if self.fd < 0:  # cut short before, the file stays open for the next close or abort
