@@ -10,6 +10,7 @@ import errno
 import fcntl
 import os
 import random
+import sys
 
 import pytest
 
@@ -562,6 +563,47 @@ class _Hung(BaseException):
     pass
 
 
+class _Interrupts:
+    """While entered: a KeyboardInterrupt at each of the line events ``ats`` (each counted from the one before) that
+    fsdp_recipes/direct_writes.py runs in this thread; ``seen``, the module's line events so far. A tracer that raises
+    is unset by Python: a profile hook sets it again while interrupts remain."""
+
+    def __init__(self, *ats: int):
+        self.module, self.ats, self.n, self.seen, self.rearm = direct_writes.__file__, list(ats), 0, 0, False
+
+    def any_frame(self, frame, event, arg):
+        return self.line if frame.f_code.co_filename == self.module else None
+
+    def line(self, frame, event, arg):
+        if event == "line":
+            self.seen += 1
+            if self.ats:
+                self.n += 1
+                if self.n == self.ats[0]:
+                    self.ats.pop(0)
+                    self.n, self.rearm = 0, bool(self.ats)
+                    raise KeyboardInterrupt
+        return self.line
+
+    def profile(self, frame, event, arg):
+        if self.rearm and sys.gettrace() is None:
+            self.rearm = False
+            sys.settrace(self.any_frame)
+            while frame is not None:
+                if frame.f_code.co_filename == self.module:
+                    frame.f_trace = self.line
+                frame = frame.f_back
+
+    def __enter__(self):
+        sys.setprofile(self.profile)
+        sys.settrace(self.any_frame)
+        return self
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+        sys.setprofile(None)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_nor_a_hang(tmp_path, monkeypatch, seed):
     """(hostile review, left open a session) Ctrl-C landing inside a hand-off (between queueing a buffer and counting
@@ -572,7 +614,6 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
     cut short after it changed anything fails every later call), and after a close cut short the whole file; nothing
     waits for good (a 10 s watchdog); no descriptor or writer thread is left, and no file grows after abort."""
     import signal
-    import sys
     import time
 
     monkeypatch.setattr(direct_writes, "CHUNK", 64 << 10)
@@ -586,26 +627,13 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
         return arg if kind == "write" else source.read_bytes()[arg[0]:arg[0] + arg[1]]
 
     whole = b"".join(map(piece, range(len(plan))))
-    module = direct_writes.__file__
 
     def run(path, interrupt_at: int | None) -> tuple[DirectFile | None, int | None, int]:
         """The sequence, a KeyboardInterrupt at this module's line event number ``interrupt_at``; returns the file,
         the step (index into plan, len(plan) for close) the interrupt cut short, and the line events seen."""
-        seen, step, f = [0], None, None
-
-        def local(frame, event, arg):
-            if event == "line":
-                seen[0] += 1
-                if seen[0] == interrupt_at:
-                    raise KeyboardInterrupt
-            return local
-
-        def tracer(frame, event, arg):
-            return local if frame.f_code.co_filename == module else None
-
+        step, f = None, None
         with open(source, "rb") as src:
-            sys.settrace(tracer)
-            try:
+            with _Interrupts(*([interrupt_at] if interrupt_at else [])) as interrupts:
                 try:
                     f = DirectFile(path, sync=False)
                     for step, (kind, arg) in enumerate(plan):
@@ -615,10 +643,9 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
                     step = None
                 except KeyboardInterrupt:
                     pass
-            finally:
-                sys.settrace(None)
+            seen = interrupts.seen
             if f is None or step is None:
-                return f, step, seen[0]
+                return f, step, seen
             # the caller goes on as if nothing happened: the rest of the sequence, then close
             signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(_Hung()))
             signal.setitimer(signal.ITIMER_REAL, 10)
@@ -648,7 +675,7 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
                 allowed = {b"".join(piece(i) for i in range(len(plan)) if i < step or i in later or (i == step and cut_in))
                            for cut_in in (False, True)}
                 assert path.read_bytes() in allowed, (interrupt_at, step, later_ok)
-            return f, step, seen[0]
+            return f, step, seen
 
     _, _, total = run(tmp_path / "clean", None)
     assert (tmp_path / "clean").read_bytes() == whole and total > 50
@@ -680,46 +707,16 @@ def test_a_close_cut_short_twice_never_returns_on_a_torn_file(tmp_path, monkeypa
     bytes, the next close finished the file again and wrote a block twice. Generated over pairs of line events (the
     second counted from the first; a raising tracer is unset, so a profile hook re-arms it), the caller then closing
     up to three times: a close that returns has the whole file."""
-    import sys
 
     monkeypatch.setattr(direct_writes, "CHUNK", 64 << 10)
     data = os.urandom(2 * (64 << 10) + 4099)
-    module = direct_writes.__file__
-
-    class Injector:
-        def __init__(self, ats):
-            self.ats, self.n, self.rearm = list(ats), 0, False
-
-        def any_frame(self, frame, event, arg):
-            return self.line if frame.f_code.co_filename == module else None
-
-        def line(self, frame, event, arg):
-            if event == "line" and self.ats:
-                self.n += 1
-                if self.n == self.ats[0]:
-                    self.ats.pop(0)
-                    self.n, self.rearm = 0, bool(self.ats)
-                    raise KeyboardInterrupt
-            return self.line
-
-        def profile(self, frame, event, arg):
-            if self.rearm and sys.gettrace() is None:
-                self.rearm = False
-                sys.settrace(self.any_frame)
-                while frame is not None:
-                    if frame.f_code.co_filename == module:
-                        frame.f_trace = self.line
-                    frame = frame.f_back
-
     for first in range(1, 70):
         for second in range(1, 30):
             path = tmp_path / "x"
             f = DirectFile(path, sync=False)
             f.write(data)
-            injector, returned = Injector([first, second]), False
-            sys.setprofile(injector.profile)
-            sys.settrace(injector.any_frame)
-            try:
+            returned = False
+            with _Interrupts(first, second):
                 for _ in range(3):
                     try:
                         f.close()
@@ -727,9 +724,6 @@ def test_a_close_cut_short_twice_never_returns_on_a_torn_file(tmp_path, monkeypa
                         break
                     except (KeyboardInterrupt, OSError):
                         pass
-            finally:
-                sys.settrace(None)
-                sys.setprofile(None)
             f.abort()
             if returned:
                 assert path.read_bytes() == data, (first, second)
