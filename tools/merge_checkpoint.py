@@ -54,11 +54,13 @@ def _stopped(signum, frame):
 def _identity(path: str | None) -> tuple[int, int] | None:
     """(device, inode) of the folder at ``path`` (None: none there): tells a stop after the merge moved its result into
     place from one before."""
+    if path is None:
+        return None
     try:
-        st = os.lstat(path) if path is not None else None
+        st = os.lstat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino) if st is not None else None
+    return st.st_dev, st.st_ino
 
 
 def size_type(parse_size, example: str, minimum: tuple[str, int]):

@@ -140,6 +140,9 @@ def _shared_record(name: str) -> bool:
     return name != MARKER and any(re.fullmatch(r, name) for r in _SHARED_RECORDS)
 
 
+HARD_LINK = "a hard link: writing it would change the other name's file too"  # how foreign_entries names one
+
+
 def foreign_entries(output_dir: Path) -> list[str]:
     """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/), links and hard
     links (a run would write through them), entries of a run's name that are not regular files or folders (a FIFO), and what makes ``model/`` or ``adapter/`` more than the export writes there (the
@@ -161,7 +164,7 @@ def foreign_entries(output_dir: Path) -> list[str]:
         elif not (p.is_file() or p.is_dir()):  # a FIFO named run_args.json: opening it would block the run for good
             found.append(f"{p.name} (not a regular file or folder)")
         elif p.is_file() and p.lstat().st_nlink > 1:  # `cp -al run run.bak`: rewriting the record rewrites the backup's too
-            found.append(f"{p.name} (a hard link: writing it would change the other name's file too)")
+            found.append(f"{p.name} ({HARD_LINK})")
         elif p.is_dir() != any(re.fullmatch(r, p.name) for r in _RUN_FOLDERS):  # a folder named run_args.json: the write fails
             found.append(f"{p.name} (a {'folder' if p.is_dir() else 'file'} where a run writes a {'file' if p.is_dir() else 'folder'})")
     return sorted(found)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from fsdp_recipes.bounded import load_json
 from fsdp_recipes.ckpt.layout import (
-    INCOMPLETE_PREFIX, REPLACED_PREFIX, RUN_RECORD, another_tools_run, checkpoint_steps, checkpoint_unlike, foreign_entries, is_checkpoint_folder, overlap, real,
+    HARD_LINK, INCOMPLETE_PREFIX, REPLACED_PREFIX, RUN_RECORD, another_tools_run, checkpoint_steps, checkpoint_unlike, foreign_entries, is_checkpoint_folder, overlap, real,
 )
 from fsdp_recipes.ckpt.status import checkpoint_status, newest_resumable
 from fsdp_recipes.console import say
@@ -269,14 +269,14 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
             raise RecipeError(f"output_dir {output_dir!r} holds another tool's model or run ({shown}; no {RUN_RECORD}, which "
                               "every run of this repository writes first): this run would overwrite its records and mix its model "
                               "with this one's; choose an empty or new --output_dir (the folder is left as it is)")
-        if all("(a hard link:" in e for e in foreign):  # its own records, linked to files elsewhere (cp -al run run.bak)
-            raise RecipeError(f"output_dir {output_dir!r} holds records that are hard links ({', '.join(e.split(' (')[0] for e in foreign[:4])}"
-                              f"{' and more' if len(foreign) > 4 else ''}): this run would rewrite them, and the other names' files with "
+        linked = [e.removesuffix(f" ({HARD_LINK})") for e in foreign if e.endswith(f" ({HARD_LINK})")]
+        if len(linked) == len(foreign):  # its own records, linked to files elsewhere (cp -al run run.bak)
+            raise RecipeError(f"output_dir {output_dir!r} holds records that are hard links ({', '.join(linked[:4])}"
+                              f"{' and more' if len(linked) > 4 else ''}): this run would rewrite them, and the other names' files with "
                               "them; give each a file of its own (cp F F.tmp && mv F.tmp F), or choose a new --output_dir")
-        linked = " (a hard link: give it a file of its own)" if any("(a hard link:" in e for e in foreign) else ""
         raise RecipeError(f"output_dir {output_dir!r} holds files a training run does not write ({shown}): the run "
                           "would write (or replace) its checkpoints, model/ and adapter/ among them; move them out of "
-                          f"output_dir{linked}, or choose an empty or new --output_dir")
+                          f"output_dir{' (a hard link: give it a file of its own)' if linked else ''}, or choose an empty or new --output_dir")
     if resuming and resume is not None and real(resume).parent != real(output_dir):
         resuming = False  # another folder's checkpoint: this output_dir starts a new line of checkpoints
     if resuming or not out.is_dir():
