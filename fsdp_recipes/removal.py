@@ -46,8 +46,18 @@ def make_folder(path: str | os.PathLike, purpose: str, exist_ok: bool = False) -
     return path
 
 
+def identity(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(device, inode) of the entry at ``path`` itself, a link not followed (None: nothing there). What tells the folder
+    we made from one put in its place under the same name: every ownership check here compares it."""
+    try:
+        where = os.lstat(path)
+    except OSError:
+        return None
+    return where.st_dev, where.st_ino
+
+
 def _write_marker(path: Path, purpose: str) -> None:
-    where = os.lstat(path)
+    where = os.lstat(path)  # raises where identity() would say None: the folder was just made
     record = {"tool": "fsdp-recipes", "purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(),
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": where.st_dev, "inode": where.st_ino}
     (path / MARKER).write_text(json.dumps(record) + "\n")
@@ -70,12 +80,11 @@ def marker(path: str | os.PathLike) -> dict | None:
         if file.is_symlink() or not file.is_file() or file.stat().st_size > 4096:
             return None
         record = json.loads(file.read_text())
-        where = os.lstat(path)
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("tool") != "fsdp-recipes":
         return None
-    return record if (record.get("device"), record.get("inode")) == (where.st_dev, where.st_ino) else None
+    return record if (record.get("device"), record.get("inode")) == identity(path) else None
 
 
 def is_ours(path: str | os.PathLike, purpose: str) -> bool:
@@ -90,15 +99,11 @@ def unmark(path: str | os.PathLike, purpose: str) -> None:
     (Path(path) / MARKER).unlink()
 
 
-def reclaim(path: str | os.PathLike, purpose: str, identity: tuple[int, int]) -> bool:
+def reclaim(path: str | os.PathLike, purpose: str, made: tuple[int, int]) -> bool:
     """Mark ``path`` again for ``purpose``: a folder this process made and unmarked to become a result, stopped before it
-    was renamed into place. Only while it is still that very folder (``identity``: its (device, inode) when made)."""
+    was renamed into place. Only while it is still that very folder (``made``: its identity when made)."""
     path = Path(path)
-    try:
-        where = os.lstat(path)
-    except OSError:
-        return False
-    if path.is_symlink() or not path.is_dir() or (where.st_dev, where.st_ino) != tuple(identity):
+    if path.is_symlink() or not path.is_dir() or identity(path) != tuple(made):
         return False
     _write_marker(path, purpose)
     return True

@@ -25,6 +25,7 @@ import sys
 from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError, InternalsChanged, RefusedRemoval
+from fsdp_recipes.removal import identity
 from fsdp_recipes.console import HelpFormatter
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -49,18 +50,6 @@ class Stopped(BaseException):
 def _stopped(signum, frame):
     signal.signal(signum, signal.SIG_IGN)  # a second one would cut that cleanup short; SIGKILL still ends it
     raise Stopped
-
-
-def _identity(path: str | None) -> tuple[int, int] | None:
-    """(device, inode) of the folder at ``path`` (None: none there): tells a stop after the merge moved its result into
-    place from one before."""
-    if path is None:
-        return None
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 def size_type(parse_size, example: str, minimum: tuple[str, int]):
@@ -113,7 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--inspect", action="store_true", help="print what the checkpoint holds and exit; writes nothing")
     args = parser.parse_args(argv)
     before = signal.signal(signal.SIGTERM, _stopped)
-    earlier = _identity(args.output)
+    earlier = None if args.output is None else identity(args.output)  # a stop after the rename into place: told apart
     try:
         if args.inspect:
             print(json.dumps(inspect_checkpoint(args.input), indent=2))
@@ -130,7 +119,7 @@ def main(argv=None) -> int:
         return 1
     except (KeyboardInterrupt, Stopped) as stop:  # the staging folder and the copy process are gone (merge_checkpoint's cleanup)
         what = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped by SIGTERM"
-        if args.output is not None and _identity(args.output) not in (earlier, None):  # after the rename into place
+        if args.output is not None and identity(args.output) not in (earlier, None):  # after the rename into place
             print(f"merge_checkpoint.py: {what} after {args.output} was written whole and moved into place", file=sys.stderr)
         else:
             print(f"merge_checkpoint.py: {what}: nothing was published", file=sys.stderr)

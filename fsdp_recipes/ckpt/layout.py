@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.removal import MARKER, is_ours
+from fsdp_recipes.removal import MARKER, identity, is_ours
 
 
 DCP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's sharded model folder in a checkpoint-N
@@ -262,11 +262,8 @@ def published(out: Path) -> dict:
 
 def is_published(folder: Path) -> bool:
     """``folder`` is the very folder an export of its output_dir published (not one put in its place)."""
-    try:
-        st = os.stat(folder, follow_symlinks=False)
-    except OSError:
-        return False
-    return published(Path(folder).parent).get(Path(folder).name) == [st.st_dev, st.st_ino]
+    made = identity(folder)
+    return made is not None and published(Path(folder).parent).get(Path(folder).name) == list(made)
 
 
 def record_published(out: Path, folder: Path) -> None:
@@ -275,6 +272,6 @@ def record_published(out: Path, folder: Path) -> None:
     if path.is_file():
         report = load_json(path, REPORT_NAME, JSON_LIMIT)
         earlier = report.get(PUBLISHED)
-        st = os.stat(folder, follow_symlinks=False)
+        st = os.lstat(folder)  # raises where identity() would say None: the folder was just published
         report[PUBLISHED] = {**(earlier if isinstance(earlier, dict) else {}), folder.name: [st.st_dev, st.st_ino]}
         path.write_text(json.dumps(report, indent=2) + "\n")

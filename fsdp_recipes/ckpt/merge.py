@@ -48,7 +48,7 @@ from fsdp_recipes.compat import internals
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError
 from fsdp_recipes.removal import (
-    MARKER, contents, is_ours, make_folder, move, process_alive, reclaim, remark, remove, remove_file, unmark,
+    MARKER, contents, identity, is_ours, make_folder, move, process_alive, reclaim, remark, remove, remove_file, unmark,
 )
 
 # torch is imported where tensors are handled, not here: a merge of a checkpoint with a manifest only copies
@@ -207,7 +207,7 @@ def merge_checkpoint(
 
         stem = "adapter_model" if adapter_only else "model"
         staging = make_folder(_staging_name(out, "tmp"), STAGING)
-        made, unmarking = os.lstat(staging), False
+        made, unmarking = identity(staging), False
         try:
             write = dict(max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, stem=stem)
             try:
@@ -253,7 +253,7 @@ def merge_checkpoint(
             for purpose in {STAGING, output_purpose} - {None}:
                 if is_ours(staging, purpose):
                     remove(staging, purpose)
-            if unmarking and reclaim(staging, STAGING, (made.st_dev, made.st_ino)):  # still here: never moved into place
+            if unmarking and reclaim(staging, STAGING, made):  # still here: never moved into place
                 remove(staging, STAGING)
             raise
     if described.tied:
