@@ -56,6 +56,19 @@ def identity(path: str | os.PathLike) -> tuple[int, int] | None:
     return where.st_dev, where.st_ino
 
 
+def fingerprint(folder: str | os.PathLike) -> list | None:
+    """identity() of a result folder, which ships without a marker, made hard to mistake: a folder made after ours was
+    deleted gets our freed inode number (ext4 hands it to the next mkdir), so the folder's change time (moved by any
+    entry added, removed or renamed, a chmod, a touch) and each entry's name, size and modification time go with it.
+    A list, as it round-trips through JSON (None: nothing there, or not a folder we can list)."""
+    try:
+        where = os.lstat(folder)
+        entries = sorted([e.name, (st := e.stat(follow_symlinks=False)).st_size, st.st_mtime_ns] for e in os.scandir(folder))
+    except OSError:
+        return None
+    return [where.st_dev, where.st_ino, where.st_ctime_ns, entries]
+
+
 def _write_marker(path: Path, purpose: str) -> None:
     where = os.lstat(path)  # raises where identity() would say None: the folder was just made
     record = {"tool": "fsdp-recipes", "purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(),

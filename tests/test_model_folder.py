@@ -4,9 +4,12 @@ before (model files beside the checkpoints) still check, resume and merge."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,9 +42,10 @@ def test_publish_makes_a_model_folder_holding_only_the_model(tmp_path, earlier):
     out.mkdir()
     (out / "fsdp_report.json").write_text("{}")
     if earlier == "earlier export":  # differently sharded
-        publish(_staging(out), out, MODEL_FILES)
-        (out / "model" / "model-00001-of-00002.safetensors").write_text("old")
-        (out / "model" / "model.safetensors").rename(out / "model" / "model-00002-of-00002.safetensors")
+        sharded = _staging(out)
+        (sharded / "model.safetensors").rename(sharded / "model-00002-of-00002.safetensors")
+        (sharded / "model-00001-of-00002.safetensors").write_text("old")
+        publish(sharded, out, [*MODEL_FILES[:2], "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", MODEL_FILES[3]])
     elif earlier:
         _model_folder(out / "model")
     final = publish(_staging(out), out, MODEL_FILES)
@@ -51,6 +55,66 @@ def test_publish_makes_a_model_folder_holding_only_the_model(tmp_path, earlier):
     kept = sorted(p.name for p in out.iterdir() if "kept" in p.name)
     assert kept == (["model.kept-2"] if earlier == "a model of the user's" else [])
     assert read_json(out / "fsdp_report.json")["published"]["model"][1] == final.stat().st_ino
+
+
+def _recreated(model):
+    """rm -rf model, then folders made until one gets the freed inode number (ext4 hands out the lowest free one in
+    its group: a few mkdirs later), and that one, holding the same files, becomes model/."""
+    files, freed = {p.name: p.read_bytes() for p in model.iterdir()}, model.stat().st_ino
+    shutil.rmtree(model)
+    made = []
+    while len(made) < 1000 and not (made and made[-1].stat().st_ino == freed):
+        made.append(model.with_name(f"mine-{len(made)}"))
+        made[-1].mkdir()
+    if made[-1].stat().st_ino != freed:
+        pytest.skip("this filesystem did not hand the freed inode number to any of 1000 new folders")
+    made.pop().rename(model)
+    for folder in made:
+        folder.rmdir()
+    for name, data in files.items():
+        (model / name).write_bytes(data)
+
+
+# Ways a user's folder comes to stand where the export published one, and is theirs from then on. Each is moved
+# aside whole by the next export, never deleted, though it holds nothing but model files.
+TAKEN_OVER = {
+    "deleted and made again (inode number reused)": _recreated,
+    "a model file added": lambda m: (m / "model-00001-of-00002.safetensors").write_text("mine"),
+    "a file rewritten, same size": lambda m: (m / "config.json").write_text("m" * len((m / "config.json").read_bytes())),
+    "a file removed": lambda m: (m / "tokenizer.json").unlink(),
+    "the folder touched": lambda m: os.utime(m),
+    "the folder chmod-ed": lambda m: os.chmod(m, 0o700),
+}
+
+
+@pytest.mark.parametrize("change", sorted(TAKEN_OVER))
+def test_a_published_folder_changed_or_made_again_since_is_kept(tmp_path, change, caplog):
+    """What the export may replace without asking is the very folder it published, untouched since: its (device,
+    inode) alone would take a folder made after ours was deleted, which gets our freed inode number."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "fsdp_report.json").write_text("{}")
+    publish(_staging(out), out, MODEL_FILES)
+    time.sleep(0.01)  # a later change time than the publish's, on a filesystem that keeps them to the 10 ms
+    inode = (out / "model").stat().st_ino
+    TAKEN_OVER[change](out / "model")
+    assert (out / "model").stat().st_ino == inode  # what (device, inode) alone took for the published folder
+    before = _snapshot(out / "model")
+    assert publish(_staging(out), out, MODEL_FILES) == out / "model"
+    assert _snapshot(out / "model.kept-2") == before  # whole, nothing deleted
+    assert "moved to model.kept-2 (nothing deleted)" in caplog.text
+
+
+def test_a_published_folder_of_an_earlier_record_form_is_kept(tmp_path):
+    """An fsdp_report.json written before the fingerprint (device and inode only) proves nothing: kept, not deleted."""
+    out = tmp_path / "run"
+    out.mkdir()
+    _model_folder(out / "model")
+    st = (out / "model").stat()
+    (out / "fsdp_report.json").write_text(json.dumps({"published": {"model": [st.st_dev, st.st_ino]}}))
+    before = _snapshot(out / "model")
+    publish(_staging(out), out, MODEL_FILES)
+    assert _snapshot(out / "model.kept-2") == before
 
 
 @pytest.mark.parametrize("kind", sorted(FOREIGN))
@@ -177,8 +241,8 @@ def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files
     (out / "run_args.json").write_text("{}")  # every run of ours writes it first
     earlier = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
     (earlier / "adapter_config.json").write_text("{}")
-    publish_adapter(earlier, out)  # an earlier export (its identity recorded), then differently sharded
-    (out / "adapter" / "adapter_model-00001-of-00002.safetensors").write_text("old")
+    (earlier / "adapter_model-00001-of-00002.safetensors").write_text("old")  # differently sharded
+    publish_adapter(earlier, out)  # an earlier export (its identity recorded)
     assert foreign_entries(out) == []
     staging = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
     for name in ("adapter_config.json", "adapter_model.safetensors", "README.md", "base_identity.json"):

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.removal import MARKER, identity, is_ours
+from fsdp_recipes.removal import MARKER, fingerprint, is_ours
 
 
 DCP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's sharded model folder in a checkpoint-N
@@ -252,7 +252,7 @@ PUBLISHED = "published"
 
 
 def published(out: Path) -> dict:
-    """{folder name: [device, inode]} of the final folders this output_dir's exports published ({} when unknown)."""
+    """{folder name: removal.fingerprint} of the final folders this output_dir's exports published ({} when unknown)."""
     try:
         record = load_json(Path(out) / REPORT_NAME, REPORT_NAME, JSON_LIMIT).get(PUBLISHED)
     except (OSError, ValueError):
@@ -262,8 +262,8 @@ def published(out: Path) -> dict:
 
 def is_published(folder: Path) -> bool:
     """``folder`` is the very folder an export of its output_dir published (not one put in its place)."""
-    made = identity(folder)
-    return made is not None and published(Path(folder).parent).get(Path(folder).name) == list(made)
+    made = fingerprint(folder)
+    return made is not None and published(Path(folder).parent).get(Path(folder).name) == made
 
 
 def record_published(out: Path, folder: Path) -> None:
@@ -272,6 +272,5 @@ def record_published(out: Path, folder: Path) -> None:
     if path.is_file():
         report = load_json(path, REPORT_NAME, JSON_LIMIT)
         earlier = report.get(PUBLISHED)
-        st = os.lstat(folder)  # raises where identity() would say None: the folder was just published
-        report[PUBLISHED] = {**(earlier if isinstance(earlier, dict) else {}), folder.name: [st.st_dev, st.st_ino]}
+        report[PUBLISHED] = {**(earlier if isinstance(earlier, dict) else {}), folder.name: fingerprint(folder)}
         path.write_text(json.dumps(report, indent=2) + "\n")
