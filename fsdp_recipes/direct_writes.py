@@ -14,6 +14,10 @@ thread writes the full one while the caller fills the other, so the device is ne
 The file's bytes are exactly what an ordinary write makes (tested). Where ``open(O_DIRECT)`` or an aligned write fails with EINVAL (tmpfs before
 Linux 6.6, some FUSE and network mounts; macOS has no O_DIRECT) the same buffer goes out through the page cache, and
 ``DirectFile.page_cache_why`` says why.
+
+Size: one module on purpose (about 410 lines). The writer thread, the waits a signal may cut short and the files
+and folders synced before a rename into place share one rule, kept here together: no descriptor, lock or count a
+Ctrl-C between two bytecodes can leave behind (tests/test_direct_writes.py interrupts every line).
 """
 
 from __future__ import annotations
@@ -383,15 +387,26 @@ def sync_folder(folder: str | os.PathLike) -> None:
 
 
 def sync_entries(folder: str | os.PathLike) -> None:
-    """The folder's entries (a rename into it, a new file's name) on disk, where the platform can fsync a folder."""
+    """The folder's entries (a rename into it, a new file's name) on disk, where the platform can fsync a folder.
+    The open, fsync and close run on a thread of their own: Python runs signal handlers in the main thread only, so
+    Ctrl-C can cut the wait short but never land between the open and the close (io.FileIO, which owns a file's
+    descriptor from the start, refuses a folder)."""
+    done = _Done()
+    _thread.start_new_thread(_sync_entries, (os.fspath(folder), done))
+    _until(done)
+
+
+def _sync_entries(folder: str, done: _Done) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass  # some filesystems refuse fsync on a folder (EINVAL): their renames are as durable as they get
+        finally:
+            os.close(fd)
     except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a folder (EINVAL): their renames are as durable as they get
+        pass  # a folder that cannot be opened: nothing to sync
     finally:
-        os.close(fd)
+        done.end()
 
