@@ -59,14 +59,24 @@ def identity(path: str | os.PathLike) -> tuple[int, int] | None:
 def fingerprint(folder: str | os.PathLike) -> list | None:
     """identity() of a result folder, which ships without a marker, made hard to mistake: a folder made after ours was
     deleted gets our freed inode number (ext4 hands it to the next mkdir), so the folder's change time (moved by any
-    entry added, removed or renamed, a chmod, a touch) and each entry's name, size and modification time go with it.
-    A list, as it round-trips through JSON (None: nothing there, or not a folder we can list)."""
+    entry added, removed or renamed, a chmod, a touch) and ``entries`` go with it. A list, as it round-trips through
+    JSON (None: nothing there, or not a folder we can list)."""
     try:
         where = os.lstat(folder)
-        entries = sorted([e.name, (st := e.stat(follow_symlinks=False)).st_size, st.st_mtime_ns] for e in os.scandir(folder))
     except OSError:
         return None
-    return [where.st_dev, where.st_ino, where.st_ctime_ns, entries]
+    listed = entries(folder)
+    return None if listed is None else [where.st_dev, where.st_ino, where.st_ctime_ns, listed]
+
+
+def entries(folder: str | os.PathLike) -> list | None:
+    """Each entry's name, size, inode, modification and change time: a write changes the times, and a program can set
+    the modification time back but not the change time (the clock moves it). A rename of the folder keeps them all."""
+    try:
+        return sorted([e.name, (st := e.stat(follow_symlinks=False)).st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+                      for e in os.scandir(folder) if e.name != MARKER)
+    except OSError:
+        return None
 
 
 def _write_marker(path: Path, purpose: str) -> None:
@@ -151,19 +161,23 @@ def remove(path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] 
     shutil.rmtree(path)
 
 
-def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn) -> Path:
-    """Free ``path`` for a finished result (the final model, the adapter): an earlier result there (``shape``) is
-    removed; anything else (a file put there while the run trained), or what is left of an earlier result that would
-    not go, is moved to the next free ``path.kept-N``, said in one warning. Nothing of the user's is deleted, and the
-    result still lands at ``path``, where everything that reads it looks."""
+def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn, published: Callable[[Path], bool]) -> Path:
+    """Free ``path`` for a finished result (the final model, the adapter): an earlier result there (``shape``), still as
+    the export that ``published`` it left it, is removed; anything else (a file put there while the run trained, a
+    folder made again or changed since), or what is left of an earlier result that would not go, is moved to the next
+    free ``path.kept-N``, said in one warning. Nothing of the user's is deleted, and the result still lands at
+    ``path``, where everything that reads it looks."""
     if not (path.exists() or path.is_symlink()):
         return path
     if path.is_symlink() or not path.is_dir() or not shape(path):
         held = "a link" if path.is_symlink() else "a file" if not path.is_dir() else contents(path)
         why = f"held {held}, which the export does not write"
+    elif not published(path):
+        why = ("holds only files an export writes, but is not the folder an export of this run published, as it left it "
+               "(a file written, added or removed, its permissions changed since, or the folder made again or copied)")
     else:
         try:
-            remove(path, purpose, shape=shape)
+            remove(path, purpose, shape=lambda p: shape(p) and published(p))  # checked again just before
             return path
         except (OSError, RefusedRemoval) as err:  # a file held open over NFS, an immutable file: partly removed
             why = f"could not be removed ({err.strerror if isinstance(err, OSError) else err}), what is left of it"

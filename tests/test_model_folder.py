@@ -19,6 +19,7 @@ from fsdp_recipes.ckpt.resume import check_output_dir
 from fsdp_recipes.errors import RecipeError, RefusedRemoval
 from fsdp_recipes.removal import MARKER, is_ours, make_folder
 from fsdp_recipes.config.model_source import model_source_problem
+from fsdp_recipes.train import export
 from fsdp_recipes.train.export import EXPORT_STAGING, publish, publish_adapter
 from test_removal import FOREIGN, _model_folder, _snapshot
 
@@ -75,6 +76,13 @@ def _recreated(model):
         (model / name).write_bytes(data)
 
 
+def _rewritten_in_place(file):
+    """Other bytes of the same size written into the file, and its modification time put back (touch -d)."""
+    st = file.stat()
+    file.write_bytes(bytes(255 - b for b in file.read_bytes()))
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 # Ways a user's folder comes to stand where the export published one, and is theirs from then on. Each is moved
 # aside whole by the next export, never deleted, though it holds nothing but model files.
 TAKEN_OVER = {
@@ -82,6 +90,7 @@ TAKEN_OVER = {
     "a model file added": lambda m: (m / "model-00001-of-00002.safetensors").write_text("mine"),
     "a file rewritten, same size": lambda m: (m / "config.json").write_text("m" * len((m / "config.json").read_bytes())),
     "a file removed": lambda m: (m / "tokenizer.json").unlink(),
+    "a file rewritten, its modification time set back": lambda m: _rewritten_in_place(m / "model.safetensors"),
     "the folder touched": lambda m: os.utime(m),
     "the folder chmod-ed": lambda m: os.chmod(m, 0o700),
 }
@@ -103,6 +112,58 @@ def test_a_published_folder_changed_or_made_again_since_is_kept(tmp_path, change
     assert publish(_staging(out), out, MODEL_FILES) == out / "model"
     assert _snapshot(out / "model.kept-2") == before  # whole, nothing deleted
     assert "moved to model.kept-2 (nothing deleted)" in caplog.text
+    assert "is not the folder an export of this run published, as it left it" in caplog.text  # not "does not write"
+
+
+def _same_size(file):
+    file.write_text("m" * len(file.read_bytes()))
+
+
+# What someone can write into a folder just published, before its fingerprint is taken: content, for each folder kind
+# (a chmod or touch of the folder itself holds nothing of theirs, and unmarking changes the folder anyway).
+CONTENT_CHANGES = {
+    "a file added": {"model": lambda m: (m / "model-00001-of-00002.safetensors").write_text("mine"),
+                     "adapter": lambda m: (m / "adapter_model-00001-of-00002.safetensors").write_text("mine")},
+    "a file rewritten, same size": {"model": lambda m: _same_size(m / "config.json"), "adapter": lambda m: _same_size(m / "adapter_config.json")},
+    "a file rewritten, its modification time set back": {"model": lambda m: _rewritten_in_place(m / "model.safetensors"),
+                                                         "adapter": lambda m: _rewritten_in_place(m / "adapter_model.safetensors")},
+    "a file removed": {"model": lambda m: (m / "tokenizer.json").unlink(), "adapter": lambda m: (m / "base_identity.json").unlink()},
+}
+
+
+@pytest.mark.parametrize("change", sorted(CONTENT_CHANGES))
+@pytest.mark.parametrize("kind", ["model", "adapter"])
+def test_a_change_in_the_moment_after_the_rename_is_never_recorded_as_the_export_s(tmp_path, monkeypatch, kind, change, caplog):
+    """(hostile review) The fingerprint was taken after the rename into place and the unmarking: a file someone wrote
+    into model/ in those milliseconds (inotify sees the rename) was recorded as the export's, and the next export
+    deleted it. Generated: each change made at that moment, for the model and the adapter folder; the next export keeps
+    the folder aside whole."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "fsdp_report.json").write_text("{}")
+    real_unmark = export.unmark
+
+    def unmark_after_a_change(folder, purpose):
+        CONTENT_CHANGES[change][kind](folder)
+        real_unmark(folder, purpose)
+
+    publish_one = (lambda: publish(_staging(out), out, MODEL_FILES)) if kind == "model" else (lambda: publish_adapter(_adapter_staging(out), out))
+    monkeypatch.setattr(export, "unmark", unmark_after_a_change)
+    publish_one()
+    monkeypatch.setattr(export, "unmark", real_unmark)
+    assert kind not in read_json(out / "fsdp_report.json")["published"]
+    before = _snapshot(out / kind)
+    publish_one()
+    assert _snapshot(out / f"{kind}.kept-2") == before and f"moved to {kind}.kept-2 (nothing deleted)" in caplog.text
+    publish_one()  # and the export that published it untouched is replaced by the next
+    assert not (out / f"{kind}.kept-3").exists()
+
+
+def _adapter_staging(out):
+    staging = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
+    for name in ("adapter_config.json", "adapter_model.safetensors", "base_identity.json"):
+        (staging / name).write_text("new")
+    return staging
 
 
 def test_a_published_folder_of_an_earlier_record_form_is_kept(tmp_path):

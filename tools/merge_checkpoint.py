@@ -25,8 +25,8 @@ import sys
 from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError, InternalsChanged, RefusedRemoval
-from fsdp_recipes.removal import identity
 from fsdp_recipes.console import HelpFormatter
+from fsdp_recipes.removal import identity
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The smallest sizes taken, in bytes as huggingface_hub reads "100KB" and "64MB" (decimal units). A shard limit

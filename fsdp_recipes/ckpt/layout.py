@@ -266,11 +266,18 @@ def is_published(folder: Path) -> bool:
     return made is not None and published(Path(folder).parent).get(Path(folder).name) == made
 
 
-def record_published(out: Path, folder: Path) -> None:
-    """The published folder's identity in the run's fsdp_report.json (is_published), when the report exists (rank 0)."""
+def record_published(out: Path, folder: Path, written: list | None) -> None:
+    """The published folder's fingerprint in the run's fsdp_report.json (is_published), when the report exists (rank 0),
+    and only while its entries are those the export ``written`` (removal.entries of its staging folder, taken before the
+    rename): a file someone put there in the moment since is never recorded as ours (the folder is then kept aside by
+    the next export, as anything not recorded is)."""
     path = Path(out) / REPORT_NAME
     if path.is_file():
         report = load_json(path, REPORT_NAME, JSON_LIMIT)
         earlier = report.get(PUBLISHED)
-        report[PUBLISHED] = {**(earlier if isinstance(earlier, dict) else {}), folder.name: fingerprint(folder)}
+        record = {name: made for name, made in (earlier if isinstance(earlier, dict) else {}).items() if name != folder.name}
+        made = fingerprint(folder)
+        if written is not None and made is not None and made[3] == written:
+            record[folder.name] = made
+        report[PUBLISHED] = record
         path.write_text(json.dumps(report, indent=2) + "\n")

@@ -29,7 +29,7 @@ from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError
-from fsdp_recipes.removal import MARKER, make_folder, make_room, move, remove, remove_inside, replace_file, unmark
+from fsdp_recipes.removal import MARKER, entries, make_folder, make_room, move, remove, remove_inside, replace_file, unmark
 from fsdp_recipes.train.sharding import unwrapped_model_class
 
 logger = logging.getLogger(__name__)
@@ -329,11 +329,12 @@ def publish(staging: Path, out: Path, files: list[str]) -> Path:
         if entry.name not in files and entry.name != MARKER:
             remove_inside(staging, entry.name, EXPORT_STAGING)  # completion files, the Trainer's training_args.bin
     sync_folder(staging)
-    final = make_room(out / FINAL_MODEL_DIR, "an earlier run's final model", lambda p: is_model_folder(p) and is_published(p), logger.warning)
+    final = make_room(out / FINAL_MODEL_DIR, "an earlier run's final model", is_model_folder, logger.warning, is_published)
+    written = entries(staging)  # before the rename: what is there after it and was not, is someone's
     move(staging, final)
     sync_entries(out)
     unmark(final, EXPORT_STAGING)  # the folder keeps its inode through the rename: still ours
-    record_published(out, final)
+    record_published(out, final, written)
     return final
 
 
@@ -343,10 +344,11 @@ def publish_adapter(staging: Path, out: Path) -> Path:
     for entry in staging.iterdir():
         if entry.name != MARKER and not is_adapter_file(entry.name):
             remove_inside(staging, entry.name, EXPORT_STAGING)
-    adapter = make_room(out / ADAPTER_DIR, "an earlier run's adapter folder", lambda p: is_exported_adapter(p) and is_published(p), logger.warning)
+    adapter = make_room(out / ADAPTER_DIR, "an earlier run's adapter folder", is_exported_adapter, logger.warning, is_published)
+    written = entries(staging)
     move(staging, adapter)
     unmark(adapter, EXPORT_STAGING)
-    record_published(out, adapter)
+    record_published(out, adapter, written)
     return adapter
 
 
