@@ -181,17 +181,24 @@ def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn, pub
             return path
         except (OSError, RefusedRemoval) as err:  # a file held open over NFS, an immutable file: partly removed
             why = f"could not be removed ({err.strerror if isinstance(err, OSError) else err}), what is left of it"
+    try:
+        aside = keep_aside(path, path)
+    except OSError as err:  # a mount point (EBUSY), a read-only folder: the result stays in its staging folder
+        raise RefusedRemoval(f"{path} {why}, and cannot be moved aside ({err.strerror}): move it away yourself; the "
+                             "checkpoints are kept, and --resume_from_checkpoint true writes the final model again") from None
+    warn(f"{path} {why}: moved to {aside.name} (nothing deleted); this export is in {path}")
+    return path
+
+
+def keep_aside(path: Path, name: Path) -> Path:
+    """Move ``path`` to the first free ``name.kept-N`` (N from 2) beside ``name``, and return where it went: what is the
+    user's stays whole and in sight. OSError where it cannot be moved (a mount point, a read-only folder)."""
     for n in range(2, 1 << 20):
         try:
-            aside = move(path, path.with_name(f"{path.name}.kept-{n}"))
+            return move(path, name.with_name(f"{name.name}.kept-{n}"))
         except RefusedRemoval:  # that name is taken
             continue
-        except OSError as err:  # a mount point (EBUSY), a read-only folder: the result stays in its staging folder
-            raise RefusedRemoval(f"{path} {why}, and cannot be moved aside ({err.strerror}): move it away yourself; the "
-                                 "checkpoints are kept, and --resume_from_checkpoint true writes the final model again") from None
-        warn(f"{path} {why}: moved to {aside.name} (nothing deleted); this export is in {path}")
-        return path
-    raise RefusedRemoval(f"{path}: no free {path.name}.kept-N name to move it to: move it away yourself")
+    raise RefusedRemoval(f"{path}: no free {name.name}.kept-N name to move it to: move it away yourself")
 
 
 def remove_inside(folder: str | os.PathLike, name: str, purpose: str) -> None:

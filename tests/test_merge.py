@@ -21,6 +21,7 @@ from conftest import REPO, run
 from fsdp_recipes.ckpt.merge import MANIFEST, inspect_checkpoint, merge_checkpoint
 from fsdp_recipes.direct_writes import CHUNK
 from fsdp_recipes.errors import CheckpointError
+from test_removal import _snapshot
 
 TOOL = str(REPO / "tools" / "merge_checkpoint.py")
 SHARDED = [
@@ -268,6 +269,40 @@ def test_output_inside_input_and_existing_output(checkpoint, tmp_path):
     (existing / "config.json").write_text("{}")  # an earlier model folder: replaced
     merge_checkpoint(checkpoint, existing, overwrite=True, log=lambda *_: None)
     assert (existing / "model.safetensors").is_file() and json.loads((existing / "config.json").read_text())["model_type"]
+
+
+# What a user can put into the output folder while a merge with --overwrite runs (it was a model folder at the start)
+CHANGED_WHILE_MERGING = {
+    "a notes.txt": lambda out: (out / "notes.txt").write_text("mine"),
+    "a subfolder": lambda out: ((out / "eval").mkdir(), (out / "eval" / "scores.json").write_text("{}")),
+    "a trainer_state.json": lambda out: (out / "trainer_state.json").write_text("{}"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGED_WHILE_MERGING))
+def test_an_output_changed_while_the_merge_runs_is_kept_in_sight(checkpoint, tmp_path, monkeypatch, change):
+    """(hostile review) --overwrite checked the output at the start only: a file put into it while the merge ran made
+    the final removal refuse, the merge exit 1 after moving its result into place, and the user's folder stayed under
+    a hidden .NAME.old-HOST-PID that later merges skip. It is now kept whole as NAME.kept-2, said, and the merge ends."""
+    from fsdp_recipes.ckpt import merge as merge_module
+
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # an earlier model folder: --overwrite may replace it
+    real_sync, changed = merge_module.sync_entries, []
+
+    def sync_after_the_user_wrote(folder):  # the first call is just before the output is moved aside
+        if not changed:
+            CHANGED_WHILE_MERGING[change](out)
+            changed.append(_snapshot(out))  # the user's folder as it is now
+        real_sync(folder)
+
+    monkeypatch.setattr(merge_module, "sync_entries", sync_after_the_user_wrote)
+    lines = []
+    merge_checkpoint(checkpoint, out, overwrite=True, log=lines.append)
+    assert changed and (out / "model.safetensors").is_file() and _snapshot(tmp_path / "existing.kept-2") == changed[0]
+    assert [line for line in lines if "existing.kept-2" in line and "changed while the merge ran" in line]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing", "existing.kept-2", "run"]  # nothing hidden left
 
 
 def test_full_disk_is_refused_before_writing(checkpoint, tmp_path, monkeypatch):

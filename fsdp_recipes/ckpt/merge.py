@@ -46,9 +46,10 @@ from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
 from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, weight_files, write_weights
 from fsdp_recipes.compat import internals
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
-from fsdp_recipes.errors import CheckpointError
+from fsdp_recipes.errors import CheckpointError, RefusedRemoval
 from fsdp_recipes.removal import (
-    MARKER, contents, identity, is_ours, make_folder, move, process_alive, reclaim, remark, remove, remove_file, unmark,
+    MARKER, contents, identity, is_ours, keep_aside, make_folder, move, process_alive, reclaim, remark, remove, remove_file,
+    unmark,
 )
 
 # torch is imported where tensors are handled, not here: a merge of a checkpoint with a manifest only copies
@@ -245,7 +246,12 @@ def merge_checkpoint(
                 old = move(out, _staging_name(out, "old"))
                 move(staging, out)
                 sync_entries(out.parent)
-                remove(old, STAGING, shape=lambda p: is_model_folder(p) or is_exported_adapter(p))
+                try:
+                    remove(old, STAGING, shape=lambda p: is_model_folder(p) or is_exported_adapter(p))
+                except RefusedRemoval:  # changed while the merge ran (a notes.txt written into it): the user's now
+                    kept = keep_aside(old, out)
+                    log(f"warning: {out} changed while the merge ran (it holds {contents(kept)}): the earlier folder is kept "
+                        f"whole as {kept.name}; the merged model is in {out}")
             else:
                 move(staging, out)
                 sync_entries(out.parent)
