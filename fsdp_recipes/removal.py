@@ -11,7 +11,9 @@ checkpoints, the model a run fine-tunes. So nothing is removed on a name or a gu
   marker counts only in the folder it was written into: a copy (``cp -a``) or a marker file copied elsewhere has
   another inode, and proves nothing.
 
-A symlink is never followed into: a link is refused, not its target removed. Everything refused raises
+A symlink is never followed into: a link is refused, not its target removed. (A path the user names may be resolved
+before it gets here: the merge's output is its real path, so `--overwrite` through a link replaces the model folder
+the link points to, as the user asked.) Everything refused raises
 ``RefusedRemoval`` with one line naming the path and what it holds. ``tests/test_removal.py`` fails when any other
 module of the package, tools/, bench/ or train_fsdp.py calls rmtree, unlink, remove, rename, replace or rmdir.
 """
