@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -160,7 +161,29 @@ def remove(path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] 
     if not (shape(path) if shape is not None else is_ours(path, purpose)):
         raise RefusedRemoval(f"{path} is not a folder this project made ({purpose}; it holds {contents(path)}): refusing to "
                              "remove it; move it away yourself, or choose another path")
+    _refuse_mount_points(path)
     shutil.rmtree(path)
+
+
+def mount_points(path: str | os.PathLike) -> list[str]:
+    """Mount points at or under ``path``, from /proc/self/mountinfo ([] where there is none). A bind mount of another
+    folder looks like any folder (same device, no link), and rmtree would empty it: someone else's checkpoint, a
+    dataset, a whole filesystem."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            text = f.read(1 << 24).decode("utf-8", "replace")
+    except OSError:
+        return []
+    top = os.path.realpath(path)
+    points = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split(" ")[4])
+              for line in text.splitlines() if line.count(" ") >= 5)
+    return sorted(p for p in points if p == top or p.startswith(top.rstrip("/") + "/"))
+
+
+def _refuse_mount_points(path: Path) -> None:
+    if found := mount_points(path):
+        raise RefusedRemoval(f"{path} is or holds a mount point ({one_line(found[0])}): refusing to remove it, which would "
+                             "empty what is mounted there; unmount it, or move the folder away yourself")
 
 
 def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn, published: Callable[[Path], bool]) -> Path:
@@ -210,6 +233,7 @@ def remove_inside(folder: str | os.PathLike, name: str, purpose: str) -> None:
     if not is_ours(folder, purpose) or "/" in name or name in ("", ".", "..", MARKER):
         raise RefusedRemoval(f"{path}: not inside a folder this project made ({purpose}): refusing to delete it")
     if path.is_dir() and not path.is_symlink():
+        _refuse_mount_points(path)
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()

@@ -9,6 +9,7 @@ import re
 import os
 import shutil
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from fsdp_recipes.ckpt.merge import merge_checkpoint, remove_stale_staging
 from fsdp_recipes.ckpt.resume import check_output_dir
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
 from fsdp_recipes.errors import CheckpointError, RecipeError, RefusedRemoval
-from fsdp_recipes.removal import MARKER, make_folder, remove
+from fsdp_recipes.removal import MARKER, make_folder, remove, remove_inside
 from fsdp_recipes.train.export import remove_export_leftovers
 from test_hostile_files import cli
 
@@ -596,3 +597,41 @@ def test_no_process_number_is_alive(pid):
     from fsdp_recipes.removal import process_alive
 
     assert not process_alive(pid) and process_alive(os.getpid())
+
+
+def _bind(source: Path, target: Path) -> bool:
+    """A real bind mount (root with CAP_SYS_ADMIN, as on the dev and CI machines); False where it is not allowed."""
+    target.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True).returncode == 0
+
+
+# Where a mount point can sit in a folder the tools would remove, and each function that removes a folder (a folder
+# that is itself the mount has another inode than the one its marker names: only a shape could take it)
+MOUNT_CASES = [("remove, by shape", ""), ("remove, by shape", "pytorch_model_fsdp_0"), ("remove, by shape", "a/b c"),
+               ("remove, ours", "pytorch_model_fsdp_0"), ("remove, ours", "a/b c"),
+               ("remove_inside", "pytorch_model_fsdp_0"), ("remove_inside", "a/b c")]
+
+
+@pytest.mark.parametrize("how, inside", MOUNT_CASES)
+def test_a_mount_point_inside_is_never_removed_through(tmp_path, how, inside):
+    """(hostile review) A bind mount of another folder looks like any folder (same device, no link): rmtree emptied
+    another run's checkpoint mounted into this one (--overwrite_output_dir, rotation). Generated over where the mount
+    sits and each function that removes a folder: refused in one line, the mounted folder whole."""
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "weights.distcp").write_bytes(b"theirs")
+    folder = make_folder(tmp_path / "run" / "checkpoint-2", "test")
+    target = folder / inside if inside else folder
+    if not _bind(precious, target):
+        pytest.skip("bind mounts are not allowed here")
+    try:
+        with pytest.raises(RefusedRemoval, match=r"is or holds a mount point \(.*\): refusing to remove it"):
+            if how == "remove, by shape":
+                remove(folder, "test", shape=lambda p: True)
+            elif how == "remove, ours":
+                remove(folder, "test")
+            else:
+                remove_inside(folder, inside.split("/")[0], "test")
+        assert (precious / "weights.distcp").read_bytes() == b"theirs"
+    finally:
+        subprocess.run(["umount", str(target)], capture_output=True)
