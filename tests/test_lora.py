@@ -306,6 +306,18 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
     written, by_peft_adapter = load(tmp_path / "adapter" / "adapter_model.safetensors"), load(tmp_path / "peft-adapter" / "adapter_model.safetensors")
     assert set(written) == set(by_peft_adapter) and all(torch.equal(written[k], by_peft_adapter[k]) for k in written)
 
+    # (hostile review) the base a merge reads is never its output, however it is named: --overwrite replaced it
+    from test_removal import _snapshot
+
+    before = _snapshot(base_dir)
+    for named_by in ("--base-model", "the adapter config"):
+        if named_by == "the adapter config":
+            (ckpt / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(base_dir)}))
+        given = {"base_model": str(base_dir)} if named_by == "--base-model" else {}
+        with pytest.raises(CheckpointError, match=r"is the base model .*, which this merge reads"):
+            merge_checkpoint(ckpt, base_dir, overwrite=True, **given)
+    assert _snapshot(base_dir) == before
+
 
 @pytest.mark.slow
 def test_full_state_dict_lora_checkpoints_hold_the_adapter_and_resume_exactly(tmp_path):

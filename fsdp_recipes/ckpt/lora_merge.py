@@ -278,7 +278,7 @@ class AdapterOnBaseSource:
     rest), so that MergedLoraSource merges it like any other. The base is read from its own safetensors files."""
 
     def __init__(self, adapter, base, base_dir: Path):
-        self.adapter, self.base, self.path = adapter, base, getattr(adapter, "path", None)
+        self.adapter, self.base, self.path, self.base_dir = adapter, base, getattr(adapter, "path", None), Path(base_dir)
         self.ranks, self.kind = adapter.ranks, f"{adapter.kind}, adapter only, + base {base_dir}"
         first = next(iter(adapter.tensors))
         start = first.find("base_model.model.")

@@ -173,6 +173,10 @@ def merge_checkpoint(
     restore_interrupted(real(output_path), log)  # the real path, as check_output and the staging names use
     out = check_output(input_path, resolved, output_path, overwrite)
     own, base_model = _lora(resolved, base_model, adapter_only, log)
+    for base in _base_folders(resolved, base_model):  # read to the end of the merge: never its output
+        if overlap(out, real(base)):
+            raise CheckpointError(f"output {output_path} {'is' if out == real(base) else 'overlaps'} the base model {base}, which this "
+                                  "merge reads (its config, tokenizer or weights): choose another output")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out, log)
     # A checkpoint our training run wrote carries a manifest: the copy starts from it at once, its description files
@@ -277,6 +281,18 @@ def _agree(manifest: Description, checked: Description) -> None:
             f"{only[0] if only else 'the tied weights'}): the checkpoint was edited; restore it, or delete {MANIFEST} to merge "
             "what config.json describes"
         )
+
+
+def _base_folders(resolved: ResolvedInput, base_model: str | None) -> list[Path]:
+    """The local base model folders a merge reads besides the checkpoint: --base-model (or the base an adapter config
+    names), and the one an adapter-only checkpoint's frozen weights come from."""
+    folders = [Path(base_model)] if base_model and Path(base_model).is_dir() else []
+    source = resolved.source
+    while source is not None:
+        if isinstance(source, AdapterOnBaseSource):
+            folders.append(source.base_dir)
+        source = source.base if isinstance(source, MergedLoraSource) else None
+    return folders
 
 
 def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, log) -> tuple[Description | None, str | None]:
