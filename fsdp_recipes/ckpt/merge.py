@@ -205,7 +205,8 @@ def merge_checkpoint(
         size = sum(resolved.source.tensors[n].nbytes(dtype) for n in weights.names.values())
         free = shutil.disk_usage(out.parent).free
         if free < size + (64 << 20):
-            raise CheckpointError(f"not enough free disk space in {out.parent}: need {size / 1e9:.2f} GB, have {free / 1e9:.2f} GB; free space or choose another output")
+            raise CheckpointError(f"not enough free disk space in {out.parent}: the merged weights need {_mb(size)} and a "
+                                  f"{_mb(64 << 20)} margin, {_mb(free)} is free; free space or choose another output")
 
         def wrong_guess() -> bool:  # the check beside the copy has failed, or found other weights than guessed
             return future is not None and future.done() and (future.exception() is not None or future.result().weights.names != weights.names)
@@ -281,6 +282,10 @@ def _agree(manifest: Description, checked: Description) -> None:
             f"{only[0] if only else 'the tied weights'}): the checkpoint was edited; restore it, or delete {MANIFEST} to merge "
             "what config.json describes"
         )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _base_folders(resolved: ResolvedInput, base_model: str | None) -> list[Path]:
