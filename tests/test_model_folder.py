@@ -76,6 +76,10 @@ def _recreated(model):
         (model / name).write_bytes(data)
 
 
+def _same_size(file):
+    file.write_text("m" * len(file.read_bytes()))
+
+
 def _rewritten_in_place(file):
     """Other bytes of the same size written into the file, and its modification time put back (touch -d)."""
     st = file.stat()
@@ -88,7 +92,7 @@ def _rewritten_in_place(file):
 TAKEN_OVER = {
     "deleted and made again (inode number reused)": _recreated,
     "a model file added": lambda m: (m / "model-00001-of-00002.safetensors").write_text("mine"),
-    "a file rewritten, same size": lambda m: (m / "config.json").write_text("m" * len((m / "config.json").read_bytes())),
+    "a file rewritten, same size": lambda m: _same_size(m / "config.json"),
     "a file removed": lambda m: (m / "tokenizer.json").unlink(),
     "a file rewritten, its modification time set back": lambda m: _rewritten_in_place(m / "model.safetensors"),
     "the folder touched": lambda m: os.utime(m),
@@ -113,10 +117,6 @@ def test_a_published_folder_changed_or_made_again_since_is_kept(tmp_path, change
     assert _snapshot(out / "model.kept-2") == before  # whole, nothing deleted
     assert "moved to model.kept-2 (nothing deleted)" in caplog.text
     assert "is not the folder an export of this run published, as it left it" in caplog.text  # not "does not write"
-
-
-def _same_size(file):
-    file.write_text("m" * len(file.read_bytes()))
 
 
 # What someone can write into a folder just published, before its fingerprint is taken: content, for each folder kind
