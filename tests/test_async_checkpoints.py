@@ -53,6 +53,8 @@ def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
     rank0 = read_json(out / "fsdp_report.json")["ranks"][0]["bytes"]  # measured by the run from its own tensors
     shards = rank0["params"] + rank0["optimizer"]  # this rank's weights and Adam's two moments
     assert shards <= writes["staged_bytes_max"] <= shards + 4096, (writes, rank0)  # + Adam's step counters
+    ahead = writes["host_copy_ahead"]  # the first copy's buffers, made after step 1 on a thread, not at checkpoint-3
+    assert ahead["bytes"] == shards and ahead["bytes_not_taken"] == 0 and ahead["tensors_made_at_save"] == 0 and "error" not in ahead, (ahead, rank0)
     assert_same_model(out / "model", trained(ZERO3).model_dir)  # saving in the background changes no training step
 
 

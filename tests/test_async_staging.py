@@ -169,3 +169,102 @@ def test_background_saves_ask_accelerate_for_the_shards_where_they_live(fails):
             if fails:
                 raise RuntimeError("the save failed")
     assert _prepare_sd_options(plugin).cpu_offload
+
+
+def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torchs_own(one_process_group):
+    """The first save's host copy (compat.async_dcp.HostBuffers, made after the first optimizer step on a thread of its
+    own): every tensor the buffers foresaw is one of them (no allocation at the save), the copy has torch's helper's
+    structure (DTensor placements, 0-dim step counters, an empty tensor, plain values, a tied weight once), holds
+    the values of the save's step, and later saves reuse it. A shape nobody foresaw is made at the save."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fsdp_recipes.compat.async_dcp import HostBuffers, _layout
+
+    mesh = init_device_mesh("cpu", (1,))
+    embedding = distribute_tensor(torch.randn(12, 4), mesh, [Shard(0)])
+    norm = distribute_tensor(torch.randn(4), mesh, [Shard(0)])
+    live = {"model": {"embed.weight": embedding, "lm_head.weight": embedding, "norm.weight": norm},
+            "optim": {"state": {"norm.weight": {"exp_avg": distribute_tensor(torch.randn(4), mesh, [Shard(0)]), "step": torch.tensor(7.0),
+                                                "scale": distribute_tensor(torch.tensor(2.0), mesh, [Replicate()])}},
+                      "param_groups": [{"lr": 0.1, "params": ["norm.weight"]}], "extra": (torch.randn(3, 2), torch.empty(0))}}
+    ahead = HostBuffers(HostBuffers.shapes_of([embedding, norm, live["optim"]["state"]["norm.weight"]["exp_avg"]]), pin=False)
+    ahead.take(torch.int8, (1,))  # waits for the thread: what it made can be listed (a miss, counted below)
+    foreseen = [b.data_ptr() for found in ahead.free.values() for b in found]
+    stager = ReusedHostCopy(ahead=ahead)
+    staged = stager.stage(live)
+    report = ahead.close()
+
+    assert _layout(staged) == _layout(_create_cpu_state_dict(live)) == _layout(live)
+    taken = {staged["model"]["embed.weight"].to_local().data_ptr(), staged["model"]["norm.weight"].to_local().data_ptr(),
+             staged["optim"]["state"]["norm.weight"]["exp_avg"].to_local().data_ptr()}
+    assert taken == set(foreseen)  # each buffer made ahead is in the copy, and nothing else of those shapes was made
+    assert staged["model"]["lm_head.weight"].to_local().data_ptr() == staged["model"]["embed.weight"].to_local().data_ptr()  # tied: one buffer
+    assert report == {"bytes": (12 * 4 + 4 + 4) * 4, "seconds": report["seconds"], "pinned": False, "tensors_taken": 3,
+                      "tensors_made_at_save": 2, "bytes_not_taken": 0, "save_waited_seconds": report["save_waited_seconds"]}  # (3, 2) and int8: not foreseen
+    assert isinstance(staged["model"]["norm.weight"], DTensor) and staged["model"]["norm.weight"].placements == (Shard(0),)
+    scale = live["optim"]["state"]["norm.weight"]["scale"]
+    assert staged["optim"]["state"]["norm.weight"]["scale"] is scale  # a 0-dim DTensor: handed on as torch's helper does
+    assert set(pointers(staged)) & set(pointers(live)) == {scale.to_local().data_ptr()}
+    for name in ("embed.weight", "norm.weight"):
+        assert torch.equal(staged["model"][name].to_local(), live["model"][name].to_local())
+    assert staged["optim"]["state"]["norm.weight"]["step"].item() == 7.0 and staged["optim"]["param_groups"] == [{"lr": 0.1, "params": ["norm.weight"]}]
+    assert torch.equal(staged["optim"]["extra"][0], live["optim"]["extra"][0]) and staged["optim"]["extra"][1].numel() == 0
+
+    embedding.to_local().add_(1.0)  # the next save: the same buffers, the new values
+    again = stager.stage(live)
+    assert pointers(again) == pointers(staged) and stager.made == 1
+    assert torch.equal(again["model"]["lm_head.weight"].to_local(), embedding.to_local())
+
+
+def test_buffers_that_could_not_be_made_ahead_leave_the_save_to_make_its_copy():
+    """No memory for the buffers (here: a shape no tensor can have) is not the run's failure: the save makes what it
+    needs as without them, and the report says why none came from ahead."""
+    from fsdp_recipes.compat.async_dcp import HostBuffers
+
+    live = {"w": torch.randn(5, 3)}
+    ahead = HostBuffers([(torch.float32, (5, 3)), (torch.float32, (-1,))], pin=False)
+    stager = ReusedHostCopy(ahead=ahead)
+    staged = stager.stage(live)
+    report = ahead.close()
+    assert torch.equal(staged["w"], live["w"]) and staged["w"].data_ptr() != live["w"].data_ptr()
+    assert report["tensors_taken"] == 1 and "RuntimeError" in report["error"], report
+
+
+def test_a_first_copy_that_cannot_be_built_around_the_buffers_is_torchs_and_says_why(monkeypatch):
+    """Where building the copy around the buffers fails (a torch whose DTensor moved, here: an injected error), the
+    save's copy is torch's helper's, as before the buffers existed, and the report names why."""
+    from fsdp_recipes.compat import async_dcp
+
+    def moved(*args):
+        raise RuntimeError("empty_like is not a DTensor op here")
+
+    monkeypatch.setattr(async_dcp, "_host_copy", moved)
+    live = {"w": torch.randn(5, 3), "step": torch.tensor(1.0)}
+    ahead = async_dcp.HostBuffers([(torch.float32, (5, 3))], pin=False)
+    stager = ReusedHostCopy(ahead=ahead)
+    staged = stager.stage(live)
+    report = ahead.close()
+    assert torch.equal(staged["w"], live["w"]) and staged["w"].data_ptr() != live["w"].data_ptr() and stager.made == 1
+    assert report["tensors_taken"] == 0 and "made by torch's helper instead (RuntimeError: empty_like" in report["error"], report
+
+
+@pytest.mark.slow
+def test_the_first_save_benchmark_runs_both_kinds_and_checks_their_copies(tmp_path):
+    """bench/first_save.py on CPU (tiny): both kinds run in fresh processes, every staged copy equals the live
+    tensors (checked in the child), and the buffers made ahead are the whole first copy."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "first_save.py"), "--gigabytes", "0.01", "--repeats", "1", "--output", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "results.json").read_text())
+    assert [r["kind"] for r in runs] == ["at-save", "ahead"]
+    ahead = runs[1]["ahead"]
+    assert ahead["bytes"] == runs[1]["staged_bytes"] and ahead["tensors_made_at_save"] == 0 and "error" not in ahead, ahead
+    assert "First save, made ahead against made at the save:" in (tmp_path / "README.md").read_text()

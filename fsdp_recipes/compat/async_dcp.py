@@ -26,12 +26,22 @@ model's, the optimizer's) and copies into it at every later checkpoint: one memc
 this rank's shards and held for the run. Reuse is safe because at most one checkpoint is in flight (the caller
 finishes a save before the next begins). Where the shards already live in host memory, ``ReusedHostCopy(in_place=True)``
 makes no copy at all (see the class).
+
+The first host copy: made at the first checkpoint, on the training thread, it was most of that checkpoint's stall on
+a GPU (an H100: ~4.3 s, against ~0.3 s for each later save, bench/results/h100/checkpoint-stall-1): torch's helper
+copies every GPU shard into new pageable memory first (``DTensor.to("cpu")``), then page-locks a second buffer of
+the same size. :class:`HostBuffers` makes the buffers ahead, on a thread of its own, from the shapes of this rank's
+weight and optimizer shards after the first optimizer step (fsdp_recipes.train.async_checkpoints starts it), and
+the first save's copy is built around them with no copy of its own; a shape it did not foresee is made at the save,
+as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import copy
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -40,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from fsdp_recipes.compat import internals
+from fsdp_recipes.errors import InternalsChanged
 from fsdp_recipes.direct_writes import DirectFile
 
 
@@ -53,9 +64,10 @@ class ReusedHostCopy:
     double the host memory of the largest runs (a 70B model's fp32 weights and Adam state offloaded to the host are
     ~840 GB per node) and costs the training thread a memcpy of every byte."""
 
-    def __init__(self, in_place: bool = False):
+    def __init__(self, in_place: bool = False, ahead: HostBuffers | None = None):
         self.copy, self.layout = None, None
         self.in_place, self.last_in_place = in_place, False
+        self.ahead = ahead  # buffers made before the first save (HostBuffers), for the first host copy only
         self.made = 0  # host copies made: 1 for a whole run unless the state dict changed shape
 
     @property
@@ -70,7 +82,11 @@ class ReusedHostCopy:
         layout = _layout(state_dict)
         if self.copy is None or layout != self.layout:
             self.copy = None  # the old buffers go before the new ones are made
-            self.copy = internals.get("torch.distributed._state_dict_utils._create_cpu_state_dict")(state_dict, pin_memory=torch.cuda.is_available())
+            ahead, self.ahead = self.ahead, None
+            if ahead is not None:
+                self.copy = ahead.build(state_dict, layout)
+            if self.copy is None:
+                self.copy = internals.get("torch.distributed._state_dict_utils._create_cpu_state_dict")(state_dict, pin_memory=torch.cuda.is_available())
             _share_ties(state_dict, self.copy, {})
             self.layout = layout
             self.made += 1
@@ -81,6 +97,121 @@ class ReusedHostCopy:
 
     def close(self) -> None:
         pass
+
+
+class HostBuffers:
+    """Host buffers for the first host copy, made ahead on a thread of their own: one per ``(dtype, shape)`` given
+    (this rank's weight and optimizer shards), page-locked where CUDA is, else with their pages touched (so the
+    save's copy does not fault them in). ``take`` hands them out to the first save's copy (waiting for the thread if
+    it is still at work); ``close`` lets go of what no save took and says what it cost (fsdp_report.json).
+
+    The memory is the host copy's own, which the run holds from its first checkpoint on anyway; made earlier. A
+    failure here (no pinned memory left) is not the run's: the save then makes its copy as before, and says so."""
+
+    def __init__(self, shapes, pin: bool):
+        self.pin, self.free, self.bytes, self.seconds, self.error = pin, {}, 0, None, None
+        self.taken, self.made_at_save, self.waited = 0, 0, 0.0
+        self._thread = threading.Thread(target=self._make, args=(list(shapes),), name="host-copy-ahead", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def shapes_of(tensors) -> list[tuple]:
+        """``(dtype, shape)`` of each tensor's memory on this rank (a DTensor's local shard), empty ones left out."""
+        return [(local.dtype, tuple(local.shape)) for local in map(_local, tensors) if local.numel()]
+
+    def _make(self, shapes) -> None:
+        began = time.monotonic()
+        try:
+            for dtype, shape in shapes:
+                buffer = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+                if not self.pin:
+                    buffer.zero_()
+                self.free.setdefault((dtype, tuple(shape)), []).append(buffer)
+                self.bytes += buffer.numel() * buffer.element_size()
+        except Exception as error:  # noqa: BLE001 (the save makes what is missing, as without this)
+            self.error = f"{type(error).__name__}: {error}"
+        self.seconds = round(time.monotonic() - began, 3)
+
+    def busy(self) -> bool:
+        return self._thread.is_alive()
+
+    def build(self, state_dict, layout: tuple):
+        """The first host copy of ``state_dict`` around these buffers; None (torch's helper makes it, and the report
+        says why) for a state dict this way does not build as torch's helper would."""
+        why = None if _copyable(state_dict) else "a tensor type other than Tensor and DTensor"
+        try:
+            made = _host_copy(state_dict, self, {}) if why is None else None
+        except (RuntimeError, TypeError, ValueError, InternalsChanged) as error:  # a torch where DTensor's empty_like or memory moved
+            made, why = None, f"{type(error).__name__}: {error}"
+        if made is not None and _layout(made) != layout:
+            made, why = None, "its layout differed from the state dict's"
+        if why is not None:
+            self.error = self.error or f"a host copy was made by torch's helper instead ({why})"
+        return made
+
+    def take(self, dtype, shape):
+        if self._thread.is_alive():
+            began = time.monotonic()
+            self._thread.join()
+            self.waited += time.monotonic() - began
+        found = self.free.get((dtype, tuple(shape)))
+        if found:
+            self.taken += 1
+            return found.pop()
+        self.made_at_save += 1
+        return None
+
+    def close(self) -> dict:
+        self._thread.join()
+        left = sum(b.numel() * b.element_size() for found in self.free.values() for b in found)
+        self.free = {}
+        return {"bytes": self.bytes, "seconds": self.seconds, "pinned": self.pin, "tensors_taken": self.taken,
+                "tensors_made_at_save": self.made_at_save, "bytes_not_taken": left,
+                "save_waited_seconds": round(self.waited, 3), **({"error": self.error} if self.error else {})}
+
+
+def _copyable(state) -> bool:
+    """Only dicts, lists, tuples, plain tensors, DTensors and plain values (what FSDP2's state dicts hold): anything else
+    (FSDP1's ShardedTensor) is left to torch's helper."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, torch.Tensor):
+        return type(state) in (torch.Tensor, torch.nn.Parameter, DTensor)
+    items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    return all(_copyable(v) for v in items)
+
+
+@torch.no_grad()
+def _host_copy(state, ahead: HostBuffers, seen: dict):
+    """What torch's ``_create_cpu_state_dict`` makes (same structure, 0-dim tensors as it makes them), each tensor's
+    host memory taken from ``ahead`` where it holds one of that dtype and shape, and no copy of the data: the save
+    copies into it next. A tensor held under several names (tied embeddings) gets one buffer."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        if state.dim() == 0:
+            return state
+        wrapper = torch.empty_like(state, device="cpu")  # the DTensor's mesh and placements; its memory is replaced next
+        internals.set_attr(wrapper, "torch.distributed.tensor.DTensor._local_tensor", _host_tensor(state.to_local(), ahead, seen))
+        return wrapper
+    if isinstance(state, torch.Tensor):
+        return torch.tensor(0, dtype=state.dtype) if state.dim() == 0 else _host_tensor(state, ahead, seen)
+    if isinstance(state, dict):
+        return {k: _host_copy(v, ahead, seen) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        made = [_host_copy(v, ahead, seen) for v in state]
+        return tuple(made) if isinstance(state, tuple) else made
+    return copy.deepcopy(state)
+
+
+def _host_tensor(local, ahead: HostBuffers, seen: dict):
+    if local.numel() == 0:
+        return torch.zeros_like(local, device="cpu")
+    tie = _same_tensor(local)
+    if tie not in seen:
+        taken = ahead.take(local.dtype, local.shape)
+        seen[tie] = taken if taken is not None else torch.empty(local.shape, dtype=local.dtype, pin_memory=ahead.pin)
+    return seen[tie]
 
 
 def on_host(state) -> bool:

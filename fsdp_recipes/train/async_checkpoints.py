@@ -9,8 +9,9 @@ while the next steps train. What it writes from (``--async_checkpoint_staging``)
   live tensors themselves. Forward and backward never change them; the optimizer step does, so the first optimizer
   step after the checkpoint waits until the write is done (a step pre-hook; its wait is in fsdp_report.json). No
   memory is added, and the training thread copies nothing.
-- auto elsewhere (GPU), or copy: a host copy (the staging, as large as those shards: made at the first checkpoint
-  and reused by every later one, so held for the run; stated at the start of the run); no step waits.
+- auto elsewhere (GPU), or copy: a host copy (the staging, as large as those shards: made after the first
+  optimizer step on a thread of its own, filled at each checkpoint and reused by every one, so held for the run;
+  stated at the start of the run); no step waits.
 
 The small files (scheduler, RNG states, config, tokenizer) are written at once.
 
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from fsdp_recipes.compat.async_dcp import Background, ReusedHostCopy, ShardFiles, checkpoint_saves
+from fsdp_recipes.compat.async_dcp import Background, HostBuffers, ReusedHostCopy, ShardFiles, checkpoint_saves
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ class AsyncCheckpoints(TrainerCallback):
         self.groups: list = []  # a gloo group for each save of a checkpoint (compat.async_dcp), made on first use
         self.stagers: list = []  # and its host copy (compat.async_dcp.ReusedHostCopy), reused by every checkpoint
         self.host_copies_made = 0  # by stagers already let go (release)
+        self.ahead: HostBuffers | None = None  # the first host copy's buffers, made after the first optimizer step
+        self.ahead_report: dict | None = None  # what making them ahead cost, and how much of the first copy they were
+        self.ahead_considered = False  # at the end of the first step this process runs
         self.pending: Pending | None = None
         self.completed: list[dict] = []  # per checkpoint: step, seconds, the step training had reached (the report)
 
@@ -93,8 +97,8 @@ class AsyncCheckpoints(TrainerCallback):
                     "each): straight from this rank's weight and optimizer shards, which live in host memory (no copy; the "
                     "optimizer step after a checkpoint waits for its write), one checkpoint at a time")
         return ("checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
-                "each): a host copy of this rank's weight and optimizer shards, made at the first checkpoint and reused by every "
-                "later one (held for the run), one checkpoint at a time")
+                "each): a host copy of this rank's weight and optimizer shards, made after the first optimizer step and reused "
+                "by every checkpoint (held for the run), one checkpoint at a time")
 
     def expects_in_place(self) -> bool:
         """Whether saves will be written from the live tensors: staging auto, the shards in host memory (no accelerator,
@@ -130,7 +134,7 @@ class AsyncCheckpoints(TrainerCallback):
 
         def stager(i: int):
             while len(self.stagers) <= i:
-                self.stagers.append(ReusedHostCopy(in_place=self.in_place_allowed()))
+                self.stagers.append(ReusedHostCopy(in_place=self.in_place_allowed(), ahead=self.ahead))
             return self.stagers[i]
 
         pending = Pending(folder, step, [], time.monotonic())
@@ -159,6 +163,8 @@ class AsyncCheckpoints(TrainerCallback):
             if offload_to_cpu:
                 sd_config.offload_to_cpu = True
             del state.save_to_json
+            if self.ahead is not None:  # the first checkpoint's copies are made: what they did not take goes
+                self.ahead_report, self.ahead = self.ahead.close(), None
         self.pending = pending
         if any(pending.in_place):
             from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -187,6 +193,10 @@ class AsyncCheckpoints(TrainerCallback):
         return self.pending is not None and self.pending.folder == Path(folder)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if not self.ahead_considered:
+            self.ahead_considered = True
+            if not self.stagers:  # no checkpoint yet
+                self._make_host_copy_ahead(kwargs.get("model"), state)
         if self.pending is None:
             return
         import torch
@@ -195,6 +205,26 @@ class AsyncCheckpoints(TrainerCallback):
         agreed = self.trainer.accelerator.reduce(torch.tensor(int(done), device=self.trainer.accelerator.device), reduction="sum")
         if int(agreed.item()) == self.trainer.accelerator.num_processes:
             self._complete(state.global_step)
+
+    def _make_host_copy_ahead(self, model, state) -> None:
+        """After the first optimizer step (Adam's state exists from then on), where checkpoints will be staged into a
+        host copy: its buffers made now on a thread of their own (compat.async_dcp.HostBuffers), not on the training
+        thread at the first checkpoint. Full fine-tuning saves every weight; a run with frozen weights (LoRA) saves
+        few of them, so only its optimizer state's buffers are made ahead (the rest, small, at the save)."""
+        import torch
+
+        if not self.active or self.expects_in_place() or model is None or self.trainer.args.save_strategy == "no":
+            return
+        save_steps = getattr(state, "save_steps", 0) or 0
+        if str(self.trainer.args.save_strategy).endswith("steps") and state.max_steps and save_steps > state.max_steps:
+            return  # no checkpoint before the end: nothing to make ahead
+        params = list(model.parameters())
+        tensors = params if all(p.requires_grad for p in params) else []
+        optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+        tensors += [v for per_param in optimizer.state.values() for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        shapes = HostBuffers.shapes_of(tensors)
+        if shapes:
+            self.ahead = HostBuffers(shapes, pin=torch.cuda.is_available())
 
     def finish(self) -> None:
         """Wait for the save in flight on this rank, then for every rank, then complete it."""
@@ -210,6 +240,8 @@ class AsyncCheckpoints(TrainerCallback):
         """After the last save: the host copies are let go (the final export and what follows gain nothing from them)."""
         self.host_copies_made += sum(s.made for s in self.stagers)
         self.stagers.clear()
+        if self.ahead is not None:  # made for a checkpoint that never came
+            self.ahead_report, self.ahead = self.ahead.close(), None
 
     def abandon(self) -> None:
         """After an exception: the checkpoint stays incomplete (no shard_digests.json, no trainer_state.json, no rotation).
@@ -254,4 +286,5 @@ class AsyncCheckpoints(TrainerCallback):
                 "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),  # rank 0's host copy per save
                 "seconds_max": max((c["seconds"] for c in done), default=0.0),
                 "host_copies_made": self.host_copies_made + sum(s.made for s in self.stagers),  # one per save of a checkpoint (model, optimizer), reused
+                **({"host_copy_ahead": self.ahead_report} if self.ahead_report else {}),  # the first copy's buffers, made after step 1
                 "last": done[-5:]}
