@@ -1,10 +1,11 @@
 """What the first background save stalls training for: its host copy made on the training thread at the save (torch's
-helper, as before) against built around buffers made ahead on a thread (fsdp_recipes.compat.async_dcp.HostBuffers,
+helper, as before) against built around buffers made ahead on a thread (fsdp_recipes.compat.host_copy.HostBuffers,
 what background saves do now), each kind in fresh processes, alternated ``--repeats`` times (the pinned-memory cache
 of one would serve the other in one process).
 
     PYTHONPATH=. python bench/first_save.py                      # on a GPU: 1 GB of fp32 weights + Adam, ~1 minute
     PYTHONPATH=. python bench/first_save.py --gigabytes 0.01 --repeats 1   # a check on CPU: seconds
+    PYTHONPATH=. python bench/first_save.py --kinds at-save,ahead,ahead-allocator,ahead-pageable   # the ways compared
 
 One process, one rank's shards as FSDP2 holds them (DTensors on a one-rank mesh; Llama-3.2-1B's layer shapes,
 ``--gigabytes`` of fp32 weights and twice that of Adam's moments), staged as a background checkpoint stages them
@@ -58,7 +59,7 @@ def child(kind: str, gigabytes: float) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fsdp_recipes.compat.async_dcp import HostBuffers, ReusedHostCopy
+    from fsdp_recipes.compat.host_copy import HostBuffers, ReusedHostCopy
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -85,9 +86,10 @@ def child(kind: str, gigabytes: float) -> dict:
     work()
     alone = statistics.median(work() for _ in range(5))
     ahead, during = None, None
-    if kind == "ahead":  # as after the first optimizer step: the thread starts, training goes on
+    if kind.startswith("ahead"):  # as after the first optimizer step: the thread starts, training goes on
         began = time.perf_counter()
-        ahead = HostBuffers(HostBuffers.shapes_of(params + [t for pair in moments for t in pair]), pin=cuda)
+        pin = None if not cuda or kind == "ahead-pageable" else "allocator" if kind == "ahead-allocator" else "register"
+        ahead = HostBuffers(HostBuffers.shapes_of(params + [t for pair in moments for t in pair]), pin=pin)
         timed = []
         while ahead.busy() and time.perf_counter() - began < 120:
             timed.append(work())
@@ -131,23 +133,34 @@ def launch(kind: str, gigabytes: float) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+KINDS = {"at-save": "made at the save (before)",
+         "ahead": "made ahead (now): faulted in on 4 threads, then page-locked (cudaHostRegister) on a GPU",
+         "ahead-allocator": "made ahead by torch's pinned allocator (GPU)",
+         "ahead-pageable": "made ahead, faulted in, not page-locked"}
+
+
 def table(runs: list[dict]) -> str:
-    kinds = {k: [r for r in runs if r["kind"] == k] for k in ("at-save", "ahead")}
+    kinds = {k: [r for r in runs if r["kind"] == k] for k in KINDS if any(r["kind"] == k for r in runs)}
     med = lambda k, key: statistics.median(r[key] for r in kinds[k])  # noqa: E731
-    ahead = kinds["ahead"]
     lines = [f"First background save's staging on the training thread, {runs[0]['staged_bytes'] / 2**30:.2f} GiB of one rank's "
-             f"shards (weights + Adam), {runs[0]['device']}, torch {runs[0]['torch']}; medians of {len(ahead)} fresh process(es) "
-             "per kind, alternated:", "",
-             "| host copy | first save (s) | later save (s) | buffers made ahead in (s) | work while they were made / alone |",
-             "|---|---|---|---|---|",
-             f"| made at the save (before) | {med('at-save', 'first_save_seconds'):.3f} | {med('at-save', 'later_save_seconds'):.3f} | - | - |"]
-    slowdown = [r["work_seconds_while_ahead"] / r["work_seconds_alone"] for r in ahead if r["work_seconds_while_ahead"]]
-    lines.append(f"| made ahead (now) | {med('ahead', 'first_save_seconds'):.3f} | {med('ahead', 'later_save_seconds'):.3f} | "
-                 f"{statistics.median(r['ahead']['seconds'] for r in ahead):.3f} | "
-                 f"{(f'{statistics.median(slowdown):.2f}x' if slowdown else 'finished before the first measurement')} |")
-    ratio = med("ahead", "first_save_seconds") / med("at-save", "first_save_seconds")
-    lines += ["", f"First save, made ahead against made at the save: {ratio:.2f}x. Buffers taken / made at the save: "
-              f"{ahead[0]['ahead']['tensors_taken']} / {ahead[0]['ahead']['tensors_made_at_save']}."]
+             f"shards (weights + Adam), {runs[0]['device']}, torch {runs[0]['torch']}; medians of {len(kinds['at-save'])} fresh "
+             "process(es) per kind, alternated:", "",
+             "| host copy | first save (s) | later save (s) | buffers made ahead in (s) | training-thread work while they were made / alone |",
+             "|---|---|---|---|---|"]
+    for kind, rows in kinds.items():
+        if kind == "at-save":
+            lines.append(f"| {KINDS[kind]} | {med(kind, 'first_save_seconds'):.3f} | {med(kind, 'later_save_seconds'):.3f} | - | - |")
+            continue
+        slowdown = [r["work_seconds_while_ahead"] / r["work_seconds_alone"] for r in rows if r["work_seconds_while_ahead"]]
+        lines.append(f"| {KINDS[kind]} | {med(kind, 'first_save_seconds'):.3f} | {med(kind, 'later_save_seconds'):.3f} | "
+                     f"{statistics.median(r['ahead']['seconds'] for r in rows):.3f} | "
+                     f"{(f'{statistics.median(slowdown):.2f}x' if slowdown else 'finished before the first measurement')} |")
+    lines.append("")
+    for kind, rows in kinds.items():
+        if kind != "at-save":
+            ratio = med(kind, "first_save_seconds") / med("at-save", "first_save_seconds")
+            lines.append(f"First save, {KINDS[kind]}, against made at the save: {ratio:.2f}x. Buffers taken / made at the save: "
+                         f"{rows[0]['ahead']['tensors_taken']} / {rows[0]['ahead']['tensors_made_at_save']}.")
     return "\n".join(lines) + "\n"
 
 
@@ -156,19 +169,23 @@ def main(argv=None) -> int:
     parser.add_argument("--gigabytes", type=float, default=1.0, help="fp32 weights of the rank's shards (Adam adds twice that)")
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per kind, alternated")
     parser.add_argument("--output", type=Path, help="folder for README.md and results.json (else printed only)")
-    parser.add_argument("--child", choices=("at-save", "ahead"), help=argparse.SUPPRESS)
+    parser.add_argument("--kinds", default="at-save,ahead", help=f"comma-separated, of: {', '.join(KINDS)} (page-locking: GPU only)")
+    parser.add_argument("--child", choices=tuple(KINDS), help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.gigabytes <= 0 or a.repeats < 1:
         parser.error("--gigabytes must be above 0 and --repeats at least 1")
     if a.child:
         print(json.dumps(child(a.child, a.gigabytes)))
         return 0
-    runs = [launch(kind, a.gigabytes) for _ in range(a.repeats) for kind in ("at-save", "ahead")]
+    kinds = a.kinds.split(",")
+    if "at-save" not in kinds or any(k not in KINDS for k in kinds):
+        parser.error(f"--kinds: at-save (the baseline) and any of {', '.join(KINDS)}")
+    runs = [launch(kind, a.gigabytes) for _ in range(a.repeats) for kind in kinds]
     text = table(runs)
     print(text, end="")
     if a.output:
         a.output.mkdir(parents=True, exist_ok=True)
-        (a.output / "README.md").write_text(text + f"\n    PYTHONPATH=. python bench/first_save.py --gigabytes {a.gigabytes} --repeats {a.repeats}\n")
+        (a.output / "README.md").write_text(text + f"\n    PYTHONPATH=. python bench/first_save.py --gigabytes {a.gigabytes} --repeats {a.repeats} --kinds {a.kinds}\n")
         (a.output / "results.json").write_text(json.dumps(runs, indent=1) + "\n")
     return 0
 

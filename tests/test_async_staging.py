@@ -1,4 +1,4 @@
-"""The host copy background saves stage into (fsdp_recipes.compat.async_dcp.ReusedHostCopy): a snapshot that later
+"""The host copy background saves stage into (fsdp_recipes.compat.host_copy.ReusedHostCopy): a snapshot that later
 training steps cannot change, made once and reused by every later save (bounded memory, no growth over many
 saves), made again when the state dict changes shape. Plain tensors and a DTensor on a one-process gloo mesh."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_recipes.compat.async_dcp import ReusedHostCopy
+from fsdp_recipes.compat.host_copy import ReusedHostCopy
 
 
 def pointers(state) -> list[int]:
@@ -81,7 +81,7 @@ def test_a_dtensor_shard_is_copied_into_the_same_host_buffer(one_process_group):
 
 
 def test_a_tied_weight_gets_one_host_buffer_and_is_counted_once():
-    from fsdp_recipes.compat.async_dcp import local_bytes
+    from fsdp_recipes.compat.host_copy import local_bytes
 
     embedding = torch.randn(10, 4)
     live = {"model": {"embed_tokens.weight": embedding, "lm_head.weight": embedding, "norm.weight": torch.ones(4)}}
@@ -100,7 +100,7 @@ def test_in_place_hands_host_tensors_to_the_writer_as_they_are_and_copies_nothin
     """ReusedHostCopy(in_place=True) (--async_checkpoint_staging auto): tensors already in host memory are written from
     where they are (the caller holds the optimizer step meanwhile); any tensor elsewhere (here: meta, standing in for a
     GPU) makes the save a host copy as before."""
-    from fsdp_recipes.compat.async_dcp import on_host
+    from fsdp_recipes.compat.host_copy import on_host
 
     live = {"model": {"w": torch.randn(8, 4)}, "optim": {"state": {"exp_avg": torch.randn(8, 4), "step": torch.tensor(2.0)}}}
     stager = ReusedHostCopy(in_place=True)
@@ -172,7 +172,7 @@ def test_background_saves_ask_accelerate_for_the_shards_where_they_live(fails):
 
 
 def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torchs_own(one_process_group):
-    """The first save's host copy (compat.async_dcp.HostBuffers, made after the first optimizer step on a thread of its
+    """The first save's host copy (compat.host_copy.HostBuffers, made after the first optimizer step on a thread of its
     own): every tensor the buffers foresaw is one of them (no allocation at the save), the copy has torch's helper's
     structure (DTensor placements, 0-dim step counters, an empty tensor, plain values, a tied weight once), holds
     the values of the save's step, and later saves reuse it. A shape nobody foresaw is made at the save."""
@@ -180,7 +180,7 @@ def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torc
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from fsdp_recipes.compat.async_dcp import HostBuffers, _layout
+    from fsdp_recipes.compat.host_copy import HostBuffers, _layout
 
     mesh = init_device_mesh("cpu", (1,))
     embedding = distribute_tensor(torch.randn(12, 4), mesh, [Shard(0)])
@@ -189,7 +189,7 @@ def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torc
             "optim": {"state": {"norm.weight": {"exp_avg": distribute_tensor(torch.randn(4), mesh, [Shard(0)]), "step": torch.tensor(7.0),
                                                 "scale": distribute_tensor(torch.tensor(2.0), mesh, [Replicate()])}},
                       "param_groups": [{"lr": 0.1, "params": ["norm.weight"]}], "extra": (torch.randn(3, 2), torch.empty(0))}}
-    ahead = HostBuffers(HostBuffers.shapes_of([embedding, norm, live["optim"]["state"]["norm.weight"]["exp_avg"]]), pin=False)
+    ahead = HostBuffers(HostBuffers.shapes_of([embedding, norm, live["optim"]["state"]["norm.weight"]["exp_avg"]]), pin=None)
     ahead.take(torch.int8, (1,))  # waits for the thread: what it made can be listed (a miss, counted below)
     foreseen = [b.data_ptr() for found in ahead.free.values() for b in found]
     stager = ReusedHostCopy(ahead=ahead)
@@ -201,7 +201,7 @@ def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torc
              staged["optim"]["state"]["norm.weight"]["exp_avg"].to_local().data_ptr()}
     assert taken == set(foreseen)  # each buffer made ahead is in the copy, and nothing else of those shapes was made
     assert staged["model"]["lm_head.weight"].to_local().data_ptr() == staged["model"]["embed.weight"].to_local().data_ptr()  # tied: one buffer
-    assert report == {"bytes": (12 * 4 + 4 + 4) * 4, "seconds": report["seconds"], "pinned": False, "tensors_taken": 3,
+    assert report == {"bytes": (12 * 4 + 4 + 4) * 4, "seconds": report["seconds"], "pinned": None, "tensors_taken": 3,
                       "tensors_made_at_save": 2, "bytes_not_taken": 0, "save_waited_seconds": report["save_waited_seconds"]}  # (3, 2) and int8: not foreseen
     assert isinstance(staged["model"]["norm.weight"], DTensor) and staged["model"]["norm.weight"].placements == (Shard(0),)
     scale = live["optim"]["state"]["norm.weight"]["scale"]
@@ -221,10 +221,10 @@ def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torc
 def test_buffers_that_could_not_be_made_ahead_leave_the_save_to_make_its_copy():
     """No memory for the buffers (here: a shape no tensor can have) is not the run's failure: the save makes what it
     needs as without them, and the report says why none came from ahead."""
-    from fsdp_recipes.compat.async_dcp import HostBuffers
+    from fsdp_recipes.compat.host_copy import HostBuffers
 
     live = {"w": torch.randn(5, 3)}
-    ahead = HostBuffers([(torch.float32, (5, 3)), (torch.float32, (-1,))], pin=False)
+    ahead = HostBuffers([(torch.float32, (5, 3)), (torch.float32, (-1,))], pin=None)
     stager = ReusedHostCopy(ahead=ahead)
     staged = stager.stage(live)
     report = ahead.close()
@@ -235,14 +235,14 @@ def test_buffers_that_could_not_be_made_ahead_leave_the_save_to_make_its_copy():
 def test_a_first_copy_that_cannot_be_built_around_the_buffers_is_torchs_and_says_why(monkeypatch):
     """Where building the copy around the buffers fails (a torch whose DTensor moved, here: an injected error), the
     save's copy is torch's helper's, as before the buffers existed, and the report names why."""
-    from fsdp_recipes.compat import async_dcp
+    from fsdp_recipes.compat import host_copy
 
     def moved(*args):
         raise RuntimeError("empty_like is not a DTensor op here")
 
-    monkeypatch.setattr(async_dcp, "_host_copy", moved)
+    monkeypatch.setattr(host_copy, "_host_copy", moved)
     live = {"w": torch.randn(5, 3), "step": torch.tensor(1.0)}
-    ahead = async_dcp.HostBuffers([(torch.float32, (5, 3))], pin=False)
+    ahead = host_copy.HostBuffers([(torch.float32, (5, 3))], pin=None)
     stager = ReusedHostCopy(ahead=ahead)
     staged = stager.stage(live)
     report = ahead.close()
@@ -267,4 +267,4 @@ def test_the_first_save_benchmark_runs_both_kinds_and_checks_their_copies(tmp_pa
     assert [r["kind"] for r in runs] == ["at-save", "ahead"]
     ahead = runs[1]["ahead"]
     assert ahead["bytes"] == runs[1]["staged_bytes"] and ahead["tensors_made_at_save"] == 0 and "error" not in ahead, ahead
-    assert "First save, made ahead against made at the save:" in (tmp_path / "README.md").read_text()
+    assert "First save, made ahead (now): faulted in on 4 threads" in (tmp_path / "README.md").read_text()

@@ -8,6 +8,8 @@ it and the pinned version). Nothing outside this package patches another library
 - async_dcp:           accelerate's checkpoint saves through DCP with shard files written past the page cache, and in
                        the background (DCP's async_save from the live shards where they are in host memory, else
                        from one reused host copy)
+- host_copy:           that host copy: made once (its buffers ahead, after the first optimizer step, on threads of
+                       their own), filled at each checkpoint
 - trainer_checkpoints: LoRA checkpoints under FSDP hold the adapter, every rank's slice (SHARDED), or the whole model (FULL)
 - rank0_loading:       rank-0-only loading: FSDP2, rank 0 sends each rank its rows, not every weight whole; FSDP1,
                        the other ranks hold no weights until FSDP fills each unit

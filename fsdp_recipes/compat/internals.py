@@ -52,10 +52,10 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (MODULE, "torch_dcp: the .metadata torch reads"),
     "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": (MODULE, "torch_dcp: .metadata vetted first (patched)"),
     "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (MODULE, "torch_dcp: byte records vetted first (patched)"),
-    # fsdp_recipes/compat/async_dcp.py: background saves stage into one host copy reused by every checkpoint
-    "torch.distributed._state_dict_utils._create_cpu_state_dict": (MODULE, "async_dcp: the host copy, made once (torch's own stager's helper)"),
-    "torch.distributed._state_dict_utils._copy_state_dict": (MODULE, "async_dcp: each save copied into it (torch's own stager's helper)"),
-    "torch.distributed.tensor.DTensor._local_tensor": (INSTANCE, "async_dcp: the first host copy's DTensors hold buffers made ahead (as torch's helper sets them)"),
+    # fsdp_recipes/compat/host_copy.py: background saves stage into one host copy reused by every checkpoint
+    "torch.distributed._state_dict_utils._create_cpu_state_dict": (MODULE, "host_copy: the host copy, made once (torch's own stager's helper)"),
+    "torch.distributed._state_dict_utils._copy_state_dict": (MODULE, "host_copy: each save copied into it (torch's own stager's helper)"),
+    "torch.distributed.tensor.DTensor._local_tensor": (INSTANCE, "host_copy: the first host copy's DTensors hold buffers made ahead (as torch's helper sets them)"),
     # fsdp_recipes/compat/rank0_loading.py: rank-0-only loading without a full copy on the other ranks
     "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict": (MODULE, "rank0_loading: FSDP2, rank 0 scatters, not broadcasts (patched)"),
     "torch.distributed.fsdp._init_utils._sync_params_and_buffers": (MODULE, "rank0_loading: FSDP1 on CPU, broadcast tensor by tensor (patched)"),

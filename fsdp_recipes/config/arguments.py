@@ -16,7 +16,7 @@ DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet":
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-STAGING = ("auto", "copy")  # async_checkpoint_staging (fsdp_recipes.compat.async_dcp.ReusedHostCopy)
+STAGING = ("auto", "copy")  # async_checkpoint_staging (fsdp_recipes.compat.host_copy.ReusedHostCopy)
 
 
 # TRL's names (SFTConfig, ScriptArguments, ModelConfig) for the same settings: extra spellings of our flags and

@@ -44,7 +44,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from fsdp_recipes.compat.async_dcp import Background, HostBuffers, ReusedHostCopy, ShardFiles, checkpoint_saves
+from fsdp_recipes.compat.async_dcp import Background, ShardFiles, checkpoint_saves
+from fsdp_recipes.compat.host_copy import HostBuffers, ReusedHostCopy
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class AsyncCheckpoints(TrainerCallback):
         self.step_hook = None  # the optimizer step pre-hook while an in-place write is in flight
         self.shard_files = ShardFiles()  # how this rank's shard files were written (direct or through the page cache)
         self.groups: list = []  # a gloo group for each save of a checkpoint (compat.async_dcp), made on first use
-        self.stagers: list = []  # and its host copy (compat.async_dcp.ReusedHostCopy), reused by every checkpoint
+        self.stagers: list = []  # and its host copy (compat.host_copy.ReusedHostCopy), reused by every checkpoint
         self.host_copies_made = 0  # by stagers already let go (release)
         self.ahead: HostBuffers | None = None  # the first host copy's buffers, made after the first optimizer step
         self.ahead_report: dict | None = None  # what making them ahead cost, and how much of the first copy they were
@@ -208,7 +209,7 @@ class AsyncCheckpoints(TrainerCallback):
 
     def _make_host_copy_ahead(self, model, state) -> None:
         """After the first optimizer step (Adam's state exists from then on), where checkpoints will be staged into a
-        host copy: its buffers made now on a thread of their own (compat.async_dcp.HostBuffers), not on the training
+        host copy: its buffers made now on a thread of their own (compat.host_copy.HostBuffers), not on the training
         thread at the first checkpoint. Full fine-tuning saves every weight; a run with frozen weights (LoRA) saves
         few of them, so only its optimizer state's buffers are made ahead (the rest, small, at the save)."""
         import torch
@@ -224,7 +225,7 @@ class AsyncCheckpoints(TrainerCallback):
         tensors += [v for per_param in optimizer.state.values() for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         shapes = HostBuffers.shapes_of(tensors)
         if shapes:
-            self.ahead = HostBuffers(shapes, pin=torch.cuda.is_available())
+            self.ahead = HostBuffers(shapes, pin="register" if torch.cuda.is_available() else None)
 
     def finish(self) -> None:
         """Wait for the save in flight on this rank, then for every rank, then complete it."""
