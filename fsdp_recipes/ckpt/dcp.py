@@ -45,7 +45,9 @@ reviewer of that guarantee has to read.
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import math
 import os
 import pickle
 import pickletools
@@ -358,6 +360,8 @@ def check_folder(dcp_dir: Path, byte_records: bool = True) -> tuple[Layout | Non
         return None, [f"unreadable {meta_path} ({err})"]
     except Exception as err:  # a truncated pickle raises several different types
         return None, [f"unreadable {meta_path} ({type(err).__name__})"]
+    if problems := chunk_problems(layout, meta_path):
+        return layout, problems
     needed: dict[str, int] = {}
     for info in layout.storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -373,6 +377,54 @@ def check_folder(dcp_dir: Path, byte_records: bool = True) -> tuple[Layout | Non
     if not problems:
         problems = vet_records(dcp_dir, layout, byte_records)
     return layout, problems
+
+
+# Grid cells a tensor's chunks are checked over: a writer's layout (a chunk per rank along one dimension, or a grid of
+# them: FSDP x tensor parallel) has about as many cells as chunks; only a layout made up by hand has many more
+CELL_LIMIT = 1_000_000
+
+
+def chunk_problems(layout: Layout, meta_path: Path) -> list[str]:
+    """Whether every tensor's chunks make it up exactly: each inside the tensor, with a record to read it from, none
+    overlapping another, every element in one. The first one that does not, as a problem line. Readers trust these
+    offsets: chunks that overlap leave other rows as they were before the read (zeros in a merge), silently."""
+    for key, entry in layout.tensors.items():
+        if (detail := _chunk_problem(key, entry, layout.storage)) is not None:
+            return [f"unreadable {meta_path}: the chunks of {key!r} {detail}, so they do not make up the tensor (the file was "
+                    "edited or damaged): use another checkpoint-N, or copy this one again from where it was written"]
+    return []
+
+
+def _chunk_problem(key: str, entry: TensorEntry, storage) -> str | None:
+    shape, dims = entry.shape, len(entry.shape)
+    for chunk in entry.chunks:
+        where = f"at {list(chunk.offsets)} of size {list(chunk.sizes)}"
+        if len(chunk.offsets) != dims or len(chunk.sizes) != dims:
+            return f"include one {where}, with another number of dimensions than the tensor's {list(shape)}"
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, shape)):
+            return f"include one {where}, outside the tensor's {list(shape)}"
+        if (key, chunk.offsets) not in storage:
+            return f"include one {where} that no record holds"
+    if math.prod(shape) == 0:
+        return None
+    chunks = [c for c in entry.chunks if math.prod(c.sizes)]
+    held = sum(math.prod(c.sizes) for c in chunks)
+    if held != math.prod(shape):
+        return f"hold {held:,} elements where the tensor {list(shape)} has {math.prod(shape):,}"
+    # as many elements as the tensor: they make it up unless two overlap. Over the grid the chunk edges cut, each
+    # cell must be in exactly one chunk
+    edges = [sorted({0, d, *(c.offsets[i] for c in chunks), *(c.offsets[i] + c.sizes[i] for c in chunks)}) for i, d in enumerate(shape)]
+    if math.prod(len(e) - 1 for e in edges) > CELL_LIMIT:
+        return f"cut it into over {CELL_LIMIT:,} pieces, more than any writer's layout (this reader checks up to that)"
+    index = [{edge: i for i, edge in enumerate(e)} for e in edges]
+    seen: set[tuple[int, ...]] = set()
+    for chunk in chunks:
+        ranges = [range(index[i][o], index[i][o + n]) for i, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes))]
+        for cell in itertools.product(*ranges):
+            if cell in seen:
+                return f"overlap (one at {list(chunk.offsets)} of size {list(chunk.sizes)} covers elements another holds)"
+            seen.add(cell)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------- .distcp records

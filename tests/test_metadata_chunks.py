@@ -1,0 +1,154 @@
+"""A DCP ``.metadata`` says which chunk of each tensor lies where; every reader trusts those offsets. Chunks that do
+not make up their tensor exactly (two claiming the same rows, a gap, one outside the tensor, one no record holds)
+gave silently wrong weights: check_checkpoint said resumable, the merge (with --verify) wrote rows of zeros and
+exited 0, a resume loaded them. Now fsdp_recipes.ckpt.dcp.check_folder, which every reader goes through, refuses
+them in one line. The class is tested by generating every one-step damage of valid layouts (moved, grown, shrunk,
+duplicated or dropped chunks, a record dropped), and on a real 2-rank checkpoint's files."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+from fsdp_recipes.ckpt.dcp import Chunk, Layout, Stored, TensorEntry, chunk_problems
+from fsdp_recipes.ckpt.resume import resolve_resume
+from fsdp_recipes.errors import RecipeError
+from test_hostile_files import cli, one_line_error, run_dir  # noqa: F401 (run_dir: the fixture)
+
+META = Path("/ckpt/.metadata")
+
+VALID = {  # layouts writers make: (shape, [(offsets, sizes)])
+    "rows over 3 ranks, uneven": ((10, 4), [((0, 0), (4, 4)), ((4, 0), (4, 4)), ((8, 0), (2, 4))]),
+    "rows, listed out of order": ((9, 2), [((6, 0), (3, 2)), ((0, 0), (3, 2)), ((3, 0), (3, 2))]),
+    "an empty chunk (a rank with no rows)": ((3, 5), [((0, 0), (3, 5)), ((3, 0), (0, 5))]),
+    "a 2 x 2 grid (FSDP x tensor parallel)": ((6, 8), [((0, 0), (3, 4)), ((0, 4), (3, 4)), ((3, 0), (3, 4)), ((3, 4), (3, 4))]),
+    "a tiling that is no grid": ((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 1)), ((2, 1), (2, 3))]),
+    "a 1-d tensor": ((7,), [((0,), (4,)), ((4,), (3,))]),
+    "a scalar": ((), [((), ())]),
+    "a whole tensor in one chunk": ((5, 3), [((0, 0), (5, 3))]),
+}
+
+
+def layout(shape, chunks, drop_record=None) -> Layout:
+    entry = TensorEntry("float32", tuple(shape), tuple(Chunk(tuple(o), tuple(s)) for o, s in chunks))
+    storage = {("w", tuple(o)): Stored("__0_0.distcp", 0, 8, False) for o, _ in chunks if tuple(o) != drop_record}
+    return Layout({"w": entry}, storage)
+
+
+@pytest.mark.parametrize("name", VALID)
+def test_layouts_writers_make_are_taken(name):
+    assert chunk_problems(layout(*VALID[name]), META) == []
+
+
+def damaged(shape, chunks):
+    """Every one-step damage of a valid layout: a chunk moved or grown by one along a dimension, shrunk by one,
+    duplicated, dropped; each makes the chunks no longer the tensor."""
+    for i, (offsets, sizes) in enumerate(chunks):
+        if 0 in sizes:  # an empty chunk holds nothing: moving it changes nothing
+            continue
+        others = chunks[:i] + chunks[i + 1:]
+        for d in range(len(shape)):
+            for step in (-1, 1):
+                moved = tuple(o + step if k == d else o for k, o in enumerate(offsets))
+                yield f"chunk {i} moved {step:+d} along dim {d}", [*others, (moved, sizes)]
+            grown = tuple(n + 1 if k == d else n for k, n in enumerate(sizes))
+            yield f"chunk {i} grown along dim {d}", [*others, (offsets, grown)]
+            shrunk = tuple(n - 1 if k == d else n for k, n in enumerate(sizes))
+            yield f"chunk {i} shrunk along dim {d}", [*others, (offsets, shrunk)]
+        yield f"chunk {i} twice", [*chunks, (offsets, sizes)]
+        if shape:
+            yield f"chunk {i} dropped", others
+        yield f"chunk {i} with one dimension more", [*others, ((*offsets, 0), (*sizes, 1))]
+
+
+CASES = [(name, how, shape, chunks) for name, (shape, ok) in VALID.items() for how, chunks in damaged(shape, ok)]
+
+
+@pytest.mark.parametrize("name,how,shape,chunks", CASES, ids=[f"{n}: {h}" for n, h, *_ in CASES])
+def test_every_one_step_damage_of_a_valid_layout_is_refused(name, how, shape, chunks):
+    problems = chunk_problems(layout(shape, chunks), META)
+    assert len(problems) == 1 and problems[0].startswith(f"unreadable {META}: the chunks of 'w' "), problems
+    assert "so they do not make up the tensor" in problems[0] and "use another checkpoint-N" in problems[0]
+
+
+@pytest.mark.parametrize("name", [n for n in VALID if VALID[n][0]])
+def test_a_chunk_without_a_record_is_refused(name):
+    shape, chunks = VALID[name]
+    problems = chunk_problems(layout(shape, chunks, drop_record=tuple(chunks[-1][0])), META)
+    assert len(problems) == 1 and "that no record holds" in problems[0], problems
+
+
+def test_a_layout_cut_finer_than_any_writer_cuts_is_refused_not_walked():
+    """A made-up layout whose edges cut a tensor into more grid cells than the check walks (10^6): refused, in the
+    time it takes to count them."""
+    import time
+
+    n = 1100
+    rows = [((i, 0), (1, n)) for i in range(n)]  # 1100 row chunks and one column cut: edges 1101 x 3
+    chunks = rows[:-1] + [((n - 1, 0), (1, 1)), ((n - 1, 1), (1, n - 1))]
+    began = time.monotonic()
+    assert chunk_problems(layout((n, n), chunks), META) == []  # 2,200 cells: walked and taken
+    columns = [((i, 0), (1, i + 1)) for i in range(n)] + [((i, i + 1), (1, n - i - 1)) for i in range(n - 1)]
+    problems = chunk_problems(layout((n, n), columns), META)
+    assert len(problems) == 1 and "pieces, more than any writer's layout" in problems[0], problems
+    assert time.monotonic() - began < 5
+
+
+def rewrite_chunks(folder: Path, key: str, change) -> None:
+    """Rewrite ``folder``'s .metadata (with DCP's own classes, as another tool would) so that ``key``'s chunks are
+    ``change(chunks)``; each new chunk's record is the one of the chunk it replaced, re-keyed to its offsets."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    entry = metadata.state_dict_metadata[key]
+    before = list(entry.chunks)
+    after = change(before)
+    records = {tuple(i.offset): info for i, info in metadata.storage_data.items() if i.fqn == key}
+    metadata.storage_data = {i: info for i, info in metadata.storage_data.items() if i.fqn != key}
+    for old, new in zip(itertools.cycle(before), after):
+        metadata.storage_data[MetadataIndex(key, new.offsets)] = records[tuple(old.offsets)]
+    entry.chunks = after
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def same_offsets(chunks):  # the hostile review's edit: rank 1's chunk claims rank 0's offsets
+    return [chunks[0], ChunkStorageMetadata(offsets=chunks[0].offsets, sizes=chunks[1].sizes)]
+
+
+def one_row_over(chunks):  # rank 0's chunk a row longer, rank 1's a row shorter: as many elements, one row twice, one none
+    first, second = chunks
+    return [ChunkStorageMetadata(offsets=first.offsets, sizes=torch.Size([first.sizes[0] + 1, *first.sizes[1:]])),
+            ChunkStorageMetadata(offsets=second.offsets, sizes=torch.Size([second.sizes[0] - 1, *second.sizes[1:]]))]
+
+
+def half_missing(chunks):
+    return chunks[:1]
+
+
+@pytest.mark.parametrize("folder", ["pytorch_model_fsdp_0", "optimizer_0"])
+@pytest.mark.parametrize("change", [same_offsets, one_row_over, half_missing], ids=lambda f: f.__name__)
+def test_a_real_checkpoints_metadata_whose_chunks_do_not_make_the_tensor_is_refused_by_every_reader(run_dir, folder, change, tmp_path, capsys):  # noqa: F811
+    ckpt = run_dir / "checkpoint-12"
+    meta = dcp.FileSystemReader(str(ckpt / folder)).read_metadata()
+    key = next(k for k, m in meta.state_dict_metadata.items() if hasattr(m, "chunks") and "lm_head" in k and len(m.chunks) == 2)
+    rewrite_chunks(ckpt / folder, key, change)
+
+    assert cli("check_checkpoint", [str(ckpt)]) == 1
+    said = capsys.readouterr().out
+    assert f"the chunks of {key!r}" in said and "do not make up the tensor" in said and len(said.strip().splitlines()) == 1, said
+    if folder == "pytorch_model_fsdp_0":  # the merge reads the model's folder only
+        for argv in ([str(ckpt), str(tmp_path / "out")], [str(ckpt), str(tmp_path / "out"), "--verify"], [str(ckpt), "--inspect"]):
+            assert cli("merge_checkpoint", argv) == 1
+            err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+            assert f"the chunks of {key!r}" in err, err
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(RecipeError, match="cannot resume from checkpoint-12 .*do not make up the tensor"):
+        resolve_resume(str(ckpt), str(run_dir))
+
+
+def test_the_real_checkpoint_before_the_edit_is_taken(run_dir, capsys):  # noqa: F811
+    assert cli("check_checkpoint", [str(run_dir / "checkpoint-12")]) == 0, capsys.readouterr().out
