@@ -230,7 +230,7 @@ def test_a_base_model_path_that_is_not_a_saved_base_is_refused_before_anything_i
 def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
     """What stock adapter-only saves left (FSDP1: no tensor at all; accelerate PR #4206's FSDP2 bug: rank 0's slice
     only) is incomplete, named; every slice present is fine, and a LoRA adapter alone is named as such."""
-    from fsdp_recipes.ckpt.dcp import Chunk, Layout, TensorEntry
+    from fsdp_recipes.ckpt.dcp import Chunk, Layout, Stored, TensorEntry, chunk_problems
     from fsdp_recipes.ckpt.status import CheckpointStatus, _coverage_problems
 
     folder = tmp_path / "checkpoint-6" / "pytorch_model_fsdp_0"
@@ -241,11 +241,12 @@ def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
     assert status.lora == "adapter only"
     status = CheckpointStatus(str(folder.parent))
     whole = {name: TensorEntry("float32", (8, 64), halves), name.replace("lora_A.default", "base_layer"): TensorEntry("float32", (64, 64), ())}
-    assert _coverage_problems(folder, Layout({k: v for k, v in whole.items()}, {}), status)[0].startswith(
-        "pytorch_model_fsdp_0/: model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight holds 0 of its 4096 elements")
-    assert status.lora == "whole model"
-    [problem] = _coverage_problems(folder, Layout({name: TensorEntry("float32", (8, 64), halves[:1])}, {}), CheckpointStatus("x"))
-    assert problem == f"pytorch_model_fsdp_0/: {name} holds 256 of its 512 elements (a rank's slice is missing): use an earlier checkpoint"
+    assert _coverage_problems(folder, Layout(whole, {}), status) == [] and status.lora == "whole model"
+    stored = {(name, c.offsets): Stored("__0_0.distcp", 0, 8, False) for c in halves}
+    [problem] = chunk_problems(Layout({name: TensorEntry("float32", (8, 64), halves[:1])}, stored), folder / ".metadata")
+    assert problem.startswith(f"unreadable {folder / '.metadata'}: the chunks of {name!r} hold 256 of its 512 elements (a rank's slice is missing"), problem
+    [problem] = chunk_problems(Layout(whole, stored), folder / ".metadata")
+    assert "base_layer.weight' hold 0 of its 4,096 elements (a rank's slice is missing" in problem, problem
     [problem] = _coverage_problems(folder, Layout({}, {}), CheckpointStatus("x"))
     assert problem.startswith("pytorch_model_fsdp_0/ holds no tensors")
 

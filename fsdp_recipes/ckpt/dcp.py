@@ -390,8 +390,8 @@ def chunk_problems(layout: Layout, meta_path: Path) -> list[str]:
     offsets: chunks that overlap leave other rows as they were before the read (zeros in a merge), silently."""
     for key, entry in layout.tensors.items():
         if (detail := _chunk_problem(key, entry, layout.storage)) is not None:
-            return [f"unreadable {meta_path}: the chunks of {key!r} {detail}, so they do not make up the tensor (the file was "
-                    "edited or damaged): use another checkpoint-N, or copy this one again from where it was written"]
+            return [f"unreadable {meta_path}: the chunks of {key!r} {detail}, so they do not make up the tensor: use another "
+                    "checkpoint-N, or copy this one again from where it was written"]
     return []
 
 
@@ -409,8 +409,10 @@ def _chunk_problem(key: str, entry: TensorEntry, storage) -> str | None:
         return None
     chunks = [c for c in entry.chunks if math.prod(c.sizes)]
     held = sum(math.prod(c.sizes) for c in chunks)
-    if held != math.prod(shape):
-        return f"hold {held:,} elements where the tensor {list(shape)} has {math.prod(shape):,}"
+    if held < math.prod(shape):  # accelerate PR #4206's FSDP2 adapter-only saves kept rank 0's slice alone
+        return f"hold {held:,} of its {math.prod(shape):,} elements (a rank's slice is missing, or the file was edited)"
+    if held > math.prod(shape):
+        return f"hold {held:,} elements where the tensor {list(shape)} has {math.prod(shape):,} (the file was edited or damaged)"
     # as many elements as the tensor: they make it up unless two overlap. Over the grid the chunk edges cut, each
     # cell must be in exactly one chunk
     edges = [sorted({0, d, *(c.offsets[i] for c in chunks), *(c.offsets[i] + c.sizes[i] for c in chunks)}) for i, d in enumerate(shape)]
@@ -422,7 +424,7 @@ def _chunk_problem(key: str, entry: TensorEntry, storage) -> str | None:
         ranges = [range(index[i][o], index[i][o + n]) for i, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes))]
         for cell in itertools.product(*ranges):
             if cell in seen:
-                return f"overlap (one at {list(chunk.offsets)} of size {list(chunk.sizes)} covers elements another holds)"
+                return f"overlap (one at {list(chunk.offsets)} of size {list(chunk.sizes)} covers elements another holds: the file was edited or damaged)"
             seen.add(cell)
     return None
 

@@ -150,8 +150,7 @@ def _dcp_problems(folder: Path, what: str, status: CheckpointStatus) -> tuple[li
 
 
 def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[str]:
-    """A model folder that holds no tensor, or a tensor whose stored slices do not add up to its shape (a rank's
-    slice missing: an adapter-only save that kept rank 0's alone); for the model, whether it is a LoRA adapter alone."""
+    """A model folder that holds no tensor; for the model, whether it is a LoRA adapter alone."""
     from fsdp_recipes.ckpt.lora_merge import LORA_WEIGHT
 
     if folder.name == DCP_MODEL_DIR:
@@ -167,18 +166,7 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
                 except CheckpointError as err:
                     return [str(err)]
                 status.base_model = record["base_model"] if record else f"not recorded: no {base_identity.BASE_IDENTITY}"
-    for name, entry in layout.tensors.items():
-        total, held = 1, 0
-        for size in entry.shape:
-            total *= size
-        for chunk in entry.chunks:
-            n = 1
-            for size in chunk.sizes:
-                n *= size
-            held += n
-        if held < total:
-            return [f"{folder.name}/: {name} holds {held} of its {total} elements (a rank's slice is missing): use an earlier checkpoint"]
-    return []
+    return []  # that the chunks make up each tensor (a rank's slice missing) is check_folder's (dcp.chunk_problems)
 
 
 def checkpoint_status(ckpt: str | os.PathLike) -> CheckpointStatus:
