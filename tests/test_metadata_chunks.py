@@ -8,7 +8,9 @@ duplicated or dropped chunks, a record dropped), and on a real 2-rank checkpoint
 from __future__ import annotations
 
 import itertools
+import json
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,47 @@ def test_a_real_checkpoints_metadata_whose_chunks_do_not_make_the_tensor_is_refu
 
 def test_the_real_checkpoint_before_the_edit_is_taken(run_dir, capsys):  # noqa: F811
     assert cli("check_checkpoint", [str(run_dir / "checkpoint-12")]) == 0, capsys.readouterr().out
+
+
+def test_shard_folders_copied_in_from_another_checkpoint_with_their_digests_are_refused(trained, tmp_path, capsys):
+    """checkpoint-6's shard folders and shard_digests.json copied into checkpoint-12 (the hostile review's FAIL 7): every
+    digest matches its file, so it passed as resumable and a resume wrote step 6's weights as step 12's model. The
+    digests now record their step (and each folder's .metadata): the copy is named by every reader."""
+    from fsdp_recipes.ckpt.status import checkpoint_status
+
+    source = trained("accelerate_configs/zero3.yaml").output_dir
+    run = tmp_path / "run"
+    for name in ("checkpoint-6", "checkpoint-12"):
+        shutil.copytree(source / name, run / name)
+    assert checkpoint_status(run / "checkpoint-12").resumable
+    recorded = json.loads((run / "checkpoint-12" / "shard_digests.json").read_text())
+    assert recorded["step"] == 12 and {"pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"} <= set(recorded["files"])
+    for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+        shutil.rmtree(run / "checkpoint-12" / name)
+        shutil.copytree(run / "checkpoint-6" / name, run / "checkpoint-12" / name)
+    shutil.copy(run / "checkpoint-6" / "shard_digests.json", run / "checkpoint-12" / "shard_digests.json")
+
+    wanted = "shard_digests.json is that of step 6, and this checkpoint is of step 12: its shard folders were copied from another checkpoint"
+    assert cli("check_checkpoint", [str(run / "checkpoint-12")]) == 1
+    said = capsys.readouterr().out
+    assert wanted in said and len(said.strip().splitlines()) == 1, said
+    assert cli("merge_checkpoint", [str(run / "checkpoint-12"), str(tmp_path / "out")]) == 1
+    assert wanted in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(RecipeError, match="cannot resume from checkpoint-12 .*that of step 6"):
+        resolve_resume(str(run / "checkpoint-12"), str(run))
+
+    (run / "checkpoint-12" / "shard_digests.json").unlink()  # without the digests: no record, so the manifest's announcement
+    assert "missing shard_digests.json" in "; ".join(checkpoint_status(run / "checkpoint-12").problems)
+
+
+def test_an_edited_metadata_of_our_own_checkpoint_is_named_by_its_digest(run_dir, capsys):  # noqa: F811
+    """.metadata is in shard_digests.json: an edit that keeps the chunks a valid layout (here: a tensor's dtype
+    renamed) is not the file the checkpoint wrote."""
+    folder = run_dir / "checkpoint-12" / "pytorch_model_fsdp_0"
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    key = next(k for k, m in metadata.state_dict_metadata.items() if hasattr(m, "chunks"))
+    metadata.state_dict_metadata[key].properties.dtype = torch.float16
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert cli("check_checkpoint", [str(run_dir / "checkpoint-12")]) == 1
+    assert "pytorch_model_fsdp_0/.metadata is not the file this checkpoint wrote" in capsys.readouterr().out

@@ -866,9 +866,29 @@ def write_shard_digests(ckpt: Path, folders: tuple[str, ...]) -> None:
     """SHARD_DIGESTS in a checkpoint whose every rank has finished writing (rank 0, after the last barrier)."""
     from fsdp_recipes.ckpt.layout import SHARD_DIGESTS
 
+    # .metadata too: it says where each chunk lies, which the shards alone do not
     files = {f"{folder}/{p.name}": shard_digest(p) for folder in folders if (ckpt / folder).is_dir()
-             for p in sorted((ckpt / folder).glob("*.distcp"))}
-    (ckpt / SHARD_DIGESTS).write_text(json.dumps({"format": 1, "sample_bytes": _DIGEST_SAMPLE, "files": files}, indent=1) + "\n")
+             for p in sorted((ckpt / folder).iterdir()) if p.suffix == ".distcp" or p.name == ".metadata"}
+    step = _step_of_name(Path(ckpt))  # the record belongs to this step: another checkpoint's, copied in with its shards, is named
+    record = {"format": 1, "sample_bytes": _DIGEST_SAMPLE, **({"step": step} if step is not None else {}), "files": files}
+    (ckpt / SHARD_DIGESTS).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _step_of_name(ckpt: Path) -> int | None:
+    return int(ckpt.name.rsplit("-", 1)[1]) if re.fullmatch(r"checkpoint-\d+", ckpt.name) else None
+
+
+def _step_of(ckpt: Path) -> int | None:
+    """The step a checkpoint is of: its name's (checkpoint-N), else its trainer_state.json's global_step."""
+    from fsdp_recipes.bounded import load_json
+
+    if (step := _step_of_name(ckpt)) is not None:
+        return step
+    try:
+        step = load_json(ckpt / "trainer_state.json", "trainer_state.json", 256 << 20).get("global_step")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return step if type(step) is int else None
 
 
 def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
@@ -892,6 +912,10 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
             raise ValueError
     except (ValueError, TypeError, KeyError, OSError):
         return [f"unreadable {SHARD_DIGESTS}: copy the checkpoint again"]
+    recorded, step = record.get("step"), _step_of(Path(ckpt))
+    if recorded is not None and step is not None and recorded != step:
+        return [f"{SHARD_DIGESTS} is that of step {json.dumps(recorded)[:40]}, and this checkpoint is of step {step}: its shard folders "
+                "were copied from another checkpoint (with their digests): copy this checkpoint again from where it was written"]
     problems = []
     for name, expected in sorted(files.items()):
         if not isinstance(name, str) or name.split("/")[0] not in folders:
