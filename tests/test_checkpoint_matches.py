@@ -214,8 +214,18 @@ def _saved_like_a_checkpoint(folder: Path, config, lora=None, tokenizer=None) ->
 
 
 def _live(config, lora=None, tokenizer=None):
+    from fsdp_recipes.ckpt.model_match import tokenizer_record
+
     return (json.loads(config.to_json_string(use_diff=True)), lora.to_dict() if lora is not None else None,
-            json.loads(tokenizer.backend_tokenizer.to_str())["model"] if tokenizer is not None else None)
+            tokenizer_record(tokenizer) if tokenizer is not None else None)
+
+
+def _with_model(tokenizer, model: dict) -> dict:
+    """tokenizer_record of ``tokenizer`` with another tokenizer.json ``model`` section (vocabulary, merges)."""
+    from fsdp_recipes.ckpt.model_match import tokenizer_record
+
+    record = tokenizer_record(tokenizer)
+    return {**record, "tokenizer.json": {**record["tokenizer.json"], "model": model}}
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -264,17 +274,58 @@ def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_
     ids = list(model["vocab"].values())
     rng.shuffle(ids)
     shuffled = {**model, "vocab": dict(zip(model["vocab"], ids))}
-    problem = description_mismatch(ckpt, _live(config)[0], lora.to_dict(), shuffled)
-    assert problem and "another tokenizer" in problem, problem
+    problem = description_mismatch(ckpt, _live(config)[0], lora.to_dict(), _with_model(tokenizer, shuffled))
+    assert problem and "another tokenizer: its tokenizer.json's vocabulary differs" in problem, problem
     # BPE applies merges in order: reordered, another tokenizer, also in the older "a b" string form of merges
     as_strings = {**model, "merges": [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]}
     saved = json.loads((ckpt / "tokenizer.json").read_text())
     (ckpt / "tokenizer.json").write_text(json.dumps({**saved, "model": as_strings}))
-    assert description_mismatch(ckpt, _live(config)[0], lora.to_dict(), as_strings) is None
+    assert description_mismatch(ckpt, _live(config)[0], lora.to_dict(), _with_model(tokenizer, as_strings)) is None
     for merges in (model["merges"][::-1], as_strings["merges"][::-1]):
-        problem = description_mismatch(ckpt, _live(config)[0], lora.to_dict(), {**model, "merges": merges})
+        problem = description_mismatch(ckpt, _live(config)[0], lora.to_dict(), _with_model(tokenizer, {**model, "merges": merges}))
         assert problem and "another tokenizer" in problem, problem
-    assert description_mismatch(tmp_path / "empty", _live(config)[0], lora.to_dict(), shuffled) is None  # another tool's: nothing recorded
+    assert description_mismatch(tmp_path / "empty", _live(config)[0], lora.to_dict(), _with_model(tokenizer, shuffled)) is None  # another tool's: nothing recorded
+
+
+def _other_tokenizers():
+    """(what changed, how to change a fresh copy of the tiny tokenizer's folder, what the line names): every part of
+    a tokenizer the vocabulary does not show, each changed alone."""
+    def edit(name, change):
+        def apply(folder: Path) -> None:
+            data = json.loads((folder / name).read_text())
+            change(data)
+            (folder / name).write_text(json.dumps(data))
+        return apply
+
+    yield "normalizer", edit("tokenizer.json", lambda t: t.update(normalizer={"type": "Lowercase"})), "normalizer"
+    yield "pre-tokenizer", edit("tokenizer.json", lambda t: t.update(pre_tokenizer={"type": "Whitespace"})), "pre-tokenizer"
+    yield "decoder", edit("tokenizer.json", lambda t: t.update(decoder={"type": "Fuse"})), "decoder"
+    yield "an added token", edit("tokenizer.json", lambda t: t["added_tokens"].append({**t["added_tokens"][-1], "id": len(t["model"]["vocab"]) + 50, "content": "<|tool|>"})), "added-tokens"
+    yield "eos token", edit("tokenizer_config.json", lambda c: c.update(eos_token="<|end|>")), "eos_token"
+    yield "pad token", edit("tokenizer_config.json", lambda c: c.update(pad_token="<unk>")), "pad_token"
+    yield "chat template", lambda folder: (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}"), "chat template"
+
+
+@pytest.mark.parametrize("what,change,named", list(_other_tokenizers()), ids=[w for w, *_ in _other_tokenizers()])
+def test_a_checkpoint_saved_with_another_tokenizer_of_the_same_vocabulary_is_named(tmp_path, what, change, named):
+    """(hostile review, FAIL 3) a tokenizer with a Lowercase normalizer and another eos token resumed without a word:
+    only the vocabulary was compared, and transformers then wrote the new eos id into the next checkpoint's config.
+    Each part changed alone is named; the same tokenizer, or its runtime truncation, is not."""
+    from transformers import AutoTokenizer
+
+    from fsdp_recipes.ckpt.model_match import description_mismatch, tokenizer_record
+
+    config, tokenizer = AutoConfig.from_pretrained(TINY), AutoTokenizer.from_pretrained(TINY)
+    ckpt = _saved_like_a_checkpoint(tmp_path / "checkpoint-4", config, None, tokenizer)
+    live = json.loads(config.to_json_string(use_diff=True))
+    tokenizer.backend_tokenizer.enable_truncation(16)  # set by the library as it encodes: not what the tokenizer is
+    assert description_mismatch(ckpt, live, None, tokenizer_record(tokenizer)) is None
+    folder = tmp_path / "other"
+    shutil.copytree(TINY, folder)
+    change(folder)
+    other = AutoTokenizer.from_pretrained(folder)
+    problem = description_mismatch(ckpt, live, None, tokenizer_record(other))
+    assert problem and "was saved with another tokenizer" in problem and named in problem, problem
 
 
 def test_resuming_a_model_of_the_same_shapes_but_other_heads_stops_before_loading(trained, tmp_path):

@@ -2,7 +2,7 @@
 
 Its weights' names and full shapes (layers, sizes, LoRA targets and rank), read from the DCP metadata or safetensors
 headers, and what it records beside them that shapes do not show: config.json, adapter_config.json and the
-tokenizer's vocabulary (fsdp_recipes.train.trainer.FSDPTrainer.resume_mismatch calls both).
+tokenizer (fsdp_recipes.train.trainer.FSDPTrainer.resume_mismatch calls both).
 """
 
 from __future__ import annotations
@@ -93,20 +93,46 @@ def _differing(saved: dict, now: dict, keys, plain=_plain) -> list[str]:
     return [k for k in sorted(keys) if plain(saved.get(k)) != plain(now.get(k))]
 
 
-def description_mismatch(ckpt: str | os.PathLike, config: dict, lora: dict | None = None, vocabulary: dict | None = None) -> str | None:
+# tokenizer.json's runtime settings, which the library sets as it encodes (not what the tokenizer is)
+TOKENIZER_RUNTIME_KEYS = frozenset({"truncation", "padding"})
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def tokenizer_record(tokenizer) -> dict | None:
+    """What of a transformers tokenizer a resume compares with the checkpoint's saved one: its whole tokenizer.json
+    (vocabulary, merges, normalizer, pre-tokenizer, post-processor, decoder, added tokens) but the runtime settings,
+    its special tokens (transformers writes the eos token's id into the next checkpoint's config) and chat template."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    whole = {k: v for k, v in json.loads(backend.to_str()).items() if k not in TOKENIZER_RUNTIME_KEYS}
+    special = {name: _token_text(getattr(tokenizer, name, None)) for name in SPECIAL_TOKENS}
+    return {"tokenizer.json": whole, "special_tokens": special, "chat_template": getattr(tokenizer, "chat_template", None)}
+
+
+def _token_text(token):
+    """A special token as tokenizer_config.json or a tokenizer holds it (a string, an AddedToken or its dict): its text."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return None if token is None else str(getattr(token, "content", token))
+
+
+def description_mismatch(ckpt: str | os.PathLike, config: dict, lora: dict | None = None, tokenizer: dict | None = None) -> str | None:
     """Why the checkpoint was saved from another model than this run's, by what it records beside its weights:
     config.json (every key but FREE_CONFIG_KEYS: heads, rope, activation, norms change no shape), adapter_config.json
-    (LORA_KEYS: lora_alpha scales the update) and the tokenizer's vocabulary (token ids, which a shuffled vocabulary
-    of the same size changes silently). A file the checkpoint lacks (another tool's) is not compared. ``config``: the
-    run's ``config.to_diff_dict()``, as save_pretrained writes it; ``lora``: its adapter config; ``vocabulary``:
-    its tokenizer.json's ``model`` section."""
+    (LORA_KEYS: lora_alpha scales the update) and the tokenizer (token ids, which a shuffled vocabulary of the same
+    size changes silently, how text is normalized and split, its special tokens and chat template). A file the
+    checkpoint lacks (another tool's) is not compared. ``config``: the run's ``config.to_diff_dict()``, as
+    save_pretrained writes it; ``lora``: its adapter config; ``tokenizer``: ``tokenizer_record`` of its tokenizer."""
     try:
-        return _description_mismatch(Path(ckpt), config, lora, vocabulary)
+        return _description_mismatch(Path(ckpt), config, lora, tokenizer)
     except UnreadableFile as err:
         return f"{ckpt}: unreadable {Path(err.path).name} ({err.reason}): restore it from a copy, or resume from another checkpoint"
 
 
-def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, vocabulary: dict | None) -> str | None:
+def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, tokenizer: dict | None) -> str | None:
     fix = ("resume with the model, config, tokenizer and LoRA settings it was saved with, or start without "
            "--resume_from_checkpoint (another --output_dir)")
     if (path := ckpt / "config.json").is_file():
@@ -122,9 +148,32 @@ def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, vocabular
             k = differ[0]
             return (f"{ckpt} was saved with other LoRA settings: {', '.join(differ)} ({k}: {short_json(_plain(saved.get(k)))} saved, "
                     f"{short_json(_plain(lora.get(k)))} now); {fix}")
-    if vocabulary is not None and (path := ckpt / "tokenizer.json").is_file():
-        saved = load_json(path, "tokenizer.json", JSON_LIMIT).get("model")
-        if isinstance(saved, dict) and _plain(saved) != _plain(vocabulary):
-            return (f"{ckpt} was saved with another tokenizer (its tokenizer.json's vocabulary differs from this run's: token "
-                    f"ids would mean other text); {fix}")
+    if tokenizer is not None and (differ := _tokenizer_differences(ckpt, tokenizer)):
+        return f"{ckpt} was saved with another tokenizer: {'; '.join(differ)} (token ids would mean other text); {fix}"
     return None
+
+
+def _tokenizer_differences(ckpt: Path, now: dict) -> list[str]:
+    from fsdp_recipes.ckpt.description import DESCRIPTION_LIMIT
+
+    differ = []
+    if (path := ckpt / "tokenizer.json").is_file():
+        saved = load_json(path, "tokenizer.json", DESCRIPTION_LIMIT)
+        if isinstance(saved, dict):
+            live = now["tokenizer.json"]
+            keys = [k for k in sorted((saved.keys() | live.keys()) - TOKENIZER_RUNTIME_KEYS) if _plain(saved.get(k)) != _plain(live.get(k))]
+            if keys:
+                named = ["vocabulary" if k == "model" else k.replace("_", "-") for k in keys]
+                differ.append(f"its tokenizer.json's {', '.join(named)} differ{'s' if len(keys) == 1 else ''} from this run's")
+    if (path := ckpt / "tokenizer_config.json").is_file():
+        saved = load_json(path, "tokenizer_config.json", JSON_LIMIT)
+        if isinstance(saved, dict):
+            for name in SPECIAL_TOKENS:
+                if name in saved and _token_text(saved[name]) != now["special_tokens"].get(name):
+                    differ.append(f"{name} {short_json(_token_text(saved[name]))} saved, {short_json(now['special_tokens'].get(name))} now")
+            template = saved.get("chat_template")
+            if (jinja := ckpt / "chat_template.jinja").is_file():
+                template = jinja.read_text(errors="replace") if jinja.stat().st_size <= JSON_LIMIT else None
+            if template is not None and template != now["chat_template"]:
+                differ.append("its chat template differs from this run's")
+    return differ

@@ -44,7 +44,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_recipes.ckpt.layout import FULL_MODEL_FILE, REPLACED_PREFIX
-from fsdp_recipes.ckpt.model_match import description_mismatch, model_mismatch
+from fsdp_recipes.ckpt.model_match import description_mismatch, model_mismatch, tokenizer_record
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
@@ -294,10 +294,8 @@ class FSDPTrainer(Trainer):
             return problem
         # the same shapes may still be another model (heads, rope, activation), adapter (lora_alpha) or tokenizer
         base, lora = lora_parts(self.accelerator.unwrap_model(self.model))
-        backend = getattr(self.processing_class, "backend_tokenizer", None)
         return description_mismatch(checkpoint, json.loads(base.config.to_json_string(use_diff=True)),
-                                    lora.to_dict() if lora is not None else None,
-                                    json.loads(backend.to_str()).get("model") if backend is not None else None)
+                                    lora.to_dict() if lora is not None else None, tokenizer_record(self.processing_class))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         with self._lora_checkpoints():
