@@ -44,7 +44,7 @@ from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout, bf16_weights_line, c
 from fsdp_recipes.config.launcher import tell_launcher
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.config.values import check_run_length, parse_steps
-from fsdp_recipes.errors import InternalsChanged, NotShardedError, RecipeError, RefusedRemoval
+from fsdp_recipes.errors import CheckpointError, InternalsChanged, NotShardedError, RecipeError, RefusedRemoval
 from fsdp_recipes.train import preflight
 from fsdp_recipes.train.data import build_datasets
 from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_step, save_dtype_problem, save_final_model
@@ -171,8 +171,15 @@ def main(model_args, data_args, plan):
         logger.info(f"loss curve: {plot}")
 
     # ---------- save ----------
-    with trainer.model_config_for_saving():
-        save_final_model(trainer, tokenizer, plan.run_args.save_dtype)
+    try:
+        with trainer.model_config_for_saving():
+            save_final_model(trainer, tokenizer, plan.run_args.save_dtype)
+    except (Exception, CheckpointException) as err:  # one line for what has one, as during training
+        if isinstance(err, CheckpointError):  # the export's merge of a LoRA run's adapter (rank 0), with its fix
+            raise RecipeError(f"the final export failed: {err}") from None
+        if (problem := disk_full_problem(err, training_args.output_dir, export=True)) is None:
+            raise
+        raise RecipeError(problem) from None
     if training_args.process_index == 0 and (note := stale_model_note(training_args.output_dir)):
         logger.warning(note)
     logger.info(final_line(training_args.output_dir))

@@ -346,3 +346,34 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tm
         assert checkpoint_status(out / "checkpoint-6").resumable and not checkpoint_status(out / "checkpoint-12").resumable
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes_it(tmp_path):
+    """output_dir on a 7.8 MB filesystem: both checkpoints fit, the final model does not. Every rank's DCP traceback
+    was all it said (the hostile review's FAIL 6); now one line says training had finished, which checkpoint is
+    intact and how to get the model, and that command, once there is room, writes it without training."""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from fsdp_recipes.ckpt.status import checkpoint_status
+
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7800k", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root, which this machine does not give the tests")
+    try:
+        out, args = disk / "run", ("--max_steps", "4", "--save_steps", "2", "--logging_steps", "1")
+        proc = launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(out), check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+        assert proc.returncode != 0 and len(errors) == 1 and "[rank" not in proc.stderr, proc.stderr[-3000:]  # no rank's traceback
+        assert f"no space left on {out} while writing the final model (" in errors[0], errors
+        assert "training had finished and checkpoint-4 is intact: free space (or move output_dir), then run the same command with --resume_from_checkpoint true" in errors[0]
+        assert checkpoint_status(out / "checkpoint-4").resumable and not (out / "model").exists()
+        subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
+        resumed = launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+        assert "model saved to" in resumed.stdout + resumed.stderr
+        assert load_file(out / "model" / "model.safetensors")  # the model, written without training again
+        assert read_json(out / "trainer_state.json")["global_step"] == 4
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

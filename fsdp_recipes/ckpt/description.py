@@ -38,6 +38,26 @@ def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str],
     return type(skeleton), expected, tied, lambda names: ignored_on_load(skeleton, names)
 
 
+def implausible_config(config, tensors: dict) -> str | None:
+    """Why ``config`` cannot describe a checkpoint holding ``tensors`` (name -> TensorInfo), judged before the model is
+    built from it: building takes time and memory in proportion to its layer (and expert) count, and a config.json
+    saying num_hidden_layers 1e9 grew a merge to 15 GB, no signal stopping it. Its layers are numbered in the weights'
+    names; its experts too, or they are the first dimension of fused expert weights."""
+    numbers = [int(part) for name in tensors for part in name.split(".") if part.isdigit()]
+    numbered = max(numbers, default=-1) + 1
+    largest = max((max(info.shape, default=0) for info in tensors.values()), default=0)
+    for where in (config, getattr(config, "text_config", None)):
+        if where is None:
+            continue
+        layers = getattr(where, "num_hidden_layers", None)
+        if type(layers) is int and layers > max(numbered, 1):
+            return f"config.json says num_hidden_layers {layers}, and the weights' layers are numbered up to {numbered - 1}"
+        for key, value in vars(where).items():
+            if key.endswith("experts") and type(value) is int and value > max(numbered, largest, 1):
+                return f"config.json says {key} {value}, more than any number of experts the weights hold"
+    return None
+
+
 def ignored_on_load(model, names: set[str]) -> set[str]:
     """Of ``names`` the model does not have, those from_pretrained drops without a warning, by transformers' own rule
     (the class's _keys_to_ignore_on_load_unexpected, old checkpoints' per-layer rotary_emb.inv_freq, position_ids).
@@ -85,8 +105,55 @@ def write_manifest(folder: Path, config, files: list[str]) -> None:
     (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
+def seal_manifest(folder: Path) -> None:
+    """At the end of a checkpoint's save (every rank done): MANIFEST's hashes of the files as the run left them. The
+    Trainer writes some again after ours (peft's adapter_config.json under FULL_STATE_DICT): from then on, a file
+    that differs was changed by someone else (recorded_changes)."""
+    path = Path(folder) / MANIFEST
+    try:
+        manifest = load_json(path, MANIFEST, JSON_LIMIT)
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return
+    manifest["files"] = {name: _sha256(Path(folder) / name) for name in files if (Path(folder) / name).is_file()}
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def recorded_changes(folder: Path, skip: tuple[str, ...] = ()) -> str | None:
+    """The description files the training run wrote into checkpoint ``folder`` (MANIFEST lists each with its hash)
+    that are missing or changed now, as one line with the fix; None when all are as written, or the run recorded none.
+    A resume and check_checkpoint count it a problem, the merge refuses it: a truncated chat_template.jinja or a
+    deleted config.json was otherwise taken as it was (a merged folder whose template fails; a resume that built the
+    model from whatever config it was given)."""
+    import os
+
+    try:
+        files = load_json(Path(folder) / MANIFEST, MANIFEST, JSON_LIMIT)["files"]
+        files = dict(files)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None  # no record (another tool's checkpoint), or one the merge does not use (described_by_manifest)
+    changed = []
+    for name, digest in sorted(files.items()):
+        if not isinstance(name, str) or name not in DESCRIPTION_FILES or name in skip:
+            continue
+        path = Path(folder) / name
+        if not os.path.lexists(path):
+            changed.append(f"{name} is missing")
+        elif not path.is_file() or path.stat().st_size > DESCRIPTION_LIMIT or _sha256(path) != digest:
+            changed.append(f"{name} is not as the run wrote it")
+    if not changed:
+        return None
+    return (f"{'; '.join(changed)} ({Path(folder).name}/{MANIFEST} records the hash of each file the run wrote): copy the checkpoint "
+            f"again, or put {'them' if len(changed) > 1 else 'it'} back as the run wrote {'them' if len(changed) > 1 else 'it'}; to take the checkpoint as it "
+            f"is now, remove {MANIFEST} from it")
 
 
 @dataclass
@@ -191,6 +258,8 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
             tokenizer = AutoTokenizer.from_pretrained(tok_from)
         except Exception as err:  # noqa: BLE001
             raise CheckpointError(f"cannot load the tokenizer from {tok_from} ({_one_line(err)}): fix or remove its files, or pass --base-model") from None
+    if problem := implausible_config(config, resolved.source.tensors):
+        raise CheckpointError(f"{config_from}: {problem}: it is not the config of these weights; pass --base-model <the folder or hub id the run started from>")
     try:
         model_cls, expected, tied, ignorable = model_skeleton(config)
     except Exception as err:  # noqa: BLE001 (a config transformers cannot build a causal LM from)

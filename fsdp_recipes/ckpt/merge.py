@@ -31,7 +31,7 @@ from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import DTYPE_SIZES
 from fsdp_recipes.ckpt.description import (
     Description, config_origin, described_by_manifest, describe_with_transformers, description_dirs,
-    description_file_problems, model_skeleton,
+    description_file_problems, model_skeleton, recorded_changes,
 )
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG, BASE_IDENTITY, MANIFEST, is_exported_adapter, is_model_folder, overlap, real, training_content,
@@ -170,6 +170,9 @@ def merge_checkpoint(
         log(note)
     if problems := description_file_problems(resolved):
         raise CheckpointError(problems[0])
+    # with --base-model the config comes from there; the tokenizer files are still the checkpoint's
+    if resolved.checkpoint_dir is not None and (changes := recorded_changes(resolved.checkpoint_dir, ("config.json", "generation_config.json") if base_model else ())):
+        raise CheckpointError(changes)
     restore_interrupted(real(output_path), log)  # the real path, as check_output and the staging names use
     out = check_output(input_path, resolved, output_path, overwrite)
     own, base_model = _lora(resolved, base_model, adapter_only, log)

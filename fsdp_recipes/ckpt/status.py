@@ -271,6 +271,10 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
 
     if problem := _torch_file_problem(ckpt / "scheduler.pt", load=True):
         status.problems.append(problem)
+    from fsdp_recipes.ckpt.description import recorded_changes
+
+    if changes := recorded_changes(ckpt):
+        status.problems.append(changes)
 
     rng_files = {int(m.group(1)) for p in ckpt.glob("rng_state_*.pth") if (m := re.fullmatch(r"rng_state_(\d+)\.pth", p.name))}
     if status.world_size is None and (ranks or rng_files):
@@ -337,9 +341,10 @@ def newest_resumable(run_dir: str | os.PathLike) -> tuple[CheckpointStatus | Non
     return None, skipped
 
 
-def disk_full_problem(err: BaseException, output_dir: str | os.PathLike) -> str | None:
+def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export: bool = False) -> str | None:
     """The one line for a save that ran out of disk (None when ``err`` is something else): torch.save reports it as
-    "unexpected pos" from its zip writer, DCP wraps the OSError of one of its writer threads."""
+    "unexpected pos" from its zip writer, DCP wraps the OSError of one of its writer threads. ``export``: it was the
+    final model's (training had finished; a resume of the finished run writes it again without training)."""
     import errno
 
     text = f"{err!r} {getattr(err, '__cause__', None)!r}"
@@ -352,5 +357,9 @@ def disk_full_problem(err: BaseException, output_dir: str | os.PathLike) -> str 
     size = sum(f.stat().st_size for f in Path(chosen.path).rglob("*") if f.is_file()) if chosen else 0
     need = f"a checkpoint takes {size / 1e6:.1f} MB, {free / 1e6:.1f} MB is free: {max(size - free, 0) / 1e6:.1f} MB more" if chosen else f"{free / 1e6:.1f} MB is free"
     kept = f"{Path(chosen.path).name} is intact" if chosen else "no complete checkpoint was written yet"
+    if export:
+        return (f"no space left on {out} while writing the final model ({free / 1e6:.1f} MB free); training had finished and "
+                f"{kept}: free space (or move output_dir), then run the same command with --resume_from_checkpoint true (it "
+                "writes the model again, without training)")
     return (f"no space left on {out}: {need}; {kept}: free space (or move output_dir), then run the same command "
             "with --resume_from_checkpoint true")

@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import write_shard_digests
-from fsdp_recipes.ckpt.description import describe_folder, write_manifest
+from fsdp_recipes.ckpt.description import describe_folder, seal_manifest, write_manifest
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG, ADAPTER_DIR, DCP_MODEL_DIR, FINAL_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_adapter_file,
     is_exported_adapter, is_model_folder, is_published, record_published,
@@ -96,6 +96,7 @@ class DescribeCheckpoints(TrainerCallback):
             report = json.loads(run_report.read_text())
             report["state_dict_type"] = str(plugin.state_dict_type).split(".")[-1] if plugin else None
             (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+        seal_manifest(folder)  # the description files as the run left them: a later change is then named
         write_shard_digests(folder, (DCP_MODEL_DIR, OPTIMIZER_DIR))  # a swapped or replaced shard is then named
 
 

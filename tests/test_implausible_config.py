@@ -1,0 +1,72 @@
+"""A config.json that cannot describe the checkpoint's weights is refused before the model is built from it:
+building takes time and memory in proportion to the layer (and expert) count, and ``num_hidden_layers: 1e9`` grew a
+merge to 15 GB while no signal stopped it (the hostile review's FAIL 4)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from transformers import AutoConfig
+
+from conftest import REPO
+from fsdp_recipes.ckpt.description import implausible_config
+from fsdp_recipes.ckpt.readers import TensorInfo
+from test_hostile_files import cli, run_dir  # noqa: F401 (run_dir: the fixture)
+
+TINY = REPO / "assets" / "tiny-llama"
+
+
+def weights(layers: int, experts: int = 0, fused: int = 0) -> dict:
+    names = {"model.embed_tokens.weight": TensorInfo((256, 64), "float32")}
+    for i in range(layers):
+        names[f"model.layers.{i}.self_attn.q_proj.weight"] = TensorInfo((64, 64), "float32")
+        for e in range(experts):
+            names[f"model.layers.{i}.mlp.experts.{e}.up_proj.weight"] = TensorInfo((128, 64), "float32")
+        if fused:
+            names[f"model.layers.{i}.mlp.experts.gate_up_proj"] = TensorInfo((fused, 64, 256), "float32")
+    return names
+
+
+@pytest.mark.parametrize("layers", [1, 2, 4])
+def test_a_config_of_as_many_layers_as_the_weights_or_fewer_is_left_to_the_weight_check(layers):
+    config = AutoConfig.from_pretrained(TINY, num_hidden_layers=layers)
+    assert implausible_config(config, weights(4)) is None
+
+
+@pytest.mark.parametrize("layers", [5, 64, 10**9])
+def test_more_layers_than_the_weights_number_is_refused(layers):
+    config = AutoConfig.from_pretrained(TINY, num_hidden_layers=layers)
+    assert implausible_config(config, weights(4)) == f"config.json says num_hidden_layers {layers}, and the weights' layers are numbered up to 3"
+
+
+@pytest.mark.parametrize("key", ["num_local_experts", "num_experts", "n_routed_experts"])
+def test_experts_beyond_any_the_weights_hold_are_refused_numbered_or_fused(key):
+    config = AutoConfig.from_pretrained(TINY, num_hidden_layers=2)
+    setattr(config, key, 8)
+    assert implausible_config(config, weights(2, experts=8)) is None
+    assert implausible_config(config, weights(2, fused=8)) is None
+    setattr(config, key, 10**6)
+    for held in (weights(2, experts=8), weights(2, fused=8)):
+        assert implausible_config(config, held) == f"config.json says {key} {10**6}, more than any number of experts the weights hold"
+
+
+def test_a_nested_text_config_is_checked_too():
+    config = AutoConfig.from_pretrained(TINY, num_hidden_layers=2)
+    config.text_config = AutoConfig.from_pretrained(TINY, num_hidden_layers=10**9)
+    assert "num_hidden_layers 1000000000" in implausible_config(config, weights(2))
+
+
+def test_the_merge_refuses_it_at_once_and_leaves_nothing(run_dir, tmp_path, capsys):  # noqa: F811
+    ckpt = run_dir / "checkpoint-12"
+    (ckpt / "model_description.json").unlink()  # as another tool's checkpoint: nothing recorded
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
+    began = time.monotonic()
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the copy's progress bar (it starts beside the check)
+    assert err.startswith("merge_checkpoint.py: error: "), err
+    assert "config.json says num_hidden_layers 1000000000" in err and "pass --base-model" in err, err
+    assert time.monotonic() - began < 60 and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging folder left beside it

@@ -1,0 +1,91 @@
+"""The files a training run writes beside a checkpoint's shards (config.json, generation config, tokenizer, chat
+template; model_description.json records each one's hash when the save completes) are part of the checkpoint as the
+run left it. One deleted, cut short or changed since was taken as it was: a deleted config.json let a resume build
+the model from whatever config it was given, a truncated chat_template.jinja was copied into the merged folder (the
+hostile review's FAIL 7). Now check_checkpoint and the resume count it a problem and the merge refuses it, each
+naming the file and the fix; generated over every recorded file and four ways of changing it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fsdp_recipes.ckpt.resume import resolve_resume
+from fsdp_recipes.errors import RecipeError
+from conftest import REPO
+from test_hostile_files import cli, one_line_error, run_dir  # noqa: F401 (run_dir: the fixture)
+
+TINY_DIR = REPO / "assets" / "tiny-llama"  # the config the run was built from
+RECORDED = ["chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+
+
+def deleted(path: Path) -> None:
+    path.unlink()
+
+
+def cut_short(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def one_byte_changed(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def made_a_folder(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+CHANGES = [deleted, cut_short, one_byte_changed, made_a_folder]
+
+
+def test_the_run_records_these_files_as_it_left_them(run_dir):  # noqa: F811
+    manifest = json.loads((run_dir / "checkpoint-12" / "model_description.json").read_text())
+    assert sorted(manifest["files"]) == RECORDED
+    assert cli("check_checkpoint", [str(run_dir / "checkpoint-12")]) == 0
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("name", RECORDED)
+def test_a_recorded_file_changed_since_is_named_by_the_check_the_resume_and_the_merge(run_dir, name, change, tmp_path, capsys):  # noqa: F811
+    ckpt = run_dir / "checkpoint-12"
+    change(ckpt / name)
+    said = f"{name} is {'missing' if change is deleted else 'not as the run wrote it'} (checkpoint-12/model_description.json records the hash"
+
+    assert cli("check_checkpoint", [str(ckpt)]) == 1
+    out = capsys.readouterr().out
+    assert said in out and len(out.strip().splitlines()) == 1, out
+    with pytest.raises(RecipeError, match=f"cannot resume from checkpoint-12 .*{name}"):
+        resolve_resume(str(ckpt), str(run_dir))
+    if change is made_a_folder:  # the merge's own check of its description files names it first
+        assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
+        assert "is not a regular file" in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+        return
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
+    err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert said in err and "remove model_description.json from it" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_config_from_base_model_and_a_removed_record_let_the_merge_go_on(run_dir, tmp_path, capsys):  # noqa: F811
+    """The two ways past it the message names or implies: --base-model gives config.json and generation config (a
+    changed one in the checkpoint no longer matters; a changed tokenizer file still does), and without
+    model_description.json the checkpoint is taken as it is."""
+    ckpt = run_dir / "checkpoint-12"
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.1}))  # edited (transformers reads it for the tokenizer too)
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "a"), "--base-model", str(TINY_DIR)]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["rms_norm_eps"] == config["rms_norm_eps"]  # the base's
+    cut_short(ckpt / "chat_template.jinja")
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "b"), "--base-model", str(TINY_DIR)]) == 1
+    assert "chat_template.jinja is not as the run wrote it" in capsys.readouterr().err
+    shutil.copy(TINY_DIR / "config.json", ckpt / "config.json")
+    (ckpt / "model_description.json").unlink()
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "c")]) == 0, capsys.readouterr().err
