@@ -225,10 +225,18 @@ def break_checkpoint(ckpt: Path, how: str) -> tuple[Path, str]:
         return ckpt, "truncated"
     if how == "optimizer folder":
         return ckpt / "optimizer_0", "holds optimizer state, not model weights"
-    if how == "broken config":
+    if how == "broken config":  # in another tool's checkpoint (ours records its files: "edited config" below)
+        (ckpt / MANIFEST).unlink()
         (ckpt / "config.json").write_text("{ not json")
         return ckpt, "config.json is not a model config"
+    if how == "edited config":
+        (ckpt / "config.json").write_text("{ not json")
+        return ckpt, "config.json is not as the run wrote it (checkpoint-12/model_description.json records the hash"
+    if how == "no config of ours":
+        (ckpt / "config.json").unlink()
+        return ckpt, "config.json is missing (checkpoint-12/model_description.json records the hash"
     if how == "no config":
+        (ckpt / MANIFEST).unlink(missing_ok=True)
         for f in ckpt.parent.rglob("*"):
             if f.is_file() and (f.name.startswith("tokenizer") or f.name.endswith("config.json") or f.suffix == ".jinja"):
                 f.unlink()
@@ -236,7 +244,8 @@ def break_checkpoint(ckpt: Path, how: str) -> tuple[Path, str]:
     raise AssertionError(how)
 
 
-CASES = ["nonexistent", "not a checkpoint", "missing .metadata", "missing .distcp", "truncated .distcp", "optimizer folder", "no config", "broken config"]
+CASES = ["nonexistent", "not a checkpoint", "missing .metadata", "missing .distcp", "truncated .distcp", "optimizer folder", "no config", "broken config",
+         "edited config", "no config of ours"]
 
 
 @pytest.mark.parametrize("how", CASES)
@@ -332,8 +341,13 @@ def test_edited_config_or_manifest_is_still_checked(checkpoint, tmp_path):
     a manifest that disagrees with the weights is refused by the same check."""
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
+    with pytest.raises(CheckpointError, match="config.json is not as the run wrote it"):  # the manifest records it
+        merge_checkpoint(checkpoint, tmp_path / "a", log=lambda *_: None)
+    recorded = (checkpoint / MANIFEST).read_bytes()
+    (checkpoint / MANIFEST).unlink()  # the way past it that message names: transformers then checks it
     with pytest.raises(CheckpointError, match="has shape .* in the checkpoint but .* in the config"):
         merge_checkpoint(checkpoint, tmp_path / "a", log=lambda *_: None)
+    (checkpoint / MANIFEST).write_bytes(recorded)
     (checkpoint / "config.json").write_text(json.dumps(config))
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     manifest["files"]["config.json"] = hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()

@@ -127,12 +127,13 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def recorded_changes(folder: Path, skip: tuple[str, ...] = ()) -> str | None:
+def recorded_changes(folder: Path, skip: tuple[str, ...] = (), missing_ok: bool = False) -> str | None:
     """The description files the training run wrote into checkpoint ``folder`` (MANIFEST lists each with its hash)
     that are missing or changed now, as one line with the fix; None when all are as written, or the run recorded none.
     A resume and check_checkpoint count it a problem, the merge refuses it: a truncated chat_template.jinja or a
     deleted config.json was otherwise taken as it was (a merged folder whose template fails; a resume that built the
-    model from whatever config it was given)."""
+    model from whatever config it was given). ``skip``: files not read; ``missing_ok``: a missing file is taken from
+    elsewhere (the merge's --base-model)."""
     import os
 
     try:
@@ -146,7 +147,8 @@ def recorded_changes(folder: Path, skip: tuple[str, ...] = ()) -> str | None:
             continue
         path = Path(folder) / name
         if not os.path.lexists(path):
-            changed.append(f"{name} is missing")
+            if not missing_ok:
+                changed.append(f"{name} is missing")
         elif not path.is_file() or path.stat().st_size > DESCRIPTION_LIMIT or _sha256(path) != digest:
             changed.append(f"{name} is not as the run wrote it")
     if not changed:

@@ -170,8 +170,10 @@ def merge_checkpoint(
         log(note)
     if problems := description_file_problems(resolved):
         raise CheckpointError(problems[0])
-    # with --base-model the config comes from there; the tokenizer files are still the checkpoint's
-    if resolved.checkpoint_dir is not None and (changes := recorded_changes(resolved.checkpoint_dir, ("config.json", "generation_config.json") if base_model else ())):
+    # with --base-model the config comes from there, and so does what the checkpoint lacks; the tokenizer files it
+    # holds are still read
+    skip = ("config.json", "generation_config.json") if base_model else ()
+    if resolved.checkpoint_dir is not None and (changes := recorded_changes(resolved.checkpoint_dir, skip, missing_ok=bool(base_model))):
         raise CheckpointError(changes)
     restore_interrupted(real(output_path), log)  # the real path, as check_output and the staging names use
     out = check_output(input_path, resolved, output_path, overwrite)
