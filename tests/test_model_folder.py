@@ -508,3 +508,26 @@ def test_a_hard_linked_record_is_foreign_and_the_run_refused_before_it_writes(tm
         os.unlink(out / name)
         (out / name).write_text("a file of its own")
         assert foreign_entries(out) == [], (name, foreign_entries(out))
+
+
+@pytest.mark.parametrize("name", [".final-sharded", ".export-tmp", ".adapter-tmp", ".base-tmp"])
+@pytest.mark.parametrize("kind", ["a user's folder", "an empty folder", "marked for another purpose", "ours"])
+def test_a_folder_named_like_a_staging_folder_is_someones_unless_a_run_made_it(tmp_path, name, kind):
+    """(hostile review) a user's own .export-tmp passed the output_dir check by its name, and the run failed only after
+    training, when the export refused to remove it. A staging name is a run's only with a run's marker for it."""
+    from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE, STAGING_FOLDERS
+    from fsdp_recipes.removal import make_folder
+
+    out = tmp_path / "run"
+    out.mkdir()
+    folder = out / name
+    if kind == "ours":
+        make_folder(folder, STAGING_FOLDERS[name])
+    elif kind == "marked for another purpose":  # a checkpoint-N of ours, renamed
+        make_folder(folder, CHECKPOINT_PURPOSE)
+    else:
+        folder.mkdir()
+        if kind == "a user's folder":
+            (folder / "notes.txt").write_text("mine")
+    found = foreign_entries(out)
+    assert found == ([] if kind == "ours" else [f"{name} (named like a run's staging folder, but not one a run made)"]), found

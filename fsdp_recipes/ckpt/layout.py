@@ -122,6 +122,11 @@ _RUN_FOLDERS = (r"checkpoint-\d+", r"(model|adapter)\.kept-\d+", r"(incomplete|r
 _RUN_FILES = (*_MODEL_FILES, r"run_args\.json", r"fsdp_report\.json", r"(all|train|eval)_results\.json", r"loss\.png",
               r"\.run\.lock", r"\.run\.lock\.owner", r"training_args\.bin", r"requeue_progress\.json")
 _RUN_ENTRIES = (*_RUN_FILES, *_RUN_FOLDERS)
+EXPORT_STAGING = "export staging"  # the marker purpose of the final export's staging folders (fsdp_recipes.removal)
+BASE_STAGING = "LoRA base staging"  # and of output_dir/.base-tmp (fsdp_recipes.train.modeling)
+# a run's staging folders in output_dir and the purpose their marker names: one of these names without it is someone's
+# folder, which the run would refuse to remove only after training
+STAGING_FOLDERS = {".final-sharded": EXPORT_STAGING, ".export-tmp": EXPORT_STAGING, ".adapter-tmp": EXPORT_STAGING, ".base-tmp": BASE_STAGING}
 
 
 # A finished run's records and top-level model files, which other tools (the stock Trainer's run_clm.py, TRL) write
@@ -163,6 +168,8 @@ def foreign_entries(output_dir: Path) -> list[str]:
             found.append(p.name)
         elif not (p.is_file() or p.is_dir()):  # a FIFO named run_args.json: opening it would block the run for good
             found.append(f"{p.name} (not a regular file or folder)")
+        elif p.name in STAGING_FOLDERS and not is_ours(p, STAGING_FOLDERS[p.name]):
+            found.append(f"{p.name} (named like a run's staging folder, but not one a run made)")
         elif p.is_file() and p.lstat().st_nlink > 1:  # `cp -al run run.bak`: rewriting the record rewrites the backup's too
             found.append(f"{p.name} ({HARD_LINK})")
         elif p.is_dir() != any(re.fullmatch(r, p.name) for r in _RUN_FOLDERS):  # a folder named run_args.json: the write fails

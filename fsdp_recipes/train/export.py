@@ -22,7 +22,7 @@ from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, seal_manifest, write_manifest
 from fsdp_recipes.ckpt.layout import (
-    ADAPTER_CONFIG, ADAPTER_DIR, DCP_MODEL_DIR, FINAL_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_adapter_file,
+    ADAPTER_CONFIG, ADAPTER_DIR, DCP_MODEL_DIR, EXPORT_STAGING, FINAL_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_adapter_file,
     is_exported_adapter, is_model_folder, is_published, record_published,
 )
 from fsdp_recipes.ckpt.merge import write_weight_part
@@ -309,7 +309,6 @@ def record_export(out: Path, export: dict) -> None:
 
 
 EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp", ".adapter-tmp")  # this module's own staging folders in output_dir
-EXPORT_STAGING = "export staging"  # their marker's purpose (fsdp_recipes.removal)
 
 
 def remove_export_leftovers(out: Path, log=print) -> None:

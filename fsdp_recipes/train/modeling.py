@@ -10,7 +10,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fsdp_recipes.ckpt import base_identity
-from fsdp_recipes.ckpt.layout import LORA_BASE_DIR
+from fsdp_recipes.ckpt.layout import BASE_STAGING, LORA_BASE_DIR
 from fsdp_recipes.compat import cpu_fsdp, rank0_loading
 from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.config.arguments import ModelArguments
@@ -103,7 +103,6 @@ def lora_on_tied_head(model) -> bool:
     return head.get_base_layer().weight is getattr(embedding, "weight", None)
 
 
-BASE_STAGING = "LoRA base staging"  # the marker purpose of output_dir/.base-tmp (fsdp_recipes.removal)
 # config.json keys that say nothing of the weights' shapes: they may differ between the saved base and the recipe's config
 _CONFIG_BOOKKEEPING = base_identity.CONFIG_BOOKKEEPING
 
