@@ -182,6 +182,20 @@ def test_a_manifest_edited_with_its_hashes_does_not_vouch_for_a_config(checkpoin
     assert not (tmp_path / "merged").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".merged")]
 
 
+@pytest.mark.parametrize("entry", [{"size": "x", "sha256": "0" * 64}, {"size": -1, "sha256": "0" * 64}, {"size": 5, "sha256": "zz"},
+                                   {"size": 5}, [5, "0" * 64], None, {"size": True, "sha256": "0" * 64}])
+def test_a_digest_entry_of_another_form_is_an_unreadable_record_not_a_swap(checkpoint, entry):
+    """(hostile review) an entry whose size was "x" was reported as a shard swapped with another rank's."""
+    from fsdp_recipes.ckpt.status import checkpoint_status
+
+    digests = checkpoint / "shard_digests.json"
+    record = json.loads(digests.read_text())
+    record["files"][next(iter(record["files"]))] = entry
+    digests.write_text(json.dumps(record))
+    problems = checkpoint_status(checkpoint).problems
+    assert problems == ["unreadable shard_digests.json: copy the checkpoint again"], problems
+
+
 @pytest.mark.parametrize("how", ["deleted", "fifo", "nested"])
 def test_digests_announced_by_the_manifest_must_be_there(checkpoint, how, tmp_path):
     """Swapping two ranks' shards and deleting (or replacing) shard_digests.json (the hostile review) no longer

@@ -863,6 +863,12 @@ def shard_digest(path: Path) -> dict:
     return {"size": size, "sha256": digest.hexdigest()}
 
 
+def _digest_form(entry) -> bool:
+    """An entry as shard_digest writes it: a whole size and a SHA-256 in hex."""
+    return (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+            and isinstance(entry.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]) is not None)
+
+
 def write_shard_digests(ckpt: Path, folders: tuple[str, ...]) -> None:
     """SHARD_DIGESTS in a checkpoint whose every rank has finished writing (rank 0, after the last barrier)."""
     from fsdp_recipes.ckpt.layout import SHARD_DIGESTS
@@ -909,8 +915,8 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
     try:
         record = load_json(path, SHARD_DIGESTS, JSON_LIMIT)
         files = record["files"] if record.get("sample_bytes") == _DIGEST_SAMPLE else None
-        if not isinstance(files, dict):
-            raise ValueError
+        if not isinstance(files, dict) or not all(_digest_form(v) for v in files.values()):
+            raise ValueError  # an entry that is no size and hash is no record of a file: not a swap
     except (ValueError, TypeError, KeyError, OSError):
         return [f"unreadable {SHARD_DIGESTS}: copy the checkpoint again"]
     recorded, step = record.get("step"), _step_of(Path(ckpt))
