@@ -203,9 +203,21 @@ def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
         assert "running FSDP over gloo" not in proc.stdout and not out.exists()  # stopped before the group or the model
 
 
-def test_fsdp_config_that_is_not_a_mapping_is_an_error_not_a_crash():
-    problems = check_settings({"distributed_type": "FSDP", "fsdp_config": "fsdp_version: 2", "num_processes": 2}, "x.yaml", check_keys=False)
-    assert [p.key for p in errors(problems)][:1] == ["fsdp_config"] and "must be a mapping" in str(problems[0])
+@pytest.mark.parametrize("value", ["fsdp_version: 2", [1, 2], 3, True])
+@pytest.mark.parametrize("key", ["fsdp_config", "parallelism_config"])
+def test_a_section_that_is_not_a_mapping_is_the_one_error(key, value):
+    """Not a crash, and no errors that only follow from it (fsdp_config: [1, 2] also said "fsdp_version: missing")."""
+    shipped = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    problems = check_settings({**shipped, key: value}, "x.yaml")
+    assert [(p.key, "must be a mapping" in str(p)) for p in problems] == [(key, True)], problems
+
+
+def test_a_missing_num_processes_is_named_missing():
+    """(review) it read "num_processes: -1 is not a positive integer", a value nobody wrote."""
+    shipped = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    problems = errors(check_settings({k: v for k, v in shipped.items() if k != "num_processes"}, "x.yaml"))
+    assert [str(p) for p in problems if p.key == "num_processes"] and "num_processes: missing" in str(problems[0]), problems
+    assert "is not a positive integer" in str(errors(check_settings({**shipped, "num_processes": True}, "x.yaml"))[0])
 
 
 def test_the_optimizers_refused_under_fsdp2_are_those_that_cannot_step_a_dtensor():

@@ -131,6 +131,8 @@ def check_settings(
     if not isinstance(pc, dict):
         c.error("parallelism_config", "must be a mapping", "indent the parallelism_config_* keys under parallelism_config:")
         pc = {}
+    if c.problems:  # every other check reads these mappings: what it would say follows from this alone
+        return c.problems
     for key in raw if check_keys else ():
         if key not in top:
             c.error(key, "unknown key (accelerate refuses the file)", _suggest(key, top))
@@ -247,7 +249,9 @@ def _check_processes(c: _Checker, raw: dict, fsdp: dict, pc: dict, version, stra
             name = f"fsdp_config.{key}" if where is fsdp else key
             c.error(name, f"{value!r} is not a non-negative integer (accelerate would fail on it at launch)", f"write {key} as a plain number, e.g. 100000000")
     procs, machines = raw.get("num_processes", -1), raw.get("num_machines", 1)
-    if not isinstance(procs, int) or procs < 1:
+    if "num_processes" not in raw:
+        c.error("num_processes", "missing", "set it to the total number of GPUs over all machines")
+    elif isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
         c.error("num_processes", f"{procs!r} is not a positive integer", "set it to the total number of GPUs over all machines")
     elif not isinstance(machines, int) or machines < 1:
         c.error("num_machines", f"{machines!r} is not a positive integer", "set it to the number of nodes")
