@@ -343,6 +343,14 @@ def test_parameter_counts_beyond_any_model_or_below_one(count, capsys):
         assert COUNT_PROBLEMS[count] in line, (argv, line)
 
 
+@pytest.mark.parametrize("text", ["7X", "13G", "1.5bn", "70 P", "3e9Q"])
+def test_a_count_with_another_suffix_is_named_not_looked_up_on_the_hub(text, capsys):
+    """(hostile review) '7X' went to the hub (no network: "couldn't connect to huggingface.co"); the suffix is the problem."""
+    assert cli("estimate_memory", [text]) == 2
+    line = one_line(capsys.readouterr().err, f"estimate_memory.py: error: argument model: {text!r} is not a parameter count: its suffix ")
+    assert "is not K, M, B or T" in line and "huggingface" not in line, line
+
+
 @pytest.mark.parametrize("count, params", [("1", 1), ("7B", 7 * 10**9), ("100T", 10**14), ("1e14", 10**14), ("+7B", 7 * 10**9),
                                            ("7e-3B", 7 * 10**6), ("1.5e9", 1_500_000_000), (" 350m ", 350 * 10**6)])
 def test_parameter_counts_up_to_100t_are_taken(count, params, capsys):

@@ -20,6 +20,8 @@ HYBRID_SHARD with one per node) runs NO_SHARD whatever the config names, and is 
 
 import argparse
 import json
+import os
+import re
 import sys
 from dataclasses import asdict
 
@@ -77,6 +79,11 @@ def size(text: str) -> str:
     return text
 
 
+# a number with a letter or two after it ('7X', '13G', '1.5bn'): no hub id without an owner looks so, and no folder is
+# named so here; a count with another suffix than K, M, B, T (a lookup would end in "couldn't connect to huggingface.co")
+SUFFIXED_NUMBER = re.compile(r"\s*\d[\d.]*(e[-+]?\d+)?\s*([a-z]{1,2})\s*", re.IGNORECASE)
+
+
 def model(text: str) -> str:
     """argparse type of the model: a text that looks like a parameter count must be a valid one."""
     if COUNT_LIKE.fullmatch(text):
@@ -84,6 +91,9 @@ def model(text: str) -> str:
             parse_count(text)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+    elif (m := SUFFIXED_NUMBER.fullmatch(text)) and not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: its suffix {m.group(2)!r} is not K, M, B or T "
+                                         "(e.g. 7B, 350M), and it is no folder or hub id (owner/name)")
     return text
 
 
