@@ -314,6 +314,40 @@ def test_an_output_changed_while_the_merge_runs_is_kept_in_sight(checkpoint, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing", "existing.kept-2", "run"]  # nothing hidden left
 
 
+def test_an_output_that_gets_a_mount_point_while_the_merge_runs_is_kept_and_said_so(checkpoint, tmp_path, monkeypatch):
+    """The final removal refuses a folder holding a mount point (fsdp_recipes.removal): kept whole, and the warning
+    says it is the mount point (it said "changed while the merge ran")."""
+    import subprocess
+
+    from fsdp_recipes.ckpt import merge as merge_module
+
+    out, precious = tmp_path / "existing", tmp_path / "precious"
+    out.mkdir()
+    precious.mkdir()
+    (precious / "weights.bin").write_bytes(b"theirs")
+    (out / "config.json").write_text("{}")
+    real_sync, mounted = merge_module.sync_entries, []
+
+    def sync_after_a_mount(folder):
+        if not mounted:
+            (out / "data").mkdir()
+            mounted.append(subprocess.run(["mount", "--bind", str(precious), str(out / "data")], capture_output=True).returncode == 0)
+        real_sync(folder)
+
+    monkeypatch.setattr(merge_module, "sync_entries", sync_after_a_mount)
+    lines = []
+    try:
+        merge_checkpoint(checkpoint, out, overwrite=True, log=lines.append)
+        if not mounted[0]:
+            pytest.skip("bind mounts are not allowed here")
+        assert [line for line in lines if "existing.kept-2" in line and "a mount point among them" in line], lines
+        assert (tmp_path / "existing.kept-2" / "data" / "weights.bin").read_bytes() == b"theirs"
+    finally:
+        for where in (tmp_path / "existing.kept-2" / "data", out / "data"):
+            subprocess.run(["umount", str(where)], capture_output=True)
+    assert (precious / "weights.bin").read_bytes() == b"theirs"
+
+
 def test_full_disk_is_refused_before_writing(checkpoint, tmp_path, monkeypatch):
     import collections
 

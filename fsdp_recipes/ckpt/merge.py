@@ -48,7 +48,7 @@ from fsdp_recipes.compat import internals
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError, RefusedRemoval
 from fsdp_recipes.removal import (
-    MARKER, contents, identity, is_ours, keep_aside, make_folder, move, process_alive, reclaim, remark, remove, remove_file,
+    MARKER, contents, identity, is_ours, keep_aside, make_folder, mount_points, move, process_alive, reclaim, remark, remove, remove_file,
     unmark,
 )
 
@@ -258,10 +258,10 @@ def merge_checkpoint(
                 sync_entries(out.parent)
                 try:
                     remove(old, STAGING, shape=lambda p: is_model_folder(p) or is_exported_adapter(p))
-                except RefusedRemoval:  # changed while the merge ran (a notes.txt written into it): the user's now
+                except RefusedRemoval:  # changed while the merge ran (a notes.txt written into it; a mount point)
                     kept = keep_aside(old, out)
-                    log(f"warning: {out} changed while the merge ran (it holds {contents(kept)}): the earlier folder is kept "
-                        f"whole as {kept.name}; the merged model is in {out}")
+                    why = f"changed while the merge ran (it holds {contents(kept)}{', a mount point among them' if mount_points(kept) else ''})"
+                    log(f"warning: the earlier {out} {why}: it is kept whole as {kept.name}; the merged model is in {out}")
             else:
                 move(staging, out)
                 sync_entries(out.parent)
