@@ -87,9 +87,12 @@ def main(model_args, data_args, plan):
             f"nothing left to train; writing its model to {Path(training_args.output_dir) / FINAL_MODEL_DIR}"
         )
         if training_args.process_index == 0:
-            export_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir,
-                              base_model=lora_base(model_args, training_args.output_dir) or model_args.model_name_or_path or model_args.config_name, log=logger.info,
-                              dtype=plan.run_args.save_dtype)
+            try:
+                export_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir,
+                                  base_model=lora_base(model_args, training_args.output_dir) or model_args.model_name_or_path or model_args.config_name,
+                                  log=logger.info, dtype=plan.run_args.save_dtype)
+            except CheckpointError as err:  # one line with its fix (no room, a damaged checkpoint), as the export after training
+                raise RecipeError(f"the final export failed: {err}") from None
             if note := stale_model_note(training_args.output_dir):
                 logger.warning(note)
             logger.info(final_line(training_args.output_dir))

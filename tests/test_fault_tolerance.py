@@ -368,9 +368,9 @@ def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes
         errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
         assert proc.returncode != 0 and len(errors) == 1 and "[rank" not in proc.stderr, proc.stderr[-3000:]  # no rank's traceback
         assert f"no space left on {out} while writing the final model (" in errors[0], errors
-        assert "training had finished and checkpoint-4 is intact: free space (or move output_dir), then run the same command with --resume_from_checkpoint true" in errors[0]
+        assert "training had finished and checkpoint-4 is intact: free space, then run the same command with --resume_from_checkpoint true" in errors[0]
         assert checkpoint_status(out / "checkpoint-4").resumable and not (out / "model").exists()
-        subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
+        subprocess.run(["mount", "-o", "remount,size=20m", str(disk)], check=True)  # (review) the resume asked for a 64 MB margin
         resumed = launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(out), "--resume_from_checkpoint", "true")
         assert "model saved to" in resumed.stdout + resumed.stderr
         assert load_file(out / "model" / "model.safetensors")  # the model, written without training again

@@ -70,3 +70,23 @@ def test_the_merge_refuses_it_at_once_and_leaves_nothing(run_dir, tmp_path, caps
     assert "config.json says num_hidden_layers 1000000000" in err and "pass --base-model" in err, err
     assert time.monotonic() - began < 60 and not (tmp_path / "out").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging folder left beside it
+
+
+def test_every_count_of_layers_in_every_nested_config_is_checked():
+    """(review) bart's decoder_layers (num_hidden_layers maps to encoder_layers) and a vision tower's depth or
+    num_hidden_layers were built unchecked: 10^6 decoder layers ran ~10 minutes past a SIGTERM."""
+    bart = AutoConfig.for_model("bart", encoder_layers=1, decoder_layers=10**6, vocab_size=256, d_model=64)
+    assert "decoder_layers 1000000" in implausible_config(bart, weights(2))
+    config = AutoConfig.from_pretrained(TINY, num_hidden_layers=2)
+    config.vision_config = {"model_type": "siglip_vision_model", "num_hidden_layers": 3000}
+    assert implausible_config(config, weights(2)) == "config.json says vision_config.num_hidden_layers 3000, and the weights' layers are numbered up to 1"
+    config.vision_config = {"model_type": "qwen2_vl", "depth": 3000}
+    assert "vision_config.depth 3000" in implausible_config(config, weights(2))
+
+
+def test_a_threshold_named_like_layers_is_no_count():
+    """Qwen2's max_window_layers (a threshold, may exceed the layer count) is not read as one."""
+    config = AutoConfig.from_pretrained(TINY, num_hidden_layers=2)
+    config.max_window_layers = 70
+    config.num_nextn_predict_layers = 9
+    assert implausible_config(config, weights(2)) is None

@@ -242,7 +242,7 @@ def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
     status = CheckpointStatus(str(folder.parent))
     whole = {name: TensorEntry("float32", (8, 64), halves), name.replace("lora_A.default", "base_layer"): TensorEntry("float32", (64, 64), ())}
     assert _coverage_problems(folder, Layout(whole, {}), status) == [] and status.lora == "whole model"
-    stored = {(name, c.offsets): Stored("__0_0.distcp", 0, 8, False) for c in halves}
+    stored = {(name, c.offsets): Stored("__0_0.distcp", 0, 10**9, False) for c in halves}
     [problem] = chunk_problems(Layout({name: TensorEntry("float32", (8, 64), halves[:1])}, stored), folder / ".metadata")
     assert problem.startswith(f"unreadable {folder / '.metadata'}: the chunks of {name!r} hold 256 of its 512 elements (a rank's slice is missing"), problem
     [problem] = chunk_problems(Layout(whole, stored), folder / ".metadata")

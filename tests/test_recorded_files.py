@@ -89,3 +89,24 @@ def test_config_from_base_model_and_a_removed_record_let_the_merge_go_on(run_dir
     shutil.copy(TINY_DIR / "config.json", ckpt / "config.json")
     (ckpt / "model_description.json").unlink()
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "c")]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["a fifo", "a folder", "cut short", "no files list"])
+def test_a_record_that_is_itself_damaged_is_named_too(run_dir, how, capsys):  # noqa: F811
+    """(review) model_description.json replaced by a FIFO made the check skip the seal and say resumable."""
+    import os
+
+    manifest = run_dir / "checkpoint-12" / "model_description.json"
+    data = manifest.read_bytes()
+    manifest.unlink()
+    if how == "a fifo":
+        os.mkfifo(manifest)
+    elif how == "a folder":
+        manifest.mkdir()
+    elif how == "cut short":
+        manifest.write_bytes(data[: len(data) // 2])
+    else:
+        manifest.write_text(json.dumps({**json.loads(data), "files": None}))
+    assert cli("check_checkpoint", [str(run_dir / "checkpoint-12")]) == 1
+    out = capsys.readouterr().out
+    assert "checkpoint-12/model_description.json is unreadable" in out and len(out.strip().splitlines()) == 1, out

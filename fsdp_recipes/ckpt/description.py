@@ -38,24 +38,40 @@ def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str],
     return type(skeleton), expected, tied, lambda names: ignored_on_load(skeleton, names)
 
 
+# the keys transformers' configs count a stack of layers under (text, encoder-decoder, vision towers); not every key
+# ending in "layers" is one (Qwen2's max_window_layers is a threshold)
+LAYER_COUNTS = frozenset({"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                          "num_encoder_layers", "num_decoder_layers", "depth"})
+
+
 def implausible_config(config, tensors: dict) -> str | None:
     """Why ``config`` cannot describe a checkpoint holding ``tensors`` (name -> TensorInfo), judged before the model is
-    built from it: building takes time and memory in proportion to its layer (and expert) count, and a config.json
-    saying num_hidden_layers 1e9 grew a merge to 15 GB, no signal stopping it. Its layers are numbered in the weights'
-    names; its experts too, or they are the first dimension of fused expert weights."""
+    built from it: building takes time and memory in proportion to its layer (and expert) counts, and a config.json
+    saying num_hidden_layers 1e9 grew a merge to 15 GB, no signal stopping it. Every count of layers (LAYER_COUNTS) in
+    the config and each config nested in it (text, vision, audio) must not exceed how far the weights' names are numbered; every count of experts, that
+    or the largest dimension of a weight (fused experts)."""
     numbers = [int(part) for name in tensors for part in name.split(".") if part.isdigit()]
     numbered = max(numbers, default=-1) + 1
     largest = max((max(info.shape, default=0) for info in tensors.values()), default=0)
-    for where in (config, getattr(config, "text_config", None)):
-        if where is None:
-            continue
-        layers = getattr(where, "num_hidden_layers", None)
-        if type(layers) is int and layers > max(numbered, 1):
-            return f"config.json says num_hidden_layers {layers}, and the weights' layers are numbered up to {numbered - 1}"
-        for key, value in vars(where).items():
-            if key.endswith("experts") and type(value) is int and value > max(numbered, largest, 1):
-                return f"config.json says {key} {value}, more than any number of experts the weights hold"
+    for where, settings in _nested_settings(config):
+        for key, value in settings.items():
+            if type(value) is not int:
+                continue
+            if key in LAYER_COUNTS and value > max(numbered, 1):
+                return f"config.json says {where}{key} {value}, and the weights' layers are numbered up to {numbered - 1}"
+            if key.endswith("experts") and value > max(numbered, largest, 1):
+                return f"config.json says {where}{key} {value}, more than any number of experts the weights hold"
     return None
+
+
+def _nested_settings(config, where: str = "", depth: int = 0):
+    """(prefix, settings) of a config and of every config nested in it (text_config, vision_config ...)."""
+    settings = config.to_dict() if hasattr(config, "to_dict") else dict(config) if isinstance(config, dict) else {}
+    yield where, settings
+    if depth < 4:
+        for key, value in settings.items():
+            if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+                yield from _nested_settings(value, f"{where}{key}.", depth + 1)
 
 
 def ignored_on_load(model, names: set[str]) -> set[str]:
@@ -127,28 +143,30 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def recorded_changes(folder: Path, skip: tuple[str, ...] = (), missing_ok: bool = False) -> str | None:
+def recorded_changes(folder: Path, skip: tuple[str, ...] = ()) -> str | None:
     """The description files the training run wrote into checkpoint ``folder`` (MANIFEST lists each with its hash)
     that are missing or changed now, as one line with the fix; None when all are as written, or the run recorded none.
     A resume and check_checkpoint count it a problem, the merge refuses it: a truncated chat_template.jinja or a
     deleted config.json was otherwise taken as it was (a merged folder whose template fails; a resume that built the
-    model from whatever config it was given). ``skip``: files not read; ``missing_ok``: a missing file is taken from
-    elsewhere (the merge's --base-model)."""
+    model from whatever config it was given). ``skip``: files not read (the merge's --base-model gives config.json
+    and generation_config.json; a tokenizer file the checkpoint holds is still read from it)."""
     import os
 
+    if not os.path.lexists(Path(folder) / MANIFEST):
+        return None  # another tool's checkpoint: nothing recorded
     try:
-        files = load_json(Path(folder) / MANIFEST, MANIFEST, JSON_LIMIT)["files"]
-        files = dict(files)
-    except (ValueError, KeyError, TypeError, OSError):
-        return None  # no record (another tool's checkpoint), or one the merge does not use (described_by_manifest)
+        files = dict(load_json(Path(folder) / MANIFEST, MANIFEST, JSON_LIMIT)["files"])
+    except (ValueError, KeyError, TypeError, OSError) as err:  # a FIFO, a folder, cut short: the record itself is not as written
+        why = getattr(err, "reason", None) or type(err).__name__
+        return (f"{Path(folder).name}/{MANIFEST} is unreadable ({why}), so the files the run wrote beside the shards cannot be "
+                f"checked: copy the checkpoint again; to take the checkpoint as it is now, remove {MANIFEST} from it")
     changed = []
     for name, digest in sorted(files.items()):
         if not isinstance(name, str) or name not in DESCRIPTION_FILES or name in skip:
             continue
         path = Path(folder) / name
         if not os.path.lexists(path):
-            if not missing_ok:
-                changed.append(f"{name} is missing")
+            changed.append(f"{name} is missing")
         elif not path.is_file() or path.stat().st_size > DESCRIPTION_LIMIT or _sha256(path) != digest:
             changed.append(f"{name} is not as the run wrote it")
     if not changed:

@@ -170,10 +170,9 @@ def merge_checkpoint(
         log(note)
     if problems := description_file_problems(resolved):
         raise CheckpointError(problems[0])
-    # with --base-model the config comes from there, and so does what the checkpoint lacks; the tokenizer files it
-    # holds are still read
+    # with --base-model the config comes from there; the tokenizer files the checkpoint holds are still read
     skip = ("config.json", "generation_config.json") if base_model else ()
-    if resolved.checkpoint_dir is not None and (changes := recorded_changes(resolved.checkpoint_dir, skip, missing_ok=bool(base_model))):
+    if resolved.checkpoint_dir is not None and (changes := recorded_changes(resolved.checkpoint_dir, skip)):
         raise CheckpointError(changes)
     restore_interrupted(real(output_path), log)  # the real path, as check_output and the staging names use
     out = check_output(input_path, resolved, output_path, overwrite)
@@ -208,10 +207,10 @@ def merge_checkpoint(
         if odd := next((n for n in weights.names.values() if resolved.source.tensors[n].dtype not in DTYPE_SIZES), None):
             raise CheckpointError(unconvertible_dtype(resolved.source.tensors[odd].dtype, f"{resolved.checkpoint_dir}: weight {odd!r}"))
         size = sum(resolved.source.tensors[n].nbytes(dtype) for n in weights.names.values())
-        free = shutil.disk_usage(out.parent).free
-        if free < size + (64 << 20):
+        free, margin = shutil.disk_usage(out.parent).free, min(64 << 20, (8 << 20) + size // 8)  # the description files, the filesystem's own
+        if free < size + margin:
             raise CheckpointError(f"not enough free disk space in {out.parent}: the merged weights need {_mb(size)} and a "
-                                  f"{_mb(64 << 20)} margin, {_mb(free)} is free; free space or choose another output")
+                                  f"{_mb(margin)} margin, {_mb(free)} is free; free space or choose another output")
 
         def wrong_guess() -> bool:  # the check beside the copy has failed, or found other weights than guessed
             return future is not None and future.done() and (future.exception() is not None or future.result().weights.names != weights.names)

@@ -359,7 +359,7 @@ def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export:
     kept = f"{Path(chosen.path).name} is intact" if chosen else "no complete checkpoint was written yet"
     if export:
         return (f"no space left on {out} while writing the final model ({free / 1e6:.1f} MB free); training had finished and "
-                f"{kept}: free space (or move output_dir), then run the same command with --resume_from_checkpoint true (it "
-                "writes the model again, without training)")
+                f"{kept}: free space, then run the same command with --resume_from_checkpoint true (it writes the model "
+                "again, without training)")
     return (f"no space left on {out}: {need}; {kept}: free space (or move output_dir), then run the same command "
             "with --resume_from_checkpoint true")
