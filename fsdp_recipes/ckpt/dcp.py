@@ -377,7 +377,23 @@ def check_folder(dcp_dir: Path, byte_records: bool = True) -> tuple[Layout | Non
             problems.append(f"truncated {path} ({path.stat().st_size} of {size} bytes)")
     if not problems:
         problems = vet_records(dcp_dir, layout, byte_records)
+    if not problems:  # after the vetting, which names a record holding code for what it is
+        problems = record_size_problems(layout, meta_path)
     return layout, problems
+
+
+def record_size_problems(layout: Layout, meta_path: Path) -> list[str]:
+    """A plain tensor record that holds fewer bytes than its chunk (a compressed one may; a plain one never): the
+    merge and the resume would fail on it only once they read it."""
+    for key, entry in layout.tensors.items():
+        for chunk in entry.chunks:
+            stored = layout.storage.get((key, chunk.offsets))
+            needs = math.prod(chunk.sizes) * DTYPE_SIZES.get(entry.dtype, 0)
+            if stored is not None and not stored.transformed and stored.length < needs:
+                return [f"unreadable {meta_path}: the chunk of {key!r} at {list(chunk.offsets)} of size {list(chunk.sizes)} has a "
+                        f"record of {stored.length:,} bytes, fewer than its {needs:,}: use another checkpoint-N, or copy this one "
+                        "again from where it was written"]
+    return []
 
 
 # Grid cells a tensor's chunks are checked over: a writer's layout (a chunk per rank along one dimension, or a grid of
@@ -405,11 +421,8 @@ def _chunk_problem(key: str, entry: TensorEntry, storage) -> str | None:
             return f"include one {where}, with another number of dimensions than the tensor's {list(shape)}"
         if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, shape)):
             return f"include one {where}, outside the tensor's {list(shape)}"
-        if (stored := storage.get((key, chunk.offsets))) is None:
+        if (key, chunk.offsets) not in storage:
             return f"include one {where} that no record holds"
-        needs = math.prod(chunk.sizes) * DTYPE_SIZES.get(entry.dtype, 0)
-        if not stored.transformed and stored.length < needs:  # a compressed record may be smaller; a plain one never
-            return f"include one {where} whose record holds {stored.length:,} bytes, fewer than its {needs:,}"
     if math.prod(shape) == 0:
         return None
     chunks = [c for c in entry.chunks if math.prod(c.sizes)]
