@@ -48,8 +48,8 @@ def implausible_config(config, tensors: dict) -> str | None:
     """Why ``config`` cannot describe a checkpoint holding ``tensors`` (name -> TensorInfo), judged before the model is
     built from it: building takes time and memory in proportion to its layer (and expert) counts, and a config.json
     saying num_hidden_layers 1e9 grew a merge to 15 GB, no signal stopping it. Every count of layers (LAYER_COUNTS) in
-    the config and each config nested in it (text, vision, audio) must not exceed how far the weights' names are numbered; every count of experts, that
-    or the largest dimension of a weight (fused experts)."""
+    the config and each config nested in it (text, vision, audio) must not exceed how far the weights' names are
+    numbered; every count of experts, that or the largest dimension of a weight (fused experts)."""
     numbers = [int(part) for name in tensors for part in name.split(".") if part.isdigit()]
     numbered = max(numbers, default=-1) + 1
     largest = max((max(info.shape, default=0) for info in tensors.values()), default=0)
