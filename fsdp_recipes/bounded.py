@@ -33,6 +33,8 @@ YAML_LIMIT = 256 * 1024
 # A checkpoint's or model folder's own JSON (config.json, adapter_config.json, the manifest, a safetensors index):
 # a 70B model's index is about 100 KB, its manifest about 1 MB; anything near this limit is not one of ours.
 JSON_LIMIT = 64 << 20
+# trainer_state.json grows by about 200 bytes per logged step: a million steps fit. Every reader of it uses this.
+STATE_LIMIT = 256 << 20
 MAX_DEPTH = 32  # recipes and configs nest two levels (fsdp_config: ...); the parser recurses once per level
 MAX_VALUES = 1000  # keys, values and list items together: later checks suggest a name per unknown key, 1 ms each
 

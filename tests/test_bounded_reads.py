@@ -1,7 +1,7 @@
 """Every reader of a user's or a run's small files refuses hostile ones in one line, fast: recipes (parse_args,
 load_recipe), accelerate configs (tools/check_config.py, tools/estimate_memory.py --config), a checkpoint's
-fsdp_report.json and trainer_state.json (tools/check_checkpoint.py); and estimate_memory.py's numbers are
-range-checked.
+fsdp_report.json and trainer_state.json (tools/check_checkpoint.py, and the resume's second read of the step);
+and estimate_memory.py's numbers are range-checked.
 
 The cases are generated: each hostile file (folders, pipes, devices, oversize, binary, YAML aliases, values of
 every wrong JSON type) meets each reader. Each runs in this process under an alarm and a lowered soft limit on
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.bounded import YAML_LIMIT
-from fsdp_recipes.ckpt.status import REPORT_LIMIT, STATE_LIMIT
+from fsdp_recipes.bounded import STATE_LIMIT, YAML_LIMIT
+from fsdp_recipes.ckpt.status import REPORT_LIMIT
 from fsdp_recipes.config.parse import load_recipe, parse_args
 from fsdp_recipes.errors import RecipeError
 
@@ -338,6 +338,32 @@ def test_check_checkpoint(checkpoints, case, capsys):
     assert line.startswith(f"checkpoint-{STEP} (") and "INCOMPLETE: " in line and wanted in line, line
     if "-world_size-" in case:
         assert "world_size" in line and "from 1 to 65536" in line, line
+
+
+def finished_step_reader(ckpt: str):
+    """The resume's second read of trainer_state.json (train_fsdp.py: a checkpoint at max_steps is exported, not
+    trained), as a RecipeError's one line or the step it returns."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.train.export import finished_checkpoint_step
+
+    try:
+        return finished_checkpoint_step(SimpleNamespace(resume_from_checkpoint=ckpt, max_steps=STEP))
+    except RecipeError as err:
+        print(err)
+        return "RecipeError"
+
+
+@pytest.mark.parametrize("case", [c for c in checkpoint_plan() if c.startswith("trainer_state.json")])
+def test_the_resumes_read_of_the_finished_step(checkpoints, case, capsys):
+    assert bounded(finished_step_reader, checkpoints["pristine"], capsys=capsys)["outcome"] == STEP
+    result = bounded(finished_step_reader, checkpoints[case], capsys=capsys)
+    step = WRONG_VALUES.get(case.rsplit("-", 1)[1]) if "-global_step-" in case else None
+    if type(step) is int:  # a step number, read: below max_steps it is None (train), at or above it the step
+        assert result["outcome"] == (step if step >= STEP else None) and not result["message"], result
+        return
+    assert result["outcome"] == "RecipeError", result
+    assert "trainer_state.json" in one_line(result), result
 
 
 # ----- what is accepted, and the help -----

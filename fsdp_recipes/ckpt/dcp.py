@@ -904,12 +904,12 @@ def _step_of_name(ckpt: Path) -> int | None:
 
 def _step_of(ckpt: Path) -> int | None:
     """The step a checkpoint is of: its name's (checkpoint-N), else its trainer_state.json's global_step."""
-    from fsdp_recipes.bounded import load_json
+    from fsdp_recipes.bounded import STATE_LIMIT, load_json
 
     if (step := _step_of_name(ckpt)) is not None:
         return step
     try:
-        step = load_json(ckpt / "trainer_state.json", "trainer_state.json", 256 << 20).get("global_step")
+        step = load_json(ckpt / "trainer_state.json", "trainer_state.json", STATE_LIMIT).get("global_step")
     except (ValueError, OSError, AttributeError):
         return None
     return step if type(step) is int else None

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.bounded import JSON_LIMIT, STATE_LIMIT, load_json
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import DTYPE_SIZES
 from fsdp_recipes.ckpt.description import (
@@ -411,7 +411,7 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
     config_dir, tok_dir = description_dirs(resolved)
     quantized = None if alone else quantized_base(src.tensors)
     try:
-        step = load_json(state, "trainer_state.json", 256 << 20).get("global_step") if state.is_file() else None
+        step = load_json(state, "trainer_state.json", STATE_LIMIT).get("global_step") if state.is_file() else None
     except (ValueError, AttributeError):
         step = None
     return {

@@ -22,7 +22,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.bounded import load_json
+from fsdp_recipes.bounded import STATE_LIMIT, load_json
 from fsdp_recipes.ckpt.dcp import check_folder, digest_problems, require_this_torch
 from fsdp_recipes.ckpt.layout import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
@@ -184,7 +184,6 @@ def checkpoint_status(ckpt: str | os.PathLike) -> CheckpointStatus:
 
 
 REPORT_LIMIT = 64 << 20  # fsdp_report.json: a few hundred bytes per rank
-STATE_LIMIT = 256 << 20  # trainer_state.json grows by about 200 bytes per logged step: a million steps fit
 MAX_WORLD_SIZE = 65536  # processes; the rank files checked below are named from it, one per rank
 
 

@@ -28,7 +28,8 @@ from fsdp_recipes.ckpt.layout import (
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
-from fsdp_recipes.errors import CheckpointError
+from fsdp_recipes.bounded import STATE_LIMIT, load_json
+from fsdp_recipes.errors import CheckpointError, RecipeError, UnreadableFile
 from fsdp_recipes.removal import MARKER, entries, make_folder, make_room, move, remove, remove_inside, replace_file, unmark
 from fsdp_recipes.train.sharding import unwrapped_model_class
 
@@ -362,7 +363,12 @@ def finished_checkpoint_step(training_args) -> int | None:
     ckpt = training_args.resume_from_checkpoint
     if not ckpt or training_args.max_steps <= 0:
         return None
-    step = json.loads((Path(ckpt) / "trainer_state.json").read_text())["global_step"]
+    try:  # the resume decision read it already; a file changed since is this one line, not a traceback
+        step = load_json(Path(ckpt) / "trainer_state.json", "trainer_state.json", STATE_LIMIT).get("global_step")
+    except UnreadableFile as err:
+        raise RecipeError(f"{err} (it changed after the resume was decided)") from None
+    if type(step) is not int:
+        raise RecipeError(f"{Path(ckpt) / 'trainer_state.json'}: global_step is {step!r}, not a step number: is this the right checkpoint?")
     return step if step >= training_args.max_steps else None
 
 
