@@ -35,6 +35,7 @@ YAML_LIMIT = 256 * 1024
 JSON_LIMIT = 64 << 20
 # trainer_state.json grows by about 200 bytes per logged step: a million steps fit. Every reader of it uses this.
 STATE_LIMIT = 256 << 20
+REPORT_LIMIT = 64 << 20  # fsdp_report.json: a few hundred bytes per rank
 MAX_DEPTH = 32  # recipes and configs nest two levels (fsdp_config: ...); the parser recurses once per level
 MAX_VALUES = 1000  # keys, values and list items together: later checks suggest a name per unknown key, 1 ms each
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fsdp_recipes.bounded import read_text
 from fsdp_recipes.errors import RefusedRemoval, one_line
 
 MARKER = ".made-by-fsdp-recipes"
@@ -105,7 +106,7 @@ def marker(path: str | os.PathLike) -> dict | None:
     try:
         if file.is_symlink() or not file.is_file() or file.stat().st_size > 4096:
             return None
-        record = json.loads(file.read_text())
+        record = json.loads(read_text(file, MARKER, 4096))
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("tool") != "fsdp-recipes":

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.bounded import STATE_LIMIT, YAML_LIMIT
-from fsdp_recipes.ckpt.status import REPORT_LIMIT
+from fsdp_recipes.bounded import REPORT_LIMIT, STATE_LIMIT, YAML_LIMIT
 from fsdp_recipes.config.parse import load_recipe, parse_args
 from fsdp_recipes.errors import RecipeError
 
@@ -384,3 +383,44 @@ def test_in_range_numbers_are_accepted_and_help_shows_each_default_once(capsys):
     assert len(entries) == 12 and all(entry.count("(default: ") == 1 for entry in entries.values()), entries
     for option, default in (("--nproc-per-node", 8), ("--nnodes", 1), ("--micro-batch", 1), ("--seq-len", 2048)):
         assert entries[option].endswith(f"(default: {default})"), entries[option]
+
+
+# ----- the class: no read of a whole file outside fsdp_recipes/bounded.py -----
+
+# Reads of a whole file or stream that no user or other tool hands us; every other read goes through
+# fsdp_recipes.bounded (a size limit, regular files only, non-blocking) or reads a stated number of bytes.
+UNBOUNDED_BY_DESIGN = {
+    ("fsdp_recipes/ckpt/copier.py", "sys.stdin.read()"): "the plan the merge writes into the copier's own pipe",
+    ("fsdp_recipes/ckpt/safetensors_writer.py", "errors.read()"): "the copier's stderr, in a temporary file the merge made",
+    ("fsdp_recipes/compat/internals.py", "requirements.read_text()"): "this checkout's requirements.txt",
+    ("fsdp_recipes/config/launcher.py", 'Path(f"/proc/{pid}/cmdline").read_bytes()'): "the kernel's record of a process",
+    ("fsdp_recipes/config/launcher.py", 'Path(f"/proc/{pid}/stat").read_text()'): "the kernel's record of a process",
+}
+
+
+def whole_file_reads() -> dict[tuple[str, str], int]:
+    """(file, call) -> line, for each call in the package, tools/ and train_fsdp.py that reads a file or stream whole:
+    .read_text(), .read_bytes(), .read() without a size, .readlines(), json.load()."""
+    import ast
+
+    found = {}
+    for path in sorted([*(REPO / "fsdp_recipes").rglob("*.py"), *(REPO / "tools").glob("*.py"), REPO / "train_fsdp.py"]):
+        rel = path.relative_to(REPO).as_posix()
+        if rel == "fsdp_recipes/bounded.py":
+            continue
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name, owner = node.func.attr, node.func.value
+                if (name in ("read_text", "read_bytes", "readlines") or (name == "read" and not node.args and not node.keywords)
+                        or (name == "load" and isinstance(owner, ast.Name) and owner.id == "json")):
+                    found[(rel, ast.get_source_segment(source, node))] = node.lineno
+    return found
+
+
+def test_no_file_is_read_whole_outside_the_bounded_readers():
+    found = whole_file_reads()
+    assert len(found) >= len(UNBOUNDED_BY_DESIGN) > 0  # the scan sees the reads it allows
+    unbounded = {f"{file}:{line}: {call}" for (file, call), line in found.items() if (file, call) not in UNBOUNDED_BY_DESIGN}
+    assert not unbounded, "read with fsdp_recipes.bounded (read_text / load_json with a limit) instead:\n" + "\n".join(sorted(unbounded))
+    assert set(UNBOUNDED_BY_DESIGN) <= set(found), "an allowed read is gone: take it off UNBOUNDED_BY_DESIGN"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.bounded import JSON_LIMIT, load_json, read_text
 from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, FULL_MODEL_FILE
 from fsdp_recipes.ckpt.status import short_json
 from fsdp_recipes.errors import UnreadableFile
@@ -173,7 +173,11 @@ def _tokenizer_differences(ckpt: Path, now: dict) -> list[str]:
                     differ.append(f"{name} {short_json(_token_text(saved[name]))} saved, {short_json(now['special_tokens'].get(name))} now")
             template = saved.get("chat_template")
             if (jinja := ckpt / "chat_template.jinja").is_file():
-                template = jinja.read_text(errors="replace") if jinja.stat().st_size <= JSON_LIMIT else None
+                try:
+                    template = read_text(jinja, "chat_template.jinja", JSON_LIMIT)
+                except UnreadableFile as err:
+                    differ.append(str(err))
+                    template = None
             if template is not None and template != now["chat_template"]:
                 differ.append("its chat template differs from this run's")
     return differ

@@ -22,7 +22,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.bounded import STATE_LIMIT, load_json
+from fsdp_recipes.bounded import REPORT_LIMIT, STATE_LIMIT, load_json
 from fsdp_recipes.ckpt.dcp import check_folder, digest_problems, require_this_torch
 from fsdp_recipes.ckpt.layout import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
@@ -183,7 +183,6 @@ def checkpoint_status(ckpt: str | os.PathLike) -> CheckpointStatus:
     return status
 
 
-REPORT_LIMIT = 64 << 20  # fsdp_report.json: a few hundred bytes per rank
 MAX_WORLD_SIZE = 65536  # processes; the rank files checked below are named from it, one per rank
 
 

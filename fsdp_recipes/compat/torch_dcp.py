@@ -20,10 +20,11 @@ from fsdp_recipes.compat import internals
 _guarded: list[bool] = []
 
 
-def install(vetted_metadata, vetted_byte_record) -> None:
+def install(vetted_metadata, vetted_byte_record, metadata_limit: int) -> None:
     """From now on in this process, torch's DCP reader unpickles nothing these have not vetted: the ``.metadata`` it
-    reads becomes ``vetted_metadata(data, path, folder)`` (the Metadata, unpickled from vetted bytes), and every byte
-    record ``vetted_byte_record(stream, key)`` (a stream torch's own loader then reads). Idempotent."""
+    reads (at most ``metadata_limit`` + 1 bytes: the file may have grown since it was checked) becomes
+    ``vetted_metadata(data, path, folder)`` (the Metadata, unpickled from vetted bytes), and every byte record
+    ``vetted_byte_record(stream, key)`` (a stream torch's own loader then reads). Idempotent."""
     if _guarded:
         return
     metadata_path = internals.get("torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path")
@@ -34,7 +35,7 @@ def install(vetted_metadata, vetted_byte_record) -> None:
 
         path = metadata_path(self, kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
+            data = f.read(metadata_limit + 1)
         metadata = vetted_metadata(data, path, Path(str(self.path)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -28,7 +28,7 @@ from fsdp_recipes.ckpt.layout import (
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
-from fsdp_recipes.bounded import STATE_LIMIT, load_json
+from fsdp_recipes.bounded import JSON_LIMIT, REPORT_LIMIT, STATE_LIMIT, load_json, read_text
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnreadableFile
 from fsdp_recipes.removal import MARKER, entries, make_folder, make_room, move, remove, remove_inside, replace_file, unmark
 from fsdp_recipes.train.sharding import unwrapped_model_class
@@ -94,7 +94,7 @@ class DescribeCheckpoints(TrainerCallback):
         run_report = Path(self.trainer.args.output_dir) / REPORT_NAME
         if run_report.is_file():
             plugin = getattr(accelerator.state, "fsdp_plugin", None)
-            report = json.loads(run_report.read_text())
+            report = load_json(run_report, REPORT_NAME, REPORT_LIMIT)
             report["state_dict_type"] = str(plugin.state_dict_type).split(".")[-1] if plugin else None
             (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
         seal_manifest(folder)  # the description files as the run left them: a later change is then named
@@ -193,6 +193,7 @@ def weight_files(folder: Path) -> list[str]:
 PART_MIN_BYTES = 64 << 20
 PART_MAX_BYTES = 5 * 10**9
 PART_POLL_SECONDS = 1.0  # how often rank 0 looks for the other ranks' completion files
+PART_NOTE_LIMIT = 64 << 10  # a part's .failed message or .alive heartbeat: one line
 PART_LOG_SECONDS = 60.0  # how often it says whom it is waiting for
 # A writing rank rewrites .part-K.alive (a counter) from a thread every PART_BEAT_SECONDS, however slow its writes;
 # rank 0 gives up on a rank whose counter has not changed for PART_STALE_SECONDS by its own clock (no clock is
@@ -278,13 +279,20 @@ def wait_for_parts(staging: Path, world: int, log=print) -> dict[int, dict]:
         for rank in sorted(set(range(world)) - set(parts)):
             failed, done = staging / f".part-{rank}.failed", staging / f".part-{rank}.done"
             if failed.is_file():
-                raise CheckpointError(f"rank {rank} failed writing its part of the final model ({failed.read_text().strip()}): {again}")
+                try:
+                    why = read_text(failed, failed.name, PART_NOTE_LIMIT).strip()
+                except UnreadableFile as err:
+                    why = str(err)
+                raise CheckpointError(f"rank {rank} failed writing its part of the final model ({why}): {again}")
             if done.is_file():
-                parts[rank] = json.loads(done.read_text())
+                try:
+                    parts[rank] = load_json(done, done.name, JSON_LIMIT)
+                except UnreadableFile as err:
+                    raise CheckpointError(f"rank {rank}'s record of its part of the final model: {err}; {again}") from None
                 continue
             try:
-                beat = (staging / f".part-{rank}.alive").read_text()
-            except OSError:
+                beat = read_text(staging / f".part-{rank}.alive", f".part-{rank}.alive", PART_NOTE_LIMIT)
+            except (OSError, UnreadableFile):
                 beat = None
             if beat != beats[rank][0]:
                 beats[rank] = (beat, time.monotonic())
@@ -304,7 +312,7 @@ def record_export(out: Path, export: dict) -> None:
     """The export's dtype, writers and time in the run's fsdp_report.json (rank 0; the report is the run's, when it exists)."""
     path = Path(out) / REPORT_NAME
     if path.is_file():
-        report = json.loads(path.read_text())
+        report = load_json(path, REPORT_NAME, REPORT_LIMIT)
         report["export"] = export
         path.write_text(json.dumps(report, indent=2) + "\n")
 

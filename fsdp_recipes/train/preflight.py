@@ -24,6 +24,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from fsdp_recipes.bounded import YAML_LIMIT, read_text
 from fsdp_recipes.ckpt.dcp import guard_torch_dcp
 from fsdp_recipes.ckpt.layout import RUN_RECORD, is_checkpoint_folder
 from fsdp_recipes.ckpt.resume import decide, disagreement, requested, REQUEUE_RECORD, sight
@@ -242,7 +243,7 @@ def save_resolved_arguments(model_args, data_args, training_args, launch: Launch
     record = {
         "model": asdict(model_args), "data": asdict(data_args), "training": json.loads(training_args.to_json_string()),
         "accelerate_config_file": str(config_file) if config_file else None,
-        "accelerate_config": config_file.read_text() if config_file and config_file.is_file() else None,
+        "accelerate_config": read_text(config_file, "accelerate config", YAML_LIMIT) if config_file and config_file.is_file() else None,
         "accelerate_settings": launch.config if launch else None,
         "accelerate_settings_from": launch.describe() if launch else None,
         "world_size": training_args.world_size,

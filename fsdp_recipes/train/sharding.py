@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
+from fsdp_recipes.bounded import REPORT_LIMIT, load_json
 from fsdp_recipes.ckpt.layout import PUBLISHED, REPORT_NAME, published
 from fsdp_recipes.compat import internals, rank0_loading
 from fsdp_recipes.compat.cpu_fsdp import cpu_precision, fsdp_requested, launched_world_size
@@ -267,7 +268,7 @@ def _update_report(output_dir: str, accelerator, update) -> None:
     if not accelerator.is_main_process:
         return
     path = Path(output_dir) / REPORT_NAME
-    report = json.loads(path.read_text())
+    report = load_json(path, REPORT_NAME, REPORT_LIMIT)
     update(report)
     path.write_text(json.dumps(report, indent=2) + "\n")
 
