@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,28 @@ def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None =
     and would otherwise import whichever fsdp_recipes is installed (an editable install of another checkout)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, start_new_session=new_session)
+    start = time.monotonic()
+    try:
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, start_new_session=new_session)
+    finally:
+        if Path(cmd[0]).name in ("accelerate", "torchrun"):
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+            count, seconds = LAUNCHES.get(test, (0, 0.0))
+            LAUNCHES[test] = (count + 1, seconds + time.monotonic() - start)
+
+
+# test -> (multi-process launches, their seconds): the suite's time is mostly these (each pays ~7 s of imports and
+# start-up before its first step); the summary lists the tests that launch most, so that new ones share runs
+LAUNCHES: dict[str, tuple[int, float]] = {}
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not LAUNCHES:
+        return
+    count, seconds = sum(c for c, _ in LAUNCHES.values()), sum(s for _, s in LAUNCHES.values())
+    terminalreporter.section(f"multi-process launches: {count}, {seconds:.0f} s")
+    for test, (n, s) in sorted(LAUNCHES.items(), key=lambda item: -item[1][1])[:15]:
+        terminalreporter.write_line(f"{s:7.1f} s {n:3d} launch(es)  {test}")
 
 
 # train_fsdp.py with a SIGKILL injected at a chosen point (FSDP_FAULT), for the fault-tolerance tests.
