@@ -221,6 +221,38 @@ def test_shard_folders_copied_in_from_another_checkpoint_with_their_digests_are_
     assert "missing shard_digests.json" in "; ".join(checkpoint_status(run / "checkpoint-12").problems)
 
 
+@pytest.mark.parametrize("manifest", ["its own", "checkpoint-6's"])
+@pytest.mark.parametrize("digests", ["checkpoint-6's", "checkpoint-6's without a step", "its own without a step"])
+def test_shard_folders_copied_in_with_digests_of_any_form_are_refused(trained, tmp_path, digests, manifest):
+    """The hostile review's W2: checkpoint-6's shard folders copied into checkpoint-12 with digests of an older version
+    (no step) passed. The manifest is sealed with the step its digests record, so a record of no step or another step is
+    named whichever manifest came along; a checkpoint renamed (best) with its own files is still taken."""
+    from fsdp_recipes.ckpt.status import checkpoint_status
+
+    source = trained("accelerate_configs/zero3.yaml").output_dir
+    ckpt = tmp_path / "run" / "checkpoint-12"
+    shutil.copytree(source / "checkpoint-12", ckpt)
+    sealed = json.loads((ckpt / "model_description.json").read_text())
+    assert sealed["shard_digests_step"] == 12
+    shutil.copytree(ckpt, tmp_path / "run" / "best")
+    assert checkpoint_status(tmp_path / "run" / "best").resumable  # renamed: its step is its trainer_state.json's
+
+    older = source / "checkpoint-6"
+    if digests.startswith("checkpoint-6"):
+        for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+            shutil.rmtree(ckpt / name)
+            shutil.copytree(older / name, ckpt / name)
+    record = json.loads(((older if digests.startswith("checkpoint-6") else ckpt) / "shard_digests.json").read_text())
+    if digests.endswith("without a step"):
+        del record["step"]  # as this repository wrote them before the digests named their step
+    (ckpt / "shard_digests.json").write_text(json.dumps(record))
+    if manifest == "checkpoint-6's":
+        shutil.copy(older / "model_description.json", ckpt / "model_description.json")
+    problems = "; ".join(checkpoint_status(ckpt).problems)
+    whose = "of no step (an older version's)" if digests.endswith("without a step") else "that of step 6"
+    assert f"shard_digests.json is {whose}, and this checkpoint is of step " in problems, problems
+
+
 def test_an_edited_metadata_of_our_own_checkpoint_is_named_by_its_digest(run_dir, capsys):  # noqa: F811
     """.metadata is in shard_digests.json: an edit that keeps the chunks a valid layout (here: a tensor's dtype
     renamed) is not the file the checkpoint wrote."""

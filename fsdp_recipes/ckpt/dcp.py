@@ -924,13 +924,13 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
     from fsdp_recipes.ckpt.layout import MANIFEST, SHARD_DIGESTS
 
     path = Path(ckpt) / SHARD_DIGESTS
+    try:  # our runs announce the digests in the manifest, which is written before any shard, and sealed with their step
+        manifest = load_json(Path(ckpt) / MANIFEST, MANIFEST, JSON_LIMIT) if os.path.lexists(Path(ckpt) / MANIFEST) else {}
+    except ValueError:
+        manifest = {}  # an unreadable manifest is named by description.recorded_changes
     if not os.path.lexists(path):
-        try:  # our runs announce the digests in the manifest, which is written before any shard
-            announced = os.path.lexists(Path(ckpt) / MANIFEST) and load_json(Path(ckpt) / MANIFEST, MANIFEST, JSON_LIMIT).get("shard_digests")
-        except ValueError:
-            announced = False  # an unreadable manifest only costs the merge its shortcut (described_by_manifest)
         return [f"missing {SHARD_DIGESTS} (written last, once every rank had finished: the save did not finish, or it "
-                "was removed)"] if announced else []
+                "was removed)"] if manifest.get("shard_digests") else []
     try:
         record = load_json(path, SHARD_DIGESTS, JSON_LIMIT)
         files = record["files"] if record.get("sample_bytes") == _DIGEST_SAMPLE else None
@@ -938,9 +938,13 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
             raise ValueError  # an entry that is no size and hash is no record of a file: not a swap
     except (ValueError, TypeError, KeyError, OSError):
         return [f"unreadable {SHARD_DIGESTS}: copy the checkpoint again"]
-    recorded, step = record.get("step"), _step_of(Path(ckpt))
-    if recorded is not None and step is not None and recorded != step:
-        return [f"{SHARD_DIGESTS} is that of step {json.dumps(recorded)[:40]}, and this checkpoint is of step {step}: its shard folders "
+    # The step the record names must be the folder's (its name's, else trainer_state.json's) and the one the manifest
+    # was sealed with; a sealed manifest also means the record names one (an older version's record names none).
+    recorded, sealed = record.get("step"), manifest.get("shard_digests_step")
+    steps = [s for s in (_step_of(Path(ckpt)), sealed if type(sealed) is int else None) if s is not None]
+    if (recorded is not None or type(sealed) is int) and (wrong := [s for s in steps if s != recorded]):
+        whose = "of no step (an older version's)" if recorded is None else f"that of step {json.dumps(recorded)[:40]}"
+        return [f"{SHARD_DIGESTS} is {whose}, and this checkpoint is of step {wrong[0]}: its shard folders "
                 "were copied from another checkpoint (with their digests): copy this checkpoint again from where it was written"]
     problems = []
     for name, expected in sorted(files.items()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -132,6 +133,8 @@ def seal_manifest(folder: Path) -> None:
     except (ValueError, KeyError, TypeError, OSError):
         return
     manifest["files"] = {name: _sha256(Path(folder) / name) for name in files if (Path(folder) / name).is_file()}
+    if re.fullmatch(r"checkpoint-\d+", Path(folder).name):  # the step shard_digests.json will record (a copy from another is named)
+        manifest["shard_digests_step"] = int(Path(folder).name.rsplit("-", 1)[1])
     path.write_text(json.dumps(manifest, indent=1) + "\n")
 
 
