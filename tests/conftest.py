@@ -137,6 +137,8 @@ class Run:
     world_size: int
     fsdp_version: int | None  # None: DDP
     shard_group: int  # processes one parameter is split over
+    stdout: str = ""  # what the launch printed: tests of its lines share the run instead of launching their own
+    stderr: str = ""
 
     @property
     def model_dir(self) -> Path:
@@ -184,8 +186,8 @@ def trained(tmp_path_factory):
         key = (config, script_args, launch_args)
         if key not in runs:
             out = tmp_path_factory.mktemp(config.replace("/", "_").replace(".yaml", ""))
-            launch(config, *QUICK, *script_args, "--output_dir", str(out), launch_args=LAUNCH_OVERRIDES.get(config, ()) + launch_args)
-            runs[key] = Run(config, out, *expected_layout(config))
+            proc = launch(config, *QUICK, *script_args, "--output_dir", str(out), launch_args=LAUNCH_OVERRIDES.get(config, ()) + launch_args)
+            runs[key] = Run(config, out, *expected_layout(config), stdout=proc.stdout, stderr=proc.stderr)
         return runs[key]
 
     return get

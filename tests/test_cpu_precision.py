@@ -126,13 +126,13 @@ NOTE = "computes in fp32 here: this CPU"
 
 @pytest.mark.slow
 @without_native_bf16
-def test_shipped_bf16_config_runs_fp32_here_and_says_so_once(tmp_path):
-    proc = launch("accelerate_configs/zero3.yaml", "--max_steps", "4", "--save_steps", "4", "--output_dir", str(tmp_path / "out"))
+def test_shipped_bf16_config_runs_fp32_here_and_says_so_once(trained):
+    proc = trained("accelerate_configs/zero3.yaml")  # the session's run of the shipped config
     assert (proc.stdout + proc.stderr).count(NOTE) == 1, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if NOTE in line).split(" INFO train_fsdp: ", 1)[1]  # rank 0's log
     assert line.startswith("bf16 mixed precision (accelerate's mixed_precision: bf16) computes in fp32 here")
     assert line.endswith("--cpu_bf16 true keeps bf16")
-    precision = read_json(tmp_path / "out" / "fsdp_report.json")["precision"]
+    precision = proc.report["precision"]
     assert precision["compute"] == precision["gradient_reduction"] == precision["master_weights"] == "float32"
     assert precision["cpu_bf16"]["native_bf16"] is False and precision["cpu_bf16"]["compute"] == "float32"
     assert precision["cpu_bf16"]["note"] == line
@@ -140,12 +140,11 @@ def test_shipped_bf16_config_runs_fp32_here_and_says_so_once(tmp_path):
 
 @pytest.mark.slow
 @without_native_bf16
-def test_cpu_bf16_true_keeps_bf16_here(tmp_path):
-    proc = launch("accelerate_configs/zero3.yaml", "--max_steps", "4", "--save_steps", "4", "--cpu_bf16", "true",
-                  "--output_dir", str(tmp_path / "out"))
+def test_cpu_bf16_true_keeps_bf16_here(trained):
+    proc = trained("accelerate_configs/zero3.yaml", "--cpu_bf16", "true")  # test_training's run of it
     assert NOTE not in proc.stdout + proc.stderr
     assert (proc.stdout + proc.stderr).count("keeps bf16 compute (--cpu_bf16 true) although this CPU") == 1
-    precision = read_json(tmp_path / "out" / "fsdp_report.json")["precision"]
+    precision = proc.report["precision"]
     assert precision["compute"] == precision["gradient_reduction"] == "bfloat16" and precision["master_weights"] == "float32"
     assert precision["cpu_bf16"]["forced"] is True and precision["cpu_bf16"]["compute"] == "bfloat16"
 

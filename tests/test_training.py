@@ -25,29 +25,33 @@ def test_really_fsdp_and_sharded(trained, config):
         assert rank["local_param_elements"] * run.shard_group == total, rank
 
 
-@pytest.mark.parametrize("config", FSDP_CONFIGS)
-def test_precision_and_wrapping_contract(trained, config):
-    """fsdp_report.json names the wrapped layer class with its count, and the dtypes of master weights, compute,
-    gradient reduction, optimizer state and saved model; each checked against what the run wrote or was given.
-    The configs' bf16 is tested as bf16: on a CPU without native bf16 (which computes in fp32 by default,
-    tests/test_cpu_precision.py) the run keeps it with --cpu_bf16 true."""
+def bf16_computes_as_fp32_here(config: str) -> bool:
+    """The config asks for bf16 and this machine (a CPU without native bf16) computes it in fp32 unless --cpu_bf16 true."""
     import yaml
-    from safetensors import safe_open
-    from torch.distributed.checkpoint import FileSystemReader
 
     from fsdp_recipes.compat.cpu_fsdp import native_bf16, read_cpuinfo
 
     mixed = yaml.safe_load((REPO / config).read_text())["mixed_precision"]
-    force = mixed == "bf16" and not torch.cuda.is_available() and native_bf16(read_cpuinfo()) is False
-    run = trained(config, *(("--cpu_bf16", "true") if force else ()))
+    return mixed == "bf16" and not torch.cuda.is_available() and native_bf16(read_cpuinfo()) is False
+
+
+def check_precision_and_wrapping(run, forced: bool) -> None:
+    """fsdp_report.json names the wrapped layer class with its count, and the dtypes of master weights, compute,
+    gradient reduction, optimizer state and saved model; each checked against what the run wrote or was given."""
+    import yaml
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemReader
+
+    mixed = yaml.safe_load((REPO / run.config).read_text())["mixed_precision"]
     layers = read_json(run.model_dir / "config.json")["num_hidden_layers"]
     units = run.report["wrapped_units"]
     assert units["LlamaDecoderLayer"] == layers and units["LlamaForCausalLM"] == 1  # the wrap class, and the root
     # FSDP2 (accelerate's fsdp2_prepare_model) also makes the embeddings, the LM head and the final norm units
     assert set(units) - {"LlamaDecoderLayer", "LlamaForCausalLM"} == ({"Embedding", "Linear", "LlamaRMSNorm"} if run.fsdp_version == 2 else set())
     precision = run.report["precision"]
-    assert precision["compute"] == {"bf16": "bfloat16", "no": "float32"}[mixed]
-    assert precision.get("cpu_bf16", {}).get("forced", False) is force
+    as_fp32 = bf16_computes_as_fp32_here(run.config) and not forced
+    assert precision["compute"] == ("float32" if as_fp32 else {"bf16": "bfloat16", "no": "float32"}[mixed])
+    assert precision.get("cpu_bf16", {}).get("forced", False) is forced
     with safe_open(run.model_dir / "model.safetensors", "pt") as f:
         saved = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
     assert saved == {"F32"} and precision["saved_model"] == precision["master_weights"] == "float32"
@@ -55,6 +59,23 @@ def test_precision_and_wrapping_contract(trained, config):
     optimizer = FileSystemReader(str(run.output_dir / f"checkpoint-{step}" / "optimizer_0")).read_metadata()
     moments = {str(m.properties.dtype).removeprefix("torch.") for k, m in optimizer.state_dict_metadata.items() if "exp_avg" in k}
     assert moments == {precision["optimizer_state"]}
+
+
+@pytest.mark.parametrize("config", FSDP_CONFIGS)
+def test_precision_and_wrapping_contract(trained, config):
+    """Each config's own run: on a CPU without native bf16 its bf16 computes in fp32 (tests/test_cpu_precision.py),
+    which the report says."""
+    check_precision_and_wrapping(trained(config), forced=False)
+
+
+@pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
+def test_the_configs_bf16_computes_in_bf16_where_kept(trained, config):
+    """The configs' bf16 tested as bf16 on a CPU without native bf16 (--cpu_bf16 true): one FSDP2 and one FSDP1
+    config, the two ways accelerate applies mixed_precision (MixedPrecisionPolicy, MixedPrecision); the others
+    compute it so on a GPU (tests/test_gpu.py) and in the test above on a CPU with native bf16."""
+    if not bf16_computes_as_fp32_here(config):
+        pytest.skip("this machine computes the config's bf16 in bf16 already: the test above checks it")
+    check_precision_and_wrapping(trained(config, "--cpu_bf16", "true"), forced=True)
 
 
 @pytest.mark.parametrize("config", FSDP_CONFIGS)
