@@ -288,12 +288,12 @@ def test_a_visit_that_would_run_nothing_is_refused_before_any_work(tmp_path, arg
 def test_a_command_gets_the_interrupt_even_when_the_check_runs_with_sigint_ignored(tmp_path, monkeypatch):
     """A check started in the background (`python3 bench/gpu_check.py ... &` in a script) inherits SIGINT ignored;
     pytest would inherit it too and be killed at its deadline without a word. Its commands get SIGINT as default."""
-    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 5)
+    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 2)
     monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         check_run = gpu_check.Check(tmp_path / "out", 60)
-        proc = check_run.run([sys.executable, "-c", "import time\ntry:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n    print('interrupted')\n"], 8)
+        proc = check_run.run([sys.executable, "-c", "import time\ntry:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n    print('interrupted')\n"], 4)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert proc.returncode == 124 and "interrupted" in proc.stdout, proc
@@ -302,7 +302,7 @@ def test_a_command_gets_the_interrupt_even_when_the_check_runs_with_sigint_ignor
 def test_a_command_at_its_deadline_is_interrupted_and_says_what_it_has(tmp_path, monkeypatch):
     """pytest killed at the budget left "FFFFFFsFF" and no reason; interrupted (SIGINT), it prints its failures. The
     command here stands for pytest: on the interrupt it prints its summary."""
-    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 5)
+    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 2)
     monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
     script = ("import signal, sys, time\n"
               "def summary(*_):\n    print('= FAILURES = test_x: assert 75068160 < 90e6', flush=True); sys.exit(2)\n"
@@ -311,16 +311,16 @@ def test_a_command_at_its_deadline_is_interrupted_and_says_what_it_has(tmp_path,
               "time.sleep(600)\n")
     check_run = gpu_check.Check(tmp_path / "out", 60)
     started = time.monotonic()
-    proc = check_run.run([sys.executable, "-c", script], 9)
+    proc = check_run.run([sys.executable, "-c", script], 5)
     assert time.monotonic() - started < 25
-    assert proc.returncode == 124 and "timed out after 9 s" in proc.stderr and "it exited 2 on the interrupt" in proc.stderr
+    assert proc.returncode == 124 and "timed out after 5 s" in proc.stderr and "it exited 2 on the interrupt" in proc.stderr
     assert "= FAILURES = test_x: assert 75068160 < 90e6" in proc.stdout
     assert "FAILURES" in (tmp_path / "out" / "logs.txt").read_text()
 
     # a command that ignores the interrupt is killed after the grace
     stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('ignoring', flush=True)\ntime.sleep(600)\n"
     started = time.monotonic()
-    proc = check_run.run([sys.executable, "-c", stubborn], 7)
+    proc = check_run.run([sys.executable, "-c", stubborn], 4)
     assert proc.returncode == 124 and "ignoring" in proc.stdout and time.monotonic() - started < 25
 
 
@@ -352,12 +352,12 @@ sys.exit(1)
 
 
 @pytest.mark.parametrize("pipes, launcher_sleeps, seconds", [
-    ("", 600, 8),  # a hung launcher, its worker holding the pipes: interrupted, then killed, worker and all
-    (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 600, 8),
+    ("", 600, 5),  # a hung launcher, its worker holding the pipes: interrupted, then killed, worker and all
+    (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 600, 5),
     (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 1, 30),  # the launcher fails and leaves its worker
 ])
 def test_nothing_a_command_started_outlives_it(tmp_path, monkeypatch, pipes, launcher_sleeps, seconds):
-    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 4)
+    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 2)
     monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
     pid_file = tmp_path / "worker.pid"
     check_run = gpu_check.Check(tmp_path / "out", 60)

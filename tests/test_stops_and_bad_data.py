@@ -226,23 +226,31 @@ def _finalizer_scenarios(*cases: str) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in proc.stdout.splitlines())
 
 
-def test_a_stop_that_lands_in_a_finalizer_still_stops_the_run_without_a_traceback():
+FINALIZER_CASES = [f"{where}:{sig}" for where in ("del", "weakref") for sig in ("TERM", "USR1", "INT")]
+SIGNAL_PAIRS = ["USR1,TERM", "TERM,INT", "INT,USR1", "INT,INT"]
+
+
+@pytest.fixture(scope="module")
+def finalizer_outcomes() -> dict[str, str]:
+    """Every scenario of the two tests below, in one process (each process pays ~5 s importing transformers)."""
+    return _finalizer_scenarios(*FINALIZER_CASES, *(f"del:{pair}" for pair in SIGNAL_PAIRS))
+
+
+def test_a_stop_that_lands_in_a_finalizer_still_stops_the_run_without_a_traceback(finalizer_outcomes):
     """Python swallows (and prints) an exception raised in a finalizer: a stop or Ctrl-C whose handler raised there was
     lost and the run trained on (seen as a traceback in the one-line stop test). Now the handler does not raise there
     and the signal comes again outside. In one process, scenario after scenario, for a __del__ and a weakref.finalize
     callback."""
-    cases = [f"{where}:{sig}" for where in ("del", "weakref") for sig in ("TERM", "USR1", "INT")]
-    got = _finalizer_scenarios(*cases)
-    assert got == {case: {"TERM": "SIGTERM", "USR1": "SIGUSR1", "INT": "interrupted"}[case.split(":")[1]] for case in cases}
+    got = {case: finalizer_outcomes.get(case) for case in FINALIZER_CASES}
+    assert got == {case: {"TERM": "SIGTERM", "USR1": "SIGUSR1", "INT": "interrupted"}[case.split(":")[1]] for case in FINALIZER_CASES}
 
 
-def test_two_signals_at_once_in_a_finalizer_still_stop_the_run_in_one_line():
+def test_two_signals_at_once_in_a_finalizer_still_stop_the_run_in_one_line(finalizer_outcomes):
     """(hostile review) the second signal's handler ran inside the unraisable hook dealing with the first, where Python
     swallowed it too: a traceback, and the run went on. Either signal may be the one that stops it."""
-    pairs = ["USR1,TERM", "TERM,INT", "INT,USR1", "INT,INT"]
-    got = _finalizer_scenarios(*(f"del:{pair}" for pair in pairs))
     names = {"TERM": "SIGTERM", "USR1": "SIGUSR1", "INT": "interrupted"}
-    assert all(got[f"del:{pair}"] in {names[n] for n in pair.split(",")} for pair in pairs), got
+    got = {pair: finalizer_outcomes.get(f"del:{pair}") for pair in SIGNAL_PAIRS}
+    assert all(got[pair] in {names[n] for n in pair.split(",")} for pair in SIGNAL_PAIRS), got
 
 
 def test_a_stop_recorded_before_the_trainer_takes_over_is_not_dropped():
