@@ -67,13 +67,14 @@ def stored_bytes(folder) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("config, tied", [
-    ("zero3.yaml", False), ("zero3.yaml", True), ("fsdp1/zero3.yaml", False), ("fsdp1/zero3.yaml", True),
+    ("zero3.yaml", False), ("fsdp1/zero3.yaml", False),
     ("fsdp1/no_shard.yaml", False),  # FSDP1 keeps the whole flat parameter: broadcast whole, not scattered
     ("fsdp1/hybrid_shard.yaml", False),  # two sync groups, across nodes then within: broadcast, then scattered
-], ids=["fsdp2-untied", "fsdp2-tied", "fsdp1-untied", "fsdp1-tied", "fsdp1-no_shard", "fsdp1-hybrid"])
+], ids=["fsdp2-untied", "fsdp1-untied", "fsdp1-no_shard", "fsdp1-hybrid"])
 def test_rank0_only_loading_gives_every_rank_the_files_weights(tmp_path, tied, config):
     """Learning rate 0 under FSDP2 and FSDP1 configs: the final model, gathered from every rank's shard, equals the
-    folder's weights bit for bit, and a tied LM head stays tied (one tensor saved, embed_tokens)."""
+    folder's weights bit for bit. A tied model under zero3.yaml and fsdp1/zero3.yaml is the next test's: trained,
+    it equals the run where every rank loads the folder, its LM head still tied (one tensor saved, embed_tokens)."""
     folder, out = tmp_path / "model", tmp_path / "out"
     build_model(folder, None, "float32", tied=tied)
     launch(f"accelerate_configs/{config}", "--model_name_or_path", str(folder), "--learning_rate", "0",
