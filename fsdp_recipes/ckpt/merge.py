@@ -377,7 +377,7 @@ def verify_folder(folder: Path, source, names: dict[str, str], dtype: str | None
 
     dtype = dtype_name(dtype)
     index = folder / f"{stem}.safetensors.index.json"
-    where = load_json(index, index.name, JSON_LIMIT).get("weight_map") if index.is_file() else {n: f"{stem}.safetensors" for n in names}
+    where = (load_json(index, index.name, JSON_LIMIT).get("weight_map") or {}) if index.is_file() else {n: f"{stem}.safetensors" for n in names}
     if sorted(where) != sorted(names):
         raise CheckpointError(f"verify: {folder} holds {len(where)} tensors, expected {len(names)}")
     by_source = {src: out for out, src in names.items()}

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from fsdp_recipes.bounded import JSON_LIMIT, REPORT_LIMIT, STATE_LIMIT, load_json, read_text
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, seal_manifest, write_manifest
@@ -28,7 +29,6 @@ from fsdp_recipes.ckpt.layout import (
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
-from fsdp_recipes.bounded import JSON_LIMIT, REPORT_LIMIT, STATE_LIMIT, load_json, read_text
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnreadableFile
 from fsdp_recipes.removal import MARKER, entries, make_folder, make_room, move, remove, remove_inside, replace_file, unmark
 from fsdp_recipes.train.sharding import unwrapped_model_class
