@@ -355,12 +355,10 @@ def finished_step_reader(ckpt: str):
 
 @pytest.mark.parametrize("case", [c for c in checkpoint_plan() if c.startswith("trainer_state.json")])
 def test_the_resumes_read_of_the_finished_step(checkpoints, case, capsys):
+    """Each case as if trainer_state.json changed after the resume was decided (the decision refuses them all): a step
+    number other than the folder's (checkpoint-3) too, not only a file that is no step at all (hostile review)."""
     assert bounded(finished_step_reader, checkpoints["pristine"], capsys=capsys)["outcome"] == STEP
     result = bounded(finished_step_reader, checkpoints[case], capsys=capsys)
-    step = WRONG_VALUES.get(case.rsplit("-", 1)[1]) if "-global_step-" in case else None
-    if type(step) is int:  # a step number, read: below max_steps it is None (train), at or above it the step
-        assert result["outcome"] == (step if step >= STEP else None) and not result["message"], result
-        return
     assert result["outcome"] == "RecipeError", result
     assert "trainer_state.json" in one_line(result), result
 

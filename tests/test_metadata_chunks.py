@@ -253,6 +253,30 @@ def test_shard_folders_copied_in_with_digests_of_any_form_are_refused(trained, t
     assert f"shard_digests.json is {whose}, and this checkpoint is of step " in problems, problems
 
 
+@pytest.mark.parametrize("where", ["shard_digests.json", "model_description.json"])
+@pytest.mark.parametrize("value", [True, 12.0, "12", -1, None])
+def test_a_recorded_step_that_is_no_step_number_is_named(trained, tmp_path, where, value):
+    """(review) True passed as step 1 and 12.0 as 12; a manifest's step of another type was ignored, so removing or
+    retyping it in both records let an older version's digests through. A record without its step (None: removed)
+    is named too while the other record has one."""
+    from fsdp_recipes.ckpt.status import checkpoint_status
+
+    ckpt = tmp_path / "checkpoint-12"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", ckpt)
+    key = "step" if where == "shard_digests.json" else "shard_digests_step"
+    record = json.loads((ckpt / where).read_text())
+    if value is None:
+        del record[key]
+    else:
+        record[key] = value
+    (ckpt / where).write_text(json.dumps(record))
+    problems = "; ".join(checkpoint_status(ckpt).problems)
+    if value is None:
+        assert "shard_digests.json is of no step" in problems if key == "step" else checkpoint_status(ckpt).resumable, problems
+    else:
+        assert f"{'shard_digests.json' if key == 'step' else 'model_description.json'}" in problems and "not a step number" in problems, problems
+
+
 def test_an_edited_metadata_of_our_own_checkpoint_is_named_by_its_digest(run_dir, capsys):  # noqa: F811
     """.metadata is in shard_digests.json: an edit that keeps the chunks a valid layout (here: a tensor's dtype
     renamed) is not the file the checkpoint wrote."""

@@ -941,8 +941,11 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
     # The step the record names must be the folder's (its name's, else trainer_state.json's) and the one the manifest
     # was sealed with; a sealed manifest also means the record names one (an older version's record names none).
     recorded, sealed = record.get("step"), manifest.get("shard_digests_step")
-    steps = [s for s in (_step_of(Path(ckpt)), sealed if type(sealed) is int else None) if s is not None]
-    if (recorded is not None or type(sealed) is int) and (wrong := [s for s in steps if s != recorded]):
+    for what, value in ((SHARD_DIGESTS, recorded), (f"{MANIFEST}'s shard_digests_step", sealed)):
+        if value is not None and not (type(value) is int and value >= 0):  # True == 1, 6.0 == 6: no step number
+            return [f"{what} is {json.dumps(value)[:40]}, not a step number: the record was edited; copy the checkpoint again"]
+    steps = [s for s in (_step_of(Path(ckpt)), sealed) if s is not None]
+    if (recorded is not None or sealed is not None) and (wrong := [s for s in steps if s != recorded]):
         whose = "of no step (an older version's)" if recorded is None else f"that of step {json.dumps(recorded)[:40]}"
         return [f"{SHARD_DIGESTS} is {whose}, and this checkpoint is of step {wrong[0]}: its shard folders "
                 "were copied from another checkpoint (with their digests): copy this checkpoint again from where it was written"]

@@ -135,14 +135,14 @@ def description_mismatch(ckpt: str | os.PathLike, config: dict, lora: dict | Non
 def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, tokenizer: dict | None) -> str | None:
     fix = ("resume with the model, config, tokenizer and LoRA settings it was saved with, or start without "
            "--resume_from_checkpoint (another --output_dir)")
-    if (path := ckpt / "config.json").is_file():
+    if os.path.lexists(path := ckpt / "config.json"):  # present in any form: compared, or named as unreadable
         saved = load_json(path, "config.json", JSON_LIMIT)
         if differ := _differing(saved, config, (saved.keys() | config.keys()) - FREE_CONFIG_KEYS):
             k = differ[0]
             return (f"{ckpt} was saved from another model: its config.json differs in {len(differ)} setting(s) "
                     f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}; {k}: {short_json(_plain(saved.get(k)))} saved, "
                     f"{short_json(_plain(config.get(k)))} now); {fix}")
-    if lora is not None and (path := ckpt / "adapter_config.json").is_file():
+    if lora is not None and os.path.lexists(path := ckpt / "adapter_config.json"):
         saved = load_json(path, "adapter_config.json", JSON_LIMIT)
         if differ := _differing(saved, lora, LORA_KEYS, _unordered):
             k = differ[0]
@@ -157,7 +157,7 @@ def _tokenizer_differences(ckpt: Path, now: dict) -> list[str]:
     from fsdp_recipes.ckpt.description import DESCRIPTION_LIMIT
 
     differ = []
-    if (path := ckpt / "tokenizer.json").is_file():
+    if os.path.lexists(path := ckpt / "tokenizer.json"):
         saved = load_json(path, "tokenizer.json", DESCRIPTION_LIMIT)
         if isinstance(saved, dict):
             live = now["tokenizer.json"]
@@ -165,14 +165,14 @@ def _tokenizer_differences(ckpt: Path, now: dict) -> list[str]:
             if keys:
                 named = ["vocabulary" if k == "model" else k.replace("_", "-") for k in keys]
                 differ.append(f"its tokenizer.json's {', '.join(named)} differ{'s' if len(keys) == 1 else ''} from this run's")
-    if (path := ckpt / "tokenizer_config.json").is_file():
+    if os.path.lexists(path := ckpt / "tokenizer_config.json"):
         saved = load_json(path, "tokenizer_config.json", JSON_LIMIT)
         if isinstance(saved, dict):
             for name in SPECIAL_TOKENS:
                 if name in saved and _token_text(saved[name]) != now["special_tokens"].get(name):
                     differ.append(f"{name} {short_json(_token_text(saved[name]))} saved, {short_json(now['special_tokens'].get(name))} now")
             template = saved.get("chat_template")
-            if (jinja := ckpt / "chat_template.jinja").is_file():
+            if os.path.lexists(jinja := ckpt / "chat_template.jinja"):  # a FIFO or device there is named, not skipped
                 try:
                     template = read_text(jinja, "chat_template.jinja", JSON_LIMIT)
                 except UnreadableFile as err:

@@ -13,9 +13,13 @@ fsdp_recipes/compat/internals.py); the judging of bytes stays in ckpt/dcp.py, wh
 
 from __future__ import annotations
 
+import os
+import stat
+
 from pathlib import Path
 
 from fsdp_recipes.compat import internals
+from fsdp_recipes.errors import CheckpointError
 
 _guarded: list[bool] = []
 
@@ -34,7 +38,11 @@ def install(vetted_metadata, vetted_byte_record, metadata_limit: int) -> None:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         path = metadata_path(self, kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
+        # opened without blocking and read only when a regular file: a FIFO put there since the checks would hang here
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError(f"{path} is not a regular file (replaced since it was checked): copy the checkpoint again")
             data = f.read(metadata_limit + 1)
         metadata = vetted_metadata(data, path, Path(str(self.path)))
         if getattr(metadata, "storage_meta", None) is None:

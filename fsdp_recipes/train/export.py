@@ -10,6 +10,7 @@ import copy
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from fsdp_recipes.bounded import JSON_LIMIT, REPORT_LIMIT, STATE_LIMIT, load_json, read_text
+from fsdp_recipes.bounded import JSON_LIMIT, STATE_LIMIT, load_json, read_text
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, seal_manifest, write_manifest
@@ -28,10 +29,11 @@ from fsdp_recipes.ckpt.layout import (
 )
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
+from fsdp_recipes.ckpt.status import short_json
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnreadableFile
 from fsdp_recipes.removal import MARKER, entries, make_folder, make_room, move, remove, remove_inside, replace_file, unmark
-from fsdp_recipes.train.sharding import unwrapped_model_class
+from fsdp_recipes.train.sharding import read_run_report, unwrapped_model_class, update_run_report
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +96,9 @@ class DescribeCheckpoints(TrainerCallback):
         run_report = Path(self.trainer.args.output_dir) / REPORT_NAME
         if run_report.is_file():
             plugin = getattr(accelerator.state, "fsdp_plugin", None)
-            report = load_json(run_report, REPORT_NAME, REPORT_LIMIT)
-            report["state_dict_type"] = str(plugin.state_dict_type).split(".")[-1] if plugin else None
-            (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+            if (report := read_run_report(run_report)) is not None:
+                report["state_dict_type"] = str(plugin.state_dict_type).split(".")[-1] if plugin else None
+                (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
         seal_manifest(folder)  # the description files as the run left them: a later change is then named
         write_shard_digests(folder, (DCP_MODEL_DIR, OPTIMIZER_DIR))  # a swapped or replaced shard is then named
 
@@ -255,7 +257,8 @@ def write_part(source, staging: Path, config, part: tuple[int, int], dtype, max_
     try:
         result = write_weight_part(source, staging, config, part, dtype, max_shard_size)
     except BaseException as err:
-        (staging / f".part-{rank}.failed").write_text(f"{type(err).__name__}: {err}"[:2000] + "\n")
+        (staging / f".part-{rank}.failing").write_text(f"{type(err).__name__}: {err}"[:2000] + "\n")
+        replace_file(staging / f".part-{rank}.failing", staging / f".part-{rank}.failed", EXPORT_STAGING)  # whole: rank 0 reads it
         raise
     finally:
         stop.set()
@@ -278,17 +281,20 @@ def wait_for_parts(staging: Path, world: int, log=print) -> dict[int, dict]:
     while len(parts) < world:
         for rank in sorted(set(range(world)) - set(parts)):
             failed, done = staging / f".part-{rank}.failed", staging / f".part-{rank}.done"
-            if failed.is_file():
+            if os.path.lexists(failed):  # in any form (a FIFO put there is named, not waited on)
                 try:
                     why = read_text(failed, failed.name, PART_NOTE_LIMIT).strip()
                 except UnreadableFile as err:
                     why = str(err)
                 raise CheckpointError(f"rank {rank} failed writing its part of the final model ({why}): {again}")
-            if done.is_file():
+            if os.path.lexists(done):
                 try:
                     parts[rank] = load_json(done, done.name, JSON_LIMIT)
                 except UnreadableFile as err:
                     raise CheckpointError(f"rank {rank}'s record of its part of the final model: {err}; {again}") from None
+                files = parts[rank].get("files")
+                if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
+                    raise CheckpointError(f"rank {rank}'s record of its part of the final model ({done}) names no list of files: {again}")
                 continue
             try:
                 beat = read_text(staging / f".part-{rank}.alive", f".part-{rank}.alive", PART_NOTE_LIMIT)
@@ -312,9 +318,7 @@ def record_export(out: Path, export: dict) -> None:
     """The export's dtype, writers and time in the run's fsdp_report.json (rank 0; the report is the run's, when it exists)."""
     path = Path(out) / REPORT_NAME
     if path.is_file():
-        report = load_json(path, REPORT_NAME, REPORT_LIMIT)
-        report["export"] = export
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        update_run_report(path, lambda report: report.update(export=export))
 
 
 EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp", ".adapter-tmp")  # this module's own staging folders in output_dir
@@ -375,8 +379,10 @@ def finished_checkpoint_step(training_args) -> int | None:
         step = load_json(Path(ckpt) / "trainer_state.json", "trainer_state.json", STATE_LIMIT).get("global_step")
     except UnreadableFile as err:
         raise RecipeError(f"{err} (it changed after the resume was decided)") from None
-    if type(step) is not int:
-        raise RecipeError(f"{Path(ckpt) / 'trainer_state.json'}: global_step is {step!r}, not a step number: is this the right checkpoint?")
+    named = re.fullmatch(r"checkpoint-(\d+)", Path(ckpt).name)
+    if type(step) is not int or step < 0 or (named and step != int(named.group(1))):
+        raise RecipeError(f"{Path(ckpt) / 'trainer_state.json'}: global_step is {short_json(step)}, not the step the resume was decided on "
+                          f"(it changed since, or the folder was renamed): run the same command again")
     return step if step >= training_args.max_steps else None
 
 

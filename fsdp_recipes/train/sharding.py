@@ -19,7 +19,7 @@ from fsdp_recipes.ckpt.layout import PUBLISHED, REPORT_NAME, published
 from fsdp_recipes.compat import internals, rank0_loading
 from fsdp_recipes.compat.cpu_fsdp import cpu_precision, fsdp_requested, launched_world_size
 from fsdp_recipes.config.strategy import fsdp_strategy_name
-from fsdp_recipes.errors import NotShardedError
+from fsdp_recipes.errors import NotShardedError, UnreadableFile
 
 logger = logging.getLogger("train_fsdp")
 
@@ -263,14 +263,27 @@ def cuda_memory_now(phase: str) -> dict[str, int]:
     return {peak: torch.cuda.max_memory_allocated(), held: torch.cuda.memory_allocated()}
 
 
+def read_run_report(path: Path) -> dict | None:
+    """The run's fsdp_report.json at ``path``; one that is no longer readable (edited, replaced, cut short by a full
+    disk) is a warning and None, never the end of a run that trains or exports."""
+    try:
+        return load_json(path, REPORT_NAME, REPORT_LIMIT)
+    except UnreadableFile as err:
+        logger.warning(f"{err}: the run goes on without updating it or copying it into its checkpoints")
+        return None
+
+
+def update_run_report(path: Path, update) -> None:
+    """Apply ``update`` to the run's fsdp_report.json at ``path`` (read_run_report)."""
+    if (report := read_run_report(path)) is not None:
+        update(report)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def _update_report(output_dir: str, accelerator, update) -> None:
     """Apply ``update`` to fsdp_report.json, on the main process (the one that wrote it)."""
-    if not accelerator.is_main_process:
-        return
-    path = Path(output_dir) / REPORT_NAME
-    report = load_json(path, REPORT_NAME, REPORT_LIMIT)
-    update(report)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    if accelerator.is_main_process:
+        update_run_report(Path(output_dir) / REPORT_NAME, update)
 
 
 def add_peak_memory(output_dir: str, accelerator, peaks: list[dict]) -> None:

@@ -1,0 +1,134 @@
+"""Files a run or a resume reads again after its checks, swapped or damaged in between (the third hostile review of
+the bounded reads): torch's DCP reader opening a .metadata that became a FIFO hung; a run report that became
+unreadable mid-run ended both ranks with tracebacks; a tokenizer or config file of a checkpoint that is a FIFO or a
+device was skipped by the resume's comparison; an export part record that is a FIFO was waited on for 5 minutes, and
+one without its file list published a folder and then failed. Each is one line now, in this process, under an alarm."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from fsdp_recipes.errors import CheckpointError
+
+SPECIAL = ["fifo", "dev_zero", "folder", "broken_link"]
+
+
+def make_special(path: Path, kind: str) -> None:
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev_zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to(path.parent / "nowhere")
+
+
+@pytest.fixture
+def alarm():
+    def hung(*_):
+        raise TimeoutError("hung: still reading after 10 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_torchs_reader_refuses_a_metadata_swapped_after_the_checks(tmp_path, kind, alarm):
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_recipes.ckpt.dcp import guard_torch_dcp
+
+    folder = tmp_path / "dcp"
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(folder), no_dist=True)
+    guard_torch_dcp()
+    assert dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata["w"].size == torch.Size([6])
+    make_special(folder / ".metadata", kind)
+    with pytest.raises((CheckpointError, ValueError), match="not a regular file|over the"):
+        dcp.FileSystemReader(str(folder)).read_metadata()
+
+
+@pytest.mark.parametrize("kind", [*SPECIAL, "not_json", "a_list"])
+def test_an_unreadable_run_report_is_a_warning_and_the_run_goes_on(tmp_path, kind, caplog, alarm):
+    from fsdp_recipes.train.sharding import read_run_report, update_run_report
+
+    report = tmp_path / "fsdp_report.json"
+    report.write_text(json.dumps({"world_size": 2}))
+    update_run_report(report, lambda r: r.update(export={"dtype": "float32"}))
+    assert json.loads(report.read_text()) == {"world_size": 2, "export": {"dtype": "float32"}}
+    if kind in SPECIAL:
+        make_special(report, kind)
+    else:
+        report.write_text('{"world_size": ' if kind == "not_json" else "[1, 2]")
+    with caplog.at_level(logging.WARNING):
+        assert read_run_report(report) is None
+        update_run_report(report, lambda r: r.update(export={}))  # no exception
+    assert "fsdp_report.json" in caplog.text and "the run goes on" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_resumes_comparison_names_a_description_file_that_is_no_file(tmp_path, name, kind, alarm):
+    """Without the checkpoint's manifest (another tool's, or removed), nothing else names it for a resume."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from fsdp_recipes.ckpt.model_match import description_mismatch, tokenizer_record
+
+    tiny = REPO / "assets" / "tiny-llama"
+    config, tokenizer = AutoConfig.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)
+    ckpt = tmp_path / "checkpoint-3"
+    config.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    record = tokenizer_record(tokenizer)
+    assert description_mismatch(ckpt, config.to_diff_dict(), None, record) is None
+    make_special(ckpt / name, kind)
+    said = description_mismatch(ckpt, config.to_diff_dict(), None, record)
+    assert said is not None and name in said and len(said.splitlines()) == 1, said
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "folder"])
+def test_a_chat_template_that_is_no_file_is_named_by_the_resume(tmp_path, kind, alarm):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from fsdp_recipes.ckpt.model_match import description_mismatch, tokenizer_record
+
+    tiny = REPO / "assets" / "tiny-llama"
+    config, tokenizer = AutoConfig.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    ckpt = tmp_path / "checkpoint-3"
+    config.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    assert (ckpt / "chat_template.jinja").is_file()
+    record = tokenizer_record(tokenizer)
+    assert description_mismatch(ckpt, config.to_diff_dict(), None, record) is None
+    make_special(ckpt / "chat_template.jinja", kind)
+    said = description_mismatch(ckpt, config.to_diff_dict(), None, record)
+    assert said is not None and "chat_template.jinja" in said, said
+
+
+@pytest.mark.parametrize("record", ["{}", '{"files": "model.safetensors"}', '{"files": [1]}', "fifo_done", "fifo_failed"])
+def test_an_export_part_record_of_another_form_stops_the_wait_at_once(tmp_path, record, alarm):
+    from fsdp_recipes.train.export import wait_for_parts
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / ".part-0.done").write_text(json.dumps({"files": ["model.safetensors"], "seconds": 0.1}))
+    if record.startswith("fifo"):
+        os.mkfifo(staging / f".part-1.{record.split('_')[1]}")
+    else:
+        (staging / ".part-1.done").write_text(record)
+    with pytest.raises(CheckpointError, match="rank 1"):
+        wait_for_parts(staging, 2, log=lambda *_: None)
