@@ -132,3 +132,20 @@ def test_an_export_part_record_of_another_form_stops_the_wait_at_once(tmp_path, 
         (staging / ".part-1.done").write_text(record)
     with pytest.raises(CheckpointError, match="rank 1"):
         wait_for_parts(staging, 2, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("kind", ["not_json", "fifo"])
+def test_an_unreadable_report_records_no_published_folder(tmp_path, kind, alarm):
+    """The export's record of the folder it published: a report cut short (or swapped) mid-run ended rank 0 in a
+    traceback after the model was written; it records nothing now, so the next export keeps that folder aside."""
+    from fsdp_recipes.ckpt.layout import published, record_published
+
+    out, folder = tmp_path / "run", tmp_path / "run" / "model"
+    folder.mkdir(parents=True)
+    report = out / "fsdp_report.json"
+    if kind == "fifo":
+        os.mkfifo(report)
+    else:
+        report.write_text('{"cut')
+    record_published(out, folder, [])
+    assert published(out) == {}

@@ -9,7 +9,8 @@ import os
 import re
 from pathlib import Path
 
-from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.bounded import REPORT_LIMIT, load_json
+from fsdp_recipes.errors import UnreadableFile
 from fsdp_recipes.removal import MARKER, fingerprint, is_ours
 
 
@@ -261,7 +262,7 @@ PUBLISHED = "published"
 def published(out: Path) -> dict:
     """{folder name: removal.fingerprint} of the final folders this output_dir's exports published ({} when unknown)."""
     try:
-        record = load_json(Path(out) / REPORT_NAME, REPORT_NAME, JSON_LIMIT).get(PUBLISHED)
+        record = load_json(Path(out) / REPORT_NAME, REPORT_NAME, REPORT_LIMIT).get(PUBLISHED)
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
@@ -277,10 +278,13 @@ def record_published(out: Path, folder: Path, written: list | None) -> None:
     """The published folder's fingerprint in the run's fsdp_report.json (is_published), when the report exists (rank 0),
     and only while its entries are those the export ``written`` (removal.entries of its staging folder, taken before the
     rename): a file someone put there in the moment since is never recorded as ours (the folder is then kept aside by
-    the next export, as anything not recorded is)."""
+    the next export, as anything not recorded is). A report no longer readable records nothing: the same safe side."""
     path = Path(out) / REPORT_NAME
     if path.is_file():
-        report = load_json(path, REPORT_NAME, JSON_LIMIT)
+        try:
+            report = load_json(path, REPORT_NAME, REPORT_LIMIT)
+        except UnreadableFile:
+            return
         earlier = report.get(PUBLISHED)
         record = {name: made for name, made in (earlier if isinstance(earlier, dict) else {}).items() if name != folder.name}
         made = fingerprint(folder)
