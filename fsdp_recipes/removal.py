@@ -25,11 +25,11 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fsdp_recipes.bounded import read_text
 from fsdp_recipes.errors import RefusedRemoval, one_line
 
 MARKER = ".made-by-fsdp-recipes"
@@ -106,7 +106,12 @@ def marker(path: str | os.PathLike) -> dict | None:
     try:
         if file.is_symlink() or not file.is_file() or file.stat().st_size > 4096:
             return None
-        record = json.loads(read_text(file, MARKER, 4096))
+        # opened without blocking and read only as a regular file: a FIFO swapped in since the checks above cannot hang it
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            record = json.loads(f.read(4097))
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("tool") != "fsdp-recipes":

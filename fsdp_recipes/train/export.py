@@ -2,6 +2,10 @@
 
 The conversion itself is ``fsdp_recipes.ckpt.merge``, the code behind ``tools/merge_checkpoint.py``: one path
 turns shards into a model.
+
+Size: one module (about 420 lines) for the two ends of a run's saving that share the staging folder's rules: each
+checkpoint's description, report and digests (DescribeCheckpoints), and the final export written by every rank in
+parallel (write_part, wait_for_parts, publish) with what a resume of a finished run needs (finished_checkpoint_step).
 """
 
 from __future__ import annotations
