@@ -277,6 +277,17 @@ def test_a_recorded_step_that_is_no_step_number_is_named(trained, tmp_path, wher
         assert f"{'shard_digests.json' if key == 'step' else 'model_description.json'}" in problems and "not a step number" in problems, problems
 
 
+def test_a_renamed_checkpoint_is_named_as_renamed_not_as_a_copy(trained, tmp_path, capsys):
+    """(review) checkpoint-12 renamed checkpoint-13: the merge said its shard folders were copied from another
+    checkpoint. Every record agrees on step 12 but the name: it says so, and the fix."""
+    ckpt = tmp_path / "checkpoint-13"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", ckpt)
+    wanted = "checkpoint-13 was renamed: its trainer_state.json, shard_digests.json and model_description.json are of step 12; give it back its name checkpoint-12"
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
+    assert wanted in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_edited_metadata_of_our_own_checkpoint_is_named_by_its_digest(run_dir, capsys):  # noqa: F811
     """.metadata is in shard_digests.json: an edit that keeps the chunks a valid layout (here: a tensor's dtype
     renamed) is not the file the checkpoint wrote."""

@@ -906,10 +906,13 @@ def _step_of_name(ckpt: Path) -> int | None:
 
 def _step_of(ckpt: Path) -> int | None:
     """The step a checkpoint is of: its name's (checkpoint-N), else its trainer_state.json's global_step."""
+    step = _step_of_name(ckpt)
+    return step if step is not None else _state_step(ckpt)
+
+
+def _state_step(ckpt: Path) -> int | None:
     from fsdp_recipes.bounded import STATE_LIMIT, load_json
 
-    if (step := _step_of_name(ckpt)) is not None:
-        return step
     try:
         step = load_json(ckpt / "trainer_state.json", "trainer_state.json", STATE_LIMIT).get("global_step")
     except (ValueError, OSError, AttributeError):
@@ -946,6 +949,9 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
             return [f"{what} is {json.dumps(value)[:40]}, not a step number: the record was edited; copy the checkpoint again"]
     steps = [s for s in (_step_of(Path(ckpt)), sealed) if s is not None]
     if (recorded is not None or sealed is not None) and (wrong := [s for s in steps if s != recorded]):
+        if recorded == sealed == _state_step(Path(ckpt)) != wrong[0]:  # every record agrees but the folder's name
+            return [f"{Path(ckpt).name} was renamed: its trainer_state.json, {SHARD_DIGESTS} and {MANIFEST} are of step {recorded}; "
+                    f"give it back its name checkpoint-{recorded}"]
         whose = "of no step (an older version's)" if recorded is None else f"that of step {json.dumps(recorded)[:40]}"
         return [f"{SHARD_DIGESTS} is {whose}, and this checkpoint is of step {wrong[0]}: its shard folders "
                 "were copied from another checkpoint (with their digests): copy this checkpoint again from where it was written"]
