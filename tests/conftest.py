@@ -46,11 +46,15 @@ def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None =
     and would otherwise import whichever fsdp_recipes is installed (an editable install of another checkout)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, **(env or {})}
+    launches = (Path(cmd[0]).name == "torchrun" or cmd[:2] == ["accelerate", "launch"]
+                or "accelerate.commands.launch" in cmd[:3])
+    if launches and CURRENT_TEST.get("slow") is False:
+        pytest.fail("this test launches a run: mark it @pytest.mark.slow (the quick tier, -m 'not slow', has no launches)")
     start = time.monotonic()
     try:
         return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, start_new_session=new_session)
     finally:
-        if Path(cmd[0]).name in ("accelerate", "torchrun") or "accelerate.commands.launch" in cmd[:3]:
+        if launches:
             test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
             count, seconds = LAUNCHES.get(test, (0, 0.0))
             LAUNCHES[test] = (count + 1, seconds + time.monotonic() - start)
@@ -175,6 +179,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+CURRENT_TEST: dict[str, bool] = {}  # whether the test running now is in the slow tier (launch() refuses otherwise)
+
+
+def pytest_runtest_setup(item):
+    CURRENT_TEST["slow"] = item.get_closest_marker("slow") is not None
 
 
 @pytest.fixture(scope="session")

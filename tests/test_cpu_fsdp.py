@@ -47,6 +47,7 @@ def test_enable_applies_nowhere_else():
     assert probe(cases) == [["False", "False", "None", "False"]] * len(cases)
 
 
+@pytest.mark.slow  # a launch
 def test_single_process_fsdp_launch_on_cpu_stops_with_clear_error(tmp_path):
     """One process gets no gloo group, so accelerate would silently train unwrapped: the script refuses first."""
     proc = launch(
