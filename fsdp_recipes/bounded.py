@@ -55,6 +55,17 @@ def _kind(mode: int) -> str | None:
 
 def read_text(path: str | os.PathLike, what: str, limit: int) -> str:
     """The UTF-8 text of a regular file of at most ``limit`` bytes; anything else is an UnreadableFile."""
+    data = read_bytes(path, what, limit)
+    if b"\0" in data:
+        raise UnreadableFile(path, what, "holds NUL bytes: it is binary, not text", "is this the right file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UnreadableFile(path, what, f"is not UTF-8 text (byte {err.start})", "is this the right file? save it as UTF-8 if it is") from None
+
+
+def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes; anything else is an UnreadableFile."""
     def refuse(reason: str, fix: str) -> UnreadableFile:
         return UnreadableFile(path, what, reason, fix)
 
@@ -79,12 +90,7 @@ def read_text(path: str | os.PathLike, what: str, limit: int) -> str:
         data = f.read(limit + 1)  # the size may have grown since the stat
     if len(data) > limit:
         raise refuse(f"is over the {limit:,}-byte limit (it grew while it was read)", "is this the right file?")
-    if b"\0" in data:
-        raise refuse("holds NUL bytes: it is binary, not text", "is this the right file?")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise refuse(f"is not UTF-8 text (byte {err.start})", "is this the right file? save it as UTF-8 if it is") from None
+    return data
 
 
 class _Refused(yaml.YAMLError):

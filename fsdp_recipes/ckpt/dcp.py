@@ -841,8 +841,6 @@ def vetted_metadata(data: bytes, path, folder: Path):
     are unpickled only after ``vet_metadata`` passed them (so they name only allow-listed classes), and every storage
     file they name is checked again as torch is about to open it: a file swapped for a link out or a FIFO since the
     checks would hang the load."""
-    if len(data) > METADATA_LIMIT:  # it grew since check_folder read it
-        raise MetadataTooLarge(f"{path}: over the {METADATA_LIMIT >> 30} GiB this reader takes")
     require_this_torch(vet_metadata(data, path), path)  # and the classes it names are where this torch has them
     metadata = pickle.loads(data)  # noqa: S301 (vetted above: it names only DCP metadata classes)
     for name in sorted({info.relative_path for info in (metadata.storage_data or {}).values()}):

@@ -13,22 +13,20 @@ fsdp_recipes/compat/internals.py); the judging of bytes stays in ckpt/dcp.py, wh
 
 from __future__ import annotations
 
-import os
-import stat
-
 from pathlib import Path
 
+from fsdp_recipes.bounded import read_bytes
 from fsdp_recipes.compat import internals
-from fsdp_recipes.errors import CheckpointError
+from fsdp_recipes.errors import CheckpointError, UnreadableFile
 
 _guarded: list[bool] = []
 
 
 def install(vetted_metadata, vetted_byte_record, metadata_limit: int) -> None:
     """From now on in this process, torch's DCP reader unpickles nothing these have not vetted: the ``.metadata`` it
-    reads (at most ``metadata_limit`` + 1 bytes: the file may have grown since it was checked) becomes
-    ``vetted_metadata(data, path, folder)`` (the Metadata, unpickled from vetted bytes), and every byte record
-    ``vetted_byte_record(stream, key)`` (a stream torch's own loader then reads). Idempotent."""
+    reads (a regular file of at most ``metadata_limit`` bytes, read by fsdp_recipes.bounded: it may have changed since
+    it was checked) becomes ``vetted_metadata(data, path, folder)`` (the Metadata, unpickled from vetted bytes), and
+    every byte record ``vetted_byte_record(stream, key)`` (a stream torch's own loader then reads). Idempotent."""
     if _guarded:
         return
     metadata_path = internals.get("torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path")
@@ -38,12 +36,11 @@ def install(vetted_metadata, vetted_byte_record, metadata_limit: int) -> None:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         path = metadata_path(self, kwargs.get("rank"))
-        # opened without blocking and read only when a regular file: a FIFO put there since the checks would hang here
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise CheckpointError(f"{path} is not a regular file (replaced since it was checked): copy the checkpoint again")
-            data = f.read(metadata_limit + 1)
+        try:  # a FIFO or a larger file put there since the checks would hang the read or fill memory
+            data = read_bytes(path, ".metadata", metadata_limit)
+        except UnreadableFile as err:
+            raise CheckpointError(f"{path} is not a regular file of at most {metadata_limit:,} bytes as checked ({err.reason}): "
+                                  "copy the checkpoint again") from None
         metadata = vetted_metadata(data, path, Path(str(self.path)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
