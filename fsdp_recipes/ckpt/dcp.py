@@ -888,23 +888,21 @@ def _digest_form(entry) -> bool:
 
 def write_shard_digests(ckpt: Path, folders: tuple[str, ...]) -> None:
     """SHARD_DIGESTS in a checkpoint whose every rank has finished writing (rank 0, after the last barrier)."""
-    from fsdp_recipes.ckpt.layout import SHARD_DIGESTS
+    from fsdp_recipes.ckpt.layout import SHARD_DIGESTS, step_of_name
 
     # .metadata too: it says where each chunk lies, which the shards alone do not
     files = {f"{folder}/{p.name}": shard_digest(p) for folder in folders if (ckpt / folder).is_dir()
              for p in sorted((ckpt / folder).iterdir()) if p.suffix == ".distcp" or p.name == ".metadata"}
-    step = _step_of_name(Path(ckpt))  # the record belongs to this step: another checkpoint's, copied in with its shards, is named
+    step = step_of_name(ckpt)  # the record belongs to this step: another checkpoint's, copied in with its shards, is named
     record = {"format": 1, "sample_bytes": _DIGEST_SAMPLE, **({"step": step} if step is not None else {}), "files": files}
     (ckpt / SHARD_DIGESTS).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def _step_of_name(ckpt: Path) -> int | None:
-    return int(ckpt.name.rsplit("-", 1)[1]) if re.fullmatch(r"checkpoint-\d+", ckpt.name) else None
-
-
 def _step_of(ckpt: Path) -> int | None:
     """The step a checkpoint is of: its name's (checkpoint-N), else its trainer_state.json's global_step."""
-    step = _step_of_name(ckpt)
+    from fsdp_recipes.ckpt.layout import step_of_name
+
+    step = step_of_name(ckpt)
     return step if step is not None else _state_step(ckpt)
 
 

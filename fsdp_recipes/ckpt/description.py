@@ -11,14 +11,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.ckpt.layout import BASE_IDENTITY, MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES
+from fsdp_recipes.ckpt.layout import BASE_IDENTITY, MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES, step_of_name
 from fsdp_recipes.ckpt.namespace import WeightMap, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput
@@ -133,8 +132,8 @@ def seal_manifest(folder: Path) -> None:
     except (ValueError, KeyError, TypeError, OSError):
         return
     manifest["files"] = {name: _sha256(Path(folder) / name) for name in files if (Path(folder) / name).is_file()}
-    if re.fullmatch(r"checkpoint-\d+", Path(folder).name):  # the step shard_digests.json will record (a copy from another is named)
-        manifest["shard_digests_step"] = int(Path(folder).name.rsplit("-", 1)[1])
+    if (step := step_of_name(folder)) is not None:  # the step shard_digests.json will record (a copy from another is named)
+        manifest["shard_digests_step"] = step
     path.write_text(json.dumps(manifest, indent=1) + "\n")
 
 

@@ -35,10 +35,16 @@ REPLACED_PREFIX = "replaced-"  # a checkpoint of a step a resumed run trains aga
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 
 
+def step_of_name(folder: str | os.PathLike) -> int | None:
+    """N of a folder named checkpoint-N (None for any other name)."""
+    found = re.fullmatch(r"checkpoint-(\d+)", Path(folder).name)
+    return int(found.group(1)) if found else None
+
+
 def checkpoint_steps(run_dir: Path) -> list[Path]:
     """A run folder's checkpoint-N folders, newest first."""
-    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and step_of_name(p) is not None]
+    return sorted(found, key=step_of_name, reverse=True)
 
 
 def final_model_folder(run_dir: str | os.PathLike) -> Path | None:

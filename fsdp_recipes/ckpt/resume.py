@@ -19,7 +19,6 @@ filesystem's attribute cache can show nodes different folders).
 from __future__ import annotations
 
 import os
-import re
 import socket
 from pathlib import Path
 from typing import NamedTuple
@@ -27,6 +26,7 @@ from typing import NamedTuple
 from fsdp_recipes.bounded import load_json
 from fsdp_recipes.ckpt.layout import (
     HARD_LINK, INCOMPLETE_PREFIX, REPLACED_PREFIX, RUN_RECORD, another_tools_run, checkpoint_steps, checkpoint_unlike, foreign_entries, is_checkpoint_folder, overlap, real,
+    step_of_name,
 )
 from fsdp_recipes.ckpt.status import checkpoint_status, newest_resumable
 from fsdp_recipes.console import say
@@ -124,7 +124,7 @@ def check_requeue(output_dir: str, resume: str | None) -> dict | None:
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
     if not restart.isdigit() or int(restart) == 0:
         return None
-    step = int(Path(resume).name.split("-")[-1]) if resume and re.fullmatch(r"checkpoint-\d+", Path(resume).name) else 0
+    step = (step_of_name(resume) or 0) if resume else 0
     try:
         last = load_json(Path(output_dir) / REQUEUE_RECORD, REQUEUE_RECORD, 4096)
         last_step, stalled = int(last["step"]), int(last["stalled"])
@@ -210,7 +210,7 @@ def later_checkpoints(ckpt: Path, output_dir: str) -> list[SetAside]:
     """Resuming an earlier checkpoint of this output_dir starts another branch of the run: its later checkpoints
     would be rewritten in place (the Trainer saves into checkpoint-N as it finds it) or, being newer, picked by
     the next `--resume_from_checkpoint true`. They are moved aside as replaced-checkpoint-N; nothing is deleted."""
-    if real(ckpt.parent) != real(output_dir) or not re.fullmatch(r"checkpoint-\d+", ckpt.name):
+    if real(ckpt.parent) != real(output_dir) or step_of_name(ckpt) is None:
         return []
     step = int(ckpt.name.split("-")[1])
     return [SetAside(later, REPLACED_PREFIX, f"resuming {ckpt.name} starts a new branch of the run")

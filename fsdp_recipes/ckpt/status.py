@@ -26,7 +26,7 @@ from fsdp_recipes.bounded import REPORT_LIMIT, STATE_LIMIT, load_json
 from fsdp_recipes.ckpt.dcp import check_folder, digest_problems, require_this_torch
 from fsdp_recipes.ckpt.layout import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
-    CHECKPOINT_PURPOSE, checkpoint_steps, checkpoint_unlike, is_checkpoint_folder, real,
+    CHECKPOINT_PURPOSE, checkpoint_steps, checkpoint_unlike, is_checkpoint_folder, real, step_of_name,
 )
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError, RefusedRemoval, UnknownToThisVersion, UnreadableFile
@@ -239,7 +239,7 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
                 status.problems.append("unreadable trainer_state.json (no global_step)")
             else:
                 status.problems.append(f"unreadable trainer_state.json (global_step {short_json(step)} is not a step number, a whole number of at least 0)")
-        name_step = int(ckpt.name.split("-")[1]) if re.fullmatch(r"checkpoint-\d+", ckpt.name) else None
+        name_step = step_of_name(ckpt)
         if status.step is not None and name_step is not None and status.step != name_step:
             status.problems.append(f"trainer_state.json says step {status.step}, the folder name step {name_step}")
 

@@ -14,7 +14,6 @@ import copy
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -29,7 +28,7 @@ from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, seal_manifest, write_manifest
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG, ADAPTER_DIR, DCP_MODEL_DIR, EXPORT_STAGING, FINAL_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_adapter_file,
-    is_exported_adapter, is_model_folder, is_published, record_published,
+    is_exported_adapter, is_model_folder, is_published, record_published, step_of_name,
 )
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
@@ -383,8 +382,8 @@ def finished_checkpoint_step(training_args) -> int | None:
         step = load_json(Path(ckpt) / "trainer_state.json", "trainer_state.json", STATE_LIMIT).get("global_step")
     except UnreadableFile as err:
         raise RecipeError(f"{err} (it changed after the resume was decided)") from None
-    named = re.fullmatch(r"checkpoint-(\d+)", Path(ckpt).name)
-    if type(step) is not int or step < 0 or (named and step != int(named.group(1))):
+    named = step_of_name(ckpt)
+    if type(step) is not int or step < 0 or (named is not None and step != named):
         raise RecipeError(f"{Path(ckpt) / 'trainer_state.json'}: global_step is {short_json(step)}, not the step the resume was decided on "
                           f"(it changed since, or the folder was renamed): run the same command again")
     return step if step >= training_args.max_steps else None
