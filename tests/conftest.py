@@ -54,15 +54,31 @@ def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None =
     try:
         return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, start_new_session=new_session)
     finally:
+        took = time.monotonic() - start
+        kind = "multi-process launch" if launches else _kind(cmd)
+        count, seconds = SUBPROCESSES.get(kind, (0, 0.0))
+        SUBPROCESSES[kind] = (count + 1, seconds + took)
         if launches:
             test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
             count, seconds = LAUNCHES.get(test, (0, 0.0))
-            LAUNCHES[test] = (count + 1, seconds + time.monotonic() - start)
+            LAUNCHES[test] = (count + 1, seconds + took)
+
+
+def _kind(cmd: list[str]) -> str:
+    """What a command runs, for the summary: the script or module a python runs (each pays its imports again)."""
+    name = Path(cmd[0]).name
+    if not name.startswith("python") or len(cmd) < 2:
+        return name if name != "bash" else "bash: " + " ".join(cmd[-1].split()[:2])
+    if cmd[1] == "-m":
+        return " ".join(cmd[1:3])
+    return "python -c" if cmd[1] == "-c" else str(cmd[1]).replace(f"{REPO}/", "")
 
 
 # test -> (multi-process launches, their seconds): the suite's time is mostly these (each pays ~7 s of imports and
 # start-up before its first step); the summary lists the tests that launch most, so that new ones share runs
 LAUNCHES: dict[str, tuple[int, float]] = {}
+# what each kind of command run through run() costs in all: the tools' own imports are paid per call as well
+SUBPROCESSES: dict[str, tuple[int, float]] = {}
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -72,6 +88,10 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section(f"multi-process launches: {count}, {seconds:.0f} s")
     for test, (n, s) in sorted(LAUNCHES.items(), key=lambda item: -item[1][1])[:15]:
         terminalreporter.write_line(f"{s:7.1f} s {n:3d} launch(es)  {test}")
+    count, seconds = sum(c for c, _ in SUBPROCESSES.values()), sum(s for _, s in SUBPROCESSES.values())
+    terminalreporter.section(f"commands run by the tests: {count}, {seconds:.0f} s")
+    for kind, (n, s) in sorted(SUBPROCESSES.items(), key=lambda item: -item[1][1])[:12]:
+        terminalreporter.write_line(f"{s:7.1f} s {n:4d} x  {kind}")
 
 
 # train_fsdp.py with a SIGKILL injected at a chosen point (FSDP_FAULT), for the fault-tolerance tests.
