@@ -149,3 +149,35 @@ def test_an_unreadable_report_records_no_published_folder(tmp_path, kind, alarm)
         report.write_text('{"cut')
     record_published(out, folder, [])
     assert published(out) == {}
+
+
+CHECKPOINT_ENTRIES = ["trainer_state.json", ".made-by-fsdp-recipes", "rng_state_1.pth", "scheduler.pt",
+                      "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/__1_0.distcp"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+@pytest.mark.parametrize("name", CHECKPOINT_ENTRIES)
+def test_a_checkpoint_entry_that_is_no_regular_file_is_named_as_such(tmp_path, name, kind, alarm, monkeypatch):
+    """A checkpoint-N folder that --overwrite_output_dir or a resume would judge, with one of its files a pipe or a
+    socket (alone, or beside the rest of a checkpoint): named as what it is, not "holds no training state"."""
+    import socket
+
+    from fsdp_recipes.ckpt.layout import checkpoint_unlike
+
+    for alone in (True, False):
+        ckpt = tmp_path / f"{alone}" / "checkpoint-6"
+        ckpt.mkdir(parents=True)
+        if not alone:
+            for entry in CHECKPOINT_ENTRIES:
+                (ckpt / entry).parent.mkdir(exist_ok=True)
+                (ckpt / entry).write_bytes(b"{}")
+            (ckpt / name).unlink()
+        (ckpt / name).parent.mkdir(exist_ok=True)
+        if kind == "fifo":
+            os.mkfifo(ckpt / name)
+        else:
+            with socket.socket(socket.AF_UNIX) as sock:
+                monkeypatch.chdir((ckpt / name).parent)  # a socket's path is limited to 107 bytes
+                sock.bind(name.rsplit("/", 1)[-1])
+        said = checkpoint_unlike(ckpt)
+        assert said == f"it holds {name}, which is not a regular file (a pipe, device or socket)", (alone, said)

@@ -230,6 +230,16 @@ def is_checkpoint_folder(folder: Path) -> bool:
     return is_ours(folder, CHECKPOINT_PURPOSE) or any(re.fullmatch(p, name) for p in _TRAINING_STATE for name in names)
 
 
+def _special_entry(entry: Path) -> str | None:
+    """The name (NAME or NAME/INNER) of a pipe, device or socket at ``entry`` or directly inside a real folder there."""
+    if entry.is_symlink():
+        return None
+    if not entry.is_dir():
+        return None if entry.is_file() else entry.name
+    return next((f"{entry.name}/{inner.name}" for inner in sorted(entry.iterdir())
+                 if not inner.is_symlink() and not inner.is_dir() and not inner.is_file()), None)
+
+
 def checkpoint_unlike(folder: Path) -> str | None:
     """None for a checkpoint holding nothing else (is_checkpoint_folder); else why not, for the one line that keeps it."""
     try:
@@ -237,6 +247,8 @@ def checkpoint_unlike(folder: Path) -> str | None:
             return None
         entries = [] if folder.is_symlink() else sorted(folder.iterdir())
         for entry in entries:
+            if special := _special_entry(entry):  # a FIFO named trainer_state.json is no training state either
+                return f"it holds {special}, which is not a regular file (a pipe, device or socket)"
             inner = next((files for pattern, files in _CHECKPOINT_FOLDERS.items() if re.fullmatch(pattern, entry.name)), None)
             if entry.is_symlink() or (entry.is_dir() and (inner is None or not _only(entry, inner, {}))) or (
                     not entry.is_dir() and not any(re.fullmatch(p, entry.name) for p in _CHECKPOINT_FILES)):
