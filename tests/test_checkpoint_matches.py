@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import QUICK, REPO, launch
+from conftest import QUICK, REPO, launch, quick
 from fsdp_recipes.ckpt.model_match import model_mismatch
 
 TINY = REPO / "assets" / "tiny-llama"
@@ -416,3 +416,58 @@ def test_resuming_with_another_optimizer_is_one_line(trained, tmp_path):
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
     assert "checkpoint-6's optimizer state does not fit this run's optimizer (--optim sgd" in lines[0], lines[0]
     assert "[rank" not in proc.stderr and not (run / "checkpoint-12").exists()  # no traceback of a rank (the launcher's report is its own)
+
+
+DTYPES = ["float64", "float32", "bfloat16", "float16"]
+WIDER_THAN = {"float64": {"float32", "bfloat16", "float16"}, "float32": {"bfloat16", "float16"}}  # exact casts
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["named", "flat-parameters"])
+@pytest.mark.parametrize("live", DTYPES)
+@pytest.mark.parametrize("saved", DTYPES)
+def test_a_weight_loaded_into_a_narrower_dtype_is_named(tmp_path, saved, live, flat):
+    """DCP's load casts each weight to the parameter's dtype without a word: exact into a wider float, rounded
+    otherwise. Checked on a DCP checkpoint written by torch itself (flat parameters: FSDP1's names match none)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_recipes.ckpt.model_match import dtype_mismatch
+
+    ckpt = tmp_path / "checkpoint-6"
+    state = {"model.embed.weight": torch.zeros(4, 2, dtype=getattr(torch, saved)), "model.norm.weight": torch.ones(2, dtype=getattr(torch, saved))}
+    dcp.save({"model": state}, checkpoint_id=ckpt / "pytorch_model_fsdp_0", no_dist=True)
+    names = ["_fsdp_wrapped_module._flat_param"] if flat else ["model._fsdp_wrapped_module.embed.weight", "model.norm.weight"]
+    said = dtype_mismatch(ckpt, {name: live for name in names})
+    if saved == live or saved in WIDER_THAN.get(live, ()):
+        assert said is None, said
+    else:
+        assert said is not None and f"holds {saved} weights and this run's parameters are {live}" in said, said
+        assert f"resume with --dtype {saved}" in said
+    other = {"model.norm.weight": live, "lm_head.weight": "float32"}  # names on both sides, and one the checkpoint lacks
+    assert (dtype_mismatch(ckpt, other) is None) == (saved == live or saved in WIDER_THAN.get(live, ()))
+
+
+@pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
+def test_resuming_an_fp32_run_in_bf16_stops_before_the_first_step(trained, tmp_path, config):
+    """(hostile review, left twice) --dtype bfloat16 on the resume of an fp32 run rounded every master weight and
+    Adam state to bf16 without a word (both FSDP versions: here mixed precision is off, the parameters are bf16)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained(config).output_dir / "checkpoint-6", run / "checkpoint-6")
+    proc = launch(config, *QUICK, "--output_dir", str(run), "--dtype", "bfloat16", "--resume_from_checkpoint", "true", check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert "checkpoint-6 holds float32 weights and this run's parameters are bfloat16" in lines[0], lines[0]
+    assert not (run / "checkpoint-12").exists() and not (run / "model").exists()
+
+
+@pytest.mark.slow
+def test_a_bf16_models_resume_under_mixed_precision_is_not_refused(tmp_path):
+    """The case a check before prepare refused: a model built in bf16 under FSDP2 mixed precision has fp32 master
+    weights once accelerate upcast them, so its checkpoint holds fp32 and its own resume loads fp32 into fp32."""
+    run = tmp_path / "run"
+    args = ("--dtype", "bfloat16", "--cpu_bf16", "true", "--output_dir", str(run))
+    launch("accelerate_configs/zero3.yaml", *quick(max_steps="2", save_steps="2"), *args)  # bf16 is slow on this CPU
+    from fsdp_recipes.ckpt.dcp import read_layout
+
+    assert {t.dtype for t in read_layout(run / "checkpoint-2" / "pytorch_model_fsdp_0").tensors.values()} == {"float32"}
+    launch("accelerate_configs/zero3.yaml", *quick(max_steps="4", save_steps="2"), *args, "--resume_from_checkpoint", "true")
+    assert (run / "checkpoint-4").is_dir() and (run / "model").is_dir()

@@ -20,20 +20,56 @@ def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
     """Name -> full shape of the model weights a checkpoint holds, read from its DCP metadata, safetensors headers or
     FULL_STATE_DICT .bin (the merge's weights-only, memory-mapped reader: shapes without reading the tensors' bytes);
     None for a checkpoint holding none of them."""
+    stored = _stored_tensors(ckpt)
+    return None if stored is None else {name: shape for name, (shape, _) in stored.items()}
+
+
+def _stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
+    """Name -> (full shape, torch dtype name) of the model weights a checkpoint holds; see stored_weights."""
     from fsdp_recipes.ckpt.dcp import read_layout
     from fsdp_recipes.ckpt.namespace import clean_name
     from fsdp_recipes.ckpt.readers import SafetensorsSource, TorchBinSource
 
     if (ckpt / DCP_MODEL_DIR).is_dir():
-        stored = {clean_name(k): tuple(t.shape) for k, t in read_layout(ckpt / DCP_MODEL_DIR).tensors.items()}
+        stored = {clean_name(k): (tuple(t.shape), t.dtype) for k, t in read_layout(ckpt / DCP_MODEL_DIR).tensors.items()}
         if stored and all(k.startswith("model.") for k in stored):  # accelerate saves {"model": state_dict}
             stored = {k.removeprefix("model."): v for k, v in stored.items()}
         return stored
     if (ckpt / FULL_MODEL_FILE).is_file():  # before model.safetensors, which a FULL_STATE_DICT checkpoint also holds: the .bin is what a resume loads
-        return {name: tuple(info.shape) for name, info in TorchBinSource(ckpt / FULL_MODEL_FILE).tensors.items()}
+        return {name: (tuple(info.shape), info.dtype) for name, info in TorchBinSource(ckpt / FULL_MODEL_FILE).tensors.items()}
     if (ckpt / "model.safetensors").is_file() or (ckpt / "model.safetensors.index.json").is_file():
-        return {name: tuple(info.shape) for name, info in SafetensorsSource(ckpt).tensors.items()}
+        return {name: (tuple(info.shape), info.dtype) for name, info in SafetensorsSource(ckpt).tensors.items()}
     return None
+
+
+# a weight loaded into a parameter of another dtype is cast without a word: into a wider float it is exact (a bf16
+# run resumed in fp32 goes on from the same values), into a narrower or other 16-bit one every weight is rounded
+_WIDER = {"float64": {"float32", "bfloat16", "float16"}, "float32": {"bfloat16", "float16"}}
+
+
+def dtype_mismatch(ckpt: str | os.PathLike, live: dict[str, str]) -> str | None:
+    """Why loading ``ckpt`` into this run's parameters would round its weights: ``live`` is name -> dtype name of the
+    prepared model's parameters (after FSDP wrapped them: accelerate may upcast them for mixed precision); a weight
+    whose name the checkpoint holds in another dtype, not a wider float, is rounded by DCP's load without a word.
+    Names that match none (FSDP1's flat parameters) are compared as the one dtype each side has. None when it fits."""
+    from fsdp_recipes.ckpt.namespace import clean_name
+
+    stored = _stored_tensors(Path(ckpt))
+    if not stored:
+        return None
+    saved = {name: dtype for name, (_, dtype) in stored.items()}
+    live = {clean_name(k): v for k, v in live.items()}
+    pairs = [(saved[n], live[n]) for n in sorted(saved.keys() & live.keys())]
+    if not pairs and len(set(saved.values())) == 1 and len(set(live.values())) == 1:
+        pairs = [(next(iter(saved.values())), next(iter(live.values())))]
+    narrowed = sorted({(s, now) for s, now in pairs if s != now and s not in _WIDER.get(now, ())})
+    if not narrowed:
+        return None
+    s, now = narrowed[0]
+    return (f"{ckpt} holds {s} weights and this run's parameters are {now} (--dtype, or the accelerate config's "
+            f"mixed precision): loading would round every weight and its optimizer state to {now}, and the run would "
+            f"not go on as it was; resume with --dtype {s} (the dtype it was trained with), or merge it "
+            f"(tools/merge_checkpoint.py --dtype {now}) and start a new run from the merged model")
 
 
 def model_mismatch(ckpt: str | os.PathLike, expected: dict[str, tuple[int, ...]], tied: set[str] = frozenset()) -> str | None:

@@ -44,7 +44,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_recipes.ckpt.layout import FULL_MODEL_FILE, REPLACED_PREFIX
-from fsdp_recipes.ckpt.model_match import description_mismatch, model_mismatch, tokenizer_record
+from fsdp_recipes.ckpt.model_match import description_mismatch, dtype_mismatch, model_mismatch, tokenizer_record
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
@@ -298,6 +298,11 @@ class FSDPTrainer(Trainer):
                                     lora.to_dict() if lora is not None else None, tokenizer_record(self.processing_class))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        # after prepare, not in resume_mismatch: the dtype a weight loads into is the wrapped parameter's (FSDP2's mixed
+        # precision upcasts a bf16-built model's parameters to fp32 before sharding, so the model's own dtype misleads)
+        live = {name: str(p.dtype).removeprefix("torch.") for name, p in (model or self.model_wrapped).named_parameters()}
+        if problem := dtype_mismatch(resume_from_checkpoint, live):
+            raise RecipeError(problem)  # every rank reads the same files and holds the same dtypes: all stop alike
         with self._lora_checkpoints():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
