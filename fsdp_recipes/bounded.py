@@ -12,7 +12,9 @@ Each reader here refuses these before they cost memory or time, in one line that
 - YAML is parsed by a safe loader that refuses aliases and anchors outright (recipes and configs never need
   them), nesting deeper than ``MAX_DEPTH`` and more than ``MAX_VALUES`` values, keys that are not names, and
   a key given twice in one mapping (YAML itself keeps the last without a word);
-- the top level must be a mapping (a JSON object).
+- the top level must be a mapping (a JSON object);
+- a file name read from a file (a shard an index names, a DCP record's storage path) opens only a file directly
+  in its folder (plain_file_name): "../x", "/etc/passwd" or "a/../../x" would open a file elsewhere.
 
 Standard library and pyyaml only: the checkpoint tools import this and must start without torch.
 """
@@ -51,6 +53,12 @@ def _kind(mode: int) -> str | None:
         if test(mode):
             return name
     return None if stat.S_ISREG(mode) else "a special file"
+
+
+def plain_file_name(name) -> bool:
+    """``name`` opens a file directly inside its folder: no separator (Path joins an absolute name by dropping the
+    folder), no "." or "..", no NUL."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 def read_text(path: str | os.PathLike, what: str, limit: int) -> str:

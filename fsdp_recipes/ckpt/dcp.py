@@ -59,6 +59,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsdp_recipes.bounded import plain_file_name
 from fsdp_recipes.errors import UnknownToThisVersion
 
 # Every dtype of torch 2.13, by name: [n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)] (a test
@@ -250,16 +251,10 @@ def _layout_from(metadata) -> Layout:
     for index, info in (metadata.storage_data or {}).items():
         offset = getattr(index, "offset", None)  # a default left out of the pickled state
         where = (index.fqn, None if offset is None else tuple(offset))
-        if not _plain_file_name(info.relative_path):
+        if not plain_file_name(info.relative_path):  # torch's reader would open a file elsewhere
             raise EscapingPathError(f"storage path {info.relative_path!r}")
         storage[where] = Stored(info.relative_path, info.offset, info.length, bool(getattr(info, "transform_descriptors", None)))
     return Layout(tensors, storage, frozenset(byte_keys))
-
-
-def _plain_file_name(name) -> bool:
-    """A file directly inside the folder: DCP writes names like ``__0_0.distcp``; anything with a separator or
-    ``..`` would make torch's reader open a file elsewhere."""
-    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 def read_layout(dcp_dir: Path) -> Layout:

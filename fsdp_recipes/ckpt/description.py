@@ -32,7 +32,7 @@ def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str],
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
     tied = sorted(set(getattr(skeleton, "all_tied_weights_keys", None) or {}) & set(expected)) if getattr(config, "tie_word_embeddings", False) else []
     return type(skeleton), expected, tied, lambda names: ignored_on_load(skeleton, names)
@@ -258,7 +258,7 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
     config_from = config_origin(resolved, base_model)
     config_dir, tok_dir = description_dirs(resolved)
     try:
-        config = AutoConfig.from_pretrained(config_from)
+        config = AutoConfig.from_pretrained(config_from, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 (OSError, ValueError, KeyError ...: transformers raises many)
         raise CheckpointError(f"cannot load the config from {config_from} ({_one_line(err)}): pass --base-model <a folder or hub id with a valid config.json>") from None
     if config_dir is not None and base_model is None and (config_dir / "generation_config.json").is_file():
@@ -277,7 +277,7 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
         notes.append(f"no tokenizer in {' or '.join(str(p) for p in resolved.places)}: the model folder has none (copy one in, or pass --base-model with one)")
     else:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(tok_from)
+            tokenizer = AutoTokenizer.from_pretrained(tok_from, trust_remote_code=False)
         except Exception as err:  # noqa: BLE001
             raise CheckpointError(f"cannot load the tokenizer from {tok_from} ({_one_line(err)}): fix or remove its files, or pass --base-model") from None
     if problem := implausible_config(config, resolved.source.tensors):

@@ -391,7 +391,7 @@ def verify_folder(folder: Path, source, names: dict[str, str], dtype: str | None
             if got.dtype != want.dtype or not torch.equal(got, want):
                 raise CheckpointError(f"verify: {n} in {folder} differs from the checkpoint")
     if stem == "model":
-        AutoModelForCausalLM.from_pretrained(folder, device_map="meta")
+        AutoModelForCausalLM.from_pretrained(folder, device_map="meta", trust_remote_code=False, use_safetensors=True)
 
 
 def inspect_checkpoint(input_path: str | os.PathLike) -> dict:

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.bounded import JSON_LIMIT, load_json, plain_file_name
 from fsdp_recipes.ckpt.dcp import (
     DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, require_this_torch,
     unsafe_message,
@@ -168,6 +168,9 @@ class SafetensorsSource:
         self.tensors, self._where = {}, {}
         codes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
         for file in files:
+            if not plain_file_name(file) or not file.endswith(".safetensors"):  # "../../x": a file outside the folder
+                raise CheckpointError(f"{index} names {file!r} as a shard, which is not a .safetensors file inside "
+                                      f"{folder}: give a folder whose index names only its own shard files")
             path = folder / file
             if not path.is_file():
                 raise CheckpointError(f"{path} is missing ({index.name} names it): copy the checkpoint again")

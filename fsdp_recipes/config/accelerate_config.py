@@ -171,7 +171,7 @@ def check_settings(
     # ----- with the model -----
     model = model or recipe.get("model_name_or_path") or recipe.get("config_name")
     if model and not ddp:
-        _check_model(c, fsdp, wrap, sd_type, model)
+        _check_model(c, fsdp, wrap, sd_type, model, bool(_as_bool(recipe.get("trust_remote_code"))))
     return c.problems
 
 
@@ -336,22 +336,30 @@ def _check_with_recipe(c: _Checker, recipe: dict, recipe_file: str, fsdp: dict, 
                 "drop cpu_bf16, or set mixed_precision: bf16 in the accelerate config", file=recipe_file)
 
 
-def _check_model(c: _Checker, fsdp: dict, wrap, sd_type, model: str) -> None:
+def _check_model(c: _Checker, fsdp: dict, wrap, sd_type, model: str, trust_remote_code: bool = False) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fsdp_recipes.config.model_source import model_source_problem
+    from fsdp_recipes.config.model_source import config_size_problem, custom_code, model_source_problem, remote_code_problem
 
     source = str(Path(model).parent) if model.endswith(".json") else model
-    if source == model and Path(model).is_dir() and not (Path(model) / "config.json").is_file() and model_source_problem(model, weights=True):
-        return  # not a model folder (a run's folder, a checkpoint): the run's own check names it, in one line
+    if source == model and Path(model).is_dir() and not (Path(model) / "config.json").is_file() and (problem := model_source_problem(model, weights=True)):
+        why, _, fix = problem.partition(": ")
+        c.error("model", f"{model} {why}", fix or "give the folder that holds the model's config.json")
+        return
+    if problem := remote_code_problem(source, trust_remote_code) or config_size_problem(source):
+        c.error("model", f"{model} {problem[0]}", problem[1])
+        return
+    if trust_remote_code and (entries := custom_code(source)[0]):
+        c.warn("trust_remote_code", f"runs the Python files {model}'s config.json names ({', '.join(entries[:3])}) in every "
+               "process, with your permissions", "keep it only for code you have read; models transformers has need none")
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)  # False: never prompts, never runs code
     except (OSError, ValueError) as err:
         c.warn("model", f"could not read the config of {model!r} ({type(err).__name__}); model checks skipped", "give a local folder or config.json")
         return
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     classes = {type(m).__name__ for m in skeleton.modules()}
     layer = next(iter(sorted(getattr(skeleton, "_no_split_modules", None) or [])), None)
     wanted = fsdp.get("fsdp_transformer_layer_cls_to_wrap")

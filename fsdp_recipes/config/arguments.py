@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.config.data_files import train_file_problem
-from fsdp_recipes.config.model_source import model_source_problem, qlora_problem
+from fsdp_recipes.config.model_source import config_size_problem, model_source_problem, one_line, qlora_problem, remote_code_problem
 from fsdp_recipes.errors import RecipeError
 
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text"}
@@ -115,6 +115,12 @@ class ModelArguments:
             if getattr(self, key) is not None and (problem := model_source_problem(getattr(self, key), weights)):
                 origin = f" (from {'model_name_or_path' if self.model_name_or_path else 'config_name'}: none was given)" if key == "tokenizer_name" and defaulted else ""
                 raise RecipeError(f"{key}={getattr(self, key)!r}{origin} {problem}")
+        # before anything loads: transformers would prompt (and on "y" run the folder's Python files) or fail on every rank
+        for key, tokenizer in (("model_name_or_path", False), ("config_name", False), ("tokenizer_name", True)):
+            source = getattr(self, key)
+            if source is not None and (problem := remote_code_problem(source, self.trust_remote_code, tokenizer)
+                                       or (not tokenizer and config_size_problem(source))):
+                raise RecipeError(f"{key}={source!r} {one_line(problem)}")
 
 
 EVAL_SOURCES = ("validation_file", "dataset_test_split", "validation_split_percentage")  # DataArguments' evaluation data

@@ -129,10 +129,15 @@ def model_shape(model: str) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from fsdp_recipes.config.model_source import config_size_problem, one_line, remote_code_problem
+
     local = _local_config(model)
-    config = AutoConfig.from_pretrained(model if local is None else str(local.parent if local.name == "config.json" else local))
+    source = model if local is None else str(local.parent if local.name == "config.json" else local)
+    if problem := remote_code_problem(source, trust_remote_code=False) or config_size_problem(source):
+        raise ValueError(f"{model} {one_line(problem)}")
+    config = AutoConfig.from_pretrained(source, trust_remote_code=False)  # never prompts, never runs a folder's code
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     params = sum(p.numel() for p in skeleton.parameters())
     layer_types = set(getattr(skeleton, "_no_split_modules", None) or [])
     units = [sum(p.numel() for p in m.parameters()) for m in skeleton.modules() if type(m).__name__ in layer_types]

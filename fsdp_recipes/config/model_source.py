@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fsdp_recipes.bounded import JSON_LIMIT, load_json, plain_file_name
+from fsdp_recipes.errors import UnreadableFile
+
 def qlora_problem() -> str | None:
     """QLoRA needs bitsandbytes' 4-bit kernels: CUDA and the bitsandbytes package."""
     import importlib.util
@@ -49,7 +52,7 @@ def model_source_problem(name: str, weights: bool) -> str | None:
             return "is a folder without config.json: give a folder written by save_pretrained or tools/merge_checkpoint.py"
         if weights and not any((path / f).is_file() for f in WEIGHT_FILES):
             return f"has no weights ({', '.join(WEIGHT_FILES)}): give a folder written by save_pretrained or tools/merge_checkpoint.py"
-        return None
+        return weights_problem(path, name) if weights else None
     if path.exists():
         return "is a file: give the folder that holds config.json"
     parts = name.split("/")
@@ -59,6 +62,139 @@ def model_source_problem(name: str, weights: bool) -> str | None:
 
     if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
         return "is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE=1 forbids downloading it"
+    if constants.HF_HUB_OFFLINE and weights and (snapshot := _local_folder(name)) is not None:  # the cache is all there is
+        return weights_problem(snapshot, name)
+    return None
+
+
+# More layers than any model trained (the deepest published LLMs have a few hundred): a config past it is a typo or
+# hostile, and building it on the meta device to count its parameters would take minutes and gigabytes per layer count
+MAX_LAYERS = 4096
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "num_encoder_layers")
+
+
+def _local_folder(name: str) -> Path | None:
+    """The folder a model name reads from on this machine: a local folder (or a config.json's), or the hub cache's
+    snapshot of a hub id; None when it is neither (nothing is fetched here)."""
+    path = Path(name).expanduser()
+    if path.is_file() and path.name == "config.json":
+        return path.parent
+    if path.is_dir():
+        return path
+    if path.exists() or name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a hub id either ('a b', '..'): model_source_problem names it
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def _code_entries(auto_map) -> list[str]:
+    """auto_map's entries as "AutoX -> module.Class" (a value may be a list, or name another repo: "repo--module.Class")."""
+    if not isinstance(auto_map, dict):
+        return [f"auto_map {type(auto_map).__name__}"] if auto_map else []
+    shown = []
+    for key, value in auto_map.items():
+        for ref in value if isinstance(value, (list, tuple)) else [value]:
+            if ref:
+                shown.append(f"{key} -> {ref}")
+    return shown
+
+
+def custom_code(name: str, tokenizer: bool = False) -> tuple[list[str], str | None]:
+    """What code of its own a model (or tokenizer) folder names, and why transformers could not load it without
+    that code (None: transformers has the class, so trust_remote_code=False loads it and runs nothing). Read from
+    config.json (or tokenizer_config.json) on this machine only; ([], None) when it is not here."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    folder = _local_folder(name)
+    file = "tokenizer_config.json" if tokenizer else "config.json"
+    if folder is None or not (folder / file).is_file():
+        return [], None
+    record = load_json(folder / file, file, JSON_LIMIT)
+    if not isinstance(record, dict):
+        return [], None
+    entries = list(dict.fromkeys(_code_entries(record.get("auto_map"))))  # peft and the hub repeat slow and fast
+    if tokenizer:
+        cls = record.get("tokenizer_class")
+        known = not isinstance(cls, str) or hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast"))
+        return entries, None if known else f"tokenizer_class {cls!r}, which transformers {transformers.__version__} does not have"
+    model_type = record.get("model_type")
+    known = model_type in CONFIG_MAPPING_NAMES
+    return entries, None if known else f"model_type {model_type!r}, which transformers {transformers.__version__} does not know"
+
+
+def remote_code_problem(name: str, trust_remote_code: bool, tokenizer: bool = False) -> tuple[str, str] | None:
+    """(why, fix) when a model (or tokenizer) cannot be loaded without running Python files of its own; None when
+    it can, or when trust_remote_code allows that code (custom_code says what it runs, for the warning)."""
+    try:
+        entries, unknown = custom_code(name, tokenizer)
+    except UnreadableFile as err:
+        return f"has an unreadable {Path(err.path).name} ({err.reason})", "restore it, or give another model folder"
+    if unknown is None or trust_remote_code:
+        return None
+    file = "tokenizer_config.json" if tokenizer else "config.json"
+    code = f" ({file}'s auto_map: {', '.join(entries[:3])}: Python files transformers would import and run)" if entries else ""
+    return (f"names {unknown}{code}, and this repository runs no code from a model folder",
+            "give a model transformers supports, or, only for code you have read, set trust_remote_code: true")
+
+
+def config_size_problem(name: str) -> tuple[str, str] | None:
+    """(why, fix) for a config.json whose layer count no model has (1,000,000 layers: building it to count its
+    parameters hangs)."""
+    folder = _local_folder(name)
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        record = load_json(folder / "config.json", "config.json", JSON_LIMIT)
+    except UnreadableFile as err:
+        return f"has an unreadable config.json ({err.reason})", "restore it, or give another model folder"
+    if not isinstance(record, dict):
+        return "has a config.json that is not a JSON object", "give a folder written by save_pretrained"
+    configs = [record, *(v for v in record.values() if isinstance(v, dict))]  # text_config, vision_config ...
+    for config in configs:
+        for key in LAYER_KEYS:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_LAYERS:
+                return f"has {key}: {value} in its config.json, more than any model has (at most {MAX_LAYERS} here)", "fix that number"
+    return None
+
+
+def one_line(problem: tuple[str, str]) -> str:
+    """A (why, fix) problem as the one line of a RecipeError or a tool's error."""
+    return f"{problem[0]}: {problem[1]}"
+
+
+def weights_problem(folder: Path, name: str) -> str | None:
+    """Why the weights from_pretrained would read from ``folder`` are not safetensors files of its own: a .bin is a
+    pickle (transformers unpickles it on every rank; only ckpt/dcp.py's allow-listed reader unpickles here), and an
+    index naming "../x" or "/etc/passwd" makes from_pretrained read a file outside the folder without a word."""
+    if (folder / "model.safetensors").is_file():  # what from_pretrained reads when the folder holds it
+        return None
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        if not any((folder / f).is_file() for f in WEIGHT_FILES):
+            return f"has no weights ({', '.join(WEIGHT_FILES)}): give a folder written by save_pretrained or tools/merge_checkpoint.py"
+        return (f"holds its weights only as a pickle (pytorch_model.bin), which transformers would unpickle on every "
+                f"rank: this repository loads safetensors weights only; convert a file you trust once "
+                f"(python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{name}').save_pretrained('CONVERTED')\") "
+                "and give CONVERTED")
+    try:
+        weight_map = load_json(index, index.name, JSON_LIMIT).get("weight_map")
+    except UnreadableFile as err:
+        return f"has an unreadable {index.name} ({err.reason}): restore it from the model's source"
+    if not isinstance(weight_map, dict) or not weight_map:
+        return f"has a {index.name} without a weight_map of tensor names to shard files: restore it from the model's source"
+    for shard in sorted({str(v) for v in weight_map.values()}):
+        if not plain_file_name(shard) or not shard.endswith(".safetensors"):
+            return (f"has a {index.name} that names {shard!r} as a shard, which is not a .safetensors file inside the "
+                    "folder (from_pretrained would read it from wherever it points): give a folder whose index names only its own shards")
+        if not (folder / shard).is_file():
+            return f"lacks {shard}, which its {index.name} names: copy the model folder again"
     return None
 
 
@@ -70,7 +206,7 @@ def model_positions(source: str | None) -> int | None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=True)
+        config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=False)  # never prompts
     except Exception:  # an unreadable config is model_source_problem's to explain, or the load's
         return None
     config = getattr(config, "text_config", None) or config

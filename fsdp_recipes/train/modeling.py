@@ -50,7 +50,8 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
     if args.model_name_or_path is not None:
         if other_rank:
             common["device_map"] = "meta"  # rank 0 sends the weights; FSDP shards them as they arrive
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, **common)
+        # safetensors only: a hub model's .bin would be unpickled here (a local or cached one is refused before the launch)
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, use_safetensors=True, **common)
     else:
         config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype, **common)

@@ -1,0 +1,229 @@
+"""Model folders as users find them (the hub, a colleague, a download): whatever they hold, nothing in them runs or is
+unpickled, no file outside them is read, and a folder that cannot be loaded that way is one line before anything
+starts, from every entry point that reads a model: train_fsdp.py's arguments, check_config.py, estimate_memory.py,
+the launch-time position check and the merge's reader. (Hostile review, session 26: a folder's `auto_map` code ran
+after transformers' "run the custom code? [y/N]" prompt, a shard index read /etc/passwd, a .bin was unpickled, a
+config of 1,000,000 layers hung the tools.)"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from fsdp_recipes.errors import CheckpointError, RecipeError
+
+TINY = REPO / "assets" / "tiny-llama"
+CODE = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\nfrom transformers import {base} as {name}\n"
+
+
+@pytest.fixture(autouse=True)
+def answer_yes(monkeypatch):
+    """A user who answers transformers' prompt to run a folder's code with "y": any prompt would run it."""
+    monkeypatch.setattr(builtins, "input", lambda *_: "y")
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    """A tiny Llama saved as save_pretrained writes it (safetensors), with the tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY).save_pretrained(folder)
+    return folder
+
+
+def folder_with_code(root: Path, kind: str) -> Path:
+    """A model folder whose config.json (or tokenizer_config.json) names Python files of its own that leave a
+    marker when imported: "unknown" (a model_type transformers lacks), "known" (llama plus an auto_map: transformers
+    loads its own class and runs nothing), "tokenizer" (a tokenizer class of its own)."""
+    folder = root / kind
+    shutil.copytree(TINY, folder)
+    marker = root / f"RAN-{kind}"
+    config = json.loads((folder / "config.json").read_text())
+    if kind == "tokenizer":
+        tok = json.loads((folder / "tokenizer_config.json").read_text())
+        tok.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]})
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+        (folder / "tokenization_evil.py").write_text(CODE.format(marker=str(marker), base="PreTrainedTokenizerFast", name="EvilTokenizer"))
+    else:
+        config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+        if kind == "unknown":
+            config["model_type"] = "evilmodel"
+        (folder / "configuration_evil.py").write_text(CODE.format(marker=str(marker), base="LlamaConfig", name="EvilConfig"))
+        (folder / "modeling_evil.py").write_text(CODE.format(marker=str(marker), base="LlamaForCausalLM", name="EvilForCausalLM"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def entry_points(folder: Path, weights_from: Path, tmp_path: Path) -> dict:
+    """Each reader of a model a user names: what it said (an error's text, or None when it took the folder)."""
+    from fsdp_recipes.config.accelerate_config import check_config, errors
+    from fsdp_recipes.config.memory import model_shape
+    from fsdp_recipes.config.model_source import model_positions
+    from fsdp_recipes.config.parse import parse_args
+
+    shutil.copy(weights_from / "model.safetensors", folder / "model.safetensors")
+    said = {}
+    try:
+        parse_args(["--model_name_or_path", str(folder), "--allow_no_fsdp", "true", "--output_dir", str(tmp_path / "run")])
+        said["train_fsdp.py"] = None
+    except RecipeError as err:
+        said["train_fsdp.py"] = str(err)
+    found = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", model=str(folder)))
+    said["check_config.py"] = str(found[0]) if found else None
+    try:
+        model_shape(str(folder))
+        said["estimate_memory.py"] = None
+    except ValueError as err:
+        said["estimate_memory.py"] = str(err)
+    model_positions(str(folder))  # the launch-time check of block_size: never prompts, never fails
+    return said
+
+
+@pytest.mark.parametrize("kind", ["unknown", "known", "tokenizer"])
+def test_a_folders_own_code_never_runs_and_is_named(kind, weights, tmp_path):
+    folder = folder_with_code(tmp_path, kind)
+    said = entry_points(folder, weights, tmp_path)
+    assert not (tmp_path / f"RAN-{kind}").exists(), said  # the folder's code did not run, "y" or not
+    if kind == "known":  # transformers has the class: the folder loads, its auto_map unused
+        assert said == {"train_fsdp.py": None, "check_config.py": None, "estimate_memory.py": None}, said
+        return
+    readers = ["train_fsdp.py"] if kind == "tokenizer" else ["train_fsdp.py", "check_config.py", "estimate_memory.py"]
+    for reader in readers:
+        assert said[reader] is not None and "this repository runs no code from a model folder" in said[reader], (reader, said)
+        assert ("tokenization_evil.EvilTokenizer" if kind == "tokenizer" else "modeling_evil.EvilForCausalLM") in said[reader]
+        assert "trust_remote_code: true" in said[reader] and "\n" not in said[reader]
+
+
+def test_trust_remote_code_lets_the_code_be_named_not_refused(tmp_path):
+    from fsdp_recipes.config.model_source import custom_code, remote_code_problem
+
+    folder = folder_with_code(tmp_path, "unknown")
+    assert remote_code_problem(str(folder), trust_remote_code=True) is None
+    entries, unknown = custom_code(str(folder))
+    assert "AutoModelForCausalLM -> modeling_evil.EvilForCausalLM" in entries and "evilmodel" in unknown
+    assert not (tmp_path / "RAN-unknown").exists()
+
+
+def test_every_transformers_load_says_whether_code_may_run_and_weights_are_safetensors():
+    """The mechanism: transformers prompts (and on "y" runs a folder's code) only when trust_remote_code is left
+    out, and unpickles a .bin unless use_safetensors=True. Every Auto*.from_pretrained / from_config call of the
+    package, the tools and train_fsdp.py names trust_remote_code, and every model load use_safetensors=True."""
+    files = [*sorted((REPO / "fsdp_recipes").rglob("*.py")), *sorted((REPO / "tools").glob("*.py")), REPO / "train_fsdp.py"]
+    missing, calls = [], 0
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("from_pretrained", "from_config")):
+                continue
+            receiver = node.func.value
+            name = receiver.id if isinstance(receiver, ast.Name) else getattr(receiver, "attr", "")
+            if not name.startswith("Auto"):
+                continue
+            calls += 1
+            keywords = {k.arg for k in node.keywords}
+            if "trust_remote_code" not in keywords and None not in keywords:  # **common carries it (checked below)
+                missing.append(f"{path.relative_to(REPO)}:{node.lineno} {name}.{node.func.attr} without trust_remote_code")
+            if name.startswith("AutoModel") and node.func.attr == "from_pretrained" and not any(
+                    k.arg == "use_safetensors" and isinstance(k.value, ast.Constant) and k.value.value is True for k in node.keywords):
+                missing.append(f"{path.relative_to(REPO)}:{node.lineno} {name}.from_pretrained without use_safetensors=True")
+    assert calls >= 10 and not missing, missing
+    modeling = (REPO / "fsdp_recipes" / "train" / "modeling.py").read_text()
+    assert "common = dict(trust_remote_code=args.trust_remote_code" in modeling
+
+
+INDEX_ENTRIES = ["../outside/secret.safetensors", "/etc/passwd", "sub/model-1.safetensors", "..", "model-1.bin",
+                 "a\\b.safetensors", "model-9-of-9.safetensors", 7]
+
+
+@pytest.mark.parametrize("entry", INDEX_ENTRIES, ids=[str(e) for e in INDEX_ENTRIES])
+def test_a_shard_index_naming_a_file_outside_the_folder_or_no_shard_is_refused(entry, weights, tmp_path):
+    """from_pretrained joins an index's file names to the folder: "../x" or "/etc/passwd" read files elsewhere
+    without a word. Refused by train_fsdp.py's check and by the merge's reader (--base-model, a checkpoint)."""
+    from fsdp_recipes.ckpt.readers import SafetensorsSource
+    from fsdp_recipes.config.model_source import model_source_problem
+
+    folder = tmp_path / "model"
+    shutil.copytree(weights, folder)
+    (folder / "model.safetensors").rename(folder / "model-1.safetensors")
+    (tmp_path / "outside").mkdir()
+    shutil.copy(folder / "model-1.safetensors", tmp_path / "outside" / "secret.safetensors")
+    weight_map = {"model.embed_tokens.weight": entry, "lm_head.weight": "model-1.safetensors"}  # the files are judged
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    said = model_source_problem(str(folder), weights=True)
+    assert said is not None and ("is not a .safetensors file inside the folder" in said or "lacks" in said), said
+    with pytest.raises(CheckpointError):
+        SafetensorsSource(folder)
+
+
+def test_a_sharded_safetensors_folder_is_taken(weights, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_recipes.ckpt.readers import SafetensorsSource
+    from fsdp_recipes.config.model_source import model_source_problem
+
+    folder = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(weights, use_safetensors=True).save_pretrained(folder, max_shard_size="200KB")
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) >= 2
+    assert model_source_problem(str(folder), weights=True) is None
+    assert len(SafetensorsSource(folder).tensors) > 10
+
+
+@pytest.mark.parametrize("files", [("pytorch_model.bin",), ("pytorch_model.bin.index.json", "pytorch_model-00001-of-00001.bin")])
+def test_weights_only_as_a_pickle_are_refused_before_anything_loads(files, weights, tmp_path):
+    """transformers unpickles pytorch_model.bin on every rank (weights_only, yet a pickle, and a hostile one ends in
+    a traceback inviting weights_only=False). Refused in one line naming the conversion; nothing is unpickled."""
+    from fsdp_recipes.config.model_source import model_source_problem
+    from fsdp_recipes.config.parse import parse_args
+
+    folder = tmp_path / "model"
+    shutil.copytree(weights, folder)
+    (folder / "model.safetensors").unlink()
+    for name in files:  # bytes that are no pickle: an attempt to unpickle them would fail loudly, not pass
+        (folder / name).write_bytes(b"not a pickle")
+    said = model_source_problem(str(folder), weights=True)
+    assert said is not None and "holds its weights only as a pickle" in said and "save_pretrained" in said, said
+    with pytest.raises(RecipeError, match="holds its weights only as a pickle"):
+        parse_args(["--model_name_or_path", str(folder), "--allow_no_fsdp", "true", "--output_dir", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+@pytest.mark.parametrize("key", ["num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "num_encoder_layers"])
+def test_a_config_of_more_layers_than_any_model_is_one_line_not_a_hang(key, where, tmp_path):
+    """Building a 1,000,000-layer config on the meta device to count its parameters took minutes and gigabytes in
+    check_config.py and estimate_memory.py, and ran on every rank of a launch."""
+    from fsdp_recipes.config.accelerate_config import check_config, errors
+    from fsdp_recipes.config.memory import model_shape
+    from fsdp_recipes.config.model_source import config_size_problem
+
+    folder = tmp_path / "deep"
+    shutil.copytree(TINY, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if where == "top":
+        config[key] = 10 ** 6
+    else:
+        config["text_config"] = {key: 10 ** 6}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert config_size_problem(str(folder)) is not None and "1000000" in config_size_problem(str(folder))[0]
+    with pytest.raises(ValueError, match="more than any model has"):
+        model_shape(str(folder))
+    found = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", model=str(folder)))
+    assert found and "more than any model has" in found[0].message
+    config.pop("text_config", None)
+    config[key] = 32  # a real depth is taken
+    (folder / "config.json").write_text(json.dumps(config))
+    assert config_size_problem(str(folder)) is None
+
+
+def test_check_config_names_a_model_that_is_no_model_folder(tmp_path):
+    """`--model /etc` was skipped without a word, exit 0."""
+    from fsdp_recipes.config.accelerate_config import check_config, errors
+
+    found = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", model="/etc"))
+    assert found and "is a folder without config.json" in found[0].message, found
