@@ -227,3 +227,35 @@ def test_check_config_names_a_model_that_is_no_model_folder(tmp_path):
 
     found = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", model="/etc"))
     assert found and "is a folder without config.json" in found[0].message, found
+
+
+@pytest.mark.parametrize("answer", ["found", "missing", "gated", "unreachable"])
+@pytest.mark.parametrize("weights", [True, False], ids=["model", "tokenizer"])
+def test_a_hub_id_not_in_the_cache_is_asked_of_the_hub_once_before_anything_starts(answer, weights, monkeypatch):
+    """With no network, transformers retried for a minute and more on every rank and ended in a traceback each: the
+    hub is asked once, up front, and what it says (or why it could not be asked) is one line."""
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+
+    from fsdp_recipes.config import model_source
+
+    asked = []
+
+    def hub(repo_id, *args, **kwargs):
+        asked.append(repo_id)
+        if answer == "gated":  # as huggingface_hub raises it for a 401/403 on a gated repository (built without a response)
+            gated = GatedRepoError.__new__(GatedRepoError)
+            Exception.__init__(gated, "403 gated")
+            raise gated
+        if answer == "unreachable":
+            raise OSError("[Errno -2] Name or service not known")
+        return answer == "found"
+
+    monkeypatch.setattr(huggingface_hub, "file_exists", hub)
+    monkeypatch.setattr(huggingface_hub, "repo_exists", hub)
+    model_source.hub_problem.cache_clear()
+    said = model_source.model_source_problem(f"someone/model-{answer}", weights=weights)
+    expected = {"found": None, "missing": "is not a model on the hub", "gated": "is a gated model on the hub",
+                "unreachable": "is not in the local hub cache and the hub cannot be reached (OSError: [Errno -2]"}[answer]
+    assert (said is None) if expected is None else (expected in said and "\n" not in said), said
+    assert model_source.model_source_problem(f"someone/model-{answer}", weights=weights) == said and asked == [f"someone/model-{answer}"]

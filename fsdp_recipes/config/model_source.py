@@ -3,6 +3,7 @@ cache when offline, the position limit in its config, QLoRA's needs. Answers are
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json, plain_file_name
@@ -64,7 +65,33 @@ def model_source_problem(name: str, weights: bool) -> str | None:
         return "is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE=1 forbids downloading it"
     if constants.HF_HUB_OFFLINE and weights and (snapshot := _local_folder(name)) is not None:  # the cache is all there is
         return weights_problem(snapshot, name)
+    if not constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return hub_problem(name, "config.json" if weights else None)  # a tokenizer repository may have neither
     return None
+
+
+@functools.lru_cache(maxsize=16)  # the model and its tokenizer are often one id: one request
+def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") -> str | None:
+    """Why a hub id not in the local cache cannot be downloaded, asked of the hub once before anything starts (one
+    request; transformers and datasets retry for a minute or more on every rank, then end in a traceback each).
+    ``filename``: a file the repository must have (None: only that it exists)."""
+    from huggingface_hub import file_exists, repo_exists
+    from huggingface_hub.errors import GatedRepoError
+
+    where = "dataset" if repo_type == "dataset" else "model"
+    try:
+        if repo_exists(repo_id, repo_type=repo_type) if filename is None else file_exists(repo_id, filename, repo_type=repo_type):
+            return None
+    except GatedRepoError:
+        return (f"is a gated {where} on the hub: accept its terms on its hub page and log in (hf auth login), or give a "
+                "local folder")
+    except Exception as err:  # no network, a proxy, DNS, TLS: whatever stops the request, in its own words
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        return (f"is not in the local hub cache and the hub cannot be reached ({type(err).__name__}: {reason}): give a "
+                f"local folder, or download it where the hub is reachable (hf download {repo_id}"
+                f"{' --repo-type dataset' if repo_type == 'dataset' else ''}) and set HF_HUB_OFFLINE=1")
+    return (f"is not a {where} on the hub{f' with a {filename}' if filename else ''} (a typo in the id, a private repository without a login, "
+            "or a path that does not exist where you launch): give a local folder or the exact hub id")
 
 
 # More layers than any model trained (the deepest published LLMs have a few hundred): a config past it is a typo or
