@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
 from fsdp_recipes.ckpt.layout import ADAPTER_DIR, FINAL_MODEL_DIR
-from fsdp_recipes.ckpt.status import disk_full_problem
+from fsdp_recipes.ckpt.status import disk_full_problem, how_to_go_on
 from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout, bf16_weights_line, cpu_precision
 from fsdp_recipes.config.launcher import tell_launcher
 from fsdp_recipes.config.parse import parse_args
@@ -152,7 +152,9 @@ def main(model_args, data_args, plan):
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except (Exception, CheckpointException, KeyboardInterrupt) as err:  # DCP's CheckpointException is a BaseException
         trainer.close_progress_bar()  # our one line then starts a line of its own
-        if isinstance(err, KeyboardInterrupt) or (problem := disk_full_problem(err, training_args.output_dir)) is None:
+        if isinstance(err, KeyboardInterrupt):
+            raise Interrupted(how_to_go_on(training_args.output_dir)) from None
+        if (problem := disk_full_problem(err, training_args.output_dir)) is None:
             raise
         raise RecipeError(problem) from None
     if (step := trainer.preemption.stopped_at) is not None:
@@ -242,6 +244,15 @@ def fail(message: str, code: int) -> None:
 FAIL_WAIT_SECONDS = 30  # how long a failing rank other than local rank 0 waits for it to print its line
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training, with what to run next as output_dir was left (a first save cut short leaves none to
+    resume from)."""
+
+    def __init__(self, advice: str):
+        super().__init__(advice)
+        self.advice = advice
+
+
 def run() -> None:
     watch_interrupts()
     watch_stops()  # until the Trainer's preemption handler takes over: a stop before training ends in one line
@@ -260,10 +271,11 @@ def run() -> None:
         fail(f"train_fsdp.py: error: {err}", 2)
     except Stopped as stop:
         fail(before_training(f"stopped by {stop.describe()}"), 128 + stop.signum)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if training_began():
-            fail("train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with "
-                 "--resume_from_checkpoint true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)", 130)
+            go_on = getattr(stop, "advice", "run the same command with --resume_from_checkpoint true to continue from the last checkpoint")
+            fail(f"train_fsdp.py: interrupted: nothing was saved since the last checkpoint; {go_on} (SIGTERM or "
+                 "SIGUSR1 instead of Ctrl-C saves one first)", 130)
         else:  # parsing, --help, loading: nothing of this run to lose
             fail(before_training("interrupted"), 130)
 

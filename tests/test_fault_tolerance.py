@@ -117,9 +117,35 @@ def test_ctrl_c_is_one_line_on_how_to_resume(tmp_path):
     proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "0:sigint:3"}, check=False, new_session=True)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py:")]
     assert proc.returncode != 0 and ours == [
-        "train_fsdp.py: interrupted: nothing was saved since the last checkpoint; run the same command with --resume_from_checkpoint "
-        "true to continue from it (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)"], proc.stderr[-3000:]
+        "train_fsdp.py: interrupted: nothing was saved since the last checkpoint; no checkpoint was saved yet: run the "
+        "same command again to start over (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)"], proc.stderr[-3000:]
     assert "[rank" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
+    # (hostile review) the line said to resume, which found no checkpoint: what it says now works
+    again = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out))
+    assert (out / "checkpoint-12").is_dir() and (out / "model").is_dir(), again.stderr[-2000:]
+
+
+def test_what_to_run_after_a_stop_is_what_works_in_the_folder_left(trained, tmp_path):
+    """After Ctrl-C or a full disk the line says what to run next, as output_dir was left: resume from the newest
+    complete checkpoint; start over with none saved; with only cut-short ones (Ctrl-C during the first save), start
+    over with --overwrite_output_dir, which removes them (a resume finds nothing, a plain start refuses them)."""
+    from fsdp_recipes.ckpt.status import checkpoint_status, how_to_go_on
+
+    source = trained("accelerate_configs/zero3.yaml").output_dir
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copy(source / "run_args.json", out / "run_args.json")
+    assert how_to_go_on(out) == "no checkpoint was saved yet: run the same command again to start over"
+    shutil.copytree(source / "checkpoint-6", out / "checkpoint-6")
+    assert how_to_go_on(out) == "run the same command with --resume_from_checkpoint true to continue from checkpoint-6"
+    shutil.copytree(source / "checkpoint-12", out / "checkpoint-12")
+    shutil.rmtree(out / "checkpoint-12" / "optimizer_0")  # cut short after the model's shards
+    assert how_to_go_on(out).endswith("continue from checkpoint-6")
+    shutil.rmtree(out / "checkpoint-6" / "pytorch_model_fsdp_0")  # cut short before any shard: the first save
+    said = how_to_go_on(out)
+    assert said.startswith("no checkpoint is complete (checkpoint-12, checkpoint-6 cut short): run the same command with --overwrite_output_dir true"), said
+    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), "--overwrite_output_dir", "true")
+    assert (out / "model").is_dir() and checkpoint_status(out / "checkpoint-12").resumable, proc.stderr[-2000:]
 
 
 def test_killed_while_writing_the_final_model_resumes_without_training(trained, tmp_path):

@@ -339,6 +339,23 @@ def newest_resumable(run_dir: str | os.PathLike) -> tuple[CheckpointStatus | Non
     return None, skipped
 
 
+def how_to_go_on(output_dir: str | os.PathLike) -> str:
+    """What to run after a run stopped before its end, as its output_dir is now: resume from the newest complete
+    checkpoint, or, with none complete (the first save was cut short), start again (a resume would find nothing, and a
+    plain start refuses a folder holding checkpoints)."""
+    chosen, skipped = newest_resumable(Path(output_dir))
+    if chosen is not None:
+        return f"run the same command with --resume_from_checkpoint true to continue from {Path(chosen.path).name}"
+    if not skipped:
+        return "no checkpoint was saved yet: run the same command again to start over"
+    if maybe := next((s for s in skipped if s.may_be_complete), None):  # never a deleting flag for it
+        return (f"{Path(maybe.path).name} may be complete but is unreadable by this version ({maybe.unreadable}): resume "
+                "it with the torch version that wrote it, or choose a new --output_dir")
+    cut = ", ".join(Path(s.path).name for s in skipped)
+    return (f"no checkpoint is complete ({cut} cut short): run the same command with --overwrite_output_dir true to "
+            "start over (it deletes only those and our run's records there), or choose a new --output_dir")
+
+
 def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export: bool = False) -> str | None:
     """The one line for a save that ran out of disk (None when ``err`` is something else): torch.save reports it as
     "unexpected pos" from its zip writer, DCP wraps the OSError of one of its writer threads. ``export``: it was the
@@ -359,5 +376,7 @@ def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export:
         return (f"no space left on {out} while writing the final model ({free / 1e6:.1f} MB free); training had finished and "
                 f"{kept}: free space, then run the same command with --resume_from_checkpoint true (it writes the model "
                 "again, without training)")
+    if chosen is None:
+        return f"no space left on {out}: {need} and {kept}; free space, then {how_to_go_on(out)}"
     return (f"no space left on {out}: {need}; {kept}: free space (or move output_dir), then run the same command "
             "with --resume_from_checkpoint true")
