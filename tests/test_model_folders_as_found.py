@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -253,7 +254,7 @@ def test_a_hub_id_not_in_the_cache_is_asked_of_the_hub_once_before_anything_star
 
     monkeypatch.setattr(huggingface_hub, "file_exists", hub)
     monkeypatch.setattr(huggingface_hub, "repo_exists", hub)
-    model_source.hub_problem.cache_clear()
+    monkeypatch.setattr(model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__))  # its own answers
     said = model_source.model_source_problem(f"someone/model-{answer}", weights=weights)
     expected = {"found": None, "missing": "is not a model on the hub", "gated": "is a gated model on the hub",
                 "unreachable": "is not in the local hub cache and the hub cannot be reached (OSError: [Errno -2]"}[answer]

@@ -201,9 +201,7 @@ class DataArguments:
                 raise RecipeError(
                     f"train_file={self.train_file!r}: unsupported extension {path.suffix!r}; use one of {', '.join(sorted(DATA_EXTENSIONS))}"
                 )
-            if not path.is_file():
-                raise RecipeError(f"train_file={self.train_file!r} does not exist (paths are relative to where you launch)")
-            if problem := train_file_problem(path, self):
+            if problem := train_file_problem(path, self):  # a missing path, a folder, a FIFO or device, named as such
                 raise RecipeError(f"train_file={self.train_file!r}: {problem}")
         self._trl_names()
         if self.data_format not in ("auto", "text", "chat"):
@@ -226,8 +224,8 @@ class DataArguments:
             if self.train_file is not None and path.suffix != Path(self.train_file).suffix:
                 raise RecipeError(f"validation_file={self.validation_file!r} is a {path.suffix} and train_file a "
                                   f"{Path(self.train_file).suffix}: give both in the same format")
-            if path.suffix not in DATA_EXTENSIONS or not path.is_file():
-                raise RecipeError(f"validation_file={self.validation_file!r} does not exist or is not one of {', '.join(sorted(DATA_EXTENSIONS))}")
+            if path.suffix not in DATA_EXTENSIONS:
+                raise RecipeError(f"validation_file={self.validation_file!r}: unsupported extension {path.suffix!r}; use one of {', '.join(sorted(DATA_EXTENSIONS))}")
             if problem := train_file_problem(path, self):
                 raise RecipeError(f"validation_file={self.validation_file!r}: {problem}")
 

@@ -1,11 +1,134 @@
-"""A local data file's first MiB, checked before any process group exists: datasets reads the whole file later,
-on every rank, where a bad line would be a traceback per process instead of one line."""
+"""A local data file checked before any process group exists: a regular file (not a folder, a FIFO or a device),
+and its first MiB; datasets reads the whole file later, on every rank, where a bad line would be a traceback per
+process instead of one line. What the loader still fails on, past the first MiB, is located here (locate_fault) for
+the one line train/data.py makes of it."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 SAMPLE_BYTES = 1 << 20  # the part of a data file checked before anything starts: the first MiB
+# locate_fault reads a line at a time; a longer "line" is not a record it can judge (a JSON array file on one line)
+LINE_LIMIT = 64 << 20
+JSON_LINE_FIX = "fix or drop that line: one JSON object per line"
+PARQUET_MAGIC = (b"PAR1", b"PARE")  # at both ends of every Parquet file (PARE: an encrypted footer)
+
+
+class _NotAFile(Exception):
+    """The path is missing or not a regular file: the message says what it is instead."""
+
+
+def _head(path: Path) -> tuple[bytes, int]:
+    """The file's first SAMPLE_BYTES and its size. A folder, a FIFO or a device (also behind a link: /dev/zero) is
+    refused by a stat before any open, since opening a FIFO blocks until a writer comes; the open is non-blocking and
+    checked again, for a file swapped in between."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        link = " (a broken link)" if os.path.islink(path) else ""
+        raise _NotAFile(f"does not exist{link} (paths are relative to where you launch)") from None
+    except OSError as err:
+        raise _NotAFile(f"cannot be read ({err.strerror}): check its permissions") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise _NotAFile("is a folder, not a file: give the data file itself")
+    if not stat.S_ISREG(info.st_mode):
+        raise _NotAFile(f"is {_special_kind(info.st_mode)}, not a regular file: give a data file (a pipe or a device may "
+                        "block or never end)")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise _NotAFile(f"cannot be read ({err.strerror}): check its permissions") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _NotAFile(f"is {_special_kind(info.st_mode)}, not a regular file: give a data file")
+        return f.read(SAMPLE_BYTES), info.st_size
+
+
+def _special_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def _parquet_problem(path: Path, head: bytes, size: int) -> str | None:
+    """Parquet is binary, its schema datasets' to check; but a file without Parquet's markers at both ends (text
+    saved as .parquet) would be a pyarrow traceback on every rank."""
+    tail = b""
+    if size >= 12:  # the smallest Parquet file: both markers and the footer's length
+        with open(path, "rb") as f:
+            f.seek(size - 4)
+            tail = f.read(4)
+    if head[:4] not in PARQUET_MAGIC or tail not in PARQUET_MAGIC:
+        return ("is not a Parquet file (it lacks the PAR1 markers Parquet files begin and end with): is this the right "
+                "file? text data goes in a .txt, .jsonl, .json or .csv")
+    return None
+
+
+def other_format(record, args) -> str | None:
+    """How to convert a record (or a list of column names, as dict keys) of a data format other than ours: TRL's
+    prompt/completion and ShareGPT are common and would otherwise read as "no 'text' field"."""
+    keys = set(record)
+    if {"prompt", "completion"} <= keys:
+        return ("is TRL's prompt/completion format, which this recipe does not train on: convert each record to chat "
+                f"data, {{{args.messages_column!r}: [{{'role': 'user', 'content': prompt}}, {{'role': 'assistant', "
+                "'content': completion}]} (conversational ones: prompt + completion as one list); the loss is then on "
+                "the completion alone")
+    if "conversations" in keys and "conversations" != args.messages_column:
+        turns = record["conversations"] if isinstance(record, dict) else None
+        first = turns[0] if isinstance(turns, list) and turns else None
+        sharegpt = (f"ShareGPT's from/value turns, which this recipe does not read: convert each record to "
+                    f"{{{args.messages_column!r}: [{{'role': ..., 'content': ...}}]}} (from human -> role user, gpt -> "
+                    "assistant, system -> system; value -> content)")
+        if first is None:  # column names alone: either kind
+            return f"has its chat under 'conversations': set messages_column: conversations if its turns are role/content; if they are {sharegpt}"
+        if isinstance(first, dict) and "role" in first and "content" in first:
+            return "has its chat turns under 'conversations': set messages_column: conversations"
+        return f"has 'conversations' of {sharegpt}"
+    return None
+
+
+def locate_fault(path: Path) -> tuple[str, str] | None:
+    """Where a local data file first goes wrong, found by reading it a line at a time after the loader failed:
+    datasets and pyarrow count rows and bytes from the start of the block they were parsing, not of the file.
+    Finds the first line that is not UTF-8 and, in JSON lines, the first that is not a JSON object: (where, the fix);
+    None if no line is at fault (or a line is longer than LINE_LIMIT, or the file is one JSON array)."""
+    import json
+    from itertools import count
+
+    if path.suffix == ".parquet":
+        return None
+    check_json = path.suffix in (".json", ".jsonl")
+    offset = 0
+    try:
+        with open(path, "rb") as f:
+            for number in count(1):
+                line = f.readline(LINE_LIMIT)
+                if not line:
+                    return None
+                if len(line) == LINE_LIMIT and not line.endswith(b"\n"):
+                    return None  # too long to judge here
+                try:  # a newline byte is never inside a UTF-8 sequence, so each line decodes on its own
+                    text = line.decode("utf-8-sig" if number == 1 else "utf-8")
+                except UnicodeDecodeError as err:
+                    return f"line {number} (byte {offset + err.start}) is not UTF-8 text", "save the file as UTF-8"
+                offset += len(line)
+                if not check_json or not text.strip():
+                    continue
+                if number == 1 and path.suffix == ".json" and text.lstrip().startswith("["):
+                    check_json = False  # one JSON array: the loader's position is the file's
+                    continue
+                try:
+                    record = json.loads(text)
+                except ValueError as err:
+                    return f"line {number} is not JSON ({getattr(err, 'msg', str(err)[:80])})", JSON_LINE_FIX
+                if not isinstance(record, dict):
+                    return f"line {number} is {_kind(record)}, not a JSON object", JSON_LINE_FIX
+    except OSError:
+        return None
+    return None
 
 
 def train_file_problem(path: Path, args) -> str | None:
@@ -16,19 +139,19 @@ def train_file_problem(path: Path, args) -> str | None:
     import codecs
     import json
 
-    if path.stat().st_size == 0:
+    try:
+        head, size = _head(path)
+    except _NotAFile as err:
+        return str(err)
+    if size == 0:
         return "the file is empty: give a file with training examples"
     if path.suffix == ".parquet":
-        return None  # binary by design; datasets checks its schema
-    try:
-        with open(path, "rb") as f:
-            head = f.read(SAMPLE_BYTES)
-    except OSError as err:
-        return f"cannot be read ({err.strerror}): check its permissions"
+        return _parquet_problem(path, head, size)
     try:  # utf-8-sig: a byte-order mark, which editors on Windows write and datasets accepts, is not text
         text = codecs.getincrementaldecoder("utf-8-sig")().decode(head, final=len(head) < SAMPLE_BYTES)
     except UnicodeDecodeError as err:
-        return f"byte {err.start} is not UTF-8 text: is this the right file (a {path.suffix} of text is expected)?"
+        line = head[: err.start].count(b"\n") + 1
+        return f"line {line} (byte {err.start}) is not UTF-8 text: is this the right file (a {path.suffix} of text is expected)?"
     if "\x00" in text:
         return "the file holds NUL bytes: it is binary, not text"
     if path.suffix == ".csv":
@@ -65,7 +188,8 @@ def train_file_problem(path: Path, args) -> str | None:
     if not chat:
         missing = next((n for n, r in records if args.text_column not in r), None)
         if missing is not None:
-            return f"record {missing} has no {args.text_column!r} field (set text_column, or data_format)"
+            other = other_format(dict(records)[missing], args)
+            return f"record {missing} {other}" if other else f"record {missing} has no {args.text_column!r} field (set text_column, or data_format)"
         wrong = next((n for n, r in records if not isinstance(r[args.text_column], str)), None)
         if wrong is not None:
             value = dict(records)[wrong][args.text_column]
@@ -74,6 +198,8 @@ def train_file_problem(path: Path, args) -> str | None:
     assistant_turns = 0
     for number, record in records:
         messages = record.get(args.messages_column)
+        if messages is None and (other := other_format(record, args)):
+            return f"record {number} {other}"
         if not isinstance(messages, list) or not messages:
             return f"record {number}: {args.messages_column!r} is {type(messages).__name__ if messages is not None else 'missing'}, not a list of turns"
         for turn in messages:
@@ -101,6 +227,8 @@ def _csv_problem(text: str, cut: bool, args) -> str | None:
         return None
     header = rows[0]
     if args.data_format != "chat" and args.text_column not in header:
+        if other := other_format(dict.fromkeys(header), args):
+            return f"the CSV {other}"
         return f"the CSV header ({', '.join(header)[:120]}) has no {args.text_column!r} column: set text_column"
     if args.text_column in header:
         column = header.index(args.text_column)

@@ -9,30 +9,79 @@ find the document boundaries.
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
+from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 
 from datasets import Dataset, load_dataset
+from datasets.exceptions import DatasetsError
+from jinja2.exceptions import TemplateError
+from pyarrow.lib import ArrowException
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase, default_data_collator
 
 from fsdp_recipes.config.arguments import DATA_EXTENSIONS, DataArguments
-from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.config.data_files import locate_fault, other_format
+from fsdp_recipes.errors import RecipeError, one_line
 
 IGNORE_INDEX = -100
+# What datasets raises on a file it cannot read: its own errors (DatasetGenerationError wraps whatever the format's
+# parser raised), pyarrow's, and the parsers' ValueErrors (UnicodeDecodeError, JSONDecodeError, pandas' ParserError)
+# and OSErrors. Anything past the first MiB that data_files did not see lands here, on every rank.
+LOADER_ERRORS = (DatasetsError, ArrowException, ValueError, OSError)
+# One conversation's rendering (a few chat template renders and their tokenization): milliseconds for real data,
+# seconds for a 100k-token conversation of many turns; a template that loops for hours would stall every rank.
+CHAT_TEMPLATE_SECONDS = 30.0
+
+
+def load_file(path: str, split: str, key: str) -> Dataset:
+    """One local data file as a Dataset; what its loader cannot read is one RecipeError naming the file (``key``:
+    train_file or validation_file), what is wrong, where if it can be found, and the fix."""
+    try:
+        dataset = load_dataset(DATA_EXTENSIONS[Path(path).suffix], data_files={split: path}, split=split)
+        # pyarrow's JSON reader (and a Parquet writer) may store bytes that are not UTF-8 as text: unchecked, they
+        # would raise in the middle of tokenizing; the full check reads each string once, in C++
+        dataset.data.validate(full=True)
+        return dataset
+    except LOADER_ERRORS as err:
+        raise RecipeError(f"{key}={path!r} {_loader_problem(err, Path(path))}") from err
+
+
+def _loader_problem(err: BaseException, path: Path | None) -> str:
+    """The loader's complaint in one line: the first cause in the chain that is not one of datasets' wrappers ("An
+    error occurred while generating the dataset" says nothing), and the line at fault when ``path`` is a local file."""
+    cause, seen = err, set()
+    while isinstance(cause, DatasetsError) and id(cause) not in seen and (cause.__cause__ or cause.__context__):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    said = one_line((str(cause).strip().splitlines() or [""])[0])[:200]
+    said = f"{type(cause).__name__}: {said}" if said else type(cause).__name__
+    if path is None:
+        return f"cannot be loaded ({said}): check the dataset name, config and split"
+    if isinstance(cause, OSError) and not isinstance(cause, ArrowException) and cause.errno is not None:  # not pyarrow's "cannot parse"
+        return f"cannot be loaded ({said}): check that it is readable and that the datasets cache has space"
+    kind = DATA_EXTENSIONS[path.suffix]
+    if (fault := locate_fault(path)) is None:
+        return f"cannot be read as {kind} data ({said}): is this the right file? fix it where the message points"
+    where, fix = fault
+    return f"cannot be read as {kind} data: {where} (the loader said {said}): {fix}"
 
 
 def load_raw(args: DataArguments, seed: int = 42) -> tuple[Dataset, Dataset | None]:
     """The raw training examples and the raw evaluation examples (None without an evaluation source)."""
-    if args.train_file is not None:
-        builder = DATA_EXTENSIONS[Path(args.train_file).suffix]
-        files = {"train": args.train_file} | ({"validation": args.validation_file} if args.validation_file else {})
-        raw = load_dataset(builder, data_files=files)
-        train, evaluation = raw["train"], raw.get("validation")
+    if args.train_file is not None:  # one file per call, so that an error names the file it is about
+        train = load_file(args.train_file, "train", "train_file")
+        evaluation = load_file(args.validation_file, "validation", "validation_file") if args.validation_file else None
     else:
-        train = load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_split)
-        evaluation = None
-        if args.dataset_test_split is not None:
-            evaluation = load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_test_split)
+        try:
+            train = load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_split)
+            evaluation = None
+            if args.dataset_test_split is not None:
+                evaluation = load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_test_split)
+        except LOADER_ERRORS as err:
+            raise RecipeError(f"dataset_name={args.dataset_name!r} {_loader_problem(err, None)}") from err
     if args.max_train_samples is not None:
         train = train.select(range(min(args.max_train_samples, len(train))))
     if args.validation_split_percentage is not None:  # held out before tokenizing: no document is in both
@@ -46,6 +95,8 @@ def resolve_format(args: DataArguments, columns: list[str]) -> str:
     if fmt == "auto":
         fmt = "chat" if args.messages_column in columns else "text"
     needed = args.messages_column if fmt == "chat" else args.text_column
+    if needed not in columns and (other := other_format(dict.fromkeys(columns), args)):
+        raise RecipeError(f"the data {other}")
     if needed not in columns:
         raise RecipeError(f"data_format={fmt}: column {needed!r} not in the dataset (columns: {', '.join(columns)})")
     if problem := args.format_problem(fmt):  # a TRL setting that means nothing for this kind of data
@@ -121,17 +172,61 @@ def assistant_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> 
     return ids, mask
 
 
+class _TimeLimit(BaseException):
+    """Raised by the alarm inside a render: a BaseException, so that no ``except Exception`` in jinja or transformers
+    takes it for an error of the template's and carries on."""
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Raise _TimeLimit in the block after ``seconds`` (rendering is pure Python, so the alarm's handler runs within
+    it). SIGALRM reaches only the main thread: elsewhere the block runs without a limit. A timer already set by the
+    caller is kept: if it is due first it is left alone, else it is set again after the block with its time left."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _TimeLimit
+
+    pending, interval = signal.getitimer(signal.ITIMER_REAL)
+    if pending and pending <= seconds:
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, expire)
+    start = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if pending:
+            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - start), 1e-3), interval)
+
+
 def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArguments) -> Dataset:
     """Render messages with the chat template; labels are the assistant tokens, everything else is ignored."""
     if not tokenizer.chat_template:
         raise RecipeError("data_format=chat needs a tokenizer with a chat template; this tokenizer has none")
+
+    template = f"the chat template of tokenizer {tokenizer.name_or_path!r}"
 
     def render(example):
         for turn in example[args.messages_column] or []:
             if not isinstance(turn.get("content"), str):
                 raise RecipeError(f"a conversation's {turn.get('role')!r} turn has content {turn.get('content')!r:.40}, not text: "
                                   "fix or drop that record in the data")
-        ids, mask = assistant_mask(tokenizer, example[args.messages_column])
+        try:
+            with _time_limit(CHAT_TEMPLATE_SECONDS):
+                ids, mask = assistant_mask(tokenizer, example[args.messages_column])
+        except _TimeLimit:
+            raise RecipeError(f"{template} took over {CHAT_TEMPLATE_SECONDS:g} s to render one conversation (the limit): "
+                              "is it the right template? fix or replace its chat_template.jinja") from None
+        except TemplateError as err:  # the template's own raise_exception ("roles must alternate ...") or its syntax
+            said = one_line((str(err).strip().splitlines() or [""])[0])[:200]
+            raise RecipeError(f"{template} fails on a conversation ({type(err).__name__}: {said}): fix that record, or "
+                              "the template") from None
         ids, mask = ids[: args.block_size], mask[: args.block_size]
         labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
