@@ -260,3 +260,14 @@ def test_a_hub_id_not_in_the_cache_is_asked_of_the_hub_once_before_anything_star
                 "unreachable": "is not in the local hub cache and the hub cannot be reached (OSError: [Errno -2]"}[answer]
     assert (said is None) if expected is None else (expected in said and "\n" not in said), said
     assert model_source.model_source_problem(f"someone/model-{answer}", weights=weights) == said and asked == [f"someone/model-{answer}"]
+
+
+def test_trust_remote_code_true_is_said_with_the_files_it_runs(tmp_path, weights):
+    """The opt-in, for code the user has read: no refusal, and a warning naming what will run in every process."""
+    from fsdp_recipes.config.accelerate_config import check_config
+
+    folder = folder_with_code(tmp_path, "known")  # llama: whatever the check then builds, it is a Llama
+    problems = check_config(REPO / "accelerate_configs" / "zero3.yaml", model=str(folder), recipe={"trust_remote_code": True})
+    warned = [p for p in problems if p.key == "trust_remote_code"]
+    assert warned and warned[0].level == "warning" and "modeling_evil.EvilForCausalLM" in warned[0].message, problems
+    assert not [p for p in problems if p.level == "error"], problems

@@ -176,7 +176,8 @@ def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> li
 
 
 RUN_SETTINGS = ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16", "dtype",
-                "load_in_4bit", "bnb_4bit_quant_storage", "bnb_4bit_compute_dtype", "zero1", "cpu_bf16", "optim")  # what the rules compare
+                "load_in_4bit", "bnb_4bit_quant_storage", "bnb_4bit_compute_dtype", "zero1", "cpu_bf16", "optim",
+                "trust_remote_code")  # what the rules compare (trust_remote_code: the warning naming the code it runs)
 
 
 def check_launch(raw) -> LaunchSettings | None:
