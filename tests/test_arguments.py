@@ -201,7 +201,7 @@ def test_launches_that_would_train_without_fsdp_stop_first(tmp_path, monkeypatch
         parse_args(["--max_steps", "2", "--output_dir", str(out)])  # this process: started by pytest, no launcher
 
 
-def test_flags_replace_the_recipes_model_and_data_source(tmp_path):
+def test_flags_replace_the_recipes_model_and_data_source(tmp_path, monkeypatch):
     """--model_name_or_path over the default recipe (which sets config_name) fine-tunes that model; --dataset_name
     replaces its train_file; a misspelled flag is one line with the closest one."""
     model = tmp_path / "my-model"
@@ -212,6 +212,12 @@ def test_flags_replace_the_recipes_model_and_data_source(tmp_path):
     model_args, data_args, _ = parse_args(["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
     assert (model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name) == (str(model), None, str(model))
     assert data_args.train_file.endswith("tiny_corpus.txt")
+    import huggingface_hub
+
+    from fsdp_recipes.config import model_source
+
+    monkeypatch.setattr(huggingface_hub, "repo_exists", lambda *args, **kwargs: True)  # a hub that has it
+    monkeypatch.setattr(model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__))
     _, data_args, _ = parse_args(["--dataset_name", "someone/data", "--output_dir", str(tmp_path / "o"), *NO_FSDP])
     assert (data_args.dataset_name, data_args.train_file) == ("someone/data", None)
     with pytest.raises(RecipeError, match=r"unknown flag\(s\): learnig_rate \(did you mean learning_rate\?\)"):

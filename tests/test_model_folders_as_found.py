@@ -11,6 +11,7 @@ import ast
 import builtins
 import functools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -262,12 +263,48 @@ def test_a_hub_id_not_in_the_cache_is_asked_of_the_hub_once_before_anything_star
     assert model_source.model_source_problem(f"someone/model-{answer}", weights=weights) == said and asked == [f"someone/model-{answer}"]
 
 
-def test_trust_remote_code_true_is_said_with_the_files_it_runs(tmp_path, weights):
+def test_trust_remote_code_true_is_said_with_the_files_it_runs(tmp_path, weights, monkeypatch):
     """The opt-in, for code the user has read: no refusal, and a warning naming what will run in every process."""
+    import transformers
+
     from fsdp_recipes.config.accelerate_config import check_config
 
-    folder = folder_with_code(tmp_path, "known")  # llama: whatever the check then builds, it is a Llama
+    def not_here(*args, **kwargs):  # the load itself would import the folder's classes into this test process
+        raise OSError("the test stops here")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", not_here)
+    folder = folder_with_code(tmp_path, "known")
     problems = check_config(REPO / "accelerate_configs" / "zero3.yaml", model=str(folder), recipe={"trust_remote_code": True})
     warned = [p for p in problems if p.key == "trust_remote_code"]
     assert warned and warned[0].level == "warning" and "modeling_evil.EvilForCausalLM" in warned[0].message, problems
-    assert not [p for p in problems if p.level == "error"], problems
+    assert not [p for p in problems if p.level == "error"] and not (tmp_path / "RAN-known").exists(), problems
+
+
+@pytest.mark.parametrize("answer", ["found", "missing", "unreachable"])
+def test_a_hub_dataset_id_is_asked_of_the_hub_once_before_anything_starts(answer, tmp_path, monkeypatch):
+    """dataset_name with no network: datasets retried on every rank, then a traceback each. A copy in datasets'
+    cache is left to datasets (it loads from there)."""
+    import huggingface_hub
+    from datasets import config
+
+    from fsdp_recipes.config import model_source
+    from fsdp_recipes.config.parse import parse_args
+
+    def hub(repo_id, *args, repo_type=None, **kwargs):
+        assert repo_type == "dataset"
+        if answer == "unreachable":
+            raise OSError("[Errno -2] Name or service not known")
+        return answer == "found"
+
+    monkeypatch.setattr(huggingface_hub, "repo_exists", hub)
+    monkeypatch.setattr(model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__))
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
+    argv = ["--dataset_name", f"someone/data-{answer}", "--output_dir", str(tmp_path / "run"), "--allow_no_fsdp", "true"]
+    if answer == "found":
+        assert parse_args(argv)[1].dataset_name == "someone/data-found"
+        return
+    expected = "is not a dataset on the hub" if answer == "missing" else "--repo-type dataset) and set HF_HUB_OFFLINE=1"
+    with pytest.raises(RecipeError, match=re.escape(expected)):
+        parse_args(argv)
+    (tmp_path / "datasets-cache" / f"someone___data-{answer}").mkdir(parents=True)  # datasets has a copy: its to load
+    assert parse_args(argv)[1].dataset_name == f"someone/data-{answer}"

@@ -76,6 +76,8 @@ PRIVATE: dict[str, tuple[str, str]] = {
     # fsdp_recipes/ckpt/description.py: which stored names from_pretrained drops without a word (old Llama inv_freq)
     "transformers.modeling_utils.PreTrainedModel._adjust_missing_and_unexpected_keys": (
         MODULE, "description: stored tensors from_pretrained ignores are left out of a merge, not refused"),
+    # fsdp_recipes/config/packages.py: the package each --optim needs, by the function transformers builds it with
+    "transformers.trainer_optimizer._OPTIMIZER_HANDLERS": (MODULE, "packages: which package each --optim needs"),
     # fsdp_recipes/ckpt/status.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
     "numpy._core.multiarray._reconstruct": (MODULE, "status: RNG state files load with weights_only"),
     # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it

@@ -3,7 +3,8 @@
 - parse:             ``train_fsdp.py [recipe.yaml] [--flag value ...]`` -> the argument dataclasses and a Plan
 - arguments:         ModelArguments, DataArguments, RunArguments (TrainingArguments is transformers')
 - values, flags:     every numeric field's range; flags and recipe values checked as one line, not argparse's usage
-- model_source, data_files: is the model loadable, is the data file usable, found without loading either
+- packages:          options that need a package (--optim, --report_to, --attn_implementation, liger): named if missing
+- model_source, data_files: is the model loadable (and runs no code of its folder), is the data file usable, found without loading either
 - trainer_fsdp:      the torchrun route (TrainingArguments' --fsdp_config), checked against the keys it reads
 - plan:              the Plan: what the checks decided, carried out by fsdp_recipes.train.preflight
 - accelerate_config: the rules of tools/check_config.py for accelerate config files

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.config.data_files import train_file_problem
-from fsdp_recipes.config.model_source import config_size_problem, model_source_problem, one_line, qlora_problem, remote_code_problem
+from fsdp_recipes.config.model_source import config_size_problem, dataset_source_problem, model_source_problem, one_line, qlora_problem, remote_code_problem
 from fsdp_recipes.errors import RecipeError
 
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text"}
@@ -158,8 +158,9 @@ class DataArguments:
             "its own positions, and a batch is one row of whole documents that attend only within themselves "
             "(transformers' DataCollatorWithFlattening: no padding, no cross-document attention; chat data too). "
             "TRL's true/false: true is padding_free (with packing_strategy wrapped: concat); false (one example per "
-            "row, truncated) is chat data's concat, and has no equivalent for text data.",
+            "row, truncated) is chat data's concat, and has no equivalent for text data. A bare --packing is TRL's true.",
             "choices": ["concat", "padding_free", "true", "false"],
+            "nargs": "?", "const": "true",  # TRL's packing is a bool: its users write --packing alone for true
         },
     )
     packing_strategy: str | None = field(
@@ -195,6 +196,8 @@ class DataArguments:
                 f"set exactly one of dataset_name (hub) and train_file (local); got dataset_name={self.dataset_name!r}, "
                 f"train_file={self.train_file!r}"
             )
+        if self.dataset_name is not None and (problem := dataset_source_problem(self.dataset_name)):
+            raise RecipeError(f"dataset_name={self.dataset_name!r} {problem}")
         if self.train_file is not None:
             path = Path(self.train_file)
             if path.suffix not in DATA_EXTENSIONS:

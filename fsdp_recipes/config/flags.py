@@ -16,6 +16,53 @@ def check_flags(argv: list[str], parser) -> None:
         raise RecipeError(f"unknown flag(s): {with_hints([u.removeprefix('--') for u in unknown], names)}; see `train_fsdp.py --help`")
 
 
+# what a value-taking flag wants, where its type alone says too little
+VALUE_HINTS = {"resume_from_checkpoint": "true (the newest checkpoint in output_dir) or a checkpoint-N folder",
+               "output_dir": "the folder to write the run to"}
+
+
+def _bare(argv: list[str], i: int) -> bool:
+    """``argv[i]`` (a flag without =value) is followed by no value: the end, or the next flag."""
+    return i + 1 == len(argv) or argv[i + 1].startswith("--")
+
+
+def check_missing_values(argv: list[str], parser) -> None:
+    """A flag that takes a value, given none (``--max_steps`` last, ``--output_dir --bf16 true``): one line naming
+    it. argparse would print its usage per rank, or the repeat check would compare the flag with an empty value."""
+    actions = {s: a for a in parser._actions for s in a.option_strings if a.nargs in (None, "+")}
+    for i, arg in enumerate(argv):
+        if (action := actions.get(arg)) is None or not _bare(argv, i):
+            continue
+        if action.dest in VALUE_HINTS:
+            kind = VALUE_HINTS[action.dest]
+        elif action.choices is not None:
+            kind = f"one of {', '.join(map(str, action.choices))}"
+        elif action.type in (int, float):
+            kind = "a whole number" if action.type is int else "a number"
+        else:
+            kind = "one or more values" if action.nargs == "+" else "a value"
+        raise RecipeError(f"{action.dest} has no value: give {kind} after {arg}")
+
+
+def bare_flags_as_values(argv: list[str], parser) -> list[str]:
+    """argv with each bare true/false flag (``--use_peft``, ``--packing``: HfArgumentParser's and TRL's way to say
+    true) written with its value, ``--use_peft=true``: a flag given bare and then with true is then the same value
+    to the repeat check, as it is to argparse."""
+    optional = {s: a for a in parser._actions for s in a.option_strings if a.nargs == "?" and a.const is not None}
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        if (action := optional.get(arg)) is None or not _bare(argv, i):
+            continue
+        word = str(action.const).lower()
+        try:
+            same = action.type is not None and action.type(word) == action.const
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            same = False
+        if same:  # a const no word spells (TrainingArguments' --fsdp: True, a str field) stays bare, for argparse
+            out[i] = f"{arg}={word}"
+    return out
+
+
 def check_flag_values(argv: list[str], parser) -> None:
     """A number flag whose value is not a number is one line naming it (argparse would print its usage and exit
     with status 2 on every rank), as is a negative value argparse would take for a flag (-inf, -1e-4)."""
@@ -52,7 +99,7 @@ def check_flag_words(argv: list[str], parser) -> None:
             continue
         if not eq:
             if i + 1 == len(argv) or argv[i + 1].startswith("--"):
-                continue  # a bare true/false flag means true; argparse names a missing value itself
+                continue  # bare: a true/false flag means true; a missing value is check_missing_values'
             value = argv[i + 1]
         try:
             converted = action.type(value) if action.type is not None else value

@@ -70,6 +70,19 @@ def model_source_problem(name: str, weights: bool) -> str | None:
     return None
 
 
+def dataset_source_problem(name: str) -> str | None:
+    """Why a hub dataset id cannot be loaded, asked before anything starts when datasets has no copy of it here (a
+    copy in its cache loads after datasets' own retries, so it is left to datasets)."""
+    from datasets import config
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or config.HF_DATASETS_OFFLINE or Path(name).expanduser().exists():
+        return None  # offline: datasets says what it lacks at once; a local folder or file: its own loader's
+    if (Path(config.HF_DATASETS_CACHE) / name.replace("/", "___")).is_dir():
+        return None
+    return hub_problem(name, None, "dataset")
+
+
 @functools.lru_cache(maxsize=16)  # the model and its tokenizer are often one id: one request
 def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") -> str | None:
     """Why a hub id not in the local cache cannot be downloaded, asked of the hub once before anything starts (one

@@ -13,7 +13,9 @@ from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config import helptext, launcher
 from fsdp_recipes.config.accelerate_config import ZERO1_UNDER_FSDP
 from fsdp_recipes.config.arguments import build, DataArguments, ModelArguments, RunArguments
-from fsdp_recipes.config.flags import check_flag_values, check_flag_words, check_flags, check_recipe_types
+from fsdp_recipes.config.flags import (bare_flags_as_values, check_flag_values, check_flag_words, check_flags,
+                                       check_missing_values, check_recipe_types)
+from fsdp_recipes.config.packages import check_deepspeed, check_packages
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys, unknown_keys_problem
 from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
@@ -28,6 +30,24 @@ DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny-llama" / "pretrain.yaml"
 # Keys of the embedded default recipe that point into this repository: anchored here so the default
 # runs from any working directory. Paths in user recipes stay relative to the working directory.
 _REPO_PATH_KEYS = ("config_name", "tokenizer_name", "model_name_or_path", "train_file")
+
+
+# Keys holding a path, where a quoted or recipe-written ~ reaches us unexpanded (no shell saw it): os.makedirs('~/x')
+# would make a folder named ~ in the working directory. A hub id never starts with ~.
+PATH_KEYS = ("output_dir", "logging_dir", "model_name_or_path", "config_name", "tokenizer_name", "train_file",
+             "validation_file", "resume_from_checkpoint", "fsdp_config", "accelerator_config")
+
+
+def expand_home(raw) -> None:
+    """A leading ~ or ~user in every path key of ``raw``, expanded as a shell would; one nobody's home is refused."""
+    for key in PATH_KEYS:
+        value = getattr(raw, key, None)
+        if not (isinstance(value, str) and value.startswith("~")):
+            continue
+        expanded = os.path.expanduser(value)
+        if expanded.startswith("~"):  # ~name of no user, or no home known (HOME unset, no passwd entry)
+            raise RecipeError(f"{key}={value!r}: {value.split('/')[0]} is no home folder here: give the full path")
+        setattr(raw, key, expanded)
 
 
 def load_recipe(path: Path, anchor_paths: bool = False) -> dict:
@@ -59,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     helptext.quiet_unless_first(argv)
     parser = helptext.build_parser(show_all="--help-all" in argv)
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml")):
-        recipe = load_recipe(Path(argv.pop(0)))
+        recipe = load_recipe(Path(argv.pop(0)).expanduser())
     elif argv and not argv[0].startswith("-"):
         raise RecipeError(f"{argv[0]!r} is not a recipe: give a .yaml file first, then --flags")
     else:
@@ -69,8 +89,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     unknown = sorted(set(recipe) - known)
     if unknown:
         raise RecipeError(unknown_keys_problem(unknown, known))
+    check_deepspeed(recipe.get("deepspeed"))  # before its type check: a mapping there is DeepSpeed's too
     check_trl_flags(argv, parser)
     check_flags(argv, parser)
+    check_missing_values(argv, parser)
+    argv = bare_flags_as_values(argv, parser)
     check_flag_aliases(argv, parser)
     check_flag_values(argv, parser)
     check_flag_words(argv, parser)
@@ -82,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
                 recipe.pop(key, None)
     parser.set_defaults(**recipe)
     raw = parser.parse_args(argv)  # plain values: no dataclass, no process group yet
+    expand_home(raw)
+    check_packages(raw)  # transformers would import them on every rank after start-up, and fail there
     trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp
     if problem := cpu_fsdp.single_process_problem(trainer_fsdp):
         raise RecipeError(problem)
