@@ -402,9 +402,10 @@ def test_a_run_folder_of_the_earlier_layout_resumes_and_gets_its_model_folder(tr
     assert checked.returncode == 0 and checked.stdout.strip().endswith(f"final model: {out / 'model'}")
 
 
-def test_a_run_folder_as_the_model_gets_no_config_warning_before_the_runs_own_line(tmp_path):
+def test_a_run_folder_as_the_model_is_one_error_naming_its_model_folder(tmp_path):
     """The config checker read a run folder's (missing) top-level config.json and warned "could not read the config"
-    first; the run's own check then named the folder to give. Only that line is left."""
+    first; the run's own check then named the folder to give. Now the checker says what the run's check says, as
+    its one error (check_config.py alone said "ok" for a folder that is no model: hostile review F10)."""
     import yaml
 
     from fsdp_recipes.config.accelerate_config import check_settings
@@ -414,7 +415,8 @@ def test_a_run_folder_as_the_model_gets_no_config_warning_before_the_runs_own_li
     (run / "run_args.json").write_text("{}")
     (run / "checkpoint-4").mkdir()
     raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
-    assert [p for p in check_settings(raw, "zero3.yaml", model=str(run)) if p.key == "model"] == []
+    [said] = [p for p in check_settings(raw, "zero3.yaml", model=str(run)) if p.key == "model"]
+    assert said.level == "error" and "is a training run's folder" in said.message and f"its final model is {run / 'model'}" in said.fix
     assert model_source_problem(str(run), weights=True).startswith("is a training run's folder")
     missing = [p for p in check_settings(raw, "zero3.yaml", model=str(tmp_path / "nothing-here")) if p.key == "model"]
     assert missing and "could not read the config" in str(missing[0])  # a path that is nothing at all still warns
