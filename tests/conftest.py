@@ -236,3 +236,20 @@ def gpt2_run(trained, tmp_path_factory) -> Run:
                tie_word_embeddings=True).save_pretrained(config_dir)
     return trained("accelerate_configs/zero3.yaml", "--config_name", str(config_dir), "--tokenizer_name", str(tokenizer),
                    "--block_size", "64", "--learning_rate", "3e-3")
+
+
+def make_special(path: Path, kind: str) -> None:
+    """Put at ``path`` what a hostile or careless user leaves where a file is read: "fifo" (blocks the first read),
+    "dev_zero" (a link to a device that never ends), "folder", "broken_link", "missing"; what was there goes first."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind in ("dev_zero", "link_to_dev_zero"):
+        path.symlink_to("/dev/zero")
+    elif kind in ("folder", "directory"):
+        path.mkdir()
+    elif kind == "broken_link":
+        path.symlink_to(path.parent / f"{path.name}.gone")
+    elif kind != "missing":
+        raise ValueError(kind)

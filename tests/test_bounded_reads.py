@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import resource
 import signal
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, make_special
 from fsdp_recipes.bounded import REPORT_LIMIT, STATE_LIMIT, YAML_LIMIT
 from fsdp_recipes.config.parse import load_recipe, parse_args
 from fsdp_recipes.errors import RecipeError
@@ -43,12 +42,8 @@ STEP = 3
 
 def special(path: Path, kind: str, limit: int) -> None:
     """Make ``path`` a hostile file of a kind in SPECIAL (for "missing": nothing)."""
-    if kind == "directory":
-        path.mkdir()
-    elif kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "link_to_dev_zero":
-        path.symlink_to("/dev/zero")
+    if kind in ("directory", "fifo", "link_to_dev_zero"):
+        make_special(path, kind)
     elif kind == "oversize":  # one byte over, sparse: refused by its size, never read
         with open(path, "wb") as f:
             f.truncate(limit + 1)

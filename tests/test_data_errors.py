@@ -8,7 +8,6 @@ the first MiB, through parse_args and build_datasets as train_fsdp.py calls them
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import threading
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, make_special
 from fsdp_recipes.config.data_files import SAMPLE_BYTES, train_file_problem
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.errors import RecipeError
@@ -237,17 +236,6 @@ def _args():
     return SimpleNamespace(text_column="text", messages_column="messages", data_format="auto")
 
 
-def not_a_file(path: Path, kind: str) -> None:
-    if kind == "folder":
-        path.mkdir()
-    elif kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "link_to_dev_zero":
-        path.symlink_to("/dev/zero")
-    elif kind == "broken_link":
-        path.symlink_to(path.parent / "gone.jsonl")
-
-
 NOT_A_FILE = {"folder": "is a folder", "fifo": "is a FIFO", "link_to_dev_zero": "is a character device",
               "broken_link": "does not exist (a broken link)", "missing": "does not exist"}
 
@@ -255,7 +243,7 @@ NOT_A_FILE = {"folder": "is a folder", "fifo": "is a FIFO", "link_to_dev_zero": 
 @pytest.mark.parametrize("kind", sorted(NOT_A_FILE))
 def test_a_path_that_is_not_a_file_is_named_as_what_it_is(tmp_path, kind):
     path = tmp_path / "data.jsonl"
-    not_a_file(path, kind)
+    make_special(path, kind)
     problem = train_file_problem(path, _args())
     assert problem and problem.startswith(NOT_A_FILE[kind]) and "\n" not in problem, problem
 
@@ -263,7 +251,7 @@ def test_a_path_that_is_not_a_file_is_named_as_what_it_is(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["folder", "fifo", "link_to_dev_zero"])
 def test_parse_args_names_a_path_that_is_not_a_file(tmp_path, tokenizer, kind):
     path = tmp_path / "data.jsonl"
-    not_a_file(path, kind)
+    make_special(path, kind)
     with pytest.raises(RecipeError, match=NOT_A_FILE[kind]):
         build(tmp_path, tokenizer, "--train_file", str(path))
 

@@ -10,28 +10,14 @@ import json
 import logging
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, make_special
 from fsdp_recipes.errors import CheckpointError
 
 SPECIAL = ["fifo", "dev_zero", "folder", "broken_link"]
-
-
-def make_special(path: Path, kind: str) -> None:
-    if path.exists() or path.is_symlink():
-        path.unlink()
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "dev_zero":
-        path.symlink_to("/dev/zero")
-    elif kind == "folder":
-        path.mkdir()
-    else:
-        path.symlink_to(path.parent / "nowhere")
 
 
 @pytest.fixture
