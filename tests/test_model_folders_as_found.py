@@ -195,8 +195,9 @@ def test_weights_only_as_a_pickle_are_refused_before_anything_loads(files, weigh
         parse_args(["--model_name_or_path", str(folder), "--allow_no_fsdp", "true", "--output_dir", str(tmp_path / "run")])
 
 
-@pytest.mark.parametrize("where", ["top", "text_config"])
-@pytest.mark.parametrize("key", ["num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "num_encoder_layers"])
+@pytest.mark.parametrize("where", ["top", "text_config", "deeper"])
+@pytest.mark.parametrize("key", ["num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "num_encoder_layers",
+                                 "decoder_layers", "encoder_layers"])
 def test_a_config_of_more_layers_than_any_model_is_one_line_not_a_hang(key, where, tmp_path):
     """Building a 1,000,000-layer config on the meta device to count its parameters took minutes and gigabytes in
     check_config.py and estimate_memory.py, and ran on every rank of a launch."""
@@ -209,8 +210,10 @@ def test_a_config_of_more_layers_than_any_model_is_one_line_not_a_hang(key, wher
     config = json.loads((folder / "config.json").read_text())
     if where == "top":
         config[key] = 10 ** 6
-    else:
+    elif where == "text_config":
         config["text_config"] = {key: 10 ** 6}
+    else:  # (second review) a config inside a config inside it
+        config["text_config"] = {"decoder": {key: 10 ** 6}}
     (folder / "config.json").write_text(json.dumps(config))
     assert config_size_problem(str(folder)) is not None and "1000000" in config_size_problem(str(folder))[0]
     with pytest.raises(ValueError, match="more than any model has"):
@@ -308,3 +311,95 @@ def test_a_hub_dataset_id_is_asked_of_the_hub_once_before_anything_starts(answer
         parse_args(argv)
     (tmp_path / "datasets-cache" / f"someone___data-{answer}").mkdir(parents=True)  # datasets has a copy: its to load
     assert parse_args(argv)[1].dataset_name == f"someone/data-{answer}"
+
+
+
+@pytest.mark.parametrize("value", ["1000000", 1e6, 32.0, -3, True, [4]], ids=["string", "float", "whole-float", "negative", "bool", "list"])
+def test_a_layer_count_that_is_no_whole_number_is_one_line(value, tmp_path):
+    """(second review) "1000000" or 1e6 passed the check and ended in a traceback of transformers' config validation
+    in the tools and on every rank; -3 built a model of no layers and estimated negative memory."""
+    from fsdp_recipes.config.model_source import config_size_problem
+
+    folder = tmp_path / "odd"
+    shutil.copytree(TINY, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    why, fix = config_size_problem(str(folder))
+    assert "which is not a number of layers" in why and fix == "give a whole number"
+
+
+def test_a_tokenizer_class_transformers_lacks_without_code_is_taken(tmp_path):
+    """(second review, a false refusal) bigscience/bloom ships tokenizer_class BloomTokenizerFast, which transformers
+    5.23 lacks as a name and loads as its tokenizers backend with trust_remote_code=False: no code, no refusal.
+    With an auto_map naming code for it, it is refused (test_a_folders_own_code_never_runs_and_is_named)."""
+    from transformers import AutoTokenizer
+
+    from fsdp_recipes.config.model_source import remote_code_problem
+
+    folder = tmp_path / "bloom-like"
+    shutil.copytree(TINY, folder)
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    tok["tokenizer_class"] = "BloomTokenizerFast"
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+    assert remote_code_problem(str(folder), trust_remote_code=False, tokenizer=True) is None
+    assert len(AutoTokenizer.from_pretrained(folder, trust_remote_code=False)) > 100  # transformers does load it
+
+
+def test_a_model_type_transformers_lacks_without_code_is_named_as_such(tmp_path):
+    from fsdp_recipes.config.model_source import remote_code_problem
+
+    folder = tmp_path / "future"
+    shutil.copytree(TINY, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "llama9"
+    (folder / "config.json").write_text(json.dumps(config))
+    for trust in (False, True):  # no code to trust: the flag changes nothing
+        why, fix = remote_code_problem(str(folder), trust_remote_code=trust)
+        assert why.startswith("names model_type 'llama9', which transformers") and "auto_map" not in why and "newer transformers" in fix
+
+
+@pytest.mark.parametrize("kind", ["lfs_pointer", "link_to_passwd", "empty", "short_header", "header_not_json"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_weights_that_are_no_safetensors_file_are_one_line(kind, sharded, weights, tmp_path):
+    """(second review) a git-lfs pointer (a clone without LFS) or a link to /etc/passwd as model.safetensors passed
+    every check and failed on every rank with safetensors' "header too large"; its header is read first now."""
+    from fsdp_recipes.config.model_source import model_source_problem
+
+    folder = tmp_path / "model"
+    shutil.copytree(weights, folder)
+    target = folder / "model.safetensors"
+    if sharded:
+        target = folder / "model-00001-of-00001.safetensors"
+        (folder / "model.safetensors").rename(target)
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": target.name}}))
+    target.unlink()
+    if kind == "lfs_pointer":
+        target.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 967936\n")
+    elif kind == "link_to_passwd":
+        target.symlink_to("/etc/passwd")
+    elif kind == "empty":
+        target.write_bytes(b"")
+    elif kind == "short_header":
+        target.write_bytes((1000).to_bytes(8, "little") + b"{}")
+    else:
+        target.write_bytes((4).to_bytes(8, "little") + b"nope")
+    said = model_source_problem(str(folder), weights=True)
+    assert said is not None and f"has a {target.name} that is not a safetensors file" in said, said
+    assert ("git lfs pull" in said) == (kind == "lfs_pointer")
+
+
+def test_the_tools_ask_the_hub_once_for_a_model_id_not_in_the_cache(monkeypatch):
+    """(second review) estimate_memory.py took 26 s of retries and ended in three lines; check_config.py 27 s."""
+    import huggingface_hub
+
+    from fsdp_recipes.config import model_source
+    from fsdp_recipes.config.accelerate_config import check_config
+    from fsdp_recipes.config.memory import model_shape
+
+    monkeypatch.setattr(huggingface_hub, "file_exists", lambda *args, **kwargs: (_ for _ in ()).throw(OSError("no network")))
+    monkeypatch.setattr(model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__))
+    with pytest.raises(ValueError, match=r"someone/model is not in the local hub cache and the hub cannot be reached \(OSError: no network\)"):
+        model_shape("someone/model")
+    [said] = [p for p in check_config(REPO / "accelerate_configs" / "zero3.yaml", model="someone/model") if p.key == "model"]
+    assert said.level == "warning" and "the hub cannot be reached" in said.message and "model checks skipped" in said.message

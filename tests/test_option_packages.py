@@ -336,3 +336,15 @@ def test_tilde_of_no_user_is_one_line(home):
     with pytest.raises(RecipeError, match="~no_such_user_here is no home folder here: give the full path"):
         parse_args(["--output_dir", "~no_such_user_here/run", *NO_FSDP])
     _no_tilde_folder()
+
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_a_hub_kernel_as_attention_needs_the_kernels_package(installed, monkeypatch, tmp_path):
+    """(second review) --attn_implementation kernels-community/flash-attn passed and failed on every rank with
+    "kernels is either not installed"."""
+    from fsdp_recipes.config import packages
+
+    monkeypatch.setattr(packages, "module_found", lambda module: installed if module == "kernels" else True)
+    said = packages.attention_problem("kernels-community/flash-attn")
+    assert (said is None) if installed else ("pip install kernels" in said and "\n" not in said), said

@@ -340,12 +340,15 @@ def _check_model(c: _Checker, fsdp: dict, wrap, sd_type, model: str, trust_remot
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fsdp_recipes.config.model_source import config_size_problem, custom_code, model_source_problem, remote_code_problem
+    from fsdp_recipes.config.model_source import config_size_problem, custom_code, hub_config_problem, model_source_problem, remote_code_problem
 
     source = str(Path(model).parent) if model.endswith(".json") else model
     if source == model and Path(model).is_dir() and not (Path(model) / "config.json").is_file() and (problem := model_source_problem(model, weights=True)):
         why, _, fix = problem.partition(": ")
         c.error("model", f"{model} {why}", fix or "give the folder that holds the model's config.json")
+        return
+    if problem := hub_config_problem(source):  # the checks need its config; nothing here can fetch it
+        c.warn("model", f"{model} {problem[0]}; model checks skipped", problem[1])
         return
     if problem := remote_code_problem(source, trust_remote_code) or config_size_problem(source):
         c.error("model", f"{model} {problem[0]}", problem[1])

@@ -129,11 +129,11 @@ def model_shape(model: str) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fsdp_recipes.config.model_source import config_size_problem, one_line, remote_code_problem
+    from fsdp_recipes.config.model_source import config_size_problem, hub_config_problem, one_line, remote_code_problem
 
     local = _local_config(model)
     source = model if local is None else str(local.parent if local.name == "config.json" else local)
-    if problem := remote_code_problem(source, trust_remote_code=False) or config_size_problem(source):
+    if problem := (local is None and hub_config_problem(model)) or remote_code_problem(source, trust_remote_code=False) or config_size_problem(source):
         raise ValueError(f"{model} {one_line(problem)}")
     config = AutoConfig.from_pretrained(source, trust_remote_code=False)  # never prompts, never runs a folder's code
     with torch.device("meta"):

@@ -4,6 +4,7 @@ cache when offline, the position limit in its config, QLoRA's needs. Answers are
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json, plain_file_name
@@ -70,6 +71,27 @@ def model_source_problem(name: str, weights: bool) -> str | None:
     return None
 
 
+def hub_config_problem(name: str) -> tuple[str, str] | None:
+    """(why, fix) when a name that is no local path is a hub id whose config.json is neither cached nor downloadable
+    (the tools need only the config: from_pretrained retried for half a minute before its error)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith(("/", "./", "../", "~")):
+        return None  # a local path: its own checks
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+    except ValueError:  # no hub id either ('seven billion'): the load names it
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "is neither a local folder nor in the hub cache", "give a local folder, or unset HF_HUB_OFFLINE to download it"
+    if problem := hub_problem(name, "config.json"):
+        why, _, fix = problem.rpartition(": ")
+        return why, fix
+    return None
+
+
 def dataset_source_problem(name: str) -> str | None:
     """Why a hub dataset id cannot be loaded, asked before anything starts when datasets has no copy of it here (a
     copy in its cache loads after datasets' own retries, so it is left to datasets)."""
@@ -110,7 +132,8 @@ def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") ->
 # More layers than any model trained (the deepest published LLMs have a few hundred): a config past it is a typo or
 # hostile, and building it on the meta device to count its parameters would take minutes and gigabytes per layer count
 MAX_LAYERS = 4096
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "num_encoder_layers")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "num_encoder_layers",
+              "decoder_layers", "encoder_layers")
 
 
 def _local_folder(name: str) -> Path | None:
@@ -159,9 +182,9 @@ def custom_code(name: str, tokenizer: bool = False) -> tuple[list[str], str | No
     if not isinstance(record, dict):
         return [], None
     entries = list(dict.fromkeys(_code_entries(record.get("auto_map"))))  # peft and the hub repeat slow and fast
-    if tokenizer:
+    if tokenizer:  # a class transformers lacks loads as its generic tokenizers backend, unless auto_map names code for it
         cls = record.get("tokenizer_class")
-        known = not isinstance(cls, str) or hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast"))
+        known = not entries or not isinstance(cls, str) or hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast"))
         return entries, None if known else f"tokenizer_class {cls!r}, which transformers {transformers.__version__} does not have"
     model_type = record.get("model_type")
     known = model_type in CONFIG_MAPPING_NAMES
@@ -175,7 +198,11 @@ def remote_code_problem(name: str, trust_remote_code: bool, tokenizer: bool = Fa
         entries, unknown = custom_code(name, tokenizer)
     except UnreadableFile as err:
         return f"has an unreadable {Path(err.path).name} ({err.reason})", "restore it, or give another model folder"
-    if unknown is None or trust_remote_code:
+    if unknown is None:
+        return None
+    if not entries:  # no code to trust: transformers cannot load it whatever the flag says
+        return f"names {unknown}", "give a model transformers supports (a newer transformers may know this one)"
+    if trust_remote_code:
         return None
     file = "tokenizer_config.json" if tokenizer else "config.json"
     code = f" ({file}'s auto_map: {', '.join(entries[:3])}: Python files transformers would import and run)" if entries else ""
@@ -195,11 +222,16 @@ def config_size_problem(name: str) -> tuple[str, str] | None:
         return f"has an unreadable config.json ({err.reason})", "restore it, or give another model folder"
     if not isinstance(record, dict):
         return "has a config.json that is not a JSON object", "give a folder written by save_pretrained"
-    configs = [record, *(v for v in record.values() if isinstance(v, dict))]  # text_config, vision_config ...
-    for config in configs:
+    configs = [record]
+    while configs:  # the config and every config inside it (text_config, vision_config, decoder ...)
+        config = configs.pop()
+        configs.extend(v for v in config.values() if isinstance(v, dict))
         for key in LAYER_KEYS:
-            value = config.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_LAYERS:
+            if (value := config.get(key)) is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:  # "1000000", 1e6, -3: a traceback later
+                return f"has {key}: {value!r} in its config.json, which is not a number of layers", "give a whole number"
+            if value > MAX_LAYERS:
                 return f"has {key}: {value} in its config.json, more than any model has (at most {MAX_LAYERS} here)", "fix that number"
     return None
 
@@ -214,7 +246,7 @@ def weights_problem(folder: Path, name: str) -> str | None:
     pickle (transformers unpickles it on every rank; only ckpt/dcp.py's allow-listed reader unpickles here), and an
     index naming "../x" or "/etc/passwd" makes from_pretrained read a file outside the folder without a word."""
     if (folder / "model.safetensors").is_file():  # what from_pretrained reads when the folder holds it
-        return None
+        return _not_safetensors(folder / "model.safetensors")
     index = folder / "model.safetensors.index.json"
     if not index.is_file():
         if not any((folder / f).is_file() for f in WEIGHT_FILES):
@@ -235,6 +267,32 @@ def weights_problem(folder: Path, name: str) -> str | None:
                     "folder (from_pretrained would read it from wherever it points): give a folder whose index names only its own shards")
         if not (folder / shard).is_file():
             return f"lacks {shard}, which its {index.name} names: copy the model folder again"
+        if problem := _not_safetensors(folder / shard):
+            return problem
+    return None
+
+
+def _not_safetensors(path: Path) -> str | None:
+    """Why ``path`` is no safetensors file, from its header alone (a git-lfs pointer of a clone without LFS, a link to
+    /etc/passwd): from_pretrained would fail on every rank with safetensors' "header too large"."""
+    import json
+
+    from fsdp_recipes.ckpt.readers import SAFETENSORS_HEADER_LIMIT
+
+    first = b""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            first = f.read(8)
+            length = int.from_bytes(first, "little") if len(first) == 8 else -1
+            header = json.loads(f.read(length)) if 0 < length <= min(size - 8, SAFETENSORS_HEADER_LIMIT) else None
+    except OSError as err:
+        return f"has an unreadable {path.name} ({err.strerror}): copy the model folder again"
+    except ValueError:  # not UTF-8, not JSON
+        header = None
+    if not isinstance(header, dict):
+        lfs = " (a git-lfs pointer: run git lfs pull in the clone)" if first.startswith(b"version ") else ""
+        return f"has a {path.name} that is not a safetensors file{lfs}: copy the model folder again"
     return None
 
 

@@ -159,8 +159,13 @@ def report_to_problem(value) -> str | None:
 
 
 def attention_problem(value: str | None) -> str | None:
-    if not value or "/" in value:  # transformers' choice, or a hub kernel (kernels-community/...): the hub's concern
+    if not value:
         return None
+    if "/" in value:  # a hub kernel (kernels-community/flash-attn): transformers loads it with the kernels package
+        if module_found("kernels"):
+            return None  # whether the hub has it is the load's to say
+        return (f"attn_implementation={value!r} is a kernel from the hub, which transformers loads with the kernels "
+                "package, not installed here: pip install kernels, or use --attn_implementation sdpa")
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = value.removeprefix("paged|")
