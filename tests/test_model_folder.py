@@ -315,9 +315,13 @@ def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files
 
 
 def test_a_run_folder_given_as_the_model_points_at_its_model_folder_in_either_layout(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
     for name, old_layout in (("new", False), ("old", True)):
         run = tmp_path / name
         _model_folder(run / "model")
+        save_file({"w": torch.zeros(1)}, run / "model" / "model.safetensors")  # weights with a header: read as such now
         (run / "checkpoint-4").mkdir()
         if old_layout:  # an earlier version's model at the top, resumed since: model/ is the newer one
             for file in MODEL_FILES:

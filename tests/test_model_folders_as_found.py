@@ -359,7 +359,7 @@ def test_a_model_type_transformers_lacks_without_code_is_named_as_such(tmp_path)
         assert why.startswith("names model_type 'llama9', which transformers") and "auto_map" not in why and "newer transformers" in fix
 
 
-@pytest.mark.parametrize("kind", ["lfs_pointer", "link_to_passwd", "empty", "short_header", "header_not_json"])
+@pytest.mark.parametrize("kind", ["lfs_pointer", "link_to_passwd", "empty", "short_header", "header_not_json", "truncated"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 def test_weights_that_are_no_safetensors_file_are_one_line(kind, sharded, weights, tmp_path):
     """(second review) a git-lfs pointer (a clone without LFS) or a link to /etc/passwd as model.safetensors passed
@@ -373,8 +373,11 @@ def test_weights_that_are_no_safetensors_file_are_one_line(kind, sharded, weight
         target = folder / "model-00001-of-00001.safetensors"
         (folder / "model.safetensors").rename(target)
         (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": target.name}}))
+    whole = target.read_bytes()
     target.unlink()
-    if kind == "lfs_pointer":
+    if kind == "truncated":  # a copy cut short: the header is whole, the tensors are not
+        target.write_bytes(whole[:-100])
+    elif kind == "lfs_pointer":
         target.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 967936\n")
     elif kind == "link_to_passwd":
         target.symlink_to("/etc/passwd")
@@ -385,7 +388,8 @@ def test_weights_that_are_no_safetensors_file_are_one_line(kind, sharded, weight
     else:
         target.write_bytes((4).to_bytes(8, "little") + b"nope")
     said = model_source_problem(str(folder), weights=True)
-    assert said is not None and f"has a {target.name} that is not a safetensors file" in said, said
+    what = "that is truncated" if kind == "truncated" else "that is not a safetensors file"
+    assert said is not None and f"has a {target.name} {what}" in said, said
     assert ("git lfs pull" in said) == (kind == "lfs_pointer")
 
 

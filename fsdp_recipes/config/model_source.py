@@ -293,6 +293,9 @@ def _not_safetensors(path: Path) -> str | None:
     if not isinstance(header, dict):
         lfs = " (a git-lfs pointer: run git lfs pull in the clone)" if first.startswith(b"version ") else ""
         return f"has a {path.name} that is not a safetensors file{lfs}: copy the model folder again"
+    ends = [v.get("data_offsets", [0, 0])[-1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    if any(not isinstance(e, int) for e in ends) or 8 + length + max(ends, default=0) > size:
+        return f"has a {path.name} that is truncated (its header describes more bytes than it holds): copy the model folder again"
     return None
 
 
