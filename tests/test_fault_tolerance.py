@@ -252,7 +252,7 @@ def test_resume_on_more_processes_reshards(trained, config, tmp_path):
 TINY = "config_name: assets/tiny-llama\n"
 CORPUS = "train_file: assets/data/tiny_corpus.txt\n"
 BAD_INPUT = {  # case: (recipe or None for the default, extra flags, the one error line)
-    "missing dataset file": (None, ["--train_file", "/nonexistent/corpus.txt"], "train_file='/nonexistent/corpus.txt' does not exist"),
+    "missing dataset file": (None, ["--train_file", "/nonexistent/corpus.txt"], "train_file='/nonexistent/corpus.txt': does not exist"),
     "missing model path": ("model_name_or_path: ./no-such-model\n" + CORPUS, [], "model_name_or_path='./no-such-model' does not exist"),
     "unknown recipe key": (TINY + CORPUS + "num_train_epoch: 3\n", [], "recipe: unknown key(s): num_train_epoch (did you mean num_train_epochs?)"),
     "bad value": (TINY + CORPUS + "learning_rate: fast\n", [], "recipe key learning_rate: 'fast' is not a valid float"),
