@@ -407,3 +407,15 @@ def test_the_tools_ask_the_hub_once_for_a_model_id_not_in_the_cache(monkeypatch)
         model_shape("someone/model")
     [said] = [p for p in check_config(REPO / "accelerate_configs" / "zero3.yaml", model="someone/model") if p.key == "model"]
     assert said.level == "warning" and "the hub cannot be reached" in said.message and "model checks skipped" in said.message
+
+
+
+@pytest.mark.parametrize("name", ["my model", "-bad", "ok/ok--x", "a" * 120])
+def test_a_name_that_is_neither_a_folder_nor_a_hub_id_is_one_line(name, tmp_path, monkeypatch):
+    """(re-read of the change) the hub probe's cache lookup raised huggingface_hub's validation error from parse_args."""
+    from fsdp_recipes.config.model_source import model_source_problem
+
+    monkeypatch.chdir(tmp_path)
+    for weights in (True, False):
+        said = model_source_problem(name, weights=weights)
+        assert said.startswith("is neither a local folder nor a hub id (") and "\n" not in said, said

@@ -61,7 +61,12 @@ def model_source_problem(name: str, weights: bool) -> str | None:
     if name.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir()):
         return "does not exist (relative paths start where you launch): give a local model folder or a hub id"
     from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import validate_repo_id
 
+    try:
+        validate_repo_id(name)
+    except ValueError as err:  # 'my model', '-bad': every rank's from_pretrained would raise it in a traceback
+        return f"is neither a local folder nor a hub id ({str(err).splitlines()[0][:120]}): give a local model folder or a hub id (org/name)"
     if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
         return "is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE=1 forbids downloading it"
     if constants.HF_HUB_OFFLINE and weights and (snapshot := _local_folder(name)) is not None:  # the cache is all there is
@@ -113,7 +118,13 @@ def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") ->
     from huggingface_hub import file_exists, repo_exists
     from huggingface_hub.errors import GatedRepoError
 
+    from huggingface_hub.utils import validate_repo_id
+
     where = "dataset" if repo_type == "dataset" else "model"
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as err:
+        return f"is neither a local path nor a hub id ({str(err).splitlines()[0][:120]}): give a local {where} or a hub id (org/name)"
     try:
         if repo_exists(repo_id, repo_type=repo_type) if filename is None else file_exists(repo_id, filename, repo_type=repo_type):
             return None
