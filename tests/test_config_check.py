@@ -268,3 +268,11 @@ dist.destroy_process_group()
         problems = [p for p in check_config(REPO / "accelerate_configs" / "zero3.yaml", recipe={"optim": name}) if p.key == "optim"]
         assert bool(problems) == (name in failing), (name, [str(p) for p in problems])
         assert not [p for p in check_config(REPO / "accelerate_configs" / "fsdp1" / "zero3.yaml", recipe={"optim": name}) if p.key == "optim"]
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*/*.yaml")), ids=lambda p: p.relative_to(REPO / "recipes").as_posix())
+def test_a_recipe_given_as_the_config_is_one_error_saying_so(recipe):
+    """(hostile review W7) a recipe given where the accelerate config goes was an "unknown key" error per recipe key
+    with accelerate's whole key list each time, and "distributed_type None"."""
+    problems = check_config(recipe)
+    assert len(problems) == 1 and "it is not an accelerate config" in problems[0].message and "--recipe" in problems[0].fix, problems

@@ -71,6 +71,17 @@ def _known_keys() -> tuple[set[str], set[str], set[str]]:
     )
 
 
+def _recipe_keys() -> set[str]:
+    """The keys a training recipe sets (its argument dataclasses' and TrainingArguments' fields)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from fsdp_recipes.config.arguments import DataArguments, ModelArguments, RunArguments
+
+    return {f.name for cls in (ModelArguments, DataArguments, RunArguments, TrainingArguments) for f in dataclasses.fields(cls)}
+
+
 def _suggest(key: str, valid, what: str = "keys") -> str:
     close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6) or sorted(v for v in valid if v.startswith(key))[:1]
     return f"did you mean {close[0]}?" if close else f"valid {what}: {', '.join(sorted(valid))}"
@@ -132,6 +143,11 @@ def check_settings(
         c.error("parallelism_config", "must be a mapping", "indent the parallelism_config_* keys under parallelism_config:")
         pc = {}
     if c.problems:  # every other check reads these mappings: what it would say follows from this alone
+        return c.problems
+    if check_keys and raw and not set(raw) & top and set(raw) & _recipe_keys():  # a recipe as the config: one line, not one per key
+        c.error("-", f"holds none of accelerate's config keys (it has {', '.join(sorted(raw)[:4])}{', ...' if len(raw) > 4 else ''}): "
+                "it is not an accelerate config", "give an accelerate config first (accelerate_configs/zero3.yaml); a "
+                "training recipe goes after --recipe")
         return c.problems
     for key in raw if check_keys else ():
         if key not in top:
