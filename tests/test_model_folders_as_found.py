@@ -419,3 +419,15 @@ def test_a_name_that_is_neither_a_folder_nor_a_hub_id_is_one_line(name, tmp_path
     for weights in (True, False):
         said = model_source_problem(name, weights=weights)
         assert said.startswith("is neither a local folder nor a hub id (") and "\n" not in said, said
+
+
+@pytest.mark.parametrize("text, said", [("7,000,000,000", "write the parameter count without separators"),
+                                         ("7_000_000_000", "write the parameter count without separators"),
+                                         ("seven billion", "is neither a local path nor a hub id"),
+                                         ("a/../b", "is neither a local path nor a hub id")])
+def test_estimate_memory_names_a_model_text_that_is_no_count_path_or_hub_id(text, said):
+    """(hostile review W6) '7,000,000,000' got huggingface_hub's repo-name rules as its error."""
+    from fsdp_recipes.config.memory import model_shape
+
+    with pytest.raises(ValueError, match=re.escape(said)):
+        model_shape(text)

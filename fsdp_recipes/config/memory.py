@@ -126,6 +126,8 @@ def model_shape(model: str) -> ModelShape:
     """From a parameter count ('7B'), or a hub id / folder / config.json (only the config is read: meta device)."""
     if COUNT_LIKE.fullmatch(model):
         return ModelShape(params=parse_count(model))
+    if COUNT_LIKE.fullmatch(model.replace(",", "").replace("_", "")):  # 7,000,000,000: a count, written with separators
+        raise ValueError(f"{model!r}: write the parameter count without separators, e.g. 7e9 or 7B")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -87,8 +87,8 @@ def hub_config_problem(name: str) -> tuple[str, str] | None:
     try:
         if isinstance(try_to_load_from_cache(name, "config.json"), str):
             return None
-    except ValueError:  # no hub id either ('seven billion'): the load names it
-        return None
+    except ValueError as err:  # no hub id either ('seven billion')
+        return f"is neither a local path nor a hub id ({str(err).splitlines()[0][:100]})", "give a local folder, its config.json or a hub id (org/name)"
     if constants.HF_HUB_OFFLINE:
         return "is neither a local folder nor in the hub cache", "give a local folder, or unset HF_HUB_OFFLINE to download it"
     if problem := hub_problem(name, "config.json"):
