@@ -13,6 +13,7 @@ of the stored tensors are the model's weights is ``namespace``'s question.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import warnings
 from dataclasses import dataclass
@@ -149,6 +150,31 @@ def _unsafe_cause(err: BaseException) -> UnsafeCheckpointError | None:
     return None
 
 
+def is_shard_name(name) -> bool:
+    """A name a safetensors index may give a shard: a .safetensors file directly in its folder ("../../x" or
+    "/etc/passwd" would be read from wherever it points, by this reader and by from_pretrained alike)."""
+    return plain_file_name(name) and name.endswith(".safetensors")
+
+
+def safetensors_header(path: Path) -> tuple[int, dict, int]:
+    """(header length, tensor entries, file size) of a safetensors file, read within SAFETENSORS_HEADER_LIMIT; every
+    entry has its dtype, shape and data_offsets. ValueError when the file has no such header (a git-lfs pointer, a
+    link to /etc/passwd, a file cut inside its header); OSError when it cannot be opened."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(size, SAFETENSORS_HEADER_LIMIT):
+                raise ValueError
+            header = json.loads(f.read(length))
+            entries = {k: v for k, v in header.items() if k != "__metadata__"}
+            for entry in entries.values():
+                entry["dtype"], entry["shape"], entry["data_offsets"]  # noqa: B018 (KeyError when absent)
+        except (struct.error, ValueError, MemoryError, OverflowError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{path} has no safetensors header") from None
+    return length, entries, size
+
+
 class SafetensorsSource:
     """``model.safetensors`` or an index of shards. Tensors are laid out as plain bytes: copied by the kernel like
     DCP records (the header is read here, without torch), or read one at a time from memory maps to be cast."""
@@ -168,23 +194,16 @@ class SafetensorsSource:
         self.tensors, self._where = {}, {}
         codes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
         for file in files:
-            if not plain_file_name(file) or not file.endswith(".safetensors"):  # "../../x": a file outside the folder
+            if not is_shard_name(file):
                 raise CheckpointError(f"{index} names {file!r} as a shard, which is not a .safetensors file inside "
                                       f"{folder}: give a folder whose index names only its own shard files")
             path = folder / file
             if not path.is_file():
                 raise CheckpointError(f"{path} is missing ({index.name} names it): copy the checkpoint again")
-            with open(path, "rb") as f:
-                try:
-                    (length,) = struct.unpack("<Q", f.read(8))
-                    if length > min(path.stat().st_size, SAFETENSORS_HEADER_LIMIT):
-                        raise ValueError
-                    header = json.loads(f.read(length))
-                    entries = {k: v for k, v in header.items() if k != "__metadata__"}
-                    for entry in entries.values():
-                        entry["dtype"], entry["shape"], entry["data_offsets"]  # noqa: B018 (KeyError when absent)
-                except (struct.error, ValueError, MemoryError, OverflowError, KeyError, TypeError, AttributeError):
-                    raise CheckpointError(f"{path} is not a readable safetensors file (truncated?): copy the checkpoint again") from None
+            try:
+                length, entries, size = safetensors_header(path)
+            except ValueError:
+                raise CheckpointError(f"{path} is not a readable safetensors file (truncated?): copy the checkpoint again") from None
             end = 0
             for key, entry in entries.items():
                 if entry["dtype"] not in codes:
@@ -193,8 +212,8 @@ class SafetensorsSource:
                 self.tensors[clean_name(key)] = TensorInfo(tuple(entry["shape"]), codes[entry["dtype"]])
                 self._where[clean_name(key)] = (file, key, 8 + length + begin, stop - begin)
                 end = max(end, stop)
-            if path.stat().st_size < 8 + length + end:
-                raise CheckpointError(f"{path} is truncated ({path.stat().st_size} of {8 + length + end} bytes): copy the checkpoint again")
+            if size < 8 + length + end:
+                raise CheckpointError(f"{path} is truncated ({size} of {8 + length + end} bytes): copy the checkpoint again")
 
     def copy_plan(self, name: str) -> list[tuple[Path, int, int, int]] | None:
         file, _, offset, nbytes = self._where[name]

@@ -4,10 +4,9 @@ cache when offline, the position limit in its config, QLoRA's needs. Answers are
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
-from fsdp_recipes.bounded import JSON_LIMIT, load_json, plain_file_name
+from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.errors import UnreadableFile
 
 def qlora_problem() -> str | None:
@@ -61,18 +60,28 @@ def model_source_problem(name: str, weights: bool) -> str | None:
     if name.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir()):
         return "does not exist (relative paths start where you launch): give a local model folder or a hub id"
     from huggingface_hub import constants, try_to_load_from_cache
+
+    if problem := not_a_hub_id(name, "model folder", "local folder"):  # 'my model', '-bad': every rank's from_pretrained would raise it
+        return one_line(problem)
+    cached = try_to_load_from_cache(name, "config.json")
+    if constants.HF_HUB_OFFLINE:  # the cache is all there is
+        if not isinstance(cached, str):
+            return "is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE=1 forbids downloading it"
+        return weights_problem(Path(cached).parent, name) if weights else None
+    if not isinstance(cached, str):
+        return hub_problem(name, "config.json" if weights else None)  # a tokenizer repository may have neither
+    return None
+
+
+def not_a_hub_id(name: str, local: str = "folder", neither: str = "local path") -> tuple[str, str] | None:
+    """(why, fix) when ``name``, which is no local path, is no hub id either; huggingface_hub raises its validation
+    error from every lookup of it."""
     from huggingface_hub.utils import validate_repo_id
 
     try:
         validate_repo_id(name)
-    except ValueError as err:  # 'my model', '-bad': every rank's from_pretrained would raise it in a traceback
-        return f"is neither a local folder nor a hub id ({str(err).splitlines()[0][:120]}): give a local model folder or a hub id (org/name)"
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return "is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE=1 forbids downloading it"
-    if constants.HF_HUB_OFFLINE and weights and (snapshot := _local_folder(name)) is not None:  # the cache is all there is
-        return weights_problem(snapshot, name)
-    if not constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return hub_problem(name, "config.json" if weights else None)  # a tokenizer repository may have neither
+    except ValueError as err:
+        return f"is neither a {neither} nor a hub id ({str(err).splitlines()[0][:120]})", f"give a local {local} or a hub id (org/name)"
     return None
 
 
@@ -84,11 +93,10 @@ def hub_config_problem(name: str) -> tuple[str, str] | None:
     path = Path(name).expanduser()
     if path.exists() or name.startswith(("/", "./", "../", "~")):
         return None  # a local path: its own checks
-    try:
-        if isinstance(try_to_load_from_cache(name, "config.json"), str):
-            return None
-    except ValueError as err:  # no hub id either ('seven billion')
-        return f"is neither a local path nor a hub id ({str(err).splitlines()[0][:100]})", "give a local folder, its config.json or a hub id (org/name)"
+    if problem := not_a_hub_id(name, "folder, its config.json"):  # 'seven billion'
+        return problem
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return None
     if constants.HF_HUB_OFFLINE:
         return "is neither a local folder nor in the hub cache", "give a local folder, or unset HF_HUB_OFFLINE to download it"
     if problem := hub_problem(name, "config.json"):
@@ -118,13 +126,9 @@ def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") ->
     from huggingface_hub import file_exists, repo_exists
     from huggingface_hub.errors import GatedRepoError
 
-    from huggingface_hub.utils import validate_repo_id
-
     where = "dataset" if repo_type == "dataset" else "model"
-    try:
-        validate_repo_id(repo_id)
-    except ValueError as err:
-        return f"is neither a local path nor a hub id ({str(err).splitlines()[0][:120]}): give a local {where} or a hub id (org/name)"
+    if problem := not_a_hub_id(repo_id, where):
+        return one_line(problem)
     try:
         if repo_exists(repo_id, repo_type=repo_type) if filename is None else file_exists(repo_id, filename, repo_type=repo_type):
             return None
@@ -216,7 +220,7 @@ def remote_code_problem(name: str, trust_remote_code: bool, tokenizer: bool = Fa
     if trust_remote_code:
         return None
     file = "tokenizer_config.json" if tokenizer else "config.json"
-    code = f" ({file}'s auto_map: {', '.join(entries[:3])}: Python files transformers would import and run)" if entries else ""
+    code = f" ({file}'s auto_map: {', '.join(entries[:3])}: Python files transformers would import and run)"
     return (f"names {unknown}{code}, and this repository runs no code from a model folder",
             "give a model transformers supports, or, only for code you have read, set trust_remote_code: true")
 
@@ -256,6 +260,8 @@ def weights_problem(folder: Path, name: str) -> str | None:
     """Why the weights from_pretrained would read from ``folder`` are not safetensors files of its own: a .bin is a
     pickle (transformers unpickles it on every rank; only ckpt/dcp.py's allow-listed reader unpickles here), and an
     index naming "../x" or "/etc/passwd" makes from_pretrained read a file outside the folder without a word."""
+    from fsdp_recipes.ckpt.readers import is_shard_name
+
     if (folder / "model.safetensors").is_file():  # what from_pretrained reads when the folder holds it
         return _not_safetensors(folder / "model.safetensors")
     index = folder / "model.safetensors.index.json"
@@ -273,7 +279,7 @@ def weights_problem(folder: Path, name: str) -> str | None:
     if not isinstance(weight_map, dict) or not weight_map:
         return f"has a {index.name} without a weight_map of tensor names to shard files: restore it from the model's source"
     for shard in sorted({str(v) for v in weight_map.values()}):
-        if not plain_file_name(shard) or not shard.endswith(".safetensors"):
+        if not is_shard_name(shard):
             return (f"has a {index.name} that names {shard!r} as a shard, which is not a .safetensors file inside the "
                     "folder (from_pretrained would read it from wherever it points): give a folder whose index names only its own shards")
         if not (folder / shard).is_file():
@@ -285,26 +291,18 @@ def weights_problem(folder: Path, name: str) -> str | None:
 
 def _not_safetensors(path: Path) -> str | None:
     """Why ``path`` is no safetensors file, from its header alone (a git-lfs pointer of a clone without LFS, a link to
-    /etc/passwd): from_pretrained would fail on every rank with safetensors' "header too large"."""
-    import json
+    /etc/passwd, a copy cut short): from_pretrained would fail on every rank with safetensors' "header too large"."""
+    from fsdp_recipes.ckpt.readers import safetensors_header
 
-    from fsdp_recipes.ckpt.readers import SAFETENSORS_HEADER_LIMIT
-
-    first = b""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            first = f.read(8)
-            length = int.from_bytes(first, "little") if len(first) == 8 else -1
-            header = json.loads(f.read(length)) if 0 < length <= min(size - 8, SAFETENSORS_HEADER_LIMIT) else None
+        length, entries, size = safetensors_header(path)
     except OSError as err:
         return f"has an unreadable {path.name} ({err.strerror}): copy the model folder again"
-    except ValueError:  # not UTF-8, not JSON
-        header = None
-    if not isinstance(header, dict):
-        lfs = " (a git-lfs pointer: run git lfs pull in the clone)" if first.startswith(b"version ") else ""
+    except ValueError:
+        with open(path, "rb") as f:
+            lfs = " (a git-lfs pointer: run git lfs pull in the clone)" if f.read(8).startswith(b"version ") else ""
         return f"has a {path.name} that is not a safetensors file{lfs}: copy the model folder again"
-    ends = [v.get("data_offsets", [0, 0])[-1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    ends = [entry["data_offsets"][-1] for entry in entries.values()]
     if any(not isinstance(e, int) for e in ends) or 8 + length + max(ends, default=0) > size:
         return f"has a {path.name} that is truncated (its header describes more bytes than it holds): copy the model folder again"
     return None
