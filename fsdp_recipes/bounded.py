@@ -45,7 +45,7 @@ _SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character 
             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def _kind(mode: int) -> str | None:
+def file_kind(mode: int) -> str | None:
     """What a non-regular file is, in words (None for a regular file)."""
     if stat.S_ISDIR(mode):
         return "a directory"
@@ -83,7 +83,7 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
         raise refuse("does not exist" + (" (a broken link)" if os.path.islink(path) else ""), "check the path") from None
     except OSError as err:
         raise refuse(f"cannot be read ({err.strerror})", f"give a {what} file you can read") from None
-    if (kind := _kind(info.st_mode)) is not None:
+    if (kind := file_kind(info.st_mode)) is not None:
         fix = f"give the {what} file itself" if kind == "a directory" else f"give a regular {what} file: a pipe or a device may block or never end"
         raise refuse(f"is {kind}, not a file", fix)
     if info.st_size > limit:
@@ -93,7 +93,7 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
     except OSError as err:
         raise refuse(f"cannot be read ({err.strerror})", f"give a {what} file you can read") from None
     with os.fdopen(fd, "rb") as f:
-        if (kind := _kind(os.fstat(fd).st_mode)) is not None:  # replaced between the stat and the open
+        if (kind := file_kind(os.fstat(fd).st_mode)) is not None:  # replaced between the stat and the open
             raise refuse(f"is {kind}, not a file", f"give a regular {what} file")
         data = f.read(limit + 1)  # the size may have grown since the stat
     if len(data) > limit:

@@ -9,6 +9,8 @@ import os
 import stat
 from pathlib import Path
 
+from fsdp_recipes.bounded import file_kind
+
 SAMPLE_BYTES = 1 << 20  # the part of a data file checked before anything starts: the first MiB
 # locate_fault reads a line at a time; a longer "line" is not a record it can judge (a JSON array file on one line)
 LINE_LIMIT = 64 << 20
@@ -34,7 +36,7 @@ def _head(path: Path) -> tuple[bytes, int]:
     if stat.S_ISDIR(info.st_mode):
         raise _NotAFile("is a folder, not a file: give the data file itself")
     if not stat.S_ISREG(info.st_mode):
-        raise _NotAFile(f"is {_special_kind(info.st_mode)}, not a regular file: give a data file (a pipe or a device may "
+        raise _NotAFile(f"is {file_kind(info.st_mode)}, not a regular file: give a data file (a pipe or a device may "
                         "block or never end)")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -43,14 +45,8 @@ def _head(path: Path) -> tuple[bytes, int]:
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise _NotAFile(f"is {_special_kind(info.st_mode)}, not a regular file: give a data file")
+            raise _NotAFile(f"is {file_kind(info.st_mode)}, not a regular file: give a data file")
         return f.read(SAMPLE_BYTES), info.st_size
-
-
-def _special_kind(mode: int) -> str:
-    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
-    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def _parquet_problem(path: Path, head: bytes, size: int) -> str | None:

@@ -45,6 +45,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_recipes.ckpt.layout import FULL_MODEL_FILE, REPLACED_PREFIX
 from fsdp_recipes.ckpt.model_match import description_mismatch, dtype_mismatch, model_mismatch, tokenizer_record
+from fsdp_recipes.ckpt.readers import dtype_name
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
@@ -300,7 +301,7 @@ class FSDPTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         # after prepare, not in resume_mismatch: the dtype a weight loads into is the wrapped parameter's (FSDP2's mixed
         # precision upcasts a bf16-built model's parameters to fp32 before sharding, so the model's own dtype misleads)
-        live = {name: str(p.dtype).removeprefix("torch.") for name, p in (model or self.model_wrapped).named_parameters()}
+        live = {name: dtype_name(p.dtype) for name, p in (model or self.model_wrapped).named_parameters()}
         if problem := dtype_mismatch(resume_from_checkpoint, live):
             raise RecipeError(problem)  # every rank reads the same files and holds the same dtypes: all stop alike
         with self._lora_checkpoints():
