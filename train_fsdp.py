@@ -55,6 +55,7 @@ from fsdp_recipes.train.preemption import (
 )
 from fsdp_recipes.train.profiling import StepProfiler
 from fsdp_recipes.train.trainer import FSDPTrainer
+from fsdp_recipes.train.upload import upload_final_model
 
 logger = logging.getLogger("train_fsdp")
 
@@ -64,6 +65,8 @@ def main(model_args, data_args, plan):
     training_args, on_cpu = preflight.start(plan)  # makes FSDP real without a GPU, then joins the process group
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout)
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
+    for name in ("httpx", "httpx2"):  # huggingface_hub's HTTP clients: a line per request of a --push_to_hub upload
+        logging.getLogger(name).setLevel(logging.WARNING)
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     if on_cpu:
         logger.info(f"no accelerator found: running {on_cpu} over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
@@ -73,15 +76,18 @@ def main(model_args, data_args, plan):
     preflight.decide_resume(plan, training_args)  # one resume decision for the launch, made on rank 0
     preflight.hold_output_dir(training_args)  # one run per output_dir
     preflight.apply(plan, training_args, say=logger.warning)  # set aside or delete what the checks decided (rank 0)
+    if plan.push is not None:
+        logger.info(f"--push_to_hub: the final model folder is uploaded to {plan.push.describe()} at the end, once "
+                    "(checkpoints stay in output_dir: sharded, they are no model)")
     # A resume keeps the record of the run that wrote its checkpoints until every check below has passed: a refused
     # resume (another model, another LoRA base) rewrote it before. A new run writes it first: it marks output_dir ours.
     resuming = bool(training_args.resume_from_checkpoint) and preflight.has_run_record(training_args)
     if not resuming:
-        preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch)
+        preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch, plan.push)
 
     if (step := finished_checkpoint_step(training_args)) is not None:
         if resuming:
-            preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch)
+            preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch, plan.push)
         logger.info(
             f"{training_args.resume_from_checkpoint} is at step {step}, max_steps is {training_args.max_steps}: "
             f"nothing left to train; writing its model to {Path(training_args.output_dir) / FINAL_MODEL_DIR}"
@@ -96,6 +102,7 @@ def main(model_args, data_args, plan):
             if note := stale_model_note(training_args.output_dir):
                 logger.warning(note)
             logger.info(final_line(training_args.output_dir))
+            upload(plan.push, training_args.output_dir, step)
         return
 
     # ---------- model and tokenizer ----------
@@ -147,7 +154,7 @@ def main(model_args, data_args, plan):
             raise RecipeError(problem)  # every rank reads the same headers: all stop alike, before any load
         logger.info(f"resuming from {training_args.resume_from_checkpoint}")
     if resuming:
-        preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch)
+        preflight.save_resolved_arguments(model_args, data_args, training_args, plan.launch, plan.push)
     try:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except (Exception, CheckpointException, KeyboardInterrupt) as err:  # DCP's CheckpointException is a BaseException
@@ -188,8 +195,16 @@ def main(model_args, data_args, plan):
     if training_args.process_index == 0 and (note := stale_model_note(training_args.output_dir)):
         logger.warning(note)
     logger.info(final_line(training_args.output_dir))
+    if training_args.process_index == 0:
+        upload(plan.push, training_args.output_dir, trainer.state.global_step)
     if late := trainer.preemption.late():  # the run is complete: exit 0, and say why the signal changed nothing
         logger.warning(f"{late} arrived after the last training step: the run had finished, and its model was written; nothing is left to do")
+
+
+def upload(push, output_dir: str, step: int | None) -> None:
+    """--push_to_hub: the final model (and adapter) to the hub, rank 0, once every rank has finished its part."""
+    if push is not None:
+        logger.info(f"uploaded to the hub: {upload_final_model(push, output_dir, step, log=logger.info)}")
 
 
 def stale_model_note(output_dir: str) -> str | None:

@@ -3,6 +3,7 @@
 - parse:             ``train_fsdp.py [recipe.yaml] [--flag value ...]`` -> the argument dataclasses and a Plan
 - arguments:         ModelArguments, DataArguments, RunArguments (TrainingArguments is transformers')
 - values, flags:     every numeric field's range; flags and recipe values checked as one line, not argparse's usage
+- hub_push:          --push_to_hub: where the final model goes, and what stops the upload, found before training
 - packages:          options that need a package (--optim, --report_to, --attn_implementation, liger): named if missing
 - model_source, data_files: is the model loadable (and runs no code of its folder), is the data file usable, found without loading either
 - trainer_fsdp:      the torchrun route (TrainingArguments' --fsdp_config), checked against the keys it reads

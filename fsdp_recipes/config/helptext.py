@@ -23,8 +23,16 @@ COMMON_TRAINING = (
     "output_dir", "num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
     "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm",
     "optim", "bf16", "gradient_checkpointing", "logging_strategy", "logging_steps", "eval_strategy", "eval_steps",
-    "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "seed", "report_to",
+    "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "seed", "report_to", "push_to_hub",
+    "hub_model_id", "hub_private_repo",
 )
+
+# TrainingArguments options whose stock help describes the Trainer's behaviour, which this script replaces
+OUR_MEANING = {
+    "push_to_hub": "upload the final model folder (and a LoRA adapter, under adapter/) to the hub once the run has "
+                   "finished, in one commit; checkpoints stay local (fsdp_recipes.config.hub_push) (default: %(default)s)",
+    "hub_model_id": "the hub repository --push_to_hub uploads to (your-name/model-name; default: output_dir's name)%(default).0s",
+}
 
 
 class _Formatter(HelpFormatter):
@@ -74,6 +82,8 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
     for action in parser._actions:  # HfArgumentParser gives --no_<flag> the whole help of --<flag> again
         if action.nargs == 0 and action.const is False and action.option_strings[0].startswith("--no_") and action.help != argparse.SUPPRESS:
             action.help = f"the same as --{action.dest} false%(default).0s"  # %(default) in it: no "(default: False)" added
+    for dest, text in OUR_MEANING.items():  # what the option does in this script, not in the stock Trainer
+        by_dest[dest].help = text
     data, run = groups[DataArguments._argument_group_name], groups[RunArguments._argument_group_name]
     parser._action_groups = [g for g in (parser._positionals, default, model, lora, data, run, common, rest)]
     return parser

@@ -15,6 +15,7 @@ from fsdp_recipes.config.accelerate_config import ZERO1_UNDER_FSDP
 from fsdp_recipes.config.arguments import build, DataArguments, ModelArguments, RunArguments
 from fsdp_recipes.config.flags import (bare_flags_as_values, check_flag_values, check_flag_words, check_flags,
                                        check_missing_values, check_recipe_types)
+from fsdp_recipes.config.hub_push import push_plan
 from fsdp_recipes.config.packages import check_deepspeed, check_packages
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys, unknown_keys_problem
@@ -133,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
                           "--config_file accelerate_configs/ddp.yaml (2+ processes), or drop zero1")
     if run_args.zero1 and fsdp:  # the accelerate-launch route is named by the config check above, by file and key
         raise RecipeError(f"zero1 {ZERO1_UNDER_FSDP}: drop zero1, or launch with accelerate_configs/ddp.yaml")
+    # last: it asks the hub. The Trainer's own push would upload output_dir at every save (hub_push's docstring)
+    plan.push = push_plan(raw, explicit=given | set(recipe))
+    raw.push_to_hub = False
     if warning := launcher.unused_accelerators_warning():
         say(warning)
     return model_args, data_args, plan

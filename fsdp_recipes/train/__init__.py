@@ -9,6 +9,7 @@
 - preemption: SIGTERM/SIGUSR1 save a checkpoint and stop cleanly
 - metrics, profiling: throughput and MFU, the loss plot; a profiled step range
 - export:     self-describing checkpoints, and the final model folder that from_pretrained loads
+- upload:     --push_to_hub: that folder (and a LoRA adapter) to the hub, once, after the run
 
 May import: anything in fsdp_recipes
 """

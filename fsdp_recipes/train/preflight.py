@@ -234,9 +234,10 @@ def has_run_record(training_args) -> bool:
     return (Path(training_args.output_dir) / ARGS_NAME).is_file()
 
 
-def save_resolved_arguments(model_args, data_args, training_args, launch: LaunchSettings | None) -> None:
-    """output_dir/run_args.json on rank 0: every argument in force, the accelerate config file's own text, and the
-    accelerate settings in force (that file with the launch flags over it, or the FSDP_* variables)."""
+def save_resolved_arguments(model_args, data_args, training_args, launch: LaunchSettings | None, push=None) -> None:
+    """output_dir/run_args.json on rank 0: every argument in force, the accelerate config file's own text, the
+    accelerate settings in force (that file with the launch flags over it, or the FSDP_* variables) and where
+    --push_to_hub uploads (the Trainer's own push_to_hub is false in "training": this script uploads; no token)."""
     if training_args.process_index != 0:
         return
     config_file = launch.config_file if launch else None
@@ -247,6 +248,7 @@ def save_resolved_arguments(model_args, data_args, training_args, launch: Launch
         "accelerate_settings": launch.config if launch else None,
         "accelerate_settings_from": launch.describe() if launch else None,
         "world_size": training_args.world_size,
+        "push_to_hub": {"repo_id": push.repo_id, "private": push.private, "revision": push.revision} if push else None,
     }
     path = Path(training_args.output_dir) / ARGS_NAME
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -1,0 +1,48 @@
+"""``--push_to_hub true`` carried out: after the export, rank 0 uploads the final model folder (its files at the
+repository's top, what `from_pretrained("<repo id>")` loads) and a LoRA run's adapter (under ``adapter/``, what
+`PeftModel.from_pretrained(base, "<repo id>", subfolder="adapter")` loads) in one commit. The other ranks have
+finished by then: no collective, so no ddp_timeout, bounds the upload. The checks that can fail sooner ran at parse
+time (fsdp_recipes.config.hub_push)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdp_recipes.ckpt.layout import ADAPTER_DIR, FINAL_MODEL_DIR
+from fsdp_recipes.config.hub_push import HubPush
+from fsdp_recipes.errors import RecipeError
+
+
+def folders_to_upload(output_dir: Path) -> list[tuple[Path, str]]:
+    """(folder, its place in the repository): the model at the top, the adapter beside it when the run has one."""
+    out = [(output_dir / FINAL_MODEL_DIR, "")]
+    if (output_dir / ADAPTER_DIR / "adapter_config.json").is_file():
+        out.append((output_dir / ADAPTER_DIR, ADAPTER_DIR))
+    return out
+
+
+def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) -> str:
+    """Upload and return the commit's URL, or RecipeError naming the folders on disk and the `hf upload` commands
+    that finish the job by hand (the model is saved either way)."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    out = Path(output_dir)
+    folders = folders_to_upload(out)
+    by_hand = "; ".join(f"hf upload {push.repo_id} {folder}" + (f" {place}" if place else "") +
+                        (f" --revision {push.revision}" if push.revision else "") for folder, place in folders)
+    operations = [CommitOperationAdd(path_in_repo=f"{place}/{path.relative_to(folder)}".lstrip("/"), path_or_fileobj=str(path))
+                  for folder, place in folders for path in sorted(folder.rglob("*")) if path.is_file()]
+    log(f"uploading {len(operations)} file(s) of {', '.join(str(f) for f, _ in folders)} to the hub: {push.describe()}")
+    api = HfApi(token=push.token)
+    try:
+        repo = api.create_repo(push.repo_id, private=push.private, exist_ok=True)
+        if push.revision:
+            api.create_branch(repo.repo_id, branch=push.revision, exist_ok=True)
+        commit = api.create_commit(
+            repo.repo_id, operations, revision=push.revision,
+            commit_message=f"train_fsdp.py: final model{f' at step {step}' if step is not None else ''}")
+    except Exception as err:  # the network, the hub's refusal, a quota: the model stays saved
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise RecipeError(f"the model is saved, but its upload to {push.describe()} failed ({type(err).__name__}: {reason}): "
+                          f"upload it with `{by_hand}`") from None
+    return commit.commit_url

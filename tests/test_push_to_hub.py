@@ -1,0 +1,234 @@
+"""--push_to_hub, as a user coming from the stock Trainer or TRL types it: the final model folder (and a LoRA run's
+adapter, under adapter/) reaches the hub in one commit once the run has finished; what can stop the upload is one
+line before anything loads; hub options that would be ignored are refused; a failed upload leaves the model saved
+and says how to finish by hand. The hub is tests/helpers/fake_hub.py, served to the real huggingface_hub client."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+
+from conftest import REPO, launch, quick
+from fsdp_recipes.config.parse import parse_args
+from fsdp_recipes.errors import RecipeError
+from helpers.fake_hub import serve
+
+NO_FSDP = ("--allow_no_fsdp", "true")
+# Each hub option of TrainingArguments with a value that is not its default (written out here, not read from
+# fsdp_recipes.config.hub_push): without --push_to_hub true the stock Trainer ignores them without a word
+STRAY = {"hub_model_id": "me/model", "hub_token": "hf_abc", "hub_private_repo": "true", "hub_revision": "v1",
+         "hub_strategy": "end", "hub_always_push": "true"}
+
+
+def with_role(role: str):
+    """A fixture: the fake hub as this process's huggingface_hub sees it (its endpoint, HF_TOKEN its token of
+    ``role``; no telemetry request, which would be one more request to count)."""
+    @pytest.fixture
+    def fixture(tmp_path, monkeypatch):
+        with serve(tmp_path / "hub", role=role) as server:
+            monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
+            monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+            monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
+            monkeypatch.setenv("HF_TOKEN", server.token)
+            monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+            monkeypatch.delenv("LOCAL_RANK", raising=False)
+            yield server
+    return fixture
+
+
+hub = with_role("write")
+read_hub = with_role("read")
+fine_grained_hub = with_role("fineGrained")
+
+
+def plan_of(tmp_path, *flags):
+    return parse_args([*flags, "--output_dir", str(tmp_path / "out"), *NO_FSDP])[2]
+
+
+def refused(tmp_path, *flags) -> str:
+    with pytest.raises(RecipeError) as err:
+        plan_of(tmp_path, *flags)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("option", sorted(STRAY))
+def test_a_hub_option_without_push_to_hub_is_refused_not_ignored(tmp_path, option):
+    message = refused(tmp_path, f"--{option}", STRAY[option])
+    assert option in message and "--push_to_hub true" in message
+
+
+def test_several_stray_options_are_named_together_and_a_recipe_counts_as_given(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n"
+                      "hub_model_id: me/model\nhub_private_repo: true\n")
+    message = refused(tmp_path, str(recipe))
+    assert "hub_model_id, hub_private_repo are used only with --push_to_hub true" in message
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--hub_strategy", "checkpoint"), "hub_strategy checkpoint uploads checkpoints"),
+    (("--hub_strategy", "all_checkpoints"), "hub_strategy all_checkpoints uploads checkpoints"),
+    (("--hub_strategy", "every_save"), "hub_strategy every_save uploads the model at every save"),
+    (("--hub_always_push", "true"), "hub_always_push concerns pushes at every save"),
+])
+def test_per_save_pushes_are_refused_before_the_hub_is_asked(tmp_path, hub, flags, words):
+    assert words in refused(tmp_path, "--push_to_hub", "true", *flags)
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize("flags, repo_id", [
+    ((), "out"),  # the stock Trainer's rule: output_dir's name
+    (("--hub_model_id", "tester/tiny"), "tester/tiny"),
+    (("--hub_model_id", "test-org/tiny", "--hub_strategy", "end"), "test-org/tiny"),
+    (("--hub_model_id", "tiny", "--hub_private_repo", "true", "--hub_revision", "run-1"), "tiny"),
+])
+def test_a_push_the_hub_will_take_is_planned_and_the_trainer_does_not_push(tmp_path, hub, flags, repo_id):
+    model_args, _, plan = parse_args(["--push_to_hub", "true", *flags, "--output_dir", str(tmp_path / "out"), *NO_FSDP])
+    assert plan.push.repo_id == repo_id and plan.raw.push_to_hub is False
+    assert plan.push.private == ("--hub_private_repo" in flags or None)
+    assert [path for _, path in hub.requests] == ["/api/whoami-v2"]
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+# (what the user's setup is, how to make it, words the line must hold)
+ACCESS = {
+    "offline": (lambda mp, hub: mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True), "HF_HUB_OFFLINE is set"),
+    "no token": (lambda mp, hub: (mp.delenv("HF_TOKEN"), mp.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", "/nonexistent/token"),
+                                  mp.setattr(huggingface_hub.constants, "HF_STORED_TOKENS_PATH", "/nonexistent/stored")),
+                 "no hub token"),
+    "wrong token": (lambda mp, hub: mp.setenv("HF_TOKEN", "hf_not_the_one"), "refuses the token (401"),
+    "no hub there": (lambda mp, hub: mp.setattr(huggingface_hub.constants, "ENDPOINT", closed_port()), "the hub cannot be reached"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCESS))
+def test_what_stops_the_upload_is_one_line_before_anything_loads(tmp_path, hub, monkeypatch, case):
+    make, words = ACCESS[case]
+    make(monkeypatch, hub)
+    message = refused(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny")
+    assert words in message, message
+    assert f"hf upload tester/tiny {tmp_path / 'out' / 'model'}" in message  # the way round: train, upload after
+
+
+def test_a_namespace_the_token_cannot_write_to_is_refused_naming_one_it_can(tmp_path, hub):
+    message = refused(tmp_path, "--push_to_hub", "true", "--hub_model_id", "someone-else/tiny")
+    assert "cannot write to 'someone-else'" in message and "--hub_model_id tester/tiny" in message
+
+
+def test_a_read_only_token_is_refused(tmp_path, read_hub):
+    assert "is read-only" in refused(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny")
+
+
+def test_a_fine_grained_token_is_not_judged_by_its_namespace(tmp_path, fine_grained_hub):
+    assert plan_of(tmp_path, "--push_to_hub", "true", "--hub_model_id", "someone-else/tiny").push.repo_id == "someone-else/tiny"
+
+
+def test_only_each_nodes_local_rank_0_asks_the_hub(tmp_path, hub, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert plan_of(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny").push is not None
+    assert hub.requests == []
+
+
+def a_run_folder(root: Path, adapter: bool) -> Path:
+    """output_dir as a finished run leaves it: model/ (a tiny Llama that loads) and, for LoRA, adapter/."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = root / "run"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(out / "model")
+    AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama").save_pretrained(out / "model")
+    (out / "checkpoint-2").mkdir()
+    (out / "checkpoint-2" / "__0_0.distcp").write_bytes(b"sharded")
+    (out / "run_args.json").write_text("{}")
+    if adapter:
+        (out / "adapter").mkdir()
+        (out / "adapter" / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+        (out / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    return out
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["model", "lora"])
+def test_the_upload_is_the_model_folder_at_the_top_and_the_adapter_beside_in_one_commit(tmp_path, hub, adapter):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_recipes.config.hub_push import HubPush
+    from fsdp_recipes.train.upload import upload_final_model
+
+    out = a_run_folder(tmp_path, adapter)
+    url = upload_final_model(HubPush("tester/tiny", private=True), str(out), step=2, log=lambda line: None)
+    stored = files_of(hub.repo_folder("tester/tiny"))
+    expected = files_of(out / "model") | ({f"adapter/{k}": v for k, v in files_of(out / "adapter").items()} if adapter else {})
+    assert stored == expected  # no checkpoint, no run record
+    assert url and [path for _, path in hub.requests].count("/api/models/tester/tiny/commit/main") == 1
+    assert hub.repos["tester/tiny"]["private"] is True
+    AutoModelForCausalLM.from_pretrained(hub.repo_folder("tester/tiny"))
+
+
+def test_an_upload_to_a_branch_lands_there(tmp_path, hub):
+    from fsdp_recipes.config.hub_push import HubPush
+    from fsdp_recipes.train.upload import upload_final_model
+
+    out = a_run_folder(tmp_path, adapter=False)
+    upload_final_model(HubPush("tester/tiny", revision="run-1"), str(out), step=None, log=lambda line: None)
+    assert files_of(hub.repo_folder("tester/tiny", "run-1")) == files_of(out / "model")
+
+
+@pytest.mark.parametrize("case", ["the hub refuses the repository", "the hub is gone"])
+def test_a_failed_upload_keeps_the_model_and_says_how_to_finish(tmp_path, fine_grained_hub, monkeypatch, case):
+    from fsdp_recipes.config.hub_push import HubPush
+    from fsdp_recipes.train.upload import upload_final_model
+
+    out = a_run_folder(tmp_path, adapter=True)
+    before = files_of(out)
+    repo = "someone-else/tiny" if case == "the hub refuses the repository" else "tester/tiny"
+    if case == "the hub is gone":
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", closed_port())
+    with pytest.raises(RecipeError) as err:
+        upload_final_model(HubPush(repo), str(out), step=2, log=lambda line: None)
+    message = str(err.value)
+    assert "\n" not in message and "the model is saved" in message
+    assert f"hf upload {repo} {out / 'model'}; hf upload {repo} {out / 'adapter'} adapter" in message
+    assert files_of(out) == before
+
+
+@pytest.mark.slow
+def test_a_lora_run_with_push_to_hub_uploads_its_model_and_adapter_once_it_has_finished(tmp_path, trained):
+    """The whole path, launched: parse's check (whoami), the Trainer kept from pushing output_dir at each save, one
+    commit at the end holding exactly model/ and adapter/, loadable from the repository; no token in run_args.json."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = trained("accelerate_configs/zero3.yaml").model_dir
+    out = tmp_path / "run"
+    lora = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--learning_rate", "1e-2"]
+    with serve(tmp_path / "hub") as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0",
+               "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp_path / "hf_home")}
+        proc = launch("accelerate_configs/zero3.yaml", *quick(max_steps="4", save_steps="2"), *lora, "--model_name_or_path", str(base),
+                      "--output_dir", str(out), "--push_to_hub", "true", "--hub_model_id", "tester/tiny-lora", env=env)
+    repo = hub.repo_folder("tester/tiny-lora")
+    assert "uploaded to the hub" in proc.stdout
+    assert files_of(repo) == files_of(out / "model") | {f"adapter/{k}": v for k, v in files_of(out / "adapter").items()}
+    assert [path for _, path in hub.requests].count("/api/models/tester/tiny-lora/commit/main") == 1  # none per save
+    assert not (out / "training_args.bin").exists() and not (out / "tokenizer.json").exists()  # the Trainer's push wrote none
+    record = (out / "run_args.json").read_text()
+    assert hub.token not in record
+    assert json.loads(record)["push_to_hub"] == {"repo_id": "tester/tiny-lora", "private": None, "revision": None}
+    merged = AutoModelForCausalLM.from_pretrained(repo).state_dict()
+    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), repo, subfolder="adapter").merge_and_unload().state_dict()
+    assert merged.keys() == by_peft.keys() and all(torch.allclose(merged[k], by_peft[k]) for k in merged)
