@@ -135,6 +135,49 @@ def test_trl_settings_without_an_equivalent_are_refused(tmp_path, text, message)
         build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))  # the format is known here
 
 
+def data_files(root: Path) -> dict[str, Path]:
+    """The same corpus as each local format a run reads, and the chat data as JSON lines."""
+    import csv
+    import json
+
+    lines = [line for line in (REPO / "assets" / "data" / "tiny_corpus.txt").read_text().splitlines() if line.strip()][:40]
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    with open(root / "corpus.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["text"], *([line] for line in lines)])
+    return {"txt": REPO / "assets" / "data" / "tiny_corpus.txt", "csv": root / "corpus.csv",
+            "jsonl text": root / "corpus.jsonl", "jsonl chat": REPO / "assets" / "data" / "tiny_chat.jsonl"}
+
+
+TRL_SETTINGS = ["packing: false\n", "packing: true\n", "packing: true\npacking_strategy: wrapped\n",
+                "packing: true\npacking_strategy: bfd_split\n", "assistant_only_loss: true\n", "assistant_only_loss: false\n"]
+
+
+@pytest.mark.parametrize("setting", TRL_SETTINGS)
+@pytest.mark.parametrize("kind", ["txt", "csv", "jsonl text", "jsonl chat"])
+def test_a_trl_setting_the_data_cannot_take_is_refused_at_parse_time_as_loading_the_data_would(tmp_path, monkeypatch, kind, setting):
+    """What loading the data decides (train/data.py, from its columns) is decided before the launch for a local
+    file, with the same line: it came after every rank had started and loaded the data (hostile review W9)."""
+    from transformers import AutoTokenizer
+
+    import fsdp_recipes.config.arguments as arguments
+
+    recipe = write(tmp_path, TINY + f"train_file: {data_files(tmp_path)[kind]}\nblock_size: 64\n" + setting)
+    with monkeypatch.context() as later:
+        later.setattr(arguments, "sniff_format", lambda path, args: None)  # the format known only once loaded
+        _, data_args, _ = parse_args([recipe, *NO_FSDP])
+        try:
+            build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))
+            at_load = None
+        except RecipeError as err:
+            at_load = str(err)
+    if at_load is None:
+        parse_args([recipe, *NO_FSDP])
+    else:
+        with pytest.raises(RecipeError) as err:
+            parse_args([recipe, *NO_FSDP])
+        assert at_load in str(err.value)
+
+
 def test_trl_packing_flag_on_the_command_line(tmp_path):
     _, data_args, _ = parse_args([write(tmp_path, TINY + CHAT), "--packing", "true", *NO_FSDP])
     assert data_args.packing == "padding_free"

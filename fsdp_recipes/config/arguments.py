@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.config.data_files import train_file_problem
+from fsdp_recipes.config.data_files import sniff_format, train_file_problem
 from fsdp_recipes.config.model_source import config_size_problem, dataset_source_problem, model_source_problem, one_line, qlora_problem, remote_code_problem
 from fsdp_recipes.errors import RecipeError
 
@@ -209,6 +209,9 @@ class DataArguments:
         self._trl_names()
         if self.data_format not in ("auto", "text", "chat"):
             raise RecipeError(f"data_format={self.data_format!r} is not one of auto, text, chat")
+        if self.data_format == "auto" and self.train_file is not None and (fmt := sniff_format(Path(self.train_file), self)):
+            if problem := self.format_problem(fmt):  # else found only once the launch has loaded the data
+                raise RecipeError(f"train_file={self.train_file!r} is {fmt} data: {problem}")
         if self.block_size is None:
             raise RecipeError("block_size (TRL's max_length) is null: TRL's no-truncation has no equivalent here; give a "
                               "number of tokens")

@@ -209,6 +209,30 @@ def train_file_problem(path: Path, args) -> str | None:
     return None
 
 
+def sniff_format(path: Path, args) -> str | None:
+    """text or chat, as train/data.py's resolve_format will decide from the loaded columns, told from the file's
+    first record (None: not told here, e.g. Parquet, or a first record past the first MiB): so a TRL setting that
+    means nothing for that kind of data is refused at parse time, not after the launch has loaded the data."""
+    import json
+
+    if path.suffix in (".txt", ".csv"):
+        return "text"
+    if path.suffix not in (".json", ".jsonl"):
+        return None
+    try:
+        text = _head(path)[0].decode("utf-8-sig", errors="replace")
+    except _NotAFile:
+        return None
+    if text.lstrip().startswith("["):  # a JSON array: datasets reads it whole, and so would a parse here
+        return None
+    first = next((line for line in text.splitlines()[: -1 if len(text) >= SAMPLE_BYTES else None] if line.strip()), None)
+    try:
+        record = json.loads(first) if first is not None else None
+    except json.JSONDecodeError:
+        return None
+    return ("chat" if args.messages_column in record else "text") if isinstance(record, dict) else None
+
+
 def _kind(value) -> str:
     return "null" if value is None else f"a {type(value).__name__} ({str(value)[:40]})"
 
