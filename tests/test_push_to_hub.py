@@ -206,6 +206,58 @@ def test_a_failed_upload_keeps_the_model_and_says_how_to_finish(tmp_path, fine_g
     assert files_of(out) == before
 
 
+LAYOUTS = {"single file": None, "2 shards": "600KB", "4 shards": "300KB"}  # save_pretrained's max_shard_size (0.97 MB model)
+
+
+def tiny_model(seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama"))
+
+
+def save(model, folder: Path, layout: str) -> None:
+    model.save_pretrained(folder, **({"max_shard_size": LAYOUTS[layout]} if LAYOUTS[layout] else {}))
+    assert (folder / "model.safetensors").is_file() == (LAYOUTS[layout] is None)
+
+
+def same_weights(folder: Path, model) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    return all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("new", ["single file", "2 shards"])
+@pytest.mark.parametrize("old", [None, *LAYOUTS])
+def test_an_upload_over_a_model_already_in_the_repository_loads_as_this_model_or_is_refused(tmp_path, hub, old, new):
+    """A repository that already holds a model (an earlier run, another layout): either from_pretrained of the
+    repository after our commit gives this run's weights, or, where a file left there would be loaded instead (a
+    single model.safetensors beside our shards: transformers takes it first), the upload is refused, and that
+    refusal is checked to be needed: the files as they would have been load the old weights."""
+    import shutil
+
+    from fsdp_recipes.config.hub_push import HubPush
+    from fsdp_recipes.train.upload import upload_final_model
+
+    out, repo = tmp_path / "run", hub.repo_folder("tester/tiny")
+    save(trained := tiny_model(0), out / "model", new)
+    if old is not None:
+        save(tiny_model(1), repo, old)
+    before = files_of(repo) if repo.is_dir() else {}
+    try:
+        upload_final_model(HubPush("tester/tiny"), str(out), step=2, log=lambda line: None)
+    except RecipeError as err:
+        assert "the model is saved, but not uploaded" in str(err) and "model.safetensors" in str(err)
+        assert files_of(repo) == before  # nothing committed
+        would_be = tmp_path / "would-be"
+        shutil.copytree(repo, would_be)
+        shutil.copytree(out / "model", would_be, dirs_exist_ok=True)
+        assert not same_weights(would_be, trained)  # the refusal was needed
+        return
+    assert same_weights(repo, trained)
+
+
 @pytest.mark.slow
 def test_a_lora_run_with_push_to_hub_uploads_its_model_and_adapter_once_it_has_finished(tmp_path, trained):
     """The whole path, launched: parse's check (whoami), the Trainer kept from pushing output_dir at each save, one

@@ -21,6 +21,24 @@ def folders_to_upload(output_dir: Path) -> list[tuple[Path, str]]:
     return out
 
 
+# The names from_pretrained (and peft's PeftModel.from_pretrained, under adapter/) look for, in the order they take
+# the first found. A repository file earlier in that order than any of our upload's, which we do not overwrite, is
+# what loads instead of this run's model (a single model.safetensors left beside our index of shards). Deleting it
+# is the user's to decide: nothing here deletes what it did not make.
+LOAD_ORDER = {"": ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"),
+              ADAPTER_DIR: ("adapter_model.safetensors", "adapter_model.bin")}
+
+
+def shadowing(existing: set[str], ours: set[str]) -> list[str]:
+    """The repository's files that from_pretrained would load instead of ours."""
+    out = []
+    for place, names in LOAD_ORDER.items():
+        paths = [f"{place}/{name}".lstrip("/") for name in names]
+        first_ours = next((i for i, path in enumerate(paths) if path in ours), None)
+        out += [path for path in paths[:first_ours] if path in existing] if first_ours is not None else []
+    return out
+
+
 def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) -> str:
     """Upload and return the commit's URL, or RecipeError naming the folders on disk and the `hf upload` commands
     that finish the job by hand (the model is saved either way)."""
@@ -38,9 +56,17 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
         repo = api.create_repo(push.repo_id, private=push.private, exist_ok=True)
         if push.revision:
             api.create_branch(repo.repo_id, branch=push.revision, exist_ok=True)
+        ours = {op.path_in_repo for op in operations}
+        if stale := shadowing(set(api.list_repo_files(repo.repo_id, revision=push.revision)), ours):
+            raise RecipeError(
+                f"the model is saved, but not uploaded: {push.describe()} already holds {', '.join(stale)}, which "
+                f"from_pretrained would load instead of this model's weights: "
+                f"delete {'it' if len(stale) == 1 else 'them'} on the hub (or give another --hub_model_id or --hub_revision), then `{by_hand}`")
         commit = api.create_commit(
             repo.repo_id, operations, revision=push.revision,
             commit_message=f"train_fsdp.py: final model{f' at step {step}' if step is not None else ''}")
+    except RecipeError:
+        raise
     except Exception as err:  # the network, the hub's refusal, a quota: the model stays saved
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise RecipeError(f"the model is saved, but its upload to {push.describe()} failed ({type(err).__name__}: {reason}): "

@@ -1,6 +1,7 @@
-"""A local stand-in for the Hugging Face Hub endpoints an upload uses (whoami, create_repo, create_branch, and the
-validate-yaml, preupload and commit of create_commit / upload_folder), for the real huggingface_hub client: give the
-client process HF_ENDPOINT=<url> before it imports huggingface_hub, which reads the variable at import.
+"""A local stand-in for the Hugging Face Hub endpoints an upload uses (whoami, create_repo, create_branch,
+list_repo_files, and the validate-yaml, preupload and commit of create_commit / upload_folder), for the real
+huggingface_hub client: give the client process HF_ENDPOINT=<url> before it imports huggingface_hub, which reads the
+variable at import.
 
 A model repository is a folder, <root>/<namespace>/<name>/<branch, URL-quoted>/<files>. Preupload answers "regular"
 for every file, so its bytes come base64 inside the commit and no LFS or Xet transfer is ever tried. Anything else
@@ -27,6 +28,7 @@ MAX_BODY = 64 << 20
 NAME = r"[A-Za-z0-9][\w.-]*"
 SIMPLE = {("GET", "/api/whoami-v2"), ("POST", "/api/repos/create"), ("POST", "/api/validate-yaml")}
 REPO_ROUTE = re.compile(rf"/api/models/({NAME}/{NAME})/(preupload|commit|branch)/([^/]+)")
+TREE_ROUTE = re.compile(rf"/api/models/({NAME}/{NAME})/tree/([^/]+)")  # list_repo_files: the whole branch, recursive
 # the real hub's words, in X-Error-Message too: hf_raise_for_status takes a 401 on an (https) repository URL for
 # RepositoryNotFoundError unless that header says this
 BAD_TOKEN = "Invalid credentials in Authorization header"
@@ -75,6 +77,10 @@ class FakeHub:
         return self.root.joinpath(*repo_id.split("/"))
 
     def handle(self, method: str, path: str, query: str, body: bytes, authorized: bool) -> dict:
+        if method == "GET" and (tree := TREE_ROUTE.fullmatch(path)):
+            if not authorized:
+                raise HubError(401, BAD_TOKEN)
+            return self.tree(tree.group(1), unquote(tree.group(2)))
         route = REPO_ROUTE.fullmatch(path) if method == "POST" else None
         # create_pr needs pull-request refs: unknown here, rather than committed to the branch by mistake.
         # Unknown comes before the token check, so that what the client asks without a token is recorded too.
@@ -105,6 +111,14 @@ class FakeHub:
         # the client reads "shouldIgnore" unconditionally; no "oid", else it skips files it thinks unchanged and then
         # asks repo_info, which is not served
         return {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+
+    def tree(self, repo_id: str, revision: str) -> list[dict]:
+        folder = self.repo_folder(repo_id, revision)
+        if not folder.is_dir():
+            raise HubError(404, f"Repository not found: {repo_id}@{revision}", "RepoNotFound")
+        return [{"type": "directory", "path": p.relative_to(folder).as_posix(), "oid": "0" * 40, "size": 0} if p.is_dir() else
+                {"type": "file", "path": p.relative_to(folder).as_posix(), "size": p.stat().st_size,
+                 "oid": hashlib.sha1(p.read_bytes()).hexdigest()} for p in sorted(folder.rglob("*"))]
 
     def _writable(self, namespace: str) -> None:
         if self.role == "read" or namespace not in (self.user, *self.orgs):
