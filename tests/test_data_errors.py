@@ -116,6 +116,45 @@ def test_a_fault_anywhere_in_the_file_is_one_line(tmp_path, tokenizer, fault, su
         assert re.search(rf"\b(line|record) {line}\b", message), message  # a JSON line's record number is its line's
 
 
+# Characters str.splitlines ends a line at and JSON and CSV do not (json.dumps(ensure_ascii=False) writes them raw)
+SPLITLINES_ENDS = ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+@pytest.mark.parametrize("char", SPLITLINES_ENDS, ids=[f"U+{ord(c):04X}" for c in SPLITLINES_ENDS])
+def test_a_record_holding_a_character_only_str_splitlines_ends_lines_at_loads(tmp_path, tokenizer, char, suffix):
+    """They were cut there by the checks before the run: 'line 1 is not JSON' for a file datasets loads."""
+    import csv
+
+    docs = [f"first document{char}still the first", "second document", f"third{char}"]
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".csv":
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows([["text"], *([d] for d in docs)])
+    elif suffix == ".json":
+        path.write_text(json.dumps([{"text": d} for d in docs], ensure_ascii=False), encoding="utf-8")
+    else:
+        path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+    dataset, _, _ = build(tmp_path, tokenizer, "--train_file", str(path), "--packing", "padding_free")
+    assert len(dataset) > 0
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+@pytest.mark.parametrize("first_chat", [2, 5, 40])
+def test_chat_records_after_text_ones_are_one_line_before_the_run(tmp_path, tokenizer, first_chat, suffix):
+    """The loader takes the union of every record's keys: one record with messages makes the file chat data, and
+    the records without are then conversations with none (every rank's apply_chat_template failed on None). The
+    checks before the run judged the file by its first record, as text, and let it through."""
+    records = [{"text": f"document {i}"} for i in range(first_chat - 1)]
+    records += [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 3
+    path = tmp_path / f"data{suffix}"
+    text = json.dumps(records) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in records)
+    path.write_text(text)
+    with pytest.raises(RecipeError) as err:
+        parse_args(["--train_file", str(path), "--output_dir", str(tmp_path / "out"), *NO_FSDP])
+    assert "record 1: 'messages' is missing" in one_line_error(err)
+
+
 def test_the_faulty_file_is_named_when_it_is_the_validation_file(tmp_path, tokenizer):
     good, bad = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     good.write_bytes(b"\n".join(good_lines(".jsonl", 200)) + b"\n")

@@ -144,8 +144,12 @@ def data_files(root: Path) -> dict[str, Path]:
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     with open(root / "corpus.csv", "w", newline="") as f:
         csv.writer(f).writerows([["text"], *([line] for line in lines)])
+    (root / "corpus.json").write_text(json.dumps([{"text": line} for line in lines]))
+    chat = [json.loads(line) for line in (REPO / "assets" / "data" / "tiny_chat.jsonl").read_text().splitlines() if line.strip()]
+    (root / "chat.json").write_text(json.dumps(chat))
     return {"txt": REPO / "assets" / "data" / "tiny_corpus.txt", "csv": root / "corpus.csv",
-            "jsonl text": root / "corpus.jsonl", "jsonl chat": REPO / "assets" / "data" / "tiny_chat.jsonl"}
+            "jsonl text": root / "corpus.jsonl", "jsonl chat": REPO / "assets" / "data" / "tiny_chat.jsonl",
+            "json text": root / "corpus.json", "json chat": root / "chat.json"}
 
 
 TRL_SETTINGS = ["packing: false\n", "packing: true\n", "packing: true\npacking_strategy: wrapped\n",
@@ -153,7 +157,7 @@ TRL_SETTINGS = ["packing: false\n", "packing: true\n", "packing: true\npacking_s
 
 
 @pytest.mark.parametrize("setting", TRL_SETTINGS)
-@pytest.mark.parametrize("kind", ["txt", "csv", "jsonl text", "jsonl chat"])
+@pytest.mark.parametrize("kind", ["txt", "csv", "jsonl text", "jsonl chat", "json text", "json chat"])
 def test_a_trl_setting_the_data_cannot_take_is_refused_at_parse_time_as_loading_the_data_would(tmp_path, monkeypatch, kind, setting):
     """What loading the data decides (train/data.py, from its columns) is decided before the launch for a local
     file, with the same line: it came after every rank had started and loaded the data (hostile review W9)."""

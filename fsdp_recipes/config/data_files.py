@@ -133,7 +133,6 @@ def train_file_problem(path: Path, args) -> str | None:
     that do not parse, chat messages that are not role/content turns, no assistant turn to train on. ``args``: the
     DataArguments (data_format and the column names), passed in by DataArguments itself."""
     import codecs
-    import json
 
     try:
         head, size = _head(path)
@@ -154,33 +153,14 @@ def train_file_problem(path: Path, args) -> str | None:
         return _csv_problem(text, len(head) == SAMPLE_BYTES, args)
     if path.suffix not in (".json", ".jsonl"):
         return None
-    lines = text.splitlines()
-    if len(head) == SAMPLE_BYTES:
-        lines = lines[:-1]  # the last line may be cut
-        if not lines:
-            return None  # a first record longer than the sample: datasets reads it whole
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        if len(head) == SAMPLE_BYTES:
-            return None  # one large JSON array: datasets parses it
-        try:
-            records = list(enumerate(json.loads(text), 1))
-        except json.JSONDecodeError as err:
-            return f"not valid JSON ({err.msg} at line {err.lineno})"
-    else:
-        records = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append((number, json.loads(line)))
-            except json.JSONDecodeError as err:
-                return f"line {number} is not JSON ({err.msg}): one JSON object per line is expected"
-    if not records:
-        return "no JSON records in the file"
+    records, problem = _json_records(text, len(head) == SAMPLE_BYTES, path.suffix)
+    if problem or records is None:
+        return problem
     for number, record in records:
         if not isinstance(record, dict):
             return f"record {number} is a {type(record).__name__}, not an object with a {args.text_column!r} or {args.messages_column!r} field"
-    chat = args.data_format == "chat" or (args.data_format == "auto" and args.messages_column in records[0][1])
+    # as train/data.py decides from the loaded columns: datasets' JSON loader makes the union of every record's keys
+    chat = args.data_format == "chat" or (args.data_format == "auto" and any(args.messages_column in r for _, r in records))
     if not chat:
         missing = next((n for n, r in records if args.text_column not in r), None)
         if missing is not None:
@@ -209,28 +189,62 @@ def train_file_problem(path: Path, args) -> str | None:
     return None
 
 
-def sniff_format(path: Path, args) -> str | None:
-    """text or chat, as train/data.py's resolve_format will decide from the loaded columns, told from the file's
-    first record (None: not told here, e.g. Parquet, or a first record past the first MiB): so a TRL setting that
-    means nothing for that kind of data is refused at parse time, not after the launch has loaded the data."""
+def _json_records(text: str, cut: bool, suffix: str) -> tuple[list | None, str | None]:
+    """(records as (line or position, value), problem) of a JSON lines or JSON array sample; records None when the
+    sample cannot be judged (a first record or an array longer than the sample: datasets reads those whole). Lines
+    end at \\n only: JSON strings may hold U+2028 or U+0085 raw, which str.splitlines would cut them at."""
     import json
 
-    if path.suffix in (".txt", ".csv"):
+    lines = text.split("\n")
+    if cut:
+        lines = lines[:-1]  # the last line may be cut
+        if not lines:
+            return None, None
+    if suffix == ".json" and text.lstrip().startswith("["):
+        if cut:
+            return None, None
+        try:
+            return list(enumerate(json.loads(text), 1)), None
+        except json.JSONDecodeError as err:
+            return None, f"not valid JSON ({err.msg} at line {err.lineno})"
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((number, json.loads(line)))
+        except json.JSONDecodeError as err:
+            return None, f"line {number} is not JSON ({err.msg}): one JSON object per line is expected"
+    return records, None
+
+
+def sniff_format(path: Path, args) -> str | None:
+    """text or chat, as train/data.py's resolve_format will decide from the loaded columns (the union of every
+    record's keys), where the first MiB tells it for certain: chat once a sampled record has the messages column;
+    text for a .txt, for a CSV without that column, and for JSON whose every record was sampled. None: not told
+    here (Parquet, a longer file of text records, whose later records could hold messages). So a TRL setting that
+    means nothing for that kind of data is refused at parse time, not after the launch has loaded the data."""
+    if path.suffix == ".txt":
         return "text"
-    if path.suffix not in (".json", ".jsonl"):
+    if path.suffix not in (".json", ".jsonl", ".csv"):
         return None
     try:
-        text = _head(path)[0].decode("utf-8-sig", errors="replace")
+        head, size = _head(path)
     except _NotAFile:
         return None
-    if text.lstrip().startswith("["):  # a JSON array: datasets reads it whole, and so would a parse here
+    text, cut = head.decode("utf-8-sig", errors="replace"), len(head) < size
+    if path.suffix == ".csv":
+        import csv
+        import io
+
+        header = next(csv.reader(io.StringIO(text)), [])
+        return "chat" if args.messages_column in header else "text"
+    records, _ = _json_records(text, cut, path.suffix)
+    if records is None:
         return None
-    first = next((line for line in text.splitlines()[: -1 if len(text) >= SAMPLE_BYTES else None] if line.strip()), None)
-    try:
-        record = json.loads(first) if first is not None else None
-    except json.JSONDecodeError:
-        return None
-    return ("chat" if args.messages_column in record else "text") if isinstance(record, dict) else None
+    if any(isinstance(r, dict) and args.messages_column in r for _, r in records):
+        return "chat"
+    return None if cut else "text"
 
 
 def _kind(value) -> str:
@@ -241,18 +255,22 @@ def _csv_problem(text: str, cut: bool, args) -> str | None:
     """A CSV's header must name the text column, and no sampled row may leave it empty (datasets reads an empty
     cell as null, which the tokenizer cannot take)."""
     import csv
+    import io
 
-    rows = list(csv.reader(text.splitlines()[:-1] if cut else text.splitlines()))
-    if not rows:
+    if cut:
+        text = text[: text.rfind("\n") + 1]  # the last line may be cut
+    # newline="": a quoted cell may hold line breaks, and U+2028 is no line end (str.splitlines cut rows there)
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, None)
+    if header is None:
         return None
-    header = rows[0]
     if args.data_format != "chat" and args.text_column not in header:
         if other := other_format(dict.fromkeys(header), args):
             return f"the CSV {other}"
         return f"the CSV header ({', '.join(header)[:120]}) has no {args.text_column!r} column: set text_column"
     if args.text_column in header:
         column = header.index(args.text_column)
-        for number, row in enumerate(rows[1:], 2):
+        for row in reader:
             if row and (len(row) <= column or not row[column].strip()):
-                return f"line {number}: the {args.text_column!r} cell is empty: fix or drop that row"
+                return f"line {reader.line_num}: the {args.text_column!r} cell is empty: fix or drop that row"
     return None
