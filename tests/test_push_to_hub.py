@@ -92,7 +92,8 @@ def test_a_push_the_hub_will_take_is_planned_and_the_trainer_does_not_push(tmp_p
     model_args, _, plan = parse_args(["--push_to_hub", "true", *flags, "--output_dir", str(tmp_path / "out"), *NO_FSDP])
     assert plan.push.repo_id == repo_id and plan.raw.push_to_hub is False
     assert plan.push.private == ("--hub_private_repo" in flags or None)
-    assert [path for _, path in hub.requests] == ["/api/whoami-v2"]
+    private_asks = ["/api/models/tester/tiny"] if "--hub_private_repo" in flags else []  # is it there, and public?
+    assert [path for _, path in hub.requests] == ["/api/whoami-v2", *private_asks]
 
 
 def closed_port() -> str:
@@ -138,6 +139,87 @@ def test_only_each_nodes_local_rank_0_asks_the_hub(tmp_path, hub, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert plan_of(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny").push is not None
     assert hub.requests == []
+
+
+def test_the_way_round_at_parse_time_keeps_the_branch_privacy_and_adapter(tmp_path, hub, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    message = refused(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny", "--hub_private_repo", "true",
+                      "--hub_revision", "run-1", "--use_peft", "true")
+    out = tmp_path / "out"
+    assert (f"hf upload tester/tiny {out / 'model'} --revision run-1 --private; "
+            f"hf upload tester/tiny {out / 'adapter'} adapter --revision run-1 --private") in message
+
+
+def test_an_empty_hub_model_id_is_refused_not_replaced_by_output_dir(tmp_path, hub):
+    assert "hub_model_id is empty" in refused(tmp_path, "--push_to_hub", "true", "--hub_model_id", " ")
+
+
+# Branch names, judged against git's own rules for a branch's ref name (git check-ref-format refs/heads/<name>)
+BRANCHES = ["run-1", "dev", "feature/x", "v1.0", "a_b", "UPPER", "bad..name", "a b", "-lead", ".hidden", "end.", "x.lock",
+            "a//b", "a/.b", "a.lock/b", "tilde~1", "caret^", "colon:x", "q?", "star*", "[bracket", "back\\slash", "at@{x", "@", "tab\tx",
+            "trailing/"]
+
+
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_a_branch_name_git_refuses_is_refused_before_training(tmp_path, hub, branch):
+    import subprocess
+
+    git_takes = subprocess.run(["git", "check-ref-format", f"refs/heads/{branch}"], capture_output=True).returncode == 0
+    flags = ("--push_to_hub", "true", "--hub_model_id", "tester/tiny", f"--hub_revision={branch}")  # = : '-lead' is no flag
+    if git_takes:
+        assert plan_of(tmp_path, *flags).push.revision == branch
+    else:
+        assert "is not a valid branch name" in refused(tmp_path, *flags)
+
+
+def test_a_pull_request_ref_is_refused(tmp_path, hub):
+    assert "pull request" in refused(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny", "--hub_revision", "refs/pr/1")
+
+
+@pytest.mark.parametrize("exists", [None, "public", "private"])
+def test_hub_private_repo_true_into_a_public_repository_is_refused(tmp_path, hub, exists):
+    """create_repo(exist_ok=True) leaves an existing repository as it is: the upload would have been public."""
+    from huggingface_hub import HfApi
+
+    if exists:
+        HfApi(token=hub.token).create_repo("tester/tiny", private=exists == "private")
+    flags = ("--push_to_hub", "true", "--hub_model_id", "tester/tiny", "--hub_private_repo", "true")
+    if exists == "public":
+        assert "exists and is public" in refused(tmp_path, *flags)
+    else:
+        assert plan_of(tmp_path, *flags).push.private is True
+
+
+# A fine-grained token's scoped rights, as whoami gives them: (entity type, entity name, permissions)
+SCOPES = {
+    "the user's namespace": ([("user", "tester", ["repo.content.read", "repo.write"])], {"tester/tiny": True, "test-org/tiny": False}),
+    "an org": ([("org", "test-org", ["repo.write"])], {"tester/tiny": False, "test-org/tiny": True}),
+    "one repository": ([("model", "tester/tiny", ["repo.write"])], {"tester/tiny": True, "tester/other": False}),
+    "read only": ([("user", "tester", ["repo.content.read"])], {"tester/tiny": False}),
+}
+
+
+@pytest.mark.parametrize("scope", sorted(SCOPES))
+def test_a_fine_grained_token_is_judged_by_its_scoped_rights(tmp_path, monkeypatch, scope):
+    entries, verdicts = SCOPES[scope]
+    scoped = [{"entity": {"type": t, "name": n}, "permissions": perms} for t, n, perms in entries]
+    with serve(tmp_path / "hub", role="fineGrained", scoped=scoped) as server:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
+        monkeypatch.setenv("HF_TOKEN", server.token)
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        for repo, may in verdicts.items():
+            flags = ("--push_to_hub", "true", "--hub_model_id", repo)
+            if may:
+                assert plan_of(tmp_path, *flags).push.repo_id == repo
+            else:
+                assert "cannot write to" in refused(tmp_path, *flags)
+
+
+def test_the_token_is_not_in_the_plans_repr(tmp_path, hub):
+    push = plan_of(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny", "--hub_token", hub.token).push
+    assert push.token == hub.token and hub.token not in repr(push)
 
 
 def a_run_folder(root: Path, adapter: bool) -> Path:
@@ -188,8 +270,11 @@ def test_an_upload_to_a_branch_lands_there(tmp_path, hub):
     assert files_of(hub.repo_folder("tester/tiny", "run-1")) == files_of(out / "model")
 
 
+@pytest.mark.parametrize("private, revision", [(None, None), (True, "run-1")])
 @pytest.mark.parametrize("case", ["the hub refuses the repository", "the hub is gone"])
-def test_a_failed_upload_keeps_the_model_and_says_how_to_finish(tmp_path, fine_grained_hub, monkeypatch, case):
+def test_a_failed_upload_keeps_the_model_and_says_how_to_finish(tmp_path, fine_grained_hub, monkeypatch, case, private, revision):
+    """The commands it gives do what the push would have: the same branch, and private (a repository the first
+    `hf upload` creates is public unless told)."""
     from fsdp_recipes.config.hub_push import HubPush
     from fsdp_recipes.train.upload import upload_final_model
 
@@ -199,10 +284,11 @@ def test_a_failed_upload_keeps_the_model_and_says_how_to_finish(tmp_path, fine_g
     if case == "the hub is gone":
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", closed_port())
     with pytest.raises(RecipeError) as err:
-        upload_final_model(HubPush(repo), str(out), step=2, log=lambda line: None)
+        upload_final_model(HubPush(repo, private=private, revision=revision), str(out), step=2, log=lambda line: None)
     message = str(err.value)
     assert "\n" not in message and "the model is saved" in message
-    assert f"hf upload {repo} {out / 'model'}; hf upload {repo} {out / 'adapter'} adapter" in message
+    options = (f" --revision {revision}" if revision else "") + (" --private" if private else "")
+    assert f"hf upload {repo} {out / 'model'}{options}; hf upload {repo} {out / 'adapter'} adapter{options}`" in message
     assert files_of(out) == before
 
 
@@ -258,6 +344,69 @@ def test_an_upload_over_a_model_already_in_the_repository_loads_as_this_model_or
     assert same_weights(repo, trained)
 
 
+def same_outputs(folder: Path, model) -> bool:
+    """What from_pretrained of ``folder`` computes (an adapter's config beside the model is applied by transformers)
+    against ``model`` on one input."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.arange(1, 17).unsqueeze(0)
+    with torch.no_grad():
+        return torch.allclose(AutoModelForCausalLM.from_pretrained(folder)(ids).logits, model(ids).logits)
+
+
+def peft_adapter(folder: Path) -> None:
+    """An adapter as peft saves it (TRL's push of a LoRA run puts these files at the repository's top)."""
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(tiny_model(1), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("ours_has_adapter", [False, True], ids=["model", "model+adapter"])
+@pytest.mark.parametrize("left", ["an adapter at the top", "an adapter under adapter/"])
+def test_an_earlier_adapter_in_the_repository_is_never_left_beside_this_model(tmp_path, hub, left, ours_has_adapter):
+    """An adapter at the repository's top is applied by from_pretrained over the model it loads (checked: the files as
+    they would have been compute other logits); one under adapter/ that this upload does not replace would be another
+    run's adapter beside this model. Either is refused, naming the files; nothing committed."""
+    import shutil
+
+    from fsdp_recipes.config.hub_push import HubPush
+    from fsdp_recipes.train.upload import upload_final_model
+
+    out, repo = a_run_folder(tmp_path, adapter=ours_has_adapter), hub.repo_folder("tester/tiny")
+    save(tiny_model(2), repo, "single file")
+    peft_adapter(repo if left == "an adapter at the top" else repo / "adapter")
+    before = files_of(repo)
+    if left == "an adapter under adapter/" and ours_has_adapter:  # ours replaces adapter_config.json and its weights
+        (repo / "adapter" / "README.md").unlink()  # peft's model card: a file ours does not replace
+        before = files_of(repo)
+        upload_final_model(HubPush("tester/tiny"), str(out), step=2, log=lambda line: None)
+        assert files_of(repo)["adapter/adapter_model.safetensors"] == (out / "adapter" / "adapter_model.safetensors").read_bytes()
+        return
+    with pytest.raises(RecipeError) as err:
+        upload_final_model(HubPush("tester/tiny"), str(out), step=2, log=lambda line: None)
+    assert "adapter_config.json" in str(err.value) and "the model is saved, but not uploaded" in str(err.value)
+    assert files_of(repo) == before
+    if left == "an adapter at the top":
+        would_be = tmp_path / "would-be"
+        shutil.copytree(repo, would_be)
+        shutil.copytree(out / "model", would_be, dirs_exist_ok=True)
+        from transformers import AutoModelForCausalLM
+
+        assert same_outputs(out / "model", AutoModelForCausalLM.from_pretrained(out / "model"))
+        assert not same_outputs(would_be, AutoModelForCausalLM.from_pretrained(out / "model"))  # the refusal was needed
+
+
+def test_the_record_of_a_lora_base_s_local_path_stays_local(tmp_path, hub):
+    from fsdp_recipes.config.hub_push import HubPush
+    from fsdp_recipes.train.upload import upload_final_model
+
+    out = a_run_folder(tmp_path, adapter=True)
+    (out / "adapter" / "base_identity.json").write_text('{"path": "/home/someone/private/base"}')
+    upload_final_model(HubPush("tester/tiny"), str(out), step=2, log=lambda line: None)
+    assert "adapter/adapter_config.json" in files_of(hub.repo_folder("tester/tiny"))
+    assert "adapter/base_identity.json" not in files_of(hub.repo_folder("tester/tiny"))
+
+
 @pytest.mark.slow
 def test_a_lora_run_with_push_to_hub_uploads_its_model_and_adapter_once_it_has_finished(tmp_path, trained):
     """The whole path, launched: parse's check (whoami), the Trainer kept from pushing output_dir at each save, one
@@ -275,7 +424,8 @@ def test_a_lora_run_with_push_to_hub_uploads_its_model_and_adapter_once_it_has_f
                       "--output_dir", str(out), "--push_to_hub", "true", "--hub_model_id", "tester/tiny-lora", env=env)
     repo = hub.repo_folder("tester/tiny-lora")
     assert "uploaded to the hub" in proc.stdout
-    assert files_of(repo) == files_of(out / "model") | {f"adapter/{k}": v for k, v in files_of(out / "adapter").items()}
+    adapter = {f"adapter/{k}": v for k, v in files_of(out / "adapter").items() if k != "base_identity.json"}  # a local record
+    assert files_of(repo) == files_of(out / "model") | adapter
     assert [path for _, path in hub.requests].count("/api/models/tester/tiny-lora/commit/main") == 1  # none per save
     assert not (out / "training_args.bin").exists() and not (out / "tokenizer.json").exists()  # the Trainer's push wrote none
     record = (out / "run_args.json").read_text()

@@ -6,9 +6,10 @@ time (fsdp_recipes.config.hub_push)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from fsdp_recipes.ckpt.layout import ADAPTER_DIR, FINAL_MODEL_DIR
+from fsdp_recipes.ckpt.layout import ADAPTER_DIR, BASE_IDENTITY, FINAL_MODEL_DIR
 from fsdp_recipes.config.hub_push import HubPush
 from fsdp_recipes.errors import RecipeError
 
@@ -23,20 +24,26 @@ def folders_to_upload(output_dir: Path) -> list[tuple[Path, str]]:
 
 # The names from_pretrained (and peft's PeftModel.from_pretrained, under adapter/) look for, in the order they take
 # the first found. A repository file earlier in that order than any of our upload's, which we do not overwrite, is
-# what loads instead of this run's model (a single model.safetensors left beside our index of shards). Deleting it
-# is the user's to decide: nothing here deletes what it did not make.
+# what loads instead of this run's model (a single model.safetensors left beside our index of shards).
 LOAD_ORDER = {"": ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"),
               ADAPTER_DIR: ("adapter_model.safetensors", "adapter_model.bin")}
+# An adapter's files: at the top, transformers' from_pretrained applies that adapter over the model it loads (TRL
+# pushes a LoRA run's adapter there); under adapter/, they would be another run's adapter beside this run's model
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+# Ours, not the hub's: the local path and hashes of a LoRA run's base (ckpt.base_identity), of use to merges here only
+NOT_UPLOADED = (BASE_IDENTITY,)
 
 
-def shadowing(existing: set[str], ours: set[str]) -> list[str]:
-    """The repository's files that from_pretrained would load instead of ours."""
+def stale_files(existing: set[str], ours: set[str]) -> list[str]:
+    """The repository's files that would be loaded instead of ours, or with them: left there by an earlier upload.
+    Deleting them is the user's to decide: nothing here deletes what it did not make."""
     out = []
     for place, names in LOAD_ORDER.items():
         paths = [f"{place}/{name}".lstrip("/") for name in names]
         first_ours = next((i for i, path in enumerate(paths) if path in ours), None)
         out += [path for path in paths[:first_ours] if path in existing] if first_ours is not None else []
-    return out
+    adapters = [name for name in existing - ours if name in ADAPTER_FILES or name.startswith(f"{ADAPTER_DIR}/")]
+    return sorted(set(out) | set(adapters))
 
 
 def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) -> str:
@@ -46,10 +53,9 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
 
     out = Path(output_dir)
     folders = folders_to_upload(out)
-    by_hand = "; ".join(f"hf upload {push.repo_id} {folder}" + (f" {place}" if place else "") +
-                        (f" --revision {push.revision}" if push.revision else "") for folder, place in folders)
+    by_hand = replace(push, adapter=len(folders) > 1).by_hand(out)
     operations = [CommitOperationAdd(path_in_repo=f"{place}/{path.relative_to(folder)}".lstrip("/"), path_or_fileobj=str(path))
-                  for folder, place in folders for path in sorted(folder.rglob("*")) if path.is_file()]
+                  for folder, place in folders for path in sorted(folder.rglob("*")) if path.is_file() and path.name not in NOT_UPLOADED]
     log(f"uploading {len(operations)} file(s) of {', '.join(str(f) for f, _ in folders)} to the hub: {push.describe()}")
     api = HfApi(token=push.token)
     try:
@@ -57,10 +63,11 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
         if push.revision:
             api.create_branch(repo.repo_id, branch=push.revision, exist_ok=True)
         ours = {op.path_in_repo for op in operations}
-        if stale := shadowing(set(api.list_repo_files(repo.repo_id, revision=push.revision)), ours):
+        if stale := stale_files(set(api.list_repo_files(repo.repo_id, revision=push.revision)), ours):
             raise RecipeError(
-                f"the model is saved, but not uploaded: {push.describe()} already holds {', '.join(stale)}, which "
-                f"from_pretrained would load instead of this model's weights: "
+                f"the model is saved, but not uploaded: {push.describe()} already holds {', '.join(stale[:6])}"
+                f"{', ...' if len(stale) > 6 else ''}, of an earlier model, which from_pretrained would load instead of this "
+                f"one or with it: "
                 f"delete {'it' if len(stale) == 1 else 'them'} on the hub (or give another --hub_model_id or --hub_revision), then `{by_hand}`")
         commit = api.create_commit(
             repo.repo_id, operations, revision=push.revision,

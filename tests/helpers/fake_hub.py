@@ -1,5 +1,5 @@
 """A local stand-in for the Hugging Face Hub endpoints an upload uses (whoami, create_repo, create_branch,
-list_repo_files, and the validate-yaml, preupload and commit of create_commit / upload_folder), for the real
+repo_info, list_repo_files, and the validate-yaml, preupload and commit of create_commit / upload_folder), for the real
 huggingface_hub client: give the client process HF_ENDPOINT=<url> before it imports huggingface_hub, which reads the
 variable at import.
 
@@ -28,6 +28,7 @@ MAX_BODY = 64 << 20
 NAME = r"[A-Za-z0-9][\w.-]*"
 SIMPLE = {("GET", "/api/whoami-v2"), ("POST", "/api/repos/create"), ("POST", "/api/validate-yaml")}
 REPO_ROUTE = re.compile(rf"/api/models/({NAME}/{NAME})/(preupload|commit|branch)/([^/]+)")
+INFO_ROUTE = re.compile(rf"/api/models/({NAME}/{NAME})")  # repo_info: does it exist, is it private
 TREE_ROUTE = re.compile(rf"/api/models/({NAME}/{NAME})/tree/([^/]+)")  # list_repo_files: the whole branch, recursive
 # the real hub's words, in X-Error-Message too: hf_raise_for_status takes a 401 on an (https) repository URL for
 # RepositoryNotFoundError unless that header says this
@@ -61,8 +62,9 @@ def _json(body: bytes) -> dict:
 
 
 class FakeHub:
-    def __init__(self, root: Path, token: str, user: str, orgs, role: str):
+    def __init__(self, root: Path, token: str, user: str, orgs, role: str, scoped: list | None = None):
         self.root, self.token, self.user, self.orgs, self.role = Path(root), token, user, tuple(orgs), role
+        self.scoped = scoped
         self.url = ""
         self.requests: list[tuple[str, str]] = []
         self.unhandled: list[tuple[str, str]] = []
@@ -81,6 +83,13 @@ class FakeHub:
             if not authorized:
                 raise HubError(401, BAD_TOKEN)
             return self.tree(tree.group(1), unquote(tree.group(2)))
+        if method == "GET" and (info := INFO_ROUTE.fullmatch(path)):
+            if not authorized:
+                raise HubError(401, BAD_TOKEN)
+            if not self._repo(info.group(1)).is_dir():
+                raise HubError(404, f"Repository not found: {info.group(1)}", "RepoNotFound")
+            private = self.repos.get(info.group(1), {}).get("private", False)
+            return {"id": info.group(1), "private": private, "sha": "0" * 40, "siblings": []}
         route = REPO_ROUTE.fullmatch(path) if method == "POST" else None
         # create_pr needs pull-request refs: unknown here, rather than committed to the branch by mistake.
         # Unknown comes before the token check, so that what the client asks without a token is recorded too.
@@ -89,8 +98,11 @@ class FakeHub:
         if not authorized:
             raise HubError(401, BAD_TOKEN)
         if path == "/api/whoami-v2":
+            token = {"displayName": "test", "role": self.role}
+            if self.scoped is not None:  # a fine-grained token's rights: [{"entity": {"type", "name"}, "permissions"}]
+                token["fineGrained"] = {"scoped": self.scoped, "global": []}
             return {"name": self.user, "type": "user", "orgs": [{"name": o, "roleInOrg": "write"} for o in self.orgs],
-                    "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": self.role}}}
+                    "auth": {"type": "access_token", "accessToken": token}}
         if path == "/api/repos/create":
             return self.create_repo(_json(body))
         if path == "/api/validate-yaml":  # create_commit asks it about any README.md: every model card is fine here
@@ -234,8 +246,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def serve(root: Path, token: str = "hf_fake_write_token", user: str = "tester", orgs=("test-org",), role: str = "write"):
-    hub = FakeHub(root, token, user, orgs, role)
+def serve(root: Path, token: str = "hf_fake_write_token", user: str = "tester", orgs=("test-org",), role: str = "write",
+          scoped: list | None = None):
+    hub = FakeHub(root, token, user, orgs, role, scoped)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads, server.hub = True, hub
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
