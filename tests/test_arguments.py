@@ -305,3 +305,43 @@ def test_fsdp_config_keys_are_read_from_transformers_itself():
         "    other = self.other_config.get('not_fsdp')\n"
     )
     assert keys_read(source) == {"indexed", "got", "defaulted", "tested"}
+
+
+# transformers 4 name -> a transformers 5 field its line must name (None: the line says where it went instead)
+TRANSFORMERS_4_NAMES = {
+    "evaluation_strategy": "eval_strategy", "group_by_length": "train_sampling_strategy", "logging_dir": None,
+    "no_cuda": "use_cpu", "per_gpu_train_batch_size": "per_device_train_batch_size",
+    "per_gpu_eval_batch_size": "per_device_eval_batch_size", "push_to_hub_model_id": "hub_model_id",
+    "push_to_hub_organization": "hub_model_id", "push_to_hub_token": "hub_token",
+    "include_inputs_for_metrics": "include_for_metrics", "include_tokens_per_second": None, "torchdynamo": "torch_compile_backend",
+    "fsdp_min_num_params": None, "fsdp_transformer_layer_cls_to_wrap": None, "fp16_backend": None,
+    "half_precision_backend": None, "save_safetensors": None, "dispatch_batches": "accelerator_config",
+    "split_batches": "accelerator_config",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMERS_4_NAMES))
+@pytest.mark.parametrize("given_as", ["flag", "recipe key"])
+def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, name, given_as):
+    """Recipes and habits from transformers 4 carry names transformers 5 removed: the line names what replaced them
+    (a spelling match sent --logging_dir to logging_first_step), and the name it gives exists."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert name not in fields  # else this transformers still has it, and the table is stale
+    if given_as == "flag":
+        argv = [f"--{name}", "1", "--output_dir", str(tmp_path), *NO_FSDP]
+    else:
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{name}: 1\n")
+        argv = [str(recipe), "--output_dir", str(tmp_path), *NO_FSDP]
+    with pytest.raises(RecipeError) as err:
+        parse_args(argv)
+    message = str(err.value)
+    assert "\n" not in message and "did you mean" not in message.split(name, 1)[1].split(")", 1)[0], message
+    if (new := TRANSFORMERS_4_NAMES[name]) is not None:
+        assert new in fields and new in message, message
+    else:
+        assert "transformers 5" in message or "accelerate config" in message, message

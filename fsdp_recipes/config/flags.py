@@ -161,9 +161,36 @@ def check_recipe_types(recipe: dict, parser) -> None:
                 raise RecipeError(f"recipe key {key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
 
 
+# TrainingArguments of transformers 4 that transformers 5 removed or renamed, which recipes and habits still carry:
+# a spelling match would point elsewhere (logging_dir -> "did you mean logging_first_step?")
+REPLACED = {
+    "evaluation_strategy": "transformers 5 calls it eval_strategy",
+    "group_by_length": "transformers 5 spells it --train_sampling_strategy group_by_length",
+    "logging_dir": "transformers 5 reads TensorBoard's folder from the TENSORBOARD_LOGGING_DIR environment variable",
+    "no_cuda": "transformers 5 calls it use_cpu",
+    "per_gpu_train_batch_size": "transformers 5 calls it per_device_train_batch_size",
+    "per_gpu_eval_batch_size": "transformers 5 calls it per_device_eval_batch_size",
+    "push_to_hub_model_id": "transformers 5 calls it hub_model_id",
+    "push_to_hub_organization": "transformers 5 takes the organization in hub_model_id: org/name",
+    "push_to_hub_token": "transformers 5 calls it hub_token",
+    "include_inputs_for_metrics": "transformers 5 spells it include_for_metrics: [inputs]",
+    "include_tokens_per_second": "removed in transformers 5: tokens per second are logged on every run here",
+    "torchdynamo": "transformers 5 calls it torch_compile_backend",
+    "fsdp_min_num_params": "an FSDP setting: the accelerate config's fsdp_config takes it",
+    "fsdp_transformer_layer_cls_to_wrap": "an FSDP setting: the accelerate config's fsdp_config takes it",
+    "fp16_backend": "removed in transformers 5: mixed precision comes from the accelerate config",
+    "half_precision_backend": "removed in transformers 5: mixed precision comes from the accelerate config",
+    "save_safetensors": "removed in transformers 5: weights are always safetensors",
+    "dispatch_batches": "transformers 5 takes it in accelerator_config",
+    "split_batches": "transformers 5 takes it in accelerator_config",
+}
+
+
 def with_hints(unknown: list[str], known, prefix: str = "") -> str:
-    """'key (did you mean known_key?), other' for an error message; ``prefix`` is ignored when matching."""
+    """'key (did you mean known_key?), other' for an error message; ``prefix`` is ignored when matching. A
+    transformers 4 name gets its transformers 5 replacement rather than a spelling match."""
     import difflib
 
-    hints = [(k, difflib.get_close_matches(k.removeprefix(prefix), known, 1)) for k in unknown]
-    return ", ".join(f"{k} (did you mean {m[0]}?)" if m else k for k, m in hints)
+    hints = [(k, [REPLACED[k]] if k in REPLACED else [f"did you mean {m}?" for m in difflib.get_close_matches(k.removeprefix(prefix), known, 1)])
+             for k in unknown]
+    return ", ".join(f"{k} ({m[0]})" if m else k for k, m in hints)
