@@ -348,3 +348,33 @@ def test_a_hub_kernel_as_attention_needs_the_kernels_package(installed, monkeypa
     monkeypatch.setattr(packages, "module_found", lambda module: installed if module == "kernels" else True)
     said = packages.attention_problem("kernels-community/flash-attn")
     assert (said is None) if installed else ("pip install kernels" in said and "\n" not in said), said
+
+
+# (optim, optim_args, a key whose value transformers' optimizer kwargs hold when it reads optim_args); the oracle is
+# transformers' own Trainer.get_optimizer_cls_and_kwargs, not the rule under test
+OPTIM_ARGS = [("adamw_torch", "amsgrad=True", "amsgrad"), ("adamw_torch_fused", "amsgrad=True", "amsgrad"),
+              ("adafactor", "scale_parameter=True", "scale_parameter"), ("sgd", "momentum=0.5", "momentum"),
+              ("adagrad", "lr_decay=0.1", "lr_decay"), ("rmsprop", "momentum=0.5", "momentum"),
+              ("adamw_torch", "eps=1e-3", "eps")]
+
+
+@pytest.mark.parametrize("optim, optim_args, key", OPTIM_ARGS)
+def test_optim_args_the_optimizer_would_ignore_are_refused(tmp_path, optim, optim_args, key):
+    """transformers' AdamW builders never read optim_args: --optim_args amsgrad=True trained without amsgrad, without a
+    word (review of TrainingArguments habits). Refused exactly where transformers' optimizer kwargs lack the value."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "x"), optim=optim, optim_args=optim_args, report_to="none")
+    _, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, torch.nn.Linear(2, 2))
+    value = optim_args.split("=", 1)[1]
+    taken = key in kwargs and (str(kwargs[key]) == value or (not isinstance(kwargs[key], bool) and kwargs[key] == float(value)))
+    if taken:
+        run(tmp_path, "--optim", optim, "--optim_args", optim_args)
+    else:
+        assert f"optim_args={optim_args!r} would be ignored" in refused(tmp_path, "--optim", optim, "--optim_args", optim_args)
+
+
+@pytest.mark.parametrize("optim_args", ["amsgrad", "a=1,b", "a=b=c"])
+def test_optim_args_that_are_not_key_value_are_one_line(tmp_path, optim_args):
+    assert "is not key=value" in refused(tmp_path, "--optim", "sgd", "--optim_args", optim_args)

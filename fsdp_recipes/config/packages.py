@@ -128,6 +128,32 @@ def optimizer_need(name: str) -> Need | None:
     return OPTIMIZER_BUILDERS.get(getattr(builder, "__name__", ""))
 
 
+def optim_args_problem(optim: str, optim_args: str | None) -> str | None:
+    """--optim_args that transformers would stop on (an item without one '=': a ValueError on every rank when the
+    Trainer builds its optimizer) or drop without a word: the builder of --optim never reads them (AdamW's: its
+    settings are adam_beta1, adam_beta2, adam_epsilon, weight_decay). Judged from that builder's own source."""
+    import inspect
+
+    if not optim_args or not str(optim_args).strip():
+        return None
+    bad = [item for item in str(optim_args).replace(" ", "").split(",") if item.count("=") != 1]
+    if bad:
+        return f"optim_args={optim_args!r}: {', '.join(bad)} is not key=value: write key=value,key=value"
+    try:
+        from transformers.training_args import OptimizerNames
+
+        handlers = internals.get("transformers.trainer_optimizer._OPTIMIZER_HANDLERS")
+        reads = {name.value for name, builder in handlers.items()
+                 if "optim_args" in inspect.getsource(builder) and optimizer_need(name.value) is None}  # no package to add
+        if "optim_args" in inspect.getsource(handlers[OptimizerNames(optim)]):
+            return None
+    except (ImportError, KeyError, ValueError, OSError, TypeError):  # another transformers, or no source: not judged
+        return None
+    adamw = " (AdamW's settings are adam_beta1, adam_beta2, adam_epsilon, weight_decay)" if "adam" in optim else ""
+    return (f"optim_args={optim_args!r} would be ignored: transformers' builder of optim={optim} never reads it{adamw}: "
+            f"drop optim_args, or use an optimizer that takes it ({', '.join(sorted(reads))})")
+
+
 def reporters(value) -> list[str]:
     """report_to as names: a flag gives one, a recipe one or a list (TrainingArguments splits no "a,b")."""
     names = value if isinstance(value, (list, tuple)) else [value]
@@ -203,6 +229,8 @@ def check_packages(raw) -> None:
     optim = str(getattr(optim, "value", optim)) if optim is not None else None
     if optim and (need := optimizer_need(optim)) is not None and not found(need):
         raise RecipeError(missing(f"optim={optim}", need, "use --optim adamw_torch"))
+    if optim and (problem := optim_args_problem(optim, getattr(raw, "optim_args", None))):
+        raise RecipeError(problem)
     if problem := report_to_problem(getattr(raw, "report_to", None)):
         raise RecipeError(problem)
     if problem := attention_problem(getattr(raw, "attn_implementation", None)):
