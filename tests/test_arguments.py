@@ -345,3 +345,41 @@ def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, 
         assert new in fields and new in message, message
     else:
         assert "transformers 5" in message or "accelerate config" in message, message
+
+
+EVAL_DATA = ("--validation_split_percentage", "10")
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--do_train", "false"), "do_train=false: this script always trains"),
+    (("--do_predict", "true"), "do_predict=true: this script has no prediction step"),
+    (("--do_eval", "true"), "do_eval=true needs evaluation data"),
+    (("--do_eval", "false", *EVAL_DATA), "do_eval=false, but evaluation data is given"),
+    (("--do_train", "true"), None), (("--do_eval", "true", *EVAL_DATA), None), (("--do_eval", "false"), None), ((), None),
+])
+def test_do_flags_the_trainer_ignores_are_refused_where_they_would_mean_otherwise(tmp_path, flags, words):
+    """The Trainer never reads do_train, do_eval, do_predict; this script trains always and evaluates exactly when it has
+    evaluation data: --do_train false trained, --do_eval true without data evaluated nothing, without a word."""
+    argv = [*flags, "--output_dir", str(tmp_path), *NO_FSDP]
+    if words is None:
+        parse_args(argv)
+    else:
+        with pytest.raises(RecipeError, match=re.escape(words)):
+            parse_args(argv)
+
+
+@pytest.mark.parametrize("metric, given, expected", [
+    ("perplexity", None, False), ("eval_perplexity", None, False), ("perplexity", "true", True),
+    ("loss", None, False), ("eval_loss", None, False),
+])
+def test_the_best_checkpoint_by_perplexity_is_the_lowest(tmp_path, metric, given, expected):
+    """eval_perplexity is logged on every evaluation here; the Trainer takes a metric not ending in 'loss' as
+    greater-is-better and kept the worst checkpoint (review of TrainingArguments habits): the direction is set,
+    unless greater_is_better is given. Checked on the TrainingArguments the run builds."""
+    from fsdp_recipes.train import preflight
+
+    flags = ["--metric_for_best_model", metric, *(("--greater_is_better", given) if given else ()), *EVAL_DATA,
+             "--eval_strategy", "steps", "--eval_steps", "2", "--save_steps", "2", "--load_best_model_at_end", "true"]
+    plan = parse_args([*flags, "--output_dir", str(tmp_path), *NO_FSDP])[2]
+    training_args, _ = preflight.start(plan)
+    assert training_args.greater_is_better is expected

@@ -254,18 +254,21 @@ def test_a_bare_true_false_flag_means_true(flag):
     check_flag_aliases(bare_flags_as_values([flag, flag, "true"], parser), parser)
 
 
+CHAT_DATA = ("--train_file", str(REPO / "assets" / "data" / "tiny_chat.jsonl"))  # TRL's packing true takes chat data here
+
+
 @pytest.mark.parametrize("flags", [("--use_peft",), ("--gradient_checkpointing",), ("--packing",)])
 def test_bare_flags_at_the_end_or_before_another(flags, tmp_path):
-    bare = run(tmp_path, *flags, "--seed", "3")
-    last = run(tmp_path, "--seed", "3", *flags)
-    explicit = run(tmp_path, *flags, "true", "--seed", "3")
+    bare = run(tmp_path, *flags, "--seed", "3", *CHAT_DATA)
+    last = run(tmp_path, "--seed", "3", *CHAT_DATA, *flags)
+    explicit = run(tmp_path, *flags, "true", "--seed", "3", *CHAT_DATA)
     for got in (bare, last):
         assert (vars(got[0]), vars(got[1]), vars(got[2].raw)) == (vars(explicit[0]), vars(explicit[1]), vars(explicit[2].raw))
 
 
 def test_bare_packing_is_trls_true(tmp_path):
-    assert run(tmp_path, "--packing")[1].packing == run(tmp_path, "--packing", "true")[1].packing == "padding_free"
-    run(tmp_path, "--packing", "--packing", "true")  # the same value twice
+    assert run(tmp_path, "--packing", *CHAT_DATA)[1].packing == run(tmp_path, "--packing", "true", *CHAT_DATA)[1].packing == "padding_free"
+    run(tmp_path, "--packing", "--packing", "true", *CHAT_DATA)  # the same value twice
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -6,8 +6,8 @@ exported model/ as a subfolder, after writing the tokenizer and a pickled traini
 hub_strategy checkpoint it would upload sharded checkpoints, which are no model. So the Trainer never sees
 push_to_hub (parse sets it false after this check) and fsdp_recipes.train.upload pushes what `from_pretrained` loads.
 
-What can fail before the training is asked here, in one line each: the options that only mean something with
-per-save pushes, the repository id and branch name, HF_HUB_OFFLINE, a missing or read-only token, an unreachable hub,
+What can fail before the training is asked here, in one line each: hub_strategy checkpoint (uploads to resume
+from), the repository id and branch name, HF_HUB_OFFLINE, a missing or read-only token, an unreachable hub,
 a namespace the token cannot write to, hub_private_repo true for a repository that exists and is public. The hub is
 asked by each node's local rank 0 (whoami, which the hub rate-limits, and the repository's visibility)."""
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fsdp_recipes.ckpt.layout import ADAPTER_DIR, FINAL_MODEL_DIR
 from fsdp_recipes.config.model_source import not_a_hub_id, one_line
+from fsdp_recipes.console import say
 
 # TrainingArguments' hub options other than push_to_hub, with their defaults: set without push_to_hub, they would
 # be ignored without a word
@@ -76,21 +77,22 @@ def push_plan(raw, explicit: set[str]) -> HubPush | None:
     set (hub_strategy's default, every_save, is no request for pushes at each save)."""
     from fsdp_recipes.errors import RecipeError
 
-    if not _value(raw, "push_to_hub"):
+    if not _value(raw, "push_to_hub"):  # a TRL or handbook recipe keeps its hub keys with push_to_hub false: said, not refused
         stray = [name for name, default in HUB_OPTIONS.items() if name in explicit and _value(raw, name) != default]
         if stray:
-            raise RecipeError(f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} used only with --push_to_hub true: "
-                              f"add --push_to_hub true to upload the final model, or drop {', '.join(stray)}")
+            say(f"warning: {', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set, and push_to_hub is false: nothing is "
+                "uploaded (--push_to_hub true uploads the final model)")
         return None
     strategy = _value(raw, "hub_strategy")
-    if strategy in ("checkpoint", "all_checkpoints") or (strategy == "every_save" and "hub_strategy" in explicit):
+    if strategy in ("checkpoint", "all_checkpoints"):
         raise RecipeError(
-            f"hub_strategy {strategy} uploads {'checkpoints' if 'checkpoint' in strategy else 'the model at every save'}; "
-            "a sharded run's checkpoints are one file per rank, no model, and resume from output_dir: here the final model "
-            "is uploaded once, at the end: drop hub_strategy (or give end)")
-    if _value(raw, "hub_always_push"):
-        raise RecipeError("hub_always_push concerns pushes at every save; here the final model is uploaded once, at the "
-                          "end: drop hub_always_push")
+            f"hub_strategy {strategy} uploads checkpoints to resume from; a sharded run's checkpoints are one file per rank, "
+            "no model, and resume from output_dir: here the final model is uploaded once, at the end: drop hub_strategy "
+            "(or give end)")
+    per_save = [name for name in ("hub_strategy", "hub_always_push") if name in explicit and _value(raw, name) not in ("end", False)]
+    if per_save:  # the handbook's recipes say hub_strategy: every_save
+        say(f"warning: {', '.join(f'{n}={_value(raw, n)}' for n in per_save)} asks for uploads at every save; a sharded run's "
+            "checkpoints are no model, so the final model is uploaded once, at the end")
     named = _value(raw, "hub_model_id")
     if named is not None and not str(named).strip():
         raise RecipeError("hub_model_id is empty: give your-name/model-name, or drop it to name the repository after output_dir")

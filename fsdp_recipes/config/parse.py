@@ -20,7 +20,7 @@ from fsdp_recipes.config.packages import check_deepspeed, check_packages
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys, unknown_keys_problem
 from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
-from fsdp_recipes.config.values import check_training_values
+from fsdp_recipes.config.values import best_metric_direction, check_task_flags, check_training_values
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, UnreadableFile
 from fsdp_recipes.tiny import REPO_ROOT
@@ -114,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     plan = Plan(raw, trainer_fsdp, launch=launcher.check_launch(raw))
     model_args, data_args, run_args = (build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
     check_training_values(raw, model_args, data_args)
+    check_task_flags(raw, data_args, explicit=given | set(recipe))
+    best_metric_direction(raw, explicit=given | set(recipe))
     plan.run_args = run_args
     output_dir = raw.output_dir or "trainer_output"
     # Which checkpoint a resume uses (reading its files), what it sets aside and the requeue record are decided once

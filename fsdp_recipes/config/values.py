@@ -49,6 +49,35 @@ def check_training_values(raw, model_args: ModelArguments, data_args: DataArgume
                           f"use block_size {positions} or less")
 
 
+def check_task_flags(raw, data_args: DataArguments, explicit: set[str]) -> None:
+    """TrainingArguments' do_train, do_eval and do_predict are read by example scripts, never by the Trainer: this
+    script always trains, and evaluates exactly when it has evaluation data. A value given that means otherwise
+    would be ignored without a word. ``explicit``: the keys the recipe or a flag set (do_train's default is false)."""
+    if "do_train" in explicit and not raw.do_train:
+        raise RecipeError("do_train=false: this script always trains (the Trainer ignores do_train; example scripts read "
+                          "it): drop do_train")
+    if getattr(raw, "do_predict", False):
+        raise RecipeError("do_predict=true: this script has no prediction step (the Trainer ignores do_predict): drop it")
+    if "do_eval" in explicit and raw.do_eval and not data_args.evaluates:
+        raise RecipeError("do_eval=true needs evaluation data: set validation_file, validation_split_percentage or "
+                          "dataset_test_split (evaluation then runs at the end, and by eval_strategy)")
+    if "do_eval" in explicit and not raw.do_eval and data_args.evaluates:
+        raise RecipeError("do_eval=false, but evaluation data is given: it is evaluated at the end (and by eval_strategy) "
+                          "whatever do_eval says: drop do_eval, or the evaluation data")
+
+
+# metrics this repository adds to every evaluation (FSDPTrainer.log), where lower is better: the Trainer takes any
+# metric whose name does not end in "loss" as greater-is-better, and kept the worst checkpoint as the best
+LOWER_IS_BETTER = ("perplexity", "eval_perplexity")
+
+
+def best_metric_direction(raw, explicit: set[str]) -> None:
+    """greater_is_better for metric_for_best_model, where the Trainer's default would be wrong (set on ``raw``, from
+    which TrainingArguments is built); a value given stays."""
+    if getattr(raw, "metric_for_best_model", None) in LOWER_IS_BETTER and "greater_is_better" not in explicit:
+        raw.greater_is_better = False
+
+
 @dataclass(frozen=True)
 class Rule:
     """The values a numeric field accepts: from ``low`` to ``high`` (an end marked open is itself refused), plus
