@@ -383,3 +383,17 @@ def test_the_best_checkpoint_by_perplexity_is_the_lowest(tmp_path, metric, given
     plan = parse_args([*flags, "--output_dir", str(tmp_path), *NO_FSDP])[2]
     training_args, _ = preflight.start(plan)
     assert training_args.greater_is_better is expected
+
+
+@pytest.mark.parametrize("fsdp", ["shard_grad_op auto_wrap", "full_shard", "true"])
+def test_the_trainers_fsdp_flag_beside_an_accelerate_fsdp_launch_is_refused(tmp_path, monkeypatch, fsdp):
+    """It won over the launch's config: the run trained SHARD_GRAD_OP under zero3.yaml while run_args.json recorded
+    the config's FULL_SHARD (review of TrainingArguments habits). The launch's settings come from FSDP_* variables here
+    (torchrun with ACCELERATE_USE_FSDP, or accelerate launch's own); without them, --fsdp is the torchrun route."""
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true", "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RecipeError, match="FSDP are both given: set FSDP in one place"):
+        parse_args(["--fsdp", fsdp, "--output_dir", str(tmp_path)])
+    parse_args(["--output_dir", str(tmp_path)])  # the launch's FSDP alone

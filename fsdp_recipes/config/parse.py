@@ -112,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if problem := cpu_fsdp.single_process_problem(trainer_fsdp):
         raise RecipeError(problem)
     plan = Plan(raw, trainer_fsdp, launch=launcher.check_launch(raw))
+    if trainer_fsdp and plan.launch is not None and plan.launch.config.get("distributed_type") == "FSDP":
+        # the Trainer's --fsdp won over the config: the run trained otherwise than its config, and run_args.json said
+        raise RecipeError(f"--fsdp (TrainingArguments' FSDP, for torchrun without accelerate) and {plan.launch.describe()}'s "
+                          "FSDP are both given: set FSDP in one place, the accelerate config (or its launch flags, e.g. "
+                          "--fsdp_sharding_strategy): drop fsdp and fsdp_config")
     model_args, data_args, run_args = (build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
     check_training_values(raw, model_args, data_args)
     check_task_flags(raw, data_args, explicit=given | set(recipe))
