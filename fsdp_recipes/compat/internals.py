@@ -46,6 +46,7 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "transformers.Trainer._save_optimizer_and_scheduler": (OVERRIDE, "trainer: LoRA checkpoints, adapter-only or whole"),
     "transformers.Trainer._load_from_checkpoint": (OVERRIDE, "trainer: LoRA checkpoints, adapter-only or whole"),
     "transformers.Trainer._load_optimizer_and_scheduler": (OVERRIDE, "trainer: FSDP1 sharded resume restores Adam"),
+    "transformers.Trainer._load_best_model": (OVERRIDE, "trainer: a LoRA run's best checkpoint loaded as a resume loads it"),
     "transformers.Trainer._get_output_dir": (MODULE, "trainer: the folder a checkpoint goes to"),
     # fsdp_recipes/compat/torch_dcp.py: torch's DCP reader unpickles .metadata and byte records only after our
     # allow-lists (fsdp_recipes/ckpt/dcp.py)

@@ -144,7 +144,8 @@ def zero1_optimizer_class():
 
 
 OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._finalize_training", "transformers.Trainer._save_optimizer_and_scheduler",
-             "transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler")
+             "transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler",
+             "transformers.Trainer._load_best_model")
 
 
 class FSDPTrainer(Trainer):
@@ -301,11 +302,26 @@ class FSDPTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         # after prepare, not in resume_mismatch: the dtype a weight loads into is the wrapped parameter's (FSDP2's mixed
         # precision upcasts a bf16-built model's parameters to fp32 before sharding, so the model's own dtype misleads)
-        live = {name: dtype_name(p.dtype) for name, p in (model or self.model_wrapped).named_parameters()}
+        # `is None`, never `or`: a module's truth is its len() (a torch.compile'd one has none: TypeError)
+        live = {name: dtype_name(p.dtype) for name, p in (model if model is not None else self.model_wrapped).named_parameters()}
         if problem := dtype_mismatch(resume_from_checkpoint, live):
             raise RecipeError(problem)  # every rank reads the same files and holds the same dtypes: all stop alike
         with self._lora_checkpoints():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        """--load_best_model_at_end of a LoRA run: the best checkpoint loaded as a resume loads it (_load_from_checkpoint,
+        within _lora_checkpoints). The stock load asks peft for the adapter's state dict, whose names lack the adapter
+        name our checkpoints keep (``lora_A.weight``, stored as ``lora_A.default.weight``): FSDP2 raised after training
+        (no model/ written), FSDP1 selected nothing and kept the last step's weights without a word. Full fine-tuning
+        keeps the stock load."""
+        if not self.is_fsdp_enabled or lora_parts(self.accelerator.unwrap_model(self.model))[1] is None:
+            super()._load_best_model()
+            return
+        if self.accelerator.is_main_process:
+            logger.info(f"loading the best model from {self.state.best_model_checkpoint} ({self.args.metric_for_best_model} "
+                        f"{self.state.best_metric})")
+        self._load_from_checkpoint(self.state.best_model_checkpoint, self.model_wrapped)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None and self._fsdp1_sharded():
