@@ -61,7 +61,7 @@ CASES = [
     ("QLoRA uint8 storage under FSDP2", FSDP2, {"load_in_4bit": True, "bnb_4bit_quant_storage": "uint8", "dtype": "bfloat16"}, None, "error", "bnb_4bit_quant_storage", "uint8 storage under FSDP2"),
     ("QLoRA storage unlike the other parameters", FSDP1, {"load_in_4bit": True, "bnb_4bit_quant_storage": "float16", "dtype": "bfloat16"}, None, "error", "bnb_4bit_quant_storage", "float16 differs from the other parameters' dtype bfloat16"),
     ("an optimizer that cannot step DTensors under FSDP2", FSDP2, {"optim": "adafactor"}, None, "error", "optim", "cannot step FSDP2's sharded (DTensor) parameters"),
-    ("sharded state dict with save_only_model", FSDP2, {"save_only_model": True}, None, "error", "save_only_model", "cannot be combined with SHARDED_STATE_DICT"),
+    ("save_only_model (its checkpoints cannot resume a run)", FSDP2, {"save_only_model": True}, None, "error", "save_only_model", "so they cannot resume a run"),
     ("wrap class the model lacks", variant(FSDP2, fsdp_transformer_layer_cls_to_wrap="GPT2Block"), {}, TINY, "error", "fsdp_config.fsdp_transformer_layer_cls_to_wrap", "use LlamaDecoderLayer"),
     ("processes do not split over machines", {**FSDP2, "num_processes": 3, "num_machines": 2}, {}, None, "error", "num_processes", "do not split evenly over 2 machines"),
     ("machine rank out of range", {**FSDP2, "num_processes": 4, "num_machines": 2, "machine_rank": 2}, {}, None, "error", "machine_rank", "is not in 0..1"),

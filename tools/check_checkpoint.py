@@ -4,10 +4,11 @@
     python tools/check_checkpoint.py runs/tiny-llama-pretrain                  # every checkpoint of a run
     python tools/check_checkpoint.py runs/tiny-llama-pretrain --json
 
-Each checkpoint is "resumable", "INCOMPLETE: <what is missing or damaged>", or "UNREADABLE BY THIS VERSION (<the
-dtype or class another torch version wrote>)": that one may be complete, and `--resume_from_checkpoint true` stops
-at it rather than passing over it. A run training in the folder now (its lock on this host, or its lock file) is
-named first: a checkpoint it is still writing shows as INCOMPLETE until it is done.
+Each checkpoint is "resumable", "INCOMPLETE: <what is missing or damaged>", "UNREADABLE BY THIS VERSION (<the
+dtype or class another torch version wrote>)": that one may be complete, or "WEIGHTS ONLY": complete model weights
+without optimizer state (save_only_model's), a model that cannot resume a run; `--resume_from_checkpoint true` stops
+at either of the last two rather than passing over it. A run training in the folder now (its lock on this host, or
+its lock file) is named first: a checkpoint it is still writing shows as INCOMPLETE until it is done.
 
 Exit status 0 when the checkpoint (or, for a run folder, the one `--resume_from_checkpoint true` would use) is
 resumable, 1 otherwise.
@@ -62,8 +63,8 @@ def main(argv=None) -> int:
         return 0 if final else 1
     folders = checkpoint_steps(path) or [path]
     statuses = [checkpoint_status(folder) for folder in folders]
-    # as resolve_resume("true"): the newest resumable one, unless a newer one may be complete (unreadable by this version)
-    stop = next((s for s in statuses if s.resumable or s.may_be_complete), None)
+    # as resolve_resume("true"): the newest resumable one, unless a newer one may be good (unreadable by this version, weights only)
+    stop = next((s for s in statuses if s.resumable or s.may_be_good), None)
     chosen = stop if stop is not None and stop.resumable else None
     if args.json:
         print(json.dumps({"checkpoints": [s.to_dict() for s in statuses], "resume_uses": chosen and chosen.path,
@@ -73,7 +74,11 @@ def main(argv=None) -> int:
             print(status.summary())
         if len(statuses) > 1 or folders[0] != path:
             skipped = [Path(s.path).name for s in statuses[: statuses.index(chosen)]] if chosen else []
-            if stop is not None and chosen is None:
+            if stop is not None and chosen is None and stop.weights_only:
+                earlier = ", or resume an earlier checkpoint by its path" if any(s.resumable for s in statuses) else ""
+                print(f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (model weights only, no optimizer "
+                      f"state): it cannot resume a run, and its line above says what it is good for{earlier}")
+            elif stop is not None and chosen is None:
                 print(f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (unreadable by this version, "
                       "it may be complete): resume it with the torch version that wrote it, or an earlier checkpoint by its path")
             elif chosen is None:

@@ -7,7 +7,8 @@ moves or deletes anything.
 
 A checkpoint this version cannot read (a dtype or class another torch version wrote: ``status.may_be_complete``) may
 be good: a resume stops at it, in one line, rather than passing over it or setting it aside, and no message offers
-the flag that deletes it.
+the flag that deletes it. So does one holding model weights only (``status.weights_only``: save_only_model's), which is
+a model and cannot resume a run; neither kind (``status.may_be_good``) is ever on ``--overwrite_output_dir``'s list.
 
 A launch makes one resume decision: ``decide`` (every file of the checkpoints it weighs, every rank's RNG state
 once) runs on global rank 0 after the process group starts, and the other ranks take it. Each rank then compares
@@ -67,9 +68,12 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
         return Resume(None, [])
     if str(value).lower() == "true":
         chosen, skipped = newest_resumable(output_dir) if Path(output_dir).is_dir() else (None, [])
-        if blocked := next((s for s in skipped if s.may_be_complete), None):  # never passed over for an older one
+        if blocked := next((s for s in skipped if s.may_be_good), None):  # never passed over for an older one
             earlier = (f", or resume an earlier checkpoint explicitly with --resume_from_checkpoint {chosen.path} (later "
                        "checkpoints are then moved aside, never deleted)") if chosen else ""
+            if blocked.weights_only:
+                raise RecipeError(f"--resume_from_checkpoint true: the newest checkpoint in {output_dir!r} cannot resume: "
+                                  f"{blocked.weights_only_line()}{earlier}; nothing was skipped, set aside or deleted")
             raise RecipeError(
                 f"--resume_from_checkpoint true: {Path(blocked.path).name} in {output_dir!r} is unreadable by this version "
                 f"({blocked.unreadable}); another torch version wrote it, and it may be complete, so nothing was skipped, "
@@ -88,6 +92,8 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
     if not Path(value).is_dir():
         raise RecipeError(f"--resume_from_checkpoint {value!r} is not a folder: give a checkpoint-N folder, or true for the latest")
     status = checkpoint_status(value)
+    if status.weights_only:
+        raise RecipeError(f"cannot resume from {value}: {status.weights_only_line()}")
     if not status.resumable:
         chosen, _ = newest_resumable(Path(value).parent)
         if status.may_be_complete:  # summary(): why this version cannot read it, and the fix
@@ -294,6 +300,13 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
     if not overwrite:
         names = ", ".join(p.name for p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
         statuses = [checkpoint_status(p) for p in earlier]
+        if model := next((s for s in statuses if s.weights_only), None):  # a model: never offered for deletion
+            good = next((s for s in statuses if s.resumable), None)
+            resume = f"; or resume {good.path} by its path (--resume_from_checkpoint {good.path})" if good else ""
+            raise RecipeError(
+                f"output_dir {output_dir!r} already holds another run's checkpoints ({names}); {model.weights_only_line()}"
+                f"{resume}; or choose a new --output_dir (nothing was deleted)"
+            )
         if unread := next((s for s in statuses if s.may_be_complete), None):  # never offer to delete what may be good
             raise RecipeError(
                 f"output_dir {output_dir!r} already holds another run's checkpoints ({names}); {Path(unread.path).name} "
@@ -317,4 +330,13 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
             f"--overwrite_output_dir: {foreign[0]} is not a training checkpoint holding nothing else ({checkpoint_unlike(foreign[0])}): "
             "refusing to delete it; move what you want to keep out of it, or choose a new --output_dir"
         )
+    for status in map(checkpoint_status, earlier):  # what may be good is never on the list: the run stops, nothing deleted
+        if status.weights_only:
+            raise RecipeError(f"--overwrite_output_dir: refusing to delete {status.path}, which may be a good model: "
+                              f"{status.weights_only_line()}; or move it out of output_dir {output_dir!r}, or choose a new "
+                              "--output_dir (nothing was deleted)")
+        if status.may_be_complete:
+            raise RecipeError(f"--overwrite_output_dir: refusing to delete {status.path}, which may be complete: it is unreadable "
+                              f"by this version ({status.unreadable}); resume it with the torch version that wrote it, move it "
+                              f"out of output_dir {output_dir!r}, or choose a new --output_dir (nothing was deleted)")
     return earlier

@@ -10,6 +10,17 @@ therefore judged file by file, against the DCP metadata's own list of shards and
 A checkpoint whose metadata names a dtype or DCP class the installed torch does not know (another torch version
 wrote it) is neither: it is "unreadable by this version" (``CheckpointStatus.unreadable``). Nothing says it is
 incomplete, and a resume stops at it rather than passing over it (fsdp_recipes.ckpt.resume).
+
+A finished save (trainer_state.json, written last, is there) holding complete model weights (safetensors:
+``model.safetensors``, or an index and every shard it names; or peft's adapter) and no optimizer state at all is
+"weights only" (``CheckpointStatus.weights_only``): what ``save_only_model`` writes, the stock Trainer's and ours.
+It cannot resume a run (the optimizer would start from nothing), and it is a model: never called incomplete, never
+passed over or set aside by a resume, never offered to or deleted by ``--overwrite_output_dir`` (``may_be_good``).
+One whose weights are not all there, or whose save was cut short before trainer_state.json, stays incomplete.
+
+Size: one module (about 510 lines) on purpose: every kind of checkpoint (sharded, full, plain, weights only) is judged
+here, file by file, into the one verdict that decides what a resume may use, what it passes over and what the deleting
+flag may be offered; rotation and the line a stopped run ends with read that verdict beside it.
 """
 
 from __future__ import annotations
@@ -22,11 +33,11 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.bounded import REPORT_LIMIT, STATE_LIMIT, load_json
+from fsdp_recipes.bounded import JSON_LIMIT, REPORT_LIMIT, STATE_LIMIT, load_json
 from fsdp_recipes.ckpt.dcp import check_folder, digest_problems, require_this_torch
 from fsdp_recipes.ckpt.layout import (
     DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
-    CHECKPOINT_PURPOSE, checkpoint_steps, checkpoint_unlike, is_checkpoint_folder, real, step_of_name,
+    ADAPTER_CONFIG, CHECKPOINT_PURPOSE, checkpoint_steps, checkpoint_unlike, is_checkpoint_folder, real, step_of_name,
 )
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError, RefusedRemoval, UnknownToThisVersion, UnreadableFile
@@ -47,15 +58,35 @@ class CheckpointStatus:
     # a LoRA run's sharded model: "adapter only" (the frozen base is the base model's) or "whole model"; None otherwise
     lora: str | None = None
     base_model: str | None = None  # an adapter-only checkpoint's base, as the run recorded it (ckpt.base_identity)
+    # complete model weights and no optimizer state (state_dict_type WEIGHTS_ONLY, save_only_model's): a model, not resumable
+    weights_only: bool = False
 
     @property
     def resumable(self) -> bool:
-        return not self.problems and not self.unreadable
+        return not self.problems and not self.unreadable and not self.weights_only
 
     @property
     def may_be_complete(self) -> bool:
         """Nothing found missing or damaged, but this version cannot read all of it: never skipped or set aside."""
         return bool(self.unreadable) and not self.problems
+
+    @property
+    def may_be_good(self) -> bool:
+        """Not resumable, yet it may be good: never passed over, set aside, offered to or deleted by --overwrite_output_dir."""
+        return self.may_be_complete or self.weights_only
+
+    def weights_only_fix(self) -> str:
+        """What to do with a weights-only checkpoint instead of resuming it (no deleting flag)."""
+        if _adapter_only(Path(self.path)):
+            return f"it is a LoRA adapter: load it onto its base model with peft (PeftModel.from_pretrained(base, {str(self.path)!r}))"
+        start = (f"start a new run from it with --model_name_or_path {self.path} (and a new --output_dir), or "
+                 if (Path(self.path) / "config.json").is_file() else "")
+        return f"it is a model: {start}merge it into a model folder with tools/merge_checkpoint.py {self.path} OUT"
+
+    def weights_only_line(self) -> str:
+        """Why a weights-only checkpoint does not resume, and what to do with it instead (one line)."""
+        return (f"{Path(self.path).name} holds model weights only, no optimizer state (as save_only_model writes), so it cannot "
+                f"resume a run; {self.weights_only_fix()}")
 
     def summary(self) -> str:
         name = Path(self.path).name
@@ -71,6 +102,11 @@ class CheckpointStatus:
         )
         if self.resumable:
             verdict = "resumable"
+        elif self.weights_only:
+            verdict = (f"WEIGHTS ONLY (complete model weights, no optimizer state, as save_only_model writes): cannot resume "
+                       f"a run; {self.weights_only_fix()}")
+            if self.problems:
+                verdict += f"; also: {'; '.join(self.problems)}"
         elif self.problems:
             verdict = "INCOMPLETE: " + "; ".join(self.problems) + (f"; and unreadable by this version: {self.unreadable}" if self.unreadable else "")
         else:
@@ -78,7 +114,7 @@ class CheckpointStatus:
         return f"{name} ({what}): {verdict}" if what else f"{name}: {verdict}"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "resumable": self.resumable, "may_be_complete": self.may_be_complete}
+        return {**asdict(self), "resumable": self.resumable, "may_be_complete": self.may_be_complete, "may_be_good": self.may_be_good}
 
 
 # The files a resume loads whole (scheduler.pt, rng_state_*.pth: a few KB each): a larger one is not what the Trainer
@@ -169,6 +205,77 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
     return []  # that the chunks make up each tensor (a rank's slice missing) is check_folder's (dcp.chunk_problems)
 
 
+WEIGHTS_ONLY = "WEIGHTS_ONLY"  # state_dict_type of a checkpoint holding safetensors model weights and no optimizer state
+_WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's: a LoRA run's weights under the stock Trainer (beside ADAPTER_CONFIG)
+_OPTIMIZER_STATE = (OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, FULL_OPTIMIZER_FILE)
+
+
+def _weights_only_layout(ckpt: Path) -> bool:
+    """Safetensors model weights and no optimizer state, nor FSDP model files, under any name a save writes (a link or
+    a file where one belongs counts as there): save_only_model's checkpoint, or one whose optimizer state was removed."""
+    if any(os.path.lexists(ckpt / name) for name in (*_OPTIMIZER_STATE, DCP_MODEL_DIR, FULL_MODEL_FILE)):
+        return False
+    return any(os.path.lexists(ckpt / name) for name in (*_WEIGHTS_FILES, ADAPTER_WEIGHTS)) or any(ckpt.glob("model-*-of-*.safetensors"))
+
+
+def _adapter_only(folder: Path) -> bool:
+    """peft's adapter (and no model weights) is what a save_only_model checkpoint of a LoRA run holds."""
+    return os.path.lexists(folder / ADAPTER_WEIGHTS) and not any(os.path.lexists(folder / name) for name in _WEIGHTS_FILES)
+
+
+def weights_problems(folder: Path) -> list[str]:
+    """Why the safetensors weights from_pretrained would read from ``folder`` are not all there: ``model.safetensors``
+    (read first when a folder holds both), else every shard the index names, each a plain file of the folder
+    (readers.is_shard_name) with a whole header (readers.safetensors_header) and every byte it describes, holding the
+    tensors the index assigns it; or peft's adapter_model.safetensors beside its adapter_config.json. Dtypes are not
+    judged: the file is whole whatever a merge converts."""
+    from fsdp_recipes.ckpt.readers import is_shard_name, safetensors_header
+
+    index = folder / "model.safetensors.index.json"
+    expected: dict[str, set] = {}  # shard file: the tensors the index assigns it
+    if _adapter_only(folder):
+        if not (folder / ADAPTER_CONFIG).is_file():
+            return [f"missing {ADAPTER_CONFIG} (peft needs it beside {ADAPTER_WEIGHTS})"]
+        expected[ADAPTER_WEIGHTS] = set()
+    elif (folder / "model.safetensors").is_file() or not os.path.lexists(index):
+        expected["model.safetensors"] = set()
+    else:
+        try:
+            weight_map = load_json(index, index.name, JSON_LIMIT).get("weight_map")
+        except UnreadableFile as err:
+            return [f"unreadable {index.name} ({err.reason})"]
+        if not isinstance(weight_map, dict) or not weight_map:
+            return [f"{index.name} has no weight_map of tensor names to shard files"]
+        for tensor, shard in weight_map.items():
+            if not isinstance(shard, str) or not is_shard_name(shard):
+                return [f"{index.name} names {short_json(shard)} as a shard, which is not a .safetensors file of the checkpoint"]
+            expected.setdefault(shard, set()).add(tensor)
+    problems = []
+    for shard, tensors in sorted(expected.items()):
+        path = folder / shard
+        named = f" ({index.name} names it)" if tensors else ""
+        if not os.path.lexists(path):
+            problems.append(f"missing {shard}{named}")
+            continue
+        try:
+            length, entries, size = safetensors_header(path)
+            end = max((entry["data_offsets"][1] for entry in entries.values()), default=0)
+            if type(end) is not int:
+                raise ValueError
+        except OSError as err:
+            problems.append(f"unreadable {shard} ({err.strerror})")
+            continue
+        except (ValueError, TypeError, IndexError, KeyError):
+            problems.append(f"truncated or unreadable {shard} (no safetensors header)")
+            continue
+        if size < 8 + length + end:
+            problems.append(f"truncated {shard} ({size:,} of the {8 + length + end:,} bytes its header describes)")
+        elif lacking := tensors - set(entries):
+            problems.append(f"{shard} lacks {len(lacking)} tensor(s) {index.name} assigns it ({short_json(sorted(lacking)[0])}, ...)")
+    return problems
+
+
 def checkpoint_status(ckpt: str | os.PathLike) -> CheckpointStatus:
     """Everything a resume needs, checked without loading a tensor."""
     ckpt = Path(ckpt)
@@ -224,6 +331,7 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
         status.problems.append(problem)
 
     state = ckpt / "trainer_state.json"
+    finished = False  # trainer_state.json, which the Trainer writes last, is there and readable: the save finished
     if not os.path.lexists(state):
         status.problems.append("missing trainer_state.json (the Trainer writes it last: the save did not finish)")
     else:
@@ -232,6 +340,7 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
         except UnreadableFile as err:
             status.problems.append(f"unreadable trainer_state.json ({err.reason})")
         else:
+            finished = True
             step = trainer_state.get("global_step")
             if _whole(step, 0, None):
                 status.step = step
@@ -245,6 +354,15 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
 
     ranks: set[int] = set()
     fsdp_files = (ckpt / DCP_MODEL_DIR).is_dir() or (ckpt / OPTIMIZER_DIR).is_dir() or (ckpt / FULL_MODEL_FILE).is_file()
+    if _weights_only_layout(ckpt):  # save_only_model's: judged by its weights alone (no scheduler or RNG state either)
+        status.state_dict_type = WEIGHTS_ONLY
+        if weights := weights_problems(ckpt):
+            status.problems += [f"model weights: {p}" for p in weights]
+        else:  # a save cut short after the weights (no trainer_state.json yet) is incomplete, as any other
+            status.weights_only = finished
+        if changes := _recorded_changes(ckpt):
+            status.problems.append(changes)
+        return
     if not fsdp_files and ((ckpt / PLAIN_OPTIMIZER_FILE).exists() or (report.is_file() and status.fsdp_version is None)):
         status.state_dict_type = "PLAIN"  # the Trainer's own files: model.safetensors (+ index), optimizer.pt
         from fsdp_recipes.ckpt.readers import SafetensorsSource
@@ -269,9 +387,7 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
 
     if problem := _torch_file_problem(ckpt / "scheduler.pt", load=True):
         status.problems.append(problem)
-    from fsdp_recipes.ckpt.description import recorded_changes
-
-    if changes := recorded_changes(ckpt):
+    if changes := _recorded_changes(ckpt):
         status.problems.append(changes)
 
     rng_files = {int(m.group(1)) for p in ckpt.glob("rng_state_*.pth") if (m := re.fullmatch(r"rng_state_(\d+)\.pth", p.name))}
@@ -282,6 +398,12 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
     else:
         rng_names = ["rng_state.pth"]
     status.problems += [p for p in (_torch_file_problem(ckpt / n, load=True, keys=RNG_KEYS) for n in rng_names) if p]
+
+
+def _recorded_changes(ckpt: Path) -> str | None:
+    from fsdp_recipes.ckpt.description import recorded_changes
+
+    return recorded_changes(ckpt)
 
 
 def set_aside(ckpt: Path, prefix: str = INCOMPLETE_PREFIX) -> Path:
@@ -344,13 +466,17 @@ def how_to_go_on(output_dir: str | os.PathLike) -> str:
     checkpoint, or, with none complete (the first save was cut short), start again (a resume would find nothing, and a
     plain start refuses a folder holding checkpoints)."""
     chosen, skipped = newest_resumable(Path(output_dir))
+    # one that may be good stops `--resume_from_checkpoint true` (fsdp_recipes.ckpt.resume) and is never offered for deletion
+    if maybe := next((s for s in skipped if s.may_be_good), None):
+        earlier = f"; or resume {Path(chosen.path).name} by its path: --resume_from_checkpoint {chosen.path}" if chosen else ""
+        if maybe.weights_only:
+            return f"{maybe.weights_only_line()}{earlier}"
+        return (f"{Path(maybe.path).name} may be complete but is unreadable by this version ({maybe.unreadable}): resume "
+                f"it with the torch version that wrote it{earlier}, or choose a new --output_dir")
     if chosen is not None:
         return f"run the same command with --resume_from_checkpoint true to continue from {Path(chosen.path).name}"
     if not skipped:
         return "no checkpoint was saved yet: run the same command again to start over"
-    if maybe := next((s for s in skipped if s.may_be_complete), None):  # never a deleting flag for it
-        return (f"{Path(maybe.path).name} may be complete but is unreadable by this version ({maybe.unreadable}): resume "
-                "it with the torch version that wrote it, or choose a new --output_dir")
     cut = ", ".join(Path(s.path).name for s in skipped)
     return (f"no checkpoint is complete ({cut} cut short): run the same command with --overwrite_output_dir true to "
             "start over (it deletes only those and our run's records there), or choose a new --output_dir")

@@ -42,6 +42,10 @@ def unsteppable_optimizer(optim) -> tuple[str, str] | None:
             "at its first optimizer step, after loading the model", "use adamw_torch (or sgd, adagrad, rmsprop), or an FSDP1 config")
 
 
+# (why, fix) of the refusal of save_only_model, under every config (here, and in launcher.check_launch for every launch)
+SAVE_ONLY_MODEL = ("is refused: its checkpoints hold the model weights without optimizer state, so they cannot resume a run "
+                   "(a stopped run could only start over); the final model is written to output_dir/model anyway",
+                   "drop save_only_model (to keep less on disk, lower save_total_limit)")
 ZERO1_UNDER_FSDP = "is for DDP launches (accelerate_configs/ddp.yaml); under FSDP it would wrap a sharded optimizer in a second sharding"
 LARGE_MODEL = 1_000_000_000  # parameters above which FULL_STATE_DICT gathering on rank 0 becomes a problem
 
@@ -325,8 +329,8 @@ def _check_with_recipe(c: _Checker, recipe: dict, recipe_file: str, fsdp: dict, 
         if ac_fsdp and _as_bool(recipe.get(key)):
             c.error(key, "is on together with the accelerate config's fsdp_activation_checkpointing: layers would be checkpointed twice (transformers refuses it)",
                     f"drop {key} from the recipe, or set fsdp_activation_checkpointing: false", file=recipe_file)
-    if sd_type == "SHARDED_STATE_DICT" and _as_bool(recipe.get("save_only_model")):
-        c.error("save_only_model", "cannot be combined with SHARDED_STATE_DICT (transformers refuses it)", "drop save_only_model, or use FULL_STATE_DICT", file=recipe_file)
+    if _as_bool(recipe.get("save_only_model")):  # under every config: its checkpoints are models, no run resumes them
+        c.error("save_only_model", *SAVE_ONLY_MODEL, file=recipe_file)
     # QLoRA: FSDP shards the packed 4-bit weights as plain tensors (DDP replicates them as they are: any storage works)
     if _as_bool(recipe.get("load_in_4bit")) and not ddp:
         storage = recipe.get("bnb_4bit_quant_storage") or "uint8"

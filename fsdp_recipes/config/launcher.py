@@ -132,10 +132,13 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
     return settings
 
 
-def from_environment(env=os.environ) -> LaunchSettings | None:
-    """The settings of a launch that set ACCELERATE_USE_FSDP itself (torchrun, srun): its FSDP_* variables."""
+def from_environment(env=None) -> LaunchSettings | None:
+    """The settings of a launch that set ACCELERATE_USE_FSDP itself (torchrun, srun): its FSDP_* variables (``env``:
+    this process's environment when None, read at the call: a default of os.environ would keep the object bound at
+    import, which a replaced os.environ leaves behind)."""
     from fsdp_recipes.compat.cpu_fsdp import fsdp_requested  # here, not at the top: it imports torch
 
+    env = os.environ if env is None else env
     if not fsdp_requested(env) or "ACCELERATE_DYNAMO_BACKEND" in env:
         return None  # the second: set by accelerate launch, whose variables carry defaults for every key
     world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
@@ -184,8 +187,10 @@ def check_launch(raw) -> LaunchSettings | None:
     """The launcher's accelerate settings (config file, its default, launch flags or FSDP_* variables), checked
     with this run's settings (``raw``: the parsed flags and recipe) by tools/check_config.py's rules. Warnings are
     printed once; errors stop every rank. Returns the settings (None: not an accelerate FSDP or DDP launch)."""
-    from fsdp_recipes.config.accelerate_config import errors
+    from fsdp_recipes.config.accelerate_config import SAVE_ONLY_MODEL, errors
 
+    if str(getattr(raw, "save_only_model", None)).lower() == "true":  # under every launch, with or without FSDP or a config
+        raise RecipeError(f"save_only_model {SAVE_ONLY_MODEL[0]}: {SAVE_ONLY_MODEL[1]}")
     launch = launch_settings()
     if launch is None:
         return None  # nothing to check (a launch without FSDP is refused by parse_args, by name)
