@@ -332,3 +332,34 @@ def test_save_only_model_is_refused_under_every_config(tmp_path, config, capsys)
     assert "save_only_model" in capsys.readouterr().err
     recipe.write_text("save_only_model: false\n")
     assert not [p for p in check_config(path, str(recipe)) if p.key == "save_only_model"]
+
+
+# Checkpoints whose weights are pickle files, as transformers 4's Trainer wrote them with save_safetensors=false (with and
+# without its optimizer state) and peft's .bin adapter: never unpickled here, so never judged complete or not; kept
+PICKLED = {
+    "bin weights only": ["pytorch_model.bin"],
+    "bin with optimizer state": ["pytorch_model.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth"],
+    "bin shards": ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json"],
+    "bin adapter": ["adapter_model.bin", "adapter_config.json"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(PICKLED))
+def test_a_checkpoint_of_pickled_weights_is_never_offered_for_deletion_nor_deleted(tmp_path, case):
+    """Review of this change (F1): transformers 4's .bin checkpoints were INCOMPLETE, 'pass --overwrite_output_dir true
+    to delete them', and on the flag's list. The files are written as bytes: nothing here unpickles them."""
+    run = tmp_path / "run"
+    ckpt = run / "checkpoint-4"
+    ckpt.mkdir(parents=True)
+    for name in PICKLED[case]:
+        (ckpt / name).write_bytes(b"PK\x03\x04 pickled weights, not read here" if name.endswith((".bin", ".pt", ".pth")) else b"{}")
+    (ckpt / "config.json").write_text('{"model_type": "llama"}')
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 4, "log_history": []}))
+    before = snapshot(run)
+    status = checkpoint_status(ckpt)
+    assert status.may_be_good and not status.resumable and "pickle files" in status.unreadable
+    text = refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=False))
+    assert "--overwrite_output_dir true" not in text
+    refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=True))
+    refusal(lambda: resolve_resume("true", str(run)))
+    assert snapshot(run) == before

@@ -209,6 +209,9 @@ WEIGHTS_ONLY = "WEIGHTS_ONLY"  # state_dict_type of a checkpoint holding safeten
 _WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's: a LoRA run's weights under the stock Trainer (beside ADAPTER_CONFIG)
 _OPTIMIZER_STATE = (OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, FULL_OPTIMIZER_FILE)
+# model weights in pickle files (the stock Trainer's with save_safetensors=false, peft's .bin adapter): never unpickled
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_model.bin")
+PICKLED_SHARD = re.compile(r"pytorch_model-\d+-of-\d+\.bin")
 
 
 def _weights_only_layout(ckpt: Path) -> bool:
@@ -354,6 +357,14 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
 
     ranks: set[int] = set()
     fsdp_files = (ckpt / DCP_MODEL_DIR).is_dir() or (ckpt / OPTIMIZER_DIR).is_dir() or (ckpt / FULL_MODEL_FILE).is_file()
+    pickled = sorted(p.name for p in ckpt.iterdir() if p.name in PICKLED_WEIGHTS or PICKLED_SHARD.fullmatch(p.name))
+    if pickled and finished and not fsdp_files:
+        # transformers 4's save_safetensors=false, or peft's .bin adapter: a model we never unpickle, so cannot judge; it
+        # may be good, so never skipped, set aside or deleted (may_be_complete)
+        status.state_dict_type = "PICKLED_WEIGHTS"
+        status.unreadable = (f"its weights are pickle files ({', '.join(pickled[:2])}), which this repository never unpickles; "
+                             "convert them to safetensors where you trust the file, or move the checkpoint out of output_dir")
+        return
     if _weights_only_layout(ckpt):  # save_only_model's: judged by its weights alone (no scheduler or RNG state either)
         status.state_dict_type = WEIGHTS_ONLY
         if weights := weights_problems(ckpt):
