@@ -139,6 +139,25 @@ def test_a_record_holding_a_character_only_str_splitlines_ends_lines_at_loads(tm
     assert len(dataset) > 0
 
 
+@pytest.mark.parametrize("lines_per_cell", [2, 7, 40])
+def test_a_csv_over_the_sample_with_multi_line_cells_before_the_text_loads(tmp_path, tokenizer, lines_per_cell):
+    """The first MiB ends inside a quoted cell of many lines, before the text column: the cut row was judged, as a row
+    whose text cell is empty (final review F3). The last row read is not judged; datasets loads the file."""
+    import csv
+
+    path = tmp_path / "data.csv"
+    note = "\n".join(f"note line {i} " + "x" * 40 for i in range(lines_per_cell))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["notes", "text"])
+        written = 0
+        while written < SAMPLE_BYTES + 100_000:
+            writer.writerow([note, "hello world document"])
+            written += len(note) + 30
+    dataset, _, _ = build(tmp_path, tokenizer, "--train_file", str(path), "--max_train_samples", "50")
+    assert len(dataset) > 0
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 @pytest.mark.parametrize("first_chat", [2, 5, 40])
 def test_chat_records_after_text_ones_are_one_line_before_the_run(tmp_path, tokenizer, first_chat, suffix):

@@ -257,20 +257,26 @@ def _csv_problem(text: str, cut: bool, args) -> str | None:
     import csv
     import io
 
-    if cut:
-        text = text[: text.rfind("\n") + 1]  # the last line may be cut
     # newline="": a quoted cell may hold line breaks, and U+2028 is no line end (str.splitlines cut rows there)
     reader = csv.reader(io.StringIO(text, newline=""))
-    header = next(reader, None)
-    if header is None:
+    rows = []  # (the line a row ends on, the row)
+    try:
+        for row in reader:
+            rows.append((reader.line_num, row))
+    except csv.Error:  # e.g. a quote never closed: the loader's error, named with its line by train/data.py
+        pass
+    if cut and rows:
+        rows.pop()  # the sample ends inside the last row read, maybe inside a quoted multi-line cell: not judged
+    if not rows:
         return None
+    header = rows[0][1]
     if args.data_format != "chat" and args.text_column not in header:
         if other := other_format(dict.fromkeys(header), args):
             return f"the CSV {other}"
         return f"the CSV header ({', '.join(header)[:120]}) has no {args.text_column!r} column: set text_column"
     if args.text_column in header:
         column = header.index(args.text_column)
-        for row in reader:
+        for line, row in rows[1:]:
             if row and (len(row) <= column or not row[column].strip()):
-                return f"line {reader.line_num}: the {args.text_column!r} cell is empty: fix or drop that row"
+                return f"line {line}: the {args.text_column!r} cell is empty: fix or drop that row"
     return None
