@@ -397,3 +397,10 @@ def test_the_trainers_fsdp_flag_beside_an_accelerate_fsdp_launch_is_refused(tmp_
     with pytest.raises(RecipeError, match="FSDP are both given: set FSDP in one place"):
         parse_args(["--fsdp", fsdp, "--output_dir", str(tmp_path)])
     parse_args(["--output_dir", str(tmp_path)])  # the launch's FSDP alone
+
+
+@pytest.mark.parametrize("metric", ["accuracy", "eval_ppl", "eval_f1", "bleu"])
+def test_a_best_model_metric_no_evaluation_reports_is_refused_before_training(tmp_path, metric):
+    """The Trainer's KeyError came at the first evaluation with a save, mid-run (final review W5)."""
+    with pytest.raises(RecipeError, match=f"metric_for_best_model='{metric}' is not reported"):
+        parse_args(["--metric_for_best_model", metric, *EVAL_DATA, "--output_dir", str(tmp_path), *NO_FSDP])

@@ -71,10 +71,19 @@ def check_task_flags(raw, data_args: DataArguments, explicit: set[str]) -> None:
 LOWER_IS_BETTER = ("perplexity", "eval_perplexity")
 
 
+# what every evaluation of this script reports (no compute_metrics): the Trainer's own, and eval_perplexity
+EVAL_METRICS = ("loss", "perplexity", "runtime", "samples_per_second", "steps_per_second")
+
+
 def best_metric_direction(raw, explicit: set[str]) -> None:
-    """greater_is_better for metric_for_best_model, where the Trainer's default would be wrong (set on ``raw``, from
-    which TrainingArguments is built); a value given stays."""
-    if getattr(raw, "metric_for_best_model", None) in LOWER_IS_BETTER and "greater_is_better" not in explicit:
+    """metric_for_best_model must be one every evaluation reports (another is the Trainer's KeyError at the first
+    evaluation, mid-run); greater_is_better is set where the Trainer's default would be wrong (on ``raw``, from which
+    TrainingArguments is built); a value given stays."""
+    metric = getattr(raw, "metric_for_best_model", None)
+    if metric is not None and str(metric).removeprefix("eval_") not in EVAL_METRICS:
+        raise RecipeError(f"metric_for_best_model={metric!r} is not reported by this script's evaluations (no compute_metrics "
+                          f"here): use one of {', '.join(f'eval_{m}' for m in EVAL_METRICS[:2])} (or drop it: eval_loss)")
+    if metric in LOWER_IS_BETTER and "greater_is_better" not in explicit:
         raw.greater_is_better = False
 
 
