@@ -299,6 +299,7 @@ def test_a_command_gets_the_interrupt_even_when_the_check_runs_with_sigint_ignor
     assert proc.returncode == 124 and "interrupted" in proc.stdout, proc
 
 
+@pytest.mark.slow  # 7 s waiting out a deadline: the full tier keeps the quick one under 3 minutes
 def test_a_command_at_its_deadline_is_interrupted_and_says_what_it_has(tmp_path, monkeypatch):
     """pytest killed at the budget left "FFFFFFsFF" and no reason; interrupted (SIGINT), it prints its failures. The
     command here stands for pytest: on the interrupt it prints its summary."""

@@ -236,6 +236,7 @@ def finalizer_outcomes() -> dict[str, str]:
     return _finalizer_scenarios(*FINALIZER_CASES, *(f"del:{pair}" for pair in SIGNAL_PAIRS))
 
 
+@pytest.mark.slow  # seconds of subprocess scenarios: the full tier keeps the quick one under 3 minutes
 def test_a_stop_that_lands_in_a_finalizer_still_stops_the_run_without_a_traceback(finalizer_outcomes):
     """Python swallows (and prints) an exception raised in a finalizer: a stop or Ctrl-C whose handler raised there was
     lost and the run trained on (seen as a traceback in the one-line stop test). Now the handler does not raise there
@@ -289,6 +290,7 @@ atexit.register(os.kill, os.getpid(), signal.SIGINT)  # runs first: Ctrl-C as th
 """
 
 
+@pytest.mark.slow  # seconds of subprocess scenarios: the full tier keeps the quick one under 3 minutes
 def test_an_interrupt_at_exit_is_not_sent_again_into_the_next_exit_callback():
     """(hostile review) a KeyboardInterrupt in an atexit callback reaches the unraisable hook too; sent again, it
     aborted every later exit callback in turn, silently. At exit it is reported as Python always did."""
