@@ -104,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         if given & set(pair):  # a source on the command line replaces the recipe's, whichever kind it is
             for key in set(pair) - given:
                 recipe.pop(key, None)
+    set_keys = given | set(recipe)  # the keys a flag or the recipe set, as against argparse's defaults
     parser.set_defaults(**recipe)
     raw = parser.parse_args(argv)  # plain values: no dataclass, no process group yet
     expand_home(raw)
@@ -119,8 +120,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
                           "--fsdp_sharding_strategy): drop fsdp and fsdp_config")
     model_args, data_args, run_args = (build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
     check_training_values(raw, model_args, data_args)
-    check_task_flags(raw, data_args, explicit=given | set(recipe))
-    best_metric_direction(raw, explicit=given | set(recipe))
+    check_task_flags(raw, data_args, explicit=set_keys)
+    best_metric_direction(raw, explicit=set_keys)
     plan.run_args = run_args
     output_dir = raw.output_dir or "trainer_output"
     # Which checkpoint a resume uses (reading its files), what it sets aside and the requeue record are decided once
@@ -142,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if run_args.zero1 and fsdp:  # the accelerate-launch route is named by the config check above, by file and key
         raise RecipeError(f"zero1 {ZERO1_UNDER_FSDP}: drop zero1, or launch with accelerate_configs/ddp.yaml")
     # last: it asks the hub. The Trainer's own push would upload output_dir at every save (hub_push's docstring)
-    plan.push = push_plan(raw, explicit=given | set(recipe))
+    plan.push = push_plan(raw, explicit=set_keys)
     raw.push_to_hub = False
     if warning := launcher.unused_accelerators_warning():
         say(warning)
