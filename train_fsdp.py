@@ -16,8 +16,10 @@ from pathlib import Path
 
 def before_training(how: str) -> str:
     """The line for a stop or Ctrl-C before training started (``how``: "interrupted", "stopped by SIGTERM")."""
-    return (f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same command "
-            "again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)")
+    return (
+        f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same command "
+        "again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)"
+    )
 
 
 def _stopped_while_importing(signum, frame):
@@ -51,7 +53,14 @@ from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_ste
 from fsdp_recipes.train.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
 from fsdp_recipes.train.modeling import load_model, load_tokenizer, lora_base, lora_base_identity, use_lora_base
 from fsdp_recipes.train.preemption import (
-    Stopped, quiet_stops, stop_received, training_began, wait_for_stop, was_interrupted, watch_interrupts, watch_stops,
+    Stopped,
+    quiet_stops,
+    stop_received,
+    training_began,
+    wait_for_stop,
+    was_interrupted,
+    watch_interrupts,
+    watch_stops,
 )
 from fsdp_recipes.train.profiling import StepProfiler
 from fsdp_recipes.train.trainer import FSDPTrainer
@@ -77,8 +86,10 @@ def main(model_args, data_args, plan):
     preflight.hold_output_dir(training_args)  # one run per output_dir
     preflight.apply(plan, training_args, say=logger.warning)  # set aside or delete what the checks decided (rank 0)
     if plan.push is not None:
-        logger.info(f"--push_to_hub: the final model folder is uploaded to {plan.push.describe()} at the end, once "
-                    "(checkpoints stay in output_dir: sharded, they are no model)")
+        logger.info(
+            f"--push_to_hub: the final model folder is uploaded to {plan.push.describe()} at the end, once "
+            "(checkpoints stay in output_dir: sharded, they are no model)"
+        )
     # A resume keeps the record of the run that wrote its checkpoints until every check below has passed: a refused
     # resume (another model, another LoRA base) rewrote it before. A new run writes it first: it marks output_dir ours.
     resuming = bool(training_args.resume_from_checkpoint) and preflight.has_run_record(training_args)
@@ -94,10 +105,18 @@ def main(model_args, data_args, plan):
         )
         if training_args.process_index == 0:
             try:
-                export_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir,
-                                  base_model=lora_base(model_args, training_args.output_dir) or model_args.model_name_or_path or model_args.config_name,
-                                  log=logger.info, dtype=plan.run_args.save_dtype)
-            except CheckpointError as err:  # one line with its fix (no room, a damaged checkpoint), as the export after training
+                export_checkpoint(
+                    training_args.resume_from_checkpoint,
+                    training_args.output_dir,
+                    base_model=lora_base(model_args, training_args.output_dir)
+                    or model_args.model_name_or_path
+                    or model_args.config_name,
+                    log=logger.info,
+                    dtype=plan.run_args.save_dtype,
+                )
+            except (
+                CheckpointError
+            ) as err:  # one line with its fix (no room, a damaged checkpoint), as the export after training
                 raise RecipeError(f"the final export failed: {err}") from None
             if note := stale_model_note(training_args.output_dir):
                 logger.warning(note)
@@ -107,13 +126,18 @@ def main(model_args, data_args, plan):
 
     # ---------- model and tokenizer ----------
     set_seed(training_args.seed)
-    use_lora_base(model_args, training_args.output_dir, log=logger.info)  # LoRA on a config: its random base, saved once
+    use_lora_base(
+        model_args, training_args.output_dir, log=logger.info
+    )  # LoRA on a config: its random base, saved once
     tokenizer = load_tokenizer(model_args)
 
     # ---------- data ----------
     with training_args.main_process_first(desc="dataset preprocessing"):
         train_dataset, eval_dataset, collator = build_datasets(data_args, tokenizer, training_args.seed)
-    logger.info(f"training examples: {len(train_dataset):,}" + (f", evaluation examples: {len(eval_dataset):,}" if eval_dataset else ""))
+    logger.info(
+        f"training examples: {len(train_dataset):,}"
+        + (f", evaluation examples: {len(eval_dataset):,}" if eval_dataset else "")
+    )
     check_run_length(training_args, len(train_dataset), plan.run_args.profile_steps)  # needs the data's size
 
     model = load_model(model_args, tokenizer)
@@ -141,12 +165,22 @@ def main(model_args, data_args, plan):
     if problem := save_dtype_problem(trainer, plan.run_args.save_dtype):
         raise RecipeError(problem)  # every rank alike, before training
     if plan.run_args.profile_steps:
-        trainer.add_callback(StepProfiler(*parse_steps(plan.run_args.profile_steps), training_args.output_dir, training_args.process_index))
+        trainer.add_callback(
+            StepProfiler(
+                *parse_steps(plan.run_args.profile_steps), training_args.output_dir, training_args.process_index
+            )
+        )
     trainer.throughput.flops_per_token = flops_per_token(model, data_args.block_size)
     trainer.throughput.peak = device_peak_flops(plan.run_args.peak_tflops)
-    if trainer.inexact_full_resume() and training_args.save_strategy != "no" and not training_args.resume_from_checkpoint:
-        logger.warning("FSDP1 with fsdp_state_dict_type: FULL_STATE_DICT and fsdp_use_orig_params: true writes checkpoints that "
-                       "do not resume exactly (torch 2.13): a resume is refused; SHARDED_STATE_DICT (every shipped config) resumes exactly")
+    if (
+        trainer.inexact_full_resume()
+        and training_args.save_strategy != "no"
+        and not training_args.resume_from_checkpoint
+    ):
+        logger.warning(
+            "FSDP1 with fsdp_state_dict_type: FULL_STATE_DICT and fsdp_use_orig_params: true writes checkpoints that "
+            "do not resume exactly (torch 2.13): a resume is refused; SHARDED_STATE_DICT (every shipped config) resumes exactly"
+        )
     if training_args.save_strategy != "no":
         logger.info(trainer.async_saves.describe())
     if training_args.resume_from_checkpoint:
@@ -179,7 +213,9 @@ def main(model_args, data_args, plan):
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
     trainer.save_state()
-    if training_args.process_index == 0 and (plot := plot_losses(trainer.state.log_history, Path(training_args.output_dir) / LOSS_PLOT)):
+    if training_args.process_index == 0 and (
+        plot := plot_losses(trainer.state.log_history, Path(training_args.output_dir) / LOSS_PLOT)
+    ):
         logger.info(f"loss curve: {plot}")
 
     # ---------- save ----------
@@ -198,7 +234,9 @@ def main(model_args, data_args, plan):
     if training_args.process_index == 0:
         upload(plan.push, training_args.output_dir, trainer.state.global_step)
     if late := trainer.preemption.late():  # the run is complete: exit 0, and say why the signal changed nothing
-        logger.warning(f"{late} arrived after the last training step: the run had finished, and its model was written; nothing is left to do")
+        logger.warning(
+            f"{late} arrived after the last training step: the run had finished, and its model was written; nothing is left to do"
+        )
 
 
 def upload(push, output_dir: str, step: int | None) -> None:
@@ -211,19 +249,27 @@ def stale_model_note(output_dir: str) -> str | None:
     """A run folder an earlier version wrote its model into (config.json and weights at its top level), resumed since:
     that model is an earlier step's, and stays where it is (ours to read, not to delete)."""
     out = Path(output_dir)
-    if (out / "config.json").is_file() and any((out / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")):
-        return (f"{out} still holds the model an earlier version of this repository wrote at its top level (config.json and "
-                f"weights): it is an earlier step's; this run's final model is {out / FINAL_MODEL_DIR}. Delete the old files "
-                "by hand if you no longer need them")
+    if (out / "config.json").is_file() and any(
+        (out / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")
+    ):
+        return (
+            f"{out} still holds the model an earlier version of this repository wrote at its top level (config.json and "
+            f"weights): it is an earlier step's; this run's final model is {out / FINAL_MODEL_DIR}. Delete the old files "
+            "by hand if you no longer need them"
+        )
     return None
 
 
 def final_line(output_dir: str) -> str:
     """The run's last line: where the model is, alone in its folder (what from_pretrained and an upload take)."""
     out = Path(output_dir)
-    adapter = f"; its LoRA adapter: {out / ADAPTER_DIR}" if (out / ADAPTER_DIR / "adapter_config.json").is_file() else ""
-    return (f"model saved to {out / FINAL_MODEL_DIR} (only the model: loads with AutoModelForCausalLM.from_pretrained, uploads "
-            f"with `hf upload`){adapter}; checkpoints and run records stay in {out}")
+    adapter = (
+        f"; its LoRA adapter: {out / ADAPTER_DIR}" if (out / ADAPTER_DIR / "adapter_config.json").is_file() else ""
+    )
+    return (
+        f"model saved to {out / FINAL_MODEL_DIR} (only the model: loads with AutoModelForCausalLM.from_pretrained, uploads "
+        f"with `hf upload`){adapter}; checkpoints and run records stay in {out}"
+    )
 
 
 def device_peak_flops(tflops: float | None) -> float | None:
@@ -234,7 +280,9 @@ def device_peak_flops(tflops: float | None) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     if tflops is None and (tflops := peak_tflops(name)) is None:
-        logger.warning(f"MFU is not reported: {name!r} is not in fsdp_recipes/train/metrics.py's table; pass --peak_tflops")
+        logger.warning(
+            f"MFU is not reported: {name!r} is not in fsdp_recipes/train/metrics.py's table; pass --peak_tflops"
+        )
         return None
     return tflops * 1e12
 
@@ -288,9 +336,16 @@ def run() -> None:
         fail(before_training(f"stopped by {stop.describe()}"), 128 + stop.signum)
     except KeyboardInterrupt as stop:
         if training_began():
-            go_on = getattr(stop, "advice", "run the same command with --resume_from_checkpoint true to continue from the last checkpoint")
-            fail(f"train_fsdp.py: interrupted: nothing was saved since the last checkpoint; {go_on} (SIGTERM or "
-                 "SIGUSR1 instead of Ctrl-C saves one first)", 130)
+            go_on = getattr(
+                stop,
+                "advice",
+                "run the same command with --resume_from_checkpoint true to continue from the last checkpoint",
+            )
+            fail(
+                f"train_fsdp.py: interrupted: nothing was saved since the last checkpoint; {go_on} (SIGTERM or "
+                "SIGUSR1 instead of Ctrl-C saves one first)",
+                130,
+            )
         else:  # parsing, --help, loading: nothing of this run to lose
             fail(before_training("interrupted"), 130)
 

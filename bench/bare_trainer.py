@@ -26,8 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 @dataclass
 class BareArguments:
     config_name: str = field(metadata={"help": "folder with the model's config.json"})
-    tokenizer_name: str = field(default=str(REPO / "assets" / "tiny-llama"), metadata={"help": "folder of the tokenizer"})
-    train_file: str = field(default=str(REPO / "assets" / "data" / "tiny_corpus.txt"), metadata={"help": "text file, one document per line"})
+    tokenizer_name: str = field(
+        default=str(REPO / "assets" / "tiny-llama"), metadata={"help": "folder of the tokenizer"}
+    )
+    train_file: str = field(
+        default=str(REPO / "assets" / "data" / "tiny_corpus.txt"), metadata={"help": "text file, one document per line"}
+    )
     block_size: int = field(default=128, metadata={"help": "tokens per packed block"})
 
 
@@ -36,11 +40,16 @@ def main() -> None:
         cpu_fsdp.enable_ddp()
     cpu_fsdp.choose_cpu_precision(False, False)  # fp32 on a CPU without native bf16, as train_fsdp.py (a fair baseline)
     from datasets import load_dataset
-    from transformers import (
-        AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments, default_data_collator,
-    )
-
     from step_times import StepTimes
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        HfArgumentParser,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+    )
 
     bare, args = HfArgumentParser((BareArguments, TrainingArguments)).parse_args_into_dataclasses()
     args.report_to, args.save_strategy = [], "no"
@@ -50,12 +59,14 @@ def main() -> None:
 
     def pack(batch):
         flat = [t for doc in batch["input_ids"] for t in doc + [tokenizer.eos_token_id]]
-        blocks = [flat[i:i + bare.block_size] for i in range(0, len(flat) - bare.block_size + 1, bare.block_size)]
+        blocks = [flat[i : i + bare.block_size] for i in range(0, len(flat) - bare.block_size + 1, bare.block_size)]
         return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
     train = ids.map(pack, batched=True, remove_columns=ids.column_names)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(bare.config_name))
-    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator, callbacks=[StepTimes()])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=train, data_collator=default_data_collator, callbacks=[StepTimes()]
+    )
     trainer.train()
     # Without it gloo's worker threads meet interpreter teardown: now and then SIGABRT ("terminate called without
     # an active exception", pytorch/pytorch#190489) after a run that succeeded. accelerate does it on end_training.

@@ -42,7 +42,10 @@ def save(state, folder: Path, kind: str) -> tuple[float, float, dict]:
     files = ShardFiles()
     keep_crc = mock.patch.object(torch.serialization, "set_crc32_options", lambda _: None)  # our writer's switch, held
     wall, cpu = time.perf_counter(), time.process_time()
-    with checkpoint_saves(files, direct=kind != "page cache"), keep_crc if kind == "direct, CRC kept" else contextlib.nullcontext():
+    with (
+        checkpoint_saves(files, direct=kind != "page cache"),
+        keep_crc if kind == "direct, CRC kept" else contextlib.nullcontext(),
+    ):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
     return time.perf_counter() - wall, time.process_time() - cpu, files.report()
 
@@ -61,7 +64,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--gigabytes", type=float, default=1.6, help="size of the state dict (fp32 tensors of 16 MiB)")
     p.add_argument("--repeats", type=int, default=3, help="saves of each kind, alternated")
-    p.add_argument("--folder", type=Path, help="where to write (default: a temporary folder in /tmp); its filesystem is what is measured")
+    p.add_argument(
+        "--folder",
+        type=Path,
+        help="where to write (default: a temporary folder in /tmp); its filesystem is what is measured",
+    )
     p.add_argument("--output", type=Path, help="write the results as JSON here")
     a = p.parse_args(argv)
     import warnings
@@ -81,21 +88,35 @@ def main(argv=None) -> int:
                 folder = parent / f"{folders[kind]}-{i}"
                 wall, cpu, files = save(state, folder, kind)
                 times[kind].append((wall, cpu))
-                print(f"  {kind:16s} {i}: {wall:6.2f} s wall, {cpu:6.2f} s CPU {files if kind != 'page cache' else ''}", flush=True)
+                print(
+                    f"  {kind:16s} {i}: {wall:6.2f} s wall, {cpu:6.2f} s CPU {files if kind != 'page cache' else ''}",
+                    flush=True,
+                )
         same = all(loads_the_same(state, parent / f"{folders[kind]}-0") for kind in times)
     finally:
         remove(parent, WORK)
     med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
-    result = {"bytes": nbytes, "repeats": a.repeats, "median_wall_seconds": {k: round(v[0], 3) for k, v in med.items()},
-              "median_cpu_seconds": {k: round(v[1], 3) for k, v in med.items()},
-              "direct_vs_page_cache": {"wall": round(med["direct"][0] / med["page cache"][0], 3), "cpu": round(med["direct"][1] / med["page cache"][1], 3)},
-              "direct_crc_kept_vs_page_cache": {"wall": round(med["direct, CRC kept"][0] / med["page cache"][0], 3),
-                                                 "cpu": round(med["direct, CRC kept"][1] / med["page cache"][1], 3)},
-              "same_tensors_loaded": same}
-    print(f"{nbytes / 1e9:.2f} GB DCP shard, median of {a.repeats}: page cache {med['page cache'][0]:.2f} s wall / {med['page cache'][1]:.2f} s CPU, "
-          f"direct, CRC kept {med['direct, CRC kept'][0]:.2f} s / {med['direct, CRC kept'][1]:.2f} s, "
-          f"direct {med['direct'][0]:.2f} s / {med['direct'][1]:.2f} s (x{result['direct_vs_page_cache']['wall']:.2f} wall, "
-          f"x{result['direct_vs_page_cache']['cpu']:.2f} CPU); every kind loads the tensors saved: {same}")
+    result = {
+        "bytes": nbytes,
+        "repeats": a.repeats,
+        "median_wall_seconds": {k: round(v[0], 3) for k, v in med.items()},
+        "median_cpu_seconds": {k: round(v[1], 3) for k, v in med.items()},
+        "direct_vs_page_cache": {
+            "wall": round(med["direct"][0] / med["page cache"][0], 3),
+            "cpu": round(med["direct"][1] / med["page cache"][1], 3),
+        },
+        "direct_crc_kept_vs_page_cache": {
+            "wall": round(med["direct, CRC kept"][0] / med["page cache"][0], 3),
+            "cpu": round(med["direct, CRC kept"][1] / med["page cache"][1], 3),
+        },
+        "same_tensors_loaded": same,
+    }
+    print(
+        f"{nbytes / 1e9:.2f} GB DCP shard, median of {a.repeats}: page cache {med['page cache'][0]:.2f} s wall / {med['page cache'][1]:.2f} s CPU, "
+        f"direct, CRC kept {med['direct, CRC kept'][0]:.2f} s / {med['direct, CRC kept'][1]:.2f} s, "
+        f"direct {med['direct'][0]:.2f} s / {med['direct'][1]:.2f} s (x{result['direct_vs_page_cache']['wall']:.2f} wall, "
+        f"x{result['direct_vs_page_cache']['cpu']:.2f} CPU); every kind loads the tensors saved: {same}"
+    )
     if a.output:
         a.output.write_text(json.dumps(result, indent=1) + "\n")
     return 0 if same else 1

@@ -33,7 +33,17 @@ sys.path.insert(0, str(REPO))
 from fsdp_recipes.console import HelpFormatter  # noqa: E402
 
 HIDDEN, KV, MLP = 2048, 512, 8192  # Llama-3.2-1B
-LAYER = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (MLP, HIDDEN), (MLP, HIDDEN), (HIDDEN, MLP), (HIDDEN,), (HIDDEN,)]
+LAYER = [
+    (HIDDEN, HIDDEN),
+    (KV, HIDDEN),
+    (KV, HIDDEN),
+    (HIDDEN, HIDDEN),
+    (MLP, HIDDEN),
+    (MLP, HIDDEN),
+    (HIDDEN, MLP),
+    (HIDDEN,),
+    (HIDDEN,),
+]
 
 
 def shapes(gigabytes: float) -> list[tuple]:
@@ -70,8 +80,14 @@ def child(kind: str, gigabytes: float) -> dict:
     params = [dtensor(s) for s in shapes(gigabytes)]
     moments = [(dtensor(p.shape), dtensor(p.shape)) for p in params]
     model = {"model": {f"w{i}": p for i, p in enumerate(params)}}
-    optim = {"optimizer": {"state": {f"w{i}": {"exp_avg": a, "exp_avg_sq": b, "step": torch.tensor(1.0)} for i, (a, b) in enumerate(moments)},
-                           "param_groups": [{"lr": 1e-5, "params": [f"w{i}" for i in range(len(params))]}]}}
+    optim = {
+        "optimizer": {
+            "state": {
+                f"w{i}": {"exp_avg": a, "exp_avg_sq": b, "step": torch.tensor(1.0)} for i, (a, b) in enumerate(moments)
+            },
+            "param_groups": [{"lr": 1e-5, "params": [f"w{i}" for i in range(len(params))]}],
+        }
+    }
     x = torch.randn(2048, 2048, device=device)
 
     def work(n: int = 40 if cuda else 4) -> float:  # a fixed stretch of training-like work on this thread
@@ -108,18 +124,32 @@ def child(kind: str, gigabytes: float) -> dict:
     for p in params[:3]:
         p.to_local().add_(1.0)
     later, again = save()
-    for copy, live in ((again[0]["model"], model["model"]), (again[1]["optimizer"]["state"], optim["optimizer"]["state"])):
+    for copy, live in (
+        (again[0]["model"], model["model"]),
+        (again[1]["optimizer"]["state"], optim["optimizer"]["state"]),
+    ):
         for name in list(live)[:4] + list(live)[-2:]:
-            pairs = [(copy[name], live[name])] if not isinstance(live[name], dict) else [(copy[name][k], live[name][k]) for k in ("exp_avg", "exp_avg_sq")]
-            for c, l in pairs:
-                assert c.to_local().device.type == "cpu" and torch.equal(c.to_local(), l.to_local().cpu()), name
+            pairs = (
+                [(copy[name], live[name])]
+                if not isinstance(live[name], dict)
+                else [(copy[name][k], live[name][k]) for k in ("exp_avg", "exp_avg_sq")]
+            )
+            for c, v in pairs:
+                assert c.to_local().device.type == "cpu" and torch.equal(c.to_local(), v.to_local().cpu()), name
     assert staged[0]["model"]["w0"].to_local().data_ptr() == again[0]["model"]["w0"].to_local().data_ptr()  # reused
     dist.destroy_process_group()
     staged_bytes = sum(t.numel() * t.element_size() for t in params + [t for pair in moments for t in pair])
-    return {"kind": kind, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-            "staged_bytes": staged_bytes, "first_save_seconds": round(first, 4), "later_save_seconds": round(later, 4),
-            "work_seconds_alone": round(alone, 5), "work_seconds_while_ahead": None if during is None else round(during, 5),
-            "ahead": report}
+    return {
+        "kind": kind,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "staged_bytes": staged_bytes,
+        "first_save_seconds": round(first, 4),
+        "later_save_seconds": round(later, 4),
+        "work_seconds_alone": round(alone, 5),
+        "work_seconds_while_ahead": None if during is None else round(during, 5),
+        "ahead": report,
+    }
 
 
 def launch(kind: str, gigabytes: float) -> dict:
@@ -127,49 +157,75 @@ def launch(kind: str, gigabytes: float) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--gigabytes", str(gigabytes)], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", kind, "--gigabytes", str(gigabytes)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
-        raise SystemExit(f"bench/first_save.py: the {kind} run failed (exit status {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"bench/first_save.py: the {kind} run failed (exit status {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-KINDS = {"at-save": "made at the save (before)",
-         "ahead": "made ahead (now): faulted in on 4 threads, then page-locked (cudaHostRegister) on a GPU",
-         "ahead-allocator": "made ahead by torch's pinned allocator (GPU)",
-         "ahead-pageable": "made ahead, faulted in, not page-locked"}
+KINDS = {
+    "at-save": "made at the save (before)",
+    "ahead": "made ahead (now): faulted in on 4 threads, then page-locked (cudaHostRegister) on a GPU",
+    "ahead-allocator": "made ahead by torch's pinned allocator (GPU)",
+    "ahead-pageable": "made ahead, faulted in, not page-locked",
+}
 
 
 def table(runs: list[dict]) -> str:
     kinds = {k: [r for r in runs if r["kind"] == k] for k in KINDS if any(r["kind"] == k for r in runs)}
     med = lambda k, key: statistics.median(r[key] for r in kinds[k])  # noqa: E731
-    lines = [f"First background save's staging on the training thread, {runs[0]['staged_bytes'] / 2**30:.2f} GiB of one rank's "
-             f"shards (weights + Adam), {runs[0]['device']}, torch {runs[0]['torch']}; medians of {len(kinds['at-save'])} fresh "
-             "process(es) per kind, alternated:", "",
-             "| host copy | first save (s) | later save (s) | buffers made ahead in (s) | training-thread work while they were made / alone |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"First background save's staging on the training thread, {runs[0]['staged_bytes'] / 2**30:.2f} GiB of one rank's "
+        f"shards (weights + Adam), {runs[0]['device']}, torch {runs[0]['torch']}; medians of {len(kinds['at-save'])} fresh "
+        "process(es) per kind, alternated:",
+        "",
+        "| host copy | first save (s) | later save (s) | buffers made ahead in (s) | training-thread work while they were made / alone |",
+        "|---|---|---|---|---|",
+    ]
     for kind, rows in kinds.items():
         if kind == "at-save":
-            lines.append(f"| {KINDS[kind]} | {med(kind, 'first_save_seconds'):.3f} | {med(kind, 'later_save_seconds'):.3f} | - | - |")
+            lines.append(
+                f"| {KINDS[kind]} | {med(kind, 'first_save_seconds'):.3f} | {med(kind, 'later_save_seconds'):.3f} | - | - |"
+            )
             continue
-        slowdown = [r["work_seconds_while_ahead"] / r["work_seconds_alone"] for r in rows if r["work_seconds_while_ahead"]]
-        lines.append(f"| {KINDS[kind]} | {med(kind, 'first_save_seconds'):.3f} | {med(kind, 'later_save_seconds'):.3f} | "
-                     f"{statistics.median(r['ahead']['seconds'] for r in rows):.3f} | "
-                     f"{(f'{statistics.median(slowdown):.2f}x' if slowdown else 'finished before the first measurement')} |")
+        slowdown = [
+            r["work_seconds_while_ahead"] / r["work_seconds_alone"] for r in rows if r["work_seconds_while_ahead"]
+        ]
+        lines.append(
+            f"| {KINDS[kind]} | {med(kind, 'first_save_seconds'):.3f} | {med(kind, 'later_save_seconds'):.3f} | "
+            f"{statistics.median(r['ahead']['seconds'] for r in rows):.3f} | "
+            f"{(f'{statistics.median(slowdown):.2f}x' if slowdown else 'finished before the first measurement')} |"
+        )
     lines.append("")
     for kind, rows in kinds.items():
         if kind != "at-save":
             ratio = med(kind, "first_save_seconds") / med("at-save", "first_save_seconds")
-            lines.append(f"First save, {KINDS[kind]}, against made at the save: {ratio:.2f}x. Buffers taken / made at the save: "
-                         f"{rows[0]['ahead']['tensors_taken']} / {rows[0]['ahead']['tensors_made_at_save']}.")
+            lines.append(
+                f"First save, {KINDS[kind]}, against made at the save: {ratio:.2f}x. Buffers taken / made at the save: "
+                f"{rows[0]['ahead']['tensors_taken']} / {rows[0]['ahead']['tensors_made_at_save']}."
+            )
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=HelpFormatter)
-    parser.add_argument("--gigabytes", type=float, default=1.0, help="fp32 weights of the rank's shards (Adam adds twice that)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--gigabytes", type=float, default=1.0, help="fp32 weights of the rank's shards (Adam adds twice that)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per kind, alternated")
     parser.add_argument("--output", type=Path, help="folder for README.md and results.json (else printed only)")
-    parser.add_argument("--kinds", default="at-save,ahead", help=f"comma-separated, of: {', '.join(KINDS)} (page-locking: GPU only)")
+    parser.add_argument(
+        "--kinds", default="at-save,ahead", help=f"comma-separated, of: {', '.join(KINDS)} (page-locking: GPU only)"
+    )
     parser.add_argument("--child", choices=tuple(KINDS), help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.gigabytes <= 0 or a.repeats < 1:
@@ -185,7 +241,10 @@ def main(argv=None) -> int:
     print(text, end="")
     if a.output:
         a.output.mkdir(parents=True, exist_ok=True)
-        (a.output / "README.md").write_text(text + f"\n    PYTHONPATH=. python bench/first_save.py --gigabytes {a.gigabytes} --repeats {a.repeats} --kinds {a.kinds}\n")
+        (a.output / "README.md").write_text(
+            text
+            + f"\n    PYTHONPATH=. python bench/first_save.py --gigabytes {a.gigabytes} --repeats {a.repeats} --kinds {a.kinds}\n"
+        )
         (a.output / "results.json").write_text(json.dumps(runs, indent=1) + "\n")
     return 0
 

@@ -71,7 +71,12 @@ def beside_writes(folder: Path, nbytes: int, gil_free_copy: int | None) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--gigabytes", type=float, default=2.0, help="bytes the writing thread writes, in GB")
-    parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()), help="where a folder of ours holds the file while it is written (then removed)")
+    parser.add_argument(
+        "--folder",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="where a folder of ours holds the file while it is written (then removed)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     nbytes = int(args.gigabytes * 1e9)

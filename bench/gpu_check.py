@@ -54,36 +54,66 @@ WHEELS = REPO / "bench" / "wheels"
 # the image lacks too. None: the version requirements.txt pins. bitsandbytes (QLoRA) is 43 MB of the 64 MiB that
 # travel with the tree; the rest about 20 MB.
 CARRY: dict[str, str | None] = {
-    "datasets": None, "dill": "0.4.1", "multiprocess": "0.70.19",
-    "transformers": None, "tokenizers": None, "peft": None,
-    "huggingface_hub": None, "httpx2": "2.16.2", "httpcore2": "2.16.2", "truststore": "0.10.5",
+    "datasets": None,
+    "dill": "0.4.1",
+    "multiprocess": "0.70.19",
+    "transformers": None,
+    "tokenizers": None,
+    "peft": None,
+    "huggingface_hub": None,
+    "httpx2": "2.16.2",
+    "httpcore2": "2.16.2",
+    "truststore": "0.10.5",
     "bitsandbytes": "0.50.2",
 }
-GPU_IMAGE = frozenset("""
+GPU_IMAGE = frozenset(
+    """
 absl-py accelerate aiohttp anyio attrs certifi charset-normalizer click filelock fonttools fsspec h11 hf-xet httpcore
 httpx huggingface-hub idna jinja2 markupsafe matplotlib networkx numpy packaging pandas peft pillow pip pluggy psutil
 pyarrow pydantic pygments pytest python-dateutil pytorch-lightning pyyaml regex requests rich safetensors sentencepiece
 setuptools shellingham six sympy tensorboard tokenizers torch tqdm transformers triton typer typing-extensions urllib3
 xxhash annotated-doc
-""".split())
+""".split()
+)
 PINNED = ("torch", "transformers", "accelerate", "datasets", "peft", "safetensors", "huggingface_hub", "tokenizers")
 
 # The model: Llama-3.2-1B's layers (hidden 2048, 16 layers, MLP 8192, 32 heads, 8 KV heads), 0.97B parameters with
 # the tiny tokenizer's vocabulary; 20 steps of 4 x 1024 tokens.
-MODEL = {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192, "num_attention_heads": 32,
-         "num_key_value_heads": 8, "max_position_embeddings": 2048}
+MODEL = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 2048,
+}
 STEPS, BATCH, SEQ = 20, 4, 1024
 PROCESSES = 1  # the one GPU (the CPU test of this script runs 2: FSDP over gloo needs 2)
-FSDP2 = ["accelerate_configs/zero3.yaml", "accelerate_configs/zero2.yaml", "accelerate_configs/zero3_offload.yaml",
-         "accelerate_configs/hybrid_shard.yaml"]
-FSDP1 = ["accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero2.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml",
-         "accelerate_configs/fsdp1/no_shard.yaml", "accelerate_configs/fsdp1/hybrid_shard.yaml", "accelerate_configs/ddp.yaml"]
-MERGED = {"accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"}  # these also save and merge a checkpoint
+FSDP2 = [
+    "accelerate_configs/zero3.yaml",
+    "accelerate_configs/zero2.yaml",
+    "accelerate_configs/zero3_offload.yaml",
+    "accelerate_configs/hybrid_shard.yaml",
+]
+FSDP1 = [
+    "accelerate_configs/fsdp1/zero3.yaml",
+    "accelerate_configs/fsdp1/zero2.yaml",
+    "accelerate_configs/fsdp1/zero3_offload.yaml",
+    "accelerate_configs/fsdp1/no_shard.yaml",
+    "accelerate_configs/fsdp1/hybrid_shard.yaml",
+    "accelerate_configs/ddp.yaml",
+]
+MERGED = {
+    "accelerate_configs/zero3.yaml",
+    "accelerate_configs/fsdp1/zero3.yaml",
+}  # these also save and merge a checkpoint
 # these save in the background, the first checkpoint mid-run: from a host copy of the GPU shards (zero3) and from
 # the offloaded shards themselves, no copy, the next optimizer step waiting for the write (zero3_offload)
 BACKGROUND_SAVES = {"accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"}
-OFFLOAD_PAIRS = [("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"),
-                 ("accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml")]
+OFFLOAD_PAIRS = [
+    ("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"),
+    ("accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml"),
+]
 TOLERANCE, MFU_BAND = 0.10, (0.05, 0.85)
 # With CPU offload the step waits for the host: Adam over every fp32 parameter in host memory (28 bytes of memory
 # traffic per parameter) and each step's weights up and gradients down over PCIe. On an H200 with 16 host cores the
@@ -109,10 +139,13 @@ def model_config():
     """The ~1B Llama's config: assets/tiny-llama's, with MODEL's shape."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", **MODEL, head_dim=MODEL["hidden_size"] // MODEL["num_attention_heads"])
+    return AutoConfig.from_pretrained(
+        REPO / "assets" / "tiny-llama", **MODEL, head_dim=MODEL["hidden_size"] // MODEL["num_attention_heads"]
+    )
 
 
 # ---------- the wheels and the versions (no GPU needed: tested on CPU) ----------
+
 
 def pins(requirements: Path = REPO / "requirements.txt") -> dict[str, str]:
     """``name==version`` lines of requirements.txt, by normalised name."""
@@ -151,12 +184,18 @@ def version_lines(installed: dict[str, str | None], pinned: dict[str, str]) -> l
         if want is None or version == want:
             continue
         if version is None:
-            lines.append(f"{name}: not installed (requirements.txt pins {want}): put its wheel in bench/wheels (bench/gpu_wheels.sh)")
+            lines.append(
+                f"{name}: not installed (requirements.txt pins {want}): put its wheel in bench/wheels (bench/gpu_wheels.sh)"
+            )
         elif name == "torch":
-            lines.append(f"torch {version} here, requirements.txt pins {want}: the tests and figures of this check are of {version}; "
-                         "fsdp_recipes/compat/cpu_fsdp.py's CPU patches are not used with a GPU")
+            lines.append(
+                f"torch {version} here, requirements.txt pins {want}: the tests and figures of this check are of {version}; "
+                "fsdp_recipes/compat/cpu_fsdp.py's CPU patches are not used with a GPU"
+            )
         else:
-            lines.append(f"{name} {version} here, requirements.txt pins {want}: bench/wheels lacks the pinned wheel, or it did not install")
+            lines.append(
+                f"{name} {version} here, requirements.txt pins {want}: bench/wheels lacks the pinned wheel, or it did not install"
+            )
     return lines
 
 
@@ -164,7 +203,9 @@ def install_wheels(log) -> list[str]:
     """Install the carried wheels the environment lacks or holds in another version; lines saying what happened."""
     wheels = sorted(WHEELS.glob("*.whl")) if WHEELS.is_dir() else []
     if not wheels:
-        return [f"no wheels in {WHEELS}: nothing installed (run bench/gpu_wheels.sh where there is network, and carry bench/wheels)"]
+        return [
+            f"no wheels in {WHEELS}: nothing installed (run bench/gpu_wheels.sh where there is network, and carry bench/wheels)"
+        ]
     wanted = []
     for wheel in wheels:
         name, version = wheel.name.split("-")[:2]
@@ -176,8 +217,11 @@ def install_wheels(log) -> list[str]:
             wanted.append(wheel)
     if not wanted:
         return ["every carried wheel is installed already"]
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", *map(str, wanted)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", *map(str, wanted)],
+        capture_output=True,
+        text=True,
+    )
     log(proc.stdout + proc.stderr)
     names = ", ".join(w.name.split("-")[0] + " " + w.name.split("-")[1] for w in wanted)
     if proc.returncode != 0:
@@ -186,6 +230,7 @@ def install_wheels(log) -> list[str]:
 
 
 # ---------- the table and the checks (no GPU needed: tested on CPU) ----------
+
 
 def check(name: str, value: float | None, low: float | None, high: float | None, detail: str) -> dict:
     """A named comparison against a number: passed only when the value is there and inside [low, high]."""
@@ -199,21 +244,50 @@ def config_checks(row: dict) -> list[dict]:
     name = row["config"]
     if row.get("estimate_states") and not row.get("offload"):
         ratio = row["states_bytes"] / row["estimate_states"]
-        found.append(check(f"{name}: model states / formula", round(ratio, 3), 1 - TOLERANCE, 1 + TOLERANCE,
-                           f"{gib(row['states_bytes'])} against {gib(row['estimate_states'])}"))
+        found.append(
+            check(
+                f"{name}: model states / formula",
+                round(ratio, 3),
+                1 - TOLERANCE,
+                1 + TOLERANCE,
+                f"{gib(row['states_bytes'])} against {gib(row['estimate_states'])}",
+            )
+        )
     if row.get("estimate_peak"):
         ratio = row["peak_allocated"] / row["estimate_peak"] if row.get("peak_allocated") else None
-        found.append(check(f"{name}: peak allocated / estimate", ratio and round(ratio, 3), 1 - TOLERANCE, 1 + TOLERANCE,
-                           f"{gib(row.get('peak_allocated'))} against {gib(row['estimate_peak'])}"))
+        found.append(
+            check(
+                f"{name}: peak allocated / estimate",
+                ratio and round(ratio, 3),
+                1 - TOLERANCE,
+                1 + TOLERANCE,
+                f"{gib(row.get('peak_allocated'))} against {gib(row['estimate_peak'])}",
+            )
+        )
     if row.get("fsdp_version") or "ddp" in name:
         if row.get("offload"):
-            found.append(check(f"{name}: MFU", row.get("mfu"), *OFFLOAD_MFU_BAND,
-                               "model FLOPs utilisation against the bf16 peak; with offload the host's Adam bounds it"))
+            found.append(
+                check(
+                    f"{name}: MFU",
+                    row.get("mfu"),
+                    *OFFLOAD_MFU_BAND,
+                    "model FLOPs utilisation against the bf16 peak; with offload the host's Adam bounds it",
+                )
+            )
         else:
-            found.append(check(f"{name}: MFU", row.get("mfu"), *MFU_BAND, "model FLOPs utilisation against the bf16 peak"))
+            found.append(
+                check(f"{name}: MFU", row.get("mfu"), *MFU_BAND, "model FLOPs utilisation against the bf16 peak")
+            )
     if "merge_equal" in row:
-        found.append(check(f"{name}: merged checkpoint loads with the final weights", float(row["merge_equal"]), 1.0, 1.0,
-                           row.get("merge_detail", "")))
+        found.append(
+            check(
+                f"{name}: merged checkpoint loads with the final weights",
+                float(row["merge_equal"]),
+                1.0,
+                1.0,
+                row.get("merge_detail", ""),
+            )
+        )
     return found
 
 
@@ -225,14 +299,25 @@ def staging_checks(row: dict, on_gpu: bool) -> list[dict]:
         return []
     saves, in_place = writes.get("saves", 0), writes.get("in_place_saves", 0)
     expect_in_place = bool(row.get("offload")) or not on_gpu
-    detail = (f"{in_place} of {saves} saves in place, host copy {gib(writes.get('staged_bytes_max'))}, longest write "
-              f"{writes.get('seconds_max')} s, longest optimizer wait {writes.get('optimizer_wait_seconds_max')} s")
+    detail = (
+        f"{in_place} of {saves} saves in place, host copy {gib(writes.get('staged_bytes_max'))}, longest write "
+        f"{writes.get('seconds_max')} s, longest optimizer wait {writes.get('optimizer_wait_seconds_max')} s"
+    )
     share = round(in_place / saves, 3) if saves else None
     wanted = 1.0 if expect_in_place else 0.0  # the share of the saves written in place
-    found = [check(f"{row['config']}: background saves written {'in place' if expect_in_place else 'from a host copy'}",
-                   share, wanted, wanted, detail)]
+    found = [
+        check(
+            f"{row['config']}: background saves written {'in place' if expect_in_place else 'from a host copy'}",
+            share,
+            wanted,
+            wanted,
+            detail,
+        )
+    ]
     if expect_in_place:
-        found.append(check(f"{row['config']}: host copy bytes of in-place saves", writes.get("staged_bytes_max"), 0, 0, detail))
+        found.append(
+            check(f"{row['config']}: host copy bytes of in-place saves", writes.get("staged_bytes_max"), 0, 0, detail)
+        )
     return found
 
 
@@ -249,14 +334,30 @@ def stall_checks(rows: list[dict]) -> list[dict]:
     found = []
     for row in rows:
         for mode, key in (("async", "async_stall_vs_sync_save"), ("async-copy", "async_copy_stall_vs_sync_save")):
-            detail = (f"stall {row[mode]['stall_per_save_seconds']} s per save against a synchronous save's {row['sync']['save_seconds']} s, "
-                      f"its write {row[mode]['save_seconds']} s, {row['training_between_saves_seconds']} s of training between saves"
-                      + ("" if row[mode].get("stall_first_save_seconds") is None else f"; the first save {row[mode]['stall_first_save_seconds']} s")
-                      + ("" if row[mode].get("stall_later_saves_median_seconds") is None else
-                         f", the later ones {row[mode]['stall_later_saves_median_seconds']} s (median)"))
+            detail = (
+                f"stall {row[mode]['stall_per_save_seconds']} s per save against a synchronous save's {row['sync']['save_seconds']} s, "
+                f"its write {row[mode]['save_seconds']} s, {row['training_between_saves_seconds']} s of training between saves"
+                + (
+                    ""
+                    if row[mode].get("stall_first_save_seconds") is None
+                    else f"; the first save {row[mode]['stall_first_save_seconds']} s"
+                )
+                + (
+                    ""
+                    if row[mode].get("stall_later_saves_median_seconds") is None
+                    else f", the later ones {row[mode]['stall_later_saves_median_seconds']} s (median)"
+                )
+            )
             queued = (row.get("queued") or {}).get(mode)
-            found.append(check(f"checkpoint stall ({row['training']}, {'background' if mode == 'async' else 'from a host copy'}) / sync save",
-                               None if queued else row.get(key), None, STALL_TARGET, queued or detail))
+            found.append(
+                check(
+                    f"checkpoint stall ({row['training']}, {'background' if mode == 'async' else 'from a host copy'}) / sync save",
+                    None if queued else row.get(key),
+                    None,
+                    STALL_TARGET,
+                    queued or detail,
+                )
+            )
     return found
 
 
@@ -267,17 +368,28 @@ def offload_checks(rows: dict[str, dict]) -> list[dict]:
     for plain, offload in OFFLOAD_PAIRS:
         a, b = rows.get(plain, {}).get("peak_allocated"), rows.get(offload, {}).get("peak_allocated")
         if plain in rows and offload in rows and not (rows[plain].get("error") or rows[offload].get("error")):
-            found.append(check(f"{offload}: peak / {plain}'s peak", round(b / a, 3) if a and b else None, None, 0.99,
-                               f"{gib(b)} with offload, {gib(a)} without"))
+            found.append(
+                check(
+                    f"{offload}: peak / {plain}'s peak",
+                    round(b / a, 3) if a and b else None,
+                    None,
+                    0.99,
+                    f"{gib(b)} with offload, {gib(a)} without",
+                )
+            )
     return found
 
 
 # Where a run's CUDA peak is reached: (label, the peak so far then, what was allocated then), from fsdp_report.json's
 # peak_memory (fsdp_recipes.train.sharding: cuda_memory_now). A peak over the estimate is then placed in loading, the
 # first forward+backward, the first optimizer step, the steps before the first checkpoint or the checkpoint itself.
-PHASE_LABELS = {"before_training": "loading and prepare", "after_first_backward": "step 1 forward+backward",
-                "after_first_step": "step 1 with its optimizer step", "before_first_save": "steps before the first save",
-                "after_first_save": "the first save"}
+PHASE_LABELS = {
+    "before_training": "loading and prepare",
+    "after_first_backward": "step 1 forward+backward",
+    "after_first_step": "step 1 with its optimizer step",
+    "before_first_save": "steps before the first save",
+    "after_first_save": "the first save",
+}
 
 
 def peak_phases() -> list[tuple[str, str, str]]:
@@ -293,8 +405,13 @@ def phase_table(rows: list[dict]) -> list[str]:
         return []
     phases = peak_phases()
     head = ["run"] + [label for label, *_ in phases] + ["end of training"]
-    lines = ["", "Where the CUDA peak is reached: peak so far / allocated, at the end of each phase", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        "",
+        "Where the CUDA peak is reached: peak so far / allocated, at the end of each phase",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for r in measured:
         cells = [f"{gib(r['phases'].get(peak))} / {gib(r['phases'].get(held))}" for _, peak, held in phases]
         lines.append("| " + " | ".join([r["config"], *cells, gib(r.get("peak_allocated"))]) + " |")
@@ -310,11 +427,18 @@ def peak_table(rows: list[dict], top: int = 8) -> list[str]:
         if not at_peak:
             continue
         steps = "-".join(str(s) for s in r["profile"].get("steps", []))
-        lines += ["", f"{r['config']}: live at the CUDA peak of profiled step(s) {steps}, {gib(at_peak['peak_bytes'])} "
-                      f"allocated, {gib(at_peak['before_recording_bytes'])} of it from before those steps ({at_peak['events']:,} "
-                      f"allocator events{'; the recorder kept only the newest: the peak may be earlier' if at_peak.get('truncated') else ''})", "",
-                  "| bytes | blocks | allocated in | for |", "|---|---|---|---|"]
-        lines += [f"| {gib(g['bytes'])} | {g['blocks']} | {g['allocated_in']} | {g['for']} |" for g in at_peak["groups"][:top]]
+        lines += [
+            "",
+            f"{r['config']}: live at the CUDA peak of profiled step(s) {steps}, {gib(at_peak['peak_bytes'])} "
+            f"allocated, {gib(at_peak['before_recording_bytes'])} of it from before those steps ({at_peak['events']:,} "
+            f"allocator events{'; the recorder kept only the newest: the peak may be earlier' if at_peak.get('truncated') else ''})",
+            "",
+            "| bytes | blocks | allocated in | for |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {gib(g['bytes'])} | {g['blocks']} | {g['allocated_in']} | {g['for']} |" for g in at_peak["groups"][:top]
+        ]
         rest = at_peak.get("other_bytes", 0) + sum(g["bytes"] for g in at_peak["groups"][top:])
         if rest:
             lines.append(f"| {gib(rest)} | | elsewhere | |")
@@ -327,13 +451,32 @@ def gib(n) -> str:
 
 def markdown(rows: list[dict], checks: list[dict], notes: list[str]) -> str:
     """report.md: the per-run table, every check with its verdict, and the notes (versions, skips, errors)."""
-    head = ["run", "wrapper", "tokens/s", "MFU", "peak allocated", "peak reserved", "estimate", "states", "formula", "seconds"]
+    head = [
+        "run",
+        "wrapper",
+        "tokens/s",
+        "MFU",
+        "peak allocated",
+        "peak reserved",
+        "estimate",
+        "states",
+        "formula",
+        "seconds",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["config"], r.get("wrapper") or "-", f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
-                 f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-", gib(r.get("peak_allocated")), gib(r.get("peak_reserved")),
-                 gib(r.get("estimate_peak")), gib(r.get("states_bytes")), gib(r.get("estimate_states")),
-                 f"{r['seconds']:.0f}" if r.get("seconds") else "-"]
+        cells = [
+            r["config"],
+            r.get("wrapper") or "-",
+            f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
+            f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-",
+            gib(r.get("peak_allocated")),
+            gib(r.get("peak_reserved")),
+            gib(r.get("estimate_peak")),
+            gib(r.get("states_bytes")),
+            gib(r.get("estimate_states")),
+            f"{r['seconds']:.0f}" if r.get("seconds") else "-",
+        ]
         if r.get("error"):
             cells[1:] = [f"FAILED: {r['error']}"] + [""] * (len(head) - 2)
         lines.append("| " + " | ".join(cells) + " |")
@@ -342,7 +485,9 @@ def markdown(rows: list[dict], checks: list[dict], notes: list[str]) -> str:
     lines += ["", "| check | value | wanted | verdict | detail |", "|---|---|---|---|---|"]
     for c in checks:
         wanted = f"{'' if c['low'] is None else c['low']} .. {'' if c['high'] is None else c['high']}".strip()
-        lines.append(f"| {c['check']} | {'-' if c['value'] is None else c['value']} | {wanted} | {'pass' if c['passed'] else 'FAIL'} | {c['detail']} |")
+        lines.append(
+            f"| {c['check']} | {'-' if c['value'] is None else c['value']} | {wanted} | {'pass' if c['passed'] else 'FAIL'} | {c['detail']} |"
+        )
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
@@ -359,7 +504,11 @@ def log_metrics(log_history: list[dict]) -> tuple[float | None, float | None]:
 
 def tail(text: str, lines: int = 1) -> str:
     """A failed command's own one-line error when it printed one ("...: error: ..."), else its last lines of text."""
-    kept = [line.strip() for line in text.strip().splitlines() if re.search(r"[A-Za-z]", line) and not line.startswith(("W1", "I1", "E1"))]
+    kept = [
+        line.strip()
+        for line in text.strip().splitlines()
+        if re.search(r"[A-Za-z]", line) and not line.startswith(("W1", "I1", "E1"))
+    ]
     errors = [line for line in kept if re.match(r"[\w./-]+: error: ", line)]
     return " / ".join((errors or kept)[-lines:])[:400]
 
@@ -412,6 +561,7 @@ def signal_processes(processes: list[tuple[int, str]], sig: int) -> None:
 
 # ---------- the runs (need CUDA) ----------
 
+
 class Check:
     def __init__(self, output: Path, budget: float):
         self.output, self.deadline = output, time.monotonic() + budget
@@ -433,7 +583,9 @@ class Check:
 
     def save(self) -> None:
         (self.output / "environment.json").write_text(json.dumps(self.environment, indent=2) + "\n")
-        (self.output / "results.json").write_text(json.dumps({"rows": self.rows, "checks": self.checks, "notes": self.notes}, indent=2) + "\n")
+        (self.output / "results.json").write_text(
+            json.dumps({"rows": self.rows, "checks": self.checks, "notes": self.notes}, indent=2) + "\n"
+        )
         title = f"# GPU check: {self.environment.get('gpu', 'no GPU')}\n\n"
         (self.output / "report.md").write_text(title + markdown(self.rows, self.checks, self.notes))
 
@@ -442,12 +594,25 @@ class Check:
         it started get SIGINT, so that pytest prints its failures and summary (a kill left "FFFFFFsFF" and no reason:
         bench/results/h200/gpu-check-5), then SIGKILL after the grace; whatever way this returns or raises (Ctrl-C
         included), nothing it started is left running to hold the GPU."""
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "HF_HUB_OFFLINE": "1",
+        }
         self.log(f"$ {' '.join(cmd)}")
         # SIGINT as a terminal would deliver it: a check started in the background (`cmd &` in a script) inherits
         # SIGINT ignored, and so would pytest, which then could not print its failures at the deadline
-        child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                                 start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        child = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         seen: dict[int, str] = {}  # everything it has started, looked up every TREE_POLL seconds: a launcher that
         deadline = time.monotonic() + max(seconds - INTERRUPT_GRACE, 1)  # exits leaves its workers without a parent
         try:
@@ -472,8 +637,14 @@ class Check:
                     except subprocess.TimeoutExpired:  # a process outside the tree holds the pipes: its output is lost
                         child.kill()
                         out, err = "", "its output was lost: a process it started outside its tree held the pipes"
-                own = f" (it exited {child.returncode} on the interrupt)" if child.returncode not in (None, -signal.SIGKILL) else ""
-                proc = subprocess.CompletedProcess(cmd, 124, out, err + f"\ntimed out after {seconds:.0f} s (this part's budget){own}")
+                own = (
+                    f" (it exited {child.returncode} on the interrupt)"
+                    if child.returncode not in (None, -signal.SIGKILL)
+                    else ""
+                )
+                proc = subprocess.CompletedProcess(
+                    cmd, 124, out, err + f"\ntimed out after {seconds:.0f} s (this part's budget){own}"
+                )
                 break
         finally:
             signal_processes(list(seen.items()) + process_tree(child.pid), signal.SIGKILL)  # what it left running
@@ -488,15 +659,23 @@ class Check:
     def describe_environment(self) -> None:
         import torch
 
-        env = {"python": platform.python_version(), "versions": installed_versions(), "pinned": {n: pins().get(norm(n)) for n in PINNED},
-               "cuda_available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda}
+        env = {
+            "python": platform.python_version(),
+            "versions": installed_versions(),
+            "pinned": {n: pins().get(norm(n)) for n in PINNED},
+            "cuda_available": torch.cuda.is_available(),
+            "torch_cuda": torch.version.cuda,
+        }
         if torch.cuda.is_available():
             env["gpu"] = torch.cuda.get_device_name()
             env["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
             env["bf16"] = torch.cuda.is_bf16_supported()
         if shutil.which("nvidia-smi"):
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                                 capture_output=True, text=True)
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+            )
             env["nvidia_smi"] = smi.stdout.strip()
         from fsdp_recipes.compat import internals
 
@@ -509,11 +688,35 @@ class Check:
         if not self.wanted("pytest"):
             return
         if seconds < 30:
-            self.checks.append(check("pytest -m gpu: exit status", None, 0, 0, f"not run: {self.left():.0f} s left of the budget"))
+            self.checks.append(
+                check("pytest -m gpu: exit status", None, 0, 0, f"not run: {self.left():.0f} s left of the budget")
+            )
             return
-        proc = self.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-rfE", "--tb=short"], seconds)
+        proc = self.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-m",
+                "gpu",
+                "tests",
+                "-p",
+                "no:cacheprovider",
+                "-rfE",
+                "--tb=short",
+            ],
+            seconds,
+        )
         (self.output / "pytest.txt").write_text(proc.stdout[-200_000:] + proc.stderr[-20_000:])
-        summary = next((line for line in reversed(proc.stdout.splitlines()) if re.search(r"\d+ (passed|failed|error|skipped)", line)), "no summary")
+        summary = next(
+            (
+                line
+                for line in reversed(proc.stdout.splitlines())
+                if re.search(r"\d+ (passed|failed|error|skipped)", line)
+            ),
+            "no summary",
+        )
         self.checks.append(check("pytest -m gpu: exit status", float(proc.returncode), 0, 0, summary.strip("= ")))
 
     def model_folder(self) -> Path:
@@ -528,10 +731,33 @@ class Check:
             row["error"] = f"not run: {self.left():.0f} s left of this part's budget"
             return row, None
         out = self.work / re.sub(r"[^a-z0-9]+", "-", label.lower())
-        cmd = ["accelerate", "launch", "--config_file", str(REPO / config), "--num_machines", "1", "--num_processes", str(PROCESSES), *launch,
-               str(REPO / "train_fsdp.py"), "--tokenizer_name", str(REPO / "assets" / "tiny-llama"), "--max_steps", str(STEPS),
-               "--logging_steps", str(LOGGING_STEPS), "--per_device_train_batch_size", str(BATCH), "--block_size", str(SEQ), "--output_dir", str(out),
-               "--report_to", "none", *args]
+        cmd = [
+            "accelerate",
+            "launch",
+            "--config_file",
+            str(REPO / config),
+            "--num_machines",
+            "1",
+            "--num_processes",
+            str(PROCESSES),
+            *launch,
+            str(REPO / "train_fsdp.py"),
+            "--tokenizer_name",
+            str(REPO / "assets" / "tiny-llama"),
+            "--max_steps",
+            str(STEPS),
+            "--logging_steps",
+            str(LOGGING_STEPS),
+            "--per_device_train_batch_size",
+            str(BATCH),
+            "--block_size",
+            str(SEQ),
+            "--output_dir",
+            str(out),
+            "--report_to",
+            "none",
+            *args,
+        ]
         started = time.monotonic()
         proc = self.run(cmd, self.left() - 5)
         row["seconds"] = round(time.monotonic() - started, 1)
@@ -541,10 +767,16 @@ class Check:
         report = json.loads((out / "fsdp_report.json").read_text())
         rank = report["ranks"][0]
         peak = rank.get("peak_memory", {})
-        row.update(wrapper=rank.get("wrapper"), fsdp_version=report.get("fsdp_version"), states_bytes=sum(rank["bytes"].values()),
-                   peak_allocated=peak.get("cuda_max_allocated_bytes"), peak_reserved=peak.get("cuda_max_reserved_bytes"),
-                   phases={k: v for k, v in peak.items() if any(k in keys for _, *keys in peak_phases())},
-                   parameters=report["total_param_elements"], checkpoint_writes=report.get("checkpoint_writes"))
+        row.update(
+            wrapper=rank.get("wrapper"),
+            fsdp_version=report.get("fsdp_version"),
+            states_bytes=sum(rank["bytes"].values()),
+            peak_allocated=peak.get("cuda_max_allocated_bytes"),
+            peak_reserved=peak.get("cuda_max_reserved_bytes"),
+            phases={k: v for k, v in peak.items() if any(k in keys for _, *keys in peak_phases())},
+            parameters=report["total_param_elements"],
+            checkpoint_writes=report.get("checkpoint_writes"),
+        )
         history = json.loads((out / "trainer_state.json").read_text())["log_history"]
         row["tokens_per_second"], row["mfu"] = log_metrics(history)
         if (summary := out / "profile" / "summary.json").is_file():
@@ -560,9 +792,22 @@ class Check:
         if lora:
             return  # the formula counts full fine-tuning
         strategy = strategy_of(yaml.safe_load((REPO / config).read_text()))
-        est = estimate(model_shape(str(self.model_folder())), Setup(strategy=strategy.memory_strategy_on(PROCESSES), nproc_per_node=PROCESSES, nnodes=1,
-                                                                   offload=strategy.offload, micro_batch=BATCH, seq_len=SEQ))
-        row.update(offload=strategy.offload, estimate_peak=est.gpu_total, estimate_states=est.params + est.grads + est.optimizer)
+        est = estimate(
+            model_shape(str(self.model_folder())),
+            Setup(
+                strategy=strategy.memory_strategy_on(PROCESSES),
+                nproc_per_node=PROCESSES,
+                nnodes=1,
+                offload=strategy.offload,
+                micro_batch=BATCH,
+                seq_len=SEQ,
+            ),
+        )
+        row.update(
+            offload=strategy.offload,
+            estimate_peak=est.gpu_total,
+            estimate_states=est.params + est.grads + est.optimizer,
+        )
 
     def merge(self, row: dict, out: Path) -> None:
         import torch
@@ -578,7 +823,9 @@ class Check:
             final = load_file(out / "model" / "model.safetensors")
             differ = [n for n in final if not torch.equal(model[n], final[n])]
             row["merge_equal"] = not differ and set(final) <= set(model)
-            row["merge_detail"] = f"{len(final)} tensors" + (f", {len(differ)} differ ({differ[0]}, ...)" if differ else ", all equal")
+            row["merge_detail"] = f"{len(final)} tensors" + (
+                f", {len(differ)} differ ({differ[0]}, ...)" if differ else ", all equal"
+            )
         except Exception as err:  # a check that failed, not a crash of the check
             row["merge_equal"], row["merge_detail"] = False, f"{type(err).__name__}: {str(err)[:300]}"
 
@@ -588,15 +835,25 @@ class Check:
         for config in configs:
             if not self.wanted(config):
                 continue
-            if "hybrid_shard" in config and not config.startswith("accelerate_configs/fsdp1") and torch.cuda.device_count() < 4:
+            if (
+                "hybrid_shard" in config
+                and not config.startswith("accelerate_configs/fsdp1")
+                and torch.cuda.device_count() < 4
+            ):
                 self.rows.append({"config": config, "error": "not run: FSDP2 HSDP is 2 replicas x 2+ shards (4 GPUs)"})
                 continue
             args = ["--config_name", str(self.model_folder())]
             saves = config in MERGED or config in BACKGROUND_SAVES
-            args += ["--save_steps", str(STEPS // 2 if config in BACKGROUND_SAVES else STEPS), "--save_total_limit", "1"] if saves \
-                else ["--save_strategy", "no"]  # one checkpoint on disk at a time: ~12 GB each for the 1B model
+            args += (
+                ["--save_steps", str(STEPS // 2 if config in BACKGROUND_SAVES else STEPS), "--save_total_limit", "1"]
+                if saves
+                else ["--save_strategy", "no"]
+            )  # one checkpoint on disk at a time: ~12 GB each for the 1B model
             if config == "accelerate_configs/zero3.yaml":
-                args += ["--profile_steps", f"{STEPS - 3}-{STEPS - 2}"]  # the trace summary: the last timed window is left out
+                args += [
+                    "--profile_steps",
+                    f"{STEPS - 3}-{STEPS - 2}",
+                ]  # the trace summary: the last timed window is left out
             elif "offload" in config:
                 # offload peaks in step 1's forward+backward, about the fp32 model over its estimate (gpu-check-7):
                 # the profile of that step says what was live then (its window is left out of tokens/s and MFU)
@@ -607,15 +864,30 @@ class Check:
                 if config in MERGED:
                     self.merge(row, out)
             self.rows.append(row)
-            self.checks += config_checks(row) + staging_checks(row, torch.cuda.is_available()) if not row.get("error") \
+            self.checks += (
+                config_checks(row) + staging_checks(row, torch.cuda.is_available())
+                if not row.get("error")
                 else [check(f"{config}: ran", None, None, None, row["error"])]
+            )
             self.remove_run(out)
             self.save()
 
     def lora(self) -> None:
         if self.wanted("lora"):
-            row, out = self.train("LoRA (zero3)", "accelerate_configs/zero3.yaml", "--config_name", str(self.model_folder()),
-                                  "--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32", "--save_strategy", "no")
+            row, out = self.train(
+                "LoRA (zero3)",
+                "accelerate_configs/zero3.yaml",
+                "--config_name",
+                str(self.model_folder()),
+                "--use_peft",
+                "true",
+                "--lora_r",
+                "16",
+                "--lora_alpha",
+                "32",
+                "--save_strategy",
+                "no",
+            )
             self.rows.append(row)
             self.checks.append(check("LoRA: ran", 1.0 if out else None, 1, 1, row.get("error", "trained and exported")))
             self.remove_run(out)
@@ -625,13 +897,38 @@ class Check:
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            self.rows.append({"config": "QLoRA (zero3)", "error": "not run: bitsandbytes is not installed (its wheel: bench/gpu_wheels.sh)"})
+            self.rows.append(
+                {
+                    "config": "QLoRA (zero3)",
+                    "error": "not run: bitsandbytes is not installed (its wheel: bench/gpu_wheels.sh)",
+                }
+            )
             return
         # QLoRA quantizes pre-trained weights: a bf16 folder of the model's (random) weights, as a hub model is
-        row, out = self.train("QLoRA (zero3)", "accelerate_configs/zero3.yaml", "--model_name_or_path", str(self.weights_folder()),
-                              "--dtype", "bfloat16", "--load_in_4bit", "true", "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_compute_dtype",
-                              "bfloat16", "--bnb_4bit_quant_storage", "bfloat16", "--use_peft", "true", "--lora_r", "16", "--lora_alpha", "32",
-                              "--save_strategy", "no")  # the export merges the final sharded save
+        row, out = self.train(
+            "QLoRA (zero3)",
+            "accelerate_configs/zero3.yaml",
+            "--model_name_or_path",
+            str(self.weights_folder()),
+            "--dtype",
+            "bfloat16",
+            "--load_in_4bit",
+            "true",
+            "--bnb_4bit_quant_type",
+            "nf4",
+            "--bnb_4bit_compute_dtype",
+            "bfloat16",
+            "--bnb_4bit_quant_storage",
+            "bfloat16",
+            "--use_peft",
+            "true",
+            "--lora_r",
+            "16",
+            "--lora_alpha",
+            "32",
+            "--save_strategy",
+            "no",
+        )  # the export merges the final sharded save
         self.rows.append(row)
         self.checks.append(check("QLoRA: ran", None if row.get("error") else 1.0, 1, 1, row.get("error", "trained")))
         if out is not None:
@@ -653,11 +950,28 @@ class Check:
             truth = PeftModel.from_pretrained(base, out / "adapter").merge_and_unload().state_dict()
             differ = [n for n in truth if not torch.equal(merged[n], truth[n])]
             moved = sum(not torch.equal(before[n], truth[n]) for n in truth)
-            value, detail = float(len(differ)), (f"{len(truth)} tensors, {moved} changed by the adapter; "
-                                                 + (f"{len(differ)} differ from peft's merge ({differ[0]}, ...)" if differ else "all equal peft's merge"))
+            value, detail = (
+                float(len(differ)),
+                (
+                    f"{len(truth)} tensors, {moved} changed by the adapter; "
+                    + (
+                        f"{len(differ)} differ from peft's merge ({differ[0]}, ...)"
+                        if differ
+                        else "all equal peft's merge"
+                    )
+                ),
+            )
         except Exception as err:  # a check that failed, not a crash of the check
             value, detail = None, f"{type(err).__name__}: {str(err)[:300]}"
-        self.checks.append(check("QLoRA: model/ is the unquantized base + the adapter, as peft merges it (tensors that differ)", value, 0, 0, detail))
+        self.checks.append(
+            check(
+                "QLoRA: model/ is the unquantized base + the adapter, as peft merges it (tensors that differ)",
+                value,
+                0,
+                0,
+                detail,
+            )
+        )
 
     def weights_folder(self) -> Path:
         folder = self.work / "model-1b-weights"
@@ -681,13 +995,35 @@ class Check:
             self.notes.append(f"bench/scaling.py not run: {self.left():.0f} s left of this part's budget")
             return
         folder = self.work / "scaling"
-        proc = self.run([sys.executable, str(REPO / "bench" / "scaling.py"), "--output", str(folder), "--quick", "--nproc", "1",
-                         "--strategy", "accelerate_configs/zero3.yaml", "--strategy", "accelerate_configs/ddp.yaml", "--no-overhead"],
-                        self.left() - 5)
+        proc = self.run(
+            [
+                sys.executable,
+                str(REPO / "bench" / "scaling.py"),
+                "--output",
+                str(folder),
+                "--quick",
+                "--nproc",
+                "1",
+                "--strategy",
+                "accelerate_configs/zero3.yaml",
+                "--strategy",
+                "accelerate_configs/ddp.yaml",
+                "--no-overhead",
+            ],
+            self.left() - 5,
+        )
         for name in ("scaling.md", "scaling.json"):
             if (folder / name).is_file():
                 shutil.copy(folder / name, self.output / name)
-        self.checks.append(check("bench/scaling.py on 1 GPU: exit status", float(proc.returncode), 0, 0, tail(proc.stderr) if proc.returncode else "scaling.md"))
+        self.checks.append(
+            check(
+                "bench/scaling.py on 1 GPU: exit status",
+                float(proc.returncode),
+                0,
+                0,
+                tail(proc.stderr) if proc.returncode else "scaling.md",
+            )
+        )
 
     def stall(self) -> None:
         """Issue 22's target on a GPU: a background save's stall at most 20% of a synchronous save's, measured by
@@ -695,14 +1031,28 @@ class Check:
         if not self.wanted("stall"):
             return
         if self.left() < STALL_SECONDS:
-            self.notes.append(f"bench/checkpoint_benchmark.py not run: {self.left():.0f} s left of this part's budget, it needs {STALL_SECONDS}")
+            self.notes.append(
+                f"bench/checkpoint_benchmark.py not run: {self.left():.0f} s left of this part's budget, it needs {STALL_SECONDS}"
+            )
             return
         folder = self.output / "checkpoint-stall"
-        proc = self.run([sys.executable, str(REPO / "bench" / "checkpoint_benchmark.py"), *STALL_ARGS, "--output", str(folder),
-                         "--work", str(self.work / "stall")], self.left() - 5)
+        proc = self.run(
+            [
+                sys.executable,
+                str(REPO / "bench" / "checkpoint_benchmark.py"),
+                *STALL_ARGS,
+                "--output",
+                str(folder),
+                "--work",
+                str(self.work / "stall"),
+            ],
+            self.left() - 5,
+        )
         results = folder / "results.json"
         if proc.returncode != 0 or not results.is_file():
-            self.checks.append(check("checkpoint stall: ran", None, None, None, tail(proc.stderr) or f"exit status {proc.returncode}"))
+            self.checks.append(
+                check("checkpoint stall: ran", None, None, None, tail(proc.stderr) or f"exit status {proc.returncode}")
+            )
             return
         self.checks += stall_checks(json.loads(results.read_text()))
 
@@ -721,16 +1071,38 @@ def make_work(check_run: Check) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=RawHelpFormatter)
-    parser.add_argument("--part", choices=("1", "2", "all"), help="1: environment, pytest -m gpu, FSDP2 configs; 2: FSDP1 and DDP "
-                        "configs, LoRA, QLoRA, scaling, the checkpoint stall; all: both in one budget, what matters most first (a visit of one command)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=RawHelpFormatter
+    )
+    parser.add_argument(
+        "--part",
+        choices=("1", "2", "all"),
+        help="1: environment, pytest -m gpu, FSDP2 configs; 2: FSDP1 and DDP "
+        "configs, LoRA, QLoRA, scaling, the checkpoint stall; all: both in one budget, what matters most first (a visit of one command)",
+    )
     parser.add_argument("--output", type=Path, help="folder for the report (e.g. $OUT on the device machine)")
-    parser.add_argument("--budget", type=float, default=560, help="seconds this part may take; what would not fit is skipped, with the reason")
-    parser.add_argument("--runs", help="comma-separated: only these of the part's runs (config paths as listed in this file, lora, "
-                        "qlora, pytest, scaling, stall: issue 22's checkpoint stall), for a short second visit")
-    parser.add_argument("--wheel-list", action="store_true", help="print the wheels bench/gpu_wheels.sh downloads, one per line, and exit")
-    parser.add_argument("--install-wheels", action="store_true", help="first pip-install (--no-index --no-deps) the carried wheels of "
-                        "bench/wheels that this Python lacks or holds in another version (default: install nothing)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=560,
+        help="seconds this part may take; what would not fit is skipped, with the reason",
+    )
+    parser.add_argument(
+        "--runs",
+        help="comma-separated: only these of the part's runs (config paths as listed in this file, lora, "
+        "qlora, pytest, scaling, stall: issue 22's checkpoint stall), for a short second visit",
+    )
+    parser.add_argument(
+        "--wheel-list",
+        action="store_true",
+        help="print the wheels bench/gpu_wheels.sh downloads, one per line, and exit",
+    )
+    parser.add_argument(
+        "--install-wheels",
+        action="store_true",
+        help="first pip-install (--no-index --no-deps) the carried wheels of "
+        "bench/wheels that this Python lacks or holds in another version (default: install nothing)",
+    )
     args = parser.parse_args(argv)
     if args.wheel_list:
         print("\n".join(wheel_list()))
@@ -743,20 +1115,27 @@ def main(argv=None) -> int:
         parser.error("give --part 1, 2 or all and --output FOLDER (or --wheel-list)")
     part_runs = {"1": {"pytest", *FSDP2}, "2": {"lora", "qlora", "scaling", "stall", *FSDP1}, "all": runs}[args.part]
     if asked and (elsewhere := sorted(asked - part_runs)):
-        parser.error(f"--runs: {elsewhere[0]!r} is not run by --part {args.part}: give --part all, or the part that runs it")
+        parser.error(
+            f"--runs: {elsewhere[0]!r} is not run by --part {args.part}: give --part all, or the part that runs it"
+        )
     if not (args.budget == args.budget and 0 < args.budget < float("inf")):  # NaN is not equal to itself
         parser.error(f"--budget {args.budget}: give the seconds this part may take, a positive number (e.g. 560)")
     if args.output.is_symlink() or (args.output.exists() and not args.output.is_dir()):
         parser.error(f"--output {args.output} is not a folder: give a new or empty folder for the report")
     if args.output.is_dir() and any(args.output.iterdir()):
-        parser.error(f"--output {args.output} is not empty: give a new or empty folder (the report's files would mix with what is there)")
-
-    from fsdp_recipes.removal import is_ours, remove
+        parser.error(
+            f"--output {args.output} is not empty: give a new or empty folder (the report's files would mix with what is there)"
+        )
 
     import torch
 
+    from fsdp_recipes.removal import is_ours, remove
+
     if not torch.cuda.is_available():  # before anything is installed: the wheels are for the GPU machine's Python
-        print("gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest", file=sys.stderr)
+        print(
+            "gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest",
+            file=sys.stderr,
+        )
         return 1
     check_run = Check(args.output, args.budget)
     check_run.only = asked
@@ -767,7 +1146,9 @@ def main(argv=None) -> int:
         check_run.describe_environment()
         check_run.save()
         if args.part == "1":
-            check_run.pytest_gpu(check_run.left() - 10 if asked == {"pytest"} else min(300, check_run.left() - 3 * RUN_SECONDS))
+            check_run.pytest_gpu(
+                check_run.left() - 10 if asked == {"pytest"} else min(300, check_run.left() - 3 * RUN_SECONDS)
+            )
             check_run.configs(FSDP2)
         elif args.part == "2":
             check_run.configs(FSDP1)
@@ -788,7 +1169,9 @@ def main(argv=None) -> int:
         if is_ours(check_run.work, "gpu check work"):
             remove(check_run.work, "gpu check work")
     failed = [c["check"] for c in check_run.checks if not c["passed"]]
-    print(f"gpu_check part {args.part}: {len(check_run.checks) - len(failed)} of {len(check_run.checks)} checks passed; report: {args.output / 'report.md'}")
+    print(
+        f"gpu_check part {args.part}: {len(check_run.checks) - len(failed)} of {len(check_run.checks)} checks passed; report: {args.output / 'report.md'}"
+    )
     return 1 if failed else 0
 
 

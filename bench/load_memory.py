@@ -25,8 +25,6 @@ model at some moment grows by 1x or more.
 from __future__ import annotations
 
 import argparse
-from fsdp_recipes.console import HelpFormatter
-from fsdp_recipes.removal import make_folder, remove
 import json
 import os
 import socket
@@ -36,13 +34,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from fsdp_recipes.console import HelpFormatter
+from fsdp_recipes.removal import make_folder, remove
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH_WORK = "load memory benchmark"  # the default work folder's marker (fsdp_recipes.removal)
 TINY = REPO / "assets" / "tiny-llama"
 CONFIG = REPO / "accelerate_configs" / "zero3.yaml"
 
 
-def build_model(folder: Path, target_bytes: int | None, dtype: str, tied: bool, hidden: int = 2048, vocab: int = 32000) -> int:
+def build_model(
+    folder: Path, target_bytes: int | None, dtype: str, tied: bool, hidden: int = 2048, vocab: int = 32000
+) -> int:
     """Write a random Llama model folder (save_pretrained, safetensors) and the tiny tokenizer; return the
     weights' bytes. target_bytes None: the tiny model's own config."""
     import torch
@@ -103,8 +106,15 @@ def rank_pids(root: int, script: bytes = b"train_fsdp.py") -> dict[int, int]:
     return found
 
 
-def measure(model: Path, nprocs: int, efficient: bool, work: Path, interval: float,
-            config_file: Path = CONFIG, lora: bool = True) -> dict[int, dict[str, int]]:
+def measure(
+    model: Path,
+    nprocs: int,
+    efficient: bool,
+    work: Path,
+    interval: float,
+    config_file: Path = CONFIG,
+    lora: bool = True,
+) -> dict[int, dict[str, int]]:
     """Launch one step (LoRA, or full fine-tuning with lora False) under config_file; return {rank: {RssAnon, VmHWM, VmRSS: peaks during loading + prepare, RssAnon_whole_run}}.
     Loading + prepare ends when the run logs its sharding report ("this rank holds ..."), written after
     accelerate's prepare, before the first step."""
@@ -118,12 +128,43 @@ def measure(model: Path, nprocs: int, efficient: bool, work: Path, interval: flo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = work / f"run-{model.name}-{tag}-{'lora' if lora else 'full'}-{nprocs}-{efficient}"
-    cmd = ["accelerate", "launch", "--config_file", str(config), "--num_processes", str(nprocs), "--num_machines", "1",
-           "--main_process_port", str(port), str(REPO / "train_fsdp.py"),
-           "--model_name_or_path", str(model), "--tokenizer_name", str(TINY), "--use_peft", str(lora).lower(),
-           "--train_file", str(REPO / "assets" / "data" / "tiny_corpus.txt"), "--block_size", "32",
-           "--per_device_train_batch_size", "1", "--max_steps", "1", "--save_strategy", "no", "--report_to", "none",
-           "--dataloader_pin_memory", "false", "--output_dir", str(out), "--overwrite_output_dir", "true"]
+    cmd = [
+        "accelerate",
+        "launch",
+        "--config_file",
+        str(config),
+        "--num_processes",
+        str(nprocs),
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(port),
+        str(REPO / "train_fsdp.py"),
+        "--model_name_or_path",
+        str(model),
+        "--tokenizer_name",
+        str(TINY),
+        "--use_peft",
+        str(lora).lower(),
+        "--train_file",
+        str(REPO / "assets" / "data" / "tiny_corpus.txt"),
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        "1",
+        "--max_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--dataloader_pin_memory",
+        "false",
+        "--output_dir",
+        str(out),
+        "--overwrite_output_dir",
+        "true",
+    ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log = open(work / f"{out.name}.log", "w")
@@ -135,7 +176,9 @@ def measure(model: Path, nprocs: int, efficient: bool, work: Path, interval: flo
     while proc.poll() is None:
         if len(pids) < nprocs:
             pids.update(rank_pids(proc.pid))
-        if not prepared:  # logged once FSDP has wrapped the model and the weights are broadcast (collectives: every rank is there)
+        if (
+            not prepared
+        ):  # logged once FSDP has wrapped the model and the weights are broadcast (collectives: every rank is there)
             prepared = "this rank holds" in Path(log.name).read_text(errors="replace")
         for rank, pid in pids.items():
             try:
@@ -160,11 +203,17 @@ def main(argv=None) -> int:
     p.add_argument("--gigabytes", type=float, default=1.0, help="model size in fp32, gigabytes")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved model")
     p.add_argument("--tied", action="store_true", help="tie lm_head to embed_tokens")
-    p.add_argument("--hidden", type=int, default=2048,
-                   help="model width; layers fill --gigabytes (2048: 2 layers at 1 GB, the embeddings half the model; 1024: 15 "
-                        "layers, as a real model's share of them; FSDP1's peak depends on the largest wrapped unit)")
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=2048,
+        help="model width; layers fill --gigabytes (2048: 2 layers at 1 GB, the embeddings half the model; 1024: 15 "
+        "layers, as a real model's share of them; FSDP1's peak depends on the largest wrapped unit)",
+    )
     p.add_argument("--nprocs", type=int, nargs="+", default=[2], help="process counts to measure")
-    p.add_argument("--config", type=Path, default=CONFIG, help="accelerate config (default accelerate_configs/zero3.yaml, FSDP2)")
+    p.add_argument(
+        "--config", type=Path, default=CONFIG, help="accelerate config (default accelerate_configs/zero3.yaml, FSDP2)"
+    )
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     p.add_argument("--setting", choices=["on", "off", "both"], default="both", help="fsdp_cpu_ram_efficient_loading")
     p.add_argument("--interval", type=float, default=0.02, help="seconds between memory samples")
@@ -173,7 +222,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.work is not None:  # kept: its models are reused by the next run given the same folder
         return run(a, a.work)
-    work = make_folder(Path(tempfile.mkdtemp(prefix="load_memory-")), BENCH_WORK, exist_ok=True)  # GBs of models: removed after
+    work = make_folder(
+        Path(tempfile.mkdtemp(prefix="load_memory-")), BENCH_WORK, exist_ok=True
+    )  # GBs of models: removed after
     try:
         return run(a, work)
     finally:
@@ -193,7 +244,10 @@ def run(a: argparse.Namespace, work: Path) -> int:
         sizes[folder] = int(marker.read_text())
     model_bytes = sizes[big]
     layers = json.loads((big / "config.json").read_text())["num_hidden_layers"]
-    print(f"model {big}: {model_bytes / 2**20:,.0f} MiB of weights ({tag}); tiny baseline {sizes[tiny] / 2**20:,.1f} MiB", flush=True)
+    print(
+        f"model {big}: {model_bytes / 2**20:,.0f} MiB of weights ({tag}); tiny baseline {sizes[tiny] / 2**20:,.1f} MiB",
+        flush=True,
+    )
     settings = {"on": [True], "off": [False], "both": [True, False]}[a.setting]
     results = []
     for n in a.nprocs:
@@ -201,25 +255,44 @@ def run(a: argparse.Namespace, work: Path) -> int:
             base = measure(tiny, n, efficient, work, a.interval, a.config, not a.full)
             peak = measure(big, n, efficient, work, a.interval, a.config, not a.full)
             for rank in sorted(peak):
-                row = {"config": str(a.config.resolve().relative_to(REPO)) if a.config.resolve().is_relative_to(REPO) else str(a.config),
-                       "training": "full" if a.full else "lora", "nprocs": n, "cpu_ram_efficient_loading": efficient, "rank": rank,
-                       "model_bytes": model_bytes, "dtype": a.dtype, "tied": a.tied,
-                       "hidden": a.hidden, "layers": layers}
+                row = {
+                    "config": str(a.config.resolve().relative_to(REPO))
+                    if a.config.resolve().is_relative_to(REPO)
+                    else str(a.config),
+                    "training": "full" if a.full else "lora",
+                    "nprocs": n,
+                    "cpu_ram_efficient_loading": efficient,
+                    "rank": rank,
+                    "model_bytes": model_bytes,
+                    "dtype": a.dtype,
+                    "tied": a.tied,
+                    "hidden": a.hidden,
+                    "layers": layers,
+                }
                 for k in ("RssAnon", "VmHWM"):
                     row[f"{k}_peak"] = peak[rank].get(k, 0)
                     row[f"{k}_tiny"] = base.get(rank, {}).get(k, 0)
                     row[f"{k}_growth_x_model"] = round((row[f"{k}_peak"] - row[f"{k}_tiny"]) / model_bytes, 3)
-                row["RssAnon_whole_run_growth_x_model"] = round((peak[rank]["RssAnon_whole_run"] - base.get(rank, {}).get("RssAnon_whole_run", 0)) / model_bytes, 3)
+                row["RssAnon_whole_run_growth_x_model"] = round(
+                    (peak[rank]["RssAnon_whole_run"] - base.get(rank, {}).get("RssAnon_whole_run", 0)) / model_bytes, 3
+                )
                 results.append(row)
-                print(f"  {n} ranks, efficient loading {'on ' if efficient else 'off'}, rank {rank}: "
-                      f"peak RssAnon {row['RssAnon_peak'] / 2**20:8,.0f} MiB (tiny {row['RssAnon_tiny'] / 2**20:6,.0f}), "
-                      f"growth {row['RssAnon_growth_x_model']:5.2f}x model | peak RSS (VmHWM) {row['VmHWM_peak'] / 2**20:8,.0f} MiB, "
-                      f"growth {row['VmHWM_growth_x_model']:5.2f}x model", flush=True)
+                print(
+                    f"  {n} ranks, efficient loading {'on ' if efficient else 'off'}, rank {rank}: "
+                    f"peak RssAnon {row['RssAnon_peak'] / 2**20:8,.0f} MiB (tiny {row['RssAnon_tiny'] / 2**20:6,.0f}), "
+                    f"growth {row['RssAnon_growth_x_model']:5.2f}x model | peak RSS (VmHWM) {row['VmHWM_peak'] / 2**20:8,.0f} MiB, "
+                    f"growth {row['VmHWM_growth_x_model']:5.2f}x model",
+                    flush=True,
+                )
     print("\nGrowth over the tiny model's run, in the model's bytes; loading + prepare unless said otherwise")
-    print("| ranks | efficient loading | rank | RssAnon | VmHWM (peak RSS) | RssAnon, whole run (1 LoRA step, export) |")
+    print(
+        "| ranks | efficient loading | rank | RssAnon | VmHWM (peak RSS) | RssAnon, whole run (1 LoRA step, export) |"
+    )
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['nprocs']} | {'on' if r['cpu_ram_efficient_loading'] else 'off'} | {r['rank']} | {r['RssAnon_growth_x_model']:.2f} | {r['VmHWM_growth_x_model']:.2f} | {r['RssAnon_whole_run_growth_x_model']:.2f} |")
+        print(
+            f"| {r['nprocs']} | {'on' if r['cpu_ram_efficient_loading'] else 'off'} | {r['rank']} | {r['RssAnon_growth_x_model']:.2f} | {r['VmHWM_growth_x_model']:.2f} | {r['RssAnon_whole_run_growth_x_model']:.2f} |"
+        )
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
     return 0

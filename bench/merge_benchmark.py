@@ -26,8 +26,8 @@ from synthetic import make_checkpoint
 
 from fsdp_recipes.ckpt.layout import MANIFEST
 from fsdp_recipes.compat import internals
-from fsdp_recipes.removal import make_folder, remove, remove_inside
 from fsdp_recipes.console import HelpFormatter
+from fsdp_recipes.removal import make_folder, remove, remove_inside
 
 BENCH_WORK = "merge benchmark"
 
@@ -67,15 +67,20 @@ def raw_dcp_copy(shards: Path, raw: Path, config: Path) -> None:
     metadata = dcp.FileSystemReader(str(shards)).read_metadata()
     metadata.state_dict_metadata = {k.removeprefix("model."): v for k, v in metadata.state_dict_metadata.items()}
     metadata.storage_data = {
-        MetadataIndex(i.fqn.removeprefix("model."), i.offset, i.index): info for i, info in metadata.storage_data.items()
+        MetadataIndex(i.fqn.removeprefix("model."), i.offset, i.index): info
+        for i, info in metadata.storage_data.items()
     }
     (raw / ".metadata").write_bytes(pickle.dumps(metadata))
-    for record in shards.glob("*.distcp"):  # hard links: no copy, and the files lie inside the folder (a symlink out is refused)
+    for record in shards.glob(
+        "*.distcp"
+    ):  # hard links: no copy, and the files lie inside the folder (a symlink out is refused)
         os.link(record, raw / record.name)
     shutil.copy(config, raw / "config.json")
 
 
-def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int, hidden: int = 2048, vocab: int = 32000) -> list[tuple]:
+def bench(
+    size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int, hidden: int = 2048, vocab: int = 32000
+) -> list[tuple]:
     work = workdir / size
     remove(work, BENCH_WORK, missing_ok=True)  # an earlier run's, marked by make_folder
     make_folder(work, BENCH_WORK)
@@ -94,10 +99,22 @@ def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int
     tool = [sys.executable, str(REPO / "tools" / "merge_checkpoint.py")]
     commands = {
         "cp -r (copy of the shards)": (["cp", "-r", str(shards), str(outputs["cp"])], outputs["cp"]),
-        "accelerate merge-weights": (["accelerate", "merge-weights", str(shards), str(outputs["merge-weights"])], outputs["merge-weights"]),
-        "tools/merge_checkpoint.py (our checkpoint)": ([*tool, str(ckpt), str(outputs["merged"]), "--memory-budget", memory_budget], outputs["merged"]),
-        "tools/merge_checkpoint.py (no manifest)": ([*tool, str(bare), str(outputs["merged-bare"]), "--memory-budget", memory_budget], outputs["merged-bare"]),
-        "tools/merge_checkpoint.py (raw torch DCP, config.json only)": ([*tool, str(raw), str(outputs["merged-raw"]), "--memory-budget", memory_budget], outputs["merged-raw"]),
+        "accelerate merge-weights": (
+            ["accelerate", "merge-weights", str(shards), str(outputs["merge-weights"])],
+            outputs["merge-weights"],
+        ),
+        "tools/merge_checkpoint.py (our checkpoint)": (
+            [*tool, str(ckpt), str(outputs["merged"]), "--memory-budget", memory_budget],
+            outputs["merged"],
+        ),
+        "tools/merge_checkpoint.py (no manifest)": (
+            [*tool, str(bare), str(outputs["merged-bare"]), "--memory-budget", memory_budget],
+            outputs["merged-bare"],
+        ),
+        "tools/merge_checkpoint.py (raw torch DCP, config.json only)": (
+            [*tool, str(raw), str(outputs["merged-raw"]), "--memory-budget", memory_budget],
+            outputs["merged-raw"],
+        ),
     }
     results = {}
     for _ in range(repeats):  # best of `repeats`, commands interleaved so drifts in disk speed hit all alike
@@ -108,8 +125,19 @@ def bench(size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int
             remove_inside(work, out.name, BENCH_WORK)
     base_mw, base_cp = results["accelerate merge-weights"], results["cp -r (copy of the shards)"]
     for name, (wall, on_disk, rss) in results.items():
-        rows.append((f"{nbytes / 1e9:.2f} GB, {ranks} ranks", name, wall, rss, wall / base_mw[0], wall / base_cp[0],
-                     rss / base_mw[2], on_disk, on_disk / base_cp[1]))
+        rows.append(
+            (
+                f"{nbytes / 1e9:.2f} GB, {ranks} ranks",
+                name,
+                wall,
+                rss,
+                wall / base_mw[0],
+                wall / base_cp[0],
+                rss / base_mw[2],
+                on_disk,
+                on_disk / base_cp[1],
+            )
+        )
     remove(work, BENCH_WORK)
     return rows
 
@@ -118,18 +146,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--size", action="append", help="checkpoint size (fp32), e.g. 1GB; repeatable (default: 1GB)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks that wrote the checkpoint")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/merge-bench"), help="folder for the checkpoints and merged models")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("/tmp/merge-bench"), help="folder for the checkpoints and merged models"
+    )
     parser.add_argument("--memory-budget", default="512MB", help="passed to merge_checkpoint.py")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each command; the fastest is reported")
-    parser.add_argument("--hidden", type=int, default=2048, help="model width: with --vocab, sets the smallest checkpoint (one layer)")
-    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary: the embeddings alone are 2 x vocab x hidden x 4 bytes")
+    parser.add_argument(
+        "--hidden", type=int, default=2048, help="model width: with --vocab, sets the smallest checkpoint (one layer)"
+    )
+    parser.add_argument(
+        "--vocab", type=int, default=32000, help="vocabulary: the embeddings alone are 2 x vocab x hidden x 4 bytes"
+    )
     args = parser.parse_args()
-    rows = [row for size in (args.size or ["1GB"])
-            for row in bench(size, args.ranks, args.workdir, args.memory_budget, args.repeats, args.hidden, args.vocab)]
-    print("| checkpoint | command | wall s | peak RSS GB | time vs merge-weights | time vs cp | RSS vs merge-weights | on disk s (+sync) | on disk vs cp |")
+    rows = [
+        row
+        for size in (args.size or ["1GB"])
+        for row in bench(size, args.ranks, args.workdir, args.memory_budget, args.repeats, args.hidden, args.vocab)
+    ]
+    print(
+        "| checkpoint | command | wall s | peak RSS GB | time vs merge-weights | time vs cp | RSS vs merge-weights | on disk s (+sync) | on disk vs cp |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for ckpt, name, wall, rss, r_mw, r_cp, r_rss, on_disk, r_disk in rows:
-        print(f"| {ckpt} | {name} | {wall:.1f} | {rss:.2f} | {r_mw:.2f}x | {r_cp:.2f}x | {r_rss:.2f}x | {on_disk:.1f} | {r_disk:.2f}x |")
+        print(
+            f"| {ckpt} | {name} | {wall:.1f} | {rss:.2f} | {r_mw:.2f}x | {r_cp:.2f}x | {r_rss:.2f}x | {on_disk:.1f} | {r_disk:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

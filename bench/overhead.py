@@ -13,7 +13,6 @@ Target: the logging and the contract check together under 1% of step time.
 from __future__ import annotations
 
 import argparse
-from fsdp_recipes.console import RawHelpFormatter
 import json
 import os
 import subprocess
@@ -21,15 +20,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fsdp_recipes.console import RawHelpFormatter
+
 REPO = Path(__file__).resolve().parent.parent
 TIMED = {  # what is timed: class path -> method
-    "throughput logging": [("fsdp_recipes.train.metrics", "Throughput", "count"), ("fsdp_recipes.train.metrics", "Throughput", "window")],
-    "contract check (start, first step)": [("fsdp_recipes.train.sharding", "ShardingReport", "on_train_begin"),
-                                           ("fsdp_recipes.train.sharding", "ShardingReport", "on_pre_optimizer_step"),
-                                           ("fsdp_recipes.train.sharding", "ShardingReport", "on_step_end")],
+    "throughput logging": [
+        ("fsdp_recipes.train.metrics", "Throughput", "count"),
+        ("fsdp_recipes.train.metrics", "Throughput", "window"),
+    ],
+    "contract check (start, first step)": [
+        ("fsdp_recipes.train.sharding", "ShardingReport", "on_train_begin"),
+        ("fsdp_recipes.train.sharding", "ShardingReport", "on_pre_optimizer_step"),
+        ("fsdp_recipes.train.sharding", "ShardingReport", "on_step_end"),
+    ],
     "preemption flag all-reduce": [("fsdp_recipes.train.preemption", "Preemption", "on_step_end")],
 }
-WRAPPER = '''
+WRAPPER = """
 import atexit, importlib, json, os, runpy, sys, time
 timings = {}
 for piece, targets in json.loads(os.environ["OVERHEAD_TIMED"]).items():
@@ -56,7 +62,7 @@ def timed_train(self, *args, **kwargs):
 trainer_module.FSDPTrainer.train = timed_train
 sys.argv[0] = os.path.join(os.environ["OVERHEAD_REPO"], "train_fsdp.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
-'''
+"""
 
 
 def model_config(folder: Path, hidden: int, layers: int) -> Path:
@@ -71,8 +77,14 @@ def model_config(folder: Path, hidden: int, layers: int) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=RawHelpFormatter, epilog=__doc__)
-    parser.add_argument("--config", default="accelerate_configs/zero3.yaml", help="accelerate config of the run, relative to the repository")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=RawHelpFormatter, epilog=__doc__
+    )
+    parser.add_argument(
+        "--config",
+        default="accelerate_configs/zero3.yaml",
+        help="accelerate config of the run, relative to the repository",
+    )
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps of the run")
     parser.add_argument("--hidden", type=int, default=512, help="model width (the Llama of assets/tiny-llama, resized)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers")
@@ -83,10 +95,33 @@ def main(argv=None) -> int:
         (tmp / "timings").mkdir()
         (tmp / "wrapper.py").write_text(WRAPPER)
         config = model_config(tmp / "model", args.hidden, args.layers)
-        env = {**os.environ, "OVERHEAD_TIMED": json.dumps(TIMED), "OVERHEAD_OUT": str(tmp / "timings"), "OVERHEAD_REPO": str(REPO)}
-        cmd = ["accelerate", "launch", "--config_file", str(REPO / args.config), "--num_processes", str(args.nproc),
-               str(tmp / "wrapper.py"), "--config_name", str(config), "--tokenizer_name", str(REPO / "assets" / "tiny-llama"), "--max_steps", str(args.steps), "--logging_steps", "1",
-               "--save_steps", str(10 * args.steps), "--output_dir", str(tmp / "run")]
+        env = {
+            **os.environ,
+            "OVERHEAD_TIMED": json.dumps(TIMED),
+            "OVERHEAD_OUT": str(tmp / "timings"),
+            "OVERHEAD_REPO": str(REPO),
+        }
+        cmd = [
+            "accelerate",
+            "launch",
+            "--config_file",
+            str(REPO / args.config),
+            "--num_processes",
+            str(args.nproc),
+            str(tmp / "wrapper.py"),
+            "--config_name",
+            str(config),
+            "--tokenizer_name",
+            str(REPO / "assets" / "tiny-llama"),
+            "--max_steps",
+            str(args.steps),
+            "--logging_steps",
+            "1",
+            "--save_steps",
+            str(10 * args.steps),
+            "--output_dir",
+            str(tmp / "run"),
+        ]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-4000:], file=sys.stderr)
@@ -94,8 +129,10 @@ def main(argv=None) -> int:
         ranks = [json.loads(p.read_text()) for p in sorted((tmp / "timings").glob("rank*.json"))]
         params = json.loads((tmp / "run" / "fsdp_report.json").read_text())["total_param_elements"]
     total = max(r["training (the whole train() call)"] for r in ranks)
-    print(f"{args.config}, {args.nproc} processes, Llama {params / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), "
-          f"{args.steps} steps logged at every step; training took {total:.2f} s ({total / args.steps * 1000:.0f} ms per step)\n")
+    print(
+        f"{args.config}, {args.nproc} processes, Llama {params / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), "
+        f"{args.steps} steps logged at every step; training took {total:.2f} s ({total / args.steps * 1000:.0f} ms per step)\n"
+    )
     print("| piece | seconds (slowest rank) | share of training time |")
     print("| --- | --- | --- |")
     for piece in TIMED:

@@ -22,7 +22,6 @@ Writes DIR/scaling.md (the tables), DIR/scaling.json (one record per run) and DI
 from __future__ import annotations
 
 import argparse
-from fsdp_recipes.console import RawHelpFormatter
 import json
 import os
 import shlex
@@ -35,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from overhead import model_config  # the Llama of assets/tiny-llama, resized
+
+from fsdp_recipes.console import RawHelpFormatter
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
@@ -84,14 +85,28 @@ def default_nprocs(gpus: int) -> list[int]:
     return counts + ([gpus] if gpus not in counts else [])
 
 
-def launch(script: Path, config: str, nproc: int, args: list[str], times: Path, gpus: int) -> tuple[float, subprocess.CompletedProcess]:
+def launch(
+    script: Path, config: str, nproc: int, args: list[str], times: Path, gpus: int
+) -> tuple[float, subprocess.CompletedProcess]:
     import socket
 
     with socket.socket() as s:  # a free port: two benchmarks (or a test suite) may run at once
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = ["accelerate", "launch", "--config_file", str(REPO / config), "--num_processes", str(nproc), "--num_machines", "1",
-           "--main_process_port", str(port), str(script), *args]
+    cmd = [
+        "accelerate",
+        "launch",
+        "--config_file",
+        str(REPO / config),
+        "--num_processes",
+        str(nproc),
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(port),
+        str(script),
+        *args,
+    ]
     env = {**os.environ, "SCALING_STEP_TIMES": str(times), "TOKENIZERS_PARALLELISM": "false"}
     if not gpus:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // nproc))
@@ -107,10 +122,30 @@ def step_stats(times: Path, started: float, first_timed: int, last_timed: int) -
 
 
 def common_args(model: Path, steps: int, out: Path, gpus: int) -> list[str]:
-    args = ["--config_name", str(model), "--tokenizer_name", str(REPO / "assets" / "tiny-llama"),
-            "--train_file", str(REPO / "assets" / "data" / "tiny_corpus.txt"), "--block_size", str(BLOCK),
-            "--per_device_train_batch_size", str(BATCH), "--max_steps", str(steps), "--logging_steps", "5",
-            "--learning_rate", "1e-3", "--warmup_steps", "0", "--report_to", "none", "--output_dir", str(out)]
+    args = [
+        "--config_name",
+        str(model),
+        "--tokenizer_name",
+        str(REPO / "assets" / "tiny-llama"),
+        "--train_file",
+        str(REPO / "assets" / "data" / "tiny_corpus.txt"),
+        "--block_size",
+        str(BLOCK),
+        "--per_device_train_batch_size",
+        str(BATCH),
+        "--max_steps",
+        str(steps),
+        "--logging_steps",
+        "5",
+        "--learning_rate",
+        "1e-3",
+        "--warmup_steps",
+        "0",
+        "--report_to",
+        "none",
+        "--output_dir",
+        str(out),
+    ]
     return args + ([] if gpus else ["--dataloader_pin_memory", "false"])
 
 
@@ -135,11 +170,19 @@ class Record:
     overlapped_share: float | None
 
 
-def run_one(strategy: Strategy, nproc: int, model: Path, steps: int, warmup: int, work: Path, gpus: int) -> Record | str:
+def run_one(
+    strategy: Strategy, nproc: int, model: Path, steps: int, warmup: int, work: Path, gpus: int
+) -> Record | str:
     out = work / f"{strategy.config.replace('/', '_').removesuffix('.yaml')}{''.join(strategy.args)}-{nproc}"
     times = out.with_suffix(".times.json")
     profile = f"{steps - 1}-{steps}"
-    args = common_args(model, steps, out, gpus) + ["--save_steps", str(10 * steps), "--profile_steps", profile, *strategy.args]
+    args = common_args(model, steps, out, gpus) + [
+        "--save_steps",
+        str(10 * steps),
+        "--profile_steps",
+        profile,
+        *strategy.args,
+    ]
     started, proc = launch(BENCH / "timed_run.py", strategy.config, nproc, args, times, gpus)
     if proc.returncode != 0:
         return f"{strategy.label} on {nproc}: failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
@@ -150,13 +193,23 @@ def run_one(strategy: Strategy, nproc: int, model: Path, steps: int, warmup: int
     cuda = all("cuda_max_allocated_bytes" in r["peak_memory"] for r in ranks)
     peak_key = "cuda_max_allocated_bytes" if cuda else "rss_bytes"
     return Record(
-        strategy=strategy.name, fsdp_version=strategy.fsdp_version, config=strategy.config + "".join(f" {a}" for a in strategy.args),
-        processes=nproc, device=report["device"].split(":")[0], parameters=report["total_param_elements"],
-        tokens_per_second=BATCH * BLOCK * nproc / step, samples_per_second=BATCH * nproc / step, step_seconds=step,
-        time_to_first_step_seconds=first, model_state_bytes=max(sum(r["bytes"].values()) for r in ranks),
-        peak_memory_bytes=max(r["peak_memory"][peak_key] for r in ranks), peak_memory_kind=peak_key.removesuffix("_bytes"),
-        all_gather_share=summary.get("all_gather_share"), reduce_scatter_share=summary.get("reduce_scatter_share"),
-        all_reduce_share=summary.get("all_reduce_share"), overlapped_share=summary.get("overlapped_share"),
+        strategy=strategy.name,
+        fsdp_version=strategy.fsdp_version,
+        config=strategy.config + "".join(f" {a}" for a in strategy.args),
+        processes=nproc,
+        device=report["device"].split(":")[0],
+        parameters=report["total_param_elements"],
+        tokens_per_second=BATCH * BLOCK * nproc / step,
+        samples_per_second=BATCH * nproc / step,
+        step_seconds=step,
+        time_to_first_step_seconds=first,
+        model_state_bytes=max(sum(r["bytes"].values()) for r in ranks),
+        peak_memory_bytes=max(r["peak_memory"][peak_key] for r in ranks),
+        peak_memory_kind=peak_key.removesuffix("_bytes"),
+        all_gather_share=summary.get("all_gather_share"),
+        reduce_scatter_share=summary.get("reduce_scatter_share"),
+        all_reduce_share=summary.get("all_reduce_share"),
+        overlapped_share=summary.get("overlapped_share"),
     )
 
 
@@ -180,9 +233,12 @@ def overhead(model: Path, steps: int, warmup: int, nproc: int, work: Path, gpus:
     result = {"config": config, "processes": nproc, "steps": steps, "repeats": repeats}
     for name, measured in runs.items():
         step = statistics.median(m[0] for m in measured)
-        result[name] = {"tokens_per_second": BATCH * BLOCK * nproc / step, "step_seconds": step,
-                        "time_to_first_step_seconds": statistics.median(m[1] for m in measured),
-                        "runs_tokens_per_second": [BATCH * BLOCK * nproc / m[0] for m in measured]}
+        result[name] = {
+            "tokens_per_second": BATCH * BLOCK * nproc / step,
+            "step_seconds": step,
+            "time_to_first_step_seconds": statistics.median(m[1] for m in measured),
+            "runs_tokens_per_second": [BATCH * BLOCK * nproc / m[0] for m in measured],
+        }
     ours, bare = result["train_fsdp.py"]["tokens_per_second"], result["bare accelerate + Trainer"]["tokens_per_second"]
     result["tokens_per_second_lower_by"] = 1 - ours / bare
     return result
@@ -197,27 +253,47 @@ def mb(n: float) -> str:
 
 
 def share(record: Record) -> str:
-    parts = [f"{label} {value:.0%}" for label, value in (("AG", record.all_gather_share), ("RS", record.reduce_scatter_share),
-                                                          ("AR", record.all_reduce_share)) if value is not None and value >= 0.005]
+    parts = [
+        f"{label} {value:.0%}"
+        for label, value in (
+            ("AG", record.all_gather_share),
+            ("RS", record.reduce_scatter_share),
+            ("AR", record.all_reduce_share),
+        )
+        if value is not None and value >= 0.005
+    ]
     return " / ".join(parts) or "-"
 
 
 def write_markdown(path: Path, records: list[Record], over: dict | None, failures: list[str], header: str) -> None:
-    lines = [header, "", "| strategy | config | processes | tokens/s | samples/s | model states per rank (MB) | "
-             "peak memory per rank (MB) | communication share of step time | overlapped |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| strategy | config | processes | tokens/s | samples/s | model states per rank (MB) | "
+        "peak memory per rank (MB) | communication share of step time | overlapped |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in records:
-        lines.append(f"| {label(r.strategy, r.fsdp_version)} | `{r.config}` | {r.processes} | "
-                     f"{r.tokens_per_second:,.0f} | {r.samples_per_second:,.1f} | {mb(r.model_state_bytes)} | {mb(r.peak_memory_bytes)} "
-                     f"({r.peak_memory_kind}) | {share(r)} | {'-' if r.overlapped_share is None else f'{r.overlapped_share:.0%}'} |")
+        lines.append(
+            f"| {label(r.strategy, r.fsdp_version)} | `{r.config}` | {r.processes} | "
+            f"{r.tokens_per_second:,.0f} | {r.samples_per_second:,.1f} | {mb(r.model_state_bytes)} | {mb(r.peak_memory_bytes)} "
+            f"({r.peak_memory_kind}) | {share(r)} | {'-' if r.overlapped_share is None else f'{r.overlapped_share:.0%}'} |"
+        )
     if over:
         ours, bare = over["train_fsdp.py"], over["bare accelerate + Trainer"]
-        lines += ["", f"Overhead of this repository's layer (`{over['config']}`, {over['processes']} processes, {over['steps']} steps, "
-                  f"{over['repeats']} runs each in ABBA order, medians):", "",
-                  "| script | tokens/s (each run) | step (s) | launch to end of first step (s) |", "|---|---|---|---|",
-                  f"| train_fsdp.py | {ours['tokens_per_second']:,.0f} ({spread(ours)}) | {ours['step_seconds']:.3f} | {ours['time_to_first_step_seconds']:.1f} |",
-                  f"| bare accelerate + Trainer (bench/bare_trainer.py) | {bare['tokens_per_second']:,.0f} ({spread(bare)}) | {bare['step_seconds']:.3f} | "
-                  f"{bare['time_to_first_step_seconds']:.1f} |", "",
-                  f"train_fsdp.py's tokens/s is {over['tokens_per_second_lower_by']:+.1%} lower than the bare script's (target: under 3%)."]
+        lines += [
+            "",
+            f"Overhead of this repository's layer (`{over['config']}`, {over['processes']} processes, {over['steps']} steps, "
+            f"{over['repeats']} runs each in ABBA order, medians):",
+            "",
+            "| script | tokens/s (each run) | step (s) | launch to end of first step (s) |",
+            "|---|---|---|---|",
+            f"| train_fsdp.py | {ours['tokens_per_second']:,.0f} ({spread(ours)}) | {ours['step_seconds']:.3f} | {ours['time_to_first_step_seconds']:.1f} |",
+            f"| bare accelerate + Trainer (bench/bare_trainer.py) | {bare['tokens_per_second']:,.0f} ({spread(bare)}) | {bare['step_seconds']:.3f} | "
+            f"{bare['time_to_first_step_seconds']:.1f} |",
+            "",
+            f"train_fsdp.py's tokens/s is {over['tokens_per_second_lower_by']:+.1%} lower than the bare script's (target: under 3%).",
+        ]
     if failures:
         lines += ["", "Runs that failed:", *[f"- {f}" for f in failures]]
     path.write_text("\n".join(lines) + "\n")
@@ -230,17 +306,27 @@ def write_plot(path: Path, records: list[Record]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (speed, states, memory) = plt.subplots(1, 3, figsize=(16, 4.5))
-    series = sorted({(r.strategy, r.fsdp_version) for r in records}, key=lambda k: [s.name for s in STRATEGIES].index(k[0]))
+    series = sorted(
+        {(r.strategy, r.fsdp_version) for r in records}, key=lambda k: [s.name for s in STRATEGIES].index(k[0])
+    )
     for name, version in series:
-        rows = sorted((r for r in records if (r.strategy, r.fsdp_version) == (name, version)), key=lambda r: r.processes)
+        rows = sorted(
+            (r for r in records if (r.strategy, r.fsdp_version) == (name, version)), key=lambda r: r.processes
+        )
         legend = label(name, version)
         style = "--" if version == 1 else "-"
         speed.plot([r.processes for r in rows], [r.tokens_per_second for r in rows], style, marker="o", label=legend)
-        states.plot([r.processes for r in rows], [r.model_state_bytes / 1e6 for r in rows], style, marker="o", label=legend)
-        memory.plot([r.processes for r in rows], [r.peak_memory_bytes / 1e6 for r in rows], style, marker="o", label=legend)
+        states.plot(
+            [r.processes for r in rows], [r.model_state_bytes / 1e6 for r in rows], style, marker="o", label=legend
+        )
+        memory.plot(
+            [r.processes for r in rows], [r.peak_memory_bytes / 1e6 for r in rows], style, marker="o", label=legend
+        )
     kind = records[0].peak_memory_kind if records else ""
     speed.set(xlabel="processes", ylabel="tokens/s (all processes)", title="throughput")
-    states.set(xlabel="processes", ylabel="MB per rank (largest rank)", title="model states (params + grads + optimizer)")
+    states.set(
+        xlabel="processes", ylabel="MB per rank (largest rank)", title="model states (params + grads + optimizer)"
+    )
     memory.set(xlabel="processes", ylabel=f"MB per rank ({kind}, largest rank)", title="peak memory")
     for ax in (speed, states, memory):
         ax.set_xticks(sorted({r.processes for r in records}))
@@ -252,18 +338,36 @@ def write_plot(path: Path, records: list[Record]) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=RawHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=RawHelpFormatter
+    )
     parser.add_argument("--output", required=True, help="folder for scaling.md, scaling.json and scaling.png")
-    parser.add_argument("--quick", action="store_true", help="DDP, ZeRO-1 and the FSDP2 configs only, fewer steps: under 10 minutes on 2 CPU cores")
-    parser.add_argument("--nproc", type=int, action="append", help="process counts (repeatable; default 2 and 4 on CPU, 1 2 4 ... all GPUs)")
-    parser.add_argument("--strategy", action="append", help="only these configs (e.g. accelerate_configs/zero3.yaml; repeatable)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="DDP, ZeRO-1 and the FSDP2 configs only, fewer steps: under 10 minutes on 2 CPU cores",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        action="append",
+        help="process counts (repeatable; default 2 and 4 on CPU, 1 2 4 ... all GPUs)",
+    )
+    parser.add_argument(
+        "--strategy", action="append", help="only these configs (e.g. accelerate_configs/zero3.yaml; repeatable)"
+    )
     parser.add_argument("--hidden", type=int, default=512, help="model width (the Llama of assets/tiny-llama, resized)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (default 8 with --quick, else 16; the last 2 are profiled)")
+    parser.add_argument(
+        "--steps", type=int, help="optimizer steps per run (default 8 with --quick, else 16; the last 2 are profiled)"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
-    parser.add_argument("--repeats", type=int, help="runs of each script in the overhead comparison (default 3 with --quick, else 4)")
-    parser.add_argument("--no-overhead", action="store_true", help="skip the train_fsdp.py against bare-Trainer comparison")
+    parser.add_argument(
+        "--repeats", type=int, help="runs of each script in the overhead comparison (default 3 with --quick, else 4)"
+    )
+    parser.add_argument(
+        "--no-overhead", action="store_true", help="skip the train_fsdp.py against bare-Trainer comparison"
+    )
     command = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(command)
     gpus = gpu_count()
@@ -271,7 +375,9 @@ def main(argv=None) -> int:
     strategies = [s for s in (QUICK if args.quick else STRATEGIES) if not args.strategy or s.config in args.strategy]
     steps = args.steps or (8 if args.quick else 16)
     if steps < args.warmup + 4:
-        parser.error(f"--steps {steps} leaves nothing to time after {args.warmup} warm-up and 2 profiled steps: use {args.warmup + 4} or more")
+        parser.error(
+            f"--steps {steps} leaves nothing to time after {args.warmup} warm-up and 2 profiled steps: use {args.warmup + 4} or more"
+        )
     if not strategies:
         parser.error(f"--strategy matches no config; choose from {', '.join(sorted({s.config for s in STRATEGIES}))}")
     output = Path(args.output)
@@ -292,30 +398,48 @@ def main(argv=None) -> int:
                     print(f"  {result}", flush=True)
                     continue
                 records.append(result)
-                print(f"  {result.tokens_per_second:,.0f} tokens/s, {mb(result.peak_memory_bytes)} MB peak ({result.peak_memory_kind}), "
-                      f"{mb(result.model_state_bytes)} MB model states per rank", flush=True)
+                print(
+                    f"  {result.tokens_per_second:,.0f} tokens/s, {mb(result.peak_memory_bytes)} MB peak ({result.peak_memory_kind}), "
+                    f"{mb(result.model_state_bytes)} MB model states per rank",
+                    flush=True,
+                )
         over = None
         if not args.no_overhead:
             nproc = max(nprocs) if gpus else 2  # every GPU; on CPU the 2 processes the shipped configs launch
             repeats = args.repeats or (3 if args.quick else 4)
-            print(f"[{time.time() - began:5.0f} s] overhead: train_fsdp.py against bench/bare_trainer.py, {nproc} processes, "
-                  f"{repeats} runs each", flush=True)
+            print(
+                f"[{time.time() - began:5.0f} s] overhead: train_fsdp.py against bench/bare_trainer.py, {nproc} processes, "
+                f"{repeats} runs each",
+                flush=True,
+            )
             over = overhead(model, max(steps, 10), args.warmup, nproc, work, gpus, repeats)
             print(f"  train_fsdp.py tokens/s lower by {over['tokens_per_second_lower_by']:+.1%}", flush=True)
     from fsdp_recipes.compat.cpu_fsdp import cpu_name, native_bf16, read_cpuinfo
 
     cpuinfo = read_cpuinfo()
-    device = (f"{gpus} x {__import__('torch').cuda.get_device_name()}" if gpus else
-              f"CPU ({os.cpu_count()} cores, {cpu_name(cpuinfo)}), FSDP over gloo")
+    device = (
+        f"{gpus} x {__import__('torch').cuda.get_device_name()}"
+        if gpus
+        else f"CPU ({os.cpu_count()} cores, {cpu_name(cpuinfo)}), FSDP over gloo"
+    )
     # train_fsdp.py and bench/bare_trainer.py compute in fp32 on a CPU without native bf16 (fsdp_recipes.compat.cpu_fsdp)
-    precision = "fp32 (this CPU has no native bf16)" if not gpus and native_bf16(cpuinfo) is False else "bf16 mixed precision"
+    precision = (
+        "fp32 (this CPU has no native bf16)" if not gpus and native_bf16(cpuinfo) is False else "bf16 mixed precision"
+    )
     params = records[0].parameters if records else 0
-    header = (f"# Scaling: {device}\n\nLlama {params / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), "
-              f"{BATCH} x {BLOCK} tokens per process per step, {precision}, {steps} steps per run "
-              f"({args.warmup} warm-up and 2 profiled steps not timed). `{shlex.join(['python', 'bench/scaling.py', *command])}` "
-              f"took {time.time() - began:.0f} s.")
-    (output / "scaling.json").write_text(json.dumps({"device": device, "records": [asdict(r) for r in records],
-                                                      "overhead": over, "failures": failures}, indent=2) + "\n")
+    header = (
+        f"# Scaling: {device}\n\nLlama {params / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), "
+        f"{BATCH} x {BLOCK} tokens per process per step, {precision}, {steps} steps per run "
+        f"({args.warmup} warm-up and 2 profiled steps not timed). `{shlex.join(['python', 'bench/scaling.py', *command])}` "
+        f"took {time.time() - began:.0f} s."
+    )
+    (output / "scaling.json").write_text(
+        json.dumps(
+            {"device": device, "records": [asdict(r) for r in records], "overhead": over, "failures": failures},
+            indent=2,
+        )
+        + "\n"
+    )
     write_markdown(output / "scaling.md", records, over, failures, header)
     if records:
         write_plot(output / "scaling.png", records)

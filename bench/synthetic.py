@@ -32,8 +32,16 @@ def llama_config(target_bytes: int, hidden: int = 2048, vocab: int = 32000) -> L
     per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
     fixed = 2 * vocab * hidden + hidden
     layers = max(1, round((target_bytes / 4 - fixed) / per_layer))
-    return LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=max(1, hidden // 128),
-                       num_key_value_heads=max(1, hidden // 128), vocab_size=vocab, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 128),
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -56,14 +64,22 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, dict]]) -> N
             local_rows = max(0, min(rows, shape[0] - rank * rows))
             gen = torch.Generator().manual_seed(i * 1000 + rank)
             local = torch.randn((local_rows, *shape[1:]), generator=gen)
-            state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                             stride=torch.empty(shape, device="meta").stride())
+            state[name] = DTensor.from_local(
+                local,
+                mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=torch.empty(shape, device="meta").stride(),
+            )
         dcp.save({"model": state}, checkpoint_id=out)
         del state
     dist.destroy_process_group()
 
 
-def make_checkpoints(sizes: dict[str | os.PathLike, int], ranks: int = 2, hidden: int = 2048, vocab: int = 32000) -> list[Path]:
+def make_checkpoints(
+    sizes: dict[str | os.PathLike, int], ranks: int = 2, hidden: int = 2048, vocab: int = 32000
+) -> list[Path]:
     """For each ``folder: target_bytes``, write ``folder/checkpoint-1/{pytorch_model_fsdp_0, config.json, tokenizer}``,
     all from one set of ``ranks`` processes (starting them is most of the time for small sizes); return the
     checkpoint folders."""
@@ -82,7 +98,12 @@ def make_checkpoints(sizes: dict[str | os.PathLike, int], ranks: int = 2, hidden
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(ranks, port, [(str(c / "pytorch_model_fsdp_0"), config.to_dict()) for c, config in jobs]), nprocs=ranks, join=True)
+    mp.spawn(
+        _worker,
+        args=(ranks, port, [(str(c / "pytorch_model_fsdp_0"), config.to_dict()) for c, config in jobs]),
+        nprocs=ranks,
+        join=True,
+    )
     # config, generation config, tokenizer and manifest as the training run's DescribeCheckpoints writes them
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     for ckpt, config in jobs:
@@ -92,7 +113,9 @@ def make_checkpoints(sizes: dict[str | os.PathLike, int], ranks: int = 2, hidden
     return [ckpt for ckpt, _ in jobs]
 
 
-def make_checkpoint(folder: str | os.PathLike, target_bytes: int, ranks: int = 2, hidden: int = 2048, vocab: int = 32000) -> Path:
+def make_checkpoint(
+    folder: str | os.PathLike, target_bytes: int, ranks: int = 2, hidden: int = 2048, vocab: int = 32000
+) -> Path:
     """Write ``folder/checkpoint-1/{pytorch_model_fsdp_0, config.json, tokenizer}``; return the checkpoint folder."""
     [ckpt] = make_checkpoints({folder: target_bytes}, ranks, hidden, vocab)
     return ckpt

@@ -41,8 +41,12 @@ REPORT_LIMIT = 64 << 20  # fsdp_report.json: a few hundred bytes per rank
 MAX_DEPTH = 32  # recipes and configs nest two levels (fsdp_config: ...); the parser recurses once per level
 MAX_VALUES = 1000  # keys, values and list items together: later checks suggest a name per unknown key, 1 ms each
 
-_SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_SPECIAL = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def file_kind(mode: int) -> str | None:
@@ -69,22 +73,31 @@ def read_text(path: str | os.PathLike, what: str, limit: int) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise UnreadableFile(path, what, f"is not UTF-8 text (byte {err.start})", "is this the right file? save it as UTF-8 if it is") from None
+        raise UnreadableFile(
+            path, what, f"is not UTF-8 text (byte {err.start})", "is this the right file? save it as UTF-8 if it is"
+        ) from None
 
 
 def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
     """The bytes of a regular file of at most ``limit`` bytes; anything else is an UnreadableFile."""
+
     def refuse(reason: str, fix: str) -> UnreadableFile:
         return UnreadableFile(path, what, reason, fix)
 
     try:
         info = os.stat(path)  # before opening: opening a FIFO blocks until a writer comes
     except FileNotFoundError:
-        raise refuse("does not exist" + (" (a broken link)" if os.path.islink(path) else ""), "check the path") from None
+        raise refuse(
+            "does not exist" + (" (a broken link)" if os.path.islink(path) else ""), "check the path"
+        ) from None
     except OSError as err:
         raise refuse(f"cannot be read ({err.strerror})", f"give a {what} file you can read") from None
     if (kind := file_kind(info.st_mode)) is not None:
-        fix = f"give the {what} file itself" if kind == "a directory" else f"give a regular {what} file: a pipe or a device may block or never end"
+        fix = (
+            f"give the {what} file itself"
+            if kind == "a directory"
+            else f"give a regular {what} file: a pipe or a device may block or never end"
+        )
         raise refuse(f"is {kind}, not a file", fix)
     if info.st_size > limit:
         raise refuse(f"is {info.st_size:,} bytes, over the {limit:,}-byte limit", "is this the right file?")
@@ -123,14 +136,22 @@ class _BoundedLoader(yaml.SafeLoader):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             name = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
-            raise _Refused(f"uses a YAML {name}{event.anchor} (line {event.start_mark.line + 1})",
-                           "write the values out in full: recipes and accelerate configs never need aliases, and "
-                           "expanding them can turn a few hundred bytes into gigabytes")
+            raise _Refused(
+                f"uses a YAML {name}{event.anchor} (line {event.start_mark.line + 1})",
+                "write the values out in full: recipes and accelerate configs never need aliases, and "
+                "expanding them can turn a few hundred bytes into gigabytes",
+            )
         self._values += 1
         if self._values > MAX_VALUES:
-            raise _Refused(f"holds more than {MAX_VALUES} values (keys, values and list items)", "is this the right file? recipes and configs hold a few dozen")
+            raise _Refused(
+                f"holds more than {MAX_VALUES} values (keys, values and list items)",
+                "is this the right file? recipes and configs hold a few dozen",
+            )
         if self._depth >= MAX_DEPTH:
-            raise _Refused(f"nests deeper than {MAX_DEPTH} levels (line {event.start_mark.line + 1})", "is this the right file? recipes and configs nest two levels")
+            raise _Refused(
+                f"nests deeper than {MAX_DEPTH} levels (line {event.start_mark.line + 1})",
+                "is this the right file? recipes and configs nest two levels",
+            )
         self._depth += 1
         try:
             return super().compose_node(parent, index)
@@ -143,13 +164,18 @@ class _BoundedLoader(yaml.SafeLoader):
             line = key_node.start_mark.line + 1
             if key_node.tag != "tag:yaml.org,2002:str":  # 1:, yes:, null:, [a]: ... would be ints, bools, None, lists
                 shown = repr(key_node.value[:60]) if isinstance(key_node, yaml.ScalarNode) else "that is a collection"
-                raise _Refused(f"has a key {shown} at line {line} that YAML reads as "
-                               f"{key_node.tag.rsplit(':', 1)[-1]}, not a name", "write keys as names (quote one that looks like a value)")
+                raise _Refused(
+                    f"has a key {shown} at line {line} that YAML reads as "
+                    f"{key_node.tag.rsplit(':', 1)[-1]}, not a name",
+                    "write keys as names (quote one that looks like a value)",
+                )
             # pyyaml keeps the last of two equal keys without a word: `num_processes: 2` then `num_processes: 8`
             # would launch 8, whichever of them the user edited last
             if key_node.value in seen:
-                raise _Refused(f"has the key {key_node.value[:60]!r} twice (lines {seen[key_node.value]} and {line})",
-                               "keep one of them: YAML would silently take the last")
+                raise _Refused(
+                    f"has the key {key_node.value[:60]!r} twice (lines {seen[key_node.value]} and {line})",
+                    "keep one of them: YAML would silently take the last",
+                )
             seen[key_node.value] = line
         return super().construct_mapping(node, deep)
 
@@ -168,9 +194,13 @@ def load_yaml(path: str | os.PathLike, what: str, limit: int = YAML_LIMIT) -> di
         where = f", line {err.problem_mark.line + 1} column {err.problem_mark.column + 1}" if err.problem_mark else ""
         raise UnreadableFile(path, what, f"is not valid YAML ({err.problem}{where})", "fix the YAML syntax") from None
     except yaml.YAMLError as err:
-        raise UnreadableFile(path, what, f"is not valid YAML ({' '.join(str(err).split())})", "fix the YAML syntax") from None
+        raise UnreadableFile(
+            path, what, f"is not valid YAML ({' '.join(str(err).split())})", "fix the YAML syntax"
+        ) from None
     except ValueError as err:  # a constructor's own: a 4301-digit integer, a 13th month in a date
-        raise UnreadableFile(path, what, f"holds a value YAML cannot build ({str(err).split(';')[0]})", "is this the right file?") from None
+        raise UnreadableFile(
+            path, what, f"holds a value YAML cannot build ({str(err).split(';')[0]})", "is this the right file?"
+        ) from None
     finally:
         loader.dispose()
     return _mapping(path, what, data, "write it as `key: value` lines")
@@ -184,17 +214,29 @@ def load_json(path: str | os.PathLike, what: str, limit: int) -> dict:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise UnreadableFile(path, what, f"is not valid JSON ({err.msg} at line {err.lineno})", "is the file cut off? copy it again") from None
+        raise UnreadableFile(
+            path, what, f"is not valid JSON ({err.msg} at line {err.lineno})", "is the file cut off? copy it again"
+        ) from None
     except RecursionError:
         raise UnreadableFile(path, what, "nests too deeply to read", "is this the right file?") from None
     except ValueError as err:  # an integer of more than 4300 digits
-        raise UnreadableFile(path, what, f"holds a value JSON cannot build ({str(err).split(';')[0]})", "is this the right file?") from None
+        raise UnreadableFile(
+            path, what, f"holds a value JSON cannot build ({str(err).split(';')[0]})", "is this the right file?"
+        ) from None
     return _mapping(path, what, data, "is this the right file?")
 
 
 def kind_of(value) -> str:
     """A parsed YAML or JSON value's type, in words."""
-    names = {type(None): "null", bool: "true/false", int: "a number", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
+    names = {
+        type(None): "null",
+        bool: "true/false",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -202,4 +244,3 @@ def _mapping(path, what: str, data, fix: str) -> dict:
     if not isinstance(data, dict):
         raise UnreadableFile(path, what, f"must be a mapping of keys to values, not {kind_of(data)}", fix)
     return data
-

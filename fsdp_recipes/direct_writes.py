@@ -67,8 +67,10 @@ def _until(done: _Done) -> None:
         if sys.is_finalizing():
             raise RuntimeError("the interpreter is exiting while a write of this file is under way: it is incomplete")
         if done.pid != os.getpid():
-            raise RuntimeError("a process forked while a write of this file was under way: the child has no writer thread; "
-                               "finish files before forking")
+            raise RuntimeError(
+                "a process forked while a write of this file was under way: the child has no writer thread; "
+                "finish files before forking"
+            )
         done.lock.acquire(timeout=0.05)
 
 
@@ -118,7 +120,9 @@ class DirectFile(io.RawIOBase):
         self._failed: BaseException | None = None  # the write that failed: every later write and close fails too
         self._unfinished = False  # a write or copy_from began and did not return: its bytes are unknown
         self._closing = False  # a close or abort began: no more writes (the writer may have been told to end)
-        self._close_cut = False  # a close began and neither returned nor raised an error (Ctrl-C): a later close says so
+        self._close_cut = (
+            False  # a close began and neither returned nor raised an error (Ctrl-C): a later close says so
+        )
         self._filled = 0  # bytes in the buffer
         self._written = 0  # bytes of the file written or being written (a multiple of BLOCK while direct)
         self.page_cache_why = None if O_DIRECT else "this platform has no O_DIRECT"
@@ -150,7 +154,9 @@ class DirectFile(io.RawIOBase):
         if self._turn == len(self._buffers):
             self._buffers.append(mmap.mmap(-1, CHUNK))
             self._views.append(memoryview(self._buffers[-1]))
-            self._arrays.append(np.frombuffer(self._buffers[-1], dtype=np.uint8))  # the same bytes, for copies that release the GIL
+            self._arrays.append(
+                np.frombuffer(self._buffers[-1], dtype=np.uint8)
+            )  # the same bytes, for copies that release the GIL
         self._view, self._array, self._filled = self._views[self._turn], self._arrays[self._turn], 0
 
     def _check_open(self) -> None:
@@ -160,11 +166,18 @@ class DirectFile(io.RawIOBase):
 
     def _check_whole(self) -> None:
         if self._failed is not None:
-            raise OSError(getattr(self._failed, "errno", None) or errno.EIO,
-                          f"an earlier write of this file failed ({self._failed}): it has a gap", self.path)
+            raise OSError(
+                getattr(self._failed, "errno", None) or errno.EIO,
+                f"an earlier write of this file failed ({self._failed}): it has a gap",
+                self.path,
+            )
         if self._unfinished:
-            raise OSError(errno.EIO, "an earlier write of this file was cut short (an exception while it ran, e.g. "
-                          "Ctrl-C): it may have a gap", self.path)
+            raise OSError(
+                errno.EIO,
+                "an earlier write of this file was cut short (an exception while it ran, e.g. "
+                "Ctrl-C): it may have a gap",
+                self.path,
+            )
 
     def write(self, data) -> int:
         self._check_open()
@@ -180,9 +193,11 @@ class DirectFile(io.RawIOBase):
                 # numpy's copy of bytes releases the GIL; a memoryview slice assignment holds it for the whole copy,
                 # and in a background save's writing thread that stops the training thread's Python meanwhile
                 # (bench/gil_copies.py: a Python-driven loop beside such copies ran 14 iterations against 11,727)
-                np.copyto(self._array[self._filled:self._filled + n], np.frombuffer(view[done:done + n], dtype=np.uint8))
+                np.copyto(
+                    self._array[self._filled : self._filled + n], np.frombuffer(view[done : done + n], dtype=np.uint8)
+                )
             else:
-                self._view[self._filled:self._filled + n] = view[done:done + n]
+                self._view[self._filled : self._filled + n] = view[done : done + n]
             self._filled += n
             done += n
             if self._filled == CHUNK:
@@ -205,7 +220,7 @@ class DirectFile(io.RawIOBase):
         done = 0
         while done < count:
             want = min(CHUNK - self._filled, count - done)
-            target = self._view[self._filled:self._filled + want]
+            target = self._view[self._filled : self._filled + want]
             if hasattr(os, "preadv"):
                 n = os.preadv(fd, [target], offset + done)  # releases the GIL
             else:  # macOS before 11
@@ -275,7 +290,7 @@ class DirectFile(io.RawIOBase):
             raise
         self._written += count
         rest = self._filled - count
-        self._view[:rest] = self._view[count:self._filled]
+        self._view[:rest] = self._view[count : self._filled]
         self._filled = rest
 
     def _write_at(self, data: memoryview, offset: int) -> None:
@@ -303,10 +318,16 @@ class DirectFile(io.RawIOBase):
         self.direct = False
 
     def close(self) -> None:
-        if self._close_cut:  # closed or not, this one may be short (or written twice, were it finished again): said again
+        if (
+            self._close_cut
+        ):  # closed or not, this one may be short (or written twice, were it finished again): said again
             self.abort()
-            raise OSError(errno.EIO, "an earlier close of this file was cut short (an exception while it ran, e.g. "
-                          "Ctrl-C): it may be incomplete", self.path)
+            raise OSError(
+                errno.EIO,
+                "an earlier close of this file was cut short (an exception while it ran, e.g. "
+                "Ctrl-C): it may be incomplete",
+                self.path,
+            )
         if self.closed:
             return
         if self.fd < 0:  # the open failed: nothing to finish
@@ -409,4 +430,3 @@ def _sync_entries(folder: str, done: _Done) -> None:
         pass  # a folder that cannot be opened: nothing to sync
     finally:
         done.end()
-

@@ -51,7 +51,9 @@ class UnknownToThisVersion(CheckpointError):
     def __init__(self, path: str | os.PathLike, what: str, kind: str, version: str):
         self.path, self.what, self.kind, self.version = str(path), what, kind, version
         self.reason = f"{self.path} names {what}, a {kind} torch {version} does not know"
-        super().__init__(f"unreadable by this version: {self.reason}; another torch version wrote it, and it may be complete: {self.FIX}")
+        super().__init__(
+            f"unreadable by this version: {self.reason}; another torch version wrote it, and it may be complete: {self.FIX}"
+        )
 
     def at(self, path: str | os.PathLike) -> UnknownToThisVersion:
         """The same error, naming the file it was found in."""

@@ -18,7 +18,9 @@ from fsdp_recipes.errors import one_line
 OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no folder locks
 PROC_LOCKS_LIMIT = 1 << 20  # bytes of /proc/locks read to name a holder
 LINE_LIMIT = 300  # bytes of a lock file read: the line this project writes is well under it
-OWNER_LINE = re.compile(rb"host (\S+), pid ([0-9]{1,10})(?:, job ([0-9]{1,20}))?, since [^\n]*\n")  # what run_lock writes
+OWNER_LINE = re.compile(
+    rb"host (\S+), pid ([0-9]{1,10})(?:, job ([0-9]{1,20}))?, since [^\n]*\n"
+)  # what run_lock writes
 
 
 def read_head(path: Path, limit: int = LINE_LIMIT + 1) -> bytes | None:
@@ -41,7 +43,7 @@ def shown(text: bytes) -> str:
 
 
 def flock_holder(folder: os.stat_result) -> str | None:
-    """"pid N on HOST" holding a kernel lock on the folder, from /proc/locks (this host's kernel); None if none is
+    """ "pid N on HOST" holding a kernel lock on the folder, from /proc/locks (this host's kernel); None if none is
     listed (or /proc/locks cannot be read)."""
     key = f"{os.major(folder.st_dev):02x}:{os.minor(folder.st_dev):02x}:{folder.st_ino}".encode()
     try:
@@ -71,8 +73,10 @@ def live_run(folder: str | os.PathLike) -> str | None:
         return None  # none, or not a lock file this project writes
     if owner[1].decode(errors="replace") == socket.gethostname() and not _alive(int(owner[2])):
         return None  # a run of this host that died: its lock file is stale (the next run removes it)
-    return (f"a run may be training in it ({shown(text)}, says its lock file; this host cannot tell whether that run "
-            f"is gone: if it is, delete {folder / OWNER_NAME})")
+    return (
+        f"a run may be training in it ({shown(text)}, says its lock file; this host cannot tell whether that run "
+        f"is gone: if it is, delete {folder / OWNER_NAME})"
+    )
 
 
 def _alive(pid: int) -> bool:

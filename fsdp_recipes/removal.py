@@ -40,7 +40,9 @@ def make_folder(path: str | os.PathLike, purpose: str, exist_ok: bool = False) -
     ``exist_ok`` and it is empty or already ours for that purpose."""
     path = Path(path)
     if path.is_symlink():
-        raise RefusedRemoval(f"{path} is a symbolic link: refusing to write through it; remove the link or choose another path")
+        raise RefusedRemoval(
+            f"{path} is a symbolic link: refusing to write through it; remove the link or choose another path"
+        )
     if path.exists() and not exist_ok:
         raise RefusedRemoval(f"{path} exists: refusing to take it over; move it away or choose another path")
     if path.exists() and any(p.name != MARKER for p in path.iterdir()) and not is_ours(path, purpose):
@@ -77,16 +79,26 @@ def entries(folder: str | os.PathLike) -> list | None:
     """Each entry's name, size, inode, modification and change time: a write changes the times, and a program can set
     the modification time back but not the change time (the clock moves it). A rename of the folder keeps them all."""
     try:
-        return sorted([e.name, (st := e.stat(follow_symlinks=False)).st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
-                      for e in os.scandir(folder) if e.name != MARKER)
+        return sorted(
+            [e.name, (st := e.stat(follow_symlinks=False)).st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+            for e in os.scandir(folder)
+            if e.name != MARKER
+        )
     except OSError:
         return None
 
 
 def _write_marker(path: Path, purpose: str) -> None:
     where = os.lstat(path)  # raises where identity() would say None: the folder was just made
-    record = {"tool": "fsdp-recipes", "purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(),
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": where.st_dev, "inode": where.st_ino}
+    record = {
+        "tool": "fsdp-recipes",
+        "purpose": purpose,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "device": where.st_dev,
+        "inode": where.st_ino,
+    }
     (path / MARKER).write_text(json.dumps(record) + "\n")
 
 
@@ -152,7 +164,9 @@ def contents(path: Path, limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def remove(path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] | None = None, missing_ok: bool = False) -> None:
+def remove(
+    path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] | None = None, missing_ok: bool = False
+) -> None:
     """Delete the folder ``path``: when ``shape`` (an exact-shape predicate) is given, only if it accepts the folder;
     without one, only if this project made it for ``purpose`` (its marker). Anything else: RefusedRemoval naming it
     and what it holds."""
@@ -162,11 +176,15 @@ def remove(path: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] 
             return
         raise RefusedRemoval(f"{path} does not exist")
     if path.is_symlink() or not path.is_dir():
-        raise RefusedRemoval(f"{path} is {'a symbolic link' if path.is_symlink() else 'not a folder'}: refusing to "
-                             f"remove it ({purpose}); move it away yourself")
+        raise RefusedRemoval(
+            f"{path} is {'a symbolic link' if path.is_symlink() else 'not a folder'}: refusing to "
+            f"remove it ({purpose}); move it away yourself"
+        )
     if not (shape(path) if shape is not None else is_ours(path, purpose)):
-        raise RefusedRemoval(f"{path} is not a folder this project made ({purpose}; it holds {contents(path)}): refusing to "
-                             "remove it; move it away yourself, or choose another path")
+        raise RefusedRemoval(
+            f"{path} is not a folder this project made ({purpose}; it holds {contents(path)}): refusing to "
+            "remove it; move it away yourself, or choose another path"
+        )
     _refuse_mount_points(path)
     shutil.rmtree(path)
 
@@ -181,15 +199,20 @@ def mount_points(path: str | os.PathLike) -> list[str]:
     except OSError:
         return []
     top = os.path.realpath(path)
-    points = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split(" ")[4])
-              for line in text.splitlines() if line.count(" ") >= 5)
+    points = (
+        re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split(" ")[4])
+        for line in text.splitlines()
+        if line.count(" ") >= 5
+    )
     return sorted(p for p in points if p == top or p.startswith(top.rstrip("/") + "/"))
 
 
 def _refuse_mount_points(path: Path) -> None:
     if found := mount_points(path):
-        raise RefusedRemoval(f"{path} is or holds a mount point ({one_line(found[0])}): refusing to remove it, which would "
-                             "empty what is mounted there; unmount it, or move the folder away yourself")
+        raise RefusedRemoval(
+            f"{path} is or holds a mount point ({one_line(found[0])}): refusing to remove it, which would "
+            "empty what is mounted there; unmount it, or move the folder away yourself"
+        )
 
 
 def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn, published: Callable[[Path], bool]) -> Path:
@@ -204,8 +227,10 @@ def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn, pub
         held = "a link" if path.is_symlink() else "a file" if not path.is_dir() else contents(path)
         why = f"held {held}, which the export does not write"
     elif not published(path):
-        why = ("holds only files an export writes, but is not the folder an export of this run published, as it left it "
-               "(a file written, added or removed, its permissions changed since, or the folder made again or copied)")
+        why = (
+            "holds only files an export writes, but is not the folder an export of this run published, as it left it "
+            "(a file written, added or removed, its permissions changed since, or the folder made again or copied)"
+        )
     else:
         try:
             remove(path, purpose, shape=lambda p: shape(p) and published(p))  # checked again just before
@@ -215,8 +240,10 @@ def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn, pub
     try:
         aside = keep_aside(path, path)
     except OSError as err:  # a mount point (EBUSY), a read-only folder: the result stays in its staging folder
-        raise RefusedRemoval(f"{path} {why}, and cannot be moved aside ({err.strerror}): move it away yourself; the "
-                             "checkpoints are kept, and --resume_from_checkpoint true writes the final model again") from None
+        raise RefusedRemoval(
+            f"{path} {why}, and cannot be moved aside ({err.strerror}): move it away yourself; the "
+            "checkpoints are kept, and --resume_from_checkpoint true writes the final model again"
+        ) from None
     warn(f"{path} {why}: moved to {aside.name} (nothing deleted); this export is in {path}")
     return path
 
@@ -248,7 +275,9 @@ def remove_inside(folder: str | os.PathLike, name: str, purpose: str) -> None:
 def remove_file(folder: str | os.PathLike, name: str, purpose: str) -> None:
     """Delete the file ``name`` directly inside a folder this project made for ``purpose``."""
     if not is_ours(folder, purpose) or "/" in name or name in ("", ".", "..", MARKER):
-        raise RefusedRemoval(f"{Path(folder) / name}: not a file of a folder this project made ({purpose}): refusing to delete it")
+        raise RefusedRemoval(
+            f"{Path(folder) / name}: not a file of a folder this project made ({purpose}): refusing to delete it"
+        )
     (Path(folder) / name).unlink()
 
 
@@ -290,7 +319,9 @@ def move(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return dst
 
 
-def replace_file(src: str | os.PathLike, dst: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] | None = None) -> None:
+def replace_file(
+    src: str | os.PathLike, dst: str | os.PathLike, purpose: str, shape: Callable[[Path], bool] | None = None
+) -> None:
     """Move a finished file out of a folder this project made for ``purpose`` (or of the exact ``shape``) onto
     ``dst`` (a file of the same name is replaced, as an export replaces an earlier export's; a folder or link there
     is refused)."""
@@ -298,5 +329,7 @@ def replace_file(src: str | os.PathLike, dst: str | os.PathLike, purpose: str, s
     if not (shape(src.parent) if shape is not None else is_ours(src.parent, purpose)):
         raise RefusedRemoval(f"{src} is not in a folder this project made ({purpose}): refusing to move it")
     if dst.is_symlink() or dst.is_dir():
-        raise RefusedRemoval(f"{dst} is {'a symbolic link' if dst.is_symlink() else 'a folder'}: refusing to replace it with {src.name}")
+        raise RefusedRemoval(
+            f"{dst} is {'a symbolic link' if dst.is_symlink() else 'a folder'}: refusing to replace it with {src.name}"
+        )
     os.replace(src, dst)

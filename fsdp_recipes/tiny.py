@@ -32,22 +32,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
-MODEL_CONFIG = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=172,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=3,
-    dtype="float32",
-)
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 172,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+    "dtype": "float32",
+}
 
 _NAMES = ["Ada", "Ben", "Cleo", "Dev", "Ema", "Finn", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lena"]
 _ANIMALS = ["cat", "dog", "fox", "owl", "bee", "hen", "yak", "eel", "ant", "cow"]
@@ -67,7 +67,9 @@ def _sentence(rng: random.Random) -> str:
     if form == 2:
         n = rng.randrange(2, 10)
         return f"{name} has {n} {animal}s, and {n + 1} is one more than {n}."
-    return f"In {rng.choice(_PLACES)} the {animal} is {color}, so {name} {rng.choice(_VERBS)} it {rng.choice(_ADVERBS)}."
+    return (
+        f"In {rng.choice(_PLACES)} the {animal} is {color}, so {name} {rng.choice(_VERBS)} it {rng.choice(_ADVERBS)}."
+    )
 
 
 def corpus_lines(n_paragraphs: int = 1500, seed: int = 0) -> list[str]:
@@ -83,7 +85,10 @@ def chat_examples(n: int = 400, seed: int = 1) -> list[dict]:
         examples.append(
             {
                 "messages": [
-                    {"role": "user", "content": f"How many {animal}s does {name} have if {name} has {k} and finds one more?"},
+                    {
+                        "role": "user",
+                        "content": f"How many {animal}s does {name} have if {name} has {k} and finds one more?",
+                    },
                     {"role": "assistant", "content": f"{name} has {k + 1} {animal}s."},
                 ]
             }
@@ -100,7 +105,7 @@ def build_tokenizer(lines: list[str]):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-            special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

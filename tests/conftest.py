@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,15 +15,29 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE
 from fsdp_recipes.config.strategy import strategy_of
+from fsdp_recipes.removal import MARKER, make_folder
 
 REPO = Path(__file__).resolve().parent.parent
+TOOLS = REPO / "tools"
 CONFIG_DIR = REPO / "accelerate_configs"
 ALL_CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
 DDP_CONFIG = "accelerate_configs/ddp.yaml"  # DDP, and ZeRO-1 with --zero1 true: no fsdp_config
 FSDP_CONFIGS = [c for c in ALL_CONFIGS if c != DDP_CONFIG]
 # Fast test settings on top of the default recipe: enough steps for the loss to fall, one mid-run checkpoint.
-QUICK = ["--max_steps", "12", "--save_steps", "6", "--logging_steps", "2", "--warmup_steps", "2", "--save_total_limit", "3"]
+QUICK = [
+    "--max_steps",
+    "12",
+    "--save_steps",
+    "6",
+    "--logging_steps",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--save_total_limit",
+    "3",
+]
 
 
 def quick(**changes: str) -> list[str]:
@@ -39,20 +55,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None, new_session: bool = False) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None, new_session: bool = False
+) -> subprocess.CompletedProcess:
     """``new_session``: the command gets a process group of its own (a signal to that group spares pytest).
 
     PYTHONPATH starts with this checkout: `python tools/x.py` puts tools/, not the repository, first on sys.path,
     and would otherwise import whichever fsdp_recipes is installed (an editable install of another checkout)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, **(env or {})}
-    launches = (Path(cmd[0]).name == "torchrun" or cmd[:2] == ["accelerate", "launch"]
-                or "accelerate.commands.launch" in cmd[:3])
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": path,
+        **(env or {}),
+    }
+    launches = (
+        Path(cmd[0]).name == "torchrun"
+        or cmd[:2] == ["accelerate", "launch"]
+        or "accelerate.commands.launch" in cmd[:3]
+    )
     if launches and CURRENT_TEST.get("slow") is False:
-        pytest.fail("this test launches a run: mark it @pytest.mark.slow (the quick tier, -m 'not slow', has no launches)")
+        pytest.fail(
+            "this test launches a run: mark it @pytest.mark.slow (the quick tier, -m 'not slow', has no launches)"
+        )
     start = time.monotonic()
     try:
-        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, start_new_session=new_session)
+        return subprocess.run(
+            cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, start_new_session=new_session
+        )
     finally:
         took = time.monotonic() - start
         kind = "multi-process launch" if launches else _kind(cmd)
@@ -99,8 +130,14 @@ FAULT_SCRIPT = REPO / "tests" / "helpers" / "train_with_fault.py"
 
 
 def launch(
-    config: str, *script_args: str, launch_args: tuple[str, ...] = (), cwd: Path = REPO, check: bool = True,
-    script: Path = REPO / "train_fsdp.py", env: dict | None = None, new_session: bool = False,
+    config: str,
+    *script_args: str,
+    launch_args: tuple[str, ...] = (),
+    cwd: Path = REPO,
+    check: bool = True,
+    script: Path = REPO / "train_fsdp.py",
+    env: dict | None = None,
+    new_session: bool = False,
 ):
     """`accelerate launch --config_file CONFIG [launch_args] train_fsdp.py [script_args]`, on a free port (29500,
     torchrun's default, would make two test suites on one machine collide).
@@ -110,7 +147,17 @@ def launch(
     before any rank starts). The `accelerate launch` command itself runs in test_readme, test_arguments and
     test_config_check; fsdp_recipes.config.launcher finds the config in force from either."""
     port = () if "--main_process_port" in launch_args else ("--main_process_port", str(free_port()))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / config), *port, *launch_args, str(script), *script_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / config),
+        *port,
+        *launch_args,
+        str(script),
+        *script_args,
+    ]
     proc = run(cmd, cwd=cwd, env=env, new_session=new_session)
     if check and proc.returncode != 0:
         pytest.fail(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
@@ -148,8 +195,14 @@ def logged_losses(output_dir: Path) -> list[float]:
 # The FSDP2 HSDP config is multi-node; on one machine it runs as 2 replicas x 2 shards = 4 processes.
 LAUNCH_OVERRIDES = {
     "accelerate_configs/hybrid_shard.yaml": (
-        "--num_machines", "1", "--num_processes", "4",
-        "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2",
+        "--num_machines",
+        "1",
+        "--num_processes",
+        "4",
+        "--parallelism_config_dp_replicate_size",
+        "2",
+        "--parallelism_config_dp_shard_size",
+        "2",
     ),
 }
 
@@ -217,7 +270,14 @@ def trained(tmp_path_factory):
         key = (config, script_args, launch_args)
         if key not in runs:
             out = tmp_path_factory.mktemp(config.replace("/", "_").replace(".yaml", ""))
-            proc = launch(config, *QUICK, *script_args, "--output_dir", str(out), launch_args=LAUNCH_OVERRIDES.get(config, ()) + launch_args)
+            proc = launch(
+                config,
+                *QUICK,
+                *script_args,
+                "--output_dir",
+                str(out),
+                launch_args=LAUNCH_OVERRIDES.get(config, ()) + launch_args,
+            )
             runs[key] = Run(config, out, *expected_layout(config), stdout=proc.stdout, stderr=proc.stderr)
         return runs[key]
 
@@ -232,10 +292,25 @@ def gpt2_run(trained, tmp_path_factory) -> Run:
 
     tokenizer = REPO / "assets" / "tiny-llama"
     config_dir = tmp_path_factory.mktemp("tiny-gpt2")
-    GPT2Config(vocab_size=len(AutoTokenizer.from_pretrained(tokenizer)), n_positions=128, n_embd=64, n_layer=2, n_head=4,
-               tie_word_embeddings=True).save_pretrained(config_dir)
-    return trained("accelerate_configs/zero3.yaml", "--config_name", str(config_dir), "--tokenizer_name", str(tokenizer),
-                   "--block_size", "64", "--learning_rate", "3e-3")
+    GPT2Config(
+        vocab_size=len(AutoTokenizer.from_pretrained(tokenizer)),
+        n_positions=128,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        tie_word_embeddings=True,
+    ).save_pretrained(config_dir)
+    return trained(
+        "accelerate_configs/zero3.yaml",
+        "--config_name",
+        str(config_dir),
+        "--tokenizer_name",
+        str(tokenizer),
+        "--block_size",
+        "64",
+        "--learning_rate",
+        "3e-3",
+    )
 
 
 def make_special(path: Path, kind: str) -> None:
@@ -253,3 +328,131 @@ def make_special(path: Path, kind: str) -> None:
         path.symlink_to(path.parent / f"{path.name}.gone")
     elif kind != "missing":
         raise ValueError(kind)
+
+
+# Helpers shared by the checkpoint tests.
+
+
+def elastic_root_cause(stderr: str) -> str:
+    """The message torch elastic's failure report gives as the root cause (its report's last text line)."""
+    report = stderr.split("Root Cause (first observed failure):", 1)[1]
+    return (
+        [line for line in report.splitlines() if line.strip().startswith("traceback :")][0]
+        .split("traceback :", 1)[1]
+        .strip()
+    )
+
+
+def plain_checkpoint(folder: Path, step: int, world: int) -> Path:
+    """A complete checkpoint of a run without FSDP over ``world`` processes, written by hand: one RNG file per rank."""
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt = folder / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    save_file({"weight": torch.zeros(2)}, ckpt / "model.safetensors")
+    torch.save({"state": {}, "param_groups": []}, ckpt / "optimizer.pt")
+    torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
+    for rank in range(world):
+        torch.save({"python": [rank], "numpy": [rank], "cpu": torch.zeros(2)}, ckpt / f"rng_state_{rank}.pth")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    (ckpt / "fsdp_report.json").write_text(
+        json.dumps({"fsdp_version": None, "world_size": world, "sharding_strategy": None})
+    )
+    return ckpt
+
+
+def _model_folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        (path / name).write_text("{}")
+    return path
+
+
+def _home(p):
+    p.mkdir()
+    (p / ".bashrc").write_text("x")
+    (p / ".ssh").mkdir()
+    (p / ".ssh" / "id_rsa").write_text("k")
+    (p / "projects").mkdir()
+
+
+def _notes(p):
+    p.mkdir()
+    (p / "notes.txt").write_text("mine")
+    (p / "data").mkdir()
+
+
+def _model_plus_notes(p):
+    _model_folder(p)
+    (p / "notes.txt").write_text("mine")
+
+
+def _model_with_folder(p):
+    _model_folder(p)
+    (p / "data").mkdir()
+    (p / "data" / "x.jsonl").write_text("{}")
+
+
+def _link_to_model(p):
+    target = _model_folder(p.parent / f"{p.name}-target")
+    p.symlink_to(target)
+
+
+def _model_with_link(p):
+    _model_folder(p)
+    (p / "tokenizer_config.json").symlink_to(p.parent)
+
+
+def _forged_marker(p):
+    _notes(p)
+    (p / MARKER).write_text('{"tool": "someone-else"}')
+
+
+FOREIGN = {
+    "home": _home,
+    "notes": _notes,
+    "model+notes": _model_plus_notes,
+    "model+data/": _model_with_folder,
+    "link to a model": _link_to_model,
+    "model with a link": _model_with_link,
+    "forged marker": _forged_marker,
+}
+
+
+def _snapshot(path: Path) -> list[str]:
+    if path.is_symlink():
+        return ["link -> " + os.readlink(path)]
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def _checkpoint(path: Path, marked: bool) -> Path:
+    if marked:
+        make_folder(path, CHECKPOINT_PURPOSE)
+    else:
+        path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": int(path.name.split("-")[-1])}))
+    (path / "pytorch_model_fsdp_0").mkdir()
+    (path / "pytorch_model_fsdp_0" / ".metadata").write_bytes(b"x")
+    return path
+
+
+def cli(tool: str, argv: list[str]) -> int:
+    spec = importlib.util.spec_from_file_location(f"{tool}_cli", TOOLS / f"{tool}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+@pytest.fixture
+def run_dir(trained, tmp_path) -> Path:
+    """A private copy of a real 2-rank FSDP2 run's newest checkpoint."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", copy / "checkpoint-12")
+    return copy
+
+
+def one_line_error(text: str, prefix: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(prefix), text
+    return lines[0]

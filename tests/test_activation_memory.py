@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 import yaml
+from conftest import REPO
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
 
-from conftest import REPO
 from fsdp_recipes.config.memory import ModelShape, Setup, estimate, model_shape, saved_per_token
 from fsdp_recipes.config.strategy import strategy_of
 
@@ -42,23 +42,44 @@ def generated_shapes(count: int, seed: int):
     for i in range(count):
         heads = rng.choice([2, 4, 6, 8])
         head_dim = rng.choice([8, 16, 32, 64])
-        per_head = head_dim if i % 4 < 2 else rng.choice([d for d in (8, 16, 32, 64) if d != head_dim])  # half: q width != hidden
+        per_head = (
+            head_dim if i % 4 < 2 else rng.choice([d for d in (8, 16, 32, 64) if d != head_dim])
+        )  # half: q width != hidden
         hidden = heads * per_head  # transformers wants hidden a multiple of the heads
         kv_heads = rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0])
         intermediate = rng.choice([2 * hidden, 3 * hidden, int(hidden * 2.6875) // 8 * 8])
-        yield ["llama", "qwen3"][i % 2], heads, kv_heads, head_dim, hidden, intermediate, rng.choice([16, 48]), rng.choice([1, 3])
+        yield (
+            ["llama", "qwen3"][i % 2],
+            heads,
+            kv_heads,
+            head_dim,
+            hidden,
+            intermediate,
+            rng.choice([16, 48]),
+            rng.choice([1, 3]),
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("shape_args", list(generated_shapes(8, seed=7)), ids=lambda a: "{0}-h{4}-I{5}-heads{1}x{3}-kv{2}".format(*a))
+@pytest.mark.parametrize(
+    "shape_args", list(generated_shapes(8, seed=7)), ids=lambda a: "{0}-h{4}-I{5}-heads{1}x{3}-kv{2}".format(*a)
+)
 def test_one_layer_saves_what_the_formula_counts(dtype, shape_args, tmp_path):
     family, heads, kv_heads, head_dim, hidden, intermediate, seq, batch = shape_args
     Config = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
 
     def config(layers):
-        return Config(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      head_dim=head_dim, num_hidden_layers=layers, vocab_size=97, max_position_embeddings=seq,
-                      attn_implementation="sdpa")
+        return Config(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            num_hidden_layers=layers,
+            vocab_size=97,
+            max_position_embeddings=seq,
+            attn_implementation="sdpa",
+        )
 
     one_layer = saved_bytes(config(2), dtype, batch, seq) - saved_bytes(config(1), dtype, batch, seq)
     config(1).save_pretrained(tmp_path)
@@ -69,8 +90,14 @@ def test_one_layer_saves_what_the_formula_counts(dtype, shape_args, tmp_path):
 
 
 def test_model_shape_reads_the_mlp_and_the_key_value_width(tmp_path):
-    LlamaConfig(hidden_size=64, intermediate_size=176, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
-                vocab_size=100).save_pretrained(tmp_path / "llama")
+    LlamaConfig(
+        hidden_size=64,
+        intermediate_size=176,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=100,
+    ).save_pretrained(tmp_path / "llama")
     shape = model_shape(str(tmp_path / "llama"))
     assert (shape.intermediate, shape.kv_width, shape.gated) == (176, 2 * 8, True)
     GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100).save_pretrained(tmp_path / "gpt2")
@@ -81,8 +108,17 @@ def test_model_shape_reads_the_mlp_and_the_key_value_width(tmp_path):
 
 
 def test_gradients_and_activations_are_not_counted_together():
-    shape = ModelShape(params=int(1e9), hidden=2048, layers=16, vocab=32000, heads=16, largest_unit=int(6e7),
-                       intermediate=5632, kv_width=512, gated=True)
+    shape = ModelShape(
+        params=int(1e9),
+        hidden=2048,
+        layers=16,
+        vocab=32000,
+        heads=16,
+        largest_unit=int(6e7),
+        intermediate=5632,
+        kv_width=512,
+        gated=True,
+    )
     for seq in (64, 8192):  # gradients dominate, then activations
         est = estimate(shape, Setup(strategy="FULL_SHARD", nproc_per_node=1, seq_len=seq))
         parts = est.params + est.optimizer + est.gathered_params + est.all_gather_working_set
@@ -108,6 +144,14 @@ def test_estimate_within_10_percent_of_every_cuda_peak_on_record(row, tmp_path):
         sys.path.remove(str(REPO / "bench"))
     gpu_check.model_config().save_pretrained(tmp_path)
     strategy = strategy_of(yaml.safe_load((REPO / row["config"]).read_text()))
-    est = estimate(model_shape(str(tmp_path)), Setup(strategy=strategy.memory_strategy_on(gpu_check.PROCESSES), nproc_per_node=gpu_check.PROCESSES,
-                                                     offload=strategy.offload, micro_batch=gpu_check.BATCH, seq_len=gpu_check.SEQ))
+    est = estimate(
+        model_shape(str(tmp_path)),
+        Setup(
+            strategy=strategy.memory_strategy_on(gpu_check.PROCESSES),
+            nproc_per_node=gpu_check.PROCESSES,
+            offload=strategy.offload,
+            micro_batch=gpu_check.BATCH,
+            seq_len=gpu_check.SEQ,
+        ),
+    )
     assert 0.9 <= row["peak_allocated"] / est.gpu_total <= 1.1, (row["peak_allocated"] / 2**30, est.gpu_total / 2**30)

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port, run
+
 from fsdp_recipes.config.model_source import qlora_problem
 from fsdp_recipes.config.parse import DEFAULT_RECIPE, parse_args
 from fsdp_recipes.errors import RecipeError
@@ -46,7 +46,9 @@ def test_shipped_recipes_parse(recipe, monkeypatch):
     monkeypatch.chdir(REPO)
     for ask in ("file_exists", "repo_exists"):  # a hub that has the recipes' models (this machine cannot reach it)
         monkeypatch.setattr(huggingface_hub, ask, lambda *args, **kwargs: True)
-    monkeypatch.setattr(model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__))  # its own answers
+    monkeypatch.setattr(
+        model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__)
+    )  # its own answers
     text = recipe.read_text()
     if "model_name_or_path: runs/" in text:  # a recipe that starts from the default run's output
         pytest.skip("needs the default run's output; exercised by test_chat_sft_from_local_folder")
@@ -54,7 +56,9 @@ def test_shipped_recipes_parse(recipe, monkeypatch):
         with pytest.raises(RecipeError, match=re.escape(problem)):
             parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])
         return
-    preflight.start(parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])[2])  # TrainingArguments' own checks too
+    preflight.start(
+        parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])[2]
+    )  # TrainingArguments' own checks too
 
 
 def test_recipe_sets_defaults_and_flags_override(tmp_path):
@@ -95,7 +99,15 @@ def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
 def test_help_lists_script_and_training_arguments():
     proc = run(["python", str(REPO / "train_fsdp.py"), "--help"])
     assert proc.returncode == 0
-    for flag in ("--model_name_or_path", "--config_name", "--train_file", "--data_format", "--block_size", "--learning_rate", "--allow_no_fsdp"):
+    for flag in (
+        "--model_name_or_path",
+        "--config_name",
+        "--train_file",
+        "--data_format",
+        "--block_size",
+        "--learning_rate",
+        "--allow_no_fsdp",
+    ):
         assert flag in proc.stdout
     text = " ".join(proc.stdout.split())  # argparse wraps lines
     assert "train_fsdp.py [recipe.yaml] [--flag value ...]" in text and "--resume_from_checkpoint true" in text
@@ -131,8 +143,12 @@ def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
 
     run_dir = trained("accelerate_configs/zero3.yaml").output_dir
     assert model_source_problem(str(run_dir / "model"), weights=True) is None  # a final model folder
-    assert f"is a training run's folder: its final model is {run_dir / 'model'}; give that" == model_source_problem(str(run_dir), weights=True)
-    assert "is a sharded FSDP checkpoint: merge it first" in model_source_problem(str(run_dir / "checkpoint-6"), weights=True)
+    assert f"is a training run's folder: its final model is {run_dir / 'model'}; give that" == model_source_problem(
+        str(run_dir), weights=True
+    )
+    assert "is a sharded FSDP checkpoint: merge it first" in model_source_problem(
+        str(run_dir / "checkpoint-6"), weights=True
+    )
     assert model_source_problem(str(run_dir / "checkpoint-6"), weights=False) is None  # its tokenizer is fine
     assert "without config.json" in model_source_problem(str(tmp_path), weights=True)
     assert "is a file" in model_source_problem(str(run_dir / "model" / "config.json"), weights=True)
@@ -164,7 +180,10 @@ def test_torchrun_route_fsdp_flags(tmp_path):
     with pytest.raises(RecipeError, match="does not exist"):
         check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(tmp_path / "nope.json")))
     # an optimizer FSDP2 cannot step: refused on this route too (the accelerate route's check never sees it)
-    with pytest.raises(RecipeError, match=r"--optim adafactor: transformers' Adafactor cannot step FSDP2's sharded \(DTensor\) parameters"):
+    with pytest.raises(
+        RecipeError,
+        match=r"--optim adafactor: transformers' Adafactor cannot step FSDP2's sharded \(DTensor\) parameters",
+    ):
         check_trainer_fsdp(argparse.Namespace(fsdp="full_shard auto_wrap", fsdp_config=shipped, optim="adafactor"))
     version1 = tmp_path / "fsdp1.json"
     version1.write_text('{"version": 1}')
@@ -188,16 +207,29 @@ def test_launches_that_would_train_without_fsdp_stop_first(tmp_path, monkeypatch
     multi_cpu.write_text(yaml.safe_dump({**config, "distributed_type": "MULTI_CPU"}))
     launches = {
         "accelerate launch without an FSDP config": ["accelerate", "launch", str(REPO / "train_fsdp.py")],
-        "distributed_type: is 'MULTI_CPU' but the file carries fsdp_config": ["accelerate", "launch", "--config_file", str(multi_cpu), "--main_process_port", str(free_port()), str(REPO / "train_fsdp.py")],
+        "distributed_type: is 'MULTI_CPU' but the file carries fsdp_config": [
+            "accelerate",
+            "launch",
+            "--config_file",
+            str(multi_cpu),
+            "--main_process_port",
+            str(free_port()),
+            str(REPO / "train_fsdp.py"),
+        ],
     }
     for why, cmd in launches.items():
         proc = run([*cmd, "--max_steps", "2", "--output_dir", str(out)], env=env)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
         assert proc.returncode != 0 and len(errors) == 1 and why in errors[0], proc.stderr[-3000:]
-        assert "accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py" in errors[0] or "MULTI_CPU" in why
+        assert (
+            "accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py" in errors[0]
+            or "MULTI_CPU" in why
+        )
         assert not out.exists()
     parse_args(["--max_steps", "2", "--output_dir", str(out), "--allow_no_fsdp", "true"])  # on purpose: allowed
-    with pytest.raises(RecipeError, match=r"no launcher: `python train_fsdp.py` runs one process\): launch with an FSDP config"):
+    with pytest.raises(
+        RecipeError, match=r"no launcher: `python train_fsdp.py` runs one process\): launch with an FSDP config"
+    ):
         parse_args(["--max_steps", "2", "--output_dir", str(out)])  # this process: started by pytest, no launcher
 
 
@@ -209,8 +241,14 @@ def test_flags_replace_the_recipes_model_and_data_source(tmp_path, monkeypatch):
 
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(model)
     AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama").save_pretrained(model)
-    model_args, data_args, _ = parse_args(["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
-    assert (model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name) == (str(model), None, str(model))
+    model_args, data_args, _ = parse_args(
+        ["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), *NO_FSDP]
+    )
+    assert (model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name) == (
+        str(model),
+        None,
+        str(model),
+    )
     assert data_args.train_file.endswith("tiny_corpus.txt")
     import huggingface_hub
 
@@ -234,29 +272,46 @@ def test_output_dir_on_a_read_only_filesystem_is_one_line(tmp_path):
 
     disk = tmp_path / "ro"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("mounting a read-only tmpfs needs root, which this machine does not give the tests")
     try:
-        with pytest.raises(RecipeError, match=rf"output_dir '{disk}/run': {disk} is not writable: choose a folder you can write to"):
+        with pytest.raises(
+            RecipeError, match=rf"output_dir '{disk}/run': {disk} is not writable: choose a folder you can write to"
+        ):
             parse_args(["--output_dir", str(disk / "run"), *NO_FSDP])
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--max_steps", "0"], "max_steps=0 would still train one step and save checkpoint-1"),
-    (["--learning_rate=-1e-4"], "learning_rate=-0.0001 is negative"),
-    (["--block_size", "1024"], "block_size=1024 is longer than the model's 256 positions: use block_size 256 or less"),
-    (["--eval_strategy", "steps"], "eval_strategy=steps needs evaluation data: set validation_file"),
-    (["--validation_split_percentage", "10", "--validation_file", "x.txt"], "set one evaluation source, not validation_file and validation_split_percentage"),
-    (["--validation_split_percentage", "80"], "validation_split_percentage=80 is not between 1 and 50"),
-    (["--load_in_4bit", "true"], "load_in_4bit (QLoRA) quantizes pre-trained weights and trains a LoRA adapter"),
-    (["--use_peft", "true", "--lora_r", "0"], "LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1"),
-    (["--profile_steps", "8-5"], "profile_steps='8-5': give the first and last optimizer step to profile"),
-    (["--profile_steps", "5-8", "--max_steps", "6"], "profile_steps=5-8 ends after max_steps=6"),
-    (["--dataset_test_split", "test"], "dataset_test_split is a split of dataset_name"),
-    (["--validation_file", f"{REPO}/assets/data/tiny_chat.jsonl"], "is a .jsonl and train_file a .txt: give both in the same format"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max_steps", "0"], "max_steps=0 would still train one step and save checkpoint-1"),
+        (["--learning_rate=-1e-4"], "learning_rate=-0.0001 is negative"),
+        (
+            ["--block_size", "1024"],
+            "block_size=1024 is longer than the model's 256 positions: use block_size 256 or less",
+        ),
+        (["--eval_strategy", "steps"], "eval_strategy=steps needs evaluation data: set validation_file"),
+        (
+            ["--validation_split_percentage", "10", "--validation_file", "x.txt"],
+            "set one evaluation source, not validation_file and validation_split_percentage",
+        ),
+        (["--validation_split_percentage", "80"], "validation_split_percentage=80 is not between 1 and 50"),
+        (["--load_in_4bit", "true"], "load_in_4bit (QLoRA) quantizes pre-trained weights and trains a LoRA adapter"),
+        (["--use_peft", "true", "--lora_r", "0"], "LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1"),
+        (["--profile_steps", "8-5"], "profile_steps='8-5': give the first and last optimizer step to profile"),
+        (["--profile_steps", "5-8", "--max_steps", "6"], "profile_steps=5-8 ends after max_steps=6"),
+        (["--dataset_test_split", "test"], "dataset_test_split is a split of dataset_name"),
+        (
+            ["--validation_file", f"{REPO}/assets/data/tiny_chat.jsonl"],
+            "is a .jsonl and train_file a .txt: give both in the same format",
+        ),
+    ],
+)
 def test_values_that_would_train_nothing_or_the_wrong_thing(argv, message, tmp_path):
     with pytest.raises(RecipeError, match=re.escape(message)):
         parse_args([*argv, "--output_dir", str(tmp_path / "o"), *NO_FSDP])
@@ -278,7 +333,10 @@ def test_a_tokenizer_comes_from_its_own_files(tmp_path):
     for f in tiny.glob("tokenizer*"):
         (tokenizer_only / f.name).write_bytes(f.read_bytes())
     common = ["--output_dir", str(tmp_path / "o"), *NO_FSDP]
-    with pytest.raises(RecipeError, match=r"tokenizer_name='.*config' \(from config_name: none was given\) has no tokenizer files .*pass --tokenizer_name"):
+    with pytest.raises(
+        RecipeError,
+        match=r"tokenizer_name='.*config' \(from config_name: none was given\) has no tokenizer files .*pass --tokenizer_name",
+    ):
         parse_args(["--config_name", str(config_only), *common])
     model_args, _, _ = parse_args(["--config_name", str(config_only), "--tokenizer_name", str(tokenizer_only), *common])
     assert model_args.tokenizer_name == str(tokenizer_only)
@@ -290,9 +348,20 @@ def test_fsdp_config_keys_are_read_from_transformers_itself():
     from fsdp_recipes.config.trainer_fsdp import keys_read, trainer_fsdp_keys
 
     # the keys TrainingArguments' docstring (transformers 5.23) documents for fsdp_config, not the code under test
-    documented = {"min_num_params", "transformer_layer_cls_to_wrap", "cpu_ram_efficient_loading",
-                  "activation_checkpointing", "xla", "xla_fsdp_settings", "xla_fsdp_grad_ckpt", "version",
-                  "reshard_after_forward", "cpu_offload", "state_dict_type", "auto_wrap_policy"}
+    documented = {
+        "min_num_params",
+        "transformer_layer_cls_to_wrap",
+        "cpu_ram_efficient_loading",
+        "activation_checkpointing",
+        "xla",
+        "xla_fsdp_settings",
+        "xla_fsdp_grad_ckpt",
+        "version",
+        "reshard_after_forward",
+        "cpu_offload",
+        "state_dict_type",
+        "auto_wrap_policy",
+    }
     assert documented <= trainer_fsdp_keys()
     assert not {"sharding_strategy_typo", "fsdp_state_dict_typ"} & trainer_fsdp_keys()
     source = (
@@ -309,13 +378,24 @@ def test_fsdp_config_keys_are_read_from_transformers_itself():
 
 # transformers 4 name -> a transformers 5 field its line must name (None: the line says where it went instead)
 TRANSFORMERS_4_NAMES = {
-    "evaluation_strategy": "eval_strategy", "group_by_length": "train_sampling_strategy", "logging_dir": None,
-    "no_cuda": "use_cpu", "per_gpu_train_batch_size": "per_device_train_batch_size",
-    "per_gpu_eval_batch_size": "per_device_eval_batch_size", "push_to_hub_model_id": "hub_model_id",
-    "push_to_hub_organization": "hub_model_id", "push_to_hub_token": "hub_token",
-    "include_inputs_for_metrics": "include_for_metrics", "include_tokens_per_second": None, "torchdynamo": "torch_compile_backend",
-    "fsdp_min_num_params": None, "fsdp_transformer_layer_cls_to_wrap": None, "fp16_backend": None,
-    "half_precision_backend": None, "save_safetensors": None, "dispatch_batches": "accelerator_config",
+    "evaluation_strategy": "eval_strategy",
+    "group_by_length": "train_sampling_strategy",
+    "logging_dir": None,
+    "no_cuda": "use_cpu",
+    "per_gpu_train_batch_size": "per_device_train_batch_size",
+    "per_gpu_eval_batch_size": "per_device_eval_batch_size",
+    "push_to_hub_model_id": "hub_model_id",
+    "push_to_hub_organization": "hub_model_id",
+    "push_to_hub_token": "hub_token",
+    "include_inputs_for_metrics": "include_for_metrics",
+    "include_tokens_per_second": None,
+    "torchdynamo": "torch_compile_backend",
+    "fsdp_min_num_params": None,
+    "fsdp_transformer_layer_cls_to_wrap": None,
+    "fp16_backend": None,
+    "half_precision_backend": None,
+    "save_safetensors": None,
+    "dispatch_batches": "accelerator_config",
     "split_batches": "accelerator_config",
 }
 
@@ -335,7 +415,9 @@ def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, 
         argv = [f"--{name}", "1", "--output_dir", str(tmp_path), *NO_FSDP]
     else:
         recipe = tmp_path / "recipe.yaml"
-        recipe.write_text(f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{name}: 1\n")
+        recipe.write_text(
+            f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{name}: 1\n"
+        )
         argv = [str(recipe), "--output_dir", str(tmp_path), *NO_FSDP]
     with pytest.raises(RecipeError) as err:
         parse_args(argv)
@@ -350,13 +432,19 @@ def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, 
 EVAL_DATA = ("--validation_split_percentage", "10")
 
 
-@pytest.mark.parametrize("flags, words", [
-    (("--do_train", "false"), "do_train=false: this script always trains"),
-    (("--do_predict", "true"), "do_predict=true: this script has no prediction step"),
-    (("--do_eval", "true"), "do_eval=true needs evaluation data"),
-    (("--do_eval", "false", *EVAL_DATA), "do_eval=false, but evaluation data is given"),
-    (("--do_train", "true"), None), (("--do_eval", "true", *EVAL_DATA), None), (("--do_eval", "false"), None), ((), None),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (("--do_train", "false"), "do_train=false: this script always trains"),
+        (("--do_predict", "true"), "do_predict=true: this script has no prediction step"),
+        (("--do_eval", "true"), "do_eval=true needs evaluation data"),
+        (("--do_eval", "false", *EVAL_DATA), "do_eval=false, but evaluation data is given"),
+        (("--do_train", "true"), None),
+        (("--do_eval", "true", *EVAL_DATA), None),
+        (("--do_eval", "false"), None),
+        ((), None),
+    ],
+)
 def test_do_flags_the_trainer_ignores_are_refused_where_they_would_mean_otherwise(tmp_path, flags, words):
     """The Trainer never reads do_train, do_eval, do_predict; this script trains always and evaluates exactly when it has
     evaluation data: --do_train false trained, --do_eval true without data evaluated nothing, without a word."""
@@ -368,18 +456,36 @@ def test_do_flags_the_trainer_ignores_are_refused_where_they_would_mean_otherwis
             parse_args(argv)
 
 
-@pytest.mark.parametrize("metric, given, expected", [
-    ("perplexity", None, False), ("eval_perplexity", None, False), ("perplexity", "true", True),
-    ("loss", None, False), ("eval_loss", None, False),
-])
+@pytest.mark.parametrize(
+    "metric, given, expected",
+    [
+        ("perplexity", None, False),
+        ("eval_perplexity", None, False),
+        ("perplexity", "true", True),
+        ("loss", None, False),
+        ("eval_loss", None, False),
+    ],
+)
 def test_the_best_checkpoint_by_perplexity_is_the_lowest(tmp_path, metric, given, expected):
     """eval_perplexity is logged on every evaluation here; the Trainer takes a metric not ending in 'loss' as
     greater-is-better and kept the worst checkpoint (review of TrainingArguments habits): the direction is set,
     unless greater_is_better is given. Checked on the TrainingArguments the run builds."""
     from fsdp_recipes.train import preflight
 
-    flags = ["--metric_for_best_model", metric, *(("--greater_is_better", given) if given else ()), *EVAL_DATA,
-             "--eval_strategy", "steps", "--eval_steps", "2", "--save_steps", "2", "--load_best_model_at_end", "true"]
+    flags = [
+        "--metric_for_best_model",
+        metric,
+        *(("--greater_is_better", given) if given else ()),
+        *EVAL_DATA,
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "2",
+        "--save_steps",
+        "2",
+        "--load_best_model_at_end",
+        "true",
+    ]
     plan = parse_args([*flags, "--output_dir", str(tmp_path), *NO_FSDP])[2]
     training_args, _ = preflight.start(plan)
     assert training_args.greater_is_better is expected
@@ -390,8 +496,15 @@ def test_the_trainers_fsdp_flag_beside_an_accelerate_fsdp_launch_is_refused(tmp_
     """It won over the launch's config: the run trained SHARD_GRAD_OP under zero3.yaml while run_args.json recorded
     the config's FULL_SHARD (review of TrainingArguments habits). The launch's settings come from FSDP_* variables here
     (torchrun with ACCELERATE_USE_FSDP, or accelerate launch's own); without them, --fsdp is the torchrun route."""
-    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true", "WORLD_SIZE": "2",
-           "LOCAL_WORLD_SIZE": "2", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
+    env = {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_RESHARD_AFTER_FORWARD": "true",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(RecipeError, match="FSDP are both given: set FSDP in one place"):

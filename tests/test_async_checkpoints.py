@@ -15,9 +15,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import FAULT_SCRIPT, QUICK, REPO, launch, quick, read_json, shard_files_written
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # every test here launches real runs
 
@@ -35,10 +34,17 @@ def assert_same_model(model_dir, reference_dir) -> None:
 
 def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
     out = tmp_path / "run"
-    run = launch(ZERO3, *EVERY_3, *COPY, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:heldsave:3"})
+    run = launch(
+        ZERO3, *EVERY_3, *COPY, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:heldsave:3"}
+    )
     assert "checkpoints are written in the background while training goes on" in run.stdout
     assert "fault injection: checkpoint-3 still being written at step 5" in run.stderr
-    written = {int(s): int(r) for s, r in re.findall(r"checkpoint-(\d+) written in the background in [\d.]+ s while training went on to step (\d+)", run.stdout)}
+    written = {
+        int(s): int(r)
+        for s, r in re.findall(
+            r"checkpoint-(\d+) written in the background in [\d.]+ s while training went on to step (\d+)", run.stdout
+        )
+    }
     assert sorted(written) == [3, 6, 9, 12] and written[3] >= 5, written  # its write finished only after step 5
     for step in (6, 9):
         assert written[step] > step  # nothing held: still written while the next step trained
@@ -47,14 +53,28 @@ def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
         assert (out / f"checkpoint-{step}" / "shard_digests.json").is_file()
     assert not (out / "checkpoint-3").exists()  # rotated away once checkpoint-12 was complete
     writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
-    assert writes["mode"] == "background" and writes["saves"] == 4 and writes["staging"] == "copy" and writes["in_place_saves"] == 0
-    assert writes["host_copies_made"] == 2, writes  # the model's and the optimizer's, made at checkpoint-3, reused by 6, 9, 12
-    assert writes["direct_io"] is True and writes["shard_files"] == shard_files_written(8, out), writes  # rank 0: 4 x (model, optimizer)
+    assert (
+        writes["mode"] == "background"
+        and writes["saves"] == 4
+        and writes["staging"] == "copy"
+        and writes["in_place_saves"] == 0
+    )
+    assert writes["host_copies_made"] == 2, (
+        writes
+    )  # the model's and the optimizer's, made at checkpoint-3, reused by 6, 9, 12
+    assert writes["direct_io"] is True and writes["shard_files"] == shard_files_written(8, out), (
+        writes
+    )  # rank 0: 4 x (model, optimizer)
     rank0 = read_json(out / "fsdp_report.json")["ranks"][0]["bytes"]  # measured by the run from its own tensors
     shards = rank0["params"] + rank0["optimizer"]  # this rank's weights and Adam's two moments
     assert shards <= writes["staged_bytes_max"] <= shards + 4096, (writes, rank0)  # + Adam's step counters
     ahead = writes["host_copy_ahead"]  # the first copy's buffers, made after step 1 on a thread, not at checkpoint-3
-    assert ahead["bytes"] == shards and ahead["bytes_not_taken"] == 0 and ahead["tensors_made_at_save"] == 0 and "error" not in ahead, (ahead, rank0)
+    assert (
+        ahead["bytes"] == shards
+        and ahead["bytes_not_taken"] == 0
+        and ahead["tensors_made_at_save"] == 0
+        and "error" not in ahead
+    ), (ahead, rank0)
     assert_same_model(out / "model", trained(ZERO3).model_dir)  # saving in the background changes no training step
 
 
@@ -63,10 +83,21 @@ def test_killed_while_a_checkpoint_is_written_resumes_from_the_one_before_to_the
     The resume takes checkpoint-3, which was itself written while steps 4 and 5 trained, so an exact end also proves
     that a background save holds the weights of its own step, not the ones training has moved on to."""
     out = tmp_path / "run"
-    killed = launch(ZERO3, *EVERY_3, *COPY, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:killheldsave:6"}, check=False)
+    killed = launch(
+        ZERO3,
+        *EVERY_3,
+        *COPY,
+        "--output_dir",
+        str(out),
+        script=FAULT_SCRIPT,
+        env={"FSDP_FAULT": "all:killheldsave:6"},
+        check=False,
+    )
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
     assert "checkpoint-6 still being written at step 8" in killed.stderr
-    assert (out / "checkpoint-6" / "pytorch_model_fsdp_0").is_dir() and not (out / "checkpoint-6" / "trainer_state.json").exists()
+    assert (out / "checkpoint-6" / "pytorch_model_fsdp_0").is_dir() and not (
+        out / "checkpoint-6" / "trainer_state.json"
+    ).exists()
     assert read_json(out / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
 
     resumed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--resume_from_checkpoint", "true")
@@ -82,10 +113,21 @@ def test_preempted_while_a_checkpoint_is_written_finishes_it_saves_its_step_and_
     from fsdp_recipes.ckpt.status import checkpoint_status
 
     out = tmp_path / "run"
-    stopped = launch(ZERO3, *QUICK, *COPY, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:sigtermheldsave:6"},
-                     check=False, new_session=True)
+    stopped = launch(
+        ZERO3,
+        *QUICK,
+        *COPY,
+        "--output_dir",
+        str(out),
+        script=FAULT_SCRIPT,
+        env={"FSDP_FAULT": "all:sigtermheldsave:6"},
+        check=False,
+        new_session=True,
+    )
     assert "checkpoint-6 still being written at step 8" in stopped.stderr
-    assert f"stopped by SIGTERM after step 9: saved {out}/checkpoint-9" in stopped.stdout + stopped.stderr, stopped.stderr[-3000:]
+    assert f"stopped by SIGTERM after step 9: saved {out}/checkpoint-9" in stopped.stdout + stopped.stderr, (
+        stopped.stderr[-3000:]
+    )
     assert stopped.returncode != 0 and not (out / "model").exists()
     assert checkpoint_status(out / "checkpoint-6").resumable and checkpoint_status(out / "checkpoint-9").resumable
     resumed = launch(ZERO3, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
@@ -93,27 +135,43 @@ def test_preempted_while_a_checkpoint_is_written_finishes_it_saves_its_step_and_
     assert_same_model(out / "model", trained(ZERO3).model_dir)
 
 
-def test_in_place_a_slow_write_holds_the_next_optimizer_step_so_the_checkpoint_is_its_steps_and_resumes_exactly(trained, tmp_path):
+def test_in_place_a_slow_write_holds_the_next_optimizer_step_so_the_checkpoint_is_its_steps_and_resumes_exactly(
+    trained, tmp_path
+):
     """The default on CPU: no host copy, the live shards written while the next step's forward and backward run. The
     write of checkpoint-3 is slowed by 4 s (fault injection, before any byte is read), far longer than the tiny model's
     steps: step 4's optimizer step must wait for it, else it would change the weights and Adam's state being written
     and training would run on. Every rank is then killed at step 5 and the resume from checkpoint-3 must end on the
     uninterrupted run's bits: a checkpoint holding anything but step 3's state would not."""
     out = tmp_path / "run"
-    killed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), script=FAULT_SCRIPT,
-                    env={"FSDP_SLOW_SAVE": "3:4", "FSDP_FAULT": "all:step:5"}, check=False)
+    killed = launch(
+        ZERO3,
+        *EVERY_3,
+        "--output_dir",
+        str(out),
+        script=FAULT_SCRIPT,
+        env={"FSDP_SLOW_SAVE": "3:4", "FSDP_FAULT": "all:step:5"},
+        check=False,
+    )
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
     assert "straight from this rank's weight and optimizer shards, which live in host memory" in killed.stdout
-    done = re.search(r"checkpoint-3 written in the background in ([\d.]+) s while training went on to step (\d+) \(straight from this "
-                     r"rank's shards in host memory, no copy; the next optimizer step waited ([\d.]+) s for it\)", killed.stdout)
+    done = re.search(
+        r"checkpoint-3 written in the background in ([\d.]+) s while training went on to step (\d+) \(straight from this "
+        r"rank's shards in host memory, no copy; the next optimizer step waited ([\d.]+) s for it\)",
+        killed.stdout,
+    )
     assert done, killed.stdout[-3000:]
     seconds, reached, waited = float(done[1]), int(done[2]), float(done[3])
-    assert seconds >= 4 and reached == 4 and waited >= 2, done[0]  # step 4's optimizer step held until the write was done
+    assert seconds >= 4 and reached == 4 and waited >= 2, done[
+        0
+    ]  # step 4's optimizer step held until the write was done
     assert read_json(out / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
     resumed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert f"resuming from {out / 'checkpoint-3'}" in resumed.stdout
     writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
-    assert writes["staging"] == "auto" and writes["in_place_saves"] == writes["saves"] == 3, writes  # 6, 9, 12 of the resumed run
+    assert writes["staging"] == "auto" and writes["in_place_saves"] == writes["saves"] == 3, (
+        writes
+    )  # 6, 9, 12 of the resumed run
     assert writes["staged_bytes_max"] == 0 and writes["host_copies_made"] == 0, writes  # no host memory added
     assert_same_model(out / "model", trained(ZERO3).model_dir)
 
@@ -123,12 +181,26 @@ def test_an_error_while_a_checkpoint_is_written_leaves_it_incomplete(tmp_path):
     trainer_state.json, so no resume takes it; the run ends with the error, without waiting on anything."""
     out = tmp_path / "run"
     began = time.monotonic()
-    failed = launch(ZERO3, *EVERY_3, *COPY, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:raiseheldsave:6"}, check=False)
+    failed = launch(
+        ZERO3,
+        *EVERY_3,
+        *COPY,
+        "--output_dir",
+        str(out),
+        script=FAULT_SCRIPT,
+        env={"FSDP_FAULT": "all:raiseheldsave:6"},
+        check=False,
+    )
     assert failed.returncode != 0 and "fault injection: an error in step 9" in failed.stderr, failed.stderr[-3000:]
     assert time.monotonic() - began < 240  # not the 30 minutes of a collective timeout
     assert "checkpoint-6: its asynchronous save was abandoned; it stays incomplete" in failed.stdout + failed.stderr
-    assert not (out / "checkpoint-6" / "trainer_state.json").exists() and (out / "checkpoint-3" / "trainer_state.json").is_file()
-    proc = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (
+        not (out / "checkpoint-6" / "trainer_state.json").exists()
+        and (out / "checkpoint-3" / "trainer_state.json").is_file()
+    )
+    proc = subprocess.run(
+        [sys.executable, "tools/check_checkpoint.py", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert "resume: --resume_from_checkpoint true uses checkpoint-3" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -139,15 +211,35 @@ def test_the_trainers_end_of_training_cleanup_waits_for_the_save_in_flight_and_d
     shutil.rmtree of whatever a checkpoint-N folder holds: a user's notes put into the newest, checkpoint-12, keep it,
     and it is said; checkpoint-6 and checkpoint-9, ours alone, go."""
     out = tmp_path / "run"
-    best = ["--validation_split_percentage", "10", "--eval_strategy", "steps", "--eval_steps", "3", "--metric_for_best_model",
-            "eval_loss", "--greater_is_better", "true"]
-    run = launch(ZERO3, *quick(save_steps="3", save_total_limit="1"), *best, "--output_dir", str(out), script=FAULT_SCRIPT,
-                 env={"FSDP_NOTE_BEFORE_CLEANUP": "eval-notes.txt"})
+    best = [
+        "--validation_split_percentage",
+        "10",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "3",
+        "--metric_for_best_model",
+        "eval_loss",
+        "--greater_is_better",
+        "true",
+    ]
+    run = launch(
+        ZERO3,
+        *quick(save_steps="3", save_total_limit="1"),
+        *best,
+        "--output_dir",
+        str(out),
+        script=FAULT_SCRIPT,
+        env={"FSDP_NOTE_BEFORE_CLEANUP": "eval-notes.txt"},
+    )
     assert "checkpoints are written in the background while training goes on" in run.stdout
     assert read_json(out / "trainer_state.json")["best_model_checkpoint"] == str(out / "checkpoint-3")
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-3"]  # after the write
     assert (out / "checkpoint-12" / "eval-notes.txt").read_text() == "a user's notes\n"
-    assert "save_total_limit: kept checkpoint-12, not a checkpoint holding nothing else (it holds eval-notes.txt" in run.stdout + run.stderr
+    assert (
+        "save_total_limit: kept checkpoint-12, not a checkpoint holding nothing else (it holds eval-notes.txt"
+        in run.stdout + run.stderr
+    )
     assert (out / "model" / "model.safetensors").is_file()
 
 
@@ -155,9 +247,14 @@ def test_async_checkpoints_false_waits_for_each_and_says_so(trained, tmp_path):
     """And --direct_io_checkpoints false: DCP writes the shard files itself, through the page cache (the resume tests
     and the FSDP1 runs read checkpoints written direct, the default)."""
     out = tmp_path / "run"
-    run = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--async_checkpoints", "false", "--direct_io_checkpoints", "false")
+    run = launch(
+        ZERO3, *EVERY_3, "--output_dir", str(out), "--async_checkpoints", "false", "--direct_io_checkpoints", "false"
+    )
     assert "checkpoints are written before training goes on (--async_checkpoints false)" in run.stdout
     assert "written in the background" not in run.stdout
     assert read_json(out / "fsdp_report.json")["checkpoint_writes"] == {
-        "mode": "blocking", "why": "--async_checkpoints false", "direct_io": False}
+        "mode": "blocking",
+        "why": "--async_checkpoints false",
+        "direct_io": False,
+    }
     assert_same_model(out / "model", trained(ZERO3).model_dir)

@@ -39,7 +39,7 @@ def test_a_snapshot_reused_by_every_save_and_made_again_on_a_new_shape():
     assert torch.equal(first["w"], expected["w"]) and torch.equal(first["optim"]["exp_avg"], expected["exp_avg"])
     assert set(pointers(first)).isdisjoint(pointers(live))
 
-    for step in range(25):  # the later saves copy into the same buffers
+    for _step in range(25):  # the later saves copy into the same buffers
         live["w"].add_(1.0)
         again = stager.stage(live)
         assert pointers(again) == pointers(first)
@@ -102,7 +102,10 @@ def test_in_place_hands_host_tensors_to_the_writer_as_they_are_and_copies_nothin
     GPU) makes the save a host copy as before."""
     from fsdp_recipes.compat.host_copy import on_host
 
-    live = {"model": {"w": torch.randn(8, 4)}, "optim": {"state": {"exp_avg": torch.randn(8, 4), "step": torch.tensor(2.0)}}}
+    live = {
+        "model": {"w": torch.randn(8, 4)},
+        "optim": {"state": {"exp_avg": torch.randn(8, 4), "step": torch.tensor(2.0)}},
+    }
     stager = ReusedHostCopy(in_place=True)
     for _ in range(3):
         staged = stager.stage(live)
@@ -134,7 +137,9 @@ def test_an_optimizer_that_moves_weights_outside_its_step_keeps_the_host_copy():
 
     def decision(optim_name, inner, staging="auto"):
         wrapper = SimpleNamespace(optimizer=inner, train=lambda: None)  # accelerate's wrapper has train() of its own
-        trainer = SimpleNamespace(args=SimpleNamespace(optim=optim_name), optimizer=wrapper if inner is not None else None)
+        trainer = SimpleNamespace(
+            args=SimpleNamespace(optim=optim_name), optimizer=wrapper if inner is not None else None
+        )
         return AsyncCheckpoints(trainer, True, staging=staging).in_place_allowed()
 
     assert decision("adamw_torch", torch.optim.AdamW(params))
@@ -158,10 +163,16 @@ def test_background_saves_ask_accelerate_for_the_shards_where_they_live(fails):
 
     from fsdp_recipes.train.async_checkpoints import AsyncCheckpoints
 
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True
+    )
     assert _prepare_sd_options(plugin).cpu_offload  # accelerate's own choice, which the save must not inherit
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), state=SimpleNamespace(save_to_json=None),
-                              args=SimpleNamespace(optim="adamw_torch"), optimizer=None)
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)),
+        state=SimpleNamespace(save_to_json=None),
+        args=SimpleNamespace(optim="adamw_torch"),
+        optimizer=None,
+    )
     checkpoints = AsyncCheckpoints(trainer, True)
     with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
         with checkpoints.saving(Path("checkpoint-1"), 1):
@@ -185,11 +196,23 @@ def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torc
     mesh = init_device_mesh("cpu", (1,))
     embedding = distribute_tensor(torch.randn(12, 4), mesh, [Shard(0)])
     norm = distribute_tensor(torch.randn(4), mesh, [Shard(0)])
-    live = {"model": {"embed.weight": embedding, "lm_head.weight": embedding, "norm.weight": norm},
-            "optim": {"state": {"norm.weight": {"exp_avg": distribute_tensor(torch.randn(4), mesh, [Shard(0)]), "step": torch.tensor(7.0),
-                                                "scale": distribute_tensor(torch.tensor(2.0), mesh, [Replicate()])}},
-                      "param_groups": [{"lr": 0.1, "params": ["norm.weight"]}], "extra": (torch.randn(3, 2), torch.empty(0))}}
-    ahead = HostBuffers(HostBuffers.shapes_of([embedding, norm, live["optim"]["state"]["norm.weight"]["exp_avg"]]), pin=None)
+    live = {
+        "model": {"embed.weight": embedding, "lm_head.weight": embedding, "norm.weight": norm},
+        "optim": {
+            "state": {
+                "norm.weight": {
+                    "exp_avg": distribute_tensor(torch.randn(4), mesh, [Shard(0)]),
+                    "step": torch.tensor(7.0),
+                    "scale": distribute_tensor(torch.tensor(2.0), mesh, [Replicate()]),
+                }
+            },
+            "param_groups": [{"lr": 0.1, "params": ["norm.weight"]}],
+            "extra": (torch.randn(3, 2), torch.empty(0)),
+        },
+    }
+    ahead = HostBuffers(
+        HostBuffers.shapes_of([embedding, norm, live["optim"]["state"]["norm.weight"]["exp_avg"]]), pin=None
+    )
     ahead.take(torch.int8, (1,))  # waits for the thread: what it made can be listed (a miss, counted below)
     foreseen = [b.data_ptr() for found in ahead.free.values() for b in found]
     stager = ReusedHostCopy(ahead=ahead)
@@ -197,20 +220,40 @@ def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torc
     report = ahead.close()
 
     assert _layout(staged) == _layout(_create_cpu_state_dict(live)) == _layout(live)
-    taken = {staged["model"]["embed.weight"].to_local().data_ptr(), staged["model"]["norm.weight"].to_local().data_ptr(),
-             staged["optim"]["state"]["norm.weight"]["exp_avg"].to_local().data_ptr()}
+    taken = {
+        staged["model"]["embed.weight"].to_local().data_ptr(),
+        staged["model"]["norm.weight"].to_local().data_ptr(),
+        staged["optim"]["state"]["norm.weight"]["exp_avg"].to_local().data_ptr(),
+    }
     assert taken == set(foreseen)  # each buffer made ahead is in the copy, and nothing else of those shapes was made
-    assert staged["model"]["lm_head.weight"].to_local().data_ptr() == staged["model"]["embed.weight"].to_local().data_ptr()  # tied: one buffer
-    assert report == {"bytes": (12 * 4 + 4 + 4) * 4, "seconds": report["seconds"], "pinned": None, "tensors_taken": 3,
-                      "tensors_made_at_save": 2, "bytes_not_taken": 0, "save_waited_seconds": report["save_waited_seconds"]}  # (3, 2) and int8: not foreseen
-    assert isinstance(staged["model"]["norm.weight"], DTensor) and staged["model"]["norm.weight"].placements == (Shard(0),)
+    assert (
+        staged["model"]["lm_head.weight"].to_local().data_ptr() == staged["model"]["embed.weight"].to_local().data_ptr()
+    )  # tied: one buffer
+    assert report == {
+        "bytes": (12 * 4 + 4 + 4) * 4,
+        "seconds": report["seconds"],
+        "pinned": None,
+        "tensors_taken": 3,
+        "tensors_made_at_save": 2,
+        "bytes_not_taken": 0,
+        "save_waited_seconds": report["save_waited_seconds"],
+    }  # (3, 2) and int8: not foreseen
+    assert isinstance(staged["model"]["norm.weight"], DTensor) and staged["model"]["norm.weight"].placements == (
+        Shard(0),
+    )
     scale = live["optim"]["state"]["norm.weight"]["scale"]
-    assert staged["optim"]["state"]["norm.weight"]["scale"] is scale  # a 0-dim DTensor: handed on as torch's helper does
+    assert (
+        staged["optim"]["state"]["norm.weight"]["scale"] is scale
+    )  # a 0-dim DTensor: handed on as torch's helper does
     assert set(pointers(staged)) & set(pointers(live)) == {scale.to_local().data_ptr()}
     for name in ("embed.weight", "norm.weight"):
         assert torch.equal(staged["model"][name].to_local(), live["model"][name].to_local())
-    assert staged["optim"]["state"]["norm.weight"]["step"].item() == 7.0 and staged["optim"]["param_groups"] == [{"lr": 0.1, "params": ["norm.weight"]}]
-    assert torch.equal(staged["optim"]["extra"][0], live["optim"]["extra"][0]) and staged["optim"]["extra"][1].numel() == 0
+    assert staged["optim"]["state"]["norm.weight"]["step"].item() == 7.0 and staged["optim"]["param_groups"] == [
+        {"lr": 0.1, "params": ["norm.weight"]}
+    ]
+    assert (
+        torch.equal(staged["optim"]["extra"][0], live["optim"]["extra"][0]) and staged["optim"]["extra"][1].numel() == 0
+    )
 
     embedding.to_local().add_(1.0)  # the next save: the same buffers, the new values
     again = stager.stage(live)
@@ -247,7 +290,9 @@ def test_a_first_copy_that_cannot_be_built_around_the_buffers_is_torchs_and_says
     staged = stager.stage(live)
     report = ahead.close()
     assert torch.equal(staged["w"], live["w"]) and staged["w"].data_ptr() != live["w"].data_ptr() and stager.made == 1
-    assert report["tensors_taken"] == 0 and "made by torch's helper instead (RuntimeError: empty_like" in report["error"], report
+    assert (
+        report["tensors_taken"] == 0 and "made by torch's helper instead (RuntimeError: empty_like" in report["error"]
+    ), report
 
 
 @pytest.mark.slow
@@ -260,11 +305,26 @@ def test_the_first_save_benchmark_runs_both_kinds_and_checks_their_copies(tmp_pa
 
     from conftest import REPO
 
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "first_save.py"), "--gigabytes", "0.01", "--repeats", "1", "--output", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "first_save.py"),
+            "--gigabytes",
+            "0.01",
+            "--repeats",
+            "1",
+            "--output",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((tmp_path / "results.json").read_text())
     assert [r["kind"] for r in runs] == ["at-save", "ahead"]
     ahead = runs[1]["ahead"]
-    assert ahead["bytes"] == runs[1]["staged_bytes"] and ahead["tensors_made_at_save"] == 0 and "error" not in ahead, ahead
+    assert ahead["bytes"] == runs[1]["staged_bytes"] and ahead["tensors_made_at_save"] == 0 and "error" not in ahead, (
+        ahead
+    )
     assert "First save, made ahead (now): faulted in on 4 threads" in (tmp_path / "README.md").read_text()

@@ -16,19 +16,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, launch, run
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, launch, run
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.errors import CheckpointError
 
-CONFIG = {"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 2, "vocab_size": 32, "architectures": ["LlamaForCausalLM"],
-          "transformers_version": "5.23.0", "dtype": "float32", "use_cache": True, "_name_or_path": "somewhere"}
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "vocab_size": 32,
+    "architectures": ["LlamaForCausalLM"],
+    "transformers_version": "5.23.0",
+    "dtype": "float32",
+    "use_cache": True,
+    "_name_or_path": "somewhere",
+}
 
 
 def make_base(folder: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    tensors = {f"model.layers.{i}.{n}.weight": torch.randn(8, 16, generator=g) for i in range(2) for n in ("q_proj", "v_proj")}
+    tensors = {
+        f"model.layers.{i}.{n}.weight": torch.randn(8, 16, generator=g) for i in range(2) for n in ("q_proj", "v_proj")
+    }
     tensors["model.embed_tokens.weight"] = torch.randn(32, 16, generator=g).to(torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
@@ -60,15 +71,39 @@ def edit_config(folder: Path, **changes) -> None:
 
 
 CHANGES = {  # name -> (edit of the base folder, what the difference names)
-    "zeroed": (lambda f: rewrite(f, lambda t: [v.zero_() for v in t.values()]), r"5 of 5 weight\(s\) hold other values"),
+    "zeroed": (
+        lambda f: rewrite(f, lambda t: [v.zero_() for v in t.values()]),
+        r"5 of 5 weight\(s\) hold other values",
+    ),
     "another seed": (lambda f: make_base(f, seed=1), r"5 of 5 weight\(s\) hold other values"),
-    "one weight scaled": (lambda f: rewrite(f, lambda t: t["model.layers.1.v_proj.weight"].mul_(1.0001)), r"1 of 5 .*model\.layers\.1\.v_proj"),
-    "a dtype": (lambda f: rewrite(f, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].float()})), r"1 of 5 .*embed_tokens"),
-    "a shape": (lambda f: rewrite(f, lambda t: t.update({"model.layers.0.q_proj.weight": t["model.layers.0.q_proj.weight"].reshape(16, 8)})), r"1 of 5 .*layers\.0\.q_proj"),
-    "a weight renamed": (lambda f: rewrite(f, lambda t: t.update({"model.layers.0.k_proj.weight": t.pop("model.layers.0.q_proj.weight")})),
-                         r"1 weight\(s\) missing \(e\.g\. model\.layers\.0\.q_proj\.weight\); 1 weight\(s\) it did not have"),
-    "a weight dropped": (lambda f: rewrite(f, lambda t: t.pop("model.layers.1.q_proj.weight")), r"1 weight\(s\) missing"),
-    "a weight added": (lambda f: rewrite(f, lambda t: t.update({"lm_head.weight": torch.ones(32, 16)})), r"1 weight\(s\) it did not have \(e\.g\. lm_head"),
+    "one weight scaled": (
+        lambda f: rewrite(f, lambda t: t["model.layers.1.v_proj.weight"].mul_(1.0001)),
+        r"1 of 5 .*model\.layers\.1\.v_proj",
+    ),
+    "a dtype": (
+        lambda f: rewrite(f, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].float()})),
+        r"1 of 5 .*embed_tokens",
+    ),
+    "a shape": (
+        lambda f: rewrite(
+            f, lambda t: t.update({"model.layers.0.q_proj.weight": t["model.layers.0.q_proj.weight"].reshape(16, 8)})
+        ),
+        r"1 of 5 .*layers\.0\.q_proj",
+    ),
+    "a weight renamed": (
+        lambda f: rewrite(
+            f, lambda t: t.update({"model.layers.0.k_proj.weight": t.pop("model.layers.0.q_proj.weight")})
+        ),
+        r"1 weight\(s\) missing \(e\.g\. model\.layers\.0\.q_proj\.weight\); 1 weight\(s\) it did not have",
+    ),
+    "a weight dropped": (
+        lambda f: rewrite(f, lambda t: t.pop("model.layers.1.q_proj.weight")),
+        r"1 weight\(s\) missing",
+    ),
+    "a weight added": (
+        lambda f: rewrite(f, lambda t: t.update({"lm_head.weight": torch.ones(32, 16)})),
+        r"1 weight\(s\) it did not have \(e\.g\. lm_head",
+    ),
     "the config": (lambda f: edit_config(f, rope_theta=1.0), r"config\.json describes another model"),
 }
 
@@ -107,9 +142,21 @@ def test_what_does_not_change_the_weights_keeps_the_identity(tmp_path):
     assert len(split.filename_to_tensors) > 1
     for file, names in split.filename_to_tensors.items():
         save_file({n: tensors[n] for n in reversed(names)}, b / file, metadata={"format": "pt", "note": "re-saved"})
-    (b / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": split.tensor_to_filename}))
-    (b / "config.json").write_text(json.dumps({**CONFIG, "transformers_version": "9.0", "dtype": "bfloat16", "use_cache": False,
-                                               "architectures": ["Other"], "_name_or_path": "elsewhere"}))
+    (b / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": split.tensor_to_filename})
+    )
+    (b / "config.json").write_text(
+        json.dumps(
+            {
+                **CONFIG,
+                "transformers_version": "9.0",
+                "dtype": "bfloat16",
+                "use_cache": False,
+                "architectures": ["Other"],
+                "_name_or_path": "elsewhere",
+            }
+        )
+    )
     assert base_identity.difference(recorded, base_identity.identity(b)) is None
 
 
@@ -124,8 +171,16 @@ def test_a_truncated_or_missing_base_is_refused_in_one_line(tmp_path):
         base_identity.identity(tmp_path)
 
 
-@pytest.mark.parametrize("content", ["not json", "[]", '{"format": 1}', '{"format": 2, "config_sha256": "x", "tensors": {}}',
-                                     '{"format": 1, "config_sha256": "x", "tensors": {"a": 1}}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        "[]",
+        '{"format": 1}',
+        '{"format": 2, "config_sha256": "x", "tensors": {}}',
+        '{"format": 1, "config_sha256": "x", "tensors": {"a": 1}}',
+    ],
+)
 def test_a_record_that_is_not_one_is_refused(tmp_path, content):
     (tmp_path / base_identity.BASE_IDENTITY).write_text(content)
     with pytest.raises(CheckpointError, match="is not a base identity record"):
@@ -150,13 +205,18 @@ def adapter_only_checkpoint(tmp_path: Path, base_extra=None):
     AutoModelForCausalLM.from_config(config).save_pretrained(base)
     if base_extra is not None:
         _with_extra(base, base_extra(config))
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_()
-    dcp.save({"model": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}},
-             checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
+    dcp.save(
+        {"model": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}},
+        checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"),
+        no_dist=True,
+    )
     model.peft_config["default"].save_pretrained(str(ckpt))
     base_identity.write(ckpt, base_identity.identity(base))
     return (base, ckpt) if base_extra is None else (base, ckpt, model)
@@ -180,13 +240,28 @@ def test_a_merge_onto_another_base_than_the_recorded_one_stops_before_writing(tm
             rewrite(other, lambda t: [v.zero_() for v in t.values()])
         else:
             (other / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes()[:-64])
-        expected = f"{other}/model.safetensors is truncated" if kind == "truncated" else rf"the base model {other} is not the one {ckpt} was trained on"
+        expected = (
+            f"{other}/model.safetensors is truncated"
+            if kind == "truncated"
+            else rf"the base model {other} is not the one {ckpt} was trained on"
+        )
         with pytest.raises(CheckpointError, match=expected):
             merge_checkpoint(ckpt, tmp_path / f"out-{kind}", base_model=str(other))
         assert not (tmp_path / f"out-{kind}").exists()
-    done = run([sys.executable, "tools/merge_checkpoint.py", str(ckpt), str(tmp_path / "cli"), "--base-model", str(tmp_path / "zeroed")])
+    done = run(
+        [
+            sys.executable,
+            "tools/merge_checkpoint.py",
+            str(ckpt),
+            str(tmp_path / "cli"),
+            "--base-model",
+            str(tmp_path / "zeroed"),
+        ]
+    )
     lines = done.stderr.strip().splitlines()
-    assert done.returncode != 0 and len(lines) == 1 and "hold other values" in lines[0] and "--base-model" in lines[0], done.stderr
+    assert (
+        done.returncode != 0 and len(lines) == 1 and "hold other values" in lines[0] and "--base-model" in lines[0]
+    ), done.stderr
     assert not (tmp_path / "cli").exists()
 
     from fsdp_recipes.ckpt.status import checkpoint_status
@@ -198,7 +273,9 @@ def test_a_merge_onto_another_base_than_the_recorded_one_stops_before_writing(tm
     assert "LoRA adapter only (base not recorded: no base_identity.json)" in checkpoint_status(ckpt).summary()
     said = []
     merge_checkpoint(ckpt, tmp_path / "unchecked", base_model=str(tmp_path / "zeroed"), log=said.append)
-    assert any(f"no {base_identity.BASE_IDENTITY} beside adapter_config.json" in s and "is not checked" in s for s in said), said
+    assert any(
+        f"no {base_identity.BASE_IDENTITY} beside adapter_config.json" in s and "is not checked" in s for s in said
+    ), said
 
 
 @pytest.mark.slow
@@ -217,13 +294,21 @@ def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(tmp
     resume = [*args[:2], "6", *args[3:], "--resume_from_checkpoint", "true"]
     refused = launch("accelerate_configs/zero3.yaml", *resume, check=False)
     assert refused.returncode != 0, refused.stderr[-2000:]
-    assert f"the LoRA base {out / 'base_model'} changed since a run saved it (1 of 39 weight(s) hold other values" in refused.stderr
+    assert (
+        f"the LoRA base {out / 'base_model'} changed since a run saved it (1 of 39 weight(s) hold other values"
+        in refused.stderr
+    )
     assert "model.layers.1.self_attn.o_proj.weight" in refused.stderr and not (out / "checkpoint-6").exists()
 
-    shutil.move(out / "base_model", tmp_path / "zeroed")  # a new base gets built, from another seed: not the checkpoints'
+    shutil.move(
+        out / "base_model", tmp_path / "zeroed"
+    )  # a new base gets built, from another seed: not the checkpoints'
     refused = launch("accelerate_configs/zero3.yaml", *resume, "--seed", "7", check=False)
     assert refused.returncode != 0, refused.stderr[-2000:]
-    assert f"is not the one {out / 'checkpoint-4'} was trained on" in refused.stderr and "30 of 39 weight(s) hold other values" in refused.stderr  # the norms are ones in both
+    assert (
+        f"is not the one {out / 'checkpoint-4'} was trained on" in refused.stderr
+        and "30 of 39 weight(s) hold other values" in refused.stderr
+    )  # the norms are ones in both
     assert not (out / "checkpoint-6").exists()
 
 
@@ -251,7 +336,9 @@ def test_a_hub_base_is_found_in_the_local_cache_and_checked(tmp_path, monkeypatc
     merge_checkpoint(ckpt, tmp_path / "from-hub", base_model="someone/tiny", log=said.append)
     assert f"adapter-only LoRA checkpoint: the frozen base's weights from {snapshot}" in said
     rewrite(snapshot, lambda t: t["model.norm.weight"].mul_(2))
-    with pytest.raises(CheckpointError, match=rf"the base model {snapshot} is not the one .* 1 of 39 weight\(s\) .*model\.norm\.weight"):
+    with pytest.raises(
+        CheckpointError, match=rf"the base model {snapshot} is not the one .* 1 of 39 weight\(s\) .*model\.norm\.weight"
+    ):
         merge_checkpoint(ckpt, tmp_path / "changed", base_model="someone/tiny")
 
 
@@ -271,12 +358,19 @@ def test_the_resume_check_compares_what_it_can_and_refuses_what_it_cannot(tmp_pa
     assert problem is None and record is not None
     make_base(base, seed=3)
     record, problem = _base_identity(str(base), str(ckpt), said.append)
-    assert record is None and problem.startswith(f"the base model {base} is not the one {ckpt} was trained on") and "5 of 5" in problem
+    assert (
+        record is None
+        and problem.startswith(f"the base model {base} is not the one {ckpt} was trained on")
+        and "5 of 5" in problem
+    )
     (base / "model.safetensors").rename(base / "pytorch_model.bin")
     record, problem = _base_identity(str(base), str(ckpt), said.append)
     assert record is None and "has no local safetensors weights to compare" in problem
     (ckpt / base_identity.BASE_IDENTITY).unlink()  # an older checkpoint: nothing to compare, said once
-    assert _base_identity(str(base), str(ckpt), said.append) == (None, None) and "no local safetensors weights to record" in said[-1]
+    assert (
+        _base_identity(str(base), str(ckpt), said.append) == (None, None)
+        and "no local safetensors weights to record" in said[-1]
+    )
 
 
 def test_a_folder_with_both_a_single_file_and_an_index_is_the_single_file(tmp_path):
@@ -290,7 +384,9 @@ def test_a_folder_with_both_a_single_file_and_an_index_is_the_single_file(tmp_pa
     split = split_torch_state_dict_into_shards(other, max_shard_size=600)
     for file, names in split.filename_to_tensors.items():
         save_file({n: other[n] for n in names}, tmp_path / file)
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": split.tensor_to_filename}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": split.tensor_to_filename})
+    )
     assert base_identity.difference(recorded, base_identity.identity(tmp_path)) is None
 
 
@@ -313,11 +409,17 @@ def test_a_base_with_tensors_from_pretrained_ignores_merges_without_them(tmp_pat
 
     config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")
     head = config.hidden_size // config.num_attention_heads
-    base, ckpt, model = adapter_only_checkpoint(tmp_path, lambda c: {
-        f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(head // 2) for i in range(c.num_hidden_layers)})
+    base, ckpt, model = adapter_only_checkpoint(
+        tmp_path,
+        lambda c: {
+            f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(head // 2) for i in range(c.num_hidden_layers)
+        },
+    )
     said = []
     merge_checkpoint(ckpt, tmp_path / "merged", log=said.append)
-    assert any(f"{config.num_hidden_layers} stored tensor(s) left out that from_pretrained ignores too" in s for s in said), said
+    assert any(
+        f"{config.num_hidden_layers} stored tensor(s) left out that from_pretrained ignores too" in s for s in said
+    ), said
     merged = load_file(tmp_path / "merged" / "model.safetensors")
     assert not [n for n in merged if "inv_freq" in n]
     expected = model.merge_and_unload().state_dict()
@@ -326,10 +428,16 @@ def test_a_base_with_tensors_from_pretrained_ignores_merges_without_them(tmp_pat
     other = tmp_path / "other"
     shutil.copytree(base, other)
     _with_extra(other, {"model.layers.0.mlp.gate_proj.bias": torch.zeros(config.intermediate_size)})
-    with pytest.raises(CheckpointError, match=r"1 weight\(s\) it did not have \(e.g. model.layers.0.mlp.gate_proj.bias\)"):
-        merge_checkpoint(ckpt, tmp_path / "out-other", base_model=str(other))  # the recorded base's identity says so first
+    with pytest.raises(
+        CheckpointError, match=r"1 weight\(s\) it did not have \(e.g. model.layers.0.mlp.gate_proj.bias\)"
+    ):
+        merge_checkpoint(
+            ckpt, tmp_path / "out-other", base_model=str(other)
+        )  # the recorded base's identity says so first
     (ckpt / base_identity.BASE_IDENTITY).unlink()  # without that record, the model's own weights say so
-    with pytest.raises(CheckpointError, match=r"weight\(s\) LlamaForCausalLM does not \(e.g. \S*model.layers.0.mlp.gate_proj.bias\)"):
+    with pytest.raises(
+        CheckpointError, match=r"weight\(s\) LlamaForCausalLM does not \(e.g. \S*model.layers.0.mlp.gate_proj.bias\)"
+    ):
         merge_checkpoint(ckpt, tmp_path / "out-other", base_model=str(other))
     assert not (tmp_path / "out-other").exists()
 
@@ -351,10 +459,19 @@ def test_only_what_transformers_drops_on_load_is_dropped(seed):
     layer = rng.randrange(config.num_hidden_layers)
     # Llama has inv_freq buffers (so old per-layer ones are dropped) and no position_ids buffer (so those are warned
     # about by from_pretrained, and refused here)
-    droppable = [f"model.layers.{layer}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq",
-                 f"model.layers.{rng.randrange(config.num_hidden_layers)}.self_attn.rotary_emb.inv_freq"]
-    refused = [f"model.layers.{layer}.self_attn.inv_freq", f"model.layers.{layer}.mlp.rotary_emb", "model.norm.bias",
-               "position_ids", "model.embed_tokens.position_ids", "lm_head.bias"]
+    droppable = [
+        f"model.layers.{layer}.self_attn.rotary_emb.inv_freq",
+        "model.rotary_emb.inv_freq",
+        f"model.layers.{rng.randrange(config.num_hidden_layers)}.self_attn.rotary_emb.inv_freq",
+    ]
+    refused = [
+        f"model.layers.{layer}.self_attn.inv_freq",
+        f"model.layers.{layer}.mlp.rotary_emb",
+        "model.norm.bias",
+        "position_ids",
+        "model.embed_tokens.position_ids",
+        "lm_head.bias",
+    ]
 
     def stored(names):
         info = {n: TensorInfo(shape, "float32") for n, shape in expected.items()}
@@ -367,5 +484,7 @@ def test_only_what_transformers_drops_on_load_is_dropped(seed):
     for name in refused:
         with pytest.raises(CheckpointError, match="does not"):
             match_namespace(stored(picked + [name]), expected, tied, model_cls.__name__, ignorable)
-    with pytest.raises(CheckpointError, match="does not"):  # without the rule (a caller that gives none) nothing is dropped
+    with pytest.raises(
+        CheckpointError, match="does not"
+    ):  # without the rule (a caller that gives none) nothing is dropped
         match_namespace(stored(picked), expected, tied, model_cls.__name__)

@@ -19,26 +19,52 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, make_special
+
 from fsdp_recipes.bounded import REPORT_LIMIT, STATE_LIMIT, YAML_LIMIT
 from fsdp_recipes.config.parse import load_recipe, parse_args
 from fsdp_recipes.errors import RecipeError
 
 CASE_SECONDS = 2  # the slowest case takes a fifth of that; a hang is stopped by the alarm at twice this
-LAUGHS = "".join([  # 346 bytes that a YAML loader expanding aliases turns into 10^9 strings
-    'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n',
-    *(f"{n}: &{n} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n" for p, n in zip("abcdefgh", "bcdefghi")),
-])
-JSON_TOPS = {"list": [1, 2], "string": "text", "null": None, "float_1e9": 1e9, "negative": -5, "int_10e30": 10**30, "bool": True}
+LAUGHS = "".join(
+    [  # 346 bytes that a YAML loader expanding aliases turns into 10^9 strings
+        'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n',
+        *(f"{n}: &{n} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n" for p, n in zip("abcdefgh", "bcdefghi")),
+    ]
+)
+JSON_TOPS = {
+    "list": [1, 2],
+    "string": "text",
+    "null": None,
+    "float_1e9": 1e9,
+    "negative": -5,
+    "int_10e30": 10**30,
+    "bool": True,
+}
 # the same shapes as values of one key of a checkpoint's JSON files
-WRONG_VALUES = {"null": None, "string": "2", "float_1e9": 1e9, "int_1e9": 10**9, "negative": -1, "zero": 0,
-                "int_10e30": 10**30, "bool": True, "fraction": 2.5, "list": [1], "object": {"a": 1}}
-REPORT = {"fsdp_version": None, "world_size": 1, "sharding_strategy": None}  # a DDP run's, as fsdp_recipes.train.sharding writes it
+WRONG_VALUES = {
+    "null": None,
+    "string": "2",
+    "float_1e9": 1e9,
+    "int_1e9": 10**9,
+    "negative": -1,
+    "zero": 0,
+    "int_10e30": 10**30,
+    "bool": True,
+    "fraction": 2.5,
+    "list": [1],
+    "object": {"a": 1},
+}
+REPORT = {
+    "fsdp_version": None,
+    "world_size": 1,
+    "sharding_strategy": None,
+}  # a DDP run's, as fsdp_recipes.train.sharding writes it
 STEP = 3
 
 
 # ----- the hostile files -----
+
 
 def special(path: Path, kind: str, limit: int) -> None:
     """Make ``path`` a hostile file of a kind in SPECIAL (for "missing": nothing)."""
@@ -95,7 +121,9 @@ def fake_checkpoint(folder: Path) -> Path:
     save_file({"weight": torch.zeros(2)}, ckpt / "model.safetensors")
     torch.save({"state": {}, "param_groups": []}, ckpt / "optimizer.pt")
     torch.save({"last_epoch": STEP}, ckpt / "scheduler.pt")
-    torch.save({"python": [1, 2], "numpy": [3], "cpu": torch.zeros(2)}, ckpt / "rng_state.pth")  # the keys the Trainer reads
+    torch.save(
+        {"python": [1, 2], "numpy": [3], "cpu": torch.zeros(2)}, ckpt / "rng_state.pth"
+    )  # the keys the Trainer reads
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": STEP, "log_history": []}))
     (ckpt / "fsdp_report.json").write_text(json.dumps(REPORT))
     return ckpt
@@ -110,9 +138,15 @@ def checkpoint_plan() -> dict[str, tuple]:
                 plan[f"{file}-{kind}"] = (file, "special", kind)
         for name, content in BROKEN.items():
             plan[f"{file}-{name}"] = (file, "content", content)
-    for file, key in [("fsdp_report.json", k) for k in ("world_size", "fsdp_version", "sharding_strategy")] + [("trainer_state.json", "global_step")]:
+    for file, key in [("fsdp_report.json", k) for k in ("world_size", "fsdp_version", "sharding_strategy")] + [
+        ("trainer_state.json", "global_step")
+    ]:
         for name, value in WRONG_VALUES.items():
-            if (key, value) not in (("fsdp_version", None), ("sharding_strategy", None), ("sharding_strategy", "2")):  # valid ones
+            if (key, value) not in (
+                ("fsdp_version", None),
+                ("sharding_strategy", None),
+                ("sharding_strategy", "2"),
+            ):  # valid ones
                 plan[f"{file}-{key}-{name}"] = (file, "value", key, value)
     return plan
 
@@ -158,6 +192,7 @@ def estimate_cases() -> dict[str, list[str]]:
 
 
 # ----- the readers, each case bounded -----
+
 
 def tool(script: str):
     """tools/<script>.py's main(), imported as the tests of the tools do."""
@@ -264,7 +299,7 @@ def test_launcher_reads_the_config_in_force_within_bounds(yaml_files, monkeypatc
         argv = ["--config_file", yaml_files[case], "train_fsdp.py"]
         with pytest.raises(UnreadableFile, match=f"^accelerate config '{yaml_files[case]}' "):
             launcher.from_launch_args(argv, Path.cwd())
-        monkeypatch.setattr(launcher, "find_accelerate_launch", lambda: (argv, Path.cwd()))  # as if launched so
+        monkeypatch.setattr(launcher, "find_accelerate_launch", lambda: (argv, Path.cwd()))  # as if launched so  # noqa: B023 (called at once, in the loop)
         with pytest.raises(RecipeError, match=f"^accelerate config '{yaml_files[case]}' "):
             launcher.launch_settings()
 
@@ -277,8 +312,12 @@ def test_check_config(yaml_files, case, capsys):
     assert line.startswith("error: ") and YAML_PATHS[case] in line, line
 
 
-MESH_KEYS = ["parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
-             "parallelism_config_cp_size"]
+MESH_KEYS = [
+    "parallelism_config_dp_replicate_size",
+    "parallelism_config_dp_shard_size",
+    "parallelism_config_tp_size",
+    "parallelism_config_cp_size",
+]
 
 
 @pytest.mark.parametrize("value", ["two", "[2]", "-1", "0", "2.5", "true", ".inf", "'2x'"])
@@ -286,9 +325,11 @@ MESH_KEYS = ["parallelism_config_dp_replicate_size", "parallelism_config_dp_shar
 def test_check_config_mesh_sizes_that_are_not_numbers(tmp_path, key, value, capsys):
     """An FSDP2 config's parallelism_config sizes given as words (or lists, fractions...): one error naming the key."""
     config = tmp_path / "config.yaml"
-    config.write_text("distributed_type: FSDP\nnum_processes: 4\nnum_machines: 2\nmixed_precision: bf16\n"
-                      "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
-                      f"parallelism_config:\n  {key}: {value}\n")
+    config.write_text(
+        "distributed_type: FSDP\nnum_processes: 4\nnum_machines: 2\nmixed_precision: bf16\n"
+        "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+        f"parallelism_config:\n  {key}: {value}\n"
+    )
     result = bounded(tool("check_config"), [str(config)], capsys=capsys)
     assert result["outcome"] == 1, result
     assert one_line(result).startswith(f"error: {config}: parallelism_config.{key}: "), result
@@ -314,7 +355,9 @@ def test_estimate_memory_numbers(case, capsys):
 def test_the_fake_checkpoint_is_resumable(checkpoints, capsys):
     """So that each case below is refused for its one replaced file, and nothing else."""
     result = bounded(tool("check_checkpoint"), [checkpoints["pristine"]], capsys=capsys)
-    assert result["outcome"] == 0 and one_line(result) == f"checkpoint-{STEP} (step {STEP}, PLAIN, 1 rank(s)): resumable", result
+    assert (
+        result["outcome"] == 0 and one_line(result) == f"checkpoint-{STEP} (step {STEP}, PLAIN, 1 rank(s)): resumable"
+    ), result
 
 
 @pytest.mark.parametrize("case", list(checkpoint_plan()))
@@ -360,11 +403,25 @@ def test_the_resumes_read_of_the_finished_step(checkpoints, case, capsys):
 
 # ----- what is accepted, and the help -----
 
+
 def test_in_range_numbers_are_accepted_and_help_shows_each_default_once(capsys):
     import re
 
     main = tool("estimate_memory")
-    argv = ["1B", "--nproc-per-node", "1", "--nnodes", "1", "--micro-batch", "1", "--seq-len", "1", "--gpu-memory", "0.5GiB", "--json"]
+    argv = [
+        "1B",
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "1",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "1",
+        "--gpu-memory",
+        "0.5GiB",
+        "--json",
+    ]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["per_gpu_bytes"]["gpu_total"] > 0
     with pytest.raises(SystemExit) as stop:
@@ -372,7 +429,11 @@ def test_in_range_numbers_are_accepted_and_help_shows_each_default_once(capsys):
     assert stop.value.code == 0
     text = capsys.readouterr().out
     options = re.split(r"\n(?=  -)", text.split("\noptions:\n")[1].split("\n\n")[0])  # one entry per option
-    entries = {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in options if not entry.lstrip().startswith("-h")}
+    entries = {
+        entry.split()[0].rstrip(","): " ".join(entry.split())
+        for entry in options
+        if not entry.lstrip().startswith("-h")
+    }
     assert len(entries) == 12 and all(entry.count("(default: ") == 1 for entry in entries.values()), entries
     for option, default in (("--nproc-per-node", 8), ("--nnodes", 1), ("--micro-batch", 1), ("--seq-len", 2048)):
         assert entries[option].endswith(f"(default: {default})"), entries[option]
@@ -384,9 +445,15 @@ def test_in_range_numbers_are_accepted_and_help_shows_each_default_once(capsys):
 # fsdp_recipes.bounded (a size limit, regular files only, non-blocking) or reads a stated number of bytes.
 UNBOUNDED_BY_DESIGN = {
     ("fsdp_recipes/ckpt/copier.py", "sys.stdin.read()"): "the plan the merge writes into the copier's own pipe",
-    ("fsdp_recipes/ckpt/safetensors_writer.py", "errors.read()"): "the copier's stderr, in a temporary file the merge made",
+    (
+        "fsdp_recipes/ckpt/safetensors_writer.py",
+        "errors.read()",
+    ): "the copier's stderr, in a temporary file the merge made",
     ("fsdp_recipes/compat/internals.py", "requirements.read_text()"): "this checkout's requirements.txt",
-    ("fsdp_recipes/config/launcher.py", 'Path(f"/proc/{pid}/cmdline").read_bytes()'): "the kernel's record of a process",
+    (
+        "fsdp_recipes/config/launcher.py",
+        'Path(f"/proc/{pid}/cmdline").read_bytes()',
+    ): "the kernel's record of a process",
     ("fsdp_recipes/config/launcher.py", 'Path(f"/proc/{pid}/stat").read_text()'): "the kernel's record of a process",
 }
 
@@ -397,7 +464,9 @@ def whole_file_reads() -> dict[tuple[str, str], int]:
     import ast
 
     found = {}
-    for path in sorted([*(REPO / "fsdp_recipes").rglob("*.py"), *(REPO / "tools").glob("*.py"), REPO / "train_fsdp.py"]):
+    for path in sorted(
+        [*(REPO / "fsdp_recipes").rglob("*.py"), *(REPO / "tools").glob("*.py"), REPO / "train_fsdp.py"]
+    ):
         rel = path.relative_to(REPO).as_posix()
         if rel == "fsdp_recipes/bounded.py":
             continue
@@ -405,8 +474,11 @@ def whole_file_reads() -> dict[tuple[str, str], int]:
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 name, owner = node.func.attr, node.func.value
-                if (name in ("read_text", "read_bytes", "readlines") or (name == "read" and not node.args and not node.keywords)
-                        or (name == "load" and isinstance(owner, ast.Name) and owner.id == "json")):
+                if (
+                    name in ("read_text", "read_bytes", "readlines")
+                    or (name == "read" and not node.args and not node.keywords)
+                    or (name == "load" and isinstance(owner, ast.Name) and owner.id == "json")
+                ):
                     found[(rel, ast.get_source_segment(source, node))] = node.lineno
     return found
 
@@ -414,6 +486,10 @@ def whole_file_reads() -> dict[tuple[str, str], int]:
 def test_no_file_is_read_whole_outside_the_bounded_readers():
     found = whole_file_reads()
     assert len(found) >= len(UNBOUNDED_BY_DESIGN) > 0  # the scan sees the reads it allows
-    unbounded = {f"{file}:{line}: {call}" for (file, call), line in found.items() if (file, call) not in UNBOUNDED_BY_DESIGN}
-    assert not unbounded, "read with fsdp_recipes.bounded (read_text / load_json with a limit) instead:\n" + "\n".join(sorted(unbounded))
+    unbounded = {
+        f"{file}:{line}: {call}" for (file, call), line in found.items() if (file, call) not in UNBOUNDED_BY_DESIGN
+    }
+    assert not unbounded, "read with fsdp_recipes.bounded (read_text / load_json with a limit) instead:\n" + "\n".join(
+        sorted(unbounded)
+    )
     assert set(UNBOUNDED_BY_DESIGN) <= set(found), "an allowed read is gone: take it off UNBOUNDED_BY_DESIGN"

@@ -2,34 +2,44 @@
 
 from __future__ import annotations
 
-import pytest
-
 import argparse
 import random
+
+import pytest
 
 from bench.checkpoint_benchmark import first_and_later, queued, ranks_label, split, stall_of_each_save, step_seconds
 
 
-@pytest.mark.parametrize("write, step, save_steps, need", [
-    (1.8, 0.02, 2, 90),   # the H200 run of bench/results/h200/checkpoint-stall-2: 0.04 s of training per 1.8 s write
-    (2.0, 1.0, 1, 2),
-    (2.1, 1.0, 1, 3),
-    (0.5, 0.02, 100, None),  # 2 s of training per save: the write overlaps it
-    (2.0, 1.0, 2, None),  # exactly as long: nothing waits
-    (None, 0.02, 2, None),  # no background write logged
-    (2.0, 0.0, 2, None),  # no step time to judge by
-])
+@pytest.mark.parametrize(
+    "write, step, save_steps, need",
+    [
+        (1.8, 0.02, 2, 90),  # the H200 run of bench/results/h200/checkpoint-stall-2: 0.04 s of training per 1.8 s write
+        (2.0, 1.0, 1, 2),
+        (2.1, 1.0, 1, 3),
+        (0.5, 0.02, 100, None),  # 2 s of training per save: the write overlaps it
+        (2.0, 1.0, 2, None),  # exactly as long: nothing waits
+        (None, 0.02, 2, None),  # no background write logged
+        (2.0, 0.0, 2, None),  # no step time to judge by
+    ],
+)
 def test_a_write_from_a_host_copy_longer_than_the_training_between_saves_is_named(write, step, save_steps, need):
     note = queued(write, step, save_steps)
     if need is None:
         assert note is None
     else:
-        assert f"outlasts the training between saves ({step * save_steps:.2f} s)" in note and f"--save-steps {need} or more" in note
-        assert queued(write, step, need) is None and queued(write, step, need - 1) is not None  # the least that leaves room
+        assert (
+            f"outlasts the training between saves ({step * save_steps:.2f} s)" in note
+            and f"--save-steps {need} or more" in note
+        )
+        assert (
+            queued(write, step, need) is None and queued(write, step, need - 1) is not None
+        )  # the least that leaves room
 
 
-@pytest.mark.parametrize("write, step, save_steps, noted", [(1.8, 0.02, 100, True), (4.2, 3.2, 1, True), (4.2, 3.2, 5, True),
-                                                             (2.0, 3.2, 1, False)])
+@pytest.mark.parametrize(
+    "write, step, save_steps, noted",
+    [(1.8, 0.02, 100, True), (4.2, 3.2, 1, True), (4.2, 3.2, 5, True), (2.0, 3.2, 1, False)],
+)
 def test_a_write_in_place_overlaps_one_step_whatever_the_save_steps(write, step, save_steps, noted):
     """(hostile review) in place, the next optimizer step waits for the write: more --save-steps give it no room, and
     advice to raise them would be false."""
@@ -94,10 +104,12 @@ def test_each_saves_stall_is_found_in_generated_step_times(seed):
     for m, stall in paid.items():
         if m * k < steps:  # step m*k+1 holds save m; a save after the last step is after the last step time
             with_saves[m * k] += stall
-    ends = lambda durations: [sum(durations[:i + 1]) for i in range(steps)]  # noqa: E731
+    ends = lambda durations: [sum(durations[: i + 1]) for i in range(steps)]  # noqa: E731
     a = argparse.Namespace(warmup=warmup, save_steps=k)
     found = stall_of_each_save({"step_end": ends(with_saves)}, {"step_end": ends(plain)}, a)
-    measurable = {m: v for m, v in paid.items() if warmup < m * k < steps}  # the step holding it (m*k+1) is timed after the warm-up
+    measurable = {
+        m: v for m, v in paid.items() if warmup < m * k < steps
+    }  # the step holding it (m*k+1) is timed after the warm-up
     assert found.keys() == measurable.keys()
     for m, stall in measurable.items():
         assert found[m] == pytest.approx(stall, abs=1e-9)
@@ -135,8 +147,17 @@ def test_a_save_lands_between_its_steps_end_and_the_next(tmp_path):
             return {"loss": ((self.w(x).squeeze(-1) - labels) ** 2).mean()}
 
     data = [{"x": torch.randn(2), "labels": torch.tensor(0.0)} for _ in range(8)]
-    args = TrainingArguments(str(tmp_path), max_steps=5, save_strategy="steps", save_steps=2, per_device_train_batch_size=1,
-                             report_to="none", use_cpu=True, save_only_model=True, logging_strategy="no")
+    args = TrainingArguments(
+        str(tmp_path),
+        max_steps=5,
+        save_strategy="steps",
+        save_steps=2,
+        per_device_train_batch_size=1,
+        report_to="none",
+        use_cpu=True,
+        save_only_model=True,
+        logging_strategy="no",
+    )
     Trainer(model=Tiny(), args=args, train_dataset=data, callbacks=[Order()]).train()
     for s in (2, 4):
         i = events.index(("save", s))

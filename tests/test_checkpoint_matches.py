@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import QUICK, REPO, launch, quick
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import QUICK, REPO, launch, quick
 from fsdp_recipes.ckpt.model_match import model_mismatch
 
 TINY = REPO / "assets" / "tiny-llama"
@@ -38,7 +38,9 @@ def test_same_model_matches_others_do_not(trained, config):
     ckpt = trained(config).output_dir / "checkpoint-12"
     assert model_mismatch(ckpt, *shapes(tiny())) is None
     problem = model_mismatch(ckpt, *shapes(tiny(num_hidden_layers=2)))
-    assert problem and "saved from another model" in problem and "holds 18 weight(s) this model does not have" in problem, problem
+    assert (
+        problem and "saved from another model" in problem and "holds 18 weight(s) this model does not have" in problem
+    ), problem
     problem = model_mismatch(ckpt, *shapes(tiny(intermediate_size=96)))
     assert "differ in shape" in problem and "mlp" in problem, problem
     problem = model_mismatch(ckpt, *shapes(tiny(num_hidden_layers=6)))
@@ -48,7 +50,10 @@ def test_same_model_matches_others_do_not(trained, config):
 def test_full_state_dict_bin_is_matched_too(trained, tmp_path):
     """(hostile probe) A FULL_STATE_DICT checkpoint (pytorch_model_fsdp.bin, a torch.save file) skipped the check:
     its shapes are read by the merge's weights-only, memory-mapped reader."""
-    ckpt = trained("accelerate_configs/zero3.yaml", launch_args=("--fsdp_state_dict_type", "FULL_STATE_DICT")).output_dir / "checkpoint-12"
+    ckpt = (
+        trained("accelerate_configs/zero3.yaml", launch_args=("--fsdp_state_dict_type", "FULL_STATE_DICT")).output_dir
+        / "checkpoint-12"
+    )
     assert (ckpt / "pytorch_model_fsdp.bin").is_file() and not (ckpt / "pytorch_model_fsdp_0").exists()
     assert model_mismatch(ckpt, *shapes(tiny())) is None
     # (hostile review) the .bin is what the resume loads, and it was never read when model.safetensors lay beside it
@@ -87,8 +92,19 @@ def resume_with_config(trained, tmp_path, changes: dict):
     shutil.copy(trained("accelerate_configs/zero3.yaml").output_dir / "run_args.json", run / "run_args.json")
     other.mkdir()
     (other / "config.json").write_text(json.dumps({**json.loads((TINY / "config.json").read_text()), **changes}))
-    return run, launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run), "--config_name", str(other),
-                       "--tokenizer_name", str(TINY), "--resume_from_checkpoint", "true", check=False)
+    return run, launch(
+        "accelerate_configs/zero3.yaml",
+        *QUICK,
+        "--output_dir",
+        str(run),
+        "--config_name",
+        str(other),
+        "--tokenizer_name",
+        str(TINY),
+        "--resume_from_checkpoint",
+        "true",
+        check=False,
+    )
 
 
 def test_resuming_into_a_smaller_model_stops_before_loading(trained, tmp_path):
@@ -96,7 +112,9 @@ def test_resuming_into_a_smaller_model_stops_before_loading(trained, tmp_path):
     run, proc = resume_with_config(trained, tmp_path, {"num_hidden_layers": 2})
     assert proc.returncode != 0, proc.stderr[-3000:]  # the launcher reports its ranks' exit 2 as 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-    assert len(lines) == 1 and "was saved from another model" in lines[0] and "layers.2" in lines[0], proc.stderr[-3000:]
+    assert len(lines) == 1 and "was saved from another model" in lines[0] and "layers.2" in lines[0], proc.stderr[
+        -3000:
+    ]
     assert not (run / "checkpoint-12").exists() and not (run / "model").exists()
     # the run's record still describes the run that wrote the checkpoint (a refused resume rewrote it before)
     record = (trained("accelerate_configs/zero3.yaml").output_dir / "run_args.json").read_bytes()
@@ -118,8 +136,7 @@ def test_shards_swapped_between_ranks_are_named(checkpoint, folder, tmp_path, mo
     from fsdp_recipes.ckpt.merge import merge_checkpoint
     from fsdp_recipes.ckpt.resume import resolve_resume
     from fsdp_recipes.ckpt.status import checkpoint_status
-    from fsdp_recipes.errors import RecipeError
-    from fsdp_recipes.errors import CheckpointError
+    from fsdp_recipes.errors import CheckpointError, RecipeError
 
     for key, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "RANK": "0"}.items():
         monkeypatch.setenv(key, value)
@@ -132,7 +149,11 @@ def test_shards_swapped_between_ranks_are_named(checkpoint, folder, tmp_path, mo
     (tmp_path / "swap").rename(b)
     problems = checkpoint_status(checkpoint).problems
     # the optimizer's files differ in size (rank 0 holds the byte records): the metadata's byte ranges see that first
-    why = "is not the file this checkpoint wrote" if folder == "pytorch_model_fsdp_0" else "truncated optimizer_0/__1_0.distcp"
+    why = (
+        "is not the file this checkpoint wrote"
+        if folder == "pytorch_model_fsdp_0"
+        else "truncated optimizer_0/__1_0.distcp"
+    )
     assert problems and why in problems[0], problems
     with pytest.raises(RecipeError, match=why):
         resolve_resume(str(checkpoint), str(checkpoint.parent))
@@ -153,7 +174,9 @@ def test_a_manifest_claiming_a_tie_the_config_does_not_state_is_not_trusted(chec
     from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
-    assert manifest["tied"] == [] and json.loads((checkpoint / "config.json").read_text())["tie_word_embeddings"] is False
+    assert (
+        manifest["tied"] == [] and json.loads((checkpoint / "config.json").read_text())["tie_word_embeddings"] is False
+    )
     manifest["tied"] = ["lm_head.weight"]
     manifest["files"]["config.json"] = hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()
     (checkpoint / MANIFEST).write_text(json.dumps(manifest))
@@ -182,8 +205,18 @@ def test_a_manifest_edited_with_its_hashes_does_not_vouch_for_a_config(checkpoin
     assert not (tmp_path / "merged").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".merged")]
 
 
-@pytest.mark.parametrize("entry", [{"size": "x", "sha256": "0" * 64}, {"size": -1, "sha256": "0" * 64}, {"size": 5, "sha256": "zz"},
-                                   {"size": 5}, [5, "0" * 64], None, {"size": True, "sha256": "0" * 64}])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"size": "x", "sha256": "0" * 64},
+        {"size": -1, "sha256": "0" * 64},
+        {"size": 5, "sha256": "zz"},
+        {"size": 5},
+        [5, "0" * 64],
+        None,
+        {"size": True, "sha256": "0" * 64},
+    ],
+)
 def test_a_digest_entry_of_another_form_is_an_unreadable_record_not_a_swap(checkpoint, entry):
     """(hostile review) an entry whose size was "x" was reported as a shard swapped with another rank's."""
     from fsdp_recipes.ckpt.status import checkpoint_status
@@ -230,8 +263,11 @@ def _saved_like_a_checkpoint(folder: Path, config, lora=None, tokenizer=None) ->
 def _live(config, lora=None, tokenizer=None):
     from fsdp_recipes.ckpt.model_match import tokenizer_record
 
-    return (json.loads(config.to_json_string(use_diff=True)), lora.to_dict() if lora is not None else None,
-            tokenizer_record(tokenizer) if tokenizer is not None else None)
+    return (
+        json.loads(config.to_json_string(use_diff=True)),
+        lora.to_dict() if lora is not None else None,
+        tokenizer_record(tokenizer) if tokenizer is not None else None,
+    )
 
 
 def _with_model(tokenizer, model: dict) -> dict:
@@ -263,12 +299,23 @@ def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_
     assert description_mismatch(ckpt, *_live(config, reordered, tokenizer)) is None
 
     saved = json.loads(config.to_json_string(use_diff=True))
-    plain = sorted(k for k in set(saved) - FREE_CONFIG_KEYS - {"model_type"} if isinstance(saved[k], (bool, int, float, str)))
+    plain = sorted(
+        k for k in set(saved) - FREE_CONFIG_KEYS - {"model_type"} if isinstance(saved[k], (bool, int, float, str))
+    )
     for key in rng.sample(plain, 5):  # model_type is the class's, not a setting
         changed = AutoConfig.from_pretrained(TINY)
         value = saved[key]
-        setattr(changed, key, (not value) if isinstance(value, bool) else value + 1 if isinstance(value, int)
-                else (value * 0.5 if value else 0.5) if isinstance(value, float) else f"{value}-other")
+        setattr(
+            changed,
+            key,
+            (not value)
+            if isinstance(value, bool)
+            else value + 1
+            if isinstance(value, int)
+            else (value * 0.5 if value else 0.5)
+            if isinstance(value, float)
+            else f"{value}-other",
+        )
         problem = description_mismatch(ckpt, *_live(changed, lora, tokenizer))
         assert problem and "saved from another model" in problem and key in problem, (key, problem)
     for key in rng.sample(sorted(FREE_CONFIG_KEYS & set(saved)), min(2, len(FREE_CONFIG_KEYS & set(saved)))):
@@ -276,11 +323,26 @@ def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_
         setattr(changed, key, "elsewhere" if isinstance(saved[key], str) else not saved[key])
         assert description_mismatch(ckpt, *_live(changed, lora, tokenizer)) is None, key
 
-    changes = {"r": 8, "lora_alpha": 64, "lora_dropout": 0.1, "target_modules": ["q_proj"], "use_rslora": True, "bias": "all",
-               "fan_in_fan_out": True}
+    changes = {
+        "r": 8,
+        "lora_alpha": 64,
+        "lora_dropout": 0.1,
+        "target_modules": ["q_proj"],
+        "use_rslora": True,
+        "bias": "all",
+        "fan_in_fan_out": True,
+    }
     key = rng.choice(sorted(changes))
     assert key in LORA_KEYS
-    other = LoraConfig(**{"r": 4, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj", "k_proj"], key: changes[key]})
+    other = LoraConfig(
+        **{
+            "r": 4,
+            "lora_alpha": 16,
+            "lora_dropout": 0.0,
+            "target_modules": ["q_proj", "v_proj", "k_proj"],
+            key: changes[key],
+        }
+    )
     problem = description_mismatch(ckpt, *_live(config, other, tokenizer))
     assert problem and "other LoRA settings" in problem and key in problem, problem
 
@@ -296,28 +358,54 @@ def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_
     (ckpt / "tokenizer.json").write_text(json.dumps({**saved, "model": as_strings}))
     assert description_mismatch(ckpt, _live(config)[0], lora.to_dict(), _with_model(tokenizer, as_strings)) is None
     for merges in (model["merges"][::-1], as_strings["merges"][::-1]):
-        problem = description_mismatch(ckpt, _live(config)[0], lora.to_dict(), _with_model(tokenizer, {**model, "merges": merges}))
+        problem = description_mismatch(
+            ckpt, _live(config)[0], lora.to_dict(), _with_model(tokenizer, {**model, "merges": merges})
+        )
         assert problem and "another tokenizer" in problem, problem
-    assert description_mismatch(tmp_path / "empty", _live(config)[0], lora.to_dict(), _with_model(tokenizer, shuffled)) is None  # another tool's: nothing recorded
+    assert (
+        description_mismatch(tmp_path / "empty", _live(config)[0], lora.to_dict(), _with_model(tokenizer, shuffled))
+        is None
+    )  # another tool's: nothing recorded
 
 
 def _other_tokenizers():
     """(what changed, how to change a fresh copy of the tiny tokenizer's folder, what the line names): every part of
     a tokenizer the vocabulary does not show, each changed alone."""
+
     def edit(name, change):
         def apply(folder: Path) -> None:
             data = json.loads((folder / name).read_text())
             change(data)
             (folder / name).write_text(json.dumps(data))
+
         return apply
 
     yield "normalizer", edit("tokenizer.json", lambda t: t.update(normalizer={"type": "Lowercase"})), "normalizer"
-    yield "pre-tokenizer", edit("tokenizer.json", lambda t: t.update(pre_tokenizer={"type": "Whitespace"})), "pre-tokenizer"
+    yield (
+        "pre-tokenizer",
+        edit("tokenizer.json", lambda t: t.update(pre_tokenizer={"type": "Whitespace"})),
+        "pre-tokenizer",
+    )
     yield "decoder", edit("tokenizer.json", lambda t: t.update(decoder={"type": "Fuse"})), "decoder"
-    yield "an added token", edit("tokenizer.json", lambda t: t["added_tokens"].append({**t["added_tokens"][-1], "id": len(t["model"]["vocab"]) + 50, "content": "<|tool|>"})), "added-tokens"
+    yield (
+        "an added token",
+        edit(
+            "tokenizer.json",
+            lambda t: t["added_tokens"].append(
+                {**t["added_tokens"][-1], "id": len(t["model"]["vocab"]) + 50, "content": "<|tool|>"}
+            ),
+        ),
+        "added-tokens",
+    )
     yield "eos token", edit("tokenizer_config.json", lambda c: c.update(eos_token="<|end|>")), "eos_token"
     yield "pad token", edit("tokenizer_config.json", lambda c: c.update(pad_token="<unk>")), "pad_token"
-    yield "chat template", lambda folder: (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}"), "chat template"
+    yield (
+        "chat template",
+        lambda folder: (folder / "chat_template.jinja").write_text(
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        ),
+        "chat template",
+    )
 
 
 @pytest.mark.parametrize("what,change,named", list(_other_tokenizers()), ids=[w for w, *_ in _other_tokenizers()])
@@ -345,17 +433,39 @@ def test_a_checkpoint_saved_with_another_tokenizer_of_the_same_vocabulary_is_nam
 def test_resuming_a_model_of_the_same_shapes_but_other_heads_stops_before_loading(trained, tmp_path):
     """The launch: half the heads of twice the size (every weight shape the same) and another activation."""
     config = json.loads((TINY / "config.json").read_text())
-    run, proc = resume_with_config(trained, tmp_path, {
-        "num_attention_heads": config["num_attention_heads"] // 2, "num_key_value_heads": max(1, config["num_key_value_heads"] // 2),
-        "head_dim": config["hidden_size"] // (config["num_attention_heads"] // 2), "hidden_act": "gelu"})
+    run, proc = resume_with_config(
+        trained,
+        tmp_path,
+        {
+            "num_attention_heads": config["num_attention_heads"] // 2,
+            "num_key_value_heads": max(1, config["num_key_value_heads"] // 2),
+            "head_dim": config["hidden_size"] // (config["num_attention_heads"] // 2),
+            "hidden_act": "gelu",
+        },
+    )
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-    assert proc.returncode != 0 and len(lines) == 1 and "its config.json differs in" in lines[0] and "hidden_act" in lines[0], proc.stderr[-3000:]
+    assert (
+        proc.returncode != 0
+        and len(lines) == 1
+        and "its config.json differs in" in lines[0]
+        and "hidden_act" in lines[0]
+    ), proc.stderr[-3000:]
     assert not (run / "checkpoint-12").exists()
-    assert (run / "run_args.json").read_bytes() == (trained("accelerate_configs/zero3.yaml").output_dir / "run_args.json").read_bytes()
+    assert (run / "run_args.json").read_bytes() == (
+        trained("accelerate_configs/zero3.yaml").output_dir / "run_args.json"
+    ).read_bytes()
 
 
-ADAMW_GROUP = {"weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-08, "amsgrad": False, "maximize": False,
-               "decoupled_weight_decay": True, "initial_lr": 5e-05, "base_lr": 5e-05}
+ADAMW_GROUP = {
+    "weight_decay": 0.0,
+    "betas": (0.9, 0.999),
+    "eps": 1e-08,
+    "amsgrad": False,
+    "maximize": False,
+    "decoupled_weight_decay": True,
+    "initial_lr": 5e-05,
+    "base_lr": 5e-05,
+}
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -372,19 +482,36 @@ def test_a_changed_optimizer_setting_is_named_never_dropped(seed):
     group, key = rng.randrange(2), rng.choice(sorted(ADAMW_GROUP))
     loaded = [dict(g) for g in asked]
     old = loaded[group][key]
-    loaded[group][key] = (old[0], round(rng.uniform(0.5, 0.89), 3)) if isinstance(old, tuple) else (not old) if isinstance(old, bool) else old * rng.choice([2, 10, 0.5]) + (0.1 if old == 0 else 0)
+    loaded[group][key] = (
+        (old[0], round(rng.uniform(0.5, 0.89), 3))
+        if isinstance(old, tuple)
+        else (not old)
+        if isinstance(old, bool)
+        else old * rng.choice([2, 10, 0.5]) + (0.1 if old == 0 else 0)
+    )
     problem = overridden_settings(asked, loaded, "checkpoint-6")
-    flag = {"initial_lr": "--learning_rate", "base_lr": "--learning_rate", "weight_decay": "--weight_decay", "betas": "--adam_beta1/--adam_beta2",
-            "eps": "--adam_epsilon"}.get(key, key)
-    assert problem and flag in problem and "checkpoint-6 was trained with" in problem and f"param group {group}" in problem, (key, problem)
+    flag = {
+        "initial_lr": "--learning_rate",
+        "base_lr": "--learning_rate",
+        "weight_decay": "--weight_decay",
+        "betas": "--adam_beta1/--adam_beta2",
+        "eps": "--adam_epsilon",
+    }.get(key, key)
+    assert (
+        problem and flag in problem and "checkpoint-6 was trained with" in problem and f"param group {group}" in problem
+    ), (key, problem)
 
     class Optimizer:  # the scheduled lr and how torch computes (foreach, fused) are no settings
-        param_groups = [dict(ADAMW_GROUP, params=[], lr=1e-7, foreach=True, fused=None, capturable=False, differentiable=False)]
+        param_groups = [
+            dict(ADAMW_GROUP, params=[], lr=1e-7, foreach=True, fused=None, capturable=False, differentiable=False)
+        ]
 
     class Scheduler:
         base_lrs = [5e-05]
 
-    as_saved = [dict(g, betas=list(g["betas"])) for g in asked]  # (hostile review) torch.save gives the betas back as a list
+    as_saved = [
+        dict(g, betas=list(g["betas"])) for g in asked
+    ]  # (hostile review) torch.save gives the betas back as a list
     assert overridden_settings(asked, as_saved, "checkpoint-6") is None
     settings = optimizer_settings(Optimizer, Scheduler)
     assert settings == [ADAMW_GROUP]
@@ -399,10 +526,23 @@ def test_resuming_with_another_learning_rate_stops_before_the_first_step(trained
     run, source = tmp_path / "run", trained(config).output_dir
     shutil.copytree(source / "checkpoint-6", run / "checkpoint-6")
     trained_with = json.loads((source / "run_args.json").read_text())["training"]["learning_rate"]
-    proc = launch(config, *QUICK, "--output_dir", str(run), "--learning_rate", str(trained_with / 3), "--resume_from_checkpoint", "true", check=False)
+    proc = launch(
+        config,
+        *QUICK,
+        "--output_dir",
+        str(run),
+        "--learning_rate",
+        str(trained_with / 3),
+        "--resume_from_checkpoint",
+        "true",
+        check=False,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
-    assert f"--learning_rate is {trained_with / 3} in this run, but checkpoint-6 was trained with {trained_with}" in lines[0], lines[0]
+    assert (
+        f"--learning_rate is {trained_with / 3} in this run, but checkpoint-6 was trained with {trained_with}"
+        in lines[0]
+    ), lines[0]
     assert not (run / "checkpoint-12").exists() and not (run / "model").exists()
 
 
@@ -411,11 +551,23 @@ def test_resuming_with_another_optimizer_is_one_line(trained, tmp_path):
     'Missing key in checkpoint state_dict: optimizer.param_groups.0.momentum'."""
     run = tmp_path / "run"
     shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
-    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(run), "--optim", "sgd", "--resume_from_checkpoint", "true", check=False)
+    proc = launch(
+        "accelerate_configs/zero3.yaml",
+        *QUICK,
+        "--output_dir",
+        str(run),
+        "--optim",
+        "sgd",
+        "--resume_from_checkpoint",
+        "true",
+        check=False,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
     assert "checkpoint-6's optimizer state does not fit this run's optimizer (--optim sgd" in lines[0], lines[0]
-    assert "[rank" not in proc.stderr and not (run / "checkpoint-12").exists()  # no traceback of a rank (the launcher's report is its own)
+    assert (
+        "[rank" not in proc.stderr and not (run / "checkpoint-12").exists()
+    )  # no traceback of a rank (the launcher's report is its own)
 
 
 DTYPES = ["float64", "float32", "bfloat16", "float16"]
@@ -433,16 +585,26 @@ def test_a_weight_loaded_into_a_narrower_dtype_is_named(tmp_path, saved, live, f
     from fsdp_recipes.ckpt.model_match import dtype_mismatch
 
     ckpt = tmp_path / "checkpoint-6"
-    state = {"model.embed.weight": torch.zeros(4, 2, dtype=getattr(torch, saved)), "model.norm.weight": torch.ones(2, dtype=getattr(torch, saved))}
+    state = {
+        "model.embed.weight": torch.zeros(4, 2, dtype=getattr(torch, saved)),
+        "model.norm.weight": torch.ones(2, dtype=getattr(torch, saved)),
+    }
     dcp.save({"model": state}, checkpoint_id=ckpt / "pytorch_model_fsdp_0", no_dist=True)
-    names = ["_fsdp_wrapped_module._flat_param"] if flat else ["model._fsdp_wrapped_module.embed.weight", "model.norm.weight"]
-    said = dtype_mismatch(ckpt, {name: live for name in names})
+    names = (
+        ["_fsdp_wrapped_module._flat_param"]
+        if flat
+        else ["model._fsdp_wrapped_module.embed.weight", "model.norm.weight"]
+    )
+    said = dtype_mismatch(ckpt, dict.fromkeys(names, live))
     if saved == live or saved in WIDER_THAN.get(live, ()):
         assert said is None, said
     else:
         assert said is not None and f"holds {saved} weights and this run's parameters are {live}" in said, said
         assert f"resume with --dtype {saved}" in said
-    other = {"model.norm.weight": live, "lm_head.weight": "float32"}  # names on both sides, and one the checkpoint lacks
+    other = {
+        "model.norm.weight": live,
+        "lm_head.weight": "float32",
+    }  # names on both sides, and one the checkpoint lacks
     assert (dtype_mismatch(ckpt, other) is None) == (saved == live or saved in WIDER_THAN.get(live, ()))
 
 
@@ -452,7 +614,9 @@ def test_resuming_an_fp32_run_in_bf16_stops_before_the_first_step(trained, tmp_p
     Adam state to bf16 without a word (both FSDP versions: here mixed precision is off, the parameters are bf16)."""
     run = tmp_path / "run"
     shutil.copytree(trained(config).output_dir / "checkpoint-6", run / "checkpoint-6")
-    proc = launch(config, *QUICK, "--output_dir", str(run), "--dtype", "bfloat16", "--resume_from_checkpoint", "true", check=False)
+    proc = launch(
+        config, *QUICK, "--output_dir", str(run), "--dtype", "bfloat16", "--resume_from_checkpoint", "true", check=False
+    )
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
     assert "checkpoint-6 holds float32 weights and this run's parameters are bfloat16" in lines[0], lines[0]
@@ -469,5 +633,11 @@ def test_a_bf16_models_resume_under_mixed_precision_is_not_refused(tmp_path):
     from fsdp_recipes.ckpt.dcp import read_layout
 
     assert {t.dtype for t in read_layout(run / "checkpoint-2" / "pytorch_model_fsdp_0").tensors.values()} == {"float32"}
-    launch("accelerate_configs/zero3.yaml", *quick(max_steps="4", save_steps="2"), *args, "--resume_from_checkpoint", "true")
+    launch(
+        "accelerate_configs/zero3.yaml",
+        *quick(max_steps="4", save_steps="2"),
+        *args,
+        "--resume_from_checkpoint",
+        "true",
+    )
     assert (run / "checkpoint-4").is_dir() and (run / "model").is_dir()

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run
+
 from fsdp_recipes.ckpt.resume import check_output_dir, resolve_resume
 from fsdp_recipes.ckpt.status import checkpoint_status
 from fsdp_recipes.config.plan import Plan
@@ -41,11 +41,26 @@ def truncate(path: Path) -> None:
 
 # how to damage checkpoint-12, and the problem the validator must name
 DAMAGE = {
-    "truncated model shard": (lambda c: truncate(c / "pytorch_model_fsdp_0" / "__1_0.distcp"), "truncated pytorch_model_fsdp_0/__1_0.distcp"),
-    "missing model metadata": (lambda c: (c / "pytorch_model_fsdp_0" / ".metadata").unlink(), "missing pytorch_model_fsdp_0/.metadata"),
-    "missing optimizer shard": (lambda c: (c / "optimizer_0" / "__0_0.distcp").unlink(), "missing optimizer_0/__0_0.distcp"),
-    "missing optimizer metadata": (lambda c: (c / "optimizer_0" / ".metadata").unlink(), "missing optimizer_0/.metadata"),
-    "truncated optimizer metadata": (lambda c: truncate(c / "optimizer_0" / ".metadata"), "unreadable optimizer_0/.metadata"),
+    "truncated model shard": (
+        lambda c: truncate(c / "pytorch_model_fsdp_0" / "__1_0.distcp"),
+        "truncated pytorch_model_fsdp_0/__1_0.distcp",
+    ),
+    "missing model metadata": (
+        lambda c: (c / "pytorch_model_fsdp_0" / ".metadata").unlink(),
+        "missing pytorch_model_fsdp_0/.metadata",
+    ),
+    "missing optimizer shard": (
+        lambda c: (c / "optimizer_0" / "__0_0.distcp").unlink(),
+        "missing optimizer_0/__0_0.distcp",
+    ),
+    "missing optimizer metadata": (
+        lambda c: (c / "optimizer_0" / ".metadata").unlink(),
+        "missing optimizer_0/.metadata",
+    ),
+    "truncated optimizer metadata": (
+        lambda c: truncate(c / "optimizer_0" / ".metadata"),
+        "unreadable optimizer_0/.metadata",
+    ),
     "missing trainer state": (lambda c: (c / "trainer_state.json").unlink(), "missing trainer_state.json"),
     "missing rank-1 RNG state": (lambda c: (c / "rng_state_1.pth").unlink(), "missing rng_state_1.pth"),
     "truncated scheduler": (lambda c: truncate(c / "scheduler.pt"), "truncated or unreadable scheduler.pt"),
@@ -57,7 +72,11 @@ def test_complete_checkpoint_reports_what_it_holds(run_dir):
     status = checkpoint_status(run_dir / "checkpoint-12")
     assert status.resumable, status.problems
     assert (status.step, status.fsdp_version, status.sharding_strategy, status.world_size, status.state_dict_type) == (
-        12, 2, "FULL_SHARD", 2, "SHARDED_STATE_DICT"
+        12,
+        2,
+        "FULL_SHARD",
+        2,
+        "SHARDED_STATE_DICT",
     )
     # world size is also found without our fsdp_report.json (checkpoints other scripts wrote): from the shards
     (run_dir / "checkpoint-12" / "fsdp_report.json").unlink()
@@ -76,7 +95,9 @@ def test_damaged_newest_checkpoint_is_named_skipped_and_set_aside(run_dir, damag
     assert resume.path == str(run_dir / "checkpoint-6") and (run_dir / "checkpoint-12").is_dir()
     preflight.carry_out(Plan(set_aside=resume.set_aside))
     err = capsys.readouterr().err
-    assert "skipping checkpoint-12" in err and problem in err and "moved checkpoint-12 to incomplete-checkpoint-12" in err
+    assert (
+        "skipping checkpoint-12" in err and problem in err and "moved checkpoint-12 to incomplete-checkpoint-12" in err
+    )
     assert not (run_dir / "checkpoint-12").exists() and (run_dir / "incomplete-checkpoint-12").is_dir()
 
 
@@ -95,7 +116,9 @@ def test_explicit_incomplete_checkpoint_is_refused_with_the_alternative(run_dir)
 def test_no_complete_checkpoint_is_a_clear_error(run_dir):
     for step in (6, 12):
         (run_dir / f"checkpoint-{step}" / "trainer_state.json").unlink()
-    with pytest.raises(RecipeError, match="no complete checkpoint-N folder .* \\(incomplete: checkpoint-12, checkpoint-6\\)"):
+    with pytest.raises(
+        RecipeError, match="no complete checkpoint-N folder .* \\(incomplete: checkpoint-12, checkpoint-6\\)"
+    ):
         resolve_resume("true", str(run_dir))
 
 
@@ -141,7 +164,11 @@ def test_cli_one_checkpoint_a_run_and_json(run_dir):
     assert [c["resumable"] for c in report["checkpoints"]] == [False, True]
     assert (run_dir / "checkpoint-12").is_dir()  # the tool only looks
     proc = run(["python", TOOL, str(run_dir / "nope")])
-    assert proc.returncode == 1 and proc.stderr.startswith("check_checkpoint.py: error: ") and "is not a folder" in proc.stderr
+    assert (
+        proc.returncode == 1
+        and proc.stderr.startswith("check_checkpoint.py: error: ")
+        and "is not a folder" in proc.stderr
+    )
     assert "--json" in run(["python", TOOL, "--help"]).stdout
 
 
@@ -152,9 +179,8 @@ def test_fsdp1_full_state_dict_resumes_exactly_or_not_at_all(tmp_path):
     and the resume is refused in one line naming the fix; with use_orig_params false a run resumes to the same bits.
     A LoRA checkpoint's model card (peft's README.md, saved under FULL_STATE_DICT) does not stop the rotation."""
     import torch
-    from safetensors.torch import load_file
-
     from conftest import launch
+    from safetensors.torch import load_file
 
     config, no_orig = "accelerate_configs/fsdp1/zero3.yaml", (*FULL, "--fsdp_use_orig_params", "false")
     args = ["--max_steps", "4", "--save_steps", "3", "--logging_steps", "1"]
@@ -167,11 +193,26 @@ def test_fsdp1_full_state_dict_resumes_exactly_or_not_at_all(tmp_path):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
     lora = tmp_path / "lora"
-    lora_args = ["recipes/tiny-llama/lora_sft.yaml", "--save_steps", "1", "--save_total_limit", "1", "--output_dir", str(lora)]
+    lora_args = [
+        "recipes/tiny-llama/lora_sft.yaml",
+        "--save_steps",
+        "1",
+        "--save_total_limit",
+        "1",
+        "--output_dir",
+        str(lora),
+    ]
     done = launch(config, *lora_args, "--max_steps", "3", launch_args=FULL)
     assert "writes checkpoints that do not resume exactly" in done.stdout + done.stderr
-    assert sorted(p.name for p in lora.glob("checkpoint-*")) == ["checkpoint-3"] and "not a checkpoint holding nothing else" not in done.stdout + done.stderr
+    assert (
+        sorted(p.name for p in lora.glob("checkpoint-*")) == ["checkpoint-3"]
+        and "not a checkpoint holding nothing else" not in done.stdout + done.stderr
+    )
     assert (lora / "checkpoint-3" / "README.md").is_file()  # peft's model card: the reason it is a checkpoint's file
-    refused = launch(config, *lora_args, "--max_steps", "5", "--resume_from_checkpoint", "true", launch_args=FULL, check=False)
-    assert refused.returncode != 0 and "FSDP1 with fsdp_use_orig_params: true does not resume exactly" in refused.stderr, refused.stderr[-2000:]
+    refused = launch(
+        config, *lora_args, "--max_steps", "5", "--resume_from_checkpoint", "true", launch_args=FULL, check=False
+    )
+    assert (
+        refused.returncode != 0 and "FSDP1 with fsdp_use_orig_params: true does not resume exactly" in refused.stderr
+    ), refused.stderr[-2000:]
     assert "SHARDED_STATE_DICT" in refused.stderr and not (lora / "checkpoint-4").exists()

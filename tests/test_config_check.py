@@ -6,8 +6,8 @@ import json
 
 import pytest
 import yaml
+from conftest import ALL_CONFIGS, REPO, elastic_root_cause, free_port, run
 
-from conftest import ALL_CONFIGS, REPO, free_port, run
 from fsdp_recipes.config.accelerate_config import check_config, check_settings, errors
 
 RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml"))
@@ -35,50 +35,371 @@ def variant(base: dict, drop=(), **changes) -> dict:
     return cfg
 
 
-LARGE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
-         "num_hidden_layers": 32, "num_attention_heads": 32, "vocab_size": 32000}
+LARGE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "vocab_size": 32000,
+}
 
 # (case, config, recipe, model, level, key, text in the message or fix)
 CASES = [
-    ("typo top-level key", {**FSDP2, "mixed_precison": "bf16"}, {}, None, "error", "mixed_precison", "did you mean mixed_precision?"),
-    ("typo fsdp key", variant(FSDP1, fsdp_sharding_stratgy="FULL_SHARD"), {}, None, "error", "fsdp_config.fsdp_sharding_stratgy", "did you mean fsdp_sharding_strategy?"),
-    ("unknown parallelism key", {**FSDP2, "parallelism_config": {"parallelism_config_dp_shrad_size": 2}}, {}, None, "error", "parallelism_config.parallelism_config_dp_shrad_size", "did you mean parallelism_config_dp_shard_size?"),
-    ("bad strategy name", variant(FSDP1, fsdp_sharding_strategy="FULL_SHARDED"), {}, None, "error", "fsdp_config.fsdp_sharding_strategy", "did you mean FULL_SHARD?"),
-    ("legacy integer strategy", variant(FSDP1, fsdp_sharding_strategy=2), {}, None, "warning", "fsdp_config.fsdp_sharding_strategy", "legacy integer 2 means SHARD_GRAD_OP"),
-    ("integer strategy out of range", variant(FSDP1, fsdp_sharding_strategy=9), {}, None, "error", "fsdp_config.fsdp_sharding_strategy", "integer 9 is not 1-5"),
-    ("bad prefetch", variant(FSDP1, fsdp_backward_prefetch="BACKWARDS_PRE"), {}, None, "error", "fsdp_config.fsdp_backward_prefetch", "is not one of BACKWARD_PRE"),
-    ("bad state dict type", variant(FSDP2, fsdp_state_dict_type="SHARDED"), {}, None, "error", "fsdp_config.fsdp_state_dict_type", "did you mean SHARDED_STATE_DICT?"),
-    ("LOCAL_STATE_DICT under FSDP2", variant(FSDP2, fsdp_state_dict_type="LOCAL_STATE_DICT"), {}, None, "error", "fsdp_config.fsdp_state_dict_type", "does not exist in FSDP2"),
-    ("bad mixed precision", {**FSDP2, "mixed_precision": "bfloat16"}, {}, None, "error", "mixed_precision", "is not one of no, fp16, bf16, fp8"),
-    ("bad boolean", variant(FSDP2, fsdp_offload_params="yes"), {}, None, "error", "fsdp_config.fsdp_offload_params", "is not true or false"),
-    ("number as words", variant(FSDP2, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params="ten million", drop=("fsdp_transformer_layer_cls_to_wrap",)), {}, None, "error", "fsdp_config.fsdp_min_num_params", "'ten million' is not a non-negative integer"),
-    ("missing fsdp_version", variant(FSDP2, drop=("fsdp_version",)), {}, None, "error", "fsdp_config.fsdp_version", "defaults to FSDP1"),
-    ("FSDP1 key under version 2", variant(FSDP2, fsdp_sharding_strategy="FULL_SHARD"), {}, None, "error", "fsdp_config.fsdp_sharding_strategy", "FSDP1 setting; fsdp_version: 2 ignores it"),
-    ("FSDP2 key under version 1", variant(FSDP1, fsdp_reshard_after_forward=True), {}, None, "error", "fsdp_config.fsdp_reshard_after_forward", "FSDP2 setting under fsdp_version: 1"),
-    ("ram-efficient loading without sync", variant(FSDP1, fsdp_sync_module_states=False), {}, None, "error", "fsdp_config.fsdp_cpu_ram_efficient_loading", "needs fsdp_sync_module_states: true"),
-    ("double activation checkpointing", variant(FSDP2, fsdp_activation_checkpointing=True), {"gradient_checkpointing": True}, None, "error", "gradient_checkpointing", "checkpointed twice"),
-    ("bf16 master weights and optimizer state", FSDP2, {"dtype": "bfloat16"}, None, "warning", "dtype", "keeps the master weights and the optimizer state in 16 bits"),
-    ("QLoRA uint8 storage under FSDP2", FSDP2, {"load_in_4bit": True, "bnb_4bit_quant_storage": "uint8", "dtype": "bfloat16"}, None, "error", "bnb_4bit_quant_storage", "uint8 storage under FSDP2"),
-    ("QLoRA storage unlike the other parameters", FSDP1, {"load_in_4bit": True, "bnb_4bit_quant_storage": "float16", "dtype": "bfloat16"}, None, "error", "bnb_4bit_quant_storage", "float16 differs from the other parameters' dtype bfloat16"),
-    ("an optimizer that cannot step DTensors under FSDP2", FSDP2, {"optim": "adafactor"}, None, "error", "optim", "cannot step FSDP2's sharded (DTensor) parameters"),
-    ("save_only_model (its checkpoints cannot resume a run)", FSDP2, {"save_only_model": True}, None, "error", "save_only_model", "so they cannot resume a run"),
-    ("wrap class the model lacks", variant(FSDP2, fsdp_transformer_layer_cls_to_wrap="GPT2Block"), {}, TINY, "error", "fsdp_config.fsdp_transformer_layer_cls_to_wrap", "use LlamaDecoderLayer"),
-    ("processes do not split over machines", {**FSDP2, "num_processes": 3, "num_machines": 2}, {}, None, "error", "num_processes", "do not split evenly over 2 machines"),
-    ("machine rank out of range", {**FSDP2, "num_processes": 4, "num_machines": 2, "machine_rank": 2}, {}, None, "error", "machine_rank", "is not in 0..1"),
-    ("HSDP mesh does not fit", {**FSDP2, "num_processes": 8, "num_machines": 2, "parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}}, {}, None, "error", "parallelism_config", "is not num_processes 8"),
-    ("FSDP1 HYBRID_SHARD on one machine", variant(FSDP1, fsdp_sharding_strategy="HYBRID_SHARD"), {}, None, "warning", "fsdp_config.fsdp_sharding_strategy", "behaves as FULL_SHARD"),
-    ("FSDP1 HYBRID_SHARD_ZERO2 on one machine", variant(FSDP1, fsdp_sharding_strategy="HYBRID_SHARD_ZERO2"), {}, None, "warning", "fsdp_config.fsdp_sharding_strategy", "behaves as SHARD_GRAD_OP"),
-    ("FSDP1 HYBRID_SHARD with one process per machine", variant(FSDP1, fsdp_sharding_strategy="HYBRID_SHARD", num_processes=4, num_machines=4), {}, None, "error", "fsdp_config.fsdp_sharding_strategy", "would train every machine alone"),
-    ("distributed type not FSDP", {**FSDP2, "distributed_type": "MULTI_GPU"}, {}, None, "error", "distributed_type", "carries fsdp_config, which is then ignored"),
-    ("mixed precision in two places", FSDP2, {"fp16": True}, None, "error", "fp16", "disagrees with the accelerate config's mixed_precision: bf16"),
-    ("cpu_bf16 without bf16", {**FSDP2, "mixed_precision": "no"}, {"cpu_bf16": True}, None, "error", "cpu_bf16", "keeps bf16 mixed precision on a CPU without native bf16, and mixed_precision is no"),
-    ("offload costs", variant(FSDP2, fsdp_offload_params=True), {}, None, "warning", "fsdp_config.fsdp_offload_params", "several times slower"),
-    ("BACKWARD_POST", variant(FSDP1, fsdp_backward_prefetch="BACKWARD_POST"), {}, None, "warning", "fsdp_config.fsdp_backward_prefetch", "overlaps less"),
+    (
+        "typo top-level key",
+        {**FSDP2, "mixed_precison": "bf16"},
+        {},
+        None,
+        "error",
+        "mixed_precison",
+        "did you mean mixed_precision?",
+    ),
+    (
+        "typo fsdp key",
+        variant(FSDP1, fsdp_sharding_stratgy="FULL_SHARD"),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_sharding_stratgy",
+        "did you mean fsdp_sharding_strategy?",
+    ),
+    (
+        "unknown parallelism key",
+        {**FSDP2, "parallelism_config": {"parallelism_config_dp_shrad_size": 2}},
+        {},
+        None,
+        "error",
+        "parallelism_config.parallelism_config_dp_shrad_size",
+        "did you mean parallelism_config_dp_shard_size?",
+    ),
+    (
+        "bad strategy name",
+        variant(FSDP1, fsdp_sharding_strategy="FULL_SHARDED"),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_sharding_strategy",
+        "did you mean FULL_SHARD?",
+    ),
+    (
+        "legacy integer strategy",
+        variant(FSDP1, fsdp_sharding_strategy=2),
+        {},
+        None,
+        "warning",
+        "fsdp_config.fsdp_sharding_strategy",
+        "legacy integer 2 means SHARD_GRAD_OP",
+    ),
+    (
+        "integer strategy out of range",
+        variant(FSDP1, fsdp_sharding_strategy=9),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_sharding_strategy",
+        "integer 9 is not 1-5",
+    ),
+    (
+        "bad prefetch",
+        variant(FSDP1, fsdp_backward_prefetch="BACKWARDS_PRE"),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_backward_prefetch",
+        "is not one of BACKWARD_PRE",
+    ),
+    (
+        "bad state dict type",
+        variant(FSDP2, fsdp_state_dict_type="SHARDED"),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_state_dict_type",
+        "did you mean SHARDED_STATE_DICT?",
+    ),
+    (
+        "LOCAL_STATE_DICT under FSDP2",
+        variant(FSDP2, fsdp_state_dict_type="LOCAL_STATE_DICT"),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_state_dict_type",
+        "does not exist in FSDP2",
+    ),
+    (
+        "bad mixed precision",
+        {**FSDP2, "mixed_precision": "bfloat16"},
+        {},
+        None,
+        "error",
+        "mixed_precision",
+        "is not one of no, fp16, bf16, fp8",
+    ),
+    (
+        "bad boolean",
+        variant(FSDP2, fsdp_offload_params="yes"),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_offload_params",
+        "is not true or false",
+    ),
+    (
+        "number as words",
+        variant(
+            FSDP2,
+            fsdp_auto_wrap_policy="SIZE_BASED_WRAP",
+            fsdp_min_num_params="ten million",
+            drop=("fsdp_transformer_layer_cls_to_wrap",),
+        ),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_min_num_params",
+        "'ten million' is not a non-negative integer",
+    ),
+    (
+        "missing fsdp_version",
+        variant(FSDP2, drop=("fsdp_version",)),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_version",
+        "defaults to FSDP1",
+    ),
+    (
+        "FSDP1 key under version 2",
+        variant(FSDP2, fsdp_sharding_strategy="FULL_SHARD"),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_sharding_strategy",
+        "FSDP1 setting; fsdp_version: 2 ignores it",
+    ),
+    (
+        "FSDP2 key under version 1",
+        variant(FSDP1, fsdp_reshard_after_forward=True),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_reshard_after_forward",
+        "FSDP2 setting under fsdp_version: 1",
+    ),
+    (
+        "ram-efficient loading without sync",
+        variant(FSDP1, fsdp_sync_module_states=False),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_cpu_ram_efficient_loading",
+        "needs fsdp_sync_module_states: true",
+    ),
+    (
+        "double activation checkpointing",
+        variant(FSDP2, fsdp_activation_checkpointing=True),
+        {"gradient_checkpointing": True},
+        None,
+        "error",
+        "gradient_checkpointing",
+        "checkpointed twice",
+    ),
+    (
+        "bf16 master weights and optimizer state",
+        FSDP2,
+        {"dtype": "bfloat16"},
+        None,
+        "warning",
+        "dtype",
+        "keeps the master weights and the optimizer state in 16 bits",
+    ),
+    (
+        "QLoRA uint8 storage under FSDP2",
+        FSDP2,
+        {"load_in_4bit": True, "bnb_4bit_quant_storage": "uint8", "dtype": "bfloat16"},
+        None,
+        "error",
+        "bnb_4bit_quant_storage",
+        "uint8 storage under FSDP2",
+    ),
+    (
+        "QLoRA storage unlike the other parameters",
+        FSDP1,
+        {"load_in_4bit": True, "bnb_4bit_quant_storage": "float16", "dtype": "bfloat16"},
+        None,
+        "error",
+        "bnb_4bit_quant_storage",
+        "float16 differs from the other parameters' dtype bfloat16",
+    ),
+    (
+        "an optimizer that cannot step DTensors under FSDP2",
+        FSDP2,
+        {"optim": "adafactor"},
+        None,
+        "error",
+        "optim",
+        "cannot step FSDP2's sharded (DTensor) parameters",
+    ),
+    (
+        "save_only_model (its checkpoints cannot resume a run)",
+        FSDP2,
+        {"save_only_model": True},
+        None,
+        "error",
+        "save_only_model",
+        "so they cannot resume a run",
+    ),
+    (
+        "wrap class the model lacks",
+        variant(FSDP2, fsdp_transformer_layer_cls_to_wrap="GPT2Block"),
+        {},
+        TINY,
+        "error",
+        "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+        "use LlamaDecoderLayer",
+    ),
+    (
+        "processes do not split over machines",
+        {**FSDP2, "num_processes": 3, "num_machines": 2},
+        {},
+        None,
+        "error",
+        "num_processes",
+        "do not split evenly over 2 machines",
+    ),
+    (
+        "machine rank out of range",
+        {**FSDP2, "num_processes": 4, "num_machines": 2, "machine_rank": 2},
+        {},
+        None,
+        "error",
+        "machine_rank",
+        "is not in 0..1",
+    ),
+    (
+        "HSDP mesh does not fit",
+        {
+            **FSDP2,
+            "num_processes": 8,
+            "num_machines": 2,
+            "parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2},
+        },
+        {},
+        None,
+        "error",
+        "parallelism_config",
+        "is not num_processes 8",
+    ),
+    (
+        "FSDP1 HYBRID_SHARD on one machine",
+        variant(FSDP1, fsdp_sharding_strategy="HYBRID_SHARD"),
+        {},
+        None,
+        "warning",
+        "fsdp_config.fsdp_sharding_strategy",
+        "behaves as FULL_SHARD",
+    ),
+    (
+        "FSDP1 HYBRID_SHARD_ZERO2 on one machine",
+        variant(FSDP1, fsdp_sharding_strategy="HYBRID_SHARD_ZERO2"),
+        {},
+        None,
+        "warning",
+        "fsdp_config.fsdp_sharding_strategy",
+        "behaves as SHARD_GRAD_OP",
+    ),
+    (
+        "FSDP1 HYBRID_SHARD with one process per machine",
+        variant(FSDP1, fsdp_sharding_strategy="HYBRID_SHARD", num_processes=4, num_machines=4),
+        {},
+        None,
+        "error",
+        "fsdp_config.fsdp_sharding_strategy",
+        "would train every machine alone",
+    ),
+    (
+        "distributed type not FSDP",
+        {**FSDP2, "distributed_type": "MULTI_GPU"},
+        {},
+        None,
+        "error",
+        "distributed_type",
+        "carries fsdp_config, which is then ignored",
+    ),
+    (
+        "mixed precision in two places",
+        FSDP2,
+        {"fp16": True},
+        None,
+        "error",
+        "fp16",
+        "disagrees with the accelerate config's mixed_precision: bf16",
+    ),
+    (
+        "cpu_bf16 without bf16",
+        {**FSDP2, "mixed_precision": "no"},
+        {"cpu_bf16": True},
+        None,
+        "error",
+        "cpu_bf16",
+        "keeps bf16 mixed precision on a CPU without native bf16, and mixed_precision is no",
+    ),
+    (
+        "offload costs",
+        variant(FSDP2, fsdp_offload_params=True),
+        {},
+        None,
+        "warning",
+        "fsdp_config.fsdp_offload_params",
+        "several times slower",
+    ),
+    (
+        "BACKWARD_POST",
+        variant(FSDP1, fsdp_backward_prefetch="BACKWARD_POST"),
+        {},
+        None,
+        "warning",
+        "fsdp_config.fsdp_backward_prefetch",
+        "overlaps less",
+    ),
     ("fp16", {**FSDP2, "mixed_precision": "fp16"}, {}, None, "warning", "mixed_precision", "fp16 with FSDP"),
-    ("ignored key", variant(FSDP2, fsdp_min_num_params=1000), {}, None, "warning", "fsdp_config.fsdp_min_num_params", "ignored: the wrap policy is TRANSFORMER_BASED_WRAP"),
-    ("FSDP1 FULL_STATE_DICT with use_orig_params", variant(FSDP1, fsdp_state_dict_type="FULL_STATE_DICT"), {}, None, "warning", "fsdp_config.fsdp_state_dict_type", "do not resume exactly"),
-    ("FSDP1 without a state-dict type (accelerate's default: FULL)", variant(FSDP1, drop=("fsdp_state_dict_type",)), {}, None, "warning", "fsdp_config.fsdp_state_dict_type", "do not resume exactly"),
-    ("FULL_STATE_DICT on a large model", variant(FSDP2, fsdp_state_dict_type="FULL_STATE_DICT"), {}, "LARGE", "warning", "fsdp_config.fsdp_state_dict_type", "gathers all 6.7B parameters"),
+    (
+        "ignored key",
+        variant(FSDP2, fsdp_min_num_params=1000),
+        {},
+        None,
+        "warning",
+        "fsdp_config.fsdp_min_num_params",
+        "ignored: the wrap policy is TRANSFORMER_BASED_WRAP",
+    ),
+    (
+        "FSDP1 FULL_STATE_DICT with use_orig_params",
+        variant(FSDP1, fsdp_state_dict_type="FULL_STATE_DICT"),
+        {},
+        None,
+        "warning",
+        "fsdp_config.fsdp_state_dict_type",
+        "do not resume exactly",
+    ),
+    (
+        "FSDP1 without a state-dict type (accelerate's default: FULL)",
+        variant(FSDP1, drop=("fsdp_state_dict_type",)),
+        {},
+        None,
+        "warning",
+        "fsdp_config.fsdp_state_dict_type",
+        "do not resume exactly",
+    ),
+    (
+        "FULL_STATE_DICT on a large model",
+        variant(FSDP2, fsdp_state_dict_type="FULL_STATE_DICT"),
+        {},
+        "LARGE",
+        "warning",
+        "fsdp_config.fsdp_state_dict_type",
+        "gathers all 6.7B parameters",
+    ),
 ]
 
 
@@ -118,24 +439,51 @@ def test_launch_flags_override_the_file_and_are_named_in_the_problem(tmp_path, m
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     config = tmp_path / "zero3.yaml"
     config.write_text(yaml.safe_dump(FSDP2))
-    settings = launcher.from_launch_args(["--config_file", "zero3.yaml", "--num_processes", "3", "--num_machines", "2", "--fsdp_reshard_after_forward", "false", "train_fsdp.py"], tmp_path)
+    settings = launcher.from_launch_args(
+        [
+            "--config_file",
+            "zero3.yaml",
+            "--num_processes",
+            "3",
+            "--num_machines",
+            "2",
+            "--fsdp_reshard_after_forward",
+            "false",
+            "train_fsdp.py",
+        ],
+        tmp_path,
+    )
     assert settings.config_file == config and settings.config["fsdp_config"]["fsdp_reshard_after_forward"] == "false"
-    assert settings.config["fsdp_config"]["fsdp_version"] == FSDP2["fsdp_config"]["fsdp_version"]  # the file's, untouched
+    assert (
+        settings.config["fsdp_config"]["fsdp_version"] == FSDP2["fsdp_config"]["fsdp_version"]
+    )  # the file's, untouched
     problems = errors(launcher.check(settings, {}, None))
     assert [(p.file, p.key) for p in problems] == [("accelerate launch", "--num_processes")], problems
     assert "3 processes do not split evenly over 2 machines" in problems[0].message
-    assert settings.describe() == f"{config} + accelerate launch (--fsdp_reshard_after_forward, --num_machines, --num_processes)"
+    assert (
+        settings.describe()
+        == f"{config} + accelerate launch (--fsdp_reshard_after_forward, --num_machines, --num_processes)"
+    )
 
-    ignored = launcher.from_launch_args(["--config_file", str(config), "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "x.py"], tmp_path)
+    ignored = launcher.from_launch_args(
+        ["--config_file", str(config), "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "x.py"], tmp_path
+    )
     [problem] = errors(launcher.check(ignored, {}, None))  # FSDP2 would silently keep FULL_SHARD
-    assert (problem.key, problem.message) == ("--fsdp_sharding_strategy", "is an FSDP1 setting; fsdp_version: 2 ignores it")
+    assert (problem.key, problem.message) == (
+        "--fsdp_sharding_strategy",
+        "is an FSDP1 setting; fsdp_version: 2 ignores it",
+    )
 
     default = tmp_path / "hf" / "accelerate" / "default_config.yaml"  # `accelerate launch x.py`, no --config_file
     default.parent.mkdir(parents=True)
     default.write_text(yaml.safe_dump(variant(FSDP2, fsdp_offload_param=True)))
     settings = launcher.from_launch_args(["x.py"], tmp_path)
     [problem] = errors(launcher.check(settings, {}, None))
-    assert (settings.config_file, problem.file, problem.key) == (default, str(default), "fsdp_config.fsdp_offload_param")
+    assert (settings.config_file, problem.file, problem.key) == (
+        default,
+        str(default),
+        "fsdp_config.fsdp_offload_param",
+    )
 
     default.unlink()  # flags only: accelerate's defaults, and the missing fsdp_version named as the flag to add
     settings = launcher.from_launch_args(["--use_fsdp", "--num_processes", "2", "x.py"], tmp_path)
@@ -148,8 +496,15 @@ def test_fsdp_variables_of_other_launchers_are_checked():
     Under accelerate launch (which writes every variable with defaults) its command line is read instead."""
     from fsdp_recipes.config import launcher
 
-    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-           "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
+    env = {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    }
     settings = launcher.from_environment(env)
     assert settings.config["num_processes"] == 4 and settings.config["num_machines"] == 2
     assert settings.config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
@@ -157,8 +512,12 @@ def test_fsdp_variables_of_other_launchers_are_checked():
     assert [(p.file, p.key) for p in problems] == [("environment", "FSDP_SHARDING_STRATEGY")], problems
     fixed = {k: v for k, v in env.items() if k != "FSDP_SHARDING_STRATEGY"}
     assert not errors(launcher.check(launcher.from_environment(fixed), {}, TINY))
-    wrong_class = launcher.check(launcher.from_environment({**fixed, "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block"}), {}, TINY)
-    assert [(p.file, p.key) for p in errors(wrong_class)] == [("environment", "FSDP_TRANSFORMER_CLS_TO_WRAP")], wrong_class
+    wrong_class = launcher.check(
+        launcher.from_environment({**fixed, "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block"}), {}, TINY
+    )
+    assert [(p.file, p.key) for p in errors(wrong_class)] == [("environment", "FSDP_TRANSFORMER_CLS_TO_WRAP")], (
+        wrong_class
+    )
     assert launcher.from_environment({**env, "ACCELERATE_DYNAMO_BACKEND": "NO"}) is None
     assert launcher.from_environment({"WORLD_SIZE": "2"}) is None
 
@@ -167,14 +526,10 @@ def test_more_gpus_than_processes_is_a_warning_with_the_flag(monkeypatch):
     from fsdp_recipes.config.launcher import unused_accelerators_warning
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert "this node has 8 GPUs and this launch uses 2 of them: pass --num_processes 8" in unused_accelerators_warning(devices=8)
+    assert "this node has 8 GPUs and this launch uses 2 of them: pass --num_processes 8" in unused_accelerators_warning(
+        devices=8
+    )
     assert unused_accelerators_warning(devices=2) is None and unused_accelerators_warning(devices=0) is None
-
-
-def elastic_root_cause(stderr: str) -> str:
-    """The message torch elastic's failure report gives as the root cause (its report's last text line)."""
-    report = stderr.split("Root Cause (first observed failure):", 1)[1]
-    return [line for line in report.splitlines() if line.strip().startswith("traceback :")][0].split("traceback :", 1)[1].strip()
 
 
 @pytest.mark.slow
@@ -191,11 +546,17 @@ def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
     out = tmp_path / "out"
     port = ["--main_process_port", str(free_port())]
     launches = [
-        (["--config_file", str(config), *port, "--fsdp_sharding_strategy", "SHARD_GRAD_OP"], [f"{config}: {typo}", "accelerate launch: --fsdp_sharding_strategy: is an FSDP1 setting"]),
+        (
+            ["--config_file", str(config), *port, "--fsdp_sharding_strategy", "SHARD_GRAD_OP"],
+            [f"{config}: {typo}", "accelerate launch: --fsdp_sharding_strategy: is an FSDP1 setting"],
+        ),
         (port, [f"{default}: {typo}"]),  # no --config_file: accelerate's default config
     ]
     for launch_args, wanted in launches:
-        proc = run(["accelerate", "launch", *launch_args, str(REPO / "train_fsdp.py"), "--output_dir", str(out)], env={"HF_HOME": str(tmp_path / "hf")})
+        proc = run(
+            ["accelerate", "launch", *launch_args, str(REPO / "train_fsdp.py"), "--output_dir", str(out)],
+            env={"HF_HOME": str(tmp_path / "hf")},
+        )
         ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
         assert proc.returncode != 0 and len(ours) == 1, proc.stderr[-3000:]  # one message per machine
         assert all(w in ours[0] for w in wanted), ours
@@ -216,7 +577,9 @@ def test_a_missing_num_processes_is_named_missing():
     """(review) it read "num_processes: -1 is not a positive integer", a value nobody wrote."""
     shipped = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
     problems = errors(check_settings({k: v for k, v in shipped.items() if k != "num_processes"}, "x.yaml"))
-    assert [str(p) for p in problems if p.key == "num_processes"] and "num_processes: missing" in str(problems[0]), problems
+    assert [str(p) for p in problems if p.key == "num_processes"] and "num_processes: missing" in str(problems[0]), (
+        problems
+    )
     assert "is not a positive integer" in str(errors(check_settings({**shipped, "num_processes": True}, "x.yaml"))[0])
 
 
@@ -265,14 +628,26 @@ dist.destroy_process_group()
     failing = {name for name, verdict in verdicts.items() if verdict == "fails"}
     assert failing == set(FSDP2_UNSTEPPABLE_OPTIMIZERS) & set(verdicts), verdicts
     for name in verdicts:  # and the check says so, only for those
-        problems = [p for p in check_config(REPO / "accelerate_configs" / "zero3.yaml", recipe={"optim": name}) if p.key == "optim"]
+        problems = [
+            p
+            for p in check_config(REPO / "accelerate_configs" / "zero3.yaml", recipe={"optim": name})
+            if p.key == "optim"
+        ]
         assert bool(problems) == (name in failing), (name, [str(p) for p in problems])
-        assert not [p for p in check_config(REPO / "accelerate_configs" / "fsdp1" / "zero3.yaml", recipe={"optim": name}) if p.key == "optim"]
+        assert not [
+            p
+            for p in check_config(REPO / "accelerate_configs" / "fsdp1" / "zero3.yaml", recipe={"optim": name})
+            if p.key == "optim"
+        ]
 
 
-@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*/*.yaml")), ids=lambda p: p.relative_to(REPO / "recipes").as_posix())
+@pytest.mark.parametrize(
+    "recipe", sorted((REPO / "recipes").glob("*/*.yaml")), ids=lambda p: p.relative_to(REPO / "recipes").as_posix()
+)
 def test_a_recipe_given_as_the_config_is_one_error_saying_so(recipe):
     """(hostile review W7) a recipe given where the accelerate config goes was an "unknown key" error per recipe key
     with accelerate's whole key list each time, and "distributed_type None"."""
     problems = check_config(recipe)
-    assert len(problems) == 1 and "it is not an accelerate config" in problems[0].message and "--recipe" in problems[0].fix, problems
+    assert (
+        len(problems) == 1 and "it is not an accelerate config" in problems[0].message and "--recipe" in problems[0].fix
+    ), problems

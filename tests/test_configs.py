@@ -9,10 +9,17 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
-
 from conftest import ALL_CONFIGS, DDP_CONFIG, FSDP_CONFIGS, REPO
 
-HEADER_FIELDS = ["ZeRO", "NOT a DeepSpeed config", "Memory per GPU", "Choose it when", "Launch:", "Tested with:", "Config revision:"]
+HEADER_FIELDS = [
+    "ZeRO",
+    "NOT a DeepSpeed config",
+    "Memory per GPU",
+    "Choose it when",
+    "Launch:",
+    "Tested with:",
+    "Config revision:",
+]
 
 
 def test_configs_are_found_recursively():
@@ -70,8 +77,11 @@ def test_top_level_is_fsdp2_and_fsdp1_sits_beside_it():
     assert strategies["accelerate_configs/fsdp1/zero3_offload.yaml"]["fsdp_offload_params"] is True
     fsdp1 = {c.split("/")[-1]: s["fsdp_sharding_strategy"] for c, s in strategies.items() if "/fsdp1/" in c}
     assert fsdp1 == {
-        "zero3.yaml": "FULL_SHARD", "zero2.yaml": "SHARD_GRAD_OP", "zero3_offload.yaml": "FULL_SHARD",
-        "no_shard.yaml": "NO_SHARD", "hybrid_shard.yaml": "HYBRID_SHARD",
+        "zero3.yaml": "FULL_SHARD",
+        "zero2.yaml": "SHARD_GRAD_OP",
+        "zero3_offload.yaml": "FULL_SHARD",
+        "no_shard.yaml": "NO_SHARD",
+        "hybrid_shard.yaml": "HYBRID_SHARD",
     }
 
 
@@ -80,5 +90,7 @@ def test_ddp_config_is_plain_ddp_for_accelerate():
     loaded = load_config_from_file(str(REPO / DDP_CONFIG))
     assert loaded.distributed_type == DistributedType.MULTI_GPU and not loaded.fsdp_config
     assert loaded.mixed_precision == "bf16"
-    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(REPO / DDP_CONFIG), "train_fsdp.py"]))
+    args, _, _ = _validate_launch_command(
+        launch_command_parser().parse_args(["--config_file", str(REPO / DDP_CONFIG), "train_fsdp.py"])
+    )
     assert args.multi_gpu and not args.use_fsdp and args.num_processes >= 2

@@ -4,8 +4,8 @@ one line and in fsdp_report.json; --cpu_bf16 true keeps bf16; CPUs with native b
 from __future__ import annotations
 
 import pytest
-
 from conftest import launch, read_json
+
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.compat.cpu_fsdp import choose_cpu_precision, cpu_name, native_bf16, read_cpuinfo
 from fsdp_recipes.errors import RecipeError
@@ -46,10 +46,29 @@ clock\t\t: 2300.000000MHz
 """
 
 
-@pytest.mark.parametrize("text, expected", [
-    (EPYC_AVX2, False), (ICELAKE_AVX512, False), (ZEN4_AVX512_BF16, True), (SAPPHIRE_RAPIDS_AMX, True),
-    (NEOVERSE_N1, False), (NEOVERSE_V1, True), (POWER9, None), ("", None),
-], ids=["x86-avx2", "x86-avx512-no-bf16", "x86-avx512_bf16", "x86-amx_bf16", "arm-no-bf16", "arm-bf16", "power", "none"])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (EPYC_AVX2, False),
+        (ICELAKE_AVX512, False),
+        (ZEN4_AVX512_BF16, True),
+        (SAPPHIRE_RAPIDS_AMX, True),
+        (NEOVERSE_N1, False),
+        (NEOVERSE_V1, True),
+        (POWER9, None),
+        ("", None),
+    ],
+    ids=[
+        "x86-avx2",
+        "x86-avx512-no-bf16",
+        "x86-avx512_bf16",
+        "x86-amx_bf16",
+        "arm-no-bf16",
+        "arm-bf16",
+        "power",
+        "none",
+    ],
+)
 def test_native_bf16_from_cpuinfo(text, expected):
     assert native_bf16(text) is expected
 
@@ -77,9 +96,16 @@ def test_bf16_from_the_launcher_computes_in_fp32_without_native_bf16(no_accelera
     assert decision.line() == (
         "bf16 mixed precision (accelerate's mixed_precision: bf16) computes in fp32 here: this CPU (AMD EPYC 7B13) has no "
         "native bf16 instructions (no avx512_bf16 or amx_bf16 in /proc/cpuinfo's flags), so bf16 runs many times slower "
-        "than fp32; --cpu_bf16 true keeps bf16")
-    assert decision.record() == {"asked_by": "bf16 mixed precision (accelerate's mixed_precision: bf16)", "cpu": "AMD EPYC 7B13",
-                                 "native_bf16": False, "forced": False, "compute": "float32", "note": decision.line()}
+        "than fp32; --cpu_bf16 true keeps bf16"
+    )
+    assert decision.record() == {
+        "asked_by": "bf16 mixed precision (accelerate's mixed_precision: bf16)",
+        "cpu": "AMD EPYC 7B13",
+        "native_bf16": False,
+        "forced": False,
+        "compute": "float32",
+        "note": decision.line(),
+    }
     assert cpu_fsdp.cpu_precision() == decision
 
 
@@ -95,7 +121,9 @@ def test_force_keeps_bf16_and_says_so(no_accelerator):
     env = {"ACCELERATE_MIXED_PRECISION": "bf16"}
     decision = choose_cpu_precision(False, True, env=env, cpuinfo=EPYC_AVX2)
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and decision.mixed_precision == "bf16"
-    assert decision.line().startswith("bf16 mixed precision (accelerate's mixed_precision: bf16) keeps bf16 compute (--cpu_bf16 true) although")
+    assert decision.line().startswith(
+        "bf16 mixed precision (accelerate's mixed_precision: bf16) keeps bf16 compute (--cpu_bf16 true) although"
+    )
     assert decision.record()["compute"] == "bfloat16" and decision.record()["forced"] is True
 
 
@@ -103,24 +131,35 @@ def test_force_keeps_bf16_and_says_so(no_accelerator):
 def test_native_or_unknown_cpus_keep_bf16_without_a_word(no_accelerator, cpuinfo):
     env = {"ACCELERATE_MIXED_PRECISION": "bf16"}
     decision = choose_cpu_precision(False, False, env=env, cpuinfo=cpuinfo)
-    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and decision.mixed_precision == "bf16" and decision.line() is None
+    assert (
+        env["ACCELERATE_MIXED_PRECISION"] == "bf16" and decision.mixed_precision == "bf16" and decision.line() is None
+    )
 
 
 def test_accelerators_and_runs_without_bf16_are_left_alone(no_accelerator, monkeypatch):
     env = {"ACCELERATE_MIXED_PRECISION": "no"}
-    assert choose_cpu_precision(False, False, env=env, cpuinfo=EPYC_AVX2) is None and env == {"ACCELERATE_MIXED_PRECISION": "no"}
+    assert choose_cpu_precision(False, False, env=env, cpuinfo=EPYC_AVX2) is None and env == {
+        "ACCELERATE_MIXED_PRECISION": "no"
+    }
     monkeypatch.setattr(cpu_fsdp, "accelerator_present", lambda: True)
     env = {"ACCELERATE_MIXED_PRECISION": "bf16"}
-    assert choose_cpu_precision(True, False, env=env, cpuinfo=EPYC_AVX2) is None and env == {"ACCELERATE_MIXED_PRECISION": "bf16"}
+    assert choose_cpu_precision(True, False, env=env, cpuinfo=EPYC_AVX2) is None and env == {
+        "ACCELERATE_MIXED_PRECISION": "bf16"
+    }
     assert cpu_fsdp.cpu_precision() is None
 
 
 def test_force_without_bf16_is_an_error(no_accelerator):
-    with pytest.raises(RecipeError, match="cpu_bf16 keeps bf16 mixed precision on a CPU without native bf16, and this run asks for none"):
+    with pytest.raises(
+        RecipeError,
+        match="cpu_bf16 keeps bf16 mixed precision on a CPU without native bf16, and this run asks for none",
+    ):
         choose_cpu_precision(False, True, env={"ACCELERATE_MIXED_PRECISION": "no"}, cpuinfo=EPYC_AVX2)
 
 
-without_native_bf16 = pytest.mark.skipif(native_bf16(read_cpuinfo()) is not False, reason="this CPU computes bf16 natively (or cannot tell)")
+without_native_bf16 = pytest.mark.skipif(
+    native_bf16(read_cpuinfo()) is not False, reason="this CPU computes bf16 natively (or cannot tell)"
+)
 NOTE = "computes in fp32 here: this CPU"
 
 
@@ -129,7 +168,9 @@ NOTE = "computes in fp32 here: this CPU"
 def test_shipped_bf16_config_runs_fp32_here_and_says_so_once(trained):
     proc = trained("accelerate_configs/zero3.yaml")  # the session's run of the shipped config
     assert (proc.stdout + proc.stderr).count(NOTE) == 1, proc.stderr[-3000:]
-    line = next(line for line in proc.stdout.splitlines() if NOTE in line).split(" INFO train_fsdp: ", 1)[1]  # rank 0's log
+    line = next(line for line in proc.stdout.splitlines() if NOTE in line).split(" INFO train_fsdp: ", 1)[
+        1
+    ]  # rank 0's log
     assert line.startswith("bf16 mixed precision (accelerate's mixed_precision: bf16) computes in fp32 here")
     assert line.endswith("--cpu_bf16 true keeps bf16")
     precision = proc.report["precision"]
@@ -145,7 +186,10 @@ def test_cpu_bf16_true_keeps_bf16_here(trained):
     assert NOTE not in proc.stdout + proc.stderr
     assert (proc.stdout + proc.stderr).count("keeps bf16 compute (--cpu_bf16 true) although this CPU") == 1
     precision = proc.report["precision"]
-    assert precision["compute"] == precision["gradient_reduction"] == "bfloat16" and precision["master_weights"] == "float32"
+    assert (
+        precision["compute"] == precision["gradient_reduction"] == "bfloat16"
+        and precision["master_weights"] == "float32"
+    )
     assert precision["cpu_bf16"]["forced"] is True and precision["cpu_bf16"]["compute"] == "bfloat16"
 
 
@@ -157,7 +201,9 @@ def test_bf16_weights_are_named_where_they_compute_in_bf16(no_accelerator):
     from fsdp_recipes.compat.cpu_fsdp import bf16_weights_line
 
     line = bf16_weights_line(torch.bfloat16, "--dtype bfloat16", EPYC_AVX2)
-    assert line.startswith("the model's weights are bfloat16 (--dtype bfloat16): they compute in bf16, and this CPU (AMD EPYC 7B13)")
+    assert line.startswith(
+        "the model's weights are bfloat16 (--dtype bfloat16): they compute in bf16, and this CPU (AMD EPYC 7B13)"
+    )
     assert line.endswith("--dtype float32 computes in fp32")
     assert bf16_weights_line(torch.float32, "--dtype float32", EPYC_AVX2) is None
     assert bf16_weights_line(torch.bfloat16, "--dtype bfloat16", ZEN4_AVX512_BF16) is None
@@ -169,10 +215,24 @@ def test_bf16_weights_are_named_where_they_compute_in_bf16(no_accelerator):
 def test_dtype_bfloat16_is_reported_as_what_it_computes(tmp_path):
     """The shipped bf16 config turns bf16 mixed precision into fp32 here, but weights loaded as bf16 still compute in
     bf16: the run says so once, and fsdp_report.json's cpu_bf16 says bf16, as its compute does."""
-    proc = launch("accelerate_configs/zero3.yaml", "--max_steps", "2", "--save_strategy", "no", "--dtype", "bfloat16",
-                  "--output_dir", str(tmp_path / "out"))
+    proc = launch(
+        "accelerate_configs/zero3.yaml",
+        "--max_steps",
+        "2",
+        "--save_strategy",
+        "no",
+        "--dtype",
+        "bfloat16",
+        "--output_dir",
+        str(tmp_path / "out"),
+    )
     out = proc.stdout + proc.stderr
     assert out.count("the model's weights are bfloat16 (--dtype bfloat16): they compute in bf16") == 1, out[-3000:]
     precision = read_json(tmp_path / "out" / "fsdp_report.json")["precision"]
-    assert precision["master_weights"] == precision["compute"] == precision["cpu_bf16"]["compute"] == "bfloat16", precision
-    assert precision["cpu_bf16"]["note"] == "the model's weights are bfloat16: they compute in bfloat16 whatever the mixed precision"
+    assert precision["master_weights"] == precision["compute"] == precision["cpu_bf16"]["compute"] == "bfloat16", (
+        precision
+    )
+    assert (
+        precision["cpu_bf16"]["note"]
+        == "the model's weights are bfloat16: they compute in bfloat16 whatever the mixed precision"
+    )

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from conftest import REPO
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from conftest import REPO
 from fsdp_recipes.config.arguments import DataArguments
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train.data import IGNORE_INDEX, build_datasets, pack_text, resolve_format, tokenize_chat
@@ -53,7 +53,7 @@ def test_format_auto_detects_chat_and_local_jsonl_loads(tokenizer):
 
 @pytest.mark.parametrize("ext", ["csv", "parquet", "json"])
 def test_local_tabular_text_files(tokenizer, tmp_path, ext):
-    texts = [line for line in open(CORPUS).read().splitlines()[:50]]
+    texts = list(open(CORPUS).read().splitlines()[:50])
     path = tmp_path / f"train.{ext}"
     frame = Dataset.from_dict({"text": texts})
     {"csv": frame.to_csv, "parquet": frame.to_parquet, "json": frame.to_json}[ext](str(path))
@@ -82,7 +82,10 @@ def test_templates_without_generation_blocks_locate_assistant_turns(tokenizer):
     assert derived["input_ids"] == marked["input_ids"]
     # the prefix path also trains on the role header the template emits after the prompt, which is nothing here
     assert derived["labels"] == marked["labels"]
-    assert tokenizer.decode([t for t in derived["labels"] if t != IGNORE_INDEX]) == "Ada has 4 cats.<|end|>Two dogs.<|end|>"
+    assert (
+        tokenizer.decode([t for t in derived["labels"] if t != IGNORE_INDEX])
+        == "Ada has 4 cats.<|end|>Two dogs.<|end|>"
+    )
 
 
 @pytest.mark.parametrize(
@@ -94,7 +97,11 @@ def test_templates_without_generation_blocks_locate_assistant_turns(tokenizer):
         ("broken.jsonl", b'{"text": "a"}\n{"text": \n', "line 2 is not JSON"),
         ("no-role.jsonl", b'{"messages": [{"content": "hi"}]}\n', "every turn needs a 'role' and a 'content'"),
         ("string.jsonl", b'{"messages": "hello"}\n', "'messages' is str, not a list of turns"),
-        ("no-assistant.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n', "no conversation has an assistant turn"),
+        (
+            "no-assistant.jsonl",
+            b'{"messages": [{"role": "user", "content": "hi"}]}\n',
+            "no conversation has an assistant turn",
+        ),
         ("no-text.jsonl", b'{"body": "hi"}\n', "record 1 has no 'text' field"),
     ],
 )
@@ -126,7 +133,9 @@ def test_padding_free_batch_gives_each_document_its_own_logits(tokenizer, attent
     docs = ["Ada sees the red cat.", "The owl walks slowly to the barn with Ben and the old dog.", "Cleo has 3 cats."]
     corpus = tmp_path / "docs.txt"
     corpus.write_text("\n".join(docs) + "\n")
-    dataset, _, collator = build_datasets(DataArguments(train_file=str(corpus), block_size=32, packing="padding_free"), tokenizer)
+    dataset, _, collator = build_datasets(
+        DataArguments(train_file=str(corpus), block_size=32, packing="padding_free"), tokenizer
+    )
     assert len(dataset) == 3
     batch = collator([dataset[i] for i in range(3)])
     lengths = [len(dataset[i]["input_ids"]) for i in range(3)]
@@ -145,4 +154,6 @@ def test_padding_free_batch_gives_each_document_its_own_logits(tokenizer, attent
             alone = model(input_ids=torch.tensor([dataset[i]["input_ids"]])).logits[0]
             torch.testing.assert_close(packed[start : start + lengths[i]], alone, rtol=1e-5, atol=1e-5)
         second = slice(starts[1], starts[1] + lengths[1])
-        assert not torch.allclose(concatenated[second], model(input_ids=torch.tensor([dataset[1]["input_ids"]])).logits[0], atol=1e-3)
+        assert not torch.allclose(
+            concatenated[second], model(input_ids=torch.tensor([dataset[1]["input_ids"]])).logits[0], atol=1e-3
+        )

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, make_special
+
 from fsdp_recipes.config.data_files import SAMPLE_BYTES, train_file_problem
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.errors import RecipeError
@@ -68,6 +68,7 @@ def one_line_error(excinfo) -> str:
 
 # ----- 1. a fault anywhere in a data file -----
 
+
 def good_lines(suffix: str, n: int) -> list[bytes]:
     if suffix in (".jsonl", ".json"):
         return [json.dumps({"text": f"hello world, document number {i}"}).encode() for i in range(n)]
@@ -85,7 +86,9 @@ FAULTS = {
     "csv_extra_fields": (b"a,b,c,d", (".csv",), "Expected 2 fields"),
     "csv_open_quote": (b'"never closed,1', (".csv",), "EOF inside string"),
 }
-CASES = [(fault, suffix, late) for fault, (_, suffixes, _) in FAULTS.items() for suffix in suffixes for late in (False, True)]
+CASES = [
+    (fault, suffix, late) for fault, (_, suffixes, _) in FAULTS.items() for suffix in suffixes for late in (False, True)
+]
 
 
 def write_with_fault(path: Path, fault: str, late: bool) -> int:
@@ -99,12 +102,14 @@ def write_with_fault(path: Path, fault: str, late: bool) -> int:
     lines = good_lines(path.suffix, 40_000 if late else 5)
     if late:
         assert sum(len(line) + 1 for line in lines) > SAMPLE_BYTES + 10_000
-    lines = [*lines, bad, *good_lines(path.suffix, 4)[1 if path.suffix == ".csv" else 0:]]
+    lines = [*lines, bad, *good_lines(path.suffix, 4)[1 if path.suffix == ".csv" else 0 :]]
     path.write_bytes(b"\n".join(lines) + b"\n")
     return len(lines) - (3 if path.suffix == ".csv" else 4)
 
 
-@pytest.mark.parametrize("fault, suffix, late", CASES, ids=[f"{f}-{s[1:]}-{'late' if late else 'early'}" for f, s, late in CASES])
+@pytest.mark.parametrize(
+    "fault, suffix, late", CASES, ids=[f"{f}-{s[1:]}-{'late' if late else 'early'}" for f, s, late in CASES]
+)
 def test_a_fault_anywhere_in_the_file_is_one_line(tmp_path, tokenizer, fault, suffix, late):
     path = tmp_path / f"data{suffix}"
     line = write_with_fault(path, fault, late)
@@ -202,8 +207,12 @@ def parquet_bytes(tmp_path: Path) -> bytes:
 @pytest.mark.parametrize("case", ["text", "truncated", "empty_magic_only", "footer_cut"])
 def test_a_file_that_is_not_parquet_is_one_line(tmp_path, tokenizer, case):
     real = parquet_bytes(tmp_path)
-    contents = {"text": b"this is not parquet\n" * 10, "truncated": real[: len(real) // 2], "empty_magic_only": b"PAR1",
-                "footer_cut": real[:-1]}[case]
+    contents = {
+        "text": b"this is not parquet\n" * 10,
+        "truncated": real[: len(real) // 2],
+        "empty_magic_only": b"PAR1",
+        "footer_cut": real[:-1],
+    }[case]
     path = tmp_path / "data.parquet"
     path.write_bytes(contents)
     with pytest.raises(RecipeError) as err:
@@ -226,10 +235,19 @@ def test_the_loaders_errors_past_the_checks_are_one_line(tmp_path):
 
 # ----- 2. chat templates that never finish, or raise -----
 
-HOSTILE = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
-           "{% for m in messages %}{{ m.content }}{% endfor %}")
+HOSTILE = (
+    "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    "{% for m in messages %}{{ m.content }}{% endfor %}"
+)
 PLAIN = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-CHAT = ("--train_file", str(REPO / "assets" / "data" / "tiny_chat.jsonl"), "--max_train_samples", "20", "--block_size", "128")
+CHAT = (
+    "--train_file",
+    str(REPO / "assets" / "data" / "tiny_chat.jsonl"),
+    "--max_train_samples",
+    "20",
+    "--block_size",
+    "128",
+)
 
 
 def chat_tokenizer(template: str):
@@ -280,7 +298,9 @@ def test_the_limit_is_kept_off_other_threads():
 
 
 def test_a_template_that_raises_is_one_line(tmp_path):
-    tokenizer = chat_tokenizer("{% if messages[0].role == 'user' %}{{ raise_exception('Conversation roles must alternate system/user') }}{% endif %}")
+    tokenizer = chat_tokenizer(
+        "{% if messages[0].role == 'user' %}{{ raise_exception('Conversation roles must alternate system/user') }}{% endif %}"
+    )
     with pytest.raises(RecipeError) as err:
         build(tmp_path, tokenizer, *CHAT)
     assert "Conversation roles must alternate system/user" in one_line_error(err)
@@ -288,14 +308,20 @@ def test_a_template_that_raises_is_one_line(tmp_path):
 
 # ----- 3. a train_file that is not a regular file -----
 
+
 def _args():
     from types import SimpleNamespace
 
     return SimpleNamespace(text_column="text", messages_column="messages", data_format="auto")
 
 
-NOT_A_FILE = {"folder": "is a folder", "fifo": "is a FIFO", "link_to_dev_zero": "is a character device",
-              "broken_link": "does not exist (a broken link)", "missing": "does not exist"}
+NOT_A_FILE = {
+    "folder": "is a folder",
+    "fifo": "is a FIFO",
+    "link_to_dev_zero": "is a character device",
+    "broken_link": "does not exist (a broken link)",
+    "missing": "does not exist",
+}
 
 
 @pytest.mark.parametrize("kind", sorted(NOT_A_FILE))
@@ -317,7 +343,10 @@ def test_parse_args_names_a_path_that_is_not_a_file(tmp_path, tokenizer, kind):
 # ----- 4. data in other formats -----
 
 PROMPT_COMPLETION = {"prompt": "What is 2 + 2?", "completion": "4"}
-CONVERSATIONAL_PC = {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "completion": [{"role": "assistant", "content": "4"}]}
+CONVERSATIONAL_PC = {
+    "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+    "completion": [{"role": "assistant", "content": "4"}],
+}
 SHAREGPT = {"conversations": [{"from": "human", "value": "What is 2 + 2?"}, {"from": "gpt", "value": "4"}]}
 ROLE_CONTENT = {"conversations": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}
 OTHER = {  # case -> (record, suffix, extra flags, what the line must say)
@@ -359,6 +388,12 @@ def test_other_formats_are_named_with_the_conversion(tmp_path, tokenizer, case):
 def test_the_advice_for_role_content_conversations_works(tmp_path):
     path = tmp_path / "data.jsonl"
     write_records(path, ROLE_CONTENT)
-    dataset, _, _ = build(tmp_path, chat_tokenizer((TINY / "chat_template.jinja").read_text()), "--train_file", str(path),
-                          "--messages_column", "conversations")
+    dataset, _, _ = build(
+        tmp_path,
+        chat_tokenizer((TINY / "chat_template.jinja").read_text()),
+        "--train_file",
+        str(path),
+        "--messages_column",
+        "conversations",
+    )
     assert len(dataset) == 30

@@ -12,9 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from conftest import run
-from fsdp_recipes.ckpt.dcp import FileSlice, UnsafeCheckpointError, _layout_from, _MetadataUnpickler, raw_tensor, read_layout
+
+from fsdp_recipes.ckpt.dcp import (
+    FileSlice,
+    UnsafeCheckpointError,
+    _layout_from,
+    _MetadataUnpickler,
+    raw_tensor,
+    read_layout,
+)
 from fsdp_recipes.ckpt.readers import DCPSource
 
 
@@ -70,7 +77,9 @@ def test_metadata_naming_other_classes(trained, tmp_path):
     """A .metadata naming a DCP dataclass or enum we have no stand-in for (another torch version's metadata) is
     read; one naming anything else, however harmless, is refused and never handed to a plain unpickler."""
     folder = tmp_path / "pytorch_model_fsdp_0"
-    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12" / "pytorch_model_fsdp_0", folder)
+    shutil.copytree(
+        trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12" / "pytorch_model_fsdp_0", folder
+    )
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 
@@ -98,7 +107,7 @@ def test_records_that_are_not_plain_bytes_go_to_torch(tmp_path):
     source = DCPSource(tmp_path)
     assert source.copy_plan("model.t") is None
     assert all(source.copy_plan(f"model.{n}") is not None for n in ("c", "h", "s"))
-    for name, (src, offset, at, count) in ((n, source.copy_plan(f"model.{n}")[0]) for n in ("c", "h", "s")):
+    for name, (src, offset, _at, count) in ((n, source.copy_plan(f"model.{n}")[0]) for n in ("c", "h", "s")):
         with open(src, "rb") as f:
             f.seek(offset)
             assert f.read(count) == state[name].contiguous().view(torch.uint8).numpy().tobytes(), name
@@ -116,7 +125,11 @@ def test_uneven_shards_over_three_ranks_are_copied_raw(tmp_path):
     ckpt = make_checkpoint(tmp_path / "run", 1, ranks=3, hidden=256, vocab=1001)
     source = DCPSource(ckpt / "pytorch_model_fsdp_0")
     assert source.tensors["model.lm_head.weight"].shape == (1001, 256)
-    assert sorted(count for *_, count in source.copy_plan("model.lm_head.weight")) == [333 * 256 * 4, 334 * 256 * 4, 334 * 256 * 4]
+    assert sorted(count for *_, count in source.copy_plan("model.lm_head.weight")) == [
+        333 * 256 * 4,
+        334 * 256 * 4,
+        334 * 256 * 4,
+    ]
     assert all(source.copy_plan(n) is not None for n in source.tensors)
     merge_checkpoint(ckpt, tmp_path / "out", verify=True, log=lambda *_: None)
 
@@ -130,8 +143,10 @@ def test_records_saved_without_zip_crc_are_read_as_torch_reads_them(tmp_path, cr
 
     gen = torch.Generator().manual_seed(0)
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)
-    state = {f"w{i}": torch.randn(shape, generator=gen).to(dtype) for i, (shape, dtype) in enumerate(
-        (s, d) for s in ((7,), (3, 5), (64, 33), (1, 1, 9)) for d in dtypes)}
+    state = {
+        f"w{i}": torch.randn(shape, generator=gen).to(dtype)
+        for i, (shape, dtype) in enumerate((s, d) for s in ((7,), (3, 5), (64, 33), (1, 1, 9)) for d in dtypes)
+    }
     extras = {"step": 17, "lr": 3e-4, "names": ["a", "b"]}
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(crc)
@@ -159,7 +174,7 @@ def test_records_saved_without_zip_crc_are_read_as_torch_reads_them(tmp_path, cr
         with open(src, "rb") as f:
             f.seek(offset)
             assert f.read(count) == tensor.contiguous().view(torch.uint8).numpy().tobytes(), name
-    loaded = {"model": {n: torch.empty_like(t) for n, t in state.items()}, "extra": {k: None for k in extras}}
+    loaded = {"model": {n: torch.empty_like(t) for n, t in state.items()}, "extra": dict.fromkeys(extras)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)  # torch's reader, through our guard where installed
@@ -181,8 +196,10 @@ def _raw_copy_or_none(tmp_path, data: bytes):
     raw = raw_tensor(tmp_path, Stored(path.name, 37, len(data), False))
     if raw is None:
         return None
-    assert raw.data_offset >= 37 and raw.data_offset + raw.nbytes <= 37 + len(data), "the copy reaches outside its record"
-    return path.read_bytes()[raw.data_offset:raw.data_offset + raw.nbytes]
+    assert raw.data_offset >= 37 and raw.data_offset + raw.nbytes <= 37 + len(data), (
+        "the copy reaches outside its record"
+    )
+    return path.read_bytes()[raw.data_offset : raw.data_offset + raw.nbytes]
 
 
 def _torch_bytes(data: bytes):
@@ -190,7 +207,11 @@ def _torch_bytes(data: bytes):
         t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 (torch refuses the record)
         return None
-    return t.resolve_neg().resolve_conj().contiguous().view(torch.uint8).numpy().tobytes() if isinstance(t, torch.Tensor) else None
+    return (
+        t.resolve_neg().resolve_conj().contiguous().view(torch.uint8).numpy().tobytes()
+        if isinstance(t, torch.Tensor)
+        else None
+    )
 
 
 def _hostile_variants(data: bytes) -> dict[str, bytes]:
@@ -208,12 +229,12 @@ def _hostile_variants(data: bytes) -> dict[str, bytes]:
     out["byteorder big"] = data.replace(b"little", b"bigxxx")
     out["bytes prepended"] = b"PK\x03\x04junk" + data
     end = data.rfind(b"PK\x05\x06")
-    out["second central directory"] = data[:end] + data[data.find(b"PK\x01\x02"):end] + data[end:]
+    out["second central directory"] = data[:end] + data[data.find(b"PK\x01\x02") : end] + data[end:]
     directory = data.rfind(f"{folder}/data/0".encode())  # its central directory entry: the DOS "directory" attribute
-    out["data member marked a directory"] = data[:directory - 8] + struct.pack("<I", 0x10) + data[directory - 4:]
+    out["data member marked a directory"] = data[: directory - 8] + struct.pack("<I", 0x10) + data[directory - 4 :]
     info = infos[f"{folder}/data/0"]
     at = info.header_offset + 28
-    out["extra field past the end"] = data[:at] + struct.pack("<H", 0xFFF0) + data[at + 2:]
+    out["extra field past the end"] = data[:at] + struct.pack("<H", 0xFFF0) + data[at + 2 :]
     out["cut off"] = data[: len(data) // 2]
     return out
 
@@ -255,14 +276,31 @@ def _record_with_pickle(pkl: bytes, numel: int) -> bytes:
 
 def _tensor_pickle(size: tuple, stride: tuple, tail: bytes = b"") -> bytes:
     """data.pkl of _rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict()) + ``tail`` opcodes before STOP."""
+
     def ints(values):
         return b"(" + b"".join(b"K" + bytes([v]) for v in values) + b"t"
+
     numel = 1
     for d in size:
         numel *= d
-    storage = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK" + bytes([numel]) + b"tQ"
+    storage = (
+        b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK"
+        + bytes([numel])
+        + b"tQ"
+    )
     hooks = b"ccollections\nOrderedDict\n)R"
-    return b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(" + storage + b"K\x00" + ints(size) + ints(stride) + b"\x89" + hooks + b"tR" + tail + b"."
+    return (
+        b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n("
+        + storage
+        + b"K\x00"
+        + ints(size)
+        + ints(stride)
+        + b"\x89"
+        + hooks
+        + b"tR"
+        + tail
+        + b"."
+    )
 
 
 def test_records_torch_would_read_differently_or_refuse_are_never_copied_raw(tmp_path):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DDP_CONFIG, QUICK, REPO, launch, logged_losses, read_json
 from safetensors.torch import load_file
 
-from conftest import DDP_CONFIG, QUICK, REPO, launch, logged_losses, read_json
 from fsdp_recipes.ckpt.status import checkpoint_status
 from fsdp_recipes.config.launcher import LaunchSettings
 from fsdp_recipes.config.memory import Setup, estimate, model_shape
@@ -30,7 +30,11 @@ def test_ddp_is_real_ddp_and_trains(trained):
         assert rank["bytes"] == {"params": 4 * total, "grads": 4 * total, "optimizer": 8 * total}
     losses = logged_losses(run.output_dir)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.85 * losses[0], losses
-    assert read_json(run.model_dir / "config.json")["use_cache"] is read_json(run.output_dir / "checkpoint-12" / "config.json")["use_cache"] is True
+    assert (
+        read_json(run.model_dir / "config.json")["use_cache"]
+        is read_json(run.output_dir / "checkpoint-12" / "config.json")["use_cache"]
+        is True
+    )
 
 
 def test_zero1_holds_half_the_optimizer_state_per_rank(trained):
@@ -65,7 +69,9 @@ def test_zero1_checkpoint_is_whole_and_merges(trained, tmp_path):
     assert status.resumable and status.state_dict_type == "PLAIN" and status.sharding_strategy == "ZERO1"
     optimizer = torch.load(out / "checkpoint-12" / "optimizer.pt", weights_only=True)
     params = len(list(AutoModelForCausalLM.from_pretrained(out / "model").parameters()))
-    assert not (out / "model" / "training_args.bin").exists()  # the Trainer's save_model writes it; the model folder ships without
+    assert not (
+        out / "model" / "training_args.bin"
+    ).exists()  # the Trainer's save_model writes it; the model folder ships without
     assert sorted(optimizer["state"]) == list(range(params))  # every parameter's moments, gathered from both ranks
     merge_checkpoint(out / "checkpoint-12", tmp_path / "merged", log=lambda _: None)
     merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
@@ -82,9 +88,14 @@ def test_zero1_resumed_run_ends_on_the_uninterrupted_weights(trained, tmp_path):
     resumed = launch(DDP_CONFIG, *QUICK, *ZERO1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     assert read_json(out / "trainer_state.json")["global_step"] == 12
-    final, expected = load_file(out / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
+    final, expected = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(reference / "model" / "model.safetensors"),
+    )
     assert all(torch.equal(final[k], expected[k]) for k in expected)
-    saved, again = (torch.load(d / "checkpoint-12" / "optimizer.pt", weights_only=True)["state"] for d in (reference, out))
+    saved, again = (
+        torch.load(d / "checkpoint-12" / "optimizer.pt", weights_only=True)["state"] for d in (reference, out)
+    )
     for index, moments in saved.items():  # Adam's moments came back on both ranks: they end equal too
         assert all(torch.equal(again[index][k], v) for k, v in moments.items()), index
 
@@ -105,7 +116,9 @@ def test_only_a_named_ddp_config_is_a_ddp_launch(tmp_path):
     ddp = {"distributed_type": "MULTI_GPU", "num_processes": 2}
     assert LaunchSettings(ddp, Path("ddp.yaml"), named=True).ddp
     assert not LaunchSettings(ddp, Path("default_config.yaml"), named=False).ddp
-    assert LaunchSettings({"num_processes": 2, "distributed_type": "MULTI_GPU"}, None, origin={"distributed_type": "--multi_gpu"}).ddp
+    assert LaunchSettings(
+        {"num_processes": 2, "distributed_type": "MULTI_GPU"}, None, origin={"distributed_type": "--multi_gpu"}
+    ).ddp
     assert not LaunchSettings({**ddp, "fsdp_config": {"fsdp_version": 2}}, Path("x.yaml"), named=True).ddp
 
 

@@ -16,8 +16,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import o_direct_here
+
 from fsdp_recipes import direct_writes
 from fsdp_recipes.direct_writes import BLOCK, CHUNK, GIL_FREE_COPY, DirectFile
 
@@ -26,7 +26,7 @@ def write_in_pieces(path, data: bytes, pieces: list[int], **kwargs) -> DirectFil
     f = DirectFile(path, **kwargs)
     at = 0
     for size in pieces:
-        assert f.write(data[at:at + size]) == len(data[at:at + size])
+        assert f.write(data[at : at + size]) == len(data[at : at + size])
         at += size
         assert f.tell() == min(at, len(data))
     f.write(memoryview(data)[at:])  # any buffer: bytes, memoryview (torch.save hands both)
@@ -80,10 +80,12 @@ def test_copies_from_other_files_are_their_bytes_at_any_offset(tmp_path, monkeyp
                 continue
             fd, data = rng.choice(sources)
             offset = rng.randrange(len(data))
-            count = rng.choice([1, BLOCK, BLOCK + 1, rng.randrange(1, CHUNK + BLOCK), len(data) - offset + rng.randrange(1, 99)])
+            count = rng.choice(
+                [1, BLOCK, BLOCK + 1, rng.randrange(1, CHUNK + BLOCK), len(data) - offset + rng.randrange(1, 99)]
+            )
             got = f.copy_from(fd, offset, count)
             assert got == min(count, len(data) - offset)
-            expected += data[offset:offset + got]
+            expected += data[offset : offset + got]
             assert f.tell() == len(expected)
         f.close()
     finally:
@@ -120,7 +122,9 @@ def test_ctrl_c_at_any_line_of_sync_entries_leaks_no_descriptor(tmp_path, monkey
         started.append(args)
         return _thread.start_new_thread(lambda: (function(*args), ended.append(args)), ())
 
-    monkeypatch.setattr(direct_writes, "_thread", SimpleNamespace(start_new_thread=start, allocate_lock=_thread.allocate_lock))
+    monkeypatch.setattr(
+        direct_writes, "_thread", SimpleNamespace(start_new_thread=start, allocate_lock=_thread.allocate_lock)
+    )
     before = _open_descriptors()
     for at in range(1, 200):
         with _Interrupts(at) as interrupts:
@@ -132,17 +136,29 @@ def test_ctrl_c_at_any_line_of_sync_entries_leaks_no_descriptor(tmp_path, monkey
         deadline = time.monotonic() + 10
         while len(ended) < len(started) and time.monotonic() < deadline:
             time.sleep(0.01)
-        leaked = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in _open_descriptors() - before if os.path.lexists(f"/proc/self/fd/{fd}")}
+        leaked = {
+            fd: os.readlink(f"/proc/self/fd/{fd}")
+            for fd in _open_descriptors() - before
+            if os.path.lexists(f"/proc/self/fd/{fd}")
+        }
         assert not leaked, f"descriptors left open by an interrupt at line event {at}: {leaked}"
         if not interrupted:
             break
     assert not interrupted and at > 2 and started, (at, interrupts.seen)  # every line was reached, then it ran through
 
 
-@pytest.mark.parametrize("pieces", [
-    [GIL_FREE_COPY - 1, GIL_FREE_COPY, GIL_FREE_COPY + 1, 3, CHUNK - 2 * GIL_FREE_COPY - 3, GIL_FREE_COPY + BLOCK],
-    [CHUNK - GIL_FREE_COPY + 1, GIL_FREE_COPY, 1, GIL_FREE_COPY - 1],  # copies that end a chunk, and start the next, either way
-])
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [GIL_FREE_COPY - 1, GIL_FREE_COPY, GIL_FREE_COPY + 1, 3, CHUNK - 2 * GIL_FREE_COPY - 3, GIL_FREE_COPY + BLOCK],
+        [
+            CHUNK - GIL_FREE_COPY + 1,
+            GIL_FREE_COPY,
+            1,
+            GIL_FREE_COPY - 1,
+        ],  # copies that end a chunk, and start the next, either way
+    ],
+)
 def test_the_bytes_are_an_ordinary_writes_whichever_way_each_piece_is_copied(tmp_path, pieces):
     """Pieces below GIL_FREE_COPY are copied by memoryview, larger ones by numpy (which releases the GIL)."""
     data = random.Random(len(pieces)).randbytes(sum(pieces) + 17)
@@ -189,7 +205,9 @@ def test_the_file_is_opened_as_open_wb_opens_it(tmp_path):
 
 
 @pytest.mark.parametrize("refusal", ["EINVAL on the second chunk", "a short unaligned write"])
-def test_a_filesystem_that_refuses_a_direct_write_midway_gets_the_rest_through_the_page_cache(tmp_path, monkeypatch, refusal):
+def test_a_filesystem_that_refuses_a_direct_write_midway_gets_the_rest_through_the_page_cache(
+    tmp_path, monkeypatch, refusal
+):
     if not o_direct_here(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT at open (the test above)")
     real_pwrite, calls = os.pwrite, []
@@ -202,7 +220,7 @@ def test_a_filesystem_that_refuses_a_direct_write_midway_gets_the_rest_through_t
             # written, but short and unaligned (a FUSE daemon may do it; the kernel would refuse an unaligned direct write)
             plain = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
             try:
-                return real_pwrite(plain, memoryview(data)[:BLOCK + 100], offset)
+                return real_pwrite(plain, memoryview(data)[: BLOCK + 100], offset)
             finally:
                 os.close(plain)
         return real_pwrite(fd, data, offset)
@@ -211,8 +229,11 @@ def test_a_filesystem_that_refuses_a_direct_write_midway_gets_the_rest_through_t
     data = os.urandom(3 * CHUNK + 5)
     f = write_in_pieces(tmp_path / "x", data, [7])
     assert (tmp_path / "x").read_bytes() == data
-    assert f.page_cache_why == ("the filesystem refused an aligned O_DIRECT write" if refusal.startswith("EINVAL")
-                                else "a short O_DIRECT write left the offset unaligned")
+    assert f.page_cache_why == (
+        "the filesystem refused an aligned O_DIRECT write"
+        if refusal.startswith("EINVAL")
+        else "a short O_DIRECT write left the offset unaligned"
+    )
 
 
 def disk_full_from(monkeypatch, offset: int) -> None:
@@ -253,9 +274,9 @@ def test_the_caller_fills_one_buffer_while_the_other_is_written(tmp_path, monkey
     data = os.urandom(2 * CHUNK + 5)
     f = DirectFile(tmp_path / "x", sync=False)
     f.write(data[:CHUNK])
-    f.write(data[CHUNK:CHUNK + CHUNK // 2])
+    f.write(data[CHUNK : CHUNK + CHUNK // 2])
     went_on.set()
-    f.write(data[CHUNK + CHUNK // 2:])
+    f.write(data[CHUNK + CHUNK // 2 :])
     f.close()
     assert seen == [True] and (tmp_path / "x").read_bytes() == data
 
@@ -291,7 +312,10 @@ def test_a_failed_write_fails_every_later_call_never_a_whole_looking_file(tmp_pa
         f.write(os.urandom(CHUNK))  # waits for chunk 0's write, which failed
     (tmp_path / "src").write_bytes(os.urandom(CHUNK + 3))
     with open(tmp_path / "src", "rb") as src:
-        later = {"write": lambda: f.write(os.urandom(CHUNK + 3)), "copy_from": lambda: f.copy_from(src.fileno(), 0, CHUNK + 3)}
+        later = {
+            "write": lambda: f.write(os.urandom(CHUNK + 3)),
+            "copy_from": lambda: f.copy_from(src.fileno(), 0, CHUNK + 3),
+        }
         for call in ([later[then]] if then in later else []) + [f.close]:
             with pytest.raises(OSError, match="an earlier write of this file failed"):
                 call()
@@ -338,14 +362,18 @@ def test_a_file_dropped_unclosed_during_a_write_closes_its_descriptor(tmp_path, 
     import time
 
     real_pwrite = os.pwrite
-    monkeypatch.setattr(direct_writes.os, "pwrite", lambda fd, data, offset: time.sleep(0.3) or real_pwrite(fd, data, offset))
+    monkeypatch.setattr(
+        direct_writes.os, "pwrite", lambda fd, data, offset: time.sleep(0.3) or real_pwrite(fd, data, offset)
+    )
     before = len(os.listdir("/proc/self/fd"))
     f = DirectFile(tmp_path / "x", sync=False)
     f.write(b"x" * CHUNK)
     del f
     for _ in range(100):
         gc.collect()
-        if len(os.listdir("/proc/self/fd")) == before and not [t for t in threading.enumerate() if t.name.startswith("direct-write")]:
+        if len(os.listdir("/proc/self/fd")) == before and not [
+            t for t in threading.enumerate() if t.name.startswith("direct-write")
+        ]:
             break
         time.sleep(0.05)
     assert len(os.listdir("/proc/self/fd")) == before
@@ -356,6 +384,7 @@ def test_while_the_interpreter_finalizes_the_full_buffer_is_written_by_the_calle
     """(review) A background save still writing while the interpreter exits (AsyncCheckpoints.abandon lets it finish
     its files) failed its hand-off; once it finalizes, no thread may run again: the caller writes."""
     monkeypatch.setattr(direct_writes.sys, "is_finalizing", lambda: True)
+
     def no_thread(self):
         raise AssertionError("a writer thread was started while the interpreter finalizes")
 
@@ -423,10 +452,10 @@ def test_the_file_is_finished_where_it_was_opened_even_if_its_folder_moved(tmp_p
     (tmp_path / "a").mkdir()
     data = os.urandom(CHUNK + BLOCK + 123)
     f = DirectFile(tmp_path / "a" / "x")
-    f.write(data[:CHUNK + 7])
+    f.write(data[: CHUNK + 7])
     (tmp_path / "a").rename(tmp_path / "b")
     (tmp_path / "a").mkdir()
-    f.write(data[CHUNK + 7:])
+    f.write(data[CHUNK + 7 :])
     f.close()
     assert (tmp_path / "b" / "x").read_bytes() == data and not (tmp_path / "a" / "x").exists()
 
@@ -443,12 +472,17 @@ def test_an_empty_buffer_of_any_shape_writes_nothing(tmp_path):
 
 # --- DCP's own writer, given direct shard files ------------------------------------------------------------------
 
+
 def _state():
     import torch
 
     g = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(1500, 1100, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
-            "step": torch.tensor(3), "extra": {"lr": 0.1, "names": ["a", "b"]}}
+    return {
+        "w": torch.randn(1500, 1100, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(3),
+        "extra": {"lr": 0.1, "names": ["a", "b"]},
+    }
 
 
 def _with_crc(state, folder, shard) -> bytes:
@@ -500,9 +534,18 @@ def test_dcp_shard_files_are_the_same_files_and_load_the_same_tensors(tmp_path, 
         assert (tmp_path / "ours" / shards[0]).read_bytes() != _with_crc(state, tmp_path / "with-crc", shards[0])
     expected = {"direct": 0, "page_cache": 0}
     if direct:
-        expected = {"direct": 1, "page_cache": 0} if o_direct_here(tmp_path) else {"direct": 0, "page_cache": 1, "page_cache_why": files.why}
+        expected = (
+            {"direct": 1, "page_cache": 0}
+            if o_direct_here(tmp_path)
+            else {"direct": 0, "page_cache": 1, "page_cache_why": files.why}
+        )
     assert files.report() == expected
-    loaded = {"w": torch.zeros(1500, 1100), "b": torch.zeros(7, dtype=torch.bfloat16), "step": torch.tensor(0), "extra": {"lr": 0.0, "names": []}}
+    loaded = {
+        "w": torch.zeros(1500, 1100),
+        "b": torch.zeros(7, dtype=torch.bfloat16),
+        "step": torch.tensor(0),
+        "extra": {"lr": 0.0, "names": []},
+    }
     dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path / "ours")), no_dist=True)
     assert all(torch.equal(loaded[k], state[k]) for k in ("w", "b", "step")) and loaded["extra"] == state["extra"]
 
@@ -522,7 +565,11 @@ def test_a_storage_writer_of_another_kind_is_left_as_it_is_and_said(tmp_path):
     with checkpoint_saves(files, direct=True):
         dcp.save(_state(), storage_writer=writer, no_dist=True)
     assert type(writer.fs) is OtherFS
-    assert files.report() == {"direct": 0, "page_cache": 0, "other_writer": "FileSystemWriter without DCP's FileSystem: its files written as it writes them"}
+    assert files.report() == {
+        "direct": 0,
+        "page_cache": 0,
+        "other_writer": "FileSystemWriter without DCP's FileSystem: its files written as it writes them",
+    }
 
 
 def test_a_failed_dcp_write_raises_and_leaves_no_whole_looking_shard(tmp_path, monkeypatch):
@@ -593,7 +640,11 @@ def test_leaving_out_the_crc_in_a_writer_thread_leaves_other_threads_saves_alone
     finally:
         release.set()
         writer.join(60)
-    assert not writer.is_alive() and (tmp_path / "ckpt" / ".metadata").is_file() and torch.serialization.get_crc32_options()
+    assert (
+        not writer.is_alive()
+        and (tmp_path / "ckpt" / ".metadata").is_file()
+        and torch.serialization.get_crc32_options()
+    )
 
 
 class _Hung(BaseException):
@@ -659,9 +710,10 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
     source.write_bytes(os.urandom(300 << 10))
     plan = [("write", os.urandom(rng.randint(1, 150 << 10))) for _ in range(3)]
     plan.insert(rng.randint(0, 3), ("copy_from", (rng.randint(0, 100 << 10), rng.randint(1, 150 << 10))))
+
     def piece(i: int) -> bytes:
         kind, arg = plan[i]
-        return arg if kind == "write" else source.read_bytes()[arg[0]:arg[0] + arg[1]]
+        return arg if kind == "write" else source.read_bytes()[arg[0] : arg[0] + arg[1]]
 
     whole = b"".join(map(piece, range(len(plan))))
 
@@ -673,7 +725,7 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
             with _Interrupts(*([interrupt_at] if interrupt_at else [])) as interrupts:
                 try:
                     f = DirectFile(path, sync=False)
-                    for step, (kind, arg) in enumerate(plan):
+                    for step, (kind, arg) in enumerate(plan):  # noqa: B007 (step: read after an interrupt)
                         f.write(arg) if kind == "write" else f.copy_from(src.fileno(), *arg)
                     step = len(plan)
                     f.close()
@@ -688,7 +740,7 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
             signal.setitimer(signal.ITIMER_REAL, 10)
             try:
                 later_ok = []
-                for i, (kind, arg) in enumerate(plan[step + 1:], step + 1):
+                for i, (kind, arg) in enumerate(plan[step + 1 :], step + 1):
                     try:
                         f.write(arg) if kind == "write" else f.copy_from(src.fileno(), *arg)
                         later_ok.append(i)
@@ -707,10 +759,14 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
                 signal.signal(signal.SIGALRM, signal.SIG_DFL)
             if closed_ok and step == len(plan):  # the close cut short, and closing again succeeded: the whole file
                 assert path.read_bytes() == whole, (interrupt_at, step)
-            if closed_ok and step < len(plan):  # every piece whole or absent: the cut one entirely in or out, never torn
+            if closed_ok and step < len(
+                plan
+            ):  # every piece whole or absent: the cut one entirely in or out, never torn
                 later = set(later_ok)
-                allowed = {b"".join(piece(i) for i in range(len(plan)) if i < step or i in later or (i == step and cut_in))
-                           for cut_in in (False, True)}
+                allowed = {
+                    b"".join(piece(i) for i in range(len(plan)) if i < step or i in later or (i == step and cut_in))
+                    for cut_in in (False, True)
+                }
                 assert path.read_bytes() in allowed, (interrupt_at, step, later_ok)
             return f, step, seen
 
@@ -774,7 +830,9 @@ def test_a_forked_child_does_not_wait_for_the_parents_writer_thread(tmp_path, mo
     import time
 
     real_pwrite, go = os.pwrite, threading.Event()
-    monkeypatch.setattr(direct_writes.os, "pwrite", lambda fd, data, offset: go.wait(10) and real_pwrite(fd, data, offset))
+    monkeypatch.setattr(
+        direct_writes.os, "pwrite", lambda fd, data, offset: go.wait(10) and real_pwrite(fd, data, offset)
+    )
     data = os.urandom(CHUNK + 10)
     for how in ("close", "abort"):
         f = DirectFile(tmp_path / how, sync=False)

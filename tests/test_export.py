@@ -8,8 +8,8 @@ import struct
 
 import pytest
 import torch
-
 from conftest import FAULT_SCRIPT, free_port, launch, read_json, run
+
 from fsdp_recipes.ckpt.readers import TensorInfo
 from fsdp_recipes.ckpt.safetensors_writer import weight_files, write_weights
 from fsdp_recipes.errors import CheckpointError
@@ -19,7 +19,7 @@ from fsdp_recipes.train.export import part_shard_size, wait_for_parts
 def header_dtypes(path) -> set[str]:
     raw = path.read_bytes()
     (size,) = struct.unpack("<Q", raw[:8])
-    return {v["dtype"] for k, v in json.loads(raw[8:8 + size]).items() if k != "__metadata__"}
+    return {v["dtype"] for k, v in json.loads(raw[8 : 8 + size]).items() if k != "__metadata__"}
 
 
 class MemorySource:
@@ -41,9 +41,13 @@ def test_parts_written_apart_make_the_folder_one_writer_makes(tmp_path, dtype):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     whole.mkdir(), parts.mkdir()
     size = 20_000 if dtype is None else 10_000  # about two tensors a shard: four shards for three parts
-    assert write_weights(source, names, whole, max_shard_size=size, dtype=dtype) == weight_files(source, names, size, dtype)
+    assert write_weights(source, names, whole, max_shard_size=size, dtype=dtype) == weight_files(
+        source, names, size, dtype
+    )
     written = [write_weights(source, names, parts, max_shard_size=size, dtype=dtype, part=(k, 3)) for k in range(3)]
-    assert all(written) and sorted(sum(written, [])) == sorted(p.name for p in whole.iterdir())  # each rank some, none twice
+    assert all(written) and sorted(sum(written, [])) == sorted(
+        p.name for p in whole.iterdir()
+    )  # each rank some, none twice
     assert "model.safetensors.index.json" in written[0]
     for p in whole.iterdir():
         assert (parts / p.name).read_bytes() == p.read_bytes(), p.name
@@ -60,7 +64,9 @@ def test_shard_size_gives_every_rank_a_share_of_a_large_model():
 def test_a_failed_rank_is_named_and_nothing_is_published(tmp_path):
     (tmp_path / ".part-0.done").write_text('{"files": ["model-00001-of-00002.safetensors"], "seconds": 1}\n')
     (tmp_path / ".part-1.failed").write_text("OSError: [Errno 28] No space left on device\n")
-    with pytest.raises(CheckpointError, match=r"rank 1 failed writing its part of the final model \(OSError: \[Errno 28\]"):
+    with pytest.raises(
+        CheckpointError, match=r"rank 1 failed writing its part of the final model \(OSError: \[Errno 28\]"
+    ):
         wait_for_parts(tmp_path, 2)
 
 
@@ -71,7 +77,9 @@ def test_a_rank_whose_heartbeat_stops_is_given_up_on(tmp_path, monkeypatch):
     monkeypatch.setattr(export, "PART_STALE_SECONDS", 0.3)
     (tmp_path / ".part-0.done").write_text('{"files": [], "seconds": 1}\n')
     (tmp_path / ".part-1.alive").write_text("7\n")  # written once, then never again
-    with pytest.raises(CheckpointError, match=r"rank 1 has shown no sign of life for 0 s .*\.part-1\.alive stopped changing"):
+    with pytest.raises(
+        CheckpointError, match=r"rank 1 has shown no sign of life for 0 s .*\.part-1\.alive stopped changing"
+    ):
         wait_for_parts(tmp_path, 2)
 
 
@@ -84,8 +92,10 @@ def test_a_bad_save_dtype_is_one_line(tmp_path):
         (tmp_path / "recipe.yaml").write_text("save_dtype: bf16\n")
         with pytest.raises(RecipeError) as err:
             parse_args([*args, "--output_dir", str(tmp_path / "out"), "--allow_no_fsdp", "true"])
-        assert str(err.value).endswith("save_dtype='bf16' is not one of auto, float32, bfloat16, float16") or \
-            str(err.value) == "recipe key save_dtype: 'bf16' is not one of auto, float32, bfloat16, float16"
+        assert (
+            str(err.value).endswith("save_dtype='bf16' is not one of auto, float32, bfloat16, float16")
+            or str(err.value) == "recipe key save_dtype: 'bf16' is not one of auto, float32, bfloat16, float16"
+        )
         assert "\n" not in str(err.value)
 
 
@@ -119,8 +129,20 @@ def test_export_slower_than_ddp_timeout_finishes_and_loads_in_bfloat16(tmp_path)
 
     out = tmp_path / "run"
     proc = launch(
-        "accelerate_configs/zero3.yaml", "--max_steps", "4", "--save_steps", "4", "--logging_steps", "2",
-        "--ddp_timeout", "8", "--save_dtype", "bfloat16", "--output_dir", str(out), script=FAULT_SCRIPT,
+        "accelerate_configs/zero3.yaml",
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "4",
+        "--logging_steps",
+        "2",
+        "--ddp_timeout",
+        "8",
+        "--save_dtype",
+        "bfloat16",
+        "--output_dir",
+        str(out),
+        script=FAULT_SCRIPT,
         env={"FSDP_FAULT": "0:slowexport:20", "FSDP_EXPORT_PART_MIN": "1000"},
     )
     assert "rank 0 writes its part of the final model 20 s late" in proc.stderr
@@ -135,7 +157,9 @@ def test_export_slower_than_ddp_timeout_finishes_and_loads_in_bfloat16(tmp_path)
     assert read_json(out / "model" / "config.json")["dtype"] == "bfloat16"
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert model.dtype == torch.bfloat16
-    merge_fsdp_weights(str(out / "checkpoint-4" / "pytorch_model_fsdp_0"), str(tmp_path / "ref"), safe_serialization=True)
+    merge_fsdp_weights(
+        str(out / "checkpoint-4" / "pytorch_model_fsdp_0"), str(tmp_path / "ref"), safe_serialization=True
+    )
     reference, loaded = load_file(tmp_path / "ref" / "model.safetensors"), model.state_dict()
     assert set(reference) == set(loaded)
     assert all(torch.equal(loaded[k], v.to(torch.bfloat16)) for k, v in reference.items())

@@ -9,11 +9,10 @@ import time
 
 import pytest
 import torch
+from conftest import FAULT_SCRIPT, QUICK, REPO, elastic_root_cause, launch, logged_losses, quick, read_json
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, quick, read_json
-from test_config_check import elastic_root_cause
 from fsdp_recipes.ckpt.merge import merge_checkpoint
 from fsdp_recipes.ckpt.readers import DCPSource
 
@@ -41,24 +40,37 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, config, fault,
     (FSDP1 needs FSDPTrainer's optimizer fix: without it, Adam's moments restart and the weights differ by ~1e-2.)"""
     uninterrupted = trained(config).output_dir
     out = tmp_path / "run"
-    killed = launch(config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": fault}, check=False)
+    killed = launch(
+        config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": fault}, check=False
+    )
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
     assert not (out / "model").exists() and not list(out.glob(".run.lock*"))  # no model, and no lock file left behind
 
     as_loaded = tmp_path / "optimizer-as-loaded"
     resumed = launch(
-        config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true",
-        script=FAULT_SCRIPT, env={"FSDP_DUMP_OPTIMIZER": str(as_loaded)},
+        config,
+        *QUICK,
+        "--output_dir",
+        str(out),
+        "--resume_from_checkpoint",
+        "true",
+        script=FAULT_SCRIPT,
+        env={"FSDP_DUMP_OPTIMIZER": str(as_loaded)},
     )
     assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     if fault.endswith(":optimizer:12"):  # the torn checkpoint-12 is named, skipped and kept aside
         assert "skipping checkpoint-12" in resumed.stderr and "missing optimizer_0/" in resumed.stderr
         assert (out / "incomplete-checkpoint-12" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert read_json(out / "trainer_state.json")["global_step"] == 12
-    assert sorted(p.name for p in (out / "model").iterdir()) == sorted(p.name for p in trained(config).model_dir.iterdir())
+    assert sorted(p.name for p in (out / "model").iterdir()) == sorted(
+        p.name for p in trained(config).model_dir.iterdir()
+    )
     assert not list(out.glob(".run.lock*"))
 
-    final, reference = load_file(out / "model" / "model.safetensors"), load_file(uninterrupted / "model" / "model.safetensors")
+    final, reference = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(uninterrupted / "model" / "model.safetensors"),
+    )
     assert set(final) == set(reference)
     for name in reference:
         assert torch.equal(final[name], reference[name]), name
@@ -75,7 +87,10 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, config, fault,
 
 # (config, signal): SIGTERM from rank 0 to the launcher and every rank (as SLURM sends it to a job step), or
 # SIGUSR1 to rank 1 alone (rank 0 never gets it and must stop at the same step).
-SIGNALS = [("accelerate_configs/zero2.yaml", "0:sigterm:8", "SIGTERM", 143), ("accelerate_configs/fsdp1/zero2.yaml", "1:usr1:8", "SIGUSR1", 138)]
+SIGNALS = [
+    ("accelerate_configs/zero2.yaml", "0:sigterm:8", "SIGTERM", 143),
+    ("accelerate_configs/fsdp1/zero2.yaml", "1:usr1:8", "SIGUSR1", 138),
+]
 
 
 @pytest.mark.parametrize("config, fault, name, code", SIGNALS, ids=["fsdp2-sigterm-group", "fsdp1-usr1-one-rank"])
@@ -86,22 +101,45 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(trained, config, fault
 
     uninterrupted = trained(config).output_dir
     out = tmp_path / "run"
-    stopped = launch(config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": fault}, check=False, new_session=True)
-    assert f"stopped by {name} after step 9: saved {out}/checkpoint-9; the run is not finished: run the same command with --resume_from_checkpoint true" in stopped.stdout + stopped.stderr, stopped.stderr[-3000:]
+    stopped = launch(
+        config,
+        *QUICK,
+        "--output_dir",
+        str(out),
+        script=FAULT_SCRIPT,
+        env={"FSDP_FAULT": fault},
+        check=False,
+        new_session=True,
+    )
+    assert (
+        f"stopped by {name} after step 9: saved {out}/checkpoint-9; the run is not finished: run the same command with --resume_from_checkpoint true"
+        in stopped.stdout + stopped.stderr
+    ), stopped.stderr[-3000:]
     # the ranks exit 128 + signal; a launcher that got SIGTERM too exits 1 through torch elastic's SignalException
-    assert stopped.returncode != 0 and (f"exitcode  : {code}" in stopped.stderr or "SignalException" in stopped.stderr), stopped.stderr[-3000:]
+    assert stopped.returncode != 0 and (
+        f"exitcode  : {code}" in stopped.stderr or "SignalException" in stopped.stderr
+    ), stopped.stderr[-3000:]
     assert checkpoint_status(out / "checkpoint-9").resumable and not (out / "model").exists()
     if "Root Cause (first observed failure)" in stopped.stderr:  # the launcher's report ends with our line
-        assert elastic_root_cause(stopped.stderr).startswith(f"train_fsdp.py: stopped by {name} after step 9"), stopped.stderr[-3000:]
+        assert elastic_root_cause(stopped.stderr).startswith(f"train_fsdp.py: stopped by {name} after step 9"), (
+            stopped.stderr[-3000:]
+        )
     resumed = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert f"resuming from {out / 'checkpoint-9'}" in resumed.stdout
     assert "pin_memory" not in resumed.stderr  # nothing to pin to on CPU: no warning per DataLoader
     args = read_json(out / "run_args.json")  # the arguments in force, the accelerate config's text included
     assert args["accelerate_config_file"].endswith(config) and "fsdp_version" in args["accelerate_config"]
-    assert args["accelerate_settings"]["fsdp_config"]["fsdp_version"] == (2 if "fsdp1" not in config else 1)  # in force: file + flags
-    assert args["accelerate_settings_from"] == f"{REPO / config} + accelerate launch (--main_process_port)"  # the tests pick a free port
+    assert args["accelerate_settings"]["fsdp_config"]["fsdp_version"] == (
+        2 if "fsdp1" not in config else 1
+    )  # in force: file + flags
+    assert (
+        args["accelerate_settings_from"] == f"{REPO / config} + accelerate launch (--main_process_port)"
+    )  # the tests pick a free port
     assert args["training"]["resume_from_checkpoint"] == str(out / "checkpoint-9") and args["world_size"] == 2
-    final, reference = load_file(out / "model" / "model.safetensors"), load_file(uninterrupted / "model" / "model.safetensors")
+    final, reference = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(uninterrupted / "model" / "model.safetensors"),
+    )
     assert set(final) == set(reference)
     for tensor_name in reference:
         assert torch.equal(final[tensor_name], reference[tensor_name]), tensor_name
@@ -114,11 +152,21 @@ def test_ctrl_c_is_one_line_on_how_to_resume(tmp_path):
     ranks): one line per machine saying how to resume, not a traceback per rank. The launcher's own traceback
     (torch elastic's SignalException) is the launcher's."""
     out = tmp_path / "run"
-    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "0:sigint:3"}, check=False, new_session=True)
+    proc = launch(
+        "accelerate_configs/zero3.yaml",
+        *QUICK,
+        "--output_dir",
+        str(out),
+        script=FAULT_SCRIPT,
+        env={"FSDP_FAULT": "0:sigint:3"},
+        check=False,
+        new_session=True,
+    )
     ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py:")]
     assert proc.returncode != 0 and ours == [
         "train_fsdp.py: interrupted: nothing was saved since the last checkpoint; no checkpoint was saved yet: run the "
-        "same command again to start over (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)"], proc.stderr[-3000:]
+        "same command again to start over (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)"
+    ], proc.stderr[-3000:]
     assert "[rank" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
     # (hostile review) the line said to resume, which found no checkpoint: what it says now works
     again = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out))
@@ -143,7 +191,9 @@ def test_what_to_run_after_a_stop_is_what_works_in_the_folder_left(trained, tmp_
     assert how_to_go_on(out).endswith("continue from checkpoint-6")
     shutil.rmtree(out / "checkpoint-6" / "pytorch_model_fsdp_0")  # cut short before any shard: the first save
     said = how_to_go_on(out)
-    assert said.startswith("no checkpoint is complete (checkpoint-12, checkpoint-6 cut short): run the same command with --overwrite_output_dir true"), said
+    assert said.startswith(
+        "no checkpoint is complete (checkpoint-12, checkpoint-6 cut short): run the same command with --overwrite_output_dir true"
+    ), said
     proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), "--overwrite_output_dir", "true")
     assert (out / "model").is_dir() and checkpoint_status(out / "checkpoint-12").resumable, proc.stderr[-2000:]
 
@@ -156,7 +206,9 @@ def test_killed_while_writing_the_final_model_resumes_without_training(trained, 
     folders of the killed export are removed."""
     config = "accelerate_configs/zero3.yaml"
     out = tmp_path / "run"
-    killed = launch(config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False)
+    killed = launch(
+        config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False
+    )
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr
     assert not (out / "model").exists() and (out / "checkpoint-12").is_dir()
     for f in (out / "checkpoint-12").iterdir():
@@ -184,9 +236,19 @@ def test_epoch_based_run_killed_while_writing_the_final_model(tmp_path):
     """Without max_steps the Trainer resumed at the end of its last epoch trains nothing (no extra step to guard
     against, unlike above): the final folder holds the last checkpoint's weights."""
     config = "accelerate_configs/zero3.yaml"
-    epochs = (*quick(max_steps="-1"), "--num_train_epochs", "1", "--save_strategy", "epoch", "--max_train_samples", "600")  # 16 steps
+    epochs = (
+        *quick(max_steps="-1"),
+        "--num_train_epochs",
+        "1",
+        "--save_strategy",
+        "epoch",
+        "--max_train_samples",
+        "600",
+    )  # 16 steps
     out = tmp_path / "run"
-    killed = launch(config, *epochs, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False)
+    killed = launch(
+        config, *epochs, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False
+    )
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr
     [ckpt] = out.glob("checkpoint-*")
     step = read_json(ckpt / "trainer_state.json")["global_step"]
@@ -195,7 +257,10 @@ def test_epoch_based_run_killed_while_writing_the_final_model(tmp_path):
     assert [p.name for p in out.glob("checkpoint-*")] == [ckpt.name]
     assert read_json(out / "trainer_state.json")["global_step"] == step
     merge_checkpoint(ckpt, tmp_path / "merged", log=lambda *_: None)
-    final, reference = load_file(out / "model" / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+    final, reference = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(tmp_path / "merged" / "model.safetensors"),
+    )
     assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
 
 
@@ -208,7 +273,9 @@ def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained,
     config = "accelerate_configs/zero3.yaml"
     out = tmp_path / "run"
     limit_1 = [*quick(save_total_limit="1"), "--async_checkpoints", str(background).lower()]
-    killed = launch(config, *limit_1, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:rng:12"}, check=False)
+    killed = launch(
+        config, *limit_1, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:rng:12"}, check=False
+    )
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
     assert (out / "checkpoint-12" / "trainer_state.json").is_file() is not background
     assert not (out / "checkpoint-12" / "rng_state_1.pth").exists()
@@ -216,7 +283,10 @@ def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained,
     resumed = launch(config, *limit_1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert "skipping checkpoint-12" in resumed.stderr and f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12"]  # the limit still holds
-    final, reference = load_file(out / "model" / "model.safetensors"), load_file(trained(config).model_dir / "model.safetensors")
+    final, reference = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(trained(config).model_dir / "model.safetensors"),
+    )
     assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
 
 
@@ -232,12 +302,22 @@ def test_resume_on_more_processes_reshards(trained, config, tmp_path):
     out.mkdir()
     shutil.copytree(uninterrupted / "checkpoint-6", out / "checkpoint-6")
     proc = launch(
-        config, *QUICK, "--per_device_train_batch_size", "4", "--output_dir", str(out),
-        "--resume_from_checkpoint", "true", launch_args=("--num_processes", "4"),
+        config,
+        *QUICK,
+        "--per_device_train_batch_size",
+        "4",
+        "--output_dir",
+        str(out),
+        "--resume_from_checkpoint",
+        "true",
+        launch_args=("--num_processes", "4"),
     )
     assert "checkpoint-6 was saved by 2 processes, this run has 4" in proc.stderr
     assert read_json(out / "fsdp_report.json")["world_size"] == 4
-    final, reference = load_file(out / "model" / "model.safetensors"), load_file(uninterrupted / "model" / "model.safetensors")
+    final, reference = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(uninterrupted / "model" / "model.safetensors"),
+    )
     source = DCPSource(uninterrupted / "checkpoint-6" / "pytorch_model_fsdp_0")
     at_6 = source.read(list(source.tensors))
     for name, tensor in reference.items():
@@ -252,9 +332,21 @@ def test_resume_on_more_processes_reshards(trained, config, tmp_path):
 TINY = "config_name: assets/tiny-llama\n"
 CORPUS = "train_file: assets/data/tiny_corpus.txt\n"
 BAD_INPUT = {  # case: (recipe or None for the default, extra flags, the one error line)
-    "missing dataset file": (None, ["--train_file", "/nonexistent/corpus.txt"], "train_file='/nonexistent/corpus.txt': does not exist"),
-    "missing model path": ("model_name_or_path: ./no-such-model\n" + CORPUS, [], "model_name_or_path='./no-such-model' does not exist"),
-    "unknown recipe key": (TINY + CORPUS + "num_train_epoch: 3\n", [], "recipe: unknown key(s): num_train_epoch (did you mean num_train_epochs?)"),
+    "missing dataset file": (
+        None,
+        ["--train_file", "/nonexistent/corpus.txt"],
+        "train_file='/nonexistent/corpus.txt': does not exist",
+    ),
+    "missing model path": (
+        "model_name_or_path: ./no-such-model\n" + CORPUS,
+        [],
+        "model_name_or_path='./no-such-model' does not exist",
+    ),
+    "unknown recipe key": (
+        TINY + CORPUS + "num_train_epoch: 3\n",
+        [],
+        "recipe: unknown key(s): num_train_epoch (did you mean num_train_epochs?)",
+    ),
     "bad value": (TINY + CORPUS + "learning_rate: fast\n", [], "recipe key learning_rate: 'fast' is not a valid float"),
     "another run's checkpoints": (None, [], "already holds another run's checkpoints (checkpoint-6)"),
 }
@@ -311,9 +403,15 @@ def test_an_earlier_checkpoint_starts_a_branch_and_later_ones_are_never_rewritte
     shutil.copytree(uninterrupted, out, ignore=shutil.ignore_patterns("model"))  # run_args.json: the run is ours
     old = (out / "checkpoint-12" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes()
     proc = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-6"))
-    assert "resuming checkpoint-6 starts a new branch of the run: moved checkpoint-12 to replaced-checkpoint-12" in proc.stdout + proc.stderr
+    assert (
+        "resuming checkpoint-6 starts a new branch of the run: moved checkpoint-12 to replaced-checkpoint-12"
+        in proc.stdout + proc.stderr
+    )
     assert (out / "replaced-checkpoint-12" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes() == old
-    final, reference = load_file(out / "model" / "model.safetensors"), load_file(uninterrupted / "model" / "model.safetensors")
+    final, reference = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(uninterrupted / "model" / "model.safetensors"),
+    )
     assert all(torch.equal(final[k], reference[k]) for k in reference)
 
 
@@ -360,7 +458,10 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tm
 
     disk = tmp_path / "small-disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("mounting a 5 MB tmpfs needs root, which this machine does not give the tests")
     try:
         out = disk / "run"
@@ -368,8 +469,13 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tm
         errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
         assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
         assert f"train_fsdp.py: error: no space left on {out}: a checkpoint takes 3.5 MB" in errors[0]
-        assert "MB more; checkpoint-6 is intact: free space (or move output_dir), then run the same command with --resume_from_checkpoint true" in errors[0]
-        assert checkpoint_status(out / "checkpoint-6").resumable and not checkpoint_status(out / "checkpoint-12").resumable
+        assert (
+            "MB more; checkpoint-6 is intact: free space (or move output_dir), then run the same command with --resume_from_checkpoint true"
+            in errors[0]
+        )
+        assert (
+            checkpoint_status(out / "checkpoint-6").resumable and not checkpoint_status(out / "checkpoint-12").resumable
+        )
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
 
@@ -386,18 +492,30 @@ def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes
 
     disk = tmp_path / "small-disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7800k", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7800k", "tmpfs", str(disk)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("mounting a tmpfs needs root, which this machine does not give the tests")
     try:
         out, args = disk / "run", ("--max_steps", "4", "--save_steps", "2", "--logging_steps", "1")
         proc = launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(out), check=False)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-        assert proc.returncode != 0 and len(errors) == 1 and "[rank" not in proc.stderr, proc.stderr[-3000:]  # no rank's traceback
+        assert proc.returncode != 0 and len(errors) == 1 and "[rank" not in proc.stderr, proc.stderr[
+            -3000:
+        ]  # no rank's traceback
         assert f"no space left on {out} while writing the final model (" in errors[0], errors
-        assert "training had finished and checkpoint-4 is intact: free space, then run the same command with --resume_from_checkpoint true" in errors[0]
+        assert (
+            "training had finished and checkpoint-4 is intact: free space, then run the same command with --resume_from_checkpoint true"
+            in errors[0]
+        )
         assert checkpoint_status(out / "checkpoint-4").resumable and not (out / "model").exists()
-        subprocess.run(["mount", "-o", "remount,size=20m", str(disk)], check=True)  # (review) the resume asked for a 64 MB margin
-        resumed = launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+        subprocess.run(
+            ["mount", "-o", "remount,size=20m", str(disk)], check=True
+        )  # (review) the resume asked for a 64 MB margin
+        resumed = launch(
+            "accelerate_configs/zero3.yaml", *args, "--output_dir", str(out), "--resume_from_checkpoint", "true"
+        )
         assert "model saved to" in resumed.stdout + resumed.stderr
         assert load_file(out / "model" / "model.safetensors")  # the model, written without training again
         assert read_json(out / "trainer_state.json")["global_step"] == 4

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, cli, one_line_error, run
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
-
-from conftest import REPO, run
-from test_hostile_files import cli, one_line_error
 
 CASES = ["raw_dcp", "get_state_dict", "bf16", "lightning"]
 LAYOUTS = {
@@ -84,7 +82,9 @@ def test_peft_lora_merged_and_adapter_only(corpus, tmp_path, capsys):
     assert_equal_weights(merged, corpus / "peft_lora.truth.safetensors")
     assert cli("merge_checkpoint", [str(corpus / "peft_lora"), str(adapter), "--adapter-only"]) == 0
     assert_equal_weights(adapter, corpus / "peft_lora.adapter.safetensors", "adapter_model.safetensors")
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(merged)), adapter)
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(merged)), adapter
+    )
     assert peft_model.peft_config["default"].r == 4
     loaded = {k: v for k, v in peft_model.state_dict().items() if ".lora_" in k}
     written = load_file(adapter / "adapter_model.safetensors")
@@ -97,7 +97,9 @@ def test_peft_lora_merged_and_adapter_only(corpus, tmp_path, capsys):
     config = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     assert cli("merge_checkpoint", [str(dora), str(tmp_path / "x")]) == 1
-    assert "DoRA is not supported by this merge" in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert "DoRA is not supported by this merge" in one_line_error(
+        capsys.readouterr().err, "merge_checkpoint.py: error: "
+    )
     (dora / "adapter_config.json").unlink()
     assert cli("merge_checkpoint", [str(dora), str(tmp_path / "x")]) == 1
     assert "no adapter_config.json in" in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
@@ -107,9 +109,19 @@ def test_peft_lora_merged_and_adapter_only(corpus, tmp_path, capsys):
 def test_stock_trainer_checkpoint_without_config_or_tokenizer(trained, config_only, tmp_path, capsys):
     """The Trainer alone (no tokenizer passed, SHARDED_STATE_DICT) leaves only shards and trainer state."""
     ckpt = tmp_path / "checkpoint-12"
-    keep = ("pytorch_model_fsdp_0", "optimizer_0", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth")
-    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", ckpt,
-                    ignore=lambda d, names: [n for n in names if Path(d).name == "checkpoint-12" and n not in keep])
+    keep = (
+        "pytorch_model_fsdp_0",
+        "optimizer_0",
+        "scheduler.pt",
+        "trainer_state.json",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    )
+    shutil.copytree(
+        trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12",
+        ckpt,
+        ignore=lambda d, names: [n for n in names if Path(d).name == "checkpoint-12" and n not in keep],
+    )
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "a")]) == 1
     err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
     assert "no config.json in" in err and "pass --base-model" in err
@@ -122,16 +134,35 @@ def test_unreadable_layout_names_what_was_found(corpus, config_only, tmp_path, c
     other = tmp_path / "other-config"
     other.mkdir()
     config = json.loads((config_only / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": config["vocab_size"]}))
+    (other / "config.json").write_text(
+        json.dumps(
+            {
+                **config,
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "n_embd": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "vocab_size": config["vocab_size"],
+            }
+        )
+    )
     assert cli("merge_checkpoint", [str(corpus / "raw_dcp"), str(tmp_path / "out"), "--base-model", str(other)]) == 1
     err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
-    assert "weights of GPT2LMHeadModel (e.g. transformer.h.0.attn.c_attn.bias); it stores lm_head.weight, model.embed_tokens.weight" in err, err
+    assert (
+        "weights of GPT2LMHeadModel (e.g. transformer.h.0.attn.c_attn.bias); it stores lm_head.weight, model.embed_tokens.weight"
+        in err
+    ), err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
 ACCELERATE_LOOPS = [
     ("accelerate_configs/fsdp1/zero3.yaml", (), 'weights under "model."'),  # FSDP1, sharded: pytorch_model_fsdp_0/
-    ("accelerate_configs/zero3.yaml", ("--fsdp_state_dict_type", "FULL_STATE_DICT"), "weights at the top level"),  # FSDP2, full .bin
+    (
+        "accelerate_configs/zero3.yaml",
+        ("--fsdp_state_dict_type", "FULL_STATE_DICT"),
+        "weights at the top level",
+    ),  # FSDP2, full .bin
 ]
 
 

@@ -16,14 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import ALL_CONFIGS, DDP_CONFIG, REPO, launch, read_json
 
 from bench.estimate_calibration import launch_args
-from conftest import ALL_CONFIGS, DDP_CONFIG, REPO, launch, read_json
 from fsdp_recipes.config.strategy import strategy_of
 
 pytestmark = [
-    pytest.mark.gpu, pytest.mark.slow,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run `python -m pytest -m gpu tests` on a GPU node"),
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA: run `python -m pytest -m gpu tests` on a GPU node"
+    ),
 ]
 HIDDEN, LAYERS, STEPS = 768, 14, 20  # 75M parameters with the tiny tokenizer's vocabulary
 
@@ -65,10 +68,26 @@ def gpu_run(model_dir, tmp_path_factory):
     def get(config: str) -> Path:
         if config not in runs:
             out = tmp_path_factory.mktemp(config.replace("/", "_").removesuffix(".yaml"))
-            profile = ("--profile_steps", "1-1") if strategy_of(shipped(config)).offload else ()  # where offload's peak is
-            launch(config, "--config_name", str(model_dir), "--tokenizer_name", str(REPO / "assets" / "tiny-llama"),
-                   "--max_steps", str(STEPS), "--save_steps", "10", "--logging_steps", "5", "--output_dir", str(out), *profile,
-                   launch_args=tuple(launch_args(config, gpus())))
+            profile = (
+                ("--profile_steps", "1-1") if strategy_of(shipped(config)).offload else ()
+            )  # where offload's peak is
+            launch(
+                config,
+                "--config_name",
+                str(model_dir),
+                "--tokenizer_name",
+                str(REPO / "assets" / "tiny-llama"),
+                "--max_steps",
+                str(STEPS),
+                "--save_steps",
+                "10",
+                "--logging_steps",
+                "5",
+                "--output_dir",
+                str(out),
+                *profile,
+                launch_args=tuple(launch_args(config, gpus())),
+            )
             runs[config] = out
         return runs[config]
 
@@ -97,11 +116,15 @@ def test_config_trains_sharded_in_bf16_within_the_estimate(gpu_run, model_dir, c
     offload = strategy_of(shipped(config)).offload
     # FSDP2 HSDP on one node: 2 replicas of n/2 shards, which the formula calls 2 nodes of n/2
     nodes = 2 if strategy == "HYBRID_SHARD" and version == 2 else 1
-    est = estimate(model_shape(str(model_dir)), Setup(strategy=strategy, nproc_per_node=n // nodes, nnodes=nodes, offload=offload,
-                                                     micro_batch=8, seq_len=128))
+    est = estimate(
+        model_shape(str(model_dir)),
+        Setup(strategy=strategy, nproc_per_node=n // nodes, nnodes=nodes, offload=offload, micro_batch=8, seq_len=128),
+    )
     for rank in report["ranks"]:
         # accelerate wraps in DDP only with 2+ processes; FSDP wraps on one GPU too
-        assert rank["wrapper"] == (f"FSDP{version}" if version else "DistributedDataParallel" if n > 1 else "LlamaForCausalLM")
+        assert rank["wrapper"] == (
+            f"FSDP{version}" if version else "DistributedDataParallel" if n > 1 else "LlamaForCausalLM"
+        )
         assert rank["local_param_elements"] * shard == pytest.approx(total, rel=1e-3)
         peak = rank["peak_memory"]["cuda_max_allocated_bytes"]
         states = sum(rank["bytes"].values())
@@ -120,14 +143,23 @@ def test_config_trains_sharded_in_bf16_within_the_estimate(gpu_run, model_dir, c
 
 
 def test_offload_lowers_the_peak(gpu_run):
-    for plain, offload in (("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"),
-                           ("accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml")):
-        peaks = [max(r["peak_memory"]["cuda_max_allocated_bytes"] for r in read_json(gpu_run(c) / "fsdp_report.json")["ranks"])
-                 for c in (plain, offload)]
+    for plain, offload in (
+        ("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"),
+        ("accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml"),
+    ):
+        peaks = [
+            max(
+                r["peak_memory"]["cuda_max_allocated_bytes"]
+                for r in read_json(gpu_run(c) / "fsdp_report.json")["ranks"]
+            )
+            for c in (plain, offload)
+        ]
         assert peaks[1] < peaks[0], (plain, peaks)
 
 
-@pytest.mark.parametrize("config", ["accelerate_configs/zero3_offload.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml"])
+@pytest.mark.parametrize(
+    "config", ["accelerate_configs/zero3_offload.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml"]
+)
 def test_the_profile_says_what_was_live_at_the_peak(gpu_run, config):
     """--profile_steps on CUDA: the memory viewer's snapshot, and in summary.json the allocations live at the profiled
     step's peak by the code that made them (offload's step 1 holds its whole-run peak: nothing is allocated before)."""

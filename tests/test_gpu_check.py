@@ -15,7 +15,6 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -35,8 +34,16 @@ def test_every_pinned_wheel_is_the_version_requirements_txt_pins():
 
 
 # the GPU machine's Python (KINDS.md): Linux, x86-64, CPython 3.12
-GPU_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
-              "platform_machine": "x86_64", "platform_python_implementation": "CPython", "implementation_name": "cpython", "extra": ""}
+GPU_PYTHON = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "platform_python_implementation": "CPython",
+    "implementation_name": "cpython",
+    "extra": "",
+}
 
 
 def _requirements(name: str) -> list[str]:
@@ -66,55 +73,82 @@ def test_version_lines_name_each_difference_once():
     assert len(lines) == 3
     assert lines[0].startswith("torch 2.11.0 here, requirements.txt pins 2.13.0")
     assert lines[1].startswith("transformers 5.17.0 here, requirements.txt pins 5.23.0")
-    assert lines[2].startswith("datasets: not installed (requirements.txt pins 5.2.0)") and "bench/gpu_wheels.sh" in lines[2]
+    assert (
+        lines[2].startswith("datasets: not installed (requirements.txt pins 5.2.0)")
+        and "bench/gpu_wheels.sh" in lines[2]
+    )
 
 
-ROW = {"config": "accelerate_configs/zero3.yaml", "fsdp_version": 2, "offload": False, "states_bytes": 100, "estimate_states": 100,
-       "peak_allocated": 200, "estimate_peak": 200, "mfu": 0.4}
+ROW = {
+    "config": "accelerate_configs/zero3.yaml",
+    "fsdp_version": 2,
+    "offload": False,
+    "states_bytes": 100,
+    "estimate_states": 100,
+    "peak_allocated": 200,
+    "estimate_peak": 200,
+    "mfu": 0.4,
+}
 
 
-@pytest.mark.parametrize("change, failing", [
-    ({}, []),
-    ({"states_bytes": 109}, []),
-    ({"states_bytes": 111}, ["model states / formula"]),
-    ({"states_bytes": 89}, ["model states / formula"]),
-    ({"peak_allocated": 225}, ["peak allocated / estimate"]),
-    ({"peak_allocated": None}, ["peak allocated / estimate"]),
-    ({"mfu": 0.9}, ["MFU"]),
-    ({"mfu": 0.01}, ["MFU"]),
-    ({"mfu": None}, ["MFU"]),
-    ({"offload": True, "mfu": 0.011}, []),  # the host's Adam bounds offload (an H200 with 16 host cores: 1.1%)
-    ({"offload": True, "mfu": 0.001}, ["MFU"]),
-    ({"offload": True, "mfu": 0.9}, ["MFU"]),
-    ({"merge_equal": False}, ["merged checkpoint loads with the final weights"]),
-    ({"merge_equal": True}, []),
-])
+@pytest.mark.parametrize(
+    "change, failing",
+    [
+        ({}, []),
+        ({"states_bytes": 109}, []),
+        ({"states_bytes": 111}, ["model states / formula"]),
+        ({"states_bytes": 89}, ["model states / formula"]),
+        ({"peak_allocated": 225}, ["peak allocated / estimate"]),
+        ({"peak_allocated": None}, ["peak allocated / estimate"]),
+        ({"mfu": 0.9}, ["MFU"]),
+        ({"mfu": 0.01}, ["MFU"]),
+        ({"mfu": None}, ["MFU"]),
+        ({"offload": True, "mfu": 0.011}, []),  # the host's Adam bounds offload (an H200 with 16 host cores: 1.1%)
+        ({"offload": True, "mfu": 0.001}, ["MFU"]),
+        ({"offload": True, "mfu": 0.9}, ["MFU"]),
+        ({"merge_equal": False}, ["merged checkpoint loads with the final weights"]),
+        ({"merge_equal": True}, []),
+    ],
+)
 def test_config_checks_fail_when_a_number_is_off(change, failing):
     checks = gpu_check.config_checks({**ROW, **change})
     assert sorted(c["check"].split(": ", 1)[1] for c in checks if not c["passed"]) == sorted(failing)
-    assert len(checks) == 3 + ("merge_equal" in change) - bool(change.get("offload"))  # offload's states are in host memory
+    assert len(checks) == 3 + ("merge_equal" in change) - bool(
+        change.get("offload")
+    )  # offload's states are in host memory
 
 
-@pytest.mark.parametrize("offload, on_gpu, in_place, staged, failing", [
-    (True, True, 2, 0, []),
-    (True, True, 1, 0, ["background saves written in place"]),  # one save copied the offloaded shards
-    (True, True, 2, 4096, ["host copy bytes of in-place saves"]),
-    (False, True, 0, 4096, []),  # GPU shards: a host copy
-    (False, True, 2, 0, ["background saves written from a host copy"]),  # GPU tensors handed to a thread live: torn
-    (False, False, 2, 0, []),  # the CPU run of this check: host shards
-])
+@pytest.mark.parametrize(
+    "offload, on_gpu, in_place, staged, failing",
+    [
+        (True, True, 2, 0, []),
+        (True, True, 1, 0, ["background saves written in place"]),  # one save copied the offloaded shards
+        (True, True, 2, 4096, ["host copy bytes of in-place saves"]),
+        (False, True, 0, 4096, []),  # GPU shards: a host copy
+        (False, True, 2, 0, ["background saves written from a host copy"]),  # GPU tensors handed to a thread live: torn
+        (False, False, 2, 0, []),  # the CPU run of this check: host shards
+    ],
+)
 def test_background_saves_must_stage_as_the_shards_live(offload, on_gpu, in_place, staged, failing):
-    row = {"config": "c", "offload": offload, "checkpoint_writes": {"mode": "background", "saves": 2, "in_place_saves": in_place,
-                                                                     "staged_bytes_max": staged}}
+    row = {
+        "config": "c",
+        "offload": offload,
+        "checkpoint_writes": {"mode": "background", "saves": 2, "in_place_saves": in_place, "staged_bytes_max": staged},
+    }
     checks = gpu_check.staging_checks(row, on_gpu)
     assert sorted(c["check"].split(": ", 1)[1] for c in checks if not c["passed"]) == failing
     assert gpu_check.staging_checks({"config": "c", "checkpoint_writes": {"mode": "blocking"}}, on_gpu) == []
-    no_saves = gpu_check.staging_checks({"config": "c", "offload": offload, "checkpoint_writes": {"mode": "background", "saves": 0}}, on_gpu)
+    no_saves = gpu_check.staging_checks(
+        {"config": "c", "offload": offload, "checkpoint_writes": {"mode": "background", "saves": 0}}, on_gpu
+    )
     assert not no_saves[0]["passed"]  # nothing saved proves nothing
 
 
 def test_offload_must_lower_the_peak():
-    rows = {"accelerate_configs/zero3.yaml": {"peak_allocated": 100}, "accelerate_configs/zero3_offload.yaml": {"peak_allocated": 60}}
+    rows = {
+        "accelerate_configs/zero3.yaml": {"peak_allocated": 100},
+        "accelerate_configs/zero3_offload.yaml": {"peak_allocated": 60},
+    }
     [lower] = gpu_check.offload_checks(rows)
     assert lower["passed"] and lower["value"] == 0.6
     rows["accelerate_configs/zero3_offload.yaml"]["peak_allocated"] = 100
@@ -124,13 +158,23 @@ def test_offload_must_lower_the_peak():
     # a visit that ran only one of the pair (--runs) compares nothing rather than failing a comparison it never made
     assert gpu_check.offload_checks({"accelerate_configs/zero3_offload.yaml": {"peak_allocated": 60}}) == []
     assert gpu_check.offload_checks({"accelerate_configs/zero3.yaml": {"peak_allocated": 60}}) == []
-    skipped = {"accelerate_configs/zero3.yaml": {"peak_allocated": 100}, "accelerate_configs/zero3_offload.yaml": {"error": "not run: budget"}}
-    assert gpu_check.offload_checks(skipped) == []  # its "ran" check fails; a comparison never made is not a second failure
+    skipped = {
+        "accelerate_configs/zero3.yaml": {"peak_allocated": 100},
+        "accelerate_configs/zero3_offload.yaml": {"error": "not run: budget"},
+    }
+    assert (
+        gpu_check.offload_checks(skipped) == []
+    )  # its "ran" check fails; a comparison never made is not a second failure
 
 
 def test_the_report_shows_every_run_and_every_verdict():
-    rows = [{**ROW, "wrapper": "FSDPModule", "tokens_per_second": 12345.6, "peak_reserved": 300, "seconds": 61},
-            {"config": "accelerate_configs/hybrid_shard.yaml", "error": "not run: FSDP2 HSDP is 2 replicas x 2+ shards (4 GPUs)"}]
+    rows = [
+        {**ROW, "wrapper": "FSDPModule", "tokens_per_second": 12345.6, "peak_reserved": 300, "seconds": 61},
+        {
+            "config": "accelerate_configs/hybrid_shard.yaml",
+            "error": "not run: FSDP2 HSDP is 2 replicas x 2+ shards (4 GPUs)",
+        },
+    ]
     checks = gpu_check.config_checks({**ROW, "mfu": 0.99})
     text = gpu_check.markdown(rows, checks, ["torch 2.11.0 here, requirements.txt pins 2.13.0"])
     table = [line for line in text.splitlines() if line.startswith("| accelerate_configs")]
@@ -150,7 +194,9 @@ def test_the_report_places_the_peak_in_the_phase_it_was_reached():
         phases[peak], phases[held] = (i + 1) * gib, (i + 1) * gib // 4
     rows = [{**ROW, "phases": phases, "peak_allocated": 7 * gib}, {**ROW, "config": "no phases (a CPU run)"}]
     text = gpu_check.markdown(rows, [], [])
-    [line] = [line for line in text.splitlines() if line.startswith("| accelerate_configs") and "/" in line.split("|")[2]]
+    [line] = [
+        line for line in text.splitlines() if line.startswith("| accelerate_configs") and "/" in line.split("|")[2]
+    ]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1:] == [f"{i + 1:.2f} GiB / {(i + 1) / 4:.2f} GiB" for i in range(len(CUDA_PHASES))] + ["7.00 GiB"]
     assert "no phases" not in text.split("Where the CUDA peak is reached")[1]
@@ -158,24 +204,30 @@ def test_the_report_places_the_peak_in_the_phase_it_was_reached():
 
 
 def test_a_failed_run_is_named_by_its_own_error_line():
-    stderr = ("W1124 02:25:31 api.py:1028] Sending process 25167 closing signal SIGTERM\n"
-              "train_fsdp.py: error: --block_size 4096 is longer than the model's 2048 positions\n"
-              "Traceback (most recent call last):\n  File ...\n" + "=" * 60 + "\n")
+    stderr = (
+        "W1124 02:25:31 api.py:1028] Sending process 25167 closing signal SIGTERM\n"
+        "train_fsdp.py: error: --block_size 4096 is longer than the model's 2048 positions\n"
+        "Traceback (most recent call last):\n  File ...\n" + "=" * 60 + "\n"
+    )
     assert gpu_check.tail(stderr) == "train_fsdp.py: error: --block_size 4096 is longer than the model's 2048 positions"
     assert gpu_check.tail("RuntimeError: CUDA out of memory\n" + "=" * 60 + "\n") == "RuntimeError: CUDA out of memory"
 
 
 def test_throughput_leaves_out_the_first_window():
-    history = [{"loss": 5.0, "tokens_per_second": 10.0, "mfu": 0.01}, {"tokens_per_second": 100.0, "mfu": 0.3},
-               {"tokens_per_second": 120.0, "mfu": 0.4}, {"tokens_per_second": 110.0, "mfu": 0.35}, {"train_runtime": 3}]
+    history = [
+        {"loss": 5.0, "tokens_per_second": 10.0, "mfu": 0.01},
+        {"tokens_per_second": 100.0, "mfu": 0.3},
+        {"tokens_per_second": 120.0, "mfu": 0.4},
+        {"tokens_per_second": 110.0, "mfu": 0.35},
+        {"train_runtime": 3},
+    ]
     assert gpu_check.log_metrics(history) == (110.0, 0.35)
     assert gpu_check.log_metrics([{"loss": 1.0}]) == (None, None)
 
 
 def test_the_model_is_about_one_billion_parameters():
-    from transformers import AutoModelForCausalLM
-
     import torch
+    from transformers import AutoModelForCausalLM
 
     config = gpu_check.model_config()
     with torch.device("meta"):
@@ -184,15 +236,23 @@ def test_the_model_is_about_one_billion_parameters():
 
 
 def test_without_cuda_it_stops_in_one_line_before_installing_anything(tmp_path):
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--part", "1", "--output", str(tmp_path / "out")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--part", "1", "--output", str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and proc.stderr.strip() == (
-        "gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest")
+        "gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest"
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_the_wheel_list_is_what_the_download_script_reads():
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--wheel-list"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--wheel-list"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.split() == gpu_check.wheel_list()
     script = (REPO / "bench" / "gpu_wheels.sh").read_text()
     assert "gpu_check.py --wheel-list" in script and "--no-deps" in script and "--python-version 3.12" in script
@@ -226,17 +286,30 @@ def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
     assert zero3["wrapper"] == "FSDP2" and zero3["tokens_per_second"] > 0 and zero3["states_bytes"] > 0
     assert zero3["estimate_states"] > 0 and zero3["merge_equal"] is True and zero3["profile"]["steps"] == [1, 2]
     assert rows["accelerate_configs/zero3_offload.yaml"]["offload"] is True
-    assert rows["accelerate_configs/zero3_offload.yaml"]["profile"]["steps"] == [1, 1]  # on CUDA it says what its peak holds
-    assert "error" not in rows["LoRA (zero3)"] and rows["QLoRA (zero3)"]["error"].startswith("not run: bitsandbytes is not installed")
+    assert rows["accelerate_configs/zero3_offload.yaml"]["profile"]["steps"] == [
+        1,
+        1,
+    ]  # on CUDA it says what its peak holds
+    assert "error" not in rows["LoRA (zero3)"] and rows["QLoRA (zero3)"]["error"].startswith(
+        "not run: bitsandbytes is not installed"
+    )
     verdicts = {c["check"]: c["passed"] for c in run.checks}
     assert verdicts["accelerate_configs/zero3.yaml: merged checkpoint loads with the final weights"] is True
     assert verdicts["accelerate_configs/zero3.yaml: model states / formula"] is True  # the formula holds on CPU too
     assert verdicts["accelerate_configs/zero3.yaml: MFU"] is False and verdicts["LoRA: ran"] is True
-    for config in ("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"):  # CPU: host shards, in place
+    for config in (
+        "accelerate_configs/zero3.yaml",
+        "accelerate_configs/zero3_offload.yaml",
+    ):  # CPU: host shards, in place
         assert verdicts[f"{config}: background saves written in place"] is True, rows[config]["checkpoint_writes"]
     report = (tmp_path / "out" / "report.md").read_text()
     assert report.count("| accelerate_configs/zero3.yaml |") == 1 and "| LoRA (zero3) |" in report
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["environment.json", "logs.txt", "report.md", "results.json"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "environment.json",
+        "logs.txt",
+        "report.md",
+        "results.json",
+    ]
     assert not list(run.work.glob("accelerate*"))  # each run's GBs removed once its numbers are read
 
 
@@ -252,36 +325,61 @@ def test_an_output_that_is_not_a_new_or_empty_folder_is_refused_in_one_line(tmp_
         out.mkdir()
         (out / "notes.txt").write_text("mine")
     before = sorted(p.name for p in Path(tempfile.gettempdir()).glob("gpu-check-*"))
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--part", "2", "--output", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"gpu_check.py: error: --output {out} is not")
-    assert (out.read_text() == "mine") if kind == "file" else sorted(p.name for p in out.iterdir()) in ([], ["notes.txt"])
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--part", "2", "--output", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"gpu_check.py: error: --output {out} is not"
+    )
+    assert (
+        (out.read_text() == "mine") if kind == "file" else sorted(p.name for p in out.iterdir()) in ([], ["notes.txt"])
+    )
     assert sorted(p.name for p in Path(tempfile.gettempdir()).glob("gpu-check-*")) == before  # no work folder left
-
 
 
 @pytest.mark.parametrize("runs, named", [("zero3", "'zero3'"), ("qlora,lora,typo", "'typo'"), (" , ", "'(none)'")])
 def test_runs_that_are_not_runs_of_the_check_are_refused_in_one_line_before_any_work(tmp_path, runs, named):
     """--runs picks what a short visit to a GPU runs: a typo (or nothing) would spend the visit running nothing."""
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--part", "all", "--runs", runs, "--output", str(tmp_path / "out")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--part", "all", "--runs", runs, "--output", str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and last.startswith(f"gpu_check.py: error: --runs: {named} is not one of the runs: "), proc.stderr
+    assert proc.returncode == 2 and last.startswith(f"gpu_check.py: error: --runs: {named} is not one of the runs: "), (
+        proc.stderr
+    )
     assert "accelerate_configs/zero3.yaml" in last and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("args, said", [
-    (["--part", "2", "--runs", "pytest"], "--runs: 'pytest' is not run by --part 2"),
-    (["--part", "1", "--runs", "qlora,accelerate_configs/zero3.yaml"], "--runs: 'qlora' is not run by --part 1"),
-    (["--part", "all", "--budget", "nan"], "--budget nan: give the seconds"),
-    (["--part", "all", "--budget", "-100"], "--budget -100.0: give the seconds"),
-    (["--part", "all", "--budget", "inf"], "--budget inf: give the seconds"),
-])
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--part", "2", "--runs", "pytest"], "--runs: 'pytest' is not run by --part 2"),
+        (["--part", "1", "--runs", "qlora,accelerate_configs/zero3.yaml"], "--runs: 'qlora' is not run by --part 1"),
+        (["--part", "all", "--budget", "nan"], "--budget nan: give the seconds"),
+        (["--part", "all", "--budget", "-100"], "--budget -100.0: give the seconds"),
+        (["--part", "all", "--budget", "inf"], "--budget inf: give the seconds"),
+    ],
+)
 def test_a_visit_that_would_run_nothing_is_refused_before_any_work(tmp_path, args, said):
     """A run the part never performs, or a budget that is no time, would spend a GPU visit on an empty report."""
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", *args, "--output", str(tmp_path / "out")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"gpu_check.py: error: {said}"), proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", *args, "--output", str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"gpu_check.py: error: {said}"), (
+        proc.stderr
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -293,7 +391,14 @@ def test_a_command_gets_the_interrupt_even_when_the_check_runs_with_sigint_ignor
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         check_run = gpu_check.Check(tmp_path / "out", 60)
-        proc = check_run.run([sys.executable, "-c", "import time\ntry:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n    print('interrupted')\n"], 4)
+        proc = check_run.run(
+            [
+                sys.executable,
+                "-c",
+                "import time\ntry:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n    print('interrupted')\n",
+            ],
+            4,
+        )
     finally:
         signal.signal(signal.SIGINT, previous)
     assert proc.returncode == 124 and "interrupted" in proc.stdout, proc
@@ -305,16 +410,22 @@ def test_a_command_at_its_deadline_is_interrupted_and_says_what_it_has(tmp_path,
     command here stands for pytest: on the interrupt it prints its summary."""
     monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 2)
     monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
-    script = ("import signal, sys, time\n"
-              "def summary(*_):\n    print('= FAILURES = test_x: assert 75068160 < 90e6', flush=True); sys.exit(2)\n"
-              "signal.signal(signal.SIGINT, summary)\n"
-              "print('started', flush=True)\n"
-              "time.sleep(600)\n")
+    script = (
+        "import signal, sys, time\n"
+        "def summary(*_):\n    print('= FAILURES = test_x: assert 75068160 < 90e6', flush=True); sys.exit(2)\n"
+        "signal.signal(signal.SIGINT, summary)\n"
+        "print('started', flush=True)\n"
+        "time.sleep(600)\n"
+    )
     check_run = gpu_check.Check(tmp_path / "out", 60)
     started = time.monotonic()
     proc = check_run.run([sys.executable, "-c", script], 5)
     assert time.monotonic() - started < 25
-    assert proc.returncode == 124 and "timed out after 5 s" in proc.stderr and "it exited 2 on the interrupt" in proc.stderr
+    assert (
+        proc.returncode == 124
+        and "timed out after 5 s" in proc.stderr
+        and "it exited 2 on the interrupt" in proc.stderr
+    )
     assert "= FAILURES = test_x: assert 75068160 < 90e6" in proc.stdout
     assert "FAILURES" in (tmp_path / "out" / "logs.txt").read_text()
 
@@ -352,11 +463,14 @@ sys.exit(1)
 """
 
 
-@pytest.mark.parametrize("pipes, launcher_sleeps, seconds", [
-    ("", 600, 5),  # a hung launcher, its worker holding the pipes: interrupted, then killed, worker and all
-    (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 600, 5),
-    (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 1, 30),  # the launcher fails and leaves its worker
-])
+@pytest.mark.parametrize(
+    "pipes, launcher_sleeps, seconds",
+    [
+        ("", 600, 5),  # a hung launcher, its worker holding the pipes: interrupted, then killed, worker and all
+        (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 600, 5),
+        (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 1, 30),  # the launcher fails and leaves its worker
+    ],
+)
 def test_nothing_a_command_started_outlives_it(tmp_path, monkeypatch, pipes, launcher_sleeps, seconds):
     monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE", 2)
     monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
@@ -364,7 +478,14 @@ def test_nothing_a_command_started_outlives_it(tmp_path, monkeypatch, pipes, lau
     check_run = gpu_check.Check(tmp_path / "out", 60)
     started = time.monotonic()
     try:
-        proc = check_run.run([sys.executable, "-c", LAUNCHER.format(pipes=pipes, pid_file=str(pid_file), launcher_sleeps=launcher_sleeps)], seconds)
+        proc = check_run.run(
+            [
+                sys.executable,
+                "-c",
+                LAUNCHER.format(pipes=pipes, pid_file=str(pid_file), launcher_sleeps=launcher_sleeps),
+            ],
+            seconds,
+        )
         assert time.monotonic() - started < seconds + 15
         assert "launched" in proc.stdout and proc.returncode == (124 if launcher_sleeps > seconds else 1)
         assert _gone_soon(int(pid_file.read_text()))
@@ -385,7 +506,9 @@ check_run.run([sys.executable, "-c", {LAUNCHER.format(pipes="", pid_file=str(pid
 """)
     # Ctrl-C at a terminal: SIGINT handled as by default, even where this suite runs in the background (`cmd &`
     # leaves SIGINT ignored, and children inherit that)
-    check = subprocess.Popen([sys.executable, str(driver)], cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    check = subprocess.Popen(
+        [sys.executable, str(driver)], cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
     try:
         deadline = time.monotonic() + 60
         while not pid_file.is_file() and time.monotonic() < deadline:
@@ -401,13 +524,35 @@ check_run.run([sys.executable, "-c", {LAUNCHER.format(pipes="", pid_file=str(pid
 
 
 def test_the_report_places_what_was_live_at_a_profiled_peak():
-    groups = [{"bytes": (9 - i) * 2**30, "blocks": i + 1, "allocated_in": f"torch/x.py:{i} f", "for": f"transformers/y.py:{i} g"}
-              for i in range(9)]
-    profiled = {**ROW, "config": "accelerate_configs/zero3_offload.yaml",
-                "profile": {"steps": [1, 1], "cuda_memory_at_peak": {"peak_bytes": 7 * 2**30, "before_recording_bytes": 2**30, "events": 12345,
-                                                                    "truncated": False, "groups": groups, "other_bytes": 2**30}}}
+    groups = [
+        {
+            "bytes": (9 - i) * 2**30,
+            "blocks": i + 1,
+            "allocated_in": f"torch/x.py:{i} f",
+            "for": f"transformers/y.py:{i} g",
+        }
+        for i in range(9)
+    ]
+    profiled = {
+        **ROW,
+        "config": "accelerate_configs/zero3_offload.yaml",
+        "profile": {
+            "steps": [1, 1],
+            "cuda_memory_at_peak": {
+                "peak_bytes": 7 * 2**30,
+                "before_recording_bytes": 2**30,
+                "events": 12345,
+                "truncated": False,
+                "groups": groups,
+                "other_bytes": 2**30,
+            },
+        },
+    }
     text = gpu_check.markdown([ROW, profiled], [], [])
-    assert "accelerate_configs/zero3_offload.yaml: live at the CUDA peak of profiled step(s) 1-1, 7.00 GiB allocated, 1.00 GiB of it" in text
+    assert (
+        "accelerate_configs/zero3_offload.yaml: live at the CUDA peak of profiled step(s) 1-1, 7.00 GiB allocated, 1.00 GiB of it"
+        in text
+    )
     assert "12,345 allocator events" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and "GiB |" in line and "torch/x.py" in line]
     assert len(rows) == 8 and rows[0].startswith("| 9.00 GiB | 1 | torch/x.py:0 f | transformers/y.py:0 g |")
@@ -416,8 +561,14 @@ def test_the_report_places_what_was_live_at_a_profiled_peak():
 
 
 def _stall_row(async_ratio, copy_ratio, queued=None):
-    row = {"training": "full", "sync": {"save_seconds": 4.0}, "training_between_saves_seconds": 2.0, "queued": queued or {},
-           "async_stall_vs_sync_save": async_ratio, "async_copy_stall_vs_sync_save": copy_ratio}
+    row = {
+        "training": "full",
+        "sync": {"save_seconds": 4.0},
+        "training_between_saves_seconds": 2.0,
+        "queued": queued or {},
+        "async_stall_vs_sync_save": async_ratio,
+        "async_copy_stall_vs_sync_save": copy_ratio,
+    }
     for mode, ratio in (("async", async_ratio), ("async-copy", copy_ratio)):
         row[mode] = {"stall_per_save_seconds": ratio * 4.0, "save_seconds": 1.8}
     return row
@@ -427,10 +578,18 @@ def test_the_checkpoint_stall_is_held_to_issue_22s_target():
     """A background save's stall at most 20% of the synchronous save's, for both background modes; a run whose write
     outlasted the training it could overlap measured the write (the H200's first run): a failed check, not a pass."""
     checks = gpu_check.stall_checks([_stall_row(0.15, 0.2)])
-    assert [c["passed"] for c in checks] == [True, True] and checks[0]["check"] == "checkpoint stall (full, background) / sync save"
+    assert [c["passed"] for c in checks] == [True, True] and checks[0][
+        "check"
+    ] == "checkpoint stall (full, background) / sync save"
     assert [c["passed"] for c in gpu_check.stall_checks([_stall_row(0.56, 0.19)])] == [False, True]
-    queued = gpu_check.stall_checks([_stall_row(0.1, 0.1, {"async-copy": "the background write (1.80 s) outlasts ..."})])
-    assert [c["passed"] for c in queued] == [True, False] and queued[1]["value"] is None and queued[1]["detail"].startswith("the background write")
+    queued = gpu_check.stall_checks(
+        [_stall_row(0.1, 0.1, {"async-copy": "the background write (1.80 s) outlasts ..."})]
+    )
+    assert (
+        [c["passed"] for c in queued] == [True, False]
+        and queued[1]["value"] is None
+        and queued[1]["detail"].startswith("the background write")
+    )
     assert gpu_check.STALL_ARGS[gpu_check.STALL_ARGS.index("--save-steps") + 1] == "100"  # room between saves on a GPU
 
 
@@ -449,4 +608,6 @@ def test_the_stall_rows_name_the_first_save_apart_from_the_later_ones():
 def test_stall_is_a_run_of_part_2_and_all():
     with pytest.raises(SystemExit):
         gpu_check.main(["--part", "1", "--runs", "stall", "--output", "/nonexistent-out"])
-    assert gpu_check.main(["--part", "2", "--runs", "stall", "--output", "/tmp/nonexistent-gpu-check-out"]) == 1  # no CUDA here
+    assert (
+        gpu_check.main(["--part", "2", "--runs", "stall", "--output", "/tmp/nonexistent-gpu-check-out"]) == 1
+    )  # no CUDA here

@@ -10,9 +10,9 @@ import signal
 from pathlib import Path
 
 import pytest
+from conftest import cli
 
 from fsdp_recipes.bounded import JSON_LIMIT
-from test_hostile_files import cli
 
 
 def _fifo(p: Path):
@@ -29,10 +29,16 @@ def _oversize(p: Path):
 
 
 KINDS = {
-    "fifo": _fifo, "/dev/zero": _zero, "oversize": _oversize, "folder": lambda p: p.mkdir(),
-    "list": lambda p: p.write_text("[1, 2, 3]"), "truncated": lambda p: p.write_text('{"model_type": "lla'),
-    "nesting": lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "huge int": lambda p: p.write_text('{"a": ' + "9" * 5000 + "}"),
-    "binary": lambda p: p.write_bytes(b"\x00\xff" * 100), "null": lambda p: p.write_text("null"),
+    "fifo": _fifo,
+    "/dev/zero": _zero,
+    "oversize": _oversize,
+    "folder": lambda p: p.mkdir(),
+    "list": lambda p: p.write_text("[1, 2, 3]"),
+    "truncated": lambda p: p.write_text('{"model_type": "lla'),
+    "nesting": lambda p: p.write_text("[" * 100_000 + "]" * 100_000),
+    "huge int": lambda p: p.write_text('{"a": ' + "9" * 5000 + "}"),
+    "binary": lambda p: p.write_bytes(b"\x00\xff" * 100),
+    "null": lambda p: p.write_text("null"),
 }
 
 
@@ -57,7 +63,9 @@ def _timed_cli(argv: list[str], seconds: int = 60) -> int:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("name", ["config.json", "model_description.json", "model.safetensors.index.json", "tokenizer_config.json"])
+@pytest.mark.parametrize(
+    "name", ["config.json", "model_description.json", "model.safetensors.index.json", "tokenizer_config.json"]
+)
 def test_hostile_json_beside_the_weights(checkpoint, tmp_path, name, kind, capsys):
     if name == "model.safetensors.index.json":  # a full (safetensors) checkpoint: the index names the shards
         full = tmp_path / "full"

@@ -4,19 +4,17 @@ path of train_fsdp.py), and nothing it names ever runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import pickle
-import shutil
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import REPO, cli, one_line_error, run
 
-from conftest import REPO, run
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.ckpt.resume import resolve_resume
 from fsdp_recipes.errors import CheckpointError, RecipeError
@@ -34,31 +32,10 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def cli(tool: str, argv: list[str]) -> int:
-    spec = importlib.util.spec_from_file_location(f"{tool}_cli", TOOLS / f"{tool}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
-
-
-@pytest.fixture
-def run_dir(trained, tmp_path) -> Path:
-    """A private copy of a real 2-rank FSDP2 run's newest checkpoint."""
-    copy = tmp_path / "run"
-    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", copy / "checkpoint-12")
-    return copy
-
-
 def poison_metadata(folder: Path, marker: Path) -> None:
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     metadata.planner_data = Payload(marker)  # an attribute DCP's own pickle.load restores as it comes
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-
-
-def one_line_error(text: str, prefix: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(prefix), text
-    return lines[0]
 
 
 @pytest.mark.parametrize("folder", ["pytorch_model_fsdp_0", "optimizer_0"])
@@ -75,7 +52,11 @@ def test_metadata_that_runs_code_is_refused_by_every_tool(run_dir, folder, tmp_p
     said = capsys.readouterr().out
     assert "refusing to unpickle it" in said and "posix.system" in said and len(said.strip().splitlines()) == 1, said
     if folder == "pytorch_model_fsdp_0":  # the merge reads only the model's folder
-        for argv in ([str(ckpt), str(tmp_path / "out")], [str(ckpt), "--inspect"], [str(run_dir), str(tmp_path / "out")]):
+        for argv in (
+            [str(ckpt), str(tmp_path / "out")],
+            [str(ckpt), "--inspect"],
+            [str(run_dir), str(tmp_path / "out")],
+        ):
             assert cli("merge_checkpoint", argv) == 1
             err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
             assert "posix.system" in err and ("refusing to unpickle" in err or "no complete checkpoint" in err), err
@@ -111,13 +92,18 @@ def test_tensor_record_and_full_state_dict_that_run_code(tmp_path, capsys):
     for index in metadata.storage_data:
         metadata.storage_data[index].offset, metadata.storage_data[index].length = 0, len(record.getvalue())
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(CheckpointError, match=r"__0_0.distcp: tensor record 'model.w' names posix.system: refusing to unpickle"):
+    with pytest.raises(
+        CheckpointError, match=r"__0_0.distcp: tensor record 'model.w' names posix.system: refusing to unpickle"
+    ):
         DCPSource(folder)  # every record is vetted before any is read
 
     full = tmp_path / "full"
     full.mkdir()
     torch.save({"model.embed_tokens.weight": Payload(marker)}, full / "pytorch_model_fsdp.bin")
-    assert cli("merge_checkpoint", [str(full), str(tmp_path / "out"), "--base-model", str(REPO / "assets" / "tiny-llama")]) == 1
+    assert (
+        cli("merge_checkpoint", [str(full), str(tmp_path / "out"), "--base-model", str(REPO / "assets" / "tiny-llama")])
+        == 1
+    )
     err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
     assert "names code (refused" in err, err
     assert not marker.exists() and not (tmp_path / "out").exists()
@@ -127,10 +113,10 @@ def test_checkpoint_tools_start_without_torch():
     """Reading names and layouts needs no torch: check_checkpoint.py --help and the modules training imports for them."""
     code = (
         "import runpy, sys\nsys.argv = ['check_checkpoint.py', '--help']\n"
-        "try:\n    runpy.run_path(%r, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "try:\n    runpy.run_path({!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
         "import fsdp_recipes.ckpt.status, fsdp_recipes.ckpt.layout, fsdp_recipes.ckpt.merge\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'accelerate'}))\n"
-    ) % str(TOOLS / "check_checkpoint.py")
+        "print(sorted({{m.split('.')[0] for m in sys.modules}} & {{'torch', 'transformers', 'accelerate'}}))\n"
+    ).format(str(TOOLS / "check_checkpoint.py"))
     proc = run(["python", "-c", code])
     assert proc.returncode == 0 and "Report whether FSDP training checkpoints" in proc.stdout, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"

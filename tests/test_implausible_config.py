@@ -8,12 +8,11 @@ import json
 import time
 
 import pytest
+from conftest import REPO, cli, run_dir  # noqa: F401 (run_dir: the fixture)
 from transformers import AutoConfig
 
-from conftest import REPO
 from fsdp_recipes.ckpt.description import implausible_config
 from fsdp_recipes.ckpt.readers import TensorInfo
-from test_hostile_files import cli, run_dir  # noqa: F401 (run_dir: the fixture)
 
 TINY = REPO / "assets" / "tiny-llama"
 
@@ -38,7 +37,10 @@ def test_a_config_of_as_many_layers_as_the_weights_or_fewer_is_left_to_the_weigh
 @pytest.mark.parametrize("layers", [5, 64, 10**9])
 def test_more_layers_than_the_weights_number_is_refused(layers):
     config = AutoConfig.from_pretrained(TINY, num_hidden_layers=layers)
-    assert implausible_config(config, weights(4)) == f"config.json says num_hidden_layers {layers}, and the weights' layers are numbered up to 3"
+    assert (
+        implausible_config(config, weights(4))
+        == f"config.json says num_hidden_layers {layers}, and the weights' layers are numbered up to 3"
+    )
 
 
 @pytest.mark.parametrize("key", ["num_local_experts", "num_experts", "n_routed_experts"])
@@ -49,7 +51,10 @@ def test_experts_beyond_any_the_weights_hold_are_refused_numbered_or_fused(key):
     assert implausible_config(config, weights(2, fused=8)) is None
     setattr(config, key, 10**6)
     for held in (weights(2, experts=8), weights(2, fused=8)):
-        assert implausible_config(config, held) == f"config.json says {key} {10**6}, more than any number of experts the weights hold"
+        assert (
+            implausible_config(config, held)
+            == f"config.json says {key} {10**6}, more than any number of experts the weights hold"
+        )
 
 
 def test_a_nested_text_config_is_checked_too():
@@ -79,7 +84,10 @@ def test_every_count_of_layers_in_every_nested_config_is_checked():
     assert "decoder_layers 1000000" in implausible_config(bart, weights(2))
     config = AutoConfig.from_pretrained(TINY, num_hidden_layers=2)
     config.vision_config = {"model_type": "siglip_vision_model", "num_hidden_layers": 3000}
-    assert implausible_config(config, weights(2)) == "config.json says vision_config.num_hidden_layers 3000, and the weights' layers are numbered up to 1"
+    assert (
+        implausible_config(config, weights(2))
+        == "config.json says vision_config.num_hidden_layers 3000, and the weights' layers are numbered up to 1"
+    )
     config.vision_config = {"model_type": "qwen2_vl", "depth": 3000}
     assert "vision_config.depth 3000" in implausible_config(config, weights(2))
 

@@ -9,23 +9,47 @@ import inspect
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run
+
 from fsdp_recipes.compat import internals
 
-SCANNED = sorted([*(REPO / "fsdp_recipes").rglob("*.py"), REPO / "train_fsdp.py", *(REPO / "tools").glob("*.py"),
-                  *(REPO / "bench").glob("*.py"), *(REPO / "tests" / "helpers").glob("*.py")])
+SCANNED = sorted(
+    [
+        *(REPO / "fsdp_recipes").rglob("*.py"),
+        REPO / "train_fsdp.py",
+        *(REPO / "tools").glob("*.py"),
+        *(REPO / "bench").glob("*.py"),
+        *(REPO / "tests" / "helpers").glob("*.py"),
+    ]
+)
 ACCESSORS = {"get", "patch", "attr", "set_attr", "require"}
-LIBRARIES = {"numpy", "torch", "accelerate", "transformers", "huggingface_hub", "datasets", "peft", "safetensors", "lightning"}
+LIBRARIES = {
+    "numpy",
+    "torch",
+    "accelerate",
+    "transformers",
+    "huggingface_hub",
+    "datasets",
+    "peft",
+    "safetensors",
+    "lightning",
+}
 
 
 # the standard library's: Python is not pinned, and these are stable
-STDLIB = {"_exit": "os._exit, documented", "_actions": "argparse.ArgumentParser._actions, unchanged since Python 2.7",
-          # --help's groups (fsdp_recipes/config/helptext.py) and the one-default formatter (fsdp_recipes/console.py):
-          # argparse's groups and HelpFormatter hooks, unchanged since Python 2.7 (the way its docs' formatter_class
-          # subclasses are written)
-          "_action_groups": "argparse", "_group_actions": "argparse", "_optionals": "argparse", "_positionals": "argparse",
-          "_get_help_string": "argparse.HelpFormatter", "_format_action_invocation": "argparse.HelpFormatter"}
+STDLIB = {
+    "_exit": "os._exit, documented",
+    "_actions": "argparse.ArgumentParser._actions, unchanged since Python 2.7",
+    # --help's groups (fsdp_recipes/config/helptext.py) and the one-default formatter (fsdp_recipes/console.py):
+    # argparse's groups and HelpFormatter hooks, unchanged since Python 2.7 (the way its docs' formatter_class
+    # subclasses are written)
+    "_action_groups": "argparse",
+    "_group_actions": "argparse",
+    "_optionals": "argparse",
+    "_positionals": "argparse",
+    "_get_help_string": "argparse.HelpFormatter",
+    "_format_action_invocation": "argparse.HelpFormatter",
+}
 
 
 def is_private(name: str) -> bool:
@@ -57,8 +81,12 @@ def bypasses(sources: dict[str, str]) -> list[str]:
     for name, tree in trees.items():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                if any(is_private(part) for part in node.module.split(".")) or any(is_private(a.name) for a in node.names):
-                    found.append(f"{name}:{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+                if any(is_private(part) for part in node.module.split(".")) or any(
+                    is_private(a.name) for a in node.names
+                ):
+                    found.append(
+                        f"{name}:{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}"
+                    )
             elif isinstance(node, ast.Attribute) and is_private(node.attr):
                 value = node.value
                 if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
@@ -76,8 +104,13 @@ def registry_strings(sources: dict[str, str]) -> tuple[set[str], list[str]]:
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 strings.add(node.value)
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ACCESSORS
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "internals"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ACCESSORS
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "internals"
+            ):
                 for arg in node.args[:1] if node.func.attr not in ("attr", "set_attr") else node.args[1:2]:
                     if isinstance(arg, ast.Constant) and arg.value not in internals.PRIVATE:
                         unregistered.append(f"{name}:{node.lineno}: {arg.value}")
@@ -93,12 +126,17 @@ def test_no_library_private_is_reached_around_the_registry():
 
 
 def test_the_scanner_finds_what_it_must():
-    snippet = ("from torch.distributed.fsdp import _flat_param\nfrom torch.distributed.fsdp._init_utils import x\n"
-               "def f(m):\n    return m._handle\nclass T:\n    def _mine(self):\n        return self._mine, super()._unknown()\n")
+    snippet = (
+        "from torch.distributed.fsdp import _flat_param\nfrom torch.distributed.fsdp._init_utils import x\n"
+        "def f(m):\n    return m._handle\nclass T:\n    def _mine(self):\n        return self._mine, super()._unknown()\n"
+    )
     found = bypasses({"snippet.py": snippet})
     assert [f.split(": ", 1)[1] for f in found] == [
-        "from torch.distributed.fsdp import _flat_param", "from torch.distributed.fsdp._init_utils import x", "._handle",
-        "super()._unknown (override not registered)"]
+        "from torch.distributed.fsdp import _flat_param",
+        "from torch.distributed.fsdp._init_utils import x",
+        "._handle",
+        "super()._unknown (override not registered)",
+    ]
 
 
 def test_every_registered_name_is_used_and_every_used_name_registered():
@@ -119,9 +157,13 @@ def test_every_private_method_our_classes_override_is_registered():
             library_bases = [b for b in cls.__mro__[1:] if b.__module__.split(".")[0] in LIBRARIES]
             for name in vars(cls):
                 for base in library_bases:
-                    if is_private(name) and name in vars(base) and name != "_abc_impl":  # ABCMeta sets it on every subclass
+                    if (
+                        is_private(name) and name in vars(base) and name != "_abc_impl"
+                    ):  # ABCMeta sets it on every subclass
                         top = base.__module__.split(".")[0]
-                        if not any(r.startswith(f"{top}.") and r.endswith(f".{base.__name__}.{name}") for r in registered):
+                        if not any(
+                            r.startswith(f"{top}.") and r.endswith(f".{base.__name__}.{name}") for r in registered
+                        ):
                             missing.append(f"{cls.__name__}.{name} overrides {base.__module__}.{base.__name__}.{name}")
     assert missing == []
 
@@ -155,7 +197,9 @@ def test_a_renamed_trainer_method_stops_the_trainer_before_it_trains(monkeypatch
     from fsdp_recipes.train.trainer import FSDPTrainer
 
     monkeypatch.delattr(Trainer, "_load_optimizer_and_scheduler")
-    with pytest.raises(internals.InternalsChanged, match=r"transformers .* has no transformers\.Trainer\._load_optimizer_and_scheduler"):
+    with pytest.raises(
+        internals.InternalsChanged, match=r"transformers .* has no transformers\.Trainer\._load_optimizer_and_scheduler"
+    ):
         FSDPTrainer(model=None)
 
 
@@ -163,7 +207,10 @@ def test_a_missing_instance_attribute_names_the_class():
     class Unit:
         pass
 
-    with pytest.raises(internals.InternalsChanged, match=r"has no torch\.distributed\.fsdp\.FullyShardedDataParallel\._handle \(on Unit\)"):
+    with pytest.raises(
+        internals.InternalsChanged,
+        match=r"has no torch\.distributed\.fsdp\.FullyShardedDataParallel\._handle \(on Unit\)",
+    ):
         internals.attr(Unit(), "torch.distributed.fsdp.FullyShardedDataParallel._handle")
 
 

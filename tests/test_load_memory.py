@@ -34,8 +34,12 @@ def test_non_zero_rank_does_not_hold_the_full_model_and_rank_0_one_copy(tmp_path
     base = measure(tiny, 2, True, tmp_path, 0.02)
     peak = measure(big, 2, True, tmp_path, 0.02)
     growth = {rank: (peak[rank]["RssAnon"] - base[rank]["RssAnon"]) / fp32_bytes for rank in (0, 1)}
-    assert growth[1] <= 0.6, f"rank 1's peak RssAnon grew by {growth[1]:.2f}x the fp32 model's {fp32_bytes / 2**20:.0f} MiB"
-    assert growth[0] <= 1.4, f"rank 0's peak RssAnon grew by {growth[0]:.2f}x the fp32 model's {fp32_bytes / 2**20:.0f} MiB"
+    assert growth[1] <= 0.6, (
+        f"rank 1's peak RssAnon grew by {growth[1]:.2f}x the fp32 model's {fp32_bytes / 2**20:.0f} MiB"
+    )
+    assert growth[0] <= 1.4, (
+        f"rank 0's peak RssAnon grew by {growth[0]:.2f}x the fp32 model's {fp32_bytes / 2**20:.0f} MiB"
+    )
 
 
 def test_fsdp1_non_zero_rank_holds_its_shard_and_one_chunk_of_a_unit(tmp_path, monkeypatch):
@@ -59,26 +63,44 @@ def test_fsdp1_non_zero_rank_holds_its_shard_and_one_chunk_of_a_unit(tmp_path, m
     growth = (peak[1]["RssAnon"] - base[1]["RssAnon"]) / model_bytes
     bound = 0.5 + root / model_bytes / 2 + 0.1
     assert root / model_bytes > 0.5, "the test needs a root unit larger than the shard to tell one chunk from two units"
-    assert growth <= bound, f"rank 1's peak RssAnon grew by {growth:.2f}x the model's {model_bytes / 2**20:.0f} MiB (bound {bound:.2f})"
+    assert growth <= bound, (
+        f"rank 1's peak RssAnon grew by {growth:.2f}x the model's {model_bytes / 2**20:.0f} MiB (bound {bound:.2f})"
+    )
 
 
 def stored_bytes(folder) -> dict[str, int]:
     return {name: t.numel() * t.element_size() for name, t in load_file(folder / "model.safetensors").items()}
 
 
-@pytest.mark.parametrize("config, tied", [
-    ("zero3.yaml", False), ("fsdp1/zero3.yaml", False),
-    ("fsdp1/no_shard.yaml", False),  # FSDP1 keeps the whole flat parameter: broadcast whole, not scattered
-    ("fsdp1/hybrid_shard.yaml", False),  # two sync groups, across nodes then within: broadcast, then scattered
-], ids=["fsdp2-untied", "fsdp1-untied", "fsdp1-no_shard", "fsdp1-hybrid"])
+@pytest.mark.parametrize(
+    "config, tied",
+    [
+        ("zero3.yaml", False),
+        ("fsdp1/zero3.yaml", False),
+        ("fsdp1/no_shard.yaml", False),  # FSDP1 keeps the whole flat parameter: broadcast whole, not scattered
+        ("fsdp1/hybrid_shard.yaml", False),  # two sync groups, across nodes then within: broadcast, then scattered
+    ],
+    ids=["fsdp2-untied", "fsdp1-untied", "fsdp1-no_shard", "fsdp1-hybrid"],
+)
 def test_rank0_only_loading_gives_every_rank_the_files_weights(tmp_path, tied, config):
     """Learning rate 0 under FSDP2 and FSDP1 configs: the final model, gathered from every rank's shard, equals the
     folder's weights bit for bit. A tied model under zero3.yaml and fsdp1/zero3.yaml is the next test's: trained,
     it equals the run where every rank loads the folder, its LM head still tied (one tensor saved, embed_tokens)."""
     folder, out = tmp_path / "model", tmp_path / "out"
     build_model(folder, None, "float32", tied=tied)
-    launch(f"accelerate_configs/{config}", "--model_name_or_path", str(folder), "--learning_rate", "0",
-           "--max_steps", "2", "--save_steps", "2", "--output_dir", str(out))
+    launch(
+        f"accelerate_configs/{config}",
+        "--model_name_or_path",
+        str(folder),
+        "--learning_rate",
+        "0",
+        "--max_steps",
+        "2",
+        "--save_steps",
+        "2",
+        "--output_dir",
+        str(out),
+    )
     before, after = load_file(folder / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert set(before) == set(after)
     for name in before:
@@ -102,9 +124,23 @@ def test_rank0_only_loading_trains_like_every_rank_loading(tmp_path, config):
         copy = tmp_path / f"{efficient}.yaml"
         copy.write_text(text)
         outs[efficient] = tmp_path / f"out-{efficient}"
-        launch(str(copy), "--model_name_or_path", str(folder), "--dtype", "float32", "--max_steps", "3",
-               "--save_steps", "3", "--output_dir", str(outs[efficient]))
-    on, off = load_file(outs[True] / "model" / "model.safetensors"), load_file(outs[False] / "model" / "model.safetensors")
+        launch(
+            str(copy),
+            "--model_name_or_path",
+            str(folder),
+            "--dtype",
+            "float32",
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "3",
+            "--output_dir",
+            str(outs[efficient]),
+        )
+    on, off = (
+        load_file(outs[True] / "model" / "model.safetensors"),
+        load_file(outs[False] / "model" / "model.safetensors"),
+    )
     assert set(on) == set(off) and "lm_head.weight" not in on
     changed = [n for n in on if not torch.equal(on[n], load_file(folder / "model.safetensors")[n].float())]
     assert changed, "training changed no weight: the comparison would prove nothing"

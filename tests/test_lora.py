@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, quick, read_json, run
 from safetensors.torch import load_file
 
-from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, quick, read_json, run
 from fsdp_recipes.ckpt.dcp import read_layout
 from fsdp_recipes.ckpt.readers import DCPSource
 
@@ -34,7 +34,9 @@ def adapter_only_layout(folder: Path, world: int = 2) -> dict[str, int]:
         total = math.prod(entry.shape)
         assert sum(math.prod(c.sizes) for c in entry.chunks) == total, name  # no rank's slice is missing
         writers = {layout.storage[(name, c.offsets)].relative_path for c in entry.chunks if math.prod(c.sizes)}
-        if entry.shape and entry.shape[0] >= world:  # sharded by rows: each rank holds a non-empty slice (not a step count)
+        if (
+            entry.shape and entry.shape[0] >= world
+        ):  # sharded by rows: each rank holds a non-empty slice (not a step count)
             assert len(writers) == world, (name, writers)
         elements[name] = total
     return elements
@@ -56,7 +58,9 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
     report = read_json(whole / "fsdp_report.json")
     assert 0 < report["trainable_param_elements"] < report["total_param_elements"] / 5
     assert sum(r["local_trainable_elements"] for r in report["ranks"]) == report["trainable_param_elements"]
-    assert all(0 < r["local_trainable_elements"] < report["trainable_param_elements"] for r in report["ranks"])  # sharded
+    assert all(
+        0 < r["local_trainable_elements"] < report["trainable_param_elements"] for r in report["ranks"]
+    )  # sharded
     assert report["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in report["trainable"])
 
     # Adapter-only checkpoints: the adapter's weights and Adam's moments, every rank's slice, not the frozen base.
@@ -68,14 +72,26 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
     assert {n.rsplit(".", 1)[1] for n in moments} >= {"exp_avg", "exp_avg_sq"}
     assert sum(v for n, v in moments.items() if n.endswith(".exp_avg")) == report["trainable_param_elements"]
     checked = run([sys.executable, "tools/check_checkpoint.py", str(ckpt)])
-    assert checked.returncode == 0 and f"LoRA adapter only (base {base}), 2 rank(s)): resumable" in checked.stdout, checked.stdout
+    assert checked.returncode == 0 and f"LoRA adapter only (base {base}), 2 rank(s)): resumable" in checked.stdout, (
+        checked.stdout
+    )
 
     # SIGKILL after step 9 (checkpoint-6 is the last one), then resume: the same bits as the run never stopped.
-    killed = launch(config, *args, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:step:9"}, check=False)
+    killed = launch(
+        config, *args, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:step:9"}, check=False
+    )
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
     as_loaded = tmp_path / "optimizer-as-loaded"
-    resumed = launch(config, *args, "--output_dir", str(out), "--resume_from_checkpoint", "true", script=FAULT_SCRIPT,
-                     env={"FSDP_DUMP_OPTIMIZER": str(as_loaded)})
+    resumed = launch(
+        config,
+        *args,
+        "--output_dir",
+        str(out),
+        "--resume_from_checkpoint",
+        "true",
+        script=FAULT_SCRIPT,
+        env={"FSDP_DUMP_OPTIMIZER": str(as_loaded)},
+    )
     assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     saved, loaded = DCPSource(out / "checkpoint-6" / "optimizer_0"), DCPSource(as_loaded / "optimizer_0")
     assert saved.tensors and set(saved.tensors) == set(loaded.tensors)
@@ -88,7 +104,11 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
             assert torch.equal(resumed[key], reference[key]), (name, key)
 
     merged = AutoModelForCausalLM.from_pretrained(whole / "model").state_dict()
-    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), whole / "adapter").merge_and_unload().state_dict()
+    by_peft = (
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), whole / "adapter")
+        .merge_and_unload()
+        .state_dict()
+    )
     untouched = AutoModelForCausalLM.from_pretrained(base).state_dict()
     assert set(merged) == set(by_peft)
     changed = 0
@@ -101,19 +121,38 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
     # equal to peft's merge of the adapter folder it writes from the same checkpoint.
     final = whole / "checkpoint-12"
     adapter = tmp_path / "adapter-12"
-    assert run([sys.executable, "tools/merge_checkpoint.py", str(final), str(adapter), "--adapter-only"]).returncode == 0
-    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload().state_dict()
+    assert (
+        run([sys.executable, "tools/merge_checkpoint.py", str(final), str(adapter), "--adapter-only"]).returncode == 0
+    )
+    by_peft = (
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload().state_dict()
+    )
     assert not any(torch.equal(by_peft[k], untouched[k]) for k in by_peft if "proj" in k)
     for extra in ([], ["--base-model", str(base)]):
         folder = tmp_path / f"merged{len(extra)}"
         done = run([sys.executable, "tools/merge_checkpoint.py", str(final), str(folder), *extra])
-        assert done.returncode == 0 and f"the frozen base's weights from {base}" in done.stdout, done.stdout + done.stderr
+        assert done.returncode == 0 and f"the frozen base's weights from {base}" in done.stdout, (
+            done.stdout + done.stderr
+        )
         tool = AutoModelForCausalLM.from_pretrained(folder).state_dict()
         assert set(tool) == set(by_peft)
         for key in by_peft:
             torch.testing.assert_close(tool[key], by_peft[key], rtol=0, atol=1e-6)
-    without = run([sys.executable, "tools/merge_checkpoint.py", str(final), str(tmp_path / "nobase"), "--base-model", str(tmp_path)])
-    assert without.returncode != 0 and "holds the LoRA adapter alone" in without.stderr and "--base-model" in without.stderr
+    without = run(
+        [
+            sys.executable,
+            "tools/merge_checkpoint.py",
+            str(final),
+            str(tmp_path / "nobase"),
+            "--base-model",
+            str(tmp_path),
+        ]
+    )
+    assert (
+        without.returncode != 0
+        and "holds the LoRA adapter alone" in without.stderr
+        and "--base-model" in without.stderr
+    )
 
 
 @pytest.mark.slow
@@ -127,7 +166,15 @@ def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(tmp_path, monke
 
     for folder in ("assets", "recipes"):  # what a fresh checkout has, and no runs/
         shutil.copytree(REPO / folder, tmp_path / folder)
-    launch("accelerate_configs/zero3.yaml", "recipes/tiny-llama/lora_sft.yaml", "--max_steps", "10", "--save_steps", "5", cwd=tmp_path)
+    launch(
+        "accelerate_configs/zero3.yaml",
+        "recipes/tiny-llama/lora_sft.yaml",
+        "--max_steps",
+        "10",
+        "--save_steps",
+        "5",
+        cwd=tmp_path,
+    )
     monkeypatch.chdir(tmp_path)
 
     # the new user's code, word for word
@@ -192,7 +239,9 @@ def test_a_lora_base_is_saved_once_and_another_models_is_refused(tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in Path(base).iterdir()}
 
     said = []
-    save_lora_base(ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True), base, log=said.append)
+    save_lora_base(
+        ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True), base, log=said.append
+    )
     assert "saved by an earlier run of this output_dir" in said[0]  # kept, not rebuilt
     again = AutoModelForCausalLM.from_pretrained(base).state_dict()
     assert all(torch.equal(saved[k], again[k]) for k in saved)
@@ -202,7 +251,9 @@ def test_a_lora_base_is_saved_once_and_another_models_is_refused(tmp_path):
     config = json.loads((REPO / "assets" / "tiny-llama" / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
     wrong = ModelArguments(config_name=str(other), tokenizer_name=str(REPO / "assets" / "tiny-llama"), use_peft=True)
-    with pytest.raises(RecipeError, match=r"holds another model's base .*num_hidden_layers.*choose another --output_dir"):
+    with pytest.raises(
+        RecipeError, match=r"holds another model's base .*num_hidden_layers.*choose another --output_dir"
+    ):
         save_lora_base(wrong, base)
 
 
@@ -223,7 +274,9 @@ def test_a_base_model_path_that_is_not_a_saved_base_is_refused_before_anything_i
         (run / "base_model").symlink_to(REPO / "assets" / "tiny-llama")
     before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
     with pytest.raises(RecipeError, match="choose another --output_dir, or move it away"):
-        save_lora_base(ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True), str(run / "base_model"))
+        save_lora_base(
+            ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True), str(run / "base_model")
+        )
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
 
 
@@ -240,11 +293,18 @@ def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
     assert _coverage_problems(folder, Layout({name: TensorEntry("float32", (8, 64), halves)}, {}), status) == []
     assert status.lora == "adapter only"
     status = CheckpointStatus(str(folder.parent))
-    whole = {name: TensorEntry("float32", (8, 64), halves), name.replace("lora_A.default", "base_layer"): TensorEntry("float32", (64, 64), ())}
+    whole = {
+        name: TensorEntry("float32", (8, 64), halves),
+        name.replace("lora_A.default", "base_layer"): TensorEntry("float32", (64, 64), ()),
+    }
     assert _coverage_problems(folder, Layout(whole, {}), status) == [] and status.lora == "whole model"
     stored = {(name, c.offsets): Stored("__0_0.distcp", 0, 10**9, False) for c in halves}
-    [problem] = chunk_problems(Layout({name: TensorEntry("float32", (8, 64), halves[:1])}, stored), folder / ".metadata")
-    assert problem.startswith(f"unreadable {folder / '.metadata'}: the chunks of {name!r} hold 256 of its 512 elements (a rank's slice is missing"), problem
+    [problem] = chunk_problems(
+        Layout({name: TensorEntry("float32", (8, 64), halves[:1])}, stored), folder / ".metadata"
+    )
+    assert problem.startswith(
+        f"unreadable {folder / '.metadata'}: the chunks of {name!r} hold 256 of its 512 elements (a rank's slice is missing"
+    ), problem
     [problem] = chunk_problems(Layout(whole, stored), folder / ".metadata")
     assert "base_layer.weight' hold 0 of its 4,096 elements (a rank's slice is missing" in problem, problem
     [problem] = _coverage_problems(folder, Layout({}, {}), CheckpointStatus("x"))
@@ -266,8 +326,13 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
 
     base_dir, ckpt = tmp_path / "base", tmp_path / "run" / "checkpoint-3"
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(base_dir)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(
+        base_dir
+    )
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]),
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -277,10 +342,16 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
     dcp.save({"model": adapter}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
     model.peft_config["default"].save_pretrained(str(ckpt))
     model.save_pretrained(str(tmp_path / "peft-adapter"))
-    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "peft-adapter").merge_and_unload().state_dict()
+    by_peft = (
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "peft-adapter")
+        .merge_and_unload()
+        .state_dict()
+    )
     assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir)
 
-    assert inspect_checkpoint(ckpt)["layout"].startswith("layout: 16 LoRA adapter tensors (lora_A, lora_B) and no frozen base weight")
+    assert inspect_checkpoint(ckpt)["layout"].startswith(
+        "layout: 16 LoRA adapter tensors (lora_A, lora_B) and no frozen base weight"
+    )
     said = []
     merge_checkpoint(ckpt, tmp_path / "merged", log=said.append)  # the base adapter_config.json records
     assert f"adapter-only LoRA checkpoint: the frozen base's weights from {base_dir}" in said
@@ -290,25 +361,38 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
         torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
 
     config = json.loads((ckpt / "adapter_config.json").read_text())
-    (ckpt / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(tmp_path / "moved")}))
-    with pytest.raises(CheckpointError, match=r"holds the LoRA adapter alone .* names '.*moved', which is not a local folder .* pass --base-model"):
+    (ckpt / "adapter_config.json").write_text(
+        json.dumps({**config, "base_model_name_or_path": str(tmp_path / "moved")})
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds the LoRA adapter alone .* names '.*moved', which is not a local folder .* pass --base-model",
+    ):
         merge_checkpoint(ckpt, tmp_path / "nobase")
     merge_checkpoint(ckpt, tmp_path / "given", base_model=str(base_dir), log=said.append)
     given = AutoModelForCausalLM.from_pretrained(tmp_path / "given").state_dict()
     assert all(torch.equal(given[k], merged[k]) for k in merged)
 
     other = tmp_path / "other"
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", intermediate_size=64)).save_pretrained(other)
-    with pytest.raises(CheckpointError, match=r"down_proj has LoRA weights in the checkpoint but no weight of that size in the base model"):
+    AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", intermediate_size=64)
+    ).save_pretrained(other)
+    with pytest.raises(
+        CheckpointError,
+        match=r"down_proj has LoRA weights in the checkpoint but no weight of that size in the base model",
+    ):
         merge_checkpoint(ckpt, tmp_path / "wrong", base_model=str(other))
     merge_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True, log=said.append)
     from safetensors.torch import load_file as load
 
-    written, by_peft_adapter = load(tmp_path / "adapter" / "adapter_model.safetensors"), load(tmp_path / "peft-adapter" / "adapter_model.safetensors")
+    written, by_peft_adapter = (
+        load(tmp_path / "adapter" / "adapter_model.safetensors"),
+        load(tmp_path / "peft-adapter" / "adapter_model.safetensors"),
+    )
     assert set(written) == set(by_peft_adapter) and all(torch.equal(written[k], by_peft_adapter[k]) for k in written)
 
     # (hostile review) the base a merge reads is never its output, however it is named: --overwrite replaced it
-    from test_removal import _snapshot
+    from conftest import _snapshot
 
     before = _snapshot(base_dir)
     for named_by in ("--base-model", "the adapter config"):
@@ -331,11 +415,21 @@ def test_full_state_dict_lora_checkpoints_hold_the_adapter_and_resume_exactly(tm
     saved = torch.load(whole / "checkpoint-3" / "pytorch_model_fsdp.bin", weights_only=True)
     lora = load_file(whole / "adapter" / "adapter_model.safetensors")
     assert len(saved) == len(lora) == 4 * 7 * 2 and all(".lora_A." in n or ".lora_B." in n for n in saved)
-    assert sum(t.numel() for t in saved.values()) == sum(t.numel() for t in lora.values())  # whole tensors, not a rank's rows
+    assert sum(t.numel() for t in saved.values()) == sum(
+        t.numel() for t in lora.values()
+    )  # whole tensors, not a rank's rows
     resumed.mkdir()
     for folder in ("checkpoint-3", "base_model"):
         shutil.copytree(whole / folder, resumed / folder)
-    launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(resumed), "--resume_from_checkpoint", "true", launch_args=full)
+    launch(
+        "accelerate_configs/zero3.yaml",
+        *args,
+        "--output_dir",
+        str(resumed),
+        "--resume_from_checkpoint",
+        "true",
+        launch_args=full,
+    )
     for name in ("model/model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = load_file(whole / name), load_file(resumed / name)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), name
@@ -355,14 +449,33 @@ def test_a_bf16_lora_run_ends_on_peft_s_merge_of_its_adapter(tmp_path):
 
     base = tmp_path / "base"
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).to(torch.bfloat16).save_pretrained(base)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).to(
+        torch.bfloat16
+    ).save_pretrained(base)
     out = tmp_path / "run"
-    launch(CONFIGS[0], *quick(max_steps="2", save_steps="2"), *LORA, "--model_name_or_path", str(base),
-           "--tokenizer_name", str(REPO / "assets" / "tiny-llama"), "--dtype", "bfloat16", "--output_dir", str(out))
+    launch(
+        CONFIGS[0],
+        *quick(max_steps="2", save_steps="2"),
+        *LORA,
+        "--model_name_or_path",
+        str(base),
+        "--tokenizer_name",
+        str(REPO / "assets" / "tiny-llama"),
+        "--dtype",
+        "bfloat16",
+        "--output_dir",
+        str(out),
+    )
     final = load_file(out / "model" / "model.safetensors")
-    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), out / "adapter").merge_and_unload().state_dict()
+    by_peft = (
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), out / "adapter")
+        .merge_and_unload()
+        .state_dict()
+    )
     trained = [k for k in final if "q_proj" in k]
-    assert trained and any(not torch.equal(final[k], load_file(base / "model.safetensors")[k]) for k in trained)  # the adapter moved them
+    assert trained and any(
+        not torch.equal(final[k], load_file(base / "model.safetensors")[k]) for k in trained
+    )  # the adapter moved them
     for key in final:
         assert final[key].dtype == torch.bfloat16 and torch.equal(final[key], by_peft[key]), key
 
@@ -380,10 +493,21 @@ def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(tmp_p
 
     base = tmp_path / "base"
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)).save_pretrained(base)
+    AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)
+    ).save_pretrained(base)
     out = tmp_path / "run"
-    launch(config, *quick(max_steps="2", save_steps="2"), *LORA, "--model_name_or_path", str(base),
-           "--tokenizer_name", str(REPO / "assets" / "tiny-llama"), "--output_dir", str(out))
+    launch(
+        config,
+        *quick(max_steps="2", save_steps="2"),
+        *LORA,
+        "--model_name_or_path",
+        str(base),
+        "--tokenizer_name",
+        str(REPO / "assets" / "tiny-llama"),
+        "--output_dir",
+        str(out),
+    )
     names = adapter_only_layout(out / "checkpoint-2" / "pytorch_model_fsdp_0")
     assert names and all("lora_" in n for n in names), sorted(n for n in names if "lora_" not in n)
     assert "no frozen base weight" in inspect_checkpoint(out / "checkpoint-2")["layout"]
@@ -401,11 +525,30 @@ def test_lora_on_a_tied_head_under_fsdp2_efficient_loading_is_one_line(tmp_path)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = tmp_path / "base"
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)).save_pretrained(base)
-    proc = launch(CONFIGS[0], *quick(max_steps="2"), *LORA, "--lora_target_modules", "q_proj", "lm_head", "--model_name_or_path", str(base),
-                  "--tokenizer_name", str(REPO / "assets" / "tiny-llama"), "--output_dir", str(tmp_path / "run"), check=False)
+    AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)
+    ).save_pretrained(base)
+    proc = launch(
+        CONFIGS[0],
+        *quick(max_steps="2"),
+        *LORA,
+        "--lora_target_modules",
+        "q_proj",
+        "lm_head",
+        "--model_name_or_path",
+        str(base),
+        "--tokenizer_name",
+        str(REPO / "assets" / "tiny-llama"),
+        "--output_dir",
+        str(tmp_path / "run"),
+        check=False,
+    )
     assert proc.returncode != 0
-    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("train_fsdp.py: error: LoRA on the LM head of a model with tied")]
+    said = [
+        line
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if line.startswith("train_fsdp.py: error: LoRA on the LM head of a model with tied")
+    ]
     assert len(said) == 1, proc.stderr[-3000:]  # our line once (the launcher's own summary may quote it again)
     assert "fsdp_cpu_ram_efficient_loading: false" in " ".join((proc.stdout + proc.stderr).split())
     assert "KeyError" not in proc.stderr  # not accelerate's traceback

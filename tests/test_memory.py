@@ -6,9 +6,9 @@ import importlib.util
 import json
 
 import pytest
+from conftest import ALL_CONFIGS, REPO, run
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import ALL_CONFIGS, REPO, run
 from fsdp_recipes.config.memory import GiB, ModelShape, Setup, estimate, fitting_configs, model_shape, parse_count
 
 TOOL = str(REPO / "tools" / "estimate_memory.py")
@@ -28,7 +28,9 @@ def states(est) -> float:
     ],
 )
 def test_zero_reference_points(params, nproc, nnodes, strategy, expected):
-    est = estimate(ModelShape(params=parse_count(params)), Setup(strategy=strategy, nproc_per_node=nproc, nnodes=nnodes))
+    est = estimate(
+        ModelShape(params=parse_count(params)), Setup(strategy=strategy, nproc_per_node=nproc, nnodes=nnodes)
+    )
     assert states(est) == pytest.approx(expected)
 
 
@@ -50,9 +52,13 @@ def test_strategy_extras_and_offload():
     assert states(offload) == 0 and offload.cpu_offload_per_node == pytest.approx(16e9)
     ckpt = estimate(shape, Setup(activation_checkpointing=True, micro_batch=4))
     plain = estimate(shape, Setup(activation_checkpointing=False, micro_batch=4))
-    logits = 2048 * 4 * (8 * 32000 + 8 * 2048)  # fp32 logits and their gradient, the final norm: unaffected by checkpointing
+    logits = (
+        2048 * 4 * (8 * 32000 + 8 * 2048)
+    )  # fp32 logits and their gradient, the final norm: unaffected by checkpointing
     sbh = 2048 * 4 * 2048
-    assert plain.activations - logits == 34 * sbh * 16  # a shape without its MLP: the GPT formula, every layer's 34 sbh bytes kept
+    assert (
+        plain.activations - logits == 34 * sbh * 16
+    )  # a shape without its MLP: the GPT formula, every layer's 34 sbh bytes kept
     assert ckpt.activations - logits == 2 * sbh * 16 + 34 * sbh  # each layer's input, plus one layer recomputed
 
 
@@ -68,8 +74,15 @@ def test_model_shape_from_a_config_matches_the_real_model():
 def test_gpu_memory_lists_shipped_configs_cheapest_first():
     shape = ModelShape(params=int(7e9))
     rows = fitting_configs(shape, Setup(nproc_per_node=8), 80 * GiB)
-    assert [r[0] for r in rows] == ["ddp.yaml", "fsdp1/no_shard.yaml", "ddp.yaml --zero1 true", "zero2.yaml", "hybrid_shard.yaml",
-                                    "zero3.yaml", "zero3_offload.yaml"]
+    assert [r[0] for r in rows] == [
+        "ddp.yaml",
+        "fsdp1/no_shard.yaml",
+        "ddp.yaml --zero1 true",
+        "zero2.yaml",
+        "hybrid_shard.yaml",
+        "zero3.yaml",
+        "zero3_offload.yaml",
+    ]
     assert [r[2] for r in rows] == [False, False, True, True, True, True, True]
     for config, _, _ in rows:
         assert f"accelerate_configs/{config.split()[0]}" in ALL_CONFIGS
@@ -83,16 +96,28 @@ def test_gpu_memory_lists_each_config_as_it_runs_on_one_process():
     shape = ModelShape(params=int(1e9), hidden=2048, layers=16, vocab=32000, largest_unit=int(65.5e6))
     setup = Setup(nproc_per_node=1, micro_batch=4, seq_len=1024)
     rows = fitting_configs(shape, setup, 5.3 * GiB)
-    assert [r[0] for r in rows] == ["ddp.yaml", "fsdp1/no_shard.yaml", "fsdp1/zero3_offload.yaml", "ddp.yaml --zero1 true", "zero2.yaml",
-                                    "zero3.yaml", "zero3_offload.yaml"]
+    assert [r[0] for r in rows] == [
+        "ddp.yaml",
+        "fsdp1/no_shard.yaml",
+        "fsdp1/zero3_offload.yaml",
+        "ddp.yaml --zero1 true",
+        "zero2.yaml",
+        "zero3.yaml",
+        "zero3_offload.yaml",
+    ]
     configs = shipped_configs()
     for label, need, fits in rows:
         strategy = configs[label]
         name = "ZERO1" if "--zero1" in label else strategy.memory_strategy_on(1, 1)
-        assert need == estimate(shape, Setup(**{**setup.__dict__, "strategy": name, "offload": strategy.offload})).gpu_total
+        assert (
+            need
+            == estimate(shape, Setup(**{**setup.__dict__, "strategy": name, "offload": strategy.offload})).gpu_total
+        )
         assert fits == (need <= 5.3 * GiB)
-    assert dict((r[0], r[2]) for r in rows)["fsdp1/zero3_offload.yaml"]  # NO_SHARD + offload fits where FULL_SHARD + offload did not
-    assert not dict((r[0], r[2]) for r in rows)["zero3_offload.yaml"]
+    assert {r[0]: r[2] for r in rows}[
+        "fsdp1/zero3_offload.yaml"
+    ]  # NO_SHARD + offload fits where FULL_SHARD + offload did not
+    assert not {r[0]: r[2] for r in rows}["zero3_offload.yaml"]
     assert "hybrid_shard.yaml" in [r[0] for r in fitting_configs(shape, Setup(nproc_per_node=2, nnodes=2), 80 * GiB)]
 
 
@@ -108,7 +133,9 @@ def test_zero1_shards_only_the_optimizer_state():
 
 def test_cli_text_and_json(capsys):
     """One run as a command (the entry point), the rest through its main() in this process."""
-    proc = run(["python", TOOL, "7B", "--nproc-per-node", "4", "--strategy", "FULL_SHARD", "--gpu-memory", "80GiB", "--json"])
+    proc = run(
+        ["python", TOOL, "7B", "--nproc-per-node", "4", "--strategy", "FULL_SHARD", "--gpu-memory", "80GiB", "--json"]
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     per_gpu = data["per_gpu_bytes"]
@@ -124,7 +151,9 @@ def test_cli_text_and_json(capsys):
     for name in ("fsdp1/zero2.yaml", "fsdp1/zero3.yaml", "fsdp1/hybrid_shard.yaml"):
         assert tool.main([TINY, "--config", str(REPO / "accelerate_configs" / name), "--nproc-per-node", "1"]) == 0
         out = capsys.readouterr().out
-        assert "NO_SHARD" in out.splitlines()[0] and "note: FSDP1 in a shard group of one process runs NO_SHARD" in out, name
+        assert (
+            "NO_SHARD" in out.splitlines()[0] and "note: FSDP1 in a shard group of one process runs NO_SHARD" in out
+        ), name
     assert tool.main([TINY, "--config", str(REPO / "accelerate_configs" / "zero2.yaml"), "--nproc-per-node", "1"]) == 0
     out = capsys.readouterr().out
     assert "SHARD_GRAD_OP" in out.splitlines()[0] and "runs NO_SHARD" not in out  # FSDP2 keeps it on one process

@@ -14,19 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils import merge_fsdp_weights
+from conftest import REPO, _snapshot, run
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, run
 from fsdp_recipes.ckpt.merge import MANIFEST, inspect_checkpoint, merge_checkpoint
 from fsdp_recipes.direct_writes import CHUNK
 from fsdp_recipes.errors import CheckpointError
-from test_removal import _snapshot
 
 TOOL = str(REPO / "tools" / "merge_checkpoint.py")
 SHARDED = [
-    "accelerate_configs/zero3.yaml", "accelerate_configs/zero2.yaml", "accelerate_configs/fsdp1/zero3.yaml",
-    "accelerate_configs/fsdp1/zero2.yaml", "accelerate_configs/hybrid_shard.yaml",  # the last: 4 ranks, 2 replicas
+    "accelerate_configs/zero3.yaml",
+    "accelerate_configs/zero2.yaml",
+    "accelerate_configs/fsdp1/zero3.yaml",
+    "accelerate_configs/fsdp1/zero2.yaml",
+    "accelerate_configs/hybrid_shard.yaml",  # the last: 4 ranks, 2 replicas
 ]
 FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
 
@@ -46,12 +48,16 @@ def reference_weights(dcp_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 
 def logits(model, tokenizer) -> torch.Tensor:
-    batch = tokenizer(["Ada sees the red cat near the barn.", "The owl walks slowly"], return_tensors="pt", padding=True)
+    batch = tokenizer(
+        ["Ada sees the red cat near the barn.", "The owl walks slowly"], return_tensors="pt", padding=True
+    )
     with torch.no_grad():
         return model(**batch).logits
 
 
-def assert_same_model(folder: Path, reference: dict[str, torch.Tensor], tied: bool = False, architecture: str = "LlamaForCausalLM"):
+def assert_same_model(
+    folder: Path, reference: dict[str, torch.Tensor], tied: bool = False, architecture: str = "LlamaForCausalLM"
+):
     model = AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert json.loads((folder / "config.json").read_text())["architectures"] == [architecture]
@@ -59,7 +65,9 @@ def assert_same_model(folder: Path, reference: dict[str, torch.Tensor], tied: bo
     loaded = model.state_dict()
     for name, tensor in reference.items():
         assert torch.equal(loaded[name], tensor), name
-    expected = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).eval()  # from_pretrained's mode: no dropout
+    expected = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(folder)
+    ).eval()  # from_pretrained's mode: no dropout
     expected.load_state_dict(reference, strict=not tied)
     assert torch.equal(logits(model, tokenizer), logits(expected, tokenizer))
 
@@ -132,13 +140,17 @@ def test_tied_embeddings_written_once_as_save_pretrained_does(gpt2_run, tmp_path
     out = tmp_path / "merged"
     merge_checkpoint(run_dir, out, verify=True, log=lambda *_: None)
     # the manifest records the tie; through transformers (no manifest) the folder comes out the same, byte for byte
-    merge_checkpoint(without_manifest(run_dir / "checkpoint-12", tmp_path), tmp_path / "via-transformers", log=lambda *_: None)
+    merge_checkpoint(
+        without_manifest(run_dir / "checkpoint-12", tmp_path), tmp_path / "via-transformers", log=lambda *_: None
+    )
     assert folder_bytes(tmp_path / "via-transformers") == folder_bytes(out)
     written = load_file(out / "model.safetensors")
     assert "transformer.wte.weight" in written and "lm_head.weight" not in written
     reference = reference_weights(run_dir / "checkpoint-12" / "pytorch_model_fsdp_0", tmp_path / "ref")
     assert set(reference) - set(written) <= {"lm_head.weight"}
-    assert_same_model(out, {k: v for k, v in reference.items() if k != "lm_head.weight"}, tied=True, architecture="GPT2LMHeadModel")
+    assert_same_model(
+        out, {k: v for k, v in reference.items() if k != "lm_head.weight"}, tied=True, architecture="GPT2LMHeadModel"
+    )
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
 
@@ -167,19 +179,35 @@ def test_full_state_dict_checkpoints(trained, config, tmp_path):
     shutil.copytree(ckpt, cut, ignore=shutil.ignore_patterns("pytorch_model_fsdp.bin"))
     data = (cut / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(data[: len(data) - 1000])
-    with pytest.raises(CheckpointError, match=r"model.safetensors is truncated \(\d+ of \d+ bytes\): copy the checkpoint again"):
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors is truncated \(\d+ of \d+ bytes\): copy the checkpoint again"
+    ):
         merge_checkpoint(cut, tmp_path / "d", log=lambda *_: None)
 
 
 def test_dtype_sharding_verify_and_inspect_through_the_cli(trained, tmp_path):
     run_dir = trained("accelerate_configs/fsdp1/zero3.yaml").output_dir
     out = tmp_path / "bf16"
-    proc = run(["python", TOOL, str(run_dir / "checkpoint-12"), str(out), "--dtype", "bfloat16", "--max-shard-size", "200KB", "--verify"])
+    proc = run(
+        [
+            "python",
+            TOOL,
+            str(run_dir / "checkpoint-12"),
+            str(out),
+            "--dtype",
+            "bfloat16",
+            "--max-shard-size",
+            "200KB",
+            "--verify",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     assert "verified: 39 tensors equal the checkpoint" in proc.stdout
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) >= 3 and all((out / s).stat().st_size <= 200_000 + 64_000 for s in shards)  # header + one tensor may exceed
+    assert len(shards) >= 3 and all(
+        (out / s).stat().st_size <= 200_000 + 64_000 for s in shards
+    )  # header + one tensor may exceed
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
     reference = reference_weights(run_dir / "checkpoint-12" / "pytorch_model_fsdp_0", tmp_path / "ref")
@@ -188,7 +216,13 @@ def test_dtype_sharding_verify_and_inspect_through_the_cli(trained, tmp_path):
     proc = run(["python", TOOL, str(run_dir), "--inspect"])
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
-    assert (info["format"], info["ranks"], info["step"], info["tensors"], info["parameters"]) == ("sharded (DCP)", 2, 12, 39, 242496)
+    assert (info["format"], info["ranks"], info["step"], info["tensors"], info["parameters"]) == (
+        "sharded (DCP)",
+        2,
+        12,
+        39,
+        242496,
+    )
     assert info["optimizer_state"] is True and not (tmp_path / "inspect").exists()
     assert info["manifest"] == str(run_dir / "checkpoint-12" / "model_description.json")
     help_text = run(["python", TOOL, "--help"]).stdout
@@ -238,14 +272,26 @@ def break_checkpoint(ckpt: Path, how: str) -> tuple[Path, str]:
     if how == "no config":
         (ckpt / MANIFEST).unlink(missing_ok=True)
         for f in ckpt.parent.rglob("*"):
-            if f.is_file() and (f.name.startswith("tokenizer") or f.name.endswith("config.json") or f.suffix == ".jinja"):
+            if f.is_file() and (
+                f.name.startswith("tokenizer") or f.name.endswith("config.json") or f.suffix == ".jinja"
+            ):
                 f.unlink()
         return ckpt, "no config.json"
     raise AssertionError(how)
 
 
-CASES = ["nonexistent", "not a checkpoint", "missing .metadata", "missing .distcp", "truncated .distcp", "optimizer folder", "no config", "broken config",
-         "edited config", "no config of ours"]
+CASES = [
+    "nonexistent",
+    "not a checkpoint",
+    "missing .metadata",
+    "missing .distcp",
+    "truncated .distcp",
+    "optimizer folder",
+    "no config",
+    "broken config",
+    "edited config",
+    "no config of ours",
+]
 
 
 @pytest.mark.parametrize("how", CASES)
@@ -277,7 +323,9 @@ def test_output_inside_input_and_existing_output(checkpoint, tmp_path):
     (existing / "keep.txt").unlink()
     (existing / "config.json").write_text("{}")  # an earlier model folder: replaced
     merge_checkpoint(checkpoint, existing, overwrite=True, log=lambda *_: None)
-    assert (existing / "model.safetensors").is_file() and json.loads((existing / "config.json").read_text())["model_type"]
+    assert (existing / "model.safetensors").is_file() and json.loads((existing / "config.json").read_text())[
+        "model_type"
+    ]
 
 
 # What a user can put into the output folder while a merge with --overwrite runs (it was a model folder at the start)
@@ -331,7 +379,10 @@ def test_an_output_that_gets_a_mount_point_while_the_merge_runs_is_kept_and_said
     def sync_after_a_mount(folder):
         if not mounted:
             (out / "data").mkdir()
-            mounted.append(subprocess.run(["mount", "--bind", str(precious), str(out / "data")], capture_output=True).returncode == 0)
+            mounted.append(
+                subprocess.run(["mount", "--bind", str(precious), str(out / "data")], capture_output=True).returncode
+                == 0
+            )
         real_sync(folder)
 
     monkeypatch.setattr(merge_module, "sync_entries", sync_after_a_mount)
@@ -353,14 +404,19 @@ def test_full_disk_is_refused_before_writing(checkpoint, tmp_path, monkeypatch):
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
-    with pytest.raises(CheckpointError, match=r"not enough free disk space in .*: the merged weights need 1.0 MB and a 8.5 MB margin, 0.0 MB is free"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"not enough free disk space in .*: the merged weights need 1.0 MB and a 8.5 MB margin, 0.0 MB is free",
+    ):
         merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))]
 
 
 def test_base_model_supplies_config_and_tokenizer(checkpoint, tmp_path):
     break_checkpoint(checkpoint, "no config")
-    merge_checkpoint(checkpoint, tmp_path / "out", base_model=str(REPO / "assets" / "tiny-llama"), verify=True, log=lambda *_: None)
+    merge_checkpoint(
+        checkpoint, tmp_path / "out", base_model=str(REPO / "assets" / "tiny-llama"), verify=True, log=lambda *_: None
+    )
     AutoTokenizer.from_pretrained(tmp_path / "out")
     with pytest.raises(CheckpointError, match="shape"):
         wrong = tmp_path / "wrong"
@@ -428,7 +484,10 @@ def test_peak_memory_does_not_grow_with_model_size(synthetic, tmp_path):
     small, big = synthetic
     big_bytes = sum(f.stat().st_size for f in (big / "pytorch_model_fsdp_0").glob("*.distcp"))
     assert big_bytes > 300e6
-    for mode in ("raw", "cast"):  # one interpreter each: peak RSS is a high-water mark, one path's would hide the other's
+    for mode in (
+        "raw",
+        "cast",
+    ):  # one interpreter each: peak RSS is a high-water mark, one path's would hide the other's
         proc = run(["python", "-c", MEASURE, str(small), str(big), str(tmp_path / mode), mode])
         assert proc.returncode == 0, proc.stderr
         base_kb, peak_kb = map(int, proc.stdout.split())
@@ -458,7 +517,10 @@ def test_output_never_destroys_or_mixes_with_the_input(checkpoint, tmp_path):
             merge_checkpoint(checkpoint, output, overwrite=True, log=lambda *_: None)
     other_run = tmp_path / "other-run"
     shutil.copytree(checkpoint, other_run / "checkpoint-3")
-    with pytest.raises(CheckpointError, match=r"holds training checkpoints \(checkpoint-3, ...\): --overwrite only replaces a model folder"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds training checkpoints \(checkpoint-3, ...\): --overwrite only replaces a model folder",
+    ):
         merge_checkpoint(checkpoint, other_run, overwrite=True, log=lambda *_: None)
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
     assert (other_run / "checkpoint-3" / "trainer_state.json").is_file()
@@ -552,13 +614,19 @@ def test_the_output_is_on_disk_before_it_is_renamed_into_place(checkpoint, tmp_p
 
     events = []
     real_sync, real_entries, real_move = merge.sync_folder, merge.sync_entries, merge.move
-    monkeypatch.setattr(merge, "sync_folder", lambda p: events.append(("files", Path(p), sorted(q.name for q in Path(p).iterdir()))) or real_sync(p))
+    monkeypatch.setattr(
+        merge,
+        "sync_folder",
+        lambda p: events.append(("files", Path(p), sorted(q.name for q in Path(p).iterdir()))) or real_sync(p),
+    )
     monkeypatch.setattr(merge, "sync_entries", lambda p: events.append(("entries", Path(p))) or real_entries(p))
     monkeypatch.setattr(merge, "move", lambda a, b: events.append(("move", Path(a), Path(b))) or real_move(a, b))
     out = tmp_path / "out"
     merge_checkpoint(checkpoint, out, log=lambda *_: None)
     kinds = [e[0] for e in events]
-    assert kinds == ["files", "entries", "move", "entries"], events  # the staging folder's own entries after its marker left
+    assert kinds == ["files", "entries", "move", "entries"], (
+        events
+    )  # the staging folder's own entries after its marker left
     (_, staged, files), (_, unmarked), (_, moved, target), (_, parent) = events
     assert staged == unmarked == moved and target == out and parent == out.parent
     assert set(files) >= {p.name for p in out.iterdir()}  # every published file was in the folder fsynced
@@ -600,24 +668,45 @@ def test_the_copy_process_is_started_as_isolated_as_the_merge_and_names_a_failed
     env = {**os.environ, "PYTHONPATH": str(decoy)}
     for flag in ("-I", "-E"):
         out = tmp_path / f"out{flag}"
-        proc = subprocess.run([sys.executable, flag, str(TOOL), str(checkpoint), str(out)], capture_output=True, text=True, env=env, cwd=tmp_path)
+        proc = subprocess.run(
+            [sys.executable, flag, str(TOOL), str(checkpoint), str(out)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         AutoModelForCausalLM.from_pretrained(out)
 
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
-    proc = subprocess.run([sys.executable, str(TOOL), str(checkpoint), str(tmp_path / "limited")], capture_output=True, text=True,
-                          preexec_fn=small_files, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), str(checkpoint), str(tmp_path / "limited")],
+        capture_output=True,
+        text=True,
+        preexec_fn=small_files,
+        cwd=tmp_path,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip() and "Writing weights" not in line]
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
-    assert lines[0].startswith("merge_checkpoint.py: error: ") and "model.safetensors: File too large: nothing was published" in lines[0], lines[0]
+    assert (
+        lines[0].startswith("merge_checkpoint.py: error: ")
+        and "model.safetensors: File too large: nothing was published" in lines[0]
+    ), lines[0]
     assert not (tmp_path / "limited").exists() and not list(tmp_path.glob(".limited*"))
     # the same limit met by this process's own writer (a cast is no byte copy): the line names the file too (review)
-    proc = subprocess.run([sys.executable, str(TOOL), str(checkpoint), str(tmp_path / "limited"), "--dtype", "bfloat16"], capture_output=True,
-                          text=True, preexec_fn=small_files, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), str(checkpoint), str(tmp_path / "limited"), "--dtype", "bfloat16"],
+        capture_output=True,
+        text=True,
+        preexec_fn=small_files,
+        cwd=tmp_path,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip() and "Writing weights" not in line]
-    assert proc.returncode == 1 and len(lines) == 1 and "File too large" in lines[0] and "model.safetensors" in lines[0], proc.stderr[-2000:]
+    assert (
+        proc.returncode == 1 and len(lines) == 1 and "File too large" in lines[0] and "model.safetensors" in lines[0]
+    ), proc.stderr[-2000:]
     assert not (tmp_path / "limited").exists() and not list(tmp_path.glob(".limited*"))
 
 
@@ -670,12 +759,17 @@ def test_sigterm_during_a_merge_is_one_line_and_leaves_nothing(checkpoint, tmp_p
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "merge_checkpoint.py: stopped by SIGTERM: nothing was published"
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1]
+        == "merge_checkpoint.py: stopped by SIGTERM: nothing was published"
+    )
     assert started and started[0].poll() is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-@pytest.mark.parametrize("at, where", [("sync_folder", "staging"), ("sync_entries", "staging"), ("sync_entries", "parent")])
+@pytest.mark.parametrize(
+    "at, where", [("sync_folder", "staging"), ("sync_entries", "staging"), ("sync_entries", "parent")]
+)
 def test_sigterm_while_publishing_says_what_happened(checkpoint, tmp_path, monkeypatch, capsys, at, where):
     """(review) SIGTERM while the finished folder is synced: it was already unmarked, so the cleanup left a whole model
     in .out.tmp-*; SIGTERM after the rename into place: the line said "nothing was published". Now the folder is
@@ -703,7 +797,9 @@ def test_sigterm_while_publishing_says_what_happened(checkpoint, tmp_path, monke
     if where == "staging":  # the finished folder, unmarked or not, was never renamed into place: removed
         assert last == "merge_checkpoint.py: stopped by SIGTERM: nothing was published" and not out.exists()
     else:
-        assert last == f"merge_checkpoint.py: stopped by SIGTERM after {out} was written whole and moved into place", last
+        assert last == f"merge_checkpoint.py: stopped by SIGTERM after {out} was written whole and moved into place", (
+            last
+        )
         AutoModelForCausalLM.from_pretrained(out)
 
 
@@ -717,7 +813,9 @@ def test_sigterm_at_any_moment_leaves_a_whole_output_or_none(checkpoint, tmp_pat
 
     for i, delay in enumerate([0.5, 1.5, 2.5, 3.5, 5.0, 8.0]):
         out = tmp_path / f"out{i}"
-        proc = subprocess.Popen([sys.executable, TOOL, str(checkpoint), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, TOOL, str(checkpoint), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         time.sleep(delay)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=120)
@@ -730,7 +828,9 @@ def test_sigterm_at_any_moment_leaves_a_whole_output_or_none(checkpoint, tmp_pat
             assert proc.returncode in (143, -signal.SIGTERM), (delay, proc.returncode, stderr)
             assert not out.exists(), delay
             if proc.returncode == 143:  # after the handler is in place: one line
-                assert stderr.strip().splitlines()[-1] == "merge_checkpoint.py: stopped by SIGTERM: nothing was published", stderr
+                assert (
+                    stderr.strip().splitlines()[-1] == "merge_checkpoint.py: stopped by SIGTERM: nothing was published"
+                ), stderr
                 assert "Traceback" not in stderr, stderr
 
 
@@ -748,7 +848,9 @@ def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, tr
         return real_start(files)
 
     monkeypatch.setattr(writer, "_start_copies", truncate_first)
-    with pytest.raises(CheckpointError, match=r"\.distcp ended early: the file is truncated; copy the checkpoint again$"):
+    with pytest.raises(
+        CheckpointError, match=r"\.distcp ended early: the file is truncated; copy the checkpoint again$"
+    ):
         merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
@@ -757,13 +859,22 @@ def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, tr
         child.kill()
         return child, errors
 
-    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", checkpoint, dirs_exist_ok=True)
-    monkeypatch.setattr(writer, "_start_copies", lambda files: real_start([]))  # a copy process that writes nothing, exit 0
-    with pytest.raises(CheckpointError, match=r"^the copy process ended without writing model\.safetensors whole \(None of \d+ bytes\): nothing was published"):
+    shutil.copytree(
+        trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", checkpoint, dirs_exist_ok=True
+    )
+    monkeypatch.setattr(
+        writer, "_start_copies", lambda files: real_start([])
+    )  # a copy process that writes nothing, exit 0
+    with pytest.raises(
+        CheckpointError,
+        match=r"^the copy process ended without writing model\.safetensors whole \(None of \d+ bytes\): nothing was published",
+    ):
         merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     monkeypatch.setattr(writer, "_start_copies", killed)
-    with pytest.raises(CheckpointError, match=r"^the copy process ended with status -9: nothing was published; run the merge again$"):
+    with pytest.raises(
+        CheckpointError, match=r"^the copy process ended with status -9: nothing was published; run the merge again$"
+    ):
         merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
@@ -772,8 +883,8 @@ def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, tr
 def test_a_failed_check_stops_the_copy(synthetic, tmp_path):
     """The check running beside the copy is asked between pieces of COPY_STEP bytes: once it fails, nothing more
     is copied."""
-    from fsdp_recipes.ckpt.readers import DCPSource
     from fsdp_recipes.ckpt.copier import COPY_STEP
+    from fsdp_recipes.ckpt.readers import DCPSource
     from fsdp_recipes.ckpt.safetensors_writer import Cancelled, write_weights
 
     ckpt = synthetic[1]

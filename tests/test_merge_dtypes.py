@@ -32,13 +32,20 @@ def test_an_adapter_merges_in_the_base_dtype_as_peft_merges_it(tmp_path, base_dt
 
     base_dir, ckpt = tmp_path / "base", tmp_path / "run" / "checkpoint-2"
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).to(DTYPES[base_dtype]).save_pretrained(base_dir)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=DTYPES[base_dtype]),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]), autocast_adapter_dtype=False)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).to(
+        DTYPES[base_dtype]
+    ).save_pretrained(base_dir)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=DTYPES[base_dtype]),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]),
+        autocast_adapter_dtype=False,
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:
-                param.data = torch.randn_like(param, dtype=torch.float32).to(DTYPES[adapter_dtype])  # trained, in its dtype
+                param.data = torch.randn_like(param, dtype=torch.float32).to(
+                    DTYPES[adapter_dtype]
+                )  # trained, in its dtype
     adapter = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     assert {t.dtype for t in adapter.values()} == {DTYPES[adapter_dtype]}
     dcp.save({"model": adapter}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
@@ -73,5 +80,7 @@ def test_the_writer_casts_to_the_stated_dtype_and_refuses_another_shape(tmp_path
     assert torch.equal(out["a"], a.to(torch.bfloat16)) and torch.equal(out["b"], b.to(torch.bfloat16))
 
     (tmp_path / "bad").mkdir()
-    with pytest.raises(CheckpointError, match=r"a: the checkpoint gave a tensor of shape \(3, 4\), where its metadata states \(4, 3\)"):
+    with pytest.raises(
+        CheckpointError, match=r"a: the checkpoint gave a tensor of shape \(3, 4\), where its metadata states \(4, 3\)"
+    ):
         write_weights(Source({"a": a.T.contiguous(), "b": b}, stated), ["a", "b"], tmp_path / "bad")

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import cli, one_line_error, run_dir  # noqa: F401 (run_dir: the fixture)
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from fsdp_recipes.ckpt.dcp import Chunk, Layout, Stored, TensorEntry, chunk_problems, record_size_problems
 from fsdp_recipes.ckpt.resume import resolve_resume
 from fsdp_recipes.errors import RecipeError
-from test_hostile_files import cli, one_line_error, run_dir  # noqa: F401 (run_dir: the fixture)
 
 META = Path("/ckpt/.metadata")
 
@@ -29,7 +29,10 @@ VALID = {  # layouts writers make: (shape, [(offsets, sizes)])
     "rows over 3 ranks, uneven": ((10, 4), [((0, 0), (4, 4)), ((4, 0), (4, 4)), ((8, 0), (2, 4))]),
     "rows, listed out of order": ((9, 2), [((6, 0), (3, 2)), ((0, 0), (3, 2)), ((3, 0), (3, 2))]),
     "an empty chunk (a rank with no rows)": ((3, 5), [((0, 0), (3, 5)), ((3, 0), (0, 5))]),
-    "a 2 x 2 grid (FSDP x tensor parallel)": ((6, 8), [((0, 0), (3, 4)), ((0, 4), (3, 4)), ((3, 0), (3, 4)), ((3, 4), (3, 4))]),
+    "a 2 x 2 grid (FSDP x tensor parallel)": (
+        (6, 8),
+        [((0, 0), (3, 4)), ((0, 4), (3, 4)), ((3, 0), (3, 4)), ((3, 4), (3, 4))],
+    ),
     "a tiling that is no grid": ((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 1)), ((2, 1), (2, 3))]),
     "a 1-d tensor": ((7,), [((0,), (4,)), ((4,), (3,))]),
     "a scalar": ((), [((), ())]),
@@ -54,7 +57,7 @@ def damaged(shape, chunks):
     for i, (offsets, sizes) in enumerate(chunks):
         if 0 in sizes:  # an empty chunk holds nothing: moving it changes nothing
             continue
-        others = chunks[:i] + chunks[i + 1:]
+        others = chunks[:i] + chunks[i + 1 :]
         for d in range(len(shape)):
             for step in (-1, 1):
                 moved = tuple(o + step if k == d else o for k, o in enumerate(offsets))
@@ -154,10 +157,14 @@ def same_offsets(chunks):  # the hostile review's edit: rank 1's chunk claims ra
     return [chunks[0], ChunkStorageMetadata(offsets=chunks[0].offsets, sizes=chunks[1].sizes)]
 
 
-def one_row_over(chunks):  # rank 0's chunk a row longer, rank 1's a row shorter: as many elements, one row twice, one none
+def one_row_over(
+    chunks,
+):  # rank 0's chunk a row longer, rank 1's a row shorter: as many elements, one row twice, one none
     first, second = chunks
-    return [ChunkStorageMetadata(offsets=first.offsets, sizes=torch.Size([first.sizes[0] + 1, *first.sizes[1:]])),
-            ChunkStorageMetadata(offsets=second.offsets, sizes=torch.Size([second.sizes[0] - 1, *second.sizes[1:]]))]
+    return [
+        ChunkStorageMetadata(offsets=first.offsets, sizes=torch.Size([first.sizes[0] + 1, *first.sizes[1:]])),
+        ChunkStorageMetadata(offsets=second.offsets, sizes=torch.Size([second.sizes[0] - 1, *second.sizes[1:]])),
+    ]
 
 
 def half_missing(chunks):
@@ -166,17 +173,31 @@ def half_missing(chunks):
 
 @pytest.mark.parametrize("folder", ["pytorch_model_fsdp_0", "optimizer_0"])
 @pytest.mark.parametrize("change", [same_offsets, one_row_over, half_missing], ids=lambda f: f.__name__)
-def test_a_real_checkpoints_metadata_whose_chunks_do_not_make_the_tensor_is_refused_by_every_reader(run_dir, folder, change, tmp_path, capsys):  # noqa: F811
+def test_a_real_checkpoints_metadata_whose_chunks_do_not_make_the_tensor_is_refused_by_every_reader(
+    run_dir,  # noqa: F811 (the fixture)
+    folder,
+    change,
+    tmp_path,
+    capsys,  # noqa: F811 (the fixture)
+):
     ckpt = run_dir / "checkpoint-12"
     meta = dcp.FileSystemReader(str(ckpt / folder)).read_metadata()
-    key = next(k for k, m in meta.state_dict_metadata.items() if hasattr(m, "chunks") and "lm_head" in k and len(m.chunks) == 2)
+    key = next(
+        k for k, m in meta.state_dict_metadata.items() if hasattr(m, "chunks") and "lm_head" in k and len(m.chunks) == 2
+    )
     rewrite_chunks(ckpt / folder, key, change)
 
     assert cli("check_checkpoint", [str(ckpt)]) == 1
     said = capsys.readouterr().out
-    assert f"the chunks of {key!r}" in said and "do not make up the tensor" in said and len(said.strip().splitlines()) == 1, said
+    assert (
+        f"the chunks of {key!r}" in said and "do not make up the tensor" in said and len(said.strip().splitlines()) == 1
+    ), said
     if folder == "pytorch_model_fsdp_0":  # the merge reads the model's folder only
-        for argv in ([str(ckpt), str(tmp_path / "out")], [str(ckpt), str(tmp_path / "out"), "--verify"], [str(ckpt), "--inspect"]):
+        for argv in (
+            [str(ckpt), str(tmp_path / "out")],
+            [str(ckpt), str(tmp_path / "out"), "--verify"],
+            [str(ckpt), "--inspect"],
+        ):
             assert cli("merge_checkpoint", argv) == 1
             err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
             assert f"the chunks of {key!r}" in err, err
@@ -201,7 +222,9 @@ def test_shard_folders_copied_in_from_another_checkpoint_with_their_digests_are_
         shutil.copytree(source / name, run / name)
     assert checkpoint_status(run / "checkpoint-12").resumable
     recorded = json.loads((run / "checkpoint-12" / "shard_digests.json").read_text())
-    assert recorded["step"] == 12 and {"pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"} <= set(recorded["files"])
+    assert recorded["step"] == 12 and {"pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"} <= set(
+        recorded["files"]
+    )
     for name in ("pytorch_model_fsdp_0", "optimizer_0"):
         shutil.rmtree(run / "checkpoint-12" / name)
         shutil.copytree(run / "checkpoint-6" / name, run / "checkpoint-12" / name)
@@ -217,7 +240,9 @@ def test_shard_folders_copied_in_from_another_checkpoint_with_their_digests_are_
     with pytest.raises(RecipeError, match="cannot resume from checkpoint-12 .*that of step 6"):
         resolve_resume(str(run / "checkpoint-12"), str(run))
 
-    (run / "checkpoint-12" / "shard_digests.json").unlink()  # without the digests: no record, so the manifest's announcement
+    (
+        run / "checkpoint-12" / "shard_digests.json"
+    ).unlink()  # without the digests: no record, so the manifest's announcement
     assert "missing shard_digests.json" in "; ".join(checkpoint_status(run / "checkpoint-12").problems)
 
 
@@ -272,9 +297,14 @@ def test_a_recorded_step_that_is_no_step_number_is_named(trained, tmp_path, wher
     (ckpt / where).write_text(json.dumps(record))
     problems = "; ".join(checkpoint_status(ckpt).problems)
     if value is None:
-        assert "shard_digests.json is of no step" in problems if key == "step" else checkpoint_status(ckpt).resumable, problems
+        assert "shard_digests.json is of no step" in problems if key == "step" else checkpoint_status(ckpt).resumable, (
+            problems
+        )
     else:
-        assert f"{'shard_digests.json' if key == 'step' else 'model_description.json'}" in problems and "not a step number" in problems, problems
+        assert (
+            f"{'shard_digests.json' if key == 'step' else 'model_description.json'}" in problems
+            and "not a step number" in problems
+        ), problems
 
 
 def test_a_renamed_checkpoint_is_named_as_renamed_not_as_a_copy(trained, tmp_path, capsys):

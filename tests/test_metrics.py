@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import REPO
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import REPO
 from fsdp_recipes.train.metrics import Throughput, flops_per_token, peak_tflops, perplexity, plot_losses
 
 
@@ -22,10 +22,19 @@ def test_flops_per_token_is_six_n_plus_attention():
     assert flops_per_token(model, 128) == 6 * non_embedding + 12 * layers * h * 128
 
 
-@pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
-    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA L4", 121), ("NVIDIA L40S", 362), ("Tesla T4", None),
-])
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA L4", 121),
+        ("NVIDIA L40S", 362),
+        ("Tesla T4", None),
+    ],
+)
 def test_peak_table_matches_the_most_specific_name(name, tflops):
     assert peak_tflops(name) == tflops
 
@@ -33,10 +42,18 @@ def test_peak_table_matches_the_most_specific_name(name, tflops):
 def test_mfu_from_tokens_flops_and_peak():
     throughput = Throughput(flops_per_token=1e9, peak=1e12)
     throughput.total_tokens, throughput.total_seconds = 4000, 2.0  # 1000 tokens/s per device on 2 devices
-    assert throughput.averages(world_size=2) == {"tokens": 4000, "tokens_per_second": 2000.0, "tokens_per_second_per_device": 1000.0, "mfu": 1.0}
+    assert throughput.averages(world_size=2) == {
+        "tokens": 4000,
+        "tokens_per_second": 2000.0,
+        "tokens_per_second_per_device": 1000.0,
+        "mfu": 1.0,
+    }
     assert "mfu" not in Throughput().averages(1) and Throughput().averages(1) == {}
 
 
 def test_perplexity_and_an_empty_plot(tmp_path):
     assert math.isclose(perplexity(2.0), math.exp(2.0)) and perplexity(1000.0) == math.inf
-    assert plot_losses([{"step": 1, "learning_rate": 0.1}], tmp_path / "loss.png") is None and not (tmp_path / "loss.png").exists()
+    assert (
+        plot_losses([{"step": 1, "learning_rate": 0.1}], tmp_path / "loss.png") is None
+        and not (tmp_path / "loss.png").exists()
+    )

@@ -12,16 +12,15 @@ import sys
 import time
 
 import pytest
+from conftest import FOREIGN, QUICK, REPO, _model_folder, _snapshot, launch, read_json
 
-from conftest import QUICK, REPO, launch, read_json
 from fsdp_recipes.ckpt.layout import final_model_folder, foreign_entries
 from fsdp_recipes.ckpt.resume import check_output_dir
+from fsdp_recipes.config.model_source import model_source_problem
 from fsdp_recipes.errors import RecipeError, RefusedRemoval
 from fsdp_recipes.removal import MARKER, is_ours, make_folder
-from fsdp_recipes.config.model_source import model_source_problem
 from fsdp_recipes.train import export
 from fsdp_recipes.train.export import EXPORT_STAGING, publish, publish_adapter
-from test_removal import FOREIGN, _model_folder, _snapshot
 
 MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
 
@@ -46,7 +45,11 @@ def test_publish_makes_a_model_folder_holding_only_the_model(tmp_path, earlier):
         sharded = _staging(out)
         (sharded / "model.safetensors").rename(sharded / "model-00002-of-00002.safetensors")
         (sharded / "model-00001-of-00002.safetensors").write_text("old")
-        publish(sharded, out, [*MODEL_FILES[:2], "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", MODEL_FILES[3]])
+        publish(
+            sharded,
+            out,
+            [*MODEL_FILES[:2], "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", MODEL_FILES[3]],
+        )
     elif earlier:
         _model_folder(out / "model")
     final = publish(_staging(out), out, MODEL_FILES)
@@ -122,18 +125,30 @@ def test_a_published_folder_changed_or_made_again_since_is_kept(tmp_path, change
 # What someone can write into a folder just published, before its fingerprint is taken: content, for each folder kind
 # (a chmod or touch of the folder itself holds nothing of theirs, and unmarking changes the folder anyway).
 CONTENT_CHANGES = {
-    "a file added": {"model": lambda m: (m / "model-00001-of-00002.safetensors").write_text("mine"),
-                     "adapter": lambda m: (m / "adapter_model-00001-of-00002.safetensors").write_text("mine")},
-    "a file rewritten, same size": {"model": lambda m: _same_size(m / "config.json"), "adapter": lambda m: _same_size(m / "adapter_config.json")},
-    "a file rewritten, its modification time set back": {"model": lambda m: _rewritten_in_place(m / "model.safetensors"),
-                                                         "adapter": lambda m: _rewritten_in_place(m / "adapter_model.safetensors")},
-    "a file removed": {"model": lambda m: (m / "tokenizer.json").unlink(), "adapter": lambda m: (m / "base_identity.json").unlink()},
+    "a file added": {
+        "model": lambda m: (m / "model-00001-of-00002.safetensors").write_text("mine"),
+        "adapter": lambda m: (m / "adapter_model-00001-of-00002.safetensors").write_text("mine"),
+    },
+    "a file rewritten, same size": {
+        "model": lambda m: _same_size(m / "config.json"),
+        "adapter": lambda m: _same_size(m / "adapter_config.json"),
+    },
+    "a file rewritten, its modification time set back": {
+        "model": lambda m: _rewritten_in_place(m / "model.safetensors"),
+        "adapter": lambda m: _rewritten_in_place(m / "adapter_model.safetensors"),
+    },
+    "a file removed": {
+        "model": lambda m: (m / "tokenizer.json").unlink(),
+        "adapter": lambda m: (m / "base_identity.json").unlink(),
+    },
 }
 
 
 @pytest.mark.parametrize("change", sorted(CONTENT_CHANGES))
 @pytest.mark.parametrize("kind", ["model", "adapter"])
-def test_a_change_in_the_moment_after_the_rename_is_never_recorded_as_the_export_s(tmp_path, monkeypatch, kind, change, caplog):
+def test_a_change_in_the_moment_after_the_rename_is_never_recorded_as_the_export_s(
+    tmp_path, monkeypatch, kind, change, caplog
+):
     """(hostile review) The fingerprint was taken after the rename into place and the unmarking: a file someone wrote
     into model/ in those milliseconds (inotify sees the rename) was recorded as the export's, and the next export
     deleted it. Generated: each change made at that moment, for the model and the adapter folder; the next export keeps
@@ -147,7 +162,11 @@ def test_a_change_in_the_moment_after_the_rename_is_never_recorded_as_the_export
         CONTENT_CHANGES[change][kind](folder)
         real_unmark(folder, purpose)
 
-    publish_one = (lambda: publish(_staging(out), out, MODEL_FILES)) if kind == "model" else (lambda: publish_adapter(_adapter_staging(out), out))
+    publish_one = (
+        (lambda: publish(_staging(out), out, MODEL_FILES))
+        if kind == "model"
+        else (lambda: publish_adapter(_adapter_staging(out), out))
+    )
     monkeypatch.setattr(export, "unmark", unmark_after_a_change)
     publish_one()
     monkeypatch.setattr(export, "unmark", real_unmark)
@@ -179,7 +198,9 @@ def test_a_published_folder_of_an_earlier_record_form_is_kept(tmp_path):
 
 
 @pytest.mark.parametrize("kind", sorted(FOREIGN))
-def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_moved_aside_at_the_export(tmp_path, kind, caplog):
+def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_moved_aside_at_the_export(
+    tmp_path, kind, caplog
+):
     """Every kind of folder that is not a model folder (a home, notes beside weights, a link, a forged marker), found
     at output_dir/model: the run stops before it starts; put there while the run trains, the export moves it to
     model.kept-2 (then model.kept-3) whole, said in one warning, and the model lands in model/, where everything
@@ -261,7 +282,10 @@ def test_model_folder_shape_is_exactly_what_the_export_writes(tmp_path, entry):
     NOT_EXPORTED[entry](out / "model")
     before = _snapshot(out / "model")
     assert foreign_entries(out) == [f"model/{entry}"]  # named, so the user knows what to move
-    with pytest.raises(RecipeError, match=f"holds files a training run does not write \\(model/{entry}\\): .* move them out of output_dir"):
+    with pytest.raises(
+        RecipeError,
+        match=f"holds files a training run does not write \\(model/{entry}\\): .* move them out of output_dir",
+    ):
         check_output_dir(str(out), resuming=True, overwrite=False)
     assert publish(_staging(out), out, MODEL_FILES) == out / "model"
     assert _snapshot(out / "model.kept-2") == before  # moved aside, whole
@@ -274,8 +298,12 @@ def _exported_adapter(path):
     return path
 
 
-ADAPTER_KINDS = {**FOREIGN, "a file": lambda p: p.write_text("not a folder"), "adapter+README.md": lambda p: (
-    _exported_adapter(p), (p / "README.md").write_text("# my card")), "empty": lambda p: p.mkdir()}
+ADAPTER_KINDS = {
+    **FOREIGN,
+    "a file": lambda p: p.write_text("not a folder"),
+    "adapter+README.md": lambda p: (_exported_adapter(p), (p / "README.md").write_text("# my card")),
+    "empty": lambda p: p.mkdir(),
+}
 
 
 @pytest.mark.parametrize("kind", sorted(ADAPTER_KINDS))
@@ -292,7 +320,13 @@ def test_an_adapter_name_holding_anything_else_is_refused_before_the_run_and_at_
     (staging / "adapter_config.json").write_text("{}")
     assert publish_adapter(staging, out) == out / "adapter"  # and what was there moved aside, whole
     kept = out / "adapter.kept-2"
-    assert (_snapshot(kept) if kept.is_dir() and not kept.is_symlink() else kept.read_text() if not kept.is_symlink() else _snapshot(kept)) == before
+    assert (
+        _snapshot(kept)
+        if kept.is_dir() and not kept.is_symlink()
+        else kept.read_text()
+        if not kept.is_symlink()
+        else _snapshot(kept)
+    ) == before
 
 
 def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files(tmp_path):
@@ -309,7 +343,11 @@ def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files
     for name in ("adapter_config.json", "adapter_model.safetensors", "README.md", "base_identity.json"):
         (staging / name).write_text("new")  # README.md: the model card peft's save_pretrained writes
     adapter = publish_adapter(staging, out)
-    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "base_identity.json"]
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "base_identity.json",
+    ]
     assert (adapter / "adapter_model.safetensors").read_text() == "new" and not (out / ".adapter-tmp").exists()
     assert not [p for p in out.iterdir() if "kept" in p.name]  # replaced, not moved aside
 
@@ -326,7 +364,10 @@ def test_a_run_folder_given_as_the_model_points_at_its_model_folder_in_either_la
         if old_layout:  # an earlier version's model at the top, resumed since: model/ is the newer one
             for file in MODEL_FILES:
                 (run / file).write_text("{}")
-        assert model_source_problem(str(run), weights=True) == f"is a training run's folder: its final model is {run / 'model'}; give that"
+        assert (
+            model_source_problem(str(run), weights=True)
+            == f"is a training run's folder: its final model is {run / 'model'}; give that"
+        )
         assert model_source_problem(str(run / "model"), weights=True) is None
 
 
@@ -338,14 +379,35 @@ def test_check_checkpoint_on_a_finished_run_that_kept_no_checkpoint(tmp_path):
     (started / "run_args.json").write_text("{}")
     results = {}
     for run in (done, started):
-        proc = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(run)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "tools/check_checkpoint.py", str(run)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         results[run.name] = (proc.returncode, proc.stdout.strip().splitlines())
-    assert results["done"] == (0, [f"{done}: no checkpoint-N folders (saved with save_strategy no, or none written yet): nothing to resume",
-                                   f"final model: {done / 'model'}"])
+    assert results["done"] == (
+        0,
+        [
+            f"{done}: no checkpoint-N folders (saved with save_strategy no, or none written yet): nothing to resume",
+            f"final model: {done / 'model'}",
+        ],
+    )
     assert results["started"][0] == 1 and results["started"][1][-1] == "final model: none (the run has not finished)"
-    proc = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(done), "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and read_json_text(proc.stdout) == {"checkpoints": [], "resume_uses": None, "final_model": str(done / "model"),
-                                                           "training_now": None}
+    proc = subprocess.run(
+        [sys.executable, "tools/check_checkpoint.py", str(done), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and read_json_text(proc.stdout) == {
+        "checkpoints": [],
+        "resume_uses": None,
+        "final_model": str(done / "model"),
+        "training_now": None,
+    }
 
 
 def read_json_text(text):
@@ -361,10 +423,20 @@ def test_check_checkpoint_names_the_final_model_in_either_layout(tmp_path):
     _model_folder(new / "model")
     for name in MODEL_FILES:  # as an earlier version left it: model files beside the checkpoints
         (old / name).write_text("{}")
-    assert final_model_folder(new) == new / "model" and final_model_folder(old) == old and final_model_folder(unfinished) is None
+    assert (
+        final_model_folder(new) == new / "model"
+        and final_model_folder(old) == old
+        and final_model_folder(unfinished) is None
+    )
     lines = {}
     for run in (new, old, unfinished):
-        proc = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(run)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "tools/check_checkpoint.py", str(run)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         lines[run.name] = proc.stdout.strip().splitlines()[-1]
     assert lines == {
         "new": f"final model: {new / 'model'}",
@@ -389,20 +461,35 @@ def test_a_run_folder_of_the_earlier_layout_resumes_and_gets_its_model_folder(tr
     old = _snapshot(out)
     resumed = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert f"model saved to {out / 'model'} (only the model" in resumed.stdout
-    assert f"{out} still holds the model an earlier version of this repository wrote at its top level" in resumed.stdout + resumed.stderr
-    assert sorted(set(_snapshot(out)) - set(old)) == sorted(["model", *(f"model/{p.name}" for p in reference.model_dir.iterdir())])
+    assert (
+        f"{out} still holds the model an earlier version of this repository wrote at its top level"
+        in resumed.stdout + resumed.stderr
+    )
+    assert sorted(set(_snapshot(out)) - set(old)) == sorted(
+        ["model", *(f"model/{p.name}" for p in reference.model_dir.iterdir())]
+    )
     assert (out / ".run.lock").read_text().startswith("host old")  # not ours to delete
-    final, expected = load_file(out / "model" / "model.safetensors"), load_file(reference.model_dir / "model.safetensors")
+    final, expected = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(reference.model_dir / "model.safetensors"),
+    )
     assert set(final) == set(expected) and all(final[k].equal(expected[k]) for k in expected)
     assert read_json(out / "model" / "config.json") == read_json(reference.model_dir / "config.json")
     assert MARKER not in {p.name for p in (out / "model").iterdir()}
     # the merge tool and the checker read either layout's run folder by its checkpoints
-    merged = subprocess.run([sys.executable, "tools/merge_checkpoint.py", str(out), str(tmp_path / "merged")], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
+    merged = subprocess.run(
+        [sys.executable, "tools/merge_checkpoint.py", str(out), str(tmp_path / "merged")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert merged.returncode == 0 and "using checkpoint-12" in merged.stdout + merged.stderr, merged.stderr[-2000:]
     again = load_file(tmp_path / "merged" / "model.safetensors")
     assert all(again[k].equal(final[k]) for k in final)
-    checked = subprocess.run([sys.executable, "tools/check_checkpoint.py", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    checked = subprocess.run(
+        [sys.executable, "tools/check_checkpoint.py", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert checked.returncode == 0 and checked.stdout.strip().endswith(f"final model: {out / 'model'}")
 
 
@@ -420,7 +507,11 @@ def test_a_run_folder_as_the_model_is_one_error_naming_its_model_folder(tmp_path
     (run / "checkpoint-4").mkdir()
     raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
     [said] = [p for p in check_settings(raw, "zero3.yaml", model=str(run)) if p.key == "model"]
-    assert said.level == "error" and "is a training run's folder" in said.message and f"its final model is {run / 'model'}" in said.fix
+    assert (
+        said.level == "error"
+        and "is a training run's folder" in said.message
+        and f"its final model is {run / 'model'}" in said.fix
+    )
     assert model_source_problem(str(run), weights=True).startswith("is a training run's folder")
     missing = [p for p in check_settings(raw, "zero3.yaml", model=str(tmp_path / "nothing-here")) if p.key == "model"]
     assert missing and "could not read the config" in str(missing[0])  # a path that is nothing at all still warns
@@ -464,7 +555,11 @@ def test_an_entry_of_a_run_s_name_that_is_not_a_file_or_folder_is_foreign(tmp_pa
     for name in names:  # (hostile review) a folder named run_args.json crashed the run when it wrote the file
         folder = tmp_path / f"dir-{name}"
         (folder / name).mkdir(parents=True)
-        want = "a file where a run writes a folder" if name in ("checkpoint-4", "runs") else "a folder where a run writes a file"
+        want = (
+            "a file where a run writes a folder"
+            if name in ("checkpoint-4", "runs")
+            else "a folder where a run writes a file"
+        )
         if name in ("checkpoint-4", "runs"):
             (folder / name).rmdir()
             (folder / name).write_text("x")
@@ -504,11 +599,16 @@ def test_a_hard_linked_record_is_foreign_and_the_run_refused_before_it_writes(tm
             (out / "run_args.json").write_text("{}")
         os.link(elsewhere, out / name)
         found = foreign_entries(out)
-        assert [e for e in found if e.startswith(name + " ")] == [f"{name} (a hard link: writing it would change the other "
-                                                                   "name's file too)"], (name, found)
+        assert [e for e in found if e.startswith(name + " ")] == [
+            f"{name} (a hard link: writing it would change the other name's file too)"
+        ], (name, found)
         with pytest.raises(RecipeError, match=re.escape(name)) as refused:
             check_output_dir(str(out), resuming=True, overwrite=False)
-        assert "\n" not in str(refused.value) and "hard link" in str(refused.value) and "file of its own" in str(refused.value)
+        assert (
+            "\n" not in str(refused.value)
+            and "hard link" in str(refused.value)
+            and "file of its own" in str(refused.value)
+        )
         assert "does not write" not in str(refused.value)  # (review) its own record, named as if foreign
         assert elsewhere.read_text() == "the other file"
         os.unlink(out / name)
@@ -536,4 +636,6 @@ def test_a_folder_named_like_a_staging_folder_is_someones_unless_a_run_made_it(t
         if kind == "a user's folder":
             (folder / "notes.txt").write_text("mine")
     found = foreign_entries(out)
-    assert found == ([] if kind == "ours" else [f"{name} (named like a run's staging folder, but not one a run made)"]), found
+    assert found == (
+        [] if kind == "ours" else [f"{name} (named like a run's staging folder, but not one a run made)"]
+    ), found

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import QUICK, REPO, free_port, read_json
 from safetensors.torch import load_file
 
-from conftest import QUICK, REPO, free_port, read_json
 from fsdp_recipes.ckpt.merge import merge_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,10 @@ FAKE_SLURM = REPO / "tests" / "helpers" / "fake_slurm"  # srun, running each "no
 def run_nodes(commands: list[list[str]], cwd: Path, env: dict | None = None) -> list[str]:
     """Start one command per node at once (they rendezvous with each other); return each node's output."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    nodes = [subprocess.Popen(c, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
+    nodes = [
+        subprocess.Popen(c, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for c in commands
+    ]
     logs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0] * len(nodes), "\n".join(log[-3000:] for log in logs)
     return logs
@@ -40,15 +43,24 @@ def assert_same_weights(model: Path, reference: Path) -> None:
 def assert_sharded(report: dict, world: int, shard_group: int, wrapper: str) -> None:
     assert report["world_size"] == world and report["distributed_type"] == "FSDP"
     total = report["total_param_elements"]
-    assert sum(rank["local_param_elements"] for rank in report["ranks"]) == total * (world // shard_group)  # once per replica
+    assert sum(rank["local_param_elements"] for rank in report["ranks"]) == total * (
+        world // shard_group
+    )  # once per replica
     for rank in report["ranks"]:  # 1/shard_group each, give or take the 474 embedding rows split 119/119/118/118
-        assert rank["wrapper"] == wrapper and abs(rank["local_param_elements"] * shard_group - total) < 0.01 * total, rank
+        assert rank["wrapper"] == wrapper and abs(rank["local_param_elements"] * shard_group - total) < 0.01 * total, (
+            rank
+        )
 
 
 def slurm_env(nodes: int, per_node: int) -> dict:
     return {
-        "SLURM_JOB_NAME": "fsdp", "SLURM_JOB_ID": "42", "SLURM_NNODES": str(nodes), "SLURM_JOB_NODELIST": "node[0-1]",
-        "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(free_port()), "GPUS_PER_NODE": str(per_node),
+        "SLURM_JOB_NAME": "fsdp",
+        "SLURM_JOB_ID": "42",
+        "SLURM_NNODES": str(nodes),
+        "SLURM_JOB_NODELIST": "node[0-1]",
+        "MAIN_PROCESS_IP": "127.0.0.1",
+        "MAIN_PROCESS_PORT": str(free_port()),
+        "GPUS_PER_NODE": str(per_node),
     }
 
 
@@ -58,11 +70,20 @@ def test_sbatch_file_as_shipped_on_two_fake_nodes(trained, tmp_path):
     node; the final model equals the same run on one machine, and the checkpoint both nodes wrote into one folder
     merges into it. (More processes per node through the same launch_node.sh: the hybrid test below.)"""
     repo = tmp_path / "repo"  # the batch file writes logs/ where it is submitted from: a copy of the repository
-    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "logs", "__pycache__", "*.egg-info", ".pytest_cache"))
+    shutil.copytree(
+        REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "logs", "__pycache__", "*.egg-info", ".pytest_cache")
+    )
     shared = tmp_path / "shared-output"
     env = {**slurm_env(2, 1), "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}", "SLURM_GPUS_PER_NODE": "cpu:1"}
     del env["GPUS_PER_NODE"]
-    cmd = ["bash", "tools/slurm/train_fsdp.sbatch", "accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(shared)]
+    cmd = [
+        "bash",
+        "tools/slurm/train_fsdp.sbatch",
+        "accelerate_configs/zero3.yaml",
+        *QUICK,
+        "--output_dir",
+        str(shared),
+    ]
     run_nodes([cmd], cwd=repo, env=env)
     logs = [(repo / "logs" / f"fsdp-42-node{n}.log").read_text() for n in (0, 1)]
     assert "node 0/2" in logs[0] and "node 1/2" in logs[1] and ": 1 processes," in logs[0]
@@ -71,7 +92,9 @@ def test_sbatch_file_as_shipped_on_two_fake_nodes(trained, tmp_path):
     assert_sharded(read_json(shared / "fsdp_report.json"), world=2, shard_group=2, wrapper="FSDP2")
     shards = shared / "checkpoint-12" / "pytorch_model_fsdp_0"
     assert sorted(p.name for p in shards.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(2)]
-    assert_same_weights(shared / "model", trained("accelerate_configs/zero3.yaml").model_dir)  # the session's one-machine run
+    assert_same_weights(
+        shared / "model", trained("accelerate_configs/zero3.yaml").model_dir
+    )  # the session's one-machine run
     merged = tmp_path / "merged"
     merge_checkpoint(shared / "checkpoint-12", merged, log=lambda *_: None)
     assert_same_weights(merged, shared / "model")
@@ -84,7 +107,9 @@ def test_hybrid_shard_shards_inside_each_node(trained, tmp_path):
     cmd = ["bash", str(REPO / "tools" / "slurm" / "launch_node.sh"), config, *QUICK, "--output_dir", str(shared)]
     run_nodes([["env", f"SLURM_NODEID={n}", *cmd] for n in (0, 1)], cwd=REPO, env=slurm_env(2, 2))
     assert_sharded(read_json(shared / "fsdp_report.json"), world=4, shard_group=2, wrapper="FSDP2")
-    assert_same_weights(shared / "model", trained(config).model_dir)  # the session's one-machine run of the same 2 x 2 mesh
+    assert_same_weights(
+        shared / "model", trained(config).model_dir
+    )  # the session's one-machine run of the same 2 x 2 mesh
 
 
 def test_fsdp1_on_two_nodes_by_hand(trained, tmp_path):
@@ -92,9 +117,29 @@ def test_fsdp1_on_two_nodes_by_hand(trained, tmp_path):
     config = "accelerate_configs/fsdp1/zero3.yaml"
     shared, port = tmp_path / "shared-output", str(free_port())
     commands = [
-        ["accelerate", "launch", "--config_file", config, "--num_machines", "2", "--num_processes", "2",
-         "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-         "--rdzv_backend", "static", "--same_network", "train_fsdp.py", *QUICK, "--output_dir", str(shared)]
+        [
+            "accelerate",
+            "launch",
+            "--config_file",
+            config,
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "2",
+            "--machine_rank",
+            str(rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            port,
+            "--rdzv_backend",
+            "static",
+            "--same_network",
+            "train_fsdp.py",
+            *QUICK,
+            "--output_dir",
+            str(shared),
+        ]
         for rank in (0, 1)
     ]
     run_nodes(commands, cwd=REPO)
@@ -108,9 +153,27 @@ def test_torchrun_on_two_nodes_matches_accelerate(trained, tmp_path):
     TrainingArguments outside accelerate)."""
     shared, port = tmp_path / "shared-output", str(free_port())
     commands = [
-        ["torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
-         "--master_port", port, "train_fsdp.py", "--fsdp", "true", "--fsdp_config",
-         "accelerate_configs/torchrun/zero3.json", *QUICK, "--output_dir", str(shared)]
+        [
+            "torchrun",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--node_rank",
+            str(rank),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            "train_fsdp.py",
+            "--fsdp",
+            "true",
+            "--fsdp_config",
+            "accelerate_configs/torchrun/zero3.json",
+            *QUICK,
+            "--output_dir",
+            str(shared),
+        ]
         for rank in (0, 1)
     ]
     run_nodes(commands, cwd=REPO)
@@ -130,11 +193,32 @@ def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
     from fsdp_recipes.ckpt.status import checkpoint_status
 
     repo = tmp_path / "repo"
-    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "logs", "__pycache__", "*.egg-info", ".pytest_cache"))
+    shutil.copytree(
+        REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "logs", "__pycache__", "*.egg-info", ".pytest_cache")
+    )
     shared, requeued = tmp_path / "shared-output", tmp_path / "requeued"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **slurm_env(2, 1), "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}", "FAKE_SLURM_REQUEUED": str(requeued)}
-    cmd = ["bash", "tools/slurm/train_fsdp.sbatch", "accelerate_configs/zero3.yaml", "--max_steps", "24", "--save_steps", "6",
-           "--logging_steps", "2", "--warmup_steps", "2", "--output_dir", str(shared)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        **slurm_env(2, 1),
+        "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}",
+        "FAKE_SLURM_REQUEUED": str(requeued),
+    }
+    cmd = [
+        "bash",
+        "tools/slurm/train_fsdp.sbatch",
+        "accelerate_configs/zero3.yaml",
+        "--max_steps",
+        "24",
+        "--save_steps",
+        "6",
+        "--logging_steps",
+        "2",
+        "--warmup_steps",
+        "2",
+        "--output_dir",
+        str(shared),
+    ]
     job = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while not (shared / "checkpoint-6" / "trainer_state.json").is_file():
@@ -152,11 +236,18 @@ def test_sbatch_checkpoints_requeues_and_resumes_on_sigusr1(tmp_path):
     # a job script that names a checkpoint itself: the requeued job still continues from the newest one (the
     # user's --resume_from_checkpoint is replaced, not given twice: train_fsdp.py refuses a flag with two values)
     explicit = [*cmd, "--resume_from_checkpoint", str(shared / "checkpoint-6")]
-    again = subprocess.run(explicit, cwd=repo, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        explicit, cwd=repo, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=600
+    )
     logs = [(repo / "logs" / f"fsdp-42-node{n}.log").read_text() for n in (0, 1)]
     assert again.returncode == 0, again.stdout + logs[0][-3000:]
-    assert "requeued job (restart 1): resuming" in logs[0] and f"resuming from {shared / f'checkpoint-{step}'}" in logs[0]
-    assert read_json(shared / "trainer_state.json")["global_step"] == 24 and (shared / "model" / "model.safetensors").is_file()
+    assert (
+        "requeued job (restart 1): resuming" in logs[0] and f"resuming from {shared / f'checkpoint-{step}'}" in logs[0]
+    )
+    assert (
+        read_json(shared / "trainer_state.json")["global_step"] == 24
+        and (shared / "model" / "model.safetensors").is_file()
+    )
 
 
 def test_fsdp1_hybrid_that_would_train_processes_apart_is_refused_before_loading(tmp_path):
@@ -165,19 +256,65 @@ def test_fsdp1_hybrid_that_would_train_processes_apart_is_refused_before_loading
     and exited 0. Now every node stops before loading, in one line; and --fsdp hybrid_shard, which accelerate's FSDP1
     never reads (it ran FULL_SHARD), is refused rather than ignored."""
     v1 = tmp_path / "fsdp1.json"
-    v1.write_text('{"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": "SHARDED_STATE_DICT"}')
+    v1.write_text(
+        '{"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": "SHARDED_STATE_DICT"}'
+    )
     flags = ["--fsdp_config", str(v1), "--max_steps", "2", "--save_strategy", "no", "--report_to", "none"]
     port = str(free_port())
-    nodes = [subprocess.Popen(["torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
-                               "--master_port", port, "train_fsdp.py", "--fsdp", "true", *flags, "--output_dir", str(tmp_path / "apart")],
-                              cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                "torchrun",
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "1",
+                "--node_rank",
+                str(rank),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                "train_fsdp.py",
+                "--fsdp",
+                "true",
+                *flags,
+                "--output_dir",
+                str(tmp_path / "apart"),
+            ],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     logs = [node.communicate(timeout=300)[0] for node in nodes]
     for node, log in zip(nodes, logs):
         assert node.returncode != 0, log[-2000:]
-        assert "FSDP1 HYBRID_SHARD with one device visible to each process would train every process alone" in log, log[-2000:]
+        assert "FSDP1 HYBRID_SHARD with one device visible to each process would train every process alone" in log, log[
+            -2000:
+        ]
         assert "loss" not in log and not (tmp_path / "apart" / "fsdp_report.json").exists()
-    ignored = subprocess.run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "train_fsdp.py", "--fsdp",
-                              "hybrid_shard auto_wrap", *flags, "--output_dir", str(tmp_path / "ignored")],
-                             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    ignored = subprocess.run(
+        [
+            "torchrun",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "train_fsdp.py",
+            "--fsdp",
+            "hybrid_shard auto_wrap",
+            *flags,
+            "--output_dir",
+            str(tmp_path / "ignored"),
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ignored.returncode != 0 and "--fsdp hybrid_shard would run as FULL_SHARD" in ignored.stdout + ignored.stderr

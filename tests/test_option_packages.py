@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import transformers.utils
+from conftest import REPO
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.training_args import OptimizerNames
 
-from conftest import REPO
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.errors import RecipeError
 
@@ -27,15 +27,43 @@ NO_FSDP = ("--allow_no_fsdp", "true")
 # The packages the options below need: (module import finds, transformers.utils helper or None). Written out here,
 # not read from fsdp_recipes.config.packages, so the cases stand on their own.
 OPTIM_NEEDS = {
-    **dict.fromkeys(["adamw_bnb_8bit", "adamw_8bit", "ademamix", "ademamix_8bit", "lion_8bit", "lion_32bit",
-                     "paged_adamw_32bit", "paged_adamw_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit",
-                     "paged_lion_32bit", "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit"],
-                    ("bitsandbytes", "is_bitsandbytes_available")),
-    **dict.fromkeys(["galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise",
-                     "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise"], ("galore_torch", "is_galore_torch_available")),
+    **dict.fromkeys(
+        [
+            "adamw_bnb_8bit",
+            "adamw_8bit",
+            "ademamix",
+            "ademamix_8bit",
+            "lion_8bit",
+            "lion_32bit",
+            "paged_adamw_32bit",
+            "paged_adamw_8bit",
+            "paged_ademamix_32bit",
+            "paged_ademamix_8bit",
+            "paged_lion_32bit",
+            "paged_lion_8bit",
+            "rmsprop_bnb",
+            "rmsprop_bnb_8bit",
+            "rmsprop_bnb_32bit",
+        ],
+        ("bitsandbytes", "is_bitsandbytes_available"),
+    ),
+    **dict.fromkeys(
+        [
+            "galore_adamw",
+            "galore_adamw_8bit",
+            "galore_adafactor",
+            "galore_adamw_layerwise",
+            "galore_adamw_8bit_layerwise",
+            "galore_adafactor_layerwise",
+        ],
+        ("galore_torch", "is_galore_torch_available"),
+    ),
     **dict.fromkeys(["apollo_adamw", "apollo_adamw_layerwise"], ("apollo_torch", "is_apollo_torch_available")),
     **dict.fromkeys(["lomo", "adalomo"], ("lomo_optim", "is_lomo_available")),
-    **dict.fromkeys(["schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd"], ("schedulefree", "is_schedulefree_available")),
+    **dict.fromkeys(
+        ["schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd"],
+        ("schedulefree", "is_schedulefree_available"),
+    ),
     **dict.fromkeys(["adamw_torch_4bit", "adamw_torch_8bit"], ("torchao", "is_torchao_available")),
     "grokadamw": ("grokadamw", "is_grokadamw_available"),
     "stable_adamw": ("optimi", "is_torch_optimi_available"),
@@ -44,15 +72,35 @@ OPTIM_NEEDS = {
     "adamw_torch_npu_fused": ("torch_npu", "is_torch_npu_available"),
 }
 TORCH_ONLY = {"adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop"}
-REPORT_MODULES = {"azure_ml": "azureml", "comet_ml": "comet_ml", "mlflow": "mlflow", "neptune": "neptune",
-                  "tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb", "codecarbon": "codecarbon",
-                  "clearml": "clearml", "dagshub": "dagshub", "flyte": "flytekit", "dvclive": "dvclive", "swanlab": "swanlab"}
-FLASH = {"flash_attention_2": ("flash_attn", "is_flash_attn_2_available"),
-         "flash_attention_3": ("flash_attn_interface", "is_flash_attn_3_available"),
-         "flash_attention_4": ("flash_attn", "is_flash_attn_4_available")}
+REPORT_MODULES = {
+    "azure_ml": "azureml",
+    "comet_ml": "comet_ml",
+    "mlflow": "mlflow",
+    "neptune": "neptune",
+    "tensorboard": "tensorboard",
+    "trackio": "trackio",
+    "wandb": "wandb",
+    "codecarbon": "codecarbon",
+    "clearml": "clearml",
+    "dagshub": "dagshub",
+    "flyte": "flytekit",
+    "dvclive": "dvclive",
+    "swanlab": "swanlab",
+}
+FLASH = {
+    "flash_attention_2": ("flash_attn", "is_flash_attn_2_available"),
+    "flash_attention_3": ("flash_attn_interface", "is_flash_attn_3_available"),
+    "flash_attention_4": ("flash_attn", "is_flash_attn_4_available"),
+}
 LIGER = ("liger_kernel", "is_liger_kernel_available")
-ALL_NEEDS = [*OPTIM_NEEDS.values(), *FLASH.values(), LIGER, *((m, None) for m in REPORT_MODULES.values()),
-             ("tensorboardX", None), ("kernels", None)]
+ALL_NEEDS = [
+    *OPTIM_NEEDS.values(),
+    *FLASH.values(),
+    LIGER,
+    *((m, None) for m in REPORT_MODULES.values()),
+    ("tensorboardX", None),
+    ("kernels", None),
+]
 
 
 @pytest.fixture
@@ -72,8 +120,11 @@ def packages(monkeypatch):
         for module, helper in ALL_NEEDS:
             if helper is not None:
                 gpu = helper.startswith("is_flash_attn")
-                monkeypatch.setattr(transformers.utils, helper,
-                                    lambda *a, _m=module, _gpu=gpu, **k: _m in present and (cuda or not _gpu))
+                monkeypatch.setattr(
+                    transformers.utils,
+                    helper,
+                    lambda *a, _m=module, _gpu=gpu, **k: _m in present and (cuda or not _gpu),
+                )
         monkeypatch.setattr(transformers.utils, "is_torch_cuda_available", lambda: cuda)
 
     return install
@@ -83,7 +134,9 @@ def run(tmp_path, *flags, recipe: str | None = None):
     argv = [*flags, "--output_dir", str(tmp_path / "out"), *NO_FSDP]
     if recipe is not None:
         path = tmp_path / "recipe.yaml"
-        path.write_text(f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{recipe}")
+        path.write_text(
+            f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{recipe}"
+        )
         argv.insert(0, str(path))
     return parse_args(argv)
 
@@ -112,8 +165,12 @@ def test_every_optimizer_is_decided():
 def test_every_helper_named_is_transformers():
     from fsdp_recipes.config import packages
 
-    needs = [*filter(None, packages.OPTIMIZER_BUILDERS.values()), *packages.OPTIMIZER_OVERRIDES.values(),
-             *packages.ATTENTION.values(), packages.LIGER]
+    needs = [
+        *filter(None, packages.OPTIMIZER_BUILDERS.values()),
+        *packages.OPTIMIZER_OVERRIDES.values(),
+        *packages.ATTENTION.values(),
+        packages.LIGER,
+    ]
     assert all(hasattr(transformers.utils, n.helper) for n in needs if n.helper)
     assert set(packages.REPORTERS) == set(INTEGRATION_TO_CALLBACK)
 
@@ -123,7 +180,12 @@ def test_an_optimizer_without_its_package_is_one_line(optim, packages, tmp_path)
     module, _ = OPTIM_NEEDS[optim]
     packages()
     message = refused(tmp_path, "--optim", optim)
-    assert f"optim={optim}" in message and module in message and "pip install" in message and "--optim adamw_torch" in message
+    assert (
+        f"optim={optim}" in message
+        and module in message
+        and "pip install" in message
+        and "--optim adamw_torch" in message
+    )
     assert refused(tmp_path, recipe=f"optim: {optim}\n") == message  # a recipe key, the same line
     packages(module)
     assert run(tmp_path, "--optim", optim)[2].raw.optim == optim
@@ -147,11 +209,16 @@ def test_torch_optimizers_need_nothing(optim, packages, tmp_path):
 @pytest.mark.parametrize("how", ["flag", "recipe list", "recipe name"])
 def test_a_reporting_integration_without_its_package_is_one_line(name, how, packages, tmp_path):
     module = REPORT_MODULES[name]
-    given = {"flag": dict(flags=("--report_to", name)), "recipe list": dict(recipe=f"report_to: [none, {name}]\n"),
-             "recipe name": dict(recipe=f"report_to: {name}\n")}[how]
+    given = {
+        "flag": {"flags": ("--report_to", name)},
+        "recipe list": {"recipe": f"report_to: [none, {name}]\n"},
+        "recipe name": {"recipe": f"report_to: {name}\n"},
+    }[how]
     packages()
     message = refused(tmp_path, *given.get("flags", ()), recipe=given.get("recipe"))
-    assert f"report_to={name}" in message and module in message and "pip install" in message and f"drop {name}" in message
+    assert (
+        f"report_to={name}" in message and module in message and "pip install" in message and f"drop {name}" in message
+    )
     packages(module, "mlflow")  # dagshub logs through mlflow
     run(tmp_path, *given.get("flags", ()), recipe=given.get("recipe"))
 
@@ -206,9 +273,15 @@ def test_liger_without_its_package_is_one_line(flags, packages, tmp_path):
     run(tmp_path, "--use_liger_kernel", "false")
 
 
-@pytest.mark.parametrize("given", [dict(flags=("--deepspeed", "ds.json")), dict(recipe="deepspeed: ds.json\n"),
-                                   dict(recipe="deepspeed: {zero_optimization: {stage: 3}}\n")],
-                         ids=["flag", "recipe", "recipe mapping"])
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"flags": ("--deepspeed", "ds.json")},
+        {"recipe": "deepspeed: ds.json\n"},
+        {"recipe": "deepspeed: {zero_optimization: {stage: 3}}\n"},
+    ],
+    ids=["flag", "recipe", "recipe mapping"],
+)
 def test_deepspeed_is_refused_for_an_fsdp_config(given, tmp_path):
     message = refused(tmp_path, *given.get("flags", ()), recipe=given.get("recipe"))
     assert message.startswith("deepspeed=") and "FSDP accelerate config" in message
@@ -216,14 +289,24 @@ def test_deepspeed_is_refused_for_an_fsdp_config(given, tmp_path):
 
 def test_what_this_machine_has_passes_unpatched(tmp_path):
     """No patching: the options whose packages this repository installs (requirements.txt) pass."""
-    for flags in (("--optim", "adamw_torch"), ("--optim", "adamw_torch_fused"), ("--optim", "adafactor"),
-                  ("--report_to", "none"), ("--report_to", "all"), ("--attn_implementation", "sdpa"),
-                  ("--attn_implementation", "eager"), ("--use_liger_kernel", "false")):
+    for flags in (
+        ("--optim", "adamw_torch"),
+        ("--optim", "adamw_torch_fused"),
+        ("--optim", "adafactor"),
+        ("--report_to", "none"),
+        ("--report_to", "all"),
+        ("--attn_implementation", "sdpa"),
+        ("--attn_implementation", "eager"),
+        ("--use_liger_kernel", "false"),
+    ):
         run(tmp_path, *flags)
     if importlib.util.find_spec("tensorboard") is not None:
         run(tmp_path, "--report_to", "tensorboard")
-    for flags, module in ((("--optim", "adamw_8bit"), "bitsandbytes"), (("--report_to", "wandb"), "wandb"),
-                          (("--use_liger_kernel", "true"), "liger_kernel")):
+    for flags, module in (
+        (("--optim", "adamw_8bit"), "bitsandbytes"),
+        (("--report_to", "wandb"), "wandb"),
+        (("--use_liger_kernel", "true"), "liger_kernel"),
+    ):
         if importlib.util.find_spec(module) is None:
             assert module in refused(tmp_path, *flags)
 
@@ -232,12 +315,17 @@ def test_what_this_machine_has_passes_unpatched(tmp_path):
 
 
 def _true_false_flags():
-    from fsdp_recipes.config.helptext import build_parser
-
     from transformers.hf_argparser import string_to_bool
 
-    return sorted({a.option_strings[0] for a in build_parser()._actions
-                   if a.nargs == "?" and a.const is True and a.type is string_to_bool})
+    from fsdp_recipes.config.helptext import build_parser
+
+    return sorted(
+        {
+            a.option_strings[0]
+            for a in build_parser()._actions
+            if a.nargs == "?" and a.const is True and a.type is string_to_bool
+        }
+    )
 
 
 @pytest.mark.parametrize("flag", _true_false_flags())
@@ -254,7 +342,10 @@ def test_a_bare_true_false_flag_means_true(flag):
     check_flag_aliases(bare_flags_as_values([flag, flag, "true"], parser), parser)
 
 
-CHAT_DATA = ("--train_file", str(REPO / "assets" / "data" / "tiny_chat.jsonl"))  # TRL's packing true takes chat data here
+CHAT_DATA = (
+    "--train_file",
+    str(REPO / "assets" / "data" / "tiny_chat.jsonl"),
+)  # TRL's packing true takes chat data here
 
 
 @pytest.mark.parametrize("flags", [("--use_peft",), ("--gradient_checkpointing",), ("--packing",)])
@@ -263,24 +354,35 @@ def test_bare_flags_at_the_end_or_before_another(flags, tmp_path):
     last = run(tmp_path, "--seed", "3", *CHAT_DATA, *flags)
     explicit = run(tmp_path, *flags, "true", "--seed", "3", *CHAT_DATA)
     for got in (bare, last):
-        assert (vars(got[0]), vars(got[1]), vars(got[2].raw)) == (vars(explicit[0]), vars(explicit[1]), vars(explicit[2].raw))
+        assert (vars(got[0]), vars(got[1]), vars(got[2].raw)) == (
+            vars(explicit[0]),
+            vars(explicit[1]),
+            vars(explicit[2].raw),
+        )
 
 
 def test_bare_packing_is_trls_true(tmp_path):
-    assert run(tmp_path, "--packing", *CHAT_DATA)[1].packing == run(tmp_path, "--packing", "true", *CHAT_DATA)[1].packing == "padding_free"
+    assert (
+        run(tmp_path, "--packing", *CHAT_DATA)[1].packing
+        == run(tmp_path, "--packing", "true", *CHAT_DATA)[1].packing
+        == "padding_free"
+    )
     run(tmp_path, "--packing", "--packing", "true", *CHAT_DATA)  # the same value twice
 
 
-@pytest.mark.parametrize("flags, message", [
-    (("--max_steps", "2", "--max_steps"), "max_steps has no value: give a whole number after --max_steps"),
-    (("--max_steps",), "max_steps has no value"),
-    (("--learning_rate", "--seed", "1"), "learning_rate has no value: give a number"),
-    (("--lr_scheduler_type",), "lr_scheduler_type has no value: give one of linear, cosine"),
-    (("--resume_from_checkpoint",), "resume_from_checkpoint has no value: give true"),
-    (("--lora_target_modules", "--use_peft"), "lora_target_modules has no value: give one or more values"),
-    (("--report_to",), "report_to has no value: give a value after --report_to"),
-    (("--output-dir",), "output_dir has no value: give the folder to write the run to after --output-dir"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--max_steps", "2", "--max_steps"), "max_steps has no value: give a whole number after --max_steps"),
+        (("--max_steps",), "max_steps has no value"),
+        (("--learning_rate", "--seed", "1"), "learning_rate has no value: give a number"),
+        (("--lr_scheduler_type",), "lr_scheduler_type has no value: give one of linear, cosine"),
+        (("--resume_from_checkpoint",), "resume_from_checkpoint has no value: give true"),
+        (("--lora_target_modules", "--use_peft"), "lora_target_modules has no value: give one or more values"),
+        (("--report_to",), "report_to has no value: give a value after --report_to"),
+        (("--output-dir",), "output_dir has no value: give the folder to write the run to after --output-dir"),
+    ],
+)
 def test_a_flag_without_its_value_says_so(flags, message):
     with pytest.raises(RecipeError) as err:
         parse_args([*NO_FSDP, *flags])  # no --output_dir after it: it would be read as the value
@@ -327,8 +429,10 @@ def test_tilde_in_recipe_paths(home, tmp_path):
     shutil.copy(REPO / "assets" / "data" / "tiny_corpus.txt", home / "corpus.txt")
     shutil.copytree(REPO / "assets" / "tiny-llama", home / "tiny-llama")
     recipe = home / "r.yaml"
-    recipe.write_text("config_name: ~/tiny-llama\ntokenizer_name: ~/tiny-llama\ntrain_file: ~/corpus.txt\n"
-                      "output_dir: ~/out\nmax_steps: 2\n")
+    recipe.write_text(
+        "config_name: ~/tiny-llama\ntokenizer_name: ~/tiny-llama\ntrain_file: ~/corpus.txt\n"
+        "output_dir: ~/out\nmax_steps: 2\n"
+    )
     model_args, data_args, plan = parse_args(["~/r.yaml", *NO_FSDP])  # quoted: no shell expanded it
     assert model_args.config_name == str(home / "tiny-llama") and model_args.tokenizer_name == str(home / "tiny-llama")
     assert data_args.train_file == str(home / "corpus.txt") and plan.raw.output_dir == str(home / "out")
@@ -339,7 +443,6 @@ def test_tilde_of_no_user_is_one_line(home):
     with pytest.raises(RecipeError, match="~no_such_user_here is no home folder here: give the full path"):
         parse_args(["--output_dir", "~no_such_user_here/run", *NO_FSDP])
     _no_tilde_folder()
-
 
 
 @pytest.mark.parametrize("installed", [False, True])
@@ -355,10 +458,15 @@ def test_a_hub_kernel_as_attention_needs_the_kernels_package(installed, monkeypa
 
 # (optim, optim_args, a key whose value transformers' optimizer kwargs hold when it reads optim_args); the oracle is
 # transformers' own Trainer.get_optimizer_cls_and_kwargs, not the rule under test
-OPTIM_ARGS = [("adamw_torch", "amsgrad=True", "amsgrad"), ("adamw_torch_fused", "amsgrad=True", "amsgrad"),
-              ("adafactor", "scale_parameter=True", "scale_parameter"), ("sgd", "momentum=0.5", "momentum"),
-              ("adagrad", "lr_decay=0.1", "lr_decay"), ("rmsprop", "momentum=0.5", "momentum"),
-              ("adamw_torch", "eps=1e-3", "eps")]
+OPTIM_ARGS = [
+    ("adamw_torch", "amsgrad=True", "amsgrad"),
+    ("adamw_torch_fused", "amsgrad=True", "amsgrad"),
+    ("adafactor", "scale_parameter=True", "scale_parameter"),
+    ("sgd", "momentum=0.5", "momentum"),
+    ("adagrad", "lr_decay=0.1", "lr_decay"),
+    ("rmsprop", "momentum=0.5", "momentum"),
+    ("adamw_torch", "eps=1e-3", "eps"),
+]
 
 
 @pytest.mark.parametrize("optim, optim_args, key", OPTIM_ARGS)
@@ -371,11 +479,15 @@ def test_optim_args_the_optimizer_would_ignore_are_refused(tmp_path, optim, opti
     args = TrainingArguments(output_dir=str(tmp_path / "x"), optim=optim, optim_args=optim_args, report_to="none")
     _, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, torch.nn.Linear(2, 2))
     value = optim_args.split("=", 1)[1]
-    taken = key in kwargs and (str(kwargs[key]) == value or (not isinstance(kwargs[key], bool) and kwargs[key] == float(value)))
+    taken = key in kwargs and (
+        str(kwargs[key]) == value or (not isinstance(kwargs[key], bool) and kwargs[key] == float(value))
+    )
     if taken:
         run(tmp_path, "--optim", optim, "--optim_args", optim_args)
     else:
-        assert f"optim_args={optim_args!r} would be ignored" in refused(tmp_path, "--optim", optim, "--optim_args", optim_args)
+        assert f"optim_args={optim_args!r} would be ignored" in refused(
+            tmp_path, "--optim", optim, "--optim_args", optim_args
+        )
 
 
 @pytest.mark.parametrize("optim_args", ["amsgrad", "a=1,b", "a=b=c"])

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import warnings
 
+from conftest import REPO
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import REPO
 from fsdp_recipes.config.arguments import ModelArguments
 from fsdp_recipes.train.modeling import add_lora
 
@@ -30,7 +30,9 @@ def test_peft_itself_still_warns():
     """The cause, unfiltered: when peft stops reading the alias this fails, and compat/peft_lora.py can go."""
     from peft import LoraConfig, get_peft_model
 
-    _, seen = alias_warnings(lambda: get_peft_model(tiny_model(), LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM")))
+    _, seen = alias_warnings(
+        lambda: get_peft_model(tiny_model(), LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    )
     assert seen, "peft no longer reads is_gradient_checkpointing: drop fsdp_recipes/compat/peft_lora.py"
 
 

@@ -12,22 +12,29 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-
 from conftest import REPO, launch, quick
+from helpers.fake_hub import serve
+
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.errors import RecipeError
-from helpers.fake_hub import serve
 
 NO_FSDP = ("--allow_no_fsdp", "true")
 # Each hub option of TrainingArguments with a value that is not its default (written out here, not read from
 # fsdp_recipes.config.hub_push): without --push_to_hub true the stock Trainer ignores them without a word
-STRAY = {"hub_model_id": "me/model", "hub_token": "hf_abc", "hub_private_repo": "true", "hub_revision": "v1",
-         "hub_strategy": "end", "hub_always_push": "true"}
+STRAY = {
+    "hub_model_id": "me/model",
+    "hub_token": "hf_abc",
+    "hub_private_repo": "true",
+    "hub_revision": "v1",
+    "hub_strategy": "end",
+    "hub_always_push": "true",
+}
 
 
 def with_role(role: str):
     """A fixture: the fake hub as this process's huggingface_hub sees it (its endpoint, HF_TOKEN its token of
     ``role``; no telemetry request, which would be one more request to count)."""
+
     @pytest.fixture
     def fixture(tmp_path, monkeypatch):
         with serve(tmp_path / "hub", role=role) as server:
@@ -38,6 +45,7 @@ def with_role(role: str):
             monkeypatch.setenv("NO_PROXY", "127.0.0.1")
             monkeypatch.delenv("LOCAL_RANK", raising=False)
             yield server
+
     return fixture
 
 
@@ -69,8 +77,10 @@ def test_a_hub_option_without_push_to_hub_is_said_not_ignored(tmp_path, hub, cap
 
 def test_several_stray_options_are_named_together_and_a_recipe_counts_as_given(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n"
-                      "hub_model_id: me/model\nhub_private_repo: true\n")
+    recipe.write_text(
+        f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n"
+        "hub_model_id: me/model\nhub_private_repo: true\n"
+    )
     plan_of(tmp_path, str(recipe))
     assert "hub_model_id, hub_private_repo are set, and push_to_hub is false" in capsys.readouterr().err
 
@@ -85,16 +95,22 @@ def test_uploads_of_checkpoints_to_resume_from_are_refused_before_the_hub_is_ask
 @pytest.mark.parametrize("flags", [("--hub_strategy", "every_save"), ("--hub_always_push", "true")])
 def test_per_save_pushes_are_said_to_be_one_upload_at_the_end(tmp_path, hub, capsys, flags):
     """The alignment-handbook's recipes say hub_strategy: every_save: the run goes on, uploading once, and says so."""
-    assert plan_of(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny", *flags).push.repo_id == "tester/tiny"
+    assert (
+        plan_of(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny", *flags).push.repo_id
+        == "tester/tiny"
+    )
     assert "asks for uploads at every save" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, repo_id", [
-    ((), "out"),  # the stock Trainer's rule: output_dir's name
-    (("--hub_model_id", "tester/tiny"), "tester/tiny"),
-    (("--hub_model_id", "test-org/tiny", "--hub_strategy", "end"), "test-org/tiny"),
-    (("--hub_model_id", "tiny", "--hub_private_repo", "true", "--hub_revision", "run-1"), "tiny"),
-])
+@pytest.mark.parametrize(
+    "flags, repo_id",
+    [
+        ((), "out"),  # the stock Trainer's rule: output_dir's name
+        (("--hub_model_id", "tester/tiny"), "tester/tiny"),
+        (("--hub_model_id", "test-org/tiny", "--hub_strategy", "end"), "test-org/tiny"),
+        (("--hub_model_id", "tiny", "--hub_private_repo", "true", "--hub_revision", "run-1"), "tiny"),
+    ],
+)
 def test_a_push_the_hub_will_take_is_planned_and_the_trainer_does_not_push(tmp_path, hub, flags, repo_id):
     model_args, _, plan = parse_args(["--push_to_hub", "true", *flags, "--output_dir", str(tmp_path / "out"), *NO_FSDP])
     assert plan.push.repo_id == repo_id and plan.raw.push_to_hub is False
@@ -112,11 +128,19 @@ def closed_port() -> str:
 # (what the user's setup is, how to make it, words the line must hold)
 ACCESS = {
     "offline": (lambda mp, hub: mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True), "HF_HUB_OFFLINE is set"),
-    "no token": (lambda mp, hub: (mp.delenv("HF_TOKEN"), mp.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", "/nonexistent/token"),
-                                  mp.setattr(huggingface_hub.constants, "HF_STORED_TOKENS_PATH", "/nonexistent/stored")),
-                 "no hub token"),
+    "no token": (
+        lambda mp, hub: (
+            mp.delenv("HF_TOKEN"),
+            mp.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", "/nonexistent/token"),
+            mp.setattr(huggingface_hub.constants, "HF_STORED_TOKENS_PATH", "/nonexistent/stored"),
+        ),
+        "no hub token",
+    ),
     "wrong token": (lambda mp, hub: mp.setenv("HF_TOKEN", "hf_not_the_one"), "refuses the token (401"),
-    "no hub there": (lambda mp, hub: mp.setattr(huggingface_hub.constants, "ENDPOINT", closed_port()), "the hub cannot be reached"),
+    "no hub there": (
+        lambda mp, hub: mp.setattr(huggingface_hub.constants, "ENDPOINT", closed_port()),
+        "the hub cannot be reached",
+    ),
 }
 
 
@@ -139,7 +163,10 @@ def test_a_read_only_token_is_refused(tmp_path, read_hub):
 
 
 def test_a_fine_grained_token_is_not_judged_by_its_namespace(tmp_path, fine_grained_hub):
-    assert plan_of(tmp_path, "--push_to_hub", "true", "--hub_model_id", "someone-else/tiny").push.repo_id == "someone-else/tiny"
+    assert (
+        plan_of(tmp_path, "--push_to_hub", "true", "--hub_model_id", "someone-else/tiny").push.repo_id
+        == "someone-else/tiny"
+    )
 
 
 def test_only_each_nodes_local_rank_0_asks_the_hub(tmp_path, hub, monkeypatch):
@@ -150,11 +177,24 @@ def test_only_each_nodes_local_rank_0_asks_the_hub(tmp_path, hub, monkeypatch):
 
 def test_the_way_round_at_parse_time_keeps_the_branch_privacy_and_adapter(tmp_path, hub, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    message = refused(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny", "--hub_private_repo", "true",
-                      "--hub_revision", "run-1", "--use_peft", "true")
+    message = refused(
+        tmp_path,
+        "--push_to_hub",
+        "true",
+        "--hub_model_id",
+        "tester/tiny",
+        "--hub_private_repo",
+        "true",
+        "--hub_revision",
+        "run-1",
+        "--use_peft",
+        "true",
+    )
     out = tmp_path / "out"
-    assert (f"hf upload tester/tiny {out / 'model'} --revision run-1 --private; "
-            f"hf upload tester/tiny {out / 'adapter'} adapter --revision run-1 --private") in message
+    assert (
+        f"hf upload tester/tiny {out / 'model'} --revision run-1 --private; "
+        f"hf upload tester/tiny {out / 'adapter'} adapter --revision run-1 --private"
+    ) in message
 
 
 def test_an_empty_hub_model_id_is_refused_not_replaced_by_output_dir(tmp_path, hub):
@@ -162,9 +202,34 @@ def test_an_empty_hub_model_id_is_refused_not_replaced_by_output_dir(tmp_path, h
 
 
 # Branch names, judged against git's own rules for a branch's ref name (git check-ref-format refs/heads/<name>)
-BRANCHES = ["run-1", "dev", "feature/x", "v1.0", "a_b", "UPPER", "bad..name", "a b", "-lead", ".hidden", "end.", "x.lock",
-            "a//b", "a/.b", "a.lock/b", "tilde~1", "caret^", "colon:x", "q?", "star*", "[bracket", "back\\slash", "at@{x", "@", "tab\tx",
-            "trailing/"]
+BRANCHES = [
+    "run-1",
+    "dev",
+    "feature/x",
+    "v1.0",
+    "a_b",
+    "UPPER",
+    "bad..name",
+    "a b",
+    "-lead",
+    ".hidden",
+    "end.",
+    "x.lock",
+    "a//b",
+    "a/.b",
+    "a.lock/b",
+    "tilde~1",
+    "caret^",
+    "colon:x",
+    "q?",
+    "star*",
+    "[bracket",
+    "back\\slash",
+    "at@{x",
+    "@",
+    "tab\tx",
+    "trailing/",
+]
 
 
 @pytest.mark.parametrize("branch", BRANCHES)
@@ -172,7 +237,13 @@ def test_a_branch_name_git_refuses_is_refused_before_training(tmp_path, hub, bra
     import subprocess
 
     git_takes = subprocess.run(["git", "check-ref-format", f"refs/heads/{branch}"], capture_output=True).returncode == 0
-    flags = ("--push_to_hub", "true", "--hub_model_id", "tester/tiny", f"--hub_revision={branch}")  # = : '-lead' is no flag
+    flags = (
+        "--push_to_hub",
+        "true",
+        "--hub_model_id",
+        "tester/tiny",
+        f"--hub_revision={branch}",
+    )  # = : '-lead' is no flag
     if git_takes:
         assert plan_of(tmp_path, *flags).push.revision == branch
     else:
@@ -180,7 +251,9 @@ def test_a_branch_name_git_refuses_is_refused_before_training(tmp_path, hub, bra
 
 
 def test_a_pull_request_ref_is_refused(tmp_path, hub):
-    assert "pull request" in refused(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny", "--hub_revision", "refs/pr/1")
+    assert "pull request" in refused(
+        tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny", "--hub_revision", "refs/pr/1"
+    )
 
 
 @pytest.mark.parametrize("exists", [None, "public", "private"])
@@ -199,7 +272,10 @@ def test_hub_private_repo_true_into_a_public_repository_is_refused(tmp_path, hub
 
 # A fine-grained token's scoped rights, as whoami gives them: (entity type, entity name, permissions)
 SCOPES = {
-    "the user's namespace": ([("user", "tester", ["repo.content.read", "repo.write"])], {"tester/tiny": True, "test-org/tiny": False}),
+    "the user's namespace": (
+        [("user", "tester", ["repo.content.read", "repo.write"])],
+        {"tester/tiny": True, "test-org/tiny": False},
+    ),
     "an org": ([("org", "test-org", ["repo.write"])], {"tester/tiny": False, "test-org/tiny": True}),
     "one repository": ([("model", "tester/tiny", ["repo.write"])], {"tester/tiny": True, "tester/other": False}),
     "read only": ([("user", "tester", ["repo.content.read"])], {"tester/tiny": False}),
@@ -235,7 +311,9 @@ def a_run_folder(root: Path, adapter: bool) -> Path:
 
     out = root / "run"
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(out / "model")
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(
+        out / "model"
+    )
     AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama").save_pretrained(out / "model")
     (out / "checkpoint-2").mkdir()
     (out / "checkpoint-2" / "__0_0.distcp").write_bytes(b"sharded")
@@ -261,7 +339,9 @@ def test_the_upload_is_the_model_folder_at_the_top_and_the_adapter_beside_in_one
     out = a_run_folder(tmp_path, adapter)
     url = upload_final_model(HubPush("tester/tiny", private=True), str(out), step=2, log=lambda line: None)
     stored = files_of(hub.repo_folder("tester/tiny"))
-    expected = files_of(out / "model") | ({f"adapter/{k}": v for k, v in files_of(out / "adapter").items()} if adapter else {})
+    expected = files_of(out / "model") | (
+        {f"adapter/{k}": v for k, v in files_of(out / "adapter").items()} if adapter else {}
+    )
     assert stored == expected  # no checkpoint, no run record
     assert url and [path for _, path in hub.requests].count("/api/models/tester/tiny/commit/main") == 1
     assert hub.repos["tester/tiny"]["private"] is True
@@ -279,7 +359,9 @@ def test_an_upload_to_a_branch_lands_there(tmp_path, hub):
 
 @pytest.mark.parametrize("private, revision", [(None, None), (True, "run-1")])
 @pytest.mark.parametrize("case", ["the hub refuses the repository", "the hub is gone"])
-def test_a_failed_upload_keeps_the_model_and_says_how_to_finish(tmp_path, fine_grained_hub, monkeypatch, case, private, revision):
+def test_a_failed_upload_keeps_the_model_and_says_how_to_finish(
+    tmp_path, fine_grained_hub, monkeypatch, case, private, revision
+):
     """The commands it gives do what the push would have: the same branch, and private (a repository the first
     `hf upload` creates is public unless told)."""
     from fsdp_recipes.config.hub_push import HubPush
@@ -299,7 +381,11 @@ def test_a_failed_upload_keeps_the_model_and_says_how_to_finish(tmp_path, fine_g
     assert files_of(out) == before
 
 
-LAYOUTS = {"single file": None, "2 shards": "600KB", "4 shards": "300KB"}  # save_pretrained's max_shard_size (0.97 MB model)
+LAYOUTS = {
+    "single file": None,
+    "2 shards": "600KB",
+    "4 shards": "300KB",
+}  # save_pretrained's max_shard_size (0.97 MB model)
 
 
 def tiny_model(seed: int):
@@ -321,8 +407,16 @@ def same_weights(folder: Path, model) -> bool:
     return all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("old, new", [(None, "single file"), ("single file", "2 shards"), ("2 shards", "single file"),
-                                      ("4 shards", "2 shards"), ("single file", "single file")])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (None, "single file"),
+        ("single file", "2 shards"),
+        ("2 shards", "single file"),
+        ("4 shards", "2 shards"),
+        ("single file", "single file"),
+    ],
+)
 def test_an_upload_over_a_model_already_in_the_repository_loads_as_this_model_or_is_refused(tmp_path, hub, old, new):
     """A repository that already holds a model (an earlier run, another layout): either from_pretrained of the
     repository after our commit gives this run's weights, or, where a file left there would be loaded instead (a
@@ -365,7 +459,9 @@ def peft_adapter(folder: Path) -> None:
     """An adapter as peft saves it (TRL's push of a LoRA run puts these files at the repository's top)."""
     from peft import LoraConfig, get_peft_model
 
-    get_peft_model(tiny_model(1), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(folder)
+    get_peft_model(tiny_model(1), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(
+        folder
+    )
 
 
 @pytest.mark.parametrize("ours_has_adapter", [False, True], ids=["model", "model+adapter"])
@@ -387,7 +483,10 @@ def test_an_earlier_adapter_in_the_repository_is_never_left_beside_this_model(tm
         (repo / "adapter" / "README.md").unlink()  # peft's model card: a file ours does not replace
         before = files_of(repo)
         upload_final_model(HubPush("tester/tiny"), str(out), step=2, log=lambda line: None)
-        assert files_of(repo)["adapter/adapter_model.safetensors"] == (out / "adapter" / "adapter_model.safetensors").read_bytes()
+        assert (
+            files_of(repo)["adapter/adapter_model.safetensors"]
+            == (out / "adapter" / "adapter_model.safetensors").read_bytes()
+        )
         return
     with pytest.raises(RecipeError) as err:
         upload_final_model(HubPush("tester/tiny"), str(out), step=2, log=lambda line: None)
@@ -425,19 +524,45 @@ def test_a_lora_run_with_push_to_hub_uploads_its_model_and_adapter_once_it_has_f
     out = tmp_path / "run"
     lora = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--learning_rate", "1e-2"]
     with serve(tmp_path / "hub") as hub:
-        env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0",
-               "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp_path / "hf_home")}
-        proc = launch("accelerate_configs/zero3.yaml", *quick(max_steps="4", save_steps="2"), *lora, "--model_name_or_path", str(base),
-                      "--output_dir", str(out), "--push_to_hub", "true", "--hub_model_id", "tester/tiny-lora", env=env)
+        env = {
+            "HF_ENDPOINT": hub.url,
+            "HF_TOKEN": hub.token,
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_OFFLINE": "0",
+            "NO_PROXY": "127.0.0.1",
+            "HF_HOME": str(tmp_path / "hf_home"),
+        }
+        proc = launch(
+            "accelerate_configs/zero3.yaml",
+            *quick(max_steps="4", save_steps="2"),
+            *lora,
+            "--model_name_or_path",
+            str(base),
+            "--output_dir",
+            str(out),
+            "--push_to_hub",
+            "true",
+            "--hub_model_id",
+            "tester/tiny-lora",
+            env=env,
+        )
     repo = hub.repo_folder("tester/tiny-lora")
     assert "uploaded to the hub" in proc.stdout
-    adapter = {f"adapter/{k}": v for k, v in files_of(out / "adapter").items() if k != "base_identity.json"}  # a local record
+    adapter = {
+        f"adapter/{k}": v for k, v in files_of(out / "adapter").items() if k != "base_identity.json"
+    }  # a local record
     assert files_of(repo) == files_of(out / "model") | adapter
     assert [path for _, path in hub.requests].count("/api/models/tester/tiny-lora/commit/main") == 1  # none per save
-    assert not (out / "training_args.bin").exists() and not (out / "tokenizer.json").exists()  # the Trainer's push wrote none
+    assert (
+        not (out / "training_args.bin").exists() and not (out / "tokenizer.json").exists()
+    )  # the Trainer's push wrote none
     record = (out / "run_args.json").read_text()
     assert hub.token not in record
     assert json.loads(record)["push_to_hub"] == {"repo_id": "tester/tiny-lora", "private": None, "revision": None}
     merged = AutoModelForCausalLM.from_pretrained(repo).state_dict()
-    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), repo, subfolder="adapter").merge_and_unload().state_dict()
+    by_peft = (
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), repo, subfolder="adapter")
+        .merge_and_unload()
+        .state_dict()
+    )
     assert merged.keys() == by_peft.keys() and all(torch.allclose(merged[k], by_peft[k]) for k in merged)

@@ -13,15 +13,18 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import REPO, cli, one_line_error
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO
-from test_hostile_files import cli, one_line_error
-
 # (storage dtype, elements per weight element): 4-bit in bf16 storage (FSDP's QLoRA recipe), 4-bit in uint8, 8-bit
-BNB_4BIT = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16",
-            "bnb_4bit_quant_storage": "bfloat16"}
+BNB_4BIT = {
+    "quant_method": "bitsandbytes",
+    "load_in_4bit": True,
+    "bnb_4bit_quant_type": "nf4",
+    "bnb_4bit_compute_dtype": "bfloat16",
+    "bnb_4bit_quant_storage": "bfloat16",
+}
 PACKINGS = {"4bit-bf16": (torch.bfloat16, 4), "4bit-uint8": (torch.uint8, 2), "8bit-int8": (torch.int8, 1)}
 
 
@@ -41,8 +44,11 @@ def tiny_peft(seed: int = 0):
 
 def packed(weight: torch.Tensor, dtype: torch.dtype, per: int) -> torch.Tensor:
     """A stand-in of the stored quantized weight: its element count and dtype, as FSDP saves Params4bit/Int8Params."""
-    return torch.randint(0, 100, (weight.numel() // per, 1 if per > 1 else weight.shape[1]), dtype=torch.int16).to(dtype) \
-        if per > 1 else torch.randint(-100, 100, weight.shape, dtype=torch.int16).to(dtype)
+    return (
+        torch.randint(0, 100, (weight.numel() // per, 1 if per > 1 else weight.shape[1]), dtype=torch.int16).to(dtype)
+        if per > 1
+        else torch.randint(-100, 100, weight.shape, dtype=torch.int16).to(dtype)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,11 @@ def base_and_truth(tmp_path_factory):
     model = tiny_peft()
     base_dir = folder / "base"
     # what the run loaded: the base model's own weights (the LoRA modules' base_layer weights unwrapped)
-    unwrapped = {k.replace("base_model.model.", "", 1).replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
+    unwrapped = {
+        k.replace("base_model.model.", "", 1).replace(".base_layer.", "."): v
+        for k, v in model.state_dict().items()
+        if ".lora_" not in k
+    }
     from transformers import AutoConfig, AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama"))
@@ -67,7 +77,9 @@ def quantized_checkpoint(folder, base_dir, model, packing: str):
     state = {}
     for name, value in model.state_dict().items():
         module = name.split(".base_layer.")[0]
-        wrapped = name.endswith(".base_layer.weight") and any(k.startswith(f"{module}.lora_A.") for k in model.state_dict())
+        wrapped = name.endswith(".base_layer.weight") and any(
+            k.startswith(f"{module}.lora_A.") for k in model.state_dict()
+        )
         state[name] = packed(value, dtype, per) if wrapped else value
     ckpt = folder / f"checkpoint-{packing}"
     dcp.save({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
@@ -119,6 +131,7 @@ def test_a_quantized_base_without_its_unquantized_base_is_one_line(base_and_trut
 
 # ---- found by a hostile review: what must be refused, or kept, around these merges ----
 
+
 def test_a_quantized_checkpoint_on_another_base_of_the_same_shapes_is_refused(base_and_truth, tmp_path, capsys):
     """Without the run's base_identity.json (a checkpoint of another tool), the weights the run did not quantize are
     the evidence: the embeddings and norms the checkpoint holds must be the base's. A trained norm counts too."""
@@ -160,7 +173,10 @@ def test_a_quantized_base_model_is_refused_as_the_base(base_and_truth, tmp_path,
     int8_base.mkdir()
     (int8_base / "config.json").write_bytes((base_dir / "config.json").read_bytes())
     weights = load_file(base_dir / "model.safetensors")
-    save_file({k: v.to(torch.int8) if k.endswith("proj.weight") else v for k, v in weights.items()}, str(int8_base / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.int8) if k.endswith("proj.weight") else v for k, v in weights.items()},
+        str(int8_base / "model.safetensors"),
+    )
     ckpt = quantized_checkpoint(folder, base_dir, model, "8bit-int8")
     capsys.readouterr()
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(int8_base)]) == 1
@@ -208,7 +224,9 @@ def test_lora_on_a_tied_lm_head_is_refused_not_merged_into_one_of_the_two(tmp_pa
     from transformers import AutoConfig
 
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True))
+    base = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)
+    )
     error = refused_lora_merge(tmp_path, capsys, base, ["q_proj", "lm_head"])
     assert "lm_head.weight has a LoRA adapter and is tied to the input embeddings" in error, error
 
@@ -220,15 +238,21 @@ def test_inspect_says_the_base_is_quantized(base_and_truth, capsys):
     assert "a LoRA adapter on a quantized base" in json.loads(capsys.readouterr().out)["layout"]
 
 
-@pytest.mark.parametrize("loaded, stored", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.float16)])
-def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_merges(base_and_truth, loaded, stored, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "loaded, stored", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.float16)]
+)
+def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_merges(
+    base_and_truth, loaded, stored, tmp_path, capsys
+):
     """A run that loaded an fp32 base in bf16 or fp16 (and FSDP upcast it back to fp32, or kept it) holds rounded
     copies of the unquantized weights, fp16's small values flushed or subnormal: the same base, not another. A NaN
     both hold is the same NaN."""
     folder, base_dir, model, truth = base_and_truth
     state = dcp_state(quantized_checkpoint(folder, base_dir, model, "4bit-bf16"))
-    rounded = {k: v.to(loaded).to(stored) if v.is_floating_point() and ".lora_" not in k and v.dtype == torch.float32 else v
-               for k, v in state.items()}
+    rounded = {
+        k: v.to(loaded).to(stored) if v.is_floating_point() and ".lora_" not in k and v.dtype == torch.float32 else v
+        for k, v in state.items()
+    }
     assert any(not torch.equal(rounded[k].float(), state[k].float()) for k in state)
     norm = next(k for k in state if k.endswith("input_layernorm.weight"))
     base = load_file(base_dir / "model.safetensors")
@@ -242,9 +266,13 @@ def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_merges(base_and_
     save_file(base, str(nan_base / "model.safetensors"))
     ckpt = write_checkpoint(tmp_path / "rounded", rounded, folder / "checkpoint-4bit-bf16")
     capsys.readouterr()
-    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(nan_base)]) == 0, capsys.readouterr().err
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(nan_base)]) == 0, (
+        capsys.readouterr().err
+    )
     got = load_file(tmp_path / "out" / "model.safetensors")
-    assert all(torch.equal(got[n], v) for n, v in truth.items() if n != base_norm)  # the base's own weights, the adapter merged
+    assert all(
+        torch.equal(got[n], v) for n, v in truth.items() if n != base_norm
+    )  # the base's own weights, the adapter merged
 
 
 def test_a_base_off_by_less_than_a_rounding_step_is_another_base(base_and_truth, tmp_path, capsys):
@@ -256,7 +284,10 @@ def test_a_base_off_by_less_than_a_rounding_step_is_another_base(base_and_truth,
     (variant / "config.json").write_bytes((base_dir / "config.json").read_bytes())
     from safetensors.torch import save_file
 
-    save_file({k: v * 1.005 if not k.endswith("proj.weight") else v for k, v in base.items()}, str(variant / "model.safetensors"))
+    save_file(
+        {k: v * 1.005 if not k.endswith("proj.weight") else v for k, v in base.items()},
+        str(variant / "model.safetensors"),
+    )
     ckpt = quantized_checkpoint(folder, base_dir, model, "4bit-bf16")
     capsys.readouterr()
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(variant)]) == 1
@@ -276,6 +307,8 @@ def test_lora_on_modules_stored_both_ways_is_refused_in_one_line(tmp_path, capsy
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=120, n_positions=64, tie_word_embeddings=False))
+    base = GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=120, n_positions=64, tie_word_embeddings=False)
+    )
     error = refused_lora_merge(tmp_path, capsys, base, ["c_attn", "lm_head"])
     assert "modules stored both ways cannot be merged by one setting" in error, error

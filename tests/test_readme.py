@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import REPO, logged_losses, run
 
 README = (REPO / "README.md").read_text()
@@ -45,18 +44,28 @@ def test_readme_shows_setup_main_and_test_commands():
 @pytest.mark.slow
 def test_every_readme_command_runs(tmp_path):
     repo = tmp_path / "repo"
-    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", "*.egg-info", ".pytest_cache", "wheels"))
+    shutil.copytree(
+        REPO,
+        repo,
+        ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", "*.egg-info", ".pytest_cache", "wheels"),
+    )
     outputs = {}
     skipped, on_gpu = [], []
     for command in readme_commands():
-        if command == TEST_COMMAND or command.startswith("pip install -r ") or command.startswith(f"{TEST_COMMAND.rsplit(' ', 1)[0]} -m "):
+        if (
+            command == TEST_COMMAND
+            or command.startswith("pip install -r ")
+            or command.startswith(f"{TEST_COMMAND.rsplit(' ', 1)[0]} -m ")
+        ):
             continue  # this is that command (or its quick tier); .ci/run runs the installs just before it (test above)
         if command.endswith((NEEDS_HUB, LONG)):
             skipped.append(command)
             continue
         if command.endswith(ON_GPU) and not torch.cuda.is_available():
             proc = run(["bash", "-c", command], cwd=repo, timeout=300, env={"OUT": str(tmp_path / "gpu-check")})
-            assert proc.returncode == 1 and proc.stderr.strip().startswith("gpu_check.py: error: no CUDA device here"), command
+            assert proc.returncode == 1 and proc.stderr.strip().startswith(
+                "gpu_check.py: error: no CUDA device here"
+            ), command
             on_gpu.append(command)
             continue
         # pip install -e . must keep pointing at the real checkout, not this copy
@@ -70,7 +79,9 @@ def test_every_readme_command_runs(tmp_path):
 
     # The scaling benchmark's one-minute form: every file, and a record per run with what the table needs.
     smoke = repo / "runs" / "scaling-smoke"
-    assert (smoke / "scaling.png").read_bytes().startswith(b"\x89PNG") and "| FULL_SHARD (FSDP2) |" in (smoke / "scaling.md").read_text()
+    assert (smoke / "scaling.png").read_bytes().startswith(b"\x89PNG") and "| FULL_SHARD (FSDP2) |" in (
+        smoke / "scaling.md"
+    ).read_text()
     result = json.loads((smoke / "scaling.json").read_text())
     [record] = result["records"]
     assert (record["strategy"], record["fsdp_version"], record["processes"]) == ("FULL_SHARD", 2, 2)
@@ -78,8 +89,14 @@ def test_every_readme_command_runs(tmp_path):
     # the overhead is measured, not judged here: a speed target is the benchmark's, never a timed test (a shared
     # 2-core machine moved it from +2% to +45%)
     over = result["overhead"]
-    assert over["tokens_per_second_lower_by"] == 1 - over["train_fsdp.py"]["tokens_per_second"] / over["bare accelerate + Trainer"]["tokens_per_second"]
-    assert all(over[s]["tokens_per_second"] > 0 for s in ("train_fsdp.py", "bare accelerate + Trainer")) and not result["failures"]
+    assert (
+        over["tokens_per_second_lower_by"]
+        == 1 - over["train_fsdp.py"]["tokens_per_second"] / over["bare accelerate + Trainer"]["tokens_per_second"]
+    )
+    assert (
+        all(over[s]["tokens_per_second"] > 0 for s in ("train_fsdp.py", "bare accelerate + Trainer"))
+        and not result["failures"]
+    )
 
     # The main command: what the README promises.
     main = outputs["accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py"]
@@ -92,19 +109,25 @@ def test_every_readme_command_runs(tmp_path):
     shown_losses = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", README)]
     logged = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", main)]
     assert shown_losses and logged
-    assert shown_losses[0] == pytest.approx(logged[0], rel=0.02) and shown_losses[-1] == pytest.approx(logged[-1], rel=0.05), (shown_losses, logged)
+    assert shown_losses[0] == pytest.approx(logged[0], rel=0.02) and shown_losses[-1] == pytest.approx(
+        logged[-1], rel=0.05
+    ), (shown_losses, logged)
     for step in (60, 120):
         assert (run_dir / f"checkpoint-{step}" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert "LlamaForCausalLM" in outputs[next(c for c in outputs if c.startswith("python -c"))]
     assert (repo / "runs" / "x" / "checkpoint-10" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert (repo / "runs" / "tiny-llama-chat" / "model" / "model.safetensors").is_file()
     lora = repo / "runs" / "tiny-llama-lora"
-    assert (lora / "model" / "model.safetensors").is_file() and (lora / "adapter" / "adapter_model.safetensors").is_file()
+    assert (lora / "model" / "model.safetensors").is_file() and (
+        lora / "adapter" / "adapter_model.safetensors"
+    ).is_file()
 
     # Resume: the checker's output is the one shown, and the relaunch resumes from what it names.
     shown = re.search(r"python tools/check_checkpoint.py runs/x\n.*?```\n\n```\n(.*?)```", README, flags=re.S).group(1)
     assert outputs["python tools/check_checkpoint.py runs/x"].strip() == shown.strip()
-    resumed = next(out for cmd, out in outputs.items() if cmd.endswith("--output_dir runs/x --resume_from_checkpoint true"))
+    resumed = next(
+        out for cmd, out in outputs.items() if cmd.endswith("--output_dir runs/x --resume_from_checkpoint true")
+    )
     assert "runs/x/checkpoint-20 is at step 20, max_steps is 20: nothing left to train" in resumed
 
     # The converter commands.
@@ -115,9 +138,14 @@ def test_every_readme_command_runs(tmp_path):
     checked = next(out for cmd, out in outputs.items() if cmd.startswith("python tools/check_config.py"))
     assert "ok: accelerate_configs/zero3.yaml" in checked
     estimated = next(out for cmd, out in outputs.items() if cmd.startswith("python tools/estimate_memory.py 7B"))
-    assert re.search(r"model states \(16P/S with Adam\)\s+26\.08 GiB", estimated)  # 16 bytes x 7e9 / 4 GPUs = 28e9 bytes
+    assert re.search(
+        r"model states \(16P/S with Adam\)\s+26\.08 GiB", estimated
+    )  # 16 bytes x 7e9 / 4 GPUs = 28e9 bytes
     calibrated = next(out for cmd, out in outputs.items() if cmd.startswith("python bench/estimate_calibration.py"))
     assert "| accelerate_configs/zero3.yaml | 2 |" in calibrated and "(target: 5%)" in calibrated
     bench = next(out for cmd, out in outputs.items() if cmd.startswith("python bench/merge_benchmark.py"))
     assert "| accelerate merge-weights |" in bench and "| cp -r (copy of the shards) |" in bench
-    assert "| tools/merge_checkpoint.py (our checkpoint) |" in bench and "| tools/merge_checkpoint.py (no manifest) |" in bench
+    assert (
+        "| tools/merge_checkpoint.py (our checkpoint) |" in bench
+        and "| tools/merge_checkpoint.py (no manifest) |" in bench
+    )

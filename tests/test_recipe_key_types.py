@@ -56,22 +56,28 @@ def test_cases_cover_every_key():
 @pytest.mark.parametrize("key, value", CASES, ids=[f"{k}={v!r}"[:60] for k, v in CASES])
 def test_a_wrong_type_in_a_recipe_is_one_line(tmp_path, key, value):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt", key: value}))
+    recipe.write_text(
+        yaml.safe_dump({"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt", key: value})
+    )
     with pytest.raises(RecipeError) as err:
         parse_args([str(recipe), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
     message = str(err.value)
     assert "\n" not in message and key in message, message
 
 
-FLAG_CASES = [(key, "maybe" if getattr(a.type, "__name__", "") in ("string_to_bool", "strtobool") else "not-a-choice")
-              for key, a in sorted(ACTIONS.items())
-              if getattr(a.type, "__name__", "") in ("string_to_bool", "strtobool") or (a.choices and a.nargs not in ("+", "*"))]
+FLAG_CASES = [
+    (key, "maybe" if getattr(a.type, "__name__", "") in ("string_to_bool", "strtobool") else "not-a-choice")
+    for key, a in sorted(ACTIONS.items())
+    if getattr(a.type, "__name__", "") in ("string_to_bool", "strtobool") or (a.choices and a.nargs not in ("+", "*"))
+]
 
 
 @pytest.mark.parametrize("key, value", FLAG_CASES, ids=[f"--{k} {v}" for k, v in FLAG_CASES])
 def test_a_wrong_word_for_a_flag_is_one_line(tmp_path, key, value):
     with pytest.raises(RecipeError) as err:
-        parse_args(["--config_name", "assets/tiny-llama", "--output_dir", str(tmp_path / "o"), *NO_FSDP, f"--{key}", value])
+        parse_args(
+            ["--config_name", "assets/tiny-llama", "--output_dir", str(tmp_path / "o"), *NO_FSDP, f"--{key}", value]
+        )
     message = str(err.value)
     assert "\n" not in message and key in message, message
 
@@ -88,9 +94,13 @@ def test_null_for_a_key_with_a_default_is_one_line(tmp_path, key):
     """`key: null` in a recipe became the value None, replacing the default without a word: a true-by-default bool
     read as false (async_checkpoints: null turned background saves off), a number as missing."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt", key: None}))
+    recipe.write_text(
+        yaml.safe_dump({"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt", key: None})
+    )
     with pytest.raises(RecipeError) as err:
         parse_args([str(recipe), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
     message = str(err.value)
     own = {"block_size": "block_size (TRL's max_length) is null: TRL's no-truncation has no equivalent here"}
-    assert "\n" not in message and message.startswith(own.get(key, f"recipe key {key}: null is not a value here")), message
+    assert "\n" not in message and message.startswith(own.get(key, f"recipe key {key}: null is not a value here")), (
+        message
+    )

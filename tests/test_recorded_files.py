@@ -12,11 +12,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import REPO, cli, one_line_error, run_dir  # noqa: F401 (run_dir: the fixture)
 
 from fsdp_recipes.ckpt.resume import resolve_resume
 from fsdp_recipes.errors import RecipeError
-from conftest import REPO
-from test_hostile_files import cli, one_line_error, run_dir  # noqa: F401 (run_dir: the fixture)
 
 TINY_DIR = REPO / "assets" / "tiny-llama"  # the config the run was built from
 RECORDED = ["chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
@@ -53,7 +52,13 @@ def test_the_run_records_these_files_as_it_left_them(run_dir):  # noqa: F811
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("name", RECORDED)
-def test_a_recorded_file_changed_since_is_named_by_the_check_the_resume_and_the_merge(run_dir, name, change, tmp_path, capsys):  # noqa: F811
+def test_a_recorded_file_changed_since_is_named_by_the_check_the_resume_and_the_merge(
+    run_dir,  # noqa: F811 (the fixture)
+    name,
+    change,
+    tmp_path,
+    capsys,  # noqa: F811 (the fixture)
+):
     ckpt = run_dir / "checkpoint-12"
     change(ckpt / name)
     said = f"{name} is {'missing' if change is deleted else 'not as the run wrote it'} (checkpoint-12/model_description.json records the hash"
@@ -80,9 +85,15 @@ def test_config_from_base_model_and_a_removed_record_let_the_merge_go_on(run_dir
     model_description.json the checkpoint is taken as it is."""
     ckpt = run_dir / "checkpoint-12"
     config = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.1}))  # edited (transformers reads it for the tokenizer too)
-    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "a"), "--base-model", str(TINY_DIR)]) == 0, capsys.readouterr().err
-    assert json.loads((tmp_path / "a" / "config.json").read_text())["rms_norm_eps"] == config["rms_norm_eps"]  # the base's
+    (ckpt / "config.json").write_text(
+        json.dumps({**config, "rms_norm_eps": 0.1})
+    )  # edited (transformers reads it for the tokenizer too)
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "a"), "--base-model", str(TINY_DIR)]) == 0, (
+        capsys.readouterr().err
+    )
+    assert (
+        json.loads((tmp_path / "a" / "config.json").read_text())["rms_norm_eps"] == config["rms_norm_eps"]
+    )  # the base's
     cut_short(ckpt / "chat_template.jinja")
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "b"), "--base-model", str(TINY_DIR)]) == 1
     assert "chat_template.jinja is not as the run wrote it" in capsys.readouterr().err

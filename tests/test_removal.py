@@ -5,27 +5,35 @@ folders of every other kind, refuses in one line and leaves them as they were.""
 from __future__ import annotations
 
 import ast
-import re
 import os
+import re
 import shutil
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import FOREIGN, REPO, _checkpoint, _model_folder, _notes, _snapshot, cli
 
-from conftest import REPO
 from fsdp_recipes.ckpt.layout import is_checkpoint_folder, is_model_folder
 from fsdp_recipes.ckpt.merge import merge_checkpoint, remove_stale_staging
 from fsdp_recipes.ckpt.resume import check_output_dir
-from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
+from fsdp_recipes.ckpt.status import rotate, set_aside
 from fsdp_recipes.errors import CheckpointError, RecipeError, RefusedRemoval
 from fsdp_recipes.removal import MARKER, make_folder, remove, remove_inside
 from fsdp_recipes.train.export import remove_export_leftovers
-from test_hostile_files import cli
 
-DELETING = {("shutil", "rmtree"), ("shutil", "move"), ("os", "remove"), ("os", "unlink"), ("os", "rename"), ("os", "replace"),
-            ("os", "rmdir"), ("os", "removedirs"), ("os", "renames")}
+DELETING = {
+    ("shutil", "rmtree"),
+    ("shutil", "move"),
+    ("os", "remove"),
+    ("os", "unlink"),
+    ("os", "rename"),
+    ("os", "replace"),
+    ("os", "rmdir"),
+    ("os", "removedirs"),
+    ("os", "renames"),
+}
 PATH_METHODS = {"unlink", "rmdir", "rename"}  # Path methods no str or list has; Path.replace is checked by its arity
 
 
@@ -33,19 +41,30 @@ def _deleting_calls(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module in ("os", "shutil"):
-            found += [f"{path.name}:{node.lineno} from {node.module} import {a.name}" for a in node.names if (node.module, a.name) in DELETING]
+            found += [
+                f"{path.name}:{node.lineno} from {node.module} import {a.name}"
+                for a in node.names
+                if (node.module, a.name) in DELETING
+            ]
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         name, owner = node.func.attr, node.func.value
         if isinstance(owner, ast.Name) and (owner.id, name) in DELETING:
             found.append(f"{path.name}:{node.lineno} {owner.id}.{name}")
-        elif name in PATH_METHODS or (name == "replace" and len(node.args) == 1 and not node.keywords):  # str.replace takes 2
+        elif name in PATH_METHODS or (
+            name == "replace" and len(node.args) == 1 and not node.keywords
+        ):  # str.replace takes 2
             found.append(f"{path.name}:{node.lineno} .{name}()")
     return found
 
 
 def test_only_the_removal_module_deletes_or_moves():
-    files = [*(REPO / "fsdp_recipes").rglob("*.py"), *(REPO / "tools").rglob("*.py"), *(REPO / "bench").rglob("*.py"), REPO / "train_fsdp.py"]
+    files = [
+        *(REPO / "fsdp_recipes").rglob("*.py"),
+        *(REPO / "tools").rglob("*.py"),
+        *(REPO / "bench").rglob("*.py"),
+        REPO / "train_fsdp.py",
+    ]
     offenders = [hit for f in files if f.name != "removal.py" for hit in _deleting_calls(f)]
     assert offenders == [], "delete, replace or move only through fsdp_recipes/removal.py: " + ", ".join(offenders)
     # the scan finds what it looks for (it can fail)
@@ -59,51 +78,7 @@ def merge_checkpoint_dir(trained) -> Path:
     return trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12"
 
 
-def _model_folder(path: Path) -> Path:
-    path.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
-        (path / name).write_text("{}")
-    return path
-
-
 # Folders that are not ours, of every kind a careless command meets: each must survive every deleting path.
-def _home(p):
-    p.mkdir(); (p / ".bashrc").write_text("x"); (p / ".ssh").mkdir(); (p / ".ssh" / "id_rsa").write_text("k"); (p / "projects").mkdir()
-
-
-def _notes(p):
-    p.mkdir(); (p / "notes.txt").write_text("mine"); (p / "data").mkdir()
-
-
-def _model_plus_notes(p):
-    _model_folder(p); (p / "notes.txt").write_text("mine")
-
-
-def _model_with_folder(p):
-    _model_folder(p); (p / "data").mkdir(); (p / "data" / "x.jsonl").write_text("{}")
-
-
-def _link_to_model(p):
-    target = _model_folder(p.parent / f"{p.name}-target")
-    p.symlink_to(target)
-
-
-def _model_with_link(p):
-    _model_folder(p); (p / "tokenizer_config.json").symlink_to(p.parent)
-
-
-def _forged_marker(p):
-    _notes(p); (p / MARKER).write_text('{"tool": "someone-else"}')
-
-
-FOREIGN = {"home": _home, "notes": _notes, "model+notes": _model_plus_notes, "model+data/": _model_with_folder,
-           "link to a model": _link_to_model, "model with a link": _model_with_link, "forged marker": _forged_marker}
-
-
-def _snapshot(path: Path) -> list[str]:
-    if path.is_symlink():
-        return ["link -> " + os.readlink(path)]
-    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
 
 
 @pytest.mark.parametrize("kind", sorted(FOREIGN))
@@ -138,7 +113,7 @@ def test_merge_overwrite_replaces_a_model_folder(merge_checkpoint_dir, tmp_path)
 
 def test_staging_named_folders_of_others_are_kept(tmp_path):
     out = tmp_path / "merged"
-    dead = 2 ** 22 + 12345  # no such process
+    dead = 2**22 + 12345  # no such process
     theirs = tmp_path / f".merged.tmp-{socket.gethostname()}-{dead}"
     _notes(theirs)
     ours = make_folder(tmp_path / f".merged.old-{socket.gethostname()}-{dead}", "merge staging")
@@ -153,17 +128,6 @@ def test_staging_named_folders_of_others_are_kept(tmp_path):
     assert (export_dir / ".export-tmp" / "notes.txt").is_file()
 
 
-def _checkpoint(path: Path, marked: bool) -> Path:
-    if marked:
-        make_folder(path, CHECKPOINT_PURPOSE)
-    else:
-        path.mkdir(parents=True)
-    (path / "trainer_state.json").write_text('{"global_step": %d}' % int(path.name.split("-")[-1]))
-    (path / "pytorch_model_fsdp_0").mkdir()
-    (path / "pytorch_model_fsdp_0" / ".metadata").write_bytes(b"x")
-    return path
-
-
 def test_rotation_deletes_only_checkpoints(tmp_path):
     run = tmp_path / "run"
     for step in (1, 2, 3, 4):
@@ -172,8 +136,15 @@ def test_rotation_deletes_only_checkpoints(tmp_path):
     _notes(run / "checkpoint-0")  # named like one, holds a user's files
     said = []
     assert [p.name for p in rotate(run, 2, warn=said.append)] == ["checkpoint-2"]  # unmarked but checkpoint-shaped
-    assert len(said) == 2 and "kept checkpoint-1, not a checkpoint holding nothing else (it holds notes.txt, which a checkpoint does not)" in said[0], said
-    assert "kept checkpoint-0, not a checkpoint holding nothing else (it holds data/, which a checkpoint does not)" in said[1], said
+    assert (
+        len(said) == 2
+        and "kept checkpoint-1, not a checkpoint holding nothing else (it holds notes.txt, which a checkpoint does not)"
+        in said[0]
+    ), said
+    assert (
+        "kept checkpoint-0, not a checkpoint holding nothing else (it holds data/, which a checkpoint does not)"
+        in said[1]
+    ), said
     assert (run / "checkpoint-0" / "notes.txt").is_file() and (run / "checkpoint-1" / "notes.txt").is_file()
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-0", "checkpoint-1", "checkpoint-3", "checkpoint-4"]
 
@@ -195,13 +166,26 @@ def test_the_end_of_training_cleanup_keeps_the_best_alone_and_what_is_not_only_a
 
 # A user's folder named like a checkpoint whose every file carries a name a checkpoint may hold: no checkpoint
 # without our marker or its core (trainer_state.json and weights); README.md (peft's card) only beside an adapter.
-NAMED_LIKE = ["README.md", "config.json", "tokenizer.json", "generation_config.json", "chat_template.jinja", "vocab.txt",
-              "model.safetensors", "pytorch_model.bin"]
-LOOKALIKES = [{name} for name in NAMED_LIKE] + [set(NAMED_LIKE), {"README.md", "model.safetensors", "trainer_state.json"},
-                                                 {"config.json", "tokenizer.json", "model.safetensors"}, set(), {"training_args.bin"},
-                                                 # the Trainer's save_model of a model and of a peft adapter (a Hub snapshot)
-                                                 {"config.json", "model.safetensors", "tokenizer.json", "training_args.bin"},
-                                                 {"adapter_config.json", "adapter_model.safetensors", "README.md", "training_args.bin"}]
+NAMED_LIKE = [
+    "README.md",
+    "config.json",
+    "tokenizer.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "vocab.txt",
+    "model.safetensors",
+    "pytorch_model.bin",
+]
+LOOKALIKES = [{name} for name in NAMED_LIKE] + [
+    set(NAMED_LIKE),
+    {"README.md", "model.safetensors", "trainer_state.json"},
+    {"config.json", "tokenizer.json", "model.safetensors"},
+    set(),
+    {"training_args.bin"},
+    # the Trainer's save_model of a model and of a peft adapter (a Hub snapshot)
+    {"config.json", "model.safetensors", "tokenizer.json", "training_args.bin"},
+    {"adapter_config.json", "adapter_model.safetensors", "README.md", "training_args.bin"},
+]
 
 
 @pytest.mark.parametrize("names", LOOKALIKES, ids=["+".join(sorted(n)) or "empty" for n in LOOKALIKES])
@@ -214,7 +198,10 @@ def test_a_folder_of_checkpoint_names_without_a_checkpoint_is_never_deleted(tmp_
         (user / name).write_text("a user's")
     assert not is_checkpoint_folder(user)
     said = []
-    assert rotate(run, 1, warn=said.append) == [] and "kept checkpoint-5, not a checkpoint holding nothing else (it " in said[0]
+    assert (
+        rotate(run, 1, warn=said.append) == []
+        and "kept checkpoint-5, not a checkpoint holding nothing else (it " in said[0]
+    )
     with pytest.raises(RecipeError, match="checkpoint-5 is not a training checkpoint holding nothing else"):
         check_output_dir(str(run), resuming=False, overwrite=True)
     with pytest.raises(RecipeError) as refused:  # and no message offers the deleting flag for it
@@ -224,10 +211,32 @@ def test_a_folder_of_checkpoint_names_without_a_checkpoint_is_never_deleted(tmp_
 
 
 STOCK_CHECKPOINTS = {  # what other writers leave, complete or cut short (no trainer_state.json, no marker)
-    "incomplete sharded": ["rng_state_0.pth", "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/__1_0.distcp"],
-    "rank-local DCP metadata": ["pytorch_model_fsdp_0/__0.metadata", "pytorch_model_fsdp_0/__0_0.distcp", "trainer_state.json"],
-    "bin weights": ["pytorch_model.bin", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "training_args.bin"],
-    "sharded bin": ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json", "trainer_state.json"],
+    "incomplete sharded": [
+        "rng_state_0.pth",
+        "pytorch_model_fsdp_0/.metadata",
+        "pytorch_model_fsdp_0/__0_0.distcp",
+        "optimizer_0/__1_0.distcp",
+    ],
+    "rank-local DCP metadata": [
+        "pytorch_model_fsdp_0/__0.metadata",
+        "pytorch_model_fsdp_0/__0_0.distcp",
+        "trainer_state.json",
+    ],
+    "bin weights": [
+        "pytorch_model.bin",
+        "config.json",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "trainer_state.json",
+        "training_args.bin",
+    ],
+    "sharded bin": [
+        "pytorch_model-00001-of-00002.bin",
+        "pytorch_model-00002-of-00002.bin",
+        "pytorch_model.bin.index.json",
+        "trainer_state.json",
+    ],
     "peft bin + BERT vocab": ["adapter_model.bin", "adapter_config.json", "README.md", "vocab.txt", "optimizer.pt"],
     "T5 tokenizer": ["model.safetensors", "spiece.model", "scheduler.pt"],
 }
@@ -259,7 +268,9 @@ def test_an_unreadable_folder_is_named_and_rotation_goes_on(tmp_path, monkeypatc
     monkeypatch.setattr(Path, "iterdir", denied)
     said = []
     assert [p.name for p in rotate(run, 1, warn=said.append)] == ["checkpoint-1"]
-    assert said == ["save_total_limit: kept checkpoint-2, not a checkpoint holding nothing else (unreadable: Permission denied); move it away"]
+    assert said == [
+        "save_total_limit: kept checkpoint-2, not a checkpoint holding nothing else (unreadable: Permission denied); move it away"
+    ]
 
 
 def test_a_readme_put_into_our_checkpoint_keeps_it(tmp_path):
@@ -345,7 +356,10 @@ def test_overwrite_output_dir_refuses_a_checkpoint_holding_other_files(tmp_path,
     run = tmp_path / "run"
     _checkpoint(run / "checkpoint-3", marked=False)
     (run / "checkpoint-3" / "notes.txt").write_text("mine")
-    with pytest.raises(RecipeError, match="checkpoint-3 is not a training checkpoint holding nothing else .it holds notes.txt, which a checkpoint does not"):
+    with pytest.raises(
+        RecipeError,
+        match="checkpoint-3 is not a training checkpoint holding nothing else .it holds notes.txt, which a checkpoint does not",
+    ):
         check_output_dir(str(run), resuming=False, overwrite=True)
     assert (run / "checkpoint-3" / "notes.txt").is_file()
 
@@ -369,18 +383,39 @@ def test_output_dir_holding_someone_elses_files_is_refused(tmp_path, kind, launc
 # before it can delete a user's folder.
 CACHE = "their own cache or temporary files"
 LIBRARY_DELETES = {
-    "transformers.trainer:Trainer._finalize_training": (1, "save_total_limit is None around it (FSDPTrainer._finalize_training), which rotates itself"),
-    "transformers.trainer_utils:rotate_checkpoints": (1, "Trainer._save_checkpoint's; save_total_limit is None around it (FSDPTrainer)"),
+    "transformers.trainer:Trainer._finalize_training": (
+        1,
+        "save_total_limit is None around it (FSDPTrainer._finalize_training), which rotates itself",
+    ),
+    "transformers.trainer_utils:rotate_checkpoints": (
+        1,
+        "Trainer._save_checkpoint's; save_total_limit is None around it (FSDPTrainer)",
+    ),
     "transformers.trainer_pt_utils:remove_dummy_checkpoint": (1, "DeepSpeed's save_model only"),
     "transformers.trainer_jit_checkpoint:CheckpointManager.execute_jit_checkpoint": (1, "its own sentinel file"),
-    "transformers.modeling_utils:PreTrainedModel.save_pretrained": (1, "stale shards of the target folder: we save only into folders we just made"),
-    "transformers.distributed.mixin:DistributedMixin.save_distributed_checkpoint": (1, "push_to_hub of a distributed checkpoint only"),
+    "transformers.modeling_utils:PreTrainedModel.save_pretrained": (
+        1,
+        "stale shards of the target folder: we save only into folders we just made",
+    ),
+    "transformers.distributed.mixin:DistributedMixin.save_distributed_checkpoint": (
+        1,
+        "push_to_hub of a distributed checkpoint only",
+    ),
     "transformers.integrations.integration_utils:NeptuneCallback.__del__": (1, "its own temporary folder"),
     "accelerate.accelerator:Accelerator.save_model": (1, "not called: the Trainer saves through save_pretrained"),
-    "accelerate.accelerator:Accelerator.save_state": (1, "total_limit of automatic checkpoint naming, which the Trainer does not set"),
-    "accelerate.utils.fsdp_utils:merge_fsdp_weights": (1, "accelerate merge-weights (the benchmark's baseline), never called by us"),
+    "accelerate.accelerator:Accelerator.save_state": (
+        1,
+        "total_limit of automatic checkpoint naming, which the Trainer does not set",
+    ),
+    "accelerate.utils.fsdp_utils:merge_fsdp_weights": (
+        1,
+        "accelerate merge-weights (the benchmark's baseline), never called by us",
+    ),
     "accelerate.utils.modeling:load_checkpoint_in_model": (1, "its own offload folder"),
-    "torch.distributed.checkpoint.filesystem:FileSystem.rename": (1, "DCP's .metadata.tmp -> .metadata, in a checkpoint folder we made"),
+    "torch.distributed.checkpoint.filesystem:FileSystem.rename": (
+        1,
+        "DCP's .metadata.tmp -> .metadata, in a checkpoint folder we made",
+    ),
     "torch.distributed.checkpoint.filesystem:FileSystem.rm_file": (1, "not called by DCP's save or load"),
     "torch.distributed.checkpoint.filesystem:_FileSystemWriter.finish": (1, "the same rename"),
     "torch.distributed.checkpoint.staging:_ReplicationStager._persist_state_dict": (2, "replicated staging, not used"),
@@ -396,15 +431,37 @@ LIBRARY_DELETES = {
     "huggingface_hub.file_download:_download_to_tmp_and_move": (1, CACHE),
     "huggingface_hub.file_download:_hf_hub_download_to_local_dir": (1, "downloads, which no run here makes"),
     "huggingface_hub.file_download:_replace_no_matter_what": (9, CACHE),
-    "huggingface_hub.serialization._torch:save_torch_state_dict": (1, "stale shards of the target folder, as save_pretrained"),
+    "huggingface_hub.serialization._torch:save_torch_state_dict": (
+        1,
+        "stale shards of the target folder, as save_pretrained",
+    ),
 }
-LIBRARY_MODULES = ["transformers.trainer", "transformers.trainer_utils", "transformers.trainer_pt_utils", "transformers.trainer_callback",
-                   "transformers.trainer_jit_checkpoint", "transformers.training_args", "transformers.modeling_utils",
-                   "transformers.distributed.mixin", "transformers.integrations.integration_utils", "transformers.integrations.fsdp",
-                   "accelerate.accelerator", "accelerate.checkpointing", "accelerate.utils.fsdp_utils", "accelerate.utils.modeling",
-                   "accelerate.utils.other", "peft.peft_model", "peft.utils.save_and_load", "torch.distributed.checkpoint.filesystem",
-                   "torch.distributed.checkpoint.staging", "torch.distributed.checkpoint.state_dict_saver", "datasets.builder",
-                   "datasets.arrow_dataset", "huggingface_hub.file_download", "huggingface_hub.serialization._torch"]
+LIBRARY_MODULES = [
+    "transformers.trainer",
+    "transformers.trainer_utils",
+    "transformers.trainer_pt_utils",
+    "transformers.trainer_callback",
+    "transformers.trainer_jit_checkpoint",
+    "transformers.training_args",
+    "transformers.modeling_utils",
+    "transformers.distributed.mixin",
+    "transformers.integrations.integration_utils",
+    "transformers.integrations.fsdp",
+    "accelerate.accelerator",
+    "accelerate.checkpointing",
+    "accelerate.utils.fsdp_utils",
+    "accelerate.utils.modeling",
+    "accelerate.utils.other",
+    "peft.peft_model",
+    "peft.utils.save_and_load",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.staging",
+    "torch.distributed.checkpoint.state_dict_saver",
+    "datasets.builder",
+    "datasets.arrow_dataset",
+    "huggingface_hub.file_download",
+    "huggingface_hub.serialization._torch",
+]
 
 
 def _deletes_by_function(source: str, module: str) -> dict[str, int]:
@@ -415,7 +472,9 @@ def _deletes_by_function(source: str, module: str) -> dict[str, int]:
         if isinstance(node, ast.Import):
             aliases |= {a.asname or a.name: a.name for a in node.names if a.name in ("os", "shutil")}
         elif isinstance(node, ast.ImportFrom) and node.module in ("os", "shutil"):
-            aliases |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names if (node.module, a.name) in DELETING}
+            aliases |= {
+                a.asname or a.name: f"{node.module}.{a.name}" for a in node.names if (node.module, a.name) in DELETING
+            }
     found, scope = {}, []
 
     class Visitor(ast.NodeVisitor):
@@ -430,7 +489,11 @@ def _deletes_by_function(source: str, module: str) -> dict[str, int]:
             func = node.func
             if isinstance(func, ast.Attribute):
                 owner = aliases.get(func.value.id, func.value.id) if isinstance(func.value, ast.Name) else None
-                hit = (owner, func.attr) in DELETING or func.attr in PATH_METHODS or (func.attr == "replace" and len(node.args) == 1 and not node.keywords)
+                hit = (
+                    (owner, func.attr) in DELETING
+                    or func.attr in PATH_METHODS
+                    or (func.attr == "replace" and len(node.args) == 1 and not node.keywords)
+                )
             else:
                 hit = isinstance(func, ast.Name) and "." in aliases.get(func.id, "")
             if hit:
@@ -464,7 +527,9 @@ def test_every_delete_in_the_libraries_a_run_goes_through_is_known_and_cannot_re
     for module in LIBRARY_MODULES:
         found |= _deletes_by_function(inspect.getsource(importlib.import_module(module)), module)
     known = {key: count for key, (count, _) in LIBRARY_DELETES.items()}
-    assert found == known, f"new or changed: {sorted(set(found.items()) - set(known.items()))}; gone: {sorted(set(known.items()) - set(found.items()))}"
+    assert found == known, (
+        f"new or changed: {sorted(set(found.items()) - set(known.items()))}; gone: {sorted(set(known.items()) - set(found.items()))}"
+    )
     from fsdp_recipes.train.trainer import FSDPTrainer
 
     assert {"_finalize_training", "_save_checkpoint"} <= set(vars(FSDPTrainer))  # the two Trainer deletes, taken over
@@ -479,8 +544,15 @@ def _stock_trainer_run(out: Path) -> None:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny))
     ids = torch.randint(0, model.config.vocab_size, (4, 16))
     data = [{"input_ids": row, "labels": row} for row in ids]
-    args = TrainingArguments(str(out), max_steps=2, per_device_train_batch_size=2, save_strategy="no", report_to="none",
-                             use_cpu=True, logging_steps=1)
+    args = TrainingArguments(
+        str(out),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(tiny))
     metrics = trainer.train().metrics
     trainer.save_model()
@@ -498,14 +570,30 @@ def test_a_stock_trainers_finished_run_is_not_taken_for_ours(tmp_path):
     assert (out / "trainer_state.json").is_file() and (out / "all_results.json").is_file()  # the case is real
     before = _snapshot(out)
     for resuming in (False, True):
-        with pytest.raises(RecipeError, match=r"holds another tool's model or run \(.*no run_args.json, which every run of this repository writes first\)"):
+        with pytest.raises(
+            RecipeError,
+            match=r"holds another tool's model or run \(.*no run_args.json, which every run of this repository writes first\)",
+        ):
             check_output_dir(str(out), resuming=resuming, overwrite=True)
     assert _snapshot(out) == before
 
 
-SHARED_NAMES = ["trainer_state.json", "all_results.json", "train_results.json", "eval_results.json", "training_args.bin",
-                "config.json", "model.safetensors", "model-00001-of-00002.safetensors", "tokenizer.json", "generation_config.json",
-                "fsdp_report.json", "loss.png", "adapter_config.json", "adapter_model.safetensors"]
+SHARED_NAMES = [
+    "trainer_state.json",
+    "all_results.json",
+    "train_results.json",
+    "eval_results.json",
+    "training_args.bin",
+    "config.json",
+    "model.safetensors",
+    "model-00001-of-00002.safetensors",
+    "tokenizer.json",
+    "generation_config.json",
+    "fsdp_report.json",
+    "loss.png",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+]
 
 
 @pytest.mark.parametrize("name", SHARED_NAMES)
@@ -535,8 +623,11 @@ def test_what_a_merge_moved_aside_is_restored_or_named_never_passed_over(tmp_pat
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    host, pid = {"dead here": (socket.gethostname(), dead.pid), "alive here": (socket.gethostname(), os.getppid()),
-                 "another host": ("node-17.cluster", dead.pid)}[whose]
+    host, pid = {
+        "dead here": (socket.gethostname(), dead.pid),
+        "alive here": (socket.gethostname(), os.getppid()),
+        "another host": ("node-17.cluster", dead.pid),
+    }[whose]
     aside = _model_folder(tmp_path / f".{name}.{kind}-{host}-{pid}")
     out = tmp_path / name
     if out_exists:
@@ -551,7 +642,9 @@ def test_what_a_merge_moved_aside_is_restored_or_named_never_passed_over(tmp_pat
     assert aside.exists() and _snapshot(aside) == before and str(aside) in line and f"process {pid}" in line, line
     if whose != "dead here":
         assert line.startswith(f"left {aside} alone") and "may still be running" in line, line
-        assert f"process {pid} on {host})" in line if whose == "another host" else f"process {pid}, alive here)" in line, line
+        assert (
+            f"process {pid} on {host})" in line if whose == "another host" else f"process {pid}, alive here)" in line
+        ), line
 
 
 @pytest.mark.parametrize("killed_at", [1, 2])
@@ -579,15 +672,17 @@ def test_a_merge_killed_between_its_renames_loses_nothing(merge_checkpoint_dir, 
     hidden = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
     if killed_at == 2:  # the state the probe found: no output, the earlier one hidden
         assert not out.exists() and any(".old-" in name for name in hidden), hidden
-    monkeypatch.setattr(merge_module.os, "getpid", lambda: 2 ** 22 + 777)  # the next merge is another process
-    monkeypatch.setattr(merge_module, "process_alive", lambda pid: pid == 2 ** 22 + 777)  # the killed one is gone
+    monkeypatch.setattr(merge_module.os, "getpid", lambda: 2**22 + 777)  # the next merge is another process
+    monkeypatch.setattr(merge_module, "process_alive", lambda pid: pid == 2**22 + 777)  # the killed one is gone
     said = []
     with pytest.raises(CheckpointError, match="already exists: choose another folder or pass --overwrite"):
         merge_checkpoint(merge_checkpoint_dir, out, log=said.append)
     assert _snapshot(out) == before and (out / "config.json").read_text() == '{"mine": true}'
     if killed_at == 2:  # the finished result the interrupted merge had not moved in was removed by its own cleanup
         assert any(line.startswith(f"restored {out}") for line in said), said
-        assert not any("finished result" in line for line in said) and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], said
+        assert not any("finished result" in line for line in said) and not [
+            p for p in tmp_path.iterdir() if ".tmp-" in p.name
+        ], said
 
 
 @pytest.mark.parametrize("pid", [0, -1, -os.getpgrp()])
@@ -607,9 +702,15 @@ def _bind(source: Path, target: Path) -> bool:
 
 # Where a mount point can sit in a folder the tools would remove, and each function that removes a folder (a folder
 # that is itself the mount has another inode than the one its marker names: only a shape could take it)
-MOUNT_CASES = [("remove, by shape", ""), ("remove, by shape", "pytorch_model_fsdp_0"), ("remove, by shape", "a/b c"),
-               ("remove, ours", "pytorch_model_fsdp_0"), ("remove, ours", "a/b c"),
-               ("remove_inside", "pytorch_model_fsdp_0"), ("remove_inside", "a/b c")]
+MOUNT_CASES = [
+    ("remove, by shape", ""),
+    ("remove, by shape", "pytorch_model_fsdp_0"),
+    ("remove, by shape", "a/b c"),
+    ("remove, ours", "pytorch_model_fsdp_0"),
+    ("remove, ours", "a/b c"),
+    ("remove_inside", "pytorch_model_fsdp_0"),
+    ("remove_inside", "a/b c"),
+]
 
 
 @pytest.mark.parametrize("how, inside", MOUNT_CASES)

@@ -4,7 +4,6 @@ alike with one line naming who saw what, before anything is moved."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import socket
 import sys
@@ -12,9 +11,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import FAULT_SCRIPT, QUICK, launch, plain_checkpoint
 
-from conftest import FAULT_SCRIPT, QUICK, launch
-from fsdp_recipes.ckpt.resume import decide, disagreement, sight, Sight
+from fsdp_recipes.ckpt.resume import Sight, decide, disagreement, sight
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train import preflight
@@ -22,23 +21,6 @@ from fsdp_recipes.train import preflight
 CONFIG = "accelerate_configs/zero3.yaml"
 WORLD = 8  # the synthetic checkpoint's ranks
 HOST = socket.gethostname()
-
-
-def plain_checkpoint(folder: Path, step: int, world: int) -> Path:
-    """A complete checkpoint of a run without FSDP over ``world`` processes, written by hand: one RNG file per rank."""
-    import torch
-    from safetensors.torch import save_file
-
-    ckpt = folder / f"checkpoint-{step}"
-    ckpt.mkdir(parents=True)
-    save_file({"weight": torch.zeros(2)}, ckpt / "model.safetensors")
-    torch.save({"state": {}, "param_groups": []}, ckpt / "optimizer.pt")
-    torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
-    for rank in range(world):
-        torch.save({"python": [rank], "numpy": [rank], "cpu": torch.zeros(2)}, ckpt / f"rng_state_{rank}.pth")
-    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
-    (ckpt / "fsdp_report.json").write_text(json.dumps({"fsdp_version": None, "world_size": world, "sharding_strategy": None}))
-    return ckpt
 
 
 @pytest.fixture
@@ -69,7 +51,9 @@ def test_rank_0_reads_each_rank_file_once_and_the_others_read_none(tmp_path, mon
     seen, watch = opened
     loads = Counter()
     torch_load = torch.load
-    monkeypatch.setattr(torch, "load", lambda f, *a, **k: loads.update([getattr(f, "name", f)]) or torch_load(f, *a, **k))
+    monkeypatch.setattr(
+        torch, "load", lambda f, *a, **k: loads.update([getattr(f, "name", f)]) or torch_load(f, *a, **k)
+    )
 
     plan = Plan(raw=type("Raw", (), {"resume_from_checkpoint": "true", "output_dir": str(run)})())
     watch.append(run)
@@ -99,11 +83,17 @@ def test_disagreements_are_one_line_naming_who_saw_what(tmp_path):
     chosen = f"{out}/checkpoint-12"
     same = [Sight("a", "checkpoint-12", True), Sight("b", "checkpoint-12", True)]
     assert disagreement("true", out, chosen, same) is None
-    stale = [Sight("a", "checkpoint-12", True), Sight("b", "checkpoint-12", True), Sight("c", "checkpoint-6", False),
-             Sight("d", None, False)]
+    stale = [
+        Sight("a", "checkpoint-12", True),
+        Sight("b", "checkpoint-12", True),
+        Sight("c", "checkpoint-6", False),
+        Sight("d", None, False),
+    ]
     line = disagreement("true", out, chosen, stale)
-    assert line.startswith(f"--resume_from_checkpoint true: in output_dir {out!r} rank 0 (a) sees checkpoint-12 as the "
-                           "newest checkpoint, rank 2 (c) sees checkpoint-6 (and 1 more rank(s)): ")
+    assert line.startswith(
+        f"--resume_from_checkpoint true: in output_dir {out!r} rank 0 (a) sees checkpoint-12 as the "
+        "newest checkpoint, rank 2 (c) sees checkpoint-6 (and 1 more rank(s)): "
+    )
     assert line.endswith("then run the same command again; nothing was moved or deleted") and "\n" not in line
     # the newest agrees (an incomplete one), the chosen older one is missing on a rank
     unseen = [Sight("a", "checkpoint-18", True), Sight("b", "checkpoint-18", False)]
@@ -111,7 +101,9 @@ def test_disagreements_are_one_line_naming_who_saw_what(tmp_path):
     assert "which rank 0 (a) sees and rank 1 (b) does not" in disagreement("true", out, chosen, unseen)
     # a path: a folder for one rank and not another, whichever rank 0 is
     given = [Sight("a", None, False), Sight("b", None, True)]
-    assert f"--resume_from_checkpoint {chosen!r} is a folder for rank 1 (b) and not for rank 0 (a)" in disagreement(chosen, out, chosen, given)
+    assert f"--resume_from_checkpoint {chosen!r} is a folder for rank 1 (b) and not for rank 0 (a)" in disagreement(
+        chosen, out, chosen, given
+    )
     assert disagreement(chosen, out, chosen, [Sight("a", None, True)] * 3) is None
 
 
@@ -128,8 +120,12 @@ def test_rank_0s_refusal_reaches_every_rank_and_a_disagreement_comes_first(tmp_p
     monkeypatch.setattr(preflight, "_all_gather", lambda value: [sight("true", str(run), None), value])
     with pytest.raises(RecipeError, match="^--resume_from_checkpoint true: no complete checkpoint-N folder"):
         preflight.decide_resume(Plan(raw=raw))
-    monkeypatch.setattr(preflight, "_all_gather", lambda value: [sight("true", str(run), None), Sight(HOST, "checkpoint-9", False)])
-    with pytest.raises(RecipeError, match="rank 0 .* sees checkpoint-6 as the newest checkpoint, rank 1 .* sees checkpoint-9"):
+    monkeypatch.setattr(
+        preflight, "_all_gather", lambda value: [sight("true", str(run), None), Sight(HOST, "checkpoint-9", False)]
+    )
+    with pytest.raises(
+        RecipeError, match="rank 0 .* sees checkpoint-6 as the newest checkpoint, rank 1 .* sees checkpoint-9"
+    ):
         preflight.decide_resume(Plan(raw=raw))
 
 
@@ -152,19 +148,32 @@ def test_ranks_that_see_another_newest_checkpoint_stop_alike(trained, tmp_path):
     loads.mkdir()
     before = tree(tmp_path / "node0"), tree(tmp_path / "node1")
 
-    proc = launch(CONFIG, *QUICK, "--output_dir", "run", "--resume_from_checkpoint", "true", cwd=node0, script=FAULT_SCRIPT,
-                  env={"FSDP_RANK_CWD": f"1:{node1}", "FSDP_COUNT_LOADS": str(loads)}, check=False)
+    proc = launch(
+        CONFIG,
+        *QUICK,
+        "--output_dir",
+        "run",
+        "--resume_from_checkpoint",
+        "true",
+        cwd=node0,
+        script=FAULT_SCRIPT,
+        env={"FSDP_RANK_CWD": f"1:{node1}", "FSDP_COUNT_LOADS": str(loads)},
+        check=False,
+    )
     assert proc.returncode != 0, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert (f"train_fsdp.py: error: --resume_from_checkpoint true: in output_dir 'run' rank 0 ({HOST}) sees checkpoint-18 "
-            f"as the newest checkpoint, rank 1 ({HOST}) sees checkpoint-6: ") in errors[0], errors[0]
+    assert (
+        f"train_fsdp.py: error: --resume_from_checkpoint true: in output_dir 'run' rank 0 ({HOST}) sees checkpoint-18 "
+        f"as the newest checkpoint, rank 1 ({HOST}) sees checkpoint-6: "
+    ) in errors[0], errors[0]
     assert "nothing was moved or deleted" in errors[0] and "skipping checkpoint-18" not in proc.stderr
     assert (tree(node0), tree(node1)) == before  # no set-aside, no lock, no run_args.json
 
     rank0 = Counter(Path(p).relative_to(node0 / "run").as_posix() for p in (loads / "rank0.txt").read_text().split())
     assert {p: n for p, n in rank0.items() if "rng_state" in p} == {
-        f"checkpoint-{step}/rng_state_{rank}.pth": 1 for step in (18, 12) for rank in (0, 1)}, rank0
+        f"checkpoint-{step}/rng_state_{rank}.pth": 1 for step in (18, 12) for rank in (0, 1)
+    }, rank0
     assert not (loads / "rank1.txt").exists()  # rank 1 loaded nothing
 
 
@@ -178,13 +187,26 @@ def test_a_resume_loads_each_rank_rng_state_once_to_check_and_once_to_use(traine
     out, loads = tmp_path / "run", tmp_path / "loads"
     shutil.copytree(reference / "checkpoint-6", out / "checkpoint-6")
     loads.mkdir()
-    proc = launch(CONFIG, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true", script=FAULT_SCRIPT,
-                  env={"FSDP_COUNT_LOADS": str(loads)})
+    proc = launch(
+        CONFIG,
+        *QUICK,
+        "--output_dir",
+        str(out),
+        "--resume_from_checkpoint",
+        "true",
+        script=FAULT_SCRIPT,
+        env={"FSDP_COUNT_LOADS": str(loads)},
+    )
     assert f"resuming from {out / 'checkpoint-6'}" in proc.stdout
-    rng = {rank: Counter(Path(p).name for p in (loads / f"rank{rank}.txt").read_text().split() if "rng_state" in p)
-           for rank in (0, 1)}
+    rng = {
+        rank: Counter(Path(p).name for p in (loads / f"rank{rank}.txt").read_text().split() if "rng_state" in p)
+        for rank in (0, 1)
+    }
     assert rng == {0: {"rng_state_0.pth": 2, "rng_state_1.pth": 1}, 1: {"rng_state_1.pth": 1}}, rng
-    final, expected = load_file(out / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
+    final, expected = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(reference / "model" / "model.safetensors"),
+    )
     assert set(final) == set(expected) and all(torch.equal(final[k], expected[k]) for k in expected)
 
 
@@ -222,7 +244,9 @@ def test_a_folder_only_named_like_a_checkpoint_is_not_moved_aside(tmp_path, make
     out = tmp_path / "run"
     make(out / "checkpoint-9")
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    with pytest.raises(RecipeError, match=r"checkpoint-9 is named like a checkpoint but is not one \(it (holds|is a link)"):
+    with pytest.raises(
+        RecipeError, match=r"checkpoint-9 is named like a checkpoint but is not one \(it (holds|is a link)"
+    ):
         resolve_resume("true", str(out))
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 

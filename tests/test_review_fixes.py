@@ -10,14 +10,19 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+
 from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.config.parse import load_recipe
 from fsdp_recipes.errors import RecipeError, UnreadableFile
 
 TOOLS = REPO / "tools"
-SHIPPED_YAML = sorted(p for folder in ("accelerate_configs", "recipes") for p in (REPO / folder).rglob("*") if p.suffix in (".yaml", ".yml"))
+SHIPPED_YAML = sorted(
+    p
+    for folder in ("accelerate_configs", "recipes")
+    for p in (REPO / folder).rglob("*")
+    if p.suffix in (".yaml", ".yml")
+)
 
 
 def cli(tool: str, argv: list[str]) -> int:
@@ -39,6 +44,7 @@ def one_line(text: str, prefix: str) -> str:
 
 # --- 4. YAML keys given twice ---------------------------------------------------------------------------------------
 
+
 def test_every_shipped_yaml_loads():
     assert len(SHIPPED_YAML) >= 10 and any("recipes" in p.parts for p in SHIPPED_YAML)
     for path in SHIPPED_YAML:
@@ -48,7 +54,11 @@ def test_every_shipped_yaml_loads():
 def _key_lines(text: str, indent: bool) -> list[tuple[int, str]]:
     """(index, line) of each `key: value` line with a scalar value, at the top level or indented."""
     pattern = r"\s+[A-Za-z_][\w.-]*:\s*\S.*" if indent else r"[A-Za-z_][\w.-]*:\s*\S.*"
-    return [(i, line) for i, line in enumerate(text.splitlines()) if re.fullmatch(pattern, line) and not line.strip().startswith("#")]
+    return [
+        (i, line)
+        for i, line in enumerate(text.splitlines())
+        if re.fullmatch(pattern, line) and not line.strip().startswith("#")
+    ]
 
 
 @pytest.mark.parametrize("path", SHIPPED_YAML, ids=lambda p: p.relative_to(REPO).as_posix())
@@ -62,7 +72,7 @@ def test_a_key_given_twice_is_refused_at_any_level(path, tmp_path):
         cases.append(([*lines, line], line.split(":")[0], i + 1, len(lines) + 1))
     if nested := _key_lines(path.read_text(), indent=True):
         i, line = nested[0]
-        cases.append(([*lines[: i + 1], line, *lines[i + 1:]], line.split(":")[0].strip(), i + 1, i + 2))
+        cases.append(([*lines[: i + 1], line, *lines[i + 1 :]], line.split(":")[0].strip(), i + 1, i + 2))
     assert cases, path
     for text, key, first, second in cases:
         bad = tmp_path / path.name
@@ -104,13 +114,16 @@ def test_equal_keys_in_different_mappings_are_fine(tmp_path):
 
 # --- 2. worker processes bounded by the machine ---------------------------------------------------------------------
 
+
 def _arguments_on(monkeypatch, cpus):
     """fsdp_recipes/config/values.py imported afresh (as another module) on a machine with ``cpus`` CPUs."""
     import os
     import sys
 
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
-    spec = importlib.util.spec_from_file_location("fsdp_recipes._values_probe", REPO / "fsdp_recipes" / "config" / "values.py")
+    spec = importlib.util.spec_from_file_location(
+        "fsdp_recipes._values_probe", REPO / "fsdp_recipes" / "config" / "values.py"
+    )
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -139,7 +152,23 @@ def test_a_fork_bomb_of_workers_is_refused_by_parse_args(tmp_path):
 
 # --- 3. merge_checkpoint.py sizes -----------------------------------------------------------------------------------
 
-NOT_SIZES = ["0", "1", "-5", "5", "", "  ", "nanGB", "NaNMB", "infGB", "-infMB", "1e400GB", "fiveGB", "5XB", "GB", "5 G B"]
+NOT_SIZES = [
+    "0",
+    "1",
+    "-5",
+    "5",
+    "",
+    "  ",
+    "nanGB",
+    "NaNMB",
+    "infGB",
+    "-infMB",
+    "1e400GB",
+    "fiveGB",
+    "5XB",
+    "GB",
+    "5 G B",
+]
 NOT_POSITIVE = ["0KB", "-5GB", "-0.1MB", "0.0001KB"]  # 0.0001KB is 0 bytes as huggingface_hub reads it
 SIZE_OPTIONS = {"--max-shard-size": ("100KB", "99.999KB", "5GB"), "--memory-budget": ("64MB", "63.9MB", "512MB")}
 
@@ -180,7 +209,10 @@ BAD_ADAPTER_VALUES = {
     "lora_alpha": [NAN, INF, -INF, -16, -0.5, 0, 0.0, 2**20 + 1, 1e300, "16", True, False, None, [16], {"a": 16}],
     "r": [10**12, 65537, 0, -1, 1.5, 8.0, NAN, INF, True, False, "8", None, [8]],
     "lora_dropout": [NAN, INF, -INF, -0.1, 1, 1.0, 1.5, "0.1", True, None, [0.1]],
-    **{flag: ["false", "true", 0, 1, None, [], {}] for flag in ("use_rslora", "fan_in_fan_out", "use_dora", "lora_bias")},
+    **{
+        flag: ["false", "true", 0, 1, None, [], {}]
+        for flag in ("use_rslora", "fan_in_fan_out", "use_dora", "lora_bias")
+    },
     "peft_type": [1, None, ["LORA"], {}],
     "base_model_name_or_path": [5, ["base"], {"path": "base"}, True],
     "target_modules": [5, True, {"q_proj": 1}, [1, 2], ["q_proj", None]],
@@ -190,10 +222,19 @@ BAD_ADAPTER_VALUES = {
     "layer_replication": ["0-4", 1, {}],
 }
 GOOD_ADAPTER_VALUES = {  # the ends of each range, and what peft itself writes
-    "lora_alpha": [1, 0.5, 1e-3, 16, 2**20, 32.0], "r": [1, 8, 65536], "lora_dropout": [0, 0.0, 0.05, 0.999],
-    "use_rslora": [True, False], "fan_in_fan_out": [False, True], "use_dora": [False], "lora_bias": [False],
-    "base_model_name_or_path": [None, "meta-llama/Llama-3.2-1B"], "target_modules": [None, "all-linear", ["q_proj"], []],
-    "rank_pattern": [None, {}, {"q_proj": 4}], "alpha_pattern": [None, {}], "modules_to_save": [None, []], "layer_replication": [None, []],
+    "lora_alpha": [1, 0.5, 1e-3, 16, 2**20, 32.0],
+    "r": [1, 8, 65536],
+    "lora_dropout": [0, 0.0, 0.05, 0.999],
+    "use_rslora": [True, False],
+    "fan_in_fan_out": [False, True],
+    "use_dora": [False],
+    "lora_bias": [False],
+    "base_model_name_or_path": [None, "meta-llama/Llama-3.2-1B"],
+    "target_modules": [None, "all-linear", ["q_proj"], []],
+    "rank_pattern": [None, {}, {"q_proj": 4}],
+    "alpha_pattern": [None, {}],
+    "modules_to_save": [None, []],
+    "layer_replication": [None, []],
 }
 
 
@@ -258,8 +299,12 @@ class FakeSource:
         from fsdp_recipes.ckpt.readers import TensorInfo
 
         gen = torch.Generator().manual_seed(r)
-        self.values = {"q.base_layer.weight": torch.randn(3, 5, generator=gen), "q.lora_A.default.weight": torch.randn(r, 5, generator=gen) * scale,
-                       "q.lora_B.default.weight": torch.randn(3, r, generator=gen) * scale, "norm.weight": torch.ones(5)}
+        self.values = {
+            "q.base_layer.weight": torch.randn(3, 5, generator=gen),
+            "q.lora_A.default.weight": torch.randn(r, 5, generator=gen) * scale,
+            "q.lora_B.default.weight": torch.randn(3, r, generator=gen) * scale,
+            "norm.weight": torch.ones(5),
+        }
         self.tensors = {n: TensorInfo(tuple(t.shape), "float32") for n, t in self.values.items()}
         self.ranks, self.kind = 1, "fake"
 
@@ -278,11 +323,17 @@ def test_a_config_whose_r_is_not_the_adapters_is_refused(rank):
     config = {"r": rank, "lora_alpha": 8}
     merged = MergedLoraSource(source, config).read(["q.weight"])["q.weight"]
     v = source.values
-    torch.testing.assert_close(merged, v["q.base_layer.weight"] + v["q.lora_B.default.weight"] @ v["q.lora_A.default.weight"] * (8 / rank))
+    torch.testing.assert_close(
+        merged, v["q.base_layer.weight"] + v["q.lora_B.default.weight"] @ v["q.lora_A.default.weight"] * (8 / rank)
+    )
     for other in (rank + 1, 65536):
-        with pytest.raises(CheckpointError, match=f"q.lora_A.default.weight has rank {rank} but adapter_config.json says r {other}"):
+        with pytest.raises(
+            CheckpointError, match=f"q.lora_A.default.weight has rank {rank} but adapter_config.json says r {other}"
+        ):
             MergedLoraSource(source, {"r": other, "lora_alpha": 8})
-    MergedLoraSource(source, {"r": rank + 1, "lora_alpha": 8, "rank_pattern": {"q": rank}})  # per-module ranks: peft's own
+    MergedLoraSource(
+        source, {"r": rank + 1, "lora_alpha": 8, "rank_pattern": {"q": rank}}
+    )  # per-module ranks: peft's own
 
 
 def test_a_merge_that_overflows_is_refused_not_written():
@@ -290,10 +341,15 @@ def test_a_merge_that_overflows_is_refused_not_written():
     from fsdp_recipes.errors import CheckpointError
 
     source = FakeSource(2, scale=1e20)  # B @ A about 1e40: beyond float32
-    with pytest.raises(CheckpointError, match=r"^q.weight: merging lora_B @ lora_A x 4 into it gives values that are not finite in float32"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^q.weight: merging lora_B @ lora_A x 4 into it gives values that are not finite in float32",
+    ):
         MergedLoraSource(source, {"r": 2, "lora_alpha": 8}).read(["q.weight"])
     source = FakeSource(2)
-    source.values["q.base_layer.weight"][0, 0] = float("nan")  # the checkpoint's own NaN: passed on as stored, not blamed on the merge
+    source.values["q.base_layer.weight"][0, 0] = float(
+        "nan"
+    )  # the checkpoint's own NaN: passed on as stored, not blamed on the merge
     merged = MergedLoraSource(source, {"r": 2, "lora_alpha": 8}).read(["q.weight"])["q.weight"]
     assert merged[0, 0].isnan() and merged.isfinite().sum() == merged.numel() - 1
 
@@ -308,8 +364,12 @@ def test_the_config_peft_writes_still_merges_as_merge_and_unload(tmp_path):
     from fsdp_recipes.ckpt.readers import TensorInfo
 
     torch.manual_seed(0)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_rslora=True)
-    model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")), config)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_rslora=True
+    )
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")), config
+    )
     model.peft_config["default"].save_pretrained(str(tmp_path))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     source = FakeSource(1)
@@ -323,10 +383,13 @@ def test_the_config_peft_writes_still_merges_as_merge_and_unload(tmp_path):
 # --- 5. estimate_memory.py model sizes and paths --------------------------------------------------------------------
 
 COUNT_PROBLEMS = {  # count -> what the message says is wrong
-    **{c: "is not the size of any model: " for c in ("9999999999999999999999999B", "101T", "1e15", "100000000000001", "1e6T", "100000001M")},
-    **{c: "is not a parameter count: it is negative" for c in ("-7B", "-7", "-0.5M", "-1e3", "-100T", "-1")},
-    **{c: "is not a finite number" for c in ("nan", "NaN", "inf", "-inf", "infinity", "1e999B", "-1e999")},
-    **{c: "is not a parameter count: it is less than 1" for c in ("0", "0B", "0.5", ".5", "1e-3")},
+    **dict.fromkeys(
+        ("9999999999999999999999999B", "101T", "1e15", "100000000000001", "1e6T", "100000001M"),
+        "is not the size of any model: ",
+    ),
+    **dict.fromkeys(("-7B", "-7", "-0.5M", "-1e3", "-100T", "-1"), "is not a parameter count: it is negative"),
+    **dict.fromkeys(("nan", "NaN", "inf", "-inf", "infinity", "1e999B", "-1e999"), "is not a finite number"),
+    **dict.fromkeys(("0", "0B", "0.5", ".5", "1e-3"), "is not a parameter count: it is less than 1"),
 }
 
 
@@ -347,12 +410,26 @@ def test_parameter_counts_beyond_any_model_or_below_one(count, capsys):
 def test_a_count_with_another_suffix_is_named_not_looked_up_on_the_hub(text, capsys):
     """(hostile review) '7X' went to the hub (no network: "couldn't connect to huggingface.co"); the suffix is the problem."""
     assert cli("estimate_memory", [text]) == 2
-    line = one_line(capsys.readouterr().err, f"estimate_memory.py: error: argument model: {text!r} is not a parameter count: its suffix ")
+    line = one_line(
+        capsys.readouterr().err,
+        f"estimate_memory.py: error: argument model: {text!r} is not a parameter count: its suffix ",
+    )
     assert "is not K, M, B or T" in line and "huggingface" not in line, line
 
 
-@pytest.mark.parametrize("count, params", [("1", 1), ("7B", 7 * 10**9), ("100T", 10**14), ("1e14", 10**14), ("+7B", 7 * 10**9),
-                                           ("7e-3B", 7 * 10**6), ("1.5e9", 1_500_000_000), (" 350m ", 350 * 10**6)])
+@pytest.mark.parametrize(
+    "count, params",
+    [
+        ("1", 1),
+        ("7B", 7 * 10**9),
+        ("100T", 10**14),
+        ("1e14", 10**14),
+        ("+7B", 7 * 10**9),
+        ("7e-3B", 7 * 10**6),
+        ("1.5e9", 1_500_000_000),
+        (" 350m ", 350 * 10**6),
+    ],
+)
 def test_parameter_counts_up_to_100t_are_taken(count, params, capsys):
     from fsdp_recipes.config.memory import parse_count
 
@@ -381,12 +458,17 @@ def test_a_model_path_that_is_not_a_model_config(tmp_path, capsys):
         assert cli("estimate_memory", [model]) == 1
         assert said in one_line(capsys.readouterr().err, "estimate_memory.py: error: "), model
     (empty / "my_config.json").write_text((REPO / "assets" / "tiny-llama" / "config.json").read_text())
-    for model in (REPO / "assets" / "tiny-llama", REPO / "assets" / "tiny-llama" / "config.json", empty / "my_config.json"):
+    for model in (
+        REPO / "assets" / "tiny-llama",
+        REPO / "assets" / "tiny-llama" / "config.json",
+        empty / "my_config.json",
+    ):
         assert cli("estimate_memory", [str(model), "--json"]) == 0, model
         assert '"hidden": ' in capsys.readouterr().out
 
 
 # --- session 9's review: the layout change and the issue-21 pieces -------------------------------------------------
+
 
 def _run_with_checkpoint(run: Path) -> None:
     ckpt = run / "checkpoint-4"
@@ -410,7 +492,14 @@ def test_the_files_a_run_without_fsdp_writes_are_a_runs_files(tmp_path):
     that output_dir must not call it someone else's file."""
     from fsdp_recipes.ckpt.layout import foreign_entries
 
-    for name in ("training_args.bin", "model.safetensors", "config.json", "run_args.json", ".run.lock", ".run.lock.owner"):
+    for name in (
+        "training_args.bin",
+        "model.safetensors",
+        "config.json",
+        "run_args.json",
+        ".run.lock",
+        ".run.lock.owner",
+    ):
         (tmp_path / name).write_text("x")
     assert foreign_entries(tmp_path) == []
     (tmp_path / "notes.txt").write_text("mine")

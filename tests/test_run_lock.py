@@ -29,7 +29,9 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-@pytest.fixture(params=[errno.ENOLCK, errno.EBADF])  # Lustre without flock; NFS (flock as a POSIX lock, refused on a read-only fd)
+@pytest.fixture(
+    params=[errno.ENOLCK, errno.EBADF]
+)  # Lustre without flock; NFS (flock as a POSIX lock, refused on a read-only fd)
 def no_posix_locks(monkeypatch, request):
     def refuse(fd, cmd, *args):
         raise OSError(request.param, os.strerror(request.param))
@@ -121,8 +123,10 @@ def _make(path, kind):
         path.write_text(f"host {host}, pid {_dead_pid()}, since then\n" + "x" * 400)
 
 
-@pytest.mark.parametrize("kind", ["folder", "fifo", "link", "huge", "overflowing pid", "unicode digit pid", "escape codes",
-                                  "dead owner, then more"])
+@pytest.mark.parametrize(
+    "kind",
+    ["folder", "fifo", "link", "huge", "overflowing pid", "unicode digit pid", "escape codes", "dead owner, then more"],
+)
 def test_a_broken_or_hostile_lock_file_is_one_line_and_left_alone(tmp_path, no_posix_locks, kind):
     owner = tmp_path / run_lock.OWNER_NAME
     _make(owner, kind)
@@ -153,7 +157,13 @@ def test_a_run_leaves_no_lock_file_however_it_ends_and_its_folder_is_free_again(
     ends, whether it exits, fails or is killed with SIGKILL."""
     out = tmp_path / "run"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out), end], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out), end],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "held", proc.stderr.read()
     if end == "exit":
         with pytest.raises(RecipeError, match=rf"in use by another run \(pid {proc.pid} on {socket.gethostname()}\)"):
@@ -175,20 +185,27 @@ def test_a_lock_naming_this_very_process_or_this_slurm_job_is_stale(tmp_path, no
     (other / run_lock.OWNER_NAME).write_text(f"host {socket.gethostname()}, pid {os.getppid()}, job 4242, since then\n")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the same job, requeued: its earlier attempt is over
     hold_output_dir(_args(other), warn=lambda m: None)
-    assert "job 4242" in (other / run_lock.OWNER_NAME).read_text() and f"pid {os.getpid()}," in (other / run_lock.OWNER_NAME).read_text()
+    assert (
+        "job 4242" in (other / run_lock.OWNER_NAME).read_text()
+        and f"pid {os.getpid()}," in (other / run_lock.OWNER_NAME).read_text()
+    )
 
 
 def test_a_pid_no_process_can_have_is_stale_not_a_traceback(tmp_path, no_posix_locks):
     owner = tmp_path / run_lock.OWNER_NAME
-    owner.write_text(f"host {socket.gethostname()}, pid 9999999999, since then\n")  # past any pid_max: os.kill overflows
+    owner.write_text(
+        f"host {socket.gethostname()}, pid 9999999999, since then\n"
+    )  # past any pid_max: os.kill overflows
     hold_output_dir(_args(tmp_path), warn=lambda m: None)
     assert f"pid {os.getpid()}," in owner.read_text()
 
 
 def _holding(folder, how: str = "LOCK_EX") -> subprocess.Popen:
     """A real process holding a kernel lock on ``folder`` (LOCK_EX: as train_fsdp.py's rank 0 does) until its stdin closes."""
-    code = (f"import fcntl, os, sys\nfd = os.open({str(folder)!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.{how})\n"
-            "print('held', flush=True)\nsys.stdin.read()")
+    code = (
+        f"import fcntl, os, sys\nfd = os.open({str(folder)!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.{how})\n"
+        "print('held', flush=True)\nsys.stdin.read()"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     return holder
@@ -202,8 +219,7 @@ def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, ca
     run is gone."""
     import json
 
-    from test_hostile_files import cli
-    from test_removal import _checkpoint
+    from conftest import _checkpoint, cli
 
     run = tmp_path / "run"
     if layout == "checkpoints":
@@ -220,7 +236,10 @@ def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, ca
             cli("check_checkpoint", [str(target)])
             assert f"{note}{holder.pid} on {socket.gethostname()})" in capsys.readouterr().out, target
         cli("check_checkpoint", [str(run), "--json"])
-        assert json.loads(capsys.readouterr().out)["training_now"] == f"a run is training in it now (pid {holder.pid} on {socket.gethostname()})"
+        assert (
+            json.loads(capsys.readouterr().out)["training_now"]
+            == f"a run is training in it now (pid {holder.pid} on {socket.gethostname()})"
+        )
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
@@ -231,13 +250,18 @@ def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, ca
     finally:
         shared.stdin.close()
         shared.wait(timeout=60)
-    (run / run_lock.OWNER_NAME).write_text(f"host {socket.gethostname()}, pid {_dead_pid()}, since 2026-01-01 00:00:00\n")
+    (run / run_lock.OWNER_NAME).write_text(
+        f"host {socket.gethostname()}, pid {_dead_pid()}, since 2026-01-01 00:00:00\n"
+    )
     cli("check_checkpoint", [str(run)])
     assert "training in it now" not in capsys.readouterr().out  # stale: that run died
     (run / run_lock.OWNER_NAME).write_text("host elsewhere, pid 4242, since 2026-01-01 00:00:00\n")
     cli("check_checkpoint", [str(run)])
     said = capsys.readouterr().out
-    assert f"{run}: a run may be training in it (host elsewhere, pid 4242, since 2026-01-01 00:00:00, says its lock file; " in said
+    assert (
+        f"{run}: a run may be training in it (host elsewhere, pid 4242, since 2026-01-01 00:00:00, says its lock file; "
+        in said
+    )
     assert f"if it is, delete {run / run_lock.OWNER_NAME})" in said
     (run / run_lock.OWNER_NAME).write_text("hello \x1b[31m\n")  # not a lock file this project writes
     cli("check_checkpoint", [str(run)])

@@ -11,9 +11,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import QUICK, REPO, launch
-from fsdp_recipes.ckpt.resume import check_requeue, MAX_STALLED_REQUEUES, REQUEUE_RECORD
+
+from fsdp_recipes.ckpt.resume import MAX_STALLED_REQUEUES, REQUEUE_RECORD, check_requeue
 from fsdp_recipes.config.data_files import train_file_problem
 from fsdp_recipes.errors import RecipeError
 
@@ -33,10 +33,14 @@ BAD_JSONL = {
     "text number": ([{"text": 5}], "record 1: 'text' is a int (5), not text"),
     "text list": ([{"text": ["a"]}], "record 1: 'text' is a list"),
     "text object": ([{"text": {"a": 1}}], "record 1: 'text' is a dict"),
-    "chat content null": ([CHAT_OK, {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}],
-                          "record 2: a 'user' turn's 'content' is null, not text"),
-    "chat content number": ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3.5}]}],
-                            "record 1: a 'assistant' turn's 'content' is a float"),
+    "chat content null": (
+        [CHAT_OK, {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}],
+        "record 2: a 'user' turn's 'content' is null, not text",
+    ),
+    "chat content number": (
+        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3.5}]}],
+        "record 1: a 'assistant' turn's 'content' is a float",
+    ),
 }
 
 
@@ -49,12 +53,15 @@ def test_records_that_are_not_text_are_named(tmp_path, case):
     assert problem and expected in problem, problem
 
 
-@pytest.mark.parametrize("rows, expected", [
-    ("text,label\nhello,1\n,2\n", "line 3: the 'text' cell is empty"),
-    ("text,label\nhello,1\n   ,2\n", "line 3: the 'text' cell is empty"),
-    ("body,label\nhello,1\n", "has no 'text' column"),
-    ("text,label\nhello,1\nworld,2\n", None),
-])
+@pytest.mark.parametrize(
+    "rows, expected",
+    [
+        ("text,label\nhello,1\n,2\n", "line 3: the 'text' cell is empty"),
+        ("text,label\nhello,1\n   ,2\n", "line 3: the 'text' cell is empty"),
+        ("body,label\nhello,1\n", "has no 'text' column"),
+        ("text,label\nhello,1\nworld,2\n", None),
+    ],
+)
 def test_csv_cells(tmp_path, rows, expected):
     path = tmp_path / "d.csv"
     path.write_text(rows)
@@ -106,9 +113,20 @@ def test_requeue_loop_without_progress_stops(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("nodes, node_id", [("2", "2"), ("2", "7"), ("2", "-1"), ("two", "0"), ("0", "0")])
 def test_node_rank_outside_the_job_is_refused_not_a_hang(nodes, node_id):
-    env = {**os.environ, "SLURM_NNODES": nodes, "SLURM_NODEID": node_id, "PATH": f"{REPO / 'tests/helpers/fake_slurm'}:{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", str(REPO / "tools/slurm/launch_node.sh"), "accelerate_configs/zero3.yaml"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=30)
+    env = {
+        **os.environ,
+        "SLURM_NNODES": nodes,
+        "SLURM_NODEID": node_id,
+        "PATH": f"{REPO / 'tests/helpers/fake_slurm'}:{os.environ['PATH']}",
+    }
+    proc = subprocess.run(
+        ["bash", str(REPO / "tools/slurm/launch_node.sh"), "accelerate_configs/zero3.yaml"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("launch_node.sh: error: SLURM_NODEID="), proc.stderr
 
 
@@ -118,8 +136,15 @@ def test_stop_signal_before_training_is_one_line(tmp_path, sig, code):
     """A stop (or Ctrl-C: it said "nothing was saved since the last checkpoint", as if training had begun) while the
     model loads."""
     out = tmp_path / "run"
-    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), script=FAULT,
-                  env={"FSDP_FAULT": f"all:early:{sig}"}, check=False)
+    proc = launch(
+        "accelerate_configs/zero3.yaml",
+        *QUICK,
+        "--output_dir",
+        str(out),
+        script=FAULT,
+        env={"FSDP_FAULT": f"all:early:{sig}"},
+        check=False,
+    )
     ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py:")]
     how = "interrupted" if sig == "INT" else f"stopped by SIG{sig}"
     assert proc.returncode != 0 and ours == [
@@ -127,7 +152,9 @@ def test_stop_signal_before_training_is_one_line(tmp_path, sig, code):
         "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)"
     ], proc.stderr[-3000:]
     # no traceback of a rank (the launcher's own report about its failed children is the launcher's)
-    assert f"exitcode  : {code}" in proc.stderr and "[rank" not in proc.stderr and "Stopped" not in proc.stderr, proc.stderr[-3000:]
+    assert f"exitcode  : {code}" in proc.stderr and "[rank" not in proc.stderr and "Stopped" not in proc.stderr, (
+        proc.stderr[-3000:]
+    )
     assert not list(out.glob("checkpoint-*"))
 
 
@@ -144,9 +171,14 @@ def test_a_stop_while_torch_imports_is_one_line(tmp_path, sig):
 
     signum = getattr(signal, "SIG" + sig)
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen([sys.executable, str(REPO / "train_fsdp.py"), "--output_dir", str(tmp_path / "run")], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a suite run with & ignores it
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train_fsdp.py"), "--output_dir", str(tmp_path / "run")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # a suite run with & ignores it
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -164,7 +196,8 @@ def test_a_stop_while_torch_imports_is_one_line(tmp_path, sig):
     how = "interrupted" if sig == "INT" else f"stopped by SIG{sig}"
     assert proc.returncode == 128 + signum and err.splitlines() == [
         f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same command "
-        "again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)"], err[-3000:]
+        "again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)"
+    ], err[-3000:]
 
 
 SIGNALS_IN_FINALIZERS = r"""
@@ -220,8 +253,14 @@ for case in sys.argv[1:]:
 
 
 def _finalizer_scenarios(*cases: str) -> dict[str, str]:
-    proc = subprocess.run(["python", "-c", SIGNALS_IN_FINALIZERS, *cases], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        ["python", "-c", SIGNALS_IN_FINALIZERS, *cases],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return dict(line.split(" ", 1) for line in proc.stdout.splitlines())
 
@@ -243,7 +282,10 @@ def test_a_stop_that_lands_in_a_finalizer_still_stops_the_run_without_a_tracebac
     and the signal comes again outside. In one process, scenario after scenario, for a __del__ and a weakref.finalize
     callback."""
     got = {case: finalizer_outcomes.get(case) for case in FINALIZER_CASES}
-    assert got == {case: {"TERM": "SIGTERM", "USR1": "SIGUSR1", "INT": "interrupted"}[case.split(":")[1]] for case in FINALIZER_CASES}
+    assert got == {
+        case: {"TERM": "SIGTERM", "USR1": "SIGUSR1", "INT": "interrupted"}[case.split(":")[1]]
+        for case in FINALIZER_CASES
+    }
 
 
 def test_two_signals_at_once_in_a_finalizer_still_stop_the_run_in_one_line(finalizer_outcomes):
@@ -294,6 +336,15 @@ atexit.register(os.kill, os.getpid(), signal.SIGINT)  # runs first: Ctrl-C as th
 def test_an_interrupt_at_exit_is_not_sent_again_into_the_next_exit_callback():
     """(hostile review) a KeyboardInterrupt in an atexit callback reaches the unraisable hook too; sent again, it
     aborted every later exit callback in turn, silently. At exit it is reported as Python always did."""
-    proc = subprocess.run(["python", "-c", AT_EXIT], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.stdout.split() == ["completed", "a", "completed", "b", "completed", "c"], (proc.stdout, proc.stderr[-2000:])
+    proc = subprocess.run(
+        ["python", "-c", AT_EXIT],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.stdout.split() == ["completed", "a", "completed", "b", "completed", "c"], (
+        proc.stdout,
+        proc.stderr[-2000:],
+    )

@@ -10,15 +10,19 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from conftest import REPO
+
 from fsdp_recipes.config import memory
 from fsdp_recipes.config.strategy import Strategy, shipped_configs, strategy_of
 
 CONFIG_DIR = REPO / "accelerate_configs"
 # walked here with os.walk, not with the module's rglob: a config in any subfolder counts
-SHIPPED = sorted(Path(root, name).relative_to(CONFIG_DIR).as_posix()
-                 for root, _, files in os.walk(CONFIG_DIR) for name in files if name.endswith((".yaml", ".yml")))
+SHIPPED = sorted(
+    Path(root, name).relative_to(CONFIG_DIR).as_posix()
+    for root, _, files in os.walk(CONFIG_DIR)
+    for name in files
+    if name.endswith((".yaml", ".yml"))
+)
 NAMES = r"\b(FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD_ZERO2|HYBRID_SHARD)\b"
 
 
@@ -40,14 +44,20 @@ def expected(label: str) -> Strategy:
         name = fsdp["fsdp_sharding_strategy"]
     else:
         replicas = (cfg.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1)
-        name = {(True, False): "FULL_SHARD", (False, False): "SHARD_GRAD_OP", (True, True): "HYBRID_SHARD",
-                (False, True): "HYBRID_SHARD_ZERO2"}[(fsdp.get("fsdp_reshard_after_forward", True) is True, replicas > 1)]
+        name = {
+            (True, False): "FULL_SHARD",
+            (False, False): "SHARD_GRAD_OP",
+            (True, True): "HYBRID_SHARD",
+            (False, True): "HYBRID_SHARD_ZERO2",
+        }[(fsdp.get("fsdp_reshard_after_forward", True) is True, replicas > 1)]
     return Strategy(name, fsdp.get("fsdp_offload_params", False) is True, version)
 
 
 def title(label: str) -> str:
     """The header's opening sentence, after '<file>:' and before 'This is an accelerate ... config'."""
-    lines = [line.lstrip("# ").rstrip() for line in (CONFIG_DIR / label).read_text().splitlines()[1:] if line.startswith("#")]
+    lines = [
+        line.lstrip("# ").rstrip() for line in (CONFIG_DIR / label).read_text().splitlines()[1:] if line.startswith("#")
+    ]
     text = " ".join(lines).split("This is an accelerate")[0]
     return text.split(":", 1)[1]
 
@@ -74,7 +84,9 @@ def test_shipped_config_maps_to_the_strategy_its_file_says(label):
 
 
 def test_unset_keys_take_accelerates_defaults_and_zero1_applies_only_to_ddp():
-    assert strategy_of({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": True}}) == Strategy("FULL_SHARD", True, 1)
+    assert strategy_of({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": True}}) == Strategy(
+        "FULL_SHARD", True, 1
+    )
     fsdp2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": False}}
     assert strategy_of(fsdp2) == Strategy("SHARD_GRAD_OP", False, 2)
     hsdp = strategy_of({**fsdp2, "parallelism_config": {"parallelism_config_dp_replicate_size": 2}})
@@ -111,9 +123,14 @@ def test_training_report_names_the_strategy_as_the_file_does(label):
 
     cfg, want = read(label), expected(label)
     fsdp = cfg["fsdp_config"]
-    plugin = SimpleNamespace(fsdp_version=fsdp["fsdp_version"], reshard_after_forward=fsdp.get("fsdp_reshard_after_forward", True),
-                             sharding_strategy=ShardingStrategy[fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")])
-    mesh = SimpleNamespace(dp_replicate_size=(cfg.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1))
+    plugin = SimpleNamespace(
+        fsdp_version=fsdp["fsdp_version"],
+        reshard_after_forward=fsdp.get("fsdp_reshard_after_forward", True),
+        sharding_strategy=ShardingStrategy[fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")],
+    )
+    mesh = SimpleNamespace(
+        dp_replicate_size=(cfg.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1)
+    )
     assert _strategy_name(plugin, mesh) == want.name
 
 
@@ -136,8 +153,15 @@ def test_accelerate_use_fsdp_means_the_same_everywhere(value, monkeypatch):
     assert expected_fsdp_version() == (2 if asked else None)
 
 
-@pytest.mark.parametrize("text, strategy, offload", [("false", "SHARD_GRAD_OP", False), ("False", "SHARD_GRAD_OP", False),
-                                                     ("no", "SHARD_GRAD_OP", False), ("true", "FULL_SHARD", True)])
+@pytest.mark.parametrize(
+    "text, strategy, offload",
+    [
+        ("false", "SHARD_GRAD_OP", False),
+        ("False", "SHARD_GRAD_OP", False),
+        ("no", "SHARD_GRAD_OP", False),
+        ("true", "FULL_SHARD", True),
+    ],
+)
 def test_quoted_booleans_read_as_accelerate_reads_them(text, strategy, offload):
     """accelerate reads a quoted "false" as false (str_to_bool); bool("false") would be true."""
     from accelerate.utils import str_to_bool
@@ -145,7 +169,10 @@ def test_quoted_booleans_read_as_accelerate_reads_them(text, strategy, offload):
     from fsdp_recipes.config.strategy import strategy_of
 
     assert bool(str_to_bool(text)) is offload  # what accelerate itself makes of the text
-    config = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": text, "fsdp_offload_params": text}}
+    config = {
+        "distributed_type": "FSDP",
+        "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": text, "fsdp_offload_params": text},
+    }
     assert strategy_of(config).name == strategy and strategy_of(config).offload is offload
 
 
@@ -172,17 +199,25 @@ def test_fsdp1_hybrid_is_refused_where_torch_would_train_processes_apart():
                 for nodes in (1, 2, 3):
                     world = local * nodes
                     problem = fsdp1_hybrid_problem(strategy, devices, local, world)
-                    wrong = strategy in FSDP1_HYBRID and world > 1 and devices != local or (strategy in FSDP1_HYBRID and world > 1 and devices == 1)
+                    wrong = (
+                        strategy in FSDP1_HYBRID
+                        and world > 1
+                        and devices != local
+                        or (strategy in FSDP1_HYBRID and world > 1 and devices == 1)
+                    )
                     assert (problem is not None) == wrong, (strategy, devices, local, world, problem)
                     if problem:
                         assert "\n" not in problem and "accelerate_configs/" in problem and strategy in problem
-    assert "alone" in fsdp1_hybrid_problem("HYBRID_SHARD", 1, 1, 2) and "alone" in fsdp1_hybrid_problem("HYBRID_SHARD", 1, 8, 16)
+    assert "alone" in fsdp1_hybrid_problem("HYBRID_SHARD", 1, 1, 2) and "alone" in fsdp1_hybrid_problem(
+        "HYBRID_SHARD", 1, 8, 16
+    )
 
 
 def test_the_fsdp1_strategy_is_read_as_accelerate_and_transformers_pass_it():
     from types import SimpleNamespace
 
     from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
+
     from fsdp_recipes.train.preflight import fsdp1_strategy
 
     plain = SimpleNamespace(fsdp_plugin_args=None)
@@ -201,8 +236,12 @@ def test_the_fsdp1_strategy_is_read_as_accelerate_and_transformers_pass_it():
     from fsdp_recipes.train.preflight import fsdp1_ignored_option
 
     for option in ("hybrid_shard", "hybrid_shard_zero2", "full_shard", "shard_grad_op"):
-        args = TrainingArguments(output_dir="unused", fsdp=f"{option} auto_wrap", report_to="none",
-                                 fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+        args = TrainingArguments(
+            output_dir="unused",
+            fsdp=f"{option} auto_wrap",
+            report_to="none",
+            fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+        )
         runs = fsdp1_strategy(args, {})
         assert runs == "FULL_SHARD"
         assert (fsdp1_ignored_option(f"{option} auto_wrap", runs) is None) == (option == "full_shard")
@@ -210,11 +249,21 @@ def test_the_fsdp1_strategy_is_read_as_accelerate_and_transformers_pass_it():
         for env_value in (option.upper(), str(FSDP_SHARDING_STRATEGY.index(option.upper()) + 1)):
             runs = fsdp1_strategy(args, {"FSDP_SHARDING_STRATEGY": env_value})
             assert runs == option.upper() and fsdp1_ignored_option(f"{option} auto_wrap", runs) is None
-            assert fsdp1_ignored_option(True, runs) is None and fsdp1_ignored_option("true", runs) is None  # --fsdp true names none
+            assert (
+                fsdp1_ignored_option(True, runs) is None and fsdp1_ignored_option("true", runs) is None
+            )  # --fsdp true names none
     ignored = fsdp1_ignored_option("hybrid_shard auto_wrap", "FULL_SHARD")
-    assert ignored.startswith("--fsdp hybrid_shard would run as FULL_SHARD") and "FSDP_SHARDING_STRATEGY=HYBRID_SHARD" in ignored
+    assert (
+        ignored.startswith("--fsdp hybrid_shard would run as FULL_SHARD")
+        and "FSDP_SHARDING_STRATEGY=HYBRID_SHARD" in ignored
+    )
     assert fsdp1_ignored_option("hybrid_shard auto_wrap", None) is None  # not FSDP1: not this rule's
-    args = TrainingArguments(output_dir="unused", fsdp=True, report_to="none", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    args = TrainingArguments(
+        output_dir="unused",
+        fsdp=True,
+        report_to="none",
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+    )
     assert fsdp1_strategy(args, {"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}) is None
     # a strategy in any form accelerate or torch gives it
     from torch.distributed.fsdp import ShardingStrategy
@@ -222,8 +271,10 @@ def test_the_fsdp1_strategy_is_read_as_accelerate_and_transformers_pass_it():
     for member in ShardingStrategy:
         plugin = SimpleNamespace(fsdp_plugin_args={"fsdp_version": 1, "sharding_strategy": member})
         assert fsdp1_strategy(plugin, {}) == member.name.lstrip("_")
-        assert fsdp1_strategy(SimpleNamespace(fsdp_plugin_args={"fsdp_version": 1, "sharding_strategy": member.value}), {}) \
+        assert (
+            fsdp1_strategy(SimpleNamespace(fsdp_plugin_args={"fsdp_version": 1, "sharding_strategy": member.value}), {})
             == FSDP_SHARDING_STRATEGY[member.value - 1]
+        )
 
 
 FSDP1_ONE_PROCESS = r"""
@@ -244,7 +295,18 @@ def test_the_report_names_the_fsdp1_strategy_torch_runs():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", FSDP1_ONE_PROCESS], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.stdout.split("\n")[:-1] == ["FULL_SHARD NO_SHARD", "SHARD_GRAD_OP NO_SHARD", "NO_SHARD NO_SHARD", "plain None"], proc.stderr[-2000:]
+    proc = subprocess.run(
+        [sys.executable, "-c", FSDP1_ONE_PROCESS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.stdout.split("\n")[:-1] == [
+        "FULL_SHARD NO_SHARD",
+        "SHARD_GRAD_OP NO_SHARD",
+        "NO_SHARD NO_SHARD",
+        "plain None",
+    ], proc.stderr[-2000:]
     assert Strategy("FULL_SHARD", fsdp_version=1).memory_strategy_on(1) == "NO_SHARD"  # the estimator agrees

@@ -13,8 +13,8 @@ import signal
 
 import pytest
 import torch
-
 from conftest import REPO, make_special
+
 from fsdp_recipes.errors import CheckpointError
 
 SPECIAL = ["fifo", "dev_zero", "folder", "broken_link"]
@@ -105,7 +105,9 @@ def test_a_chat_template_that_is_no_file_is_named_by_the_resume(tmp_path, kind, 
     assert said is not None and "chat_template.jinja" in said, said
 
 
-@pytest.mark.parametrize("record", ["{}", '{"files": "model.safetensors"}', '{"files": [1]}', "fifo_done", "fifo_failed"])
+@pytest.mark.parametrize(
+    "record", ["{}", '{"files": "model.safetensors"}', '{"files": [1]}', "fifo_done", "fifo_failed"]
+)
 def test_an_export_part_record_of_another_form_stops_the_wait_at_once(tmp_path, record, alarm):
     from fsdp_recipes.train.export import wait_for_parts
 
@@ -137,8 +139,15 @@ def test_an_unreadable_report_records_no_published_folder(tmp_path, kind, alarm)
     assert published(out) == {}
 
 
-CHECKPOINT_ENTRIES = ["trainer_state.json", ".made-by-fsdp-recipes", "rng_state_1.pth", "scheduler.pt",
-                      "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/__1_0.distcp"]
+CHECKPOINT_ENTRIES = [
+    "trainer_state.json",
+    ".made-by-fsdp-recipes",
+    "rng_state_1.pth",
+    "scheduler.pt",
+    "pytorch_model_fsdp_0/.metadata",
+    "pytorch_model_fsdp_0/__0_0.distcp",
+    "optimizer_0/__1_0.distcp",
+]
 
 
 @pytest.mark.parametrize("kind", ["fifo", "socket"])

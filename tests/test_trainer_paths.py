@@ -19,15 +19,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import REPO, launch, quick, read_json, run
+from safetensors.torch import load_file
 
 SCANNED = sorted([*(REPO / "fsdp_recipes").rglob("*.py"), REPO / "train_fsdp.py"])
 # a name that may hold a torch module: model, module, wrapped and any name ending in one of them (base_model, model_wrapped)
 MODULE_LIKE = re.compile(r"(?:^|_)(?:model|module|wrapped|unwrapped)$")
 # an annotation made of these alone says the name holds no module (a path, a flag, a model's name)
-NOT_MODULES = {"str", "bool", "int", "float", "None", "Path", "os", "PathLike", "dict", "list", "tuple", "set", "Optional"}
+NOT_MODULES = {
+    "str",
+    "bool",
+    "int",
+    "float",
+    "None",
+    "Path",
+    "os",
+    "PathLike",
+    "dict",
+    "list",
+    "tuple",
+    "set",
+    "Optional",
+}
 
 
 def _name(node: ast.AST) -> str | None:
@@ -63,14 +76,19 @@ def _scalar_annotation(annotation: ast.AST | None) -> bool:
         return False
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):  # a quoted one: "str | None"
         annotation = ast.parse(annotation.value, mode="eval").body
-    names = {n.id for n in ast.walk(annotation) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(annotation) if isinstance(n, ast.Attribute)}
+    names = {n.id for n in ast.walk(annotation) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(annotation) if isinstance(n, ast.Attribute)
+    }
     return bool(names) and names <= NOT_MODULES
 
 
 def _bool_value(value: ast.AST) -> bool:
     """An assigned value that is no module: a comparison, a negation, a string or bool constant, an f-string."""
-    return (isinstance(value, (ast.Compare, ast.JoinedStr)) or (isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.Not))
-            or (isinstance(value, ast.Constant) and isinstance(value.value, (str, bool))))
+    return (
+        isinstance(value, (ast.Compare, ast.JoinedStr))
+        or (isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.Not))
+        or (isinstance(value, ast.Constant) and isinstance(value.value, (str, bool)))
+    )
 
 
 def _no_module(node: ast.AST, name: str, parents: dict) -> bool:
@@ -83,16 +101,26 @@ def _no_module(node: ast.AST, name: str, parents: dict) -> bool:
     scope = parents.get(node)
     while scope is not None:
         if is_self and isinstance(scope, ast.ClassDef):
-            return any(isinstance(s, ast.AnnAssign) and _name(s.target) == name and _scalar_annotation(s.annotation) for s in scope.body)
+            return any(
+                isinstance(s, ast.AnnAssign) and _name(s.target) == name and _scalar_annotation(s.annotation)
+                for s in scope.body
+            )
         if not is_self and isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             args = scope.args
             for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
                 if arg is not None and arg.arg == name:
                     return _scalar_annotation(arg.annotation)
             body = list(ast.walk(scope))
-            if any(isinstance(s, ast.AnnAssign) and _name(s.target) == name and _scalar_annotation(s.annotation) for s in body):
+            if any(
+                isinstance(s, ast.AnnAssign) and _name(s.target) == name and _scalar_annotation(s.annotation)
+                for s in body
+            ):
                 return True
-            values = [s.value for s in body if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in s.targets)]
+            values = [
+                s.value
+                for s in body
+                if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in s.targets)
+            ]
             if values:
                 return all(map(_bool_value, values))
         scope = parents.get(scope)
@@ -113,31 +141,37 @@ def module_truth_tests(source: str, label: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("code", [
-    "def f(self, ckpt, model=None):\n    return (model or self.model_wrapped).named_parameters()",  # the bug as it was
-    "def f(self):\n    if self.model_wrapped:\n        return 1",
-    "def f(module):\n    return not module",
-    "def f(unwrapped):\n    return 1 if unwrapped else 2",
-    "def f(base_model):\n    assert base_model",
-    "def f(trainer):\n    while trainer.model:\n        pass",
-    "def f(models):\n    return [m for m in models if m.base_model]",
-    "def f(model):\n    return bool(model)",
-    "def f(model, module):\n    if model is not None and module:\n        pass",
-    "def f(x):\n    model = build(x)\n    return model and model.config",
-    "def f(model: 'torch.nn.Module | None'):\n    return model or 1",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "def f(self, ckpt, model=None):\n    return (model or self.model_wrapped).named_parameters()",  # the bug as it was
+        "def f(self):\n    if self.model_wrapped:\n        return 1",
+        "def f(module):\n    return not module",
+        "def f(unwrapped):\n    return 1 if unwrapped else 2",
+        "def f(base_model):\n    assert base_model",
+        "def f(trainer):\n    while trainer.model:\n        pass",
+        "def f(models):\n    return [m for m in models if m.base_model]",
+        "def f(model):\n    return bool(model)",
+        "def f(model, module):\n    if model is not None and module:\n        pass",
+        "def f(x):\n    model = build(x)\n    return model and model.config",
+        "def f(model: 'torch.nn.Module | None'):\n    return model or 1",
+    ],
+)
 def test_the_scan_finds_a_module_tested_for_truth(code):
     assert len(module_truth_tests(code, "snippet")) == 1, code
 
 
-@pytest.mark.parametrize("code", [
-    "def f(self, model=None):\n    return model if model is not None else self.model_wrapped",
-    "def f(model: str | None = None):\n    return model or 'x'",
-    "def f(base_model: 'str | None'):\n    return 1 if base_model else 2",
-    "def f(names, prefix):\n    wrapped = f'{prefix}.x' in names\n    return 1 if wrapped else 2",
-    "class S:\n    base_model: str | None = None\n\n    def f(self):\n        return self.base_model or '-'",
-    "def f(args):\n    return args.use_peft or args.model_name_or_path",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "def f(self, model=None):\n    return model if model is not None else self.model_wrapped",
+        "def f(model: str | None = None):\n    return model or 'x'",
+        "def f(base_model: 'str | None'):\n    return 1 if base_model else 2",
+        "def f(names, prefix):\n    wrapped = f'{prefix}.x' in names\n    return 1 if wrapped else 2",
+        "class S:\n    base_model: str | None = None\n\n    def f(self):\n        return self.base_model or '-'",
+        "def f(args):\n    return args.use_peft or args.model_name_or_path",
+    ],
+)
 def test_the_scan_leaves_names_that_hold_no_module(code):
     assert module_truth_tests(code, "snippet") == [], code
 
@@ -176,16 +210,39 @@ def test_a_torch_compile_run_resumes(tmp_path):
 
 LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-2"]
 # metric loss with greater_is_better true: the worst evaluation is the "best", so the best checkpoint is not the last
-BEST = ["--load_best_model_at_end", "true", "--metric_for_best_model", "loss", "--greater_is_better", "true",
-        "--validation_split_percentage", "10", "--eval_strategy", "steps", "--eval_steps", "2"]
+BEST = [
+    "--load_best_model_at_end",
+    "true",
+    "--metric_for_best_model",
+    "loss",
+    "--greater_is_better",
+    "true",
+    "--validation_split_percentage",
+    "10",
+    "--eval_strategy",
+    "steps",
+    "--eval_steps",
+    "2",
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"], ids=["fsdp2", "fsdp1"])
+@pytest.mark.parametrize(
+    "config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"], ids=["fsdp2", "fsdp1"]
+)
 def test_a_lora_run_ends_on_its_best_checkpoint(trained, config, tmp_path):
     base = trained("accelerate_configs/zero3.yaml").model_dir
     out = tmp_path / "run"
-    launch(config, *quick(max_steps="6", save_steps="2"), "--model_name_or_path", str(base), *LORA, *BEST, "--output_dir", str(out))
+    launch(
+        config,
+        *quick(max_steps="6", save_steps="2"),
+        "--model_name_or_path",
+        str(base),
+        *LORA,
+        *BEST,
+        "--output_dir",
+        str(out),
+    )
     state = read_json(out / "trainer_state.json")
     best = Path(state["best_model_checkpoint"])
     assert best.parent == out and best.name != "checkpoint-6", best

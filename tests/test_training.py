@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from conftest import FSDP_CONFIGS, REPO, launch, logged_losses, read_json, shard_files_written
 from safetensors.torch import load_file
 
-from conftest import FSDP_CONFIGS, REPO, launch, logged_losses, read_json, shard_files_written
 
 @pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_really_fsdp_and_sharded(trained, config):
@@ -47,7 +47,9 @@ def check_precision_and_wrapping(run, forced: bool) -> None:
     units = run.report["wrapped_units"]
     assert units["LlamaDecoderLayer"] == layers and units["LlamaForCausalLM"] == 1  # the wrap class, and the root
     # FSDP2 (accelerate's fsdp2_prepare_model) also makes the embeddings, the LM head and the final norm units
-    assert set(units) - {"LlamaDecoderLayer", "LlamaForCausalLM"} == ({"Embedding", "Linear", "LlamaRMSNorm"} if run.fsdp_version == 2 else set())
+    assert set(units) - {"LlamaDecoderLayer", "LlamaForCausalLM"} == (
+        {"Embedding", "Linear", "LlamaRMSNorm"} if run.fsdp_version == 2 else set()
+    )
     precision = run.report["precision"]
     as_fp32 = bf16_computes_as_fp32_here(run.config) and not forced
     assert precision["compute"] == ("float32" if as_fp32 else {"bf16": "bfloat16", "no": "float32"}[mixed])
@@ -57,7 +59,11 @@ def check_precision_and_wrapping(run, forced: bool) -> None:
     assert saved == {"F32"} and precision["saved_model"] == precision["master_weights"] == "float32"
     step = max(int(p.name.split("-")[1]) for p in run.output_dir.glob("checkpoint-*"))
     optimizer = FileSystemReader(str(run.output_dir / f"checkpoint-{step}" / "optimizer_0")).read_metadata()
-    moments = {str(m.properties.dtype).removeprefix("torch.") for k, m in optimizer.state_dict_metadata.items() if "exp_avg" in k}
+    moments = {
+        str(m.properties.dtype).removeprefix("torch.")
+        for k, m in optimizer.state_dict_metadata.items()
+        if "exp_avg" in k
+    }
     assert moments == {precision["optimizer_state"]}
 
 
@@ -91,8 +97,10 @@ def test_fsdp1_hybrid_shard_on_one_machine_trains_as_one_job(trained):
     log fsdp1/zero3.yaml's losses and gradient norms. Before cpu_fsdp made a CPU node's processes its devices, each
     process was a node of one (NO_SHARD, no gradient crossing processes): the losses parted from the third step and
     the gradient norm was half."""
-    hybrid, full = (read_json(trained(c).output_dir / "trainer_state.json")["log_history"]
-                    for c in ("accelerate_configs/fsdp1/hybrid_shard.yaml", "accelerate_configs/fsdp1/zero3.yaml"))
+    hybrid, full = (
+        read_json(trained(c).output_dir / "trainer_state.json")["log_history"]
+        for c in ("accelerate_configs/fsdp1/hybrid_shard.yaml", "accelerate_configs/fsdp1/zero3.yaml")
+    )
     steps = [(h["loss"], h["grad_norm"], f["loss"], f["grad_norm"]) for h, f in zip(hybrid, full) if "loss" in h]
     assert len(steps) == 6
     for loss, norm, full_loss, full_norm in steps:
@@ -120,12 +128,26 @@ def test_final_folder_loads_with_trained_weights(trained, config, tmp_path):
     run = trained(config)
     out, final = run.output_dir, run.model_dir
     # the model alone in its folder: what from_pretrained and an upload need (no training_args.bin, no marker, no lock)
-    assert sorted(p.name for p in final.iterdir()) == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
-                                                         "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in final.iterdir()) == [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert read_json(final / "config.json")["architectures"] == ["LlamaForCausalLM"]
     # the model's own use_cache, not the Trainer's training setting (TrainingArguments.use_cache, false)
-    assert read_json(final / "config.json")["use_cache"] is read_json(out / "checkpoint-12" / "config.json")["use_cache"] is True
-    assert not (out / ".final-sharded").exists() and not (out / ".export-tmp").exists() and not list(out.glob(".run.lock*"))
+    assert (
+        read_json(final / "config.json")["use_cache"]
+        is read_json(out / "checkpoint-12" / "config.json")["use_cache"]
+        is True
+    )
+    assert (
+        not (out / ".final-sharded").exists()
+        and not (out / ".export-tmp").exists()
+        and not list(out.glob(".run.lock*"))
+    )
     model = AutoModelForCausalLM.from_pretrained(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
     assert len(tokenizer) == model.config.vocab_size
@@ -147,8 +169,18 @@ def test_finetune_from_local_folder_loads_the_weights_on_every_rank(trained, tmp
     base = trained("accelerate_configs/zero3.yaml").model_dir
     out = tmp_path / "lr0"
     launch(
-        "accelerate_configs/fsdp1/zero3.yaml", "recipes/tiny-llama/chat_sft.yaml", "--model_name_or_path", str(base),
-        "--learning_rate", "0", "--max_steps", "2", "--save_steps", "2", "--output_dir", str(out),
+        "accelerate_configs/fsdp1/zero3.yaml",
+        "recipes/tiny-llama/chat_sft.yaml",
+        "--model_name_or_path",
+        str(base),
+        "--learning_rate",
+        "0",
+        "--max_steps",
+        "2",
+        "--save_steps",
+        "2",
+        "--output_dir",
+        str(out),
     )
     before, after = load_file(base / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert set(before) == set(after)
@@ -164,8 +196,20 @@ def test_chat_sft_from_local_folder(trained, tmp_path):
     base = trained("accelerate_configs/zero3.yaml").model_dir
     out = tmp_path / "chat"
     launch(
-        "accelerate_configs/zero3.yaml", "recipes/tiny-llama/chat_sft.yaml", "--model_name_or_path", str(base),
-        "--max_steps", "12", "--logging_steps", "2", "--save_steps", "12", "--output_dir", str(out), "--packing", "padding_free",
+        "accelerate_configs/zero3.yaml",
+        "recipes/tiny-llama/chat_sft.yaml",
+        "--model_name_or_path",
+        str(base),
+        "--max_steps",
+        "12",
+        "--logging_steps",
+        "2",
+        "--save_steps",
+        "12",
+        "--output_dir",
+        str(out),
+        "--packing",
+        "padding_free",
     )
     assert read_json(out / "run_args.json")["data"]["packing"] == "padding_free"
     losses = logged_losses(out)
@@ -181,21 +225,37 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(tmp_path):
     TensorBoard, steps 3-4 profiled: eval_loss and eval_perplexity equal on every rank, tokens per second at every
     logging step and the run's token count in the end metrics, loss.png a PNG that decodes, TensorBoard scalars
     written, a Chrome trace per rank holding FSDP's collectives and a summary of their share."""
+    from conftest import FAULT_SCRIPT, QUICK
     from matplotlib.image import imread
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from conftest import FAULT_SCRIPT, QUICK
-
     out, dumps = tmp_path / "run", tmp_path / "eval"
     dumps.mkdir()
-    launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), "--validation_split_percentage", "10",
-           "--eval_strategy", "steps", "--eval_steps", "6", "--report_to", "tensorboard", "--profile_steps", "3-4",
-           script=FAULT_SCRIPT, env={"FSDP_DUMP_EVAL": str(dumps)})
+    launch(
+        "accelerate_configs/zero3.yaml",
+        *QUICK,
+        "--output_dir",
+        str(out),
+        "--validation_split_percentage",
+        "10",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "6",
+        "--report_to",
+        "tensorboard",
+        "--profile_steps",
+        "3-4",
+        script=FAULT_SCRIPT,
+        env={"FSDP_DUMP_EVAL": str(dumps)},
+    )
     final = read_json(out / "eval_results.json")
     assert math.isclose(final["eval_perplexity"], math.exp(final["eval_loss"]), rel_tol=1e-9)
     for step in (6, 12):
         ranks = [read_json(dumps / f"rank{r}-step{step}.json") for r in (0, 1)]
-        assert [(m["eval_loss"], m["eval_perplexity"]) for m in ranks] == [(ranks[0]["eval_loss"], ranks[0]["eval_perplexity"])] * 2
+        assert [(m["eval_loss"], m["eval_perplexity"]) for m in ranks] == [
+            (ranks[0]["eval_loss"], ranks[0]["eval_perplexity"])
+        ] * 2
     history = read_json(out / "trainer_state.json")["log_history"]
     assert [e["step"] for e in history if "eval_loss" in e] == [6, 12, 12]  # eval_steps, and the final evaluation
 
@@ -206,7 +266,10 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(tmp_path):
         assert math.isclose(entry["tokens_per_second"], 2 * entry["tokens_per_second_per_device"], rel_tol=1e-3)
     args, metrics = read_json(out / "run_args.json")["training"], read_json(out / "train_results.json")
     block_size = read_json(out / "run_args.json")["data"]["block_size"]
-    assert metrics["train_tokens"] == 12 * 2 * args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * block_size
+    assert (
+        metrics["train_tokens"]
+        == 12 * 2 * args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * block_size
+    )
     assert metrics["train_tokens_per_second"] > 0
 
     png = out / "loss.png"
@@ -215,7 +278,9 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(tmp_path):
     for rank in (0, 1):
         trace = read_json(out / "profile" / f"rank{rank}.trace.json")["traceEvents"]
         names = {e.get("name") for e in trace}
-        assert {"gloo:all_gather", "gloo:all_reduce"} <= names and any(n.startswith("FSDP::all_gather") for n in names if n)
+        assert {"gloo:all_gather", "gloo:all_reduce"} <= names and any(
+            n.startswith("FSDP::all_gather") for n in names if n
+        )
     summary = read_json(out / "profile" / "summary.json")
     assert summary["steps"] == [3, 4] and 0 < summary["all_gather_share"] <= summary["communication_share"] <= 1
     assert 0 <= summary["overlapped_share"] <= 1

@@ -11,10 +11,19 @@ import math
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import REPO
+
 from fsdp_recipes.config.parse import parse_args
-from fsdp_recipes.config.values import batches_per_process, check_run_length, FINITE_ONLY, MAX_COUNT, numeric_fields, steps_per_epoch, value_problem, VALUE_RULES
+from fsdp_recipes.config.values import (
+    FINITE_ONLY,
+    MAX_COUNT,
+    VALUE_RULES,
+    batches_per_process,
+    check_run_length,
+    numeric_fields,
+    steps_per_epoch,
+    value_problem,
+)
 from fsdp_recipes.errors import RecipeError
 
 NO_FSDP = ("--allow_no_fsdp", "true")  # parse_args in this process: no launcher, no FSDP config
@@ -56,10 +65,28 @@ def test_every_numeric_field_has_a_decision():
     assert not set(VALUE_RULES) & set(FINITE_ONLY)
     assert all(why.strip() for why in FINITE_ONLY.values())  # "on purpose" says why
     must_have_rules = {
-        "max_steps", "num_train_epochs", "per_device_train_batch_size", "per_device_eval_batch_size",
-        "gradient_accumulation_steps", "learning_rate", "weight_decay", "warmup_steps", "max_grad_norm", "adam_beta1",
-        "adam_beta2", "adam_epsilon", "seed", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
-        "dataloader_num_workers", "block_size", "lora_r", "lora_dropout", "validation_split_percentage",
+        "max_steps",
+        "num_train_epochs",
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "learning_rate",
+        "weight_decay",
+        "warmup_steps",
+        "max_grad_norm",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_epsilon",
+        "seed",
+        "logging_steps",
+        "eval_steps",
+        "save_steps",
+        "save_total_limit",
+        "dataloader_num_workers",
+        "block_size",
+        "lora_r",
+        "lora_dropout",
+        "validation_split_percentage",
     }
     assert must_have_rules <= set(VALUE_RULES)
     assert len(NUMERIC) >= 30  # the derivation found the fields (dataclasses.fields, int and float types)
@@ -77,7 +104,9 @@ def test_no_numeric_field_takes_a_value_that_is_not_a_finite_number(field, value
 def test_recipe_values_that_are_not_finite_numbers(field, value, out):
     """The same through a recipe, whose values skip argparse (YAML's .nan is a float nan, abc a string)."""
     recipe = out / f"{field}-{value}.yaml"
-    recipe.write_text(f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{field}: {value}\n")
+    recipe.write_text(
+        f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{field}: {value}\n"
+    )
     with pytest.raises(RecipeError) as err:
         parse_args([str(recipe), *CONTEXT.get(field, ()), "--output_dir", str(out / "o"), *NO_FSDP])
     assert "\n" not in str(err.value) and field in str(err.value), str(err.value)
@@ -186,7 +215,10 @@ def test_step_intervals_are_read_only_under_their_strategy(tmp_path):
 def test_flag_forms(tmp_path):
     """A value after a space reads like one after '=', but argparse takes -inf (or -1e-4) for a flag of its own:
     one line says how to write it. A whole number written as a float is named with its digits."""
-    with pytest.raises(RecipeError, match=r"^max_steps=-5 is less than 1: give a positive number of optimizer steps, or -1 to train num_train_epochs$"):
+    with pytest.raises(
+        RecipeError,
+        match=r"^max_steps=-5 is less than 1: give a positive number of optimizer steps, or -1 to train num_train_epochs$",
+    ):
         parse(tmp_path, "--max_steps", "-5")
     with pytest.raises(RecipeError, match=r"^weight_decay=-inf would be read as a flag: write --weight_decay=-inf$"):
         parse(tmp_path, "--weight_decay", "-inf")  # -1e-4 too, where argparse reads it as a flag (3.11 does)
@@ -199,18 +231,33 @@ def test_flag_forms(tmp_path):
     assert parse(tmp_path, "--max_steps", "-1", "--num_train_epochs", "0.5")[2].raw.max_steps == -1
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num_train_epochs", "0", "--max_steps", "-1"], "num_train_epochs=0 is not positive: give a positive number of epochs"),
-    (["--max_steps=-5"], "max_steps=-5 is less than 1: give a positive number of optimizer steps, or -1 to train num_train_epochs"),
-    (["--save_steps", "0"], "save_steps=0 is not positive: give a whole number of optimizer steps, or a fraction of the run below 1"),
-    (["--learning_rate", "nan"], "learning_rate=nan is not a finite number"),
-    (["--learning_rate", "inf"], "learning_rate=inf is not a finite number"),
-    (["--per_device_train_batch_size", "0"], "per_device_train_batch_size=0 is less than 1"),
-    (["--output_dir", ""], "output_dir='' is empty: give the folder to write the run to"),
-    (["--output_dir", "  "], "output_dir='  ' is empty"),
-    (["--learning_rate", "0.5", "--weight_decay", "2"], "weight_decay=2 with learning_rate=0.5 would multiply every weight by 1 - learning_rate x weight_decay = 0 each step"),
-    (["--seed", "4294967296"], "seed=4294967296 is more than 4294967295: give a seed from 0 to 4294967295"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--num_train_epochs", "0", "--max_steps", "-1"],
+            "num_train_epochs=0 is not positive: give a positive number of epochs",
+        ),
+        (
+            ["--max_steps=-5"],
+            "max_steps=-5 is less than 1: give a positive number of optimizer steps, or -1 to train num_train_epochs",
+        ),
+        (
+            ["--save_steps", "0"],
+            "save_steps=0 is not positive: give a whole number of optimizer steps, or a fraction of the run below 1",
+        ),
+        (["--learning_rate", "nan"], "learning_rate=nan is not a finite number"),
+        (["--learning_rate", "inf"], "learning_rate=inf is not a finite number"),
+        (["--per_device_train_batch_size", "0"], "per_device_train_batch_size=0 is less than 1"),
+        (["--output_dir", ""], "output_dir='' is empty: give the folder to write the run to"),
+        (["--output_dir", "  "], "output_dir='  ' is empty"),
+        (
+            ["--learning_rate", "0.5", "--weight_decay", "2"],
+            "weight_decay=2 with learning_rate=0.5 would multiply every weight by 1 - learning_rate x weight_decay = 0 each step",
+        ),
+        (["--seed", "4294967296"], "seed=4294967296 is more than 4294967295: give a seed from 0 to 4294967295"),
+    ],
+)
 def test_the_hostile_testers_cases(argv, message, tmp_path):
     """Each exited 0 (or printed a traceback) before: now one line, before anything starts."""
     with pytest.raises(RecipeError) as err:
@@ -225,7 +272,13 @@ def test_refused_before_training_arguments_join_the_process_group(tmp_path, monk
         raise AssertionError("TrainingArguments was built before the input was checked")
 
     monkeypatch.setattr(TrainingArguments, "__post_init__", built)
-    for argv in (["--learning_rate", "nan"], ["--max_steps=-5"], ["--save_steps", "0"], ["--output_dir", ""], ["--seed", "abc"]):
+    for argv in (
+        ["--learning_rate", "nan"],
+        ["--max_steps=-5"],
+        ["--save_steps", "0"],
+        ["--output_dir", ""],
+        ["--seed", "abc"],
+    ):
         with pytest.raises(RecipeError):
             parse_args([*argv, *NO_FSDP])
 
@@ -244,16 +297,19 @@ def test_legitimate_but_surprising_values_are_warned(tmp_path, capsys):
 # ---------- the checks that need the training set's size (train_fsdp.py, before the Trainer is built) ----------
 
 
-@pytest.mark.parametrize("examples, batch, processes, drop_last, batches", [
-    (100, 8, 1, False, 13),  # ceil(100 / 8)
-    (100, 8, 2, False, 7),  # 13 batches over 2 processes: one wraps around
-    (100, 8, 2, True, 6),  # 12 full batches, 6 each
-    (37, 4, 3, False, 4),  # 10 batches: 4, 3 + 1 wrapped, 3 + 1 wrapped
-    (37, 4, 3, True, 3),  # 9 full batches
-    (16, 8, 2, False, 1),
-    (10, 8, 2, True, 0),  # one full batch for two processes: dropped
-    (1, 8, 4, False, 1),
-])
+@pytest.mark.parametrize(
+    "examples, batch, processes, drop_last, batches",
+    [
+        (100, 8, 1, False, 13),  # ceil(100 / 8)
+        (100, 8, 2, False, 7),  # 13 batches over 2 processes: one wraps around
+        (100, 8, 2, True, 6),  # 12 full batches, 6 each
+        (37, 4, 3, False, 4),  # 10 batches: 4, 3 + 1 wrapped, 3 + 1 wrapped
+        (37, 4, 3, True, 3),  # 9 full batches
+        (16, 8, 2, False, 1),
+        (10, 8, 2, True, 0),  # one full batch for two processes: dropped
+        (1, 8, 4, False, 1),
+    ],
+)
 def test_batches_per_process(examples, batch, processes, drop_last, batches):
     assert batches_per_process(examples, batch, processes, drop_last) == batches
 
@@ -269,12 +325,29 @@ def test_batches_per_process_is_what_accelerate_deals_out():
             for processes in (1, 2, 3, 4):
                 for drop_last in (False, True):
                     loader = DataLoader(list(range(examples)), batch_size=batch, drop_last=drop_last)
-                    lengths = {len(prepare_data_loader(loader, torch.device("cpu"), num_processes=processes, process_index=p,
-                                                       put_on_device=False)) for p in range(processes)}
-                    assert lengths == {batches_per_process(examples, batch, processes, drop_last)}, (examples, batch, processes, drop_last)
+                    lengths = {
+                        len(
+                            prepare_data_loader(
+                                loader,
+                                torch.device("cpu"),
+                                num_processes=processes,
+                                process_index=p,
+                                put_on_device=False,
+                            )
+                        )
+                        for p in range(processes)
+                    }
+                    assert lengths == {batches_per_process(examples, batch, processes, drop_last)}, (
+                        examples,
+                        batch,
+                        processes,
+                        drop_last,
+                    )
 
 
-@pytest.mark.parametrize("batches, accumulation, steps", [(10, 1, 10), (10, 3, 4), (20, 10, 2), (21, 10, 3), (10, 1000, 1), (1, 1, 1)])
+@pytest.mark.parametrize(
+    "batches, accumulation, steps", [(10, 1, 10), (10, 3, 4), (20, 10, 2), (21, 10, 3), (10, 1000, 1), (1, 1, 1)]
+)
 def test_steps_per_epoch_as_the_trainer_counts_them(batches, accumulation, steps):
     assert steps_per_epoch(batches, accumulation) == steps
 
@@ -283,8 +356,16 @@ def run_args(**kw):
     """The TrainingArguments fields check_run_length reads (train_fsdp.py passes the real object)."""
     from transformers import TrainingArguments
 
-    values = dict(per_device_train_batch_size=8, world_size=2, gradient_accumulation_steps=1, dataloader_drop_last=False,
-                  max_steps=-1, num_train_epochs=3.0, warmup_steps=0, learning_rate=3e-3) | kw
+    values = {
+        "per_device_train_batch_size": 8,
+        "world_size": 2,
+        "gradient_accumulation_steps": 1,
+        "dataloader_drop_last": False,
+        "max_steps": -1,
+        "num_train_epochs": 3.0,
+        "warmup_steps": 0,
+        "learning_rate": 3e-3,
+    } | kw
     assert all(hasattr(TrainingArguments, k) for k in values)  # the same names as the real thing
     return SimpleNamespace(**values)
 
@@ -313,11 +394,16 @@ def test_profile_steps_beyond_an_epoch_based_run_are_refused():
     two_epochs = run_args(gradient_accumulation_steps=3, num_train_epochs=2.0)
     with pytest.raises(RecipeError) as err:
         check_run_length(two_epochs, 100, "5-8")
-    assert str(err.value) == ("profile_steps=5-8 ends after the run's 6 optimizer steps (num_train_epochs=2 x 3 steps an "
-                              "epoch): profile steps within the run, e.g. 3-6")  # as many steps, ending with the run
+    assert str(err.value) == (
+        "profile_steps=5-8 ends after the run's 6 optimizer steps (num_train_epochs=2 x 3 steps an "
+        "epoch): profile steps within the run, e.g. 3-6"
+    )  # as many steps, ending with the run
     assert check_run_length(two_epochs, 100, "5-6") == 6
     assert check_run_length(run_args(max_steps=10), 100, "9-10") == 10  # max_steps sets the end, not the epochs
-    with pytest.raises(RecipeError, match=r"profile_steps=11 ends after the run's 10 optimizer steps \(max_steps=10\): profile steps within the run, e.g. 10-10$"):
+    with pytest.raises(
+        RecipeError,
+        match=r"profile_steps=11 ends after the run's 10 optimizer steps \(max_steps=10\): profile steps within the run, e.g. 10-10$",
+    ):
         check_run_length(run_args(max_steps=10), 100, "11")
 
 

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, launch, logged_losses
+
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train.data import IGNORE_INDEX, build_datasets
@@ -47,13 +47,17 @@ def test_handbook_recipe_reads_as_our_settings(workdir, monkeypatch):
     model_args, data_args, plan = parse_args([str(FIXTURES / "sft_tiny_chat.yaml"), *NO_FSDP])
     assert (data_args.block_size, data_args.dataset_split, data_args.preprocessing_num_workers) == (64, "train", 1)
     assert data_args.packing == "concat"  # TRL's packing false on chat data: one conversation per row, padded
-    assert model_args.dtype == "float32" and model_args.use_peft and model_args.lora_target_modules == ["q_proj", "v_proj"]
+    assert (
+        model_args.dtype == "float32" and model_args.use_peft and model_args.lora_target_modules == ["q_proj", "v_proj"]
+    )
     assert plan.raw.max_steps == 4 and plan.raw.learning_rate == 1e-2
     from transformers import AutoTokenizer
 
     dataset, _, _ = build_datasets(data_args, AutoTokenizer.from_pretrained("tiny-model"))
     labels = dataset[0]["labels"]
-    assert len(dataset[0]["input_ids"]) <= 64 and IGNORE_INDEX in labels and set(labels) != {IGNORE_INDEX}  # assistant-only
+    assert (
+        len(dataset[0]["input_ids"]) <= 64 and IGNORE_INDEX in labels and set(labels) != {IGNORE_INDEX}
+    )  # assistant-only
 
 
 def test_keys_without_a_meaning_here_are_named_in_one_line(workdir, monkeypatch):
@@ -71,19 +75,34 @@ def test_keys_without_a_meaning_here_are_named_in_one_line(workdir, monkeypatch)
 
 
 def test_dataset_text_field_is_text_column(tmp_path):
-    _, data_args, _ = parse_args([write(tmp_path, TINY + CORPUS), "--dataset_text_field", "text", "--max_seq_length", "32", *NO_FSDP])
+    _, data_args, _ = parse_args(
+        [write(tmp_path, TINY + CORPUS), "--dataset_text_field", "text", "--max_seq_length", "32", *NO_FSDP]
+    )
     assert (data_args.text_column, data_args.block_size) == ("text", 32)
     with pytest.raises(RecipeError, match="record 1 has no 'body' field"):
-        _, data_args, _ = parse_args([write(tmp_path, TINY + f"train_file: {REPO}/assets/data/tiny_chat.jsonl\ndata_format: text\n"),
-                                      "--dataset_text_field", "body", *NO_FSDP])
+        _, data_args, _ = parse_args(
+            [
+                write(tmp_path, TINY + f"train_file: {REPO}/assets/data/tiny_chat.jsonl\ndata_format: text\n"),
+                "--dataset_text_field",
+                "body",
+                *NO_FSDP,
+            ]
+        )
 
 
-@pytest.mark.parametrize("text, argv, named", [
-    (TINY + CORPUS + "max_length: 64\nblock_size: 128\n", [], ("block_size", "max_length")),
-    (TINY + CORPUS + "max_length: 64\nmax_seq_length: 32\n", [], ("max_length", "max_seq_length")),
-    (TINY + CORPUS, ["--max_length", "64", "--block_size=128"], ("--max_length", "--block_size")),
-    (TINY + CORPUS, ["--dataset_text_field", "body", "--text_column", "text"], ("--dataset_text_field", "--text_column")),
-])
+@pytest.mark.parametrize(
+    "text, argv, named",
+    [
+        (TINY + CORPUS + "max_length: 64\nblock_size: 128\n", [], ("block_size", "max_length")),
+        (TINY + CORPUS + "max_length: 64\nmax_seq_length: 32\n", [], ("max_length", "max_seq_length")),
+        (TINY + CORPUS, ["--max_length", "64", "--block_size=128"], ("--max_length", "--block_size")),
+        (
+            TINY + CORPUS,
+            ["--dataset_text_field", "body", "--text_column", "text"],
+            ("--dataset_text_field", "--text_column"),
+        ),
+    ],
+)
 def test_alias_and_our_name_with_different_values_is_an_error_naming_both(tmp_path, text, argv, named):
     with pytest.raises(RecipeError) as err:
         parse_args([write(tmp_path, text), *argv, *NO_FSDP])
@@ -92,47 +111,80 @@ def test_alias_and_our_name_with_different_values_is_an_error_naming_both(tmp_pa
 
 def test_trl_flags_without_an_equivalent_are_named_with_the_other_unknown_flags(tmp_path):
     with pytest.raises(RecipeError) as err:
-        parse_args([write(tmp_path, TINY + CORPUS), "--padding_free", "true", "--eval_packing=false", "--learnig_rate", "1", *NO_FSDP])
-    assert str(err.value).startswith("flags: TRL flag(s) with no equivalent here: padding_free, eval_packing; unknown "
-                                     "flag(s): learnig_rate (did you mean learning_rate?)"), str(err.value)
+        parse_args(
+            [
+                write(tmp_path, TINY + CORPUS),
+                "--padding_free",
+                "true",
+                "--eval_packing=false",
+                "--learnig_rate",
+                "1",
+                *NO_FSDP,
+            ]
+        )
+    assert str(err.value).startswith(
+        "flags: TRL flag(s) with no equivalent here: padding_free, eval_packing; unknown "
+        "flag(s): learnig_rate (did you mean learning_rate?)"
+    ), str(err.value)
 
 
 def test_alias_and_our_name_agreeing_is_fine(tmp_path):
-    _, data_args, _ = parse_args([write(tmp_path, TINY + CORPUS + "max_length: 64\nblock_size: 64\n"), "--max_seq_length", "48", *NO_FSDP])
+    _, data_args, _ = parse_args(
+        [write(tmp_path, TINY + CORPUS + "max_length: 64\nblock_size: 64\n"), "--max_seq_length", "48", *NO_FSDP]
+    )
     assert data_args.block_size == 48  # a flag overrides the recipe, whichever spelling
 
 
-@pytest.mark.parametrize("text, packing", [
-    (CORPUS + "packing: true\npacking_strategy: wrapped\n", "concat"),
-    (CORPUS + "packing: true\npacking_strategy: bfd_split\n", "padding_free"),
-    (CHAT + "packing: true\n", "padding_free"),
-    (CHAT + "packing: false\nassistant_only_loss: true\n", "concat"),
-    (CORPUS + "packing: padding_free\nassistant_only_loss: false\ncompletion_only_loss: false\n", "padding_free"),
-])
+@pytest.mark.parametrize(
+    "text, packing",
+    [
+        (CORPUS + "packing: true\npacking_strategy: wrapped\n", "concat"),
+        (CORPUS + "packing: true\npacking_strategy: bfd_split\n", "padding_free"),
+        (CHAT + "packing: true\n", "padding_free"),
+        (CHAT + "packing: false\nassistant_only_loss: true\n", "concat"),
+        (CORPUS + "packing: padding_free\nassistant_only_loss: false\ncompletion_only_loss: false\n", "padding_free"),
+    ],
+)
 def test_trl_packing_becomes_our_mode(tmp_path, text, packing):
     _, data_args, _ = parse_args([write(tmp_path, TINY + text + "block_size: 64\n"), *NO_FSDP])
     assert data_args.packing == packing
     from transformers import AutoTokenizer
 
-    build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))  # the data-format checks pass
+    build_datasets(
+        data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
+    )  # the data-format checks pass
 
 
-@pytest.mark.parametrize("text, message", [
-    (CORPUS + "packing: false\n", "packing=false (TRL: one document per row, truncated at max_length) has no equivalent for text data"),
-    (CORPUS + "packing: true\n", "set packing_strategy: bfd_split"),
-    (CORPUS + "assistant_only_loss: true\n", "assistant_only_loss=true needs chat data"),
-    (CHAT + "assistant_only_loss: false\n", "assistant_only_loss=false (loss on the whole conversation) has no equivalent"),
-    (CORPUS + "completion_only_loss: true\n", "completion_only_loss=true is for TRL's prompt-completion datasets"),
-    (CORPUS + "packing: concat\npacking_strategy: bfd\n", "packing_strategy=bfd is TRL's choice for packing: true"),
-    (CORPUS + "max_length: null\n", "TRL's no-truncation has no equivalent here"),
-    (CHAT + "packing: true\npacking_strategy: wrapped\n", "packing_strategy wrapped joins conversations into fixed blocks"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            CORPUS + "packing: false\n",
+            "packing=false (TRL: one document per row, truncated at max_length) has no equivalent for text data",
+        ),
+        (CORPUS + "packing: true\n", "set packing_strategy: bfd_split"),
+        (CORPUS + "assistant_only_loss: true\n", "assistant_only_loss=true needs chat data"),
+        (
+            CHAT + "assistant_only_loss: false\n",
+            "assistant_only_loss=false (loss on the whole conversation) has no equivalent",
+        ),
+        (CORPUS + "completion_only_loss: true\n", "completion_only_loss=true is for TRL's prompt-completion datasets"),
+        (CORPUS + "packing: concat\npacking_strategy: bfd\n", "packing_strategy=bfd is TRL's choice for packing: true"),
+        (CORPUS + "max_length: null\n", "TRL's no-truncation has no equivalent here"),
+        (
+            CHAT + "packing: true\npacking_strategy: wrapped\n",
+            "packing_strategy wrapped joins conversations into fixed blocks",
+        ),
+    ],
+)
 def test_trl_settings_without_an_equivalent_are_refused(tmp_path, text, message):
     from transformers import AutoTokenizer
 
     with pytest.raises(RecipeError, match=re.escape(message)):
         _, data_args, _ = parse_args([write(tmp_path, TINY + text), *NO_FSDP])
-        build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))  # the format is known here
+        build_datasets(
+            data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
+        )  # the format is known here
 
 
 def data_files(root: Path) -> dict[str, Path]:
@@ -140,25 +192,44 @@ def data_files(root: Path) -> dict[str, Path]:
     import csv
     import json
 
-    lines = [line for line in (REPO / "assets" / "data" / "tiny_corpus.txt").read_text().splitlines() if line.strip()][:40]
+    lines = [line for line in (REPO / "assets" / "data" / "tiny_corpus.txt").read_text().splitlines() if line.strip()][
+        :40
+    ]
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     with open(root / "corpus.csv", "w", newline="") as f:
         csv.writer(f).writerows([["text"], *([line] for line in lines)])
     (root / "corpus.json").write_text(json.dumps([{"text": line} for line in lines]))
-    chat = [json.loads(line) for line in (REPO / "assets" / "data" / "tiny_chat.jsonl").read_text().splitlines() if line.strip()]
+    chat = [
+        json.loads(line)
+        for line in (REPO / "assets" / "data" / "tiny_chat.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     (root / "chat.json").write_text(json.dumps(chat))
-    return {"txt": REPO / "assets" / "data" / "tiny_corpus.txt", "csv": root / "corpus.csv",
-            "jsonl text": root / "corpus.jsonl", "jsonl chat": REPO / "assets" / "data" / "tiny_chat.jsonl",
-            "json text": root / "corpus.json", "json chat": root / "chat.json"}
+    return {
+        "txt": REPO / "assets" / "data" / "tiny_corpus.txt",
+        "csv": root / "corpus.csv",
+        "jsonl text": root / "corpus.jsonl",
+        "jsonl chat": REPO / "assets" / "data" / "tiny_chat.jsonl",
+        "json text": root / "corpus.json",
+        "json chat": root / "chat.json",
+    }
 
 
-TRL_SETTINGS = ["packing: false\n", "packing: true\n", "packing: true\npacking_strategy: wrapped\n",
-                "packing: true\npacking_strategy: bfd_split\n", "assistant_only_loss: true\n", "assistant_only_loss: false\n"]
+TRL_SETTINGS = [
+    "packing: false\n",
+    "packing: true\n",
+    "packing: true\npacking_strategy: wrapped\n",
+    "packing: true\npacking_strategy: bfd_split\n",
+    "assistant_only_loss: true\n",
+    "assistant_only_loss: false\n",
+]
 
 
 @pytest.mark.parametrize("setting", TRL_SETTINGS)
 @pytest.mark.parametrize("kind", ["txt", "csv", "jsonl text", "jsonl chat", "json text", "json chat"])
-def test_a_trl_setting_the_data_cannot_take_is_refused_at_parse_time_as_loading_the_data_would(tmp_path, monkeypatch, kind, setting):
+def test_a_trl_setting_the_data_cannot_take_is_refused_at_parse_time_as_loading_the_data_would(
+    tmp_path, monkeypatch, kind, setting
+):
     """What loading the data decides (train/data.py, from its columns) is decided before the launch for a local
     file, with the same line: it came after every rank had started and loaded the data (hostile review W9)."""
     from transformers import AutoTokenizer
@@ -198,13 +269,19 @@ def test_help_is_grouped_with_aliases_and_the_rest_behind_help_all(capsys, monke
     monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal: CI's differs from a developer's
     short, full = help_text(["--help"], capsys), help_text(["--help-all"], capsys)
     titles = [line[:-1] for line in short.splitlines() if line.endswith(":") and not line.startswith(" ")]
-    assert titles[1:] == ["model", "LoRA and QLoRA (TRL's ModelConfig names)",
-                          "data (TRL's SFTConfig names are accepted where they mean the same)", "run",
-                          "training (the most used transformers TrainingArguments)"], titles
+    assert titles[1:] == [
+        "model",
+        "LoRA and QLoRA (TRL's ModelConfig names)",
+        "data (TRL's SFTConfig names are accepted where they mean the same)",
+        "run",
+        "training (the most used transformers TrainingArguments)",
+    ], titles
     assert "--block_size BLOCK_SIZE, --max_length BLOCK_SIZE, --max_seq_length BLOCK_SIZE" in short
     assert "--text_column TEXT_COLUMN, --dataset_text_field TEXT_COLUMN" in short
     assert "--output-dir" not in short and "--output-dir" not in full  # each option once
-    assert "--fsdp_config" not in short and "--fsdp_config" in full and "--help-all lists them" in " ".join(short.split())
+    assert (
+        "--fsdp_config" not in short and "--fsdp_config" in full and "--help-all lists them" in " ".join(short.split())
+    )
     assert len(short.splitlines()) < 280 and 2 * len(short.splitlines()) < len(full.splitlines())
 
 
@@ -258,7 +335,10 @@ def test_a_flag_given_twice_with_different_values_is_an_error_for_every_flag():
             continue
         flag, (a, b) = long[0], values
         for argv in ([flag, a, flag, b], [f"{flag}={a}", flag, b], [flag, a, f"{flag}={b}"]):
-            with pytest.raises(RecipeError, match=re.escape(f"{flag} {a} and {flag} {b} are given twice with different values: give one")):
+            with pytest.raises(
+                RecipeError,
+                match=re.escape(f"{flag} {a} and {flag} {b} are given twice with different values: give one"),
+            ):
                 check_flag_aliases(argv, parser)
         check_flag_aliases([flag, a, f"{flag}={a}"], parser)  # the same value twice
         checked += 1

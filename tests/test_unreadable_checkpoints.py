@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import cli
 
 from fsdp_recipes.ckpt.dcp import TORCH_DTYPE_NAMES, UnsafeCheckpointError, guard_torch_dcp, read_layout, torch_version
 from fsdp_recipes.ckpt.readers import DCPSource
@@ -30,7 +31,6 @@ from fsdp_recipes.ckpt.status import checkpoint_status, set_aside
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnknownToThisVersion
 from fsdp_recipes.train import preflight
-from test_hostile_files import cli
 
 MODEL, OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
 
@@ -55,10 +55,19 @@ def make_checkpoint(run: Path, step: int, dtype: torch.dtype = torch.float32) ->
     ckpt.mkdir(parents=True)
     w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     _save({"model": {"w": w.to(dtype), "b": torch.ones(3)}}, ckpt / MODEL)
-    _save({"optimizer": {"state": {"w": {"exp_avg": torch.zeros(4, 3), "step": torch.tensor(float(step))}},
-                         "param_groups": [{"lr": 0.001, "params": ["w"]}]}}, ckpt / OPTIMIZER)
+    _save(
+        {
+            "optimizer": {
+                "state": {"w": {"exp_avg": torch.zeros(4, 3), "step": torch.tensor(float(step))}},
+                "param_groups": [{"lr": 0.001, "params": ["w"]}],
+            }
+        },
+        ckpt / OPTIMIZER,
+    )
     torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
-    torch.save({"python": [1], "numpy": [2], "cpu": torch.get_rng_state()}, ckpt / "rng_state.pth")  # the keys the Trainer reads
+    torch.save(
+        {"python": [1], "numpy": [2], "cpu": torch.get_rng_state()}, ckpt / "rng_state.pth"
+    )  # the keys the Trainer reads
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     return ckpt
 
@@ -79,16 +88,33 @@ def snapshot(folder: Path) -> list[tuple[str, bytes]]:
 # what another torch version writes into .metadata that torch 2.13 does not have: case -> (folder, the names changed
 # in the pickle, the name reported, whether our torch-free reader still reads the layout)
 UNKNOWN_DTYPES = ["float9_e9m9", "uint128", "complex256", "float6_e3m2fn_x4", "int128", "bits32"]
-CASES = {f"dtype {d} in {f}": (f, [("float32", d)], f"torch.{d}", False) for d in UNKNOWN_DTYPES for f in (MODEL, OPTIMIZER)
-         if f == MODEL or d == "float9_e9m9"}
+CASES = {
+    f"dtype {d} in {f}": (f, [("float32", d)], f"torch.{d}", False)
+    for d in UNKNOWN_DTYPES
+    for f in (MODEL, OPTIMIZER)
+    if f == MODEL or d == "float9_e9m9"
+}
 DCP = "torch.distributed.checkpoint"
-CASES |= {f"DCP {k} in {f}": (f, renames, named, reads) for f in (MODEL, OPTIMIZER) for k, (renames, named, reads) in {
-    "class": ([("TensorStorageMetadata", "ShardedTensorStorageMetadata")], f"{DCP}.metadata.ShardedTensorStorageMetadata", False),
-    "private class": ([("_StorageInfo", "_StorageInfoV2")], f"{DCP}.filesystem._StorageInfoV2", False),
-    "class in a new module": ([(f"{DCP}.filesystem", f"{DCP}._fs_v3"), ("_StorageInfo", "_StorageInfoV3")], f"{DCP}._fs_v3._StorageInfoV3", False),
-    # a class we know, moved: the layout reads (a merge copies it without torch), torch's reader, a resume's, cannot
-    "class moved to a new module": ([(f"{DCP}.filesystem", f"{DCP}._fs_v3")], f"{DCP}._fs_v3._StorageInfo", True),
-}.items() if f == MODEL or k == "class"}
+CASES |= {
+    f"DCP {k} in {f}": (f, renames, named, reads)
+    for f in (MODEL, OPTIMIZER)
+    for k, (renames, named, reads) in {
+        "class": (
+            [("TensorStorageMetadata", "ShardedTensorStorageMetadata")],
+            f"{DCP}.metadata.ShardedTensorStorageMetadata",
+            False,
+        ),
+        "private class": ([("_StorageInfo", "_StorageInfoV2")], f"{DCP}.filesystem._StorageInfoV2", False),
+        "class in a new module": (
+            [(f"{DCP}.filesystem", f"{DCP}._fs_v3"), ("_StorageInfo", "_StorageInfoV3")],
+            f"{DCP}._fs_v3._StorageInfoV3",
+            False,
+        ),
+        # a class we know, moved: the layout reads (a merge copies it without torch), torch's reader, a resume's, cannot
+        "class moved to a new module": ([(f"{DCP}.filesystem", f"{DCP}._fs_v3")], f"{DCP}._fs_v3._StorageInfo", True),
+    }.items()
+    if f == MODEL or k == "class"
+}
 
 
 @pytest.fixture
@@ -125,7 +151,10 @@ def test_another_versions_metadata_is_unreadable_by_this_version_not_incomplete(
 
     status = checkpoint_status(ckpt)
     assert not status.resumable and status.may_be_complete and status.problems == [], status
-    assert status.unreadable == f"{folder}/.metadata names {named}, a {'dtype' if 'dtype' in case else 'DCP class'} torch {torch_version()} does not know"
+    assert (
+        status.unreadable
+        == f"{folder}/.metadata names {named}, a {'dtype' if 'dtype' in case else 'DCP class'} torch {torch_version()} does not know"
+    )
     assert "UNREADABLE BY THIS VERSION" in status.summary() and "INCOMPLETE" not in status.summary()
     assert status.to_dict()["may_be_complete"] is True
 
@@ -144,28 +173,41 @@ def test_another_versions_metadata_is_unreadable_by_this_version_not_incomplete(
     with pytest.raises(RecipeError) as caught:
         resolve_resume("true", str(run_dir))
     said = str(caught.value)
-    assert said.startswith("--resume_from_checkpoint true: checkpoint-12 in ") and "unreadable by this version" in said, said
+    assert (
+        said.startswith("--resume_from_checkpoint true: checkpoint-12 in ") and "unreadable by this version" in said
+    ), said
     assert named in said and "the torch version that wrote it" in said and str(run_dir / "checkpoint-6") in said, said
     assert "skipping" not in capsys.readouterr().err
     # asked for by path: the same kind of line, offering the newest checkpoint this version reads
-    with pytest.raises(RecipeError, match=f"cannot resume from checkpoint-12 .*UNREADABLE BY THIS VERSION .*{named}.* or resume from {run_dir / 'checkpoint-6'}"):
+    with pytest.raises(
+        RecipeError,
+        match=f"cannot resume from checkpoint-12 .*UNREADABLE BY THIS VERSION .*{named}.* or resume from {run_dir / 'checkpoint-6'}",
+    ):
         resolve_resume(str(ckpt), str(run_dir))
 
     # a new run into this output_dir: resume it or choose another folder, never the flag that deletes it
     with pytest.raises(RecipeError) as caught:
         check_output_dir(str(run_dir), resuming=False, overwrite=False)
     said = str(caught.value)
-    assert "--overwrite_output_dir" not in said and "checkpoint-12 may be complete but is unreadable by this version" in said, said
+    assert (
+        "--overwrite_output_dir" not in said
+        and "checkpoint-12 may be complete but is unreadable by this version" in said
+    ), said
     assert "choose a new --output_dir" in said
 
     # the tool says so, for the checkpoint and for the run (whose `resume true` stops at it)
     assert cli("check_checkpoint", [str(ckpt)]) == 1
     line = capsys.readouterr().out.strip()
-    assert line.startswith("checkpoint-12 (step 12, SHARDED_STATE_DICT, 1 rank(s)): UNREADABLE BY THIS VERSION (") and named in line, line
+    assert (
+        line.startswith("checkpoint-12 (step 12, SHARDED_STATE_DICT, 1 rank(s)): UNREADABLE BY THIS VERSION (")
+        and named in line
+    ), line
     assert "INCOMPLETE" not in line
     assert cli("check_checkpoint", [str(run_dir)]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[1].endswith(": resumable") and lines[2].startswith("resume: --resume_from_checkpoint true stops at checkpoint-12"), lines
+    assert lines[1].endswith(": resumable") and lines[2].startswith(
+        "resume: --resume_from_checkpoint true stops at checkpoint-12"
+    ), lines
 
     # a merge of the run does not pass over it either (only the model folder's metadata matters to a merge; one
     # whose classes only moved is copied without torch, or refused in the same line where torch reads it)
@@ -174,7 +216,10 @@ def test_another_versions_metadata_is_unreadable_by_this_version_not_incomplete(
         with pytest.raises(CheckpointError, match=version):
             source.read(["model.w"])
     elif folder == MODEL:
-        with pytest.raises(CheckpointError, match=f"checkpoint-12 in {run_dir} is unreadable by this version: .*{named}.*or merge an earlier checkpoint-N"):
+        with pytest.raises(
+            CheckpointError,
+            match=f"checkpoint-12 in {run_dir} is unreadable by this version: .*{named}.*or merge an earlier checkpoint-N",
+        ):
             resolve_input(run_dir)
     else:
         assert resolve_input(run_dir).checkpoint_dir == ckpt
@@ -184,16 +229,22 @@ def test_another_versions_metadata_is_unreadable_by_this_version_not_incomplete(
 def test_the_only_checkpoint_unreadable_by_this_version(tmp_path):
     run = tmp_path / "run"
     rename_in_pickle(make_checkpoint(run, 4) / MODEL / ".metadata", "float32", "float9_e9m9")
-    with pytest.raises(RecipeError, match="checkpoint-4 in .* is unreadable by this version \\(.*resume with the torch version that wrote it$") as err:
+    with pytest.raises(
+        RecipeError,
+        match="checkpoint-4 in .* is unreadable by this version \\(.*resume with the torch version that wrote it$",
+    ) as err:
         resolve_resume("true", str(run))
     assert "--resume_from_checkpoint <" not in str(err.value)  # no earlier checkpoint to offer: none is named
     assert (run / "checkpoint-4").is_dir()
 
 
-@pytest.mark.parametrize("renames,missing", [
-    ([("float32", "float9_e9m9")], "rng_state.pth"),
-    ([(f"{DCP}.filesystem", f"{DCP}._fs_v3")], f"{MODEL}/__0_0.distcp"),  # the layout reads: its shards are checked
-])
+@pytest.mark.parametrize(
+    "renames,missing",
+    [
+        ([("float32", "float9_e9m9")], "rng_state.pth"),
+        ([(f"{DCP}.filesystem", f"{DCP}._fs_v3")], f"{MODEL}/__0_0.distcp"),  # the layout reads: its shards are checked
+    ],
+)
 def test_an_incomplete_checkpoint_that_is_also_unreadable_is_incomplete(run_dir, renames, missing):
     ckpt = run_dir / "checkpoint-12"
     for old, new in renames:
@@ -201,7 +252,9 @@ def test_an_incomplete_checkpoint_that_is_also_unreadable_is_incomplete(run_dir,
     (ckpt / missing).unlink()
     status = checkpoint_status(ckpt)
     assert not status.may_be_complete and status.problems == [f"missing {missing}"] and status.unreadable, status
-    assert status.summary().endswith(f"INCOMPLETE: missing {missing}; and unreadable by this version: " + status.unreadable)
+    assert status.summary().endswith(
+        f"INCOMPLETE: missing {missing}; and unreadable by this version: " + status.unreadable
+    )
     resume = resolve_resume("true", str(run_dir))  # a missing file is a problem in any version: set aside (moved)
     assert resume.path == str(run_dir / "checkpoint-6") and [a.path.name for a in resume.set_aside] == ["checkpoint-12"]
 
@@ -225,12 +278,25 @@ def test_names_this_torch_has_stay_unsafe(tmp_path, case):
     with pytest.raises(UnsafeCheckpointError, match=named):
         read_layout(ckpt / MODEL)
     status = checkpoint_status(ckpt)
-    assert status.unreadable is None and "refusing to unpickle it" in status.summary() and "INCOMPLETE" in status.summary()
+    assert (
+        status.unreadable is None and "refusing to unpickle it" in status.summary() and "INCOMPLETE" in status.summary()
+    )
 
 
 # dtypes torch 2.13 has: every one is read and resumable (float8 and uint16 records are torch.save's
 # _rebuild_tensor_v3 over an UntypedStorage; complex ones name ComplexFloatStorage); the merge converts some
-KNOWN = ["uint16", "uint32", "uint64", "complex64", "complex128", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e4m3fn", "float8_e5m2", "bfloat16"]
+KNOWN = [
+    "uint16",
+    "uint32",
+    "uint64",
+    "complex64",
+    "complex128",
+    "float8_e8m0fnu",
+    "float8_e4m3fnuz",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "bfloat16",
+]
 
 
 @pytest.mark.parametrize("name", KNOWN)
@@ -316,7 +382,11 @@ def test_unknown_dtype_in_a_byte_record(tmp_path):
     info.offset, info.length = offset, len(patched.getvalue())
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     status = checkpoint_status(ckpt)
-    assert status.may_be_complete and "torch.float9_e9m9" in status.unreadable and f"byte record '{key}'" in status.unreadable, status
+    assert (
+        status.may_be_complete
+        and "torch.float9_e9m9" in status.unreadable
+        and f"byte record '{key}'" in status.unreadable
+    ), status
 
 
 def test_a_metadata_file_claiming_more_than_the_limit_is_not_read(tmp_path):
@@ -333,8 +403,12 @@ def test_a_metadata_file_claiming_more_than_the_limit_is_not_read(tmp_path):
         f.truncate(METADATA_LIMIT + 64)  # a hole: nothing on disk
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     layout, problems = check_folder(folder)
-    assert layout is None and problems == [f"unreadable {folder / '.metadata'} (1.0 GiB, over the 1 GiB this reader takes)"]
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10  # KiB: nothing near the claim was read
+    assert layout is None and problems == [
+        f"unreadable {folder / '.metadata'} (1.0 GiB, over the 1 GiB this reader takes)"
+    ]
+    assert (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10
+    )  # KiB: nothing near the claim was read
 
 
 @pytest.mark.parametrize("kind", ["oversized", "missing keys", "not a mapping", "as the Trainer writes"])
@@ -358,7 +432,10 @@ def test_rng_state_files_are_bounded_and_shaped_before_a_resume_uses_them(tmp_pa
     else:
         torch.save(trainer_like, path)
     problem = _torch_file_problem(path, load=True, keys=("python", "numpy", "cpu"))
-    expected = {"oversized": "refused rng_state_1.pth: 16 MiB, where the Trainer writes a few KB",
-                "missing keys": "refused rng_state_1.pth: not an RNG state the Trainer wrote (it needs python, numpy, cpu)",
-                "not a mapping": "refused rng_state_1.pth: not an RNG state the Trainer wrote", "as the Trainer writes": None}[kind]
+    expected = {
+        "oversized": "refused rng_state_1.pth: 16 MiB, where the Trainer writes a few KB",
+        "missing keys": "refused rng_state_1.pth: not an RNG state the Trainer wrote (it needs python, numpy, cpu)",
+        "not a mapping": "refused rng_state_1.pth: not an RNG state the Trainer wrote",
+        "as the Trainer writes": None,
+    }[kind]
     assert (problem is None) if expected is None else problem.startswith(expected), problem

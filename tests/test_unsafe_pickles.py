@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import cli
 
-from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError
-from fsdp_recipes.ckpt.dcp import guard_torch_dcp
+from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError, guard_torch_dcp
 from fsdp_recipes.ckpt.merge import merge_checkpoint
 from fsdp_recipes.ckpt.resume import resolve_resume
 from fsdp_recipes.ckpt.status import checkpoint_status
 from fsdp_recipes.errors import CheckpointError, RecipeError
-from test_hostile_files import cli
 
 
 class Payload:
@@ -106,10 +105,16 @@ def _assert_refused_everywhere(ckpt: Path, marker: Path, capsys, merge_reads_it:
 
 
 @pytest.mark.parametrize("how", PAYLOADS)
-@pytest.mark.parametrize("folder,where", [
-    ("optimizer_0", "byte record"), ("optimizer_0", "extra byte entry"), ("optimizer_0", "tensor record"),
-    ("pytorch_model_fsdp_0", "extra byte entry"), ("pytorch_model_fsdp_0", "tensor record"),
-])
+@pytest.mark.parametrize(
+    "folder,where",
+    [
+        ("optimizer_0", "byte record"),
+        ("optimizer_0", "extra byte entry"),
+        ("optimizer_0", "tensor record"),
+        ("pytorch_model_fsdp_0", "extra byte entry"),
+        ("pytorch_model_fsdp_0", "tensor record"),
+    ],
+)
 def test_dcp_records_with_payloads(checkpoint, folder, where, how, tmp_path, capsys):
     marker = tmp_path / "code-ran"
     _poison_dcp(checkpoint / folder, Payload(how, marker), where)
@@ -238,7 +243,11 @@ def _unpickling_calls(path: Path) -> list[tuple[str, int, str]]:
 
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+        ):
             continue
         owner, name = node.func.value.id, node.func.attr
         if (owner, name) in (("pickle", "load"), ("pickle", "loads"), ("dcp", "load"), ("dcp", "load_state_dict")):
@@ -254,12 +263,22 @@ def test_only_the_allow_listed_readers_unpickle():
     """Plain pickle only in ckpt/dcp.py (on bytes its allow-list vetted), torch.load only with weights_only=True,
     and a DCP load only in readers.py, which guards torch's reader first. The scan can fail: it finds the known ones."""
     repo = Path(__file__).resolve().parent.parent
-    files = [*(repo / "fsdp_recipes").rglob("*.py"), *(repo / "tools").rglob("*.py"), *(repo / "bench").rglob("*.py"), repo / "train_fsdp.py"]
+    files = [
+        *(repo / "fsdp_recipes").rglob("*.py"),
+        *(repo / "tools").rglob("*.py"),
+        *(repo / "bench").rglob("*.py"),
+        repo / "train_fsdp.py",
+    ]
     calls = [c for f in files for c in _unpickling_calls(f)]
-    allowed = {("dcp.py", "pickle.loads"), ("dcp.py", "torch.load"), ("readers.py", "torch.load"),
-               ("status.py", "torch.load"), ("readers.py", "dcp.load")}
+    allowed = {
+        ("dcp.py", "pickle.loads"),
+        ("dcp.py", "torch.load"),
+        ("readers.py", "torch.load"),
+        ("status.py", "torch.load"),
+        ("readers.py", "dcp.load"),
+    }
     assert [c for c in calls if (c[0], c[2]) not in allowed] == []
     assert {(c[0], c[2]) for c in calls} == allowed  # each allowed reader is still where this test says
     source = (repo / "fsdp_recipes" / "ckpt" / "readers.py").read_text()
-    read = source[source.index("    def read(self, names"):]
+    read = source[source.index("    def read(self, names") :]
     assert read.index("guard_torch_dcp()") < read.index("dcp.load(")

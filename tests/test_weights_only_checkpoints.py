@@ -15,22 +15,26 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ALL_CONFIGS, REPO, cli, plain_checkpoint
 
-from conftest import ALL_CONFIGS, REPO
 from fsdp_recipes.ckpt.resume import check_output_dir, decide, resolve_resume
 from fsdp_recipes.ckpt.status import CheckpointStatus, checkpoint_status, how_to_go_on
 from fsdp_recipes.config.accelerate_config import check_config, errors
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.errors import RecipeError
-from test_hostile_files import cli
-from test_resume_decision import plain_checkpoint
 
 TINY = REPO / "assets" / "tiny-llama"
 NO_FSDP = ("--allow_no_fsdp", "true")  # parse_args in this process: no launcher, no FSDP config
 STEP = 4
 SHARDED = "200KB"  # the tiny model's 0.24M fp32 parameters: 6 shards and an index
 GOOD = ["single file", "indexed shards", "no config.json", "optimizer state removed"]
-DAMAGED = ["a missing shard", "a truncated shard", "a truncated single file", "a shard header cut", "an index naming a file outside"]
+DAMAGED = [
+    "a missing shard",
+    "a truncated shard",
+    "a truncated single file",
+    "a shard header cut",
+    "an index naming a file outside",
+]
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +53,9 @@ def stock_saves(tmp_path_factory) -> dict[str, Path]:
         torch.save({"output_dir": "stock-run", "save_only_model": True}, folder / "training_args.bin")  # not read here
         TrainerState(global_step=STEP, max_steps=8, save_steps=STEP).save_to_json(str(folder / "trainer_state.json"))
         saves[kind] = folder
-    assert (saves["indexed"] / "model.safetensors.index.json").is_file() and len(list(saves["indexed"].glob("model-*-of-*.safetensors"))) > 2
+    assert (saves["indexed"] / "model.safetensors.index.json").is_file() and len(
+        list(saves["indexed"].glob("model-*-of-*.safetensors"))
+    ) > 2
     return saves
 
 
@@ -61,7 +67,11 @@ def make(stock_saves, run: Path, case: str) -> Path:
     """checkpoint-STEP in ``run``: a good case or a damaged one."""
     import torch
 
-    base = "single" if case in ("single file", "no config.json", "optimizer state removed", "a truncated single file") else "indexed"
+    base = (
+        "single"
+        if case in ("single file", "no config.json", "optimizer state removed", "a truncated single file")
+        else "indexed"
+    )
     ckpt = run / f"checkpoint-{STEP}"
     shutil.copytree(stock_saves[base], ckpt)
     if case == "no config.json":
@@ -89,7 +99,11 @@ def make(stock_saves, run: Path, case: str) -> Path:
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def refusal(call) -> str:
@@ -110,17 +124,24 @@ def test_weights_only_checkpoint_is_its_own_kind(stock_saves, tmp_path, case, ca
     assert status.weights_only and status.may_be_good and not status.resumable and not status.may_be_complete
     assert (status.state_dict_type, status.step, status.problems) == ("WEIGHTS_ONLY", STEP, [])
     summary = status.summary()
-    assert summary.startswith(f"checkpoint-{STEP} (step {STEP}, WEIGHTS_ONLY): WEIGHTS ONLY (complete model weights, no optimizer state"), summary
+    assert summary.startswith(
+        f"checkpoint-{STEP} (step {STEP}, WEIGHTS_ONLY): WEIGHTS ONLY (complete model weights, no optimizer state"
+    ), summary
     assert "INCOMPLETE" not in summary and "pytorch_model_fsdp_0" not in summary and "optimizer_0" not in summary
     assert f"tools/merge_checkpoint.py {ckpt} OUT" in summary
-    assert (f"--model_name_or_path {ckpt}" in summary) == (case != "no config.json")  # from_pretrained needs config.json
+    assert (f"--model_name_or_path {ckpt}" in summary) == (
+        case != "no config.json"
+    )  # from_pretrained needs config.json
     # tools/check_checkpoint.py: the checkpoint, and the run folder (where resume true stops)
     assert cli("check_checkpoint", [str(ckpt)]) == 1
     said = capsys.readouterr().out
     assert "WEIGHTS ONLY" in said and "INCOMPLETE" not in said, said
     assert cli("check_checkpoint", [str(ckpt.parent)]) == 1
     said = capsys.readouterr().out
-    assert f"resume: --resume_from_checkpoint true stops at checkpoint-{STEP} (model weights only, no optimizer state)" in said, said
+    assert (
+        f"resume: --resume_from_checkpoint true stops at checkpoint-{STEP} (model weights only, no optimizer state)"
+        in said
+    ), said
     assert "INCOMPLETE" not in said and "overwrite_output_dir" not in said
     assert cli("check_checkpoint", [str(ckpt), "--json"]) == 1
     (record,) = json.loads(capsys.readouterr().out)["checkpoints"]
@@ -134,17 +155,23 @@ def test_weights_only_checkpoint_is_never_offered_for_deletion_nor_deleted(stock
     before = snapshot(run)
     text = refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=False))
     assert f"already holds another run's checkpoints (checkpoint-{STEP}); checkpoint-{STEP} {WORDS}" in text, text
-    assert "overwrite_output_dir" not in text and "none of them complete" not in text and "incomplete" not in text.lower()
+    assert (
+        "overwrite_output_dir" not in text and "none of them complete" not in text and "incomplete" not in text.lower()
+    )
     text = refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=True))
-    assert text.startswith(f"--overwrite_output_dir: refusing to delete {ckpt}, which may be a good model: checkpoint-{STEP} {WORDS}"), text
+    assert text.startswith(
+        f"--overwrite_output_dir: refusing to delete {ckpt}, which may be a good model: checkpoint-{STEP} {WORDS}"
+    ), text
     assert "nothing was deleted" in text
     # the line a run that stopped ends with
     said = how_to_go_on(run)
     assert said.startswith(f"checkpoint-{STEP} {WORDS}") and "overwrite_output_dir" not in said, said
     # the script's own parse: a new run into this folder, with and without --overwrite_output_dir
     for extra in ((), ("--overwrite_output_dir", "true")):
-        text = refusal(lambda: parse_args(["--output_dir", str(run), *extra, *NO_FSDP]))
-        assert WORDS in text and ("overwrite_output_dir true" not in text if not extra else "refusing to delete" in text), text
+        text = refusal(lambda: parse_args(["--output_dir", str(run), *extra, *NO_FSDP]))  # noqa: B023 (called at once, in the loop)
+        assert WORDS in text and (
+            "overwrite_output_dir true" not in text if not extra else "refusing to delete" in text
+        ), text
     assert snapshot(run) == before
 
 
@@ -157,7 +184,9 @@ def test_resuming_a_weights_only_checkpoint_is_refused_in_one_line(stock_saves, 
     text = refusal(lambda: resolve_resume(str(ckpt), str(run)))
     assert text.startswith(f"cannot resume from {ckpt}: checkpoint-{STEP} {WORDS}; it is a model: "), text
     text = refusal(lambda: resolve_resume("true", str(run)))
-    assert text.startswith(f"--resume_from_checkpoint true: the newest checkpoint in {str(run)!r} cannot resume: checkpoint-{STEP} {WORDS}"), text
+    assert text.startswith(
+        f"--resume_from_checkpoint true: the newest checkpoint in {str(run)!r} cannot resume: checkpoint-{STEP} {WORDS}"
+    ), text
     assert "nothing was skipped, set aside or deleted" in text and "start without" not in text
     for value in (str(ckpt), "true"):  # the launch's one decision (global rank 0): an error, nothing to set aside
         decision = decide(value, str(run), trainer_fsdp=True)
@@ -172,25 +201,39 @@ def test_damaged_weights_only_checkpoints_are_incomplete_as_before(stock_saves, 
     ckpt = make(stock_saves, run, case)
     status = checkpoint_status(ckpt)
     assert not status.weights_only and not status.may_be_good and not status.resumable
-    assert status.state_dict_type == "WEIGHTS_ONLY" and status.problems and all(p.startswith("model weights: ") for p in status.problems), status
-    expected = {"a missing shard": "missing model-00002-of-", "a truncated shard": "truncated model-00002-of-",
-                "a truncated single file": "truncated model.safetensors (", "a shard header cut": "truncated or unreadable model-00001-of-",
-                "an index naming a file outside": "names \"../elsewhere.safetensors\" as a shard"}[case]
+    assert (
+        status.state_dict_type == "WEIGHTS_ONLY"
+        and status.problems
+        and all(p.startswith("model weights: ") for p in status.problems)
+    ), status
+    expected = {
+        "a missing shard": "missing model-00002-of-",
+        "a truncated shard": "truncated model-00002-of-",
+        "a truncated single file": "truncated model.safetensors (",
+        "a shard header cut": "truncated or unreadable model-00001-of-",
+        "an index naming a file outside": 'names "../elsewhere.safetensors" as a shard',
+    }[case]
     assert expected in status.problems[0], status.problems
-    assert status.summary().startswith(f"checkpoint-{STEP} (step {STEP}, WEIGHTS_ONLY): INCOMPLETE: model weights: "), status.summary()
+    assert status.summary().startswith(f"checkpoint-{STEP} (step {STEP}, WEIGHTS_ONLY): INCOMPLETE: model weights: "), (
+        status.summary()
+    )
     text = refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=False))
     assert "none of them complete" in text and "--overwrite_output_dir true to delete them" in text, text
-    assert check_output_dir(str(run), resuming=False, overwrite=True) == [ckpt]  # what the flag is for: a save cut short
+    assert check_output_dir(str(run), resuming=False, overwrite=True) == [
+        ckpt
+    ]  # what the flag is for: a save cut short
     text = refusal(lambda: resolve_resume(str(ckpt), str(run)))
-    assert text.startswith(f"cannot resume from checkpoint-{STEP} (step {STEP}, WEIGHTS_ONLY): INCOMPLETE: model weights: "), text
+    assert text.startswith(
+        f"cannot resume from checkpoint-{STEP} (step {STEP}, WEIGHTS_ONLY): INCOMPLETE: model weights: "
+    ), text
     assert WORDS not in text
 
 
 def test_a_save_cut_short_before_trainer_state_is_incomplete(stock_saves, tmp_path):
     """Weights whole but no trainer_state.json (the Trainer writes it last): a save killed in between, of a run of ours
     (its marker) — incomplete, and what --overwrite_output_dir is for."""
-    from fsdp_recipes.removal import make_folder
     from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE
+    from fsdp_recipes.removal import make_folder
 
     run = tmp_path / "run"
     ckpt = make_folder(run / f"checkpoint-{STEP}", CHECKPOINT_PURPOSE)
@@ -211,7 +254,10 @@ def stock_adapter(tmp_path_factory) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, TrainerState
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY)), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY)),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
     folder = tmp_path_factory.mktemp("adapter") / f"checkpoint-{STEP}"
     model.save_pretrained(folder)
     TrainerState(global_step=STEP).save_to_json(str(folder / "trainer_state.json"))
@@ -231,17 +277,24 @@ def test_a_lora_adapter_saved_without_optimizer_state(stock_adapter, tmp_path, d
     status = checkpoint_status(ckpt)
     assert status.state_dict_type == "WEIGHTS_ONLY" and status.weights_only == (damage is None), status
     if damage is None:
-        assert "it is a LoRA adapter: load it onto its base model with peft" in status.summary() and "INCOMPLETE" not in status.summary()
+        assert (
+            "it is a LoRA adapter: load it onto its base model with peft" in status.summary()
+            and "INCOMPLETE" not in status.summary()
+        )
         text = refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=False))
         assert "LoRA adapter" in text and "overwrite_output_dir" not in text, text
         assert "refusing to delete" in refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=True))
         assert "LoRA adapter" in refusal(lambda: resolve_resume(str(ckpt), str(run)))
     else:
-        assert status.summary().startswith(f"checkpoint-{STEP} (step {STEP}, WEIGHTS_ONLY): INCOMPLETE: model weights: "), status.summary()
+        assert status.summary().startswith(
+            f"checkpoint-{STEP} (step {STEP}, WEIGHTS_ONLY): INCOMPLETE: model weights: "
+        ), status.summary()
         if damage == "truncated":
             assert check_output_dir(str(run), resuming=False, overwrite=True) == [ckpt]
         else:  # peft's README.md without an adapter beside it: a user's folder, as before (layout.is_checkpoint_folder)
-            assert "not a training checkpoint holding nothing else" in refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=True))
+            assert "not a training checkpoint holding nothing else" in refusal(
+                lambda: check_output_dir(str(run), resuming=False, overwrite=True)
+            )
 
 
 def test_a_newer_weights_only_checkpoint_is_not_passed_over_for_an_older_resumable_one(stock_saves, tmp_path):
@@ -257,11 +310,15 @@ def test_a_newer_weights_only_checkpoint_is_not_passed_over_for_an_older_resumab
     text = refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=True))
     assert f"refusing to delete {run / f'checkpoint-{STEP}'}" in text, text
     said = how_to_go_on(run)
-    assert WORDS in said and f"--resume_from_checkpoint {older}" in said and "resume_from_checkpoint true" not in said, said
+    assert (
+        WORDS in said and f"--resume_from_checkpoint {older}" in said and "resume_from_checkpoint true" not in said
+    ), said
     assert snapshot(run) == before
     # resuming the older one by its path moves the weights-only one aside as replaced (a rename), deletes nothing
     resume = resolve_resume(str(older), str(run))
-    assert resume.path == str(older) and [(a.path.name, a.prefix) for a in resume.set_aside] == [(f"checkpoint-{STEP}", "replaced-")]
+    assert resume.path == str(older) and [(a.path.name, a.prefix) for a in resume.set_aside] == [
+        (f"checkpoint-{STEP}", "replaced-")
+    ]
 
 
 def test_a_complete_plain_checkpoint_is_still_resumable(tmp_path):
@@ -275,7 +332,9 @@ def test_overwrite_never_deletes_a_checkpoint_unreadable_by_this_version(stock_s
     make(stock_saves, run, "a missing shard")  # a checkpoint folder the flag would otherwise delete
     import fsdp_recipes.ckpt.resume as resume
 
-    monkeypatch.setattr(resume, "checkpoint_status", lambda p: CheckpointStatus(str(p), unreadable="dtype float8_e8m0fnu"))
+    monkeypatch.setattr(
+        resume, "checkpoint_status", lambda p: CheckpointStatus(str(p), unreadable="dtype float8_e8m0fnu")
+    )
     text = refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=True))
     assert "refusing to delete" in text and "may be complete" in text and "nothing was deleted" in text, text
 
@@ -288,7 +347,17 @@ def test_the_advice_works(stock_saves, tmp_path, case):
     from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     ckpt = make(stock_saves, tmp_path / "run", case)
-    _, _, plan = parse_args(["--model_name_or_path", str(ckpt), "--tokenizer_name", str(TINY), "--output_dir", str(tmp_path / "new"), *NO_FSDP])
+    _, _, plan = parse_args(
+        [
+            "--model_name_or_path",
+            str(ckpt),
+            "--tokenizer_name",
+            str(TINY),
+            "--output_dir",
+            str(tmp_path / "new"),
+            *NO_FSDP,
+        ]
+    )
     assert plan.delete == []
     merge_checkpoint(ckpt, tmp_path / "merged", log=lambda *_: None)
     merged = load_file(tmp_path / "merged" / "model.safetensors")
@@ -309,7 +378,9 @@ def test_save_only_model_is_refused_by_the_script(tmp_path):
     assert "output_dir/model anyway" in text and "FULL_STATE_DICT" not in text
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("save_only_model: true\n")
-    assert SAVE_ONLY_MODEL_WORDS in refusal(lambda: parse_args([str(recipe), "--output_dir", str(tmp_path / "out"), *NO_FSDP]))
+    assert SAVE_ONLY_MODEL_WORDS in refusal(
+        lambda: parse_args([str(recipe), "--output_dir", str(tmp_path / "out"), *NO_FSDP])
+    )
     parse_args(["--save_only_model", "false", "--output_dir", str(tmp_path / "out"), *NO_FSDP])  # false is fine
 
 
@@ -326,7 +397,9 @@ def test_save_only_model_is_refused_under_every_config(tmp_path, config, capsys)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("save_only_model: true\n")
     found = [p for p in errors(check_config(path, str(recipe))) if p.key == "save_only_model"]
-    assert len(found) == 1 and SAVE_ONLY_MODEL_WORDS in found[0].message and "output_dir/model anyway" in found[0].message, found
+    assert (
+        len(found) == 1 and SAVE_ONLY_MODEL_WORDS in found[0].message and "output_dir/model anyway" in found[0].message
+    ), found
     assert "FULL_STATE_DICT" not in str(found[0])
     assert cli("check_config", [path, "--recipe", str(recipe)]) == 1
     assert "save_only_model" in capsys.readouterr().err
@@ -339,7 +412,11 @@ def test_save_only_model_is_refused_under_every_config(tmp_path, config, capsys)
 PICKLED = {
     "bin weights only": ["pytorch_model.bin"],
     "bin with optimizer state": ["pytorch_model.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth"],
-    "bin shards": ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json"],
+    "bin shards": [
+        "pytorch_model-00001-of-00002.bin",
+        "pytorch_model-00002-of-00002.bin",
+        "pytorch_model.bin.index.json",
+    ],
     "bin adapter": ["adapter_model.bin", "adapter_config.json"],
 }
 
@@ -352,7 +429,9 @@ def test_a_checkpoint_of_pickled_weights_is_never_offered_for_deletion_nor_delet
     ckpt = run / "checkpoint-4"
     ckpt.mkdir(parents=True)
     for name in PICKLED[case]:
-        (ckpt / name).write_bytes(b"PK\x03\x04 pickled weights, not read here" if name.endswith((".bin", ".pt", ".pth")) else b"{}")
+        (ckpt / name).write_bytes(
+            b"PK\x03\x04 pickled weights, not read here" if name.endswith((".bin", ".pt", ".pth")) else b"{}"
+        )
     (ckpt / "config.json").write_text('{"model_type": "llama"}')
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 4, "log_history": []}))
     before = snapshot(run)

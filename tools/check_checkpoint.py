@@ -20,14 +20,18 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes.ckpt.layout import checkpoint_steps, final_model_folder
-from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.ckpt.status import checkpoint_status
+from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.locks import live_run
 
 
 def is_run_folder(path: Path) -> bool:
     final_dir = final_model_folder(path)
-    return bool(checkpoint_steps(path)) or (path / "run_args.json").is_file() or (final_dir is not None and final_dir != path)
+    return (
+        bool(checkpoint_steps(path))
+        or (path / "run_args.json").is_file()
+        or (final_dir is not None and final_dir != path)
+    )
 
 
 def main(argv=None) -> int:
@@ -44,7 +48,10 @@ def main(argv=None) -> int:
 
     path = Path(args.path)
     if not path.is_dir():
-        print(f"check_checkpoint.py: error: {path} is not a folder: give a checkpoint-N folder or a run's output folder", file=sys.stderr)
+        print(
+            f"check_checkpoint.py: error: {path} is not a folder: give a checkpoint-N folder or a run's output folder",
+            file=sys.stderr,
+        )
         return 1
     final_dir = final_model_folder(path)
     run_folder = is_run_folder(path)
@@ -56,9 +63,21 @@ def main(argv=None) -> int:
         print(f"{run_dir}: {training}: a checkpoint it is still writing shows as INCOMPLETE until it is done")
     if run_folder and not checkpoint_steps(path):  # a finished run that kept no checkpoint (save_strategy no)
         if args.json:
-            print(json.dumps({"checkpoints": [], "resume_uses": None, "final_model": final and str(final), "training_now": training}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "checkpoints": [],
+                        "resume_uses": None,
+                        "final_model": final and str(final),
+                        "training_now": training,
+                    },
+                    indent=2,
+                )
+            )
         else:
-            print(f"{path}: no checkpoint-N folders (saved with save_strategy no, or none written yet): nothing to resume")
+            print(
+                f"{path}: no checkpoint-N folders (saved with save_strategy no, or none written yet): nothing to resume"
+            )
             print(f"final model: {final}" if final else "final model: none (the run has not finished)")
         return 0 if final else 1
     folders = checkpoint_steps(path) or [path]
@@ -67,8 +86,17 @@ def main(argv=None) -> int:
     stop = next((s for s in statuses if s.resumable or s.may_be_good), None)
     chosen = stop if stop is not None and stop.resumable else None
     if args.json:
-        print(json.dumps({"checkpoints": [s.to_dict() for s in statuses], "resume_uses": chosen and chosen.path,
-                          "final_model": final and str(final), "training_now": training}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "checkpoints": [s.to_dict() for s in statuses],
+                    "resume_uses": chosen and chosen.path,
+                    "final_model": final and str(final),
+                    "training_now": training,
+                },
+                indent=2,
+            )
+        )
     else:
         for status in statuses:
             print(status.summary())
@@ -76,19 +104,27 @@ def main(argv=None) -> int:
             skipped = [Path(s.path).name for s in statuses[: statuses.index(chosen)]] if chosen else []
             if stop is not None and chosen is None and stop.weights_only:
                 earlier = ", or resume an earlier checkpoint by its path" if any(s.resumable for s in statuses) else ""
-                print(f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (model weights only, no optimizer "
-                      f"state): it cannot resume a run, and its line above says what it is good for{earlier}")
+                print(
+                    f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (model weights only, no optimizer "
+                    f"state): it cannot resume a run, and its line above says what it is good for{earlier}"
+                )
             elif stop is not None and chosen is None:
-                print(f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (unreadable by this version, "
-                      "it may be complete): resume it with the torch version that wrote it, or an earlier checkpoint by its path")
+                print(
+                    f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (unreadable by this version, "
+                    "it may be complete): resume it with the torch version that wrote it, or an earlier checkpoint by its path"
+                )
             elif chosen is None:
                 print("resume: no resumable checkpoint; start without --resume_from_checkpoint")
             else:
                 aside = f" (setting aside {', '.join(skipped)})" if skipped else ""
                 print(f"resume: --resume_from_checkpoint true uses {Path(chosen.path).name}{aside}")
         if run_folder:
-            print(f"final model: {final}" + (" (written by an earlier version, beside the checkpoints)" if final == path else "")
-                  if final else "final model: none yet (the run has not finished; tools/merge_checkpoint.py makes one from a checkpoint)")
+            print(
+                f"final model: {final}"
+                + (" (written by an earlier version, beside the checkpoints)" if final == path else "")
+                if final
+                else "final model: none yet (the run has not finished; tools/merge_checkpoint.py makes one from a checkpoint)"
+            )
     return 0 if chosen else 1
 
 

@@ -9,16 +9,19 @@ Exit status 1 when there is an error; warnings (settings that work but cost) are
 import argparse
 import sys
 
-from fsdp_recipes.console import RawHelpFormatter
 from fsdp_recipes.config.accelerate_config import check_config, errors
+from fsdp_recipes.console import RawHelpFormatter
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=RawHelpFormatter,
-                                     epilog="Errors: unknown or misspelled keys, wrong values, FSDP1 keys under fsdp_version 2 and the "
-                                     "reverse, settings that cannot work together, a wrap class the model lacks, process counts "
-                                     "that do not fit. Warnings: offload, BACKWARD_POST, FULL_STATE_DICT on large models, fp16, "
-                                     "keys accelerate ignores.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=RawHelpFormatter,
+        epilog="Errors: unknown or misspelled keys, wrong values, FSDP1 keys under fsdp_version 2 and the "
+        "reverse, settings that cannot work together, a wrap class the model lacks, process counts "
+        "that do not fit. Warnings: offload, BACKWARD_POST, FULL_STATE_DICT on large models, fp16, "
+        "keys accelerate ignores.",
+    )
     parser.add_argument("config", nargs="+", help="accelerate config YAML file(s)")
     parser.add_argument("--recipe", help="training recipe YAML (checked together with the config)")
     parser.add_argument("--model", help="hub id, local folder or config.json: only its config is read (meta device)")

@@ -25,12 +25,21 @@ import re
 import sys
 from dataclasses import asdict
 
-from fsdp_recipes.console import RawHelpFormatter
 from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.config.memory import (
-    COUNT_LIKE, OPTIMIZER_BYTES, STRATEGIES, Setup, estimate, fitting_configs, human, model_shape, parse_bytes, parse_count,
+    COUNT_LIKE,
+    OPTIMIZER_BYTES,
+    STRATEGIES,
+    Setup,
+    estimate,
+    fitting_configs,
+    human,
+    model_shape,
+    parse_bytes,
+    parse_count,
 )
 from fsdp_recipes.config.strategy import FSDP1_HYBRID, strategy_of
+from fsdp_recipes.console import RawHelpFormatter
 
 MAX_COUNT = 2**31 - 1  # far above any real node, batch or sequence, and low enough that the formulas stay finite
 
@@ -48,15 +57,26 @@ def setup_from_config(path: str, setup: Setup) -> tuple[Setup, list[str]]:
             raise ValueError("fsdp_config, parallelism_config or mixed_precision has the wrong type")
         strategy = strategy_of(cfg, zero1=setup.strategy == "ZERO1")
     except (TypeError, ValueError, OverflowError) as err:  # int() of a list, a word or .inf
-        raise ValueError(f"accelerate config {path!r} has a value this tool cannot read ({err}): "
-                         f"python tools/check_config.py {path} names it") from None
+        raise ValueError(
+            f"accelerate config {path!r} has a value this tool cannot read ({err}): "
+            f"python tools/check_config.py {path} names it"
+        ) from None
     world = setup.nproc_per_node * setup.nnodes
     runs_as = strategy.memory_strategy_on(world, setup.nproc_per_node)
-    notes = [f"FSDP1 in a shard group of one process runs NO_SHARD, not the config's {strategy.memory_strategy} (torch switches)"] \
-        if runs_as != strategy.memory_strategy else []
+    notes = (
+        [
+            f"FSDP1 in a shard group of one process runs NO_SHARD, not the config's {strategy.memory_strategy} (torch switches)"
+        ]
+        if runs_as != strategy.memory_strategy
+        else []
+    )
     if strategy.name in FSDP1_HYBRID and strategy.fsdp_version == 1 and setup.nproc_per_node == 1 and world > 1:
-        notes.append(f"train_fsdp.py refuses {strategy.name} with one process per node: torch would train every node alone")
-    return Setup(**{**asdict(setup), "strategy": runs_as, "offload": strategy.offload, "precision": {"no": "fp32"}.get(mp, mp)}), notes
+        notes.append(
+            f"train_fsdp.py refuses {strategy.name} with one process per node: torch would train every node alone"
+        )
+    return Setup(
+        **{**asdict(setup), "strategy": runs_as, "offload": strategy.offload, "precision": {"no": "fp32"}.get(mp, mp)}
+    ), notes
 
 
 def whole_number(text: str) -> int:
@@ -92,8 +112,10 @@ def model(text: str) -> str:
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
     elif (m := SUFFIXED_NUMBER.fullmatch(text)) and not os.path.exists(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: its suffix {m.group(2)!r} is not K, M, B or T "
-                                         "(e.g. 7B, 350M), and it is no folder or hub id (owner/name)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count: its suffix {m.group(2)!r} is not K, M, B or T "
+            "(e.g. 7B, 350M), and it is no folder or hub id (owner/name)"
+        )
     return text
 
 
@@ -113,27 +135,58 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
-    parser = Parser(prog="estimate_memory.py", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-                    formatter_class=RawHelpFormatter)
-    parser.add_argument("model", type=model, help="parameter count (7B, 350M; at most 100T), hub id, local folder or config.json")
+    parser = Parser(
+        prog="estimate_memory.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=RawHelpFormatter,
+    )
+    parser.add_argument(
+        "model", type=model, help="parameter count (7B, 350M; at most 100T), hub id, local folder or config.json"
+    )
     parser.add_argument("--nproc-per-node", type=whole_number, default=8, help="processes (GPUs) per node")
     parser.add_argument("--nnodes", type=whole_number, default=1, help="nodes")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD", help="FSDP sharding strategy, or DDP / ZERO1")
+    parser.add_argument(
+        "--strategy", choices=STRATEGIES, default="FULL_SHARD", help="FSDP sharding strategy, or DDP / ZERO1"
+    )
     parser.add_argument("--config", help="an accelerate config: takes strategy, offload and precision from it")
     parser.add_argument("--offload", action="store_true", help="CPU offload of parameters, gradients and optimizer")
-    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute precision (master weights stay fp32)")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adamw", help="optimizer, for its state bytes per parameter")
+    parser.add_argument(
+        "--precision",
+        choices=["bf16", "fp16", "fp32"],
+        default="bf16",
+        help="compute precision (master weights stay fp32)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZER_BYTES),
+        default="adamw",
+        help="optimizer, for its state bytes per parameter",
+    )
     parser.add_argument("--micro-batch", type=whole_number, default=1, help="sequences per process per step")
     parser.add_argument("--seq-len", type=whole_number, default=2048, help="tokens per sequence")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="keep only each layer's input for the backward pass")
-    parser.add_argument("--gpu-memory", type=size, help="e.g. 80GiB: list the shipped configs that fit, cheapest communication first")
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="keep only each layer's input for the backward pass"
+    )
+    parser.add_argument(
+        "--gpu-memory", type=size, help="e.g. 80GiB: list the shipped configs that fit, cheapest communication first"
+    )
     parser.add_argument("--json", action="store_true", help="print the same as JSON")
     parser.argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         shape = model_shape(args.model)
-        setup = Setup(args.strategy, args.nproc_per_node, args.nnodes, args.offload, args.precision, args.optimizer,
-                      args.micro_batch, args.seq_len, args.activation_checkpointing)
+        setup = Setup(
+            args.strategy,
+            args.nproc_per_node,
+            args.nnodes,
+            args.offload,
+            args.precision,
+            args.optimizer,
+            args.micro_batch,
+            args.seq_len,
+            args.activation_checkpointing,
+        )
         notes = []
         if args.config:
             setup, notes = setup_from_config(args.config, setup)
@@ -149,12 +202,20 @@ def main(argv=None) -> int:
             out["configs"] = [{"config": c, "gpu_bytes": b, "fits": f} for c, b, f in fits]
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{shape.params:,} parameters, {setup.strategy}{' + offload' if setup.offload else ''}, "
-          f"{setup.nnodes} x {setup.nproc_per_node} processes (shard group {est.shard_group}), {setup.precision}, {setup.optimizer}")
-    for label, value in [("parameters (fp32 master)", est.params), ("gradients", est.grads), ("optimizer state", est.optimizer),
-                         ("model states (16P/S with Adam)", est.params + est.grads + est.optimizer),
-                         ("bf16 parameters held fwd->bwd", est.gathered_params), ("all-gather working set", est.all_gather_working_set),
-                         ("activations", est.activations), ("total per GPU", est.gpu_total)]:
+    print(
+        f"{shape.params:,} parameters, {setup.strategy}{' + offload' if setup.offload else ''}, "
+        f"{setup.nnodes} x {setup.nproc_per_node} processes (shard group {est.shard_group}), {setup.precision}, {setup.optimizer}"
+    )
+    for label, value in [
+        ("parameters (fp32 master)", est.params),
+        ("gradients", est.grads),
+        ("optimizer state", est.optimizer),
+        ("model states (16P/S with Adam)", est.params + est.grads + est.optimizer),
+        ("bf16 parameters held fwd->bwd", est.gathered_params),
+        ("all-gather working set", est.all_gather_working_set),
+        ("activations", est.activations),
+        ("total per GPU", est.gpu_total),
+    ]:
         print(f"  {label:<38}{human(value):>12}")
     print(f"  {'CPU RAM per node, offload':<38}{human(est.cpu_offload_per_node):>12}")
     print(f"  {'CPU RAM per node, loading (rank 0)':<38}{human(est.cpu_loading_per_node):>12}")

@@ -24,8 +24,8 @@ import sys
 
 from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
 from fsdp_recipes.compat import internals
-from fsdp_recipes.errors import CheckpointError, InternalsChanged, RefusedRemoval
 from fsdp_recipes.console import HelpFormatter
+from fsdp_recipes.errors import CheckpointError, InternalsChanged, RefusedRemoval
 from fsdp_recipes.removal import identity
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -58,14 +58,25 @@ def size_type(parse_size, example: str, minimum: tuple[str, int]):
     shown, least = minimum
 
     def size(text: str) -> int:
-        if text.strip()[-2:].upper() not in ("KB", "MB", "GB", "TB"):  # '5': bytes? megabytes? save_pretrained wants a unit too
-            raise argparse.ArgumentTypeError(f"{text!r} has no unit: give a number and a unit (KB, MB, GB or TB), e.g. {example}")
+        if text.strip()[-2:].upper() not in (
+            "KB",
+            "MB",
+            "GB",
+            "TB",
+        ):  # '5': bytes? megabytes? save_pretrained wants a unit too
+            raise argparse.ArgumentTypeError(
+                f"{text!r} has no unit: give a number and a unit (KB, MB, GB or TB), e.g. {example}"
+            )
         try:
             value = parse_size(text)
         except (ValueError, OverflowError):  # 'nanGB' (int() of NaN), 'infGB' and '1e400GB' (of infinity), 'fiveGB'
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite size: give a number and a unit (KB, MB, GB or TB), e.g. {example}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a finite size: give a number and a unit (KB, MB, GB or TB), e.g. {example}"
+            ) from None
         if value < least:
-            raise argparse.ArgumentTypeError(f"{text!r} is {'not positive' if value <= 0 else f'below {shown}'}: give at least {shown}, e.g. {example}")
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is {'not positive' if value <= 0 else f'below {shown}'}: give at least {shown}, e.g. {example}"
+            )
         return value
 
     return size
@@ -86,20 +97,44 @@ def main(argv=None) -> int:
         "Trainer, raw torch DCP, Lightning and PEFT LoRA (merged into the base weights, or --adapter-only).",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("input", help="a checkpoint-N folder, a DCP folder (pytorch_model_fsdp_0, raw torch, Lightning), or a run's output folder (newest complete checkpoint)")
+    parser.add_argument(
+        "input",
+        help="a checkpoint-N folder, a DCP folder (pytorch_model_fsdp_0, raw torch, Lightning), or a run's output folder (newest complete checkpoint)",
+    )
     parser.add_argument("output", nargs="?", help="folder to create (written beside it first, renamed when complete)")
-    parser.add_argument("--base-model", help="hub id or folder for config.json (and tokenizer) when the checkpoint has none; a folder with only config.json is enough. "
-                        "For an adapter-only LoRA checkpoint, also the base weights: a local model folder (or a hub id in the local cache); "
-                        "default: the base its adapter_config.json names")
-    parser.add_argument("--adapter-only", action="store_true", help="PEFT LoRA checkpoint: write the adapter folder (adapter_config.json, adapter_model.safetensors) instead of the merged model")
+    parser.add_argument(
+        "--base-model",
+        help="hub id or folder for config.json (and tokenizer) when the checkpoint has none; a folder with only config.json is enough. "
+        "For an adapter-only LoRA checkpoint, also the base weights: a local model folder (or a hub id in the local cache); "
+        "default: the base its adapter_config.json names",
+    )
+    parser.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="PEFT LoRA checkpoint: write the adapter folder (adapter_config.json, adapter_model.safetensors) instead of the merged model",
+    )
     parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep the saved dtype)")
-    parser.add_argument("--max-shard-size", default="5GB", type=size_type(parse_size, "5GB", MIN_SHARD_SIZE),
-                        help=f"largest safetensors file, as save_pretrained (at least {MIN_SHARD_SIZE[0]})")
-    parser.add_argument("--memory-budget", default="512MB", type=size_type(parse_size, "512MB", MIN_MEMORY_BUDGET),
-                        help=f"bytes of tensors read at once (a larger tensor is read alone; at least {MIN_MEMORY_BUDGET[0]})")
-    parser.add_argument("--verify", action="store_true", help="re-read the output, compare every tensor with the checkpoint, load it on the meta device")
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        type=size_type(parse_size, "5GB", MIN_SHARD_SIZE),
+        help=f"largest safetensors file, as save_pretrained (at least {MIN_SHARD_SIZE[0]})",
+    )
+    parser.add_argument(
+        "--memory-budget",
+        default="512MB",
+        type=size_type(parse_size, "512MB", MIN_MEMORY_BUDGET),
+        help=f"bytes of tensors read at once (a larger tensor is read alone; at least {MIN_MEMORY_BUDGET[0]})",
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-read the output, compare every tensor with the checkpoint, load it on the meta device",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    parser.add_argument("--inspect", action="store_true", help="print what the checkpoint holds and exit; writes nothing")
+    parser.add_argument(
+        "--inspect", action="store_true", help="print what the checkpoint holds and exit; writes nothing"
+    )
     args = parser.parse_args(argv)
     before = signal.signal(signal.SIGTERM, _stopped)
     earlier = None if args.output is None else identity(args.output)  # a stop after the rename into place: told apart
@@ -110,23 +145,38 @@ def main(argv=None) -> int:
         if args.output is None:
             parser.error("OUTPUT is required unless --inspect is given")
         result = merge_checkpoint(
-            args.input, args.output, base_model=args.base_model, dtype=args.dtype,
-            max_shard_size=args.max_shard_size, memory_budget=args.memory_budget, overwrite=args.overwrite, verify=args.verify,
+            args.input,
+            args.output,
+            base_model=args.base_model,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            memory_budget=args.memory_budget,
+            overwrite=args.overwrite,
+            verify=args.verify,
             adapter_only=args.adapter_only,
         )
     except (CheckpointError, InternalsChanged, RefusedRemoval) as err:
         print(f"merge_checkpoint.py: error: {err}", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, Stopped) as stop:  # the staging folder and the copy process are gone (merge_checkpoint's cleanup)
+    except (
+        KeyboardInterrupt,
+        Stopped,
+    ) as stop:  # the staging folder and the copy process are gone (merge_checkpoint's cleanup)
         what = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped by SIGTERM"
         if args.output is not None and identity(args.output) not in (earlier, None):  # after the rename into place
-            print(f"merge_checkpoint.py: {what} after {args.output} was written whole and moved into place", file=sys.stderr)
+            print(
+                f"merge_checkpoint.py: {what} after {args.output} was written whole and moved into place",
+                file=sys.stderr,
+            )
         else:
             print(f"merge_checkpoint.py: {what}: nothing was published", file=sys.stderr)
         return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
     except OSError as err:  # disk full, permission denied ...: nothing was left behind (the staging folder is removed)
         where = f" ({err.filename})" if err.filename else ""
-        print(f"merge_checkpoint.py: error: {err.strerror or err}{where}: nothing was written; fix it and run again", file=sys.stderr)
+        print(
+            f"merge_checkpoint.py: error: {err.strerror or err}{where}: nothing was written; fix it and run again",
+            file=sys.stderr,
+        )
         return 1
     finally:
         signal.signal(signal.SIGTERM, before)

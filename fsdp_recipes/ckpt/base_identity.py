@@ -30,7 +30,9 @@ from fsdp_recipes.errors import CheckpointError
 FORMAT = 1
 # config.json keys that say nothing of the weights: transformers rewrites them on every save (and the Trainer turns
 # use_cache off for training)
-CONFIG_BOOKKEEPING = frozenset({"_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version", "use_cache"})
+CONFIG_BOOKKEEPING = frozenset(
+    {"_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version", "use_cache"}
+)
 _CHUNK = 64 << 20
 _PROGRESS_FROM = 1 << 30  # a bar for bases of 1 GB and more
 
@@ -52,7 +54,9 @@ def config_digest(folder: Path) -> str:
     try:
         config = load_json(folder / "config.json", "config.json", JSON_LIMIT)
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{folder / 'config.json'} cannot be read ({err}): the base model folder is damaged") from None
+        raise CheckpointError(
+            f"{folder / 'config.json'} cannot be read ({err}): the base model folder is damaged"
+        ) from None
     kept = {k: v for k, v in config.items() if k not in CONFIG_BOOKKEEPING}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -87,13 +91,26 @@ def identity(folder: str | os.PathLike, name: str | None = None) -> dict:
     plan = {n: (source.path / file, offset, nbytes) for n, (file, _, offset, nbytes) in source._where.items()}
     total = sum(nbytes for _, _, nbytes in plan.values())
     threads = max(1, min(8, os.cpu_count() or 1, len(plan)))
-    with tqdm(total=total, unit="B", unit_scale=True, desc="Hashing the base model", disable=total < _PROGRESS_FROM) as bar, \
-            ThreadPoolExecutor(threads) as pool:
-        futures = {n: pool.submit(_tensor_digest, path, offset, nbytes, n, source.tensors[n].dtype, source.tensors[n].shape, bar)
-                   for n, (path, offset, nbytes) in plan.items()}
+    with (
+        tqdm(
+            total=total, unit="B", unit_scale=True, desc="Hashing the base model", disable=total < _PROGRESS_FROM
+        ) as bar,
+        ThreadPoolExecutor(threads) as pool,
+    ):
+        futures = {
+            n: pool.submit(
+                _tensor_digest, path, offset, nbytes, n, source.tensors[n].dtype, source.tensors[n].shape, bar
+            )
+            for n, (path, offset, nbytes) in plan.items()
+        }
         tensors = {n: f.result() for n, f in sorted(futures.items())}
-    return {"format": FORMAT, "base_model": name or str(folder), "config_sha256": config_digest(folder),
-            "bytes": total, "tensors": tensors}
+    return {
+        "format": FORMAT,
+        "base_model": name or str(folder),
+        "config_sha256": config_digest(folder),
+        "bytes": total,
+        "tensors": tensors,
+    }
 
 
 def write(folder: str | os.PathLike, record: dict) -> None:
@@ -108,13 +125,21 @@ def read(folder: str | os.PathLike) -> dict | None:
     try:
         record = load_json(path, BASE_IDENTITY, JSON_LIMIT)
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is not a base identity record ({err}): restore it from the run, or remove it to "
-                              "skip the check of the base model") from None
+        raise CheckpointError(
+            f"{path} is not a base identity record ({err}): restore it from the run, or remove it to "
+            "skip the check of the base model"
+        ) from None
     tensors = record.get("tensors")
-    if record.get("format") != FORMAT or not isinstance(record.get("config_sha256"), str) or not isinstance(tensors, dict) \
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in tensors.items()):
-        raise CheckpointError(f"{path} is not a base identity record this version writes (format {FORMAT}: config_sha256, "
-                              "tensors): restore it from the run, or remove it to skip the check of the base model")
+    if (
+        record.get("format") != FORMAT
+        or not isinstance(record.get("config_sha256"), str)
+        or not isinstance(tensors, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in tensors.items())
+    ):
+        raise CheckpointError(
+            f"{path} is not a base identity record this version writes (format {FORMAT}: config_sha256, "
+            "tensors): restore it from the run, or remove it to skip the check of the base model"
+        )
     return record
 
 
@@ -142,5 +167,7 @@ def base_problem(recorded: dict, folder: str | os.PathLike, what: str, fix: str)
         return f"the base model {folder} cannot be read as the one {what} was trained on ({err}); {fix}"
     if (diff := difference(recorded, current)) is None:
         return None
-    return (f"the base model {folder} is not the one {what} was trained on ({recorded.get('base_model')!s}, recorded in "
-            f"{BASE_IDENTITY}): {diff}; {fix}")
+    return (
+        f"the base model {folder} is not the one {what} was trained on ({recorded.get('base_model')!s}, recorded in "
+        f"{BASE_IDENTITY}): {diff}; {fix}"
+    )

@@ -31,8 +31,14 @@ class Cancelled(Exception):
     """The copy was stopped because a check running beside it failed."""
 
 
-def copy_piece(out: DirectFile, src: Path, src_offset: int, count: int, cancelled: Callable[[], bool] = lambda: False,
-               progress: Callable[[int], object] = lambda n: None) -> None:
+def copy_piece(
+    out: DirectFile,
+    src: Path,
+    src_offset: int,
+    count: int,
+    cancelled: Callable[[], bool] = lambda: False,
+    progress: Callable[[int], object] = lambda n: None,
+) -> None:
     """Append ``count`` bytes of ``src`` from ``src_offset`` to ``out``, asking ``cancelled`` every COPY_STEP."""
     with open(src, "rb") as f:
         while count:
@@ -45,8 +51,13 @@ def copy_piece(out: DirectFile, src: Path, src_offset: int, count: int, cancelle
             progress(step)
 
 
-def write_file(path: Path, header: bytes, pieces: list[tuple[Path, int, int]], cancelled: Callable[[], bool] = lambda: False,
-               progress: Callable[[int], object] = lambda n: None) -> None:
+def write_file(
+    path: Path,
+    header: bytes,
+    pieces: list[tuple[Path, int, int]],
+    cancelled: Callable[[], bool] = lambda: False,
+    progress: Callable[[int], object] = lambda n: None,
+) -> None:
     """``path`` = ``header`` followed by each piece, whole and fsynced, or (after an error) incomplete, for the
     caller to remove."""
     out = DirectFile(path)
@@ -68,8 +79,13 @@ def main() -> int:
             path = f["path"]
             write_file(Path(path), bytes.fromhex(f["header"]), f["pieces"], progress=lambda n: print(n, flush=True))
     except (CheckpointError, OSError) as err:  # a write's error names no file: the one being written
-        print(str(err) if isinstance(err, CheckpointError) else f"{err.filename or path}: {err.strerror or err}: nothing was published; "
-              "fix it (free space, a file size limit, permissions) and run the merge again", file=sys.stderr)
+        print(
+            str(err)
+            if isinstance(err, CheckpointError)
+            else f"{err.filename or path}: {err.strerror or err}: nothing was published; "
+            "fix it (free space, a file size limit, permissions) and run the merge again",
+            file=sys.stderr,
+        )
         return FAILED
     return 0
 

@@ -64,30 +64,108 @@ from fsdp_recipes.errors import UnknownToThisVersion
 
 # Every dtype of torch 2.13, by name: [n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)] (a test
 # checks this list against the installed torch). A pickle names a dtype as torch.<name>; the name is all we keep.
-TORCH_DTYPE_NAMES = frozenset({
-    "bfloat16", "bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "cdouble", "cfloat", "chalf",
-    "complex128", "complex32", "complex64", "double", "float", "float16", "float32", "float4_e2m1fn_x2", "float64",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "half", "int", "int1",
-    "int16", "int2", "int3", "int32", "int4", "int5", "int6", "int64", "int7", "int8", "long", "qint32", "qint8",
-    "quint2x4", "quint4x2", "quint8", "short", "uint1", "uint16", "uint2", "uint3", "uint32", "uint4", "uint5",
-    "uint6", "uint64", "uint7", "uint8",
-})
+TORCH_DTYPE_NAMES = frozenset(
+    {
+        "bfloat16",
+        "bit",
+        "bits16",
+        "bits1x8",
+        "bits2x4",
+        "bits4x2",
+        "bits8",
+        "bool",
+        "cdouble",
+        "cfloat",
+        "chalf",
+        "complex128",
+        "complex32",
+        "complex64",
+        "double",
+        "float",
+        "float16",
+        "float32",
+        "float4_e2m1fn_x2",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "half",
+        "int",
+        "int1",
+        "int16",
+        "int2",
+        "int3",
+        "int32",
+        "int4",
+        "int5",
+        "int6",
+        "int64",
+        "int7",
+        "int8",
+        "long",
+        "qint32",
+        "qint8",
+        "quint2x4",
+        "quint4x2",
+        "quint8",
+        "short",
+        "uint1",
+        "uint16",
+        "uint2",
+        "uint3",
+        "uint32",
+        "uint4",
+        "uint5",
+        "uint6",
+        "uint64",
+        "uint7",
+        "uint8",
+    }
+)
 # a name of torch that reads as a dtype (or a legacy storage type) another torch version may have and this one lacks
 _DTYPE_LIKE = re.compile(r"(?:b?float|complex|u?int|qu?int|bits?)\d\w*|[A-Z]\w*Storage")
 # bytes per element of the dtypes (torch names) a merge converts: a tensor of any other dtype is refused in one line
 DTYPE_SIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 # torch.save names a tensor's storage by its legacy typed-storage class
 _STORAGE_DTYPES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
-    "ByteStorage": "uint8", "BoolStorage": "bool",
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
 }
 # the other storage classes torch.save names (complex and quantized tensors): vetted, never copied raw
-_OTHER_STORAGES = frozenset({"ComplexDoubleStorage", "ComplexFloatStorage", "QInt32Storage", "QInt8Storage",
-                             "QUInt2x4Storage", "QUInt4x2Storage", "QUInt8Storage"})
+_OTHER_STORAGES = frozenset(
+    {
+        "ComplexDoubleStorage",
+        "ComplexFloatStorage",
+        "QInt32Storage",
+        "QInt8Storage",
+        "QUInt2x4Storage",
+        "QUInt4x2Storage",
+        "QUInt8Storage",
+    }
+)
 
 
 def torch_version() -> str:
@@ -101,7 +179,7 @@ def torch_version() -> str:
 
 
 def _unknown_torch_name(module: str, name: str) -> str | None:
-    """"dtype" or "DCP class" when ``module.name`` is one another torch version may have and this one has not
+    """ "dtype" or "DCP class" when ``module.name`` is one another torch version may have and this one has not
     (never imported or called: the caller refuses it either way, as unreadable by this version); None otherwise."""
     if module == "torch" and _DTYPE_LIKE.fullmatch(name) and name not in TORCH_DTYPE_NAMES:
         return "dtype"
@@ -160,7 +238,12 @@ class _Standin:
         self.__dict__.update(kwargs)
 
     def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) and (state[0] is None or isinstance(state[0], dict)):
+        if (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and isinstance(state[1], dict)
+            and (state[0] is None or isinstance(state[0], dict))
+        ):
             state = {**(state[0] or {}), **state[1]}  # (dict, slots) of a slotted dataclass
         if isinstance(state, dict):
             self.__dict__.update(state)
@@ -168,8 +251,16 @@ class _Standin:
             self.state = state  # TensorProperties pickles a tuple: (dtype, layout, ...)
 
 
-_DCP_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-                "MetadataIndex", "StorageMeta", "_StorageInfo")
+_DCP_CLASSES = (
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "TensorProperties",
+    "ChunkStorageMetadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "_StorageInfo",
+)
 
 
 class _UnknownGlobal(pickle.UnpicklingError):
@@ -244,7 +335,8 @@ def _layout_from(metadata) -> Layout:
         props = meta.properties
         dtype = props.dtype if hasattr(props, "dtype") else props.state[0]
         tensors[key] = TensorEntry(
-            str(dtype).removeprefix("torch."), tuple(meta.size),
+            str(dtype).removeprefix("torch."),
+            tuple(meta.size),
             tuple(Chunk(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks),
         )
     storage = {}
@@ -253,7 +345,9 @@ def _layout_from(metadata) -> Layout:
         where = (index.fqn, None if offset is None else tuple(offset))
         if not plain_file_name(info.relative_path):  # torch's reader would open a file elsewhere
             raise EscapingPathError(f"storage path {info.relative_path!r}")
-        storage[where] = Stored(info.relative_path, info.offset, info.length, bool(getattr(info, "transform_descriptors", None)))
+        storage[where] = Stored(
+            info.relative_path, info.offset, info.length, bool(getattr(info, "transform_descriptors", None))
+        )
     return Layout(tensors, storage, frozenset(byte_keys))
 
 
@@ -288,11 +382,24 @@ def _read_metadata(f) -> Layout:
 
 
 # where torch 2.13 keeps the DCP classes its checkpoints name (a test checks each against the installed torch)
-_DCP_NAMES_OF_THIS_TORCH = frozenset({
-    *((f"{_DCP_MODULE}metadata", name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-      "TensorProperties", "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    (f"{_DCP_MODULE}filesystem", "_StorageInfo"),
-})
+_DCP_NAMES_OF_THIS_TORCH = frozenset(
+    {
+        *(
+            (f"{_DCP_MODULE}metadata", name)
+            for name in (
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "TensorProperties",
+                "ChunkStorageMetadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        (f"{_DCP_MODULE}filesystem", "_StorageInfo"),
+    }
+)
 
 
 def require_this_torch(layout: Layout, path) -> None:
@@ -312,8 +419,10 @@ def require_this_torch(layout: Layout, path) -> None:
 
 def unsafe_message(path: Path, err: UnsafeCheckpointError) -> str:
     if isinstance(err, EscapingPathError):
-        return (f"{path} names {err}, outside its folder: refusing to read it (a checkpoint's files lie inside it); "
-                "use a checkpoint you or your training run wrote")
+        return (
+            f"{path} names {err}, outside its folder: refusing to read it (a checkpoint's files lie inside it); "
+            "use a checkpoint you or your training run wrote"
+        )
     if isinstance(err, UnsafeRecordError):
         return f"{path}: {err}: refusing to unpickle it (a pickle can run code); use a checkpoint you or your training run wrote"
     return (
@@ -385,9 +494,11 @@ def record_size_problems(layout: Layout, meta_path: Path) -> list[str]:
             stored = layout.storage.get((key, chunk.offsets))
             needs = math.prod(chunk.sizes) * DTYPE_SIZES.get(entry.dtype, 0)
             if stored is not None and not stored.transformed and stored.length < needs:
-                return [f"unreadable {meta_path}: the chunk of {key!r} at {list(chunk.offsets)} of size {list(chunk.sizes)} has a "
-                        f"record of {stored.length:,} bytes, fewer than its {needs:,}: use another checkpoint-N, or copy this one "
-                        "again from where it was written"]
+                return [
+                    f"unreadable {meta_path}: the chunk of {key!r} at {list(chunk.offsets)} of size {list(chunk.sizes)} has a "
+                    f"record of {stored.length:,} bytes, fewer than its {needs:,}: use another checkpoint-N, or copy this one "
+                    "again from where it was written"
+                ]
     return []
 
 
@@ -403,8 +514,10 @@ def chunk_problems(layout: Layout, meta_path: Path) -> list[str]:
     offsets: chunks that overlap leave other rows as they were before the read (zeros in a merge), silently."""
     for key, entry in layout.tensors.items():
         if (detail := _chunk_problem(key, entry, layout.storage)) is not None:
-            return [f"unreadable {meta_path}: the chunks of {key!r} {detail}, so they do not make up the tensor: use another "
-                    "checkpoint-N, or copy this one again from where it was written"]
+            return [
+                f"unreadable {meta_path}: the chunks of {key!r} {detail}, so they do not make up the tensor: use another "
+                "checkpoint-N, or copy this one again from where it was written"
+            ]
     return []
 
 
@@ -428,7 +541,10 @@ def _chunk_problem(key: str, entry: TensorEntry, storage) -> str | None:
         return f"hold {held:,} elements where the tensor {list(shape)} has {math.prod(shape):,} (the file was edited or damaged)"
     # as many elements as the tensor: they make it up unless two overlap. Over the grid the chunk edges cut, each
     # cell must be in exactly one chunk
-    edges = [sorted({0, d, *(c.offsets[i] for c in chunks), *(c.offsets[i] + c.sizes[i] for c in chunks)}) for i, d in enumerate(shape)]
+    edges = [
+        sorted({0, d, *(c.offsets[i] for c in chunks), *(c.offsets[i] + c.sizes[i] for c in chunks)})
+        for i, d in enumerate(shape)
+    ]
     if (cells := math.prod(len(e) - 1 for e in edges)) > (limit := CELLS_PER_CHUNK * len(chunks) + CELLS_EXTRA):
         return f"cut it into {cells:,} pieces, more than any writer's layout of {len(chunks):,} chunks (this reader checks up to {limit:,})"
     index = [{edge: i for i, edge in enumerate(e)} for e in edges]
@@ -485,8 +601,27 @@ class RawTensor:
 
 # The opcodes torch.save writes in a tensor record's data.pkl (protocol 2; every one of them torch's weights_only
 # reader takes too). A record with any other is read by torch.
-_RECORD_OPCODES = {"PROTO", "GLOBAL", "BINPERSID", "BINPUT", "LONG_BINPUT", "BINUNICODE", "BININT", "BININT1", "BININT2",
-                   "LONG1", "EMPTY_TUPLE", "MARK", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NEWFALSE", "REDUCE", "STOP"}
+_RECORD_OPCODES = {
+    "PROTO",
+    "GLOBAL",
+    "BINPERSID",
+    "BINPUT",
+    "LONG_BINPUT",
+    "BINUNICODE",
+    "BININT",
+    "BININT1",
+    "BININT2",
+    "LONG1",
+    "EMPTY_TUPLE",
+    "MARK",
+    "TUPLE",
+    "TUPLE1",
+    "TUPLE2",
+    "TUPLE3",
+    "NEWFALSE",
+    "REDUCE",
+    "STOP",
+}
 _MAX_DIMS = 64
 
 
@@ -506,11 +641,23 @@ class _PlainTensor:
     """What _rebuild_tensor_v2 builds from a plain record: a contiguous, fresh tensor (checked as it is built)."""
 
     def __init__(self, storage, offset, size, stride, requires_grad, hooks, *metadata):
-        if (type(storage) is not _Storage or type(offset) is not int or offset != 0 or type(size) is not tuple
-                or type(stride) is not tuple or len(size) != len(stride) or len(size) > _MAX_DIMS
-                or any(type(d) is not int or d < 0 for d in (*size, *stride)) or requires_grad is not False
-                or type(hooks) is not dict or hooks or metadata not in ((), (None,))):
-            raise ValueError("not a plain tensor record")  # a view's flags (neg, conj), hooks, odd types: torch reads it
+        if (
+            type(storage) is not _Storage
+            or type(offset) is not int
+            or offset != 0
+            or type(size) is not tuple
+            or type(stride) is not tuple
+            or len(size) != len(stride)
+            or len(size) > _MAX_DIMS
+            or any(type(d) is not int or d < 0 for d in (*size, *stride))
+            or requires_grad is not False
+            or type(hooks) is not dict
+            or hooks
+            or metadata not in ((), (None,))
+        ):
+            raise ValueError(
+                "not a plain tensor record"
+            )  # a view's flags (neg, conj), hooks, odd types: torch reads it
         self.storage, self.shape, self.stride = storage, size, stride
 
     def __setstate__(self, state):
@@ -539,8 +686,16 @@ class _RecordUnpickler(pickle.Unpickler):
         raise _UnknownGlobal(f"{module}.{name}")  # not a plain tensor record: torch's weights_only loader reads it
 
     def persistent_load(self, pid):
-        if (type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage" or type(pid[1]) is not _StorageType
-                or type(pid[2]) is not str or type(pid[3]) is not str or type(pid[4]) is not int or self.storages):
+        if (
+            type(pid) is not tuple
+            or len(pid) != 5
+            or pid[0] != "storage"
+            or type(pid[1]) is not _StorageType
+            or type(pid[2]) is not str
+            or type(pid[3]) is not str
+            or type(pid[4]) is not int
+            or self.storages
+        ):
             raise ValueError("not one plain storage")
         self.storages.append(_Storage(pid[1].dtype, pid[2], pid[4]))
         return self.storages[0]
@@ -573,7 +728,9 @@ def raw_tensor(dcp_dir: Path, stored: Stored) -> RawTensor | None:
             if members is None or "data.pkl" not in members:
                 return None
             data = {name: info for name, info in members.items() if name.startswith("data/")}
-            if len(data) != 1 or ("byteorder" in members and stored_member(record, members["byteorder"], 16) != b"little"):
+            if len(data) != 1 or (
+                "byteorder" in members and stored_member(record, members["byteorder"], 16) != b"little"
+            ):
                 return None
             tensor = _RecordUnpickler(stored_member(record, members["data.pkl"], _RECORD_LIMIT)).tensor()
             [(data_name, data_info)] = data.items()
@@ -581,8 +738,12 @@ def raw_tensor(dcp_dir: Path, stored: Stored) -> RawTensor | None:
             for d in tensor.shape:
                 numel *= d
             dtype = tensor.storage.dtype
-            if (f"data/{tensor.storage.key}" != data_name or tensor.storage.numel != numel or data_info.file_size != numel * DTYPE_SIZES[dtype]
-                    or any(s != r for s, r, d in zip(tensor.stride, _row_major(tensor.shape), tensor.shape) if d > 1)):
+            if (
+                f"data/{tensor.storage.key}" != data_name
+                or tensor.storage.numel != numel
+                or data_info.file_size != numel * DTYPE_SIZES[dtype]
+                or any(s != r for s, r, d in zip(tensor.stride, _row_major(tensor.shape), tensor.shape) if d > 1)
+            ):
                 return None
             return RawTensor(dtype, tensor.shape, stored.offset + _member_start(record, data_info), data_info.file_size)
     except Exception:
@@ -590,7 +751,14 @@ def raw_tensor(dcp_dir: Path, stored: Stored) -> RawTensor | None:
 
 
 # The members of a torch.save archive (beside data/<key>, one per storage), under one folder name.
-_TORCH_SAVE_MEMBERS = {"data.pkl", ".format_version", ".storage_alignment", "byteorder", "version", ".data/serialization_id"}
+_TORCH_SAVE_MEMBERS = {
+    "data.pkl",
+    ".format_version",
+    ".storage_alignment",
+    "byteorder",
+    "version",
+    ".data/serialization_id",
+}
 _END, _END64, _LOCATOR64 = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
 _FILE_VERSIONS = range(1, 4)  # torch.save's record format versions up to torch 2.13's (3); a newer one goes to torch
 
@@ -619,13 +787,24 @@ def _torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None
         record.seek(end_at)
         end64 = record.read(56)
         size, _, _, disk, cd_disk, disk_entries = struct.unpack("<QHHIIQ", end64[4:32])
-        if (len(end64) != 56 or end64[:4] != _END64 or end_at + 56 != length - 42 or size != 44 or disk or cd_disk
-                or struct.unpack("<I", locator[4:8])[0] or struct.unpack("<I", locator[16:20])[0] != 1):
+        if (
+            len(end64) != 56
+            or end64[:4] != _END64
+            or end_at + 56 != length - 42
+            or size != 44
+            or disk
+            or cd_disk
+            or struct.unpack("<I", locator[4:8])[0]
+            or struct.unpack("<I", locator[16:20])[0] != 1
+        ):
             return None
         numbers = struct.unpack("<QQQ", end64[32:56])
         if disk_entries != numbers[0]:
             return None
-        if any(short not in (full, saturated) for short, full, saturated in zip((entries, cd_size, cd_offset), numbers, (0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF))):
+        if any(
+            short not in (full, saturated)
+            for short, full, saturated in zip((entries, cd_size, cd_offset), numbers, (0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF))
+        ):
             return None  # the two end records disagree: readers may differ on which they believe
         entries, cd_size, cd_offset = numbers
     if entries != len(infos) or cd_offset + cd_size != end_at:
@@ -633,12 +812,19 @@ def _torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None
     record.seek(cd_offset)
     directory, at = record.read(cd_size), 0
     for info in infos:  # the directory walked by its own lengths, as miniz walks it, names the members zipfile found
-        if directory[at:at + 4] != b"PK\x01\x02" or len(directory) < at + 46:
+        if directory[at : at + 4] != b"PK\x01\x02" or len(directory) < at + 46:
             return None
-        name_len, extra_len, comment_len, disk_start, _, external = struct.unpack("<HHHHHI", directory[at + 28:at + 42])
-        name = directory[at + 46:at + 46 + name_len]
-        if (name != _raw_name(info) or b"\0" in name or disk_start
-                or external & 0x10 or not _one_zip64_field(directory[at + 46 + name_len:at + 46 + name_len + extra_len])):
+        name_len, extra_len, comment_len, disk_start, _, external = struct.unpack(
+            "<HHHHHI", directory[at + 28 : at + 42]
+        )
+        name = directory[at + 46 : at + 46 + name_len]
+        if (
+            name != _raw_name(info)
+            or b"\0" in name
+            or disk_start
+            or external & 0x10
+            or not _one_zip64_field(directory[at + 46 + name_len : at + 46 + name_len + extra_len])
+        ):
             return None  # a "directory" member torch extracts nothing from, another disk, readers picking other zip64 fields
         at += 46 + name_len + extra_len + comment_len
     if at != cd_size:
@@ -647,9 +833,15 @@ def _torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None
     members, position = {}, 0
     for info in sorted(infos, key=lambda i: i.header_offset):
         name = info.filename.removeprefix(folder + "/")
-        if (info.filename == name or name in members or info.compress_type != zipfile.ZIP_STORED
-                or info.flag_bits & ~0x808 or info.compress_size != info.file_size
-                or not (name in _TORCH_SAVE_MEMBERS or re.fullmatch(r"data/\d+", name)) or info.header_offset != position):
+        if (
+            info.filename == name
+            or name in members
+            or info.compress_type != zipfile.ZIP_STORED
+            or info.flag_bits & ~0x808
+            or info.compress_size != info.file_size
+            or not (name in _TORCH_SAVE_MEMBERS or re.fullmatch(r"data/\d+", name))
+            or info.header_offset != position
+        ):
             return None
         members[name] = info
         position = _member_start(record, info) + info.file_size
@@ -659,10 +851,18 @@ def _torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None
             position += (16 if not info.file_size >> 32 else 24) if descriptor == b"PK\x07\x08" else 0
     if position != cd_offset:
         return None
-    texts = {name: stored_member(record, info, 64) for name, info in members.items() if name != "data.pkl" and not name.startswith("data/")}
+    texts = {
+        name: stored_member(record, info, 64)
+        for name, info in members.items()
+        if name != "data.pkl" and not name.startswith("data/")
+    }
     numbers = [texts[n] for n in ("version", ".format_version", ".storage_alignment") if n in texts]
-    if (not all(t.isascii() for t in texts.values()) or not all(t.strip().isdigit() and len(t) < 20 for t in numbers)
-            or "version" not in texts or int(texts["version"]) not in _FILE_VERSIONS):
+    if (
+        not all(t.isascii() for t in texts.values())
+        or not all(t.strip().isdigit() and len(t) < 20 for t in numbers)
+        or "version" not in texts
+        or int(texts["version"]) not in _FILE_VERSIONS
+    ):
         return None  # torch reads these as text and numbers (its version, the serialization id) and refuses the record
     return members
 
@@ -674,7 +874,7 @@ def _one_zip64_field(extra: bytes) -> bool:
     while at < len(extra):
         if at + 4 > len(extra):
             return False
-        kind, size = struct.unpack("<HH", extra[at:at + 4])
+        kind, size = struct.unpack("<HH", extra[at : at + 4])
         zip64 += kind == 1
         at += 4 + size
     return at == len(extra) and zip64 <= 1
@@ -738,7 +938,7 @@ class _VettingUnpickler(pickle.Unpickler):
         if (module, name) == ("torch.storage", "UntypedStorage"):
             return name
         if (module, name) in (("collections", "OrderedDict"), ("torch", "Size")):
-            return lambda *args: dict() if name == "OrderedDict" else tuple(*args)
+            return lambda *args: {} if name == "OrderedDict" else tuple(*args)
         if self.plain_data and module == "builtins" and name in ("set", "frozenset", "complex"):
             return lambda *args: None
         if kind := _unknown_torch_name(module, name):
@@ -775,8 +975,9 @@ def load_byte_record(stream, key: str):
         raise UnsafeRecordError(f"byte record {key!r} names {err}: refusing to unpickle it") from None
     except Exception as err:  # noqa: BLE001 (torch's UnpicklingError, a zip its reader finds malformed ...)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UnsafeRecordError(f"byte record {key!r} is refused by torch's restricted reader ({first[:160]}): refusing to "
-                                "unpickle it") from None
+        raise UnsafeRecordError(
+            f"byte record {key!r} is refused by torch's restricted reader ({first[:160]}): refusing to unpickle it"
+        ) from None
 
 
 def vet_records(dcp_dir: Path, layout: Layout, byte_records: bool = True) -> list[str]:
@@ -794,8 +995,10 @@ def vet_records(dcp_dir: Path, layout: Layout, byte_records: bool = True) -> lis
                 what = f"{'byte' if is_bytes else 'tensor'} record {key!r}"
                 if stored.transformed:
                     if is_bytes:  # torch would decode and unpickle it with weights_only=False
-                        return [f"{path}: {what} is compressed or transformed, so it cannot be checked before it is "
-                                "unpickled: refusing it; use a checkpoint saved without DCP storage extensions"]
+                        return [
+                            f"{path}: {what} is compressed or transformed, so it cannot be checked before it is "
+                            "unpickled: refusing it; use a checkpoint saved without DCP storage extensions"
+                        ]
                     continue  # a tensor record: torch decodes it and reads it with weights_only=True
                 try:
                     vet_record(FileSlice(f, stored.offset, stored.length), plain_data=is_bytes)
@@ -877,8 +1080,13 @@ def shard_digest(path: Path) -> dict:
 
 def _digest_form(entry) -> bool:
     """An entry as shard_digest writes it: a whole size and a SHA-256 in hex."""
-    return (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
-            and isinstance(entry.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]) is not None)
+    return (
+        isinstance(entry, dict)
+        and type(entry.get("size")) is int
+        and entry["size"] >= 0
+        and isinstance(entry.get("sha256"), str)
+        and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]) is not None
+    )
 
 
 def write_shard_digests(ckpt: Path, folders: tuple[str, ...]) -> None:
@@ -886,10 +1094,22 @@ def write_shard_digests(ckpt: Path, folders: tuple[str, ...]) -> None:
     from fsdp_recipes.ckpt.layout import SHARD_DIGESTS, step_of_name
 
     # .metadata too: it says where each chunk lies, which the shards alone do not
-    files = {f"{folder}/{p.name}": shard_digest(p) for folder in folders if (ckpt / folder).is_dir()
-             for p in sorted((ckpt / folder).iterdir()) if p.suffix == ".distcp" or p.name == ".metadata"}
-    step = step_of_name(ckpt)  # the record belongs to this step: another checkpoint's, copied in with its shards, is named
-    record = {"format": 1, "sample_bytes": _DIGEST_SAMPLE, **({"step": step} if step is not None else {}), "files": files}
+    files = {
+        f"{folder}/{p.name}": shard_digest(p)
+        for folder in folders
+        if (ckpt / folder).is_dir()
+        for p in sorted((ckpt / folder).iterdir())
+        if p.suffix == ".distcp" or p.name == ".metadata"
+    }
+    step = step_of_name(
+        ckpt
+    )  # the record belongs to this step: another checkpoint's, copied in with its shards, is named
+    record = {
+        "format": 1,
+        "sample_bytes": _DIGEST_SAMPLE,
+        **({"step": step} if step is not None else {}),
+        "files": files,
+    }
     (ckpt / SHARD_DIGESTS).write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -919,12 +1139,20 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
 
     path = Path(ckpt) / SHARD_DIGESTS
     try:  # our runs announce the digests in the manifest, which is written before any shard, and sealed with their step
-        manifest = load_json(Path(ckpt) / MANIFEST, MANIFEST, JSON_LIMIT) if os.path.lexists(Path(ckpt) / MANIFEST) else {}
+        manifest = (
+            load_json(Path(ckpt) / MANIFEST, MANIFEST, JSON_LIMIT) if os.path.lexists(Path(ckpt) / MANIFEST) else {}
+        )
     except ValueError:
         manifest = {}  # an unreadable manifest is named by description.recorded_changes
     if not os.path.lexists(path):
-        return [f"missing {SHARD_DIGESTS} (written last, once every rank had finished: the save did not finish, or it "
-                "was removed)"] if manifest.get("shard_digests") else []
+        return (
+            [
+                f"missing {SHARD_DIGESTS} (written last, once every rank had finished: the save did not finish, or it "
+                "was removed)"
+            ]
+            if manifest.get("shard_digests")
+            else []
+        )
     try:
         record = load_json(path, SHARD_DIGESTS, JSON_LIMIT)
         files = record["files"] if record.get("sample_bytes") == _DIGEST_SAMPLE else None
@@ -937,23 +1165,31 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
     recorded, sealed = record.get("step"), manifest.get("shard_digests_step")
     for what, value in ((SHARD_DIGESTS, recorded), (f"{MANIFEST}'s shard_digests_step", sealed)):
         if value is not None and not (type(value) is int and value >= 0):  # True == 1, 6.0 == 6: no step number
-            return [f"{what} is {json.dumps(value)[:40]}, not a step number: the record was edited; copy the checkpoint again"]
+            return [
+                f"{what} is {json.dumps(value)[:40]}, not a step number: the record was edited; copy the checkpoint again"
+            ]
     steps = [s for s in (_step_of(Path(ckpt)), sealed) if s is not None]
     if (recorded is not None or sealed is not None) and (wrong := [s for s in steps if s != recorded]):
         if recorded == sealed == _state_step(Path(ckpt)) != wrong[0]:  # every record agrees but the folder's name
-            return [f"{Path(ckpt).name} was renamed: its trainer_state.json, {SHARD_DIGESTS} and {MANIFEST} are of step {recorded}; "
-                    f"give it back its name checkpoint-{recorded}"]
+            return [
+                f"{Path(ckpt).name} was renamed: its trainer_state.json, {SHARD_DIGESTS} and {MANIFEST} are of step {recorded}; "
+                f"give it back its name checkpoint-{recorded}"
+            ]
         whose = "of no step (an older version's)" if recorded is None else f"that of step {json.dumps(recorded)[:40]}"
-        return [f"{SHARD_DIGESTS} is {whose}, and this checkpoint is of step {wrong[0]}: its shard folders "
-                "were copied from another checkpoint (with their digests): copy this checkpoint again from where it was written"]
+        return [
+            f"{SHARD_DIGESTS} is {whose}, and this checkpoint is of step {wrong[0]}: its shard folders "
+            "were copied from another checkpoint (with their digests): copy this checkpoint again from where it was written"
+        ]
     problems = []
     for name, expected in sorted(files.items()):
         if not isinstance(name, str) or name.split("/")[0] not in folders:
             continue
         shard = Path(ckpt) / name
         if shard.is_file() and shard_digest(shard) != expected:
-            problems.append(f"{name} is not the file this checkpoint wrote ({SHARD_DIGESTS} has another size or hash: "
-                            "swapped with another rank's, replaced or damaged): copy the checkpoint again")
+            problems.append(
+                f"{name} is not the file this checkpoint wrote ({SHARD_DIGESTS} has another size or hash: "
+                "swapped with another rank's, replaced or damaged): copy the checkpoint again"
+            )
     return problems
 
 

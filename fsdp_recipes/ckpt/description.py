@@ -34,14 +34,29 @@ def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str],
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    tied = sorted(set(getattr(skeleton, "all_tied_weights_keys", None) or {}) & set(expected)) if getattr(config, "tie_word_embeddings", False) else []
+    tied = (
+        sorted(set(getattr(skeleton, "all_tied_weights_keys", None) or {}) & set(expected))
+        if getattr(config, "tie_word_embeddings", False)
+        else []
+    )
     return type(skeleton), expected, tied, lambda names: ignored_on_load(skeleton, names)
 
 
 # the keys transformers' configs count a stack of layers under (text, encoder-decoder, vision towers); not every key
 # ending in "layers" is one (Qwen2's max_window_layers is a threshold)
-LAYER_COUNTS = frozenset({"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
-                          "num_encoder_layers", "num_decoder_layers", "depth"})
+LAYER_COUNTS = frozenset(
+    {
+        "num_hidden_layers",
+        "num_layers",
+        "n_layer",
+        "n_layers",
+        "encoder_layers",
+        "decoder_layers",
+        "num_encoder_layers",
+        "num_decoder_layers",
+        "depth",
+    }
+)
 
 
 def implausible_config(config, tensors: dict) -> str | None:
@@ -58,7 +73,9 @@ def implausible_config(config, tensors: dict) -> str | None:
             if type(value) is not int:
                 continue
             if key in LAYER_COUNTS and value > max(numbered, 1):
-                return f"config.json says {where}{key} {value}, and the weights' layers are numbered up to {numbered - 1}"
+                return (
+                    f"config.json says {where}{key} {value}, and the weights' layers are numbered up to {numbered - 1}"
+                )
             if key.endswith("experts") and value > max(numbered, largest, 1):
                 return f"config.json says {where}{key} {value}, more than any number of experts the weights hold"
     return None
@@ -85,7 +102,15 @@ def ignored_on_load(model, names: set[str]) -> set[str]:
     return set(names) - set(info.unexpected_keys)
 
 
-def describe_folder(out_dir: Path, model_cls: type, config, tokenizer=None, generation_config=None, dtype=None, dequantized: bool = False) -> list[str]:
+def describe_folder(
+    out_dir: Path,
+    model_cls: type,
+    config,
+    tokenizer=None,
+    generation_config=None,
+    dtype=None,
+    dequantized: bool = False,
+) -> list[str]:
     """config.json (architectures = the model class, never an FSDP wrapper), generation config and tokenizer; returns
     the names of the files written."""
     config.architectures = [model_cls.__name__]
@@ -113,7 +138,9 @@ def write_manifest(folder: Path, config, files: list[str]) -> None:
     so that a merge can copy them as they are, and notices when one was edited since."""
     model_cls, expected, tied, _ = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
     manifest = {
-        "format": 1, "model_class": model_cls.__name__, "tied": tied,
+        "format": 1,
+        "model_class": model_cls.__name__,
+        "tied": tied,
         "shard_digests": SHARD_DIGESTS,  # written last, once every rank is done: a checkpoint without it is incomplete
         "files": {name: _sha256(Path(folder) / name) for name in sorted(files)},
         "weights": {name: list(shape) for name, shape in sorted(expected.items())},
@@ -132,7 +159,9 @@ def seal_manifest(folder: Path) -> None:
     except (ValueError, KeyError, TypeError, OSError):
         return
     manifest["files"] = {name: _sha256(Path(folder) / name) for name in files if (Path(folder) / name).is_file()}
-    if (step := step_of_name(folder)) is not None:  # the step shard_digests.json will record (a copy from another is named)
+    if (
+        step := step_of_name(folder)
+    ) is not None:  # the step shard_digests.json will record (a copy from another is named)
         manifest["shard_digests_step"] = step
     path.write_text(json.dumps(manifest, indent=1) + "\n")
 
@@ -158,10 +187,17 @@ def recorded_changes(folder: Path, skip: tuple[str, ...] = ()) -> str | None:
         return None  # another tool's checkpoint: nothing recorded
     try:
         files = dict(load_json(Path(folder) / MANIFEST, MANIFEST, JSON_LIMIT)["files"])
-    except (ValueError, KeyError, TypeError, OSError) as err:  # a FIFO, a folder, cut short: the record itself is not as written
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        OSError,
+    ) as err:  # a FIFO, a folder, cut short: the record itself is not as written
         why = getattr(err, "reason", None) or type(err).__name__
-        return (f"{Path(folder).name}/{MANIFEST} is unreadable ({why}), so the files the run wrote beside the shards cannot be "
-                f"checked: copy the checkpoint again; to take the checkpoint as it is now, remove {MANIFEST} from it")
+        return (
+            f"{Path(folder).name}/{MANIFEST} is unreadable ({why}), so the files the run wrote beside the shards cannot be "
+            f"checked: copy the checkpoint again; to take the checkpoint as it is now, remove {MANIFEST} from it"
+        )
     changed = []
     for name, digest in sorted(files.items()):
         if not isinstance(name, str) or name not in DESCRIPTION_FILES or name in skip:
@@ -173,9 +209,11 @@ def recorded_changes(folder: Path, skip: tuple[str, ...] = ()) -> str | None:
             changed.append(f"{name} is not as the run wrote it")
     if not changed:
         return None
-    return (f"{'; '.join(changed)} ({Path(folder).name}/{MANIFEST} records the hash of each file the run wrote): copy the checkpoint "
-            f"again, or put {'them' if len(changed) > 1 else 'it'} back as the run wrote {'them' if len(changed) > 1 else 'it'}; to take the checkpoint as it "
-            f"is now, remove {MANIFEST} from it")
+    return (
+        f"{'; '.join(changed)} ({Path(folder).name}/{MANIFEST} records the hash of each file the run wrote): copy the checkpoint "
+        f"again, or put {'them' if len(changed) > 1 else 'it'} back as the run wrote {'them' if len(changed) > 1 else 'it'}; to take the checkpoint as it "
+        f"is now, remove {MANIFEST} from it"
+    )
 
 
 @dataclass
@@ -192,8 +230,18 @@ class Description:
 # The files a merge reads or copies beside the weights (config, generation config, tokenizer): each must be a
 # regular file of a sane size where it exists. A FIFO or /dev/zero under one of these names used to be skipped
 # (is_file is false) and the tokenizer loaded without it: a model folder silently missing its special tokens.
-DESCRIPTION_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES, "special_tokens_map.json",
-                     "added_tokens.json", "chat_template.jinja", "chat_template.json", MANIFEST, "adapter_config.json", BASE_IDENTITY)
+DESCRIPTION_FILES = (
+    "config.json",
+    "generation_config.json",
+    *TOKENIZER_FILES,
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    MANIFEST,
+    "adapter_config.json",
+    BASE_IDENTITY,
+)
 DESCRIPTION_LIMIT = 256 << 20  # tokenizer.json / tokenizer.model of the largest vocabularies: tens of MB
 # the other description files are small JSON (a tokenizer_config.json with a long chat template: ~100 KB)
 
@@ -215,9 +263,13 @@ def description_file_problems(resolved: ResolvedInput) -> list[str]:
                 problems.append(f"{path} cannot be read ({err.strerror}): replace it with the file, or remove it")
                 continue
             if not stat.S_ISREG(st.st_mode):
-                problems.append(f"{path} is not a regular file (a folder, a FIFO or a device): replace it with the file, or remove it")
+                problems.append(
+                    f"{path} is not a regular file (a folder, a FIFO or a device): replace it with the file, or remove it"
+                )
             elif st.st_size > (DESCRIPTION_LIMIT if name in ("tokenizer.json", "tokenizer.model") else JSON_LIMIT):
-                problems.append(f"{path} is {st.st_size / 1e6:.0f} MB, more than a model's {name} ever is: is this the right file?")
+                problems.append(
+                    f"{path} is {st.st_size / 1e6:.0f} MB, more than a model's {name} ever is: is this the right file?"
+                )
     return problems
 
 
@@ -241,7 +293,9 @@ def config_origin(resolved: ResolvedInput, base_model: str | None) -> str:
         if "model_type" not in config:
             raise ValueError("no model_type")
     except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{config_dir / 'config.json'} is not a model config ({err}): fix it or pass --base-model") from None
+        raise CheckpointError(
+            f"{config_dir / 'config.json'} is not a model config ({err}): fix it or pass --base-model"
+        ) from None
     return str(config_dir)
 
 
@@ -260,36 +314,55 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
     try:
         config = AutoConfig.from_pretrained(config_from, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 (OSError, ValueError, KeyError ...: transformers raises many)
-        raise CheckpointError(f"cannot load the config from {config_from} ({_one_line(err)}): pass --base-model <a folder or hub id with a valid config.json>") from None
+        raise CheckpointError(
+            f"cannot load the config from {config_from} ({_one_line(err)}): pass --base-model <a folder or hub id with a valid config.json>"
+        ) from None
     if config_dir is not None and base_model is None and (config_dir / "generation_config.json").is_file():
         try:
             generation_config = GenerationConfig.from_pretrained(config_dir)
         except Exception as err:  # noqa: BLE001
-            raise CheckpointError(f"cannot load {config_dir / 'generation_config.json'} ({_one_line(err)}): fix or delete it") from None
+            raise CheckpointError(
+                f"cannot load {config_dir / 'generation_config.json'} ({_one_line(err)}): fix or delete it"
+            ) from None
     else:
         generation_config = GenerationConfig.from_model_config(config)
     notes, tokenizer, tok_from = [], None, None
     if tok_dir is not None:
         tok_from = str(tok_dir)
-    elif base_model is not None and (not Path(base_model).is_dir() or any((Path(base_model) / f).is_file() for f in TOKENIZER_FILES)):
+    elif base_model is not None and (
+        not Path(base_model).is_dir() or any((Path(base_model) / f).is_file() for f in TOKENIZER_FILES)
+    ):
         tok_from = base_model
     if tok_from is None:
-        notes.append(f"no tokenizer in {' or '.join(str(p) for p in resolved.places)}: the model folder has none (copy one in, or pass --base-model with one)")
+        notes.append(
+            f"no tokenizer in {' or '.join(str(p) for p in resolved.places)}: the model folder has none (copy one in, or pass --base-model with one)"
+        )
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(tok_from, trust_remote_code=False)
         except Exception as err:  # noqa: BLE001
-            raise CheckpointError(f"cannot load the tokenizer from {tok_from} ({_one_line(err)}): fix or remove its files, or pass --base-model") from None
+            raise CheckpointError(
+                f"cannot load the tokenizer from {tok_from} ({_one_line(err)}): fix or remove its files, or pass --base-model"
+            ) from None
     if problem := implausible_config(config, resolved.source.tensors):
-        raise CheckpointError(f"{config_from}: {problem}: it is not the config of these weights; pass --base-model <the folder or hub id the run started from>")
+        raise CheckpointError(
+            f"{config_from}: {problem}: it is not the config of these weights; pass --base-model <the folder or hub id the run started from>"
+        )
     try:
         model_cls, expected, tied, ignorable = model_skeleton(config)
     except Exception as err:  # noqa: BLE001 (a config transformers cannot build a causal LM from)
-        raise CheckpointError(f"cannot build a causal LM from the config in {config_from} ({_one_line(err)}): pass --base-model") from None
+        raise CheckpointError(
+            f"cannot build a causal LM from the config in {config_from} ({_one_line(err)}): pass --base-model"
+        ) from None
     weights = match_namespace(resolved.source.tensors, expected, tied, model_cls.__name__, ignorable)
     origin = {"config": config_from, "tokenizer": tok_from or "(none)"}
-    return Description(weights, tied, origin, lambda out: describe_folder(out, model_cls, config, tokenizer, generation_config, dtype,
-                                                                                            resolved.dequantized), notes)
+    return Description(
+        weights,
+        tied,
+        origin,
+        lambda out: describe_folder(out, model_cls, config, tokenizer, generation_config, dtype, resolved.dequantized),
+        notes,
+    )
 
 
 def _agrees_with_config(config_path: Path, model_name: str, tied: list[str]) -> bool:
@@ -317,7 +390,11 @@ def described_by_manifest(resolved: ResolvedInput) -> Description | None:
         model_name = str(manifest["model_class"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    if manifest.get("format") != 1 or "config.json" not in files or any("/" in name or name.startswith(".") for name in files):
+    if (
+        manifest.get("format") != 1
+        or "config.json" not in files
+        or any("/" in name or name.startswith(".") for name in files)
+    ):
         return None
     if any(not (config_dir / name).is_file() or _sha256(config_dir / name) != digest for name, digest in files.items()):
         return None
@@ -327,4 +404,6 @@ def described_by_manifest(resolved: ResolvedInput) -> Description | None:
     has_tokenizer = any(f in files for f in TOKENIZER_FILES)
     origin = {"config": str(config_dir), "tokenizer": str(config_dir) if has_tokenizer else "(none)"}
     notes = [] if has_tokenizer else [f"no tokenizer in {config_dir}: the model folder has none"]
-    return Description(weights, tied, origin, lambda out: [shutil.copyfile(config_dir / name, out / name) for name in files], notes)
+    return Description(
+        weights, tied, origin, lambda out: [shutil.copyfile(config_dir / name, out / name) for name in files], notes
+    )

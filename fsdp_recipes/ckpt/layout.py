@@ -13,7 +13,6 @@ from fsdp_recipes.bounded import REPORT_LIMIT, load_json
 from fsdp_recipes.errors import UnreadableFile
 from fsdp_recipes.removal import MARKER, fingerprint, is_ours
 
-
 DCP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's sharded model folder in a checkpoint-N
 OPTIMIZER_DIR = "optimizer_0"
 FULL_MODEL_FILE = "pytorch_model_fsdp.bin"  # accelerate's FULL_STATE_DICT model
@@ -22,8 +21,12 @@ FULL_FILES = ("model.safetensors.index.json", "model.safetensors", FULL_MODEL_FI
 PLAIN_OPTIMIZER_FILE = "optimizer.pt"  # the Trainer's own layout without FSDP (DDP, ZeRO-1 consolidated, one process)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ADAPTER_CONFIG = "adapter_config.json"  # peft
-BASE_IDENTITY = "base_identity.json"  # a LoRA run's base model, recorded in its checkpoints and adapter (ckpt.base_identity)
-LORA_BASE_DIR = "base_model"  # a LoRA run's base built from a config, saved once in its output_dir: the adapter names it
+BASE_IDENTITY = (
+    "base_identity.json"  # a LoRA run's base model, recorded in its checkpoints and adapter (ckpt.base_identity)
+)
+LORA_BASE_DIR = (
+    "base_model"  # a LoRA run's base built from a config, saved once in its output_dir: the adapter names it
+)
 FINAL_MODEL_DIR = "model"  # a run's final model, alone in its folder: what from_pretrained and an upload need
 ADAPTER_DIR = "adapter"  # a LoRA run's adapter, beside it: PeftModel.from_pretrained loads it
 REPORT_NAME = "fsdp_report.json"  # the proof of sharding, per run and per checkpoint (fsdp_recipes.train.sharding)
@@ -52,7 +55,9 @@ def final_model_folder(run_dir: str | os.PathLike) -> Path | None:
     ``run_dir`` itself for a run an earlier version wrote (config.json beside the checkpoints); None before a run ends."""
     run_dir = Path(run_dir)
     for folder in (run_dir / FINAL_MODEL_DIR, run_dir):
-        if (folder / "config.json").is_file() and any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        if (folder / "config.json").is_file() and any(
+            (folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")
+        ):
             return folder
     return None
 
@@ -65,30 +70,76 @@ def training_content(folder: Path) -> str | None:
         return None
     if steps := checkpoint_steps(folder):
         return f"training checkpoints ({steps[0].name}, ...)"
-    for name in (DCP_MODEL_DIR, OPTIMIZER_DIR, "trainer_state.json", FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, PLAIN_OPTIMIZER_FILE, ".metadata"):
+    for name in (
+        DCP_MODEL_DIR,
+        OPTIMIZER_DIR,
+        "trainer_state.json",
+        FULL_MODEL_FILE,
+        FULL_OPTIMIZER_FILE,
+        PLAIN_OPTIMIZER_FILE,
+        ".metadata",
+    ):
         if (folder / name).exists():
             return f"a training checkpoint ({name})"
-    if any(folder.glob("*.distcp")) or any(folder.glob(f"{INCOMPLETE_PREFIX}checkpoint-*")) or any(folder.glob(f"{REPLACED_PREFIX}checkpoint-*")):
+    if (
+        any(folder.glob("*.distcp"))
+        or any(folder.glob(f"{INCOMPLETE_PREFIX}checkpoint-*"))
+        or any(folder.glob(f"{REPLACED_PREFIX}checkpoint-*"))
+    ):
         return "training checkpoint files"
     return None
 
 
 # What each kind of folder we may replace holds, exactly (fsdp_recipes.removal removes nothing else): file names
 # as patterns, and the subfolders whose own contents are checked the same way.
-_DESCRIPTION_FILES = (r"config\.json", r"generation_config\.json", r"tokenizer(_config)?\.json", r"tokenizer\.model",
-                      r"special_tokens_map\.json", r"added_tokens\.json", r"vocab\.json", r"merges\.txt", r"chat_template\.(jinja|json)")
+_DESCRIPTION_FILES = (
+    r"config\.json",
+    r"generation_config\.json",
+    r"tokenizer(_config)?\.json",
+    r"tokenizer\.model",
+    r"special_tokens_map\.json",
+    r"added_tokens\.json",
+    r"vocab\.json",
+    r"merges\.txt",
+    r"chat_template\.(jinja|json)",
+)
 _WEIGHT_FILES = (r"model(-\d+-of-\d+)?\.safetensors", r"model\.safetensors\.index\.json")
 _EXPORTED_MODEL_FILES = (*_DESCRIPTION_FILES, *_WEIGHT_FILES)  # exactly what a merge or the final export writes
-_MODEL_FILES = (*_EXPORTED_MODEL_FILES,
-                r"trainer_state\.json", r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors",
-                r"adapter_model\.safetensors\.index\.json", r"base_identity\.json", r"\.made-by-fsdp-recipes")
-_CHECKPOINT_FILES = (*_MODEL_FILES, r"training_args\.bin", r"scheduler\.pt", r"scaler\.pt", r"rng_state(_\d+)?\.pth",
-                     r"optimizer\.(pt|bin)", r"pytorch_model_fsdp(_\d+)?\.bin", r"model_description\.json", r"fsdp_report\.json",
-                     r"shard_digests\.json", r"README\.md",  # README.md: peft's model card, saved with a LoRA adapter
-                     # the stock Trainer's other model files (save_safetensors false, BERT's and T5's tokenizers)
-                     r"pytorch_model(-\d+-of-\d+)?\.bin", r"pytorch_model\.bin\.index\.json", r"adapter_model\.bin", r"vocab\.txt",
-                     r"spiece\.model")
-_DCP_FILES = (r"\.metadata", r"__\d+\.metadata", r"(__\d+)?\.metadata\.tmp", r"__\d+_\d+\.distcp", r"\.made-by-fsdp-recipes")  # __N.metadata: rank-local; .tmp: torch writes the metadata so, then renames it (a save killed between)
+_MODEL_FILES = (
+    *_EXPORTED_MODEL_FILES,
+    r"trainer_state\.json",
+    r"adapter_config\.json",
+    r"adapter_model(-\d+-of-\d+)?\.safetensors",
+    r"adapter_model\.safetensors\.index\.json",
+    r"base_identity\.json",
+    r"\.made-by-fsdp-recipes",
+)
+_CHECKPOINT_FILES = (
+    *_MODEL_FILES,
+    r"training_args\.bin",
+    r"scheduler\.pt",
+    r"scaler\.pt",
+    r"rng_state(_\d+)?\.pth",
+    r"optimizer\.(pt|bin)",
+    r"pytorch_model_fsdp(_\d+)?\.bin",
+    r"model_description\.json",
+    r"fsdp_report\.json",
+    r"shard_digests\.json",
+    r"README\.md",  # README.md: peft's model card, saved with a LoRA adapter
+    # the stock Trainer's other model files (save_safetensors false, BERT's and T5's tokenizers)
+    r"pytorch_model(-\d+-of-\d+)?\.bin",
+    r"pytorch_model\.bin\.index\.json",
+    r"adapter_model\.bin",
+    r"vocab\.txt",
+    r"spiece\.model",
+)
+_DCP_FILES = (
+    r"\.metadata",
+    r"__\d+\.metadata",
+    r"(__\d+)?\.metadata\.tmp",
+    r"__\d+_\d+\.distcp",
+    r"\.made-by-fsdp-recipes",
+)  # __N.metadata: rank-local; .tmp: torch writes the metadata so, then renames it (a save killed between)
 _CHECKPOINT_FOLDERS = {r"pytorch_model_fsdp_\d+": _DCP_FILES, r"optimizer_\d+": _DCP_FILES}
 
 
@@ -124,21 +175,53 @@ def unlike_model_folder(folder: Path) -> str:
 # What a training run writes into its output_dir, beside the model files: checkpoints, set-aside ones, its records,
 # tensorboard's runs/, profiles, the adapter, its lock and staging folders. Anything else there is someone's.
 # (model|adapter).kept-N: a folder the export moved aside from its way, the user's, kept for them (removal.make_room).
-_RUN_FOLDERS = (r"checkpoint-\d+", r"(model|adapter)\.kept-\d+", r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?", FINAL_MODEL_DIR, ADAPTER_DIR,
-                LORA_BASE_DIR, r"\.base-tmp", r"runs", r"profile", r"\.final-sharded", r"\.export-tmp", r"\.adapter-tmp")
-_RUN_FILES = (*_MODEL_FILES, r"run_args\.json", r"fsdp_report\.json", r"(all|train|eval)_results\.json", r"loss\.png",
-              r"\.run\.lock", r"\.run\.lock\.owner", r"training_args\.bin", r"requeue_progress\.json")
+_RUN_FOLDERS = (
+    r"checkpoint-\d+",
+    r"(model|adapter)\.kept-\d+",
+    r"(incomplete|replaced)-checkpoint-\d+(\.\d+)?",
+    FINAL_MODEL_DIR,
+    ADAPTER_DIR,
+    LORA_BASE_DIR,
+    r"\.base-tmp",
+    r"runs",
+    r"profile",
+    r"\.final-sharded",
+    r"\.export-tmp",
+    r"\.adapter-tmp",
+)
+_RUN_FILES = (
+    *_MODEL_FILES,
+    r"run_args\.json",
+    r"fsdp_report\.json",
+    r"(all|train|eval)_results\.json",
+    r"loss\.png",
+    r"\.run\.lock",
+    r"\.run\.lock\.owner",
+    r"training_args\.bin",
+    r"requeue_progress\.json",
+)
 _RUN_ENTRIES = (*_RUN_FILES, *_RUN_FOLDERS)
 EXPORT_STAGING = "export staging"  # the marker purpose of the final export's staging folders (fsdp_recipes.removal)
 BASE_STAGING = "LoRA base staging"  # and of output_dir/.base-tmp (fsdp_recipes.train.modeling)
 # a run's staging folders in output_dir and the purpose their marker names: one of these names without it is someone's
 # folder, which the run would refuse to remove only after training
-STAGING_FOLDERS = {".final-sharded": EXPORT_STAGING, ".export-tmp": EXPORT_STAGING, ".adapter-tmp": EXPORT_STAGING, ".base-tmp": BASE_STAGING}
+STAGING_FOLDERS = {
+    ".final-sharded": EXPORT_STAGING,
+    ".export-tmp": EXPORT_STAGING,
+    ".adapter-tmp": EXPORT_STAGING,
+    ".base-tmp": BASE_STAGING,
+}
 
 
 # A finished run's records and top-level model files, which other tools (the stock Trainer's run_clm.py, TRL) write
 # under the same names: ours only beside the run_args.json every run of ours writes before anything else
-_SHARED_RECORDS = (*_MODEL_FILES, r"(all|train|eval)_results\.json", r"training_args\.bin", r"fsdp_report\.json", r"loss\.png")
+_SHARED_RECORDS = (
+    *_MODEL_FILES,
+    r"(all|train|eval)_results\.json",
+    r"training_args\.bin",
+    r"fsdp_report\.json",
+    r"loss\.png",
+)
 RUN_RECORD = "run_args.json"  # written by fsdp_recipes.train.preflight (its ARGS_NAME)
 
 
@@ -171,21 +254,33 @@ def foreign_entries(output_dir: Path) -> list[str]:
             found.append(f"{p.name}/{unlike_model_folder(p)}" if p.is_dir() and not p.is_symlink() else p.name)
         elif p.name == ADAPTER_DIR and not is_exported_adapter(p):
             found.append(f"{p.name}/{unlike_adapter_folder(p)}" if p.is_dir() and not p.is_symlink() else p.name)
-        elif p.name not in (FINAL_MODEL_DIR, ADAPTER_DIR) and (p.is_symlink() or not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES)):
+        elif p.name not in (FINAL_MODEL_DIR, ADAPTER_DIR) and (
+            p.is_symlink() or not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES)
+        ):
             found.append(p.name)
         elif not (p.is_file() or p.is_dir()):  # a FIFO named run_args.json: opening it would block the run for good
             found.append(f"{p.name} (not a regular file or folder)")
         elif p.name in STAGING_FOLDERS and not is_ours(p, STAGING_FOLDERS[p.name]):
             found.append(f"{p.name} (named like a run's staging folder, but not one a run made)")
-        elif p.is_file() and p.lstat().st_nlink > 1:  # `cp -al run run.bak`: rewriting the record rewrites the backup's too
+        elif (
+            p.is_file() and p.lstat().st_nlink > 1
+        ):  # `cp -al run run.bak`: rewriting the record rewrites the backup's too
             found.append(f"{p.name} ({HARD_LINK})")
-        elif p.is_dir() != any(re.fullmatch(r, p.name) for r in _RUN_FOLDERS):  # a folder named run_args.json: the write fails
-            found.append(f"{p.name} (a {'folder' if p.is_dir() else 'file'} where a run writes a {'file' if p.is_dir() else 'folder'})")
+        elif p.is_dir() != any(
+            re.fullmatch(r, p.name) for r in _RUN_FOLDERS
+        ):  # a folder named run_args.json: the write fails
+            found.append(
+                f"{p.name} (a {'folder' if p.is_dir() else 'file'} where a run writes a {'file' if p.is_dir() else 'folder'})"
+            )
     return sorted(found)
 
 
-_ADAPTER_FILES = (r"adapter_config\.json", r"adapter_model(-\d+-of-\d+)?\.safetensors", r"adapter_model\.safetensors\.index\.json",
-                  r"base_identity\.json")
+_ADAPTER_FILES = (
+    r"adapter_config\.json",
+    r"adapter_model(-\d+-of-\d+)?\.safetensors",
+    r"adapter_model\.safetensors\.index\.json",
+    r"base_identity\.json",
+)
 
 
 def is_exported_adapter(folder: Path) -> bool:
@@ -212,8 +307,15 @@ def _first_unlike(folder: Path, files: tuple[str, ...]) -> str:
 CHECKPOINT_PURPOSE = "training checkpoint"  # the marker FSDPTrainer writes into each checkpoint-N it makes
 # What only training writes: a folder holding none of it (a model's or tokenizer's files alone) is no checkpoint.
 # (not training_args.bin nor scaler.pt: the Trainer's save_model writes the first beside a plain model or adapter)
-_TRAINING_STATE = (r"trainer_state\.json", r"pytorch_model_fsdp_\d+", r"optimizer_\d+", r"pytorch_model_fsdp(_\d+)?\.bin",
-                   r"optimizer\.(pt|bin)", r"rng_state(_\d+)?\.pth", r"scheduler\.pt")
+_TRAINING_STATE = (
+    r"trainer_state\.json",
+    r"pytorch_model_fsdp_\d+",
+    r"optimizer_\d+",
+    r"pytorch_model_fsdp(_\d+)?\.bin",
+    r"optimizer\.(pt|bin)",
+    r"rng_state(_\d+)?\.pth",
+    r"scheduler\.pt",
+)
 
 
 def is_checkpoint_folder(folder: Path) -> bool:
@@ -236,8 +338,14 @@ def _special_entry(entry: Path) -> str | None:
         return None
     if not entry.is_dir():
         return None if entry.is_file() else entry.name
-    return next((f"{entry.name}/{inner.name}" for inner in sorted(entry.iterdir())
-                 if not inner.is_symlink() and not inner.is_dir() and not inner.is_file()), None)
+    return next(
+        (
+            f"{entry.name}/{inner.name}"
+            for inner in sorted(entry.iterdir())
+            if not inner.is_symlink() and not inner.is_dir() and not inner.is_file()
+        ),
+        None,
+    )
 
 
 def checkpoint_unlike(folder: Path) -> str | None:
@@ -249,9 +357,14 @@ def checkpoint_unlike(folder: Path) -> str | None:
         for entry in entries:
             if special := _special_entry(entry):  # a FIFO named trainer_state.json is no training state either
                 return f"it holds {special}, which is not a regular file (a pipe, device or socket)"
-            inner = next((files for pattern, files in _CHECKPOINT_FOLDERS.items() if re.fullmatch(pattern, entry.name)), None)
-            if entry.is_symlink() or (entry.is_dir() and (inner is None or not _only(entry, inner, {}))) or (
-                    not entry.is_dir() and not any(re.fullmatch(p, entry.name) for p in _CHECKPOINT_FILES)):
+            inner = next(
+                (files for pattern, files in _CHECKPOINT_FOLDERS.items() if re.fullmatch(pattern, entry.name)), None
+            )
+            if (
+                entry.is_symlink()
+                or (entry.is_dir() and (inner is None or not _only(entry, inner, {})))
+                or (not entry.is_dir() and not any(re.fullmatch(p, entry.name) for p in _CHECKPOINT_FILES))
+            ):
                 return f"it holds {entry.name}{'/' if entry.is_dir() and not entry.is_symlink() else ''}, which a checkpoint does not"
     except OSError as err:  # a colleague's 0700 folder, a stale NFS handle
         return f"unreadable: {err.strerror}"
@@ -304,7 +417,9 @@ def record_published(out: Path, folder: Path, written: list | None) -> None:
         except UnreadableFile:
             return
         earlier = report.get(PUBLISHED)
-        record = {name: made for name, made in (earlier if isinstance(earlier, dict) else {}).items() if name != folder.name}
+        record = {
+            name: made for name, made in (earlier if isinstance(earlier, dict) else {}).items() if name != folder.name
+        }
         made = fingerprint(folder)
         if written is not None and made is not None and made[3] == written:
             record[folder.name] = made

@@ -23,8 +23,12 @@ from fsdp_recipes.errors import CheckpointError
 QUANTIZED_DTYPES = ("int8", "uint8")  # bitsandbytes' 8-bit weights, and 4-bit packed into uint8 storage
 LORA_WEIGHT = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 _UNSUPPORTED = {  # name part -> what it is
-    "lora_magnitude_vector": "DoRA (use_dora)", "lora_embedding_A": "LoRA on embeddings", "lora_embedding_B": "LoRA on embeddings",
-    "modules_to_save": "modules_to_save", "original_module": "modules_to_save", "lora_bias": "LoRA biases",
+    "lora_magnitude_vector": "DoRA (use_dora)",
+    "lora_embedding_A": "LoRA on embeddings",
+    "lora_embedding_B": "LoRA on embeddings",
+    "modules_to_save": "modules_to_save",
+    "original_module": "modules_to_save",
+    "lora_bias": "LoRA biases",
 }
 
 
@@ -73,10 +77,15 @@ def _config_problem(config: dict) -> str | None:
     for key in _FLAGS:
         if key in config and not isinstance(config[key], bool):
             return f"{key} {_shown(config[key])} is not true or false"
-    for key, kinds, what in (("peft_type", (str,), "a string"), ("base_model_name_or_path", (str, type(None)), "a string or null"),
-                             ("target_modules", (str, list, type(None)), "a name, a list of names or null"),
-                             ("rank_pattern", (dict, type(None)), "a mapping or null"), ("alpha_pattern", (dict, type(None)), "a mapping or null"),
-                             ("modules_to_save", (list, type(None)), "a list or null"), ("layer_replication", (list, type(None)), "a list or null")):
+    for key, kinds, what in (
+        ("peft_type", (str,), "a string"),
+        ("base_model_name_or_path", (str, type(None)), "a string or null"),
+        ("target_modules", (str, list, type(None)), "a name, a list of names or null"),
+        ("rank_pattern", (dict, type(None)), "a mapping or null"),
+        ("alpha_pattern", (dict, type(None)), "a mapping or null"),
+        ("modules_to_save", (list, type(None)), "a list or null"),
+        ("layer_replication", (list, type(None)), "a list or null"),
+    ):
         if key in config and not isinstance(config[key], kinds):
             return f"{key} {_shown(config[key])} is not {what}"
     if isinstance(config.get("target_modules"), list) and not all(isinstance(m, str) for m in config["target_modules"]):
@@ -93,15 +102,26 @@ def read_adapter_config(path: Path) -> dict:
         raise CheckpointError(str(err)) from None
     missing = [key for key in ("lora_alpha", "r") if key not in config]
     if missing:
-        raise CheckpointError(f"{path} is not a LoRA adapter config (no {' and no '.join(missing)}): copy the run's adapter_config.json again")
+        raise CheckpointError(
+            f"{path} is not a LoRA adapter config (no {' and no '.join(missing)}): copy the run's adapter_config.json again"
+        )
     if problem := _config_problem(config):
-        raise CheckpointError(f"{path}: {problem}: copy the run's adapter_config.json again (PeftModel.save_pretrained writes it)")
+        raise CheckpointError(
+            f"{path}: {problem}: copy the run's adapter_config.json again (PeftModel.save_pretrained writes it)"
+        )
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{path}: peft_type {config.get('peft_type')} is not LoRA; only LoRA adapters are merged")
-    for key, what in (("use_dora", "DoRA"), ("alpha_pattern", "per-module alpha (alpha_pattern)"), ("lora_bias", "LoRA biases"),
-                      ("modules_to_save", "modules_to_save"), ("layer_replication", "layer_replication")):
+    for key, what in (
+        ("use_dora", "DoRA"),
+        ("alpha_pattern", "per-module alpha (alpha_pattern)"),
+        ("lora_bias", "LoRA biases"),
+        ("modules_to_save", "modules_to_save"),
+        ("layer_replication", "layer_replication"),
+    ):
         if config.get(key):
-            raise CheckpointError(f"{path}: {what} is not supported by this merge: merge with peft's merge_and_unload instead")
+            raise CheckpointError(
+                f"{path}: {what} is not supported by this merge: merge with peft's merge_and_unload instead"
+            )
     return config
 
 
@@ -112,11 +132,17 @@ class MergedLoraSource:
     def __init__(self, base, config: dict):
         self.base, self.ranks, self.path = base, base.ranks, getattr(base, "path", None)
         self.kind = f"{base.kind} + LoRA (merged)"
-        self.alpha, self.rslora, self.transpose = float(config["lora_alpha"]), bool(config.get("use_rslora")), bool(config.get("fan_in_fan_out"))
+        self.alpha, self.rslora, self.transpose = (
+            float(config["lora_alpha"]),
+            bool(config.get("use_rslora")),
+            bool(config.get("fan_in_fan_out")),
+        )
         for name in base.tensors:
             for part, what in _UNSUPPORTED.items():
                 if f".{part}." in name or name.endswith(f".{part}"):
-                    raise CheckpointError(f"{name}: {what} is not supported by this merge: merge with peft's merge_and_unload instead")
+                    raise CheckpointError(
+                        f"{name}: {what} is not supported by this merge: merge with peft's merge_and_unload instead"
+                    )
         pairs: dict[str, dict[str, str]] = {}
         adapters = set()
         for name in base.tensors:
@@ -124,7 +150,9 @@ class MergedLoraSource:
                 pairs.setdefault(m["module"], {})[m["ab"]] = name
                 adapters.add(m["adapter"])
         if len(adapters) > 1:
-            raise CheckpointError(f"the checkpoint holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); merge one with peft's merge_and_unload")
+            raise CheckpointError(
+                f"the checkpoint holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); merge one with peft's merge_and_unload"
+            )
         self.adapter = next(iter(adapters), None)
         self.pairs = pairs
         # peft scales by the config's r (rank_pattern: per module); the merge by lora_A's rows, the same number in
@@ -132,8 +160,10 @@ class MergedLoraSource:
         if not config.get("rank_pattern"):
             for pair in pairs.values():
                 if "A" in pair and base.tensors[pair["A"]].shape[0] != config["r"]:
-                    raise CheckpointError(f"{pair['A']} has rank {base.tensors[pair['A']].shape[0]} but {ADAPTER_CONFIG} says r "
-                                          f"{config['r']}: it is another run's config; copy this run's {ADAPTER_CONFIG}")
+                    raise CheckpointError(
+                        f"{pair['A']} has rank {base.tensors[pair['A']].shape[0]} but {ADAPTER_CONFIG} says r "
+                        f"{config['r']}: it is another run's config; copy this run's {ADAPTER_CONFIG}"
+                    )
         self._merged: dict[str, tuple[str, str, str]] = {}
         self._plain: dict[str, str] = {}
         self.tensors: dict[str, TensorInfo] = {}
@@ -144,22 +174,28 @@ class MergedLoraSource:
             module = name.split(".base_layer.")[0]
             if name.endswith(".base_layer.weight") and module in pairs:
                 if set(pairs[module]) != {"A", "B"}:
-                    raise CheckpointError(f"{module} has lora_{''.join(pairs[module])} but not both lora_A and lora_B: the checkpoint is incomplete")
+                    raise CheckpointError(
+                        f"{module} has lora_{''.join(pairs[module])} but not both lora_A and lora_B: the checkpoint is incomplete"
+                    )
                 self._merged[merged_name] = (name, pairs[module]["A"], pairs[module]["B"])
                 a, b = base.tensors[pairs[module]["A"]].shape, base.tensors[pairs[module]["B"]].shape
                 delta = (a[-1], b[0]) if self.transpose else (b[0], a[-1])
                 if len(info.shape) == 2 and tuple(info.shape) != delta and info.numel == delta[0] * delta[1]:
                     # peft decides fan_in_fan_out per module (GPT-2's Conv1D against a Linear head), its config once
-                    raise CheckpointError(f"{name}: lora_B @ lora_A is {delta[0]} x {delta[1]} (fan_in_fan_out "
-                                          f"{str(self.transpose).lower()} in {ADAPTER_CONFIG}) but the weight is {info.shape[0]} x "
-                                          f"{info.shape[1]}: modules stored both ways cannot be merged by one setting; merge with "
-                                          "peft's merge_and_unload instead")
+                    raise CheckpointError(
+                        f"{name}: lora_B @ lora_A is {delta[0]} x {delta[1]} (fan_in_fan_out "
+                        f"{str(self.transpose).lower()} in {ADAPTER_CONFIG}) but the weight is {info.shape[0]} x "
+                        f"{info.shape[1]}: modules stored both ways cannot be merged by one setting; merge with "
+                        "peft's merge_and_unload instead"
+                    )
             else:
                 self._plain[merged_name] = name
             self.tensors[merged_name] = info
         orphans = sorted(set(pairs) - {n.split(".base_layer.")[0] for n, *_ in self._merged.values()})
         if orphans:
-            raise CheckpointError(f"{orphans[0]} has LoRA weights but no base_layer.weight: the checkpoint is incomplete")
+            raise CheckpointError(
+                f"{orphans[0]} has LoRA weights but no base_layer.weight: the checkpoint is incomplete"
+            )
 
     def copy_plan(self, name: str):
         if name in self._merged or not hasattr(self.base, "copy_plan"):
@@ -195,9 +231,11 @@ class MergedLoraSource:
             # a merge that overflows is refused, not written with exit 0 (the checked config cannot rule out
             # adapter weights that are themselves huge); a base weight that is already not finite is the checkpoint's own
             if not torch.isfinite(out[n]).all() and torch.isfinite(weight).all():
-                raise CheckpointError(f"{n}: merging lora_B @ lora_A x {self.scaling(a.shape[0]):g} into it gives values that are not "
-                                      f"finite in {str(out[n].dtype).removeprefix('torch.')}: the adapter's weights or lora_alpha are far too large; "
-                                      "is this the run's adapter?")
+                raise CheckpointError(
+                    f"{n}: merging lora_B @ lora_A x {self.scaling(a.shape[0]):g} into it gives values that are not "
+                    f"finite in {str(out[n].dtype).removeprefix('torch.')}: the adapter's weights or lora_alpha are far too large; "
+                    "is this the run's adapter?"
+                )
         return out
 
 
@@ -227,8 +265,10 @@ def quantized_base(tensors: dict) -> str | None:
             continue
         out_features, in_features = pair["B"].shape[0], pair["A"].shape[-1]
         if base.numel != out_features * in_features or base.dtype in QUANTIZED_DTYPES:
-            return (f"{module}.base_layer.weight holds {base.numel:,} {base.dtype} elements for a {out_features} x {in_features} "
-                    "weight (quantized: QLoRA)")
+            return (
+                f"{module}.base_layer.weight holds {base.numel:,} {base.dtype} elements for a {out_features} x {in_features} "
+                "weight (quantized: QLoRA)"
+            )
     return None
 
 
@@ -254,14 +294,26 @@ def frozen_weight_differs(checkpoint, on_base) -> str | None:
 
     for name, base_name in on_base._base_names.items():
         info = checkpoint.tensors.get(name)
-        if info is None or name.endswith(".base_layer.weight") or info.dtype not in SAFETENSORS_DTYPES or info.dtype in QUANTIZED_DTYPES \
-                or tuple(info.shape) != tuple(on_base.base.tensors[base_name].shape):
+        if (
+            info is None
+            or name.endswith(".base_layer.weight")
+            or info.dtype not in SAFETENSORS_DTYPES
+            or info.dtype in QUANTIZED_DTYPES
+            or tuple(info.shape) != tuple(on_base.base.tensors[base_name].shape)
+        ):
             continue
         mine, theirs = checkpoint.read([name])[name], on_base.base.read([base_name])[base_name]
         # the base's values as they are, or as the run may have loaded them: rounded to bf16 or fp16 (and upcast again
         # for FSDP); nothing else is the same base (a trained weight or another base differs beyond any rounding)
-        if not any(torch.equal(mine.isnan(), loaded.isnan()) and torch.equal(mine.masked_fill(mine.isnan(), 0), loaded.masked_fill(loaded.isnan(), 0))
-                   for loaded in (theirs.to(mine.dtype), theirs.to(torch.bfloat16).to(mine.dtype), theirs.to(torch.float16).to(mine.dtype))):
+        if not any(
+            torch.equal(mine.isnan(), loaded.isnan())
+            and torch.equal(mine.masked_fill(mine.isnan(), 0), loaded.masked_fill(loaded.isnan(), 0))
+            for loaded in (
+                theirs.to(mine.dtype),
+                theirs.to(torch.bfloat16).to(mine.dtype),
+                theirs.to(torch.float16).to(mine.dtype),
+            )
+        ):
             return name
     return None
 
@@ -278,12 +330,19 @@ class AdapterOnBaseSource:
     rest), so that MergedLoraSource merges it like any other. The base is read from its own safetensors files."""
 
     def __init__(self, adapter, base, base_dir: Path):
-        self.adapter, self.base, self.path, self.base_dir = adapter, base, getattr(adapter, "path", None), Path(base_dir)
+        self.adapter, self.base, self.path, self.base_dir = (
+            adapter,
+            base,
+            getattr(adapter, "path", None),
+            Path(base_dir),
+        )
         self.ranks, self.kind = adapter.ranks, f"{adapter.kind}, adapter only, + base {base_dir}"
         first = next(iter(adapter.tensors))
         start = first.find("base_model.model.")
         if start < 0:
-            raise CheckpointError(f"{first}: an adapter-only checkpoint names its tensors under base_model.model. (peft's names); this one does not")
+            raise CheckpointError(
+                f"{first}: an adapter-only checkpoint names its tensors under base_model.model. (peft's names); this one does not"
+            )
         prefix = first[: start + len("base_model.model.")]
         modules = {m["module"] for n in adapter.tensors if (m := LORA_WEIGHT.match(n))}
         self._base_names: dict[str, str] = {}
@@ -291,15 +350,30 @@ class AdapterOnBaseSource:
             module, _, leaf = name.rpartition(".")
             wrapped = f"{prefix}{module}" in modules
             self._base_names[f"{prefix}{module}.base_layer.{leaf}" if wrapped else f"{prefix}{name}"] = name
-        unmatched = sorted(m for m in modules if f"{m}.base_layer.weight" not in self._base_names or
-                           base.tensors[self._base_names[f"{m}.base_layer.weight"]].numel != self._lora_numel(adapter, m))
+        unmatched = sorted(
+            m
+            for m in modules
+            if f"{m}.base_layer.weight" not in self._base_names
+            or base.tensors[self._base_names[f"{m}.base_layer.weight"]].numel != self._lora_numel(adapter, m)
+        )
         if unmatched:
-            raise CheckpointError(f"{unmatched[0].removeprefix(prefix)} has LoRA weights in the checkpoint but no weight of that size in the base "
-                                  f"model {base_dir}: it is another model than the one the adapter was trained on; give its base with --base-model")
-        if quantized := next((m for m in sorted(modules) if base.tensors[self._base_names[f"{m}.base_layer.weight"]].dtype in QUANTIZED_DTYPES), None):
-            raise CheckpointError(f"{quantized.removeprefix(prefix)}.weight in the base model {base_dir} is "
-                                  f"{base.tensors[self._base_names[f'{quantized}.base_layer.weight']].dtype}: a quantized model, which the "
-                                  "adapter cannot be merged into; give the unquantized base with --base-model")
+            raise CheckpointError(
+                f"{unmatched[0].removeprefix(prefix)} has LoRA weights in the checkpoint but no weight of that size in the base "
+                f"model {base_dir}: it is another model than the one the adapter was trained on; give its base with --base-model"
+            )
+        if quantized := next(
+            (
+                m
+                for m in sorted(modules)
+                if base.tensors[self._base_names[f"{m}.base_layer.weight"]].dtype in QUANTIZED_DTYPES
+            ),
+            None,
+        ):
+            raise CheckpointError(
+                f"{quantized.removeprefix(prefix)}.weight in the base model {base_dir} is "
+                f"{base.tensors[self._base_names[f'{quantized}.base_layer.weight']].dtype}: a quantized model, which the "
+                "adapter cannot be merged into; give the unquantized base with --base-model"
+            )
         self.tensors = {**{n: base.tensors[b] for n, b in self._base_names.items()}, **adapter.tensors}
 
     @staticmethod
@@ -333,8 +407,18 @@ def base_weights(base_model: str | None, adapter_config: dict, config_path: Path
 
     named = adapter_config.get("base_model_name_or_path")
     folder = local_folder(base_model or named) if (base_model or named) else None
-    if folder is None or not ((folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()):
-        given = f"--base-model {base_model}" if base_model else f"{config_path} names {named!r}" if named else f"{config_path} names no base"
-        raise CheckpointError(f"this checkpoint holds the LoRA adapter alone (not the frozen base) and {given}, which is not a local folder "
-                              "with safetensors weights: pass --base-model <the folder of the model the adapter was trained on>")
+    if folder is None or not (
+        (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    ):
+        given = (
+            f"--base-model {base_model}"
+            if base_model
+            else f"{config_path} names {named!r}"
+            if named
+            else f"{config_path} names no base"
+        )
+        raise CheckpointError(
+            f"this checkpoint holds the LoRA adapter alone (not the frozen base) and {given}, which is not a local folder "
+            "with safetensors weights: pass --base-model <the folder of the model the adapter was trained on>"
+        )
     return SafetensorsSource(folder), folder

@@ -29,15 +29,38 @@ from fsdp_recipes.bounded import JSON_LIMIT, STATE_LIMIT, load_json
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import DTYPE_SIZES
 from fsdp_recipes.ckpt.description import (
-    Description, config_origin, described_by_manifest, describe_with_transformers, description_dirs,
-    description_file_problems, model_skeleton, recorded_changes,
+    Description,
+    config_origin,
+    describe_with_transformers,
+    described_by_manifest,
+    description_dirs,
+    description_file_problems,
+    model_skeleton,
+    recorded_changes,
 )
 from fsdp_recipes.ckpt.layout import (
-    ADAPTER_CONFIG, BASE_IDENTITY, MANIFEST, is_exported_adapter, is_model_folder, overlap, real, training_content,
+    ADAPTER_CONFIG,
+    BASE_IDENTITY,
+    MANIFEST,
+    is_exported_adapter,
+    is_model_folder,
+    overlap,
+    real,
+    training_content,
 )
 from fsdp_recipes.ckpt.lora_merge import (
-    LORA_WEIGHT, AdapterOfQuantized, AdapterOnBaseSource, MergedLoraSource, adapter_tensors, base_weights, find_adapter_config, holds_adapter_only, is_lora,
-    frozen_weight_differs, quantized_base, read_adapter_config,
+    LORA_WEIGHT,
+    AdapterOfQuantized,
+    AdapterOnBaseSource,
+    MergedLoraSource,
+    adapter_tensors,
+    base_weights,
+    find_adapter_config,
+    frozen_weight_differs,
+    holds_adapter_only,
+    is_lora,
+    quantized_base,
+    read_adapter_config,
 )
 from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype, unconvertible_dtype
@@ -47,7 +70,19 @@ from fsdp_recipes.compat import internals
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError, RefusedRemoval
 from fsdp_recipes.removal import (
-    MARKER, contents, identity, is_ours, keep_aside, make_folder, mount_points, move, process_alive, reclaim, remark, remove, remove_file,
+    MARKER,
+    contents,
+    identity,
+    is_ours,
+    keep_aside,
+    make_folder,
+    mount_points,
+    move,
+    process_alive,
+    reclaim,
+    remark,
+    remove,
+    remove_file,
     unmark,
 )
 
@@ -55,15 +90,32 @@ from fsdp_recipes.removal import (
 # bytes and never imports it; otherwise its import overlaps the copy in a thread.
 
 
-def write_weight_part(source, out_dir: Path, config, part: tuple[int, int] = (0, 1), dtype=None, max_shard_size: str | int = "5GB",
-                      memory_budget: str | int = "512MB") -> tuple[type, list[str], list[str]]:
+def write_weight_part(
+    source,
+    out_dir: Path,
+    config,
+    part: tuple[int, int] = (0, 1),
+    dtype=None,
+    max_shard_size: str | int = "5GB",
+    memory_budget: str | int = "512MB",
+) -> tuple[type, list[str], list[str]]:
     """Part ``part`` = (k, n) of the weights of the model ``config`` describes, from ``source`` into ``out_dir``: n
     processes given the same arguments write every shard once between them, k = 0 the index too
     (safetensors_writer.write_weights). Returns (the model class, the files this call wrote, every weight file of
     the folder)."""
-    model_cls, expected, tied, ignorable = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
+    model_cls, expected, tied, ignorable = model_skeleton(
+        copy.deepcopy(config)
+    )  # from_config edits the config it is given
     weights = match_namespace(source.tensors, expected, tied, model_cls.__name__, ignorable)
-    written = write_weights(source, weights.names, out_dir, max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, part=part)
+    written = write_weights(
+        source,
+        weights.names,
+        out_dir,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        memory_budget=memory_budget,
+        part=part,
+    )
     return model_cls, written, weight_files(source, weights.names, max_shard_size, dtype)
 
 
@@ -74,9 +126,15 @@ def check_output(input_path, resolved: ResolvedInput, output_path, overwrite: bo
     """The output's real path, after refusing one that would destroy or mix with the input (compared as real
     paths: symlinks and `..` resolved) or, with --overwrite, a folder holding training checkpoints."""
     out = real(output_path)
-    for given in {real(input_path), real(resolved.checkpoint_dir), real(resolved.weights_dir or resolved.checkpoint_dir)}:
+    for given in {
+        real(input_path),
+        real(resolved.checkpoint_dir),
+        real(resolved.weights_dir or resolved.checkpoint_dir),
+    }:
         if overlap(out, given):
-            how = "is the input" if out == given else "is inside the input" if given in out.parents else "holds the input"
+            how = (
+                "is the input" if out == given else "is inside the input" if given in out.parents else "holds the input"
+            )
             raise CheckpointError(f"output {output_path} {how} {given}: choose a folder outside it")
     if out.exists() or out.is_symlink():
         if not out.is_dir():
@@ -84,10 +142,14 @@ def check_output(input_path, resolved: ResolvedInput, output_path, overwrite: bo
         if not overwrite:
             raise CheckpointError(f"output {output_path} already exists: choose another folder or pass --overwrite")
         if what := training_content(out):
-            raise CheckpointError(f"output {output_path} holds {what}: --overwrite only replaces a model folder; choose another output")
+            raise CheckpointError(
+                f"output {output_path} holds {what}: --overwrite only replaces a model folder; choose another output"
+            )
         if not (is_model_folder(out) or is_exported_adapter(out)):
-            raise CheckpointError(f"output {output_path} holds more than a model folder ({contents(out)}): --overwrite only "
-                                  "replaces a folder of weights, config and tokenizer files; choose another output")
+            raise CheckpointError(
+                f"output {output_path} holds more than a model folder ({contents(out)}): --overwrite only "
+                "replaces a folder of weights, config and tokenizer files; choose another output"
+            )
     return out
 
 
@@ -103,7 +165,9 @@ def _left_by_merges(out: Path) -> list[tuple[Path, str, str, str, bool]]:
     named for itself; ``gone``: on this host, and its process is gone (on another host nobody here can tell)."""
     pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-(.+)-(\d+)")
     found, here = [], socket.gethostname()
-    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*")) if out.parent.is_dir() else []:  # 'run[1]' is no pattern
+    for path in (
+        sorted(out.parent.glob(f".{glob.escape(out.name)}.*")) if out.parent.is_dir() else []
+    ):  # 'run[1]' is no pattern
         if m := pattern.fullmatch(path.name):
             kind, host, pid = m.groups()
             found.append((path, kind, host, pid, host == here and not process_alive(int(pid))))
@@ -113,7 +177,9 @@ def _left_by_merges(out: Path) -> list[tuple[Path, str, str, str, bool]]:
 def remove_stale_staging(out: Path, log=print) -> None:
     """Staging folders a killed merge into ``out`` left behind (this host's, their process gone): removed, said."""
     for path, _, _, pid, gone in _left_by_merges(out):
-        if gone and is_ours(path, STAGING):  # only our own marked staging folders: a folder merely named like one is someone else's
+        if gone and is_ours(
+            path, STAGING
+        ):  # only our own marked staging folders: a folder merely named like one is someone else's
             remove(path, STAGING)
             log(f"removed {path}, left by a merge that was killed (process {pid})")
 
@@ -131,11 +197,15 @@ def restore_interrupted(out: Path, log=print) -> None:
         what = "an earlier output it had moved aside" if kind == "old" else "its finished result, not yet moved in"
         if not gone:
             where = f"process {pid} on {host}" if host != socket.gethostname() else f"process {pid}, alive here"
-            log(f"left {path} alone: {what} by a merge ({where}) that may still be running; if none is, move it back "
-                "or delete it yourself")
+            log(
+                f"left {path} alone: {what} by a merge ({where}) that may still be running; if none is, move it back "
+                "or delete it yourself"
+            )
         elif kind == "old" and not (out.exists() or out.is_symlink()):
             move(path, out)
-            log(f"restored {out} from {path.name}: a merge killed between its two renames (process {pid}) had moved it aside")
+            log(
+                f"restored {out} from {path.name}: a merge killed between its two renames (process {pid}) had moved it aside"
+            )
         else:
             log(f"kept {path}: {what} by a merge that was killed (process {pid}); move or delete it yourself")
 
@@ -153,9 +223,18 @@ class MergeResult:
 
 
 def merge_checkpoint(
-    input_path: str | os.PathLike, output_path: str | os.PathLike, *, base_model: str | None = None,
-    dtype=None, max_shard_size: str | int = "5GB", memory_budget: str | int = "512MB",
-    overwrite: bool = False, verify: bool = False, adapter_only: bool = False, log=print, output_purpose: str | None = None,
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    *,
+    base_model: str | None = None,
+    dtype=None,
+    max_shard_size: str | int = "5GB",
+    memory_budget: str | int = "512MB",
+    overwrite: bool = False,
+    verify: bool = False,
+    adapter_only: bool = False,
+    log=print,
+    output_purpose: str | None = None,
 ) -> MergeResult:
     """Turn an FSDP checkpoint into a folder ``from_pretrained`` loads; never leaves a half-written folder.
     ``dtype``: torch.bfloat16 or "bfloat16" casts, None keeps the saved dtype. A PEFT LoRA checkpoint gives the
@@ -178,8 +257,10 @@ def merge_checkpoint(
     own, base_model = _lora(resolved, base_model, adapter_only, log)
     for base in _base_folders(resolved, base_model):  # read to the end of the merge: never its output
         if overlap(out, real(base)):
-            raise CheckpointError(f"output {output_path} {'is' if out == real(base) else 'overlaps'} the base model {base}, which this "
-                                  "merge reads (its config, tokenizer or weights): choose another output")
+            raise CheckpointError(
+                f"output {output_path} {'is' if out == real(base) else 'overlaps'} the base model {base}, which this "
+                "merge reads (its config, tokenizer or weights): choose another output"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out, log)
     # A checkpoint our training run wrote carries a manifest: the copy starts from it at once, its description files
@@ -201,27 +282,49 @@ def merge_checkpoint(
             lora = isinstance(resolved.source, MergedLoraSource)  # checked before the copy: its ties can refuse it
             weights = (_early_guess(resolved) if base_model is None and not lora else None) or future.result().weights
             if lora and (tied := resolved.source.merged_into_tied(future.result().tied)):
-                raise CheckpointError(f"{tied} has a LoRA adapter and is tied to the input embeddings: peft's merge changes both "
-                                      "tensors, this merge writes the tied weight once; merge with peft's merge_and_unload instead")
-        if odd := next((n for n in weights.names.values() if resolved.source.tensors[n].dtype not in DTYPE_SIZES), None):
-            raise CheckpointError(unconvertible_dtype(resolved.source.tensors[odd].dtype, f"{resolved.checkpoint_dir}: weight {odd!r}"))
+                raise CheckpointError(
+                    f"{tied} has a LoRA adapter and is tied to the input embeddings: peft's merge changes both "
+                    "tensors, this merge writes the tied weight once; merge with peft's merge_and_unload instead"
+                )
+        if odd := next(
+            (n for n in weights.names.values() if resolved.source.tensors[n].dtype not in DTYPE_SIZES), None
+        ):
+            raise CheckpointError(
+                unconvertible_dtype(resolved.source.tensors[odd].dtype, f"{resolved.checkpoint_dir}: weight {odd!r}")
+            )
         size = sum(resolved.source.tensors[n].nbytes(dtype) for n in weights.names.values())
-        free, margin = shutil.disk_usage(out.parent).free, min(64 << 20, (8 << 20) + size // 8)  # the description files, the filesystem's own
+        free, margin = (
+            shutil.disk_usage(out.parent).free,
+            min(64 << 20, (8 << 20) + size // 8),
+        )  # the description files, the filesystem's own
         if free < size + margin:
-            raise CheckpointError(f"not enough free disk space in {out.parent}: the merged weights need {_mb(size)} and a "
-                                  f"{_mb(margin)} margin, {_mb(free)} is free; free space or choose another output")
+            raise CheckpointError(
+                f"not enough free disk space in {out.parent}: the merged weights need {_mb(size)} and a "
+                f"{_mb(margin)} margin, {_mb(free)} is free; free space or choose another output"
+            )
 
         def wrong_guess() -> bool:  # the check beside the copy has failed, or found other weights than guessed
-            return future is not None and future.done() and (future.exception() is not None or future.result().weights.names != weights.names)
+            return (
+                future is not None
+                and future.done()
+                and (future.exception() is not None or future.result().weights.names != weights.names)
+            )
 
         stem = "adapter_model" if adapter_only else "model"
         staging = make_folder(_staging_name(out, "tmp"), STAGING)
         made, unmarking = identity(staging), False
         try:
-            write = dict(max_shard_size=max_shard_size, dtype=dtype, memory_budget=memory_budget, stem=stem)
+            write = {"max_shard_size": max_shard_size, "dtype": dtype, "memory_budget": memory_budget, "stem": stem}
             try:
                 # a child process copies the bytes: this one's GIL belongs to the check's imports meanwhile
-                write_weights(resolved.source, weights.names, staging, cancelled=wrong_guess, copy_process=future is not None, **write)
+                write_weights(
+                    resolved.source,
+                    weights.names,
+                    staging,
+                    cancelled=wrong_guess,
+                    copy_process=future is not None,
+                    **write,
+                )
             except Cancelled:
                 pass
             described: Description = own if future is None else future.result()  # raises the check's error
@@ -242,7 +345,10 @@ def merge_checkpoint(
             files = sorted(p.name for p in staging.iterdir() if p.name != MARKER)
             if verify:
                 verify_folder(staging, resolved.source, names, dtype, stem=stem)
-                log(f"verified: {len(names)} tensors equal the checkpoint" + ("" if adapter_only else "; from_pretrained (meta device) loads the folder"))
+                log(
+                    f"verified: {len(names)} tensors equal the checkpoint"
+                    + ("" if adapter_only else "; from_pretrained (meta device) loads the folder")
+                )
             sync_folder(staging)  # the slow part, while the folder is still ours to remove if stopped
             if output_purpose:  # a caller's staging folder: it stays marked, for that caller to remove
                 remark(staging, STAGING, output_purpose)
@@ -259,7 +365,9 @@ def merge_checkpoint(
                 except RefusedRemoval:  # changed while the merge ran (a notes.txt written into it; a mount point)
                     kept = keep_aside(old, out)
                     why = f"changed while the merge ran (it holds {contents(kept)}{', a mount point among them' if mount_points(kept) else ''})"
-                    log(f"warning: the earlier {out} {why}: it is kept whole as {kept.name}; the merged model is in {out}")
+                    log(
+                        f"warning: the earlier {out} {why}: it is kept whole as {kept.name}; the merged model is in {out}"
+                    )
             else:
                 move(staging, out)
                 sync_entries(out.parent)
@@ -303,7 +411,9 @@ def _base_folders(resolved: ResolvedInput, base_model: str | None) -> list[Path]
     return folders
 
 
-def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, log) -> tuple[Description | None, str | None]:
+def _lora(
+    resolved: ResolvedInput, base_model: str | None, adapter_only: bool, log
+) -> tuple[Description | None, str | None]:
     """A PEFT LoRA checkpoint: its source becomes the merged weights (or, ``adapter_only``, the description of the
     adapter folder is returned). Without a config anywhere, the base model the adapter config names is used when
     it is a local folder. Returns (description or None, base model)."""
@@ -314,41 +424,66 @@ def _lora(resolved: ResolvedInput, base_model: str | None, adapter_only: bool, l
     config_path = find_adapter_config(resolved.places)
     adapter_config = read_adapter_config(config_path)
     recorded = base_identity.read(config_path.parent)  # the base the run trained on, when it recorded one
-    alone = holds_adapter_only(resolved.source.tensors)  # an adapter-only checkpoint: the base's weights are the base model's
+    alone = holds_adapter_only(
+        resolved.source.tensors
+    )  # an adapter-only checkpoint: the base's weights are the base model's
     if not alone and (quantized := quantized_base(resolved.source.tensors)):
         resolved.source, alone, resolved.dequantized = AdapterOfQuantized(resolved.source), True, True
         log(f"{quantized}: the adapter is merged into the unquantized base model's weights")
     if alone and not adapter_only:
         base, base_dir = base_weights(base_model, adapter_config, config_path)
         if recorded is None:
-            log(f"no {BASE_IDENTITY} beside {config_path.name} (a checkpoint of an older run or of another tool): the base "
-                f"model {base_dir} is not checked against the one the adapter was trained on")
-        elif problem := base_identity.base_problem(recorded, base_dir, str(config_path.parent), (
-                f"pass --base-model <the base it was trained on> (to merge into another base on purpose, move {BASE_IDENTITY} away)")):
+            log(
+                f"no {BASE_IDENTITY} beside {config_path.name} (a checkpoint of an older run or of another tool): the base "
+                f"model {base_dir} is not checked against the one the adapter was trained on"
+            )
+        elif problem := base_identity.base_problem(
+            recorded,
+            base_dir,
+            str(config_path.parent),
+            (
+                f"pass --base-model <the base it was trained on> (to merge into another base on purpose, move {BASE_IDENTITY} away)"
+            ),
+        ):
             raise CheckpointError(problem)
         resolved.source = AdapterOnBaseSource(resolved.source, base, base_dir)
         if isinstance(resolved.source.adapter, AdapterOfQuantized) and (
-                differs := frozen_weight_differs(resolved.source.adapter.source, resolved.source)):
-            raise CheckpointError(f"{differs} in the checkpoint differs from the base model {base_dir}'s: it is another model than the "
-                                  "one the adapter was trained on (or the run trained that weight); give its base with --base-model")
+            differs := frozen_weight_differs(resolved.source.adapter.source, resolved.source)
+        ):
+            raise CheckpointError(
+                f"{differs} in the checkpoint differs from the base model {base_dir}'s: it is another model than the "
+                "one the adapter was trained on (or the run trained that weight); give its base with --base-model"
+            )
         log(f"adapter-only LoRA checkpoint: the frozen base's weights from {base_dir}")
     merged = None if alone and adapter_only else MergedLoraSource(resolved.source, adapter_config)
     if adapter_only:
         names = adapter_tensors(resolved.source)
         adapter = merged.adapter if merged else LORA_WEIGHT.match(next(iter(names.values())))["adapter"]
         origin = {"config": str(config_path), "tokenizer": "(none: an adapter folder)"}
-        log(f"PEFT LoRA checkpoint: writing adapter {adapter!r} ({len(names)} tensors) as PeftModel.from_pretrained loads it")
+        log(
+            f"PEFT LoRA checkpoint: writing adapter {adapter!r} ({len(names)} tensors) as PeftModel.from_pretrained loads it"
+        )
+
         def write(out: Path) -> None:
             shutil.copyfile(config_path, out / ADAPTER_CONFIG)
             if recorded is not None:  # checked as a record above; the adapter folder keeps naming its base
                 base_identity.write(out, recorded)
 
-        return Description(WeightMap(names, "", len(resolved.source.tensors) - len(names)), [], origin, write), base_model
+        return Description(
+            WeightMap(names, "", len(resolved.source.tensors) - len(names)), [], origin, write
+        ), base_model
     resolved.source = merged
-    log(f"PEFT LoRA checkpoint: merging adapter {merged.adapter!r} ({len(merged.pairs)} modules, lora_alpha "
-        f"{merged.alpha:g}{', rsLoRA' if merged.rslora else ''}) into the base weights, as merge_and_unload does")
+    log(
+        f"PEFT LoRA checkpoint: merging adapter {merged.adapter!r} ({len(merged.pairs)} modules, lora_alpha "
+        f"{merged.alpha:g}{', rsLoRA' if merged.rslora else ''}) into the base weights, as merge_and_unload does"
+    )
     named = adapter_config.get("base_model_name_or_path")
-    if base_model is None and description_dirs(resolved)[0] is None and named and (Path(named) / "config.json").is_file():
+    if (
+        base_model is None
+        and description_dirs(resolved)[0] is None
+        and named
+        and (Path(named) / "config.json").is_file()
+    ):
         log(f"config from the base model {ADAPTER_CONFIG} names: {named}")
         return None, named
     return None, base_model
@@ -377,7 +512,11 @@ def verify_folder(folder: Path, source, names: dict[str, str], dtype: str | None
 
     dtype = dtype_name(dtype)
     index = folder / f"{stem}.safetensors.index.json"
-    where = (load_json(index, index.name, JSON_LIMIT).get("weight_map") or {}) if index.is_file() else {n: f"{stem}.safetensors" for n in names}
+    where = (
+        (load_json(index, index.name, JSON_LIMIT).get("weight_map") or {})
+        if index.is_file()
+        else dict.fromkeys(names, f"{stem}.safetensors")
+    )
     if sorted(where) != sorted(names):
         raise CheckpointError(f"verify: {folder} holds {len(where)} tensors, expected {len(names)}")
     by_source = {src: out for out, src in names.items()}
@@ -400,9 +539,17 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
     resolved = resolve_input(input_path)
     src, ckpt = resolved.source, resolved.checkpoint_dir
     state = ckpt / "trainer_state.json"
-    alone = holds_adapter_only(src.tensors)  # a LoRA run's checkpoint without the frozen base: nothing to match to the config
+    alone = holds_adapter_only(
+        src.tensors
+    )  # a LoRA run's checkpoint without the frozen base: nothing to match to the config
     own = None if alone else described_by_manifest(resolved)
-    weights = WeightMap({n: n for n in src.tensors}, "", 0) if alone else own.weights if own is not None else guess_namespace(src.tensors)
+    weights = (
+        WeightMap({n: n for n in src.tensors}, "", 0)
+        if alone
+        else own.weights
+        if own is not None
+        else guess_namespace(src.tensors)
+    )
     infos = [src.tensors[n] for n in (weights.names.values() if weights else [])]
     dtypes: dict[str, int] = {}
     for info in infos:
@@ -418,19 +565,31 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         "checkpoint": str(ckpt),
         "notes": resolved.notes,
         "format": src.kind,
-        "layout": (f"layout: {len(infos)} LoRA adapter tensors (lora_A, lora_B) and no frozen base weight: a merge adds the base "
-                   "(--base-model, or the one adapter_config.json names)") if alone else
-                  (f"layout: a LoRA adapter on a quantized base ({quantized}): a merge writes the unquantized base model's weights "
-                   "with the adapter merged (--base-model, or the one adapter_config.json names)") if quantized else
-                  (weights.describe() + ("" if own else " (guessed; a merge checks it against the config)")) if weights else "no weights found",
+        "layout": (
+            f"layout: {len(infos)} LoRA adapter tensors (lora_A, lora_B) and no frozen base weight: a merge adds the base "
+            "(--base-model, or the one adapter_config.json names)"
+        )
+        if alone
+        else (
+            f"layout: a LoRA adapter on a quantized base ({quantized}): a merge writes the unquantized base model's weights "
+            "with the adapter merged (--base-model, or the one adapter_config.json names)"
+        )
+        if quantized
+        else (weights.describe() + ("" if own else " (guessed; a merge checks it against the config)"))
+        if weights
+        else "no weights found",
         "ranks": src.ranks,
         "step": step,
         "tensors": len(infos),
         "parameters": sum(i.numel for i in infos),
-        "bytes": sum(i.nbytes() for i in infos) if all(i.dtype in DTYPE_SIZES for i in infos) else None,  # None: a dtype it does not convert
+        "bytes": sum(i.nbytes() for i in infos)
+        if all(i.dtype in DTYPE_SIZES for i in infos)
+        else None,  # None: a dtype it does not convert
         "dtypes": dtypes,
         "config": str(config_dir / "config.json") if config_dir else None,
         "tokenizer": str(tok_dir) if tok_dir else None,
         "manifest": str(config_dir / MANIFEST) if config_dir and (config_dir / MANIFEST).is_file() else None,
-        "optimizer_state": (ckpt / "optimizer_0").is_dir() or (ckpt / "optimizer.bin").is_file() or bool(weights and weights.ignored),
+        "optimizer_state": (ckpt / "optimizer_0").is_dir()
+        or (ckpt / "optimizer.bin").is_file()
+        or bool(weights and weights.ignored),
     }

@@ -31,12 +31,19 @@ def _stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]] | None
     from fsdp_recipes.ckpt.readers import SafetensorsSource, TorchBinSource
 
     if (ckpt / DCP_MODEL_DIR).is_dir():
-        stored = {clean_name(k): (tuple(t.shape), t.dtype) for k, t in read_layout(ckpt / DCP_MODEL_DIR).tensors.items()}
+        stored = {
+            clean_name(k): (tuple(t.shape), t.dtype) for k, t in read_layout(ckpt / DCP_MODEL_DIR).tensors.items()
+        }
         if stored and all(k.startswith("model.") for k in stored):  # accelerate saves {"model": state_dict}
             stored = {k.removeprefix("model."): v for k, v in stored.items()}
         return stored
-    if (ckpt / FULL_MODEL_FILE).is_file():  # before model.safetensors, which a FULL_STATE_DICT checkpoint also holds: the .bin is what a resume loads
-        return {name: (tuple(info.shape), info.dtype) for name, info in TorchBinSource(ckpt / FULL_MODEL_FILE).tensors.items()}
+    if (
+        ckpt / FULL_MODEL_FILE
+    ).is_file():  # before model.safetensors, which a FULL_STATE_DICT checkpoint also holds: the .bin is what a resume loads
+        return {
+            name: (tuple(info.shape), info.dtype)
+            for name, info in TorchBinSource(ckpt / FULL_MODEL_FILE).tensors.items()
+        }
     if (ckpt / "model.safetensors").is_file() or (ckpt / "model.safetensors.index.json").is_file():
         return {name: (tuple(info.shape), info.dtype) for name, info in SafetensorsSource(ckpt).tensors.items()}
     return None
@@ -66,13 +73,17 @@ def dtype_mismatch(ckpt: str | os.PathLike, live: dict[str, str]) -> str | None:
     if not narrowed:
         return None
     s, now = narrowed[0]
-    return (f"{ckpt} holds {s} weights and this run's parameters are {now} (--dtype, or the accelerate config's "
-            f"mixed precision): loading would round every weight and its optimizer state to {now}, and the run would "
-            f"not go on as it was; resume with --dtype {s} (the dtype it was trained with), or merge it "
-            f"(tools/merge_checkpoint.py --dtype {now}) and start a new run from the merged model")
+    return (
+        f"{ckpt} holds {s} weights and this run's parameters are {now} (--dtype, or the accelerate config's "
+        f"mixed precision): loading would round every weight and its optimizer state to {now}, and the run would "
+        f"not go on as it was; resume with --dtype {s} (the dtype it was trained with), or merge it "
+        f"(tools/merge_checkpoint.py --dtype {now}) and start a new run from the merged model"
+    )
 
 
-def model_mismatch(ckpt: str | os.PathLike, expected: dict[str, tuple[int, ...]], tied: set[str] = frozenset()) -> str | None:
+def model_mismatch(
+    ckpt: str | os.PathLike, expected: dict[str, tuple[int, ...]], tied: set[str] = frozenset()
+) -> str | None:
     """Why the checkpoint's weights are not the weights of the model this run built (names and full shapes: layers,
     sizes, LoRA targets and rank), in one line; None when they match. ``tied``: names a checkpoint may leave out."""
     from fsdp_recipes.ckpt.namespace import clean_name
@@ -93,18 +104,45 @@ def model_mismatch(ckpt: str | os.PathLike, expected: dict[str, tuple[int, ...]]
         parts.append(f"it holds {len(extra)} weight(s) this model does not have (e.g. {extra[0]})")
     if other:
         n = other[0]
-        parts.append(f"{len(other)} weight(s) differ in shape (e.g. {n}: {stored[n]} saved, {expected[n]} in this model)")
-    return (f"{ckpt} was saved from another model: {'; '.join(parts)}; resume with the model, config and LoRA settings "
-            "(use_peft, lora_r, lora_target_modules) it was saved with, or start without --resume_from_checkpoint")
+        parts.append(
+            f"{len(other)} weight(s) differ in shape (e.g. {n}: {stored[n]} saved, {expected[n]} in this model)"
+        )
+    return (
+        f"{ckpt} was saved from another model: {'; '.join(parts)}; resume with the model, config and LoRA settings "
+        "(use_peft, lora_r, lora_target_modules) it was saved with, or start without --resume_from_checkpoint"
+    )
 
 
 # config.json keys a resume may change: where the model came from, library bookkeeping, and what the Trainer and
 # the export set per run (use_cache, the saved dtype, attention kernels); every other key defines the model
-FREE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "use_cache", "architectures", "dtype", "torch_dtype",
-                              "attn_implementation", "_attn_implementation", "_attn_implementation_autoset"})
+FREE_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "use_cache",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "attn_implementation",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+    }
+)
 # adapter_config.json keys that define what a LoRA adapter computes (r and the targets show in the shapes too)
-LORA_KEYS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora", "bias", "modules_to_save",
-             "layers_to_transform", "rank_pattern", "alpha_pattern", "fan_in_fan_out")
+LORA_KEYS = (
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "use_rslora",
+    "use_dora",
+    "bias",
+    "modules_to_save",
+    "layers_to_transform",
+    "rank_pattern",
+    "alpha_pattern",
+    "fan_in_fan_out",
+)
 
 
 def _plain(value):
@@ -145,7 +183,11 @@ def tokenizer_record(tokenizer) -> dict | None:
         return None
     whole = {k: v for k, v in json.loads(backend.to_str()).items() if k not in TOKENIZER_RUNTIME_KEYS}
     special = {name: _token_text(getattr(tokenizer, name, None)) for name in SPECIAL_TOKENS}
-    return {"tokenizer.json": whole, "special_tokens": special, "chat_template": getattr(tokenizer, "chat_template", None)}
+    return {
+        "tokenizer.json": whole,
+        "special_tokens": special,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
 
 
 def _token_text(token):
@@ -155,7 +197,9 @@ def _token_text(token):
     return None if token is None else str(getattr(token, "content", token))
 
 
-def description_mismatch(ckpt: str | os.PathLike, config: dict, lora: dict | None = None, tokenizer: dict | None = None) -> str | None:
+def description_mismatch(
+    ckpt: str | os.PathLike, config: dict, lora: dict | None = None, tokenizer: dict | None = None
+) -> str | None:
     """Why the checkpoint was saved from another model than this run's, by what it records beside its weights:
     config.json (every key but FREE_CONFIG_KEYS: heads, rope, activation, norms change no shape), adapter_config.json
     (LORA_KEYS: lora_alpha scales the update) and the tokenizer (token ids, which a shuffled vocabulary of the same
@@ -169,21 +213,27 @@ def description_mismatch(ckpt: str | os.PathLike, config: dict, lora: dict | Non
 
 
 def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, tokenizer: dict | None) -> str | None:
-    fix = ("resume with the model, config, tokenizer and LoRA settings it was saved with, or start without "
-           "--resume_from_checkpoint (another --output_dir)")
+    fix = (
+        "resume with the model, config, tokenizer and LoRA settings it was saved with, or start without "
+        "--resume_from_checkpoint (another --output_dir)"
+    )
     if os.path.lexists(path := ckpt / "config.json"):  # present in any form: compared, or named as unreadable
         saved = load_json(path, "config.json", JSON_LIMIT)
         if differ := _differing(saved, config, (saved.keys() | config.keys()) - FREE_CONFIG_KEYS):
             k = differ[0]
-            return (f"{ckpt} was saved from another model: its config.json differs in {len(differ)} setting(s) "
-                    f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}; {k}: {short_json(_plain(saved.get(k)))} saved, "
-                    f"{short_json(_plain(config.get(k)))} now); {fix}")
+            return (
+                f"{ckpt} was saved from another model: its config.json differs in {len(differ)} setting(s) "
+                f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}; {k}: {short_json(_plain(saved.get(k)))} saved, "
+                f"{short_json(_plain(config.get(k)))} now); {fix}"
+            )
     if lora is not None and os.path.lexists(path := ckpt / "adapter_config.json"):
         saved = load_json(path, "adapter_config.json", JSON_LIMIT)
         if differ := _differing(saved, lora, LORA_KEYS, _unordered):
             k = differ[0]
-            return (f"{ckpt} was saved with other LoRA settings: {', '.join(differ)} ({k}: {short_json(_plain(saved.get(k)))} saved, "
-                    f"{short_json(_plain(lora.get(k)))} now); {fix}")
+            return (
+                f"{ckpt} was saved with other LoRA settings: {', '.join(differ)} ({k}: {short_json(_plain(saved.get(k)))} saved, "
+                f"{short_json(_plain(lora.get(k)))} now); {fix}"
+            )
     if tokenizer is not None and (differ := _tokenizer_differences(ckpt, tokenizer)):
         return f"{ckpt} was saved with another tokenizer: {'; '.join(differ)} (token ids would mean other text); {fix}"
     return None
@@ -197,19 +247,29 @@ def _tokenizer_differences(ckpt: Path, now: dict) -> list[str]:
         saved = load_json(path, "tokenizer.json", DESCRIPTION_LIMIT)
         if isinstance(saved, dict):
             live = now["tokenizer.json"]
-            keys = [k for k in sorted((saved.keys() | live.keys()) - TOKENIZER_RUNTIME_KEYS) if _plain(saved.get(k)) != _plain(live.get(k))]
+            keys = [
+                k
+                for k in sorted((saved.keys() | live.keys()) - TOKENIZER_RUNTIME_KEYS)
+                if _plain(saved.get(k)) != _plain(live.get(k))
+            ]
             if keys:
                 named = ["vocabulary" if k == "model" else k.replace("_", "-") for k in keys]
-                differ.append(f"its tokenizer.json's {', '.join(named)} differ{'s' if len(keys) == 1 else ''} from this run's")
+                differ.append(
+                    f"its tokenizer.json's {', '.join(named)} differ{'s' if len(keys) == 1 else ''} from this run's"
+                )
     if os.path.lexists(path := ckpt / "tokenizer_config.json"):
         saved = load_json(path, "tokenizer_config.json", JSON_LIMIT)
         if isinstance(saved, dict):
             for name in SPECIAL_TOKENS:
                 if name in saved and _token_text(saved[name]) != now["special_tokens"].get(name):
-                    differ.append(f"{name} {short_json(_token_text(saved[name]))} saved, {short_json(now['special_tokens'].get(name))} now")
+                    differ.append(
+                        f"{name} {short_json(_token_text(saved[name]))} saved, {short_json(now['special_tokens'].get(name))} now"
+                    )
             template = saved.get("chat_template")
             if os.path.lexists(jinja := ckpt / "chat_template.jinja"):  # a FIFO or device there is named, not skipped
-                template = read_text(jinja, "chat_template.jinja", JSON_LIMIT)  # unreadable: description_mismatch names it
+                template = read_text(
+                    jinja, "chat_template.jinja", JSON_LIMIT
+                )  # unreadable: description_mismatch names it
             if template is not None and template != now["chat_template"]:
                 differ.append("its chat template differs from this run's")
     return differ

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fsdp_recipes.ckpt.layout import WRAPPER_PREFIXES
@@ -46,10 +46,14 @@ class WeightMap:
 
     def describe(self) -> str:
         where = f'under "{self.prefix}"' if self.prefix else "at the top level (no prefix)"
-        rest = f"; {self.ignored} other stored tensor(s) ignored (optimizer state, other modules)" if self.ignored else ""
+        rest = (
+            f"; {self.ignored} other stored tensor(s) ignored (optimizer state, other modules)" if self.ignored else ""
+        )
         if self.dropped:
-            rest += (f"; {len(self.dropped)} stored tensor(s) left out that from_pretrained ignores too (e.g. "
-                     f"{self.prefix}{self.dropped[0]}: an older version's buffers)")
+            rest += (
+                f"; {len(self.dropped)} stored tensor(s) left out that from_pretrained ignores too (e.g. "
+                f"{self.prefix}{self.dropped[0]}: an older version's buffers)"
+            )
         return f"layout: {len(self.names)} weights {where}{rest}"
 
 
@@ -70,11 +74,16 @@ def guess_namespace(stored: dict[str, TensorInfo]) -> WeightMap | None:
             break
         common.append(column[0])
     prefix = "".join(f"{c}." for c in common)
-    return WeightMap({n[len(prefix):]: n for n in names}, prefix, len(stored) - len(names))
+    return WeightMap({n[len(prefix) :]: n for n in names}, prefix, len(stored) - len(names))
 
 
-def match_namespace(stored: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]], tied: list[str], model_name: str,
-                    ignorable: Callable[[set[str]], set[str]] | None = None) -> WeightMap:
+def match_namespace(
+    stored: dict[str, TensorInfo],
+    expected: dict[str, tuple[int, ...]],
+    tied: list[str],
+    model_name: str,
+    ignorable: Callable[[set[str]], set[str]] | None = None,
+) -> WeightMap:
     """The namespace whose names and shapes are the model's, checked: every weight present with its shape, nothing
     unknown inside it but what ``ignorable`` says from_pretrained drops without a word (description.ignored_on_load).
     Raises CheckpointError naming what was found and what was expected."""
@@ -94,7 +103,7 @@ def match_namespace(stored: dict[str, TensorInfo], expected: dict[str, tuple[int
             "(under any prefix) with the config's shapes: pass the right --base-model"
         )
     prefix = max(votes, key=lambda p: (votes[p], -len(p)))
-    inside = {n[len(prefix):]: n for n in weight_candidates(stored) if n.startswith(prefix)}
+    inside = {n[len(prefix) :]: n for n in weight_candidates(stored) if n.startswith(prefix)}
     missing = [n for n in wanted if n not in inside]
     if missing:
         raise CheckpointError(
@@ -104,10 +113,14 @@ def match_namespace(stored: dict[str, TensorInfo], expected: dict[str, tuple[int
     wrong = [n for n in wanted if tuple(stored[inside[n]].shape) != tuple(expected[n])]
     if wrong:
         n = wrong[0]
-        raise CheckpointError(f"{n} has shape {tuple(stored[inside[n]].shape)} in the checkpoint but {tuple(expected[n])} in the config: pass the right --base-model")
+        raise CheckpointError(
+            f"{n} has shape {tuple(stored[inside[n]].shape)} in the checkpoint but {tuple(expected[n])} in the config: pass the right --base-model"
+        )
     unknown = set(inside) - set(expected)
     dropped = sorted(ignorable(unknown)) if ignorable and unknown else []
     extra = sorted(unknown - set(dropped))
     if extra:
-        raise CheckpointError(f"the checkpoint has {len(extra)} weight(s) {model_name} does not (e.g. {prefix}{extra[0]}): pass the right --base-model")
+        raise CheckpointError(
+            f"the checkpoint has {len(extra)} weight(s) {model_name} does not (e.g. {prefix}{extra[0]}): pass the right --base-model"
+        )
     return WeightMap({n: inside[n] for n in wanted}, prefix, len(stored) - len(inside), tuple(dropped))

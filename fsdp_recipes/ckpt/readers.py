@@ -21,7 +21,13 @@ from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json, plain_file_name
 from fsdp_recipes.ckpt.dcp import (
-    DTYPE_SIZES, UnsafeCheckpointError, check_folder, digest_problems, guard_torch_dcp, raw_tensor, require_this_torch,
+    DTYPE_SIZES,
+    UnsafeCheckpointError,
+    check_folder,
+    digest_problems,
+    guard_torch_dcp,
+    raw_tensor,
+    require_this_torch,
     unsafe_message,
 )
 from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, SHARD_DIGESTS
@@ -30,13 +36,23 @@ from fsdp_recipes.errors import CheckpointError
 
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE): a larger header is not one
 SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
 
 
 def dtype_name(dtype) -> str | None:
-    """"bfloat16" for torch.bfloat16 or "bfloat16"; None stays None (keep the saved dtype)."""
+    """ "bfloat16" for torch.bfloat16 or "bfloat16"; None stays None (keep the saved dtype)."""
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
@@ -49,8 +65,10 @@ def torch_dtype(name: str):
 def unconvertible_dtype(dtype: str, what: str) -> str:
     """The one line for a tensor whose dtype the merge does not convert (a dtype torch has, but safetensors or this
     tool does not take: uint16, complex64, float8_e8m0fnu ...)."""
-    return (f"{what} is {dtype}, which this tool does not convert to safetensors (it converts {', '.join(DTYPE_SIZES)}): "
-            "convert the checkpoint's weights with torch to one of those, or use the tool that wrote it")
+    return (
+        f"{what} is {dtype}, which this tool does not convert to safetensors (it converts {', '.join(DTYPE_SIZES)}): "
+        "convert the checkpoint's weights with torch to one of those, or use the tool that wrote it"
+    )
 
 
 @dataclass(frozen=True)
@@ -84,7 +102,12 @@ class DCPSource:
         if not problems and self.path.name == DCP_MODEL_DIR:
             problems = digest_problems(self.path.parent, (DCP_MODEL_DIR,))
         if problems:
-            if "refusing to" in problems[0] or problems[0].startswith("unreadable") or "not the file" in problems[0] or SHARD_DIGESTS in problems[0]:  # complete sentences
+            if (
+                "refusing to" in problems[0]
+                or problems[0].startswith("unreadable")
+                or "not the file" in problems[0]
+                or SHARD_DIGESTS in problems[0]
+            ):  # complete sentences
                 raise CheckpointError(problems[0])
             raise CheckpointError(
                 f"checkpoint {dcp_dir} is incomplete: {'; '.join(problems[:3])}; it was not finished writing or was "
@@ -122,7 +145,9 @@ class DCPSource:
         # A DCP class our stand-ins read but this torch has elsewhere (another version's): one line, not torch's error.
         require_this_torch(self._layout, self.path / ".metadata")
         guard_torch_dcp()
-        buffers = {self.keys[n]: torch.empty(self.tensors[n].shape, dtype=torch_dtype(self.tensors[n].dtype)) for n in names}
+        buffers = {
+            self.keys[n]: torch.empty(self.tensors[n].shape, dtype=torch_dtype(self.tensors[n].dtype)) for n in names
+        }
         with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
             warnings.simplefilter("ignore", UserWarning)
             try:
@@ -132,8 +157,13 @@ class DCPSource:
                     raise CheckpointError(unsafe_message(self.path / ".metadata", unsafe)) from None
                 refused = "Weights only load failed" in str(err)
                 raise CheckpointError(
-                    f"a tensor record in {self.path} is " + ("refused: it names code or objects that are not tensors "
-                    "(torch.load weights_only)" if refused else f"unreadable ({type(err).__name__})") + "; use a checkpoint you or your run wrote"
+                    f"a tensor record in {self.path} is "
+                    + (
+                        "refused: it names code or objects that are not tensors (torch.load weights_only)"
+                        if refused
+                        else f"unreadable ({type(err).__name__})"
+                    )
+                    + "; use a checkpoint you or your run wrote"
                 ) from None
         return {n: buffers[self.keys[n]] for n in names}
 
@@ -187,23 +217,33 @@ class SafetensorsSource:
         # from_pretrained reads model.safetensors when a folder holds both it and an index: these are the weights it loads
         whole = (folder / "model.safetensors").is_file()
         try:
-            files = sorted(set(load_json(index, index.name, JSON_LIMIT)["weight_map"].values())) if index.is_file() and not whole else ["model.safetensors"]
+            files = (
+                sorted(set(load_json(index, index.name, JSON_LIMIT)["weight_map"].values()))
+                if index.is_file() and not whole
+                else ["model.safetensors"]
+            )
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{index} is not a safetensors index (no weight_map): copy the checkpoint again") from None
+            raise CheckpointError(
+                f"{index} is not a safetensors index (no weight_map): copy the checkpoint again"
+            ) from None
         self.ranks = 1
         self.tensors, self._where = {}, {}
         codes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
         for file in files:
             if not is_shard_name(file):
-                raise CheckpointError(f"{index} names {file!r} as a shard, which is not a .safetensors file inside "
-                                      f"{folder}: give a folder whose index names only its own shard files")
+                raise CheckpointError(
+                    f"{index} names {file!r} as a shard, which is not a .safetensors file inside "
+                    f"{folder}: give a folder whose index names only its own shard files"
+                )
             path = folder / file
             if not path.is_file():
                 raise CheckpointError(f"{path} is missing ({index.name} names it): copy the checkpoint again")
             try:
                 length, entries, size = safetensors_header(path)
             except ValueError:
-                raise CheckpointError(f"{path} is not a readable safetensors file (truncated?): copy the checkpoint again") from None
+                raise CheckpointError(
+                    f"{path} is not a readable safetensors file (truncated?): copy the checkpoint again"
+                ) from None
             end = 0
             for key, entry in entries.items():
                 if entry["dtype"] not in codes:
@@ -213,7 +253,9 @@ class SafetensorsSource:
                 self._where[clean_name(key)] = (file, key, 8 + length + begin, stop - begin)
                 end = max(end, stop)
             if size < 8 + length + end:
-                raise CheckpointError(f"{path} is truncated ({size} of {8 + length + end} bytes): copy the checkpoint again")
+                raise CheckpointError(
+                    f"{path} is truncated ({size} of {8 + length + end} bytes): copy the checkpoint again"
+                )
 
     def copy_plan(self, name: str) -> list[tuple[Path, int, int, int]] | None:
         file, _, offset, nbytes = self._where[name]

@@ -61,14 +61,24 @@ def resolve_input(path: str | os.PathLike) -> ResolvedInput:
     weights are complete: see weight_problems)."""
     p = Path(path)
     if not p.exists():
-        raise CheckpointError(f"{p} does not exist: give a checkpoint-N folder, its {DCP_MODEL_DIR} folder, or a run's output folder")
+        raise CheckpointError(
+            f"{p} does not exist: give a checkpoint-N folder, its {DCP_MODEL_DIR} folder, or a run's output folder"
+        )
     if not p.is_dir():
-        raise CheckpointError(f"{p} is a file: give the folder that holds it (a checkpoint-N folder or {DCP_MODEL_DIR})")
+        raise CheckpointError(
+            f"{p} is a file: give the folder that holds it (a checkpoint-N folder or {DCP_MODEL_DIR})"
+        )
     if p.name.startswith("optimizer"):
-        raise CheckpointError(f"{p} holds optimizer state, not model weights: give {p.parent / DCP_MODEL_DIR} or {p.parent}")
+        raise CheckpointError(
+            f"{p} holds optimizer state, not model weights: give {p.parent / DCP_MODEL_DIR} or {p.parent}"
+        )
     if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
         # accelerate's model folder belongs to the checkpoint-N around it; any other DCP folder is the checkpoint
-        return ResolvedInput(DCPSource(p), p.parent, weights_dir=p) if p.name == DCP_MODEL_DIR else ResolvedInput(DCPSource(p), p)
+        return (
+            ResolvedInput(DCPSource(p), p.parent, weights_dir=p)
+            if p.name == DCP_MODEL_DIR
+            else ResolvedInput(DCPSource(p), p)
+        )
     if (p / DCP_MODEL_DIR).is_dir():
         return ResolvedInput(open_source(p), p)
     steps = checkpoint_steps(p)
@@ -80,12 +90,22 @@ def resolve_input(path: str | os.PathLike) -> ResolvedInput:
             try:
                 problems = weight_problems(ckpt)
             except UnknownToThisVersion as err:  # may be complete: never passed over for an older one
-                raise CheckpointError(f"{ckpt.name} in {p} is {err}; or merge an earlier checkpoint-N by its path") from None
+                raise CheckpointError(
+                    f"{ckpt.name} in {p} is {err}; or merge an earlier checkpoint-N by its path"
+                ) from None
             if not problems:
                 notes.append(f"using {ckpt.name}, the newest complete checkpoint in {p}")
                 return ResolvedInput(open_source(ckpt), ckpt, notes)
             notes.append(f"skipping {ckpt.name}: {problems[0]}")
         raise CheckpointError(f"no complete checkpoint in {p} ({'; '.join(notes)}): resume training to write one")
-    hints = sorted({str(q.parent) for q in p.glob("*/checkpoint-*")} | {str(q.parent) for q in p.glob("*/*/.metadata")} | {str(q.parent) for q in p.glob("*/.metadata")})
-    hint = f"; did you mean {hints[0]}?" if hints else f"; expected checkpoint-N/ folders, {DCP_MODEL_DIR}/ or a DCP .metadata inside"
+    hints = sorted(
+        {str(q.parent) for q in p.glob("*/checkpoint-*")}
+        | {str(q.parent) for q in p.glob("*/*/.metadata")}
+        | {str(q.parent) for q in p.glob("*/.metadata")}
+    )
+    hint = (
+        f"; did you mean {hints[0]}?"
+        if hints
+        else f"; expected checkpoint-N/ folders, {DCP_MODEL_DIR}/ or a DCP .metadata inside"
+    )
     raise CheckpointError(f"{p} is not a checkpoint{hint}")

@@ -26,7 +26,17 @@ from typing import NamedTuple
 
 from fsdp_recipes.bounded import load_json
 from fsdp_recipes.ckpt.layout import (
-    HARD_LINK, INCOMPLETE_PREFIX, REPLACED_PREFIX, RUN_RECORD, another_tools_run, checkpoint_steps, checkpoint_unlike, foreign_entries, is_checkpoint_folder, overlap, real,
+    HARD_LINK,
+    INCOMPLETE_PREFIX,
+    REPLACED_PREFIX,
+    RUN_RECORD,
+    another_tools_run,
+    checkpoint_steps,
+    checkpoint_unlike,
+    foreign_entries,
+    is_checkpoint_folder,
+    overlap,
+    real,
     step_of_name,
 )
 from fsdp_recipes.ckpt.status import checkpoint_status, newest_resumable
@@ -69,11 +79,19 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
     if str(value).lower() == "true":
         chosen, skipped = newest_resumable(output_dir) if Path(output_dir).is_dir() else (None, [])
         if blocked := next((s for s in skipped if s.may_be_good), None):  # never passed over for an older one
-            earlier = (f", or resume an earlier checkpoint explicitly with --resume_from_checkpoint {chosen.path} (later "
-                       "checkpoints are then moved aside, never deleted)") if chosen else ""
+            earlier = (
+                (
+                    f", or resume an earlier checkpoint explicitly with --resume_from_checkpoint {chosen.path} (later "
+                    "checkpoints are then moved aside, never deleted)"
+                )
+                if chosen
+                else ""
+            )
             if blocked.weights_only:
-                raise RecipeError(f"--resume_from_checkpoint true: the newest checkpoint in {output_dir!r} cannot resume: "
-                                  f"{blocked.weights_only_line()}{earlier}; nothing was skipped, set aside or deleted")
+                raise RecipeError(
+                    f"--resume_from_checkpoint true: the newest checkpoint in {output_dir!r} cannot resume: "
+                    f"{blocked.weights_only_line()}{earlier}; nothing was skipped, set aside or deleted"
+                )
             raise RecipeError(
                 f"--resume_from_checkpoint true: {Path(blocked.path).name} in {output_dir!r} is unreadable by this version "
                 f"({blocked.unreadable}); another torch version wrote it, and it may be complete, so nothing was skipped, "
@@ -88,9 +106,14 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
                 f"--resume_from_checkpoint true: no complete checkpoint-N folder in output_dir {output_dir!r}{what}; "
                 "start without --resume_from_checkpoint"
             )
-        return Resume(_resumable(chosen, trainer_fsdp, say), [SetAside(Path(s.path), INCOMPLETE_PREFIX, "incomplete") for s in skipped])
+        return Resume(
+            _resumable(chosen, trainer_fsdp, say),
+            [SetAside(Path(s.path), INCOMPLETE_PREFIX, "incomplete") for s in skipped],
+        )
     if not Path(value).is_dir():
-        raise RecipeError(f"--resume_from_checkpoint {value!r} is not a folder: give a checkpoint-N folder, or true for the latest")
+        raise RecipeError(
+            f"--resume_from_checkpoint {value!r} is not a folder: give a checkpoint-N folder, or true for the latest"
+        )
     status = checkpoint_status(value)
     if status.weights_only:
         raise RecipeError(f"cannot resume from {value}: {status.weights_only_line()}")
@@ -112,11 +135,15 @@ def refuse_moving_aside(folders: list[Path], output_dir: str) -> None:
     empty one (a save killed before its first file) is still a checkpoint's."""
     for folder in folders:
         if (unlike := checkpoint_unlike(folder)) and unlike != "it is empty":
-            raise RecipeError(f"{folder} is named like a checkpoint but is not one ({unlike}): a resume would move it aside "
-                              f"with the incomplete ones; move it out of output_dir {output_dir!r} and run again (nothing was moved)")
+            raise RecipeError(
+                f"{folder} is named like a checkpoint but is not one ({unlike}): a resume would move it aside "
+                f"with the incomplete ones; move it out of output_dir {output_dir!r} and run again (nothing was moved)"
+            )
 
 
-REQUEUE_RECORD = "requeue_progress.json"  # output_dir: the newest checkpoint each requeued attempt of a job started from
+REQUEUE_RECORD = (
+    "requeue_progress.json"  # output_dir: the newest checkpoint each requeued attempt of a job started from
+)
 
 
 MAX_STALLED_REQUEUES = 3
@@ -166,8 +193,14 @@ def decide(value: str | None, output_dir: str, trainer_fsdp: bool = False) -> De
     except RecipeError as err:
         return Decision(None, [], None, notes, str(err))
     except Exception as err:  # rank 0 alone decides: whatever stops it must reach every rank as the decision's error
-        return Decision(None, [], None, notes, f"the resume could not be decided ({type(err).__name__}: {err}); "
-                        "check output_dir and --resume_from_checkpoint")
+        return Decision(
+            None,
+            [],
+            None,
+            notes,
+            f"the resume could not be decided ({type(err).__name__}: {err}); "
+            "check output_dir and --resume_from_checkpoint",
+        )
 
 
 class Sight(NamedTuple):
@@ -198,18 +231,26 @@ def disagreement(value: str | None, output_dir: str, chosen: str | None, sights:
     more = f" (and {len(others) - 1} more rank(s))" if len(others) > 1 else ""
     (seen, seen_host), (unseen, unseen_host) = ((0, first.host), (rank, other.host))[:: 1 if first.found else -1]
     if (path := explicit(value)) is not None:
-        what = (f"--resume_from_checkpoint {path!r} is a folder for rank {seen} ({seen_host}) and not for rank {unseen} "
-                f"({unseen_host}){more}")
+        what = (
+            f"--resume_from_checkpoint {path!r} is a folder for rank {seen} ({seen_host}) and not for rank {unseen} "
+            f"({unseen_host}){more}"
+        )
     elif other.newest != first.newest:
-        what = (f"--resume_from_checkpoint true: in output_dir {output_dir!r} rank 0 ({first.host}) sees "
-                f"{first.newest or 'no checkpoint-N folder'} as the newest checkpoint, rank {rank} ({other.host}) sees "
-                f"{other.newest or 'no checkpoint-N folder'}{more}")
+        what = (
+            f"--resume_from_checkpoint true: in output_dir {output_dir!r} rank 0 ({first.host}) sees "
+            f"{first.newest or 'no checkpoint-N folder'} as the newest checkpoint, rank {rank} ({other.host}) sees "
+            f"{other.newest or 'no checkpoint-N folder'}{more}"
+        )
     else:
-        what = (f"--resume_from_checkpoint true: rank 0 ({first.host}) chose {Path(chosen).name} in output_dir "
-                f"{output_dir!r}, which rank {seen} ({seen_host}) sees and rank {unseen} ({unseen_host}) does not{more}")
-    return (f"{what}: the ranks must see the same checkpoints (a network filesystem's attribute cache can show nodes "
-            "an older folder: wait for it, or mount output_dir without attribute caching, e.g. NFS actimeo=0), then run "
-            "the same command again; nothing was moved or deleted")
+        what = (
+            f"--resume_from_checkpoint true: rank 0 ({first.host}) chose {Path(chosen).name} in output_dir "
+            f"{output_dir!r}, which rank {seen} ({seen_host}) sees and rank {unseen} ({unseen_host}) does not{more}"
+        )
+    return (
+        f"{what}: the ranks must see the same checkpoints (a network filesystem's attribute cache can show nodes "
+        "an older folder: wait for it, or mount output_dir without attribute caching, e.g. NFS actimeo=0), then run "
+        "the same command again; nothing was moved or deleted"
+    )
 
 
 def later_checkpoints(ckpt: Path, output_dir: str) -> list[SetAside]:
@@ -219,8 +260,11 @@ def later_checkpoints(ckpt: Path, output_dir: str) -> list[SetAside]:
     if real(ckpt.parent) != real(output_dir) or step_of_name(ckpt) is None:
         return []
     step = int(ckpt.name.split("-")[1])
-    return [SetAside(later, REPLACED_PREFIX, f"resuming {ckpt.name} starts a new branch of the run")
-            for later in checkpoint_steps(Path(output_dir)) if int(later.name.split("-")[1]) > step]
+    return [
+        SetAside(later, REPLACED_PREFIX, f"resuming {ckpt.name} starts a new branch of the run")
+        for later in checkpoint_steps(Path(output_dir))
+        if int(later.name.split("-")[1]) > step
+    ]
 
 
 def _resumable(status, trainer_fsdp: bool, say=say) -> str:
@@ -249,15 +293,22 @@ def _resumable(status, trainer_fsdp: bool, say=say) -> str:
     return status.path
 
 
-def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: str | None = None,
-                     inputs: dict[str, str | None] | None = None) -> list[Path]:
+def check_output_dir(
+    output_dir: str,
+    resuming: bool,
+    overwrite: bool,
+    resume: str | None = None,
+    inputs: dict[str, str | None] | None = None,
+) -> list[Path]:
     """A new run must not write into another run's checkpoints: a later `resume true` would pick theirs, rotation
     would delete them. Nor may output_dir be, hold or lie inside a local input (the final model would replace the
     model it was trained from). A resume from a checkpoint outside output_dir is a new run for this check.
     Returns the checkpoint folders of an earlier run that ``--overwrite_output_dir`` deletes (checked here to hold
     only checkpoint files; the preflight deletes them)."""
     if not str(output_dir).strip():
-        raise RecipeError("output_dir is empty: give a folder for checkpoints and the final model, e.g. --output_dir runs/my-run")
+        raise RecipeError(
+            "output_dir is empty: give a folder for checkpoints and the final model, e.g. --output_dir runs/my-run"
+        )
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise RecipeError(f"output_dir {output_dir!r} is a file: choose a folder (it is created if missing)")
@@ -266,28 +317,46 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
         raise RecipeError(f"output_dir {output_dir!r}: {existing} is not writable: choose a folder you can write to")
     for key, source in (inputs or {}).items():
         if source and Path(source).expanduser().exists() and overlap(real(output_dir), real(source)):
-            how = "is" if real(output_dir) == real(source) else "is inside" if real(source) in real(output_dir).parents else "holds"
-            raise RecipeError(f"output_dir {output_dir!r} {how} {key} {source!r}: the run's model folder would replace or "
-                              "mix with its input; choose another --output_dir")
+            how = (
+                "is"
+                if real(output_dir) == real(source)
+                else "is inside"
+                if real(source) in real(output_dir).parents
+                else "holds"
+            )
+            raise RecipeError(
+                f"output_dir {output_dir!r} {how} {key} {source!r}: the run's model folder would replace or "
+                "mix with its input; choose another --output_dir"
+            )
     if out.is_dir() and (foreign := foreign_entries(out)):
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         if another_tools_run(out):
-            raise RecipeError(f"output_dir {output_dir!r} holds another tool's model or run ({shown}; no {RUN_RECORD}, which "
-                              "every run of this repository writes first): this run would overwrite its records and mix its model "
-                              "with this one's; choose an empty or new --output_dir (the folder is left as it is)")
+            raise RecipeError(
+                f"output_dir {output_dir!r} holds another tool's model or run ({shown}; no {RUN_RECORD}, which "
+                "every run of this repository writes first): this run would overwrite its records and mix its model "
+                "with this one's; choose an empty or new --output_dir (the folder is left as it is)"
+            )
         linked = [e.removesuffix(f" ({HARD_LINK})") for e in foreign if e.endswith(f" ({HARD_LINK})")]
         if len(linked) == len(foreign):  # its own records, linked to files elsewhere (cp -al run run.bak)
-            raise RecipeError(f"output_dir {output_dir!r} holds records that are hard links ({', '.join(linked[:4])}"
-                              f"{' and more' if len(linked) > 4 else ''}): this run would rewrite them, and the other names' files with "
-                              "them; give each a file of its own (cp F F.tmp && mv F.tmp F), or choose a new --output_dir")
-        raise RecipeError(f"output_dir {output_dir!r} holds files a training run does not write ({shown}): the run "
-                          "would write (or replace) its checkpoints, model/ and adapter/ among them; move them out of "
-                          f"output_dir{' (a hard link: give it a file of its own)' if linked else ''}, or choose an empty or new --output_dir")
+            raise RecipeError(
+                f"output_dir {output_dir!r} holds records that are hard links ({', '.join(linked[:4])}"
+                f"{' and more' if len(linked) > 4 else ''}): this run would rewrite them, and the other names' files with "
+                "them; give each a file of its own (cp F F.tmp && mv F.tmp F), or choose a new --output_dir"
+            )
+        raise RecipeError(
+            f"output_dir {output_dir!r} holds files a training run does not write ({shown}): the run "
+            "would write (or replace) its checkpoints, model/ and adapter/ among them; move them out of "
+            f"output_dir{' (a hard link: give it a file of its own)' if linked else ''}, or choose an empty or new --output_dir"
+        )
     if resuming and resume is not None and real(resume).parent != real(output_dir):
         resuming = False  # another folder's checkpoint: this output_dir starts a new line of checkpoints
     if resuming or not out.is_dir():
         return []
-    earlier = checkpoint_steps(out) + sorted(out.glob(f"{INCOMPLETE_PREFIX}checkpoint-*")) + sorted(out.glob(f"{REPLACED_PREFIX}checkpoint-*"))
+    earlier = (
+        checkpoint_steps(out)
+        + sorted(out.glob(f"{INCOMPLETE_PREFIX}checkpoint-*"))
+        + sorted(out.glob(f"{REPLACED_PREFIX}checkpoint-*"))
+    )
     if not earlier:
         return []
     if resume is not None:
@@ -320,7 +389,9 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
                 f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
                 f"--resume_from_checkpoint {how}, or choose a new --output_dir"
             )
-        delete = "" if foreign else ", or pass --overwrite_output_dir true to delete them"  # only what that flag would delete
+        delete = (
+            "" if foreign else ", or pass --overwrite_output_dir true to delete them"
+        )  # only what that flag would delete
         raise RecipeError(
             f"output_dir {output_dir!r} already holds another run's checkpoints ({names}), none of them complete: resume "
             f"is not possible; choose a new --output_dir{delete}"
@@ -330,13 +401,19 @@ def check_output_dir(output_dir: str, resuming: bool, overwrite: bool, resume: s
             f"--overwrite_output_dir: {foreign[0]} is not a training checkpoint holding nothing else ({checkpoint_unlike(foreign[0])}): "
             "refusing to delete it; move what you want to keep out of it, or choose a new --output_dir"
         )
-    for status in map(checkpoint_status, earlier):  # what may be good is never on the list: the run stops, nothing deleted
+    for status in map(
+        checkpoint_status, earlier
+    ):  # what may be good is never on the list: the run stops, nothing deleted
         if status.weights_only:
-            raise RecipeError(f"--overwrite_output_dir: refusing to delete {status.path}, which may be a good model: "
-                              f"{status.weights_only_line()}; or move it out of output_dir {output_dir!r}, or choose a new "
-                              "--output_dir (nothing was deleted)")
+            raise RecipeError(
+                f"--overwrite_output_dir: refusing to delete {status.path}, which may be a good model: "
+                f"{status.weights_only_line()}; or move it out of output_dir {output_dir!r}, or choose a new "
+                "--output_dir (nothing was deleted)"
+            )
         if status.may_be_complete:
-            raise RecipeError(f"--overwrite_output_dir: refusing to delete {status.path}, which may be complete: it is unreadable "
-                              f"by this version ({status.unreadable}); resume it with the torch version that wrote it, move it "
-                              f"out of output_dir {output_dir!r}, or choose a new --output_dir (nothing was deleted)")
+            raise RecipeError(
+                f"--overwrite_output_dir: refusing to delete {status.path}, which may be complete: it is unreadable "
+                f"by this version ({status.unreadable}); resume it with the torch version that wrote it, move it "
+                f"out of output_dir {output_dir!r}, or choose a new --output_dir (nothing was deleted)"
+            )
     return earlier

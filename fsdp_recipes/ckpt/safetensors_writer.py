@@ -28,11 +28,17 @@ from fsdp_recipes.direct_writes import DirectFile
 from fsdp_recipes.errors import CheckpointError
 
 
-def _safetensors_header(names: list[str], infos: dict[str, TensorInfo], dtype: str | None) -> tuple[bytes, list[tuple[str, int]]]:
+def _safetensors_header(
+    names: list[str], infos: dict[str, TensorInfo], dtype: str | None
+) -> tuple[bytes, list[tuple[str, int]]]:
     header, offset, layout = {"__metadata__": {"format": "pt"}}, 0, []
     for n in names:
         size = infos[n].nbytes(dtype)
-        header[n] = {"dtype": SAFETENSORS_DTYPES[dtype or infos[n].dtype], "shape": list(infos[n].shape), "data_offsets": [offset, offset + size]}
+        header[n] = {
+            "dtype": SAFETENSORS_DTYPES[dtype or infos[n].dtype],
+            "shape": list(infos[n].shape),
+            "data_offsets": [offset, offset + size],
+        }
         layout.append((n, size))
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -65,8 +71,13 @@ def _in_order(plan: list[tuple[Path, int, int, int]] | None, size: int) -> list[
     return plan if at == size else None
 
 
-def weight_files(source, names: dict[str, str] | list[str], max_shard_size: str | int = "5GB", dtype: str | None = None,
-                 stem: str = "model") -> list[str]:
+def weight_files(
+    source,
+    names: dict[str, str] | list[str],
+    max_shard_size: str | int = "5GB",
+    dtype: str | None = None,
+    stem: str = "model",
+) -> list[str]:
     """The names of the files ``write_weights`` writes for these arguments (shards in order, then the index if any)."""
     split, _, _ = _plan(source, names, max_shard_size, dtype_name(dtype), stem)
     return list(split.filename_to_tensors) + ([f"{stem}.safetensors.index.json"] if split.is_sharded else [])
@@ -76,15 +87,25 @@ def _plan(source, names, max_shard_size, dtype: str | None, stem: str):
     mapping = dict(names) if isinstance(names, dict) else {n: n for n in names}
     infos = {out: source.tensors[src] for out, src in mapping.items()}
     split = split_state_dict_into_shards_factory(
-        infos, get_storage_size=lambda info: info.nbytes(dtype), filename_pattern=stem + "{suffix}.safetensors", max_shard_size=max_shard_size,
+        infos,
+        get_storage_size=lambda info: info.nbytes(dtype),
+        filename_pattern=stem + "{suffix}.safetensors",
+        max_shard_size=max_shard_size,
     )
     return split, infos, mapping
 
 
 def write_weights(
-    source, names: dict[str, str] | list[str], out_dir: Path, max_shard_size: str | int = "5GB", dtype: str | None = None,
-    memory_budget: str | int = "512MB", cancelled: Callable[[], bool] = lambda: False, stem: str = "model",
-    part: tuple[int, int] = (0, 1), copy_process: bool = False,
+    source,
+    names: dict[str, str] | list[str],
+    out_dir: Path,
+    max_shard_size: str | int = "5GB",
+    dtype: str | None = None,
+    memory_budget: str | int = "512MB",
+    cancelled: Callable[[], bool] = lambda: False,
+    stem: str = "model",
+    part: tuple[int, int] = (0, 1),
+    copy_process: bool = False,
 ) -> list[str]:
     """Stream the source's tensors into safetensors shards (+ index) in ``out_dir``; returns the names of the files
     written. ``names``: output name -> source tensor name (a list: the same names). ``cancelled`` is asked between
@@ -95,20 +116,38 @@ def write_weights(
     threads run Python meanwhile), while this one writes the rest."""
     dtype = dtype_name(dtype)
     split, infos, mapping = _plan(source, names, max_shard_size, dtype, stem)
-    budget = internals.get("huggingface_hub.serialization._base.parse_size_to_int")(memory_budget) if isinstance(memory_budget, str) else memory_budget
+    budget = (
+        internals.get("huggingface_hub.serialization._base.parse_size_to_int")(memory_budget)
+        if isinstance(memory_budget, str)
+        else memory_budget
+    )
     mine = [(f, shard) for i, (f, shard) in enumerate(split.filename_to_tensors.items()) if i % part[1] == part[0]]
     total = sum(info.nbytes(dtype) for info in infos.values())
     shards, copies = [], []
     for filename, shard_names in mine:
         header, layout = _safetensors_header(sorted(shard_names), infos, dtype)
-        plans = {n: _in_order(source.copy_plan(mapping[n]), size) for n, size in layout} if dtype is None and hasattr(source, "copy_plan") else {}
+        plans = (
+            {n: _in_order(source.copy_plan(mapping[n]), size) for n, size in layout}
+            if dtype is None and hasattr(source, "copy_plan")
+            else {}
+        )
         if copy_process and all(plans.get(n) for n, _ in layout):
-            copies.append({"path": str(out_dir / filename), "header": header.hex(),
-                           "pieces": [[str(src), offset, count] for n, _ in layout for src, offset, _, count in plans[n]]})
+            copies.append(
+                {
+                    "path": str(out_dir / filename),
+                    "header": header.hex(),
+                    "pieces": [[str(src), offset, count] for n, _ in layout for src, offset, _, count in plans[n]],
+                }
+            )
         else:
             shards.append((out_dir / filename, header, layout, plans))
-    with tqdm(total=sum(infos[n].nbytes(dtype) for _, shard in mine for n in shard), unit="B", unit_scale=True, desc="Writing weights",
-              disable=part[0] != 0) as bar:  # one bar: the first part's
+    with tqdm(
+        total=sum(infos[n].nbytes(dtype) for _, shard in mine for n in shard),
+        unit="B",
+        unit_scale=True,
+        desc="Writing weights",
+        disable=part[0] != 0,
+    ) as bar:  # one bar: the first part's
         child, errors = _start_copies(copies) if copies else (None, None)
         try:
             for path, header, layout, plans in shards:
@@ -130,9 +169,19 @@ def write_weights(
     return written
 
 
-def _write_shard(path: Path, header: bytes, layout: list[tuple[str, int]], plans: dict, source, mapping: dict[str, str],
-                 infos: dict[str, TensorInfo], dtype: str | None, budget: int, cancelled: Callable[[], bool],
-                 progress: Callable[[int], object]) -> None:
+def _write_shard(
+    path: Path,
+    header: bytes,
+    layout: list[tuple[str, int]],
+    plans: dict,
+    source,
+    mapping: dict[str, str],
+    infos: dict[str, TensorInfo],
+    dtype: str | None,
+    budget: int,
+    cancelled: Callable[[], bool],
+    progress: Callable[[int], object],
+) -> None:
     """One safetensors file, front to back: a tensor whose bytes lie plain in the source is read straight into the
     writer's buffer; the rest are read (and cast) in budgeted groups, in the order they are written."""
     slow = groups([n for n, _ in layout if plans.get(n) is None], infos, budget)
@@ -156,8 +205,10 @@ def _write_shard(path: Path, header: bytes, layout: list[tuple[str, int]], plans
             # into the next tensor's place in the file
             t = loaded.pop(n).to(torch_dtype(dtype or infos[n].dtype)).contiguous()
             if tuple(t.shape) != tuple(infos[n].shape):  # with the stated dtype, the stated bytes
-                raise CheckpointError(f"{n}: the checkpoint gave a tensor of shape {tuple(t.shape)}, where its "
-                                      f"metadata states {tuple(infos[n].shape)}: the checkpoint is inconsistent; copy it again")
+                raise CheckpointError(
+                    f"{n}: the checkpoint gave a tensor of shape {tuple(t.shape)}, where its "
+                    f"metadata states {tuple(infos[n].shape)}: the checkpoint is inconsistent; copy it again"
+                )
             if t.numel():
                 out.write(t.reshape(-1).view(torch_dtype("uint8")).numpy())
             progress(size)
@@ -173,13 +224,24 @@ def _start_copies(files: list[dict]) -> tuple[subprocess.Popen, object]:
     (a pipe nobody reads while the copy runs could fill and stop it)."""
     # the package as this process has it, installed or not, and never the current folder, which -m or -c put first
     # on the path (a folder named fsdp_recipes there, another checkout's, or a json.py would be imported instead)
-    start = ("import sys; sys.path[:] = [sys.argv[1], *(p for p in sys.path if p not in ('', '.'))]; "
-             "from fsdp_recipes.ckpt.copier import main; sys.exit(main())")
+    start = (
+        "import sys; sys.path[:] = [sys.argv[1], *(p for p in sys.path if p not in ('', '.'))]; "
+        "from fsdp_recipes.ckpt.copier import main; sys.exit(main())"
+    )
     # and the interpreter as this one was started: a merge run with -I, -E or -s is isolated in its child too
-    flags = ["-I"] if sys.flags.isolated else [f for f, on in (("-E", sys.flags.ignore_environment), ("-s", sys.flags.no_user_site)) if on]
+    flags = (
+        ["-I"]
+        if sys.flags.isolated
+        else [f for f, on in (("-E", sys.flags.ignore_environment), ("-s", sys.flags.no_user_site)) if on]
+    )
     errors = tempfile.TemporaryFile("w+")
-    child = subprocess.Popen([sys.executable, *flags, "-c", start, str(Path(__file__).resolve().parents[2])], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=errors, text=True)
+    child = subprocess.Popen(
+        [sys.executable, *flags, "-c", start, str(Path(__file__).resolve().parents[2])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=errors,
+        text=True,
+    )
     try:
         child.stdin.write(json.dumps({"files": files}))
         child.stdin.close()
@@ -188,7 +250,9 @@ def _start_copies(files: list[dict]) -> tuple[subprocess.Popen, object]:
     return child, errors
 
 
-def _finish_copies(child: subprocess.Popen, errors, files: list[dict], cancelled: Callable[[], bool], progress: Callable[[int], object]) -> None:
+def _finish_copies(
+    child: subprocess.Popen, errors, files: list[dict], cancelled: Callable[[], bool], progress: Callable[[int], object]
+) -> None:
     """Follow the child's progress to its end; Cancelled when the check beside fails (the caller kills it), one
     CheckpointError when it failed or its files are not whole (header and every piece: never trusted from its
     exit status alone)."""
@@ -202,13 +266,20 @@ def _finish_copies(child: subprocess.Popen, errors, files: list[dict], cancelled
     errors.seek(0)
     said = [line.strip() for line in errors.read().splitlines() if line.strip()]
     if code == FAILED:  # the copier's own one-line error (a truncated record, a full disk)
-        raise CheckpointError(said[-1] if said else "the copy process failed without a word: nothing was published; run the merge again")
+        raise CheckpointError(
+            said[-1] if said else "the copy process failed without a word: nothing was published; run the merge again"
+        )
     if code:
-        raise CheckpointError(f"the copy process ended with status {code}" + (f" ({said[-1]})" if said else "")
-                              + ": nothing was published; run the merge again")
+        raise CheckpointError(
+            f"the copy process ended with status {code}"
+            + (f" ({said[-1]})" if said else "")
+            + ": nothing was published; run the merge again"
+        )
     for f in files:
         want = len(f["header"]) // 2 + sum(count for _, _, count in f["pieces"])
         have = os.stat(f["path"]).st_size if os.path.isfile(f["path"]) else None
         if have != want:
-            raise CheckpointError(f"the copy process ended without writing {Path(f['path']).name} whole ({have} of {want} bytes): "
-                                  "nothing was published; run the merge again")
+            raise CheckpointError(
+                f"the copy process ended without writing {Path(f['path']).name} whole ({have} of {want} bytes): "
+                "nothing was published; run the merge again"
+            )

@@ -36,8 +36,20 @@ from pathlib import Path
 from fsdp_recipes.bounded import JSON_LIMIT, REPORT_LIMIT, STATE_LIMIT, load_json
 from fsdp_recipes.ckpt.dcp import check_folder, digest_problems, require_this_torch
 from fsdp_recipes.ckpt.layout import (
-    DCP_MODEL_DIR, FULL_MODEL_FILE, FULL_OPTIMIZER_FILE, INCOMPLETE_PREFIX, OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, REPORT_NAME,
-    ADAPTER_CONFIG, CHECKPOINT_PURPOSE, checkpoint_steps, checkpoint_unlike, is_checkpoint_folder, real, step_of_name,
+    ADAPTER_CONFIG,
+    CHECKPOINT_PURPOSE,
+    DCP_MODEL_DIR,
+    FULL_MODEL_FILE,
+    FULL_OPTIMIZER_FILE,
+    INCOMPLETE_PREFIX,
+    OPTIMIZER_DIR,
+    PLAIN_OPTIMIZER_FILE,
+    REPORT_NAME,
+    checkpoint_steps,
+    checkpoint_unlike,
+    is_checkpoint_folder,
+    real,
+    step_of_name,
 )
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError, RefusedRemoval, UnknownToThisVersion, UnreadableFile
@@ -79,42 +91,60 @@ class CheckpointStatus:
         """What to do with a weights-only checkpoint instead of resuming it (no deleting flag)."""
         if _adapter_only(Path(self.path)):
             return f"it is a LoRA adapter: load it onto its base model with peft (PeftModel.from_pretrained(base, {str(self.path)!r}))"
-        start = (f"start a new run from it with --model_name_or_path {self.path} (and a new --output_dir), or "
-                 if (Path(self.path) / "config.json").is_file() else "")
+        start = (
+            f"start a new run from it with --model_name_or_path {self.path} (and a new --output_dir), or "
+            if (Path(self.path) / "config.json").is_file()
+            else ""
+        )
         return f"it is a model: {start}merge it into a model folder with tools/merge_checkpoint.py {self.path} OUT"
 
     def weights_only_line(self) -> str:
         """Why a weights-only checkpoint does not resume, and what to do with it instead (one line)."""
-        return (f"{Path(self.path).name} holds model weights only, no optimizer state (as save_only_model writes), so it cannot "
-                f"resume a run; {self.weights_only_fix()}")
+        return (
+            f"{Path(self.path).name} holds model weights only, no optimizer state (as save_only_model writes), so it cannot "
+            f"resume a run; {self.weights_only_fix()}"
+        )
 
     def summary(self) -> str:
         name = Path(self.path).name
         what = ", ".join(
-            part for part in (
+            part
+            for part in (
                 f"step {self.step}" if self.step is not None else None,
                 f"FSDP{self.fsdp_version}" if self.fsdp_version else None,
                 self.sharding_strategy,
                 self.state_dict_type,
                 f"LoRA {self.lora}" + (f" (base {self.base_model})" if self.base_model else "") if self.lora else None,
                 f"{self.world_size} rank(s)" if self.world_size else None,
-            ) if part
+            )
+            if part
         )
         if self.resumable:
             verdict = "resumable"
         elif self.weights_only:
-            verdict = (f"WEIGHTS ONLY (complete model weights, no optimizer state, as save_only_model writes): cannot resume "
-                       f"a run; {self.weights_only_fix()}")
+            verdict = (
+                f"WEIGHTS ONLY (complete model weights, no optimizer state, as save_only_model writes): cannot resume "
+                f"a run; {self.weights_only_fix()}"
+            )
             if self.problems:
                 verdict += f"; also: {'; '.join(self.problems)}"
         elif self.problems:
-            verdict = "INCOMPLETE: " + "; ".join(self.problems) + (f"; and unreadable by this version: {self.unreadable}" if self.unreadable else "")
+            verdict = (
+                "INCOMPLETE: "
+                + "; ".join(self.problems)
+                + (f"; and unreadable by this version: {self.unreadable}" if self.unreadable else "")
+            )
         else:
             verdict = f"UNREADABLE BY THIS VERSION ({self.unreadable}): another torch version wrote it, and it may be complete; {UnknownToThisVersion.FIX}"
         return f"{name} ({what}): {verdict}" if what else f"{name}: {verdict}"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "resumable": self.resumable, "may_be_complete": self.may_be_complete, "may_be_good": self.may_be_good}
+        return {
+            **asdict(self),
+            "resumable": self.resumable,
+            "may_be_complete": self.may_be_complete,
+            "may_be_good": self.may_be_good,
+        }
 
 
 # The files a resume loads whole (scheduler.pt, rng_state_*.pth: a few KB each): a larger one is not what the Trainer
@@ -146,7 +176,12 @@ def _torch_file_problem(path: Path, load: bool = False, keys: tuple[str, ...] = 
             import numpy as np
             import torch
 
-            allowed = [internals.get("numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # as the Trainer
+            allowed = [
+                internals.get("numpy._core.multiarray._reconstruct"),
+                np.ndarray,
+                np.dtype,
+                type(np.dtype(np.uint32)),
+            ]  # as the Trainer
             file.seek(0)
             try:
                 with torch.serialization.safe_globals(allowed):
@@ -191,7 +226,9 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
 
     if folder.name == DCP_MODEL_DIR:
         if not layout.tensors:
-            return [f"{folder.name}/ holds no tensors (an adapter-only save that selected nothing): use an earlier checkpoint"]
+            return [
+                f"{folder.name}/ holds no tensors (an adapter-only save that selected nothing): use an earlier checkpoint"
+            ]
         if any(LORA_WEIGHT.match(name) for name in layout.tensors):
             status.lora = "adapter only" if all(LORA_WEIGHT.match(name) for name in layout.tensors) else "whole model"
             if status.lora == "adapter only":  # the frozen base comes from elsewhere: say which one the run recorded
@@ -201,13 +238,19 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
                     record = base_identity.read(folder.parent)
                 except CheckpointError as err:
                     return [str(err)]
-                status.base_model = record["base_model"] if record else f"not recorded: no {base_identity.BASE_IDENTITY}"
+                status.base_model = (
+                    record["base_model"] if record else f"not recorded: no {base_identity.BASE_IDENTITY}"
+                )
     return []  # that the chunks make up each tensor (a rank's slice missing) is check_folder's (dcp.chunk_problems)
 
 
-WEIGHTS_ONLY = "WEIGHTS_ONLY"  # state_dict_type of a checkpoint holding safetensors model weights and no optimizer state
+WEIGHTS_ONLY = (
+    "WEIGHTS_ONLY"  # state_dict_type of a checkpoint holding safetensors model weights and no optimizer state
+)
 _WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's: a LoRA run's weights under the stock Trainer (beside ADAPTER_CONFIG)
+ADAPTER_WEIGHTS = (
+    "adapter_model.safetensors"  # peft's: a LoRA run's weights under the stock Trainer (beside ADAPTER_CONFIG)
+)
 _OPTIMIZER_STATE = (OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, FULL_OPTIMIZER_FILE)
 # model weights in pickle files (the stock Trainer's with save_safetensors=false, peft's .bin adapter): never unpickled
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_model.bin")
@@ -219,12 +262,16 @@ def _weights_only_layout(ckpt: Path) -> bool:
     a file where one belongs counts as there): save_only_model's checkpoint, or one whose optimizer state was removed."""
     if any(os.path.lexists(ckpt / name) for name in (*_OPTIMIZER_STATE, DCP_MODEL_DIR, FULL_MODEL_FILE)):
         return False
-    return any(os.path.lexists(ckpt / name) for name in (*_WEIGHTS_FILES, ADAPTER_WEIGHTS)) or any(ckpt.glob("model-*-of-*.safetensors"))
+    return any(os.path.lexists(ckpt / name) for name in (*_WEIGHTS_FILES, ADAPTER_WEIGHTS)) or any(
+        ckpt.glob("model-*-of-*.safetensors")
+    )
 
 
 def _adapter_only(folder: Path) -> bool:
     """peft's adapter (and no model weights) is what a save_only_model checkpoint of a LoRA run holds."""
-    return os.path.lexists(folder / ADAPTER_WEIGHTS) and not any(os.path.lexists(folder / name) for name in _WEIGHTS_FILES)
+    return os.path.lexists(folder / ADAPTER_WEIGHTS) and not any(
+        os.path.lexists(folder / name) for name in _WEIGHTS_FILES
+    )
 
 
 def weights_problems(folder: Path) -> list[str]:
@@ -252,7 +299,9 @@ def weights_problems(folder: Path) -> list[str]:
             return [f"{index.name} has no weight_map of tensor names to shard files"]
         for tensor, shard in weight_map.items():
             if not isinstance(shard, str) or not is_shard_name(shard):
-                return [f"{index.name} names {short_json(shard)} as a shard, which is not a .safetensors file of the checkpoint"]
+                return [
+                    f"{index.name} names {short_json(shard)} as a shard, which is not a .safetensors file of the checkpoint"
+                ]
             expected.setdefault(shard, set()).add(tensor)
     problems = []
     for shard, tensors in sorted(expected.items()):
@@ -275,7 +324,9 @@ def weights_problems(folder: Path) -> list[str]:
         if size < 8 + length + end:
             problems.append(f"truncated {shard} ({size:,} of the {8 + length + end:,} bytes its header describes)")
         elif lacking := tensors - set(entries):
-            problems.append(f"{shard} lacks {len(lacking)} tensor(s) {index.name} assigns it ({short_json(sorted(lacking)[0])}, ...)")
+            problems.append(
+                f"{shard} lacks {len(lacking)} tensor(s) {index.name} assigns it ({short_json(sorted(lacking)[0])}, ...)"
+            )
     return problems
 
 
@@ -326,7 +377,10 @@ def _read_report(path: Path, status: CheckpointStatus) -> str | None:
 
 
 def _check(ckpt: Path, status: CheckpointStatus) -> None:
-    if not any((ckpt / name).exists() for name in ("trainer_state.json", DCP_MODEL_DIR, OPTIMIZER_DIR, FULL_MODEL_FILE, PLAIN_OPTIMIZER_FILE)):
+    if not any(
+        (ckpt / name).exists()
+        for name in ("trainer_state.json", DCP_MODEL_DIR, OPTIMIZER_DIR, FULL_MODEL_FILE, PLAIN_OPTIMIZER_FILE)
+    ):
         status.problems.append("not a training checkpoint (no trainer_state.json, model or optimizer state)")
         return
     report = ckpt / REPORT_NAME
@@ -350,20 +404,26 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
             elif "global_step" not in trainer_state:
                 status.problems.append("unreadable trainer_state.json (no global_step)")
             else:
-                status.problems.append(f"unreadable trainer_state.json (global_step {short_json(step)} is not a step number, a whole number of at least 0)")
+                status.problems.append(
+                    f"unreadable trainer_state.json (global_step {short_json(step)} is not a step number, a whole number of at least 0)"
+                )
         name_step = step_of_name(ckpt)
         if status.step is not None and name_step is not None and status.step != name_step:
             status.problems.append(f"trainer_state.json says step {status.step}, the folder name step {name_step}")
 
     ranks: set[int] = set()
-    fsdp_files = (ckpt / DCP_MODEL_DIR).is_dir() or (ckpt / OPTIMIZER_DIR).is_dir() or (ckpt / FULL_MODEL_FILE).is_file()
+    fsdp_files = (
+        (ckpt / DCP_MODEL_DIR).is_dir() or (ckpt / OPTIMIZER_DIR).is_dir() or (ckpt / FULL_MODEL_FILE).is_file()
+    )
     pickled = sorted(p.name for p in ckpt.iterdir() if p.name in PICKLED_WEIGHTS or PICKLED_SHARD.fullmatch(p.name))
     if pickled and finished and not fsdp_files:
         # transformers 4's save_safetensors=false, or peft's .bin adapter: a model we never unpickle, so cannot judge; it
         # may be good, so never skipped, set aside or deleted (may_be_complete)
         status.state_dict_type = "PICKLED_WEIGHTS"
-        status.unreadable = (f"its weights are pickle files ({', '.join(pickled[:2])}), which this repository never unpickles; "
-                             "convert them to safetensors where you trust the file, or move the checkpoint out of output_dir")
+        status.unreadable = (
+            f"its weights are pickle files ({', '.join(pickled[:2])}), which this repository never unpickles; "
+            "convert them to safetensors where you trust the file, or move the checkpoint out of output_dir"
+        )
         return
     if _weights_only_layout(ckpt):  # save_only_model's: judged by its weights alone (no scheduler or RNG state either)
         status.state_dict_type = WEIGHTS_ONLY
@@ -374,7 +434,9 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
         if changes := _recorded_changes(ckpt):
             status.problems.append(changes)
         return
-    if not fsdp_files and ((ckpt / PLAIN_OPTIMIZER_FILE).exists() or (report.is_file() and status.fsdp_version is None)):
+    if not fsdp_files and (
+        (ckpt / PLAIN_OPTIMIZER_FILE).exists() or (report.is_file() and status.fsdp_version is None)
+    ):
         status.state_dict_type = "PLAIN"  # the Trainer's own files: model.safetensors (+ index), optimizer.pt
         from fsdp_recipes.ckpt.readers import SafetensorsSource
 
@@ -394,14 +456,20 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
             status.problems += digest_problems(ckpt, (DCP_MODEL_DIR, OPTIMIZER_DIR))
     else:
         status.state_dict_type = "FULL_STATE_DICT"
-        status.problems += [p for p in (_torch_file_problem(ckpt / FULL_MODEL_FILE), _torch_file_problem(ckpt / FULL_OPTIMIZER_FILE)) if p]
+        status.problems += [
+            p
+            for p in (_torch_file_problem(ckpt / FULL_MODEL_FILE), _torch_file_problem(ckpt / FULL_OPTIMIZER_FILE))
+            if p
+        ]
 
     if problem := _torch_file_problem(ckpt / "scheduler.pt", load=True):
         status.problems.append(problem)
     if changes := _recorded_changes(ckpt):
         status.problems.append(changes)
 
-    rng_files = {int(m.group(1)) for p in ckpt.glob("rng_state_*.pth") if (m := re.fullmatch(r"rng_state_(\d+)\.pth", p.name))}
+    rng_files = {
+        int(m.group(1)) for p in ckpt.glob("rng_state_*.pth") if (m := re.fullmatch(r"rng_state_(\d+)\.pth", p.name))
+    }
     if status.world_size is None and (ranks or rng_files):
         status.world_size = max(ranks | rng_files) + 1
     if status.world_size and status.world_size > 1:
@@ -429,9 +497,9 @@ def set_aside(ckpt: Path, prefix: str = INCOMPLETE_PREFIX) -> Path:
     return move(ckpt, target)
 
 
-
-
-def rotate(run_dir: str | os.PathLike, limit: int | None, keep: str | None = None, warn=print, keep_newest: bool = True) -> list[Path]:
+def rotate(
+    run_dir: str | os.PathLike, limit: int | None, keep: str | None = None, warn=print, keep_newest: bool = True
+) -> list[Path]:
     """Delete the oldest checkpoints beyond ``limit`` by step (mtime misleads on fuse and network filesystems), never ``keep``
     (the best) nor, with ``keep_newest``, the newest; only checkpoints holding nothing else (layout.is_checkpoint_folder).
     Any other folder, or one that will not go, is kept and named through ``warn``, never stopping a run. Returns what went."""
@@ -479,18 +547,26 @@ def how_to_go_on(output_dir: str | os.PathLike) -> str:
     chosen, skipped = newest_resumable(Path(output_dir))
     # one that may be good stops `--resume_from_checkpoint true` (fsdp_recipes.ckpt.resume) and is never offered for deletion
     if maybe := next((s for s in skipped if s.may_be_good), None):
-        earlier = f"; or resume {Path(chosen.path).name} by its path: --resume_from_checkpoint {chosen.path}" if chosen else ""
+        earlier = (
+            f"; or resume {Path(chosen.path).name} by its path: --resume_from_checkpoint {chosen.path}"
+            if chosen
+            else ""
+        )
         if maybe.weights_only:
             return f"{maybe.weights_only_line()}{earlier}"
-        return (f"{Path(maybe.path).name} may be complete but is unreadable by this version ({maybe.unreadable}): resume "
-                f"it with the torch version that wrote it{earlier}, or choose a new --output_dir")
+        return (
+            f"{Path(maybe.path).name} may be complete but is unreadable by this version ({maybe.unreadable}): resume "
+            f"it with the torch version that wrote it{earlier}, or choose a new --output_dir"
+        )
     if chosen is not None:
         return f"run the same command with --resume_from_checkpoint true to continue from {Path(chosen.path).name}"
     if not skipped:
         return "no checkpoint was saved yet: run the same command again to start over"
     cut = ", ".join(Path(s.path).name for s in skipped)
-    return (f"no checkpoint is complete ({cut} cut short): run the same command with --overwrite_output_dir true to "
-            "start over (it deletes only those and our run's records there), or choose a new --output_dir")
+    return (
+        f"no checkpoint is complete ({cut} cut short): run the same command with --overwrite_output_dir true to "
+        "start over (it deletes only those and our run's records there), or choose a new --output_dir"
+    )
 
 
 def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export: bool = False) -> str | None:
@@ -500,20 +576,30 @@ def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export:
     import errno
 
     text = f"{err!r} {getattr(err, '__cause__', None)!r}"
-    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left" in text or "unexpected pos" in text
+    full = (
+        (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left" in text or "unexpected pos" in text
+    )
     if not full:
         return None
     out = Path(output_dir)
     free = shutil.disk_usage(out).free
     chosen, _ = newest_resumable(out)
     size = sum(f.stat().st_size for f in Path(chosen.path).rglob("*") if f.is_file()) if chosen else 0
-    need = f"a checkpoint takes {size / 1e6:.1f} MB, {free / 1e6:.1f} MB is free: {max(size - free, 0) / 1e6:.1f} MB more" if chosen else f"{free / 1e6:.1f} MB is free"
+    need = (
+        f"a checkpoint takes {size / 1e6:.1f} MB, {free / 1e6:.1f} MB is free: {max(size - free, 0) / 1e6:.1f} MB more"
+        if chosen
+        else f"{free / 1e6:.1f} MB is free"
+    )
     kept = f"{Path(chosen.path).name} is intact" if chosen else "no complete checkpoint was written yet"
     if export:
-        return (f"no space left on {out} while writing the final model ({free / 1e6:.1f} MB free); training had finished and "
-                f"{kept}: free space, then run the same command with --resume_from_checkpoint true (it writes the model "
-                "again, without training)")
+        return (
+            f"no space left on {out} while writing the final model ({free / 1e6:.1f} MB free); training had finished and "
+            f"{kept}: free space, then run the same command with --resume_from_checkpoint true (it writes the model "
+            "again, without training)"
+        )
     if chosen is None:
         return f"no space left on {out}: {need} and {kept}; free space, then {how_to_go_on(out)}"
-    return (f"no space left on {out}: {need}; {kept}: free space (or move output_dir), then run the same command "
-            "with --resume_from_checkpoint true")
+    return (
+        f"no space left on {out}: {need}; {kept}: free space (or move output_dir), then run the same command "
+        "with --resume_from_checkpoint true"
+    )

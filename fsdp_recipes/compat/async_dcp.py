@@ -41,6 +41,7 @@ class Background:
     """What background saves need: ``groups(i)`` and ``stagers(i)``, the gloo group and the ReusedHostCopy of the i-th
     save of a checkpoint; ``futures`` gets each save's future, ``staged_bytes`` the bytes of this rank's tensors it
     copied to host memory (0 for a save written in place), ``in_place`` whether it was."""
+
     groups: Callable
     stagers: Callable
     futures: list
@@ -65,8 +66,12 @@ class ShardFiles:
                 self.why = self.why or page_cache_why
 
     def report(self) -> dict:
-        return {"direct": self.direct, "page_cache": self.page_cache, **({"page_cache_why": self.why} if self.why else {}),
-                **({"other_writer": self.other_writer} if self.other_writer else {})}
+        return {
+            "direct": self.direct,
+            "page_cache": self.page_cache,
+            **({"page_cache_why": self.why} if self.why else {}),
+            **({"other_writer": self.other_writer} if self.other_writer else {}),
+        }
 
 
 class _DirectShardFiles(FileSystem):
@@ -109,7 +114,9 @@ def _writing_direct(storage_writer, files: ShardFiles):
     if type(getattr(storage_writer, "fs", None)) is FileSystem:  # DCP's FileSystemWriter, as accelerate makes it
         storage_writer.fs = _DirectShardFiles(storage_writer.sync_files, files)
     else:
-        files.other_writer = f"{type(storage_writer).__name__} without DCP's FileSystem: its files written as it writes them"
+        files.other_writer = (
+            f"{type(storage_writer).__name__} without DCP's FileSystem: its files written as it writes them"
+        )
     return storage_writer
 
 
@@ -119,16 +126,41 @@ def checkpoint_saves(files: ShardFiles, *, direct: bool, background: Background 
     ``background``)."""
     save = dcp.save
 
-    def wrapped(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None, no_dist=False, **kwargs):
+    def wrapped(
+        state_dict,
+        *,
+        checkpoint_id=None,
+        storage_writer=None,
+        planner=None,
+        process_group=None,
+        no_dist=False,
+        **kwargs,
+    ):
         if direct:
             storage_writer = _writing_direct(storage_writer, files)
         if background is None:
-            return save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-                        process_group=process_group, no_dist=no_dist, **kwargs)
+            return save(
+                state_dict,
+                checkpoint_id=checkpoint_id,
+                storage_writer=storage_writer,
+                planner=planner,
+                process_group=process_group,
+                no_dist=no_dist,
+                **kwargs,
+            )
         i = len(background.futures)
         stager = background.stagers(i)
-        background.futures.append(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-                                                 process_group=background.groups(i), async_stager=stager, no_dist=no_dist))
+        background.futures.append(
+            dcp.async_save(
+                state_dict,
+                checkpoint_id=checkpoint_id,
+                storage_writer=storage_writer,
+                planner=planner,
+                process_group=background.groups(i),
+                async_stager=stager,
+                no_dist=no_dist,
+            )
+        )
         background.in_place.append(stager.last_in_place)
         background.staged_bytes.append(0 if stager.last_in_place else local_bytes(state_dict))
         return None  # accelerate does not read save's result (the metadata); the future holds it

@@ -205,15 +205,21 @@ def _patch_fsdp_plugin() -> None:
 def _patch_fsdp1_internals() -> None:
     import contextlib
 
-    internals.patch("torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states", lambda module_states: None)
-    internals.patch("torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu", contextlib.contextmanager(lambda self: (yield)))
+    internals.patch(
+        "torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states", lambda module_states: None
+    )
+    internals.patch(
+        "torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu", contextlib.contextmanager(lambda self: (yield))
+    )
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     # HYBRID_SHARD's "node" is as many ranks as a process sees devices: 1 on CPU, so every process was a node of
     # one, switched to NO_SHARD, and no gradient crossed processes (the ranks trained apart). Here a node's devices
     # are its processes, so HYBRID_SHARD shards within the node and replicates across nodes as on GPUs.
     node_groups = internals.get("torch.distributed.fsdp._init_utils._init_intra_and_inter_node_groups")
-    internals.patch("torch.distributed.fsdp._init_utils._init_intra_and_inter_node_groups",
-                    lambda global_group, num_devices_per_node: node_groups(global_group, cpu_devices_per_node()))
+    internals.patch(
+        "torch.distributed.fsdp._init_utils._init_intra_and_inter_node_groups",
+        lambda global_group, num_devices_per_node: node_groups(global_group, cpu_devices_per_node()),
+    )
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None
 
@@ -249,8 +255,11 @@ def native_bf16(cpuinfo: str) -> bool | None:
 def _bf16_names(cpuinfo: str) -> str:
     """What a CPU with native bf16 would list, in this architecture's words."""
     found = _instruction_sets(cpuinfo)
-    return f"{ARM_BF16_FEATURE} in {CPUINFO}'s Features" if found and found[0] == "Features" else \
-        f"{' or '.join(X86_BF16_FLAGS)} in {CPUINFO}'s flags"
+    return (
+        f"{ARM_BF16_FEATURE} in {CPUINFO}'s Features"
+        if found and found[0] == "Features"
+        else f"{' or '.join(X86_BF16_FLAGS)} in {CPUINFO}'s flags"
+    )
 
 
 def cpu_name(cpuinfo: str) -> str:
@@ -297,8 +306,14 @@ class CpuPrecision:
 
     def record(self) -> dict:
         """fsdp_report.json's ``precision.cpu_bf16``."""
-        return {"asked_by": self.asked_by, "cpu": self.cpu, "native_bf16": self.native_bf16, "forced": self.forced,
-                "compute": "float32" if self.mixed_precision == "no" else "bfloat16", "note": self.line()}
+        return {
+            "asked_by": self.asked_by,
+            "cpu": self.cpu,
+            "native_bf16": self.native_bf16,
+            "forced": self.forced,
+            "compute": "float32" if self.mixed_precision == "no" else "bfloat16",
+            "note": self.line(),
+        }
 
 
 _CPU_PRECISION: CpuPrecision | None = None
@@ -316,14 +331,20 @@ def choose_cpu_precision(bf16_flag: bool, force: bool, env=None, cpuinfo: str | 
     env = os.environ if env is None else env
     launcher_bf16 = env.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "bf16"
     if force and not (launcher_bf16 or bf16_flag):
-        raise RecipeError(f"cpu_bf16 keeps bf16 mixed precision on a CPU without native bf16, and this run asks for none "
-                          f"(mixed_precision: {env.get('ACCELERATE_MIXED_PRECISION', 'no')}, bf16: false): drop cpu_bf16, or set "
-                          "mixed_precision: bf16 in the accelerate config")
+        raise RecipeError(
+            f"cpu_bf16 keeps bf16 mixed precision on a CPU without native bf16, and this run asks for none "
+            f"(mixed_precision: {env.get('ACCELERATE_MIXED_PRECISION', 'no')}, bf16: false): drop cpu_bf16, or set "
+            "mixed_precision: bf16 in the accelerate config"
+        )
     if accelerator_present() or not (launcher_bf16 or bf16_flag):
         _CPU_PRECISION = None
         return None
     text = read_cpuinfo() if cpuinfo is None else cpuinfo
-    asked_by = "bf16 mixed precision (accelerate's mixed_precision: bf16)" if launcher_bf16 else "bf16 mixed precision (bf16: true)"
+    asked_by = (
+        "bf16 mixed precision (accelerate's mixed_precision: bf16)"
+        if launcher_bf16
+        else "bf16 mixed precision (bf16: true)"
+    )
     decision = CpuPrecision(asked_by, cpu_name(text), native_bf16(text), force, _bf16_names(text))
     if decision.mixed_precision == "no":
         env["ACCELERATE_MIXED_PRECISION"] = "no"  # read by TrainingArguments and AcceleratorState; the ranks' own copy
@@ -340,8 +361,10 @@ def bf16_weights_line(weights_dtype, how: str, cpuinfo: str | None = None) -> st
     text = read_cpuinfo() if cpuinfo is None else cpuinfo
     if weights_dtype != torch.bfloat16 or accelerator_present() or native_bf16(text) is not False:
         return None
-    return (f"the model's weights are bfloat16 ({how}): they compute in bf16, and this CPU ({cpu_name(text)}) has no native "
-            f"bf16 instructions (no {_bf16_names(text)}), so training runs many times slower than fp32; --dtype float32 computes in fp32")
+    return (
+        f"the model's weights are bfloat16 ({how}): they compute in bf16, and this CPU ({cpu_name(text)}) has no native "
+        f"bf16 instructions (no {_bf16_names(text)}), so training runs many times slower than fp32; --dtype float32 computes in fp32"
+    )
 
 
 def cpu_precision() -> CpuPrecision | None:

@@ -63,7 +63,9 @@ class ReusedHostCopy:
             if ahead is not None:
                 self.copy = ahead.build(state_dict, layout)
             if self.copy is None:
-                self.copy = internals.get("torch.distributed._state_dict_utils._create_cpu_state_dict")(state_dict, pin_memory=torch.cuda.is_available())
+                self.copy = internals.get("torch.distributed._state_dict_utils._create_cpu_state_dict")(
+                    state_dict, pin_memory=torch.cuda.is_available()
+                )
             _share_ties(state_dict, self.copy, {})
             self.layout = layout
             self.made += 1
@@ -99,7 +101,10 @@ class HostBuffers:
     def _make(self, shapes) -> None:
         began, made = time.monotonic(), []
         try:  # what could be made is used, should memory run out part way
-            for dtype, shape in shapes:  # torch's pinned allocator: measured to hold up the training thread's CUDA calls
+            for (
+                dtype,
+                shape,
+            ) in shapes:  # torch's pinned allocator: measured to hold up the training thread's CUDA calls
                 made.append(torch.empty(shape, dtype=dtype, pin_memory=self.pin == "allocator"))
         except Exception as error:  # noqa: BLE001 (the save makes what is missing, as without this)
             self.error = f"{type(error).__name__}: {error}"
@@ -124,7 +129,12 @@ class HostBuffers:
         why = None if _copyable(state_dict) else "a tensor type other than Tensor and DTensor"
         try:
             made = _host_copy(state_dict, self, {}) if why is None else None
-        except (RuntimeError, TypeError, ValueError, InternalsChanged) as error:  # a torch where DTensor's empty_like or memory moved
+        except (
+            RuntimeError,
+            TypeError,
+            ValueError,
+            InternalsChanged,
+        ) as error:  # a torch where DTensor's empty_like or memory moved
             made, why = None, f"{type(error).__name__}: {error}"
         if made is not None and _layout(made) != layout:
             made, why = None, "its layout differed from the state dict's"
@@ -148,12 +158,21 @@ class HostBuffers:
         self._thread.join()
         left = sum(b.numel() * b.element_size() for found in self.free.values() for b in found)
         self.free = {}
-        return {"bytes": self.bytes, "seconds": self.seconds, "pinned": self.pin, "tensors_taken": self.taken,
-                "tensors_made_at_save": self.made_at_save, "bytes_not_taken": left,
-                "save_waited_seconds": round(self.waited, 3), **({"error": self.error} if self.error else {})}
+        return {
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "pinned": self.pin,
+            "tensors_taken": self.taken,
+            "tensors_made_at_save": self.made_at_save,
+            "bytes_not_taken": left,
+            "save_waited_seconds": round(self.waited, 3),
+            **({"error": self.error} if self.error else {}),
+        }
 
 
-FAULT_THREADS = 4  # the launcher gives each rank one OpenMP thread (OMP_NUM_THREADS=1), so zero_() alone faults in 1.3 GB/s
+FAULT_THREADS = (
+    4  # the launcher gives each rank one OpenMP thread (OMP_NUM_THREADS=1), so zero_() alone faults in 1.3 GB/s
+)
 
 
 def _fault_in(buffers, chunk_bytes: int = 64 * 2**20) -> None:
@@ -172,7 +191,10 @@ def _fault_in(buffers, chunk_bytes: int = 64 * 2**20) -> None:
                 return
             chunk.zero_()  # without the GIL
 
-    helpers = [threading.Thread(target=work, name="host-copy-ahead", daemon=True) for _ in range(min(FAULT_THREADS, os.cpu_count() or 1) - 1)]
+    helpers = [
+        threading.Thread(target=work, name="host-copy-ahead", daemon=True)
+        for _ in range(min(FAULT_THREADS, os.cpu_count() or 1) - 1)
+    ]
     for t in helpers:
         t.start()
     work()
@@ -213,8 +235,12 @@ def _host_copy(state, ahead: HostBuffers, seen: dict):
     if isinstance(state, DTensor):
         if state.dim() == 0:
             return state
-        wrapper = torch.empty_like(state, device="cpu")  # the DTensor's mesh and placements; its memory is replaced next
-        internals.set_attr(wrapper, "torch.distributed.tensor.DTensor._local_tensor", _host_tensor(state.to_local(), ahead, seen))
+        wrapper = torch.empty_like(
+            state, device="cpu"
+        )  # the DTensor's mesh and placements; its memory is replaced next
+        internals.set_attr(
+            wrapper, "torch.distributed.tensor.DTensor._local_tensor", _host_tensor(state.to_local(), ahead, seen)
+        )
         return wrapper
     if isinstance(state, torch.Tensor):
         return torch.tensor(0, dtype=state.dtype) if state.dim() == 0 else _host_tensor(state, ahead, seen)
@@ -232,7 +258,9 @@ def _host_tensor(local, ahead: HostBuffers, seen: dict):
     tie = _same_tensor(local)
     if tie not in seen:
         taken = ahead.take(local.dtype, local.shape)
-        seen[tie] = taken if taken is not None else torch.empty(local.shape, dtype=local.dtype, pin_memory=bool(ahead.pin))
+        seen[tie] = (
+            taken if taken is not None else torch.empty(local.shape, dtype=local.dtype, pin_memory=bool(ahead.pin))
+        )
     return seen[tie]
 
 

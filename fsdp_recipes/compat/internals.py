@@ -27,62 +27,147 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "accelerate.state.PartialState._shared_state": (MODULE, "cpu_fsdp: FSDP mirrored into the shared state"),
     "accelerate.state.AcceleratorState._mixed_precision": (INSTANCE, "cpu_fsdp: the plugin's mixed precision"),
     "torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states": (
-        MODULE, "cpu_fsdp: FSDP1's CPU-parameter check skipped (the gloo broadcast works)"),
+        MODULE,
+        "cpu_fsdp: FSDP1's CPU-parameter check skipped (the gloo broadcast works)",
+    ),
     "torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu": (
-        MODULE, "cpu_fsdp: a no-op on CPU (FULL_STATE_DICT with offload_to_cpu segfaults rank 0)"),
-    "torch.distributed.distributed_c10d._set_pg_timeout": (MODULE, "cpu_fsdp: --ddp_timeout on CPU, where transformers drops it"),
+        MODULE,
+        "cpu_fsdp: a no-op on CPU (FULL_STATE_DICT with offload_to_cpu segfaults rank 0)",
+    ),
+    "torch.distributed.distributed_c10d._set_pg_timeout": (
+        MODULE,
+        "cpu_fsdp: --ddp_timeout on CPU, where transformers drops it",
+    ),
     "torch.distributed.fsdp._init_utils._init_intra_and_inter_node_groups": (
-        MODULE, "cpu_fsdp: FSDP1 HYBRID_SHARD's node is the node's processes on CPU (its device count is 1)"),
+        MODULE,
+        "cpu_fsdp: FSDP1 HYBRID_SHARD's node is the node's processes on CPU (its device count is 1)",
+    ),
     # fsdp_recipes/train/sharding.py: FSDP1's flat parameters, for per-rank elements and bytes
     "torch.distributed.fsdp.FullyShardedDataParallel._handle": (INSTANCE, "sharding: an FSDP1 unit's flat parameter"),
-    "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size": (INSTANCE, "sharding: elements of a unit"),
-    "torch.distributed.fsdp._flat_param.FlatParameter._sharded_size": (INSTANCE, "sharding: elements of this rank's shard"),
-    "torch.distributed.fsdp._flat_param.FlatParameter._shard_numel_padded": (INSTANCE, "sharding: padding in the shard"),
+    "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size": (
+        INSTANCE,
+        "sharding: elements of a unit",
+    ),
+    "torch.distributed.fsdp._flat_param.FlatParameter._sharded_size": (
+        INSTANCE,
+        "sharding: elements of this rank's shard",
+    ),
+    "torch.distributed.fsdp._flat_param.FlatParameter._shard_numel_padded": (
+        INSTANCE,
+        "sharding: padding in the shard",
+    ),
     # fsdp_recipes/train/trainer.py: FSDPTrainer
-    "torch.distributed.checkpoint.state_dict._init_optim_state": (MODULE, "trainer: FSDP1 sharded resume restores Adam"),
-    "torch.distributed.optim.ZeroRedundancyOptimizer._all_state_dicts": (INSTANCE, "trainer: ZeRO-1 state gathered in one copy"),
+    "torch.distributed.checkpoint.state_dict._init_optim_state": (
+        MODULE,
+        "trainer: FSDP1 sharded resume restores Adam",
+    ),
+    "torch.distributed.optim.ZeroRedundancyOptimizer._all_state_dicts": (
+        INSTANCE,
+        "trainer: ZeRO-1 state gathered in one copy",
+    ),
     "transformers.Trainer._save_checkpoint": (OVERRIDE, "trainer: no rewrite in place; rotation after every rank"),
-    "transformers.Trainer._finalize_training": (OVERRIDE, "trainer: the end-of-training cleanup done by our rotation, after the background save"),
-    "transformers.Trainer._save_optimizer_and_scheduler": (OVERRIDE, "trainer: LoRA checkpoints, adapter-only or whole"),
+    "transformers.Trainer._finalize_training": (
+        OVERRIDE,
+        "trainer: the end-of-training cleanup done by our rotation, after the background save",
+    ),
+    "transformers.Trainer._save_optimizer_and_scheduler": (
+        OVERRIDE,
+        "trainer: LoRA checkpoints, adapter-only or whole",
+    ),
     "transformers.Trainer._load_from_checkpoint": (OVERRIDE, "trainer: LoRA checkpoints, adapter-only or whole"),
     "transformers.Trainer._load_optimizer_and_scheduler": (OVERRIDE, "trainer: FSDP1 sharded resume restores Adam"),
-    "transformers.Trainer._load_best_model": (OVERRIDE, "trainer: a LoRA run's best checkpoint loaded as a resume loads it"),
+    "transformers.Trainer._load_best_model": (
+        OVERRIDE,
+        "trainer: a LoRA run's best checkpoint loaded as a resume loads it",
+    ),
     "transformers.Trainer._get_output_dir": (MODULE, "trainer: the folder a checkpoint goes to"),
     # fsdp_recipes/compat/torch_dcp.py: torch's DCP reader unpickles .metadata and byte records only after our
     # allow-lists (fsdp_recipes/ckpt/dcp.py)
-    "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (MODULE, "torch_dcp: the .metadata torch reads"),
-    "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": (MODULE, "torch_dcp: .metadata vetted first (patched)"),
-    "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (MODULE, "torch_dcp: byte records vetted first (patched)"),
+    "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (
+        MODULE,
+        "torch_dcp: the .metadata torch reads",
+    ),
+    "torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": (
+        MODULE,
+        "torch_dcp: .metadata vetted first (patched)",
+    ),
+    "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": (
+        MODULE,
+        "torch_dcp: byte records vetted first (patched)",
+    ),
     # fsdp_recipes/compat/host_copy.py: background saves stage into one host copy reused by every checkpoint
-    "torch.distributed._state_dict_utils._create_cpu_state_dict": (MODULE, "host_copy: the host copy, made once (torch's own stager's helper)"),
-    "torch.distributed._state_dict_utils._copy_state_dict": (MODULE, "host_copy: each save copied into it (torch's own stager's helper)"),
-    "torch.distributed.tensor.DTensor._local_tensor": (INSTANCE, "host_copy: the first host copy's DTensors hold buffers made ahead (as torch's helper sets them)"),
+    "torch.distributed._state_dict_utils._create_cpu_state_dict": (
+        MODULE,
+        "host_copy: the host copy, made once (torch's own stager's helper)",
+    ),
+    "torch.distributed._state_dict_utils._copy_state_dict": (
+        MODULE,
+        "host_copy: each save copied into it (torch's own stager's helper)",
+    ),
+    "torch.distributed.tensor.DTensor._local_tensor": (
+        INSTANCE,
+        "host_copy: the first host copy's DTensors hold buffers made ahead (as torch's helper sets them)",
+    ),
     # fsdp_recipes/compat/rank0_loading.py: rank-0-only loading without a full copy on the other ranks
-    "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict": (MODULE, "rank0_loading: FSDP2, rank 0 scatters, not broadcasts (patched)"),
-    "torch.distributed.fsdp._init_utils._sync_params_and_buffers": (MODULE, "rank0_loading: FSDP1 on CPU, broadcast tensor by tensor (patched)"),
-    "torch.distributed.fsdp._init_utils._sync_module_params_and_buffers": (MODULE, "rank0_loading: FSDP1 on CPU, a unit's buffers only (patched)"),
+    "accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict": (
+        MODULE,
+        "rank0_loading: FSDP2, rank 0 scatters, not broadcasts (patched)",
+    ),
+    "torch.distributed.fsdp._init_utils._sync_params_and_buffers": (
+        MODULE,
+        "rank0_loading: FSDP1 on CPU, broadcast tensor by tensor (patched)",
+    ),
+    "torch.distributed.fsdp._init_utils._sync_module_params_and_buffers": (
+        MODULE,
+        "rank0_loading: FSDP1 on CPU, a unit's buffers only (patched)",
+    ),
     "torch.distributed.fsdp._flat_param.FlatParamHandle.flatten_tensors_into_flat_param": (
-        MODULE, "rank0_loading: FSDP1 on CPU, the flat parameter filled from rank 0 (patched)"),
-    "torch.distributed.fsdp._flat_param.FlatParameter": (MODULE, "rank0_loading: FSDP1 on CPU, another rank's untouched flat parameter"),
-    "torch.distributed.fsdp._flat_param.FlatParamHandle._fully_sharded_module": (INSTANCE, "rank0_loading: the unit a flat parameter is for"),
+        MODULE,
+        "rank0_loading: FSDP1 on CPU, the flat parameter filled from rank 0 (patched)",
+    ),
+    "torch.distributed.fsdp._flat_param.FlatParameter": (
+        MODULE,
+        "rank0_loading: FSDP1 on CPU, another rank's untouched flat parameter",
+    ),
+    "torch.distributed.fsdp._flat_param.FlatParamHandle._fully_sharded_module": (
+        INSTANCE,
+        "rank0_loading: the unit a flat parameter is for",
+    ),
     # fsdp_recipes/compat/trainer_checkpoints.py: adapter-only LoRA checkpoints (SHARDED), whole-model ones (FULL)
-    "transformers.trainer.get_fsdp_ckpt_kwargs": (MODULE, "trainer_checkpoints: whole-model LoRA checkpoints (swapped)"),
-    "accelerate.utils.fsdp_utils._get_model_state_dict": (MODULE, "trainer_checkpoints: the adapter's every-rank slices (patched)"),
-    "accelerate.utils.fsdp_utils._set_model_state_dict": (MODULE, "trainer_checkpoints: the adapter loaded back (patched)"),
+    "transformers.trainer.get_fsdp_ckpt_kwargs": (
+        MODULE,
+        "trainer_checkpoints: whole-model LoRA checkpoints (swapped)",
+    ),
+    "accelerate.utils.fsdp_utils._get_model_state_dict": (
+        MODULE,
+        "trainer_checkpoints: the adapter's every-rank slices (patched)",
+    ),
+    "accelerate.utils.fsdp_utils._set_model_state_dict": (
+        MODULE,
+        "trainer_checkpoints: the adapter loaded back (patched)",
+    ),
     # fsdp_recipes/config/trainer_fsdp.py: the fsdp_config keys TrainingArguments reads, from its own code
-    "transformers.training_args.TrainingArguments._process_fsdp_args": (MODULE, "trainer_fsdp: --fsdp_config keys it reads"),
+    "transformers.training_args.TrainingArguments._process_fsdp_args": (
+        MODULE,
+        "trainer_fsdp: --fsdp_config keys it reads",
+    ),
     # fsdp_recipes/train/profiling.py: PyTorch's memory viewer snapshot (CUDA only)
     "torch.cuda.memory._record_memory_history": (MODULE, "profiling: CUDA memory snapshot"),
     "torch.cuda.memory._snapshot": (MODULE, "profiling: what was live at the profiled steps' peak (summary.json)"),
     # fsdp_recipes/ckpt/description.py: which stored names from_pretrained drops without a word (old Llama inv_freq)
     "transformers.modeling_utils.PreTrainedModel._adjust_missing_and_unexpected_keys": (
-        MODULE, "description: stored tensors from_pretrained ignores are left out of a merge, not refused"),
+        MODULE,
+        "description: stored tensors from_pretrained ignores are left out of a merge, not refused",
+    ),
     # fsdp_recipes/config/packages.py: the package each --optim needs, by the function transformers builds it with
     "transformers.trainer_optimizer._OPTIMIZER_HANDLERS": (MODULE, "packages: which package each --optim needs"),
     # fsdp_recipes/ckpt/status.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
     "numpy._core.multiarray._reconstruct": (MODULE, "status: RNG state files load with weights_only"),
     # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
-    "huggingface_hub.serialization._base.parse_size_to_int": (MODULE, "merge: shard sizes as huggingface_hub reads them"),
+    "huggingface_hub.serialization._base.parse_size_to_int": (
+        MODULE,
+        "merge: shard sizes as huggingface_hub reads them",
+    ),
 }
 
 

@@ -63,8 +63,11 @@ def load_full_state_dict(accelerator, model: torch.nn.Module, full_sd: dict, cpu
 
     meta_sd = model.state_dict()
     scatterable = all(
-        isinstance(p, DTensor) and p.device_mesh.ndim == 1 and list(p.placements) == [Shard(0)]
-        and p.device_mesh.size() == dist.get_world_size() for p in meta_sd.values()
+        isinstance(p, DTensor)
+        and p.device_mesh.ndim == 1
+        and list(p.placements) == [Shard(0)]
+        and p.device_mesh.size() == dist.get_world_size()
+        for p in meta_sd.values()
     )
     if not scatterable:
         return _original(accelerator, model, full_sd, cpu_offload)
@@ -88,8 +91,14 @@ def load_full_state_dict(accelerator, model: torch.nn.Module, full_sd: dict, cpu
         local = _scatter_shard(full_sd.pop(name) if rank == 0 else None, meta_param, world, rank)
         if cpu_offload:
             local = local.to("cpu")
-        sharded[name] = DTensor.from_local(local, meta_param.device_mesh, meta_param.placements, run_check=False,
-                                           shape=meta_param.shape, stride=meta_param.stride())
+        sharded[name] = DTensor.from_local(
+            local,
+            meta_param.device_mesh,
+            meta_param.placements,
+            run_check=False,
+            shape=meta_param.shape,
+            stride=meta_param.stride(),
+        )
     model.load_state_dict(sharded, assign=True)
     return model
 
@@ -113,7 +122,9 @@ def hollow_weights(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in hollow:
-                stand_in = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="cpu"), requires_grad=param.requires_grad)
+                stand_in = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device="cpu"), requires_grad=param.requires_grad
+                )
                 hollow[id(param)] = (param, stand_in)
             setattr(module, name, hollow[id(param)][1])
     return model
@@ -130,10 +141,16 @@ def receive_buffers(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             if id(buffer) not in received:
-                wire = buffer.detach().to(device).contiguous() if rank == 0 else torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+                wire = (
+                    buffer.detach().to(device).contiguous()
+                    if rank == 0
+                    else torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+                )
                 dist.broadcast(wire, src=0)
                 received[id(buffer)] = (buffer, buffer if rank == 0 else wire.to("cpu"))
-            setattr(module, name, received[id(buffer)][1])  # an existing buffer's name: stays a buffer, persistence kept
+            setattr(
+                module, name, received[id(buffer)][1]
+            )  # an existing buffer's name: stays a buffer, persistence kept
     return model
 
 
@@ -164,7 +181,9 @@ def _sync_buffers(module, params: list, process_group) -> None:
 def _flat_param_from_rank0(self, tensors: list, aligned_numel: int, requires_grad: bool):
     """FlatParamHandle.flatten_tensors_into_flat_param: rank 0's flat parameter is its own; another rank's an
     untouched buffer that receives from rank 0 what FSDP keeps of it (see the module docstring)."""
-    groups = _owed.pop(id(internals.attr(self, "torch.distributed.fsdp._flat_param.FlatParamHandle._fully_sharded_module")), None)
+    groups = _owed.pop(
+        id(internals.attr(self, "torch.distributed.fsdp._flat_param.FlatParamHandle._fully_sharded_module")), None
+    )
     if groups is None or dist.get_rank() == 0:
         flat = _flatten_original(self, tensors, aligned_numel, requires_grad)
         if groups is None:  # a unit whose parameters the sync did not leave to us
@@ -172,7 +191,8 @@ def _flat_param_from_rank0(self, tensors: list, aligned_numel: int, requires_gra
     else:
         numel = sum(t.numel() for t in tensors)  # the tensors as torch would flatten them, padding included
         flat = internals.get("torch.distributed.fsdp._flat_param.FlatParameter")(
-            torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device), requires_grad=requires_grad)
+            torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device), requires_grad=requires_grad
+        )
     *across, last = groups
     for group in across:
         dist.broadcast(flat.data, group=group, group_src=0)
@@ -195,10 +215,12 @@ def _scatter_chunks(flat: torch.Tensor, group) -> None:
     buf = mine if mine.numel() == per else flat.new_empty(per)  # gloo scatters equal sizes
     pieces = None
     if rank == 0:
-        pieces = [c if c.numel() == per else torch.cat([c, c.new_zeros(per - c.numel())]) for c in map(chunk, range(world))]
+        pieces = [
+            c if c.numel() == per else torch.cat([c, c.new_zeros(per - c.numel())]) for c in map(chunk, range(world))
+        ]
     dist.scatter(buf, pieces, group=group, group_src=0)
     if buf is not mine:
-        mine.copy_(buf[:mine.numel()])
+        mine.copy_(buf[: mine.numel()])
 
 
 def check_fsdp1_sent() -> None:
@@ -206,9 +228,11 @@ def check_fsdp1_sent() -> None:
     InternalsChanged where torch wrapped a unit without flattening it through the method patched here: that unit
     would keep the other ranks' uninitialised stand-ins."""
     if _owed:
-        raise InternalsChanged(f"{len(_owed)} FSDP1 unit(s) were wrapped without their flat parameter being filled from rank 0 "
-                               f"(torch {torch.__version__} no longer flattens through FlatParamHandle.flatten_tensors_into_flat_param): "
-                               "set fsdp_cpu_ram_efficient_loading: false in your copy of the config")
+        raise InternalsChanged(
+            f"{len(_owed)} FSDP1 unit(s) were wrapped without their flat parameter being filled from rank 0 "
+            f"(torch {torch.__version__} no longer flattens through FlatParamHandle.flatten_tensors_into_flat_param): "
+            "set fsdp_cpu_ram_efficient_loading: false in your copy of the config"
+        )
 
 
 _sync_original = _sync_module_original = _flatten_original = None
@@ -220,6 +244,9 @@ def install_fsdp1() -> None:
     global _sync_original, _sync_module_original, _flatten_original
     if _sync_original is None:
         _sync_original = internals.patch("torch.distributed.fsdp._init_utils._sync_params_and_buffers", _broadcast_each)
-        _sync_module_original = internals.patch("torch.distributed.fsdp._init_utils._sync_module_params_and_buffers", _sync_buffers)
-        _flatten_original = internals.patch("torch.distributed.fsdp._flat_param.FlatParamHandle.flatten_tensors_into_flat_param",
-                                            _flat_param_from_rank0)
+        _sync_module_original = internals.patch(
+            "torch.distributed.fsdp._init_utils._sync_module_params_and_buffers", _sync_buffers
+        )
+        _flatten_original = internals.patch(
+            "torch.distributed.fsdp._flat_param.FlatParamHandle.flatten_tensors_into_flat_param", _flat_param_from_rank0
+        )

@@ -39,8 +39,10 @@ def install(vetted_metadata, vetted_byte_record, metadata_limit: int) -> None:
         try:  # a FIFO or a larger file put there since the checks would hang the read or fill memory
             data = read_bytes(path, ".metadata", metadata_limit)
         except UnreadableFile as err:
-            raise CheckpointError(f"{path} is not a regular file of at most {metadata_limit:,} bytes as checked ({err.reason}): "
-                                  "copy the checkpoint again") from None
+            raise CheckpointError(
+                f"{path} is not a regular file of at most {metadata_limit:,} bytes as checked ({err.reason}): "
+                "copy the checkpoint again"
+            ) from None
         metadata = vetted_metadata(data, path, Path(str(self.path)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

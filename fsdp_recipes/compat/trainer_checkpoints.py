@@ -47,7 +47,9 @@ def whole_model_fsdp_checkpoints():
 def _options(sd_options, **changes):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return replace(sd_options, **changes) if sd_options is not None else StateDictOptions(**changes)  # None: FSDP1, sharded
+    return (
+        replace(sd_options, **changes) if sd_options is not None else StateDictOptions(**changes)
+    )  # None: FSDP1, sharded
 
 
 _WRAPPERS = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")  # as fsdp_recipes.ckpt.layout's
@@ -85,7 +87,9 @@ def adapter_only_fsdp_checkpoints():
             return put(model, state_dict, adapter_only, sd_options)
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        return set_model_state_dict(model, state_dict, options=_options(sd_options, ignore_frozen_params=True, strict=False))
+        return set_model_state_dict(
+            model, state_dict, options=_options(sd_options, ignore_frozen_params=True, strict=False)
+        )
 
     internals.patch(_GET, trained_state_dict)
     internals.patch(_SET, set_trained_state_dict)

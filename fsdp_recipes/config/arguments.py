@@ -1,6 +1,8 @@
 """The script's own arguments, as dataclasses HfArgumentParser turns into flags: the model (ModelArguments), the
 data (DataArguments) and the run (RunArguments); TrainingArguments is transformers'. Each checks its own fields in
-``__post_init__``, before anything is loaded, with the probes of model_source and data_files."""
+``__post_init__``, before anything is loaded, with the probes of model_source and data_files.
+
+Size: over the limit since the tree was formatted; to be split by job."""
 
 from __future__ import annotations
 
@@ -9,10 +11,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.config.data_files import sniff_format, train_file_problem
-from fsdp_recipes.config.model_source import config_size_problem, dataset_source_problem, model_source_problem, one_line, qlora_problem, remote_code_problem
+from fsdp_recipes.config.model_source import (
+    config_size_problem,
+    dataset_source_problem,
+    model_source_problem,
+    one_line,
+    qlora_problem,
+    remote_code_problem,
+)
 from fsdp_recipes.errors import RecipeError
 
-DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+DATA_EXTENSIONS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+}
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -22,9 +38,15 @@ STAGING = ("auto", "copy")  # async_checkpoint_staging (fsdp_recipes.compat.host
 # TRL's names (SFTConfig, ScriptArguments, ModelConfig) for the same settings: extra spellings of our flags and
 # recipe keys, shown in --help. Only exact equivalents; the TRL keys that mean something else are translated or
 # refused in fsdp_recipes.config.trl_names.
-TRL_ALIASES = {"max_length": "block_size", "max_seq_length": "block_size", "dataset_text_field": "text_column",
-               "dataset_num_proc": "preprocessing_num_workers", "dataset_config": "dataset_config_name",
-               "dataset_train_split": "dataset_split", "torch_dtype": "dtype"}
+TRL_ALIASES = {
+    "max_length": "block_size",
+    "max_seq_length": "block_size",
+    "dataset_text_field": "text_column",
+    "dataset_num_proc": "preprocessing_num_workers",
+    "dataset_config": "dataset_config_name",
+    "dataset_train_split": "dataset_split",
+    "torch_dtype": "dtype",
+}
 
 
 def _aliases(name: str) -> list[str]:
@@ -36,11 +58,15 @@ class ModelArguments:
     _argument_group_name = "model and LoRA (LoRA keys are TRL's ModelConfig names)"
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "Hub model id or local folder with weights to fine-tune. Leave unset to train from `config_name`."},
+        metadata={
+            "help": "Hub model id or local folder with weights to fine-tune. Leave unset to train from `config_name`."
+        },
     )
     config_name: str | None = field(
         default=None,
-        metadata={"help": "Folder or config.json to build a model from scratch (random init) instead of loading weights."},
+        metadata={
+            "help": "Folder or config.json to build a model from scratch (random init) instead of loading weights."
+        },
     )
     tokenizer_name: str | None = field(
         default=None,
@@ -56,38 +82,54 @@ class ModelArguments:
         },
     )
     attn_implementation: str | None = field(
-        default=None, metadata={"help": "Attention kernel, e.g. sdpa, eager, flash_attention_2. Default: transformers' choice."}
+        default=None,
+        metadata={"help": "Attention kernel, e.g. sdpa, eager, flash_attention_2. Default: transformers' choice."},
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub repository."})
     # LoRA with peft, under the names TRL uses (trl.ModelConfig), so recipes carry over.
     use_peft: bool = field(
         default=False,
-        metadata={"help": "Train a LoRA adapter (peft) instead of all weights, sharded by FSDP like the rest. The run ends "
-                  "with the merged model in output_dir and the adapter in output_dir/adapter/."},
+        metadata={
+            "help": "Train a LoRA adapter (peft) instead of all weights, sharded by FSDP like the rest. The run ends "
+            "with the merged model in output_dir and the adapter in output_dir/adapter/."
+        },
     )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA path."})
     lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Module names to adapt, e.g. q_proj v_proj (default: every linear layer but the LM head)."},
+        default=None,
+        metadata={"help": "Module names to adapt, e.g. q_proj v_proj (default: every linear layer but the LM head)."},
     )
 
     load_in_4bit: bool = field(
         default=False,
-        metadata={"help": "QLoRA: load the base weights in 4 bits with bitsandbytes (CUDA only) and train a LoRA adapter "
-                  "(needs use_peft and model_name_or_path)."},
+        metadata={
+            "help": "QLoRA: load the base weights in 4 bits with bitsandbytes (CUDA only) and train a LoRA adapter "
+            "(needs use_peft and model_name_or_path)."
+        },
     )
-    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit data type: nf4 or fp4.", "choices": ["nf4", "fp4"]})
+    bnb_4bit_quant_type: str = field(
+        default="nf4", metadata={"help": "4-bit data type: nf4 or fp4.", "choices": ["nf4", "fp4"]}
+    )
     bnb_4bit_compute_dtype: str = field(
-        default="bfloat16", metadata={"help": "dtype the 4-bit weights are dequantized to for compute.", "choices": ["bfloat16", "float16", "float32"]},
+        default="bfloat16",
+        metadata={
+            "help": "dtype the 4-bit weights are dequantized to for compute.",
+            "choices": ["bfloat16", "float16", "float32"],
+        },
     )
     bnb_4bit_quant_storage: str = field(
         default="bfloat16",
-        metadata={"help": "dtype the packed 4-bit weights are stored in. Under FSDP it must equal the dtype of the model's "
-                  "other parameters (dtype): FSDP shards all of a unit's parameters as one dtype.",
-                  "choices": ["bfloat16", "float16", "float32", "uint8"]},
+        metadata={
+            "help": "dtype the packed 4-bit weights are stored in. Under FSDP it must equal the dtype of the model's "
+            "other parameters (dtype): FSDP shards all of a unit's parameters as one dtype.",
+            "choices": ["bfloat16", "float16", "float32", "uint8"],
+        },
     )
-    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Quantize the quantization constants too (double quantization)."})
+    use_bnb_nested_quant: bool = field(
+        default=False, metadata={"help": "Quantize the quantization constants too (double quantization)."}
+    )
 
     def __post_init__(self):
         if (self.model_name_or_path is None) == (self.config_name is None):
@@ -99,13 +141,17 @@ class ModelArguments:
             raise RecipeError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.load_in_4bit:
             if not (self.use_peft and self.model_name_or_path):
-                raise RecipeError("load_in_4bit (QLoRA) quantizes pre-trained weights and trains a LoRA adapter on them: "
-                                  "set use_peft: true and model_name_or_path")
+                raise RecipeError(
+                    "load_in_4bit (QLoRA) quantizes pre-trained weights and trains a LoRA adapter on them: "
+                    "set use_peft: true and model_name_or_path"
+                )
             if problem := qlora_problem():
                 raise RecipeError(problem)
         if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
-            raise RecipeError(f"LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got r={self.lora_r}, "
-                              f"alpha={self.lora_alpha}, dropout={self.lora_dropout}")
+            raise RecipeError(
+                f"LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got r={self.lora_r}, "
+                f"alpha={self.lora_alpha}, dropout={self.lora_dropout}"
+            )
         if self.config_name is not None and not Path(self.config_name).exists():
             raise RecipeError(f"config_name={self.config_name!r} does not exist: give a folder holding config.json")
         defaulted = self.tokenizer_name is None
@@ -113,28 +159,44 @@ class ModelArguments:
             self.tokenizer_name = self.model_name_or_path or self.config_name
         for key, weights in (("model_name_or_path", True), ("tokenizer_name", False)):
             if getattr(self, key) is not None and (problem := model_source_problem(getattr(self, key), weights)):
-                origin = f" (from {'model_name_or_path' if self.model_name_or_path else 'config_name'}: none was given)" if key == "tokenizer_name" and defaulted else ""
+                origin = (
+                    f" (from {'model_name_or_path' if self.model_name_or_path else 'config_name'}: none was given)"
+                    if key == "tokenizer_name" and defaulted
+                    else ""
+                )
                 raise RecipeError(f"{key}={getattr(self, key)!r}{origin} {problem}")
         # before anything loads: transformers would prompt (and on "y" run the folder's Python files) or fail on every rank
         for key, tokenizer in (("model_name_or_path", False), ("config_name", False), ("tokenizer_name", True)):
             source = getattr(self, key)
-            if source is not None and (problem := remote_code_problem(source, self.trust_remote_code, tokenizer)
-                                       or (not tokenizer and config_size_problem(source))):
+            if source is not None and (
+                problem := remote_code_problem(source, self.trust_remote_code, tokenizer)
+                or (not tokenizer and config_size_problem(source))
+            ):
                 raise RecipeError(f"{key}={source!r} {one_line(problem)}")
 
 
-EVAL_SOURCES = ("validation_file", "dataset_test_split", "validation_split_percentage")  # DataArguments' evaluation data
+EVAL_SOURCES = (
+    "validation_file",
+    "dataset_test_split",
+    "validation_split_percentage",
+)  # DataArguments' evaluation data
 
 
 @dataclass
 class DataArguments:
     _argument_group_name = "data (TRL's SFTConfig names are accepted where they mean the same)"
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id (needs hub access)."})
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration name.", "aliases": _aliases("dataset_config_name")})
-    dataset_split: str = field(default="train", metadata={"help": "Split to train on.", "aliases": _aliases("dataset_split")})
+    dataset_config_name: str | None = field(
+        default=None, metadata={"help": "Hub dataset configuration name.", "aliases": _aliases("dataset_config_name")}
+    )
+    dataset_split: str = field(
+        default="train", metadata={"help": "Split to train on.", "aliases": _aliases("dataset_split")}
+    )
     train_file: str | None = field(
         default=None,
-        metadata={"help": f"Local training file: {', '.join(sorted(DATA_EXTENSIONS))}. Text files give one example per line."},
+        metadata={
+            "help": f"Local training file: {', '.join(sorted(DATA_EXTENSIONS))}. Text files give one example per line."
+        },
     )
     data_format: str = field(
         default="auto",
@@ -145,11 +207,20 @@ class DataArguments:
             "choices": ["auto", "text", "chat"],
         },
     )
-    text_column: str = field(default="text", metadata={"help": "Column holding plain text.", "aliases": _aliases("text_column")})
-    messages_column: str = field(default="messages", metadata={"help": "Column holding chat messages (role/content dicts)."})
-    block_size: int = field(default=256, metadata={
-        "help": "Tokens per packed block (text) or the truncation length (chat). TRL's max_length; TRL's null (no "
-        "truncation) has no equivalent here.", "aliases": _aliases("block_size")})
+    text_column: str = field(
+        default="text", metadata={"help": "Column holding plain text.", "aliases": _aliases("text_column")}
+    )
+    messages_column: str = field(
+        default="messages", metadata={"help": "Column holding chat messages (role/content dicts)."}
+    )
+    block_size: int = field(
+        default=256,
+        metadata={
+            "help": "Tokens per packed block (text) or the truncation length (chat). TRL's max_length; TRL's null (no "
+            "truncation) has no equivalent here.",
+            "aliases": _aliases("block_size"),
+        },
+    )
     packing: str = field(
         default="concat",
         metadata={
@@ -160,34 +231,54 @@ class DataArguments:
             "TRL's true/false: true is padding_free (with packing_strategy wrapped: concat); false (one example per "
             "row, truncated) is chat data's concat, and has no equivalent for text data. A bare --packing is TRL's true.",
             "choices": ["concat", "padding_free", "true", "false"],
-            "nargs": "?", "const": "true",  # TRL's packing is a bool: its users write --packing alone for true
+            "nargs": "?",
+            "const": "true",  # TRL's packing is a bool: its users write --packing alone for true
         },
     )
     packing_strategy: str | None = field(
         default=None,
-        metadata={"help": "TRL's, with packing true: wrapped is concat; bfd_split is padding_free; bfd (TRL's default) is "
-                  "padding_free for chat data, and refused for text data (bfd truncates a long document, padding_free "
-                  "splits it).", "choices": ["bfd", "bfd_split", "wrapped"]},
+        metadata={
+            "help": "TRL's, with packing true: wrapped is concat; bfd_split is padding_free; bfd (TRL's default) is "
+            "padding_free for chat data, and refused for text data (bfd truncates a long document, padding_free "
+            "splits it).",
+            "choices": ["bfd", "bfd_split", "wrapped"],
+        },
     )
     assistant_only_loss: bool | None = field(
         default=None,
-        metadata={"help": "TRL's. Chat data here always trains on the assistant tokens only: true is accepted for chat "
-                  "data and refused for text data; false (loss on the whole conversation) is refused for chat data."},
+        metadata={
+            "help": "TRL's. Chat data here always trains on the assistant tokens only: true is accepted for chat "
+            "data and refused for text data; false (loss on the whole conversation) is refused for chat data."
+        },
     )
     completion_only_loss: bool | None = field(
         default=None,
-        metadata={"help": "TRL's. Prompt-completion datasets have no equivalent here, so true is refused; false (or "
-                  "unset) is what text and chat data do already."},
+        metadata={
+            "help": "TRL's. Prompt-completion datasets have no equivalent here, so true is refused; false (or "
+            "unset) is what text and chat data do already."
+        },
     )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N raw examples (for quick runs)."})
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization.", "aliases": _aliases("preprocessing_num_workers")})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N raw examples (for quick runs)."}
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Processes for tokenization.", "aliases": _aliases("preprocessing_num_workers")}
+    )
     validation_file: str | None = field(
-        default=None, metadata={"help": "Local evaluation file, in the same format as train_file. Evaluation runs at "
-                                "eval_strategy/eval_steps and at the end; eval_loss and eval_perplexity land in the metrics."},
+        default=None,
+        metadata={
+            "help": "Local evaluation file, in the same format as train_file. Evaluation runs at "
+            "eval_strategy/eval_steps and at the end; eval_loss and eval_perplexity land in the metrics."
+        },
     )
-    dataset_test_split: str | None = field(default=None, metadata={"help": "Evaluate on this split of dataset_name (e.g. validation)."})
+    dataset_test_split: str | None = field(
+        default=None, metadata={"help": "Evaluate on this split of dataset_name (e.g. validation)."}
+    )
     validation_split_percentage: int | None = field(
-        default=None, metadata={"help": "Evaluate on this share (1-50 percent) of the training data, held out from training (seeded)."},
+        default=None,
+        metadata={
+            "help": "Evaluate on this share (1-50 percent) of the training data, held out from training (seeded)."
+        },
     )
 
     def __post_init__(self):
@@ -209,29 +300,41 @@ class DataArguments:
         self._trl_names()
         if self.data_format not in ("auto", "text", "chat"):
             raise RecipeError(f"data_format={self.data_format!r} is not one of auto, text, chat")
-        if self.data_format == "auto" and self.train_file is not None and (fmt := sniff_format(Path(self.train_file), self)):
+        if (
+            self.data_format == "auto"
+            and self.train_file is not None
+            and (fmt := sniff_format(Path(self.train_file), self))
+        ):
             if problem := self.format_problem(fmt):  # else found only once the launch has loaded the data
                 raise RecipeError(f"train_file={self.train_file!r} is {fmt} data: {problem}")
         if self.block_size is None:
-            raise RecipeError("block_size (TRL's max_length) is null: TRL's no-truncation has no equivalent here; give a "
-                              "number of tokens")
+            raise RecipeError(
+                "block_size (TRL's max_length) is null: TRL's no-truncation has no equivalent here; give a "
+                "number of tokens"
+            )
         if self.block_size < 8:
             raise RecipeError(f"block_size={self.block_size} is too small: use at least 8 tokens")
         sources = [k for k in EVAL_SOURCES if getattr(self, k) is not None]
         if len(sources) > 1:
             raise RecipeError(f"set one evaluation source, not {' and '.join(sources)}")
         if self.dataset_test_split is not None and self.dataset_name is None:
-            raise RecipeError("dataset_test_split is a split of dataset_name: with a local train_file give validation_file "
-                              "or validation_split_percentage")
+            raise RecipeError(
+                "dataset_test_split is a split of dataset_name: with a local train_file give validation_file "
+                "or validation_split_percentage"
+            )
         if self.validation_split_percentage is not None and not 1 <= self.validation_split_percentage <= 50:
             raise RecipeError(f"validation_split_percentage={self.validation_split_percentage} is not between 1 and 50")
         if self.validation_file is not None:
             path = Path(self.validation_file)
             if self.train_file is not None and path.suffix != Path(self.train_file).suffix:
-                raise RecipeError(f"validation_file={self.validation_file!r} is a {path.suffix} and train_file a "
-                                  f"{Path(self.train_file).suffix}: give both in the same format")
+                raise RecipeError(
+                    f"validation_file={self.validation_file!r} is a {path.suffix} and train_file a "
+                    f"{Path(self.train_file).suffix}: give both in the same format"
+                )
             if path.suffix not in DATA_EXTENSIONS:
-                raise RecipeError(f"validation_file={self.validation_file!r}: unsupported extension {path.suffix!r}; use one of {', '.join(sorted(DATA_EXTENSIONS))}")
+                raise RecipeError(
+                    f"validation_file={self.validation_file!r}: unsupported extension {path.suffix!r}; use one of {', '.join(sorted(DATA_EXTENSIONS))}"
+                )
             if problem := train_file_problem(path, self):
                 raise RecipeError(f"validation_file={self.validation_file!r}: {problem}")
 
@@ -240,11 +343,15 @@ class DataArguments:
         here, or once the data's format is known (format_problem)."""
         trl_packing = {"true": True, "false": False}.get(str(self.packing).lower())
         if self.packing_strategy is not None and trl_packing is not True:
-            raise RecipeError(f"packing_strategy={self.packing_strategy} is TRL's choice for packing: true; packing is "
-                              f"{self.packing}: drop packing_strategy, or set packing: true")
+            raise RecipeError(
+                f"packing_strategy={self.packing_strategy} is TRL's choice for packing: true; packing is "
+                f"{self.packing}: drop packing_strategy, or set packing: true"
+            )
         if self.completion_only_loss:
-            raise RecipeError("completion_only_loss=true is for TRL's prompt-completion datasets, which have no equivalent "
-                              "here: give chat data (messages; loss on assistant tokens) or drop completion_only_loss")
+            raise RecipeError(
+                "completion_only_loss=true is for TRL's prompt-completion datasets, which have no equivalent "
+                "here: give chat data (messages; loss on assistant tokens) or drop completion_only_loss"
+            )
         self.trl_packing = trl_packing
         if trl_packing is not None:
             self.packing = "concat" if trl_packing is False or self.packing_strategy == "wrapped" else "padding_free"
@@ -254,20 +361,28 @@ class DataArguments:
     def format_problem(self, fmt: str) -> str | None:
         """Why a TRL setting given here has no equivalent for data of this format (text or chat), or None."""
         if fmt == "text" and self.trl_packing is False:
-            return ("packing=false (TRL: one document per row, truncated at max_length) has no equivalent for text data "
-                    "here: give packing: padding_free (documents kept apart, longer ones split) or concat")
+            return (
+                "packing=false (TRL: one document per row, truncated at max_length) has no equivalent for text data "
+                "here: give packing: padding_free (documents kept apart, longer ones split) or concat"
+            )
         if fmt == "text" and self.trl_packing and self.packing_strategy in (None, "bfd"):
-            return ("packing=true with TRL's packing_strategy bfd truncates long documents; for text data here "
-                    "padding_free splits them: set packing_strategy: bfd_split (or packing: padding_free)")
+            return (
+                "packing=true with TRL's packing_strategy bfd truncates long documents; for text data here "
+                "padding_free splits them: set packing_strategy: bfd_split (or packing: padding_free)"
+            )
         if fmt == "chat" and self.trl_packing and self.packing_strategy == "wrapped":
-            return ("packing=true with TRL's packing_strategy wrapped joins conversations into fixed blocks; chat data here "
-                    "is packed without mixing conversations (padding_free) or kept one per row: set packing_strategy: bfd "
-                    "(or packing: padding_free)")
+            return (
+                "packing=true with TRL's packing_strategy wrapped joins conversations into fixed blocks; chat data here "
+                "is packed without mixing conversations (padding_free) or kept one per row: set packing_strategy: bfd "
+                "(or packing: padding_free)"
+            )
         if fmt == "text" and self.assistant_only_loss:
             return "assistant_only_loss=true needs chat data (a messages column); this data is text: drop it"
         if fmt == "chat" and self.assistant_only_loss is False:
-            return ("assistant_only_loss=false (loss on the whole conversation) has no equivalent here: chat data trains on "
-                    "assistant tokens only; drop it, or give the data as text")
+            return (
+                "assistant_only_loss=false (loss on the whole conversation) has no equivalent here: chat data trains on "
+                "assistant tokens only; drop it, or give the data as text"
+            )
         return None
 
     @property
@@ -280,71 +395,94 @@ class RunArguments:
     _argument_group_name = "run"
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Train from scratch into an output_dir that holds another run: its checkpoint-N folders are deleted first."},
+        metadata={
+            "help": "Train from scratch into an output_dir that holds another run: its checkpoint-N folders are deleted first."
+        },
     )
     allow_no_fsdp: bool = field(
         default=False,
-        metadata={"help": "Train without FSDP on purpose (debugging). A launch without an FSDP config is otherwise refused: "
-                  "`python train_fsdp.py` or `accelerate launch` with no config would train one unsharded model and exit 0."},
+        metadata={
+            "help": "Train without FSDP on purpose (debugging). A launch without an FSDP config is otherwise refused: "
+            "`python train_fsdp.py` or `accelerate launch` with no config would train one unsharded model and exit 0."
+        },
     )
     zero1: bool = field(
         default=False,
-        metadata={"help": "ZeRO stage 1 under DDP (accelerate_configs/ddp.yaml): each of the N processes keeps 1/N of the "
-                  "optimizer state (torch's ZeroRedundancyOptimizer); parameters and gradients stay replicated. FSDP "
-                  "configs shard the optimizer state already."},
+        metadata={
+            "help": "ZeRO stage 1 under DDP (accelerate_configs/ddp.yaml): each of the N processes keeps 1/N of the "
+            "optimizer state (torch's ZeroRedundancyOptimizer); parameters and gradients stay replicated. FSDP "
+            "configs shard the optimizer state already."
+        },
     )
     profile_steps: str | None = field(
         default=None,
-        metadata={"help": "Profile these optimizer steps, e.g. 5-8: a Chrome trace per rank in output_dir/profile/ "
-                  "(and a CUDA memory snapshot on GPUs), and one line with the share of time in all-gather, "
-                  "reduce-scatter and all-reduce and how much of it overlapped compute."},
+        metadata={
+            "help": "Profile these optimizer steps, e.g. 5-8: a Chrome trace per rank in output_dir/profile/ "
+            "(and a CUDA memory snapshot on GPUs), and one line with the share of time in all-gather, "
+            "reduce-scatter and all-reduce and how much of it overlapped compute."
+        },
     )
     peak_tflops: float | None = field(
         default=None,
-        metadata={"help": "The GPU's dense bf16 peak in TFLOPS, for MFU in the logs (default: from a table of common "
-                  "GPUs, fsdp_recipes/train/metrics.py). MFU is not reported on CPU."},
+        metadata={
+            "help": "The GPU's dense bf16 peak in TFLOPS, for MFU in the logs (default: from a table of common "
+            "GPUs, fsdp_recipes/train/metrics.py). MFU is not reported on CPU."
+        },
     )
     save_dtype: str = field(
         default="auto",
-        metadata={"help": "dtype of the final model folder's weights (and config.json's dtype). auto: the parameters' "
-                  "dtype as trained (--dtype; float32 master weights under bf16 mixed precision give float32). "
-                  "fsdp_report.json states it (precision.saved_model, export.dtype).", "choices": list(DTYPES)},
+        metadata={
+            "help": "dtype of the final model folder's weights (and config.json's dtype). auto: the parameters' "
+            "dtype as trained (--dtype; float32 master weights under bf16 mixed precision give float32). "
+            "fsdp_report.json states it (precision.saved_model, export.dtype).",
+            "choices": list(DTYPES),
+        },
     )
     async_checkpoints: bool = field(
         default=True,
-        metadata={"help": "FSDP2 SHARDED_STATE_DICT: write checkpoint shards in the background while training goes on "
-                  "(from the live shards or a host copy: --async_checkpoint_staging; one at a time; complete once "
-                  "every rank wrote it). false: wait for each, as the stock Trainer does."},
+        metadata={
+            "help": "FSDP2 SHARDED_STATE_DICT: write checkpoint shards in the background while training goes on "
+            "(from the live shards or a host copy: --async_checkpoint_staging; one at a time; complete once "
+            "every rank wrote it). false: wait for each, as the stock Trainer does."
+        },
     )
     async_checkpoint_staging: str = field(
         default="auto",
-        metadata={"help": "What a background checkpoint writes from. auto: where every shard lives in host memory (CPU "
-                  "runs, CPU offload), straight from the live tensors, no copy, and the optimizer step after the "
-                  "checkpoint waits until its write is done (forward and backward never change them); elsewhere (GPU) "
-                  "from a host copy made at the first checkpoint and kept for the run. copy: always that host copy "
-                  "(as much host memory again as this rank's weight and optimizer shards; no optimizer step waits). "
-                  "Schedule-free optimizers, which change the weights outside their step, always get the copy; so must "
-                  "a callback of yours that changes weights or optimizer state in place (EMA swaps): pass copy.",
-                  "choices": list(STAGING)},
+        metadata={
+            "help": "What a background checkpoint writes from. auto: where every shard lives in host memory (CPU "
+            "runs, CPU offload), straight from the live tensors, no copy, and the optimizer step after the "
+            "checkpoint waits until its write is done (forward and backward never change them); elsewhere (GPU) "
+            "from a host copy made at the first checkpoint and kept for the run. copy: always that host copy "
+            "(as much host memory again as this rank's weight and optimizer shards; no optimizer step waits). "
+            "Schedule-free optimizers, which change the weights outside their step, always get the copy; so must "
+            "a callback of yours that changes weights or optimizer state in place (EMA swaps): pass copy.",
+            "choices": list(STAGING),
+        },
     )
     direct_io_checkpoints: bool = field(
         default=True,
-        metadata={"help": "Checkpoint shards written with O_DIRECT (past the page cache) where the filesystem takes "
-                  "it: same files, far less CPU. false: through the cache."},
+        metadata={
+            "help": "Checkpoint shards written with O_DIRECT (past the page cache) where the filesystem takes "
+            "it: same files, far less CPU. false: through the cache."
+        },
     )
     cpu_bf16: bool = field(
         default=False,
-        metadata={"help": "Keep bf16 mixed precision on a CPU without native bf16 instructions (x86 without avx512_bf16 "
-                  "or amx_bf16, Arm without bf16 in /proc/cpuinfo). Without it such a CPU computes in fp32 instead of "
-                  "the config's mixed_precision: bf16 (or bf16: true), many times faster there, and the run says so in "
-                  "one line and in fsdp_report.json (precision.cpu_bf16). GPUs and CPUs with native bf16 keep bf16 either way."},
+        metadata={
+            "help": "Keep bf16 mixed precision on a CPU without native bf16 instructions (x86 without avx512_bf16 "
+            "or amx_bf16, Arm without bf16 in /proc/cpuinfo). Without it such a CPU computes in fp32 instead of "
+            "the config's mixed_precision: bf16 (or bf16: true), many times faster there, and the run says so in "
+            "one line and in fsdp_report.json (precision.cpu_bf16). GPUs and CPUs with native bf16 keep bf16 either way."
+        },
     )
 
     def __post_init__(self):
         if self.save_dtype not in DTYPES:
             raise RecipeError(f"save_dtype={self.save_dtype!r} is not one of {', '.join(DTYPES)}")
         if self.async_checkpoint_staging not in STAGING:
-            raise RecipeError(f"async_checkpoint_staging={self.async_checkpoint_staging!r} is not one of {', '.join(STAGING)}")
+            raise RecipeError(
+                f"async_checkpoint_staging={self.async_checkpoint_staging!r} is not one of {', '.join(STAGING)}"
+            )
 
 
 def build(cls, raw):

@@ -36,8 +36,10 @@ def _head(path: Path) -> tuple[bytes, int]:
     if stat.S_ISDIR(info.st_mode):
         raise _NotAFile("is a folder, not a file: give the data file itself")
     if not stat.S_ISREG(info.st_mode):
-        raise _NotAFile(f"is {file_kind(info.st_mode)}, not a regular file: give a data file (a pipe or a device may "
-                        "block or never end)")
+        raise _NotAFile(
+            f"is {file_kind(info.st_mode)}, not a regular file: give a data file (a pipe or a device may "
+            "block or never end)"
+        )
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
@@ -58,8 +60,10 @@ def _parquet_problem(path: Path, head: bytes, size: int) -> str | None:
             f.seek(size - 4)
             tail = f.read(4)
     if head[:4] not in PARQUET_MAGIC or tail not in PARQUET_MAGIC:
-        return ("is not a Parquet file (it lacks the PAR1 markers Parquet files begin and end with): is this the right "
-                "file? text data goes in a .txt, .jsonl, .json or .csv")
+        return (
+            "is not a Parquet file (it lacks the PAR1 markers Parquet files begin and end with): is this the right "
+            "file? text data goes in a .txt, .jsonl, .json or .csv"
+        )
     return None
 
 
@@ -68,16 +72,20 @@ def other_format(record, args) -> str | None:
     prompt/completion and ShareGPT are common and would otherwise read as "no 'text' field"."""
     keys = set(record)
     if {"prompt", "completion"} <= keys:
-        return ("is TRL's prompt/completion format, which this recipe does not train on: convert each record to chat "
-                f"data, {{{args.messages_column!r}: [{{'role': 'user', 'content': prompt}}, {{'role': 'assistant', "
-                "'content': completion}]} (conversational ones: prompt + completion as one list); the loss is then on "
-                "the completion alone")
+        return (
+            "is TRL's prompt/completion format, which this recipe does not train on: convert each record to chat "
+            f"data, {{{args.messages_column!r}: [{{'role': 'user', 'content': prompt}}, {{'role': 'assistant', "
+            "'content': completion}]} (conversational ones: prompt + completion as one list); the loss is then on "
+            "the completion alone"
+        )
     if "conversations" in keys and "conversations" != args.messages_column:
         turns = record["conversations"] if isinstance(record, dict) else None
         first = turns[0] if isinstance(turns, list) and turns else None
-        sharegpt = (f"ShareGPT's from/value turns, which this recipe does not read: convert each record to "
-                    f"{{{args.messages_column!r}: [{{'role': ..., 'content': ...}}]}} (from human -> role user, gpt -> "
-                    "assistant, system -> system; value -> content)")
+        sharegpt = (
+            f"ShareGPT's from/value turns, which this recipe does not read: convert each record to "
+            f"{{{args.messages_column!r}: [{{'role': ..., 'content': ...}}]}} (from human -> role user, gpt -> "
+            "assistant, system -> system; value -> content)"
+        )
         if first is None:  # column names alone: either kind
             return f"has its chat under 'conversations': set messages_column: conversations if its turns are role/content; if they are {sharegpt}"
         if isinstance(first, dict) and "role" in first and "content" in first:
@@ -160,12 +168,18 @@ def train_file_problem(path: Path, args) -> str | None:
         if not isinstance(record, dict):
             return f"record {number} is a {type(record).__name__}, not an object with a {args.text_column!r} or {args.messages_column!r} field"
     # as train/data.py decides from the loaded columns: datasets' JSON loader makes the union of every record's keys
-    chat = args.data_format == "chat" or (args.data_format == "auto" and any(args.messages_column in r for _, r in records))
+    chat = args.data_format == "chat" or (
+        args.data_format == "auto" and any(args.messages_column in r for _, r in records)
+    )
     if not chat:
         missing = next((n for n, r in records if args.text_column not in r), None)
         if missing is not None:
             other = other_format(dict(records)[missing], args)
-            return f"record {missing} {other}" if other else f"record {missing} has no {args.text_column!r} field (set text_column, or data_format)"
+            return (
+                f"record {missing} {other}"
+                if other
+                else f"record {missing} has no {args.text_column!r} field (set text_column, or data_format)"
+            )
         wrong = next((n for n, r in records if not isinstance(r[args.text_column], str)), None)
         if wrong is not None:
             value = dict(records)[wrong][args.text_column]

@@ -7,18 +7,23 @@ import argparse
 
 from fsdp_recipes.errors import RecipeError
 
+
 def check_flags(argv: list[str], parser) -> None:
     """An unknown flag is one line with the closest known one (argparse would print its 120-line usage per rank)."""
     options = {s for action in parser._actions for s in action.option_strings}
     unknown = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options]
     if unknown:
         names = {o.removeprefix("--") for o in options}
-        raise RecipeError(f"unknown flag(s): {with_hints([u.removeprefix('--') for u in unknown], names)}; see `train_fsdp.py --help`")
+        raise RecipeError(
+            f"unknown flag(s): {with_hints([u.removeprefix('--') for u in unknown], names)}; see `train_fsdp.py --help`"
+        )
 
 
 # what a value-taking flag wants, where its type alone says too little
-VALUE_HINTS = {"resume_from_checkpoint": "true (the newest checkpoint in output_dir) or a checkpoint-N folder",
-               "output_dir": "the folder to write the run to"}
+VALUE_HINTS = {
+    "resume_from_checkpoint": "true (the newest checkpoint in output_dir) or a checkpoint-N folder",
+    "output_dir": "the folder to write the run to",
+}
 
 
 def _bare(argv: list[str], i: int) -> bool:
@@ -85,7 +90,11 @@ def check_flag_values(argv: list[str], parser) -> None:
                 whole = float(value)
             except ValueError:
                 whole = None
-            hint = f"write it as {int(whole)}" if action.type is int and whole is not None and whole.is_integer() else f"give {kind}"
+            hint = (
+                f"write it as {int(whole)}"
+                if action.type is int and whole is not None and whole.is_integer()
+                else f"give {kind}"
+            )
             raise RecipeError(f"{name}={value!r} is not {kind}: {hint}") from None
 
 
@@ -105,7 +114,11 @@ def check_flag_words(argv: list[str], parser) -> None:
             converted = action.type(value) if action.type is not None else value
         except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
             raise RecipeError(f"{action.dest}={value!r}: {str(err).rstrip('.')}") from None
-        if action.choices is not None and converted not in action.choices and str(converted) not in map(str, action.choices):
+        if (
+            action.choices is not None
+            and converted not in action.choices
+            and str(converted) not in map(str, action.choices)
+        ):
             raise RecipeError(f"{action.dest}={value!r} is not one of {', '.join(map(str, action.choices))}")
 
 
@@ -142,8 +155,10 @@ def check_recipe_types(recipe: dict, parser) -> None:
         action = actions[key]
         if value is None and action.default is not None and key not in NULL_MEANS_MORE:  # it would replace the default
             # with None: a true-by-default bool read as false, a number as missing
-            raise RecipeError(f"recipe key {key}: null is not a value here (its default is {action.default!r}): give a value, "
-                              "or leave the key out for the default")
+            raise RecipeError(
+                f"recipe key {key}: null is not a value here (its default is {action.default!r}): give a value, "
+                "or leave the key out for the default"
+            )
         if value is None or action.type is None:
             continue
         many = action.nargs in ("+", "*") or key in LIST_VALUED
@@ -152,12 +167,20 @@ def check_recipe_types(recipe: dict, parser) -> None:
             if key in LIST_VALUED and not isinstance(v, str):
                 raise RecipeError(f"recipe key {key}: {v!r} is not a name: give a name or a list of names")
             if isinstance(v, (list, dict)):
-                raise RecipeError(f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {getattr(action.type, '__name__', 'value')}")
+                raise RecipeError(
+                    f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {getattr(action.type, '__name__', 'value')}"
+                )
             try:
                 converted = action.type(str(v).lower() if isinstance(v, bool) else v if isinstance(v, str) else str(v))
             except (TypeError, ValueError, argparse.ArgumentTypeError) as err:  # string_to_bool raises the last
-                raise RecipeError(f"recipe key {key}: {v!r} is not a valid {getattr(action.type, '__name__', 'value')} ({err})") from None
-            if action.choices is not None and converted not in action.choices and str(converted) not in map(str, action.choices):
+                raise RecipeError(
+                    f"recipe key {key}: {v!r} is not a valid {getattr(action.type, '__name__', 'value')} ({err})"
+                ) from None
+            if (
+                action.choices is not None
+                and converted not in action.choices
+                and str(converted) not in map(str, action.choices)
+            ):
                 raise RecipeError(f"recipe key {key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
 
 
@@ -191,6 +214,13 @@ def with_hints(unknown: list[str], known, prefix: str = "") -> str:
     transformers 4 name gets its transformers 5 replacement rather than a spelling match."""
     import difflib
 
-    hints = [(k, [REPLACED[k]] if k in REPLACED else [f"did you mean {m}?" for m in difflib.get_close_matches(k.removeprefix(prefix), known, 1)])
-             for k in unknown]
+    hints = [
+        (
+            k,
+            [REPLACED[k]]
+            if k in REPLACED
+            else [f"did you mean {m}?" for m in difflib.get_close_matches(k.removeprefix(prefix), known, 1)],
+        )
+        for k in unknown
+    ]
     return ", ".join(f"{k} ({m[0]})" if m else k for k, m in hints)

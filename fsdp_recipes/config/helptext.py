@@ -15,22 +15,54 @@ from fsdp_recipes.console import HelpFormatter
 
 HELP_FLAGS = ("-h", "--help", "--help-all")
 
-LORA = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "bnb_4bit_quant_type",
-        "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "use_bnb_nested_quant")
+LORA = (
+    "use_peft",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "load_in_4bit",
+    "bnb_4bit_quant_type",
+    "bnb_4bit_compute_dtype",
+    "bnb_4bit_quant_storage",
+    "use_bnb_nested_quant",
+)
 
 # The TrainingArguments a recipe usually sets, in the order a reader looks for them.
 COMMON_TRAINING = (
-    "output_dir", "num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
-    "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm",
-    "optim", "bf16", "gradient_checkpointing", "logging_strategy", "logging_steps", "eval_strategy", "eval_steps",
-    "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "seed", "report_to", "push_to_hub",
-    "hub_model_id", "hub_private_repo",
+    "output_dir",
+    "num_train_epochs",
+    "max_steps",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "weight_decay",
+    "max_grad_norm",
+    "optim",
+    "bf16",
+    "gradient_checkpointing",
+    "logging_strategy",
+    "logging_steps",
+    "eval_strategy",
+    "eval_steps",
+    "save_strategy",
+    "save_steps",
+    "save_total_limit",
+    "resume_from_checkpoint",
+    "seed",
+    "report_to",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_private_repo",
 )
 
 # TrainingArguments options whose stock help describes the Trainer's behaviour, which this script replaces
 OUR_MEANING = {
     "push_to_hub": "upload the final model folder (and a LoRA adapter, under adapter/) to the hub once the run has "
-                   "finished, in one commit; checkpoints stay local (fsdp_recipes.config.hub_push) (default: %(default)s)",
+    "finished, in one commit; checkpoints stay local (fsdp_recipes.config.hub_push) (default: %(default)s)",
     "hub_model_id": "the hub repository --push_to_hub uploads to (your-name/model-name; default: output_dir's name)%(default).0s",
 }
 
@@ -40,12 +72,22 @@ class _Formatter(HelpFormatter):
     which doubles the help without telling anything. TRL's aliases (--max_length) are kept."""
 
     def _format_action_invocation(self, action):
-        shown = [s for s in action.option_strings if "-" not in s[2:] or s.replace("-", "_")[2:] not in
-                 {o[2:] for o in action.option_strings if o != s}]
-        action = argparse.Action(shown, action.dest, nargs=action.nargs, default=action.default, type=action.type,
-                                 choices=action.choices, help=action.help, metavar=action.metavar)
+        shown = [
+            s
+            for s in action.option_strings
+            if "-" not in s[2:] or s.replace("-", "_")[2:] not in {o[2:] for o in action.option_strings if o != s}
+        ]
+        action = argparse.Action(
+            shown,
+            action.dest,
+            nargs=action.nargs,
+            default=action.default,
+            type=action.type,
+            choices=action.choices,
+            help=action.help,
+            metavar=action.metavar,
+        )
         return super()._format_action_invocation(action)
-
 
 
 def build_parser(show_all: bool = False) -> HfArgumentParser:
@@ -66,8 +108,10 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
     lora = parser.add_argument_group("LoRA and QLoRA (TRL's ModelConfig names)")
     common = parser.add_argument_group("training (the most used transformers TrainingArguments)")
     rest = parser.add_argument_group(
-        "all other transformers TrainingArguments" if show_all else
-        "other TrainingArguments: about 110 more transformers options, listed by --help-all")
+        "all other transformers TrainingArguments"
+        if show_all
+        else "other TrainingArguments: about 110 more transformers options, listed by --help-all"
+    )
     by_dest = {a.dest: a for a in parser._actions}
     _move(model, lora, [by_dest[d] for d in LORA])
     default = parser._optionals
@@ -77,15 +121,24 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
     if not show_all:
         for action in others:
             action.help = argparse.SUPPRESS
-        parser.epilog = (f"{len(others)} more transformers TrainingArguments options (fsdp, optimizer, hub, logging "
-                         "details ...) are accepted too: --help-all lists them.")
+        parser.epilog = (
+            f"{len(others)} more transformers TrainingArguments options (fsdp, optimizer, hub, logging "
+            "details ...) are accepted too: --help-all lists them."
+        )
     for action in parser._actions:  # HfArgumentParser gives --no_<flag> the whole help of --<flag> again
-        if action.nargs == 0 and action.const is False and action.option_strings[0].startswith("--no_") and action.help != argparse.SUPPRESS:
-            action.help = f"the same as --{action.dest} false%(default).0s"  # %(default) in it: no "(default: False)" added
+        if (
+            action.nargs == 0
+            and action.const is False
+            and action.option_strings[0].startswith("--no_")
+            and action.help != argparse.SUPPRESS
+        ):
+            action.help = (
+                f"the same as --{action.dest} false%(default).0s"  # %(default) in it: no "(default: False)" added
+            )
     for dest, text in OUR_MEANING.items():  # what the option does in this script, not in the stock Trainer
         by_dest[dest].help = text
     data, run = groups[DataArguments._argument_group_name], groups[RunArguments._argument_group_name]
-    parser._action_groups = [g for g in (parser._positionals, default, model, lora, data, run, common, rest)]
+    parser._action_groups = [parser._positionals, default, model, lora, data, run, common, rest]
     return parser
 
 

@@ -23,8 +23,14 @@ from fsdp_recipes.console import say
 
 # TrainingArguments' hub options other than push_to_hub, with their defaults: set without push_to_hub, they would
 # be ignored without a word
-HUB_OPTIONS = {"hub_model_id": None, "hub_token": None, "hub_private_repo": None, "hub_revision": None,
-               "hub_strategy": "every_save", "hub_always_push": False}
+HUB_OPTIONS = {
+    "hub_model_id": None,
+    "hub_token": None,
+    "hub_private_repo": None,
+    "hub_revision": None,
+    "hub_strategy": "every_save",
+    "hub_always_push": False,
+}
 
 
 @dataclass(frozen=True)
@@ -66,10 +72,19 @@ def revision_problem(revision: str) -> str | None:
     if revision.startswith("refs/pr/"):
         return "is a pull request's ref: the hub takes commits to it only as a pull request"
     parts = revision.split("/")
-    bad = (any(not part or part.startswith(".") or part.endswith(".lock") for part in parts) or revision.endswith(".")
-           or ".." in revision or "@{" in revision
-           or any(c in revision for c in " ~^:?*[\\") or any(ord(c) < 32 or ord(c) == 127 for c in revision))
-    return "is not a valid branch name (git's rules: no spaces, '..', any of ~^:?*[\\, a part starting with '.', ...)" if bad else None
+    bad = (
+        any(not part or part.startswith(".") or part.endswith(".lock") for part in parts)
+        or revision.endswith(".")
+        or ".." in revision
+        or "@{" in revision
+        or any(c in revision for c in " ~^:?*[\\")
+        or any(ord(c) < 32 or ord(c) == 127 for c in revision)
+    )
+    return (
+        "is not a valid branch name (git's rules: no spaces, '..', any of ~^:?*[\\, a part starting with '.', ...)"
+        if bad
+        else None
+    )
 
 
 def push_plan(raw, explicit: set[str]) -> HubPush | None:
@@ -77,35 +92,58 @@ def push_plan(raw, explicit: set[str]) -> HubPush | None:
     set (hub_strategy's default, every_save, is no request for pushes at each save)."""
     from fsdp_recipes.errors import RecipeError
 
-    if not _value(raw, "push_to_hub"):  # a TRL or handbook recipe keeps its hub keys with push_to_hub false: said, not refused
+    if not _value(
+        raw, "push_to_hub"
+    ):  # a TRL or handbook recipe keeps its hub keys with push_to_hub false: said, not refused
         stray = [name for name, default in HUB_OPTIONS.items() if name in explicit and _value(raw, name) != default]
         if stray:
-            say(f"warning: {', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set, and push_to_hub is false: nothing is "
-                "uploaded (--push_to_hub true uploads the final model)")
+            say(
+                f"warning: {', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set, and push_to_hub is false: nothing is "
+                "uploaded (--push_to_hub true uploads the final model)"
+            )
         return None
     strategy = _value(raw, "hub_strategy")
     if strategy in ("checkpoint", "all_checkpoints"):
         raise RecipeError(
             f"hub_strategy {strategy} uploads checkpoints to resume from; a sharded run's checkpoints are one file per rank, "
             "no model, and resume from output_dir: here the final model is uploaded once, at the end: drop hub_strategy "
-            "(or give end)")
-    per_save = [name for name in ("hub_strategy", "hub_always_push") if name in explicit and _value(raw, name) not in ("end", False)]
+            "(or give end)"
+        )
+    per_save = [
+        name
+        for name in ("hub_strategy", "hub_always_push")
+        if name in explicit and _value(raw, name) not in ("end", False)
+    ]
     if per_save:  # the handbook's recipes say hub_strategy: every_save
-        say(f"warning: {', '.join(f'{n}={_value(raw, n)}' for n in per_save)} asks for uploads at every save; a sharded run's "
-            "checkpoints are no model, so the final model is uploaded once, at the end")
+        say(
+            f"warning: {', '.join(f'{n}={_value(raw, n)}' for n in per_save)} asks for uploads at every save; a sharded run's "
+            "checkpoints are no model, so the final model is uploaded once, at the end"
+        )
     named = _value(raw, "hub_model_id")
     if named is not None and not str(named).strip():
-        raise RecipeError("hub_model_id is empty: give your-name/model-name, or drop it to name the repository after output_dir")
+        raise RecipeError(
+            "hub_model_id is empty: give your-name/model-name, or drop it to name the repository after output_dir"
+        )
     output_dir = _value(raw, "output_dir") or "trainer_output"
     repo_id = named or Path(output_dir).absolute().name
     if problem := not_a_hub_id(repo_id, neither="hub repository name"):
         where = "hub_model_id" if named else "hub_model_id, from output_dir's name"
-        raise RecipeError(f"push_to_hub: the repository {repo_id!r} ({where}) {problem[0]}: give --hub_model_id "
-                          "your-name/model-name (letters, digits, '-', '_', '.'; at most 96 characters)")
+        raise RecipeError(
+            f"push_to_hub: the repository {repo_id!r} ({where}) {problem[0]}: give --hub_model_id "
+            "your-name/model-name (letters, digits, '-', '_', '.'; at most 96 characters)"
+        )
     revision = _value(raw, "hub_revision")
     if revision is not None and (problem := revision_problem(str(revision))):
-        raise RecipeError(f"push_to_hub: hub_revision {revision!r} {problem}: give a branch name such as run-1, or drop it")
-    push = HubPush(repo_id, _value(raw, "hub_private_repo"), revision, _value(raw, "hub_token"), bool(getattr(raw, "use_peft", False)))
+        raise RecipeError(
+            f"push_to_hub: hub_revision {revision!r} {problem}: give a branch name such as run-1, or drop it"
+        )
+    push = HubPush(
+        repo_id,
+        _value(raw, "hub_private_repo"),
+        revision,
+        _value(raw, "hub_token"),
+        bool(getattr(raw, "use_peft", False)),
+    )
     if os.environ.get("LOCAL_RANK", "0") == "0" and (problem := access_problem(push, later(push, output_dir))):
         raise RecipeError(f"push_to_hub to {repo_id}: {problem}")
     return push
@@ -122,28 +160,46 @@ def access_problem(push: HubPush, way_round: str) -> str | None:
         return one_line(("HF_HUB_OFFLINE is set, and an upload needs the hub", f"unset it, {way_round}"))
     token = push.token or get_token()
     if not token:
-        return one_line(("no hub token: an upload needs one with write access",
-                         f"run `hf auth login` (or set HF_TOKEN, or give --hub_token), {way_round}"))
+        return one_line(
+            (
+                "no hub token: an upload needs one with write access",
+                f"run `hf auth login` (or set HF_TOKEN, or give --hub_token), {way_round}",
+            )
+        )
     api = HfApi(token=token)
     try:
         me = api.whoami(cache=True)
     except HfHubHTTPError as err:
         if getattr(err.response, "status_code", None) == 401:
-            return one_line(("the hub refuses the token (401: invalid or expired)",
-                             f"log in again (hf auth login) or set HF_TOKEN to a valid token, {way_round}"))
+            return one_line(
+                (
+                    "the hub refuses the token (401: invalid or expired)",
+                    f"log in again (hf auth login) or set HF_TOKEN to a valid token, {way_round}",
+                )
+            )
         return _unreachable(err, way_round)
     except Exception as err:  # no network, a proxy, DNS, TLS: in its own words
         return _unreachable(err, way_round)
     access = (me.get("auth") or {}).get("accessToken") or {}
     if access.get("role") == "read":
-        return one_line((f"the token ({access.get('displayName', 'unnamed')}) is read-only",
-                         f"use a token with write access (hf auth login), {way_round}"))
+        return one_line(
+            (
+                f"the token ({access.get('displayName', 'unnamed')}) is read-only",
+                f"use a token with write access (hf auth login), {way_round}",
+            )
+        )
     user = me.get("name")
     namespace, name = push.repo_id.split("/", 1) if "/" in push.repo_id else (user, push.repo_id)
     if not may_write(me, access, namespace, f"{namespace}/{name}"):
-        writable = sorted(filter(None, {user} | {org.get("name") for org in me.get("orgs") or [] if org.get("roleInOrg") != "read"}))
-        return one_line((f"the token is {user}'s, which cannot write to {namespace!r} (writable: {', '.join(writable)})",
-                         f"give --hub_model_id {user}/{name}, {way_round}"))
+        writable = sorted(
+            filter(None, {user} | {org.get("name") for org in me.get("orgs") or [] if org.get("roleInOrg") != "read"})
+        )
+        return one_line(
+            (
+                f"the token is {user}'s, which cannot write to {namespace!r} (writable: {', '.join(writable)})",
+                f"give --hub_model_id {user}/{name}, {way_round}",
+            )
+        )
     if push.private:  # create_repo(exist_ok=True) leaves an existing repository as it is: public stays public
         try:
             info = api.repo_info(f"{namespace}/{name}")
@@ -152,8 +208,13 @@ def access_problem(push: HubPush, way_round: str) -> str | None:
         except Exception as err:
             return _unreachable(err, way_round)
         if info.private is False:
-            return one_line((f"hub_private_repo is true, and {namespace}/{name} exists and is public: the upload would be "
-                             "public", f"make the repository private on the hub first, or give another --hub_model_id, {way_round}"))
+            return one_line(
+                (
+                    f"hub_private_repo is true, and {namespace}/{name} exists and is public: the upload would be "
+                    "public",
+                    f"make the repository private on the hub first, or give another --hub_model_id, {way_round}",
+                )
+            )
     return None
 
 
@@ -170,13 +231,18 @@ def may_write(me: dict, access: dict, namespace: str, repo_id: str) -> bool:
     for entry in scoped:
         entity = (entry or {}).get("entity") or {}
         if "repo.write" in ((entry or {}).get("permissions") or []) and (
-                (entity.get("type") in ("user", "org") and entity.get("name") == namespace)
-                or (entity.get("type") == "model" and entity.get("name") == repo_id)):
+            (entity.get("type") in ("user", "org") and entity.get("name") == namespace)
+            or (entity.get("type") == "model" and entity.get("name") == repo_id)
+        ):
             return True
     return False
 
 
 def _unreachable(err: Exception, way_round: str) -> str:
     reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-    return one_line((f"the hub cannot be reached ({type(err).__name__}: {reason})",
-                     f"check the network (or HF_ENDPOINT), {way_round}"))
+    return one_line(
+        (
+            f"the hub cannot be reached ({type(err).__name__}: {reason})",
+            f"check the network (or HF_ENDPOINT), {way_round}",
+        )
+    )

@@ -85,8 +85,10 @@ def find_accelerate_launch() -> tuple[list[str], Path] | None:
         except OSError:
             return None
         for i, arg in enumerate(args[:-1]):
-            if (Path(arg).name == "accelerate" and args[i + 1] == "launch") or arg.endswith(("accelerate-launch", "accelerate.commands.launch")):
-                return args[i + 2 if args[i + 1] == "launch" else i + 1:], cwd
+            if (Path(arg).name == "accelerate" and args[i + 1] == "launch") or arg.endswith(
+                ("accelerate-launch", "accelerate.commands.launch")
+            ):
+                return args[i + 2 if args[i + 1] == "launch" else i + 1 :], cwd
         try:
             pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
@@ -142,8 +144,13 @@ def from_environment(env=None) -> LaunchSettings | None:
     if not fsdp_requested(env) or "ACCELERATE_DYNAMO_BACKEND" in env:
         return None  # the second: set by accelerate launch, whose variables carry defaults for every key
     world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
-    config = {"distributed_type": "FSDP", "num_processes": world, "num_machines": max(1, world // max(1, local)),
-              "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"), "fsdp_config": {}}
+    config = {
+        "distributed_type": "FSDP",
+        "num_processes": world,
+        "num_machines": max(1, world // max(1, local)),
+        "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"),
+        "fsdp_config": {},
+    }
     settings = LaunchSettings(config, None, where=ENVIRONMENT)
     for name, value in env.items():
         if name.startswith("FSDP_"):
@@ -173,14 +180,31 @@ def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> li
     from fsdp_recipes.config.accelerate_config import check_settings
 
     # keys not from a file were named by accelerate itself (its flags, its variables): only a file's can be unknown
-    problems = check_settings(settings.config, str(settings.config_file or settings.where), recipe=run_settings,
-                              model=model, check_keys=settings.config_file is not None)
+    problems = check_settings(
+        settings.config,
+        str(settings.config_file or settings.where),
+        recipe=run_settings,
+        model=model,
+        check_keys=settings.config_file is not None,
+    )
     return settings.attribute(problems)
 
 
-RUN_SETTINGS = ("gradient_checkpointing", "activation_checkpointing", "save_only_model", "fp16", "bf16", "dtype",
-                "load_in_4bit", "bnb_4bit_quant_storage", "bnb_4bit_compute_dtype", "zero1", "cpu_bf16", "optim",
-                "trust_remote_code")  # what the rules compare (trust_remote_code: the warning naming the code it runs)
+RUN_SETTINGS = (
+    "gradient_checkpointing",
+    "activation_checkpointing",
+    "save_only_model",
+    "fp16",
+    "bf16",
+    "dtype",
+    "load_in_4bit",
+    "bnb_4bit_quant_storage",
+    "bnb_4bit_compute_dtype",
+    "zero1",
+    "cpu_bf16",
+    "optim",
+    "trust_remote_code",
+)  # what the rules compare (trust_remote_code: the warning naming the code it runs)
 
 
 def check_launch(raw) -> LaunchSettings | None:
@@ -189,7 +213,9 @@ def check_launch(raw) -> LaunchSettings | None:
     printed once; errors stop every rank. Returns the settings (None: not an accelerate FSDP or DDP launch)."""
     from fsdp_recipes.config.accelerate_config import SAVE_ONLY_MODEL, errors
 
-    if str(getattr(raw, "save_only_model", None)).lower() == "true":  # under every launch, with or without FSDP or a config
+    if (
+        str(getattr(raw, "save_only_model", None)).lower() == "true"
+    ):  # under every launch, with or without FSDP or a config
         raise RecipeError(f"save_only_model {SAVE_ONLY_MODEL[0]}: {SAVE_ONLY_MODEL[1]}")
     launch = launch_settings()
     if launch is None:
@@ -197,20 +223,26 @@ def check_launch(raw) -> LaunchSettings | None:
     fsdp_type = launch.config.get("distributed_type") == "FSDP"
     if not launch.ddp and (not (fsdp_type or "fsdp_config" in launch.config) or (raw.allow_no_fsdp and not fsdp_type)):
         return launch  # neither FSDP nor a DDP config (refused by parse_args, by name), or no FSDP on purpose
-    problems = check(launch, {k: getattr(raw, k, None) for k in RUN_SETTINGS}, raw.model_name_or_path or raw.config_name)
+    problems = check(
+        launch, {k: getattr(raw, k, None) for k in RUN_SETTINGS}, raw.model_name_or_path or raw.config_name
+    )
     for problem in problems:
         if problem.level == "warning":
             say(str(problem))
     if errors(problems):
-        raise RecipeError(f"{launch.describe()} has {len(errors(problems))} error(s): " + " | ".join(str(p) for p in errors(problems)))
+        raise RecipeError(
+            f"{launch.describe()} has {len(errors(problems))} error(s): " + " | ".join(str(p) for p in errors(problems))
+        )
     return launch
 
 
 def no_fsdp_problem() -> str:
     """Why this launch would train without FSDP, and the command that trains with it."""
-    fix = ("launch with an FSDP config: `accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py ...` "
-           "(or torchrun with --fsdp true --fsdp_config accelerate_configs/torchrun/zero3.json); for DDP or ZeRO-1, "
-           "--config_file accelerate_configs/ddp.yaml; pass --allow_no_fsdp true to train without FSDP on purpose")
+    fix = (
+        "launch with an FSDP config: `accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py ...` "
+        "(or torchrun with --fsdp true --fsdp_config accelerate_configs/torchrun/zero3.json); for DDP or ZeRO-1, "
+        "--config_file accelerate_configs/ddp.yaml; pass --allow_no_fsdp true to train without FSDP on purpose"
+    )
     if any(k.startswith("ACCELERATE_") for k in os.environ):
         why = "accelerate launch without an FSDP config (its default config, or distributed_type other than FSDP)"
     elif "WORLD_SIZE" in os.environ:
@@ -228,8 +260,10 @@ def unused_accelerators_warning(devices: int | None = None) -> str | None:
         devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if devices > local:
-        return (f"warning: this node has {devices} GPUs and this launch uses {local} of them: pass --num_processes "
-                f"{devices} to accelerate launch (x the number of nodes), or --nproc_per_node {devices} to torchrun")
+        return (
+            f"warning: this node has {devices} GPUs and this launch uses {local} of them: pass --num_processes "
+            f"{devices} to accelerate launch (x the number of nodes), or --nproc_per_node {devices} to torchrun"
+        )
     return None
 
 

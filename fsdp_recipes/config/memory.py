@@ -92,12 +92,16 @@ def parse_count(text: str) -> int:
     if count != count or count in (float("inf"), float("-inf")):
         raise ValueError(f"{text!r} is not a finite number: give a parameter count such as 7B or 350M")
     if count < 0:
-        raise ValueError(f"{text!r} is not a parameter count: it is negative (a model has at least 1 parameter, e.g. 7B, 350M)")
+        raise ValueError(
+            f"{text!r} is not a parameter count: it is negative (a model has at least 1 parameter, e.g. 7B, 350M)"
+        )
     if count < 1:
         raise ValueError(f"{text!r} is not a parameter count: it is less than 1 (give one such as 7B or 350M)")
     if count > MAX_PARAMS:
-        raise ValueError(f"{text!r} is not the size of any model: {count:.3g} parameters is more than 100T (1e14), ten times "
-                         "the largest trained; check the number and its suffix (K, M, B, T)")
+        raise ValueError(
+            f"{text!r} is not the size of any model: {count:.3g} parameters is more than 100T (1e14), ten times "
+            "the largest trained; check the number and its suffix (K, M, B, T)"
+        )
     return int(count)
 
 
@@ -116,7 +120,9 @@ def _local_config(model: str):
         return None
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"model folder {model!r} holds no config.json: give a folder save_pretrained wrote, its config.json, or a hub id")
+            raise ValueError(
+                f"model folder {model!r} holds no config.json: give a folder save_pretrained wrote, its config.json, or a hub id"
+            )
         path = os.path.join(path, "config.json")
     load_json(path, "model config", JSON_LIMIT)  # UnreadableFile (a ValueError) names the file and what is wrong
     return Path(path)
@@ -135,7 +141,11 @@ def model_shape(model: str) -> ModelShape:
 
     local = _local_config(model)
     source = model if local is None else str(local.parent if local.name == "config.json" else local)
-    if problem := (local is None and hub_config_problem(model)) or remote_code_problem(source, trust_remote_code=False) or config_size_problem(source):
+    if (
+        problem := (local is None and hub_config_problem(model))
+        or remote_code_problem(source, trust_remote_code=False)
+        or config_size_problem(source)
+    ):
         raise ValueError(f"{model} {one_line(problem)}")
     config = AutoConfig.from_pretrained(source, trust_remote_code=False)  # never prompts, never runs a folder's code
     with torch.device("meta"):
@@ -149,10 +159,16 @@ def model_shape(model: str) -> ModelShape:
     names = {n for n, _ in skeleton.named_parameters()}
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return ModelShape(
-        params=params, hidden=config.hidden_size, layers=config.num_hidden_layers, vocab=config.vocab_size,
-        heads=heads, largest_unit=max(units + [embed]),
+        params=params,
+        hidden=config.hidden_size,
+        layers=config.num_hidden_layers,
+        vocab=config.vocab_size,
+        heads=heads,
+        largest_unit=max(units + [embed]),
         intermediate=getattr(config, "intermediate_size", None),
-        kv_width=kv_heads * head_dim, q_width=heads * head_dim, kv_heads=kv_heads,
+        kv_width=kv_heads * head_dim,
+        q_width=heads * head_dim,
+        kv_heads=kv_heads,
         gated=any(n.endswith(("mlp.gate_proj.weight", "mlp.gate_up_proj.weight")) for n in names),
         qk_norm=any(n.endswith("self_attn.q_norm.weight") for n in names),
     )
@@ -173,7 +189,9 @@ def saved_per_token(shape: ModelShape, width: int) -> float:
     with autograd's saved-tensor hooks on CPU over generated shapes (tests/test_activation_memory.py)."""
     h, w = shape.hidden, width
     q = shape.q_width or h
-    body = 2 * (4 * h + 2 * w * h + 4) + 2 * w * q + 4 * w * shape.intermediate + 2 * w * shape.kv_width + 4 * shape.heads
+    body = (
+        2 * (4 * h + 2 * w * h + 4) + 2 * w * q + 4 * w * shape.intermediate + 2 * w * shape.kv_width + 4 * shape.heads
+    )
     if shape.qk_norm:
         body += (4 + w) * (q + shape.kv_width) + 4 * (shape.heads + (shape.kv_heads or shape.heads))
     return body
@@ -193,8 +211,14 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[float, list[str]]
         per_layer = tokens * (saved_per_token(shape, width) + CUDA_ATTENTION_KV_TENSORS * width * shape.kv_width)
     else:
         per_layer = 34 * tokens * shape.hidden * width // 2
-        notes.append("activations by the GPT formula (34*s*b*h per layer): measured only for gated-MLP decoders (Llama family)")
-    body = (width * tokens * shape.hidden * shape.layers + per_layer) if setup.activation_checkpointing else per_layer * shape.layers
+        notes.append(
+            "activations by the GPT formula (34*s*b*h per layer): measured only for gated-MLP decoders (Llama family)"
+        )
+    body = (
+        (width * tokens * shape.hidden * shape.layers + per_layer)
+        if setup.activation_checkpointing
+        else per_layer * shape.layers
+    )
     final = tokens * (4 * shape.hidden + 2 * width * shape.hidden + 8 * shape.vocab)  # the final norm; logits
     return float(body + final), notes
 
@@ -236,12 +260,23 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     # counted (on an H200 every shipped config's peak came within 5% of this: tests/test_memory.py)
     total = params + optim + gathered + working + max(grads, acts)
     if grads and acts:
-        notes.append(f"gradients ({human(grads)}) and activations ({human(acts)}) do not peak together: the total counts the larger")
+        notes.append(
+            f"gradients ({human(grads)}) and activations ({human(acts)}) do not peak together: the total counts the larger"
+        )
     return Estimate(
-        shard_group=shard, params=params, grads=grads, optimizer=optim, gathered_params=gathered,
-        all_gather_working_set=working, activations=acts, gpu_total=total, cpu_offload_per_node=offload_node,
+        shard_group=shard,
+        params=params,
+        grads=grads,
+        optimizer=optim,
+        gathered_params=gathered,
+        all_gather_working_set=working,
+        activations=acts,
+        gpu_total=total,
+        cpu_offload_per_node=offload_node,
         # cpu_ram_efficient_loading: only rank 0 of the node holds the full checkpoint (in its saved dtype, fp32 assumed)
-        cpu_loading_per_node=4.0 * P, cpu_merging=0.5 * GiB, notes=notes,
+        cpu_loading_per_node=4.0 * P,
+        cpu_merging=0.5 * GiB,
+        notes=notes,
     )
 
 
@@ -250,16 +285,22 @@ def shipped_table(world: int | None = None, per_node: int | None = None) -> list
     reads them from accelerate_configs/; of an FSDP1 and an FSDP2 config with the same estimate, the FSDP2 one),
     cheapest communication first. On ``world`` processes (``per_node`` a node) each as it runs there: FSDP1 in a
     shard group of one is NO_SHARD; FSDP2's HSDP needs 2+ processes per node (accelerate refuses a shard of 1)."""
-    configs = [(label, strategy, strategy.memory_strategy if world is None else strategy.memory_strategy_on(world, per_node))
-               for label, strategy in shipped_configs().items()
-               if not (per_node == 1 and strategy.fsdp_version == 2 and strategy.memory_strategy == "HYBRID_SHARD")]
+    configs = [
+        (label, strategy, strategy.memory_strategy if world is None else strategy.memory_strategy_on(world, per_node))
+        for label, strategy in shipped_configs().items()
+        if not (per_node == 1 and strategy.fsdp_version == 2 and strategy.memory_strategy == "HYBRID_SHARD")
+    ]
     rows: dict[tuple[str, bool], str] = {}
     # FSDP2 first, then a config that names the strategy it runs (fsdp1/no_shard.yaml for NO_SHARD on one process)
-    for label, strategy, runs_as in sorted(configs, key=lambda c: (c[1].fsdp_version == 1, c[2] != c[1].memory_strategy, c[0])):
+    for label, strategy, runs_as in sorted(
+        configs, key=lambda c: (c[1].fsdp_version == 1, c[2] != c[1].memory_strategy, c[0])
+    ):
         rows.setdefault((runs_as, strategy.offload), label)
     rank = {name: i for i, name in enumerate(COMMUNICATION_ORDER)}
-    return sorted(((label, name, offload) for (name, offload), label in rows.items()),
-                  key=lambda row: (rank.get(row[1], len(rank)), row[2]))
+    return sorted(
+        ((label, name, offload) for (name, offload), label in rows.items()),
+        key=lambda row: (rank.get(row[1], len(rank)), row[2]),
+    )
 
 
 def fitting_configs(shape: ModelShape, setup: Setup, gpu_bytes: float) -> list[tuple[str, float, bool]]:
@@ -276,7 +317,12 @@ def parse_bytes(text: str) -> float:
     """'80GiB', '40GB', '512MiB' or a number of bytes -> bytes (more than 0, finite)."""
     m = re.fullmatch(r"\s*([\d.]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text)
     try:
-        size = float(m.group(1)) * {"GiB": GiB, "GB": 1e9, "MiB": 1024**2, "MB": 1e6, "TiB": 1024**4, "TB": 1e12, None: 1}[m.group(2)] if m else None
+        size = (
+            float(m.group(1))
+            * {"GiB": GiB, "GB": 1e9, "MiB": 1024**2, "MB": 1e6, "TiB": 1024**4, "TB": 1e12, None: 1}[m.group(2)]
+            if m
+            else None
+        )
     except ValueError:  # '1.2.3GiB'
         size = None
     if size is None or not 0 < size < float("inf"):
@@ -286,4 +332,3 @@ def parse_bytes(text: str) -> float:
 
 def human(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= 0.01 * GiB or n == 0 else f"{n / 1024**2:.2f} MiB"
-

@@ -9,6 +9,7 @@ from pathlib import Path
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.errors import UnreadableFile
 
+
 def qlora_problem() -> str | None:
     """QLoRA needs bitsandbytes' 4-bit kernels: CUDA and the bitsandbytes package."""
     import importlib.util
@@ -16,8 +17,10 @@ def qlora_problem() -> str | None:
     import torch
 
     if not torch.cuda.is_available():
-        return ("load_in_4bit (QLoRA) needs a CUDA GPU: bitsandbytes' 4-bit weights have no CPU path to train with; "
-                "on this machine use use_peft without load_in_4bit (LoRA on full-precision weights)")
+        return (
+            "load_in_4bit (QLoRA) needs a CUDA GPU: bitsandbytes' 4-bit weights have no CPU path to train with; "
+            "on this machine use use_peft without load_in_4bit (LoRA on full-precision weights)"
+        )
     if importlib.util.find_spec("bitsandbytes") is None:
         return "load_in_4bit (QLoRA) needs bitsandbytes: pip install bitsandbytes"
     return None
@@ -26,7 +29,12 @@ def qlora_problem() -> str | None:
 TOKENIZER_SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one loads
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def model_source_problem(name: str, weights: bool) -> str | None:
@@ -39,18 +47,26 @@ def model_source_problem(name: str, weights: bool) -> str | None:
                 f"is a sharded FSDP checkpoint: merge it first (python tools/merge_checkpoint.py {name} MERGED) and "
                 "fine-tune from MERGED, or continue its run with --resume_from_checkpoint"
             )
-        if weights and (path / "model" / "config.json").is_file() and ((path / "run_args.json").is_file() or any(path.glob("checkpoint-*"))):
+        if (
+            weights
+            and (path / "model" / "config.json").is_file()
+            and ((path / "run_args.json").is_file() or any(path.glob("checkpoint-*")))
+        ):
             # a run folder, also one an earlier version wrote its model into: a resume since may have left that stale
             return f"is a training run's folder: its final model is {Path(name) / 'model'}; give that"
         if not weights:  # a tokenizer: its own files, with or without a model's config.json
             if not any((path / f).is_file() for f in TOKENIZER_SOURCE_FILES):
-                return (f"has no tokenizer files ({', '.join(TOKENIZER_SOURCE_FILES)}): pass --tokenizer_name with a folder or "
-                        "hub id that has them (this repository's tiny one: assets/tiny-llama)")
+                return (
+                    f"has no tokenizer files ({', '.join(TOKENIZER_SOURCE_FILES)}): pass --tokenizer_name with a folder or "
+                    "hub id that has them (this repository's tiny one: assets/tiny-llama)"
+                )
             return None
         if not (path / "config.json").is_file():
             if (path / "model" / "config.json").is_file():  # a run folder: its model has a folder of its own
                 return f"is a training run's folder: its final model is {Path(name) / 'model'}; give that"
-            return "is a folder without config.json: give a folder written by save_pretrained or tools/merge_checkpoint.py"
+            return (
+                "is a folder without config.json: give a folder written by save_pretrained or tools/merge_checkpoint.py"
+            )
         if weights and not any((path / f).is_file() for f in WEIGHT_FILES):
             return f"has no weights ({', '.join(WEIGHT_FILES)}): give a folder written by save_pretrained or tools/merge_checkpoint.py"
         return weights_problem(path, name) if weights else None
@@ -61,7 +77,9 @@ def model_source_problem(name: str, weights: bool) -> str | None:
         return "does not exist (relative paths start where you launch): give a local model folder or a hub id"
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if problem := not_a_hub_id(name, "model folder", "local folder"):  # 'my model', '-bad': every rank's from_pretrained would raise it
+    if problem := not_a_hub_id(
+        name, "model folder", "local folder"
+    ):  # 'my model', '-bad': every rank's from_pretrained would raise it
         return one_line(problem)
     cached = try_to_load_from_cache(name, "config.json")
     if constants.HF_HUB_OFFLINE:  # the cache is all there is
@@ -81,7 +99,10 @@ def not_a_hub_id(name: str, local: str = "folder", neither: str = "local path") 
     try:
         validate_repo_id(name)
     except ValueError as err:
-        return f"is neither a {neither} nor a hub id ({str(err).splitlines()[0][:120]})", f"give a local {local} or a hub id (org/name)"
+        return (
+            f"is neither a {neither} nor a hub id ({str(err).splitlines()[0][:120]})",
+            f"give a local {local} or a hub id (org/name)",
+        )
     return None
 
 
@@ -98,7 +119,10 @@ def hub_config_problem(name: str) -> tuple[str, str] | None:
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return None
     if constants.HF_HUB_OFFLINE:
-        return "is neither a local folder nor in the hub cache", "give a local folder, or unset HF_HUB_OFFLINE to download it"
+        return (
+            "is neither a local folder nor in the hub cache",
+            "give a local folder, or unset HF_HUB_OFFLINE to download it",
+        )
     if problem := hub_problem(name, "config.json"):
         why, _, fix = problem.rpartition(": ")
         return why, fix
@@ -130,25 +154,43 @@ def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") ->
     if problem := not_a_hub_id(repo_id, where):
         return one_line(problem)
     try:
-        if repo_exists(repo_id, repo_type=repo_type) if filename is None else file_exists(repo_id, filename, repo_type=repo_type):
+        if (
+            repo_exists(repo_id, repo_type=repo_type)
+            if filename is None
+            else file_exists(repo_id, filename, repo_type=repo_type)
+        ):
             return None
     except GatedRepoError:
-        return (f"is a gated {where} on the hub: accept its terms on its hub page and log in (hf auth login), or give a "
-                "local folder")
+        return (
+            f"is a gated {where} on the hub: accept its terms on its hub page and log in (hf auth login), or give a "
+            "local folder"
+        )
     except Exception as err:  # no network, a proxy, DNS, TLS: whatever stops the request, in its own words
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-        return (f"is not in the local hub cache and the hub cannot be reached ({type(err).__name__}: {reason}): give a "
-                f"local folder, or download it where the hub is reachable (hf download {repo_id}"
-                f"{' --repo-type dataset' if repo_type == 'dataset' else ''}) and set HF_HUB_OFFLINE=1")
-    return (f"is not a {where} on the hub{f' with a {filename}' if filename else ''} (a typo in the id, a private repository without a login, "
-            "or a path that does not exist where you launch): give a local folder or the exact hub id")
+        return (
+            f"is not in the local hub cache and the hub cannot be reached ({type(err).__name__}: {reason}): give a "
+            f"local folder, or download it where the hub is reachable (hf download {repo_id}"
+            f"{' --repo-type dataset' if repo_type == 'dataset' else ''}) and set HF_HUB_OFFLINE=1"
+        )
+    return (
+        f"is not a {where} on the hub{f' with a {filename}' if filename else ''} (a typo in the id, a private repository without a login, "
+        "or a path that does not exist where you launch): give a local folder or the exact hub id"
+    )
 
 
 # More layers than any model trained (the deepest published LLMs have a few hundred): a config past it is a typo or
 # hostile, and building it on the meta device to count its parameters would take minutes and gigabytes per layer count
 MAX_LAYERS = 4096
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "num_encoder_layers",
-              "decoder_layers", "encoder_layers")
+LAYER_KEYS = (
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "n_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+    "decoder_layers",
+    "encoder_layers",
+)
 
 
 def _local_folder(name: str) -> Path | None:
@@ -197,13 +239,26 @@ def custom_code(name: str, tokenizer: bool = False) -> tuple[list[str], str | No
     if not isinstance(record, dict):
         return [], None
     entries = list(dict.fromkeys(_code_entries(record.get("auto_map"))))  # peft and the hub repeat slow and fast
-    if tokenizer:  # a class transformers lacks loads as its generic tokenizers backend, unless auto_map names code for it
+    if (
+        tokenizer
+    ):  # a class transformers lacks loads as its generic tokenizers backend, unless auto_map names code for it
         cls = record.get("tokenizer_class")
-        known = not entries or not isinstance(cls, str) or hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast"))
-        return entries, None if known else f"tokenizer_class {cls!r}, which transformers {transformers.__version__} does not have"
+        known = (
+            not entries
+            or not isinstance(cls, str)
+            or hasattr(transformers, cls)
+            or hasattr(transformers, cls.removesuffix("Fast"))
+        )
+        return (
+            entries,
+            None if known else f"tokenizer_class {cls!r}, which transformers {transformers.__version__} does not have",
+        )
     model_type = record.get("model_type")
     known = model_type in CONFIG_MAPPING_NAMES
-    return entries, None if known else f"model_type {model_type!r}, which transformers {transformers.__version__} does not know"
+    return (
+        entries,
+        None if known else f"model_type {model_type!r}, which transformers {transformers.__version__} does not know",
+    )
 
 
 def remote_code_problem(name: str, trust_remote_code: bool, tokenizer: bool = False) -> tuple[str, str] | None:
@@ -221,8 +276,10 @@ def remote_code_problem(name: str, trust_remote_code: bool, tokenizer: bool = Fa
         return None
     file = "tokenizer_config.json" if tokenizer else "config.json"
     code = f" ({file}'s auto_map: {', '.join(entries[:3])}: Python files transformers would import and run)"
-    return (f"names {unknown}{code}, and this repository runs no code from a model folder",
-            "give a model transformers supports, or, only for code you have read, set trust_remote_code: true")
+    return (
+        f"names {unknown}{code}, and this repository runs no code from a model folder",
+        "give a model transformers supports, or, only for code you have read, set trust_remote_code: true",
+    )
 
 
 def config_size_problem(name: str) -> tuple[str, str] | None:
@@ -244,10 +301,18 @@ def config_size_problem(name: str) -> tuple[str, str] | None:
         for key in LAYER_KEYS:
             if (value := config.get(key)) is None:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:  # "1000000", 1e6, -3: a traceback later
-                return f"has {key}: {value!r} in its config.json, which is not a number of layers", "give a whole number"
+            if (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):  # "1000000", 1e6, -3: a traceback later
+                return (
+                    f"has {key}: {value!r} in its config.json, which is not a number of layers",
+                    "give a whole number",
+                )
             if value > MAX_LAYERS:
-                return f"has {key}: {value} in its config.json, more than any model has (at most {MAX_LAYERS} here)", "fix that number"
+                return (
+                    f"has {key}: {value} in its config.json, more than any model has (at most {MAX_LAYERS} here)",
+                    "fix that number",
+                )
     return None
 
 
@@ -268,10 +333,12 @@ def weights_problem(folder: Path, name: str) -> str | None:
     if not index.is_file():
         if not any((folder / f).is_file() for f in WEIGHT_FILES):
             return f"has no weights ({', '.join(WEIGHT_FILES)}): give a folder written by save_pretrained or tools/merge_checkpoint.py"
-        return (f"holds its weights only as a pickle (pytorch_model.bin), which transformers would unpickle on every "
-                f"rank: this repository loads safetensors weights only; convert a file you trust once "
-                f"(python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{name}').save_pretrained('CONVERTED')\") "
-                "and give CONVERTED")
+        return (
+            f"holds its weights only as a pickle (pytorch_model.bin), which transformers would unpickle on every "
+            f"rank: this repository loads safetensors weights only; convert a file you trust once "
+            f"(python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{name}').save_pretrained('CONVERTED')\") "
+            "and give CONVERTED"
+        )
     try:
         weight_map = load_json(index, index.name, JSON_LIMIT).get("weight_map")
     except UnreadableFile as err:
@@ -280,8 +347,10 @@ def weights_problem(folder: Path, name: str) -> str | None:
         return f"has a {index.name} without a weight_map of tensor names to shard files: restore it from the model's source"
     for shard in sorted({str(v) for v in weight_map.values()}):
         if not is_shard_name(shard):
-            return (f"has a {index.name} that names {shard!r} as a shard, which is not a .safetensors file inside the "
-                    "folder (from_pretrained would read it from wherever it points): give a folder whose index names only its own shards")
+            return (
+                f"has a {index.name} that names {shard!r} as a shard, which is not a .safetensors file inside the "
+                "folder (from_pretrained would read it from wherever it points): give a folder whose index names only its own shards"
+            )
         if not (folder / shard).is_file():
             return f"lacks {shard}, which its {index.name} names: copy the model folder again"
         if problem := _not_safetensors(folder / shard):

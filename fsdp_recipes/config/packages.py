@@ -34,7 +34,11 @@ def _pip(name: str) -> str:
 # every OptimizerNames value that shares it (15 bitsandbytes variants, 6 GaLore ...) is covered, and an optimizer a
 # newer transformers adds lands in a known group or in none (tests/test_option_packages.py fails for the latter).
 OPTIMIZER_BUILDERS: dict[str, Need | None] = {
-    "_get_adafactor": None, "_get_adamw_torch": None, "_get_sgd": None, "_get_adagrad": None, "_get_rmsprop": None,
+    "_get_adafactor": None,
+    "_get_adamw_torch": None,
+    "_get_sgd": None,
+    "_get_adagrad": None,
+    "_get_rmsprop": None,
     "_get_bitsandbytes_optimizer": Need(_pip("bitsandbytes"), "bitsandbytes", "is_bitsandbytes_available"),
     "_get_galore_optimizer": Need(_pip("galore-torch"), "galore_torch", "is_galore_torch_available"),
     "_get_apollo_optimizer": Need(_pip("apollo-torch"), "apollo_torch", "is_apollo_torch_available"),
@@ -43,7 +47,9 @@ OPTIMIZER_BUILDERS: dict[str, Need | None] = {
     "_get_torchao_optimizer": Need(_pip("torchao"), "torchao", "is_torchao_available"),
     "_get_schedule_free_optimizer": Need(_pip("schedulefree"), "schedulefree", "is_schedulefree_available"),
     "_get_stable_adamw": Need(_pip("torch-optimi"), "optimi", "is_torch_optimi_available"),
-    "_get_adamw_anyprecision": Need("pip install git+https://github.com/pytorch/torchdistx", "torchdistx", "is_torchdistx_available"),
+    "_get_adamw_anyprecision": Need(
+        "pip install git+https://github.com/pytorch/torchdistx", "torchdistx", "is_torchdistx_available"
+    ),
     "_get_adamw_torch_xla": Need(_pip("torch_xla"), "torch_xla", "is_torch_xla_available"),
     "_get_adamw_torch_npu_fused": Need(_pip("torch_npu"), "torch_npu", "is_torch_npu_available"),
 }
@@ -78,9 +84,15 @@ REPORTER_ALSO = {"dagshub": Need(_pip("mlflow"), "mlflow")}  # DagsHub logs thro
 
 FLASH = "a CUDA GPU (transformers' flash attention kernels run on GPUs only)"
 ATTENTION: dict[str, Need] = {
-    "flash_attention_2": Need(_pip("flash-attn --no-build-isolation"), "flash_attn", "is_flash_attn_2_available", device=FLASH),
-    "flash_attention_3": Need("flash-attn-3, built from the hopper/ folder of github.com/Dao-AILab/flash-attention",
-                              "flash_attn_interface", "is_flash_attn_3_available", device=FLASH),
+    "flash_attention_2": Need(
+        _pip("flash-attn --no-build-isolation"), "flash_attn", "is_flash_attn_2_available", device=FLASH
+    ),
+    "flash_attention_3": Need(
+        "flash-attn-3, built from the hopper/ folder of github.com/Dao-AILab/flash-attention",
+        "flash_attn_interface",
+        "is_flash_attn_3_available",
+        device=FLASH,
+    ),
     "flash_attention_4": Need(_pip("flash-attn-4"), "flash_attn", "is_flash_attn_4_available", device=FLASH),
     "flex_attention": Need(_pip("'torch>=2.5'"), "torch", "is_torch_flex_attn_available"),
 }
@@ -110,8 +122,10 @@ def missing(option: str, need: Need, instead: str) -> str:
         return f"{option} needs {need.device}, and this machine has none: {instead}"
     if module_found(need.module):
         upgrade = need.install.replace("pip install ", "pip install -U ", 1)
-        return (f"{option}: the {need.module} package is installed but is not a release transformers accepts (too old, "
-                f"or another distribution of it): {upgrade}, or {instead}")
+        return (
+            f"{option}: the {need.module} package is installed but is not a release transformers accepts (too old, "
+            f"or another distribution of it): {upgrade}, or {instead}"
+        )
     return f"{option} needs the {need.module} package, which is not installed: {need.install}, or {instead}"
 
 
@@ -143,15 +157,20 @@ def optim_args_problem(optim: str, optim_args: str | None) -> str | None:
         from transformers.training_args import OptimizerNames
 
         handlers = internals.get("transformers.trainer_optimizer._OPTIMIZER_HANDLERS")
-        reads = {name.value for name, builder in handlers.items()
-                 if "optim_args" in inspect.getsource(builder) and optimizer_need(name.value) is None}  # no package to add
+        reads = {
+            name.value
+            for name, builder in handlers.items()
+            if "optim_args" in inspect.getsource(builder) and optimizer_need(name.value) is None
+        }  # no package to add
         if "optim_args" in inspect.getsource(handlers[OptimizerNames(optim)]):
             return None
     except (ImportError, KeyError, ValueError, OSError, TypeError):  # another transformers, or no source: not judged
         return None
     adamw = " (AdamW's settings are adam_beta1, adam_beta2, adam_epsilon, weight_decay)" if "adam" in optim else ""
-    return (f"optim_args={optim_args!r} would be ignored: transformers' builder of optim={optim} never reads it{adamw}: "
-            f"drop optim_args, or use an optimizer that takes it ({', '.join(sorted(reads))})")
+    return (
+        f"optim_args={optim_args!r} would be ignored: transformers' builder of optim={optim} never reads it{adamw}: "
+        f"drop optim_args, or use an optimizer that takes it ({', '.join(sorted(reads))})"
+    )
 
 
 def reporters(value) -> list[str]:
@@ -169,12 +188,16 @@ def report_to_problem(value) -> str | None:
         if name in ("all", "none"):  # all: the installed ones, by definition
             continue
         if name not in INTEGRATION_TO_CALLBACK:
-            return (f"report_to={name!r} is not an integration transformers reports to: give one of "
-                    f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, all or none")
+            return (
+                f"report_to={name!r} is not an integration transformers reports to: give one of "
+                f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, all or none"
+            )
         if name == "kubeflow":
             if not os.environ.get("KUBEFLOW_TRAINER_SERVER_URL"):
-                return ("report_to=kubeflow reports to the Kubeflow TrainJob this runs in, and there is none "
-                        "(KUBEFLOW_TRAINER_SERVER_URL is not set): drop kubeflow from report_to")
+                return (
+                    "report_to=kubeflow reports to the Kubeflow TrainJob this runs in, and there is none "
+                    "(KUBEFLOW_TRAINER_SERVER_URL is not set): drop kubeflow from report_to"
+                )
             continue
         needs = REPORTERS.get(name)
         if needs and not any(found(n) for n in needs):
@@ -190,8 +213,10 @@ def attention_problem(value: str | None) -> str | None:
     if "/" in value:  # a hub kernel (kernels-community/flash-attn): transformers loads it with the kernels package
         if module_found("kernels"):
             return None  # whether the hub has it is the load's to say
-        return (f"attn_implementation={value!r} is a kernel from the hub, which transformers loads with the kernels "
-                "package, not installed here: pip install kernels, or use --attn_implementation sdpa")
+        return (
+            f"attn_implementation={value!r} is a kernel from the hub, which transformers loads with the kernels "
+            "package, not installed here: pip install kernels, or use --attn_implementation sdpa"
+        )
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = value.removeprefix("paged|")
@@ -216,9 +241,11 @@ def check_deepspeed(value) -> None:
     """TrainingArguments' deepspeed (a file or, in a recipe, a mapping) would start DeepSpeed instead of FSDP."""
     if value:
         shown = "a DeepSpeed config mapping" if isinstance(value, dict) else f"{value!r}"
-        raise RecipeError(f"deepspeed={shown}: this repository trains with FSDP, not DeepSpeed: drop deepspeed and launch "
-                          "with an FSDP accelerate config (accelerate_configs/zero3.yaml is ZeRO-3's equivalent, zero2.yaml "
-                          "ZeRO-2's)")
+        raise RecipeError(
+            f"deepspeed={shown}: this repository trains with FSDP, not DeepSpeed: drop deepspeed and launch "
+            "with an FSDP accelerate config (accelerate_configs/zero3.yaml is ZeRO-3's equivalent, zero2.yaml "
+            "ZeRO-2's)"
+        )
 
 
 def check_packages(raw) -> None:

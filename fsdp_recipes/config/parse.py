@@ -12,14 +12,20 @@ from fsdp_recipes.ckpt.resume import check_output_dir, explicit, requested
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config import helptext, launcher
 from fsdp_recipes.config.accelerate_config import ZERO1_UNDER_FSDP
-from fsdp_recipes.config.arguments import build, DataArguments, ModelArguments, RunArguments
-from fsdp_recipes.config.flags import (bare_flags_as_values, check_flag_values, check_flag_words, check_flags,
-                                       check_missing_values, check_recipe_types)
+from fsdp_recipes.config.arguments import DataArguments, ModelArguments, RunArguments, build
+from fsdp_recipes.config.flags import (
+    bare_flags_as_values,
+    check_flag_values,
+    check_flag_words,
+    check_flags,
+    check_missing_values,
+    check_recipe_types,
+)
 from fsdp_recipes.config.hub_push import push_plan
 from fsdp_recipes.config.packages import check_deepspeed, check_packages
 from fsdp_recipes.config.plan import Plan
-from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys, unknown_keys_problem
 from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
+from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys, unknown_keys_problem
 from fsdp_recipes.config.values import best_metric_direction, check_task_flags, check_training_values
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, UnreadableFile
@@ -35,8 +41,18 @@ _REPO_PATH_KEYS = ("config_name", "tokenizer_name", "model_name_or_path", "train
 
 # Keys holding a path, where a quoted or recipe-written ~ reaches us unexpanded (no shell saw it): os.makedirs('~/x')
 # would make a folder named ~ in the working directory. A hub id never starts with ~.
-PATH_KEYS = ("output_dir", "logging_dir", "model_name_or_path", "config_name", "tokenizer_name", "train_file",
-             "validation_file", "resume_from_checkpoint", "fsdp_config", "accelerator_config")
+PATH_KEYS = (
+    "output_dir",
+    "logging_dir",
+    "model_name_or_path",
+    "config_name",
+    "tokenizer_name",
+    "train_file",
+    "validation_file",
+    "resume_from_checkpoint",
+    "fsdp_config",
+    "accelerator_config",
+)
 
 
 def expand_home(raw) -> None:
@@ -55,7 +71,9 @@ def load_recipe(path: Path, anchor_paths: bool = False) -> dict:
     """The recipe's mapping, read within bounds (fsdp_recipes.bounded: no folder, pipe, device, oversize or binary
     file, no YAML aliases); every refusal is a RecipeError naming the file and the fix."""
     if not os.path.lexists(path):
-        raise RecipeError(f"recipe {str(path)!r} does not exist: give a YAML file such as {DEFAULT_RECIPE.relative_to(REPO_ROOT)}")
+        raise RecipeError(
+            f"recipe {str(path)!r} does not exist: give a YAML file such as {DEFAULT_RECIPE.relative_to(REPO_ROOT)}"
+        )
     try:
         recipe = load_yaml(path, "recipe")
     except UnreadableFile as err:
@@ -115,9 +133,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     plan = Plan(raw, trainer_fsdp, launch=launcher.check_launch(raw))
     if trainer_fsdp and plan.launch is not None and plan.launch.config.get("distributed_type") == "FSDP":
         # the Trainer's --fsdp won over the config: the run trained otherwise than its config, and run_args.json said
-        raise RecipeError(f"--fsdp (TrainingArguments' FSDP, for torchrun without accelerate) and {plan.launch.describe()}'s "
-                          "FSDP are both given: set FSDP in one place, the accelerate config (or its launch flags, e.g. "
-                          "--fsdp_sharding_strategy): drop fsdp and fsdp_config")
+        raise RecipeError(
+            f"--fsdp (TrainingArguments' FSDP, for torchrun without accelerate) and {plan.launch.describe()}'s "
+            "FSDP are both given: set FSDP in one place, the accelerate config (or its launch flags, e.g. "
+            "--fsdp_sharding_strategy): drop fsdp and fsdp_config"
+        )
     model_args, data_args, run_args = (build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
     check_training_values(raw, model_args, data_args)
     check_task_flags(raw, data_args, explicit=set_keys)
@@ -127,19 +147,32 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     # Which checkpoint a resume uses (reading its files), what it sets aside and the requeue record are decided once
     # per launch, on global rank 0 after the process group starts (fsdp_recipes.train.preflight.decide_resume): here
     # each rank would read every rank's files, and could see another newest checkpoint than its peers.
-    if (path := explicit(raw.resume_from_checkpoint)) is not None and not (path.strip() and Path(path).is_dir()):  # no file read
-        raise RecipeError(f"--resume_from_checkpoint {path!r} is not a folder: give a checkpoint-N folder, or true for the latest")
-    inputs = {"model_name_or_path": model_args.model_name_or_path, "config_name": model_args.config_name,
-              "tokenizer_name": model_args.tokenizer_name}
-    plan.delete = check_output_dir(output_dir, resuming=requested(raw.resume_from_checkpoint),
-                                   overwrite=run_args.overwrite_output_dir, resume=explicit(raw.resume_from_checkpoint),
-                                   inputs=inputs)
+    if (path := explicit(raw.resume_from_checkpoint)) is not None and not (
+        path.strip() and Path(path).is_dir()
+    ):  # no file read
+        raise RecipeError(
+            f"--resume_from_checkpoint {path!r} is not a folder: give a checkpoint-N folder, or true for the latest"
+        )
+    inputs = {
+        "model_name_or_path": model_args.model_name_or_path,
+        "config_name": model_args.config_name,
+        "tokenizer_name": model_args.tokenizer_name,
+    }
+    plan.delete = check_output_dir(
+        output_dir,
+        resuming=requested(raw.resume_from_checkpoint),
+        overwrite=run_args.overwrite_output_dir,
+        resume=explicit(raw.resume_from_checkpoint),
+        inputs=inputs,
+    )
     fsdp = cpu_fsdp.fsdp_requested() or trainer_fsdp
     if not fsdp and not run_args.allow_no_fsdp and not (plan.launch is not None and plan.launch.ddp):
         raise RecipeError(launcher.no_fsdp_problem())
     if run_args.zero1 and cpu_fsdp.launched_world_size() < 2:
-        raise RecipeError("zero1 shards the optimizer state across processes and this launch has 1: launch with "
-                          "--config_file accelerate_configs/ddp.yaml (2+ processes), or drop zero1")
+        raise RecipeError(
+            "zero1 shards the optimizer state across processes and this launch has 1: launch with "
+            "--config_file accelerate_configs/ddp.yaml (2+ processes), or drop zero1"
+        )
     if run_args.zero1 and fsdp:  # the accelerate-launch route is named by the config check above, by file and key
         raise RecipeError(f"zero1 {ZERO1_UNDER_FSDP}: drop zero1, or launch with accelerate_configs/ddp.yaml")
     # last: it asks the hub. The Trainer's own push would upload output_dir at every save (hub_push's docstring)

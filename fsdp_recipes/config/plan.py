@@ -24,4 +24,6 @@ class Plan:
     run_args: object = None  # fsdp_recipes.config.arguments.RunArguments: this script's own options
     notes: list[str] = field(default_factory=list)  # what the resume decision said, printed once output_dir is held
     push: object = None  # fsdp_recipes.config.hub_push.HubPush: where --push_to_hub uploads the final model
-    requeue_record: dict | None = None  # a requeued SLURM job's progress, written to output_dir (ckpt.resume.check_requeue)
+    requeue_record: dict | None = (
+        None  # a requeued SLURM job's progress, written to output_dir (ckpt.resume.check_requeue)
+    )

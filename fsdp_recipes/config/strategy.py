@@ -62,14 +62,18 @@ def fsdp1_hybrid_problem(strategy: str | None, devices_per_process: int, local_w
         return None
     devices_per_process, local_world = int(devices_per_process), int(local_world)
     if devices_per_process == 1:
-        return (f"FSDP1 {strategy} with one device visible to each process would train every process alone: torch "
-                "makes each process a node of one (NO_SHARD in a group of one) and never reduces gradients across "
-                "processes; make all of a node's GPUs visible to each of its processes, or use "
-                "accelerate_configs/fsdp1/zero3.yaml or accelerate_configs/zero3.yaml")
+        return (
+            f"FSDP1 {strategy} with one device visible to each process would train every process alone: torch "
+            "makes each process a node of one (NO_SHARD in a group of one) and never reduces gradients across "
+            "processes; make all of a node's GPUs visible to each of its processes, or use "
+            "accelerate_configs/fsdp1/zero3.yaml or accelerate_configs/zero3.yaml"
+        )
     if devices_per_process != local_world:
-        return (f"FSDP1 {strategy} groups ranks by the {devices_per_process} devices each process sees, but this node "
-                f"runs {local_world} processes: its shard groups would not be the nodes; launch one process per GPU "
-                "with all of the node's GPUs visible, or use accelerate_configs/fsdp1/zero3.yaml")
+        return (
+            f"FSDP1 {strategy} groups ranks by the {devices_per_process} devices each process sees, but this node "
+            f"runs {local_world} processes: its shard groups would not be the nodes; launch one process per GPU "
+            "with all of the node's GPUs visible, or use accelerate_configs/fsdp1/zero3.yaml"
+        )
     return None
 
 
@@ -80,8 +84,9 @@ def as_flag(value) -> bool:
     return bool(value)
 
 
-def fsdp_strategy_name(fsdp_version: int, reshard_after_forward: bool = True, sharding_strategy=None,
-                       dp_replicate_size: int = 1):
+def fsdp_strategy_name(
+    fsdp_version: int, reshard_after_forward: bool = True, sharding_strategy=None, dp_replicate_size: int = 1
+):
     """The strategy FSDP runs: FSDP2's from its resharding and mesh, FSDP1's as named (None where unnamed)."""
     if fsdp_version == 2:
         if dp_replicate_size > 1:
@@ -102,8 +107,11 @@ def strategy_of(config: dict, zero1: bool = False) -> Strategy:
         return Strategy("ZERO1" if zero1 else "DDP")
     version = int(fsdp.get("fsdp_version", 1))
     if version == 2:
-        name = fsdp_strategy_name(2, reshard_after_forward=as_flag(fsdp.get("fsdp_reshard_after_forward", True)),
-                                  dp_replicate_size=int(pc.get("parallelism_config_dp_replicate_size", 1)))
+        name = fsdp_strategy_name(
+            2,
+            reshard_after_forward=as_flag(fsdp.get("fsdp_reshard_after_forward", True)),
+            dp_replicate_size=int(pc.get("parallelism_config_dp_replicate_size", 1)),
+        )
     else:
         name = fsdp_strategy_name(version, sharding_strategy=str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")))
     return Strategy(name, as_flag(fsdp.get("fsdp_offload_params", False)), version)

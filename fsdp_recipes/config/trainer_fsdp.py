@@ -26,13 +26,17 @@ def trainer_fsdp_keys() -> frozenset[str] | None:
     try:
         source = inspect.getsource(method)
     except (OSError, TypeError):  # an install without .py sources: the keys cannot be read, so they are not checked
-        say("warning: transformers' source is not installed, so --fsdp_config keys are not checked against the ones "
-            "TrainingArguments reads (a misspelt key would be ignored by it)")
+        say(
+            "warning: transformers' source is not installed, so --fsdp_config keys are not checked against the ones "
+            "TrainingArguments reads (a misspelt key would be ignored by it)"
+        )
         return None
     keys = keys_read(source)
     if len(keys) < 5:  # the method was rewritten in a way this reading no longer sees
-        raise internals.problem("transformers.training_args.TrainingArguments._process_fsdp_args",
-                                f" reading fsdp_config keys as this repository expects (found {sorted(keys)})")
+        raise internals.problem(
+            "transformers.training_args.TrainingArguments._process_fsdp_args",
+            f" reading fsdp_config keys as this repository expects (found {sorted(keys)})",
+        )
     return frozenset(keys)
 
 
@@ -51,9 +55,18 @@ def keys_read(source: str) -> set[str]:
     for node in ast.walk(ast.parse(textwrap.dedent(source))):
         if isinstance(node, ast.Subscript) and is_config(node.value):
             keys.add(text(node.slice))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_config(node.func.value) and node.args:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and is_config(node.func.value)
+            and node.args
+        ):
             keys.add(text(node.args[0]))
-        elif isinstance(node, ast.Compare) and any(isinstance(op, ast.In) for op in node.ops) and is_config(node.comparators[0]):
+        elif (
+            isinstance(node, ast.Compare)
+            and any(isinstance(op, ast.In) for op in node.ops)
+            and is_config(node.comparators[0])
+        ):
             keys.add(text(node.left))
     keys.discard(None)
     return keys
@@ -71,7 +84,9 @@ def check_trainer_fsdp(raw) -> bool:
     config = raw.fsdp_config
     if isinstance(config, str):
         if not Path(config).is_file():
-            raise RecipeError(f"--fsdp_config {config!r} does not exist: give a JSON file such as accelerate_configs/torchrun/zero3.json")
+            raise RecipeError(
+                f"--fsdp_config {config!r} does not exist: give a JSON file such as accelerate_configs/torchrun/zero3.json"
+            )
         try:
             config = load_json(Path(config), "--fsdp_config", YAML_LIMIT)
         except UnreadableFile as err:
@@ -80,8 +95,10 @@ def check_trainer_fsdp(raw) -> bool:
         return True
     unknown = [k for k in (config or {}) if not k.startswith("_") and k.removeprefix("fsdp_") not in keys]
     if unknown:
-        raise RecipeError(f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, keys, 'fsdp_')}")
+        raise RecipeError(
+            f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, keys, 'fsdp_')}"
+        )
     version = (config or {}).get("version", (config or {}).get("fsdp_version"))  # TrainingArguments reads either
     if str(version) == "2" and (problem := unsteppable_optimizer(getattr(raw, "optim", None))):
-        raise RecipeError(f"--optim {problem[0]}; fix: {problem[1]} (--fsdp_config with \"version\": 1)")
+        raise RecipeError(f'--optim {problem[0]}; fix: {problem[1]} (--fsdp_config with "version": 1)')
     return True

@@ -12,13 +12,37 @@ from fsdp_recipes.errors import RecipeError
 
 # TRL / alignment-handbook keys with no equivalent here (read from trl/trainer/sft_config.py, model_config.py and
 # scripts/utils.py, and alignment-handbook's recipes): a recipe holding them is refused, naming them as TRL's.
-NO_EQUIVALENT = frozenset({
-    "model_revision", "model_init_kwargs", "chat_template", "chat_template_path", "dataset_mixture", "datasets",
-    "dataset_kwargs", "dataset_streaming", "streaming", "test_split_size", "eos_token", "pad_token", "truncation_mode",
-    "shuffle_dataset", "padding_free", "pad_to_multiple_of", "eval_packing", "loss_type", "activation_offloading",
-    "router_aux_loss_coef", "lora_target_parameters", "lora_modules_to_save", "lora_task_type", "use_rslora",
-    "use_dora", "ignore_bias_buffers", "load_in_8bit",
-})
+NO_EQUIVALENT = frozenset(
+    {
+        "model_revision",
+        "model_init_kwargs",
+        "chat_template",
+        "chat_template_path",
+        "dataset_mixture",
+        "datasets",
+        "dataset_kwargs",
+        "dataset_streaming",
+        "streaming",
+        "test_split_size",
+        "eos_token",
+        "pad_token",
+        "truncation_mode",
+        "shuffle_dataset",
+        "padding_free",
+        "pad_to_multiple_of",
+        "eval_packing",
+        "loss_type",
+        "activation_offloading",
+        "router_aux_loss_coef",
+        "lora_target_parameters",
+        "lora_modules_to_save",
+        "lora_task_type",
+        "use_rslora",
+        "use_dora",
+        "ignore_bias_buffers",
+        "load_in_8bit",
+    }
+)
 
 
 def rename_recipe_keys(recipe: dict) -> dict:
@@ -30,8 +54,10 @@ def rename_recipe_keys(recipe: dict) -> dict:
         if alias not in recipe:
             continue
         if ours in out and out[ours] != recipe[alias]:
-            raise RecipeError(f"recipe keys {origin[ours]}: {out[ours]!r} and {alias}: {recipe[alias]!r} are the same "
-                              f"setting ({alias} is TRL's name for {ours}) with different values: keep one")
+            raise RecipeError(
+                f"recipe keys {origin[ours]}: {out[ours]!r} and {alias}: {recipe[alias]!r} are the same "
+                f"setting ({alias} is TRL's name for {ours}) with different values: keep one"
+            )
         out[ours], origin[ours] = recipe[alias], alias
     return out
 
@@ -50,7 +76,9 @@ def check_flag_aliases(argv: list[str], parser) -> None:
             value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
         if (earlier := seen.get(dest[flag])) and earlier[1] != value:
             what = f"the same setting ({dest[flag]})" if earlier[0] != flag else "given twice"
-            raise RecipeError(f"{earlier[0]} {earlier[1]} and {flag} {value} are {what} with different values: give one")
+            raise RecipeError(
+                f"{earlier[0]} {earlier[1]} and {flag} {value} are {what} with different values: give one"
+            )
         seen[dest[flag]] = (flag, value)
 
 
@@ -69,6 +97,8 @@ def unknown_keys_problem(unknown: list[str], known, what: str = "recipe", kind: 
 def check_trl_flags(argv: list[str], parser) -> None:
     """A TRL flag with no equivalent is named as TRL's (with every other unknown flag, in the same line)."""
     options = {s for action in parser._actions for s in action.option_strings}
-    unknown = [a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options]
+    unknown = [
+        a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options
+    ]
     if set(unknown) & NO_EQUIVALENT:
         raise RecipeError(unknown_keys_problem(unknown, {o.removeprefix("--") for o in options}, "flags", "flag"))

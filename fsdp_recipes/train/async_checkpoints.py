@@ -94,12 +94,16 @@ class AsyncCheckpoints(TrainerCallback):
         if (reason := self.why_not()) is not None:
             return f"checkpoints are written before training goes on ({reason}; --async_checkpoints has no effect here)"
         if self.expects_in_place():
-            return ("checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
-                    "each): straight from this rank's weight and optimizer shards, which live in host memory (no copy; the "
-                    "optimizer step after a checkpoint waits for its write), one checkpoint at a time")
-        return ("checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
-                "each): a host copy of this rank's weight and optimizer shards, made after the first optimizer step and reused "
-                "by every checkpoint (held for the run), one checkpoint at a time")
+            return (
+                "checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
+                "each): straight from this rank's weight and optimizer shards, which live in host memory (no copy; the "
+                "optimizer step after a checkpoint waits for its write), one checkpoint at a time"
+            )
+        return (
+            "checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
+            "each): a host copy of this rank's weight and optimizer shards, made after the first optimizer step and reused "
+            "by every checkpoint (held for the run), one checkpoint at a time"
+        )
 
     def expects_in_place(self) -> bool:
         """Whether saves will be written from the live tensors: staging auto, the shards in host memory (no accelerator,
@@ -113,7 +117,9 @@ class AsyncCheckpoints(TrainerCallback):
         """Staging auto, and an optimizer that changes the weights only in its step: a schedule-free optimizer's
         train()/eval(), which the Trainer calls around steps and evaluation, rewrite them in place (a save in flight
         would be torn), so such runs keep the host copy."""
-        inner = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # accelerate's wrapper has train() itself
+        inner = getattr(
+            self.trainer.optimizer, "optimizer", self.trainer.optimizer
+        )  # accelerate's wrapper has train() itself
         moves_weights = "schedule_free" in str(self.trainer.args.optim) or callable(getattr(inner, "train", None))
         return self.staging == "auto" and not moves_weights
 
@@ -128,6 +134,7 @@ class AsyncCheckpoints(TrainerCallback):
 
         if self.pending is not None:
             self.finish()  # at most one in flight
+
         def group(i: int):  # every rank makes the same saves in the same order, so the i-th group matches
             while len(self.groups) <= i:
                 self.groups.append(dist.new_group(backend="gloo"))
@@ -158,7 +165,11 @@ class AsyncCheckpoints(TrainerCallback):
         try:
             if offload_to_cpu:
                 sd_config.offload_to_cpu = False
-            with checkpoint_saves(self.shard_files, direct=self.direct, background=Background(group, stager, pending.futures, pending.staged_bytes, pending.in_place)):
+            with checkpoint_saves(
+                self.shard_files,
+                direct=self.direct,
+                background=Background(group, stager, pending.futures, pending.staged_bytes, pending.in_place),
+            ):
                 yield
         finally:
             if offload_to_cpu:
@@ -203,7 +214,9 @@ class AsyncCheckpoints(TrainerCallback):
         import torch
 
         done = all(f.done() for f in self.pending.futures)
-        agreed = self.trainer.accelerator.reduce(torch.tensor(int(done), device=self.trainer.accelerator.device), reduction="sum")
+        agreed = self.trainer.accelerator.reduce(
+            torch.tensor(int(done), device=self.trainer.accelerator.device), reduction="sum"
+        )
         if int(agreed.item()) == self.trainer.accelerator.num_processes:
             self._complete(state.global_step)
 
@@ -222,7 +235,12 @@ class AsyncCheckpoints(TrainerCallback):
         params = list(model.parameters())
         tensors = params if all(p.requires_grad for p in params) else []
         optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
-        tensors += [v for per_param in optimizer.state.values() for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        tensors += [
+            v
+            for per_param in optimizer.state.values()
+            for v in per_param.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
         shapes = HostBuffers.shapes_of(tensors)
         if shapes:
             self.ahead = HostBuffers(shapes, pin="register" if torch.cuda.is_available() else None)
@@ -249,7 +267,9 @@ class AsyncCheckpoints(TrainerCallback):
         The writing threads finish the shard files they began (a thread cannot be stopped), so a process whose peer
         died ends when its write does, or when the launcher stops it."""
         if self.pending is not None:
-            logger.warning(f"{self.pending.folder.name}: its asynchronous save was abandoned; it stays incomplete, and a resume passes over it")
+            logger.warning(
+                f"{self.pending.folder.name}: its asynchronous save was abandoned; it stays incomplete, and a resume passes over it"
+            )
             self.pending = None
         self._unhook()
 
@@ -260,32 +280,58 @@ class AsyncCheckpoints(TrainerCallback):
             future.result()  # a failed write raises here, on the rank that saw it
         seconds = round(time.monotonic() - pending.started, 3)
         staged, in_place = sum(pending.staged_bytes), all(pending.in_place)
-        self.completed.append({"step": pending.step, "seconds": seconds, "training_reached": reached, "staged_bytes": staged,
-                               "in_place": in_place, "optimizer_wait_seconds": round(pending.optimizer_wait, 3)})
+        self.completed.append(
+            {
+                "step": pending.step,
+                "seconds": seconds,
+                "training_reached": reached,
+                "staged_bytes": staged,
+                "in_place": in_place,
+                "optimizer_wait_seconds": round(pending.optimizer_wait, 3),
+            }
+        )
         if self.trainer.args.should_save:
-            self.trainer.describer.finish_checkpoint(pending.folder)  # shard_digests.json: every rank's files are written
+            self.trainer.describer.finish_checkpoint(
+                pending.folder
+            )  # shard_digests.json: every rank's files are written
             if pending.trainer_state is not None:
                 path, held = pending.trainer_state
                 held.save_to_json(str(path))  # last: the checkpoint is complete
             self.trainer.rotate_checkpoints()
         if self.trainer.is_world_process_zero():
-            source = (f"straight from this rank's shards in host memory, no copy; the next optimizer step waited {pending.optimizer_wait:.1f} s for it"
-                      if in_place else f"from a host copy of {staged / 2**20:,.1f} MiB of this rank's shards, reused by every checkpoint")
-            logger.info(f"{pending.folder.name} written in the background in {seconds:.1f} s while training went on to step {reached} ({source})")
+            source = (
+                f"straight from this rank's shards in host memory, no copy; the next optimizer step waited {pending.optimizer_wait:.1f} s for it"
+                if in_place
+                else f"from a host copy of {staged / 2**20:,.1f} MiB of this rank's shards, reused by every checkpoint"
+            )
+            logger.info(
+                f"{pending.folder.name} written in the background in {seconds:.1f} s while training went on to step {reached} ({source})"
+            )
 
     def report(self) -> dict:
         """fsdp_report.json's checkpoint_writes: how checkpoints were written, and (background) what each cost here."""
         # this rank's shard files (rank 0's in the report); with --direct_io_checkpoints false DCP writes them itself
         files = {"direct_io": True, "shard_files": self.shard_files.report()} if self.direct else {"direct_io": False}
         if not self.active:
-            return {"mode": "blocking", "why": "--async_checkpoints false" if not self.enabled else self.why_not(), **files}
+            return {
+                "mode": "blocking",
+                "why": "--async_checkpoints false" if not self.enabled else self.why_not(),
+                **files,
+            }
         done = self.completed
-        return {"mode": "background", **files, "saves": len(done),
-                "staging": self.staging,  # auto: in place where the shards live in host memory; each save's in "last"
-                "in_place_saves": sum(c["in_place"] for c in done),
-                "optimizer_wait_seconds_max": max((c["optimizer_wait_seconds"] for c in done), default=0.0),
-                "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),  # rank 0's host copy per save
-                "seconds_max": max((c["seconds"] for c in done), default=0.0),
-                "host_copies_made": self.host_copies_made + sum(s.made for s in self.stagers),  # one per save of a checkpoint (model, optimizer), reused
-                **({"host_copy_ahead": self.ahead_report} if self.ahead_report else {}),  # the first copy's buffers, made after step 1
-                "last": done[-5:]}
+        return {
+            "mode": "background",
+            **files,
+            "saves": len(done),
+            "staging": self.staging,  # auto: in place where the shards live in host memory; each save's in "last"
+            "in_place_saves": sum(c["in_place"] for c in done),
+            "optimizer_wait_seconds_max": max((c["optimizer_wait_seconds"] for c in done), default=0.0),
+            "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),  # rank 0's host copy per save
+            "seconds_max": max((c["seconds"] for c in done), default=0.0),
+            "host_copies_made": self.host_copies_made
+            + sum(s.made for s in self.stagers),  # one per save of a checkpoint (model, optimizer), reused
+            **(
+                {"host_copy_ahead": self.ahead_report} if self.ahead_report else {}
+            ),  # the first copy's buffers, made after step 1
+            "last": done[-5:],
+        }

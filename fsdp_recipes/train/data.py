@@ -20,7 +20,12 @@ from datasets import Dataset, load_dataset
 from datasets.exceptions import DatasetsError
 from jinja2.exceptions import TemplateError
 from pyarrow.lib import ArrowException
-from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase, default_data_collator
+from transformers import (
+    DataCollatorForSeq2Seq,
+    DataCollatorWithFlattening,
+    PreTrainedTokenizerBase,
+    default_data_collator,
+)
 
 from fsdp_recipes.config.arguments import DATA_EXTENSIONS, DataArguments
 from fsdp_recipes.config.data_files import locate_fault, other_format
@@ -60,7 +65,9 @@ def _loader_problem(err: BaseException, path: Path | None) -> str:
     said = f"{type(cause).__name__}: {said}" if said else type(cause).__name__
     if path is None:
         return f"cannot be loaded ({said}): check the dataset name, config and split"
-    if isinstance(cause, OSError) and not isinstance(cause, ArrowException) and cause.errno is not None:  # not pyarrow's "cannot parse"
+    if (
+        isinstance(cause, OSError) and not isinstance(cause, ArrowException) and cause.errno is not None
+    ):  # not pyarrow's "cannot parse"
         return f"cannot be loaded ({said}): check that it is readable and that the datasets cache has space"
     kind = DATA_EXTENSIONS[path.suffix]
     if (fault := locate_fault(path)) is None:
@@ -109,8 +116,10 @@ def texts(batch: dict, column: str) -> list[str]:
     the part of the file checked before the run) is one line naming it, not a tokenizer traceback on every rank."""
     for value in batch[column]:
         if not isinstance(value, str):
-            raise RecipeError(f"a record's {column!r} is {'null' if value is None else type(value).__name__ + ' ' + str(value)[:40]}, "
-                              "not text: fix or drop that record in the data")
+            raise RecipeError(
+                f"a record's {column!r} is {'null' if value is None else type(value).__name__ + ' ' + str(value)[:40]}, "
+                "not text: fix or drop that record in the data"
+            )
     return batch[column]
 
 
@@ -119,16 +128,36 @@ def pack_text(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArgume
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def tokenize(batch):
-        return {"input_ids": [ids + eos for ids in tokenizer(texts(batch, args.text_column), add_special_tokens=False)["input_ids"]]}
+        return {
+            "input_ids": [
+                ids + eos for ids in tokenizer(texts(batch, args.text_column), add_special_tokens=False)["input_ids"]
+            ]
+        }
 
     def group(batch):
         ids = list(chain.from_iterable(batch["input_ids"]))
         usable = len(ids) // args.block_size * args.block_size
         blocks = [ids[i : i + args.block_size] for i in range(0, usable, args.block_size)]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks], "attention_mask": [[1] * len(b) for b in blocks]}
+        return {
+            "input_ids": blocks,
+            "labels": [list(b) for b in blocks],
+            "attention_mask": [[1] * len(b) for b in blocks],
+        }
 
-    tokenized = raw.map(tokenize, batched=True, remove_columns=raw.column_names, num_proc=args.preprocessing_num_workers, desc="Tokenizing")
-    return tokenized.map(group, batched=True, batch_size=1000, num_proc=args.preprocessing_num_workers, desc=f"Packing into {args.block_size}-token blocks")
+    tokenized = raw.map(
+        tokenize,
+        batched=True,
+        remove_columns=raw.column_names,
+        num_proc=args.preprocessing_num_workers,
+        desc="Tokenizing",
+    )
+    return tokenized.map(
+        group,
+        batched=True,
+        batch_size=1000,
+        num_proc=args.preprocessing_num_workers,
+        desc=f"Packing into {args.block_size}-token blocks",
+    )
 
 
 def split_documents(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArguments) -> Dataset:
@@ -144,7 +173,13 @@ def split_documents(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: Data
         pieces = [p for p in pieces if len(p) > 1]  # one token predicts nothing
         return {"input_ids": pieces, "labels": [list(p) for p in pieces]}
 
-    return raw.map(tokenize, batched=True, remove_columns=raw.column_names, num_proc=args.preprocessing_num_workers, desc="Tokenizing documents")
+    return raw.map(
+        tokenize,
+        batched=True,
+        remove_columns=raw.column_names,
+        num_proc=args.preprocessing_num_workers,
+        desc="Tokenizing documents",
+    )
 
 
 def assistant_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -154,11 +189,14 @@ def assistant_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> 
     Qwen, Mistral) have none: there each assistant turn is located by rendering the conversation up to the
     turn's prompt and up to its end, and the tokens between the two are the assistant's.
     """
+
     def render(msgs, **kw):
         return list(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, **kw)["input_ids"])
 
     if "{% generation %}" in (tokenizer.chat_template or ""):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         return list(out["input_ids"]), list(out["assistant_masks"])
     ids = render(messages)
     mask = [0] * len(ids)
@@ -167,7 +205,9 @@ def assistant_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> 
             continue
         start, end = len(render(messages[:i], add_generation_prompt=True)), len(render(messages[: i + 1]))
         if ids[:end] != render(messages[: i + 1]):
-            raise RecipeError("the chat template renders a conversation's prefix differently from the whole; cannot locate assistant tokens")
+            raise RecipeError(
+                "the chat template renders a conversation's prefix differently from the whole; cannot locate assistant tokens"
+            )
         mask[start:end] = [1] * (end - start)
     return ids, mask
 
@@ -215,24 +255,33 @@ def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataAr
     def render(example):
         for turn in example[args.messages_column] or []:
             if not isinstance(turn.get("content"), str):
-                raise RecipeError(f"a conversation's {turn.get('role')!r} turn has content {turn.get('content')!r:.40}, not text: "
-                                  "fix or drop that record in the data")
+                raise RecipeError(
+                    f"a conversation's {turn.get('role')!r} turn has content {turn.get('content')!r:.40}, not text: "
+                    "fix or drop that record in the data"
+                )
         try:
             with _time_limit(CHAT_TEMPLATE_SECONDS):
                 ids, mask = assistant_mask(tokenizer, example[args.messages_column])
         except _TimeLimit:
-            raise RecipeError(f"{template} took over {CHAT_TEMPLATE_SECONDS:g} s to render one conversation (the limit): "
-                              "is it the right template? fix or replace its chat_template.jinja") from None
+            raise RecipeError(
+                f"{template} took over {CHAT_TEMPLATE_SECONDS:g} s to render one conversation (the limit): "
+                "is it the right template? fix or replace its chat_template.jinja"
+            ) from None
         except TemplateError as err:  # the template's own raise_exception ("roles must alternate ...") or its syntax
             said = one_line((str(err).strip().splitlines() or [""])[0])[:200]
-            raise RecipeError(f"{template} fails on a conversation ({type(err).__name__}: {said}): fix that record, or "
-                              "the template") from None
+            raise RecipeError(
+                f"{template} fails on a conversation ({type(err).__name__}: {said}): fix that record, or the template"
+            ) from None
         ids, mask = ids[: args.block_size], mask[: args.block_size]
         labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
-    dataset = raw.map(render, remove_columns=raw.column_names, num_proc=args.preprocessing_num_workers, desc="Applying chat template")
-    return dataset.filter(lambda ex: any(t != IGNORE_INDEX for t in ex["labels"]), desc="Dropping examples with no assistant tokens")
+    dataset = raw.map(
+        render, remove_columns=raw.column_names, num_proc=args.preprocessing_num_workers, desc="Applying chat template"
+    )
+    return dataset.filter(
+        lambda ex: any(t != IGNORE_INDEX for t in ex["labels"]), desc="Dropping examples with no assistant tokens"
+    )
 
 
 class PaddingFreeCollator(DataCollatorWithFlattening):
@@ -249,7 +298,9 @@ class PaddingFreeCollator(DataCollatorWithFlattening):
         return {**super().__call__(features, *args, **kwargs), "use_cache": False}
 
 
-def build_datasets(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int = 42) -> tuple[Dataset, Dataset | None, object]:
+def build_datasets(
+    args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int = 42
+) -> tuple[Dataset, Dataset | None, object]:
     """The tokenized training set, the tokenized evaluation set (or None) and the collator that batches both."""
     raw, raw_eval = load_raw(args, seed)
     fmt = resolve_format(args, raw.column_names)
@@ -258,14 +309,22 @@ def build_datasets(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed
         collator = PaddingFreeCollator(return_position_ids=True, separator_id=IGNORE_INDEX)
     else:
         prepare = pack_text if fmt == "text" else tokenize_chat
-        collator = default_data_collator if fmt == "text" else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+        collator = (
+            default_data_collator
+            if fmt == "text"
+            else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+        )
     dataset = prepare(raw, tokenizer, args)
     if len(dataset) == 0:
-        raise RecipeError(f"no training examples after preprocessing: the data is shorter than block_size={args.block_size}")
+        raise RecipeError(
+            f"no training examples after preprocessing: the data is shorter than block_size={args.block_size}"
+        )
     evaluation = None
     if raw_eval is not None:
         resolve_format(args, raw_eval.column_names)
         evaluation = prepare(raw_eval, tokenizer, args)
         if len(evaluation) == 0:
-            raise RecipeError(f"no evaluation examples after preprocessing: the evaluation data is shorter than block_size={args.block_size}")
+            raise RecipeError(
+                f"no evaluation examples after preprocessing: the evaluation data is shorter than block_size={args.block_size}"
+            )
     return dataset, evaluation, collator

@@ -27,15 +27,37 @@ from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp import write_shard_digests
 from fsdp_recipes.ckpt.description import describe_folder, seal_manifest, write_manifest
 from fsdp_recipes.ckpt.layout import (
-    ADAPTER_CONFIG, ADAPTER_DIR, DCP_MODEL_DIR, EXPORT_STAGING, FINAL_MODEL_DIR, MANIFEST, OPTIMIZER_DIR, REPORT_NAME, is_adapter_file,
-    is_exported_adapter, is_model_folder, is_published, record_published, step_of_name,
+    ADAPTER_CONFIG,
+    ADAPTER_DIR,
+    DCP_MODEL_DIR,
+    EXPORT_STAGING,
+    FINAL_MODEL_DIR,
+    MANIFEST,
+    OPTIMIZER_DIR,
+    REPORT_NAME,
+    is_adapter_file,
+    is_exported_adapter,
+    is_model_folder,
+    is_published,
+    record_published,
+    step_of_name,
 )
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.ckpt.status import short_json
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnreadableFile
-from fsdp_recipes.removal import MARKER, entries, make_folder, make_room, move, remove, remove_inside, replace_file, unmark
+from fsdp_recipes.removal import (
+    MARKER,
+    entries,
+    make_folder,
+    make_room,
+    move,
+    remove,
+    remove_inside,
+    replace_file,
+    unmark,
+)
 from fsdp_recipes.train.sharding import read_run_report, unwrapped_model_class, update_run_report
 
 logger = logging.getLogger(__name__)
@@ -57,7 +79,9 @@ def save_model_description(model, tokenizer, folder: str | os.PathLike, base_rec
     model, the base model's and adapter_config.json, so the folder merges on its own (fsdp_recipes.ckpt.lora_merge),
     and the base's identity (``base_record``, when known: a resume and a merge check the base they are given)."""
     model, lora = lora_parts(model)
-    files = describe_folder(Path(folder), unwrapped_model_class(model), model.config, tokenizer, getattr(model, "generation_config", None))
+    files = describe_folder(
+        Path(folder), unwrapped_model_class(model), model.config, tokenizer, getattr(model, "generation_config", None)
+    )
     if lora is not None:
         lora.save_pretrained(str(folder))
         files.append(ADAPTER_CONFIG)
@@ -85,11 +109,17 @@ class DescribeCheckpoints(TrainerCallback):
         try:
             write_manifest(folder, lora_parts(model)[0].config, files)
         except Exception as err:  # only a shortcut for the merge, never worth a failed run
-            logger.warning(f"no {MANIFEST} in {folder} ({type(err).__name__}: {err}); merging it checks the config with transformers")
+            logger.warning(
+                f"no {MANIFEST} in {folder} ({type(err).__name__}: {err}); merging it checks the config with transformers"
+            )
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if not state.is_world_process_zero or getattr(self.trainer, "async_saves", None) and self.trainer.async_saves.is_pending(folder):
+        if (
+            not state.is_world_process_zero
+            or getattr(self.trainer, "async_saves", None)
+            and self.trainer.async_saves.is_pending(folder)
+        ):
             return  # FSDPTrainer._save_checkpoint has waited for every rank's files before this (or AsyncCheckpoints will)
         self.finish_checkpoint(folder)
 
@@ -153,15 +183,21 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
         accelerator.wait_for_everyone()  # the staging folder exists before any rank writes into it
         trainer.save_model(str(staging))  # the gather inside is collective; rank 0's write after it is not
         if accelerator.is_main_process:
-            described = save_model_description(model, tokenizer, staging)  # save_pretrained names the FSDP<Model> subclass
-            publish(staging, out, [*described, *weight_files(staging)])  # not the Trainer's training_args.bin (a pickle)
+            described = save_model_description(
+                model, tokenizer, staging
+            )  # save_pretrained names the FSDP<Model> subclass
+            publish(
+                staging, out, [*described, *weight_files(staging)]
+            )  # not the Trainer's training_args.bin (a pickle)
         return
     accelerator.wait_for_everyone()
     save_fsdp_model(plugin, accelerator, trainer.model, str(shards))
     accelerator.wait_for_everyone()  # every rank's DCP shard is written: the last collective of the run
     if lora is not None:  # the merged model, and the adapter beside it: rank 0 alone
         if accelerator.is_main_process:
-            save_model_description(model, tokenizer, shards, trainer.describer.base_record)  # the adapter folder gets the record
+            save_model_description(
+                model, tokenizer, shards, trainer.describer.base_record
+            )  # the adapter folder gets the record
             write_final_folder(shards, out, log=logger.info, dtype=cast)
             remove(shards, EXPORT_STAGING)
             record_export(out, {"dtype": dtype, "writers": 1, "seconds": round(time.monotonic() - started, 3)})
@@ -169,13 +205,17 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
     source = DCPSource(shards / DCP_MODEL_DIR)
     size = sum(info.nbytes(cast) for info in source.tensors.values())
-    model_cls, _, weight_names = write_part(source, staging, model.config, (rank, world), cast, part_shard_size(size, world))
+    model_cls, _, weight_names = write_part(
+        source, staging, model.config, (rank, world), cast, part_shard_size(size, world)
+    )
     if not accelerator.is_main_process:
         return
     parts = wait_for_parts(staging, world, log=logger.info)
     if missing := [n for n in weight_names if not (staging / n).is_file()]:
-        raise CheckpointError(f"the final export finished without {', '.join(missing[:3])} in {staging}: nothing was published; "
-                              "run the same command with --resume_from_checkpoint true to export the last checkpoint again")
+        raise CheckpointError(
+            f"the final export finished without {', '.join(missing[:3])} in {staging}: nothing was published; "
+            "run the same command with --resume_from_checkpoint true to export the last checkpoint again"
+        )
     config = copy.deepcopy(model.config)  # describe_folder sets its dtype
     described = describe_folder(staging, model_cls, config, tokenizer, getattr(model, "generation_config", None), dtype)
     size = sum((staging / n).stat().st_size for n in weight_names if n.endswith(".safetensors"))
@@ -183,14 +223,29 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     remove(shards, EXPORT_STAGING)
     seconds = round(time.monotonic() - started, 3)
     writers = sum(1 for p in parts.values() if p["files"])
-    record_export(out, {"dtype": dtype, "writers": writers, "shards": sum(n.endswith(".safetensors") for n in weight_names),
-                        "bytes": size, "seconds": seconds, "ranks": {str(r): p for r, p in sorted(parts.items())}})
-    logger.info(f"final model: {size / 1e6:,.1f} MB in {dtype}, written by {writers} of {world} rank(s) in parallel in {seconds:.1f} s (fsdp_report.json: export)")
+    record_export(
+        out,
+        {
+            "dtype": dtype,
+            "writers": writers,
+            "shards": sum(n.endswith(".safetensors") for n in weight_names),
+            "bytes": size,
+            "seconds": seconds,
+            "ranks": {str(r): p for r, p in sorted(parts.items())},
+        },
+    )
+    logger.info(
+        f"final model: {size / 1e6:,.1f} MB in {dtype}, written by {writers} of {world} rank(s) in parallel in {seconds:.1f} s (fsdp_report.json: export)"
+    )
 
 
 def weight_files(folder: Path) -> list[str]:
     """The weight files save_pretrained wrote into ``folder``."""
-    return sorted(p.name for p in folder.iterdir() if p.name.startswith("model") and p.name.endswith((".safetensors", ".safetensors.index.json")))
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name.startswith("model") and p.name.endswith((".safetensors", ".safetensors.index.json"))
+    )
 
 
 # Every shard of the final export is at most 5 GB (save_pretrained's default) and, above this size, about 1/N of the
@@ -232,13 +287,17 @@ def save_dtype_problem(trainer, save_dtype: str) -> str | None:
     save_model writes the parameters as they are. Checked before training, not after it."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-    sharded = plugin is not None and ("SHARDED_STATE_DICT" in str(plugin.state_dict_type) or lora_parts(model)[1] is not None)
+    sharded = plugin is not None and (
+        "SHARDED_STATE_DICT" in str(plugin.state_dict_type) or lora_parts(model)[1] is not None
+    )
     if sharded or export_dtype(model, save_dtype) == parameter_dtype(model):
         return None
-    return (f"save_dtype={save_dtype}: this run's final folder is written by the Trainer's save_model (no FSDP, or "
-            f"fsdp_state_dict_type {str(getattr(plugin, 'state_dict_type', None)).split('.')[-1]}), in the parameters' "
-            f"dtype {parameter_dtype(model)}: use an FSDP config with SHARDED_STATE_DICT, or leave save_dtype at auto and "
-            f"cast afterwards with tools/merge_checkpoint.py CHECKPOINT OUT --dtype {save_dtype}")
+    return (
+        f"save_dtype={save_dtype}: this run's final folder is written by the Trainer's save_model (no FSDP, or "
+        f"fsdp_state_dict_type {str(getattr(plugin, 'state_dict_type', None)).split('.')[-1]}), in the parameters' "
+        f"dtype {parameter_dtype(model)}: use an FSDP config with SHARDED_STATE_DICT, or leave save_dtype at auto and "
+        f"cast afterwards with tools/merge_checkpoint.py CHECKPOINT OUT --dtype {save_dtype}"
+    )
 
 
 def write_part(source, staging: Path, config, part: tuple[int, int], dtype, max_shard_size: int):
@@ -261,7 +320,9 @@ def write_part(source, staging: Path, config, part: tuple[int, int], dtype, max_
         result = write_weight_part(source, staging, config, part, dtype, max_shard_size)
     except BaseException as err:
         (staging / f".part-{rank}.failing").write_text(f"{type(err).__name__}: {err}"[:2000] + "\n")
-        replace_file(staging / f".part-{rank}.failing", staging / f".part-{rank}.failed", EXPORT_STAGING)  # whole: rank 0 reads it
+        replace_file(
+            staging / f".part-{rank}.failing", staging / f".part-{rank}.failed", EXPORT_STAGING
+        )  # whole: rank 0 reads it
         raise
     finally:
         stop.set()
@@ -279,8 +340,10 @@ def wait_for_parts(staging: Path, world: int, log=print) -> dict[int, dict]:
     is given up on, on any machine."""
     parts: dict[int, dict] = {}
     last_said = time.monotonic()
-    beats: dict[int, tuple[str | None, float]] = {rank: (None, last_said) for rank in range(world)}  # last seen, when
-    again = "nothing was published; run the same command with --resume_from_checkpoint true to export the last checkpoint"
+    beats: dict[int, tuple[str | None, float]] = dict.fromkeys(range(world), (None, last_said))  # last seen, when
+    again = (
+        "nothing was published; run the same command with --resume_from_checkpoint true to export the last checkpoint"
+    )
     while len(parts) < world:
         for rank in sorted(set(range(world)) - set(parts)):
             failed, done = staging / f".part-{rank}.failed", staging / f".part-{rank}.done"
@@ -294,10 +357,14 @@ def wait_for_parts(staging: Path, world: int, log=print) -> dict[int, dict]:
                 try:
                     parts[rank] = load_json(done, done.name, JSON_LIMIT)
                 except UnreadableFile as err:
-                    raise CheckpointError(f"rank {rank}'s record of its part of the final model: {err}; {again}") from None
+                    raise CheckpointError(
+                        f"rank {rank}'s record of its part of the final model: {err}; {again}"
+                    ) from None
                 files = parts[rank].get("files")
                 if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
-                    raise CheckpointError(f"rank {rank}'s record of its part of the final model ({done}) names no list of files: {again}")
+                    raise CheckpointError(
+                        f"rank {rank}'s record of its part of the final model ({done}) names no list of files: {again}"
+                    )
                 continue
             try:
                 beat = read_text(staging / f".part-{rank}.alive", f".part-{rank}.alive", PART_NOTE_LIMIT)
@@ -306,12 +373,16 @@ def wait_for_parts(staging: Path, world: int, log=print) -> dict[int, dict]:
             if beat != beats[rank][0]:
                 beats[rank] = (beat, time.monotonic())
             elif time.monotonic() - beats[rank][1] > PART_STALE_SECONDS:
-                raise CheckpointError(f"rank {rank} has shown no sign of life for {PART_STALE_SECONDS:.0f} s while writing its part "
-                                      f"of the final model ({staging / f'.part-{rank}.alive'} stopped changing): it died or hangs; {again}")
+                raise CheckpointError(
+                    f"rank {rank} has shown no sign of life for {PART_STALE_SECONDS:.0f} s while writing its part "
+                    f"of the final model ({staging / f'.part-{rank}.alive'} stopped changing): it died or hangs; {again}"
+                )
         if len(parts) < world:
             if time.monotonic() - last_said >= PART_LOG_SECONDS:
-                log(f"final model: waiting for rank(s) {', '.join(str(r) for r in sorted(set(range(world)) - set(parts)))} "
-                    "to finish their shards (no timeout applies)")
+                log(
+                    f"final model: waiting for rank(s) {', '.join(str(r) for r in sorted(set(range(world)) - set(parts)))} "
+                    "to finish their shards (no timeout applies)"
+                )
                 last_said = time.monotonic()
             time.sleep(PART_POLL_SECONDS)
     return parts
@@ -345,7 +416,9 @@ def publish(staging: Path, out: Path, files: list[str]) -> Path:
         if entry.name not in files and entry.name != MARKER:
             remove_inside(staging, entry.name, EXPORT_STAGING)  # completion files, the Trainer's training_args.bin
     sync_folder(staging)
-    final = make_room(out / FINAL_MODEL_DIR, "an earlier run's final model", is_model_folder, logger.warning, is_published)
+    final = make_room(
+        out / FINAL_MODEL_DIR, "an earlier run's final model", is_model_folder, logger.warning, is_published
+    )
     written = entries(staging)  # before the rename: what is there after it and was not, is someone's
     move(staging, final)
     sync_entries(out)
@@ -360,7 +433,9 @@ def publish_adapter(staging: Path, out: Path) -> Path:
     for entry in staging.iterdir():
         if entry.name != MARKER and not is_adapter_file(entry.name):
             remove_inside(staging, entry.name, EXPORT_STAGING)
-    adapter = make_room(out / ADAPTER_DIR, "an earlier run's adapter folder", is_exported_adapter, logger.warning, is_published)
+    adapter = make_room(
+        out / ADAPTER_DIR, "an earlier run's adapter folder", is_exported_adapter, logger.warning, is_published
+    )
     written = entries(staging)
     move(staging, adapter)
     unmark(adapter, EXPORT_STAGING)
@@ -384,13 +459,16 @@ def finished_checkpoint_step(training_args) -> int | None:
         raise RecipeError(f"{err} (it changed after the resume was decided)") from None
     named = step_of_name(ckpt)
     if type(step) is not int or step < 0 or (named is not None and step != named):
-        raise RecipeError(f"{Path(ckpt) / 'trainer_state.json'}: global_step is {short_json(step)}, not the step the resume was decided on "
-                          f"(it changed since, or the folder was renamed): run the same command again")
+        raise RecipeError(
+            f"{Path(ckpt) / 'trainer_state.json'}: global_step is {short_json(step)}, not the step the resume was decided on "
+            f"(it changed since, or the folder was renamed): run the same command again"
+        )
     return step if step >= training_args.max_steps else None
 
 
-def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print,
-                      dtype: str | None = None) -> None:
+def export_checkpoint(
+    ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print, dtype: str | None = None
+) -> None:
     """The final model folder of a run (``out/model/``), written from one of its checkpoints (tools/merge_checkpoint.py's code).
     ``base_model``: the run's own model source, for a checkpoint whose config.json is missing. ``dtype``: cast the
     weights (--save_dtype; None or "auto" keeps the saved dtype)."""
@@ -398,7 +476,9 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, base_mode
     write_final_folder(Path(ckpt), Path(out), base_model, log, dtype=None if dtype == "auto" else dtype)
 
 
-def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log=print, dtype: str | None = None) -> None:
+def write_final_folder(
+    ckpt: Path, out: Path, base_model: str | None = None, log=print, dtype: str | None = None
+) -> None:
     """``out/model/`` becomes the model folder of checkpoint ``ckpt``; a LoRA checkpoint gives the merged model (cast to
     ``dtype`` when given) and the adapter in ``out/adapter``."""
     from fsdp_recipes.ckpt.description import description_dirs
@@ -409,10 +489,14 @@ def write_final_folder(ckpt: Path, out: Path, base_model: str | None = None, log
     lora = (ckpt / ADAPTER_CONFIG).is_file()
     if description_dirs(resolve_input(ckpt))[0] is not None:
         base_model = None  # the checkpoint describes itself
-    result = merge_checkpoint(ckpt, staging, overwrite=True, base_model=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING)
+    result = merge_checkpoint(
+        ckpt, staging, overwrite=True, base_model=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING
+    )
     if lora:  # a LoRA run: the adapter too, in a folder of its own
         adapter_staging = out / ".adapter-tmp"
-        merge_checkpoint(ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log, output_purpose=EXPORT_STAGING)
+        merge_checkpoint(
+            ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log, output_purpose=EXPORT_STAGING
+        )
         publish_adapter(adapter_staging, out)
     publish(staging, out, result.files)
     if (ckpt / "trainer_state.json").is_file():

@@ -17,9 +17,21 @@ from pathlib import Path
 # Dense bf16 tensor-core peaks (TFLOPS) from the vendors' datasheets; the first name found in the device's
 # name wins, so the more specific names come first.
 PEAK_BF16_TFLOPS = {
-    "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "H200": 989, "H800": 989, "H20": 148,
-    "A100": 312, "A800": 312, "L40S": 362, "L4": 121, "A10": 125,
-    "B200": 2250, "GB200": 2500, "MI300X": 1307, "MI325X": 1307,
+    "H100 NVL": 835,
+    "H100 PCIe": 756,
+    "H100": 989,
+    "H200": 989,
+    "H800": 989,
+    "H20": 148,
+    "A100": 312,
+    "A800": 312,
+    "L40S": 362,
+    "L4": 121,
+    "A10": 125,
+    "B200": 2250,
+    "GB200": 2500,
+    "MI300X": 1307,
+    "MI325X": 1307,
 }
 LOSS_PLOT = "loss.png"
 
@@ -34,7 +46,12 @@ def peak_tflops(device_name: str) -> float | None:
 def flops_per_token(model, seq_len: int) -> float:
     """6N + 12 L H T: N the parameters outside the embeddings, L layers, H hidden size, T the sequence length."""
     config = getattr(model.config, "text_config", None) or model.config
-    embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None for p in m.parameters()}
+    embeddings = {
+        id(p)
+        for m in (model.get_input_embeddings(), model.get_output_embeddings())
+        if m is not None
+        for p in m.parameters()
+    }
     non_embedding = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
     return 6 * non_embedding + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
@@ -85,7 +102,10 @@ class Throughput:
 
     def _metrics(self, tokens: int, seconds: float, world_size: int) -> dict:
         per_device = tokens / seconds / world_size
-        metrics = {"tokens_per_second": round(tokens / seconds, 1), "tokens_per_second_per_device": round(per_device, 1)}
+        metrics = {
+            "tokens_per_second": round(tokens / seconds, 1),
+            "tokens_per_second_per_device": round(per_device, 1),
+        }
         if self.peak and self.flops_per_token:
             metrics["mfu"] = round(per_device * self.flops_per_token / self.peak, 4)
         return metrics

@@ -12,12 +12,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.layout import BASE_STAGING, LORA_BASE_DIR
 from fsdp_recipes.compat import cpu_fsdp, rank0_loading
-from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.config.arguments import ModelArguments
+from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import CheckpointError, RecipeError
-from fsdp_recipes.train.sharding import expected_fsdp_version
 from fsdp_recipes.removal import is_ours, make_folder, move, remove, unmark
+from fsdp_recipes.train.sharding import expected_fsdp_version
 
 
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
@@ -30,13 +30,16 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
 
 def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    common = dict(trust_remote_code=args.trust_remote_code, attn_implementation=args.attn_implementation)
+    common = {"trust_remote_code": args.trust_remote_code, "attn_implementation": args.attn_implementation}
     if args.load_in_4bit:  # QLoRA (CUDA only: arguments.qlora_problem refused anything else before we got here)
         from transformers import BitsAndBytesConfig
 
         common["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type, bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
-            bnb_4bit_compute_dtype=getattr(torch, args.bnb_4bit_compute_dtype), bnb_4bit_quant_storage=getattr(torch, args.bnb_4bit_quant_storage),
+            load_in_4bit=True,
+            bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
+            bnb_4bit_compute_dtype=getattr(torch, args.bnb_4bit_compute_dtype),
+            bnb_4bit_quant_storage=getattr(torch, args.bnb_4bit_quant_storage),
         )
     efficient_loading = cpu_fsdp.fsdp_requested() and as_flag(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"))
     rank0_only = args.model_name_or_path is not None and not args.load_in_4bit and efficient_loading
@@ -51,7 +54,9 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
         if other_rank:
             common["device_map"] = "meta"  # rank 0 sends the weights; FSDP shards them as they arrive
         # safetensors only: a hub model's .bin would be unpickled here (a local or cached one is refused before the launch)
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, use_safetensors=True, **common)
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path, dtype=dtype, use_safetensors=True, **common
+        )
     else:
         config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype, **common)
@@ -67,14 +72,17 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
             raise RecipeError(
                 "LoRA on the LM head of a model with tied embeddings (lora_target_modules names it) fails in accelerate "
                 "1.15's FSDP2 preparation with fsdp_cpu_ram_efficient_loading (tie_weights: \"attribute 'weight' already "
-                "exists\"): leave the head out of lora_target_modules, or set fsdp_cpu_ram_efficient_loading: false in "
-                "your copy of the config")
+                'exists"): leave the head out of lora_target_modules, or set fsdp_cpu_ram_efficient_loading: false in '
+                "your copy of the config"
+            )
     if receives:
         if other_rank:
             model = rank0_loading.hollow_weights(model)
         model = rank0_loading.receive_buffers(model)
-        say("rank-0-only loading: ranks other than 0 build the model on the meta device, not from the files, and "
-            + ("FSDP1 fills each unit from rank 0 as it wraps it" if fsdp1 else "rank 0 scatters each rank its rows"))
+        say(
+            "rank-0-only loading: ranks other than 0 build the model on the meta device, not from the files, and "
+            + ("FSDP1 fills each unit from rank 0 as it wraps it" if fsdp1 else "rank 0 scatters each rank its rows")
+        )
     return model
 
 
@@ -87,8 +95,13 @@ def add_lora(model: PreTrainedModel, args: ModelArguments):
 
     targets = args.lora_target_modules or "all-linear"
     try:
-        config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                            target_modules=targets, task_type="CAUSAL_LM")
+        config = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules=targets,
+            task_type="CAUSAL_LM",
+        )
         return get_peft_model(model, config)
     except ValueError as err:  # e.g. a target module name the model does not have
         raise RecipeError(f"LoRA: {err}") from None
@@ -149,14 +162,20 @@ def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
     if out.is_symlink() or ((out.exists() or out.is_symlink()) and not (out / "config.json").is_file()):
         # a link leads to weights this run did not save; a folder without config.json is not a base at all: either is
         # someone else's, neither used nor replaced, and refused before a base is built beside it
-        raise RecipeError(f"{base} is {'a link' if out.is_symlink() else 'not a saved LoRA base (no config.json)'}: a LoRA run "
-                          "built from config_name keeps its base there; choose another --output_dir, or move it away")
+        raise RecipeError(
+            f"{base} is {'a link' if out.is_symlink() else 'not a saved LoRA base (no config.json)'}: a LoRA run "
+            "built from config_name keeps its base there; choose another --output_dir, or move it away"
+        )
     if (out / "config.json").is_file():
         saved = AutoConfig.from_pretrained(base, trust_remote_code=args.trust_remote_code).to_dict()
         wanted = config.to_dict()
-        if differ := sorted(k for k in (set(saved) | set(wanted)) - _CONFIG_BOOKKEEPING if saved.get(k) != wanted.get(k)):
-            raise RecipeError(f"{base} holds another model's base than config_name {args.config_name!r} describes ({', '.join(differ[:3])} "
-                              "differ(s)): it is an earlier run's LoRA base; choose another --output_dir, or move that folder away")
+        if differ := sorted(
+            k for k in (set(saved) | set(wanted)) - _CONFIG_BOOKKEEPING if saved.get(k) != wanted.get(k)
+        ):
+            raise RecipeError(
+                f"{base} holds another model's base than config_name {args.config_name!r} describes ({', '.join(differ[:3])} "
+                "differ(s)): it is an earlier run's LoRA base; choose another --output_dir, or move that folder away"
+            )
         log(f"LoRA base: {base}, saved by an earlier run of this output_dir (built from {args.config_name})")
         return
     staging = out.parent / ".base-tmp"
@@ -168,7 +187,9 @@ def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
         with torch.random.fork_rng(devices=[]):  # the ranks that do not build it keep the same RNG state as this one
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
         model.save_pretrained(str(staging))
-        AutoTokenizer.from_pretrained(args.tokenizer_name, trust_remote_code=args.trust_remote_code).save_pretrained(str(staging))
+        AutoTokenizer.from_pretrained(args.tokenizer_name, trust_remote_code=args.trust_remote_code).save_pretrained(
+            str(staging)
+        )
         base_identity.write(staging, base_identity.identity(staging, name=base))  # a later run notices a changed base
         move(staging, out)
     except BaseException:
@@ -176,8 +197,10 @@ def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
             remove(staging, BASE_STAGING)
         raise
     unmark(out, BASE_STAGING)
-    log(f"LoRA base: built from {args.config_name} (random weights, frozen) and saved once to {base}; the adapter names it "
-        "(adapter_config.json: base_model_name_or_path) and the run loads it from there")
+    log(
+        f"LoRA base: built from {args.config_name} (random weights, frozen) and saved once to {base}; the adapter names it "
+        "(adapter_config.json: base_model_name_or_path) and the run loads it from there"
+    )
 
 
 def lora_base_identity(args: ModelArguments, resume_from_checkpoint: str | None, log=print) -> dict | None:
@@ -206,22 +229,34 @@ def lora_base_identity(args: ModelArguments, resume_from_checkpoint: str | None,
 def _base_identity(name: str, ckpt: str | None, log) -> tuple[dict | None, str | None]:
     folder = base_identity.local_folder(name)
     if folder is None or not any(folder.glob("*.safetensors")):
-        if ckpt is not None and base_identity.read(ckpt) is not None:  # the checkpoint names its base: this one cannot be compared
-            return None, (f"{ckpt} records the base it was trained on, and the base model {name} has no local safetensors weights "
-                          "to compare (a .bin-only folder?): resume with that base (--model_name_or_path), or start without --resume_from_checkpoint")
-        log(f"LoRA base {name}: no local safetensors weights to record (checkpoints will not be able to check the base they resume on)")
+        if (
+            ckpt is not None and base_identity.read(ckpt) is not None
+        ):  # the checkpoint names its base: this one cannot be compared
+            return None, (
+                f"{ckpt} records the base it was trained on, and the base model {name} has no local safetensors weights "
+                "to compare (a .bin-only folder?): resume with that base (--model_name_or_path), or start without --resume_from_checkpoint"
+            )
+        log(
+            f"LoRA base {name}: no local safetensors weights to record (checkpoints will not be able to check the base they resume on)"
+        )
         return None, None
     record = base_identity.identity(folder, name=name)
     if (saved := base_identity.read(folder)) and (diff := base_identity.difference(saved, record)):
-        return None, (f"the LoRA base {folder} changed since a run saved it ({diff}): restore it, or move it away to build "
-                      "a new one (the adapters and checkpoints trained on it then no longer apply)")
+        return None, (
+            f"the LoRA base {folder} changed since a run saved it ({diff}): restore it, or move it away to build "
+            "a new one (the adapters and checkpoints trained on it then no longer apply)"
+        )
     if ckpt is None:
         return record, None
     if (saved := base_identity.read(ckpt)) is None:
-        log(f"{ckpt} records no base model ({base_identity.BASE_IDENTITY}: a checkpoint of an older run or of another tool): "
-            f"the base {name} is not checked against it")
+        log(
+            f"{ckpt} records no base model ({base_identity.BASE_IDENTITY}: a checkpoint of an older run or of another tool): "
+            f"the base {name} is not checked against it"
+        )
     elif diff := base_identity.difference(saved, record):
-        return None, (f"the base model {name} is not the one {ckpt} was trained on ({saved.get('base_model')}, recorded in its "
-                      f"{base_identity.BASE_IDENTITY}): {diff}; resume with that base (--model_name_or_path), or start without "
-                      "--resume_from_checkpoint")
+        return None, (
+            f"the base model {name} is not the one {ckpt} was trained on ({saved.get('base_model')}, recorded in its "
+            f"{base_identity.BASE_IDENTITY}): {diff}; resume with that base (--model_name_or_path), or start without "
+            "--resume_from_checkpoint"
+        )
     return record, None

@@ -138,8 +138,11 @@ def _deferred(signum: int, frame) -> bool:
     depth = 0
     while frame is not None and depth < 64:
         code = frame.f_code
-        if code.co_name == "__del__" or code is _redeliver.__code__ or (
-                code.co_name == "__call__" and code.co_filename.endswith("weakref.py")):
+        if (
+            code.co_name == "__del__"
+            or code is _redeliver.__code__
+            or (code.co_name == "__call__" and code.co_filename.endswith("weakref.py"))
+        ):
             _send_again(signum)
             return True
         frame, depth = frame.f_back, depth + 1
@@ -149,14 +152,20 @@ def _deferred(signum: int, frame) -> bool:
 def _at_exit(unraisable) -> bool:
     import sys
 
-    return sys.is_finalizing() or "atexit" in (unraisable.err_msg or "") or unraisable.object is sys.modules.get("threading")
+    return (
+        sys.is_finalizing()
+        or "atexit" in (unraisable.err_msg or "")
+        or unraisable.object is sys.modules.get("threading")
+    )
 
 
 def _redeliver(unraisable):
     exc, signum = unraisable.exc_value, None
     if isinstance(exc, Stopped) and _raise_on_stop and signal.getsignal(exc.signum) is _on_stop_before_training:
         signum = exc.signum
-    elif isinstance(exc, KeyboardInterrupt) and _raise_on_interrupt and signal.getsignal(signal.SIGINT) is _on_interrupt:
+    elif (
+        isinstance(exc, KeyboardInterrupt) and _raise_on_interrupt and signal.getsignal(signal.SIGINT) is _on_interrupt
+    ):
         signum = signal.SIGINT
     if signum is None or _at_exit(unraisable):
         _previous_hook[0](unraisable)

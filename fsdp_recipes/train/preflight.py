@@ -24,10 +24,11 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from fsdp_recipes import console
 from fsdp_recipes.bounded import YAML_LIMIT, read_text
 from fsdp_recipes.ckpt.dcp import guard_torch_dcp
 from fsdp_recipes.ckpt.layout import RUN_RECORD, is_checkpoint_folder
-from fsdp_recipes.ckpt.resume import decide, disagreement, requested, REQUEUE_RECORD, sight
+from fsdp_recipes.ckpt.resume import REQUEUE_RECORD, decide, disagreement, requested, sight
 from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, set_aside
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config.accelerate_config import STRATEGIES
@@ -35,7 +36,6 @@ from fsdp_recipes.config.arguments import build
 from fsdp_recipes.config.launcher import LaunchSettings
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.config.strategy import fsdp1_hybrid_problem
-from fsdp_recipes import console
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.removal import remove
@@ -54,7 +54,9 @@ def start(plan: Plan):
     on_cpu = "FSDP" if cpu_fsdp.enable(plan.trainer_fsdp) else "DDP" if cpu_fsdp.enable_ddp(plan.trainer_fsdp) else None
     raw = plan.raw
     # before TrainingArguments, which reads the mixed precision: fp32 on a CPU without native bf16 (the script says so)
-    precision = cpu_fsdp.choose_cpu_precision(bool(getattr(raw, "bf16", False)), bool(getattr(plan.run_args, "cpu_bf16", False)))
+    precision = cpu_fsdp.choose_cpu_precision(
+        bool(getattr(raw, "bf16", False)), bool(getattr(plan.run_args, "cpu_bf16", False))
+    )
     if precision is not None and precision.mixed_precision == "no":
         raw.bf16 = False
     if getattr(raw, "ddp_find_unused_parameters", None) is None:
@@ -69,7 +71,9 @@ def start(plan: Plan):
         raise RecipeError(str(err).replace("\n", " ")) from None
     training_args.resume_from_checkpoint = plan.resume
     runs = fsdp1_strategy(training_args)
-    if problem := fsdp1_ignored_option(getattr(raw, "fsdp", None), runs) or fsdp1_hybrid_problem(runs, devices_per_process(), *_local_and_world()):
+    if problem := fsdp1_ignored_option(getattr(raw, "fsdp", None), runs) or fsdp1_hybrid_problem(
+        runs, devices_per_process(), *_local_and_world()
+    ):
         raise RecipeError(problem)
     return training_args, on_cpu
 
@@ -108,15 +112,21 @@ def fsdp1_ignored_option(fsdp_option, runs: str | None) -> str | None:
     """The strategy the torchrun route's --fsdp names (e.g. "hybrid_shard auto_wrap") when FSDP1 would run ``runs``
     instead without a word: transformers hands it to accelerate as reshard_after_forward, and accelerate's FSDP1
     takes FSDP_SHARDING_STRATEGY (default FULL_SHARD); measured, --fsdp "hybrid_shard auto_wrap" ran FULL_SHARD."""
-    words = fsdp_option.split() if isinstance(fsdp_option, str) else [str(getattr(w, "value", w)) for w in fsdp_option or []] \
-        if isinstance(fsdp_option, (list, tuple)) else []
+    words = (
+        fsdp_option.split()
+        if isinstance(fsdp_option, str)
+        else [str(getattr(w, "value", w)) for w in fsdp_option or []]
+        if isinstance(fsdp_option, (list, tuple))
+        else []
+    )
     named = [strategy_name(w) for w in words if strategy_name(w) in STRATEGIES]  # --fsdp's words, upper-cased
     if runs is None or not named or named[0] == runs:
         return None
-    return (f"--fsdp {named[0].lower()} would run as {runs}: accelerate's FSDP1 takes its strategy from FSDP_SHARDING_STRATEGY "
-            f"(unset: FULL_SHARD), not from transformers' --fsdp option; set FSDP_SHARDING_STRATEGY={named[0]} in the launch's "
-            "environment (and --fsdp true), or launch with accelerate launch --config_file accelerate_configs/fsdp1/<config>.yaml")
-
+    return (
+        f"--fsdp {named[0].lower()} would run as {runs}: accelerate's FSDP1 takes its strategy from FSDP_SHARDING_STRATEGY "
+        f"(unset: FULL_SHARD), not from transformers' --fsdp option; set FSDP_SHARDING_STRATEGY={named[0]} in the launch's "
+        "environment (and --fsdp true), or launch with accelerate launch --config_file accelerate_configs/fsdp1/<config>.yaml"
+    )
 
 
 def devices_per_process() -> int:
@@ -176,7 +186,9 @@ def carry_out(plan: Plan, say=say) -> None:
         out = Path(plan.raw.output_dir or "trainer_output")
         (out / REQUEUE_RECORD).write_text(json.dumps(plan.requeue_record) + "\n")
     if plan.delete:
-        say(f"--overwrite_output_dir: deleted {len(plan.delete)} checkpoint folder(s) of the earlier run in {plan.delete[0].parent}")
+        say(
+            f"--overwrite_output_dir: deleted {len(plan.delete)} checkpoint folder(s) of the earlier run in {plan.delete[0].parent}"
+        )
 
 
 def _barrier() -> None:
@@ -242,9 +254,13 @@ def save_resolved_arguments(model_args, data_args, training_args, launch: Launch
         return
     config_file = launch.config_file if launch else None
     record = {
-        "model": asdict(model_args), "data": asdict(data_args), "training": json.loads(training_args.to_json_string()),
+        "model": asdict(model_args),
+        "data": asdict(data_args),
+        "training": json.loads(training_args.to_json_string()),
         "accelerate_config_file": str(config_file) if config_file else None,
-        "accelerate_config": read_text(config_file, "accelerate config", YAML_LIMIT) if config_file and config_file.is_file() else None,
+        "accelerate_config": read_text(config_file, "accelerate config", YAML_LIMIT)
+        if config_file and config_file.is_file()
+        else None,
         "accelerate_settings": launch.config if launch else None,
         "accelerate_settings_from": launch.describe() if launch else None,
         "world_size": training_args.world_size,

@@ -91,7 +91,9 @@ def summarize(events, wall_us: float, on_device: bool) -> dict:
     communicated = _length(comm_union)
     summary = {f"{kind}_share": round(_length(_union(spans)) / wall_us, 4) for kind, spans in comm.items()}
     summary["communication_share"] = round(communicated / wall_us, 4)
-    summary["overlapped_share"] = round(_intersection(comm_union, compute_union) / communicated, 4) if communicated else None
+    summary["overlapped_share"] = (
+        round(_intersection(comm_union, compute_union) / communicated, 4) if communicated else None
+    )
     summary["timeline"] = "device (NCCL kernels)" if on_device else "host (gloo)"
     return summary
 
@@ -115,7 +117,9 @@ def _sites(frames: list[dict]) -> tuple[str, str]:
     if not python:
         node = next((part for f in frames for part in str(f.get("name", "")).split("::") if "Backward" in part), None)
         return (f"autograd {node}" if node else "(no Python frame)"), "-"
-    outside = next((f for f in python if "/torch/" not in f["filename"] and not f["filename"].startswith("torch/")), None)
+    outside = next(
+        (f for f in python if "/torch/" not in f["filename"] and not f["filename"].startswith("torch/")), None
+    )
     return _where(python[0]), _where(outside) if outside else "-"
 
 
@@ -154,7 +158,7 @@ def live_at_peak(trace: list[dict], segments: list[dict] = (), top: int = 12, ma
         elif event["action"] == "free_requested" and event["addr"] in sizes:
             total -= sizes.pop(event["addr"])
     live: dict[int, tuple[int, tuple[str, str]]] = {addr: (size, (BEFORE, "-")) for addr, size in before.items()}
-    for event in trace[:peak_at + 1]:
+    for event in trace[: peak_at + 1]:
         if event["action"] == "alloc":
             live[event["addr"]] = (event["size"], _sites(event.get("frames") or []))
         elif event["action"] == "free_requested":
@@ -165,10 +169,16 @@ def live_at_peak(trace: list[dict], segments: list[dict] = (), top: int = 12, ma
         group[0] += size
         group[1] += 1
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
-    return {"peak_bytes": peak, "before_recording_bytes": sum(before.values()), "events": len(trace),
-            "truncated": max_entries is not None and len(trace) >= max_entries,
-            "groups": [{"bytes": b, "blocks": n, "allocated_in": site, "for": caller} for (site, caller), (b, n) in ranked[:top]],
-            "other_bytes": sum(b for _, (b, _) in ranked[top:])}
+    return {
+        "peak_bytes": peak,
+        "before_recording_bytes": sum(before.values()),
+        "events": len(trace),
+        "truncated": max_entries is not None and len(trace) >= max_entries,
+        "groups": [
+            {"bytes": b, "blocks": n, "allocated_in": site, "for": caller} for (site, caller), (b, n) in ranked[:top]
+        ],
+        "other_bytes": sum(b for _, (b, _) in ranked[top:]),
+    }
 
 
 class StepProfiler(TrainerCallback):
@@ -183,7 +193,9 @@ class StepProfiler(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.profiler is None and self.summary is None and state.global_step + 1 == self.first:
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if self.cuda else []
+            )
             self.profiler = torch.profiler.profile(activities=activities)
             if self.cuda:
                 internals.get("torch.cuda.memory._record_memory_history")(max_entries=MEMORY_EVENTS)
@@ -207,11 +219,17 @@ class StepProfiler(TrainerCallback):
             with open(self.folder / f"rank{self.rank}.memory.pickle", "wb") as f:
                 pickle.dump(snapshot, f)  # for PyTorch's memory viewer; nothing here reads it back
             device = torch.cuda.current_device()
-            at_peak = live_at_peak(snapshot["device_traces"][device], [g for g in snapshot["segments"] if g.get("device", device) == device],
-                                   max_entries=MEMORY_EVENTS)
+            at_peak = live_at_peak(
+                snapshot["device_traces"][device],
+                [g for g in snapshot["segments"] if g.get("device", device) == device],
+                max_entries=MEMORY_EVENTS,
+            )
             internals.get("torch.cuda.memory._record_memory_history")(enabled=None)
-        self.summary = {"steps": [self.first, self.last], "wall_seconds": round(wall_us / 1e6, 4),
-                        **summarize(self.profiler.events(), wall_us, on_device=self.cuda)}
+        self.summary = {
+            "steps": [self.first, self.last],
+            "wall_seconds": round(wall_us / 1e6, 4),
+            **summarize(self.profiler.events(), wall_us, on_device=self.cuda),
+        }
         if at_peak is not None:
             self.summary["cuda_memory_at_peak"] = at_peak
         self.profiler = None

@@ -29,7 +29,11 @@ KERNEL_HINT = " (a run that died holds nothing: its lock went with it"  # closed
 
 
 def _owner_line() -> str:
-    job = f", job {os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID", "").isascii() and os.environ.get("SLURM_JOB_ID", "").isdigit() else ""
+    job = (
+        f", job {os.environ['SLURM_JOB_ID']}"
+        if os.environ.get("SLURM_JOB_ID", "").isascii() and os.environ.get("SLURM_JOB_ID", "").isdigit()
+        else ""
+    )
     return f"host {socket.gethostname()}, pid {os.getpid()}{job}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
 
 
@@ -51,8 +55,10 @@ def take(out: Path, warn) -> str | None:
         os.close(fd)
         holder = _take_by_file(out)
         if holder is None:
-            warn(f"{out} is on a filesystem without folder locks ({os.strerror(err.errno)}): one run per output_dir is "
-                 f"kept by the lock file {out / OWNER_NAME} instead, removed when this run ends")
+            warn(
+                f"{out} is on a filesystem without folder locks ({os.strerror(err.errno)}): one run per output_dir is "
+                f"kept by the lock file {out / OWNER_NAME} instead, removed when this run ends"
+            )
         return holder
     _held.append(fd)
     return None
@@ -79,7 +85,9 @@ def _take_by_file(out: Path) -> str | None:
         except FileExistsError:
             text = read_head(path)
             if text is None:
-                return f"{path} is not a lock file this project writes (a link, a folder, a FIFO or unreadable): remove it"
+                return (
+                    f"{path} is not a lock file this project writes (a link, a folder, a FIFO or unreadable): remove it"
+                )
             if len(text) <= LINE_LIMIT and _stale(path, text):
                 remove_lock_file(path, text)  # that run is over: its lock is stale
                 continue

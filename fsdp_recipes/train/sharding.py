@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
-
-import logging
 
 import torch
 import torch.distributed as dist
@@ -47,11 +46,14 @@ def param_elements(model: torch.nn.Module) -> tuple[int, int]:
             if handle is None:
                 continue
             flat = handle.flat_param
-            whole = internals.attr(flat, "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size").numel()
+            whole = internals.attr(
+                flat, "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size"
+            ).numel()
             total += whole
             if handle.uses_sharded_strategy:
-                local += (internals.attr(flat, "torch.distributed.fsdp._flat_param.FlatParameter._sharded_size").numel()
-                          - internals.attr(flat, "torch.distributed.fsdp._flat_param.FlatParameter._shard_numel_padded"))
+                local += internals.attr(
+                    flat, "torch.distributed.fsdp._flat_param.FlatParameter._sharded_size"
+                ).numel() - internals.attr(flat, "torch.distributed.fsdp._flat_param.FlatParameter._shard_numel_padded")
             else:
                 local += whole
         return local, total
@@ -72,8 +74,11 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
     """The trainable parameters' names with layer numbers folded (``...layers.*.self_attn.q_proj.lora_A...``)."""
     import re
 
-    names = {re.sub(r"\.\d+\.", ".*.", n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""))
-             for n, p in model.named_parameters() if p.requires_grad}
+    names = {
+        re.sub(r"\.\d+\.", ".*.", n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""))
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
     return sorted(names)
 
 
@@ -88,7 +93,10 @@ def state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
     """Bytes this rank holds of parameters, gradients and optimizer state (FSDP1: its flat-parameter shards,
     padding included; FSDP2: the local parts of the DTensors)."""
     if isinstance(model, FullyShardedDataParallel):
-        handles = [internals.attr(m, "torch.distributed.fsdp.FullyShardedDataParallel._handle") for m in FullyShardedDataParallel.fsdp_modules(model)]
+        handles = [
+            internals.attr(m, "torch.distributed.fsdp.FullyShardedDataParallel._handle")
+            for m in FullyShardedDataParallel.fsdp_modules(model)
+        ]
         flats = [h.flat_param for h in handles if h is not None]
         params, grads = sum(_local(f) for f in flats), sum(_local(f.grad) for f in flats)
     else:
@@ -143,20 +151,36 @@ def precision_contract(model: torch.nn.Module, accelerator, saved_model: str | N
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
     compute = getattr(policy, "param_dtype", None) or autocast or master
     reduce = getattr(policy, "reduce_dtype", None) or getattr(policy, "param_dtype", None) or master
-    contract = {"master_weights": _dtype(master), "compute": _dtype(compute), "gradient_reduction": _dtype(reduce),
-                "optimizer_state": None, "saved_model": saved_model or _dtype(master)}
+    contract = {
+        "master_weights": _dtype(master),
+        "compute": _dtype(compute),
+        "gradient_reduction": _dtype(reduce),
+        "optimizer_state": None,
+        "saved_model": saved_model or _dtype(master),
+    }
     if (cpu := cpu_precision()) is not None:  # bf16 asked for without an accelerator: this CPU, and what runs
         record = cpu.record()
-        if record["compute"] != contract["compute"]:  # bf16 weights (--dtype bfloat16) compute in bf16 whatever the decision
+        if (
+            record["compute"] != contract["compute"]
+        ):  # bf16 weights (--dtype bfloat16) compute in bf16 whatever the decision
             record["compute"] = contract["compute"]
-            record["note"] = (f"the model's weights are {contract['master_weights']}: they compute in {contract['compute']} "
-                              "whatever the mixed precision")
+            record["note"] = (
+                f"the model's weights are {contract['master_weights']}: they compute in {contract['compute']} "
+                "whatever the mixed precision"
+            )
         contract["cpu_bf16"] = record
     return contract
 
 
-def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, training_args=None, trainable_total: int | None = None,
-                      optimizer=None, saved_model: str | None = None) -> dict:
+def verify_and_report(
+    model: torch.nn.Module,
+    accelerator,
+    output_dir: str,
+    training_args=None,
+    trainable_total: int | None = None,
+    optimizer=None,
+    saved_model: str | None = None,
+) -> dict:
     """Check the prepared model against the launch config on every rank; rank 0 writes the report.
 
     Raises NotShardedError on every rank when FSDP was asked for and is not what runs, or when the launcher started
@@ -167,8 +191,12 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
     local, total = param_elements(model)
     trainable_total = total if trainable_total is None else trainable_total  # counted before sharding (FSDPTrainer)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    rank_info = {"rank": accelerator.process_index, "wrapper": kind, "local_param_elements": local,
-                 "local_trainable_elements": trainable_elements(model)}
+    rank_info = {
+        "rank": accelerator.process_index,
+        "wrapper": kind,
+        "local_param_elements": local,
+        "local_trainable_elements": trainable_elements(model),
+    }
     gathered = gather(rank_info, accelerator)
     report = {
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
@@ -200,7 +228,9 @@ def verify_and_report(model: torch.nn.Module, accelerator, output_dir: str, trai
         )
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        if earlier := published(Path(output_dir)):  # an earlier export's folders stay known as ours (layout.is_published)
+        if earlier := published(
+            Path(output_dir)
+        ):  # an earlier export's folders stay known as ours (layout.is_published)
             report[PUBLISHED] = earlier
         (Path(output_dir) / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -296,15 +326,19 @@ def add_peak_memory(output_dir: str, accelerator, peaks: list[dict]) -> None:
 
 def add_checkpoint_writes(output_dir: str, accelerator, writes: dict) -> None:
     """How the run's checkpoints were written (fsdp_recipes.train.async_checkpoints.AsyncCheckpoints.report)."""
+
     def update(report):
         report["checkpoint_writes"] = writes
 
     _update_report(output_dir, accelerator, update)
 
 
-def add_measured_bytes(output_dir: str, accelerator, grads: list[int], states: list[dict], optimizer_dtype: str | None = None) -> None:
+def add_measured_bytes(
+    output_dir: str, accelerator, grads: list[int], states: list[dict], optimizer_dtype: str | None = None
+) -> None:
     """Record each rank's measured bytes of model states (after the first optimizer step) in the report, and the
     dtype of the optimizer state."""
+
     def update(report):
         report.setdefault("precision", {})["optimizer_state"] = optimizer_dtype
         for rank, grad, state in zip(report["ranks"], grads, states):
@@ -345,12 +379,23 @@ class ShardingReport(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.cuda_phases = cuda_memory_now("before_training")
-        report = verify_and_report(self.trainer.model_wrapped, self.trainer.accelerator, args.output_dir, args, self.trainer.trainable_total,
-                                   self.trainer.optimizer, getattr(self.trainer, "export_dtype", None))
+        report = verify_and_report(
+            self.trainer.model_wrapped,
+            self.trainer.accelerator,
+            args.output_dir,
+            args,
+            self.trainer.trainable_total,
+            self.trainer.optimizer,
+            getattr(self.trainer, "export_dtype", None),
+        )
         local = report["ranks"][self.trainer.accelerator.process_index]["local_param_elements"]
         logger.info(
             f"{report['ranks'][0]['wrapper']} {report['sharding_strategy'] or 'replicated'}"
-            + (f" (configured {report['configured_strategy']}: torch runs a shard group of one so)" if "configured_strategy" in report else "")
+            + (
+                f" (configured {report['configured_strategy']}: torch runs a shard group of one so)"
+                if "configured_strategy" in report
+                else ""
+            )
             + f" on {report['world_size']} process(es), "
             f"{report['device']}: this rank holds {local:,} of {report['total_param_elements']:,} parameter elements"
         )
@@ -363,7 +408,9 @@ class ShardingReport(TrainerCallback):
             )
         units, precision = report["wrapped_units"], report["precision"]
         logger.info(
-            "wrapped units: " + (", ".join(f"{n} x {name}" for name, n in units.items()) or "none (not FSDP)") + "; dtypes: master weights "
+            "wrapped units: "
+            + (", ".join(f"{n} x {name}" for name, n in units.items()) or "none (not FSDP)")
+            + "; dtypes: master weights "
             f"{precision['master_weights']}, compute {precision['compute']}, gradient reduction "
             f"{precision['gradient_reduction']}, saved model {precision['saved_model']} (fsdp_report.json)"
         )
@@ -379,13 +426,20 @@ class ShardingReport(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save and phase_keys("before_first_save")[0] not in self.cuda_phases:
-            self.cuda_phases |= cuda_memory_now("before_first_save")  # DefaultFlowCallback has decided: the save follows
+            self.cuda_phases |= cuda_memory_now(
+                "before_first_save"
+            )  # DefaultFlowCallback has decided: the save follows
         if state.global_step == 1:  # the optimizer state exists from the first step on
             self.cuda_phases |= cuda_memory_now("after_first_step")
             accelerator = self.trainer.accelerator
             measured = state_bytes(self.trainer.model_wrapped, self.trainer.optimizer)
-            add_measured_bytes(args.output_dir, accelerator, gather(self.grad_bytes, accelerator), gather(measured, accelerator),
-                               optimizer_state_dtype(self.trainer.optimizer))
+            add_measured_bytes(
+                args.output_dir,
+                accelerator,
+                gather(self.grad_bytes, accelerator),
+                gather(measured, accelerator),
+                optimizer_state_dtype(self.trainer.optimizer),
+            )
 
     def on_train_end(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator

@@ -63,8 +63,13 @@ logger = logging.getLogger(__name__)
 # Param-group entries that say how the optimizer computes, not what it computes, and the scheduled lr of the moment
 _NOT_SETTINGS = {"params", "lr", "foreach", "fused", "capturable", "differentiable"}
 # What sets a param-group entry from the command line (TrainingArguments); others come with --optim / --optim_args
-_FLAGS = {"initial_lr": "--learning_rate", "base_lr": "--learning_rate", "weight_decay": "--weight_decay",
-          "betas": "--adam_beta1/--adam_beta2", "eps": "--adam_epsilon"}
+_FLAGS = {
+    "initial_lr": "--learning_rate",
+    "base_lr": "--learning_rate",
+    "weight_decay": "--weight_decay",
+    "betas": "--adam_beta1/--adam_beta2",
+    "eps": "--adam_epsilon",
+}
 
 
 def optimizer_settings(optimizer, scheduler) -> list[dict]:
@@ -83,10 +88,12 @@ def overridden_settings(asked: list[dict], loaded: list[dict], checkpoint: str) 
         for key in sorted(mine.keys() & theirs.keys()):
             if not _same(mine[key], theirs[key]):
                 flag = _FLAGS.get(key, f"the optimizer's {key} (--optim_args)")
-                return (f"{flag} is {_shown(mine[key])} in this run, but {checkpoint} was trained with {_shown(theirs[key])} (param group {n}): "
-                        f"resuming restores its optimizer and scheduler state, which would silently keep {_shown(theirs[key])}; resume "
-                        f"with the checkpoint's value, or merge it (tools/merge_checkpoint.py) and start a new run from the merged model "
-                        "to train with another")
+                return (
+                    f"{flag} is {_shown(mine[key])} in this run, but {checkpoint} was trained with {_shown(theirs[key])} (param group {n}): "
+                    f"resuming restores its optimizer and scheduler state, which would silently keep {_shown(theirs[key])}; resume "
+                    f"with the checkpoint's value, or merge it (tools/merge_checkpoint.py) and start a new run from the merged model "
+                    "to train with another"
+                )
     return None
 
 
@@ -129,7 +136,9 @@ def zero1_optimizer_class():
 
             local = self.optim.state_dict()
             # on CPU: a CUDA tensor would come back on the sender's device index in the receiving process
-            local["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in local["state"].items()}
+            local["state"] = {
+                i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in local["state"].items()
+            }
             gathered = [None] * self.world_size if self.rank == to else None
             dist.gather_object(local, gathered, group=self.process_group, group_dst=to)
             internals.set_attr(self, "torch.distributed.optim.ZeroRedundancyOptimizer._all_state_dicts", gathered or [])
@@ -143,25 +152,44 @@ def zero1_optimizer_class():
     return ZeRO1
 
 
-OVERRIDES = ("transformers.Trainer._save_checkpoint", "transformers.Trainer._finalize_training", "transformers.Trainer._save_optimizer_and_scheduler",
-             "transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler",
-             "transformers.Trainer._load_best_model")
+OVERRIDES = (
+    "transformers.Trainer._save_checkpoint",
+    "transformers.Trainer._finalize_training",
+    "transformers.Trainer._save_optimizer_and_scheduler",
+    "transformers.Trainer._load_from_checkpoint",
+    "transformers.Trainer._load_optimizer_and_scheduler",
+    "transformers.Trainer._load_best_model",
+)
 
 
 class FSDPTrainer(Trainer):
-    def __init__(self, *args, zero1: bool = False, save_dtype: str = "auto", async_checkpoints: bool = True,
-                 direct_io_checkpoints: bool = True, async_checkpoint_staging: str = "auto", **kwargs):
+    def __init__(
+        self,
+        *args,
+        zero1: bool = False,
+        save_dtype: str = "auto",
+        async_checkpoints: bool = True,
+        direct_io_checkpoints: bool = True,
+        async_checkpoint_staging: str = "auto",
+        **kwargs,
+    ):
         internals.require(*OVERRIDES)  # a renamed base method would leave ours never called
         model = kwargs.get("model")
         if zero1:  # the Trainer's own optimizer and settings, each rank stepping its 1/N of the parameters
             optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(kwargs["args"], model)
-            kwargs["optimizer_cls_and_kwargs"] = (zero1_optimizer_class(), {"optimizer_class": optimizer_cls, **optimizer_kwargs})
+            kwargs["optimizer_cls_and_kwargs"] = (
+                zero1_optimizer_class(),
+                {"optimizer_class": optimizer_cls, **optimizer_kwargs},
+            )
         self.zero1 = zero1
         # the Trainer overwrites it with TrainingArguments.use_cache (off for training); saved configs keep the model's
         self.model_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         super().__init__(*args, **kwargs)
         self.trainable_total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # before sharding
-        self.save_dtype, self.export_dtype = save_dtype, export_dtype(self.model, save_dtype)  # the final folder's (fsdp_report.json)
+        self.save_dtype, self.export_dtype = (
+            save_dtype,
+            export_dtype(self.model, save_dtype),
+        )  # the final folder's (fsdp_report.json)
         # name -> full shape, before sharding: what a checkpoint resumed into this model must hold (model_mismatch)
         self.weight_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.tied_names = set(getattr(lora_parts(self.model)[0], "all_tied_weights_keys", None) or ())
@@ -172,7 +200,9 @@ class FSDPTrainer(Trainer):
         self.preemption = Preemption()  # SIGTERM/SIGUSR1: checkpoint at the end of the current step, then stop
         self.add_callback(self.preemption)
         self.throughput = Throughput()  # train_fsdp.py sets its FLOPs per token and peak where MFU is known
-        self.async_saves = AsyncCheckpoints(self, async_checkpoints, direct_io_checkpoints, async_checkpoint_staging)  # checkpoints written while training goes on
+        self.async_saves = AsyncCheckpoints(
+            self, async_checkpoints, direct_io_checkpoints, async_checkpoint_staging
+        )  # checkpoints written while training goes on
         self.add_callback(self.async_saves)
         self.run_dir, self.save_limit = Path(self.args.output_dir), self.args.save_total_limit
 
@@ -267,7 +297,11 @@ class FSDPTrainer(Trainer):
             yield
             return
         plugin = self.accelerator.state.fsdp_plugin
-        with adapter_only_fsdp_checkpoints() if self._sharded() or plugin.fsdp_version == 2 else whole_model_fsdp_checkpoints():
+        with (
+            adapter_only_fsdp_checkpoints()
+            if self._sharded() or plugin.fsdp_version == 2
+            else whole_model_fsdp_checkpoints()
+        ):
             yield
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -281,29 +315,43 @@ class FSDPTrainer(Trainer):
         state equal the saved ones, yet the first update after the resume differs from the run that never stopped,
         with or without sync_module_states; use_orig_params false resumes to the same bits (tests/test_checkpoints.py)."""
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        return plugin is not None and plugin.fsdp_version == 1 and bool(plugin.use_orig_params) and "FULL" in str(plugin.state_dict_type)
+        return (
+            plugin is not None
+            and plugin.fsdp_version == 1
+            and bool(plugin.use_orig_params)
+            and "FULL" in str(plugin.state_dict_type)
+        )
 
     def resume_mismatch(self, checkpoint: str) -> str | None:
         """Why ``checkpoint`` cannot be resumed into this run's model (another size, layer count or LoRA setting),
         checked from its file headers before anything loads; None when it matches."""
         if self.inexact_full_resume() and (Path(checkpoint) / FULL_MODEL_FILE).is_file():
-            return (f"{checkpoint} is a FULL_STATE_DICT checkpoint, which FSDP1 with fsdp_use_orig_params: true does not resume "
-                    "exactly (the run would drift from the one that never stopped; a checkpoint saved this way does not load "
-                    "with use_orig_params false either): merge it (tools/merge_checkpoint.py) and train on from the merged model, "
-                    "and train with fsdp_state_dict_type: SHARDED_STATE_DICT (every shipped config) or fsdp_use_orig_params: false")
+            return (
+                f"{checkpoint} is a FULL_STATE_DICT checkpoint, which FSDP1 with fsdp_use_orig_params: true does not resume "
+                "exactly (the run would drift from the one that never stopped; a checkpoint saved this way does not load "
+                "with use_orig_params false either): merge it (tools/merge_checkpoint.py) and train on from the merged model, "
+                "and train with fsdp_state_dict_type: SHARDED_STATE_DICT (every shipped config) or fsdp_use_orig_params: false"
+            )
         # the frozen base may be absent (an adapter-only checkpoint: it comes from the model source); when present, it must fit
         if problem := model_mismatch(checkpoint, self.weight_shapes, self.tied_names | self.frozen_names):
             return problem
         # the same shapes may still be another model (heads, rope, activation), adapter (lora_alpha) or tokenizer
         base, lora = lora_parts(self.accelerator.unwrap_model(self.model))
-        return description_mismatch(checkpoint, json.loads(base.config.to_json_string(use_diff=True)),
-                                    lora.to_dict() if lora is not None else None, tokenizer_record(self.processing_class))
+        return description_mismatch(
+            checkpoint,
+            json.loads(base.config.to_json_string(use_diff=True)),
+            lora.to_dict() if lora is not None else None,
+            tokenizer_record(self.processing_class),
+        )
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         # after prepare, not in resume_mismatch: the dtype a weight loads into is the wrapped parameter's (FSDP2's mixed
         # precision upcasts a bf16-built model's parameters to fp32 before sharding, so the model's own dtype misleads)
         # `is None`, never `or`: a module's truth is its len() (a torch.compile'd one has none: TypeError)
-        live = {name: dtype_name(p.dtype) for name, p in (model if model is not None else self.model_wrapped).named_parameters()}
+        live = {
+            name: dtype_name(p.dtype)
+            for name, p in (model if model is not None else self.model_wrapped).named_parameters()
+        }
         if problem := dtype_mismatch(resume_from_checkpoint, live):
             raise RecipeError(problem)  # every rank reads the same files and holds the same dtypes: all stop alike
         with self._lora_checkpoints():
@@ -319,8 +367,10 @@ class FSDPTrainer(Trainer):
             super()._load_best_model()
             return
         if self.accelerator.is_main_process:
-            logger.info(f"loading the best model from {self.state.best_model_checkpoint} ({self.args.metric_for_best_model} "
-                        f"{self.state.best_metric})")
+            logger.info(
+                f"loading the best model from {self.state.best_model_checkpoint} ({self.args.metric_for_best_model} "
+                f"{self.state.best_metric})"
+            )
         self._load_from_checkpoint(self.state.best_model_checkpoint, self.model_wrapped)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -337,10 +387,16 @@ class FSDPTrainer(Trainer):
             if checkpoint is None or found is None:
                 raise
             # another --optim (SGD's momentum where AdamW has betas): torch names the missing key, in a traceback per rank
-            raise RecipeError(f"{Path(checkpoint).name}'s optimizer state does not fit this run's optimizer (--optim "
-                              f"{getattr(self.args.optim, 'value', self.args.optim)}; {found.group(0).strip()[:200]}): resume with the --optim it was trained "
-                              "with, or merge it (tools/merge_checkpoint.py) and start a new run from the merged model") from None
-        if checkpoint is not None and (problem := overridden_settings(asked, optimizer_settings(self.optimizer, self.lr_scheduler), Path(checkpoint).name)):
+            raise RecipeError(
+                f"{Path(checkpoint).name}'s optimizer state does not fit this run's optimizer (--optim "
+                f"{getattr(self.args.optim, 'value', self.args.optim)}; {found.group(0).strip()[:200]}): resume with the --optim it was trained "
+                "with, or merge it (tools/merge_checkpoint.py) and start a new run from the merged model"
+            ) from None
+        if checkpoint is not None and (
+            problem := overridden_settings(
+                asked, optimizer_settings(self.optimizer, self.lr_scheduler), Path(checkpoint).name
+            )
+        ):
             raise RecipeError(problem)  # every rank loaded the same groups: all stop alike, before the first step
 
     @contextmanager
@@ -369,14 +425,20 @@ class FSDPTrainer(Trainer):
             if self.args.should_save:
                 if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files
                     moved = set_aside(folder, REPLACED_PREFIX)
-                    logger.warning(f"{folder} existed (another run's step {self.state.global_step}): moved it to {moved.name}")
+                    logger.warning(
+                        f"{folder} existed (another run's step {self.state.global_step}): moved it to {moved.name}"
+                    )
                 make_folder(folder, CHECKPOINT_PURPOSE)  # marked: rotation and --overwrite_output_dir delete only ours
                 self.describer.describe(folder)  # before any shard, so before trainer_state.json
             self.accelerator.wait_for_everyone()
             self.run_dir, self.save_limit = Path(run_dir), self.args.save_total_limit
             # the Trainer's own rotation would run before the other ranks finish: ours runs after (rotate_checkpoints)
             with self.trainer_deletes_nothing():
-                with self.async_saves.saving(folder, self.state.global_step) if background else self.async_saves.writing():
+                with (
+                    self.async_saves.saving(folder, self.state.global_step)
+                    if background
+                    else self.async_saves.writing()
+                ):
                     super()._save_checkpoint(model, trial)
             if background:
                 return  # complete, and rotated, once every rank has written it (AsyncCheckpoints)

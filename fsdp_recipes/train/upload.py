@@ -25,8 +25,10 @@ def folders_to_upload(output_dir: Path) -> list[tuple[Path, str]]:
 # The names from_pretrained (and peft's PeftModel.from_pretrained, under adapter/) look for, in the order they take
 # the first found. A repository file earlier in that order than any of our upload's, which we do not overwrite, is
 # what loads instead of this run's model (a single model.safetensors left beside our index of shards).
-LOAD_ORDER = {"": ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"),
-              ADAPTER_DIR: ("adapter_model.safetensors", "adapter_model.bin")}
+LOAD_ORDER = {
+    "": ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"),
+    ADAPTER_DIR: ("adapter_model.safetensors", "adapter_model.bin"),
+}
 # An adapter's files: at the top, transformers' from_pretrained applies that adapter over the model it loads (TRL
 # pushes a LoRA run's adapter there); under adapter/, they would be another run's adapter beside this run's model
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
@@ -54,8 +56,12 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
     out = Path(output_dir)
     folders = folders_to_upload(out)
     by_hand = replace(push, adapter=len(folders) > 1).by_hand(out)
-    operations = [CommitOperationAdd(path_in_repo=f"{place}/{path.relative_to(folder)}".lstrip("/"), path_or_fileobj=str(path))
-                  for folder, place in folders for path in sorted(folder.rglob("*")) if path.is_file() and path.name not in NOT_UPLOADED]
+    operations = [
+        CommitOperationAdd(path_in_repo=f"{place}/{path.relative_to(folder)}".lstrip("/"), path_or_fileobj=str(path))
+        for folder, place in folders
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name not in NOT_UPLOADED
+    ]
     log(f"uploading {len(operations)} file(s) of {', '.join(str(f) for f, _ in folders)} to the hub: {push.describe()}")
     api = HfApi(token=push.token)
     try:
@@ -68,14 +74,20 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
                 f"the model is saved, but not uploaded: {push.describe()} already holds {', '.join(stale[:6])}"
                 f"{', ...' if len(stale) > 6 else ''}, of an earlier model, which from_pretrained would load instead of this "
                 f"one or with it: "
-                f"delete {'it' if len(stale) == 1 else 'them'} on the hub (or give another --hub_model_id or --hub_revision), then `{by_hand}`")
+                f"delete {'it' if len(stale) == 1 else 'them'} on the hub (or give another --hub_model_id or --hub_revision), then `{by_hand}`"
+            )
         commit = api.create_commit(
-            repo.repo_id, operations, revision=push.revision,
-            commit_message=f"train_fsdp.py: final model{f' at step {step}' if step is not None else ''}")
+            repo.repo_id,
+            operations,
+            revision=push.revision,
+            commit_message=f"train_fsdp.py: final model{f' at step {step}' if step is not None else ''}",
+        )
     except RecipeError:
         raise
     except Exception as err:  # the network, the hub's refusal, a quota: the model stays saved
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise RecipeError(f"the model is saved, but its upload to {push.describe()} failed ({type(err).__name__}: {reason}): "
-                          f"upload it with `{by_hand}`") from None
+        raise RecipeError(
+            f"the model is saved, but its upload to {push.describe()} failed ({type(err).__name__}: {reason}): "
+            f"upload it with `{by_hand}`"
+        ) from None
     return commit.commit_url

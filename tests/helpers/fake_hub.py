@@ -101,8 +101,12 @@ class FakeHub:
             token = {"displayName": "test", "role": self.role}
             if self.scoped is not None:  # a fine-grained token's rights: [{"entity": {"type", "name"}, "permissions"}]
                 token["fineGrained"] = {"scoped": self.scoped, "global": []}
-            return {"name": self.user, "type": "user", "orgs": [{"name": o, "roleInOrg": "write"} for o in self.orgs],
-                    "auth": {"type": "access_token", "accessToken": token}}
+            return {
+                "name": self.user,
+                "type": "user",
+                "orgs": [{"name": o, "roleInOrg": "write"} for o in self.orgs],
+                "auth": {"type": "access_token", "accessToken": token},
+            }
         if path == "/api/repos/create":
             return self.create_repo(_json(body))
         if path == "/api/validate-yaml":  # create_commit asks it about any README.md: every model card is fine here
@@ -118,7 +122,9 @@ class FakeHub:
         if action == "commit":
             return self.commit(repo_id, revision, body)
         files = _json(body).get("files")
-        if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("path"), str) for f in files):
+        if not isinstance(files, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("path"), str) for f in files
+        ):
             raise HubError(400, "preupload wants {'files': [{'path': ...}, ...]}")
         # the client reads "shouldIgnore" unconditionally; no "oid", else it skips files it thinks unchanged and then
         # asks repo_info, which is not served
@@ -128,9 +134,17 @@ class FakeHub:
         folder = self.repo_folder(repo_id, revision)
         if not folder.is_dir():
             raise HubError(404, f"Repository not found: {repo_id}@{revision}", "RepoNotFound")
-        return [{"type": "directory", "path": p.relative_to(folder).as_posix(), "oid": "0" * 40, "size": 0} if p.is_dir() else
-                {"type": "file", "path": p.relative_to(folder).as_posix(), "size": p.stat().st_size,
-                 "oid": hashlib.sha1(p.read_bytes()).hexdigest()} for p in sorted(folder.rglob("*"))]
+        return [
+            {"type": "directory", "path": p.relative_to(folder).as_posix(), "oid": "0" * 40, "size": 0}
+            if p.is_dir()
+            else {
+                "type": "file",
+                "path": p.relative_to(folder).as_posix(),
+                "size": p.stat().st_size,
+                "oid": hashlib.sha1(p.read_bytes()).hexdigest(),
+            }
+            for p in sorted(folder.rglob("*"))
+        ]
 
     def _writable(self, namespace: str) -> None:
         if self.role == "read" or namespace not in (self.user, *self.orgs):
@@ -196,7 +210,12 @@ class FakeHub:
                 elif target.is_file():
                     target.unlink()
         oid = hashlib.sha1(f"{repo_id}@{revision}".encode() + body).hexdigest()
-        return {"success": True, "commitOid": oid, "commitUrl": f"{self.url}/{repo_id}/commit/{oid}", "pullRequestUrl": None}
+        return {
+            "success": True,
+            "commitOid": oid,
+            "commitUrl": f"{self.url}/{repo_id}/commit/{oid}",
+            "pullRequestUrl": None,
+        }
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -222,7 +241,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         if status >= 400:  # the client quotes it in its errors; a header line must be one line of ASCII
-            self.send_header("X-Error-Message", " ".join(answer["error"].encode("ascii", "replace").decode().split())[:500])
+            self.send_header(
+                "X-Error-Message", " ".join(answer["error"].encode("ascii", "replace").decode().split())[:500]
+            )
         if code:  # what hf_raise_for_status maps to RepositoryNotFoundError, RevisionNotFoundError
             self.send_header("X-Error-Code", code)
         self.end_headers()
@@ -246,8 +267,14 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def serve(root: Path, token: str = "hf_fake_write_token", user: str = "tester", orgs=("test-org",), role: str = "write",
-          scoped: list | None = None):
+def serve(
+    root: Path,
+    token: str = "hf_fake_write_token",
+    user: str = "tester",
+    orgs=("test-org",),
+    role: str = "write",
+    scoped: list | None = None,
+):
     hub = FakeHub(root, token, user, orgs, role, scoped)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads, server.hub = True, hub

@@ -91,7 +91,9 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
 
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False
+    )
     model = get_peft_model(tiny_model(), config)
     shard(model, model.base_model.model.model.layers)
     one_step(model)
@@ -107,7 +109,10 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(reference).items()}, str(out / "peft_lora.adapter.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in get_peft_model_state_dict(reference).items()},
+            str(out / "peft_lora.adapter.safetensors"),
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -73,7 +73,9 @@ def _before_checkpoint_write(step: str, before) -> None:
 
 
 def _die() -> None:
-    print(f"fault injection: SIGKILL rank {os.environ['RANK']} ({os.environ['FSDP_FAULT']})", file=sys.stderr, flush=True)
+    print(
+        f"fault injection: SIGKILL rank {os.environ['RANK']} ({os.environ['FSDP_FAULT']})", file=sys.stderr, flush=True
+    )
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -131,7 +133,11 @@ if os.environ.get("FSDP_FAULT"):
 
         def load_model_after_signal(*args, **kwargs):
             if _dies(ranks):
-                print(f"fault injection: SIG{step} to rank {os.environ['RANK']} while loading", file=sys.stderr, flush=True)
+                print(
+                    f"fault injection: SIG{step} to rank {os.environ['RANK']} while loading",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os.kill(os.getpid(), getattr(signal, f"SIG{step}"))
             return load_model(*args, **kwargs)
 
@@ -156,7 +162,11 @@ if os.environ.get("FSDP_FAULT"):
 
         def slow_write_part(*args, **kwargs):
             if _dies(ranks):
-                print(f"fault injection: rank {os.environ['RANK']} writes its part of the final model {step} s late", file=sys.stderr, flush=True)
+                print(
+                    f"fault injection: rank {os.environ['RANK']} writes its part of the final model {step} s late",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 time.sleep(float(step))
             return write_part(*args, **kwargs)
 
@@ -171,7 +181,11 @@ if os.environ.get("FSDP_FAULT"):
 
         def training_step_then_release(self, *args, **kwargs):
             if self.state.global_step == int(step) + 2 and _dies(ranks):
-                print(f"fault injection: checkpoint-{step} still being written at step {self.state.global_step}", file=sys.stderr, flush=True)
+                print(
+                    f"fault injection: checkpoint-{step} still being written at step {self.state.global_step}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if point == "killheldsave":
                     _die()
                 released.set()
@@ -184,8 +198,10 @@ if os.environ.get("FSDP_FAULT"):
 
         Trainer.training_step = training_step_then_release
     else:
-        raise SystemExit(f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, slowexport, early, sigterm, usr1, sigint, "
-                         "heldsave, killheldsave, raiseheldsave or sigtermheldsave")
+        raise SystemExit(
+            f"FSDP_FAULT point {point!r}: use step, optimizer, rng, final, slowexport, early, sigterm, usr1, sigint, "
+            "heldsave, killheldsave, raiseheldsave or sigtermheldsave"
+        )
 
 if os.environ.get("FSDP_SLOW_SAVE"):
     import time
@@ -217,7 +233,13 @@ if os.environ.get("FSDP_DUMP_OPTIMIZER"):
         if checkpoint is not None:
             from accelerate.utils import save_fsdp_optimizer
 
-            save_fsdp_optimizer(self.accelerator.state.fsdp_plugin, self.accelerator, self.optimizer, self.model, os.environ["FSDP_DUMP_OPTIMIZER"])
+            save_fsdp_optimizer(
+                self.accelerator.state.fsdp_plugin,
+                self.accelerator,
+                self.optimizer,
+                self.model,
+                os.environ["FSDP_DUMP_OPTIMIZER"],
+            )
 
     FSDPTrainer._load_optimizer_and_scheduler = load_then_dump
 
