@@ -16,7 +16,7 @@ Shared by all of them, importing nothing else of the package but errors:
 - direct_writes: large files written past the page cache (O_DIRECT) where the filesystem takes it
 - tiny:     the embedded default: a tiny Llama config, tokenizer and corpus
 
-Who may import whom is written in each subpackage's docstring ("May import:") and enforced by tests/test_layout.py:
+Who may import whom is written in each subpackage's docstring ("May import:") and enforced by tests/unit/test_layout.py:
 train -> config -> ckpt -> compat -> the shared modules, never the other way, and no import cycles.
 
 May import: fsdp_recipes.errors

@@ -17,7 +17,7 @@ Linux 6.6, some FUSE and network mounts; macOS has no O_DIRECT) the same buffer 
 
 Size: one module on purpose (about 410 lines). The writer thread, the waits a signal may cut short and the files
 and folders synced before a rename into place share one rule, kept here together: no descriptor, lock or count a
-Ctrl-C between two bytecodes can leave behind (tests/test_direct_writes.py interrupts every line).
+Ctrl-C between two bytecodes can leave behind (tests/unit/shared/test_direct_writes.py interrupts every line).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ checkpoints, the model a run fine-tunes. So nothing is removed on a name or a gu
 A symlink is never followed into: a link is refused, not its target removed. (A path the user names may be resolved
 before it gets here: the merge's output is its real path, so `--overwrite` through a link replaces the model folder
 the link points to, as the user asked.) Everything refused raises
-``RefusedRemoval`` with one line naming the path and what it holds. ``tests/test_removal.py`` fails when any other
+``RefusedRemoval`` with one line naming the path and what it holds. ``tests/unit/shared/test_removal.py`` fails when any other
 module of the package, tools/, bench/ or train_fsdp.py calls rmtree, unlink, remove, rename, replace or rmdir.
 """
 

@@ -145,7 +145,7 @@ def launch(
     Run as `python -m accelerate.commands.launch`: the same parser and launch_command as the `accelerate launch`
     command, without importing the CLI's seven other commands first (about 1.3 s per launch on the 2-core machine,
     before any rank starts). The `accelerate launch` command itself runs in test_readme, test_arguments and
-    test_config_check; fsdp_recipes.config.launcher finds the config in force from either."""
+    test_check_config; fsdp_recipes.config.launcher finds the config in force from either."""
     port = () if "--main_process_port" in launch_args else ("--main_process_port", str(free_port()))
     cmd = [
         sys.executable,

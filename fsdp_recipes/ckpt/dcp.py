@@ -37,7 +37,7 @@ have (a newer torch's float8 variant, a class a newer DCP added) raises ``Unknow
 good checkpoint is called incomplete, passed over or deleted because of it.
 
 Size: one module on purpose (about 940 lines). It is the only place allowed to unpickle anything from a DCP folder
-(tests/test_unsafe_pickles.py fails on a pickle read anywhere else): the allow-lists, the restricted unpicklers,
+(tests/unit/ckpt/test_pickles.py fails on a pickle read anywhere else): the allow-lists, the restricted unpicklers,
 the record vetting and the readers that use them are kept together so that one file holds every line a
 reviewer of that guarantee has to read; with them, what check_folder checks of what it read (that the chunks make
 up each tensor, the shard digests), so that a folder passes or fails in one place.

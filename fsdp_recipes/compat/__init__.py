@@ -1,6 +1,6 @@
 """Where this repository reaches into other libraries: every patch of torch, accelerate or transformers, and the
 registry of every private symbol the package touches (internals: a renamed one stops the run with one line naming
-it and the pinned version). Nothing outside this package patches another library (tests/test_layout.py).
+it and the pinned version). Nothing outside this package patches another library (tests/unit/test_layout.py).
 
 - internals:           the registry, and the only way to get, patch or set a private symbol
 - cpu_fsdp:            makes accelerate's FSDP (and DDP) real on machines without an accelerator

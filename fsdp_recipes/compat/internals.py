@@ -4,7 +4,7 @@ Private names move between releases without notice. A renamed one must not turn 
 CPU run would then silently train DDP again), an override into a method nobody calls, or an attribute read into
 a traceback from deep inside a run. So each one is named here, with why we need it, and the code reaches it only
 through :func:`get`, :func:`patch`, :func:`attr`, :func:`set_attr` and :func:`require`: a symbol that is gone stops the run with
-one line naming it, the installed version and the version requirements.txt pins. ``tests/test_internals.py``
+one line naming it, the installed version and the version requirements.txt pins. ``tests/unit/compat/test_internals.py``
 scans the code for private accesses that bypass this module and checks every name here resolves.
 
 Kinds: ``module`` names something importable (a function, a class attribute, a method); ``instance`` names an

@@ -36,7 +36,7 @@ FSDP1_ONLY = ["fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_
 FSDP2_ONLY = ["fsdp_reshard_after_forward"]
 # Trainer optimizers (--optim) whose step mixes plain tensors into FSDP2's DTensor parameters and fails at the first
 # step ("got mixed torch.Tensor and DTensor"): measured with the installed transformers and torch by
-# tests/test_config_check.py (the names it can build on CPU; the others need packages or devices not here)
+# tests/unit/config/test_check_config.py (the names it can build on CPU; the others need packages or devices not here)
 FSDP2_UNSTEPPABLE_OPTIMIZERS = {"adafactor": "transformers' Adafactor"}
 
 

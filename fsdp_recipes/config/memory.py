@@ -186,7 +186,7 @@ def saved_per_token(shape: ModelShape, width: int) -> float:
     and the attention output reshaped for o_proj (2wq, q the query heads' width); gate, up, act(gate) and their product
     (4wI); the rotated key and the value (2w kv); attention's fp32 log-sum-exp per head (4 heads); with a norm on each
     query and key head (Qwen3) its fp32 upcast, output and rsqrt ((4 + w)(q + kv) + 4 (heads + kv heads)). Counted
-    with autograd's saved-tensor hooks on CPU over generated shapes (tests/test_activation_memory.py)."""
+    with autograd's saved-tensor hooks on CPU over generated shapes (tests/unit/config/test_memory_activations.py)."""
     h, w = shape.hidden, width
     q = shape.q_width or h
     body = (
@@ -257,7 +257,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         notes.append(f"largest unit taken as P/{shape.layers or 32} for a bare parameter count")
     # gradients and activations do not peak together: backward frees each layer's activations as it makes that
     # layer's gradients, and the step's zero_grad freed the last ones before forward; the larger of the two is
-    # counted (on an H200 every shipped config's peak came within 5% of this: tests/test_memory.py)
+    # counted (on an H200 every shipped config's peak came within 5% of this: tests/unit/config/test_memory.py)
     total = params + optim + gathered + working + max(grads, acts)
     if grads and acts:
         notes.append(

@@ -32,7 +32,7 @@ def _pip(name: str) -> str:
 
 # --optim: by the transformers function that builds the optimizer (transformers.trainer_optimizer's dispatch), so
 # every OptimizerNames value that shares it (15 bitsandbytes variants, 6 GaLore ...) is covered, and an optimizer a
-# newer transformers adds lands in a known group or in none (tests/test_option_packages.py fails for the latter).
+# newer transformers adds lands in a known group or in none (tests/unit/config/test_packages.py fails for the latter).
 OPTIMIZER_BUILDERS: dict[str, Need | None] = {
     "_get_adafactor": None,
     "_get_adamw_torch": None,

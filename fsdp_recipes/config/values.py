@@ -153,7 +153,7 @@ WORKERS_BOUND = f"at most {MAX_WORKERS}: max(64, 4 x the {CPUS} CPUs of this mac
 
 
 # A rule for every int or float field of ModelArguments, DataArguments, RunArguments and TrainingArguments
-# (numeric_fields()); tests/test_training_values.py fails for a field that has neither a rule here nor a place in
+# (numeric_fields()); tests/unit/config/test_values.py fails for a field that has neither a rule here nor a place in
 # FINITE_ONLY, so a field a new transformers adds gets a decision.
 VALUE_RULES: dict[str, Rule] = {
     # ModelArguments: refused even without use_peft, where they are unused: such a value is a typo either way

@@ -183,7 +183,7 @@ def estimate_cases() -> dict[str, list[str]]:
     for option in ESTIMATE_OPTIONS:
         for value in BAD_NUMBERS:
             if option == "model":
-                if value != "abc":  # 'abc' is a hub id, looked up (tests/test_memory.py: 'seven billion')
+                if value != "abc":  # 'abc' is a hub id, looked up (tests/unit/config/test_memory.py: 'seven billion')
                     cases[f"model={value}"] = ["--", value]  # `--`: argparse would take -1B for an option
                     cases[f"model={value}B"] = ["--", f"{value}B"]
             else:

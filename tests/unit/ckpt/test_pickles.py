@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import cli
+from conftest import REPO, cli
 
 from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError, guard_torch_dcp
 from fsdp_recipes.ckpt.merge import merge_checkpoint
@@ -185,10 +185,8 @@ def test_real_checkpoints_pass_every_check(checkpoint):
 def test_zip_records_torch_reads_differently_from_zipfile(checkpoint, trick, tmp_path, capsys):
     """A byte record that Python's zipfile reads as a harmless float and torch's zip reader as a payload (found by
     the hostile review): refused before the resume, and by the guarded load itself."""
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-    import zip_differentials
+    from helpers import zip_differentials
 
     from fsdp_recipes.ckpt.dcp import vet_record
 
@@ -262,7 +260,7 @@ def _unpickling_calls(path: Path) -> list[tuple[str, int, str]]:
 def test_only_the_allow_listed_readers_unpickle():
     """Plain pickle only in ckpt/dcp.py (on bytes its allow-list vetted), torch.load only with weights_only=True,
     and a DCP load only in readers.py, which guards torch's reader first. The scan can fail: it finds the known ones."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = REPO
     files = [
         *(repo / "fsdp_recipes").rglob("*.py"),
         *(repo / "tools").rglob("*.py"),

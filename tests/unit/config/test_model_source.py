@@ -173,7 +173,7 @@ def test_every_transformers_load_says_whether_code_may_run_and_weights_are_safet
                 )
     assert calls >= 10 and not missing, missing
     modeling = (REPO / "fsdp_recipes" / "train" / "modeling.py").read_text()
-    assert "common = {\"trust_remote_code\": args.trust_remote_code" in modeling
+    assert 'common = {"trust_remote_code": args.trust_remote_code' in modeling
 
 
 INDEX_ENTRIES = [

@@ -2,7 +2,7 @@
 fsdp_recipes.compat.async_dcp): the bytes are exactly an ordinary write's for every size and way of writing them,
 every way the filesystem can refuse O_DIRECT ends in the same bytes through the page cache, and DCP's files (written
 by torch itself, single process) are the same files. The multi-process runs that write checkpoints this way and
-resume from them bit-exact are tests/test_async_checkpoints.py and tests/test_fault_tolerance.py."""
+resume from them bit-exact are tests/integration/test_async_checkpoints.py and tests/integration/test_fault_tolerance.py."""
 
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 from helpers.fake_hub import MAX_BODY, serve
 
-HELPER = Path(__file__).resolve().parent / "helpers" / "fake_hub.py"
+HELPER = REPO / "tests" / "helpers" / "fake_hub.py"
 
 
 @pytest.fixture

@@ -7,17 +7,16 @@ model was garbage: fp32 sums written into bf16 slots)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors.torch import load_file
 
 from fsdp_recipes.ckpt.readers import TensorInfo
 from fsdp_recipes.ckpt.safetensors_writer import write_weights
 from fsdp_recipes.errors import CheckpointError
 
-REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

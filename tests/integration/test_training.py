@@ -69,7 +69,7 @@ def check_precision_and_wrapping(run, forced: bool) -> None:
 
 @pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_precision_and_wrapping_contract(trained, config):
-    """Each config's own run: on a CPU without native bf16 its bf16 computes in fp32 (tests/test_cpu_precision.py),
+    """Each config's own run: on a CPU without native bf16 its bf16 computes in fp32 (tests/unit/compat/test_cpu_precision.py),
     which the report says."""
     check_precision_and_wrapping(trained(config), forced=False)
 
@@ -78,7 +78,7 @@ def test_precision_and_wrapping_contract(trained, config):
 def test_the_configs_bf16_computes_in_bf16_where_kept(trained, config):
     """The configs' bf16 tested as bf16 on a CPU without native bf16 (--cpu_bf16 true): one FSDP2 and one FSDP1
     config, the two ways accelerate applies mixed_precision (MixedPrecisionPolicy, MixedPrecision); the others
-    compute it so on a GPU (tests/test_gpu.py) and in the test above on a CPU with native bf16."""
+    compute it so on a GPU (tests/gpu/test_gpu.py) and in the test above on a CPU with native bf16."""
     if not bf16_computes_as_fp32_here(config):
         pytest.skip("this machine computes the config's bf16 in bf16 already: the test above checks it")
     check_precision_and_wrapping(trained(config, "--cpu_bf16", "true"), forced=True)
