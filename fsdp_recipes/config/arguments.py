@@ -91,7 +91,7 @@ class ModelArguments:
         default=False,
         metadata={
             "help": "Train a LoRA adapter (peft) instead of all weights, sharded by FSDP like the rest. The run ends "
-            "with the merged model in output_dir and the adapter in output_dir/adapter/."
+            "with the merged model in output_dir/model/ and the adapter in output_dir/adapter/."
         },
     )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})

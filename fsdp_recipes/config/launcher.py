@@ -212,6 +212,7 @@ def check_launch(raw) -> LaunchSettings | None:
     with this run's settings (``raw``: the parsed flags and recipe) by tools/check_config.py's rules. Warnings are
     printed once; errors stop every rank. Returns the settings (None: not an accelerate FSDP or DDP launch)."""
     from fsdp_recipes.config.accelerate_config import SAVE_ONLY_MODEL, errors
+    from fsdp_recipes.config.model_source import missing_local_path
 
     if (
         str(getattr(raw, "save_only_model", None)).lower() == "true"
@@ -223,9 +224,10 @@ def check_launch(raw) -> LaunchSettings | None:
     fsdp_type = launch.config.get("distributed_type") == "FSDP"
     if not launch.ddp and (not (fsdp_type or "fsdp_config" in launch.config) or (raw.allow_no_fsdp and not fsdp_type)):
         return launch  # neither FSDP nor a DDP config (refused by parse_args, by name), or no FSDP on purpose
-    problems = check(
-        launch, {k: getattr(raw, k, None) for k in RUN_SETTINGS}, raw.model_name_or_path or raw.config_name
-    )
+    model = raw.model_name_or_path or raw.config_name
+    if model and missing_local_path(str(model)):
+        model = None  # the run's own check of its arguments names the missing folder, in one line, just after
+    problems = check(launch, {k: getattr(raw, k, None) for k in RUN_SETTINGS}, model)
     for problem in problems:
         if problem.level == "warning":
             say(str(problem))

@@ -72,8 +72,7 @@ def model_source_problem(name: str, weights: bool) -> str | None:
         return weights_problem(path, name) if weights else None
     if path.exists():
         return "is a file: give the folder that holds config.json"
-    parts = name.split("/")
-    if name.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir()):
+    if missing_local_path(name):
         return "does not exist (relative paths start where you launch): give a local model folder or a hub id"
     from huggingface_hub import constants, try_to_load_from_cache
 
@@ -91,18 +90,27 @@ def model_source_problem(name: str, weights: bool) -> str | None:
     return None
 
 
+def missing_local_path(name: str) -> bool:
+    """True when ``name`` can only mean a local path (absolute, ./ ../ ~, more than one slash, or under a folder that
+    exists) and nothing is there: no hub id, so the hub is never asked about it."""
+    if Path(name).expanduser().exists():
+        return False
+    parts = name.split("/")
+    return name.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
+
+
 def not_a_hub_id(name: str, local: str = "folder", neither: str = "local path") -> tuple[str, str] | None:
     """(why, fix) when ``name``, which is no local path, is no hub id either; huggingface_hub raises its validation
-    error from every lookup of it."""
+    error from every lookup of it, whose first sentence is quoted, cut at a word if long."""
     from huggingface_hub.utils import validate_repo_id
 
     try:
         validate_repo_id(name)
     except ValueError as err:
-        return (
-            f"is neither a {neither} nor a hub id ({str(err).splitlines()[0][:120]})",
-            f"give a local {local} or a hub id (org/name)",
-        )
+        said = str(err).splitlines()[0].split(". ")[0].rstrip(".")
+        if len(said) > 120:
+            said = said[:120].rsplit(" ", 1)[0] + " ..."
+        return (f"is neither a {neither} nor a hub id ({said})", f"give a local {local} or a hub id (org/name)")
     return None
 
 

@@ -533,3 +533,28 @@ def test_estimate_memory_names_a_model_text_that_is_no_count_path_or_hub_id(text
 
     with pytest.raises(ValueError, match=re.escape(said)):
         model_shape(text)
+
+
+def test_a_missing_model_folder_is_the_runs_one_line_not_a_config_warning_first(tmp_path, monkeypatch, capsys):
+    """chat_sft.yaml before the quick start's model existed: a warning blamed zero3.yaml and quoted the hub's
+    repo-id rule cut mid-word, before the run's own clear error. The launch check leaves a missing local folder to
+    that error, and a quoted hub message ends at a word."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.config import launcher
+    from fsdp_recipes.config.model_source import model_source_problem, not_a_hub_id
+
+    monkeypatch.chdir(tmp_path)
+    settings = launcher.from_launch_args(
+        ["--config_file", str(REPO / "accelerate_configs" / "zero3.yaml"), "train_fsdp.py"], tmp_path
+    )
+    monkeypatch.setattr(launcher, "launch_settings", lambda: settings)
+    missing = "runs/tiny-llama-pretrain/model"
+    raw = SimpleNamespace(
+        **dict.fromkeys(launcher.RUN_SETTINGS), model_name_or_path=missing, config_name=None, allow_no_fsdp=False
+    )
+    assert launcher.check_launch(raw) is settings
+    assert "model" not in capsys.readouterr().err
+    assert model_source_problem(missing, weights=True).startswith("does not exist (relative paths start where you")
+    why, _ = not_a_hub_id(missing)
+    assert why.endswith(f"'namespace/repo_name': '{missing}')"), why
