@@ -85,8 +85,8 @@ def make_checkpoints(
     checkpoint folders."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-    from fsdp_recipes.ckpt.dcp import write_shard_digests
     from fsdp_recipes.ckpt.description import describe_folder, write_manifest
+    from fsdp_recipes.ckpt.shard_digests import write_shard_digests
 
     jobs = []
     for folder, target_bytes in sizes.items():

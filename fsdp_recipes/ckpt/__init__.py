@@ -3,7 +3,12 @@ of any FSDP checkpoint (ours, accelerate's, raw torch DCP, the stock Trainer's, 
 Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the training path's own export).
 
 - layout:             file names, and the exact shapes of model and checkpoint folders (what may be replaced)
-- dcp:                a DCP folder's metadata and records, read without torch; the one allow-listed reader of its pickles
+- torch_names:        torch's dtype, storage and DCP class names, known without importing torch
+- dcp_layout:         a DCP folder's tensors, chunks and byte ranges as plain data; the errors that refuse a folder
+- torch_save_archive: one torch.save record's zip archive, read as torch's own reader reads it
+- dcp_pickles:        the one reader of a DCP folder's pickles, with allow-lists; guards torch's own DCP reader
+- dcp_check:          is a DCP folder readable and safe: every file there, every chunk, every record vetted
+- shard_digests:      which shard files a run wrote into its checkpoint, and which are no longer those
 - readers, namespace, resolve: tensors from each format; stored names matched to a model's; which folder was meant
 - status:             is a checkpoint complete and resumable; does it match the model; rotation
 - resume:             which checkpoint a run resumes, what it sets aside or deletes (decided, never done, here)

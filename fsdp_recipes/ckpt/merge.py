@@ -27,7 +27,6 @@ from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, STATE_LIMIT, load_json
 from fsdp_recipes.ckpt import base_identity
-from fsdp_recipes.ckpt.dcp import DTYPE_SIZES
 from fsdp_recipes.ckpt.description import (
     Description,
     config_origin,
@@ -66,6 +65,7 @@ from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namesp
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype, unconvertible_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
 from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, weight_files, write_weights
+from fsdp_recipes.ckpt.torch_names import DTYPE_SIZES
 from fsdp_recipes.compat import internals
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError, RefusedRemoval

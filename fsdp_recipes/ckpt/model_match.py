@@ -26,7 +26,7 @@ def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
 
 def _stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
     """Name -> (full shape, torch dtype name) of the model weights a checkpoint holds; see stored_weights."""
-    from fsdp_recipes.ckpt.dcp import read_layout
+    from fsdp_recipes.ckpt.dcp_pickles import read_layout
     from fsdp_recipes.ckpt.namespace import clean_name
     from fsdp_recipes.ckpt.readers import SafetensorsSource, TorchBinSource
 

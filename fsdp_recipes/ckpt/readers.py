@@ -20,18 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json, plain_file_name
-from fsdp_recipes.ckpt.dcp import (
-    DTYPE_SIZES,
-    UnsafeCheckpointError,
-    check_folder,
-    digest_problems,
-    guard_torch_dcp,
-    raw_tensor,
-    require_this_torch,
-    unsafe_message,
-)
+from fsdp_recipes.ckpt.dcp_check import check_folder
+from fsdp_recipes.ckpt.dcp_layout import UnsafeCheckpointError, unsafe_message
+from fsdp_recipes.ckpt.dcp_pickles import guard_torch_dcp, raw_tensor
 from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, SHARD_DIGESTS
 from fsdp_recipes.ckpt.namespace import clean_name
+from fsdp_recipes.ckpt.shard_digests import digest_problems
+from fsdp_recipes.ckpt.torch_names import DTYPE_SIZES, require_this_torch
 from fsdp_recipes.errors import CheckpointError
 
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE): a larger header is not one

@@ -14,9 +14,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.ckpt.dcp import check_folder, digest_problems
+from fsdp_recipes.ckpt.dcp_check import check_folder
 from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, FULL_FILES, checkpoint_steps
 from fsdp_recipes.ckpt.readers import DCPSource, SafetensorsSource, TorchBinSource
+from fsdp_recipes.ckpt.shard_digests import digest_problems
 from fsdp_recipes.errors import CheckpointError, UnknownToThisVersion
 
 

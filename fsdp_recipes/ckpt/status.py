@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, REPORT_LIMIT, STATE_LIMIT, load_json
-from fsdp_recipes.ckpt.dcp import check_folder, digest_problems, require_this_torch
+from fsdp_recipes.ckpt.dcp_check import check_folder
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG,
     CHECKPOINT_PURPOSE,
@@ -51,6 +51,8 @@ from fsdp_recipes.ckpt.layout import (
     real,
     step_of_name,
 )
+from fsdp_recipes.ckpt.shard_digests import digest_problems
+from fsdp_recipes.ckpt.torch_names import require_this_torch
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError, RefusedRemoval, UnknownToThisVersion, UnreadableFile
 from fsdp_recipes.removal import move, remove
@@ -241,7 +243,7 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
                 status.base_model = (
                     record["base_model"] if record else f"not recorded: no {base_identity.BASE_IDENTITY}"
                 )
-    return []  # that the chunks make up each tensor (a rank's slice missing) is check_folder's (dcp.chunk_problems)
+    return []  # that the chunks make up each tensor (a rank's slice missing) is check_folder's (dcp_check.chunk_problems)
 
 
 WEIGHTS_ONLY = (

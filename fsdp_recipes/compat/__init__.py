@@ -4,7 +4,7 @@ it and the pinned version). Nothing outside this package patches another library
 
 - internals:           the registry, and the only way to get, patch or set a private symbol
 - cpu_fsdp:            makes accelerate's FSDP (and DDP) real on machines without an accelerator
-- torch_dcp:           torch's DCP reader made to vet what it unpickles (the vetting is fsdp_recipes.ckpt.dcp's)
+- torch_dcp:           torch's DCP reader made to vet what it unpickles (the vetting is fsdp_recipes.ckpt.dcp_pickles's)
 - async_dcp:           accelerate's checkpoint saves through DCP with shard files written past the page cache, and in
                        the background (DCP's async_save from the live shards where they are in host memory, else
                        from one reused host copy)

@@ -81,10 +81,10 @@ class _DirectShardFiles(FileSystem):
     the file is open, in the thread that writes it): torch.load and DCP never check it (a flipped byte loads
     silently either way; tests/unit/shared/test_direct_writes.py), and computing it was half the CPU a direct-written save
     takes (bench/direct_writes.py: 0.75 -> 0.33 s for 1.6 GB), CPU a background save takes from training. Our
-    reader (fsdp_recipes.ckpt.dcp.stored_member) reads such records as torch does. The setting is per thread in
-    torch 2.13 (a ContextVar; tested); where a torch keeps it process-wide, other torch.save calls meanwhile skip
-    it too, and two shard files closed in crossed order by two writer threads can leave it off for the process:
-    either loses nothing any torch reader checks."""
+    reader (fsdp_recipes.ckpt.torch_save_archive.stored_member) reads such records as torch does. The setting is per
+    thread in torch 2.13 (a ContextVar; tested); where a torch keeps it process-wide, other torch.save calls
+    meanwhile skip it too, and two shard files closed in crossed order by two writer threads can leave it off for the
+    process: either loses nothing any torch reader checks."""
 
     def __init__(self, sync: bool, files: ShardFiles):
         super().__init__()

@@ -82,7 +82,7 @@ PRIVATE: dict[str, tuple[str, str]] = {
     ),
     "transformers.Trainer._get_output_dir": (MODULE, "trainer: the folder a checkpoint goes to"),
     # fsdp_recipes/compat/torch_dcp.py: torch's DCP reader unpickles .metadata and byte records only after our
-    # allow-lists (fsdp_recipes/ckpt/dcp.py)
+    # allow-lists (fsdp_recipes/ckpt/dcp_pickles.py)
     "torch.distributed.checkpoint.filesystem.FileSystemReader._get_metadata_path": (
         MODULE,
         "torch_dcp: the .metadata torch reads",

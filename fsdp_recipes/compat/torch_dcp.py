@@ -5,10 +5,11 @@ torch's ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with plain ``
 from anywhere could run any code it names as soon as a resume (accelerate's load) or a merge reads it. Checking
 each folder before it is loaded is not enough on its own: a code path that forgot the check, or a file changed
 between the check and the load, would go through unvetted. So the reader itself is patched, once per process,
-to hand the bytes it read to the vetting functions it is given (fsdp_recipes.ckpt.dcp's, the one reader of DCP
-pickles, with the allow-lists: ``ckpt.dcp.guard_torch_dcp`` installs them) and to go on only with what they return.
+to hand the bytes it read to the vetting functions it is given (fsdp_recipes.ckpt.dcp_pickles's, the one reader of
+DCP pickles, with the allow-lists: ``dcp_pickles.guard_torch_dcp`` installs them) and to go on only with what they
+return.
 The patching lives here, with the other patches of libraries' private symbols (each registered in
-fsdp_recipes/compat/internals.py); the judging of bytes stays in ckpt/dcp.py, which compat does not import.
+fsdp_recipes/compat/internals.py); the judging of bytes stays in ckpt/dcp_pickles.py, which compat does not import.
 """
 
 from __future__ import annotations

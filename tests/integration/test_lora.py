@@ -15,7 +15,7 @@ import torch
 from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, quick, read_json, run
 from safetensors.torch import load_file
 
-from fsdp_recipes.ckpt.dcp import read_layout
+from fsdp_recipes.ckpt.dcp_pickles import read_layout
 from fsdp_recipes.ckpt.readers import DCPSource
 
 LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-2"]
@@ -24,7 +24,7 @@ CONFIGS = ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml
 
 def adapter_only_layout(folder: Path, world: int = 2) -> dict[str, int]:
     """Checks that a DCP folder of a LoRA checkpoint holds every rank's slice, each file non-empty, and returns each
-    tensor's elements (read with the vetted reader, ckpt/dcp.py)."""
+    tensor's elements (read with the vetted reader, ckpt/dcp_pickles.py)."""
     layout = read_layout(folder)
     files = {stored.relative_path for stored in layout.storage.values()}
     assert files == {f"__{r}_0.distcp" for r in range(world)}, files  # every rank wrote
@@ -283,7 +283,8 @@ def test_a_base_model_path_that_is_not_a_saved_base_is_refused_before_anything_i
 def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
     """What stock adapter-only saves left (FSDP1: no tensor at all; accelerate PR #4206's FSDP2 bug: rank 0's slice
     only) is incomplete, named; every slice present is fine, and a LoRA adapter alone is named as such."""
-    from fsdp_recipes.ckpt.dcp import Chunk, Layout, Stored, TensorEntry, chunk_problems
+    from fsdp_recipes.ckpt.dcp_check import chunk_problems
+    from fsdp_recipes.ckpt.dcp_layout import Chunk, Layout, Stored, TensorEntry
     from fsdp_recipes.ckpt.status import CheckpointStatus, _coverage_problems
 
     folder = tmp_path / "checkpoint-6" / "pytorch_model_fsdp_0"

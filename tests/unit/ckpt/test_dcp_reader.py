@@ -14,19 +14,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import run
 
-from fsdp_recipes.ckpt.dcp import (
-    FileSlice,
-    UnsafeCheckpointError,
-    _layout_from,
-    _MetadataUnpickler,
-    raw_tensor,
-    read_layout,
-)
+from fsdp_recipes.ckpt.dcp_layout import UnsafeCheckpointError, layout_from
+from fsdp_recipes.ckpt.dcp_pickles import _MetadataUnpickler, raw_tensor, read_layout
 from fsdp_recipes.ckpt.readers import DCPSource
+from fsdp_recipes.ckpt.torch_save_archive import FileSlice
 
 
 def torch_layout(folder: Path):
-    return _layout_from(dcp.FileSystemReader(str(folder)).read_metadata())
+    return layout_from(dcp.FileSystemReader(str(folder)).read_metadata())
 
 
 def record_tensor(folder: Path, stored) -> torch.Tensor:
@@ -139,7 +134,7 @@ def test_records_saved_without_zip_crc_are_read_as_torch_reads_them(tmp_path, cr
     """torch.save under set_crc32_options(False) (our checkpoint shards; anyone's DCP save) stores a CRC-32 of zero,
     which torch.load never checks and Python's ZipFile.read refuses: such records are still vetted, copied raw and
     read back exactly, tensor records and byte records alike, for every dtype and a spread of shapes."""
-    from fsdp_recipes.ckpt.dcp import vet_records
+    from fsdp_recipes.ckpt.dcp_check import vet_records
 
     gen = torch.Generator().manual_seed(0)
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)
@@ -189,7 +184,7 @@ def _record(tensor) -> bytes:
 
 def _raw_copy_or_none(tmp_path, data: bytes):
     """What the converter would copy for a record holding ``data``: the bytes raw_tensor points at, or None."""
-    from fsdp_recipes.ckpt.dcp import Stored
+    from fsdp_recipes.ckpt.dcp_layout import Stored
 
     path = tmp_path / "__0_0.distcp"
     path.write_bytes(b"\x00" * 37 + data + b"\xff" * 64)  # other records before and after it, as in a .distcp file

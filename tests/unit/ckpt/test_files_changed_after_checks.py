@@ -36,7 +36,7 @@ def alarm():
 def test_torchs_reader_refuses_a_metadata_swapped_after_the_checks(tmp_path, kind, alarm):
     import torch.distributed.checkpoint as dcp
 
-    from fsdp_recipes.ckpt.dcp import guard_torch_dcp
+    from fsdp_recipes.ckpt.dcp_pickles import guard_torch_dcp
 
     folder = tmp_path / "dcp"
     dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(folder), no_dist=True)

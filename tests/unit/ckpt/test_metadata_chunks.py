@@ -1,7 +1,7 @@
 """A DCP ``.metadata`` says which chunk of each tensor lies where; every reader trusts those offsets. Chunks that do
 not make up their tensor exactly (two claiming the same rows, a gap, one outside the tensor, one no record holds)
 gave silently wrong weights: check_checkpoint said resumable, the merge (with --verify) wrote rows of zeros and
-exited 0, a resume loaded them. Now fsdp_recipes.ckpt.dcp.check_folder, which every reader goes through, refuses
+exited 0, a resume loaded them. Now fsdp_recipes.ckpt.dcp_check.check_folder, which every reader goes through, refuses
 them in one line. The class is tested by generating every one-step damage of valid layouts (moved, grown, shrunk,
 duplicated or dropped chunks, a record dropped), and on a real 2-rank checkpoint's files."""
 
@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 from conftest import cli, one_line_error, run_dir  # noqa: F401 (run_dir: the fixture)
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-from fsdp_recipes.ckpt.dcp import Chunk, Layout, Stored, TensorEntry, chunk_problems, record_size_problems
+from fsdp_recipes.ckpt.dcp_check import chunk_problems, record_size_problems
+from fsdp_recipes.ckpt.dcp_layout import Chunk, Layout, Stored, TensorEntry
 from fsdp_recipes.ckpt.resume import resolve_resume
 from fsdp_recipes.errors import RecipeError
 

@@ -630,7 +630,7 @@ def test_a_bf16_models_resume_under_mixed_precision_is_not_refused(tmp_path):
     run = tmp_path / "run"
     args = ("--dtype", "bfloat16", "--cpu_bf16", "true", "--output_dir", str(run))
     launch("accelerate_configs/zero3.yaml", *quick(max_steps="2", save_steps="2"), *args)  # bf16 is slow on this CPU
-    from fsdp_recipes.ckpt.dcp import read_layout
+    from fsdp_recipes.ckpt.dcp_pickles import read_layout
 
     assert {t.dtype for t in read_layout(run / "checkpoint-2" / "pytorch_model_fsdp_0").tensors.values()} == {"float32"}
     launch(

@@ -5,6 +5,7 @@ Nothing a payload names ever runs: each payload, unpickled plainly, would create
 
 from __future__ import annotations
 
+import ast
 import io
 import os
 import pickle
@@ -17,7 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import REPO, cli
 
-from fsdp_recipes.ckpt.dcp import UnsafeCheckpointError, guard_torch_dcp
+from fsdp_recipes.ckpt.dcp_layout import UnsafeCheckpointError
+from fsdp_recipes.ckpt.dcp_pickles import guard_torch_dcp
 from fsdp_recipes.ckpt.merge import merge_checkpoint
 from fsdp_recipes.ckpt.resume import resolve_resume
 from fsdp_recipes.ckpt.status import checkpoint_status
@@ -188,7 +190,7 @@ def test_zip_records_torch_reads_differently_from_zipfile(checkpoint, trick, tmp
 
     from helpers import zip_differentials
 
-    from fsdp_recipes.ckpt.dcp import vet_record
+    from fsdp_recipes.ckpt.dcp_pickles import vet_record
 
     marker = tmp_path / "code-ran"
     plain = io.BytesIO()
@@ -258,7 +260,7 @@ def _unpickling_calls(path: Path) -> list[tuple[str, int, str]]:
 
 
 def test_only_the_allow_listed_readers_unpickle():
-    """Plain pickle only in ckpt/dcp.py (on bytes its allow-list vetted), torch.load only with weights_only=True,
+    """Plain pickle only in ckpt/dcp_pickles.py (on bytes its allow-list vetted), torch.load only with weights_only=True,
     and a DCP load only in readers.py, which guards torch's reader first. The scan can fail: it finds the known ones."""
     repo = REPO
     files = [
@@ -269,8 +271,8 @@ def test_only_the_allow_listed_readers_unpickle():
     ]
     calls = [c for f in files for c in _unpickling_calls(f)]
     allowed = {
-        ("dcp.py", "pickle.loads"),
-        ("dcp.py", "torch.load"),
+        ("dcp_pickles.py", "pickle.loads"),
+        ("dcp_pickles.py", "torch.load"),
         ("readers.py", "torch.load"),
         ("status.py", "torch.load"),
         ("readers.py", "dcp.load"),
@@ -280,3 +282,11 @@ def test_only_the_allow_listed_readers_unpickle():
     source = (repo / "fsdp_recipes" / "ckpt" / "readers.py").read_text()
     read = source[source.index("    def read(self, names") :]
     assert read.index("guard_torch_dcp()") < read.index("dcp.load(")
+    # the restricted unpicklers, every allow-list, live in that one module too
+    unpicklers = [
+        (f.name, node.name)
+        for f in files
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(b) == "pickle.Unpickler" for b in node.bases)
+    ]
+    assert {f for f, _ in unpicklers} == {"dcp_pickles.py"} and len(unpicklers) == 3, unpicklers

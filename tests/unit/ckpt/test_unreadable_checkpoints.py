@@ -22,12 +22,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import cli
 
-from fsdp_recipes.ckpt.dcp import TORCH_DTYPE_NAMES, UnsafeCheckpointError, guard_torch_dcp, read_layout, torch_version
+from fsdp_recipes.ckpt.dcp_layout import UnsafeCheckpointError
+from fsdp_recipes.ckpt.dcp_pickles import guard_torch_dcp, read_layout
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.ckpt.resolve import resolve_input
 from fsdp_recipes.ckpt.resume import check_output_dir, resolve_resume
 from fsdp_recipes.ckpt.safetensors_writer import write_weights
 from fsdp_recipes.ckpt.status import checkpoint_status, set_aside
+from fsdp_recipes.ckpt.torch_names import TORCH_DTYPE_NAMES, torch_version
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnknownToThisVersion
 from fsdp_recipes.train import preflight
@@ -128,7 +130,7 @@ def run_dir(tmp_path) -> Path:
 
 
 def test_the_dtype_list_is_this_torchs():
-    """TORCH_DTYPE_NAMES is written out (dcp.py imports no torch); it must not drift from the installed torch."""
+    """TORCH_DTYPE_NAMES is written out (torch_names.py imports no torch); it must not drift from the installed torch."""
     assert TORCH_DTYPE_NAMES == {n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
 
 
@@ -136,7 +138,7 @@ def test_the_dcp_classes_are_where_this_torch_has_them():
     """_DCP_NAMES_OF_THIS_TORCH spares the checks importing torch.distributed.checkpoint; each must be where it says."""
     import importlib
 
-    from fsdp_recipes.ckpt.dcp import _DCP_NAMES_OF_THIS_TORCH
+    from fsdp_recipes.ckpt.torch_names import _DCP_NAMES_OF_THIS_TORCH
 
     assert all(hasattr(importlib.import_module(module), name) for module, name in _DCP_NAMES_OF_THIS_TORCH)
 
@@ -394,7 +396,8 @@ def test_a_metadata_file_claiming_more_than_the_limit_is_not_read(tmp_path):
     checker and the merge read 3.2 GB into memory before refusing it; over the limit it is not read at all."""
     import resource
 
-    from fsdp_recipes.ckpt.dcp import METADATA_LIMIT, check_folder
+    from fsdp_recipes.ckpt.dcp_check import check_folder
+    from fsdp_recipes.ckpt.dcp_pickles import METADATA_LIMIT
 
     folder = tmp_path / "pytorch_model_fsdp_0"
     folder.mkdir()
