@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import set_seed
 
 from fsdp_recipes.ckpt.layout import ADAPTER_DIR, FINAL_MODEL_DIR
-from fsdp_recipes.ckpt.status import disk_full_problem, how_to_go_on
+from fsdp_recipes.ckpt.stop_advice import disk_full_problem, how_to_go_on
 from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout, bf16_weights_line, cpu_precision
 from fsdp_recipes.config.launcher import tell_launcher
 from fsdp_recipes.config.parse import parse_args

@@ -21,6 +21,7 @@ Standard library and pyyaml only: the checkpoint tools import this and must star
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -238,6 +239,12 @@ def kind_of(value) -> str:
         dict: "a mapping",
     }
     return names.get(type(value), type(value).__name__)
+
+
+def short_json(value) -> str:
+    """A value from a JSON file as a message shows it: short, on one line."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _mapping(path, what: str, data, fix: str) -> dict:

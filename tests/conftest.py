@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE
+from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE
 from fsdp_recipes.config.strategy import strategy_of
 from fsdp_recipes.removal import MARKER, make_folder
 

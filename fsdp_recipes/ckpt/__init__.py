@@ -10,7 +10,10 @@ Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the
 - dcp_check:          is a DCP folder readable and safe: every file there, every chunk, every record vetted
 - shard_digests:      which shard files a run wrote into its checkpoint, and which are no longer those
 - readers, namespace, resolve: tensors from each format; stored names matched to a model's; which folder was meant
-- status:             is a checkpoint complete and resumable; does it match the model; rotation
+- status:             is a checkpoint complete and resumable (one verdict); which one a resume may use
+- checkpoint_files:   each kind of file in a checkpoint judged (torch.save files, DCP folders, safetensors weights)
+- rotation:           checkpoints set aside or rotated out (save_total_limit)
+- stop_advice:        the line a stopped run closes with: how to go on, and a full disk
 - resume:             which checkpoint a run resumes, what it sets aside or deletes (decided, never done, here)
 - description:        the model a checkpoint holds (config, tokenizer, dtypes), recorded and checked
 - lora_merge:         peft LoRA checkpoints merged as merge_and_unload does, or the adapter alone

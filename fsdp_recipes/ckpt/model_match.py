@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fsdp_recipes.bounded import JSON_LIMIT, load_json, read_text
+from fsdp_recipes.bounded import JSON_LIMIT, load_json, read_text, short_json
 from fsdp_recipes.ckpt.layout import DCP_MODEL_DIR, FULL_MODEL_FILE
-from fsdp_recipes.ckpt.status import short_json
 from fsdp_recipes.errors import UnreadableFile
 
 

@@ -161,8 +161,8 @@ PRIVATE: dict[str, tuple[str, str]] = {
     ),
     # fsdp_recipes/config/packages.py: the package each --optim needs, by the function transformers builds it with
     "transformers.trainer_optimizer._OPTIMIZER_HANDLERS": (MODULE, "packages: which package each --optim needs"),
-    # fsdp_recipes/ckpt/status.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
-    "numpy._core.multiarray._reconstruct": (MODULE, "status: RNG state files load with weights_only"),
+    # fsdp_recipes/ckpt/checkpoint_files.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
+    "numpy._core.multiarray._reconstruct": (MODULE, "checkpoint_files: RNG state files load with weights_only"),
     # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
     "huggingface_hub.serialization._base.parse_size_to_int": (
         MODULE,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from fsdp_recipes.bounded import JSON_LIMIT, STATE_LIMIT, load_json, read_text
+from fsdp_recipes.bounded import JSON_LIMIT, STATE_LIMIT, load_json, read_text, short_json
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.description import describe_folder, seal_manifest, write_manifest
 from fsdp_recipes.ckpt.layout import (
@@ -44,7 +44,6 @@ from fsdp_recipes.ckpt.layout import (
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.ckpt.shard_digests import write_shard_digests
-from fsdp_recipes.ckpt.status import short_json
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnreadableFile
 from fsdp_recipes.removal import (

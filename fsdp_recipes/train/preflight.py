@@ -27,9 +27,9 @@ from pathlib import Path
 from fsdp_recipes import console
 from fsdp_recipes.bounded import YAML_LIMIT, read_text
 from fsdp_recipes.ckpt.dcp_pickles import guard_torch_dcp
-from fsdp_recipes.ckpt.layout import RUN_RECORD, is_checkpoint_folder
+from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE, RUN_RECORD, is_checkpoint_folder
 from fsdp_recipes.ckpt.resume import REQUEUE_RECORD, decide, disagreement, requested, sight
-from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, set_aside
+from fsdp_recipes.ckpt.rotation import set_aside
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config.accelerate_config import STRATEGIES
 from fsdp_recipes.config.arguments import build

@@ -43,10 +43,10 @@ from pathlib import Path
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from fsdp_recipes.ckpt.layout import FULL_MODEL_FILE, REPLACED_PREFIX
+from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE, FULL_MODEL_FILE, REPLACED_PREFIX
 from fsdp_recipes.ckpt.model_match import description_mismatch, dtype_mismatch, model_mismatch, tokenizer_record
 from fsdp_recipes.ckpt.readers import dtype_name
-from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE, rotate, set_aside
+from fsdp_recipes.ckpt.rotation import rotate, set_aside
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
 from fsdp_recipes.errors import RecipeError

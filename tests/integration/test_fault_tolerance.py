@@ -177,7 +177,8 @@ def test_what_to_run_after_a_stop_is_what_works_in_the_folder_left(trained, tmp_
     """After Ctrl-C or a full disk the line says what to run next, as output_dir was left: resume from the newest
     complete checkpoint; start over with none saved; with only cut-short ones (Ctrl-C during the first save), start
     over with --overwrite_output_dir, which removes them (a resume finds nothing, a plain start refuses them)."""
-    from fsdp_recipes.ckpt.status import checkpoint_status, how_to_go_on
+    from fsdp_recipes.ckpt.status import checkpoint_status
+    from fsdp_recipes.ckpt.stop_advice import how_to_go_on
 
     source = trained("accelerate_configs/zero3.yaml").output_dir
     out = tmp_path / "run"

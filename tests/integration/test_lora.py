@@ -283,9 +283,10 @@ def test_a_base_model_path_that_is_not_a_saved_base_is_refused_before_anything_i
 def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
     """What stock adapter-only saves left (FSDP1: no tensor at all; accelerate PR #4206's FSDP2 bug: rank 0's slice
     only) is incomplete, named; every slice present is fine, and a LoRA adapter alone is named as such."""
+    from fsdp_recipes.ckpt.checkpoint_files import _coverage_problems
     from fsdp_recipes.ckpt.dcp_check import chunk_problems
     from fsdp_recipes.ckpt.dcp_layout import Chunk, Layout, Stored, TensorEntry
-    from fsdp_recipes.ckpt.status import CheckpointStatus, _coverage_problems
+    from fsdp_recipes.ckpt.status import CheckpointStatus
 
     folder = tmp_path / "checkpoint-6" / "pytorch_model_fsdp_0"
     name = "model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"

@@ -274,7 +274,7 @@ def test_only_the_allow_listed_readers_unpickle():
         ("dcp_pickles.py", "pickle.loads"),
         ("dcp_pickles.py", "torch.load"),
         ("readers.py", "torch.load"),
-        ("status.py", "torch.load"),
+        ("checkpoint_files.py", "torch.load"),
         ("readers.py", "dcp.load"),
     }
     assert [c for c in calls if (c[0], c[2]) not in allowed] == []

@@ -262,8 +262,8 @@ def test_an_empty_checkpoint_folder_is_still_a_dead_save(tmp_path):
 def test_a_save_killed_while_torch_renames_its_metadata_is_still_a_dead_save(tmp_path):
     """(hostile review) torch's DCP writer writes .metadata.tmp, then renames it: a checkpoint killed between was
     refused as 'named like a checkpoint but not one'. It is an incomplete checkpoint of ours, set aside as before."""
+    from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE
     from fsdp_recipes.ckpt.resume import resolve_resume
-    from fsdp_recipes.ckpt.status import CHECKPOINT_PURPOSE
     from fsdp_recipes.removal import make_folder
 
     ckpt = make_folder(tmp_path / "run" / "checkpoint-9", CHECKPOINT_PURPOSE)

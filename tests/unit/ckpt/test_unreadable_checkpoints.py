@@ -27,8 +27,9 @@ from fsdp_recipes.ckpt.dcp_pickles import guard_torch_dcp, read_layout
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.ckpt.resolve import resolve_input
 from fsdp_recipes.ckpt.resume import check_output_dir, resolve_resume
+from fsdp_recipes.ckpt.rotation import set_aside
 from fsdp_recipes.ckpt.safetensors_writer import write_weights
-from fsdp_recipes.ckpt.status import checkpoint_status, set_aside
+from fsdp_recipes.ckpt.status import checkpoint_status
 from fsdp_recipes.ckpt.torch_names import TORCH_DTYPE_NAMES, torch_version
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnknownToThisVersion
@@ -422,7 +423,7 @@ def test_rng_state_files_are_bounded_and_shaped_before_a_resume_uses_them(tmp_pa
 
     import numpy as np
 
-    from fsdp_recipes.ckpt.status import LOADED_LIMIT, _torch_file_problem
+    from fsdp_recipes.ckpt.checkpoint_files import LOADED_LIMIT, torch_file_problem
 
     path = tmp_path / "rng_state_1.pth"
     trainer_like = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
@@ -434,7 +435,7 @@ def test_rng_state_files_are_bounded_and_shaped_before_a_resume_uses_them(tmp_pa
         torch.save([torch.get_rng_state()], path)
     else:
         torch.save(trainer_like, path)
-    problem = _torch_file_problem(path, load=True, keys=("python", "numpy", "cpu"))
+    problem = torch_file_problem(path, load=True, keys=("python", "numpy", "cpu"))
     expected = {
         "oversized": "refused rng_state_1.pth: 16 MiB, where the Trainer writes a few KB",
         "missing keys": "refused rng_state_1.pth: not an RNG state the Trainer wrote (it needs python, numpy, cpu)",

@@ -18,7 +18,8 @@ import yaml
 from conftest import ALL_CONFIGS, REPO, cli, plain_checkpoint
 
 from fsdp_recipes.ckpt.resume import check_output_dir, decide, resolve_resume
-from fsdp_recipes.ckpt.status import CheckpointStatus, checkpoint_status, how_to_go_on
+from fsdp_recipes.ckpt.status import CheckpointStatus, checkpoint_status
+from fsdp_recipes.ckpt.stop_advice import how_to_go_on
 from fsdp_recipes.config.accelerate_config import check_config, errors
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.errors import RecipeError

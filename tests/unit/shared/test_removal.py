@@ -18,7 +18,7 @@ from conftest import FOREIGN, REPO, _checkpoint, _model_folder, _notes, _snapsho
 from fsdp_recipes.ckpt.layout import is_checkpoint_folder, is_model_folder
 from fsdp_recipes.ckpt.merge import merge_checkpoint, remove_stale_staging
 from fsdp_recipes.ckpt.resume import check_output_dir
-from fsdp_recipes.ckpt.status import rotate, set_aside
+from fsdp_recipes.ckpt.rotation import rotate, set_aside
 from fsdp_recipes.errors import CheckpointError, RecipeError, RefusedRemoval
 from fsdp_recipes.removal import MARKER, make_folder, remove, remove_inside
 from fsdp_recipes.train.export import remove_export_leftovers
