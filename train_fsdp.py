@@ -49,8 +49,9 @@ from fsdp_recipes.config.values import check_run_length, parse_steps
 from fsdp_recipes.errors import CheckpointError, InternalsChanged, NotShardedError, RecipeError, RefusedRemoval
 from fsdp_recipes.train import preflight
 from fsdp_recipes.train.data import build_datasets
-from fsdp_recipes.train.export import export_checkpoint, finished_checkpoint_step, save_dtype_problem, save_final_model
+from fsdp_recipes.train.export import finished_checkpoint_step, save_dtype_problem, save_final_model
 from fsdp_recipes.train.metrics import LOSS_PLOT, flops_per_token, peak_tflops, plot_losses
+from fsdp_recipes.train.model_folder import export_checkpoint
 from fsdp_recipes.train.modeling import load_model, load_tokenizer, lora_base, lora_base_identity, use_lora_base
 from fsdp_recipes.train.preemption import (
     Stopped,

@@ -8,7 +8,8 @@
 - sharding:   proof that the prepared model is FSDP-wrapped and sharded (fsdp_report.json)
 - preemption: SIGTERM/SIGUSR1 save a checkpoint and stop cleanly
 - metrics, profiling: throughput and MFU, the loss plot; a profiled step range
-- export:     self-describing checkpoints, and the final model folder that from_pretrained loads
+- export:     self-describing checkpoints, and the final export written by every rank in parallel
+- model_folder: a checkpoint to output_dir/model/ (the merge's code), and the one way a model folder is published
 - upload:     --push_to_hub: that folder (and a LoRA adapter) to the hub, once, after the run
 
 May import: anything in fsdp_recipes

@@ -1,11 +1,9 @@
 """Saving from a live training run: every checkpoint self-describing, every run ending in a model folder.
 
-The conversion itself is ``fsdp_recipes.ckpt.merge``, the code behind ``tools/merge_checkpoint.py``: one path
-turns shards into a model.
-
-Size: one module (about 420 lines) for the two ends of a run's saving that share the staging folder's rules: each
-checkpoint's description, report and digests (DescribeCheckpoints), and the final export written by every rank in
-parallel (write_part, wait_for_parts, publish) with what a resume of a finished run needs (finished_checkpoint_step).
+Each checkpoint gets its description, report and digests (DescribeCheckpoints). The final export is written by
+every rank in parallel (save_final_model: write_part, wait_for_parts) with the conversion of
+``fsdp_recipes.ckpt.merge``, the code behind tools/merge_checkpoint.py, and published as the one path to a model
+folder does (fsdp_recipes.train.model_folder).
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import copy
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -27,36 +24,19 @@ from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.description import describe_folder, seal_manifest, write_manifest
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG,
-    ADAPTER_DIR,
     DCP_MODEL_DIR,
     EXPORT_STAGING,
-    FINAL_MODEL_DIR,
     MANIFEST,
     OPTIMIZER_DIR,
     REPORT_NAME,
-    is_adapter_file,
-    is_exported_adapter,
-    is_model_folder,
-    is_published,
-    record_published,
     step_of_name,
 )
 from fsdp_recipes.ckpt.merge import write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.ckpt.shard_digests import write_shard_digests
-from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnreadableFile
-from fsdp_recipes.removal import (
-    MARKER,
-    entries,
-    make_folder,
-    make_room,
-    move,
-    remove,
-    remove_inside,
-    replace_file,
-    unmark,
-)
+from fsdp_recipes.removal import make_folder, remove, replace_file
+from fsdp_recipes.train.model_folder import publish, publish_adapter, remove_export_leftovers, write_final_folder
 from fsdp_recipes.train.sharding import read_run_report, unwrapped_model_class, update_run_report
 
 logger = logging.getLogger(__name__)
@@ -394,54 +374,6 @@ def record_export(out: Path, export: dict) -> None:
         update_run_report(path, lambda report: report.update(export=export))
 
 
-EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp", ".adapter-tmp")  # this module's own staging folders in output_dir
-
-
-def remove_export_leftovers(out: Path, log=print) -> None:
-    """The staging folders a final export killed midway left in ``out``: only ours (marked when made); a folder of
-    another kind under one of these names is refused, in one line."""
-    for name in EXPORT_LEFTOVERS:
-        path = Path(out) / name
-        if path.exists() or path.is_symlink():
-            remove(path, EXPORT_STAGING)
-            log(f"removed {path}, left by an export that did not finish")
-
-
-def publish(staging: Path, out: Path, files: list[str]) -> Path:
-    """The finished staging folder becomes ``out/model/``, holding ``files`` and nothing else, in one rename: until
-    then there is no new model folder, and never a half-written one. An earlier export's model folder is replaced
-    (only one that holds nothing but model files); one holding anything else is moved aside, never deleted (make_room)."""
-    for entry in staging.iterdir():
-        if entry.name not in files and entry.name != MARKER:
-            remove_inside(staging, entry.name, EXPORT_STAGING)  # completion files, the Trainer's training_args.bin
-    sync_folder(staging)
-    final = make_room(
-        out / FINAL_MODEL_DIR, "an earlier run's final model", is_model_folder, logger.warning, is_published
-    )
-    written = entries(staging)  # before the rename: what is there after it and was not, is someone's
-    move(staging, final)
-    sync_entries(out)
-    unmark(final, EXPORT_STAGING)  # the folder keeps its inode through the rename: still ours
-    record_published(out, final, written)
-    return final
-
-
-def publish_adapter(staging: Path, out: Path) -> Path:
-    """The finished adapter staging folder becomes ``out/adapter/`` in one rename, holding only the adapter's files
-    (not peft's README.md model card); an earlier export's adapter folder is replaced, anything else there refused."""
-    for entry in staging.iterdir():
-        if entry.name != MARKER and not is_adapter_file(entry.name):
-            remove_inside(staging, entry.name, EXPORT_STAGING)
-    adapter = make_room(
-        out / ADAPTER_DIR, "an earlier run's adapter folder", is_exported_adapter, logger.warning, is_published
-    )
-    written = entries(staging)
-    move(staging, adapter)
-    unmark(adapter, EXPORT_STAGING)
-    record_published(out, adapter, written)
-    return adapter
-
-
 def finished_checkpoint_step(training_args) -> int | None:
     """The step of the checkpoint being resumed when it already reaches max_steps, else None.
 
@@ -463,40 +395,3 @@ def finished_checkpoint_step(training_args) -> int | None:
             f"(it changed since, or the folder was renamed): run the same command again"
         )
     return step if step >= training_args.max_steps else None
-
-
-def export_checkpoint(
-    ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print, dtype: str | None = None
-) -> None:
-    """The final model folder of a run (``out/model/``), written from one of its checkpoints (tools/merge_checkpoint.py's code).
-    ``base_model``: the run's own model source, for a checkpoint whose config.json is missing. ``dtype``: cast the
-    weights (--save_dtype; None or "auto" keeps the saved dtype)."""
-    remove_export_leftovers(Path(out), log=log)
-    write_final_folder(Path(ckpt), Path(out), base_model, log, dtype=None if dtype == "auto" else dtype)
-
-
-def write_final_folder(
-    ckpt: Path, out: Path, base_model: str | None = None, log=print, dtype: str | None = None
-) -> None:
-    """``out/model/`` becomes the model folder of checkpoint ``ckpt``; a LoRA checkpoint gives the merged model (cast to
-    ``dtype`` when given) and the adapter in ``out/adapter``."""
-    from fsdp_recipes.ckpt.description import description_dirs
-    from fsdp_recipes.ckpt.merge import merge_checkpoint
-    from fsdp_recipes.ckpt.resolve import resolve_input
-
-    staging = out / ".export-tmp"
-    lora = (ckpt / ADAPTER_CONFIG).is_file()
-    if description_dirs(resolve_input(ckpt))[0] is not None:
-        base_model = None  # the checkpoint describes itself
-    result = merge_checkpoint(
-        ckpt, staging, overwrite=True, base_model=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING
-    )
-    if lora:  # a LoRA run: the adapter too, in a folder of its own
-        adapter_staging = out / ".adapter-tmp"
-        merge_checkpoint(
-            ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log, output_purpose=EXPORT_STAGING
-        )
-        publish_adapter(adapter_staging, out)
-    publish(staging, out, result.files)
-    if (ckpt / "trainer_state.json").is_file():
-        shutil.copy2(ckpt / "trainer_state.json", out / "trainer_state.json")

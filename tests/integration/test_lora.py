@@ -199,7 +199,7 @@ def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(tmp_path, monke
 
 def test_only_an_exported_adapter_folder_is_replaced(tmp_path):
     """The next export replaces output_dir/adapter only when it holds nothing but adapter files in a real folder."""
-    from fsdp_recipes.train.export import is_exported_adapter
+    from fsdp_recipes.ckpt.layout import is_exported_adapter
 
     ours = tmp_path / "adapter"
     ours.mkdir()

@@ -19,8 +19,8 @@ from fsdp_recipes.ckpt.resume import check_output_dir
 from fsdp_recipes.config.model_source import model_source_problem
 from fsdp_recipes.errors import RecipeError, RefusedRemoval
 from fsdp_recipes.removal import MARKER, is_ours, make_folder
-from fsdp_recipes.train import export
-from fsdp_recipes.train.export import EXPORT_STAGING, publish, publish_adapter
+from fsdp_recipes.train import model_folder
+from fsdp_recipes.train.model_folder import EXPORT_STAGING, publish, publish_adapter
 
 MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
 
@@ -156,7 +156,7 @@ def test_a_change_in_the_moment_after_the_rename_is_never_recorded_as_the_export
     out = tmp_path / "run"
     out.mkdir()
     (out / "fsdp_report.json").write_text("{}")
-    real_unmark = export.unmark
+    real_unmark = model_folder.unmark
 
     def unmark_after_a_change(folder, purpose):
         CONTENT_CHANGES[change][kind](folder)
@@ -167,9 +167,9 @@ def test_a_change_in_the_moment_after_the_rename_is_never_recorded_as_the_export
         if kind == "model"
         else (lambda: publish_adapter(_adapter_staging(out), out))
     )
-    monkeypatch.setattr(export, "unmark", unmark_after_a_change)
+    monkeypatch.setattr(model_folder, "unmark", unmark_after_a_change)
     publish_one()
-    monkeypatch.setattr(export, "unmark", real_unmark)
+    monkeypatch.setattr(model_folder, "unmark", real_unmark)
     assert kind not in read_json(out / "fsdp_report.json")["published"]
     before = _snapshot(out / kind)
     publish_one()

@@ -1,0 +1,115 @@
+"""A checkpoint to a model folder: the one path by which a run's model reaches ``output_dir/model/``.
+
+A finished checkpoint (a resume of a run already at max_steps) and a LoRA run's final shards are converted by
+``fsdp_recipes.ckpt.merge``, the code behind tools/merge_checkpoint.py (``write_final_folder``); the end of a
+sharded run converts its own final shards with the same merge, each rank a part (fsdp_recipes.train.export). Every
+way ends in ``publish``: a staging folder renamed into place whole, so there is never a half-written model folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from fsdp_recipes.ckpt.layout import (
+    ADAPTER_CONFIG,
+    ADAPTER_DIR,
+    EXPORT_STAGING,
+    FINAL_MODEL_DIR,
+    is_adapter_file,
+    is_exported_adapter,
+    is_model_folder,
+    is_published,
+    record_published,
+)
+from fsdp_recipes.direct_writes import sync_entries, sync_folder
+from fsdp_recipes.removal import MARKER, entries, make_room, move, remove, remove_inside, unmark
+
+logger = logging.getLogger("fsdp_recipes.train.export")  # the export's lines, wherever its step lives
+
+
+EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp", ".adapter-tmp")  # this module's own staging folders in output_dir
+
+
+def remove_export_leftovers(out: Path, log=print) -> None:
+    """The staging folders a final export killed midway left in ``out``: only ours (marked when made); a folder of
+    another kind under one of these names is refused, in one line."""
+    for name in EXPORT_LEFTOVERS:
+        path = Path(out) / name
+        if path.exists() or path.is_symlink():
+            remove(path, EXPORT_STAGING)
+            log(f"removed {path}, left by an export that did not finish")
+
+
+def publish(staging: Path, out: Path, files: list[str]) -> Path:
+    """The finished staging folder becomes ``out/model/``, holding ``files`` and nothing else, in one rename: until
+    then there is no new model folder, and never a half-written one. An earlier export's model folder is replaced
+    (only one that holds nothing but model files); one holding anything else is moved aside, never deleted (make_room)."""
+    for entry in staging.iterdir():
+        if entry.name not in files and entry.name != MARKER:
+            remove_inside(staging, entry.name, EXPORT_STAGING)  # completion files, the Trainer's training_args.bin
+    sync_folder(staging)
+    final = make_room(
+        out / FINAL_MODEL_DIR, "an earlier run's final model", is_model_folder, logger.warning, is_published
+    )
+    written = entries(staging)  # before the rename: what is there after it and was not, is someone's
+    move(staging, final)
+    sync_entries(out)
+    unmark(final, EXPORT_STAGING)  # the folder keeps its inode through the rename: still ours
+    record_published(out, final, written)
+    return final
+
+
+def publish_adapter(staging: Path, out: Path) -> Path:
+    """The finished adapter staging folder becomes ``out/adapter/`` in one rename, holding only the adapter's files
+    (not peft's README.md model card); an earlier export's adapter folder is replaced, anything else there refused."""
+    for entry in staging.iterdir():
+        if entry.name != MARKER and not is_adapter_file(entry.name):
+            remove_inside(staging, entry.name, EXPORT_STAGING)
+    adapter = make_room(
+        out / ADAPTER_DIR, "an earlier run's adapter folder", is_exported_adapter, logger.warning, is_published
+    )
+    written = entries(staging)
+    move(staging, adapter)
+    unmark(adapter, EXPORT_STAGING)
+    record_published(out, adapter, written)
+    return adapter
+
+
+def export_checkpoint(
+    ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print, dtype: str | None = None
+) -> None:
+    """The final model folder of a run (``out/model/``), written from one of its checkpoints (tools/merge_checkpoint.py's code).
+    ``base_model``: the run's own model source, for a checkpoint whose config.json is missing. ``dtype``: cast the
+    weights (--save_dtype; None or "auto" keeps the saved dtype)."""
+    remove_export_leftovers(Path(out), log=log)
+    write_final_folder(Path(ckpt), Path(out), base_model, log, dtype=None if dtype == "auto" else dtype)
+
+
+def write_final_folder(
+    ckpt: Path, out: Path, base_model: str | None = None, log=print, dtype: str | None = None
+) -> None:
+    """``out/model/`` becomes the model folder of checkpoint ``ckpt``; a LoRA checkpoint gives the merged model (cast to
+    ``dtype`` when given) and the adapter in ``out/adapter``."""
+    from fsdp_recipes.ckpt.description import description_dirs
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.resolve import resolve_input
+
+    staging = out / ".export-tmp"
+    lora = (ckpt / ADAPTER_CONFIG).is_file()
+    if description_dirs(resolve_input(ckpt))[0] is not None:
+        base_model = None  # the checkpoint describes itself
+    result = merge_checkpoint(
+        ckpt, staging, overwrite=True, base_model=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING
+    )
+    if lora:  # a LoRA run: the adapter too, in a folder of its own
+        adapter_staging = out / ".adapter-tmp"
+        merge_checkpoint(
+            ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log, output_purpose=EXPORT_STAGING
+        )
+        publish_adapter(adapter_staging, out)
+    publish(staging, out, result.files)
+    if (ckpt / "trainer_state.json").is_file():
+        shutil.copy2(ckpt / "trainer_state.json", out / "trainer_state.json")
