@@ -243,6 +243,50 @@ def expected_layout(config: str) -> tuple[int, int, int]:
     return world, strategy.fsdp_version, shard
 
 
+# The hub environment every test and every command it runs sees, whatever the shell that started pytest set: an
+# empty HF_HOME (no cached model, dataset, token or accelerate default config of the user's), online, and a hub
+# endpoint that refuses connections at once (a hub id not mocked is "the hub cannot be reached", with or without a
+# network). huggingface_hub, transformers and datasets read these at import, so they are set before any test module
+# is imported; a test of offline behaviour sets HF_HUB_OFFLINE (or patches huggingface_hub.constants) itself.
+HUB_ENVIRONMENT = {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"}
+HUB_VARIABLES_CLEARED = (
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "HF_DATASETS_CACHE",
+    "HF_ASSETS_CACHE",
+    "HF_XET_CACHE",
+    "TRANSFORMERS_CACHE",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "HF_TOKEN_PATH",
+)
+
+
+def closed_port_url() -> str:
+    """http://127.0.0.1:<port> where nothing listens: a request there is refused at once."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+HF_HOME_KEY = pytest.StashKey[Path]()
+
+
+def pytest_configure(config):
+    import tempfile
+
+    imported = [name for name in ("huggingface_hub", "transformers", "datasets") if name in sys.modules]
+    assert not imported, f"{imported} imported before the suite set the hub environment: keep them out of conftest"
+    home = Path(tempfile.mkdtemp(prefix="hf_home-"))
+    config.stash[HF_HOME_KEY] = home
+    for name in HUB_VARIABLES_CLEARED:
+        os.environ.pop(name, None)
+    os.environ.update(HUB_ENVIRONMENT, HF_HOME=str(home), HF_ENDPOINT=closed_port_url())
+
+
+def pytest_unconfigure(config):
+    if home := config.stash.get(HF_HOME_KEY, None):
+        shutil.rmtree(home, ignore_errors=True)
+
+
 # Tests that launch real multi-process runs (directly or through these fixtures) are the slow tier;
 # `python -m pytest -q -m "not slow" tests` is the quick one, for development.
 SLOW_FIXTURES = {"trained", "corpus"}
