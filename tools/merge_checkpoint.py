@@ -22,7 +22,8 @@ import os
 import signal
 import sys
 
-from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
+from fsdp_recipes.ckpt.inspection import inspect_checkpoint
+from fsdp_recipes.ckpt.merge import merge_checkpoint
 from fsdp_recipes.compat import internals
 from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.errors import CheckpointError, InternalsChanged, RefusedRemoval

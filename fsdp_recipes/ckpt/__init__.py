@@ -19,6 +19,8 @@ Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the
 - lora_merge:         peft LoRA checkpoints merged as merge_and_unload does, or the adapter alone
 - base_identity:      which base a LoRA adapter was trained on, recorded, and checked on resume and merge
 - safetensors_writer, merge: the streamed conversion itself
+- merge_output:       the folder a merge writes: what it may replace, and what a killed merge left beside it
+- inspection:         what a checkpoint holds (nothing written), and a merged folder verified against it
 - copier:             the conversion's byte copies, in a process of its own beside the merge's check
 
 Imports no torch or transformers at import time (a subprocess test checks it): checking a checkpoint takes a

@@ -8,24 +8,18 @@ the copy asks it between pieces of 64 MB and stops at once when it failed. Check
 a manifest and need no transformers at all.
 Output is written into a hidden folder beside the target and renamed when complete; the output may never be
 the input, inside it or hold it, and --overwrite never replaces a folder holding training checkpoints.
-
-Size: one module (about 400 lines) for the merge's order of steps, from the checks to the rename into place, and
-the cleanup of what a killed merge left: split, the order would be spread over files.
 """
 
 from __future__ import annotations
 
 import copy
-import glob
 import os
-import re
 import shutil
-import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_recipes.bounded import JSON_LIMIT, STATE_LIMIT, load_json
+from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.description import (
     Description,
@@ -37,6 +31,7 @@ from fsdp_recipes.ckpt.description import (
     model_skeleton,
     recorded_changes,
 )
+from fsdp_recipes.ckpt.inspection import verify_folder
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG,
     BASE_IDENTITY,
@@ -45,7 +40,6 @@ from fsdp_recipes.ckpt.layout import (
     is_model_folder,
     overlap,
     real,
-    training_content,
 )
 from fsdp_recipes.ckpt.lora_merge import (
     LORA_WEIGHT,
@@ -61,10 +55,17 @@ from fsdp_recipes.ckpt.lora_merge import (
     quantized_base,
     read_adapter_config,
 )
+from fsdp_recipes.ckpt.merge_output import (
+    STAGING,
+    check_output,
+    remove_stale_staging,
+    restore_interrupted,
+    staging_name,
+)
 from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
-from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype, unconvertible_dtype
+from fsdp_recipes.ckpt.readers import dtype_name, unconvertible_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
-from fsdp_recipes.ckpt.safetensors_writer import Cancelled, groups, weight_files, write_weights
+from fsdp_recipes.ckpt.safetensors_writer import Cancelled, weight_files, write_weights
 from fsdp_recipes.ckpt.torch_names import DTYPE_SIZES
 from fsdp_recipes.compat import internals
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
@@ -78,7 +79,6 @@ from fsdp_recipes.removal import (
     make_folder,
     mount_points,
     move,
-    process_alive,
     reclaim,
     remark,
     remove,
@@ -117,100 +117,6 @@ def write_weight_part(
         part=part,
     )
     return model_cls, written, weight_files(source, weights.names, max_shard_size, dtype)
-
-
-# ----------------------------------------------------------------------------------------------- the output
-
-
-def check_output(input_path, resolved: ResolvedInput, output_path, overwrite: bool) -> Path:
-    """The output's real path, after refusing one that would destroy or mix with the input (compared as real
-    paths: symlinks and `..` resolved) or, with --overwrite, a folder holding training checkpoints."""
-    out = real(output_path)
-    for given in {
-        real(input_path),
-        real(resolved.checkpoint_dir),
-        real(resolved.weights_dir or resolved.checkpoint_dir),
-    }:
-        if overlap(out, given):
-            how = (
-                "is the input" if out == given else "is inside the input" if given in out.parents else "holds the input"
-            )
-            raise CheckpointError(f"output {output_path} {how} {given}: choose a folder outside it")
-    if out.exists() or out.is_symlink():
-        if not out.is_dir():
-            raise CheckpointError(f"output {output_path} exists and is not a folder: choose another output")
-        if not overwrite:
-            raise CheckpointError(f"output {output_path} already exists: choose another folder or pass --overwrite")
-        if what := training_content(out):
-            raise CheckpointError(
-                f"output {output_path} holds {what}: --overwrite only replaces a model folder; choose another output"
-            )
-        if not (is_model_folder(out) or is_exported_adapter(out)):
-            raise CheckpointError(
-                f"output {output_path} holds more than a model folder ({contents(out)}): --overwrite only "
-                "replaces a folder of weights, config and tokenizer files; choose another output"
-            )
-    return out
-
-
-STAGING = "merge staging"  # the marker purpose of the hidden folders a merge writes into before the rename
-
-
-def _staging_name(out: Path, kind: str, pid: int | None = None) -> Path:
-    return out.parent / f".{out.name}.{kind}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
-
-
-def _left_by_merges(out: Path) -> list[tuple[Path, str, str, str, bool]]:
-    """(folder, "tmp" or "old", host, pid, gone) of each ``.out.tmp-`` or ``.out.old-`` folder a merge into ``out``
-    named for itself; ``gone``: on this host, and its process is gone (on another host nobody here can tell)."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-(.+)-(\d+)")
-    found, here = [], socket.gethostname()
-    for path in (
-        sorted(out.parent.glob(f".{glob.escape(out.name)}.*")) if out.parent.is_dir() else []
-    ):  # 'run[1]' is no pattern
-        if m := pattern.fullmatch(path.name):
-            kind, host, pid = m.groups()
-            found.append((path, kind, host, pid, host == here and not process_alive(int(pid))))
-    return found
-
-
-def remove_stale_staging(out: Path, log=print) -> None:
-    """Staging folders a killed merge into ``out`` left behind (this host's, their process gone): removed, said."""
-    for path, _, _, pid, gone in _left_by_merges(out):
-        if gone and is_ours(
-            path, STAGING
-        ):  # only our own marked staging folders: a folder merely named like one is someone else's
-            remove(path, STAGING)
-            log(f"removed {path}, left by a merge that was killed (process {pid})")
-
-
-def restore_interrupted(out: Path, log=print) -> None:
-    """A merge with --overwrite moves the earlier output aside (``.out.old-host-pid``), then its result in: killed
-    between the two renames, it left no ``out`` and the earlier model hidden. That folder goes back to ``out``
-    (before anything decides about ``out``); where ``out`` exists again it is kept and named, as is a finished result
-    the killed merge had not yet moved in. One of another host's merge, or of a process alive here (a merge still
-    running, or the number reused since), is named and left alone. Nothing is deleted: they were the user's
-    outputs, not our staging."""
-    for path, kind, host, pid, gone in _left_by_merges(out):
-        if is_ours(path, STAGING) or path.is_symlink() or not (is_model_folder(path) or is_exported_adapter(path)):
-            continue  # our marked staging (remove_stale_staging's), or not a folder a merge moves aside
-        what = "an earlier output it had moved aside" if kind == "old" else "its finished result, not yet moved in"
-        if not gone:
-            where = f"process {pid} on {host}" if host != socket.gethostname() else f"process {pid}, alive here"
-            log(
-                f"left {path} alone: {what} by a merge ({where}) that may still be running; if none is, move it back "
-                "or delete it yourself"
-            )
-        elif kind == "old" and not (out.exists() or out.is_symlink()):
-            move(path, out)
-            log(
-                f"restored {out} from {path.name}: a merge killed between its two renames (process {pid}) had moved it aside"
-            )
-        else:
-            log(f"kept {path}: {what} by a merge that was killed (process {pid}); move or delete it yourself")
-
-
-# ----------------------------------------------------------------------------------------------- merge
 
 
 @dataclass
@@ -311,7 +217,7 @@ def merge_checkpoint(
             )
 
         stem = "adapter_model" if adapter_only else "model"
-        staging = make_folder(_staging_name(out, "tmp"), STAGING)
+        staging = make_folder(staging_name(out, "tmp"), STAGING)
         made, unmarking = identity(staging), False
         try:
             write = {"max_shard_size": max_shard_size, "dtype": dtype, "memory_budget": memory_budget, "stem": stem}
@@ -357,7 +263,7 @@ def merge_checkpoint(
                 unmark(staging, STAGING)
             sync_entries(staging)
             if out.exists():  # check_output: a model folder, and --overwrite was given
-                old = move(out, _staging_name(out, "old"))
+                old = move(out, staging_name(out, "old"))
                 move(staging, out)
                 sync_entries(out.parent)
                 try:
@@ -501,95 +407,3 @@ def _early_guess(resolved: ResolvedInput) -> WeightMap | None:
     except (ValueError, AttributeError):
         return None
     return guess_namespace(resolved.source.tensors) if tied is False else None
-
-
-def verify_folder(folder: Path, source, names: dict[str, str], dtype: str | None = None, stem: str = "model") -> None:
-    """Every tensor re-read from the output equals the checkpoint's (exact), and from_pretrained loads the folder
-    (a model; an adapter folder is checked tensor by tensor only)."""
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    dtype = dtype_name(dtype)
-    index = folder / f"{stem}.safetensors.index.json"
-    where = (
-        (load_json(index, index.name, JSON_LIMIT).get("weight_map") or {})
-        if index.is_file()
-        else dict.fromkeys(names, f"{stem}.safetensors")
-    )
-    if sorted(where) != sorted(names):
-        raise CheckpointError(f"verify: {folder} holds {len(where)} tensors, expected {len(names)}")
-    by_source = {src: out for out, src in names.items()}
-    for group in groups(sorted(by_source), source.tensors, 512 << 20):
-        expected = source.read(group)
-        for src in group:
-            n = by_source[src]
-            with safe_open(str(folder / where[n]), framework="pt") as f:
-                got = f.get_tensor(n)
-            want = expected[src] if dtype is None else expected[src].to(torch_dtype(dtype))
-            if got.dtype != want.dtype or not torch.equal(got, want):
-                raise CheckpointError(f"verify: {n} in {folder} differs from the checkpoint")
-    if stem == "model":
-        AutoModelForCausalLM.from_pretrained(folder, device_map="meta", trust_remote_code=False, use_safetensors=True)
-
-
-def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
-    """What a checkpoint holds, without writing anything or importing transformers: the weights are those the
-    checkpoint's manifest names, else the stored tensors outside optimizer namespaces."""
-    resolved = resolve_input(input_path)
-    src, ckpt = resolved.source, resolved.checkpoint_dir
-    state = ckpt / "trainer_state.json"
-    alone = holds_adapter_only(
-        src.tensors
-    )  # a LoRA run's checkpoint without the frozen base: nothing to match to the config
-    own = None if alone else described_by_manifest(resolved)
-    weights = (
-        WeightMap({n: n for n in src.tensors}, "", 0)
-        if alone
-        else own.weights
-        if own is not None
-        else guess_namespace(src.tensors)
-    )
-    infos = [src.tensors[n] for n in (weights.names.values() if weights else [])]
-    dtypes: dict[str, int] = {}
-    for info in infos:
-        dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
-    config_dir, tok_dir = description_dirs(resolved)
-    quantized = None if alone else quantized_base(src.tensors)
-    try:
-        step = load_json(state, "trainer_state.json", STATE_LIMIT).get("global_step") if state.is_file() else None
-    except (ValueError, AttributeError):
-        step = None
-    return {
-        "input": str(Path(input_path)),
-        "checkpoint": str(ckpt),
-        "notes": resolved.notes,
-        "format": src.kind,
-        "layout": (
-            f"layout: {len(infos)} LoRA adapter tensors (lora_A, lora_B) and no frozen base weight: a merge adds the base "
-            "(--base-model, or the one adapter_config.json names)"
-        )
-        if alone
-        else (
-            f"layout: a LoRA adapter on a quantized base ({quantized}): a merge writes the unquantized base model's weights "
-            "with the adapter merged (--base-model, or the one adapter_config.json names)"
-        )
-        if quantized
-        else (weights.describe() + ("" if own else " (guessed; a merge checks it against the config)"))
-        if weights
-        else "no weights found",
-        "ranks": src.ranks,
-        "step": step,
-        "tensors": len(infos),
-        "parameters": sum(i.numel for i in infos),
-        "bytes": sum(i.nbytes() for i in infos)
-        if all(i.dtype in DTYPE_SIZES for i in infos)
-        else None,  # None: a dtype it does not convert
-        "dtypes": dtypes,
-        "config": str(config_dir / "config.json") if config_dir else None,
-        "tokenizer": str(tok_dir) if tok_dir else None,
-        "manifest": str(config_dir / MANIFEST) if config_dir and (config_dir / MANIFEST).is_file() else None,
-        "optimizer_state": (ckpt / "optimizer_0").is_dir()
-        or (ckpt / "optimizer.bin").is_file()
-        or bool(weights and weights.ignored),
-    }

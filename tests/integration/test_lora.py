@@ -323,7 +323,8 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
+    from fsdp_recipes.ckpt.inspection import inspect_checkpoint
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
     from fsdp_recipes.errors import CheckpointError
 
     base_dir, ckpt = tmp_path / "base", tmp_path / "run" / "checkpoint-3"
@@ -491,7 +492,8 @@ def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(tmp_p
     merge of the checkpoint is the run's own final model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fsdp_recipes.ckpt.merge import inspect_checkpoint, merge_checkpoint
+    from fsdp_recipes.ckpt.inspection import inspect_checkpoint
+    from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     base = tmp_path / "base"
     torch.manual_seed(0)

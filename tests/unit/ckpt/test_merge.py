@@ -18,7 +18,9 @@ from conftest import REPO, _snapshot, run
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_recipes.ckpt.merge import MANIFEST, inspect_checkpoint, merge_checkpoint
+from fsdp_recipes.ckpt.inspection import inspect_checkpoint
+from fsdp_recipes.ckpt.layout import MANIFEST
+from fsdp_recipes.ckpt.merge import merge_checkpoint
 from fsdp_recipes.direct_writes import CHUNK
 from fsdp_recipes.errors import CheckpointError
 

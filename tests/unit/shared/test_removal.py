@@ -16,7 +16,8 @@ import pytest
 from conftest import FOREIGN, REPO, _checkpoint, _model_folder, _notes, _snapshot, cli
 
 from fsdp_recipes.ckpt.layout import is_checkpoint_folder, is_model_folder
-from fsdp_recipes.ckpt.merge import merge_checkpoint, remove_stale_staging
+from fsdp_recipes.ckpt.merge import merge_checkpoint
+from fsdp_recipes.ckpt.merge_output import remove_stale_staging
 from fsdp_recipes.ckpt.resume import check_output_dir
 from fsdp_recipes.ckpt.rotation import rotate, set_aside
 from fsdp_recipes.errors import CheckpointError, RecipeError, RefusedRemoval
@@ -619,7 +620,7 @@ def test_what_a_merge_moved_aside_is_restored_or_named_never_passed_over(tmp_pat
     left where it is, and named (it was passed over without a word: an earlier model hidden on a shared filesystem)."""
     import subprocess
 
-    from fsdp_recipes.ckpt.merge import restore_interrupted
+    from fsdp_recipes.ckpt.merge_output import restore_interrupted
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -653,6 +654,7 @@ def test_a_merge_killed_between_its_renames_loses_nothing(merge_checkpoint_dir, 
     left no output and the earlier model hidden as .out.old-*. The next merge puts it back before deciding anything
     (here it then refuses to replace it without --overwrite), and names the finished result the killed one left."""
     import fsdp_recipes.ckpt.merge as merge_module
+    import fsdp_recipes.ckpt.merge_output as merge_output
 
     out = _model_folder(tmp_path / "out")
     (out / "config.json").write_text('{"mine": true}')
@@ -673,7 +675,7 @@ def test_a_merge_killed_between_its_renames_loses_nothing(merge_checkpoint_dir, 
     if killed_at == 2:  # the state the probe found: no output, the earlier one hidden
         assert not out.exists() and any(".old-" in name for name in hidden), hidden
     monkeypatch.setattr(merge_module.os, "getpid", lambda: 2**22 + 777)  # the next merge is another process
-    monkeypatch.setattr(merge_module, "process_alive", lambda pid: pid == 2**22 + 777)  # the killed one is gone
+    monkeypatch.setattr(merge_output, "process_alive", lambda pid: pid == 2**22 + 777)  # the killed one is gone
     said = []
     with pytest.raises(CheckpointError, match="already exists: choose another folder or pass --overwrite"):
         merge_checkpoint(merge_checkpoint_dir, out, log=said.append)
