@@ -3,7 +3,7 @@
 Why this exists: with accelerate 1.15 every stock way of launching FSDP on a CPU-only machine silently
 runs something else (DistributedType.NO, MULTI_CPU + DDP, or one process) and exits 0, because
 ``AcceleratorState`` only switches to FSDP when the base type is an accelerator type. That would make
-every CPU test of this repository test DDP or nothing (README.md, "Without a GPU").
+every CPU test of this repository test DDP or nothing (docs/cpu.md).
 
 What :func:`enable` does, only when no accelerator is present and FSDP is asked for across several
 processes, by the accelerate launcher (``ACCELERATE_USE_FSDP=true``) or by TrainingArguments' ``--fsdp``

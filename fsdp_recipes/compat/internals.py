@@ -22,7 +22,7 @@ from fsdp_recipes.errors import InternalsChanged
 MODULE, INSTANCE, OVERRIDE = "module", "instance", "override"
 
 PRIVATE: dict[str, tuple[str, str]] = {
-    # fsdp_recipes/compat/cpu_fsdp.py: real FSDP without an accelerator (README.md, "Without a GPU")
+    # fsdp_recipes/compat/cpu_fsdp.py: real FSDP without an accelerator (docs/cpu.md)
     "accelerate.state.AcceleratorState._shared_state": (MODULE, "cpu_fsdp: was the state built before this call"),
     "accelerate.state.PartialState._shared_state": (MODULE, "cpu_fsdp: FSDP mirrored into the shared state"),
     "accelerate.state.AcceleratorState._mixed_precision": (INSTANCE, "cpu_fsdp: the plugin's mixed precision"),

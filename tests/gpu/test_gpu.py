@@ -4,7 +4,7 @@ on a GPU node; skipped with a reason elsewhere.
 Each config trains a ~100M-parameter Llama built from a config for 20 steps in bf16, and the test asserts the
 wrapper and the sharding, the model-state bytes per GPU against tools/estimate_memory.py's formula (within 10%), a
 peak CUDA memory above them, that offload lowers the peak, and that the last checkpoint merges into a folder that
-loads. bench/scaling.py produces the GPU tables for the README.
+loads. bench/scaling.py produces the GPU tables of bench/results/README.md.
 """
 
 from __future__ import annotations
