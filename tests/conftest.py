@@ -482,10 +482,14 @@ def _checkpoint(path: Path, marked: bool) -> Path:
 
 
 def cli(tool: str, argv: list[str]) -> int:
+    """A tool's main(argv) in this process: its exit code (argparse's exit, a SystemExit, returned as its code)."""
     spec = importlib.util.spec_from_file_location(f"{tool}_cli", TOOLS / f"{tool}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main(argv)
+    try:
+        return module.main(argv)
+    except SystemExit as stop:
+        return stop.code
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ alike with one line naming who saw what, before anything is moved."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import sys
@@ -273,3 +274,31 @@ def test_a_save_killed_while_torch_renames_its_metadata_is_still_a_dead_save(tmp
         (ckpt / shards / tmp).write_bytes(b"y")
     with pytest.raises(RecipeError, match=r"no complete checkpoint-N folder .* \(incomplete: checkpoint-9\)"):
         resolve_resume("true", str(tmp_path / "run"))
+
+
+def _run_with_checkpoint(run: Path) -> None:
+    ckpt = run / "checkpoint-4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+
+
+@pytest.mark.parametrize("missing", ["{other}/checkpoint-4", "{other}/not-there", ""])
+def test_an_explicit_resume_path_that_is_not_a_folder_is_named_first(tmp_path, missing):
+    """Before anything else judges output_dir: a typo in the path is named as a typo, not as another run's folder."""
+    from fsdp_recipes.config.parse import parse_args
+
+    _run_with_checkpoint(tmp_path / "a")
+    path = missing.format(other=tmp_path / "aa")
+    with pytest.raises(RecipeError, match=f"--resume_from_checkpoint {re.escape(repr(path))} is not a folder"):
+        parse_args(["--allow_no_fsdp", "true", "--output_dir", str(tmp_path / "a"), "--resume_from_checkpoint", path])
+
+
+def test_any_failure_of_rank_0s_resume_decision_becomes_its_error(tmp_path, monkeypatch):
+    """Rank 0 alone decides: an exception there must travel to every rank as the decision's error, not leave the
+    others waiting in the broadcast."""
+    from fsdp_recipes.ckpt.resume import decide
+
+    (tmp_path / "requeue_progress.json").write_text('{"step": 1e999, "stalled": 0}')
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    decision = decide(None, str(tmp_path))
+    assert decision.path is None and decision.error and "the resume could not be decided" in decision.error

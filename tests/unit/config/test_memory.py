@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 
 import pytest
-from conftest import ALL_CONFIGS, REPO, run
+from conftest import ALL_CONFIGS, REPO, cli, one_line_error, run
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_recipes.config.memory import GiB, ModelShape, Setup, estimate, fitting_configs, model_shape, parse_count
@@ -177,3 +179,88 @@ def test_estimate_within_5_percent_of_measured_bytes(trained, config):
         assert measured["params"] == pytest.approx(est.params, rel=0.05)
         assert measured["grads"] == pytest.approx(est.grads, rel=0.05)
         assert measured["optimizer"] == pytest.approx(est.optimizer, rel=0.05)
+
+
+COUNT_PROBLEMS = {  # count -> what the message says is wrong
+    **dict.fromkeys(
+        ("9999999999999999999999999B", "101T", "1e15", "100000000000001", "1e6T", "100000001M"),
+        "is not the size of any model: ",
+    ),
+    **dict.fromkeys(("-7B", "-7", "-0.5M", "-1e3", "-100T", "-1"), "is not a parameter count: it is negative"),
+    **dict.fromkeys(("nan", "NaN", "inf", "-inf", "infinity", "1e999B", "-1e999"), "is not a finite number"),
+    **dict.fromkeys(("0", "0B", "0.5", ".5", "1e-3"), "is not a parameter count: it is less than 1"),
+}
+
+
+@pytest.mark.parametrize("count", sorted(COUNT_PROBLEMS))
+def test_parameter_counts_beyond_any_model_or_below_one(count, capsys):
+    from fsdp_recipes.config.memory import parse_count
+
+    with pytest.raises(ValueError, match=re.escape(COUNT_PROBLEMS[count])):
+        parse_count(count)
+    forms = [[count], ["--", count], [count, "--nproc-per-node", "2"]] if count.startswith("-") else [[count]]
+    for argv in forms:  # a negative count is the model argument, not an option argparse does not know
+        assert cli("estimate_memory", argv) == 2
+        line = one_line_error(capsys.readouterr().err, f"estimate_memory.py: error: argument model: {count!r} ")
+        assert COUNT_PROBLEMS[count] in line, (argv, line)
+
+
+@pytest.mark.parametrize("text", ["7X", "13G", "1.5bn", "70 P", "3e9Q"])
+def test_a_count_with_another_suffix_is_named_not_looked_up_on_the_hub(text, capsys):
+    """A count with a suffix other than K, M, B or T ('7X') is named as such, not looked up on the hub as a model id."""
+    assert cli("estimate_memory", [text]) == 2
+    line = one_line_error(
+        capsys.readouterr().err,
+        f"estimate_memory.py: error: argument model: {text!r} is not a parameter count: its suffix ",
+    )
+    assert "is not K, M, B or T" in line and "huggingface" not in line, line
+
+
+@pytest.mark.parametrize(
+    "count, params",
+    [
+        ("1", 1),
+        ("7B", 7 * 10**9),
+        ("100T", 10**14),
+        ("1e14", 10**14),
+        ("+7B", 7 * 10**9),
+        ("7e-3B", 7 * 10**6),
+        ("1.5e9", 1_500_000_000),
+        (" 350m ", 350 * 10**6),
+    ],
+)
+def test_parameter_counts_up_to_100t_are_taken(count, params, capsys):
+    from fsdp_recipes.config.memory import parse_count
+
+    assert parse_count(count) == params
+    assert cli("estimate_memory", [count, "--json"]) == 0
+    assert f'"params": {params}' in capsys.readouterr().out
+
+
+def test_a_model_path_that_is_not_a_model_config(tmp_path, capsys):
+    """A device, a FIFO, a file that is not JSON, a folder without config.json or a missing path is one line saying
+    which, never handed to transformers or to the hub as a repo id; a folder, its config.json or another JSON file
+    of a config is read."""
+    fifo, junk, empty = tmp_path / "fifo", tmp_path / "junk.json", tmp_path / "empty"
+    os.mkfifo(fifo)
+    junk.write_text("not json")
+    empty.mkdir()
+    cases = {
+        "/dev/zero": "model config '/dev/zero' is a character device, not a file",
+        str(fifo): f"model config {str(fifo)!r} is a FIFO (named pipe), not a file",
+        str(junk): f"model config {str(junk)!r} is not valid JSON",
+        str(empty): f"model folder {str(empty)!r} holds no config.json",
+        str(tmp_path / "missing"): f"model config {str(tmp_path / 'missing')!r} does not exist",
+        "./no-such-model": "model config './no-such-model' does not exist",
+    }
+    for model, said in cases.items():
+        assert cli("estimate_memory", [model]) == 1
+        assert said in one_line_error(capsys.readouterr().err, "estimate_memory.py: error: "), model
+    (empty / "my_config.json").write_text((REPO / "assets" / "tiny-llama" / "config.json").read_text())
+    for model in (
+        REPO / "assets" / "tiny-llama",
+        REPO / "assets" / "tiny-llama" / "config.json",
+        empty / "my_config.json",
+    ):
+        assert cli("estimate_memory", [str(model), "--json"]) == 0, model
+        assert '"hidden": ' in capsys.readouterr().out

@@ -7,7 +7,10 @@ whose meaning is plain; and the boundaries of each rule in the table."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -412,3 +415,35 @@ def test_warmup_longer_than_an_epoch_based_run_is_warned(capsys):
     assert "warning: warmup_steps=30 covers the whole run of 21 optimizer steps" in capsys.readouterr().err
     check_run_length(run_args(warmup_steps=20), 100)
     assert capsys.readouterr().err == ""
+
+
+def _arguments_on(monkeypatch, cpus):
+    """fsdp_recipes/config/values.py imported afresh (as another module) on a machine with ``cpus`` CPUs."""
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    spec = importlib.util.spec_from_file_location(
+        "fsdp_recipes._values_probe", REPO / "fsdp_recipes" / "config" / "values.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("cpus, bound", [(None, 64), (1, 64), (2, 64), (16, 64), (17, 68), (40, 160), (256, 1024)])
+@pytest.mark.parametrize("field", ["dataloader_num_workers", "preprocessing_num_workers"])
+def test_worker_counts_are_bounded_by_the_machine(monkeypatch, cpus, bound, field):
+    """Worker processes are at most max(64, 4 x the machine's CPUs), in one line saying so."""
+    arguments = _arguments_on(monkeypatch, cpus)
+    assert arguments.value_problem(field, bound) is None
+    for value in (bound + 1, 100000, arguments.MAX_COUNT):
+        problem = arguments.value_problem(field, value)
+        assert problem.startswith(f"{field}={value} is more than {bound}: "), problem
+        assert f"at most {bound}: max(64, 4 x the {cpus or 1} CPUs of this machine)" in problem and "\n" not in problem
+
+
+def test_a_fork_bomb_of_workers_is_refused_by_parse_args(tmp_path):
+    from fsdp_recipes.config.values import MAX_WORKERS
+
+    for field in ("dataloader_num_workers", "preprocessing_num_workers"):
+        with pytest.raises(RecipeError, match=rf"^{field}=100000 is more than {MAX_WORKERS}: .*CPUs of this machine"):
+            parse_args([f"--{field}", "100000", "--output_dir", str(tmp_path / "o"), "--allow_no_fsdp", "true"])

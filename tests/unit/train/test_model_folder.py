@@ -541,6 +541,23 @@ def test_a_folder_that_cannot_be_moved_aside_is_one_line(tmp_path, monkeypatch):
     assert (out / "model" / "notes.txt").read_text() == "mine" and (staging / "model.safetensors").is_file()
 
 
+def test_the_files_a_run_without_fsdp_writes_are_a_runs_files(tmp_path):
+    """The Trainer's save_model (DDP, ZeRO-1, --allow_no_fsdp) writes training_args.bin beside the model: a resume into
+    that output_dir must not call it someone else's file."""
+    for name in (
+        "training_args.bin",
+        "model.safetensors",
+        "config.json",
+        "run_args.json",
+        ".run.lock",
+        ".run.lock.owner",
+    ):
+        (tmp_path / name).write_text("x")
+    assert foreign_entries(tmp_path) == []
+    (tmp_path / "notes.txt").write_text("mine")
+    assert foreign_entries(tmp_path) == ["notes.txt"]
+
+
 def test_an_entry_of_a_run_s_name_that_is_not_a_file_or_folder_is_foreign(tmp_path):
     """(hostile review) a FIFO named run_args.json passed the name check, and rank 0 blocked opening it: the resume
     hung for good. Every name a run writes, as a FIFO, is named before anything opens it."""

@@ -1,0 +1,56 @@
+"""tools/merge_checkpoint.py's size options (--max-shard-size, --memory-budget): a value that is no size, not
+positive or below the option's minimum is argparse's one-line error before anything is read; sizes from the minimum
+up, in any spelling huggingface_hub reads, are taken."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import cli, one_line_error
+
+NOT_SIZES = [
+    "0",
+    "1",
+    "-5",
+    "5",
+    "",
+    "  ",
+    "nanGB",
+    "NaNMB",
+    "infGB",
+    "-infMB",
+    "1e400GB",
+    "fiveGB",
+    "5XB",
+    "GB",
+    "5 G B",
+]
+NOT_POSITIVE = ["0KB", "-5GB", "-0.1MB", "0.0001KB"]  # 0.0001KB is 0 bytes as huggingface_hub reads it
+SIZE_OPTIONS = {"--max-shard-size": ("100KB", "99.999KB", "5GB"), "--memory-budget": ("64MB", "63.9MB", "512MB")}
+
+
+@pytest.mark.parametrize("option", sorted(SIZE_OPTIONS))
+@pytest.mark.parametrize("value", [*NOT_SIZES, *NOT_POSITIVE, "below the minimum"])
+def test_merge_sizes_that_are_not_sizes(option, value, tmp_path, capsys):
+    """argparse's exit 2, in one line naming the option and the value, before anything is read: neither a traceback
+    nor a size taken (0KB would write a shard per tensor; -5GB would read every tensor alone)."""
+    minimum, below, _ = SIZE_OPTIONS[option]
+    value = below if value == "below the minimum" else value
+    out = tmp_path / "out"
+    assert cli("merge_checkpoint", [str(tmp_path / "ckpt"), str(out), f"{option}={value}"]) == 2
+    line = one_line_error(capsys.readouterr().err, f"merge_checkpoint.py: error: argument {option}: {value!r} ")
+    if value in NOT_POSITIVE:
+        assert "is not positive: give at least" in line, line
+    elif value == below:
+        assert f"is below {minimum}: give at least {minimum}" in line, line
+    else:
+        assert "has no unit" in line or "is not a finite size" in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("option", sorted(SIZE_OPTIONS))
+def test_merge_sizes_from_the_minimum_up_are_taken(option, tmp_path, capsys):
+    """The minimum, the default and a few spellings pass the parser: the run goes on to the input (missing here)."""
+    minimum, _, default = SIZE_OPTIONS[option]
+    for value in (minimum, default, default.lower(), f" {default} ", "1.5TB", "1e3GB"):
+        assert cli("merge_checkpoint", [str(tmp_path / "missing"), str(tmp_path / "out"), f"{option}={value}"]) == 1
+        assert "does not exist" in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
