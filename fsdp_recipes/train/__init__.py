@@ -1,5 +1,7 @@
 """The training path behind train_fsdp.py, in the order a run meets it:
 
+- run:        Run, the lifecycle train_fsdp.py calls: preflight, build, train, export, close
+- exits:      every stop, error line and exit code of a run, decided in one place
 - preflight:  carries out the Plan (fsdp_recipes.config.plan): patches for CPU, the process group, output_dir's lock
 - run_lock:   one run per output_dir (a POSIX lock, or an O_EXCL lock file where the filesystem has none)
 - data:       packed plain text, or chat messages with assistant-only loss; padding-free batches

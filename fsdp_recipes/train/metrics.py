@@ -43,6 +43,19 @@ def peak_tflops(device_name: str) -> float | None:
     return None
 
 
+def device_peak_flops(tflops: float | None, warn) -> float | None:
+    """The accelerator's dense bf16 peak in FLOPS for MFU: --peak_tflops, else the table; None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    if tflops is None and (tflops := peak_tflops(name)) is None:
+        warn(f"MFU is not reported: {name!r} is not in fsdp_recipes/train/metrics.py's table; pass --peak_tflops")
+        return None
+    return tflops * 1e12
+
+
 def flops_per_token(model, seq_len: int) -> float:
     """6N + 12 L H T: N the parameters outside the embeddings, L layers, H hidden size, T the sequence length."""
     config = getattr(model.config, "text_config", None) or model.config

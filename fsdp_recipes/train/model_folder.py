@@ -4,6 +4,7 @@ A finished checkpoint (a resume of a run already at max_steps) and a LoRA run's 
 ``fsdp_recipes.ckpt.merge``, the code behind tools/merge_checkpoint.py (``write_final_folder``); the end of a
 sharded run converts its own final shards with the same merge, each rank a part (fsdp_recipes.train.export). Every
 way ends in ``publish``: a staging folder renamed into place whole, so there is never a half-written model folder.
+``final_line`` and ``stale_model_note`` are what the run says about the folder afterwards.
 """
 
 from __future__ import annotations
@@ -113,3 +114,30 @@ def write_final_folder(
     publish(staging, out, result.files)
     if (ckpt / "trainer_state.json").is_file():
         shutil.copy2(ckpt / "trainer_state.json", out / "trainer_state.json")
+
+
+def stale_model_note(output_dir: str) -> str | None:
+    """A run folder an earlier version wrote its model into (config.json and weights at its top level), resumed since:
+    that model is an earlier step's, and stays where it is (ours to read, not to delete)."""
+    out = Path(output_dir)
+    if (out / "config.json").is_file() and any(
+        (out / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")
+    ):
+        return (
+            f"{out} still holds the model an earlier version of this repository wrote at its top level (config.json and "
+            f"weights): it is an earlier step's; this run's final model is {out / FINAL_MODEL_DIR}. Delete the old files "
+            "by hand if you no longer need them"
+        )
+    return None
+
+
+def final_line(output_dir: str) -> str:
+    """The run's last line: where the model is, alone in its folder (what from_pretrained and an upload take)."""
+    out = Path(output_dir)
+    adapter = (
+        f"; its LoRA adapter: {out / ADAPTER_DIR}" if (out / ADAPTER_DIR / "adapter_config.json").is_file() else ""
+    )
+    return (
+        f"model saved to {out / FINAL_MODEL_DIR} (only the model: loads with AutoModelForCausalLM.from_pretrained, uploads "
+        f"with `hf upload`){adapter}; checkpoints and run records stay in {out}"
+    )
