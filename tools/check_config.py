@@ -9,7 +9,8 @@ Exit status 1 when there is an error; warnings (settings that work but cost) are
 import argparse
 import sys
 
-from fsdp_recipes.config.accelerate_config import check_config, errors
+from fsdp_recipes.config.accelerate_config import check_config
+from fsdp_recipes.config.problems import errors
 from fsdp_recipes.console import RawHelpFormatter
 
 

@@ -9,6 +9,9 @@
 - trainer_fsdp:      the torchrun route (TrainingArguments' --fsdp_config), checked against the keys it reads
 - plan:              the Plan: what the checks decided, carried out by fsdp_recipes.train.preflight
 - accelerate_config: the rules of tools/check_config.py for accelerate config files
+- problems:          a problem of a config (file, key, what, fix), and the checker that collects them
+- fsdp_section:      the rules of a config's fsdp_config section alone
+- recipe_checks:     a config against the recipe beside it and the model it trains
 - launcher:          the settings of this launch (accelerate launch's flags and file, or FSDP_* variables)
 - strategy:          the one mapping from an accelerate config to a sharding strategy
 - memory:            the memory model behind tools/estimate_memory.py

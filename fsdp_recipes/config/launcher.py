@@ -211,8 +211,9 @@ def check_launch(raw) -> LaunchSettings | None:
     """The launcher's accelerate settings (config file, its default, launch flags or FSDP_* variables), checked
     with this run's settings (``raw``: the parsed flags and recipe) by tools/check_config.py's rules. Warnings are
     printed once; errors stop every rank. Returns the settings (None: not an accelerate FSDP or DDP launch)."""
-    from fsdp_recipes.config.accelerate_config import SAVE_ONLY_MODEL, errors
     from fsdp_recipes.config.model_source import missing_local_path
+    from fsdp_recipes.config.problems import errors
+    from fsdp_recipes.config.recipe_checks import SAVE_ONLY_MODEL
 
     if (
         str(getattr(raw, "save_only_model", None)).lower() == "true"

@@ -11,7 +11,6 @@ from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.ckpt.resume import check_output_dir, explicit, requested
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config import helptext, launcher
-from fsdp_recipes.config.accelerate_config import ZERO1_UNDER_FSDP
 from fsdp_recipes.config.arguments import DataArguments, ModelArguments, RunArguments, build
 from fsdp_recipes.config.flags import (
     bare_flags_as_values,
@@ -24,6 +23,7 @@ from fsdp_recipes.config.flags import (
 from fsdp_recipes.config.hub_push import push_plan
 from fsdp_recipes.config.packages import check_deepspeed, check_packages
 from fsdp_recipes.config.plan import Plan
+from fsdp_recipes.config.recipe_checks import ZERO1_UNDER_FSDP
 from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
 from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys, unknown_keys_problem
 from fsdp_recipes.config.values import best_metric_direction, check_task_flags, check_training_values

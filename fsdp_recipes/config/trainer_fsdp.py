@@ -8,8 +8,8 @@ from pathlib import Path
 
 from fsdp_recipes.bounded import YAML_LIMIT, load_json
 from fsdp_recipes.compat import internals
-from fsdp_recipes.config.accelerate_config import unsteppable_optimizer
 from fsdp_recipes.config.flags import with_hints
+from fsdp_recipes.config.recipe_checks import unsteppable_optimizer
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, UnreadableFile
 

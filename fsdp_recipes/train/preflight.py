@@ -31,8 +31,8 @@ from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE, RUN_RECORD, is_checkpoi
 from fsdp_recipes.ckpt.resume import REQUEUE_RECORD, decide, disagreement, requested, sight
 from fsdp_recipes.ckpt.rotation import set_aside
 from fsdp_recipes.compat import cpu_fsdp
-from fsdp_recipes.config.accelerate_config import STRATEGIES
 from fsdp_recipes.config.arguments import build
+from fsdp_recipes.config.fsdp_section import STRATEGIES
 from fsdp_recipes.config.launcher import LaunchSettings
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.config.strategy import fsdp1_hybrid_problem

@@ -123,8 +123,9 @@ def test_only_a_named_ddp_config_is_a_ddp_launch(tmp_path):
 
 
 def test_zero1_is_refused_where_it_cannot_work(tmp_path):
-    from fsdp_recipes.config.accelerate_config import check_config, errors
+    from fsdp_recipes.config.accelerate_config import check_config
     from fsdp_recipes.config.parse import parse_args
+    from fsdp_recipes.config.problems import errors
     from fsdp_recipes.errors import RecipeError
 
     problems = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", recipe={"zero1": True}))

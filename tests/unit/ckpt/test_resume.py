@@ -1,4 +1,4 @@
-"""One resume decision per launch: global rank 0 reads the checkpoints (each rank's RNG state once) after
+"""One resume decision per launch (issue 21): global rank 0 reads the checkpoints (each rank's RNG state once) after
 the process group starts, every rank takes its decision, and ranks that see other checkpoints than rank 0 stop
 alike with one line naming who saw what, before anything is moved."""
 
@@ -237,7 +237,7 @@ def _link(p: Path):
 
 @pytest.mark.parametrize("make", [_notes, _saved_model, _nested, _link], ids=lambda f: f.__name__.strip("_"))
 def test_a_folder_only_named_like_a_checkpoint_is_not_moved_aside(tmp_path, make):
-    """`--resume_from_checkpoint true` never renames a user's folder called checkpoint-9 (or a link) to
+    """(hostile probe) `--resume_from_checkpoint true` renamed a user's folder called checkpoint-9 (and a link) to
     incomplete-checkpoint-9 as if a save had died in it. Only a checkpoint's shape (or an empty folder) is set aside;
     anything else stops the resume, naming it, before anything moves."""
     from fsdp_recipes.ckpt.resume import resolve_resume
@@ -261,8 +261,8 @@ def test_an_empty_checkpoint_folder_is_still_a_dead_save(tmp_path):
 
 
 def test_a_save_killed_while_torch_renames_its_metadata_is_still_a_dead_save(tmp_path):
-    """torch's DCP writer writes .metadata.tmp, then renames it: a checkpoint killed between is an incomplete
-    checkpoint of ours, set aside, not refused as 'named like a checkpoint but not one'."""
+    """(hostile review) torch's DCP writer writes .metadata.tmp, then renames it: a checkpoint killed between was
+    refused as 'named like a checkpoint but not one'. It is an incomplete checkpoint of ours, set aside as before."""
     from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE
     from fsdp_recipes.ckpt.resume import resolve_resume
     from fsdp_recipes.removal import make_folder

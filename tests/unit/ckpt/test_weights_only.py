@@ -20,8 +20,9 @@ from conftest import ALL_CONFIGS, REPO, cli, plain_checkpoint
 from fsdp_recipes.ckpt.resume import check_output_dir, decide, resolve_resume
 from fsdp_recipes.ckpt.status import CheckpointStatus, checkpoint_status
 from fsdp_recipes.ckpt.stop_advice import how_to_go_on
-from fsdp_recipes.config.accelerate_config import check_config, errors
+from fsdp_recipes.config.accelerate_config import check_config
 from fsdp_recipes.config.parse import parse_args
+from fsdp_recipes.config.problems import errors
 from fsdp_recipes.errors import RecipeError
 
 TINY = REPO / "assets" / "tiny-llama"
@@ -424,8 +425,8 @@ PICKLED = {
 
 @pytest.mark.parametrize("case", sorted(PICKLED))
 def test_a_checkpoint_of_pickled_weights_is_never_offered_for_deletion_nor_deleted(tmp_path, case):
-    """transformers 4's .bin checkpoints are kept as ones that may be good: never called INCOMPLETE, never on
-    --overwrite_output_dir's list, never deleted. The files are written as bytes: nothing here unpickles them."""
+    """Review of this change (F1): transformers 4's .bin checkpoints were INCOMPLETE, 'pass --overwrite_output_dir true
+    to delete them', and on the flag's list. The files are written as bytes: nothing here unpickles them."""
     run = tmp_path / "run"
     ckpt = run / "checkpoint-4"
     ckpt.mkdir(parents=True)

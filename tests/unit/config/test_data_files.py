@@ -146,8 +146,8 @@ def test_a_record_holding_a_character_only_str_splitlines_ends_lines_at_loads(tm
 
 @pytest.mark.parametrize("lines_per_cell", [2, 7, 40])
 def test_a_csv_over_the_sample_with_multi_line_cells_before_the_text_loads(tmp_path, tokenizer, lines_per_cell):
-    """The first MiB ends inside a quoted cell of many lines, before the text column: the last row read, cut short, is
-    not judged (as a row whose text cell is empty); datasets loads the file."""
+    """The first MiB ends inside a quoted cell of many lines, before the text column: the cut row was judged, as a row
+    whose text cell is empty (final review F3). The last row read is not judged; datasets loads the file."""
     import csv
 
     path = tmp_path / "data.csv"

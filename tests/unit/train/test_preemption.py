@@ -160,8 +160,8 @@ def test_stop_signal_before_training_is_one_line(tmp_path, sig, code):
 
 @pytest.mark.parametrize("sig", ["TERM", "USR1", "INT"])
 def test_a_stop_while_torch_imports_is_one_line(tmp_path, sig):
-    """SIGTERM in the first seconds of train_fsdp.py, while torch and transformers import, ends it with one line, not
-    a bare 143 (Ctrl-C: not an import traceback). The handlers are in place before torch is loaded (read from
+    """(hostile probe) SIGTERM in the first seconds of train_fsdp.py, while torch and transformers import, ended it with
+    a bare 143 and no line (Ctrl-C: an import traceback). The handlers are in place before torch is loaded (read from
     /proc: the process has caught SIGTERM, the last installed, while no libtorch is mapped yet); the signal then
     ends it with the one line every stop before training gives."""
     import re
@@ -289,8 +289,8 @@ def test_a_stop_that_lands_in_a_finalizer_still_stops_the_run_without_a_tracebac
 
 
 def test_two_signals_at_once_in_a_finalizer_still_stop_the_run_in_one_line(finalizer_outcomes):
-    """The second signal's handler may run inside the unraisable hook dealing with the first, where Python would
-    swallow it too (a traceback, and the run going on). Either signal may be the one that stops it."""
+    """(hostile review) the second signal's handler ran inside the unraisable hook dealing with the first, where Python
+    swallowed it too: a traceback, and the run went on. Either signal may be the one that stops it."""
     names = {"TERM": "SIGTERM", "USR1": "SIGUSR1", "INT": "interrupted"}
     got = {pair: finalizer_outcomes.get(f"del:{pair}") for pair in SIGNAL_PAIRS}
     assert all(got[pair] in {names[n] for n in pair.split(",")} for pair in SIGNAL_PAIRS), got
@@ -334,8 +334,8 @@ atexit.register(os.kill, os.getpid(), signal.SIGINT)  # runs first: Ctrl-C as th
 
 @pytest.mark.slow  # seconds of subprocess scenarios: the full tier keeps the quick one under 3 minutes
 def test_an_interrupt_at_exit_is_not_sent_again_into_the_next_exit_callback():
-    """A KeyboardInterrupt in an atexit callback reaches the unraisable hook too: at exit it is reported as Python
-    always does, not sent again (which would abort every later exit callback in turn, silently)."""
+    """(hostile review) a KeyboardInterrupt in an atexit callback reaches the unraisable hook too; sent again, it
+    aborted every later exit callback in turn, silently. At exit it is reported as Python always did."""
     proc = subprocess.run(
         ["python", "-c", AT_EXIT],
         cwd=REPO,
