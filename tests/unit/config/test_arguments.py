@@ -468,7 +468,7 @@ def test_do_flags_the_trainer_ignores_are_refused_where_they_would_mean_otherwis
 )
 def test_the_best_checkpoint_by_perplexity_is_the_lowest(tmp_path, metric, given, expected):
     """eval_perplexity is logged on every evaluation here; the Trainer takes a metric not ending in 'loss' as
-    greater-is-better and kept the worst checkpoint (review of TrainingArguments habits): the direction is set,
+    greater-is-better and would keep the worst checkpoint: the direction is set,
     unless greater_is_better is given. Checked on the TrainingArguments the run builds."""
     from fsdp_recipes.train import preflight
 
@@ -493,8 +493,8 @@ def test_the_best_checkpoint_by_perplexity_is_the_lowest(tmp_path, metric, given
 
 @pytest.mark.parametrize("fsdp", ["shard_grad_op auto_wrap", "full_shard", "true"])
 def test_the_trainers_fsdp_flag_beside_an_accelerate_fsdp_launch_is_refused(tmp_path, monkeypatch, fsdp):
-    """It won over the launch's config: the run trained SHARD_GRAD_OP under zero3.yaml while run_args.json recorded
-    the config's FULL_SHARD (review of TrainingArguments habits). The launch's settings come from FSDP_* variables here
+    """It would win over the launch's config: the run would train SHARD_GRAD_OP under zero3.yaml while run_args.json
+    recorded the config's FULL_SHARD. The launch's settings come from FSDP_* variables here
     (torchrun with ACCELERATE_USE_FSDP, or accelerate launch's own); without them, --fsdp is the torchrun route."""
     env = {
         "ACCELERATE_USE_FSDP": "true",
@@ -514,6 +514,6 @@ def test_the_trainers_fsdp_flag_beside_an_accelerate_fsdp_launch_is_refused(tmp_
 
 @pytest.mark.parametrize("metric", ["accuracy", "eval_ppl", "eval_f1", "bleu"])
 def test_a_best_model_metric_no_evaluation_reports_is_refused_before_training(tmp_path, metric):
-    """The Trainer's KeyError came at the first evaluation with a save, mid-run (final review W5)."""
+    """One line before training, not the Trainer's KeyError at the first evaluation with a save, mid-run."""
     with pytest.raises(RecipeError, match=f"metric_for_best_model='{metric}' is not reported"):
         parse_args(["--metric_for_best_model", metric, *EVAL_DATA, "--output_dir", str(tmp_path), *NO_FSDP])

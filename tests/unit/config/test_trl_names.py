@@ -231,7 +231,7 @@ def test_a_trl_setting_the_data_cannot_take_is_refused_at_parse_time_as_loading_
     tmp_path, monkeypatch, kind, setting
 ):
     """What loading the data decides (train/data.py, from its columns) is decided before the launch for a local
-    file, with the same line: it came after every rank had started and loaded the data (hostile review W9)."""
+    file, with the same line, not after every rank has started and loaded the data."""
     from transformers import AutoTokenizer
 
     import fsdp_recipes.config.arguments as arguments
