@@ -1,7 +1,8 @@
 """The config tools: what a run asks for, checked before anything starts, and what it will cost.
 
 - parse:             ``train_fsdp.py [recipe.yaml] [--flag value ...]`` -> the argument dataclasses and a Plan
-- arguments:         ModelArguments, DataArguments, RunArguments (TrainingArguments is transformers')
+- arguments:         ModelArguments, DataArguments (TrainingArguments is transformers')
+- run_arguments:     RunArguments: what the run may do to its output_dir, how it checkpoints and saves
 - values, flags:     every numeric field's range; flags and recipe values checked as one line, not argparse's usage
 - hub_push:          --push_to_hub: where the final model goes, and what stops the upload, found before training
 - packages:          options that need a package (--optim, --report_to, --attn_implementation, liger): named if missing

@@ -1,8 +1,7 @@
-"""The script's own arguments, as dataclasses HfArgumentParser turns into flags: the model (ModelArguments), the
-data (DataArguments) and the run (RunArguments); TrainingArguments is transformers'. Each checks its own fields in
-``__post_init__``, before anything is loaded, with the probes of model_source and data_files.
-
-Size: over the limit since the tree was formatted; to be split by job."""
+"""The script's own arguments, as dataclasses HfArgumentParser turns into flags: the model (ModelArguments) and the
+data (DataArguments); the run's are fsdp_recipes.config.run_arguments', TrainingArguments is transformers'. Each
+checks its own fields in ``__post_init__``, before anything is loaded, with the probes of model_source and
+data_files. TRL's names for the same settings are extra spellings of the flags (TRL_ALIASES)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.config.data_files import sniff_format, train_file_problem
-from fsdp_recipes.config.mixture import mixture_evaluates, mixture_problem
 from fsdp_recipes.config.model_source import (
     config_size_problem,
     dataset_source_problem,
@@ -33,7 +31,6 @@ DATA_EXTENSIONS = {
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-STAGING = ("auto", "copy")  # async_checkpoint_staging (fsdp_recipes.compat.host_copy.ReusedHostCopy)
 
 
 # TRL's names (SFTConfig, ScriptArguments, ModelConfig) for the same settings: extra spellings of our flags and
@@ -87,29 +84,6 @@ class ModelArguments:
         metadata={"help": "Attention kernel, e.g. sdpa, eager, flash_attention_2. Default: transformers' choice."},
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub repository."})
-    model_revision: str = field(
-        default="main",
-        metadata={
-            "help": "TRL's: branch, tag or commit of a hub model (and its tokenizer); a local folder is read as it is."
-        },
-    )
-    chat_template: str | None = field(
-        default=None,
-        metadata={
-            "help": "The handbook's: a Jinja chat template set on the tokenizer, used for chat data and saved with the model."
-        },
-    )
-    chat_template_path: str | None = field(
-        default=None,
-        metadata={"help": "TRL's: a .jinja file, or a tokenizer folder, whose chat template is set on the tokenizer."},
-    )
-    eos_token: str | None = field(
-        default=None,
-        metadata={
-            "help": "TRL's: the token ending a turn (e.g. <|im_end|>), set as the tokenizer's eos_token and as the "
-            "saved generation_config's eos_token_id, so that generate() stops there. Must be in the vocabulary."
-        },
-    )
     # LoRA with peft, under the names TRL uses (trl.ModelConfig), so recipes carry over.
     use_peft: bool = field(
         default=False,
@@ -210,14 +184,6 @@ EVAL_SOURCES = (
 class DataArguments:
     _argument_group_name = "data (TRL's SFTConfig names are accepted where they mean the same)"
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id (needs hub access)."})
-    dataset_mixture: str | None = field(
-        default=None,
-        metadata={
-            "help": "A mixture of datasets, as the recipe's dataset_mixture (alignment handbook), dataset_mixer with "
-            "dataset_splits (its older format) or datasets (TRL) gives it; as a flag, that mapping in JSON. "
-            "fsdp_recipes/config/trl_recipe.py reads it, fsdp_recipes/train/data_mixture.py loads it."
-        },
-    )
     dataset_config_name: str | None = field(
         default=None, metadata={"help": "Hub dataset configuration name.", "aliases": _aliases("dataset_config_name")}
     )
@@ -314,9 +280,7 @@ class DataArguments:
     )
 
     def __post_init__(self):
-        if self.dataset_mixture is not None:
-            mixture_problem(self)  # a mixture is the one source: dataset_name and train_file are refused beside it
-        elif (self.dataset_name is None) == (self.train_file is None):
+        if (self.dataset_name is None) == (self.train_file is None):
             raise RecipeError(
                 f"set exactly one of dataset_name (hub) and train_file (local); got dataset_name={self.dataset_name!r}, "
                 f"train_file={self.train_file!r}"
@@ -421,102 +385,7 @@ class DataArguments:
 
     @property
     def evaluates(self) -> bool:
-        return any(getattr(self, k) is not None for k in EVAL_SOURCES) or mixture_evaluates(self.dataset_mixture)
-
-
-@dataclass
-class RunArguments:
-    _argument_group_name = "run"
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={
-            "help": "Train from scratch into an output_dir that holds another run: its checkpoint-N folders are deleted first."
-        },
-    )
-    allow_no_fsdp: bool = field(
-        default=False,
-        metadata={
-            "help": "Train without FSDP on purpose (debugging). A launch without an FSDP config is otherwise refused: "
-            "`python train_fsdp.py` or `accelerate launch` with no config would train one unsharded model and exit 0."
-        },
-    )
-    zero1: bool = field(
-        default=False,
-        metadata={
-            "help": "ZeRO stage 1 under DDP (accelerate_configs/ddp.yaml): each of the N processes keeps 1/N of the "
-            "optimizer state (torch's ZeroRedundancyOptimizer); parameters and gradients stay replicated. FSDP "
-            "configs shard the optimizer state already."
-        },
-    )
-    profile_steps: str | None = field(
-        default=None,
-        metadata={
-            "help": "Profile these optimizer steps, e.g. 5-8: a Chrome trace per rank in output_dir/profile/ "
-            "(and a CUDA memory snapshot on GPUs), and one line with the share of time in all-gather, "
-            "reduce-scatter and all-reduce and how much of it overlapped compute."
-        },
-    )
-    peak_tflops: float | None = field(
-        default=None,
-        metadata={
-            "help": "The GPU's dense bf16 peak in TFLOPS, for MFU in the logs (default: from a table of common "
-            "GPUs, fsdp_recipes/train/metrics.py). MFU is not reported on CPU."
-        },
-    )
-    save_dtype: str = field(
-        default="auto",
-        metadata={
-            "help": "dtype of the final model folder's weights (and config.json's dtype). auto: the parameters' "
-            "dtype as trained (--dtype; float32 master weights under bf16 mixed precision give float32). "
-            "fsdp_report.json states it (precision.saved_model, export.dtype).",
-            "choices": list(DTYPES),
-        },
-    )
-    async_checkpoints: bool = field(
-        default=True,
-        metadata={
-            "help": "FSDP2 SHARDED_STATE_DICT: write checkpoint shards in the background while training goes on "
-            "(from the live shards or a host copy: --async_checkpoint_staging; one at a time; complete once "
-            "every rank wrote it). false: wait for each, as the stock Trainer does."
-        },
-    )
-    async_checkpoint_staging: str = field(
-        default="auto",
-        metadata={
-            "help": "What a background checkpoint writes from. auto: where every shard lives in host memory (CPU "
-            "runs, CPU offload), straight from the live tensors, no copy, and the optimizer step after the "
-            "checkpoint waits until its write is done (forward and backward never change them); elsewhere (GPU) "
-            "from a host copy made at the first checkpoint and kept for the run. copy: always that host copy "
-            "(as much host memory again as this rank's weight and optimizer shards; no optimizer step waits). "
-            "Schedule-free optimizers, which change the weights outside their step, always get the copy; so must "
-            "a callback of yours that changes weights or optimizer state in place (EMA swaps): pass copy.",
-            "choices": list(STAGING),
-        },
-    )
-    direct_io_checkpoints: bool = field(
-        default=True,
-        metadata={
-            "help": "Checkpoint shards written with O_DIRECT (past the page cache) where the filesystem takes "
-            "it: same files, far less CPU. false: through the cache."
-        },
-    )
-    cpu_bf16: bool = field(
-        default=False,
-        metadata={
-            "help": "Keep bf16 mixed precision on a CPU without native bf16 instructions (x86 without avx512_bf16 "
-            "or amx_bf16, Arm without bf16 in /proc/cpuinfo). Without it such a CPU computes in fp32 instead of "
-            "the config's mixed_precision: bf16 (or bf16: true), many times faster there, and the run says so in "
-            "one line and in fsdp_report.json (precision.cpu_bf16). GPUs and CPUs with native bf16 keep bf16 either way."
-        },
-    )
-
-    def __post_init__(self):
-        if self.save_dtype not in DTYPES:
-            raise RecipeError(f"save_dtype={self.save_dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.async_checkpoint_staging not in STAGING:
-            raise RecipeError(
-                f"async_checkpoint_staging={self.async_checkpoint_staging!r} is not one of {', '.join(STAGING)}"
-            )
+        return any(getattr(self, k) is not None for k in EVAL_SOURCES)
 
 
 def build(cls, raw):

@@ -10,7 +10,8 @@ import sys
 
 from transformers import HfArgumentParser, TrainingArguments
 
-from fsdp_recipes.config.arguments import DataArguments, ModelArguments, RunArguments
+from fsdp_recipes.config.arguments import DataArguments, ModelArguments
+from fsdp_recipes.config.run_arguments import RunArguments
 from fsdp_recipes.console import HelpFormatter
 
 HELP_FLAGS = ("-h", "--help", "--help-all")
@@ -27,9 +28,6 @@ LORA = (
     "bnb_4bit_quant_storage",
     "use_bnb_nested_quant",
 )
-
-# Settings that TRL and handbook recipes carry and a command line rarely gives: listed by --help-all only
-RECIPE_ONLY = ("model_revision", "chat_template_path", "dataset_mixture")
 
 # The TrainingArguments a recipe usually sets, in the order a reader looks for them.
 COMMON_TRAINING = (
@@ -122,7 +120,7 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
     others = [a for a in default._group_actions if a.dest not in ("help", "help_all")]
     _move(default, rest, others)
     if not show_all:
-        for action in [*others, *(by_dest[d] for d in RECIPE_ONLY)]:
+        for action in others:
             action.help = argparse.SUPPRESS
         parser.epilog = (
             f"{len(others)} more transformers TrainingArguments options (fsdp, optimizer, hub, logging "

@@ -10,8 +10,8 @@ from pathlib import Path
 from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.ckpt.resume import check_output_dir, explicit, requested
 from fsdp_recipes.compat import cpu_fsdp
-from fsdp_recipes.config import helptext, launcher, trl_recipe
-from fsdp_recipes.config.arguments import DataArguments, ModelArguments, RunArguments, build
+from fsdp_recipes.config import helptext, launcher
+from fsdp_recipes.config.arguments import DataArguments, ModelArguments, build
 from fsdp_recipes.config.flags import (
     bare_flags_as_values,
     check_flag_values,
@@ -24,6 +24,7 @@ from fsdp_recipes.config.hub_push import push_plan
 from fsdp_recipes.config.packages import check_deepspeed, check_packages
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.config.recipe_checks import ZERO1_UNDER_FSDP
+from fsdp_recipes.config.run_arguments import RunArguments
 from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
 from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys, unknown_keys_problem
 from fsdp_recipes.config.values import best_metric_direction, check_task_flags, check_training_values
@@ -103,8 +104,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         raise RecipeError(f"{argv[0]!r} is not a recipe: give a .yaml file first, then --flags")
     else:
         recipe = load_recipe(DEFAULT_RECIPE, anchor_paths=True)
-    argv = trl_recipe.translate_flags(argv)
-    recipe = rename_recipe_keys(trl_recipe.translate(recipe, argv))  # TRL's and the handbook's keys, TRL's meaning
+    recipe = rename_recipe_keys(recipe)
     known = {action.dest for action in parser._actions}
     unknown = sorted(set(recipe) - known)
     if unknown:

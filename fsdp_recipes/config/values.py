@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from transformers import TrainingArguments
 
-from fsdp_recipes.config.arguments import DataArguments, ModelArguments, RunArguments
+from fsdp_recipes.config.arguments import DataArguments, ModelArguments
 from fsdp_recipes.config.model_source import model_positions
+from fsdp_recipes.config.run_arguments import RunArguments
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
 
