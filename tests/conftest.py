@@ -192,6 +192,17 @@ def logged_losses(output_dir: Path) -> list[float]:
     return [entry["loss"] for entry in history if "loss" in entry]
 
 
+def same_tensors(a: Path, b: Path) -> None:
+    """The safetensors files ``a`` and ``b`` hold the same tensor names, each bit for bit equal."""
+    import torch
+    from safetensors.torch import load_file
+
+    mine, theirs = load_file(a), load_file(b)
+    assert set(mine) == set(theirs), sorted(set(mine) ^ set(theirs))[:5]
+    for key in theirs:
+        assert torch.equal(mine[key], theirs[key]), (a, key)
+
+
 # The FSDP2 HSDP config is multi-node; on one machine it runs as 2 replicas x 2 shards = 4 processes.
 LAUNCH_OVERRIDES = {
     "accelerate_configs/hybrid_shard.yaml": (

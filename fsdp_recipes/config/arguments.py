@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.config.data_files import sniff_format, train_file_problem
+from fsdp_recipes.config.mixture import mixture_evaluates, mixture_problem
 from fsdp_recipes.config.model_source import (
     config_size_problem,
     dataset_source_problem,
@@ -84,6 +85,29 @@ class ModelArguments:
         metadata={"help": "Attention kernel, e.g. sdpa, eager, flash_attention_2. Default: transformers' choice."},
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub repository."})
+    model_revision: str = field(
+        default="main",
+        metadata={
+            "help": "TRL's: branch, tag or commit of a hub model (and its tokenizer); a local folder is read as it is."
+        },
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "The handbook's: a Jinja chat template set on the tokenizer, used for chat data and saved with the model."
+        },
+    )
+    chat_template_path: str | None = field(
+        default=None,
+        metadata={"help": "TRL's: a .jinja file, or a tokenizer folder, whose chat template is set on the tokenizer."},
+    )
+    eos_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's: the token ending a turn (e.g. <|im_end|>), set as the tokenizer's eos_token and as the "
+            "saved generation_config's eos_token_id, so that generate() stops there. Must be in the vocabulary."
+        },
+    )
     # LoRA with peft, under the names TRL uses (trl.ModelConfig), so recipes carry over.
     use_peft: bool = field(
         default=False,
@@ -184,6 +208,14 @@ EVAL_SOURCES = (
 class DataArguments:
     _argument_group_name = "data (TRL's SFTConfig names are accepted where they mean the same)"
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id (needs hub access)."})
+    dataset_mixture: str | None = field(
+        default=None,
+        metadata={
+            "help": "A mixture of datasets, as the recipe's dataset_mixture (alignment handbook), dataset_mixer with "
+            "dataset_splits (its older format) or datasets (TRL) gives it; as a flag, that mapping in JSON. "
+            "fsdp_recipes/config/trl_recipe.py reads it, fsdp_recipes/train/data_mixture.py loads it."
+        },
+    )
     dataset_config_name: str | None = field(
         default=None, metadata={"help": "Hub dataset configuration name.", "aliases": _aliases("dataset_config_name")}
     )
@@ -280,7 +312,9 @@ class DataArguments:
     )
 
     def __post_init__(self):
-        if (self.dataset_name is None) == (self.train_file is None):
+        if self.dataset_mixture is not None:
+            mixture_problem(self)  # a mixture is the one source: dataset_name and train_file are refused beside it
+        elif (self.dataset_name is None) == (self.train_file is None):
             raise RecipeError(
                 f"set exactly one of dataset_name (hub) and train_file (local); got dataset_name={self.dataset_name!r}, "
                 f"train_file={self.train_file!r}"
@@ -385,7 +419,7 @@ class DataArguments:
 
     @property
     def evaluates(self) -> bool:
-        return any(getattr(self, k) is not None for k in EVAL_SOURCES)
+        return any(getattr(self, k) is not None for k in EVAL_SOURCES) or mixture_evaluates(self.dataset_mixture)
 
 
 def build(cls, raw):

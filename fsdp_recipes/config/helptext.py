@@ -29,6 +29,9 @@ LORA = (
     "use_bnb_nested_quant",
 )
 
+# Settings that TRL and handbook recipes carry and a command line rarely gives: listed by --help-all only
+RECIPE_ONLY = ("model_revision", "chat_template_path", "dataset_mixture")
+
 # The TrainingArguments a recipe usually sets, in the order a reader looks for them.
 COMMON_TRAINING = (
     "output_dir",
@@ -120,7 +123,7 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
     others = [a for a in default._group_actions if a.dest not in ("help", "help_all")]
     _move(default, rest, others)
     if not show_all:
-        for action in others:
+        for action in [*others, *(by_dest[d] for d in RECIPE_ONLY)]:
             action.help = argparse.SUPPRESS
         parser.epilog = (
             f"{len(others)} more transformers TrainingArguments options (fsdp, optimizer, hub, logging "

@@ -10,7 +10,7 @@ from pathlib import Path
 from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.ckpt.resume import check_output_dir, explicit, requested
 from fsdp_recipes.compat import cpu_fsdp
-from fsdp_recipes.config import helptext, launcher
+from fsdp_recipes.config import helptext, launcher, trl_recipe
 from fsdp_recipes.config.arguments import DataArguments, ModelArguments, build
 from fsdp_recipes.config.flags import (
     bare_flags_as_values,
@@ -104,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         raise RecipeError(f"{argv[0]!r} is not a recipe: give a .yaml file first, then --flags")
     else:
         recipe = load_recipe(DEFAULT_RECIPE, anchor_paths=True)
-    recipe = rename_recipe_keys(recipe)
+    argv = trl_recipe.translate_flags(argv)
+    recipe = rename_recipe_keys(trl_recipe.translate(recipe, argv))  # TRL's and the handbook's keys, TRL's meaning
     known = {action.dest for action in parser._actions}
     unknown = sorted(set(recipe) - known)
     if unknown:

@@ -6,43 +6,14 @@ named, all of it in one line, rather than dropped."""
 
 from __future__ import annotations
 
+from fsdp_recipes.config import trl_recipe
 from fsdp_recipes.config.arguments import TRL_ALIASES
 from fsdp_recipes.config.flags import with_hints
 from fsdp_recipes.errors import RecipeError
 
-# TRL / alignment-handbook keys with no equivalent here (read from trl/trainer/sft_config.py, model_config.py and
-# scripts/utils.py, and alignment-handbook's recipes): a recipe holding them is refused, naming them as TRL's.
-NO_EQUIVALENT = frozenset(
-    {
-        "model_revision",
-        "model_init_kwargs",
-        "chat_template",
-        "chat_template_path",
-        "dataset_mixture",
-        "datasets",
-        "dataset_kwargs",
-        "dataset_streaming",
-        "streaming",
-        "test_split_size",
-        "eos_token",
-        "pad_token",
-        "truncation_mode",
-        "shuffle_dataset",
-        "padding_free",
-        "pad_to_multiple_of",
-        "eval_packing",
-        "loss_type",
-        "activation_offloading",
-        "router_aux_loss_coef",
-        "lora_target_parameters",
-        "lora_modules_to_save",
-        "lora_task_type",
-        "use_rslora",
-        "use_dora",
-        "ignore_bias_buffers",
-        "load_in_8bit",
-    }
-)
+# TRL / alignment-handbook keys with no equivalent here, each with its reason (fsdp_recipes.config.trl_recipe, where
+# their harmless values, TRL's defaults, are taken): a recipe or a flag holding another value is refused, naming them.
+NO_EQUIVALENT = {key: reason for key, (_, reason) in trl_recipe.NO_EQUIVALENT.items()}
 
 
 def rename_recipe_keys(recipe: dict) -> dict:
@@ -88,7 +59,7 @@ def unknown_keys_problem(unknown: list[str], known, what: str = "recipe", kind: 
     other = [k for k in unknown if k not in NO_EQUIVALENT]
     parts = []
     if trl:
-        parts.append(f"TRL {kind}(s) with no equivalent here: {', '.join(trl)}")
+        parts.append(f"TRL {kind}(s) with no equivalent here: {', '.join(f'{k} ({NO_EQUIVALENT[k]})' for k in trl)}")
     if other:
         parts.append(f"unknown {kind}(s): {with_hints(other, known)}")
     return f"{what}: {'; '.join(parts)}: remove them (see `train_fsdp.py --help`)"
@@ -100,5 +71,5 @@ def check_trl_flags(argv: list[str], parser) -> None:
     unknown = [
         a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options
     ]
-    if set(unknown) & NO_EQUIVALENT:
+    if set(unknown) & set(NO_EQUIVALENT):
         raise RecipeError(unknown_keys_problem(unknown, {o.removeprefix("--") for o in options}, "flags", "flag"))

@@ -30,6 +30,7 @@ from transformers import (
 from fsdp_recipes.config.arguments import DATA_EXTENSIONS, DataArguments
 from fsdp_recipes.config.data_files import locate_fault, other_format
 from fsdp_recipes.errors import RecipeError, one_line
+from fsdp_recipes.train.data_mixture import load_mixture
 
 IGNORE_INDEX = -100
 # What datasets raises on a file it cannot read: its own errors (DatasetGenerationError wraps whatever the format's
@@ -78,7 +79,9 @@ def _loader_problem(err: BaseException, path: Path | None) -> str:
 
 def load_raw(args: DataArguments, seed: int = 42) -> tuple[Dataset, Dataset | None]:
     """The raw training examples and the raw evaluation examples (None without an evaluation source)."""
-    if args.train_file is not None:  # one file per call, so that an error names the file it is about
+    if args.dataset_mixture is not None:  # TRL's or the handbook's mixture, loaded as their scripts load it
+        train, evaluation = load_mixture(args, seed)
+    elif args.train_file is not None:  # one file per call, so that an error names the file it is about
         train = load_file(args.train_file, "train", "train_file")
         evaluation = load_file(args.validation_file, "validation", "validation_file") if args.validation_file else None
     else:

@@ -17,11 +17,15 @@ from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import CheckpointError, RecipeError
 from fsdp_recipes.removal import is_ours, make_folder, move, remove, unmark
+from fsdp_recipes.train.chat_tokens import align_generation_eos, apply_recipe_tokens, revision
 from fsdp_recipes.train.sharding import expected_fsdp_version
 
 
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        args.tokenizer_name, trust_remote_code=args.trust_remote_code, revision=revision(args, args.tokenizer_name)
+    )
+    apply_recipe_tokens(tokenizer, args)  # the recipe's chat_template and eos_token (TRL's)
     if tokenizer.pad_token is None:
         # Packed blocks need no padding; chat batches pad, and the padded labels are ignored anyway.
         tokenizer.pad_token = tokenizer.eos_token
@@ -55,11 +59,16 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
             common["device_map"] = "meta"  # rank 0 sends the weights; FSDP shards them as they arrive
         # safetensors only: a hub model's .bin would be unpickled here (a local or cached one is refused before the launch)
         model = AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path, dtype=dtype, use_safetensors=True, **common
+            args.model_name_or_path,
+            dtype=dtype,
+            use_safetensors=True,
+            revision=revision(args, args.model_name_or_path),
+            **common,
         )
     else:
         config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype, **common)
+    align_generation_eos(model, tokenizer, args)  # generate() of the saved model stops where a turn ends
     vocab = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
         raise RecipeError(

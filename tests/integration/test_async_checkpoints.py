@@ -206,7 +206,7 @@ def test_an_error_while_a_checkpoint_is_written_leaves_it_incomplete(tmp_path):
 
 def test_the_trainers_end_of_training_cleanup_waits_for_the_save_in_flight_and_deletes_only_checkpoints(tmp_path):
     """With a best checkpoint and save_total_limit 1, the Trainer deletes every other checkpoint folder as training
-    ends (found by review: it deleted checkpoint-12 while its files were written, and the run failed without a model).
+    ends; it must wait for the save in flight (deleting checkpoint-12 while its files are written leaves no model).
     greater_is_better makes the first checkpoint, the highest loss, the best one. The Trainer's cleanup is
     shutil.rmtree of whatever a checkpoint-N folder holds: a user's notes put into the newest, checkpoint-12, keep it,
     and it is said; checkpoint-6 and checkpoint-9, ours alone, go."""

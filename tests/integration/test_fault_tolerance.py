@@ -9,7 +9,17 @@ import time
 
 import pytest
 import torch
-from conftest import FAULT_SCRIPT, QUICK, REPO, elastic_root_cause, launch, logged_losses, quick, read_json
+from conftest import (
+    FAULT_SCRIPT,
+    QUICK,
+    REPO,
+    elastic_root_cause,
+    launch,
+    logged_losses,
+    quick,
+    read_json,
+    same_tensors,
+)
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -168,7 +178,7 @@ def test_ctrl_c_is_one_line_on_how_to_resume(tmp_path):
         "same command again to start over (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)"
     ], proc.stderr[-3000:]
     assert "[rank" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
-    # (hostile review) the line said to resume, which found no checkpoint: what it says now works
+    # what the line says to do works (a resume would find no checkpoint)
     again = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out))
     assert (out / "checkpoint-12").is_dir() and (out / "model").is_dir(), again.stderr[-2000:]
 
@@ -482,9 +492,9 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tm
 
 
 def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes_it(tmp_path):
-    """output_dir on a 7.8 MB filesystem: both checkpoints fit, the final model does not. Every rank's DCP traceback
-    was all it said (the hostile review's FAIL 6); now one line says training had finished, which checkpoint is
-    intact and how to get the model, and that command, once there is room, writes it without training."""
+    """output_dir on a 7.8 MB filesystem: both checkpoints fit, the final model does not. One line (not every rank's
+    DCP traceback) says training had finished, which checkpoint is intact and how to get the model, and that
+    command, once there is room, writes it without training."""
     import subprocess
 
     from safetensors.torch import load_file
@@ -511,9 +521,8 @@ def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes
             in errors[0]
         )
         assert checkpoint_status(out / "checkpoint-4").resumable and not (out / "model").exists()
-        subprocess.run(
-            ["mount", "-o", "remount,size=20m", str(disk)], check=True
-        )  # (review) the resume asked for a 64 MB margin
+        # the resume asks for a 64 MB margin
+        subprocess.run(["mount", "-o", "remount,size=20m", str(disk)], check=True)
         resumed = launch(
             "accelerate_configs/zero3.yaml", *args, "--output_dir", str(out), "--resume_from_checkpoint", "true"
         )
@@ -522,3 +531,47 @@ def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes
         assert read_json(out / "trainer_state.json")["global_step"] == 4
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_torch_compile_run_resumes(tmp_path):
+    """--torch_compile true: a run resumed from its checkpoint-2 ends on the very weights of the run that never stopped
+    (the resume must not test the compiled module for truth: its len() raises on every rank)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    args = [*quick(max_steps="4", save_steps="2"), "--torch_compile", "true", "--output_dir", str(out)]
+    launch("accelerate_configs/zero3.yaml", *args)
+    whole = tmp_path / "whole-model"
+    (out / "model").rename(whole)
+    resumed = launch("accelerate_configs/zero3.yaml", *args, "--resume_from_checkpoint", str(out / "checkpoint-2"))
+    assert f"resuming from {out / 'checkpoint-2'}" in resumed.stdout + resumed.stderr
+    assert "does not support len()" not in resumed.stderr
+    AutoModelForCausalLM.from_pretrained(out / "model")
+    same_tensors(out / "model" / "model.safetensors", whole / "model.safetensors")
+
+
+@pytest.mark.parametrize("sig, code", [("TERM", 143), ("INT", 130)])
+def test_stop_signal_before_training_is_one_line(tmp_path, sig, code):
+    """A stop (or Ctrl-C: it said "nothing was saved since the last checkpoint", as if training had begun) while the
+    model loads."""
+    out = tmp_path / "run"
+    proc = launch(
+        "accelerate_configs/zero3.yaml",
+        *QUICK,
+        "--output_dir",
+        str(out),
+        script=FAULT_SCRIPT,
+        env={"FSDP_FAULT": f"all:early:{sig}"},
+        check=False,
+    )
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py:")]
+    how = "interrupted" if sig == "INT" else f"stopped by SIG{sig}"
+    assert proc.returncode != 0 and ours == [
+        f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same "
+        "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)"
+    ], proc.stderr[-3000:]
+    # no traceback of a rank (the launcher's own report about its failed children is the launcher's)
+    assert f"exitcode  : {code}" in proc.stderr and "[rank" not in proc.stderr and "Stopped" not in proc.stderr, (
+        proc.stderr[-3000:]
+    )
+    assert not list(out.glob("checkpoint-*"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, quick, read_json, run
+from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, quick, read_json, run, same_tensors
 from safetensors.torch import load_file
 
 from fsdp_recipes.ckpt.dcp_pickles import read_layout
@@ -394,7 +394,7 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
     )
     assert set(written) == set(by_peft_adapter) and all(torch.equal(written[k], by_peft_adapter[k]) for k in written)
 
-    # (hostile review) the base a merge reads is never its output, however it is named: --overwrite replaced it
+    # the base a merge reads is never its output, however it is named, --overwrite or not
     from conftest import _snapshot
 
     before = _snapshot(base_dir)
@@ -556,3 +556,53 @@ def test_lora_on_a_tied_head_under_fsdp2_efficient_loading_is_one_line(tmp_path)
     assert len(said) == 1, proc.stderr[-3000:]  # our line once (the launcher's own summary may quote it again)
     assert "fsdp_cpu_ram_efficient_loading: false" in " ".join((proc.stdout + proc.stderr).split())
     assert "KeyError" not in proc.stderr  # not accelerate's traceback
+
+
+# metric loss with greater_is_better true: the worst evaluation is the "best", so the best checkpoint is not the last
+BEST = [
+    "--load_best_model_at_end",
+    "true",
+    "--metric_for_best_model",
+    "loss",
+    "--greater_is_better",
+    "true",
+    "--validation_split_percentage",
+    "10",
+    "--eval_strategy",
+    "steps",
+    "--eval_steps",
+    "2",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=["fsdp2", "fsdp1"])
+def test_a_lora_run_ends_on_its_best_checkpoint(trained, config, tmp_path):
+    """--load_best_model_at_end of a LoRA run loads the best checkpoint as a resume does (the Trainer's stock load asks
+    peft for adapter names our adapter-only checkpoints do not keep): the run's model/ and adapter/ are the merge of
+    that checkpoint exactly, on each FSDP version, the best checkpoint not the last."""
+    base = trained("accelerate_configs/zero3.yaml").model_dir
+    out = tmp_path / "run"
+    launch(
+        config,
+        *quick(max_steps="6", save_steps="2"),
+        "--model_name_or_path",
+        str(base),
+        *LORA,
+        *BEST,
+        "--output_dir",
+        str(out),
+    )
+    state = read_json(out / "trainer_state.json")
+    best = Path(state["best_model_checkpoint"])
+    assert best.parent == out and best.name != "checkpoint-6", best
+    # the end-of-run evaluation is the best checkpoint's, not the last step's
+    last = [entry["eval_loss"] for entry in state["log_history"] if entry.get("step") == 6 and "eval_loss" in entry][0]
+    assert last != pytest.approx(state["best_metric"], rel=1e-4), (last, state["best_metric"])
+    assert read_json(out / "eval_results.json")["eval_loss"] == pytest.approx(state["best_metric"], rel=1e-6)
+    merged, adapter = tmp_path / "best-merged", tmp_path / "best-adapter"
+    for folder, extra in ((merged, []), (adapter, ["--adapter-only"])):
+        done = run([sys.executable, "tools/merge_checkpoint.py", str(best), str(folder), *extra])
+        assert done.returncode == 0, done.stdout + done.stderr
+    same_tensors(out / "model" / "model.safetensors", merged / "model.safetensors")
+    same_tensors(out / "adapter" / "adapter_model.safetensors", adapter / "adapter_model.safetensors")

@@ -41,7 +41,7 @@ def test_a_write_from_a_host_copy_longer_than_the_training_between_saves_is_name
     [(1.8, 0.02, 100, True), (4.2, 3.2, 1, True), (4.2, 3.2, 5, True), (2.0, 3.2, 1, False)],
 )
 def test_a_write_in_place_overlaps_one_step_whatever_the_save_steps(write, step, save_steps, noted):
-    """(hostile review) in place, the next optimizer step waits for the write: more --save-steps give it no room, and
+    """In place, the next optimizer step waits for the write: more --save-steps give it no room, and
     advice to raise them would be false."""
     note = queued(write, step, save_steps, in_place=True)
     assert (note is not None) == noted
@@ -166,7 +166,7 @@ def test_a_save_lands_between_its_steps_end_and_the_next(tmp_path):
 
 @pytest.mark.parametrize("args", [["--save-steps", "0"], ["--saves", "0"], ["--warmup", "-1"], ["--nprocs", "0"]])
 def test_numbers_out_of_range_are_one_line_before_anything_runs(args, capsys):
-    """(hostile review) --save-steps 0 made the per-save split loop for good; --saves 0 divided by zero at the end."""
+    """Not a per-save split that loops for good (--save-steps 0), nor a division by zero at the end (--saves 0)."""
     import bench.checkpoint_benchmark as benchmark
 
     with pytest.raises(SystemExit) as stopped:

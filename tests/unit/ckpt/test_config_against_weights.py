@@ -1,6 +1,6 @@
 """A config.json that cannot describe the checkpoint's weights is refused before the model is built from it:
 building takes time and memory in proportion to the layer (and expert) count, and ``num_hidden_layers: 1e9`` grew a
-merge to 15 GB while no signal stopped it (the hostile review's FAIL 4)."""
+merge to 15 GB while no signal stopped it."""
 
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def test_the_merge_refuses_it_at_once_and_leaves_nothing(run_dir, tmp_path, caps
 
 
 def test_every_count_of_layers_in_every_nested_config_is_checked():
-    """(review) bart's decoder_layers (num_hidden_layers maps to encoder_layers) and a vision tower's depth or
-    num_hidden_layers were built unchecked: 10^6 decoder layers ran ~10 minutes past a SIGTERM."""
+    """bart's decoder_layers (num_hidden_layers maps to encoder_layers) and a vision tower's depth or
+    num_hidden_layers are checked too: unchecked, 10^6 decoder layers ran ~10 minutes past a SIGTERM."""
     bart = AutoConfig.for_model("bart", encoder_layers=1, decoder_layers=10**6, vocab_size=256, d_model=64)
     assert "decoder_layers 1000000" in implausible_config(bart, weights(2))
     config = AutoConfig.from_pretrained(TINY, num_hidden_layers=2)

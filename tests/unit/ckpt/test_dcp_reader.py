@@ -210,8 +210,8 @@ def _torch_bytes(data: bytes):
 
 
 def _hostile_variants(data: bytes) -> dict[str, bytes]:
-    """Records crafted so that Python's zip reader and torch's could disagree (a review found each of these making
-    the converter copy bytes other than the tensor torch loads)."""
+    """Records crafted so that Python's zip reader and torch's could disagree (each could make the converter copy
+    bytes other than the tensor torch loads)."""
     import struct
 
     infos = {i.filename: i for i in zipfile.ZipFile(io.BytesIO(data)).infolist()}

@@ -1,8 +1,8 @@
-"""Files a run or a resume reads again after its checks, swapped or damaged in between (the third hostile review of
-the bounded reads): torch's DCP reader opening a .metadata that became a FIFO hung; a run report that became
-unreadable mid-run ended both ranks with tracebacks; a tokenizer or config file of a checkpoint that is a FIFO or a
-device was skipped by the resume's comparison; an export part record that is a FIFO was waited on for 5 minutes, and
-one without its file list published a folder and then failed. Each is one line now, in this process, under an alarm."""
+"""Files a run or a resume reads again after its checks, swapped or damaged in between, are each one line, never a
+hang or a traceback: a .metadata that became a FIFO before torch's DCP reader opens it; a run report that became
+unreadable mid-run (a warning, the run goes on); a tokenizer or config file of a checkpoint that is a FIFO or a device
+(named by the resume's comparison, not skipped); an export part record that is a FIFO (not waited on for 5 minutes)
+or has no file list (no folder published). In this process, under an alarm."""
 
 from __future__ import annotations
 

@@ -129,7 +129,7 @@ def test_a_quantized_base_without_its_unquantized_base_is_one_line(base_and_trut
     assert cli("merge_checkpoint", [str(ckpt), str(out), "--base-model", str(base_dir)]) == 0
 
 
-# ---- found by a hostile review: what must be refused, or kept, around these merges ----
+# ---- what must be refused, or kept, around these merges ----
 
 
 def test_a_quantized_checkpoint_on_another_base_of_the_same_shapes_is_refused(base_and_truth, tmp_path, capsys):

@@ -318,7 +318,7 @@ def test_output_inside_input_and_existing_output(checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match="already exists: choose another folder or pass --overwrite"):
         merge_checkpoint(checkpoint, existing, log=lambda *_: None)
     assert (existing / "keep.txt").read_text() == "mine"
-    # --overwrite replaces a model folder only: a user's file in it is never deleted (issue 19)
+    # --overwrite replaces a model folder only: a user's file in it is never deleted
     with pytest.raises(CheckpointError, match=r"holds more than a model folder \(keep.txt\)"):
         merge_checkpoint(checkpoint, existing, overwrite=True, log=lambda *_: None)
     assert (existing / "keep.txt").read_text() == "mine"
@@ -340,9 +340,9 @@ CHANGED_WHILE_MERGING = {
 
 @pytest.mark.parametrize("change", sorted(CHANGED_WHILE_MERGING))
 def test_an_output_changed_while_the_merge_runs_is_kept_in_sight(checkpoint, tmp_path, monkeypatch, change):
-    """(hostile review) --overwrite checked the output at the start only: a file put into it while the merge ran made
-    the final removal refuse, the merge exit 1 after moving its result into place, and the user's folder stayed under
-    a hidden .NAME.old-HOST-PID that later merges skip. It is now kept whole as NAME.kept-2, said, and the merge ends."""
+    """--overwrite watches the output to the end, not only at the start: a file put into it while the merge runs is
+    kept whole with the earlier output as NAME.kept-2, said, and the merge ends (not an exit 1 after its result moved
+    into place, the user's folder under a hidden .NAME.old-HOST-PID that later merges skip)."""
     from fsdp_recipes.ckpt import merge as merge_module
 
     out = tmp_path / "existing"
@@ -697,7 +697,7 @@ def test_the_copy_process_is_started_as_isolated_as_the_merge_and_names_a_failed
         and "model.safetensors: File too large: nothing was published" in lines[0]
     ), lines[0]
     assert not (tmp_path / "limited").exists() and not list(tmp_path.glob(".limited*"))
-    # the same limit met by this process's own writer (a cast is no byte copy): the line names the file too (review)
+    # the same limit met by this process's own writer (a cast is no byte copy): the line names the file too
     proc = subprocess.run(
         [sys.executable, str(TOOL), str(checkpoint), str(tmp_path / "limited"), "--dtype", "bfloat16"],
         capture_output=True,
@@ -773,9 +773,9 @@ def test_sigterm_during_a_merge_is_one_line_and_leaves_nothing(checkpoint, tmp_p
     "at, where", [("sync_folder", "staging"), ("sync_entries", "staging"), ("sync_entries", "parent")]
 )
 def test_sigterm_while_publishing_says_what_happened(checkpoint, tmp_path, monkeypatch, capsys, at, where):
-    """(review) SIGTERM while the finished folder is synced: it was already unmarked, so the cleanup left a whole model
-    in .out.tmp-*; SIGTERM after the rename into place: the line said "nothing was published". Now the folder is
-    ours until it is synced, and a stop after the rename says the output is whole."""
+    """SIGTERM while the finished folder is synced: the folder is ours (marked) until it is synced, so the cleanup
+    leaves no whole model in .out.tmp-*; SIGTERM after the rename into place says the output is whole, not that
+    nothing was published."""
     import signal
 
     import fsdp_recipes.ckpt.merge as merge_module

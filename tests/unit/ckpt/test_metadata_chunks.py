@@ -92,8 +92,8 @@ def test_a_chunk_without_a_record_is_refused(name):
 
 @pytest.mark.parametrize("name", [n for n in VALID if VALID[n][0]])
 def test_a_record_smaller_than_its_chunk_is_refused(name):
-    """(review) chunks of 200 and 274 rows over records of 237 rows each passed the check; the merge then failed on
-    the record. A plain record holds at least its chunk's bytes."""
+    """A plain record holds at least its chunk's bytes: chunks of 200 and 274 rows over records of 237 rows each are
+    refused by the check, not left for the merge to fail on."""
     import math
 
     shape, chunks = VALID[name]
@@ -109,8 +109,8 @@ def test_a_record_smaller_than_its_chunk_is_refused(name):
 
 
 def test_a_brick_layout_is_refused_in_the_time_it_takes_to_count_it():
-    """(review) staggered rows (a brick wall) tile the tensor with 2,000 chunks but cut it into ~10^6 grid cells:
-    1.6 s a tensor to walk, minutes over a file of them. Refused by its count, quickly."""
+    """Staggered rows (a brick wall) tile the tensor with 2,000 chunks but cut it into ~10^6 grid cells (1.6 s a
+    tensor to walk, minutes over a file of them): refused by its count, quickly."""
     import time
 
     n, chunks = 1000, []
@@ -154,7 +154,7 @@ def rewrite_chunks(folder: Path, key: str, change) -> None:
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
-def same_offsets(chunks):  # the hostile review's edit: rank 1's chunk claims rank 0's offsets
+def same_offsets(chunks):  # rank 1's chunk claims rank 0's offsets
     return [chunks[0], ChunkStorageMetadata(offsets=chunks[0].offsets, sizes=chunks[1].sizes)]
 
 
@@ -212,9 +212,8 @@ def test_the_real_checkpoint_before_the_edit_is_taken(run_dir, capsys):  # noqa:
 
 
 def test_shard_folders_copied_in_from_another_checkpoint_with_their_digests_are_refused(trained, tmp_path, capsys):
-    """checkpoint-6's shard folders and shard_digests.json copied into checkpoint-12 (the hostile review's FAIL 7): every
-    digest matches its file, so it passed as resumable and a resume wrote step 6's weights as step 12's model. The
-    digests now record their step (and each folder's .metadata): the copy is named by every reader."""
+    """checkpoint-6's shard folders and shard_digests.json copied into checkpoint-12: every digest matches its file,
+    yet a resume would write step 6's weights as step 12's model. The digests record their step (and each folder's .metadata): the copy is named by every reader."""
     from fsdp_recipes.ckpt.status import checkpoint_status
 
     source = trained("accelerate_configs/zero3.yaml").output_dir
@@ -250,8 +249,8 @@ def test_shard_folders_copied_in_from_another_checkpoint_with_their_digests_are_
 @pytest.mark.parametrize("manifest", ["its own", "checkpoint-6's"])
 @pytest.mark.parametrize("digests", ["checkpoint-6's", "checkpoint-6's without a step", "its own without a step"])
 def test_shard_folders_copied_in_with_digests_of_any_form_are_refused(trained, tmp_path, digests, manifest):
-    """The hostile review's W2: checkpoint-6's shard folders copied into checkpoint-12 with digests of an older version
-    (no step) passed. The manifest is sealed with the step its digests record, so a record of no step or another step is
+    """checkpoint-6's shard folders copied into checkpoint-12 with digests of an older version (no step) are refused
+    too. The manifest is sealed with the step its digests record, so a record of no step or another step is
     named whichever manifest came along; a checkpoint renamed (best) with its own files is still taken."""
     from fsdp_recipes.ckpt.status import checkpoint_status
 
@@ -282,8 +281,8 @@ def test_shard_folders_copied_in_with_digests_of_any_form_are_refused(trained, t
 @pytest.mark.parametrize("where", ["shard_digests.json", "model_description.json"])
 @pytest.mark.parametrize("value", [True, 12.0, "12", -1, None])
 def test_a_recorded_step_that_is_no_step_number_is_named(trained, tmp_path, where, value):
-    """(review) True passed as step 1 and 12.0 as 12; a manifest's step of another type was ignored, so removing or
-    retyping it in both records let an older version's digests through. A record without its step (None: removed)
+    """True is no step 1 and 12.0 no step 12; a manifest's step of another type is named, not ignored (removing or
+    retyping it in both records would let an older version's digests through). A record without its step (None: removed)
     is named too while the other record has one."""
     from fsdp_recipes.ckpt.status import checkpoint_status
 
@@ -309,8 +308,8 @@ def test_a_recorded_step_that_is_no_step_number_is_named(trained, tmp_path, wher
 
 
 def test_a_renamed_checkpoint_is_named_as_renamed_not_as_a_copy(trained, tmp_path, capsys):
-    """(review) checkpoint-12 renamed checkpoint-13: the merge said its shard folders were copied from another
-    checkpoint. Every record agrees on step 12 but the name: it says so, and the fix."""
+    """checkpoint-12 renamed checkpoint-13 is named as renamed, not as shard folders copied from another checkpoint.
+    Every record agrees on step 12 but the name: it says so, and the fix."""
     ckpt = tmp_path / "checkpoint-13"
     shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", ckpt)
     wanted = "checkpoint-13 was renamed: its trainer_state.json, shard_digests.json and model_description.json are of step 12; give it back its name checkpoint-12"

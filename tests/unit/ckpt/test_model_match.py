@@ -48,15 +48,15 @@ def test_same_model_matches_others_do_not(trained, config):
 
 
 def test_full_state_dict_bin_is_matched_too(trained, tmp_path):
-    """(hostile probe) A FULL_STATE_DICT checkpoint (pytorch_model_fsdp.bin, a torch.save file) skipped the check:
-    its shapes are read by the merge's weights-only, memory-mapped reader."""
+    """A FULL_STATE_DICT checkpoint (pytorch_model_fsdp.bin, a torch.save file) is checked too: its shapes are read
+    by the merge's weights-only, memory-mapped reader."""
     ckpt = (
         trained("accelerate_configs/zero3.yaml", launch_args=("--fsdp_state_dict_type", "FULL_STATE_DICT")).output_dir
         / "checkpoint-12"
     )
     assert (ckpt / "pytorch_model_fsdp.bin").is_file() and not (ckpt / "pytorch_model_fsdp_0").exists()
     assert model_mismatch(ckpt, *shapes(tiny())) is None
-    # (hostile review) the .bin is what the resume loads, and it was never read when model.safetensors lay beside it
+    # the .bin is what the resume loads: it is read even when model.safetensors lies beside it
     other = tmp_path / "checkpoint-12"
     shutil.copytree(ckpt, other)
     torch.save({"model.embed_tokens.weight": "hello", "x": [1, 2]}, other / "pytorch_model_fsdp.bin")
@@ -108,7 +108,7 @@ def resume_with_config(trained, tmp_path, changes: dict):
 
 
 def test_resuming_into_a_smaller_model_stops_before_loading(trained, tmp_path):
-    """The 4-layer run's checkpoint resumed into a 2-layer model (the hostile try: layers dropped, exit 0)."""
+    """The 4-layer run's checkpoint resumed into a 2-layer model stops before loading (not layers dropped, exit 0)."""
     run, proc = resume_with_config(trained, tmp_path, {"num_hidden_layers": 2})
     assert proc.returncode != 0, proc.stderr[-3000:]  # the launcher reports its ranks' exit 2 as 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
@@ -186,8 +186,7 @@ def test_a_manifest_claiming_a_tie_the_config_does_not_state_is_not_trusted(chec
 
 
 def test_a_manifest_edited_with_its_hashes_does_not_vouch_for_a_config(checkpoint, tmp_path):
-    """config.json edited to 3 layers and the manifest's hash of it updated (the hostile review's forgery): the
-    merge would have written a 3-layer config beside 4 layers of weights; transformers' check beside the copy
+    """config.json edited to 3 layers and the manifest's hash of it updated to match: the merge would have written a 3-layer config beside 4 layers of weights; transformers' check beside the copy
     refuses it in one line, and nothing is left behind."""
     import hashlib
 
@@ -218,7 +217,7 @@ def test_a_manifest_edited_with_its_hashes_does_not_vouch_for_a_config(checkpoin
     ],
 )
 def test_a_digest_entry_of_another_form_is_an_unreadable_record_not_a_swap(checkpoint, entry):
-    """(hostile review) an entry whose size was "x" was reported as a shard swapped with another rank's."""
+    """An entry of another form (a size of "x") is an unreadable record, not a shard swapped with another rank's."""
     from fsdp_recipes.ckpt.status import checkpoint_status
 
     digests = checkpoint / "shard_digests.json"
@@ -231,8 +230,7 @@ def test_a_digest_entry_of_another_form_is_an_unreadable_record_not_a_swap(check
 
 @pytest.mark.parametrize("how", ["deleted", "fifo", "nested"])
 def test_digests_announced_by_the_manifest_must_be_there(checkpoint, how, tmp_path):
-    """Swapping two ranks' shards and deleting (or replacing) shard_digests.json (the hostile review) no longer
-    hides the swap: the manifest, written before any shard, announces the digests."""
+    """Swapping two ranks' shards and deleting (or replacing) shard_digests.json does not hide the swap: the manifest, written before any shard, announces the digests."""
     from fsdp_recipes.ckpt.layout import SHARD_DIGESTS
     from fsdp_recipes.ckpt.merge import merge_checkpoint
     from fsdp_recipes.ckpt.status import checkpoint_status
@@ -280,8 +278,8 @@ def _with_model(tokenizer, model: dict) -> dict:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_is_named(tmp_path, seed):
-    """(hostile review) heads, rope, activation or norm changed with every shape kept, lora_alpha or dropout changed,
-    or a tokenizer whose ids are shuffled: each resumed and trained on without a word. Generated: any key of the
+    """Heads, rope, activation or norm changed with every shape kept, lora_alpha or dropout changed, or a tokenizer
+    whose ids are shuffled: each is named, never resumed and trained on without a word. Generated: any key of the
     model's config.json but the free ones, any LoRA key, a shuffled vocabulary; the same settings in another order match."""
     import random
 
@@ -410,8 +408,8 @@ def _other_tokenizers():
 
 @pytest.mark.parametrize("what,change,named", list(_other_tokenizers()), ids=[w for w, *_ in _other_tokenizers()])
 def test_a_checkpoint_saved_with_another_tokenizer_of_the_same_vocabulary_is_named(tmp_path, what, change, named):
-    """(hostile review, FAIL 3) a tokenizer with a Lowercase normalizer and another eos token resumed without a word:
-    only the vocabulary was compared, and transformers then wrote the new eos id into the next checkpoint's config.
+    """A tokenizer of the same vocabulary with a Lowercase normalizer or another eos token is not the checkpoint's
+    (comparing the vocabulary alone, transformers would write the new eos id into the next checkpoint's config).
     Each part changed alone is named; the same tokenizer, or its runtime truncation, is not."""
     from transformers import AutoTokenizer
 
@@ -509,9 +507,8 @@ def test_a_changed_optimizer_setting_is_named_never_dropped(seed):
     class Scheduler:
         base_lrs = [5e-05]
 
-    as_saved = [
-        dict(g, betas=list(g["betas"])) for g in asked
-    ]  # (hostile review) torch.save gives the betas back as a list
+    # torch.save gives the betas back as a list
+    as_saved = [dict(g, betas=list(g["betas"])) for g in asked]
     assert overridden_settings(asked, as_saved, "checkpoint-6") is None
     settings = optimizer_settings(Optimizer, Scheduler)
     assert settings == [ADAMW_GROUP]
@@ -547,8 +544,8 @@ def test_resuming_with_another_learning_rate_stops_before_the_first_step(trained
 
 
 def test_resuming_with_another_optimizer_is_one_line(trained, tmp_path):
-    """(hostile review) --optim sgd on resume of an AdamW checkpoint: every rank died with torch's
-    'Missing key in checkpoint state_dict: optimizer.param_groups.0.momentum'."""
+    """--optim sgd on resume of an AdamW checkpoint is one line, not torch's 'Missing key in checkpoint state_dict:
+    optimizer.param_groups.0.momentum' on every rank."""
     run = tmp_path / "run"
     shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
     proc = launch(
@@ -610,8 +607,8 @@ def test_a_weight_loaded_into_a_narrower_dtype_is_named(tmp_path, saved, live, f
 
 @pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
 def test_resuming_an_fp32_run_in_bf16_stops_before_the_first_step(trained, tmp_path, config):
-    """(hostile review, left twice) --dtype bfloat16 on the resume of an fp32 run rounded every master weight and
-    Adam state to bf16 without a word (both FSDP versions: here mixed precision is off, the parameters are bf16)."""
+    """--dtype bfloat16 on the resume of an fp32 run would round every master weight and Adam state to bf16 without a
+    word (both FSDP versions: here mixed precision is off, the parameters are bf16): it stops first."""
     run = tmp_path / "run"
     shutil.copytree(trained(config).output_dir / "checkpoint-6", run / "checkpoint-6")
     proc = launch(

@@ -185,8 +185,8 @@ def test_real_checkpoints_pass_every_check(checkpoint):
 
 @pytest.mark.parametrize("trick", ["concat", "case"])
 def test_zip_records_torch_reads_differently_from_zipfile(checkpoint, trick, tmp_path, capsys):
-    """A byte record that Python's zipfile reads as a harmless float and torch's zip reader as a payload (found by
-    the hostile review): refused before the resume, and by the guarded load itself."""
+    """A byte record that Python's zipfile reads as a harmless float and torch's zip reader as a payload: refused
+    before the resume, and by the guarded load itself."""
 
     from helpers import zip_differentials
 

@@ -1,9 +1,8 @@
 """The files a training run writes beside a checkpoint's shards (config.json, generation config, tokenizer, chat
 template; model_description.json records each one's hash when the save completes) are part of the checkpoint as the
-run left it. One deleted, cut short or changed since was taken as it was: a deleted config.json let a resume build
-the model from whatever config it was given, a truncated chat_template.jinja was copied into the merged folder (the
-hostile review's FAIL 7). Now check_checkpoint and the resume count it a problem and the merge refuses it, each
-naming the file and the fix; generated over every recorded file and four ways of changing it."""
+run left it. One deleted, cut short or changed since is a problem for check_checkpoint and the resume, and the merge
+refuses it, each naming the file and the fix (taken as it was, a deleted config.json would let a resume build the
+model from whatever config it was given, a truncated chat_template.jinja be copied into the merged folder); generated over every recorded file and four ways of changing it."""
 
 from __future__ import annotations
 
@@ -104,7 +103,7 @@ def test_config_from_base_model_and_a_removed_record_let_the_merge_go_on(run_dir
 
 @pytest.mark.parametrize("how", ["a fifo", "a folder", "cut short", "no files list"])
 def test_a_record_that_is_itself_damaged_is_named_too(run_dir, how, capsys):  # noqa: F811
-    """(review) model_description.json replaced by a FIFO made the check skip the seal and say resumable."""
+    """model_description.json itself damaged (a FIFO, ...) is named: the check never skips the seal and says resumable."""
     import os
 
     manifest = run_dir / "checkpoint-12" / "model_description.json"

@@ -1,9 +1,10 @@
-"""One resume decision per launch (issue 21): global rank 0 reads the checkpoints (each rank's RNG state once) after
+"""One resume decision per launch: global rank 0 reads the checkpoints (each rank's RNG state once) after
 the process group starts, every rank takes its decision, and ranks that see other checkpoints than rank 0 stop
 alike with one line naming who saw what, before anything is moved."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -14,7 +15,15 @@ from pathlib import Path
 import pytest
 from conftest import FAULT_SCRIPT, QUICK, launch, plain_checkpoint
 
-from fsdp_recipes.ckpt.resume import Sight, decide, disagreement, sight
+from fsdp_recipes.ckpt.resume import (
+    MAX_STALLED_REQUEUES,
+    REQUEUE_RECORD,
+    Sight,
+    check_requeue,
+    decide,
+    disagreement,
+    sight,
+)
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train import preflight
@@ -237,7 +246,7 @@ def _link(p: Path):
 
 @pytest.mark.parametrize("make", [_notes, _saved_model, _nested, _link], ids=lambda f: f.__name__.strip("_"))
 def test_a_folder_only_named_like_a_checkpoint_is_not_moved_aside(tmp_path, make):
-    """(hostile probe) `--resume_from_checkpoint true` renamed a user's folder called checkpoint-9 (and a link) to
+    """`--resume_from_checkpoint true` never renames a user's folder called checkpoint-9 (or a link) to
     incomplete-checkpoint-9 as if a save had died in it. Only a checkpoint's shape (or an empty folder) is set aside;
     anything else stops the resume, naming it, before anything moves."""
     from fsdp_recipes.ckpt.resume import resolve_resume
@@ -261,8 +270,8 @@ def test_an_empty_checkpoint_folder_is_still_a_dead_save(tmp_path):
 
 
 def test_a_save_killed_while_torch_renames_its_metadata_is_still_a_dead_save(tmp_path):
-    """(hostile review) torch's DCP writer writes .metadata.tmp, then renames it: a checkpoint killed between was
-    refused as 'named like a checkpoint but not one'. It is an incomplete checkpoint of ours, set aside as before."""
+    """torch's DCP writer writes .metadata.tmp, then renames it: a checkpoint killed between is an incomplete
+    checkpoint of ours, set aside, not refused as 'named like a checkpoint but not one'."""
     from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE
     from fsdp_recipes.ckpt.resume import resolve_resume
     from fsdp_recipes.removal import make_folder
@@ -302,3 +311,20 @@ def test_any_failure_of_rank_0s_resume_decision_becomes_its_error(tmp_path, monk
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     decision = decide(None, str(tmp_path))
     assert decision.path is None and decision.error and "the resume could not be decided" in decision.error
+
+
+def test_requeue_loop_without_progress_stops(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    ckpt = str(out / "checkpoint-9")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert check_requeue(str(out), ckpt) is None  # not a requeued job: nothing recorded
+    for restart in range(1, MAX_STALLED_REQUEUES + 1):  # the first requeue, then attempts that start where it did
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        record = check_requeue(str(out), ckpt)
+        assert record == {"restart": restart, "step": 9, "stalled": restart - 1}
+        (out / REQUEUE_RECORD).write_text(json.dumps(record))  # what preflight writes on rank 0
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(MAX_STALLED_REQUEUES + 1))
+    with pytest.raises(RecipeError, match=f"requeued {MAX_STALLED_REQUEUES} times in a row without a new checkpoint"):
+        check_requeue(str(out), ckpt)
+    assert check_requeue(str(out), str(out / "checkpoint-12"))["stalled"] == 0  # a newer checkpoint: progress

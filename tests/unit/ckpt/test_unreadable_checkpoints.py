@@ -1,4 +1,4 @@
-"""Issue 21 (cluster filesystems): a checkpoint another torch version wrote is "unreadable by this version", never
+"""A checkpoint another torch version wrote (a cluster filesystem shared by jobs of several versions) is "unreadable by this version", never
 "incomplete". A ``.metadata`` naming a dtype or DCP class the installed torch does not have is not passed over by
 ``--resume_from_checkpoint true``, not set aside, and no message offers ``--overwrite_output_dir`` for it; a dtype
 torch has but the merge does not convert is resumable, and the merge refuses it in one line.
@@ -393,8 +393,8 @@ def test_unknown_dtype_in_a_byte_record(tmp_path):
 
 
 def test_a_metadata_file_claiming_more_than_the_limit_is_not_read(tmp_path):
-    """(hostile review) an 8 KB sparse .metadata claiming 3 GB (a pickle opcode's length, then a hole) made the
-    checker and the merge read 3.2 GB into memory before refusing it; over the limit it is not read at all."""
+    """An 8 KB sparse .metadata claiming 3 GB (a pickle opcode's length, then a hole) is refused unread by the checker
+    and the merge: over the limit nothing is read into memory."""
     import resource
 
     from fsdp_recipes.ckpt.dcp_check import check_folder
@@ -417,8 +417,8 @@ def test_a_metadata_file_claiming_more_than_the_limit_is_not_read(tmp_path):
 
 @pytest.mark.parametrize("kind", ["oversized", "missing keys", "not a mapping", "as the Trainer writes"])
 def test_rng_state_files_are_bounded_and_shaped_before_a_resume_uses_them(tmp_path, kind):
-    """(hostile review) a sparse 3 GB rng_state_1.pth was read whole and the checkpoint called resumable; one without
-    the Trainer's keys was chosen for the resume and rank 1 died in the Trainer with KeyError: 'python'."""
+    """A sparse 3 GB rng_state_1.pth is not read whole nor called resumable, and one without the Trainer's keys is not
+    chosen for the resume (rank 1 would die in the Trainer with KeyError: 'python')."""
     import random
 
     import numpy as np

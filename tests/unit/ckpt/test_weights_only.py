@@ -425,8 +425,8 @@ PICKLED = {
 
 @pytest.mark.parametrize("case", sorted(PICKLED))
 def test_a_checkpoint_of_pickled_weights_is_never_offered_for_deletion_nor_deleted(tmp_path, case):
-    """Review of this change (F1): transformers 4's .bin checkpoints were INCOMPLETE, 'pass --overwrite_output_dir true
-    to delete them', and on the flag's list. The files are written as bytes: nothing here unpickles them."""
+    """transformers 4's .bin checkpoints are kept as ones that may be good: never called INCOMPLETE, never on
+    --overwrite_output_dir's list, never deleted. The files are written as bytes: nothing here unpickles them."""
     run = tmp_path / "run"
     ckpt = run / "checkpoint-4"
     ckpt.mkdir(parents=True)

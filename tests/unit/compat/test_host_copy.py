@@ -121,7 +121,7 @@ def test_in_place_hands_host_tensors_to_the_writer_as_they_are_and_copies_nothin
 
 def test_an_optimizer_that_moves_weights_outside_its_step_keeps_the_host_copy():
     """Schedule-free optimizers rewrite the weights in train()/eval(), which the Trainer calls around steps and
-    evaluation, outside the step the in-place write holds back: such runs stage a host copy. Found by review."""
+    evaluation, outside the step the in-place write holds back: such runs stage a host copy."""
     from types import SimpleNamespace
 
     from fsdp_recipes.train.async_checkpoints import AsyncCheckpoints

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, free_port, run
 
+from fsdp_recipes.config import trl_recipe
 from fsdp_recipes.config.model_source import qlora_problem
 from fsdp_recipes.config.parse import DEFAULT_RECIPE, parse_args
 from fsdp_recipes.errors import RecipeError
@@ -400,7 +401,7 @@ TRANSFORMERS_4_NAMES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(TRANSFORMERS_4_NAMES))
+@pytest.mark.parametrize("name", sorted(set(TRANSFORMERS_4_NAMES) - set(trl_recipe.RENAMED)))
 @pytest.mark.parametrize("given_as", ["flag", "recipe key"])
 def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, name, given_as):
     """Recipes and habits from transformers 4 carry names transformers 5 removed: the line names what replaced them
@@ -427,6 +428,37 @@ def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, 
         assert new in fields and new in message, message
     else:
         assert "transformers 5" in message or "accelerate config" in message, message
+
+
+RENAMED_VALUES = {"evaluation_strategy": "steps", "per_gpu_train_batch_size": 3, "per_gpu_eval_batch_size": 3}
+RENAMED_VALUES |= {"push_to_hub_model_id": "me/model", "push_to_hub_token": "hf_x"}
+
+
+@pytest.mark.parametrize("name", sorted(trl_recipe.RENAMED))
+@pytest.mark.parametrize("given_as", ["flag", "recipe key"])
+def test_a_transformers_4_name_of_a_renamed_setting_is_taken_and_said_once(tmp_path, name, given_as, capsys):
+    """TRL and handbook recipes still carry transformers 4's names of settings transformers 5 only renamed: they are
+    read as the new name, said once in one line."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    new, value = trl_recipe.RENAMED[name], RENAMED_VALUES[name]
+    assert name not in {f.name for f in dataclasses.fields(TrainingArguments)} and new in {
+        f.name for f in dataclasses.fields(TrainingArguments)
+    }
+    recipe = tmp_path / "recipe.yaml"
+    base = f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n"
+    recipe.write_text(base + ("validation_split_percentage: 10\n" if name == "evaluation_strategy" else ""))
+    if given_as == "flag":
+        argv = [str(recipe), f"--{name}", str(value), "--output_dir", str(tmp_path / "out"), *NO_FSDP]
+    else:
+        recipe.write_text(recipe.read_text() + f"{name}: {value}\n")
+        argv = [str(recipe), "--output_dir", str(tmp_path / "out"), *NO_FSDP]
+    _, _, plan = parse_args(argv)
+    said = [line for line in capsys.readouterr().err.splitlines() if name in line]
+    assert len(said) == 1 and new in said[0], said
+    assert str(getattr(plan.raw, new)) == str(value)
 
 
 EVAL_DATA = ("--validation_split_percentage", "10")
@@ -468,7 +500,7 @@ def test_do_flags_the_trainer_ignores_are_refused_where_they_would_mean_otherwis
 )
 def test_the_best_checkpoint_by_perplexity_is_the_lowest(tmp_path, metric, given, expected):
     """eval_perplexity is logged on every evaluation here; the Trainer takes a metric not ending in 'loss' as
-    greater-is-better and kept the worst checkpoint (review of TrainingArguments habits): the direction is set,
+    greater-is-better and would keep the worst checkpoint: the direction is set,
     unless greater_is_better is given. Checked on the TrainingArguments the run builds."""
     from fsdp_recipes.train import preflight
 
@@ -493,8 +525,8 @@ def test_the_best_checkpoint_by_perplexity_is_the_lowest(tmp_path, metric, given
 
 @pytest.mark.parametrize("fsdp", ["shard_grad_op auto_wrap", "full_shard", "true"])
 def test_the_trainers_fsdp_flag_beside_an_accelerate_fsdp_launch_is_refused(tmp_path, monkeypatch, fsdp):
-    """It won over the launch's config: the run trained SHARD_GRAD_OP under zero3.yaml while run_args.json recorded
-    the config's FULL_SHARD (review of TrainingArguments habits). The launch's settings come from FSDP_* variables here
+    """It would win over the launch's config: the run would train SHARD_GRAD_OP under zero3.yaml while run_args.json
+    recorded the config's FULL_SHARD. The launch's settings come from FSDP_* variables here
     (torchrun with ACCELERATE_USE_FSDP, or accelerate launch's own); without them, --fsdp is the torchrun route."""
     env = {
         "ACCELERATE_USE_FSDP": "true",
@@ -514,6 +546,6 @@ def test_the_trainers_fsdp_flag_beside_an_accelerate_fsdp_launch_is_refused(tmp_
 
 @pytest.mark.parametrize("metric", ["accuracy", "eval_ppl", "eval_f1", "bleu"])
 def test_a_best_model_metric_no_evaluation_reports_is_refused_before_training(tmp_path, metric):
-    """The Trainer's KeyError came at the first evaluation with a save, mid-run (final review W5)."""
+    """One line before training, not the Trainer's KeyError at the first evaluation with a save, mid-run."""
     with pytest.raises(RecipeError, match=f"metric_for_best_model='{metric}' is not reported"):
         parse_args(["--metric_for_best_model", metric, *EVAL_DATA, "--output_dir", str(tmp_path), *NO_FSDP])

@@ -575,7 +575,7 @@ def test_a_section_that_is_not_a_mapping_is_the_one_error(key, value):
 
 
 def test_a_missing_num_processes_is_named_missing():
-    """(review) it read "num_processes: -1 is not a positive integer", a value nobody wrote."""
+    """Not "num_processes: -1 is not a positive integer", a value nobody wrote."""
     shipped = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
     problems = errors(check_settings({k: v for k, v in shipped.items() if k != "num_processes"}, "x.yaml"))
     assert [str(p) for p in problems if p.key == "num_processes"] and "num_processes: missing" in str(problems[0]), (
@@ -646,8 +646,8 @@ dist.destroy_process_group()
     "recipe", sorted((REPO / "recipes").glob("*/*.yaml")), ids=lambda p: p.relative_to(REPO / "recipes").as_posix()
 )
 def test_a_recipe_given_as_the_config_is_one_error_saying_so(recipe):
-    """(hostile review W7) a recipe given where the accelerate config goes was an "unknown key" error per recipe key
-    with accelerate's whole key list each time, and "distributed_type None"."""
+    """A recipe given where the accelerate config goes is one error saying so, not an "unknown key" error per recipe
+    key with accelerate's whole key list each time, and "distributed_type None"."""
     problems = check_config(recipe)
     assert (
         len(problems) == 1 and "it is not an accelerate config" in problems[0].message and "--recipe" in problems[0].fix

@@ -146,8 +146,8 @@ def test_a_record_holding_a_character_only_str_splitlines_ends_lines_at_loads(tm
 
 @pytest.mark.parametrize("lines_per_cell", [2, 7, 40])
 def test_a_csv_over_the_sample_with_multi_line_cells_before_the_text_loads(tmp_path, tokenizer, lines_per_cell):
-    """The first MiB ends inside a quoted cell of many lines, before the text column: the cut row was judged, as a row
-    whose text cell is empty (final review F3). The last row read is not judged; datasets loads the file."""
+    """The first MiB ends inside a quoted cell of many lines, before the text column: the last row read, cut short, is
+    not judged (as a row whose text cell is empty); datasets loads the file."""
     import csv
 
     path = tmp_path / "data.csv"
@@ -313,6 +313,63 @@ def _args():
     from types import SimpleNamespace
 
     return SimpleNamespace(text_column="text", messages_column="messages", data_format="auto")
+
+
+# ----- 4. records and cells that are not text, and files that only look odd -----
+
+CHAT_OK = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+BAD_JSONL = {
+    "text null": ([{"text": "a"}, {"text": None}], "record 2: 'text' is null, not text"),
+    "text number": ([{"text": 5}], "record 1: 'text' is a int (5), not text"),
+    "text list": ([{"text": ["a"]}], "record 1: 'text' is a list"),
+    "text object": ([{"text": {"a": 1}}], "record 1: 'text' is a dict"),
+    "chat content null": (
+        [CHAT_OK, {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}],
+        "record 2: a 'user' turn's 'content' is null, not text",
+    ),
+    "chat content number": (
+        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3.5}]}],
+        "record 1: a 'assistant' turn's 'content' is a float",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_JSONL))
+def test_records_that_are_not_text_are_named(tmp_path, case):
+    records, expected = BAD_JSONL[case]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    problem = train_file_problem(path, _args())
+    assert problem and expected in problem, problem
+
+
+@pytest.mark.parametrize(
+    "rows, expected",
+    [
+        ("text,label\nhello,1\n,2\n", "line 3: the 'text' cell is empty"),
+        ("text,label\nhello,1\n   ,2\n", "line 3: the 'text' cell is empty"),
+        ("body,label\nhello,1\n", "has no 'text' column"),
+        ("text,label\nhello,1\nworld,2\n", None),
+    ],
+)
+def test_csv_cells(tmp_path, rows, expected):
+    path = tmp_path / "d.csv"
+    path.write_text(rows)
+    problem = train_file_problem(path, _args())
+    assert (problem is None) if expected is None else (problem and expected in problem), problem
+
+
+def test_files_datasets_reads_are_accepted(tmp_path):
+    """A byte-order mark and a first record longer than the sampled MiB: datasets reads both."""
+    from datasets import load_dataset
+
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"text": "hello"}\n{"text": "world"}\n')
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps({"text": "x" * (1 << 21)}) + "\n" + json.dumps({"text": "y"}) + "\n")
+    for path in (bom, big):
+        assert train_file_problem(path, _args()) is None, path
+        assert len(load_dataset("json", data_files=str(path), split="train")) == 2  # and datasets does read it
 
 
 NOT_A_FILE = {

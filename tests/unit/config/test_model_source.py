@@ -1,9 +1,9 @@
 """Model folders as users find them (the hub, a colleague, a download): whatever they hold, nothing in them runs or is
 unpickled, no file outside them is read, and a folder that cannot be loaded that way is one line before anything
 starts, from every entry point that reads a model: train_fsdp.py's arguments, check_config.py, estimate_memory.py,
-the launch-time position check and the merge's reader. (Hostile review, session 26: a folder's `auto_map` code ran
-after transformers' "run the custom code? [y/N]" prompt, a shard index read /etc/passwd, a .bin was unpickled, a
-config of 1,000,000 layers hung the tools.)"""
+the launch-time position check and the merge's reader: no folder's `auto_map` code runs, even after transformers'
+"run the custom code? [y/N]" prompt is answered yes; no shard index reads /etc/passwd; no .bin is unpickled; no
+config of 1,000,000 layers hangs the tools."""
 
 from __future__ import annotations
 
@@ -273,7 +273,7 @@ def test_a_config_of_more_layers_than_any_model_is_one_line_not_a_hang(key, wher
         config[key] = 10**6
     elif where == "text_config":
         config["text_config"] = {key: 10**6}
-    else:  # (second review) a config inside a config inside it
+    else:  # a config inside a config inside it
         config["text_config"] = {"decoder": {key: 10**6}}
     (folder / "config.json").write_text(json.dumps(config))
     assert config_size_problem(str(folder)) is not None and "1000000" in config_size_problem(str(folder))[0]
@@ -398,8 +398,8 @@ def test_a_hub_dataset_id_is_asked_of_the_hub_once_before_anything_starts(answer
     "value", ["1000000", 1e6, 32.0, -3, True, [4]], ids=["string", "float", "whole-float", "negative", "bool", "list"]
 )
 def test_a_layer_count_that_is_no_whole_number_is_one_line(value, tmp_path):
-    """(second review) "1000000" or 1e6 passed the check and ended in a traceback of transformers' config validation
-    in the tools and on every rank; -3 built a model of no layers and estimated negative memory."""
+    """A layer count of "1000000", 1e6 or -3 is one line, not a traceback of transformers' config validation in the
+    tools and on every rank, nor a model of no layers with negative memory."""
     from fsdp_recipes.config.model_source import config_size_problem
 
     folder = tmp_path / "odd"
@@ -412,7 +412,7 @@ def test_a_layer_count_that_is_no_whole_number_is_one_line(value, tmp_path):
 
 
 def test_a_tokenizer_class_transformers_lacks_without_code_is_taken(tmp_path):
-    """(second review, a false refusal) bigscience/bloom ships tokenizer_class BloomTokenizerFast, which transformers
+    """bigscience/bloom ships tokenizer_class BloomTokenizerFast, which transformers
     5.23 lacks as a name and loads as its tokenizers backend with trust_remote_code=False: no code, no refusal.
     With an auto_map naming code for it, it is refused (test_a_folders_own_code_never_runs_and_is_named)."""
     from transformers import AutoTokenizer
@@ -450,8 +450,8 @@ def test_a_model_type_transformers_lacks_without_code_is_named_as_such(tmp_path)
 )
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 def test_weights_that_are_no_safetensors_file_are_one_line(kind, sharded, weights, tmp_path):
-    """(second review) a git-lfs pointer (a clone without LFS) or a link to /etc/passwd as model.safetensors passed
-    every check and failed on every rank with safetensors' "header too large"; its header is read first now."""
+    """A git-lfs pointer (a clone without LFS) or a link to /etc/passwd as model.safetensors is one line: its header
+    is read before anything starts, not left to fail on every rank with safetensors' "header too large"."""
     from fsdp_recipes.config.model_source import model_source_problem
 
     folder = tmp_path / "model"
@@ -484,7 +484,7 @@ def test_weights_that_are_no_safetensors_file_are_one_line(kind, sharded, weight
 
 
 def test_the_tools_ask_the_hub_once_for_a_model_id_not_in_the_cache(monkeypatch):
-    """(second review) estimate_memory.py took 26 s of retries and ended in three lines; check_config.py 27 s."""
+    """estimate_memory.py and check_config.py ask once and say it in one line (not 26 s of retries, three lines)."""
     import huggingface_hub
 
     from fsdp_recipes.config import model_source
@@ -531,7 +531,7 @@ def test_a_name_that_is_neither_a_folder_nor_a_hub_id_is_one_line(name, tmp_path
     ],
 )
 def test_estimate_memory_names_a_model_text_that_is_no_count_path_or_hub_id(text, said):
-    """(hostile review W6) '7,000,000,000' got huggingface_hub's repo-name rules as its error."""
+    """'7,000,000,000' is named as no count, path or hub id, not given huggingface_hub's repo-name rules."""
     from fsdp_recipes.config.memory import model_shape
 
     with pytest.raises(ValueError, match=re.escape(said)):

@@ -447,8 +447,8 @@ def test_tilde_of_no_user_is_one_line(home):
 
 @pytest.mark.parametrize("installed", [False, True])
 def test_a_hub_kernel_as_attention_needs_the_kernels_package(installed, monkeypatch, tmp_path):
-    """(second review) --attn_implementation kernels-community/flash-attn passed and failed on every rank with
-    "kernels is either not installed"."""
+    """--attn_implementation kernels-community/flash-attn without the kernels package is one line before anything
+    starts, not "kernels is either not installed" on every rank."""
     from fsdp_recipes.config import packages
 
     monkeypatch.setattr(packages, "module_found", lambda module: installed if module == "kernels" else True)
@@ -472,7 +472,7 @@ OPTIM_ARGS = [
 @pytest.mark.parametrize("optim, optim_args, key", OPTIM_ARGS)
 def test_optim_args_the_optimizer_would_ignore_are_refused(tmp_path, optim, optim_args, key):
     """transformers' AdamW builders never read optim_args: --optim_args amsgrad=True trained without amsgrad, without a
-    word (review of TrainingArguments habits). Refused exactly where transformers' optimizer kwargs lack the value."""
+    word. Refused exactly where transformers' optimizer kwargs lack the value."""
     import torch
     from transformers import Trainer, TrainingArguments
 

@@ -67,10 +67,11 @@ def test_keys_without_a_meaning_here_are_named_in_one_line(workdir, monkeypatch)
     message = str(err.value)
     assert "\n" not in message
     trl, _, unknown = message.partition("unknown key(s)")
-    for key in ("chat_template", "dataset_mixture", "eval_packing", "loss_type", "model_revision"):
-        assert re.search(rf"\b{key}\b", trl), (key, message)
-    assert "wamrup_steps (did you mean warmup_steps?)" in unknown and "warmup_ratio" in unknown, message
-    for meaningful in ("max_seq_length", "dataset_num_proc", "packing", "torch_dtype"):
+    assert "eval_packing (evaluation data is prepared as the training data is" in trl, message
+    assert "loss_type (the loss is the model's token-level cross-entropy (TRL's nll))" in trl, message
+    assert "wamrup_steps (did you mean warmup_steps?)" in unknown, message
+    taken = ("max_seq_length", "dataset_num_proc", "packing", "torch_dtype", "chat_template", "dataset_mixture")
+    for meaningful in (*taken, "model_revision", "warmup_ratio"):
         assert not re.search(rf"\b{meaningful}\b", message), (meaningful, message)
 
 
@@ -123,8 +124,9 @@ def test_trl_flags_without_an_equivalent_are_named_with_the_other_unknown_flags(
             ]
         )
     assert str(err.value).startswith(
-        "flags: TRL flag(s) with no equivalent here: padding_free, eval_packing; unknown "
-        "flag(s): learnig_rate (did you mean learning_rate?)"
+        "flags: TRL flag(s) with no equivalent here: padding_free (padding-free batches come with packing here: "
+        "set packing: padding_free), eval_packing (evaluation data is prepared as the training data is (TRL's "
+        "eval_packing unset)); unknown flag(s): learnig_rate (did you mean learning_rate?)"
     ), str(err.value)
 
 
@@ -231,7 +233,7 @@ def test_a_trl_setting_the_data_cannot_take_is_refused_at_parse_time_as_loading_
     tmp_path, monkeypatch, kind, setting
 ):
     """What loading the data decides (train/data.py, from its columns) is decided before the launch for a local
-    file, with the same line: it came after every rank had started and loaded the data (hostile review W9)."""
+    file, with the same line, not after every rank has started and loaded the data."""
     from transformers import AutoTokenizer
 
     import fsdp_recipes.config.arguments as arguments

@@ -91,7 +91,7 @@ YAML_ONLY = {
     "key_that_is_a_number": b"1: one\n",
     "10000_unknown_keys": "".join(f"unknown_key_{i}: {i}\n" for i in range(10_000)).encode(),  # within the size limit
 }
-UNKNOWN_KEYS_60MB = "unknown_keys_60MB"  # the hostile tester's: 60 MB of `key: value` lines
+UNKNOWN_KEYS_60MB = "unknown_keys_60MB"  # 60 MB of `key: value` lines
 
 
 def yaml_cases(folder: Path) -> dict[str, str]:
@@ -394,7 +394,7 @@ def finished_step_reader(ckpt: str):
 @pytest.mark.parametrize("case", [c for c in checkpoint_plan() if c.startswith("trainer_state.json")])
 def test_the_resumes_read_of_the_finished_step(checkpoints, case, capsys):
     """Each case as if trainer_state.json changed after the resume was decided (the decision refuses them all): a step
-    number other than the folder's (checkpoint-3) too, not only a file that is no step at all (hostile review)."""
+    number other than the folder's (checkpoint-3) too, not only a file that is no step at all."""
     assert bounded(finished_step_reader, checkpoints["pristine"], capsys=capsys)["outcome"] == STEP
     result = bounded(finished_step_reader, checkpoints[case], capsys=capsys)
     assert result["outcome"] == "RecipeError", result

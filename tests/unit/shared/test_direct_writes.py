@@ -112,8 +112,8 @@ def _open_descriptors() -> set[str]:
 
 
 def test_ctrl_c_at_any_line_of_sync_entries_leaks_no_descriptor(tmp_path, monkeypatch):
-    """(left open a session) sync_entries opened the folder with os.open: an interrupt landing after it returned and
-    before the try that closes it leaked the descriptor. Generated: a KeyboardInterrupt at each line, in turn, that
+    """An interrupt anywhere in sync_entries leaks no descriptor (the folder it opens with os.open is closed even when
+    the interrupt lands between the open and the try that closes it). Generated: a KeyboardInterrupt at each line, in turn, that
     this module runs in the caller's thread for one sync_entries, until a call runs through; then, once every thread
     the calls started has ended (one may not even have run when the interrupt reaches the caller), none is open."""
     started, ended = [], []
@@ -294,8 +294,8 @@ def test_an_error_in_the_writer_thread_is_raised_by_close_or_the_next_write(tmp_
 
 @pytest.mark.parametrize("then", ["write", "copy_from", "close"])
 def test_a_failed_write_fails_every_later_call_never_a_whole_looking_file(tmp_path, monkeypatch, then):
-    """(review) The writer thread's error was raised once and forgotten: the next write went on past the chunk that was
-    never written, and close succeeded on a file of the full size with 32 MiB of zeros in it."""
+    """The writer thread's error is raised again by every later write and by close: the file never goes on past a
+    chunk that was not written (a close that succeeded would leave 32 MiB of zeros in a file of the full size)."""
     real_pwrite = os.pwrite
 
     def failing_once(fd, data, offset):
@@ -324,8 +324,8 @@ def test_a_failed_write_fails_every_later_call_never_a_whole_looking_file(tmp_pa
 
 
 def test_a_signal_while_waiting_for_the_writer_leaves_its_write_to_the_next_wait(tmp_path, monkeypatch):
-    """(review) Ctrl-C while write() waited for the writer thread forgot that write: close neither waited for it nor
-    raised its error."""
+    """A write that Ctrl-C interrupts while it waits for the writer thread is not forgotten: close waits for it and
+    raises its error."""
     import threading
 
     real_pwrite, release = os.pwrite, threading.Event()
@@ -355,8 +355,8 @@ def test_a_signal_while_waiting_for_the_writer_leaves_its_write_to_the_next_wait
 
 
 def test_a_file_dropped_unclosed_during_a_write_closes_its_descriptor(tmp_path, monkeypatch):
-    """(review) Its last reference was the writer's work item: the finalizer's close ran in the writer thread, whose
-    join of itself raised before the descriptor was closed."""
+    """A file whose last reference is the writer's work item is closed by its finalizer in the writer thread: the
+    descriptor is closed, the thread never joins itself."""
     import gc
     import threading
     import time
@@ -381,8 +381,8 @@ def test_a_file_dropped_unclosed_during_a_write_closes_its_descriptor(tmp_path, 
 
 
 def test_while_the_interpreter_finalizes_the_full_buffer_is_written_by_the_caller(tmp_path, monkeypatch):
-    """(review) A background save still writing while the interpreter exits (AsyncCheckpoints.abandon lets it finish
-    its files) failed its hand-off; once it finalizes, no thread may run again: the caller writes."""
+    """A background save still writing while the interpreter exits (AsyncCheckpoints.abandon lets it finish its
+    files) writes on: once the interpreter finalizes no thread may start, so the caller writes itself."""
     monkeypatch.setattr(direct_writes.sys, "is_finalizing", lambda: True)
 
     def no_thread(self):
@@ -424,7 +424,7 @@ def test_abort_returns_only_after_the_write_under_way_has_ended(tmp_path, monkey
 
 def test_a_failed_close_is_raised_as_itself_and_never_closes_the_number_twice(tmp_path, monkeypatch):
     """Linux frees a descriptor even when close fails (EIO, NFS's EDQUOT): closing that number again could close a
-    file another thread has opened since (found by review)."""
+    file another thread has opened since."""
     real_close, closed = direct_writes._Descriptor.close, []
 
     def failing(self):
@@ -447,8 +447,8 @@ def test_a_failed_close_is_raised_as_itself_and_never_closes_the_number_twice(tm
 
 
 def test_the_file_is_finished_where_it_was_opened_even_if_its_folder_moved(tmp_path):
-    """The last partial block goes through the descriptor already open, not the path (found by review: a rename
-    meanwhile lost the tail, or could have put it into another file at the old path)."""
+    """The last partial block goes through the descriptor already open, not the path: a rename meanwhile neither
+    loses the tail nor puts it into another file at the old path."""
     (tmp_path / "a").mkdir()
     data = os.urandom(CHUNK + BLOCK + 123)
     f = DirectFile(tmp_path / "a" / "x")
@@ -694,9 +694,8 @@ class _Interrupts:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_nor_a_hang(tmp_path, monkeypatch, seed):
-    """(hostile review, left open a session) Ctrl-C landing inside a hand-off (between queueing a buffer and counting
-    it, inside concurrent.futures' locks) made a later close succeed on a file with a gap, or abort wait for good.
-    Generated: a KeyboardInterrupt raised at each line, in turn, that this module runs for a sequence of writes,
+    """Ctrl-C landing inside a hand-off (between queueing a buffer and counting it, inside concurrent.futures' locks)
+    never lets a later close succeed on a file with a gap, nor abort wait for good. Generated: a KeyboardInterrupt raised at each line, in turn, that this module runs for a sequence of writes,
     copies and a close (64 KiB chunks, so every hand-off is reached); then the caller goes on as if nothing happened.
     A close that succeeds gave every piece whole or not at all (the one cut short entirely in or entirely out: a write
     cut short after it changed anything fails every later call), and after a close cut short the whole file; nothing
@@ -795,9 +794,9 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
 
 
 def test_a_close_cut_short_twice_never_returns_on_a_torn_file(tmp_path, monkeypatch):
-    """(hostile review) Two Ctrl-Cs in one close: the second inside _release after the descriptor was closed made the
-    next close take the 'open failed' path and return on a short file; inside abort after _drain had counted its
-    bytes, the next close finished the file again and wrote a block twice. Generated over pairs of line events (the
+    """Two Ctrl-Cs in one close, the second anywhere: inside _release after the descriptor was closed, the next close
+    must not take the 'open failed' path and return on a short file; inside abort after _drain had counted its bytes,
+    it must not finish the file again and write a block twice. Generated over pairs of line events (the
     second counted from the first; a raising tracer is unset, so a profile hook re-arms it), the caller then closing
     up to three times: a close that returns has the whole file."""
 
@@ -824,8 +823,8 @@ def test_a_close_cut_short_twice_never_returns_on_a_torn_file(tmp_path, monkeypa
 
 
 def test_a_forked_child_does_not_wait_for_the_parents_writer_thread(tmp_path, monkeypatch):
-    """(hostile review) After os.fork the child has no writer thread: its close or abort of an inherited file waited
-    for good. It raises (close) or returns (abort) at once; the parent's file is written whole."""
+    """After os.fork the child has no writer thread: its close of an inherited file raises and its abort returns, at
+    once (neither waits for good); the parent's file is written whole."""
     import threading
     import time
 
@@ -868,8 +867,8 @@ def test_a_forked_child_does_not_wait_for_the_parents_writer_thread(tmp_path, mo
 
 
 def test_an_exception_as_the_open_returns_leaves_no_descriptor_open(tmp_path, monkeypatch):
-    """(hostile review) A signal's exception right after os.open returned, before the number was stored, left it open
-    and owned by nothing (10,923 descriptors in ~46k real interrupts). Simulated at that point, however the file is
+    """A signal's exception right after os.open returned, before the number is stored, leaves no descriptor open and
+    owned by nothing (unguarded: 10,923 descriptors in ~46k real interrupts). Simulated at that point, however the file is
     opened: the descriptor exists, then KeyboardInterrupt."""
     import gc
 

@@ -563,9 +563,9 @@ def _stock_trainer_run(out: Path) -> None:
 
 
 def test_a_stock_trainers_finished_run_is_not_taken_for_ours(tmp_path):
-    """(hostile probe) A new run into a stock Trainer's finished output_dir overwrote its trainer_state.json and
-    train_results.json, merged into its all_results.json and put model/ beside its model: the names are the same as
-    ours. Without our run_args.json they are another tool's, refused before anything starts, for a new run and a resume."""
+    """A stock Trainer's finished output_dir is another tool's, refused before anything starts, for a new run and a
+    resume: its trainer_state.json, train_results.json and all_results.json have our names, and without our
+    run_args.json a run would overwrite or merge into them and put model/ beside its model."""
     out = tmp_path / "stock"
     _stock_trainer_run(out)
     assert (out / "trainer_state.json").is_file() and (out / "all_results.json").is_file()  # the case is real
@@ -612,7 +612,7 @@ def test_a_record_of_a_finished_run_is_ours_only_beside_run_args(tmp_path, name)
 @pytest.mark.parametrize("kind", ["old", "tmp"])
 @pytest.mark.parametrize("whose", ["dead here", "alive here", "another host"])
 @pytest.mark.parametrize("out_exists", [False, True])
-@pytest.mark.parametrize("name", ["out", "run[1]"])  # (review) a name glob reads as a pattern hid its neighbours
+@pytest.mark.parametrize("name", ["out", "run[1]"])  # a name that globs as a pattern must not hide its neighbours
 def test_what_a_merge_moved_aside_is_restored_or_named_never_passed_over(tmp_path, kind, whose, out_exists, name):
     """A folder a merge into ``out`` moved aside (.old-) or finished (.tmp-): of a killed merge here, the earlier
     output goes back when ``out`` is missing, anything else is kept and named; of a merge on another host or of a
@@ -650,8 +650,8 @@ def test_what_a_merge_moved_aside_is_restored_or_named_never_passed_over(tmp_pat
 
 @pytest.mark.parametrize("killed_at", [1, 2])
 def test_a_merge_killed_between_its_renames_loses_nothing(merge_checkpoint_dir, tmp_path, monkeypatch, killed_at):
-    """(hostile probe) --overwrite moves the earlier output aside, then the result in: a merge killed between the two
-    left no output and the earlier model hidden as .out.old-*. The next merge puts it back before deciding anything
+    """--overwrite moves the earlier output aside, then the result in: a merge killed between the two leaves no output
+    and the earlier model hidden as .out.old-*. The next merge puts it back before deciding anything
     (here it then refuses to replace it without --overwrite), and names the finished result the killed one left."""
     import fsdp_recipes.ckpt.merge as merge_module
     import fsdp_recipes.ckpt.merge_output as merge_output
@@ -689,8 +689,8 @@ def test_a_merge_killed_between_its_renames_loses_nothing(merge_checkpoint_dir, 
 
 @pytest.mark.parametrize("pid", [0, -1, -os.getpgrp()])
 def test_no_process_number_is_alive(pid):
-    """(review) kill(0, 0) asks about this process group, kill(-n, 0) about group n: a staging or lock name with such
-    a number was taken for a live process's, and kept for good."""
+    """kill(0, 0) asks about this process group, kill(-n, 0) about group n: a staging or lock name with such a number
+    is no live process's, and is not kept for good."""
     from fsdp_recipes.removal import process_alive
 
     assert not process_alive(pid) and process_alive(os.getpid())
@@ -717,8 +717,8 @@ MOUNT_CASES = [
 
 @pytest.mark.parametrize("how, inside", MOUNT_CASES)
 def test_a_mount_point_inside_is_never_removed_through(tmp_path, how, inside):
-    """(hostile review) A bind mount of another folder looks like any folder (same device, no link): rmtree emptied
-    another run's checkpoint mounted into this one (--overwrite_output_dir, rotation). Generated over where the mount
+    """A bind mount of another folder looks like any folder (same device, no link), and rmtree would empty another
+    run's checkpoint mounted into this one (--overwrite_output_dir, rotation). Generated over where the mount
     sits and each function that removes a folder: refused in one line, the mounted folder whole."""
     precious = tmp_path / "precious"
     precious.mkdir()

@@ -157,3 +157,18 @@ def test_padding_free_batch_gives_each_document_its_own_logits(tokenizer, attent
         assert not torch.allclose(
             concatenated[second], model(input_ids=torch.tensor([dataset[1]["input_ids"]])).logits[0], atol=1e-3
         )
+
+
+def test_a_null_past_the_sample_is_one_error_not_a_tokenizer_traceback():
+    """A null text the checks before the run did not sample is one RecipeError from pack_text, not a tokenizer's."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.train.modeling import load_tokenizer
+
+    plain = {"text_column": "text", "messages_column": "messages", "data_format": "auto"}
+    tokenizer = load_tokenizer(
+        SimpleNamespace(**plain, tokenizer_name=str(REPO / "assets" / "tiny-llama"), trust_remote_code=False)
+    )
+    raw = Dataset.from_dict({"text": ["fine", None]})
+    with pytest.raises(RecipeError, match="a record's 'text' is null, not text"):
+        pack_text(raw, tokenizer, SimpleNamespace(**plain, block_size=8, preprocessing_num_workers=None))

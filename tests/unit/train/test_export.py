@@ -1,4 +1,4 @@
-"""The final export (fsdp_recipes/train/export.py, issue 21): every rank writes its part of the model folder, no
+"""The final export (fsdp_recipes/train/export.py): every rank writes its part of the model folder, no
 rank waits on a collective bounded by --ddp_timeout while the others write, and --save_dtype sets the weights' dtype."""
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def test_ddp_timeout_holds_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_export_slower_than_ddp_timeout_finishes_and_loads_in_bfloat16(tmp_path):
-    """Rank 0 writes its part of the final model 20 s late under --ddp_timeout 8: the run exits 0 (before issue 21,
-    rank 1 died in the barrier after 8 s), both ranks wrote shards, and the folder loads, in bfloat16, with the
+    """Rank 0 writes its part of the final model 20 s late under --ddp_timeout 8: the run exits 0 (no rank
+    waits in a barrier bounded by 8 s), both ranks wrote shards, and the folder loads, in bfloat16, with the
     trained weights."""
     from accelerate.utils import merge_fsdp_weights
     from safetensors.torch import load_file

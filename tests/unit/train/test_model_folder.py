@@ -149,9 +149,9 @@ CONTENT_CHANGES = {
 def test_a_change_in_the_moment_after_the_rename_is_never_recorded_as_the_export_s(
     tmp_path, monkeypatch, kind, change, caplog
 ):
-    """(hostile review) The fingerprint was taken after the rename into place and the unmarking: a file someone wrote
-    into model/ in those milliseconds (inotify sees the rename) was recorded as the export's, and the next export
-    deleted it. Generated: each change made at that moment, for the model and the adapter folder; the next export keeps
+    """The fingerprint is taken before the rename into place and the unmarking: a file someone writes into model/ in
+    those milliseconds (inotify sees the rename) is not recorded as the export's, and the next export does not delete
+    it. Generated: each change made at that moment, for the model and the adapter folder; the next export keeps
     the folder aside whole."""
     out = tmp_path / "run"
     out.mkdir()
@@ -494,9 +494,9 @@ def test_a_run_folder_of_the_earlier_layout_resumes_and_gets_its_model_folder(tr
 
 
 def test_a_run_folder_as_the_model_is_one_error_naming_its_model_folder(tmp_path):
-    """The config checker read a run folder's (missing) top-level config.json and warned "could not read the config"
-    first; the run's own check then named the folder to give. Now the checker says what the run's check says, as
-    its one error (check_config.py alone said "ok" for a folder that is no model: hostile review F10)."""
+    """The config checker says what the run's own check says, as its one error: the folder to give (not a warning
+    that it "could not read the config" of the run folder's missing top-level config.json, nor "ok" for a folder
+    that is no model)."""
     import yaml
 
     from fsdp_recipes.config.accelerate_config import check_settings
@@ -559,8 +559,8 @@ def test_the_files_a_run_without_fsdp_writes_are_a_runs_files(tmp_path):
 
 
 def test_an_entry_of_a_run_s_name_that_is_not_a_file_or_folder_is_foreign(tmp_path):
-    """(hostile review) a FIFO named run_args.json passed the name check, and rank 0 blocked opening it: the resume
-    hung for good. Every name a run writes, as a FIFO, is named before anything opens it."""
+    """Every name a run writes, as a FIFO, is named before anything opens it (rank 0 opening a FIFO named
+    run_args.json would hang the resume for good); as a folder where a run writes a file, or the reverse, too."""
     import os
 
     names = ["run_args.json", "fsdp_report.json", "trainer_state.json", "loss.png", "checkpoint-4", "runs"]
@@ -569,7 +569,7 @@ def test_an_entry_of_a_run_s_name_that_is_not_a_file_or_folder_is_foreign(tmp_pa
         folder.mkdir()
         os.mkfifo(folder / name)
         assert foreign_entries(folder) == [f"{name} (not a regular file or folder)"], name
-    for name in names:  # (hostile review) a folder named run_args.json crashed the run when it wrote the file
+    for name in names:  # a folder named run_args.json would crash the run when it writes the file
         folder = tmp_path / f"dir-{name}"
         (folder / name).mkdir(parents=True)
         want = (
@@ -588,8 +588,8 @@ def test_an_entry_of_a_run_s_name_that_is_not_a_file_or_folder_is_foreign(tmp_pa
 
 
 def test_a_hard_linked_record_is_foreign_and_the_run_refused_before_it_writes(tmp_path):
-    """(review) a hard link named run_args.json (`cp -al run run.bak`, or one to any file) was written through: a run
-    rewriting its records rewrote the other name's file. Generated over every file name a run writes at the top of
+    """A hard link named run_args.json (`cp -al run run.bak`, or one to any file) is never written through (a run
+    rewriting its records would rewrite the other name's file). Generated over every file name a run writes at the top of
     output_dir: each, hard-linked, is named, and check_output_dir refuses the folder with that name and touches
     neither file. The same names as files of their own pass."""
     import os
@@ -626,7 +626,7 @@ def test_a_hard_linked_record_is_foreign_and_the_run_refused_before_it_writes(tm
             and "hard link" in str(refused.value)
             and "file of its own" in str(refused.value)
         )
-        assert "does not write" not in str(refused.value)  # (review) its own record, named as if foreign
+        assert "does not write" not in str(refused.value)  # its own record, not named as if foreign
         assert elsewhere.read_text() == "the other file"
         os.unlink(out / name)
         (out / name).write_text("a file of its own")
@@ -636,8 +636,8 @@ def test_a_hard_linked_record_is_foreign_and_the_run_refused_before_it_writes(tm
 @pytest.mark.parametrize("name", [".final-sharded", ".export-tmp", ".adapter-tmp", ".base-tmp"])
 @pytest.mark.parametrize("kind", ["a user's folder", "an empty folder", "marked for another purpose", "ours"])
 def test_a_folder_named_like_a_staging_folder_is_someones_unless_a_run_made_it(tmp_path, name, kind):
-    """(hostile review) a user's own .export-tmp passed the output_dir check by its name, and the run failed only after
-    training, when the export refused to remove it. A staging name is a run's only with a run's marker for it."""
+    """A staging name is a run's only with a run's marker for it: a user's own .export-tmp is refused by the
+    output_dir check before training, not left for the export to find after it."""
     from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE, STAGING_FOLDERS
     from fsdp_recipes.removal import make_folder
 

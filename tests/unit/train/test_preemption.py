@@ -1,167 +1,22 @@
-"""Stops and data that used to end in a traceback or a hang, each now one line with a defined exit: a stop signal
-before training, a SLURM requeue loop that makes no progress, a node rank outside the job, and data files whose
-records are null, numbers or empty cells (and ones that are fine although they look odd: a byte-order mark, a
-first record over the sampled MiB)."""
+"""Stops (fsdp_recipes/train/preemption.py): a SIGTERM, SIGUSR1 or Ctrl-C while torch imports, or inside a
+finalizer, or two at once, ends the run with the one line every stop before training gives and a defined exit,
+never a traceback, a hang or a stop lost; an interrupt at exit is reported as Python does. (A stop signal during a
+real launch: tests/integration/test_fault_tolerance.py.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import QUICK, REPO, launch
-
-from fsdp_recipes.ckpt.resume import MAX_STALLED_REQUEUES, REQUEUE_RECORD, check_requeue
-from fsdp_recipes.config.data_files import train_file_problem
-from fsdp_recipes.errors import RecipeError
-
-FAULT = REPO / "tests" / "helpers" / "train_with_fault.py"
-
-
-def _plain(**kw):
-    """The data arguments these checks read (DataArguments' own __post_init__ would check the file first)."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(**{"text_column": "text", "messages_column": "messages", "data_format": "auto", **kw})
-
-
-CHAT_OK = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-BAD_JSONL = {
-    "text null": ([{"text": "a"}, {"text": None}], "record 2: 'text' is null, not text"),
-    "text number": ([{"text": 5}], "record 1: 'text' is a int (5), not text"),
-    "text list": ([{"text": ["a"]}], "record 1: 'text' is a list"),
-    "text object": ([{"text": {"a": 1}}], "record 1: 'text' is a dict"),
-    "chat content null": (
-        [CHAT_OK, {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}],
-        "record 2: a 'user' turn's 'content' is null, not text",
-    ),
-    "chat content number": (
-        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3.5}]}],
-        "record 1: a 'assistant' turn's 'content' is a float",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", sorted(BAD_JSONL))
-def test_records_that_are_not_text_are_named(tmp_path, case):
-    records, expected = BAD_JSONL[case]
-    path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    problem = train_file_problem(path, _plain())
-    assert problem and expected in problem, problem
-
-
-@pytest.mark.parametrize(
-    "rows, expected",
-    [
-        ("text,label\nhello,1\n,2\n", "line 3: the 'text' cell is empty"),
-        ("text,label\nhello,1\n   ,2\n", "line 3: the 'text' cell is empty"),
-        ("body,label\nhello,1\n", "has no 'text' column"),
-        ("text,label\nhello,1\nworld,2\n", None),
-    ],
-)
-def test_csv_cells(tmp_path, rows, expected):
-    path = tmp_path / "d.csv"
-    path.write_text(rows)
-    problem = train_file_problem(path, _plain())
-    assert (problem is None) if expected is None else (problem and expected in problem), problem
-
-
-def test_files_datasets_reads_are_accepted(tmp_path):
-    """A byte-order mark and a first record longer than the sampled MiB: datasets reads both."""
-    from datasets import load_dataset
-
-    bom = tmp_path / "bom.jsonl"
-    bom.write_bytes(b"\xef\xbb\xbf" + b'{"text": "hello"}\n{"text": "world"}\n')
-    big = tmp_path / "big.jsonl"
-    big.write_text(json.dumps({"text": "x" * (1 << 21)}) + "\n" + json.dumps({"text": "y"}) + "\n")
-    for path in (bom, big):
-        assert train_file_problem(path, _plain()) is None, path
-        assert len(load_dataset("json", data_files=str(path), split="train")) == 2  # and datasets does read it
-
-
-def test_a_null_past_the_sample_is_one_error_not_a_tokenizer_traceback():
-    from datasets import Dataset
-
-    from fsdp_recipes.train.data import pack_text
-    from fsdp_recipes.train.modeling import load_tokenizer
-
-    tokenizer = load_tokenizer(_plain(tokenizer_name=str(REPO / "assets" / "tiny-llama"), trust_remote_code=False))
-    raw = Dataset.from_dict({"text": ["fine", None]})
-    with pytest.raises(RecipeError, match="a record's 'text' is null, not text"):
-        pack_text(raw, tokenizer, _plain(block_size=8, preprocessing_num_workers=None))
-
-
-def test_requeue_loop_without_progress_stops(tmp_path, monkeypatch):
-    out = tmp_path / "run"
-    out.mkdir()
-    ckpt = str(out / "checkpoint-9")
-    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    assert check_requeue(str(out), ckpt) is None  # not a requeued job: nothing recorded
-    for restart in range(1, MAX_STALLED_REQUEUES + 1):  # the first requeue, then attempts that start where it did
-        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
-        record = check_requeue(str(out), ckpt)
-        assert record == {"restart": restart, "step": 9, "stalled": restart - 1}
-        (out / REQUEUE_RECORD).write_text(json.dumps(record))  # what preflight writes on rank 0
-    monkeypatch.setenv("SLURM_RESTART_COUNT", str(MAX_STALLED_REQUEUES + 1))
-    with pytest.raises(RecipeError, match=f"requeued {MAX_STALLED_REQUEUES} times in a row without a new checkpoint"):
-        check_requeue(str(out), ckpt)
-    assert check_requeue(str(out), str(out / "checkpoint-12"))["stalled"] == 0  # a newer checkpoint: progress
-
-
-@pytest.mark.parametrize("nodes, node_id", [("2", "2"), ("2", "7"), ("2", "-1"), ("two", "0"), ("0", "0")])
-def test_node_rank_outside_the_job_is_refused_not_a_hang(nodes, node_id):
-    env = {
-        **os.environ,
-        "SLURM_NNODES": nodes,
-        "SLURM_NODEID": node_id,
-        "PATH": f"{REPO / 'tests/helpers/fake_slurm'}:{os.environ['PATH']}",
-    }
-    proc = subprocess.run(
-        ["bash", str(REPO / "tools/slurm/launch_node.sh"), "accelerate_configs/zero3.yaml"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert proc.returncode == 2 and proc.stderr.startswith("launch_node.sh: error: SLURM_NODEID="), proc.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sig, code", [("TERM", 143), ("INT", 130)])
-def test_stop_signal_before_training_is_one_line(tmp_path, sig, code):
-    """A stop (or Ctrl-C: it said "nothing was saved since the last checkpoint", as if training had begun) while the
-    model loads."""
-    out = tmp_path / "run"
-    proc = launch(
-        "accelerate_configs/zero3.yaml",
-        *QUICK,
-        "--output_dir",
-        str(out),
-        script=FAULT,
-        env={"FSDP_FAULT": f"all:early:{sig}"},
-        check=False,
-    )
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py:")]
-    how = "interrupted" if sig == "INT" else f"stopped by SIG{sig}"
-    assert proc.returncode != 0 and ours == [
-        f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same "
-        "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)"
-    ], proc.stderr[-3000:]
-    # no traceback of a rank (the launcher's own report about its failed children is the launcher's)
-    assert f"exitcode  : {code}" in proc.stderr and "[rank" not in proc.stderr and "Stopped" not in proc.stderr, (
-        proc.stderr[-3000:]
-    )
-    assert not list(out.glob("checkpoint-*"))
+from conftest import REPO
 
 
 @pytest.mark.parametrize("sig", ["TERM", "USR1", "INT"])
 def test_a_stop_while_torch_imports_is_one_line(tmp_path, sig):
-    """(hostile probe) SIGTERM in the first seconds of train_fsdp.py, while torch and transformers import, ended it with
-    a bare 143 and no line (Ctrl-C: an import traceback). The handlers are in place before torch is loaded (read from
+    """SIGTERM in the first seconds of train_fsdp.py, while torch and transformers import, ends it with one line, not
+    a bare 143 (Ctrl-C: not an import traceback). The handlers are in place before torch is loaded (read from
     /proc: the process has caught SIGTERM, the last installed, while no libtorch is mapped yet); the signal then
     ends it with the one line every stop before training gives."""
     import re
@@ -289,8 +144,8 @@ def test_a_stop_that_lands_in_a_finalizer_still_stops_the_run_without_a_tracebac
 
 
 def test_two_signals_at_once_in_a_finalizer_still_stop_the_run_in_one_line(finalizer_outcomes):
-    """(hostile review) the second signal's handler ran inside the unraisable hook dealing with the first, where Python
-    swallowed it too: a traceback, and the run went on. Either signal may be the one that stops it."""
+    """The second signal's handler may run inside the unraisable hook dealing with the first, where Python would
+    swallow it too (a traceback, and the run going on). Either signal may be the one that stops it."""
     names = {"TERM": "SIGTERM", "USR1": "SIGUSR1", "INT": "interrupted"}
     got = {pair: finalizer_outcomes.get(f"del:{pair}") for pair in SIGNAL_PAIRS}
     assert all(got[pair] in {names[n] for n in pair.split(",")} for pair in SIGNAL_PAIRS), got
@@ -334,8 +189,8 @@ atexit.register(os.kill, os.getpid(), signal.SIGINT)  # runs first: Ctrl-C as th
 
 @pytest.mark.slow  # seconds of subprocess scenarios: the full tier keeps the quick one under 3 minutes
 def test_an_interrupt_at_exit_is_not_sent_again_into_the_next_exit_callback():
-    """(hostile review) a KeyboardInterrupt in an atexit callback reaches the unraisable hook too; sent again, it
-    aborted every later exit callback in turn, silently. At exit it is reported as Python always did."""
+    """A KeyboardInterrupt in an atexit callback reaches the unraisable hook too: at exit it is reported as Python
+    always does, not sent again (which would abort every later exit callback in turn, silently)."""
     proc = subprocess.run(
         ["python", "-c", AT_EXIT],
         cwd=REPO,

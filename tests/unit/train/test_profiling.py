@@ -120,8 +120,8 @@ GIB = 2**30
 
 
 def test_blocks_allocated_before_the_recording_count_from_its_start():
-    """(hostile review) a 4 GiB block allocated before the recording, freed in it, was never counted: the 2 GiB
-    allocated after it was called the peak, where the true peak was 5 GiB (it and the first 1 GiB) at the first event.
+    """A 4 GiB block allocated before the recording, freed in it, is counted: the true peak is 5 GiB (it and the first
+    1 GiB) at the first event, not the 2 GiB allocated after it.
     A block still allocated at the end (the snapshot's segments) that the trace never allocated was there all along."""
     trace = [
         {"action": "alloc", "addr": 1, "size": GIB, "frames": [LINEAR, LLAMA]},

@@ -1,0 +1,262 @@
+"""The real recipes of the alignment handbook (current and dataset_mixer formats) and TRL's CLI examples
+(tests/fixtures/trl/*/, copied unchanged), read with only the edits this machine forces: every key is taken with the
+meaning TRL gives it, or refused by name in one line with the reason.
+
+Machine edits, applied here and nowhere else: the hub model becomes a tiny local Llama with the hub tokenizer's chat
+tokens (<|im_start|>, <|im_end|>) and the recipes' context length (65,536 rotary positions); each hub dataset becomes a local folder with the same configurations, splits and
+columns (a README.md declaring them, as the hub's do), plus a column no recipe selects; flash_attention_2 becomes
+sdpa; push_to_hub false, report_to none, max_steps 4; a test_split_size of 1000 rows becomes 2 (the local data is
+small)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+from fsdp_recipes.config import mixture, trl_recipe
+from fsdp_recipes.config.arguments import TRL_ALIASES
+from fsdp_recipes.config.parse import parse_args
+from fsdp_recipes.errors import RecipeError
+
+FIXTURES = REPO / "tests" / "fixtures" / "trl"
+CORPUS = sorted(p for p in FIXTURES.rglob("*.yaml") if p.parent != FIXTURES)
+NO_FSDP = ("--allow_no_fsdp", "true")
+TEXT_DATASETS = {"stanfordnlp/imdb": ("text", "label"), "roneneldan/TinyStories": ("text",)}
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+# recipes refused here, and the words of the one line that says why
+REFUSED = {
+    "zephyr-7b-beta-config_qlora.yaml": "load_in_4bit",  # QLoRA: CUDA and bitsandbytes only
+    "smollm3-mid.yaml": "use_liger_kernel",  # where liger-kernel is not installed (TRL fails there too)
+    "smollm3-sft.yaml": "use_liger_kernel",
+}
+# keys set by the machine edits (their values are ours, not the recipe's)
+EDITED = {"model_name_or_path", "tokenizer_name_or_path", "attn_implementation", "use_flash_attention_2"}
+EDITED |= {"push_to_hub", "report_to", "max_steps", "dataset_name"}
+
+
+def test_corpus_holds_every_handbook_sft_recipe_and_trls_examples():
+    names = {p.relative_to(FIXTURES).as_posix() for p in CORPUS}
+    assert len([n for n in names if n.startswith("handbook/")]) == 11, names
+    assert len([n for n in names if n.startswith("handbook-dataset-mixer/")]) == 4, names
+    assert len([n for n in names if n.startswith("trl-cli/")]) == 3, names
+    for path in CORPUS:
+        assert re.match(r"# Source: huggingface/\S+ \S+.* at commit [0-9a-f]{40}", path.read_text()), path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A tiny model with the hub chat models' turn tokens, in a working folder where the recipes' paths land."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("trl-recipes")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
+    tokenizer.add_special_tokens({"additional_special_tokens": CHAT_TOKENS})
+    config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")
+    config.vocab_size = len(tokenizer)
+    config.max_position_embeddings = 65536  # the recipes' max_length (rotary positions: no weights depend on it)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "tiny-model")
+    tokenizer.save_pretrained(root / "tiny-model")
+    return root
+
+
+def rows(kind: str, columns, count: int, tag: str) -> list[dict]:
+    """``count`` records with ``columns`` (chat or text) and an extra column, ``source``; the first text of each
+    starts with [tag], where they are from."""
+    if kind == "text":
+        lines = [x for x in (REPO / "assets" / "data" / "tiny_corpus.txt").read_text().splitlines() if x.strip()]
+        made = [{"text": f"[{tag}] {lines[i]}", "label": i % 2} for i in range(count)]
+    else:
+        chats = [json.loads(line) for line in (REPO / "assets" / "data" / "tiny_chat.jsonl").read_text().splitlines()]
+        for chat in chats[:count]:
+            chat["messages"][0]["content"] = f"[{tag}] {chat['messages'][0]['content']}"
+        made = [{**chats[i], "chat_template_kwargs": {"enable_thinking": False}} for i in range(count)]
+    return [{**{c: r[c] for c in columns}, "source": tag} for r in made]
+
+
+def local_dataset(root: Path, hub_id: str, splits: dict[tuple[str, str], tuple], count: int = 12) -> str:
+    """A folder standing for hub dataset ``hub_id``: ``splits`` maps (configuration, split) to its columns."""
+    folder = root / "hub" / hub_id
+    folder.mkdir(parents=True, exist_ok=True)
+    kind = "text" if hub_id in TEXT_DATASETS else "chat"
+    configs: dict[str, list] = {}
+    for (config, split), columns in splits.items():
+        (folder / config).mkdir(exist_ok=True)
+        with open(folder / config / f"{split}.jsonl", "w") as f:
+            for record in rows(kind, columns, count, f"{hub_id}/{config}/{split}"):
+                f.write(json.dumps(record) + "\n")
+        configs.setdefault(config, []).append({"split": split, "path": f"{config}/{split}.jsonl"})
+    card = {"configs": [{"config_name": c, "data_files": files} for c, files in configs.items()]}
+    (folder / "README.md").write_text(f"---\n{yaml.safe_dump(card)}---\n")
+    return str(folder)
+
+
+def machine_edits(recipe: dict, root: Path) -> dict:
+    """The recipe as this machine can run it: the module docstring's edits, nothing else."""
+    out = dict(recipe)
+    model = str(root / "tiny-model")
+    out["model_name_or_path"] = model
+    if "tokenizer_name_or_path" in out:
+        out["tokenizer_name_or_path"] = model
+    if out.get("attn_implementation") == "flash_attention_2":
+        out["attn_implementation"] = "sdpa"
+    if out.get("use_flash_attention_2"):
+        out["use_flash_attention_2"] = False
+    out.update(push_to_hub=False, report_to="none", max_steps=4)
+    chat = ("messages",)
+    if isinstance(out.get("dataset_name"), str):
+        config = out.get("dataset_config") or "default"
+        splits = [out.get("dataset_train_split", "train"), out.get("dataset_test_split", "test")]
+        columns = TEXT_DATASETS.get(out["dataset_name"], chat)
+        out["dataset_name"] = local_dataset(root, out["dataset_name"], {(config, s): columns for s in splits})
+    if "dataset_mixture" in out:
+        mixture = {**out["dataset_mixture"]}
+        wanted: dict[str, dict] = {}
+        for d in mixture["datasets"]:
+            wanted.setdefault(d["id"], {})[(d.get("config") or "default", d.get("split", "train"))] = tuple(
+                d.get("columns") or chat
+            )
+        local = {hub_id: local_dataset(root, hub_id, splits) for hub_id, splits in wanted.items()}
+        mixture["datasets"] = [{**d, "id": local[d["id"]]} for d in mixture["datasets"]]
+        if isinstance(mixture.get("test_split_size"), int) and mixture["test_split_size"] >= 1:
+            mixture["test_split_size"] = 2
+        out["dataset_mixture"] = mixture
+    if "dataset_mixer" in out:
+        configs = out.get("dataset_configs") or ["default"] * len(out["dataset_mixer"])
+        splits = out.get("dataset_splits") or ["train", "test"]
+        out["dataset_mixer"] = {
+            local_dataset(root, hub_id, {(config, s): chat for s in splits}): weight
+            for (hub_id, weight), config in zip(out["dataset_mixer"].items(), configs)
+        }
+    if "datasets" in out:
+        out["datasets"] = [
+            {
+                **d,
+                "path": local_dataset(
+                    root, d["path"], {("default", d.get("split", "train")): TEXT_DATASETS[d["path"]]}
+                ),
+            }
+            for d in out["datasets"]
+        ]
+    return out
+
+
+def read(path: Path, root: Path, drop: str | None = None) -> tuple[dict, str]:
+    """The fixture as loaded, and the edited recipe's path (without key ``drop``)."""
+    recipe = yaml.safe_load(path.read_text())
+    edited = root / "recipes" / path.parent.name / path.name
+    edited.parent.mkdir(parents=True, exist_ok=True)
+    recipe = {k: v for k, v in recipe.items() if k != drop}
+    edited.write_text(yaml.safe_dump(machine_edits(recipe, root), sort_keys=False))
+    return recipe, str(edited)
+
+
+def landed(key: str, value, model_args, data_args, plan, said: str) -> bool:
+    """Whether recipe key ``key`` holds ``value`` here with TRL's meaning."""
+    raw = vars(plan.raw)
+    if key in ("dataset_mixture", "dataset_mixer", "datasets"):
+        taken = mixture.read_plan(data_args.dataset_mixture)
+        if key == "dataset_mixer":
+            return [d["weight"] for d in taken["datasets"]][:: len(taken["datasets"]) // len(value)] == list(
+                value.values()
+            )
+        entries = value["datasets"] if key == "dataset_mixture" else value
+        weights = [e.get("weight", 1.0) if key == "dataset_mixture" else e.get("fraction") for e in entries]
+        return [d["weight"] for d in taken["datasets"]] == weights and [d["split"] for d in taken["datasets"]] == [
+            e.get("split", "train") for e in entries
+        ]
+    if key in ("dataset_splits", "dataset_configs", "test_split_size", "streaming"):
+        return data_args.dataset_mixture is not None
+    if key == "warmup_ratio":
+        return raw["warmup_steps"] == value and "warmup_ratio" in said
+    if key in trl_recipe.RENAMED:
+        return raw[trl_recipe.RENAMED[key]] == value and key in said
+    if key == "model_revision":  # a local folder: said
+        return "model_revision" in said
+    if key == "use_liger_kernel":
+        return raw.get("use_liger_kernel") is True or "use_liger_kernel" in said
+    if key == "dataset_kwargs":
+        return set(value) <= {"add_special_tokens", "append_concat_token"} and not value.get("add_special_tokens")
+    if key == "packing_strategy" and value in trl_recipe.PACKING_STRATEGIES:
+        return raw["packing_strategy"] == trl_recipe.PACKING_STRATEGIES[value] and value in said
+    if key in ("dataset_train_split", "dataset_config") and data_args.dataset_mixture is None:
+        return raw[TRL_ALIASES[key]] == value
+    if key in trl_recipe.DICT_VALUED:
+        return json.loads(raw[key]) == value
+    if key == "packing":
+        return data_args.trl_packing is value
+    ours = TRL_ALIASES.get(key, trl_recipe.HANDBOOK_ALIASES.get(key, key))
+    return ours in raw and raw[ours] == value
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.relative_to(FIXTURES).as_posix())
+def test_each_recipe_is_read_with_trls_meaning_or_refused_in_one_line(path, root, monkeypatch, capsys):
+    monkeypatch.chdir(root)
+    recipe, edited = read(path, root)
+    refused = REFUSED.get(path.name) if path.parent.name.startswith("handbook") else None
+    if refused == "use_liger_kernel" and importlib.util.find_spec("liger_kernel") is not None:
+        refused = None
+    if refused is not None:
+        with pytest.raises(RecipeError) as err:
+            parse_args([edited, *NO_FSDP])
+        assert "\n" not in str(err.value) and refused in str(err.value), str(err.value)
+        recipe, edited = read(path, root, drop=refused)  # and every other key holds
+    model_args, data_args, plan = parse_args([edited, *NO_FSDP])
+    said = capsys.readouterr().err
+    wrong = [
+        key
+        for key, value in recipe.items()
+        if key not in EDITED and not landed(key, value, model_args, data_args, plan, said)
+    ]
+    assert not wrong, (wrong, said)
+
+
+MIXTURES = [p for p in CORPUS if {"dataset_mixture", "dataset_mixer", "datasets"} & set(yaml.safe_load(p.read_text()))]
+
+
+def tags(dataset) -> list[str]:
+    first = [r["messages"][0]["content"] if "messages" in r else r["text"] for r in dataset]
+    return [re.match(r"\[(.*?)\]", text).group(1).split("/hub/")[-1] for text in first]
+
+
+@pytest.mark.parametrize("path", MIXTURES, ids=lambda p: p.relative_to(FIXTURES).as_posix())
+def test_each_mixture_loads_with_its_proportions_columns_and_test_split(path, root, monkeypatch):
+    """Loaded as the script of its format loads it: each dataset's share of rows, the columns selected (the extra
+    one dropped), the test split held out; the same rows in the same order on every load (the seed)."""
+    from collections import Counter
+
+    from fsdp_recipes.train.data import load_raw
+
+    monkeypatch.chdir(root)
+    recipe, edited = read(path, root, drop=REFUSED.get(path.name))
+    _, data_args, plan = parse_args([edited, *NO_FSDP])
+    train, evaluation = load_raw(data_args, plan.raw.seed)
+    assert tags(train) == tags(load_raw(data_args, plan.raw.seed)[0])
+    both = Counter(tags(train)) + Counter(tags(evaluation) if evaluation is not None else [])
+    if "dataset_mixture" in recipe:
+        mixture = recipe["dataset_mixture"]
+        expected = Counter()
+        for d in mixture["datasets"]:
+            expected[f"{d['id']}/{d.get('config', 'default')}/{d['split']}"] += int(12 * d.get("weight", 1.0))
+        assert both == +expected
+        size = mixture.get("test_split_size")
+        assert (evaluation is None) == (size is None)
+        if size is not None:
+            assert len(evaluation) == (2 if size >= 1 else -(-sum(expected.values()) * size // 1))
+        columns = set(mixture["datasets"][0].get("columns", ["messages"]))
+        assert set(train.column_names) == columns
+    elif "dataset_mixer" in recipe:
+        splits, configs = recipe["dataset_splits"], recipe.get("dataset_configs") or ["default"] * 9
+        for (hub_id, weight), config in zip(recipe["dataset_mixer"].items(), configs):
+            for split in splits:
+                rows = int(12 * weight) if "train" in split else 12
+                assert Counter(tags(train if "train" in split else evaluation))[f"{hub_id}/{config}/{split}"] == rows
+        assert train.column_names == ["messages"]
+    else:  # no columns given: every column kept
+        assert both == Counter({f"{d['path']}/default/train": 12 for d in recipe["datasets"]}) and evaluation is None
+        assert {"text", "source"} <= set(train.column_names)
