@@ -192,6 +192,15 @@ def logged_losses(output_dir: Path) -> list[float]:
     return [entry["loss"] for entry in history if "loss" in entry]
 
 
+def header_dtypes(path: Path) -> set[str]:
+    """The dtypes a safetensors file's header gives its tensors ("F32", "BF16", ...)."""
+    import struct
+
+    raw = Path(path).read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    return {v["dtype"] for k, v in json.loads(raw[8 : 8 + size]).items() if k != "__metadata__"}
+
+
 def same_tensors(a: Path, b: Path) -> None:
     """The safetensors files ``a`` and ``b`` hold the same tensor names, each bit for bit equal."""
     import torch
