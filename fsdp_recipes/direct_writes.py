@@ -15,9 +15,9 @@ The file's bytes are exactly what an ordinary write makes (tested). Where ``open
 Linux 6.6, some FUSE and network mounts; macOS has no O_DIRECT) the same buffer goes out through the page cache, and
 ``DirectFile.page_cache_why`` says why.
 
-Size: one module on purpose (about 410 lines). The writer thread, the waits a signal may cut short and the files
-and folders synced before a rename into place share one rule, kept here together: no descriptor, lock or count a
-Ctrl-C between two bytecodes can leave behind (tests/unit/shared/test_direct_writes.py interrupts every line).
+The writer thread, the waits a signal may cut short and the files and folders synced before a rename into place
+keep one rule: no descriptor, lock or count that a Ctrl-C between two bytecodes can leave behind
+(tests/unit/shared/test_direct_writes.py interrupts every line).
 """
 
 from __future__ import annotations
