@@ -91,6 +91,17 @@ def test_every_docs_page_is_listed_and_opens_with_its_commands():
     assert len(readme.splitlines()) <= 250 and len(readme.split()) <= 2500
 
 
+def test_every_link_of_the_docs_resolves():
+    texts = [REPO / "README.md", *DOCS.glob("*.md"), *(REPO / "bench" / "results").rglob("README.md")]
+    broken = [
+        (page.relative_to(REPO).as_posix(), link)
+        for page in texts
+        for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text())
+        if not link.startswith("http") and not (page.parent / link).exists()
+    ]
+    assert broken == []
+
+
 def test_configs_table_and_headers_say_what_the_docs_say():
     for page in ("README.md", "docs/configs.md"):
         text = (REPO / page).read_text()
