@@ -1,6 +1,7 @@
 """A resume refuses, in one line before the first step, a checkpoint of another model (fewer layers, other heads of
 the same shapes), another learning rate, another optimizer, or fp32 weights into bf16 parameters: nothing trained or
-written, the run's record untouched. A bf16 model's own resume under mixed precision is not refused."""
+written, the run's record untouched. A bf16 model's own resume under mixed precision is not refused, and an FSDP1
+FULL_STATE_DICT run resumes to the same bits or is refused."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from conftest import QUICK, REPO, launch, quick
 
 TINY = REPO / "assets" / "tiny-llama"
+FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
 
 
 def resume_with_config(trained, tmp_path, changes: dict):
@@ -159,3 +161,48 @@ def test_a_bf16_models_resume_under_mixed_precision_is_not_refused(tmp_path):
         "true",
     )
     assert (run / "checkpoint-4").is_dir() and (run / "model").is_dir()
+
+
+@pytest.mark.slow
+def test_fsdp1_full_state_dict_resumes_exactly_or_not_at_all(tmp_path):
+    """FSDP1 FULL_STATE_DICT (accelerate's FSDP1 default) with use_orig_params: torch 2.13 loads weights and Adam state
+    that equal the saved ones, yet the first update after the resume differs (measured). The run says so at start,
+    and the resume is refused in one line naming the fix; with use_orig_params false a run resumes to the same bits.
+    A LoRA checkpoint's model card (peft's README.md, saved under FULL_STATE_DICT) does not stop the rotation."""
+    import torch
+    from safetensors.torch import load_file
+
+    config, no_orig = "accelerate_configs/fsdp1/zero3.yaml", (*FULL, "--fsdp_use_orig_params", "false")
+    args = ["--max_steps", "4", "--save_steps", "3", "--logging_steps", "1"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    launch(config, *args, "--output_dir", str(whole), launch_args=no_orig)
+    resumed.mkdir()
+    shutil.copytree(whole / "checkpoint-3", resumed / "checkpoint-3")
+    launch(config, *args, "--output_dir", str(resumed), "--resume_from_checkpoint", "true", launch_args=no_orig)
+    a, b = load_file(whole / "model" / "model.safetensors"), load_file(resumed / "model" / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    lora = tmp_path / "lora"
+    lora_args = [
+        "recipes/tiny-llama/lora_sft.yaml",
+        "--save_steps",
+        "1",
+        "--save_total_limit",
+        "1",
+        "--output_dir",
+        str(lora),
+    ]
+    done = launch(config, *lora_args, "--max_steps", "3", launch_args=FULL)
+    assert "writes checkpoints that do not resume exactly" in done.stdout + done.stderr
+    assert (
+        sorted(p.name for p in lora.glob("checkpoint-*")) == ["checkpoint-3"]
+        and "not a checkpoint holding nothing else" not in done.stdout + done.stderr
+    )
+    assert (lora / "checkpoint-3" / "README.md").is_file()  # peft's model card: the reason it is a checkpoint's file
+    refused = launch(
+        config, *lora_args, "--max_steps", "5", "--resume_from_checkpoint", "true", launch_args=FULL, check=False
+    )
+    assert (
+        refused.returncode != 0 and "FSDP1 with fsdp_use_orig_params: true does not resume exactly" in refused.stderr
+    ), refused.stderr[-2000:]
+    assert "SHARDED_STATE_DICT" in refused.stderr and not (lora / "checkpoint-4").exists()
