@@ -165,14 +165,19 @@ def pack_text(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArgume
 
 def split_documents(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArguments) -> Dataset:
     """Each document with EOS, as examples of at most block_size tokens (a longer one is split): for padding-free
-    batches, where every example keeps positions of its own."""
+    batches, where every example keeps positions of its own. TRL's packing with its bfd strategy truncates a longer
+    one instead, and so does one document per row (TRL's packing false)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    truncate = args.trl_packing is False or (args.trl_packing and args.packing_strategy in (None, "bfd"))
 
     def tokenize(batch):
         pieces = []
         for ids in tokenizer(texts(batch, args.text_column), add_special_tokens=False)["input_ids"]:
             ids = ids + eos
-            pieces += [ids[i : i + args.block_size] for i in range(0, len(ids), args.block_size)]
+            pieces += [
+                ids[i : i + args.block_size]
+                for i in range(0, args.block_size if truncate else len(ids), args.block_size)
+            ]
         pieces = [p for p in pieces if len(p) > 1]  # one token predicts nothing
         return {"input_ids": pieces, "labels": [list(p) for p in pieces]}
 
@@ -185,20 +190,25 @@ def split_documents(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: Data
     )
 
 
-def assistant_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids of the whole conversation and a 0/1 mask of the assistant tokens.
+def assistant_mask(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], template_kwargs: dict | None = None
+) -> tuple[list[int], list[int]]:
+    """Token ids of the whole conversation and a 0/1 mask of the assistant tokens. ``template_kwargs``: the
+    record's chat_template_kwargs (TRL's column, e.g. enable_thinking), passed to the template.
 
     Templates with ``{% generation %}`` blocks mark assistant tokens themselves. Most hub templates (Llama 3,
     Qwen, Mistral) have none: there each assistant turn is located by rendering the conversation up to the
     turn's prompt and up to its end, and the tokens between the two are the assistant's.
     """
 
+    extra = {k: v for k, v in (template_kwargs or {}).items() if v is not None}  # Arrow fills absent keys
+
     def render(msgs, **kw):
-        return list(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, **kw)["input_ids"])
+        return list(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, **kw, **extra)["input_ids"])
 
     if "{% generation %}" in (tokenizer.chat_template or ""):
         out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **extra
         )
         return list(out["input_ids"]), list(out["assistant_masks"])
     ids = render(messages)
@@ -264,7 +274,9 @@ def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataAr
                 )
         try:
             with _time_limit(CHAT_TEMPLATE_SECONDS):
-                ids, mask = assistant_mask(tokenizer, example[args.messages_column])
+                ids, mask = assistant_mask(
+                    tokenizer, example[args.messages_column], example.get("chat_template_kwargs")
+                )
         except _TimeLimit:
             raise RecipeError(
                 f"{template} took over {CHAT_TEMPLATE_SECONDS:g} s to render one conversation (the limit): "
@@ -311,11 +323,12 @@ def build_datasets(
         prepare = split_documents if fmt == "text" else tokenize_chat
         collator = PaddingFreeCollator(return_position_ids=True, separator_id=IGNORE_INDEX)
     else:
-        prepare = pack_text if fmt == "text" else tokenize_chat
+        rows = fmt == "chat" or args.trl_packing is False  # TRL's default: one example per row, truncated, padded
+        prepare = tokenize_chat if fmt == "chat" else split_documents if rows else pack_text
         collator = (
-            default_data_collator
-            if fmt == "text"
-            else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+            DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+            if rows
+            else default_data_collator
         )
     dataset = prepare(raw, tokenizer, args)
     if len(dataset) == 0:

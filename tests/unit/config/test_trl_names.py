@@ -142,6 +142,9 @@ def test_alias_and_our_name_agreeing_is_fine(tmp_path):
     [
         (CORPUS + "packing: true\npacking_strategy: wrapped\n", "concat"),
         (CORPUS + "packing: true\npacking_strategy: bfd_split\n", "padding_free"),
+        (CORPUS + "packing: false\n", "concat"),
+        (CORPUS + "packing: true\n", "padding_free"),
+        (CORPUS, "concat"),
         (CHAT + "packing: true\n", "padding_free"),
         (CHAT + "packing: false\nassistant_only_loss: true\n", "concat"),
         (CORPUS + "packing: padding_free\nassistant_only_loss: false\ncompletion_only_loss: false\n", "padding_free"),
@@ -160,11 +163,6 @@ def test_trl_packing_becomes_our_mode(tmp_path, text, packing):
 @pytest.mark.parametrize(
     "text, message",
     [
-        (
-            CORPUS + "packing: false\n",
-            "packing=false (TRL: one document per row, truncated at max_length) has no equivalent for text data",
-        ),
-        (CORPUS + "packing: true\n", "set packing_strategy: bfd_split"),
         (CORPUS + "assistant_only_loss: true\n", "assistant_only_loss=true needs chat data"),
         (
             CHAT + "assistant_only_loss: false\n",
@@ -345,3 +343,28 @@ def test_a_flag_given_twice_with_different_values_is_an_error_for_every_flag():
         check_flag_aliases([flag, a, f"{flag}={a}"], parser)  # the same value twice
         checked += 1
     assert checked > 80, checked  # 92 today: every single-valued TrainingArguments field, and ours
+
+
+@pytest.mark.parametrize(
+    "setting, one_per_document, rows",
+    [("", True, 4), ("packing: false\n", True, 4), ("packing: true\n", True, 1)]
+    + [("packing: true\npacking_strategy: bfd_split\n", False, 1), ("packing: concat\n", False, 4)],
+)
+def test_text_is_one_document_per_row_unless_packing_is_asked_as_in_trl(tmp_path, setting, one_per_document, rows):
+    """TRL's default for text (packing unset or false) is one document per row, truncated at max_length and padded;
+    its packing true (bfd) truncates each document too and batches them in one row without cross-document
+    attention; bfd_split splits long documents instead, and concat cuts the joined text into blocks."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
+    docs = [line for line in (REPO / "assets" / "data" / "tiny_corpus.txt").read_text().splitlines() if line.strip()]
+    _, data_args, _ = parse_args([write(tmp_path, TINY + CORPUS + "block_size: 8\n" + setting), *NO_FSDP])
+    dataset, _, collator = build_datasets(data_args, tokenizer)
+    assert (len(dataset) == len(docs)) == one_per_document, len(dataset)
+    if one_per_document:
+        first = tokenizer(docs[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        assert dataset[0]["input_ids"] == first[:8] == dataset[0]["labels"]
+    batch = collator([dataset[i] for i in range(4)])
+    assert batch["input_ids"].shape[0] == rows
+    if rows == 4 and one_per_document:  # padded rows: the padding is masked and ignored by the loss
+        assert (batch["labels"] == IGNORE_INDEX).sum() == (batch["attention_mask"] == 0).sum()
