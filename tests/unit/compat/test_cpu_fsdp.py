@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import launch, run
+from conftest import run
 
 # A fresh interpreter: the patches are process-wide. SIMULATE_ACCELERATOR makes torch report an accelerator, as on
 # a GPU node, where nothing may be patched. Prints, per case: applied, AcceleratorState patched, ACCELERATE_USE_CPU,
@@ -43,26 +43,6 @@ def test_enable_applies_nowhere_else():
         {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "SIMULATE_ACCELERATOR": "1"},  # a GPU node: the stock path
     ]
     assert probe(cases) == [["False", "False", "None", "False"]] * len(cases)
-
-
-@pytest.mark.slow  # a launch
-def test_single_process_fsdp_launch_on_cpu_stops_with_clear_error(tmp_path):
-    """One process gets no gloo group, so accelerate would silently train unwrapped: the script refuses first."""
-    proc = launch(
-        "accelerate_configs/zero3.yaml",
-        "--max_steps",
-        "2",
-        "--output_dir",
-        str(tmp_path / "out"),
-        launch_args=("--num_processes", "1"),
-        check=False,
-    )
-    assert proc.returncode != 0
-    assert (
-        "train_fsdp.py: error: FSDP is asked for, but without a GPU FSDP runs over gloo and needs 2 or more processes; "
-        "this launch has 1: pass --num_processes 2"
-    ) in proc.stderr
-    assert not (tmp_path / "out").exists()
 
 
 def test_unwrapped_model_under_an_fsdp_launch_is_refused(monkeypatch, tmp_path):

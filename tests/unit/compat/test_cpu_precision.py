@@ -1,13 +1,13 @@
 """bf16 on a CPU without native bf16 computes in fp32 (fsdp_recipes.compat.cpu_fsdp.choose_cpu_precision), says so in
-one line and in fsdp_report.json; --cpu_bf16 true keeps bf16; CPUs with native bf16 and accelerators keep it."""
+one line and in fsdp_report.json; --cpu_bf16 true keeps bf16; CPUs with native bf16 and accelerators keep it. (The
+same in real runs: tests/integration/test_cpu_runs.py.)"""
 
 from __future__ import annotations
 
 import pytest
-from conftest import launch, read_json
 
 from fsdp_recipes.compat import cpu_fsdp
-from fsdp_recipes.compat.cpu_fsdp import choose_cpu_precision, cpu_name, native_bf16, read_cpuinfo
+from fsdp_recipes.compat.cpu_fsdp import choose_cpu_precision, cpu_name, native_bf16
 from fsdp_recipes.errors import RecipeError
 
 # Abridged /proc/cpuinfo texts of real machines (the first processor; the lines that matter, in their order).
@@ -157,42 +157,6 @@ def test_force_without_bf16_is_an_error(no_accelerator):
         choose_cpu_precision(False, True, env={"ACCELERATE_MIXED_PRECISION": "no"}, cpuinfo=EPYC_AVX2)
 
 
-without_native_bf16 = pytest.mark.skipif(
-    native_bf16(read_cpuinfo()) is not False, reason="this CPU computes bf16 natively (or cannot tell)"
-)
-NOTE = "computes in fp32 here: this CPU"
-
-
-@pytest.mark.slow
-@without_native_bf16
-def test_shipped_bf16_config_runs_fp32_here_and_says_so_once(trained):
-    proc = trained("accelerate_configs/zero3.yaml")  # the session's run of the shipped config
-    assert (proc.stdout + proc.stderr).count(NOTE) == 1, proc.stderr[-3000:]
-    line = next(line for line in proc.stdout.splitlines() if NOTE in line).split(" INFO train_fsdp: ", 1)[
-        1
-    ]  # rank 0's log
-    assert line.startswith("bf16 mixed precision (accelerate's mixed_precision: bf16) computes in fp32 here")
-    assert line.endswith("--cpu_bf16 true keeps bf16")
-    precision = proc.report["precision"]
-    assert precision["compute"] == precision["gradient_reduction"] == precision["master_weights"] == "float32"
-    assert precision["cpu_bf16"]["native_bf16"] is False and precision["cpu_bf16"]["compute"] == "float32"
-    assert precision["cpu_bf16"]["note"] == line
-
-
-@pytest.mark.slow
-@without_native_bf16
-def test_cpu_bf16_true_keeps_bf16_here(trained):
-    proc = trained("accelerate_configs/zero3.yaml", "--cpu_bf16", "true")  # test_training's run of it
-    assert NOTE not in proc.stdout + proc.stderr
-    assert (proc.stdout + proc.stderr).count("keeps bf16 compute (--cpu_bf16 true) although this CPU") == 1
-    precision = proc.report["precision"]
-    assert (
-        precision["compute"] == precision["gradient_reduction"] == "bfloat16"
-        and precision["master_weights"] == "float32"
-    )
-    assert precision["cpu_bf16"]["forced"] is True and precision["cpu_bf16"]["compute"] == "bfloat16"
-
-
 def test_bf16_weights_are_named_where_they_compute_in_bf16(no_accelerator):
     """--dtype bfloat16 (or a bf16 model loaded with --dtype auto) computes in bf16 whatever the mixed precision: on a
     CPU without native bf16 that is one line naming the fix; elsewhere, and for fp32 weights, nothing."""
@@ -208,31 +172,3 @@ def test_bf16_weights_are_named_where_they_compute_in_bf16(no_accelerator):
     assert bf16_weights_line(torch.float32, "--dtype float32", EPYC_AVX2) is None
     assert bf16_weights_line(torch.bfloat16, "--dtype bfloat16", ZEN4_AVX512_BF16) is None
     assert bf16_weights_line(torch.bfloat16, "--dtype bfloat16", NEOVERSE_V1) is None
-
-
-@pytest.mark.slow
-@without_native_bf16
-def test_dtype_bfloat16_is_reported_as_what_it_computes(tmp_path):
-    """The shipped bf16 config turns bf16 mixed precision into fp32 here, but weights loaded as bf16 still compute in
-    bf16: the run says so once, and fsdp_report.json's cpu_bf16 says bf16, as its compute does."""
-    proc = launch(
-        "accelerate_configs/zero3.yaml",
-        "--max_steps",
-        "2",
-        "--save_strategy",
-        "no",
-        "--dtype",
-        "bfloat16",
-        "--output_dir",
-        str(tmp_path / "out"),
-    )
-    out = proc.stdout + proc.stderr
-    assert out.count("the model's weights are bfloat16 (--dtype bfloat16): they compute in bf16") == 1, out[-3000:]
-    precision = read_json(tmp_path / "out" / "fsdp_report.json")["precision"]
-    assert precision["master_weights"] == precision["compute"] == precision["cpu_bf16"]["compute"] == "bfloat16", (
-        precision
-    )
-    assert (
-        precision["cpu_bf16"]["note"]
-        == "the model's weights are bfloat16: they compute in bfloat16 whatever the mixed precision"
-    )
