@@ -66,7 +66,7 @@ def _timed_cli(argv: list[str], seconds: int = 60) -> int:
 @pytest.mark.parametrize(
     "name", ["config.json", "model_description.json", "model.safetensors.index.json", "tokenizer_config.json"]
 )
-def test_hostile_json_beside_the_weights(checkpoint, tmp_path, name, kind, capsys):
+def test_any_json_beside_the_weights_merges_or_is_one_line(checkpoint, tmp_path, name, kind, capsys):
     if name == "model.safetensors.index.json":  # a full (safetensors) checkpoint: the index names the shards
         full = tmp_path / "full"
         assert _timed_cli([str(checkpoint), str(full)]) == 0

@@ -261,8 +261,8 @@ def test_flag_forms(tmp_path):
         (["--seed", "4294967296"], "seed=4294967296 is more than 4294967295: give a seed from 0 to 4294967295"),
     ],
 )
-def test_the_hostile_testers_cases(argv, message, tmp_path):
-    """Each exited 0 (or printed a traceback) before: now one line, before anything starts."""
+def test_values_out_of_range_are_one_line_before_anything_starts(argv, message, tmp_path):
+    """Each is one line before anything starts, not a run that exits 0 or a traceback."""
     with pytest.raises(RecipeError) as err:
         parse_args([*argv, *(["--output_dir", str(tmp_path / "o")] if "--output_dir" not in argv else []), *NO_FSDP])
     assert message in str(err.value) and "\n" not in str(err.value)
