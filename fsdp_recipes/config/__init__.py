@@ -1,7 +1,8 @@
 """The config tools: what a run asks for, checked before anything starts, and what it will cost.
 
 - parse:             ``train_fsdp.py [recipe.yaml] [--flag value ...]`` -> the argument dataclasses and a Plan
-- arguments:         ModelArguments, DataArguments (TrainingArguments is transformers')
+- arguments:         DataArguments, and what the argument dataclasses share (TRL's spellings, build)
+- model_arguments:   ModelArguments: the model, its tokenizer, dtype and LoRA (TrainingArguments is transformers')
 - run_arguments:     RunArguments: what the run may do to its output_dir, how it checkpoints and saves
 - values, flags:     every numeric field's range; flags and recipe values checked as one line, not argparse's usage
 - hub_push:          --push_to_hub: where the final model goes, and what stops the upload, found before training

@@ -41,7 +41,8 @@ def _recipe_keys() -> set[str]:
 
     from transformers import TrainingArguments
 
-    from fsdp_recipes.config.arguments import DataArguments, ModelArguments
+    from fsdp_recipes.config.arguments import DataArguments
+    from fsdp_recipes.config.model_arguments import ModelArguments
     from fsdp_recipes.config.run_arguments import RunArguments
 
     return {

@@ -1,7 +1,8 @@
-"""The script's own arguments, as dataclasses HfArgumentParser turns into flags: the model (ModelArguments) and the
-data (DataArguments); the run's are fsdp_recipes.config.run_arguments', TrainingArguments is transformers'. Each
-checks its own fields in ``__post_init__``, before anything is loaded, with the probes of model_source and
-data_files. TRL's names for the same settings are extra spellings of the flags (TRL_ALIASES)."""
+"""The data's arguments (DataArguments), as a dataclass HfArgumentParser turns into flags, and what every argument
+dataclass shares: TRL's names for the same settings as extra spellings of the flags (TRL_ALIASES), the dtypes, and
+``build``. The model's arguments are fsdp_recipes.config.model_arguments', the run's
+fsdp_recipes.config.run_arguments', TrainingArguments is transformers'. Each checks its own fields in
+``__post_init__``, before anything is loaded, with the probes of model_source and data_files."""
 
 from __future__ import annotations
 
@@ -11,14 +12,7 @@ from pathlib import Path
 
 from fsdp_recipes.config.data_files import sniff_format, train_file_problem
 from fsdp_recipes.config.mixture import mixture_evaluates, mixture_problem
-from fsdp_recipes.config.model_source import (
-    config_size_problem,
-    dataset_source_problem,
-    model_source_problem,
-    one_line,
-    qlora_problem,
-    remote_code_problem,
-)
+from fsdp_recipes.config.model_source import dataset_source_problem
 from fsdp_recipes.errors import RecipeError
 
 DATA_EXTENSIONS = {
@@ -50,151 +44,6 @@ TRL_ALIASES = {
 
 def _aliases(name: str) -> list[str]:
     return [f"--{alias}" for alias, ours in TRL_ALIASES.items() if ours == name]
-
-
-@dataclass
-class ModelArguments:
-    _argument_group_name = "model and LoRA (LoRA keys are TRL's ModelConfig names)"
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "Hub model id or local folder with weights to fine-tune. Leave unset to train from `config_name`."
-        },
-    )
-    config_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "Folder or config.json to build a model from scratch (random init) instead of loading weights."
-        },
-    )
-    tokenizer_name: str | None = field(
-        default=None,
-        metadata={"help": "Hub id or folder of the tokenizer. Defaults to model_name_or_path, else config_name."},
-    )
-    dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "dtype the weights are loaded in. Keep float32 with FSDP mixed precision (bf16 in the accelerate "
-            "config): FSDP then keeps fp32 master weights and computes in bf16.",
-            "choices": list(DTYPES),
-            "aliases": _aliases("dtype"),
-        },
-    )
-    attn_implementation: str | None = field(
-        default=None,
-        metadata={"help": "Attention kernel, e.g. sdpa, eager, flash_attention_2. Default: transformers' choice."},
-    )
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub repository."})
-    model_revision: str = field(
-        default="main",
-        metadata={
-            "help": "TRL's: branch, tag or commit of a hub model (and its tokenizer); a local folder is read as it is."
-        },
-    )
-    chat_template: str | None = field(
-        default=None,
-        metadata={
-            "help": "The handbook's: a Jinja chat template set on the tokenizer, used for chat data and saved with the model."
-        },
-    )
-    chat_template_path: str | None = field(
-        default=None,
-        metadata={"help": "TRL's: a .jinja file, or a tokenizer folder, whose chat template is set on the tokenizer."},
-    )
-    eos_token: str | None = field(
-        default=None,
-        metadata={
-            "help": "TRL's: the token ending a turn (e.g. <|im_end|>), set as the tokenizer's eos_token and as the "
-            "saved generation_config's eos_token_id, so that generate() stops there. Must be in the vocabulary."
-        },
-    )
-    # LoRA with peft, under the names TRL uses (trl.ModelConfig), so recipes carry over.
-    use_peft: bool = field(
-        default=False,
-        metadata={
-            "help": "Train a LoRA adapter (peft) instead of all weights, sharded by FSDP like the rest. The run ends "
-            "with the merged model in output_dir/model/ and the adapter in output_dir/adapter/."
-        },
-    )
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA path."})
-    lora_target_modules: list[str] | None = field(
-        default=None,
-        metadata={"help": "Module names to adapt, e.g. q_proj v_proj (default: every linear layer but the LM head)."},
-    )
-
-    load_in_4bit: bool = field(
-        default=False,
-        metadata={
-            "help": "QLoRA: load the base weights in 4 bits with bitsandbytes (CUDA only) and train a LoRA adapter "
-            "(needs use_peft and model_name_or_path)."
-        },
-    )
-    bnb_4bit_quant_type: str = field(
-        default="nf4", metadata={"help": "4-bit data type: nf4 or fp4.", "choices": ["nf4", "fp4"]}
-    )
-    bnb_4bit_compute_dtype: str = field(
-        default="bfloat16",
-        metadata={
-            "help": "dtype the 4-bit weights are dequantized to for compute.",
-            "choices": ["bfloat16", "float16", "float32"],
-        },
-    )
-    bnb_4bit_quant_storage: str = field(
-        default="bfloat16",
-        metadata={
-            "help": "dtype the packed 4-bit weights are stored in. Under FSDP it must equal the dtype of the model's "
-            "other parameters (dtype): FSDP shards all of a unit's parameters as one dtype.",
-            "choices": ["bfloat16", "float16", "float32", "uint8"],
-        },
-    )
-    use_bnb_nested_quant: bool = field(
-        default=False, metadata={"help": "Quantize the quantization constants too (double quantization)."}
-    )
-
-    def __post_init__(self):
-        if (self.model_name_or_path is None) == (self.config_name is None):
-            raise RecipeError(
-                "set exactly one of model_name_or_path (fine-tune weights) and config_name (train from scratch); "
-                f"got model_name_or_path={self.model_name_or_path!r}, config_name={self.config_name!r}"
-            )
-        if self.dtype not in DTYPES:
-            raise RecipeError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.load_in_4bit:
-            if not (self.use_peft and self.model_name_or_path):
-                raise RecipeError(
-                    "load_in_4bit (QLoRA) quantizes pre-trained weights and trains a LoRA adapter on them: "
-                    "set use_peft: true and model_name_or_path"
-                )
-            if problem := qlora_problem():
-                raise RecipeError(problem)
-        if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
-            raise RecipeError(
-                f"LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got r={self.lora_r}, "
-                f"alpha={self.lora_alpha}, dropout={self.lora_dropout}"
-            )
-        if self.config_name is not None and not Path(self.config_name).exists():
-            raise RecipeError(f"config_name={self.config_name!r} does not exist: give a folder holding config.json")
-        defaulted = self.tokenizer_name is None
-        if defaulted:
-            self.tokenizer_name = self.model_name_or_path or self.config_name
-        for key, weights in (("model_name_or_path", True), ("tokenizer_name", False)):
-            if getattr(self, key) is not None and (problem := model_source_problem(getattr(self, key), weights)):
-                origin = (
-                    f" (from {'model_name_or_path' if self.model_name_or_path else 'config_name'}: none was given)"
-                    if key == "tokenizer_name" and defaulted
-                    else ""
-                )
-                raise RecipeError(f"{key}={getattr(self, key)!r}{origin} {problem}")
-        # before anything loads: transformers would prompt (and on "y" run the folder's Python files) or fail on every rank
-        for key, tokenizer in (("model_name_or_path", False), ("config_name", False), ("tokenizer_name", True)):
-            source = getattr(self, key)
-            if source is not None and (
-                problem := remote_code_problem(source, self.trust_remote_code, tokenizer)
-                or (not tokenizer and config_size_problem(source))
-            ):
-                raise RecipeError(f"{key}={source!r} {one_line(problem)}")
 
 
 EVAL_SOURCES = (
@@ -251,16 +100,15 @@ class DataArguments:
             "aliases": _aliases("block_size"),
         },
     )
-    packing: str | None = field(
-        default=None,
+    packing: str = field(
+        default="concat",
         metadata={
-            "help": "Unset or TRL's false (TRL's default): one example per row, truncated at block_size, padded. "
-            "concat: text documents are concatenated and cut into block_size blocks (a token may attend to the "
+            "help": "concat: text documents are concatenated and cut into block_size blocks (a token may attend to the "
             "previous document). padding_free: each document (at most block_size tokens; longer ones are split) keeps "
             "its own positions, and a batch is one row of whole documents that attend only within themselves "
             "(transformers' DataCollatorWithFlattening: no padding, no cross-document attention; chat data too). "
-            "TRL's true is padding_free (packing_strategy bfd truncates long documents, bfd_split splits them, "
-            "wrapped is concat). A bare --packing is TRL's true.",
+            "TRL's true/false: true is padding_free (with packing_strategy wrapped: concat); false (one example per "
+            "row, truncated) is chat data's concat, and has no equivalent for text data. A bare --packing is TRL's true.",
             "choices": ["concat", "padding_free", "true", "false"],
             "nargs": "?",
             "const": "true",  # TRL's packing is a bool: its users write --packing alone for true
@@ -374,11 +222,11 @@ class DataArguments:
     def _trl_names(self):
         """TRL's packing true/false and packing_strategy become our packing mode; what has no equivalent is refused
         here, or once the data's format is known (format_problem)."""
-        trl_packing = {"true": True, "false": False, "none": False}.get(str(self.packing).lower())  # unset: TRL's
+        trl_packing = {"true": True, "false": False}.get(str(self.packing).lower())
         if self.packing_strategy is not None and trl_packing is not True:
             raise RecipeError(
                 f"packing_strategy={self.packing_strategy} is TRL's choice for packing: true; packing is "
-                f"{self.packing or 'unset (false)'}: drop packing_strategy, or set packing: true"
+                f"{self.packing}: drop packing_strategy, or set packing: true"
             )
         if self.completion_only_loss:
             raise RecipeError(
@@ -393,6 +241,16 @@ class DataArguments:
 
     def format_problem(self, fmt: str) -> str | None:
         """Why a TRL setting given here has no equivalent for data of this format (text or chat), or None."""
+        if fmt == "text" and self.trl_packing is False:
+            return (
+                "packing=false (TRL: one document per row, truncated at max_length) has no equivalent for text data "
+                "here: give packing: padding_free (documents kept apart, longer ones split) or concat"
+            )
+        if fmt == "text" and self.trl_packing and self.packing_strategy in (None, "bfd"):
+            return (
+                "packing=true with TRL's packing_strategy bfd truncates long documents; for text data here "
+                "padding_free splits them: set packing_strategy: bfd_split (or packing: padding_free)"
+            )
         if fmt == "chat" and self.trl_packing and self.packing_strategy == "wrapped":
             return (
                 "packing=true with TRL's packing_strategy wrapped joins conversations into fixed blocks; chat data here "

@@ -10,7 +10,8 @@ import sys
 
 from transformers import HfArgumentParser, TrainingArguments
 
-from fsdp_recipes.config.arguments import DataArguments, ModelArguments
+from fsdp_recipes.config.arguments import DataArguments
+from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.config.run_arguments import RunArguments
 from fsdp_recipes.console import HelpFormatter
 

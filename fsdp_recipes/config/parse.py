@@ -11,7 +11,7 @@ from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.ckpt.resume import check_output_dir, explicit, requested
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config import helptext, launcher, trl_recipe
-from fsdp_recipes.config.arguments import DataArguments, ModelArguments, build
+from fsdp_recipes.config.arguments import DataArguments, build
 from fsdp_recipes.config.flags import (
     bare_flags_as_values,
     check_flag_values,
@@ -21,6 +21,7 @@ from fsdp_recipes.config.flags import (
     check_recipe_types,
 )
 from fsdp_recipes.config.hub_push import push_plan
+from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.config.packages import check_deepspeed, check_packages
 from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.config.recipe_checks import ZERO1_UNDER_FSDP

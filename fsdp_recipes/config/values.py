@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from transformers import TrainingArguments
 
-from fsdp_recipes.config.arguments import DataArguments, ModelArguments
+from fsdp_recipes.config.arguments import DataArguments
+from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.config.model_source import model_positions
 from fsdp_recipes.config.run_arguments import RunArguments
 from fsdp_recipes.console import say

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from fsdp_recipes.config.arguments import ModelArguments
+from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.errors import RecipeError
 
 

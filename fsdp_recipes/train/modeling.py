@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.layout import BASE_STAGING, LORA_BASE_DIR
 from fsdp_recipes.compat import cpu_fsdp, rank0_loading
-from fsdp_recipes.config.arguments import ModelArguments
+from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import CheckpointError, RecipeError

@@ -221,7 +221,7 @@ def test_a_lora_base_is_saved_once_and_another_models_is_refused(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from fsdp_recipes.config.arguments import ModelArguments
+    from fsdp_recipes.config.model_arguments import ModelArguments
     from fsdp_recipes.errors import RecipeError
     from fsdp_recipes.train.modeling import lora_base, save_lora_base, use_lora_base
 
@@ -261,7 +261,7 @@ def test_a_lora_base_is_saved_once_and_another_models_is_refused(tmp_path):
 def test_a_base_model_path_that_is_not_a_saved_base_is_refused_before_anything_is_built(tmp_path, kind):
     """output_dir/base_model that is a folder without config.json, or a link (to weights this run did not save, even
     a real base), is neither used nor replaced, and no staging copy of a new base is left beside it."""
-    from fsdp_recipes.config.arguments import ModelArguments
+    from fsdp_recipes.config.model_arguments import ModelArguments
     from fsdp_recipes.errors import RecipeError
     from fsdp_recipes.train.modeling import save_lora_base
 

@@ -9,7 +9,7 @@ import warnings
 from conftest import REPO
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fsdp_recipes.config.arguments import ModelArguments
+from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.train.modeling import add_lora
 
 ALIAS = "`is_gradient_checkpointing` is deprecated"

@@ -17,7 +17,8 @@ def _parser():
     """The parser parse_args builds (its actions are what a recipe key may name)."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    from fsdp_recipes.config.arguments import DataArguments, ModelArguments
+    from fsdp_recipes.config.arguments import DataArguments
+    from fsdp_recipes.config.model_arguments import ModelArguments
     from fsdp_recipes.config.run_arguments import RunArguments
 
     return HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
