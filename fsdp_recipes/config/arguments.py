@@ -100,15 +100,16 @@ class DataArguments:
             "aliases": _aliases("block_size"),
         },
     )
-    packing: str = field(
-        default="concat",
+    packing: str | None = field(
+        default=None,
         metadata={
-            "help": "concat: text documents are concatenated and cut into block_size blocks (a token may attend to the "
+            "help": "Unset or TRL's false (TRL's default): one example per row, truncated at block_size, padded. "
+            "concat: text documents are concatenated and cut into block_size blocks (a token may attend to the "
             "previous document). padding_free: each document (at most block_size tokens; longer ones are split) keeps "
             "its own positions, and a batch is one row of whole documents that attend only within themselves "
             "(transformers' DataCollatorWithFlattening: no padding, no cross-document attention; chat data too). "
-            "TRL's true/false: true is padding_free (with packing_strategy wrapped: concat); false (one example per "
-            "row, truncated) is chat data's concat, and has no equivalent for text data. A bare --packing is TRL's true.",
+            "TRL's true is padding_free (packing_strategy bfd truncates long documents, bfd_split splits them, "
+            "wrapped is concat). A bare --packing is TRL's true.",
             "choices": ["concat", "padding_free", "true", "false"],
             "nargs": "?",
             "const": "true",  # TRL's packing is a bool: its users write --packing alone for true
@@ -222,11 +223,11 @@ class DataArguments:
     def _trl_names(self):
         """TRL's packing true/false and packing_strategy become our packing mode; what has no equivalent is refused
         here, or once the data's format is known (format_problem)."""
-        trl_packing = {"true": True, "false": False}.get(str(self.packing).lower())
+        trl_packing = {"true": True, "false": False, "none": False}.get(str(self.packing).lower())  # unset: TRL's
         if self.packing_strategy is not None and trl_packing is not True:
             raise RecipeError(
                 f"packing_strategy={self.packing_strategy} is TRL's choice for packing: true; packing is "
-                f"{self.packing}: drop packing_strategy, or set packing: true"
+                f"{self.packing or 'unset (false)'}: drop packing_strategy, or set packing: true"
             )
         if self.completion_only_loss:
             raise RecipeError(
@@ -241,16 +242,6 @@ class DataArguments:
 
     def format_problem(self, fmt: str) -> str | None:
         """Why a TRL setting given here has no equivalent for data of this format (text or chat), or None."""
-        if fmt == "text" and self.trl_packing is False:
-            return (
-                "packing=false (TRL: one document per row, truncated at max_length) has no equivalent for text data "
-                "here: give packing: padding_free (documents kept apart, longer ones split) or concat"
-            )
-        if fmt == "text" and self.trl_packing and self.packing_strategy in (None, "bfd"):
-            return (
-                "packing=true with TRL's packing_strategy bfd truncates long documents; for text data here "
-                "padding_free splits them: set packing_strategy: bfd_split (or packing: padding_free)"
-            )
         if fmt == "chat" and self.trl_packing and self.packing_strategy == "wrapped":
             return (
                 "packing=true with TRL's packing_strategy wrapped joins conversations into fixed blocks; chat data here "
