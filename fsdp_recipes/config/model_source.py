@@ -331,7 +331,7 @@ def one_line(problem: tuple[str, str]) -> str:
 
 def weights_problem(folder: Path, name: str) -> str | None:
     """Why the weights from_pretrained would read from ``folder`` are not safetensors files of its own: a .bin is a
-    pickle (transformers unpickles it on every rank; only ckpt/dcp.py's allow-listed reader unpickles here), and an
+    pickle (transformers unpickles it on every rank; only ckpt/dcp_pickles.py's allow-listed reader unpickles here), and an
     index naming "../x" or "/etc/passwd" makes from_pretrained read a file outside the folder without a word."""
     from fsdp_recipes.ckpt.readers import is_shard_name
 
