@@ -313,7 +313,7 @@ class FSDPTrainer(Trainer):
     def inexact_full_resume(self) -> bool:
         """FSDP1 + FULL_STATE_DICT + use_orig_params: measured (torch 2.13, accelerate 1.15), the resumed weights and Adam
         state equal the saved ones, yet the first update after the resume differs from the run that never stopped,
-        with or without sync_module_states; use_orig_params false resumes to the same bits (tests/unit/ckpt/test_status.py)."""
+        with or without sync_module_states; use_orig_params false resumes to the same bits (tests/integration/test_resume_refusals.py)."""
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         return (
             plugin is not None
