@@ -28,7 +28,8 @@ from fsdp_recipes.errors import CheckpointError, InternalsChanged, NotShardedErr
 
 PROG = "train_fsdp.py"
 ONE_LINE_ERRORS = (RecipeError, NotShardedError, InternalsChanged, RefusedRemoval)
-FAIL_WAIT_SECONDS = 30  # how long a failing rank other than local rank 0 waits for it to print its line
+# how long a failing rank other than local rank 0 waits for it to print its line
+FAIL_WAIT_SECONDS = 30
 RESUME = "run the same command with --resume_from_checkpoint true to continue"
 
 
@@ -127,12 +128,14 @@ def fail(message: str, code: int) -> NoReturn:
     from fsdp_recipes.config.launcher import tell_launcher
     from fsdp_recipes.train.preemption import quiet_stops, wait_for_stop
 
-    quiet_stops()  # the launcher's SIGTERM to the ranks still waiting here is no second failure
+    # the launcher's SIGTERM to the ranks still waiting here is no second failure; once local rank 0 has exited,
+    # it ends their wait
+    quiet_stops()
     tell_launcher(message)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)
     else:
-        wait_for_stop(FAIL_WAIT_SECONDS)  # the launcher's SIGTERM, once local rank 0 has exited, ends the wait
+        wait_for_stop(FAIL_WAIT_SECONDS)
     sys.exit(code)
 
 
@@ -148,8 +151,9 @@ def run(main: Callable[[], None]) -> None:
         watch_stops,
     )
 
+    # until the Trainer's preemption handler takes over: a stop before training ends in one line
     watch_interrupts()
-    watch_stops()  # until the Trainer's preemption handler takes over: a stop before training ends in one line
+    watch_stops()
     try:
         try:
             main()
@@ -166,7 +170,8 @@ def run(main: Callable[[], None]) -> None:
     except Stopped as stop:
         fail(before_training(f"stopped by {stop.describe()}"), 128 + stop.signum)
     except KeyboardInterrupt as stop:
-        if not training_began():  # parsing, --help, loading: nothing of this run to lose
+        # parsing, --help, loading: nothing of this run to lose
+        if not training_began():
             fail(before_training("interrupted"), 130)
         go_on = getattr(stop, "advice", f"{RESUME} from the last checkpoint")
         fail(

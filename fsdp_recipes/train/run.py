@@ -43,10 +43,12 @@ class Run:
     def __init__(self, model_args, data_args, plan):
         self.model_args, self.data_args, self.plan = model_args, data_args, plan
         self.run_args = plan.run_args
-        self.args = None  # TrainingArguments, built by preflight (it joins the process group)
+        # TrainingArguments: built by preflight, which joins the process group
+        self.args = None
         self.trainer = self.tokenizer = self.eval_dataset = None
-        self.finished_step: int | None = None  # the step of a resumed checkpoint already at max_steps
-        self.recorded = False  # output_dir/run_args.json written
+        # the step of a resumed checkpoint already at max_steps
+        self.finished_step: int | None = None
+        self.recorded = False
 
     @property
     def finished(self) -> bool:
@@ -56,7 +58,8 @@ class Run:
         """Join the process group, decide the resume (rank 0, once), take output_dir, set aside what the checks
         decided. A new run writes its record first: it marks output_dir ours."""
         plan = self.plan
-        self.args, on_cpu = preflight.start(plan)  # makes FSDP real without a GPU, then joins the process group
+        # FSDP made real where there is no GPU, then the process group joined
+        self.args, on_cpu = preflight.start(plan)
         self._set_up_logging(on_cpu)
         preflight.decide_resume(plan, self.args)
         preflight.hold_output_dir(self.args)
@@ -83,7 +86,8 @@ class Run:
             format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout
         )
         transformers.utils.logging.set_verbosity(args.get_process_log_level())
-        for name in ("httpx", "httpx2"):  # huggingface_hub's HTTP clients: a line per request of an upload
+        # huggingface_hub's HTTP clients log a line per request of an upload
+        for name in ("httpx", "httpx2"):
             logging.getLogger(name).setLevel(logging.WARNING)
         logger.setLevel(logging.INFO if args.should_log else logging.WARNING)
         if on_cpu:
@@ -106,15 +110,14 @@ class Run:
         """Tokenizer, data, model and trainer, every check that needs them made before training, every rank alike."""
         args, run_args = self.args, self.run_args
         set_seed(args.seed)
-        use_lora_base(
-            self.model_args, args.output_dir, log=logger.info
-        )  # LoRA on a config: its random base, saved once
+        # LoRA on a config: its random base, saved once
+        use_lora_base(self.model_args, args.output_dir, log=logger.info)
         self.tokenizer = load_tokenizer(self.model_args)
         with args.main_process_first(desc="dataset preprocessing"):
             train_dataset, self.eval_dataset, collator = build_datasets(self.data_args, self.tokenizer, args.seed)
         evaluated = f", evaluation examples: {len(self.eval_dataset):,}" if self.eval_dataset else ""
         logger.info(f"training examples: {len(train_dataset):,}{evaluated}")
-        check_run_length(args, len(train_dataset), run_args.profile_steps)  # needs the data's size
+        check_run_length(args, len(train_dataset), run_args.profile_steps)
 
         model = load_model(self.model_args, self.tokenizer)
         how = f"--dtype {self.model_args.dtype}" + (
@@ -139,7 +142,8 @@ class Run:
             direct_io_checkpoints=run_args.direct_io_checkpoints,
             async_checkpoint_staging=run_args.async_checkpoint_staging,
         )
-        trainer.describer.base_record = base_record  # into every checkpoint and the adapter folder
+        # the base's identity goes into every checkpoint and the adapter folder
+        trainer.describer.base_record = base_record
         if problem := save_dtype_problem(trainer, run_args.save_dtype):
             raise RecipeError(problem)
         if run_args.profile_steps:
@@ -153,8 +157,9 @@ class Run:
         if saving:
             logger.info(trainer.async_saves.describe())
         if args.resume_from_checkpoint:
+            # every rank reads the same headers: all stop alike, before any load
             if problem := trainer.resume_mismatch(args.resume_from_checkpoint):
-                raise RecipeError(problem)  # every rank reads the same headers: all stop alike, before any load
+                raise RecipeError(problem)
             logger.info(f"resuming from {args.resume_from_checkpoint}")
 
     def train(self) -> None:
@@ -169,7 +174,8 @@ class Run:
         trainer.log_metrics("train", result.metrics)
         trainer.save_metrics("train", result.metrics)
         if self.eval_dataset is not None:
-            metrics = trainer.evaluate()  # sharded, like training; every rank gets the same numbers
+            # sharded, like training: every rank gets the same numbers
+            metrics = trainer.evaluate()
             trainer.log_metrics("eval", metrics)
             trainer.save_metrics("eval", metrics)
         trainer.save_state()
