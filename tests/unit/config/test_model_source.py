@@ -539,9 +539,9 @@ def test_estimate_memory_names_a_model_text_that_is_no_count_path_or_hub_id(text
 
 
 def test_a_missing_model_folder_is_the_runs_one_line_not_a_config_warning_first(tmp_path, monkeypatch, capsys):
-    """chat_sft.yaml before the quick start's model existed: a warning blamed zero3.yaml and quoted the hub's
-    repo-id rule cut mid-word, before the run's own clear error. The launch check leaves a missing local folder to
-    that error, and a quoted hub message ends at a word."""
+    """A recipe naming a local model folder that does not exist yet (chat_sft.yaml before the quick start's run):
+    the launch check leaves it to the run's own one-line error, with no warning blaming the accelerate config first,
+    and a quoted hub message ends at a word."""
     from types import SimpleNamespace
 
     from fsdp_recipes.config import launcher
