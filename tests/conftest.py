@@ -201,6 +201,15 @@ def header_dtypes(path: Path) -> set[str]:
     return {v["dtype"] for k, v in json.loads(raw[8 : 8 + size]).items() if k != "__metadata__"}
 
 
+def rewrite_weights(folder: Path, edit) -> None:
+    """Apply ``edit`` to the tensors of ``folder``/model.safetensors in place and write them back."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 def same_tensors(a: Path, b: Path) -> None:
     """The safetensors files ``a`` and ``b`` hold the same tensor names, each bit for bit equal."""
     import torch

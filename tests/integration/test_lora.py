@@ -12,9 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAULT_SCRIPT, QUICK, REPO, launch, logged_losses, quick, read_json, run, same_tensors
+from conftest import (
+    FAULT_SCRIPT,
+    QUICK,
+    REPO,
+    launch,
+    logged_losses,
+    quick,
+    read_json,
+    rewrite_weights,
+    run,
+    same_tensors,
+)
 from safetensors.torch import load_file
 
+from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.dcp_pickles import read_layout
 from fsdp_recipes.ckpt.readers import DCPSource
 
@@ -606,3 +618,37 @@ def test_a_lora_run_ends_on_its_best_checkpoint(trained, config, tmp_path):
         assert done.returncode == 0, done.stdout + done.stderr
     same_tensors(out / "model" / "model.safetensors", merged / "model.safetensors")
     same_tensors(out / "adapter" / "adapter_model.safetensors", adapter / "adapter_model.safetensors")
+
+
+@pytest.mark.slow
+def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(tmp_path):
+    """The LoRA recipe (its base built from a config and saved once): every checkpoint and the adapter record the
+    base; the base zeroed since, or rebuilt from another seed, stops the resume in one line, before training."""
+    out = tmp_path / "run"
+    args = ["recipes/tiny-llama/lora_sft.yaml", "--max_steps", "4", "--save_steps", "2", "--output_dir", str(out)]
+    launch("accelerate_configs/zero3.yaml", *args)
+    recorded = base_identity.identity(out / "base_model")
+    for folder in ("base_model", "checkpoint-2", "checkpoint-4", "adapter"):
+        assert base_identity.read(out / folder)["tensors"] == recorded["tensors"], folder
+
+    shutil.copytree(out / "base_model", tmp_path / "kept")
+    rewrite_weights(out / "base_model", lambda t: t["model.layers.1.self_attn.o_proj.weight"].zero_())
+    resume = [*args[:2], "6", *args[3:], "--resume_from_checkpoint", "true"]
+    refused = launch("accelerate_configs/zero3.yaml", *resume, check=False)
+    assert refused.returncode != 0, refused.stderr[-2000:]
+    assert (
+        f"the LoRA base {out / 'base_model'} changed since a run saved it (1 of 39 weight(s) hold other values"
+        in refused.stderr
+    )
+    assert "model.layers.1.self_attn.o_proj.weight" in refused.stderr and not (out / "checkpoint-6").exists()
+
+    shutil.move(
+        out / "base_model", tmp_path / "zeroed"
+    )  # a new base gets built, from another seed: not the checkpoints'
+    refused = launch("accelerate_configs/zero3.yaml", *resume, "--seed", "7", check=False)
+    assert refused.returncode != 0, refused.stderr[-2000:]
+    assert (
+        f"is not the one {out / 'checkpoint-4'} was trained on" in refused.stderr
+        and "30 of 39 weight(s) hold other values" in refused.stderr
+    )  # the norms are ones in both
+    assert not (out / "checkpoint-6").exists()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, launch, run
+from conftest import REPO, rewrite_weights, run
 from safetensors.torch import load_file, save_file
 
 from fsdp_recipes.ckpt import base_identity
@@ -60,48 +60,44 @@ def flip_byte(folder: Path, rng: random.Random) -> str:
     return name
 
 
-def rewrite(folder: Path, edit) -> None:
-    tensors = load_file(folder / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-
-
 def edit_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **changes}))
 
 
 CHANGES = {  # name -> (edit of the base folder, what the difference names)
     "zeroed": (
-        lambda f: rewrite(f, lambda t: [v.zero_() for v in t.values()]),
+        lambda f: rewrite_weights(f, lambda t: [v.zero_() for v in t.values()]),
         r"5 of 5 weight\(s\) hold other values",
     ),
     "another seed": (lambda f: make_base(f, seed=1), r"5 of 5 weight\(s\) hold other values"),
     "one weight scaled": (
-        lambda f: rewrite(f, lambda t: t["model.layers.1.v_proj.weight"].mul_(1.0001)),
+        lambda f: rewrite_weights(f, lambda t: t["model.layers.1.v_proj.weight"].mul_(1.0001)),
         r"1 of 5 .*model\.layers\.1\.v_proj",
     ),
     "a dtype": (
-        lambda f: rewrite(f, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].float()})),
+        lambda f: rewrite_weights(
+            f, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].float()})
+        ),
         r"1 of 5 .*embed_tokens",
     ),
     "a shape": (
-        lambda f: rewrite(
+        lambda f: rewrite_weights(
             f, lambda t: t.update({"model.layers.0.q_proj.weight": t["model.layers.0.q_proj.weight"].reshape(16, 8)})
         ),
         r"1 of 5 .*layers\.0\.q_proj",
     ),
     "a weight renamed": (
-        lambda f: rewrite(
+        lambda f: rewrite_weights(
             f, lambda t: t.update({"model.layers.0.k_proj.weight": t.pop("model.layers.0.q_proj.weight")})
         ),
         r"1 weight\(s\) missing \(e\.g\. model\.layers\.0\.q_proj\.weight\); 1 weight\(s\) it did not have",
     ),
     "a weight dropped": (
-        lambda f: rewrite(f, lambda t: t.pop("model.layers.1.q_proj.weight")),
+        lambda f: rewrite_weights(f, lambda t: t.pop("model.layers.1.q_proj.weight")),
         r"1 weight\(s\) missing",
     ),
     "a weight added": (
-        lambda f: rewrite(f, lambda t: t.update({"lm_head.weight": torch.ones(32, 16)})),
+        lambda f: rewrite_weights(f, lambda t: t.update({"lm_head.weight": torch.ones(32, 16)})),
         r"1 weight\(s\) it did not have \(e\.g\. lm_head",
     ),
     "the config": (lambda f: edit_config(f, rope_theta=1.0), r"config\.json describes another model"),
@@ -237,7 +233,7 @@ def test_a_merge_onto_another_base_than_the_recorded_one_stops_before_writing(tm
         if kind == "one bit":
             flip_byte(other, rng)
         elif kind == "zeroed":
-            rewrite(other, lambda t: [v.zero_() for v in t.values()])
+            rewrite_weights(other, lambda t: [v.zero_() for v in t.values()])
         else:
             (other / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes()[:-64])
         expected = (
@@ -278,40 +274,6 @@ def test_a_merge_onto_another_base_than_the_recorded_one_stops_before_writing(tm
     ), said
 
 
-@pytest.mark.slow
-def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(tmp_path):
-    """The LoRA recipe (its base built from a config and saved once): every checkpoint and the adapter record the
-    base; the base zeroed since, or rebuilt from another seed, stops the resume in one line, before training."""
-    out = tmp_path / "run"
-    args = ["recipes/tiny-llama/lora_sft.yaml", "--max_steps", "4", "--save_steps", "2", "--output_dir", str(out)]
-    launch("accelerate_configs/zero3.yaml", *args)
-    recorded = base_identity.identity(out / "base_model")
-    for folder in ("base_model", "checkpoint-2", "checkpoint-4", "adapter"):
-        assert base_identity.read(out / folder)["tensors"] == recorded["tensors"], folder
-
-    shutil.copytree(out / "base_model", tmp_path / "kept")
-    rewrite(out / "base_model", lambda t: t["model.layers.1.self_attn.o_proj.weight"].zero_())
-    resume = [*args[:2], "6", *args[3:], "--resume_from_checkpoint", "true"]
-    refused = launch("accelerate_configs/zero3.yaml", *resume, check=False)
-    assert refused.returncode != 0, refused.stderr[-2000:]
-    assert (
-        f"the LoRA base {out / 'base_model'} changed since a run saved it (1 of 39 weight(s) hold other values"
-        in refused.stderr
-    )
-    assert "model.layers.1.self_attn.o_proj.weight" in refused.stderr and not (out / "checkpoint-6").exists()
-
-    shutil.move(
-        out / "base_model", tmp_path / "zeroed"
-    )  # a new base gets built, from another seed: not the checkpoints'
-    refused = launch("accelerate_configs/zero3.yaml", *resume, "--seed", "7", check=False)
-    assert refused.returncode != 0, refused.stderr[-2000:]
-    assert (
-        f"is not the one {out / 'checkpoint-4'} was trained on" in refused.stderr
-        and "30 of 39 weight(s) hold other values" in refused.stderr
-    )  # the norms are ones in both
-    assert not (out / "checkpoint-6").exists()
-
-
 def test_a_hub_base_is_found_in_the_local_cache_and_checked(tmp_path, monkeypatch):
     """A hub id the run downloaded: its snapshot in the cache is the base (nothing is downloaded), checked like a folder."""
     from fsdp_recipes.ckpt.merge import merge_checkpoint
@@ -335,7 +297,7 @@ def test_a_hub_base_is_found_in_the_local_cache_and_checked(tmp_path, monkeypatc
     said = []
     merge_checkpoint(ckpt, tmp_path / "from-hub", base_model="someone/tiny", log=said.append)
     assert f"adapter-only LoRA checkpoint: the frozen base's weights from {snapshot}" in said
-    rewrite(snapshot, lambda t: t["model.norm.weight"].mul_(2))
+    rewrite_weights(snapshot, lambda t: t["model.norm.weight"].mul_(2))
     with pytest.raises(
         CheckpointError, match=rf"the base model {snapshot} is not the one .* 1 of 39 weight\(s\) .*model\.norm\.weight"
     ):
