@@ -59,6 +59,11 @@ def start(plan: Plan):
     )
     if precision is not None and precision.mixed_precision == "no":
         raw.bf16 = False
+    elif precision is not None and raw.bf16:
+        # kept on a CPU with native bf16: the Trainer refuses bf16 without a GPU unless use_cpu (which drops FSDP),
+        # so it reaches accelerate as the configs' mixed_precision: bf16 does, through the launcher's variable
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
+        raw.bf16 = False
     if getattr(raw, "ddp_find_unused_parameters", None) is None:
         # the Trainer's default (True without gradient checkpointing) makes DDP walk the autograd graph every
         # step for parameters a causal LM always uses; torch warns about it on every rank. FSDP ignores it.
