@@ -29,6 +29,7 @@ from transformers import (
 
 from fsdp_recipes.config.arguments import DATA_EXTENSIONS, DataArguments
 from fsdp_recipes.config.data_files import locate_fault, other_format
+from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, one_line
 from fsdp_recipes.train.data_mixture import load_mixture
 
@@ -319,6 +320,11 @@ def build_datasets(
     """The tokenized training set, the tokenized evaluation set (or None) and the collator that batches both."""
     raw, raw_eval = load_raw(args, seed)
     fmt = resolve_format(args, raw.column_names)
+    if fmt == "chat" and args.data_format == "auto" and getattr(args, "assistant_only_loss", None) is None:
+        say(
+            "chat data trains on the assistant's tokens only here, where TRL's default (assistant_only_loss: false) "
+            "trains on the whole conversation: set assistant_only_loss: true (or data_format: chat) to say so"
+        )
     if args.packing == "padding_free":
         prepare = split_documents if fmt == "text" else tokenize_chat
         collator = PaddingFreeCollator(return_position_ids=True, separator_id=IGNORE_INDEX)

@@ -368,3 +368,17 @@ def test_text_is_one_document_per_row_unless_packing_is_asked_as_in_trl(tmp_path
     assert batch["input_ids"].shape[0] == rows
     if rows == 4 and one_per_document:  # padded rows: the padding is masked and ignored by the loss
         assert (batch["labels"] == IGNORE_INDEX).sum() == (batch["attention_mask"] == 0).sum()
+
+
+@pytest.mark.parametrize(
+    "setting, said", [("", True), ("assistant_only_loss: true\n", False), ("data_format: chat\n", False)]
+)
+def test_chat_data_without_assistant_only_loss_says_it_differs_from_trls_default(tmp_path, capsys, setting, said):
+    """TRL's default for conversations trains on every token; here only the assistant's: a recipe that does not
+    say which (TRL's and the handbook's recipes) is told so in one line."""
+    from transformers import AutoTokenizer
+
+    _, data_args, _ = parse_args([write(tmp_path, TINY + CHAT + "block_size: 64\n" + setting), *NO_FSDP])
+    build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "assistant_only_loss" in line]
+    assert len(lines) == (1 if said else 0), lines
