@@ -153,3 +153,13 @@ def test_each_mixture_loads_with_its_proportions_columns_and_test_split(path, ro
     else:  # no columns given: every column kept
         assert both == Counter({f"{d['path']}/default/train": 12 for d in recipe["datasets"]}) and evaluation is None
         assert {"text", "source"} <= set(train.column_names)
+
+
+def test_the_docs_table_of_trl_names_is_the_code_s():
+    """docs/training.md shows TRL_NAMES, the table the translation keeps (a key or meaning changed in one place
+    and not the other fails here)."""
+    docs = (FIXTURES.parents[2] / "docs" / "training.md").read_text()
+    rows = [line for line in docs.splitlines() if line.startswith("| `")]
+    shown = {r.split(" | ")[0].strip("| ").replace("`", ""): r.split(" | ")[1].rstrip(" |") for r in rows}
+    assert {k: v for k, v in shown.items() if k in trl_recipe.TRL_NAMES} == trl_recipe.TRL_NAMES
+    assert all(f"`{key}`" in docs for key in trl_recipe.NO_EQUIVALENT)
