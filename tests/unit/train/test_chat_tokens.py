@@ -17,9 +17,9 @@ TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{
 
 
 def args(**given) -> SimpleNamespace:
-    base = dict(model_name_or_path=None, config_name=TINY, tokenizer_name=TINY, trust_remote_code=False)
-    base |= dict(dtype="float32", attn_implementation="sdpa", load_in_4bit=False, use_peft=False)
-    base |= dict(model_revision="main", chat_template=None, chat_template_path=None, eos_token=None)
+    base = {"model_name_or_path": None, "config_name": TINY, "tokenizer_name": TINY, "trust_remote_code": False}
+    base |= {"dtype": "float32", "attn_implementation": "sdpa", "load_in_4bit": False, "use_peft": False}
+    base |= {"model_revision": "main", "chat_template": None, "chat_template_path": None, "eos_token": None}
     return SimpleNamespace(**(base | given))
 
 
