@@ -42,7 +42,8 @@ TRL_ALIASES = {
 }
 
 
-def _aliases(name: str) -> list[str]:
+def trl_spellings(name: str) -> list[str]:
+    """The extra flags TRL_ALIASES gives our field ``name`` (block_size: --max_length, --max_seq_length)."""
     return [f"--{alias}" for alias, ours in TRL_ALIASES.items() if ours == name]
 
 
@@ -66,10 +67,11 @@ class DataArguments:
         },
     )
     dataset_config_name: str | None = field(
-        default=None, metadata={"help": "Hub dataset configuration name.", "aliases": _aliases("dataset_config_name")}
+        default=None,
+        metadata={"help": "Hub dataset configuration name.", "aliases": trl_spellings("dataset_config_name")},
     )
     dataset_split: str = field(
-        default="train", metadata={"help": "Split to train on.", "aliases": _aliases("dataset_split")}
+        default="train", metadata={"help": "Split to train on.", "aliases": trl_spellings("dataset_split")}
     )
     train_file: str | None = field(
         default=None,
@@ -87,7 +89,7 @@ class DataArguments:
         },
     )
     text_column: str = field(
-        default="text", metadata={"help": "Column holding plain text.", "aliases": _aliases("text_column")}
+        default="text", metadata={"help": "Column holding plain text.", "aliases": trl_spellings("text_column")}
     )
     messages_column: str = field(
         default="messages", metadata={"help": "Column holding chat messages (role/content dicts)."}
@@ -97,7 +99,7 @@ class DataArguments:
         metadata={
             "help": "Tokens per packed block (text) or the truncation length (chat). TRL's max_length; TRL's null (no "
             "truncation) has no equivalent here.",
-            "aliases": _aliases("block_size"),
+            "aliases": trl_spellings("block_size"),
         },
     )
     packing: str | None = field(
@@ -142,7 +144,8 @@ class DataArguments:
         default=None, metadata={"help": "Keep only the first N raw examples (for quick runs)."}
     )
     preprocessing_num_workers: int | None = field(
-        default=None, metadata={"help": "Processes for tokenization.", "aliases": _aliases("preprocessing_num_workers")}
+        default=None,
+        metadata={"help": "Processes for tokenization.", "aliases": trl_spellings("preprocessing_num_workers")},
     )
     validation_file: str | None = field(
         default=None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.config.arguments import DTYPES, _aliases
+from fsdp_recipes.config.arguments import DTYPES, trl_spellings
 from fsdp_recipes.config.model_source import (
     config_size_problem,
     model_source_problem,
@@ -45,7 +45,7 @@ class ModelArguments:
             "help": "dtype the weights are loaded in. Keep float32 with FSDP mixed precision (bf16 in the accelerate "
             "config): FSDP then keeps fp32 master weights and computes in bf16.",
             "choices": list(DTYPES),
-            "aliases": _aliases("dtype"),
+            "aliases": trl_spellings("dtype"),
         },
     )
     attn_implementation: str | None = field(
