@@ -14,6 +14,7 @@ Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the
 - checkpoint_files:   each kind of file in a checkpoint judged (torch.save files, DCP folders, safetensors weights)
 - rotation:           checkpoints set aside or rotated out (save_total_limit)
 - stop_advice:        the line a stopped run closes with: how to go on, and a full disk
+- model_match:        does a checkpoint belong to this run's model (shapes, config, LoRA settings, tokenizer)
 - resume:             which checkpoint a run resumes, what it sets aside or deletes (decided, never done, here)
 - description:        the model a checkpoint holds (config, tokenizer, dtypes), recorded and checked
 - lora_merge:         peft LoRA checkpoints merged as merge_and_unload does, or the adapter alone
