@@ -80,7 +80,7 @@ class DescribeCheckpoints(TrainerCallback):
 
     def __init__(self, trainer, tokenizer):
         self.trainer, self.tokenizer = trainer, tokenizer
-        self.base_record = None  # a LoRA run's base identity (train_fsdp.py sets it on rank 0)
+        self.base_record = None  # a LoRA run's base identity (Run.build sets it)
 
     def describe(self, folder: Path) -> None:
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)

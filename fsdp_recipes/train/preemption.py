@@ -6,7 +6,7 @@ KillWait, 30 s by default), and with ``#SBATCH --signal=USR1@<seconds>`` SIGUSR1
 the work since the last periodic checkpoint is lost. Here a signal only sets a flag; at the end of each optimizer
 step the ranks agree, by an all-reduce of that flag, whether any of them got one (the signal reaches ranks at
 slightly different moments, and every rank must stop at the same step), and if so the Trainer writes
-``checkpoint-<step>`` exactly as a periodic save would and stops. train_fsdp.py then says how to resume and exits
+``checkpoint-<step>`` exactly as a periodic save would and stops. The run then says how to resume and exits
 with 128 + the signal number.
 
 The agreement costs one all-reduce of one integer per optimizer step. It runs on a gloo group, on the CPU, so a

@@ -199,7 +199,7 @@ class FSDPTrainer(Trainer):
         self.add_callback(self.describer)
         self.preemption = Preemption()  # SIGTERM/SIGUSR1: checkpoint at the end of the current step, then stop
         self.add_callback(self.preemption)
-        self.throughput = Throughput()  # train_fsdp.py sets its FLOPs per token and peak where MFU is known
+        self.throughput = Throughput()  # Run.build sets its FLOPs per token and peak where MFU is known
         self.async_saves = AsyncCheckpoints(
             self, async_checkpoints, direct_io_checkpoints, async_checkpoint_staging
         )  # checkpoints written while training goes on
