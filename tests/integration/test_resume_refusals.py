@@ -131,11 +131,22 @@ def test_resuming_with_another_optimizer_is_one_line(trained, tmp_path):
 @pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
 def test_resuming_an_fp32_run_in_bf16_stops_before_the_first_step(trained, tmp_path, config):
     """--dtype bfloat16 on the resume of an fp32 run would round every master weight and Adam state to bf16 without a
-    word (both FSDP versions: here mixed precision is off, the parameters are bf16): it stops first."""
+    word (both FSDP versions, mixed precision off: the parameters are bf16): it stops first. Mixed precision is turned
+    off for the launch, as a CPU without native bf16 turns it off itself: with it on, FSDP2 keeps fp32 master weights
+    and the resume is right to go on (test_a_bf16_models_resume_under_mixed_precision_is_not_refused)."""
     run = tmp_path / "run"
     shutil.copytree(trained(config).output_dir / "checkpoint-6", run / "checkpoint-6")
     proc = launch(
-        config, *QUICK, "--output_dir", str(run), "--dtype", "bfloat16", "--resume_from_checkpoint", "true", check=False
+        config,
+        *QUICK,
+        "--output_dir",
+        str(run),
+        "--dtype",
+        "bfloat16",
+        "--resume_from_checkpoint",
+        "true",
+        launch_args=("--mixed_precision", "no"),
+        check=False,
     )
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
