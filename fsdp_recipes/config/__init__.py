@@ -4,6 +4,8 @@
 - arguments:         DataArguments, and what the argument dataclasses share (TRL's spellings, build)
 - model_arguments:   ModelArguments: the model, its tokenizer, dtype and LoRA (TrainingArguments is transformers')
 - run_arguments:     RunArguments: what the run may do to its output_dir, how it checkpoints and saves
+- trl_names, trl_recipe, mixture: TRL's and the handbook's recipe keys with TRL's meaning; dataset mixtures
+- helptext:          the script's --help in groups, --help-all for the rest of TrainingArguments
 - values, flags:     every numeric field's range; flags and recipe values checked as one line, not argparse's usage
 - hub_push:          --push_to_hub: where the final model goes, and what stops the upload, found before training
 - packages:          options that need a package (--optim, --report_to, --attn_implementation, liger): named if missing

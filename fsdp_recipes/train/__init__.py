@@ -5,10 +5,13 @@
 - preflight:  carries out the Plan (fsdp_recipes.config.plan): patches for CPU, the process group, output_dir's lock
 - run_lock:   one run per output_dir (a POSIX lock, or an O_EXCL lock file where the filesystem has none)
 - data:       packed plain text, or chat messages with assistant-only loss; padding-free batches
+- data_mixture: a recipe's dataset mixture, loaded, weighted and split with datasets' own calls
+- chat_tokens: a recipe's chat template and end-of-turn token on the tokenizer and the generation config
 - modeling:   the model and tokenizer, LoRA (peft) and QLoRA; a LoRA base built from a config, saved once
 - trainer:    FSDPTrainer: the Trainer plus the sharding proof, exact FSDP1/ZeRO-1 resumes, safe rotation
 - sharding:   proof that the prepared model is FSDP-wrapped and sharded (fsdp_report.json)
 - preemption: SIGTERM/SIGUSR1 save a checkpoint and stop cleanly
+- async_checkpoints: checkpoints written in the background while training goes on
 - metrics, profiling: throughput and MFU, the loss plot; a profiled step range
 - export:     self-describing checkpoints, and the final export written by every rank in parallel
 - model_folder: a checkpoint to output_dir/model/ (the merge's code), and the one way a model folder is published
