@@ -40,12 +40,12 @@ def normalize_mixture(recipe: dict) -> dict | None:
     given = [k for k in MIXTURE_KEYS if recipe.get(k) is not None]
     if len(given) > 1:
         raise RecipeError(f"{' and '.join(given)} are each a dataset mixture: give one")
-    extra = [k for k in ("streaming", "test_split_size") if k in recipe]
+    extra = [k for k in ("streaming", "test_split_size") if recipe.get(k) not in (None, False)]
     if extra and given != ["datasets"]:
         raise RecipeError(
             f"{', '.join(extra)}: TRL's settings of a `datasets:` mixture, and there is none: remove them"
         )
-    older = [k for k in ("dataset_splits", "dataset_configs") if k in recipe]
+    older = [k for k in ("dataset_splits", "dataset_configs") if recipe.get(k) is not None]
     if older and given != ["dataset_mixer"]:
         raise RecipeError(
             f"{', '.join(older)}: settings of the handbook's dataset_mixer, and there is none: remove them"

@@ -73,6 +73,10 @@ TRL_NAMES = {
     "load_in_4bit, bnb_4bit_*, use_bnb_nested_quant": "QLoRA (CUDA and bitsandbytes only; refused elsewhere)",
 }
 
+# keys whose null in TRL's or the handbook's dataclasses means the library's default: here, our default
+NULL_IS_DEFAULT = ("torch_dtype", *MIXTURE_KEYS)
+NULL_IS_DEFAULT += ("dataset_splits", "dataset_configs", "streaming", "test_split_size", "model_init_kwargs")
+
 # TRL / handbook keys with no equivalent here: the values taken (TRL's defaults, or what this script does anyway),
 # dropped without a word; any other value is refused by name with the reason (fsdp_recipes.config.trl_names).
 NO_EQUIVALENT = {
@@ -83,7 +87,7 @@ NO_EQUIVALENT = {
     "padding_free": ((False,), "padding-free batches come with packing here: set packing: padding_free"),
     "pad_to_multiple_of": ((None,), "a batch is padded to its longest example"),
     "eval_packing": ((None,), "evaluation data is prepared as the training data is (TRL's eval_packing unset)"),
-    "loss_type": (("nll", "chunked_nll"), "the loss is the model's token-level cross-entropy (TRL's nll)"),
+    "loss_type": ((None, "nll", "chunked_nll"), "the loss is the model's token-level cross-entropy (TRL's nll)"),
     "activation_offloading": (
         (False,),
         "the accelerate config's fsdp_offload_params offloads weights, not activations",
@@ -96,6 +100,12 @@ NO_EQUIVALENT = {
     "use_dora": ((False,), "LoRA here is plain LoRA"),
     "ignore_bias_buffers": ((False,), "a DDP workaround; FSDP shards buffers itself"),
     "load_in_8bit": ((False,), "8-bit weights have no equivalent: QLoRA's load_in_4bit does"),
+    # the handbook's older ModelArguments, DataArguments and SFTConfig
+    "base_model_revision": ((None,), "a revision of a DPO base model; SFT reads model_revision"),
+    "model_code_revision": ((None,), "model code is read at model_revision here"),
+    "truncation_side": ((None, "right"), "examples are truncated at the end here"),
+    "auto_insert_empty_system_msg": ((False,), "no system message is inserted here: give it in the data"),
+    "hub_model_revision": (("main",), "the upload goes to hub_revision, transformers 5's name"),
 }
 
 
@@ -108,6 +118,11 @@ def translate(recipe: dict, argv: list[str] | None = None, tell=say) -> dict:
     for key, (taken, _) in NO_EQUIVALENT.items():
         if key in out and any(out[key] == v and type(out[key]) is type(v) for v in taken):
             out.pop(key)
+    for key in NULL_IS_DEFAULT:  # TRL's and the handbook's null: the library's default, which ours is
+        if key in out and out[key] is None:
+            out.pop(key)
+    if out.get("packing_strategy") == "bfd" and out.get("packing") in (None, False, "false"):
+        out.pop("packing_strategy")  # TRL's default strategy, which TRL ignores without packing
     for key in DICT_VALUED:
         if isinstance(out.get(key), dict):
             _check_kwargs(key, out[key], _flag(argv or [], "lr_scheduler_type") or out.get("lr_scheduler_type"))
@@ -250,6 +265,8 @@ def _model_init_kwargs(out: dict) -> None:
 def _mixture(out: dict, notes: list[str]) -> None:
     plan = normalize_mixture(out)
     if plan is None:
+        if out.get("streaming") is False:
+            out.pop("streaming")  # TRL's default: nothing to stream
         return
     for key in (*MIXTURE_KEYS, "dataset_splits", "dataset_configs", "streaming", "test_split_size"):
         out.pop(key, None)

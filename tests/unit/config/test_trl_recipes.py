@@ -163,3 +163,100 @@ def test_the_docs_table_of_trl_names_is_the_code_s():
     shown = {r.split(" | ")[0].strip("| ").replace("`", ""): r.split(" | ")[1].rstrip(" |") for r in rows}
     assert {k: v for k, v in shown.items() if k in trl_recipe.TRL_NAMES} == trl_recipe.TRL_NAMES
     assert all(f"`{key}`" in docs for key in trl_recipe.NO_EQUIVALENT)
+
+
+# Every field of TRL's SFTConfig (with its _BaseConfig), ModelConfig and ScriptArguments (trl f2cd577) and of the
+# handbook's argument dataclasses (925acdf, and c8f5bdf's older ones), at its default value there
+TRL_FIELDS = {
+    "learning_rate": 2e-05,
+    "model_init_kwargs": None,
+    "router_aux_loss_coef": 0.001,
+    "trust_remote_code": False,
+    "chat_template_path": None,
+    "dataset_text_field": "text",
+    "dataset_kwargs": None,
+    "dataset_num_proc": None,
+    "eos_token": None,
+    "max_length": 1024,
+    "truncation_mode": "keep_start",
+    "shuffle_dataset": False,
+    "packing": False,
+    "packing_strategy": "bfd",
+    "padding_free": False,
+    "pad_to_multiple_of": None,
+    "eval_packing": None,
+    "completion_only_loss": None,
+    "assistant_only_loss": False,
+    "loss_type": None,
+    "activation_offloading": False,
+    "pad_token": None,
+    "logging_steps": 10,
+    "gradient_checkpointing": True,
+    "bf16": None,
+    "lr_scheduler_kwargs": None,
+    "use_liger_kernel": False,
+    "torch_empty_cache_steps": None,
+    "model_revision": "main",
+    "dtype": "float32",
+    "attn_implementation": None,
+    "use_peft": False,
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.05,
+    "lora_target_modules": None,
+    "lora_target_parameters": None,
+    "lora_modules_to_save": None,
+    "lora_task_type": "CAUSAL_LM",
+    "use_rslora": False,
+    "use_dora": False,
+    "load_in_8bit": False,
+    "load_in_4bit": False,
+    "bnb_4bit_quant_type": "nf4",
+    "use_bnb_nested_quant": False,
+    "bnb_4bit_quant_storage": None,
+    "dataset_name": None,
+    "dataset_config": None,
+    "dataset_train_split": "train",
+    "dataset_test_split": "test",
+    "dataset_streaming": False,
+    "ignore_bias_buffers": False,
+    "datasets": None,
+    "streaming": False,
+    "test_split_size": None,
+    "dataset_mixture": None,
+    "chat_template": None,
+    "base_model_revision": None,
+    "model_code_revision": None,
+    "torch_dtype": None,
+    "tokenizer_name_or_path": None,
+    "dataset_mixer": None,
+    "text_column": "text",
+    "dataset_splits": None,
+    "dataset_configs": None,
+    "preprocessing_num_workers": None,
+    "truncation_side": None,
+    "auto_insert_empty_system_msg": True,
+    "hub_model_revision": "main",
+    "logging_first_step": True,
+}
+
+
+@pytest.mark.parametrize("key, value", sorted(TRL_FIELDS.items()))
+def test_every_trl_and_handbook_field_at_its_default_is_taken_or_refused_with_its_reason(
+    key, value, root, monkeypatch, tmp_path
+):
+    """A recipe may write any of their fields at its default: it is taken, or refused in one line naming it with
+    the reason (never as an unknown key): with chat data, assistant_only_loss false (TRL's whole-conversation loss),
+    auto_insert_empty_system_msg true and dataset_test_split beside a local file; and a null where ours has a value."""
+    monkeypatch.chdir(root)
+    recipe = {"model_name_or_path": str(root / "tiny-model"), "train_file": str(FIXTURES.parents[2] / "assets")}
+    recipe["train_file"] += "/data/tiny_chat.jsonl"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**recipe, key: value, "output_dir": str(tmp_path / "out")}))
+    try:
+        parse_args([str(path), *NO_FSDP])
+    except RecipeError as err:
+        message = str(err)
+        assert key in message and "unknown key" not in message and "\n" not in message, message
+        refused = ("assistant_only_loss", "auto_insert_empty_system_msg", "dataset_test_split")
+        assert key in refused or (value is None and "null is not a value here" in message), message
