@@ -146,9 +146,17 @@ def translate_flags(argv: list[str], tell=say) -> list[str]:
     the names they have here (each said once, as in a recipe)."""
     out = []
     renamed = {**RENAMED, **HANDBOOK_ALIASES, "warmup_ratio": "warmup_steps"}
+    skip = False
     for i, arg in enumerate(argv):
         flag, eq, value = arg.partition("=")
         name = flag.removeprefix("--")
+        if skip:
+            skip = False
+            continue
+        given = value if eq else (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None)
+        if flag.startswith("--") and name in NO_EQUIVALENT and given is not None and _taken(name, given):
+            skip = not eq  # a TRL flag at the value taken here (its default): dropped, as in a recipe
+            continue
         if flag.startswith("--") and name in renamed:
             if name in RENAMED:
                 tell(f"--{name} is transformers 4's name of --{renamed[name]}: read as --{renamed[name]}")
@@ -164,6 +172,17 @@ def translate_flags(argv: list[str], tell=say) -> list[str]:
             arg = f"--{renamed[name]}{eq}{value}"
         out.append(arg)
     return out
+
+
+def _taken(name: str, given: str) -> bool:
+    """Whether a flag's text is one of the values of NO_EQUIVALENT[name] taken here (false, none, a word)."""
+    words = {"true": True, "false": False, "none": None, "null": None}
+    for value in NO_EQUIVALENT[name][0]:
+        if isinstance(value, str) and given == value:
+            return True
+        if not isinstance(value, str) and words.get(given.lower(), given) == value and given.lower() in words:
+            return True
+    return False
 
 
 def _check_kwargs(key: str, kwargs: dict, scheduler) -> None:

@@ -382,3 +382,11 @@ def test_chat_data_without_assistant_only_loss_says_it_differs_from_trls_default
     build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))
     lines = [line for line in capsys.readouterr().err.splitlines() if "assistant_only_loss" in line]
     assert len(lines) == (1 if said else 0), lines
+
+
+def test_trl_flags_at_the_value_taken_here_pass_as_in_a_recipe(tmp_path):
+    """--padding_free false, --truncation_mode=keep_start (TRL's defaults, what this script does) are taken, as the
+    same recipe keys are; --loss_type dft is still refused with its reason."""
+    parse_args([write(tmp_path, TINY + CORPUS), "--padding_free", "false", "--truncation_mode=keep_start", *NO_FSDP])
+    with pytest.raises(RecipeError, match=re.escape("loss_type (the loss is the model's token-level cross-entropy")):
+        parse_args([write(tmp_path, TINY + CORPUS), "--padding_free", "false", "--loss_type", "dft", *NO_FSDP])
