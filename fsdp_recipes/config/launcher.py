@@ -225,10 +225,10 @@ def check_launch(raw) -> LaunchSettings | None:
     fsdp_type = launch.config.get("distributed_type") == "FSDP"
     if not launch.ddp and (not (fsdp_type or "fsdp_config" in launch.config) or (raw.allow_no_fsdp and not fsdp_type)):
         return launch  # neither FSDP nor a DDP config (refused by parse_args, by name), or no FSDP on purpose
-    model = raw.model_name_or_path or raw.config_name
-    if model and missing_local_path(str(model)):
-        model = None  # the run's own check of its arguments names the missing folder, in one line, just after
-    problems = check(launch, {k: getattr(raw, k, None) for k in RUN_SETTINGS}, model)
+    model_name = raw.model_name_or_path or raw.config_name
+    if model_name and missing_local_path(str(model_name)):
+        model_name = None  # the run's own check of its arguments names the missing folder, in one line, just after
+    problems = check(launch, {k: getattr(raw, k, None) for k in RUN_SETTINGS}, model_name)
     for problem in problems:
         if problem.level == "warning":
             say(str(problem))
