@@ -129,8 +129,8 @@ class DataArguments:
     assistant_only_loss: bool | None = field(
         default=None,
         metadata={
-            "help": "TRL's. Chat data here always trains on the assistant tokens only: true is accepted for chat "
-            "data and refused for text data; false (loss on the whole conversation) is refused for chat data."
+            "help": "TRL's, for chat data: true trains on the assistant's tokens only, false on the whole "
+            "conversation (TRL's default); unset is the assistant's tokens, said in one line. Refused for text data."
         },
     )
     completion_only_loss: bool | None = field(
@@ -253,11 +253,6 @@ class DataArguments:
             )
         if fmt == "text" and self.assistant_only_loss:
             return "assistant_only_loss=true needs chat data (a messages column); this data is text: drop it"
-        if fmt == "chat" and self.assistant_only_loss is False:
-            return (
-                "assistant_only_loss=false (loss on the whole conversation) has no equivalent here: chat data trains on "
-                "assistant tokens only; drop it, or give the data as text"
-            )
         return None
 
     @property

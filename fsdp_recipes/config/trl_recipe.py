@@ -67,7 +67,7 @@ TRL_NAMES = {
     "dataset_kwargs": "add_special_tokens false, append_concat_token, skip_prepare_dataset false; others refused",
     "packing": "false or unset: one example per row (truncated); true: packed without mixing documents",
     "packing_strategy": "bfd (ffd), bfd_split (bfd-requeue), wrapped (concat)",
-    "assistant_only_loss": "true: loss on assistant tokens (chat data)",
+    "assistant_only_loss": "chat data: true, loss on assistant tokens; false, on every token; unset: assistant's, said",
     "completion_only_loss": "false or unset; true (prompt-completion data) refused",
     "use_peft, lora_r, lora_alpha, lora_dropout, lora_target_modules": "LoRA with peft, the same meaning",
     "load_in_4bit, bnb_4bit_*, use_bnb_nested_quant": "QLoRA (CUDA and bitsandbytes only; refused elsewhere)",

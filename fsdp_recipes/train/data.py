@@ -265,6 +265,7 @@ def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataAr
         raise RecipeError("data_format=chat needs a tokenizer with a chat template; this tokenizer has none")
 
     template = f"the chat template of tokenizer {tokenizer.name_or_path!r}"
+    whole = getattr(args, "assistant_only_loss", None) is False  # TRL's default: loss on the whole conversation
 
     def render(example):
         for turn in example[args.messages_column] or []:
@@ -289,7 +290,7 @@ def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataAr
                 f"{template} fails on a conversation ({type(err).__name__}: {said}): fix that record, or the template"
             ) from None
         ids, mask = ids[: args.block_size], mask[: args.block_size]
-        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+        labels = list(ids) if whole else [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
     dataset = raw.map(
@@ -323,7 +324,7 @@ def build_datasets(
     if fmt == "chat" and args.data_format == "auto" and getattr(args, "assistant_only_loss", None) is None:
         say(
             "chat data trains on the assistant's tokens only here, where TRL's default (assistant_only_loss: false) "
-            "trains on the whole conversation: set assistant_only_loss: true (or data_format: chat) to say so"
+            "trains on the whole conversation: set assistant_only_loss: false for that, true to say so"
         )
     if args.packing == "padding_free":
         prepare = split_documents if fmt == "text" else tokenize_chat

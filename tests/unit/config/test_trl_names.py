@@ -164,10 +164,6 @@ def test_trl_packing_becomes_our_mode(tmp_path, text, packing):
     "text, message",
     [
         (CORPUS + "assistant_only_loss: true\n", "assistant_only_loss=true needs chat data"),
-        (
-            CHAT + "assistant_only_loss: false\n",
-            "assistant_only_loss=false (loss on the whole conversation) has no equivalent",
-        ),
         (CORPUS + "completion_only_loss: true\n", "completion_only_loss=true is for TRL's prompt-completion datasets"),
         (CORPUS + "packing: concat\npacking_strategy: bfd\n", "packing_strategy=bfd is TRL's choice for packing: true"),
         (CORPUS + "max_length: null\n", "TRL's no-truncation has no equivalent here"),
@@ -390,3 +386,15 @@ def test_trl_flags_at_the_value_taken_here_pass_as_in_a_recipe(tmp_path):
     parse_args([write(tmp_path, TINY + CORPUS), "--padding_free", "false", "--truncation_mode=keep_start", *NO_FSDP])
     with pytest.raises(RecipeError, match=re.escape("loss_type (the loss is the model's token-level cross-entropy")):
         parse_args([write(tmp_path, TINY + CORPUS), "--padding_free", "false", "--loss_type", "dft", *NO_FSDP])
+
+
+@pytest.mark.parametrize(
+    "setting, whole", [("assistant_only_loss: false\n", True), ("assistant_only_loss: true\n", False)]
+)
+def test_assistant_only_loss_false_trains_on_the_whole_conversation_as_in_trl(tmp_path, setting, whole):
+    from transformers import AutoTokenizer
+
+    _, data_args, _ = parse_args([write(tmp_path, TINY + CHAT + "block_size: 64\n" + setting), *NO_FSDP])
+    dataset, _, _ = build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))
+    row = dataset[0]
+    assert (row["labels"] == row["input_ids"]) == whole and (IGNORE_INDEX in row["labels"]) == (not whole)

@@ -246,8 +246,8 @@ def test_every_trl_and_handbook_field_at_its_default_is_taken_or_refused_with_it
     key, value, root, monkeypatch, tmp_path
 ):
     """A recipe may write any of their fields at its default: it is taken, or refused in one line naming it with
-    the reason (never as an unknown key): with chat data, assistant_only_loss false (TRL's whole-conversation loss),
-    auto_insert_empty_system_msg true and dataset_test_split beside a local file; and a null where ours has a value."""
+    the reason (never as an unknown key): with chat data, auto_insert_empty_system_msg true and dataset_test_split
+    beside a local file; and a null where ours has a value."""
     monkeypatch.chdir(root)
     recipe = {"model_name_or_path": str(root / "tiny-model"), "train_file": str(FIXTURES.parents[2] / "assets")}
     recipe["train_file"] += "/data/tiny_chat.jsonl"
@@ -258,5 +258,5 @@ def test_every_trl_and_handbook_field_at_its_default_is_taken_or_refused_with_it
     except RecipeError as err:
         message = str(err)
         assert key in message and "unknown key" not in message and "\n" not in message, message
-        refused = ("assistant_only_loss", "auto_insert_empty_system_msg", "dataset_test_split")
+        refused = ("auto_insert_empty_system_msg", "dataset_test_split")
         assert key in refused or (value is None and "null is not a value here" in message), message
