@@ -50,6 +50,11 @@ def setup_from_config(path: str, setup: Setup) -> tuple[Setup, list[str]]:
     (fsdp_recipes.bounded); a value of the wrong type is a ValueError that sends the user to tools/check_config.py,
     which names the key."""
     cfg = load_yaml(path, "accelerate config")
+    if "distributed_type" not in cfg:  # else accelerate's defaults (FSDP1 FULL_SHARD, fp32) pass as the file's
+        raise ValueError(
+            f"accelerate config {path!r} has no distributed_type: it is no accelerate config (a training recipe, or "
+            "the torchrun route's fsdp_config?): give one such as accelerate_configs/zero3.yaml, or use --strategy"
+        )
     fsdp, pc = cfg.get("fsdp_config") or {}, cfg.get("parallelism_config") or {}
     mp = cfg.get("mixed_precision", "no")
     try:

@@ -264,3 +264,18 @@ def test_a_model_path_that_is_not_a_model_config(tmp_path, capsys):
     ):
         assert cli("estimate_memory", [str(model), "--json"]) == 0, model
         assert '"hidden": ' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "given",
+    ["recipes/tiny-llama/lora_sft.yaml", "accelerate_configs/torchrun/zero3.json", "empty", "a key: value"],
+)
+def test_a_file_that_is_no_accelerate_config_is_refused_not_estimated(tmp_path, given, capsys):
+    """--config with a recipe, the torchrun route's fsdp_config JSON or an empty file: no distributed_type, so
+    accelerate's defaults (FSDP1 FULL_SHARD, fp32) would be estimated as if the file had said them. One line, exit 1."""
+    path = REPO / given if "/" in given else tmp_path / "config.yaml"
+    if "/" not in given:
+        path.write_text("" if given == "empty" else given + "\n")
+    assert cli("estimate_memory", ["7B", "--config", str(path)]) == 1
+    line = one_line_error(capsys.readouterr().err, f"estimate_memory.py: error: accelerate config '{path}' ")
+    assert "no distributed_type" in line and "accelerate_configs/zero3.yaml" in line, line
