@@ -162,7 +162,8 @@ def run(
 
 
 def ranks_label(nprocs: int, device: str) -> str:
-    """What trained, as the run's fsdp_report.json says: "2 CPU ranks (... over gloo" or "1 GPU rank (NVIDIA H200, ... over nccl"."""
+    """What trained, as the run's fsdp_report.json says: "2 CPU ranks (... over gloo" or "1 GPU rank (NVIDIA H200, ...
+    over nccl"."""
     if device.startswith("cuda"):
         import torch
 
@@ -184,12 +185,14 @@ def queued(write_seconds: float | None, step_seconds: float, save_steps: int, in
         return None
     if in_place:
         return (
-            f"the background write ({write_seconds:.2f} s) outlasts the step it can overlap ({window:.2f} s): written in place, "
+            f"the background write ({write_seconds:.2f} s) outlasts the step it can overlap ({window:.2f} s): "
+            "written in place, "
             f"the next optimizer step waits for it, so this stall measures the write less one step"
         )
     need = math.ceil(write_seconds / step_seconds)
     return (
-        f"the background write ({write_seconds:.2f} s) outlasts the training between saves ({window:.2f} s): the next save "
+        f"the background write ({write_seconds:.2f} s) outlasts the training between saves ({window:.2f} s): "
+        "the next save "
         f"waited for it, so this stall measures the write, not its overlap with training; --save-steps {need} or more "
         "leaves the write time to overlap"
     )
@@ -309,7 +312,8 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
     base_bytes = int((model / "nbytes").read_text())
     steps = a.saves * a.save_steps + a.warmup
     print(
-        f"model {model}: {base_bytes / 1e9:.2f} GB of fp32 weights; {a.nprocs} ranks, {steps} steps, a checkpoint after "
+        f"model {model}: {base_bytes / 1e9:.2f} GB of fp32 weights; {a.nprocs} ranks, {steps} steps, a "
+        "checkpoint after "
         f"every {a.save_steps} step(s) in the runs with saves ({CONFIG.relative_to(REPO)}, SHARDED_STATE_DICT)",
         flush=True,
     )
@@ -319,10 +323,12 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
         measured = {}
         for mode in ["nosave", *(m + suffix for _, suffix in kinds for m in ("sync", "async", "async-copy"))]:
             if mode.startswith("async-copy") and not measured[mode.replace("async-copy", "async")]["in_place"]:
-                # the default staging already wrote from a host copy (a GPU run): the same launch again would only cost time
+                # the default staging already wrote from a host copy (a GPU run): the same launch
+                # again would only cost time
                 measured[mode] = measured[mode.replace("async-copy", "async")]
                 print(
-                    f"  {'LoRA' if lora else 'full'} {mode}: not run, the background saves were already written from a host copy",
+                    f"  {'LoRA' if lora else 'full'} {mode}: not run, the background saves were already written "
+                    "from a host copy",
                     flush=True,
                 )
                 continue
@@ -382,8 +388,11 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
             row["checkpoint_vs_base"] = round(row["checkpoint_bytes"] / base_bytes, 4)
             rows.append(row)
             print(
-                f"    {writes}: stall per save: sync {row['sync']['stall_per_save_seconds']:.2f} s, background {row['async']['stall_per_save_seconds']:.2f} s "
-                f"(first / later saves {split(row['async'])} s, its write {row['async']['save_seconds']} s), background from a host copy {row['async-copy']['stall_per_save_seconds']:.2f} s; checkpoint {row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base",
+                f"    {writes}: stall per save: sync {row['sync']['stall_per_save_seconds']:.2f} s, background "
+                f"{row['async']['stall_per_save_seconds']:.2f} s "
+                f"(first / later saves {split(row['async'])} s, its write {row['async']['save_seconds']} s), "
+                f"background from a host copy {row['async-copy']['stall_per_save_seconds']:.2f} s; checkpoint "
+                f"{row['checkpoint_bytes'] / 1e6:,.1f} MB = {row['checkpoint_vs_base']:.1%} of the base",
                 flush=True,
             )
             for mode, note in row["queued"].items():
@@ -400,27 +409,38 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
 
     lines = [
         f"Checkpoint cost, {base_bytes / 1e9:.2f} GB fp32 model, {ranks_label(a.nprocs, rows[0]['device'])}, "
-        f"SHARDED_STATE_DICT), {a.saves} saves (one every {a.save_steps} step(s)), synchronous (--async_checkpoints false), in the background "
-        "(the default: from the live shards where they are in host memory, else from a host copy) and in the background from a host "
+        f"SHARDED_STATE_DICT), {a.saves} saves (one every {a.save_steps} step(s)), synchronous "
+        "(--async_checkpoints false), in the background "
+        "(the default: from the live shards where they are in host memory, else from a host copy) and in the "
+        "background from a host "
         "copy (--async_checkpoint_staging copy):",
         "",
-        "| training | shard files written | median step without saves (s) | training between saves (s) | sync: mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | background: first save / later (median) stall (s) | background: its write (s) | background stall vs sync save | host copy: stall (s) | host copy: stall vs sync save | checkpoint (MB) | vs base weights |",
+        "| training | shard files written | median step without saves (s) | training between saves (s) | sync: "
+        "mean step (s) | sync: stall = save (s) | background: mean step (s) | background: stall (s) | "
+        "background: first save / later (median) stall (s) | background: its write (s) | background stall vs "
+        "sync save | host copy: stall (s) | host copy: stall vs sync save | checkpoint (MB) | vs base "
+        "weights |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['training']} | {r['shard_files']} | {r['step_seconds_without_saves']:.2f} | {r['training_between_saves_seconds']:.2f} | {r['sync']['step_seconds_with_saves']:.2f} | {r['sync']['stall_per_save_seconds']:.2f} | "
-            f"{r['async']['step_seconds_with_saves']:.2f} | {r['async']['stall_per_save_seconds']:.2f} | {split(r['async'])} | {r['async']['save_seconds']} | {ratio(r)} | "
+            f"| {r['training']} | {r['shard_files']} | {r['step_seconds_without_saves']:.2f} | "
+            f"{r['training_between_saves_seconds']:.2f} | {r['sync']['step_seconds_with_saves']:.2f} | "
+            f"{r['sync']['stall_per_save_seconds']:.2f} | "
+            f"{r['async']['step_seconds_with_saves']:.2f} | {r['async']['stall_per_save_seconds']:.2f} | "
+            f"{split(r['async'])} | {r['async']['save_seconds']} | {ratio(r)} | "
             f"{r['async-copy']['stall_per_save_seconds']:.2f} | {ratio(r, 'async_copy_stall_vs_sync_save')} | "
             f"{r['checkpoint_bytes'] / 1e6:,.1f} | {r['checkpoint_vs_base']:.1%} |"
         )
     lines += [
-        f"\nNote ({r['training']}, {r['shard_files']}, {'background' if mode == 'async' else 'from a host copy'}): {note}."
+        f"\nNote ({r['training']}, {r['shard_files']}, "
+        f"{'background' if mode == 'async' else 'from a host copy'}): {note}."
         for r in rows
         for mode, note in r["queued"].items()
     ]
     lines += [
-        f"\nNote ({r['training']}, {r['shard_files']}): the default background saves were written from a host copy already, so the "
+        f"\nNote ({r['training']}, {r['shard_files']}): the default background saves were written from a host "
+        "copy already, so the "
         "host copy columns repeat them (one launch, not run twice)."
         for r in rows
         if r["host_copy_was_the_default"]

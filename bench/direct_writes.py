@@ -112,9 +112,11 @@ def main(argv=None) -> int:
         "same_tensors_loaded": same,
     }
     print(
-        f"{nbytes / 1e9:.2f} GB DCP shard, median of {a.repeats}: page cache {med['page cache'][0]:.2f} s wall / {med['page cache'][1]:.2f} s CPU, "
+        f"{nbytes / 1e9:.2f} GB DCP shard, median of {a.repeats}: page cache {med['page cache'][0]:.2f} s wall "
+        f"/ {med['page cache'][1]:.2f} s CPU, "
         f"direct, CRC kept {med['direct, CRC kept'][0]:.2f} s / {med['direct, CRC kept'][1]:.2f} s, "
-        f"direct {med['direct'][0]:.2f} s / {med['direct'][1]:.2f} s (x{result['direct_vs_page_cache']['wall']:.2f} wall, "
+        f"direct {med['direct'][0]:.2f} s / {med['direct'][1]:.2f} s "
+        f"(x{result['direct_vs_page_cache']['wall']:.2f} wall, "
         f"x{result['direct_vs_page_cache']['cpu']:.2f} CPU); every kind loads the tensors saved: {same}"
     )
     if a.output:

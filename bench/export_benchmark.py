@@ -5,7 +5,8 @@
 Writes a Llama config of about --size of fp32 weights (bench/synthetic.py's shapes, the tiny tokenizer's
 vocabulary), trains it for one SGD step with `accelerate launch --config_file accelerate_configs/zero3.yaml
 --num_processes R --mixed_precision no train_fsdp.py ... --ddp_timeout T` (SGD: no Adam state, so the model
-fits where Adam's would not; 8 tokens, fp32 compute: the step stays short on a CPU), then prints the launch's exit status, wall time, the export's own numbers from fsdp_report.json (dtype,
+fits where Adam's would not; 8 tokens, fp32 compute: the step stays short on a CPU), then prints the launch's exit
+status, wall time, the export's own numbers from fsdp_report.json (dtype,
 ranks that wrote shards, shards, bytes, seconds; per rank: its files and seconds) and whether
 AutoModelForCausalLM.from_pretrained loads the folder. Before issue 21 the export of a model whose conversion
 took longer than T ended in a collective timeout after training had succeeded. Needs about 3x the size in free
@@ -99,7 +100,8 @@ def main() -> None:
     report = json.loads((out / "fsdp_report.json").read_text()) if (out / "fsdp_report.json").is_file() else {}
     params = report.get("total_param_elements")
     print(
-        f"model: {params:,} parameters ({config.num_hidden_layers} layers, hidden {config.hidden_size}), {args.ranks} ranks, "
+        f"model: {params:,} parameters ({config.num_hidden_layers} layers, hidden {config.hidden_size}), "
+        f"{args.ranks} ranks, "
         f"--ddp_timeout {args.ddp_timeout}, --save_dtype {args.save_dtype}"
         if params
         else f"model: {config.num_hidden_layers} layers"
@@ -112,7 +114,8 @@ def main() -> None:
         started = time.monotonic()
         model = AutoModelForCausalLM.from_pretrained(out / "model")
         print(
-            f"from_pretrained: loads, {model.dtype}, {sum(p.numel() for p in model.parameters()):,} parameters, in {time.monotonic() - started:.0f} s"
+            f"from_pretrained: loads, {model.dtype}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+            f"in {time.monotonic() - started:.0f} s"
         )
     sys.exit(proc.returncode)
 

@@ -182,17 +182,21 @@ def table(runs: list[dict]) -> str:
     kinds = {k: [r for r in runs if r["kind"] == k] for k in KINDS if any(r["kind"] == k for r in runs)}
     med = lambda k, key: statistics.median(r[key] for r in kinds[k])  # noqa: E731
     lines = [
-        f"First background save's staging on the training thread, {runs[0]['staged_bytes'] / 2**30:.2f} GiB of one rank's "
-        f"shards (weights + Adam), {runs[0]['device']}, torch {runs[0]['torch']}; medians of {len(kinds['at-save'])} fresh "
+        f"First background save's staging on the training thread, {runs[0]['staged_bytes'] / 2**30:.2f} GiB of "
+        "one rank's "
+        f"shards (weights + Adam), {runs[0]['device']}, torch {runs[0]['torch']}; medians of "
+        f"{len(kinds['at-save'])} fresh "
         "process(es) per kind, alternated:",
         "",
-        "| host copy | first save (s) | later save (s) | buffers made ahead in (s) | training-thread work while they were made / alone |",
+        "| host copy | first save (s) | later save (s) | buffers made ahead in (s) | training-thread work "
+        "while they were made / alone |",
         "|---|---|---|---|---|",
     ]
     for kind, rows in kinds.items():
         if kind == "at-save":
             lines.append(
-                f"| {KINDS[kind]} | {med(kind, 'first_save_seconds'):.3f} | {med(kind, 'later_save_seconds'):.3f} | - | - |"
+                f"| {KINDS[kind]} | {med(kind, 'first_save_seconds'):.3f} | "
+                f"{med(kind, 'later_save_seconds'):.3f} | - | - |"
             )
             continue
         slowdown = [
@@ -242,8 +246,8 @@ def main(argv=None) -> int:
     if a.output:
         a.output.mkdir(parents=True, exist_ok=True)
         (a.output / "README.md").write_text(
-            text
-            + f"\n    PYTHONPATH=. python bench/first_save.py --gigabytes {a.gigabytes} --repeats {a.repeats} --kinds {a.kinds}\n"
+            text + f"\n    PYTHONPATH=. python bench/first_save.py --gigabytes {a.gigabytes} --repeats {a.repeats} "
+            f"--kinds {a.kinds}\n"
         )
         (a.output / "results.json").write_text(json.dumps(runs, indent=1) + "\n")
     return 0

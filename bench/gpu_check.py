@@ -1,13 +1,18 @@
 """Ground truth on one GPU: everything a person needs to judge this repository there, written under one folder.
 
-    bash bench/gpu_wheels.sh                                  # here, with network: what the GPU image lacks -> bench/wheels/
-    python3 bench/gpu_check.py --part 1 --install-wheels --output OUT   # on the GPU: environment, pytest -m gpu, FSDP2 configs
-    python3 bench/gpu_check.py --part 2 --output OUT                    # FSDP1 and DDP configs, LoRA, QLoRA, scaling, the stall
-    python3 bench/gpu_check.py --part all --install-wheels --output OUT # a visit of one command: both, what matters most first
+    bash bench/gpu_wheels.sh                                  # here, with network: what the GPU image lacks ->
+    bench/wheels/
+    python3 bench/gpu_check.py --part 1 --install-wheels --output OUT   # on the GPU: environment, pytest -m gpu, FSDP2
+    configs
+    python3 bench/gpu_check.py --part 2 --output OUT                    # FSDP1 and DDP configs, LoRA, QLoRA, scaling,
+    the stall
+    python3 bench/gpu_check.py --part all --install-wheels --output OUT # a visit of one command: both, what matters
+    most first
 
 Each part stays under --budget seconds (default 560: one device command may run 600) and skips, with the reason,
 what would not fit. The GPU machine has no network: `bench/wheels/` (carried beside the tree) holds the pinned
-wheels its image lacks or holds in another version, installed with --install-wheels (--no-index --no-deps); what is still
+wheels its image lacks or holds in another version, installed with --install-wheels (--no-index --no-deps); what is
+still
 another version than requirements.txt pins (torch 2.11 against 2.13, say) is one line in the report, as is any
 private name of a library that moved (fsdp_recipes.compat.internals).
 
@@ -185,16 +190,19 @@ def version_lines(installed: dict[str, str | None], pinned: dict[str, str]) -> l
             continue
         if version is None:
             lines.append(
-                f"{name}: not installed (requirements.txt pins {want}): put its wheel in bench/wheels (bench/gpu_wheels.sh)"
+                f"{name}: not installed (requirements.txt pins {want}): put its wheel in bench/wheels "
+                "(bench/gpu_wheels.sh)"
             )
         elif name == "torch":
             lines.append(
-                f"torch {version} here, requirements.txt pins {want}: the tests and figures of this check are of {version}; "
+                f"torch {version} here, requirements.txt pins {want}: the tests and figures of this check are "
+                f"of {version}; "
                 "fsdp_recipes/compat/cpu_fsdp.py's CPU patches are not used with a GPU"
             )
         else:
             lines.append(
-                f"{name} {version} here, requirements.txt pins {want}: bench/wheels lacks the pinned wheel, or it did not install"
+                f"{name} {version} here, requirements.txt pins {want}: bench/wheels lacks the pinned wheel, or "
+                "it did not install"
             )
     return lines
 
@@ -204,7 +212,8 @@ def install_wheels(log) -> list[str]:
     wheels = sorted(WHEELS.glob("*.whl")) if WHEELS.is_dir() else []
     if not wheels:
         return [
-            f"no wheels in {WHEELS}: nothing installed (run bench/gpu_wheels.sh where there is network, and carry bench/wheels)"
+            f"no wheels in {WHEELS}: nothing installed (run bench/gpu_wheels.sh where there is network, and "
+            "carry bench/wheels)"
         ]
     wanted = []
     for wheel in wheels:
@@ -323,7 +332,8 @@ def staging_checks(row: dict, on_gpu: bool) -> list[dict]:
 
 STALL_ARGS = ["--gigabytes", "1.0", "--saves", "4", "--save-steps", "100", "--training", "full", "--nprocs", "1"]
 # On an H200 with 6 saves 100 steps apart the launches took 51 s (no saves), 85 s (sync), 71 s (background, from a
-# host copy as a GPU's default is, so the benchmark does not launch the host-copy run again): 4 saves and the model fit 200 s
+# host copy as a GPU's default is, so the benchmark does not launch the host-copy run again): 4 saves and the model
+# fit 200 s
 STALL_SECONDS = 200
 STALL_TARGET = 0.20  # issue 22: a background save's stall at most 20% of the synchronous save's
 
@@ -335,8 +345,10 @@ def stall_checks(rows: list[dict]) -> list[dict]:
     for row in rows:
         for mode, key in (("async", "async_stall_vs_sync_save"), ("async-copy", "async_copy_stall_vs_sync_save")):
             detail = (
-                f"stall {row[mode]['stall_per_save_seconds']} s per save against a synchronous save's {row['sync']['save_seconds']} s, "
-                f"its write {row[mode]['save_seconds']} s, {row['training_between_saves_seconds']} s of training between saves"
+                f"stall {row[mode]['stall_per_save_seconds']} s per save against a synchronous save's "
+                f"{row['sync']['save_seconds']} s, "
+                f"its write {row[mode]['save_seconds']} s, {row['training_between_saves_seconds']} s of "
+                "training between saves"
                 + (
                     ""
                     if row[mode].get("stall_first_save_seconds") is None
@@ -351,7 +363,8 @@ def stall_checks(rows: list[dict]) -> list[dict]:
             queued = (row.get("queued") or {}).get(mode)
             found.append(
                 check(
-                    f"checkpoint stall ({row['training']}, {'background' if mode == 'async' else 'from a host copy'}) / sync save",
+                    f"checkpoint stall ({row['training']}, "
+                    f"{'background' if mode == 'async' else 'from a host copy'}) / sync save",
                     None if queued else row.get(key),
                     None,
                     STALL_TARGET,
@@ -427,11 +440,12 @@ def peak_table(rows: list[dict], top: int = 8) -> list[str]:
         if not at_peak:
             continue
         steps = "-".join(str(s) for s in r["profile"].get("steps", []))
+        truncated = "; the recorder kept only the newest: the peak may be earlier" if at_peak.get("truncated") else ""
         lines += [
             "",
             f"{r['config']}: live at the CUDA peak of profiled step(s) {steps}, {gib(at_peak['peak_bytes'])} "
             f"allocated, {gib(at_peak['before_recording_bytes'])} of it from before those steps ({at_peak['events']:,} "
-            f"allocator events{'; the recorder kept only the newest: the peak may be earlier' if at_peak.get('truncated') else ''})",
+            f"allocator events{truncated})",
             "",
             "| bytes | blocks | allocated in | for |",
             "|---|---|---|---|",
@@ -486,7 +500,8 @@ def markdown(rows: list[dict], checks: list[dict], notes: list[str]) -> str:
     for c in checks:
         wanted = f"{'' if c['low'] is None else c['low']} .. {'' if c['high'] is None else c['high']}".strip()
         lines.append(
-            f"| {c['check']} | {'-' if c['value'] is None else c['value']} | {wanted} | {'pass' if c['passed'] else 'FAIL'} | {c['detail']} |"
+            f"| {c['check']} | {'-' if c['value'] is None else c['value']} | {wanted} | "
+            f"{'pass' if c['passed'] else 'FAIL'} | {c['detail']} |"
         )
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
@@ -1032,7 +1047,8 @@ class Check:
             return
         if self.left() < STALL_SECONDS:
             self.notes.append(
-                f"bench/checkpoint_benchmark.py not run: {self.left():.0f} s left of this part's budget, it needs {STALL_SECONDS}"
+                f"bench/checkpoint_benchmark.py not run: {self.left():.0f} s left of this part's budget, it "
+                f"needs {STALL_SECONDS}"
             )
             return
         folder = self.output / "checkpoint-stall"
@@ -1078,7 +1094,8 @@ def main(argv=None) -> int:
         "--part",
         choices=("1", "2", "all"),
         help="1: environment, pytest -m gpu, FSDP2 configs; 2: FSDP1 and DDP "
-        "configs, LoRA, QLoRA, scaling, the checkpoint stall; all: both in one budget, what matters most first (a visit of one command)",
+        "configs, LoRA, QLoRA, scaling, the checkpoint stall; all: both in one budget, what matters most first "
+        "(a visit of one command)",
     )
     parser.add_argument("--output", type=Path, help="folder for the report (e.g. $OUT on the device machine)")
     parser.add_argument(
@@ -1124,7 +1141,8 @@ def main(argv=None) -> int:
         parser.error(f"--output {args.output} is not a folder: give a new or empty folder for the report")
     if args.output.is_dir() and any(args.output.iterdir()):
         parser.error(
-            f"--output {args.output} is not empty: give a new or empty folder (the report's files would mix with what is there)"
+            f"--output {args.output} is not empty: give a new or empty folder (the report's files would mix "
+            "with what is there)"
         )
 
     import torch
@@ -1133,7 +1151,8 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():  # before anything is installed: the wheels are for the GPU machine's Python
         print(
-            "gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest",
+            "gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU "
+            "tests cover the rest",
             file=sys.stderr,
         )
         return 1
@@ -1170,7 +1189,8 @@ def main(argv=None) -> int:
             remove(check_run.work, "gpu check work")
     failed = [c["check"] for c in check_run.checks if not c["passed"]]
     print(
-        f"gpu_check part {args.part}: {len(check_run.checks) - len(failed)} of {len(check_run.checks)} checks passed; report: {args.output / 'report.md'}"
+        f"gpu_check part {args.part}: {len(check_run.checks) - len(failed)} of {len(check_run.checks)} checks "
+        f"passed; report: {args.output / 'report.md'}"
     )
     return 1 if failed else 0
 

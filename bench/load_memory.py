@@ -13,7 +13,8 @@ of the 3-layer tiny model (``assets/tiny-llama`` config, also saved with save_pr
 How memory is read: this process polls ``/proc/<pid>/status`` of every rank (the launcher's descendants whose
 command line runs train_fsdp.py, rank from their RANK environment variable) every ``--interval`` seconds and
 keeps the largest ``RssAnon`` until the run logs its sharding report (after accelerate's ``prepare``: loading +
-prepare), and over the whole run, ``RssAnon`` (private, anonymous memory: tensors the rank allocated; not the page cache or
+prepare), and over the whole run, ``RssAnon`` (private, anonymous memory: tensors the rank allocated; not the page cache
+or
 the safetensors file pages it maps, which the kernel can drop and which every process shares) and the last
 ``VmHWM`` (the kernel's own exact peak RSS, which does count mapped file pages). RssAnon has no kernel peak,
 so a spike shorter than the interval can be missed; loading a 1 GB model takes seconds, far longer.
@@ -115,7 +116,8 @@ def measure(
     config_file: Path = CONFIG,
     lora: bool = True,
 ) -> dict[int, dict[str, int]]:
-    """Launch one step (LoRA, or full fine-tuning with lora False) under config_file; return {rank: {RssAnon, VmHWM, VmRSS: peaks during loading + prepare, RssAnon_whole_run}}.
+    """Launch one step (LoRA, or full fine-tuning with lora False) under config_file; return {rank: {RssAnon, VmHWM,
+    VmRSS: peaks during loading + prepare, RssAnon_whole_run}}.
     Loading + prepare ends when the run logs its sharding report ("this rank holds ..."), written after
     accelerate's prepare, before the first step."""
     tag = f"{config_file.parent.name}-{config_file.stem}"
@@ -280,7 +282,8 @@ def run(a: argparse.Namespace, work: Path) -> int:
                 print(
                     f"  {n} ranks, efficient loading {'on ' if efficient else 'off'}, rank {rank}: "
                     f"peak RssAnon {row['RssAnon_peak'] / 2**20:8,.0f} MiB (tiny {row['RssAnon_tiny'] / 2**20:6,.0f}), "
-                    f"growth {row['RssAnon_growth_x_model']:5.2f}x model | peak RSS (VmHWM) {row['VmHWM_peak'] / 2**20:8,.0f} MiB, "
+                    f"growth {row['RssAnon_growth_x_model']:5.2f}x model | peak RSS (VmHWM) "
+                    f"{row['VmHWM_peak'] / 2**20:8,.0f} MiB, "
                     f"growth {row['VmHWM_growth_x_model']:5.2f}x model",
                     flush=True,
                 )
@@ -291,7 +294,9 @@ def run(a: argparse.Namespace, work: Path) -> int:
     print("|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['nprocs']} | {'on' if r['cpu_ram_efficient_loading'] else 'off'} | {r['rank']} | {r['RssAnon_growth_x_model']:.2f} | {r['VmHWM_growth_x_model']:.2f} | {r['RssAnon_whole_run_growth_x_model']:.2f} |"
+            f"| {r['nprocs']} | {'on' if r['cpu_ram_efficient_loading'] else 'off'} | {r['rank']} | "
+            f"{r['RssAnon_growth_x_model']:.2f} | {r['VmHWM_growth_x_model']:.2f} | "
+            f"{r['RssAnon_whole_run_growth_x_model']:.2f} |"
         )
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))

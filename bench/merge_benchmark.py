@@ -164,12 +164,14 @@ def main() -> None:
         for row in bench(size, args.ranks, args.workdir, args.memory_budget, args.repeats, args.hidden, args.vocab)
     ]
     print(
-        "| checkpoint | command | wall s | peak RSS GB | time vs merge-weights | time vs cp | RSS vs merge-weights | on disk s (+sync) | on disk vs cp |"
+        "| checkpoint | command | wall s | peak RSS GB | time vs merge-weights | time vs cp | RSS vs "
+        "merge-weights | on disk s (+sync) | on disk vs cp |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for ckpt, name, wall, rss, r_mw, r_cp, r_rss, on_disk, r_disk in rows:
         print(
-            f"| {ckpt} | {name} | {wall:.1f} | {rss:.2f} | {r_mw:.2f}x | {r_cp:.2f}x | {r_rss:.2f}x | {on_disk:.1f} | {r_disk:.2f}x |"
+            f"| {ckpt} | {name} | {wall:.1f} | {rss:.2f} | {r_mw:.2f}x | {r_cp:.2f}x | {r_rss:.2f}x | "
+            f"{on_disk:.1f} | {r_disk:.2f}x |"
         )
 
 

@@ -130,8 +130,10 @@ def main(argv=None) -> int:
         params = json.loads((tmp / "run" / "fsdp_report.json").read_text())["total_param_elements"]
     total = max(r["training (the whole train() call)"] for r in ranks)
     print(
-        f"{args.config}, {args.nproc} processes, Llama {params / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), "
-        f"{args.steps} steps logged at every step; training took {total:.2f} s ({total / args.steps * 1000:.0f} ms per step)\n"
+        f"{args.config}, {args.nproc} processes, Llama {params / 1e6:.1f}M parameters (hidden {args.hidden}, "
+        f"{args.layers} layers), "
+        f"{args.steps} steps logged at every step; training took {total:.2f} s ({total / args.steps * 1000:.0f} "
+        "ms per step)\n"
     )
     print("| piece | seconds (slowest rank) | share of training time |")
     print("| --- | --- | --- |")

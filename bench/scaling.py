@@ -185,7 +185,10 @@ def run_one(
     ]
     started, proc = launch(BENCH / "timed_run.py", strategy.config, nproc, args, times, gpus)
     if proc.returncode != 0:
-        return f"{strategy.label} on {nproc}: failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
+        return (
+            f"{strategy.label} on {nproc}: failed ({proc.returncode}): "
+            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
+        )
     step, first = step_stats(times, started, warmup + 1, steps - 2)  # the profiled steps are not timed
     report = json.loads((out / "fsdp_report.json").read_text())
     summary = json.loads((out / "profile" / "summary.json").read_text())
@@ -276,23 +279,29 @@ def write_markdown(path: Path, records: list[Record], over: dict | None, failure
     for r in records:
         lines.append(
             f"| {label(r.strategy, r.fsdp_version)} | `{r.config}` | {r.processes} | "
-            f"{r.tokens_per_second:,.0f} | {r.samples_per_second:,.1f} | {mb(r.model_state_bytes)} | {mb(r.peak_memory_bytes)} "
-            f"({r.peak_memory_kind}) | {share(r)} | {'-' if r.overlapped_share is None else f'{r.overlapped_share:.0%}'} |"
+            f"{r.tokens_per_second:,.0f} | {r.samples_per_second:,.1f} | {mb(r.model_state_bytes)} | "
+            f"{mb(r.peak_memory_bytes)} "
+            f"({r.peak_memory_kind}) | {share(r)} | "
+            f"{'-' if r.overlapped_share is None else f'{r.overlapped_share:.0%}'} |"
         )
     if over:
         ours, bare = over["train_fsdp.py"], over["bare accelerate + Trainer"]
         lines += [
             "",
-            f"Overhead of this repository's layer (`{over['config']}`, {over['processes']} processes, {over['steps']} steps, "
+            f"Overhead of this repository's layer (`{over['config']}`, {over['processes']} processes, "
+            f"{over['steps']} steps, "
             f"{over['repeats']} runs each in ABBA order, medians):",
             "",
             "| script | tokens/s (each run) | step (s) | launch to end of first step (s) |",
             "|---|---|---|---|",
-            f"| train_fsdp.py | {ours['tokens_per_second']:,.0f} ({spread(ours)}) | {ours['step_seconds']:.3f} | {ours['time_to_first_step_seconds']:.1f} |",
-            f"| bare accelerate + Trainer (bench/bare_trainer.py) | {bare['tokens_per_second']:,.0f} ({spread(bare)}) | {bare['step_seconds']:.3f} | "
+            f"| train_fsdp.py | {ours['tokens_per_second']:,.0f} ({spread(ours)}) | {ours['step_seconds']:.3f} "
+            f"| {ours['time_to_first_step_seconds']:.1f} |",
+            f"| bare accelerate + Trainer (bench/bare_trainer.py) | {bare['tokens_per_second']:,.0f} "
+            f"({spread(bare)}) | {bare['step_seconds']:.3f} | "
             f"{bare['time_to_first_step_seconds']:.1f} |",
             "",
-            f"train_fsdp.py's tokens/s is {over['tokens_per_second_lower_by']:+.1%} lower than the bare script's (target: under 3%).",
+            f"train_fsdp.py's tokens/s is {over['tokens_per_second_lower_by']:+.1%} lower than the bare "
+            "script's (target: under 3%).",
         ]
     if failures:
         lines += ["", "Runs that failed:", *[f"- {f}" for f in failures]]
@@ -376,7 +385,8 @@ def main(argv=None) -> int:
     steps = args.steps or (8 if args.quick else 16)
     if steps < args.warmup + 4:
         parser.error(
-            f"--steps {steps} leaves nothing to time after {args.warmup} warm-up and 2 profiled steps: use {args.warmup + 4} or more"
+            f"--steps {steps} leaves nothing to time after {args.warmup} warm-up and 2 profiled steps: use "
+            f"{args.warmup + 4} or more"
         )
     if not strategies:
         parser.error(f"--strategy matches no config; choose from {', '.join(sorted({s.config for s in STRATEGIES}))}")
@@ -399,7 +409,8 @@ def main(argv=None) -> int:
                     continue
                 records.append(result)
                 print(
-                    f"  {result.tokens_per_second:,.0f} tokens/s, {mb(result.peak_memory_bytes)} MB peak ({result.peak_memory_kind}), "
+                    f"  {result.tokens_per_second:,.0f} tokens/s, {mb(result.peak_memory_bytes)} MB peak "
+                    f"({result.peak_memory_kind}), "
                     f"{mb(result.model_state_bytes)} MB model states per rank",
                     flush=True,
                 )
@@ -408,7 +419,8 @@ def main(argv=None) -> int:
             nproc = max(nprocs) if gpus else 2  # every GPU; on CPU the 2 processes the shipped configs launch
             repeats = args.repeats or (3 if args.quick else 4)
             print(
-                f"[{time.time() - began:5.0f} s] overhead: train_fsdp.py against bench/bare_trainer.py, {nproc} processes, "
+                f"[{time.time() - began:5.0f} s] overhead: train_fsdp.py against bench/bare_trainer.py, {nproc} "
+                "processes, "
                 f"{repeats} runs each",
                 flush=True,
             )
@@ -422,7 +434,8 @@ def main(argv=None) -> int:
         if gpus
         else f"CPU ({os.cpu_count()} cores, {cpu_name(cpuinfo)}), FSDP over gloo"
     )
-    # train_fsdp.py and bench/bare_trainer.py compute in fp32 on a CPU without native bf16 (fsdp_recipes.compat.cpu_fsdp)
+    # train_fsdp.py and bench/bare_trainer.py compute in fp32 on a CPU without native bf16
+    # (fsdp_recipes.compat.cpu_fsdp)
     precision = (
         "fp32 (this CPU has no native bf16)" if not gpus and native_bf16(cpuinfo) is False else "bf16 mixed precision"
     )
@@ -430,7 +443,8 @@ def main(argv=None) -> int:
     header = (
         f"# Scaling: {device}\n\nLlama {params / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), "
         f"{BATCH} x {BLOCK} tokens per process per step, {precision}, {steps} steps per run "
-        f"({args.warmup} warm-up and 2 profiled steps not timed). `{shlex.join(['python', 'bench/scaling.py', *command])}` "
+        f"({args.warmup} warm-up and 2 profiled steps not timed). "
+        f"`{shlex.join(['python', 'bench/scaling.py', *command])}` "
         f"took {time.time() - began:.0f} s."
     )
     (output / "scaling.json").write_text(

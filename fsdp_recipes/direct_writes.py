@@ -11,7 +11,8 @@ O_DIRECT wants the file offset, the length and the buffer's address aligned to t
 aligned chunks; the last partial block goes through an ordinary descriptor at close. Two buffers take turns: a
 thread writes the full one while the caller fills the other, so the device is never idle while the caller copies
 (a single buffer wrote 3 GB out of the page cache in 2.3-3.2 s here, two in 1.4-1.7 s; `dd oflag=direct` 2.7-3.4 s).
-The file's bytes are exactly what an ordinary write makes (tested). Where ``open(O_DIRECT)`` or an aligned write fails with EINVAL (tmpfs before
+The file's bytes are exactly what an ordinary write makes (tested). Where ``open(O_DIRECT)`` or an aligned write fails
+with EINVAL (tmpfs before
 Linux 6.6, some FUSE and network mounts; macOS has no O_DIRECT) the same buffer goes out through the page cache, and
 ``DirectFile.page_cache_why`` says why.
 
@@ -256,7 +257,8 @@ class DirectFile(io.RawIOBase):
         self._next_buffer()
 
     def _start_writer(self) -> None:
-        """A thread of _thread's, not threading's: Thread.start waits on Python-level locks that a signal's exception can
+        """A thread of _thread's, not threading's: Thread.start waits on Python-level locks that a signal's exception
+        can
         leave held, and the new thread then waits on them for good. Its queue is known before it starts, so abort
         tells it to end whatever happens next; its number after, so abort waits only for a thread that may hold a
         chunk (cut short in between, none was handed to it)."""

@@ -16,7 +16,8 @@ class RecipeError(ValueError):
 
 
 class CheckpointError(ValueError):
-    """A checkpoint or model folder that cannot be read or written as asked: the message names the problem and the fix."""
+    """A checkpoint or model folder that cannot be read or written as asked: the message names the problem and the
+    fix."""
 
 
 class RefusedRemoval(ValueError):
@@ -52,7 +53,8 @@ class UnknownToThisVersion(CheckpointError):
         self.path, self.what, self.kind, self.version = str(path), what, kind, version
         self.reason = f"{self.path} names {what}, a {kind} torch {version} does not know"
         super().__init__(
-            f"unreadable by this version: {self.reason}; another torch version wrote it, and it may be complete: {self.FIX}"
+            f"unreadable by this version: {self.reason}; another torch version wrote it, and it may be "
+            f"complete: {self.FIX}"
         )
 
     def at(self, path: str | os.PathLike) -> UnknownToThisVersion:
@@ -61,5 +63,6 @@ class UnknownToThisVersion(CheckpointError):
 
 
 def one_line(text: str) -> str:
-    """``text`` fit for a one-line message: control characters and non-ASCII escaped (a file name, a lock file's text)."""
+    """``text`` fit for a one-line message: control characters and non-ASCII escaped (a file name, a lock file's
+    text)."""
     return "".join(c if c.isprintable() and c.isascii() else ascii(c)[1:-1] for c in text)

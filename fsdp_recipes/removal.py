@@ -14,7 +14,8 @@ checkpoints, the model a run fine-tunes. So nothing is removed on a name or a gu
 A symlink is never followed into: a link is refused, not its target removed. (A path the user names may be resolved
 before it gets here: the merge's output is its real path, so `--overwrite` through a link replaces the model folder
 the link points to, as the user asked.) Everything refused raises
-``RefusedRemoval`` with one line naming the path and what it holds. ``tests/unit/shared/test_removal.py`` fails when any other
+``RefusedRemoval`` with one line naming the path and what it holds. ``tests/unit/shared/test_removal.py`` fails when any
+other
 module of the package, tools/, bench/ or train_fsdp.py calls rmtree, unlink, remove, rename, replace or rmdir.
 """
 
@@ -118,7 +119,8 @@ def marker(path: str | os.PathLike) -> dict | None:
     try:
         if file.is_symlink() or not file.is_file() or file.stat().st_size > 4096:
             return None
-        # opened without blocking and read only as a regular file: a FIFO swapped in since the checks above cannot hang it
+        # opened without blocking and read only as a regular file: a FIFO swapped in since the checks above
+        # cannot hang it
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -144,7 +146,8 @@ def unmark(path: str | os.PathLike, purpose: str) -> None:
 
 
 def reclaim(path: str | os.PathLike, purpose: str, made: tuple[int, int]) -> bool:
-    """Mark ``path`` again for ``purpose``: a folder this process made and unmarked to become a result, stopped before it
+    """Mark ``path`` again for ``purpose``: a folder this process made and unmarked to become a result, stopped before
+    it
     was renamed into place. Only while it is still that very folder (``made``: its identity when made)."""
     path = Path(path)
     if path.is_symlink() or not path.is_dir() or identity(path) != tuple(made):

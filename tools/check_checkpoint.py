@@ -82,7 +82,8 @@ def main(argv=None) -> int:
         return 0 if final else 1
     folders = checkpoint_steps(path) or [path]
     statuses = [checkpoint_status(folder) for folder in folders]
-    # as resolve_resume("true"): the newest resumable one, unless a newer one may be good (unreadable by this version, weights only)
+    # as resolve_resume("true"): the newest resumable one, unless a newer one may be good (unreadable by this
+    # version, weights only)
     stop = next((s for s in statuses if s.resumable or s.may_be_good), None)
     chosen = stop if stop is not None and stop.resumable else None
     if args.json:
@@ -105,13 +106,16 @@ def main(argv=None) -> int:
             if stop is not None and chosen is None and stop.weights_only:
                 earlier = ", or resume an earlier checkpoint by its path" if any(s.resumable for s in statuses) else ""
                 print(
-                    f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (model weights only, no optimizer "
+                    f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (model weights "
+                    "only, no optimizer "
                     f"state): it cannot resume a run, and its line above says what it is good for{earlier}"
                 )
             elif stop is not None and chosen is None:
                 print(
-                    f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (unreadable by this version, "
-                    "it may be complete): resume it with the torch version that wrote it, or an earlier checkpoint by its path"
+                    f"resume: --resume_from_checkpoint true stops at {Path(stop.path).name} (unreadable by this "
+                    "version, "
+                    "it may be complete): resume it with the torch version that wrote it, or an earlier "
+                    "checkpoint by its path"
                 )
             elif chosen is None:
                 print("resume: no resumable checkpoint; start without --resume_from_checkpoint")
@@ -123,7 +127,8 @@ def main(argv=None) -> int:
                 f"final model: {final}"
                 + (" (written by an earlier version, beside the checkpoints)" if final == path else "")
                 if final
-                else "final model: none yet (the run has not finished; tools/merge_checkpoint.py makes one from a checkpoint)"
+                else "final model: none yet (the run has not finished; tools/merge_checkpoint.py makes one "
+                "from a checkpoint)"
             )
     return 0 if chosen else 1
 

@@ -1,7 +1,8 @@
 """Estimate per-GPU memory of FSDP (or DDP, ZeRO-1) training and list which shipped configs fit.
 
     python tools/estimate_memory.py 7B --nproc-per-node 4 --strategy FULL_SHARD
-    python tools/estimate_memory.py assets/tiny-llama --config accelerate_configs/zero2.yaml --micro-batch 8 --seq-len 128
+    python tools/estimate_memory.py assets/tiny-llama --config accelerate_configs/zero2.yaml --micro-batch 8 --seq-len
+    128
     python tools/estimate_memory.py meta-llama/Llama-3.1-8B --nproc-per-node 8 --gpu-memory 80GiB --json
 
 Formula (model states, mixed precision with fp32 master weights and Adam): 16 bytes per parameter P
@@ -12,9 +13,11 @@ Plus: 2 x the largest FSDP unit in bf16 (all-gather working set), 2P more for SH
 parameters kept from forward to backward) and for DDP and ZeRO-1 in bf16 (autocast's bf16 weight copies, kept
 as long), and activations: per token and layer, what a gated-MLP RMSNorm decoder (Llama family) saves for backward,
 16h + 4q + 8I + 12kv + 4 heads bytes in bf16 (q and kv the query and key/value heads' widths, I the MLP's; more
-for Qwen3's per-head norms; CPU-counted, and CUDA attention's copies measured on an H200), else GPT's 34h; 2h with activation checkpointing; + the fp32 logits 8*s*b*V.
+for Qwen3's per-head norms; CPU-counted, and CUDA attention's copies measured on an H200), else GPT's 34h; 2h with
+activation checkpointing; + the fp32 logits 8*s*b*V.
 Gradients and activations do not peak together (backward frees one as it makes the other): the total counts the
-larger. Every CUDA peak on record (bench/results/h200) is within 10% of it. With offload the model states move to CPU RAM. FSDP1 in a shard group of one process (one process, or
+larger. Every CUDA peak on record (bench/results/h200) is within 10% of it. With offload the model states move to CPU
+RAM. FSDP1 in a shard group of one process (one process, or
 HYBRID_SHARD with one per node) runs NO_SHARD whatever the config names, and is estimated so.
 """
 
@@ -70,7 +73,8 @@ def setup_from_config(path: str, setup: Setup) -> tuple[Setup, list[str]]:
     runs_as = strategy.memory_strategy_on(world, setup.nproc_per_node)
     notes = (
         [
-            f"FSDP1 in a shard group of one process runs NO_SHARD, not the config's {strategy.memory_strategy} (torch switches)"
+            f"FSDP1 in a shard group of one process runs NO_SHARD, not the config's {strategy.memory_strategy} "
+            "(torch switches)"
         ]
         if runs_as != strategy.memory_strategy
         else []
@@ -105,7 +109,8 @@ def size(text: str) -> str:
 
 
 # a number with a letter or two after it ('7X', '13G', '1.5bn'): no hub id without an owner looks so, and no folder is
-# named so here; a count with another suffix than K, M, B, T (a lookup would end in "couldn't connect to huggingface.co")
+# named so here; a count with another suffix than K, M, B, T (a lookup would end in "couldn't connect to
+# huggingface.co")
 SUFFIXED_NUMBER = re.compile(r"\s*\d[\d.]*(e[-+]?\d+)?\s*([a-z]{1,2})\s*", re.IGNORECASE)
 
 
@@ -209,7 +214,8 @@ def main(argv=None) -> int:
         return 0
     print(
         f"{shape.params:,} parameters, {setup.strategy}{' + offload' if setup.offload else ''}, "
-        f"{setup.nnodes} x {setup.nproc_per_node} processes (shard group {est.shard_group}), {setup.precision}, {setup.optimizer}"
+        f"{setup.nnodes} x {setup.nproc_per_node} processes (shard group {est.shard_group}), {setup.precision}, "
+        f"{setup.optimizer}"
     )
     for label, value in [
         ("parameters (fp32 master)", est.params),

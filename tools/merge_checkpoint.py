@@ -6,7 +6,8 @@
     python tools/merge_checkpoint.py CKPT --inspect                            # what is inside, no writing
     python tools/merge_checkpoint.py lightning.ckpt OUT --base-model BASE      # another tool's checkpoint
     python tools/merge_checkpoint.py PEFT_CKPT OUT --adapter-only              # a LoRA run: the adapter alone
-    python tools/merge_checkpoint.py PEFT_CKPT OUT --base-model BASE           # a LoRA run's adapter-only checkpoint + its base
+    python tools/merge_checkpoint.py PEFT_CKPT OUT --base-model BASE           # a LoRA run's adapter-only checkpoint +
+    its base
 
 Checkpoints from other tools are accepted: raw torch DCP (flat names), torch's get_state_dict beside its
 optimizer, accelerate and the stock Trainer, Lightning, PEFT LoRA (merged, or --adapter-only). The weights
@@ -45,7 +46,8 @@ class Parser(argparse.ArgumentParser):
 
 class Stopped(BaseException):
     """SIGTERM (a scheduler's stop, `timeout`, `kill`) during a merge: unwinds as Ctrl-C does, so the merge removes its
-    staging folder and stops its copy process (without it the process died at once and left both until the next merge)."""
+    staging folder and stops its copy process (without it the process died at once and left both until the next
+    merge)."""
 
 
 def _stopped(signum, frame):
@@ -76,7 +78,8 @@ def size_type(parse_size, example: str, minimum: tuple[str, int]):
             ) from None
         if value < least:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is {'not positive' if value <= 0 else f'below {shown}'}: give at least {shown}, e.g. {example}"
+                f"{text!r} is {'not positive' if value <= 0 else f'below {shown}'}: give at least {shown}, e.g. "
+                f"{example}"
             )
         return value
 
@@ -91,28 +94,34 @@ def main(argv=None) -> int:
         return 1
     parser = Parser(
         prog="merge_checkpoint.py",
-        description="Merge a sharded (FSDP1/FSDP2 DCP, any number of ranks) or full FSDP checkpoint into a Hugging Face "
+        description="Merge a sharded (FSDP1/FSDP2 DCP, any number of ranks) or full FSDP checkpoint into a "
+        "Hugging Face "
         "model folder: config.json, generation config, tokenizer and safetensors shards with an index. Cost: one read "
         "of the model weights and one write, at about disk speed; memory is bounded by --memory-budget and the largest "
-        "tensor, not the model size. Optimizer state is skipped. Accepts checkpoints of this repository, accelerate, the "
+        "tensor, not the model size. Optimizer state is skipped. Accepts checkpoints of this repository, "
+        "accelerate, the "
         "Trainer, raw torch DCP, Lightning and PEFT LoRA (merged into the base weights, or --adapter-only).",
         formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "input",
-        help="a checkpoint-N folder, a DCP folder (pytorch_model_fsdp_0, raw torch, Lightning), or a run's output folder (newest complete checkpoint)",
+        help="a checkpoint-N folder, a DCP folder (pytorch_model_fsdp_0, raw torch, Lightning), or a run's "
+        "output folder (newest complete checkpoint)",
     )
     parser.add_argument("output", nargs="?", help="folder to create (written beside it first, renamed when complete)")
     parser.add_argument(
         "--base-model",
-        help="hub id or folder for config.json (and tokenizer) when the checkpoint has none; a folder with only config.json is enough. "
-        "For an adapter-only LoRA checkpoint, also the base weights: a local model folder (or a hub id in the local cache); "
+        help="hub id or folder for config.json (and tokenizer) when the checkpoint has none; a folder with "
+        "only config.json is enough. "
+        "For an adapter-only LoRA checkpoint, also the base weights: a local model folder (or a hub id in the "
+        "local cache); "
         "default: the base its adapter_config.json names",
     )
     parser.add_argument(
         "--adapter-only",
         action="store_true",
-        help="PEFT LoRA checkpoint: write the adapter folder (adapter_config.json, adapter_model.safetensors) instead of the merged model",
+        help="PEFT LoRA checkpoint: write the adapter folder (adapter_config.json, adapter_model.safetensors) "
+        "instead of the merged model",
     )
     parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: keep the saved dtype)")
     parser.add_argument(

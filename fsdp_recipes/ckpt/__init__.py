@@ -27,5 +27,6 @@ Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the
 Imports no torch or transformers at import time (a subprocess test checks it): checking a checkpoint takes a
 fraction of a second, and the merge pays for torch only where a format needs it. Never imports the training path.
 
-May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny, fsdp_recipes.direct_writes, fsdp_recipes.compat
+May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny,
+    fsdp_recipes.direct_writes, fsdp_recipes.compat
 """

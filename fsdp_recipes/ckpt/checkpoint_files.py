@@ -50,7 +50,10 @@ def torch_file_problem(path: Path, load: bool = False, keys: tuple[str, ...] = (
         return f"truncated or unreadable {path.name}"
     with file:
         if load and (size := os.fstat(file.fileno()).st_size) > LOADED_LIMIT:
-            return f"refused {path.name}: {size / 2**20:,.0f} MiB, where the Trainer writes a few KB (over {LOADED_LIMIT >> 20} MiB is not read)"
+            return (
+                f"refused {path.name}: {size / 2**20:,.0f} MiB, where the Trainer writes a few KB (over "
+                f"{LOADED_LIMIT >> 20} MiB is not read)"
+            )
         try:
             zipfile.ZipFile(file).close()  # leaves ``file`` open
         except (zipfile.BadZipFile, OSError):
@@ -70,7 +73,10 @@ def torch_file_problem(path: Path, load: bool = False, keys: tuple[str, ...] = (
                 with torch.serialization.safe_globals(allowed):
                     loaded = torch.load(file, map_location="cpu", weights_only=True)
             except Exception as err:  # noqa: BLE001 (UnpicklingError, RuntimeError ...: refused either way)
-                return f"refused {path.name}: it holds more than tensors and plain data ({type(err).__name__}); a pickle can run code"
+                return (
+                    f"refused {path.name}: it holds more than tensors and plain data ({type(err).__name__}); "
+                    "a pickle can run code"
+                )
             if keys and not (isinstance(loaded, dict) and all(k in loaded for k in keys)):
                 return f"refused {path.name}: not an RNG state the Trainer wrote (it needs {', '.join(keys)})"
     return None
@@ -110,7 +116,8 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
     if folder.name == DCP_MODEL_DIR:
         if not layout.tensors:
             return [
-                f"{folder.name}/ holds no tensors (an adapter-only save that selected nothing): use an earlier checkpoint"
+                f"{folder.name}/ holds no tensors (an adapter-only save that selected nothing): use an earlier "
+                "checkpoint"
             ]
         if any(LORA_WEIGHT.match(name) for name in layout.tensors):
             status.lora = "adapter only" if all(LORA_WEIGHT.match(name) for name in layout.tensors) else "whole model"
@@ -124,7 +131,8 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
                 status.base_model = (
                     record["base_model"] if record else f"not recorded: no {base_identity.BASE_IDENTITY}"
                 )
-    return []  # that the chunks make up each tensor (a rank's slice missing) is check_folder's (dcp_check.chunk_problems)
+    # that the chunks make up each tensor (a rank's slice missing) is check_folder's (dcp_check.chunk_problems)
+    return []
 
 
 WEIGHTS_ONLY = (
@@ -142,7 +150,8 @@ PICKLED_SHARD = re.compile(r"pytorch_model-\d+-of-\d+\.bin")
 
 def weights_only_layout(ckpt: Path) -> bool:
     """Safetensors model weights and no optimizer state, nor FSDP model files, under any name a save writes (a link or
-    a file where one belongs counts as there): save_only_model's checkpoint, or one whose optimizer state was removed."""
+    a file where one belongs counts as there): save_only_model's checkpoint, or one whose optimizer state was
+    removed."""
     if any(os.path.lexists(ckpt / name) for name in (*_OPTIMIZER_STATE, DCP_MODEL_DIR, FULL_MODEL_FILE)):
         return False
     return any(os.path.lexists(ckpt / name) for name in (*_WEIGHTS_FILES, ADAPTER_WEIGHTS)) or any(
@@ -183,7 +192,8 @@ def weights_problems(folder: Path) -> list[str]:
         for tensor, shard in weight_map.items():
             if not isinstance(shard, str) or not is_shard_name(shard):
                 return [
-                    f"{index.name} names {short_json(shard)} as a shard, which is not a .safetensors file of the checkpoint"
+                    f"{index.name} names {short_json(shard)} as a shard, which is not a .safetensors file of "
+                    "the checkpoint"
                 ]
             expected.setdefault(shard, set()).add(tensor)
     problems = []
@@ -208,6 +218,7 @@ def weights_problems(folder: Path) -> list[str]:
             problems.append(f"truncated {shard} ({size:,} of the {8 + length + end:,} bytes its header describes)")
         elif lacking := tensors - set(entries):
             problems.append(
-                f"{shard} lacks {len(lacking)} tensor(s) {index.name} assigns it ({short_json(sorted(lacking)[0])}, ...)"
+                f"{shard} lacks {len(lacking)} tensor(s) {index.name} assigns it "
+                f"({short_json(sorted(lacking)[0])}, ...)"
             )
     return problems

@@ -80,8 +80,10 @@ def record_size_problems(layout: Layout, meta_path: Path) -> list[str]:
             needs = math.prod(chunk.sizes) * DTYPE_SIZES.get(entry.dtype, 0)
             if stored is not None and not stored.transformed and stored.length < needs:
                 return [
-                    f"unreadable {meta_path}: the chunk of {key!r} at {list(chunk.offsets)} of size {list(chunk.sizes)} has a "
-                    f"record of {stored.length:,} bytes, fewer than its {needs:,}: use another checkpoint-N, or copy this one "
+                    f"unreadable {meta_path}: the chunk of {key!r} at {list(chunk.offsets)} of size "
+                    f"{list(chunk.sizes)} has a "
+                    f"record of {stored.length:,} bytes, fewer than its {needs:,}: use another checkpoint-N, or "
+                    "copy this one "
                     "again from where it was written"
                 ]
     return []
@@ -100,7 +102,8 @@ def chunk_problems(layout: Layout, meta_path: Path) -> list[str]:
     for key, entry in layout.tensors.items():
         if (detail := _chunk_problem(key, entry, layout.storage)) is not None:
             return [
-                f"unreadable {meta_path}: the chunks of {key!r} {detail}, so they do not make up the tensor: use another "
+                f"unreadable {meta_path}: the chunks of {key!r} {detail}, so they do not make up the tensor: "
+                "use another "
                 "checkpoint-N, or copy this one again from where it was written"
             ]
     return []
@@ -123,7 +126,10 @@ def _chunk_problem(key: str, entry: TensorEntry, storage) -> str | None:
     if held < math.prod(shape):  # accelerate PR #4206's FSDP2 adapter-only saves kept rank 0's slice alone
         return f"hold {held:,} of its {math.prod(shape):,} elements (a rank's slice is missing, or the file was edited)"
     if held > math.prod(shape):
-        return f"hold {held:,} elements where the tensor {list(shape)} has {math.prod(shape):,} (the file was edited or damaged)"
+        return (
+            f"hold {held:,} elements where the tensor {list(shape)} has {math.prod(shape):,} (the file was "
+            "edited or damaged)"
+        )
     # as many elements as the tensor: they make it up unless two overlap. Over the grid the chunk edges cut, each
     # cell must be in exactly one chunk
     edges = [
@@ -131,14 +137,20 @@ def _chunk_problem(key: str, entry: TensorEntry, storage) -> str | None:
         for i, d in enumerate(shape)
     ]
     if (cells := math.prod(len(e) - 1 for e in edges)) > (limit := CELLS_PER_CHUNK * len(chunks) + CELLS_EXTRA):
-        return f"cut it into {cells:,} pieces, more than any writer's layout of {len(chunks):,} chunks (this reader checks up to {limit:,})"
+        return (
+            f"cut it into {cells:,} pieces, more than any writer's layout of {len(chunks):,} chunks (this "
+            f"reader checks up to {limit:,})"
+        )
     index = [{edge: i for i, edge in enumerate(e)} for e in edges]
     seen: set[tuple[int, ...]] = set()
     for chunk in chunks:
         ranges = [range(index[i][o], index[i][o + n]) for i, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes))]
         for cell in itertools.product(*ranges):
             if cell in seen:
-                return f"overlap (one at {list(chunk.offsets)} of size {list(chunk.sizes)} covers elements another holds: the file was edited or damaged)"
+                return (
+                    f"overlap (one at {list(chunk.offsets)} of size {list(chunk.sizes)} covers elements "
+                    "another holds: the file was edited or damaged)"
+                )
             seen.add(cell)
     return None
 

@@ -99,7 +99,10 @@ def unsafe_message(path: Path, err: UnsafeCheckpointError) -> str:
             "use a checkpoint you or your training run wrote"
         )
     if isinstance(err, UnsafeRecordError):
-        return f"{path}: {err}: refusing to unpickle it (a pickle can run code); use a checkpoint you or your training run wrote"
+        return (
+            f"{path}: {err}: refusing to unpickle it (a pickle can run code); use a checkpoint you or your "
+            "training run wrote"
+        )
     return (
         f"{path} names {err}, which DCP metadata never holds: refusing to unpickle it (a pickle can run code); "
         "use a checkpoint you or your training run wrote"

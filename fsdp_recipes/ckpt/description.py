@@ -195,7 +195,8 @@ def recorded_changes(folder: Path, skip: tuple[str, ...] = ()) -> str | None:
     ) as err:  # a FIFO, a folder, cut short: the record itself is not as written
         why = getattr(err, "reason", None) or type(err).__name__
         return (
-            f"{Path(folder).name}/{MANIFEST} is unreadable ({why}), so the files the run wrote beside the shards cannot be "
+            f"{Path(folder).name}/{MANIFEST} is unreadable ({why}), so the files the run wrote beside the "
+            "shards cannot be "
             f"checked: copy the checkpoint again; to take the checkpoint as it is now, remove {MANIFEST} from it"
         )
     changed = []
@@ -210,8 +211,10 @@ def recorded_changes(folder: Path, skip: tuple[str, ...] = ()) -> str | None:
     if not changed:
         return None
     return (
-        f"{'; '.join(changed)} ({Path(folder).name}/{MANIFEST} records the hash of each file the run wrote): copy the checkpoint "
-        f"again, or put {'them' if len(changed) > 1 else 'it'} back as the run wrote {'them' if len(changed) > 1 else 'it'}; to take the checkpoint as it "
+        f"{'; '.join(changed)} ({Path(folder).name}/{MANIFEST} records the hash of each file the run wrote): "
+        "copy the checkpoint "
+        f"again, or put {'them' if len(changed) > 1 else 'it'} back as the run wrote "
+        f"{'them' if len(changed) > 1 else 'it'}; to take the checkpoint as it "
         f"is now, remove {MANIFEST} from it"
     )
 
@@ -264,7 +267,8 @@ def description_file_problems(resolved: ResolvedInput) -> list[str]:
                 continue
             if not stat.S_ISREG(st.st_mode):
                 problems.append(
-                    f"{path} is not a regular file (a folder, a FIFO or a device): replace it with the file, or remove it"
+                    f"{path} is not a regular file (a folder, a FIFO or a device): replace it with the file, or "
+                    "remove it"
                 )
             elif st.st_size > (DESCRIPTION_LIMIT if name in ("tokenizer.json", "tokenizer.model") else JSON_LIMIT):
                 problems.append(
@@ -315,7 +319,8 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
         config = AutoConfig.from_pretrained(config_from, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 (OSError, ValueError, KeyError ...: transformers raises many)
         raise CheckpointError(
-            f"cannot load the config from {config_from} ({_one_line(err)}): pass --base-model <a folder or hub id with a valid config.json>"
+            f"cannot load the config from {config_from} ({_one_line(err)}): pass --base-model <a folder or hub "
+            "id with a valid config.json>"
         ) from None
     if config_dir is not None and base_model is None and (config_dir / "generation_config.json").is_file():
         try:
@@ -335,18 +340,21 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
         tok_from = base_model
     if tok_from is None:
         notes.append(
-            f"no tokenizer in {' or '.join(str(p) for p in resolved.places)}: the model folder has none (copy one in, or pass --base-model with one)"
+            f"no tokenizer in {' or '.join(str(p) for p in resolved.places)}: the model folder has none (copy "
+            "one in, or pass --base-model with one)"
         )
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(tok_from, trust_remote_code=False)
         except Exception as err:  # noqa: BLE001
             raise CheckpointError(
-                f"cannot load the tokenizer from {tok_from} ({_one_line(err)}): fix or remove its files, or pass --base-model"
+                f"cannot load the tokenizer from {tok_from} ({_one_line(err)}): fix or remove its files, or "
+                "pass --base-model"
             ) from None
     if problem := implausible_config(config, resolved.source.tensors):
         raise CheckpointError(
-            f"{config_from}: {problem}: it is not the config of these weights; pass --base-model <the folder or hub id the run started from>"
+            f"{config_from}: {problem}: it is not the config of these weights; pass --base-model <the folder or "
+            "hub id the run started from>"
         )
     try:
         model_cls, expected, tied, ignorable = model_skeleton(config)

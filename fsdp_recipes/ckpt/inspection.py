@@ -83,12 +83,14 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         "notes": resolved.notes,
         "format": src.kind,
         "layout": (
-            f"layout: {len(infos)} LoRA adapter tensors (lora_A, lora_B) and no frozen base weight: a merge adds the base "
+            f"layout: {len(infos)} LoRA adapter tensors (lora_A, lora_B) and no frozen base weight: a merge "
+            "adds the base "
             "(--base-model, or the one adapter_config.json names)"
         )
         if alone
         else (
-            f"layout: a LoRA adapter on a quantized base ({quantized}): a merge writes the unquantized base model's weights "
+            f"layout: a LoRA adapter on a quantized base ({quantized}): a merge writes the unquantized base "
+            "model's weights "
             "with the adapter merged (--base-model, or the one adapter_config.json names)"
         )
         if quantized

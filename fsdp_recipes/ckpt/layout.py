@@ -52,7 +52,8 @@ def checkpoint_steps(run_dir: Path) -> list[Path]:
 
 def final_model_folder(run_dir: str | os.PathLike) -> Path | None:
     """Where a run's final model is: ``run_dir/model/`` (written since the model got a folder of its own), or
-    ``run_dir`` itself for a run an earlier version wrote (config.json beside the checkpoints); None before a run ends."""
+    ``run_dir`` itself for a run an earlier version wrote (config.json beside the checkpoints); None before a run
+    ends."""
     run_dir = Path(run_dir)
     for folder in (run_dir / FINAL_MODEL_DIR, run_dir):
         if (folder / "config.json").is_file() and any(
@@ -240,7 +241,8 @@ HARD_LINK = "a hard link: writing it would change the other name's file too"  # 
 
 def foreign_entries(output_dir: Path) -> list[str]:
     """Names in a run's output_dir that no run writes (a home folder's .bashrc, a project's src/), links and hard
-    links (a run would write through them), entries of a run's name that are not regular files or folders (a FIFO), and what makes ``model/`` or ``adapter/`` more than the export writes there (the
+    links (a run would write through them), entries of a run's name that are not regular files or folders (a FIFO), and
+    what makes ``model/`` or ``adapter/`` more than the export writes there (the
     export replaces those folders): ``model/notes.txt``, ``adapter`` (a file). A finished run's records and model
     files without our run_args.json beside them are another tool's (a stock Trainer's trainer_state.json and
     all_results.json would be overwritten, merged into, or mixed with this run's). Sorted."""
@@ -270,7 +272,8 @@ def foreign_entries(output_dir: Path) -> list[str]:
             re.fullmatch(r, p.name) for r in _RUN_FOLDERS
         ):  # a folder named run_args.json: the write fails
             found.append(
-                f"{p.name} (a {'folder' if p.is_dir() else 'file'} where a run writes a {'file' if p.is_dir() else 'folder'})"
+                f"{p.name} (a {'folder' if p.is_dir() else 'file'} where a run writes a "
+                f"{'file' if p.is_dir() else 'folder'})"
             )
     return sorted(found)
 
@@ -349,7 +352,8 @@ def _special_entry(entry: Path) -> str | None:
 
 
 def checkpoint_unlike(folder: Path) -> str | None:
-    """None for a checkpoint holding nothing else (is_checkpoint_folder); else why not, for the one line that keeps it."""
+    """None for a checkpoint holding nothing else (is_checkpoint_folder); else why not, for the one line that keeps
+    it."""
     try:
         if is_checkpoint_folder(folder):
             return None
@@ -365,7 +369,10 @@ def checkpoint_unlike(folder: Path) -> str | None:
                 or (entry.is_dir() and (inner is None or not _only(entry, inner, {})))
                 or (not entry.is_dir() and not any(re.fullmatch(p, entry.name) for p in _CHECKPOINT_FILES))
             ):
-                return f"it holds {entry.name}{'/' if entry.is_dir() and not entry.is_symlink() else ''}, which a checkpoint does not"
+                return (
+                    f"it holds {entry.name}{'/' if entry.is_dir() and not entry.is_symlink() else ''}, which "
+                    "a checkpoint does not"
+                )
     except OSError as err:  # a colleague's 0700 folder, a stale NFS handle
         return f"unreadable: {err.strerror}"
     if folder.is_symlink() or not entries:

@@ -40,7 +40,8 @@ def find_adapter_config(places: list[Path]) -> Path:
     found = next((p / ADAPTER_CONFIG for p in places if (p / ADAPTER_CONFIG).is_file()), None)
     if found is None:
         raise CheckpointError(
-            f"this is a PEFT LoRA checkpoint, but there is no {ADAPTER_CONFIG} in {' or '.join(str(p) for p in places)}: "
+            f"this is a PEFT LoRA checkpoint, but there is no {ADAPTER_CONFIG} in "
+            f"{' or '.join(str(p) for p in places)}: "
             "copy the adapter_config.json of the run (PeftModel.save_pretrained writes it) beside the checkpoint"
         )
     return found
@@ -103,7 +104,8 @@ def read_adapter_config(path: Path) -> dict:
     missing = [key for key in ("lora_alpha", "r") if key not in config]
     if missing:
         raise CheckpointError(
-            f"{path} is not a LoRA adapter config (no {' and no '.join(missing)}): copy the run's adapter_config.json again"
+            f"{path} is not a LoRA adapter config (no {' and no '.join(missing)}): copy the run's "
+            "adapter_config.json again"
         )
     if problem := _config_problem(config):
         raise CheckpointError(
@@ -151,7 +153,8 @@ class MergedLoraSource:
                 adapters.add(m["adapter"])
         if len(adapters) > 1:
             raise CheckpointError(
-                f"the checkpoint holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); merge one with peft's merge_and_unload"
+                f"the checkpoint holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); merge one with "
+                "peft's merge_and_unload"
             )
         self.adapter = next(iter(adapters), None)
         self.pairs = pairs
@@ -175,7 +178,8 @@ class MergedLoraSource:
             if name.endswith(".base_layer.weight") and module in pairs:
                 if set(pairs[module]) != {"A", "B"}:
                     raise CheckpointError(
-                        f"{module} has lora_{''.join(pairs[module])} but not both lora_A and lora_B: the checkpoint is incomplete"
+                        f"{module} has lora_{''.join(pairs[module])} but not both lora_A and lora_B: the "
+                        "checkpoint is incomplete"
                     )
                 self._merged[merged_name] = (name, pairs[module]["A"], pairs[module]["B"])
                 a, b = base.tensors[pairs[module]["A"]].shape, base.tensors[pairs[module]["B"]].shape
@@ -229,11 +233,13 @@ class MergedLoraSource:
             # header says bf16 overwrote the tensors after it (a bf16 LoRA run's final model was garbage)
             out[n] = (weight + (delta.to(b.dtype) if cast else delta)).to(weight.dtype)
             # a merge that overflows is refused, not written with exit 0 (the checked config cannot rule out
-            # adapter weights that are themselves huge); a base weight that is already not finite is the checkpoint's own
+            # adapter weights that are themselves huge); a base weight that is already not finite is the
+            # checkpoint's own
             if not torch.isfinite(out[n]).all() and torch.isfinite(weight).all():
                 raise CheckpointError(
                     f"{n}: merging lora_B @ lora_A x {self.scaling(a.shape[0]):g} into it gives values that are not "
-                    f"finite in {str(out[n].dtype).removeprefix('torch.')}: the adapter's weights or lora_alpha are far too large; "
+                    f"finite in {str(out[n].dtype).removeprefix('torch.')}: the adapter's weights or lora_alpha "
+                    "are far too large; "
                     "is this the run's adapter?"
                 )
         return out
@@ -266,7 +272,8 @@ def quantized_base(tensors: dict) -> str | None:
         out_features, in_features = pair["B"].shape[0], pair["A"].shape[-1]
         if base.numel != out_features * in_features or base.dtype in QUANTIZED_DTYPES:
             return (
-                f"{module}.base_layer.weight holds {base.numel:,} {base.dtype} elements for a {out_features} x {in_features} "
+                f"{module}.base_layer.weight holds {base.numel:,} {base.dtype} elements for a {out_features} x "
+                f"{in_features} "
                 "weight (quantized: QLoRA)"
             )
     return None
@@ -341,7 +348,8 @@ class AdapterOnBaseSource:
         start = first.find("base_model.model.")
         if start < 0:
             raise CheckpointError(
-                f"{first}: an adapter-only checkpoint names its tensors under base_model.model. (peft's names); this one does not"
+                f"{first}: an adapter-only checkpoint names its tensors under base_model.model. (peft's names); "
+                "this one does not"
             )
         prefix = first[: start + len("base_model.model.")]
         modules = {m["module"] for n in adapter.tensors if (m := LORA_WEIGHT.match(n))}
@@ -358,8 +366,10 @@ class AdapterOnBaseSource:
         )
         if unmatched:
             raise CheckpointError(
-                f"{unmatched[0].removeprefix(prefix)} has LoRA weights in the checkpoint but no weight of that size in the base "
-                f"model {base_dir}: it is another model than the one the adapter was trained on; give its base with --base-model"
+                f"{unmatched[0].removeprefix(prefix)} has LoRA weights in the checkpoint but no weight of that "
+                "size in the base "
+                f"model {base_dir}: it is another model than the one the adapter was trained on; give its base "
+                "with --base-model"
             )
         if quantized := next(
             (
@@ -371,7 +381,8 @@ class AdapterOnBaseSource:
         ):
             raise CheckpointError(
                 f"{quantized.removeprefix(prefix)}.weight in the base model {base_dir} is "
-                f"{base.tensors[self._base_names[f'{quantized}.base_layer.weight']].dtype}: a quantized model, which the "
+                f"{base.tensors[self._base_names[f'{quantized}.base_layer.weight']].dtype}: a quantized model, "
+                "which the "
                 "adapter cannot be merged into; give the unquantized base with --base-model"
             )
         self.tensors = {**{n: base.tensors[b] for n, b in self._base_names.items()}, **adapter.tensors}
@@ -399,7 +410,8 @@ class AdapterOnBaseSource:
 
 
 def base_weights(base_model: str | None, adapter_config: dict, config_path: Path):
-    """(the safetensors source, its folder) of the base an adapter-only checkpoint is merged into: ``--base-model``, else
+    """(the safetensors source, its folder) of the base an adapter-only checkpoint is merged into: ``--base-model``,
+    else
     the local folder adapter_config.json names (base_model_name_or_path); a hub id the run downloaded is read from the
     local cache's snapshot (never downloaded here)."""
     from fsdp_recipes.ckpt.base_identity import local_folder
@@ -418,7 +430,8 @@ def base_weights(base_model: str | None, adapter_config: dict, config_path: Path
             else f"{config_path} names no base"
         )
         raise CheckpointError(
-            f"this checkpoint holds the LoRA adapter alone (not the frozen base) and {given}, which is not a local folder "
+            f"this checkpoint holds the LoRA adapter alone (not the frozen base) and {given}, which is not a "
+            "local folder "
             "with safetensors weights: pass --base-model <the folder of the model the adapter was trained on>"
         )
     return SafetensorsSource(folder), folder

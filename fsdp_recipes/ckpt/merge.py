@@ -270,9 +270,13 @@ def merge_checkpoint(
                     remove(old, STAGING, shape=lambda p: is_model_folder(p) or is_exported_adapter(p))
                 except RefusedRemoval:  # changed while the merge ran (a notes.txt written into it; a mount point)
                     kept = keep_aside(old, out)
-                    why = f"changed while the merge ran (it holds {contents(kept)}{', a mount point among them' if mount_points(kept) else ''})"
+                    why = (
+                        "changed while the merge ran (it holds "
+                        f"{contents(kept)}{', a mount point among them' if mount_points(kept) else ''})"
+                    )
                     log(
-                        f"warning: the earlier {out} {why}: it is kept whole as {kept.name}; the merged model is in {out}"
+                        f"warning: the earlier {out} {why}: it is kept whole as {kept.name}; the merged model "
+                        f"is in {out}"
                     )
             else:
                 move(staging, out)
@@ -296,7 +300,8 @@ def _agree(manifest: Description, checked: Description) -> None:
         only = sorted(set(manifest.weights.names) ^ set(checked.weights.names))
         raise CheckpointError(
             f"{MANIFEST} disagrees with config.json and the shards ({len(only)} weight name(s) differ, e.g. "
-            f"{only[0] if only else 'the tied weights'}): the checkpoint was edited; restore it, or delete {MANIFEST} to merge "
+            f"{only[0] if only else 'the tied weights'}): the checkpoint was edited; restore it, or delete "
+            f"{MANIFEST} to merge "
             "what config.json describes"
         )
 
@@ -340,7 +345,8 @@ def _lora(
         base, base_dir = base_weights(base_model, adapter_config, config_path)
         if recorded is None:
             log(
-                f"no {BASE_IDENTITY} beside {config_path.name} (a checkpoint of an older run or of another tool): the base "
+                f"no {BASE_IDENTITY} beside {config_path.name} (a checkpoint of an older run or of another "
+                "tool): the base "
                 f"model {base_dir} is not checked against the one the adapter was trained on"
             )
         elif problem := base_identity.base_problem(
@@ -348,7 +354,8 @@ def _lora(
             base_dir,
             str(config_path.parent),
             (
-                f"pass --base-model <the base it was trained on> (to merge into another base on purpose, move {BASE_IDENTITY} away)"
+                "pass --base-model <the base it was trained on> (to merge into another base on purpose, move "
+                f"{BASE_IDENTITY} away)"
             ),
         ):
             raise CheckpointError(problem)
@@ -367,7 +374,8 @@ def _lora(
         adapter = merged.adapter if merged else LORA_WEIGHT.match(next(iter(names.values())))["adapter"]
         origin = {"config": str(config_path), "tokenizer": "(none: an adapter folder)"}
         log(
-            f"PEFT LoRA checkpoint: writing adapter {adapter!r} ({len(names)} tensors) as PeftModel.from_pretrained loads it"
+            f"PEFT LoRA checkpoint: writing adapter {adapter!r} ({len(names)} tensors) as "
+            "PeftModel.from_pretrained loads it"
         )
 
         def write(out: Path) -> None:

@@ -100,7 +100,8 @@ def restore_interrupted(out: Path, log=print) -> None:
         elif kind == "old" and not (out.exists() or out.is_symlink()):
             move(path, out)
             log(
-                f"restored {out} from {path.name}: a merge killed between its two renames (process {pid}) had moved it aside"
+                f"restored {out} from {path.name}: a merge killed between its two renames (process {pid}) had "
+                "moved it aside"
             )
         else:
             log(f"kept {path}: {what} by a merge that was killed (process {pid}); move or delete it yourself")

@@ -38,7 +38,8 @@ def _stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]] | None
         return stored
     if (
         ckpt / FULL_MODEL_FILE
-    ).is_file():  # before model.safetensors, which a FULL_STATE_DICT checkpoint also holds: the .bin is what a resume loads
+        # before model.safetensors, which a FULL_STATE_DICT checkpoint also holds: the .bin is what a resume loads
+    ).is_file():
         return {
             name: (tuple(info.shape), info.dtype)
             for name, info in TorchBinSource(ckpt / FULL_MODEL_FILE).tensors.items()
@@ -190,7 +191,8 @@ def tokenizer_record(tokenizer) -> dict | None:
 
 
 def _token_text(token):
-    """A special token as tokenizer_config.json or a tokenizer holds it (a string, an AddedToken or its dict): its text."""
+    """A special token as tokenizer_config.json or a tokenizer holds it (a string, an AddedToken or its dict): its
+    text."""
     if isinstance(token, dict):
         return token.get("content")
     return None if token is None else str(getattr(token, "content", token))
@@ -208,7 +210,10 @@ def description_mismatch(
     try:
         return _description_mismatch(Path(ckpt), config, lora, tokenizer)
     except UnreadableFile as err:
-        return f"{ckpt}: unreadable {Path(err.path).name} ({err.reason}): restore it from a copy, or resume from another checkpoint"
+        return (
+            f"{ckpt}: unreadable {Path(err.path).name} ({err.reason}): restore it from a copy, or resume "
+            "from another checkpoint"
+        )
 
 
 def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, tokenizer: dict | None) -> str | None:
@@ -222,7 +227,8 @@ def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, tokenizer
             k = differ[0]
             return (
                 f"{ckpt} was saved from another model: its config.json differs in {len(differ)} setting(s) "
-                f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}; {k}: {short_json(_plain(saved.get(k)))} saved, "
+                f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}; {k}: "
+                f"{short_json(_plain(saved.get(k)))} saved, "
                 f"{short_json(_plain(config.get(k)))} now); {fix}"
             )
     if lora is not None and os.path.lexists(path := ckpt / "adapter_config.json"):
@@ -230,7 +236,8 @@ def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, tokenizer
         if differ := _differing(saved, lora, LORA_KEYS, _unordered):
             k = differ[0]
             return (
-                f"{ckpt} was saved with other LoRA settings: {', '.join(differ)} ({k}: {short_json(_plain(saved.get(k)))} saved, "
+                f"{ckpt} was saved with other LoRA settings: {', '.join(differ)} ({k}: "
+                f"{short_json(_plain(saved.get(k)))} saved, "
                 f"{short_json(_plain(lora.get(k)))} now); {fix}"
             )
     if tokenizer is not None and (differ := _tokenizer_differences(ckpt, tokenizer)):
@@ -262,7 +269,8 @@ def _tokenizer_differences(ckpt: Path, now: dict) -> list[str]:
             for name in SPECIAL_TOKENS:
                 if name in saved and _token_text(saved[name]) != now["special_tokens"].get(name):
                     differ.append(
-                        f"{name} {short_json(_token_text(saved[name]))} saved, {short_json(now['special_tokens'].get(name))} now"
+                        f"{name} {short_json(_token_text(saved[name]))} saved, "
+                        f"{short_json(now['special_tokens'].get(name))} now"
                     )
             template = saved.get("chat_template")
             if os.path.lexists(jinja := ckpt / "chat_template.jinja"):  # a FIFO or device there is named, not skipped

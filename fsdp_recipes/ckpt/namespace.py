@@ -107,20 +107,23 @@ def match_namespace(
     missing = [n for n in wanted if n not in inside]
     if missing:
         raise CheckpointError(
-            f"the checkpoint lacks {len(missing)} of the {len(wanted)} weights of {model_name} (e.g. {prefix}{missing[0]}); "
+            f"the checkpoint lacks {len(missing)} of the {len(wanted)} weights of {model_name} (e.g. "
+            f"{prefix}{missing[0]}); "
             f"it stores {found}: the config does not belong to this checkpoint; pass the right --base-model"
         )
     wrong = [n for n in wanted if tuple(stored[inside[n]].shape) != tuple(expected[n])]
     if wrong:
         n = wrong[0]
         raise CheckpointError(
-            f"{n} has shape {tuple(stored[inside[n]].shape)} in the checkpoint but {tuple(expected[n])} in the config: pass the right --base-model"
+            f"{n} has shape {tuple(stored[inside[n]].shape)} in the checkpoint but {tuple(expected[n])} in the "
+            "config: pass the right --base-model"
         )
     unknown = set(inside) - set(expected)
     dropped = sorted(ignorable(unknown)) if ignorable and unknown else []
     extra = sorted(unknown - set(dropped))
     if extra:
         raise CheckpointError(
-            f"the checkpoint has {len(extra)} weight(s) {model_name} does not (e.g. {prefix}{extra[0]}): pass the right --base-model"
+            f"the checkpoint has {len(extra)} weight(s) {model_name} does not (e.g. {prefix}{extra[0]}): pass "
+            "the right --base-model"
         )
     return WeightMap({n: inside[n] for n in wanted}, prefix, len(stored) - len(inside), tuple(dropped))

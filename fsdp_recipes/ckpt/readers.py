@@ -209,7 +209,8 @@ class SafetensorsSource:
     def __init__(self, folder: Path):
         self.path = folder
         index = folder / "model.safetensors.index.json"
-        # from_pretrained reads model.safetensors when a folder holds both it and an index: these are the weights it loads
+        # from_pretrained reads model.safetensors when a folder holds both it and an index: these are the
+        # weights it loads
         whole = (folder / "model.safetensors").is_file()
         try:
             files = (

@@ -93,8 +93,10 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
                     f"{blocked.weights_only_line()}{earlier}; nothing was skipped, set aside or deleted"
                 )
             raise RecipeError(
-                f"--resume_from_checkpoint true: {Path(blocked.path).name} in {output_dir!r} is unreadable by this version "
-                f"({blocked.unreadable}); another torch version wrote it, and it may be complete, so nothing was skipped, "
+                f"--resume_from_checkpoint true: {Path(blocked.path).name} in {output_dir!r} is unreadable by "
+                "this version "
+                f"({blocked.unreadable}); another torch version wrote it, and it may be complete, so nothing "
+                "was skipped, "
                 f"set aside or deleted: resume with the torch version that wrote it{earlier}"
             )
         refuse_moving_aside([Path(s.path) for s in skipped], output_dir)
@@ -167,7 +169,8 @@ def check_requeue(output_dir: str, resume: str | None) -> dict | None:
     if stalled >= MAX_STALLED_REQUEUES:
         raise RecipeError(
             f"requeued {stalled} times in a row without a new checkpoint (each attempt started from "
-            f"{Path(resume).name if resume else 'no checkpoint'}): not starting again; give the job a longer time limit "
+            f"{Path(resume).name if resume else 'no checkpoint'}): not starting again; give the job a longer "
+            "time limit "
             f"or checkpoint more often (save_steps), then delete {Path(output_dir) / REQUEUE_RECORD} and resubmit"
         )
     return {"restart": int(restart), "step": step, "stalled": stalled}
@@ -340,13 +343,15 @@ def check_output_dir(
         if len(linked) == len(foreign):  # its own records, linked to files elsewhere (cp -al run run.bak)
             raise RecipeError(
                 f"output_dir {output_dir!r} holds records that are hard links ({', '.join(linked[:4])}"
-                f"{' and more' if len(linked) > 4 else ''}): this run would rewrite them, and the other names' files with "
+                f"{' and more' if len(linked) > 4 else ''}): this run would rewrite them, and the other names' "
+                "files with "
                 "them; give each a file of its own (cp F F.tmp && mv F.tmp F), or choose a new --output_dir"
             )
         raise RecipeError(
             f"output_dir {output_dir!r} holds files a training run does not write ({shown}): the run "
             "would write (or replace) its checkpoints, model/ and adapter/ among them; move them out of "
-            f"output_dir{' (a hard link: give it a file of its own)' if linked else ''}, or choose an empty or new --output_dir"
+            f"output_dir{' (a hard link: give it a file of its own)' if linked else ''}, or choose an empty or "
+            "new --output_dir"
         )
     if resuming and resume is not None and real(resume).parent != real(output_dir):
         resuming = False  # another folder's checkpoint: this output_dir starts a new line of checkpoints
@@ -361,8 +366,10 @@ def check_output_dir(
         return []
     if resume is not None:
         raise RecipeError(
-            f"output_dir {output_dir!r} holds another run's checkpoints ({earlier[0].name}, ...) and the resume comes from "
-            f"{resume}: its new checkpoints would mix with them (and rotation delete them); resume into the checkpoint's "
+            f"output_dir {output_dir!r} holds another run's checkpoints ({earlier[0].name}, ...) and the resume "
+            "comes from "
+            f"{resume}: its new checkpoints would mix with them (and rotation delete them); resume into the "
+            "checkpoint's "
             "own folder, or choose an empty --output_dir"
         )
     foreign = [p for p in earlier if not is_checkpoint_folder(p)]
@@ -373,12 +380,14 @@ def check_output_dir(
             good = next((s for s in statuses if s.resumable), None)
             resume = f"; or resume {good.path} by its path (--resume_from_checkpoint {good.path})" if good else ""
             raise RecipeError(
-                f"output_dir {output_dir!r} already holds another run's checkpoints ({names}); {model.weights_only_line()}"
+                f"output_dir {output_dir!r} already holds another run's checkpoints ({names}); "
+                f"{model.weights_only_line()}"
                 f"{resume}; or choose a new --output_dir (nothing was deleted)"
             )
         if unread := next((s for s in statuses if s.may_be_complete), None):  # never offer to delete what may be good
             raise RecipeError(
-                f"output_dir {output_dir!r} already holds another run's checkpoints ({names}); {Path(unread.path).name} "
+                f"output_dir {output_dir!r} already holds another run's checkpoints ({names}); "
+                f"{Path(unread.path).name} "
                 f"may be complete but is unreadable by this version ({unread.unreadable}): resume it with the torch "
                 "version that wrote it, or choose a new --output_dir"
             )
@@ -393,12 +402,14 @@ def check_output_dir(
             "" if foreign else ", or pass --overwrite_output_dir true to delete them"
         )  # only what that flag would delete
         raise RecipeError(
-            f"output_dir {output_dir!r} already holds another run's checkpoints ({names}), none of them complete: resume "
+            f"output_dir {output_dir!r} already holds another run's checkpoints ({names}), none of them "
+            "complete: resume "
             f"is not possible; choose a new --output_dir{delete}"
         )
     if foreign:
         raise RecipeError(
-            f"--overwrite_output_dir: {foreign[0]} is not a training checkpoint holding nothing else ({checkpoint_unlike(foreign[0])}): "
+            f"--overwrite_output_dir: {foreign[0]} is not a training checkpoint holding nothing else "
+            f"({checkpoint_unlike(foreign[0])}): "
             "refusing to delete it; move what you want to keep out of it, or choose a new --output_dir"
         )
     for status in map(

@@ -35,9 +35,12 @@ def set_aside(ckpt: Path, prefix: str = INCOMPLETE_PREFIX) -> Path:
 def rotate(
     run_dir: str | os.PathLike, limit: int | None, keep: str | None = None, warn=print, keep_newest: bool = True
 ) -> list[Path]:
-    """Delete the oldest checkpoints beyond ``limit`` by step (mtime misleads on fuse and network filesystems), never ``keep``
-    (the best) nor, with ``keep_newest``, the newest; only checkpoints holding nothing else (layout.is_checkpoint_folder).
-    Any other folder, or one that will not go, is kept and named through ``warn``, never stopping a run. Returns what went."""
+    """Delete the oldest checkpoints beyond ``limit`` by step (mtime misleads on fuse and network filesystems), never
+    ``keep``
+    (the best) nor, with ``keep_newest``, the newest; only checkpoints holding nothing else
+    (layout.is_checkpoint_folder).
+    Any other folder, or one that will not go, is kept and named through ``warn``, never stopping a run. Returns what
+    went."""
     if not limit or limit <= 0:
         return []
     steps = []

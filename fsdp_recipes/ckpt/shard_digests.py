@@ -119,19 +119,22 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
     for what, value in ((SHARD_DIGESTS, recorded), (f"{MANIFEST}'s shard_digests_step", sealed)):
         if value is not None and not (type(value) is int and value >= 0):  # True == 1, 6.0 == 6: no step number
             return [
-                f"{what} is {json.dumps(value)[:40]}, not a step number: the record was edited; copy the checkpoint again"
+                f"{what} is {json.dumps(value)[:40]}, not a step number: the record was edited; copy the "
+                "checkpoint again"
             ]
     steps = [s for s in (_step_of(Path(ckpt)), sealed) if s is not None]
     if (recorded is not None or sealed is not None) and (wrong := [s for s in steps if s != recorded]):
         if recorded == sealed == _state_step(Path(ckpt)) != wrong[0]:  # every record agrees but the folder's name
             return [
-                f"{Path(ckpt).name} was renamed: its trainer_state.json, {SHARD_DIGESTS} and {MANIFEST} are of step {recorded}; "
+                f"{Path(ckpt).name} was renamed: its trainer_state.json, {SHARD_DIGESTS} and {MANIFEST} are of "
+                f"step {recorded}; "
                 f"give it back its name checkpoint-{recorded}"
             ]
         whose = "of no step (an older version's)" if recorded is None else f"that of step {json.dumps(recorded)[:40]}"
         return [
             f"{SHARD_DIGESTS} is {whose}, and this checkpoint is of step {wrong[0]}: its shard folders "
-            "were copied from another checkpoint (with their digests): copy this checkpoint again from where it was written"
+            "were copied from another checkpoint (with their digests): copy this checkpoint again from where "
+            "it was written"
         ]
     problems = []
     for name, expected in sorted(files.items()):

@@ -68,7 +68,8 @@ class CheckpointStatus:
     # a LoRA run's sharded model: "adapter only" (the frozen base is the base model's) or "whole model"; None otherwise
     lora: str | None = None
     base_model: str | None = None  # an adapter-only checkpoint's base, as the run recorded it (ckpt.base_identity)
-    # complete model weights and no optimizer state (state_dict_type WEIGHTS_ONLY, save_only_model's): a model, not resumable
+    # complete model weights and no optimizer state (state_dict_type WEIGHTS_ONLY, save_only_model's): a model,
+    # not resumable
     weights_only: bool = False
 
     @property
@@ -82,13 +83,17 @@ class CheckpointStatus:
 
     @property
     def may_be_good(self) -> bool:
-        """Not resumable, yet it may be good: never passed over, set aside, offered to or deleted by --overwrite_output_dir."""
+        """Not resumable, yet it may be good: never passed over, set aside, offered to or deleted by
+        --overwrite_output_dir."""
         return self.may_be_complete or self.weights_only
 
     def weights_only_fix(self) -> str:
         """What to do with a weights-only checkpoint instead of resuming it (no deleting flag)."""
         if adapter_only(Path(self.path)):
-            return f"it is a LoRA adapter: load it onto its base model with peft (PeftModel.from_pretrained(base, {str(self.path)!r}))"
+            return (
+                "it is a LoRA adapter: load it onto its base model with peft "
+                f"(PeftModel.from_pretrained(base, {str(self.path)!r}))"
+            )
         start = (
             f"start a new run from it with --model_name_or_path {self.path} (and a new --output_dir), or "
             if (Path(self.path) / "config.json").is_file()
@@ -99,7 +104,8 @@ class CheckpointStatus:
     def weights_only_line(self) -> str:
         """Why a weights-only checkpoint does not resume, and what to do with it instead (one line)."""
         return (
-            f"{Path(self.path).name} holds model weights only, no optimizer state (as save_only_model writes), so it cannot "
+            f"{Path(self.path).name} holds model weights only, no optimizer state (as save_only_model writes), "
+            "so it cannot "
             f"resume a run; {self.weights_only_fix()}"
         )
 
@@ -133,7 +139,10 @@ class CheckpointStatus:
                 + (f"; and unreadable by this version: {self.unreadable}" if self.unreadable else "")
             )
         else:
-            verdict = f"UNREADABLE BY THIS VERSION ({self.unreadable}): another torch version wrote it, and it may be complete; {UnknownToThisVersion.FIX}"
+            verdict = (
+                f"UNREADABLE BY THIS VERSION ({self.unreadable}): another torch version wrote it, and it "
+                f"may be complete; {UnknownToThisVersion.FIX}"
+            )
         return f"{name} ({what}): {verdict}" if what else f"{name}: {verdict}"
 
     def to_dict(self) -> dict:
@@ -178,7 +187,10 @@ def _read_report(path: Path, status: CheckpointStatus) -> str | None:
     if version is not None and not _whole(version, 1, 2):
         return f"unreadable {REPORT_NAME} (fsdp_version {short_json(version)} is not 1 or 2)"
     if "world_size" in info and not _whole(world, 1, MAX_WORLD_SIZE):
-        return f"unreadable {REPORT_NAME} (world_size {short_json(world)} is not a number of processes from 1 to {MAX_WORLD_SIZE})"
+        return (
+            f"unreadable {REPORT_NAME} (world_size {short_json(world)} is not a number of processes from 1 "
+            f"to {MAX_WORLD_SIZE})"
+        )
     if strategy is not None and not (isinstance(strategy, str) and len(strategy) <= 40):
         return f"unreadable {REPORT_NAME} (sharding_strategy {short_json(strategy)} is not a strategy name)"
     status.fsdp_version, status.world_size, status.sharding_strategy = version, world, strategy
@@ -214,7 +226,8 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
                 status.problems.append("unreadable trainer_state.json (no global_step)")
             else:
                 status.problems.append(
-                    f"unreadable trainer_state.json (global_step {short_json(step)} is not a step number, a whole number of at least 0)"
+                    f"unreadable trainer_state.json (global_step {short_json(step)} is not a step number, a "
+                    "whole number of at least 0)"
                 )
         name_step = step_of_name(ckpt)
         if status.step is not None and name_step is not None and status.step != name_step:
@@ -226,7 +239,8 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
     )
     pickled = sorted(p.name for p in ckpt.iterdir() if p.name in PICKLED_WEIGHTS or PICKLED_SHARD.fullmatch(p.name))
     if pickled and finished and not fsdp_files:
-        # transformers 4's save_safetensors=false, or peft's .bin adapter: a model we never unpickle, so cannot judge; it
+        # transformers 4's save_safetensors=false, or peft's .bin adapter: a model we never unpickle, so
+        # cannot judge; it
         # may be good, so never skipped, set aside or deleted (may_be_complete)
         status.state_dict_type = "PICKLED_WEIGHTS"
         status.unreadable = (
@@ -294,7 +308,8 @@ def _recorded_changes(ckpt: Path) -> str | None:
 
 def newest_resumable(run_dir: str | os.PathLike) -> tuple[CheckpointStatus | None, list[CheckpointStatus]]:
     """(the newest resumable checkpoint in run_dir or None, the newer ones it passed over). Resumable: every file a
-    resume reads is there and sound (checkpoint_status); a merge asks less (fsdp_recipes.ckpt.resolve.weight_problems)."""
+    resume reads is there and sound (checkpoint_status); a merge asks less
+    (fsdp_recipes.ckpt.resolve.weight_problems)."""
     skipped = []
     for ckpt in checkpoint_steps(Path(run_dir)):
         status = checkpoint_status(ckpt)

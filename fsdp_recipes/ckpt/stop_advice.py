@@ -16,7 +16,8 @@ def how_to_go_on(output_dir: str | os.PathLike) -> str:
     checkpoint, or, with none complete (the first save was cut short), start again (a resume would find nothing, and a
     plain start refuses a folder holding checkpoints)."""
     chosen, skipped = newest_resumable(Path(output_dir))
-    # one that may be good stops `--resume_from_checkpoint true` (fsdp_recipes.ckpt.resume) and is never offered for deletion
+    # one that may be good stops `--resume_from_checkpoint true` (fsdp_recipes.ckpt.resume) and is never offered
+    # for deletion
     if maybe := next((s for s in skipped if s.may_be_good), None):
         earlier = (
             f"; or resume {Path(chosen.path).name} by its path: --resume_from_checkpoint {chosen.path}"
@@ -64,7 +65,8 @@ def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export:
     kept = f"{Path(chosen.path).name} is intact" if chosen else "no complete checkpoint was written yet"
     if export:
         return (
-            f"no space left on {out} while writing the final model ({free / 1e6:.1f} MB free); training had finished and "
+            f"no space left on {out} while writing the final model ({free / 1e6:.1f} MB free); training had "
+            "finished and "
             f"{kept}: free space, then run the same command with --resume_from_checkpoint true (it writes the model "
             "again, without training)"
         )

@@ -175,7 +175,8 @@ _DCP_NAMES_OF_THIS_TORCH = frozenset(
 def require_this_torch(layout: Layout, path) -> None:
     """UnknownToThisVersion unless every DCP class ``.metadata`` names is where it names it in the installed torch
     (a class another torch version moved or added: the stand-ins here read it, torch's own reader, which a resume
-    uses, cannot). Imports a module of torch.distributed.checkpoint only for a name this torch's checkpoints do not use."""
+    uses, cannot). Imports a module of torch.distributed.checkpoint only for a name this torch's checkpoints do not
+    use."""
     import importlib
 
     for module, name in sorted(layout.dcp_names - _DCP_NAMES_OF_THIS_TORCH):

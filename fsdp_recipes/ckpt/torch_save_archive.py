@@ -122,7 +122,9 @@ def torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None:
             or external & 0x10
             or not _one_zip64_field(directory[at + 46 + name_len : at + 46 + name_len + extra_len])
         ):
-            return None  # a "directory" member torch extracts nothing from, another disk, readers picking other zip64 fields
+            # a "directory" member torch extracts nothing from, another disk, readers picking other zip64
+            # fields
+            return None
         at += 46 + name_len + extra_len + comment_len
     if at != cd_size:
         return None

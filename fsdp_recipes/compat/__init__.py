@@ -10,10 +10,12 @@ it and the pinned version). Nothing outside this package patches another library
                        from one reused host copy)
 - host_copy:           that host copy: made once (its buffers ahead, after the first optimizer step, on threads of
                        their own), filled at each checkpoint
-- trainer_checkpoints: LoRA checkpoints under FSDP hold the adapter, every rank's slice (SHARDED), or the whole model (FULL)
+- trainer_checkpoints: LoRA checkpoints under FSDP hold the adapter, every rank's slice (SHARDED), or the whole model
+  (FULL)
 - rank0_loading:       rank-0-only loading: FSDP2, rank 0 sends each rank its rows, not every weight whole; FSDP1,
                        the other ranks hold no weights until FSDP fills each unit
 - peft_lora:           peft's get_peft_model without transformers' FutureWarning about a deprecated alias
 
-May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny, fsdp_recipes.direct_writes
+May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny,
+    fsdp_recipes.direct_writes
 """

@@ -79,7 +79,8 @@ class _DirectShardFiles(FileSystem):
 
     The torch.save records of a shard file are written without the zip CRC-32 (``set_crc32_options(False)`` while
     the file is open, in the thread that writes it): torch.load and DCP never check it (a flipped byte loads
-    silently either way; tests/unit/shared/test_direct_writes.py), and computing it was half the CPU a direct-written save
+    silently either way; tests/unit/shared/test_direct_writes.py), and computing it was half the CPU a direct-written
+    save
     takes (bench/direct_writes.py: 0.75 -> 0.33 s for 1.6 GB), CPU a background save takes from training. Our
     reader (fsdp_recipes.ckpt.torch_save_archive.stored_member) reads such records as torch does. The setting is per
     thread in torch 2.13 (a ContextVar; tested); where a torch keeps it process-wide, other torch.save calls

@@ -98,7 +98,8 @@ def single_process_problem(trainer_fsdp: bool = False) -> str | None:
     """FSDP asked for on one process without an accelerator would silently train an unwrapped model."""
     if (fsdp_requested() or trainer_fsdp) and not accelerator_present() and launched_world_size() < 2:
         return (
-            "FSDP is asked for, but without a GPU FSDP runs over gloo and needs 2 or more processes; this launch has 1: "
+            "FSDP is asked for, but without a GPU FSDP runs over gloo and needs 2 or more processes; this "
+            "launch has 1: "
             "pass --num_processes 2 (or more) to accelerate launch, or --nproc_per_node 2 to torchrun"
         )
     return None
@@ -299,7 +300,10 @@ class CpuPrecision:
         """The one line a run prints about it; None where bf16 runs natively or the CPU could not be read."""
         if self.native_bf16 is not False:
             return None
-        why = f"this CPU ({self.cpu}) has no native bf16 instructions (no {self.lacks}), so bf16 runs many times slower than fp32"
+        why = (
+            f"this CPU ({self.cpu}) has no native bf16 instructions (no {self.lacks}), so bf16 runs many "
+            "times slower than fp32"
+        )
         if self.forced:
             return f"{self.asked_by} keeps bf16 compute ({CPU_BF16_SWITCH}) although {why}"
         return f"{self.asked_by} computes in fp32 here: {why}; {CPU_BF16_SWITCH} keeps bf16"
@@ -362,8 +366,10 @@ def bf16_weights_line(weights_dtype, how: str, cpuinfo: str | None = None) -> st
     if weights_dtype != torch.bfloat16 or accelerator_present() or native_bf16(text) is not False:
         return None
     return (
-        f"the model's weights are bfloat16 ({how}): they compute in bf16, and this CPU ({cpu_name(text)}) has no native "
-        f"bf16 instructions (no {_bf16_names(text)}), so training runs many times slower than fp32; --dtype float32 computes in fp32"
+        f"the model's weights are bfloat16 ({how}): they compute in bf16, and this CPU ({cpu_name(text)}) has "
+        "no native "
+        f"bf16 instructions (no {_bf16_names(text)}), so training runs many times slower than fp32; --dtype "
+        "float32 computes in fp32"
     )
 
 

@@ -215,7 +215,8 @@ def _register(buffer) -> None:
 
 
 def _copyable(state) -> bool:
-    """Only dicts, lists, tuples, plain tensors, DTensors and plain values (what FSDP2's state dicts hold): anything else
+    """Only dicts, lists, tuples, plain tensors, DTensors and plain values (what FSDP2's state dicts hold): anything
+    else
     (FSDP1's ShardedTensor) is left to torch's helper."""
     from torch.distributed.tensor import DTensor
 
@@ -301,7 +302,8 @@ def _share_ties(state, copy, seen: dict) -> None:
 
 
 def _layout(state, path: str = "") -> tuple:
-    """Names, kinds, shapes and dtypes of a nested state dict's leaves: when they differ, the host copy is made again."""
+    """Names, kinds, shapes and dtypes of a nested state dict's leaves: when they differ, the host copy is made
+    again."""
     import torch
     from torch.distributed.tensor import DTensor
 

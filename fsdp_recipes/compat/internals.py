@@ -3,12 +3,14 @@
 Private names move between releases without notice. A renamed one must not turn a patch into dead code (the
 CPU run would then silently train DDP again), an override into a method nobody calls, or an attribute read into
 a traceback from deep inside a run. So each one is named here, with why we need it, and the code reaches it only
-through :func:`get`, :func:`patch`, :func:`attr`, :func:`set_attr` and :func:`require`: a symbol that is gone stops the run with
+through :func:`get`, :func:`patch`, :func:`attr`, :func:`set_attr` and :func:`require`: a symbol that is gone stops the
+run with
 one line naming it, the installed version and the version requirements.txt pins. ``tests/unit/compat/test_internals.py``
 scans the code for private accesses that bypass this module and checks every name here resolves.
 
 Kinds: ``module`` names something importable (a function, a class attribute, a method); ``instance`` names an
-attribute that only objects have (checked by :func:`attr` when read and by :func:`set_attr` before it is set); ``override`` names a private method of a
+attribute that only objects have (checked by :func:`attr` when read and by :func:`set_attr` before it is set);
+``override`` names a private method of a
 library class that one of our subclasses overrides (checked by :func:`require` when the subclass is created).
 """
 
@@ -161,7 +163,8 @@ PRIVATE: dict[str, tuple[str, str]] = {
     ),
     # fsdp_recipes/config/packages.py: the package each --optim needs, by the function transformers builds it with
     "transformers.trainer_optimizer._OPTIMIZER_HANDLERS": (MODULE, "packages: which package each --optim needs"),
-    # fsdp_recipes/ckpt/checkpoint_files.py: numpy's array unpickler, allowed in RNG state files as the Trainer allows it
+    # fsdp_recipes/ckpt/checkpoint_files.py: numpy's array unpickler, allowed in RNG state files as the Trainer
+    # allows it
     "numpy._core.multiarray._reconstruct": (MODULE, "checkpoint_files: RNG state files load with weights_only"),
     # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
     "huggingface_hub.serialization._base.parse_size_to_int": (
@@ -201,7 +204,8 @@ def problem(path: str, detail: str = "") -> InternalsChanged:
     want = f"{package}=={pin}, the version requirements.txt pins" if pin else "the version requirements.txt pins"
     why = PRIVATE.get(path, ("", "unregistered"))[1]
     return InternalsChanged(
-        f"{installed} has no {path}{detail}, a private symbol this repository needs ({why}); it was tested with {want}: "
+        f"{installed} has no {path}{detail}, a private symbol this repository needs ({why}); it was tested with "
+        f"{want}: "
         f"install it with `pip install -r requirements.txt`"
     )
 

@@ -4,7 +4,8 @@ peft 0.21.2 reads ``model.is_gradient_checkpointing`` when it wraps a model (``P
 5.23 made that property a deprecated alias of ``is_activation_checkpointing`` that warns on every read. The
 warning was printed once per process in every LoRA run and names nothing the user can change, so exactly that
 warning is ignored around this one call; any other warning, and this one anywhere else, still shows. Drop this
-module once peft reads ``is_activation_checkpointing`` (tests/unit/compat/test_peft_lora.py says when peft stops warning).
+module once peft reads ``is_activation_checkpointing`` (tests/unit/compat/test_peft_lora.py says when peft stops
+warning).
 """
 
 from __future__ import annotations

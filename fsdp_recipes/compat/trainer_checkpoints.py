@@ -18,7 +18,8 @@ these keys, so nothing trains on from a fresh adapter silently. Names keep peft'
 the same names as a whole-model checkpoint's, which the merge reads (fsdp_recipes.ckpt.lora_merge).
 
 FSDP2 FULL_STATE_DICT runs use the same selection (torch gathers every rank's rows of each trained tensor: the
-bug accelerate PR #4206 fixed, which kept rank 0's, cannot occur; tests/integration/test_lora.py resumes such a checkpoint to the
+bug accelerate PR #4206 fixed, which kept rank 0's, cannot occur; tests/integration/test_lora.py resumes such a
+checkpoint to the
 same bits). FSDP1 FULL_STATE_DICT runs keep whole-model checkpoints (``whole_model_fsdp_checkpoints``); train_fsdp.py
 refuses to resume them anyway with use_orig_params, which FSDP1 LoRA needs (FSDPTrainer.inexact_full_resume).
 """

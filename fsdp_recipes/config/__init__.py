@@ -9,7 +9,8 @@
 - values, flags:     every numeric field's range; flags and recipe values checked as one line, not argparse's usage
 - hub_push:          --push_to_hub: where the final model goes, and what stops the upload, found before training
 - packages:          options that need a package (--optim, --report_to, --attn_implementation, liger): named if missing
-- model_source, data_files: is the model loadable (and runs no code of its folder), is the data file usable, found without loading either
+- model_source, data_files: is the model loadable (and runs no code of its folder), is the data file usable, found
+  without loading either
 - trainer_fsdp:      the torchrun route (TrainingArguments' --fsdp_config), checked against the keys it reads
 - plan:              the Plan: what the checks decided, carried out by fsdp_recipes.train.preflight
 - accelerate_config: the rules of tools/check_config.py for accelerate config files
@@ -22,5 +23,6 @@
 
 Nothing here joins a process group, moves a file or loads a model: bad input fails in seconds on every rank.
 
-May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny, fsdp_recipes.compat, fsdp_recipes.ckpt
+May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny,
+    fsdp_recipes.compat, fsdp_recipes.ckpt
 """

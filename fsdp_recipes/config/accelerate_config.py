@@ -103,7 +103,8 @@ def check_settings(
     ):  # a recipe as the config: one line, not one per key
         c.error(
             "-",
-            f"holds none of accelerate's config keys (it has {', '.join(sorted(raw)[:4])}{', ...' if len(raw) > 4 else ''}): "
+            "holds none of accelerate's config keys (it has "
+            f"{', '.join(sorted(raw)[:4])}{', ...' if len(raw) > 4 else ''}): "
             "it is not an accelerate config",
             "give an accelerate config first (accelerate_configs/zero3.yaml); a training recipe goes after --recipe",
         )
@@ -222,7 +223,8 @@ def _check_processes(c: Checker, raw: dict, fsdp: dict, pc: dict, version, strat
             if rep * shard * other != procs:
                 c.error(
                     "parallelism_config",
-                    f"dp_replicate_size x dp_shard_size = {rep} x {shard} (x tp x cp {other}) is not num_processes {procs}",
+                    f"dp_replicate_size x dp_shard_size = {rep} x {shard} (x tp x cp {other}) is not "
+                    f"num_processes {procs}",
                     "make dp_replicate_size = num_machines and dp_shard_size = GPUs per machine",
                 )
             elif shard == 1 and cp == 1:

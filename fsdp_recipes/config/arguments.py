@@ -169,7 +169,8 @@ class DataArguments:
             mixture_problem(self)  # a mixture is the one source: dataset_name and train_file are refused beside it
         elif (self.dataset_name is None) == (self.train_file is None):
             raise RecipeError(
-                f"set exactly one of dataset_name (hub) and train_file (local); got dataset_name={self.dataset_name!r}, "
+                "set exactly one of dataset_name (hub) and train_file (local); got "
+                f"dataset_name={self.dataset_name!r}, "
                 f"train_file={self.train_file!r}"
             )
         if self.dataset_name is not None and (problem := dataset_source_problem(self.dataset_name)):
@@ -178,7 +179,8 @@ class DataArguments:
             path = Path(self.train_file)
             if path.suffix not in DATA_EXTENSIONS:
                 raise RecipeError(
-                    f"train_file={self.train_file!r}: unsupported extension {path.suffix!r}; use one of {', '.join(sorted(DATA_EXTENSIONS))}"
+                    f"train_file={self.train_file!r}: unsupported extension {path.suffix!r}; use one of "
+                    f"{', '.join(sorted(DATA_EXTENSIONS))}"
                 )
             if problem := train_file_problem(path, self):  # a missing path, a folder, a FIFO or device, named as such
                 raise RecipeError(f"train_file={self.train_file!r}: {problem}")
@@ -218,7 +220,8 @@ class DataArguments:
                 )
             if path.suffix not in DATA_EXTENSIONS:
                 raise RecipeError(
-                    f"validation_file={self.validation_file!r}: unsupported extension {path.suffix!r}; use one of {', '.join(sorted(DATA_EXTENSIONS))}"
+                    f"validation_file={self.validation_file!r}: unsupported extension {path.suffix!r}; use one "
+                    f"of {', '.join(sorted(DATA_EXTENSIONS))}"
                 )
             if problem := train_file_problem(path, self):
                 raise RecipeError(f"validation_file={self.validation_file!r}: {problem}")
@@ -247,7 +250,8 @@ class DataArguments:
         """Why a TRL setting given here has no equivalent for data of this format (text or chat), or None."""
         if fmt == "chat" and self.trl_packing and self.packing_strategy == "wrapped":
             return (
-                "packing=true with TRL's packing_strategy wrapped joins conversations into fixed blocks; chat data here "
+                "packing=true with TRL's packing_strategy wrapped joins conversations into fixed blocks; chat "
+                "data here "
                 "is packed without mixing conversations (padding_free) or kept one per row: set packing_strategy: bfd "
                 "(or packing: padding_free)"
             )

@@ -87,7 +87,10 @@ def other_format(record, args) -> str | None:
             "assistant, system -> system; value -> content)"
         )
         if first is None:  # column names alone: either kind
-            return f"has its chat under 'conversations': set messages_column: conversations if its turns are role/content; if they are {sharegpt}"
+            return (
+                "has its chat under 'conversations': set messages_column: conversations if its turns are "
+                f"role/content; if they are {sharegpt}"
+            )
         if isinstance(first, dict) and "role" in first and "content" in first:
             return "has its chat turns under 'conversations': set messages_column: conversations"
         return f"has 'conversations' of {sharegpt}"
@@ -154,7 +157,10 @@ def train_file_problem(path: Path, args) -> str | None:
         text = codecs.getincrementaldecoder("utf-8-sig")().decode(head, final=len(head) < SAMPLE_BYTES)
     except UnicodeDecodeError as err:
         line = head[: err.start].count(b"\n") + 1
-        return f"line {line} (byte {err.start}) is not UTF-8 text: is this the right file (a {path.suffix} of text is expected)?"
+        return (
+            f"line {line} (byte {err.start}) is not UTF-8 text: is this the right file (a {path.suffix} of "
+            "text is expected)?"
+        )
     if "\x00" in text:
         return "the file holds NUL bytes: it is binary, not text"
     if path.suffix == ".csv":
@@ -166,7 +172,10 @@ def train_file_problem(path: Path, args) -> str | None:
         return problem
     for number, record in records:
         if not isinstance(record, dict):
-            return f"record {number} is a {type(record).__name__}, not an object with a {args.text_column!r} or {args.messages_column!r} field"
+            return (
+                f"record {number} is a {type(record).__name__}, not an object with a {args.text_column!r} or "
+                f"{args.messages_column!r} field"
+            )
     # as train/data.py decides from the loaded columns: datasets' JSON loader makes the union of every record's keys
     chat = args.data_format == "chat" or (
         args.data_format == "auto" and any(args.messages_column in r for _, r in records)
@@ -191,15 +200,24 @@ def train_file_problem(path: Path, args) -> str | None:
         if messages is None and (other := other_format(record, args)):
             return f"record {number} {other}"
         if not isinstance(messages, list) or not messages:
-            return f"record {number}: {args.messages_column!r} is {type(messages).__name__ if messages is not None else 'missing'}, not a list of turns"
+            return (
+                f"record {number}: {args.messages_column!r} is "
+                f"{type(messages).__name__ if messages is not None else 'missing'}, not a list of turns"
+            )
         for turn in messages:
             if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or "content" not in turn:
                 return f"record {number}: every turn needs a 'role' and a 'content' (got {str(turn)[:80]})"
             if not isinstance(turn["content"], str):
-                return f"record {number}: a {turn['role']!r} turn's 'content' is {_kind(turn['content'])}, not text: fix or drop that record"
+                return (
+                    f"record {number}: a {turn['role']!r} turn's 'content' is {_kind(turn['content'])}, not "
+                    "text: fix or drop that record"
+                )
         assistant_turns += sum(turn["role"] == "assistant" for turn in messages)
     if not assistant_turns:
-        return "no conversation has an assistant turn: the loss is computed on assistant tokens only, so there is nothing to train on"
+        return (
+            "no conversation has an assistant turn: the loss is computed on assistant tokens only, so there "
+            "is nothing to train on"
+        )
     return None
 
 

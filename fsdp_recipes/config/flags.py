@@ -168,7 +168,8 @@ def check_recipe_types(recipe: dict, parser) -> None:
                 raise RecipeError(f"recipe key {key}: {v!r} is not a name: give a name or a list of names")
             if isinstance(v, (list, dict)):
                 raise RecipeError(
-                    f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {getattr(action.type, '__name__', 'value')}"
+                    f"recipe key {key}: {value!r} is a {type(v).__name__}; give one "
+                    f"{getattr(action.type, '__name__', 'value')}"
                 )
             try:
                 converted = action.type(str(v).lower() if isinstance(v, bool) else v if isinstance(v, str) else str(v))

@@ -68,7 +68,8 @@ COMMON_TRAINING = (
 OUR_MEANING = {
     "push_to_hub": "upload the final model folder (and a LoRA adapter, under adapter/) to the hub once the run has "
     "finished, in one commit; checkpoints stay local (fsdp_recipes.config.hub_push) (default: %(default)s)",
-    "hub_model_id": "the hub repository --push_to_hub uploads to (your-name/model-name; default: output_dir's name)%(default).0s",
+    "hub_model_id": "the hub repository --push_to_hub uploads to (your-name/model-name; default: output_dir's "
+    "name)%(default).0s",
 }
 
 
@@ -98,7 +99,8 @@ class _Formatter(HelpFormatter):
 def build_parser(show_all: bool = False) -> HfArgumentParser:
     parser = HfArgumentParser(
         (ModelArguments, DataArguments, RunArguments, TrainingArguments),
-        usage="accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py [recipe.yaml] [--flag value ...]",
+        usage="accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py [recipe.yaml] "
+        "[--flag value ...]",
         description="Train a causal LM with FSDP. The optional first argument is a recipe YAML whose keys set the "
         "defaults of every argument below; flags override it (without a recipe: recipes/tiny-llama/pretrain.yaml). "
         "A model or data source given as a flag replaces the recipe's. Resume with --resume_from_checkpoint true "

@@ -98,15 +98,18 @@ def push_plan(raw, explicit: set[str]) -> HubPush | None:
         stray = [name for name, default in HUB_OPTIONS.items() if name in explicit and _value(raw, name) != default]
         if stray:
             say(
-                f"warning: {', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set, and push_to_hub is false: nothing is "
+                f"warning: {', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set, and push_to_hub is "
+                "false: nothing is "
                 "uploaded (--push_to_hub true uploads the final model)"
             )
         return None
     strategy = _value(raw, "hub_strategy")
     if strategy in ("checkpoint", "all_checkpoints"):
         raise RecipeError(
-            f"hub_strategy {strategy} uploads checkpoints to resume from; a sharded run's checkpoints are one file per rank, "
-            "no model, and resume from output_dir: here the final model is uploaded once, at the end: drop hub_strategy "
+            f"hub_strategy {strategy} uploads checkpoints to resume from; a sharded run's checkpoints are one "
+            "file per rank, "
+            "no model, and resume from output_dir: here the final model is uploaded once, at the end: drop "
+            "hub_strategy "
             "(or give end)"
         )
     per_save = [
@@ -116,7 +119,8 @@ def push_plan(raw, explicit: set[str]) -> HubPush | None:
     ]
     if per_save:  # the handbook's recipes say hub_strategy: every_save
         say(
-            f"warning: {', '.join(f'{n}={_value(raw, n)}' for n in per_save)} asks for uploads at every save; a sharded run's "
+            f"warning: {', '.join(f'{n}={_value(raw, n)}' for n in per_save)} asks for uploads at every save; a "
+            "sharded run's "
             "checkpoints are no model, so the final model is uploaded once, at the end"
         )
     named = _value(raw, "hub_model_id")

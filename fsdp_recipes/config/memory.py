@@ -121,7 +121,8 @@ def _local_config(model: str):
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(
-                f"model folder {model!r} holds no config.json: give a folder save_pretrained wrote, its config.json, or a hub id"
+                f"model folder {model!r} holds no config.json: give a folder save_pretrained wrote, its "
+                "config.json, or a hub id"
             )
         path = os.path.join(path, "config.json")
     load_json(path, "model config", JSON_LIMIT)  # UnreadableFile (a ValueError) names the file and what is wrong
@@ -261,7 +262,8 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     total = params + optim + gathered + working + max(grads, acts)
     if grads and acts:
         notes.append(
-            f"gradients ({human(grads)}) and activations ({human(acts)}) do not peak together: the total counts the larger"
+            f"gradients ({human(grads)}) and activations ({human(acts)}) do not peak together: the total counts "
+            "the larger"
         )
     return Estimate(
         shard_group=shard,
@@ -273,7 +275,8 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         activations=acts,
         gpu_total=total,
         cpu_offload_per_node=offload_node,
-        # cpu_ram_efficient_loading: only rank 0 of the node holds the full checkpoint (in its saved dtype, fp32 assumed)
+        # cpu_ram_efficient_loading: only rank 0 of the node holds the full checkpoint (in its saved dtype,
+        # fp32 assumed)
         cpu_loading_per_node=4.0 * P,
         cpu_merging=0.5 * GiB,
         notes=notes,

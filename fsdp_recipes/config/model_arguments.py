@@ -62,7 +62,8 @@ class ModelArguments:
     chat_template: str | None = field(
         default=None,
         metadata={
-            "help": "The handbook's: a Jinja chat template set on the tokenizer, used for chat data and saved with the model."
+            "help": "The handbook's: a Jinja chat template set on the tokenizer, used for chat data and saved "
+            "with the model."
         },
     )
     chat_template_path: str | None = field(
@@ -155,7 +156,8 @@ class ModelArguments:
                     else ""
                 )
                 raise RecipeError(f"{key}={getattr(self, key)!r}{origin} {problem}")
-        # before anything loads: transformers would prompt (and on "y" run the folder's Python files) or fail on every rank
+        # before anything loads: transformers would prompt (and on "y" run the folder's Python files) or fail
+        # on every rank
         for key, tokenizer in (("model_name_or_path", False), ("config_name", False), ("tokenizer_name", True)):
             source = getattr(self, key)
             if source is not None and (

@@ -57,7 +57,8 @@ def model_source_problem(name: str, weights: bool) -> str | None:
         if not weights:  # a tokenizer: its own files, with or without a model's config.json
             if not any((path / f).is_file() for f in TOKENIZER_SOURCE_FILES):
                 return (
-                    f"has no tokenizer files ({', '.join(TOKENIZER_SOURCE_FILES)}): pass --tokenizer_name with a folder or "
+                    f"has no tokenizer files ({', '.join(TOKENIZER_SOURCE_FILES)}): pass --tokenizer_name with "
+                    "a folder or "
                     "hub id that has them (this repository's tiny one: assets/tiny-llama)"
                 )
             return None
@@ -68,7 +69,10 @@ def model_source_problem(name: str, weights: bool) -> str | None:
                 "is a folder without config.json: give a folder written by save_pretrained or tools/merge_checkpoint.py"
             )
         if weights and not any((path / f).is_file() for f in WEIGHT_FILES):
-            return f"has no weights ({', '.join(WEIGHT_FILES)}): give a folder written by save_pretrained or tools/merge_checkpoint.py"
+            return (
+                f"has no weights ({', '.join(WEIGHT_FILES)}): give a folder written by save_pretrained or "
+                "tools/merge_checkpoint.py"
+            )
         return weights_problem(path, name) if weights else None
     if path.exists():
         return "is a file: give the folder that holds config.json"
@@ -181,7 +185,8 @@ def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") ->
             f"{' --repo-type dataset' if repo_type == 'dataset' else ''}) and set HF_HUB_OFFLINE=1"
         )
     return (
-        f"is not a {where} on the hub{f' with a {filename}' if filename else ''} (a typo in the id, a private repository without a login, "
+        f"is not a {where} on the hub{f' with a {filename}' if filename else ''} (a typo in the id, a private "
+        "repository without a login, "
         "or a path that does not exist where you launch): give a local folder or the exact hub id"
     )
 
@@ -221,7 +226,8 @@ def _local_folder(name: str) -> Path | None:
 
 
 def _code_entries(auto_map) -> list[str]:
-    """auto_map's entries as "AutoX -> module.Class" (a value may be a list, or name another repo: "repo--module.Class")."""
+    """auto_map's entries as "AutoX -> module.Class" (a value may be a list, or name another repo:
+    "repo--module.Class")."""
     if not isinstance(auto_map, dict):
         return [f"auto_map {type(auto_map).__name__}"] if auto_map else []
     shown = []
@@ -331,7 +337,8 @@ def one_line(problem: tuple[str, str]) -> str:
 
 def weights_problem(folder: Path, name: str) -> str | None:
     """Why the weights from_pretrained would read from ``folder`` are not safetensors files of its own: a .bin is a
-    pickle (transformers unpickles it on every rank; only ckpt/dcp_pickles.py's allow-listed reader unpickles here), and an
+    pickle (transformers unpickles it on every rank; only ckpt/dcp_pickles.py's allow-listed reader unpickles here), and
+    an
     index naming "../x" or "/etc/passwd" makes from_pretrained read a file outside the folder without a word."""
     from fsdp_recipes.ckpt.readers import is_shard_name
 
@@ -340,11 +347,15 @@ def weights_problem(folder: Path, name: str) -> str | None:
     index = folder / "model.safetensors.index.json"
     if not index.is_file():
         if not any((folder / f).is_file() for f in WEIGHT_FILES):
-            return f"has no weights ({', '.join(WEIGHT_FILES)}): give a folder written by save_pretrained or tools/merge_checkpoint.py"
+            return (
+                f"has no weights ({', '.join(WEIGHT_FILES)}): give a folder written by save_pretrained or "
+                "tools/merge_checkpoint.py"
+            )
         return (
             f"holds its weights only as a pickle (pytorch_model.bin), which transformers would unpickle on every "
             f"rank: this repository loads safetensors weights only; convert a file you trust once "
-            f"(python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{name}').save_pretrained('CONVERTED')\") "
+            '(python -c "from transformers import AutoModelForCausalLM as M; '
+            f"M.from_pretrained('{name}').save_pretrained('CONVERTED')\") "
             "and give CONVERTED"
         )
     try:
@@ -352,12 +363,16 @@ def weights_problem(folder: Path, name: str) -> str | None:
     except UnreadableFile as err:
         return f"has an unreadable {index.name} ({err.reason}): restore it from the model's source"
     if not isinstance(weight_map, dict) or not weight_map:
-        return f"has a {index.name} without a weight_map of tensor names to shard files: restore it from the model's source"
+        return (
+            f"has a {index.name} without a weight_map of tensor names to shard files: restore it from the "
+            "model's source"
+        )
     for shard in sorted({str(v) for v in weight_map.values()}):
         if not is_shard_name(shard):
             return (
                 f"has a {index.name} that names {shard!r} as a shard, which is not a .safetensors file inside the "
-                "folder (from_pretrained would read it from wherever it points): give a folder whose index names only its own shards"
+                "folder (from_pretrained would read it from wherever it points): give a folder whose index "
+                "names only its own shards"
             )
         if not (folder / shard).is_file():
             return f"lacks {shard}, which its {index.name} names: copy the model folder again"
@@ -381,7 +396,10 @@ def _not_safetensors(path: Path) -> str | None:
         return f"has a {path.name} that is not a safetensors file{lfs}: copy the model folder again"
     ends = [entry["data_offsets"][-1] for entry in entries.values()]
     if any(not isinstance(e, int) for e in ends) or 8 + length + max(ends, default=0) > size:
-        return f"has a {path.name} that is truncated (its header describes more bytes than it holds): copy the model folder again"
+        return (
+            f"has a {path.name} that is truncated (its header describes more bytes than it holds): copy the "
+            "model folder again"
+        )
     return None
 
 

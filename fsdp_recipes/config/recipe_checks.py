@@ -22,7 +22,8 @@ def unsteppable_optimizer(optim) -> tuple[str, str] | None:
     if name not in FSDP2_UNSTEPPABLE_OPTIMIZERS:
         return None
     return (
-        f"{name}: {FSDP2_UNSTEPPABLE_OPTIMIZERS[name]} cannot step FSDP2's sharded (DTensor) parameters: the run would fail "
+        f"{name}: {FSDP2_UNSTEPPABLE_OPTIMIZERS[name]} cannot step FSDP2's sharded (DTensor) parameters: the "
+        "run would fail "
         "at its first optimizer step, after loading the model",
         "use adamw_torch (or sgd, adagrad, rmsprop), or an FSDP1 config",
     )
@@ -34,7 +35,10 @@ SAVE_ONLY_MODEL = (
     "(a stopped run could only start over); the final model is written to output_dir/model anyway",
     "drop save_only_model (to keep less on disk, lower save_total_limit)",
 )
-ZERO1_UNDER_FSDP = "is for DDP launches (accelerate_configs/ddp.yaml); under FSDP it would wrap a sharded optimizer in a second sharding"
+ZERO1_UNDER_FSDP = (
+    "is for DDP launches (accelerate_configs/ddp.yaml); under FSDP it would wrap a sharded "
+    "optimizer in a second sharding"
+)
 LARGE_MODEL = 1_000_000_000  # parameters above which FULL_STATE_DICT gathering on rank 0 becomes a problem
 
 
@@ -44,7 +48,8 @@ def check_with_recipe(c: Checker, recipe: dict, recipe_file: str, fsdp: dict, ve
         if ac_fsdp and as_bool(recipe.get(key)):
             c.error(
                 key,
-                "is on together with the accelerate config's fsdp_activation_checkpointing: layers would be checkpointed twice (transformers refuses it)",
+                "is on together with the accelerate config's fsdp_activation_checkpointing: layers would be "
+                "checkpointed twice (transformers refuses it)",
                 f"drop {key} from the recipe, or set fsdp_activation_checkpointing: false",
                 file=recipe_file,
             )

@@ -19,7 +19,8 @@ class RunArguments:
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
-            "help": "Train from scratch into an output_dir that holds another run: its checkpoint-N folders are deleted first."
+            "help": "Train from scratch into an output_dir that holds another run: its checkpoint-N folders "
+            "are deleted first."
         },
     )
     allow_no_fsdp: bool = field(
@@ -95,7 +96,8 @@ class RunArguments:
             "help": "Keep bf16 mixed precision on a CPU without native bf16 instructions (x86 without avx512_bf16 "
             "or amx_bf16, Arm without bf16 in /proc/cpuinfo). Without it such a CPU computes in fp32 instead of "
             "the config's mixed_precision: bf16 (or bf16: true), many times faster there, and the run says so in "
-            "one line and in fsdp_report.json (precision.cpu_bf16). GPUs and CPUs with native bf16 keep bf16 either way."
+            "one line and in fsdp_report.json (precision.cpu_bf16). GPUs and CPUs with native bf16 keep bf16 "
+            "either way."
         },
     )
 

@@ -27,7 +27,8 @@ ZERO1_LAUNCH = " --zero1 true"  # a DDP config's label with the recipe flag that
 
 @dataclass(frozen=True)
 class Strategy:
-    name: str  # FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2 (FSDP1: as its file says), DDP, ZERO1
+    # FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2 (FSDP1: as its file says), DDP, ZERO1
+    name: str
     offload: bool = False  # parameters, gradients and the optimizer step in CPU RAM (fsdp_offload_params)
     fsdp_version: int | None = None  # None: DDP or ZERO1, no FSDP
 

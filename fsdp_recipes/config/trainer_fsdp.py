@@ -85,7 +85,8 @@ def check_trainer_fsdp(raw) -> bool:
     if isinstance(config, str):
         if not Path(config).is_file():
             raise RecipeError(
-                f"--fsdp_config {config!r} does not exist: give a JSON file such as accelerate_configs/torchrun/zero3.json"
+                f"--fsdp_config {config!r} does not exist: give a JSON file such as "
+                "accelerate_configs/torchrun/zero3.json"
             )
         try:
             config = load_json(Path(config), "--fsdp_config", YAML_LIMIT)

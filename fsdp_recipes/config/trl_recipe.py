@@ -4,7 +4,8 @@
 :func:`translate` rewrites a recipe's TRL and handbook keys into this script's settings before the recipe is
 checked: renamed keys (transformers 4's and TRL's older names, said once), dict values that TrainingArguments takes
 as JSON, ``model_init_kwargs``, the dataset mixtures (one JSON plan in ``dataset_mixture``, loaded by
-fsdp_recipes.train.data_mixture) and ``dataset_kwargs``; :func:`translate_flags` does the renames for flags. A key that cannot hold here is
+fsdp_recipes.train.data_mixture) and ``dataset_kwargs``; :func:`translate_flags` does the renames for flags. A key that
+cannot hold here is
 refused by name, with the reason, in one line. :data:`TRL_NAMES` is the table docs/training.md shows; the test
 corpus of real recipes (tests/fixtures/trl/) keeps both true."""
 

@@ -35,7 +35,8 @@ def check_training_values(raw, model_args: ModelArguments, data_args: DataArgume
     if raw.learning_rate * raw.weight_decay >= 1:  # the decay multiplies each weight by 1 - lr x wd every step
         raise RecipeError(
             f"weight_decay={_shown(raw.weight_decay)} with learning_rate={_shown(raw.learning_rate)} would "
-            f"multiply every weight by 1 - learning_rate x weight_decay = {1 - raw.learning_rate * raw.weight_decay:.3g} "
+            "multiply every weight by 1 - learning_rate x weight_decay = "
+            f"{1 - raw.learning_rate * raw.weight_decay:.3g} "
             f"each step, before any gradient: give a weight_decay below {1 / raw.learning_rate:g}, e.g. 0.01"
         )
     if raw.max_steps > 0 and raw.warmup_steps >= 1:
@@ -358,7 +359,10 @@ def check_run_length(args, examples: int, profile_steps: str | None = None) -> i
 
     size, processes, accumulation = args.per_device_train_batch_size, args.world_size, args.gradient_accumulation_steps
     batches = batches_per_process(examples, size, processes, args.dataloader_drop_last)
-    source = f"{examples:,} examples / (per_device_train_batch_size={size} x {processes} process{'es' if processes > 1 else ''})"
+    source = (
+        f"{examples:,} examples / (per_device_train_batch_size={size} x {processes} "
+        f"process{'es' if processes > 1 else ''})"
+    )
     if batches == 0:
         raise RecipeError(
             f"per_device_train_batch_size={size} leaves no batch with dataloader_drop_last ({source}): "

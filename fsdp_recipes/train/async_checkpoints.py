@@ -80,7 +80,10 @@ class AsyncCheckpoints(TrainerCallback):
         """Why checkpoints of this run cannot be asynchronous (None: they are)."""
         plugin = getattr(self.trainer.accelerator.state, "fsdp_plugin", None)
         if plugin is None or plugin.fsdp_version != 2:
-            return f"background saves are built for FSDP2's sharded checkpoints, and this run is {'FSDP1' if plugin else 'not FSDP'}"
+            return (
+                "background saves are built for FSDP2's sharded checkpoints, and this run is "
+                f"{'FSDP1' if plugin else 'not FSDP'}"
+            )
         if "SHARDED" not in str(plugin.state_dict_type):
             return "FULL_STATE_DICT checkpoints are gathered whole, not written by DCP"
         if self.trainer.args.load_best_model_at_end:
@@ -95,13 +98,15 @@ class AsyncCheckpoints(TrainerCallback):
             return f"checkpoints are written before training goes on ({reason}; --async_checkpoints has no effect here)"
         if self.expects_in_place():
             return (
-                "checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
+                "checkpoints are written in the background while training goes on (--async_checkpoints false "
+                "to wait for "
                 "each): straight from this rank's weight and optimizer shards, which live in host memory (no copy; the "
                 "optimizer step after a checkpoint waits for its write), one checkpoint at a time"
             )
         return (
             "checkpoints are written in the background while training goes on (--async_checkpoints false to wait for "
-            "each): a host copy of this rank's weight and optimizer shards, made after the first optimizer step and reused "
+            "each): a host copy of this rank's weight and optimizer shards, made after the first optimizer "
+            "step and reused "
             "by every checkpoint (held for the run), one checkpoint at a time"
         )
 
@@ -129,7 +134,8 @@ class AsyncCheckpoints(TrainerCallback):
 
     @contextmanager
     def saving(self, folder: Path, step: int):
-        """Around the Trainer's _save_checkpoint: its DCP saves start in the background; trainer_state.json is held back."""
+        """Around the Trainer's _save_checkpoint: its DCP saves start in the background; trainer_state.json is held
+        back."""
         import torch.distributed as dist
 
         if self.pending is not None:
@@ -256,19 +262,22 @@ class AsyncCheckpoints(TrainerCallback):
         self.trainer.accelerator.wait_for_everyone()  # no rank goes on (to say "saved", or exit) before it is complete
 
     def release(self) -> None:
-        """After the last save: the host copies are let go (the final export and what follows gain nothing from them)."""
+        """After the last save: the host copies are let go (the final export and what follows gain nothing from
+        them)."""
         self.host_copies_made += sum(s.made for s in self.stagers)
         self.stagers.clear()
         if self.ahead is not None:  # made for a checkpoint that never came
             self.ahead_report, self.ahead = self.ahead.close(), None
 
     def abandon(self) -> None:
-        """After an exception: the checkpoint stays incomplete (no shard_digests.json, no trainer_state.json, no rotation).
+        """After an exception: the checkpoint stays incomplete (no shard_digests.json, no trainer_state.json, no
+        rotation).
         The writing threads finish the shard files they began (a thread cannot be stopped), so a process whose peer
         died ends when its write does, or when the launcher stops it."""
         if self.pending is not None:
             logger.warning(
-                f"{self.pending.folder.name}: its asynchronous save was abandoned; it stays incomplete, and a resume passes over it"
+                f"{self.pending.folder.name}: its asynchronous save was abandoned; it stays incomplete, and a "
+                "resume passes over it"
             )
             self.pending = None
         self._unhook()
@@ -300,12 +309,14 @@ class AsyncCheckpoints(TrainerCallback):
             self.trainer.rotate_checkpoints()
         if self.trainer.is_world_process_zero():
             source = (
-                f"straight from this rank's shards in host memory, no copy; the next optimizer step waited {pending.optimizer_wait:.1f} s for it"
+                "straight from this rank's shards in host memory, no copy; the next optimizer step waited "
+                f"{pending.optimizer_wait:.1f} s for it"
                 if in_place
                 else f"from a host copy of {staged / 2**20:,.1f} MiB of this rank's shards, reused by every checkpoint"
             )
             logger.info(
-                f"{pending.folder.name} written in the background in {seconds:.1f} s while training went on to step {reached} ({source})"
+                f"{pending.folder.name} written in the background in {seconds:.1f} s while training went on to "
+                f"step {reached} ({source})"
             )
 
     def report(self) -> dict:

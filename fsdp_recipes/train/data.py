@@ -121,7 +121,8 @@ def texts(batch: dict, column: str) -> list[str]:
     for value in batch[column]:
         if not isinstance(value, str):
             raise RecipeError(
-                f"a record's {column!r} is {'null' if value is None else type(value).__name__ + ' ' + str(value)[:40]}, "
+                f"a record's {column!r} is "
+                f"{'null' if value is None else type(value).__name__ + ' ' + str(value)[:40]}, "
                 "not text: fix or drop that record in the data"
             )
     return batch[column]
@@ -220,7 +221,8 @@ def assistant_mask(
         start, end = len(render(messages[:i], add_generation_prompt=True)), len(render(messages[: i + 1]))
         if ids[:end] != render(messages[: i + 1]):
             raise RecipeError(
-                "the chat template renders a conversation's prefix differently from the whole; cannot locate assistant tokens"
+                "the chat template renders a conversation's prefix differently from the whole; cannot locate "
+                "assistant tokens"
             )
         mask[start:end] = [1] * (end - start)
     return ids, mask
@@ -348,6 +350,7 @@ def build_datasets(
         evaluation = prepare(raw_eval, tokenizer, args)
         if len(evaluation) == 0:
             raise RecipeError(
-                f"no evaluation examples after preprocessing: the evaluation data is shorter than block_size={args.block_size}"
+                "no evaluation examples after preprocessing: the evaluation data is shorter than "
+                f"block_size={args.block_size}"
             )
     return dataset, evaluation, collator

@@ -89,7 +89,8 @@ class DescribeCheckpoints(TrainerCallback):
             write_manifest(folder, lora_parts(model)[0].config, files)
         except Exception as err:  # only a shortcut for the merge, never worth a failed run
             logger.warning(
-                f"no {MANIFEST} in {folder} ({type(err).__name__}: {err}); merging it checks the config with transformers"
+                f"no {MANIFEST} in {folder} ({type(err).__name__}: {err}); merging it checks the config with "
+                "transformers"
             )
 
     def on_save(self, args, state, control, **kwargs):
@@ -99,7 +100,9 @@ class DescribeCheckpoints(TrainerCallback):
             or getattr(self.trainer, "async_saves", None)
             and self.trainer.async_saves.is_pending(folder)
         ):
-            return  # FSDPTrainer._save_checkpoint has waited for every rank's files before this (or AsyncCheckpoints will)
+            # FSDPTrainer._save_checkpoint has waited for every rank's files before this (or
+            # AsyncCheckpoints will)
+            return
         self.finish_checkpoint(folder)
 
     def finish_checkpoint(self, folder: Path) -> None:
@@ -214,7 +217,8 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
         },
     )
     logger.info(
-        f"final model: {size / 1e6:,.1f} MB in {dtype}, written by {writers} of {world} rank(s) in parallel in {seconds:.1f} s (fsdp_report.json: export)"
+        f"final model: {size / 1e6:,.1f} MB in {dtype}, written by {writers} of {world} rank(s) in parallel in "
+        f"{seconds:.1f} s (fsdp_report.json: export)"
     )
 
 
@@ -354,12 +358,14 @@ def wait_for_parts(staging: Path, world: int, log=print) -> dict[int, dict]:
             elif time.monotonic() - beats[rank][1] > PART_STALE_SECONDS:
                 raise CheckpointError(
                     f"rank {rank} has shown no sign of life for {PART_STALE_SECONDS:.0f} s while writing its part "
-                    f"of the final model ({staging / f'.part-{rank}.alive'} stopped changing): it died or hangs; {again}"
+                    f"of the final model ({staging / f'.part-{rank}.alive'} stopped changing): it died or "
+                    f"hangs; {again}"
                 )
         if len(parts) < world:
             if time.monotonic() - last_said >= PART_LOG_SECONDS:
                 log(
-                    f"final model: waiting for rank(s) {', '.join(str(r) for r in sorted(set(range(world)) - set(parts)))} "
+                    "final model: waiting for rank(s) "
+                    f"{', '.join(str(r) for r in sorted(set(range(world)) - set(parts)))} "
                     "to finish their shards (no timeout applies)"
                 )
                 last_said = time.monotonic()
@@ -368,7 +374,8 @@ def wait_for_parts(staging: Path, world: int, log=print) -> dict[int, dict]:
 
 
 def record_export(out: Path, export: dict) -> None:
-    """The export's dtype, writers and time in the run's fsdp_report.json (rank 0; the report is the run's, when it exists)."""
+    """The export's dtype, writers and time in the run's fsdp_report.json (rank 0; the report is the run's, when it
+    exists)."""
     path = Path(out) / REPORT_NAME
     if path.is_file():
         update_run_report(path, lambda report: report.update(export=export))
@@ -391,7 +398,8 @@ def finished_checkpoint_step(training_args) -> int | None:
     named = step_of_name(ckpt)
     if type(step) is not int or step < 0 or (named is not None and step != named):
         raise RecipeError(
-            f"{Path(ckpt) / 'trainer_state.json'}: global_step is {short_json(step)}, not the step the resume was decided on "
+            f"{Path(ckpt) / 'trainer_state.json'}: global_step is {short_json(step)}, not the step the resume "
+            "was decided on "
             f"(it changed since, or the folder was renamed): run the same command again"
         )
     return step if step >= training_args.max_steps else None

@@ -99,7 +99,8 @@ class Throughput:
             self.excluded_seconds += time.perf_counter() - start
 
     def window(self, reduce_sum, world_size: int) -> dict:
-        """Metrics of the window that ends now; ``reduce_sum`` sums an int over ranks (a collective: every rank calls)."""
+        """Metrics of the window that ends now; ``reduce_sum`` sums an int over ranks (a collective: every rank
+        calls)."""
         now = time.perf_counter()
         tokens = reduce_sum(self.tokens)
         seconds = max(now - (self.started or now) - self.excluded_seconds, 1e-9)

@@ -47,7 +47,8 @@ def remove_export_leftovers(out: Path, log=print) -> None:
 def publish(staging: Path, out: Path, files: list[str]) -> Path:
     """The finished staging folder becomes ``out/model/``, holding ``files`` and nothing else, in one rename: until
     then there is no new model folder, and never a half-written one. An earlier export's model folder is replaced
-    (only one that holds nothing but model files); one holding anything else is moved aside, never deleted (make_room)."""
+    (only one that holds nothing but model files); one holding anything else is moved aside, never deleted
+    (make_room)."""
     for entry in staging.iterdir():
         if entry.name not in files and entry.name != MARKER:
             remove_inside(staging, entry.name, EXPORT_STAGING)  # completion files, the Trainer's training_args.bin
@@ -82,7 +83,8 @@ def publish_adapter(staging: Path, out: Path) -> Path:
 def export_checkpoint(
     ckpt: str | os.PathLike, out: str | os.PathLike, base_model: str | None = None, log=print, dtype: str | None = None
 ) -> None:
-    """The final model folder of a run (``out/model/``), written from one of its checkpoints (tools/merge_checkpoint.py's code).
+    """The final model folder of a run (``out/model/``), written from one of its checkpoints
+    (tools/merge_checkpoint.py's code).
     ``base_model``: the run's own model source, for a checkpoint whose config.json is missing. ``dtype``: cast the
     weights (--save_dtype; None or "auto" keeps the saved dtype)."""
     remove_export_leftovers(Path(out), log=log)
@@ -124,8 +126,10 @@ def stale_model_note(output_dir: str) -> str | None:
         (out / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")
     ):
         return (
-            f"{out} still holds the model an earlier version of this repository wrote at its top level (config.json and "
-            f"weights): it is an earlier step's; this run's final model is {out / FINAL_MODEL_DIR}. Delete the old files "
+            f"{out} still holds the model an earlier version of this repository wrote at its top level "
+            "(config.json and "
+            f"weights): it is an earlier step's; this run's final model is {out / FINAL_MODEL_DIR}. Delete the "
+            "old files "
             "by hand if you no longer need them"
         )
     return None
@@ -138,6 +142,7 @@ def final_line(output_dir: str) -> str:
         f"; its LoRA adapter: {out / ADAPTER_DIR}" if (out / ADAPTER_DIR / "adapter_config.json").is_file() else ""
     )
     return (
-        f"model saved to {out / FINAL_MODEL_DIR} (only the model: loads with AutoModelForCausalLM.from_pretrained, uploads "
+        f"model saved to {out / FINAL_MODEL_DIR} (only the model: loads with "
+        "AutoModelForCausalLM.from_pretrained, uploads "
         f"with `hf upload`){adapter}; checkpoints and run records stay in {out}"
     )

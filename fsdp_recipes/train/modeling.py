@@ -57,7 +57,8 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
     if args.model_name_or_path is not None:
         if other_rank:
             common["device_map"] = "meta"  # rank 0 sends the weights; FSDP shards them as they arrive
-        # safetensors only: a hub model's .bin would be unpickled here (a local or cached one is refused before the launch)
+        # safetensors only: a hub model's .bin would be unpickled here (a local or cached one is refused
+        # before the launch)
         model = AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path,
             dtype=dtype,
@@ -72,15 +73,18 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
     vocab = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
         raise RecipeError(
-            f"tokenizer {args.tokenizer_name!r} has {len(tokenizer)} tokens but the model's embedding has {vocab} rows; "
+            f"tokenizer {args.tokenizer_name!r} has {len(tokenizer)} tokens but the model's embedding has "
+            f"{vocab} rows; "
             "use the model's own tokenizer"
         )
     if args.use_peft:
         model = add_lora(model, args)
         if not fsdp1 and efficient_loading and lora_on_tied_head(model):
             raise RecipeError(
-                "LoRA on the LM head of a model with tied embeddings (lora_target_modules names it) fails in accelerate "
-                "1.15's FSDP2 preparation with fsdp_cpu_ram_efficient_loading (tie_weights: \"attribute 'weight' already "
+                "LoRA on the LM head of a model with tied embeddings (lora_target_modules names it) fails in "
+                "accelerate "
+                "1.15's FSDP2 preparation with fsdp_cpu_ram_efficient_loading (tie_weights: \"attribute "
+                "'weight' already "
                 'exists"): leave the head out of lora_target_modules, or set fsdp_cpu_ram_efficient_loading: false in '
                 "your copy of the config"
             )
@@ -126,7 +130,8 @@ def lora_on_tied_head(model) -> bool:
     return head.get_base_layer().weight is getattr(embedding, "weight", None)
 
 
-# config.json keys that say nothing of the weights' shapes: they may differ between the saved base and the recipe's config
+# config.json keys that say nothing of the weights' shapes: they may differ between the saved base and the recipe's
+# config
 _CONFIG_BOOKKEEPING = base_identity.CONFIG_BOOKKEEPING
 
 
@@ -140,7 +145,8 @@ def lora_base(args: ModelArguments, output_dir: str) -> str | None:
 
 
 def use_lora_base(args: ModelArguments, output_dir: str, log=print) -> None:
-    """A LoRA run built from a config trains on its saved base (``lora_base``): global rank 0 saves it (or checks the one
+    """A LoRA run built from a config trains on its saved base (``lora_base``): global rank 0 saves it (or checks the
+    one
     saved before), then every rank loads it as the model to fine-tune. Every rank stops alike on a problem."""
     import torch.distributed as dist
 
@@ -182,7 +188,8 @@ def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
             k for k in (set(saved) | set(wanted)) - _CONFIG_BOOKKEEPING if saved.get(k) != wanted.get(k)
         ):
             raise RecipeError(
-                f"{base} holds another model's base than config_name {args.config_name!r} describes ({', '.join(differ[:3])} "
+                f"{base} holds another model's base than config_name {args.config_name!r} describes "
+                f"({', '.join(differ[:3])} "
                 "differ(s)): it is an earlier run's LoRA base; choose another --output_dir, or move that folder away"
             )
         log(f"LoRA base: {base}, saved by an earlier run of this output_dir (built from {args.config_name})")
@@ -207,7 +214,8 @@ def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
         raise
     unmark(out, BASE_STAGING)
     log(
-        f"LoRA base: built from {args.config_name} (random weights, frozen) and saved once to {base}; the adapter names it "
+        f"LoRA base: built from {args.config_name} (random weights, frozen) and saved once to {base}; the "
+        "adapter names it "
         "(adapter_config.json: base_model_name_or_path) and the run loads it from there"
     )
 
@@ -242,11 +250,14 @@ def _base_identity(name: str, ckpt: str | None, log) -> tuple[dict | None, str |
             ckpt is not None and base_identity.read(ckpt) is not None
         ):  # the checkpoint names its base: this one cannot be compared
             return None, (
-                f"{ckpt} records the base it was trained on, and the base model {name} has no local safetensors weights "
-                "to compare (a .bin-only folder?): resume with that base (--model_name_or_path), or start without --resume_from_checkpoint"
+                f"{ckpt} records the base it was trained on, and the base model {name} has no local safetensors "
+                "weights "
+                "to compare (a .bin-only folder?): resume with that base (--model_name_or_path), or start "
+                "without --resume_from_checkpoint"
             )
         log(
-            f"LoRA base {name}: no local safetensors weights to record (checkpoints will not be able to check the base they resume on)"
+            f"LoRA base {name}: no local safetensors weights to record (checkpoints will not be able to check "
+            "the base they resume on)"
         )
         return None, None
     record = base_identity.identity(folder, name=name)
@@ -259,7 +270,8 @@ def _base_identity(name: str, ckpt: str | None, log) -> tuple[dict | None, str |
         return record, None
     if (saved := base_identity.read(ckpt)) is None:
         log(
-            f"{ckpt} records no base model ({base_identity.BASE_IDENTITY}: a checkpoint of an older run or of another tool): "
+            f"{ckpt} records no base model ({base_identity.BASE_IDENTITY}: a checkpoint of an older run or of "
+            "another tool): "
             f"the base {name} is not checked against it"
         )
     elif diff := base_identity.difference(saved, record):

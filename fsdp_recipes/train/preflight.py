@@ -128,9 +128,12 @@ def fsdp1_ignored_option(fsdp_option, runs: str | None) -> str | None:
     if runs is None or not named or named[0] == runs:
         return None
     return (
-        f"--fsdp {named[0].lower()} would run as {runs}: accelerate's FSDP1 takes its strategy from FSDP_SHARDING_STRATEGY "
-        f"(unset: FULL_SHARD), not from transformers' --fsdp option; set FSDP_SHARDING_STRATEGY={named[0]} in the launch's "
-        "environment (and --fsdp true), or launch with accelerate launch --config_file accelerate_configs/fsdp1/<config>.yaml"
+        f"--fsdp {named[0].lower()} would run as {runs}: accelerate's FSDP1 takes its strategy from "
+        "FSDP_SHARDING_STRATEGY "
+        f"(unset: FULL_SHARD), not from transformers' --fsdp option; set FSDP_SHARDING_STRATEGY={named[0]} in "
+        "the launch's "
+        "environment (and --fsdp true), or launch with accelerate launch --config_file "
+        "accelerate_configs/fsdp1/<config>.yaml"
     )
 
 
@@ -192,7 +195,8 @@ def carry_out(plan: Plan, say=say) -> None:
         (out / REQUEUE_RECORD).write_text(json.dumps(plan.requeue_record) + "\n")
     if plan.delete:
         say(
-            f"--overwrite_output_dir: deleted {len(plan.delete)} checkpoint folder(s) of the earlier run in {plan.delete[0].parent}"
+            f"--overwrite_output_dir: deleted {len(plan.delete)} checkpoint folder(s) of the earlier run in "
+            f"{plan.delete[0].parent}"
         )
 
 
@@ -241,7 +245,8 @@ def hold_output_dir(training_args, warn=say) -> None:
     holder = _broadcast(holder)
     if holder is not None:
         raise RecipeError(
-            f"output_dir {training_args.output_dir!r} is in use by another run ({holder}): wait for it to end, or choose "
+            f"output_dir {training_args.output_dir!r} is in use by another run ({holder}): wait for it to end, "
+            "or choose "
             "another --output_dir"
         )
 

@@ -237,7 +237,8 @@ class StepProfiler(TrainerCallback):
             (self.folder / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
             s = self.summary
             logger.info(
-                f"profile of steps {self.first}-{self.last} (rank 0, {s['timeline']}): all-gather {s['all_gather_share']:.1%}, "
+                f"profile of steps {self.first}-{self.last} (rank 0, {s['timeline']}): all-gather "
+                f"{s['all_gather_share']:.1%}, "
                 f"reduce-scatter {s['reduce_scatter_share']:.1%}, all-reduce {s['all_reduce_share']:.1%} of "
                 f"{s['wall_seconds']:.2f} s; {s['overlapped_share'] or 0:.0%} of communication overlapped compute; "
                 f"traces in {self.folder}"

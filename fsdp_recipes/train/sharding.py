@@ -217,7 +217,8 @@ def verify_and_report(
     if launched > 1 and accelerator.num_processes == 1:
         raise NotShardedError(
             f"the launcher started {launched} processes but each trains alone (distributed type "
-            f"{report['distributed_type']}): launch with `accelerate launch --config_file accelerate_configs/<config>.yaml`"
+            f"{report['distributed_type']}): launch with `accelerate launch --config_file "
+            "accelerate_configs/<config>.yaml`"
         )
     want = expected_fsdp_version(training_args)
     if want is not None and kind != f"FSDP{want}":
@@ -402,8 +403,10 @@ class ShardingReport(TrainerCallback):
         if report["trainable"] != "all":
             mine = report["ranks"][self.trainer.accelerator.process_index]["local_trainable_elements"]
             logger.info(
-                f"trainable: {report['trainable_param_elements']:,} of {report['total_param_elements']:,} parameter elements "
-                f"({report['trainable_param_elements'] / report['total_param_elements']:.2%}), sharded like the rest: this rank "
+                f"trainable: {report['trainable_param_elements']:,} of {report['total_param_elements']:,} "
+                "parameter elements "
+                f"({report['trainable_param_elements'] / report['total_param_elements']:.2%}), sharded like the "
+                "rest: this rank "
                 f"holds {mine:,} of them; {len(report['trainable'])} parameter names in fsdp_report.json"
             )
         units, precision = report["wrapped_units"], report["precision"]

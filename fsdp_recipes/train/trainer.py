@@ -89,9 +89,12 @@ def overridden_settings(asked: list[dict], loaded: list[dict], checkpoint: str) 
             if not _same(mine[key], theirs[key]):
                 flag = _FLAGS.get(key, f"the optimizer's {key} (--optim_args)")
                 return (
-                    f"{flag} is {_shown(mine[key])} in this run, but {checkpoint} was trained with {_shown(theirs[key])} (param group {n}): "
-                    f"resuming restores its optimizer and scheduler state, which would silently keep {_shown(theirs[key])}; resume "
-                    f"with the checkpoint's value, or merge it (tools/merge_checkpoint.py) and start a new run from the merged model "
+                    f"{flag} is {_shown(mine[key])} in this run, but {checkpoint} was trained with "
+                    f"{_shown(theirs[key])} (param group {n}): "
+                    "resuming restores its optimizer and scheduler state, which would silently keep "
+                    f"{_shown(theirs[key])}; resume "
+                    "with the checkpoint's value, or merge it (tools/merge_checkpoint.py) and start a new run "
+                    "from the merged model "
                     "to train with another"
                 )
     return None
@@ -311,9 +314,11 @@ class FSDPTrainer(Trainer):
             super()._save_optimizer_and_scheduler(output_dir)
 
     def inexact_full_resume(self) -> bool:
-        """FSDP1 + FULL_STATE_DICT + use_orig_params: measured (torch 2.13, accelerate 1.15), the resumed weights and Adam
+        """FSDP1 + FULL_STATE_DICT + use_orig_params: measured (torch 2.13, accelerate 1.15), the resumed weights and
+        Adam
         state equal the saved ones, yet the first update after the resume differs from the run that never stopped,
-        with or without sync_module_states; use_orig_params false resumes to the same bits (tests/integration/test_resume_refusals.py)."""
+        with or without sync_module_states; use_orig_params false resumes to the same bits
+        (tests/integration/test_resume_refusals.py)."""
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         return (
             plugin is not None
@@ -327,12 +332,17 @@ class FSDPTrainer(Trainer):
         checked from its file headers before anything loads; None when it matches."""
         if self.inexact_full_resume() and (Path(checkpoint) / FULL_MODEL_FILE).is_file():
             return (
-                f"{checkpoint} is a FULL_STATE_DICT checkpoint, which FSDP1 with fsdp_use_orig_params: true does not resume "
-                "exactly (the run would drift from the one that never stopped; a checkpoint saved this way does not load "
-                "with use_orig_params false either): merge it (tools/merge_checkpoint.py) and train on from the merged model, "
-                "and train with fsdp_state_dict_type: SHARDED_STATE_DICT (every shipped config) or fsdp_use_orig_params: false"
+                f"{checkpoint} is a FULL_STATE_DICT checkpoint, which FSDP1 with fsdp_use_orig_params: true "
+                "does not resume "
+                "exactly (the run would drift from the one that never stopped; a checkpoint saved this way "
+                "does not load "
+                "with use_orig_params false either): merge it (tools/merge_checkpoint.py) and train on from "
+                "the merged model, "
+                "and train with fsdp_state_dict_type: SHARDED_STATE_DICT (every shipped config) or "
+                "fsdp_use_orig_params: false"
             )
-        # the frozen base may be absent (an adapter-only checkpoint: it comes from the model source); when present, it must fit
+        # the frozen base may be absent (an adapter-only checkpoint: it comes from the model source); when
+        # present, it must fit
         if problem := model_mismatch(checkpoint, self.weight_shapes, self.tied_names | self.frozen_names):
             return problem
         # the same shapes may still be another model (heads, rope, activation), adapter (lora_alpha) or tokenizer
@@ -358,7 +368,8 @@ class FSDPTrainer(Trainer):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self) -> None:
-        """--load_best_model_at_end of a LoRA run: the best checkpoint loaded as a resume loads it (_load_from_checkpoint,
+        """--load_best_model_at_end of a LoRA run: the best checkpoint loaded as a resume loads it
+        (_load_from_checkpoint,
         within _lora_checkpoints). The stock load asks peft for the adapter's state dict, whose names lack the adapter
         name our checkpoints keep (``lora_A.weight``, stored as ``lora_A.default.weight``): FSDP2 raised after training
         (no model/ written), FSDP1 selected nothing and kept the last step's weights without a word. Full fine-tuning
@@ -386,10 +397,12 @@ class FSDPTrainer(Trainer):
             found = re.search(r"[^\n]*param_groups[^\n]*", str(err))
             if checkpoint is None or found is None:
                 raise
-            # another --optim (SGD's momentum where AdamW has betas): torch names the missing key, in a traceback per rank
+            # another --optim (SGD's momentum where AdamW has betas): torch names the missing key, in a
+            # traceback per rank
             raise RecipeError(
                 f"{Path(checkpoint).name}'s optimizer state does not fit this run's optimizer (--optim "
-                f"{getattr(self.args.optim, 'value', self.args.optim)}; {found.group(0).strip()[:200]}): resume with the --optim it was trained "
+                f"{getattr(self.args.optim, 'value', self.args.optim)}; {found.group(0).strip()[:200]}): resume "
+                "with the --optim it was trained "
                 "with, or merge it (tools/merge_checkpoint.py) and start a new run from the merged model"
             ) from None
         if checkpoint is not None and (

@@ -72,9 +72,11 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
         if stale := stale_files(set(api.list_repo_files(repo.repo_id, revision=push.revision)), ours):
             raise RecipeError(
                 f"the model is saved, but not uploaded: {push.describe()} already holds {', '.join(stale[:6])}"
-                f"{', ...' if len(stale) > 6 else ''}, of an earlier model, which from_pretrained would load instead of this "
+                f"{', ...' if len(stale) > 6 else ''}, of an earlier model, which from_pretrained would load "
+                "instead of this "
                 f"one or with it: "
-                f"delete {'it' if len(stale) == 1 else 'them'} on the hub (or give another --hub_model_id or --hub_revision), then `{by_hand}`"
+                f"delete {'it' if len(stale) == 1 else 'them'} on the hub (or give another --hub_model_id or "
+                f"--hub_revision), then `{by_hand}`"
             )
         commit = api.create_commit(
             repo.repo_id,

@@ -141,9 +141,11 @@ class LitLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 out = Path({out!r})
-data = torch.utils.data.DataLoader(torch.randint(0, 400, (8, 16), generator=torch.Generator().manual_seed(0)), batch_size=2)
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                    max_steps=2, enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
+tokens = torch.randint(0, 400, (8, 16), generator=torch.Generator().manual_seed(0))
+data = torch.utils.data.DataLoader(tokens, batch_size=2)
+strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, enable_progress_bar=False,
+                    enable_model_summary=False, logger=False, enable_checkpointing=False,
                     default_root_dir=str(out / "lightning-root"))
 module = LitLM()
 trainer.fit(module, data)

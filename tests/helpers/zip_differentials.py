@@ -1,4 +1,5 @@
-"""Byte records that Python's zipfile and torch's zip reader (miniz) read differently: a vetting that parses the record with zipfile sees a harmless pickle, torch loads another.
+"""Byte records that Python's zipfile and torch's zip reader (miniz) read differently: a vetting that parses the record
+with zipfile sees a harmless pickle, torch loads another.
 
 - ``concat``: two central directories; zipfile applies its offset for data prepended to an archive and reads the
   one before the end record, miniz reads the one at the stated offset.

@@ -156,7 +156,8 @@ def test_in_place_a_slow_write_holds_the_next_optimizer_step_so_the_checkpoint_i
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
     assert "straight from this rank's weight and optimizer shards, which live in host memory" in killed.stdout
     done = re.search(
-        r"checkpoint-3 written in the background in ([\d.]+) s while training went on to step (\d+) \(straight from this "
+        r"checkpoint-3 written in the background in ([\d.]+) s while training went on to step (\d+) \(straight "
+        r"from this "
         r"rank's shards in host memory, no copy; the next optimizer step waited ([\d.]+) s for it\)",
         killed.stdout,
     )

@@ -122,8 +122,8 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(trained, config, fault
         new_session=True,
     )
     assert (
-        f"stopped by {name} after step 9: saved {out}/checkpoint-9; the run is not finished: run the same command with --resume_from_checkpoint true"
-        in stopped.stdout + stopped.stderr
+        f"stopped by {name} after step 9: saved {out}/checkpoint-9; the run is not finished: run the same "
+        "command with --resume_from_checkpoint true" in stopped.stdout + stopped.stderr
     ), stopped.stderr[-3000:]
     # the ranks exit 128 + signal; a launcher that got SIGTERM too exits 1 through torch elastic's SignalException
     assert stopped.returncode != 0 and (
@@ -203,7 +203,8 @@ def test_what_to_run_after_a_stop_is_what_works_in_the_folder_left(trained, tmp_
     shutil.rmtree(out / "checkpoint-6" / "pytorch_model_fsdp_0")  # cut short before any shard: the first save
     said = how_to_go_on(out)
     assert said.startswith(
-        "no checkpoint is complete (checkpoint-12, checkpoint-6 cut short): run the same command with --overwrite_output_dir true"
+        "no checkpoint is complete (checkpoint-12, checkpoint-6 cut short): run the same command with "
+        "--overwrite_output_dir true"
     ), said
     proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), "--overwrite_output_dir", "true")
     assert (out / "model").is_dir() and checkpoint_status(out / "checkpoint-12").resumable, proc.stderr[-2000:]
@@ -304,7 +305,8 @@ def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained,
 @pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
 def test_resume_on_more_processes_reshards(trained, config, tmp_path):
     """Saved by 2 processes x 8 sequences, resumed on 4 x 4: the same sequences in each global batch, so the run
-    continues the same trajectory; only the order of floating-point sums over ranks differs (bf16 autocast, or fp32 on a CPU without native bf16).
+    continues the same trajectory; only the order of floating-point sums over ranks differs (bf16 autocast, or fp32 on a
+    CPU without native bf16).
     Tolerance: per tensor, the distance to the uninterrupted weights is under 5% of how far the last 6 steps
     moved that tensor (measured: at most 0.3%, FSDP1 and FSDP2). Resuming without the weights or the optimizer
     state is far off."""
@@ -481,8 +483,8 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tm
         assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
         assert f"train_fsdp.py: error: no space left on {out}: a checkpoint takes 3.5 MB" in errors[0]
         assert (
-            "MB more; checkpoint-6 is intact: free space (or move output_dir), then run the same command with --resume_from_checkpoint true"
-            in errors[0]
+            "MB more; checkpoint-6 is intact: free space (or move output_dir), then run the same command with "
+            "--resume_from_checkpoint true" in errors[0]
         )
         assert (
             checkpoint_status(out / "checkpoint-6").resumable and not checkpoint_status(out / "checkpoint-12").resumable
@@ -517,8 +519,8 @@ def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes
         ]  # no rank's traceback
         assert f"no space left on {out} while writing the final model (" in errors[0], errors
         assert (
-            "training had finished and checkpoint-4 is intact: free space, then run the same command with --resume_from_checkpoint true"
-            in errors[0]
+            "training had finished and checkpoint-4 is intact: free space, then run the same command with "
+            "--resume_from_checkpoint true" in errors[0]
         )
         assert checkpoint_status(out / "checkpoint-4").resumable and not (out / "model").exists()
         # the resume asks for a 64 MB margin
@@ -568,7 +570,8 @@ def test_stop_signal_before_training_is_one_line(tmp_path, sig, code):
     how = "interrupted" if sig == "INT" else f"stopped by SIG{sig}"
     assert proc.returncode != 0 and ours == [
         f"train_fsdp.py: {how} before training started: nothing was trained or saved by this run; run the same "
-        "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of an earlier run)"
+        "command again to start (with --resume_from_checkpoint true, to continue from the last checkpoint of "
+        "an earlier run)"
     ], proc.stderr[-3000:]
     # no traceback of a rank (the launcher's own report about its failed children is the launcher's)
     assert f"exitcode  : {code}" in proc.stderr and "[rank" not in proc.stderr and "Stopped" not in proc.stderr, (

@@ -21,7 +21,8 @@ def test_ddp_timeout_holds_on_cpu(tmp_path):
         "if dist.get_rank() == 0:\n    time.sleep(6)\n"
         "start = time.monotonic()\n"
         "try:\n    dist.barrier()\nexcept RuntimeError as err:\n"
-        "    print(f'rank {dist.get_rank()} timed out after {time.monotonic() - start:.0f} s: {str(err)[:60]}', flush=True)\n"
+        "    print(f'rank {dist.get_rank()} timed out after {time.monotonic() - start:.0f} s: "
+        "{str(err)[:60]}', flush=True)\n"
     )
     proc = run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)], timeout=120)
     assert "rank 1 timed out after 2 s" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -317,7 +317,8 @@ def test_check_checkpoint_refuses_empty_or_partial_model_shards(tmp_path):
         Layout({name: TensorEntry("float32", (8, 64), halves[:1])}, stored), folder / ".metadata"
     )
     assert problem.startswith(
-        f"unreadable {folder / '.metadata'}: the chunks of {name!r} hold 256 of its 512 elements (a rank's slice is missing"
+        f"unreadable {folder / '.metadata'}: the chunks of {name!r} hold 256 of its 512 elements (a rank's "
+        "slice is missing"
     ), problem
     [problem] = chunk_problems(Layout(whole, stored), folder / ".metadata")
     assert "base_layer.weight' hold 0 of its 4,096 elements (a rank's slice is missing" in problem, problem
@@ -422,7 +423,8 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
 @pytest.mark.slow
 def test_full_state_dict_lora_checkpoints_hold_the_adapter_and_resume_exactly(tmp_path):
     """FSDP2 FULL_STATE_DICT: the checkpoint's pytorch_model_fsdp.bin holds the adapter alone (every rank's rows
-    gathered: accelerate PR #4206's bug kept rank 0's), the resume ends on the same bits, the merge tool adds the base."""
+    gathered: accelerate PR #4206's bug kept rank 0's), the resume ends on the same bits, the merge tool adds the
+    base."""
     full = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
     args = ["recipes/tiny-llama/lora_sft.yaml", "--max_steps", "6", "--save_steps", "3"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"

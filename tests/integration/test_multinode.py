@@ -257,7 +257,8 @@ def test_fsdp1_hybrid_that_would_train_processes_apart_is_refused_before_loading
     never reads (it ran FULL_SHARD), is refused rather than ignored."""
     v1 = tmp_path / "fsdp1.json"
     v1.write_text(
-        '{"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": "SHARDED_STATE_DICT"}'
+        '{"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": '
+        '"SHARDED_STATE_DICT"}'
     )
     flags = ["--fsdp_config", str(v1), "--max_steps", "2", "--save_strategy", "no", "--report_to", "none"]
     port = str(free_port())

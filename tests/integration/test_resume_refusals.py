@@ -16,7 +16,8 @@ FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
 
 
 def resume_with_config(trained, tmp_path, changes: dict):
-    """A copy of the 4-layer run's checkpoint-6 resumed with the tiny config changed by ``changes``: (run folder, process)."""
+    """A copy of the 4-layer run's checkpoint-6 resumed with the tiny config changed by ``changes``: (run folder,
+    process)."""
     run, other = tmp_path / "run", tmp_path / "other"
     shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
     shutil.copy(trained("accelerate_configs/zero3.yaml").output_dir / "run_args.json", run / "run_args.json")

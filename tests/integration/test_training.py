@@ -26,7 +26,8 @@ def test_really_fsdp_and_sharded(trained, config):
 
 
 def bf16_computes_as_fp32_here(config: str) -> bool:
-    """The config asks for bf16 and this machine (a CPU without native bf16) computes it in fp32 unless --cpu_bf16 true."""
+    """The config asks for bf16 and this machine (a CPU without native bf16) computes it in fp32 unless --cpu_bf16
+    true."""
     import yaml
 
     from fsdp_recipes.compat.cpu_fsdp import native_bf16, read_cpuinfo
@@ -69,7 +70,8 @@ def check_precision_and_wrapping(run, forced: bool) -> None:
 
 @pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_precision_and_wrapping_contract(trained, config):
-    """Each config's own run: on a CPU without native bf16 its bf16 computes in fp32 (tests/unit/compat/test_cpu_precision.py),
+    """Each config's own run: on a CPU without native bf16 its bf16 computes in fp32
+    (tests/unit/compat/test_cpu_precision.py),
     which the report says."""
     check_precision_and_wrapping(trained(config), forced=False)
 

@@ -108,9 +108,10 @@ def allowed(root: Path, module: str) -> tuple[str, list[str]]:
         init = root.joinpath(*parts[:cut], "__init__.py")
         if init.is_file():
             doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-            lines = [line for line in doc.splitlines() if line.startswith("May import:")]
-            if lines:
-                rule = lines[0].removeprefix("May import:").strip()
+            # the rule runs from "May import:" to the next blank line
+            rules = [p for p in doc.split("\n\n") if p.startswith("May import:")]
+            if rules:
+                rule = " ".join(rules[0].removeprefix("May import:").split())
                 return package, ["*"] if rule.startswith("anything") else [n.strip() for n in rule.split(",")]
     raise AssertionError(f"no 'May import:' line for {module}")
 

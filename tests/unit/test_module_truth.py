@@ -12,7 +12,8 @@ import pytest
 from conftest import REPO
 
 SCANNED = sorted([*(REPO / "fsdp_recipes").rglob("*.py"), REPO / "train_fsdp.py"])
-# a name that may hold a torch module: model, module, wrapped and any name ending in one of them (base_model, model_wrapped)
+# a name that may hold a torch module: model, module, wrapped and any name ending in one of them (base_model,
+# model_wrapped)
 MODULE_LIKE = re.compile(r"(?:^|_)(?:model|module|wrapped|unwrapped)$")
 # an annotation made of these alone says the name holds no module (a path, a flag, a model's name)
 NOT_MODULES = {
@@ -133,7 +134,8 @@ def module_truth_tests(source: str, label: str) -> list[str]:
 @pytest.mark.parametrize(
     "code",
     [
-        "def f(self, ckpt, model=None):\n    return (model or self.model_wrapped).named_parameters()",  # the bug as it was
+        # the bug as it was
+        "def f(self, ckpt, model=None):\n    return (model or self.model_wrapped).named_parameters()",
         "def f(self):\n    if self.model_wrapped:\n        return 1",
         "def f(module):\n    return not module",
         "def f(unwrapped):\n    return 1 if unwrapped else 2",

@@ -244,7 +244,8 @@ def test_without_cuda_it_stops_in_one_line_before_installing_anything(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 1 and proc.stderr.strip() == (
-        "gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests cover the rest"
+        "gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU tests "
+        "cover the rest"
     )
     assert not (tmp_path / "out").exists()
 
@@ -262,7 +263,8 @@ def test_the_wheel_list_is_what_the_download_script_reads():
 @pytest.mark.slow
 def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
     """The same commands, report reading, estimate, merge and LoRA run as on the GPU, with the tiny model and 4 steps
-    on two CPU processes (FSDP over gloo needs 2): what would break there for a reason other than CUDA breaks here first. On CPU there is no
+    on two CPU processes (FSDP over gloo needs 2): what would break there for a reason other than CUDA breaks here
+    first. On CPU there is no
     CUDA peak and no MFU, so those checks fail, as they must without their numbers; QLoRA is not run without
     bitsandbytes, and says so."""
     from transformers import AutoConfig
@@ -430,7 +432,10 @@ def test_a_command_at_its_deadline_is_interrupted_and_says_what_it_has(tmp_path,
     assert "FAILURES" in (tmp_path / "out" / "logs.txt").read_text()
 
     # a command that ignores the interrupt is killed after the grace
-    stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('ignoring', flush=True)\ntime.sleep(600)\n"
+    stubborn = (
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('ignoring', "
+        "flush=True)\ntime.sleep(600)\n"
+    )
     started = time.monotonic()
     proc = check_run.run([sys.executable, "-c", stubborn], 4)
     assert proc.returncode == 124 and "ignoring" in proc.stdout and time.monotonic() - started < 25
@@ -455,7 +460,8 @@ def _gone_soon(pid: int, seconds: float = 10) -> bool:
 # ignores SIGINT and SIGTERM; the worker writes its pid. Holding the pipes or not, it must not outlive Check.run.
 LAUNCHER = """import subprocess, sys, time
 worker = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); '
-                           'signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'], start_new_session=True{pipes})
+                           'signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'],
+                          start_new_session=True{pipes})
 open({pid_file!r}, 'w').write(str(worker.pid))
 print('launched', flush=True)
 time.sleep({launcher_sleeps})
@@ -550,8 +556,8 @@ def test_the_report_places_what_was_live_at_a_profiled_peak():
     }
     text = gpu_check.markdown([ROW, profiled], [], [])
     assert (
-        "accelerate_configs/zero3_offload.yaml: live at the CUDA peak of profiled step(s) 1-1, 7.00 GiB allocated, 1.00 GiB of it"
-        in text
+        "accelerate_configs/zero3_offload.yaml: live at the CUDA peak of profiled step(s) 1-1, 7.00 GiB "
+        "allocated, 1.00 GiB of it" in text
     )
     assert "12,345 allocator events" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and "GiB |" in line and "torch/x.py" in line]

@@ -275,7 +275,8 @@ def test_a_merge_onto_another_base_than_the_recorded_one_stops_before_writing(tm
 
 
 def test_a_hub_base_is_found_in_the_local_cache_and_checked(tmp_path, monkeypatch):
-    """A hub id the run downloaded: its snapshot in the cache is the base (nothing is downloaded), checked like a folder."""
+    """A hub id the run downloaded: its snapshot in the cache is the base (nothing is downloaded), checked like a
+    folder."""
     from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     base, ckpt = adapter_only_checkpoint(tmp_path)

@@ -1,4 +1,5 @@
-"""The JSON a merge reads beside the shards (config.json, the manifest, a safetensors index, the tokenizer's) may be anything: a
+"""The JSON a merge reads beside the shards (config.json, the manifest, a safetensors index, the tokenizer's) may be
+anything: a
 FIFO, /dev/zero, a 64 MB file, a list, a cut-off file, a bomb of nesting. Generated: each file x each kind, the
 merge ends within seconds, with a merged folder or one line, never a hang, a traceback or a memory blow-up."""
 

@@ -110,7 +110,8 @@ def test_tensor_record_and_full_state_dict_that_run_code(tmp_path, capsys):
 
 
 def test_checkpoint_tools_start_without_torch():
-    """Reading names and layouts needs no torch: check_checkpoint.py --help and the modules training imports for them."""
+    """Reading names and layouts needs no torch: check_checkpoint.py --help and the modules training imports for
+    them."""
     code = (
         "import runpy, sys\nsys.argv = ['check_checkpoint.py', '--help']\n"
         "try:\n    runpy.run_path({!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"

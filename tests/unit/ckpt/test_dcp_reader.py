@@ -51,7 +51,8 @@ def test_merge_copies_without_importing_torch(trained, tmp_path):
     """Planning and copying a whole checkpoint leaves torch unimported (its import is the time we save)."""
     ckpt = trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12"
     code = (
-        "import sys\nfrom pathlib import Path\nfrom fsdp_recipes.ckpt.readers import DCPSource\nfrom fsdp_recipes.ckpt.safetensors_writer import write_weights\n"
+        "import sys\nfrom pathlib import Path\nfrom fsdp_recipes.ckpt.readers import DCPSource\nfrom "
+        "fsdp_recipes.ckpt.safetensors_writer import write_weights\n"
         f"src = DCPSource(Path({str(ckpt / 'pytorch_model_fsdp_0')!r}))\n"
         "assert all(src.copy_plan(n) for n in src.tensors)\n"
         f"write_weights(src, sorted(src.tensors), Path({str(tmp_path)!r}))\n"

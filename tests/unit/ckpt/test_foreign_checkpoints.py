@@ -150,8 +150,8 @@ def test_unreadable_layout_names_what_was_found(corpus, config_only, tmp_path, c
     assert cli("merge_checkpoint", [str(corpus / "raw_dcp"), str(tmp_path / "out"), "--base-model", str(other)]) == 1
     err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
     assert (
-        "weights of GPT2LMHeadModel (e.g. transformer.h.0.attn.c_attn.bias); it stores lm_head.weight, model.embed_tokens.weight"
-        in err
+        "weights of GPT2LMHeadModel (e.g. transformer.h.0.attn.c_attn.bias); it stores lm_head.weight, "
+        "model.embed_tokens.weight" in err
     ), err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 

@@ -105,7 +105,8 @@ def test_a_quantized_base_merges_into_the_unquantized_base_as_peft_does(base_and
     assert sorted(got) == sorted(truth)
     for name, value in truth.items():
         assert torch.equal(got[name], value), name
-    # the written config says nothing of quantization: from_pretrained loads the merged weights as they are, with no bitsandbytes
+    # the written config says nothing of quantization: from_pretrained loads the merged weights as they are, with
+    # no bitsandbytes
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert all(torch.equal(loaded[n], v) for n, v in truth.items())
@@ -120,7 +121,8 @@ def test_a_quantized_base_merges_into_the_unquantized_base_as_peft_does(base_and
 def test_a_quantized_base_without_its_unquantized_base_is_one_line(base_and_truth, tmp_path, capsys):
     folder, base_dir, model, _ = base_and_truth
     ckpt = quantized_checkpoint(folder, tmp_path / "gone", model, "4bit-bf16")
-    capsys.readouterr()  # DCP's "single process" warning from making the checkpoint here (shown when this test runs first)
+    # DCP's "single process" warning from making the checkpoint here (shown when this test runs first)
+    capsys.readouterr()
     out = tmp_path / "merged"
     assert cli("merge_checkpoint", [str(ckpt), str(out)]) == 1
     error = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
@@ -276,7 +278,8 @@ def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_merges(
 
 
 def test_a_base_off_by_less_than_a_rounding_step_is_another_base(base_and_truth, tmp_path, capsys):
-    """A base whose unquantized weights differ by 0.5% (a fine-tuned variant) is not the run's: no tolerance lets it in."""
+    """A base whose unquantized weights differ by 0.5% (a fine-tuned variant) is not the run's: no tolerance lets it
+    in."""
     folder, base_dir, model, _ = base_and_truth
     base = load_file(base_dir / "model.safetensors")
     variant = tmp_path / "variant"

@@ -173,7 +173,8 @@ def test_full_state_dict_checkpoints(trained, config, tmp_path):
     # the run's own final folder (written by train_fsdp.py) holds the same weights
     final = load_file(run_dir / "model" / "model.safetensors")
     assert all(torch.equal(final[k], reference[k]) for k in reference)
-    # safetensors are copied by the kernel too (transformers checks the manifest beside the copy); a cut-off file is named
+    # safetensors are copied by the kernel too (transformers checks the manifest beside the copy); a cut-off file
+    # is named
     proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(ckpt), str(tmp_path / "c")])
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "c" / "model.safetensors").read_bytes() == (from_safetensors / "model.safetensors").read_bytes()
@@ -869,7 +870,8 @@ def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, tr
     )  # a copy process that writes nothing, exit 0
     with pytest.raises(
         CheckpointError,
-        match=r"^the copy process ended without writing model\.safetensors whole \(None of \d+ bytes\): nothing was published",
+        match=r"^the copy process ended without writing model\.safetensors whole \(None of \d+ bytes\): nothing "
+        r"was published",
     ):
         merge_checkpoint(checkpoint, tmp_path / "out", log=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

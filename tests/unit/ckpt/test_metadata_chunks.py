@@ -213,7 +213,8 @@ def test_the_real_checkpoint_before_the_edit_is_taken(run_dir, capsys):  # noqa:
 
 def test_shard_folders_copied_in_from_another_checkpoint_with_their_digests_are_refused(trained, tmp_path, capsys):
     """checkpoint-6's shard folders and shard_digests.json copied into checkpoint-12: every digest matches its file,
-    yet a resume would write step 6's weights as step 12's model. The digests record their step (and each folder's .metadata): the copy is named by every reader."""
+    yet a resume would write step 6's weights as step 12's model. The digests record their step (and each folder's
+    .metadata): the copy is named by every reader."""
     from fsdp_recipes.ckpt.status import checkpoint_status
 
     source = trained("accelerate_configs/zero3.yaml").output_dir
@@ -230,7 +231,10 @@ def test_shard_folders_copied_in_from_another_checkpoint_with_their_digests_are_
         shutil.copytree(run / "checkpoint-6" / name, run / "checkpoint-12" / name)
     shutil.copy(run / "checkpoint-6" / "shard_digests.json", run / "checkpoint-12" / "shard_digests.json")
 
-    wanted = "shard_digests.json is that of step 6, and this checkpoint is of step 12: its shard folders were copied from another checkpoint"
+    wanted = (
+        "shard_digests.json is that of step 6, and this checkpoint is of step 12: its shard folders were "
+        "copied from another checkpoint"
+    )
     assert cli("check_checkpoint", [str(run / "checkpoint-12")]) == 1
     said = capsys.readouterr().out
     assert wanted in said and len(said.strip().splitlines()) == 1, said
@@ -312,7 +316,10 @@ def test_a_renamed_checkpoint_is_named_as_renamed_not_as_a_copy(trained, tmp_pat
     Every record agrees on step 12 but the name: it says so, and the fix."""
     ckpt = tmp_path / "checkpoint-13"
     shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", ckpt)
-    wanted = "checkpoint-13 was renamed: its trainer_state.json, shard_digests.json and model_description.json are of step 12; give it back its name checkpoint-12"
+    wanted = (
+        "checkpoint-13 was renamed: its trainer_state.json, shard_digests.json and model_description.json "
+        "are of step 12; give it back its name checkpoint-12"
+    )
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
     assert wanted in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
     assert not (tmp_path / "out").exists()

@@ -150,7 +150,8 @@ def test_a_manifest_claiming_a_tie_the_config_does_not_state_is_not_trusted(chec
 
 
 def test_a_manifest_edited_with_its_hashes_does_not_vouch_for_a_config(checkpoint, tmp_path):
-    """config.json edited to 3 layers and the manifest's hash of it updated to match: the merge would have written a 3-layer config beside 4 layers of weights; transformers' check beside the copy
+    """config.json edited to 3 layers and the manifest's hash of it updated to match: the merge would have written a
+    3-layer config beside 4 layers of weights; transformers' check beside the copy
     refuses it in one line, and nothing is left behind."""
     import hashlib
 
@@ -194,7 +195,8 @@ def test_a_digest_entry_of_another_form_is_an_unreadable_record_not_a_swap(check
 
 @pytest.mark.parametrize("how", ["deleted", "fifo", "nested"])
 def test_digests_announced_by_the_manifest_must_be_there(checkpoint, how, tmp_path):
-    """Swapping two ranks' shards and deleting (or replacing) shard_digests.json does not hide the swap: the manifest, written before any shard, announces the digests."""
+    """Swapping two ranks' shards and deleting (or replacing) shard_digests.json does not hide the swap: the manifest,
+    written before any shard, announces the digests."""
     from fsdp_recipes.ckpt.layout import SHARD_DIGESTS
     from fsdp_recipes.ckpt.merge import merge_checkpoint
     from fsdp_recipes.ckpt.status import checkpoint_status
@@ -244,7 +246,8 @@ def _with_model(tokenizer, model: dict) -> dict:
 def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_is_named(tmp_path, seed):
     """Heads, rope, activation or norm changed with every shape kept, lora_alpha or dropout changed, or a tokenizer
     whose ids are shuffled: each is named, never resumed and trained on without a word. Generated: any key of the
-    model's config.json but the free ones, any LoRA key, a shuffled vocabulary; the same settings in another order match."""
+    model's config.json but the free ones, any LoRA key, a shuffled vocabulary; the same settings in another order
+    match."""
     import random
 
     from peft import LoraConfig

@@ -260,7 +260,8 @@ def _unpickling_calls(path: Path) -> list[tuple[str, int, str]]:
 
 
 def test_only_the_allow_listed_readers_unpickle():
-    """Plain pickle only in ckpt/dcp_pickles.py (on bytes its allow-list vetted), torch.load only with weights_only=True,
+    """Plain pickle only in ckpt/dcp_pickles.py (on bytes its allow-list vetted), torch.load only with
+    weights_only=True,
     and a DCP load only in readers.py, which guards torch's reader first. The scan can fail: it finds the known ones."""
     repo = REPO
     files = [

@@ -2,7 +2,8 @@
 template; model_description.json records each one's hash when the save completes) are part of the checkpoint as the
 run left it. One deleted, cut short or changed since is a problem for check_checkpoint and the resume, and the merge
 refuses it, each naming the file and the fix (taken as it was, a deleted config.json would let a resume build the
-model from whatever config it was given, a truncated chat_template.jinja be copied into the merged folder); generated over every recorded file and four ways of changing it."""
+model from whatever config it was given, a truncated chat_template.jinja be copied into the merged folder); generated
+over every recorded file and four ways of changing it."""
 
 from __future__ import annotations
 
@@ -60,7 +61,10 @@ def test_a_recorded_file_changed_since_is_named_by_the_check_the_resume_and_the_
 ):
     ckpt = run_dir / "checkpoint-12"
     change(ckpt / name)
-    said = f"{name} is {'missing' if change is deleted else 'not as the run wrote it'} (checkpoint-12/model_description.json records the hash"
+    said = (
+        f"{name} is {'missing' if change is deleted else 'not as the run wrote it'} "
+        "(checkpoint-12/model_description.json records the hash"
+    )
 
     assert cli("check_checkpoint", [str(ckpt)]) == 1
     out = capsys.readouterr().out
@@ -103,7 +107,8 @@ def test_config_from_base_model_and_a_removed_record_let_the_merge_go_on(run_dir
 
 @pytest.mark.parametrize("how", ["a fifo", "a folder", "cut short", "no files list"])
 def test_a_record_that_is_itself_damaged_is_named_too(run_dir, how, capsys):  # noqa: F811
-    """model_description.json itself damaged (a FIFO, ...) is named: the check never skips the seal and says resumable."""
+    """model_description.json itself damaged (a FIFO, ...) is named: the check never skips the seal and says
+    resumable."""
     import os
 
     manifest = run_dir / "checkpoint-12" / "model_description.json"

@@ -152,7 +152,8 @@ def test_cli_one_checkpoint_a_run_and_json(run_dir):
     proc = run(["python", TOOL, str(run_dir / "checkpoint-12")])
     assert proc.returncode == 1
     assert proc.stdout.strip() == (
-        "checkpoint-12 (step 12, FSDP2, FULL_SHARD, SHARDED_STATE_DICT, 2 rank(s)): INCOMPLETE: missing optimizer_0/.metadata"
+        "checkpoint-12 (step 12, FSDP2, FULL_SHARD, SHARDED_STATE_DICT, 2 rank(s)): INCOMPLETE: missing "
+        "optimizer_0/.metadata"
     )
     proc = run(["python", TOOL, str(run_dir)])
     assert proc.returncode == 0

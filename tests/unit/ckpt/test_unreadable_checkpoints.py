@@ -1,4 +1,5 @@
-"""A checkpoint another torch version wrote (a cluster filesystem shared by jobs of several versions) is "unreadable by this version", never
+"""A checkpoint another torch version wrote (a cluster filesystem shared by jobs of several versions) is "unreadable by
+this version", never
 "incomplete". A ``.metadata`` naming a dtype or DCP class the installed torch does not have is not passed over by
 ``--resume_from_checkpoint true``, not set aside, and no message offers ``--overwrite_output_dir`` for it; a dtype
 torch has but the merge does not convert is resumable, and the merge refuses it in one line.
@@ -131,7 +132,8 @@ def run_dir(tmp_path) -> Path:
 
 
 def test_the_dtype_list_is_this_torchs():
-    """TORCH_DTYPE_NAMES is written out (torch_names.py imports no torch); it must not drift from the installed torch."""
+    """TORCH_DTYPE_NAMES is written out (torch_names.py imports no torch); it must not drift from the installed
+    torch."""
     assert TORCH_DTYPE_NAMES == {n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
 
 
@@ -155,14 +157,17 @@ def test_another_versions_metadata_is_unreadable_by_this_version_not_incomplete(
     status = checkpoint_status(ckpt)
     assert not status.resumable and status.may_be_complete and status.problems == [], status
     assert (
-        status.unreadable
-        == f"{folder}/.metadata names {named}, a {'dtype' if 'dtype' in case else 'DCP class'} torch {torch_version()} does not know"
+        status.unreadable == f"{folder}/.metadata names {named}, a {'dtype' if 'dtype' in case else 'DCP class'} torch "
+        f"{torch_version()} does not know"
     )
     assert "UNREADABLE BY THIS VERSION" in status.summary() and "INCOMPLETE" not in status.summary()
     assert status.to_dict()["may_be_complete"] is True
 
     # the readers' own exception: a CheckpointError of its own type, not UnsafeCheckpointError
-    version = f"unreadable by this version: .*{named}, a .* torch {re.escape(torch_version())} does not know; another torch version wrote it"
+    version = (
+        f"unreadable by this version: .*{named}, a .* torch {re.escape(torch_version())} does not know; "
+        "another torch version wrote it"
+    )
     if layout_reads:
         assert read_layout(ckpt / folder).tensors
     else:
@@ -184,7 +189,8 @@ def test_another_versions_metadata_is_unreadable_by_this_version_not_incomplete(
     # asked for by path: the same kind of line, offering the newest checkpoint this version reads
     with pytest.raises(
         RecipeError,
-        match=f"cannot resume from checkpoint-12 .*UNREADABLE BY THIS VERSION .*{named}.* or resume from {run_dir / 'checkpoint-6'}",
+        match=f"cannot resume from checkpoint-12 .*UNREADABLE BY THIS VERSION .*{named}.* or resume from "
+        f"{run_dir / 'checkpoint-6'}",
     ):
         resolve_resume(str(ckpt), str(run_dir))
 
@@ -221,7 +227,8 @@ def test_another_versions_metadata_is_unreadable_by_this_version_not_incomplete(
     elif folder == MODEL:
         with pytest.raises(
             CheckpointError,
-            match=f"checkpoint-12 in {run_dir} is unreadable by this version: .*{named}.*or merge an earlier checkpoint-N",
+            match=f"checkpoint-12 in {run_dir} is unreadable by this version: .*{named}.*or merge an earlier "
+            "checkpoint-N",
         ):
             resolve_input(run_dir)
     else:

@@ -409,7 +409,8 @@ def test_save_only_model_is_refused_under_every_config(tmp_path, config, capsys)
     assert not [p for p in check_config(path, str(recipe)) if p.key == "save_only_model"]
 
 
-# Checkpoints whose weights are pickle files, as transformers 4's Trainer wrote them with save_safetensors=false (with and
+# Checkpoints whose weights are pickle files, as transformers 4's Trainer wrote them with save_safetensors=false (with
+# and
 # without its optimizer state) and peft's .bin adapter: never unpickled here, so never judged complete or not; kept
 PICKLED = {
     "bin weights only": ["pytorch_model.bin"],

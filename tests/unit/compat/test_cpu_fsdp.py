@@ -20,7 +20,8 @@ for env in json.loads(sys.argv[1]):
     torch.accelerator.is_available = (lambda: True) if "SIMULATE_ACCELERATOR" in env else lambda: False
     before = s.AcceleratorState.__init__
     active = cpu_fsdp.enable()
-    print(active, s.AcceleratorState.__init__ is not before, os.environ.get("ACCELERATE_USE_CPU"), torch.Tensor.pin_memory.__name__ == "<lambda>")
+    patched = s.AcceleratorState.__init__ is not before
+    print(active, patched, os.environ.get("ACCELERATE_USE_CPU"), torch.Tensor.pin_memory.__name__ == "<lambda>")
 """
 
 

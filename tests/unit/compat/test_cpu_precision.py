@@ -34,12 +34,15 @@ Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpui
 CPU implementer\t: 0x41
 CPU part\t: 0xd0c
 """
-NEOVERSE_V1 = """processor\t: 0
-BogoMIPS\t: 2100.00
-Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng
-CPU implementer\t: 0x41
-CPU part\t: 0xd40
-"""
+NEOVERSE_V1 = (
+    "processor\t: 0\n"
+    "BogoMIPS\t: 2100.00\n"
+    "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop "
+    "sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm "
+    "bf16 dgh rng\n"
+    "CPU implementer\t: 0x41\n"
+    "CPU part\t: 0xd40\n"
+)
 POWER9 = """processor\t: 0
 cpu\t\t: POWER9, altivec supported
 clock\t\t: 2300.000000MHz
@@ -94,8 +97,10 @@ def test_bf16_from_the_launcher_computes_in_fp32_without_native_bf16(no_accelera
     decision = choose_cpu_precision(False, False, env=env, cpuinfo=EPYC_AVX2)
     assert env["ACCELERATE_MIXED_PRECISION"] == "no" and decision.mixed_precision == "no"
     assert decision.line() == (
-        "bf16 mixed precision (accelerate's mixed_precision: bf16) computes in fp32 here: this CPU (AMD EPYC 7B13) has no "
-        "native bf16 instructions (no avx512_bf16 or amx_bf16 in /proc/cpuinfo's flags), so bf16 runs many times slower "
+        "bf16 mixed precision (accelerate's mixed_precision: bf16) computes in fp32 here: this CPU (AMD EPYC "
+        "7B13) has no "
+        "native bf16 instructions (no avx512_bf16 or amx_bf16 in /proc/cpuinfo's flags), so bf16 runs many "
+        "times slower "
         "than fp32; --cpu_bf16 true keeps bf16"
     )
     assert decision.record() == {

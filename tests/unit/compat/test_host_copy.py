@@ -151,7 +151,8 @@ def test_an_optimizer_that_moves_weights_outside_its_step_keeps_the_host_copy():
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_background_saves_ask_accelerate_for_the_shards_where_they_live(fails):
-    """accelerate's FSDP2 sharded saves ask torch for state dicts with cpu_offload (ShardedStateDictConfig(offload_to_cpu=True)):
+    """accelerate's FSDP2 sharded saves ask torch for state dicts with cpu_offload
+    (ShardedStateDictConfig(offload_to_cpu=True)):
     on a GPU every save copied each shard into new pageable memory on the training thread, and the copies, host
     tensors, were then written "in place" with the next optimizer step held for the write (seen on an H200: 7.6 s,
     bench/results/h200/gpu-check-1). Inside our background save accelerate's own options say no offload (GPU shards

@@ -1,4 +1,5 @@
-"""Private symbols of torch/accelerate/transformers/huggingface_hub: all named in fsdp_recipes/compat/internals.py, all there
+"""Private symbols of torch/accelerate/transformers/huggingface_hub: all named in fsdp_recipes/compat/internals.py, all
+there
 in the pinned versions, and a missing one stops with a line naming it instead of a dead patch."""
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def test_no_library_private_is_reached_around_the_registry():
 def test_the_scanner_finds_what_it_must():
     snippet = (
         "from torch.distributed.fsdp import _flat_param\nfrom torch.distributed.fsdp._init_utils import x\n"
-        "def f(m):\n    return m._handle\nclass T:\n    def _mine(self):\n        return self._mine, super()._unknown()\n"
+        "def f(m):\n    return m._handle\nclass T:\n    def _mine(self):\n        return self._mine, "
+        "super()._unknown()\n"
     )
     found = bypasses({"snippet.py": snippet})
     assert [f.split(": ", 1)[1] for f in found] == [
@@ -181,7 +183,8 @@ def test_a_missing_symbol_stops_cpu_fsdp_before_anything_is_patched():
         "from fsdp_recipes.compat import cpu_fsdp, internals\n"
         "before = s.AcceleratorState.__init__\n"
         "try:\n    cpu_fsdp.enable()\nexcept internals.InternalsChanged as err:\n    print(err)\n"
-        "print(s.AcceleratorState.__init__ is before, os.environ.get('ACCELERATE_USE_CPU'), torch.Tensor.pin_memory.__name__)\n"
+        "print(s.AcceleratorState.__init__ is before, os.environ.get('ACCELERATE_USE_CPU'), "
+        "torch.Tensor.pin_memory.__name__)\n"
     )
     proc = run(["env", "-u", "ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP=true", "WORLD_SIZE=2", "python", "-c", code])
     assert proc.returncode == 0, proc.stderr

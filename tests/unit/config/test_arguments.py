@@ -156,7 +156,8 @@ def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs").mkdir()
     assert "does not exist" in model_source_problem("outputs/my-run", weights=True)  # a path, not a hub id
-    # online and not in the cache: the hub is asked once (this machine cannot reach it: one line, not a minute of retries)
+    # online and not in the cache: the hub is asked once (this machine cannot reach it: one line, not a minute of
+    # retries)
     assert "the hub cannot be reached" in model_source_problem("meta-llama/Llama-3.2-1B", weights=True)
     import huggingface_hub.constants
 
@@ -336,7 +337,8 @@ def test_a_tokenizer_comes_from_its_own_files(tmp_path):
     common = ["--output_dir", str(tmp_path / "o"), *NO_FSDP]
     with pytest.raises(
         RecipeError,
-        match=r"tokenizer_name='.*config' \(from config_name: none was given\) has no tokenizer files .*pass --tokenizer_name",
+        match=r"tokenizer_name='.*config' \(from config_name: none was given\) has no tokenizer files .*pass "
+        r"--tokenizer_name",
     ):
         parse_args(["--config_name", str(config_only), *common])
     model_args, _, _ = parse_args(["--config_name", str(config_only), "--tokenizer_name", str(tokenizer_only), *common])
@@ -478,7 +480,8 @@ EVAL_DATA = ("--validation_split_percentage", "10")
     ],
 )
 def test_do_flags_the_trainer_ignores_are_refused_where_they_would_mean_otherwise(tmp_path, flags, words):
-    """The Trainer never reads do_train, do_eval, do_predict; this script trains always and evaluates exactly when it has
+    """The Trainer never reads do_train, do_eval, do_predict; this script trains always and evaluates exactly when it
+    has
     evaluation data: --do_train false trained, --do_eval true without data evaluated nothing, without a word."""
     argv = [*flags, "--output_dir", str(tmp_path), *NO_FSDP]
     if words is None:

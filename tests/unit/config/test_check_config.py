@@ -543,7 +543,10 @@ def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
     default = tmp_path / "hf" / "accelerate" / "default_config.yaml"
     default.parent.mkdir(parents=True)
     default.write_text(config.read_text())
-    typo = "fsdp_config.fsdp_offload_param: unknown key (accelerate would silently ignore it); fix: did you mean fsdp_offload_params?"
+    typo = (
+        "fsdp_config.fsdp_offload_param: unknown key (accelerate would silently ignore it); fix: did you "
+        "mean fsdp_offload_params?"
+    )
     out = tmp_path / "out"
     port = ["--main_process_port", str(free_port())]
     launches = [
@@ -608,7 +611,8 @@ dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (1,))
 for name in OptimizerNames:
     try:
-        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir="unused", optim=name.value, report_to=[], use_cpu=True))
+        args = TrainingArguments(output_dir="unused", optim=name.value, report_to=[], use_cpu=True)
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
     except (ImportError, ValueError):
         continue  # a package or device this machine lacks
     params = [torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))]

@@ -239,7 +239,10 @@ HOSTILE = (
     "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
     "{% for m in messages %}{{ m.content }}{% endfor %}"
 )
-PLAIN = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+PLAIN = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt "
+    "%}<|assistant|>{% endif %}"
+)
 CHAT = (
     "--train_file",
     str(REPO / "assets" / "data" / "tiny_chat.jsonl"),
@@ -299,7 +302,8 @@ def test_the_limit_is_kept_off_other_threads():
 
 def test_a_template_that_raises_is_one_line(tmp_path):
     tokenizer = chat_tokenizer(
-        "{% if messages[0].role == 'user' %}{{ raise_exception('Conversation roles must alternate system/user') }}{% endif %}"
+        "{% if messages[0].role == 'user' %}{{ raise_exception('Conversation roles must alternate "
+        "system/user') }}{% endif %}"
     )
     with pytest.raises(RecipeError) as err:
         build(tmp_path, tokenizer, *CHAT)

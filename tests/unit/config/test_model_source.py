@@ -512,7 +512,8 @@ def test_the_tools_ask_the_hub_once_for_a_model_id_not_in_the_cache(monkeypatch)
 
 @pytest.mark.parametrize("name", ["my model", "-bad", "ok/ok--x", "a" * 120])
 def test_a_name_that_is_neither_a_folder_nor_a_hub_id_is_one_line(name, tmp_path, monkeypatch):
-    """(re-read of the change) the hub probe's cache lookup raised huggingface_hub's validation error from parse_args."""
+    """(re-read of the change) the hub probe's cache lookup raised huggingface_hub's validation error from
+    parse_args."""
     from fsdp_recipes.config.model_source import model_source_problem
 
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,5 @@
-"""Every shipped accelerate config loads with accelerate's own loader, passes launch validation, and documents itself."""
+"""Every shipped accelerate config loads with accelerate's own loader, passes launch validation, and documents
+itself."""
 
 from __future__ import annotations
 

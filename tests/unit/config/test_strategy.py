@@ -283,7 +283,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStr
 from fsdp_recipes.train.sharding import fsdp1_runs_as
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 for name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-    print(name, fsdp1_runs_as(FSDP(torch.nn.Linear(4, 4), sharding_strategy=ShardingStrategy[name], device_id=torch.device("cpu"))))
+    wrapped = FSDP(torch.nn.Linear(4, 4), sharding_strategy=ShardingStrategy[name], device_id=torch.device("cpu"))
+    print(name, fsdp1_runs_as(wrapped))
 print("plain", fsdp1_runs_as(torch.nn.Linear(2, 2)))
 """
 

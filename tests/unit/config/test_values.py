@@ -220,7 +220,8 @@ def test_flag_forms(tmp_path):
     one line says how to write it. A whole number written as a float is named with its digits."""
     with pytest.raises(
         RecipeError,
-        match=r"^max_steps=-5 is less than 1: give a positive number of optimizer steps, or -1 to train num_train_epochs$",
+        match=r"^max_steps=-5 is less than 1: give a positive number of optimizer steps, or -1 to train "
+        r"num_train_epochs$",
     ):
         parse(tmp_path, "--max_steps", "-5")
     with pytest.raises(RecipeError, match=r"^weight_decay=-inf would be read as a flag: write --weight_decay=-inf$"):
@@ -256,7 +257,8 @@ def test_flag_forms(tmp_path):
         (["--output_dir", "  "], "output_dir='  ' is empty"),
         (
             ["--learning_rate", "0.5", "--weight_decay", "2"],
-            "weight_decay=2 with learning_rate=0.5 would multiply every weight by 1 - learning_rate x weight_decay = 0 each step",
+            "weight_decay=2 with learning_rate=0.5 would multiply every weight by 1 - learning_rate x "
+            "weight_decay = 0 each step",
         ),
         (["--seed", "4294967296"], "seed=4294967296 is more than 4294967295: give a seed from 0 to 4294967295"),
     ],
@@ -405,7 +407,8 @@ def test_profile_steps_beyond_an_epoch_based_run_are_refused():
     assert check_run_length(run_args(max_steps=10), 100, "9-10") == 10  # max_steps sets the end, not the epochs
     with pytest.raises(
         RecipeError,
-        match=r"profile_steps=11 ends after the run's 10 optimizer steps \(max_steps=10\): profile steps within the run, e.g. 10-10$",
+        match=r"profile_steps=11 ends after the run's 10 optimizer steps \(max_steps=10\): profile steps within "
+        r"the run, e.g. 10-10$",
     ):
         check_run_length(run_args(max_steps=10), 100, "11")
 

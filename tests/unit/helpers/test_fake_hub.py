@@ -107,8 +107,8 @@ repo = api.create_repo("tiny", exist_ok=True)  # no namespace: the user's
 api.upload_file(repo_id=repo.repo_id, path_or_fileobj=b"on main", path_in_repo="keep/a.txt")
 api.create_branch(repo.repo_id, branch="run/1", exist_ok=True)
 api.create_branch(repo.repo_id, branch="run/1", exist_ok=True)  # a 409, which exist_ok takes
-commit = api.create_commit(repo.repo_id, [CommitOperationAdd("b.txt", b"on the branch"), CommitOperationDelete("keep/")],
-                           revision="run/1", commit_message="m")
+operations = [CommitOperationAdd("b.txt", b"on the branch"), CommitOperationDelete("keep/")]
+commit = api.create_commit(repo.repo_id, operations, revision="run/1", commit_message="m")
 print(json.dumps(repo.repo_id))
 """,
     )

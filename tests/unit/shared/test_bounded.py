@@ -290,7 +290,8 @@ def test_recipe(yaml_files, case, capsys):
 
 
 def test_launcher_reads_the_config_in_force_within_bounds(yaml_files, monkeypatch):
-    """train_fsdp.py rebuilds the settings of its `accelerate launch` from the config file (fsdp_recipes.config.launcher):
+    """train_fsdp.py rebuilds the settings of its `accelerate launch` from the config file
+    (fsdp_recipes.config.launcher):
     a refused file is a RecipeError, which train_fsdp.py prints as its one error line."""
     from fsdp_recipes.config import launcher
     from fsdp_recipes.errors import UnreadableFile
@@ -299,7 +300,8 @@ def test_launcher_reads_the_config_in_force_within_bounds(yaml_files, monkeypatc
         argv = ["--config_file", yaml_files[case], "train_fsdp.py"]
         with pytest.raises(UnreadableFile, match=f"^accelerate config '{yaml_files[case]}' "):
             launcher.from_launch_args(argv, Path.cwd())
-        monkeypatch.setattr(launcher, "find_accelerate_launch", lambda: (argv, Path.cwd()))  # as if launched so  # noqa: B023 (called at once, in the loop)
+        # as if launched so  # noqa: B023 (called at once, in the loop)
+        monkeypatch.setattr(launcher, "find_accelerate_launch", lambda: (argv, Path.cwd()))
         with pytest.raises(RecipeError, match=f"^accelerate config '{yaml_files[case]}' "):
             launcher.launch_settings()
 

@@ -2,7 +2,8 @@
 fsdp_recipes.compat.async_dcp): the bytes are exactly an ordinary write's for every size and way of writing them,
 every way the filesystem can refuse O_DIRECT ends in the same bytes through the page cache, and DCP's files (written
 by torch itself, single process) are the same files. The multi-process runs that write checkpoints this way and
-resume from them bit-exact are tests/integration/test_async_checkpoints.py and tests/integration/test_fault_tolerance.py."""
+resume from them bit-exact are tests/integration/test_async_checkpoints.py and
+tests/integration/test_fault_tolerance.py."""
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def _open_descriptors() -> set[str]:
 
 def test_ctrl_c_at_any_line_of_sync_entries_leaks_no_descriptor(tmp_path, monkeypatch):
     """An interrupt anywhere in sync_entries leaks no descriptor (the folder it opens with os.open is closed even when
-    the interrupt lands between the open and the try that closes it). Generated: a KeyboardInterrupt at each line, in turn, that
+    the interrupt lands between the open and the try that closes it). Generated: a KeyboardInterrupt at each line, in
+    turn, that
     this module runs in the caller's thread for one sync_entries, until a call runs through; then, once every thread
     the calls started has ended (one may not even have run when the interrupt reaches the caller), none is open."""
     started, ended = [], []
@@ -217,7 +219,8 @@ def test_a_filesystem_that_refuses_a_direct_write_midway_gets_the_rest_through_t
         if _is_direct(fd) and len(calls) == 2:
             if refusal.startswith("EINVAL"):
                 raise OSError(errno.EINVAL, "Invalid argument")
-            # written, but short and unaligned (a FUSE daemon may do it; the kernel would refuse an unaligned direct write)
+            # written, but short and unaligned (a FUSE daemon may do it; the kernel would refuse an
+            # unaligned direct write)
             plain = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
             try:
                 return real_pwrite(plain, memoryview(data)[: BLOCK + 100], offset)
@@ -260,7 +263,8 @@ def test_another_error_is_raised_and_abort_writes_no_tail(tmp_path, monkeypatch)
 
 def test_the_caller_fills_one_buffer_while_the_other_is_written(tmp_path, monkeypatch):
     """Two buffers take turns: a write of a full chunk runs in the writer thread, and the caller's next bytes go into
-    the other buffer meanwhile (with one buffer the device waited for every copy: 3 GB in 2.3-3.2 s against 1.4-1.7 s)."""
+    the other buffer meanwhile (with one buffer the device waited for every copy: 3 GB in 2.3-3.2 s against 1.4-1.7
+    s)."""
     import threading
 
     real_pwrite, went_on, seen = os.pwrite, threading.Event(), []
@@ -695,7 +699,8 @@ class _Interrupts:
 @pytest.mark.parametrize("seed", range(3))
 def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_nor_a_hang(tmp_path, monkeypatch, seed):
     """Ctrl-C landing inside a hand-off (between queueing a buffer and counting it, inside concurrent.futures' locks)
-    never lets a later close succeed on a file with a gap, nor abort wait for good. Generated: a KeyboardInterrupt raised at each line, in turn, that this module runs for a sequence of writes,
+    never lets a later close succeed on a file with a gap, nor abort wait for good. Generated: a KeyboardInterrupt
+    raised at each line, in turn, that this module runs for a sequence of writes,
     copies and a close (64 KiB chunks, so every hand-off is reached); then the caller goes on as if nothing happened.
     A close that succeeds gave every piece whole or not at all (the one cut short entirely in or entirely out: a write
     cut short after it changed anything fails every later call), and after a close cut short the whole file; nothing
@@ -868,7 +873,8 @@ def test_a_forked_child_does_not_wait_for_the_parents_writer_thread(tmp_path, mo
 
 def test_an_exception_as_the_open_returns_leaves_no_descriptor_open(tmp_path, monkeypatch):
     """A signal's exception right after os.open returned, before the number is stored, leaves no descriptor open and
-    owned by nothing (unguarded: 10,923 descriptors in ~46k real interrupts). Simulated at that point, however the file is
+    owned by nothing (unguarded: 10,923 descriptors in ~46k real interrupts). Simulated at that point, however the file
+    is
     opened: the descriptor exists, then KeyboardInterrupt."""
     import gc
 

@@ -270,7 +270,8 @@ def test_an_unreadable_folder_is_named_and_rotation_goes_on(tmp_path, monkeypatc
     said = []
     assert [p.name for p in rotate(run, 1, warn=said.append)] == ["checkpoint-1"]
     assert said == [
-        "save_total_limit: kept checkpoint-2, not a checkpoint holding nothing else (unreadable: Permission denied); move it away"
+        "save_total_limit: kept checkpoint-2, not a checkpoint holding nothing else (unreadable: Permission "
+        "denied); move it away"
     ]
 
 
@@ -359,7 +360,8 @@ def test_overwrite_output_dir_refuses_a_checkpoint_holding_other_files(tmp_path,
     (run / "checkpoint-3" / "notes.txt").write_text("mine")
     with pytest.raises(
         RecipeError,
-        match="checkpoint-3 is not a training checkpoint holding nothing else .it holds notes.txt, which a checkpoint does not",
+        match="checkpoint-3 is not a training checkpoint holding nothing else .it holds notes.txt, which a "
+        "checkpoint does not",
     ):
         check_output_dir(str(run), resuming=False, overwrite=True)
     assert (run / "checkpoint-3" / "notes.txt").is_file()
@@ -529,7 +531,8 @@ def test_every_delete_in_the_libraries_a_run_goes_through_is_known_and_cannot_re
         found |= _deletes_by_function(inspect.getsource(importlib.import_module(module)), module)
     known = {key: count for key, (count, _) in LIBRARY_DELETES.items()}
     assert found == known, (
-        f"new or changed: {sorted(set(found.items()) - set(known.items()))}; gone: {sorted(set(known.items()) - set(found.items()))}"
+        f"new or changed: {sorted(set(found.items()) - set(known.items()))}; gone: "
+        f"{sorted(set(known.items()) - set(found.items()))}"
     )
     from fsdp_recipes.train.trainer import FSDPTrainer
 
@@ -573,7 +576,8 @@ def test_a_stock_trainers_finished_run_is_not_taken_for_ours(tmp_path):
     for resuming in (False, True):
         with pytest.raises(
             RecipeError,
-            match=r"holds another tool's model or run \(.*no run_args.json, which every run of this repository writes first\)",
+            match=r"holds another tool's model or run \(.*no run_args.json, which every run of this repository "
+            r"writes first\)",
         ):
             check_output_dir(str(out), resuming=resuming, overwrite=True)
     assert _snapshot(out) == before

@@ -441,7 +441,8 @@ def test_check_checkpoint_names_the_final_model_in_either_layout(tmp_path):
     assert lines == {
         "new": f"final model: {new / 'model'}",
         "old": f"final model: {old} (written by an earlier version, beside the checkpoints)",
-        "unfinished": "final model: none yet (the run has not finished; tools/merge_checkpoint.py makes one from a checkpoint)",
+        "unfinished": "final model: none yet (the run has not finished; tools/merge_checkpoint.py makes one "
+        "from a checkpoint)",
     }
 
 
@@ -541,7 +542,8 @@ def test_an_entry_of_a_run_s_name_that_is_not_a_file_or_folder_is_foreign(tmp_pa
 
 def test_a_hard_linked_record_is_foreign_and_the_run_refused_before_it_writes(tmp_path):
     """A hard link named run_args.json (`cp -al run run.bak`, or one to any file) is never written through (a run
-    rewriting its records would rewrite the other name's file). Generated over every file name a run writes at the top of
+    rewriting its records would rewrite the other name's file). Generated over every file name a run writes at the top
+    of
     output_dir: each, hard-linked, is named, and check_output_dir refuses the folder with that name and touches
     neither file. The same names as files of their own pass."""
     import os

@@ -201,7 +201,8 @@ def test_a_pid_no_process_can_have_is_stale_not_a_traceback(tmp_path, no_posix_l
 
 
 def _holding(folder, how: str = "LOCK_EX") -> subprocess.Popen:
-    """A real process holding a kernel lock on ``folder`` (LOCK_EX: as train_fsdp.py's rank 0 does) until its stdin closes."""
+    """A real process holding a kernel lock on ``folder`` (LOCK_EX: as train_fsdp.py's rank 0 does) until its stdin
+    closes."""
     code = (
         f"import fcntl, os, sys\nfd = os.open({str(folder)!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.{how})\n"
         "print('held', flush=True)\nsys.stdin.read()"
