@@ -300,8 +300,8 @@ def test_launcher_reads_the_config_in_force_within_bounds(yaml_files, monkeypatc
         argv = ["--config_file", yaml_files[case], "train_fsdp.py"]
         with pytest.raises(UnreadableFile, match=f"^accelerate config '{yaml_files[case]}' "):
             launcher.from_launch_args(argv, Path.cwd())
-        # as if launched so  # noqa: B023 (called at once, in the loop)
-        monkeypatch.setattr(launcher, "find_accelerate_launch", lambda: (argv, Path.cwd()))
+        # as if launched so (the lambda is called at once, in the loop)
+        monkeypatch.setattr(launcher, "find_accelerate_launch", lambda: (argv, Path.cwd()))  # noqa: B023
         with pytest.raises(RecipeError, match=f"^accelerate config '{yaml_files[case]}' "):
             launcher.launch_settings()
 
