@@ -8,6 +8,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from fsdp_recipes.bounded import JSON_LIMIT, read_text
 from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.errors import RecipeError
 
@@ -26,7 +27,7 @@ def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments
     elif path is not None:
         path = Path(path).expanduser()
         if path.is_file():
-            tokenizer.chat_template = path.read_text()
+            tokenizer.chat_template = read_text(path, "chat_template_path", JSON_LIMIT)
         else:
             source = AutoTokenizer.from_pretrained(str(path), trust_remote_code=args.trust_remote_code)
             tokenizer.chat_template = source.chat_template
