@@ -141,7 +141,7 @@ if os.environ.get("FSDP_FAULT"):
                 os.kill(os.getpid(), getattr(signal, f"SIG{step}"))
             return load_model(*args, **kwargs)
 
-        load_model = fsdp_recipes.train.modeling.load_model  # train_fsdp.py imports it by name after this
+        load_model = fsdp_recipes.train.modeling.load_model  # run.py imports it by name after this
         fsdp_recipes.train.modeling.load_model = load_model_after_signal
     elif point == "final":
         import fsdp_recipes.train.export
@@ -151,7 +151,7 @@ if os.environ.get("FSDP_FAULT"):
                 _die()
             return save_final_model(*args, **kwargs)
 
-        save_final_model = fsdp_recipes.train.export.save_final_model  # train_fsdp.py imports it by name after this
+        save_final_model = fsdp_recipes.train.export.save_final_model  # run.py imports it by name after this
         fsdp_recipes.train.export.save_final_model = save_final_model_or_die
     elif point == "slowexport":
         import time
