@@ -1,8 +1,8 @@
 """Estimate per-GPU memory of FSDP (or DDP, ZeRO-1) training and list which shipped configs fit.
 
     python tools/estimate_memory.py 7B --nproc-per-node 4 --strategy FULL_SHARD
-    python tools/estimate_memory.py assets/tiny-llama --config accelerate_configs/zero2.yaml --micro-batch 8 --seq-len
-    128
+    python tools/estimate_memory.py assets/tiny-llama --config accelerate_configs/zero2.yaml --micro-batch 8 \
+        --seq-len 128
     python tools/estimate_memory.py meta-llama/Llama-3.1-8B --nproc-per-node 8 --gpu-memory 80GiB --json
 
 Formula (model states, mixed precision with fp32 master weights and Adam): 16 bytes per parameter P

@@ -6,8 +6,7 @@
     python tools/merge_checkpoint.py CKPT --inspect                            # what is inside, no writing
     python tools/merge_checkpoint.py lightning.ckpt OUT --base-model BASE      # another tool's checkpoint
     python tools/merge_checkpoint.py PEFT_CKPT OUT --adapter-only              # a LoRA run: the adapter alone
-    python tools/merge_checkpoint.py PEFT_CKPT OUT --base-model BASE           # a LoRA run's adapter-only checkpoint +
-    its base
+    python tools/merge_checkpoint.py PEFT_CKPT OUT --base-model BASE           # adapter-only checkpoint + its base
 
 Checkpoints from other tools are accepted: raw torch DCP (flat names), torch's get_state_dict beside its
 optimizer, accelerate and the stock Trainer, Lightning, PEFT LoRA (merged, or --adapter-only). The weights
