@@ -58,14 +58,15 @@ PRIVATE: dict[str, tuple[str, str]] = {
         INSTANCE,
         "sharding: padding in the shard",
     ),
+    # fsdp_recipes/train/optimizer.py: ZeRO-1's optimizer
+    "torch.distributed.optim.ZeroRedundancyOptimizer._all_state_dicts": (
+        INSTANCE,
+        "optimizer: ZeRO-1 state gathered in one copy",
+    ),
     # fsdp_recipes/train/trainer.py: FSDPTrainer
     "torch.distributed.checkpoint.state_dict._init_optim_state": (
         MODULE,
         "trainer: FSDP1 sharded resume restores Adam",
-    ),
-    "torch.distributed.optim.ZeroRedundancyOptimizer._all_state_dicts": (
-        INSTANCE,
-        "trainer: ZeRO-1 state gathered in one copy",
     ),
     "transformers.Trainer._save_checkpoint": (OVERRIDE, "trainer: no rewrite in place; rotation after every rank"),
     "transformers.Trainer._finalize_training": (

@@ -413,7 +413,7 @@ def test_a_changed_optimizer_setting_is_named_never_dropped(seed):
     the flag that sets it and both values; implementation flags and the scheduled lr of the moment are not settings."""
     import random
 
-    from fsdp_recipes.train.trainer import optimizer_settings, overridden_settings
+    from fsdp_recipes.train.optimizer import optimizer_settings, overridden_settings
 
     rng = random.Random(seed)
     asked = [dict(ADAMW_GROUP, weight_decay=0.01), dict(ADAMW_GROUP)]
