@@ -1,13 +1,13 @@
 """Ground truth on one GPU: everything a person needs to judge this repository there, written under one folder.
 
-    bash bench/gpu_wheels.sh                                  # here, with network: what the GPU image lacks ->
-    bench/wheels/
-    python3 bench/gpu_check.py --part 1 --install-wheels --output OUT   # on the GPU: environment, pytest -m gpu, FSDP2
-    configs
-    python3 bench/gpu_check.py --part 2 --output OUT                    # FSDP1 and DDP configs, LoRA, QLoRA, scaling,
-    the stall
-    python3 bench/gpu_check.py --part all --install-wheels --output OUT # a visit of one command: both, what matters
-    most first
+    # here, with network: what the GPU image lacks -> bench/wheels/
+    bash bench/gpu_wheels.sh
+    # on the GPU: environment, pytest -m gpu, FSDP2 configs
+    python3 bench/gpu_check.py --part 1 --install-wheels --output OUT
+    # FSDP1 and DDP configs, LoRA, QLoRA, scaling, the stall
+    python3 bench/gpu_check.py --part 2 --output OUT
+    # a visit of one command: both, what matters most first
+    python3 bench/gpu_check.py --part all --install-wheels --output OUT
 
 Each part stays under --budget seconds (default 560: one device command may run 600) and skips, with the reason,
 what would not fit. The GPU machine has no network: `bench/wheels/` (carried beside the tree) holds the pinned
