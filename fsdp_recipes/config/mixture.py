@@ -21,9 +21,38 @@ def _entries(value, what: str) -> list[dict]:
     return value
 
 
+def _names(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+# What each key of a mixture's dataset entry holds, as the formats' own scripts pass it to datasets.load_dataset
+ENTRY_TYPES = {
+    "id": (lambda v: isinstance(v, str), "a dataset id or folder"),
+    "path": (lambda v: isinstance(v, str), "a dataset id or folder"),
+    "config": (lambda v: isinstance(v, str), "a config name"),
+    "name": (lambda v: isinstance(v, str), "a config name"),
+    "split": (lambda v: isinstance(v, str), "a split name"),
+    "data_dir": (lambda v: isinstance(v, str), "a folder in the dataset"),
+    "columns": (_names, "a list of column names"),
+    "data_files": (
+        lambda v: (
+            isinstance(v, str)
+            or _names(v)
+            or (isinstance(v, dict) and all(isinstance(f, str) or _names(f) for f in v.values()))
+        ),
+        "a file, a list of files, or a mapping of split to files",
+    ),
+}
+
+
 def _check_keys(entry: dict, allowed: tuple, what: str) -> None:
+    """Only ``allowed`` keys, each (when set) holding what ENTRY_TYPES says it holds."""
     if other := sorted(set(entry) - set(allowed)):
         raise RecipeError(f"{what}: unknown key(s) {', '.join(other)} (known: {', '.join(allowed)})")
+    for key, value in entry.items():
+        holds, shape = ENTRY_TYPES.get(key, (lambda v: True, ""))
+        if value is not None and not holds(value):
+            raise RecipeError(f"{what}.{key}: {value!r:.80} is not {shape}")
 
 
 def _share(value, what: str, most: float | None) -> float:
@@ -84,6 +113,10 @@ def normalize_mixture(recipe: dict) -> dict | None:
             raise RecipeError("dataset_mixer: give a mapping of dataset ids to the share of their training rows kept")
         splits = recipe.get("dataset_splits") or ["train", "test"]
         configs = recipe.get("dataset_configs") or [None] * len(mixer)
+        if not _names(splits):
+            raise RecipeError(f"dataset_splits: {splits!r:.80} is not a list of split names")
+        if not isinstance(configs, list) or not all(c is None or isinstance(c, str) for c in configs):
+            raise RecipeError(f"dataset_configs: {configs!r:.80} is not a list of config names")
         if len(configs) != len(mixer):
             raise RecipeError(f"dataset_configs: give one per dataset_mixer dataset ({len(mixer)}), not {len(configs)}")
         if bad := [s for s in splits if "train" not in s and "test" not in s]:

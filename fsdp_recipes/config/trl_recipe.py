@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fsdp_recipes.bounded import file_kind
 from fsdp_recipes.config.mixture import MIXTURE_KEYS, normalize_mixture
+from fsdp_recipes.config.model_source import model_source_problem
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
 
@@ -368,3 +370,12 @@ def _chat_template_path(out: dict) -> None:
     path = out.get("chat_template_path")
     if isinstance(path, str) and path.endswith(".jinja") and not Path(path).expanduser().is_file():
         raise RecipeError(f"chat_template_path {path!r} does not exist: give a .jinja file or a tokenizer")
+    local = Path(path).expanduser() if isinstance(path, str) else None
+    if local is not None and local.exists() and not local.is_file():
+        # a folder must be a tokenizer's; anything else that is not a regular file (a FIFO, a device) is refused
+        problem = model_source_problem(path, weights=False) if local.is_dir() else file_kind(local.stat().st_mode)
+        if problem:
+            raise RecipeError(
+                f"chat_template_path {path!r} {problem if local.is_dir() else 'is ' + problem}: "
+                "give a .jinja file or a tokenizer folder"
+            )

@@ -16,6 +16,8 @@ splitting:
 
 from __future__ import annotations
 
+import math
+
 from datasets import Dataset, concatenate_datasets, load_dataset
 from datasets.exceptions import DatasetsError
 from pyarrow.lib import ArrowException
@@ -52,6 +54,12 @@ def _split(dataset: Dataset, size, seed: int | None) -> tuple[Dataset, Dataset |
         return dataset, None
     if isinstance(size, int) and size >= len(dataset):
         raise RecipeError(f"test_split_size {size} is not below the mixture's {len(dataset)} rows")
+    # datasets' train_test_split takes ceil(share x rows) for the test split and refuses an empty side
+    test_rows = size if isinstance(size, int) else math.ceil(size * len(dataset))
+    if len(dataset) - test_rows < 1:
+        raise RecipeError(
+            f"test_split_size {size} leaves no training rows of the mixture's {len(dataset)}: give a smaller share"
+        )
     split = dataset.train_test_split(test_size=size, seed=seed)
     return split["train"], split["test"]
 

@@ -61,6 +61,17 @@ def test_trl_fractions_share_the_largest_mixture_without_repeats(tmp_path, two, 
         ({"dataset_mixer": {"A": 1}, "dataset_splits": ["validation"]}, "dataset_splits validation"),
         ({"dataset_mixer": {"A": 1}, "datasets": [{"path": "B"}]}, "each a dataset mixture: give one"),
         ({"dataset_mixer": {"A": 1}, "dataset_train_split": "train_sft"}, "a mixture's splits are train"),
+        # every key of a dataset entry holds what datasets.load_dataset takes there, or is one line at parse time
+        ({"dataset_mixture": {"datasets": [{"id": "A", "columns": 5}]}}, "columns: 5 is not a list of column names"),
+        ({"dataset_mixture": {"datasets": [{"id": "A", "columns": [1]}]}}, "is not a list of column names"),
+        ({"dataset_mixture": {"datasets": [{"id": "A", "split": 5}]}}, "split: 5 is not a split name"),
+        ({"dataset_mixture": {"datasets": [{"id": "A", "config": ["a"]}]}}, "config: ['a'] is not a config name"),
+        ({"datasets": [{"path": "A", "data_files": 5}]}, "data_files: 5 is not a file, a list of files"),
+        ({"datasets": [{"path": "A", "data_files": {"train": 5}}]}, "is not a file, a list of files"),
+        ({"datasets": [{"path": "A", "name": 3}]}, "datasets[0].name: 3 is not a config name"),
+        ({"datasets": [{"path": "A", "data_dir": ["d"]}]}, "data_dir: ['d'] is not a folder"),
+        ({"dataset_mixer": {"A": 1}, "dataset_splits": "train_sft"}, "dataset_splits: 'train_sft' is not a list"),
+        ({"dataset_mixer": {"A": 1}, "dataset_configs": "abc"}, "dataset_configs: 'abc' is not a list"),
     ],
 )
 def test_a_mixture_that_cannot_hold_is_one_line(tmp_path, monkeypatch, recipe, words):
@@ -78,3 +89,26 @@ def test_a_mixture_beside_a_train_file_is_refused_and_a_dataset_name_is_said(tmp
         parse(tmp_path, datasets=[{"path": two[0]}], train_file=str(REPO / "assets" / "data" / "tiny_chat.jsonl"))
     _, data_args, _ = parse(tmp_path, datasets=[{"path": two[0]}], dataset_name="org/a")
     assert data_args.dataset_name is None and "dataset_name 'org/a' is not read" in capsys.readouterr().err
+
+
+def test_a_test_split_share_that_leaves_no_training_rows_is_one_line(tmp_path, two):
+    _, data_args, plan = parse(tmp_path, datasets=[{"path": two[1]}], test_split_size=0.99)
+    with pytest.raises(RecipeError, match=r"^test_split_size 0.99 leaves no training rows of the mixture's 6"):
+        load_raw(data_args, plan.raw.seed)
+
+
+@pytest.mark.parametrize("kind", ["folder without a tokenizer", "fifo"])
+def test_a_chat_template_path_that_is_no_template_or_tokenizer_is_one_line(tmp_path, kind):
+    path = tmp_path / "template"
+    if kind == "fifo":
+        import os
+
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+        (path / "notes.txt").write_text("x")
+    with pytest.raises(RecipeError) as err:
+        parse(tmp_path, chat_template_path=str(path), train_file=str(REPO / "assets" / "data" / "tiny_chat.jsonl"))
+    said = str(err.value)
+    assert said.startswith(f"chat_template_path '{path}' ") and "\n" not in said, said
+    assert ("has no tokenizer files" if kind != "fifo" else "is a FIFO") in said, said
