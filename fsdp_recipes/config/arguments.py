@@ -120,9 +120,8 @@ class DataArguments:
     packing_strategy: str | None = field(
         default=None,
         metadata={
-            "help": "TRL's, with packing true: wrapped is concat; bfd_split is padding_free; bfd (TRL's default) is "
-            "padding_free for chat data, and refused for text data (bfd truncates a long document, padding_free "
-            "splits it).",
+            "help": "TRL's, with packing true: wrapped is concat; bfd_split is padding_free (a long document is "
+            "split); bfd (TRL's default) is padding_free with a long text document truncated, as TRL's bfd does.",
             "choices": ["bfd", "bfd_split", "wrapped"],
         },
     )
