@@ -291,9 +291,19 @@ HUB_VARIABLES_CLEARED = (
 )
 
 
+_CLOSED: list = []
+
+
 def closed_port_url() -> str:
-    """http://127.0.0.1:<port> where nothing listens: a request there is refused at once."""
-    return f"http://127.0.0.1:{free_port()}"
+    """http://127.0.0.1:<port> where nothing listens: a request there is refused at once. The port stays bound (never
+    listening) for the whole session, so no later launch can take it and make a stray hub call hang."""
+    import socket
+
+    if not _CLOSED:
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        _CLOSED.append(held)
+    return f"http://127.0.0.1:{_CLOSED[0].getsockname()[1]}"
 
 
 HF_HOME_KEY = pytest.StashKey[Path]()
