@@ -235,6 +235,8 @@ def test_launches_that_would_train_without_fsdp_stop_first(tmp_path, monkeypatch
         parse_args(["--max_steps", "2", "--output_dir", str(out)])  # this process: started by pytest, no launcher
 
 
+# subprocess scenarios of 5-9 s: the full tier's, keeping the quick tier within 3 minutes
+@pytest.mark.slow
 def test_flags_replace_the_recipes_model_and_data_source(tmp_path, monkeypatch):
     """--model_name_or_path over the default recipe (which sets config_name) fine-tunes that model; --dataset_name
     replaces its train_file; a misspelled flag is one line with the closest one."""

@@ -587,6 +587,8 @@ def test_a_missing_num_processes_is_named_missing():
     assert "is not a positive integer" in str(errors(check_settings({**shipped, "num_processes": True}, "x.yaml"))[0])
 
 
+# subprocess scenarios of 5-9 s: the full tier's, keeping the quick tier within 3 minutes
+@pytest.mark.slow
 def test_the_optimizers_refused_under_fsdp2_are_those_that_cannot_step_a_dtensor():
     """Every optimizer the Trainer can build here (--optim; the others need packages or devices this machine lacks)
     steps a DTensor parameter, as FSDP2 shards them, or is refused by the config check: measured, not listed by

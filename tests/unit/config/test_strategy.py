@@ -289,6 +289,8 @@ print("plain", fsdp1_runs_as(torch.nn.Linear(2, 2)))
 """
 
 
+# subprocess scenarios of 5-9 s: the full tier's, keeping the quick tier within 3 minutes
+@pytest.mark.slow
 def test_the_report_names_the_fsdp1_strategy_torch_runs():
     """fsdp_report.json said FULL_SHARD for an FSDP1 run on one GPU, which torch runs as NO_SHARD (so the memory was
     NO_SHARD's: bench/results/h200/gpu-check-4); it now names what torch runs, read from the wrapper, and keeps the

@@ -131,6 +131,8 @@ def finalizer_outcomes() -> dict[str, str]:
 
 
 @pytest.mark.slow  # seconds of subprocess scenarios: the full tier keeps the quick one under 3 minutes
+# subprocess scenarios of 5-9 s: the full tier's, keeping the quick tier within 3 minutes
+@pytest.mark.slow
 def test_a_stop_that_lands_in_a_finalizer_still_stops_the_run_without_a_traceback(finalizer_outcomes):
     """Python swallows (and prints) an exception raised in a finalizer: a stop or Ctrl-C whose handler raised there was
     lost and the run trained on (seen as a traceback in the one-line stop test). Now the handler does not raise there
@@ -143,6 +145,8 @@ def test_a_stop_that_lands_in_a_finalizer_still_stops_the_run_without_a_tracebac
     }
 
 
+# subprocess scenarios of 5-9 s: the full tier's, keeping the quick tier within 3 minutes
+@pytest.mark.slow
 def test_two_signals_at_once_in_a_finalizer_still_stop_the_run_in_one_line(finalizer_outcomes):
     """The second signal's handler may run inside the unraisable hook dealing with the first, where Python would
     swallow it too (a traceback, and the run going on). Either signal may be the one that stops it."""
