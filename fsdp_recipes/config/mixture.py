@@ -26,22 +26,26 @@ def _names(value) -> bool:
 
 
 # What each key of a mixture's dataset entry holds, as the formats' own scripts pass it to datasets.load_dataset
+def _text(value) -> bool:
+    return isinstance(value, str)
+
+
+def _files(value) -> bool:
+    """A file, a list of files, or a mapping of split to either (datasets' data_files)."""
+    if isinstance(value, dict):
+        return all(_text(v) or _names(v) for v in value.values())
+    return _text(value) or _names(value)
+
+
 ENTRY_TYPES = {
-    "id": (lambda v: isinstance(v, str), "a dataset id or folder"),
-    "path": (lambda v: isinstance(v, str), "a dataset id or folder"),
-    "config": (lambda v: isinstance(v, str), "a config name"),
-    "name": (lambda v: isinstance(v, str), "a config name"),
-    "split": (lambda v: isinstance(v, str), "a split name"),
-    "data_dir": (lambda v: isinstance(v, str), "a folder in the dataset"),
+    "id": (_text, "a dataset id or folder"),
+    "path": (_text, "a dataset id or folder"),
+    "config": (_text, "a config name"),
+    "name": (_text, "a config name"),
+    "split": (_text, "a split name"),
+    "data_dir": (_text, "a folder in the dataset"),
     "columns": (_names, "a list of column names"),
-    "data_files": (
-        lambda v: (
-            isinstance(v, str)
-            or _names(v)
-            or (isinstance(v, dict) and all(isinstance(f, str) or _names(f) for f in v.values()))
-        ),
-        "a file, a list of files, or a mapping of split to files",
-    ),
+    "data_files": (_files, "a file, a list of files, or a mapping of split to files"),
 }
 
 

@@ -373,9 +373,9 @@ def _chat_template_path(out: dict) -> None:
     local = Path(path).expanduser() if isinstance(path, str) else None
     if local is not None and local.exists() and not local.is_file():
         # a folder must be a tokenizer's; anything else that is not a regular file (a FIFO, a device) is refused
-        problem = model_source_problem(path, weights=False) if local.is_dir() else file_kind(local.stat().st_mode)
+        if local.is_dir():
+            problem = model_source_problem(path, weights=False)
+        else:
+            problem = f"is {file_kind(local.stat().st_mode)}"
         if problem:
-            raise RecipeError(
-                f"chat_template_path {path!r} {problem if local.is_dir() else 'is ' + problem}: "
-                "give a .jinja file or a tokenizer folder"
-            )
+            raise RecipeError(f"chat_template_path {path!r} {problem}: give a .jinja file or a tokenizer folder")
