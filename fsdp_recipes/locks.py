@@ -18,9 +18,12 @@ from fsdp_recipes.errors import one_line
 OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no folder locks
 PROC_LOCKS_LIMIT = 1 << 20  # bytes of /proc/locks read to name a holder
 LINE_LIMIT = 300  # bytes of a lock file read: the line this project writes is well under it
+# what run_lock writes: host, pid, the pid's start time (/proc/<pid>/stat, field 22; absent where there is no /proc and
+# in the lines of earlier versions), the SLURM job (for people: a job's id says nothing of whether its process lives)
 OWNER_LINE = re.compile(
-    rb"host (\S+), pid ([0-9]{1,10})(?:, job ([0-9]{1,20}))?, since [^\n]*\n"
-)  # what run_lock writes
+    rb"host (\S+), pid ([0-9]{1,10})(?:, started ([0-9]{1,20}))?(?:, job ([0-9]{1,20}))?, since [^\n]*\n"
+)
+STAT_LIMIT = 4096  # bytes of /proc/<pid>/stat read: its 52 numbers and a command name of at most 64 bytes
 
 
 def read_head(path: Path, limit: int = LINE_LIMIT + 1) -> bytes | None:
@@ -71,7 +74,7 @@ def live_run(folder: str | os.PathLike) -> str | None:
     owner = OWNER_LINE.fullmatch(text) if text else None
     if owner is None:
         return None  # none, or not a lock file this project writes
-    if owner[1].decode(errors="replace") == socket.gethostname() and not _alive(int(owner[2])):
+    if owner_gone(owner):
         return None  # a run of this host that died: its lock file is stale (the next run removes it)
     return (
         f"a run may be training in it ({shown(text)}, says its lock file; this host cannot tell whether that run "
@@ -79,7 +82,29 @@ def live_run(folder: str | os.PathLike) -> str | None:
     )
 
 
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (/proc/<pid>/stat, field 22): with the pid, what names
+    one process for the life of the host (a pid alone is reused); None when it is gone or this host has no /proc."""
+    text = read_head(Path(f"/proc/{pid}/stat"), STAT_LIMIT) if pid > 0 else None
+    fields = text.rpartition(b")")[2].split() if text else []  # the command name, in parentheses, may hold anything
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None  # field 22 is the 20th after it
+
+
+def owner_gone(owner: re.Match) -> bool:
+    """Whether the run an OWNER_LINE names is provably over: it names this host, and its pid is gone, or is held by
+    another process now (a start time other than the one the line records). A run on another host, or a live pid
+    whose start cannot be compared, is not gone."""
+    if owner[1].decode(errors="replace") != socket.gethostname():
+        return False
+    pid = int(owner[2])
+    if not _alive(pid):
+        return True
+    return owner[3] is not None and start_time(pid) not in (None, int(owner[3]))
+
+
 def _alive(pid: int) -> bool:
+    if pid <= 0:  # no process's number (kill(0, ...) and kill(-n, ...) would ask about process groups)
+        return False
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):

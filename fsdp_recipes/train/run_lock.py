@@ -5,9 +5,11 @@ the run ends, and the kernel drops the lock when the process dies, so a killed r
 named from /proc/locks). Some cluster filesystems have no such lock on a folder (Lustre mounted without flock; NFS,
 which takes flock as a POSIX lock that a folder opened read-only cannot hold): ``flock`` then fails with ENOLCK,
 EOPNOTSUPP or EBADF, which is not "in use". There the lock is a file created with O_EXCL, ``.run.lock.owner``,
-holding host and pid; the run removes it when it ends, and a later run judges it stale when it names this host
-and a pid that is gone (one warning says which lock is in force). A lock file left by a run on another host cannot
-be judged from here: the message names it, to delete once that run is known gone.
+holding host, pid and the pid's start time; the run removes it when it ends, and a later run judges it stale only
+when its owner is provably gone: it names this host, and its pid is gone or now belongs to a process that started
+at another time (one warning says which lock is in force). Not by SLURM job id: two runs of one job (srun twice, a
+step started again) are both alive. A lock file left by a run on another host cannot be judged from here: the
+message names it, to delete once that run is known gone.
 """
 
 from __future__ import annotations
@@ -19,8 +21,17 @@ import socket
 import time
 from pathlib import Path
 
-from fsdp_recipes.locks import LINE_LIMIT, OWNER_LINE, OWNER_NAME, flock_holder, read_head, shown
-from fsdp_recipes.removal import process_alive, remove_lock_file
+from fsdp_recipes.locks import (
+    LINE_LIMIT,
+    OWNER_LINE,
+    OWNER_NAME,
+    flock_holder,
+    owner_gone,
+    read_head,
+    shown,
+    start_time,
+)
+from fsdp_recipes.removal import remove_lock_file
 
 NO_FOLDER_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
 _held: list[int] = []  # the locked folder's file descriptor, open for the life of the process
@@ -34,7 +45,8 @@ def _owner_line() -> str:
         if os.environ.get("SLURM_JOB_ID", "").isascii() and os.environ.get("SLURM_JOB_ID", "").isdigit()
         else ""
     )
-    return f"host {socket.gethostname()}, pid {os.getpid()}{job}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+    started = f", started {start}" if (start := start_time(os.getpid())) is not None else ""
+    return f"host {socket.gethostname()}, pid {os.getpid()}{started}{job}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
 
 
 def take(out: Path, warn) -> str | None:
@@ -65,15 +77,19 @@ def take(out: Path, warn) -> str | None:
 
 
 def _stale(path: Path, text: bytes) -> bool:
-    """A lock file this project wrote on this host whose run is over: its pid is gone (or is this very process,
-    which has not taken it), or its SLURM job is this job (a requeued job's earlier attempt has ended)."""
+    """A lock file this project wrote whose run is provably over (locks.owner_gone: this host, and its pid gone or
+    started at another time), or, in a line without a start time, this very process's pid in a file it did not
+    create (a recycled pid)."""
     found = OWNER_LINE.fullmatch(text)
-    if found is None or found[1].decode(errors="replace") != socket.gethostname():
+    if found is None:
         return False
-    pid, job = int(found[2]), found[3]
-    if job is not None and job.decode() == os.environ.get("SLURM_JOB_ID"):
-        return True
-    return (pid == os.getpid() and str(path) not in _mine) or not process_alive(pid)
+    legacy_self = (
+        found[3] is None
+        and found[1].decode(errors="replace") == socket.gethostname()
+        and int(found[2]) == os.getpid()
+        and str(path) not in _mine
+    )
+    return owner_gone(found) or legacy_self
 
 
 def _take_by_file(out: Path) -> str | None:

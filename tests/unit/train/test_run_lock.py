@@ -10,11 +10,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.locks import live_run, start_time
 from fsdp_recipes.train import run_lock
 from fsdp_recipes.train.preflight import hold_output_dir
 
@@ -176,19 +179,86 @@ def test_a_run_leaves_no_lock_file_however_it_ends_and_its_folder_is_free_again(
     hold_output_dir(_args(out), warn=lambda m: None)  # free again
 
 
-def test_a_lock_naming_this_very_process_or_this_slurm_job_is_stale(tmp_path, no_posix_locks, monkeypatch):
+def test_a_lock_naming_this_very_process_without_a_start_time_is_stale(tmp_path, no_posix_locks):
     owner = tmp_path / run_lock.OWNER_NAME
     owner.write_text(f"host {socket.gethostname()}, pid {os.getpid()}, since then\n")  # a recycled pid: not held by us
     hold_output_dir(_args(tmp_path), warn=lambda m: None)
-    other = tmp_path / "requeued"
-    other.mkdir()
-    (other / run_lock.OWNER_NAME).write_text(f"host {socket.gethostname()}, pid {os.getppid()}, job 4242, since then\n")
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the same job, requeued: its earlier attempt is over
-    hold_output_dir(_args(other), warn=lambda m: None)
-    assert (
-        "job 4242" in (other / run_lock.OWNER_NAME).read_text()
-        and f"pid {os.getpid()}," in (other / run_lock.OWNER_NAME).read_text()
-    )
+    assert f"pid {os.getpid()}, started {start_time(os.getpid())}," in owner.read_text()
+
+
+@pytest.fixture(scope="module")
+def live():
+    """(pid, start time) of a live process of this host that is no run."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    yield proc.pid, start_time(proc.pid)
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+def _owners(live) -> dict[str, tuple[str, bool]]:
+    """Lock lines, by who their owner is, and whether that owner is provably gone."""
+    pid, start = live
+    host, dead = socket.gethostname(), _dead_pid()
+    return {
+        "alive, same start": (f"host {host}, pid {pid}, started {start}, since then\n", False),
+        "alive, same start, this SLURM job": (
+            f"host {host}, pid {pid}, started {start}, job 4242, since then\n",
+            False,
+        ),
+        "alive, no start recorded, this SLURM job": (f"host {host}, pid {pid}, job 4242, since then\n", False),
+        "alive, another start (the pid reused)": (f"host {host}, pid {pid}, started {start + 1}, since then\n", True),
+        "reused, this SLURM job": (f"host {host}, pid {pid}, started {start - 1}, job 4242, since then\n", True),
+        "dead": (f"host {host}, pid {dead}, started {start}, since then\n", True),
+        "dead, this SLURM job": (f"host {host}, pid {dead}, started 1, job 4242, since then\n", True),
+        "dead, no start recorded": (f"host {host}, pid {dead}, since then\n", True),
+        "another host": (f"host another-node-7, pid {pid}, started {start}, job 4242, since then\n", False),
+        "another host, dead pid here": (f"host another-node-7, pid {dead}, started 1, since then\n", False),
+    }
+
+
+OWNERS = list(_owners((1, 1)))
+
+
+@pytest.mark.parametrize("who", OWNERS)
+def test_a_lock_file_is_taken_over_only_when_its_owner_is_provably_gone(
+    tmp_path, no_posix_locks, monkeypatch, live, who
+):
+    """Gone: this host, and the pid is dead or started at another time than the line records. Never by SLURM job
+    id: two runs of one job on one host (a step started twice) are both alive."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    line, gone = _owners(live)[who]
+    owner = tmp_path / run_lock.OWNER_NAME
+    owner.write_text(line)
+    if gone:
+        hold_output_dir(_args(tmp_path), warn=lambda m: None)
+        assert owner.read_text().startswith(f"host {socket.gethostname()}, pid {os.getpid()}, started ")
+    else:
+        with pytest.raises(RecipeError, match="in use by another run") as err:
+            hold_output_dir(_args(tmp_path), warn=lambda m: None)
+        assert line.strip() in str(err.value) and owner.read_text() == line
+
+
+@pytest.mark.parametrize("who", OWNERS)
+def test_check_checkpoint_reads_a_lock_file_by_the_same_rule(tmp_path, live, who):
+    line, gone = _owners(live)[who]
+    (tmp_path / run_lock.OWNER_NAME).write_text(line)
+    assert (live_run(tmp_path) is None) == gone
+
+
+def test_the_start_time_is_field_22_of_the_processes_stat_whatever_its_name():
+    """/proc/<pid>/stat's field 22, read past a command name that holds ') ', '(' and spaces."""
+    name = "a) b (c 1 2"
+    link = Path(tempfile.mkdtemp()) / name
+    link.symlink_to(sys.executable)
+    proc = subprocess.Popen([str(link), "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        assert f"({name}) " in stat
+        assert start_time(proc.pid) == int(stat.split(f"({name}) ", 1)[1].split()[19])
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert start_time(_dead_pid()) is None and start_time(0) is None and start_time(2**40) is None
 
 
 def test_a_pid_no_process_can_have_is_stale_not_a_traceback(tmp_path, no_posix_locks):
