@@ -15,6 +15,7 @@ Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the
 - rotation:           checkpoints set aside or rotated out (save_total_limit)
 - stop_advice:        the line a stopped run closes with: how to go on, and a full disk
 - model_match:        does a checkpoint belong to this run's model (shapes, config, LoRA settings, tokenizer)
+- dtype_match:        would a resume round a checkpoint's weights or optimizer state (LoRA base included)
 - resume:             which checkpoint a run resumes, what it sets aside or deletes (decided, never done, here)
 - description:        the model a checkpoint holds (config, tokenizer, dtypes), recorded and checked
 - lora_merge:         peft LoRA checkpoints merged as merge_and_unload does, or the adapter alone

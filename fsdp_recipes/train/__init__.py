@@ -8,7 +8,7 @@
 - data_mixture: a recipe's dataset mixture, loaded, weighted and split with datasets' own calls
 - chat_tokens: a recipe's chat template and end-of-turn token on the tokenizer and the generation config
 - modeling:   the model and tokenizer, LoRA (peft) and QLoRA; a LoRA base built from a config, saved once
-- optimizer:  the optimizer settings a resume would override; ZeRO-1's optimizer
+- optimizer:  the optimizer settings a resume would override; the dtypes a run holds; ZeRO-1's optimizer
 - trainer:    FSDPTrainer: the Trainer plus the sharding proof, exact FSDP1/ZeRO-1 resumes, safe rotation
 - sharding:   proof that the prepared model is FSDP-wrapped and sharded (fsdp_report.json)
 - preemption: SIGTERM/SIGUSR1 save a checkpoint and stop cleanly

@@ -1,5 +1,6 @@
 """The optimizer around a resume: the settings a checkpoint's optimizer state would silently override, compared
-before it loads, and ZeRO-1's optimizer (torch's ZeroRedundancyOptimizer, checkpointable) for DDP launches."""
+before it loads, the dtypes the run holds its parameters and optimizer state in, and ZeRO-1's optimizer (torch's
+ZeroRedundancyOptimizer, checkpointable) for DDP launches."""
 
 from __future__ import annotations
 
@@ -15,6 +16,23 @@ _FLAGS = {
     "betas": "--adam_beta1/--adam_beta2",
     "eps": "--adam_epsilon",
 }
+
+
+def held_dtypes(model, fsdp_mixed_precision: bool) -> tuple[dict[str, str], set[str]]:
+    """(name -> dtype this run holds each parameter, and so its optimizer state, in once prepared; the names it does
+    not train), as declared before anything is prepared: the dtype the model was built in (--dtype; peft keeps a LoRA
+    adapter over a 16-bit base in fp32), and fp32 for every trainable float parameter under FSDP mixed precision
+    (``fsdp_mixed_precision``: accelerate 1.15 upcasts those, FSDP1 and FSDP2 alike, and computes in bf16 from fp32
+    master weights). ``model``: the model before FSDP wraps it."""
+    from fsdp_recipes.ckpt.readers import dtype_name
+
+    held, frozen = {}, set()
+    for name, param in model.named_parameters():
+        upcast = fsdp_mixed_precision and param.requires_grad and param.is_floating_point()
+        held[name] = "float32" if upcast else dtype_name(param.dtype)
+        if not param.requires_grad:
+            frozen.add(name)
+    return held, frozen
 
 
 def optimizer_settings(optimizer, scheduler) -> list[dict]:

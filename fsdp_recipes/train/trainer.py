@@ -43,9 +43,9 @@ from pathlib import Path
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from fsdp_recipes.ckpt.dtype_match import dtype_mismatch
 from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE, FULL_MODEL_FILE, REPLACED_PREFIX
-from fsdp_recipes.ckpt.model_match import description_mismatch, dtype_mismatch, model_mismatch, tokenizer_record
-from fsdp_recipes.ckpt.readers import dtype_name
+from fsdp_recipes.ckpt.model_match import description_mismatch, model_mismatch, tokenizer_record
 from fsdp_recipes.ckpt.rotation import rotate, set_aside
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
@@ -54,7 +54,7 @@ from fsdp_recipes.removal import make_folder
 from fsdp_recipes.train.async_checkpoints import AsyncCheckpoints
 from fsdp_recipes.train.export import DescribeCheckpoints, export_dtype, lora_parts
 from fsdp_recipes.train.metrics import Throughput, perplexity
-from fsdp_recipes.train.optimizer import optimizer_settings, overridden_settings, zero1_optimizer_class
+from fsdp_recipes.train.optimizer import held_dtypes, optimizer_settings, overridden_settings, zero1_optimizer_class
 from fsdp_recipes.train.preemption import Preemption
 from fsdp_recipes.train.sharding import ShardingReport, add_checkpoint_writes
 
@@ -251,6 +251,11 @@ class FSDPTrainer(Trainer):
         # present, it must fit
         if problem := model_mismatch(checkpoint, self.weight_shapes, self.tied_names | self.frozen_names):
             return problem
+        # from the dtypes this run declares (--dtype, mixed precision), not the prepared model's: the same verdict on
+        # every machine, and the frozen base of a LoRA run, which its checkpoint does not store, compared too
+        upcast = self.is_fsdp_enabled and self.accelerator.mixed_precision != "no"
+        if problem := dtype_mismatch(checkpoint, *held_dtypes(self.accelerator.unwrap_model(self.model), upcast)):
+            return problem
         # the same shapes may still be another model (heads, rope, activation), adapter (lora_alpha) or tokenizer
         base, lora = lora_parts(self.accelerator.unwrap_model(self.model))
         return description_mismatch(
@@ -261,15 +266,6 @@ class FSDPTrainer(Trainer):
         )
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        # after prepare, not in resume_mismatch: the dtype a weight loads into is the wrapped parameter's (FSDP2's mixed
-        # precision upcasts a bf16-built model's parameters to fp32 before sharding, so the model's own dtype misleads)
-        # `is None`, never `or`: a module's truth is its len() (a torch.compile'd one has none: TypeError)
-        live = {
-            name: dtype_name(p.dtype)
-            for name, p in (model if model is not None else self.model_wrapped).named_parameters()
-        }
-        if problem := dtype_mismatch(resume_from_checkpoint, live):
-            raise RecipeError(problem)  # every rank reads the same files and holds the same dtypes: all stop alike
         with self._lora_checkpoints():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 

@@ -1,7 +1,7 @@
 """A resume refuses, in one line before the first step, a checkpoint of another model (fewer layers, other heads of
-the same shapes), another learning rate, another optimizer, or fp32 weights into bf16 parameters: nothing trained or
-written, the run's record untouched. A bf16 model's own resume under mixed precision is not refused, and an FSDP1
-FULL_STATE_DICT run resumes to the same bits or is refused."""
+the same shapes), another learning rate, another optimizer, or fp32 weights into bf16 parameters (a LoRA run's frozen
+base included): nothing trained or written, the run's record untouched. A bf16 model's own resume under mixed
+precision is not refused, and an FSDP1 FULL_STATE_DICT run resumes to the same bits or is refused."""
 
 from __future__ import annotations
 
@@ -153,6 +153,35 @@ def test_resuming_an_fp32_run_in_bf16_stops_before_the_first_step(trained, tmp_p
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
     assert "checkpoint-6 holds float32 weights and this run's parameters are bfloat16" in lines[0], lines[0]
     assert not (run / "checkpoint-12").exists() and not (run / "model").exists()
+
+
+@pytest.mark.slow
+def test_resuming_a_lora_runs_fp32_checkpoint_in_bf16_stops_before_the_first_step(tmp_path):
+    """A LoRA checkpoint stores the adapter and its Adam state, not the frozen base, which the resume loads at
+    --dtype: an fp32 run resumed with --dtype bfloat16 would train its adapter on over a rounded base (exit 0 before).
+    Refused in one line from the checkpoint's recorded dtype, with mixed precision on or off (this launch keeps the
+    config's bf16 where the CPU has it, and drops it where not): the same verdict on every machine."""
+    run = tmp_path / "run"
+    args = ["recipes/tiny-llama/lora_sft.yaml", "--logging_steps", "1", "--save_steps", "2", "--output_dir", str(run)]
+    launch("accelerate_configs/zero3.yaml", *args, "--max_steps", "2")
+    saved = {p.name: p.read_bytes() for p in (run / "checkpoint-2").rglob("*") if p.is_file()}
+    proc = launch(
+        "accelerate_configs/zero3.yaml",
+        *args,
+        "--max_steps",
+        "4",
+        "--dtype",
+        "bfloat16",
+        "--resume_from_checkpoint",
+        "true",
+        check=False,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert "checkpoint-2 was trained on its base model's weights in float32" in lines[0], lines[0]
+    assert "loads them in bfloat16" in lines[0] and "resume with --dtype float32" in lines[0], lines[0]
+    assert not (run / "checkpoint-4").exists()
+    assert {p.name: p.read_bytes() for p in (run / "checkpoint-2").rglob("*") if p.is_file()} == saved
 
 
 @pytest.mark.slow
