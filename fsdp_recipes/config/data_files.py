@@ -196,28 +196,49 @@ def train_file_problem(path: Path, args) -> str | None:
         return None
     assistant_turns = 0
     for number, record in records:
-        messages = record.get(args.messages_column)
-        if messages is None and (other := other_format(record, args)):
-            return f"record {number} {other}"
-        if not isinstance(messages, list) or not messages:
-            return (
-                f"record {number}: {args.messages_column!r} is "
-                f"{type(messages).__name__ if messages is not None else 'missing'}, not a list of turns"
-            )
-        for turn in messages:
-            if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or "content" not in turn:
-                return f"record {number}: every turn needs a 'role' and a 'content' (got {str(turn)[:80]})"
-            if not isinstance(turn["content"], str):
-                return (
-                    f"record {number}: a {turn['role']!r} turn's 'content' is {_kind(turn['content'])}, not "
-                    "text: fix or drop that record"
-                )
-        assistant_turns += sum(turn["role"] == "assistant" for turn in messages)
+        if problem := conversation_problem(record, args, f"record {number}"):
+            return problem
+        assistant_turns += sum(turn["role"] == "assistant" for turn in record[args.messages_column])
     if not assistant_turns:
         return (
             "no conversation has an assistant turn: the loss is computed on assistant tokens only, so there "
             "is nothing to train on"
         )
+    return None
+
+
+def conversation_problem(record: dict, args, label: str) -> str | None:
+    """Why one chat record cannot be rendered, as one line starting with ``label`` (where it is: "record 7" of
+    the file); None when its messages are a non-empty list of role/content turns with text content. The checks
+    before the run apply it to the first MiB, and train/data.py to every record it renders, so that a bad record
+    anywhere is this line and not a traceback on every rank. ``record``: the record's fields (a loaded dataset's
+    row holds every column of the file, null where the record has none)."""
+    column = args.messages_column
+    messages = record.get(column)
+    if messages is None:
+        given = {k: v for k, v in record.items() if v is not None}
+        if other := other_format(given, args):
+            return f"{label} {other}"
+        fields = f" (its fields: {', '.join(sorted(given))[:80]})" if given else ""
+        return (
+            f"{label}: {column!r} is missing or null, not a list of turns{fields}: every record of chat data needs its "
+            "turns: fix or drop that record"
+        )
+    if isinstance(messages, str):
+        stored = " (JSON text: store the list itself, not a string of it)" if messages.lstrip()[:1] == "[" else ""
+        return f"{label}: {column!r} is str, not a list of turns{stored}: fix or drop that record"
+    if not isinstance(messages, list):
+        return f"{label}: {column!r} is {_kind(messages)}, not a list of turns: fix or drop that record"
+    if not messages:
+        return f"{label}: {column!r} is an empty list: a conversation needs turns: fix or drop that record"
+    for turn in messages:
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or "content" not in turn:
+            return f"{label}: every turn needs a 'role' and a 'content' (got {str(turn)[:80]})"
+        if not isinstance(turn["content"], str):
+            return (
+                f"{label}: a {turn['role']!r} turn's 'content' is {_kind(turn['content'])}, not text: fix or drop "
+                "that record"
+            )
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
@@ -28,7 +29,7 @@ from transformers import (
 )
 
 from fsdp_recipes.config.arguments import DATA_EXTENSIONS, DataArguments
-from fsdp_recipes.config.data_files import locate_fault, other_format
+from fsdp_recipes.config.data_files import conversation_problem, locate_fault, other_format
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, one_line
 from fsdp_recipes.train.data_mixture import load_mixture
@@ -261,21 +262,39 @@ def _time_limit(seconds: float):
             signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - start), 1e-3), interval)
 
 
-def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataArguments) -> Dataset:
-    """Render messages with the chat template; labels are the assistant tokens, everything else is ignored."""
+# Why tokenize_chat drops a conversation from the loss (none of its tokens is trained on): the reason's code -> words
+KEPT, PAST_BLOCK, NO_ASSISTANT = 0, 1, 2
+DROPPED = {
+    PAST_BLOCK: "begin their assistant turns past block_size={block} tokens (raise block_size, or shorten them)",
+    NO_ASSISTANT: "have no assistant tokens (no assistant turn, or only empty ones)",
+}
+
+
+def tokenize_chat(
+    raw: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    args: DataArguments,
+    source: str | None = None,
+    what: str = "training",
+) -> Dataset:
+    """Render messages with the chat template; labels are the assistant tokens, everything else is ignored.
+    A conversation left with no label to train on is dropped, and said once (on rank 0) with how many and why;
+    when none is left that is the error (``what``: training or evaluation, for those lines). A record that cannot
+    be rendered is one RecipeError naming it: its number in ``source`` (the file or split it was read from, in
+    that order), else its first characters."""
     if not tokenizer.chat_template:
-        raise RecipeError("data_format=chat needs a tokenizer with a chat template; this tokenizer has none")
+        raise RecipeError(
+            f"data_format=chat needs a chat template and tokenizer {tokenizer.name_or_path!r} has none: give the "
+            "recipe's chat_template (a Jinja template) or chat_template_path (a .jinja file or a tokenizer folder)"
+        )
 
     template = f"the chat template of tokenizer {tokenizer.name_or_path!r}"
     whole = getattr(args, "assistant_only_loss", None) is False  # TRL's default: loss on the whole conversation
 
-    def render(example):
-        for turn in example[args.messages_column] or []:
-            if not isinstance(turn.get("content"), str):
-                raise RecipeError(
-                    f"a conversation's {turn.get('role')!r} turn has content {turn.get('content')!r:.40}, not text: "
-                    "fix or drop that record in the data"
-                )
+    def render(example, index):
+        label = f"{source} record {index + 1}" if source else f"a record ({str(example)[:60]})"
+        if problem := conversation_problem(example, args, label):
+            raise RecipeError(problem)
         try:
             with _time_limit(CHAT_TEMPLATE_SECONDS):
                 ids, mask = assistant_mask(
@@ -289,18 +308,33 @@ def tokenize_chat(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: DataAr
         except TemplateError as err:  # the template's own raise_exception ("roles must alternate ...") or its syntax
             said = one_line((str(err).strip().splitlines() or [""])[0])[:200]
             raise RecipeError(
-                f"{template} fails on a conversation ({type(err).__name__}: {said}): fix that record, or the template"
+                f"{template} fails on {label} ({type(err).__name__}: {said}): fix that record, or the template"
             ) from None
+        dropped = KEPT if whole or any(mask[: args.block_size]) else PAST_BLOCK if any(mask) else NO_ASSISTANT
         ids, mask = ids[: args.block_size], mask[: args.block_size]
         labels = list(ids) if whole else [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
-        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels, "dropped": dropped}
 
     dataset = raw.map(
-        render, remove_columns=raw.column_names, num_proc=args.preprocessing_num_workers, desc="Applying chat template"
+        render,
+        with_indices=True,
+        remove_columns=raw.column_names,
+        num_proc=args.preprocessing_num_workers,
+        desc="Applying chat template",
     )
+    reasons = Counter(dataset["dropped"])
+    reasons.pop(KEPT, None)
+    if reasons:
+        why = "; ".join(f"{n} {DROPPED[code].format(block=args.block_size)}" for code, n in sorted(reasons.items()))
+        if sum(reasons.values()) == len(dataset):
+            raise RecipeError(f"no {what} conversation has a token to train on: of {len(dataset)}, {why}")
+        say(
+            f"{sum(reasons.values())} of {len(dataset)} {what} conversations are dropped, with no token to train "
+            f"on: {why}"
+        )
     return dataset.filter(
-        lambda ex: any(t != IGNORE_INDEX for t in ex["labels"]), desc="Dropping examples with no assistant tokens"
-    )
+        lambda code: code == KEPT, input_columns="dropped", desc="Dropping examples with no assistant tokens"
+    ).remove_columns("dropped")
 
 
 class PaddingFreeCollator(DataCollatorWithFlattening):
@@ -315,6 +349,20 @@ class PaddingFreeCollator(DataCollatorWithFlattening):
 
     def __call__(self, features, *args, **kwargs):
         return {**super().__call__(features, *args, **kwargs), "use_cache": False}
+
+
+def _record_source(args: DataArguments, what: str) -> str | None:
+    """Where the rows of the training (or evaluation) data come from, in that order, for naming a bad record by its
+    number; None where they were shuffled (a mixture, a held-out share)."""
+    if args.dataset_mixture is not None or args.validation_split_percentage is not None:
+        return None
+    if what == "evaluation":
+        if args.validation_file is not None:
+            return f"validation_file={args.validation_file!r}"
+        return f"dataset_name={args.dataset_name!r} split {args.dataset_test_split!r}"
+    if args.train_file is not None:
+        return f"train_file={args.train_file!r}"
+    return f"dataset_name={args.dataset_name!r} split {args.dataset_split!r}"
 
 
 def build_datasets(
@@ -339,18 +387,26 @@ def build_datasets(
             if rows
             else default_data_collator
         )
-    dataset = prepare(raw, tokenizer, args)
-    if len(dataset) == 0:
-        raise RecipeError(
-            f"no training examples after preprocessing: the data is shorter than block_size={args.block_size}"
-        )
+
+    def prepared(data: Dataset, what: str) -> Dataset:
+        if prepare is tokenize_chat:
+            examples = tokenize_chat(data, tokenizer, args, _record_source(args, what), what)
+        else:
+            examples = prepare(data, tokenizer, args)
+        if len(examples) == 0 and len(data) == 0:
+            raise RecipeError(f"the {what} data has no records: give data with examples")
+        if len(examples) == 0:
+            why = (
+                f"the {what} data is shorter than block_size={args.block_size} tokens"
+                if prepare is pack_text
+                else f"every {what} document is empty (one token with its EOS predicts nothing)"
+            )
+            raise RecipeError(f"no {what} examples after preprocessing: {why}")
+        return examples
+
+    dataset = prepared(raw, "training")
     evaluation = None
     if raw_eval is not None:
         resolve_format(args, raw_eval.column_names)
-        evaluation = prepare(raw_eval, tokenizer, args)
-        if len(evaluation) == 0:
-            raise RecipeError(
-                "no evaluation examples after preprocessing: the evaluation data is shorter than "
-                f"block_size={args.block_size}"
-            )
+        evaluation = prepared(raw_eval, "evaluation")
     return dataset, evaluation, collator
