@@ -66,6 +66,13 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
             revision=revision(args, args.model_name_or_path),
             **common,
         )
+        problem = non_finite_weight(model, args.model_name_or_path, args.dtype)  # None where the weights are on meta
+        if receives:  # only rank 0 read the files: its verdict stops every rank alike, not rank 0 alone
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem:
+            raise RecipeError(problem)
     else:
         config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype, **common)
@@ -97,6 +104,32 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
             + ("FSDP1 fills each unit from rank 0 as it wraps it" if fsdp1 else "rank 0 scatters each rank its rows")
         )
     return model
+
+
+def non_finite_weight(model: PreTrainedModel, source: str, dtype: str) -> str | None:
+    """Why the weights loaded from ``source`` cannot be trained, in one line: the first parameter holding NaN or Inf
+    (a damaged file, or a value past float16's range), which would make every loss NaN and be saved as a model of
+    NaNs without a word; None when every value is finite. Weights on the meta device (not read by this rank) and
+    integer storage (4-bit) are not checked. Read in chunks: no copy of a whole weight is made."""
+    for name, param in model.named_parameters():
+        if param.is_meta or not param.is_floating_point():
+            continue
+        flat = param.detach().reshape(-1)
+        if all(torch.isfinite(chunk).all() for chunk in flat.split(1 << 24)):
+            continue
+        count = sum(int((~torch.isfinite(chunk)).sum()) for chunk in flat.split(1 << 24))
+        overflow = (
+            " (--dtype float16 turns values past 65504 into Inf: load it as bfloat16 or float32)"
+            if dtype == "float16"
+            else ""
+        )
+        loaded = str(param.dtype).removeprefix("torch.")
+        return (
+            f"the model {source} has {count} non-finite value(s) (NaN or Inf) in {name} as loaded ({loaded})"
+            f"{overflow}: every loss would be NaN and the saved model NaN too; use a model whose weights are finite "
+            "(download or export it again)"
+        )
+    return None
 
 
 def add_lora(model: PreTrainedModel, args: ModelArguments):

@@ -1,7 +1,7 @@
 """Rank-0-only loading (fsdp_cpu_ram_efficient_loading, every shipped config): a non-zero rank holds no more
 than its shard in private CPU RAM while loading and preparing (FSDP2: rank 0 scatters; FSDP1: the other ranks'
-weights go to meta before wrapping; fsdp_recipes/compat/rank0_loading.py), and the weights every rank ends up with
-are the file's, bit for bit, tied weights still tied."""
+weights go to meta before wrapping; fsdp_recipes/compat/rank0_loading.py), the weights every rank ends up with
+are the file's, bit for bit, tied weights still tied, and a non-finite one rank 0 reads stops every rank."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, rewrite_weights
 
 sys.path.insert(0, str(REPO))
 from bench.load_memory import build_model, measure  # noqa: E402
@@ -146,3 +146,26 @@ def test_rank0_only_loading_trains_like_every_rank_loading(tmp_path, config):
     assert changed, "training changed no weight: the comparison would prove nothing"
     for name in on:
         assert torch.equal(on[name], off[name]), name
+
+
+def test_rank0_only_loading_of_a_non_finite_weight_stops_every_rank_in_one_line(tmp_path):
+    """Only rank 0 reads the files, so only it can see a NaN in them: its verdict reaches every rank (rank 1 would
+    otherwise wait for weights that never come), and the launch ends before the first step in one line naming the
+    tensor, no checkpoint or model written."""
+    folder, out = tmp_path / "model", tmp_path / "out"
+    build_model(folder, None, "float32", tied=False)
+    rewrite_weights(folder, lambda t: t["model.layers.2.self_attn.v_proj.weight"].view(-1)[7].fill_(float("nan")))
+    proc = launch(
+        "accelerate_configs/zero3.yaml",
+        "--model_name_or_path",
+        str(folder),
+        "--max_steps",
+        "2",
+        "--output_dir",
+        str(out),
+        check=False,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert "1 non-finite value(s) (NaN or Inf) in model.layers.2.self_attn.v_proj.weight" in lines[0], lines[0]
+    assert not list(out.glob("checkpoint-*")) and not (out / "model").exists()
