@@ -167,12 +167,16 @@ def adapter_only(folder: Path) -> bool:
 
 
 def weights_problems(folder: Path) -> list[str]:
-    """Why the safetensors weights from_pretrained would read from ``folder`` are not all there: ``model.safetensors``
-    (read first when a folder holds both), else every shard the index names, each a plain file of the folder
-    (readers.is_shard_name) with a whole header (readers.safetensors_header) and every byte it describes, holding the
-    tensors the index assigns it; or peft's adapter_model.safetensors beside its adapter_config.json. Dtypes are not
-    judged: the file is whole whatever a merge converts."""
-    from fsdp_recipes.ckpt.readers import is_shard_name, safetensors_header
+    """Why the safetensors weights from_pretrained would read from ``folder`` are not a whole model:
+    ``model.safetensors`` (read first when a folder holds both), else every shard the index names, each a plain file
+    of the folder (readers.is_shard_name) whose header safetensors reads (readers.safetensors_header: every entry's
+    bytes are dtype x shape, none over another's, the file exactly as long as they say), holding exactly the tensors
+    the index assigns it; or peft's adapter_model.safetensors beside its adapter_config.json. At least one tensor,
+    and, where the folder holds a config.json, the names and shapes of the model it describes
+    (model_match.config_mismatch). This is the whole verdict on a weights-only checkpoint: no other file
+    (trainer_state.json) takes part. Dtypes are not judged (the file is whole whatever a merge converts), nor values
+    (reading them is the merge's)."""
+    from fsdp_recipes.ckpt.readers import NO_HEADER, NotSafetensors, is_shard_name, safetensors_header
 
     index = folder / "model.safetensors.index.json"
     expected: dict[str, set] = {}  # shard file: the tensors the index assigns it
@@ -196,7 +200,9 @@ def weights_problems(folder: Path) -> list[str]:
                     "the checkpoint"
                 ]
             expected.setdefault(shard, set()).add(tensor)
-    problems = []
+        if unnamed := sorted({p.name for p in folder.glob("model-*-of-*.safetensors")} - set(expected)):
+            return [f"{index.name} names no tensor of {unnamed[0]}: the index is not this checkpoint's"]
+    problems, held = [], {}  # held: tensor name -> its shape
     for shard, tensors in sorted(expected.items()):
         path = folder / shard
         named = f" ({index.name} names it)" if tensors else ""
@@ -205,20 +211,34 @@ def weights_problems(folder: Path) -> list[str]:
             continue
         try:
             length, entries, size = safetensors_header(path)
-            end = max((entry["data_offsets"][1] for entry in entries.values()), default=0)
-            if type(end) is not int:
-                raise ValueError
         except OSError as err:
             problems.append(f"unreadable {shard} ({err.strerror})")
             continue
-        except (ValueError, TypeError, IndexError, KeyError):
-            problems.append(f"truncated or unreadable {shard} (no safetensors header)")
+        except NotSafetensors as err:
+            problems.append(
+                f"truncated or unreadable {shard} ({NO_HEADER})"
+                if err.reason == NO_HEADER
+                else f"{shard} is damaged or forged: {err.reason} (safetensors refuses it)"
+            )
             continue
-        if size < 8 + length + end:
+        if size < 8 + length + (end := max((e["data_offsets"][1] for e in entries.values()), default=0)):
             problems.append(f"truncated {shard} ({size:,} of the {8 + length + end:,} bytes its header describes)")
         elif lacking := tensors - set(entries):
             problems.append(
                 f"{shard} lacks {len(lacking)} tensor(s) {index.name} assigns it "
                 f"({short_json(sorted(lacking)[0])}, ...)"
             )
+        elif tensors and (unnamed := set(entries) - tensors):  # from_pretrained loads what the index names
+            problems.append(
+                f"{shard} holds {len(unnamed)} tensor(s) {index.name} does not assign it "
+                f"({short_json(sorted(unnamed)[0])}, ...): the index is not this checkpoint's"
+            )
+        held.update((name, tuple(entry["shape"])) for name, entry in entries.items())
+    if not problems and not held:
+        problems.append("the weights hold no tensors")
+    elif not problems and not adapter_only(folder) and os.path.lexists(folder / "config.json"):
+        from fsdp_recipes.ckpt.model_match import config_mismatch
+
+        if mismatch := config_mismatch(folder, held):
+            problems.append(mismatch)
     return problems

@@ -174,13 +174,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def recorded_changes(folder: Path, skip: tuple[str, ...] = ()) -> str | None:
+def recorded_changes(folder: Path, skip: tuple[str, ...] = (), missing: list[str] | None = None) -> str | None:
     """The description files the training run wrote into checkpoint ``folder`` (MANIFEST lists each with its hash)
     that are missing or changed now, as one line with the fix; None when all are as written, or the run recorded none.
     A resume and check_checkpoint count it a problem, the merge refuses it: a truncated chat_template.jinja or a
     deleted config.json was otherwise taken as it was (a merged folder whose template fails; a resume that built the
     model from whatever config it was given). ``skip``: files not read (the merge's --base-model gives config.json
-    and generation_config.json; a tokenizer file the checkpoint holds is still read from it)."""
+    and generation_config.json; a tokenizer file the checkpoint holds is still read from it). ``missing``: a list that
+    takes the names of files gone (a copy without its tokenizer: nothing tampered with) instead of counting them;
+    all but config.json, without which the weights are no model the run described."""
     import os
 
     if not os.path.lexists(Path(folder) / MANIFEST):
@@ -204,7 +206,9 @@ def recorded_changes(folder: Path, skip: tuple[str, ...] = ()) -> str | None:
         if not isinstance(name, str) or name not in DESCRIPTION_FILES or name in skip:
             continue
         path = Path(folder) / name
-        if not os.path.lexists(path):
+        if not os.path.lexists(path) and missing is not None and name != "config.json":
+            missing.append(name)
+        elif not os.path.lexists(path):
             changed.append(f"{name} is missing")
         elif not path.is_file() or path.stat().st_size > DESCRIPTION_LIMIT or _sha256(path) != digest:
             changed.append(f"{name} is not as the run wrote it")

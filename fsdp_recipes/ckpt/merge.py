@@ -156,8 +156,14 @@ def merge_checkpoint(
         raise CheckpointError(problems[0])
     # with --base-model the config comes from there; the tokenizer files the checkpoint holds are still read
     skip = ("config.json", "generation_config.json") if base_model else ()
-    if resolved.checkpoint_dir is not None and (changes := recorded_changes(resolved.checkpoint_dir, skip)):
+    missing: list[str] = []  # files the run wrote beside the weights and the copy lacks: not tampered, only gone
+    if resolved.checkpoint_dir is not None and (changes := recorded_changes(resolved.checkpoint_dir, skip, missing)):
         raise CheckpointError(changes)
+    if missing:
+        log(
+            f"{resolved.checkpoint_dir} lacks {', '.join(missing)}, which the run wrote there: the merged folder is "
+            "made without them (copy them in, or pass --base-model with them)"
+        )
     restore_interrupted(real(output_path), log)  # the real path, as check_output and the staging names use
     out = check_output(input_path, resolved, output_path, overwrite)
     own, base_model = _lora(resolved, base_model, adapter_only, log)

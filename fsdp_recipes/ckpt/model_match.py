@@ -49,6 +49,41 @@ def _stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]] | None
     return None
 
 
+def config_mismatch(folder: Path, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """Why weights named and shaped ``shapes`` (their safetensors headers') are not those of the model ``folder``'s
+    config.json describes, as from_pretrained builds it (every weight there with its shape, none it does not have;
+    tied ones may be left out), in words; None when they are, or when transformers builds no causal LM from the
+    config (another kind of model: nothing to compare here). The config is read bounded and judged plausible for
+    these weights before any model is built from it."""
+    from fsdp_recipes.ckpt.description import _one_line, implausible_config, model_skeleton
+    from fsdp_recipes.ckpt.namespace import match_namespace
+    from fsdp_recipes.ckpt.readers import TensorInfo
+    from fsdp_recipes.errors import CheckpointError
+
+    try:
+        settings = load_json(folder / "config.json", "config.json", JSON_LIMIT)
+    except UnreadableFile as err:
+        return f"unreadable config.json ({err.reason})"
+    tensors = {name: TensorInfo(tuple(shape), "") for name, shape in shapes.items()}
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 (OSError, ValueError, KeyError ...: transformers raises many)
+        return f"config.json is not a config transformers reads ({_one_line(err)})"
+    if problem := implausible_config(settings, tensors) or implausible_config(config, tensors):
+        return problem
+    try:
+        model_cls, expected, tied, ignorable = model_skeleton(config)
+    except Exception:  # noqa: BLE001 (not a causal LM's config: from_pretrained of another class judges it)
+        return None
+    try:
+        match_namespace(tensors, expected, tied, model_cls.__name__, ignorable)
+    except CheckpointError as err:
+        return f"config.json describes another model: {str(err).split(': pass the right --base-model')[0]}"
+    return None
+
+
 # a weight loaded into a parameter of another dtype is cast without a word: into a wider float it is exact (a bf16
 # run resumed in fp32 goes on from the same values), into a narrower or other 16-bit one every weight is rounded
 _WIDER = {"float64": {"float32", "bfloat16", "float16"}, "float32": {"bfloat16", "float16"}}

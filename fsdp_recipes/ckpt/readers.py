@@ -13,7 +13,9 @@ of the stored tensors are the model's weights is ``namespace``'s question.
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 import struct
 import warnings
 from dataclasses import dataclass
@@ -181,23 +183,128 @@ def is_shard_name(name) -> bool:
     return plain_file_name(name) and name.endswith(".safetensors")
 
 
+# Bits per element of every dtype safetensors knows (its Dtype enum, 0.8), whether or not a merge converts it
+SAFETENSORS_BITS = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+NO_HEADER = "no safetensors header"  # NotSafetensors.reason of a file that does not even start like one
+
+
+class NotSafetensors(ValueError):
+    """A file safetensors would not load, and why (``reason``, in words)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _whole_numbers(value, count: int | None = None) -> bool:
+    return (
+        isinstance(value, list)
+        and (count is None or len(value) == count)
+        and all(type(v) is int and v >= 0 for v in value)
+    )
+
+
 def safetensors_header(path: Path) -> tuple[int, dict, int]:
-    """(header length, tensor entries, file size) of a safetensors file, read within SAFETENSORS_HEADER_LIMIT; every
-    entry has its dtype, shape and data_offsets. ValueError when the file has no such header (a git-lfs pointer, a
-    link to /etc/passwd, a file cut inside its header); OSError when it cannot be opened."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    """(header length, tensor entries, file size) of a safetensors file, read within SAFETENSORS_HEADER_LIMIT: the one
+    place a header is judged, by safetensors' own rules, so that what passes here is what safetensors.safe_open (and
+    so from_pretrained) reads. Every entry has a dtype safetensors knows, a shape of whole numbers and data_offsets
+    [begin, end] spanning exactly dtype size x product(shape) bytes; in the order of their offsets the entries fill the
+    data area from its start to the file's end, each where the one before ends (two tensors over the same bytes would
+    read as copies of each other; a gap or a tail is bytes nobody accounts for); ``__metadata__`` maps text to text.
+    Whatever else safe_open refuses is refused too, in its own words. NotSafetensors (a ValueError) names the first
+    lie: NO_HEADER when the file has none (a git-lfs pointer, a link to /etc/passwd, a file cut inside its header);
+    OSError when it cannot be opened. A sound header over a file shorter than it describes (a copy that did not
+    finish, no forgery) is returned as it is: each caller says "truncated" in its own words."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO must not block the open
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotSafetensors("not a regular file (a folder, a FIFO or a device)")
+        size = info.st_size
         try:
             (length,) = struct.unpack("<Q", f.read(8))
-            if length > min(size, SAFETENSORS_HEADER_LIMIT):
+            if length > min(size - 8, SAFETENSORS_HEADER_LIMIT):
                 raise ValueError
-            header = json.loads(f.read(length))
-            entries = {k: v for k, v in header.items() if k != "__metadata__"}
-            for entry in entries.values():
-                entry["dtype"], entry["shape"], entry["data_offsets"]  # noqa: B018 (KeyError when absent)
-        except (struct.error, ValueError, MemoryError, OverflowError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"{path} has no safetensors header") from None
-    return length, entries, size
+            header = json.loads(f.read(length).decode("utf-8"))  # UTF-8 only, as safetensors reads it
+            if not isinstance(header, dict):
+                raise ValueError
+        except (struct.error, ValueError, MemoryError, RecursionError):
+            raise NotSafetensors(NO_HEADER) from None
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise NotSafetensors("its __metadata__ is not a mapping of text to text")
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or not all(k in entry for k in ("dtype", "shape", "data_offsets")):
+            raise NotSafetensors(f"the entry of {name!r} is not a tensor's (dtype, shape, data_offsets)")
+        if entry["dtype"] not in SAFETENSORS_BITS:
+            raise NotSafetensors(f"{name} has dtype {str(entry['dtype'])[:20]!r}, which safetensors does not know")
+        if not _whole_numbers(entry["shape"]):
+            raise NotSafetensors(f"{name} has shape {str(entry['shape'])[:40]}, which is not a list of whole numbers")
+        if not _whole_numbers(entry["data_offsets"], 2) or entry["data_offsets"][0] > entry["data_offsets"][1]:
+            raise NotSafetensors(f"{name} has data_offsets {str(entry['data_offsets'])[:40]}, not [begin, end]")
+    end, before = 0, None
+    for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        begin, stop = entry["data_offsets"]
+        if begin != end:  # safetensors' InvalidOffset
+            what = (
+                f"overlap {before}'s, which end at {end:,}"
+                if begin < end
+                else f"leave {begin - end:,} bytes before them unaccounted for"
+            )
+            raise NotSafetensors(f"{name}'s bytes {begin:,}..{stop:,} {what}")
+        before = name
+        bits = math.prod(entry["shape"]) * SAFETENSORS_BITS[entry["dtype"]]
+        if bits % 8 or stop - begin != bits // 8:
+            raise NotSafetensors(
+                f"{name} is {entry['dtype']} of shape {tuple(entry['shape'])}, {bits / 8:,g} bytes, in "
+                f"{stop - begin:,} bytes of the file"
+            )
+        end = stop
+    if size < 8 + length + end:
+        return length, header, size
+    if size > 8 + length + end:
+        raise NotSafetensors(f"{size - 8 - length - end:,} bytes after the last tensor its header describes")
+    from safetensors import SafetensorError, safe_open
+
+    try:  # the bar: what safetensors itself reads (a JSON detail the rules above do not spell out)
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except SafetensorError as err:
+        raise NotSafetensors(f"safetensors refuses it ({str(err).split(': ', 1)[-1][:120]})") from None
+    return length, header, size
+
+
+def safetensors_problem(path: Path, err: NotSafetensors) -> str:
+    """The one line for a safetensors file of a checkpoint that safetensors_header refused."""
+    if err.reason == NO_HEADER:
+        return f"{path} is not a readable safetensors file (truncated?): copy the checkpoint again"
+    return (
+        f"{path} is not a safetensors file safetensors would read: {err.reason}; it was damaged or forged: copy the "
+        "checkpoint again from where it was written"
+    )
 
 
 class SafetensorsSource:
@@ -236,22 +343,23 @@ class SafetensorsSource:
                 raise CheckpointError(f"{path} is missing ({index.name} names it): copy the checkpoint again")
             try:
                 length, entries, size = safetensors_header(path)
-            except ValueError:
-                raise CheckpointError(
-                    f"{path} is not a readable safetensors file (truncated?): copy the checkpoint again"
-                ) from None
-            end = 0
-            for key, entry in entries.items():
-                if entry["dtype"] not in codes:
-                    raise CheckpointError(f"{path}: {key} has dtype {entry['dtype']}, which this tool does not convert")
-                begin, stop = entry["data_offsets"]
-                self.tensors[clean_name(key)] = TensorInfo(tuple(entry["shape"]), codes[entry["dtype"]])
-                self._where[clean_name(key)] = (file, key, 8 + length + begin, stop - begin)
-                end = max(end, stop)
-            if size < 8 + length + end:
+            except NotSafetensors as err:
+                raise CheckpointError(safetensors_problem(path, err)) from None
+            if size < 8 + length + (end := max((e["data_offsets"][1] for e in entries.values()), default=0)):
                 raise CheckpointError(
                     f"{path} is truncated ({size} of {8 + length + end} bytes): copy the checkpoint again"
                 )
+            for key, entry in entries.items():
+                if entry["dtype"] not in codes:
+                    raise CheckpointError(f"{path}: {key} has dtype {entry['dtype']}, which this tool does not convert")
+                if clean_name(key) in self.tensors:  # from_pretrained would load one of them, which is not said
+                    raise CheckpointError(
+                        f"{folder} holds {clean_name(key)} twice ({self._where[clean_name(key)][0]} and {file}): "
+                        "copy the checkpoint again"
+                    )
+                begin, stop = entry["data_offsets"]
+                self.tensors[clean_name(key)] = TensorInfo(tuple(entry["shape"]), codes[entry["dtype"]])
+                self._where[clean_name(key)] = (file, key, 8 + length + begin, stop - begin)
 
     def copy_plan(self, name: str) -> list[tuple[Path, int, int, int]] | None:
         file, _, offset, nbytes = self._where[name]

@@ -4,7 +4,8 @@ The headers are computed up front from the source's shapes and dtypes; then each
 through fsdp_recipes.direct_writes.DirectFile (O_DIRECT where the filesystem takes it, fsynced at close): a tensor
 whose bytes lie plain in the source is read straight into the writer's buffer, the rest (casts, other layouts) is
 read in groups of at most ``memory_budget`` bytes (a larger tensor alone). Peak memory follows the budget and the
-largest tensor, never the model size.
+largest tensor, never the model size. A float tensor holding NaN or infinity, as read or once cast, is refused
+(copier.finite): no model folder is written from a run that diverged.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from huggingface_hub import split_state_dict_into_shards_factory
 from tqdm.auto import tqdm
 
-from fsdp_recipes.ckpt.copier import FAILED, Cancelled, copy_piece
+from fsdp_recipes.ckpt.copier import FAILED, Cancelled, copy_piece, finite, non_finite_error
 from fsdp_recipes.ckpt.readers import SAFETENSORS_DTYPES, TensorInfo, dtype_name, torch_dtype
 from fsdp_recipes.compat import internals
 from fsdp_recipes.direct_writes import DirectFile
@@ -136,7 +137,11 @@ def write_weights(
                 {
                     "path": str(out_dir / filename),
                     "header": header.hex(),
-                    "pieces": [[str(src), offset, count] for n, _ in layout for src, offset, _, count in plans[n]],
+                    "pieces": [
+                        [str(src), offset, count, infos[n].dtype, n]
+                        for n, _ in layout
+                        for src, offset, _, count in plans[n]
+                    ],
                 }
             )
         else:
@@ -194,7 +199,7 @@ def _write_shard(
                 raise Cancelled
             if plan := plans.get(n):
                 for src, src_offset, _, count in plan:
-                    copy_piece(out, src, src_offset, count, cancelled, progress)
+                    copy_piece(out, src, src_offset, count, cancelled, progress, infos[n].dtype, n)
                 continue
             if n not in loaded:
                 group = next(slow)
@@ -210,7 +215,10 @@ def _write_shard(
                     f"metadata states {tuple(infos[n].shape)}: the checkpoint is inconsistent; copy it again"
                 )
             if t.numel():
-                out.write(t.reshape(-1).view(torch_dtype("uint8")).numpy())
+                raw = t.reshape(-1).view(torch_dtype("uint8")).numpy()
+                if not finite(raw, dtype or infos[n].dtype):  # a cast to a narrower float can make infinities too
+                    raise non_finite_error(n, dtype or infos[n].dtype)
+                out.write(raw)
             progress(size)
             del t
     except BaseException:
@@ -276,7 +284,7 @@ def _finish_copies(
             + ": nothing was published; run the merge again"
         )
     for f in files:
-        want = len(f["header"]) // 2 + sum(count for _, _, count in f["pieces"])
+        want = len(f["header"]) // 2 + sum(piece[2] for piece in f["pieces"])
         have = os.stat(f["path"]).st_size if os.path.isfile(f["path"]) else None
         if have != want:
             raise CheckpointError(

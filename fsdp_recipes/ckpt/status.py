@@ -13,12 +13,14 @@ A checkpoint whose metadata names a dtype or DCP class the installed torch does 
 wrote it) is neither: it is "unreadable by this version" (``CheckpointStatus.unreadable``). Nothing says it is
 incomplete, and a resume stops at it rather than passing over it (fsdp_recipes.ckpt.resume).
 
-A finished save (trainer_state.json, written last, is there) holding complete model weights (safetensors:
-``model.safetensors``, or an index and every shard it names; or peft's adapter) and no optimizer state at all is
-"weights only" (``CheckpointStatus.weights_only``): what ``save_only_model`` writes, the stock Trainer's and ours.
-It cannot resume a run (the optimizer would start from nothing), and it is a model: never called incomplete, never
-passed over or set aside by a resume, never offered to or deleted by ``--overwrite_output_dir`` (``may_be_good``).
-One whose weights are not all there, or whose save was cut short before trainer_state.json, stays incomplete.
+A checkpoint holding complete model weights (safetensors: ``model.safetensors``, or an index and every shard it
+names, each header as safetensors reads it and matching the folder's config.json; or peft's adapter) and no optimizer
+state at all is "weights only" (``CheckpointStatus.weights_only``): what ``save_only_model`` writes, the stock
+Trainer's and ours. It cannot resume a run (the optimizer would start from nothing), and it is a model: never passed
+over or set aside by a resume, never offered to or deleted by ``--overwrite_output_dir`` (``may_be_good``). That
+verdict comes from the weights alone (checkpoint_files.weights_problems): a trainer_state.json that is missing, cut
+short or not a mapping is listed among the problems, and changes nothing of it. One whose weights are not all there
+or not what their headers or config say stays incomplete.
 """
 
 from __future__ import annotations
@@ -198,7 +200,7 @@ def _read_report(path: Path, status: CheckpointStatus) -> str | None:
 
 
 def _check(ckpt: Path, status: CheckpointStatus) -> None:
-    if not any(
+    if not weights_only_layout(ckpt) and not any(
         (ckpt / name).exists()
         for name in ("trainer_state.json", DCP_MODEL_DIR, OPTIMIZER_DIR, FULL_MODEL_FILE, PLAIN_OPTIMIZER_FILE)
     ):
@@ -252,8 +254,8 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
         status.state_dict_type = WEIGHTS_ONLY
         if weights := weights_problems(ckpt):
             status.problems += [f"model weights: {p}" for p in weights]
-        else:  # a save cut short after the weights (no trainer_state.json yet) is incomplete, as any other
-            status.weights_only = finished
+        else:  # from the weights alone: a trainer_state.json missing or unreadable is said, and protects nothing less
+            status.weights_only = True
         if changes := _recorded_changes(ckpt):
             status.problems.append(changes)
         return
