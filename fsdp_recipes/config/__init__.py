@@ -11,6 +11,7 @@
 - packages:          options that need a package (--optim, --report_to, --attn_implementation, liger): named if missing
 - model_source, data_files: is the model loadable (and runs no code of its folder), is the data file usable, found
   without loading either
+- local_datasets:    the splits and configurations a local data source has, for dataset_split and dataset_config
 - trainer_fsdp:      the torchrun route (TrainingArguments' --fsdp_config), checked against the keys it reads
 - plan:              the Plan: what the checks decided, carried out by fsdp_recipes.train.preflight
 - accelerate_config: the rules of tools/check_config.py for accelerate config files

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.config.data_files import sniff_format, train_file_problem
+from fsdp_recipes.config.local_datasets import local_source_problem
 from fsdp_recipes.config.mixture import mixture_evaluates, mixture_problem
 from fsdp_recipes.config.model_source import dataset_source_problem
 from fsdp_recipes.errors import RecipeError
@@ -183,6 +184,13 @@ class DataArguments:
                 )
             if problem := train_file_problem(path, self):  # a missing path, a folder, a FIFO or device, named as such
                 raise RecipeError(f"train_file={self.train_file!r}: {problem}")
+        if self.dataset_mixture is not None and (self.dataset_config_name is not None or self.dataset_split != "train"):
+            raise RecipeError(
+                "dataset_config_name and dataset_split pick a configuration and a split of dataset_name; a mixture "
+                "gives each of its datasets its own (config, split): drop them"
+            )
+        if problem := local_source_problem(self):  # a local source's splits and configurations, as datasets has them
+            raise RecipeError(problem)
         self._trl_names()
         if self.data_format not in ("auto", "text", "chat"):
             raise RecipeError(f"data_format={self.data_format!r} is not one of auto, text, chat")

@@ -48,8 +48,8 @@ TRL_NAMES = {
     "max_length, max_seq_length": "block_size (truncation length; with packing, the row length)",
     "dataset_text_field": "text_column",
     "dataset_num_proc": "preprocessing_num_workers",
-    "dataset_config": "dataset_config_name (said, and not read, with a local train_file)",
-    "dataset_train_split": "dataset_split (said, and not read, with a local train_file)",
+    "dataset_config": "dataset_config_name (a local folder's README configs; refused with a train_file)",
+    "dataset_train_split": "dataset_split (a local folder's or save_to_disk's splits; a train_file has train only)",
     "dataset_test_split": "dataset_test_split (evaluation data)",
     "torch_dtype": "dtype",
     "tokenizer_name_or_path": "tokenizer_name",
@@ -114,8 +114,8 @@ NO_EQUIVALENT = {
 
 def translate(recipe: dict, argv: list[str] | None = None, tell=say) -> dict:
     """The recipe with its TRL and handbook keys as this script's settings; each change of name that TRL or
-    transformers made is said once through ``tell``. ``argv``: the command line, whose --model_name_or_path and
-    --train_file replace the recipe's."""
+    transformers made is said once through ``tell``. ``argv``: the command line, whose --model_name_or_path
+    replaces the recipe's."""
     out, notes = dict(recipe), []
     _renames(out, notes)
     for key, (taken, _) in NO_EQUIVALENT.items():
@@ -342,8 +342,9 @@ def _flag(argv: list[str], name: str):
 
 
 def _local_sources(out: dict, argv: list[str], notes: list[str]) -> None:
-    """model_revision for a local folder, and a hub dataset's split or configuration beside a local train_file: said,
-    and dropped (they name something of the hub that a local path does not have)."""
+    """model_revision for a local folder: said, and dropped (it names a revision of the hub, which a local folder does
+    not have). A dataset split or configuration with a local source is DataArguments' to take or refuse
+    (fsdp_recipes.config.local_datasets)."""
     model = _flag(argv, "model_name_or_path") or out.get("model_name_or_path")
     if "model_revision" in out and isinstance(model, str) and Path(model).expanduser().is_dir():
         notes.append(
@@ -351,17 +352,6 @@ def _local_sources(out: dict, argv: list[str], notes: list[str]) -> None:
             f"{model!r} is a local folder, read as it is"
         )
         out.pop("model_revision")
-    train_file = _flag(argv, "train_file") or out.get("train_file")
-    if train_file is None:
-        return
-    for key in ("dataset_train_split", "dataset_split", "dataset_config", "dataset_config_name"):
-        if isinstance(out.get(key), str):  # another type is refused by the recipe's type check
-            what = "a split" if "split" in key else "a configuration"
-            notes.append(
-                f"{key} {out[key]!r} names {what} of a hub dataset (dataset_name): train_file {train_file!r} is read "
-                "whole as the training data"
-            )
-            out.pop(key)
 
 
 def _chat_template_path(out: dict) -> None:

@@ -32,7 +32,7 @@ from fsdp_recipes.config.arguments import DATA_EXTENSIONS, DataArguments
 from fsdp_recipes.config.data_files import conversation_problem, locate_fault, other_format
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, one_line
-from fsdp_recipes.train.data_mixture import load_mixture
+from fsdp_recipes.train.data_mixture import load_mixture, load_split
 
 IGNORE_INDEX = -100
 # What datasets raises on a file it cannot read: its own errors (DatasetGenerationError wraps whatever the format's
@@ -88,10 +88,12 @@ def load_raw(args: DataArguments, seed: int = 42) -> tuple[Dataset, Dataset | No
         evaluation = load_file(args.validation_file, "validation", "validation_file") if args.validation_file else None
     else:
         try:
-            train = load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_split)
+            train = load_split(args.dataset_name, args.dataset_config_name, args.dataset_split)
             evaluation = None
             if args.dataset_test_split is not None:
-                evaluation = load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_test_split)
+                evaluation = load_split(args.dataset_name, args.dataset_config_name, args.dataset_test_split)
+        except RecipeError:
+            raise
         except LOADER_ERRORS as err:
             raise RecipeError(f"dataset_name={args.dataset_name!r} {_loader_problem(err, None)}") from err
     if args.max_train_samples is not None:

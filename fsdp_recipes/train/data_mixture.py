@@ -1,6 +1,6 @@
 """A dataset mixture (DataArguments.dataset_mixture, the plan fsdp_recipes.config.trl_recipe reads from a recipe)
 loaded as the script that wrote its format loads it, with datasets' own loading, column selection, shuffling and
-splitting:
+splitting (:func:`load_split` also reads a folder written by save_to_disk, as the handbook's older mixer did):
 
 - ``handbook`` (alignment-handbook's ``dataset_mixture``, src/alignment/data.py): each dataset's split loaded, its
   columns selected, shuffled with the mixture's seed and cut to ``weight`` of its rows; all concatenated and
@@ -17,20 +17,41 @@ splitting:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
-from datasets import Dataset, concatenate_datasets, load_dataset
+from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 from datasets.exceptions import DatasetsError
 from pyarrow.lib import ArrowException
 
 from fsdp_recipes.config.arguments import DataArguments
+from fsdp_recipes.config.local_datasets import saved_splits
 from fsdp_recipes.config.mixture import MIXER_COLUMNS, read_plan
 from fsdp_recipes.errors import RecipeError, one_line
+
+
+def load_split(path: str, name: str | None, split: str, **kwargs) -> Dataset:
+    """One split of a dataset as datasets.load_dataset gives it (a hub id, a folder of data files), or of a folder
+    written by save_to_disk, which load_dataset refuses: through load_from_disk, as the handbook's older mixer reads
+    one (a DatasetDict, a saved Dataset per split folder, or one saved Dataset: its one split)."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir() or (splits := saved_splits(folder)) is None:
+        return load_dataset(path, name, split=split, **kwargs)
+    if name is not None or kwargs:
+        raise RecipeError(f"{path!r} was written by save_to_disk, which keeps no configurations or data files")
+    if not splits:
+        return load_from_disk(str(folder))
+    if split not in splits:
+        raise RecipeError(f"{path!r} has no split {split!r} (it has {', '.join(splits)}): give one of them")
+    saved = load_from_disk(str(folder if (folder / "dataset_dict.json").is_file() else folder / split))
+    return saved[split] if isinstance(saved, DatasetDict) else saved
 
 
 def _load(entry: dict) -> Dataset:
     kwargs = {k: entry[k] for k in ("data_dir", "data_files") if entry.get(k) is not None}
     try:
-        return load_dataset(entry["path"], entry.get("name"), split=entry["split"], **kwargs)
+        return load_split(entry["path"], entry.get("name"), entry["split"], **kwargs)
+    except RecipeError:
+        raise
     except (DatasetsError, ArrowException, ValueError, OSError) as err:  # what datasets raises on data it cannot load
         where = f"{entry['path']!r} (configuration {entry.get('name')!r}, split {entry['split']!r})"
         said = one_line((str(err).strip().splitlines() or [""])[0])[:200]
