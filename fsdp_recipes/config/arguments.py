@@ -133,6 +133,14 @@ class DataArguments:
             "conversation (TRL's default); unset is the assistant's tokens, said in one line. Refused for text data."
         },
     )
+    auto_insert_empty_system_msg: bool = field(
+        default=False,
+        metadata={
+            "help": "The alignment handbook's (true by default in its older dataset_mixer format, where it is set "
+            "so): chat data gets an empty system turn first in each conversation without one, when the chat "
+            "template mentions a system turn ('system' or <|im_start|>)."
+        },
+    )
     completion_only_loss: bool | None = field(
         default=None,
         metadata={

@@ -31,7 +31,13 @@ LORA = (
 )
 
 # Settings that TRL and handbook recipes carry and a command line rarely gives: listed by --help-all only
-RECIPE_ONLY = ("model_revision", "chat_template_path", "dataset_mixture")
+RECIPE_ONLY = (
+    "model_revision",
+    "chat_template_path",
+    "dataset_mixture",
+    "default_chat_template",
+    "auto_insert_empty_system_msg",
+)
 
 # The TrainingArguments a recipe usually sets, in the order a reader looks for them.
 COMMON_TRAINING = (

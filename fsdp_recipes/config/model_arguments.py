@@ -70,6 +70,13 @@ class ModelArguments:
         default=None,
         metadata={"help": "TRL's: a .jinja file, or a tokenizer folder, whose chat template is set on the tokenizer."},
     )
+    default_chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "A chat template for a tokenizer that has none (the tokenizer's own, or chat_template, wins). The "
+            "alignment handbook's older dataset_mixer format sets its DEFAULT_CHAT_TEMPLATE here, as its sft.py did."
+        },
+    )
     eos_token: str | None = field(
         default=None,
         metadata={

@@ -57,6 +57,7 @@ TRL_NAMES = {
     "model_init_kwargs": "its dtype/torch_dtype, attn_implementation, trust_remote_code and revision; others refused",
     "chat_template": "set on the tokenizer, used for chat data, saved with the model",
     "chat_template_path": "a .jinja file or a tokenizer folder whose template is set on the tokenizer",
+    "auto_insert_empty_system_msg": "an empty system turn first where the template has one (dataset_mixer: true)",
     "eos_token": "the tokenizer's eos_token and the saved generation_config's eos_token_id",
     "warmup_ratio": "warmup_steps below 1 (transformers 5 reads it as a share of the run; said)",
     "evaluation_strategy, per_gpu_*, push_to_hub_model_id/token": "transformers 5's names (said)",
@@ -75,6 +76,15 @@ TRL_NAMES = {
     "use_peft, lora_r, lora_alpha, lora_dropout, lora_target_modules": "LoRA with peft, the same meaning",
     "load_in_4bit, bnb_4bit_*, use_bnb_nested_quant": "QLoRA (CUDA and bitsandbytes only; refused elsewhere)",
 }
+
+# The alignment handbook's DEFAULT_CHAT_TEMPLATE (src/alignment/data.py, v0.3.0 and before), which its older
+# dataset_mixer format's get_tokenizer set on a tokenizer without a chat template (its tests assert exactly that).
+HANDBOOK_CHAT_TEMPLATE = (
+    "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
+    "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+    "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}"
+)
 
 # keys whose null in TRL's or the handbook's dataclasses means the library's default: here, our default
 NULL_IS_DEFAULT = ("torch_dtype", *MIXTURE_KEYS)
@@ -107,7 +117,6 @@ NO_EQUIVALENT = {
     "base_model_revision": ((None,), "a revision of a DPO base model; SFT reads model_revision"),
     "model_code_revision": ((None,), "model code is read at model_revision here"),
     "truncation_side": ((None, "right"), "examples are truncated at the end here"),
-    "auto_insert_empty_system_msg": ((False,), "no system message is inserted here: give it in the data"),
     "hub_model_revision": (("main",), "the upload goes to hub_revision, transformers 5's name"),
 }
 
@@ -131,6 +140,7 @@ def translate(recipe: dict, argv: list[str] | None = None, tell=say) -> dict:
             _check_kwargs(key, out[key], _flag(argv or [], "lr_scheduler_type") or out.get("lr_scheduler_type"))
             out[key] = json.dumps(out[key])
     _model_init_kwargs(out)
+    _older_handbook_defaults(out, notes)
     _mixture(out, notes)
     _dataset_kwargs(out)
     if isinstance(out.get("packing_strategy"), str) and out["packing_strategy"] in PACKING_STRATEGIES:
@@ -282,6 +292,22 @@ def _model_init_kwargs(out: dict) -> None:
                 "values: keep one"
             )
         out[ours] = value
+
+
+def _older_handbook_defaults(out: dict, notes: list[str]) -> None:
+    """The handbook's older format (a dataset_mixer) with its own defaults where ours differ: an empty system turn
+    inserted (its auto_insert_empty_system_msg, true), and its DEFAULT_CHAT_TEMPLATE for a tokenizer without one."""
+    if out.get("dataset_mixer") is None:
+        return
+    if "auto_insert_empty_system_msg" not in out:
+        out["auto_insert_empty_system_msg"] = True
+        notes.append(
+            "auto_insert_empty_system_msg is true in the handbook's dataset_mixer format (its default): an empty "
+            "system turn begins each conversation without one, where the chat template has system turns; set it "
+            "false to not"
+        )
+    if out.get("chat_template") is None and out.get("chat_template_path") is None:
+        out.setdefault("default_chat_template", HANDBOOK_CHAT_TEMPLATE)
 
 
 def _mixture(out: dict, notes: list[str]) -> None:

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fsdp_recipes.bounded import JSON_LIMIT, read_text
 from fsdp_recipes.config.model_arguments import ModelArguments
+from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
 
 
@@ -19,8 +20,9 @@ def revision(args: ModelArguments, source: str | None) -> str | None:
 
 
 def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments) -> PreTrainedTokenizerBase:
-    """The tokenizer with the recipe's chat template and eos_token; an eos_token not in its vocabulary is refused
-    (TRL refuses it too: it would be a new token without an embedding)."""
+    """The tokenizer with the recipe's chat template (or its default_chat_template where the tokenizer has none) and
+    eos_token; an eos_token not in its vocabulary is refused (TRL refuses it too: it would be a new token without an
+    embedding)."""
     template, path, eos = (getattr(args, k, None) for k in ("chat_template", "chat_template_path", "eos_token"))
     if template is not None:
         tokenizer.chat_template = template
@@ -31,6 +33,12 @@ def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments
         else:
             source = AutoTokenizer.from_pretrained(str(path), trust_remote_code=args.trust_remote_code)
             tokenizer.chat_template = source.chat_template
+    elif not tokenizer.chat_template and getattr(args, "default_chat_template", None) is not None:
+        tokenizer.chat_template = args.default_chat_template
+        say(
+            f"tokenizer {args.tokenizer_name!r} has no chat template: the recipe's default one is set on it (the "
+            "handbook's dataset_mixer format does so), and saved with the model"
+        )
     if eos is not None:
         token_id = tokenizer.convert_tokens_to_ids(eos)
         if token_id is None or token_id == tokenizer.unk_token_id:

@@ -292,16 +292,21 @@ def tokenize_chat(
 
     template = f"the chat template of tokenizer {tokenizer.name_or_path!r}"
     whole = getattr(args, "assistant_only_loss", None) is False  # TRL's default: loss on the whole conversation
+    # the handbook's maybe_insert_system_message: only where the template renders system turns
+    system = getattr(args, "auto_insert_empty_system_msg", False) and any(
+        mark in tokenizer.chat_template for mark in ("system", "<|im_start|>")
+    )
 
     def render(example, index):
         label = f"{source} record {index + 1}" if source else f"a record ({str(example)[:60]})"
         if problem := conversation_problem(example, args, label):
             raise RecipeError(problem)
+        messages = example[args.messages_column]
+        if system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": ""}, *messages]
         try:
             with _time_limit(CHAT_TEMPLATE_SECONDS):
-                ids, mask = assistant_mask(
-                    tokenizer, example[args.messages_column], example.get("chat_template_kwargs")
-                )
+                ids, mask = assistant_mask(tokenizer, messages, example.get("chat_template_kwargs"))
         except _TimeLimit:
             raise RecipeError(
                 f"{template} took over {CHAT_TEMPLATE_SECONDS:g} s to render one conversation (the limit): "
