@@ -155,3 +155,11 @@ def test_the_drop_count_is_said_once_and_on_rank_0_only(tokenizer, capsys, monke
         dataset = tokenize_chat(Dataset.from_list([conversation(2), conversation(60)]), tokenizer, args)
         said = capsys.readouterr().err
         assert len(dataset) == 1 and said.count("1 of 2 training conversations are dropped") == (rank == "0"), said
+
+
+def test_a_bad_record_is_named_by_its_number_in_the_file_with_several_workers(tokenizer):
+    """preprocessing_num_workers splits the rows among processes: the number is still the record's in the file."""
+    rows = [conversation(2)] * 30 + [{"messages": []}] + [conversation(2)] * 30
+    args = DataArguments(train_file=str(REPO / "assets/data/tiny_chat.jsonl"), preprocessing_num_workers=2)
+    with pytest.raises(RecipeError, match="^train_file='x.jsonl' record 31: 'messages' is an empty list"):
+        tokenize_chat(Dataset.from_list(rows), tokenizer, args, "train_file='x.jsonl'")
