@@ -15,6 +15,7 @@ it and the pinned version). Nothing outside this package patches another library
 - rank0_loading:       rank-0-only loading: FSDP2, rank 0 sends each rank its rows, not every weight whole; FSDP1,
                        the other ranks hold no weights until FSDP fills each unit
 - peft_lora:           peft's get_peft_model without transformers' FutureWarning about a deprecated alias
+- hub_deadline:        every huggingface_hub request with a deadline (HF_HUB_DOWNLOAD_TIMEOUT): none waits forever
 
 May import: fsdp_recipes.errors, fsdp_recipes.console, fsdp_recipes.bounded, fsdp_recipes.removal, fsdp_recipes.tiny,
     fsdp_recipes.direct_writes

@@ -167,6 +167,11 @@ PRIVATE: dict[str, tuple[str, str]] = {
     # fsdp_recipes/ckpt/checkpoint_files.py: numpy's array unpickler, allowed in RNG state files as the Trainer
     # allows it
     "numpy._core.multiarray._reconstruct": (MODULE, "checkpoint_files: RNG state files load with weights_only"),
+    # fsdp_recipes/compat/hub_deadline.py: the library's own client, with a deadline hook added
+    "huggingface_hub.utils._http.default_client_factory": (
+        MODULE,
+        "hub_deadline: huggingface_hub's HTTP client, to which every request's deadline is added",
+    ),
     # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
     "huggingface_hub.serialization._base.parse_size_to_int": (
         MODULE,

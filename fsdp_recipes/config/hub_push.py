@@ -9,7 +9,8 @@ push_to_hub (parse sets it false after this check) and fsdp_recipes.train.upload
 What can fail before the training is asked here, in one line each: hub_strategy checkpoint (uploads to resume
 from), the repository id and branch name, HF_HUB_OFFLINE, a missing or read-only token, an unreachable hub,
 a namespace the token cannot write to, hub_private_repo true for a repository that exists and is public. The hub is
-asked by each node's local rank 0 (whoami, which the hub rate-limits, and the repository's visibility)."""
+asked by each node's local rank 0 (whoami, which the hub rate-limits, and the repository's visibility), each request
+within its deadline (fsdp_recipes.compat.hub_deadline): a hub that never answers stops the run here, in one line."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.ckpt.layout import ADAPTER_DIR, FINAL_MODEL_DIR
+from fsdp_recipes.compat import hub_deadline
 from fsdp_recipes.config.model_source import not_a_hub_id, one_line
 from fsdp_recipes.console import say
 
@@ -160,6 +162,7 @@ def access_problem(push: HubPush, way_round: str) -> str | None:
     from huggingface_hub import HfApi, constants, get_token
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
+    hub_deadline.install()
     if constants.HF_HUB_OFFLINE:
         return one_line(("HF_HUB_OFFLINE is set, and an upload needs the hub", f"unset it, {way_round}"))
     token = push.token or get_token()
@@ -243,10 +246,9 @@ def may_write(me: dict, access: dict, namespace: str, repo_id: str) -> bool:
 
 
 def _unreachable(err: Exception, way_round: str) -> str:
-    reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
     return one_line(
         (
-            f"the hub cannot be reached ({type(err).__name__}: {reason})",
+            f"the hub cannot be reached ({hub_deadline.said(err)})",
             f"check the network (or HF_ENDPOINT), {way_round}",
         )
     )

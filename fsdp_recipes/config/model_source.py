@@ -7,6 +7,7 @@ import functools
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.compat import hub_deadline
 from fsdp_recipes.errors import UnreadableFile
 
 
@@ -157,11 +158,13 @@ def dataset_source_problem(name: str) -> str | None:
 @functools.lru_cache(maxsize=16)  # the model and its tokenizer are often one id: one request
 def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") -> str | None:
     """Why a hub id not in the local cache cannot be downloaded, asked of the hub once before anything starts (one
-    request; transformers and datasets retry for a minute or more on every rank, then end in a traceback each).
+    request, within its deadline: fsdp_recipes.compat.hub_deadline; transformers and datasets retry for a minute or
+    more on every rank, then end in a traceback each).
     ``filename``: a file the repository must have (None: only that it exists)."""
     from huggingface_hub import file_exists, repo_exists
     from huggingface_hub.errors import GatedRepoError
 
+    hub_deadline.install()
     where = "dataset" if repo_type == "dataset" else "model"
     if problem := not_a_hub_id(repo_id, where):
         return one_line(problem)
@@ -177,10 +180,9 @@ def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") ->
             f"is a gated {where} on the hub: accept its terms on its hub page and log in (hf auth login), or give a "
             "local folder"
         )
-    except Exception as err:  # no network, a proxy, DNS, TLS: whatever stops the request, in its own words
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+    except Exception as err:  # no network, a proxy, DNS, TLS, no answer: whatever stops the request, in its words
         return (
-            f"is not in the local hub cache and the hub cannot be reached ({type(err).__name__}: {reason}): give a "
+            f"is not in the local hub cache and the hub cannot be reached ({hub_deadline.said(err)}): give a "
             f"local folder, or download it where the hub is reachable (hf download {repo_id}"
             f"{' --repo-type dataset' if repo_type == 'dataset' else ''}) and set HF_HUB_OFFLINE=1"
         )

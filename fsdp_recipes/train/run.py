@@ -16,6 +16,7 @@ import transformers
 from transformers import set_seed
 
 from fsdp_recipes.ckpt.layout import FINAL_MODEL_DIR
+from fsdp_recipes.compat import hub_deadline
 from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout, bf16_weights_line, cpu_precision
 from fsdp_recipes.config.values import check_run_length, parse_steps
 from fsdp_recipes.errors import RecipeError
@@ -58,6 +59,7 @@ class Run:
         """Join the process group, decide the resume (rank 0, once), take output_dir, set aside what the checks
         decided. A new run writes its record first: it marks output_dir ours."""
         plan = self.plan
+        hub_deadline.install()  # transformers' and datasets' hub requests too: none waits forever for an answer
         # FSDP made real where there is no GPU, then the process group joined
         self.args, on_cpu = preflight.start(plan)
         self._set_up_logging(on_cpu)

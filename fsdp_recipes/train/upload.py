@@ -1,7 +1,9 @@
 """``--push_to_hub true`` carried out: after the export, rank 0 uploads the final model folder (its files at the
 repository's top, what `from_pretrained("<repo id>")` loads) and a LoRA run's adapter (under ``adapter/``, what
 `PeftModel.from_pretrained(base, "<repo id>", subfolder="adapter")` loads) in one commit. The other ranks have
-finished by then: no collective, so no ddp_timeout, bounds the upload. The checks that can fail sooner ran at parse
+finished by then: no collective, so no ddp_timeout, bounds the upload; each of its requests has a deadline
+(fsdp_recipes.compat.hub_deadline), so a hub that stops answering ends it with the model saved and the command that
+uploads it. The checks that can fail sooner ran at parse
 time (fsdp_recipes.config.hub_push)."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fsdp_recipes.ckpt.layout import ADAPTER_DIR, BASE_IDENTITY, FINAL_MODEL_DIR
+from fsdp_recipes.compat import hub_deadline
 from fsdp_recipes.config.hub_push import HubPush
 from fsdp_recipes.errors import RecipeError
 
@@ -63,6 +66,7 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
         if path.is_file() and path.name not in NOT_UPLOADED
     ]
     log(f"uploading {len(operations)} file(s) of {', '.join(str(f) for f, _ in folders)} to the hub: {push.describe()}")
+    hub_deadline.install()  # a hub that never answers fails the upload, not the launcher's wait
     api = HfApi(token=push.token)
     try:
         repo = api.create_repo(push.repo_id, private=push.private, exist_ok=True)
@@ -86,10 +90,9 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
         )
     except RecipeError:
         raise
-    except Exception as err:  # the network, the hub's refusal, a quota: the model stays saved
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    except Exception as err:  # the network, no answer, the hub's refusal, a quota: the model stays saved
         raise RecipeError(
-            f"the model is saved, but its upload to {push.describe()} failed ({type(err).__name__}: {reason}): "
+            f"the model is saved, but its upload to {push.describe()} failed ({hub_deadline.said(err, 200)}): "
             f"upload it with `{by_hand}`"
         ) from None
     return commit.commit_url
