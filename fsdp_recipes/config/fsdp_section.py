@@ -128,6 +128,15 @@ def check_fsdp_keys(c: Checker, fsdp: dict) -> tuple:
             f"ignored: the wrap policy is {wrap}",
             "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP or remove the key",
         )
+    if (names := fsdp.get("fsdp_transformer_layer_cls_to_wrap")) is not None and not layer_class_names(names):
+        shown = repr(names)
+        c.error(
+            "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+            f"{shown if len(shown) <= 80 else shown[:80] + '...'} is not a class name, nor class names joined by "
+            "commas (accelerate splits it at each ',' and looks for a module class of exactly each name)",
+            "give the decoder layer's class name, e.g. LlamaDecoderLayer (several: LlamaDecoderLayer,LlamaMLP, "
+            "no spaces), or remove the key to wrap the model's own _no_split_modules",
+        )
     if wrap != "SIZE_BASED_WRAP" and "fsdp_min_num_params" in fsdp:
         c.warn(
             "fsdp_config.fsdp_min_num_params",
@@ -149,3 +158,11 @@ def check_fsdp_keys(c: Checker, fsdp: dict) -> tuple:
         )
 
     return version, strategy, sd_type, wrap
+
+
+def layer_class_names(value) -> list[str]:
+    """The class names accelerate reads from fsdp_transformer_layer_cls_to_wrap (one string, split at each ','), or
+    [] when any of them cannot be a class's name: a YAML list (accelerate would split its str()), a space, an empty
+    name, code."""
+    names = value.split(",") if isinstance(value, str) else []
+    return names if names and all(name.isidentifier() for name in names) else []

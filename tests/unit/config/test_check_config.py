@@ -658,3 +658,36 @@ def test_a_recipe_given_as_the_config_is_one_error_saying_so(recipe):
     assert (
         len(problems) == 1 and "it is not an accelerate config" in problems[0].message and "--recipe" in problems[0].fix
     ), problems
+
+
+# fsdp_transformer_layer_cls_to_wrap as a careless or hostile config gives it: accelerate str()s the value, splits it
+# at each ',' and looks for a module class of exactly each name
+NOT_CLASS_NAMES = [
+    '__import__("os").system("touch /tmp/owned")',
+    "LlamaDecoderLayer; import os",
+    "lambda m: True",
+    "LlamaDecoderLayer, LlamaMLP",
+    " LlamaDecoderLayer",
+    "LlamaDecoderLayer,",
+    ",",
+    "",
+    "transformers.LlamaDecoderLayer",
+    "Llama\nDecoderLayer",
+    "x" * 300 + "()",
+    ["LlamaDecoderLayer"],
+    {"cls": "LlamaDecoderLayer"},
+    7,
+    True,
+]
+
+
+@pytest.mark.parametrize("value", NOT_CLASS_NAMES, ids=[repr(v)[:40] for v in NOT_CLASS_NAMES])
+@pytest.mark.parametrize("base", [FSDP2, FSDP1], ids=["fsdp2", "fsdp1"])
+def test_a_wrap_class_that_is_no_class_name_is_one_error_without_a_model(base, value):
+    problems = check_settings(variant(base, fsdp_transformer_layer_cls_to_wrap=value), "x.yaml")
+    wrap = [p for p in errors(problems) if p.key == "fsdp_config.fsdp_transformer_layer_cls_to_wrap"]
+    assert len(wrap) == 1, [str(p) for p in problems]
+    assert "is not a class name" in str(wrap[0]) and "\n" not in str(wrap[0]) and len(str(wrap[0])) < 500
+    for names in ("LlamaDecoderLayer", "LlamaDecoderLayer,LlamaMLP"):  # as accelerate reads them: taken
+        taken = check_settings(variant(base, fsdp_transformer_layer_cls_to_wrap=names), "x.yaml")
+        assert not [p for p in errors(taken) if "is not a class name" in str(p)], [str(p) for p in taken]
