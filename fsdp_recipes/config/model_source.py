@@ -207,6 +207,20 @@ LAYER_KEYS = (
     "encoder_layers",
 )
 
+# The sizes of a model (transformers' names and GPT-2's) that are at least 1 in every model: a layer count may be 0
+WIDTH_KEYS = (
+    "hidden_size",
+    "n_embd",
+    "d_model",
+    "intermediate_size",
+    "n_inner",
+    "vocab_size",
+    "num_attention_heads",
+    "n_head",
+    "num_key_value_heads",
+    "head_dim",
+)
+
 
 def _local_folder(name: str) -> Path | None:
     """The folder a model name reads from on this machine: a local folder (or a config.json's), or the hub cache's
@@ -300,7 +314,8 @@ def remote_code_problem(name: str, trust_remote_code: bool, tokenizer: bool = Fa
 
 def config_size_problem(name: str) -> tuple[str, str] | None:
     """(why, fix) for a config.json whose layer count no model has (1,000,000 layers: building it to count its
-    parameters hangs)."""
+    parameters hangs), or whose width, head count or vocabulary is not a whole number of at least 1 (a zero-width
+    model builds, has no parameters, and its memory estimate is 0)."""
     folder = _local_folder(name)
     if folder is None or not (folder / "config.json").is_file():
         return None
@@ -328,6 +343,14 @@ def config_size_problem(name: str) -> tuple[str, str] | None:
                 return (
                     f"has {key}: {value} in its config.json, more than any model has (at most {MAX_LAYERS} here)",
                     "fix that number",
+                )
+        for key in WIDTH_KEYS:
+            value = config.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                return (
+                    f"has {key}: {value!r} in its config.json: a model's widths, heads and vocabulary are whole "
+                    "numbers of at least 1 (a width of 0 is a model of no parameters)",
+                    "fix that number, or give another model folder",
                 )
     return None
 

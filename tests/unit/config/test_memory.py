@@ -279,3 +279,40 @@ def test_a_file_that_is_no_accelerate_config_is_refused_not_estimated(tmp_path, 
     assert cli("estimate_memory", ["7B", "--config", str(path)]) == 1
     line = one_line_error(capsys.readouterr().err, f"estimate_memory.py: error: accelerate config '{path}' ")
     assert "no distributed_type" in line and "accelerate_configs/zero3.yaml" in line, line
+
+
+def _sized(folder, config: dict, key: str, value):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    return str(folder)
+
+
+LLAMA_SIZES = ["hidden_size", "intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads"]
+GPT2_SIZES = ["n_embd", "n_head", "vocab_size", "n_inner"]
+SIZE_CASES = (
+    [("llama", key, value) for key in LLAMA_SIZES for value in (0, -8)]
+    + [("llama", "head_dim", 0), ("llama", "hidden_size", "64"), ("llama", "hidden_size", 64.5)]
+    + [("llama", "hidden_size", True), ("llama", "hidden_size", [64])]
+    + [("gpt2", key, value) for key in GPT2_SIZES for value in (0, -1)]
+)
+
+
+@pytest.mark.parametrize("family, key, value", SIZE_CASES)
+def test_a_model_of_no_width_is_refused_in_one_line_not_estimated(tmp_path, capsys, family, key, value):
+    """A config whose width, heads or vocabulary is 0, negative or no whole number builds a model of 0 parameters
+    (or a traceback): estimate_memory.py said 0 bytes for it. Refused by name, where the layer counts are."""
+    from transformers import GPT2Config
+
+    from fsdp_recipes.config.model_source import config_size_problem
+
+    base = json.loads((REPO / "assets" / "tiny-llama" / "config.json").read_text())
+    if family == "gpt2":
+        base = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128).to_dict()
+    folder = _sized(tmp_path / "model", base, key, value)
+    assert cli("estimate_memory", [folder]) == 1
+    line = one_line_error(capsys.readouterr().err, f"estimate_memory.py: error: {folder} has {key}: {value!r} ")
+    assert "whole numbers of at least 1" in line, line
+    assert config_size_problem(folder)[0].startswith(f"has {key}: {value!r} in its config.json")
+    # GPT-2's n_inner and Llama's head_dim may be null (derived from the width): taken
+    taken = _sized(tmp_path / "null", base, "n_inner" if family == "gpt2" else "head_dim", None)
+    assert config_size_problem(taken) is None
