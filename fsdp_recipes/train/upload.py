@@ -8,13 +8,16 @@ time (fsdp_recipes.config.hub_push)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
-from fsdp_recipes.ckpt.layout import ADAPTER_DIR, BASE_IDENTITY, FINAL_MODEL_DIR
+from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.ckpt.layout import ADAPTER_CONFIG, ADAPTER_DIR, BASE_IDENTITY, FINAL_MODEL_DIR
 from fsdp_recipes.compat import hub_deadline
 from fsdp_recipes.config.hub_push import HubPush
-from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.config.model_source import missing_local_path, not_a_hub_id
+from fsdp_recipes.errors import RecipeError, UnreadableFile
 
 
 def folders_to_upload(output_dir: Path) -> list[tuple[Path, str]]:
@@ -51,6 +54,28 @@ def stale_files(existing: set[str], ours: set[str]) -> list[str]:
     return sorted(set(out) | set(adapters))
 
 
+def as_uploaded(path: Path, log) -> str | bytes:
+    """What goes to the hub for a file of the adapter folder: the file, or for an adapter_config.json that names its
+    base by a local path (peft records the folder the run loaded), a copy naming none: that path means nothing off
+    this machine and shows the user's folders. A hub id stays: it loads the base anywhere."""
+    if path.name != ADAPTER_CONFIG:
+        return str(path)
+    try:
+        config = load_json(path, ADAPTER_CONFIG, JSON_LIMIT)
+    except UnreadableFile:
+        return str(path)
+    base = config.get("base_model_name_or_path")
+    if not isinstance(base, str) or (
+        not Path(base).expanduser().exists() and not missing_local_path(base) and not_a_hub_id(base) is None
+    ):
+        return str(path)
+    log(
+        f"{ADAPTER_DIR}/{ADAPTER_CONFIG} names its base by a local path: uploaded with base_model_name_or_path null "
+        f'(PeftModel.from_pretrained(base, "<repo id>", subfolder="{ADAPTER_DIR}") takes the base it is given)'
+    )
+    return (json.dumps({**config, "base_model_name_or_path": None}, indent=2, sort_keys=True) + "\n").encode()
+
+
 def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) -> str:
     """Upload and return the commit's URL, or RecipeError naming the folders on disk and the `hf upload` commands
     that finish the job by hand (the model is saved either way)."""
@@ -60,7 +85,10 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
     folders = folders_to_upload(out)
     by_hand = replace(push, adapter=len(folders) > 1).by_hand(out)
     operations = [
-        CommitOperationAdd(path_in_repo=f"{place}/{path.relative_to(folder)}".lstrip("/"), path_or_fileobj=str(path))
+        CommitOperationAdd(
+            path_in_repo=f"{place}/{path.relative_to(folder)}".lstrip("/"),
+            path_or_fileobj=as_uploaded(path, log) if place == ADAPTER_DIR else str(path),
+        )
         for folder, place in folders
         for path in sorted(folder.rglob("*"))
         if path.is_file() and path.name not in NOT_UPLOADED

@@ -566,3 +566,42 @@ def test_a_lora_run_with_push_to_hub_uploads_its_model_and_adapter_once_it_has_f
         .state_dict()
     )
     assert merged.keys() == by_peft.keys() and all(torch.allclose(merged[k], by_peft[k]) for k in merged)
+
+
+# base_model_name_or_path as peft records it from what the run loaded: (value, uploaded as)
+BASES = {
+    "an absolute folder": ("{tmp}/bases/llama", None),
+    "a folder under home": ("~/models/llama-base", None),
+    "a relative folder": ("./bases/llama", None),
+    "a parent's folder": ("../llama", None),
+    "a nested relative folder": ("runs/sft/model", None),
+    "an existing relative folder": ("bases", None),
+    "a Windows path": ("C:\\models\\llama", None),
+    "a hub id": ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B"),
+    "a hub id without namespace": ("gpt2", "gpt2"),
+    "none recorded": (None, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BASES))
+def test_the_uploaded_adapter_config_names_no_local_path(tmp_path, hub, monkeypatch, case):
+    """peft writes the folder the base was loaded from into adapter_config.json: on the hub that path means nothing
+    and shows the user's folders, so it goes up as null; a hub id goes up as it is. The local file is unchanged (a
+    merge here reads it)."""
+    from fsdp_recipes.config.hub_push import HubPush
+    from fsdp_recipes.train.upload import upload_final_model
+
+    value, uploaded = BASES[case]
+    value = value if value is None else value.replace("{tmp}", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bases" / "llama").mkdir(parents=True)
+    out = a_run_folder(tmp_path, adapter=True)
+    config = {"peft_type": "LORA", "r": 8, "base_model_name_or_path": value, "target_modules": ["q_proj"]}
+    (out / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    before = files_of(out)
+    said = []
+    upload_final_model(HubPush("tester/tiny"), str(out), step=2, log=said.append)
+    stored = json.loads((hub.repo_folder("tester/tiny") / "adapter" / "adapter_config.json").read_text())
+    assert stored == {**config, "base_model_name_or_path": uploaded}
+    assert files_of(out) == before
+    assert any("names its base by a local path" in line for line in said) == (value is not None and uploaded is None)
