@@ -21,6 +21,7 @@
 - launcher:          the settings of this launch (accelerate launch's flags and file, or FSDP_* variables)
 - strategy:          the one mapping from an accelerate config to a sharding strategy
 - memory:            the memory model behind tools/estimate_memory.py
+- batch_size:        per_device_train_batch_size: auto, the largest micro-batch the memory model fits on the device
 
 Nothing here joins a process group, moves a file or loads a model: bad input fails in seconds on every rank.
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.ckpt.resume import check_output_dir, explicit, requested
 from fsdp_recipes.compat import cpu_fsdp
-from fsdp_recipes.config import helptext, launcher, trl_recipe
+from fsdp_recipes.config import batch_size, helptext, launcher, trl_recipe
 from fsdp_recipes.config.arguments import DataArguments, build
 from fsdp_recipes.config.flags import (
     bare_flags_as_values,
@@ -107,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         recipe = load_recipe(DEFAULT_RECIPE, anchor_paths=True)
     argv = trl_recipe.translate_flags(argv)
     recipe = rename_recipe_keys(trl_recipe.translate(recipe, argv))  # TRL's and the handbook's keys, TRL's meaning
+    recipe, argv, auto_batch = batch_size.take_auto(recipe, argv)  # 1 until the preflight chooses
     known = {action.dest for action in parser._actions}
     unknown = sorted(set(recipe) - known)
     if unknown:
@@ -133,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp
     if problem := cpu_fsdp.single_process_problem(trainer_fsdp):
         raise RecipeError(problem)
-    plan = Plan(raw, trainer_fsdp, launch=launcher.check_launch(raw))
+    plan = Plan(raw, trainer_fsdp, launch=launcher.check_launch(raw), auto_batch=auto_batch)
     if trainer_fsdp and plan.launch is not None and plan.launch.config.get("distributed_type") == "FSDP":
         # the Trainer's --fsdp won over the config: the run trained otherwise than its config, and run_args.json said
         raise RecipeError(

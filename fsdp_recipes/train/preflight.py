@@ -5,7 +5,8 @@ a process group, so bad input fails on every rank in seconds and changes nothing
 the Plan it returns (fsdp_recipes.config.plan) is carried out here, in this order:
 
 1. ``start``: make FSDP (or DDP) real where there is no accelerator (fsdp_recipes.compat.cpu_fsdp), build
-   TrainingArguments, which starts accelerate's PartialState and joins the process group;
+   TrainingArguments, which starts accelerate's PartialState and joins the process group; choose
+   per_device_train_batch_size where the run asked for auto (fsdp_recipes.config.batch_size);
 2. ``decide_resume``: one resume decision for the launch (fsdp_recipes.ckpt.resume.decide: which checkpoint, what
    to set aside, the requeue record), made on global rank 0, which alone reads the checkpoints' files; every rank
    takes it, after checking from folder names that it sees what rank 0 saw;
@@ -32,6 +33,7 @@ from fsdp_recipes.ckpt.resume import REQUEUE_RECORD, decide, disagreement, reque
 from fsdp_recipes.ckpt.rotation import set_aside
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config.arguments import build
+from fsdp_recipes.config.batch_size import choose_for_run
 from fsdp_recipes.config.fsdp_section import STRATEGIES
 from fsdp_recipes.config.launcher import LaunchSettings
 from fsdp_recipes.config.plan import Plan
@@ -80,7 +82,29 @@ def start(plan: Plan):
         runs, devices_per_process(), *_local_and_world()
     ):
         raise RecipeError(problem)
+    if plan.auto_batch:
+        training_args.per_device_train_batch_size = choose_batch_size(plan, training_args)
     return training_args, on_cpu
+
+
+def choose_batch_size(plan: Plan, training_args, say=say) -> int:
+    """per_device_train_batch_size: auto (fsdp_recipes.config.batch_size), before anything is loaded: each rank
+    chooses for its device and all take the smallest choice; rank 0 says it in one line."""
+    raw = plan.raw
+    try:
+        batch, line = choose_for_run(
+            raw.model_name_or_path or raw.config_name,
+            plan.launch.config if plan.launch is not None else None,
+            training_args,
+            raw.block_size,
+            zero1=bool(getattr(plan.run_args, "zero1", False)),
+        )
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    smallest = min(_all_gather(batch))
+    if training_args.process_index == 0:
+        say(line if smallest == batch else f"{line}; another rank's device fits only {smallest}: every rank takes it")
+    return smallest
 
 
 def strategy_name(value) -> str:
