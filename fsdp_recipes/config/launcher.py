@@ -270,6 +270,31 @@ def unused_accelerators_warning(devices: int | None = None) -> str | None:
     return None
 
 
+def one_process_note(settings: LaunchSettings | None, world: int) -> str | None:
+    """The start-up line of FSDP2 FULL_SHARD on one process: it has nothing to shard over, yet gathers each layer's
+    parameters before its forward and again before its backward, every step. On one H200 zero3.yaml ran at 15.4-23.5%
+    MFU across visits where zero2.yaml (parameters kept gathered from forward to backward) ran 28.5% and ddp.yaml
+    28.9% (bench/results/README.md). None elsewhere: 2+ processes; offload, which frees the GPU of the model states
+    even alone; FSDP1, which torch itself switches to NO_SHARD in a group of one (and says so)."""
+    from fsdp_recipes.config.strategy import strategy_of
+
+    if settings is None or world != 1 or settings.config.get("distributed_type") != "FSDP":
+        return None
+    try:
+        strategy = strategy_of(settings.config)
+    except (TypeError, ValueError, OverflowError):  # a value check_launch's rules name; nothing to advise on
+        return None
+    if strategy.fsdp_version != 2 or strategy.name != "FULL_SHARD" or strategy.offload:
+        return None
+    return (
+        f"note: {settings.describe()} runs FULL_SHARD on 1 process: nothing is sharded, and every layer's parameters "
+        "are still gathered twice a step (one H200: 15.4-23.5% MFU against zero2.yaml's 28.5% and ddp.yaml's 28.9%); "
+        "on one GPU launch with --config_file accelerate_configs/ddp.yaml, or accelerate_configs/zero2.yaml (keeps "
+        "the parameters gathered, 2 bytes a parameter more), where they fit (tools/estimate_memory.py MODEL "
+        "--nproc-per-node 1 --gpu-memory 80GiB); 2 or more processes shard as before"
+    )
+
+
 def tell_launcher(message: str) -> None:
     """Hand our one-line message to torch elastic (accelerate launch, torchrun) as this worker's error record.
 

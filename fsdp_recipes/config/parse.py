@@ -182,6 +182,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     # last: it asks the hub. The Trainer's own push would upload output_dir at every save (hub_push's docstring)
     plan.push = push_plan(raw, explicit=set_keys)
     raw.push_to_hub = False
-    if warning := launcher.unused_accelerators_warning():
-        say(warning)
+    for line in (
+        launcher.unused_accelerators_warning(),
+        launcher.one_process_note(plan.launch, cpu_fsdp.launched_world_size()),
+    ):
+        if line:
+            say(line)
     return model_args, data_args, plan
