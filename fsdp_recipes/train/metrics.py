@@ -2,9 +2,10 @@
 
 Throughput is measured between logging steps on training time only (evaluation and checkpoint writing are
 left out), from the tokens each rank fed the model, summed over ranks with one all-reduce per logging step.
-MFU (GPUs only) follows the PaLM paper's count, as torchtitan does: 6 x the non-embedding parameters per token
-for the forward and backward matmuls, plus 12 x layers x hidden x sequence length for attention, against the
-device's dense bf16 peak (the table below, or --peak_tflops).
+MFU (GPUs only) is counted as torchtitan counts it (torchtitan/models/utils.py, get_dense_model_nparams_and_flops):
+6 x the parameters the matmuls use per token (every parameter but the embedding lookups: the LM head in, a head tied
+to the input embeddings once) for the forward and backward matmuls, plus 12 x layers x heads x head dim x sequence
+length for attention, against the device's dense bf16 peak (the table below, or --peak_tflops).
 """
 
 from __future__ import annotations
@@ -57,16 +58,20 @@ def device_peak_flops(tflops: float | None, warn) -> float | None:
 
 
 def flops_per_token(model, seq_len: int) -> float:
-    """6N + 12 L H T: N the parameters outside the embeddings, L layers, H hidden size, T the sequence length."""
+    """6N + 12 L H d T, as torchtitan counts it: N the parameters outside the embedding lookups (nn.Embedding: the
+    token embeddings, GPT-2's positions), so the LM head is in (a quarter of Llama-3.2-1B) and a head tied to the
+    token embeddings is counted once, as the one matmul it is; L layers, H attention heads of d dimensions (Qwen3's
+    d is not hidden / H), T the sequence length: attention's scores and values, causal masking not discounted."""
+    from torch import nn
+
     config = getattr(model.config, "text_config", None) or model.config
-    embeddings = {
-        id(p)
-        for m in (model.get_input_embeddings(), model.get_output_embeddings())
-        if m is not None
-        for p in m.parameters()
-    }
-    non_embedding = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
-    return 6 * non_embedding + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    head = model.get_output_embeddings()
+    head_params = {id(p) for p in head.parameters()} if head is not None else set()
+    lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()} - head_params
+    matmul = sum(p.numel() for p in model.parameters() if id(p) not in lookups)  # parameters(): a tied one once
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 6 * matmul + 12 * config.num_hidden_layers * heads * head_dim * seq_len
 
 
 def perplexity(loss: float) -> float:
