@@ -152,23 +152,25 @@ class ModelArguments:
             )
         if self.config_name is not None and not Path(self.config_name).exists():
             raise RecipeError(f"config_name={self.config_name!r} does not exist: give a folder holding config.json")
+        revision = None if self.model_revision == "main" else self.model_revision  # the hub's checks look at it
         defaulted = self.tokenizer_name is None
         if defaulted:
             self.tokenizer_name = self.model_name_or_path or self.config_name
         for key, weights in (("model_name_or_path", True), ("tokenizer_name", False)):
-            if getattr(self, key) is not None and (problem := model_source_problem(getattr(self, key), weights)):
+            source = getattr(self, key)
+            if source is not None and (problem := model_source_problem(source, weights, revision)):
                 origin = (
                     f" (from {'model_name_or_path' if self.model_name_or_path else 'config_name'}: none was given)"
                     if key == "tokenizer_name" and defaulted
                     else ""
                 )
-                raise RecipeError(f"{key}={getattr(self, key)!r}{origin} {problem}")
+                raise RecipeError(f"{key}={source!r}{origin} {problem}")
         # before anything loads: transformers would prompt (and on "y" run the folder's Python files) or fail
         # on every rank
         for key, tokenizer in (("model_name_or_path", False), ("config_name", False), ("tokenizer_name", True)):
             source = getattr(self, key)
             if source is not None and (
-                problem := remote_code_problem(source, self.trust_remote_code, tokenizer)
-                or (not tokenizer and config_size_problem(source))
+                problem := remote_code_problem(source, self.trust_remote_code, tokenizer, revision)
+                or (not tokenizer and config_size_problem(source, revision))
             ):
                 raise RecipeError(f"{key}={source!r} {one_line(problem)}")

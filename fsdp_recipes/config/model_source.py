@@ -38,9 +38,9 @@ WEIGHT_FILES = (
 )
 
 
-def model_source_problem(name: str, weights: bool) -> str | None:
-    """Why a local folder or hub id cannot be loaded, found without loading it (None when it looks loadable).
-    Hub ids are only checked offline (HF_HUB_OFFLINE=1), against the local cache."""
+def model_source_problem(name: str, weights: bool, revision: str | None = None) -> str | None:
+    """Why a local folder or hub id cannot be loaded, found without loading it (None when it looks loadable). A hub
+    id is looked for at ``revision`` (None: main) in the local cache, then asked of the hub unless HF_HUB_OFFLINE."""
     path = Path(name).expanduser()
     if path.is_dir():
         if (path / "pytorch_model_fsdp_0").is_dir() and weights:
@@ -85,13 +85,13 @@ def model_source_problem(name: str, weights: bool) -> str | None:
         name, "model folder", "local folder"
     ):  # 'my model', '-bad': every rank's from_pretrained would raise it
         return one_line(problem)
-    cached = try_to_load_from_cache(name, "config.json")
+    cached = try_to_load_from_cache(name, "config.json", revision=revision)
     if constants.HF_HUB_OFFLINE:  # the cache is all there is
         if not isinstance(cached, str):
             return "is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE=1 forbids downloading it"
         return weights_problem(Path(cached).parent, name) if weights else None
     if not isinstance(cached, str):
-        return hub_problem(name, "config.json" if weights else None)  # a tokenizer repository may have neither
+        return hub_problem(name, "config.json" if weights else None, revision=revision)  # a tokenizer's may lack it
     return None
 
 
@@ -156,12 +156,15 @@ def dataset_source_problem(name: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)  # the model and its tokenizer are often one id: one request
-def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") -> str | None:
+def hub_problem(
+    repo_id: str, filename: str | None, repo_type: str = "model", revision: str | None = None
+) -> str | None:
     """Why a hub id not in the local cache cannot be downloaded, asked of the hub once before anything starts (one
     request, within its deadline: fsdp_recipes.compat.hub_deadline; transformers and datasets retry for a minute or
     more on every rank, then end in a traceback each).
-    ``filename``: a file the repository must have (None: only that it exists)."""
-    from huggingface_hub import file_exists, repo_exists
+    ``filename``: a file the repository must have (None: only that it exists); ``revision``: at that revision (a
+    model's model_revision; None: main)."""
+    from huggingface_hub import file_exists, repo_exists, revision_exists
     from huggingface_hub.errors import GatedRepoError
 
     hub_deadline.install()
@@ -169,11 +172,12 @@ def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") ->
     if problem := not_a_hub_id(repo_id, where):
         return one_line(problem)
     try:
-        if (
-            repo_exists(repo_id, repo_type=repo_type)
-            if filename is None
-            else file_exists(repo_id, filename, repo_type=repo_type)
-        ):
+        if filename is not None:
+            found = file_exists(repo_id, filename, repo_type=repo_type, revision=revision)
+        else:  # repo_exists has no revision
+            ask = functools.partial(revision_exists, revision=revision) if revision else repo_exists
+            found = ask(repo_id, repo_type=repo_type)
+        if found:
             return None
     except GatedRepoError:
         return (
@@ -187,7 +191,8 @@ def hub_problem(repo_id: str, filename: str | None, repo_type: str = "model") ->
             f"{' --repo-type dataset' if repo_type == 'dataset' else ''}) and set HF_HUB_OFFLINE=1"
         )
     return (
-        f"is not a {where} on the hub{f' with a {filename}' if filename else ''} (a typo in the id, a private "
+        f"is not a {where} on the hub{f' with a {filename}' if filename else ''}"
+        f"{f' at revision {revision!r}' if revision is not None else ''} (a typo in the id or revision, a private "
         "repository without a login, "
         "or a path that does not exist where you launch): give a local folder or the exact hub id"
     )
@@ -222,9 +227,9 @@ WIDTH_KEYS = (
 )
 
 
-def _local_folder(name: str) -> Path | None:
+def _local_folder(name: str, revision: str | None = None) -> Path | None:
     """The folder a model name reads from on this machine: a local folder (or a config.json's), or the hub cache's
-    snapshot of a hub id; None when it is neither (nothing is fetched here)."""
+    snapshot of a hub id at ``revision`` (None: main); None when it is neither (nothing is fetched here)."""
     path = Path(name).expanduser()
     if path.is_file() and path.name == "config.json":
         return path.parent
@@ -235,7 +240,7 @@ def _local_folder(name: str) -> Path | None:
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        cached = try_to_load_from_cache(name, "config.json")
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
     except ValueError:  # not a hub id either ('a b', '..'): model_source_problem names it
         return None
     return Path(cached).parent if isinstance(cached, str) else None
@@ -254,14 +259,14 @@ def _code_entries(auto_map) -> list[str]:
     return shown
 
 
-def custom_code(name: str, tokenizer: bool = False) -> tuple[list[str], str | None]:
+def custom_code(name: str, tokenizer: bool = False, revision: str | None = None) -> tuple[list[str], str | None]:
     """What code of its own a model (or tokenizer) folder names, and why transformers could not load it without
     that code (None: transformers has the class, so trust_remote_code=False loads it and runs nothing). Read from
     config.json (or tokenizer_config.json) on this machine only; ([], None) when it is not here."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    folder = _local_folder(name)
+    folder = _local_folder(name, revision)
     file = "tokenizer_config.json" if tokenizer else "config.json"
     if folder is None or not (folder / file).is_file():
         return [], None
@@ -291,11 +296,13 @@ def custom_code(name: str, tokenizer: bool = False) -> tuple[list[str], str | No
     )
 
 
-def remote_code_problem(name: str, trust_remote_code: bool, tokenizer: bool = False) -> tuple[str, str] | None:
+def remote_code_problem(
+    name: str, trust_remote_code: bool, tokenizer: bool = False, revision: str | None = None
+) -> tuple[str, str] | None:
     """(why, fix) when a model (or tokenizer) cannot be loaded without running Python files of its own; None when
     it can, or when trust_remote_code allows that code (custom_code says what it runs, for the warning)."""
     try:
-        entries, unknown = custom_code(name, tokenizer)
+        entries, unknown = custom_code(name, tokenizer, revision)
     except UnreadableFile as err:
         return f"has an unreadable {Path(err.path).name} ({err.reason})", "restore it, or give another model folder"
     if unknown is None:
@@ -312,11 +319,11 @@ def remote_code_problem(name: str, trust_remote_code: bool, tokenizer: bool = Fa
     )
 
 
-def config_size_problem(name: str) -> tuple[str, str] | None:
+def config_size_problem(name: str, revision: str | None = None) -> tuple[str, str] | None:
     """(why, fix) for a config.json whose layer count no model has (1,000,000 layers: building it to count its
     parameters hangs), or whose width, head count or vocabulary is not a whole number of at least 1 (a zero-width
-    model builds, has no parameters, and its memory estimate is 0)."""
-    folder = _local_folder(name)
+    model builds, has no parameters, and its memory estimate is 0); a hub id's at ``revision``."""
+    folder = _local_folder(name, revision)
     if folder is None or not (folder / "config.json").is_file():
         return None
     try:

@@ -1,0 +1,106 @@
+"""The checks made before anything starts look at the model_revision a run will load (TRL's and the handbook's key;
+transformers reads the model and tokenizer at it), not at main: the hub cache's snapshot of that revision (offline),
+the hub's answer for it (online), and that snapshot's config.json (its layer count, code of its own). Cases are
+generated: each revision kind (main, a branch cached with a sane or a hostile config, one not cached) offline, and
+each source (the model, its tokenizer) online, with the hub's answer both ways."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from fsdp_recipes.config import model_source
+from fsdp_recipes.config.model_arguments import ModelArguments
+from fsdp_recipes.errors import RecipeError
+
+REPO_ID = "someone/tiny-model"
+SANE = json.loads((REPO / "assets" / "tiny-llama" / "config.json").read_text())
+CONFIGS = {  # revision -> the config.json cached at it
+    "main": SANE,
+    "deep": {**SANE, "num_hidden_layers": 10**7},
+    "coded": {**SANE, "model_type": "mystery", "auto_map": {"AutoModelForCausalLM": "modeling_mystery.Mystery"}},
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_hub_answers(monkeypatch):
+    """hub_problem's answers are cached per process: each case asks afresh."""
+    monkeypatch.setattr(model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__))
+
+
+def hub_cache(root: Path) -> Path:
+    """A hub cache holding REPO_ID at each revision of CONFIGS: config.json, tokenizer files, a safetensors file."""
+    import torch
+    from safetensors.torch import save_file
+
+    cache = root / "hub"
+    repo = cache / f"models--{REPO_ID.replace('/', '--')}"
+    for number, (revision, config) in enumerate(CONFIGS.items()):
+        commit = f"{number:040x}"
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text(json.dumps(config))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (snapshot / name).write_text((REPO / "assets" / "tiny-llama" / name).read_text())
+        save_file({"w": torch.zeros(2)}, str(snapshot / "model.safetensors"))
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / revision).write_text(commit)
+    return cache
+
+
+# revision -> what its line must say (None: accepted)
+OFFLINE = {
+    "main": None,
+    "deep": "more than any model has",
+    "coded": "runs no code from a model folder",
+    "uncached": "neither a local folder nor in the hub cache",
+}
+
+
+@pytest.mark.parametrize("revision", sorted(OFFLINE))
+def test_offline_the_cached_snapshot_of_the_revision_is_checked(tmp_path, monkeypatch, revision):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache(tmp_path)))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    if OFFLINE[revision] is None:
+        ModelArguments(model_name_or_path=REPO_ID, model_revision=revision)
+        return
+    with pytest.raises(RecipeError) as err:
+        ModelArguments(model_name_or_path=REPO_ID, model_revision=revision)
+    assert OFFLINE[revision] in str(err.value) and "\n" not in str(err.value), err.value
+
+
+@pytest.mark.parametrize("there", [True, False])
+@pytest.mark.parametrize("source", ["model", "tokenizer"])
+def test_online_the_hub_is_asked_about_the_revision(tmp_path, monkeypatch, source, there):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    asked = []
+
+    def answer(name):
+        def ask(repo_id, *args, **kwargs):
+            positional = args[-1] if args and name == "revision_exists" else None  # its second parameter
+            asked.append((name, repo_id, kwargs.get("revision", positional)))
+            return there
+
+        return ask
+
+    for name in ("file_exists", "repo_exists", "revision_exists"):
+        monkeypatch.setattr(huggingface_hub, name, answer(name))
+    local = str(REPO / "assets" / "tiny-llama")
+    given = {"config_name": local, "tokenizer_name": REPO_ID} if source == "tokenizer" else {}
+    given = given or {"model_name_or_path": REPO_ID, "tokenizer_name": local}
+    if there:
+        ModelArguments(**given, model_revision="v2")
+    else:
+        with pytest.raises(RecipeError, match="at revision 'v2'"):
+            ModelArguments(**given, model_revision="v2")
+    assert asked and all(revision == "v2" for _, _, revision in asked), asked
