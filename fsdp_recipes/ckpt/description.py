@@ -4,6 +4,7 @@ manifest (``model_description.json``) that lets a merge check and copy them with
 The model's weight names, shapes and tied names come from the model class built on the meta device from the
 config (``model_skeleton``), or from the manifest the training run wrote beside the config, when no described file
 changed since. A config is required (from the checkpoint, its parent, or --base-model); a tokenizer is optional.
+A merge reads these files once (read_files: a CheckpointFiles) and every later step takes what they said.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.bounded import JSON_LIMIT, load_json
+from fsdp_recipes.bounded import JSON_LIMIT, load_json, plain_file_name
 from fsdp_recipes.ckpt.layout import BASE_IDENTITY, MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES, step_of_name
 from fsdp_recipes.ckpt.namespace import WeightMap, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype
@@ -174,52 +175,106 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def recorded_changes(folder: Path, skip: tuple[str, ...] = (), missing: list[str] | None = None) -> str | None:
-    """The description files the training run wrote into checkpoint ``folder`` (MANIFEST lists each with its hash)
-    that are missing or changed now, as one line with the fix; None when all are as written, or the run recorded none.
+def recorded_changes(files: CheckpointFiles, skip: tuple = (), missing: list[str] | None = None) -> str | None:
+    """The description files the training run wrote into the checkpoint (MANIFEST lists each with its hash) that are
+    missing or changed now, as one line with the fix; None when all are as written, or the run recorded none.
     A resume and check_checkpoint count it a problem, the merge refuses it: a truncated chat_template.jinja or a
     deleted config.json was otherwise taken as it was (a merged folder whose template fails; a resume that built the
     model from whatever config it was given). ``skip``: files not read (the merge's --base-model gives config.json
     and generation_config.json; a tokenizer file the checkpoint holds is still read from it). ``missing``: a list that
     takes the names of files gone (a copy without its tokenizer: nothing tampered with) instead of counting them;
     all but config.json, without which the weights are no model the run described."""
-    import os
-
-    if not os.path.lexists(Path(folder) / MANIFEST):
-        return None  # another tool's checkpoint: nothing recorded
-    try:
-        files = dict(load_json(Path(folder) / MANIFEST, MANIFEST, JSON_LIMIT)["files"])
-    except (
-        ValueError,
-        KeyError,
-        TypeError,
-        OSError,
-    ) as err:  # a FIFO, a folder, cut short: the record itself is not as written
-        why = getattr(err, "reason", None) or type(err).__name__
+    folder = files.checkpoint_dir
+    if files.manifest_error is not None:  # a FIFO, a folder, cut short: the record itself is not as written
         return (
-            f"{Path(folder).name}/{MANIFEST} is unreadable ({why}), so the files the run wrote beside the "
-            "shards cannot be "
-            f"checked: copy the checkpoint again; to take the checkpoint as it is now, remove {MANIFEST} from it"
+            f"{folder.name}/{MANIFEST} is unreadable ({files.manifest_error}), so the files the run wrote beside the "
+            f"shards cannot be checked: copy the checkpoint again; to take the checkpoint as it is now, remove "
+            f"{MANIFEST} from it"
         )
     changed = []
-    for name, digest in sorted(files.items()):
-        if not isinstance(name, str) or name not in DESCRIPTION_FILES or name in skip:
+    for name, digest in sorted((files.manifest or {"files": {}})["files"].items()):
+        if name not in DESCRIPTION_FILES or name in skip:
             continue
-        path = Path(folder) / name
-        if not os.path.lexists(path) and missing is not None and name != "config.json":
+        if name not in files.hashes and missing is not None and name != "config.json":
             missing.append(name)
-        elif not os.path.lexists(path):
+        elif name not in files.hashes:
             changed.append(f"{name} is missing")
-        elif not path.is_file() or path.stat().st_size > DESCRIPTION_LIMIT or _sha256(path) != digest:
+        elif files.hashes[name] != digest:
             changed.append(f"{name} is not as the run wrote it")
     if not changed:
         return None
+    them = "them" if len(changed) > 1 else "it"
     return (
-        f"{'; '.join(changed)} ({Path(folder).name}/{MANIFEST} records the hash of each file the run wrote): "
-        "copy the checkpoint "
-        f"again, or put {'them' if len(changed) > 1 else 'it'} back as the run wrote "
-        f"{'them' if len(changed) > 1 else 'it'}; to take the checkpoint as it "
-        f"is now, remove {MANIFEST} from it"
+        f"{'; '.join(changed)} ({folder.name}/{MANIFEST} records the hash of each file the run wrote): copy the "
+        f"checkpoint again, or put {them} back as the run wrote {them}; to take the checkpoint as it is now, remove "
+        f"{MANIFEST} from it"
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """What the files beside a checkpoint's weights say, read once (read_files): every later step of a merge takes
+    this, never the folder. ``config``: config.json of ``config_dir`` (None: there is none, or ``config_error``
+    says why it is no JSON object). ``manifest``: the checkpoint's MANIFEST (None: there is none, or
+    ``manifest_error`` says why it is unreadable). ``hashes``: the SHA-256 now of each file the manifest records that
+    is there (None: not a regular file of a description file's size). ``problems``: description files in ``places``
+    that are not regular files, or too large to be one (a merge refuses the first)."""
+
+    checkpoint_dir: Path
+    places: tuple[Path, ...]
+    config_dir: Path | None
+    tok_dir: Path | None
+    config: dict | None
+    config_error: str | None
+    manifest: dict | None
+    manifest_error: str | None
+    hashes: dict[str, str | None]
+    problems: list[str]
+
+
+def read_files(checkpoint_dir: Path, places=()) -> CheckpointFiles:
+    """The one read of a checkpoint's description: its MANIFEST and the files it records (hashed), and the
+    config.json and tokenizer found first in ``places`` (beside the weights, the checkpoint, its parent)."""
+    import os
+    import stat
+
+    places, problems = tuple(places), []
+    for path in (place / name for place in places for name in DESCRIPTION_FILES if os.path.lexists(place / name)):
+        try:
+            st = os.stat(path)
+        except OSError as err:
+            problems.append(f"{path} cannot be read ({err.strerror}): replace it with the file, or remove it")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(
+                f"{path} is not a regular file (a folder, a FIFO or a device): replace it with the file, or remove it"
+            )
+        elif st.st_size > (DESCRIPTION_LIMIT if path.name in ("tokenizer.json", "tokenizer.model") else JSON_LIMIT):
+            problems.append(
+                f"{path} is {st.st_size / 1e6:.0f} MB, more than a model's {path.name} ever is: is this the right file?"
+            )
+    config_dir = next((d for d in places if (d / "config.json").is_file()), None)
+    tok_dir = next((d for d in places if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
+    config = config_error = manifest = manifest_error = None
+    if config_dir is not None:
+        try:
+            config = load_json(config_dir / "config.json", "config.json", JSON_LIMIT)
+        except (ValueError, OSError) as err:
+            config_error = str(err)
+    hashes = {}
+    if os.path.lexists(checkpoint_dir / MANIFEST):
+        try:
+            manifest = load_json(checkpoint_dir / MANIFEST, MANIFEST, JSON_LIMIT)
+            manifest["files"] = dict(manifest["files"])
+        except (ValueError, KeyError, TypeError, OSError) as err:
+            manifest, manifest_error = None, getattr(err, "reason", None) or type(err).__name__
+    for name in manifest["files"] if manifest else ():
+        path = checkpoint_dir / name
+        if plain_file_name(name) and os.path.lexists(path):
+            regular = path.is_file() and path.stat().st_size <= DESCRIPTION_LIMIT
+            hashes[name] = _sha256(path) if regular else None
+    return CheckpointFiles(
+        checkpoint_dir, places, config_dir, tok_dir, config, config_error, manifest, manifest_error, hashes, problems
     )
 
 
@@ -253,58 +308,19 @@ DESCRIPTION_LIMIT = 256 << 20  # tokenizer.json / tokenizer.model of the largest
 # the other description files are small JSON (a tokenizer_config.json with a long chat template: ~100 KB)
 
 
-def description_file_problems(resolved: ResolvedInput) -> list[str]:
-    """Description files in the places a merge looks that are not regular files, or too large to be one."""
-    import os
-    import stat
-
-    problems = []
-    for place in resolved.places:
-        for name in DESCRIPTION_FILES:
-            path = place / name
-            if not os.path.lexists(path):
-                continue
-            try:
-                st = os.stat(path)
-            except OSError as err:
-                problems.append(f"{path} cannot be read ({err.strerror}): replace it with the file, or remove it")
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                problems.append(
-                    f"{path} is not a regular file (a folder, a FIFO or a device): replace it with the file, or "
-                    "remove it"
-                )
-            elif st.st_size > (DESCRIPTION_LIMIT if name in ("tokenizer.json", "tokenizer.model") else JSON_LIMIT):
-                problems.append(
-                    f"{path} is {st.st_size / 1e6:.0f} MB, more than a model's {name} ever is: is this the right file?"
-                )
-    return problems
-
-
-def description_dirs(resolved: ResolvedInput) -> tuple[Path | None, Path | None]:
-    """(folder with config.json, folder with tokenizer files), looked for beside the weights, then up."""
-    config_dir = next((d for d in resolved.places if (d / "config.json").is_file()), None)
-    tok_dir = next((d for d in resolved.places if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
-    return config_dir, tok_dir
-
-
-def config_origin(resolved: ResolvedInput, base_model: str | None) -> str:
+def config_origin(files: CheckpointFiles, base_model: str | None) -> str:
     """Where config.json comes from; checked before any copy. Raises CheckpointError when there is none."""
-    config_dir, _ = description_dirs(resolved)
-    if base_model is None and config_dir is None:
-        where = " or ".join(str(p) for p in resolved.places)
+    if base_model is None and files.config_dir is None:
+        where = " or ".join(str(p) for p in files.places)
         raise CheckpointError(f"no config.json in {where}: pass --base-model <hub id or folder the run started from>")
     if base_model is not None:
         return base_model
-    try:
-        config = load_json(config_dir / "config.json", "config.json", JSON_LIMIT)
-        if "model_type" not in config:
-            raise ValueError("no model_type")
-    except (ValueError, UnicodeDecodeError) as err:
+    if files.config is None or "model_type" not in files.config:
         raise CheckpointError(
-            f"{config_dir / 'config.json'} is not a model config ({err}): fix it or pass --base-model"
-        ) from None
-    return str(config_dir)
+            f"{files.config_dir / 'config.json'} is not a model config ({files.config_error or 'no model_type'}): "
+            "fix it or pass --base-model"
+        )
+    return str(files.config_dir)
 
 
 def _one_line(err: Exception) -> str:
@@ -312,13 +328,15 @@ def _one_line(err: Exception) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, dtype: str | None) -> Description:
+def describe_with_transformers(
+    resolved: ResolvedInput, files: CheckpointFiles, base_model: str | None, dtype: str | None
+) -> Description:
     """Config, generation config and tokenizer through transformers, the weights matched against the model built
     from the config. Every load error is a one-line CheckpointError."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    config_from = config_origin(resolved, base_model)
-    config_dir, tok_dir = description_dirs(resolved)
+    config_from = config_origin(files, base_model)
+    config_dir = files.config_dir
     try:
         config = AutoConfig.from_pretrained(config_from, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 (OSError, ValueError, KeyError ...: transformers raises many)
@@ -336,15 +354,15 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
     else:
         generation_config = GenerationConfig.from_model_config(config)
     notes, tokenizer, tok_from = [], None, None
-    if tok_dir is not None:
-        tok_from = str(tok_dir)
+    if files.tok_dir is not None:
+        tok_from = str(files.tok_dir)
     elif base_model is not None and (
         not Path(base_model).is_dir() or any((Path(base_model) / f).is_file() for f in TOKENIZER_FILES)
     ):
         tok_from = base_model
     if tok_from is None:
         notes.append(
-            f"no tokenizer in {' or '.join(str(p) for p in resolved.places)}: the model folder has none (copy "
+            f"no tokenizer in {' or '.join(str(p) for p in files.places)}: the model folder has none (copy "
             "one in, or pass --base-model with one)"
         )
     else:
@@ -377,45 +395,31 @@ def describe_with_transformers(resolved: ResolvedInput, base_model: str | None, 
     )
 
 
-def _agrees_with_config(config_path: Path, model_name: str, tied: list[str]) -> bool:
-    """The manifest's class and tie agree with what config.json states. A manifest can be edited with its hashes;
-    without this, one claiming an untied model's head as tied would silently drop it from the merged folder."""
-    try:
-        config = load_json(config_path, "config.json", JSON_LIMIT)
-    except (ValueError, OSError):
-        return False
-    if not isinstance(config, dict) or config.get("architectures") != [model_name]:
-        return False
-    return config.get("tie_word_embeddings") is bool(tied)
-
-
-def described_by_manifest(resolved: ResolvedInput) -> Description | None:
-    """The checkpoint's own description (write_manifest), when no described file changed since; None sends the
-    merge through transformers."""
-    config_dir, _ = description_dirs(resolved)
-    if config_dir is None or not (config_dir / MANIFEST).is_file():
+def described_by_manifest(files: CheckpointFiles, tensors: dict) -> Description | None:
+    """The checkpoint's own description (write_manifest), when no described file changed since and its class and tie
+    agree with what config.json states (a manifest can be edited with its hashes: one claiming an untied model's head
+    as tied would silently drop it from the merged folder); None sends the merge through transformers."""
+    folder, manifest, config = files.config_dir, files.manifest, files.config or {}
+    if folder is None or folder != files.checkpoint_dir or manifest is None:
         return None
     try:
-        manifest = load_json(config_dir / MANIFEST, MANIFEST, JSON_LIMIT)
-        files, tied = dict(manifest["files"]), list(manifest["tied"])
+        listed, tied = manifest["files"], list(manifest["tied"])
         expected = {name: tuple(shape) for name, shape in manifest["weights"].items()}
         model_name = str(manifest["model_class"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if (
         manifest.get("format") != 1
-        or "config.json" not in files
-        or any("/" in name or name.startswith(".") for name in files)
+        or "config.json" not in listed
+        or any("/" in name or name.startswith(".") or files.hashes.get(name) != h for name, h in listed.items())
+        or config.get("architectures") != [model_name]
+        or config.get("tie_word_embeddings") is not bool(tied)
     ):
-        return None
-    if any(not (config_dir / name).is_file() or _sha256(config_dir / name) != digest for name, digest in files.items()):
-        return None
-    if not _agrees_with_config(config_dir / "config.json", model_name, tied):
         return None  # transformers builds the model from config.json and checks the weights against it
-    weights = match_namespace(resolved.source.tensors, expected, tied, model_name)
-    has_tokenizer = any(f in files for f in TOKENIZER_FILES)
-    origin = {"config": str(config_dir), "tokenizer": str(config_dir) if has_tokenizer else "(none)"}
-    notes = [] if has_tokenizer else [f"no tokenizer in {config_dir}: the model folder has none"]
+    weights = match_namespace(tensors, expected, tied, model_name)
+    has_tokenizer = any(f in listed for f in TOKENIZER_FILES)
+    origin = {"config": str(folder), "tokenizer": str(folder) if has_tokenizer else "(none)"}
+    notes = [] if has_tokenizer else [f"no tokenizer in {folder}: the model folder has none"]
     return Description(
-        weights, tied, origin, lambda out: [shutil.copyfile(config_dir / name, out / name) for name in files], notes
+        weights, tied, origin, lambda out: [shutil.copyfile(folder / name, out / name) for name in listed], notes
     )

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, STATE_LIMIT, load_json
-from fsdp_recipes.ckpt.description import described_by_manifest, description_dirs
+from fsdp_recipes.ckpt.description import described_by_manifest, read_files
 from fsdp_recipes.ckpt.layout import MANIFEST
 from fsdp_recipes.ckpt.lora_merge import holds_adapter_only, quantized_base
 from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace
@@ -59,7 +59,8 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
     alone = holds_adapter_only(
         src.tensors
     )  # a LoRA run's checkpoint without the frozen base: nothing to match to the config
-    own = None if alone else described_by_manifest(resolved)
+    files = read_files(ckpt, resolved.places)
+    own = None if alone else described_by_manifest(files, src.tensors)
     weights = (
         WeightMap({n: n for n in src.tensors}, "", 0)
         if alone
@@ -71,7 +72,6 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
     dtypes: dict[str, int] = {}
     for info in infos:
         dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
-    config_dir, tok_dir = description_dirs(resolved)
     quantized = None if alone else quantized_base(src.tensors)
     try:
         step = load_json(state, "trainer_state.json", STATE_LIMIT).get("global_step") if state.is_file() else None
@@ -105,9 +105,9 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         if all(i.dtype in DTYPE_SIZES for i in infos)
         else None,  # None: a dtype it does not convert
         "dtypes": dtypes,
-        "config": str(config_dir / "config.json") if config_dir else None,
-        "tokenizer": str(tok_dir) if tok_dir else None,
-        "manifest": str(config_dir / MANIFEST) if config_dir and (config_dir / MANIFEST).is_file() else None,
+        "config": str(files.config_dir / "config.json") if files.config_dir else None,
+        "tokenizer": str(files.tok_dir) if files.tok_dir else None,
+        "manifest": str(ckpt / MANIFEST) if files.config_dir == ckpt and (ckpt / MANIFEST).is_file() else None,
         "optimizer_state": (ckpt / "optimizer_0").is_dir()
         or (ckpt / "optimizer.bin").is_file()
         or bool(weights and weights.ignored),

@@ -19,16 +19,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.description import (
+    CheckpointFiles,
     Description,
     config_origin,
     describe_with_transformers,
     described_by_manifest,
-    description_dirs,
-    description_file_problems,
     model_skeleton,
+    read_files,
     recorded_changes,
 )
 from fsdp_recipes.ckpt.inspection import verify_folder
@@ -141,23 +140,29 @@ def merge_checkpoint(
     adapter_only: bool = False,
     log=print,
     output_purpose: str | None = None,
+    config_fallback: str | None = None,
 ) -> MergeResult:
     """Turn an FSDP checkpoint into a folder ``from_pretrained`` loads; never leaves a half-written folder.
     ``dtype``: torch.bfloat16 or "bfloat16" casts, None keeps the saved dtype. A PEFT LoRA checkpoint gives the
     base model with the adapter merged in, or with ``adapter_only`` the adapter folder PeftModel loads.
     ``output_purpose``: the output is itself a staging folder of a caller (the final export), and stays marked for
-    that purpose (fsdp_recipes.removal) so that only it is ever removed; otherwise the result carries no marker."""
+    that purpose (fsdp_recipes.removal) so that only it is ever removed; otherwise the result carries no marker.
+    ``config_fallback``: the base model a checkpoint without a config.json takes (the final export's run source).
+    The checkpoint's description files are read once (read_files); every later step takes what they say."""
     internals.require("huggingface_hub.serialization._base.parse_size_to_int")  # needed at the end; checked first
     dtype = dtype_name(dtype)
     resolved = resolve_input(input_path)
     for note in resolved.notes:
         log(note)
-    if problems := description_file_problems(resolved):
-        raise CheckpointError(problems[0])
+    files = read_files(resolved.checkpoint_dir, resolved.places)
+    if files.problems:
+        raise CheckpointError(files.problems[0])
+    if files.config_dir is None and base_model is None:
+        base_model = config_fallback
     # with --base-model the config comes from there; the tokenizer files the checkpoint holds are still read
     skip = ("config.json", "generation_config.json") if base_model else ()
     missing: list[str] = []  # files the run wrote beside the weights and the copy lacks: not tampered, only gone
-    if resolved.checkpoint_dir is not None and (changes := recorded_changes(resolved.checkpoint_dir, skip, missing)):
+    if changes := recorded_changes(files, skip, missing):
         raise CheckpointError(changes)
     if missing:
         log(
@@ -166,7 +171,7 @@ def merge_checkpoint(
         )
     restore_interrupted(real(output_path), log)  # the real path, as check_output and the staging names use
     out = check_output(input_path, resolved, output_path, overwrite)
-    own, base_model = _lora(resolved, base_model, adapter_only, log)
+    own, base_model = _lora(resolved, files, base_model, adapter_only, log)
     for base in _base_folders(resolved, base_model):  # read to the end of the merge: never its output
         if overlap(out, real(base)):
             raise CheckpointError(
@@ -180,19 +185,22 @@ def merge_checkpoint(
     # all the same (a manifest is a claim: it may have been edited with its hashes). Otherwise that check comes first.
     from_manifest = None
     if own is None and base_model is None and dtype is None and not isinstance(resolved.source, MergedLoraSource):
-        own = from_manifest = described_by_manifest(resolved)
+        own = from_manifest = described_by_manifest(files, resolved.source.tensors)
     if own is None:
-        config_origin(resolved, base_model)  # no config at all: fail now, not after the copy
+        config_origin(files, base_model)  # no config at all: fail now, not after the copy
     with ThreadPoolExecutor(1) as pool:
         future: Future | None = None
         if own is not None:
             weights = own.weights
             if from_manifest is not None:
-                future = pool.submit(describe_with_transformers, resolved, None, None)
+                future = pool.submit(describe_with_transformers, resolved, files, None, None)
         else:
-            future = pool.submit(describe_with_transformers, resolved, base_model, dtype)
+            future = pool.submit(describe_with_transformers, resolved, files, base_model, dtype)
             lora = isinstance(resolved.source, MergedLoraSource)  # checked before the copy: its ties can refuse it
-            weights = (_early_guess(resolved) if base_model is None and not lora else None) or future.result().weights
+            # a config.json stating untied embeddings: every stored weight, under their common namespace, is copied
+            # before transformers has checked them (tied ones would be written twice)
+            untied = base_model is None and not lora and (files.config or {}).get("tie_word_embeddings") is False
+            weights = (guess_namespace(resolved.source.tensors) if untied else None) or future.result().weights
             if lora and (tied := resolved.source.merged_into_tied(future.result().tied)):
                 raise CheckpointError(
                     f"{tied} has a LoRA adapter and is tied to the input embeddings: peft's merge changes both "
@@ -329,7 +337,7 @@ def _base_folders(resolved: ResolvedInput, base_model: str | None) -> list[Path]
 
 
 def _lora(
-    resolved: ResolvedInput, base_model: str | None, adapter_only: bool, log
+    resolved: ResolvedInput, files: CheckpointFiles, base_model: str | None, adapter_only: bool, log
 ) -> tuple[Description | None, str | None]:
     """A PEFT LoRA checkpoint: its source becomes the merged weights (or, ``adapter_only``, the description of the
     adapter folder is returned). Without a config anywhere, the base model the adapter config names is used when
@@ -398,26 +406,7 @@ def _lora(
         f"{merged.alpha:g}{', rsLoRA' if merged.rslora else ''}) into the base weights, as merge_and_unload does"
     )
     named = adapter_config.get("base_model_name_or_path")
-    if (
-        base_model is None
-        and description_dirs(resolved)[0] is None
-        and named
-        and (Path(named) / "config.json").is_file()
-    ):
+    if base_model is None and files.config_dir is None and named and (Path(named) / "config.json").is_file():
         log(f"config from the base model {ADAPTER_CONFIG} names: {named}")
         return None, named
     return None, base_model
-
-
-def _early_guess(resolved: ResolvedInput) -> WeightMap | None:
-    """The weights to start copying before transformers has checked them: every stored weight under their common
-    namespace, when the config.json states tie_word_embeddings: false (else tied weights would be written twice).
-    None: wait for the check."""
-    config_dir, _ = description_dirs(resolved)
-    if config_dir is None:
-        return None
-    try:
-        tied = load_json(config_dir / "config.json", "config.json", JSON_LIMIT).get("tie_word_embeddings")
-    except (ValueError, AttributeError):
-        return None
-    return guess_namespace(resolved.source.tensors) if tied is False else None

@@ -303,9 +303,9 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
 
 
 def _recorded_changes(ckpt: Path) -> str | None:
-    from fsdp_recipes.ckpt.description import recorded_changes
+    from fsdp_recipes.ckpt.description import read_files, recorded_changes
 
-    return recorded_changes(ckpt)
+    return recorded_changes(read_files(ckpt))
 
 
 def newest_resumable(run_dir: str | os.PathLike) -> tuple[CheckpointStatus | None, list[CheckpointStatus]]:

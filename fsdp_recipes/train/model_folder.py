@@ -96,16 +96,12 @@ def write_final_folder(
 ) -> None:
     """``out/model/`` becomes the model folder of checkpoint ``ckpt``; a LoRA checkpoint gives the merged model (cast to
     ``dtype`` when given) and the adapter in ``out/adapter``."""
-    from fsdp_recipes.ckpt.description import description_dirs
     from fsdp_recipes.ckpt.merge import merge_checkpoint
-    from fsdp_recipes.ckpt.resolve import resolve_input
 
     staging = out / ".export-tmp"
     lora = (ckpt / ADAPTER_CONFIG).is_file()
-    if description_dirs(resolve_input(ckpt))[0] is not None:
-        base_model = None  # the checkpoint describes itself
-    result = merge_checkpoint(
-        ckpt, staging, overwrite=True, base_model=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING
+    result = merge_checkpoint(  # a checkpoint with a config.json describes itself: base_model only stands in for one
+        ckpt, staging, overwrite=True, config_fallback=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING
     )
     if lora:  # a LoRA run: the adapter too, in a folder of its own
         adapter_staging = out / ".adapter-tmp"
