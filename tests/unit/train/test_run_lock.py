@@ -188,17 +188,17 @@ def test_a_lock_naming_this_very_process_without_a_start_time_is_stale(tmp_path,
 
 @pytest.fixture(scope="module")
 def live():
-    """(pid, start time) of a live process of this host that is no run."""
+    """(pid, start time) of a live process of this host that is no run, and the pid of one that has ended."""
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    yield proc.pid, start_time(proc.pid)
+    yield proc.pid, start_time(proc.pid), _dead_pid()
     proc.stdin.close()
     proc.wait(timeout=60)
 
 
 def _owners(live) -> dict[str, tuple[str, bool]]:
     """Lock lines, by who their owner is, and whether that owner is provably gone."""
-    pid, start = live
-    host, dead = socket.gethostname(), _dead_pid()
+    pid, start, dead = live
+    host = socket.gethostname()
     return {
         "alive, same start": (f"host {host}, pid {pid}, started {start}, since then\n", False),
         "alive, same start, this SLURM job": (
@@ -216,7 +216,7 @@ def _owners(live) -> dict[str, tuple[str, bool]]:
     }
 
 
-OWNERS = list(_owners((1, 1)))
+OWNERS = list(_owners((1, 1, 2)))
 
 
 @pytest.mark.parametrize("who", OWNERS)
