@@ -14,7 +14,8 @@ parameters kept from forward to backward) and for DDP and ZeRO-1 in bf16 (autoca
 as long), and activations: per token and layer, what a gated-MLP RMSNorm decoder (Llama family) saves for backward,
 16h + 4q + 8I + 12kv + 4 heads bytes in bf16 (q and kv the query and key/value heads' widths, I the MLP's; more
 for Qwen3's per-head norms; CPU-counted, and CUDA attention's copies measured on an H200), else GPT's 34h; 2h with
-activation checkpointing; + the fp32 logits 8*s*b*V.
+activation checkpointing; + the loss's peak over the logits, 12*s*b*V (three fp32 tensors as wide as the
+vocabulary).
 Gradients and activations do not peak together (backward frees one as it makes the other): the total counts the
 larger. Every CUDA peak on record (bench/results/h200) is within 10% of it. With offload the model states move to CPU
 RAM. FSDP1 in a shard group of one process (one process, or

@@ -175,6 +175,9 @@ def model_shape(model: str) -> ModelShape:
     )
 
 
+# bytes per token and vocabulary entry at the loss's peak: three fp32 [tokens, vocab] tensors (activation_bytes)
+LOGITS_PEAK_BYTES = 12
+
 # CUDA's fused attention kernels keep four tensors of the key/value width per layer beyond what the model saves
 # (bench/results/h200/gpu-check-8: 0.26 GiB in sdpa_attention_forward over 16 layers of 4,096 tokens x 512 wide, bf16)
 CUDA_ATTENTION_KV_TENSORS = 4
@@ -202,7 +205,9 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[float, list[str]]
     """Activation memory of one micro-batch: for a gated-MLP RMSNorm decoder what its layers save
     (saved_per_token, plus CUDA attention's key/value copies), else Korthikanti et al. 2022's 34*s*b*h bytes per
     layer in 16-bit (GPT's MLP, a fused attention kernel); with checkpointing only each layer's input (2*s*b*h), plus
-    one layer being recomputed; plus the final norm and the fp32 logits and their gradient (8*s*b*V)."""
+    one layer being recomputed; plus the final norm and the loss's peak over the logits, 12*s*b*V: backward starts
+    with log_softmax's fp32 output (saved), its incoming gradient and the gradient it makes, all three alive at
+    once (CPU-measured: tests/unit/config/test_logits_memory.py; a fifth of Llama-3.2-1B's at 4 x 1024 tokens)."""
     if not (shape.hidden and shape.layers and shape.vocab):
         return 0.0, ["activations unknown for a bare parameter count: give a model config"]
     tokens = setup.seq_len * setup.micro_batch
@@ -220,7 +225,7 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[float, list[str]]
         if setup.activation_checkpointing
         else per_layer * shape.layers
     )
-    final = tokens * (4 * shape.hidden + 2 * width * shape.hidden + 8 * shape.vocab)  # the final norm; logits
+    final = tokens * (4 * shape.hidden + 2 * width * shape.hidden + LOGITS_PEAK_BYTES * shape.vocab)
     return float(body + final), notes
 
 

@@ -55,8 +55,8 @@ def test_strategy_extras_and_offload():
     ckpt = estimate(shape, Setup(activation_checkpointing=True, micro_batch=4))
     plain = estimate(shape, Setup(activation_checkpointing=False, micro_batch=4))
     logits = (
-        2048 * 4 * (8 * 32000 + 8 * 2048)
-    )  # fp32 logits and their gradient, the final norm: unaffected by checkpointing
+        2048 * 4 * (12 * 32000 + 8 * 2048)
+    )  # the loss's three fp32 tensors over the logits, the final norm: unaffected by checkpointing
     sbh = 2048 * 4 * 2048
     assert (
         plain.activations - logits == 34 * sbh * 16
@@ -97,7 +97,7 @@ def test_gpu_memory_lists_each_config_as_it_runs_on_one_process():
 
     shape = ModelShape(params=int(1e9), hidden=2048, layers=16, vocab=32000, largest_unit=int(65.5e6))
     setup = Setup(nproc_per_node=1, micro_batch=4, seq_len=1024)
-    rows = fitting_configs(shape, setup, 5.3 * GiB)
+    rows = fitting_configs(shape, setup, 5.9 * GiB)
     assert [r[0] for r in rows] == [
         "ddp.yaml",
         "fsdp1/no_shard.yaml",
@@ -115,7 +115,7 @@ def test_gpu_memory_lists_each_config_as_it_runs_on_one_process():
             need
             == estimate(shape, Setup(**{**setup.__dict__, "strategy": name, "offload": strategy.offload})).gpu_total
         )
-        assert fits == (need <= 5.3 * GiB)
+        assert fits == (need <= 5.9 * GiB)
     assert {r[0]: r[2] for r in rows}[
         "fsdp1/zero3_offload.yaml"
     ]  # NO_SHARD + offload fits where FULL_SHARD + offload did not

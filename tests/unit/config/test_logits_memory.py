@@ -1,0 +1,53 @@
+"""The loss over a large vocabulary peaks at three fp32 tensors of tokens x vocabulary: what the estimate counts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_recipes.config.memory import LOGITS_PEAK_BYTES, ModelShape, Setup, activation_bytes
+
+# One forward and backward of a one-layer, 64-wide Llama with a large tied vocabulary in a fresh process: the growth of
+# its peak resident memory over tokens x vocabulary is the loss's peak (the layer's own activations are 1% of it).
+# Each fp32 [tokens, vocab] tensor is 256 MiB, far above glibc's mmap threshold: freed memory leaves the process, so
+# the resident peak is the live peak.
+MEASURE = """
+import gc, resource, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+vocab, tokens, autocast = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "bf16"
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=tokens))
+ids = torch.randint(0, vocab, (1, tokens))
+def step(n):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids[:, :n], labels=ids[:, :n]).loss
+    loss.backward()
+step(16)  # the weights' gradients exist before the peak is read, as from a run's second step
+gc.collect()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+step(tokens)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / (tokens * vocab))
+"""
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_loss_peaks_at_three_fp32_tensors_of_the_vocabulary(precision):
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, "65536", "1024", precision], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = float(proc.stdout.split()[-1])
+    assert LOGITS_PEAK_BYTES - 1 <= measured <= LOGITS_PEAK_BYTES + 0.5, measured
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("batch, seq", [(1, 128), (4, 1024), (21, 1024)])
+def test_the_estimate_counts_that_peak_per_token_and_vocabulary_entry(batch, seq, precision):
+    def activations(vocab):
+        shape = ModelShape(params=10**9, hidden=2048, layers=16, vocab=vocab, heads=32, largest_unit=10**8)
+        return activation_bytes(shape, Setup(micro_batch=batch, seq_len=seq, precision=precision))[0]
+
+    assert activations(128_256) - activations(1_000) == LOGITS_PEAK_BYTES * batch * seq * 127_256
