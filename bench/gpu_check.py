@@ -28,6 +28,12 @@ offload; the offload runs profile step 1 and the report lists what was live at i
 bench/checkpoint_benchmark.py (issue 22: a background save's stall at most 20% of a synchronous one). OUT holds at
 most 7 files (environment.json, results.json, report.md, pytest.txt, logs.txt, and scaling.md/scaling.json for
 part 2) and the checkpoint-stall folder: what one device command brings back.
+
+The speed rows (`--runs speed`, first in parts 1 and all; issue 50) train Llama-3.2-1B's own shape, its 128,256-token
+vocabulary and tied embeddings included (random weights, the tiny tokenizer's tokens: nothing downloaded), under
+zero3.yaml with no checkpoint written, at batch 4 and at per_device_train_batch_size auto (the estimator's choice):
+tokens/s and MFU as torchtitan counts it (LM head in, a tied head once, the attention term), the first logging window
+(warm-up) left out; the peak against the estimate at the batch trained.
 """
 
 from __future__ import annotations
@@ -93,6 +99,18 @@ MODEL = {
     "max_position_embeddings": 2048,
 }
 STEPS, BATCH, SEQ = 20, 4, 1024
+# The speed rows (issue 50): Llama-3.2-1B's own shape, its 128,256-token vocabulary and tied embeddings included
+# (1,235,814,400 parameters, the head a fifth of them: with the tiny vocabulary the head and the loss cost nothing),
+# random weights and the tiny tokenizer's tokens of the repository's corpus: nothing is downloaded. Under zero3.yaml
+# with no checkpoint written (no write overlaps the timed steps), the first logging window (warm-up) left out
+# (log_metrics), MFU as torchtitan counts it (fsdp_recipes.train.metrics.flops_per_token).
+LLAMA_1B = {**MODEL, "vocab_size": 128256, "tie_word_embeddings": True}
+SPEED_CONFIG = "accelerate_configs/zero3.yaml"
+# label -> (per_device_train_batch_size, the run's other flags): a lever to compare (compile, Liger) is one more row
+SPEED_ROWS: dict[str, tuple[str, list[str]]] = {
+    "speed: zero3, eager, batch 4": (str(BATCH), []),
+    "speed: zero3, eager, batch auto": ("auto", []),
+}
 PROCESSES = 1  # the one GPU (the CPU test of this script runs 2: FSDP over gloo needs 2)
 FSDP2 = [
     "accelerate_configs/zero3.yaml",
@@ -133,19 +151,21 @@ TREE_POLL = 1.0  # seconds between looks at what a running command has started (
 INTERRUPT_GRACE = 20  # seconds a command has after SIGINT at the deadline to print what it has (pytest: its failures)
 RUN_SECONDS = 75  # what one config's run takes at most on an H100 (start, 20 steps, export): below this, it is skipped
 # --part all: one command for a visit shorter than two (15 minutes of device time, the start included), what matters
-# most first: the FSDP2 pair that shows offload and both background-save paths, LoRA/QLoRA, the FSDP1 pair, pytest
-# -m gpu, then the remaining configs and scaling, each skipped with its reason when the budget is spent
+# most first: the speed rows (issue 50), the FSDP2 pair that shows offload and both background-save paths,
+# LoRA/QLoRA, the FSDP1 pair, pytest -m gpu, then the remaining configs and scaling, each skipped with its reason when
+# the budget is spent
 ALL_FIRST = ["accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"]
 ALL_THEN = ["accelerate_configs/fsdp1/zero3.yaml", "accelerate_configs/fsdp1/zero3_offload.yaml"]
 ALL_LAST = [c for c in FSDP2 + FSDP1 if c not in ALL_FIRST + ALL_THEN]
 
 
-def model_config():
-    """The ~1B Llama's config: assets/tiny-llama's, with MODEL's shape."""
+def model_config(shape: dict | None = None):
+    """The ~1B Llama's config: assets/tiny-llama's, with MODEL's shape (or ``shape``: LLAMA_1B)."""
     from transformers import AutoConfig
 
+    shape = MODEL if shape is None else shape
     return AutoConfig.from_pretrained(
-        REPO / "assets" / "tiny-llama", **MODEL, head_dim=MODEL["hidden_size"] // MODEL["num_attention_heads"]
+        REPO / "assets" / "tiny-llama", **shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"]
     )
 
 
@@ -480,7 +500,7 @@ def markdown(rows: list[dict], checks: list[dict], notes: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [
-            r["config"],
+            r["config"] + (f" ({r['batch']} x {SEQ} tokens)" if r.get("batch") else ""),
             r.get("wrapper") or "-",
             f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
             f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-",
@@ -740,7 +760,9 @@ class Check:
             model_config().save_pretrained(folder)
         return folder
 
-    def train(self, label: str, config: str, *args: str, launch: tuple[str, ...] = ()) -> tuple[dict, Path | None]:
+    def train(
+        self, label: str, config: str, *args: str, launch: tuple[str, ...] = (), batch: str = str(BATCH)
+    ) -> tuple[dict, Path | None]:
         row = {"config": label}
         if self.left() < RUN_SECONDS:
             row["error"] = f"not run: {self.left():.0f} s left of this part's budget"
@@ -764,7 +786,7 @@ class Check:
             "--logging_steps",
             str(LOGGING_STEPS),
             "--per_device_train_batch_size",
-            str(BATCH),
+            batch,
             "--block_size",
             str(SEQ),
             "--output_dir",
@@ -798,7 +820,9 @@ class Check:
             row["profile"] = json.loads(summary.read_text())
         return row, out
 
-    def estimate(self, row: dict, config: str, lora: bool = False) -> None:
+    def estimate(
+        self, row: dict, config: str, lora: bool = False, folder: Path | None = None, batch: int = BATCH
+    ) -> None:
         import yaml
 
         from fsdp_recipes.config.memory import Setup, estimate, model_shape
@@ -808,13 +832,13 @@ class Check:
             return  # the formula counts full fine-tuning
         strategy = strategy_of(yaml.safe_load((REPO / config).read_text()))
         est = estimate(
-            model_shape(str(self.model_folder())),
+            model_shape(str(folder or self.model_folder())),
             Setup(
                 strategy=strategy.memory_strategy_on(PROCESSES),
                 nproc_per_node=PROCESSES,
                 nnodes=1,
                 offload=strategy.offload,
-                micro_batch=BATCH,
+                micro_batch=batch,
                 seq_len=SEQ,
             ),
         )
@@ -883,6 +907,30 @@ class Check:
                 config_checks(row) + staging_checks(row, torch.cuda.is_available())
                 if not row.get("error")
                 else [check(f"{config}: ran", None, None, None, row["error"])]
+            )
+            self.remove_run(out)
+            self.save()
+
+    def speed(self) -> None:
+        """Issue 50's rows: the Llama-3.2-1B shape under SPEED_CONFIG, one run per SPEED_ROWS setting, no checkpoint
+        written; tokens/s and MFU of the windows after the first, the batch trained (auto: the estimator's choice),
+        the peak against the estimate at that batch, the model states against the formula."""
+        if not self.wanted("speed"):
+            return
+        folder = self.work / "llama-3.2-1b-shape"
+        if not folder.is_dir():
+            model_config(LLAMA_1B).save_pretrained(folder)
+        for label, (batch, flags) in SPEED_ROWS.items():
+            row, out = self.train(
+                label, SPEED_CONFIG, "--config_name", str(folder), "--save_strategy", "no", *flags, batch=batch
+            )
+            if out is not None:
+                state = json.loads((out / "trainer_state.json").read_text())
+                row["batch"] = state.get("train_batch_size")
+                self.estimate(row, SPEED_CONFIG, folder=folder, batch=row["batch"] or BATCH)
+            self.rows.append(row)
+            self.checks += (
+                config_checks(row) if not row.get("error") else [check(f"{label}: ran", None, None, None, row["error"])]
             )
             self.remove_run(out)
             self.save()
@@ -1093,7 +1141,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--part",
         choices=("1", "2", "all"),
-        help="1: environment, pytest -m gpu, FSDP2 configs; 2: FSDP1 and DDP "
+        help="1: environment, the speed rows, pytest -m gpu, FSDP2 configs; 2: FSDP1 and DDP "
         "configs, LoRA, QLoRA, scaling, the checkpoint stall; all: both in one budget, what matters most first "
         "(a visit of one command)",
     )
@@ -1106,8 +1154,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--runs",
-        help="comma-separated: only these of the part's runs (config paths as listed in this file, lora, "
-        "qlora, pytest, scaling, stall: issue 22's checkpoint stall), for a short second visit",
+        help="comma-separated: only these of the part's runs (config paths as listed in this file, speed: issue 50's "
+        "1B-shape rows, lora, qlora, pytest, scaling, stall: issue 22's checkpoint stall), for a short second visit",
     )
     parser.add_argument(
         "--wheel-list",
@@ -1124,13 +1172,15 @@ def main(argv=None) -> int:
     if args.wheel_list:
         print("\n".join(wheel_list()))
         return 0
-    runs = {"lora", "qlora", "pytest", "scaling", "stall", *FSDP2, *FSDP1}
+    runs = {"speed", "lora", "qlora", "pytest", "scaling", "stall", *FSDP2, *FSDP1}
     asked = None if args.runs is None else {r.strip() for r in args.runs.split(",") if r.strip()}
     if asked is not None and (unknown := sorted(asked - runs) or ([] if asked else ["(none)"])):
         parser.error(f"--runs: {unknown[0]!r} is not one of the runs: {', '.join(sorted(runs))}")
     if args.part is None or args.output is None:
         parser.error("give --part 1, 2 or all and --output FOLDER (or --wheel-list)")
-    part_runs = {"1": {"pytest", *FSDP2}, "2": {"lora", "qlora", "scaling", "stall", *FSDP1}, "all": runs}[args.part]
+    part_runs = {"1": {"speed", "pytest", *FSDP2}, "2": {"lora", "qlora", "scaling", "stall", *FSDP1}, "all": runs}[
+        args.part
+    ]
     if asked and (elsewhere := sorted(asked - part_runs)):
         parser.error(
             f"--runs: {elsewhere[0]!r} is not run by --part {args.part}: give --part all, or the part that runs it"
@@ -1165,6 +1215,7 @@ def main(argv=None) -> int:
         check_run.describe_environment()
         check_run.save()
         if args.part == "1":
+            check_run.speed()
             check_run.pytest_gpu(
                 check_run.left() - 10 if asked == {"pytest"} else min(300, check_run.left() - 3 * RUN_SECONDS)
             )
@@ -1175,6 +1226,7 @@ def main(argv=None) -> int:
             check_run.scaling()
             check_run.stall()
         else:
+            check_run.speed()
             check_run.configs(ALL_FIRST)
             check_run.lora()
             check_run.configs(ALL_THEN)

@@ -617,3 +617,59 @@ def test_stall_is_a_run_of_part_2_and_all():
     assert (
         gpu_check.main(["--part", "2", "--runs", "stall", "--output", "/tmp/nonexistent-gpu-check-out"]) == 1
     )  # no CUDA here
+
+
+def test_the_speed_model_is_llama_3_2_1b_with_its_vocabulary_and_tied_head():
+    """Llama-3.2-1B's published count (1,235,814,400) and shape, its 128,256-token head tied to the embeddings."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = gpu_check.model_config(gpu_check.LLAMA_1B)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (
+        128256,
+        2048,
+        16,
+        8192,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 64)
+
+
+def test_the_speed_rows_write_no_checkpoint_profile_nothing_and_measure_the_batch_trained(tmp_path, monkeypatch):
+    """Each speed run: the 1B folder, zero3.yaml, --save_strategy no (no write overlaps the timed steps), no profiled
+    step; the batch it trained (auto: the estimator's choice) is read back and the estimate made at that batch."""
+    launched, estimated = [], []
+
+    def train(self, label, config, *args, launch=(), batch="4"):
+        out = tmp_path / label.replace(" ", "-").replace(",", "").replace(":", "")
+        out.mkdir()
+        (out / "trainer_state.json").write_text(json.dumps({"train_batch_size": 17 if batch == "auto" else 4}))
+        launched.append((label, config, args, batch))
+        return {"config": label, "fsdp_version": 2, "mfu": 0.3}, out
+
+    monkeypatch.setattr(gpu_check.Check, "train", train)
+    monkeypatch.setattr(gpu_check.Check, "remove_run", lambda self, out: None)
+    monkeypatch.setattr(
+        gpu_check.Check, "estimate", lambda self, row, config, folder=None, batch=4: estimated.append((folder, batch))
+    )
+    run = gpu_check.Check(tmp_path / "out", budget=60)
+    run.speed()
+    assert [b for *_, b in launched] == ["4", "auto"]
+    for _, config, args, _ in launched:
+        assert config == gpu_check.SPEED_CONFIG == "accelerate_configs/zero3.yaml"
+        assert args[args.index("--save_strategy") + 1] == "no" and "--profile_steps" not in args
+        folder = Path(args[args.index("--config_name") + 1])
+        saved = json.loads((folder / "config.json").read_text())
+        assert saved["vocab_size"] == 128256 and saved["tie_word_embeddings"] is True
+    assert [b for _, b in estimated] == [4, 17] and [r["batch"] for r in run.rows] == [4, 17]
+    assert "(17 x 1024 tokens)" in (tmp_path / "out" / "report.md").read_text()
+    assert [c["check"] for c in run.checks] == [f"{label}: MFU" for label in gpu_check.SPEED_ROWS]
+
+
+def test_speed_is_a_run_of_part_1_and_all():
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--part", "2", "--runs", "speed", "--output", "/nonexistent-out"])
+    assert gpu_check.main(["--part", "1", "--runs", "speed", "--output", "/tmp/nonexistent-gpu-check-out"]) == 1
