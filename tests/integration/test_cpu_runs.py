@@ -94,3 +94,31 @@ def test_dtype_bfloat16_is_reported_as_what_it_computes(tmp_path):
         precision["cpu_bf16"]["note"]
         == "the model's weights are bfloat16: they compute in bfloat16 whatever the mixed precision"
     )
+
+
+@pytest.mark.slow  # a launch
+def test_an_auto_batch_size_is_chosen_before_loading_said_once_and_trained(tmp_path):
+    """per_device_train_batch_size auto on 2 CPU processes: the host's memory over 2 leaves the tiny model the cap;
+    rank 0 says the choice once, and the run records and trains that batch."""
+    from fsdp_recipes.config.batch_size import MAX_AUTO_BATCH
+
+    out = tmp_path / "out"
+    proc = launch(
+        "accelerate_configs/zero3.yaml",
+        "--max_steps",
+        "2",
+        "--save_strategy",
+        "no",
+        "--per_device_train_batch_size",
+        "auto",
+        "--block_size",
+        "32",
+        "--output_dir",
+        str(out),
+    )
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "per_device_train_batch_size auto:" in line]
+    assert len(said) == 1 and f"auto: {MAX_AUTO_BATCH} sequence(s) of 32 tokens" in said[0], said
+    assert "over 2 process(es) (no GPU here" in said[0] and f"the cap of {MAX_AUTO_BATCH}" in said[0]
+    recorded = read_json(out / "run_args.json")
+    assert recorded["training"]["per_device_train_batch_size"] == MAX_AUTO_BATCH, recorded["training"]
+    assert read_json(out / "trainer_state.json")["train_batch_size"] == MAX_AUTO_BATCH
