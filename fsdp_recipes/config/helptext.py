@@ -76,6 +76,8 @@ OUR_MEANING = {
     "finished, in one commit; checkpoints stay local (fsdp_recipes.config.hub_push) (default: %(default)s)",
     "hub_model_id": "the hub repository --push_to_hub uploads to (your-name/model-name; default: output_dir's "
     "name)%(default).0s",
+    "per_device_train_batch_size": "sequences per process and micro-batch, or auto: the largest whose memory estimate "
+    "fits 90%% of the GPU, chosen before the model loads (fsdp_recipes.config.batch_size) (default: %(default)s)",
 }
 
 

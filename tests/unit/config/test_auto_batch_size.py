@@ -225,3 +225,13 @@ def test_without_a_gpu_the_host_memory_over_the_nodes_processes_is_the_budget(mo
     host = batch_size.os.sysconf("SC_PAGE_SIZE") * batch_size.os.sysconf("SC_PHYS_PAGES")
     memory, said = batch_size.device_memory()
     assert memory == host / 4 and "no GPU here" in said and "over 4 process(es)" in said
+
+
+def test_the_help_offers_auto(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--per_device_train_batch_size PER_DEVICE_TRAIN_BATCH_SIZE sequences per process and micro-batch, or auto"
+        in text
+    )
