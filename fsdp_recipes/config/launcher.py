@@ -287,11 +287,11 @@ def one_process_note(settings: LaunchSettings | None, world: int) -> str | None:
     if strategy.fsdp_version != 2 or strategy.name != "FULL_SHARD" or strategy.offload:
         return None
     return (
-        f"note: {settings.describe()} runs FULL_SHARD on 1 process: nothing is sharded, and every layer's parameters "
-        "are still gathered twice a step (one H200: 15.4-23.5% MFU against zero2.yaml's 28.5% and ddp.yaml's 28.9%); "
-        "on one GPU launch with --config_file accelerate_configs/ddp.yaml, or accelerate_configs/zero2.yaml (keeps "
-        "the parameters gathered, 2 bytes a parameter more), where they fit (tools/estimate_memory.py MODEL "
-        "--nproc-per-node 1 --gpu-memory 80GiB); 2 or more processes shard as before"
+        f"note: FSDP2 FULL_SHARD on 1 process ({settings.describe()}): nothing is sharded, and every layer's "
+        "parameters are still gathered twice a step (one H200: 15.4-23.5% MFU against zero2.yaml's 28.5% and "
+        "ddp.yaml's 28.9%); on one GPU launch with --config_file accelerate_configs/ddp.yaml, or "
+        "accelerate_configs/zero2.yaml (keeps the parameters gathered, 2 bytes a parameter more), where they fit "
+        "(tools/estimate_memory.py MODEL --nproc-per-node 1 --gpu-memory 80GiB); 2 or more processes shard as before"
     )
 
 

@@ -24,7 +24,7 @@ def test_only_fsdp2_full_shard_without_offload_on_one_process_is_told(path, worl
     told = world == 1 and strategy.fsdp_version == 2 and strategy.name == "FULL_SHARD" and not strategy.offload
     assert (note is not None) == told
     if told:
-        assert "\n" not in note and str(path) in note and "runs FULL_SHARD on 1 process" in note
+        assert "\n" not in note and str(path) in note and "FSDP2 FULL_SHARD on 1 process (" in note
         assert "accelerate_configs/ddp.yaml" in note and "accelerate_configs/zero2.yaml" in note
 
 
@@ -50,7 +50,7 @@ def test_the_note_is_printed_at_start_up(tmp_path, monkeypatch, capsys):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(cpu_fsdp, "accelerator_present", lambda: True)  # one GPU: no CPU refusal of one process
     parse_args(["--max_steps", "2", "--output_dir", str(tmp_path / "out")])
-    assert "runs FULL_SHARD on 1 process" in capsys.readouterr().err
+    assert "FSDP2 FULL_SHARD on 1 process (" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
     parse_args(["--max_steps", "2", "--output_dir", str(tmp_path / "out")])
     assert "FULL_SHARD on 1 process" not in capsys.readouterr().err
