@@ -761,7 +761,7 @@ class Check:
         return folder
 
     def train(
-        self, label: str, config: str, *args: str, launch: tuple[str, ...] = (), batch: str = str(BATCH)
+        self, label: str, config: str, *args: str, launch: tuple[str, ...] = (), batch: str | None = None
     ) -> tuple[dict, Path | None]:
         row = {"config": label}
         if self.left() < RUN_SECONDS:
@@ -786,7 +786,7 @@ class Check:
             "--logging_steps",
             str(LOGGING_STEPS),
             "--per_device_train_batch_size",
-            batch,
+            str(BATCH) if batch is None else batch,
             "--block_size",
             str(SEQ),
             "--output_dir",
@@ -821,7 +821,7 @@ class Check:
         return row, out
 
     def estimate(
-        self, row: dict, config: str, lora: bool = False, folder: Path | None = None, batch: int = BATCH
+        self, row: dict, config: str, lora: bool = False, folder: Path | None = None, batch: int | None = None
     ) -> None:
         import yaml
 
@@ -838,7 +838,7 @@ class Check:
                 nproc_per_node=PROCESSES,
                 nnodes=1,
                 offload=strategy.offload,
-                micro_batch=batch,
+                micro_batch=BATCH if batch is None else batch,
                 seq_len=SEQ,
             ),
         )

@@ -643,7 +643,7 @@ def test_the_speed_rows_write_no_checkpoint_profile_nothing_and_measure_the_batc
     step; the batch it trained (auto: the estimator's choice) is read back and the estimate made at that batch."""
     launched, estimated = [], []
 
-    def train(self, label, config, *args, launch=(), batch="4"):
+    def train(self, label, config, *args, launch=(), batch=None):
         out = tmp_path / label.replace(" ", "-").replace(",", "").replace(":", "")
         out.mkdir()
         (out / "trainer_state.json").write_text(json.dumps({"train_batch_size": 17 if batch == "auto" else 4}))
