@@ -323,7 +323,7 @@ def config_origin(files: CheckpointFiles, base_model: str | None) -> str:
     return str(files.config_dir)
 
 
-def _one_line(err: Exception) -> str:
+def one_line(err: Exception) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
@@ -341,7 +341,7 @@ def describe_with_transformers(
         config = AutoConfig.from_pretrained(config_from, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 (OSError, ValueError, KeyError ...: transformers raises many)
         raise CheckpointError(
-            f"cannot load the config from {config_from} ({_one_line(err)}): pass --base-model <a folder or hub "
+            f"cannot load the config from {config_from} ({one_line(err)}): pass --base-model <a folder or hub "
             "id with a valid config.json>"
         ) from None
     if config_dir is not None and base_model is None and (config_dir / "generation_config.json").is_file():
@@ -349,7 +349,7 @@ def describe_with_transformers(
             generation_config = GenerationConfig.from_pretrained(config_dir)
         except Exception as err:  # noqa: BLE001
             raise CheckpointError(
-                f"cannot load {config_dir / 'generation_config.json'} ({_one_line(err)}): fix or delete it"
+                f"cannot load {config_dir / 'generation_config.json'} ({one_line(err)}): fix or delete it"
             ) from None
     else:
         generation_config = GenerationConfig.from_model_config(config)
@@ -370,7 +370,7 @@ def describe_with_transformers(
             tokenizer = AutoTokenizer.from_pretrained(tok_from, trust_remote_code=False)
         except Exception as err:  # noqa: BLE001
             raise CheckpointError(
-                f"cannot load the tokenizer from {tok_from} ({_one_line(err)}): fix or remove its files, or "
+                f"cannot load the tokenizer from {tok_from} ({one_line(err)}): fix or remove its files, or "
                 "pass --base-model"
             ) from None
     if problem := implausible_config(config, resolved.source.tensors):
@@ -382,7 +382,7 @@ def describe_with_transformers(
         model_cls, expected, tied, ignorable = model_skeleton(config)
     except Exception as err:  # noqa: BLE001 (a config transformers cannot build a causal LM from)
         raise CheckpointError(
-            f"cannot build a causal LM from the config in {config_from} ({_one_line(err)}): pass --base-model"
+            f"cannot build a causal LM from the config in {config_from} ({one_line(err)}): pass --base-model"
         ) from None
     weights = match_namespace(resolved.source.tensors, expected, tied, model_cls.__name__, ignorable)
     origin = {"config": config_from, "tokenizer": tok_from or "(none)"}

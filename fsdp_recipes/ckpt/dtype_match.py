@@ -66,11 +66,11 @@ def dtype_mismatch(ckpt: str | os.PathLike, held: dict[str, str], frozen: set[st
     """Why resuming ``ckpt`` into this run's parameters would round its weights or its optimizer state, in one line;
     None when every value loads exactly. ``held``: name -> dtype this run holds each parameter in (the model's own
     names, before FSDP wraps it); ``frozen``: the names it does not train (see ``narrowed``)."""
-    from fsdp_recipes.ckpt.model_match import _stored_tensors
+    from fsdp_recipes.ckpt.model_match import stored_tensors
     from fsdp_recipes.ckpt.namespace import clean_name
 
     ckpt = Path(ckpt)
-    stored = _stored_tensors(ckpt) or {}
+    stored = stored_tensors(ckpt) or {}
     saved = {name: dtype for name, (_, dtype) in stored.items()}
     held = {clean_name(k): v for k, v in held.items()}
     frozen = {clean_name(k) for k in frozen}

@@ -19,11 +19,11 @@ def stored_weights(ckpt: Path) -> dict[str, tuple[int, ...]] | None:
     """Name -> full shape of the model weights a checkpoint holds, read from its DCP metadata, safetensors headers or
     FULL_STATE_DICT .bin (the merge's weights-only, memory-mapped reader: shapes without reading the tensors' bytes);
     None for a checkpoint holding none of them."""
-    stored = _stored_tensors(ckpt)
+    stored = stored_tensors(ckpt)
     return None if stored is None else {name: shape for name, (shape, _) in stored.items()}
 
 
-def _stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
+def stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
     """Name -> (full shape, torch dtype name) of the model weights a checkpoint holds; see stored_weights."""
     from fsdp_recipes.ckpt.dcp_pickles import read_layout
     from fsdp_recipes.ckpt.namespace import clean_name
@@ -55,7 +55,7 @@ def config_mismatch(folder: Path, shapes: dict[str, tuple[int, ...]]) -> str | N
     tied ones may be left out), in words; None when they are, or when transformers builds no causal LM from the
     config (another kind of model: nothing to compare here). The config is read bounded and judged plausible for
     these weights before any model is built from it."""
-    from fsdp_recipes.ckpt.description import _one_line, implausible_config, model_skeleton
+    from fsdp_recipes.ckpt.description import implausible_config, model_skeleton, one_line
     from fsdp_recipes.ckpt.namespace import match_namespace
     from fsdp_recipes.ckpt.readers import TensorInfo
     from fsdp_recipes.errors import CheckpointError
@@ -70,7 +70,7 @@ def config_mismatch(folder: Path, shapes: dict[str, tuple[int, ...]]) -> str | N
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 (OSError, ValueError, KeyError ...: transformers raises many)
-        return f"config.json is not a config transformers reads ({_one_line(err)})"
+        return f"config.json is not a config transformers reads ({one_line(err)})"
     if problem := implausible_config(settings, tensors) or implausible_config(config, tensors):
         return problem
     try:
@@ -82,38 +82,6 @@ def config_mismatch(folder: Path, shapes: dict[str, tuple[int, ...]]) -> str | N
     except CheckpointError as err:
         return f"config.json describes another model: {str(err).split(': pass the right --base-model')[0]}"
     return None
-
-
-# a weight loaded into a parameter of another dtype is cast without a word: into a wider float it is exact (a bf16
-# run resumed in fp32 goes on from the same values), into a narrower or other 16-bit one every weight is rounded
-_WIDER = {"float64": {"float32", "bfloat16", "float16"}, "float32": {"bfloat16", "float16"}}
-
-
-def dtype_mismatch(ckpt: str | os.PathLike, live: dict[str, str]) -> str | None:
-    """Why loading ``ckpt`` into this run's parameters would round its weights: ``live`` is name -> dtype name of the
-    prepared model's parameters (after FSDP wrapped them: accelerate may upcast them for mixed precision); a weight
-    whose name the checkpoint holds in another dtype, not a wider float, is rounded by DCP's load without a word.
-    Names that match none (FSDP1's flat parameters) are compared as the one dtype each side has. None when it fits."""
-    from fsdp_recipes.ckpt.namespace import clean_name
-
-    stored = _stored_tensors(Path(ckpt))
-    if not stored:
-        return None
-    saved = {name: dtype for name, (_, dtype) in stored.items()}
-    live = {clean_name(k): v for k, v in live.items()}
-    pairs = [(saved[n], live[n]) for n in sorted(saved.keys() & live.keys())]
-    if not pairs and len(set(saved.values())) == 1 and len(set(live.values())) == 1:
-        pairs = [(next(iter(saved.values())), next(iter(live.values())))]
-    narrowed = sorted({(s, now) for s, now in pairs if s != now and s not in _WIDER.get(now, ())})
-    if not narrowed:
-        return None
-    s, now = narrowed[0]
-    return (
-        f"{ckpt} holds {s} weights and this run's parameters are {now} (--dtype, or the accelerate config's "
-        f"mixed precision): loading would round every weight and its optimizer state to {now}, and the run would "
-        f"not go on as it was; resume with --dtype {s} (the dtype it was trained with), or merge it "
-        f"(tools/merge_checkpoint.py --dtype {now}) and start a new run from the merged model"
-    )
 
 
 def model_mismatch(

@@ -248,7 +248,9 @@ def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_merges(
 ):
     """A run that loaded an fp32 base in bf16 or fp16 (and FSDP upcast it back to fp32, or kept it) holds rounded
     copies of the unquantized weights, fp16's small values flushed or subnormal: the same base, not another. A NaN
-    both hold is the same NaN."""
+    both hold is the same NaN: the base is recognised, and the merge then refuses the NaN itself, by name."""
+    from safetensors.torch import save_file
+
     folder, base_dir, model, truth = base_and_truth
     state = dcp_state(quantized_checkpoint(folder, base_dir, model, "4bit-bf16"))
     rounded = {
@@ -256,6 +258,14 @@ def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_merges(
         for k, v in state.items()
     }
     assert any(not torch.equal(rounded[k].float(), state[k].float()) for k in state)
+    ckpt = write_checkpoint(tmp_path / "rounded", rounded, folder / "checkpoint-4bit-bf16")
+    capsys.readouterr()
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(base_dir)]) == 0, (
+        capsys.readouterr().err
+    )
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(got[n], v) for n, v in truth.items())  # the base's own weights, the adapter merged
+
     norm = next(k for k in state if k.endswith("input_layernorm.weight"))
     base = load_file(base_dir / "model.safetensors")
     base_norm = norm.split("base_model.model.", 1)[1]
@@ -263,18 +273,12 @@ def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_merges(
     nan_base = tmp_path / "nan-base"
     nan_base.mkdir()
     (nan_base / "config.json").write_bytes((base_dir / "config.json").read_bytes())
-    from safetensors.torch import save_file
-
     save_file(base, str(nan_base / "model.safetensors"))
-    ckpt = write_checkpoint(tmp_path / "rounded", rounded, folder / "checkpoint-4bit-bf16")
+    ckpt = write_checkpoint(tmp_path / "rounded-nan", rounded, folder / "checkpoint-4bit-bf16")
     capsys.readouterr()
-    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(nan_base)]) == 0, (
-        capsys.readouterr().err
-    )
-    got = load_file(tmp_path / "out" / "model.safetensors")
-    assert all(
-        torch.equal(got[n], v) for n, v in truth.items() if n != base_norm
-    )  # the base's own weights, the adapter merged
+    assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out-nan"), "--base-model", str(nan_base)]) == 1
+    error = capsys.readouterr().err
+    assert f"{base_norm} holds NaN or infinite values" in error and "differs from the base model" not in error, error
 
 
 def test_a_base_off_by_less_than_a_rounding_step_is_another_base(base_and_truth, tmp_path, capsys):

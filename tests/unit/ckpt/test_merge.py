@@ -846,7 +846,7 @@ def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, tr
     real_start = writer._start_copies
 
     def truncate_first(files):
-        src, offset, count = max((piece for f in files for piece in f["pieces"]), key=lambda piece: piece[2])
+        src, offset, count, *_ = max((piece for f in files for piece in f["pieces"]), key=lambda piece: piece[2])
         os.truncate(src, offset + count // 2)  # the record's bytes end halfway
         return real_start(files)
 
