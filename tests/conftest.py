@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -110,6 +111,20 @@ def _kind(cmd: list[str]) -> str:
 LAUNCHES: dict[str, tuple[int, float]] = {}
 # what each kind of command run through run() costs in all: the tools' own imports are paid per call as well
 SUBPROCESSES: dict[str, tuple[int, float]] = {}
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands its counts to the controller, which sums them for the summary."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["launch_counts"] = json.dumps([LAUNCHES, SUBPROCESSES])
+
+
+def pytest_testnodedown(node, error):
+    counts = getattr(node, "workeroutput", {}).get("launch_counts")
+    for theirs, ours in zip(json.loads(counts) if counts else (), (LAUNCHES, SUBPROCESSES)):
+        for key, (count, seconds) in theirs.items():
+            mine = ours.get(key, (0, 0.0))
+            ours[key] = (mine[0] + count, mine[1] + seconds)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -344,24 +359,41 @@ def pytest_runtest_setup(item):
     CURRENT_TEST["slow"] = item.get_closest_marker("slow") is not None
 
 
+def shared_temp(tmp_path_factory) -> Path:
+    """The session's temporary folder, the same for every pytest-xdist worker (each worker's own basetemp is
+    <session's basetemp>/popen-gwN)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """Launch each (config, extra arguments) once per session with QUICK settings; tests share the result."""
+    """Launch each (config, extra arguments) once per session with QUICK settings; tests share the result, across
+    pytest-xdist's workers too: the first worker to need a run launches it under a file lock, the others read it."""
+    from filelock import FileLock
+
+    shared = shared_temp(tmp_path_factory)
     runs: dict[tuple, Run] = {}
 
     def get(config: str, *script_args: str, launch_args: tuple[str, ...] = ()) -> Run:
         key = (config, script_args, launch_args)
-        if key not in runs:
-            out = tmp_path_factory.mktemp(config.replace("/", "_").replace(".yaml", ""))
-            proc = launch(
-                config,
-                *QUICK,
-                *script_args,
-                "--output_dir",
-                str(out),
-                launch_args=LAUNCH_OVERRIDES.get(config, ()) + launch_args,
-            )
-            runs[key] = Run(config, out, *expected_layout(config), stdout=proc.stdout, stderr=proc.stderr)
+        if key in runs:
+            return runs[key]
+        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+        out, done = shared / f"trained-{name}", shared / f"trained-{name}.json"
+        with FileLock(shared / f"trained-{name}.lock"):
+            if not done.is_file():
+                proc = launch(
+                    config,
+                    *QUICK,
+                    *script_args,
+                    "--output_dir",
+                    str(out),
+                    launch_args=LAUNCH_OVERRIDES.get(config, ()) + launch_args,
+                )
+                done.write_text(json.dumps({"stdout": proc.stdout, "stderr": proc.stderr}))
+        printed = read_json(done)
+        runs[key] = Run(config, out, *expected_layout(config), stdout=printed["stdout"], stderr=printed["stderr"])
         return runs[key]
 
     return get
@@ -371,18 +403,21 @@ def trained(tmp_path_factory):
 def gpt2_run(trained, tmp_path_factory) -> Run:
     """GPT-2 from a tiny config (2 GPT2Blocks, input and output embeddings tied) on zero3.yaml with QUICK settings:
     a second architecture, and the tied case, for the training and merge tests."""
+    from filelock import FileLock
     from transformers import AutoTokenizer, GPT2Config
 
     tokenizer = REPO / "assets" / "tiny-llama"
-    config_dir = tmp_path_factory.mktemp("tiny-gpt2")
-    GPT2Config(
-        vocab_size=len(AutoTokenizer.from_pretrained(tokenizer)),
-        n_positions=128,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        tie_word_embeddings=True,
-    ).save_pretrained(config_dir)
+    config_dir = shared_temp(tmp_path_factory) / "tiny-gpt2"  # one path for every xdist worker: one launch
+    with FileLock(f"{config_dir}.lock"):
+        if not config_dir.is_dir():
+            GPT2Config(
+                vocab_size=len(AutoTokenizer.from_pretrained(tokenizer)),
+                n_positions=128,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                tie_word_embeddings=True,
+            ).save_pretrained(config_dir)
     return trained(
         "accelerate_configs/zero3.yaml",
         "--config_name",

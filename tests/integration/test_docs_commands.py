@@ -18,7 +18,7 @@ NEEDS_THE_HUB = "# needs the hub"
 LONG = "# long"  # a full benchmark: a short form of it runs instead
 ON_GPU = "# on a GPU"  # without CUDA: its one line saying so, exit 1
 REFUSED = "# refused"  # shown to be refused: one line, exit status not 0
-TEST_COMMAND = "python -m pytest -q tests"
+TEST_COMMAND = "python -m pytest -q -n auto --dist loadfile tests"
 # What the pages skip, in page order: (page, a part of the command).
 SKIPPED = [
     ("README.md", "train_fsdp.py recipes/llama-3.2-1b/sft.yaml --learning_rate 1e-5"),
