@@ -14,7 +14,7 @@ from fsdp_recipes.config.memory import LOGITS_PEAK_BYTES, ModelShape, Setup, act
 # Each fp32 [tokens, vocab] tensor is 256 MiB, far above glibc's mmap threshold: freed memory leaves the process, so
 # the resident peak is the live peak.
 MEASURE = """
-import gc, resource, sys, torch
+import gc, re, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 vocab, tokens, autocast = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "bf16"
 torch.manual_seed(0)
@@ -27,9 +27,11 @@ def step(n):
     loss.backward()
 step(16)  # the weights' gradients exist before the peak is read, as from a run's second step
 gc.collect()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def peak():  # this process's own: getrusage's ru_maxrss keeps the parent's peak across fork and exec
+    return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+before = peak()
 step(tokens)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / (tokens * vocab))
+print((peak() - before) / (tokens * vocab))
 """
 
 
