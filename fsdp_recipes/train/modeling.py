@@ -110,14 +110,15 @@ def non_finite_weight(model: PreTrainedModel, source: str, dtype: str) -> str | 
     """Why the weights loaded from ``source`` cannot be trained, in one line: the first parameter holding NaN or Inf
     (a damaged file, or a value past float16's range), which would make every loss NaN and be saved as a model of
     NaNs without a word; None when every value is finite. Weights on the meta device (not read by this rank) and
-    integer storage (4-bit) are not checked. Read in chunks: no copy of a whole weight is made."""
+    integer storage (4-bit) are not checked. Read in chunks of 1M elements: the check holds at most a 1 MB mask, never
+    a copy of a weight (a larger mask, kept by malloc for reuse, would show in rank 0's loading peak)."""
     for name, param in model.named_parameters():
         if param.is_meta or not param.is_floating_point():
             continue
         flat = param.detach().reshape(-1)
-        if all(torch.isfinite(chunk).all() for chunk in flat.split(1 << 24)):
+        if all(torch.isfinite(chunk).all() for chunk in flat.split(1 << 20)):
             continue
-        count = sum(int((~torch.isfinite(chunk)).sum()) for chunk in flat.split(1 << 24))
+        count = sum(int((~torch.isfinite(chunk)).sum()) for chunk in flat.split(1 << 20))
         overflow = (
             " (--dtype float16 turns values past 65504 into Inf: load it as bfloat16 or float32)"
             if dtype == "float16"
