@@ -551,7 +551,12 @@ def test_a_lora_run_with_push_to_hub_uploads_its_model_and_adapter_once_it_has_f
     adapter = {
         f"adapter/{k}": v for k, v in files_of(out / "adapter").items() if k != "base_identity.json"
     }  # a local record
-    assert files_of(repo) == files_of(out / "model") | adapter
+    uploaded = files_of(repo)
+    # the base is a local folder: the uploaded adapter config names none (that path means nothing off this machine)
+    config = json.loads(adapter.pop("adapter/adapter_config.json"))
+    assert config["base_model_name_or_path"] == str(base)
+    assert json.loads(uploaded.pop("adapter/adapter_config.json")) == {**config, "base_model_name_or_path": None}
+    assert uploaded == files_of(out / "model") | adapter
     assert [path for _, path in hub.requests].count("/api/models/tester/tiny-lora/commit/main") == 1  # none per save
     assert (
         not (out / "training_args.bin").exists() and not (out / "tokenizer.json").exists()
