@@ -8,9 +8,19 @@ if not specified": that is what this does, through the library's own client fact
 httpx event hook. The deadline bounds each wait (connect, each read and write), not a whole transfer, so a large
 upload that keeps moving is never cut; a request that gave its own timeout keeps it. HF_HUB_DOWNLOAD_TIMEOUT
 (seconds, 10 by default) raises it for a slow hub.
+
+An upload's large files would otherwise go through hf_xet (where it is installed, as huggingface_hub installs it),
+whose Rust client this hook does not reach. Its own timeouts (HF_XET_CLIENT_CONNECT_TIMEOUT, 60 s;
+HF_XET_CLIENT_READ_TIMEOUT, 300 s without a byte) leave one wait unbounded: hf_xet 1.8 sends the upload's shard
+(the commit of its chunks) through a client built with no read timeout at all, so a hub that takes it and never
+answers holds the upload forever, and no setting changes that. ``through_http`` sends an upload's files the way
+huggingface_hub does without hf_xet: Git LFS, over its HTTP client, each wait under the deadline. The hub takes LFS
+uploads into Xet-backed repositories and converts them itself ("Backward Compatibility with LFS" in its docs).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from fsdp_recipes.compat import internals
 
@@ -49,6 +59,18 @@ def install() -> None:
 
         set_client_factory(_client)
         _installed.append(True)
+
+
+@contextmanager
+def through_http():
+    """Within it, huggingface_hub uploads files over LFS and its HTTP client, as with HF_HUB_DISABLE_XET=1: the
+    constant that variable sets at import is read at each upload (utils._runtime.is_xet_available), so a process that
+    imported huggingface_hub long ago (rank 0, after training) turns it on here, for this upload only."""
+    before = internals.patch("huggingface_hub.constants.HF_HUB_DISABLE_XET", True)
+    try:
+        yield
+    finally:
+        internals.patch("huggingface_hub.constants.HF_HUB_DISABLE_XET", before)
 
 
 def timed_out(err: BaseException) -> bool:

@@ -172,6 +172,11 @@ PRIVATE: dict[str, tuple[str, str]] = {
         MODULE,
         "hub_deadline: huggingface_hub's HTTP client, to which every request's deadline is added",
     ),
+    "huggingface_hub.constants.HF_HUB_DISABLE_XET": (
+        MODULE,
+        "hub_deadline: an upload's files over LFS and the HTTP client (read at each upload), not hf_xet's shard "
+        "upload, which has no read timeout",
+    ),
     # fsdp_recipes/ckpt/safetensors_writer.py, bench/merge_benchmark.py: "5GB" -> bytes as huggingface_hub reads it
     "huggingface_hub.serialization._base.parse_size_to_int": (
         MODULE,

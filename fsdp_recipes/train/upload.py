@@ -2,8 +2,8 @@
 repository's top, what `from_pretrained("<repo id>")` loads) and a LoRA run's adapter (under ``adapter/``, what
 `PeftModel.from_pretrained(base, "<repo id>", subfolder="adapter")` loads) in one commit. The other ranks have
 finished by then: no collective, so no ddp_timeout, bounds the upload; each of its requests has a deadline
-(fsdp_recipes.compat.hub_deadline), so a hub that stops answering ends it with the model saved and the command that
-uploads it. The checks that can fail sooner ran at parse
+(fsdp_recipes.compat.hub_deadline), its files' bytes too (over LFS, not hf_xet: ``through_http``), so a hub that stops
+answering ends it with the model saved and the command that uploads it. The checks that can fail sooner ran at parse
 time (fsdp_recipes.config.hub_push)."""
 
 from __future__ import annotations
@@ -110,12 +110,13 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
                 f"delete {'it' if len(stale) == 1 else 'them'} on the hub (or give another --hub_model_id or "
                 f"--hub_revision), then `{by_hand}`"
             )
-        commit = api.create_commit(
-            repo.repo_id,
-            operations,
-            revision=push.revision,
-            commit_message=f"train_fsdp.py: final model{f' at step {step}' if step is not None else ''}",
-        )
+        with hub_deadline.through_http():  # every byte under the deadline: hf_xet's shard upload has none
+            commit = api.create_commit(
+                repo.repo_id,
+                operations,
+                revision=push.revision,
+                commit_message=f"train_fsdp.py: final model{f' at step {step}' if step is not None else ''}",
+            )
     except RecipeError:
         raise
     except Exception as err:  # the network, no answer, the hub's refusal, a quota: the model stays saved
