@@ -11,11 +11,19 @@ with 128 + the signal number.
 
 The agreement costs one all-reduce of one integer per optimizer step. It runs on a gloo group, on the CPU, so a
 GPU run never waits for its device to drain at step ends.
+
+The stop has a deadline it does not set: torch elastic (accelerate launch, torchrun) sends SIGKILL to the ranks 30 s
+after the SIGTERM it forwards (TORCH_ELASTIC_SHUTDOWN_TIMEOUT changes it; accelerate leaves it), SLURM KillWait after
+its own. A checkpoint whose write is cut short there stays incomplete (no trainer_state.json) and a resume passes
+over it; so when the stop begins, rank 0 says which checkpoints are still to be written and where a resume would
+start if the job were killed first (``kill_warning``): after SIGKILL nothing can be said.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 from transformers import TrainerCallback
 
@@ -63,6 +71,56 @@ class Preemption(TrainerCallback):
     def late(self) -> str | None:
         """The signal that came after the last step (training had finished; the run still writes its model)."""
         return signal.Signals(self.received).name if self.received and self.stopped_at is None else None
+
+
+def kill_warning(
+    stop: str, stopped_at: int | None, step: int, writing: list[str], run_dir: str | os.PathLike, env=os.environ
+) -> str | None:
+    """The line for the save of step ``step``: None unless it is the stop's own (``stopped_at``, by signal ``stop``).
+    ``writing``: the checkpoint folders not yet complete, in the order their writes end (a background save still in
+    flight, then this step's); ``run_dir``: where the complete ones are."""
+    if stopped_at is None or stopped_at != step or not writing:
+        return None
+    before = resume_point(run_dir, writing)
+    if len(writing) == 1:
+        lost = f"{writing[0]} is left incomplete and " + (
+            f"a resume starts from {before}" if before else "no complete checkpoint is left to resume from"
+        )
+    else:
+        lost = (
+            f"the one cut short is left incomplete and a resume starts from {writing[-2]} if its write had ended, "
+            + (f"else from {before}" if before else "else no complete checkpoint is left to resume from")
+        )
+    waiting = f", once {', '.join(writing[:-1])} (still being written) is complete" if len(writing) > 1 else ""
+    ends = "its write ends" if len(writing) == 1 else "those writes end"
+    return (
+        f"{stop} after step {step}: saving {writing[-1]} before stopping{waiting}; if the job is killed before {ends}"
+        f"{grace(stop, env)}, {lost}"
+    )
+
+
+def resume_point(run_dir: str | os.PathLike, writing: list[str]) -> str | None:
+    """The checkpoint ``--resume_from_checkpoint true`` would take were the writes in flight cut short: the newest
+    resumable checkpoint-N (fsdp_recipes.ckpt.status, which reads no shard's data) that is not one of them."""
+    from fsdp_recipes.ckpt.layout import checkpoint_steps
+    from fsdp_recipes.ckpt.status import checkpoint_status
+
+    for folder in checkpoint_steps(Path(run_dir)):
+        if folder.name not in writing and checkpoint_status(folder).resumable:
+            return folder.name
+    return None
+
+
+def grace(stop: str, env=os.environ) -> str:
+    """How long a torch elastic launch gives the ranks after its SIGTERM, and the variable that sets it (torchrun's
+    own, PET_SHUTDOWN_TIMEOUT, wins over TORCH_ELASTIC_SHUTDOWN_TIMEOUT)."""
+    if stop != "SIGTERM" or "TORCHELASTIC_RUN_ID" not in env:
+        return ""
+    name = next((n for n in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT") if env.get(n)), None)
+    seconds = env[name] if name else "30"
+    return (
+        f" (the launcher kills the ranks {seconds} s after SIGTERM; {name or 'TORCH_ELASTIC_SHUTDOWN_TIMEOUT'} sets it)"
+    )
 
 
 # Before the Trainer exists (argument checks, process group, data, model loading) there is no step to finish and

@@ -55,7 +55,7 @@ from fsdp_recipes.train.async_checkpoints import AsyncCheckpoints
 from fsdp_recipes.train.export import DescribeCheckpoints, export_dtype, lora_parts
 from fsdp_recipes.train.metrics import Throughput, perplexity
 from fsdp_recipes.train.optimizer import held_dtypes, optimizer_settings, overridden_settings, zero1_optimizer_class
-from fsdp_recipes.train.preemption import Preemption
+from fsdp_recipes.train.preemption import Preemption, kill_warning
 from fsdp_recipes.train.sharding import ShardingReport, add_checkpoint_writes
 
 logger = logging.getLogger(__name__)
@@ -314,6 +314,17 @@ class FSDPTrainer(Trainer):
         ):
             raise RecipeError(problem)  # every rank loaded the same groups: all stop alike, before the first step
 
+    def say_what_a_kill_loses(self, run_dir: Path, name: str) -> None:
+        """The stop's save (rank 0): which checkpoints are still to be written, the background save in flight first,
+        and where a resume starts were the job killed before they are (fsdp_recipes.train.preemption)."""
+        if self.preemption.stopped_at is None or not self.is_world_process_zero():
+            return
+        pending = self.async_saves.pending
+        writing = ([pending.folder.name] if pending is not None else []) + [name]
+        stop = self.preemption.describe()
+        if line := kill_warning(stop, self.preemption.stopped_at, self.state.global_step, writing, run_dir):
+            logger.warning(line)
+
     @contextmanager
     def model_config_for_saving(self):
         """The model's own use_cache in every config.json written meanwhile (checkpoints, the final folder): the
@@ -335,6 +346,7 @@ class FSDPTrainer(Trainer):
             run_dir = internals.get("transformers.Trainer._get_output_dir")(self, trial=trial)
             folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             background = self.async_saves.active
+            self.say_what_a_kill_loses(Path(run_dir), folder.name)
             if background:
                 self.async_saves.finish()  # at most one save in flight: the previous one completes (and rotates) first
             if self.args.should_save:
