@@ -259,7 +259,7 @@ def safetensors_header(path: Path) -> tuple[int, dict, int]:
     for name, entry in header.items():
         if not isinstance(entry, dict) or not all(k in entry for k in ("dtype", "shape", "data_offsets")):
             raise NotSafetensors(f"the entry of {name!r} is not a tensor's (dtype, shape, data_offsets)")
-        if entry["dtype"] not in SAFETENSORS_BITS:
+        if not isinstance(entry["dtype"], str) or entry["dtype"] not in SAFETENSORS_BITS:
             raise NotSafetensors(f"{name} has dtype {str(entry['dtype'])[:20]!r}, which safetensors does not know")
         if not _whole_numbers(entry["shape"]):
             raise NotSafetensors(f"{name} has shape {str(entry['shape'])[:40]}, which is not a list of whole numbers")

@@ -14,6 +14,7 @@ meaning, or are refused by name, before anything starts; never silently ignored.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
@@ -90,6 +91,8 @@ def local_source_problem(args) -> str | None:
             return f"{config_key}: {name} was {saved}, which keeps no configurations: drop it"
         return f"{config_key}: {name} has no such configuration (it has {', '.join(configs)}): give one of them"
     for key, wanted in ((split_key, split), (f"dataset_test_split={test!r}", test)):
-        if wanted is not None and wanted not in splits:
+        # datasets' split syntax: "train[:10%]", "train+test": each named split must be one the folder has
+        named = {re.sub(r"\[.*\]$", "", part.strip()) for part in (wanted or "").split("+")} - {""}
+        if wanted is not None and not named <= set(splits):
             return f"{key}: {name} has no such split (it has {', '.join(splits)}): give one of them"
     return None

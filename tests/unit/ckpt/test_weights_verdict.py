@@ -112,6 +112,11 @@ def _dtype(h, d):
     return h, d
 
 
+def _dtype_not_text(h, d):
+    h[_last(h)]["dtype"] = ["F32"]
+    return h, d
+
+
 def _other_dtype_size(h, d):  # F32 bytes said to be F16: half of them
     h[_last(h)]["dtype"] = "F16"
     return h, d
@@ -136,6 +141,7 @@ HEADER_LIES = {
     "a shape of fewer elements than its bytes": _fewer_elements,
     "offsets end before they begin": _reversed,
     "a dtype safetensors does not know": _dtype,
+    "a dtype that is not text": _dtype_not_text,
     "a dtype of another size": _other_dtype_size,
     "a negative dimension": _negative_shape,
     "metadata that is not text": _metadata,

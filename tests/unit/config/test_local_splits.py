@@ -208,3 +208,23 @@ def test_the_handbooks_older_mixer_reads_a_folder_saved_per_split(tmp_path, monk
     train, evaluation = load_raw(parse_args([str(tmp_path / "recipe.yaml"), *NO_FSDP])[1])
     firsts = [{m[0]["content"].split()[0] for m in d["messages"]} for d in (train, evaluation)]
     assert (len(train), len(evaluation), firsts) == (2, 4, [{"train_sft"}, {"test_sft"}])
+
+
+@pytest.mark.parametrize(
+    "spec, holds",
+    [("test[:5]", True), ("test[:10%]", True), ("train+test", True), ("train[:2]+test[-2:]", True)]
+    + [("validation[:5]", False), ("train+validation", False)],
+)
+def test_a_split_is_checked_by_the_names_in_datasets_split_syntax(tmp_path, monkeypatch, spec, holds):
+    """datasets' own split syntax (slices, "+" joins) reaches load_dataset as written: each split it names must be one
+    the folder has."""
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    source = make_source(tmp_path, "folder_of_files")
+    if holds:
+        assert parsed(tmp_path, source, {"dataset_split": spec}, False).dataset_split == spec
+    else:
+        with pytest.raises(RecipeError) as err:
+            parsed(tmp_path, source, {"dataset_split": spec}, False)
+        assert f"dataset_split={spec!r}" in one_line(err) and "it has train, test" in one_line(err)
