@@ -319,7 +319,7 @@ def check_output_dir(
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RecipeError(f"output_dir {output_dir!r}: {existing} is not writable: choose a folder you can write to")
     for key, source in (inputs or {}).items():
-        if source and Path(source).expanduser().exists() and overlap(real(output_dir), real(source)):
+        if source and os.path.exists(os.path.expanduser(source)) and overlap(real(output_dir), real(source)):
             how = (
                 "is"
                 if real(output_dir) == real(source)

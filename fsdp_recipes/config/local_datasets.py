@@ -14,6 +14,7 @@ meaning, or are refused by name, before anything starts; never silently ignored.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def local_source_problem(args) -> str | None:
                 "splits as dataset_name"
             )
         return None
-    if args.dataset_name is None or not Path(args.dataset_name).expanduser().exists():
+    if args.dataset_name is None or not os.path.exists(os.path.expanduser(args.dataset_name)):
         return None
     name = f"dataset_name={args.dataset_name!r}"
     folder = Path(args.dataset_name).expanduser()

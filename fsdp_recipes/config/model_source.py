@@ -4,6 +4,7 @@ cache when offline, the position limit in its config, QLoRA's needs. Answers are
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
@@ -98,10 +99,10 @@ def model_source_problem(name: str, weights: bool, revision: str | None = None) 
 def missing_local_path(name: str) -> bool:
     """True when ``name`` can only mean a local path (absolute, ./ ../ ~, more than one slash, or under a folder that
     exists) and nothing is there: no hub id, so the hub is never asked about it."""
-    if Path(name).expanduser().exists():
+    if os.path.exists(os.path.expanduser(name)):
         return False
     parts = name.split("/")
-    return name.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
+    return name.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
 
 
 def not_a_hub_id(name: str, local: str = "folder", neither: str = "local path") -> tuple[str, str] | None:
@@ -148,7 +149,7 @@ def dataset_source_problem(name: str) -> str | None:
     from datasets import config
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE or config.HF_DATASETS_OFFLINE or Path(name).expanduser().exists():
+    if constants.HF_HUB_OFFLINE or config.HF_DATASETS_OFFLINE or os.path.exists(os.path.expanduser(name)):
         return None  # offline: datasets says what it lacks at once; a local folder or file: its own loader's
     if (Path(config.HF_DATASETS_CACHE) / name.replace("/", "___")).is_dir():
         return None
@@ -213,17 +214,9 @@ LAYER_KEYS = (
 )
 
 # The sizes of a model (transformers' names and GPT-2's) that are at least 1 in every model: a layer count may be 0
-WIDTH_KEYS = (
-    "hidden_size",
-    "n_embd",
-    "d_model",
-    "intermediate_size",
-    "n_inner",
-    "vocab_size",
-    "num_attention_heads",
-    "n_head",
-    "num_key_value_heads",
-    "head_dim",
+WIDTH_KEYS = tuple(
+    "hidden_size n_embd d_model intermediate_size n_inner vocab_size "
+    "num_attention_heads n_head num_key_value_heads head_dim".split()
 )
 
 

@@ -12,6 +12,7 @@ corpus of real recipes (tests/fixtures/trl/) keeps both true."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from fsdp_recipes.bounded import file_kind
@@ -372,7 +373,7 @@ def _local_sources(out: dict, argv: list[str], notes: list[str]) -> None:
     not have). A dataset split or configuration with a local source is DataArguments' to take or refuse
     (fsdp_recipes.config.local_datasets)."""
     model = _flag(argv, "model_name_or_path") or out.get("model_name_or_path")
-    if "model_revision" in out and isinstance(model, str) and Path(model).expanduser().is_dir():
+    if "model_revision" in out and isinstance(model, str) and os.path.isdir(os.path.expanduser(model)):
         notes.append(
             f"model_revision {out['model_revision']!r} names a revision of a hub model: model_name_or_path "
             f"{model!r} is a local folder, read as it is"

@@ -4,6 +4,7 @@ generating at the end of its turn."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -16,7 +17,8 @@ from fsdp_recipes.errors import RecipeError
 
 def revision(args: ModelArguments, source: str | None) -> str | None:
     """model_revision for a hub id; None for a local folder (read as it is: the recipe's revision was said then)."""
-    return None if source is None or Path(source).expanduser().exists() else getattr(args, "model_revision", None)
+    local = source is None or os.path.exists(os.path.expanduser(source))
+    return None if local else getattr(args, "model_revision", None)
 
 
 def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments) -> PreTrainedTokenizerBase:

@@ -9,6 +9,7 @@ time (fsdp_recipes.config.hub_push)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def as_uploaded(path: Path, log) -> str | bytes:
         return str(path)
     base = config.get("base_model_name_or_path")
     if not isinstance(base, str) or (
-        not Path(base).expanduser().exists() and not missing_local_path(base) and not_a_hub_id(base) is None
+        not os.path.exists(os.path.expanduser(base)) and not missing_local_path(base) and not_a_hub_id(base) is None
     ):
         return str(path)
     log(
