@@ -202,7 +202,7 @@ def weights_problems(folder: Path) -> list[str]:
             expected.setdefault(shard, set()).add(tensor)
         if unnamed := sorted({p.name for p in folder.glob("model-*-of-*.safetensors")} - set(expected)):
             return [f"{index.name} names no tensor of {unnamed[0]}: the index is not this checkpoint's"]
-    problems, held = [], {}  # held: tensor name -> its shape
+    problems, held, dtypes = [], {}, {}  # held: tensor name -> its shape
     for shard, tensors in sorted(expected.items()):
         path = folder / shard
         named = f" ({index.name} names it)" if tensors else ""
@@ -234,11 +234,12 @@ def weights_problems(folder: Path) -> list[str]:
                 f"({short_json(sorted(unnamed)[0])}, ...): the index is not this checkpoint's"
             )
         held.update((name, tuple(entry["shape"])) for name, entry in entries.items())
+        dtypes.update((name, entry["dtype"]) for name, entry in entries.items())
     if not problems and not held:
         problems.append("the weights hold no tensors")
     elif not problems and not adapter_only(folder) and os.path.lexists(folder / "config.json"):
         from fsdp_recipes.ckpt.model_match import config_mismatch
 
-        if mismatch := config_mismatch(folder, held):
+        if mismatch := config_mismatch(folder, held, dtypes):
             problems.append(mismatch)
     return problems

@@ -49,12 +49,15 @@ def stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
     return None
 
 
-def config_mismatch(folder: Path, shapes: dict[str, tuple[int, ...]]) -> str | None:
+def config_mismatch(
+    folder: Path, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str] | None = None
+) -> str | None:
     """Why weights named and shaped ``shapes`` (their safetensors headers') are not those of the model ``folder``'s
     config.json describes, as from_pretrained builds it (every weight there with its shape, none it does not have;
-    tied ones may be left out), in words; None when they are, or when transformers builds no causal LM from the
-    config (another kind of model: nothing to compare here). The config is read bounded and judged plausible for
-    these weights before any model is built from it."""
+    tied ones may be left out; with ``dtypes``, their safetensors dtypes, each a float unless the config is of a
+    quantized model), in words; None when they are, or when transformers builds no causal LM from the config
+    (another kind of model: nothing to compare here). The config is read bounded and judged plausible for these
+    weights before any model is built from it."""
     from fsdp_recipes.ckpt.description import implausible_config, model_skeleton, one_line
     from fsdp_recipes.ckpt.namespace import match_namespace
     from fsdp_recipes.ckpt.readers import TensorInfo
@@ -78,10 +81,21 @@ def config_mismatch(folder: Path, shapes: dict[str, tuple[int, ...]]) -> str | N
     except Exception:  # noqa: BLE001 (not a causal LM's config: from_pretrained of another class judges it)
         return None
     try:
-        match_namespace(tensors, expected, tied, model_cls.__name__, ignorable)
+        found = match_namespace(tensors, expected, tied, model_cls.__name__, ignorable)
     except CheckpointError as err:
         return f"config.json describes another model: {str(err).split(': pass the right --base-model')[0]}"
+    # an unquantized model's weights are floats: integer bytes in a weight's place load as huge values, no NaN
+    # (buffers such as GPT-2's attn.bias masks or position_ids may be integers or booleans: only .weight is judged)
+    if dtypes and "quantization_config" not in settings:
+        for stored in found.names.values():
+            if stored.endswith(".weight") and dtypes.get(stored, "F32") not in FLOAT_DTYPES:
+                return (
+                    f"{stored} is stored as {dtypes[stored]}, where the model config.json describes has a float weight"
+                )
     return None
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # safetensors' names
 
 
 def model_mismatch(

@@ -209,6 +209,14 @@ def _wrong_shape(ckpt: Path) -> None:  # the same bytes, the dimensions swapped:
     forge(ckpt, edit)
 
 
+def _integers(ckpt: Path) -> None:  # F32 bytes relabelled I32: the same size, huge values, no NaN
+    def edit(h, d):
+        h["model.layers.0.self_attn.q_proj.weight"]["dtype"] = "I32"
+        return h, d
+
+    forge(ckpt, edit)
+
+
 def _renamed(ckpt: Path) -> None:
     def edit(h, d):
         h["lm_head.weights"] = h.pop("lm_head.weight")
@@ -237,6 +245,7 @@ NOT_THE_MODEL = {  # headers safetensors reads, of weights that are not the mode
     "an index naming one tensor of many": ("sharded", _index_names_one, "the index is not this checkpoint's"),
     "a shape of the same bytes swapped": ("single", _wrong_shape, "describes another model"),
     "a renamed tensor": ("single", _renamed, "describes another model"),
+    "a float weight's bytes said to be integers": ("single", _integers, "is stored as I32"),
     "a config of another width": ("single", _other_config, "describes another model"),
     "a config of fewer layers": ("single", _fewer_layers, "describes another model"),
     "no tensors": ("single", _no_tensors, "hold no tensors"),
