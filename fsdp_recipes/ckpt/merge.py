@@ -66,7 +66,7 @@ from fsdp_recipes.ckpt.readers import dtype_name, unconvertible_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
 from fsdp_recipes.ckpt.safetensors_writer import Cancelled, weight_files, write_weights
 from fsdp_recipes.ckpt.torch_names import DTYPE_SIZES
-from fsdp_recipes.compat import internals
+from fsdp_recipes.compat import hub_deadline, internals
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.errors import CheckpointError, RefusedRemoval
 from fsdp_recipes.removal import (
@@ -150,6 +150,7 @@ def merge_checkpoint(
     ``config_fallback``: the base model a checkpoint without a config.json takes (the final export's run source).
     The checkpoint's description files are read once (read_files); every later step takes what they say."""
     internals.require("huggingface_hub.serialization._base.parse_size_to_int")  # needed at the end; checked first
+    hub_deadline.install()  # a --base-model hub id is read by transformers: a silent hub fails, never hangs
     dtype = dtype_name(dtype)
     resolved = resolve_input(input_path)
     for note in resolved.notes:
