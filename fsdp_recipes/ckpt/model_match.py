@@ -60,7 +60,7 @@ def config_mismatch(
     weights before any model is built from it."""
     from fsdp_recipes.ckpt.description import implausible_config, model_skeleton, one_line
     from fsdp_recipes.ckpt.namespace import match_namespace
-    from fsdp_recipes.ckpt.readers import TensorInfo
+    from fsdp_recipes.ckpt.readers import SAFETENSORS_DTYPES, TensorInfo
     from fsdp_recipes.errors import CheckpointError
 
     try:
@@ -86,16 +86,14 @@ def config_mismatch(
         return f"config.json describes another model: {str(err).split(': pass the right --base-model')[0]}"
     # an unquantized model's weights are floats: integer bytes in a weight's place load as huge values, no NaN
     # (buffers such as GPT-2's attn.bias masks or position_ids may be integers or booleans: only .weight is judged)
+    floats = {code for name, code in SAFETENSORS_DTYPES.items() if "float" in name}
     if dtypes and "quantization_config" not in settings:
         for stored in found.names.values():
-            if stored.endswith(".weight") and dtypes.get(stored, "F32") not in FLOAT_DTYPES:
+            if stored.endswith(".weight") and dtypes.get(stored, "F32") not in floats:
                 return (
                     f"{stored} is stored as {dtypes[stored]}, where the model config.json describes has a float weight"
                 )
     return None
-
-
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # safetensors' names
 
 
 def model_mismatch(
