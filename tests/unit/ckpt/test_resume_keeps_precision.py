@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,103 @@ def test_the_verdict_is_the_casts():
     assert narrowed({}, held, set(), "float32") is None  # trained weights a checkpoint lacks: model_mismatch's
     assert narrowed({"a": "bfloat16"}, held, {"a", "c"}, "float32") is None  # stored beats recorded
     assert narrowed({"b": "float32"}, held, set(), None) == ("b", "float32", "bfloat16")
+
+
+def lora_checkpoint_elsewhere(root, tmp_path, config_dtype) -> Path:
+    """The fp32 LoRA checkpoint copied to output_dir/checkpoint-1 under ``tmp_path``, its config.json's dtype
+    ``config_dtype`` (absent when None)."""
+    import shutil
+
+    ckpt = tmp_path / "out" / "checkpoint-1"
+    shutil.copytree(checkpoint(root, "float32", True, config_dtype), ckpt)
+    return ckpt
+
+
+def base_folder(tmp_path, dtype) -> Path:
+    """A base model folder whose config.json records ``dtype`` (absent when None)."""
+    folder = tmp_path / "base"
+    folder.mkdir(exist_ok=True)
+    config = json.loads((TINY / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    if dtype is not None:
+        config["dtype"] = dtype
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def run_record(ckpt, model: object) -> None:
+    (ckpt.parent / "run_args.json").write_text(json.dumps({"model": model}))
+
+
+def adapter_names(ckpt, base) -> None:
+    (ckpt / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(base)}))
+
+
+# where else a run records the dtype its LoRA base was loaded in, when the checkpoint's config.json does not
+RECORDS = {
+    "run-args-dtype": lambda ckpt, base: run_record(ckpt, {"dtype": "float32", "model_name_or_path": "x"}),
+    "run-args-auto-base-config": lambda ckpt, base: run_record(
+        ckpt, {"dtype": "auto", "model_name_or_path": str(base)}
+    ),
+    "adapter-config-base": lambda ckpt, base: adapter_names(ckpt, base),
+    "run-args-auto-adapter-base": lambda ckpt, base: (run_record(ckpt, {"dtype": "auto"}), adapter_names(ckpt, base)),
+}
+
+
+@pytest.mark.parametrize("recorded", RECORDS)
+@pytest.mark.parametrize("config_dtype", [None, 3, "auto", "int8", ("float32",)])
+def test_a_lora_base_dtype_the_checkpoint_lacks_is_taken_from_its_run(root, tmp_path, config_dtype, recorded):
+    """A LoRA checkpoint whose config.json records no float dtype (removed, or a hostile value) is compared against
+    what else its run recorded: run_args.json's --dtype beside it, else the config.json of the base model the run or
+    the checkpoint's adapter_config.json names. An fp32 base resumed in bf16 is refused, naming where fp32 was read."""
+    from fsdp_recipes.train.optimizer import held_dtypes
+
+    ckpt = lora_checkpoint_elsewhere(root, tmp_path, config_dtype)
+    RECORDS[recorded](ckpt, base_folder(tmp_path, "float32"))
+
+    said = dtype_mismatch(ckpt, *held_dtypes(built("bfloat16", True), False))
+
+    assert said is not None and "\n" not in said, said
+    assert "trained on its base model's weights in float32" in said and "resume with --dtype float32" in said, said
+    where = "run_args.json" if recorded == "run-args-dtype" else "base model's config.json"
+    assert where in said, said
+    # resumed in the recorded dtype: nothing rounds
+    assert dtype_mismatch(ckpt, *held_dtypes(built("float32", True), False)) is None
+
+
+UNRECORDED = {
+    "no-records": lambda ckpt, base: None,
+    "run-args-a-list": lambda ckpt, base: (ckpt.parent / "run_args.json").write_text("[]"),
+    "run-args-cut-short": lambda ckpt, base: (ckpt.parent / "run_args.json").write_text('{"model": {"dty'),
+    "run-args-a-folder": lambda ckpt, base: (ckpt.parent / "run_args.json").mkdir(),
+    "model-a-number": lambda ckpt, base: run_record(ckpt, 3),
+    "dtype-a-path": lambda ckpt, base: run_record(ckpt, {"dtype": "../float32"}),
+    "dtype-a-list": lambda ckpt, base: run_record(ckpt, {"dtype": ["float32"], "model_name_or_path": str(base)}),
+    "auto-base-missing": lambda ckpt, base: run_record(ckpt, {"dtype": "auto", "model_name_or_path": "/no/such"}),
+    "auto-base-nul": lambda ckpt, base: run_record(ckpt, {"dtype": "auto", "model_name_or_path": "a\0b"}),
+    "auto-base-a-number": lambda ckpt, base: run_record(ckpt, {"dtype": "auto", "model_name_or_path": 7}),
+    "adapter-base-not-a-hub-id": lambda ckpt, base: adapter_names(ckpt, "../../etc//x y"),
+    "adapter-config-a-list": lambda ckpt, base: (ckpt / "adapter_config.json").write_text("[1]"),
+}
+
+
+@pytest.mark.parametrize("unrecorded", UNRECORDED)
+def test_a_lora_base_dtype_nothing_records_is_not_compared(root, tmp_path, unrecorded):
+    """Nothing the run left records the base's dtype as a float (no run record, hostile records, a base folder
+    gone or without a dtype): as for another tool's checkpoint, only the stored adapter is compared, no error."""
+    from fsdp_recipes.train.optimizer import held_dtypes
+
+    ckpt = lora_checkpoint_elsewhere(root, tmp_path, None)
+    UNRECORDED[unrecorded](ckpt, base_folder(tmp_path, None))
+    assert dtype_mismatch(ckpt, *held_dtypes(built("bfloat16", True), False)) is None
+
+
+def test_the_checkpoints_own_dtype_is_taken_before_its_runs(root, tmp_path):
+    """config.json's dtype is the base as this checkpoint's run loaded it; run_args.json may be a later resume's."""
+    from fsdp_recipes.train.optimizer import held_dtypes
+
+    ckpt = lora_checkpoint_elsewhere(root, tmp_path, "bfloat16")
+    run_record(ckpt, {"dtype": "float32"})
+    adapter_names(ckpt, base_folder(tmp_path, "float32"))
+    assert dtype_mismatch(ckpt, *held_dtypes(built("bfloat16", True), False)) is None
