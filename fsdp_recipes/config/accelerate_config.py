@@ -166,7 +166,9 @@ def check_settings(
     # ----- with the model -----
     model = model or recipe.get("model_name_or_path") or recipe.get("config_name")
     if model and not ddp:
-        check_model(c, fsdp, wrap, sd_type, model, bool(as_bool(recipe.get("trust_remote_code"))))
+        revision = recipe.get("model_revision") if model == recipe.get("model_name_or_path") else None
+        trust = bool(as_bool(recipe.get("trust_remote_code")))
+        check_model(c, fsdp, wrap, sd_type, model, trust, None if revision in (None, "main") else str(revision))
     return c.problems
 
 

@@ -150,12 +150,19 @@ def describe(choice: Choice, setup: Setup, memory: str, cap: int = MAX_AUTO_BATC
     )
 
 
-def choose_for_run(model: str, launch_config: dict | None, training_args, seq_len: int, zero1: bool = False):
-    """(batch, line) for this launch: the model's shape from its config (no weights read), the launch's Setup, the
-    device's memory. ValueError (one line) when nothing fits."""
+def choose_for_run(
+    model: str,
+    launch_config: dict | None,
+    training_args,
+    seq_len: int,
+    zero1: bool = False,
+    revision: str | None = None,
+):
+    """(batch, line) for this launch: the model's shape from its config (a hub id's at ``revision``; no weights read),
+    the launch's Setup, the device's memory. ValueError (one line) when nothing fits."""
     from fsdp_recipes.config.memory import model_shape
 
-    shape = model_shape(str(model))
+    shape = model_shape(str(model), revision)
     setup = setup_for_run(launch_config, training_args, seq_len, zero1)
     device_bytes, memory = device_memory()
     choice = choose(shape, setup, device_bytes)

@@ -129,8 +129,9 @@ def _local_config(model: str):
     return Path(path)
 
 
-def model_shape(model: str) -> ModelShape:
-    """From a parameter count ('7B'), or a hub id / folder / config.json (only the config is read: meta device)."""
+def model_shape(model: str, revision: str | None = None) -> ModelShape:
+    """From a parameter count ('7B'), or a hub id (its config at ``revision``, None: main) / folder / config.json
+    (only the config is read: meta device)."""
     if COUNT_LIKE.fullmatch(model):
         return ModelShape(params=parse_count(model))
     if COUNT_LIKE.fullmatch(model.replace(",", "").replace("_", "")):  # 7,000,000,000: a count, written with separators
@@ -143,12 +144,13 @@ def model_shape(model: str) -> ModelShape:
     local = _local_config(model)
     source = model if local is None else str(local.parent if local.name == "config.json" else local)
     if (
-        problem := (local is None and hub_config_problem(model))
-        or remote_code_problem(source, trust_remote_code=False)
-        or config_size_problem(source)
+        problem := (local is None and hub_config_problem(model, revision))
+        or remote_code_problem(source, trust_remote_code=False, revision=revision)
+        or config_size_problem(source, revision)
     ):
         raise ValueError(f"{model} {one_line(problem)}")
-    config = AutoConfig.from_pretrained(source, trust_remote_code=False)  # never prompts, never runs a folder's code
+    # never prompts, never runs a folder's code
+    config = AutoConfig.from_pretrained(source, trust_remote_code=False, revision=revision)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     params = sum(p.numel() for p in skeleton.parameters())

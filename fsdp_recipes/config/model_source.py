@@ -120,9 +120,10 @@ def not_a_hub_id(name: str, local: str = "folder", neither: str = "local path") 
     return None
 
 
-def hub_config_problem(name: str) -> tuple[str, str] | None:
-    """(why, fix) when a name that is no local path is a hub id whose config.json is neither cached nor downloadable
-    (the tools need only the config: from_pretrained retried for half a minute before its error)."""
+def hub_config_problem(name: str, revision: str | None = None) -> tuple[str, str] | None:
+    """(why, fix) when a name that is no local path is a hub id whose config.json at ``revision`` (None: main) is
+    neither cached nor downloadable (the tools need only the config: from_pretrained retried for half a minute before
+    its error)."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     path = Path(name).expanduser()
@@ -130,14 +131,14 @@ def hub_config_problem(name: str) -> tuple[str, str] | None:
         return None  # a local path: its own checks
     if problem := not_a_hub_id(name, "folder, its config.json"):  # 'seven billion'
         return problem
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+    if isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
         return None
     if constants.HF_HUB_OFFLINE:
         return (
             "is neither a local folder nor in the hub cache",
             "give a local folder, or unset HF_HUB_OFFLINE to download it",
         )
-    if problem := hub_problem(name, "config.json"):
+    if problem := hub_problem(name, "config.json", revision=revision):
         why, _, fix = problem.rpartition(": ")
         return why, fix
     return None
@@ -428,15 +429,18 @@ def _not_safetensors(path: Path) -> str | None:
     return None
 
 
-def model_positions(source: str | None) -> int | None:
-    """The longest sequence the model's config allows, or None when its config is not on this machine (a hub
-    model not yet downloaded: nothing is fetched here; the model load explains any problem later)."""
+def model_positions(source: str | None, revision: str | None = None) -> int | None:
+    """The longest sequence the model's config allows (a hub id's at ``revision``, None: main), or None when its
+    config is not on this machine (a hub model not yet downloaded: nothing is fetched here; the model load explains
+    any problem later)."""
     if source is None:
         return None
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=False)  # never prompts
+        config = AutoConfig.from_pretrained(
+            source, local_files_only=True, trust_remote_code=False, revision=revision
+        )  # never prompts
     except Exception:  # an unreadable config is model_source_problem's to explain, or the load's
         return None
     config = getattr(config, "text_config", None) or config

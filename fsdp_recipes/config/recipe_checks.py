@@ -104,7 +104,11 @@ def check_with_recipe(c: Checker, recipe: dict, recipe_file: str, fsdp: dict, ve
         )
 
 
-def check_model(c: Checker, fsdp: dict, wrap, sd_type, model: str, trust_remote_code: bool = False) -> None:
+def check_model(
+    c: Checker, fsdp: dict, wrap, sd_type, model: str, trust_remote_code: bool = False, revision: str | None = None
+) -> None:
+    """The accelerate config's settings against the model's config (a hub id's at ``revision``, None: main): the
+    layer class to wrap, the state dict type for its size."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -126,13 +130,15 @@ def check_model(c: Checker, fsdp: dict, wrap, sd_type, model: str, trust_remote_
         why, _, fix = problem.partition(": ")
         c.error("model", f"{model} {why}", fix or "give the folder that holds the model's config.json")
         return
-    if problem := hub_config_problem(source):  # the checks need its config; nothing here can fetch it
+    if problem := hub_config_problem(source, revision):  # the checks need its config; nothing here can fetch it
         c.warn("model", f"{model} {problem[0]}; model checks skipped", problem[1])
         return
-    if problem := remote_code_problem(source, trust_remote_code) or config_size_problem(source):
+    if problem := remote_code_problem(source, trust_remote_code, revision=revision) or config_size_problem(
+        source, revision
+    ):
         c.error("model", f"{model} {problem[0]}", problem[1])
         return
-    if trust_remote_code and (entries := custom_code(source)[0]):
+    if trust_remote_code and (entries := custom_code(source, revision=revision)[0]):
         c.warn(
             "trust_remote_code",
             f"runs the Python files {model}'s config.json names ({', '.join(entries[:3])}) in every "
@@ -141,7 +147,7 @@ def check_model(c: Checker, fsdp: dict, wrap, sd_type, model: str, trust_remote_
         )
     try:
         config = AutoConfig.from_pretrained(
-            source, trust_remote_code=trust_remote_code
+            source, trust_remote_code=trust_remote_code, revision=revision
         )  # False: never prompts, never runs code
     except (OSError, ValueError) as err:
         c.warn(

@@ -55,7 +55,8 @@ def check_training_values(raw, model_args: ModelArguments, data_args: DataArgume
             raise RecipeError(
                 f"profile_steps={raw.profile_steps} ends after max_steps={raw.max_steps}: profile steps within the run"
             )
-    positions = model_positions(model_args.model_name_or_path or model_args.config_name)
+    revision = None if model_args.model_revision == "main" else model_args.model_revision
+    positions = model_positions(model_args.model_name_or_path or model_args.config_name, revision)
     if positions is not None and data_args.block_size > positions:
         raise RecipeError(
             f"block_size={data_args.block_size} is longer than the model's {positions} positions: "

@@ -98,6 +98,7 @@ def choose_batch_size(plan: Plan, training_args, say=say) -> int:
             training_args,
             raw.block_size,
             zero1=bool(getattr(plan.run_args, "zero1", False)),
+            revision=None if getattr(raw, "model_revision", "main") == "main" else raw.model_revision,
         )
     except ValueError as err:
         raise RecipeError(str(err)) from None

@@ -2,7 +2,9 @@
 transformers reads the model and tokenizer at it), not at main: the hub cache's snapshot of that revision (offline),
 the hub's answer for it (online), and that snapshot's config.json (its layer count, code of its own). Cases are
 generated: each revision kind (main, a branch cached with a sane or a hostile config, one not cached) offline, and
-each source (the model, its tokenizer) online, with the hub's answer both ways."""
+each source (the model, its tokenizer) online, with the hub's answer both ways; and each other reader of the
+model's config before training (the recipe's length check, the auto batch size's shape, check_config's model checks)
+at each revision."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ CONFIGS = {  # revision -> the config.json cached at it
     "main": SANE,
     "deep": {**SANE, "num_hidden_layers": 10**7},
     "coded": {**SANE, "model_type": "mystery", "auto_map": {"AutoModelForCausalLM": "modeling_mystery.Mystery"}},
+    "short": {**SANE, "max_position_embeddings": 64, "num_hidden_layers": 2},
 }
 
 
@@ -104,3 +107,65 @@ def test_online_the_hub_is_asked_about_the_revision(tmp_path, monkeypatch, sourc
         with pytest.raises(RecipeError, match="at revision 'v2'"):
             ModelArguments(**given, model_revision="v2")
     assert asked and all(revision == "v2" for _, _, revision in asked), asked
+
+
+def positions_check(revision: str, tmp_path: Path) -> str | None:
+    """parse_args' length check (block_size against the model's positions): its line, or None when accepted."""
+    from fsdp_recipes.config.parse import parse_args
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"model_name_or_path: {REPO_ID}\nmodel_revision: {revision}\nblock_size: 128\nmax_steps: 2\n"
+        f"train_file: {REPO / 'assets' / 'data' / 'tiny_corpus.txt'}\noutput_dir: {tmp_path / 'out'}\n"
+    )
+    try:
+        parse_args([str(recipe), "--allow_no_fsdp", "true"])
+    except RecipeError as err:
+        return str(err)
+    return None
+
+
+def shape_check(revision: str, tmp_path: Path) -> str | None:
+    """The auto batch size's model shape (tools/estimate_memory.py's too): its layer count as a line."""
+    from fsdp_recipes.config.memory import model_shape
+
+    try:
+        return f"{model_shape(REPO_ID, revision).layers} layers"
+    except ValueError as err:
+        return str(err)
+
+
+def config_check(revision: str, tmp_path: Path) -> str | None:
+    """tools/check_config.py's model checks with a recipe naming the hub id and its model_revision."""
+    from fsdp_recipes.config.accelerate_config import check_config
+
+    recipe = {"model_name_or_path": REPO_ID, "model_revision": revision}
+    said = [f"{p.message}" for p in check_config(REPO / "accelerate_configs" / "zero3.yaml", recipe=recipe)]
+    return " | ".join(said) or None
+
+
+# (reader, revision) -> what it must say (None: accepted without a word)
+READERS = {
+    (positions_check, "main"): None,
+    (positions_check, "short"): "longer than the model's 64 positions",
+    (shape_check, "main"): "4 layers",
+    (shape_check, "short"): "2 layers",
+    (shape_check, "deep"): "more than any model has",
+    (shape_check, "uncached"): "neither a local folder nor in the hub cache",
+    (config_check, "main"): None,
+    (config_check, "deep"): "more than any model has",
+    (config_check, "coded"): "runs no code from a model folder",
+    (config_check, "uncached"): "neither a local folder nor in the hub cache",
+}
+
+
+@pytest.mark.parametrize("reader, revision", list(READERS), ids=[f"{r.__name__}-{v}" for r, v in READERS])
+def test_every_reader_of_the_config_before_training_reads_the_revision(tmp_path, monkeypatch, reader, revision):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache(tmp_path)))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # transformers' own reads
+    said = reader(revision, tmp_path)
+    wanted = READERS[(reader, revision)]
+    assert (said is None) if wanted is None else (said is not None and wanted in said), said
