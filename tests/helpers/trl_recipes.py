@@ -64,8 +64,9 @@ def local_dataset(root: Path, hub_id: str, splits: dict[tuple[str, str], tuple],
     return str(folder)
 
 
-def machine_edits(recipe: dict, root: Path) -> dict:
-    """The recipe as this machine can run it: the module docstring's edits, nothing else."""
+def machine_edits(recipe: dict, root: Path, count: int = 12) -> dict:
+    """The recipe as this machine can run it: the module docstring's edits, nothing else; ``count`` records a split
+    in each local dataset."""
     out = dict(recipe)
     model = str(root / "tiny-model")
     out["model_name_or_path"] = model
@@ -81,7 +82,7 @@ def machine_edits(recipe: dict, root: Path) -> dict:
         config = out.get("dataset_config") or "default"
         splits = [out.get("dataset_train_split", "train"), out.get("dataset_test_split", "test")]
         columns = TEXT_DATASETS.get(out["dataset_name"], chat)
-        out["dataset_name"] = local_dataset(root, out["dataset_name"], {(config, s): columns for s in splits})
+        out["dataset_name"] = local_dataset(root, out["dataset_name"], {(config, s): columns for s in splits}, count)
     if "dataset_mixture" in out:
         mixture = {**out["dataset_mixture"]}
         wanted: dict[str, dict] = {}
@@ -89,7 +90,7 @@ def machine_edits(recipe: dict, root: Path) -> dict:
             wanted.setdefault(d["id"], {})[(d.get("config") or "default", d.get("split", "train"))] = tuple(
                 d.get("columns") or chat
             )
-        local = {hub_id: local_dataset(root, hub_id, splits) for hub_id, splits in wanted.items()}
+        local = {hub_id: local_dataset(root, hub_id, splits, count) for hub_id, splits in wanted.items()}
         mixture["datasets"] = [{**d, "id": local[d["id"]]} for d in mixture["datasets"]]
         if isinstance(mixture.get("test_split_size"), int) and mixture["test_split_size"] >= 1:
             mixture["test_split_size"] = 2
@@ -98,7 +99,7 @@ def machine_edits(recipe: dict, root: Path) -> dict:
         configs = out.get("dataset_configs") or ["default"] * len(out["dataset_mixer"])
         splits = out.get("dataset_splits") or ["train", "test"]
         out["dataset_mixer"] = {
-            local_dataset(root, hub_id, {(config, s): chat for s in splits}): weight
+            local_dataset(root, hub_id, {(config, s): chat for s in splits}, count): weight
             for (hub_id, weight), config in zip(out["dataset_mixer"].items(), configs)
         }
     if "datasets" in out:
@@ -106,7 +107,7 @@ def machine_edits(recipe: dict, root: Path) -> dict:
             {
                 **d,
                 "path": local_dataset(
-                    root, d["path"], {("default", d.get("split", "train")): TEXT_DATASETS[d["path"]]}
+                    root, d["path"], {("default", d.get("split", "train")): TEXT_DATASETS[d["path"]]}, count
                 ),
             }
             for d in out["datasets"]
@@ -114,11 +115,12 @@ def machine_edits(recipe: dict, root: Path) -> dict:
     return out
 
 
-def read(path: Path, root: Path, drop: str | None = None, **changes) -> tuple[dict, str]:
-    """The fixture as loaded (without key ``drop``), and the path of the edited recipe (with ``changes``)."""
+def read(path: Path, root: Path, drop: str | None = None, count: int = 12, **changes) -> tuple[dict, str]:
+    """The fixture as loaded (without key ``drop``), and the path of the edited recipe (with ``changes``; ``count``
+    records a split in its local datasets)."""
     recipe = yaml.safe_load(path.read_text())
     edited = root / "recipes" / path.parent.name / path.name
     edited.parent.mkdir(parents=True, exist_ok=True)
     recipe = {k: v for k, v in recipe.items() if k != drop}
-    edited.write_text(yaml.safe_dump({**machine_edits(recipe, root), **changes}, sort_keys=False))
+    edited.write_text(yaml.safe_dump({**machine_edits(recipe, root, count), **changes}, sort_keys=False))
     return recipe, str(edited)

@@ -1,0 +1,63 @@
+"""Train several recipes one after another in the same processes, each exactly as train_fsdp.py trains it (its
+``main`` after ``parse_args``): one launch for a corpus of recipes, where one launch each would cost the start-up of
+torch, transformers and the process group every time.
+
+    accelerate launch --config_file accelerate_configs/zero3.yaml tests/helpers/trl_recipe_sequence.py RECIPE...
+
+Between two recipes accelerate's state singletons are reset (the process group stays: the next PartialState finds it
+joined) and the launcher's mixed precision is restored (a run on a CPU changes it). Rank 0 starts each recipe's
+output with a line ``=== RECIPE <path>`` (on stdout and stderr) and writes ``<path>.result.json``: {"seconds",
+"error"}, the error as ``Type: message`` (None when the run ended normally); then the next recipe runs. Used by
+tests/integration/test_trl_recipe_runs.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # train_fsdp.py, not tests/helpers/, first
+
+import train_fsdp  # noqa: E402 (after the path)
+from fsdp_recipes.config.parse import parse_args  # noqa: E402
+
+
+def reset_accelerate() -> None:
+    """accelerate's singletons as before the first run: the next TrainingArguments builds them afresh."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def train_each(recipes: list[str]) -> None:
+    import torch.distributed as dist
+
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    rank0 = os.environ.get("RANK", "0") == "0"
+    for recipe in recipes:
+        if rank0:
+            print(f"=== RECIPE {recipe}", flush=True)
+            print(f"=== RECIPE {recipe}", file=sys.stderr, flush=True)
+        start, error = time.monotonic(), None
+        try:
+            train_fsdp.main(*parse_args([recipe]))
+        except Exception as err:  # noqa: BLE001 (the test names it; the next recipe runs)
+            error = f"{type(err).__name__}: {err}"
+            print(error, file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+        if rank0:
+            result = {"seconds": round(time.monotonic() - start, 1), "error": error}
+            Path(f"{recipe}.result.json").write_text(json.dumps(result))
+        reset_accelerate()
+        if precision is None:
+            os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+        else:
+            os.environ["ACCELERATE_MIXED_PRECISION"] = precision
+
+
+if __name__ == "__main__":
+    train_each(sys.argv[1:])
