@@ -20,6 +20,7 @@ Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the
 - description:        the model a checkpoint holds (config, tokenizer, dtypes), recorded and checked
 - lora_merge:         peft LoRA checkpoints merged as merge_and_unload does, or the adapter alone
 - base_identity:      which base a LoRA adapter was trained on, recorded, and checked on resume and merge
+- hub_source:         a model named by path or hub id: paths that are not there, ids the hub refuses or never answers
 - safetensors_writer, merge: the streamed conversion itself
 - merge_output:       the folder a merge writes: what it may replace, and what a killed merge left beside it
 - inspection:         what a checkpoint holds (nothing written), and a merged folder verified against it

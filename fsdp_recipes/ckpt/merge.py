@@ -30,6 +30,7 @@ from fsdp_recipes.ckpt.description import (
     read_files,
     recorded_changes,
 )
+from fsdp_recipes.ckpt.hub_source import base_model_problem
 from fsdp_recipes.ckpt.inspection import verify_folder
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG,
@@ -151,6 +152,9 @@ def merge_checkpoint(
     The checkpoint's description files are read once (read_files); every later step takes what they say."""
     internals.require("huggingface_hub.serialization._base.parse_size_to_int")  # needed at the end; checked first
     hub_deadline.install()  # a --base-model hub id is read by transformers: a silent hub fails, never hangs
+    # asked once within the deadline, before transformers' retries of each file (minutes against a silent hub)
+    if base_model is not None and (problem := base_model_problem(base_model)):
+        raise CheckpointError(problem)
     dtype = dtype_name(dtype)
     resolved = resolve_input(input_path)
     for note in resolved.notes:

@@ -3,12 +3,11 @@ cache when offline, the position limit in its config, QLoRA's needs. Answers are
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.compat import hub_deadline
+from fsdp_recipes.ckpt.hub_source import hub_problem, missing_local_path, not_a_hub_id, one_line  # noqa: F401
 from fsdp_recipes.errors import UnreadableFile
 
 
@@ -96,30 +95,6 @@ def model_source_problem(name: str, weights: bool, revision: str | None = None) 
     return None
 
 
-def missing_local_path(name: str) -> bool:
-    """True when ``name`` can only mean a local path (absolute, ./ ../ ~, more than one slash, or under a folder that
-    exists) and nothing is there: no hub id, so the hub is never asked about it."""
-    if os.path.exists(os.path.expanduser(name)):
-        return False
-    parts = name.split("/")
-    return name.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
-
-
-def not_a_hub_id(name: str, local: str = "folder", neither: str = "local path") -> tuple[str, str] | None:
-    """(why, fix) when ``name``, which is no local path, is no hub id either; huggingface_hub raises its validation
-    error from every lookup of it, whose first sentence is quoted, cut at a word if long."""
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except ValueError as err:
-        said = str(err).splitlines()[0].split(". ")[0].rstrip(".")
-        if len(said) > 120:
-            said = said[:120].rsplit(" ", 1)[0] + " ..."
-        return (f"is neither a {neither} nor a hub id ({said})", f"give a local {local} or a hub id (org/name)")
-    return None
-
-
 def hub_config_problem(name: str, revision: str | None = None) -> tuple[str, str] | None:
     """(why, fix) when a name that is no local path is a hub id whose config.json at ``revision`` (None: main) is
     neither cached nor downloadable (the tools need only the config: from_pretrained retried for half a minute before
@@ -155,49 +130,6 @@ def dataset_source_problem(name: str) -> str | None:
     if (Path(config.HF_DATASETS_CACHE) / name.replace("/", "___")).is_dir():
         return None
     return hub_problem(name, None, "dataset")
-
-
-@functools.lru_cache(maxsize=16)  # the model and its tokenizer are often one id: one request
-def hub_problem(
-    repo_id: str, filename: str | None, repo_type: str = "model", revision: str | None = None
-) -> str | None:
-    """Why a hub id not in the local cache cannot be downloaded, asked of the hub once before anything starts (one
-    request, within its deadline: fsdp_recipes.compat.hub_deadline; transformers and datasets retry for a minute or
-    more on every rank, then end in a traceback each).
-    ``filename``: a file the repository must have (None: only that it exists); ``revision``: at that revision (a
-    model's model_revision; None: main)."""
-    from huggingface_hub import file_exists, repo_exists, revision_exists
-    from huggingface_hub.errors import GatedRepoError
-
-    hub_deadline.install()
-    where = "dataset" if repo_type == "dataset" else "model"
-    if problem := not_a_hub_id(repo_id, where):
-        return one_line(problem)
-    try:
-        if filename is not None:
-            found = file_exists(repo_id, filename, repo_type=repo_type, revision=revision)
-        else:  # repo_exists has no revision
-            ask = functools.partial(revision_exists, revision=revision) if revision else repo_exists
-            found = ask(repo_id, repo_type=repo_type)
-        if found:
-            return None
-    except GatedRepoError:
-        return (
-            f"is a gated {where} on the hub: accept its terms on its hub page and log in (hf auth login), or give a "
-            "local folder"
-        )
-    except Exception as err:  # no network, a proxy, DNS, TLS, no answer: whatever stops the request, in its words
-        return (
-            f"is not in the local hub cache and the hub cannot be reached ({hub_deadline.said(err)}): give a "
-            f"local folder, or download it where the hub is reachable (hf download {repo_id}"
-            f"{' --repo-type dataset' if repo_type == 'dataset' else ''}) and set HF_HUB_OFFLINE=1"
-        )
-    return (
-        f"is not a {where} on the hub{f' with a {filename}' if filename else ''}"
-        f"{f' at revision {revision!r}' if revision is not None else ''} (a typo in the id or revision, a private "
-        "repository without a login, "
-        "or a path that does not exist where you launch): give a local folder or the exact hub id"
-    )
 
 
 # More layers than any model trained (the deepest published LLMs have a few hundred): a config past it is a typo or
@@ -354,11 +286,6 @@ def config_size_problem(name: str, revision: str | None = None) -> tuple[str, st
                     "fix that number, or give another model folder",
                 )
     return None
-
-
-def one_line(problem: tuple[str, str]) -> str:
-    """A (why, fix) problem as the one line of a RecipeError or a tool's error."""
-    return f"{problem[0]}: {problem[1]}"
 
 
 def weights_problem(folder: Path, name: str) -> str | None:

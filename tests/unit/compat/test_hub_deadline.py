@@ -6,7 +6,8 @@ Each call site is run against tests/helpers/fake_hub.py made silent on the route
 never answers), and against a socket that listens and never accepts, in one child process whose huggingface_hub was
 imported with HF_HUB_DOWNLOAD_TIMEOUT=1 and HF_HUB_ETAG_TIMEOUT=1 (read at import): a call that hangs there is
 reported as hung after WATCHDOG seconds instead of stopping the suite. The cases run at once, each silent on its own
-repository's routes."""
+repository's routes; tools/merge_checkpoint.py --base-model <hub id> runs in a process of its own (MERGE), timed
+from its main's start."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ RETRIED = {"upload: list_repo_files", "upload: preupload"}
 RETRIED_BOUND = 6 * 1 + 23 + BOUND
 
 CHILD = r"""
-import json, os, socket, sys, threading, time
+import json, os, socket, subprocess, sys, threading, time
 from pathlib import Path
 
 sys.path.insert(0, sys.argv[2])
+REPO = Path(sys.argv[2]).parent
 from helpers.fake_hub import NotServed, serve
 
 root = Path(sys.argv[1])
@@ -43,7 +45,7 @@ listening.listen(8)
 
 def silent(method, path, body, authorized):  # what no case's hub answers: its own repository's route
     return (
-        any(name in path for name in ("model-a", "tok-b", "data-c", "model-d"))
+        any(name in path for name in ("model-a", "tok-b", "data-c", "model-d", "model-m"))
         or (path == "/api/whoami-v2" and not authorized)
         or path == "/api/models/tester/f"
         or (path == "/api/repos/create" and b"silent-create" in body)
@@ -114,10 +116,47 @@ with serve(root / "hub") as hub:
         for worker in workers:
             worker.join(max(0.0, deadline - time.monotonic()))
 
+    def merge(name, repo_id):  # the tool in a process of its own (its main takes SIGTERM), timed there
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", sys.argv[4], str(REPO), str(root), repo_id],
+                capture_output=True,
+                text=True,
+                timeout=2 * float(sys.argv[3]),  # its start (torch, transformers) included
+            )
+        except subprocess.TimeoutExpired:  # left out, as hung
+            return
+        lines = proc.stdout.strip().splitlines()
+        results[name] = json.loads(lines[-1]) if lines else {"seconds": 0, "said": proc.stderr[-3000:]}
+
+    merging = threading.Thread(target=merge, args=("merge: --base-model hub id", "tester/model-m"), daemon=True)
+    merging.start()
     watched(cases)
     watched({"push: whoami, a socket that never accepts": never_accepting})  # the endpoint changed: this one alone
+    merging.join()
     release.set()
 print(json.dumps(results))
+"""
+
+MERGE = r"""
+import contextlib, importlib.util, io, json, sys, time
+from pathlib import Path
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+repo, root = Path(sys.argv[1]), Path(sys.argv[2])
+ckpt = root / "weights-only"  # a checkpoint of weights alone: the merge reads its config from --base-model
+AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(repo / "assets" / "tiny-llama")).save_pretrained(ckpt)
+for name in ("config.json", "generation_config.json"):
+    (ckpt / name).unlink()
+spec = importlib.util.spec_from_file_location("merge_checkpoint", repo / "tools" / "merge_checkpoint.py")
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+said = io.StringIO()
+start = time.monotonic()
+with contextlib.redirect_stderr(said):
+    code = tool.main([str(ckpt), str(root / "merged"), "--base-model", sys.argv[3]])
+print(json.dumps({"seconds": time.monotonic() - start, "said": said.getvalue().strip() if code else "merged"}))
 """
 
 
@@ -135,7 +174,7 @@ def outcomes(tmp_path_factory):
     }
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(root), str(REPO / "tests"), str(WATCHDOG)],
+        [sys.executable, "-c", CHILD, str(root), str(REPO / "tests"), str(WATCHDOG), MERGE],
         capture_output=True,
         text=True,
         env=env,
@@ -158,6 +197,7 @@ CASES = [
     "upload: list_repo_files",
     "upload: preupload",
     "upload: commit",
+    "merge: --base-model hub id",
 ]
 
 
