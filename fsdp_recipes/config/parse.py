@@ -107,7 +107,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         recipe = load_recipe(DEFAULT_RECIPE, anchor_paths=True)
     argv = trl_recipe.translate_flags(argv)
     recipe = rename_recipe_keys(trl_recipe.translate(recipe, argv))  # TRL's and the handbook's keys, TRL's meaning
-    recipe, argv, auto_batch = batch_size.take_auto(recipe, argv)  # 1 until the preflight chooses
     known = {action.dest for action in parser._actions}
     unknown = sorted(set(recipe) - known)
     if unknown:
@@ -117,7 +116,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     check_flags(argv, parser)
     check_missing_values(argv, parser)
     argv = bare_flags_as_values(argv, parser)
-    check_flag_aliases(argv, parser)
+    check_flag_aliases(argv, parser)  # on the values as typed: auto, not the placeholder
+    recipe, argv, auto_batch = batch_size.take_auto(recipe, argv)  # 1 until the preflight chooses
     check_flag_values(argv, parser)
     check_flag_words(argv, parser)
     check_recipe_types(recipe, parser)

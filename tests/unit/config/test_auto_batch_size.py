@@ -235,3 +235,24 @@ def test_the_help_offers_auto(capsys):
         "--per_device_train_batch_size PER_DEVICE_TRAIN_BATCH_SIZE sequences per process and micro-batch, or auto"
         in text
     )
+
+
+def batch_flag(value: str) -> list[str]:
+    """``--per_device_train_batch_size`` with ``value`` as typed: ``=4`` joined to the flag, else a word of its own."""
+    flag = "--per_device_train_batch_size"
+    return [flag + value] if value.startswith("=") else [flag, value]
+
+
+@pytest.mark.parametrize("auto_last", [False, True], ids=["auto-first", "auto-last"])
+@pytest.mark.parametrize("number", ["4", "1", "=4"])
+@pytest.mark.parametrize("auto", ["auto", "AUTO", "=auto", "=Auto"])
+def test_auto_and_a_number_given_twice_quote_what_was_typed(auto, number, auto_last, tmp_path):
+    """The repeat check names the values the user typed (auto, not the placeholder 1 parsing puts in its place)."""
+    flags = [*batch_flag(number), *batch_flag(auto)] if auto_last else [*batch_flag(auto), *batch_flag(number)]
+    with pytest.raises(RecipeError) as err:
+        parse_args([*flags, "--output_dir", str(tmp_path / "out"), "--allow_no_fsdp", "true"])
+    typed = [auto.lstrip("="), number.lstrip("=")]
+    first, second = reversed(typed) if auto_last else typed
+    line = str(err.value)
+    assert "\n" not in line and "given twice with different values" in line, line
+    assert f"--per_device_train_batch_size {first} and --per_device_train_batch_size {second} " in line, line
