@@ -208,7 +208,8 @@ def _write_shard(
                 del tensors
             # the dtype and shape the header states, whatever a source's read gave: bytes of another size would run
             # into the next tensor's place in the file
-            t = loaded.pop(n).to(torch_dtype(dtype or infos[n].dtype)).contiguous()
+            given = loaded.pop(n)
+            t = given.to(torch_dtype(dtype or infos[n].dtype)).contiguous()
             if tuple(t.shape) != tuple(infos[n].shape):  # with the stated dtype, the stated bytes
                 raise CheckpointError(
                     f"{n}: the checkpoint gave a tensor of shape {tuple(t.shape)}, where its "
@@ -217,7 +218,7 @@ def _write_shard(
             if t.numel():
                 raw = t.reshape(-1).view(torch_dtype("uint8")).numpy()
                 if not finite(raw, dtype or infos[n].dtype):  # a cast to a narrower float can make infinities too
-                    raise non_finite_error(n, dtype or infos[n].dtype)
+                    raise out_of_range_error(n, dtype, given) or non_finite_error(n, dtype or infos[n].dtype)
                 out.write(raw)
             progress(size)
             del t
@@ -225,6 +226,28 @@ def _write_shard(
         out.abort()
         raise
     out.close()
+
+
+# the dtypes --dtype offers, and of the other dtypes a weight might be cast to, which ones hold larger values
+CAST_CHOICES = ("float16", "bfloat16", "float32")
+
+
+def out_of_range_error(name: str, dtype: str | None, given) -> CheckpointError | None:
+    """The error for finite weights that --dtype ``dtype`` cannot hold (their cast made infinities: not a run that
+    diverged), naming the --dtype choices that hold them; None when there was no --dtype, or ``given`` (the tensor
+    before the cast) is itself not finite."""
+    import torch
+
+    if dtype is None or not torch.isfinite(given).all():
+        return None
+    largest = torch.finfo(torch_dtype(dtype)).max
+    wider = [d for d in CAST_CHOICES if torch.finfo(torch_dtype(d)).max > largest]
+    saved = str(given.dtype).removeprefix("torch.")
+    instead = f"merge with --dtype {' or '.join(wider)}, or " if wider else ""
+    return CheckpointError(
+        f"{name}: its values exceed {dtype}'s range (largest {largest:.4g}) and would be written as infinities, so "
+        f"nothing was written; {instead}leave --dtype out to keep {saved}"
+    )
 
 
 def _start_copies(files: list[dict]) -> tuple[subprocess.Popen, object]:

@@ -83,3 +83,37 @@ def test_the_writer_casts_to_the_stated_dtype_and_refuses_another_shape(tmp_path
         CheckpointError, match=r"a: the checkpoint gave a tensor of shape \(3, 4\), where its metadata states \(4, 3\)"
     ):
         write_weights(Source({"a": a.T.contiguous(), "b": b}, stated), ["a", "b"], tmp_path / "bad")
+
+
+# (saved dtype, --dtype, a value the saved dtype holds and --dtype cannot, the dtypes whose range holds it)
+OUT_OF_RANGE = [
+    ("float32", "float16", 65520.0, "bfloat16 or float32"),
+    ("float32", "float16", -1e5, "bfloat16 or float32"),
+    ("bfloat16", "float16", 1e30, "bfloat16 or float32"),
+    ("float32", "float16", 3e38, "bfloat16 or float32"),
+    ("float32", "bfloat16", 3.4e38, "float32"),
+    ("float64", "bfloat16", 1e100, "float32"),
+]
+
+
+@pytest.mark.parametrize("saved, requested, value, wider", OUT_OF_RANGE)
+def test_finite_weights_out_of_the_requested_dtypes_range_are_said_so(tmp_path, saved, requested, value, wider):
+    """Finite weights that --dtype cannot hold are not called NaN (a diverged run): the line names the range and the
+    --dtype that holds them."""
+    weight = torch.randn(8, 4, dtype=torch.float64).to(getattr(torch, saved))
+    weight[3, 1] = value
+    stated = {"w": TensorInfo((8, 4), saved)}
+    with pytest.raises(CheckpointError) as err:
+        write_weights(Source({"w": weight}, stated), ["w"], tmp_path, dtype=requested)
+    line = str(err.value)
+    assert "\n" not in line and "NaN" not in line and "diverged" not in line, line
+    assert f"exceed {requested}'s range" in line and f"--dtype {wider}" in line, line
+    assert f"leave --dtype out to keep {saved}" in line, line
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_weights_that_are_not_finite_before_the_cast_are_still_called_so(tmp_path, bad):
+    weight = torch.randn(8, 4)
+    weight[0, 0] = bad
+    with pytest.raises(CheckpointError, match="holds NaN or infinite values"):
+        write_weights(Source({"w": weight}, {"w": TensorInfo((8, 4), "float32")}), ["w"], tmp_path, dtype="float16")
