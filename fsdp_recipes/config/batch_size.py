@@ -140,13 +140,24 @@ def describe(choice: Choice, setup: Setup, memory: str, cap: int = MAX_AUTO_BATC
     why = (
         f"{choice.batch + 1} would need {human(choice.next_need)}"
         if choice.next_need is not None
-        else f"the cap of {cap}"
+        else f"the cap of {cap} reached: auto chooses no larger batch"
     )
     return (
         f"{KEY} auto: {choice.batch} sequence(s) of {setup.seq_len} tokens, the largest whose estimate "
         f"({human(choice.need)}, {setup.strategy}{' + offload' if setup.offload else ''} on "
         f"{setup.nproc_per_node * setup.nnodes} process(es), tools/estimate_memory.py) fits {1 - MARGIN:.0%} of "
         f"{memory} ({why})"
+    )
+
+
+def with_examples(line: str, batch: int, examples: int, processes: int) -> str:
+    """The auto line once the training set is built: a batch larger than each process's share of it is said (the
+    cap on a CPU, or a tiny data set, picks one without a word otherwise); else the line as it is."""
+    if examples >= batch * processes:
+        return line
+    return (
+        f"{line}; the training set has {examples:,} example(s), fewer than {batch} x {processes} process(es): "
+        "each micro-batch is a process's whole share of it"
     )
 
 

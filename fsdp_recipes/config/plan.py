@@ -22,6 +22,7 @@ class Plan:
     delete: list[Path] = field(default_factory=list)  # an earlier run's checkpoints --overwrite_output_dir deletes
     launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.config.launcher)
     auto_batch: bool = False  # per_device_train_batch_size: auto, chosen by preflight.start (config.batch_size)
+    auto_line: str | None = None  # that choice's line (rank 0), said once the training set is built (Run.build)
     run_args: object = None  # fsdp_recipes.config.run_arguments.RunArguments: this script's own options
     notes: list[str] = field(default_factory=list)  # what the resume decision said, printed once output_dir is held
     push: object = None  # fsdp_recipes.config.hub_push.HubPush: where --push_to_hub uploads the final model

@@ -83,7 +83,10 @@ def start(plan: Plan):
     ):
         raise RecipeError(problem)
     if plan.auto_batch:
-        training_args.per_device_train_batch_size = choose_batch_size(plan, training_args)
+        # said by Run.build, with the training set's size (a batch larger than it is then named)
+        training_args.per_device_train_batch_size = choose_batch_size(
+            plan, training_args, say=lambda line: setattr(plan, "auto_line", line)
+        )
     return training_args, on_cpu
 
 

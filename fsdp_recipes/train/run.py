@@ -18,7 +18,9 @@ from transformers import set_seed
 from fsdp_recipes.ckpt.layout import FINAL_MODEL_DIR
 from fsdp_recipes.compat import hub_deadline
 from fsdp_recipes.compat.cpu_fsdp import apply_ddp_timeout, bf16_weights_line, cpu_precision
+from fsdp_recipes.config.batch_size import with_examples
 from fsdp_recipes.config.values import check_run_length, parse_steps
+from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train import exits, preflight
 from fsdp_recipes.train.data import build_datasets
@@ -119,6 +121,12 @@ class Run:
             train_dataset, self.eval_dataset, collator = build_datasets(self.data_args, self.tokenizer, args.seed)
         evaluated = f", evaluation examples: {len(self.eval_dataset):,}" if self.eval_dataset else ""
         logger.info(f"training examples: {len(train_dataset):,}{evaluated}")
+        if self.plan.auto_line is not None:  # per_device_train_batch_size auto, as preflight.start chose it
+            say(
+                with_examples(
+                    self.plan.auto_line, args.per_device_train_batch_size, len(train_dataset), args.world_size
+                )
+            )
         check_run_length(args, len(train_dataset), run_args.profile_steps)
 
         model = load_model(self.model_args, self.tokenizer)

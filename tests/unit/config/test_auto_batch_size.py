@@ -256,3 +256,27 @@ def test_auto_and_a_number_given_twice_quote_what_was_typed(auto, number, auto_l
     line = str(err.value)
     assert "\n" not in line and "given twice with different values" in line, line
     assert f"--per_device_train_batch_size {first} and --per_device_train_batch_size {second} " in line, line
+
+
+@pytest.mark.parametrize("card", [80 * GiB, 8 * GiB])
+@pytest.mark.parametrize("cap", [MAX_AUTO_BATCH, 7, 1])
+def test_a_choice_the_cap_stopped_says_the_cap_was_reached(card, cap):
+    tiny = model_shape(str(REPO / "assets" / "tiny-llama"))
+    setup = Setup(strategy="FULL_SHARD", nproc_per_node=1, seq_len=64)
+    line = batch_size.describe(choose(tiny, setup, card, cap=cap), setup, "this GPU's memory", cap)
+    assert "\n" not in line and f"auto: {cap} sequence(s)" in line, line
+    assert f"the cap of {cap} reached: auto chooses no larger batch" in line, line
+
+
+@pytest.mark.parametrize("processes", [1, 2, 8])
+@pytest.mark.parametrize("examples", [1, 10, 255, 256, 2047, 2048, 10**6])
+def test_the_auto_line_says_when_the_training_set_is_smaller_than_a_batch(examples, processes):
+    """The line a run prints once its training set is built: a batch larger than what each process gets in an epoch
+    is said, with the numbers; otherwise the line is the choice's alone."""
+    line = "per_device_train_batch_size auto: 256 sequence(s) of 64 tokens, ... (the cap of 256 reached: ...)"
+    said = batch_size.with_examples(line, 256, examples, processes)
+    assert said.startswith(line) and "\n" not in said
+    if examples < 256 * processes:
+        assert f"the training set has {examples:,} example(s), fewer than 256 x {processes} process(es)" in said, said
+    else:
+        assert said == line
