@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.bounded import JSON_LIMIT, load_json, plain_file_name
+from fsdp_recipes.bounded import JSON_LIMIT, kind_of, load_json, plain_file_name
 from fsdp_recipes.ckpt.layout import BASE_IDENTITY, MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES, step_of_name
 from fsdp_recipes.ckpt.namespace import WeightMap, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype
@@ -232,6 +232,15 @@ class CheckpointFiles:
     problems: list[str]
 
 
+def _files_problem(files) -> str | None:
+    """What is wrong with MANIFEST's "files" (KeyError: absent), in words naming the key and what it holds."""
+    want = "a mapping of file names to SHA-256 digests"
+    if files is KeyError or not isinstance(files, dict):
+        return f'it has no "files", {want}' if files is KeyError else f'its "files" is {kind_of(files)}, not {want}'
+    wrong = next(((n, d) for n, d in files.items() if not isinstance(d, str)), None)
+    return None if wrong is None else f'its "files" gives {wrong[0]!r} {kind_of(wrong[1])}, not {want}'
+
+
 def read_files(checkpoint_dir: Path, places=()) -> CheckpointFiles:
     """The one read of a checkpoint's description: its MANIFEST and the files it records (hashed), and the
     config.json and tokenizer found first in ``places`` (beside the weights, the checkpoint, its parent)."""
@@ -265,9 +274,10 @@ def read_files(checkpoint_dir: Path, places=()) -> CheckpointFiles:
     if os.path.lexists(checkpoint_dir / MANIFEST):
         try:
             manifest = load_json(checkpoint_dir / MANIFEST, MANIFEST, JSON_LIMIT)
-            manifest["files"] = dict(manifest["files"])
-        except (ValueError, KeyError, TypeError, OSError) as err:
-            manifest, manifest_error = None, getattr(err, "reason", None) or type(err).__name__
+            manifest_error = _files_problem(manifest.get("files", KeyError))
+        except (ValueError, OSError) as err:
+            manifest_error = getattr(err, "reason", None) or str(err)
+        manifest = None if manifest_error else manifest
     for name in manifest["files"] if manifest else ():
         path = checkpoint_dir / name
         if plain_file_name(name) and os.path.lexists(path):

@@ -134,3 +134,36 @@ def test_a_record_that_is_itself_damaged_is_named_too(run_dir, how, capsys):  # 
     assert cli("check_checkpoint", [str(run_dir / "checkpoint-12")]) == 1
     out = capsys.readouterr().out
     assert "checkpoint-12/model_description.json is unreadable" in out and len(out.strip().splitlines()) == 1, out
+
+
+# model_description.json's "files" (file name -> SHA-256) of another shape: (its value, the words naming what it is)
+WRONG_FILES = {
+    "null": (None, 'its "files" is null'),
+    "a list": (["config.json"], 'its "files" is a list'),
+    "an empty list": ([], 'its "files" is a list'),
+    "a string": ("config.json", 'its "files" is a string'),
+    "a number": (3, 'its "files" is a number'),
+    "true": (True, 'its "files" is true/false'),
+    "a number for a digest": ({"config.json": 3}, "its \"files\" gives 'config.json' a number"),
+    "null for a digest": ({"config.json": None}, "its \"files\" gives 'config.json' null"),
+    "a list for a digest": ({"config.json": ["ab"]}, "its \"files\" gives 'config.json' a list"),
+    "no files key": (KeyError, 'it has no "files"'),
+}
+
+
+@pytest.mark.parametrize("case", WRONG_FILES)
+def test_a_record_whose_files_are_of_another_type_names_the_key_and_the_type(tmp_path, case):
+    """Not "unreadable (TypeError)": the line names the key, what it holds, and what it should."""
+    from fsdp_recipes.ckpt.description import read_files, recorded_changes
+
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    shutil.copy(TINY_DIR / "config.json", ckpt / "config.json")
+    value, said = WRONG_FILES[case]
+    record = {"format": 1, "model_class": "LlamaForCausalLM", "tied": [], "weights": {}}
+    if value is not KeyError:
+        record["files"] = value
+    (ckpt / "model_description.json").write_text(json.dumps(record))
+    line = recorded_changes(read_files(ckpt, (ckpt,)))
+    assert line is not None and "\n" not in line and said in line, line
+    assert "Error)" not in line and "mapping of file names to SHA-256 digests" in line, line
