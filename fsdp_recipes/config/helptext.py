@@ -36,6 +36,7 @@ RECIPE_ONLY = (
     "chat_template_path",
     "dataset_mixture",
     "default_chat_template",
+    "default_chat_format",
     "auto_insert_empty_system_msg",
 )
 

@@ -77,6 +77,15 @@ class ModelArguments:
             "alignment handbook's older dataset_mixer format sets its DEFAULT_CHAT_TEMPLATE here, as its sft.py did."
         },
     )
+    default_chat_format: str | None = field(
+        default=None,
+        metadata={
+            "help": "chatml: for a tokenizer without a chat template, TRL's setup_chat_format (ChatML template, "
+            "<|im_start|> and <|im_end|> as bos and eos, the embeddings grown for them). The alignment handbook's "
+            "current dataset_mixture format sets it, as its sft.py does.",
+            "choices": ["chatml"],
+        },
+    )
     eos_token: str | None = field(
         default=None,
         metadata={

@@ -142,6 +142,8 @@ def translate(recipe: dict, argv: list[str] | None = None, tell=say) -> dict:
             out[key] = json.dumps(out[key])
     _model_init_kwargs(out)
     _older_handbook_defaults(out, notes)
+    if "dataset_mixture" in out and out.get("chat_template") is None and out.get("chat_template_path") is None:
+        out.setdefault("default_chat_format", "chatml")  # the handbook's current sft.py, for a template-less tokenizer
     _mixture(out, notes)
     _dataset_kwargs(out)
     if isinstance(out.get("packing_strategy"), str) and out["packing_strategy"] in PACKING_STRATEGIES:

@@ -1,6 +1,7 @@
 """A recipe's chat template and end-of-turn token (TRL's and the handbook's chat_template, chat_template_path and
 eos_token) on the tokenizer, and the model's generation config told the same end, so that the saved model stops
-generating at the end of its turn."""
+generating at the end of its turn; and the handbook's defaults for a tokenizer without a chat template (its older
+format's DEFAULT_CHAT_TEMPLATE, its current format's ChatML set-up)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from fsdp_recipes.bounded import JSON_LIMIT, read_text
 from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
+
+# The ChatML set-up of the handbook's current sft.py (TRL's setup_chat_format, TRL 0.19 to 0.25): these turn markers
+# as bos, eos (and pad) special tokens, and this template.
+CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def revision(args: ModelArguments, source: str | None) -> str | None:
@@ -41,6 +50,17 @@ def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments
             f"tokenizer {args.tokenizer_name!r} has no chat template: the recipe's default one is set on it (the "
             "handbook's dataset_mixer format does so), and saved with the model"
         )
+    elif not tokenizer.chat_template and getattr(args, "default_chat_format", None) == "chatml":
+        new = [t for t in (CHATML_START, CHATML_END) if t not in tokenizer.get_vocab()]
+        tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token = CHATML_END, CHATML_END, CHATML_START
+        tokenizer.add_special_tokens({"additional_special_tokens": [CHATML_START, CHATML_END]})
+        tokenizer.chat_template = CHATML_TEMPLATE
+        added = f"{', '.join(new)} added to its vocabulary and the model's embeddings" if new else "both its own"
+        say(
+            f"tokenizer {args.tokenizer_name!r} has no chat template: set up for ChatML, as the handbook's sft.py "
+            f"does for its dataset_mixture recipes ({CHATML_START} and {CHATML_END} as bos and eos, {added}), and "
+            "saved with the model"
+        )
     if eos is not None:
         token_id = tokenizer.convert_tokens_to_ids(eos)
         if token_id is None or token_id == tokenizer.unk_token_id:
@@ -55,9 +75,28 @@ def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments
 def align_generation_eos(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: ModelArguments) -> None:
     """With a recipe's eos_token, the model's config and generation config end where it does (the handbook's sft.py
     does the same before saving): generate() of the saved model stops at the end of a turn. Without one, the model's
-    own ends stay (a hub model's generation config may list several)."""
-    if getattr(args, "eos_token", None) is None or tokenizer.eos_token_id is None:
+    own ends stay (a hub model's generation config may list several). After the ChatML set-up (``chatml_set_up``),
+    bos, eos and pad are the tokenizer's, as TRL's setup_chat_format sets them."""
+    chatml = chatml_set_up(tokenizer, args)
+    if (getattr(args, "eos_token", None) is None and not chatml) or tokenizer.eos_token_id is None:
         return
-    model.config.eos_token_id = tokenizer.eos_token_id
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    names = ("eos_token_id", "bos_token_id", "pad_token_id") if chatml else ("eos_token_id",)
+    for config in (model.config, getattr(model, "generation_config", None)):
+        for name in names if config is not None else ():
+            setattr(config, name, getattr(tokenizer, name))
+
+
+def chatml_set_up(tokenizer: PreTrainedTokenizerBase, args: ModelArguments) -> bool:
+    """Whether apply_recipe_tokens set the tokenizer up for ChatML (the recipe asked for it, and kept no template)."""
+    return getattr(args, "default_chat_format", None) == "chatml" and tokenizer.chat_template == CHATML_TEMPLATE
+
+
+def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: ModelArguments) -> None:
+    """After the ChatML set-up added tokens: the embeddings grown to the tokenizer (TRL's setup_chat_format resizes
+    them too; transformers gives the new rows the mean of the others). A model on the meta device (a rank that
+    receives rank 0's weights) gets rows of the same shape, their values filled by rank 0's."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if not chatml_set_up(tokenizer, args) or len(tokenizer) <= rows:
+        return
+    meta = model.get_input_embeddings().weight.is_meta
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=not meta)  # the mean cannot be taken on meta

@@ -17,7 +17,7 @@ from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import CheckpointError, RecipeError
 from fsdp_recipes.removal import is_ours, make_folder, move, remove, unmark
-from fsdp_recipes.train.chat_tokens import align_generation_eos, apply_recipe_tokens, revision
+from fsdp_recipes.train.chat_tokens import align_generation_eos, apply_recipe_tokens, fit_embeddings, revision
 from fsdp_recipes.train.sharding import expected_fsdp_version
 
 
@@ -76,6 +76,7 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
     else:
         config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype, **common)
+    fit_embeddings(model, tokenizer, args)  # the ChatML set-up's new tokens get rows
     align_generation_eos(model, tokenizer, args)  # generate() of the saved model stops where a turn ends
     vocab = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:

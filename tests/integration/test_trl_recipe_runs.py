@@ -4,7 +4,9 @@ meaning TRL gives its keys at run time: its model folder loads, it trained (2 st
 template and eos_token are saved, its LoRA settings are in the adapter, its evaluation ran when it asks for one, its
 gradient checkpointing and warmup are in force. Two recipes are checked further: the handbook's smollm3 SFT recipe
 (generate() stops at its eos; the warmup and cosine_with_min_lr in the logged rates; packing with TRL's old ffd) and
-its older zephyr QLoRA recipe (evaluation by epoch).
+its older zephyr QLoRA recipe (evaluation by epoch). And a current-format recipe without its chat_template, on a
+model whose tokenizer has none, is set up for ChatML as the handbook's sft.py does (tokens added, embeddings grown,
+on rank 0 and on the rank that receives rank 0's weights).
 
 One launch trains them all, one after another in the same processes (tests/helpers/trl_recipe_sequence.py runs
 train_fsdp's own main for each): a launch per recipe would pay torch's start-up 18 times.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import launch, read_json, shared_temp
+from conftest import REPO, launch, read_json, shared_temp
 from helpers.trl_recipes import FIXTURES, read, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -39,16 +41,35 @@ ZEPHYR_QLORA = "handbook-dataset-mixer/zephyr-7b-beta-config_qlora.yaml"
 DROPPED = {"use_liger_kernel", "load_in_4bit"}
 ROWS = 64
 STEPS = {SMOLLM3: 34, ZEPHYR_QLORA: 8}
+# a current-format recipe without its chat_template, on a model whose tokenizer has none and lacks the ChatML tokens
+CHATML = "chatml/zephyr-7b-beta-config_full.yaml"
+RUNS = {**{name: name for name in RECIPES}, CHATML: "handbook/zephyr-7b-beta-config_full.yaml"}
+
+
+def home_of(root: Path, key: str) -> Path:
+    return root / key.replace("/", "--").removesuffix(".yaml")
+
+
+def plain_model(folder: Path) -> None:
+    """A tiny Llama whose tokenizer has no chat template and none of the ChatML tokens (the corpus model's length)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
+    tokenizer.chat_template = None
+    config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")
+    config.max_position_embeddings = 65536
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 class Trained:
-    """One recipe of the shared launch: the fixture as loaded, its output_dir, its result and what rank 0 said."""
+    """One run of the shared launch: the fixture as loaded, its output_dir, its result and what rank 0 said."""
 
-    def __init__(self, name: str, root: Path, stderr: str):
-        self.recipe = yaml.safe_load((FIXTURES / name).read_text())
-        self.home = root / name.replace("/", "--").removesuffix(".yaml")
+    def __init__(self, key: str, root: Path, stderr: str):
+        self.recipe = yaml.safe_load((FIXTURES / RUNS[key]).read_text())
+        self.home = home_of(root, key)
         self.out = self.home / "out"
-        edited = self.home / "recipes" / name
+        edited = self.home / "recipes" / RUNS[key]
         self.result = read_json(f"{edited}.result.json")
         self.said = stderr.partition(f"=== RECIPE {edited}\n")[2].partition("=== RECIPE ")[0]
 
@@ -65,13 +86,16 @@ def trained_recipes(tmp_path_factory) -> dict[str, Trained]:
             shutil.rmtree(root, ignore_errors=True)
             tiny_model(root)
             edited = []
-            for name in RECIPES:
-                home = root / name.replace("/", "--").removesuffix(".yaml")
-                shutil.copytree(root / "tiny-model", home / "tiny-model")
+            for key, name in RUNS.items():
+                home = home_of(root, key)
+                if key == CHATML:
+                    plain_model(home / "tiny-model")
+                else:
+                    shutil.copytree(root / "tiny-model", home / "tiny-model")
                 raw = yaml.safe_load((FIXTURES / name).read_text())
                 changes = {k: 2 for k in ("dataset_num_proc", "preprocessing_num_workers") if k in raw}
                 changes.update(max_steps=STEPS.get(name, 2), save_strategy="no", output_dir=str(home / "out"))
-                drop = next((k for k in DROPPED if k in raw), None)
+                drop = "chat_template" if key == CHATML else next((k for k in DROPPED if k in raw), None)
                 edited.append(read(FIXTURES / name, home, drop=drop, count=ROWS, **changes)[1])
             start = time.monotonic()
             # its own datasets cache: datasets 5.2 keys a local folder's cache by its name and configuration, not
@@ -81,7 +105,7 @@ def trained_recipes(tmp_path_factory) -> dict[str, Trained]:
             seconds = round(time.monotonic() - start, 1)
             done.write_text(json.dumps({"stderr": proc.stderr, "seconds": seconds}))
     stderr = read_json(done)["stderr"]
-    return {name: Trained(name, root, stderr) for name in RECIPES}
+    return {key: Trained(key, root, stderr) for key in RUNS}
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -171,3 +195,20 @@ def test_zephyr_qlora_old_format_evaluates_each_epoch(trained_recipes):
     evaluations = [e for e in history if "eval_loss" in e]
     # 64 train_sft rows, 4 a device on 2 ranks, 2 accumulated: 4 steps an epoch, 8 steps
     assert [e["epoch"] for e in evaluations][:2] == [1, 2] and run.recipe["eval_strategy"] == "epoch"
+
+
+def test_a_current_format_recipe_sets_a_template_less_tokenizer_up_for_chatml(trained_recipes):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_recipes.train.chat_tokens import CHATML_TEMPLATE
+
+    run = trained_recipes[CHATML]
+    assert run.result["error"] is None, run.result
+    assert "set up for ChatML" in run.said and read_json(run.out / "trainer_state.json")["global_step"] == 2
+    tokenizer = AutoTokenizer.from_pretrained(run.out / "model")
+    model = AutoModelForCausalLM.from_pretrained(run.out / "model", dtype=torch.float32)
+    assert tokenizer.chat_template == CHATML_TEMPLATE and tokenizer.eos_token == "<|im_end|>"
+    assert model.get_input_embeddings().weight.shape[0] == len(tokenizer) == 476
+    assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert torch.isfinite(model.get_input_embeddings().weight).all()
