@@ -265,18 +265,14 @@ def _broadcast(value):
 def hold_output_dir(training_args, warn=say) -> None:
     """Take output_dir for this run (global rank 0 holds the lock: fsdp_recipes.train.run_lock); every rank stops
     alike when another run has it."""
-    holder = None
+    problem = None
     if training_args.process_index == 0:
         out = Path(training_args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        holder = run_lock.take(out, warn)
-    holder = _broadcast(holder)
-    if holder is not None:
-        raise RecipeError(
-            f"output_dir {training_args.output_dir!r} is in use by another run ({holder}): wait for it to end, "
-            "or choose "
-            "another --output_dir"
-        )
+        problem = run_lock.take(out, warn)
+    problem = _broadcast(problem)
+    if problem is not None:
+        raise RecipeError(problem)
 
 
 def has_run_record(training_args) -> bool:

@@ -49,8 +49,23 @@ def _owner_line() -> str:
     return f"host {socket.gethostname()}, pid {os.getpid()}{started}{job}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
 
 
+def in_use(out: Path, holder: str) -> str:
+    return (
+        f"output_dir {str(out)!r} is in use by another run ({holder}): wait for it to end, or choose another "
+        "--output_dir"
+    )
+
+
+def not_ours(out: Path, path: Path, what: str) -> str:
+    """A lock file no run of this project wrote: it names no run, so none is said to hold the folder."""
+    return (
+        f"{path} is not a lock file this project writes ({what}), so it cannot tell whether a run trains in {out}: "
+        f"if no run trains in {out}, delete {path} and start again; else choose another --output_dir"
+    )
+
+
 def take(out: Path, warn) -> str | None:
-    """Take ``out`` for this process. Returns None when taken, else who holds it and what to do (one line)."""
+    """Take ``out`` for this process. Returns None when taken, else why not and what to do (one line)."""
     import fcntl
 
     try:
@@ -63,7 +78,7 @@ def take(out: Path, warn) -> str | None:
         if err.errno not in NO_FOLDER_LOCKS:  # EWOULDBLOCK: another process holds it
             holder = flock_holder(os.fstat(fd)) or "another process"
             os.close(fd)
-            return f"{holder}){KERNEL_HINT}"
+            return in_use(out, f"{holder}){KERNEL_HINT}")
         os.close(fd)
         holder = _take_by_file(out)
         if holder is None:
@@ -101,19 +116,20 @@ def _take_by_file(out: Path) -> str | None:
         except FileExistsError:
             text = read_head(path)
             if text is None:
-                return (
-                    f"{path} is not a lock file this project writes (a link, a folder, a FIFO or unreadable): remove it"
-                )
-            if len(text) <= LINE_LIMIT and _stale(path, text):
+                return not_ours(out, path, "a link, a folder, a FIFO or unreadable")
+            # empty: a run may be between creating the file and writing its line
+            if text and (len(text) > LINE_LIMIT or OWNER_LINE.fullmatch(text) is None):
+                return not_ours(out, path, f"it reads: {shown(text)}")
+            if _stale(path, text):
                 remove_lock_file(path, text)  # that run is over: its lock is stale
                 continue
-            return f"{shown(text)}; {fix}"
+            return in_use(out, f"{shown(text)}; {fix}")
         except OSError as err:
-            return f"{path} cannot be created ({os.strerror(err.errno)}); {fix}"
+            return in_use(out, f"{path} cannot be created ({os.strerror(err.errno)}); {fix}")
         line = _owner_line().encode()
         os.write(fd, line)
         os.close(fd)
         _mine.add(str(path))
         atexit.register(remove_lock_file, path, line)
         return None
-    return f"a lock file that came back at once: {path}; {fix}"
+    return in_use(out, f"a lock file that came back at once: {path}; {fix}")

@@ -59,7 +59,7 @@ def test_a_stale_lock_file_of_this_host_is_taken_over(tmp_path, no_posix_locks):
     assert f"pid {os.getpid()}," in owner.read_text()
 
 
-@pytest.mark.parametrize("line", ["host another-node-7, pid 4242, since 2026-01-01 00:00:00\n", "garbage\n", ""])
+@pytest.mark.parametrize("line", ["host another-node-7, pid 4242, since 2026-01-01 00:00:00\n", ""])
 def test_a_lock_file_that_cannot_be_judged_is_named_not_removed(tmp_path, no_posix_locks, line):
     owner = tmp_path / run_lock.OWNER_NAME
     owner.write_text(line)
@@ -133,7 +133,9 @@ def _make(path, kind):
 def test_a_broken_or_hostile_lock_file_is_one_line_and_left_alone(tmp_path, no_posix_locks, kind):
     owner = tmp_path / run_lock.OWNER_NAME
     _make(owner, kind)
-    with pytest.raises(RecipeError, match=f"in use by another run .*{owner}") as err:
+    # a line as run_lock writes it (the host name made of escape codes) names a run; anything else is no lock of ours
+    said = "in use by another run .*" if kind == "escape codes" else "is not a lock file this project writes .*delete "
+    with pytest.raises(RecipeError, match=f"{said}{owner}") as err:
         hold_output_dir(_args(tmp_path), warn=lambda m: None)
     message = str(err.value)
     assert "\n" not in message and "\x1b" not in message and len(message) < 1000, message
@@ -337,3 +339,32 @@ def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, ca
     (run / run_lock.OWNER_NAME).write_text("hello \x1b[31m\n")  # not a lock file this project writes
     cli("check_checkpoint", [str(run)])
     assert "training in it" not in capsys.readouterr().out
+
+
+# what a lock file may hold that no run of this project wrote: none of them names a run
+NOT_A_LOCK_LINE = {
+    "a word": "garbage\n",
+    "binary": "\x00\x01\x02\xff",
+    "no commas": f"host {socket.gethostname()} pid 1 since then\n",
+    "no newline": f"host {socket.gethostname()}, pid 1, since then",
+    "json": '{"host": "a", "pid": 1}\n',
+    "escape codes": "hello \x1b[31m\n",
+    "two lines": "host a, pid 1, since then\nhost b, pid 2, since then\n",
+    "too long": "x" * 400,
+    "a lone newline": "\n",
+}
+
+
+@pytest.mark.parametrize("kind", NOT_A_LOCK_LINE)
+def test_a_lock_file_of_other_content_is_said_to_be_none_of_ours(tmp_path, no_posix_locks, kind):
+    """Not "in use by another run": no run is named by such a file. The line says it is no lock file of ours and how
+    to go on (delete it if no run trains there); the file is left as it is."""
+    owner = tmp_path / run_lock.OWNER_NAME
+    owner.write_bytes(NOT_A_LOCK_LINE[kind].encode("latin-1"))
+    with pytest.raises(RecipeError) as err:
+        hold_output_dir(_args(tmp_path), warn=lambda m: None)
+    message = str(err.value)
+    assert "\n" not in message and "\x1b" not in message and "in use by another run" not in message, message
+    assert f"{owner} is not a lock file this project writes" in message, message
+    assert f"if no run trains in {tmp_path}, delete {owner}" in message, message
+    assert owner.read_bytes() == NOT_A_LOCK_LINE[kind].encode("latin-1")
