@@ -37,15 +37,19 @@ _CHUNK = 64 << 20
 _PROGRESS_FROM = 1 << 30  # a bar for bases of 1 GB and more
 
 
-def local_folder(name: str) -> Path | None:
-    """The local folder of base ``name``: itself when it is one, else the hub cache's snapshot of that repo id when
-    its weights are there (never downloads); None when neither."""
+def local_folder(name: str, revision: str | None = None) -> Path | None:
+    """The local folder of base ``name``: itself when it is one, else the hub cache's snapshot of that repo id at
+    ``revision`` (None: main) when its weights are there (never downloads); None when neither."""
     if Path(name).is_dir():
         return Path(name)
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(name, local_files_only=True, allow_patterns=["*.json", "*.safetensors"]))
+        return Path(
+            snapshot_download(
+                name, revision=revision, local_files_only=True, allow_patterns=["*.json", "*.safetensors"]
+            )
+        )
     except (OSError, ValueError):  # not a hub id (HFValidationError), or not in the cache (LocalEntryNotFoundError)
         return None
 

@@ -266,7 +266,8 @@ def lora_base_identity(args: ModelArguments, resume_from_checkpoint: str | None,
     record = problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            record, problem = _base_identity(args.model_name_or_path, resume_from_checkpoint, log)
+            at = revision(args, args.model_name_or_path)  # the snapshot the model was loaded from
+            record, problem = _base_identity(args.model_name_or_path, resume_from_checkpoint, log, at)
         except (CheckpointError, OSError) as err:
             problem = f"the base model {args.model_name_or_path} cannot be checked: {err}"
     if dist.is_initialized():
@@ -278,8 +279,8 @@ def lora_base_identity(args: ModelArguments, resume_from_checkpoint: str | None,
     return record
 
 
-def _base_identity(name: str, ckpt: str | None, log) -> tuple[dict | None, str | None]:
-    folder = base_identity.local_folder(name)
+def _base_identity(name: str, ckpt: str | None, log, at: str | None = None) -> tuple[dict | None, str | None]:
+    folder = base_identity.local_folder(name, at)
     if folder is None or not any(folder.glob("*.safetensors")):
         if (
             ckpt is not None and base_identity.read(ckpt) is not None

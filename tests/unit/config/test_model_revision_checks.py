@@ -49,7 +49,7 @@ def hub_cache(root: Path) -> Path:
         (snapshot / "config.json").write_text(json.dumps(config))
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (snapshot / name).write_text((REPO / "assets" / "tiny-llama" / name).read_text())
-        save_file({"w": torch.zeros(2)}, str(snapshot / "model.safetensors"))
+        save_file({"w": torch.full((2,), float(number))}, str(snapshot / "model.safetensors"))  # its own weights
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / revision).write_text(commit)
     return cache
@@ -169,3 +169,24 @@ def test_every_reader_of_the_config_before_training_reads_the_revision(tmp_path,
     said = reader(revision, tmp_path)
     wanted = READERS[(reader, revision)]
     assert (said is None) if wanted is None else (said is not None and wanted in said), said
+
+
+@pytest.mark.parametrize("revision", sorted(CONFIGS))
+def test_a_lora_base_is_recorded_at_the_revision_the_run_loads(tmp_path, monkeypatch, revision):
+    """A LoRA run's base identity (checked when a checkpoint resumes) describes the snapshot the model was loaded
+    from, each revision's own weights."""
+    from types import SimpleNamespace
+
+    from huggingface_hub import constants
+
+    from fsdp_recipes.ckpt import base_identity
+    from fsdp_recipes.train.modeling import lora_base_identity
+
+    cache = hub_cache(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    args = SimpleNamespace(use_peft=True, model_name_or_path=REPO_ID, model_revision=revision)
+    repo = cache / f"models--{REPO_ID.replace('/', '--')}"
+    snapshot = repo / "snapshots" / (repo / "refs" / revision).read_text()
+    said = []
+    assert lora_base_identity(args, None, log=said.append) == base_identity.identity(snapshot, name=REPO_ID), said
