@@ -20,6 +20,7 @@ from fsdp_recipes.config.strategy import DDP_TYPES  # accelerate's distributed t
 from fsdp_recipes.errors import UnreadableFile
 
 MIXED_PRECISION = ["no", "fp16", "bf16", "fp8"]
+ACCELERATE_AS_RECIPE = "is an accelerate config"
 
 
 def _known_keys() -> tuple[set[str], set[str], set[str]]:
@@ -52,6 +53,28 @@ def _recipe_keys() -> set[str]:
     }
 
 
+def recipe_keys_problem(recipe: dict, known: set[str], path) -> tuple[str, str] | None:
+    """(what is wrong, the fix) when a recipe (its TRL names already taken: trl_names.rename_recipe_keys) has keys
+    no recipe takes; None when it has none. An accelerate config given as the recipe (accelerate's keys and none
+    only a recipe has) is said to be one, with where it goes, not listed key by key. train_fsdp.py and
+    tools/check_config.py --recipe say the same."""
+    from fsdp_recipes.config.trl_names import UNKNOWN_FIX, unknown_keys
+
+    unknown = sorted(set(recipe) - known)
+    if not unknown:
+        return None
+    top = _known_keys()[0]
+    theirs = sorted(set(recipe) & (top - known))
+    if theirs and not set(recipe) & (known - top):
+        return (
+            f"{ACCELERATE_AS_RECIPE} ({', '.join(theirs[:3])}{', ...' if len(theirs) > 3 else ''}), not a "
+            "training recipe",
+            f"pass it as accelerate launch --config_file {path} train_fsdp.py, and give train_fsdp.py a recipe "
+            "(recipes/) or none",
+        )
+    return unknown_keys(unknown, known), UNKNOWN_FIX
+
+
 def check_config(
     config_path: str | os.PathLike,
     recipe_path: str | os.PathLike | None = None,
@@ -70,7 +93,24 @@ def check_config(
     except UnreadableFile as err:
         c.error("-", err.reason, err.fix, file=err.path)
         return c.problems
-    return check_settings(raw, str(config_path), recipe, str(recipe_path or "recipe"), model)
+    if recipe_path is not None and (problem := _recipe_problem(recipe, recipe_path)):
+        c.error("-", *problem, file=str(recipe_path))
+        if ACCELERATE_AS_RECIPE in problem[0]:  # the recipe's settings are none: nothing to check the config against
+            return c.problems
+    return c.problems + check_settings(raw, str(config_path), recipe, str(recipe_path or "recipe"), model)
+
+
+def _recipe_problem(recipe: dict, path) -> tuple[str, str] | None:
+    """The recipe file's keys as train_fsdp.py takes them (TRL's and the handbook's names included)."""
+    from fsdp_recipes.config import trl_recipe
+    from fsdp_recipes.config.trl_names import rename_recipe_keys
+    from fsdp_recipes.errors import RecipeError
+
+    try:
+        recipe = rename_recipe_keys(trl_recipe.translate(recipe, tell=lambda line: None))
+    except RecipeError as err:
+        return str(err), "fix the recipe (train_fsdp.py refuses it as it is)"
+    return recipe_keys_problem(recipe, _recipe_keys(), path)
 
 
 def check_settings(

@@ -11,6 +11,7 @@ from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.ckpt.resume import check_output_dir, explicit, requested
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config import batch_size, helptext, launcher, trl_recipe
+from fsdp_recipes.config.accelerate_config import ACCELERATE_AS_RECIPE, recipe_keys_problem
 from fsdp_recipes.config.arguments import DataArguments, build
 from fsdp_recipes.config.flags import (
     bare_flags_as_values,
@@ -27,7 +28,7 @@ from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.config.recipe_checks import ZERO1_UNDER_FSDP
 from fsdp_recipes.config.run_arguments import RunArguments
 from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
-from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys, unknown_keys_problem
+from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys
 from fsdp_recipes.config.values import best_metric_direction, check_task_flags, check_training_values
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, UnreadableFile
@@ -100,17 +101,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     helptext.quiet_unless_first(argv)
     parser = helptext.build_parser(show_all="--help-all" in argv)
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml")):
-        recipe = load_recipe(Path(argv.pop(0)).expanduser())
+        recipe_path = argv.pop(0)
+        recipe = load_recipe(Path(recipe_path).expanduser())
     elif argv and not argv[0].startswith("-"):
         raise RecipeError(f"{argv[0]!r} is not a recipe: give a .yaml file first, then --flags")
     else:
-        recipe = load_recipe(DEFAULT_RECIPE, anchor_paths=True)
+        recipe_path, recipe = DEFAULT_RECIPE, load_recipe(DEFAULT_RECIPE, anchor_paths=True)
     argv = trl_recipe.translate_flags(argv)
     recipe = rename_recipe_keys(trl_recipe.translate(recipe, argv))  # TRL's and the handbook's keys, TRL's meaning
-    known = {action.dest for action in parser._actions}
-    unknown = sorted(set(recipe) - known)
-    if unknown:
-        raise RecipeError(unknown_keys_problem(unknown, known))
+    if problem := recipe_keys_problem(recipe, {action.dest for action in parser._actions}, recipe_path):
+        what, fix = problem  # an accelerate config names its file; unknown keys are the recipe's
+        raise RecipeError(
+            f"{recipe_path} {what}: {fix}" if what.startswith(ACCELERATE_AS_RECIPE) else f"recipe: {what}: {fix}"
+        )
     check_deepspeed(recipe.get("deepspeed"))  # before its type check: a mapping there is DeepSpeed's too
     check_trl_flags(argv, parser)
     check_flags(argv, parser)

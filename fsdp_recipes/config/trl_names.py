@@ -53,8 +53,11 @@ def check_flag_aliases(argv: list[str], parser) -> None:
         seen[dest[flag]] = (flag, value)
 
 
-def unknown_keys_problem(unknown: list[str], known, what: str = "recipe", kind: str = "key") -> str:
-    """One line naming every recipe key (or flag) that means nothing here: TRL's first, then the rest with hints."""
+UNKNOWN_FIX = "remove them (see `train_fsdp.py --help`)"
+
+
+def unknown_keys(unknown: list[str], known, kind: str = "key") -> str:
+    """Every recipe key (or flag) that means nothing here, named: TRL's first, then the rest with hints."""
     trl = [k for k in unknown if k in NO_EQUIVALENT]
     other = [k for k in unknown if k not in NO_EQUIVALENT]
     parts = []
@@ -62,7 +65,12 @@ def unknown_keys_problem(unknown: list[str], known, what: str = "recipe", kind: 
         parts.append(f"TRL {kind}(s) with no equivalent here: {', '.join(f'{k} ({NO_EQUIVALENT[k]})' for k in trl)}")
     if other:
         parts.append(f"unknown {kind}(s): {with_hints(other, known)}")
-    return f"{what}: {'; '.join(parts)}: remove them (see `train_fsdp.py --help`)"
+    return "; ".join(parts)
+
+
+def unknown_keys_problem(unknown: list[str], known, what: str = "recipe", kind: str = "key") -> str:
+    """One line naming every recipe key (or flag) that means nothing here (``unknown_keys``), and the fix."""
+    return f"{what}: {unknown_keys(unknown, known, kind)}: {UNKNOWN_FIX}"
 
 
 def check_trl_flags(argv: list[str], parser) -> None:

@@ -691,3 +691,50 @@ def test_a_wrap_class_that_is_no_class_name_is_one_error_without_a_model(base, v
     for names in ("LlamaDecoderLayer", "LlamaDecoderLayer,LlamaMLP"):  # as accelerate reads them: taken
         taken = check_settings(variant(base, fsdp_transformer_layer_cls_to_wrap=names), "x.yaml")
         assert not [p for p in errors(taken) if "is not a class name" in str(p)], [str(p) for p in taken]
+
+
+ACCELERATE_AS_RECIPE = "is an accelerate config"
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_an_accelerate_config_given_as_the_recipe_is_said_so_by_both(config):
+    """check_config.py --recipe <an accelerate config>, and train_fsdp.py <an accelerate config>: one error, in the
+    same words, naming accelerate launch --config_file; not "ok", not an unknown-key list."""
+    from fsdp_recipes.config.parse import parse_args
+    from fsdp_recipes.errors import RecipeError
+
+    problems = check_config(REPO / "accelerate_configs" / "zero3.yaml", REPO / config)
+    assert len(problems) == 1 and problems[0].file == str(REPO / config), [str(p) for p in problems]
+    said = problems[0]
+    assert ACCELERATE_AS_RECIPE in said.message and f"accelerate launch --config_file {REPO / config}" in said.fix
+    with pytest.raises(RecipeError) as err:
+        parse_args([str(REPO / config), "--output_dir", "unused"])
+    assert str(err.value) == f"{REPO / config} {said.message}: {said.fix}"
+
+
+# a shipped recipe's key misspelt, or an accelerate key put into a recipe: named by the check as train_fsdp.py names it
+TYPOS = {
+    "learning_rate": "learnig_rate",
+    "per_device_train_batch_size": "per_device_batch_size",
+    "block_size": "blocksize",
+    "max_steps": "max_step",
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("change", [*TYPOS, "mixed_precision added"])
+def test_a_recipe_key_train_fsdp_refuses_is_an_error_of_the_check(tmp_path, recipe, change):
+    text = yaml.safe_load((REPO / recipe).read_text())
+    if change == "mixed_precision added":
+        text["mixed_precision"] = "bf16"  # accelerate's key, in a recipe that is otherwise one
+        wrong = "mixed_precision"
+    elif change in text:
+        text[TYPOS[change]] = text.pop(change)
+        wrong = TYPOS[change]
+    else:
+        pytest.skip(f"{recipe} sets no {change}")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(text))
+    problems = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", path, model=TINY))
+    assert len(problems) == 1 and problems[0].file == str(path), [str(p) for p in problems]
+    assert f"unknown key(s): {wrong}" in problems[0].message and ACCELERATE_AS_RECIPE not in problems[0].message
