@@ -106,6 +106,7 @@ def write_weight_part(
     model_cls, expected, tied, ignorable = model_skeleton(
         copy.deepcopy(config)
     )  # from_config edits the config it is given
+    _refuse_merged_tied(source, tied)
     weights = match_namespace(source.tensors, expected, tied, model_cls.__name__, ignorable)
     written = write_weights(
         source,
@@ -117,6 +118,26 @@ def write_weight_part(
         part=part,
     )
     return model_cls, written, weight_files(source, weights.names, max_shard_size, dtype)
+
+
+def lora_merge_input(ckpt: Path, log=print) -> ResolvedInput:
+    """The LoRA checkpoint ``ckpt`` resolved as merge_checkpoint resolves it (its checks included), its source the
+    merged weights, read tensor by tensor (MergedLoraSource): for a caller that writes them itself, as the final
+    export does, each rank its part (write_weight_part)."""
+    resolved = resolve_input(ckpt)
+    files = read_files(resolved.checkpoint_dir, resolved.places)
+    if files.problems:
+        raise CheckpointError(files.problems[0])
+    _lora(resolved, files, None, False, log)
+    return resolved
+
+
+def _refuse_merged_tied(source, tied: list[str]) -> None:
+    if isinstance(source, MergedLoraSource) and (merged := source.merged_into_tied(tied)):
+        raise CheckpointError(
+            f"{merged} has a LoRA adapter and is tied to the input embeddings: peft's merge changes both "
+            "tensors, this merge writes the tied weight once; merge with peft's merge_and_unload instead"
+        )
 
 
 @dataclass
@@ -206,11 +227,8 @@ def merge_checkpoint(
             # before transformers has checked them (tied ones would be written twice)
             untied = base_model is None and not lora and (files.config or {}).get("tie_word_embeddings") is False
             weights = (guess_namespace(resolved.source.tensors) if untied else None) or future.result().weights
-            if lora and (tied := resolved.source.merged_into_tied(future.result().tied)):
-                raise CheckpointError(
-                    f"{tied} has a LoRA adapter and is tied to the input embeddings: peft's merge changes both "
-                    "tensors, this merge writes the tied weight once; merge with peft's merge_and_unload instead"
-                )
+            if lora:
+                _refuse_merged_tied(resolved.source, future.result().tied)
         if odd := next(
             (n for n in weights.names.values() if resolved.source.tensors[n].dtype not in DTYPE_SIZES), None
         ):

@@ -31,12 +31,18 @@ from fsdp_recipes.ckpt.layout import (
     REPORT_NAME,
     step_of_name,
 )
-from fsdp_recipes.ckpt.merge import write_weight_part
-from fsdp_recipes.ckpt.readers import DCPSource
+from fsdp_recipes.ckpt.merge import lora_merge_input, write_weight_part
+from fsdp_recipes.ckpt.readers import DCPSource, dtype_name
 from fsdp_recipes.ckpt.shard_digests import write_shard_digests
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnreadableFile
 from fsdp_recipes.removal import make_folder, remove, replace_file
-from fsdp_recipes.train.model_folder import publish, publish_adapter, remove_export_leftovers, write_final_folder
+from fsdp_recipes.train.model_folder import (
+    publish,
+    publish_adapter,
+    remove_export_leftovers,
+    write_adapter_folder,
+    write_final_folder,
+)
 from fsdp_recipes.train.sharding import read_run_report, unwrapped_model_class, update_run_report
 
 logger = logging.getLogger(__name__)
@@ -125,13 +131,16 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
 
     Under SHARDED_STATE_DICT the stock ``Trainer.save_model`` writes nothing, so every rank saves its shard with DCP
     (collective, as every checkpoint), then every rank streams its part of the safetensors files from those shards
-    (memory bounded by the largest tensor): rank r writes shards r, r+N, ... (safetensors_writer.write_weights).
-    No rank waits on a collective after that, so no ``ddp_timeout`` bounds the conversion: each rank leaves a
-    completion file in the staging folder and is done; rank 0 waits for those files (wait_for_parts: no deadline on
-    the writing; a rank that fails says so in a file, one that dies or hangs stops its heartbeat file), then
-    writes config and tokenizer and renames the staging folder to ``model/`` (publish). A LoRA run's merged model is
-    written by rank 0 alone (the merge of the adapter), the other ranks again not waiting. A killed export leaves
-    only marked staging folders: no ``model/`` that looks complete (remove_export_leftovers clears them next time).
+    (memory bounded by the largest tensor): rank r writes shards r, r+N, ... (safetensors_writer.write_weights). A
+    LoRA run's shards hold the base and the adapter: each rank merges the adapter into the base weights of its own
+    shards, tensor by tensor, as tools/merge_checkpoint.py does (ckpt.merge.lora_merge_input), and rank 0 also
+    writes the adapter folder. No rank waits on a collective after that, so no ``ddp_timeout`` bounds the
+    conversion: each rank leaves a completion file in the staging folder and is done; rank 0 waits for those files
+    (wait_for_parts: no deadline on the writing; a rank that fails says so in a file, one that dies or hangs stops
+    its heartbeat file), then writes config and tokenizer and renames the staging folder to ``model/`` (publish).
+    A LoRA run under FULL_STATE_DICT has its whole model gathered on rank 0, which merges it alone. A killed export
+    leaves only marked staging folders: no ``model/`` that looks complete (remove_export_leftovers clears them next
+    time).
     """
     from accelerate.utils import save_fsdp_model
 
@@ -143,13 +152,18 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     cast = None if dtype == parameter_dtype(model) else dtype
     started = time.monotonic()
     shards, staging = out / ".final-sharded", out / ".export-tmp"
-    via_shards = plugin is not None and ("SHARDED_STATE_DICT" in str(plugin.state_dict_type) or lora is not None)
+    sharded = plugin is not None and "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
+    via_shards = sharded or (plugin is not None and lora is not None)
+    gathered_lora = via_shards and not sharded  # FULL_STATE_DICT LoRA: rank 0 merges pytorch_model_fsdp.bin alone
     if accelerator.is_main_process:
         remove_export_leftovers(out, log=logger.info)
-        if not (via_shards and lora is not None):  # write_final_folder merges into a staging folder of its own
+        if not gathered_lora:  # write_final_folder merges into a staging folder of its own
             make_folder(staging, EXPORT_STAGING)
         if via_shards:
             make_folder(shards, EXPORT_STAGING)
+            if lora is not None:  # the adapter's config (and the base's record) beside the shards, for every rank's
+                # merge: written before the barrier below
+                save_model_description(model, tokenizer, shards, trainer.describer.base_record)
     if plugin is None and lora is not None:  # a run without FSDP (--allow_no_fsdp): the whole model is here
         if accelerator.is_main_process:
             adapter_staging = out / ".adapter-tmp"
@@ -175,51 +189,66 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     accelerator.wait_for_everyone()
     save_fsdp_model(plugin, accelerator, trainer.model, str(shards))
     accelerator.wait_for_everyone()  # every rank's DCP shard is written: the last collective of the run
-    if lora is not None:  # the merged model, and the adapter beside it: rank 0 alone
+    if gathered_lora:
         if accelerator.is_main_process:
-            save_model_description(
-                model, tokenizer, shards, trainer.describer.base_record
-            )  # the adapter folder gets the record
             write_final_folder(shards, out, log=logger.info, dtype=cast)
             remove(shards, EXPORT_STAGING)
             record_export(out, {"dtype": dtype, "writers": 1, "seconds": round(time.monotonic() - started, 3)})
         return
     rank, world = accelerator.process_index, accelerator.num_processes
-    source = DCPSource(shards / DCP_MODEL_DIR)
-    size = sum(info.nbytes(cast) for info in source.tensors.values())
-    model_cls, _, weight_names = write_part(
-        source, staging, model.config, (rank, world), cast, part_shard_size(size, world)
-    )
+    said = logger.info if accelerator.is_main_process else lambda line: None
+    merged = []  # a LoRA run's resolved input: whether its base was dequantized (QLoRA)
+
+    def open_source():
+        if lora is None:
+            return DCPSource(shards / DCP_MODEL_DIR)
+        merged.append(lora_merge_input(shards, log=said))
+        return merged[0].source
+
+    model_cls, _, weight_names = write_part(open_source, staging, base.config, (rank, world), cast)
     if not accelerator.is_main_process:
         return
+    if lora is not None:  # the adapter folder, as tools/merge_checkpoint.py --adapter-only writes it
+        write_adapter_folder(shards, out, log=logger.info)
+    config, dequantized = copy.deepcopy(base.config), bool(merged) and merged[0].dequantized  # its dtype gets set
+    generation = getattr(base, "generation_config", None)
+
+    def describe(folder: Path) -> list[str]:
+        return describe_folder(folder, model_cls, config, tokenizer, generation, dtype, dequantized)
+
+    publish_parts(staging, out, world, weight_names, describe, dtype, started)
+    remove(shards, EXPORT_STAGING)
+
+
+def publish_parts(staging: Path, out: Path, world: int, weight_names: list[str], describe, dtype: str, started: float):
+    """Rank 0's end of a parallel export: every rank's part written (wait_for_parts) and every weight file there, the
+    description written (``describe(staging)``: the names of its files), ``out/model/`` published and the export
+    recorded in the run's fsdp_report.json (writers: the ranks that wrote a file). Returns that record."""
     parts = wait_for_parts(staging, world, log=logger.info)
     if missing := [n for n in weight_names if not (staging / n).is_file()]:
         raise CheckpointError(
             f"the final export finished without {', '.join(missing[:3])} in {staging}: nothing was published; "
             "run the same command with --resume_from_checkpoint true to export the last checkpoint again"
         )
-    config = copy.deepcopy(model.config)  # describe_folder sets its dtype
-    described = describe_folder(staging, model_cls, config, tokenizer, getattr(model, "generation_config", None), dtype)
+    described = describe(staging)
     size = sum((staging / n).stat().st_size for n in weight_names if n.endswith(".safetensors"))
     publish(staging, out, sorted(set(weight_names) | set(described)))
-    remove(shards, EXPORT_STAGING)
     seconds = round(time.monotonic() - started, 3)
     writers = sum(1 for p in parts.values() if p["files"])
-    record_export(
-        out,
-        {
-            "dtype": dtype,
-            "writers": writers,
-            "shards": sum(n.endswith(".safetensors") for n in weight_names),
-            "bytes": size,
-            "seconds": seconds,
-            "ranks": {str(r): p for r, p in sorted(parts.items())},
-        },
-    )
+    record = {
+        "dtype": dtype,
+        "writers": writers,
+        "shards": sum(n.endswith(".safetensors") for n in weight_names),
+        "bytes": size,
+        "seconds": seconds,
+        "ranks": {str(r): p for r, p in sorted(parts.items())},
+    }
+    record_export(out, record)
     logger.info(
         f"final model: {size / 1e6:,.1f} MB in {dtype}, written by {writers} of {world} rank(s) in parallel in "
         f"{seconds:.1f} s (fsdp_report.json: export)"
     )
+    return record
 
 
 def weight_files(folder: Path) -> list[str]:
@@ -283,10 +312,12 @@ def save_dtype_problem(trainer, save_dtype: str) -> str | None:
     )
 
 
-def write_part(source, staging: Path, config, part: tuple[int, int], dtype, max_shard_size: int):
+def write_part(source, staging: Path, config, part: tuple[int, int], dtype, max_shard_size: int | None = None):
     """This rank's shards of the final folder into ``staging``, then its completion file: ``.part-K.done`` (the files
-    and the seconds it took), or ``.part-K.failed`` (the error) before the error goes on up. Returns what
-    write_weight_part returns."""
+    and the seconds it took), or ``.part-K.failed`` (the error) before the error goes on up. ``source``: a checkpoint
+    source, or a function that opens one (its errors are this rank's failure too). ``max_shard_size``: by default
+    part_shard_size of the source's bytes (in ``dtype``) and the part's rank count. Returns what write_weight_part
+    returns."""
     rank, started, stop = part[0], time.monotonic(), threading.Event()
 
     def beat():
@@ -300,6 +331,11 @@ def write_part(source, staging: Path, config, part: tuple[int, int], dtype, max_
     beating = threading.Thread(target=beat, name="export-heartbeat", daemon=True)
     beating.start()
     try:
+        if callable(source):
+            source = source()
+        if max_shard_size is None:
+            size = sum(info.nbytes(dtype_name(dtype)) for info in source.tensors.values())
+            max_shard_size = part_shard_size(size, part[1])
         result = write_weight_part(source, staging, config, part, dtype, max_shard_size)
     except BaseException as err:
         (staging / f".part-{rank}.failing").write_text(f"{type(err).__name__}: {err}"[:2000] + "\n")
