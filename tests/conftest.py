@@ -343,7 +343,7 @@ def pytest_unconfigure(config):
 
 # Tests that launch real multi-process runs (directly or through these fixtures) are the slow tier;
 # `python -m pytest -q -m "not slow" tests` is the quick one, for development.
-SLOW_FIXTURES = {"trained", "corpus"}
+SLOW_FIXTURES = {"trained", "corpus", "lora_recipe_run"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -397,6 +397,34 @@ def trained(tmp_path_factory):
         return runs[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def lora_recipe_run(tmp_path_factory) -> Path:
+    """recipes/tiny-llama/lora_sft.yaml launched on zero3.yaml as a new user would, from a fresh checkout (assets/ and
+    recipes/, no runs/), for 4 steps with checkpoints 2 and 4: the folder it ran in (the run is runs/tiny-llama-lora
+    there, its base built from a config and saved once in runs/tiny-llama-lora/base_model). Shared by every test of
+    the recipe and across xdist workers: tests copy what they change (lora_recipe_copy)."""
+    from filelock import FileLock
+
+    root = shared_temp(tmp_path_factory) / "lora-recipe"
+    with FileLock(f"{root}.lock"):
+        if not (root / "runs" / "tiny-llama-lora" / "model").is_dir():
+            shutil.rmtree(root, ignore_errors=True)
+            for folder in ("assets", "recipes"):
+                shutil.copytree(REPO / folder, root / folder)
+            launch("accelerate_configs/zero3.yaml", LORA_RECIPE, "--max_steps", "4", "--save_steps", "2", cwd=root)
+    return root
+
+
+LORA_RECIPE = "recipes/tiny-llama/lora_sft.yaml"
+
+
+def lora_recipe_copy(root: Path, to: Path) -> Path:
+    """A private copy of lora_recipe_run's run folder at ``to`` (no lock file): a resume of it names ``to`` as
+    --output_dir."""
+    shutil.copytree(root / "runs" / "tiny-llama-lora", to, ignore=shutil.ignore_patterns(".run.lock*"))
+    return to
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Asynchronous checkpoints (fsdp_recipes.train.async_checkpoints), with real multi-process runs: a checkpoint whose
 writing is held back by fault injection until training has gone on two more steps, so that the overlap is certain
-and not a matter of timing; the same run killed while that write is in flight; the flag that turns it off.
+and not a matter of timing; the same run killed while that write is in flight; the flag that turns it off; a rank
+killed before its last file, with save_total_limit 1, leaving the checkpoint before.
 
 On CPU the shards live in host memory, so by default a save is written from the live tensors and the next optimizer
 step waits for it: a write held until step N + 2 could never finish there. The held-write tests therefore ask for the
@@ -244,18 +245,39 @@ def test_the_trainers_end_of_training_cleanup_waits_for_the_save_in_flight_and_d
     assert (out / "model" / "model.safetensors").is_file()
 
 
-def test_async_checkpoints_false_waits_for_each_and_says_so(trained, tmp_path):
-    """And --direct_io_checkpoints false: DCP writes the shard files itself, through the page cache (the resume tests
-    and the FSDP1 runs read checkpoints written direct, the default)."""
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained, tmp_path, background):
+    """With save_total_limit 1 the Trainer deletes the older checkpoint as soon as rank 0 has written
+    trainer_state.json, while other ranks may still be writing their files: a rank killed there left no complete
+    checkpoint at all. FSDPTrainer deletes only after every rank is done, so the resume starts from checkpoint-6.
+    A background save (the default) goes further: trainer_state.json itself waits for every rank's files.
+    The sync runs also take --direct_io_checkpoints false (DCP writes the shard files itself, through the page cache;
+    the other resume tests read checkpoints written direct, the default) and say that each save is waited for."""
+    config = "accelerate_configs/zero3.yaml"
     out = tmp_path / "run"
-    run = launch(
-        ZERO3, *EVERY_3, "--output_dir", str(out), "--async_checkpoints", "false", "--direct_io_checkpoints", "false"
+    limit_1 = [*quick(save_total_limit="1"), "--async_checkpoints", str(background).lower()]
+    if not background:
+        limit_1 += ["--direct_io_checkpoints", "false"]
+    killed = launch(
+        config, *limit_1, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:rng:12"}, check=False
     )
-    assert "checkpoints are written before training goes on (--async_checkpoints false)" in run.stdout
-    assert "written in the background" not in run.stdout
-    assert read_json(out / "fsdp_report.json")["checkpoint_writes"] == {
-        "mode": "blocking",
-        "why": "--async_checkpoints false",
-        "direct_io": False,
-    }
-    assert_same_model(out / "model", trained(ZERO3).model_dir)
+    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    assert (out / "checkpoint-12" / "trainer_state.json").is_file() is not background
+    assert not (out / "checkpoint-12" / "rng_state_1.pth").exists()
+    assert (out / "checkpoint-6" / "trainer_state.json").is_file()
+    resumed = launch(config, *limit_1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert "skipping checkpoint-12" in resumed.stderr and f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12"]  # the limit still holds
+    final, reference = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(trained(config).model_dir / "model.safetensors"),
+    )
+    assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
+    if not background:
+        assert "checkpoints are written before training goes on (--async_checkpoints false)" in resumed.stdout
+        assert "written in the background" not in resumed.stdout
+        assert read_json(out / "fsdp_report.json")["checkpoint_writes"] == {
+            "mode": "blocking",
+            "why": "--async_checkpoints false",
+            "direct_io": False,
+        }

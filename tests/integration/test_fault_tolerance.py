@@ -178,9 +178,17 @@ def test_ctrl_c_is_one_line_on_how_to_resume(tmp_path):
         "same command again to start over (SIGTERM or SIGUSR1 instead of Ctrl-C saves one first)"
     ], proc.stderr[-3000:]
     assert "[rank" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
-    # what the line says to do works (a resume would find no checkpoint)
-    again = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out))
-    assert (out / "checkpoint-12").is_dir() and (out / "model").is_dir(), again.stderr[-2000:]
+    # what the line says to do works: the same command's check of the folder left passes (nothing to delete), and
+    # the folder's lock is free
+    from types import SimpleNamespace
+
+    from fsdp_recipes.ckpt.resume import check_output_dir
+    from fsdp_recipes.ckpt.stop_advice import how_to_go_on
+    from fsdp_recipes.train.preflight import hold_output_dir
+
+    assert how_to_go_on(out) == "no checkpoint was saved yet: run the same command again to start over"
+    assert check_output_dir(str(out), resuming=False, overwrite=False) == []
+    hold_output_dir(SimpleNamespace(process_index=0, output_dir=str(out)))
 
 
 def test_what_to_run_after_a_stop_is_what_works_in_the_folder_left(trained, tmp_path):
@@ -272,32 +280,6 @@ def test_epoch_based_run_killed_while_writing_the_final_model(tmp_path):
     final, reference = (
         load_file(out / "model" / "model.safetensors"),
         load_file(tmp_path / "merged" / "model.safetensors"),
-    )
-    assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
-
-
-@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
-def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained, tmp_path, background):
-    """With save_total_limit 1 the Trainer deletes the older checkpoint as soon as rank 0 has written
-    trainer_state.json, while other ranks may still be writing their files: a rank killed there left no complete
-    checkpoint at all. FSDPTrainer deletes only after every rank is done, so the resume starts from checkpoint-6.
-    A background save (the default) goes further: trainer_state.json itself waits for every rank's files."""
-    config = "accelerate_configs/zero3.yaml"
-    out = tmp_path / "run"
-    limit_1 = [*quick(save_total_limit="1"), "--async_checkpoints", str(background).lower()]
-    killed = launch(
-        config, *limit_1, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:rng:12"}, check=False
-    )
-    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
-    assert (out / "checkpoint-12" / "trainer_state.json").is_file() is not background
-    assert not (out / "checkpoint-12" / "rng_state_1.pth").exists()
-    assert (out / "checkpoint-6" / "trainer_state.json").is_file()
-    resumed = launch(config, *limit_1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
-    assert "skipping checkpoint-12" in resumed.stderr and f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12"]  # the limit still holds
-    final, reference = (
-        load_file(out / "model" / "model.safetensors"),
-        load_file(trained(config).model_dir / "model.safetensors"),
     )
     assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
 

@@ -14,10 +14,12 @@ import pytest
 import torch
 from conftest import (
     FAULT_SCRIPT,
+    LORA_RECIPE,
     QUICK,
     REPO,
     launch,
     logged_losses,
+    lora_recipe_copy,
     quick,
     read_json,
     rewrite_weights,
@@ -167,8 +169,7 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
     )
 
 
-@pytest.mark.slow
-def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(tmp_path, monkeypatch):
+def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(lora_recipe_run, monkeypatch):
     """recipes/tiny-llama/lora_sft.yaml builds its base from a config: the run saves that base once, and the adapter
     loads onto it exactly as a new user would write it, from where the recipe was launched."""
     import json
@@ -176,18 +177,7 @@ def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(tmp_path, monke
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, set_seed
 
-    for folder in ("assets", "recipes"):  # what a fresh checkout has, and no runs/
-        shutil.copytree(REPO / folder, tmp_path / folder)
-    launch(
-        "accelerate_configs/zero3.yaml",
-        "recipes/tiny-llama/lora_sft.yaml",
-        "--max_steps",
-        "10",
-        "--save_steps",
-        "5",
-        cwd=tmp_path,
-    )
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(lora_recipe_run)  # a fresh checkout the recipe was launched in
 
     # the new user's code, word for word
     adapter = "runs/tiny-llama-lora/adapter"
@@ -622,13 +612,11 @@ def test_a_lora_run_ends_on_its_best_checkpoint(trained, config, tmp_path):
     same_tensors(out / "adapter" / "adapter_model.safetensors", adapter / "adapter_model.safetensors")
 
 
-@pytest.mark.slow
-def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(tmp_path):
+def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(lora_recipe_run, tmp_path):
     """The LoRA recipe (its base built from a config and saved once): every checkpoint and the adapter record the
     base; the base zeroed since, or rebuilt from another seed, stops the resume in one line, before training."""
-    out = tmp_path / "run"
-    args = ["recipes/tiny-llama/lora_sft.yaml", "--max_steps", "4", "--save_steps", "2", "--output_dir", str(out)]
-    launch("accelerate_configs/zero3.yaml", *args)
+    out = lora_recipe_copy(lora_recipe_run, tmp_path / "run")
+    args = [LORA_RECIPE, "--max_steps", "4", "--save_steps", "2", "--output_dir", str(out)]
     recorded = base_identity.identity(out / "base_model")
     for folder in ("base_model", "checkpoint-2", "checkpoint-4", "adapter"):
         assert base_identity.read(out / folder)["tensors"] == recorded["tensors"], folder
