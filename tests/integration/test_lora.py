@@ -1,7 +1,7 @@
 """LoRA (peft) under FSDP2 and FSDP1: only the adapter trains, sharded like the rest; checkpoints hold the adapter
-alone (weights and optimizer state, every rank's slice); a run killed with SIGKILL and resumed from its mid-run
-checkpoint ends on the same bits; the run ends with the merged model (equal to peft's own merge_and_unload of the
-trained adapter) and the adapter folder PeftModel loads; the merge tool makes both from a checkpoint and the base."""
+alone (weights and optimizer state, every rank's slice); a run resumed from its mid-run checkpoint ends on the same
+bits; the run ends with the merged model (equal to peft's own merge_and_unload of the trained adapter) and the adapter
+folder PeftModel loads; the merge tool makes both from a checkpoint and the base."""
 
 from __future__ import annotations
 
@@ -90,11 +90,10 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, con
         checked.stdout
     )
 
-    # SIGKILL after step 9 (checkpoint-6 is the last one), then resume: the same bits as the run never stopped.
-    killed = launch(
-        config, *args, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:step:9"}, check=False
-    )
-    assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    # Resumed from checkpoint-6 (what a run killed after step 9 leaves: test_fault_tolerance kills runs; here a copy of
+    # the checkpoint stands for it): the same bits as the run never stopped.
+    out.mkdir()
+    shutil.copytree(ckpt, out / "checkpoint-6")
     as_loaded = tmp_path / "optimizer-as-loaded"
     resumed = launch(
         config,
