@@ -221,9 +221,9 @@ class MergedLoraSource:
         out = {}
         for n in names:
             if n not in self._merged:
-                out[n] = got[self._plain[n]]
+                out[n] = got.pop(self._plain[n])
                 continue
-            weight, a, b = (got[k] for k in self._merged[n])
+            weight, a, b = (got.pop(k) for k in self._merged[n])  # each base weight let go once merged
             # peft's get_delta_weight + merge (safe_merge=False): half precision on CPU goes through float32
             cast = b.dtype in (torch.float16, torch.bfloat16)
             delta = (b.float() @ a.float()) if cast else b @ a
