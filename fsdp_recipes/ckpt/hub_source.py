@@ -17,10 +17,16 @@ def one_line(problem: tuple[str, str]) -> str:
     return f"{problem[0]}: {problem[1]}"
 
 
+def is_local(name: str) -> bool:
+    """Whether ``name`` (``~`` expanded) is a path on this machine; a name no filesystem can look up (over its length
+    limit, a NUL byte) is not one: os.path.exists says False where open() would raise."""
+    return os.path.exists(os.path.expanduser(name))
+
+
 def missing_local_path(name: str) -> bool:
     """True when ``name`` can only mean a local path (absolute, ./ ../ ~, more than one slash, or under a folder that
     exists) and nothing is there: no hub id, so the hub is never asked about it."""
-    if os.path.exists(os.path.expanduser(name)):
+    if is_local(name):
         return False
     parts = name.split("/")
     return name.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
@@ -90,7 +96,7 @@ def base_model_problem(name: str) -> str | None:
     the hub cache nor answered for within the deadline. None: a local path that exists, or a hub id to load."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if os.path.exists(os.path.expanduser(name)):
+    if is_local(name):
         return None  # a local folder or file: the merge's own checks say what it lacks
     if missing_local_path(name):
         return (

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from fsdp_recipes.bounded import load_json
+from fsdp_recipes.ckpt.hub_source import is_local
 from fsdp_recipes.ckpt.layout import (
     HARD_LINK,
     INCOMPLETE_PREFIX,
@@ -319,7 +320,7 @@ def check_output_dir(
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RecipeError(f"output_dir {output_dir!r}: {existing} is not writable: choose a folder you can write to")
     for key, source in (inputs or {}).items():
-        if source and os.path.exists(os.path.expanduser(source)) and overlap(real(output_dir), real(source)):
+        if source and is_local(source) and overlap(real(output_dir), real(source)):
             how = (
                 "is"
                 if real(output_dir) == real(source)

@@ -3,11 +3,10 @@ cache when offline, the position limit in its config, QLoRA's needs. Answers are
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.ckpt.hub_source import hub_problem, missing_local_path, not_a_hub_id, one_line  # noqa: F401
+from fsdp_recipes.ckpt.hub_source import hub_problem, is_local, missing_local_path, not_a_hub_id, one_line  # noqa: F401
 from fsdp_recipes.errors import UnreadableFile
 
 
@@ -125,7 +124,7 @@ def dataset_source_problem(name: str) -> str | None:
     from datasets import config
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE or config.HF_DATASETS_OFFLINE or os.path.exists(os.path.expanduser(name)):
+    if constants.HF_HUB_OFFLINE or config.HF_DATASETS_OFFLINE or is_local(name):
         return None  # offline: datasets says what it lacks at once; a local folder or file: its own loader's
     if (Path(config.HF_DATASETS_CACHE) / name.replace("/", "___")).is_dir():
         return None

@@ -5,12 +5,12 @@ format's DEFAULT_CHAT_TEMPLATE, its current format's ChatML set-up)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fsdp_recipes.bounded import JSON_LIMIT, read_text
+from fsdp_recipes.ckpt.hub_source import is_local
 from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
@@ -26,7 +26,7 @@ CHATML_TEMPLATE = (
 
 def revision(args: ModelArguments, source: str | None) -> str | None:
     """model_revision for a hub id; None for a local folder (read as it is: the recipe's revision was said then)."""
-    local = source is None or os.path.exists(os.path.expanduser(source))
+    local = source is None or is_local(source)
     return None if local else getattr(args, "model_revision", None)
 
 

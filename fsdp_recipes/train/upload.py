@@ -9,7 +9,6 @@ time (fsdp_recipes.config.hub_push)."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt.layout import ADAPTER_CONFIG, ADAPTER_DIR, BASE_IDENTITY, FINAL_MODEL_DIR
 from fsdp_recipes.compat import hub_deadline
 from fsdp_recipes.config.hub_push import HubPush
-from fsdp_recipes.config.model_source import missing_local_path, not_a_hub_id
+from fsdp_recipes.config.model_source import is_local, missing_local_path, not_a_hub_id
 from fsdp_recipes.errors import RecipeError, UnreadableFile
 
 
@@ -67,7 +66,7 @@ def as_uploaded(path: Path, log) -> str | bytes:
         return str(path)
     base = config.get("base_model_name_or_path")
     if not isinstance(base, str) or (
-        not os.path.exists(os.path.expanduser(base)) and not missing_local_path(base) and not_a_hub_id(base) is None
+        not is_local(base) and not missing_local_path(base) and not_a_hub_id(base) is None
     ):
         return str(path)
     log(
