@@ -5,16 +5,19 @@ leaves nothing behind."""
 
 from __future__ import annotations
 
+from argparse import Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_recipes.ckpt.resume import SetAside
+from fsdp_recipes.config.hub_push import HubPush
 from fsdp_recipes.config.launcher import LaunchSettings
+from fsdp_recipes.config.run_arguments import RunArguments
 
 
 @dataclass
 class Plan:
-    raw: object = None  # the parsed flags and recipe values (argparse.Namespace): TrainingArguments is built from them
+    raw: Namespace | None = None  # the parsed flags and recipe values: TrainingArguments is built from them
     trainer_fsdp: bool = False  # FSDP asked for through TrainingArguments' --fsdp (the torchrun route)
     # resume, set_aside and requeue_record: decided once per launch after the group starts (preflight.decide_resume)
     resume: str | None = None  # the checkpoint to resume from
@@ -23,9 +26,9 @@ class Plan:
     launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.config.launcher)
     auto_batch: bool = False  # per_device_train_batch_size: auto, chosen by preflight.start (config.batch_size)
     auto_line: str | None = None  # that choice's line (rank 0), said once the training set is built (Run.build)
-    run_args: object = None  # fsdp_recipes.config.run_arguments.RunArguments: this script's own options
+    run_args: RunArguments | None = None  # this script's own options
     notes: list[str] = field(default_factory=list)  # what the resume decision said, printed once output_dir is held
-    push: object = None  # fsdp_recipes.config.hub_push.HubPush: where --push_to_hub uploads the final model
+    push: HubPush | None = None  # where --push_to_hub uploads the final model
     requeue_record: dict | None = (
         None  # a requeued SLURM job's progress, written to output_dir (ckpt.resume.check_requeue)
     )
