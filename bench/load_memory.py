@@ -1,4 +1,5 @@
-"""Per-rank CPU memory of loading a pretrained model with FSDP: does a non-zero rank hold the whole model?
+"""Per-rank CPU memory of each phase of an FSDP run (loading + prepare, training, the final export): does any rank
+hold the whole model?
 
     PYTHONPATH=. python bench/load_memory.py                       # fp32, untied, ~1 GB, 2 ranks, setting on and off
     PYTHONPATH=. python bench/load_memory.py --dtype bfloat16 --tied --nprocs 2 4
@@ -13,11 +14,13 @@ of the 3-layer tiny model (``assets/tiny-llama`` config, also saved with save_pr
 How memory is read: this process polls ``/proc/<pid>/status`` of every rank (the launcher's descendants whose
 command line runs train_fsdp.py, rank from their RANK environment variable) every ``--interval`` seconds and
 keeps the largest ``RssAnon`` until the run logs its sharding report (after accelerate's ``prepare``: loading +
-prepare), and over the whole run, ``RssAnon`` (private, anonymous memory: tensors the rank allocated; not the page cache
-or
-the safetensors file pages it maps, which the kernel can drop and which every process shares) and the last
-``VmHWM`` (the kernel's own exact peak RSS, which does count mapped file pages). RssAnon has no kernel peak,
-so a spike shorter than the interval can be missed; loading a 1 GB model takes seconds, far longer.
+prepare); per later phase (``PHASES``: training, until the run prints its train metrics, then the final export)
+each rank's RssAnon at the phase's first sample and its peak in it, so that a phase's growth is its peak less its
+start; and over the whole run, ``RssAnon`` (private, anonymous memory: tensors the rank allocated; not the page
+cache or the safetensors file pages it maps, which the kernel can drop and which every process shares) and the
+last ``VmHWM`` (the kernel's own exact peak RSS, which does count mapped file pages). RssAnon has no kernel peak,
+so a spike shorter than the interval can be missed; loading a 1 GB model takes seconds, far longer. The final
+export's writers and seconds come from the run's fsdp_report.json.
 
 A rank that only ever holds its own shard grows by about 1/N of the model's bytes; one that holds the full
 model at some moment grows by 1x or more.
@@ -39,6 +42,8 @@ from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.removal import make_folder, remove
 
 REPO = Path(__file__).resolve().parent.parent
+PHASES = ("loading", "training", "export")  # loading + prepare; the training steps; the final export (and the end)
+PHASE_ENDS = ("this rank holds", "***** train metrics *****")  # the log lines that end the first two
 BENCH_WORK = "load memory benchmark"  # the default work folder's marker (fsdp_recipes.removal)
 TINY = REPO / "assets" / "tiny-llama"
 CONFIG = REPO / "accelerate_configs" / "zero3.yaml"
@@ -173,30 +178,44 @@ def measure(
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     peaks: dict[int, dict[str, int]] = {}  # loading + prepare: until the sharding report's log line
     whole: dict[int, dict[str, int]] = {}  # the whole run (the step and the final export too)
+    # RssAnon at the first sample of each later phase, and its peak there: {phase: {rank: (start, peak)}}
+    phases: dict[str, dict[int, tuple[int, int]]] = {phase: {} for phase in PHASES[1:]}
     pids: dict[int, int] = {}
-    prepared = False
+    phase = 0  # the index in PHASES of the phase the run is in, from its log
     while proc.poll() is None:
         if len(pids) < nprocs:
             pids.update(rank_pids(proc.pid))
-        if (
-            not prepared
-        ):  # logged once FSDP has wrapped the model and the weights are broadcast (collectives: every rank is there)
-            prepared = "this rank holds" in Path(log.name).read_text(errors="replace")
+        if phase < len(PHASES) - 1:
+            # each phase's end is a line every run logs: the sharding report, once FSDP has wrapped the model and
+            # the weights are broadcast (collectives: every rank is there); the train metrics, printed once training
+            # has ended, before the final export
+            text = Path(log.name).read_text(errors="replace")
+            while phase < len(PHASES) - 1 and PHASE_ENDS[phase] in text:
+                phase += 1
         for rank, pid in pids.items():
             try:
                 now = _status(pid)
             except (OSError, ValueError):
                 continue
-            for table in (whole,) if prepared else (whole, peaks):
+            for table in (whole,) if phase else (whole, peaks):
                 peak = table.setdefault(rank, {})
                 for k, v in now.items():
                     peak[k] = max(peak.get(k, 0), v)
+            if phase and "RssAnon" in now:  # a rank that has just exited has none
+                start, top = phases[PHASES[phase]].get(rank, (now["RssAnon"], 0))
+                phases[PHASES[phase]][rank] = (start, max(top, now["RssAnon"]))
         time.sleep(interval)
     log.close()
     if proc.returncode:
         raise SystemExit(f"launch failed ({proc.returncode}); see {log.name}:\n" + Path(log.name).read_text()[-3000:])
     for rank, peak in whole.items():
         peaks.setdefault(rank, {})["RssAnon_whole_run"] = peak.get("RssAnon", 0)
+        for name, ranks in phases.items():
+            start, top = ranks.get(rank, (0, 0))
+            peaks[rank][f"RssAnon_{name}_start"], peaks[rank][f"RssAnon_{name}_peak"] = start, top
+    report = json.loads((out / "fsdp_report.json").read_text()) if (out / "fsdp_report.json").is_file() else {}
+    for peak in peaks.values():
+        peak["export"] = report.get("export", {})
     return peaks
 
 
@@ -278,6 +297,14 @@ def run(a: argparse.Namespace, work: Path) -> int:
                 row["RssAnon_whole_run_growth_x_model"] = round(
                     (peak[rank]["RssAnon_whole_run"] - base.get(rank, {}).get("RssAnon_whole_run", 0)) / model_bytes, 3
                 )
+                for phase in PHASES[1:]:  # growth over the phase: its peak less its start, the tiny run's subtracted
+                    rose = {
+                        run: ran.get(rank, {}).get(f"RssAnon_{phase}_peak", 0)
+                        - ran.get(rank, {}).get(f"RssAnon_{phase}_start", 0)
+                        for run, ran in (("big", peak), ("tiny", base))
+                    }
+                    row[f"RssAnon_{phase}_growth_x_model"] = round((rose["big"] - rose["tiny"]) / model_bytes, 3)
+                row["export"] = peak[rank]["export"]
                 results.append(row)
                 print(
                     f"  {n} ranks, efficient loading {'on ' if efficient else 'off'}, rank {rank}: "
@@ -297,6 +324,19 @@ def run(a: argparse.Namespace, work: Path) -> int:
             f"| {r['nprocs']} | {'on' if r['cpu_ram_efficient_loading'] else 'off'} | {r['rank']} | "
             f"{r['RssAnon_growth_x_model']:.2f} | {r['VmHWM_growth_x_model']:.2f} | "
             f"{r['RssAnon_whole_run_growth_x_model']:.2f} |"
+        )
+    print(
+        "\nEach phase's RssAnon growth per rank (peak in the phase less its start; loading + prepare: its peak), over"
+    )
+    print("the tiny model's run, in the model's bytes; the final export's writers and seconds (fsdp_report.json)")
+    print("| ranks | efficient loading | rank | loading + prepare | training | export | export writers | export s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['nprocs']} | {'on' if r['cpu_ram_efficient_loading'] else 'off'} | {r['rank']} | "
+            f"{r['RssAnon_growth_x_model']:.2f} | {r['RssAnon_training_growth_x_model']:.2f} | "
+            f"{r['RssAnon_export_growth_x_model']:.2f} | {r['export'].get('writers', '?')} | "
+            f"{r['export'].get('seconds', '?')} |"
         )
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
