@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.description import (
     CheckpointFiles,
@@ -62,7 +63,7 @@ from fsdp_recipes.ckpt.merge_output import (
     restore_interrupted,
     staging_name,
 )
-from fsdp_recipes.ckpt.namespace import WeightMap, guess_namespace, match_namespace
+from fsdp_recipes.ckpt.namespace import WeightMap, guess_weights, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, unconvertible_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
 from fsdp_recipes.ckpt.safetensors_writer import Cancelled, weight_files, write_weights
@@ -223,10 +224,11 @@ def merge_checkpoint(
         else:
             future = pool.submit(describe_with_transformers, resolved, files, base_model, dtype)
             lora = isinstance(resolved.source, MergedLoraSource)  # checked before the copy: its ties can refuse it
-            # a config.json stating untied embeddings: every stored weight, under their common namespace, is copied
-            # before transformers has checked them (tied ones would be written twice)
-            untied = base_model is None and not lora and (files.config or {}).get("tie_word_embeddings") is False
-            weights = (guess_namespace(resolved.source.tensors) if untied else None) or future.result().weights
+            # the copy starts at once on the weights guessed from the stored names and the config's tie; the check
+            # beside it has the last word (a wrong guess stops the copy when it is known, and the checked weights
+            # are copied again). Waiting for it first put its seconds of imports before every byte of the copy.
+            guess = None if lora else guess_weights(resolved.source.tensors, _settings(files, base_model))
+            weights = guess or future.result().weights
             if lora:
                 _refuse_merged_tied(resolved.source, future.result().tied)
         if odd := next(
@@ -341,6 +343,17 @@ def _agree(manifest: Description, checked: Description) -> None:
             f"{MANIFEST} to merge "
             "what config.json describes"
         )
+
+
+def _settings(files: CheckpointFiles, base_model: str | None) -> dict | None:
+    """The settings of the config.json a merge takes, read without transformers where that is a file (the
+    checkpoint's, or a --base-model folder's); None where it is not known here (a hub id, an unreadable file)."""
+    if base_model is None:
+        return files.config
+    try:
+        return load_json(Path(base_model) / "config.json", "config.json", JSON_LIMIT)
+    except (ValueError, OSError):  # a hub id, a folder without one, a file that is no JSON: transformers says which
+        return None
 
 
 def _mb(n: int) -> str:

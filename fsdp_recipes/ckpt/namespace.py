@@ -77,6 +77,20 @@ def guess_namespace(stored: dict[str, TensorInfo]) -> WeightMap | None:
     return WeightMap({n[len(prefix) :]: n for n in names}, prefix, len(stored) - len(names))
 
 
+def guess_weights(stored: dict[str, TensorInfo], config: dict | None) -> WeightMap | None:
+    """guess_namespace, less the output embedding (``lm_head.weight``) where ``config`` (config.json's settings; None:
+    not known) ties it to the input embeddings. A tied checkpoint that stores no head is save_pretrained's, under the
+    model's own names: every weight then lies under ``model.``, which is no namespace. A guess from names alone, without
+    transformers, to start a copy on: ``match_namespace`` has the last word."""
+    weights = guess_namespace(stored)
+    if weights is None or (config or {}).get("tie_word_embeddings") is not True:
+        return weights
+    names = {n: s for n, s in weights.names.items() if n != "lm_head.weight"}
+    if len(names) == len(weights.names):
+        return WeightMap({n: n for n in weight_candidates(stored)}, "", weights.ignored)
+    return WeightMap(names, weights.prefix, weights.ignored)
+
+
 def match_namespace(
     stored: dict[str, TensorInfo],
     expected: dict[str, tuple[int, ...]],
