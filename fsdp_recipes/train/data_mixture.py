@@ -34,7 +34,11 @@ def load_split(path: str, name: str | None, split: str, **kwargs) -> Dataset:
     written by save_to_disk, which load_dataset refuses: through load_from_disk, as the handbook's older mixer reads
     one (a DatasetDict, a saved Dataset per split folder, or one saved Dataset: its one split)."""
     folder = Path(path).expanduser()
-    if not folder.is_dir() or (splits := saved_splits(folder)) is None:
+    if not folder.is_dir():
+        return load_dataset(path, name, split=split, **kwargs)
+    if (splits := saved_splits(folder)) is None:
+        if kwargs.get("data_files") is None:
+            kwargs["data_files"] = local_files(path, name, **kwargs)
         return load_dataset(path, name, split=split, **kwargs)
     if name is not None or kwargs:
         raise RecipeError(f"{path!r} was written by save_to_disk, which keeps no configurations or data files")
@@ -44,6 +48,17 @@ def load_split(path: str, name: str | None, split: str, **kwargs) -> Dataset:
         raise RecipeError(f"{path!r} has no split {split!r} (it has {', '.join(splits)}): give one of them")
     saved = load_from_disk(str(folder if (folder / "dataset_dict.json").is_file() else folder / split))
     return saved[split] if isinstance(saved, DatasetDict) else saved
+
+
+def local_files(path: str, name: str | None, **kwargs):
+    """The data files of configuration ``name`` of the local folder ``path``, as datasets resolves them (its
+    README.md's configurations, or the splits it infers from the file names), each with its modification time.
+    Given back to load_dataset, they name its cache: datasets 5.2 keys a folder whose README.md declares
+    configurations by the folder's name and the configuration alone, so edited, added or removed files, or another
+    folder of the same name, loaded the rows cached the first time, without a word."""
+    from datasets import load_dataset_builder
+
+    return load_dataset_builder(path, name, **kwargs).config.data_files
 
 
 def _load(entry: dict) -> Dataset:
