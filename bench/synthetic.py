@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,9 +19,11 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from transformers import LlamaConfig
 
 from fsdp_recipes.removal import make_folder, remove
+
+if TYPE_CHECKING:  # transformers is imported where it is used: each rank imports this module, and needs torch alone
+    from transformers import LlamaConfig
 
 BENCH_CHECKPOINT = "benchmark checkpoint"
 TINY = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
@@ -28,6 +31,8 @@ TINY = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
 
 def llama_config(target_bytes: int, hidden: int = 2048, vocab: int = 32000) -> LlamaConfig:
     """A Llama config whose fp32 weights take about ``target_bytes`` (at least one layer)."""
+    from transformers import LlamaConfig
+
     intermediate = 4 * hidden
     per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
     fixed = 2 * vocab * hidden + hidden
@@ -52,12 +57,11 @@ def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, dict]]) -> None:
+def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, dict[str, tuple[int, ...]]]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    for out, config_dict in jobs:
-        shapes = _shapes(LlamaConfig(**config_dict))
+    for out, shapes in jobs:
         state = {}
         for i, (name, shape) in enumerate(sorted(shapes.items())):
             rows = -(-shape[0] // world)
@@ -100,7 +104,7 @@ def make_checkpoints(
         port = s.getsockname()[1]
     mp.spawn(
         _worker,
-        args=(ranks, port, [(str(c / "pytorch_model_fsdp_0"), config.to_dict()) for c, config in jobs]),
+        args=(ranks, port, [(str(c / "pytorch_model_fsdp_0"), _shapes(config)) for c, config in jobs]),
         nprocs=ranks,
         join=True,
     )
