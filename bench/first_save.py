@@ -88,7 +88,9 @@ def child(kind: str, gigabytes: float) -> dict:
             "param_groups": [{"lr": 1e-5, "params": [f"w{i}" for i in range(len(params))]}],
         }
     }
-    x = torch.randn(2048, 2048, device=device)
+    # on CPU a check of the machinery, not a measurement: a stretch of work 64x smaller (2048^3 took ~1.5 s a call)
+    side = 2048 if cuda else 512
+    x = torch.randn(side, side, device=device)
 
     def work(n: int = 40 if cuda else 4) -> float:  # a fixed stretch of training-like work on this thread
         synchronize(torch, device)
