@@ -277,39 +277,32 @@ def test_the_fsdp1_strategy_is_read_as_accelerate_and_transformers_pass_it():
         )
 
 
-FSDP1_ONE_PROCESS = r"""
-import torch, torch.distributed as dist
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
-from fsdp_recipes.train.sharding import fsdp1_runs_as
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-for name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-    wrapped = FSDP(torch.nn.Linear(4, 4), sharding_strategy=ShardingStrategy[name], device_id=torch.device("cpu"))
-    print(name, fsdp1_runs_as(wrapped))
-print("plain", fsdp1_runs_as(torch.nn.Linear(2, 2)))
-"""
-
-
-# subprocess scenarios of 5-9 s: the full tier's, keeping the quick tier within 3 minutes
-@pytest.mark.slow
 def test_the_report_names_the_fsdp1_strategy_torch_runs():
     """fsdp_report.json said FULL_SHARD for an FSDP1 run on one GPU, which torch runs as NO_SHARD (so the memory was
     NO_SHARD's: bench/results/h200/gpu-check-4); it now names what torch runs, read from the wrapper, and keeps the
-    configured one beside it. A real FSDP1 wrapper in a process group of one, in its own process."""
-    import subprocess
-    import sys
+    configured one beside it. A real FSDP1 wrapper in a gloo process group of one (an in-memory store)."""
+    import warnings
 
-    proc = subprocess.run(
-        [sys.executable, "-c", FSDP1_ONE_PROCESS],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert proc.stdout.split("\n")[:-1] == [
-        "FULL_SHARD NO_SHARD",
-        "SHARD_GRAD_OP NO_SHARD",
-        "NO_SHARD NO_SHARD",
-        "plain None",
-    ], proc.stderr[-2000:]
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from fsdp_recipes.train.sharding import fsdp1_runs_as
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    runs_as = {}
+    try:
+        for name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+            with warnings.catch_warnings():  # torch's own note that one process runs as NO_SHARD
+                warnings.simplefilter("ignore")
+                wrapped = FSDP(
+                    torch.nn.Linear(4, 4), sharding_strategy=ShardingStrategy[name], device_id=torch.device("cpu")
+                )
+            runs_as[name] = fsdp1_runs_as(wrapped)
+    finally:
+        dist.destroy_process_group()
+    assert runs_as == {"FULL_SHARD": "NO_SHARD", "SHARD_GRAD_OP": "NO_SHARD", "NO_SHARD": "NO_SHARD"}
+    assert fsdp1_runs_as(torch.nn.Linear(2, 2)) is None
     assert Strategy("FULL_SHARD", fsdp_version=1).memory_strategy_on(1) == "NO_SHARD"  # the estimator agrees
