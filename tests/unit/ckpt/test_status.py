@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run
+from conftest import cli
 
 from fsdp_recipes.ckpt.resume import check_output_dir, resolve_resume
 from fsdp_recipes.ckpt.status import checkpoint_status
@@ -15,7 +15,6 @@ from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train import preflight
 
-TOOL = str(REPO / "tools" / "check_checkpoint.py")
 FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
 
 
@@ -147,27 +146,25 @@ def test_full_state_dict_checkpoint(trained, tmp_path):
     assert checkpoint_status(ckpt).problems == ["truncated or unreadable optimizer.bin"]
 
 
-def test_cli_one_checkpoint_a_run_and_json(run_dir):
+def test_cli_one_checkpoint_a_run_and_json(run_dir, capsys):
+    """tools/check_checkpoint.py's main(argv), in this process: its lines, exit codes and --json report."""
     (run_dir / "checkpoint-12" / "optimizer_0" / ".metadata").unlink()
-    proc = run(["python", TOOL, str(run_dir / "checkpoint-12")])
-    assert proc.returncode == 1
-    assert proc.stdout.strip() == (
+    assert cli("check_checkpoint", [str(run_dir / "checkpoint-12")]) == 1
+    assert capsys.readouterr().out.strip() == (
         "checkpoint-12 (step 12, FSDP2, FULL_SHARD, SHARDED_STATE_DICT, 2 rank(s)): INCOMPLETE: missing "
         "optimizer_0/.metadata"
     )
-    proc = run(["python", TOOL, str(run_dir)])
-    assert proc.returncode == 0
-    lines = proc.stdout.strip().splitlines()
+    assert cli("check_checkpoint", [str(run_dir)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
     assert lines[1] == "checkpoint-6 (step 6, FSDP2, FULL_SHARD, SHARDED_STATE_DICT, 2 rank(s)): resumable"
     assert lines[2] == "resume: --resume_from_checkpoint true uses checkpoint-6 (setting aside checkpoint-12)"
-    report = json.loads(run(["python", TOOL, str(run_dir), "--json"]).stdout)
+    cli("check_checkpoint", [str(run_dir), "--json"])
+    report = json.loads(capsys.readouterr().out)
     assert report["resume_uses"] == str(run_dir / "checkpoint-6")
     assert [c["resumable"] for c in report["checkpoints"]] == [False, True]
     assert (run_dir / "checkpoint-12").is_dir()  # the tool only looks
-    proc = run(["python", TOOL, str(run_dir / "nope")])
-    assert (
-        proc.returncode == 1
-        and proc.stderr.startswith("check_checkpoint.py: error: ")
-        and "is not a folder" in proc.stderr
-    )
-    assert "--json" in run(["python", TOOL, "--help"]).stdout
+    assert cli("check_checkpoint", [str(run_dir / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("check_checkpoint.py: error: ") and "is not a folder" in err
+    assert cli("check_checkpoint", ["--help"]) == 0
+    assert "--json" in capsys.readouterr().out
