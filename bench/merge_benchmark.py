@@ -1,6 +1,7 @@
 """Time tools/merge_checkpoint.py against `accelerate merge-weights` and `cp` on the same checkpoint.
 
     python bench/merge_benchmark.py --size 1GB --size 6GB [--ranks 2] [--workdir /tmp/merge-bench]
+    python bench/merge_benchmark.py --size 1GB --baseline /tmp/old   # the converter of another checkout beside
 
 For each size: builds a multi-rank FSDP2-layout checkpoint (bench/synthetic.py) as train_fsdp.py leaves one
 (config, tokenizer, manifest), reads it once to warm the page cache, then runs each command (best of --repeats)
@@ -8,7 +9,10 @@ under /usr/bin/time -v and prints wall time, peak RSS and the ratios against mer
 table. The converter runs three times: on that checkpoint; on the same shards without the manifest, as other
 tools leave them (it then imports transformers to check config against weights); and on the same records as raw
 torch DCP writes them (``dcp.save(model.state_dict())``: flat names, no "model." namespace) with nothing but
-config.json beside them (no manifest, no tokenizer). Needs free disk of about 5x the size.
+config.json beside them (no manifest, no tokenizer), and on those records again with the config given by
+--base-model (a folder holding only config.json). With --baseline TREE (a checkout, e.g. ``git worktree add TREE
+COMMIT``), TREE's converter runs each of these too, interleaved with this one's, so that both meet the same disk
+and load. Needs free disk of about 5x the size.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ BENCH_WORK = "merge benchmark"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def timed(cmd: list[str], warm: list[Path]) -> tuple[float, float, float]:
+def timed(cmd: list[str], warm: list[Path], env: dict | None = None) -> tuple[float, float, float]:
     """(wall seconds, wall seconds until the output is on disk, peak RSS in GB) of a command, from /usr/bin/time -v.
 
     Every command starts alike: no dirty pages left by the previous one (sync) and the checkpoint in the
@@ -44,7 +48,7 @@ def timed(cmd: list[str], warm: list[Path]) -> tuple[float, float, float]:
     subprocess.run(["sync"], check=True)
     subprocess.run(["cat", *map(str, warm)], stdout=subprocess.DEVNULL, check=True)
     start = time.monotonic()
-    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     subprocess.run(["sync"], check=True)
@@ -79,7 +83,14 @@ def raw_dcp_copy(shards: Path, raw: Path, config: Path) -> None:
 
 
 def bench(
-    size: str, ranks: int, workdir: Path, memory_budget: str, repeats: int, hidden: int = 2048, vocab: int = 32000
+    size: str,
+    ranks: int,
+    workdir: Path,
+    memory_budget: str,
+    repeats: int,
+    hidden: int = 2048,
+    vocab: int = 32000,
+    baseline: Path | None = None,
 ) -> list[tuple]:
     work = workdir / size
     remove(work, BENCH_WORK, missing_ok=True)  # an earlier run's, marked by make_folder
@@ -94,32 +105,35 @@ def bench(
     (bare / shards.name).symlink_to(shards)
     raw = work / "raw-dcp"
     raw_dcp_copy(shards, raw, ckpt / "config.json")
+    config_only = work / "config-only"
+    config_only.mkdir()
+    shutil.copy(ckpt / "config.json", config_only)
     rows = []
-    outputs = {name: work / name for name in ("cp", "merge-weights", "merged", "merged-bare", "merged-raw")}
-    tool = [sys.executable, str(REPO / "tools" / "merge_checkpoint.py")]
     commands = {
-        "cp -r (copy of the shards)": (["cp", "-r", str(shards), str(outputs["cp"])], outputs["cp"]),
+        "cp -r (copy of the shards)": (["cp", "-r", str(shards), str(work / "cp")], work / "cp", None),
         "accelerate merge-weights": (
-            ["accelerate", "merge-weights", str(shards), str(outputs["merge-weights"])],
-            outputs["merge-weights"],
-        ),
-        "tools/merge_checkpoint.py (our checkpoint)": (
-            [*tool, str(ckpt), str(outputs["merged"]), "--memory-budget", memory_budget],
-            outputs["merged"],
-        ),
-        "tools/merge_checkpoint.py (no manifest)": (
-            [*tool, str(bare), str(outputs["merged-bare"]), "--memory-budget", memory_budget],
-            outputs["merged-bare"],
-        ),
-        "tools/merge_checkpoint.py (raw torch DCP, config.json only)": (
-            [*tool, str(raw), str(outputs["merged-raw"]), "--memory-budget", memory_budget],
-            outputs["merged-raw"],
+            ["accelerate", "merge-weights", str(shards), str(work / "merge-weights")],
+            work / "merge-weights",
+            None,
         ),
     }
+    inputs = {
+        "our checkpoint": [str(ckpt)],
+        "no manifest": [str(bare)],
+        "raw torch DCP, config.json only": [str(raw)],
+        "raw torch DCP, --base-model": [str(raw), "--base-model", str(config_only)],
+    }
+    for tree in [REPO] if baseline is None else [REPO, baseline]:
+        env = None if tree == REPO else {**os.environ, "PYTHONPATH": str(tree)}  # its own package, not ours
+        for i, (what, args) in enumerate(inputs.items()):
+            out = work / f"merged-{i}{'' if tree == REPO else '-baseline'}"
+            name = f"tools/merge_checkpoint.py ({what}){'' if tree == REPO else f' [{tree}]'}"
+            cmd = [sys.executable, str(tree / "tools" / "merge_checkpoint.py"), args[0], str(out), *args[1:]]
+            commands[name] = ([*cmd, "--memory-budget", memory_budget], out, env)
     results = {}
     for _ in range(repeats):  # best of `repeats`, commands interleaved so drifts in disk speed hit all alike
-        for name, (cmd, out) in commands.items():
-            wall, on_disk, rss = timed(cmd, list(shards.iterdir()))
+        for name, (cmd, out, env) in commands.items():
+            wall, on_disk, rss = timed(cmd, list(shards.iterdir()), env)
             best = results.get(name, (float("inf"), float("inf"), 0.0))
             results[name] = (min(best[0], wall), min(best[1], on_disk), max(best[2], rss))
             remove_inside(work, out.name, BENCH_WORK)
@@ -152,6 +166,9 @@ def main() -> None:
     parser.add_argument("--memory-budget", default="512MB", help="passed to merge_checkpoint.py")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each command; the fastest is reported")
     parser.add_argument(
+        "--baseline", type=Path, help="another checkout (git worktree add): its converter runs beside this one's"
+    )
+    parser.add_argument(
         "--hidden", type=int, default=2048, help="model width: with --vocab, sets the smallest checkpoint (one layer)"
     )
     parser.add_argument(
@@ -161,7 +178,16 @@ def main() -> None:
     rows = [
         row
         for size in (args.size or ["1GB"])
-        for row in bench(size, args.ranks, args.workdir, args.memory_budget, args.repeats, args.hidden, args.vocab)
+        for row in bench(
+            size,
+            args.ranks,
+            args.workdir,
+            args.memory_budget,
+            args.repeats,
+            args.hidden,
+            args.vocab,
+            None if args.baseline is None else args.baseline.resolve(),
+        )
     ]
     print(
         "| checkpoint | command | wall s | peak RSS GB | time vs merge-weights | time vs cp | RSS vs "
