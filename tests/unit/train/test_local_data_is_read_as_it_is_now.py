@@ -11,18 +11,15 @@ handbook's ``dataset_mixture``). The folders are tests/helpers/trl_recipes.py's,
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import REPO
+from helpers.trl_recipes import local_dataset
 
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.train.data import load_raw
-
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
-import trl_recipes  # noqa: E402
 
 NO_FSDP = ("--allow_no_fsdp", "true")
 HUB_ID = "org/chat"
@@ -31,7 +28,7 @@ HUB_ID = "org/chat"
 def make(root: Path, count: int = 3) -> Path:
     """A folder standing for a hub chat dataset (configuration default, split train), its README matching every
     train*.jsonl of default/."""
-    folder = Path(trl_recipes.local_dataset(root, HUB_ID, {("default", "train"): ("messages",)}, count))
+    folder = Path(local_dataset(root, HUB_ID, {("default", "train"): ("messages",)}, count))
     card = {"configs": [{"config_name": "default", "data_files": [{"split": "train", "path": "default/train*.jsonl"}]}]}
     (folder / "README.md").write_text(f"---\n{yaml.safe_dump(card)}---\n")
     return folder
