@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +59,7 @@ from fsdp_recipes.ckpt.lora_merge import (
 from fsdp_recipes.ckpt.merge_output import (
     STAGING,
     check_output,
+    check_pool,
     remove_stale_staging,
     restore_interrupted,
     staging_name,
@@ -215,7 +216,7 @@ def merge_checkpoint(
         own = from_manifest = described_by_manifest(files, resolved.source.tensors)
     if own is None:
         config_origin(files, base_model)  # no config at all: fail now, not after the copy
-    with ThreadPoolExecutor(1) as pool:
+    with check_pool() as pool:  # a stop or an error leaves without waiting for the check
         future: Future | None = None
         if own is not None:
             weights = own.weights

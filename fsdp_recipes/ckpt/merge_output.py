@@ -2,6 +2,7 @@
 --overwrite may not replace (anything but a model folder), and what a killed merge left beside it is cleaned up
 before the next one decides anything: its own marked staging folders removed (``remove_stale_staging``), an
 earlier output it had moved aside put back (``restore_interrupted``). Nothing that is not our staging is deleted.
+A merge that stops or fails leaves at once, without waiting for the check beside its copy (``check_pool``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import glob
 import os
 import re
 import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from fsdp_recipes.ckpt.layout import is_exported_adapter, is_model_folder, overlap, real, training_content
@@ -105,3 +109,17 @@ def restore_interrupted(out: Path, log=print) -> None:
             )
         else:
             log(f"kept {path}: {what} by a merge that was killed (process {pid}); move or delete it yourself")
+
+
+@contextmanager
+def check_pool() -> Iterator[ThreadPoolExecutor]:
+    """The thread of the check beside the copy (transformers' imports: seconds). Left on an error or a stop (SIGTERM,
+    Ctrl-C), the merge does not wait for it: its staging folder is already removed, the check writes nothing, and a
+    stopped merge sat out those seconds of a scheduler's grace period. Left normally, it waits as ``with`` does."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
