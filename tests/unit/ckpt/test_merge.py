@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils import merge_fsdp_weights
-from conftest import REPO, _snapshot, run
+from conftest import REPO, _snapshot, cli, run
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -130,8 +130,8 @@ def test_checkpoint_manifest_gives_the_same_folder_as_transformers(trained, tmp_
     proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(ckpt), str(tmp_path / "fast")])
     assert proc.returncode == 0, proc.stderr
     assert "transformers" in proc.stdout  # the manifest is a claim: config.json is still checked against the shards
-    proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(without_manifest(ckpt, tmp_path)), str(tmp_path / "slow")])
-    assert proc.returncode == 0, proc.stderr
+    # the path without a manifest in this process: only the first merge's module list needs a fresh interpreter
+    merge_checkpoint(without_manifest(ckpt, tmp_path), tmp_path / "slow", log=lambda *_: None)
     assert folder_bytes(tmp_path / "fast") == folder_bytes(tmp_path / "slow")
     assert_same_model(tmp_path / "fast", reference_weights(ckpt / "pytorch_model_fsdp_0", tmp_path / "ref"))
 
@@ -188,24 +188,13 @@ def test_full_state_dict_checkpoints(trained, config, tmp_path):
         merge_checkpoint(cut, tmp_path / "d", log=lambda *_: None)
 
 
-def test_dtype_sharding_verify_and_inspect_through_the_cli(trained, tmp_path):
+def test_dtype_sharding_verify_and_inspect_through_the_cli(trained, tmp_path, capsys):
+    """The tool's main(argv), in this process: --dtype, --max-shard-size, --verify, --inspect and --help."""
     run_dir = trained("accelerate_configs/fsdp1/zero3.yaml").output_dir
     out = tmp_path / "bf16"
-    proc = run(
-        [
-            "python",
-            TOOL,
-            str(run_dir / "checkpoint-12"),
-            str(out),
-            "--dtype",
-            "bfloat16",
-            "--max-shard-size",
-            "200KB",
-            "--verify",
-        ]
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "verified: 39 tensors equal the checkpoint" in proc.stdout
+    argv = [str(run_dir / "checkpoint-12"), str(out), "--dtype", "bfloat16", "--max-shard-size", "200KB", "--verify"]
+    assert cli("merge_checkpoint", argv) == 0, capsys.readouterr().err
+    assert "verified: 39 tensors equal the checkpoint" in capsys.readouterr().out
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 3 and all(
@@ -216,9 +205,8 @@ def test_dtype_sharding_verify_and_inspect_through_the_cli(trained, tmp_path):
     reference = reference_weights(run_dir / "checkpoint-12" / "pytorch_model_fsdp_0", tmp_path / "ref")
     assert all(torch.equal(model.state_dict()[k], v.to(torch.bfloat16)) for k, v in reference.items())
 
-    proc = run(["python", TOOL, str(run_dir), "--inspect"])
-    assert proc.returncode == 0, proc.stderr
-    info = json.loads(proc.stdout)
+    assert cli("merge_checkpoint", [str(run_dir), "--inspect"]) == 0, capsys.readouterr().err
+    info = json.loads(capsys.readouterr().out)
     assert (info["format"], info["ranks"], info["step"], info["tensors"], info["parameters"]) == (
         "sharded (DCP)",
         2,
@@ -228,7 +216,8 @@ def test_dtype_sharding_verify_and_inspect_through_the_cli(trained, tmp_path):
     )
     assert info["optimizer_state"] is True and not (tmp_path / "inspect").exists()
     assert info["manifest"] == str(run_dir / "checkpoint-12" / "model_description.json")
-    help_text = run(["python", TOOL, "--help"]).stdout
+    assert cli("merge_checkpoint", ["--help"]) == 0
+    help_text = capsys.readouterr().out
     assert "INPUT" in help_text.upper() and "--max-shard-size" in help_text and "memory" in help_text
 
 
@@ -770,6 +759,41 @@ def test_sigterm_during_a_merge_is_one_line_and_leaves_nothing(checkpoint, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+def test_a_stopped_merge_does_not_wait_for_the_check_beside_its_copy(checkpoint, tmp_path, monkeypatch, capsys):
+    """SIGTERM during the copy: the tool says so and returns once its cleanup is done, while the check beside the
+    copy (transformers' imports: seconds, more on a loaded machine) still runs; it writes nothing. The merge waited
+    for that check before, and a stopped merge sat out those seconds of a scheduler's grace period."""
+    import threading
+    import time
+
+    import fsdp_recipes.ckpt.merge as merge_module
+    import fsdp_recipes.ckpt.safetensors_writer as writer
+
+    release = threading.Event()
+    real = merge_module.describe_with_transformers
+
+    def slow_check(*args):
+        release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(merge_module, "describe_with_transformers", slow_check)
+    monkeypatch.setattr(writer, "_finish_copies", lambda *args: sigterm_self())
+    timer = threading.Timer(10, release.set)  # what the merge waited for before
+    timer.start()
+    start = time.monotonic()
+    try:
+        assert cli_main([str(checkpoint), str(tmp_path / "out")]) == 143
+        took = time.monotonic() - start
+    finally:
+        release.set()
+        timer.cancel()
+    assert took < 5, f"the stopped merge took {took:.1f} s: it waited for the check"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "merge_checkpoint.py: stopped by SIGTERM: nothing was published"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 @pytest.mark.parametrize(
     "at, where", [("sync_folder", "staging"), ("sync_entries", "staging"), ("sync_entries", "parent")]
 )
@@ -806,35 +830,73 @@ def test_sigterm_while_publishing_says_what_happened(checkpoint, tmp_path, monke
         AutoModelForCausalLM.from_pretrained(out)
 
 
+def merge_moments(size: int) -> dict:
+    """Moments of a merge as seen from outside, (staging folder or None, output) -> reached, for the SIGTERM test;
+    ``size``: the bytes of the whole model.safetensors."""
+
+    def staged(staging, name):
+        try:
+            return staging is not None and (staging / name).stat().st_size
+        except OSError:  # not yet written, or renamed away meanwhile
+            return None
+
+    return {
+        "output in place": lambda staging, out: out.exists(),  # run first: the whole merge, or stopped after it
+        "at its start": lambda staging, out: True,  # before the tool's handler, mostly: the signal's default, -15
+        # not yet here: "staging folder made". A stop while make_folder makes it (between its mkdir and the end of
+        # its marker, or before merge_checkpoint's try) leaves the folder behind: to fix in removal and merge
+        "copy under way": lambda staging, out: staged(staging, "model.safetensors") is not None,
+        "weights whole, the check still running": lambda staging, out: staged(staging, "model.safetensors") == size,
+        "description written beside them": lambda staging, out: staged(staging, "config.json") is not None,
+    }
+
+
 @pytest.mark.slow
 def test_sigterm_at_any_moment_leaves_a_whole_output_or_none(checkpoint, tmp_path):
-    """The real tool, SIGTERM at moments spread over a merge: it either finished (exit 0, an output that loads) or
-    stopped (exit 143, one line, no output and no staging folder); never a traceback, never a folder left half."""
+    """The real tool, SIGTERM at moments spread over a merge: it either finished (exit 0, an output that loads),
+    stopped after the output was moved into place (exit 143, saying so, the output whole), or stopped (exit 143,
+    one line, no output and no staging folder; or -15 before its handler is in place); never a traceback, never a
+    folder left half. Each run is stopped when its moment is seen from outside (merge_moments): fixed delays fell
+    in one phase, or after the end, depending on the machine's load."""
     import signal
     import subprocess
     import time
 
-    for i, delay in enumerate([0.5, 1.5, 2.5, 3.5, 5.0, 8.0]):
+    merge_checkpoint(checkpoint, tmp_path / "reference", log=lambda *_: None)
+    outcomes = {}
+    for i, (moment, reached) in enumerate(
+        merge_moments((tmp_path / "reference" / "model.safetensors").stat().st_size).items()
+    ):
         out = tmp_path / f"out{i}"
         proc = subprocess.Popen(
             [sys.executable, TOOL, str(checkpoint), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        time.sleep(delay)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
+        try:
+            while proc.poll() is None and not reached(next(tmp_path.glob(f".out{i}.tmp-*"), None), out):
+                time.sleep(0.002)
+            proc.send_signal(signal.SIGTERM)  # nothing, once it has ended
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
         left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".out{i}."))
-        assert not left, (delay, left)
+        assert not left, (moment, left)
+        assert "Traceback" not in stderr, (moment, stderr)
+        last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
         if proc.returncode == 0:
-            assert f"wrote {out}" in stdout and (out / "config.json").is_file(), stdout
+            assert f"wrote {out}" in stdout and (out / "config.json").is_file(), (moment, stdout)
             AutoModelForCausalLM.from_pretrained(out)
+            outcomes[moment] = "finished"
+        elif proc.returncode == 143 and out.exists():
+            assert last == f"merge_checkpoint.py: stopped by SIGTERM after {out} was written whole and moved into place"
+            AutoModelForCausalLM.from_pretrained(out)
+            outcomes[moment] = "stopped, published"
         else:
-            assert proc.returncode in (143, -signal.SIGTERM), (delay, proc.returncode, stderr)
-            assert not out.exists(), delay
+            assert proc.returncode in (143, -signal.SIGTERM), (moment, proc.returncode, stderr)
+            assert not out.exists(), moment
             if proc.returncode == 143:  # after the handler is in place: one line
-                assert (
-                    stderr.strip().splitlines()[-1] == "merge_checkpoint.py: stopped by SIGTERM: nothing was published"
-                ), stderr
-                assert "Traceback" not in stderr, stderr
+                assert last == "merge_checkpoint.py: stopped by SIGTERM: nothing was published", (moment, stderr)
+            outcomes[moment] = "stopped" if proc.returncode == 143 else "killed before its handler"
+    assert "stopped" in outcomes.values(), outcomes  # the moments met a merge under way
 
 
 def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, trained, tmp_path, monkeypatch):
