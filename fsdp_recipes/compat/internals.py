@@ -28,6 +28,9 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "accelerate.state.AcceleratorState._shared_state": (MODULE, "cpu_fsdp: was the state built before this call"),
     "accelerate.state.PartialState._shared_state": (MODULE, "cpu_fsdp: FSDP mirrored into the shared state"),
     "accelerate.state.AcceleratorState._mixed_precision": (INSTANCE, "cpu_fsdp: the plugin's mixed precision"),
+    # tests/helpers/trl_recipe_sequence.py: several runs one after another in one launch's processes
+    "accelerate.state.AcceleratorState._reset_state": (MODULE, "the recipe sequence: the next run's state afresh"),
+    "accelerate.state.GradientState._reset_state": (MODULE, "the recipe sequence: the next run's state afresh"),
     "torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states": (
         MODULE,
         "cpu_fsdp: FSDP1's CPU-parameter check skipped (the gloo broadcast works)",

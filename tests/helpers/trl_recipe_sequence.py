@@ -26,10 +26,10 @@ from fsdp_recipes.config.parse import parse_args  # noqa: E402
 
 def reset_accelerate() -> None:
     """accelerate's singletons as before the first run: the next TrainingArguments builds them afresh."""
-    from accelerate.state import AcceleratorState, GradientState
+    from fsdp_recipes.compat import internals
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    internals.get("accelerate.state.AcceleratorState._reset_state")(reset_partial_state=True)
+    internals.get("accelerate.state.GradientState._reset_state")()
 
 
 def train_each(recipes: list[str]) -> None:
