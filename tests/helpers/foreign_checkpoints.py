@@ -11,7 +11,8 @@ save_pretrained uses. A tiny Llama from assets/tiny-llama, one real AdamW step (
   bf16             dcp.save of a model held in bfloat16
   peft_lora        peft LoRA (r=4, alpha=8, q/v) under fully_shard, saved as accelerate does ({"model": ...});
                    adapter_config.json beside; the truth is peft's own merge_and_unload()
-  lightning        Lightning Trainer, ModelParallelStrategy (FSDP2), trainer.save_checkpoint (a DCP folder)
+  lightning        Lightning Trainer, ModelParallelStrategy (FSDP2), trainer.save_checkpoint (a DCP folder), on the
+                   same two processes, started as torchrun would have
 """
 
 from __future__ import annotations
@@ -113,56 +114,71 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
             {k: v.contiguous() for k, v in get_peft_model_state_dict(reference).items()},
             str(out / "peft_lora.adapter.safetensors"),
         )
+    lightning(rank, world, port, out)
+    # Everything is written. Leave without the interpreter's teardown, where gloo's threads now and then abort the
+    # process ("terminate called without an active exception", SIGABRT) after the work is done.
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-LIGHTNING = """
-import os, sys, torch, warnings, lightning as L
-from pathlib import Path
-from lightning.pytorch.strategies import ModelParallelStrategy
-sys.path.insert(0, {helpers!r})
-from foreign_checkpoints import tiny_model
-warnings.filterwarnings("ignore")
+def lightning(rank: int, world: int, port: int, out: Path) -> None:
+    """Lightning's Trainer on these ranks, as torchrun would have started them (its TorchElastic environment): it
+    starts no processes of its own and takes the process group as it is (each process pays its imports once)."""
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="foreign-checkpoints",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_PORT=str(port),
+    )
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-class LitLM(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.model = tiny_model()
-    def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-    def training_step(self, batch, i):
-        return self.model(input_ids=batch, labels=batch).loss
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+    class LitLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_model()
 
-out = Path({out!r})
-tokens = torch.randint(0, 400, (8, 16), generator=torch.Generator().manual_seed(0))
-data = torch.utils.data.DataLoader(tokens, batch_size=2)
-strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, enable_progress_bar=False,
-                    enable_model_summary=False, logger=False, enable_checkpointing=False,
-                    default_root_dir=str(out / "lightning-root"))
-module = LitLM()
-trainer.fit(module, data)
-trainer.save_checkpoint(str(out / "lightning"))
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-if trainer.global_rank == 0:
-    from safetensors.torch import save_file
-    save_file({{k: v.contiguous() for k, v in full.items()}}, str(out / "lightning.truth.safetensors"))
-# Everything is written. Leave without the interpreter's teardown, where gloo's threads now and then abort the
-# process ("terminate called without an active exception", SIGABRT) after the work is done.
-trainer.strategy.barrier()
-torch.distributed.destroy_process_group()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
-"""
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+        def training_step(self, batch, i):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    tokens = torch.randint(0, 400, (8, 16), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(tokens, batch_size=2)
+    strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=str(out / "lightning-root"),
+    )
+    module = LitLM()
+    trainer.fit(module, data)
+    trainer.save_checkpoint(str(out / "lightning"))
+    full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    save_truth(out, "lightning", full)
+    trainer.strategy.barrier()
 
 
 def main(out: str) -> None:
@@ -170,12 +186,7 @@ def main(out: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port, out), nprocs=2, join=True)
-    import subprocess
-
-    script = Path(out) / "lightning_run.py"  # Lightning starts its other ranks by re-running the script file
-    script.write_text(LIGHTNING.format(helpers=str(Path(__file__).parent), out=str(Path(out).resolve())))
-    subprocess.run([sys.executable, str(script)], check=True, cwd=out)
+    mp.spawn(worker, args=(2, port, str(Path(out).resolve())), nprocs=2, join=True)
 
 
 if __name__ == "__main__":
