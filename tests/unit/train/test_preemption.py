@@ -55,6 +55,14 @@ def test_a_stop_while_torch_imports_is_one_line(tmp_path, sig):
     ], err[-3000:]
 
 
+# fsdp_recipes.train.preemption imports transformers only for the base class of its Trainer callback, which these
+# scenarios do not use: a stand-in spares each process ~5 s of imports (transformers and torch install no signal
+# handler or unraisable hook there, so the signals meet the same Python machinery)
+WITHOUT_TRANSFORMERS = """
+import sys, types
+sys.modules["transformers"] = types.SimpleNamespace(TrainerCallback=object)
+"""
+
 SIGNALS_IN_FINALIZERS = r"""
 import os, signal, sys, time, weakref
 from fsdp_recipes.train import preemption
@@ -109,7 +117,7 @@ for case in sys.argv[1:]:
 
 def _finalizer_scenarios(*cases: str) -> dict[str, str]:
     proc = subprocess.run(
-        ["python", "-c", SIGNALS_IN_FINALIZERS, *cases],
+        ["python", "-c", WITHOUT_TRANSFORMERS + SIGNALS_IN_FINALIZERS, *cases],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -126,7 +134,7 @@ SIGNAL_PAIRS = ["USR1,TERM", "TERM,INT", "INT,USR1", "INT,INT"]
 
 @pytest.fixture(scope="module")
 def finalizer_outcomes() -> dict[str, str]:
-    """Every scenario of the two tests below, in one process (each process pays ~5 s importing transformers)."""
+    """Every scenario of the two tests below, in one process."""
     return _finalizer_scenarios(*FINALIZER_CASES, *(f"del:{pair}" for pair in SIGNAL_PAIRS))
 
 
@@ -196,7 +204,7 @@ def test_an_interrupt_at_exit_is_not_sent_again_into_the_next_exit_callback():
     """A KeyboardInterrupt in an atexit callback reaches the unraisable hook too: at exit it is reported as Python
     always does, not sent again (which would abort every later exit callback in turn, silently)."""
     proc = subprocess.run(
-        ["python", "-c", AT_EXIT],
+        ["python", "-c", WITHOUT_TRANSFORMERS + AT_EXIT],
         cwd=REPO,
         capture_output=True,
         text=True,
