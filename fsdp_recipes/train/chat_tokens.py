@@ -51,6 +51,10 @@ def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments
             "handbook's dataset_mixer format does so), and saved with the model"
         )
     elif not tokenizer.chat_template and getattr(args, "default_chat_format", None) == "chatml":
+        # the handbook sets the recipe's eos_token first and setup_chat_format then makes <|im_end|> the eos: the
+        # only end the ChatML template writes, so the one generate() must stop at
+        ignored = "" if eos in (None, CHATML_END) else f"; the recipe's eos_token {eos!r} gives way to it, as there"
+        eos = None  # the set-up's own, below
         new = [t for t in (CHATML_START, CHATML_END) if t not in tokenizer.get_vocab()]
         tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token = CHATML_END, CHATML_END, CHATML_START
         tokenizer.add_special_tokens({"additional_special_tokens": [CHATML_START, CHATML_END]})
@@ -59,7 +63,7 @@ def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments
         say(
             f"tokenizer {args.tokenizer_name!r} has no chat template: set up for ChatML, as the handbook's sft.py "
             f"does for its dataset_mixture recipes ({CHATML_START} and {CHATML_END} as bos and eos, {added}), and "
-            "saved with the model"
+            f"saved with the model{ignored}"
         )
     if eos is not None:
         token_id = tokenizer.convert_tokens_to_ids(eos)

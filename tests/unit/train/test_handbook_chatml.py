@@ -109,3 +109,13 @@ def test_a_rank_on_the_meta_device_grows_its_embeddings_alike(tmp_path):
     fit_embeddings(model, tokenizer, given)
     assert model.get_input_embeddings().weight.shape == (476, model.config.hidden_size)
     assert model.get_input_embeddings().weight.is_meta and model.config.vocab_size == 476
+
+
+@pytest.mark.parametrize("eos", ["<|im_end|>", "</s>", "<|im_start|>"])
+def test_the_chatml_set_up_ends_turns_at_im_end_whatever_eos_token_the_recipe_gives(tmp_path, eos, capsys):
+    """The handbook sets the recipe's eos_token, then setup_chat_format makes <|im_end|> the eos: the only end the
+    ChatML template writes. Another eos would leave generate() running past the end of every turn."""
+    tokenizer = load_tokenizer(args(tokenizer_folder(tmp_path, "chat_tokens"), eos_token=eos))
+    said = capsys.readouterr().err
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template == CHATML_TEMPLATE
+    assert ("gives way to it" in said) is (eos != "<|im_end|>") and "\n" not in said.strip(), said
