@@ -40,7 +40,7 @@ from fsdp_recipes.train.model_folder import (
     publish,
     publish_adapter,
     remove_export_leftovers,
-    write_adapter_folder,
+    stage_adapter_folder,
     write_final_folder,
 )
 from fsdp_recipes.train.sharding import read_run_report, unwrapped_model_class, update_run_report
@@ -208,22 +208,23 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     model_cls, _, weight_names = write_part(open_source, staging, base.config, (rank, world), cast)
     if not accelerator.is_main_process:
         return
-    if lora is not None:  # the adapter folder, as tools/merge_checkpoint.py --adapter-only writes it
-        write_adapter_folder(shards, out, log=logger.info)
+    # the adapter folder, as tools/merge_checkpoint.py --adapter-only writes it, published after the model
+    adapter = stage_adapter_folder(shards, out, log=logger.info) if lora is not None else None
     config, dequantized = copy.deepcopy(base.config), bool(merged) and merged[0].dequantized  # its dtype gets set
     generation = getattr(base, "generation_config", None)
 
     def describe(folder: Path) -> list[str]:
         return describe_folder(folder, model_cls, config, tokenizer, generation, dtype, dequantized)
 
-    publish_parts(staging, out, world, weight_names, describe, dtype, started)
+    publish_parts(staging, out, world, weight_names, describe, dtype, started, adapter)
     remove(shards, EXPORT_STAGING)
 
 
-def publish_parts(staging: Path, out: Path, world: int, weight_names: list[str], describe, dtype: str, started: float):
+def publish_parts(staging: Path, out: Path, world: int, weight_names: list, describe, dtype, started, adapter=None):
     """Rank 0's end of a parallel export: every rank's part written (wait_for_parts) and every weight file there, the
-    description written (``describe(staging)``: the names of its files), ``out/model/`` published and the export
-    recorded in the run's fsdp_report.json (writers: the ranks that wrote a file). Returns that record."""
+    description written (``describe(staging)``: the names of its files), ``out/model/`` published, then a LoRA run's
+    staged ``adapter`` folder (nothing of this export is published when a part is missing), and the export recorded
+    in the run's fsdp_report.json (writers: the ranks that wrote a file). Returns that record."""
     parts = wait_for_parts(staging, world, log=logger.info)
     if missing := [n for n in weight_names if not (staging / n).is_file()]:
         raise CheckpointError(
@@ -233,6 +234,8 @@ def publish_parts(staging: Path, out: Path, world: int, weight_names: list[str],
     described = describe(staging)
     size = sum((staging / n).stat().st_size for n in weight_names if n.endswith(".safetensors"))
     publish(staging, out, sorted(set(weight_names) | set(described)))
+    if adapter is not None:
+        publish_adapter(adapter, out)
     seconds = round(time.monotonic() - started, 3)
     writers = sum(1 for p in parts.values() if p["files"])
     record = {

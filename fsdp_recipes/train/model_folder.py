@@ -2,8 +2,8 @@
 
 A finished checkpoint (a resume of a run already at max_steps) and a LoRA run's gathered final weights
 (FULL_STATE_DICT) are converted by ``fsdp_recipes.ckpt.merge``, the code behind tools/merge_checkpoint.py
-(``write_final_folder``; a LoRA adapter's folder: ``write_adapter_folder``); the end of a sharded run converts its own
-final shards with the same merge, each rank a part (fsdp_recipes.train.export). Every
+(``write_final_folder``; a LoRA adapter's folder: ``stage_adapter_folder``, then ``publish_adapter``); the end of a
+sharded run converts its own final shards with the same merge, each rank a part (fsdp_recipes.train.export). Every
 way ends in ``publish``: a staging folder renamed into place whole, so there is never a half-written model folder.
 ``final_line`` and ``stale_model_note`` are what the run says about the folder afterwards.
 """
@@ -104,21 +104,24 @@ def write_final_folder(
     result = merge_checkpoint(  # a checkpoint with a config.json describes itself: base_model only stands in for one
         ckpt, staging, overwrite=True, config_fallback=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING
     )
-    if lora:  # a LoRA run: the adapter too, in a folder of its own
-        write_adapter_folder(ckpt, out, log)
+    adapter = stage_adapter_folder(ckpt, out, log) if lora else None  # a LoRA run: the adapter too, in its own folder
     publish(staging, out, result.files)
+    if adapter is not None:
+        publish_adapter(adapter, out)
     if (ckpt / "trainer_state.json").is_file():
         shutil.copy2(ckpt / "trainer_state.json", out / "trainer_state.json")
 
 
-def write_adapter_folder(ckpt: Path, out: Path, log=print) -> Path:
-    """``out/adapter/`` becomes the adapter of the LoRA checkpoint ``ckpt``, as PeftModel.from_pretrained loads it
-    (tools/merge_checkpoint.py --adapter-only)."""
+def stage_adapter_folder(ckpt: Path, out: Path, log=print) -> Path:
+    """The adapter of the LoRA checkpoint ``ckpt`` as PeftModel.from_pretrained loads it (tools/merge_checkpoint.py
+    --adapter-only), written into the marked staging folder ``out/.adapter-tmp``: publish_adapter makes it
+    ``out/adapter/`` once the model it goes with is published (before, a failed export left the old model beside a
+    new adapter)."""
     from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     adapter_staging = out / ".adapter-tmp"
     merge_checkpoint(ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log, output_purpose=EXPORT_STAGING)
-    return publish_adapter(adapter_staging, out)
+    return adapter_staging
 
 
 def stale_model_note(output_dir: str) -> str | None:

@@ -121,3 +121,43 @@ def test_a_lora_export_records_every_rank_that_wrote_as_a_writer(tmp_path_factor
     assert sorted(record["ranks"]) == [str(r) for r in range(world)]
     loaded = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
     assert set(loaded) == set(by_peft) and all(torch.equal(loaded[k], by_peft[k]) for k in by_peft)
+
+
+@pytest.mark.parametrize("failed_rank", [None, 0, 1])
+def test_the_adapter_is_published_only_with_the_model_it_goes_with(tmp_path_factory, tmp_path, failed_rank):
+    """A LoRA export's adapter is staged while the ranks write; a rank whose part failed stops the export with
+    neither folder replaced (an earlier run's model/ and adapter/ stay a pair); otherwise both are published."""
+    from fsdp_recipes.ckpt.description import describe_folder
+    from fsdp_recipes.errors import CheckpointError
+    from fsdp_recipes.train.export import publish_parts, write_part
+    from fsdp_recipes.train.model_folder import stage_adapter_folder
+
+    shards, config, by_peft = lora_checkpoint(tmp_path_factory.getbasetemp(), False, "float32")
+    out, staging = tmp_path / "run", tmp_path / "run" / ".export-tmp"
+    out.mkdir()
+    (out / "fsdp_report.json").write_text(json.dumps({"world_size": 2}))
+    results = write_parts(shards, staging, config, 2, shard_size(by_peft, 2))
+    if failed_rank is not None:  # that rank's part again, its source failing: it leaves .part-K.failed
+        for leftover in staging.glob(f".part-{failed_rank}*"):
+            leftover.unlink()
+
+        def full_disk():
+            raise OSError(28, "No space left on device")
+
+        with pytest.raises(OSError):
+            write_part(full_disk, staging, config, (failed_rank, 2), None)
+    adapter = stage_adapter_folder(shards, out, log=lambda line: None)
+    model_cls, weight_names = results[0][0], results[0][2]
+
+    def publish():
+        describe = lambda folder: describe_folder(folder, model_cls, config, None, None, "float32")  # noqa: E731
+        return publish_parts(staging, out, 2, weight_names, describe, "float32", 0.0, adapter)
+
+    if failed_rank is not None:
+        with pytest.raises(CheckpointError, match="nothing was published"):
+            publish()
+        assert not (out / "model").exists() and not (out / "adapter").exists() and adapter.is_dir()
+    else:
+        publish()
+        assert (out / "model" / "config.json").is_file() and (out / "adapter" / "adapter_config.json").is_file()
+        assert not adapter.exists()
