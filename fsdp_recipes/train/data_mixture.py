@@ -52,8 +52,8 @@ def load_split(path: str, name: str | None, split: str, **kwargs) -> Dataset:
 
 def local_files(path: str, name: str | None, **kwargs):
     """The data files of configuration ``name`` of the local folder ``path``, as datasets resolves them (its
-    README.md's configurations, or the splits it infers from the file names), each with its modification time.
-    Given back to load_dataset, they name its cache: datasets 5.2 keys a folder whose README.md declares
+    README.md's configurations, or the splits it infers from the file names). Given back to load_dataset, they
+    name its cache by each file's path and modification time: datasets 5.2 keys a folder whose README.md declares
     configurations by the folder's name and the configuration alone, so edited, added or removed files, or another
     folder of the same name, loaded the rows cached the first time, without a word."""
     from datasets import load_dataset_builder

@@ -115,8 +115,7 @@ def write_final_folder(
 def stage_adapter_folder(ckpt: Path, out: Path, log=print) -> Path:
     """The adapter of the LoRA checkpoint ``ckpt`` as PeftModel.from_pretrained loads it (tools/merge_checkpoint.py
     --adapter-only), written into the marked staging folder ``out/.adapter-tmp``: publish_adapter makes it
-    ``out/adapter/`` once the model it goes with is published (before, a failed export left the old model beside a
-    new adapter)."""
+    ``out/adapter/`` only once the model it goes with is published, so model/ and adapter/ are always a pair."""
     from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     adapter_staging = out / ".adapter-tmp"
