@@ -96,18 +96,31 @@ def config_mismatch(
     return None
 
 
+def omittable_names(model) -> set[str]:
+    """Names of ``model``'s state dict a checkpoint of it may leave out: each name of a parameter shared under
+    several names but the first (tied embeddings, under whatever prefix a wrapper such as peft adds) and every
+    frozen parameter under each of its names (a LoRA run's base: an adapter-only checkpoint does not store it)."""
+    first: dict[int, str] = {}
+    names = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad or first.setdefault(id(param), name) != name:
+            names.add(name)
+    return names
+
+
 def model_mismatch(
-    ckpt: str | os.PathLike, expected: dict[str, tuple[int, ...]], tied: set[str] = frozenset()
+    ckpt: str | os.PathLike, expected: dict[str, tuple[int, ...]], omittable: set[str] = frozenset()
 ) -> str | None:
     """Why the checkpoint's weights are not the weights of the model this run built (names and full shapes: layers,
-    sizes, LoRA targets and rank), in one line; None when they match. ``tied``: names a checkpoint may leave out."""
+    sizes, LoRA targets and rank), in one line; None when they match. ``omittable``: names a checkpoint may leave
+    out (omittable_names)."""
     from fsdp_recipes.ckpt.namespace import clean_name
 
     stored = stored_weights(Path(ckpt))
     if stored is None:
         return None
     expected = {clean_name(k): tuple(v) for k, v in expected.items()}
-    missing = sorted(set(expected) - set(stored) - set(tied))
+    missing = sorted(set(expected) - set(stored) - {clean_name(k) for k in omittable})
     extra = sorted(set(stored) - set(expected))
     other = sorted(n for n in set(stored) & set(expected) if stored[n] != expected[n])
     if not (missing or extra or other):

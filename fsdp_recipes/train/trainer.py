@@ -45,7 +45,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_recipes.ckpt.dtype_match import dtype_mismatch
 from fsdp_recipes.ckpt.layout import CHECKPOINT_PURPOSE, FULL_MODEL_FILE, REPLACED_PREFIX
-from fsdp_recipes.ckpt.model_match import description_mismatch, model_mismatch, tokenizer_record
+from fsdp_recipes.ckpt.model_match import description_mismatch, model_mismatch, omittable_names, tokenizer_record
 from fsdp_recipes.ckpt.rotation import rotate, set_aside
 from fsdp_recipes.compat import internals
 from fsdp_recipes.compat.trainer_checkpoints import adapter_only_fsdp_checkpoints, whole_model_fsdp_checkpoints
@@ -101,8 +101,7 @@ class FSDPTrainer(Trainer):
         )  # the final folder's (fsdp_report.json)
         # name -> full shape, before sharding: what a checkpoint resumed into this model must hold (model_mismatch)
         self.weight_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
-        self.tied_names = set(getattr(lora_parts(self.model)[0], "all_tied_weights_keys", None) or ())
-        self.frozen_names = {name for name, p in self.model.named_parameters() if not p.requires_grad}
+        self.omittable_names = omittable_names(self.model)
         self.add_callback(ShardingReport(self))
         self.describer = DescribeCheckpoints(self, self.processing_class)
         self.add_callback(self.describer)
@@ -249,7 +248,7 @@ class FSDPTrainer(Trainer):
             )
         # the frozen base may be absent (an adapter-only checkpoint: it comes from the model source); when
         # present, it must fit
-        if problem := model_mismatch(checkpoint, self.weight_shapes, self.tied_names | self.frozen_names):
+        if problem := model_mismatch(checkpoint, self.weight_shapes, self.omittable_names):
             return problem
         # from the dtypes this run declares (--dtype, mixed precision), not the prepared model's: the same verdict on
         # every machine, and the frozen base of a LoRA run, which its checkpoint does not store, compared too

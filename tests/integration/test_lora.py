@@ -491,12 +491,14 @@ def test_a_bf16_lora_run_ends_on_peft_s_merge_of_its_adapter(tmp_path):
 def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(tmp_path, config):
     """A base with tied embeddings: torch's ignore_frozen_params dropped the frozen head under one of its two names
     only, so every checkpoint also held lm_head.weight: neither adapter-only nor whole, and the merge refused it
-    ("has LoRA weights but no base_layer.weight"). Now it holds the adapter alone, check_checkpoint says so, and the
-    merge of the checkpoint is the run's own final model."""
+    ("has LoRA weights but no base_layer.weight"). Now it holds the adapter alone, check_checkpoint says so, a resume
+    takes it as this model's, and the merge of the checkpoint is the run's own final model."""
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fsdp_recipes.ckpt.inspection import inspect_checkpoint
     from fsdp_recipes.ckpt.merge import merge_checkpoint
+    from fsdp_recipes.ckpt.model_match import model_mismatch, omittable_names
 
     base = tmp_path / "base"
     torch.manual_seed(0)
@@ -518,6 +520,10 @@ def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(tmp_p
     names = adapter_only_layout(out / "checkpoint-2" / "pytorch_model_fsdp_0")
     assert names and all("lora_" in n for n in names), sorted(n for n in names if "lora_" not in n)
     assert "no frozen base weight" in inspect_checkpoint(out / "checkpoint-2")["layout"]
+    # and a resume takes it as this model's (the frozen head under peft's second name may be absent)
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig.from_pretrained(out / "checkpoint-2"))
+    shapes = {name: tuple(t.shape) for name, t in lora.state_dict().items()}
+    assert model_mismatch(out / "checkpoint-2", shapes, omittable_names(lora)) is None
     merge_checkpoint(out / "checkpoint-2", tmp_path / "merged", log=lambda line: None)
     merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert set(merged) == set(final) and "lm_head.weight" not in final  # tied: written once

@@ -15,14 +15,13 @@ import torch
 from conftest import REPO
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fsdp_recipes.ckpt.model_match import model_mismatch
+from fsdp_recipes.ckpt.model_match import model_mismatch, omittable_names
 
 TINY = REPO / "assets" / "tiny-llama"
 
 
 def shapes(model) -> tuple[dict, set]:
-    tied = set(getattr(model, "all_tied_weights_keys", None) or ())
-    return {n: tuple(t.shape) for n, t in model.state_dict().items()}, tied
+    return {n: tuple(t.shape) for n, t in model.state_dict().items()}, omittable_names(model)
 
 
 def tiny(**changes):
@@ -83,6 +82,31 @@ def test_tied_embeddings_match(gpt2_run):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert model_mismatch(ckpt, *shapes(model)) is None
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_checkpoint_may_leave_out_a_second_name_and_frozen_weights_only(tmp_path, tied, lora):
+    """A checkpoint may store a tied weight under one of its names and a LoRA run's frozen base not at all (under
+    peft's prefix too: base_model.model.lm_head.weight of a tied base); any trained weight left out is named."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    model = tiny(tie_word_embeddings=tied).to_empty(device="cpu")
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    expected, omittable = shapes(model)
+    trained_names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert ("base_model.model.lm_head.weight" in omittable) == lora and trained_names.isdisjoint(omittable)
+    state = model.state_dict()
+    kept = [n for n in expected if n not in omittable]
+    for stored in (kept, list(expected)):  # the least a checkpoint may hold, and everything
+        save_file({n: state[n].contiguous().clone() for n in stored}, tmp_path / "model.safetensors")
+        assert model_mismatch(tmp_path, expected, omittable) is None
+    for dropped in (kept[0], kept[-1]):
+        save_file({n: state[n].contiguous().clone() for n in kept if n != dropped}, tmp_path / "model.safetensors")
+        problem = model_mismatch(tmp_path, expected, omittable)
+        assert problem and "are not in it" in problem, (dropped, problem)
 
 
 @pytest.fixture
