@@ -19,26 +19,29 @@ from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, kind_of, load_json, plain_file_name
 from fsdp_recipes.ckpt.layout import BASE_IDENTITY, MANIFEST, SHARD_DIGESTS, TOKENIZER_FILES, step_of_name
-from fsdp_recipes.ckpt.namespace import WeightMap, match_namespace
+from fsdp_recipes.ckpt.namespace import WeightMap, match_namespace, stored_tie_differs
 from fsdp_recipes.ckpt.readers import dtype_name, torch_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput
 from fsdp_recipes.compat import internals
 from fsdp_recipes.errors import CheckpointError
 
 
-def model_skeleton(config) -> tuple[type, dict[str, tuple[int, ...]], list[str], Callable[[set[str]], set[str]]]:
-    """(model class, shape of every state-dict name, tied names save_pretrained leaves out, which of some stored
-    names from_pretrained ignores without a word), from a meta-device model."""
+def model_skeleton(
+    config,
+) -> tuple[type, dict[str, tuple[int, ...]], dict[str, str], Callable[[set[str]], set[str]]]:
+    """(model class, shape of every state-dict name, tied names save_pretrained leaves out -> the name each is tied
+    to, which of some stored names from_pretrained ignores without a word), from a meta-device model."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    ties = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})
     tied = (
-        sorted(set(getattr(skeleton, "all_tied_weights_keys", None) or {}) & set(expected))
+        {name: ties[name] for name in sorted(ties) if name in expected}
         if getattr(config, "tie_word_embeddings", False)
-        else []
+        else {}
     )
     return type(skeleton), expected, tied, lambda names: ignored_on_load(skeleton, names)
 
@@ -141,7 +144,7 @@ def write_manifest(folder: Path, config, files: list[str]) -> None:
     manifest = {
         "format": 1,
         "model_class": model_cls.__name__,
-        "tied": tied,
+        "tied": list(tied),
         "shard_digests": SHARD_DIGESTS,  # written last, once every rank is done: a checkpoint without it is incomplete
         "files": {name: _sha256(Path(folder) / name) for name in sorted(files)},
         "weights": {name: list(shape) for name, shape in sorted(expected.items())},
@@ -395,10 +398,12 @@ def describe_with_transformers(
             f"cannot build a causal LM from the config in {config_from} ({one_line(err)}): pass --base-model"
         ) from None
     weights = match_namespace(resolved.source.tensors, expected, tied, model_cls.__name__, ignorable)
+    if problem := stored_tie_differs(resolved.source, weights, tied):
+        raise CheckpointError(f"{config_from}: {problem}")
     origin = {"config": config_from, "tokenizer": tok_from or "(none)"}
     return Description(
         weights,
-        tied,
+        list(tied),
         origin,
         lambda out: describe_folder(out, model_cls, config, tokenizer, generation_config, dtype, resolved.dequantized),
         notes,

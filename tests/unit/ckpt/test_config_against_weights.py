@@ -8,8 +8,9 @@ import json
 import time
 
 import pytest
+import torch
 from conftest import REPO, cli, run_dir  # noqa: F401 (run_dir: the fixture)
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_recipes.ckpt.description import implausible_config
 from fsdp_recipes.ckpt.readers import TensorInfo
@@ -98,3 +99,53 @@ def test_a_threshold_named_like_layers_is_no_count():
     config.max_window_layers = 70
     config.num_nextn_predict_layers = 9
     assert implausible_config(config, weights(2)) is None
+
+
+def _checkpoint(folder, form: str, head_is_embeddings: bool, tie_in_config: bool):
+    """A manifest-less checkpoint of the tiny Llama with a stored head (its own values, or the embeddings'), in one
+    of the forms other tools write, with a config.json stating the tie or not."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    state = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY)).state_dict()
+    if head_is_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    folder.mkdir()
+    if form == "safetensors":
+        save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors")
+    elif form == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(
+            {"model": state}, storage_writer=dcp.FileSystemWriter(str(folder / "pytorch_model_fsdp_0")), no_dist=True
+        )
+    AutoConfig.from_pretrained(TINY, tie_word_embeddings=tie_in_config).save_pretrained(folder)
+    return state
+
+
+@pytest.mark.parametrize("form", ["safetensors", "dcp"])
+@pytest.mark.parametrize("how", ["config.json", "--base-model"])
+def test_a_tie_the_stored_head_does_not_hold_is_refused_and_a_true_one_merges(tmp_path, capsys, form, how):
+    """A head stored with its own values under a config that ties it to the embeddings (config.json edited, or a
+    --base-model of a tied model): the merge writes a tied weight once, so the head would be dropped and the model
+    would compute with the embeddings. Refused in one line, nothing written; a head equal to the embeddings merges."""
+    from safetensors.torch import load_file
+
+    tied_base = tmp_path / "tied-base"
+    AutoConfig.from_pretrained(TINY, tie_word_embeddings=True).save_pretrained(tied_base)
+    extra = ["--base-model", str(tied_base)] if how == "--base-model" else []
+    for head_is_embeddings in (False, True):
+        ckpt, out = tmp_path / f"ckpt-{head_is_embeddings}", tmp_path / f"out-{head_is_embeddings}"
+        state = _checkpoint(ckpt, form, head_is_embeddings, tie_in_config=how == "config.json")
+        code = cli("merge_checkpoint", [str(ckpt), str(out), *extra])
+        said = capsys.readouterr()
+        if head_is_embeddings:
+            assert code == 0, said.err[-2000:]
+            merged = load_file(out / "model.safetensors")
+            assert "lm_head.weight" not in merged and torch.equal(
+                merged["model.embed_tokens.weight"], state["model.embed_tokens.weight"]
+            )
+        else:
+            assert code == 1 and not out.exists(), said.out[-2000:]
+            assert "ties lm_head.weight to model.embed_tokens.weight" in said.err, said.err[-2000:]
