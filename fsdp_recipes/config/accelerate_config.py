@@ -36,6 +36,11 @@ def _known_keys() -> tuple[set[str], set[str], set[str]]:
     )
 
 
+def accelerate_keys() -> set[str]:
+    """Every key an accelerate config file takes, at its top level or in its fsdp_config and parallelism_config."""
+    return set().union(*_known_keys())
+
+
 def _recipe_keys() -> set[str]:
     """The keys a training recipe sets (its argument dataclasses' and TrainingArguments' fields)."""
     import dataclasses

@@ -212,16 +212,20 @@ REPLACED = {
 
 def with_hints(unknown: list[str], known, prefix: str = "") -> str:
     """'key (did you mean known_key?), other' for an error message; ``prefix`` is ignored when matching. A
-    transformers 4 name gets its transformers 5 replacement rather than a spelling match."""
+    transformers 4 name gets its transformers 5 replacement, and a key of accelerate's config (mixed_precision,
+    num_processes, fsdp_*) where it goes, rather than a spelling match."""
     import difflib
 
-    hints = [
-        (
-            k,
-            [REPLACED[k]]
-            if k in REPLACED
-            else [f"did you mean {m}?" for m in difflib.get_close_matches(k.removeprefix(prefix), known, 1)],
-        )
-        for k in unknown
-    ]
+    from fsdp_recipes.config.accelerate_config import accelerate_keys
+
+    theirs = accelerate_keys()
+
+    def hint(key: str) -> list[str]:
+        if key in REPLACED:
+            return [REPLACED[key]]
+        if key in theirs:
+            return ["an accelerate config key: set it in the file given to accelerate launch --config_file"]
+        return [f"did you mean {m}?" for m in difflib.get_close_matches(key.removeprefix(prefix), known, 1)]
+
+    hints = [(k, hint(k)) for k in unknown]
     return ", ".join(f"{k} ({m[0]})" if m else k for k, m in hints)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import re
 from pathlib import Path
 
@@ -432,6 +433,35 @@ def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, 
         assert new in fields and new in message, message
     else:
         assert "transformers 5" in message or "accelerate config" in message, message
+
+
+ACCELERATE_SAMPLE = ["mixed_precision", "num_processes", "num_machines", "fsdp_sharding_strategy", "use_cpu"]
+
+
+@pytest.mark.parametrize("given_as", ["flag", "recipe key"])
+def test_an_accelerate_config_key_is_told_where_it_goes(tmp_path, given_as):
+    """A key of accelerate's config in a recipe or on the command line is said to belong in the file given to
+    accelerate launch --config_file, never matched by spelling to a recipe key (mixed_precision was "did you mean
+    model_revision?"). Every accelerate key the recipe does not also take, a sample of them at once."""
+    from fsdp_recipes.config.accelerate_config import _recipe_keys, accelerate_keys
+
+    theirs = sorted(accelerate_keys() - _recipe_keys())
+    names = [k for k in ACCELERATE_SAMPLE if k in theirs] + random.Random(0).sample(theirs, 6)
+    assert len(set(names) & set(ACCELERATE_SAMPLE)) >= 4  # accelerate still has them: else the sample is stale
+    for name in dict.fromkeys(names):
+        if given_as == "flag":
+            argv = [f"--{name}", "1", "--output_dir", str(tmp_path), *NO_FSDP]
+        else:
+            recipe = tmp_path / "recipe.yaml"
+            recipe.write_text(
+                f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{name}: 1\n"
+            )
+            argv = [str(recipe), "--output_dir", str(tmp_path), *NO_FSDP]
+        with pytest.raises(RecipeError) as err:
+            parse_args(argv)
+        message = str(err.value)
+        assert f"{name} (an accelerate config key: set it in the file given to accelerate launch" in message, message
+        assert "did you mean" not in message, message
 
 
 RENAMED_VALUES = {"evaluation_strategy": "steps", "per_gpu_train_batch_size": 3, "per_gpu_eval_batch_size": 3}
