@@ -56,6 +56,15 @@ def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments
         ignored = "" if eos in (None, CHATML_END) else f"; the recipe's eos_token {eos!r} gives way to it, as there"
         eos = None  # the set-up's own, below
         new = [t for t in (CHATML_START, CHATML_END) if t not in tokenizer.get_vocab()]
+        # their embedding rows would be drawn at random and frozen, in no adapter-only checkpoint and not in the
+        # adapter: a resume, a merge of a checkpoint and the adapter on its base would each lack them
+        if new and getattr(args, "use_peft", False):
+            raise RecipeError(
+                f"tokenizer {args.tokenizer_name!r} has no chat template, and the ChatML set-up the recipe's format "
+                f"asks for would add {' and '.join(new)} to the vocabulary, whose new embedding rows LoRA leaves "
+                "random and frozen and its adapter cannot carry: give a chat template (chat_template_path: a "
+                ".jinja file or a tokenizer that has one), or train without use_peft"
+            )
         tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token = CHATML_END, CHATML_END, CHATML_START
         tokenizer.add_special_tokens({"additional_special_tokens": [CHATML_START, CHATML_END]})
         tokenizer.chat_template = CHATML_TEMPLATE

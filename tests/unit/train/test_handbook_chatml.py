@@ -99,6 +99,23 @@ def test_the_chatml_set_up_reaches_the_tokenizer_the_embeddings_and_the_generati
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n"
 
 
+@pytest.mark.parametrize("kind", ["plain", "chat_tokens", "own_template"])
+def test_lora_is_refused_only_where_the_chatml_set_up_would_add_tokens(tmp_path, kind):
+    """LoRA leaves the rows the set-up adds random and frozen, in neither its checkpoints nor its adapter: refused in
+    one line naming the fix, before any model is built. A tokenizer holding the ChatML tokens, or its own template,
+    trains with LoRA as before."""
+    from fsdp_recipes.errors import RecipeError
+
+    given = args(tokenizer_folder(tmp_path, kind), use_peft=True)
+    if kind != "plain":
+        assert len(load_tokenizer(given)) == (476 if kind == "chat_tokens" else 474)
+        return
+    with pytest.raises(RecipeError) as err:
+        load_tokenizer(given)
+    said = str(err.value)
+    assert "\n" not in said and "<|im_start|> and <|im_end|>" in said and "chat_template_path" in said, said
+
+
 def test_a_rank_on_the_meta_device_grows_its_embeddings_alike(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
