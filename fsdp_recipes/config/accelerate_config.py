@@ -96,10 +96,10 @@ def check_config(
         if recipe is None and recipe_path is not None:
             recipe = load_yaml(recipe_path, "recipe")
     except UnreadableFile as err:
-        c.error("-", err.reason, err.fix, file=err.path)
+        c.error("", err.reason, err.fix, file=err.path)
         return c.problems
     if recipe_path is not None and (problem := _recipe_problem(recipe, recipe_path)):
-        c.error("-", *problem, file=str(recipe_path))
+        c.error("", *problem, file=str(recipe_path))
         if ACCELERATE_AS_RECIPE in problem[0]:  # the recipe's settings are none: nothing to check the config against
             return c.problems
     return c.problems + check_settings(raw, str(config_path), recipe, str(recipe_path or "recipe"), model)
@@ -147,7 +147,7 @@ def check_settings(
         check_keys and raw and not set(raw) & top and set(raw) & _recipe_keys()
     ):  # a recipe as the config: one line, not one per key
         c.error(
-            "-",
+            "",
             "holds none of accelerate's config keys (it has "
             f"{', '.join(sorted(raw)[:4])}{', ...' if len(raw) > 4 else ''}): "
             "it is not an accelerate config",

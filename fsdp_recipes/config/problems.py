@@ -13,12 +13,13 @@ from dataclasses import dataclass
 class Problem:
     level: str  # "error" or "warning"
     file: str
-    key: str
+    key: str  # "" for a problem of the whole file
     message: str
     fix: str
 
     def __str__(self) -> str:
-        return f"{self.level}: {self.file}: {self.key}: {self.message}; fix: {self.fix}"
+        where = f"{self.file}: {self.key}" if self.key else self.file
+        return f"{self.level}: {where}: {self.message}; fix: {self.fix}"
 
 
 def suggest(key: str, valid, what: str = "keys") -> str:

@@ -734,3 +734,19 @@ def test_a_recipe_key_train_fsdp_refuses_is_an_error_of_the_check(tmp_path, reci
     problems = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", path, model=TINY))
     assert len(problems) == 1 and problems[0].file == str(path), [str(p) for p in problems]
     assert f"unknown key(s): {wrong}" in problems[0].message and ACCELERATE_AS_RECIPE not in problems[0].message
+
+
+@pytest.mark.parametrize("case", ["unreadable config", "unknown recipe key", "recipe given as the config"])
+def test_a_problem_of_a_whole_file_reads_file_then_message(tmp_path, case):
+    """A problem no key holds is printed as "error: FILE: what is wrong; fix: ...", with no empty key field."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("learning_rate: 0.01\nmixed_precision: bf16\n")
+    config, given = REPO / "accelerate_configs" / "zero3.yaml", {"recipe_path": recipe}
+    if case == "unreadable config":
+        config, given = tmp_path, {}
+    elif case == "recipe given as the config":
+        config, given = REPO / "recipes" / "tiny-llama" / "pretrain.yaml", {}
+    [problem] = errors(check_config(config, **given))[:1]
+    line = str(problem)
+    assert line.startswith("error: ") and ": : " not in line and ": -: " not in line, line
+    assert line.split(": ", 2)[2][0].isalpha(), line
