@@ -24,12 +24,17 @@ def is_local(name: str) -> bool:
 
 
 def missing_local_path(name: str) -> bool:
-    """True when ``name`` can only mean a local path (absolute, ./ ../ ~, more than one slash, or under a folder that
-    exists) and nothing is there: no hub id, so the hub is never asked about it."""
+    """True when ``name`` can only mean a local path (absolute, ./ ../ ~, a trailing slash, more than one slash, or
+    under a folder that exists) and nothing is there: no hub id, so the hub is never asked about it."""
     if is_local(name):
         return False
     parts = name.split("/")
-    return name.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
+    return (
+        name.startswith(("/", "./", "../", "~"))
+        or name.endswith("/")
+        or len(parts) > 2
+        or (len(parts) == 2 and os.path.isdir(parts[0]))
+    )
 
 
 def not_a_hub_id(name: str, local: str = "folder", neither: str = "local path") -> tuple[str, str] | None:
@@ -96,6 +101,8 @@ def base_model_problem(name: str) -> str | None:
     the hub cache nor answered for within the deadline. None: a local path that exists, or a hub id to load."""
     from huggingface_hub import constants, try_to_load_from_cache
 
+    if not name.strip():
+        return "--base-model is empty: give the base model's folder or a hub id"
     if is_local(name):
         return None  # a local folder or file: the merge's own checks say what it lacks
     if missing_local_path(name):

@@ -80,6 +80,8 @@ MISSING_PATHS = [
     "here/missing",
     "a/b/c",
     ".//x",
+    "missing/",
+    "org/name/",
 ]
 
 
@@ -93,4 +95,13 @@ def test_a_base_model_path_that_does_not_exist_is_said_so(weights_only, path, tm
     assert cli("merge_checkpoint", [str(weights_only), str(out), "--base-model", path]) == 1
     line = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
     assert f"--base-model {path} does not exist" in line and "Repo id" not in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["", " ", "\t"])
+def test_an_empty_base_model_is_named_as_empty(weights_only, name, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli("merge_checkpoint", [str(weights_only), str(out), "--base-model", name]) == 1
+    line = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    assert "--base-model is empty" in line and "Repo id" not in line, line
     assert not out.exists()
