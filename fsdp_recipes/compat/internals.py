@@ -135,6 +135,14 @@ PRIVATE: dict[str, tuple[str, str]] = {
         MODULE,
         "rank0_loading: FSDP1 on CPU, another rank's untouched flat parameter",
     ),
+    "torch.distributed.fsdp._flat_param.FlatParamHandle._get_shard": (
+        MODULE,
+        "rank0_loading: FSDP1 on CPU, the chunk a rank received kept as its shard, not cloned (patched)",
+    ),
+    "torch.distributed.fsdp._flat_param.FlatParamHandle._get_unpadded_shard": (
+        MODULE,
+        "rank0_loading: FSDP1 on CPU, the padding of a shard kept as received",
+    ),
     "torch.distributed.fsdp._flat_param.FlatParamHandle._fully_sharded_module": (
         INSTANCE,
         "rank0_loading: the unit a flat parameter is for",

@@ -18,11 +18,15 @@ FSDP1 (``sync_module_states``): torch broadcasts each unit's parameters from ran
 holds, then flattens the unit into one flat parameter (a copy of the whole unit) and keeps this rank's shard of it:
 a rank held its shards plus twice its largest unit (1.48x a 1 GB model on 2 ranks, whose root unit is half of it).
 On CPU (:func:`install_fsdp1`) the parameters are sent once flattened instead: the sync sends only buffers, and each
-unit's flat parameter is, on ranks other than 0, an untouched buffer into which rank 0 scatters each rank its own
-chunk (the chunk FSDP then keeps); rank 0's is the real one. The other ranks' stand-ins are never written, and a
-rank other than 0 holds its shards plus, for a moment, one chunk of one unit (received, then cloned into the
-shard). Where FSDP keeps the whole flat parameter (NO_SHARD) or broadcasts over two groups (HYBRID_SHARD: across
-nodes, then within), the flat parameter is broadcast whole, as torch would broadcast its pieces. Were the stand-ins
+unit's flat parameter is, on ranks other than 0, an untouched buffer, and rank 0 (whose flat parameter is the real
+one) scatters each rank its own chunk, padded as FSDP pads its shard. A rank other than 0 receives that chunk into a
+buffer of its own, which FSDP keeps as its shard (``FlatParamHandle._get_shard`` patched: torch clones the chunk out
+of the flat parameter, a second copy of it for a moment). The other ranks' stand-ins and flat parameters are never
+written, and a rank other than 0 holds its shards and nothing more (0.5x the model on 2 ranks; receiving, then
+cloning, held one chunk of the largest unit besides: 0.74x a 1 GB model whose root unit is half of it). Where FSDP
+keeps the whole flat parameter (NO_SHARD) the flat parameter is broadcast whole, as torch would broadcast its pieces;
+where it broadcasts over two groups (HYBRID_SHARD: across nodes, then within), whole across, then scattered within
+into the flat parameter, and cloned into the shard. Were the stand-ins
 views of the private file mapping, every written page would become the rank's own (copy on write): every rank,
 rank 0 included, peaked at 2x the model (bench/load_memory.py).
 """
@@ -197,14 +201,19 @@ def _flat_param_from_rank0(self, tensors: list, aligned_numel: int, requires_gra
     for group in across:
         dist.broadcast(flat.data, group=group, group_src=0)
     if last is self.process_group and self.uses_sharded_strategy:
-        _scatter_chunks(flat.data, last)
+        # one group (not HYBRID_SHARD's two): a rank other than 0 receives its chunk into the shard FSDP keeps
+        if (shard := _scatter_chunks(flat.data, last, keep=not across)) is not None:
+            _kept[id(flat)] = (flat, shard)
     else:
         dist.broadcast(flat.data, group=last, group_src=0)
     return flat
 
 
-def _scatter_chunks(flat: torch.Tensor, group) -> None:
-    """Group rank 0's ``flat`` into every rank's own chunk of it, as torch.chunk splits it (FSDP1's shard)."""
+def _scatter_chunks(flat: torch.Tensor, group, keep: bool = False) -> torch.Tensor | None:
+    """Group rank 0's ``flat`` into every rank's own chunk of it, as torch.chunk splits it (FSDP1's shard), padded
+    with zeros to the first chunk's size as FSDP pads its shard. With ``keep``, a rank other than group rank 0
+    receives into a buffer of its own and returns it (FSDP's shard: :func:`_shard_as_received`), ``flat`` untouched;
+    otherwise the chunk is written into ``flat`` and None returned."""
     world, rank, numel = dist.get_world_size(group), dist.get_rank(group), flat.numel()
     per = -(-numel // world)
 
@@ -212,36 +221,70 @@ def _scatter_chunks(flat: torch.Tensor, group) -> None:
         return flat.narrow(0, min(r * per, numel), max(0, min(per, numel - r * per)))
 
     mine = chunk(rank)
-    buf = mine if mine.numel() == per else flat.new_empty(per)  # gloo scatters equal sizes
+    kept = keep and rank != 0
+    buf = mine if mine.numel() == per and not kept else flat.new_empty(per)  # gloo scatters equal sizes
     pieces = None
     if rank == 0:
         pieces = [
             c if c.numel() == per else torch.cat([c, c.new_zeros(per - c.numel())]) for c in map(chunk, range(world))
         ]
     dist.scatter(buf, pieces, group=group, group_src=0)
+    if kept:
+        return buf
     if buf is not mine:
         mine.copy_(buf[: mine.numel()])
+    return None
+
+
+# id(flat parameter) -> (it, the padded shard this rank received for it), until FSDP shards it
+_kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _shard_as_received(tensor: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
+    """FlatParamHandle._get_shard (this rank's padded shard of ``tensor``, and its padding): for a flat parameter
+    whose chunk this rank received on its own (:func:`_scatter_chunks`), that buffer itself; torch clones the
+    chunk out of the flat parameter, which here was never written. Any other tensor: torch's own."""
+    flat, shard = _kept.get(id(tensor), (None, None))
+    if flat is not tensor:
+        return _get_shard_original(tensor, rank, world_size)
+    del _kept[id(tensor)]
+    chunk, numel_to_pad = internals.get("torch.distributed.fsdp._flat_param.FlatParamHandle._get_unpadded_shard")(
+        tensor, rank, world_size
+    )
+    if chunk.numel() + numel_to_pad != shard.numel():
+        raise InternalsChanged(
+            f"torch {torch.__version__} shards an FSDP1 flat parameter of {tensor.numel()} elements into "
+            f"{chunk.numel() + numel_to_pad} per rank, not the {shard.numel()} rank 0 sent: "
+            "set fsdp_cpu_ram_efficient_loading: false in your copy of the config"
+        )
+    return shard, numel_to_pad
 
 
 def check_fsdp1_sent() -> None:
     """After wrapping: every unit whose parameters the sync left to its flat parameter got them. Raises
     InternalsChanged where torch wrapped a unit without flattening it through the method patched here: that unit
-    would keep the other ranks' uninitialised stand-ins."""
+    would keep the other ranks' uninitialised stand-ins, as would a unit sharded without the chunk it received."""
     if _owed:
         raise InternalsChanged(
             f"{len(_owed)} FSDP1 unit(s) were wrapped without their flat parameter being filled from rank 0 "
             f"(torch {torch.__version__} no longer flattens through FlatParamHandle.flatten_tensors_into_flat_param): "
             "set fsdp_cpu_ram_efficient_loading: false in your copy of the config"
         )
+    if _kept:
+        raise InternalsChanged(
+            f"{len(_kept)} FSDP1 unit(s) were sharded without the shard received from rank 0 (torch "
+            f"{torch.__version__} no longer shards through FlatParamHandle._get_shard): "
+            "set fsdp_cpu_ram_efficient_loading: false in your copy of the config"
+        )
 
 
-_sync_original = _sync_module_original = _flatten_original = None
+_sync_original = _sync_module_original = _flatten_original = _get_shard_original = None
 
 
 def install_fsdp1() -> None:
-    """FSDP1 on CPU: buffers broadcast tensor by tensor, parameters scattered once flattened (see the module
-    docstring). Idempotent."""
-    global _sync_original, _sync_module_original, _flatten_original
+    """FSDP1 on CPU: buffers broadcast tensor by tensor, parameters scattered once flattened, each rank's chunk
+    kept as its shard (see the module docstring). Idempotent."""
+    global _sync_original, _sync_module_original, _flatten_original, _get_shard_original
     if _sync_original is None:
         _sync_original = internals.patch("torch.distributed.fsdp._init_utils._sync_params_and_buffers", _broadcast_each)
         _sync_module_original = internals.patch(
@@ -249,4 +292,7 @@ def install_fsdp1() -> None:
         )
         _flatten_original = internals.patch(
             "torch.distributed.fsdp._flat_param.FlatParamHandle.flatten_tensors_into_flat_param", _flat_param_from_rank0
+        )
+        _get_shard_original = internals.patch(
+            "torch.distributed.fsdp._flat_param.FlatParamHandle._get_shard", staticmethod(_shard_as_received)
         )
