@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from fsdp_recipes.bounded import load_yaml
+from fsdp_recipes.config.flags import known_accelerate_keys
 from fsdp_recipes.config.fsdp_section import check_fsdp_keys
 from fsdp_recipes.config.problems import Checker, Problem, as_bool, suggest
 from fsdp_recipes.config.recipe_checks import ZERO1_UNDER_FSDP, check_model, check_with_recipe
@@ -21,24 +22,6 @@ from fsdp_recipes.errors import UnreadableFile
 
 MIXED_PRECISION = ["no", "fp16", "bf16", "fp8"]
 ACCELERATE_AS_RECIPE = "is an accelerate config"
-
-
-def _known_keys() -> tuple[set[str], set[str], set[str]]:
-    """(top-level, fsdp_config, parallelism_config) keys that accelerate 1.15 reads."""
-    from accelerate.commands.config.config_args import ClusterConfig
-    from accelerate.commands.launch import launch_command_parser
-
-    dests = {a.dest for a in launch_command_parser()._actions}
-    return (
-        set(ClusterConfig.__dataclass_fields__),
-        {d for d in dests if d.startswith("fsdp_")},
-        {d for d in dests if d.startswith("parallelism_config_")},
-    )
-
-
-def accelerate_keys() -> set[str]:
-    """Every key an accelerate config file takes, at its top level or in its fsdp_config and parallelism_config."""
-    return set().union(*_known_keys())
 
 
 def _recipe_keys() -> set[str]:
@@ -68,7 +51,7 @@ def recipe_keys_problem(recipe: dict, known: set[str], path) -> tuple[str, str] 
     unknown = sorted(set(recipe) - known)
     if not unknown:
         return None
-    top = _known_keys()[0]
+    top = known_accelerate_keys()[0]
     theirs = sorted(set(recipe) & (top - known))
     if theirs and not set(recipe) & (known - top):
         return (
@@ -130,7 +113,7 @@ def check_settings(
     ``check_keys=False`` skips the unknown-key rules (settings that accelerate itself named, not a file)."""
     c = Checker(label)
     recipe = recipe or {}
-    top, fsdp_keys, pc_keys = _known_keys()
+    top, fsdp_keys, pc_keys = known_accelerate_keys()
     fsdp = raw.get("fsdp_config") or {}
     pc = raw.get("parallelism_config") or {}
     if not isinstance(fsdp, dict):

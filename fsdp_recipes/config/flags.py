@@ -210,15 +210,26 @@ REPLACED = {
 }
 
 
+def known_accelerate_keys() -> tuple[set[str], set[str], set[str]]:
+    """(top-level, fsdp_config, parallelism_config) keys that accelerate 1.15's config files take."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    dests = {a.dest for a in launch_command_parser()._actions}
+    return (
+        set(ClusterConfig.__dataclass_fields__),
+        {d for d in dests if d.startswith("fsdp_")},
+        {d for d in dests if d.startswith("parallelism_config_")},
+    )
+
+
 def with_hints(unknown: list[str], known, prefix: str = "") -> str:
     """'key (did you mean known_key?), other' for an error message; ``prefix`` is ignored when matching. A
     transformers 4 name gets its transformers 5 replacement, and a key of accelerate's config (mixed_precision,
     num_processes, fsdp_*) where it goes, rather than a spelling match."""
     import difflib
 
-    from fsdp_recipes.config.accelerate_config import accelerate_keys
-
-    theirs = accelerate_keys()
+    theirs = set().union(*known_accelerate_keys())
 
     def hint(key: str) -> list[str]:
         if key in REPLACED:

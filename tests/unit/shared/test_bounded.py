@@ -248,9 +248,9 @@ def recipe_reader(path: str):
 def yaml_files(tmp_path_factory) -> dict[str, str]:
     """The YAML cases, after one run of each reader on a sound file: what they import on first use (accelerate's
     launch parser, transformers' argument classes) is imported before any case's alarm starts."""
-    from fsdp_recipes.config.accelerate_config import _known_keys
+    from fsdp_recipes.config.flags import known_accelerate_keys
 
-    _known_keys()
+    known_accelerate_keys()
     folder = tmp_path_factory.mktemp("bounded")
     (folder / "recipe.yaml").write_text("learning_rate: 1.0e-4\n")
     with pytest.raises(RecipeError):  # the recipe names no model: refused after it was read
