@@ -176,6 +176,9 @@ def unlike_model_folder(folder: Path) -> str:
 # What a training run writes into its output_dir, beside the model files: checkpoints, set-aside ones, its records,
 # tensorboard's runs/, profiles, the adapter, its lock and staging folders. Anything else there is someone's.
 # (model|adapter).kept-N: a folder the export moved aside from its way, the user's, kept for them (removal.make_room).
+# the final export's staging folders in output_dir: the gathered shards, the model folder, the adapter folder
+FINAL_SHARDS, MODEL_STAGING, ADAPTER_STAGING = ".final-sharded", ".export-tmp", ".adapter-tmp"
+EXPORT_FOLDERS = (FINAL_SHARDS, MODEL_STAGING, ADAPTER_STAGING)
 _RUN_FOLDERS = (
     r"checkpoint-\d+",
     r"(model|adapter)\.kept-\d+",
@@ -186,9 +189,7 @@ _RUN_FOLDERS = (
     r"\.base-tmp",
     r"runs",
     r"profile",
-    r"\.final-sharded",
-    r"\.export-tmp",
-    r"\.adapter-tmp",
+    *(re.escape(name) for name in EXPORT_FOLDERS),
 )
 _RUN_FILES = (
     *_MODEL_FILES,
@@ -206,12 +207,7 @@ EXPORT_STAGING = "export staging"  # the marker purpose of the final export's st
 BASE_STAGING = "LoRA base staging"  # and of output_dir/.base-tmp (fsdp_recipes.train.modeling)
 # a run's staging folders in output_dir and the purpose their marker names: one of these names without it is someone's
 # folder, which the run would refuse to remove only after training
-STAGING_FOLDERS = {
-    ".final-sharded": EXPORT_STAGING,
-    ".export-tmp": EXPORT_STAGING,
-    ".adapter-tmp": EXPORT_STAGING,
-    ".base-tmp": BASE_STAGING,
-}
+STAGING_FOLDERS = {**dict.fromkeys(EXPORT_FOLDERS, EXPORT_STAGING), ".base-tmp": BASE_STAGING}
 
 
 # A finished run's records and top-level model files, which other tools (the stock Trainer's run_clm.py, TRL) write

@@ -24,9 +24,12 @@ from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.description import describe_folder, seal_manifest, write_manifest
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG,
+    ADAPTER_STAGING,
     DCP_MODEL_DIR,
     EXPORT_STAGING,
+    FINAL_SHARDS,
     MANIFEST,
+    MODEL_STAGING,
     OPTIMIZER_DIR,
     REPORT_NAME,
     step_of_name,
@@ -151,7 +154,7 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     dtype = export_dtype(model, save_dtype)
     cast = None if dtype == parameter_dtype(model) else dtype
     started = time.monotonic()
-    shards, staging = out / ".final-sharded", out / ".export-tmp"
+    shards, staging = out / FINAL_SHARDS, out / MODEL_STAGING
     sharded = plugin is not None and "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
     via_shards = sharded or (plugin is not None and lora is not None)
     gathered_lora = via_shards and not sharded  # FULL_STATE_DICT LoRA: rank 0 merges pytorch_model_fsdp.bin alone
@@ -166,14 +169,14 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
                 save_model_description(model, tokenizer, shards, trainer.describer.base_record)
     if plugin is None and lora is not None:  # a run without FSDP (--allow_no_fsdp): the whole model is here
         if accelerator.is_main_process:
-            adapter_staging = out / ".adapter-tmp"
+            adapter_staging = out / ADAPTER_STAGING
             make_folder(adapter_staging, EXPORT_STAGING)
             model.save_pretrained(str(adapter_staging))
             if trainer.describer.base_record is not None:
                 base_identity.write(adapter_staging, trainer.describer.base_record)
-            publish_adapter(adapter_staging, out)
             model.merge_and_unload().save_pretrained(str(staging))
             publish(staging, out, [*save_model_description(base, tokenizer, staging), *weight_files(staging)])
+            publish_adapter(adapter_staging, out)  # after the model it goes with, as the sharded export
         return  # no barrier: the other ranks have nothing left to do (see the docstring)
     if not via_shards:
         accelerator.wait_for_everyone()  # the staging folder exists before any rank writes into it

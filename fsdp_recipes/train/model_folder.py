@@ -18,8 +18,11 @@ from pathlib import Path
 from fsdp_recipes.ckpt.layout import (
     ADAPTER_CONFIG,
     ADAPTER_DIR,
+    ADAPTER_STAGING,
+    EXPORT_FOLDERS,
     EXPORT_STAGING,
     FINAL_MODEL_DIR,
+    MODEL_STAGING,
     is_adapter_file,
     is_exported_adapter,
     is_model_folder,
@@ -32,13 +35,10 @@ from fsdp_recipes.removal import MARKER, entries, make_room, move, remove, remov
 logger = logging.getLogger("fsdp_recipes.train.export")  # the export's lines, wherever its step lives
 
 
-EXPORT_LEFTOVERS = (".final-sharded", ".export-tmp", ".adapter-tmp")  # this module's own staging folders in output_dir
-
-
 def remove_export_leftovers(out: Path, log=print) -> None:
     """The staging folders a final export killed midway left in ``out``: only ours (marked when made); a folder of
     another kind under one of these names is refused, in one line."""
-    for name in EXPORT_LEFTOVERS:
+    for name in EXPORT_FOLDERS:
         path = Path(out) / name
         if path.exists() or path.is_symlink():
             remove(path, EXPORT_STAGING)
@@ -99,7 +99,7 @@ def write_final_folder(
     ``dtype`` when given) and the adapter in ``out/adapter``."""
     from fsdp_recipes.ckpt.merge import merge_checkpoint
 
-    staging = out / ".export-tmp"
+    staging = out / MODEL_STAGING
     lora = (ckpt / ADAPTER_CONFIG).is_file()
     result = merge_checkpoint(  # a checkpoint with a config.json describes itself: base_model only stands in for one
         ckpt, staging, overwrite=True, config_fallback=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING
@@ -118,7 +118,7 @@ def stage_adapter_folder(ckpt: Path, out: Path, log=print) -> Path:
     ``out/adapter/`` only once the model it goes with is published, so model/ and adapter/ are always a pair."""
     from fsdp_recipes.ckpt.merge import merge_checkpoint
 
-    adapter_staging = out / ".adapter-tmp"
+    adapter_staging = out / ADAPTER_STAGING
     merge_checkpoint(ckpt, adapter_staging, overwrite=True, adapter_only=True, log=log, output_purpose=EXPORT_STAGING)
     return adapter_staging
 
