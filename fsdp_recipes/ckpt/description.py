@@ -240,6 +240,8 @@ def _files_problem(files) -> str | None:
     want = "a mapping of file names to SHA-256 digests"
     if files is KeyError or not isinstance(files, dict):
         return f'it has no "files", {want}' if files is KeyError else f'its "files" is {kind_of(files)}, not {want}'
+    if (odd := next((n for n in files if not plain_file_name(n)), None)) is not None:
+        return f'its "files" names {odd!r}, which is no file of the checkpoint folder, not {want} in it'
     wrong = next(((n, d) for n, d in files.items() if not isinstance(d, str)), None)
     return None if wrong is None else f'its "files" gives {wrong[0]!r} {kind_of(wrong[1])}, not {want}'
 

@@ -148,6 +148,10 @@ WRONG_FILES = {
     "null for a digest": ({"config.json": None}, "its \"files\" gives 'config.json' null"),
     "a list for a digest": ({"config.json": ["ab"]}, "its \"files\" gives 'config.json' a list"),
     "no files key": (KeyError, 'it has no "files"'),
+    **{
+        f"a path for a name: {name}": ({"config.json": "ab", name: "cd"}, f'its "files" names {name!r}')
+        for name in ("../config.json", "/etc/passwd", "sub/config.json", "..", ".", "", "a\\b", "x\0y")
+    },
 }
 
 
@@ -167,3 +171,4 @@ def test_a_record_whose_files_are_of_another_type_names_the_key_and_the_type(tmp
     line = recorded_changes(read_files(ckpt, (ckpt,)))
     assert line is not None and "\n" not in line and said in line, line
     assert "Error)" not in line and "mapping of file names to SHA-256 digests" in line, line
+    assert "remove model_description.json" in line, line
