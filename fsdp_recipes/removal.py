@@ -48,8 +48,11 @@ def make_folder(path: str | os.PathLike, purpose: str, exist_ok: bool = False) -
         raise RefusedRemoval(f"{path} exists: refusing to take it over; move it away or choose another path")
     if path.exists() and any(p.name != MARKER for p in path.iterdir()) and not is_ours(path, purpose):
         raise RefusedRemoval(f"{path} exists and holds {contents(path)}: refusing to take it over; move it away")
-    path.mkdir(parents=True, exist_ok=True)
-    _write_marker(path, purpose)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    finally:  # a stop's exception (SIGTERM, Ctrl-C) raised just after the mkdir: the folder is still marked, ours
+        if path.is_dir() and not path.is_symlink():
+            _write_marker(path, purpose)
     return path
 
 

@@ -742,3 +742,44 @@ def test_a_mount_point_inside_is_never_removed_through(tmp_path, how, inside):
         assert (precious / "weights.distcp").read_bytes() == b"theirs"
     finally:
         subprocess.run(["umount", str(target)], capture_output=True)
+
+
+class Stopped(Exception):
+    pass
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("moment", ["after the mkdir", "after the marker"])
+def test_a_stop_while_a_folder_is_made_leaves_it_marked_for_removal(tmp_path, monkeypatch, signum, moment):
+    """A stop arriving between the folder's mkdir and its marker is held until the marker is written: the folder it
+    leaves is ours, so remove (and a later run's clean-up) takes it; never an unmarked folder nothing may remove."""
+    import signal
+
+    from fsdp_recipes import removal
+
+    def stop(*_):
+        raise Stopped
+
+    previous = signal.signal(getattr(signal, signum), stop)
+    real_mkdir, real_marker = Path.mkdir, removal._write_marker
+
+    def mkdir(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if moment == "after the mkdir" and self == tmp_path / "staging":
+            os.kill(os.getpid(), getattr(signal, signum))
+
+    def marker(path, purpose):
+        real_marker(path, purpose)
+        if moment == "after the marker":
+            os.kill(os.getpid(), getattr(signal, signum))
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    monkeypatch.setattr(removal, "_write_marker", marker)
+    try:
+        with pytest.raises(Stopped):
+            make_folder(tmp_path / "staging", "test staging")
+    finally:
+        signal.signal(getattr(signal, signum), previous)
+    assert (tmp_path / "staging" / MARKER).is_file()
+    remove(tmp_path / "staging", "test staging")
+    assert not (tmp_path / "staging").exists()
