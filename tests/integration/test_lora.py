@@ -1,10 +1,15 @@
 """LoRA (peft) under FSDP2 and FSDP1: only the adapter trains, sharded like the rest; checkpoints hold the adapter
 alone (weights and optimizer state, every rank's slice); a run resumed from its mid-run checkpoint ends on the same
 bits; the run ends with the merged model (equal to peft's own merge_and_unload of the trained adapter) and the adapter
-folder PeftModel loads; the merge tool makes both from a checkpoint and the base."""
+folder PeftModel loads; the merge tool makes both from a checkpoint and the base.
+
+The runs that end normally on one accelerate config train one after another in one launch (lora_runs): a launch
+each would pay torch's start-up every time. A resume, a refusal and the runs on launch flags of their own launch
+alone: their subject is a process of their own."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sys
@@ -25,6 +30,7 @@ from conftest import (
     rewrite_weights,
     run,
     same_tensors,
+    shared_temp,
 )
 from safetensors.torch import load_file
 
@@ -34,6 +40,102 @@ from fsdp_recipes.ckpt.readers import DCPSource
 
 LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-2"]
 CONFIGS = ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"]
+TINY = str(REPO / "assets" / "tiny-llama")
+SEQUENCE = Path(__file__).resolve().parents[1] / "helpers" / "argv_sequence.py"
+
+# metric loss with greater_is_better true: the worst evaluation is the "best", so the best checkpoint is not the last
+BEST = [
+    "--load_best_model_at_end",
+    "true",
+    "--metric_for_best_model",
+    "loss",
+    "--greater_is_better",
+    "true",
+    "--validation_split_percentage",
+    "10",
+    "--eval_strategy",
+    "steps",
+    "--eval_steps",
+    "2",
+]
+
+# The positive-path runs of the tests below, by name: each one's train_fsdp.py flags given its base, but --output_dir.
+# A config's runs share one launch (lora_runs), "whole" first: the run its resume is compared with bit for bit is the
+# launch's first, as in a launch of its own.
+SHARED = {
+    "whole": lambda base: [*QUICK, "--model_name_or_path", base, *LORA],
+    "best": lambda base: [*quick(max_steps="6", save_steps="2"), "--model_name_or_path", base, *LORA, *BEST],
+    "tied": lambda base: [
+        *quick(max_steps="2", save_steps="2"),
+        *LORA,
+        "--model_name_or_path",
+        base,
+        "--tokenizer_name",
+        TINY,
+    ],
+    "bf16": lambda base: [
+        *quick(max_steps="2", save_steps="2"),
+        *LORA,
+        "--model_name_or_path",
+        base,
+        "--tokenizer_name",
+        TINY,
+        "--dtype",
+        "bfloat16",
+    ],
+}
+RUNS_OF = {CONFIGS[0]: ("whole", "best", "tied", "bf16"), CONFIGS[1]: ("whole", "best", "tied")}
+# the runs on a base of their own (the tiny Llama from its config, seed 0): how it differs; the others adapt the
+# session's trained model
+OWN_BASE = {"tied": {"tie_word_embeddings": True}, "bf16": {"dtype": torch.bfloat16}}
+
+
+def tiny_llama_base(folder: Path, dtype: torch.dtype | None = None, **config) -> None:
+    """The tiny Llama built from its config (with ``config``'s changes) from seed 0, saved at ``folder``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY, **config))
+    (model.to(dtype) if dtype is not None else model).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(trained, tmp_path_factory):
+    """``get(config, name)`` -> (output_dir, base) of SHARED's run ``name`` on ``config``, ended normally. The runs of a
+    config are trained one after another in one launch (tests/helpers/argv_sequence.py: each as its command line
+    trains it), the first time one is asked for; pytest-xdist's workers share it under a file lock."""
+    from filelock import FileLock
+
+    trained_base = trained("accelerate_configs/zero3.yaml").model_dir
+    root = shared_temp(tmp_path_factory)
+
+    def get(config: str, name: str) -> tuple[Path, Path]:
+        folder = root / ("lora-runs-" + config.replace("/", "--").removesuffix(".yaml"))
+        done = folder / "launch.json"
+        with FileLock(f"{folder}.lock"):
+            if not done.is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+                commands = []
+                for each in RUNS_OF[config]:
+                    home = folder / each
+                    home.mkdir(parents=True)
+                    if each in OWN_BASE:
+                        tiny_llama_base(home / "base", **OWN_BASE[each])
+                    base = home / "base" if each in OWN_BASE else trained_base
+                    command = home / "command.json"
+                    command.write_text(json.dumps([*SHARED[each](str(base)), "--output_dir", str(home / "run")]))
+                    commands.append(str(command))
+                proc = launch(config, *commands, script=SEQUENCE, check=False)
+                done.write_text(json.dumps({"returncode": proc.returncode, "stderr": proc.stderr}))
+        launched = read_json(done)
+        assert launched["returncode"] == 0, launched["stderr"][-6000:]
+        home = folder / name
+        said = launched["stderr"].partition(f"=== RECIPE {home / 'command.json'}\n")[2].partition("=== RECIPE ")[0]
+        result = read_json(home / "command.json.result.json")
+        assert result["error"] is None, f"{result['error']}\n{said[-6000:]}"
+        return home / "run", home / "base" if name in OWN_BASE else trained_base
+
+    return get
 
 
 def adapter_only_layout(folder: Path, world: int = 2) -> dict[str, int]:
@@ -58,14 +160,13 @@ def adapter_only_layout(folder: Path, world: int = 2) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=["fsdp2", "fsdp1"])
-def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(trained, config, tmp_path):
+def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(lora_runs, config, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = trained("accelerate_configs/zero3.yaml").model_dir  # a pre-trained model to adapt
-    args = [*QUICK, "--model_name_or_path", str(base), *LORA]
-    whole, out = tmp_path / "whole", tmp_path / "resumed"
-    launch(config, *args, "--output_dir", str(whole))
+    whole, base = lora_runs(config, "whole")  # base: a pre-trained model to adapt (the session's trained run)
+    args = SHARED["whole"](str(base))
+    out = tmp_path / "resumed"
     losses = logged_losses(whole)
     assert losses[-1] < losses[0], losses
 
@@ -446,32 +547,14 @@ def test_full_state_dict_lora_checkpoints_hold_the_adapter_and_resume_exactly(tm
 
 
 @pytest.mark.slow
-def test_a_bf16_lora_run_ends_on_peft_s_merge_of_its_adapter(tmp_path):
+def test_a_bf16_lora_run_ends_on_peft_s_merge_of_its_adapter(lora_runs):
     """--dtype bfloat16 over a bf16 base: the adapter trains in fp32 (mixed precision upcasts trainable weights), the
     final model/ is exactly peft's merge_and_unload of the run's adapter/ into the bf16 base (it was garbage: fp32
     sums written into the bf16 places of the merged file, overwriting the tensors after them)."""
     from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    base = tmp_path / "base"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).to(
-        torch.bfloat16
-    ).save_pretrained(base)
-    out = tmp_path / "run"
-    launch(
-        CONFIGS[0],
-        *quick(max_steps="2", save_steps="2"),
-        *LORA,
-        "--model_name_or_path",
-        str(base),
-        "--tokenizer_name",
-        str(REPO / "assets" / "tiny-llama"),
-        "--dtype",
-        "bfloat16",
-        "--output_dir",
-        str(out),
-    )
+    out, base = lora_runs(CONFIGS[0], "bf16")  # its base: the tiny Llama in bf16
     final = load_file(out / "model" / "model.safetensors")
     by_peft = (
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), out / "adapter")
@@ -488,35 +571,19 @@ def test_a_bf16_lora_run_ends_on_peft_s_merge_of_its_adapter(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=["fsdp2", "fsdp1"])
-def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(tmp_path, config):
+def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(lora_runs, tmp_path, config):
     """A base with tied embeddings: torch's ignore_frozen_params dropped the frozen head under one of its two names
     only, so every checkpoint also held lm_head.weight: neither adapter-only nor whole, and the merge refused it
     ("has LoRA weights but no base_layer.weight"). Now it holds the adapter alone, check_checkpoint says so, a resume
     takes it as this model's, and the merge of the checkpoint is the run's own final model."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from fsdp_recipes.ckpt.inspection import inspect_checkpoint
     from fsdp_recipes.ckpt.merge import merge_checkpoint
     from fsdp_recipes.ckpt.model_match import model_mismatch, omittable_names
 
-    base = tmp_path / "base"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(
-        AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)
-    ).save_pretrained(base)
-    out = tmp_path / "run"
-    launch(
-        config,
-        *quick(max_steps="2", save_steps="2"),
-        *LORA,
-        "--model_name_or_path",
-        str(base),
-        "--tokenizer_name",
-        str(REPO / "assets" / "tiny-llama"),
-        "--output_dir",
-        str(out),
-    )
+    out, base = lora_runs(config, "tied")  # its base: the tiny Llama with tied embeddings
     names = adapter_only_layout(out / "checkpoint-2" / "pytorch_model_fsdp_0")
     assert names and all("lora_" in n for n in names), sorted(n for n in names if "lora_" not in n)
     assert "no frozen base weight" in inspect_checkpoint(out / "checkpoint-2")["layout"]
@@ -567,41 +634,13 @@ def test_lora_on_a_tied_head_under_fsdp2_efficient_loading_is_one_line(tmp_path)
     assert "KeyError" not in proc.stderr  # not accelerate's traceback
 
 
-# metric loss with greater_is_better true: the worst evaluation is the "best", so the best checkpoint is not the last
-BEST = [
-    "--load_best_model_at_end",
-    "true",
-    "--metric_for_best_model",
-    "loss",
-    "--greater_is_better",
-    "true",
-    "--validation_split_percentage",
-    "10",
-    "--eval_strategy",
-    "steps",
-    "--eval_steps",
-    "2",
-]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=["fsdp2", "fsdp1"])
-def test_a_lora_run_ends_on_its_best_checkpoint(trained, config, tmp_path):
+def test_a_lora_run_ends_on_its_best_checkpoint(lora_runs, config, tmp_path):
     """--load_best_model_at_end of a LoRA run loads the best checkpoint as a resume does (the Trainer's stock load asks
     peft for adapter names our adapter-only checkpoints do not keep): the run's model/ and adapter/ are the merge of
     that checkpoint exactly, on each FSDP version, the best checkpoint not the last."""
-    base = trained("accelerate_configs/zero3.yaml").model_dir
-    out = tmp_path / "run"
-    launch(
-        config,
-        *quick(max_steps="6", save_steps="2"),
-        "--model_name_or_path",
-        str(base),
-        *LORA,
-        *BEST,
-        "--output_dir",
-        str(out),
-    )
+    out, _ = lora_runs(config, "best")  # its base: the session's trained run
     state = read_json(out / "trainer_state.json")
     best = Path(state["best_model_checkpoint"])
     assert best.parent == out and best.name != "checkpoint-6", best
