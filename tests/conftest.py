@@ -56,6 +56,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """torch.distributed initialised in this process alone (gloo, rank 0 of 1), for units that call collectives."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # undone after the test: launches elsewhere must not inherit them
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def run(
     cmd: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None, new_session: bool = False
 ) -> subprocess.CompletedProcess:

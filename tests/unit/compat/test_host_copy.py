@@ -5,12 +5,10 @@ saves), made again when the state dict changes shape. Plain tensors and a DTenso
 from __future__ import annotations
 
 import contextlib
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdp_recipes.compat.host_copy import ReusedHostCopy
 
@@ -49,18 +47,6 @@ def test_a_snapshot_reused_by_every_save_and_made_again_on_a_new_shape():
     live["w"] = torch.randn(32, 8)  # another shape: a new host copy, not a failed copy into the old one
     third = stager.stage(live)
     assert stager.made == 2 and third["w"].shape == (32, 8) and torch.equal(third["w"], live["w"])
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # undone after the test: launches elsewhere must not inherit them
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_dtensor_shard_is_copied_into_the_same_host_buffer(one_process_group):

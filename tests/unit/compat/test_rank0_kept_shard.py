@@ -6,8 +6,6 @@ shard (no copy); any other tensor is sharded by torch's own code; a received sha
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -85,18 +83,6 @@ def test_a_received_shard_fsdp_never_took_stops_the_run(monkeypatch):
     monkeypatch.setitem(rank0_loading._kept, id(flat), (flat, torch.zeros(5)))
     with pytest.raises(InternalsChanged, match="sharded without the shard received from rank 0"):
         rank0_loading.check_fsdp1_sent()
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # undone after the test: launches elsewhere must not inherit them
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_fsdp_shards_a_unit_into_the_buffer_received(monkeypatch, torch_get_shard, one_process_group):

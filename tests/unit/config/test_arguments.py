@@ -406,6 +406,21 @@ TRANSFORMERS_4_NAMES = {
 }
 
 
+def refusal_of(tmp_path, name: str, given_as: str) -> str:
+    """The one line parse_args refuses ``name: 1`` with, given as a flag or as a recipe key."""
+    if given_as == "flag":
+        argv = [f"--{name}", "1", "--output_dir", str(tmp_path), *NO_FSDP]
+    else:
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(
+            f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{name}: 1\n"
+        )
+        argv = [str(recipe), "--output_dir", str(tmp_path), *NO_FSDP]
+    with pytest.raises(RecipeError) as err:
+        parse_args(argv)
+    return str(err.value)
+
+
 @pytest.mark.parametrize("name", sorted(set(TRANSFORMERS_4_NAMES) - set(trl_recipe.RENAMED)))
 @pytest.mark.parametrize("given_as", ["flag", "recipe key"])
 def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, name, given_as):
@@ -417,17 +432,7 @@ def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, 
 
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     assert name not in fields  # else this transformers still has it, and the table is stale
-    if given_as == "flag":
-        argv = [f"--{name}", "1", "--output_dir", str(tmp_path), *NO_FSDP]
-    else:
-        recipe = tmp_path / "recipe.yaml"
-        recipe.write_text(
-            f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{name}: 1\n"
-        )
-        argv = [str(recipe), "--output_dir", str(tmp_path), *NO_FSDP]
-    with pytest.raises(RecipeError) as err:
-        parse_args(argv)
-    message = str(err.value)
+    message = refusal_of(tmp_path, name, given_as)
     assert "\n" not in message and "did you mean" not in message.split(name, 1)[1].split(")", 1)[0], message
     if (new := TRANSFORMERS_4_NAMES[name]) is not None:
         assert new in fields and new in message, message
@@ -450,17 +455,7 @@ def test_an_accelerate_config_key_is_told_where_it_goes(tmp_path, given_as):
     names = [k for k in ACCELERATE_SAMPLE if k in theirs] + random.Random(0).sample(theirs, 6)
     assert len(set(names) & set(ACCELERATE_SAMPLE)) >= 4  # accelerate still has them: else the sample is stale
     for name in dict.fromkeys(names):
-        if given_as == "flag":
-            argv = [f"--{name}", "1", "--output_dir", str(tmp_path), *NO_FSDP]
-        else:
-            recipe = tmp_path / "recipe.yaml"
-            recipe.write_text(
-                f"config_name: {REPO}/assets/tiny-llama\ntrain_file: {REPO}/assets/data/tiny_corpus.txt\n{name}: 1\n"
-            )
-            argv = [str(recipe), "--output_dir", str(tmp_path), *NO_FSDP]
-        with pytest.raises(RecipeError) as err:
-            parse_args(argv)
-        message = str(err.value)
+        message = refusal_of(tmp_path, name, given_as)
         assert f"{name} (an accelerate config key: set it in the file given to accelerate launch" in message, message
         assert "did you mean" not in message, message
 
