@@ -1,4 +1,7 @@
-"""Every shipped config, launched for real: 2+ CPU processes, the tiny default model, real FSDP."""
+"""Every shipped config, launched for real: 2+ CPU processes, the tiny default model, real FSDP.
+
+The feature runs on zero3.yaml (evaluation and profiling, chat SFT) train one after another in one launch
+(zero3_runs): a launch each would pay torch's start-up every time."""
 
 from __future__ import annotations
 
@@ -6,8 +9,62 @@ import math
 
 import pytest
 import torch
-from conftest import FSDP_CONFIGS, REPO, launch, logged_losses, read_json, shard_files_written
+from conftest import FSDP_CONFIGS, QUICK, REPO, launch, logged_losses, read_json, shard_files_written, shared_temp
+from helpers.launch_sequence import FAULT_SEQUENCE, launch_sequence
 from safetensors.torch import load_file
+
+ZERO3 = "accelerate_configs/zero3.yaml"
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(trained, tmp_path_factory):
+    """``get(name)`` -> the folder of the run ``name`` on zero3.yaml, ended normally. "evaluation" trains first, as
+    in a launch of its own: the dumps its evaluations leave (FSDP_DUMP_EVAL, tests/helpers/train_with_fault.py) are
+    in the "eval" folder beside; "chat" fine-tunes the session's trained run."""
+    base = trained(ZERO3).model_dir
+    folder = shared_temp(tmp_path_factory) / "test_training-zero3"
+    (folder / "eval").mkdir(parents=True, exist_ok=True)
+    runs = {
+        "evaluation": [
+            *QUICK,
+            "--validation_split_percentage",
+            "10",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "6",
+            "--report_to",
+            "tensorboard",
+            "--profile_steps",
+            "3-4",
+        ],
+        "chat": [
+            "recipes/tiny-llama/chat_sft.yaml",
+            "--model_name_or_path",
+            str(base),
+            "--max_steps",
+            "12",
+            "--logging_steps",
+            "2",
+            "--save_steps",
+            "12",
+            "--packing",
+            "padding_free",
+        ],
+    }
+    get = launch_sequence(
+        folder,
+        ZERO3,
+        {name: [*flags, "--output_dir", str(folder / name)] for name, flags in runs.items()},
+        script=FAULT_SEQUENCE,
+        env={"FSDP_DUMP_EVAL": str(folder / "eval")},
+    )
+
+    def output_dir(name: str):
+        get(name)
+        return folder / name
+
+    return output_dir
 
 
 @pytest.mark.parametrize("config", FSDP_CONFIGS)
@@ -190,29 +247,12 @@ def test_finetune_from_local_folder_loads_the_weights_on_every_rank(trained, tmp
         assert torch.equal(before[name], after[name]), name
 
 
-def test_chat_sft_from_local_folder(trained, tmp_path):
+def test_chat_sft_from_local_folder(zero3_runs):
     """Chat SFT over a pre-trained folder, with padding-free batches (whole conversations in one row, no padding;
     test_data.py proves no token attends across conversations): trains under FSDP2 and loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = trained("accelerate_configs/zero3.yaml").model_dir
-    out = tmp_path / "chat"
-    launch(
-        "accelerate_configs/zero3.yaml",
-        "recipes/tiny-llama/chat_sft.yaml",
-        "--model_name_or_path",
-        str(base),
-        "--max_steps",
-        "12",
-        "--logging_steps",
-        "2",
-        "--save_steps",
-        "12",
-        "--output_dir",
-        str(out),
-        "--packing",
-        "padding_free",
-    )
+    out = zero3_runs("chat")  # over the session's trained zero3.yaml run
     assert read_json(out / "run_args.json")["data"]["packing"] == "padding_free"
     losses = logged_losses(out)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
@@ -222,35 +262,16 @@ def test_chat_sft_from_local_folder(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_evaluation_throughput_loss_plot_and_tensorboard(tmp_path):
+def test_evaluation_throughput_loss_plot_and_tensorboard(zero3_runs):
     """One 2-process FSDP2 run with a held-out 10% evaluated every 6 steps and at the end, reported to
     TensorBoard, steps 3-4 profiled: eval_loss and eval_perplexity equal on every rank, tokens per second at every
     logging step and the run's token count in the end metrics, loss.png a PNG that decodes, TensorBoard scalars
     written, a Chrome trace per rank holding FSDP's collectives and a summary of their share."""
-    from conftest import FAULT_SCRIPT, QUICK
     from matplotlib.image import imread
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out, dumps = tmp_path / "run", tmp_path / "eval"
-    dumps.mkdir()
-    launch(
-        "accelerate_configs/zero3.yaml",
-        *QUICK,
-        "--output_dir",
-        str(out),
-        "--validation_split_percentage",
-        "10",
-        "--eval_strategy",
-        "steps",
-        "--eval_steps",
-        "6",
-        "--report_to",
-        "tensorboard",
-        "--profile_steps",
-        "3-4",
-        script=FAULT_SCRIPT,
-        env={"FSDP_DUMP_EVAL": str(dumps)},
-    )
+    out = zero3_runs("evaluation")
+    dumps = out.parent / "eval"
     final = read_json(out / "eval_results.json")
     assert math.isclose(final["eval_perplexity"], math.exp(final["eval_loss"]), rel_tol=1e-9)
     for step in (6, 12):

@@ -1,0 +1,69 @@
+"""One launch for several train_fsdp.py runs on one accelerate config, shared by the tests that read them: a launch
+each would pay torch's, transformers' and the process group's start-up every time.
+
+    runs = launch_sequence(folder, config, {"name": [train_fsdp.py's arguments...], ...})
+    said = runs("name")  # the first call launches every run, one after another; the others read the result
+
+The runs train in the order given, each as its command line trains it (tests/helpers/argv_sequence.py), the first
+as in a launch of its own. pytest-xdist's workers share the launch under a file lock. A run that did not end normally,
+or a launch that did not exit 0, fails the test that asks for it, with that run's output."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import launch, read_json
+
+HELPERS = Path(__file__).resolve().parent
+SEQUENCE = HELPERS / "argv_sequence.py"
+# the same, under train_with_fault.py's injections (its FSDP_* variables, given in env, act on every run)
+FAULT_SEQUENCE = HELPERS / "fault_sequence.py"
+
+
+@dataclass
+class SequencedRun:
+    stdout: str  # this run's part of the launch's stdout: after its marker line, before the next one
+    stderr: str  # ... and of its stderr (another rank's lines may come a little late, in the next run's part)
+    launch_output: str  # the whole launch's stdout and stderr: what a run says once is said once in all of it
+
+
+def launch_sequence(
+    folder: Path,
+    config: str,
+    runs: dict[str, list[str]],
+    script: Path = SEQUENCE,
+    env: dict | None = None,
+) -> Callable[[str], SequencedRun]:
+    """``get(name)`` -> the SequencedRun of ``runs[name]``, trained with ``config`` in one launch of ``script`` with
+    the others. Each run's arguments name its own --output_dir; its command file is ``folder/<name>.json``."""
+    from filelock import FileLock
+
+    def get(name: str) -> SequencedRun:
+        done = folder / "launch.json"
+        with FileLock(f"{folder}.lock"):
+            if not done.is_file():
+                folder.mkdir(parents=True, exist_ok=True)
+                commands = []
+                for each, arguments in runs.items():
+                    (folder / f"{each}.json").write_text(json.dumps(arguments))
+                    commands.append(str(folder / f"{each}.json"))
+                launched = {"returncode": None, "stdout": "", "stderr": "the launch raised: see the first test's error"}
+                try:  # once, whatever happens: a second launch would find the first one's output folders
+                    proc = launch(config, *commands, script=script, env=env, check=False)
+                    launched = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+                finally:
+                    done.write_text(json.dumps(launched))
+        launched = read_json(done)
+        marker = f"=== RECIPE {folder / name}.json\n"
+        stdout, stderr = (
+            launched[key].partition(marker)[2].partition("=== RECIPE ")[0] for key in ("stdout", "stderr")
+        )
+        assert launched["returncode"] == 0, f"the launch exited {launched['returncode']}:\n{launched['stderr'][-6000:]}"
+        result = read_json(folder / f"{name}.json.result.json")
+        assert result["error"] is None, f"{result['error']}\n{stderr[-6000:]}"
+        return SequencedRun(stdout, stderr, launched["stdout"] + launched["stderr"])
+
+    return get
