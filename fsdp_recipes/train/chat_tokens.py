@@ -56,15 +56,6 @@ def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments
         ignored = "" if eos in (None, CHATML_END) else f"; the recipe's eos_token {eos!r} gives way to it, as there"
         eos = None  # the set-up's own, below
         new = [t for t in (CHATML_START, CHATML_END) if t not in tokenizer.get_vocab()]
-        # their embedding rows would be drawn at random and frozen, in no adapter-only checkpoint and not in the
-        # adapter: a resume, a merge of a checkpoint and the adapter on its base would each lack them
-        if new and getattr(args, "use_peft", False):
-            raise RecipeError(
-                f"tokenizer {args.tokenizer_name!r} has no chat template, and the ChatML set-up the recipe's format "
-                f"asks for would add {' and '.join(new)} to the vocabulary, whose new embedding rows LoRA leaves "
-                "random and frozen and its adapter cannot carry: give a chat template (chat_template_path: a "
-                ".jinja file or a tokenizer that has one), or train without use_peft"
-            )
         tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token = CHATML_END, CHATML_END, CHATML_START
         tokenizer.add_special_tokens({"additional_special_tokens": [CHATML_START, CHATML_END]})
         tokenizer.chat_template = CHATML_TEMPLATE
@@ -102,6 +93,30 @@ def align_generation_eos(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
 def chatml_set_up(tokenizer: PreTrainedTokenizerBase, args: ModelArguments) -> bool:
     """Whether apply_recipe_tokens set the tokenizer up for ChatML (the recipe asked for it, and kept no template)."""
     return getattr(args, "default_chat_format", None) == "chatml" and tokenizer.chat_template == CHATML_TEMPLATE
+
+
+def lora_growth_problem(tokenizer: PreTrainedTokenizerBase, args: ModelArguments) -> str | None:
+    """Why LoRA cannot train after the ChatML set-up: the tokenizer is longer than the model's embeddings (its
+    config's vocab_size), whose new rows LoRA would leave random and frozen, in no adapter-only checkpoint and not in
+    the adapter, so a resume, a merge of a checkpoint and the adapter on its base would each lack them. Read from the
+    config alone, before any weight loads; None when nothing grows."""
+    from transformers import AutoConfig
+
+    if not getattr(args, "use_peft", False) or not chatml_set_up(tokenizer, args):
+        return None
+    source = args.model_name_or_path or args.config_name
+    config = AutoConfig.from_pretrained(
+        source, trust_remote_code=args.trust_remote_code, revision=revision(args, source)
+    )
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    if rows is None or len(tokenizer) <= rows:
+        return None
+    return (
+        f"tokenizer {args.tokenizer_name!r} has no chat template, and the ChatML set-up the recipe's format asks for "
+        f"makes it {len(tokenizer)} tokens long, more than the model's {rows} embedding rows: LoRA would leave the new "
+        "rows random and frozen, and its adapter cannot carry them; give a chat template (chat_template_path: a "
+        ".jinja file or a tokenizer that has one), or train without use_peft"
+    )
 
 
 def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: ModelArguments) -> None:

@@ -17,7 +17,13 @@ from fsdp_recipes.config.strategy import as_flag
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import CheckpointError, RecipeError
 from fsdp_recipes.removal import is_ours, make_folder, move, remove, unmark
-from fsdp_recipes.train.chat_tokens import align_generation_eos, apply_recipe_tokens, fit_embeddings, revision
+from fsdp_recipes.train.chat_tokens import (
+    align_generation_eos,
+    apply_recipe_tokens,
+    fit_embeddings,
+    lora_growth_problem,
+    revision,
+)
 from fsdp_recipes.train.sharding import expected_fsdp_version
 
 
@@ -26,6 +32,8 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
         args.tokenizer_name, trust_remote_code=args.trust_remote_code, revision=revision(args, args.tokenizer_name)
     )
     apply_recipe_tokens(tokenizer, args)  # the recipe's chat_template and eos_token (TRL's)
+    if problem := lora_growth_problem(tokenizer, args):
+        raise RecipeError(problem)
     if tokenizer.pad_token is None:
         # Packed blocks need no padding; chat batches pad, and the padded labels are ignored anyway.
         tokenizer.pad_token = tokenizer.eos_token

@@ -114,9 +114,9 @@ class Run:
         """Tokenizer, data, model and trainer, every check that needs them made before training, every rank alike."""
         args, run_args = self.args, self.run_args
         set_seed(args.seed)
+        self.tokenizer = load_tokenizer(self.model_args)  # first: what it refuses refuses before a base is built
         # LoRA on a config: its random base, saved once
         use_lora_base(self.model_args, args.output_dir, log=logger.info)
-        self.tokenizer = load_tokenizer(self.model_args)
         with args.main_process_first(desc="dataset preprocessing"):
             train_dataset, self.eval_dataset, collator = build_datasets(self.data_args, self.tokenizer, args.seed)
         evaluated = f", evaluation examples: {len(self.eval_dataset):,}" if self.eval_dataset else ""

@@ -99,21 +99,35 @@ def test_the_chatml_set_up_reaches_the_tokenizer_the_embeddings_and_the_generati
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n"
 
 
-@pytest.mark.parametrize("kind", ["plain", "chat_tokens", "own_template"])
-def test_lora_is_refused_only_where_the_chatml_set_up_would_add_tokens(tmp_path, kind):
-    """LoRA leaves the rows the set-up adds random and frozen, in neither its checkpoints nor its adapter: refused in
-    one line naming the fix, before any model is built. A tokenizer holding the ChatML tokens, or its own template,
-    trains with LoRA as before."""
+@pytest.mark.parametrize(
+    "kind, vocab_size, refused",
+    [
+        ("plain", 474, True),  # the set-up adds both tokens: the embeddings would grow
+        ("chat_tokens", 474, True),  # the tokenizer holds them past the model's rows: they would grow too
+        ("chat_tokens", 476, False),  # the model has rows for them
+        ("plain", 480, False),  # a vocabulary padded beyond the tokenizer: room for the new tokens
+        ("own_template", 474, False),  # no set-up
+    ],
+)
+def test_lora_is_refused_where_the_chatml_set_up_would_grow_the_embeddings(tmp_path, kind, vocab_size, refused):
+    """LoRA leaves the rows the embeddings grow by random and frozen, in neither its checkpoints nor its adapter:
+    refused in one line naming the fix, from the config alone, before any weight loads. Where the model has rows
+    for every token, or the tokenizer keeps its own template, LoRA trains as before."""
+    from transformers import AutoConfig
+
     from fsdp_recipes.errors import RecipeError
 
-    given = args(tokenizer_folder(tmp_path, kind), use_peft=True)
-    if kind != "plain":
-        assert len(load_tokenizer(given)) == (476 if kind == "chat_tokens" else 474)
+    config = tmp_path / "config"
+    AutoConfig.from_pretrained(TINY, vocab_size=vocab_size).save_pretrained(config)
+    given = args(tokenizer_folder(tmp_path, kind), use_peft=True, config_name=str(config))
+    if not refused:
+        assert len(load_tokenizer(given)) <= vocab_size
         return
     with pytest.raises(RecipeError) as err:
         load_tokenizer(given)
     said = str(err.value)
-    assert "\n" not in said and "<|im_start|> and <|im_end|>" in said and "chat_template_path" in said, said
+    assert "\n" not in said and f"more than the model's {vocab_size} embedding rows" in said, said
+    assert "chat_template_path" in said and "use_peft" in said, said
 
 
 def test_a_rank_on_the_meta_device_grows_its_embeddings_alike(tmp_path):
