@@ -1,7 +1,7 @@
 """Every shipped config, launched for real: 2+ CPU processes, the tiny default model, real FSDP.
 
-The feature runs on zero3.yaml (evaluation and profiling, chat SFT) train one after another in one launch
-(zero3_runs): a launch each would pay torch's start-up every time."""
+The feature runs on zero3.yaml (evaluation and profiling, chat SFT) train one after another in one launch with
+other files' (tests/helpers/zero3_runs.py): a launch each would pay torch's start-up every time."""
 
 from __future__ import annotations
 
@@ -9,62 +9,16 @@ import math
 
 import pytest
 import torch
-from conftest import FSDP_CONFIGS, QUICK, REPO, launch, logged_losses, read_json, shard_files_written, shared_temp
-from helpers.launch_sequence import FAULT_SEQUENCE, launch_sequence
+from conftest import FSDP_CONFIGS, REPO, launch, logged_losses, read_json, shard_files_written
+from helpers.zero3_runs import zero3_runs as shared_zero3_runs
 from safetensors.torch import load_file
-
-ZERO3 = "accelerate_configs/zero3.yaml"
 
 
 @pytest.fixture(scope="module")
 def zero3_runs(trained, tmp_path_factory):
-    """``get(name)`` -> the folder of the run ``name`` on zero3.yaml, ended normally. "evaluation" trains first, as
-    in a launch of its own: the dumps its evaluations leave (FSDP_DUMP_EVAL, tests/helpers/train_with_fault.py) are
-    in the "eval" folder beside; "chat" fine-tunes the session's trained run."""
-    base = trained(ZERO3).model_dir
-    folder = shared_temp(tmp_path_factory) / "test_training-zero3"
-    (folder / "eval").mkdir(parents=True, exist_ok=True)
-    runs = {
-        "evaluation": [
-            *QUICK,
-            "--validation_split_percentage",
-            "10",
-            "--eval_strategy",
-            "steps",
-            "--eval_steps",
-            "6",
-            "--report_to",
-            "tensorboard",
-            "--profile_steps",
-            "3-4",
-        ],
-        "chat": [
-            "recipes/tiny-llama/chat_sft.yaml",
-            "--model_name_or_path",
-            str(base),
-            "--max_steps",
-            "12",
-            "--logging_steps",
-            "2",
-            "--save_steps",
-            "12",
-            "--packing",
-            "padding_free",
-        ],
-    }
-    get = launch_sequence(
-        folder,
-        ZERO3,
-        {name: [*flags, "--output_dir", str(folder / name)] for name, flags in runs.items()},
-        script=FAULT_SEQUENCE,
-        env={"FSDP_DUMP_EVAL": str(folder / "eval")},
-    )
-
-    def output_dir(name: str):
-        get(name)
-        return folder / name
-
-    return output_dir
+    """``get(name)`` -> the folder of tests/helpers/zero3_runs.py's run ``name``, ended normally."""
+    get = shared_zero3_runs(trained, tmp_path_factory)
+    return lambda name: get(name)[0]
 
 
 @pytest.mark.parametrize("config", FSDP_CONFIGS)
@@ -270,8 +224,8 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(zero3_runs):
     from matplotlib.image import imread
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = zero3_runs("evaluation")
-    dumps = out.parent / "eval"
+    out = zero3_runs("evaluation")  # the sequence's first run
+    dumps = out.parent / "eval"  # FSDP_DUMP_EVAL's folder
     final = read_json(out / "eval_results.json")
     assert math.isclose(final["eval_perplexity"], math.exp(final["eval_loss"]), rel_tol=1e-9)
     for step in (6, 12):
