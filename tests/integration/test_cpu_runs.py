@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import launch, read_json
+from helpers.zero3_runs import zero3_runs as shared_zero3_runs
 
 from fsdp_recipes.compat.cpu_fsdp import native_bf16, read_cpuinfo
 
@@ -96,28 +97,23 @@ def test_dtype_bfloat16_is_reported_as_what_it_computes(tmp_path):
     )
 
 
+@pytest.fixture(scope="module")
+def zero3_runs(trained, tmp_path_factory):
+    """tests/helpers/zero3_runs.py's runs, one launch shared with other test files."""
+    return shared_zero3_runs(trained, tmp_path_factory)
+
+
 @pytest.mark.slow  # a launch
-def test_an_auto_batch_size_is_chosen_before_loading_said_once_and_trained(tmp_path):
+def test_an_auto_batch_size_is_chosen_before_loading_said_once_and_trained(zero3_runs):
     """per_device_train_batch_size auto on 2 CPU processes: the host's memory over 2 leaves the tiny model the cap;
-    rank 0 says the choice once, and the run records and trains that batch."""
+    rank 0 says the choice once, and the run records and trains that batch. The run shares its launch with others
+    (its part of the output after its marker line): no other run says the choice, so the whole launch says it once."""
     from fsdp_recipes.config.batch_size import MAX_AUTO_BATCH
 
-    out = tmp_path / "out"
-    proc = launch(
-        "accelerate_configs/zero3.yaml",
-        "--max_steps",
-        "2",
-        "--save_strategy",
-        "no",
-        "--per_device_train_batch_size",
-        "auto",
-        "--block_size",
-        "32",
-        "--output_dir",
-        str(out),
-    )
+    out, proc = zero3_runs("auto_batch")  # --max_steps 2 --save_strategy no --block_size 32
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "per_device_train_batch_size auto:" in line]
     assert len(said) == 1 and f"auto: {MAX_AUTO_BATCH} sequence(s) of 32 tokens" in said[0], said
+    assert proc.launch_output.count("per_device_train_batch_size auto:") == 1, proc.launch_output[-3000:]
     assert "over 2 process(es) (no GPU here" in said[0] and f"the cap of {MAX_AUTO_BATCH}" in said[0]
     recorded = read_json(out / "run_args.json")
     assert recorded["training"]["per_device_train_batch_size"] == MAX_AUTO_BATCH, recorded["training"]
