@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 from conftest import LORA_RECIPE, QUICK, REPO, launch, lora_recipe_copy, quick
+from helpers.zero3_runs import zero3_runs as shared_zero3_runs
 
 TINY = REPO / "assets" / "tiny-llama"
 FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
@@ -174,15 +175,24 @@ def test_resuming_a_lora_runs_fp32_checkpoint_in_bf16_stops_before_the_first_ste
     assert {p.name: p.read_bytes() for p in (run / "checkpoint-4").rglob("*") if p.is_file()} == saved
 
 
+@pytest.fixture(scope="module")
+def zero3_runs(trained, tmp_path_factory):
+    """tests/helpers/zero3_runs.py's runs, one launch shared with other test files."""
+    return shared_zero3_runs(trained, tmp_path_factory)
+
+
 @pytest.mark.slow
-def test_a_bf16_models_resume_under_mixed_precision_is_not_refused(tmp_path):
+def test_a_bf16_models_resume_under_mixed_precision_is_not_refused(zero3_runs, tmp_path):
     """The case a check before prepare refused: a model built in bf16 under FSDP2 mixed precision has fp32 master
-    weights once accelerate upcast them, so its checkpoint holds fp32 and its own resume loads fp32 into fp32."""
-    run = tmp_path / "run"
-    args = ("--dtype", "bfloat16", "--cpu_bf16", "true", "--output_dir", str(run))
-    launch("accelerate_configs/zero3.yaml", *quick(max_steps="2", save_steps="2"), *args)  # bf16 is slow on this CPU
+    weights once accelerate upcast them, so its checkpoint holds fp32 and its own resume loads fp32 into fp32. The
+    run is tests/helpers/zero3_runs.py's "bf16" (trained in a launch shared with other runs); the resume, of a copy,
+    is a launch of its own."""
     from fsdp_recipes.ckpt.dcp_pickles import read_layout
 
+    trained_bf16, _ = zero3_runs("bf16")  # quick(max_steps="2", save_steps="2") with the flags below
+    run = tmp_path / "run"
+    shutil.copytree(trained_bf16, run)
+    args = ("--dtype", "bfloat16", "--cpu_bf16", "true", "--output_dir", str(run))  # bf16 is slow on this CPU
     assert {t.dtype for t in read_layout(run / "checkpoint-2" / "pytorch_model_fsdp_0").tensors.values()} == {"float32"}
     launch(
         "accelerate_configs/zero3.yaml",
