@@ -159,6 +159,8 @@ class ModelArguments:
                 f"LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got r={self.lora_r}, "
                 f"alpha={self.lora_alpha}, dropout={self.lora_dropout}"
             )
+        if self.config_name is not None and not self.config_name.strip():  # Path("") is the folder you launch from
+            raise RecipeError(f"config_name={self.config_name!r} is empty: give a folder holding config.json")
         if self.config_name is not None and not Path(self.config_name).exists():
             raise RecipeError(f"config_name={self.config_name!r} does not exist: give a folder holding config.json")
         revision = None if self.model_revision == "main" else self.model_revision  # the hub's checks look at it

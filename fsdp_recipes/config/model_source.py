@@ -40,6 +40,8 @@ WEIGHT_FILES = (
 def model_source_problem(name: str, weights: bool, revision: str | None = None) -> str | None:
     """Why a local folder or hub id cannot be loaded, found without loading it (None when it looks loadable). A hub
     id is looked for at ``revision`` (None: main) in the local cache, then asked of the hub unless HF_HUB_OFFLINE."""
+    if not name.strip():  # Path("") is the folder you launch from
+        return "is empty: give a local model folder or a hub id"
     path = Path(name).expanduser()
     if path.is_dir():
         if (path / "pytorch_model_fsdp_0").is_dir() and weights:

@@ -562,3 +562,17 @@ def test_a_missing_model_folder_is_the_runs_one_line_not_a_config_warning_first(
     assert model_source_problem(missing, weights=True).startswith("does not exist (relative paths start where you")
     why, _ = not_a_hub_id(missing)
     assert why.endswith(f"'namespace/repo_name': '{missing}')"), why
+
+
+@pytest.mark.parametrize("key", ["model_name_or_path", "tokenizer_name", "config_name"])
+@pytest.mark.parametrize("value", ["", " ", "\t"])
+def test_an_empty_model_tokenizer_or_config_is_named_as_empty(key, value, tmp_path):
+    """An empty name is not the folder you launch from ("'' is a folder without config.json")."""
+    from fsdp_recipes.config.parse import parse_args
+
+    argv = [f"--{key}={value}", "--output_dir", str(tmp_path / "out"), "--allow_no_fsdp", "true"]
+    if key == "tokenizer_name":
+        argv += ["--config_name", str(REPO / "assets" / "tiny-llama")]
+    with pytest.raises(RecipeError) as err:
+        parse_args(argv)
+    assert f"{key}={value!r} is empty" in str(err.value), str(err.value)
