@@ -26,8 +26,8 @@ FAULT_SEQUENCE = HELPERS / "fault_sequence.py"
 @dataclass
 class SequencedRun:
     stdout: str  # this run's part of the launch's stdout: after its marker line, before the next one
-    stderr: str  # ... and of its stderr (another rank's lines may come a little late, in the next run's part)
-    launch_output: str  # the whole launch's stdout and stderr: what a run says once is said once in all of it
+    stderr: str  # ... and of its stderr (rank 0 prints the markers: another rank's lines may fall in a neighbour's)
+    launch_output: str  # the whole launch's stdout and stderr: a line only this run says is said once in all of it
 
 
 def launch_sequence(
