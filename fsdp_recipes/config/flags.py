@@ -213,14 +213,20 @@ REPLACED = {
 def known_accelerate_keys() -> tuple[set[str], set[str], set[str]]:
     """(top-level, fsdp_config, parallelism_config) keys that accelerate 1.15's config files take."""
     from accelerate.commands.config.config_args import ClusterConfig
-    from accelerate.commands.launch import launch_command_parser
 
-    dests = {a.dest for a in launch_command_parser()._actions}
+    dests = accelerate_launch_options()
     return (
         set(ClusterConfig.__dataclass_fields__),
         {d for d in dests if d.startswith("fsdp_")},
         {d for d in dests if d.startswith("parallelism_config_")},
     )
+
+
+def accelerate_launch_options() -> set[str]:
+    """The options of `accelerate launch` itself (config_file, num_processes, dynamo_backend, ...), by dest."""
+    from accelerate.commands.launch import launch_command_parser
+
+    return {a.dest for a in launch_command_parser()._actions} - {"help", "training_script", "training_script_args"}
 
 
 def with_hints(unknown: list[str], known, prefix: str = "") -> str:
@@ -229,13 +235,17 @@ def with_hints(unknown: list[str], known, prefix: str = "") -> str:
     num_processes, fsdp_*) where it goes, rather than a spelling match."""
     import difflib
 
-    theirs = set().union(*known_accelerate_keys())
+    top, fsdp, parallelism = known_accelerate_keys()
+    launcher = accelerate_launch_options()
 
     def hint(key: str) -> list[str]:
         if key in REPLACED:
             return [REPLACED[key]]
-        if key in theirs:
-            return ["an accelerate config key: set it in the file given to accelerate launch --config_file"]
+        if key in top | fsdp | parallelism:
+            section = " under fsdp_config:" if key in fsdp - top else ""
+            return [f"an accelerate config key: set it{section} in the file given to accelerate launch --config_file"]
+        if key in launcher:
+            return ["an option of accelerate launch: give it before train_fsdp.py"]
         return [f"did you mean {m}?" for m in difflib.get_close_matches(key.removeprefix(prefix), known, 1)]
 
     hints = [(k, hint(k)) for k in unknown]

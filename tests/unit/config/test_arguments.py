@@ -456,8 +456,19 @@ def test_an_accelerate_config_key_is_told_where_it_goes(tmp_path, given_as):
     assert len(set(names) & set(ACCELERATE_SAMPLE)) >= 4  # accelerate still has them: else the sample is stale
     for name in dict.fromkeys(names):
         message = refusal_of(tmp_path, name, given_as)
-        assert f"{name} (an accelerate config key: set it in the file given to accelerate launch" in message, message
+        said = "under fsdp_config: in the file" if name.startswith("fsdp_") else "in the file"
+        assert f"{name} (an accelerate config key: set it {said} given to accelerate launch" in message, message
         assert "did you mean" not in message, message
+
+
+@pytest.mark.parametrize("name", ["config_file", "dynamo_backend", "num_cpu_threads_per_process", "max_restarts"])
+@pytest.mark.parametrize("given_as", ["flag", "recipe key"])
+def test_an_option_of_accelerate_launch_is_told_to_go_before_the_script(tmp_path, name, given_as):
+    """--config_file after train_fsdp.py (launch's own options given to the script) is no "did you mean
+    config_name?": it goes before train_fsdp.py on the launch's command line."""
+    message = refusal_of(tmp_path, name, given_as)
+    assert f"{name} (an option of accelerate launch: give it before train_fsdp.py)" in message, message
+    assert "did you mean" not in message, message
 
 
 RENAMED_VALUES = {"evaluation_strategy": "steps", "per_gpu_train_batch_size": 3, "per_gpu_eval_batch_size": 3}
