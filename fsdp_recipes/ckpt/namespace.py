@@ -147,19 +147,29 @@ def stored_tie_differs(source, weights: WeightMap, tied: dict[str, str]) -> str 
     """Why a config's tie does not hold for the checkpoint: it stores a tied weight (``tied``: name -> the name it
     is tied to) under the namespace with values other than its target's. The merged folder writes a tied weight
     once, so from_pretrained would compute with the target in its place; a config of another model, or one edited
-    to say tied, must not drop it without a word. Reads the two tensors of each tie stored twice; None when every
-    tie holds."""
-    import torch
-
+    to say tied, must not drop it without a word. Reads the two tensors of each tie stored twice, one at a time (a
+    digest of each: never both in memory); None when every tie holds."""
     for name, target in tied.items():
         stored, of = weights.prefix + name, weights.names.get(target)
         if stored not in source.tensors or of is None:
             continue
-        values = source.read([stored, of])
-        if not torch.equal(values[stored], values[of].to(values[stored].dtype)):
+        dtype = source.tensors[stored].dtype
+        if _digest(source, stored, dtype) != _digest(source, of, dtype):
             return (
                 f"the config ties {name} to {target}, but the checkpoint stores a {name} of other values (a model "
                 "with its own head): the merged model would use the embeddings in its place; pass --base-model "
                 "<the model it was trained from>, or set tie_word_embeddings to false in its config.json"
             )
     return None
+
+
+def _digest(source, name: str, dtype: str) -> bytes:
+    """SHA-256 of the stored tensor ``name``'s values as ``dtype`` (a safetensors dtype name) holds them."""
+    import hashlib
+
+    import torch
+
+    from fsdp_recipes.ckpt.readers import torch_dtype
+
+    tensor = source.read([name])[name].to(torch_dtype(dtype)).contiguous()
+    return hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy()).digest()
