@@ -87,8 +87,9 @@ def test_tied_embeddings_match(gpt2_run):
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("lora", [True, False])
 def test_a_checkpoint_may_leave_out_a_second_name_and_frozen_weights_only(tmp_path, tied, lora):
-    """A checkpoint may store a tied weight under one of its names and a LoRA run's frozen base not at all (under
-    peft's prefix too: base_model.model.lm_head.weight of a tied base); any trained weight left out is named."""
+    """A checkpoint may leave a LoRA run's frozen base out under every name (under peft's prefix too:
+    base_model.model.lm_head.weight of a tied base); any trained weight left out, under any of its names (the
+    second name of a trained tied head too), is named."""
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import save_file
 
@@ -98,6 +99,7 @@ def test_a_checkpoint_may_leave_out_a_second_name_and_frozen_weights_only(tmp_pa
     expected, omittable = shapes(model)
     trained_names = {n for n, p in model.named_parameters() if p.requires_grad}
     assert ("base_model.model.lm_head.weight" in omittable) == lora and trained_names.isdisjoint(omittable)
+    assert "lm_head.weight" not in omittable  # a full fine-tune's head, tied or not, is loaded: it must be there
     state = model.state_dict()
     kept = [n for n in expected if n not in omittable]
     for stored in (kept, list(expected)):  # the least a checkpoint may hold, and everything
