@@ -169,7 +169,5 @@ def _digest(source, name: str, dtype: str) -> bytes:
 
     import torch
 
-    from fsdp_recipes.ckpt.readers import torch_dtype
-
-    tensor = source.read([name])[name].to(torch_dtype(dtype)).contiguous()
+    tensor = source.read([name])[name].to(getattr(torch, dtype)).contiguous()
     return hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy()).digest()
