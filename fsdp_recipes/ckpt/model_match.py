@@ -97,10 +97,10 @@ def config_mismatch(
 
 
 def omittable_names(model) -> set[str]:
-    """Names of ``model``'s state dict a checkpoint of it may leave out: every frozen parameter under each of its
-    names, a tied one's second name under whatever prefix a wrapper such as peft adds (a LoRA run's base: an
-    adapter-only checkpoint does not store it). A trained weight is loaded under every name it has (DCP's load
-    raises for a missing one), so none of its names may be missing."""
+    """Names of ``model``'s state dict a checkpoint of it may leave out: every frozen parameter, under each name it
+    has (a LoRA run's base, a tied base's head among them, under whatever prefix peft adds: an adapter-only
+    checkpoint does not store it). A trained weight is loaded under every name it has (DCP's load raises for a
+    missing one), so none of its names may be missing."""
     return {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
 
 

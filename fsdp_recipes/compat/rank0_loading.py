@@ -23,12 +23,11 @@ one) scatters each rank its own chunk, padded as FSDP pads its shard. A rank oth
 buffer of its own, which FSDP keeps as its shard (``FlatParamHandle._get_shard`` patched: torch clones the chunk out
 of the flat parameter, a second copy of it for a moment). The other ranks' stand-ins and flat parameters are never
 written, and a rank other than 0 holds its shards and nothing more: 0.50x a 1 GB model on 2 ranks, whose root unit
-is half of it (bench/load_memory.py). Where
-FSDP keeps the whole flat parameter (NO_SHARD) the flat parameter is broadcast whole, as torch would broadcast its
-pieces; where it broadcasts over two groups (HYBRID_SHARD: across nodes, then within), whole across, then scattered
-within into the flat parameter, and cloned into the shard. Were the stand-ins views of the private file mapping,
-every written page would become the rank's own (copy on write): every rank, rank 0 included, peaked at 2x the model
-(bench/load_memory.py).
+is half of it (bench/load_memory.py). Where FSDP keeps the whole flat parameter (NO_SHARD) the flat parameter is
+broadcast whole, as torch would broadcast its pieces; where it broadcasts over two groups (HYBRID_SHARD: across
+nodes, then within), whole across, then scattered within into the flat parameter, and cloned into the shard. Were
+the stand-ins views of the private file mapping, every written page would become the rank's own (copy on write):
+every rank, rank 0 included, peaked at 2x the model (bench/load_memory.py).
 """
 
 from __future__ import annotations
