@@ -4,6 +4,7 @@ itself prints its whole usage (hundreds of lines, once per rank) and exits 2; re
 from __future__ import annotations
 
 import argparse
+import functools
 
 from fsdp_recipes.errors import RecipeError
 
@@ -222,11 +223,13 @@ def known_accelerate_keys() -> tuple[set[str], set[str], set[str]]:
     )
 
 
-def accelerate_launch_options() -> set[str]:
+@functools.lru_cache(maxsize=1)  # a parser of ~100 options, built once for both callers
+def accelerate_launch_options() -> frozenset[str]:
     """The options of `accelerate launch` itself (config_file, num_processes, dynamo_backend, ...), by dest."""
     from accelerate.commands.launch import launch_command_parser
 
-    return {a.dest for a in launch_command_parser()._actions} - {"help", "training_script", "training_script_args"}
+    dests = {a.dest for a in launch_command_parser()._actions}
+    return frozenset(dests - {"help", "training_script", "training_script_args"})
 
 
 def with_hints(unknown: list[str], known, prefix: str = "") -> str:
