@@ -96,11 +96,13 @@ def chatml_set_up(tokenizer: PreTrainedTokenizerBase, args: ModelArguments) -> b
 
 
 def lora_growth_problem(tokenizer: PreTrainedTokenizerBase, args: ModelArguments) -> str | None:
-    """Why LoRA cannot train after the ChatML set-up: the tokenizer is longer than the model's embeddings (its
-    config's vocab_size), whose new rows LoRA would leave random and frozen, in no adapter-only checkpoint and not in
-    the adapter, so a resume, a merge of a checkpoint and the adapter on its base would each lack them. Read from the
-    config alone, before any weight loads; None when nothing grows."""
-    from transformers import AutoConfig
+    """Why LoRA cannot train after the ChatML set-up: the tokenizer is longer than the model's input embeddings,
+    whose new rows LoRA would leave random and frozen, in no adapter-only checkpoint and not in the adapter, so a
+    resume, a merge of a checkpoint and the adapter on its base would each lack them. The rows are the model's own,
+    built from its config on the meta device (a config's vocab_size may be fewer, or nested), before any weight
+    loads; None when nothing grows."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if not getattr(args, "use_peft", False) or not chatml_set_up(tokenizer, args):
         return None
@@ -108,8 +110,13 @@ def lora_growth_problem(tokenizer: PreTrainedTokenizerBase, args: ModelArguments
     config = AutoConfig.from_pretrained(
         source, trust_remote_code=args.trust_remote_code, revision=revision(args, source)
     )
-    rows = getattr(config.get_text_config(), "vocab_size", None)
-    if rows is None or len(tokenizer) <= rows:
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
+    except Exception:  # noqa: BLE001 (a config no causal LM builds from: the model's own load says why, in its words)
+        return None
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= rows:
         return None
     return (
         f"tokenizer {args.tokenizer_name!r} has no chat template, and the ChatML set-up the recipe's format asks for "
