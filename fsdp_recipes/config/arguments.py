@@ -55,6 +55,14 @@ EVAL_SOURCES = (
 )  # DataArguments' evaluation data
 
 
+def refuse_blank(arguments) -> None:
+    """No text field of an argument dataclass is empty or blank: none means anything so (an empty path is the
+    folder you launch from, an empty name no dataset or token), and an unset one is None."""
+    for f in dataclasses.fields(arguments):
+        if isinstance(value := getattr(arguments, f.name), str) and not value.strip():
+            raise RecipeError(f"{f.name}={value!r} is empty: give a value, or leave it unset")
+
+
 @dataclass
 class DataArguments:
     _argument_group_name = "data (TRL's SFTConfig names are accepted where they mean the same)"
@@ -173,6 +181,7 @@ class DataArguments:
     )
 
     def __post_init__(self):
+        refuse_blank(self)
         if self.dataset_mixture is not None:
             mixture_problem(self)  # a mixture is the one source: dataset_name and train_file are refused beside it
         elif (self.dataset_name is None) == (self.train_file is None):

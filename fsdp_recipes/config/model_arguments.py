@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.config.arguments import DTYPES, trl_spellings
+from fsdp_recipes.config.arguments import DTYPES, refuse_blank, trl_spellings
 from fsdp_recipes.config.model_source import (
     config_size_problem,
     model_source_problem,
@@ -139,6 +139,7 @@ class ModelArguments:
     )
 
     def __post_init__(self):
+        refuse_blank(self)
         if (self.model_name_or_path is None) == (self.config_name is None):
             raise RecipeError(
                 "set exactly one of model_name_or_path (fine-tune weights) and config_name (train from scratch); "
@@ -159,8 +160,6 @@ class ModelArguments:
                 f"LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got r={self.lora_r}, "
                 f"alpha={self.lora_alpha}, dropout={self.lora_dropout}"
             )
-        if self.config_name is not None and not self.config_name.strip():  # Path("") is the folder you launch from
-            raise RecipeError(f"config_name={self.config_name!r} is empty: give a folder holding config.json")
         if self.config_name is not None and not Path(self.config_name).exists():
             raise RecipeError(f"config_name={self.config_name!r} does not exist: give a folder holding config.json")
         revision = None if self.model_revision == "main" else self.model_revision  # the hub's checks look at it

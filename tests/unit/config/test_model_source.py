@@ -564,14 +564,28 @@ def test_a_missing_model_folder_is_the_runs_one_line_not_a_config_warning_first(
     assert why.endswith(f"'namespace/repo_name': '{missing}')"), why
 
 
-@pytest.mark.parametrize("key", ["model_name_or_path", "tokenizer_name", "config_name"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model_name_or_path",
+        "tokenizer_name",
+        "config_name",
+        "chat_template_path",
+        "chat_template",
+        "eos_token",
+        "dataset_name",
+        "text_column",
+        "dataset_split",
+    ],
+)
 @pytest.mark.parametrize("value", ["", " ", "\t"])
-def test_an_empty_model_tokenizer_or_config_is_named_as_empty(key, value, tmp_path):
-    """An empty name is not the folder you launch from ("'' is a folder without config.json")."""
+def test_an_empty_text_argument_is_named_as_empty(key, value, tmp_path):
+    """An empty name is not the folder you launch from ("'' is a folder without config.json"; an empty
+    chat_template_path loaded the template of whatever tokenizer lay there), nor a dataset or a token."""
     from fsdp_recipes.config.parse import parse_args
 
     argv = [f"--{key}={value}", "--output_dir", str(tmp_path / "out"), "--allow_no_fsdp", "true"]
-    if key == "tokenizer_name":
+    if key not in ("model_name_or_path", "config_name"):
         argv += ["--config_name", str(REPO / "assets" / "tiny-llama")]
     with pytest.raises(RecipeError) as err:
         parse_args(argv)
