@@ -242,12 +242,14 @@ def with_hints(unknown: list[str], known, prefix: str = "") -> str:
     launcher = accelerate_launch_options()
 
     def hint(key: str) -> list[str]:
+        dest = key.replace("-", "_")  # accelerate launch takes --config-file for --config_file
         if key in REPLACED:
             return [REPLACED[key]]
-        if key in top | fsdp | parallelism:
-            section = " under fsdp_config:" if key in fsdp - top else ""
-            return [f"an accelerate config key: set it{section} in the file given to accelerate launch --config_file"]
-        if key in launcher:
+        if dest in top | fsdp | parallelism:
+            section = {**dict.fromkeys(fsdp, "fsdp_config"), **dict.fromkeys(parallelism, "parallelism_config")}
+            under = f" under {section[dest]}:" if dest in section and dest not in top else ""
+            return [f"an accelerate config key: set it{under} in the file given to accelerate launch --config_file"]
+        if dest in launcher:
             return ["an option of accelerate launch: give it before train_fsdp.py"]
         return [f"did you mean {m}?" for m in difflib.get_close_matches(key.removeprefix(prefix), known, 1)]
 

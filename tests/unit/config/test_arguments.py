@@ -440,7 +440,14 @@ def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, 
         assert "transformers 5" in message or "accelerate config" in message, message
 
 
-ACCELERATE_SAMPLE = ["mixed_precision", "num_processes", "num_machines", "fsdp_sharding_strategy", "use_cpu"]
+ACCELERATE_SAMPLE = [
+    "mixed_precision",
+    "num_processes",
+    "num_machines",
+    "fsdp_sharding_strategy",
+    "use_cpu",
+    "parallelism_config_dp_shard_size",
+]
 
 
 @pytest.mark.parametrize("given_as", ["flag", "recipe key"])
@@ -456,12 +463,15 @@ def test_an_accelerate_config_key_is_told_where_it_goes(tmp_path, given_as):
     assert len(set(names) & set(ACCELERATE_SAMPLE)) >= 4  # accelerate still has them: else the sample is stale
     for name in dict.fromkeys(names):
         message = refusal_of(tmp_path, name, given_as)
-        said = "under fsdp_config: in the file" if name.startswith("fsdp_") else "in the file"
+        section = next((s for s in ("fsdp_config", "parallelism_config") if name.startswith(s.split("_")[0] + "_")), 0)
+        said = f"under {section}: in the file" if section else "in the file"
         assert f"{name} (an accelerate config key: set it {said} given to accelerate launch" in message, message
         assert "did you mean" not in message, message
 
 
-@pytest.mark.parametrize("name", ["config_file", "dynamo_backend", "num_cpu_threads_per_process", "max_restarts"])
+@pytest.mark.parametrize(
+    "name", ["config_file", "config-file", "dynamo_backend", "num_cpu_threads_per_process", "max_restarts"]
+)
 @pytest.mark.parametrize("given_as", ["flag", "recipe key"])
 def test_an_option_of_accelerate_launch_is_told_to_go_before_the_script(tmp_path, name, given_as):
     """--config_file after train_fsdp.py (launch's own options given to the script) is no "did you mean
