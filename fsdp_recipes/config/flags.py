@@ -240,14 +240,14 @@ def with_hints(unknown: list[str], known, prefix: str = "") -> str:
 
     top, fsdp, parallelism = known_accelerate_keys()
     launcher = accelerate_launch_options()
+    section = {**dict.fromkeys(fsdp - top, "fsdp_config"), **dict.fromkeys(parallelism - top, "parallelism_config")}
 
     def hint(key: str) -> list[str]:
         dest = key.replace("-", "_")  # accelerate launch takes --config-file for --config_file
         if key in REPLACED:
             return [REPLACED[key]]
         if dest in top | fsdp | parallelism:
-            section = {**dict.fromkeys(fsdp, "fsdp_config"), **dict.fromkeys(parallelism, "parallelism_config")}
-            under = f" under {section[dest]}:" if dest in section and dest not in top else ""
+            under = f" under {section[dest]}:" if dest in section else ""
             return [f"an accelerate config key: set it{under} in the file given to accelerate launch --config_file"]
         if dest in launcher:
             return ["an option of accelerate launch: give it before train_fsdp.py"]
