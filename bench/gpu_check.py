@@ -76,6 +76,7 @@ CARRY: dict[str, str | None] = {
     "httpcore2": "2.16.2",
     "truststore": "0.10.5",
     "bitsandbytes": "0.50.2",
+    "liger_kernel": "0.8.5",  # the speed rows' Liger kernels (Triton, which the image has): not in requirements.txt
 }
 GPU_IMAGE = frozenset(
     """
@@ -106,10 +107,18 @@ STEPS, BATCH, SEQ = 20, 4, 1024
 # (log_metrics), MFU as torchtitan counts it (fsdp_recipes.train.metrics.flops_per_token).
 LLAMA_1B = {**MODEL, "vocab_size": 128256, "tie_word_embeddings": True}
 SPEED_CONFIG = "accelerate_configs/zero3.yaml"
-# label -> (per_device_train_batch_size, the run's other flags): a lever to compare (compile, Liger) is one more row
-SPEED_ROWS: dict[str, tuple[str, list[str]]] = {
-    "speed: zero3, eager, batch 4": (str(BATCH), []),
-    "speed: zero3, eager, batch auto": ("auto", []),
+# Regional compilation through accelerate's dynamo settings: each decoder layer compiled in place (module.compile),
+# so FSDP2's hooks still run (accelerate's compile_regions_fsdp2); a whole-model torch.compile would bypass them
+COMPILE = ("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation")
+LIGER = ("--use_liger_kernel", "true")
+# label -> (per_device_train_batch_size, the run's flags, accelerate launch's flags), what matters most first: the
+# eager baseline and the fast settings at the estimator's batch side by side, then each lever alone
+SPEED_ROWS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "speed: zero3, eager, batch auto": ("auto", (), ()),
+    "speed: zero3, compiled + liger, batch auto": ("auto", LIGER, COMPILE),
+    "speed: zero3, compiled, batch auto": ("auto", (), COMPILE),
+    "speed: zero3, liger, batch auto": ("auto", LIGER, ()),
+    "speed: zero3, eager, batch 4": (str(BATCH), (), ()),
 }
 PROCESSES = 1  # the one GPU (the CPU test of this script runs 2: FSDP over gloo needs 2)
 FSDP2 = [
@@ -806,6 +815,7 @@ class Check:
         peak = rank.get("peak_memory", {})
         row.update(
             wrapper=rank.get("wrapper"),
+            compiled_modules=rank.get("compiled_modules"),
             fsdp_version=report.get("fsdp_version"),
             states_bytes=sum(rank["bytes"].values()),
             peak_allocated=peak.get("cuda_max_allocated_bytes"),
@@ -920,9 +930,17 @@ class Check:
         folder = self.work / "llama-3.2-1b-shape"
         if not folder.is_dir():
             model_config(LLAMA_1B).save_pretrained(folder)
-        for label, (batch, flags) in SPEED_ROWS.items():
+        for label, (batch, flags, launch) in SPEED_ROWS.items():
             row, out = self.train(
-                label, SPEED_CONFIG, "--config_name", str(folder), "--save_strategy", "no", *flags, batch=batch
+                label,
+                SPEED_CONFIG,
+                "--config_name",
+                str(folder),
+                "--save_strategy",
+                "no",
+                *flags,
+                launch=launch,
+                batch=batch,
             )
             if out is not None:
                 state = json.loads((out / "trainer_state.json").read_text())
@@ -932,6 +950,10 @@ class Check:
             self.checks += (
                 config_checks(row) if not row.get("error") else [check(f"{label}: ran", None, None, None, row["error"])]
             )
+            if launch and not row.get("error"):  # compiled in place: FSDP2's hooks still run around each layer
+                self.checks.append(
+                    check(f"{label}: layers compiled", row["compiled_modules"], 1, None, "modules compiled in place")
+                )
             self.remove_run(out)
             self.save()
 

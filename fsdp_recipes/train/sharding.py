@@ -196,6 +196,8 @@ def verify_and_report(
         "wrapper": kind,
         "local_param_elements": local,
         "local_trainable_elements": trainable_elements(model),
+        # modules compiled in place (accelerate's regional compilation): FSDP2's hooks still run around them
+        "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
     }
     gathered = gather(rank_info, accelerator)
     report = {
@@ -229,9 +231,7 @@ def verify_and_report(
         )
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        if earlier := published(
-            Path(output_dir)
-        ):  # an earlier export's folders stay known as ours (layout.is_published)
+        if earlier := published(Path(output_dir)):  # an earlier export's folders stay ours (layout.is_published)
             report[PUBLISHED] = earlier
         (Path(output_dir) / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -58,7 +58,8 @@ def _requirements(name: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("name", [n for n in gpu_check.CARRY if n != "bitsandbytes"])
+# bitsandbytes and liger_kernel are not installed here (GPU packages); liger needs only torch and triton
+@pytest.mark.parametrize("name", [n for n in gpu_check.CARRY if n not in ("bitsandbytes", "liger_kernel")])
 def test_what_a_carried_wheel_needs_is_carried_or_on_the_gpu_image(name):
     """Installed with --no-deps on the GPU machine: each dependency must be there already or travel too."""
     have = {gpu_check.norm(n) for n in gpu_check.GPU_IMAGE} | {gpu_check.norm(n) for n in gpu_check.CARRY}
@@ -640,15 +641,16 @@ def test_the_speed_model_is_llama_3_2_1b_with_its_vocabulary_and_tied_head():
 
 def test_the_speed_rows_write_no_checkpoint_profile_nothing_and_measure_the_batch_trained(tmp_path, monkeypatch):
     """Each speed run: the 1B folder, zero3.yaml, --save_strategy no (no write overlaps the timed steps), no profiled
-    step; the batch it trained (auto: the estimator's choice) is read back and the estimate made at that batch."""
+    step; the batch it trained (auto: the estimator's choice) is read back and the estimate made at that batch; the
+    compiled rows compile through accelerate launch's regional compilation, the Liger rows pass use_liger_kernel."""
     launched, estimated = [], []
 
     def train(self, label, config, *args, launch=(), batch=None):
-        out = tmp_path / label.replace(" ", "-").replace(",", "").replace(":", "")
+        out = tmp_path / label.replace(" ", "-").replace(",", "").replace(":", "").replace("+", "")
         out.mkdir()
         (out / "trainer_state.json").write_text(json.dumps({"train_batch_size": 17 if batch == "auto" else 4}))
-        launched.append((label, config, args, batch))
-        return {"config": label, "fsdp_version": 2, "mfu": 0.3}, out
+        launched.append((label, config, args, launch, batch))
+        return {"config": label, "fsdp_version": 2, "mfu": 0.3, "compiled_modules": 18 if launch else 0}, out
 
     monkeypatch.setattr(gpu_check.Check, "train", train)
     monkeypatch.setattr(gpu_check.Check, "remove_run", lambda self, out: None)
@@ -657,16 +659,29 @@ def test_the_speed_rows_write_no_checkpoint_profile_nothing_and_measure_the_batc
     )
     run = gpu_check.Check(tmp_path / "out", budget=60)
     run.speed()
-    assert [b for *_, b in launched] == ["4", "auto"]
-    for _, config, args, _ in launched:
+    assert [b for *_, b in launched] == [batch for batch, *_ in gpu_check.SPEED_ROWS.values()]
+    assert [b for *_, b in launched][:2] == ["auto", "auto"] and "4" in [b for *_, b in launched]
+    for label, config, args, launch, _ in launched:
         assert config == gpu_check.SPEED_CONFIG == "accelerate_configs/zero3.yaml"
         assert args[args.index("--save_strategy") + 1] == "no" and "--profile_steps" not in args
         folder = Path(args[args.index("--config_name") + 1])
         saved = json.loads((folder / "config.json").read_text())
         assert saved["vocab_size"] == 128256 and saved["tie_word_embeddings"] is True
-    assert [b for _, b in estimated] == [4, 17] and [r["batch"] for r in run.rows] == [4, 17]
+        assert ("compiled" in label) == ("--dynamo_use_regional_compilation" in launch)
+        assert ("liger" in label) == (
+            args[args.index("--use_liger_kernel") + 1] == "true" if "--use_liger_kernel" in args else False
+        )
+    assert sorted(b for _, b in estimated) == sorted(r["batch"] for r in run.rows) and 17 in [
+        r["batch"] for r in run.rows
+    ]
     assert "(17 x 1024 tokens)" in (tmp_path / "out" / "report.md").read_text()
-    assert [c["check"] for c in run.checks] == [f"{label}: MFU" for label in gpu_check.SPEED_ROWS]
+    compiled = [label for label in gpu_check.SPEED_ROWS if "compiled" in label]
+    assert compiled and [c["check"] for c in run.checks] == [
+        name
+        for label in gpu_check.SPEED_ROWS
+        for name in [f"{label}: MFU"] + [f"{label}: layers compiled"] * (label in compiled)
+    ]
+    assert all(c["passed"] for c in run.checks if c["check"].endswith("layers compiled"))
 
 
 def test_speed_is_a_run_of_part_1_and_all():
