@@ -180,6 +180,11 @@ def main(argv=None) -> int:
         "--activation-checkpointing", action="store_true", help="keep only each layer's input for the backward pass"
     )
     parser.add_argument(
+        "--liger-kernel",
+        action="store_true",
+        help="use_liger_kernel: its fused cross-entropy never holds the logits (the estimate is then an upper bound)",
+    )
+    parser.add_argument(
         "--gpu-memory", type=size, help="e.g. 80GiB: list the shipped configs that fit, cheapest communication first"
     )
     parser.add_argument("--json", action="store_true", help="print the same as JSON")
@@ -197,6 +202,7 @@ def main(argv=None) -> int:
             args.micro_batch,
             args.seq_len,
             args.activation_checkpointing,
+            args.liger_kernel,
         )
         notes = []
         if args.config:

@@ -85,7 +85,7 @@ def choose(
 def setup_for_run(launch_config: dict | None, training_args, seq_len: int, zero1: bool = False) -> Setup:
     """The memory Setup of this launch: its strategy as it runs on this many processes (fsdp_recipes.config.strategy;
     without an accelerate config, e.g. TrainingArguments' --fsdp, the unsharded NO_SHARD: never more than fits),
-    its precision, optimizer, sequence length and activation checkpointing."""
+    its precision, optimizer, sequence length, activation checkpointing and Liger's fused loss."""
     from fsdp_recipes.config.strategy import strategy_of
 
     world = int(training_args.world_size)
@@ -116,6 +116,7 @@ def setup_for_run(launch_config: dict | None, training_args, seq_len: int, zero1
         micro_batch=1,
         seq_len=seq_len,
         activation_checkpointing=checkpointing,
+        fused_loss=bool(getattr(training_args, "use_liger_kernel", False)),
     )
 
 

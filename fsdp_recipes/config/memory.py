@@ -51,6 +51,9 @@ class Setup:
     micro_batch: int = 1
     seq_len: int = 2048
     activation_checkpointing: bool = False
+    # use_liger_kernel: Liger's fused linear cross-entropy computes the loss chunk by chunk, never the whole
+    # [tokens, vocab] logits, so the logits term is left out (an upper bound then: bench/results/h200/gpu-check-11)
+    fused_loss: bool = False
 
 
 @dataclass
@@ -227,7 +230,8 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> tuple[float, list[str]]
         if setup.activation_checkpointing
         else per_layer * shape.layers
     )
-    final = tokens * (4 * shape.hidden + 2 * width * shape.hidden + LOGITS_PEAK_BYTES * shape.vocab)
+    logits = 0 if setup.fused_loss else LOGITS_PEAK_BYTES * shape.vocab
+    final = tokens * (4 * shape.hidden + 2 * width * shape.hidden + logits)
     return float(body + final), notes
 
 

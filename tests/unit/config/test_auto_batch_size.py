@@ -185,6 +185,8 @@ def test_the_launch_is_estimated_as_it_runs(config, world, monkeypatch):
         ({}, {"fsdp_activation_checkpointing": "true"}, {"activation_checkpointing": True}),
         ({"bf16": True}, {}, {"precision": "bf16"}),
         ({"fp16": True}, {}, {"precision": "fp16"}),
+        ({"use_liger_kernel": True}, {}, {"fused_loss": True}),
+        ({}, {}, {"fused_loss": False}),
     ],
 )
 def test_the_runs_own_settings_reach_the_estimate(changes, fsdp, expected, monkeypatch):
@@ -280,3 +282,16 @@ def test_the_auto_line_says_when_the_training_set_is_smaller_than_a_batch(exampl
         assert f"the training set has {examples:,} example(s), fewer than 256 x {processes} process(es)" in said, said
     else:
         assert said == line
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_liger_s_fused_loss_leaves_out_exactly_the_logits_term(name):
+    """use_liger_kernel: the loss never holds the [tokens, vocab] logits, so a larger batch fits the same budget."""
+    from fsdp_recipes.config.memory import LOGITS_PEAK_BYTES, activation_bytes
+
+    shape, setup = SHAPES[name], Setup(strategy="FULL_SHARD", nproc_per_node=1, micro_batch=3, seq_len=1024)
+    eager, fused = activation_bytes(shape, setup)[0], activation_bytes(shape, replace(setup, fused_loss=True))[0]
+    assert eager - fused == 3 * 1024 * LOGITS_PEAK_BYTES * shape.vocab
+    budget = estimate(shape, replace(setup, micro_batch=8)).gpu_total
+    chosen = [choose(shape, replace(setup, fused_loss=f), budget / (1 - MARGIN)).batch for f in (False, True)]
+    assert chosen[0] == 8 and chosen[1] > 8

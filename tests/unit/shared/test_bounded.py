@@ -436,7 +436,7 @@ def test_in_range_numbers_are_accepted_and_help_shows_each_default_once(capsys):
         for entry in options
         if not entry.lstrip().startswith("-h")
     }
-    assert len(entries) == 12 and all(entry.count("(default: ") == 1 for entry in entries.values()), entries
+    assert len(entries) == 13 and all(entry.count("(default: ") == 1 for entry in entries.values()), entries
     for option, default in (("--nproc-per-node", 8), ("--nnodes", 1), ("--micro-batch", 1), ("--seq-len", 2048)):
         assert entries[option].endswith(f"(default: {default})"), entries[option]
 
