@@ -31,7 +31,7 @@ def test_really_fsdp_and_sharded(trained, config):
     total = report["total_param_elements"]
     assert total > 200_000  # the whole tiny model, not an empty or partial count
     for rank in report["ranks"]:
-        assert rank["wrapper"] == f"FSDP{run.fsdp_version}"
+        assert rank["wrapper"] == f"FSDP{run.fsdp_version}" and rank["compiled_modules"] == 0  # eager
         # exact: every weight dimension of the tiny model divides evenly by 2
         assert rank["local_param_elements"] * run.shard_group == total, rank
 
