@@ -85,7 +85,7 @@ def choose(
 def setup_for_run(launch_config: dict | None, training_args, seq_len: int, zero1: bool = False) -> Setup:
     """The memory Setup of this launch: its strategy as it runs on this many processes (fsdp_recipes.config.strategy;
     without an accelerate config, e.g. TrainingArguments' --fsdp, the unsharded NO_SHARD: never more than fits),
-    its precision, optimizer, sequence length, activation checkpointing and Liger's fused loss."""
+    its precision, optimizer, sequence length and activation checkpointing."""
     from fsdp_recipes.config.strategy import strategy_of
 
     world = int(training_args.world_size)
@@ -116,8 +116,22 @@ def setup_for_run(launch_config: dict | None, training_args, seq_len: int, zero1
         micro_batch=1,
         seq_len=seq_len,
         activation_checkpointing=checkpointing,
-        fused_loss=bool(getattr(training_args, "use_liger_kernel", False)),
     )
+
+
+def liger_fuses_loss(model_type: str | None, training_args) -> bool:
+    """Whether use_liger_kernel fuses this model's loss with its LM head, so the logits are never held whole: Liger
+    has kernels for the family (its own table; a run with use_liger_kernel refuses where the package is missing) and
+    liger_kernel_config leaves its fused cross-entropy on. GPT-2, say, has none: its logits are counted."""
+    if not getattr(training_args, "use_liger_kernel", False):
+        return False
+    if not (getattr(training_args, "liger_kernel_config", None) or {}).get("fused_linear_cross_entropy", True):
+        return False
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        return False
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
 def device_memory() -> tuple[float, str]:
@@ -175,7 +189,8 @@ def choose_for_run(
     from fsdp_recipes.config.memory import model_shape
 
     shape = model_shape(str(model), revision)
-    setup = setup_for_run(launch_config, training_args, seq_len, zero1)
+    fused = liger_fuses_loss(shape.model_type, training_args)
+    setup = replace(setup_for_run(launch_config, training_args, seq_len, zero1), fused_loss=fused)
     device_bytes, memory = device_memory()
     choice = choose(shape, setup, device_bytes)
     return choice.batch, describe(choice, setup, memory)

@@ -38,6 +38,7 @@ class ModelShape:
     q_width: int | None = None  # query heads x head dim (Qwen3, Gemma: not the hidden size); None: hidden
     kv_heads: int | None = None
     qk_norm: bool = False  # an RMSNorm on each query and key head (Qwen3, OLMo2)
+    model_type: str | None = None  # config.model_type: whether Liger has kernels for the family
 
 
 @dataclass
@@ -177,6 +178,7 @@ def model_shape(model: str, revision: str | None = None) -> ModelShape:
         kv_heads=kv_heads,
         gated=any(n.endswith(("mlp.gate_proj.weight", "mlp.gate_up_proj.weight")) for n in names),
         qk_norm=any(n.endswith("self_attn.q_norm.weight") for n in names),
+        model_type=config.model_type,
     )
 
 

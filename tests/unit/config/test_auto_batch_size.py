@@ -185,8 +185,6 @@ def test_the_launch_is_estimated_as_it_runs(config, world, monkeypatch):
         ({}, {"fsdp_activation_checkpointing": "true"}, {"activation_checkpointing": True}),
         ({"bf16": True}, {}, {"precision": "bf16"}),
         ({"fp16": True}, {}, {"precision": "fp16"}),
-        ({"use_liger_kernel": True}, {}, {"fused_loss": True}),
-        ({}, {}, {"fused_loss": False}),
     ],
 )
 def test_the_runs_own_settings_reach_the_estimate(changes, fsdp, expected, monkeypatch):
@@ -295,3 +293,54 @@ def test_liger_s_fused_loss_leaves_out_exactly_the_logits_term(name):
     budget = estimate(shape, replace(setup, micro_batch=8)).gpu_total
     chosen = [choose(shape, replace(setup, fused_loss=f), budget / (1 - MARGIN)).batch for f in (False, True)]
     assert chosen[0] == 8 and chosen[1] > 8
+
+
+def fake_liger(monkeypatch, families):
+    """liger_kernel's table of the model families it patches, as the installed package would hold it."""
+    import sys
+
+    table = SimpleNamespace(MODEL_TYPE_TO_APPLY_LIGER_FN=dict.fromkeys(families))
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", table)
+
+
+@pytest.mark.parametrize(
+    "installed, model_type, changes, fused",
+    [
+        (True, "llama", {"use_liger_kernel": True}, True),
+        (True, "llama", {}, False),  # use_liger_kernel off
+        (True, "gpt2", {"use_liger_kernel": True}, False),  # no Liger kernels for the family: its logits are held
+        (True, None, {"use_liger_kernel": True}, False),  # a bare parameter count
+        (
+            True,
+            "llama",
+            {"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": False}},
+            False,
+        ),
+        (True, "llama", {"use_liger_kernel": True, "liger_kernel_config": {"rms_norm": False}}, True),
+        (False, "llama", {"use_liger_kernel": True}, False),  # not installed (the run refuses it before this)
+    ],
+)
+def test_the_loss_is_counted_fused_only_where_liger_fuses_it(installed, model_type, changes, fused, monkeypatch):
+    if installed:
+        fake_liger(monkeypatch, ["llama", "qwen3", "mistral"])
+    else:
+        monkeypatch.setitem(__import__("sys").modules, "liger_kernel", None)  # import fails as when missing
+    assert batch_size.liger_fuses_loss(model_type, training_args(1, **changes)) is fused
+
+
+def test_an_auto_batch_with_liger_on_a_family_it_fuses_is_larger(tmp_path, monkeypatch):
+    from transformers import GPT2Config
+
+    fake_liger(monkeypatch, ["llama"])
+    monkeypatch.setattr(batch_size, "device_memory", lambda: (2 * GiB, "2 GiB"))
+    config = {"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config": {"fsdp_version": 2}}
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=50257).save_pretrained(gpt2)
+    llama = str(REPO / "assets" / "tiny-llama")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    for model, grows in ((llama, True), (str(gpt2), False)):
+        eager = batch_size.choose_for_run(model, config, training_args(1), 512)[0]
+        liger = batch_size.choose_for_run(model, config, training_args(1, use_liger_kernel=True), 512)[0]
+        assert (liger > eager) is grows and liger >= eager, (model, eager, liger)
