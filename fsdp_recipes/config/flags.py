@@ -208,6 +208,8 @@ REPLACED = {
     "save_safetensors": "removed in transformers 5: weights are always safetensors",
     "dispatch_batches": "transformers 5 takes it in accelerator_config",
     "split_batches": "transformers 5 takes it in accelerator_config",
+    # accelerate launch's --gradient_clipping is DeepSpeed's; the Trainer clips every FSDP run by max_grad_norm
+    "gradient_clipping": "the Trainer calls it max_grad_norm",
 }
 
 

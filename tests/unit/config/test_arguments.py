@@ -403,6 +403,7 @@ TRANSFORMERS_4_NAMES = {
     "save_safetensors": None,
     "dispatch_batches": "accelerator_config",
     "split_batches": "accelerator_config",
+    "gradient_clipping": "max_grad_norm",  # accelerate launch's DeepSpeed option, not a transformers 4 name
 }
 
 
