@@ -81,6 +81,17 @@ def check_config(
     except UnreadableFile as err:
         c.error("", err.reason, err.fix, file=err.path)
         return c.problems
+    if not raw:  # accelerate itself fails on an empty file with an AttributeError
+        c.error("", "is empty: it holds no accelerate config", "copy one of accelerate_configs/ (zero3.yaml)")
+    if recipe_path is not None and not recipe:  # train_fsdp.py refuses it: no model_name_or_path nor config_name
+        c.error(
+            "",
+            "is empty: train_fsdp.py refuses it (it names no model_name_or_path or config_name)",
+            "write the recipe, or leave it out for the embedded default",
+            file=str(recipe_path),
+        )
+    if c.problems:
+        return c.problems
     if recipe_path is not None and (problem := _recipe_problem(recipe, recipe_path)):
         c.error("", *problem, file=str(recipe_path))
         if ACCELERATE_AS_RECIPE in problem[0]:  # the recipe's settings are none: nothing to check the config against

@@ -736,7 +736,20 @@ def test_a_recipe_key_train_fsdp_refuses_is_an_error_of_the_check(tmp_path, reci
     assert f"unknown key(s): {wrong}" in problems[0].message and ACCELERATE_AS_RECIPE not in problems[0].message
 
 
-@pytest.mark.parametrize("case", ["unreadable config", "unknown recipe key", "recipe given as the config"])
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n"])
+@pytest.mark.parametrize("empty", ["config", "recipe"])
+def test_an_empty_config_or_recipe_is_one_line_naming_the_file(tmp_path, empty, text):
+    """accelerate fails on an empty config with an AttributeError, and train_fsdp.py refuses an empty recipe (no
+    model): the check says so for the file, once, instead of "distributed_type: is None" or "ok"."""
+    path = tmp_path / f"{empty}.yaml"
+    path.write_text(text)
+    config = path if empty == "config" else REPO / "accelerate_configs" / "zero3.yaml"
+    recipe = path if empty == "recipe" else REPO / "recipes" / "tiny-llama" / "pretrain.yaml"
+    [problem] = errors(check_config(config, recipe_path=recipe))
+    assert problem.file == str(path) and problem.message.startswith("is empty"), str(problem)
+
+
+@pytest.mark.parametrize("case", ["unreadable config", "unknown recipe key", "recipe given as the config", "empty"])
 def test_a_problem_of_a_whole_file_reads_file_then_message(tmp_path, case):
     """A problem no key holds is printed as "error: FILE: what is wrong; fix: ...", with no empty key field."""
     recipe = tmp_path / "recipe.yaml"
@@ -746,6 +759,8 @@ def test_a_problem_of_a_whole_file_reads_file_then_message(tmp_path, case):
         config, given = tmp_path, {}
     elif case == "recipe given as the config":
         config, given = REPO / "recipes" / "tiny-llama" / "pretrain.yaml", {}
+    elif case == "empty":
+        (config := tmp_path / "empty.yaml").write_text("")
     [problem] = errors(check_config(config, **given))[:1]
     line = str(problem)
     assert line.startswith("error: ") and ": : " not in line and ": -: " not in line, line
