@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The wheels bench/gpu_check.py installs on the GPU machine, which has no network: the pinned packages its image
-# lacks (datasets and its dill, multiprocess; bitsandbytes for QLoRA; liger-kernel for the speed rows) or holds in another version (transformers,
-# tokenizers, peft, huggingface_hub and the httpx2 it needs), for Python 3.12 on x86-64, without dependencies (the
-# list in bench/gpu_check.py, CARRY, names the ones the image lacks). Run it here, where there is network:
+# lacks (datasets and its dill, multiprocess; bitsandbytes for QLoRA; liger-kernel for the speed rows) or holds in
+# another version (transformers, tokenizers, peft, huggingface_hub and the httpx2 it needs), for Python 3.12 on
+# x86-64, without dependencies (the list in bench/gpu_check.py, CARRY, names the ones the image lacks). Run it here,
+# where there is network:
 #
 #     bash bench/gpu_wheels.sh          # about 63 MB into bench/wheels/ (git-ignored): carry it to the device
 #
