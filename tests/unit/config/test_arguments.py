@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import random
 import re
@@ -56,6 +57,10 @@ def test_shipped_recipes_parse(recipe, monkeypatch):
         pytest.skip("needs the default run's output; exercised by test_chat_sft_from_local_folder")
     if "load_in_4bit: true" in text and (problem := qlora_problem()):  # QLoRA without CUDA: one clear line
         with pytest.raises(RecipeError, match=re.escape(problem)):
+            parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])
+        return
+    if "use_liger_kernel: true" in text and importlib.util.find_spec("liger_kernel") is None:  # a GPU package
+        with pytest.raises(RecipeError, match=re.escape("use_liger_kernel=true needs the liger_kernel package")):
             parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])
         return
     preflight.start(
