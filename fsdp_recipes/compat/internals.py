@@ -47,6 +47,8 @@ PRIVATE: dict[str, tuple[str, str]] = {
         MODULE,
         "cpu_fsdp: FSDP1 HYBRID_SHARD's node is the node's processes on CPU (its device count is 1)",
     ),
+    # fsdp_recipes/train/sharding.py: modules compiled in place (module.compile: accelerate's regional compilation)
+    "torch.nn.Module._compiled_call_impl": (INSTANCE, "the report's compiled_modules"),
     # fsdp_recipes/train/sharding.py: FSDP1's flat parameters, for per-rank elements and bytes
     "torch.distributed.fsdp.FullyShardedDataParallel._handle": (INSTANCE, "sharding: an FSDP1 unit's flat parameter"),
     "torch.distributed.fsdp._flat_param.FlatParameter._unpadded_unsharded_size": (

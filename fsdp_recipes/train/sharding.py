@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import is_compiled_module
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
@@ -20,6 +21,7 @@ from fsdp_recipes.compat.cpu_fsdp import cpu_precision, fsdp_requested, launched
 from fsdp_recipes.config.strategy import fsdp_strategy_name
 from fsdp_recipes.errors import NotShardedError, UnreadableFile
 
+COMPILED_CALL = "torch.nn.Module._compiled_call_impl"  # set by module.compile(): accelerate's regional compilation
 logger = logging.getLogger("train_fsdp")
 
 
@@ -196,8 +198,10 @@ def verify_and_report(
         "wrapper": kind,
         "local_param_elements": local,
         "local_trainable_elements": trainable_elements(model),
-        # modules compiled in place (accelerate's regional compilation): FSDP2's hooks still run around them
-        "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
+        # compiled in place (accelerate's regional compilation), or the torch.compile wrapper of --torch_compile
+        "compiled_modules": sum(
+            is_compiled_module(m) or internals.attr(m, COMPILED_CALL) is not None for m in model.modules()
+        ),
     }
     gathered = gather(rank_info, accelerator)
     report = {
@@ -327,11 +331,7 @@ def add_peak_memory(output_dir: str, accelerator, peaks: list[dict]) -> None:
 
 def add_checkpoint_writes(output_dir: str, accelerator, writes: dict) -> None:
     """How the run's checkpoints were written (fsdp_recipes.train.async_checkpoints.AsyncCheckpoints.report)."""
-
-    def update(report):
-        report["checkpoint_writes"] = writes
-
-    _update_report(output_dir, accelerator, update)
+    _update_report(output_dir, accelerator, lambda report: report.update(checkpoint_writes=writes))
 
 
 def add_measured_bytes(
