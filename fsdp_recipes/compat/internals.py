@@ -47,6 +47,11 @@ PRIVATE: dict[str, tuple[str, str]] = {
         MODULE,
         "cpu_fsdp: FSDP1 HYBRID_SHARD's node is the node's processes on CPU (its device count is 1)",
     ),
+    # fsdp_recipes/config/memory.py, recipe_checks.py: the decoder layer class, the unit FSDP wraps
+    "transformers.PreTrainedModel._no_split_modules": (
+        INSTANCE,
+        "the layer class a model names for FSDP's auto-wrap (None where it names none)",
+    ),
     # fsdp_recipes/train/sharding.py: modules compiled in place (module.compile: accelerate's regional compilation)
     "torch.nn.Module._compiled_call_impl": (INSTANCE, "the report's compiled_modules"),
     # fsdp_recipes/train/sharding.py: FSDP1's flat parameters, for per-rank elements and bytes

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
+from fsdp_recipes.compat import internals
 from fsdp_recipes.config.strategy import shipped_configs
 
 GiB = 1024**3
@@ -158,7 +159,7 @@ def model_shape(model: str, revision: str | None = None) -> ModelShape:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     params = sum(p.numel() for p in skeleton.parameters())
-    layer_types = set(getattr(skeleton, "_no_split_modules", None) or [])
+    layer_types = set(internals.attr(skeleton, "transformers.PreTrainedModel._no_split_modules") or [])
     units = [sum(p.numel() for p in m.parameters()) for m in skeleton.modules() if type(m).__name__ in layer_types]
     embed = skeleton.get_input_embeddings().weight.numel()
     heads = config.num_attention_heads

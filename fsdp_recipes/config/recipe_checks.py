@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fsdp_recipes.compat import internals
 from fsdp_recipes.config.problems import Checker, as_bool, suggest
 
 # Trainer optimizers (--optim) whose step mixes plain tensors into FSDP2's DTensor parameters and fails at the first
@@ -159,7 +160,7 @@ def check_model(
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     classes = {type(m).__name__ for m in skeleton.modules()}
-    layer = next(iter(sorted(getattr(skeleton, "_no_split_modules", None) or [])), None)
+    layer = next(iter(sorted(internals.attr(skeleton, "transformers.PreTrainedModel._no_split_modules") or [])), None)
     wanted = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
     if wrap == "TRANSFORMER_BASED_WRAP" and wanted:
         for name in [w.strip() for w in str(wanted).split(",") if w.strip()]:
