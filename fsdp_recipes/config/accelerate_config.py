@@ -201,6 +201,7 @@ def check_settings(
             )
     _check_processes(c, raw, fsdp, pc, version, strategy)
     check_with_recipe(c, recipe, recipe_file, fsdp, version, sd_type, mp, ddp)
+    _check_compile(c, raw, recipe, recipe_file, version)
 
     # ----- with the model -----
     model = model or recipe.get("model_name_or_path") or recipe.get("config_name")
@@ -209,6 +210,25 @@ def check_settings(
         trust = bool(as_bool(recipe.get("trust_remote_code")))
         check_model(c, fsdp, wrap, sd_type, model, trust, None if revision in (None, "main") else str(revision))
     return c.problems
+
+
+def _check_compile(c: Checker, raw: dict, recipe: dict, recipe_file: str, version) -> None:
+    """Compilation (accelerate's dynamo_config or its launch flags, transformers' torch_compile) under FSDP1:
+    accelerate's regional compilation recurses into the FSDP1 wrapper on every rank, and a whole-model torch.compile
+    wraps FSDP1 in a module no FSDP check recognises. FSDP2 compiles either way (docs/training.md)."""
+    dynamo = raw.get("dynamo_config") if isinstance(raw.get("dynamo_config"), dict) else {}
+    backend = str(dynamo.get("dynamo_backend") or "no").lower()
+    names = ("torch_compile", "torch_compile_backend", "torch_compile_mode")  # the last two imply the first
+    asked = next((k for k in names if recipe.get(k) not in (None, "") and as_bool(recipe.get(k)) is not False), None)
+    if version != 1 or (backend == "no" and asked is None):
+        return
+    key, where = ("dynamo_config.dynamo_backend", None) if backend != "no" else (asked, recipe_file)
+    c.error(
+        key,
+        "compiles the model, which FSDP1 cannot run here (accelerate's compilation fails on its wrapper)",
+        "compile under FSDP2 (accelerate_configs/zero3.yaml), or drop the compilation",
+        file=where,
+    )
 
 
 def _check_processes(c: Checker, raw: dict, fsdp: dict, pc: dict, version, strategy) -> None:

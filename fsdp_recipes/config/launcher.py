@@ -124,6 +124,9 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
         elif dest.startswith("parallelism_config_"):
             config.setdefault("parallelism_config", {})[dest] = value
             key = f"parallelism_config.{dest}"
+        elif dest.startswith("dynamo_"):
+            config.setdefault("dynamo_config", {})[dest] = value
+            key = f"dynamo_config.{dest}"
         elif dest in top:
             config[dest], key = value, dest
         else:
@@ -191,6 +194,9 @@ def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> li
 
 
 RUN_SETTINGS = (
+    "torch_compile",
+    "torch_compile_backend",
+    "torch_compile_mode",
     "gradient_checkpointing",
     "activation_checkpointing",
     "save_only_model",

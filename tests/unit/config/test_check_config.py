@@ -765,3 +765,49 @@ def test_a_problem_of_a_whole_file_reads_file_then_message(tmp_path, case):
     line = str(problem)
     assert line.startswith("error: ") and ": : " not in line and ": -: " not in line, line
     assert line.split(": ", 2)[2][0].isalpha(), line
+
+
+COMPILE_ROUTES = {
+    "config dynamo_config": ({"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, {}),
+    "config regional": (
+        {"dynamo_config": {"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True}},
+        {},
+    ),
+    "torch_compile": ({}, {"torch_compile": True}),
+    "torch_compile_backend": ({}, {"torch_compile_backend": "inductor"}),
+    "torch_compile_mode": ({}, {"torch_compile_mode": "max-autotune"}),
+}
+
+
+@pytest.mark.parametrize("route", sorted(COMPILE_ROUTES))
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_compilation_is_refused_under_fsdp1_alone(tmp_path, config, route):
+    """accelerate's compilation fails on the FSDP1 wrapper (a RecursionError on every rank, or a model no FSDP check
+    knows): one line naming the setting and FSDP2, where FSDP2 and DDP compile."""
+    extra, recipe = COMPILE_ROUTES[route]
+    raw = {**yaml.safe_load((REPO / config).read_text()), **extra}
+    (path := tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    (recipe_path := tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"learning_rate": 1e-3, **recipe}))
+    found = [p for p in errors(check_config(path, recipe_path=recipe_path)) if "compiles the model" in p.message]
+    if "fsdp1/" in config:
+        [problem] = found
+        assert "accelerate_configs/zero3.yaml" in problem.fix
+        assert problem.file == str(recipe_path if recipe else path), problem
+    else:
+        assert found == []
+    if route == "torch_compile":  # and torch_compile: false compiles nothing
+        (recipe_path := tmp_path / "off.yaml").write_text(yaml.safe_dump({"torch_compile": False}))
+        (path := tmp_path / "plain.yaml").write_text((REPO / config).read_text())
+        assert not [p for p in errors(check_config(path, recipe_path=recipe_path)) if "compiles" in p.message]
+
+
+@pytest.mark.parametrize(
+    "flags", [("--dynamo_backend", "inductor"), ("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation")]
+)
+def test_compilation_by_launch_flags_is_named_by_its_flag_under_fsdp1(flags):
+    from fsdp_recipes.config.launcher import check, from_launch_args
+
+    for config, refused in (("accelerate_configs/fsdp1/zero3.yaml", True), ("accelerate_configs/zero3.yaml", False)):
+        settings = from_launch_args(["--config_file", config, *flags, "train_fsdp.py"], REPO)
+        found = [p for p in errors(check(settings, {}, None)) if "compiles the model" in p.message]
+        assert len(found) == refused and (not refused or "--dynamo_backend" in str(found[0])), found
