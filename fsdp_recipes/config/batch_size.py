@@ -122,8 +122,9 @@ def setup_for_run(launch_config: dict | None, training_args, seq_len: int, zero1
 def liger_fuses_loss(model_type: str | None, training_args) -> bool:
     """Whether use_liger_kernel fuses this model's loss with its LM head, so the logits are never held whole: Liger
     has kernels for the family (its own table; a run with use_liger_kernel refuses where the package is missing) and
-    liger_kernel_config leaves its fused cross-entropy on. GPT-2, say, has none: its logits are counted."""
-    if not getattr(training_args, "use_liger_kernel", False):
+    liger_kernel_config leaves its fused cross-entropy on. GPT-2, say, has none: its logits are counted. With
+    label smoothing the Trainer takes the labels from the model and smooths the full logits itself."""
+    if not getattr(training_args, "use_liger_kernel", False) or getattr(training_args, "label_smoothing_factor", 0):
         return False
     if not (getattr(training_args, "liger_kernel_config", None) or {}).get("fused_linear_cross_entropy", True):
         return False

@@ -96,7 +96,13 @@ ATTENTION: dict[str, Need] = {
     "flash_attention_4": Need(_pip("flash-attn-4"), "flash_attn", "is_flash_attn_4_available", device=FLASH),
     "flex_attention": Need(_pip("'torch>=2.5'"), "torch", "is_torch_flex_attn_available"),
 }
-LIGER = Need(_pip("liger-kernel"), "liger_kernel", "is_liger_kernel_available")
+# Liger's kernels are Triton: installed without a GPU they fail on every rank at the model's patching
+LIGER = Need(
+    "pip install -r requirements-gpu.txt",
+    "liger_kernel",
+    "is_liger_kernel_available",
+    device="a CUDA GPU (Liger's kernels are Triton kernels)",
+)
 
 
 def found(need: Need) -> bool:
@@ -262,5 +268,5 @@ def check_packages(raw) -> None:
         raise RecipeError(problem)
     if problem := attention_problem(getattr(raw, "attn_implementation", None)):
         raise RecipeError(problem)
-    if getattr(raw, "use_liger_kernel", False) and not found(LIGER):
+    if getattr(raw, "use_liger_kernel", False) and not (found(LIGER) and _cuda()):
         raise RecipeError(missing("use_liger_kernel=true", LIGER, "drop use_liger_kernel"))

@@ -319,6 +319,8 @@ def fake_liger(monkeypatch, families):
             False,
         ),
         (True, "llama", {"use_liger_kernel": True, "liger_kernel_config": {"rms_norm": False}}, True),
+        (True, "llama", {"use_liger_kernel": True, "label_smoothing_factor": 0.1}, False),  # the Trainer's loss
+        (True, "llama", {"use_liger_kernel": True, "label_smoothing_factor": 0.0}, True),
         (False, "llama", {"use_liger_kernel": True}, False),  # not installed (the run refuses it before this)
     ],
 )

@@ -264,12 +264,19 @@ def test_an_unknown_attention_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [("--use_liger_kernel", "true"), ("--use_liger_kernel",)], ids=["true", "bare"])
-def test_liger_without_its_package_is_one_line(flags, packages, tmp_path):
-    packages()
+def test_liger_without_its_package_or_a_gpu_is_one_line(flags, packages, tmp_path):
+    """Liger's kernels are Triton: without CUDA, installed or not, the run is refused in one line (installed, every
+    rank raised at the model's patching); with CUDA and without the package, the line names the pinned install."""
+    for installed in ((), ("liger_kernel",)):
+        packages(*installed)
+        message = refused(tmp_path, *flags)
+        assert "use_liger_kernel" in message and "needs a CUDA GPU (Liger's kernels are Triton" in message, message
+    packages(cuda=True)
     message = refused(tmp_path, *flags)
-    assert "use_liger_kernel" in message and "liger_kernel" in message and "pip install liger-kernel" in message
-    packages("liger_kernel")
+    assert "liger_kernel package" in message and "pip install -r requirements-gpu.txt" in message, message
+    packages("liger_kernel", cuda=True)
     assert run(tmp_path, *flags)[2].raw.use_liger_kernel is True
+    packages()
     run(tmp_path, "--use_liger_kernel", "false")
 
 
