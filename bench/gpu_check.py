@@ -107,8 +107,8 @@ STEPS, BATCH, SEQ = 20, 4, 1024
 # (log_metrics), MFU as torchtitan counts it (fsdp_recipes.train.metrics.flops_per_token).
 LLAMA_1B = {**MODEL, "vocab_size": 128256, "tie_word_embeddings": True}
 SPEED_CONFIG = "accelerate_configs/zero3.yaml"
-# Regional compilation through accelerate's dynamo settings: each decoder layer compiled in place (module.compile),
-# so FSDP2's hooks still run (accelerate's compile_regions_fsdp2); a whole-model torch.compile would bypass them
+# Regional compilation through accelerate's dynamo settings: each decoder layer compiled in place (module.compile,
+# accelerate's compile_regions_fsdp2), so FSDP2's hooks run around each layer's compiled code
 COMPILE = ("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation")
 LIGER = ("--use_liger_kernel", "true")
 # label -> (per_device_train_batch_size, the run's flags, accelerate launch's flags), what matters most first: the
@@ -705,7 +705,8 @@ class Check:
 
         env = {
             "python": platform.python_version(),
-            "versions": installed_versions(),
+            # the speed rows' kernels too: not pinned by requirements.txt, recorded as found
+            "versions": installed_versions((*PINNED, "liger_kernel", "triton")),
             "pinned": {n: pins().get(norm(n)) for n in PINNED},
             "cuda_available": torch.cuda.is_available(),
             "torch_cuda": torch.version.cuda,
