@@ -75,6 +75,22 @@ def accelerate_default_config() -> Path:
     return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
 
 
+# the spellings of `accelerate launch`: the command, its module behind the CLI (which then takes "launch"), and
+# the launch command's own entry points
+CLI = ("accelerate", "accelerate.commands.accelerate_cli")
+LAUNCH = ("accelerate-launch", "accelerate.commands.launch")
+
+
+def launch_arguments(cmdline: list[str]) -> list[str] | None:
+    """The arguments after `launch` when ``cmdline`` is an accelerate launch (any spelling), else None."""
+    for i, arg in enumerate(cmdline[:-1]):
+        if Path(arg).name in CLI and cmdline[i + 1] == "launch":
+            return cmdline[i + 2 :]
+        if arg.endswith(LAUNCH):
+            return cmdline[i + 1 :]
+    return None
+
+
 def find_accelerate_launch() -> tuple[list[str], Path] | None:
     """The arguments after `launch` of the `accelerate launch` that started this process, and its directory."""
     pid = os.getppid()
@@ -84,11 +100,8 @@ def find_accelerate_launch() -> tuple[list[str], Path] | None:
             cwd = Path(f"/proc/{pid}/cwd").resolve()
         except OSError:
             return None
-        for i, arg in enumerate(args[:-1]):
-            if (Path(arg).name == "accelerate" and args[i + 1] == "launch") or arg.endswith(
-                ("accelerate-launch", "accelerate.commands.launch")
-            ):
-                return args[i + 2 if args[i + 1] == "launch" else i + 1 :], cwd
+        if (launched := launch_arguments(args)) is not None:
+            return launched, cwd
         try:
             pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):

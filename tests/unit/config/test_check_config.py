@@ -811,3 +811,25 @@ def test_compilation_by_launch_flags_is_named_by_its_flag_under_fsdp1(flags):
         settings = from_launch_args(["--config_file", config, *flags, "train_fsdp.py"], REPO)
         found = [p for p in errors(check(settings, {}, None)) if "compiles the model" in p.message]
         assert len(found) == refused and (not refused or "--dynamo_backend" in str(found[0])), found
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        ["/usr/bin/accelerate", "launch"],
+        ["accelerate", "launch"],
+        ["/usr/bin/python3", "-m", "accelerate.commands.accelerate_cli", "launch"],
+        ["/usr/bin/python3", "-m", "accelerate.commands.launch"],
+        ["/usr/local/bin/accelerate-launch"],
+    ],
+    ids=["accelerate", "bare", "cli-module", "launch-module", "accelerate-launch"],
+)
+def test_every_spelling_of_accelerate_launch_gives_its_arguments(prefix):
+    """The run reads the launch's config from its launcher's command line: missed, auto batch sizes and the config
+    checks fell back to a launch without accelerate (NO_SHARD)."""
+    from fsdp_recipes.config.launcher import launch_arguments
+
+    rest = ["--config_file", "accelerate_configs/zero3.yaml", "train_fsdp.py", "--max_steps", "2"]
+    assert launch_arguments([*prefix, *rest]) == rest
+    assert launch_arguments(["torchrun", "--nproc_per_node", "2", "train_fsdp.py"]) is None
+    assert launch_arguments(["python", "-m", "accelerate.commands.accelerate_cli", "env"]) is None
