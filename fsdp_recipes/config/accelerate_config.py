@@ -212,23 +212,30 @@ def check_settings(
     return c.problems
 
 
+COMPILE_UNDER_FSDP1 = (
+    "compiles the model, which FSDP1 cannot run here (accelerate's compilation fails on its wrapper)",
+    "compile under FSDP2 (accelerate_configs/zero3.yaml), or drop the compilation",
+)
+
+
+def compile_asked(settings: dict, dynamo: dict | None = None) -> str | None:
+    """The setting that asks to compile the model, or None: accelerate's dynamo backend in ``dynamo`` (a config's
+    dynamo_config, its keys with or without the dynamo_ prefix accelerate adds), else transformers' torch_compile in
+    ``settings`` (a backend or a mode turns it on, even an empty one)."""
+    for key in ("dynamo_backend", "backend"):
+        if str((dynamo or {}).get(key) or "no").lower() != "no":
+            return f"dynamo_config.{key}"
+    if settings.get("torch_compile") not in (None, "") and as_bool(settings.get("torch_compile")) is not False:
+        return "torch_compile"
+    return next((k for k in ("torch_compile_backend", "torch_compile_mode") if settings.get(k) is not None), None)
+
+
 def _check_compile(c: Checker, raw: dict, recipe: dict, recipe_file: str, version) -> None:
-    """Compilation (accelerate's dynamo_config or its launch flags, transformers' torch_compile) under FSDP1:
-    accelerate's regional compilation recurses into the FSDP1 wrapper on every rank, and a whole-model torch.compile
-    wraps FSDP1 in a module no FSDP check recognises. FSDP2 compiles either way (docs/training.md)."""
+    """Compilation under FSDP1: accelerate's regional compilation recurses into the FSDP1 wrapper on every rank, and
+    a whole-model torch.compile wraps FSDP1 in a module no FSDP check recognises. FSDP2 compiles either way."""
     dynamo = raw.get("dynamo_config") if isinstance(raw.get("dynamo_config"), dict) else {}
-    backend = str(dynamo.get("dynamo_backend") or "no").lower()
-    names = ("torch_compile", "torch_compile_backend", "torch_compile_mode")  # the last two imply the first
-    asked = next((k for k in names if recipe.get(k) not in (None, "") and as_bool(recipe.get(k)) is not False), None)
-    if version != 1 or (backend == "no" and asked is None):
-        return
-    key, where = ("dynamo_config.dynamo_backend", None) if backend != "no" else (asked, recipe_file)
-    c.error(
-        key,
-        "compiles the model, which FSDP1 cannot run here (accelerate's compilation fails on its wrapper)",
-        "compile under FSDP2 (accelerate_configs/zero3.yaml), or drop the compilation",
-        file=where,
-    )
+    if version == 1 and (asked := compile_asked(recipe, dynamo)):
+        c.error(asked, *COMPILE_UNDER_FSDP1, file=None if asked.startswith("dynamo_config") else recipe_file)
 
 
 def _check_processes(c: Checker, raw: dict, fsdp: dict, pc: dict, version, strategy) -> None:

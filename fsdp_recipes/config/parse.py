@@ -11,7 +11,12 @@ from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.ckpt.resume import check_output_dir, explicit, requested
 from fsdp_recipes.compat import cpu_fsdp
 from fsdp_recipes.config import batch_size, helptext, launcher, trl_recipe
-from fsdp_recipes.config.accelerate_config import ACCELERATE_AS_RECIPE, recipe_keys_problem
+from fsdp_recipes.config.accelerate_config import (
+    ACCELERATE_AS_RECIPE,
+    COMPILE_UNDER_FSDP1,
+    compile_asked,
+    recipe_keys_problem,
+)
 from fsdp_recipes.config.arguments import DataArguments, build
 from fsdp_recipes.config.flags import (
     bare_flags_as_values,
@@ -145,6 +150,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
             "FSDP are both given: set FSDP in one place, the accelerate config (or its launch flags, e.g. "
             "--fsdp_sharding_strategy): drop fsdp and fsdp_config"
         )
+    # every launch of FSDP1 (accelerate's variables, however set): a compile the config checks above did not name
+    version = os.environ.get("FSDP_VERSION", "1")
+    if cpu_fsdp.fsdp_requested() and version == "1" and not trainer_fsdp:
+        if asked := compile_asked(vars(raw), {"dynamo_backend": os.environ.get("ACCELERATE_DYNAMO_BACKEND")}):
+            asked = "ACCELERATE_DYNAMO_BACKEND" if asked.startswith("dynamo_config") else asked
+            raise RecipeError(f"{asked} {COMPILE_UNDER_FSDP1[0]}; fix: {COMPILE_UNDER_FSDP1[1]}")
     model_args, data_args, run_args = (build(cls, raw) for cls in (ModelArguments, DataArguments, RunArguments))
     check_training_values(raw, model_args, data_args)
     check_task_flags(raw, data_args, explicit=set_keys)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fsdp_recipes.bounded import YAML_LIMIT, load_json
 from fsdp_recipes.compat import internals
+from fsdp_recipes.config.accelerate_config import COMPILE_UNDER_FSDP1, compile_asked
 from fsdp_recipes.config.flags import with_hints
 from fsdp_recipes.config.recipe_checks import unsteppable_optimizer
 from fsdp_recipes.console import say
@@ -100,6 +101,8 @@ def check_trainer_fsdp(raw) -> bool:
             f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, keys, 'fsdp_')}"
         )
     version = (config or {}).get("version", (config or {}).get("fsdp_version"))  # TrainingArguments reads either
+    if str(version) != "2" and (asked := compile_asked(vars(raw))):  # FSDP1: TrainingArguments' default version
+        raise RecipeError(f"{asked} {COMPILE_UNDER_FSDP1[0]}; fix: {COMPILE_UNDER_FSDP1[1]}")
     if str(version) == "2" and (problem := unsteppable_optimizer(getattr(raw, "optim", None))):
         raise RecipeError(f'--optim {problem[0]}; fix: {problem[1]} (--fsdp_config with "version": 1)')
     return True

@@ -833,3 +833,65 @@ def test_every_spelling_of_accelerate_launch_gives_its_arguments(prefix):
     assert launch_arguments([*prefix, *rest]) == rest
     assert launch_arguments(["torchrun", "--nproc_per_node", "2", "train_fsdp.py"]) is None
     assert launch_arguments(["python", "-m", "accelerate.commands.accelerate_cli", "env"]) is None
+
+
+@pytest.mark.parametrize("key", ["dynamo_backend", "backend"])
+def test_a_dynamo_config_without_accelerates_prefix_compiles_too(tmp_path, key):
+    """accelerate adds the dynamo_ prefix to dynamo_config's keys itself: `backend: INDUCTOR` compiles as well."""
+    raw = {**yaml.safe_load((REPO / "accelerate_configs" / "fsdp1" / "zero3.yaml").read_text())}
+    raw["dynamo_config"] = {key: "INDUCTOR"}
+    (path := tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    [problem] = [p for p in errors(check_config(path)) if "compiles the model" in p.message]
+    assert problem.key == f"dynamo_config.{key}"
+
+
+ENV_ROUTES = {  # launches that set accelerate's variables themselves (torchrun, srun), and TrainingArguments' --fsdp
+    "ACCELERATE_DYNAMO_BACKEND": ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, ()),
+    "torch_compile": ({}, ("--torch_compile", "true")),
+    "torch_compile_backend": ({}, ("--torch_compile_backend", "")),  # an empty one turns compilation on too
+    "torch_compile_mode": ({}, ("--torch_compile_mode", "default")),
+}
+
+
+@pytest.mark.parametrize("version", ["1", "2"])
+@pytest.mark.parametrize("route", sorted(ENV_ROUTES))
+def test_compilation_under_fsdp1_is_refused_by_accelerates_variables(tmp_path, monkeypatch, route, version):
+    from fsdp_recipes.config.parse import parse_args
+    from fsdp_recipes.errors import RecipeError
+
+    env, flags = ENV_ROUTES[route]
+    for name, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": version, "WORLD_SIZE": "2", **env}.items():
+        monkeypatch.setenv(name, value)
+    argv = ["--output_dir", str(tmp_path / "run"), *flags]
+    if version == "1":
+        with pytest.raises(RecipeError, match=f"{route}:? compiles the model, which FSDP1 cannot run here"):
+            parse_args(argv)
+    else:
+        parse_args(argv)
+
+
+@pytest.mark.parametrize("version", [1, 2, None])
+def test_compilation_under_trainer_fsdp1_is_refused(tmp_path, monkeypatch, version):
+    from fsdp_recipes.config.parse import parse_args
+    from fsdp_recipes.errors import RecipeError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's 2 processes
+
+    config = json.loads((REPO / "accelerate_configs" / "torchrun" / "zero3.json").read_text())
+    config.pop("version")
+    (path := tmp_path / "fsdp.json").write_text(json.dumps({**config, **({"version": version} if version else {})}))
+    argv = [
+        "--fsdp",
+        "true",
+        "--fsdp_config",
+        str(path),
+        "--torch_compile",
+        "true",
+        "--output_dir",
+        str(tmp_path / "run"),
+    ]
+    if version == 2:
+        parse_args(argv)
+    else:  # TrainingArguments' default version is 1
+        with pytest.raises(RecipeError, match="^torch_compile compiles the model, which FSDP1 cannot run here"):
+            parse_args(argv)
