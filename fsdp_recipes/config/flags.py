@@ -167,6 +167,12 @@ def check_recipe_types(recipe: dict, parser) -> None:
         for v in values:
             if key in LIST_VALUED and not isinstance(v, str):
                 raise RecipeError(f"recipe key {key}: {v!r} is not a name: give a name or a list of names")
+            if isinstance(v, dict) and getattr(action.type, "__name__", None) == "JSON mapping":
+                try:  # a YAML mapping is what the field takes (helptext.json_mapping reads the flag's JSON)
+                    action.type(v)
+                except ValueError as err:
+                    raise RecipeError(f"recipe key {key}: {err}") from None
+                continue
             if isinstance(v, (list, dict)):
                 raise RecipeError(
                     f"recipe key {key}: {value!r} is a {type(v).__name__}; give one "

@@ -5,8 +5,10 @@ alone: under ``accelerate launch`` every process parses the same flags, and help
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import typing
 
 from transformers import HfArgumentParser, TrainingArguments
 
@@ -105,6 +107,24 @@ class _Formatter(HelpFormatter):
         return super()._format_action_invocation(action)
 
 
+def json_mapping(value_type: type | None):
+    """The type of a mapping-valued TrainingArguments field (liger_kernel_config: dict[str, bool]): JSON text on the
+    command line, a mapping in a recipe, its values of ``value_type``. HfArgumentParser types such a field ``dict``,
+    which cannot turn any text into a mapping."""
+
+    def mapping(given) -> dict:
+        value = json.loads(given) if isinstance(given, str) else given
+        if not isinstance(value, dict):
+            raise ValueError(f"{given!r} is not a mapping")
+        for key, item in value.items():
+            if value_type is not None and type(item) is not value_type:
+                raise ValueError(f"{key}: {item!r} is not a {value_type.__name__}")
+        return value
+
+    mapping.__name__ = "JSON mapping"  # as argparse and check_recipe_types name the type in their errors
+    return mapping
+
+
 def build_parser(show_all: bool = False) -> HfArgumentParser:
     parser = HfArgumentParser(
         (ModelArguments, DataArguments, RunArguments, TrainingArguments),
@@ -117,6 +137,9 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
         "accepted where they mean the same (shown next to ours).",
         formatter_class=_Formatter,
     )
+    for action in parser._actions:
+        if action.type is dict or typing.get_origin(action.type) is dict:
+            action.type = json_mapping(next(iter(typing.get_args(action.type)[1:]), None))
     parser.add_argument("--help-all", action="help", help="show this help with every TrainingArguments option and exit")
     groups = {g.title: g for g in parser._action_groups}
     model = groups[ModelArguments._argument_group_name]

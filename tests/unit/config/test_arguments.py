@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import re
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import REPO, free_port, run
 
 from fsdp_recipes.config import trl_recipe
@@ -607,3 +609,28 @@ def test_a_best_model_metric_no_evaluation_reports_is_refused_before_training(tm
     """One line before training, not the Trainer's KeyError at the first evaluation with a save, mid-run."""
     with pytest.raises(RecipeError, match=f"metric_for_best_model='{metric}' is not reported"):
         parse_args(["--metric_for_best_model", metric, *EVAL_DATA, "--output_dir", str(tmp_path), *NO_FSDP])
+
+
+@pytest.mark.parametrize("given_as", ["flag", "recipe mapping", "recipe JSON text"])
+def test_a_mapping_valued_training_argument_takes_a_mapping(tmp_path, given_as):
+    """liger_kernel_config (TrainingArguments' dict[str, bool]): HfArgumentParser's dict type refused every spelling;
+    it takes JSON on the command line and a mapping (or its JSON text) in a recipe, and reaches the Trainer as one."""
+    from transformers import TrainingArguments
+
+    wanted = {"fused_linear_cross_entropy": False, "rms_norm": True}
+    if given_as == "flag":
+        argv = [write(tmp_path, TINY + CORPUS), "--liger_kernel_config", json.dumps(wanted)]
+    elif given_as == "recipe mapping":
+        argv = [write(tmp_path, TINY + CORPUS + yaml.safe_dump({"liger_kernel_config": wanted}))]
+    else:
+        argv = [write(tmp_path, TINY + CORPUS + yaml.safe_dump({"liger_kernel_config": json.dumps(wanted)}))]
+    raw = parse_args([*argv, "--output_dir", str(tmp_path / "run"), *NO_FSDP])[2].raw
+    assert raw.liger_kernel_config == wanted
+    assert TrainingArguments(output_dir=str(tmp_path), liger_kernel_config=raw.liger_kernel_config).liger_kernel_config
+
+
+@pytest.mark.parametrize("value", ["[1]", "1", "not json", '"text"'])
+def test_a_mapping_valued_flag_that_is_no_mapping_is_one_line(tmp_path, value):
+    with pytest.raises(RecipeError, match="liger_kernel_config") as err:
+        parse_args(["--liger_kernel_config", value, "--output_dir", str(tmp_path), *NO_FSDP])
+    assert "\n" not in str(err.value)
