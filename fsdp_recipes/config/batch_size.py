@@ -124,15 +124,20 @@ def liger_fuses_loss(model_type: str | None, training_args) -> bool:
     has kernels for the family (its own table; a run with use_liger_kernel refuses where the package is missing) and
     liger_kernel_config leaves its fused cross-entropy on. GPT-2, say, has none: its logits are counted. With
     label smoothing the Trainer takes the labels from the model and smooths the full logits itself."""
+    import inspect
+
     if not getattr(training_args, "use_liger_kernel", False) or getattr(training_args, "label_smoothing_factor", 0):
-        return False
-    if not (getattr(training_args, "liger_kernel_config", None) or {}).get("fused_linear_cross_entropy", True):
         return False
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError:
         return False
-    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+    if (apply := MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)) is None:
+        return False
+    # the family's own default (Granite's is off, Pixtral's apply function has no such kernel), unless configured
+    fused = inspect.signature(apply).parameters.get("fused_linear_cross_entropy")
+    config = getattr(training_args, "liger_kernel_config", None) or {}
+    return fused is not None and bool(config.get("fused_linear_cross_entropy", fused.default))
 
 
 def device_memory() -> tuple[float, str]:

@@ -252,8 +252,8 @@ def with_hints(unknown: list[str], known, prefix: str = "") -> str:
 
     def hint(key: str) -> list[str]:
         dest = key.replace("-", "_")  # accelerate launch takes --config-file for --config_file
-        if key in REPLACED:
-            return [REPLACED[key]]
+        if dest in REPLACED:
+            return [REPLACED[dest]]
         if dest in top | fsdp | parallelism:
             under = f" under {section[dest]}:" if dest in section else ""
             return [f"an accelerate config key: set it{under} in the file given to accelerate launch --config_file"]

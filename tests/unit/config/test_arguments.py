@@ -634,3 +634,10 @@ def test_a_mapping_valued_flag_that_is_no_mapping_is_one_line(tmp_path, value):
     with pytest.raises(RecipeError, match="liger_kernel_config") as err:
         parse_args(["--liger_kernel_config", value, "--output_dir", str(tmp_path), *NO_FSDP])
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["gradient-clipping", "evaluation-strategy", "per-gpu-train-batch-size"])
+def test_a_replaced_name_in_its_hyphen_spelling_is_told_the_same(tmp_path, name):
+    """train_fsdp.py takes --max-grad-norm as --max_grad_norm: a replaced name gets its hint in either spelling."""
+    message = refusal_of(tmp_path, name, "flag")
+    assert TRANSFORMERS_4_NAMES[name.replace("-", "_")] in message and "accelerate launch" not in message, message

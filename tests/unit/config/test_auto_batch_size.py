@@ -299,7 +299,22 @@ def fake_liger(monkeypatch, families):
     """liger_kernel's table of the model families it patches, as the installed package would hold it."""
     import sys
 
-    table = SimpleNamespace(MODEL_TYPE_TO_APPLY_LIGER_FN=dict.fromkeys(families))
+    def fuses(fused_linear_cross_entropy=True, rms_norm=True):  # Liger's apply_liger_kernel_to_llama and most
+        pass
+
+    def does_not_by_default(fused_linear_cross_entropy=False, rms_norm=True):  # apply_liger_kernel_to_granite
+        pass
+
+    def has_none(rms_norm=True):  # apply_liger_kernel_to_pixtral
+        pass
+
+    table = SimpleNamespace(
+        MODEL_TYPE_TO_APPLY_LIGER_FN={
+            **dict.fromkeys(families, fuses),
+            "granite": does_not_by_default,
+            "pixtral": has_none,
+        }
+    )
     for name in ("liger_kernel", "liger_kernel.transformers"):
         monkeypatch.setitem(sys.modules, name, SimpleNamespace())
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", table)
@@ -321,6 +336,14 @@ def fake_liger(monkeypatch, families):
         (True, "llama", {"use_liger_kernel": True, "liger_kernel_config": {"rms_norm": False}}, True),
         (True, "llama", {"use_liger_kernel": True, "label_smoothing_factor": 0.1}, False),  # the Trainer's loss
         (True, "llama", {"use_liger_kernel": True, "label_smoothing_factor": 0.0}, True),
+        (True, "granite", {"use_liger_kernel": True}, False),  # its fused loss is off by default
+        (
+            True,
+            "granite",
+            {"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": True}},
+            True,
+        ),
+        (True, "pixtral", {"use_liger_kernel": True}, False),  # no fused loss at all
         (False, "llama", {"use_liger_kernel": True}, False),  # not installed (the run refuses it before this)
     ],
 )
