@@ -65,7 +65,7 @@ TRL_NAMES = {
     "use_flash_attention_2": "attn_implementation: flash_attention_2 (said)",
     "gradient_checkpointing_kwargs, lr_scheduler_kwargs": "taken as mappings (as JSON on the command line)",
     "bf16": "bf16 mixed precision, decided on a CPU as the configs' bf16 is (fp32 without native bf16)",
-    "use_liger_kernel": "passed on where liger-kernel is installed; refused in one line where it is not",
+    "use_liger_kernel": "passed on with a CUDA GPU and liger-kernel; refused in one line without either",
     "dataset_mixture": "the handbook's mixture: id, config, split, columns, weight; seed, test_split_size",
     "dataset_mixer, dataset_splits, dataset_configs": "the handbook's older mixture (train/test splits by name)",
     "datasets, streaming, test_split_size": "TRL's mixture: path, name, data_dir, data_files, split, columns, fraction",
