@@ -86,7 +86,7 @@ def check_config(
     if recipe_path is not None and not recipe:  # train_fsdp.py refuses it: no model_name_or_path nor config_name
         c.error(
             "",
-            "is empty: train_fsdp.py refuses it (it names no model_name_or_path or config_name)",
+            "is empty: it names no model (model_name_or_path or config_name), which train_fsdp.py then needs as a flag",
             "write the recipe, or leave it out for the embedded default",
             file=str(recipe_path),
         )
