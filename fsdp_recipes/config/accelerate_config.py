@@ -63,6 +63,22 @@ def recipe_keys_problem(recipe: dict, known: set[str], path) -> tuple[str, str] 
     return unknown_keys(unknown, known), UNKNOWN_FIX
 
 
+def read_config_file(path: str | os.PathLike) -> dict:
+    """An accelerate config file's mapping as accelerate reads it: within bounds (fsdp_recipes.bounded), then its
+    older keys converted by accelerate's own ClusterConfig.process_config (``fp16`` to mixed_precision, a top-level
+    ``dynamo_backend`` to dynamo_config), so that a file accelerate accepts is checked as the settings it puts in
+    force. A mapping without distributed_type, which accelerate refuses, is returned as read for the checks to name."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    raw = load_yaml(path, "accelerate config")
+    if "distributed_type" not in raw:
+        return raw
+    read = ClusterConfig.process_config(dict(raw))
+    # the keys it converts, not the defaults it fills in (missing keys keep meaning accelerate's defaults)
+    converted = {"mixed_precision", "dynamo_config"} - set(raw)
+    return {key: value for key, value in read.items() if key in raw or (key in converted and value is not None)}
+
+
 def check_config(
     config_path: str | os.PathLike,
     recipe_path: str | os.PathLike | None = None,
@@ -75,7 +91,7 @@ def check_config(
     """
     c = Checker(str(config_path))
     try:  # within bounds (fsdp_recipes.bounded): no folder, pipe, device, oversize or binary file, no YAML aliases
-        raw = load_yaml(config_path, "accelerate config")
+        raw = read_config_file(config_path)
         if recipe is None and recipe_path is not None:
             recipe = load_yaml(recipe_path, "recipe")
     except UnreadableFile as err:

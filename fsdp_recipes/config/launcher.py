@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, UnreadableFile
 
@@ -114,6 +113,8 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.commands.launch import launch_command_parser
 
+    from fsdp_recipes.config.accelerate_config import read_config_file
+
     args = launch_command_parser().parse_args(argv)
     given = getattr(args, "nondefault", set())
     path = Path(args.config_file) if args.config_file else (accelerate_default_config() if not args.cpu else None)
@@ -121,7 +122,7 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
         path = cwd / path
     config: dict = {}
     if path is not None and path.is_file():
-        config = load_yaml(path, "accelerate config")  # within bounds (fsdp_recipes.bounded), or UnreadableFile
+        config = read_config_file(path)  # or UnreadableFile
     else:
         path = None  # no file: accelerate's own defaults, set by flags
         config = {"num_processes": int(os.environ.get("WORLD_SIZE", "1")), "num_machines": 1}
