@@ -31,6 +31,10 @@ ENVIRONMENT = "environment"  # ... and for one that came from an FSDP_* variable
 ENV_NAMES = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "fsdp_transformer_layer_cls_to_wrap"}
 # launch flags that set distributed_type rather than a key of the same name
 TYPE_FLAGS = {"use_fsdp": "FSDP", "multi_gpu": "MULTI_GPU", "cpu": "MULTI_CPU", "use_deepspeed": "DEEPSPEED"}
+# accelerate launch's groups of flags that only their own launchers read: under FSDP or DDP each does nothing
+OTHER_LAUNCHERS = {"DeepSpeed Arguments": "DeepSpeed", "Megatron-LM Arguments": "Megatron-LM", "TPU": "TPU"}
+# ... and where this run has its own setting for what the flag asks
+OWN_SETTING = {"gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
 
 
 @dataclass
@@ -42,6 +46,7 @@ class LaunchSettings:
     origin: dict[str, str] = field(default_factory=dict)  # checker key -> the flag or variable that set it
     where: str = LAUNCH_FLAGS  # what origin's names are
     named: bool = False  # the file was named on the command line (--config_file), not accelerate's default config
+    unread: dict[str, str] = field(default_factory=dict)  # flag given -> the launcher that alone reads it
 
     @property
     def ddp(self) -> bool:
@@ -115,7 +120,8 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
 
     from fsdp_recipes.config.accelerate_config import read_config_file
 
-    args = launch_command_parser().parse_args(argv)
+    parser = launch_command_parser()
+    args = parser.parse_args(argv)
     given = getattr(args, "nondefault", set())
     path = Path(args.config_file) if args.config_file else (accelerate_default_config() if not args.cpu else None)
     if path is not None and not path.is_absolute():
@@ -128,8 +134,17 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
         config = {"num_processes": int(os.environ.get("WORLD_SIZE", "1")), "num_machines": 1}
     settings = LaunchSettings(config, path, named=bool(args.config_file) and path is not None)
     top = set(ClusterConfig.__dataclass_fields__)
+    other = {
+        action.dest: OTHER_LAUNCHERS[group.title]
+        for group in parser._action_groups
+        if group.title in OTHER_LAUNCHERS
+        for action in group._group_actions
+    }
     for dest in sorted(given):
         flag, value = f"--{dest}", getattr(args, dest)
+        if dest in other:  # before the config's keys: downcast_bf16 and the tpu_* keys are TPU's alone
+            settings.unread[flag] = other[dest]
+            continue
         if dest in TYPE_FLAGS and value:
             config["distributed_type"], key = TYPE_FLAGS[dest], "distributed_type"
         elif dest.startswith("fsdp_"):
@@ -195,6 +210,7 @@ def launch_settings() -> LaunchSettings | None:
 def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> list:
     """tools/check_config.py's rules on the settings in force, each problem named where the setting came from."""
     from fsdp_recipes.config.accelerate_config import check_settings
+    from fsdp_recipes.config.problems import Problem
 
     # keys not from a file were named by accelerate itself (its flags, its variables): only a file's can be unknown
     problems = check_settings(
@@ -204,6 +220,18 @@ def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> li
         model=model,
         check_keys=settings.config_file is not None,
     )
+    for flag, launcher in sorted(settings.unread.items()):
+        own = OWN_SETTING.get(flag.removeprefix("--"))
+        problems.append(
+            Problem(
+                "error",
+                LAUNCH_FLAGS,
+                flag,
+                f"is a {launcher} flag: accelerate reads it only when it launches {launcher}, so this launch would "
+                "train without it",
+                f"give train_fsdp.py --{own} after the script" if own else "drop it",
+            )
+        )
     return settings.attribute(problems)
 
 
