@@ -175,6 +175,8 @@ def check_settings(
             c.error(
                 f"parallelism_config.{key}", "unknown key (accelerate would silently ignore it)", suggest(key, pc_keys)
             )
+    if check_keys:
+        _check_dynamo(c, raw.get("dynamo_config"))
 
     dist_type = raw.get("distributed_type")
     ddp = dist_type in DDP_TYPES and not fsdp  # accelerate_configs/ddp.yaml: DDP, and ZeRO-1 with the recipe's zero1
@@ -244,6 +246,32 @@ def compile_asked(settings: dict, dynamo: dict | None = None) -> str | None:
     if settings.get("torch_compile") not in (None, "") and as_bool(settings.get("torch_compile")) is not False:
         return "torch_compile"
     return next((k for k in ("torch_compile_backend", "torch_compile_mode") if settings.get(k) is not None), None)
+
+
+def _check_dynamo(c: Checker, dynamo) -> None:
+    """dynamo_config against what accelerate's launcher does with it: it copies each key to its --dynamo_* option
+    (the dynamo_ prefix added where missing), so a key without one is ignored without a word, and it reads the
+    backend as a DynamoBackend, failing with a traceback on any other name."""
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import DynamoBackend
+
+    if dynamo is None:
+        return
+    if not isinstance(dynamo, dict):
+        c.error("dynamo_config", "must be a mapping", "indent the dynamo_* keys under dynamo_config:")
+        return
+    options = {a.dest for a in launch_command_parser()._actions if a.dest.startswith("dynamo_")}
+    backends = [b.value.lower() for b in DynamoBackend]
+    for key, value in dynamo.items():
+        name = str(key) if str(key).startswith("dynamo_") else f"dynamo_{key}"
+        if name not in options:
+            c.error(f"dynamo_config.{key}", "unknown key (accelerate would silently ignore it)", suggest(key, options))
+        elif name == "dynamo_backend" and str(value).lower() not in backends:
+            c.error(
+                f"dynamo_config.{key}",
+                f"{value!r} is not a backend accelerate knows",
+                f"give one of {', '.join(backends)} (inductor compiles; no turns compilation off)",
+            )
 
 
 def _check_compile(c: Checker, raw: dict, recipe: dict, recipe_file: str, version) -> None:

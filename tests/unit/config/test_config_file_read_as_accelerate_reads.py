@@ -66,3 +66,50 @@ def test_a_launch_reads_the_older_keys_as_accelerate_converts_them(tmp_path, ext
     assert settings.config.get("mixed_precision") == accelerate.mixed_precision
     assert settings.config.get("dynamo_config", {}) == accelerate.dynamo_config
     assert "fp16" not in settings.config and "dynamo_backend" not in settings.config
+
+
+DYNAMO = {  # dynamo_config entries: accelerate's options (with and without its dynamo_ prefix), wrong names, keys
+    "backend inductor": {"dynamo_backend": "inductor"},
+    "backend INDUCTOR unprefixed": {"backend": "INDUCTOR"},
+    "backend eager": {"dynamo_backend": "EAGER"},
+    "backend misspelt": {"dynamo_backend": "inductr"},
+    "backend unprefixed misspelt": {"backend": "INDUCTOR2"},
+    "backend a number": {"dynamo_backend": 3},
+    "mode": {"dynamo_mode": "max-autotune"},
+    "mode unprefixed": {"mode": "reduce-overhead"},
+    "fullgraph": {"dynamo_use_fullgraph": True},
+    "dynamic unprefixed": {"use_dynamic": True},
+    "regional": {"dynamo_use_regional_compilation": True},
+    "a misspelt key": {"dynamo_mod": "default"},
+    "a key of torch.compile": {"fullgraph": True},
+    "a plural": {"dynamo_backends": "inductor"},
+}
+
+
+def ranks_environment(path) -> dict | None:
+    """What accelerate's launcher gives the ranks of a launch of ``path``; None where it fails."""
+    from accelerate.commands import launch as accelerate_launch
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    try:
+        parser = accelerate_launch.launch_command_parser()
+        args, _, _ = accelerate_launch._validate_launch_command(
+            parser.parse_args(["--config_file", str(path), "train_fsdp.py"])
+        )
+        return prepare_multi_gpu_env(args)
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+@pytest.mark.parametrize("entry", sorted(DYNAMO))
+def test_a_dynamo_config_entry_is_refused_where_accelerate_fails_or_ignores_it(tmp_path, entry):
+    """accelerate is the oracle: an entry that makes its launcher fail, or changes nothing it gives the ranks (each
+    sample is a value other than the option's default), is an error of the check, and only such an entry."""
+    raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    (plain := tmp_path / "plain.yaml").write_text(yaml.safe_dump(raw))
+    (path := tmp_path / "config.yaml").write_text(yaml.safe_dump({**raw, "dynamo_config": DYNAMO[entry]}))
+    environment, base = ranks_environment(path), ranks_environment(plain)
+    fails_or_ignored = environment is None or environment == base
+    [key] = DYNAMO[entry]
+    refused = [p for p in errors(check_config(path)) if p.key == f"dynamo_config.{key}"]
+    assert bool(refused) == fails_or_ignored, (refused, environment is None)
