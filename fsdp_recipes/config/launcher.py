@@ -27,6 +27,7 @@ from fsdp_recipes.errors import RecipeError, UnreadableFile
 
 LAUNCH_FLAGS = "accelerate launch"  # Problem.file for a setting that came from a launch flag
 ENVIRONMENT = "environment"  # ... and for one that came from an FSDP_* variable
+RUN_ARGUMENTS = "train_fsdp.py's recipe or flags"  # ... and for one of this run's own settings
 # accelerate's launcher writes FSDP_<KEY> for fsdp_config's fsdp_<key>, except this one (accelerate/utils/launch.py)
 ENV_NAMES = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "fsdp_transformer_layer_cls_to_wrap"}
 # launch flags that set distributed_type rather than a key of the same name
@@ -217,6 +218,7 @@ def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> li
         settings.config,
         str(settings.config_file or settings.where),
         recipe=run_settings,
+        recipe_file=RUN_ARGUMENTS,
         model=model,
         check_keys=settings.config_file is not None,
     )

@@ -897,3 +897,17 @@ def test_compilation_under_trainer_fsdp1_is_refused(tmp_path, monkeypatch, versi
     else:  # TrainingArguments' default version is 1
         with pytest.raises(RecipeError, match="^torch_compile compiles the model, which FSDP1 cannot run here"):
             parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"torch_compile": True}, {"torch_compile_backend": ""}, {"torch_compile_mode": "default"}, {"zero1": True}],
+    ids=lambda s: next(iter(s)),
+)
+def test_a_launch_names_a_problem_of_the_runs_own_settings_as_its_recipe_or_flags(setting):
+    """In a launch, the run's settings come from its recipe or its flags, not a file named recipe."""
+    from fsdp_recipes.config.launcher import RUN_ARGUMENTS, check, from_launch_args
+
+    settings = from_launch_args(["--config_file", "accelerate_configs/fsdp1/zero3.yaml", "train_fsdp.py"], REPO)
+    [problem] = [p for p in errors(check(settings, setting, None)) if p.key == next(iter(setting))]
+    assert problem.file == RUN_ARGUMENTS == "train_fsdp.py's recipe or flags", problem
