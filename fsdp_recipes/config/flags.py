@@ -240,10 +240,11 @@ def accelerate_launch_options() -> frozenset[str]:
     return frozenset(dests - {"help", "training_script", "training_script_args"})
 
 
-def with_hints(unknown: list[str], known, prefix: str = "") -> str:
+def with_hints(unknown: list[str], known, prefix: str = "", accelerate: bool = True) -> str:
     """'key (did you mean known_key?), other' for an error message; ``prefix`` is ignored when matching. A
     transformers 4 name gets its transformers 5 replacement, and a key of accelerate's config (mixed_precision,
-    num_processes, fsdp_*) where it goes, rather than a spelling match."""
+    num_processes, fsdp_*) where it goes, rather than a spelling match; ``accelerate=False`` where the keys are
+    not accelerate's (TrainingArguments' fsdp_config), so that only the spelling of ``known`` is suggested."""
     import difflib
 
     top, fsdp, parallelism = known_accelerate_keys()
@@ -252,12 +253,12 @@ def with_hints(unknown: list[str], known, prefix: str = "") -> str:
 
     def hint(key: str) -> list[str]:
         dest = key.replace("-", "_")  # accelerate launch takes --config-file for --config_file
-        if dest in REPLACED:
+        if accelerate and dest in REPLACED:
             return [REPLACED[dest]]
-        if dest in top | fsdp | parallelism:
+        if accelerate and dest in top | fsdp | parallelism:
             under = f" under {section[dest]}:" if dest in section else ""
             return [f"an accelerate config key: set it{under} in the file given to accelerate launch --config_file"]
-        if dest in launcher:
+        if accelerate and dest in launcher:
             return ["an option of accelerate launch: give it before train_fsdp.py"]
         return [f"did you mean {m}?" for m in difflib.get_close_matches(key.removeprefix(prefix), known, 1)]
 

@@ -98,7 +98,9 @@ def check_trainer_fsdp(raw) -> bool:
     unknown = [k for k in (config or {}) if not k.startswith("_") and k.removeprefix("fsdp_") not in keys]
     if unknown:
         raise RecipeError(
-            f"fsdp_config has key(s) TrainingArguments would silently ignore: {with_hints(unknown, keys, 'fsdp_')}"
+            f"fsdp_config has key(s) TrainingArguments would silently ignore: "
+            f"{with_hints(unknown, keys, 'fsdp_', accelerate=False)}; its keys: {', '.join(sorted(keys))} "
+            "(accelerate_configs/torchrun/zero3.json is zero3.yaml in them)"
         )
     version = (config or {}).get("version", (config or {}).get("fsdp_version"))  # TrainingArguments reads either
     if str(version) != "2" and (asked := compile_asked(vars(raw))):  # FSDP1: TrainingArguments' default version

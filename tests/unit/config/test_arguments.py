@@ -173,6 +173,26 @@ def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
     assert "HF_HUB_OFFLINE=1" in model_source_problem("meta-llama/Llama-3.2-1B", weights=True)
 
 
+def test_a_torchrun_fsdp_config_key_trainingarguments_ignores_is_named_with_its_keys(tmp_path):
+    """TrainingArguments' fsdp_config is not an accelerate config: an accelerate key in it (any of accelerate
+    launch's --fsdp_* options TrainingArguments does not read) is refused with TrainingArguments' own keys, never
+    sent to an accelerate config file the torchrun route does not have."""
+    import argparse
+
+    from fsdp_recipes.config.flags import accelerate_launch_options
+    from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp, trainer_fsdp_keys
+
+    keys = trainer_fsdp_keys()
+    ignored = sorted(k for k in accelerate_launch_options() if k.startswith("fsdp_") and k[5:] not in keys)
+    assert ignored  # accelerate has keys TrainingArguments does not read (fsdp_sharding_strategy, ...)
+    for key in ignored:
+        (path := tmp_path / "fsdp.json").write_text(json.dumps({"version": 2, key: "FULL_SHARD"}))
+        with pytest.raises(RecipeError) as err:
+            check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(path)))
+        message = str(err.value)
+        assert key in message and "accelerate launch" not in message and "reshard_after_forward" in message, message
+
+
 def test_torchrun_route_fsdp_flags(tmp_path):
     import argparse
 
