@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from fsdp_recipes.bounded import load_yaml
+from fsdp_recipes.bounded import YAML_LIMIT, load_json, load_yaml
 from fsdp_recipes.config.flags import known_accelerate_keys
 from fsdp_recipes.config.fsdp_section import check_fsdp_keys
 from fsdp_recipes.config.problems import Checker, Problem, as_bool, suggest
@@ -64,19 +64,25 @@ def recipe_keys_problem(recipe: dict, known: set[str], path) -> tuple[str, str] 
 
 
 def read_config_file(path: str | os.PathLike) -> dict:
-    """An accelerate config file's mapping as accelerate reads it: within bounds (fsdp_recipes.bounded), then its
-    older keys converted by accelerate's own ClusterConfig.process_config (``fp16`` to mixed_precision, a top-level
-    ``dynamo_backend`` to dynamo_config), so that a file accelerate accepts is checked as the settings it puts in
-    force. A mapping without distributed_type, which accelerate refuses, is returned as read for the checks to name."""
+    """An accelerate config file's mapping as accelerate reads it: within bounds (fsdp_recipes.bounded), a .json file
+    as JSON (accelerate json.loads it: tabs and all), then the keys accelerate converts converted by its own
+    ClusterConfig.process_config (``fp16`` to mixed_precision, a top-level ``dynamo_backend`` to dynamo_config) and a
+    null mixed_precision taken as accelerate launch takes it, "no"."""
     from accelerate.commands.config.config_args import ClusterConfig
 
-    raw = load_yaml(path, "accelerate config")
-    if "distributed_type" not in raw:
-        return raw
-    read = ClusterConfig.process_config(dict(raw))
+    if str(path).endswith(".json"):
+        raw = load_json(path, "accelerate config", YAML_LIMIT)
+    else:
+        raw = load_yaml(path, "accelerate config")
+    # process_config refuses a mapping without distributed_type: the checks name that one themselves
+    read = ClusterConfig.process_config({**raw, "distributed_type": raw.get("distributed_type")})
     # the keys it converts, not the defaults it fills in (missing keys keep meaning accelerate's defaults)
     converted = {"mixed_precision", "dynamo_config"} - set(raw)
-    return {key: value for key, value in read.items() if key in raw or (key in converted and value is not None)}
+    return {
+        key: value
+        for key, value in read.items()
+        if (key in raw or key in converted) and not (key == "mixed_precision" and value is None)
+    }
 
 
 def check_config(
@@ -266,7 +272,7 @@ def _check_dynamo(c: Checker, dynamo) -> None:
         name = str(key) if str(key).startswith("dynamo_") else f"dynamo_{key}"
         if name not in options:
             c.error(f"dynamo_config.{key}", "unknown key (accelerate would silently ignore it)", suggest(key, options))
-        elif name == "dynamo_backend" and str(value).lower() not in backends:
+        elif name == "dynamo_backend" and value is not None and str(value).lower() not in backends:
             c.error(
                 f"dynamo_config.{key}",
                 f"{value!r} is not a backend accelerate knows",

@@ -31,9 +31,21 @@ RUN_ARGUMENTS = "train_fsdp.py's recipe or flags"  # ... and for one of this run
 # accelerate's launcher writes FSDP_<KEY> for fsdp_config's fsdp_<key>, except this one (accelerate/utils/launch.py)
 ENV_NAMES = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "fsdp_transformer_layer_cls_to_wrap"}
 # launch flags that set distributed_type rather than a key of the same name
-TYPE_FLAGS = {"use_fsdp": "FSDP", "multi_gpu": "MULTI_GPU", "cpu": "MULTI_CPU", "use_deepspeed": "DEEPSPEED"}
-# accelerate launch's groups of flags that only their own launchers read: under FSDP or DDP each does nothing
-OTHER_LAUNCHERS = {"DeepSpeed Arguments": "DeepSpeed", "Megatron-LM Arguments": "Megatron-LM", "TPU": "TPU"}
+TYPE_FLAGS = {
+    "use_fsdp": "FSDP",
+    "multi_gpu": "MULTI_GPU",
+    "cpu": "MULTI_CPU",
+    "use_deepspeed": "DEEPSPEED",
+    "use_megatron_lm": "MEGATRON_LM",
+    "tpu": "XLA",
+}
+# accelerate launch's groups of flags that only their own launchers read (group title -> the launcher, and the
+# distributed type it launches): under FSDP or DDP each does nothing
+OTHER_LAUNCHERS = {
+    "DeepSpeed Arguments": ("DeepSpeed", "DEEPSPEED"),
+    "Megatron-LM Arguments": ("Megatron-LM", "MEGATRON_LM"),
+    "TPU": ("TPU", "XLA"),
+}
 # ... and where this run has its own setting for what the flag asks
 OWN_SETTING = {"gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
 
@@ -135,6 +147,7 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
         config = {"num_processes": int(os.environ.get("WORLD_SIZE", "1")), "num_machines": 1}
     settings = LaunchSettings(config, path, named=bool(args.config_file) and path is not None)
     top = set(ClusterConfig.__dataclass_fields__)
+    unread: dict[str, tuple[str, str]] = {}
     other = {
         action.dest: OTHER_LAUNCHERS[group.title]
         for group in parser._action_groups
@@ -144,7 +157,7 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
     for dest in sorted(given):
         flag, value = f"--{dest}", getattr(args, dest)
         if dest in other:  # before the config's keys: downcast_bf16 and the tpu_* keys are TPU's alone
-            settings.unread[flag] = other[dest]
+            unread[flag] = other[dest]
             continue
         if dest in TYPE_FLAGS and value:
             config["distributed_type"], key = TYPE_FLAGS[dest], "distributed_type"
@@ -162,6 +175,9 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
         else:
             continue  # launcher-only flags (--main_process_port's peers, --debug, ...)
         settings.origin[key] = flag
+    # a launch of that launcher reads them (--use_deepspeed, --use_megatron_lm, --tpu, or its config file)
+    launched = config.get("distributed_type")
+    settings.unread = {flag: name for flag, (name, kind) in unread.items() if kind != launched}
     if path is None and config.get("distributed_type") == "FSDP":
         settings.origin.setdefault("fsdp_config.fsdp_version", "--fsdp_version")  # missing: say the flag to add
     return settings

@@ -29,12 +29,17 @@ EXTRA = {  # top-level keys a file may add: accelerate's fields, its older keys,
     "a hyphenated key": {"mixed-precision": "bf16"},
     "an fsdp key at the top": {"fsdp_version": 2},
     "a recipe key": {"learning_rate": 1e-4},
+    "mixed_precision null": {"mixed_precision": None},
+    "mixed_precision null beside fp16": {"mixed_precision": None, "fp16": True},
+    "dynamo_backend null": {"dynamo_backend": None},
 }
 
 
 def accelerate_refuses(path) -> bool:
+    from accelerate.commands.config.config_args import load_config_from_file
+
     try:
-        ClusterConfig.from_yaml_file(str(path))
+        load_config_from_file(str(path))
     except ValueError as err:
         assert "unknown keys" in str(err), err
         return True
@@ -51,9 +56,28 @@ def test_a_key_is_called_refused_exactly_where_accelerate_refuses_the_file(tmp_p
     problems = check_config(path)
     refused = [p.key for p in problems if p.message == REFUSED]
     assert bool(refused) == accelerate_refuses(path), problems
-    if not refused:  # what accelerate converts is checked as what it becomes: FSDP1 cannot compile
+    if not refused:  # a file accelerate takes is checked as what it becomes: nothing but FSDP1's compilation
         compiles = [p for p in errors(problems) if "compiles the model" in p.message]
+        assert errors(problems) == compiles, problems
         assert len(compiles) == (extra == "dynamo_backend INDUCTOR" and "fsdp1/" in config), problems
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+def test_a_json_config_is_read_as_json(tmp_path, config):
+    """accelerate reads a .json config with json.load: a tab-indented one (not YAML) is the same config."""
+    import json
+
+    raw = yaml.safe_load((REPO / config).read_text())
+    (path := tmp_path / "config.json").write_text(json.dumps(raw, indent="\t"))
+    assert not accelerate_refuses(path) and errors(check_config(path)) == []
+
+
+def test_a_file_without_distributed_type_names_that_not_its_older_keys(tmp_path):
+    raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    del raw["distributed_type"], raw["mixed_precision"]
+    (path := tmp_path / "config.yaml").write_text(yaml.safe_dump({**raw, "fp16": True, "dynamo_backend": "NO"}))
+    problems = errors(check_config(path))
+    assert [p.key for p in problems] == ["distributed_type"], problems
 
 
 @pytest.mark.parametrize("extra", ["fp16 true", "fp16 false", "dynamo_backend NO", "dynamo_backend INDUCTOR"])

@@ -83,3 +83,20 @@ def test_the_other_launchers_groups_are_accelerates():
     titles = {group.title for group in PARSER._action_groups}
     assert set(OTHER_LAUNCHERS) <= titles
     assert {"gradient_clipping", "gradient_accumulation_steps", "zero_stage"} <= OTHERS
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--use_deepspeed", "--zero_stage", "3", "--gradient_clipping", "1.0"),
+        ("--use_megatron_lm", "--megatron_lm_tp_degree", "2"),
+        ("--tpu", "--downcast_bf16"),
+    ],
+    ids=["deepspeed", "megatron-lm", "tpu"],
+)
+def test_a_launch_of_that_launcher_is_not_told_it_ignores_its_own_flags(flags):
+    """--use_deepspeed (or --use_megatron_lm, --tpu) makes it that launcher's launch: its flags are read, and the
+    launch is refused for training without FSDP instead, by parse_args."""
+    assert unread_errors(flags) == []
+    settings = from_launch_args([*CONFIG, *flags, "train_fsdp.py"], REPO)
+    assert settings.config["distributed_type"] != "FSDP" and settings.unread == {}
