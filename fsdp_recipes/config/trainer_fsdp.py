@@ -73,6 +73,22 @@ def keys_read(source: str) -> set[str]:
     return keys
 
 
+def fsdp_version(config: dict) -> int:
+    """The FSDP version TrainingArguments._process_fsdp_args takes from an fsdp_config: its fsdp_-prefixed keys
+    overwrite the plain ones, then int() of version, 2 where none is given."""
+    stripped = dict(config)
+    for key in list(stripped):
+        if key.startswith("fsdp_"):
+            stripped[key[5:]] = stripped.pop(key)
+    try:
+        version = int(stripped.get("version", 2))
+    except (TypeError, ValueError, OverflowError):
+        version = None
+    if version not in (1, 2):
+        raise RecipeError(f"fsdp_config's version is {stripped.get('version')!r}: give 2 (FSDP2, the default) or 1")
+    return version
+
+
 def check_trainer_fsdp(raw) -> bool:
     """Normalise TrainingArguments' --fsdp (the torchrun route) and check its fsdp_config; True if FSDP is asked for.
 
@@ -102,9 +118,9 @@ def check_trainer_fsdp(raw) -> bool:
             f"{with_hints(unknown, keys, 'fsdp_', accelerate=False)}; its keys: {', '.join(sorted(keys))} "
             "(accelerate_configs/torchrun/zero3.json is zero3.yaml in them)"
         )
-    version = (config or {}).get("version", (config or {}).get("fsdp_version"))  # TrainingArguments reads either
-    if str(version) != "2" and (asked := compile_asked(vars(raw))):  # FSDP1: TrainingArguments' default version
-        raise RecipeError(f"{asked} {COMPILE_UNDER_FSDP1[0]}; fix: {COMPILE_UNDER_FSDP1[1]}")
-    if str(version) == "2" and (problem := unsteppable_optimizer(getattr(raw, "optim", None))):
+    version = fsdp_version(config or {})
+    if version == 1 and (asked := compile_asked(vars(raw))):
+        raise RecipeError(f'{asked} {COMPILE_UNDER_FSDP1[0]}; fix: compile under FSDP2 ("version": 2 in --fsdp_config)')
+    if version == 2 and (problem := unsteppable_optimizer(getattr(raw, "optim", None))):
         raise RecipeError(f'--optim {problem[0]}; fix: {problem[1]} (--fsdp_config with "version": 1)')
     return True

@@ -872,16 +872,35 @@ def test_compilation_under_fsdp1_is_refused_by_accelerates_variables(tmp_path, m
         parse_args(argv)
 
 
-@pytest.mark.parametrize("version", [1, 2, None])
-def test_compilation_under_trainer_fsdp1_is_refused(tmp_path, monkeypatch, version):
+TRAINER_VERSIONS = {  # fsdp_config's version keys as a torchrun user may write them
+    "none": {},
+    "1": {"version": 1},
+    "2": {"version": 2},
+    "the string 1": {"version": "1"},
+    "2.0": {"version": 2.0},
+    "prefixed 1": {"fsdp_version": 1},
+    "1, prefixed 2": {"version": 1, "fsdp_version": 2},
+    "2, prefixed 1": {"version": 2, "fsdp_version": 1},
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRAINER_VERSIONS))
+def test_compilation_on_the_torchrun_route_is_refused_exactly_under_trainingarguments_fsdp1(
+    tmp_path, monkeypatch, case
+):
+    """The FSDP version is the one TrainingArguments itself takes from the fsdp_config (its fsdp_plugin_args, the
+    oracle): compilation is refused under version 1 alone."""
+    from transformers import TrainingArguments
+
     from fsdp_recipes.config.parse import parse_args
     from fsdp_recipes.errors import RecipeError
 
-    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's 2 processes
-
     config = json.loads((REPO / "accelerate_configs" / "torchrun" / "zero3.json").read_text())
     config.pop("version")
-    (path := tmp_path / "fsdp.json").write_text(json.dumps({**config, **({"version": version} if version else {})}))
+    config.update(TRAINER_VERSIONS[case])
+    (path := tmp_path / "fsdp.json").write_text(json.dumps(config))
+    oracle = TrainingArguments(output_dir=str(tmp_path / "oracle"), fsdp=True, fsdp_config=str(path), use_cpu=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's 2 processes (after the oracle: one process, no group)
     argv = [
         "--fsdp",
         "true",
@@ -892,9 +911,9 @@ def test_compilation_under_trainer_fsdp1_is_refused(tmp_path, monkeypatch, versi
         "--output_dir",
         str(tmp_path / "run"),
     ]
-    if version == 2:
+    if oracle.fsdp_plugin_args["fsdp_version"] == 2:
         parse_args(argv)
-    else:  # TrainingArguments' default version is 1
+    else:
         with pytest.raises(RecipeError, match="^torch_compile compiles the model, which FSDP1 cannot run here"):
             parse_args(argv)
 
