@@ -74,6 +74,14 @@ def read_config_file(path: str | os.PathLike) -> dict:
         raw = load_json(path, "accelerate config", YAML_LIMIT)
     else:
         raw = load_yaml(path, "accelerate config")
+    if "dynamo_backend" in raw and raw.get("dynamo_config"):
+        raise UnreadableFile(
+            path,
+            "accelerate config",
+            "has both a top-level dynamo_backend and a dynamo_config: accelerate keeps the first and drops every key "
+            "of the second",
+            "put the backend under dynamo_config as dynamo_backend",
+        )
     # process_config refuses a mapping without distributed_type: the checks name that one themselves
     read = ClusterConfig.process_config({**raw, "distributed_type": raw.get("distributed_type")})
     # the keys it converts, not the defaults it fills in (missing keys keep meaning accelerate's defaults)
@@ -184,6 +192,13 @@ def check_settings(
     if check_keys:
         _check_dynamo(c, raw.get("dynamo_config"))
 
+    if raw.get("compute_environment", "LOCAL_MACHINE") != "LOCAL_MACHINE":
+        c.error(
+            "compute_environment",
+            f"is {raw['compute_environment']!r}: accelerate launches such a config on Amazon SageMaker, with "
+            "SageMaker's keys, not on this machine or cluster",
+            "set compute_environment: LOCAL_MACHINE",
+        )
     dist_type = raw.get("distributed_type")
     ddp = dist_type in DDP_TYPES and not fsdp  # accelerate_configs/ddp.yaml: DDP, and ZeRO-1 with the recipe's zero1
     if dist_type != "FSDP" and not ddp:
@@ -266,18 +281,33 @@ def _check_dynamo(c: Checker, dynamo) -> None:
     if not isinstance(dynamo, dict):
         c.error("dynamo_config", "must be a mapping", "indent the dynamo_* keys under dynamo_config:")
         return
-    options = {a.dest for a in launch_command_parser()._actions if a.dest.startswith("dynamo_")}
+    options = {a.dest: a for a in launch_command_parser()._actions if a.dest.startswith("dynamo_")}
     backends = [b.value.lower() for b in DynamoBackend]
     for key, value in dynamo.items():
-        name = str(key) if str(key).startswith("dynamo_") else f"dynamo_{key}"
+        name, where = str(key) if str(key).startswith("dynamo_") else f"dynamo_{key}", f"dynamo_config.{key}"
         if name not in options:
-            c.error(f"dynamo_config.{key}", "unknown key (accelerate would silently ignore it)", suggest(key, options))
+            c.error(where, "unknown key (accelerate would silently ignore it)", suggest(key, options))
         elif name == "dynamo_backend" and value is not None and str(value).lower() not in backends:
             c.error(
-                f"dynamo_config.{key}",
+                where,
                 f"{value!r} is not a backend accelerate knows",
                 f"give one of {', '.join(backends)} (inductor compiles; no turns compilation off)",
             )
+        elif options[name].nargs == 0 and not _truth_value(value):  # the ranks read it with str_to_bool
+            c.error(where, f"{value!r} is not true or false", "give true or false")
+        elif name == "dynamo_mode" and not isinstance(value, str):  # torch.compile takes a mode's name
+            c.error(where, f"{value!r} is not a mode's name", "give default, reduce-overhead or max-autotune")
+
+
+def _truth_value(value) -> bool:
+    """Whether accelerate's str_to_bool, which a rank applies to the launcher's str() of the value, reads it."""
+    from accelerate.utils import str_to_bool
+
+    try:
+        str_to_bool(str(value))
+    except ValueError:
+        return False
+    return True
 
 
 def _check_compile(c: Checker, raw: dict, recipe: dict, recipe_file: str, version) -> None:

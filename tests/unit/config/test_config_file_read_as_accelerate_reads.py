@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from accelerate.commands.config.config_args import ClusterConfig
+from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from conftest import ALL_CONFIGS, REPO
 
 from fsdp_recipes.config.accelerate_config import check_config
 from fsdp_recipes.config.launcher import from_launch_args
 from fsdp_recipes.config.problems import errors
+from fsdp_recipes.errors import UnreadableFile
 
 REFUSED = "unknown key (accelerate refuses the file)"
 EXTRA = {  # top-level keys a file may add: accelerate's fields, its older keys, and keys it does not know
@@ -36,8 +37,6 @@ EXTRA = {  # top-level keys a file may add: accelerate's fields, its older keys,
 
 
 def accelerate_refuses(path) -> bool:
-    from accelerate.commands.config.config_args import load_config_from_file
-
     try:
         load_config_from_file(str(path))
     except ValueError as err:
@@ -137,3 +136,42 @@ def test_a_dynamo_config_entry_is_refused_where_accelerate_fails_or_ignores_it(t
     [key] = DYNAMO[entry]
     refused = [p for p in errors(check_config(path)) if p.key == f"dynamo_config.{key}"]
     assert bool(refused) == fails_or_ignored, (refused, environment is None)
+
+
+def test_a_config_for_sagemaker_is_one_error(tmp_path):
+    """accelerate reads compute_environment AMAZON_SAGEMAKER as a SageMaker config, which refuses FSDP's keys."""
+    raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    (path := tmp_path / "config.yaml").write_text(yaml.safe_dump({**raw, "compute_environment": "AMAZON_SAGEMAKER"}))
+    assert accelerate_refuses(path)
+    [problem] = errors(check_config(path))
+    assert problem.key == "compute_environment" and "LOCAL_MACHINE" in problem.fix, problem
+
+
+def test_a_top_level_dynamo_backend_beside_a_dynamo_config_is_one_error(tmp_path):
+    """accelerate replaces the whole dynamo_config with the older top-level key: the config's mode and regional
+    compilation would be dropped without a word."""
+    raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    dynamo = {"dynamo_mode": "max-autotune", "dynamo_use_regional_compilation": True}
+    (path := tmp_path / "config.yaml").write_text(
+        yaml.safe_dump({**raw, "dynamo_backend": "INDUCTOR", "dynamo_config": dynamo})
+    )
+    assert load_config_from_file(str(path)).dynamo_config == {"dynamo_backend": "INDUCTOR"}  # what accelerate keeps
+    [problem] = errors(check_config(path))
+    assert "drops every key of the second" in problem.message, problem
+    with pytest.raises(UnreadableFile, match="drops every key of the second"):  # a launch: one line (launch_settings)
+        from_launch_args(["--config_file", str(path), "x.py"], tmp_path)
+
+
+@pytest.mark.parametrize("value", ["maybe", "", 2, None])
+@pytest.mark.parametrize("key", ["dynamo_use_fullgraph", "use_dynamic", "dynamo_use_regional_compilation"])
+def test_a_dynamo_switch_the_ranks_cannot_read_is_one_error(tmp_path, key, value):
+    """The launcher passes str(value) to the ranks, whose TorchDynamoPlugin reads it with str_to_bool: anything else
+    fails on every rank, compiling or not."""
+    from accelerate.utils import str_to_bool
+
+    raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    (path := tmp_path / "config.yaml").write_text(yaml.safe_dump({**raw, "dynamo_config": {key: value}}))
+    with pytest.raises(ValueError):
+        str_to_bool(str(value))
+    [problem] = errors(check_config(path))
+    assert problem.key == f"dynamo_config.{key}" and "true or false" in problem.fix, problem
