@@ -9,6 +9,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from conftest import ALL_CONFIGS, REPO
+from helpers.accelerate_oracle import ranks_environment
 
 from fsdp_recipes.config.accelerate_config import check_config
 from fsdp_recipes.config.launcher import from_launch_args
@@ -109,21 +110,6 @@ DYNAMO = {  # dynamo_config entries: accelerate's options (with and without its 
 }
 
 
-def ranks_environment(path) -> dict | None:
-    """What accelerate's launcher gives the ranks of a launch of ``path``; None where it fails."""
-    from accelerate.commands import launch as accelerate_launch
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    try:
-        parser = accelerate_launch.launch_command_parser()
-        args, _, _ = accelerate_launch._validate_launch_command(
-            parser.parse_args(["--config_file", str(path), "train_fsdp.py"])
-        )
-        return prepare_multi_gpu_env(args)
-    except (ValueError, TypeError, AttributeError):
-        return None
-
-
 @pytest.mark.parametrize("entry", sorted(DYNAMO))
 def test_a_dynamo_config_entry_is_refused_where_accelerate_fails_or_ignores_it(tmp_path, entry):
     """accelerate is the oracle: an entry that makes its launcher fail, or changes nothing it gives the ranks (each
@@ -131,7 +117,7 @@ def test_a_dynamo_config_entry_is_refused_where_accelerate_fails_or_ignores_it(t
     raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
     (plain := tmp_path / "plain.yaml").write_text(yaml.safe_dump(raw))
     (path := tmp_path / "config.yaml").write_text(yaml.safe_dump({**raw, "dynamo_config": DYNAMO[entry]}))
-    environment, base = ranks_environment(path), ranks_environment(plain)
+    environment, base = (ranks_environment(("--config_file", str(p))) for p in (path, plain))
     fails_or_ignored = environment is None or environment == base
     [key] = DYNAMO[entry]
     refused = [p for p in errors(check_config(path)) if p.key == f"dynamo_config.{key}"]

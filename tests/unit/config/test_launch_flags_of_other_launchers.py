@@ -9,8 +9,8 @@ import argparse
 
 import pytest
 from accelerate.commands import launch as accelerate_launch
-from accelerate.utils.launch import prepare_multi_gpu_env
 from conftest import REPO
+from helpers.accelerate_oracle import ranks_environment
 
 from fsdp_recipes.config.launcher import OTHER_LAUNCHERS, OWN_SETTING, check, from_launch_args
 from fsdp_recipes.config.problems import errors
@@ -45,15 +45,6 @@ OTHERS = {
 }
 
 
-def ranks_environment(flags: tuple[str, ...]) -> dict | None:
-    """What accelerate gives the ranks of this FSDP launch; None where accelerate refuses the command line."""
-    try:
-        args, _, _ = accelerate_launch._validate_launch_command(PARSER.parse_args([*CONFIG, *flags, "train_fsdp.py"]))
-        return prepare_multi_gpu_env(args)
-    except (SystemExit, ValueError, TypeError, RuntimeError):
-        return None
-
-
 def unread_errors(flags: tuple[str, ...]) -> list:
     settings = from_launch_args([*CONFIG, *flags, "train_fsdp.py"], REPO)
     return [p for p in errors(check(settings, {}, None)) if "accelerate reads it only when it launches" in p.message]
@@ -62,12 +53,12 @@ def unread_errors(flags: tuple[str, ...]) -> list:
 @pytest.mark.parametrize("dest", sorted(FLAGS))
 def test_a_flag_is_refused_as_unread_only_where_accelerate_does_not_read_it(dest):
     flags = FLAGS[dest]
-    environment = ranks_environment(flags)
+    environment = ranks_environment((*CONFIG, *flags))
     if environment is None:
         pytest.skip(f"accelerate refuses {' '.join(flags)} itself")
     refused = unread_errors(flags)
     if refused:
-        base = ranks_environment(())  # here: the environment it copies names the test running
+        base = ranks_environment(CONFIG)  # here: the environment it copies names the test running
         assert environment == base, f"{flags} acts on the launch: {set(environment.items()) ^ set(base.items())}"
     if dest in OTHERS:
         if dest not in PARSER.parse_args([*CONFIG, *flags, "train_fsdp.py"]).nondefault:
