@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from unittest import mock
 
 import pytest
 import yaml
@@ -899,7 +901,8 @@ def test_compilation_on_the_torchrun_route_is_refused_exactly_under_trainingargu
     config.pop("version")
     config.update(TRAINER_VERSIONS[case])
     (path := tmp_path / "fsdp.json").write_text(json.dumps(config))
-    oracle = TrainingArguments(output_dir=str(tmp_path / "oracle"), fsdp=True, fsdp_config=str(path), use_cpu=True)
+    with mock.patch.dict(os.environ):  # TrainingArguments with fsdp sets accelerate's FSDP_* variables: not for later
+        oracle = TrainingArguments(output_dir=str(tmp_path / "oracle"), fsdp=True, fsdp_config=str(path), use_cpu=True)
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's 2 processes (after the oracle: one process, no group)
     argv = [
         "--fsdp",
