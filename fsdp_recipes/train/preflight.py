@@ -76,6 +76,9 @@ def start(plan: Plan):
         training_args = build(TrainingArguments, raw)
     except ValueError as err:  # TrainingArguments.__post_init__ checks
         raise RecipeError(str(err).replace("\n", " ")) from None
+    # Every rank has joined before any acts on what it finds next: a rank that refuses at once and exits would
+    # break a peer still connecting to it (gloo's "Connection closed by peer"), whose line would be gloo's, not ours.
+    _barrier()
     training_args.resume_from_checkpoint = plan.resume
     runs = fsdp1_strategy(training_args)
     if problem := fsdp1_ignored_option(getattr(raw, "fsdp", None), runs) or fsdp1_hybrid_problem(
