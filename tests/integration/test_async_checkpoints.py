@@ -1,7 +1,8 @@
 """Asynchronous checkpoints (fsdp_recipes.train.async_checkpoints), with real multi-process runs: a checkpoint whose
 writing is held back by fault injection until training has gone on two more steps, so that the overlap is certain
 and not a matter of timing; the same run killed while that write is in flight; the flag that turns it off; a rank
-killed before its last file, with save_total_limit 1, leaving the checkpoint before.
+killed before its last file, with save_total_limit 1, leaving the checkpoint before. Each interrupted run has a
+launch of its own; their resumes share one (the ``interrupted`` fixture).
 
 On CPU the shards live in host memory, so by default a save is written from the live tensors and the next optimizer
 step waits for it: a write held until step N + 2 could never finish there. The held-write tests therefore ask for the
@@ -10,6 +11,7 @@ host copy (``--async_checkpoint_staging copy``, what GPU runs use); the in-place
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ import time
 import pytest
 import torch
 from conftest import FAULT_SCRIPT, QUICK, REPO, launch, quick, read_json, shard_files_written
+from helpers.launch_sequence import launch_sequence
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # every test here launches real runs
@@ -24,6 +27,53 @@ pytestmark = pytest.mark.slow  # every test here launches real runs
 ZERO3 = "accelerate_configs/zero3.yaml"
 EVERY_3 = quick(save_steps="3")  # checkpoints 3, 6, 9, 12 of the same 12 steps as the session's reference run
 COPY = ("--async_checkpoint_staging", "copy")  # a host copy: the write can go on while later optimizer steps run
+
+
+def limit_1(background: bool) -> list[str]:
+    flags = [*quick(save_total_limit="1"), "--async_checkpoints", str(background).lower()]
+    return flags if background else [*flags, "--direct_io_checkpoints", "false"]
+
+
+# Interrupted runs, each killed or stopped in a launch of its own: name -> (its flags, its fault injections, whether
+# the launch gets a process group of its own, the flags of its resume, which ends normally).
+INTERRUPTED = {
+    "killed_while_written": ([*EVERY_3, *COPY], {"FSDP_FAULT": "all:killheldsave:6"}, False, EVERY_3),
+    "preempted_while_written": ([*QUICK, *COPY], {"FSDP_FAULT": "all:sigtermheldsave:6"}, True, QUICK),
+    "in_place_slow_write": (EVERY_3, {"FSDP_SLOW_SAVE": "3:4", "FSDP_FAULT": "all:step:5"}, False, EVERY_3),
+    "rng_sync": (limit_1(False), {"FSDP_FAULT": "1:rng:12"}, False, limit_1(False)),
+    "rng_background": (limit_1(True), {"FSDP_FAULT": "1:rng:12"}, False, limit_1(True)),
+}
+
+
+class Interrupted:
+    """One INTERRUPTED run: its output_dir, its launch, that folder as the interruption left it (a copy taken
+    before any resume), and its resume's part of the shared launch (launched when a test first asks for one)."""
+
+    def __init__(self, name, root, killed, resumes):
+        self.out, self.killed, self.as_left = root / name, killed, root / f"{name}-as-left"
+        self._name, self._resumes = name, resumes
+
+    @property
+    def resumed(self):
+        return self._resumes(self._name)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> dict[str, Interrupted]:
+    """Every INTERRUPTED run launched alone, then every resume (its flags, the same output_dir,
+    ``--resume_from_checkpoint true``) in one launch (tests/helpers/launch_sequence.py): a launch per resume
+    would pay torch's start-up each time."""
+    root = tmp_path_factory.mktemp("interrupted")
+    killed, resumes = {}, {}
+    for name, (flags, env, new_session, resume) in INTERRUPTED.items():
+        out = root / name
+        killed[name] = launch(
+            ZERO3, *flags, "--output_dir", str(out), script=FAULT_SCRIPT, env=env, check=False, new_session=new_session
+        )
+        shutil.copytree(out, root / f"{name}-as-left", symlinks=True)
+        resumes[name] = [*resume, "--output_dir", str(out), "--resume_from_checkpoint", "true"]
+    get = launch_sequence(root / "resumes", ZERO3, resumes)
+    return {name: Interrupted(name, root, killed[name], get) for name in INTERRUPTED}
 
 
 def assert_same_model(model_dir, reference_dir) -> None:
@@ -79,81 +129,53 @@ def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
     assert_same_model(out / "model", trained(ZERO3).model_dir)  # saving in the background changes no training step
 
 
-def test_killed_while_a_checkpoint_is_written_resumes_from_the_one_before_to_the_same_bits(trained, tmp_path):
+def test_killed_while_a_checkpoint_is_written_resumes_from_the_one_before_to_the_same_bits(trained, interrupted):
     """checkpoint-6's write is held until step 8, where every rank is killed: it has shards but no trainer_state.json.
     The resume takes checkpoint-3, which was itself written while steps 4 and 5 trained, so an exact end also proves
     that a background save holds the weights of its own step, not the ones training has moved on to."""
-    out = tmp_path / "run"
-    killed = launch(
-        ZERO3,
-        *EVERY_3,
-        *COPY,
-        "--output_dir",
-        str(out),
-        script=FAULT_SCRIPT,
-        env={"FSDP_FAULT": "all:killheldsave:6"},
-        check=False,
-    )
+    run = interrupted["killed_while_written"]
+    out, killed, left = run.out, run.killed, run.as_left
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
     assert "checkpoint-6 still being written at step 8" in killed.stderr
-    assert (out / "checkpoint-6" / "pytorch_model_fsdp_0").is_dir() and not (
-        out / "checkpoint-6" / "trainer_state.json"
+    assert (left / "checkpoint-6" / "pytorch_model_fsdp_0").is_dir() and not (
+        left / "checkpoint-6" / "trainer_state.json"
     ).exists()
-    assert read_json(out / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
+    assert read_json(left / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
 
-    resumed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    resumed = run.resumed
     assert f"resuming from {out / 'checkpoint-3'}" in resumed.stdout
     assert (out / "incomplete-checkpoint-6").is_dir()  # set aside, never deleted
     assert read_json(out / "trainer_state.json")["global_step"] == 12
     assert_same_model(out / "model", trained(ZERO3).model_dir)
 
 
-def test_preempted_while_a_checkpoint_is_written_finishes_it_saves_its_step_and_resumes_exactly(trained, tmp_path):
+def test_preempted_while_a_checkpoint_is_written_finishes_it_saves_its_step_and_resumes_exactly(trained, interrupted):
     """checkpoint-6's write is held until step 8, when SIGTERM reaches the launcher and every rank: the preemption's
     checkpoint-9 waits for it, both end complete, and the resumed run ends on the uninterrupted run's bits."""
     from fsdp_recipes.ckpt.status import checkpoint_status
 
-    out = tmp_path / "run"
-    stopped = launch(
-        ZERO3,
-        *QUICK,
-        *COPY,
-        "--output_dir",
-        str(out),
-        script=FAULT_SCRIPT,
-        env={"FSDP_FAULT": "all:sigtermheldsave:6"},
-        check=False,
-        new_session=True,
-    )
+    run = interrupted["preempted_while_written"]
+    out, stopped, left = run.out, run.killed, run.as_left
     assert "checkpoint-6 still being written at step 8" in stopped.stderr
     assert f"stopped by SIGTERM after step 9: saved {out}/checkpoint-9" in stopped.stdout + stopped.stderr, (
         stopped.stderr[-3000:]
     )
-    assert stopped.returncode != 0 and not (out / "model").exists()
-    assert checkpoint_status(out / "checkpoint-6").resumable and checkpoint_status(out / "checkpoint-9").resumable
-    resumed = launch(ZERO3, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
-    assert f"resuming from {out / 'checkpoint-9'}" in resumed.stdout
+    assert stopped.returncode != 0 and not (left / "model").exists()
+    assert checkpoint_status(left / "checkpoint-6").resumable and checkpoint_status(left / "checkpoint-9").resumable
+    assert f"resuming from {out / 'checkpoint-9'}" in run.resumed.stdout
     assert_same_model(out / "model", trained(ZERO3).model_dir)
 
 
 def test_in_place_a_slow_write_holds_the_next_optimizer_step_so_the_checkpoint_is_its_steps_and_resumes_exactly(
-    trained, tmp_path
+    trained, interrupted
 ):
     """The default on CPU: no host copy, the live shards written while the next step's forward and backward run. The
     write of checkpoint-3 is slowed by 4 s (fault injection, before any byte is read), far longer than the tiny model's
     steps: step 4's optimizer step must wait for it, else it would change the weights and Adam's state being written
     and training would run on. Every rank is then killed at step 5 and the resume from checkpoint-3 must end on the
     uninterrupted run's bits: a checkpoint holding anything but step 3's state would not."""
-    out = tmp_path / "run"
-    killed = launch(
-        ZERO3,
-        *EVERY_3,
-        "--output_dir",
-        str(out),
-        script=FAULT_SCRIPT,
-        env={"FSDP_SLOW_SAVE": "3:4", "FSDP_FAULT": "all:step:5"},
-        check=False,
-    )
+    run = interrupted["in_place_slow_write"]
+    out, killed = run.out, run.killed
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
     assert "straight from this rank's weight and optimizer shards, which live in host memory" in killed.stdout
     done = re.search(
@@ -167,9 +189,8 @@ def test_in_place_a_slow_write_holds_the_next_optimizer_step_so_the_checkpoint_i
     assert seconds >= 4 and reached == 4 and waited >= 2, done[
         0
     ]  # step 4's optimizer step held until the write was done
-    assert read_json(out / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
-    resumed = launch(ZERO3, *EVERY_3, "--output_dir", str(out), "--resume_from_checkpoint", "true")
-    assert f"resuming from {out / 'checkpoint-3'}" in resumed.stdout
+    assert read_json(run.as_left / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
+    assert f"resuming from {out / 'checkpoint-3'}" in run.resumed.stdout
     writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
     assert writes["staging"] == "auto" and writes["in_place_saves"] == writes["saves"] == 3, (
         writes
@@ -246,31 +267,25 @@ def test_the_trainers_end_of_training_cleanup_waits_for_the_save_in_flight_and_d
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
-def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained, tmp_path, background):
+def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained, interrupted, background):
     """With save_total_limit 1 the Trainer deletes the older checkpoint as soon as rank 0 has written
     trainer_state.json, while other ranks may still be writing their files: a rank killed there left no complete
     checkpoint at all. FSDPTrainer deletes only after every rank is done, so the resume starts from checkpoint-6.
     A background save (the default) goes further: trainer_state.json itself waits for every rank's files.
     The sync runs also take --direct_io_checkpoints false (DCP writes the shard files itself, through the page cache;
     the other resume tests read checkpoints written direct, the default) and say that each save is waited for."""
-    config = "accelerate_configs/zero3.yaml"
-    out = tmp_path / "run"
-    limit_1 = [*quick(save_total_limit="1"), "--async_checkpoints", str(background).lower()]
-    if not background:
-        limit_1 += ["--direct_io_checkpoints", "false"]
-    killed = launch(
-        config, *limit_1, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "1:rng:12"}, check=False
-    )
+    run = interrupted["rng_background" if background else "rng_sync"]
+    out, killed, left = run.out, run.killed, run.as_left
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
-    assert (out / "checkpoint-12" / "trainer_state.json").is_file() is not background
-    assert not (out / "checkpoint-12" / "rng_state_1.pth").exists()
-    assert (out / "checkpoint-6" / "trainer_state.json").is_file()
-    resumed = launch(config, *limit_1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert (left / "checkpoint-12" / "trainer_state.json").is_file() is not background
+    assert not (left / "checkpoint-12" / "rng_state_1.pth").exists()
+    assert (left / "checkpoint-6" / "trainer_state.json").is_file()
+    resumed = run.resumed
     assert "skipping checkpoint-12" in resumed.stderr and f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12"]  # the limit still holds
     final, reference = (
         load_file(out / "model" / "model.safetensors"),
-        load_file(trained(config).model_dir / "model.safetensors"),
+        load_file(trained(ZERO3).model_dir / "model.safetensors"),
     )
     assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
     if not background:
