@@ -11,6 +11,7 @@ or a launch that did not exit 0, fails the test that asks for it, with that run'
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,3 +68,32 @@ def launch_sequence(
         return SequencedRun(stdout, stderr, launched["stdout"] + launched["stderr"])
 
     return get
+
+
+class Interrupted:
+    """A run left interrupted by a launch of its own (or by files put in place), resumed in a launch shared with
+    others (``resumed_together``): its output_dir, the interrupted launch (None without one), that folder as it was
+    before any resume (a copy), and the resume."""
+
+    def __init__(self, out: Path, killed, resumes: Callable[[str], SequencedRun]):
+        self.out, self.killed, self.as_left = out, killed, out.with_name(f"{out.name}-as-left")
+        self._resumes = resumes
+
+    def resume(self) -> SequencedRun:
+        """The resume's part of the shared launch, which the first test to ask for a resume starts."""
+        return self._resumes(self.out.name)
+
+
+def resumed_together(root: Path, config: str, cases: dict[str, tuple[Callable, list[str]]]) -> dict[str, Interrupted]:
+    """``cases``: name -> (interrupt, resume's arguments). ``interrupt(out)`` leaves output_dir ``root/name`` as a
+    resume finds it and returns the launch it interrupted, if any; the folder is then copied. Every resume (its
+    arguments and ``--output_dir root/name``) trains in one launch of ``config``: a launch per resume would pay
+    torch's start-up each time."""
+    killed, resumes = {}, {}
+    for name, (interrupt, resume) in cases.items():
+        out = root / name
+        killed[name] = interrupt(out)
+        shutil.copytree(out, root / f"{name}-as-left", symlinks=True)
+        resumes[name] = [*resume, "--output_dir", str(out)]
+    get = launch_sequence(root / "resumes", config, resumes)
+    return {name: Interrupted(root / name, killed[name], get) for name in cases}

@@ -11,7 +11,6 @@ host copy (``--async_checkpoint_staging copy``, what GPU runs use); the in-place
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import time
 import pytest
 import torch
 from conftest import FAULT_SCRIPT, QUICK, REPO, launch, quick, read_json, shard_files_written
-from helpers.launch_sequence import launch_sequence
+from helpers.launch_sequence import resumed_together
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # every test here launches real runs
@@ -45,35 +44,23 @@ INTERRUPTED = {
 }
 
 
-class Interrupted:
-    """One INTERRUPTED run: its output_dir, its launch, that folder as the interruption left it (a copy taken
-    before any resume), and its resume's part of the shared launch (launched when a test first asks for one)."""
+def interrupt(flags, env, new_session):
+    def launched(out):
+        return launch(
+            ZERO3, *flags, "--output_dir", str(out), script=FAULT_SCRIPT, env=env, check=False, new_session=new_session
+        )
 
-    def __init__(self, name, root, killed, resumes):
-        self.out, self.killed, self.as_left = root / name, killed, root / f"{name}-as-left"
-        self._name, self._resumes = name, resumes
-
-    @property
-    def resumed(self):
-        return self._resumes(self._name)
+    return launched
 
 
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory) -> dict[str, Interrupted]:
-    """Every INTERRUPTED run launched alone, then every resume (its flags, the same output_dir,
-    ``--resume_from_checkpoint true``) in one launch (tests/helpers/launch_sequence.py): a launch per resume
-    would pay torch's start-up each time."""
-    root = tmp_path_factory.mktemp("interrupted")
-    killed, resumes = {}, {}
-    for name, (flags, env, new_session, resume) in INTERRUPTED.items():
-        out = root / name
-        killed[name] = launch(
-            ZERO3, *flags, "--output_dir", str(out), script=FAULT_SCRIPT, env=env, check=False, new_session=new_session
-        )
-        shutil.copytree(out, root / f"{name}-as-left", symlinks=True)
-        resumes[name] = [*resume, "--output_dir", str(out), "--resume_from_checkpoint", "true"]
-    get = launch_sequence(root / "resumes", ZERO3, resumes)
-    return {name: Interrupted(name, root, killed[name], get) for name in INTERRUPTED}
+def interrupted(tmp_path_factory):
+    """Every INTERRUPTED run launched alone; their resumes (``--resume_from_checkpoint true``) in one launch."""
+    cases = {
+        name: (interrupt(flags, env, new_session), [*resume, "--resume_from_checkpoint", "true"])
+        for name, (flags, env, new_session, resume) in INTERRUPTED.items()
+    }
+    return resumed_together(tmp_path_factory.mktemp("interrupted"), ZERO3, cases)
 
 
 def assert_same_model(model_dir, reference_dir) -> None:
@@ -142,7 +129,7 @@ def test_killed_while_a_checkpoint_is_written_resumes_from_the_one_before_to_the
     ).exists()
     assert read_json(left / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
 
-    resumed = run.resumed
+    resumed = run.resume()
     assert f"resuming from {out / 'checkpoint-3'}" in resumed.stdout
     assert (out / "incomplete-checkpoint-6").is_dir()  # set aside, never deleted
     assert read_json(out / "trainer_state.json")["global_step"] == 12
@@ -162,7 +149,7 @@ def test_preempted_while_a_checkpoint_is_written_finishes_it_saves_its_step_and_
     )
     assert stopped.returncode != 0 and not (left / "model").exists()
     assert checkpoint_status(left / "checkpoint-6").resumable and checkpoint_status(left / "checkpoint-9").resumable
-    assert f"resuming from {out / 'checkpoint-9'}" in run.resumed.stdout
+    assert f"resuming from {out / 'checkpoint-9'}" in run.resume().stdout
     assert_same_model(out / "model", trained(ZERO3).model_dir)
 
 
@@ -190,7 +177,7 @@ def test_in_place_a_slow_write_holds_the_next_optimizer_step_so_the_checkpoint_i
         0
     ]  # step 4's optimizer step held until the write was done
     assert read_json(run.as_left / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
-    assert f"resuming from {out / 'checkpoint-3'}" in run.resumed.stdout
+    assert f"resuming from {out / 'checkpoint-3'}" in run.resume().stdout
     writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
     assert writes["staging"] == "auto" and writes["in_place_saves"] == writes["saves"] == 3, (
         writes
@@ -280,7 +267,7 @@ def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained,
     assert (left / "checkpoint-12" / "trainer_state.json").is_file() is not background
     assert not (left / "checkpoint-12" / "rng_state_1.pth").exists()
     assert (left / "checkpoint-6" / "trainer_state.json").is_file()
-    resumed = run.resumed
+    resumed = run.resume()
     assert "skipping checkpoint-12" in resumed.stderr and f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12"]  # the limit still holds
     final, reference = (

@@ -1,5 +1,6 @@
 """Fault injection with real multi-process runs: SIGKILL mid-run and mid-save, resume on another process count,
-bad input that must stop every rank before anything is set up."""
+bad input that must stop every rank before anything is set up. The resumes that end normally on zero3.yaml share
+one launch (the ``resumed`` fixture)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from conftest import (
     quick,
     read_json,
 )
+from helpers.launch_sequence import resumed_together
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -41,6 +43,67 @@ def load_dcp(folder) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(folder, f"{tmp}/state.pt")
         return torch.load(f"{tmp}/state.pt", weights_only=False)
+
+
+ZERO3 = "accelerate_configs/zero3.yaml"
+EPOCHS = (
+    *quick(max_steps="-1"),
+    "--num_train_epochs",
+    "1",
+    "--save_strategy",
+    "epoch",
+    "--max_train_samples",
+    "600",
+)  # 16 steps
+
+
+def remove_descriptions_and_leave_staging(out) -> None:
+    """checkpoint-12 without its config.json and tokenizer (a rank 0 killed right after trainer_state.json, before
+    description files came first), and the staging folders of the killed export, as the export makes them."""
+    from fsdp_recipes.removal import make_folder
+
+    for f in (out / "checkpoint-12").iterdir():
+        if f.name.startswith(("config", "generation_config", "tokenizer", "chat_template", "model_description")):
+            f.unlink()
+    for leftover in (".final-sharded", ".export-tmp"):  # marked, then written into
+        make_folder(out / leftover, "export staging")
+        (out / leftover / "pytorch_model_fsdp_0").mkdir()
+        (out / leftover / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"partial")
+
+
+def killed_at_the_final_model(flags, then=None):
+    def interrupt(out):
+        killed = launch(
+            ZERO3, *flags, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False
+        )
+        if then is not None:
+            then(out)
+        return killed
+
+    return interrupt
+
+
+def copy_of_the_sessions_run(trained):
+    def interrupt(out):  # no launch: run_args.json comes along, so the run is ours
+        shutil.copytree(trained(ZERO3).output_dir, out, ignore=shutil.ignore_patterns("model"))
+
+    return interrupt
+
+
+@pytest.fixture(scope="module")
+def resumed(trained, tmp_path_factory):
+    """The resumes on zero3.yaml that end normally, in one launch; each interruption in a launch of its own."""
+    root = tmp_path_factory.mktemp("resumed")
+    resume = ["--resume_from_checkpoint", "true"]
+    cases = {
+        "final": (killed_at_the_final_model(QUICK, remove_descriptions_and_leave_staging), [*QUICK, *resume]),
+        "epoch": (killed_at_the_final_model(EPOCHS), [*EPOCHS, *resume]),
+        "branch": (
+            copy_of_the_sessions_run(trained),
+            [*QUICK, "--resume_from_checkpoint", str(root / "branch" / "checkpoint-6")],
+        ),
+    }
+    return resumed_together(root, ZERO3, cases)
 
 
 @pytest.mark.parametrize("config, fault", KILLS, ids=[f"{c.split('/', 1)[1]}-{f}" for c, f in KILLS])
@@ -217,65 +280,41 @@ def test_what_to_run_after_a_stop_is_what_works_in_the_folder_left(trained, tmp_
     assert (out / "model").is_dir() and checkpoint_status(out / "checkpoint-12").resumable, proc.stderr[-2000:]
 
 
-def test_killed_while_writing_the_final_model_resumes_without_training(trained, tmp_path):
+def test_killed_while_writing_the_final_model_resumes_without_training(trained, resumed):
     """After the last checkpoint nothing is left to train: the Trainer would still run one more step (it checks
     max_steps only after a step), so the resume writes the final folder from the checkpoint instead. It does so
     even when (a) the checkpoint lacks its config.json and tokenizer (a rank 0 killed right after
     trainer_state.json, before description files came first): the run's own config is used; and (e) the staging
-    folders of the killed export are removed."""
-    config = "accelerate_configs/zero3.yaml"
-    out = tmp_path / "run"
-    killed = launch(
-        config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False
-    )
+    folders of the killed export are removed (remove_descriptions_and_leave_staging)."""
+    case = resumed["final"]
+    out, killed, left = case.out, case.killed, case.as_left
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr
-    assert not (out / "model").exists() and (out / "checkpoint-12").is_dir()
-    for f in (out / "checkpoint-12").iterdir():
-        if f.name.startswith(("config", "generation_config", "tokenizer", "chat_template", "model_description")):
-            f.unlink()
-    from fsdp_recipes.removal import make_folder
-
-    for leftover in (".final-sharded", ".export-tmp"):  # as the export makes them: marked, then written into
-        make_folder(out / leftover, "export staging")
-        (out / leftover / "pytorch_model_fsdp_0").mkdir()
-        (out / leftover / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"partial")
-    resumed = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
-    assert "is at step 12, max_steps is 12: nothing left to train" in resumed.stdout
-    assert f"removed {out / '.final-sharded'}, left by an export that did not finish" in resumed.stdout
+    assert not (left / "model").exists() and (left / "checkpoint-12").is_dir()
+    said = case.resume().stdout
+    assert "is at step 12, max_steps is 12: nothing left to train" in said
+    assert f"removed {out / '.final-sharded'}, left by an export that did not finish" in said
     assert not (out / ".final-sharded").exists() and not (out / ".export-tmp").exists()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]
     assert read_json(out / "trainer_state.json")["global_step"] == 12
     final = load_file(out / "model" / "model.safetensors")
-    reference = load_file(trained(config).model_dir / "model.safetensors")
+    reference = load_file(trained(ZERO3).model_dir / "model.safetensors")
     assert set(final) == set(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
     assert read_json(out / "model" / "config.json")["architectures"] == ["LlamaForCausalLM"]
 
 
-def test_epoch_based_run_killed_while_writing_the_final_model(tmp_path):
+def test_epoch_based_run_killed_while_writing_the_final_model(resumed, tmp_path):
     """Without max_steps the Trainer resumed at the end of its last epoch trains nothing (no extra step to guard
     against, unlike above): the final folder holds the last checkpoint's weights."""
-    config = "accelerate_configs/zero3.yaml"
-    epochs = (
-        *quick(max_steps="-1"),
-        "--num_train_epochs",
-        "1",
-        "--save_strategy",
-        "epoch",
-        "--max_train_samples",
-        "600",
-    )  # 16 steps
-    out = tmp_path / "run"
-    killed = launch(
-        config, *epochs, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False
-    )
+    case = resumed["epoch"]
+    out, killed = case.out, case.killed
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr
-    [ckpt] = out.glob("checkpoint-*")
+    [ckpt] = case.as_left.glob("checkpoint-*")
     step = read_json(ckpt / "trainer_state.json")["global_step"]
-    assert step > 12 and not (out / "model").exists()
-    launch(config, *epochs, "--output_dir", str(out), "--resume_from_checkpoint", "true")
+    assert step > 12 and not (case.as_left / "model").exists()
+    case.resume()
     assert [p.name for p in out.glob("checkpoint-*")] == [ckpt.name]
     assert read_json(out / "trainer_state.json")["global_step"] == step
-    merge_checkpoint(ckpt, tmp_path / "merged", log=lambda *_: None)
+    merge_checkpoint(out / ckpt.name, tmp_path / "merged", log=lambda *_: None)
     final, reference = (
         load_file(out / "model" / "model.safetensors"),
         load_file(tmp_path / "merged" / "model.safetensors"),
@@ -388,18 +427,16 @@ def test_bad_input_stops_every_rank_before_anything_is_set_up(tmp_path, monkeypa
         assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before, case
 
 
-def test_an_earlier_checkpoint_starts_a_branch_and_later_ones_are_never_rewritten(trained, tmp_path):
+def test_an_earlier_checkpoint_starts_a_branch_and_later_ones_are_never_rewritten(trained, resumed):
     """(b) resuming checkpoint-6 of a run that reached checkpoint-12: checkpoint-12 is moved aside before the
     resumed run writes its own step 12 (the Trainer would write into the old folder, mixing two runs' files)."""
-    config = "accelerate_configs/zero3.yaml"
-    uninterrupted = trained(config).output_dir
-    out = tmp_path / "run"
-    shutil.copytree(uninterrupted, out, ignore=shutil.ignore_patterns("model"))  # run_args.json: the run is ours
-    old = (out / "checkpoint-12" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes()
-    proc = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-6"))
+    case = resumed["branch"]
+    out, uninterrupted = case.out, trained(ZERO3).output_dir
+    old = (case.as_left / "checkpoint-12" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes()
+    said = case.resume()
     assert (
         "resuming checkpoint-6 starts a new branch of the run: moved checkpoint-12 to replaced-checkpoint-12"
-        in proc.stdout + proc.stderr
+        in said.stdout + said.stderr
     )
     assert (out / "replaced-checkpoint-12" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes() == old
     final, reference = (
