@@ -4,6 +4,7 @@ fsdp_config is checked against the keys TrainingArguments reads, which it otherw
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 from fsdp_recipes.bounded import YAML_LIMIT, load_json
@@ -93,13 +94,24 @@ def check_trainer_fsdp(raw) -> bool:
     """Normalise TrainingArguments' --fsdp (the torchrun route) and check its fsdp_config; True if FSDP is asked for.
 
     ``--fsdp true`` arrives as the string "true", which TrainingArguments rejects ("Unknown fsdp option"): it
-    becomes True, the non-deprecated form. A fsdp_config key TrainingArguments does not read is an error."""
+    becomes True, the non-deprecated form. fsdp_config is a JSON file or JSON text (a recipe's mapping arrives as
+    that text), as TrainingArguments reads it; a key it does not read, or fsdp_config without fsdp, is an error."""
     if isinstance(raw.fsdp, str) and raw.fsdp.lower() in ("true", "false", ""):
         raw.fsdp = raw.fsdp.lower() == "true" or None
     if not raw.fsdp:
+        if raw.fsdp_config:  # TrainingArguments reads it only with fsdp: the run would train without it, silently
+            raise RecipeError(
+                "fsdp_config is read only with --fsdp (TrainingArguments' FSDP, for torchrun without accelerate): "
+                "give --fsdp true, or drop fsdp_config (under accelerate launch the accelerate config's is in force)"
+            )
         return False
     config = raw.fsdp_config
-    if isinstance(config, str):
+    if isinstance(config, str) and config.lstrip().startswith("{"):  # JSON text, as TrainingArguments reads it
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as err:
+            raise RecipeError(f"--fsdp_config is not valid JSON ({err}): give a JSON object or a file") from None
+    elif isinstance(config, str):
         if not Path(config).is_file():
             raise RecipeError(
                 f"--fsdp_config {config!r} does not exist: give a JSON file such as "

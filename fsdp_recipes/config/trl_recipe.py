@@ -33,8 +33,16 @@ RENAMED = {
 HANDBOOK_ALIASES = {"tokenizer_name_or_path": "tokenizer_name"}
 # TRL's older names of its packing strategies (TRL renamed them): taken, said
 PACKING_STRATEGIES = {"ffd": "bfd", "bfd-requeue": "bfd_split"}
-# TrainingArguments' dict-valued fields, which it also takes as a JSON string (the form a flag and our parser carry)
-DICT_VALUED = ("gradient_checkpointing_kwargs", "lr_scheduler_kwargs")
+# TrainingArguments' fields declared dict | str (but deepspeed, refused), which it also takes as JSON text (the form a
+# flag and our parser carry): a recipe's mapping becomes that text, its keys checked where nothing later would
+DICT_VALUED = (
+    "accelerator_config",
+    "activation_checkpointing_kwargs",
+    "fsdp_config",
+    "gradient_checkpointing_kwargs",
+    "lr_scheduler_kwargs",
+)
+CHECKPOINT_KWARGS = ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
 # model_init_kwargs (TRL: from_pretrained's keyword arguments) that are settings here
 INIT_KWARGS = {
     "torch_dtype": "dtype",
@@ -63,7 +71,8 @@ TRL_NAMES = {
     "warmup_ratio": "warmup_steps below 1 (transformers 5 reads it as a share of the run; said)",
     "evaluation_strategy, per_gpu_*, push_to_hub_model_id/token": "transformers 5's names (said)",
     "use_flash_attention_2": "attn_implementation: flash_attention_2 (said)",
-    "gradient_checkpointing_kwargs, lr_scheduler_kwargs": "taken as mappings (as JSON on the command line)",
+    "accelerator_config, activation_checkpointing_kwargs, fsdp_config, gradient_checkpointing_kwargs, "
+    "lr_scheduler_kwargs": "taken as mappings (as JSON on the command line); fsdp_config only with --fsdp",
     "bf16": "bf16 mixed precision, decided on a CPU as the configs' bf16 is (fp32 without native bf16)",
     "use_liger_kernel": "passed on with a CUDA GPU and liger-kernel; refused in one line without either",
     "dataset_mixture": "the handbook's mixture: id, config, split, columns, weight; seed, test_split_size",
@@ -202,29 +211,39 @@ def _taken(name: str, given: str) -> bool:
 
 
 def _check_kwargs(key: str, kwargs: dict, scheduler) -> None:
-    """gradient_checkpointing_kwargs (torch.utils.checkpoint's) and lr_scheduler_kwargs (the schedule's) name only
-    what their function takes: another key would be a TypeError on every rank once training starts."""
+    """A mapping names only what it is given to: torch.utils.checkpoint's arguments (activation_ and
+    gradient_checkpointing_kwargs), the schedule's (lr_scheduler_kwargs), AcceleratorConfig's fields
+    (accelerator_config); another key would be a TypeError on every rank. fsdp_config's keys are checked with --fsdp
+    (fsdp_recipes.config.trainer_fsdp)."""
+    import dataclasses
     import inspect
 
-    if key == "gradient_checkpointing_kwargs":
-        from torch.utils.checkpoint import checkpoint
+    if key == "fsdp_config":
+        return
+    if key == "accelerator_config":
+        from transformers.trainer_pt_utils import AcceleratorConfig
 
-        what, function = "torch.utils.checkpoint.checkpoint", checkpoint
+        what, taken = "transformers' AcceleratorConfig", {f.name for f in dataclasses.fields(AcceleratorConfig)}
     else:
-        from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
-        from transformers.trainer_utils import SchedulerType
+        if key in CHECKPOINT_KWARGS:
+            from torch.utils.checkpoint import checkpoint
 
-        try:
-            function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(scheduler or "linear")]
-        except ValueError:
-            return  # an unknown lr_scheduler_type: its own check names it
-        what = f"the {scheduler or 'linear'} schedule"
-    parameters = inspect.signature(function).parameters
-    if key != "gradient_checkpointing_kwargs" and "kwargs" in parameters:
-        return  # the schedule passes any keyword on
-    taken = set(parameters) - {"function", "args", "kwargs", "optimizer", "num_warmup_steps", "num_training_steps"}
-    if key == "gradient_checkpointing_kwargs":
-        taken.add("preserve_rng_state")  # taken from its **kwargs
+            what, function = "torch.utils.checkpoint.checkpoint", checkpoint
+        else:
+            from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+            from transformers.trainer_utils import SchedulerType
+
+            try:
+                function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(scheduler or "linear")]
+            except ValueError:
+                return  # an unknown lr_scheduler_type: its own check names it
+            what = f"the {scheduler or 'linear'} schedule"
+        parameters = inspect.signature(function).parameters
+        if key not in CHECKPOINT_KWARGS and "kwargs" in parameters:
+            return  # the schedule passes any keyword on
+        taken = set(parameters) - {"function", "args", "kwargs", "optimizer", "num_warmup_steps", "num_training_steps"}
+        if key in CHECKPOINT_KWARGS:
+            taken.add("preserve_rng_state")  # taken from its **kwargs
     if other := sorted(set(kwargs) - taken):
         raise RecipeError(
             f"recipe key {key}: {', '.join(other)} is not an argument of {what} (it takes {', '.join(sorted(taken))})"

@@ -220,6 +220,93 @@ def test_torchrun_route_fsdp_flags(tmp_path):
     assert check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(version1), optim="adafactor")) is True
 
 
+def mapping_declared_fields() -> set[str]:
+    """TrainingArguments' fields whose declaration takes a dict (``dict | str``), read from its type hints."""
+    import types
+    import typing
+
+    from transformers import TrainingArguments
+
+    found = set()
+    for name, hint in typing.get_type_hints(TrainingArguments).items():
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        if any(m is dict or typing.get_origin(m) is dict for m in (typing.get_args(hint) if union else (hint,))):
+            found.add(name)
+    return found
+
+
+def test_every_dict_valued_field_takes_a_recipe_mapping():
+    """Each field TrainingArguments declares dict | str is taken from a recipe's mapping as the JSON text it reads;
+    deepspeed is refused (FSDP here) and liger_kernel_config, declared dict alone, is read as a mapping."""
+    assert set(trl_recipe.DICT_VALUED) == mapping_declared_fields() - {"deepspeed", "liger_kernel_config"}
+
+
+TORCHRUN_ZERO3 = REPO / "accelerate_configs" / "torchrun" / "zero3.json"
+
+
+def test_fsdp_config_is_a_file_json_text_or_a_recipe_mapping_as_trainingarguments_reads_it(tmp_path, monkeypatch):
+    """The torchrun route's fsdp_config in each form TrainingArguments takes (a file, JSON text as a flag, a
+    mapping in a recipe) is checked alike and gives TrainingArguments the same FSDP plugin as the file."""
+    from unittest import mock
+
+    from transformers import TrainingArguments
+
+    mapping = json.loads(TORCHRUN_ZERO3.read_text())
+    recipe = tmp_path / "recipe.yaml"
+    tiny = {"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt"}
+    recipe.write_text(yaml.safe_dump({**tiny, "fsdp": "true", "fsdp_config": mapping}))
+    forms = {
+        "file": ["--fsdp", "true", "--fsdp_config", str(TORCHRUN_ZERO3), "--train_file", tiny["train_file"]],
+        "JSON text": ["--fsdp", "true", "--fsdp_config", json.dumps(mapping), "--train_file", tiny["train_file"]],
+        "recipe mapping": [str(recipe)],
+    }
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's 2 processes: FSDP over gloo needs them
+    plugins = {}
+    for form, argv in forms.items():
+        _, _, plan = parse_args([*argv, "--output_dir", str(tmp_path / "out")])
+        assert plan.trainer_fsdp, form
+        with mock.patch.dict(os.environ):  # TrainingArguments with fsdp sets accelerate's FSDP_* variables
+            del os.environ["WORLD_SIZE"]  # the oracle is one process, no group
+            oracle = TrainingArguments(
+                output_dir=str(tmp_path / "oracle"), fsdp=True, fsdp_config=plan.raw.fsdp_config, use_cpu=True
+            )
+        plugins[form] = oracle.fsdp_plugin_args
+    assert plugins["file"] and plugins["JSON text"] == plugins["file"] == plugins["recipe mapping"]
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--fsdp", "true", "--fsdp_config", '{"nested": 2}'], "fsdp_config has key(s) TrainingArguments would"),
+        (["--fsdp", "true", "--fsdp_config", '{"version": 2'], "--fsdp_config is not valid JSON (Expecting"),
+        (["--fsdp_config", str(TORCHRUN_ZERO3)], "fsdp_config is read only with --fsdp"),
+        ([{"fsdp_config": {"nested": 1}}], "fsdp_config is read only with --fsdp"),
+        ([{"fsdp": "true", "fsdp_config": {"nested": 1}}], "fsdp_config has key(s) TrainingArguments would"),
+        ([{"accelerator_config": {"nested": 1}}], "accelerator_config: nested is not an argument of transformers'"),
+        ([{"activation_checkpointing_kwargs": {"nested": 1}}], "nested is not an argument of torch.utils.checkpoint"),
+    ],
+    ids=[
+        "text-unknown-key",
+        "text-not-json",
+        "file-without-fsdp",
+        "mapping-without-fsdp",
+        "mapping-unknown-key",
+        "accelerator_config",
+        "activation_checkpointing_kwargs",
+    ],
+)
+def test_a_dict_valued_field_s_bad_mapping_is_one_line(tmp_path, monkeypatch, argv, said):
+    if isinstance(argv[0], dict):  # a recipe
+        (recipe := tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"config_name": "assets/tiny-llama", **argv[0]}))
+        argv = [str(recipe)]
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError) as err:
+        parse_args([*argv, "--output_dir", str(tmp_path / "out"), "--allow_no_fsdp", "true"])
+    assert "\n" not in str(err.value) and said in str(err.value), str(err.value)
+
+
 @pytest.mark.slow
 def test_launches_that_would_train_without_fsdp_stop_first(tmp_path, monkeypatch):
     """No launcher, accelerate without a config, and a config with distributed_type MULTI_CPU beside an fsdp_config:
