@@ -70,7 +70,7 @@ def launch_sequence(
     return get
 
 
-class Interrupted:
+class InterruptedRun:
     """A run left interrupted by a launch of its own (or by files put in place), resumed in a launch shared with
     others (``resumed_together``): its output_dir, the interrupted launch (None without one), that folder as it was
     before any resume (a copy), and the resume."""
@@ -84,16 +84,19 @@ class Interrupted:
         return self._resumes(self.out.name)
 
 
-def resumed_together(root: Path, config: str, cases: dict[str, tuple[Callable, list[str]]]) -> dict[str, Interrupted]:
+def resumed_together(
+    root: Path, config: str, cases: dict[str, tuple[Callable, list[str]]]
+) -> dict[str, InterruptedRun]:
     """``cases``: name -> (interrupt, resume's arguments). ``interrupt(out)`` leaves output_dir ``root/name`` as a
     resume finds it and returns the launch it interrupted, if any; the folder is then copied. Every resume (its
     arguments and ``--output_dir root/name``) trains in one launch of ``config``: a launch per resume would pay
     torch's start-up each time."""
-    killed, resumes = {}, {}
+    runs, resumes = {}, {}
+    get = launch_sequence(root / "resumes", config, resumes)  # reads ``resumes`` when a test first asks
     for name, (interrupt, resume) in cases.items():
         out = root / name
-        killed[name] = interrupt(out)
-        shutil.copytree(out, root / f"{name}-as-left", symlinks=True)
+        run = runs[name] = InterruptedRun(out, interrupt(out), get)
+        assert out.is_dir(), f"{name}: the interruption left no {out}:\n{getattr(run.killed, 'stderr', '')[-3000:]}"
+        shutil.copytree(out, run.as_left, symlinks=True)
         resumes[name] = [*resume, "--output_dir", str(out)]
-    get = launch_sequence(root / "resumes", config, resumes)
-    return {name: Interrupted(root / name, killed[name], get) for name in cases}
+    return runs

@@ -76,7 +76,7 @@ def killed_at_the_final_model(flags, then=None):
         killed = launch(
             ZERO3, *flags, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False
         )
-        if then is not None:
+        if then is not None and out.is_dir():  # no folder: resumed_together says so, with the launch's output
             then(out)
         return killed
 
