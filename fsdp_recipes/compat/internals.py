@@ -31,6 +31,8 @@ PRIVATE: dict[str, tuple[str, str]] = {
     # tests/helpers/trl_recipe_sequence.py: several runs one after another in one launch's processes
     "accelerate.state.AcceleratorState._reset_state": (MODULE, "the recipe sequence: the next run's state afresh"),
     "accelerate.state.GradientState._reset_state": (MODULE, "the recipe sequence: the next run's state afresh"),
+    # tests/helpers/train_with_fault.py: a rank killed while it writes its RNG state
+    "transformers.trainer.Trainer._save_rng_state": (MODULE, "fault injection: the kill before a rank's RNG file"),
     # tests/helpers/accelerate_oracle.py: what accelerate's launcher gives the ranks, the config tests' oracle
     "accelerate.commands.launch._validate_launch_command": (MODULE, "the launcher's oracle: its config file in force"),
     "torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states": (

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from transformers import Trainer
 
+from fsdp_recipes.compat import internals
 from fsdp_recipes.train.trainer import FSDPTrainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,14 +121,13 @@ if os.environ.get("FSDP_FAULT"):
 
         transformers.trainer.save_fsdp_optimizer = save_optimizer_or_die
     elif point == "rng":
-        save_rng_state = Trainer._save_rng_state
 
         def save_rng_state_or_die(self, output_dir):
             if Path(output_dir).name == f"checkpoint-{step}" and _dies(ranks):
                 _die()
             return save_rng_state(self, output_dir)
 
-        Trainer._save_rng_state = save_rng_state_or_die
+        save_rng_state = internals.patch("transformers.trainer.Trainer._save_rng_state", save_rng_state_or_die)
     elif point == "early":
         import fsdp_recipes.train.modeling
 
