@@ -211,43 +211,47 @@ def _taken(name: str, given: str) -> bool:
 
 
 def _check_kwargs(key: str, kwargs: dict, scheduler) -> None:
-    """A mapping names only what it is given to: torch.utils.checkpoint's arguments (activation_ and
-    gradient_checkpointing_kwargs), the schedule's (lr_scheduler_kwargs), AcceleratorConfig's fields
-    (accelerator_config); another key would be a TypeError on every rank. fsdp_config's keys are checked with --fsdp
-    (fsdp_recipes.config.trainer_fsdp)."""
-    import dataclasses
-    import inspect
-
-    if key == "fsdp_config":
+    """A mapping names only what it is given to (``_accepted``): another key would be a TypeError on every rank."""
+    if (accepted := _accepted(key, scheduler)) is None:
         return
-    if key == "accelerator_config":
-        from transformers.trainer_pt_utils import AcceleratorConfig
-
-        what, taken = "transformers' AcceleratorConfig", {f.name for f in dataclasses.fields(AcceleratorConfig)}
-    else:
-        if key in CHECKPOINT_KWARGS:
-            from torch.utils.checkpoint import checkpoint
-
-            what, function = "torch.utils.checkpoint.checkpoint", checkpoint
-        else:
-            from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
-            from transformers.trainer_utils import SchedulerType
-
-            try:
-                function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(scheduler or "linear")]
-            except ValueError:
-                return  # an unknown lr_scheduler_type: its own check names it
-            what = f"the {scheduler or 'linear'} schedule"
-        parameters = inspect.signature(function).parameters
-        if key not in CHECKPOINT_KWARGS and "kwargs" in parameters:
-            return  # the schedule passes any keyword on
-        taken = set(parameters) - {"function", "args", "kwargs", "optimizer", "num_warmup_steps", "num_training_steps"}
-        if key in CHECKPOINT_KWARGS:
-            taken.add("preserve_rng_state")  # taken from its **kwargs
+    what, taken = accepted
     if other := sorted(set(kwargs) - taken):
         raise RecipeError(
             f"recipe key {key}: {', '.join(other)} is not an argument of {what} (it takes {', '.join(sorted(taken))})"
         )
+
+
+def _accepted(key: str, scheduler) -> tuple[str, set[str]] | None:
+    """What a DICT_VALUED mapping is given to and the names it takes: torch.utils.checkpoint's arguments (activation_
+    and gradient_checkpointing_kwargs), the schedule's (lr_scheduler_kwargs), AcceleratorConfig's fields
+    (accelerator_config). None where any name is passed on, or checked elsewhere (fsdp_config's, with --fsdp:
+    fsdp_recipes.config.trainer_fsdp)."""
+    import dataclasses
+    import inspect
+
+    if key == "fsdp_config":
+        return None
+    if key == "accelerator_config":
+        from transformers.trainer_pt_utils import AcceleratorConfig
+
+        return "transformers' AcceleratorConfig", {f.name for f in dataclasses.fields(AcceleratorConfig)}
+    if key in CHECKPOINT_KWARGS:
+        from torch.utils.checkpoint import checkpoint
+
+        named = set(inspect.signature(checkpoint).parameters) - {"function", "args", "kwargs"}
+        return "torch.utils.checkpoint.checkpoint", named | {"preserve_rng_state"}  # the last from its **kwargs
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+    from transformers.trainer_utils import SchedulerType
+
+    try:
+        function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(scheduler or "linear")]
+    except ValueError:
+        return None  # an unknown lr_scheduler_type: its own check names it
+    parameters = inspect.signature(function).parameters
+    if "kwargs" in parameters:
+        return None  # the schedule passes any keyword on
+    named = set(parameters) - {"optimizer", "num_warmup_steps", "num_training_steps"}
+    return f"the {scheduler or 'linear'} schedule", named
 
 
 def _take(out: dict, old: str, new: str, value) -> None:
