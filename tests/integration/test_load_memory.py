@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, launch, rewrite_weights
+from helpers.launch_sequence import launch_sequence
 from safetensors.torch import load_file
-
-from tests.conftest import REPO, launch, rewrite_weights
 
 sys.path.insert(0, str(REPO))
 from bench.load_memory import build_model, measure  # noqa: E402
@@ -73,6 +73,37 @@ def stored_bytes(folder) -> dict[str, int]:
     return {name: t.numel() * t.element_size() for name, t in load_file(folder / "model.safetensors").items()}
 
 
+LR0 = ["--learning_rate", "0", "--max_steps", "2", "--save_steps", "2"]  # the final model: the loaded weights
+TRAINED = ["--dtype", "float32", "--max_steps", "3", "--save_steps", "3"]  # a tied bf16 folder, trained 3 steps
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """``loaded(config, name)`` -> (model folder, output_dir): a float32 untied folder loaded at learning rate 0
+    ("lr0") and a tied bf16 folder trained as float32 ("trained"), both with the config's rank-0-only loading, in
+    one launch per config (tests/helpers/launch_sequence.py)."""
+    root = tmp_path_factory.mktemp("loaded")
+    untied, tied = root / "untied", root / "tied"
+    build_model(untied, None, "float32", tied=False)
+    build_model(tied, None, "bfloat16", tied=True)
+    folders = {"lr0": untied, "trained": tied}
+    sequences = {}
+
+    def get(config: str, name: str):
+        slug = config.replace("/", "-").removesuffix(".yaml")
+        out = root / slug / name
+        if config not in sequences:
+            runs = {
+                each: ["--model_name_or_path", str(folders[each]), *flags, "--output_dir", str(root / slug / each)]
+                for each, flags in (("lr0", LR0), ("trained", TRAINED))
+            }
+            sequences[config] = launch_sequence(root / slug / "launch", f"accelerate_configs/{config}", runs)
+        sequences[config](name)
+        return folders[name], out
+
+    return get
+
+
 @pytest.mark.parametrize(
     "config, tied",
     [
@@ -83,25 +114,17 @@ def stored_bytes(folder) -> dict[str, int]:
     ],
     ids=["fsdp2-untied", "fsdp1-untied", "fsdp1-no_shard", "fsdp1-hybrid"],
 )
-def test_rank0_only_loading_gives_every_rank_the_files_weights(tmp_path, tied, config):
+def test_rank0_only_loading_gives_every_rank_the_files_weights(loaded, tmp_path, tied, config):
     """Learning rate 0 under FSDP2 and FSDP1 configs: the final model, gathered from every rank's shard, equals the
     folder's weights bit for bit. A tied model under zero3.yaml and fsdp1/zero3.yaml is the next test's: trained,
-    it equals the run where every rank loads the folder, its LM head still tied (one tensor saved, embed_tokens)."""
-    folder, out = tmp_path / "model", tmp_path / "out"
-    build_model(folder, None, "float32", tied=tied)
-    launch(
-        f"accelerate_configs/{config}",
-        "--model_name_or_path",
-        str(folder),
-        "--learning_rate",
-        "0",
-        "--max_steps",
-        "2",
-        "--save_steps",
-        "2",
-        "--output_dir",
-        str(out),
-    )
+    it equals the run where every rank loads the folder, its LM head still tied (one tensor saved, embed_tokens).
+    zero3.yaml's and fsdp1/zero3.yaml's runs share a launch with the next test's (``loaded``)."""
+    if config in ("zero3.yaml", "fsdp1/zero3.yaml"):
+        folder, out = loaded(config, "lr0")
+    else:
+        folder, out = tmp_path / "model", tmp_path / "out"
+        build_model(folder, None, "float32", tied=tied)
+        launch(f"accelerate_configs/{config}", "--model_name_or_path", str(folder), *LR0, "--output_dir", str(out))
     before, after = load_file(folder / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert set(before) == set(after)
     for name in before:
@@ -110,37 +133,20 @@ def test_rank0_only_loading_gives_every_rank_the_files_weights(tmp_path, tied, c
 
 
 @pytest.mark.parametrize("config", ["zero3.yaml", "fsdp1/zero3.yaml"], ids=["fsdp2", "fsdp1"])
-def test_rank0_only_loading_trains_like_every_rank_loading(tmp_path, config):
+def test_rank0_only_loading_trains_like_every_rank_loading(loaded, tmp_path, config):
     """A tied bf16 model folder loaded as float32, trained 3 steps at the recipe's learning rate: with
     fsdp_cpu_ram_efficient_loading (the other ranks build on meta and receive rank 0's buffers, e.g. the rotary
     frequencies) the final weights equal those of the same run with every rank loading the folder, bit for bit.
     A rank with wrong buffers or an untied LM head would compute other gradients."""
-    folder = tmp_path / "model"
-    build_model(folder, None, "bfloat16", tied=True)
-    outs = {}
-    for efficient in (True, False):
-        text = (REPO / "accelerate_configs" / config).read_text()
-        if not efficient:
-            text = text.replace("fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false")
-        copy = tmp_path / f"{efficient}.yaml"
-        copy.write_text(text)
-        outs[efficient] = tmp_path / f"out-{efficient}"
-        launch(
-            str(copy),
-            "--model_name_or_path",
-            str(folder),
-            "--dtype",
-            "float32",
-            "--max_steps",
-            "3",
-            "--save_steps",
-            "3",
-            "--output_dir",
-            str(outs[efficient]),
-        )
+    text = (REPO / "accelerate_configs" / config).read_text()
+    assert "fsdp_cpu_ram_efficient_loading: true" in text  # the shared run (``loaded``) is the efficient one
+    folder, efficient = loaded(config, "trained")
+    copy, every_rank = tmp_path / "every-rank.yaml", tmp_path / "out-every-rank"
+    copy.write_text(text.replace("fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false"))
+    launch(str(copy), "--model_name_or_path", str(folder), *TRAINED, "--output_dir", str(every_rank))
     on, off = (
-        load_file(outs[True] / "model" / "model.safetensors"),
-        load_file(outs[False] / "model" / "model.safetensors"),
+        load_file(efficient / "model" / "model.safetensors"),
+        load_file(every_rank / "model" / "model.safetensors"),
     )
     assert set(on) == set(off) and "lm_head.weight" not in on
     changed = [n for n in on if not torch.equal(on[n], load_file(folder / "model.safetensors")[n].float())]
