@@ -4,9 +4,12 @@ each would pay torch's, transformers' and the process group's start-up every tim
     runs = launch_sequence(folder, config, {"name": [train_fsdp.py's arguments...], ...})
     said = runs("name")  # the first call launches every run, one after another; the others read the result
 
+    refused = runs("bad", refused=True).refusal  # a run expected to stop: the line train_fsdp.py would print
+
 The runs train in the order given, each as its command line trains it (tests/helpers/argv_sequence.py), the first
-as in a launch of its own. pytest-xdist's workers share the launch under a file lock. A run that did not end normally,
-or a launch that did not exit 0, fails the test that asks for it, with that run's output."""
+as in a launch of its own. pytest-xdist's workers share the launch under a file lock. A run that did not end normally
+(or, asked for as refused, one that did), or a launch that did not exit 0, fails the test that asks for it, with that
+run's output."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import launch, read_json
+
+from fsdp_recipes.train.exits import ONE_LINE_ERRORS, PROG
 
 HELPERS = Path(__file__).resolve().parent
 SEQUENCE = HELPERS / "argv_sequence.py"
@@ -29,6 +34,7 @@ class SequencedRun:
     stdout: str  # this run's part of the launch's stdout: after its marker line, before the next one
     stderr: str  # ... and of its stderr (rank 0 prints the markers: another rank's lines may fall in a neighbour's)
     launch_output: str  # the whole launch's stdout and stderr: a line only this run says is said once in all of it
+    refusal: str | None = None  # a refused run's line, as train_fsdp.py prints it ("train_fsdp.py: error: ...")
 
 
 def launch_sequence(
@@ -37,12 +43,15 @@ def launch_sequence(
     runs: dict[str, list[str]],
     script: Path = SEQUENCE,
     env: dict | None = None,
-) -> Callable[[str], SequencedRun]:
-    """``get(name)`` -> the SequencedRun of ``runs[name]``, trained with ``config`` in one launch of ``script`` with
-    the others. Each run's arguments name its own --output_dir; its command file is ``folder/<name>.json``."""
+    launch_args: tuple[str, ...] = (),
+) -> Callable[..., SequencedRun]:
+    """``get(name, refused=False)`` -> the SequencedRun of ``runs[name]``, trained with ``config`` in one launch of
+    ``script`` with the others. Each run's arguments name its own --output_dir; its command file is
+    ``folder/<name>.json``. ``refused``: the run must stop on every rank with the same error, one that
+    train_fsdp.py's exit policy prints as its one line (fsdp_recipes/train/exits.py: ONE_LINE_ERRORS)."""
     from filelock import FileLock
 
-    def get(name: str) -> SequencedRun:
+    def get(name: str, refused: bool = False) -> SequencedRun:
         done = folder / "launch.json"
         with FileLock(f"{folder}.lock"):
             if not done.is_file():
@@ -53,7 +62,7 @@ def launch_sequence(
                     commands.append(str(folder / f"{each}.json"))
                 launched = {"returncode": None, "stdout": "", "stderr": "the launch raised: see the first test's error"}
                 try:  # once, whatever happens: a second launch would find the first one's output folders
-                    proc = launch(config, *commands, script=script, env=env, check=False)
+                    proc = launch(config, *commands, script=script, env=env, launch_args=launch_args, check=False)
                     launched = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
                 finally:
                     done.write_text(json.dumps(launched))
@@ -64,8 +73,14 @@ def launch_sequence(
         )
         assert launched["returncode"] == 0, f"the launch exited {launched['returncode']}:\n{launched['stderr'][-6000:]}"
         result = read_json(folder / f"{name}.json.result.json")
-        assert result["error"] is None, f"{result['error']}\n{stderr[-6000:]}"
-        return SequencedRun(stdout, stderr, launched["stdout"] + launched["stderr"])
+        output = launched["stdout"] + launched["stderr"]
+        if not refused:
+            assert result["error"] is None, f"{result['error']}\n{stderr[-6000:]}"
+            return SequencedRun(stdout, stderr, output)
+        kind, _, message = str(result["error"]).partition(": ")
+        assert kind in {e.__name__ for e in ONE_LINE_ERRORS}, f"{name} was not refused:\n{stderr[-6000:]}"
+        assert len(set(result["errors"])) == 1 and "\n" not in message, result["errors"]  # every rank, one line
+        return SequencedRun(stdout, stderr, output, refusal=f"{PROG}: error: {message}")
 
     return get
 

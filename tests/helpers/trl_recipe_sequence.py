@@ -7,9 +7,9 @@ torch, transformers and the process group every time.
 Between two recipes accelerate's state singletons are reset (the process group stays: the next PartialState finds it
 joined) and the launcher's mixed precision is restored (a run on a CPU changes it). Rank 0 starts each recipe's
 output with a line ``=== RECIPE <path>`` (on stdout and stderr) and writes ``<path>.result.json``: {"seconds",
-"error"}, the first rank's error as ``Type: message`` (None when the run ended normally on every rank); then the
-next recipe runs. Used by tests/integration/test_trl_recipe_runs.py, and through tests/helpers/argv_sequence.py by
-the tests that share a launch among runs."""
+"error", "errors"}, the first rank's error as ``Type: message`` (None when the run ended normally on every rank)
+and every rank's (a list, by rank); then the next recipe runs. Used by tests/integration/test_trl_recipe_runs.py,
+and through tests/helpers/argv_sequence.py by the tests that share a launch among runs."""
 
 from __future__ import annotations
 
@@ -48,12 +48,13 @@ def train_each(recipes: list[str]) -> None:
         except Exception as err:  # noqa: BLE001 (the test names it; the next recipe runs)
             error = f"{type(err).__name__}: {err}"
             print(error, file=sys.stderr, flush=True)
+        errors = [error]
         if dist.is_initialized():  # every rank's error: a run that failed on rank 1 alone failed
             errors = [None] * dist.get_world_size()
             dist.all_gather_object(errors, error)
             error = next((e for e in errors if e is not None), None)
         if rank0:
-            result = {"seconds": round(time.monotonic() - start, 1), "error": error}
+            result = {"seconds": round(time.monotonic() - start, 1), "error": error, "errors": errors}
             Path(f"{recipe}.result.json").write_text(json.dumps(result))
         reset_accelerate()
         if precision is None:

@@ -7,172 +7,146 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import LORA_RECIPE, QUICK, REPO, launch, lora_recipe_copy, quick
+from helpers.launch_sequence import launch_sequence
 from helpers.zero3_runs import zero3_runs as shared_zero3_runs
 
 TINY = REPO / "assets" / "tiny-llama"
 FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
 
 
-def resume_with_config(trained, tmp_path, changes: dict):
-    """A copy of the 4-layer run's checkpoint-6 resumed with the tiny config changed by ``changes``: (run folder,
-    process)."""
-    run, other = tmp_path / "run", tmp_path / "other"
-    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
-    shutil.copy(trained("accelerate_configs/zero3.yaml").output_dir / "run_args.json", run / "run_args.json")
+ZERO3, FSDP1 = "accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"
+# Mixed precision off for every refused resume, as a CPU without native bf16 turns it off itself: with it on, FSDP2
+# keeps fp32 master weights and a --dtype bfloat16 resume of an fp32 run is right to go on
+# (test_a_bf16_models_resume_under_mixed_precision_is_not_refused). The other refusals do not depend on it.
+NO_MIXED = ("--mixed_precision", "no")
+
+
+def checkpoint_6_of(trained, config: str, run: Path) -> Path:
+    """A run folder holding a copy of the config's trained run's checkpoint-6 and its run_args.json."""
+    source = trained(config).output_dir
+    shutil.copytree(source / "checkpoint-6", run / "checkpoint-6")
+    shutil.copy(source / "run_args.json", run / "run_args.json")
+    return run
+
+
+@pytest.fixture(scope="module")
+def refused(trained, lora_recipe_run, tmp_path_factory):
+    """``refused(name)`` -> (run folder, SequencedRun): each resume below refused, the resumes of one config in one
+    launch (tests/helpers/launch_sequence.py), each of its own copy. Each refusal must be the same one-line error on
+    every rank; its folder is read after the launch."""
+    root = tmp_path_factory.mktemp("refused")
+    other = root / "other-heads"  # half the heads of twice the size (every weight shape the same), gelu
+    config = json.loads((TINY / "config.json").read_text())
+    heads = config["num_attention_heads"] // 2
+    changes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, config["num_key_value_heads"] // 2),
+        "head_dim": config["hidden_size"] // heads,
+        "hidden_act": "gelu",
+    }
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({**json.loads((TINY / "config.json").read_text()), **changes}))
-    return run, launch(
-        "accelerate_configs/zero3.yaml",
-        *QUICK,
-        "--output_dir",
-        str(run),
-        "--config_name",
-        str(other),
-        "--tokenizer_name",
-        str(TINY),
-        "--resume_from_checkpoint",
-        "true",
-        check=False,
-    )
+    (other / "config.json").write_text(json.dumps({**config, **changes}))
+    lr = json.loads((trained(FSDP1).output_dir / "run_args.json").read_text())["training"]["learning_rate"]
+    resume = ("--resume_from_checkpoint", "true")
+    cases = {
+        ZERO3: {
+            "heads": (QUICK, "--config_name", str(other), "--tokenizer_name", str(TINY)),
+            "optimizer": (QUICK, "--optim", "sgd"),
+            "bf16": (QUICK, "--dtype", "bfloat16"),
+            "lora-bf16": (LORA_RECIPE, "--save_steps", "2", "--max_steps", "6", "--dtype", "bfloat16"),
+        },
+        FSDP1: {"lr": (QUICK, "--learning_rate", str(lr / 3)), "bf16": (QUICK, "--dtype", "bfloat16")},
+    }
+    folders, sequences = {}, {}
+    for config_name, runs in cases.items():
+        commands = {}
+        for name, (first, *flags) in runs.items():
+            run = root / config_name.split("/")[-2] / name
+            if name == "lora-bf16":
+                lora_recipe_copy(lora_recipe_run, run)
+            else:
+                checkpoint_6_of(trained, config_name, run)
+            folders[config_name, name] = run
+            commands[name] = [
+                *([first] if isinstance(first, str) else first),
+                *flags,
+                "--output_dir",
+                str(run),
+                *resume,
+            ]
+        sequences[config_name] = launch_sequence(run.parent / "launch", config_name, commands, launch_args=NO_MIXED)
+    before = {
+        key: {p.relative_to(run).as_posix(): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        for key, run in folders.items()
+    }
+
+    def get(name: str, config: str = ZERO3):
+        said = sequences[config](name, refused=True)
+        return folders[config, name], said, before[config, name]
+
+    return get
 
 
-def test_resuming_a_model_of_the_same_shapes_but_other_heads_stops_before_loading(trained, tmp_path):
+def files_of(run: Path) -> dict[str, bytes]:
+    return {p.relative_to(run).as_posix(): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def test_resuming_a_model_of_the_same_shapes_but_other_heads_stops_before_loading(refused):
     """Half the heads of twice the size (every weight shape the same) and another activation: the check by config.json,
     the subtler of the two (fewer layers, found by the weights' names, is tests/unit/ckpt/test_model_match.py's); the
     run's record still describes the run that wrote the checkpoint (a refused resume rewrote it before)."""
-    config = json.loads((TINY / "config.json").read_text())
-    run, proc = resume_with_config(
-        trained,
-        tmp_path,
-        {
-            "num_attention_heads": config["num_attention_heads"] // 2,
-            "num_key_value_heads": max(1, config["num_key_value_heads"] // 2),
-            "head_dim": config["hidden_size"] // (config["num_attention_heads"] // 2),
-            "hidden_act": "gelu",
-        },
-    )
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-    assert (
-        proc.returncode != 0
-        and len(lines) == 1
-        and "its config.json differs in" in lines[0]
-        and "hidden_act" in lines[0]
-    ), proc.stderr[-3000:]
+    run, said, before = refused("heads")
+    assert "its config.json differs in" in said.refusal and "hidden_act" in said.refusal, said.refusal
     assert not (run / "checkpoint-12").exists()
-    assert (run / "run_args.json").read_bytes() == (
-        trained("accelerate_configs/zero3.yaml").output_dir / "run_args.json"
-    ).read_bytes()
+    assert (run / "run_args.json").read_bytes() == before["run_args.json"]
 
 
-def test_resuming_with_another_learning_rate_stops_before_the_first_step(trained, tmp_path):
+def test_resuming_with_another_learning_rate_stops_before_the_first_step(refused, trained):
     """The stock Trainer resumes with the checkpoint's learning rate whatever --learning_rate says (its optimizer and
     scheduler state carry it): a changed one is refused in one line, nothing trained or written. FSDP1 here, FSDP2 in
     the optimizer's test below (the same check of the loaded param groups: tests/unit/ckpt/test_model_match.py)."""
-    config = "accelerate_configs/fsdp1/zero3.yaml"
-    run, source = tmp_path / "run", trained(config).output_dir
-    shutil.copytree(source / "checkpoint-6", run / "checkpoint-6")
-    trained_with = json.loads((source / "run_args.json").read_text())["training"]["learning_rate"]
-    proc = launch(
-        config,
-        *QUICK,
-        "--output_dir",
-        str(run),
-        "--learning_rate",
-        str(trained_with / 3),
-        "--resume_from_checkpoint",
-        "true",
-        check=False,
-    )
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    run, said, _ = refused("lr", FSDP1)
+    trained_with = json.loads((trained(FSDP1).output_dir / "run_args.json").read_text())["training"]["learning_rate"]
     assert (
         f"--learning_rate is {trained_with / 3} in this run, but checkpoint-6 was trained with {trained_with}"
-        in lines[0]
-    ), lines[0]
+        in said.refusal
+    ), said.refusal
     assert not (run / "checkpoint-12").exists() and not (run / "model").exists()
 
 
-def test_resuming_with_another_optimizer_is_one_line(trained, tmp_path):
+def test_resuming_with_another_optimizer_is_one_line(refused):
     """--optim sgd on resume of an AdamW checkpoint is one line, not torch's 'Missing key in checkpoint state_dict:
     optimizer.param_groups.0.momentum' on every rank."""
-    run = tmp_path / "run"
-    shutil.copytree(trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-6", run / "checkpoint-6")
-    proc = launch(
-        "accelerate_configs/zero3.yaml",
-        *QUICK,
-        "--output_dir",
-        str(run),
-        "--optim",
-        "sgd",
-        "--resume_from_checkpoint",
-        "true",
-        check=False,
-    )
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
-    assert "checkpoint-6's optimizer state does not fit this run's optimizer (--optim sgd" in lines[0], lines[0]
-    assert (
-        "[rank" not in proc.stderr and not (run / "checkpoint-12").exists()
-    )  # no traceback of a rank (the launcher's report is its own)
+    run, said, _ = refused("optimizer")
+    assert "checkpoint-6's optimizer state does not fit this run's optimizer (--optim sgd" in said.refusal
+    assert not (run / "checkpoint-12").exists()
 
 
-@pytest.mark.parametrize("config", ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"])
-def test_resuming_an_fp32_run_in_bf16_stops_before_the_first_step(trained, tmp_path, config):
+@pytest.mark.parametrize("config", [ZERO3, FSDP1])
+def test_resuming_an_fp32_run_in_bf16_stops_before_the_first_step(refused, config):
     """--dtype bfloat16 on the resume of an fp32 run would round every master weight and Adam state to bf16 without a
-    word (both FSDP versions, mixed precision off: the parameters are bf16): it stops first. Mixed precision is turned
-    off for the launch, as a CPU without native bf16 turns it off itself: with it on, FSDP2 keeps fp32 master weights
-    and the resume is right to go on (test_a_bf16_models_resume_under_mixed_precision_is_not_refused)."""
-    run = tmp_path / "run"
-    shutil.copytree(trained(config).output_dir / "checkpoint-6", run / "checkpoint-6")
-    proc = launch(
-        config,
-        *QUICK,
-        "--output_dir",
-        str(run),
-        "--dtype",
-        "bfloat16",
-        "--resume_from_checkpoint",
-        "true",
-        launch_args=("--mixed_precision", "no"),
-        check=False,
-    )
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
-    assert "checkpoint-6 holds float32 weights and this run's parameters are bfloat16" in lines[0], lines[0]
+    word (both FSDP versions, mixed precision off: the parameters are bf16): it stops first."""
+    run, said, _ = refused("bf16", config)
+    assert "checkpoint-6 holds float32 weights and this run's parameters are bfloat16" in said.refusal
     assert not (run / "checkpoint-12").exists() and not (run / "model").exists()
 
 
-def test_resuming_a_lora_runs_fp32_checkpoint_in_bf16_stops_before_the_first_step(lora_recipe_run, tmp_path):
+def test_resuming_a_lora_runs_fp32_checkpoint_in_bf16_stops_before_the_first_step(refused):
     """A LoRA checkpoint stores the adapter and its Adam state, not the frozen base, which the resume loads at
     --dtype: an fp32 run resumed with --dtype bfloat16 would train its adapter on over a rounded base (exit 0 before).
-    Refused in one line from the checkpoint's recorded dtype, with mixed precision on or off (this launch keeps the
-    config's bf16 where the CPU has it, and drops it where not): the same verdict on every machine."""
-    run = lora_recipe_copy(lora_recipe_run, tmp_path / "run")
-    saved = {p.name: p.read_bytes() for p in (run / "checkpoint-4").rglob("*") if p.is_file()}
-    proc = launch(
-        "accelerate_configs/zero3.yaml",
-        LORA_RECIPE,
-        "--save_steps",
-        "2",
-        "--output_dir",
-        str(run),
-        "--max_steps",
-        "6",
-        "--dtype",
-        "bfloat16",
-        "--resume_from_checkpoint",
-        "true",
-        check=False,
-    )
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
-    assert "checkpoint-4 was trained on its base model's weights in float32" in lines[0], lines[0]
-    assert "loads them in bfloat16" in lines[0] and "resume with --dtype float32" in lines[0], lines[0]
+    Refused in one line from the checkpoint's recorded dtype, mixed precision on or off (the verdict is read from the
+    checkpoint, the same on every machine; this launch has it off)."""
+    run, said, before = refused("lora-bf16")
+    assert "checkpoint-4 was trained on its base model's weights in float32" in said.refusal, said.refusal
+    assert "loads them in bfloat16" in said.refusal and "resume with --dtype float32" in said.refusal
     assert not (run / "checkpoint-6").exists()
-    assert {p.name: p.read_bytes() for p in (run / "checkpoint-4").rglob("*") if p.is_file()} == saved
+    assert {k: v for k, v in files_of(run).items() if k.startswith("checkpoint-4/")} == {
+        k: v for k, v in before.items() if k.startswith("checkpoint-4/")
+    }
 
 
 @pytest.fixture(scope="module")
