@@ -3,9 +3,9 @@ alone (weights and optimizer state, every rank's slice); a run resumed from its 
 bits; the run ends with the merged model (equal to peft's own merge_and_unload of the trained adapter) and the adapter
 folder PeftModel loads; the merge tool makes both from a checkpoint and the base.
 
-The runs that end normally on one accelerate config train one after another in one launch (lora_runs): a launch
-each would pay torch's start-up every time. A resume, a refusal and the runs on launch flags of their own launch
-alone: their subject is a process of their own."""
+The runs that end normally on one accelerate config train one after another in one launch (lora_runs), and so do
+the refused ones (refused): a launch each would pay torch's start-up every time. A resume and the runs on launch
+flags of their own launch alone: their subject is a process of their own."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from conftest import (
     same_tensors,
     shared_temp,
 )
+from helpers.launch_sequence import launch_sequence
 from safetensors.torch import load_file
 
 from fsdp_recipes.ckpt import base_identity
@@ -597,41 +598,46 @@ def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(lora_
     assert all(torch.equal(merged[k], final[k]) for k in final)
 
 
-@pytest.mark.slow
-def test_lora_on_a_tied_head_under_fsdp2_efficient_loading_is_one_line(tmp_path):
+@pytest.fixture(scope="module")
+def refused(lora_recipe_run, tmp_path_factory):
+    """``refused(name)`` -> (run folder, SequencedRun): the LoRA runs below, each refused, in one launch of zero3.yaml
+    (tests/helpers/launch_sequence.py): each must stop with the same one-line error on every rank.
+
+    - "tied": LoRA on the tied LM head of a model built from the tiny config;
+    - "zeroed": a copy of the LoRA recipe's run resumed with one weight of its saved base zeroed since;
+    - "rebuilt": a copy resumed with its base gone, so that a new one is built, from another seed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("lora-refused")
+    base = root / "tied-base"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY, tie_word_embeddings=True)).save_pretrained(base)
+    runs = {
+        "tied": [
+            *quick(max_steps="2"),
+            *LORA,
+            *("--lora_target_modules", "q_proj", "lm_head"),
+            *("--model_name_or_path", str(base), "--tokenizer_name", TINY),
+        ]
+    }
+    for name in ("zeroed", "rebuilt"):
+        lora_recipe_copy(lora_recipe_run, root / name)
+        seed = ["--seed", "7"] if name == "rebuilt" else []
+        runs[name] = [LORA_RECIPE, "--max_steps", "6", "--save_steps", "2", *seed, "--resume_from_checkpoint", "true"]
+    rewrite_weights(root / "zeroed" / "base_model", lambda t: t["model.layers.1.self_attn.o_proj.weight"].zero_())
+    shutil.move(root / "rebuilt" / "base_model", root / "rebuilt-base-moved")
+    get = launch_sequence(
+        root / "launch", CONFIGS[0], {name: [*args, "--output_dir", str(root / name)] for name, args in runs.items()}
+    )
+    return lambda name: (root / name, get(name, refused=True))
+
+
+def test_lora_on_a_tied_head_under_fsdp2_efficient_loading_is_one_line(refused):
     """accelerate 1.15's FSDP2 preparation with fsdp_cpu_ram_efficient_loading (every shipped config) crashes in
     tie_weights when the tied LM head is a LoRA layer: the run stops before preparing, with one line naming the two
     ways out, instead of accelerate's KeyError."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    base = tmp_path / "base"
-    AutoModelForCausalLM.from_config(
-        AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", tie_word_embeddings=True)
-    ).save_pretrained(base)
-    proc = launch(
-        CONFIGS[0],
-        *quick(max_steps="2"),
-        *LORA,
-        "--lora_target_modules",
-        "q_proj",
-        "lm_head",
-        "--model_name_or_path",
-        str(base),
-        "--tokenizer_name",
-        str(REPO / "assets" / "tiny-llama"),
-        "--output_dir",
-        str(tmp_path / "run"),
-        check=False,
-    )
-    assert proc.returncode != 0
-    said = [
-        line
-        for line in (proc.stdout + proc.stderr).splitlines()
-        if line.startswith("train_fsdp.py: error: LoRA on the LM head of a model with tied")
-    ]
-    assert len(said) == 1, proc.stderr[-3000:]  # our line once (the launcher's own summary may quote it again)
-    assert "fsdp_cpu_ram_efficient_loading: false" in " ".join((proc.stdout + proc.stderr).split())
-    assert "KeyError" not in proc.stderr  # not accelerate's traceback
+    out, said = refused("tied")
+    assert said.refusal.startswith("train_fsdp.py: error: LoRA on the LM head of a model with tied"), said.refusal
+    assert "fsdp_cpu_ram_efficient_loading: false" in said.refusal and not (out / "model").exists()
 
 
 @pytest.mark.slow
@@ -656,33 +662,22 @@ def test_a_lora_run_ends_on_its_best_checkpoint(lora_runs, config, tmp_path):
     same_tensors(out / "adapter" / "adapter_model.safetensors", adapter / "adapter_model.safetensors")
 
 
-def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(lora_recipe_run, tmp_path):
+def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(lora_recipe_run, refused):
     """The LoRA recipe (its base built from a config and saved once): every checkpoint and the adapter record the
     base; the base zeroed since, or rebuilt from another seed, stops the resume in one line, before training."""
-    out = lora_recipe_copy(lora_recipe_run, tmp_path / "run")
-    args = [LORA_RECIPE, "--max_steps", "4", "--save_steps", "2", "--output_dir", str(out)]
-    recorded = base_identity.identity(out / "base_model")
+    recorded = base_identity.identity(lora_recipe_run / "runs" / "tiny-llama-lora" / "base_model")
     for folder in ("base_model", "checkpoint-2", "checkpoint-4", "adapter"):
-        assert base_identity.read(out / folder)["tensors"] == recorded["tensors"], folder
+        found = base_identity.read(lora_recipe_run / "runs" / "tiny-llama-lora" / folder)
+        assert found["tensors"] == recorded["tensors"], folder
 
-    shutil.copytree(out / "base_model", tmp_path / "kept")
-    rewrite_weights(out / "base_model", lambda t: t["model.layers.1.self_attn.o_proj.weight"].zero_())
-    resume = [*args[:2], "6", *args[3:], "--resume_from_checkpoint", "true"]
-    refused = launch("accelerate_configs/zero3.yaml", *resume, check=False)
-    assert refused.returncode != 0, refused.stderr[-2000:]
+    out, said = refused("zeroed")
     assert (
         f"the LoRA base {out / 'base_model'} changed since a run saved it (1 of 39 weight(s) hold other values"
-        in refused.stderr
-    )
-    assert "model.layers.1.self_attn.o_proj.weight" in refused.stderr and not (out / "checkpoint-6").exists()
+        in said.refusal
+    ), said.refusal
+    assert "model.layers.1.self_attn.o_proj.weight" in said.refusal and not (out / "checkpoint-6").exists()
 
-    shutil.move(
-        out / "base_model", tmp_path / "zeroed"
-    )  # a new base gets built, from another seed: not the checkpoints'
-    refused = launch("accelerate_configs/zero3.yaml", *resume, "--seed", "7", check=False)
-    assert refused.returncode != 0, refused.stderr[-2000:]
-    assert (
-        f"is not the one {out / 'checkpoint-4'} was trained on" in refused.stderr
-        and "30 of 39 weight(s) hold other values" in refused.stderr
-    )  # the norms are ones in both
+    out, said = refused("rebuilt")  # a new base gets built, from another seed: not the checkpoints'
+    assert f"is not the one {out / 'checkpoint-4'} was trained on" in said.refusal, said.refusal
+    assert "30 of 39 weight(s) hold other values" in said.refusal  # the norms are ones in both
     assert not (out / "checkpoint-6").exists()
