@@ -6,7 +6,8 @@ from its checkpoint ends on the very weights of the run that never stopped."""
 from __future__ import annotations
 
 import pytest
-from conftest import launch, quick, read_json, same_tensors
+from conftest import quick, read_json, same_tensors
+from helpers.launch_sequence import launch_sequence
 
 # what bench/gpu_check.py's compiled speed rows launch with (docs/training.md, "Speed on a GPU")
 REGIONAL = ("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation")
@@ -26,26 +27,30 @@ REGIONAL = ("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation")
     ids=["regional", "torch_compile"],
 )
 def test_a_compiled_run_is_sharded_and_resumes_to_the_same_weights(tmp_path, launch_args, flags, compiled):
+    """The run and its resume (from checkpoint-2, into another output_dir) train one after another in one launch
+    (tests/helpers/launch_sequence.py, which resets dynamo between runs as a new process would start)."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "run"
-    args = [*quick(max_steps="4", save_steps="2"), *flags, "--output_dir", str(out)]
-    launch("accelerate_configs/zero3.yaml", *args, launch_args=launch_args)
+    out, resumed_out = tmp_path / "run", tmp_path / "resumed"
+    args = [*quick(max_steps="4", save_steps="2"), *flags]
+    runs = launch_sequence(
+        tmp_path / "launch",
+        "accelerate_configs/zero3.yaml",
+        {
+            "run": [*args, "--output_dir", str(out)],
+            "resumed": [*args, "--output_dir", str(resumed_out), "--resume_from_checkpoint", str(out / "checkpoint-2")],
+        },
+        launch_args=launch_args,
+    )
+    runs("run")
     report = read_json(out / "fsdp_report.json")
     assert (report["fsdp_version"], report["world_size"]) == (2, 2)
     for rank in report["ranks"]:
         assert rank["wrapper"] == "FSDP2" and rank["compiled_modules"] == compiled, rank
         assert 2 * rank["local_param_elements"] == report["total_param_elements"]
-    whole = tmp_path / "whole-model"
-    (out / "model").rename(whole)
-    resumed = launch(
-        "accelerate_configs/zero3.yaml",
-        *args,
-        "--resume_from_checkpoint",
-        str(out / "checkpoint-2"),
-        launch_args=launch_args,
-    )
+    resumed = runs("resumed")
     assert f"resuming from {out / 'checkpoint-2'}" in resumed.stdout + resumed.stderr
     assert "does not support len()" not in resumed.stderr
-    AutoModelForCausalLM.from_pretrained(out / "model")
-    same_tensors(out / "model" / "model.safetensors", whole / "model.safetensors")
+    assert read_json(resumed_out / "fsdp_report.json")["ranks"][0]["compiled_modules"] == compiled
+    AutoModelForCausalLM.from_pretrained(resumed_out / "model")
+    same_tensors(resumed_out / "model" / "model.safetensors", out / "model" / "model.safetensors")
