@@ -100,14 +100,19 @@ class InterruptedRun:
 
 
 def resumed_together(
-    root: Path, config: str, cases: dict[str, tuple[Callable, list[str]]]
+    root: Path,
+    config: str,
+    cases: dict[str, tuple[Callable, list[str]]],
+    script: Path = SEQUENCE,
+    env: dict | None = None,
 ) -> dict[str, InterruptedRun]:
     """``cases``: name -> (interrupt, resume's arguments). ``interrupt(out)`` leaves output_dir ``root/name`` as a
     resume finds it and returns the launch it interrupted, if any; the folder is then copied. Every resume (its
     arguments and ``--output_dir root/name``) trains in one launch of ``config``: a launch per resume would pay
-    torch's start-up each time."""
+    torch's start-up each time. ``script`` and ``env``: launch_sequence's (FAULT_SEQUENCE for the injections)."""
     runs, resumes = {}, {}
-    get = launch_sequence(root / "resumes", config, resumes)  # reads ``resumes`` when a test first asks
+    # reads ``resumes`` when a test first asks
+    get = launch_sequence(root / "resumes", config, resumes, script=script, env=env)
     for name, (interrupt, resume) in cases.items():
         out = root / name
         run = runs[name] = InterruptedRun(out, interrupt(out), get)

@@ -25,7 +25,8 @@ and a real SIGKILL at a chosen point.
                                   shards for every rank
     FSDP_NOTE_BEFORE_CLEANUP=<name>  rank 0 writes a file <name> into the newest checkpoint-N just before the Trainer's
                                 end-of-training cleanup, as a user's tool that keeps its notes beside a checkpoint would
-    FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into <dir>
+    FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into
+                                <dir>/<output_dir's name> (each run of a sequence into its own)
     FSDP_DUMP_EVAL=<dir>        each rank writes the metrics of each evaluation to <dir>/rank<R>-step<S>.json
     FSDP_RANK_CWD=<rank>:<dir>  that rank works in <dir>: a relative --output_dir is another folder for it, as for a
                                 node whose filesystem shows other contents at the same path (a stale network mount)
@@ -238,7 +239,7 @@ if os.environ.get("FSDP_DUMP_OPTIMIZER"):
                 self.accelerator,
                 self.optimizer,
                 self.model,
-                os.environ["FSDP_DUMP_OPTIMIZER"],
+                str(Path(os.environ["FSDP_DUMP_OPTIMIZER"]) / Path(self.args.output_dir).name),
             )
 
     FSDPTrainer._load_optimizer_and_scheduler = load_then_dump

@@ -20,7 +20,7 @@ from conftest import (
     quick,
     read_json,
 )
-from helpers.launch_sequence import resumed_together
+from helpers.launch_sequence import FAULT_SEQUENCE, resumed_together
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -90,11 +90,22 @@ def copy_of_the_sessions_run(trained):
     return interrupt
 
 
+def killed_by(config: str, fault: str):
+    def interrupt(out):
+        return launch(
+            config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": fault}, check=False
+        )
+
+    return interrupt
+
+
 @pytest.fixture(scope="module")
 def resumed(trained, tmp_path_factory):
-    """The resumes on zero3.yaml that end normally, in one launch; each interruption in a launch of its own."""
+    """The resumes on zero3.yaml that end normally, in one launch; each interruption in a launch of its own. Each
+    resume that loads an optimizer saves it as loaded into ``optimizer-as-loaded/<name>`` (FSDP_DUMP_OPTIMIZER)."""
     root = tmp_path_factory.mktemp("resumed")
     resume = ["--resume_from_checkpoint", "true"]
+    [(_, zero3_fault)] = [kill for kill in KILLS if kill[0] == ZERO3]
     cases = {
         "final": (killed_at_the_final_model(QUICK, remove_descriptions_and_leave_staging), [*QUICK, *resume]),
         "epoch": (killed_at_the_final_model(EPOCHS), [*EPOCHS, *resume]),
@@ -102,36 +113,45 @@ def resumed(trained, tmp_path_factory):
             copy_of_the_sessions_run(trained),
             [*QUICK, "--resume_from_checkpoint", str(root / "branch" / "checkpoint-6")],
         ),
+        "killed": (killed_by(ZERO3, zero3_fault), [*QUICK, *resume]),
     }
-    return resumed_together(root, ZERO3, cases)
+    env = {"FSDP_DUMP_OPTIMIZER": str(root / "optimizer-as-loaded")}
+    return resumed_together(root, ZERO3, cases, script=FAULT_SEQUENCE, env=env)
 
 
 @pytest.mark.parametrize("config, fault", KILLS, ids=[f"{c.split('/', 1)[1]}-{f}" for c, f in KILLS])
-def test_killed_run_resumes_to_the_uninterrupted_weights(trained, config, fault, tmp_path):
+def test_killed_run_resumes_to_the_uninterrupted_weights(trained, resumed, config, fault, tmp_path):
     """Exact for FSDP1 and FSDP2 alike: same process count, same data order, restored RNG, optimizer and schedule.
-    (FSDP1 needs FSDPTrainer's optimizer fix: without it, Adam's moments restart and the weights differ by ~1e-2.)"""
+    (FSDP1 needs FSDPTrainer's optimizer fix: without it, Adam's moments restart and the weights differ by ~1e-2.)
+    zero3.yaml's resume is one of ``resumed``'s; fsdp1/zero3.yaml's a launch of its own."""
     uninterrupted = trained(config).output_dir
-    out = tmp_path / "run"
-    killed = launch(
-        config, *QUICK, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": fault}, check=False
-    )
+    if config == ZERO3:
+        case = resumed["killed"]
+        out, killed, left = case.out, case.killed, case.as_left
+        as_loaded = out.parent / "optimizer-as-loaded" / out.name
+    else:
+        out = left = tmp_path / "run"
+        killed = killed_by(config, fault)(out)
+        as_loaded = tmp_path / "optimizer-as-loaded" / out.name
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
-    assert not (out / "model").exists() and not list(out.glob(".run.lock*"))  # no model, and no lock file left behind
+    assert not (left / "model").exists() and not list(left.glob(".run.lock*"))  # no model, and no lock file left
 
-    as_loaded = tmp_path / "optimizer-as-loaded"
-    resumed = launch(
-        config,
-        *QUICK,
-        "--output_dir",
-        str(out),
-        "--resume_from_checkpoint",
-        "true",
-        script=FAULT_SCRIPT,
-        env={"FSDP_DUMP_OPTIMIZER": str(as_loaded)},
-    )
-    assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
+    if config == ZERO3:
+        said = case.resume()
+    else:
+        said = launch(
+            config,
+            *QUICK,
+            "--output_dir",
+            str(out),
+            "--resume_from_checkpoint",
+            "true",
+            script=FAULT_SCRIPT,
+            env={"FSDP_DUMP_OPTIMIZER": str(as_loaded.parent)},
+        )
+    assert f"resuming from {out / 'checkpoint-6'}" in said.stdout
     if fault.endswith(":optimizer:12"):  # the torn checkpoint-12 is named, skipped and kept aside
-        assert "skipping checkpoint-12" in resumed.stderr and "missing optimizer_0/" in resumed.stderr
+        assert "skipping checkpoint-12" in said.stderr and "missing optimizer_0/" in said.stderr
         assert (out / "incomplete-checkpoint-12" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert read_json(out / "trainer_state.json")["global_step"] == 12
     assert sorted(p.name for p in (out / "model").iterdir()) == sorted(

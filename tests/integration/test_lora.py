@@ -208,7 +208,7 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(lora_runs, c
         env={"FSDP_DUMP_OPTIMIZER": str(as_loaded)},
     )
     assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
-    saved, loaded = DCPSource(out / "checkpoint-6" / "optimizer_0"), DCPSource(as_loaded / "optimizer_0")
+    saved, loaded = DCPSource(out / "checkpoint-6" / "optimizer_0"), DCPSource(as_loaded / out.name / "optimizer_0")
     assert saved.tensors and set(saved.tensors) == set(loaded.tensors)
     saved_values, loaded_values = saved.read(sorted(saved.tensors)), loaded.read(sorted(saved.tensors))
     assert all(torch.equal(saved_values[n], loaded_values[n]) for n in saved_values)  # Adam's state came back whole
