@@ -78,28 +78,32 @@ TRAINED = ["--dtype", "float32", "--max_steps", "3", "--save_steps", "3"]  # a t
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def loaded(trained, tmp_path_factory):
     """``loaded(config, name)`` -> (model folder, output_dir): a float32 untied folder loaded at learning rate 0
     ("lr0") and a tied bf16 folder trained as float32 ("trained"), both with the config's rank-0-only loading, in
-    one launch per config (tests/helpers/launch_sequence.py)."""
+    one launch per config (tests/helpers/launch_sequence.py); on fsdp1/zero3.yaml also the chat recipe at learning
+    rate 0 over the folder the session's zero3.yaml run wrote ("written")."""
     root = tmp_path_factory.mktemp("loaded")
     untied, tied = root / "untied", root / "tied"
     build_model(untied, None, "float32", tied=False)
     build_model(tied, None, "bfloat16", tied=True)
     folders = {"lr0": untied, "trained": tied}
+    runs = {"lr0": LR0, "trained": TRAINED, "written": ["recipes/tiny-llama/chat_sft.yaml", *LR0]}
     sequences = {}
 
     def get(config: str, name: str):
         slug = config.replace("/", "-").removesuffix(".yaml")
-        out = root / slug / name
         if config not in sequences:
-            runs = {
-                each: ["--model_name_or_path", str(folders[each]), *flags, "--output_dir", str(root / slug / each)]
-                for each, flags in (("lr0", LR0), ("trained", TRAINED))
+            names = ("lr0", "trained", "written") if config == "fsdp1/zero3.yaml" else ("lr0", "trained")
+            if "written" in names:
+                folders["written"] = trained("accelerate_configs/zero3.yaml").model_dir
+            commands = {
+                each: [*runs[each], "--model_name_or_path", str(folders[each]), "--output_dir", str(root / slug / each)]
+                for each in names
             }
-            sequences[config] = launch_sequence(root / slug / "launch", f"accelerate_configs/{config}", runs)
+            sequences[config] = launch_sequence(root / slug / "launch", f"accelerate_configs/{config}", commands)
         sequences[config](name)
-        return folders[name], out
+        return folders[name], root / slug / name
 
     return get
 
@@ -153,6 +157,17 @@ def test_rank0_only_loading_trains_like_every_rank_loading(loaded, tmp_path, con
     assert changed, "training changed no weight: the comparison would prove nothing"
     for name in on:
         assert torch.equal(on[name], off[name]), name
+
+
+def test_a_folder_train_fsdp_wrote_loads_on_every_rank(loaded):
+    """model_name_or_path = a folder train_fsdp.py wrote, fine-tuned with the chat recipe on fsdp1/zero3.yaml. With
+    learning rate 0 the final weights must equal the folder's: a rank that got uninitialised or unsynced weights
+    (cpu_ram_efficient_loading) would change them."""
+    base, out = loaded("fsdp1/zero3.yaml", "written")
+    before, after = load_file(base / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    assert set(before) == set(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
 
 
 def test_rank0_only_loading_of_a_non_finite_weight_stops_every_rank_in_one_line(tmp_path):
