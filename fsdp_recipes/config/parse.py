@@ -140,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     expand_home(raw)
     check_packages(raw)  # transformers would import them on every rank after start-up, and fail there
     trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp
+    trl_recipe.check_dict_valued(raw)
     if problem := cpu_fsdp.single_process_problem(trainer_fsdp):
         raise RecipeError(problem)
     plan = Plan(raw, trainer_fsdp, launch=launcher.check_launch(raw), auto_batch=auto_batch)

@@ -90,6 +90,30 @@ def fsdp_version(config: dict) -> int:
     return version
 
 
+def mapping_of(key: str, value, example: str | None = None) -> dict | None:
+    """A dict-valued TrainingArguments field's mapping, read as TrainingArguments reads it: JSON text (``{...}``), or,
+    where ``example`` names a file it takes (accelerator_config, fsdp_config), a JSON file, read within bounds.
+    None for None; anything else is a RecipeError naming the key."""
+    if value is None or isinstance(value, dict):
+        return value
+    text = str(value)
+    if text.lstrip().startswith("{"):
+        try:
+            mapping = json.loads(text)
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, or an integer past 4300 digits
+            raise RecipeError(f"--{key} is not valid JSON ({err}): give a JSON object") from None
+    elif example is None:
+        raise RecipeError(f"--{key} {text!r} is not a JSON object: give one, e.g. '{{}}'")
+    elif not Path(text).is_file():
+        raise RecipeError(f"--{key} {text!r} does not exist: give a JSON file such as {example}, or JSON text")
+    else:
+        try:
+            mapping = load_json(Path(text), f"--{key}", YAML_LIMIT)
+        except UnreadableFile as err:
+            raise RecipeError(str(err)) from None
+    return mapping
+
+
 def check_trainer_fsdp(raw) -> bool:
     """Normalise TrainingArguments' --fsdp (the torchrun route) and check its fsdp_config; True if FSDP is asked for.
 
@@ -105,22 +129,7 @@ def check_trainer_fsdp(raw) -> bool:
                 "give --fsdp true, or drop fsdp_config (under accelerate launch the accelerate config's is in force)"
             )
         return False
-    config = raw.fsdp_config
-    if isinstance(config, str) and config.lstrip().startswith("{"):  # JSON text, as TrainingArguments reads it
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as err:
-            raise RecipeError(f"--fsdp_config is not valid JSON ({err}): give a JSON object or a file") from None
-    elif isinstance(config, str):
-        if not Path(config).is_file():
-            raise RecipeError(
-                f"--fsdp_config {config!r} does not exist: give a JSON file such as "
-                "accelerate_configs/torchrun/zero3.json"
-            )
-        try:
-            config = load_json(Path(config), "--fsdp_config", YAML_LIMIT)
-        except UnreadableFile as err:
-            raise RecipeError(str(err)) from None
+    config = mapping_of("fsdp_config", raw.fsdp_config, "accelerate_configs/torchrun/zero3.json")
     if (keys := trainer_fsdp_keys()) is None:
         return True
     unknown = [k for k in (config or {}) if not k.startswith("_") and k.removeprefix("fsdp_") not in keys]

@@ -72,7 +72,8 @@ TRL_NAMES = {
     "evaluation_strategy, per_gpu_*, push_to_hub_model_id/token": "transformers 5's names (said)",
     "use_flash_attention_2": "attn_implementation: flash_attention_2 (said)",
     "accelerator_config, activation_checkpointing_kwargs, fsdp_config, gradient_checkpointing_kwargs, "
-    "lr_scheduler_kwargs": "taken as mappings (as JSON on the command line); fsdp_config only with --fsdp",
+    "lr_scheduler_kwargs": "taken as mappings (as JSON text on the command line, or a JSON file for accelerator_config "
+    "and fsdp_config), their keys checked; fsdp_config only with --fsdp",
     "bf16": "bf16 mixed precision, decided on a CPU as the configs' bf16 is (fp32 without native bf16)",
     "use_liger_kernel": "passed on with a CUDA GPU and liger-kernel; refused in one line without either",
     "dataset_mixture": "the handbook's mixture: id, config, split, columns, weight; seed, test_split_size",
@@ -145,9 +146,8 @@ def translate(recipe: dict, argv: list[str] | None = None, tell=say) -> dict:
             out.pop(key)
     if out.get("packing_strategy") == "bfd" and out.get("packing") in (None, False, "false"):
         out.pop("packing_strategy")  # TRL's default strategy, which TRL ignores without packing
-    for key in DICT_VALUED:
+    for key in DICT_VALUED:  # as the JSON text a flag gives; check_dict_valued reads and checks either
         if isinstance(out.get(key), dict):
-            _check_kwargs(key, out[key], _flag(argv or [], "lr_scheduler_type") or out.get("lr_scheduler_type"))
             out[key] = json.dumps(out[key])
     _model_init_kwargs(out)
     _older_handbook_defaults(out, notes)
@@ -210,15 +210,25 @@ def _taken(name: str, given: str) -> bool:
     return False
 
 
-def _check_kwargs(key: str, kwargs: dict, scheduler) -> None:
-    """A mapping names only what it is given to (``_accepted``): another key would be a TypeError on every rank."""
-    if (accepted := _accepted(key, scheduler)) is None:
-        return
-    what, taken = accepted
-    if other := sorted(set(kwargs) - taken):
-        raise RecipeError(
-            f"recipe key {key}: {', '.join(other)} is not an argument of {what} (it takes {', '.join(sorted(taken))})"
-        )
+def check_dict_valued(raw) -> None:
+    """Each DICT_VALUED field but fsdp_config (fsdp_recipes.config.trainer_fsdp's), from a recipe's mapping, JSON text
+    or (accelerator_config) a JSON file, read as TrainingArguments reads it, names only what it is given to
+    (``_accepted``): another key would be a TypeError on every rank. A file's mapping is handed on as JSON text, so
+    the file is read once, within bounds."""
+    from fsdp_recipes.config.trainer_fsdp import mapping_of
+
+    for key in DICT_VALUED:
+        if key == "fsdp_config" or getattr(raw, key, None) is None:
+            continue
+        mapping = mapping_of(key, getattr(raw, key), "accelerator_config.json" if key == "accelerator_config" else None)
+        setattr(raw, key, json.dumps(mapping))
+        if (accepted := _accepted(key, raw.lr_scheduler_type)) is None:
+            continue
+        what, taken = accepted
+        if other := sorted(set(mapping) - taken):
+            raise RecipeError(
+                f"{key}: {', '.join(other)} is not an argument of {what} (it takes {', '.join(sorted(taken))})"
+            )
 
 
 def _accepted(key: str, scheduler) -> tuple[str, set[str]] | None:

@@ -307,6 +307,85 @@ def test_a_dict_valued_field_s_bad_mapping_is_one_line(tmp_path, monkeypatch, ar
     assert "\n" not in str(err.value) and said in str(err.value), str(err.value)
 
 
+# a mapping each dict-valued field (but fsdp_config, above) takes, with the linear schedule of the default recipe
+GOOD_MAPPINGS = {
+    "accelerator_config": {"split_batches": False, "even_batches": True},
+    "activation_checkpointing_kwargs": {"use_reentrant": False},
+    "gradient_checkpointing_kwargs": {"use_reentrant": False},
+    "lr_scheduler_kwargs": {"last_epoch": -1},
+}
+FILE_TAKEN = {"accelerator_config"}  # TrainingArguments reads a file only for these (and fsdp_config)
+
+
+def dict_forms(key: str, mapping, tmp_path: Path) -> dict[str, list[str]]:
+    """The command lines that give ``key`` the value ``mapping``: as a recipe's mapping, JSON text and (where
+    TrainingArguments reads one) a JSON file."""
+    recipe, file = tmp_path / f"{key}.yaml", tmp_path / f"{key}.json"
+    tiny = {"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt"}
+    recipe.write_text(yaml.safe_dump({**tiny, key: mapping}))
+    file.write_text(json.dumps(mapping))
+    forms = {"recipe mapping": [str(recipe)], "JSON text": [f"--{key}", json.dumps(mapping)]}
+    if key in FILE_TAKEN:
+        forms["file"] = [f"--{key}", str(file)]
+    return forms
+
+
+def parsed(argv: list[str], tmp_path: Path):
+    return parse_args([*argv, "--output_dir", str(tmp_path / "out"), "--allow_no_fsdp", "true"])[2].raw
+
+
+@pytest.mark.parametrize("key", sorted(GOOD_MAPPINGS))
+def test_each_form_of_a_dict_valued_field_gives_trainingarguments_the_same_value(key, tmp_path, monkeypatch):
+    """A recipe's mapping, JSON text, or a JSON file: TrainingArguments, the oracle, gets the same mapping from each
+    (a file's is read once, within bounds, and handed on as its JSON text)."""
+    from transformers import TrainingArguments
+
+    monkeypatch.chdir(REPO)
+    values = {}
+    for form, argv in dict_forms(key, GOOD_MAPPINGS[key], tmp_path).items():
+        oracle = TrainingArguments(
+            output_dir=str(tmp_path / "oracle"), use_cpu=True, **{key: getattr(parsed(argv, tmp_path), key)}
+        )
+        value = getattr(oracle, key)
+        values[form] = value.to_dict() if hasattr(value, "to_dict") else value
+    assert len(values) == 2 + (key in FILE_TAKEN) and all(v == values["JSON text"] for v in values.values()), values
+    given = values["JSON text"]
+    assert all(given[name] == value for name, value in GOOD_MAPPINGS[key].items())
+
+
+@pytest.mark.parametrize("key", sorted(GOOD_MAPPINGS))
+def test_a_dict_valued_field_s_bad_value_is_one_line_in_every_form(key, tmp_path, monkeypatch):
+    """A name the field's consumer does not take, in every form; JSON that is not an object; text that is not JSON;
+    and, where a file is taken, a missing file, a folder and a file that is not JSON: each refused in one line
+    naming the field, before TrainingArguments would raise on every rank."""
+    monkeypatch.chdir(REPO)
+    cases = {
+        f"{form}: unknown name": (argv, f"{key}: nested is not an argument of")
+        for form, argv in dict_forms(key, {**GOOD_MAPPINGS[key], "nested": 1}, tmp_path).items()
+    }
+    cases["bad JSON"] = ([f"--{key}", '{"a": '], f"--{key} is not valid JSON")
+    cases["deep JSON"] = ([f"--{key}", "{" + '"a": [' * 10**5], f"--{key} is not valid JSON")
+    if key in FILE_TAKEN:  # text not starting with { is a file's path to TrainingArguments
+        (tmp_path / "folder").mkdir()
+        (tmp_path / "junk.json").write_text("not json")
+        (tmp_path / "list.json").write_text("[1, 2]")
+        cases["JSON list"] = ([f"--{key}", "[1, 2]"], "'[1, 2]' does not exist: give a JSON file")
+        cases["missing file"] = ([f"--{key}", str(tmp_path / "missing.json")], "does not exist: give a JSON file")
+        cases["folder"] = ([f"--{key}", str(tmp_path / "folder")], "does not exist: give a JSON file")
+        cases["not JSON"] = ([f"--{key}", str(tmp_path / "junk.json")], "is not valid JSON")
+        cases["list file"] = (
+            [f"--{key}", str(tmp_path / "list.json")],
+            "must be a mapping of keys to values, not a list",
+        )
+    else:
+        cases["JSON list"] = ([f"--{key}", "[1, 2]"], f"--{key} '[1, 2]' is not a JSON object")
+        cases["a path"] = ([f"--{key}", "kwargs.json"], f"--{key} 'kwargs.json' is not a JSON object")
+    for case, (argv, said) in cases.items():
+        with pytest.raises(RecipeError) as err:
+            parsed(argv, tmp_path)
+        assert "\n" not in str(err.value) and said in str(err.value), (case, str(err.value))
+
+
 @pytest.mark.slow
 def test_launches_that_would_train_without_fsdp_stop_first(tmp_path, monkeypatch):
     """No launcher, accelerate without a config, and a config with distributed_type MULTI_CPU beside an fsdp_config:
