@@ -31,6 +31,9 @@ PRIVATE: dict[str, tuple[str, str]] = {
     # tests/helpers/trl_recipe_sequence.py: several runs one after another in one launch's processes
     "accelerate.state.AcceleratorState._reset_state": (MODULE, "the recipe sequence: the next run's state afresh"),
     "accelerate.state.GradientState._reset_state": (MODULE, "the recipe sequence: the next run's state afresh"),
+    "torch._dynamo.reset": (MODULE, "the recipe sequence: the next run compiles afresh, as a new process would"),
+    # fsdp_recipes/config: the modes torch.compile takes, for dynamo_mode and torch_compile_mode
+    "torch._inductor.list_mode_options": (MODULE, "config: a compile mode torch.compile does not know, refused"),
     # tests/helpers/train_with_fault.py: a rank killed while it writes its RNG state
     "transformers.trainer.Trainer._save_rng_state": (MODULE, "fault injection: the kill before a rank's RNG file"),
     # tests/helpers/accelerate_oracle.py: what accelerate's launcher gives the ranks, the config tests' oracle

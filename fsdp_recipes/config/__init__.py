@@ -12,6 +12,7 @@
 - model_source, data_files: is the model loadable (and runs no code of its folder), is the data file usable, found
   without loading either
 - local_datasets:    the splits and configurations a local data source has, for dataset_split and dataset_config
+- dict_fields:       TrainingArguments' dict | str fields (accelerator_config, ...): each form read, its keys checked
 - trainer_fsdp:      the torchrun route (TrainingArguments' --fsdp_config), checked against the keys it reads
 - plan:              the Plan: what the checks decided, carried out by fsdp_recipes.train.preflight
 - accelerate_config: the rules of tools/check_config.py for accelerate config files

@@ -269,6 +269,13 @@ def compile_asked(settings: dict, dynamo: dict | None = None) -> str | None:
     return next((k for k in ("torch_compile_backend", "torch_compile_mode") if settings.get(k) is not None), None)
 
 
+def compile_modes() -> list[str]:
+    """The modes torch.compile takes (torch._inductor's own list): another is a RuntimeError on every rank."""
+    from fsdp_recipes.compat import internals
+
+    return list(internals.get("torch._inductor.list_mode_options")())
+
+
 def _check_dynamo(c: Checker, dynamo) -> None:
     """dynamo_config against what accelerate's launcher does with it: it copies each key to its --dynamo_* option
     (the dynamo_ prefix added where missing), so a key without one is ignored without a word, and it reads the
@@ -295,8 +302,8 @@ def _check_dynamo(c: Checker, dynamo) -> None:
             )
         elif options[name].nargs == 0 and not _truth_value(value):  # the ranks read it with str_to_bool
             c.error(where, f"{value!r} is not true or false", "give true or false")
-        elif name == "dynamo_mode" and not isinstance(value, str):  # torch.compile takes a mode's name
-            c.error(where, f"{value!r} is not a mode's name", "give default, reduce-overhead or max-autotune")
+        elif name == "dynamo_mode" and value not in (None, "") and str(value) not in compile_modes():  # "": default
+            c.error(where, f"{value!r} is not a mode torch.compile knows", f"give one of {', '.join(compile_modes())}")
 
 
 def _truth_value(value) -> bool:

@@ -18,6 +18,7 @@ from fsdp_recipes.config.accelerate_config import (
     recipe_keys_problem,
 )
 from fsdp_recipes.config.arguments import DataArguments, build
+from fsdp_recipes.config.dict_fields import check_dict_valued
 from fsdp_recipes.config.flags import (
     bare_flags_as_values,
     check_flag_values,
@@ -140,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     expand_home(raw)
     check_packages(raw)  # transformers would import them on every rank after start-up, and fail there
     trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp
-    trl_recipe.check_dict_valued(raw)
+    check_dict_valued(raw)  # the other dict-valued fields, in every form
     if problem := cpu_fsdp.single_process_problem(trainer_fsdp):
         raise RecipeError(problem)
     plan = Plan(raw, trainer_fsdp, launch=launcher.check_launch(raw), auto_batch=auto_batch)

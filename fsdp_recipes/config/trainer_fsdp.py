@@ -4,16 +4,14 @@ fsdp_config is checked against the keys TrainingArguments reads, which it otherw
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
-from fsdp_recipes.bounded import YAML_LIMIT, load_json
 from fsdp_recipes.compat import internals
 from fsdp_recipes.config.accelerate_config import COMPILE_UNDER_FSDP1, compile_asked
+from fsdp_recipes.config.dict_fields import mapping_of
 from fsdp_recipes.config.flags import with_hints
 from fsdp_recipes.config.recipe_checks import unsteppable_optimizer
 from fsdp_recipes.console import say
-from fsdp_recipes.errors import RecipeError, UnreadableFile
+from fsdp_recipes.errors import RecipeError
 
 
 @functools.cache
@@ -88,30 +86,6 @@ def fsdp_version(config: dict) -> int:
     if version not in (1, 2):
         raise RecipeError(f"fsdp_config's version is {stripped.get('version')!r}: give 2 (FSDP2, the default) or 1")
     return version
-
-
-def mapping_of(key: str, value, example: str | None = None) -> dict | None:
-    """A dict-valued TrainingArguments field's mapping, read as TrainingArguments reads it: JSON text (``{...}``), or,
-    where ``example`` names a file it takes (accelerator_config, fsdp_config), a JSON file, read within bounds.
-    None for None; anything else is a RecipeError naming the key."""
-    if value is None or isinstance(value, dict):
-        return value
-    text = str(value)
-    if text.lstrip().startswith("{"):
-        try:
-            mapping = json.loads(text)
-        except (ValueError, RecursionError) as err:  # JSONDecodeError, or an integer past 4300 digits
-            raise RecipeError(f"--{key} is not valid JSON ({err}): give a JSON object") from None
-    elif example is None:
-        raise RecipeError(f"--{key} {text!r} is not a JSON object: give one, e.g. '{{}}'")
-    elif not Path(text).is_file():
-        raise RecipeError(f"--{key} {text!r} does not exist: give a JSON file such as {example}, or JSON text")
-    else:
-        try:
-            mapping = load_json(Path(text), f"--{key}", YAML_LIMIT)
-        except UnreadableFile as err:
-            raise RecipeError(str(err)) from None
-    return mapping
 
 
 def check_trainer_fsdp(raw) -> bool:

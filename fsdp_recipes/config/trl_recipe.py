@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from fsdp_recipes.bounded import file_kind
+from fsdp_recipes.config.dict_fields import DICT_VALUED
 from fsdp_recipes.config.mixture import MIXTURE_KEYS, normalize_mixture
 from fsdp_recipes.config.model_source import model_source_problem
 from fsdp_recipes.console import say
@@ -33,16 +34,6 @@ RENAMED = {
 HANDBOOK_ALIASES = {"tokenizer_name_or_path": "tokenizer_name"}
 # TRL's older names of its packing strategies (TRL renamed them): taken, said
 PACKING_STRATEGIES = {"ffd": "bfd", "bfd-requeue": "bfd_split"}
-# TrainingArguments' fields declared dict | str (but deepspeed, refused), which it also takes as JSON text (the form a
-# flag and our parser carry): a recipe's mapping becomes that text, its keys checked where nothing later would
-DICT_VALUED = (
-    "accelerator_config",
-    "activation_checkpointing_kwargs",
-    "fsdp_config",
-    "gradient_checkpointing_kwargs",
-    "lr_scheduler_kwargs",
-)
-CHECKPOINT_KWARGS = ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
 # model_init_kwargs (TRL: from_pretrained's keyword arguments) that are settings here
 INIT_KWARGS = {
     "torch_dtype": "dtype",
@@ -146,7 +137,7 @@ def translate(recipe: dict, argv: list[str] | None = None, tell=say) -> dict:
             out.pop(key)
     if out.get("packing_strategy") == "bfd" and out.get("packing") in (None, False, "false"):
         out.pop("packing_strategy")  # TRL's default strategy, which TRL ignores without packing
-    for key in DICT_VALUED:  # as the JSON text a flag gives; check_dict_valued reads and checks either
+    for key in DICT_VALUED:  # as the JSON text a flag gives; dict_fields.check_dict_valued checks either
         if isinstance(out.get(key), dict):
             out[key] = json.dumps(out[key])
     _model_init_kwargs(out)
@@ -208,60 +199,6 @@ def _taken(name: str, given: str) -> bool:
         if not isinstance(value, str) and words.get(given.lower(), given) == value and given.lower() in words:
             return True
     return False
-
-
-def check_dict_valued(raw) -> None:
-    """Each DICT_VALUED field but fsdp_config (fsdp_recipes.config.trainer_fsdp's), from a recipe's mapping, JSON text
-    or (accelerator_config) a JSON file, read as TrainingArguments reads it, names only what it is given to
-    (``_accepted``): another key would be a TypeError on every rank. A file's mapping is handed on as JSON text, so
-    the file is read once, within bounds."""
-    from fsdp_recipes.config.trainer_fsdp import mapping_of
-
-    for key in DICT_VALUED:
-        if key == "fsdp_config" or getattr(raw, key, None) is None:
-            continue
-        mapping = mapping_of(key, getattr(raw, key), "accelerator_config.json" if key == "accelerator_config" else None)
-        setattr(raw, key, json.dumps(mapping))
-        if (accepted := _accepted(key, raw.lr_scheduler_type)) is None:
-            continue
-        what, taken = accepted
-        if other := sorted(set(mapping) - taken):
-            raise RecipeError(
-                f"{key}: {', '.join(other)} is not an argument of {what} (it takes {', '.join(sorted(taken))})"
-            )
-
-
-def _accepted(key: str, scheduler) -> tuple[str, set[str]] | None:
-    """What a DICT_VALUED mapping is given to and the names it takes: torch.utils.checkpoint's arguments (activation_
-    and gradient_checkpointing_kwargs), the schedule's (lr_scheduler_kwargs), AcceleratorConfig's fields
-    (accelerator_config). None where any name is passed on, or checked elsewhere (fsdp_config's, with --fsdp:
-    fsdp_recipes.config.trainer_fsdp)."""
-    import dataclasses
-    import inspect
-
-    if key == "fsdp_config":
-        return None
-    if key == "accelerator_config":
-        from transformers.trainer_pt_utils import AcceleratorConfig
-
-        return "transformers' AcceleratorConfig", {f.name for f in dataclasses.fields(AcceleratorConfig)}
-    if key in CHECKPOINT_KWARGS:
-        from torch.utils.checkpoint import checkpoint
-
-        named = set(inspect.signature(checkpoint).parameters) - {"function", "args", "kwargs"}
-        return "torch.utils.checkpoint.checkpoint", named | {"preserve_rng_state"}  # the last from its **kwargs
-    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
-    from transformers.trainer_utils import SchedulerType
-
-    try:
-        function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(scheduler or "linear")]
-    except ValueError:
-        return None  # an unknown lr_scheduler_type: its own check names it
-    parameters = inspect.signature(function).parameters
-    if "kwargs" in parameters:
-        return None  # the schedule passes any keyword on
-    named = set(parameters) - {"optimizer", "num_warmup_steps", "num_training_steps"}
-    return f"the {scheduler or 'linear'} schedule", named
 
 
 def _take(out: dict, old: str, new: str, value) -> None:

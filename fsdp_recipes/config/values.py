@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from transformers import TrainingArguments
 
+from fsdp_recipes.config.accelerate_config import compile_modes
 from fsdp_recipes.config.arguments import DataArguments
 from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.config.model_source import model_positions
@@ -45,6 +46,11 @@ def check_training_values(raw, model_args: ModelArguments, data_args: DataArgume
         raise RecipeError(
             f"eval_strategy={raw.eval_strategy} needs evaluation data: set validation_file, "
             "validation_split_percentage or dataset_test_split"
+        )
+    if raw.torch_compile_mode and raw.torch_compile_mode not in compile_modes():  # torch.compile reads "" as default
+        raise RecipeError(
+            f"torch_compile_mode={raw.torch_compile_mode!r} is not a mode torch.compile knows: give one of "
+            f"{', '.join(compile_modes())}"
         )
     if raw.profile_steps is not None:
         try:

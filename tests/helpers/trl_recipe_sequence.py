@@ -29,11 +29,9 @@ def reset_accelerate() -> None:
     """accelerate's singletons as before the first run: the next TrainingArguments builds them afresh. dynamo's
     compiled code too, as in a new process: a second run's modules would otherwise count against its recompile
     limit, past which it runs them eagerly without a word."""
-    import torch._dynamo
-
     from fsdp_recipes.compat import internals
 
-    torch._dynamo.reset()
+    internals.get("torch._dynamo.reset")()
     internals.get("accelerate.state.AcceleratorState._reset_state")(reset_partial_state=True)
     internals.get("accelerate.state.GradientState._reset_state")()
 

@@ -14,7 +14,7 @@ import torch
 import yaml
 from conftest import REPO, free_port, run
 
-from fsdp_recipes.config import trl_recipe
+from fsdp_recipes.config import dict_fields, trl_recipe
 from fsdp_recipes.config.model_source import qlora_problem
 from fsdp_recipes.config.parse import DEFAULT_RECIPE, parse_args
 from fsdp_recipes.errors import RecipeError
@@ -238,7 +238,7 @@ def mapping_declared_fields() -> set[str]:
 def test_every_dict_valued_field_takes_a_recipe_mapping():
     """Each field TrainingArguments declares dict | str is taken from a recipe's mapping as the JSON text it reads;
     deepspeed is refused (FSDP here) and liger_kernel_config, declared dict alone, is read as a mapping."""
-    assert set(trl_recipe.DICT_VALUED) == mapping_declared_fields() - {"deepspeed", "liger_kernel_config"}
+    assert set(dict_fields.DICT_VALUED) == mapping_declared_fields() - {"deepspeed", "liger_kernel_config"}
 
 
 TORCHRUN_ZERO3 = REPO / "accelerate_configs" / "torchrun" / "zero3.json"

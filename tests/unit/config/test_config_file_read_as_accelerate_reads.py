@@ -124,6 +124,50 @@ def test_a_dynamo_config_entry_is_refused_where_accelerate_fails_or_ignores_it(t
     assert bool(refused) == fails_or_ignored, (refused, environment is None)
 
 
+def compile_modes_and_misspellings() -> list[str]:
+    """torch.compile's modes, and for each: cut short by one letter, a letter doubled, upper case, underscores."""
+    from torch._inductor import list_mode_options  # the oracle's own list
+
+    modes = list(list_mode_options())
+    near = [m[:-1] for m in modes] + [m + m[-1] for m in modes] + [m.upper() for m in modes]
+    return sorted({*modes, *near, *(m.replace("-", "_") for m in modes if "-" in m), "", "none"})
+
+
+def compiles_with(mode: str) -> bool:
+    """torch.compile is the oracle: it refuses an unknown mode when it wraps the model (on every rank)."""
+    import torch
+
+    try:
+        torch.compile(torch.nn.Linear(1, 1), mode=mode)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("key", ["dynamo_mode", "mode"])
+def test_a_compile_mode_is_refused_exactly_where_torch_compile_refuses_it(tmp_path, key):
+    """dynamo_config's mode (with or without accelerate's dynamo_ prefix) against torch.compile itself, over its modes
+    and their near misses; and TrainingArguments' torch_compile_mode, which reaches torch.compile the same way."""
+    from fsdp_recipes.config.parse import parse_args
+    from fsdp_recipes.errors import RecipeError
+
+    raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())
+    for mode in compile_modes_and_misspellings():
+        (path := tmp_path / "config.yaml").write_text(yaml.safe_dump({**raw, "dynamo_config": {key: mode}}))
+        refused = [p for p in errors(check_config(path)) if p.key == f"dynamo_config.{key}"]
+        assert bool(refused) != compiles_with(mode), (mode, refused)
+        if key == "mode":
+            continue
+        argv = ["--torch_compile_mode", mode, "--allow_no_fsdp", "true", "--output_dir", str(tmp_path / "out")]
+        try:
+            parse_args(argv)
+            said = None
+        except RecipeError as err:
+            said = str(err)
+        assert (said is None) == compiles_with(mode), (mode, said)
+        assert said is None or said.startswith(f"torch_compile_mode={mode!r} is not a mode torch.compile knows")
+
+
 def test_a_config_for_sagemaker_is_one_error(tmp_path):
     """accelerate reads compute_environment AMAZON_SAGEMAKER as a SageMaker config, which refuses FSDP's keys."""
     raw = yaml.safe_load((REPO / "accelerate_configs" / "zero3.yaml").read_text())

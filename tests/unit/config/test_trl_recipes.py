@@ -14,7 +14,7 @@ import pytest
 import yaml
 from helpers.trl_recipes import FIXTURES, read, tiny_model
 
-from fsdp_recipes.config import mixture, trl_recipe
+from fsdp_recipes.config import dict_fields, mixture, trl_recipe
 from fsdp_recipes.config.arguments import TRL_ALIASES
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.errors import RecipeError
@@ -79,7 +79,7 @@ def landed(key: str, value, model_args, data_args, plan, said: str) -> bool:
         return raw["packing_strategy"] == trl_recipe.PACKING_STRATEGIES[value] and value in said
     if key in ("dataset_train_split", "dataset_config") and data_args.dataset_mixture is None:
         return raw[TRL_ALIASES[key]] == value
-    if key in trl_recipe.DICT_VALUED:
+    if key in dict_fields.DICT_VALUED:
         return json.loads(raw[key]) == value
     if key == "packing":
         return data_args.trl_packing is value

@@ -1,0 +1,98 @@
+"""TrainingArguments' fields declared ``dict | str`` (DICT_VALUED): what each takes, read as TrainingArguments reads
+it (a recipe's mapping, JSON text, or a JSON file for accelerator_config and fsdp_config), and a check that it names
+only what its consumer takes, before TrainingArguments would raise on every rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fsdp_recipes.bounded import YAML_LIMIT, load_json
+from fsdp_recipes.errors import RecipeError, UnreadableFile
+
+# TrainingArguments' fields declared dict | str (but deepspeed, refused), which it also takes as JSON text (the form a
+# flag and our parser carry): a recipe's mapping becomes that text, its keys checked where nothing later would
+DICT_VALUED = (
+    "accelerator_config",
+    "activation_checkpointing_kwargs",
+    "fsdp_config",
+    "gradient_checkpointing_kwargs",
+    "lr_scheduler_kwargs",
+)
+CHECKPOINT_KWARGS = ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+
+
+def mapping_of(key: str, value, example: str | None = None) -> dict | None:
+    """A dict-valued TrainingArguments field's mapping, read as TrainingArguments reads it: JSON text (``{...}``), or,
+    where ``example`` names a file it takes (accelerator_config, fsdp_config), a JSON file, read within bounds.
+    None for None; anything else is a RecipeError naming the key."""
+    if value is None or isinstance(value, dict):
+        return value
+    text = str(value)
+    if text.lstrip().startswith("{"):
+        try:
+            mapping = json.loads(text)
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, or an integer past 4300 digits
+            raise RecipeError(f"--{key} is not valid JSON ({err}): give a JSON object") from None
+    elif example is None:
+        raise RecipeError(f"--{key} {text!r} is not a JSON object: give one, e.g. '{{}}'")
+    elif not Path(text).is_file():
+        raise RecipeError(f"--{key} {text!r} does not exist: give a JSON file such as {example}, or JSON text")
+    else:
+        try:
+            mapping = load_json(Path(text), f"--{key}", YAML_LIMIT)
+        except UnreadableFile as err:
+            raise RecipeError(str(err)) from None
+    return mapping
+
+
+def check_dict_valued(raw) -> None:
+    """Each DICT_VALUED field but fsdp_config (fsdp_recipes.config.trainer_fsdp's), from a recipe's mapping, JSON text
+    or (accelerator_config) a JSON file, read as TrainingArguments reads it, names only what it is given to
+    (``_accepted``): another key would be a TypeError on every rank. A file's mapping is handed on as JSON text, so
+    the file is read once, within bounds."""
+    for key in DICT_VALUED:
+        if key == "fsdp_config" or getattr(raw, key, None) is None:
+            continue
+        mapping = mapping_of(key, getattr(raw, key), "accelerator_config.json" if key == "accelerator_config" else None)
+        setattr(raw, key, json.dumps(mapping))
+        if (accepted := _accepted(key, raw.lr_scheduler_type)) is None:
+            continue
+        what, taken = accepted
+        if other := sorted(set(mapping) - taken):
+            raise RecipeError(
+                f"{key}: {', '.join(other)} is not an argument of {what} (it takes {', '.join(sorted(taken))})"
+            )
+
+
+def _accepted(key: str, scheduler) -> tuple[str, set[str]] | None:
+    """What a DICT_VALUED mapping is given to and the names it takes: torch.utils.checkpoint's arguments (activation_
+    and gradient_checkpointing_kwargs), the schedule's (lr_scheduler_kwargs), AcceleratorConfig's fields
+    (accelerator_config). None where any name is passed on, or checked elsewhere (fsdp_config's, with --fsdp:
+    fsdp_recipes.config.trainer_fsdp)."""
+    import dataclasses
+    import inspect
+
+    if key == "fsdp_config":
+        return None
+    if key == "accelerator_config":
+        from transformers.trainer_pt_utils import AcceleratorConfig
+
+        return "transformers' AcceleratorConfig", {f.name for f in dataclasses.fields(AcceleratorConfig)}
+    if key in CHECKPOINT_KWARGS:
+        from torch.utils.checkpoint import checkpoint
+
+        named = set(inspect.signature(checkpoint).parameters) - {"function", "args", "kwargs"}
+        return "torch.utils.checkpoint.checkpoint", named | {"preserve_rng_state"}  # the last from its **kwargs
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+    from transformers.trainer_utils import SchedulerType
+
+    try:
+        function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(scheduler or "linear")]
+    except ValueError:
+        return None  # an unknown lr_scheduler_type: its own check names it
+    parameters = inspect.signature(function).parameters
+    if "kwargs" in parameters:
+        return None  # the schedule passes any keyword on
+    named = set(parameters) - {"optimizer", "num_warmup_steps", "num_training_steps"}
+    return f"the {scheduler or 'linear'} schedule", named
