@@ -139,16 +139,9 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, resumed, confi
     if config == ZERO3:
         said = case.resume()
     else:
-        said = launch(
-            config,
-            *QUICK,
-            "--output_dir",
-            str(out),
-            "--resume_from_checkpoint",
-            "true",
-            script=FAULT_SCRIPT,
-            env={"FSDP_DUMP_OPTIMIZER": str(as_loaded.parent)},
-        )
+        dump = {"FSDP_DUMP_OPTIMIZER": str(as_loaded.parent)}
+        resume = ["--output_dir", str(out), "--resume_from_checkpoint", "true"]
+        said = launch(config, *QUICK, *resume, script=FAULT_SCRIPT, env=dump)
     assert f"resuming from {out / 'checkpoint-6'}" in said.stdout
     if fault.endswith(":optimizer:12"):  # the torn checkpoint-12 is named, skipped and kept aside
         assert "skipping checkpoint-12" in said.stderr and "missing optimizer_0/" in said.stderr
