@@ -5,9 +5,10 @@ only what its consumer takes, before TrainingArguments would raise on every rank
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from fsdp_recipes.bounded import YAML_LIMIT, load_json
+from fsdp_recipes.bounded import MAX_DEPTH, MAX_VALUES, YAML_LIMIT, load_json
 from fsdp_recipes.errors import RecipeError, UnreadableFile
 
 # TrainingArguments' fields declared dict | str (but deepspeed, refused), which it also takes as JSON text (the form a
@@ -36,14 +37,30 @@ def mapping_of(key: str, value, example: str | None = None) -> dict | None:
             raise RecipeError(f"--{key} is not valid JSON ({err}): give a JSON object") from None
     elif example is None:
         raise RecipeError(f"--{key} {text!r} is not a JSON object: give one, e.g. '{{}}'")
-    elif not Path(text).is_file():
+    elif not os.path.lexists(text):
         raise RecipeError(f"--{key} {text!r} does not exist: give a JSON file such as {example}, or JSON text")
-    else:
+    else:  # a folder, FIFO, device or broken link: bounded names what it is
         try:
             mapping = load_json(Path(text), f"--{key}", YAML_LIMIT)
         except UnreadableFile as err:
             raise RecipeError(str(err)) from None
+    _check_shape(key, mapping)
     return mapping
+
+
+def _check_shape(key: str, mapping: dict) -> None:
+    """Nesting and size bounded as a recipe's are (bounded.MAX_DEPTH, MAX_VALUES): TrainingArguments reads the text
+    again and converts it recursively, where a depth json.loads survived could still exhaust the stack."""
+    stack, values = [(mapping, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise RecipeError(f"--{key} nests deeper than {MAX_DEPTH} levels: give a flat mapping of settings")
+        items = list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else []
+        values += len(items) * (2 if isinstance(value, dict) else 1)
+        if values > MAX_VALUES:
+            raise RecipeError(f"--{key} holds more than {MAX_VALUES} values: give a mapping of its settings alone")
+        stack.extend((item, depth + 1) for item in items)
 
 
 def check_dict_valued(raw) -> None:
@@ -60,9 +77,8 @@ def check_dict_valued(raw) -> None:
             continue
         what, taken = accepted
         if other := sorted(set(mapping) - taken):
-            raise RecipeError(
-                f"{key}: {', '.join(other)} is not an argument of {what} (it takes {', '.join(sorted(taken))})"
-            )
+            named = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+            raise RecipeError(f"{key}: {named} is not an argument of {what} (it takes {', '.join(sorted(taken))})")
 
 
 def _accepted(key: str, scheduler) -> tuple[str, set[str]] | None:

@@ -364,14 +364,20 @@ def test_a_dict_valued_field_s_bad_value_is_one_line_in_every_form(key, tmp_path
         for form, argv in dict_forms(key, {**GOOD_MAPPINGS[key], "nested": 1}, tmp_path).items()
     }
     cases["bad JSON"] = ([f"--{key}", '{"a": '], f"--{key} is not valid JSON")
-    cases["deep JSON"] = ([f"--{key}", "{" + '"a": [' * 10**5], f"--{key} is not valid JSON")
+    cases["too deep for json"] = ([f"--{key}", '{"a": ' * 10**5], f"--{key} is not valid JSON (maximum recursion")
+    deep = "{" + '"a": {' * 40 + "}" * 41  # json reads it; TrainingArguments' recursive conversion might not
+    cases["deep JSON"] = ([f"--{key}", deep], f"--{key} nests deeper than 32 levels")
+    wide = "{" + ", ".join(f'"k{i}": 1' for i in range(600)) + "}"
+    cases["wide JSON"] = ([f"--{key}", wide], f"--{key} holds more than 1000 values")
     if key in FILE_TAKEN:  # text not starting with { is a file's path to TrainingArguments
         (tmp_path / "folder").mkdir()
         (tmp_path / "junk.json").write_text("not json")
         (tmp_path / "list.json").write_text("[1, 2]")
         cases["JSON list"] = ([f"--{key}", "[1, 2]"], "'[1, 2]' does not exist: give a JSON file")
         cases["missing file"] = ([f"--{key}", str(tmp_path / "missing.json")], "does not exist: give a JSON file")
-        cases["folder"] = ([f"--{key}", str(tmp_path / "folder")], "does not exist: give a JSON file")
+        cases["folder"] = ([f"--{key}", str(tmp_path / "folder")], "is a directory, not a file")
+        os.mkfifo(tmp_path / "fifo")
+        cases["FIFO"] = ([f"--{key}", str(tmp_path / "fifo")], "is a FIFO")
         cases["not JSON"] = ([f"--{key}", str(tmp_path / "junk.json")], "is not valid JSON")
         cases["list file"] = (
             [f"--{key}", str(tmp_path / "list.json")],
