@@ -79,7 +79,9 @@ def launch_sequence(
             return SequencedRun(stdout, stderr, output)
         kind, _, message = str(result["error"]).partition(": ")
         assert kind in {e.__name__ for e in ONE_LINE_ERRORS}, f"{name} was not refused:\n{stderr[-6000:]}"
-        assert len(set(result["errors"])) == 1 and "\n" not in message, result["errors"]  # every rank, one line
+        # every rank's error (a run refused before the process group exists has rank 0's alone), the same, one line
+        assert len(result["errors"]) == result["world_size"], f"{name}: refused before every rank could say so"
+        assert len(set(result["errors"])) == 1 and "\n" not in message, result["errors"]
         return SequencedRun(stdout, stderr, output, refusal=f"{PROG}: error: {message}")
 
     return get

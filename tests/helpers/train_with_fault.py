@@ -25,8 +25,9 @@ and a real SIGKILL at a chosen point.
                                   shards for every rank
     FSDP_NOTE_BEFORE_CLEANUP=<name>  rank 0 writes a file <name> into the newest checkpoint-N just before the Trainer's
                                 end-of-training cleanup, as a user's tool that keeps its notes beside a checkpoint would
-    FSDP_DUMP_OPTIMIZER=<dir>   after resuming, save the optimizer as loaded (accelerate's own save) into
-                                <dir>/<output_dir's name> (each run of a sequence into its own)
+    FSDP_DUMP_OPTIMIZER=<dir>[:<name>,...]  after resuming, save the optimizer as loaded (accelerate's own save)
+                                into <dir>/<output_dir's name>; with names, only the runs whose output_dir has one
+                                (the other runs of a sequence load as train_fsdp.py does, nothing added)
     FSDP_DUMP_EVAL=<dir>        each rank writes the metrics of each evaluation to <dir>/rank<R>-step<S>.json
     FSDP_RANK_CWD=<rank>:<dir>  that rank works in <dir>: a relative --output_dir is another folder for it, as for a
                                 node whose filesystem shows other contents at the same path (a stale network mount)
@@ -229,9 +230,11 @@ if os.environ.get("FSDP_NOTE_BEFORE_CLEANUP"):
 if os.environ.get("FSDP_DUMP_OPTIMIZER"):
     load = FSDPTrainer._load_optimizer_and_scheduler
 
+    dump_dir, _, dumped = os.environ["FSDP_DUMP_OPTIMIZER"].partition(":")
+
     def load_then_dump(self, checkpoint):
         load(self, checkpoint)
-        if checkpoint is not None:
+        if checkpoint is not None and (not dumped or Path(self.args.output_dir).name in dumped.split(",")):
             from accelerate.utils import save_fsdp_optimizer
 
             save_fsdp_optimizer(
@@ -239,7 +242,7 @@ if os.environ.get("FSDP_DUMP_OPTIMIZER"):
                 self.accelerator,
                 self.optimizer,
                 self.model,
-                str(Path(os.environ["FSDP_DUMP_OPTIMIZER"]) / Path(self.args.output_dir).name),
+                str(Path(dump_dir) / Path(self.args.output_dir).name),
             )
 
     FSDPTrainer._load_optimizer_and_scheduler = load_then_dump

@@ -58,6 +58,7 @@ def train_each(recipes: list[str]) -> None:
             error = next((e for e in errors if e is not None), None)
         if rank0:
             result = {"seconds": round(time.monotonic() - start, 1), "error": error, "errors": errors}
+            result["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))  # errors has every rank's once joined
             Path(f"{recipe}.result.json").write_text(json.dumps(result))
         reset_accelerate()
         if precision is None:

@@ -101,8 +101,8 @@ def killed_by(config: str, fault: str):
 
 @pytest.fixture(scope="module")
 def resumed(trained, tmp_path_factory):
-    """The resumes on zero3.yaml that end normally, in one launch; each interruption in a launch of its own. Each
-    resume that loads an optimizer saves it as loaded into ``optimizer-as-loaded/<name>`` (FSDP_DUMP_OPTIMIZER)."""
+    """The resumes on zero3.yaml that end normally, in one launch; each interruption in a launch of its own. The zero3
+    kill's resume saves its optimizer as loaded into ``optimizer-as-loaded/killed`` (FSDP_DUMP_OPTIMIZER)."""
     root = tmp_path_factory.mktemp("resumed")
     resume = ["--resume_from_checkpoint", "true"]
     [(_, zero3_fault)] = [kill for kill in KILLS if kill[0] == ZERO3]
@@ -115,18 +115,18 @@ def resumed(trained, tmp_path_factory):
         ),
         "killed": (killed_by(ZERO3, zero3_fault), [*QUICK, *resume]),
     }
-    env = {"FSDP_DUMP_OPTIMIZER": str(root / "optimizer-as-loaded")}
+    env = {"FSDP_DUMP_OPTIMIZER": f"{root / 'optimizer-as-loaded'}:killed"}  # the kill's resume alone
     return resumed_together(root, ZERO3, cases, script=FAULT_SEQUENCE, env=env)
 
 
 @pytest.mark.parametrize("config, fault", KILLS, ids=[f"{c.split('/', 1)[1]}-{f}" for c, f in KILLS])
-def test_killed_run_resumes_to_the_uninterrupted_weights(trained, resumed, config, fault, tmp_path):
+def test_killed_run_resumes_to_the_uninterrupted_weights(trained, request, config, fault, tmp_path):
     """Exact for FSDP1 and FSDP2 alike: same process count, same data order, restored RNG, optimizer and schedule.
     (FSDP1 needs FSDPTrainer's optimizer fix: without it, Adam's moments restart and the weights differ by ~1e-2.)
     zero3.yaml's resume is one of ``resumed``'s; fsdp1/zero3.yaml's a launch of its own."""
     uninterrupted = trained(config).output_dir
     if config == ZERO3:
-        case = resumed["killed"]
+        case = request.getfixturevalue("resumed")["killed"]  # fsdp1's case does not need the shared launch
         out, killed, left = case.out, case.killed, case.as_left
         as_loaded = out.parent / "optimizer-as-loaded" / out.name
     else:

@@ -124,6 +124,7 @@ def test_rank0_only_loading_gives_every_rank_the_files_weights(loaded, tmp_path,
     it equals the run where every rank loads the folder, its LM head still tied (one tensor saved, embed_tokens).
     zero3.yaml's and fsdp1/zero3.yaml's runs share a launch with the next test's (``loaded``)."""
     if config in ("zero3.yaml", "fsdp1/zero3.yaml"):
+        assert not tied  # the shared run's folder is untied
         folder, out = loaded(config, "lr0")
     else:
         folder, out = tmp_path / "model", tmp_path / "out"

@@ -605,7 +605,9 @@ def refused(lora_recipe_run, tmp_path_factory):
 
     - "tied": LoRA on the tied LM head of a model built from the tiny config;
     - "zeroed": a copy of the LoRA recipe's run resumed with one weight of its saved base zeroed since;
-    - "rebuilt": a copy resumed with its base gone, so that a new one is built, from another seed."""
+    - "rebuilt": a copy resumed with its base gone, so that a new one is built, from another seed;
+    - "bf16": a copy resumed with --dtype bfloat16 (its checkpoints hold an fp32 run's adapter), under the config's
+      mixed precision (tests/integration/test_resume_refusals.py's resumes run without it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("lora-refused")
@@ -619,10 +621,9 @@ def refused(lora_recipe_run, tmp_path_factory):
             *("--model_name_or_path", str(base), "--tokenizer_name", TINY),
         ]
     }
-    for name in ("zeroed", "rebuilt"):
+    for name, flags in (("zeroed", []), ("rebuilt", ["--seed", "7"]), ("bf16", ["--dtype", "bfloat16"])):
         lora_recipe_copy(lora_recipe_run, root / name)
-        seed = ["--seed", "7"] if name == "rebuilt" else []
-        runs[name] = [LORA_RECIPE, "--max_steps", "6", "--save_steps", "2", *seed, "--resume_from_checkpoint", "true"]
+        runs[name] = [LORA_RECIPE, "--max_steps", "6", "--save_steps", "2", *flags, "--resume_from_checkpoint", "true"]
     rewrite_weights(root / "zeroed" / "base_model", lambda t: t["model.layers.1.self_attn.o_proj.weight"].zero_())
     shutil.move(root / "rebuilt" / "base_model", root / "rebuilt-base-moved")
     get = launch_sequence(
@@ -681,3 +682,19 @@ def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(lor
     assert f"is not the one {out / 'checkpoint-4'} was trained on" in said.refusal, said.refusal
     assert "30 of 39 weight(s) hold other values" in said.refusal  # the norms are ones in both
     assert not (out / "checkpoint-6").exists()
+
+
+def test_resuming_a_lora_runs_fp32_checkpoint_in_bf16_stops_before_the_first_step(lora_recipe_run, refused):
+    """A LoRA checkpoint stores the adapter and its Adam state, not the frozen base, which the resume loads at
+    --dtype: an fp32 run resumed with --dtype bfloat16 would train its adapter on over a rounded base (exit 0 before).
+    Refused in one line from the checkpoint's recorded dtype, with mixed precision on or off (this launch keeps the
+    config's bf16 where the CPU has it, and drops it where not): the same verdict on every machine."""
+    out, said = refused("bf16")
+    assert "checkpoint-4 was trained on its base model's weights in float32" in said.refusal, said.refusal
+    assert "loads them in bfloat16" in said.refusal and "resume with --dtype float32" in said.refusal
+    assert not (out / "checkpoint-6").exists()
+    saved = lora_recipe_run / "runs" / "tiny-llama-lora" / "checkpoint-4"
+    files = {p.relative_to(saved): p.read_bytes() for p in saved.rglob("*") if p.is_file()}
+    assert {
+        p.relative_to(out / "checkpoint-4"): p.read_bytes() for p in (out / "checkpoint-4").rglob("*") if p.is_file()
+    } == files

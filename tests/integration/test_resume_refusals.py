@@ -1,7 +1,7 @@
 """A resume refuses, in one line before the first step, a checkpoint of another model (other heads of the same
-shapes), another learning rate, another optimizer, or fp32 weights into bf16 parameters (a LoRA run's frozen
-base included): nothing trained or written, the run's record untouched. A bf16 model's own resume under mixed
-precision is not refused, and an FSDP1 FULL_STATE_DICT run resumes to the same bits or is refused."""
+shapes), another learning rate, another optimizer, or fp32 weights into bf16 parameters (a LoRA run's frozen base:
+tests/integration/test_lora.py): nothing trained or written, the run's record untouched. A bf16 model's own resume
+under mixed precision is not refused, and an FSDP1 FULL_STATE_DICT run resumes to the same bits or is refused."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import LORA_RECIPE, QUICK, REPO, launch, lora_recipe_copy, quick
+from conftest import QUICK, REPO, launch, quick
 from helpers.launch_sequence import launch_sequence
 from helpers.zero3_runs import zero3_runs as shared_zero3_runs
 
@@ -21,20 +21,23 @@ FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
 ZERO3, FSDP1 = "accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"
 # Mixed precision off for every refused resume, as a CPU without native bf16 turns it off itself: with it on, FSDP2
 # keeps fp32 master weights and a --dtype bfloat16 resume of an fp32 run is right to go on
-# (test_a_bf16_models_resume_under_mixed_precision_is_not_refused). The other refusals do not depend on it.
+# (test_a_bf16_models_resume_under_mixed_precision_is_not_refused). The other refusals do not depend on it. A LoRA
+# run's bf16 resume, refused with mixed precision on or off, is tests/integration/test_lora.py's.
 NO_MIXED = ("--mixed_precision", "no")
 
 
-def checkpoint_6_of(trained, config: str, run: Path) -> Path:
-    """A run folder holding a copy of the config's trained run's checkpoint-6 and its run_args.json."""
+def checkpoint_6_of(trained, config: str, run: Path, record: bool) -> Path:
+    """A run folder holding a copy of the config's trained run's checkpoint-6 (and, with ``record``, its
+    run_args.json; without, the resume of a folder that has no record)."""
     source = trained(config).output_dir
     shutil.copytree(source / "checkpoint-6", run / "checkpoint-6")
-    shutil.copy(source / "run_args.json", run / "run_args.json")
+    if record:
+        shutil.copy(source / "run_args.json", run / "run_args.json")
     return run
 
 
 @pytest.fixture(scope="module")
-def refused(trained, lora_recipe_run, tmp_path_factory):
+def refused(trained, tmp_path_factory):
     """``refused(name)`` -> (run folder, SequencedRun): each resume below refused, the resumes of one config in one
     launch (tests/helpers/launch_sequence.py), each of its own copy. Each refusal must be the same one-line error on
     every rank; its folder is read after the launch."""
@@ -57,7 +60,6 @@ def refused(trained, lora_recipe_run, tmp_path_factory):
             "heads": (QUICK, "--config_name", str(other), "--tokenizer_name", str(TINY)),
             "optimizer": (QUICK, "--optim", "sgd"),
             "bf16": (QUICK, "--dtype", "bfloat16"),
-            "lora-bf16": (LORA_RECIPE, "--save_steps", "2", "--max_steps", "6", "--dtype", "bfloat16"),
         },
         FSDP1: {"lr": (QUICK, "--learning_rate", str(lr / 3)), "bf16": (QUICK, "--dtype", "bfloat16")},
     }
@@ -66,10 +68,7 @@ def refused(trained, lora_recipe_run, tmp_path_factory):
         commands = {}
         for name, (first, *flags) in runs.items():
             run = root / config_name.split("/")[-2] / name
-            if name == "lora-bf16":
-                lora_recipe_copy(lora_recipe_run, run)
-            else:
-                checkpoint_6_of(trained, config_name, run)
+            checkpoint_6_of(trained, config_name, run, record=name == "heads")
             folders[config_name, name] = run
             commands[name] = [
                 *([first] if isinstance(first, str) else first),
@@ -89,10 +88,6 @@ def refused(trained, lora_recipe_run, tmp_path_factory):
         return folders[config, name], said, before[config, name]
 
     return get
-
-
-def files_of(run: Path) -> dict[str, bytes]:
-    return {p.relative_to(run).as_posix(): p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
 
 def test_resuming_a_model_of_the_same_shapes_but_other_heads_stops_before_loading(refused):
@@ -133,20 +128,6 @@ def test_resuming_an_fp32_run_in_bf16_stops_before_the_first_step(refused, confi
     run, said, _ = refused("bf16", config)
     assert "checkpoint-6 holds float32 weights and this run's parameters are bfloat16" in said.refusal
     assert not (run / "checkpoint-12").exists() and not (run / "model").exists()
-
-
-def test_resuming_a_lora_runs_fp32_checkpoint_in_bf16_stops_before_the_first_step(refused):
-    """A LoRA checkpoint stores the adapter and its Adam state, not the frozen base, which the resume loads at
-    --dtype: an fp32 run resumed with --dtype bfloat16 would train its adapter on over a rounded base (exit 0 before).
-    Refused in one line from the checkpoint's recorded dtype, mixed precision on or off (the verdict is read from the
-    checkpoint, the same on every machine; this launch has it off)."""
-    run, said, before = refused("lora-bf16")
-    assert "checkpoint-4 was trained on its base model's weights in float32" in said.refusal, said.refusal
-    assert "loads them in bfloat16" in said.refusal and "resume with --dtype float32" in said.refusal
-    assert not (run / "checkpoint-6").exists()
-    assert {k: v for k, v in files_of(run).items() if k.startswith("checkpoint-4/")} == {
-        k: v for k, v in before.items() if k.startswith("checkpoint-4/")
-    }
 
 
 @pytest.fixture(scope="module")
