@@ -29,4 +29,4 @@ def parse_command_line(argv: list[str]):
 
 if __name__ == "__main__":
     sequence.parse_args = parse_command_line  # its loop, its reset and its results; only the parsing is ours
-    sequence.train_each(sys.argv[1:])
+    sequence.leave(sys.argv[1:])

@@ -21,4 +21,4 @@ runpy.run_path = run_path
 
 if __name__ == "__main__":
     sequence.parse_args = argv_sequence.parse_command_line
-    sequence.train_each(sys.argv[1:])
+    sequence.leave(sys.argv[1:])

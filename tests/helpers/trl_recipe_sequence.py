@@ -67,5 +67,14 @@ def train_each(recipes: list[str]) -> None:
             os.environ["ACCELERATE_MIXED_PRECISION"] = precision
 
 
+def leave(recipes: list[str]) -> None:
+    """train_each, then leave as train_fsdp.py leaves (exits.run_as_script: once the atexit handlers have run, without
+    the interpreter's teardown). The teardown aborted a rank now and then after the last run had ended: a thread of
+    torch's still joinable ("terminate called without an active exception")."""
+    from fsdp_recipes.train import exits
+
+    exits.run_as_script(lambda: train_each(recipes))
+
+
 if __name__ == "__main__":
-    train_each(sys.argv[1:])
+    leave(sys.argv[1:])
