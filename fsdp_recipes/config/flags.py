@@ -1,23 +1,61 @@
-"""Flags and recipe values checked the way argparse would, but as one line naming the key and the fix: argparse
-itself prints its whole usage (hundreds of lines, once per rank) and exits 2; recipe values bypass it entirely."""
+"""Flags read by argparse itself, and recipe values converted by the same types, each refusal one line naming the
+key and the fix: argparse alone prints its whole usage (hundreds of lines, once per rank) and exits 2, and recipe
+values, which become its defaults, bypass its conversion."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import re
 
 from fsdp_recipes.errors import RecipeError
 
 
-def check_flags(argv: list[str], parser) -> None:
-    """An unknown flag is one line with the closest known one (argparse would print its 120-line usage per rank)."""
-    options = {s for action in parser._actions for s in action.option_strings}
-    unknown = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options]
-    if unknown:
-        names = {o.removeprefix("--") for o in options}
-        raise RecipeError(
-            f"unknown flag(s): {with_hints([u.removeprefix('--') for u in unknown], names)}; see `train_fsdp.py --help`"
-        )
+class Refused(argparse.ArgumentTypeError):
+    """A text a flag's type refuses, as one line naming the field; ``why`` is what follows the value."""
+
+    def __init__(self, dest: str, text, why: str):
+        super().__init__(f"{dest}={text!r}{why}")
+        self.why = why
+
+
+def _why(convert, text, err) -> str:
+    """What is wrong with ``text``, and the fix: a whole number written as a float is named with its digits."""
+    if convert is int:
+        try:
+            whole = float(text)
+        except ValueError:
+            whole = None
+        fix = f"write it as {int(whole)}" if whole is not None and whole.is_integer() else "give a whole number"
+        return f" is not a whole number: {fix}"
+    if convert is float:
+        return " is not a number: give a number"
+    return f": {str(err).rstrip('.')}"
+
+
+def _checked(action):
+    """``action``'s type, refusing a text (or a value outside its choices) with a Refused line: argparse quotes an
+    ArgumentTypeError as it is, and check_recipe_types converts recipe values with the same type."""
+    convert = action.type
+
+    @functools.wraps(convert)
+    def value(text):
+        try:
+            out = convert(text)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
+            raise Refused(action.dest, text, _why(convert, text, err)) from None
+        if action.choices is not None and out not in action.choices and str(out) not in map(str, action.choices):
+            raise Refused(action.dest, text, f" is not one of {', '.join(map(str, action.choices))}")
+        return out
+
+    return value
+
+
+def declare(parser) -> None:
+    """Every typed flag of ``parser`` refuses a bad value in one line naming it (Refused)."""
+    for action in parser._actions:
+        if action.type is not None:
+            action.type = _checked(action)
 
 
 # what a value-taking flag wants, where its type alone says too little
@@ -27,114 +65,44 @@ VALUE_HINTS = {
 }
 
 
-def _bare(argv: list[str], i: int) -> bool:
-    """``argv[i]`` (a flag without =value) is followed by no value: the end, or the next flag."""
-    return i + 1 == len(argv) or argv[i + 1].startswith("--")
-
-
-def check_missing_values(argv: list[str], parser) -> None:
-    """A flag that takes a value, given none (``--max_steps`` last, ``--output_dir --bf16 true``): one line naming
-    it. argparse would print its usage per rank, or the repeat check would compare the flag with an empty value."""
-    actions = {s: a for a in parser._actions for s in a.option_strings if a.nargs in (None, "+")}
-    for i, arg in enumerate(argv):
-        if (action := actions.get(arg)) is None or not _bare(argv, i):
-            continue
-        if action.dest in VALUE_HINTS:
-            kind = VALUE_HINTS[action.dest]
-        elif action.choices is not None:
-            kind = f"one of {', '.join(map(str, action.choices))}"
-        elif action.type in (int, float):
-            kind = "a whole number" if action.type is int else "a number"
-        else:
-            kind = "one or more values" if action.nargs == "+" else "a value"
-        raise RecipeError(f"{action.dest} has no value: give {kind} after {arg}")
-
-
-def bare_flags_as_values(argv: list[str], parser) -> list[str]:
-    """argv with each bare true/false flag (``--use_peft``, ``--packing``: HfArgumentParser's and TRL's way to say
-    true) written with its value, ``--use_peft=true``: a flag given bare and then with true is then the same value
-    to the repeat check, as it is to argparse."""
-    optional = {s: a for a in parser._actions for s in a.option_strings if a.nargs == "?" and a.const is not None}
-    out = list(argv)
-    for i, arg in enumerate(argv):
-        if (action := optional.get(arg)) is None or not _bare(argv, i):
-            continue
-        word = str(action.const).lower()
-        try:
-            same = action.type is not None and action.type(word) == action.const
-        except (TypeError, ValueError, argparse.ArgumentTypeError):
-            same = False
-        if same:  # a const no word spells (TrainingArguments' --fsdp: True, a str field) stays bare, for argparse
-            out[i] = f"{arg}={word}"
-    return out
-
-
-def check_flag_values(argv: list[str], parser) -> None:
-    """A number flag whose value is not a number is one line naming it (argparse would print its usage and exit
-    with status 2 on every rank), as is a negative value argparse would take for a flag (-inf, -1e-4)."""
-    actions = {s: a for a in parser._actions for s in a.option_strings if a.type in (int, float)}
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if (action := actions.get(flag)) is None:
-            continue
-        name, kind = action.dest, "a whole number" if action.type is int else "a number"
-        if not eq:
-            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
-                raise RecipeError(f"{name} has no value: give {kind} after --{name}")
-            value = argv[i + 1]
-            if value.startswith("-") and not _argparse_reads_as_value(value):
-                raise RecipeError(f"{name}={value} would be read as a flag: write --{name}={value}")
-        try:
-            action.type(value)
-        except ValueError:
-            try:
-                whole = float(value)
-            except ValueError:
-                whole = None
-            hint = (
-                f"write it as {int(whole)}"
-                if action.type is int and whole is not None and whole.is_integer()
-                else f"give {kind}"
-            )
-            raise RecipeError(f"{name}={value!r} is not {kind}: {hint}") from None
-
-
-def check_flag_words(argv: list[str], parser) -> None:
-    """A true/false flag given a word that is neither, or a flag given a value outside its choices: one line naming
-    it (argparse would print its usage and exit with status 2 on every rank)."""
-    actions = {s: a for a in parser._actions for s in a.option_strings if a.type not in (None, int, float) or a.choices}
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if (action := actions.get(flag)) is None:
-            continue
-        if not eq:
-            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
-                continue  # bare: a true/false flag means true; a missing value is check_missing_values'
-            value = argv[i + 1]
-        try:
-            converted = action.type(value) if action.type is not None else value
-        except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
-            raise RecipeError(f"{action.dest}={value!r}: {str(err).rstrip('.')}") from None
-        if (
-            action.choices is not None
-            and converted not in action.choices
-            and str(converted) not in map(str, action.choices)
-        ):
-            raise RecipeError(f"{action.dest}={value!r} is not one of {', '.join(map(str, action.choices))}")
-
-
-def _argparse_reads_as_value(text: str) -> bool:
-    """Whether argparse takes ``--flag text`` with text as the value: which negative numbers it reads as numbers
-    changed across Python versions (-1e-4 is a flag to 3.11's), so this asks a parser of this Python."""
-    import argparse
-
-    probe = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    probe.add_argument("--x")
+def parse_flags(parser, argv: list[str]):
+    """``argv`` read by argparse itself (a parser built with ``exit_on_error=False``, ``allow_abbrev=False`` and
+    declare'd types): (the namespace, what no flag took). Each refusal is one line naming the flag and the fix, where
+    argparse would print its whole usage (hundreds of lines, once per rank) and exit 2."""
     try:
-        probe.parse_args(["--x", text])
-    except argparse.ArgumentError:
-        return False
-    return True
+        return parser.parse_known_args(argv)
+    except argparse.ArgumentError as err:
+        action = next(a for a in parser._actions if "/".join(a.option_strings) == err.argument_name)
+        if err.message.startswith("expected"):  # no value, or one that starts with - and reads as a flag
+            raise RecipeError(_missing_value(action, argv)) from None
+        if err.message.startswith("ignored explicit argument"):
+            raise RecipeError(f"{action.dest} takes no value: give {action.option_strings[0]} alone") from None
+        refused = err.message.startswith(f"{action.dest}=")  # a Refused line
+        raise RecipeError(err.message if refused else f"{action.dest}: {err.message}") from None
+
+
+# the values after a flag that argparse reads as negative numbers, not flags (argparse's own pattern)
+NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def _missing_value(action, argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        after = argv[i + 1] if i + 1 < len(argv) else "--"
+        if arg in action.option_strings and after.startswith("-") and not NEGATIVE_NUMBER.match(after):
+            if not after.startswith("--"):  # -inf, -1e-4: argparse takes them for a flag
+                return f"{action.dest}={after} would be read as a flag: write --{action.dest}={after}"
+            break
+    else:
+        arg = action.option_strings[0]
+    if action.dest in VALUE_HINTS:
+        kind = VALUE_HINTS[action.dest]
+    elif action.choices is not None:
+        kind = f"one of {', '.join(map(str, action.choices))}"
+    elif getattr(action.type, "__wrapped__", None) in (int, float):
+        kind = "a whole number" if action.type.__wrapped__ is int else "a number"
+    else:
+        kind = "one or more values" if action.nargs == "+" else "a value"
+    return f"{action.dest} has no value: give {kind} after {arg}"
 
 
 # TrainingArguments fields typed ``str`` (so one value as a flag) that take a list too, as recipes often write them
@@ -147,7 +115,8 @@ NULL_MEANS_MORE = {"block_size"}  # TRL's max_length: null, no truncation
 
 
 def check_recipe_types(recipe: dict, parser) -> None:
-    """Recipe values bypass argparse's conversion (they become defaults as they are): check them the same way."""
+    """Recipe values bypass argparse's conversion (they become defaults as they are): each is converted by its
+    flag's own type (declare), and refused in the same words."""
     actions = {}
     for a in parser._actions:  # a true-by-default flag has two: --name (typed) and --no_name (store_false, untyped)
         if a.dest not in actions or actions[a.dest].type is None:
@@ -163,33 +132,18 @@ def check_recipe_types(recipe: dict, parser) -> None:
         if value is None or action.type is None:
             continue
         many = action.nargs in ("+", "*") or key in LIST_VALUED
-        values = value if many and isinstance(value, list) else [value]
-        for v in values:
+        for v in value if many and isinstance(value, list) else [value]:
             if key in LIST_VALUED and not isinstance(v, str):
                 raise RecipeError(f"recipe key {key}: {v!r} is not a name: give a name or a list of names")
-            if isinstance(v, dict) and getattr(action.type, "__name__", None) == "JSON mapping":
-                try:  # a YAML mapping is what the field takes (helptext.json_mapping reads the flag's JSON)
-                    action.type(v)
-                except ValueError as err:
-                    raise RecipeError(f"recipe key {key}: {err}") from None
-                continue
-            if isinstance(v, (list, dict)):
+            mapping = isinstance(v, dict) and action.type.__name__ == "JSON mapping"  # helptext.json_mapping
+            if isinstance(v, (list, dict)) and not mapping:
                 raise RecipeError(
-                    f"recipe key {key}: {value!r} is a {type(v).__name__}; give one "
-                    f"{getattr(action.type, '__name__', 'value')}"
+                    f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {action.type.__name__}"
                 )
             try:
-                converted = action.type(str(v).lower() if isinstance(v, bool) else v if isinstance(v, str) else str(v))
-            except (TypeError, ValueError, argparse.ArgumentTypeError) as err:  # string_to_bool raises the last
-                raise RecipeError(
-                    f"recipe key {key}: {v!r} is not a valid {getattr(action.type, '__name__', 'value')} ({err})"
-                ) from None
-            if (
-                action.choices is not None
-                and converted not in action.choices
-                and str(converted) not in map(str, action.choices)
-            ):
-                raise RecipeError(f"recipe key {key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
+                action.type(v if mapping or isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v))
+            except Refused as err:
+                raise RecipeError(f"recipe key {key}: {v!r}{err.why}") from None
 
 
 # TrainingArguments of transformers 4 that transformers 5 removed or renamed, which recipes and habits still carry:

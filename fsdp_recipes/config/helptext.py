@@ -12,6 +12,7 @@ import typing
 
 from transformers import HfArgumentParser, TrainingArguments
 
+from fsdp_recipes.config import flags
 from fsdp_recipes.config.arguments import DataArguments
 from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.config.run_arguments import RunArguments
@@ -136,10 +137,13 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
         "(the newest complete checkpoint in output_dir) or a checkpoint-N folder. TRL's SFTConfig names are "
         "accepted where they mean the same (shown next to ours).",
         formatter_class=_Formatter,
+        allow_abbrev=False,  # --learn is no spelling of --learning_rate
+        exit_on_error=False,  # flags.parse_flags says each refusal in one line
     )
     for action in parser._actions:
         if action.type is dict or typing.get_origin(action.type) is dict:
             action.type = json_mapping(next(iter(typing.get_args(action.type)[1:]), None))
+    flags.declare(parser)
     parser.add_argument("--help-all", action="help", help="show this help with every TrainingArguments option and exit")
     groups = {g.title: g for g in parser._action_groups}
     model = groups[ModelArguments._argument_group_name]

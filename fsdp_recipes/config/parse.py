@@ -19,14 +19,7 @@ from fsdp_recipes.config.accelerate_config import (
 )
 from fsdp_recipes.config.arguments import DataArguments, build
 from fsdp_recipes.config.dict_fields import check_dict_valued
-from fsdp_recipes.config.flags import (
-    bare_flags_as_values,
-    check_flag_values,
-    check_flag_words,
-    check_flags,
-    check_missing_values,
-    check_recipe_types,
-)
+from fsdp_recipes.config.flags import check_recipe_types, parse_flags
 from fsdp_recipes.config.hub_push import push_plan
 from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.config.packages import check_deepspeed, check_packages
@@ -34,7 +27,7 @@ from fsdp_recipes.config.plan import Plan
 from fsdp_recipes.config.recipe_checks import ZERO1_UNDER_FSDP
 from fsdp_recipes.config.run_arguments import RunArguments
 from fsdp_recipes.config.trainer_fsdp import check_trainer_fsdp
-from fsdp_recipes.config.trl_names import check_flag_aliases, check_trl_flags, rename_recipe_keys
+from fsdp_recipes.config.trl_names import check_flag_aliases, check_unknown_flags, rename_recipe_keys
 from fsdp_recipes.config.values import best_metric_direction, check_task_flags, check_training_values
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, UnreadableFile
@@ -121,14 +114,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
             f"{recipe_path} {what}: {fix}" if what.startswith(ACCELERATE_AS_RECIPE) else f"recipe: {what}: {fix}"
         )
     check_deepspeed(recipe.get("deepspeed"))  # before its type check: a mapping there is DeepSpeed's too
-    check_trl_flags(argv, parser)
-    check_flags(argv, parser)
-    check_missing_values(argv, parser)
-    argv = bare_flags_as_values(argv, parser)
     check_flag_aliases(argv, parser)  # on the values as typed: auto, not the placeholder
     recipe, argv, auto_batch = batch_size.take_auto(recipe, argv)  # 1 until the preflight chooses
-    check_flag_values(argv, parser)
-    check_flag_words(argv, parser)
     check_recipe_types(recipe, parser)
     given = {a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--")}
     for pair in (("model_name_or_path", "config_name"), ("dataset_name", "train_file")):
@@ -137,7 +124,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
                 recipe.pop(key, None)
     set_keys = given | set(recipe)  # the keys a flag or the recipe set, as against argparse's defaults
     parser.set_defaults(**recipe)
-    raw = parser.parse_args(argv)  # plain values: no dataclass, no process group yet
+    raw, extras = parse_flags(parser, argv)  # plain values: no dataclass, no process group yet
+    check_unknown_flags(extras, parser)
     expand_home(raw)
     check_packages(raw)  # transformers would import them on every rank after start-up, and fail there
     trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp

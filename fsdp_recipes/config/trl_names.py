@@ -36,21 +36,25 @@ def rename_recipe_keys(recipe: dict) -> dict:
 def check_flag_aliases(argv: list[str], parser) -> None:
     """One setting given twice with different values, by two spellings (``--max_length 512 --block_size 256``) or by
     the same flag (``--learning_rate 1e-3 ... --learning_rate 2e-3``, a flag appended to a long command): one line
-    naming both (argparse would silently keep the last). The same value twice is harmless and passes."""
-    dest = {s: a.dest for a in parser._actions for s in a.option_strings if a.nargs is None or a.nargs == "?"}
+    naming both (argparse would silently keep the last). The same value twice is harmless and passes; a bare
+    true/false flag (``--use_peft``) is its true, and a flag missing its value is argparse's to name."""
+    actions = {s: a for a in parser._actions for s in a.option_strings if a.nargs is None or a.nargs == "?"}
     seen: dict[str, tuple[str, str]] = {}
     for i, arg in enumerate(argv):
         flag, eq, value = arg.partition("=")
-        if flag not in dest:
+        if (action := actions.get(flag)) is None:
             continue
         if not eq:
-            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
-        if (earlier := seen.get(dest[flag])) and earlier[1] != value:
-            what = f"the same setting ({dest[flag]})" if earlier[0] != flag else "given twice"
+            bare = i + 1 == len(argv) or argv[i + 1].startswith("--")
+            if bare and action.nargs is None:
+                continue
+            value = str(action.const).lower() if bare else argv[i + 1]
+        if (earlier := seen.get(action.dest)) and earlier[1] != value:
+            what = f"the same setting ({action.dest})" if earlier[0] != flag else "given twice"
             raise RecipeError(
                 f"{earlier[0]} {earlier[1]} and {flag} {value} are {what} with different values: give one"
             )
-        seen[dest[flag]] = (flag, value)
+        seen[action.dest] = (flag, value)
 
 
 UNKNOWN_FIX = "remove them (see `train_fsdp.py --help`)"
@@ -73,11 +77,14 @@ def unknown_keys_problem(unknown: list[str], known, what: str = "recipe", kind: 
     return f"{what}: {unknown_keys(unknown, known, kind)}: {UNKNOWN_FIX}"
 
 
-def check_trl_flags(argv: list[str], parser) -> None:
-    """A TRL flag with no equivalent is named as TRL's (with every other unknown flag, in the same line)."""
-    options = {s for action in parser._actions for s in action.option_strings}
-    unknown = [
-        a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options
-    ]
+def check_unknown_flags(extras: list[str], parser) -> None:
+    """What no flag of ``parser`` took (parse_flags): every unknown flag named in one line, a TRL flag with no
+    equivalent as TRL's, the others with the closest known flag."""
+    unknown = [a.split("=", 1)[0].removeprefix("--") for a in extras if a.startswith("--")]
+    known = {s.removeprefix("--") for action in parser._actions for s in action.option_strings}
     if set(unknown) & set(NO_EQUIVALENT):
-        raise RecipeError(unknown_keys_problem(unknown, {o.removeprefix("--") for o in options}, "flags", "flag"))
+        raise RecipeError(unknown_keys_problem(unknown, known, "flags", "flag"))
+    if unknown:
+        raise RecipeError(f"unknown flag(s): {with_hints(unknown, known)}; see `train_fsdp.py --help`")
+    if extras:
+        raise RecipeError(f"{extras[0]!r} follows no flag: give flags as --name value (a recipe YAML comes first)")

@@ -393,7 +393,7 @@ BAD_INPUT = {  # case: (recipe or None for the default, extra flags, the one err
         [],
         "recipe: unknown key(s): num_train_epoch (did you mean num_train_epochs?)",
     ),
-    "bad value": (TINY + CORPUS + "learning_rate: fast\n", [], "recipe key learning_rate: 'fast' is not a valid float"),
+    "bad value": (TINY + CORPUS + "learning_rate: fast\n", [], "recipe key learning_rate: 'fast' is not a number"),
     "another run's checkpoints": (None, [], "already holds another run's checkpoints (checkpoint-6)"),
 }
 

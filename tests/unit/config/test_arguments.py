@@ -89,7 +89,7 @@ def test_recipe_sets_defaults_and_flags_override(tmp_path):
         ("- a list\n", "must be a mapping"),
         ("lr: [\n", "not valid YAML"),
         (TINY + CORPUS + "learning_rate: [1, 2]\n", "recipe key learning_rate: [1, 2] is a list; give one float"),
-        (TINY + CORPUS + "max_steps: ten\n", "recipe key max_steps: 'ten' is not a valid int"),
+        (TINY + CORPUS + "max_steps: ten\n", "recipe key max_steps: 'ten' is not a whole number: give a whole number"),
         (TINY + CORPUS + "lr_scheduler_type: cosinus\n", "recipe key lr_scheduler_type: 'cosinus' is not one of"),
     ],
 )

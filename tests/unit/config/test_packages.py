@@ -330,7 +330,7 @@ def _true_false_flags():
         {
             a.option_strings[0]
             for a in build_parser()._actions
-            if a.nargs == "?" and a.const is True and a.type is string_to_bool
+            if a.nargs == "?" and a.const is True and getattr(a.type, "__wrapped__", None) is string_to_bool
         }
     )
 
@@ -338,15 +338,17 @@ def _true_false_flags():
 @pytest.mark.parametrize("flag", _true_false_flags())
 def test_a_bare_true_false_flag_means_true(flag):
     """Every HfArgumentParser bool flag alone reads as true, as with =true, and stays so when repeated with true."""
-    from fsdp_recipes.config.flags import bare_flags_as_values
+    from fsdp_recipes.config.flags import parse_flags
     from fsdp_recipes.config.helptext import build_parser
     from fsdp_recipes.config.trl_names import check_flag_aliases
 
     parser = build_parser()
-    argv = bare_flags_as_values([flag, "--seed", "1"], parser)
     dest = flag.removeprefix("--")
-    assert getattr(parser.parse_args(argv), dest) == getattr(parser.parse_args([flag, "true"]), dest)
-    check_flag_aliases(bare_flags_as_values([flag, flag, "true"], parser), parser)
+    assert getattr(parse_flags(parser, [flag, "--seed", "1"])[0], dest) is True
+    assert getattr(parse_flags(parser, [flag, "false"])[0], dest) is False
+    check_flag_aliases([flag, flag, "true"], parser)
+    with pytest.raises(RecipeError, match=f"^{flag} true and {flag} false are given twice"):
+        check_flag_aliases([flag, flag, "false"], parser)
 
 
 CHAT_DATA = (
@@ -397,15 +399,18 @@ def test_a_flag_without_its_value_says_so(flags, message):
 
 
 def test_every_value_flag_without_its_value_says_so():
-    from fsdp_recipes.config.flags import check_missing_values
+    from fsdp_recipes.config.flags import parse_flags
     from fsdp_recipes.config.helptext import build_parser
 
     parser = build_parser()
+    checked = 0
     for action in parser._actions:
         if action.nargs in (None, "+") and action.option_strings:
             for argv in ([action.option_strings[0]], [action.option_strings[0], "--seed", "1"]):
-                with pytest.raises(RecipeError, match=f"^{action.dest} has no value: give "):
-                    check_missing_values(argv, parser)
+                with pytest.raises(RecipeError, match=f"^{action.dest} has no value: give .* after "):
+                    parse_flags(parser, argv)
+            checked += 1
+    assert checked > 80
 
 
 # --- ~ in paths

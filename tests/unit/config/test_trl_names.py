@@ -304,14 +304,15 @@ def test_help_under_accelerate_launch_is_printed_once():
 
 def _two_values(action) -> tuple[str, str] | None:
     """Two different values argparse accepts for ``action`` (None: a flag without a single value)."""
+    convert = getattr(action.type, "__wrapped__", action.type)  # flags.declare's one-line refusals wrap it
     if action.choices:
         values = [str(c) for c in action.choices]
         return (values[0], values[1]) if len(values) > 1 else None
-    if action.type is int:
+    if convert is int:
         return "1", "2"
-    if action.type is float:
+    if convert is float:
         return "0.1", "0.2"
-    if action.nargs in (None, "?") and action.type in (None, str):
+    if action.nargs in (None, "?") and convert in (None, str):
         return "a", "b"
     return None
 
