@@ -6,7 +6,9 @@
 - run_arguments:     RunArguments: what the run may do to its output_dir, how it checkpoints and saves
 - trl_names, trl_recipe, mixture: TRL's and the handbook's recipe keys with TRL's meaning; dataset mixtures
 - helptext:          the script's --help in groups, --help-all for the rest of TrainingArguments
-- values, flags:     every numeric field's range; flags and recipe values checked as one line, not argparse's usage
+- rules:             what each field of the argument dataclasses accepts, declared beside it, checked in one pass
+- values:            TrainingArguments' ranges, and the checks that need several values at once
+- flags:             argparse reads the flags, and converts recipe values, each refusal one line
 - hub_push:          --push_to_hub: where the final model goes, and what stops the upload, found before training
 - packages:          options that need a package (--optim, --report_to, --attn_implementation, liger): named if missing
 - model_source, data_files: is the model loadable (and runs no code of its folder), is the data file usable, found

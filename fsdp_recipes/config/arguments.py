@@ -14,6 +14,7 @@ from fsdp_recipes.config.data_files import sniff_format, train_file_problem
 from fsdp_recipes.config.local_datasets import local_source_problem
 from fsdp_recipes.config.mixture import mixture_evaluates, mixture_problem
 from fsdp_recipes.config.model_source import dataset_source_problem
+from fsdp_recipes.config.rules import INF, MAX_WORKERS, WORKERS_BOUND, Rule, check
 from fsdp_recipes.errors import RecipeError
 
 DATA_EXTENSIONS = {
@@ -55,17 +56,20 @@ EVAL_SOURCES = (
 )  # DataArguments' evaluation data
 
 
-def refuse_blank(arguments) -> None:
-    """No text field of an argument dataclass is empty or blank: none means anything so (an empty path is the
-    folder you launch from, an empty name no dataset or token), and an unset one is None."""
-    for f in dataclasses.fields(arguments):
-        if isinstance(value := getattr(arguments, f.name), str) and not value.strip():
-            raise RecipeError(f"{f.name}={value!r} is empty: give a value, or leave it unset")
-
-
 @dataclass
 class DataArguments:
     _argument_group_name = "data (TRL's SFTConfig names are accepted where they mean the same)"
+    RULES = {  # rules.check, in __post_init__
+        "block_size": Rule(8, INF, "use at least 8 tokens"),
+        "max_train_samples": Rule(1, INF, "keep at least 1 example, or leave it unset to train on all of them"),
+        "preprocessing_num_workers": Rule(
+            1,
+            MAX_WORKERS,
+            f"give 1 or more tokenizing processes ({WORKERS_BOUND}), or leave it unset to tokenize in the training "
+            "process",
+        ),
+        "validation_split_percentage": Rule(1, 50, "hold out between 1 and 50 percent"),
+    }
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id (needs hub access)."})
     dataset_mixture: str | None = field(
         default=None,
@@ -181,7 +185,7 @@ class DataArguments:
     )
 
     def __post_init__(self):
-        refuse_blank(self)
+        check(self)
         if self.dataset_mixture is not None:
             mixture_problem(self)  # a mixture is the one source: dataset_name and train_file are refused beside it
         elif (self.dataset_name is None) == (self.train_file is None):
@@ -209,8 +213,6 @@ class DataArguments:
         if problem := local_source_problem(self):  # a local source's splits and configurations, as datasets has them
             raise RecipeError(problem)
         self._trl_names()
-        if self.data_format not in ("auto", "text", "chat"):
-            raise RecipeError(f"data_format={self.data_format!r} is not one of auto, text, chat")
         if (
             self.data_format == "auto"
             and self.train_file is not None
@@ -223,8 +225,6 @@ class DataArguments:
                 "block_size (TRL's max_length) is null: TRL's no-truncation has no equivalent here; give a "
                 "number of tokens"
             )
-        if self.block_size < 8:
-            raise RecipeError(f"block_size={self.block_size} is too small: use at least 8 tokens")
         sources = [k for k in EVAL_SOURCES if getattr(self, k) is not None]
         if len(sources) > 1:
             raise RecipeError(f"set one evaluation source, not {' and '.join(sources)}")
@@ -233,8 +233,6 @@ class DataArguments:
                 "dataset_test_split is a split of dataset_name: with a local train_file give validation_file "
                 "or validation_split_percentage"
             )
-        if self.validation_split_percentage is not None and not 1 <= self.validation_split_percentage <= 50:
-            raise RecipeError(f"validation_split_percentage={self.validation_split_percentage} is not between 1 and 50")
         if self.validation_file is not None:
             path = Path(self.validation_file)
             if self.train_file is not None and path.suffix != Path(self.train_file).suffix:

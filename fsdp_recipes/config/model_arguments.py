@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.config.arguments import DTYPES, refuse_blank, trl_spellings
+from fsdp_recipes.config.arguments import DTYPES, trl_spellings
 from fsdp_recipes.config.model_source import (
     config_size_problem,
     model_source_problem,
@@ -17,12 +17,18 @@ from fsdp_recipes.config.model_source import (
     qlora_problem,
     remote_code_problem,
 )
+from fsdp_recipes.config.rules import INF, Rule, check
 from fsdp_recipes.errors import RecipeError
 
 
 @dataclass
 class ModelArguments:
     _argument_group_name = "model and LoRA (LoRA keys are TRL's ModelConfig names)"
+    RULES = {  # rules.check, in __post_init__; the LoRA ones even without use_peft: such a value is a typo either way
+        "lora_r": Rule(1, INF, "give the LoRA rank, e.g. 16"),
+        "lora_alpha": Rule(1, INF, "give a positive alpha, e.g. twice lora_r (the update is scaled by alpha / r)"),
+        "lora_dropout": Rule(0, 1, "give a dropout probability below 1, e.g. 0.05", high_open=True),
+    }
     model_name_or_path: str | None = field(
         default=None,
         metadata={
@@ -139,14 +145,12 @@ class ModelArguments:
     )
 
     def __post_init__(self):
-        refuse_blank(self)
+        check(self)
         if (self.model_name_or_path is None) == (self.config_name is None):
             raise RecipeError(
                 "set exactly one of model_name_or_path (fine-tune weights) and config_name (train from scratch); "
                 f"got model_name_or_path={self.model_name_or_path!r}, config_name={self.config_name!r}"
             )
-        if self.dtype not in DTYPES:
-            raise RecipeError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.load_in_4bit:
             if not (self.use_peft and self.model_name_or_path):
                 raise RecipeError(
@@ -155,11 +159,6 @@ class ModelArguments:
                 )
             if problem := qlora_problem():
                 raise RecipeError(problem)
-        if self.use_peft and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
-            raise RecipeError(
-                f"LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got r={self.lora_r}, "
-                f"alpha={self.lora_alpha}, dropout={self.lora_dropout}"
-            )
         if self.config_name is not None and not Path(self.config_name).exists():
             raise RecipeError(f"config_name={self.config_name!r} does not exist: give a folder holding config.json")
         revision = None if self.model_revision == "main" else self.model_revision  # the hub's checks look at it

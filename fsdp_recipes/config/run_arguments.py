@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fsdp_recipes.config.arguments import DTYPES
-from fsdp_recipes.errors import RecipeError
+from fsdp_recipes.config.rules import INF, Rule, check
 
 STAGING = ("auto", "copy")  # async_checkpoint_staging (fsdp_recipes.compat.host_copy.ReusedHostCopy)
 
@@ -16,6 +16,11 @@ STAGING = ("auto", "copy")  # async_checkpoint_staging (fsdp_recipes.compat.host
 @dataclass
 class RunArguments:
     _argument_group_name = "run"
+    RULES = {  # rules.check, in __post_init__
+        "peak_tflops": Rule(
+            0, INF, "give the GPU's dense bf16 peak in TFLOPS (989 for an H100 SXM), or leave it unset", low_open=True
+        ),
+    }
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -102,9 +107,4 @@ class RunArguments:
     )
 
     def __post_init__(self):
-        if self.save_dtype not in DTYPES:
-            raise RecipeError(f"save_dtype={self.save_dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.async_checkpoint_staging not in STAGING:
-            raise RecipeError(
-                f"async_checkpoint_staging={self.async_checkpoint_staging!r} is not one of {', '.join(STAGING)}"
-            )
+        check(self)

@@ -5,8 +5,6 @@ wrong thing, without a word. ``check_run_length`` needs the training set's size 
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import dataclass
 
 from transformers import TrainingArguments
 
@@ -14,6 +12,7 @@ from fsdp_recipes.config.accelerate_config import compile_modes
 from fsdp_recipes.config.arguments import DataArguments
 from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.config.model_source import model_positions
+from fsdp_recipes.config.rules import INF, MAX_COUNT, MAX_WORKERS, WORKERS_BOUND, Rule, problem, shown
 from fsdp_recipes.config.run_arguments import RunArguments
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError
@@ -28,14 +27,12 @@ def check_training_values(raw, model_args: ModelArguments, data_args: DataArgume
             "max_steps=0 would still train one step and save checkpoint-1: give a positive number of "
             "steps, or leave max_steps at -1 to train num_train_epochs"
         )
-    if raw.learning_rate < 0:
-        raise RecipeError(f"learning_rate={raw.learning_rate} is negative: give a positive rate such as 2e-5")
     check_value_ranges(raw)  # every numeric field: finite, and within its rule (VALUE_RULES)
     if raw.learning_rate == 0:  # a load check may want exactly this; a training run never does
         say("warning: learning_rate=0: the weights will not change (fine to check that a model loads; not training)")
     if raw.learning_rate * raw.weight_decay >= 1:  # the decay multiplies each weight by 1 - lr x wd every step
         raise RecipeError(
-            f"weight_decay={_shown(raw.weight_decay)} with learning_rate={_shown(raw.learning_rate)} would "
+            f"weight_decay={shown(raw.weight_decay)} with learning_rate={shown(raw.learning_rate)} would "
             "multiply every weight by 1 - learning_rate x weight_decay = "
             f"{1 - raw.learning_rate * raw.weight_decay:.3g} "
             f"each step, before any gradient: give a weight_decay below {1 / raw.learning_rate:g}, e.g. 0.01"
@@ -118,72 +115,16 @@ def best_metric_direction(raw, explicit: set[str]) -> None:
         raw.greater_is_better = False
 
 
-@dataclass(frozen=True)
-class Rule:
-    """The values a numeric field accepts: from ``low`` to ``high`` (an end marked open is itself refused), plus
-    ``special`` values with a meaning of their own (max_steps -1: train num_train_epochs). ``fraction``: a step
-    count where transformers 5 reads a float in (0, 1) as a fraction of the run; from 1 up it must be a whole
-    number. ``strategy``: the field is read only when that strategy is "steps" (otherwise only finite)."""
-
-    low: float
-    high: float
-    fix: str  # what to give instead: the part of the message after the colon
-    low_open: bool = False
-    high_open: bool = False
-    special: tuple = ()
-    fraction: bool = False
-    strategy: str | None = None
-
-
-INF = float("inf")
-
-
 SEED_MAX = 2**32 - 1  # transformers' set_seed seeds numpy, which refuses more
-
-
-MAX_COUNT = (
-    2**63 - 1
-)  # the largest int64: whole numbers (counts, steps, sizes) beyond it overflow where torch keeps them
 
 
 STEPS_FIX = "give a whole number of optimizer steps, or a fraction of the run below 1 (0.1: every tenth of it)"
 
 
-# Worker processes (dataloader_num_workers per training process, preprocessing_num_workers for datasets.map) are
-# forked as asked: 100000 forked until the machine stopped. More than a few per core only queue for the cores, so
-# the bound follows this machine (computed once, at import); 64 stays allowed on small machines, where a recipe
-# written for a large node may still ask for that many.
-CPUS = os.cpu_count() or 1
-
-
-MAX_WORKERS = max(64, 4 * CPUS)
-
-
-WORKERS_BOUND = f"at most {MAX_WORKERS}: max(64, 4 x the {CPUS} CPUs of this machine)"
-
-
-# A rule for every int or float field of ModelArguments, DataArguments, RunArguments and TrainingArguments
-# (numeric_fields()); tests/unit/config/test_values.py fails for a field that has neither a rule here nor a place in
-# FINITE_ONLY, so a field a new transformers adds gets a decision.
-VALUE_RULES: dict[str, Rule] = {
-    # ModelArguments: refused even without use_peft, where they are unused: such a value is a typo either way
-    "lora_r": Rule(1, INF, "give the LoRA rank, e.g. 16"),
-    "lora_alpha": Rule(1, INF, "give a positive alpha, e.g. twice lora_r (the update is scaled by alpha / r)"),
-    "lora_dropout": Rule(0, 1, "give a dropout probability below 1, e.g. 0.05", high_open=True),
-    # DataArguments
-    "block_size": Rule(8, INF, "use at least 8 tokens"),
-    "max_train_samples": Rule(1, INF, "keep at least 1 example, or leave it unset to train on all of them"),
-    "preprocessing_num_workers": Rule(
-        1,
-        MAX_WORKERS,
-        f"give 1 or more tokenizing processes ({WORKERS_BOUND}), or leave it unset to tokenize in the training process",
-    ),
-    "validation_split_percentage": Rule(1, 50, "hold out between 1 and 50 percent"),
-    # RunArguments
-    "peak_tflops": Rule(
-        0, INF, "give the GPU's dense bf16 peak in TFLOPS (989 for an H100 SXM), or leave it unset", low_open=True
-    ),
-    # TrainingArguments
+# A rule for every int or float field of TrainingArguments; ours declare theirs (RULES, beside their fields).
+# tests/unit/config/test_values.py fails for a numeric field that has neither a rule nor a place in FINITE_ONLY, so
+# a field a new transformers adds gets a decision.
+TRAINING_RULES: dict[str, Rule] = {
     "per_device_train_batch_size": Rule(1, INF, "give at least 1 example per process and micro-batch"),
     "per_device_eval_batch_size": Rule(1, INF, "give at least 1 example per process and evaluation batch"),
     "num_train_epochs": Rule(
@@ -249,6 +190,12 @@ VALUE_RULES: dict[str, Rule] = {
 }
 
 
+OWN_RULES = {**ModelArguments.RULES, **DataArguments.RULES, **RunArguments.RULES}  # checked in each __post_init__
+
+
+VALUE_RULES = {**TRAINING_RULES, **OWN_RULES}
+
+
 # Numeric fields with no range of their own, on purpose (name -> why): checked as finite numbers only.
 FINITE_ONLY: dict[str, str] = {}
 
@@ -272,71 +219,25 @@ def numeric_fields() -> dict[str, type]:
     return dict(_numeric)
 
 
-def _shown(value) -> str:
-    """A number as a flag would give it: 0 rather than 0.0, 1e+30 as Python writes it."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
-        return str(int(value))
-    return str(value)
-
-
-def _steps_strategy(raw, key: str) -> bool:
-    value = getattr(raw, key, None)
-    return str(getattr(value, "value", value)).lower() == "steps"  # a string from argparse, an enum from a caller
-
-
 def value_problem(name: str, value, raw=None) -> str | None:
-    """Why ``value`` is refused for the numeric field ``name`` (None: it is fine). Anything but a finite number,
-    or an integer beyond int64, is refused for every field, with a rule or without; then the field's rule applies.
-    ``raw`` (the other values) tells whether a step interval is read at all; without it, it is."""
-    import math
-
-    rule = VALUE_RULES.get(name)
-    fix = rule.fix if rule else "give a finite number"
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"{name}={value!r} is not a number: {fix}"
-    shown = _shown(value)
-    if not math.isfinite(value):
-        return f"{name}={shown} is not a finite number: {fix}"
-    if isinstance(value, int) and abs(value) > MAX_COUNT:
-        return f"{name}={shown} is beyond {MAX_COUNT}, the largest 64-bit integer: {fix}"
-    if rule is None or value in rule.special:
-        return None
-    if rule.strategy and raw is not None and not _steps_strategy(raw, rule.strategy):
-        # logging_steps is also the evaluation interval when eval_strategy is steps and eval_steps is unset
-        if not (
-            name == "logging_steps" and _steps_strategy(raw, "eval_strategy") and not getattr(raw, "eval_steps", None)
-        ):
-            return None
-    if value < rule.low or (rule.low_open and value == rule.low):
-        why = (
-            ("is not positive" if rule.low == 0 else f"is not above {_shown(rule.low)}")
-            if rule.low_open
-            else f"is less than {_shown(rule.low)}"
-        )
-    elif value > rule.high or (rule.high_open and value == rule.high):
-        why = f"is not below {_shown(rule.high)}" if rule.high_open else f"is more than {_shown(rule.high)}"
-    elif rule.fraction and value > 1 and not float(value).is_integer():
-        why = "is neither a fraction of the run (below 1) nor a whole number of steps"
-    else:
-        return None
-    return f"{name}={shown} {why}: {fix}"
+    """rules.problem with the field's rule from VALUE_RULES."""
+    return problem(name, value, VALUE_RULES.get(name), raw)
 
 
 def check_value_ranges(raw) -> None:
-    """Every numeric field parse_args gives, against its rule: one line naming the first that is out of range."""
+    """Every numeric TrainingArguments field parse_args gives, against its rule: one line naming the first that is
+    out of range (the argument dataclasses check theirs, rules.check)."""
     for name in numeric_fields():
-        if problem := value_problem(name, getattr(raw, name, None), raw):
-            raise RecipeError(problem)
+        if name not in OWN_RULES and (why := value_problem(name, getattr(raw, name, None), raw)):
+            raise RecipeError(why)
 
 
 def warn_long_warmup(warmup_steps: float, total_steps: int, learning_rate: float) -> None:
     """Legitimate (a learning-rate range test warms up over the whole run) but rarely meant: said, not refused."""
     if warmup_steps >= total_steps:
         say(
-            f"warning: warmup_steps={_shown(warmup_steps)} covers the whole run of {total_steps} optimizer steps: "
-            f"the learning rate never reaches learning_rate={_shown(learning_rate)}"
+            f"warning: warmup_steps={shown(warmup_steps)} covers the whole run of {total_steps} optimizer steps: "
+            f"the learning rate never reaches learning_rate={shown(learning_rate)}"
         )
 
 
@@ -386,7 +287,7 @@ def check_run_length(args, examples: int, profile_steps: str | None = None) -> i
     epoch_based = args.max_steps <= 0
     total = math.ceil(args.num_train_epochs * per_epoch) if epoch_based else args.max_steps
     length = (
-        f"num_train_epochs={_shown(args.num_train_epochs)} x {per_epoch} steps an epoch"
+        f"num_train_epochs={shown(args.num_train_epochs)} x {per_epoch} steps an epoch"
         if epoch_based
         else f"max_steps={args.max_steps}"
     )

@@ -85,7 +85,7 @@ def test_recipe_sets_defaults_and_flags_override(tmp_path):
         (TINY + "train_file: /nonexistent.jsonl\n", "train_file='/nonexistent.jsonl': does not exist"),
         (TINY + "train_file: data.xlsx\n", "unsupported extension '.xlsx'"),
         (TINY + CORPUS + "model_name_or_path: x\n", "exactly one of model_name_or_path"),
-        (TINY + CORPUS + "block_size: 2\n", "block_size=2 is too small"),
+        (TINY + CORPUS + "block_size: 2\n", "block_size=2 is less than 8: use at least 8 tokens"),
         ("- a list\n", "must be a mapping"),
         ("lr: [\n", "not valid YAML"),
         (TINY + CORPUS + "learning_rate: [1, 2]\n", "recipe key learning_rate: [1, 2] is a list; give one float"),
@@ -494,7 +494,7 @@ def test_output_dir_on_a_read_only_filesystem_is_one_line(tmp_path):
     "argv, message",
     [
         (["--max_steps", "0"], "max_steps=0 would still train one step and save checkpoint-1"),
-        (["--learning_rate=-1e-4"], "learning_rate=-0.0001 is negative"),
+        (["--learning_rate=-1e-4"], "learning_rate=-0.0001 is less than 0: give a rate such as 2e-5"),
         (
             ["--block_size", "1024"],
             "block_size=1024 is longer than the model's 256 positions: use block_size 256 or less",
@@ -504,9 +504,12 @@ def test_output_dir_on_a_read_only_filesystem_is_one_line(tmp_path):
             ["--validation_split_percentage", "10", "--validation_file", "x.txt"],
             "set one evaluation source, not validation_file and validation_split_percentage",
         ),
-        (["--validation_split_percentage", "80"], "validation_split_percentage=80 is not between 1 and 50"),
+        (
+            ["--validation_split_percentage", "80"],
+            "validation_split_percentage=80 is more than 50: hold out between 1 and 50 percent",
+        ),
         (["--load_in_4bit", "true"], "load_in_4bit (QLoRA) quantizes pre-trained weights and trains a LoRA adapter"),
-        (["--use_peft", "true", "--lora_r", "0"], "LoRA needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1"),
+        (["--use_peft", "true", "--lora_r", "0"], "lora_r=0 is less than 1: give the LoRA rank, e.g. 16"),
         (["--profile_steps", "8-5"], "profile_steps='8-5': give the first and last optimizer step to profile"),
         (["--profile_steps", "5-8", "--max_steps", "6"], "profile_steps=5-8 ends after max_steps=6"),
         (["--dataset_test_split", "test"], "dataset_test_split is a split of dataset_name"),

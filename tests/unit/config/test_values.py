@@ -420,11 +420,11 @@ def test_warmup_longer_than_an_epoch_based_run_is_warned(capsys):
     assert capsys.readouterr().err == ""
 
 
-def _arguments_on(monkeypatch, cpus):
-    """fsdp_recipes/config/values.py imported afresh (as another module) on a machine with ``cpus`` CPUs."""
+def _rules_on(monkeypatch, cpus):
+    """fsdp_recipes/config/rules.py imported afresh (as another module) on a machine with ``cpus`` CPUs."""
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
     spec = importlib.util.spec_from_file_location(
-        "fsdp_recipes._values_probe", REPO / "fsdp_recipes" / "config" / "values.py"
+        "fsdp_recipes._rules_probe", REPO / "fsdp_recipes" / "config" / "rules.py"
     )
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
@@ -436,10 +436,14 @@ def _arguments_on(monkeypatch, cpus):
 @pytest.mark.parametrize("field", ["dataloader_num_workers", "preprocessing_num_workers"])
 def test_worker_counts_are_bounded_by_the_machine(monkeypatch, cpus, bound, field):
     """Worker processes are at most max(64, 4 x the machine's CPUs), in one line saying so."""
-    arguments = _arguments_on(monkeypatch, cpus)
-    assert arguments.value_problem(field, bound) is None
+    from fsdp_recipes.config import rules
+
+    assert VALUE_RULES[field].high == rules.MAX_WORKERS and rules.WORKERS_BOUND in VALUE_RULES[field].fix
+    arguments = _rules_on(monkeypatch, cpus)
+    rule = arguments.Rule(0, arguments.MAX_WORKERS, arguments.WORKERS_BOUND)  # the field's rule on that machine
+    assert arguments.problem(field, bound, rule) is None
     for value in (bound + 1, 100000, arguments.MAX_COUNT):
-        problem = arguments.value_problem(field, value)
+        problem = arguments.problem(field, value, rule)
         assert problem.startswith(f"{field}={value} is more than {bound}: "), problem
         assert f"at most {bound}: max(64, 4 x the {cpus or 1} CPUs of this machine)" in problem and "\n" not in problem
 
