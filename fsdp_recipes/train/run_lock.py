@@ -91,6 +91,13 @@ def take(out: Path, warn) -> str | None:
     return None
 
 
+def release() -> None:
+    """Let go of every folder this process took, as the kernel does when it ends: a process that trains several
+    runs in turn (tests/helpers' sequences) may then take one of them again. A lock file stays until exit."""
+    while _held:
+        os.close(_held.pop())
+
+
 def _stale(path: Path, text: bytes) -> bool:
     """A lock file this project wrote whose run is provably over (locks.owner_gone: this host, and its pid gone or
     started at another time), or, in a line without a start time, this very process's pid in a file it did not

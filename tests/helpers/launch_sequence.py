@@ -46,9 +46,9 @@ def launch_sequence(
     launch_args: tuple[str, ...] = (),
 ) -> Callable[..., SequencedRun]:
     """``get(name, refused=False)`` -> the SequencedRun of ``runs[name]``, trained with ``config`` in one launch of
-    ``script`` with the others. Each run's arguments name its own --output_dir; its command file is
-    ``folder/<name>.json``. ``refused``: the run must stop on every rank with the same error, one that
-    train_fsdp.py's exit policy prints as its one line (fsdp_recipes/train/exits.py: ONE_LINE_ERRORS)."""
+    ``script`` with the others. Each run's arguments name its own --output_dir (or an earlier run's, to resume it);
+    its command file is ``folder/<name>.json``. ``refused``: the run must stop on every rank with the same error, one
+    that train_fsdp.py's exit policy prints as its one line (fsdp_recipes/train/exits.py: ONE_LINE_ERRORS)."""
     from filelock import FileLock
 
     def get(name: str, refused: bool = False) -> SequencedRun:
@@ -99,6 +99,19 @@ class InterruptedRun:
     def resume(self) -> SequencedRun:
         """The resume's part of the shared launch, which the first test to ask for a resume starts."""
         return self._resumes(self.out.name)
+
+
+def run_and_resume(
+    folder: Path, config: str, args: list[str], checkpoint: str, launch_args: tuple[str, ...] = ()
+) -> tuple[Callable[..., SequencedRun], Path, Path]:
+    """(launch_sequence's ``get``, the run's output_dir, its resume's): a run of ``args`` into ``folder/run`` and
+    its resume from its ``checkpoint`` (checkpoint-N) into ``folder/resumed``, in one launch."""
+    out, resumed = folder / "run", folder / "resumed"
+    runs = {
+        "run": [*args, "--output_dir", str(out)],
+        "resumed": [*args, "--output_dir", str(resumed), "--resume_from_checkpoint", str(out / checkpoint)],
+    }
+    return launch_sequence(folder / "launch", config, runs, launch_args=launch_args), out, resumed
 
 
 def resumed_together(

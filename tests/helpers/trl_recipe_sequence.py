@@ -5,7 +5,8 @@ torch, transformers and the process group every time.
     accelerate launch --config_file accelerate_configs/zero3.yaml tests/helpers/trl_recipe_sequence.py RECIPE...
 
 Between two recipes accelerate's state singletons are reset (the process group stays: the next PartialState finds it
-joined) and the launcher's mixed precision is restored (a run on a CPU changes it). Rank 0 starts each recipe's
+joined), the launcher's mixed precision is restored (a run on a CPU changes it) and the run's output_dir lock is let
+go, as its process's end would (a later recipe may resume that folder). Rank 0 starts each recipe's
 output with a line ``=== RECIPE <path>`` (on stdout and stderr) and writes ``<path>.result.json``: {"seconds",
 "error", "errors"}, the first rank's error as ``Type: message`` (None when the run ended normally on every rank)
 and every rank's (a list, by rank); then the next recipe runs. Used by tests/integration/test_trl_recipe_runs.py,
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # train_fsdp.py, n
 
 import train_fsdp  # noqa: E402 (after the path)
 from fsdp_recipes.config.parse import parse_args  # noqa: E402
+from fsdp_recipes.train import run_lock  # noqa: E402
 
 
 def reset_accelerate() -> None:
@@ -61,6 +63,7 @@ def train_each(recipes: list[str]) -> None:
             result["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))  # errors has every rank's once joined
             Path(f"{recipe}.result.json").write_text(json.dumps(result))
         reset_accelerate()
+        run_lock.release()
         if precision is None:
             os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
         else:

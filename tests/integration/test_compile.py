@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import quick, read_json, same_tensors
-from helpers.launch_sequence import launch_sequence
+from helpers.launch_sequence import run_and_resume
 
 # what bench/gpu_check.py's compiled speed rows launch with (docs/training.md, "Speed on a GPU")
 REGIONAL = ("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation")
@@ -31,16 +31,9 @@ def test_a_compiled_run_is_sharded_and_resumes_to_the_same_weights(tmp_path, lau
     (tests/helpers/launch_sequence.py, which resets dynamo between runs as a new process would start)."""
     from transformers import AutoModelForCausalLM
 
-    out, resumed_out = tmp_path / "run", tmp_path / "resumed"
     args = [*quick(max_steps="4", save_steps="2"), *flags]
-    runs = launch_sequence(
-        tmp_path / "launch",
-        "accelerate_configs/zero3.yaml",
-        {
-            "run": [*args, "--output_dir", str(out)],
-            "resumed": [*args, "--output_dir", str(resumed_out), "--resume_from_checkpoint", str(out / "checkpoint-2")],
-        },
-        launch_args=launch_args,
+    runs, out, resumed_out = run_and_resume(
+        tmp_path, "accelerate_configs/zero3.yaml", args, "checkpoint-2", launch_args=launch_args
     )
     runs("run")
     report = read_json(out / "fsdp_report.json")

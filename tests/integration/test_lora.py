@@ -3,9 +3,9 @@ alone (weights and optimizer state, every rank's slice); a run resumed from its 
 bits; the run ends with the merged model (equal to peft's own merge_and_unload of the trained adapter) and the adapter
 folder PeftModel loads; the merge tool makes both from a checkpoint and the base.
 
-The runs that end normally on one accelerate config train one after another in one launch (lora_runs), and so do
-the refused ones (refused): a launch each would pay torch's start-up every time. A resume and the runs on launch
-flags of their own launch alone: their subject is a process of their own."""
+The runs that end normally on one accelerate config train one after another in one launch (lora_runs), a resume
+after the run it resumes, and so do the refused ones (refused): a launch each would pay torch's start-up every time.
+The runs on launch flags of their own launch alone."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    FAULT_SCRIPT,
     LORA_RECIPE,
     QUICK,
     REPO,
@@ -32,7 +31,7 @@ from conftest import (
     same_tensors,
     shared_temp,
 )
-from helpers.launch_sequence import launch_sequence
+from helpers.launch_sequence import FAULT_SEQUENCE, SequencedRun, launch_sequence, run_and_resume
 from safetensors.torch import load_file
 
 from fsdp_recipes.ckpt import base_identity
@@ -42,7 +41,6 @@ from fsdp_recipes.ckpt.readers import DCPSource
 LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-2"]
 CONFIGS = ["accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"]
 TINY = str(REPO / "assets" / "tiny-llama")
-SEQUENCE = Path(__file__).resolve().parents[1] / "helpers" / "argv_sequence.py"
 
 # metric loss with greater_is_better true: the worst evaluation is the "best", so the best checkpoint is not the last
 BEST = [
@@ -62,7 +60,7 @@ BEST = [
 
 # The positive-path runs of the tests below, by name: each one's train_fsdp.py flags given its base, but --output_dir.
 # A config's runs share one launch (lora_runs), "whole" first: the run its resume is compared with bit for bit is the
-# launch's first, as in a launch of its own.
+# launch's first, as in a launch of its own; "resumed", next, is its resume (RESUMES) into an output_dir of its own.
 SHARED = {
     "whole": lambda base: [*QUICK, "--model_name_or_path", base, *LORA],
     "best": lambda base: [*quick(max_steps="6", save_steps="2"), "--model_name_or_path", base, *LORA, *BEST],
@@ -85,7 +83,12 @@ SHARED = {
         "bfloat16",
     ],
 }
-RUNS_OF = {CONFIGS[0]: ("whole", "best", "tied", "bf16"), CONFIGS[1]: ("whole", "best", "tied")}
+SHARED["resumed"] = SHARED["whole"]  # and --resume_from_checkpoint (RESUMES)
+RUNS_OF = {CONFIGS[0]: ("whole", "resumed", "best", "tied", "bf16"), CONFIGS[1]: ("whole", "resumed", "best", "tied")}
+# a resume -> the run and checkpoint it resumes (--resume_from_checkpoint that checkpoint's path)
+RESUMES = {"resumed": ("whole", "checkpoint-6")}
+# where the resume saves its optimizer as loaded (FSDP_DUMP_OPTIMIZER, under the run's home; only a resume dumps)
+AS_LOADED = "optimizer-as-loaded"
 # the runs on a base of their own (the tiny Llama from its config, seed 0): how it differs; the others adapt the
 # session's trained model
 OWN_BASE = {"tied": {"tie_word_embeddings": True}, "bf16": {"dtype": torch.bfloat16}}
@@ -102,15 +105,17 @@ def tiny_llama_base(folder: Path, dtype: torch.dtype | None = None, **config) ->
 
 @pytest.fixture(scope="module")
 def lora_runs(trained, tmp_path_factory):
-    """``get(config, name)`` -> (output_dir, base) of SHARED's run ``name`` on ``config``, ended normally. The runs of a
-    config are trained one after another in one launch (tests/helpers/argv_sequence.py: each as its command line
-    trains it), the first time one is asked for; pytest-xdist's workers share it under a file lock."""
+    """``get(config, name)`` -> (output_dir, base) of SHARED's run ``name`` on ``config``, ended normally; with
+    ``output``, its SequencedRun third. The runs of a config are trained one after another in one launch
+    (tests/helpers/fault_sequence.py: each as its command line trains it, the resume's optimizer saved as loaded into
+    ``<output_dir>/../optimizer-as-loaded``), the first time one is asked for; pytest-xdist's workers share it under a
+    file lock."""
     from filelock import FileLock
 
     trained_base = trained("accelerate_configs/zero3.yaml").model_dir
     root = shared_temp(tmp_path_factory)
 
-    def get(config: str, name: str) -> tuple[Path, Path]:
+    def get(config: str, name: str, output: bool = False) -> tuple:
         folder = root / ("lora-runs-" + config.replace("/", "--").removesuffix(".yaml"))
         done = folder / "launch.json"
         with FileLock(f"{folder}.lock"):
@@ -123,18 +128,27 @@ def lora_runs(trained, tmp_path_factory):
                     if each in OWN_BASE:
                         tiny_llama_base(home / "base", **OWN_BASE[each])
                     base = home / "base" if each in OWN_BASE else trained_base
+                    arguments = [*SHARED[each](str(base)), "--output_dir", str(home / "run")]
+                    if each in RESUMES:
+                        run_of, checkpoint = RESUMES[each]
+                        arguments += ["--resume_from_checkpoint", str(folder / run_of / "run" / checkpoint)]
                     command = home / "command.json"
-                    command.write_text(json.dumps([*SHARED[each](str(base)), "--output_dir", str(home / "run")]))
+                    command.write_text(json.dumps(arguments))
                     commands.append(str(command))
-                proc = launch(config, *commands, script=SEQUENCE, check=False)
-                done.write_text(json.dumps({"returncode": proc.returncode, "stderr": proc.stderr}))
+                dump = {"FSDP_DUMP_OPTIMIZER": str(folder / "resumed" / AS_LOADED)}
+                proc = launch(config, *commands, script=FAULT_SEQUENCE, env=dump, check=False)
+                done.write_text(json.dumps({k: getattr(proc, k) for k in ("returncode", "stdout", "stderr")}))
         launched = read_json(done)
         assert launched["returncode"] == 0, launched["stderr"][-6000:]
         home = folder / name
-        said = launched["stderr"].partition(f"=== RECIPE {home / 'command.json'}\n")[2].partition("=== RECIPE ")[0]
+        stdout, said = (
+            launched[key].partition(f"=== RECIPE {home / 'command.json'}\n")[2].partition("=== RECIPE ")[0]
+            for key in ("stdout", "stderr")
+        )
         result = read_json(home / "command.json.result.json")
         assert result["error"] is None, f"{result['error']}\n{said[-6000:]}"
-        return home / "run", home / "base" if name in OWN_BASE else trained_base
+        found = home / "run", home / "base" if name in OWN_BASE else trained_base
+        return (*found, SequencedRun(stdout, said, launched["stdout"] + launched["stderr"])) if output else found
 
     return get
 
@@ -166,8 +180,6 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(lora_runs, c
     from transformers import AutoModelForCausalLM
 
     whole, base = lora_runs(config, "whole")  # base: a pre-trained model to adapt (the session's trained run)
-    args = SHARED["whole"](str(base))
-    out = tmp_path / "resumed"
     losses = logged_losses(whole)
     assert losses[-1] < losses[0], losses
 
@@ -192,23 +204,12 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(lora_runs, c
         checked.stdout
     )
 
-    # Resumed from checkpoint-6 (what a run killed after step 9 leaves: test_fault_tolerance kills runs; here a copy of
-    # the checkpoint stands for it): the same bits as the run never stopped.
-    out.mkdir()
-    shutil.copytree(ckpt, out / "checkpoint-6")
-    as_loaded = tmp_path / "optimizer-as-loaded"
-    resumed = launch(
-        config,
-        *args,
-        "--output_dir",
-        str(out),
-        "--resume_from_checkpoint",
-        "true",
-        script=FAULT_SCRIPT,
-        env={"FSDP_DUMP_OPTIMIZER": str(as_loaded)},
-    )
-    assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
-    saved, loaded = DCPSource(out / "checkpoint-6" / "optimizer_0"), DCPSource(as_loaded / out.name / "optimizer_0")
+    # Resumed from checkpoint-6 (what a run killed after step 9 leaves: test_fault_tolerance kills runs; here the
+    # checkpoint, resumed into another output_dir in the same launch, stands for it): the same bits as the run never
+    # stopped.
+    out, _, resumed = lora_runs(config, "resumed", output=True)
+    assert f"resuming from {ckpt}" in resumed.stdout
+    saved, loaded = DCPSource(ckpt / "optimizer_0"), DCPSource(out.parent / AS_LOADED / out.name / "optimizer_0")
     assert saved.tensors and set(saved.tensors) == set(loaded.tensors)
     saved_values, loaded_values = saved.read(sorted(saved.tensors)), loaded.read(sorted(saved.tensors))
     assert all(torch.equal(saved_values[n], loaded_values[n]) for n in saved_values)  # Adam's state came back whole
@@ -515,29 +516,22 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
 def test_full_state_dict_lora_checkpoints_hold_the_adapter_and_resume_exactly(tmp_path):
     """FSDP2 FULL_STATE_DICT: the checkpoint's pytorch_model_fsdp.bin holds the adapter alone (every rank's rows
     gathered: accelerate PR #4206's bug kept rank 0's), the resume ends on the same bits, the merge tool adds the
-    base."""
+    base. The run and its resume (from its checkpoint-3, into another output_dir, where the recipe builds its base
+    again) train in one launch."""
     full = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
     args = ["recipes/tiny-llama/lora_sft.yaml", "--max_steps", "6", "--save_steps", "3"]
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(whole), launch_args=full)
+    runs, whole, resumed = run_and_resume(tmp_path, "accelerate_configs/zero3.yaml", args, "checkpoint-3", full)
+    runs("run")
     saved = torch.load(whole / "checkpoint-3" / "pytorch_model_fsdp.bin", weights_only=True)
     lora = load_file(whole / "adapter" / "adapter_model.safetensors")
     assert len(saved) == len(lora) == 4 * 7 * 2 and all(".lora_A." in n or ".lora_B." in n for n in saved)
     assert sum(t.numel() for t in saved.values()) == sum(
         t.numel() for t in lora.values()
     )  # whole tensors, not a rank's rows
-    resumed.mkdir()
-    for folder in ("checkpoint-3", "base_model"):
-        shutil.copytree(whole / folder, resumed / folder)
-    launch(
-        "accelerate_configs/zero3.yaml",
-        *args,
-        "--output_dir",
-        str(resumed),
-        "--resume_from_checkpoint",
-        "true",
-        launch_args=full,
-    )
+    said = runs("resumed")
+    assert f"resuming from {whole / 'checkpoint-3'}" in said.stdout + said.stderr
+    # the base the checkpoint was trained on, built again (a copy of the folder stood for it)
+    same_tensors(resumed / "base_model" / "model.safetensors", whole / "base_model" / "model.safetensors")
     for name in ("model/model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = load_file(whole / name), load_file(resumed / name)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), name

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import QUICK, REPO, launch, quick
-from helpers.launch_sequence import launch_sequence
+from helpers.launch_sequence import launch_sequence, run_and_resume
 from helpers.zero3_runs import zero3_runs as shared_zero3_runs
 
 TINY = REPO / "assets" / "tiny-llama"
@@ -153,17 +153,19 @@ def test_fsdp1_full_state_dict_resumes_exactly_or_not_at_all(tmp_path):
     """FSDP1 FULL_STATE_DICT (accelerate's FSDP1 default) with use_orig_params: torch 2.13 loads weights and Adam state
     that equal the saved ones, yet the first update after the resume differs (measured). The run says so at start,
     and the resume is refused in one line naming the fix; with use_orig_params false a run resumes to the same bits.
-    A LoRA checkpoint's model card (peft's README.md, saved under FULL_STATE_DICT) does not stop the rotation."""
+    A LoRA checkpoint's model card (peft's README.md, saved under FULL_STATE_DICT) does not stop the rotation.
+
+    Two launches (tests/helpers/launch_sequence.py), one per set of launch flags: the use_orig_params false run and
+    its resume (from its checkpoint-3, into another output_dir), then the LoRA run and its refused resume."""
     import torch
     from safetensors.torch import load_file
 
     config, no_orig = "accelerate_configs/fsdp1/zero3.yaml", (*FULL, "--fsdp_use_orig_params", "false")
     args = ["--max_steps", "4", "--save_steps", "3", "--logging_steps", "1"]
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    launch(config, *args, "--output_dir", str(whole), launch_args=no_orig)
-    resumed.mkdir()
-    shutil.copytree(whole / "checkpoint-3", resumed / "checkpoint-3")
-    launch(config, *args, "--output_dir", str(resumed), "--resume_from_checkpoint", "true", launch_args=no_orig)
+    exact, whole, resumed = run_and_resume(tmp_path / "exact", config, args, "checkpoint-3", no_orig)
+    exact("run")
+    said = exact("resumed")
+    assert f"resuming from {whole / 'checkpoint-3'}" in said.stdout + said.stderr
     a, b = load_file(whole / "model" / "model.safetensors"), load_file(resumed / "model" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -177,17 +179,24 @@ def test_fsdp1_full_state_dict_resumes_exactly_or_not_at_all(tmp_path):
         "--output_dir",
         str(lora),
     ]
-    done = launch(config, *lora_args, "--max_steps", "3", launch_args=FULL)
+    # the refused resume is a user's: `true` in the LoRA run's own output_dir, trained first in the same launch (the
+    # sequence lets go of a run's output_dir lock when it ends, as its process would)
+    runs = launch_sequence(
+        tmp_path / "lora-launch",
+        config,
+        {
+            "lora": [*lora_args, "--max_steps", "3"],
+            "refused": [*lora_args, "--max_steps", "5", "--resume_from_checkpoint", "true"],
+        },
+        launch_args=FULL,
+    )
+    done = runs("lora")
     assert "writes checkpoints that do not resume exactly" in done.stdout + done.stderr
     assert (
         sorted(p.name for p in lora.glob("checkpoint-*")) == ["checkpoint-3"]
-        and "not a checkpoint holding nothing else" not in done.stdout + done.stderr
+        and "not a checkpoint holding nothing else" not in done.launch_output  # every rank's output, both runs
     )
     assert (lora / "checkpoint-3" / "README.md").is_file()  # peft's model card: the reason it is a checkpoint's file
-    refused = launch(
-        config, *lora_args, "--max_steps", "5", "--resume_from_checkpoint", "true", launch_args=FULL, check=False
-    )
-    assert (
-        refused.returncode != 0 and "FSDP1 with fsdp_use_orig_params: true does not resume exactly" in refused.stderr
-    ), refused.stderr[-2000:]
-    assert "SHARDED_STATE_DICT" in refused.stderr and not (lora / "checkpoint-4").exists()
+    refused = runs("refused", refused=True).refusal
+    assert "FSDP1 with fsdp_use_orig_params: true does not resume exactly" in refused, refused
+    assert "SHARDED_STATE_DICT" in refused and not (lora / "checkpoint-4").exists()

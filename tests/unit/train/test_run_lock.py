@@ -368,3 +368,12 @@ def test_a_lock_file_of_other_content_is_said_to_be_none_of_ours(tmp_path, no_po
     assert f"{owner} is not a lock file this project writes" in message, message
     assert f"if no run trains in {tmp_path}, delete {owner}" in message, message
     assert owner.read_bytes() == NOT_A_LOCK_LINE[kind].encode("latin-1")
+
+
+def test_a_released_folder_can_be_taken_again_by_the_same_process(tmp_path):
+    """flock is per open file: this process's second take of a folder it holds is "in use" until it lets go."""
+    assert run_lock.take(tmp_path, warn=print) is None
+    assert "is in use by another run" in run_lock.take(tmp_path, warn=print)
+    run_lock.release()
+    assert run_lock.take(tmp_path, warn=print) is None
+    run_lock.release()
