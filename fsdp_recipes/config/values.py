@@ -1,6 +1,7 @@
-"""The values a run's numeric fields accept (VALUE_RULES, one rule per field of every argument dataclass and of
-TrainingArguments) and the checks that need several values at once: a run that would train nothing, or the
-wrong thing, without a word. ``check_run_length`` needs the training set's size and runs once it is built."""
+"""TrainingArguments' numeric ranges (TRAINING_RULES; VALUE_RULES adds the argument dataclasses' own, which they
+check themselves: fsdp_recipes.config.rules) and the checks that need several values at once: a run that would
+train nothing, or the wrong thing, without a word. ``check_run_length`` needs the training set's size and runs once
+it is built."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def check_training_values(raw, model_args: ModelArguments, data_args: DataArgume
             "max_steps=0 would still train one step and save checkpoint-1: give a positive number of "
             "steps, or leave max_steps at -1 to train num_train_epochs"
         )
-    check_value_ranges(raw)  # every numeric field: finite, and within its rule (VALUE_RULES)
+    check_value_ranges(raw)  # every numeric TrainingArguments field: finite, and within its rule
     if raw.learning_rate == 0:  # a load check may want exactly this; a training run never does
         say("warning: learning_rate=0: the weights will not change (fine to check that a model loads; not training)")
     if raw.learning_rate * raw.weight_decay >= 1:  # the decay multiplies each weight by 1 - lr x wd every step
