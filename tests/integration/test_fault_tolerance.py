@@ -1,10 +1,13 @@
 """Fault injection with real multi-process runs: SIGKILL mid-run and mid-save, resume on another process count,
-bad input that must stop every rank before anything is set up. The resumes that end normally on zero3.yaml share
-one launch (the ``resumed`` fixture)."""
+bad input that must stop every rank before anything is set up. The runs on zero3.yaml that end normally after an
+interruption (the resumes, a resume after a full disk, a start over in a stopped run's folder) share one launch (the
+``resumed`` fixture)."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 import tempfile
 import time
 
@@ -90,6 +93,52 @@ def copy_of_the_sessions_run(trained):
     return interrupt
 
 
+def stopped_in_stages(trained):
+    """output_dir as a stop leaves it, built from the session's run in stages: none saved, checkpoint-6, a
+    checkpoint-12 cut short after the model's shards, then checkpoint-6 cut short before any shard (Ctrl-C during the
+    first save). What how_to_go_on said at each stage goes to ``<output_dir>-advice.json`` beside it, a list."""
+
+    def interrupt(out):  # no launch: run_args.json comes along, so the run is ours
+        from fsdp_recipes.ckpt.stop_advice import how_to_go_on
+
+        source, advice = trained(ZERO3).output_dir, []
+        out.mkdir()
+        shutil.copy(source / "run_args.json", out / "run_args.json")
+        advice.append(how_to_go_on(out))
+        shutil.copytree(source / "checkpoint-6", out / "checkpoint-6")
+        advice.append(how_to_go_on(out))
+        shutil.copytree(source / "checkpoint-12", out / "checkpoint-12")
+        shutil.rmtree(out / "checkpoint-12" / "optimizer_0")  # cut short after the model's shards
+        advice.append(how_to_go_on(out))
+        shutil.rmtree(out / "checkpoint-6" / "pytorch_model_fsdp_0")  # cut short before any shard: the first save
+        advice.append(how_to_go_on(out))
+        out.with_name(f"{out.name}-advice.json").write_text(json.dumps(advice))
+
+    return interrupt
+
+
+# max_steps 4 with checkpoints 2 and 4: both fit on a 7.8 MB filesystem, the final model does not
+DISK_FULL = ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "1"]
+
+
+def mount_tmpfs(folder, size: str) -> bool:
+    """A tmpfs of ``size`` at ``folder`` (made here), if this machine lets the tests mount one (it needs root)."""
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        folder.rmdir()
+        return False
+    return True
+
+
+def full_at_the_final_model(out):
+    """``out``, a 7.8 MB tmpfs, fills up as the final model is written; then it grows to 20 MB for the resume."""
+    failed = launch(ZERO3, *DISK_FULL, "--output_dir", str(out), check=False)
+    # the resume asks for a 64 MB margin
+    subprocess.run(["mount", "-o", "remount,size=20m", str(out)], check=True)
+    return failed
+
+
 def killed_by(config: str, fault: str):
     def interrupt(out):
         return launch(
@@ -101,8 +150,10 @@ def killed_by(config: str, fault: str):
 
 @pytest.fixture(scope="module")
 def resumed(trained, tmp_path_factory):
-    """The resumes on zero3.yaml that end normally, in one launch; each interruption in a launch of its own. The zero3
-    kill's resume saves its optimizer as loaded into ``optimizer-as-loaded/killed`` (FSDP_DUMP_OPTIMIZER)."""
+    """The runs on zero3.yaml that end normally after an interruption, in one launch; each interruption in a launch of
+    its own (or none: files put in place). The zero3 kill's resume saves its optimizer as loaded into
+    ``optimizer-as-loaded/killed`` (FSDP_DUMP_OPTIMIZER). "disk-full" (its output_dir a tmpfs, unmounted once the
+    module is done) is there only where the tests may mount one."""
     root = tmp_path_factory.mktemp("resumed")
     resume = ["--resume_from_checkpoint", "true"]
     [(_, zero3_fault)] = [kill for kill in KILLS if kill[0] == ZERO3]
@@ -114,9 +165,17 @@ def resumed(trained, tmp_path_factory):
             [*QUICK, "--resume_from_checkpoint", str(root / "branch" / "checkpoint-6")],
         ),
         "killed": (killed_by(ZERO3, zero3_fault), [*QUICK, *resume]),
+        "cut-short": (stopped_in_stages(trained), [*QUICK, "--overwrite_output_dir", "true"]),  # starts over
     }
+    mounted = mount_tmpfs(root / "disk-full", "7800k")
+    if mounted:
+        cases["disk-full"] = (full_at_the_final_model, [*DISK_FULL, *resume])
     env = {"FSDP_DUMP_OPTIMIZER": f"{root / 'optimizer-as-loaded'}:killed"}  # the kill's resume alone
-    return resumed_together(root, ZERO3, cases, script=FAULT_SEQUENCE, env=env)
+    try:
+        yield resumed_together(root, ZERO3, cases, script=FAULT_SEQUENCE, env=env)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(root / "disk-full")], capture_output=True)
 
 
 @pytest.mark.parametrize("config, fault", KILLS, ids=[f"{c.split('/', 1)[1]}-{f}" for c, f in KILLS])
@@ -266,31 +325,25 @@ def test_ctrl_c_is_one_line_on_how_to_resume(tmp_path):
     hold_output_dir(SimpleNamespace(process_index=0, output_dir=str(out)))
 
 
-def test_what_to_run_after_a_stop_is_what_works_in_the_folder_left(trained, tmp_path):
+def test_what_to_run_after_a_stop_is_what_works_in_the_folder_left(resumed):
     """After Ctrl-C or a full disk the line says what to run next, as output_dir was left: resume from the newest
     complete checkpoint; start over with none saved; with only cut-short ones (Ctrl-C during the first save), start
-    over with --overwrite_output_dir, which removes them (a resume finds nothing, a plain start refuses them)."""
+    over with --overwrite_output_dir, which removes them (a resume finds nothing, a plain start refuses them). The
+    start over is one of ``resumed``'s runs, in the folder as the last stage left it."""
     from fsdp_recipes.ckpt.status import checkpoint_status
-    from fsdp_recipes.ckpt.stop_advice import how_to_go_on
 
-    source = trained("accelerate_configs/zero3.yaml").output_dir
-    out = tmp_path / "run"
-    out.mkdir()
-    shutil.copy(source / "run_args.json", out / "run_args.json")
-    assert how_to_go_on(out) == "no checkpoint was saved yet: run the same command again to start over"
-    shutil.copytree(source / "checkpoint-6", out / "checkpoint-6")
-    assert how_to_go_on(out) == "run the same command with --resume_from_checkpoint true to continue from checkpoint-6"
-    shutil.copytree(source / "checkpoint-12", out / "checkpoint-12")
-    shutil.rmtree(out / "checkpoint-12" / "optimizer_0")  # cut short after the model's shards
-    assert how_to_go_on(out).endswith("continue from checkpoint-6")
-    shutil.rmtree(out / "checkpoint-6" / "pytorch_model_fsdp_0")  # cut short before any shard: the first save
-    said = how_to_go_on(out)
-    assert said.startswith(
+    case = resumed["cut-short"]
+    out = case.out
+    none, six, twelve_cut, all_cut = read_json(out.with_name("cut-short-advice.json"))  # stopped_in_stages'
+    assert none == "no checkpoint was saved yet: run the same command again to start over"
+    assert six == "run the same command with --resume_from_checkpoint true to continue from checkpoint-6"
+    assert twelve_cut.endswith("continue from checkpoint-6")
+    assert all_cut.startswith(
         "no checkpoint is complete (checkpoint-12, checkpoint-6 cut short): run the same command with "
         "--overwrite_output_dir true"
-    ), said
-    proc = launch("accelerate_configs/zero3.yaml", *QUICK, "--output_dir", str(out), "--overwrite_output_dir", "true")
-    assert (out / "model").is_dir() and checkpoint_status(out / "checkpoint-12").resumable, proc.stderr[-2000:]
+    ), all_cut
+    said = case.resume()
+    assert (out / "model").is_dir() and checkpoint_status(out / "checkpoint-12").resumable, said.stderr[-2000:]
 
 
 def test_killed_while_writing_the_final_model_resumes_without_training(trained, resumed):
@@ -524,46 +577,31 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tm
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
-def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes_it(tmp_path):
+def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes_it(resumed):
     """output_dir on a 7.8 MB filesystem: both checkpoints fit, the final model does not. One line (not every rank's
     DCP traceback) says training had finished, which checkpoint is intact and how to get the model, and that
-    command, once there is room, writes it without training."""
-    import subprocess
-
-    from safetensors.torch import load_file
-
+    command, once there is room (the filesystem grown to 20 MB), writes it without training. The resume is one of
+    ``resumed``'s."""
     from fsdp_recipes.ckpt.status import checkpoint_status
 
-    disk = tmp_path / "small-disk"
-    disk.mkdir()
-    if (
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7800k", "tmpfs", str(disk)], capture_output=True).returncode
-        != 0
-    ):
+    if "disk-full" not in resumed:
         pytest.skip("mounting a tmpfs needs root, which this machine does not give the tests")
-    try:
-        out, args = disk / "run", ("--max_steps", "4", "--save_steps", "2", "--logging_steps", "1")
-        proc = launch("accelerate_configs/zero3.yaml", *args, "--output_dir", str(out), check=False)
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-        assert proc.returncode != 0 and len(errors) == 1 and "[rank" not in proc.stderr, proc.stderr[
-            -3000:
-        ]  # no rank's traceback
-        assert f"no space left on {out} while writing the final model (" in errors[0], errors
-        assert (
-            "training had finished and checkpoint-4 is intact: free space, then run the same command with "
-            "--resume_from_checkpoint true" in errors[0]
-        )
-        assert checkpoint_status(out / "checkpoint-4").resumable and not (out / "model").exists()
-        # the resume asks for a 64 MB margin
-        subprocess.run(["mount", "-o", "remount,size=20m", str(disk)], check=True)
-        resumed = launch(
-            "accelerate_configs/zero3.yaml", *args, "--output_dir", str(out), "--resume_from_checkpoint", "true"
-        )
-        assert "model saved to" in resumed.stdout + resumed.stderr
-        assert load_file(out / "model" / "model.safetensors")  # the model, written without training again
-        assert read_json(out / "trainer_state.json")["global_step"] == 4
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
+    case = resumed["disk-full"]
+    out, proc, left = case.out, case.killed, case.as_left
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "[rank" not in proc.stderr, proc.stderr[
+        -3000:
+    ]  # no rank's traceback
+    assert f"no space left on {out} while writing the final model (" in errors[0], errors
+    assert (
+        "training had finished and checkpoint-4 is intact: free space, then run the same command with "
+        "--resume_from_checkpoint true" in errors[0]
+    )
+    assert checkpoint_status(left / "checkpoint-4").resumable and not (left / "model").exists()
+    said = case.resume()
+    assert f"model saved to {out / 'model'}" in said.stdout + said.stderr  # this run's line, not a neighbour's
+    assert load_file(out / "model" / "model.safetensors")  # the model, written without training again
+    assert read_json(out / "trainer_state.json")["global_step"] == 4
 
 
 @pytest.mark.parametrize("sig, code", [("TERM", 143), ("INT", 130)])
