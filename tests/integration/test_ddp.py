@@ -1,15 +1,18 @@
 """accelerate_configs/ddp.yaml: real DistributedDataParallel on 2 CPU processes, and ZeRO-1 (--zero1 true): each rank
-holds half of Adam's state, the weights equal DDP's, checkpoints resume exactly after a SIGKILL and merge."""
+holds half of Adam's state, the weights equal DDP's, checkpoints resume exactly after a SIGKILL and merge.
+
+The DDP run, the ZeRO-1 run and the ZeRO-1 resume train one after another in one launch (``runs``): a launch each
+would pay torch's and the process group's start-up every time."""
 
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DDP_CONFIG, QUICK, REPO, launch, logged_losses, read_json
+from conftest import DDP_CONFIG, QUICK, REPO, logged_losses, read_json, shared_temp
+from helpers.launch_sequence import SequencedRun, launch_sequence
 from safetensors.torch import load_file
 
 from fsdp_recipes.ckpt.status import checkpoint_status
@@ -19,26 +22,60 @@ from fsdp_recipes.config.memory import Setup, estimate, model_shape
 ZERO1 = ("--zero1", "true")
 
 
-def test_ddp_is_real_ddp_and_trains(trained):
-    run = trained(DDP_CONFIG)
-    report = run.report
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(name)`` -> (output_dir, SequencedRun), ended normally: "ddp" (QUICK settings), "zero1" (the same with
+    --zero1 true) and "resumed" (zero1's run resumed from its checkpoint-6, by its path, into an output_dir of its
+    own), trained in that order in one launch of DDP_CONFIG (tests/helpers/launch_sequence.py), which pytest-xdist's
+    workers share. Only this file trains on DDP_CONFIG: no other test reads these runs."""
+    folder = shared_temp(tmp_path_factory) / "ddp-runs"
+    zero1 = folder / "zero1"
+    get = launch_sequence(
+        folder,
+        DDP_CONFIG,
+        {
+            "ddp": [*QUICK, "--output_dir", str(folder / "ddp")],
+            "zero1": [*QUICK, *ZERO1, "--output_dir", str(zero1)],
+            # after zero1's run, whose checkpoint-6 it reads; it writes into its own output_dir, not zero1's
+            "resumed": [
+                *QUICK,
+                *ZERO1,
+                "--output_dir",
+                str(folder / "resumed"),
+                "--resume_from_checkpoint",
+                str(zero1 / "checkpoint-6"),
+            ],
+        },
+    )
+
+    def run(name: str) -> tuple[Path, SequencedRun]:
+        return folder / name, get(name)
+
+    return run
+
+
+@pytest.mark.slow  # the shared launch
+def test_ddp_is_real_ddp_and_trains(runs):
+    out, _ = runs("ddp")
+    report = read_json(out / "fsdp_report.json")
     assert report["distributed_type"] == "MULTI_CPU" and report["fsdp_version"] is None  # gloo DDP, not N lone runs
     assert report["world_size"] == len(report["ranks"]) == 2 and report["sharding_strategy"] is None
     total = report["total_param_elements"]
     for rank in report["ranks"]:
         assert rank["wrapper"] == "DistributedDataParallel" and rank["local_param_elements"] == total
         assert rank["bytes"] == {"params": 4 * total, "grads": 4 * total, "optimizer": 8 * total}
-    losses = logged_losses(run.output_dir)
+    losses = logged_losses(out)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.85 * losses[0], losses
     assert (
-        read_json(run.model_dir / "config.json")["use_cache"]
-        is read_json(run.output_dir / "checkpoint-12" / "config.json")["use_cache"]
+        read_json(out / "model" / "config.json")["use_cache"]
+        is read_json(out / "checkpoint-12" / "config.json")["use_cache"]
         is True
     )
 
 
-def test_zero1_holds_half_the_optimizer_state_per_rank(trained):
-    ddp, zero1 = trained(DDP_CONFIG).report, trained(DDP_CONFIG, *ZERO1).report
+@pytest.mark.slow  # the shared launch
+def test_zero1_holds_half_the_optimizer_state_per_rank(runs):
+    ddp, zero1 = (read_json(runs(name)[0] / "fsdp_report.json") for name in ("ddp", "zero1"))
     assert zero1["sharding_strategy"] == "ZERO1"
     total = zero1["total_param_elements"]
     states = [rank["bytes"]["optimizer"] for rank in zero1["ranks"]]
@@ -51,20 +88,22 @@ def test_zero1_holds_half_the_optimizer_state_per_rank(trained):
         assert rank["bytes"]["optimizer"] == pytest.approx(est.optimizer, rel=0.05)  # tools/estimate_memory.py
 
 
-def test_zero1_trains_the_same_weights_as_ddp(trained):
+@pytest.mark.slow  # the shared launch
+def test_zero1_trains_the_same_weights_as_ddp(runs):
     """Same gradients (DDP's all-reduce), the same AdamW update, each parameter updated by one rank and broadcast."""
-    ddp, zero1 = (load_file(trained(DDP_CONFIG, *args).model_dir / "model.safetensors") for args in ((), ZERO1))
+    ddp, zero1 = (load_file(runs(name)[0] / "model" / "model.safetensors") for name in ("ddp", "zero1"))
     assert set(ddp) == set(zero1)
     for name in ddp:
         torch.testing.assert_close(zero1[name], ddp[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_zero1_checkpoint_is_whole_and_merges(trained, tmp_path):
+@pytest.mark.slow  # the shared launch
+def test_zero1_checkpoint_is_whole_and_merges(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fsdp_recipes.ckpt.merge import merge_checkpoint
 
-    out = trained(DDP_CONFIG, *ZERO1).output_dir
+    out, _ = runs("zero1")
     status = checkpoint_status(out / "checkpoint-12")
     assert status.resumable and status.state_dict_type == "PLAIN" and status.sharding_strategy == "ZERO1"
     optimizer = torch.load(out / "checkpoint-12" / "optimizer.pt", weights_only=True)
@@ -78,15 +117,14 @@ def test_zero1_checkpoint_is_whole_and_merges(trained, tmp_path):
     assert all(torch.equal(merged[k], final[k]) for k in final)
 
 
-@pytest.mark.slow
-def test_zero1_resumed_run_ends_on_the_uninterrupted_weights(trained, tmp_path):
-    """From checkpoint-6, as a run stopped after step 6 leaves it (how a SIGKILL'd run gets back to its last
-    checkpoint is test_fault_tolerance's): the consolidated optimizer state goes back to its shards exactly."""
-    reference = trained(DDP_CONFIG, *ZERO1).output_dir
-    out = tmp_path / "run"
-    shutil.copytree(reference / "checkpoint-6", out / "checkpoint-6")
-    resumed = launch(DDP_CONFIG, *QUICK, *ZERO1, "--output_dir", str(out), "--resume_from_checkpoint", "true")
-    assert f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
+@pytest.mark.slow  # the shared launch
+def test_zero1_resumed_run_ends_on_the_uninterrupted_weights(runs):
+    """From the uninterrupted run's checkpoint-6, as a run stopped after step 6 leaves it (how a SIGKILL'd run gets
+    back to its last checkpoint is test_fault_tolerance's; how `true` finds it, test_resume_decision's): the
+    consolidated optimizer state goes back to its shards exactly."""
+    reference, _ = runs("zero1")
+    out, resumed = runs("resumed")
+    assert f"resuming from {reference / 'checkpoint-6'}" in resumed.stdout
     assert read_json(out / "trainer_state.json")["global_step"] == 12
     final, expected = (
         load_file(out / "model" / "model.safetensors"),
@@ -100,11 +138,12 @@ def test_zero1_resumed_run_ends_on_the_uninterrupted_weights(trained, tmp_path):
         assert all(torch.equal(again[index][k], v) for k, v in moments.items()), index
 
 
-def test_a_ddp_checkpoint_is_not_resumed_under_fsdp(trained):
+@pytest.mark.slow  # the shared launch
+def test_a_ddp_checkpoint_is_not_resumed_under_fsdp(runs):
     from fsdp_recipes.ckpt.resume import _resumable
     from fsdp_recipes.errors import RecipeError
 
-    status = checkpoint_status(trained(DDP_CONFIG).output_dir / "checkpoint-6")
+    status = checkpoint_status(runs("ddp")[0] / "checkpoint-6")
     with pytest.raises(RecipeError, match=r"was saved without FSDP \(DDP or ZeRO-1\): resume it with the same launch"):
         _resumable(status, trainer_fsdp=True)  # what the resume decision (rank 0, preflight) does under an FSDP launch
     assert _resumable(status, trainer_fsdp=False) == status.path

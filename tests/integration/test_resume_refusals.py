@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import QUICK, REPO, launch, quick
+from conftest import QUICK, REPO
 from helpers.launch_sequence import launch_sequence, run_and_resume
 from helpers.zero3_runs import zero3_runs as shared_zero3_runs
 
@@ -126,25 +126,20 @@ def zero3_runs(trained, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_bf16_models_resume_under_mixed_precision_is_not_refused(zero3_runs, tmp_path):
+def test_a_bf16_models_resume_under_mixed_precision_is_not_refused(zero3_runs):
     """The case a check before prepare refused: a model built in bf16 under FSDP2 mixed precision has fp32 master
     weights once accelerate upcast them, so its checkpoint holds fp32 and its own resume loads fp32 into fp32. The
-    run is tests/helpers/zero3_runs.py's "bf16" (trained in a launch shared with other runs); the resume, of a copy,
-    is a launch of its own."""
+    run and its resume (from its checkpoint-2, with the same flags, into an output_dir of its own) are
+    tests/helpers/zero3_runs.py's "bf16" and "bf16-resumed", trained one after the other in a launch shared with
+    other runs; the resume ended normally, or zero3_runs would have failed the test with its error."""
     from fsdp_recipes.ckpt.dcp_pickles import read_layout
 
-    trained_bf16, _ = zero3_runs("bf16")  # quick(max_steps="2", save_steps="2") with the flags below
-    run = tmp_path / "run"
-    shutil.copytree(trained_bf16, run)
-    args = ("--dtype", "bfloat16", "--cpu_bf16", "true", "--output_dir", str(run))  # bf16 is slow on this CPU
-    assert {t.dtype for t in read_layout(run / "checkpoint-2" / "pytorch_model_fsdp_0").tensors.values()} == {"float32"}
-    launch(
-        "accelerate_configs/zero3.yaml",
-        *quick(max_steps="4", save_steps="2"),
-        *args,
-        "--resume_from_checkpoint",
-        "true",
-    )
+    trained_bf16, _ = zero3_runs("bf16")  # quick(max_steps="2", save_steps="2") with BF16's flags
+    # the resume writes into its own folder: the checkpoint it read is still as the run left it
+    weights = read_layout(trained_bf16 / "checkpoint-2" / "pytorch_model_fsdp_0").tensors.values()
+    assert {t.dtype for t in weights} == {"float32"}
+    run, said = zero3_runs("bf16-resumed")  # quick(max_steps="4", save_steps="2"), the same flags
+    assert f"resuming from {trained_bf16 / 'checkpoint-2'}" in said.stdout  # past the checks before the first step
     assert (run / "checkpoint-4").is_dir() and (run / "model").is_dir()
 
 
