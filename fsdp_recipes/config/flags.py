@@ -42,7 +42,7 @@ def _checked(action):
     def value(text):
         try:
             out = convert(text)
-        except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
+        except (TypeError, ValueError, RecursionError, argparse.ArgumentTypeError) as err:  # JSON nested too deep
             raise Refused(action.dest, text, _why(convert, text, err)) from None
         if action.choices is not None and out not in action.choices and str(out) not in map(str, action.choices):
             raise Refused(action.dest, text, f" is not one of {', '.join(map(str, action.choices))}")
@@ -110,6 +110,10 @@ def _missing_value(action, argv: list[str]) -> str:
 LIST_VALUED = {"report_to"}
 
 
+# text fields where a recipe's true/false means something: TRL's packing (a bool there), TrainingArguments' fsdp
+TEXT_OR_BOOL = {"packing", "fsdp"}
+
+
 # keys whose null means something in another tool's recipes, refused with that meaning named (DataArguments)
 NULL_MEANS_MORE = {"block_size"}  # TRL's max_length: null, no truncation
 
@@ -140,10 +144,14 @@ def check_recipe_types(recipe: dict, parser) -> None:
                 raise RecipeError(
                     f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {action.type.__name__}"
                 )
+            if action.type.__wrapped__ is str and not isinstance(v, str) and key not in TEXT_OR_BOOL:
+                # YAML read 5, true or 2024-01-01 where a name or path belongs: a path of it would be a TypeError
+                raise RecipeError(f"recipe key {key}: {v!r} is a {type(v).__name__}; give text (quote it in YAML)")
             try:
                 action.type(v if mapping or isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v))
-            except Refused as err:
-                raise RecipeError(f"recipe key {key}: {v!r}{err.why}") from None
+            except Refused as err:  # a mapping's problem is named inside it, without the whole value again
+                why = err.why.removeprefix(": ") if mapping else f"{v!r}{err.why}"
+                raise RecipeError(f"recipe key {key}: {why}") from None
 
 
 # TrainingArguments of transformers 4 that transformers 5 removed or renamed, which recipes and habits still carry:

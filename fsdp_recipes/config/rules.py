@@ -107,7 +107,13 @@ def check(arguments) -> None:
         value = getattr(arguments, f.name)
         if isinstance(value, str) and not value.strip():
             raise RecipeError(f"{f.name}={value!r} is empty: give a value, or leave it unset")
-        if isinstance(value, str) and (choices := f.metadata.get("choices")) and value not in choices:
+        choices = f.metadata.get("choices")
+        # a non-text value is compared as a flag spells it (TRL's packing true); None only where it is the default
+        if (
+            choices
+            and not (value is None and f.default is None)
+            and (value if isinstance(value, str) else str(value).lower()) not in choices
+        ):
             raise RecipeError(f"{f.name}={value!r} is not one of {', '.join(choices)}")
         if f.name in arguments.RULES and (why := problem(f.name, value, arguments.RULES[f.name])):
             raise RecipeError(why)

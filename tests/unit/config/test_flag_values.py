@@ -53,6 +53,7 @@ def test_a_value_a_flag_refuses_is_one_line_naming_it(flag, text):
         (["--weight_decay", "-1e-4"], "weight_decay=-1e-4 would be read as a flag: write --weight_decay=-1e-4"),
         (["--max_steps", "2", "--max_steps"], "max_steps has no value: give a whole number after --max_steps"),
         (["--no_remove_unused_columns=true"], "remove_unused_columns takes no value: give --no_remove_unused_columns"),
+        (["--liger_kernel_config", "[" * 50000], r"liger_kernel_config='\[\[\["),  # JSON deeper than Python's stack
     ],
 )
 def test_argparse_refusals_are_one_line_with_the_fix(argv, message):
@@ -62,6 +63,19 @@ def test_argparse_refusals_are_one_line_with_the_fix(argv, message):
 
 def test_a_negative_number_is_a_value():
     assert parse_flags(PARSER, ["--max_steps", "-1", "--seed", "3"])[0].max_steps == -1
+
+
+def test_what_no_flag_takes_is_named_in_one_line():
+    from fsdp_recipes.config.trl_names import check_unknown_flags
+
+    for extras, message in (
+        (["--learnig_rate", "1"], "unknown flag(s): learnig_rate (did you mean learning_rate?)"),
+        (["stray"], "'stray' follows no flag"),
+        (["--", "--max_steps", "5"], "'--' ends the flags"),
+    ):
+        with pytest.raises(RecipeError) as err:
+            check_unknown_flags(extras, PARSER)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value), err.value
 
 
 def test_what_no_flag_takes_is_handed_back():

@@ -4,9 +4,12 @@ the key, raised by parse_args before anything starts; never a traceback, argpars
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import yaml
 
+from fsdp_recipes.config.flags import LIST_VALUED, TEXT_OR_BOOL
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.errors import RecipeError
 
@@ -45,6 +48,8 @@ def _wrong_values(action) -> list:
         values.append("twelve")
     if getattr(action.type, "__name__", "") in ("string_to_bool", "strtobool"):
         values.append("maybe")
+    if action.type is str and action.dest not in TEXT_OR_BOOL and action.dest not in LIST_VALUED:
+        values += [5, True, datetime.date(2024, 1, 1)]  # YAML's int, bool and date where text belongs
     return values
 
 
