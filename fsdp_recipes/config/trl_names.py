@@ -6,6 +6,8 @@ named, all of it in one line, rather than dropped."""
 
 from __future__ import annotations
 
+import argparse
+
 from fsdp_recipes.config import trl_recipe
 from fsdp_recipes.config.arguments import TRL_ALIASES
 from fsdp_recipes.config.flags import with_hints
@@ -34,27 +36,39 @@ def rename_recipe_keys(recipe: dict) -> dict:
 
 
 def check_flag_aliases(argv: list[str], parser) -> None:
-    """One setting given twice with different values, by two spellings (``--max_length 512 --block_size 256``) or by
-    the same flag (``--learning_rate 1e-3 ... --learning_rate 2e-3``, a flag appended to a long command): one line
-    naming both (argparse would silently keep the last). The same value twice is harmless and passes; a bare
-    true/false flag (``--use_peft``) is its true, and a flag missing its value is argparse's to name."""
-    actions = {s: a for a in parser._actions for s in a.option_strings if a.nargs is None or a.nargs == "?"}
-    seen: dict[str, tuple[str, str]] = {}
+    """One setting given twice with different values, by two spellings (``--max_length 512 --block_size 256``,
+    ``--no_x`` and ``--x true``) or by the same flag (``--learning_rate 1e-3 ... --learning_rate 2e-3``, a flag
+    appended to a long command): one line naming both (argparse would silently keep the last). Values are compared
+    as the flag's type reads them, so the same value twice (``--use_peft`` and ``--use_peft true``, 5 and 05) passes;
+    a flag missing its value is argparse's to name."""
+    actions = {
+        s: a for a in parser._actions for s in a.option_strings if a.nargs in (None, "?", 0) and a.dest != "help"
+    }
+    seen: dict[str, tuple[str, str, object]] = {}
     for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
+        flag, eq, text = arg.partition("=")
         if (action := actions.get(flag)) is None:
             continue
         if not eq:
-            bare = i + 1 == len(argv) or argv[i + 1].startswith("--")
+            bare = action.nargs == 0 or i + 1 == len(argv) or argv[i + 1].startswith("--")
             if bare and action.nargs is None:
                 continue
-            value = str(action.const).lower() if bare else argv[i + 1]
-        if (earlier := seen.get(action.dest)) and earlier[1] != value:
+            text = "" if bare else argv[i + 1]
+        value = action.const if not text and action.nargs in ("?", 0) else _read(action, text)
+        if (earlier := seen.get(action.dest)) and earlier[2] != value:
             what = f"the same setting ({action.dest})" if earlier[0] != flag else "given twice"
             raise RecipeError(
-                f"{earlier[0]} {earlier[1]} and {flag} {value} are {what} with different values: give one"
+                f"{earlier[1]} and {' '.join((flag, text)).strip()} are {what} with different values: give one"
             )
-        seen[action.dest] = (flag, value)
+        seen[action.dest] = (flag, " ".join((flag, text)).strip(), value)
+
+
+def _read(action, text: str):
+    """``text`` as the flag's type reads it; a text it refuses is argparse's to name, and compared as it is."""
+    try:
+        return action.type(text) if action.type is not None else text
+    except argparse.ArgumentTypeError:
+        return text
 
 
 UNKNOWN_FIX = "remove them (see `train_fsdp.py --help`)"

@@ -342,6 +342,28 @@ def test_a_flag_given_twice_with_different_values_is_an_error_for_every_flag():
     assert checked > 80, checked  # 92 today: every single-valued TrainingArguments field, and ours
 
 
+def test_a_repeat_is_judged_by_the_value_the_flag_reads():
+    """The same value in two spellings passes (5 and 05, true and yes, a bare flag and true); a --no_ flag against
+    its flag's true is two values of one setting."""
+    from fsdp_recipes.config import helptext
+    from fsdp_recipes.config.trl_names import check_flag_aliases
+
+    parser = helptext.build_parser()
+    for same in (
+        ["--max_steps=5", "--max_steps", "05"],
+        ["--use_peft", "--use_peft=True"],
+        ["--bf16", "yes", "--bf16"],
+    ):
+        check_flag_aliases(same, parser)
+    negated = [a for a in parser._actions if a.nargs == 0 and a.option_strings[0].startswith("--no_")]
+    assert len(negated) >= 5
+    for action in negated:
+        flag = f"--{action.dest}"
+        for argv in ([action.option_strings[0], flag, "true"], [flag, action.option_strings[0]]):
+            with pytest.raises(RecipeError, match=f"the same setting \\({action.dest}\\) with different values"):
+                check_flag_aliases(argv, parser)
+
+
 @pytest.mark.parametrize(
     "setting, one_per_document, rows",
     [("", True, 4), ("packing: false\n", True, 4), ("packing: true\n", True, 1)]
