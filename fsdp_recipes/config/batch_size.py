@@ -33,14 +33,15 @@ def is_auto(value) -> bool:
 def take_auto(recipe: dict, argv: list[str]) -> tuple[dict, list[str], bool]:
     """The recipe and flags with an ``auto`` per_device_train_batch_size replaced by 1 (the placeholder the checks
     see until the preflight chooses), and whether auto is in force: a flag wins over the recipe, as everywhere."""
-    flag, argv, auto = f"--{KEY}", list(argv), None
+    flags, argv, auto = (f"--{KEY}", f"--{KEY.replace('_', '-')}"), list(argv), None  # HfArgumentParser's two
     for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in flags and eq:
+            auto = is_auto(value)
+            argv[i] = f"{flag}=1" if auto else arg
+        elif flag in flags and i + 1 < len(argv):
             auto = is_auto(argv[i + 1])
             argv[i + 1] = "1" if auto else argv[i + 1]
-        elif arg.startswith(flag + "="):
-            auto = is_auto(arg.split("=", 1)[1])
-            argv[i] = f"{flag}=1" if auto else arg
     if is_auto(recipe.get(KEY)):
         recipe = {**recipe, KEY: 1}
         auto = True if auto is None else auto

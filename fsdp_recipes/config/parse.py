@@ -117,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     check_flag_aliases(argv, parser)  # on the values as typed: auto, not the placeholder
     recipe, argv, auto_batch = batch_size.take_auto(recipe, argv)  # 1 until the preflight chooses
     check_recipe_types(recipe, parser)
-    given = {a.split("=", 1)[0].removeprefix("--") for a in argv if a.startswith("--")}
+    dest = {s: action.dest for action in parser._actions for s in action.option_strings}  # --output-dir too
+    given = {dest[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in dest}
     for pair in (("model_name_or_path", "config_name"), ("dataset_name", "train_file")):
         if given & set(pair):  # a source on the command line replaces the recipe's, whichever kind it is
             for key in set(pair) - given:

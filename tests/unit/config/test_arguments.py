@@ -445,14 +445,13 @@ def test_flags_replace_the_recipes_model_and_data_source(tmp_path, monkeypatch):
 
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(model)
     AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama").save_pretrained(model)
-    model_args, data_args, _ = parse_args(
-        ["--model_name_or_path", str(model), "--output_dir", str(tmp_path / "o"), *NO_FSDP]
-    )
-    assert (model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name) == (
-        str(model),
-        None,
-        str(model),
-    )
+    for flag in ("--model_name_or_path", "--model-name-or-path"):  # either spelling HfArgumentParser gives
+        model_args, data_args, _ = parse_args([flag, str(model), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
+        assert (model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name) == (
+            str(model),
+            None,
+            str(model),
+        )
     assert data_args.train_file.endswith("tiny_corpus.txt")
     import huggingface_hub
 

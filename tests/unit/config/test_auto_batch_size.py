@@ -128,6 +128,8 @@ def test_nothing_fits_is_one_line_naming_the_fixes(name, card):
         ("auto", ["--per_device_train_batch_size", "8"], ["--per_device_train_batch_size", "8"], False),
         ("auto", ["--per_device_train_batch_size=8"], ["--per_device_train_batch_size=8"], False),
         (4, ["--per_device_eval_batch_size", "auto"], ["--per_device_eval_batch_size", "auto"], False),
+        (4, ["--per-device-train-batch-size", "auto"], ["--per-device-train-batch-size", "1"], True),  # dashed
+        (4, ["--per-device-train-batch-size=auto"], ["--per-device-train-batch-size=1"], True),
         (4, [], [], False),
     ],
 )
