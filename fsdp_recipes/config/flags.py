@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 
 from fsdp_recipes.errors import RecipeError
 
@@ -72,7 +71,9 @@ def parse_flags(parser, argv: list[str]):
     try:
         return parser.parse_known_args(argv)
     except argparse.ArgumentError as err:
-        action = next(a for a in parser._actions if "/".join(a.option_strings) == err.argument_name)
+        action = next((a for a in parser._actions if "/".join(a.option_strings) == err.argument_name), None)
+        if action is None:  # an error of no one flag (none is required here, but argparse may add such)
+            raise RecipeError(err.message) from None
         if err.message.startswith("expected"):  # no value, or one that starts with - and reads as a flag
             raise RecipeError(_missing_value(action, argv)) from None
         if err.message.startswith("ignored explicit argument"):
@@ -81,14 +82,22 @@ def parse_flags(parser, argv: list[str]):
         raise RecipeError(err.message if refused else f"{action.dest}: {err.message}") from None
 
 
-# the values after a flag that argparse reads as negative numbers, not flags (argparse's own pattern)
-NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+def _read_as_value(text: str) -> bool:
+    """Whether argparse takes ``--flag text`` with text as the value: which negative numbers it reads as numbers
+    changed across Python versions (-1e-4 is a flag to 3.11's), so this asks a parser of this Python."""
+    probe = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    probe.add_argument("--x")
+    try:
+        probe.parse_args(["--x", text])
+    except argparse.ArgumentError:
+        return False
+    return True
 
 
 def _missing_value(action, argv: list[str]) -> str:
     for i, arg in enumerate(argv):
         after = argv[i + 1] if i + 1 < len(argv) else "--"
-        if arg in action.option_strings and after.startswith("-") and not NEGATIVE_NUMBER.match(after):
+        if arg in action.option_strings and after.startswith("-") and not _read_as_value(after):
             if not after.startswith("--"):  # -inf, -1e-4: argparse takes them for a flag
                 return f"{action.dest}={after} would be read as a flag: write --{action.dest}={after}"
             break
@@ -110,8 +119,9 @@ def _missing_value(action, argv: list[str]) -> str:
 LIST_VALUED = {"report_to"}
 
 
-# text fields where a recipe's true/false means something: TRL's packing (a bool there), TrainingArguments' fsdp
-TEXT_OR_BOOL = {"packing", "fsdp"}
+# text fields where a recipe's true/false means something: TRL's packing (a bool there), TrainingArguments' fsdp,
+# resume_from_checkpoint: true (the newest checkpoint, ckpt.resume.requested)
+TEXT_OR_BOOL = {"packing", "fsdp", "resume_from_checkpoint"}
 
 
 # keys whose null means something in another tool's recipes, refused with that meaning named (DataArguments)

@@ -94,10 +94,11 @@ def unknown_keys_problem(unknown: list[str], known, what: str = "recipe", kind: 
 def check_unknown_flags(extras: list[str], parser) -> None:
     """What no flag of ``parser`` took (parse_flags): every unknown flag named in one line, a TRL flag with no
     equivalent as TRL's, the others with the closest known flag."""
-    if "--" in extras:  # argparse reads everything after it as positional
+    known = {s.removeprefix("--") for action in parser._actions for s in action.option_strings}
+    # argparse reads everything after a lone -- as positional (some versions drop the -- itself)
+    if "--" in extras or any(a.startswith("--") and a.split("=", 1)[0][2:] in known for a in extras):
         raise RecipeError("'--' ends the flags, and train_fsdp.py takes no words after them: drop it")
     unknown = [a.split("=", 1)[0].removeprefix("--") for a in extras if a.startswith("--")]
-    known = {s.removeprefix("--") for action in parser._actions for s in action.option_strings}
     if set(unknown) & set(NO_EQUIVALENT):
         raise RecipeError(unknown_keys_problem(unknown, known, "flags", "flag"))
     if unknown:

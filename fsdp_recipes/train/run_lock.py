@@ -34,7 +34,7 @@ from fsdp_recipes.locks import (
 from fsdp_recipes.removal import remove_lock_file
 
 NO_FOLDER_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
-_held: list[int] = []  # the locked folder's file descriptor, open for the life of the process
+_held: list[int] = []  # the locked folder's file descriptor, open until the process ends (or release())
 _mine: set[str] = set()  # the lock files this process created (its own pid in one it did not create is a recycled pid)
 KERNEL_HINT = " (a run that died holds nothing: its lock went with it"  # closed by the caller's parenthesis
 

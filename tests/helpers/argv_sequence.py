@@ -7,8 +7,8 @@ transformers and the process group every time.
 Each RUN.json holds the arguments train_fsdp.py would have been given, as a JSON list of strings: they are parsed as
 that command line is (flags over the embedded default recipe when no recipe comes first), so a run here is the run
 of that command. Everything else is tests/helpers/trl_recipe_sequence.py's: accelerate's state reset between runs,
-rank 0's ``=== RECIPE RUN.json`` line before each run's output and its ``RUN.json.result.json``. Used by
-tests/integration/test_lora.py."""
+rank 0's ``=== RECIPE RUN.json`` line before each run's output and its ``RUN.json.result.json``. Used through
+tests/helpers/launch_sequence.py (SEQUENCE)."""
 
 from __future__ import annotations
 

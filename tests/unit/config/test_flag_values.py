@@ -78,6 +78,13 @@ def test_what_no_flag_takes_is_named_in_one_line():
         assert str(err.value).startswith(message) and "\n" not in str(err.value), err.value
 
 
+def test_words_after_a_lone_double_dash_are_refused_as_such():
+    from fsdp_recipes.config.trl_names import check_unknown_flags
+
+    with pytest.raises(RecipeError, match="^'--' ends the flags"):
+        check_unknown_flags(parse_flags(PARSER, ["--seed", "1", "--", "--max_steps", "5"])[1], PARSER)
+
+
 def test_what_no_flag_takes_is_handed_back():
     """Unknown flags and stray words are fsdp_recipes.config.trl_names.check_unknown_flags' to name."""
     assert parse_flags(PARSER, ["--learnig_rate", "1", "stray"])[1] == ["--learnig_rate", "1", "stray"]

@@ -112,3 +112,14 @@ def test_null_for_a_key_with_a_default_is_one_line(tmp_path, key):
     assert "\n" not in message and message.startswith(own.get(key, f"recipe key {key}: null is not a value here")), (
         message
     )
+
+
+@pytest.mark.parametrize("key, value", [("resume_from_checkpoint", True), ("packing", True), ("packing", False)])
+def test_true_or_false_where_a_text_field_means_it_parses(tmp_path, key, value):
+    """resume_from_checkpoint: true (the newest checkpoint) and TRL's packing: true are YAML bools for text fields."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        yaml.safe_dump({"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_chat.jsonl", key: value})
+    )
+    _, _, plan = parse_args([str(recipe), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
+    assert getattr(plan.raw, key) is value

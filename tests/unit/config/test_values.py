@@ -440,7 +440,9 @@ def test_worker_counts_are_bounded_by_the_machine(monkeypatch, cpus, bound, fiel
 
     assert VALUE_RULES[field].high == rules.MAX_WORKERS and rules.WORKERS_BOUND in VALUE_RULES[field].fix
     arguments = _rules_on(monkeypatch, cpus)
-    rule = arguments.Rule(0, arguments.MAX_WORKERS, arguments.WORKERS_BOUND)  # the field's rule on that machine
+    rule = arguments.Rule(
+        0, arguments.MAX_WORKERS, arguments.WORKERS_BOUND
+    )  # the bound the field's rule takes, on that machine
     assert arguments.problem(field, bound, rule) is None
     for value in (bound + 1, 100000, arguments.MAX_COUNT):
         problem = arguments.problem(field, value, rule)

@@ -372,8 +372,10 @@ def test_a_lock_file_of_other_content_is_said_to_be_none_of_ours(tmp_path, no_po
 
 def test_a_released_folder_can_be_taken_again_by_the_same_process(tmp_path):
     """flock is per open file: this process's second take of a folder it holds is "in use" until it lets go."""
-    assert run_lock.take(tmp_path, warn=print) is None
-    assert "is in use by another run" in run_lock.take(tmp_path, warn=print)
-    run_lock.release()
-    assert run_lock.take(tmp_path, warn=print) is None
-    run_lock.release()
+    try:
+        assert run_lock.take(tmp_path, warn=print) is None
+        assert "is in use by another run" in run_lock.take(tmp_path, warn=print)
+        run_lock.release()
+        assert run_lock.take(tmp_path, warn=print) is None
+    finally:
+        run_lock.release()  # nothing held into the next test
