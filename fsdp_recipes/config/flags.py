@@ -50,6 +50,11 @@ def _checked(action):
     return value
 
 
+def by_option(parser) -> dict[str, argparse.Action]:
+    """Every option string of ``parser`` (--output_dir, --output-dir, TRL's --max_length) -> its action."""
+    return {s: action for action in parser._actions for s in action.option_strings}
+
+
 def declare(parser) -> None:
     """Every typed flag of ``parser`` refuses a bad value in one line naming it (Refused)."""
     for action in parser._actions:

@@ -19,7 +19,7 @@ from fsdp_recipes.config.accelerate_config import (
 )
 from fsdp_recipes.config.arguments import DataArguments, build
 from fsdp_recipes.config.dict_fields import check_dict_valued
-from fsdp_recipes.config.flags import check_recipe_types, parse_flags
+from fsdp_recipes.config.flags import by_option, check_recipe_types, parse_flags
 from fsdp_recipes.config.hub_push import push_plan
 from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.config.packages import check_deepspeed, check_packages
@@ -117,8 +117,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     check_flag_aliases(argv, parser)  # on the values as typed: auto, not the placeholder
     recipe, argv, auto_batch = batch_size.take_auto(recipe, argv)  # 1 until the preflight chooses
     check_recipe_types(recipe, parser)
-    dest = {s: action.dest for action in parser._actions for s in action.option_strings}  # --output-dir too
-    given = {dest[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in dest}
+    options = by_option(parser)  # --output-dir too
+    given = {options[a.split("=", 1)[0]].dest for a in argv if a.split("=", 1)[0] in options}
     for pair in (("model_name_or_path", "config_name"), ("dataset_name", "train_file")):
         if given & set(pair):  # a source on the command line replaces the recipe's, whichever kind it is
             for key in set(pair) - given:

@@ -10,7 +10,7 @@ import argparse
 
 from fsdp_recipes.config import trl_recipe
 from fsdp_recipes.config.arguments import TRL_ALIASES
-from fsdp_recipes.config.flags import with_hints
+from fsdp_recipes.config.flags import by_option, with_hints
 from fsdp_recipes.errors import RecipeError
 
 # TRL / alignment-handbook keys with no equivalent here, each with its reason (fsdp_recipes.config.trl_recipe, where
@@ -41,9 +41,7 @@ def check_flag_aliases(argv: list[str], parser) -> None:
     appended to a long command): one line naming both (argparse would silently keep the last). Values are compared
     as the flag's type reads them, so the same value twice (``--use_peft`` and ``--use_peft true``, 5 and 05) passes;
     a flag missing its value is argparse's to name."""
-    actions = {
-        s: a for a in parser._actions for s in a.option_strings if a.nargs in (None, "?", 0) and a.dest != "help"
-    }
+    actions = {s: a for s, a in by_option(parser).items() if a.nargs in (None, "?", 0) and a.dest != "help"}
     seen: dict[str, tuple[str, str, object]] = {}
     for i, arg in enumerate(argv):
         flag, eq, text = arg.partition("=")
@@ -94,7 +92,7 @@ def unknown_keys_problem(unknown: list[str], known, what: str = "recipe", kind: 
 def check_unknown_flags(extras: list[str], parser) -> None:
     """What no flag of ``parser`` took (parse_flags): every unknown flag named in one line, a TRL flag with no
     equivalent as TRL's, the others with the closest known flag."""
-    known = {s.removeprefix("--") for action in parser._actions for s in action.option_strings}
+    known = {s.removeprefix("--") for s in by_option(parser)}
     # argparse reads everything after a lone -- as positional (some versions drop the -- itself)
     if "--" in extras or any(a.startswith("--") and a.split("=", 1)[0][2:] in known for a in extras):
         raise RecipeError("'--' ends the flags, and train_fsdp.py takes no words after them: drop it")
