@@ -145,14 +145,35 @@ def main(argv=None) -> int:
         "--inspect", action="store_true", help="print what the checkpoint holds and exit; writes nothing"
     )
     args = parser.parse_args(argv)
-    before = signal.signal(signal.SIGTERM, _stopped)
+    if args.output is None and not args.inspect:
+        parser.error("OUTPUT is required unless --inspect is given")
     earlier = None if args.output is None else identity(args.output)  # a stop after the rename into place: told apart
+    before = signal.signal(signal.SIGTERM, _stopped)
+    # A signal's handler runs at whichever call comes next, so the stop is caught around everything main does after
+    # installing it, its own messages and the handing back of the caller's handler included.
+    try:
+        code = _merge(args)
+        signal.signal(signal.SIGTERM, before)
+        return code
+    except (KeyboardInterrupt, Stopped) as stop:  # the staging folder and the copy process are gone (merge's cleanup)
+        what = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped by SIGTERM"
+        if args.output is not None and identity(args.output) not in (earlier, None):  # after the rename into place
+            print(
+                f"merge_checkpoint.py: {what} after {args.output} was written whole and moved into place",
+                file=sys.stderr,
+            )
+        else:
+            print(f"merge_checkpoint.py: {what}: nothing was published", file=sys.stderr)
+        signal.signal(signal.SIGTERM, before)
+        return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """The merge (or --inspect) the arguments ask for, its outcome printed; returns the exit code."""
     try:
         if args.inspect:
             print(json.dumps(inspect_checkpoint(args.input), indent=2))
             return 0
-        if args.output is None:
-            parser.error("OUTPUT is required unless --inspect is given")
         result = merge_checkpoint(
             args.input,
             args.output,
@@ -167,19 +188,6 @@ def main(argv=None) -> int:
     except (CheckpointError, InternalsChanged, RefusedRemoval) as err:
         print(f"merge_checkpoint.py: error: {err}", file=sys.stderr)
         return 1
-    except (
-        KeyboardInterrupt,
-        Stopped,
-    ) as stop:  # the staging folder and the copy process are gone (merge_checkpoint's cleanup)
-        what = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped by SIGTERM"
-        if args.output is not None and identity(args.output) not in (earlier, None):  # after the rename into place
-            print(
-                f"merge_checkpoint.py: {what} after {args.output} was written whole and moved into place",
-                file=sys.stderr,
-            )
-        else:
-            print(f"merge_checkpoint.py: {what}: nothing was published", file=sys.stderr)
-        return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
     except OSError as err:  # disk full, permission denied ...: nothing was left behind (the staging folder is removed)
         where = f" ({err.filename})" if err.filename else ""
         print(
@@ -187,8 +195,6 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 1
-    finally:
-        signal.signal(signal.SIGTERM, before)
     print(f"wrote {result.output}: {result.tensors} tensors, {result.bytes / 1e6:.1f} MB in {', '.join(result.files)}")
     return 0
 

@@ -830,6 +830,63 @@ def test_sigterm_while_publishing_says_what_happened(checkpoint, tmp_path, monke
         AutoModelForCausalLM.from_pretrained(out)
 
 
+def test_sigterm_at_each_call_the_tool_makes_ends_in_one_of_its_outcomes(checkpoint, tmp_path, capsys):
+    """SIGTERM at each call the tool's main makes while its handler is in place (a signal's handler runs at whichever
+    call comes next: the messages and the handing back of the caller's handler are moments too): main returns 0 with
+    the output written, or 143 with one line saying whether the output was published; nothing raises out of main,
+    no staging folder is left and the caller's handler is handed back."""
+    import signal
+
+    spec = importlib.util.spec_from_file_location("merge_checkpoint_cli", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    own = {tool.main.__code__, tool._merge.__code__}
+    before = signal.getsignal(signal.SIGTERM)
+
+    def run(out: Path, at: int) -> tuple[int, int]:  # main, SIGTERM at its at-th call: (exit code, calls seen)
+        seen = 0
+
+        def profile(frame, event, arg):
+            nonlocal seen
+            caller = frame if event == "c_call" else frame.f_back
+            if event in ("call", "c_call") and caller is not None and caller.f_code in own:
+                if signal.getsignal(signal.SIGTERM) is tool._stopped:
+                    if seen == at:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    seen += 1
+
+        sys.setprofile(profile)
+        try:
+            return tool.main([str(checkpoint), str(out)]), seen
+        finally:
+            sys.setprofile(None)
+
+    code, calls = run(tmp_path / "whole", -1)
+    assert code == 0 and calls > 5, (code, calls)
+    outcomes = []
+    for at in range(calls):
+        out = tmp_path / f"out{at}"
+        code, _ = run(out, at)
+        output = capsys.readouterr()
+        assert signal.getsignal(signal.SIGTERM) is before, at
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".out{at}.")], at
+        last = output.err.strip().splitlines()[-1] if output.err.strip() else ""
+        if code == 0:
+            assert f"wrote {out}" in output.out, at
+        else:
+            published = (
+                f" after {out} was written whole and moved into place" if out.exists() else ": nothing was published"
+            )
+            assert (code, last) == (143, f"merge_checkpoint.py: stopped by SIGTERM{published}"), (at, code, output.err)
+        if out.exists():
+            assert (
+                load_file(out / "model.safetensors").keys()
+                == load_file(tmp_path / "whole" / "model.safetensors").keys()
+            )
+        outcomes.append((code, out.exists()))
+    assert {(143, False), (143, True)} <= set(outcomes), outcomes
+
+
 def merge_moments(whole: Path) -> dict:
     """Moments of a merge as seen from outside, (staging folder or None, output) -> reached, for the SIGTERM test;
     ``whole``: the output of the first moment's run, whose model.safetensors the later ones compare sizes with."""
