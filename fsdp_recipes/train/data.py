@@ -258,10 +258,14 @@ def _time_limit(seconds: float):
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if pending:
-            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - start), 1e-3), interval)
+        # The alarm's handler runs at whichever call comes next, so it can still raise at the cancelling; the
+        # caller's handler and timer are put back all the same (the one-shot alarm cannot come twice).
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+            if pending:
+                signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - start), 1e-3), interval)
 
 
 # Why tokenize_chat drops a conversation from the loss (none of its tokens is trained on): the reason's code -> words

@@ -8,8 +8,10 @@ the first MiB, through parse_args and build_datasets as train_fsdp.py calls them
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -298,6 +300,54 @@ def test_the_limit_is_kept_off_other_threads():
     worker.start()
     worker.join()
     assert done == [True]
+
+
+def test_the_limits_alarm_at_any_of_its_calls_hands_back_the_callers_timer():
+    """The limit's alarm can land at any call the guard makes while its timer runs, its own cancelling included (a
+    signal's handler runs at whichever call comes next): the block ends in the limit or not at all, and the caller's
+    handler and timer are back after each."""
+    code = data._time_limit.__wrapped__.__code__
+
+    def callers(signum, frame):
+        raise AssertionError("the caller's alarm, not due yet")
+
+    def run(at: int) -> tuple[int, bool]:  # the guarded block, SIGALRM at the at-th call: (calls seen, limit hit)
+        seen = 0
+
+        def profile(frame, event, arg):
+            nonlocal seen
+            caller = frame if event == "c_call" else frame.f_back
+            if event in ("call", "c_call") and caller is not None and caller.f_code is code:
+                # the guard's own timer is set (30 s; the caller's has more)
+                if (
+                    signal.getsignal(signal.SIGALRM) is not callers
+                    and 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 30
+                ):
+                    if seen == at:
+                        os.kill(os.getpid(), signal.SIGALRM)
+                    seen += 1
+
+        sys.setprofile(profile)
+        try:
+            with data._time_limit(30):
+                pass
+            return seen, False
+        except data._TimeLimit:
+            return seen, True
+        finally:
+            sys.setprofile(None)
+
+    before = signal.signal(signal.SIGALRM, callers)
+    signal.setitimer(signal.ITIMER_REAL, 60)
+    try:
+        calls, hit = run(-1)
+        assert calls >= 1 and not hit, calls
+        for at in range(calls):
+            assert run(at)[1], at
+            assert signal.getsignal(signal.SIGALRM) is callers and 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 60, at
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
 
 
 def test_a_template_that_raises_is_one_line(tmp_path):
