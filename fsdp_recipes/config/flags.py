@@ -133,6 +133,10 @@ TEXT_OR_BOOL = {"packing", "fsdp", "resume_from_checkpoint"}
 NULL_MEANS_MORE = {"block_size"}  # TRL's max_length: null, no truncation
 
 
+# the words YAML 1.1 (PyYAML) reads as a bool, unquoted
+YAML_BOOLS = {True: "true, yes or on", False: "false, no or off"}
+
+
 def check_recipe_types(recipe: dict, parser) -> None:
     """Recipe values bypass argparse's conversion (they become defaults as they are): each is converted by its
     flag's own type (declare), and refused in the same words."""
@@ -159,8 +163,18 @@ def check_recipe_types(recipe: dict, parser) -> None:
                 raise RecipeError(
                     f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {action.type.__name__}"
                 )
-            if action.type.__wrapped__ is str and not isinstance(v, str) and key not in TEXT_OR_BOOL:
-                # YAML read 5, true or 2024-01-01 where a name or path belongs: a path of it would be a TypeError
+            text = action.type.__wrapped__ is str and key not in TEXT_OR_BOOL
+            choices = list(map(str, action.choices or ()))
+            # eval_strategy: no, which YAML 1.1 reads as false (packing: true means true)
+            if isinstance(v, bool) and (text or choices) and str(v).lower() not in choices:
+                fix = (
+                    f" ({key}: 'no')" if not v and "no" in choices else f", one of {', '.join(choices)}" * bool(choices)
+                )
+                raise RecipeError(
+                    f"recipe key {key}: {v!r} is YAML's reading of an unquoted {YAML_BOOLS[v]}: quote it{fix}"
+                )
+            if text and not isinstance(v, str):
+                # YAML read 5 or 2024-01-01 where a name or path belongs: a path of it would be a TypeError
                 raise RecipeError(f"recipe key {key}: {v!r} is a {type(v).__name__}; give text (quote it in YAML)")
             try:
                 action.type(v if mapping or isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v))

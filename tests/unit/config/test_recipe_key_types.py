@@ -123,3 +123,43 @@ def test_true_or_false_where_a_text_field_means_it_parses(tmp_path, key, value):
     )
     _, _, plan = parse_args([str(recipe), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
     assert getattr(plan.raw, key) is value
+
+
+# keys whose value is refused by a check of their own first (a mixture's shape, DeepSpeed, report_to's names)
+OWN_LINE = {"dataset_mixture", "deepspeed", *LIST_VALUED}
+
+
+def _choices(key) -> list[str]:
+    return list(map(str, ACTIONS[key].choices or ()))
+
+
+YAML_BOOL_CASES = [
+    (key, word)
+    for key, a in sorted(ACTIONS.items())
+    if (a.choices or (a.type is str and key not in TEXT_OR_BOOL)) and a.nargs not in ("+", "*")
+    if not {"true", "false"} & set(_choices(key)) and key not in OWN_LINE
+    for word in ("no", "on")
+]
+
+
+@pytest.mark.parametrize("key, word", YAML_BOOL_CASES, ids=[f"{k}: {w}" for k, w in YAML_BOOL_CASES])
+def test_an_unquoted_yaml_word_read_as_a_bool_where_text_belongs_says_to_quote_it(tmp_path, key, word):
+    """`eval_strategy: no` is the bool false to YAML: the line says so, with the quoted choice (or the choices)."""
+    recipe = tmp_path / "r.yaml"
+    base = {"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt"}
+    recipe.write_text("".join(f"{k}: {v}\n" for k, v in {**base, key: word}.items()))  # unquoted, as written by hand
+    with pytest.raises(RecipeError) as err:
+        parse_args([str(recipe), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
+    message, choices = str(err.value), _choices(key)
+    read = {"no": "False is YAML's reading of an unquoted false, no or off", "on": "True is YAML's reading of an "}
+    assert message.startswith(f"recipe key {key}: {read[word]}") and ": quote it" in message, message
+    if word == "no" and "no" in choices:
+        assert message.endswith(f"quote it ({key}: 'no')"), message
+    else:
+        assert message.endswith(f"quote it, one of {', '.join(choices)}" if choices else "quote it"), message
+
+
+def test_yaml_bool_cases_include_the_strategies_and_text_fields():
+    cases = set(YAML_BOOL_CASES)
+    assert {("eval_strategy", "no"), ("save_strategy", "no"), ("lr_scheduler_type", "on")} <= cases
+    assert ("model_name_or_path", "on") in cases and not [k for k, _ in cases if k in TEXT_OR_BOOL]
