@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from fsdp_recipes.errors import bounded
+
 
 def rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
@@ -34,3 +36,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class RawHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
     """HelpFormatter keeping the description and epilog as written (a docstring's formula, a table)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A tool's parser whose usage errors are one line (argparse prints its usage first), within errors.bounded,
+    with exit code 2 as argparse's."""
+
+    def error(self, message):
+        self.exit(2, bounded(f"{self.prog}: error: {message}: see {self.prog} --help") + "\n")

@@ -3,36 +3,57 @@ errors without importing it. Standard library only.
 
 Every one of them carries a whole one-line message: the problem and the fix. ``train_fsdp.py`` and the tools print
 that line and exit non-zero (2 for bad input); none of them is a traceback a user should have to read.
-``one_line`` makes outside text (a file name, a lock file's line) fit such a message.
+``one_line`` makes outside text (a file name, a lock file's line) fit such a message; ``bounded`` keeps it short
+enough to read whatever value it quotes.
 """
 
 from __future__ import annotations
 
 import os
 
+# The longest message: a value quoted from a flag or a file can be any length (100,000 characters echoed in full
+# buried the fix); an honest message, with its choices or a list of names, fits well within this.
+MESSAGE_LIMIT = 2000
 
-class RecipeError(ValueError):
+
+def bounded(message: str) -> str:
+    """``message`` within MESSAGE_LIMIT: past it, the middle is left out and says how much, so that the start (what
+    is wrong) and the end (the fix) are both kept."""
+    if len(message) <= MESSAGE_LIMIT:
+        return message
+    keep = (MESSAGE_LIMIT - 40) // 2
+    return f"{message[:keep]} [... {len(message) - 2 * keep} characters ...] {message[-keep:]}"
+
+
+class _Bounded:
+    """Every error type below: its message is ``bounded``, wherever it is printed."""
+
+    def __init__(self, message="", *rest):
+        super().__init__(bounded(str(message)), *rest)
+
+
+class RecipeError(_Bounded, ValueError):
     """A recipe, flag or input that cannot work; raised before any process group or model is set up."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(_Bounded, ValueError):
     """A checkpoint or model folder that cannot be read or written as asked: the message names the problem and the
     fix."""
 
 
-class RefusedRemoval(ValueError):
+class RefusedRemoval(_Bounded, ValueError):
     """A path this project did not make, or not in a shape it may replace: left as it is (fsdp_recipes.removal)."""
 
 
-class NotShardedError(RuntimeError):
+class NotShardedError(_Bounded, RuntimeError):
     """The accelerate config asked for FSDP but the prepared model is not FSDP-wrapped as configured."""
 
 
-class InternalsChanged(RuntimeError):
+class InternalsChanged(_Bounded, RuntimeError):
     """A private symbol this repository relies on is not in the installed library (fsdp_recipes.compat.internals)."""
 
 
-class UnreadableFile(ValueError):
+class UnreadableFile(_Bounded, ValueError):
     """A file refused before or while reading it. ``str()`` is the whole one-line message (the file, the problem,
     the fix); ``reason`` and ``fix`` are its parts, for callers that name the file their own way. Callers with an
     error type of their own (RecipeError, a checker's problem list) catch this and pass the message on."""

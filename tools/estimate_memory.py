@@ -43,7 +43,8 @@ from fsdp_recipes.config.memory import (
     parse_count,
 )
 from fsdp_recipes.config.strategy import FSDP1_HYBRID, strategy_of
-from fsdp_recipes.console import RawHelpFormatter
+from fsdp_recipes.console import OneLineParser, RawHelpFormatter
+from fsdp_recipes.errors import bounded
 
 MAX_COUNT = 2**31 - 1  # far above any real node, batch or sequence, and low enough that the formulas stay finite
 
@@ -130,19 +131,19 @@ def model(text: str) -> str:
     return text
 
 
-class Parser(argparse.ArgumentParser):
+class Parser(OneLineParser):
     argv: list[str] = []
 
     def error(self, message):
-        """One line (argparse would print the usage first), exit 2 as argparse does. argparse takes a model of
-        '-7B' for an unknown option and then says the model is missing: the count's own problem is said instead."""
+        """argparse takes a model of '-7B' for an unknown option and then says the model is missing: the count's own
+        problem is said instead."""
         negative = next((a for a in self.argv if a.startswith("-") and COUNT_LIKE.fullmatch(a)), None)
         if negative is not None and ("required: model" in message or "unrecognized arguments" in message):
             try:
                 parse_count(negative)
             except ValueError as err:
                 message = f"argument model: {err}"
-        self.exit(2, f"{self.prog}: error: {message}: see {self.prog} --help\n")
+        super().error(message)
 
 
 def main(argv=None) -> int:
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
         est.notes[:0] = notes
         fits = fitting_configs(shape, setup, parse_bytes(args.gpu_memory)) if args.gpu_memory else None
     except (ValueError, OSError) as err:
-        print(f"estimate_memory.py: error: {err}", file=sys.stderr)
+        print(bounded(f"estimate_memory.py: error: {err}"), file=sys.stderr)
         return 1
     if args.json:
         out = {"model": asdict(shape), "setup": asdict(setup), "per_gpu_bytes": est.as_dict()}

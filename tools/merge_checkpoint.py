@@ -25,8 +25,8 @@ import sys
 from fsdp_recipes.ckpt.inspection import inspect_checkpoint
 from fsdp_recipes.ckpt.merge import merge_checkpoint
 from fsdp_recipes.compat import internals
-from fsdp_recipes.console import HelpFormatter
-from fsdp_recipes.errors import CheckpointError, InternalsChanged, RefusedRemoval
+from fsdp_recipes.console import HelpFormatter, OneLineParser
+from fsdp_recipes.errors import CheckpointError, InternalsChanged, RefusedRemoval, bounded
 from fsdp_recipes.removal import identity
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -35,12 +35,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 # tiny test models shard at 200KB). The merge process holds torch and transformers, some hundreds of MB, whatever
 # the budget: below 64MB a budget saves nothing and only reads the tensors one by one.
 MIN_SHARD_SIZE, MIN_MEMORY_BUDGET = ("100KB", 100_000), ("64MB", 64_000_000)
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        """One line (argparse would print the usage first), exit 2 as argparse does."""
-        self.exit(2, f"{self.prog}: error: {message}: see {self.prog} --help\n")
 
 
 class Stopped(BaseException):
@@ -89,9 +83,9 @@ def main(argv=None) -> int:
     try:  # the private parser of "5GB": a renamed one is one line here, not a traceback from argparse
         parse_size = internals.get("huggingface_hub.serialization._base.parse_size_to_int")
     except InternalsChanged as err:
-        print(f"merge_checkpoint.py: error: {err}", file=sys.stderr)
+        print(bounded(f"merge_checkpoint.py: error: {err}"), file=sys.stderr)
         return 1
-    parser = Parser(
+    parser = OneLineParser(
         prog="merge_checkpoint.py",
         description="Merge a sharded (FSDP1/FSDP2 DCP, any number of ranks) or full FSDP checkpoint into a "
         "Hugging Face "
@@ -186,12 +180,14 @@ def _merge(args: argparse.Namespace) -> int:
             adapter_only=args.adapter_only,
         )
     except (CheckpointError, InternalsChanged, RefusedRemoval) as err:
-        print(f"merge_checkpoint.py: error: {err}", file=sys.stderr)
+        print(bounded(f"merge_checkpoint.py: error: {err}"), file=sys.stderr)
         return 1
     except OSError as err:  # disk full, permission denied ...: nothing was left behind (the staging folder is removed)
         where = f" ({err.filename})" if err.filename else ""
         print(
-            f"merge_checkpoint.py: error: {err.strerror or err}{where}: nothing was written; fix it and run again",
+            bounded(
+                f"merge_checkpoint.py: error: {err.strerror or err}{where}: nothing was written; fix it and run again"
+            ),
             file=sys.stderr,
         )
         return 1

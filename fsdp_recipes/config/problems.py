@@ -8,6 +8,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from fsdp_recipes.errors import bounded
+
 
 @dataclass
 class Problem:
@@ -19,7 +21,7 @@ class Problem:
 
     def __str__(self) -> str:
         where = f"{self.file}: {self.key}" if self.key else self.file
-        return f"{self.level}: {where}: {self.message}; fix: {self.fix}"
+        return bounded(f"{self.level}: {where}: {self.message}; fix: {self.fix}")
 
 
 def suggest(key: str, valid, what: str = "keys") -> str:
