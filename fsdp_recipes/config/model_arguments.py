@@ -146,6 +146,13 @@ class ModelArguments:
 
     def __post_init__(self):
         check(self)
+        # argparse and YAML read "q_proj,v_proj" as one name, which peft then finds nowhere once the model is loaded
+        if joined := next((m for m in self.lora_target_modules or () if "," in m), None):
+            names = " ".join(n.strip() for n in joined.split(",") if n.strip())
+            raise RecipeError(
+                f"lora_target_modules={joined!r} is one name with commas in it: give the names apart, e.g. "
+                f"--lora_target_modules {names} (in a recipe, a YAML list)"
+            )
         if (self.model_name_or_path is None) == (self.config_name is None):
             raise RecipeError(
                 "set exactly one of model_name_or_path (fine-tune weights) and config_name (train from scratch); "

@@ -7,6 +7,7 @@ named, all of it in one line, rather than dropped."""
 from __future__ import annotations
 
 import argparse
+import itertools
 
 from fsdp_recipes.config import trl_recipe
 from fsdp_recipes.config.arguments import TRL_ALIASES
@@ -41,23 +42,29 @@ def check_flag_aliases(argv: list[str], parser) -> None:
     appended to a long command): one line naming both (argparse would silently keep the last). Values are compared
     as the flag's type reads them, so the same value twice (``--use_peft`` and ``--use_peft true``, 5 and 05) passes;
     a flag missing its value is argparse's to name."""
-    actions = {s: a for s, a in by_option(parser).items() if a.nargs in (None, "?", 0) and a.dest != "help"}
+    actions = {s: a for s, a in by_option(parser).items() if a.nargs in (None, "?", 0, "+", "*") and a.dest != "help"}
     seen: dict[str, tuple[str, str, object]] = {}
     for i, arg in enumerate(argv):
         flag, eq, text = arg.partition("=")
         if (action := actions.get(flag)) is None:
             continue
-        if not eq:
-            bare = action.nargs == 0 or i + 1 == len(argv) or argv[i + 1].startswith("--")
-            if bare and action.nargs is None:
-                continue
-            text = "" if bare else argv[i + 1]
-        value = action.const if not text and action.nargs in ("?", 0) else _read(action, text)
+        if action.nargs in ("+", "*"):  # a list: its values up to the next flag (argparse keeps the last list)
+            values = [text] if eq else list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1 :]))
+            text, value = " ".join(values), tuple(_read(action, v) for v in values)
+        else:
+            if not eq:
+                bare = action.nargs == 0 or i + 1 == len(argv) or argv[i + 1].startswith("--")
+                if bare and action.nargs is None:
+                    continue
+                text = "" if bare else argv[i + 1]
+            value = action.const if not text and action.nargs in ("?", 0) else _read(action, text)
         if (earlier := seen.get(action.dest)) and earlier[2] != value:
             what = f"the same setting ({action.dest})" if earlier[0] != flag else "given twice"
-            raise RecipeError(
-                f"{earlier[1]} and {' '.join((flag, text)).strip()} are {what} with different values: give one"
-            )
+            fix = "give one"
+            if action.nargs in ("+", "*"):  # what was likely meant: one list of both
+                fix += f" list, e.g. {flag} {' '.join(dict.fromkeys(earlier[1].split()[1:] + text.split()))}"
+            said = f"{earlier[1]} and {' '.join((flag, text)).strip()}"
+            raise RecipeError(f"{said} are {what} with different values: {fix}")
         seen[action.dest] = (flag, " ".join((flag, text)).strip(), value)
 
 

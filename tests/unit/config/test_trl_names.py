@@ -342,6 +342,38 @@ def test_a_flag_given_twice_with_different_values_is_an_error_for_every_flag():
     assert checked > 80, checked  # 92 today: every single-valued TrainingArguments field, and ours
 
 
+def test_a_list_flag_given_twice_with_other_values_is_one_line_naming_the_list_meant():
+    """Generated over every list flag (nargs +): argparse keeps the last list, dropping the first without a word; the
+    line names both and the one list they make. The same list twice, in either spelling, passes."""
+    from fsdp_recipes.config import helptext
+    from fsdp_recipes.config.trl_names import check_flag_aliases
+
+    parser = helptext.build_parser(show_all=True)
+    lists = [a for a in parser._actions if a.nargs in ("+", "*") and a.option_strings]
+    assert {"lora_target_modules", "label_names"} <= {a.dest for a in lists}
+    for action in lists:
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        a, b = list(map(str, action.choices))[:2] if action.choices else ["q_proj", "v_proj"]
+        for argv in ([flag, a, flag, b], [f"{flag}={a}", flag, b], [flag, a, "--seed", "1", flag, a, b]):
+            with pytest.raises(RecipeError) as err:
+                check_flag_aliases(argv, parser)
+            assert str(err.value).endswith(f"with different values: give one list, e.g. {flag} {a} {b}"), err.value
+        check_flag_aliases([flag, a, b, "--seed", "1", flag, a, b], parser)
+        check_flag_aliases([f"{flag}={a}", flag, a], parser)
+
+
+@pytest.mark.parametrize("given", ["q_proj,v_proj", "q_proj, v_proj", ",q_proj,v_proj,"])
+def test_lora_module_names_joined_by_commas_are_one_line_before_anything_loads(tmp_path, given):
+    """argparse and YAML read "q_proj,v_proj" as one module name, which peft finds nowhere after the model loaded."""
+    for argv in ([f"--lora_target_modules={given}"], ["--lora_target_modules", "k_proj", given]):
+        with pytest.raises(RecipeError) as err:
+            parse_args(["--config_name", "assets/tiny-llama", "--output_dir", str(tmp_path), *NO_FSDP, *argv])
+        assert str(err.value) == (
+            f"lora_target_modules={given!r} is one name with commas in it: give the names apart, e.g. "
+            "--lora_target_modules q_proj v_proj (in a recipe, a YAML list)"
+        )
+
+
 def test_a_repeat_is_judged_by_the_value_the_flag_reads():
     """The same value in two spellings passes (5 and 05, true and yes, a bare flag and true); a --no_ flag against
     its flag's true is two values of one setting."""
