@@ -120,8 +120,9 @@ def _missing_value(action, argv: list[str]) -> str:
 
 
 # TrainingArguments fields typed ``str`` (so one value as a flag) that take a list too, as recipes often write them
-# (alignment-handbook's ``report_to: [wandb]``): a recipe value is passed on as it is, so a list of them is fine.
-LIST_VALUED = {"report_to"}
+# (alignment-handbook's ``report_to: [wandb]``, ``fsdp: [full_shard, auto_wrap]``): a recipe value is passed on as
+# it is, so a list of them is fine.
+LIST_VALUED = {"report_to", "fsdp"}
 
 
 # text fields where a recipe's true/false means something: TRL's packing (a bool there), TrainingArguments' fsdp,
@@ -156,7 +157,7 @@ def check_recipe_types(recipe: dict, parser) -> None:
             continue
         many = action.nargs in ("+", "*") or key in LIST_VALUED
         for v in value if many and isinstance(value, list) else [value]:
-            if key in LIST_VALUED and not isinstance(v, str):
+            if key in LIST_VALUED and not isinstance(v, str) and not (isinstance(v, bool) and key in TEXT_OR_BOOL):
                 raise RecipeError(f"recipe key {key}: {v!r} is not a name: give a name or a list of names")
             mapping = isinstance(v, dict) and action.type.__name__ == "JSON mapping"  # helptext.json_mapping
             if isinstance(v, (list, dict)) and not mapping:

@@ -255,10 +255,13 @@ def test_fsdp_config_is_a_file_json_text_or_a_recipe_mapping_as_trainingargument
     recipe = tmp_path / "recipe.yaml"
     tiny = {"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt"}
     recipe.write_text(yaml.safe_dump({**tiny, "fsdp": "true", "fsdp_config": mapping}))
+    listed = tmp_path / "listed.yaml"  # fsdp as TrainingArguments' list of options, as recipes write it too
+    listed.write_text(yaml.safe_dump({**tiny, "fsdp": ["full_shard"], "fsdp_config": mapping}))
     forms = {
         "file": ["--fsdp", "true", "--fsdp_config", str(TORCHRUN_ZERO3), "--train_file", tiny["train_file"]],
         "JSON text": ["--fsdp", "true", "--fsdp_config", json.dumps(mapping), "--train_file", tiny["train_file"]],
         "recipe mapping": [str(recipe)],
+        "recipe list": [str(listed)],
     }
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's 2 processes: FSDP over gloo needs them
@@ -269,10 +272,11 @@ def test_fsdp_config_is_a_file_json_text_or_a_recipe_mapping_as_trainingargument
         with mock.patch.dict(os.environ):  # TrainingArguments with fsdp sets accelerate's FSDP_* variables
             del os.environ["WORLD_SIZE"]  # the oracle is one process, no group
             oracle = TrainingArguments(
-                output_dir=str(tmp_path / "oracle"), fsdp=True, fsdp_config=plan.raw.fsdp_config, use_cpu=True
+                output_dir=str(tmp_path / "oracle"), fsdp=plan.raw.fsdp, fsdp_config=plan.raw.fsdp_config, use_cpu=True
             )
         plugins[form] = oracle.fsdp_plugin_args
     assert plugins["file"] and plugins["JSON text"] == plugins["file"] == plugins["recipe mapping"]
+    assert plugins["recipe list"] == plugins["file"]
 
 
 @pytest.mark.parametrize(
