@@ -143,23 +143,30 @@ def main(argv=None) -> int:
         parser.error("OUTPUT is required unless --inspect is given")
     earlier = None if args.output is None else identity(args.output)  # a stop after the rename into place: told apart
     before = signal.signal(signal.SIGTERM, _stopped)
-    # A signal's handler runs at whichever call comes next, so the stop is caught around everything main does after
-    # installing it, its own messages and the handing back of the caller's handler included.
+    # A signal's handler runs at whichever call comes next, so a stop is caught wherever it lands while the handler is
+    # in place, the very call that hands the caller's handler back included (the outcome then stands: the handler
+    # ignores SIGTERM once it has raised). The stop is said with the caller's handler back.
     try:
-        code = _merge(args)
-        signal.signal(signal.SIGTERM, before)
-        return code
-    except (KeyboardInterrupt, Stopped) as stop:  # the staging folder and the copy process are gone (merge's cleanup)
-        what = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped by SIGTERM"
-        if args.output is not None and identity(args.output) not in (earlier, None):  # after the rename into place
-            print(
-                f"merge_checkpoint.py: {what} after {args.output} was written whole and moved into place",
-                file=sys.stderr,
-            )
-        else:
-            print(f"merge_checkpoint.py: {what}: nothing was published", file=sys.stderr)
-        signal.signal(signal.SIGTERM, before)
-        return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
+        return _merge(args)
+    except KeyboardInterrupt as err:  # the staging folder and the copy process are gone (merge's cleanup)
+        stop, code = err, 130
+    except Stopped as err:
+        stop, code = err, 128 + signal.SIGTERM
+    finally:
+        try:
+            signal.signal(signal.SIGTERM, before)
+        except (KeyboardInterrupt, Stopped):
+            signal.signal(signal.SIGTERM, before)
+    _say_stopped(stop, args.output, earlier)
+    return code
+
+
+def _say_stopped(stop: BaseException, output: str | None, earlier) -> None:
+    what = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped by SIGTERM"
+    if output is not None and identity(output) not in (earlier, None):  # after the rename into place
+        print(f"merge_checkpoint.py: {what} after {output} was written whole and moved into place", file=sys.stderr)
+    else:
+        print(f"merge_checkpoint.py: {what}: nothing was published", file=sys.stderr)
 
 
 def _merge(args: argparse.Namespace) -> int:

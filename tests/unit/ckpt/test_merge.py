@@ -830,30 +830,36 @@ def test_sigterm_while_publishing_says_what_happened(checkpoint, tmp_path, monke
         AutoModelForCausalLM.from_pretrained(out)
 
 
-def test_sigterm_at_each_call_the_tool_makes_ends_in_one_of_its_outcomes(checkpoint, tmp_path, capsys):
-    """SIGTERM at each call the tool's main makes while its handler is in place (a signal's handler runs at whichever
-    call comes next: the messages and the handing back of the caller's handler are moments too): main returns 0 with
-    the output written, or 143 with one line saying whether the output was published; nothing raises out of main,
-    no staging folder is left and the caller's handler is handed back."""
-    import signal
-
+def _tool():
     spec = importlib.util.spec_from_file_location("merge_checkpoint_cli", TOOL)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    own = {tool.main.__code__, tool._merge.__code__}
-    before = signal.getsignal(signal.SIGTERM)
+    return tool
 
-    def run(out: Path, at: int) -> tuple[int, int]:  # main, SIGTERM at its at-th call: (exit code, calls seen)
-        seen = 0
+
+@pytest.mark.slow
+def test_stops_at_each_call_the_tool_makes_end_in_one_of_its_outcomes(checkpoint, tmp_path, capsys):
+    """SIGTERM at each call the tool's main makes while its handler is in place (a signal's handler runs at whichever
+    call comes next: the handing back of the caller's handler is a moment too), alone or after a Ctrl-C during the
+    merge: main returns 0 with the output written, 143 or 130 with one line saying whether the output was published;
+    nothing raises out of main, no staging folder is left and the caller's handler is handed back."""
+    import signal
+
+    tool = _tool()
+    own = {tool.main.__code__, tool._merge.__code__, tool._say_stopped.__code__}
+    callers = []  # the caller's own handler: a SIGTERM after main handed it back is the caller's
+
+    def run(out: Path, term_at: int, interrupt_at: int = -1) -> tuple[int, list[str]]:  # (exit code, calls seen)
+        seen = []
 
         def profile(frame, event, arg):
             nonlocal seen
             caller = frame if event == "c_call" else frame.f_back
             if event in ("call", "c_call") and caller is not None and caller.f_code in own:
                 if signal.getsignal(signal.SIGTERM) is tool._stopped:
-                    if seen == at:
-                        os.kill(os.getpid(), signal.SIGTERM)
-                    seen += 1
+                    if len(seen) in (term_at, interrupt_at):
+                        os.kill(os.getpid(), signal.SIGTERM if len(seen) == term_at else signal.SIGINT)
+                    seen.append(getattr(arg, "__name__", "?") if event == "c_call" else frame.f_code.co_name)
 
         sys.setprofile(profile)
         try:
@@ -861,30 +867,51 @@ def test_sigterm_at_each_call_the_tool_makes_ends_in_one_of_its_outcomes(checkpo
         finally:
             sys.setprofile(None)
 
-    code, calls = run(tmp_path / "whole", -1)
-    assert code == 0 and calls > 5, (code, calls)
-    outcomes = []
-    for at in range(calls):
-        out = tmp_path / f"out{at}"
-        code, _ = run(out, at)
-        output = capsys.readouterr()
-        assert signal.getsignal(signal.SIGTERM) is before, at
-        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".out{at}.")], at
-        last = output.err.strip().splitlines()[-1] if output.err.strip() else ""
-        if code == 0:
-            assert f"wrote {out}" in output.out, at
-        else:
-            published = (
-                f" after {out} was written whole and moved into place" if out.exists() else ": nothing was published"
-            )
-            assert (code, last) == (143, f"merge_checkpoint.py: stopped by SIGTERM{published}"), (at, code, output.err)
-        if out.exists():
-            assert (
-                load_file(out / "model.safetensors").keys()
-                == load_file(tmp_path / "whole" / "model.safetensors").keys()
-            )
-        outcomes.append((code, out.exists()))
-    assert {(143, False), (143, True)} <= set(outcomes), outcomes
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: callers.append(signum))
+    try:
+        code, names = run(tmp_path / "whole", -1)
+        calls, merging = len(names), names.index("merge_checkpoint")  # a Ctrl-C there: the merge under way
+        assert code == 0 and calls > 3 and names[-1] == "signal", (code, names)
+        runs = [(at, -1) for at in range(calls)] + [(at, merging) for at in range(merging + 1, calls)]
+        outcomes = []
+        for i, (at, interrupt_at) in enumerate(runs):
+            out = tmp_path / f"out{i}"
+            code, _ = run(out, at, interrupt_at)
+            output = capsys.readouterr()
+            assert signal.getsignal(signal.SIGTERM) is not tool._stopped, (at, interrupt_at)
+            signal.signal(signal.SIGTERM, lambda signum, frame: callers.append(signum))
+            assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".out{i}.")], at
+            last = output.err.strip().splitlines()[-1] if output.err.strip() else ""
+            what = "interrupted" if interrupt_at >= 0 else "stopped by SIGTERM"
+            if code == 0:
+                assert f"wrote {out}" in output.out and interrupt_at < 0, at
+            else:
+                published = f" after {out} was written whole and moved into place" if out.exists() else ""
+                said = f"merge_checkpoint.py: {what}{published or ': nothing was published'}"
+                assert (code, last) == (130 if interrupt_at >= 0 else 143, said), (at, code, output.err)
+            if out.exists():
+                whole = load_file(tmp_path / "whole" / "model.safetensors")
+                assert load_file(out / "model.safetensors").keys() == whole.keys()
+            outcomes.append((code, out.exists()))
+        assert {(143, False), (143, True), (130, False)} <= set(outcomes), outcomes
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, MemoryError, ValueError, TypeError])
+def test_an_unexpected_error_of_the_merge_hands_the_callers_handler_back(tmp_path, monkeypatch, error):
+    import signal
+
+    tool = _tool()
+
+    def fails(*args, **kwargs):
+        raise error("not one of the merge's own errors")
+
+    monkeypatch.setattr(tool, "merge_checkpoint", fails)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(error):
+        tool.main([str(tmp_path / "in"), str(tmp_path / "out")])
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def merge_moments(whole: Path) -> dict:
