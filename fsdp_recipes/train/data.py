@@ -252,14 +252,15 @@ def _time_limit(seconds: float):
     if pending and pending <= seconds:
         yield
         return
-    previous = signal.signal(signal.SIGALRM, expire)
-    start = time.monotonic()
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous, start = signal.getsignal(signal.SIGALRM), time.monotonic()
     try:
+        signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
         yield
     finally:
-        # The alarm's handler runs at whichever call comes next, so it can still raise at the cancelling; the
-        # caller's handler and timer are put back all the same (the one-shot alarm cannot come twice).
+        # The alarm's handler runs at whichever call comes next, so it can raise at the arming (a limit shorter than
+        # the call) or at the cancelling; the caller's handler and timer are put back all the same (the one-shot
+        # alarm cannot come twice).
         try:
             signal.setitimer(signal.ITIMER_REAL, 0)
         finally:
