@@ -11,25 +11,27 @@ from __future__ import annotations
 
 import os
 
-# The longest message: a value quoted from a flag or a file can be any length (100,000 characters echoed in full
-# buried the fix); an honest message, with its choices or a list of names, fits well within this.
+# The longest line: a value quoted from a flag or a file can be any length (100,000 characters echoed in full
+# buried the fix); an honest message, with its choices or a list of names, fits well within this. An error's own
+# message leaves room for the name of the tool that prints it, so that the line needs no second cut.
 MESSAGE_LIMIT = 2000
+PREFIX_ROOM = 100
 
 
-def bounded(message: str) -> str:
-    """``message`` within MESSAGE_LIMIT: past it, the middle is left out and says how much, so that the start (what
-    is wrong) and the end (the fix) are both kept."""
-    if len(message) <= MESSAGE_LIMIT:
+def bounded(message: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``message`` within ``limit``: past it, the middle is left out and says how much, so that the start (what is
+    wrong) and the end (the fix) are both kept."""
+    if len(message) <= limit:
         return message
-    keep = (MESSAGE_LIMIT - 40) // 2
+    keep = (limit - 40) // 2
     return f"{message[:keep]} [... {len(message) - 2 * keep} characters ...] {message[-keep:]}"
 
 
 class _Bounded:
-    """Every error type below: its message is ``bounded``, wherever it is printed."""
+    """Every error type below: its message is ``bounded``, with room for a tool's prefix, wherever it is printed."""
 
     def __init__(self, message="", *rest):
-        super().__init__(bounded(str(message)), *rest)
+        super().__init__(bounded(str(message), MESSAGE_LIMIT - PREFIX_ROOM), *rest)
 
 
 class RecipeError(_Bounded, ValueError):
@@ -60,7 +62,10 @@ class UnreadableFile(_Bounded, ValueError):
 
     def __init__(self, path: str | os.PathLike, what: str, reason: str, fix: str):
         super().__init__(f"{what} {str(path)!r} {reason}: {fix}")
-        self.path, self.reason, self.fix = str(path), reason, fix
+        self.path, self.what, self.reason, self.fix = str(path), what, reason, fix
+
+    def __reduce__(self):  # pickle and copy (a worker process's error) call __init__ with these, not the message
+        return type(self), (self.path, self.what, self.reason, self.fix)
 
 
 class UnknownToThisVersion(CheckpointError):
@@ -77,6 +82,9 @@ class UnknownToThisVersion(CheckpointError):
             f"unreadable by this version: {self.reason}; another torch version wrote it, and it may be "
             f"complete: {self.FIX}"
         )
+
+    def __reduce__(self):
+        return type(self), (self.path, self.what, self.kind, self.version)
 
     def at(self, path: str | os.PathLike) -> UnknownToThisVersion:
         """The same error, naming the file it was found in."""

@@ -3,6 +3,8 @@ leaves the start of the line (what is wrong) and its end (the fix), with the mid
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from conftest import cli, one_line_error
@@ -51,6 +53,18 @@ def test_every_error_type_of_the_package_is_bounded(make):
     assert message.startswith(head) and message.endswith(tail), (head, tail)
 
 
+@pytest.mark.parametrize("make", ERROR_TYPES)
+def test_every_error_type_survives_pickle_and_copy_whole(make):
+    """A worker process's error reaches its parent pickled (datasets.map, multiprocessing): same type, message and
+    attributes."""
+    import copy
+    import pickle
+
+    error = make("a value")
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(again) is type(error) and str(again) == str(error) and vars(again) == vars(error)
+
+
 def test_a_problem_line_of_the_config_check_is_bounded():
     line = str(Problem("error", "zero3.yaml", "mixed_precision", f"{HUGE!r} is not one of no, bf16", "use bf16"))
     assert len(line) <= MESSAGE_LIMIT and line.startswith("error: zero3.yaml: mixed_precision: 'xxx")
@@ -92,4 +106,18 @@ def test_a_tool_given_a_huge_value_says_one_bounded_line(tool, argv, capsys):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines and all(len(line) <= MESSAGE_LIMIT for line in lines), [len(line) for line in lines]
+    # cut once, and saying how much: a second cut would have hidden the first's count
+    counts = [int(n) for n in re.findall(r" \[\.\.\. (\d+) characters \.\.\.\] ", err)]
+    assert len(counts) == 1 and counts[0] >= len(HUGE) - MESSAGE_LIMIT, counts
     one_line_error(err, f"{tool}.py: error: " if tool != "check_config" else "")
+
+
+def test_a_tool_prints_a_long_error_of_the_package_with_one_cut_that_says_how_much(tmp_path, capsys):
+    """The error's own message is bounded with room for the tool's prefix: the printed line is not cut again (a
+    second cut would leave the count of a first cut's remains)."""
+    deep = tmp_path.joinpath(*[f"{i:02d}" + "d" * 238 for i in range(12)])
+    deep.mkdir(parents=True)
+    assert cli("merge_checkpoint", [str(deep), "--inspect"]) == 1
+    line = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
+    counts = [int(n) for n in re.findall(r" \[\.\.\. (\d+) characters \.\.\.\] ", line)]
+    assert len(line) <= MESSAGE_LIMIT and len(counts) == 1 and counts[0] >= len(str(deep)) - MESSAGE_LIMIT, counts
