@@ -157,8 +157,6 @@ def check_recipe_types(recipe: dict, parser) -> None:
             continue
         many = action.nargs in ("+", "*") or key in LIST_VALUED
         for v in value if many and isinstance(value, list) else [value]:
-            if key in LIST_VALUED and not isinstance(v, str) and not (isinstance(v, bool) and key in TEXT_OR_BOOL):
-                raise RecipeError(f"recipe key {key}: {v!r} is not a name: give a name or a list of names")
             mapping = isinstance(v, dict) and action.type.__name__ == "JSON mapping"  # helptext.json_mapping
             if isinstance(v, (list, dict)) and not mapping:
                 raise RecipeError(
@@ -174,6 +172,8 @@ def check_recipe_types(recipe: dict, parser) -> None:
                 raise RecipeError(
                     f"recipe key {key}: {v!r} is YAML's reading of an unquoted {YAML_BOOLS[v]}: quote it{fix}"
                 )
+            if key in LIST_VALUED and not isinstance(v, str) and not (isinstance(v, bool) and key in TEXT_OR_BOOL):
+                raise RecipeError(f"recipe key {key}: {v!r} is not a name: give a name or a list of names")
             if text and not isinstance(v, str):
                 # YAML read 5 or 2024-01-01 where a name or path belongs: a path of it would be a TypeError
                 raise RecipeError(f"recipe key {key}: {v!r} is a {type(v).__name__}; give text (quote it in YAML)")
