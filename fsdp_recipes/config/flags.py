@@ -166,9 +166,10 @@ def check_recipe_types(recipe: dict, parser) -> None:
             choices = list(map(str, action.choices or ()))
             # eval_strategy: no, which YAML 1.1 reads as false (packing: true means true)
             if isinstance(v, bool) and (text or choices) and str(v).lower() not in choices:
-                fix = (
-                    f" ({key}: 'no')" if not v and "no" in choices else f", one of {', '.join(choices)}" * bool(choices)
-                )
+                if not v and "no" in choices:
+                    fix = f" ({key}: 'no')"
+                else:
+                    fix = f", one of {', '.join(choices)}" if choices else ""
                 raise RecipeError(
                     f"recipe key {key}: {v!r} is YAML's reading of an unquoted {YAML_BOOLS[v]}: quote it{fix}"
                 )
