@@ -30,8 +30,9 @@ def bounded(message: str, limit: int = MESSAGE_LIMIT) -> str:
 class _Bounded:
     """Every error type below: its message is ``bounded``, with room for a tool's prefix, wherever it is printed."""
 
-    def __init__(self, message="", *rest):
-        super().__init__(bounded(str(message), MESSAGE_LIMIT - PREFIX_ROOM), *rest)
+    # One message, no further arguments: an exception's str() of several arguments is their tuple, unbounded.
+    def __init__(self, message=""):
+        super().__init__(bounded(str(message), MESSAGE_LIMIT - PREFIX_ROOM))
 
 
 class RecipeError(_Bounded, ValueError):

@@ -53,6 +53,12 @@ def test_every_error_type_of_the_package_is_bounded(make):
     assert message.startswith(head) and message.endswith(tail), (head, tail)
 
 
+@pytest.mark.parametrize("error_type", [t for t in ERROR_TYPES if isinstance(t, type)])
+def test_an_error_type_takes_one_message_so_no_part_escapes_the_bound(error_type):
+    with pytest.raises(TypeError):
+        error_type("start", HUGE)
+
+
 @pytest.mark.parametrize("make", ERROR_TYPES)
 def test_every_error_type_survives_pickle_and_copy_whole(make):
     """A worker process's error reaches its parent pickled (datasets.map, multiprocessing): same type, message and
