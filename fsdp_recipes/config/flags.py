@@ -166,13 +166,13 @@ def check_recipe_types(recipe: dict, parser) -> None:
             choices = list(map(str, action.choices or ()))
             # eval_strategy: no, which YAML 1.1 reads as false (packing: true means true)
             if isinstance(v, bool) and (text or choices) and str(v).lower() not in choices:
+                read = f"recipe key {key}: {v!r} is YAML's reading of an unquoted {YAML_BOOLS[v]}"
+                if not choices:
+                    raise RecipeError(f"{read}: quote it")
                 if not v and "no" in choices:
-                    fix = f" ({key}: 'no')"
-                else:
-                    fix = f", one of {', '.join(choices)}" if choices else ""
-                raise RecipeError(
-                    f"recipe key {key}: {v!r} is YAML's reading of an unquoted {YAML_BOOLS[v]}: quote it{fix}"
-                )
+                    raise RecipeError(f"{read}: quote it ({key}: 'no')")
+                # quoting would not help: the word written is not one of the choices either
+                raise RecipeError(f"{read}, and none of these is a choice: give one of {', '.join(choices)}")
             if key in LIST_VALUED and not isinstance(v, str) and not (isinstance(v, bool) and key in TEXT_OR_BOOL):
                 raise RecipeError(f"recipe key {key}: {v!r} is not a name: give a name or a list of names")
             if text and not isinstance(v, str):

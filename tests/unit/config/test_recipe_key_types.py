@@ -144,7 +144,8 @@ YAML_BOOL_CASES = [
 
 @pytest.mark.parametrize("key, word", YAML_BOOL_CASES, ids=[f"{k}: {w}" for k, w in YAML_BOOL_CASES])
 def test_an_unquoted_yaml_word_read_as_a_bool_where_text_belongs_says_to_quote_it(tmp_path, key, word):
-    """`eval_strategy: no` is the bool false to YAML: the line says so, with the quoted choice (or the choices)."""
+    """`eval_strategy: no` is the bool false to YAML: the line says so, and to quote it where the word is a value
+    there, or lists the choices where it is not (`hub_strategy: no`)."""
     recipe = tmp_path / "r.yaml"
     base = {"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt"}
     recipe.write_text("".join(f"{k}: {v}\n" for k, v in {**base, key: word}.items()))  # unquoted, as written by hand
@@ -152,11 +153,13 @@ def test_an_unquoted_yaml_word_read_as_a_bool_where_text_belongs_says_to_quote_i
         parse_args([str(recipe), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
     message, choices = str(err.value), _choices(key)
     read = {"no": "False is YAML's reading of an unquoted false, no or off", "on": "True is YAML's reading of an "}
-    assert message.startswith(f"recipe key {key}: {read[word]}") and ": quote it" in message, message
-    if word == "no" and "no" in choices:
-        assert message.endswith(f"quote it ({key}: 'no')"), message
-    else:
-        assert message.endswith(f"quote it, one of {', '.join(choices)}" if choices else "quote it"), message
+    assert message.startswith(f"recipe key {key}: {read[word]}"), message
+    if not choices:
+        assert message.endswith(": quote it"), message
+    elif word == "no" and "no" in choices:
+        assert message.endswith(f": quote it ({key}: 'no')"), message
+    else:  # quoting the word would be refused too: the line does not say to
+        assert "quote it" not in message and message.endswith(f"give one of {', '.join(choices)}"), message
 
 
 def test_yaml_bool_cases_include_the_strategies_and_text_fields():
