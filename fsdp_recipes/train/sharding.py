@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -243,10 +244,10 @@ def verify_and_report(
 
 def _zero1(optimizer):
     """ZeRO-1's ZeroRedundancyOptimizer inside accelerate's AcceleratedOptimizer, or None."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
+    # Only a run that built one has imported its module: importing it to ask costs other ranks a second of CPU.
+    zero = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", ())
     inner = getattr(optimizer, "optimizer", optimizer)
-    return inner if isinstance(inner, ZeroRedundancyOptimizer) else None
+    return inner if isinstance(inner, zero) else None
 
 
 def local_optimizer(optimizer):
