@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 
+from transformers.trainer_utils import FSDPOption
+
 from fsdp_recipes.compat import internals
 from fsdp_recipes.config.accelerate_config import COMPILE_UNDER_FSDP1, compile_asked
 from fsdp_recipes.config.dict_fields import mapping_of
@@ -88,6 +90,17 @@ def fsdp_version(config: dict) -> int:
     return version
 
 
+def unknown_fsdp_options(fsdp) -> list[str]:
+    """The words of a string or list --fsdp that TrainingArguments refuses ("Unknown `fsdp` option"), by its rule:
+    an FSDPOption, or a sharding strategy in any case. Checked before the launch's process count, which it would
+    otherwise only reach after."""
+    from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
+
+    words = fsdp.split() if isinstance(fsdp, str) else fsdp if isinstance(fsdp, list) else []
+    options = {o.value for o in FSDPOption}
+    return [w for w in map(str, words) if w not in options and w.upper() not in FSDP_SHARDING_STRATEGY]
+
+
 def check_trainer_fsdp(raw) -> bool:
     """Normalise TrainingArguments' --fsdp (the torchrun route) and check its fsdp_config; True if FSDP is asked for.
 
@@ -96,6 +109,11 @@ def check_trainer_fsdp(raw) -> bool:
     that text), as TrainingArguments reads it; a key it does not read, or fsdp_config without fsdp, is an error."""
     if isinstance(raw.fsdp, str) and raw.fsdp.lower() in ("true", "false", ""):
         raw.fsdp = raw.fsdp.lower() == "true" or None
+    if unknown := unknown_fsdp_options(raw.fsdp):
+        raise RecipeError(
+            f"--fsdp {' '.join(unknown)}: not an option of TrainingArguments' fsdp; give true (the rest in "
+            f"--fsdp_config) or some of {', '.join(o.value for o in FSDPOption)}"
+        )
     if not raw.fsdp:
         if raw.fsdp_config:  # TrainingArguments reads it only with fsdp: the run would train without it, silently
             raise RecipeError(

@@ -220,6 +220,47 @@ def test_torchrun_route_fsdp_flags(tmp_path):
     assert check_trainer_fsdp(argparse.Namespace(fsdp="true", fsdp_config=str(version1), optim="adafactor")) is True
 
 
+FSDP_WORDS = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap"]
+# each option misspelt as a hand would: a letter left out, two swapped, a dash for the underscore, a plural
+FSDP_TYPOS = sorted(
+    (
+        {w[:-1] for w in FSDP_WORDS}
+        | {w[:2] + w[3] + w[2] + w[4:] for w in FSDP_WORDS}
+        | {w.replace("_", "-") for w in FSDP_WORDS if "_" in w}
+        | {w + "s" for w in FSDP_WORDS}
+    )
+    - set(FSDP_WORDS)  # full_shard with its two l's swapped
+)
+
+
+@pytest.mark.parametrize("typo", FSDP_TYPOS)
+def test_an_fsdp_word_trainingarguments_refuses_is_named_before_the_process_count(typo, tmp_path):
+    """A word of --fsdp (the torchrun route) that TrainingArguments would refuse on every rank after start-up is
+    the one line, also in a single-process launch, whose own line (2 or more processes) would come first otherwise;
+    as a flag and as a recipe's list."""
+    from transformers import TrainingArguments
+
+    with pytest.raises(ValueError, match="Unknown `fsdp` option"):  # the oracle: transformers' own refusal
+        TrainingArguments._apply_legacy_fsdp_to_config(f"auto_wrap {typo}", {"version": 1})
+    (recipe := tmp_path / "r.yaml").write_text(f"fsdp: [auto_wrap, {typo}]\n")
+    for argv in (["--fsdp", f"auto_wrap {typo}"], [str(recipe)]):
+        with pytest.raises(RecipeError) as err:
+            parse_args([*argv, "--output_dir", str(tmp_path / "o")])
+        assert str(err.value).startswith(f"--fsdp {typo}: not an option of TrainingArguments' fsdp"), err.value
+
+
+def test_every_fsdp_word_trainingarguments_takes_passes_the_check():
+    from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
+    from transformers.trainer_utils import FSDPOption
+
+    from fsdp_recipes.config.trainer_fsdp import unknown_fsdp_options
+
+    assert FSDP_WORDS == [o.value for o in FSDPOption]  # a new option is added above, with its typos
+    taken = [*FSDP_WORDS, *FSDP_SHARDING_STRATEGY]  # TrainingArguments takes a strategy in upper case too
+    assert unknown_fsdp_options(" ".join(taken)) == [] and unknown_fsdp_options(taken) == []
+    assert unknown_fsdp_options(True) == unknown_fsdp_options(None) == []
+
+
 def mapping_declared_fields() -> set[str]:
     """TrainingArguments' fields whose declaration takes a dict (``dict | str``), read from its type hints."""
     import types
