@@ -43,9 +43,17 @@ class Stopped(BaseException):
     merge)."""
 
 
+STOPS: list[int] = []  # the signals that stopped this merge: one Python swallowed is a stop all the same
+
+
 def _stopped(signum, frame):
-    signal.signal(signum, signal.SIG_IGN)  # a second one would cut that cleanup short; SIGKILL still ends it
-    raise Stopped
+    # One stop: a second of either kind would cut the merge's cleanup short (SIGKILL still ends it). The signal is
+    # recorded before it is raised: a handler run inside a finalizer or weakref callback has its exception printed
+    # and dropped by Python, and the merge would otherwise go on as if never stopped.
+    for each in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(each, signal.SIG_IGN)
+    STOPS.append(signum)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Stopped
 
 
 def size_type(parse_size, example: str, minimum: tuple[str, int]):
@@ -142,31 +150,40 @@ def main(argv=None) -> int:
     if args.output is None and not args.inspect:
         parser.error("OUTPUT is required unless --inspect is given")
     earlier = None if args.output is None else identity(args.output)  # a stop after the rename into place: told apart
-    before = signal.signal(signal.SIGTERM, _stopped)
-    # A signal's handler runs at whichever call comes next, so a stop is caught wherever it lands while the handler is
-    # in place, the very call that hands the caller's handler back included (the outcome then stands: the handler
-    # ignores SIGTERM once it has raised). The stop is said with the caller's handler back.
+    # A signal's handler runs at whichever call comes next, so a stop is caught wherever it lands while the handlers
+    # are in place, the calls that put them in place and hand the caller's back included. The stop is said with the
+    # caller's handlers back.
+    STOPS.clear()
+    before = {}
     try:
-        return _merge(args)
-    except KeyboardInterrupt as err:  # the staging folder and the copy process are gone (merge's cleanup)
-        stop, code = err, 130
-    except Stopped as err:
-        stop, code = err, 128 + signal.SIGTERM
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            before[signum] = signal.signal(signum, _stopped)
+        code = _merge(args)
+    except KeyboardInterrupt:  # the staging folder and the copy process are gone (merge's cleanup)
+        STOPS.append(signal.SIGINT)  # recorded already, or a Ctrl-C before the handler was in place
+    except Stopped:
+        pass
     finally:
         try:
-            signal.signal(signal.SIGTERM, before)
-        except (KeyboardInterrupt, Stopped):
-            signal.signal(signal.SIGTERM, before)
-    _say_stopped(stop, args.output, earlier)
-    return code
-
-
-def _say_stopped(stop: BaseException, output: str | None, earlier) -> None:
-    what = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped by SIGTERM"
-    if output is not None and identity(output) not in (earlier, None):  # after the rename into place
-        print(f"merge_checkpoint.py: {what} after {output} was written whole and moved into place", file=sys.stderr)
+            _hand_back(before)
+        except (KeyboardInterrupt, Stopped):  # recorded; the handlers ignore any further stop until handed back
+            _hand_back(before)
+    if not STOPS:
+        return code
+    interrupted = STOPS[0] == signal.SIGINT
+    what = "interrupted" if interrupted else "stopped by SIGTERM"
+    if args.output is not None and identity(args.output) not in (earlier, None):  # after the rename into place
+        print(
+            f"merge_checkpoint.py: {what} after {args.output} was written whole and moved into place", file=sys.stderr
+        )
     else:
         print(f"merge_checkpoint.py: {what}: nothing was published", file=sys.stderr)
+    return 130 if interrupted else 128 + signal.SIGTERM
+
+
+def _hand_back(before: dict) -> None:
+    for signum, handler in reversed(before.items()):
+        signal.signal(signum, handler)
 
 
 def _merge(args: argparse.Namespace) -> int:

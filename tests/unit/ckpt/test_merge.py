@@ -840,13 +840,14 @@ def _tool():
 @pytest.mark.slow
 def test_stops_at_each_call_the_tool_makes_end_in_one_of_its_outcomes(checkpoint, tmp_path, capsys):
     """SIGTERM at each call the tool's main makes while its handler is in place (a signal's handler runs at whichever
-    call comes next: the handing back of the caller's handler is a moment too), alone or after a Ctrl-C during the
-    merge: main returns 0 with the output written, 143 or 130 with one line saying whether the output was published;
-    nothing raises out of main, no staging folder is left and the caller's handler is handed back."""
+    call comes next: the handing back of the caller's handlers is a moment too), alone or after a Ctrl-C during the
+    merge: main returns 143 or 130 with one line saying whether the output was published, also where the stop landed
+    in a weakref callback the garbage collector ran, whose exception Python drops; nothing raises out of main, no
+    staging folder is left and the caller's handlers are handed back."""
     import signal
 
     tool = _tool()
-    own = {tool.main.__code__, tool._merge.__code__, tool._say_stopped.__code__}
+    own = {tool.main.__code__, tool._merge.__code__, tool._hand_back.__code__}
     callers = []  # the caller's own handler: a SIGTERM after main handed it back is the caller's
 
     def run(out: Path, term_at: int, interrupt_at: int = -1) -> tuple[int, list[str]]:  # (exit code, calls seen)
@@ -883,12 +884,10 @@ def test_stops_at_each_call_the_tool_makes_end_in_one_of_its_outcomes(checkpoint
             assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".out{i}.")], at
             last = output.err.strip().splitlines()[-1] if output.err.strip() else ""
             what = "interrupted" if interrupt_at >= 0 else "stopped by SIGTERM"
-            if code == 0:
-                assert f"wrote {out}" in output.out and interrupt_at < 0, at
-            else:
-                published = f" after {out} was written whole and moved into place" if out.exists() else ""
-                said = f"merge_checkpoint.py: {what}{published or ': nothing was published'}"
-                assert (code, last) == (130 if interrupt_at >= 0 else 143, said), (at, code, output.err)
+            published = f" after {out} was written whole and moved into place" if out.exists() else ""
+            said = f"merge_checkpoint.py: {what}{published or ': nothing was published'}"
+            assert (code, last) == (130 if interrupt_at >= 0 else 143, said), (at, code, output.err)
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, (at, interrupt_at)
             if out.exists():
                 whole = load_file(tmp_path / "whole" / "model.safetensors")
                 assert load_file(out / "model.safetensors").keys() == whole.keys()
@@ -896,6 +895,37 @@ def test_stops_at_each_call_the_tool_makes_end_in_one_of_its_outcomes(checkpoint
         assert {(143, False), (143, True), (130, False)} <= set(outcomes), outcomes
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize(
+    "signame, code, what", [("SIGTERM", 143, "stopped by SIGTERM"), ("SIGINT", 130, "interrupted")]
+)
+def test_a_stop_python_drops_inside_a_finalizer_still_ends_the_tool_stopped(
+    tmp_path, monkeypatch, capsys, signame, code, what
+):
+    """A handler that runs inside a finalizer has its exception printed and dropped by Python, and the merge goes on
+    to the end: the tool still exits as stopped, saying so, with the caller's handlers back."""
+    import signal
+    from types import SimpleNamespace
+
+    tool = _tool()
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), getattr(signal, signame))  # os.kill runs this process's handler before it returns
+
+    def merge(source, output, **kwargs):
+        Finalized()  # freed at once: the handler raises inside __del__
+        return SimpleNamespace(output=output, tensors=1, bytes=1, files=["model.safetensors"])
+
+    monkeypatch.setattr(tool, "merge_checkpoint", merge)
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)  # where Python reports what it dropped
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    assert tool.main([str(tmp_path / "in"), str(tmp_path / "out")]) == code
+    assert [type(d.exc_value) for d in dropped] == [tool.Stopped if signame == "SIGTERM" else KeyboardInterrupt]
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"merge_checkpoint.py: {what}: nothing was published"
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
 @pytest.mark.parametrize("error", [RuntimeError, MemoryError, ValueError, TypeError])
@@ -908,10 +938,10 @@ def test_an_unexpected_error_of_the_merge_hands_the_callers_handler_back(tmp_pat
         raise error("not one of the merge's own errors")
 
     monkeypatch.setattr(tool, "merge_checkpoint", fails)
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(error):
         tool.main([str(tmp_path / "in"), str(tmp_path / "out")])
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
 def merge_moments(whole: Path) -> dict:
