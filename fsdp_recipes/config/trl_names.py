@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shlex
 
 from fsdp_recipes.config import trl_recipe
 from fsdp_recipes.config.arguments import TRL_ALIASES
@@ -43,8 +44,9 @@ def check_flag_aliases(argv: list[str], parser) -> None:
     as the flag's type reads them, so the same value twice (``--use_peft`` and ``--use_peft true``, 5 and 05) passes;
     a flag missing its value is argparse's to name."""
     actions = {s: a for s, a in by_option(parser).items() if a.nargs in (None, "?", 0, "+", "*") and a.dest != "help"}
-    seen: dict[str, tuple[str, str, object]] = {}
+    seen: dict[str, tuple[str, str, object, list[str]]] = {}
     for i, arg in enumerate(argv):
+        values: list[str] = []
         flag, eq, text = arg.partition("=")
         if (action := actions.get(flag)) is None:
             continue
@@ -58,14 +60,15 @@ def check_flag_aliases(argv: list[str], parser) -> None:
                     continue
                 text = "" if bare else argv[i + 1]
             value = action.const if not text and action.nargs in ("?", 0) else _read(action, text)
+        # the flag as a shell gives it: a value holding a space ('my label') is one value, and stays one when named
+        typed = shlex.join([flag, *(v for v in values or [text] if v)])
         if (earlier := seen.get(action.dest)) and earlier[2] != value:
             what = f"the same setting ({action.dest})" if earlier[0] != flag else "given twice"
             fix = "give one"
-            if action.nargs in ("+", "*"):  # what was likely meant: one list of both
-                fix += f" list, e.g. {flag} {' '.join(dict.fromkeys(earlier[1].split()[1:] + text.split()))}"
-            said = f"{earlier[1]} and {' '.join((flag, text)).strip()}"
-            raise RecipeError(f"{said} are {what} with different values: {fix}")
-        seen[action.dest] = (flag, " ".join((flag, text)).strip(), value)
+            if action.nargs in ("+", "*"):  # what was likely meant: one list of both, each value as given
+                fix += f" list, e.g. {flag} {shlex.join(dict.fromkeys(earlier[3] + values))}"
+            raise RecipeError(f"{earlier[1]} and {typed} are {what} with different values: {fix}")
+        seen[action.dest] = (flag, typed, value, values)
 
 
 def _read(action, text: str):

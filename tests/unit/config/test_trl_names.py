@@ -362,6 +362,31 @@ def test_a_list_flag_given_twice_with_other_values_is_one_line_naming_the_list_m
         check_flag_aliases([f"{flag}={a}", flag, a], parser)
 
 
+@pytest.mark.parametrize("first, second", [("my label", "other"), ("a*", "b c"), ("x", "it's"), ("a b", "a b c")])
+def test_a_repeated_flag_is_named_with_its_values_as_a_shell_gives_them(first, second):
+    """A value holding a space or a shell character is one value: the line names it quoted, and the list it offers,
+    pasted into a shell, gives back each value of both lists, once, in order. Generated over every list flag without
+    choices, and a text flag."""
+    import shlex
+
+    from fsdp_recipes.config import helptext
+    from fsdp_recipes.config.trl_names import check_flag_aliases
+
+    parser = helptext.build_parser(show_all=True)
+    lists = [a for a in parser._actions if a.nargs in ("+", "*") and a.option_strings and not a.choices]
+    assert lists
+    for action in lists:
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        with pytest.raises(RecipeError) as err:
+            check_flag_aliases([flag, first, "x", "--seed", "1", flag, second], parser)
+        said, _, offered = str(err.value).partition(" are given twice with different values: give one list, e.g. ")
+        assert said == f"{shlex.join([flag, first, 'x'])} and {shlex.join([flag, second])}", err.value
+        assert shlex.split(offered) == [flag, *dict.fromkeys([first, "x", second])], err.value
+    with pytest.raises(RecipeError) as err:
+        check_flag_aliases(["--run_name", first, "--run_name", second], parser)
+    assert str(err.value).startswith(f"--run_name {shlex.quote(first)} and --run_name {shlex.quote(second)} are"), err
+
+
 @pytest.mark.parametrize("given", ["q_proj,v_proj", "q_proj, v_proj", ",q_proj,v_proj,"])
 def test_lora_module_names_joined_by_commas_are_one_line_before_anything_loads(tmp_path, given):
     """argparse and YAML read "q_proj,v_proj" as one module name, which peft finds nowhere after the model loaded."""
