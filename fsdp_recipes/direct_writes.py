@@ -141,6 +141,11 @@ class DirectFile(io.RawIOBase):
                     raise
                 self.page_cache_why = "the filesystem refused O_DIRECT"
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The write that failed (every later call fails because of it), or None."""
+        return self._failed
+
     def writable(self) -> bool:
         return True
 

@@ -102,8 +102,12 @@ class _DirectShardFiles(FileSystem):
         torch.serialization.set_crc32_options(False)
         try:
             yield stream
-        except BaseException:
+        except BaseException as err:
             stream.abort()  # not written whole: no tail, no fsync; the save fails and the checkpoint stays incomplete
+            # torch.save writes through C++, which turns the OSError of a write its callback made (a full disk) into a
+            # RuntimeError of its own ("unexpected pos 704 vs 598"): the save fails with the write's error instead
+            if isinstance(err, RuntimeError) and isinstance(stream.failure, OSError):
+                raise stream.failure from err
             raise
         finally:
             torch.serialization.set_crc32_options(crc)

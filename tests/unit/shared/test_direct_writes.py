@@ -20,7 +20,17 @@ import pytest
 from conftest import o_direct_here
 
 from fsdp_recipes import direct_writes
-from fsdp_recipes.direct_writes import BLOCK, CHUNK, GIL_FREE_COPY, DirectFile
+from fsdp_recipes.direct_writes import BLOCK, GIL_FREE_COPY, DirectFile
+
+# The writer's chunk in these tests: 1 MiB, not the 32 MiB it writes checkpoints in. Every case is placed by the
+# chunk (a chunk and a block, three chunks), so the same boundaries are met with files 32 times smaller; one test
+# writes across the real chunk's boundaries (test_the_writers_own_chunk_size_gives_an_ordinary_writes_bytes).
+REAL_CHUNK, CHUNK = direct_writes.CHUNK, 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def test_chunk(monkeypatch):
+    monkeypatch.setattr(direct_writes, "CHUNK", CHUNK)
 
 
 def write_in_pieces(path, data: bytes, pieces: list[int], **kwargs) -> DirectFile:
@@ -53,6 +63,13 @@ def test_the_bytes_are_an_ordinary_writes_whatever_the_size_and_pieces(tmp_path,
     f = write_in_pieces(tmp_path / "shard.distcp", data, pieces)
     assert (tmp_path / "shard.distcp").read_bytes() == data
     assert f.page_cache_why is None if o_direct_here(tmp_path) else f.page_cache_why is not None
+
+
+def test_the_writers_own_chunk_size_gives_an_ordinary_writes_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(direct_writes, "CHUNK", REAL_CHUNK)
+    data = random.Random(7).randbytes(2 * REAL_CHUNK + BLOCK + 7)
+    write_in_pieces(tmp_path / "shard.distcp", data, [REAL_CHUNK - 1, BLOCK + 2])
+    assert (tmp_path / "shard.distcp").read_bytes() == data
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -299,7 +316,7 @@ def test_an_error_in_the_writer_thread_is_raised_by_close_or_the_next_write(tmp_
 @pytest.mark.parametrize("then", ["write", "copy_from", "close"])
 def test_a_failed_write_fails_every_later_call_never_a_whole_looking_file(tmp_path, monkeypatch, then):
     """The writer thread's error is raised again by every later write and by close: the file never goes on past a
-    chunk that was not written (a close that succeeded would leave 32 MiB of zeros in a file of the full size)."""
+    chunk that was not written (a close that succeeded would leave a chunk of zeros in a file of the full size)."""
     real_pwrite = os.pwrite
 
     def failing_once(fd, data, offset):
@@ -576,23 +593,34 @@ def test_a_storage_writer_of_another_kind_is_left_as_it_is_and_said(tmp_path):
     }
 
 
-def test_a_failed_dcp_write_raises_and_leaves_no_whole_looking_shard(tmp_path, monkeypatch):
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EIO])
+@pytest.mark.parametrize("failing", [1, 2, 3, 6])
+def test_a_failed_dcp_write_raises_its_error_and_leaves_no_whole_looking_shard(tmp_path, monkeypatch, failing, code):
+    """Whichever chunk's write fails (the shard spans 7 chunks): torch.save hands the bytes over from C++, which
+    reports a failed write as a RuntimeError of its own ("unexpected pos"), unless the save raises the write's."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from fsdp_recipes.compat.async_dcp import ShardFiles, checkpoint_saves
 
-    def full(fd, data, offset):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "whole")), no_dist=True)
+    [whole] = (tmp_path / "whole").glob("*.distcp")
+    assert whole.stat().st_size > 6 * CHUNK
+    calls, pwrite = [], os.pwrite
 
-    monkeypatch.setattr(direct_writes.os, "pwrite", full)
-    from torch.distributed.checkpoint.api import CheckpointException
+    def fails_once_reached(fd, data, offset):
+        calls.append(offset)
+        if len(calls) >= failing:
+            raise OSError(code, os.strerror(code))
+        return pwrite(fd, data, offset)
 
+    monkeypatch.setattr(direct_writes.os, "pwrite", fails_once_reached)
     with pytest.raises(CheckpointException) as raised, checkpoint_saves(ShardFiles(), direct=True):
         dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "ours")), no_dist=True)
     error = raised.value.failures[0][0]  # (the exception, its stack)
-    assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+    assert isinstance(error, OSError) and error.errno == code, repr(error)
     assert not (tmp_path / "ours" / ".metadata").exists()  # DCP's own mark of a finished save
-    assert all(p.stat().st_size == 0 for p in (tmp_path / "ours").glob("*.distcp"))
+    assert all(p.stat().st_size < whole.stat().st_size for p in (tmp_path / "ours").glob("*.distcp"))
 
 
 def test_a_path_that_cannot_be_opened_fails_as_open_does_and_leaves_nothing_open(tmp_path):
