@@ -473,8 +473,8 @@ sys.exit(1)
 @pytest.mark.parametrize(
     "pipes, launcher_sleeps, seconds",
     [
-        ("", 600, 5),  # a hung launcher, its worker holding the pipes: interrupted, then killed, worker and all
-        (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 600, 5),
+        ("", 600, 3),  # a hung launcher, its worker holding the pipes: interrupted, then killed, worker and all
+        (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 600, 3),
         (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 1, 30),  # the launcher fails and leaves its worker
     ],
 )
