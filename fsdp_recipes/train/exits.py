@@ -73,12 +73,15 @@ def training_errors(trainer, output_dir: str):
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     from fsdp_recipes.ckpt.stop_advice import disk_full_problem, how_to_go_on
+    from fsdp_recipes.train.preemption import was_interrupted
 
     try:
         yield
     except (Exception, CheckpointException, KeyboardInterrupt) as err:
         trainer.close_progress_bar()
-        if isinstance(err, KeyboardInterrupt):
+        # A Ctrl-C during a save comes back wrapped by DCP, and from inside torch.save's C++ writer as its own
+        # RuntimeError ("unexpected pos", which a full disk also gives): after a SIGINT, any error is the interrupt
+        if isinstance(err, KeyboardInterrupt) or was_interrupted():
             raise Interrupted(how_to_go_on(output_dir)) from None
         if (problem := disk_full_problem(err, output_dir)) is None:
             raise

@@ -215,3 +215,59 @@ def test_an_interrupt_at_exit_is_not_sent_again_into_the_next_exit_callback():
         proc.stdout,
         proc.stderr[-2000:],
     )
+
+
+CTRL_C_IN_A_SAVE = """
+import signal, sys
+from pathlib import Path
+from types import SimpleNamespace
+import torch
+import torch.distributed.checkpoint as dcp
+from fsdp_recipes import direct_writes
+from fsdp_recipes.compat.async_dcp import ShardFiles, checkpoint_saves
+from fsdp_recipes.train import exits, preemption
+direct_writes.CHUNK = 1 << 20  # the shard spans 7 chunks: most of its bytes go through torch.save's C++ writer
+write, calls = direct_writes.DirectFile.write, []
+def interrupted_write(self, data):
+    calls.append(memoryview(data).nbytes)
+    if len(calls) == at:
+        signal.raise_signal(signal.SIGINT)
+    return write(self, data)
+direct_writes.DirectFile.write = interrupted_write
+def save(out):
+    with checkpoint_saves(ShardFiles(), direct=True):
+        writer = dcp.FileSystemWriter(str(out / "checkpoint-3" / "pytorch_model_fsdp_0"))
+        dcp.save({"w": torch.randn(1500, 1100), "step": torch.tensor(3)}, storage_writer=writer, no_dist=True)
+at = 0
+save(Path(sys.argv[1]) / "whole")
+# a Ctrl-C in the first write, the last, the largest (the tensor's bytes: every chunk) and every n-th between
+n, largest = len(calls), calls.index(max(calls)) + 1
+for at in sorted({1, 2, largest, n, *range(1, n + 1, max(1, n // 12))}):
+    calls.clear(); preemption._interrupts.clear(); preemption._raise_on_interrupt = True
+    preemption.watch_interrupts()
+    out = Path(sys.argv[1]) / f"at-{at}"
+    try:
+        with exits.training_errors(SimpleNamespace(close_progress_bar=lambda: None), str(out)):
+            save(out)
+        print(at, "saved", flush=True)
+    except BaseException as err:
+        print(at, type(err).__name__, str(err).replace(chr(10), " ")[:200], flush=True)
+"""
+
+
+def test_ctrl_c_anywhere_in_a_checkpoint_save_is_the_interrupt_not_a_full_disk(tmp_path):
+    """A Ctrl-C landing in any write of a shard ends training as a Ctrl-C does (exits.Interrupted, how to go on),
+    though DCP wraps it and torch.save's C++ writer turns it into a RuntimeError of its own ("unexpected pos"), the
+    error a full disk also gives: generated over the writes of the save, from its first to its last."""
+    proc = subprocess.run(
+        ["python", "-c", CTRL_C_IN_A_SAVE, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    outcomes = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert len(outcomes) > 10 and "1" in outcomes, proc.stderr[-3000:]
+    for at, outcome in outcomes.items():
+        assert outcome.startswith("Interrupted no checkpoint is complete (checkpoint-3 cut short)"), (at, outcome)
