@@ -91,14 +91,18 @@ def training_errors(trainer, output_dir: str):
 @contextmanager
 def export_errors(output_dir: str):
     """The final model's export, after training or from a finished checkpoint: a damaged checkpoint (the merge's
-    CheckpointError) or a full disk is one RecipeError with its fix."""
+    CheckpointError) or a full disk is one RecipeError with its fix; after a Ctrl-C, any error is the interrupt (as
+    in ``training_errors``)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from fsdp_recipes.ckpt.stop_advice import disk_full_problem
+    from fsdp_recipes.train.preemption import was_interrupted
 
     try:
         yield
     except (Exception, CheckpointException) as err:
+        if was_interrupted():
+            raise KeyboardInterrupt from None
         if isinstance(err, CheckpointError):
             raise RecipeError(f"the final export failed: {err}") from None
         if (problem := disk_full_problem(err, output_dir, export=True)) is None:

@@ -242,23 +242,29 @@ at = 0
 save(Path(sys.argv[1]) / "whole")
 # a Ctrl-C in the first write, the last, the largest (the tensor's bytes: every chunk) and every n-th between
 n, largest = len(calls), calls.index(max(calls)) + 1
-for at in sorted({1, 2, largest, n, *range(1, n + 1, max(1, n // 12))}):
-    calls.clear(); preemption._interrupts.clear(); preemption._raise_on_interrupt = True
-    preemption.watch_interrupts()
-    out = Path(sys.argv[1]) / f"at-{at}"
-    try:
-        with exits.training_errors(SimpleNamespace(close_progress_bar=lambda: None), str(out)):
-            save(out)
-        print(at, "saved", flush=True)
-    except BaseException as err:
-        print(at, type(err).__name__, str(err).replace(chr(10), " ")[:200], flush=True)
+errors = {  # a training step's checkpoint, and the final export's sharded save
+    "training": lambda out: exits.training_errors(SimpleNamespace(close_progress_bar=lambda: None), str(out)),
+    "export": lambda out: exits.export_errors(str(out)),
+}
+for at in sorted({1, 2, largest, n, *range(1, n + 1, max(1, n // 8))}):
+    for where, policy in errors.items():
+        calls.clear(); preemption._interrupts.clear(); preemption._raise_on_interrupt = True
+        preemption.watch_interrupts()
+        out = Path(sys.argv[1]) / f"{where}-at-{at}"
+        try:
+            with policy(out):
+                save(out)
+            print(f"{where}:{at}", "saved", flush=True)
+        except BaseException as err:
+            print(f"{where}:{at}", type(err).__name__, str(err).replace(chr(10), " ")[:200], flush=True)
 """
 
 
 def test_ctrl_c_anywhere_in_a_checkpoint_save_is_the_interrupt_not_a_full_disk(tmp_path):
-    """A Ctrl-C landing in any write of a shard ends training as a Ctrl-C does (exits.Interrupted, how to go on),
-    though DCP wraps it and torch.save's C++ writer turns it into a RuntimeError of its own ("unexpected pos"), the
-    error a full disk also gives: generated over the writes of the save, from its first to its last."""
+    """A Ctrl-C landing in any write of a shard ends training as a Ctrl-C does (exits.Interrupted, how to go on), and
+    the final export as a KeyboardInterrupt (exits.run's interrupted line), though DCP wraps it and torch.save's C++
+    writer turns it into a RuntimeError of its own ("unexpected pos"), the error a full disk also gives: generated
+    over the writes of the save, from its first to its last."""
     proc = subprocess.run(
         ["python", "-c", CTRL_C_IN_A_SAVE, str(tmp_path)],
         cwd=REPO,
@@ -268,6 +274,9 @@ def test_ctrl_c_anywhere_in_a_checkpoint_save_is_the_interrupt_not_a_full_disk(t
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     outcomes = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
-    assert len(outcomes) > 10 and "1" in outcomes, proc.stderr[-3000:]
+    assert len(outcomes) > 15 and {"training:1", "export:1"} <= set(outcomes), proc.stderr[-3000:]
     for at, outcome in outcomes.items():
-        assert outcome.startswith("Interrupted no checkpoint is complete (checkpoint-3 cut short)"), (at, outcome)
+        if at.startswith("training"):
+            assert outcome.startswith("Interrupted no checkpoint is complete (checkpoint-3 cut short)"), (at, outcome)
+        else:
+            assert outcome == "KeyboardInterrupt ", (at, outcome)
