@@ -41,38 +41,57 @@ def how_to_go_on(output_dir: str | os.PathLike) -> str:
     )
 
 
+def _errors_inside(err: BaseException) -> list[BaseException]:
+    """``err``, its causes and contexts, and each rank's error a CheckpointException holds (as (error, trace))."""
+    found, todo = [], [err]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is f for f in found):
+            continue
+        found.append(e)
+        failures = getattr(e, "failures", None)
+        ranks = failures.values() if isinstance(failures, dict) else ()
+        todo += [e.__cause__, e.__context__, *(f[0] if isinstance(f, tuple) else f for f in ranks)]
+    return found
+
+
 def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export: bool = False) -> str | None:
-    """The one line for a save that ran out of disk (None when ``err`` is something else): torch.save reports it as
-    "unexpected pos" from its zip writer, DCP wraps the OSError of one of its writer threads. ``export``: it was the
-    final model's (training had finished; a resume of the finished run writes it again without training)."""
+    """The one line for a save that ran out of disk or of quota (None when ``err`` is something else), known by the
+    write's errno, or its message where a library kept only that (safetensors). torch.save to a path keeps neither,
+    only its zip writer's "unexpected pos": that is a full disk when less is free than a checkpoint takes (1 MB, before
+    the first). ``export``: it was the final model's (training had finished; a resume of the finished run writes it
+    again without training)."""
     import errno
 
-    text = f"{err!r} {getattr(err, '__cause__', None)!r}"
-    full = (
-        (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left" in text or "unexpected pos" in text
-    )
-    if not full:
-        return None
+    def mb(n: float) -> str:
+        return f"{n / 1e6:.1f} MB"
+
+    errors = _errors_inside(err)
+    codes = {e.errno for e in errors if isinstance(e, OSError)}
+    said = " ".join(map(str, errors))
     out = Path(output_dir)
     free = shutil.disk_usage(out).free
     chosen, _ = newest_resumable(out)
     size = sum(f.stat().st_size for f in Path(chosen.path).rglob("*") if f.is_file()) if chosen else 0
-    need = (
-        f"a checkpoint takes {size / 1e6:.1f} MB, {free / 1e6:.1f} MB is free: {max(size - free, 0) / 1e6:.1f} MB more"
-        if chosen
-        else f"{free / 1e6:.1f} MB is free"
-    )
     kept = f"{Path(chosen.path).name} is intact" if chosen else "no complete checkpoint was written yet"
+    if errno.EDQUOT in codes or os.strerror(errno.EDQUOT) in said:
+        # the filesystem's free space says nothing about a quota
+        where, room, fix = f"disk quota exceeded on {out}", "", "free space within your quota (or move output_dir)"
+        need = f"a checkpoint takes {mb(size)}"
+    elif (
+        errno.ENOSPC in codes
+        or os.strerror(errno.ENOSPC) in said
+        or (not codes and "unexpected pos" in said and free < max(size, 1e6))
+    ):
+        where, room, fix = f"no space left on {out}", f" ({mb(free)} free)", "free space (or move output_dir)"
+        need = f"a checkpoint takes {mb(size)}, {mb(free)} is free: {mb(max(size - free, 0))} more"
+    else:
+        return None
     if export:
         return (
-            f"no space left on {out} while writing the final model ({free / 1e6:.1f} MB free); training had "
-            "finished and "
-            f"{kept}: free space, then run the same command with --resume_from_checkpoint true (it writes the model "
-            "again, without training)"
+            f"{where} while writing the final model{room}; training had finished and {kept}: {fix}, then run the "
+            "same command with --resume_from_checkpoint true (it writes the model again, without training)"
         )
     if chosen is None:
-        return f"no space left on {out}: {need} and {kept}; free space, then {how_to_go_on(out)}"
-    return (
-        f"no space left on {out}: {need}; {kept}: free space (or move output_dir), then run the same command "
-        "with --resume_from_checkpoint true"
-    )
+        return f"{where}{room} and {kept}; {fix}, then {how_to_go_on(out)}"
+    return f"{where}: {need}; {kept}: {fix}, then run the same command with --resume_from_checkpoint true"

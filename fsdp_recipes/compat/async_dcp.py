@@ -16,7 +16,11 @@ the module inside the function. Within ``checkpoint_saves(...)`` that name is a 
   sharing one group interleave its collectives differently on each rank (a deadlock, seen). Each call's future is
   appended to ``futures``; the caller waits for them (fsdp_recipes.train.async_checkpoints).
 
-Outside the context nothing changes: the final export's save is ordinary.
+- Either way a failed write fails the save with its own OSError (a full disk, a quota), not the RuntimeError
+  torch.save's C++ writer makes of it (``_ShardFiles``). The final export's save is inside with ``direct=False``
+  for that alone.
+
+Outside the context nothing changes.
 
 The host copy a background save stages into: fsdp_recipes.compat.host_copy.
 """
@@ -74,7 +78,24 @@ class ShardFiles:
         }
 
 
-class _DirectShardFiles(FileSystem):
+class _ShardFiles(FileSystem):
+    """DCP's FileSystem, a failed write of a file raising the write's own OSError. torch.save writes through C++,
+    which turns the OSError of a write its callback made (a full disk, a quota, a failing device) into a RuntimeError
+    of its own ("unexpected pos 704 vs 598") holding the OSError only as its context, and DCP's gather of every rank's
+    error (a pickle) drops that context: the line a run ends with could not say what failed."""
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except RuntimeError as err:
+            if isinstance(err.__context__, OSError):
+                raise err.__context__ from err
+            raise
+
+
+class _DirectShardFiles(_ShardFiles):
     """DCP's FileSystem, its shard files (.distcp) written by DirectFile; every other file as before.
 
     The torch.save records of a shard file are written without the zip CRC-32 (``set_crc32_options(False)`` while
@@ -104,8 +125,7 @@ class _DirectShardFiles(FileSystem):
             yield stream
         except BaseException as err:
             stream.abort()  # not written whole: no tail, no fsync; the save fails and the checkpoint stays incomplete
-            # torch.save writes through C++, which turns the OSError of a write its callback made (a full disk) into a
-            # RuntimeError of its own ("unexpected pos 704 vs 598"): the save fails with the write's error instead
+            # the write's own error, as _ShardFiles raises it (every later write fails because of the first)
             if isinstance(err, RuntimeError) and isinstance(stream.failure, OSError):
                 raise stream.failure from err
             raise
@@ -115,10 +135,10 @@ class _DirectShardFiles(FileSystem):
         self.files.add(stream.page_cache_why)
 
 
-def _writing_direct(storage_writer, files: ShardFiles):
+def _our_files(storage_writer, files: ShardFiles, direct: bool):
     if type(getattr(storage_writer, "fs", None)) is FileSystem:  # DCP's FileSystemWriter, as accelerate makes it
-        storage_writer.fs = _DirectShardFiles(storage_writer.sync_files, files)
-    else:
+        storage_writer.fs = _DirectShardFiles(storage_writer.sync_files, files) if direct else _ShardFiles()
+    elif direct:
         files.other_writer = (
             f"{type(storage_writer).__name__} without DCP's FileSystem: its files written as it writes them"
         )
@@ -141,8 +161,7 @@ def checkpoint_saves(files: ShardFiles, *, direct: bool, background: Background 
         no_dist=False,
         **kwargs,
     ):
-        if direct:
-            storage_writer = _writing_direct(storage_writer, files)
+        storage_writer = _our_files(storage_writer, files, direct)
         if background is None:
             return save(
                 state_dict,

@@ -37,6 +37,7 @@ from fsdp_recipes.ckpt.layout import (
 from fsdp_recipes.ckpt.merge import lora_merge_input, write_weight_part
 from fsdp_recipes.ckpt.readers import DCPSource, dtype_name
 from fsdp_recipes.ckpt.shard_digests import write_shard_digests
+from fsdp_recipes.compat.async_dcp import ShardFiles, checkpoint_saves
 from fsdp_recipes.errors import CheckpointError, RecipeError, UnreadableFile
 from fsdp_recipes.removal import make_folder, remove, replace_file
 from fsdp_recipes.train.model_folder import (
@@ -190,7 +191,8 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
             )  # not the Trainer's training_args.bin (a pickle)
         return
     accelerator.wait_for_everyone()
-    save_fsdp_model(plugin, accelerator, trainer.model, str(shards))
+    with checkpoint_saves(ShardFiles(), direct=False):  # a failed write raises its own error (a full disk)
+        save_fsdp_model(plugin, accelerator, trainer.model, str(shards))
     accelerator.wait_for_everyone()  # every rank's DCP shard is written: the last collective of the run
     if gathered_lora:
         if accelerator.is_main_process:

@@ -286,7 +286,8 @@ def watch_interrupts() -> None:
 
 
 def was_interrupted() -> bool:
-    """Whether SIGINT came, counting one that arrived but whose handler has not run yet (it runs here, quietly)."""
+    """Whether SIGINT came, counting one that arrived but whose handler has not run yet (it runs here, quietly).
+    Its callers are ending the run (an error): from here on a SIGINT is only recorded, and ends wait_for_stop."""
     import time
 
     global _raise_on_interrupt

@@ -594,8 +594,8 @@ def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes
     ]  # no rank's traceback
     assert f"no space left on {out} while writing the final model (" in errors[0], errors
     assert (
-        "training had finished and checkpoint-4 is intact: free space, then run the same command with "
-        "--resume_from_checkpoint true" in errors[0]
+        "training had finished and checkpoint-4 is intact: free space (or move output_dir), then run the same "
+        "command with --resume_from_checkpoint true" in errors[0]
     )
     assert checkpoint_status(left / "checkpoint-4").resumable and not (left / "model").exists()
     said = case.resume()
