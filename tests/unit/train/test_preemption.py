@@ -266,7 +266,7 @@ def test_ctrl_c_anywhere_in_a_checkpoint_save_is_the_interrupt_not_a_full_disk(t
     writer turns it into a RuntimeError of its own ("unexpected pos"), the error a full disk also gives: generated
     over the writes of the save, from its first to its last."""
     proc = subprocess.run(
-        ["python", "-c", CTRL_C_IN_A_SAVE, str(tmp_path)],
+        ["python", "-c", WITHOUT_TRANSFORMERS + CTRL_C_IN_A_SAVE, str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
