@@ -19,14 +19,24 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_special
 
-from fsdp_recipes.config.data_files import SAMPLE_BYTES, train_file_problem
+from fsdp_recipes.config import data_files
+from fsdp_recipes.config.data_files import train_file_problem
 from fsdp_recipes.config.parse import parse_args
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train import data
 
 NO_FSDP = ("--allow_no_fsdp", "true")
 TINY = REPO / "assets" / "tiny-llama"
+# The checks before the run read a file's first MiB; here its first 64 KiB, so that past them is 16 times fewer
+# records to write and load
+TEST_SAMPLE_BYTES = 64 << 10
+LATE_LINES = 4_000  # lines of good_lines past the sample and its 10 KB margin
 GUARD_SECONDS = 20  # a reader or render that regressed to hanging fails its case instead of the suite
+
+
+@pytest.fixture(autouse=True)
+def test_sample(monkeypatch):
+    monkeypatch.setattr(data_files, "SAMPLE_BYTES", TEST_SAMPLE_BYTES)
 
 
 @pytest.fixture(autouse=True)
@@ -101,9 +111,9 @@ def write_with_fault(path: Path, fault: str, late: bool) -> int:
         bad = b'{"text": "' + bad + b'"}'
     if fault == "not_utf8" and path.suffix == ".csv":
         bad = bad + b",1"
-    lines = good_lines(path.suffix, 40_000 if late else 5)
+    lines = good_lines(path.suffix, LATE_LINES if late else 5)
     if late:
-        assert sum(len(line) + 1 for line in lines) > SAMPLE_BYTES + 10_000
+        assert sum(len(line) + 1 for line in lines) > data_files.SAMPLE_BYTES + 10_000
     lines = [*lines, bad, *good_lines(path.suffix, 4)[1 if path.suffix == ".csv" else 0 :]]
     path.write_bytes(b"\n".join(lines) + b"\n")
     return len(lines) - (3 if path.suffix == ".csv" else 4)
@@ -158,7 +168,7 @@ def test_a_csv_over_the_sample_with_multi_line_cells_before_the_text_loads(tmp_p
         writer = csv.writer(f)
         writer.writerow(["notes", "text"])
         written = 0
-        while written < SAMPLE_BYTES + 100_000:
+        while written < data_files.SAMPLE_BYTES + 100_000:
             writer.writerow([note, "hello world document"])
             written += len(note) + 30
     dataset, _, _ = build(tmp_path, tokenizer, "--train_file", str(path), "--max_train_samples", "50")
@@ -193,7 +203,7 @@ def test_the_faulty_file_is_named_when_it_is_the_validation_file(tmp_path, token
 
 def test_a_good_file_past_the_first_mib_loads(tmp_path, tokenizer):
     path = tmp_path / "data.jsonl"
-    path.write_bytes(b"\n".join(good_lines(".jsonl", 40_000)) + b"\n")
+    path.write_bytes(b"\n".join(good_lines(".jsonl", LATE_LINES)) + b"\n")
     dataset, _, _ = build(tmp_path, tokenizer, "--train_file", str(path), "--max_train_samples", "50")
     assert len(dataset) > 0
 

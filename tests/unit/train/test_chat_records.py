@@ -13,14 +13,14 @@ import pytest
 from conftest import REPO
 from datasets import Dataset
 
+from fsdp_recipes.config import data_files
 from fsdp_recipes.config.arguments import DataArguments
-from fsdp_recipes.config.data_files import SAMPLE_BYTES
 from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train.data import IGNORE_INDEX, build_datasets, tokenize_chat
 
 TINY = REPO / "assets" / "tiny-llama"
 ASSISTANT = {"role": "assistant", "content": "Ada has 4 cats."}
-# a long user turn, so that few records fill the first MiB (each record is rendered, and rendering is the slow part)
+# a long user turn, so that few records fill the checked sample (each is rendered, and rendering is the slow part)
 GOOD = {"messages": [{"role": "user", "content": "How many cats? " * 700}, ASSISTANT]}
 TURNS = [{"role": "user", "content": "hi"}, ASSISTANT]
 
@@ -67,6 +67,16 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(TINY)
 
 
+# The checks before the run read a file's first MiB; here its first 64 KiB, so that a record past them is reached by
+# rendering 16 times fewer records (rendering is the slow part)
+TEST_SAMPLE_BYTES = 64 << 10
+
+
+@pytest.fixture(autouse=True)
+def test_sample(monkeypatch):
+    monkeypatch.setattr(data_files, "SAMPLE_BYTES", TEST_SAMPLE_BYTES)
+
+
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     """A datasets cache of the test's own: a cached load of an earlier file of the same name must not hide the fault."""
@@ -87,11 +97,11 @@ def write(path: Path, records: list[dict]) -> None:
 
 
 def data_with(path: Path, bad: dict, late: bool) -> int:
-    """Good records with ``bad`` among them, before or past the first MiB; returns the bad record's number."""
-    before = SAMPLE_BYTES // len(json.dumps(GOOD)) + 3 if late else 2
+    """Good records with ``bad`` among them, before or past the checked sample; returns the bad record's number."""
+    before = data_files.SAMPLE_BYTES // len(json.dumps(GOOD)) + 3 if late else 2
     write(path, [GOOD] * before + [bad] + [GOOD] * 2)
     if late and path.suffix == ".jsonl":
-        assert path.stat().st_size - 3 * len(json.dumps(GOOD)) > SAMPLE_BYTES
+        assert path.stat().st_size - 3 * len(json.dumps(GOOD)) > data_files.SAMPLE_BYTES
     return before + 1
 
 
