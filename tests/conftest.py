@@ -501,6 +501,22 @@ def elastic_root_cause(stderr: str) -> str:
     )
 
 
+def fail_direct_writes(monkeypatch, first: int, code: int) -> None:
+    """fsdp_recipes.direct_writes' ``first``-th write to disk (os.pwrite) and every one after it fail with ``code``,
+    as a full disk (ENOSPC), a full quota (EDQUOT) or a failing device (EIO) fails them."""
+    from fsdp_recipes import direct_writes
+
+    calls, pwrite = [], os.pwrite
+
+    def fails_once_reached(fd, data, offset):
+        calls.append(offset)
+        if len(calls) >= first:
+            raise OSError(code, os.strerror(code))
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(direct_writes.os, "pwrite", fails_once_reached)
+
+
 def plain_checkpoint(folder: Path, step: int, world: int) -> Path:
     """A complete checkpoint of a run without FSDP over ``world`` processes, written by hand: one RNG file per rank."""
     import torch

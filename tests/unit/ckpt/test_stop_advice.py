@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
-from conftest import plain_checkpoint
+from conftest import fail_direct_writes, plain_checkpoint
 
 from fsdp_recipes import direct_writes
 from fsdp_recipes.ckpt import stop_advice
@@ -53,15 +53,7 @@ def failed_save(tmp_path, monkeypatch, *, direct: bool, code: int, at: int) -> B
 
     if direct:
         monkeypatch.setattr(direct_writes, "CHUNK", CHUNK)
-        calls, pwrite = [], os.pwrite
-
-        def fails_once_reached(fd, data, offset):
-            calls.append(offset)
-            if len(calls) >= at:
-                raise OSError(code, os.strerror(code))
-            return pwrite(fd, data, offset)
-
-        monkeypatch.setattr(direct_writes.os, "pwrite", fails_once_reached)
+        fail_direct_writes(monkeypatch, at, code)
     else:
         create_stream = FileSystem.create_stream
 

@@ -17,7 +17,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import o_direct_here
+from conftest import fail_direct_writes, o_direct_here
 
 from fsdp_recipes import direct_writes
 from fsdp_recipes.direct_writes import BLOCK, GIL_FREE_COPY, DirectFile
@@ -606,15 +606,7 @@ def test_a_failed_dcp_write_raises_its_error_and_leaves_no_whole_looking_shard(t
     dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "whole")), no_dist=True)
     [whole] = (tmp_path / "whole").glob("*.distcp")
     assert whole.stat().st_size > 6 * CHUNK
-    calls, pwrite = [], os.pwrite
-
-    def fails_once_reached(fd, data, offset):
-        calls.append(offset)
-        if len(calls) >= failing:
-            raise OSError(code, os.strerror(code))
-        return pwrite(fd, data, offset)
-
-    monkeypatch.setattr(direct_writes.os, "pwrite", fails_once_reached)
+    fail_direct_writes(monkeypatch, failing, code)
     with pytest.raises(CheckpointException) as raised, checkpoint_saves(ShardFiles(), direct=True):
         dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "ours")), no_dist=True)
     error = raised.value.failures[0][0]  # (the exception, its stack)
