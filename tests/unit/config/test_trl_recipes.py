@@ -109,7 +109,21 @@ def test_each_recipe_is_read_with_trls_meaning_or_refused_in_one_line(path, root
     assert not wrong, (wrong, said)
 
 
-MIXTURES = [p for p in CORPUS if {"dataset_mixture", "dataset_mixer", "datasets"} & set(yaml.safe_load(p.read_text()))]
+MIXTURE_KEYS = ("dataset_mixture", "dataset_mixer", "datasets")
+MIXTURES = [p for p in CORPUS if set(MIXTURE_KEYS) & set(yaml.safe_load(p.read_text()))]
+
+
+def _fewest_datasets(key: str) -> Path:
+    def count(p):
+        entries = yaml.safe_load(p.read_text())[key]
+        return len(entries["datasets"] if key == "dataset_mixture" else entries)
+
+    return min((p for p in MIXTURES if key in yaml.safe_load(p.read_text())), key=count)
+
+
+# The same rows in the same order on every load is the seed's work in each format's code, not a recipe's: loaded twice
+# for the smallest mixture of each format (smollm3's 25 datasets took 3.4 s more)
+LOADED_TWICE = {_fewest_datasets(key) for key in MIXTURE_KEYS}
 
 
 def tags(dataset) -> list[str]:
@@ -129,7 +143,8 @@ def test_each_mixture_loads_with_its_proportions_columns_and_test_split(path, ro
     recipe, edited = read(path, root, drop=REFUSED.get(path.name))
     _, data_args, plan = parse_args([edited, *NO_FSDP])
     train, evaluation = load_raw(data_args, plan.raw.seed)
-    assert tags(train) == tags(load_raw(data_args, plan.raw.seed)[0])
+    if path in LOADED_TWICE:
+        assert tags(train) == tags(load_raw(data_args, plan.raw.seed)[0])
     both = Counter(tags(train)) + Counter(tags(evaluation) if evaluation is not None else [])
     if "dataset_mixture" in recipe:
         mixture = recipe["dataset_mixture"]
