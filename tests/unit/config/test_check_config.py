@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 import yaml
-from conftest import ALL_CONFIGS, REPO, elastic_root_cause, free_port, run
+from conftest import ALL_CONFIGS, REPO, cli, elastic_root_cause, free_port, run
 
 from fsdp_recipes.config.accelerate_config import check_config, check_settings
 from fsdp_recipes.config.problems import errors
@@ -421,17 +421,17 @@ def test_each_rule(tmp_path, case, config, recipe, model, level, key, text):
         assert not errors(problems), [str(p) for p in problems]
 
 
-def test_all_problems_at_once_through_the_cli(tmp_path):
+def test_all_problems_at_once_through_the_cli(tmp_path, capsys):
+    """tools/check_config.py's main (the docs' commands run the script itself: tests/integration/
+    test_docs_commands.py)."""
     broken = variant(FSDP1, fsdp_sync_module_states=False, fsdp_backward_prefetch="SOON")
     broken["mixed_precison"] = "bf16"
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(broken))
-    proc = run(["python", str(REPO / "tools" / "check_config.py"), str(path)])
-    assert proc.returncode == 1
-    lines = proc.stderr.strip().splitlines()
+    assert cli("check_config", [str(path)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith(f"error: {path}: ") for line in lines), lines
-    proc = run(["python", str(REPO / "tools" / "check_config.py"), *[str(REPO / c) for c in ALL_CONFIGS]])
-    assert proc.returncode == 0, proc.stderr
+    assert cli("check_config", [str(REPO / c) for c in ALL_CONFIGS]) == 0, capsys.readouterr().err
 
 
 def test_launch_flags_override_the_file_and_are_named_in_the_problem(tmp_path, monkeypatch):
