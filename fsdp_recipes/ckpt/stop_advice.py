@@ -41,48 +41,58 @@ def how_to_go_on(output_dir: str | os.PathLike) -> str:
     )
 
 
-def _errors_inside(err: BaseException) -> list[BaseException]:
-    """``err``, its causes and contexts, and each rank's error a CheckpointException holds (as (error, trace))."""
-    found, todo = [], [err]
+def _errors_inside(err: BaseException, out: Path) -> list[BaseException]:
+    """``err``, its causes, each rank's error a CheckpointException holds (as (error, trace)) and a RuntimeError's
+    context (torch.save's C++ writer raises its own over the write's OSError); not an OSError naming a file outside
+    ``out`` (a full /dev/shm is not output_dir's disk)."""
+    found, todo, root = [], [err], os.path.realpath(out)
     while todo:
         e = todo.pop()
-        if e is None or any(e is f for f in found):
+        if not isinstance(e, BaseException) or any(e is f for f in found):
+            continue
+        name = e.filename if isinstance(e, OSError) else None
+        if isinstance(name, (str, bytes, os.PathLike)) and not _inside(os.path.realpath(os.fsdecode(name)), root):
             continue
         found.append(e)
         failures = getattr(e, "failures", None)
         ranks = failures.values() if isinstance(failures, dict) else ()
-        todo += [e.__cause__, e.__context__, *(f[0] if isinstance(f, tuple) else f for f in ranks)]
+        todo += [e.__cause__, *(f[0] if isinstance(f, tuple) and f else f for f in ranks)]
+        if isinstance(e, RuntimeError):
+            todo.append(e.__context__)
     return found
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export: bool = False) -> str | None:
     """The one line for a save that ran out of disk or of quota (None when ``err`` is something else), known by the
-    write's errno, or its message where a library kept only that (safetensors). torch.save to a path keeps neither,
-    only its zip writer's "unexpected pos": that is a full disk when less is free than a checkpoint takes (1 MB, before
-    the first). ``export``: it was the final model's (training had finished; a resume of the finished run writes it
-    again without training)."""
+    write's errno. Where no errno is left, a full disk is a guess made only when less is free than a checkpoint takes
+    (1 MB, before the first): safetensors keeps only the message, torch.save to a path not even that (its zip
+    writer's "unexpected pos", or its stream's "iostream error"). ``export``: it was the final model's (training had
+    finished; a resume of the finished run writes it again without training)."""
     import errno
 
     def mb(n: float) -> str:
         return f"{n / 1e6:.1f} MB"
 
-    errors = _errors_inside(err)
-    codes = {e.errno for e in errors if isinstance(e, OSError)}
-    said = " ".join(map(str, errors))
     out = Path(output_dir)
+    errors = _errors_inside(err, out)
+    codes = {e.errno for e in errors if isinstance(e, OSError)}
+    said = " ".join(map(repr, errors))  # not str: CheckpointException.__str__ fails on a failure not a pair
     free = shutil.disk_usage(out).free
     chosen, _ = newest_resumable(out)
     size = sum(f.stat().st_size for f in Path(chosen.path).rglob("*") if f.is_file()) if chosen else 0
+    errno_less = os.strerror(errno.ENOSPC) in said or (
+        not codes and ("unexpected pos" in said or "iostream error" in said)
+    )
     kept = f"{Path(chosen.path).name} is intact" if chosen else "no complete checkpoint was written yet"
     if errno.EDQUOT in codes or os.strerror(errno.EDQUOT) in said:
         # the filesystem's free space says nothing about a quota
         where, room, fix = f"disk quota exceeded on {out}", "", "free space within your quota (or move output_dir)"
         need = f"a checkpoint takes {mb(size)}"
-    elif (
-        errno.ENOSPC in codes
-        or os.strerror(errno.ENOSPC) in said
-        or (not codes and "unexpected pos" in said and free < max(size, 1e6))
-    ):
+    elif errno.ENOSPC in codes or (errno_less and free < max(size, 1e6)):
         where, room, fix = f"no space left on {out}", f" ({mb(free)} free)", "free space (or move output_dir)"
         need = f"a checkpoint takes {mb(size)}, {mb(free)} is free: {mb(max(size - free, 0))} more"
     else:

@@ -71,7 +71,8 @@ def failed_save(tmp_path, monkeypatch, *, direct: bool, code: int, at: int) -> B
 
         monkeypatch.setattr(FileSystem, "create_stream", failing)
     with pytest.raises(CheckpointException) as raised, checkpoint_saves(ShardFiles(), direct=direct):
-        dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "ours")), no_dist=True)
+        shards = tmp_path / "run" / "checkpoint-12" / "pytorch_model_fsdp_0"  # inside output_dir, as a run writes it
+        dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(shards)), no_dist=True)
     monkeypatch.undo()
     return pickle.loads(pickle.dumps(raised.value))
 
@@ -90,8 +91,14 @@ def test_a_failed_dcp_save_is_named_by_its_writes_error(tmp_path, monkeypatch, c
         assert "checkpoint-6 is intact" in line and line.endswith("--resume_from_checkpoint true"), line
 
 
+def rust_error(code: int) -> RuntimeError:
+    """safetensors' error for a failed write (from Rust): the OS's message, no errno."""
+    return RuntimeError(f'Error while serializing: IoError(Os {{ code: {code}, message: "{os.strerror(code)}" }})')
+
+
 def _errors(code: int):
-    """The shapes a failed write's error reaches the run's end in: (name, error)."""
+    """The shapes a failed write's error reaches the run's end in with its errno: (name, error). A quota is named by
+    safetensors' message too (a full disk only with the free space: the test below)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     plain = OSError(code, os.strerror(code))
@@ -104,12 +111,11 @@ def _errors(code: int):
         wrapped = err  # torch.save into a Python stream: the OSError is only the context
     wrapped.__suppress_context__ = False
     wrapped.__context__ = plain
-    rust = RuntimeError(f'Error while serializing: IoError(Os {{ code: {code}, message: "{os.strerror(code)}" }})')
     return [
         ("the write's own", plain),
         ("torch.save's, the write's as its context", wrapped),
         ("DCP's, one rank's error in it", CheckpointException("write", {1: (plain, None)})),
-        ("safetensors', its message only", rust),
+        *([("safetensors', its message only", rust_error(code))] if code != errno.ENOSPC else []),
     ]
 
 
@@ -131,12 +137,31 @@ def test_every_shape_of_the_error_gives_the_same_line(tmp_path, code, kept, expo
     assert ("MB free" in line or "MB is free" in line) is (code == errno.ENOSPC), line  # a quota is not the disk's
 
 
+def torch_save_to_a_path(small: bool) -> RuntimeError:
+    """torch.save to a path on a full disk: its zip writer's error over its stream's, or (a small file, failing only
+    at close) its stream's alone; no errno either way."""
+    stream = RuntimeError("basic_ios::clear: iostream error")
+    if small:
+        return stream
+    err = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    err.__context__ = stream
+    return err
+
+
+ERRNO_LESS = {
+    "torch.save to a path": lambda: torch_save_to_a_path(small=False),
+    "torch.save of a small file to a path": lambda: torch_save_to_a_path(small=True),
+    "safetensors' message": lambda: rust_error(errno.ENOSPC),
+}
+
+
+@pytest.mark.parametrize("shape", list(ERRNO_LESS))
 @pytest.mark.parametrize("free, full", [(0, True), (400_000, True), (10**9, False)])
-def test_torch_save_to_a_path_is_a_full_disk_only_when_less_than_a_checkpoint_is_free(
-    tmp_path, monkeypatch, free, full
+def test_an_errno_less_error_is_a_full_disk_only_when_less_than_a_checkpoint_is_free(
+    tmp_path, monkeypatch, shape, free, full
 ):
-    """torch.save to a path keeps no errno ("unexpected pos", its context a C++ iostream error): a full disk when less
-    is free than the newest checkpoint takes, else a failing device, which is not called a full disk."""
+    """Else it is a failing device, or another disk's (a DataLoader worker's full /dev/shm says "No space left" too),
+    and keeps its traceback."""
     import torch
 
     ckpt = plain_checkpoint(tmp_path, step=6, world=2)
@@ -144,8 +169,42 @@ def test_torch_save_to_a_path_is_a_full_disk_only_when_less_than_a_checkpoint_is
     # the free space this module reads, and only here (the checkpoint's status reads the real filesystem)
     disk = SimpleNamespace(disk_usage=lambda _: SimpleNamespace(total=shutil.disk_usage(tmp_path).total, free=free))
     monkeypatch.setattr(stop_advice, "shutil", disk)
-    err = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
-    err.__context__ = RuntimeError("basic_ios::clear: iostream error")
-    line = disk_full_problem(err, tmp_path)
+    line = disk_full_problem(ERRNO_LESS[shape](), tmp_path)
     assert (line is not None and line.startswith(f"no space left on {tmp_path}: a checkpoint takes 0.5 MB")) is full
     assert (line is None) is not full, line
+
+
+class ProcessFailure:  # torch elastic's record of a failed child, as ChildFailedError.failures holds it
+    pass
+
+
+def _not_a_write_of_ours(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    try:
+        try:
+            raise full
+        except OSError:
+            raise ValueError("a record is not JSON") from None
+    except ValueError as err:
+        while_handling = err
+    while_handling.__suppress_context__ = False
+    return {
+        "a full disk elsewhere": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/dev/shm/torch_123"),
+        "another error raised while one was handled": while_handling,
+        "failures that are text": CheckpointException("write", {0: "a failure's text"}),
+        "failures that are records": SimpleNamespace(failures={0: ProcessFailure(), 1: ()}),
+    }
+
+
+def test_errors_that_are_not_a_failed_write_into_output_dir_are_left_alone(tmp_path):
+    plain_checkpoint(tmp_path, step=6, world=2)
+    cases = _not_a_write_of_ours(tmp_path)
+    lines = {name: disk_full_problem(err, tmp_path) for name, err in cases.items() if isinstance(err, BaseException)}
+    lines["failures that are records"] = disk_full_problem(
+        type("Failed", (Exception,), {"failures": cases["failures that are records"].failures})(), tmp_path
+    )
+    assert lines == dict.fromkeys(cases), lines
+    inside = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "checkpoint-12" / "optimizer.pt"))
+    assert disk_full_problem(inside, tmp_path).startswith(f"no space left on {tmp_path}: a checkpoint takes")
