@@ -51,7 +51,10 @@ def _errors_inside(err: BaseException, out: Path) -> list[BaseException]:
         if not isinstance(e, BaseException) or any(e is f for f in found):
             continue
         name = e.filename if isinstance(e, OSError) else None
-        if isinstance(name, (str, bytes, os.PathLike)) and not _inside(os.path.realpath(os.fsdecode(name)), root):
+        elsewhere = isinstance(name, (str, bytes, os.PathLike)) and not Path(
+            os.path.realpath(os.fsdecode(name))
+        ).is_relative_to(root)
+        if elsewhere:
             continue
         found.append(e)
         failures = getattr(e, "failures", None)
@@ -60,10 +63,6 @@ def _errors_inside(err: BaseException, out: Path) -> list[BaseException]:
         if isinstance(e, RuntimeError):
             todo.append(e.__context__)
     return found
-
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export: bool = False) -> str | None:
