@@ -106,11 +106,9 @@ def _errors(code: int):
         try:
             raise plain
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
     except RuntimeError as err:
         wrapped = err  # torch.save into a Python stream: the OSError is only the context
-    wrapped.__suppress_context__ = False
-    wrapped.__context__ = plain
     return [
         ("the write's own", plain),
         ("torch.save's, the write's as its context", wrapped),
@@ -178,33 +176,28 @@ class ProcessFailure:  # torch elastic's record of a failed child, as ChildFaile
     pass
 
 
-def _not_a_write_of_ours(tmp_path):
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    try:
-        try:
-            raise full
-        except OSError:
-            raise ValueError("a record is not JSON") from None
-    except ValueError as err:
-        while_handling = err
-    while_handling.__suppress_context__ = False
-    return {
-        "a full disk elsewhere": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/dev/shm/torch_123"),
-        "another error raised while one was handled": while_handling,
-        "failures that are text": CheckpointException("write", {0: "a failure's text"}),
-        "failures that are records": SimpleNamespace(failures={0: ProcessFailure(), 1: ()}),
-    }
+class ChildFailed(Exception):
+    failures = {0: ProcessFailure(), 1: ()}
 
 
 def test_errors_that_are_not_a_failed_write_into_output_dir_are_left_alone(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
     plain_checkpoint(tmp_path, step=6, world=2)
-    cases = _not_a_write_of_ours(tmp_path)
-    lines = {name: disk_full_problem(err, tmp_path) for name, err in cases.items() if isinstance(err, BaseException)}
-    lines["failures that are records"] = disk_full_problem(
-        type("Failed", (Exception,), {"failures": cases["failures that are records"].failures})(), tmp_path
-    )
+    try:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise ValueError("a record is not JSON")  # noqa: B904
+    except ValueError as err:
+        while_handling = err
+    cases = {
+        "a full disk elsewhere": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/dev/shm/torch_123"),
+        "another error raised while one was handled": while_handling,
+        "failures that are text": CheckpointException("write", {0: "a failure's text"}),
+        "failures that are records": ChildFailed(),
+    }
+    lines = {name: disk_full_problem(err, tmp_path) for name, err in cases.items()}
     assert lines == dict.fromkeys(cases), lines
     inside = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "checkpoint-12" / "optimizer.pt"))
     assert disk_full_problem(inside, tmp_path).startswith(f"no space left on {tmp_path}: a checkpoint takes")
