@@ -2,53 +2,57 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import gc
+import re
+from pathlib import Path
 
 import pytest
 
 from fsdp_recipes.config.memory import LOGITS_PEAK_BYTES, ModelShape, Setup, activation_bytes
 
-# One forward and backward of a one-layer, 64-wide Llama with a large tied vocabulary, for each precision in one fresh
-# process: the growth of its peak resident memory over tokens x vocabulary is the loss's peak (the layer's own
-# activations are 1% of it). Each fp32 [tokens, vocab] tensor is 64 MiB, far above glibc's mmap threshold: freed
-# memory leaves the process, so the resident peak is the live peak. Writing 5 to clear_refs resets that peak (Linux).
-MEASURE = """
-import gc, re, sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-vocab, tokens = int(sys.argv[1]), int(sys.argv[2])
-def peak():  # this process's own: getrusage's ru_maxrss keeps the parent's peak across fork and exec
-    return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-for precision in sys.argv[3:]:
+PRECISIONS = ["bf16", "fp32"]
+
+
+def peak_bytes() -> int:
+    """This process's resident high-water mark (getrusage's ru_maxrss cannot be reset)."""
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+# One forward and backward of a one-layer, 64-wide Llama with a large tied vocabulary, in this process: the growth of
+# its peak resident memory over tokens x vocabulary is the loss's peak (the layer's own activations are 1% of it).
+# Each fp32 [tokens, vocab] tensor is 64 MiB, far above glibc's mmap threshold: freed memory leaves the process, so
+# the resident peak is the live peak. Writing 5 to clear_refs resets that peak to the present size (Linux).
+def loss_peak(precision: str, vocab: int = 32768, tokens: int = 512) -> float:
+    """Bytes per token and vocabulary entry that one step's loss adds to the resident peak."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True,
-        max_position_embeddings=tokens))
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4}
+    config = LlamaConfig(
+        **shape, num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=tokens
+    )
+    model = LlamaForCausalLM(config)
     ids = torch.randint(0, vocab, (1, tokens))
+
     def step(n):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = model(input_ids=ids[:, :n], labels=ids[:, :n]).loss
         loss.backward()
+
     step(16)  # the weights' gradients exist before the peak is read, as from a run's second step
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = peak()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = peak_bytes()
     step(tokens)
-    print(precision, (peak() - before) / (tokens * vocab))
-    del model, step
-    gc.collect()
-"""
-PRECISIONS = ["bf16", "fp32"]
+    return (peak_bytes() - before) / (tokens * vocab)
 
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, float]:
-    proc = subprocess.run(
-        [sys.executable, "-c", MEASURE, "32768", "512", *PRECISIONS], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return {name: float(value) for name, value in (line.split() for line in proc.stdout.splitlines())}
+    found = {precision: loss_peak(precision) for precision in PRECISIONS}
+    gc.collect()
+    return found
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
