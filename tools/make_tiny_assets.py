@@ -13,10 +13,10 @@ from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.tiny import ASSETS, build_all
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, default=ASSETS, help=f"folder to write into (default: {ASSETS})")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for path in build_all(args.out):
         print(path)
 
