@@ -90,11 +90,11 @@ def test_the_lock_file_is_removed_when_the_run_ends(tmp_path):
     """A real process on a filesystem made lockless: its lock file is gone after it exits 0."""
     code = (
         "import errno, fcntl, os, sys\n"
-        "from types import SimpleNamespace\n"
         "def refuse(*a):\n    raise OSError(errno.EOPNOTSUPP, 'not supported')\n"
         "fcntl.flock = refuse\n"
-        "from fsdp_recipes.train.preflight import hold_output_dir\n"
-        f"hold_output_dir(SimpleNamespace(process_index=0, output_dir={str(tmp_path)!r}), warn=print)\n"
+        "from pathlib import Path\n"
+        "from fsdp_recipes.train import run_lock\n"
+        f"assert run_lock.take(Path({str(tmp_path)!r}), print) is None\n"
         f"print(os.path.exists({str(tmp_path / run_lock.OWNER_NAME)!r}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -144,9 +144,9 @@ def test_a_broken_or_hostile_lock_file_is_one_line_and_left_alone(tmp_path, no_p
 
 HOLD = """
 import os, signal, sys
-from types import SimpleNamespace
-from fsdp_recipes.train.preflight import hold_output_dir
-hold_output_dir(SimpleNamespace(process_index=0, output_dir=sys.argv[1]), warn=print)
+from pathlib import Path
+from fsdp_recipes.train import run_lock
+assert run_lock.take(Path(sys.argv[1]), print) is None
 print("held", flush=True)
 if sys.argv[2] == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
