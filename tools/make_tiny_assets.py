@@ -6,20 +6,27 @@
 Deterministic: the same versions give the same bytes. Takes a few seconds; nothing is downloaded.
 """
 
-import argparse
+import sys
 from pathlib import Path
 
-from fsdp_recipes.console import HelpFormatter
+from fsdp_recipes.console import HelpFormatter, OneLineParser
+from fsdp_recipes.errors import bounded
 from fsdp_recipes.tiny import ASSETS, build_all
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    """Write the files and print each path: 0; a folder that cannot be written is one line on stderr: 1."""
+    parser = OneLineParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, default=ASSETS, help=f"folder to write into (default: {ASSETS})")
     args = parser.parse_args(argv)
-    for path in build_all(args.out):
-        print(path)
+    try:
+        for path in build_all(args.out):
+            print(path)
+    except OSError as err:  # a file where the folder should be, no permission, a full disk
+        print(bounded(f"make_tiny_assets.py: error: cannot write to --out {args.out}: {err}"), file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
