@@ -94,7 +94,9 @@ def test_the_lock_file_is_removed_when_the_run_ends(tmp_path):
         "fcntl.flock = refuse\n"
         "from pathlib import Path\n"
         "from fsdp_recipes.train import run_lock\n"
-        f"assert run_lock.take(Path({str(tmp_path)!r}), print) is None\n"
+        # a call, not an assert: python -O would skip it
+        f"refused = run_lock.take(Path({str(tmp_path)!r}), print)\n"
+        "if refused is not None:\n    sys.exit(refused)\n"
         f"print(os.path.exists({str(tmp_path / run_lock.OWNER_NAME)!r}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -146,7 +148,9 @@ HOLD = """
 import os, signal, sys
 from pathlib import Path
 from fsdp_recipes.train import run_lock
-assert run_lock.take(Path(sys.argv[1]), print) is None
+refused = run_lock.take(Path(sys.argv[1]), print)  # a call, not an assert: python -O would skip it
+if refused is not None:
+    sys.exit(refused)
 print("held", flush=True)
 if sys.argv[2] == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
