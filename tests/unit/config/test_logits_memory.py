@@ -50,7 +50,16 @@ def loss_peak(precision: str, vocab: int = 32768, tokens: int = 512) -> float:
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, float]:
-    found = {precision: loss_peak(precision) for precision in PRECISIONS}
+    """Each precision's peak with one OpenMP thread, as a launched rank computes (OMP_NUM_THREADS=1): more threads
+    hold scratch buffers of their own (16 of them measured 13.1 for fp32)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        found = {precision: loss_peak(precision) for precision in PRECISIONS}
+    finally:
+        torch.set_num_threads(threads)
     gc.collect()
     return found
 
