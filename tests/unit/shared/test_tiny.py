@@ -22,5 +22,5 @@ def test_an_out_folder_that_cannot_be_written_is_one_line(tmp_path, capsys, wher
     blocker.write_text("kept\n")
     out = {"a file": blocker, "under a file": blocker / "deeper", "/proc": "/proc/no-such-folder"}[where]
     assert cli("make_tiny_assets", ["--out", str(out)]) == 1
-    line = one_line_error(capsys.readouterr().err, f"make_tiny_assets.py: error: cannot write to --out {out}: ")
-    assert "Traceback" not in line and blocker.read_text() == "kept\n"
+    one_line_error(capsys.readouterr().err, f"make_tiny_assets.py: error: cannot write to --out {out}: ")
+    assert blocker.read_text() == "kept\n"
