@@ -36,9 +36,11 @@ class BareArguments:
 
 
 def main() -> None:
-    if not cpu_fsdp.enable():  # before TrainingArguments creates accelerate's state
+    # before TrainingArguments creates accelerate's state
+    if not cpu_fsdp.enable():
         cpu_fsdp.enable_ddp()
-    cpu_fsdp.choose_cpu_precision(False, False)  # fp32 on a CPU without native bf16, as train_fsdp.py (a fair baseline)
+    # fp32 on a CPU without native bf16, as train_fsdp.py (a fair baseline)
+    cpu_fsdp.choose_cpu_precision(False, False)
     from datasets import load_dataset
     from step_times import StepTimes
     from transformers import (

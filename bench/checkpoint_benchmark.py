@@ -218,7 +218,8 @@ def stall_of_each_save(got: dict, nosave: dict, a: argparse.Namespace) -> dict[i
     times, plain = step_seconds(got["step_end"], a.warmup), step_seconds(nosave["step_end"], a.warmup)
     k, stalls = a.save_steps, {}
     for m in itertools.count(1):
-        last = m * k - 1 - a.warmup  # the time of step m*k+1 (index into times), which holds save m
+        # the time of step m*k+1 (index into times), which holds save m
+        last = m * k - 1 - a.warmup
         if last >= min(len(times), len(plain)):
             break
         if last >= 0:
@@ -286,7 +287,8 @@ def main(argv=None) -> int:
         ("--warmup", a.warmup, 0),
         ("--nprocs", a.nprocs, 1),
     ):
-        if value < least:  # (review) --save-steps 0 made stall_of_each_save loop for good
+        # (review) --save-steps 0 made stall_of_each_save loop for good
+        if value < least:
             p.error(f"{flag} must be at least {least}, got {value}")
     if a.save_steps <= a.warmup:
         print(
@@ -294,7 +296,8 @@ def main(argv=None) -> int:
             "stall is not told apart from the later ones' (- in the table); --save-steps above --warmup measures it",
             flush=True,
         )
-    if a.work is not None:  # kept: the model built there is reused by the next run given the same folder
+    # kept: the model built there is reused by the next run given the same folder
+    if a.work is not None:
         return measure(a, a.work, argv)
     # a temporary folder holds the model and four runs' checkpoints, GBs each: removed however the runs end
     work = make_folder(tempfile.mkdtemp(prefix="checkpoint_benchmark-"), BENCH_WORK, exist_ok=True)
@@ -318,7 +321,8 @@ def measure(a: argparse.Namespace, work: Path, argv) -> int:
         flush=True,
     )
     rows = []
-    kinds = [("direct", "")] + ([("page cache", "-cache")] if a.page_cache else [])  # the shard files' writes
+    # the shard files' writes
+    kinds = [("direct", "")] + ([("page cache", "-cache")] if a.page_cache else [])
     for lora in {"full": (False,), "lora": (True,), "both": (False, True)}[a.training]:
         measured = {}
         for mode in ["nosave", *(m + suffix for _, suffix in kinds for m in ("sync", "async", "async-copy"))]:

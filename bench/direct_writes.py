@@ -40,7 +40,8 @@ def save(state, folder: Path, kind: str) -> tuple[float, float, dict]:
     from fsdp_recipes.compat.async_dcp import ShardFiles, checkpoint_saves
 
     files = ShardFiles()
-    keep_crc = mock.patch.object(torch.serialization, "set_crc32_options", lambda _: None)  # our writer's switch, held
+    # our writer's switch, held
+    keep_crc = mock.patch.object(torch.serialization, "set_crc32_options", lambda _: None)
     wall, cpu = time.perf_counter(), time.process_time()
     with (
         checkpoint_saves(files, direct=kind != "page cache"),

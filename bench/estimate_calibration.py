@@ -32,7 +32,8 @@ CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "accelerate_con
 def launch_args(config: str, nproc: int) -> list[str]:
     cfg = yaml.safe_load((REPO / config).read_text())
     args = ["--num_processes", str(nproc), "--num_machines", "1"]
-    if cfg.get("parallelism_config"):  # FSDP2 HSDP: 2 replicas of nproc/2 shards
+    # FSDP2 HSDP: 2 replicas of nproc/2 shards
+    if cfg.get("parallelism_config"):
         args += ["--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", str(nproc // 2)]
     return args
 
@@ -40,9 +41,11 @@ def launch_args(config: str, nproc: int) -> list[str]:
 def cpu_setup(config: str, nproc: int, zero1: bool = False) -> tuple[Setup, str]:
     """The setup the estimate should describe on this CPU machine, and a note where it differs from a GPU node."""
     cfg = yaml.safe_load((REPO / config).read_text())
-    if "fsdp_config" not in cfg:  # accelerate_configs/ddp.yaml
+    # accelerate_configs/ddp.yaml
+    if "fsdp_config" not in cfg:
         return Setup(strategy=strategy_of(cfg, zero1).name, nproc_per_node=nproc), ""
-    if cfg.get("parallelism_config"):  # as launch_args launches it: 2 replicas of nproc/2 shards
+    # as launch_args launches it: 2 replicas of nproc/2 shards
+    if cfg.get("parallelism_config"):
         cfg = {
             **cfg,
             "parallelism_config": {
@@ -60,7 +63,8 @@ def cpu_setup(config: str, nproc: int, zero1: bool = False) -> tuple[Setup, str]
             nproc_per_node=nproc // 2 if name == "HYBRID_SHARD" else nproc,
             nnodes=2 if name == "HYBRID_SHARD" else 1,
         )
-    else:  # FSDP1 HYBRID_SHARD on one machine: its node's processes are the shard group (cpu_fsdp on CPU)
+    # FSDP1 HYBRID_SHARD on one machine: its node's processes are the shard group (cpu_fsdp on CPU)
+    else:
         setup = Setup(strategy=strategy.memory_strategy_on(nproc, nproc), nproc_per_node=nproc)
     if strategy.offload:
         note = (note + "; " if note else "") + "offload: the states are on CPU either way here"
@@ -109,7 +113,8 @@ def main() -> None:
                 (n, z) for n in args.nproc or [2, 4] for z in ([False, True] if "fsdp_config" not in cfg else [False])
             ]:
                 if cfg.get("parallelism_config") and nproc < 4:
-                    continue  # HSDP needs 2 replicas x 2+ shards
+                    # HSDP needs 2 replicas x 2+ shards
+                    continue
                 report = measure(config, nproc, Path(tmp) / f"{config.replace('/', '_')}-{nproc}-{zero1}", zero1)
                 setup, note = cpu_setup(config, nproc, zero1)
                 note = "--zero1 true" + (f"; {note}" if note else "") if zero1 else note

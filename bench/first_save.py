@@ -32,7 +32,8 @@ sys.path.insert(0, str(REPO))
 
 from fsdp_recipes.console import HelpFormatter  # noqa: E402
 
-HIDDEN, KV, MLP = 2048, 512, 8192  # Llama-3.2-1B
+# Llama-3.2-1B
+HIDDEN, KV, MLP = 2048, 512, 8192
 LAYER = [
     (HIDDEN, HIDDEN),
     (KV, HIDDEN),
@@ -92,7 +93,8 @@ def child(kind: str, gigabytes: float) -> dict:
     side = 2048 if cuda else 512
     x = torch.randn(side, side, device=device)
 
-    def work(n: int = 40 if cuda else 4) -> float:  # a fixed stretch of training-like work on this thread
+    # a fixed stretch of training-like work on this thread
+    def work(n: int = 40 if cuda else 4) -> float:
         synchronize(torch, device)
         began = time.perf_counter()
         for _ in range(n):
@@ -104,7 +106,8 @@ def child(kind: str, gigabytes: float) -> dict:
     work()
     alone = statistics.median(work() for _ in range(5))
     ahead, during = None, None
-    if kind.startswith("ahead"):  # as after the first optimizer step: the thread starts, training goes on
+    # as after the first optimizer step: the thread starts, training goes on
+    if kind.startswith("ahead"):
         began = time.perf_counter()
         pin = None if not cuda or kind == "ahead-pageable" else "allocator" if kind == "ahead-allocator" else "register"
         ahead = HostBuffers(HostBuffers.shapes_of(params + [t for pair in moments for t in pair]), pin=pin)
@@ -138,7 +141,8 @@ def child(kind: str, gigabytes: float) -> dict:
             )
             for c, v in pairs:
                 assert c.to_local().device.type == "cpu" and torch.equal(c.to_local(), v.to_local().cpu()), name
-    assert staged[0]["model"]["w0"].to_local().data_ptr() == again[0]["model"]["w0"].to_local().data_ptr()  # reused
+    # reused
+    assert staged[0]["model"]["w0"].to_local().data_ptr() == again[0]["model"]["w0"].to_local().data_ptr()
     dist.destroy_process_group()
     staged_bytes = sum(t.numel() * t.element_size() for t in params + [t for pair in moments for t in pair])
     return {

@@ -41,7 +41,8 @@ def beside_writes(folder: Path, nbytes: int, gil_free_copy: int | None) -> tuple
     """(loop iterations per second, write seconds) while a thread writes ``nbytes`` (None: no thread, 10 s)."""
     if gil_free_copy is None:
         return loop_rate(threading.Event(), 10.0), 0.0
-    data = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8).numpy().tobytes()  # 64 MiB, written again and again
+    # 64 MiB, written again and again
+    data = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8).numpy().tobytes()
     done, took = threading.Event(), []
     saved = direct_writes.GIL_FREE_COPY
     direct_writes.GIL_FREE_COPY = gil_free_copy

@@ -76,7 +76,8 @@ CARRY: dict[str, str | None] = {
     "httpcore2": "2.16.2",
     "truststore": "0.10.5",
     "bitsandbytes": "0.50.2",
-    "liger_kernel": "0.8.5",  # the speed rows' Liger kernels (Triton, which the image has): not in requirements.txt
+    # the speed rows' Liger kernels (Triton, which the image has): not in requirements.txt
+    "liger_kernel": "0.8.5",
 }
 GPU_IMAGE = frozenset(
     """
@@ -120,7 +121,8 @@ SPEED_ROWS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "speed: zero3, liger, batch auto": ("auto", LIGER, ()),
     "speed: zero3, eager, batch 4": (str(BATCH), (), ()),
 }
-PROCESSES = 1  # the one GPU (the CPU test of this script runs 2: FSDP over gloo needs 2)
+# the one GPU (the CPU test of this script runs 2: FSDP over gloo needs 2)
+PROCESSES = 1
 FSDP2 = [
     "accelerate_configs/zero3.yaml",
     "accelerate_configs/zero2.yaml",
@@ -135,10 +137,11 @@ FSDP1 = [
     "accelerate_configs/fsdp1/hybrid_shard.yaml",
     "accelerate_configs/ddp.yaml",
 ]
+# these also save and merge a checkpoint
 MERGED = {
     "accelerate_configs/zero3.yaml",
     "accelerate_configs/fsdp1/zero3.yaml",
-}  # these also save and merge a checkpoint
+}
 # these save in the background, the first checkpoint mid-run: from a host copy of the GPU shards (zero3) and from
 # the offloaded shards themselves, no copy, the next optimizer step waiting for the write (zero3_offload)
 BACKGROUND_SAVES = {"accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"}
@@ -156,9 +159,12 @@ OFFLOAD_MFU_BAND = (0.002, 0.85)
 # the profiled one are 2 of 9 (with 5-step windows they were 2 of 3, and the median of zero3 on an H200 was the
 # checkpoint's cost, not training's: bench/results/h200/gpu-check-1); the checkpoint's cost has its own columns
 LOGGING_STEPS = 2
-TREE_POLL = 1.0  # seconds between looks at what a running command has started (Check.run)
-INTERRUPT_GRACE = 20  # seconds a command has after SIGINT at the deadline to print what it has (pytest: its failures)
-RUN_SECONDS = 75  # what one config's run takes at most on an H100 (start, 20 steps, export): below this, it is skipped
+# seconds between looks at what a running command has started (Check.run)
+TREE_POLL = 1.0
+# seconds a command has after SIGINT at the deadline to print what it has (pytest: its failures)
+INTERRUPT_GRACE = 20
+# what one config's run takes at most on an H100 (start, 20 steps, export): below this, it is skipped
+RUN_SECONDS = 75
 # --part all: one command for a visit shorter than two (15 minutes of device time, the start included), what matters
 # most first: the speed rows (issue 50), the FSDP2 pair that shows offload and both background-save paths,
 # LoRA/QLoRA, the FSDP1 pair, pytest -m gpu, then the remaining configs and scaling, each skipped with its reason when
@@ -297,7 +303,8 @@ def config_checks(row: dict) -> list[dict]:
             check(
                 f"{name}: peak allocated / estimate",
                 ratio and round(ratio, 3),
-                None if row.get("levers") else 1 - TOLERANCE,  # the estimate counts eager activations: a bound
+                # the estimate counts eager activations: a bound
+                None if row.get("levers") else 1 - TOLERANCE,
                 1 + TOLERANCE,
                 f"{gib(row.get('peak_allocated'))} against {gib(row['estimate_peak'])}",
             )
@@ -342,7 +349,8 @@ def staging_checks(row: dict, on_gpu: bool) -> list[dict]:
         f"{writes.get('seconds_max')} s, longest optimizer wait {writes.get('optimizer_wait_seconds_max')} s"
     )
     share = round(in_place / saves, 3) if saves else None
-    wanted = 1.0 if expect_in_place else 0.0  # the share of the saves written in place
+    # the share of the saves written in place
+    wanted = 1.0 if expect_in_place else 0.0
     found = [
         check(
             f"{row['config']}: background saves written {'in place' if expect_in_place else 'from a host copy'}",
@@ -364,7 +372,8 @@ STALL_ARGS = ["--gigabytes", "1.0", "--saves", "4", "--save-steps", "100", "--tr
 # host copy as a GPU's default is, so the benchmark does not launch the host-copy run again): 4 saves and the model
 # fit 200 s
 STALL_SECONDS = 200
-STALL_TARGET = 0.20  # issue 22: a background save's stall at most 20% of the synchronous save's
+# issue 22: a background save's stall at most 20% of the synchronous save's
+STALL_TARGET = 0.20
 
 
 def stall_checks(rows: list[dict]) -> list[dict]:
@@ -614,7 +623,8 @@ class Check:
         self.notes: list[str] = []
         self.environment: dict = {}
         self.work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-        self.only: set[str] | None = None  # --runs: these alone
+        # --runs: these alone
+        self.only: set[str] | None = None
         output.mkdir(parents=True, exist_ok=True)
         (output / "logs.txt").write_text("")
 
@@ -657,8 +667,10 @@ class Check:
             start_new_session=True,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
-        seen: dict[int, str] = {}  # everything it has started, looked up every TREE_POLL seconds: a launcher that
-        deadline = time.monotonic() + max(seconds - INTERRUPT_GRACE, 1)  # exits leaves its workers without a parent
+        # everything it has started, looked up every TREE_POLL seconds: a launcher that
+        seen: dict[int, str] = {}
+        # exits leaves its workers without a parent
+        deadline = time.monotonic() + max(seconds - INTERRUPT_GRACE, 1)
         try:
             while True:
                 seen.update(process_tree(child.pid))
@@ -678,7 +690,8 @@ class Check:
                     signal_processes(seen.items(), signal.SIGKILL)
                     try:
                         out, err = child.communicate(timeout=10)
-                    except subprocess.TimeoutExpired:  # a process outside the tree holds the pipes: its output is lost
+                    # a process outside the tree holds the pipes: its output is lost
+                    except subprocess.TimeoutExpired:
                         child.kill()
                         out, err = "", "its output was lost: a process it started outside its tree held the pipes"
                 own = (
@@ -691,7 +704,8 @@ class Check:
                 )
                 break
         finally:
-            signal_processes(list(seen.items()) + process_tree(child.pid), signal.SIGKILL)  # what it left running
+            # what it left running
+            signal_processes(list(seen.items()) + process_tree(child.pid), signal.SIGKILL)
             signal_group(child.pid, signal.SIGKILL)
             if child.poll() is None:
                 child.kill()
@@ -846,7 +860,8 @@ class Check:
         from fsdp_recipes.config.strategy import strategy_of
 
         if lora:
-            return  # the formula counts full fine-tuning
+            # the formula counts full fine-tuning
+            return
         strategy = strategy_of(yaml.safe_load((REPO / config).read_text()))
         est = estimate(
             model_shape(str(folder or self.model_folder())),
@@ -883,7 +898,8 @@ class Check:
             row["merge_detail"] = f"{len(final)} tensors" + (
                 f", {len(differ)} differ ({differ[0]}, ...)" if differ else ", all equal"
             )
-        except Exception as err:  # a check that failed, not a crash of the check
+        # a check that failed, not a crash of the check
+        except Exception as err:
             row["merge_equal"], row["merge_detail"] = False, f"{type(err).__name__}: {str(err)[:300]}"
 
     def configs(self, configs: list[str]) -> None:
@@ -901,16 +917,18 @@ class Check:
                 continue
             args = ["--config_name", str(self.model_folder())]
             saves = config in MERGED or config in BACKGROUND_SAVES
+            # one checkpoint on disk at a time: ~12 GB each for the 1B model
             args += (
                 ["--save_steps", str(STEPS // 2 if config in BACKGROUND_SAVES else STEPS), "--save_total_limit", "1"]
                 if saves
                 else ["--save_strategy", "no"]
-            )  # one checkpoint on disk at a time: ~12 GB each for the 1B model
+            )
             if config == "accelerate_configs/zero3.yaml":
+                # the trace summary: the last timed window is left out
                 args += [
                     "--profile_steps",
                     f"{STEPS - 3}-{STEPS - 2}",
-                ]  # the trace summary: the last timed window is left out
+                ]
             elif "offload" in config:
                 # offload peaks in step 1's forward+backward, about the fp32 model over its estimate (gpu-check-7):
                 # the profile of that step says what was live then (its window is left out of tokens/s and MFU)
@@ -960,7 +978,8 @@ class Check:
             self.checks += (
                 config_checks(row) if not row.get("error") else [check(f"{label}: ran", None, None, None, row["error"])]
             )
-            if launch and not row.get("error"):  # compiled in place: FSDP2's hooks still run around each layer
+            # compiled in place: FSDP2's hooks still run around each layer
+            if launch and not row.get("error"):
                 self.checks.append(
                     check(f"{label}: layers compiled", row["compiled_modules"], 1, None, "modules compiled in place")
                 )
@@ -1000,6 +1019,7 @@ class Check:
             )
             return
         # QLoRA quantizes pre-trained weights: a bf16 folder of the model's (random) weights, as a hub model is
+        # the export merges the final sharded save
         row, out = self.train(
             "QLoRA (zero3)",
             "accelerate_configs/zero3.yaml",
@@ -1023,7 +1043,7 @@ class Check:
             "32",
             "--save_strategy",
             "no",
-        )  # the export merges the final sharded save
+        )
         self.rows.append(row)
         self.checks.append(check("QLoRA: ran", None if row.get("error") else 1.0, 1, 1, row.get("error", "trained")))
         if out is not None:
@@ -1056,7 +1076,8 @@ class Check:
                     )
                 ),
             )
-        except Exception as err:  # a check that failed, not a crash of the check
+        # a check that failed, not a crash of the check
+        except Exception as err:
             value, detail = None, f"{type(err).__name__}: {str(err)[:300]}"
         self.checks.append(
             check(
@@ -1075,7 +1096,8 @@ class Check:
             from transformers import AutoModelForCausalLM
 
             torch.manual_seed(0)
-            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 1B parameters initialised in seconds
+            # 1B parameters initialised in seconds
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
                 model = AutoModelForCausalLM.from_config(model_config(), dtype=torch.bfloat16)
             model.save_pretrained(folder)
         return folder
@@ -1217,7 +1239,8 @@ def main(argv=None) -> int:
         parser.error(
             f"--runs: {elsewhere[0]!r} is not run by --part {args.part}: give --part all, or the part that runs it"
         )
-    if not (args.budget == args.budget and 0 < args.budget < float("inf")):  # NaN is not equal to itself
+    # NaN is not equal to itself
+    if not (args.budget == args.budget and 0 < args.budget < float("inf")):
         parser.error(f"--budget {args.budget}: give the seconds this part may take, a positive number (e.g. 560)")
     if args.output.is_symlink() or (args.output.exists() and not args.output.is_dir()):
         parser.error(f"--output {args.output} is not a folder: give a new or empty folder for the report")
@@ -1231,7 +1254,8 @@ def main(argv=None) -> int:
 
     from fsdp_recipes.removal import is_ours, remove
 
-    if not torch.cuda.is_available():  # before anything is installed: the wheels are for the GPU machine's Python
+    # before anything is installed: the wheels are for the GPU machine's Python
+    if not torch.cuda.is_available():
         print(
             "gpu_check.py: error: no CUDA device here: run it on the GPU machine (the device tool); the CPU "
             "tests cover the rest",

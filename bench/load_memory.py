@@ -42,9 +42,12 @@ from fsdp_recipes.console import HelpFormatter
 from fsdp_recipes.removal import make_folder, remove
 
 REPO = Path(__file__).resolve().parent.parent
-PHASES = ("loading", "training", "export")  # loading + prepare; the training steps; the final export (and the end)
-PHASE_ENDS = ("this rank holds", "***** train metrics *****")  # the log lines that end the first two
-BENCH_WORK = "load memory benchmark"  # the default work folder's marker (fsdp_recipes.removal)
+# loading + prepare; the training steps; the final export (and the end)
+PHASES = ("loading", "training", "export")
+# the log lines that end the first two
+PHASE_ENDS = ("this rank holds", "***** train metrics *****")
+# the default work folder's marker (fsdp_recipes.removal)
+BENCH_WORK = "load memory benchmark"
 TINY = REPO / "assets" / "tiny-llama"
 CONFIG = REPO / "accelerate_configs" / "zero3.yaml"
 
@@ -68,7 +71,8 @@ def build_model(
         assert model.lm_head.weight is model.model.embed_tokens.weight
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(TINY).save_pretrained(folder)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
+    # tied: counted once
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     return nbytes
 
@@ -176,12 +180,15 @@ def measure(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log = open(work / f"{out.name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    peaks: dict[int, dict[str, int]] = {}  # loading + prepare: until the sharding report's log line
-    whole: dict[int, dict[str, int]] = {}  # the whole run (the step and the final export too)
+    # loading + prepare: until the sharding report's log line
+    peaks: dict[int, dict[str, int]] = {}
+    # the whole run (the step and the final export too)
+    whole: dict[int, dict[str, int]] = {}
     # RssAnon at the first sample of each later phase, and its peak there: {phase: {rank: (start, peak)}}
     phases: dict[str, dict[int, tuple[int, int]]] = {phase: {} for phase in PHASES[1:]}
     pids: dict[int, int] = {}
-    phase = 0  # the index in PHASES of the phase the run is in, from its log
+    # the index in PHASES of the phase the run is in, from its log
+    phase = 0
     while proc.poll() is None:
         if len(pids) < nprocs:
             pids.update(rank_pids(proc.pid))
@@ -201,7 +208,8 @@ def measure(
                 peak = table.setdefault(rank, {})
                 for k, v in now.items():
                     peak[k] = max(peak.get(k, 0), v)
-            if phase and "RssAnon" in now:  # a rank that has just exited has none
+            # a rank that has just exited has none
+            if phase and "RssAnon" in now:
                 start, top = phases[PHASES[phase]].get(rank, (now["RssAnon"], 0))
                 phases[PHASES[phase]][rank] = (start, max(top, now["RssAnon"]))
         time.sleep(interval)
@@ -241,11 +249,11 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, help="folder for the models and runs (default: a temporary one)")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args(argv)
-    if a.work is not None:  # kept: its models are reused by the next run given the same folder
+    # kept: its models are reused by the next run given the same folder
+    if a.work is not None:
         return run(a, a.work)
-    work = make_folder(
-        Path(tempfile.mkdtemp(prefix="load_memory-")), BENCH_WORK, exist_ok=True
-    )  # GBs of models: removed after
+    # GBs of models: removed after
+    work = make_folder(Path(tempfile.mkdtemp(prefix="load_memory-")), BENCH_WORK, exist_ok=True)
     try:
         return run(a, work)
     finally:
@@ -297,7 +305,8 @@ def run(a: argparse.Namespace, work: Path) -> int:
                 row["RssAnon_whole_run_growth_x_model"] = round(
                     (peak[rank]["RssAnon_whole_run"] - base.get(rank, {}).get("RssAnon_whole_run", 0)) / model_bytes, 3
                 )
-                for phase in PHASES[1:]:  # growth over the phase: its peak less its start, the tiny run's subtracted
+                # growth over the phase: its peak less its start, the tiny run's subtracted
+                for phase in PHASES[1:]:
                     rose = {
                         run: ran.get(rank, {}).get(f"RssAnon_{phase}_peak", 0)
                         - ran.get(rank, {}).get(f"RssAnon_{phase}_start", 0)

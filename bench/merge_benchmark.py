@@ -75,9 +75,8 @@ def raw_dcp_copy(shards: Path, raw: Path, config: Path) -> None:
         for i, info in metadata.storage_data.items()
     }
     (raw / ".metadata").write_bytes(pickle.dumps(metadata))
-    for record in shards.glob(
-        "*.distcp"
-    ):  # hard links: no copy, and the files lie inside the folder (a symlink out is refused)
+    # hard links: no copy, and the files lie inside the folder (a symlink out is refused)
+    for record in shards.glob("*.distcp"):
         os.link(record, raw / record.name)
     shutil.copy(config, raw / "config.json")
 
@@ -93,7 +92,8 @@ def bench(
     baseline: Path | None = None,
 ) -> list[tuple]:
     work = workdir / size
-    remove(work, BENCH_WORK, missing_ok=True)  # an earlier run's, marked by make_folder
+    # an earlier run's, marked by make_folder
+    remove(work, BENCH_WORK, missing_ok=True)
     make_folder(work, BENCH_WORK)
     target = internals.get("huggingface_hub.serialization._base.parse_size_to_int")(size)
     ckpt = make_checkpoint(work / "run", target, ranks=ranks, hidden=hidden, vocab=vocab)
@@ -124,14 +124,16 @@ def bench(
         "raw torch DCP, --base-model": [str(raw), "--base-model", str(config_only)],
     }
     for tree in [REPO] if baseline is None else [REPO, baseline]:
-        env = None if tree == REPO else {**os.environ, "PYTHONPATH": str(tree)}  # its own package, not ours
+        # its own package, not ours
+        env = None if tree == REPO else {**os.environ, "PYTHONPATH": str(tree)}
         for i, (what, args) in enumerate(inputs.items()):
             out = work / f"merged-{i}{'' if tree == REPO else '-baseline'}"
             name = f"tools/merge_checkpoint.py ({what}){'' if tree == REPO else f' [{tree}]'}"
             cmd = [sys.executable, str(tree / "tools" / "merge_checkpoint.py"), args[0], str(out), *args[1:]]
             commands[name] = ([*cmd, "--memory-budget", memory_budget], out, env)
     results = {}
-    for _ in range(repeats):  # best of `repeats`, commands interleaved so drifts in disk speed hit all alike
+    # best of `repeats`, commands interleaved so drifts in disk speed hit all alike
+    for _ in range(repeats):
         for name, (cmd, out, env) in commands.items():
             wall, on_disk, rss = timed(cmd, list(shards.iterdir()), env)
             best = results.get(name, (float("inf"), float("inf"), 0.0))

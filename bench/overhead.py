@@ -23,7 +23,8 @@ from pathlib import Path
 from fsdp_recipes.console import RawHelpFormatter
 
 REPO = Path(__file__).resolve().parent.parent
-TIMED = {  # what is timed: class path -> method
+# what is timed: class path -> method
+TIMED = {
     "throughput logging": [
         ("fsdp_recipes.train.metrics", "Throughput", "count"),
         ("fsdp_recipes.train.metrics", "Throughput", "window"),

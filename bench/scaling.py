@@ -33,13 +33,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from overhead import model_config  # the Llama of assets/tiny-llama, resized
+# the Llama of assets/tiny-llama, resized
+from overhead import model_config
 
 from fsdp_recipes.console import RawHelpFormatter
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
-BATCH, BLOCK = 8, 128  # per device, as the default recipe; tokens per step = BATCH x BLOCK x processes
+# per device, as the default recipe; tokens per step = BATCH x BLOCK x processes
+BATCH, BLOCK = 8, 128
 
 
 def label(name: str, fsdp_version: int | None) -> str:
@@ -69,7 +71,8 @@ STRATEGIES = [
     Strategy("FULL_SHARD + offload", "accelerate_configs/zero3_offload.yaml", 2),
     Strategy("FULL_SHARD + offload", "accelerate_configs/fsdp1/zero3_offload.yaml", 1),
 ]
-QUICK = [s for s in STRATEGIES if s.fsdp_version != 1]  # DDP, ZeRO-1 and the FSDP2 configs
+# DDP, ZeRO-1 and the FSDP2 configs
+QUICK = [s for s in STRATEGIES if s.fsdp_version != 1]
 
 
 def gpu_count() -> int:
@@ -80,7 +83,8 @@ def gpu_count() -> int:
 
 def default_nprocs(gpus: int) -> list[int]:
     if not gpus:
-        return [2, 4]  # FSDP over gloo needs 2+; 4 oversubscribes 2 cores, which the table then shows
+        # FSDP over gloo needs 2+; 4 oversubscribes 2 cores, which the table then shows
+        return [2, 4]
     counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= gpus]
     return counts + ([gpus] if gpus not in counts else [])
 
@@ -90,7 +94,8 @@ def launch(
 ) -> tuple[float, subprocess.CompletedProcess]:
     import socket
 
-    with socket.socket() as s:  # a free port: two benchmarks (or a test suite) may run at once
+    # a free port: two benchmarks (or a test suite) may run at once
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [
@@ -161,9 +166,12 @@ class Record:
     samples_per_second: float
     step_seconds: float
     time_to_first_step_seconds: float
-    model_state_bytes: int  # per rank, the largest rank: parameters + gradients + optimizer state
-    peak_memory_bytes: int  # per rank, the largest rank
-    peak_memory_kind: str  # cuda_max_allocated or rss
+    # per rank, the largest rank: parameters + gradients + optimizer state
+    model_state_bytes: int
+    # per rank, the largest rank
+    peak_memory_bytes: int
+    # cuda_max_allocated or rss
+    peak_memory_kind: str
     all_gather_share: float | None
     reduce_scatter_share: float | None
     all_reduce_share: float | None
@@ -189,7 +197,8 @@ def run_one(
             f"{strategy.label} on {nproc}: failed ({proc.returncode}): "
             f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
         )
-    step, first = step_stats(times, started, warmup + 1, steps - 2)  # the profiled steps are not timed
+    # the profiled steps are not timed
+    step, first = step_stats(times, started, warmup + 1, steps - 2)
     report = json.loads((out / "fsdp_report.json").read_text())
     summary = json.loads((out / "profile" / "summary.json").read_text())
     ranks = report["ranks"]
@@ -399,7 +408,8 @@ def main(argv=None) -> int:
         model = model_config(work / "model", args.hidden, args.layers)
         for strategy in strategies:
             for nproc in nprocs:
-                if nproc < 2 and (not gpus or strategy.args):  # FSDP over gloo needs 2 processes; ZeRO-1 shards over 2+
+                # FSDP over gloo needs 2 processes; ZeRO-1 shards over 2+
+                if nproc < 2 and (not gpus or strategy.args):
                     continue
                 print(f"[{time.time() - began:5.0f} s] {strategy.label}, {nproc} processes", flush=True)
                 result = run_one(strategy, nproc, model, steps, args.warmup, work, gpus)
@@ -416,7 +426,8 @@ def main(argv=None) -> int:
                 )
         over = None
         if not args.no_overhead:
-            nproc = max(nprocs) if gpus else 2  # every GPU; on CPU the 2 processes the shipped configs launch
+            # every GPU; on CPU the 2 processes the shipped configs launch
+            nproc = max(nprocs) if gpus else 2
             repeats = args.repeats or (3 if args.quick else 4)
             print(
                 f"[{time.time() - began:5.0f} s] overhead: train_fsdp.py against bench/bare_trainer.py, {nproc} "

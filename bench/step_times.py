@@ -19,7 +19,8 @@ class StepTimes(TrainerCallback):
         self.ends: list[float] = []
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append(time.time())  # wall clock: comparable with the benchmark's launch time
+        # wall clock: comparable with the benchmark's launch time
+        self.ends.append(time.time())
 
     def on_train_end(self, args, state, control, **kwargs):
         path = os.environ.get("SCALING_STEP_TIMES")

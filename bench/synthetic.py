@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_recipes.removal import make_folder, remove
 
-if TYPE_CHECKING:  # transformers is imported where it is used: each rank imports this module, and needs torch alone
+# transformers is imported where it is used: each rank imports this module, and needs torch alone
+if TYPE_CHECKING:
     from transformers import LlamaConfig
 
 BENCH_CHECKPOINT = "benchmark checkpoint"
@@ -95,7 +96,8 @@ def make_checkpoints(
     jobs = []
     for folder, target_bytes in sizes.items():
         ckpt = Path(folder) / "checkpoint-1"
-        remove(ckpt, BENCH_CHECKPOINT, missing_ok=True)  # only one this function wrote (its marker)
+        # only one this function wrote (its marker)
+        remove(ckpt, BENCH_CHECKPOINT, missing_ok=True)
         make_folder(ckpt, BENCH_CHECKPOINT)
         (ckpt / "pytorch_model_fsdp_0").mkdir()
         jobs.append((ckpt, llama_config(target_bytes, hidden, vocab)))
@@ -113,7 +115,8 @@ def make_checkpoints(
     for ckpt, config in jobs:
         files = describe_folder(ckpt, LlamaForCausalLM, config, tokenizer, GenerationConfig.from_model_config(config))
         write_manifest(ckpt, config, files)
-        write_shard_digests(ckpt, ("pytorch_model_fsdp_0",))  # as a training run does once every rank is done
+        # as a training run does once every rank is done
+        write_shard_digests(ckpt, ("pytorch_model_fsdp_0",))
     return [ckpt for ckpt, _ in jobs]
 
 

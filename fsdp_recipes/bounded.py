@@ -38,9 +38,12 @@ YAML_LIMIT = 256 * 1024
 JSON_LIMIT = 64 << 20
 # trainer_state.json grows by about 200 bytes per logged step: a million steps fit. Every reader of it uses this.
 STATE_LIMIT = 256 << 20
-REPORT_LIMIT = 64 << 20  # fsdp_report.json: a few hundred bytes per rank
-MAX_DEPTH = 32  # recipes and configs nest two levels (fsdp_config: ...); the parser recurses once per level
-MAX_VALUES = 1000  # keys, values and list items together: later checks suggest a name per unknown key, 1 ms each
+# fsdp_report.json: a few hundred bytes per rank
+REPORT_LIMIT = 64 << 20
+# recipes and configs nest two levels (fsdp_config: ...); the parser recurses once per level
+MAX_DEPTH = 32
+# keys, values and list items together: later checks suggest a name per unknown key, 1 ms each
+MAX_VALUES = 1000
 
 _SPECIAL = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -86,7 +89,8 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
         return UnreadableFile(path, what, reason, fix)
 
     try:
-        info = os.stat(path)  # before opening: opening a FIFO blocks until a writer comes
+        # before opening: opening a FIFO blocks until a writer comes
+        info = os.stat(path)
     except FileNotFoundError:
         raise refuse(
             "does not exist" + (" (a broken link)" if os.path.islink(path) else ""), "check the path"
@@ -107,9 +111,11 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
     except OSError as err:
         raise refuse(f"cannot be read ({err.strerror})", f"give a {what} file you can read") from None
     with os.fdopen(fd, "rb") as f:
-        if (kind := file_kind(os.fstat(fd).st_mode)) is not None:  # replaced between the stat and the open
+        # replaced between the stat and the open
+        if (kind := file_kind(os.fstat(fd).st_mode)) is not None:
             raise refuse(f"is {kind}, not a file", f"give a regular {what} file")
-        data = f.read(limit + 1)  # the size may have grown since the stat
+        # the size may have grown since the stat
+        data = f.read(limit + 1)
     if len(data) > limit:
         raise refuse(f"is over the {limit:,}-byte limit (it grew while it was read)", "is this the right file?")
     return data
@@ -160,10 +166,12 @@ class _BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
 
     def construct_mapping(self, node, deep=False):
-        seen: dict[str, int] = {}  # key -> its line
+        # key -> its line
+        seen: dict[str, int] = {}
         for key_node, _ in node.value:
             line = key_node.start_mark.line + 1
-            if key_node.tag != "tag:yaml.org,2002:str":  # 1:, yes:, null:, [a]: ... would be ints, bools, None, lists
+            # 1:, yes:, null:, [a]: ... would be ints, bools, None, lists
+            if key_node.tag != "tag:yaml.org,2002:str":
                 shown = repr(key_node.value[:60]) if isinstance(key_node, yaml.ScalarNode) else "that is a collection"
                 raise _Refused(
                     f"has a key {shown} at line {line} that YAML reads as "
@@ -198,7 +206,8 @@ def load_yaml(path: str | os.PathLike, what: str, limit: int = YAML_LIMIT) -> di
         raise UnreadableFile(
             path, what, f"is not valid YAML ({' '.join(str(err).split())})", "fix the YAML syntax"
         ) from None
-    except ValueError as err:  # a constructor's own: a 4301-digit integer, a 13th month in a date
+    # a constructor's own: a 4301-digit integer, a 13th month in a date
+    except ValueError as err:
         raise UnreadableFile(
             path, what, f"holds a value YAML cannot build ({str(err).split(';')[0]})", "is this the right file?"
         ) from None
@@ -220,7 +229,8 @@ def load_json(path: str | os.PathLike, what: str, limit: int) -> dict:
         ) from None
     except RecursionError:
         raise UnreadableFile(path, what, "nests too deeply to read", "is this the right file?") from None
-    except ValueError as err:  # an integer of more than 4300 digits
+    # an integer of more than 4300 digits
+    except ValueError as err:
         raise UnreadableFile(
             path, what, f"holds a value JSON cannot build ({str(err).split(';')[0]})", "is this the right file?"
         ) from None

@@ -65,7 +65,8 @@ class UnreadableFile(_Bounded, ValueError):
         super().__init__(f"{what} {str(path)!r} {reason}: {fix}")
         self.path, self.what, self.reason, self.fix = str(path), what, reason, fix
 
-    def __reduce__(self):  # pickle and copy (a worker process's error) call __init__ with these, not the message
+    # pickle and copy (a worker process's error) call __init__ with these, not the message
+    def __reduce__(self):
         return type(self), (self.path, self.what, self.reason, self.fix)
 
 

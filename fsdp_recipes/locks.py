@@ -15,15 +15,19 @@ from pathlib import Path
 
 from fsdp_recipes.errors import one_line
 
-OWNER_NAME = ".run.lock.owner"  # the O_EXCL lock where the filesystem has no folder locks
-PROC_LOCKS_LIMIT = 1 << 20  # bytes of /proc/locks read to name a holder
-LINE_LIMIT = 300  # bytes of a lock file read: the line this project writes is well under it
+# the O_EXCL lock where the filesystem has no folder locks
+OWNER_NAME = ".run.lock.owner"
+# bytes of /proc/locks read to name a holder
+PROC_LOCKS_LIMIT = 1 << 20
+# bytes of a lock file read: the line this project writes is well under it
+LINE_LIMIT = 300
 # what run_lock writes: host, pid, the pid's start time (/proc/<pid>/stat, field 22; absent where there is no /proc and
 # in the lines of earlier versions), the SLURM job (for people: a job's id says nothing of whether its process lives)
 OWNER_LINE = re.compile(
     rb"host (\S+), pid ([0-9]{1,10})(?:, started ([0-9]{1,20}))?(?:, job ([0-9]{1,20}))?, since [^\n]*\n"
 )
-STAT_LIMIT = 4096  # bytes of /proc/<pid>/stat read: its 52 numbers and a command name of at most 64 bytes
+# bytes of /proc/<pid>/stat read: its 52 numbers and a command name of at most 64 bytes
+STAT_LIMIT = 4096
 
 
 def read_head(path: Path, limit: int = LINE_LIMIT + 1) -> bytes | None:
@@ -55,7 +59,8 @@ def flock_holder(folder: os.stat_result) -> str | None:
     except OSError:
         return None
     for line in table.splitlines():
-        fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF": a run's lock is exclusive (WRITE)
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF": a run's lock is exclusive (WRITE)
+        fields = line.split()
         if b"FLOCK" in fields and b"WRITE" in fields and key in fields and (pids := [f for f in fields if f.isdigit()]):
             return f"pid {int(pids[0])} on {socket.gethostname()}"
     return None
@@ -73,9 +78,11 @@ def live_run(folder: str | os.PathLike) -> str | None:
     text = read_head(folder / OWNER_NAME)
     owner = OWNER_LINE.fullmatch(text) if text else None
     if owner is None:
-        return None  # none, or not a lock file this project writes
+        # none, or not a lock file this project writes
+        return None
     if owner_gone(owner):
-        return None  # a run of this host that died: its lock file is stale (the next run removes it)
+        # a run of this host that died: its lock file is stale (the next run removes it)
+        return None
     return (
         f"a run may be training in it ({shown(text)}, says its lock file; this host cannot tell whether that run "
         f"is gone: if it is, delete {folder / OWNER_NAME})"
@@ -86,8 +93,10 @@ def start_time(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks since boot (/proc/<pid>/stat, field 22): with the pid, what names
     one process for the life of the host (a pid alone is reused); None when it is gone or this host has no /proc."""
     text = read_head(Path(f"/proc/{pid}/stat"), STAT_LIMIT) if pid > 0 else None
-    fields = text.rpartition(b")")[2].split() if text else []  # the command name, in parentheses, may hold anything
-    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None  # field 22 is the 20th after it
+    # the command name, in parentheses, may hold anything
+    fields = text.rpartition(b")")[2].split() if text else []
+    # field 22 is the 20th after it
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
 
 
 def owner_gone(owner: re.Match) -> bool:
@@ -103,12 +112,14 @@ def owner_gone(owner: re.Match) -> bool:
 
 
 def _alive(pid: int) -> bool:
-    if pid <= 0:  # no process's number (kill(0, ...) and kill(-n, ...) would ask about process groups)
+    # no process's number (kill(0, ...) and kill(-n, ...) would ask about process groups)
+    if pid <= 0:
         return False
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
         return False
-    except PermissionError:  # another user's process
+    # another user's process
+    except PermissionError:
         return True
     return True

@@ -50,7 +50,8 @@ def make_folder(path: str | os.PathLike, purpose: str, exist_ok: bool = False) -
         raise RefusedRemoval(f"{path} exists and holds {contents(path)}: refusing to take it over; move it away")
     try:
         path.mkdir(parents=True, exist_ok=True)
-    finally:  # a stop's exception (SIGTERM, Ctrl-C) raised just after the mkdir: the folder is still marked, ours
+    # a stop's exception (SIGTERM, Ctrl-C) raised just after the mkdir: the folder is still marked, ours
+    finally:
         if path.is_dir() and not path.is_symlink():
             _write_marker(path, purpose)
     return path
@@ -93,7 +94,8 @@ def entries(folder: str | os.PathLike) -> list | None:
 
 
 def _write_marker(path: Path, purpose: str) -> None:
-    where = os.lstat(path)  # raises where identity() would say None: the folder was just made
+    # raises where identity() would say None: the folder was just made
+    where = os.lstat(path)
     record = {
         "tool": "fsdp-recipes",
         "purpose": purpose,
@@ -239,13 +241,16 @@ def make_room(path: Path, purpose: str, shape: Callable[[Path], bool], warn, pub
         )
     else:
         try:
-            remove(path, purpose, shape=lambda p: shape(p) and published(p))  # checked again just before
+            # checked again just before
+            remove(path, purpose, shape=lambda p: shape(p) and published(p))
             return path
-        except (OSError, RefusedRemoval) as err:  # a file held open over NFS, an immutable file: partly removed
+        # a file held open over NFS, an immutable file: partly removed
+        except (OSError, RefusedRemoval) as err:
             why = f"could not be removed ({err.strerror if isinstance(err, OSError) else err}), what is left of it"
     try:
         aside = keep_aside(path, path)
-    except OSError as err:  # a mount point (EBUSY), a read-only folder: the result stays in its staging folder
+    # a mount point (EBUSY), a read-only folder: the result stays in its staging folder
+    except OSError as err:
         raise RefusedRemoval(
             f"{path} {why}, and cannot be moved aside ({err.strerror}): move it away yourself; the "
             "checkpoints are kept, and --resume_from_checkpoint true writes the final model again"
@@ -260,7 +265,8 @@ def keep_aside(path: Path, name: Path) -> Path:
     for n in range(2, 1 << 20):
         try:
             return move(path, name.with_name(f"{name.name}.kept-{n}"))
-        except RefusedRemoval:  # that name is taken
+        # that name is taken
+        except RefusedRemoval:
             continue
     raise RefusedRemoval(f"{path}: no free {name.name}.kept-N name to move it to: move it away yourself")
 
@@ -289,13 +295,16 @@ def remove_file(folder: str | os.PathLike, name: str, purpose: str) -> None:
 
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this host: what decides that a lock or staging folder it left is stale."""
-    if pid <= 0:  # no process's number (kill(0, ...) and kill(-n, ...) would ask about process groups)
+    # no process's number (kill(0, ...) and kill(-n, ...) would ask about process groups)
+    if pid <= 0:
         return False
     try:
         os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # gone, or a number no pid can be
+    # gone, or a number no pid can be
+    except (ProcessLookupError, OverflowError):
         return False
-    except PermissionError:  # another user's process: alive
+    # another user's process: alive
+    except PermissionError:
         return True
     return True
 

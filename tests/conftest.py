@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 TOOLS = REPO / "tools"
 CONFIG_DIR = REPO / "accelerate_configs"
 ALL_CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
-DDP_CONFIG = "accelerate_configs/ddp.yaml"  # DDP, and ZeRO-1 with --zero1 true: no fsdp_config
+# DDP, and ZeRO-1 with --zero1 true: no fsdp_config
+DDP_CONFIG = "accelerate_configs/ddp.yaml"
 FSDP_CONFIGS = [c for c in ALL_CONFIGS if c != DDP_CONFIG]
 # Fast test settings on top of the default recipe: enough steps for the loss to fall, one mid-run checkpoint.
 QUICK = [
@@ -61,7 +62,8 @@ def one_process_group(monkeypatch):
     """torch.distributed initialised in this process alone (gloo, rank 0 of 1), for units that call collectives."""
     import torch.distributed as dist
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # undone after the test: launches elsewhere must not inherit them
+    # undone after the test: launches elsewhere must not inherit them
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
@@ -268,9 +270,12 @@ class Run:
     config: str
     output_dir: Path
     world_size: int
-    fsdp_version: int | None  # None: DDP
-    shard_group: int  # processes one parameter is split over
-    stdout: str = ""  # what the launch printed: tests of its lines share the run instead of launching their own
+    # None: DDP
+    fsdp_version: int | None
+    # processes one parameter is split over
+    shard_group: int
+    # what the launch printed: tests of its lines share the run instead of launching their own
+    stdout: str = ""
     stderr: str = ""
 
     @property
@@ -287,7 +292,8 @@ def expected_layout(config: str) -> tuple[int, int, int]:
     """(world size, fsdp_version, shard group size) that the config should produce on this CPU machine."""
     cfg = yaml.safe_load((REPO / config).read_text())
     strategy = strategy_of(cfg)
-    if strategy.fsdp_version is None:  # DDP: every rank holds everything
+    # DDP: every rank holds everything
+    if strategy.fsdp_version is None:
         return cfg["num_processes"], None, 1
     overrides = LAUNCH_OVERRIDES.get(config, ())
     world = int(overrides[overrides.index("--num_processes") + 1]) if overrides else cfg["num_processes"]
@@ -364,7 +370,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-CURRENT_TEST: dict[str, bool] = {}  # whether the test running now is in the slow tier (launch() refuses otherwise)
+# whether the test running now is in the slow tier (launch() refuses otherwise)
+CURRENT_TEST: dict[str, bool] = {}
 
 
 def pytest_runtest_setup(item):
@@ -447,7 +454,8 @@ def gpt2_run(trained, tmp_path_factory) -> Run:
     from transformers import AutoTokenizer, GPT2Config
 
     tokenizer = REPO / "assets" / "tiny-llama"
-    config_dir = shared_temp(tmp_path_factory) / "tiny-gpt2"  # one path for every xdist worker: one launch
+    # one path for every xdist worker: one launch
+    config_dir = shared_temp(tmp_path_factory) / "tiny-gpt2"
     with FileLock(f"{config_dir}.lock"):
         if not config_dir.is_dir():
             GPT2Config(

@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     training = live_run(run_dir) if run_folder or is_run_folder(run_dir) else None
     if training and not args.json:
         print(f"{run_dir}: {training}: a checkpoint it is still writing shows as INCOMPLETE until it is done")
-    if run_folder and not checkpoint_steps(path):  # a finished run that kept no checkpoint (save_strategy no)
+    # a finished run that kept no checkpoint (save_strategy no)
+    if run_folder and not checkpoint_steps(path):
         if args.json:
             print(
                 json.dumps(

@@ -46,7 +46,8 @@ from fsdp_recipes.config.strategy import FSDP1_HYBRID, strategy_of
 from fsdp_recipes.console import OneLineParser, RawHelpFormatter
 from fsdp_recipes.errors import bounded
 
-MAX_COUNT = 2**31 - 1  # far above any real node, batch or sequence, and low enough that the formulas stay finite
+# far above any real node, batch or sequence, and low enough that the formulas stay finite
+MAX_COUNT = 2**31 - 1
 
 
 def setup_from_config(path: str, setup: Setup) -> tuple[Setup, list[str]]:
@@ -55,7 +56,8 @@ def setup_from_config(path: str, setup: Setup) -> tuple[Setup, list[str]]:
     (fsdp_recipes.bounded); a value of the wrong type is a ValueError that sends the user to tools/check_config.py,
     which names the key."""
     cfg = load_yaml(path, "accelerate config")
-    if "distributed_type" not in cfg:  # else accelerate's defaults (FSDP1 FULL_SHARD, fp32) pass as the file's
+    # else accelerate's defaults (FSDP1 FULL_SHARD, fp32) pass as the file's
+    if "distributed_type" not in cfg:
         raise ValueError(
             f"accelerate config {path!r} has no distributed_type: it is no accelerate config (a training recipe, or "
             "the torchrun route's fsdp_config?): give one such as accelerate_configs/zero3.yaml, or use --strategy"
@@ -66,7 +68,8 @@ def setup_from_config(path: str, setup: Setup) -> tuple[Setup, list[str]]:
         if not (isinstance(fsdp, dict) and isinstance(pc, dict) and isinstance(mp, str)):
             raise ValueError("fsdp_config, parallelism_config or mixed_precision has the wrong type")
         strategy = strategy_of(cfg, zero1=setup.strategy == "ZERO1")
-    except (TypeError, ValueError, OverflowError) as err:  # int() of a list, a word or .inf
+    # int() of a list, a word or .inf
+    except (TypeError, ValueError, OverflowError) as err:
         raise ValueError(
             f"accelerate config {path!r} has a value this tool cannot read ({err}): "
             f"python tools/check_config.py {path} names it"

@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for path in build_all(args.out):
             print(path)
-    except OSError as err:  # a file where the folder should be, no permission, a full disk
+    # a file where the folder should be, no permission, a full disk
+    except OSError as err:
         print(bounded(f"make_tiny_assets.py: error: cannot write to --out {args.out}: {err}"), file=sys.stderr)
         return 1
     return 0

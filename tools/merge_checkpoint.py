@@ -43,7 +43,8 @@ class Stopped(BaseException):
     merge)."""
 
 
-STOPS: list[int] = []  # the signals that stopped this merge: one Python swallowed is a stop all the same
+# the signals that stopped this merge: one Python swallowed is a stop all the same
+STOPS: list[int] = []
 
 
 def _stopped(signum, frame):
@@ -62,18 +63,20 @@ def size_type(parse_size, example: str, minimum: tuple[str, int]):
     shown, least = minimum
 
     def size(text: str) -> int:
+        # '5': bytes? megabytes? save_pretrained wants a unit too
         if text.strip()[-2:].upper() not in (
             "KB",
             "MB",
             "GB",
             "TB",
-        ):  # '5': bytes? megabytes? save_pretrained wants a unit too
+        ):
             raise argparse.ArgumentTypeError(
                 f"{text!r} has no unit: give a number and a unit (KB, MB, GB or TB), e.g. {example}"
             )
         try:
             value = parse_size(text)
-        except (ValueError, OverflowError):  # 'nanGB' (int() of NaN), 'infGB' and '1e400GB' (of infinity), 'fiveGB'
+        # 'nanGB' (int() of NaN), 'infGB' and '1e400GB' (of infinity), 'fiveGB'
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a finite size: give a number and a unit (KB, MB, GB or TB), e.g. {example}"
             ) from None
@@ -88,7 +91,8 @@ def size_type(parse_size, example: str, minimum: tuple[str, int]):
 
 
 def main(argv=None) -> int:
-    try:  # the private parser of "5GB": a renamed one is one line here, not a traceback from argparse
+    # the private parser of "5GB": a renamed one is one line here, not a traceback from argparse
+    try:
         parse_size = internals.get("huggingface_hub.serialization._base.parse_size_to_int")
     except InternalsChanged as err:
         print(bounded(f"merge_checkpoint.py: error: {err}"), file=sys.stderr)
@@ -149,7 +153,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.output is None and not args.inspect:
         parser.error("OUTPUT is required unless --inspect is given")
-    earlier = None if args.output is None else identity(args.output)  # a stop after the rename into place: told apart
+    # a stop after the rename into place: told apart
+    earlier = None if args.output is None else identity(args.output)
     # A signal's handler runs at whichever call comes next, so a stop is caught wherever it lands while the handlers
     # are in place, the calls that put them in place and hand the caller's back included. The stop is said with the
     # caller's handlers back.
@@ -159,20 +164,24 @@ def main(argv=None) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             before[signum] = signal.signal(signum, _stopped)
         code = _merge(args)
-    except KeyboardInterrupt:  # the staging folder and the copy process are gone (merge's cleanup)
-        STOPS.append(signal.SIGINT)  # recorded already, or a Ctrl-C before the handler was in place
+    # the staging folder and the copy process are gone (merge's cleanup)
+    except KeyboardInterrupt:
+        # recorded already, or a Ctrl-C before the handler was in place
+        STOPS.append(signal.SIGINT)
     except Stopped:
         pass
     finally:
         try:
             _hand_back(before)
-        except (KeyboardInterrupt, Stopped):  # recorded; the handlers ignore any further stop until handed back
+        # recorded; the handlers ignore any further stop until handed back
+        except (KeyboardInterrupt, Stopped):
             _hand_back(before)
     if not STOPS:
         return code
     interrupted = STOPS[0] == signal.SIGINT
     what = "interrupted" if interrupted else "stopped by SIGTERM"
-    if args.output is not None and identity(args.output) not in (earlier, None):  # after the rename into place
+    # after the rename into place
+    if args.output is not None and identity(args.output) not in (earlier, None):
         print(
             f"merge_checkpoint.py: {what} after {args.output} was written whole and moved into place", file=sys.stderr
         )
@@ -206,7 +215,8 @@ def _merge(args: argparse.Namespace) -> int:
     except (CheckpointError, InternalsChanged, RefusedRemoval) as err:
         print(bounded(f"merge_checkpoint.py: error: {err}"), file=sys.stderr)
         return 1
-    except OSError as err:  # disk full, permission denied ...: nothing was left behind (the staging folder is removed)
+    # disk full, permission denied ...: nothing was left behind (the staging folder is removed)
+    except OSError as err:
         where = f" ({err.filename})" if err.filename else ""
         print(
             bounded(

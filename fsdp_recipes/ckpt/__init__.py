@@ -19,6 +19,7 @@ Face model folder (tools/merge_checkpoint.py, tools/check_checkpoint.py, and the
 - resume:             which checkpoint a run resumes, what it sets aside or deletes (decided, never done, here)
 - description:        the model a checkpoint holds (config, tokenizer, dtypes), recorded and checked
 - lora_merge:         peft LoRA checkpoints merged as merge_and_unload does, or the adapter alone
+- lora_input:         a LoRA checkpoint made a merge's input: merged weights, or the adapter folder
 - base_identity:      which base a LoRA adapter was trained on, recorded, and checked on resume and merge
 - hub_source:         a model named by path or hub id: paths that are not there, ids the hub refuses or never answers
 - safetensors_writer, merge: the streamed conversion itself

@@ -34,7 +34,8 @@ CONFIG_BOOKKEEPING = frozenset(
     {"_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version", "use_cache"}
 )
 _CHUNK = 64 << 20
-_PROGRESS_FROM = 1 << 30  # a bar for bases of 1 GB and more
+# a bar for bases of 1 GB and more
+_PROGRESS_FROM = 1 << 30
 
 
 def local_folder(name: str, revision: str | None = None) -> Path | None:
@@ -50,7 +51,8 @@ def local_folder(name: str, revision: str | None = None) -> Path | None:
                 name, revision=revision, local_files_only=True, allow_patterns=["*.json", "*.safetensors"]
             )
         )
-    except (OSError, ValueError):  # not a hub id (HFValidationError), or not in the cache (LocalEntryNotFoundError)
+    # not a hub id (HFValidationError), or not in the cache (LocalEntryNotFoundError)
+    except (OSError, ValueError):
         return None
 
 
@@ -74,7 +76,8 @@ def _tensor_digest(path: Path, offset: int, nbytes: int, name: str, dtype: str, 
             chunk = os.pread(fd, min(_CHUNK, nbytes - done), offset + done)
             if not chunk:
                 raise CheckpointError(f"{path} ends inside {name}: the base model's weights are truncated")
-            h.update(chunk)  # hashlib lets other threads run while it hashes a large buffer
+            # hashlib lets other threads run while it hashes a large buffer
+            h.update(chunk)
             done += len(chunk)
             if bar is not None:
                 bar.update(len(chunk))
@@ -91,7 +94,8 @@ def identity(folder: str | os.PathLike, name: str | None = None) -> dict:
     from fsdp_recipes.ckpt.readers import SafetensorsSource
 
     folder = Path(folder)
-    source = SafetensorsSource(folder)  # checks the headers and that no file is shorter than they say
+    # checks the headers and that no file is shorter than they say
+    source = SafetensorsSource(folder)
     plan = {n: (source.path / file, offset, nbytes) for n, (file, _, offset, nbytes) in source._where.items()}
     total = sum(nbytes for _, _, nbytes in plan.values())
     threads = max(1, min(8, os.cpu_count() or 1, len(plan)))

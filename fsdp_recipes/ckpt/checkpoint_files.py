@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 # The files a resume loads whole (scheduler.pt, rng_state_*.pth: a few KB each): a larger one is not what the Trainer
 # writes, and its claimed tensors would be read into memory before anything else is known about it
 LOADED_LIMIT = 16 << 20
-RNG_KEYS = ("python", "numpy", "cpu")  # what the Trainer's _load_rng_state reads from every rank's file
+# what the Trainer's _load_rng_state reads from every rank's file
+RNG_KEYS = ("python", "numpy", "cpu")
 
 
 def torch_file_problem(path: Path, load: bool = False, keys: tuple[str, ...] = ()) -> str | None:
@@ -55,19 +56,21 @@ def torch_file_problem(path: Path, load: bool = False, keys: tuple[str, ...] = (
                 f"{LOADED_LIMIT >> 20} MiB is not read)"
             )
         try:
-            zipfile.ZipFile(file).close()  # leaves ``file`` open
+            # leaves ``file`` open
+            zipfile.ZipFile(file).close()
         except (zipfile.BadZipFile, OSError):
             return f"truncated or unreadable {path.name}"
         if load:
             import numpy as np
             import torch
 
+            # as the Trainer
             allowed = [
                 internals.get("numpy._core.multiarray._reconstruct"),
                 np.ndarray,
                 np.dtype,
                 type(np.dtype(np.uint32)),
-            ]  # as the Trainer
+            ]
             file.seek(0)
             try:
                 with torch.serialization.safe_globals(allowed):
@@ -94,7 +97,8 @@ def dcp_problems(folder: Path, what: str, status: CheckpointStatus) -> tuple[lis
         status.unreadable = status.unreadable or err.reason.replace(f"{ckpt}/", "")
         return [], set()
     try:
-        if layout is not None:  # torch's reader, which the resume uses, must find each class where it is named
+        # torch's reader, which the resume uses, must find each class where it is named
+        if layout is not None:
             require_this_torch(layout, folder / ".metadata")
     except UnknownToThisVersion as err:
         status.unreadable = status.unreadable or err.reason.replace(f"{ckpt}/", "")
@@ -121,7 +125,8 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
             ]
         if any(LORA_WEIGHT.match(name) for name in layout.tensors):
             status.lora = "adapter only" if all(LORA_WEIGHT.match(name) for name in layout.tensors) else "whole model"
-            if status.lora == "adapter only":  # the frozen base comes from elsewhere: say which one the run recorded
+            # the frozen base comes from elsewhere: say which one the run recorded
+            if status.lora == "adapter only":
                 from fsdp_recipes.ckpt import base_identity
 
                 try:
@@ -135,13 +140,11 @@ def _coverage_problems(folder: Path, layout, status: CheckpointStatus) -> list[s
     return []
 
 
-WEIGHTS_ONLY = (
-    "WEIGHTS_ONLY"  # state_dict_type of a checkpoint holding safetensors model weights and no optimizer state
-)
+# state_dict_type of a checkpoint holding safetensors model weights and no optimizer state
+WEIGHTS_ONLY = "WEIGHTS_ONLY"
 _WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
-ADAPTER_WEIGHTS = (
-    "adapter_model.safetensors"  # peft's: a LoRA run's weights under the stock Trainer (beside ADAPTER_CONFIG)
-)
+# peft's: a LoRA run's weights under the stock Trainer (beside ADAPTER_CONFIG)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _OPTIMIZER_STATE = (OPTIMIZER_DIR, PLAIN_OPTIMIZER_FILE, FULL_OPTIMIZER_FILE)
 # model weights in pickle files (the stock Trainer's with save_safetensors=false, peft's .bin adapter): never unpickled
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_model.bin")
@@ -179,7 +182,8 @@ def weights_problems(folder: Path) -> list[str]:
     from fsdp_recipes.ckpt.readers import NO_HEADER, NotSafetensors, is_shard_name, safetensors_header
 
     index = folder / "model.safetensors.index.json"
-    expected: dict[str, set] = {}  # shard file: the tensors the index assigns it
+    # shard file: the tensors the index assigns it
+    expected: dict[str, set] = {}
     if adapter_only(folder):
         if not (folder / ADAPTER_CONFIG).is_file():
             return [f"missing {ADAPTER_CONFIG} (peft needs it beside {ADAPTER_WEIGHTS})"]
@@ -202,7 +206,8 @@ def weights_problems(folder: Path) -> list[str]:
             expected.setdefault(shard, set()).add(tensor)
         if unnamed := sorted({p.name for p in folder.glob("model-*-of-*.safetensors")} - set(expected)):
             return [f"{index.name} names no tensor of {unnamed[0]}: the index is not this checkpoint's"]
-    problems, held, dtypes = [], {}, {}  # held: tensor name -> its shape
+    # held: tensor name -> its shape
+    problems, held, dtypes = [], {}, {}
     for shard, tensors in sorted(expected.items()):
         path = folder / shard
         named = f" ({index.name} names it)" if tensors else ""
@@ -228,7 +233,8 @@ def weights_problems(folder: Path) -> list[str]:
                 f"{shard} lacks {len(lacking)} tensor(s) {index.name} assigns it "
                 f"({short_json(sorted(lacking)[0])}, ...)"
             )
-        elif tensors and (unnamed := set(entries) - tensors):  # from_pretrained loads what the index names
+        # from_pretrained loads what the index names
+        elif tensors and (unnamed := set(entries) - tensors):
             problems.append(
                 f"{shard} holds {len(unnamed)} tensor(s) {index.name} does not assign it "
                 f"({short_json(sorted(unnamed)[0])}, ...): the index is not this checkpoint's"

@@ -29,8 +29,10 @@ import numpy as np
 from fsdp_recipes.direct_writes import DirectFile
 from fsdp_recipes.errors import CheckpointError
 
-COPY_STEP = 64 << 20  # bytes copied between two looks at whether a check running beside the copy has failed
-FAILED = 3  # exit status: the one line on stderr is the error (1 is Python's own, with a traceback)
+# bytes copied between two looks at whether a check running beside the copy has failed
+COPY_STEP = 64 << 20
+# exit status: the one line on stderr is the error (1 is Python's own, with a traceback)
+FAILED = 3
 
 
 class Cancelled(Exception):
@@ -47,7 +49,8 @@ _NON_FINITE = {
     "float8_e5m2": ("u1", 0x7F, 0x7C),
     "float8_e4m3fn": ("u1", 0x7F, 0x7F),
 }
-_FINITE_BLOCK = 1 << 20  # elements masked at a time: a bounded scratch buffer, and the speed of memory (~12 GB/s)
+# elements masked at a time: a bounded scratch buffer, and the speed of memory (~12 GB/s)
+_FINITE_BLOCK = 1 << 20
 
 
 def finite(data, dtype: str | None) -> bool:
@@ -89,7 +92,8 @@ def copy_piece(
         while count:
             if cancelled():
                 raise Cancelled
-            step = min(count, COPY_STEP)  # a multiple of every element size
+            # a multiple of every element size
+            step = min(count, COPY_STEP)
             if out.copy_from(f.fileno(), src_offset, step) != step:
                 raise CheckpointError(f"{src} ended early: the file is truncated; copy the checkpoint again")
             if dtype in _NON_FINITE and not finite(np.memmap(f, np.uint8, "r", src_offset, (step,)), dtype):
@@ -110,7 +114,8 @@ def write_file(
     out = DirectFile(path)
     try:
         out.write(header)
-        for src, offset, count, *what in pieces:  # what: [dtype, tensor name] (the copy plan's)
+        # what: [dtype, tensor name] (the copy plan's)
+        for src, offset, count, *what in pieces:
             copy_piece(out, Path(src), offset, count, cancelled, progress, *what)
     except BaseException:
         out.abort()
@@ -125,7 +130,8 @@ def main() -> int:
         for f in plan["files"]:
             path = f["path"]
             write_file(Path(path), bytes.fromhex(f["header"]), f["pieces"], progress=lambda n: print(n, flush=True))
-    except (CheckpointError, OSError) as err:  # a write's error names no file: the one being written
+    # a write's error names no file: the one being written
+    except (CheckpointError, OSError) as err:
         print(
             str(err)
             if isinstance(err, CheckpointError)

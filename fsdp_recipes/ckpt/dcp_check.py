@@ -48,7 +48,8 @@ def check_folder(dcp_dir: Path, byte_records: bool = True) -> tuple[Layout | Non
         return None, [unsafe_message(meta_path, err)]
     except MetadataTooLarge as err:
         return None, [f"unreadable {meta_path} ({err})"]
-    except Exception as err:  # a truncated pickle raises several different types
+    # a truncated pickle raises several different types
+    except Exception as err:
         return None, [f"unreadable {meta_path} ({type(err).__name__})"]
     if problems := chunk_problems(layout, meta_path):
         return layout, problems
@@ -66,7 +67,8 @@ def check_folder(dcp_dir: Path, byte_records: bool = True) -> tuple[Layout | Non
             problems.append(f"truncated {path} ({path.stat().st_size} of {size} bytes)")
     if not problems:
         problems = vet_records(dcp_dir, layout, byte_records)
-    if not problems:  # after the vetting, which names a record holding code for what it is
+    # after the vetting, which names a record holding code for what it is
+    if not problems:
         problems = record_size_problems(layout, meta_path)
     return layout, problems
 
@@ -123,7 +125,8 @@ def _chunk_problem(key: str, entry: TensorEntry, storage) -> str | None:
         return None
     chunks = [c for c in entry.chunks if math.prod(c.sizes)]
     held = sum(math.prod(c.sizes) for c in chunks)
-    if held < math.prod(shape):  # accelerate PR #4206's FSDP2 adapter-only saves kept rank 0's slice alone
+    # accelerate PR #4206's FSDP2 adapter-only saves kept rank 0's slice alone
+    if held < math.prod(shape):
         return f"hold {held:,} of its {math.prod(shape):,} elements (a rank's slice is missing, or the file was edited)"
     if held > math.prod(shape):
         return (
@@ -169,12 +172,14 @@ def vet_records(dcp_dir: Path, layout: Layout, byte_records: bool = True) -> lis
                 is_bytes = key in layout.byte_keys
                 what = f"{'byte' if is_bytes else 'tensor'} record {key!r}"
                 if stored.transformed:
-                    if is_bytes:  # torch would decode and unpickle it with weights_only=False
+                    # torch would decode and unpickle it with weights_only=False
+                    if is_bytes:
                         return [
                             f"{path}: {what} is compressed or transformed, so it cannot be checked before it is "
                             "unpickled: refusing it; use a checkpoint saved without DCP storage extensions"
                         ]
-                    continue  # a tensor record: torch decodes it and reads it with weights_only=True
+                    # a tensor record: torch decodes it and reads it with weights_only=True
+                    continue
                 try:
                     vet_record(FileSlice(f, stored.offset, stored.length), plain_data=is_bytes)
                 except UnknownToThisVersion as err:
@@ -183,7 +188,8 @@ def vet_records(dcp_dir: Path, layout: Layout, byte_records: bool = True) -> lis
                     return [unsafe_message(path, UnsafeRecordError(f"{what} names {err}"))]
                 except Exception as err:  # noqa: BLE001 (zipfile, pickle and struct errors of a damaged record)
                     return [f"unreadable {what} in {path} ({type(err).__name__}): copy the checkpoint again"]
-                if is_bytes:  # as the resume will read it: torch's zip reader may see another archive in the bytes
+                # as the resume will read it: torch's zip reader may see another archive in the bytes
+                if is_bytes:
                     try:
                         load_byte_record(io.BytesIO(_read_range(f, stored)), key)
                     except UnknownToThisVersion as err:

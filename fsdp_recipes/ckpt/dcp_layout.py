@@ -24,7 +24,8 @@ class Chunk:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    dtype: str  # torch name: "float32"
+    # torch name: "float32"
+    dtype: str
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
 
@@ -36,14 +37,18 @@ class Stored:
     relative_path: str
     offset: int
     length: int
-    transformed: bool  # compressed or otherwise not a plain record
+    # compressed or otherwise not a plain record
+    transformed: bool
 
 
 @dataclass
 class Layout:
-    tensors: dict[str, TensorEntry]  # DCP key ("model.lm_head.weight") -> entry; byte entries left out
-    storage: dict[tuple[str, tuple[int, ...] | None], Stored]  # (key, chunk offsets) -> record
-    byte_keys: frozenset[str] = frozenset()  # keys of byte entries (pickled values): vetted, never weights
+    # DCP key ("model.lm_head.weight") -> entry; byte entries left out
+    tensors: dict[str, TensorEntry]
+    # (key, chunk offsets) -> record
+    storage: dict[tuple[str, tuple[int, ...] | None], Stored]
+    # keys of byte entries (pickled values): vetted, never weights
+    byte_keys: frozenset[str] = frozenset()
     # the DCP classes .metadata names, (module, name): read here by stand-ins whatever module holds them; torch's own
     # reader needs each where it is named (require_this_torch)
     dcp_names: frozenset[tuple[str, str]] = field(default=frozenset(), compare=False)
@@ -70,7 +75,8 @@ def layout_from(metadata) -> Layout:
     tensors, byte_keys = {}, set()
     for key, meta in metadata.state_dict_metadata.items():
         if not hasattr(meta, "chunks"):
-            byte_keys.add(key)  # BytesStorageMetadata: pickled objects, never model weights
+            # BytesStorageMetadata: pickled objects, never model weights
+            byte_keys.add(key)
             continue
         props = meta.properties
         dtype = props.dtype if hasattr(props, "dtype") else props.state[0]
@@ -81,9 +87,11 @@ def layout_from(metadata) -> Layout:
         )
     storage = {}
     for index, info in (metadata.storage_data or {}).items():
-        offset = getattr(index, "offset", None)  # a default left out of the pickled state
+        # a default left out of the pickled state
+        offset = getattr(index, "offset", None)
         where = (index.fqn, None if offset is None else tuple(offset))
-        if not plain_file_name(info.relative_path):  # torch's reader would open a file elsewhere
+        # torch's reader would open a file elsewhere
+        if not plain_file_name(info.relative_path):
             raise EscapingPathError(f"storage path {info.relative_path!r}")
         storage[where] = Stored(
             info.relative_path, info.offset, info.length, bool(getattr(info, "transform_descriptors", None))
@@ -119,5 +127,6 @@ def storage_file_problem(folder: Path, name: str) -> str | None:
     try:
         mode = os.stat(path).st_mode
     except OSError:
-        return None  # missing: torch's own error names it
+        # missing: torch's own error names it
+        return None
     return None if stat.S_ISREG(mode) else f"storage path {name!r} (not a regular file)"

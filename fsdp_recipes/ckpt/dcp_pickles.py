@@ -78,11 +78,13 @@ class _Standin:
             and isinstance(state[1], dict)
             and (state[0] is None or isinstance(state[0], dict))
         ):
-            state = {**(state[0] or {}), **state[1]}  # (dict, slots) of a slotted dataclass
+            # (dict, slots) of a slotted dataclass
+            state = {**(state[0] or {}), **state[1]}
         if isinstance(state, dict):
             self.__dict__.update(state)
         else:
-            self.state = state  # TensorProperties pickles a tuple: (dtype, layout, ...)
+            # TensorProperties pickles a tuple: (dtype, layout, ...)
+            self.state = state
 
 
 _DCP_CLASSES = (
@@ -138,7 +140,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) == ("torch.serialization", "_get_layout"):
             return lambda layout: layout
         if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
-            return lambda *parts: "/".join(map(str, parts))  # StorageMeta.checkpoint_id, unused
+            # StorageMeta.checkpoint_id, unused
+            return lambda *parts: "/".join(map(str, parts))
         if (module, name) == ("collections", "OrderedDict"):
             return dict
         if _is_dcp_data_class(module, name):
@@ -154,7 +157,8 @@ def read_layout(dcp_dir: Path) -> Layout:
     torch does not have (another version's checkpoint), another exception when it is unreadable."""
     path = Path(dcp_dir) / ".metadata"
     with open(path, "rb") as f:
-        if (size := os.fstat(f.fileno()).st_size) > METADATA_LIMIT:  # a claimed length is allocated before it is read
+        # a claimed length is allocated before it is read
+        if (size := os.fstat(f.fileno()).st_size) > METADATA_LIMIT:
             raise MetadataTooLarge(f"{size / 2**30:.1f} GiB, over the {METADATA_LIMIT >> 30} GiB this reader takes")
         try:
             return _read_metadata(f)
@@ -225,13 +229,13 @@ class _PlainTensor:
             or hooks
             or metadata not in ((), (None,))
         ):
-            raise ValueError(
-                "not a plain tensor record"
-            )  # a view's flags (neg, conj), hooks, odd types: torch reads it
+            # a view's flags (neg, conj), hooks, odd types: torch reads it
+            raise ValueError("not a plain tensor record")
         self.storage, self.shape, self.stride = storage, size, stride
 
     def __setstate__(self, state):
-        raise ValueError("BUILD on the tensor")  # torch would call set_() with it
+        # torch would call set_() with it
+        raise ValueError("BUILD on the tensor")
 
 
 class _RecordUnpickler(pickle.Unpickler):
@@ -239,7 +243,8 @@ class _RecordUnpickler(pickle.Unpickler):
     its storage a persistent id ("storage", <dtype>Storage, key, location, numel); anything else raises."""
 
     def __init__(self, data: bytes):
-        with warnings.catch_warnings():  # genops decodes a STRING opcode's escapes, warning on a bad one
+        # genops decodes a STRING opcode's escapes, warning on a bad one
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if any(op.name not in _RECORD_OPCODES for op, _, _ in pickletools.genops(data)):
                 raise ValueError("an opcode torch.save does not write in a tensor record")
@@ -253,7 +258,8 @@ class _RecordUnpickler(pickle.Unpickler):
             return _StorageType(STORAGE_DTYPES[name])
         if (module, name) == ("collections", "OrderedDict"):
             return dict
-        raise _UnknownGlobal(f"{module}.{name}")  # not a plain tensor record: torch's weights_only loader reads it
+        # not a plain tensor record: torch's weights_only loader reads it
+        raise _UnknownGlobal(f"{module}.{name}")
 
     def persistent_load(self, pid):
         if (
@@ -322,7 +328,8 @@ class _VettingUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3")):
-            return lambda *args: ("tensor",)  # v3: dtypes without a legacy storage class (uint16, float8 ...)
+            # v3: dtypes without a legacy storage class (uint16, float8 ...)
+            return lambda *args: ("tensor",)
         if module == "torch" and (name in STORAGE_DTYPES or name in OTHER_STORAGES or name in TORCH_DTYPE_NAMES):
             return name
         if (module, name) == ("torch.storage", "UntypedStorage"):
@@ -336,7 +343,8 @@ class _VettingUnpickler(pickle.Unpickler):
         raise UnsafeRecordError(f"{module}.{name}")
 
     def persistent_load(self, pid):
-        return tuple(pid)  # ("storage", dtype name, key, location, numel)
+        # ("storage", dtype name, key, location, numel)
+        return tuple(pid)
 
 
 def vet_record(stream, plain_data: bool) -> None:
@@ -384,7 +392,8 @@ def vetted_metadata(data: bytes, path, folder: Path):
     are unpickled only after ``vet_metadata`` passed them (so they name only allow-listed classes), and every storage
     file they name is checked again as torch is about to open it: a file swapped for a link out or a FIFO since the
     checks would hang the load."""
-    require_this_torch(vet_metadata(data, path), path)  # and the classes it names are where this torch has them
+    # and the classes it names are where this torch has them
+    require_this_torch(vet_metadata(data, path), path)
     metadata = pickle.loads(data)  # noqa: S301 (vetted above: it names only DCP metadata classes)
     for name in sorted({info.relative_path for info in (metadata.storage_data or {}).values()}):
         if problem := storage_file_problem(folder, name):
@@ -398,7 +407,8 @@ def vetted_byte_record(stream, key: str) -> io.BytesIO:
     import torch
 
     rewritten = io.BytesIO()
-    torch.save(load_byte_record(stream, key), rewritten)  # only plain data, re-encoded by us
+    # only plain data, re-encoded by us
+    torch.save(load_byte_record(stream, key), rewritten)
     rewritten.seek(0)
     return rewritten
 

@@ -140,12 +140,14 @@ def write_manifest(folder: Path, config, files: list[str]) -> None:
     """MANIFEST beside a checkpoint's config.json: what a merge would otherwise import transformers and build the
     model for (its class, the name and shape of every weight, the tied ones), and a hash of each description file,
     so that a merge can copy them as they are, and notices when one was edited since."""
-    model_cls, expected, tied, _ = model_skeleton(copy.deepcopy(config))  # from_config edits the config it is given
+    # from_config edits the config it is given
+    model_cls, expected, tied, _ = model_skeleton(copy.deepcopy(config))
     manifest = {
         "format": 1,
         "model_class": model_cls.__name__,
         "tied": list(tied),
-        "shard_digests": SHARD_DIGESTS,  # written last, once every rank is done: a checkpoint without it is incomplete
+        # written last, once every rank is done: a checkpoint without it is incomplete
+        "shard_digests": SHARD_DIGESTS,
         "files": {name: _sha256(Path(folder) / name) for name in sorted(files)},
         "weights": {name: list(shape) for name, shape in sorted(expected.items())},
     }
@@ -163,9 +165,8 @@ def seal_manifest(folder: Path) -> None:
     except (ValueError, KeyError, TypeError, OSError):
         return
     manifest["files"] = {name: _sha256(Path(folder) / name) for name in files if (Path(folder) / name).is_file()}
-    if (
-        step := step_of_name(folder)
-    ) is not None:  # the step shard_digests.json will record (a copy from another is named)
+    # the step shard_digests.json will record (a copy from another is named)
+    if (step := step_of_name(folder)) is not None:
         manifest["shard_digests_step"] = step
     path.write_text(json.dumps(manifest, indent=1) + "\n")
 
@@ -188,7 +189,8 @@ def recorded_changes(files: CheckpointFiles, skip: tuple = (), missing: list[str
     takes the names of files gone (a copy without its tokenizer: nothing tampered with) instead of counting them;
     all but config.json, without which the weights are no model the run described."""
     folder = files.checkpoint_dir
-    if files.manifest_error is not None:  # a FIFO, a folder, cut short: the record itself is not as written
+    # a FIFO, a folder, cut short: the record itself is not as written
+    if files.manifest_error is not None:
         return (
             f"{folder.name}/{MANIFEST} is unreadable ({files.manifest_error}), so the files the run wrote beside the "
             f"shards cannot be checked: copy the checkpoint again; to take the checkpoint as it is now, remove "
@@ -319,7 +321,8 @@ DESCRIPTION_FILES = (
     "adapter_config.json",
     BASE_IDENTITY,
 )
-DESCRIPTION_LIMIT = 256 << 20  # tokenizer.json / tokenizer.model of the largest vocabularies: tens of MB
+# tokenizer.json / tokenizer.model of the largest vocabularies: tens of MB
+DESCRIPTION_LIMIT = 256 << 20
 # the other description files are small JSON (a tokenizer_config.json with a long chat template: ~100 KB)
 
 
@@ -432,7 +435,8 @@ def described_by_manifest(files: CheckpointFiles, tensors: dict) -> Description 
         or config.get("architectures") != [model_name]
         or config.get("tie_word_embeddings") is not bool(tied)
     ):
-        return None  # transformers builds the model from config.json and checks the weights against it
+        # transformers builds the model from config.json and checks the weights against it
+        return None
     weights = match_namespace(tensors, expected, tied, model_name)
     has_tokenizer = any(f in listed for f in TOKENIZER_FILES)
     origin = {"config": str(folder), "tokenizer": str(folder) if has_tokenizer else "(none)"}

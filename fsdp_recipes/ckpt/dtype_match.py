@@ -73,7 +73,8 @@ def _base_config_dtype(name: object) -> str | None:
         return None
     try:
         folder = local_folder(name)
-    except (OSError, ValueError):  # a name no filesystem can look up (a NUL byte)
+    # a name no filesystem can look up (a NUL byte)
+    except (OSError, ValueError):
         return None
     return _float_dtype(_json_object(folder / "config.json")) if folder is not None else None
 
@@ -91,7 +92,8 @@ def recorded_base_dtype(ckpt: Path) -> tuple[str, str] | None:
     requested = model.get("dtype", "auto")
     if isinstance(requested, str) and requested in EXACT_INTO:
         return requested, f"--dtype in its run's {RUN_RECORD}"
-    if requested != "auto":  # a value no run of ours records: nothing to go by
+    # a value no run of ours records: nothing to go by
+    if requested != "auto":
         return None
     for name in (model.get("model_name_or_path"), _json_object(ckpt / ADAPTER_CONFIG).get("base_model_name_or_path")):
         if (dtype := _base_config_dtype(name)) is not None:

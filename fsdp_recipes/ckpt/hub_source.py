@@ -52,7 +52,8 @@ def not_a_hub_id(name: str, local: str = "folder", neither: str = "local path") 
     return None
 
 
-@functools.lru_cache(maxsize=16)  # the model and its tokenizer are often one id: one request
+# the model and its tokenizer are often one id: one request
+@functools.lru_cache(maxsize=16)
 def hub_problem(
     repo_id: str, filename: str | None, repo_type: str = "model", revision: str | None = None
 ) -> str | None:
@@ -71,7 +72,8 @@ def hub_problem(
     try:
         if filename is not None:
             found = file_exists(repo_id, filename, repo_type=repo_type, revision=revision)
-        else:  # repo_exists has no revision
+        # repo_exists has no revision
+        else:
             ask = functools.partial(revision_exists, revision=revision) if revision else repo_exists
             found = ask(repo_id, repo_type=repo_type)
         if found:
@@ -81,7 +83,8 @@ def hub_problem(
             f"is a gated {where} on the hub: accept its terms on its hub page and log in (hf auth login), or give a "
             "local folder"
         )
-    except Exception as err:  # no network, a proxy, DNS, TLS, no answer: whatever stops the request, in its words
+    # no network, a proxy, DNS, TLS, no answer: whatever stops the request, in its words
+    except Exception as err:
         return (
             f"is not in the local hub cache and the hub cannot be reached ({hub_deadline.said(err)}): give a "
             f"local folder, or download it where the hub is reachable (hf download {repo_id}"
@@ -104,7 +107,8 @@ def base_model_problem(name: str) -> str | None:
     if not name.strip():
         return "--base-model is empty: give the base model's folder or a hub id"
     if is_local(name):
-        return None  # a local folder or file: the merge's own checks say what it lacks
+        # a local folder or file: the merge's own checks say what it lacks
+        return None
     if missing_local_path(name):
         return (
             f"--base-model {name} does not exist (relative paths start where you launch): give the base model's "

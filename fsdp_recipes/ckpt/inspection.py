@@ -56,9 +56,8 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
     resolved = resolve_input(input_path)
     src, ckpt = resolved.source, resolved.checkpoint_dir
     state = ckpt / "trainer_state.json"
-    alone = holds_adapter_only(
-        src.tensors
-    )  # a LoRA run's checkpoint without the frozen base: nothing to match to the config
+    # a LoRA run's checkpoint without the frozen base: nothing to match to the config
+    alone = holds_adapter_only(src.tensors)
     files = read_files(ckpt, resolved.places)
     own = None if alone else described_by_manifest(files, src.tensors)
     weights = (
@@ -103,7 +102,8 @@ def inspect_checkpoint(input_path: str | os.PathLike) -> dict:
         "parameters": sum(i.numel for i in infos),
         "bytes": sum(i.nbytes() for i in infos)
         if all(i.dtype in DTYPE_SIZES for i in infos)
-        else None,  # None: a dtype it does not convert
+        # None: a dtype it does not convert
+        else None,
         "dtypes": dtypes,
         "config": str(files.config_dir / "config.json") if files.config_dir else None,
         "tokenizer": str(files.tok_dir) if files.tok_dir else None,

@@ -13,27 +13,36 @@ from fsdp_recipes.bounded import REPORT_LIMIT, load_json
 from fsdp_recipes.errors import UnreadableFile
 from fsdp_recipes.removal import MARKER, fingerprint, is_ours
 
-DCP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's sharded model folder in a checkpoint-N
+# accelerate's sharded model folder in a checkpoint-N
+DCP_MODEL_DIR = "pytorch_model_fsdp_0"
 OPTIMIZER_DIR = "optimizer_0"
-FULL_MODEL_FILE = "pytorch_model_fsdp.bin"  # accelerate's FULL_STATE_DICT model
+# accelerate's FULL_STATE_DICT model
+FULL_MODEL_FILE = "pytorch_model_fsdp.bin"
 FULL_OPTIMIZER_FILE = "optimizer.bin"
 FULL_FILES = ("model.safetensors.index.json", "model.safetensors", FULL_MODEL_FILE)
-PLAIN_OPTIMIZER_FILE = "optimizer.pt"  # the Trainer's own layout without FSDP (DDP, ZeRO-1 consolidated, one process)
+# the Trainer's own layout without FSDP (DDP, ZeRO-1 consolidated, one process)
+PLAIN_OPTIMIZER_FILE = "optimizer.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-ADAPTER_CONFIG = "adapter_config.json"  # peft
-BASE_IDENTITY = (
-    "base_identity.json"  # a LoRA run's base model, recorded in its checkpoints and adapter (ckpt.base_identity)
-)
-LORA_BASE_DIR = (
-    "base_model"  # a LoRA run's base built from a config, saved once in its output_dir: the adapter names it
-)
-FINAL_MODEL_DIR = "model"  # a run's final model, alone in its folder: what from_pretrained and an upload need
-ADAPTER_DIR = "adapter"  # a LoRA run's adapter, beside it: PeftModel.from_pretrained loads it
-REPORT_NAME = "fsdp_report.json"  # the proof of sharding, per run and per checkpoint (fsdp_recipes.train.sharding)
-SHARD_DIGESTS = "shard_digests.json"  # each .distcp file's size and sample hash, written once every rank is done
-MANIFEST = "model_description.json"  # written into each checkpoint by the training run (fsdp_recipes.ckpt.description)
-INCOMPLETE_PREFIX = "incomplete-"  # outside the Trainer's `checkpoint-*` glob: never rotated, never resumed
-REPLACED_PREFIX = "replaced-"  # a checkpoint of a step a resumed run trains again (another branch of the run)
+# peft
+ADAPTER_CONFIG = "adapter_config.json"
+# a LoRA run's base model, recorded in its checkpoints and adapter (ckpt.base_identity)
+BASE_IDENTITY = "base_identity.json"
+# a LoRA run's base built from a config, saved once in its output_dir: the adapter names it
+LORA_BASE_DIR = "base_model"
+# a run's final model, alone in its folder: what from_pretrained and an upload need
+FINAL_MODEL_DIR = "model"
+# a LoRA run's adapter, beside it: PeftModel.from_pretrained loads it
+ADAPTER_DIR = "adapter"
+# the proof of sharding, per run and per checkpoint (fsdp_recipes.train.sharding)
+REPORT_NAME = "fsdp_report.json"
+# each .distcp file's size and sample hash, written once every rank is done
+SHARD_DIGESTS = "shard_digests.json"
+# written into each checkpoint by the training run (fsdp_recipes.ckpt.description)
+MANIFEST = "model_description.json"
+# outside the Trainer's `checkpoint-*` glob: never rotated, never resumed
+INCOMPLETE_PREFIX = "incomplete-"
+# a checkpoint of a step a resumed run trains again (another branch of the run)
+REPLACED_PREFIX = "replaced-"
 # FSDP1, torch.compile and activation checkpointing put these inside parameter names
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -105,7 +114,8 @@ _DESCRIPTION_FILES = (
     r"chat_template\.(jinja|json)",
 )
 _WEIGHT_FILES = (r"model(-\d+-of-\d+)?\.safetensors", r"model\.safetensors\.index\.json")
-_EXPORTED_MODEL_FILES = (*_DESCRIPTION_FILES, *_WEIGHT_FILES)  # exactly what a merge or the final export writes
+# exactly what a merge or the final export writes
+_EXPORTED_MODEL_FILES = (*_DESCRIPTION_FILES, *_WEIGHT_FILES)
 _MODEL_FILES = (
     *_EXPORTED_MODEL_FILES,
     r"trainer_state\.json",
@@ -126,7 +136,8 @@ _CHECKPOINT_FILES = (
     r"model_description\.json",
     r"fsdp_report\.json",
     r"shard_digests\.json",
-    r"README\.md",  # README.md: peft's model card, saved with a LoRA adapter
+    # README.md: peft's model card, saved with a LoRA adapter
+    r"README\.md",
     # the stock Trainer's other model files (save_safetensors false, BERT's and T5's tokenizers)
     r"pytorch_model(-\d+-of-\d+)?\.bin",
     r"pytorch_model\.bin\.index\.json",
@@ -134,13 +145,14 @@ _CHECKPOINT_FILES = (
     r"vocab\.txt",
     r"spiece\.model",
 )
+# __N.metadata: rank-local; .tmp: torch writes the metadata so, then renames it (a save killed between)
 _DCP_FILES = (
     r"\.metadata",
     r"__\d+\.metadata",
     r"(__\d+)?\.metadata\.tmp",
     r"__\d+_\d+\.distcp",
     r"\.made-by-fsdp-recipes",
-)  # __N.metadata: rank-local; .tmp: torch writes the metadata so, then renames it (a save killed between)
+)
 _CHECKPOINT_FOLDERS = {r"pytorch_model_fsdp_\d+": _DCP_FILES, r"optimizer_\d+": _DCP_FILES}
 
 
@@ -203,8 +215,10 @@ _RUN_FILES = (
     r"requeue_progress\.json",
 )
 _RUN_ENTRIES = (*_RUN_FILES, *_RUN_FOLDERS)
-EXPORT_STAGING = "export staging"  # the marker purpose of the final export's staging folders (fsdp_recipes.removal)
-BASE_STAGING = "LoRA base staging"  # and of output_dir/.base-tmp (fsdp_recipes.train.modeling)
+# the marker purpose of the final export's staging folders (fsdp_recipes.removal)
+EXPORT_STAGING = "export staging"
+# and of output_dir/.base-tmp (fsdp_recipes.train.modeling)
+BASE_STAGING = "LoRA base staging"
 # a run's staging folders in output_dir and the purpose their marker names: one of these names without it is someone's
 # folder, which the run would refuse to remove only after training
 STAGING_FOLDERS = {**dict.fromkeys(EXPORT_FOLDERS, EXPORT_STAGING), ".base-tmp": BASE_STAGING}
@@ -219,7 +233,8 @@ _SHARED_RECORDS = (
     r"fsdp_report\.json",
     r"loss\.png",
 )
-RUN_RECORD = "run_args.json"  # written by fsdp_recipes.train.preflight (its ARGS_NAME)
+# written by fsdp_recipes.train.preflight (its ARGS_NAME)
+RUN_RECORD = "run_args.json"
 
 
 def another_tools_run(output_dir: Path) -> bool:
@@ -232,7 +247,8 @@ def _shared_record(name: str) -> bool:
     return name != MARKER and any(re.fullmatch(r, name) for r in _SHARED_RECORDS)
 
 
-HARD_LINK = "a hard link: writing it would change the other name's file too"  # how foreign_entries names one
+# how foreign_entries names one
+HARD_LINK = "a hard link: writing it would change the other name's file too"
 
 
 def foreign_entries(output_dir: Path) -> list[str]:
@@ -256,17 +272,16 @@ def foreign_entries(output_dir: Path) -> list[str]:
             p.is_symlink() or not any(re.fullmatch(r, p.name) for r in _RUN_ENTRIES)
         ):
             found.append(p.name)
-        elif not (p.is_file() or p.is_dir()):  # a FIFO named run_args.json: opening it would block the run for good
+        # a FIFO named run_args.json: opening it would block the run for good
+        elif not (p.is_file() or p.is_dir()):
             found.append(f"{p.name} (not a regular file or folder)")
         elif p.name in STAGING_FOLDERS and not is_ours(p, STAGING_FOLDERS[p.name]):
             found.append(f"{p.name} (named like a run's staging folder, but not one a run made)")
-        elif (
-            p.is_file() and p.lstat().st_nlink > 1
-        ):  # `cp -al run run.bak`: rewriting the record rewrites the backup's too
+        # `cp -al run run.bak`: rewriting the record rewrites the backup's too
+        elif p.is_file() and p.lstat().st_nlink > 1:
             found.append(f"{p.name} ({HARD_LINK})")
-        elif p.is_dir() != any(
-            re.fullmatch(r, p.name) for r in _RUN_FOLDERS
-        ):  # a folder named run_args.json: the write fails
+        # a folder named run_args.json: the write fails
+        elif p.is_dir() != any(re.fullmatch(r, p.name) for r in _RUN_FOLDERS):
             found.append(
                 f"{p.name} (a {'folder' if p.is_dir() else 'file'} where a run writes a "
                 f"{'file' if p.is_dir() else 'folder'})"
@@ -303,7 +318,8 @@ def _first_unlike(folder: Path, files: tuple[str, ...]) -> str:
     return ""
 
 
-CHECKPOINT_PURPOSE = "training checkpoint"  # the marker FSDPTrainer writes into each checkpoint-N it makes
+# the marker FSDPTrainer writes into each checkpoint-N it makes
+CHECKPOINT_PURPOSE = "training checkpoint"
 # What only training writes: a folder holding none of it (a model's or tokenizer's files alone) is no checkpoint.
 # (not training_args.bin nor scaler.pt: the Trainer's save_model writes the first beside a plain model or adapter)
 _TRAINING_STATE = (
@@ -355,7 +371,8 @@ def checkpoint_unlike(folder: Path) -> str | None:
             return None
         entries = [] if folder.is_symlink() else sorted(folder.iterdir())
         for entry in entries:
-            if special := _special_entry(entry):  # a FIFO named trainer_state.json is no training state either
+            # a FIFO named trainer_state.json is no training state either
+            if special := _special_entry(entry):
                 return f"it holds {special}, which is not a regular file (a pipe, device or socket)"
             inner = next(
                 (files for pattern, files in _CHECKPOINT_FOLDERS.items() if re.fullmatch(pattern, entry.name)), None
@@ -369,7 +386,8 @@ def checkpoint_unlike(folder: Path) -> str | None:
                     f"it holds {entry.name}{'/' if entry.is_dir() and not entry.is_symlink() else ''}, which "
                     "a checkpoint does not"
                 )
-    except OSError as err:  # a colleague's 0700 folder, a stale NFS handle
+    # a colleague's 0700 folder, a stale NFS handle
+    except OSError as err:
         return f"unreadable: {err.strerror}"
     if folder.is_symlink() or not entries:
         return "it is a link" if folder.is_symlink() else "it is empty"

@@ -20,9 +20,11 @@ from fsdp_recipes.ckpt.layout import ADAPTER_CONFIG
 from fsdp_recipes.ckpt.readers import SAFETENSORS_DTYPES, TensorInfo
 from fsdp_recipes.errors import CheckpointError
 
-QUANTIZED_DTYPES = ("int8", "uint8")  # bitsandbytes' 8-bit weights, and 4-bit packed into uint8 storage
+# bitsandbytes' 8-bit weights, and 4-bit packed into uint8 storage
+QUANTIZED_DTYPES = ("int8", "uint8")
 LORA_WEIGHT = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
-_UNSUPPORTED = {  # name part -> what it is
+# name part -> what it is
+_UNSUPPORTED = {
     "lora_magnitude_vector": "DoRA (use_dora)",
     "lora_embedding_A": "LoRA on embeddings",
     "lora_embedding_B": "LoRA on embeddings",
@@ -47,9 +49,12 @@ def find_adapter_config(places: list[Path]) -> Path:
     return found
 
 
-MAX_RANK = 65536  # far above any adapter trained (r 8 to 256; 65536 is a full-rank 64K-wide linear)
-MAX_ALPHA = 2**20  # alpha is r or 2r in every published recipe: far above twice the largest rank, a typo or junk
-_FLAGS = ("use_rslora", "fan_in_fan_out", "use_dora", "lora_bias")  # read as true/false: "false" would be truthy
+# far above any adapter trained (r 8 to 256; 65536 is a full-rank 64K-wide linear)
+MAX_RANK = 65536
+# alpha is r or 2r in every published recipe: far above twice the largest rank, a typo or junk
+MAX_ALPHA = 2**20
+# read as true/false: "false" would be truthy
+_FLAGS = ("use_rslora", "fan_in_fan_out", "use_dora", "lora_bias")
 
 
 def _is_number(value) -> bool:
@@ -99,7 +104,8 @@ def read_adapter_config(path: Path) -> dict:
     "false" flag (truthy) would otherwise merge into NaN or wrong weights with exit 0."""
     try:
         config = load_json(path, ADAPTER_CONFIG, JSON_LIMIT)
-    except ValueError as err:  # UnreadableFile: names the file and the fix
+    # UnreadableFile: names the file and the fix
+    except ValueError as err:
         raise CheckpointError(str(err)) from None
     missing = [key for key in ("lora_alpha", "r") if key not in config]
     if missing:
@@ -223,7 +229,8 @@ class MergedLoraSource:
             if n not in self._merged:
                 out[n] = got.pop(self._plain[n])
                 continue
-            weight, a, b = (got.pop(k) for k in self._merged[n])  # each base weight let go once merged
+            # each base weight let go once merged
+            weight, a, b = (got.pop(k) for k in self._merged[n])
             # peft's get_delta_weight + merge (safe_merge=False): half precision on CPU goes through float32
             cast = b.dtype in (torch.float16, torch.bfloat16)
             delta = (b.float() @ a.float()) if cast else b @ a

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
-from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.description import (
     CheckpointFiles,
     Description,
@@ -34,27 +33,16 @@ from fsdp_recipes.ckpt.description import (
 from fsdp_recipes.ckpt.hub_source import base_model_problem
 from fsdp_recipes.ckpt.inspection import verify_folder
 from fsdp_recipes.ckpt.layout import (
-    ADAPTER_CONFIG,
-    BASE_IDENTITY,
     MANIFEST,
     is_exported_adapter,
     is_model_folder,
     overlap,
     real,
 )
+from fsdp_recipes.ckpt.lora_input import lora_input, refuse_merged_tied
 from fsdp_recipes.ckpt.lora_merge import (
-    LORA_WEIGHT,
-    AdapterOfQuantized,
     AdapterOnBaseSource,
     MergedLoraSource,
-    adapter_tensors,
-    base_weights,
-    find_adapter_config,
-    frozen_weight_differs,
-    holds_adapter_only,
-    is_lora,
-    quantized_base,
-    read_adapter_config,
 )
 from fsdp_recipes.ckpt.merge_output import (
     STAGING,
@@ -64,7 +52,7 @@ from fsdp_recipes.ckpt.merge_output import (
     restore_interrupted,
     staging_name,
 )
-from fsdp_recipes.ckpt.namespace import WeightMap, guess_weights, match_namespace
+from fsdp_recipes.ckpt.namespace import guess_weights, match_namespace
 from fsdp_recipes.ckpt.readers import dtype_name, unconvertible_dtype
 from fsdp_recipes.ckpt.resolve import ResolvedInput, resolve_input
 from fsdp_recipes.ckpt.safetensors_writer import Cancelled, weight_files, write_weights
@@ -105,10 +93,9 @@ def write_weight_part(
     processes given the same arguments write every shard once between them, k = 0 the index too
     (safetensors_writer.write_weights). Returns (the model class, the files this call wrote, every weight file of
     the folder)."""
-    model_cls, expected, tied, ignorable = model_skeleton(
-        copy.deepcopy(config)
-    )  # from_config edits the config it is given
-    _refuse_merged_tied(source, tied)
+    # from_config edits the config it is given
+    model_cls, expected, tied, ignorable = model_skeleton(copy.deepcopy(config))
+    refuse_merged_tied(source, tied)
     weights = match_namespace(source.tensors, expected, tied, model_cls.__name__, ignorable)
     written = write_weights(
         source,
@@ -120,26 +107,6 @@ def write_weight_part(
         part=part,
     )
     return model_cls, written, weight_files(source, weights.names, max_shard_size, dtype)
-
-
-def lora_merge_input(ckpt: Path, log=print) -> ResolvedInput:
-    """The LoRA checkpoint ``ckpt`` resolved as merge_checkpoint resolves it (its checks included), its source the
-    merged weights, read tensor by tensor (MergedLoraSource): for a caller that writes them itself, as the final
-    export does, each rank its part (write_weight_part)."""
-    resolved = resolve_input(ckpt)
-    files = read_files(resolved.checkpoint_dir, resolved.places)
-    if files.problems:
-        raise CheckpointError(files.problems[0])
-    _lora(resolved, files, None, False, log)
-    return resolved
-
-
-def _refuse_merged_tied(source, tied: list[str]) -> None:
-    if isinstance(source, MergedLoraSource) and (merged := source.merged_into_tied(tied)):
-        raise CheckpointError(
-            f"{merged} has a LoRA adapter and is tied to the input embeddings: peft's merge changes both "
-            "tensors, this merge writes the tied weight once; merge with peft's merge_and_unload instead"
-        )
 
 
 @dataclass
@@ -173,8 +140,10 @@ def merge_checkpoint(
     that purpose (fsdp_recipes.removal) so that only it is ever removed; otherwise the result carries no marker.
     ``config_fallback``: the base model a checkpoint without a config.json takes (the final export's run source).
     The checkpoint's description files are read once (read_files); every later step takes what they say."""
-    internals.require("huggingface_hub.serialization._base.parse_size_to_int")  # needed at the end; checked first
-    hub_deadline.install()  # a --base-model hub id is read by transformers: a silent hub fails, never hangs
+    # needed at the end; checked first
+    internals.require("huggingface_hub.serialization._base.parse_size_to_int")
+    # a --base-model hub id is read by transformers: a silent hub fails, never hangs
+    hub_deadline.install()
     # asked once within the deadline, before transformers' retries of each file (minutes against a silent hub)
     if base_model is not None and (problem := base_model_problem(base_model)):
         raise CheckpointError(problem)
@@ -189,7 +158,8 @@ def merge_checkpoint(
         base_model = config_fallback
     # with --base-model the config comes from there; the tokenizer files the checkpoint holds are still read
     skip = ("config.json", "generation_config.json") if base_model else ()
-    missing: list[str] = []  # files the run wrote beside the weights and the copy lacks: not tampered, only gone
+    # files the run wrote beside the weights and the copy lacks: not tampered, only gone
+    missing: list[str] = []
     if changes := recorded_changes(files, skip, missing):
         raise CheckpointError(changes)
     if missing:
@@ -197,10 +167,12 @@ def merge_checkpoint(
             f"{resolved.checkpoint_dir} lacks {', '.join(missing)}, which the run wrote there: the merged folder is "
             "made without them (copy them in, or pass --base-model with them)"
         )
-    restore_interrupted(real(output_path), log)  # the real path, as check_output and the staging names use
+    # the real path, as check_output and the staging names use
+    restore_interrupted(real(output_path), log)
     out = check_output(input_path, resolved, output_path, overwrite)
-    own, base_model = _lora(resolved, files, base_model, adapter_only, log)
-    for base in _base_folders(resolved, base_model):  # read to the end of the merge: never its output
+    own, base_model = lora_input(resolved, files, base_model, adapter_only, log)
+    # read to the end of the merge: never its output
+    for base in _base_folders(resolved, base_model):
         if overlap(out, real(base)):
             raise CheckpointError(
                 f"output {output_path} {'is' if out == real(base) else 'overlaps'} the base model {base}, which this "
@@ -215,8 +187,10 @@ def merge_checkpoint(
     if own is None and base_model is None and dtype is None and not isinstance(resolved.source, MergedLoraSource):
         own = from_manifest = described_by_manifest(files, resolved.source.tensors)
     if own is None:
-        config_origin(files, base_model)  # no config at all: fail now, not after the copy
-    with check_pool() as pool:  # a stop or an error leaves without waiting for the check
+        # no config at all: fail now, not after the copy
+        config_origin(files, base_model)
+    # a stop or an error leaves without waiting for the check
+    with check_pool() as pool:
         future: Future | None = None
         if own is not None:
             weights = own.weights
@@ -224,14 +198,15 @@ def merge_checkpoint(
                 future = pool.submit(describe_with_transformers, resolved, files, None, None)
         else:
             future = pool.submit(describe_with_transformers, resolved, files, base_model, dtype)
-            lora = isinstance(resolved.source, MergedLoraSource)  # checked before the copy: its ties can refuse it
+            # checked before the copy: its ties can refuse it
+            lora = isinstance(resolved.source, MergedLoraSource)
             # the copy starts at once on the weights guessed from the stored names and the config's tie; the check
             # beside it has the last word (a wrong guess stops the copy when it is known, and the checked weights
             # are copied again). Waiting for it first put its seconds of imports before every byte of the copy.
             guess = None if lora else guess_weights(resolved.source.tensors, _settings(files, base_model))
             weights = guess or future.result().weights
             if lora:
-                _refuse_merged_tied(resolved.source, future.result().tied)
+                refuse_merged_tied(resolved.source, future.result().tied)
         if odd := next(
             (n for n in weights.names.values() if resolved.source.tensors[n].dtype not in DTYPE_SIZES), None
         ):
@@ -239,17 +214,19 @@ def merge_checkpoint(
                 unconvertible_dtype(resolved.source.tensors[odd].dtype, f"{resolved.checkpoint_dir}: weight {odd!r}")
             )
         size = sum(resolved.source.tensors[n].nbytes(dtype) for n in weights.names.values())
+        # the description files, the filesystem's own
         free, margin = (
             shutil.disk_usage(out.parent).free,
             min(64 << 20, (8 << 20) + size // 8),
-        )  # the description files, the filesystem's own
+        )
         if free < size + margin:
             raise CheckpointError(
                 f"not enough free disk space in {out.parent}: the merged weights need {_mb(size)} and a "
                 f"{_mb(margin)} margin, {_mb(free)} is free; free space or choose another output"
             )
 
-        def wrong_guess() -> bool:  # the check beside the copy has failed, or found other weights than guessed
+        # the check beside the copy has failed, or found other weights than guessed
+        def wrong_guess() -> bool:
             return (
                 future is not None
                 and future.done()
@@ -273,11 +250,13 @@ def merge_checkpoint(
                 )
             except Cancelled:
                 pass
-            described: Description = own if future is None else future.result()  # raises the check's error
+            # raises the check's error
+            described: Description = own if future is None else future.result()
             if from_manifest is not None:
                 _agree(from_manifest, described)
                 described = from_manifest
-            if described.weights.names != weights.names:  # the guess was wrong: the checked weights, again
+            # the guess was wrong: the checked weights, again
+            if described.weights.names != weights.names:
                 for p in staging.iterdir():
                     if p.name != MARKER:
                         remove_file(staging, p.name, STAGING)
@@ -295,20 +274,25 @@ def merge_checkpoint(
                     f"verified: {len(names)} tensors equal the checkpoint"
                     + ("" if adapter_only else "; from_pretrained (meta device) loads the folder")
                 )
-            sync_folder(staging)  # the slow part, while the folder is still ours to remove if stopped
-            if output_purpose:  # a caller's staging folder: it stays marked, for that caller to remove
+            # the slow part, while the folder is still ours to remove if stopped
+            sync_folder(staging)
+            # a caller's staging folder: it stays marked, for that caller to remove
+            if output_purpose:
                 remark(staging, STAGING, output_purpose)
-            else:  # a result: it ships without our marker (stopped before the rename, it is reclaimed below)
+            # a result: it ships without our marker (stopped before the rename, it is reclaimed below)
+            else:
                 unmarking = True
                 unmark(staging, STAGING)
             sync_entries(staging)
-            if out.exists():  # check_output: a model folder, and --overwrite was given
+            # check_output: a model folder, and --overwrite was given
+            if out.exists():
                 old = move(out, staging_name(out, "old"))
                 move(staging, out)
                 sync_entries(out.parent)
                 try:
                     remove(old, STAGING, shape=lambda p: is_model_folder(p) or is_exported_adapter(p))
-                except RefusedRemoval:  # changed while the merge ran (a notes.txt written into it; a mount point)
+                # changed while the merge ran (a notes.txt written into it; a mount point)
+                except RefusedRemoval:
                     kept = keep_aside(old, out)
                     why = (
                         "changed while the merge ran (it holds "
@@ -325,7 +309,8 @@ def merge_checkpoint(
             for purpose in {STAGING, output_purpose} - {None}:
                 if is_ours(staging, purpose):
                     remove(staging, purpose)
-            if unmarking and reclaim(staging, STAGING, made):  # still here: never moved into place
+            # still here: never moved into place
+            if unmarking and reclaim(staging, STAGING, made):
                 remove(staging, STAGING)
             raise
     if described.tied:
@@ -353,7 +338,8 @@ def _settings(files: CheckpointFiles, base_model: str | None) -> dict | None:
         return files.config
     try:
         return load_json(Path(base_model) / "config.json", "config.json", JSON_LIMIT)
-    except (ValueError, OSError):  # a hub id, a folder without one, a file that is no JSON: transformers says which
+    # a hub id, a folder without one, a file that is no JSON: transformers says which
+    except (ValueError, OSError):
         return None
 
 
@@ -371,79 +357,3 @@ def _base_folders(resolved: ResolvedInput, base_model: str | None) -> list[Path]
             folders.append(source.base_dir)
         source = source.base if isinstance(source, MergedLoraSource) else None
     return folders
-
-
-def _lora(
-    resolved: ResolvedInput, files: CheckpointFiles, base_model: str | None, adapter_only: bool, log
-) -> tuple[Description | None, str | None]:
-    """A PEFT LoRA checkpoint: its source becomes the merged weights (or, ``adapter_only``, the description of the
-    adapter folder is returned). Without a config anywhere, the base model the adapter config names is used when
-    it is a local folder. Returns (description or None, base model)."""
-    if not is_lora(resolved.source.tensors):
-        if adapter_only:
-            raise CheckpointError("--adapter-only: this checkpoint holds no LoRA adapter (no lora_A/lora_B weights)")
-        return None, base_model
-    config_path = find_adapter_config(resolved.places)
-    adapter_config = read_adapter_config(config_path)
-    recorded = base_identity.read(config_path.parent)  # the base the run trained on, when it recorded one
-    alone = holds_adapter_only(
-        resolved.source.tensors
-    )  # an adapter-only checkpoint: the base's weights are the base model's
-    if not alone and (quantized := quantized_base(resolved.source.tensors)):
-        resolved.source, alone, resolved.dequantized = AdapterOfQuantized(resolved.source), True, True
-        log(f"{quantized}: the adapter is merged into the unquantized base model's weights")
-    if alone and not adapter_only:
-        base, base_dir = base_weights(base_model, adapter_config, config_path)
-        if recorded is None:
-            log(
-                f"no {BASE_IDENTITY} beside {config_path.name} (a checkpoint of an older run or of another "
-                "tool): the base "
-                f"model {base_dir} is not checked against the one the adapter was trained on"
-            )
-        elif problem := base_identity.base_problem(
-            recorded,
-            base_dir,
-            str(config_path.parent),
-            (
-                "pass --base-model <the base it was trained on> (to merge into another base on purpose, move "
-                f"{BASE_IDENTITY} away)"
-            ),
-        ):
-            raise CheckpointError(problem)
-        resolved.source = AdapterOnBaseSource(resolved.source, base, base_dir)
-        if isinstance(resolved.source.adapter, AdapterOfQuantized) and (
-            differs := frozen_weight_differs(resolved.source.adapter.source, resolved.source)
-        ):
-            raise CheckpointError(
-                f"{differs} in the checkpoint differs from the base model {base_dir}'s: it is another model than the "
-                "one the adapter was trained on (or the run trained that weight); give its base with --base-model"
-            )
-        log(f"adapter-only LoRA checkpoint: the frozen base's weights from {base_dir}")
-    merged = None if alone and adapter_only else MergedLoraSource(resolved.source, adapter_config)
-    if adapter_only:
-        names = adapter_tensors(resolved.source)
-        adapter = merged.adapter if merged else LORA_WEIGHT.match(next(iter(names.values())))["adapter"]
-        origin = {"config": str(config_path), "tokenizer": "(none: an adapter folder)"}
-        log(
-            f"PEFT LoRA checkpoint: writing adapter {adapter!r} ({len(names)} tensors) as "
-            "PeftModel.from_pretrained loads it"
-        )
-
-        def write(out: Path) -> None:
-            shutil.copyfile(config_path, out / ADAPTER_CONFIG)
-            if recorded is not None:  # checked as a record above; the adapter folder keeps naming its base
-                base_identity.write(out, recorded)
-
-        return Description(
-            WeightMap(names, "", len(resolved.source.tensors) - len(names)), [], origin, write
-        ), base_model
-    resolved.source = merged
-    log(
-        f"PEFT LoRA checkpoint: merging adapter {merged.adapter!r} ({len(merged.pairs)} modules, lora_alpha "
-        f"{merged.alpha:g}{', rsLoRA' if merged.rslora else ''}) into the base weights, as merge_and_unload does"
-    )
-    named = adapter_config.get("base_model_name_or_path")
-    if base_model is None and files.config_dir is None and named and (Path(named) / "config.json").is_file():
-        log(f"config from the base model {ADAPTER_CONFIG} names: {named}")
-        return None, named
-    return None, base_model

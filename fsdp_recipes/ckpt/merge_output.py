@@ -53,7 +53,8 @@ def check_output(input_path, resolved: ResolvedInput, output_path, overwrite: bo
     return out
 
 
-STAGING = "merge staging"  # the marker purpose of the hidden folders a merge writes into before the rename
+# the marker purpose of the hidden folders a merge writes into before the rename
+STAGING = "merge staging"
 
 
 def staging_name(out: Path, kind: str, pid: int | None = None) -> Path:
@@ -65,9 +66,8 @@ def _left_by_merges(out: Path) -> list[tuple[Path, str, str, str, bool]]:
     named for itself; ``gone``: on this host, and its process is gone (on another host nobody here can tell)."""
     pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-(.+)-(\d+)")
     found, here = [], socket.gethostname()
-    for path in (
-        sorted(out.parent.glob(f".{glob.escape(out.name)}.*")) if out.parent.is_dir() else []
-    ):  # 'run[1]' is no pattern
+    # 'run[1]' is no pattern
+    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*")) if out.parent.is_dir() else []:
         if m := pattern.fullmatch(path.name):
             kind, host, pid = m.groups()
             found.append((path, kind, host, pid, host == here and not process_alive(int(pid))))
@@ -77,9 +77,8 @@ def _left_by_merges(out: Path) -> list[tuple[Path, str, str, str, bool]]:
 def remove_stale_staging(out: Path, log=print) -> None:
     """Staging folders a killed merge into ``out`` left behind (this host's, their process gone): removed, said."""
     for path, _, _, pid, gone in _left_by_merges(out):
-        if gone and is_ours(
-            path, STAGING
-        ):  # only our own marked staging folders: a folder merely named like one is someone else's
+        # only our own marked staging folders: a folder merely named like one is someone else's
+        if gone and is_ours(path, STAGING):
             remove(path, STAGING)
             log(f"removed {path}, left by a merge that was killed (process {pid})")
 
@@ -93,7 +92,8 @@ def restore_interrupted(out: Path, log=print) -> None:
     outputs, not our staging."""
     for path, kind, host, pid, gone in _left_by_merges(out):
         if is_ours(path, STAGING) or path.is_symlink() or not (is_model_folder(path) or is_exported_adapter(path)):
-            continue  # our marked staging (remove_stale_staging's), or not a folder a merge moves aside
+            # our marked staging (remove_stale_staging's), or not a folder a merge moves aside
+            continue
         what = "an earlier output it had moved aside" if kind == "old" else "its finished result, not yet moved in"
         if not gone:
             where = f"process {pid} on {host}" if host != socket.gethostname() else f"process {pid}, alive here"

@@ -33,7 +33,8 @@ def stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
         stored = {
             clean_name(k): (tuple(t.shape), t.dtype) for k, t in read_layout(ckpt / DCP_MODEL_DIR).tensors.items()
         }
-        if stored and all(k.startswith("model.") for k in stored):  # accelerate saves {"model": state_dict}
+        # accelerate saves {"model": state_dict}
+        if stored and all(k.startswith("model.") for k in stored):
             stored = {k.removeprefix("model."): v for k, v in stored.items()}
         return stored
     if (
@@ -245,7 +246,8 @@ def _description_mismatch(ckpt: Path, config: dict, lora: dict | None, tokenizer
         "resume with the model, config, tokenizer and LoRA settings it was saved with, or start without "
         "--resume_from_checkpoint (another --output_dir)"
     )
-    if os.path.lexists(path := ckpt / "config.json"):  # present in any form: compared, or named as unreadable
+    # present in any form: compared, or named as unreadable
+    if os.path.lexists(path := ckpt / "config.json"):
         saved = load_json(path, "config.json", JSON_LIMIT)
         if differ := _differing(saved, config, (saved.keys() | config.keys()) - FREE_CONFIG_KEYS):
             k = differ[0]
@@ -297,10 +299,10 @@ def _tokenizer_differences(ckpt: Path, now: dict) -> list[str]:
                         f"{short_json(now['special_tokens'].get(name))} now"
                     )
             template = saved.get("chat_template")
-            if os.path.lexists(jinja := ckpt / "chat_template.jinja"):  # a FIFO or device there is named, not skipped
-                template = read_text(
-                    jinja, "chat_template.jinja", JSON_LIMIT
-                )  # unreadable: description_mismatch names it
+            # a FIFO or device there is named, not skipped
+            if os.path.lexists(jinja := ckpt / "chat_template.jinja"):
+                # unreadable: description_mismatch names it
+                template = read_text(jinja, "chat_template.jinja", JSON_LIMIT)
             if template is not None and template != now["chat_template"]:
                 differ.append("its chat template differs from this run's")
     return differ

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from fsdp_recipes.ckpt.layout import WRAPPER_PREFIXES
 from fsdp_recipes.errors import CheckpointError
 
-if TYPE_CHECKING:  # annotations only: readers imports this module (clean_name)
+# annotations only: readers imports this module (clean_name)
+if TYPE_CHECKING:
     from fsdp_recipes.ckpt.readers import TensorInfo
 
 # top-level names under which tools store optimizer state beside the model (get_state_dict: optim, accelerate:
@@ -39,10 +40,14 @@ def clean_name(name: str) -> str:
 class WeightMap:
     """Which stored tensor holds each of the model's weights."""
 
-    names: dict[str, str]  # model weight name -> source tensor name
-    prefix: str  # the namespace they were found under ("" for flat keys)
-    ignored: int = 0  # stored tensors outside it (optimizer state, other modules)
-    dropped: tuple[str, ...] = ()  # stored inside it, not the model's, and dropped by from_pretrained too
+    # model weight name -> source tensor name
+    names: dict[str, str]
+    # the namespace they were found under ("" for flat keys)
+    prefix: str
+    # stored tensors outside it (optimizer state, other modules)
+    ignored: int = 0
+    # stored inside it, not the model's, and dropped by from_pretrained too
+    dropped: tuple[str, ...] = ()
 
     def describe(self) -> str:
         where = f'under "{self.prefix}"' if self.prefix else "at the top level (no prefix)"

@@ -31,7 +31,8 @@ from fsdp_recipes.ckpt.shard_digests import digest_problems
 from fsdp_recipes.ckpt.torch_names import DTYPE_SIZES, require_this_torch
 from fsdp_recipes.errors import CheckpointError
 
-SAFETENSORS_HEADER_LIMIT = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE): a larger header is not one
+# safetensors' own limit (MAX_HEADER_SIZE): a larger header is not one
+SAFETENSORS_HEADER_LIMIT = 100_000_000
 SAFETENSORS_DTYPES = {
     "float64": "F64",
     "float32": "F32",
@@ -71,7 +72,8 @@ def unconvertible_dtype(dtype: str, what: str) -> str:
 @dataclass(frozen=True)
 class TensorInfo:
     shape: tuple[int, ...]
-    dtype: str  # torch name: "float32"
+    # torch name: "float32"
+    dtype: str
 
     @property
     def numel(self) -> int:
@@ -95,16 +97,18 @@ class DCPSource:
 
     def __init__(self, dcp_dir: Path):
         self.path = Path(dcp_dir)
-        layout, problems = check_folder(self.path, byte_records=False)  # a merge reads tensor records only
+        # a merge reads tensor records only
+        layout, problems = check_folder(self.path, byte_records=False)
         if not problems and self.path.name == DCP_MODEL_DIR:
             problems = digest_problems(self.path.parent, (DCP_MODEL_DIR,))
         if problems:
+            # complete sentences
             if (
                 "refusing to" in problems[0]
                 or problems[0].startswith("unreadable")
                 or "not the file" in problems[0]
                 or SHARD_DIGESTS in problems[0]
-            ):  # complete sentences
+            ):
                 raise CheckpointError(problems[0])
             raise CheckpointError(
                 f"checkpoint {dcp_dir} is incomplete: {'; '.join(problems[:3])}; it was not finished writing or was "
@@ -145,7 +149,8 @@ class DCPSource:
         buffers = {
             self.keys[n]: torch.empty(self.tensors[n].shape, dtype=torch_dtype(self.tensors[n].dtype)) for n in names
         }
-        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
+        # "torch.distributed is disabled ... single process": that is the intent
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             try:
                 dcp.load(buffers, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
@@ -208,7 +213,8 @@ SAFETENSORS_BITS = {
     "I64": 64,
     "U64": 64,
 }
-NO_HEADER = "no safetensors header"  # NotSafetensors.reason of a file that does not even start like one
+# NotSafetensors.reason of a file that does not even start like one
+NO_HEADER = "no safetensors header"
 
 
 class NotSafetensors(ValueError):
@@ -238,7 +244,8 @@ def safetensors_header(path: Path) -> tuple[int, dict, int]:
     lie: NO_HEADER when the file has none (a git-lfs pointer, a link to /etc/passwd, a file cut inside its header);
     OSError when it cannot be opened. A sound header over a file shorter than it describes (a copy that did not
     finish, no forgery) is returned as it is: each caller says "truncated" in its own words."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO must not block the open
+    # a FIFO must not block the open
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -248,7 +255,8 @@ def safetensors_header(path: Path) -> tuple[int, dict, int]:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > min(size - 8, SAFETENSORS_HEADER_LIMIT):
                 raise ValueError
-            header = json.loads(f.read(length).decode("utf-8"))  # UTF-8 only, as safetensors reads it
+            # UTF-8 only, as safetensors reads it
+            header = json.loads(f.read(length).decode("utf-8"))
             if not isinstance(header, dict):
                 raise ValueError
         except (struct.error, ValueError, MemoryError, RecursionError):
@@ -268,7 +276,8 @@ def safetensors_header(path: Path) -> tuple[int, dict, int]:
     end, before = 0, None
     for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
         begin, stop = entry["data_offsets"]
-        if begin != end:  # safetensors' InvalidOffset
+        # safetensors' InvalidOffset
+        if begin != end:
             what = (
                 f"overlap {before}'s, which end at {end:,}"
                 if begin < end
@@ -289,7 +298,8 @@ def safetensors_header(path: Path) -> tuple[int, dict, int]:
         raise NotSafetensors(f"{size - 8 - length - end:,} bytes after the last tensor its header describes")
     from safetensors import SafetensorError, safe_open
 
-    try:  # the bar: what safetensors itself reads (a JSON detail the rules above do not spell out)
+    # the bar: what safetensors itself reads (a JSON detail the rules above do not spell out)
+    try:
         with safe_open(str(path), framework="numpy"):
             pass
     except SafetensorError as err:
@@ -352,7 +362,8 @@ class SafetensorsSource:
             for key, entry in entries.items():
                 if entry["dtype"] not in codes:
                     raise CheckpointError(f"{path}: {key} has dtype {entry['dtype']}, which this tool does not convert")
-                if clean_name(key) in self.tensors:  # from_pretrained would load one of them, which is not said
+                # from_pretrained would load one of them, which is not said
+                if clean_name(key) in self.tensors:
                     raise CheckpointError(
                         f"{folder} holds {clean_name(key)} twice ({self._where[clean_name(key)][0]} and {file}): "
                         "copy the checkpoint again"

@@ -36,9 +36,11 @@ def weight_problems(ckpt: Path) -> list[str]:
 @dataclass
 class ResolvedInput:
     source: object
-    checkpoint_dir: Path  # the checkpoint: where its trainer state lies
+    # the checkpoint: where its trainer state lies
+    checkpoint_dir: Path
     notes: list[str] = field(default_factory=list)
-    weights_dir: Path | None = None  # the folder holding the weights, when not checkpoint_dir
+    # the folder holding the weights, when not checkpoint_dir
+    weights_dir: Path | None = None
     # a QLoRA checkpoint merged into its unquantized base: the written config must not say the weights are quantized
     dequantized: bool = False
 
@@ -90,7 +92,8 @@ def resolve_input(path: str | os.PathLike) -> ResolvedInput:
         for ckpt in steps:
             try:
                 problems = weight_problems(ckpt)
-            except UnknownToThisVersion as err:  # may be complete: never passed over for an older one
+            # may be complete: never passed over for an older one
+            except UnknownToThisVersion as err:
                 raise CheckpointError(
                     f"{ckpt.name} in {p} is {err}; or merge an earlier checkpoint-N by its path"
                 ) from None

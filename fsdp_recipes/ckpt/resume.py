@@ -79,7 +79,8 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
         return Resume(None, [])
     if str(value).lower() == "true":
         chosen, skipped = newest_resumable(output_dir) if Path(output_dir).is_dir() else (None, [])
-        if blocked := next((s for s in skipped if s.may_be_good), None):  # never passed over for an older one
+        # never passed over for an older one
+        if blocked := next((s for s in skipped if s.may_be_good), None):
             earlier = (
                 (
                     f", or resume an earlier checkpoint explicitly with --resume_from_checkpoint {chosen.path} (later "
@@ -122,7 +123,8 @@ def resolve_resume(value: str | None, output_dir: str, trainer_fsdp: bool = Fals
         raise RecipeError(f"cannot resume from {value}: {status.weights_only_line()}")
     if not status.resumable:
         chosen, _ = newest_resumable(Path(value).parent)
-        if status.may_be_complete:  # summary(): why this version cannot read it, and the fix
+        # summary(): why this version cannot read it, and the fix
+        if status.may_be_complete:
             instead = f"; or resume from {chosen.path}, the newest checkpoint this version reads" if chosen else ""
             raise RecipeError(f"cannot resume from {status.summary()}{instead}")
         instead = f"resume from {chosen.path} (the newest complete one) or" if chosen else "start"
@@ -144,9 +146,8 @@ def refuse_moving_aside(folders: list[Path], output_dir: str) -> None:
             )
 
 
-REQUEUE_RECORD = (
-    "requeue_progress.json"  # output_dir: the newest checkpoint each requeued attempt of a job started from
-)
+# output_dir: the newest checkpoint each requeued attempt of a job started from
+REQUEUE_RECORD = "requeue_progress.json"
 
 
 MAX_STALLED_REQUEUES = 3
@@ -180,11 +181,15 @@ def check_requeue(output_dir: str, resume: str | None) -> dict | None:
 class Decision(NamedTuple):
     """Global rank 0's resume decision, which every rank of the launch takes (``decide``)."""
 
-    path: str | None  # the checkpoint to resume from; None: no resume
+    # the checkpoint to resume from; None: no resume
+    path: str | None
     set_aside: list[SetAside]
-    requeue_record: dict | None  # check_requeue's record, written to output_dir by rank 0
-    notes: list[str]  # what the decision has to say (checkpoints skipped, a resharded resume), said once it stands
-    error: str | None  # the one line the launch stops with (a RecipeError's text); None when it may go on
+    # check_requeue's record, written to output_dir by rank 0
+    requeue_record: dict | None
+    # what the decision has to say (checkpoints skipped, a resharded resume), said once it stands
+    notes: list[str]
+    # the one line the launch stops with (a RecipeError's text); None when it may go on
+    error: str | None
 
 
 def decide(value: str | None, output_dir: str, trainer_fsdp: bool = False) -> Decision:
@@ -196,7 +201,8 @@ def decide(value: str | None, output_dir: str, trainer_fsdp: bool = False) -> De
         return Decision(resume.path, resume.set_aside, check_requeue(output_dir, resume.path), notes, None)
     except RecipeError as err:
         return Decision(None, [], None, notes, str(err))
-    except Exception as err:  # rank 0 alone decides: whatever stops it must reach every rank as the decision's error
+    # rank 0 alone decides: whatever stops it must reach every rank as the decision's error
+    except Exception as err:
         return Decision(
             None,
             [],
@@ -211,8 +217,10 @@ class Sight(NamedTuple):
     """What one rank sees of a resume, from folder names alone (no file is read): compared across ranks."""
 
     host: str
-    newest: str | None  # ``true``: the newest checkpoint-N folder in output_dir (None: none)
-    found: bool  # the checkpoint rank 0 chose (or the path given) is a folder here
+    # ``true``: the newest checkpoint-N folder in output_dir (None: none)
+    newest: str | None
+    # the checkpoint rank 0 chose (or the path given) is a folder here
+    found: bool
 
 
 def sight(value: str | None, output_dir: str, chosen: str | None) -> Sight:
@@ -273,7 +281,8 @@ def later_checkpoints(ckpt: Path, output_dir: str) -> list[SetAside]:
 
 def _resumable(status, trainer_fsdp: bool, say=say) -> str:
     """The checkpoint path, after checking it fits this launch."""
-    from fsdp_recipes.compat import cpu_fsdp  # imports torch: not at the toolkit's import time
+    # imports torch: not at the toolkit's import time
+    from fsdp_recipes.compat import cpu_fsdp
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if status.state_dict_type == "SHARDED_STATE_DICT" and not (cpu_fsdp.fsdp_requested() or trainer_fsdp):
@@ -341,7 +350,8 @@ def check_output_dir(
                 "with this one's; choose an empty or new --output_dir (the folder is left as it is)"
             )
         linked = [e.removesuffix(f" ({HARD_LINK})") for e in foreign if e.endswith(f" ({HARD_LINK})")]
-        if len(linked) == len(foreign):  # its own records, linked to files elsewhere (cp -al run run.bak)
+        # its own records, linked to files elsewhere (cp -al run run.bak)
+        if len(linked) == len(foreign):
             raise RecipeError(
                 f"output_dir {output_dir!r} holds records that are hard links ({', '.join(linked[:4])}"
                 f"{' and more' if len(linked) > 4 else ''}): this run would rewrite them, and the other names' "
@@ -355,7 +365,8 @@ def check_output_dir(
             "new --output_dir"
         )
     if resuming and resume is not None and real(resume).parent != real(output_dir):
-        resuming = False  # another folder's checkpoint: this output_dir starts a new line of checkpoints
+        # another folder's checkpoint: this output_dir starts a new line of checkpoints
+        resuming = False
     if resuming or not out.is_dir():
         return []
     earlier = (
@@ -377,7 +388,8 @@ def check_output_dir(
     if not overwrite:
         names = ", ".join(p.name for p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
         statuses = [checkpoint_status(p) for p in earlier]
-        if model := next((s for s in statuses if s.weights_only), None):  # a model: never offered for deletion
+        # a model: never offered for deletion
+        if model := next((s for s in statuses if s.weights_only), None):
             good = next((s for s in statuses if s.resumable), None)
             resume = f"; or resume {good.path} by its path (--resume_from_checkpoint {good.path})" if good else ""
             raise RecipeError(
@@ -385,7 +397,8 @@ def check_output_dir(
                 f"{model.weights_only_line()}"
                 f"{resume}; or choose a new --output_dir (nothing was deleted)"
             )
-        if unread := next((s for s in statuses if s.may_be_complete), None):  # never offer to delete what may be good
+        # never offer to delete what may be good
+        if unread := next((s for s in statuses if s.may_be_complete), None):
             raise RecipeError(
                 f"output_dir {output_dir!r} already holds another run's checkpoints ({names}); "
                 f"{Path(unread.path).name} "
@@ -393,15 +406,15 @@ def check_output_dir(
                 "version that wrote it, or choose a new --output_dir"
             )
         if good := [s for s in statuses if s.resumable]:
-            newest = set(checkpoint_steps(out))  # what `true` looks at; a folder set aside is resumed by its path
+            # what `true` looks at; a folder set aside is resumed by its path
+            newest = set(checkpoint_steps(out))
             how = "true" if any(Path(s.path) in newest for s in good) else good[0].path
             raise RecipeError(
                 f"output_dir {output_dir!r} already holds another run's checkpoints ({names}): resume it with "
                 f"--resume_from_checkpoint {how}, or choose a new --output_dir"
             )
-        delete = (
-            "" if foreign else ", or pass --overwrite_output_dir true to delete them"
-        )  # only what that flag would delete
+        # only what that flag would delete
+        delete = "" if foreign else ", or pass --overwrite_output_dir true to delete them"
         raise RecipeError(
             f"output_dir {output_dir!r} already holds another run's checkpoints ({names}), none of them "
             "complete: resume "
@@ -413,9 +426,8 @@ def check_output_dir(
             f"({checkpoint_unlike(foreign[0])}): "
             "refusing to delete it; move what you want to keep out of it, or choose a new --output_dir"
         )
-    for status in map(
-        checkpoint_status, earlier
-    ):  # what may be good is never on the list: the run stops, nothing deleted
+    # what may be good is never on the list: the run stops, nothing deleted
+    for status in map(checkpoint_status, earlier):
         if status.weights_only:
             raise RecipeError(
                 f"--overwrite_output_dir: refusing to delete {status.path}, which may be a good model: "

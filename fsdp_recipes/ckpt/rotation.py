@@ -44,7 +44,8 @@ def rotate(
     if not limit or limit <= 0:
         return []
     steps = []
-    for ckpt in checkpoint_steps(Path(run_dir)):  # newest first; another folder does not cost a checkpoint its place
+    # newest first; another folder does not cost a checkpoint its place
+    for ckpt in checkpoint_steps(Path(run_dir)):
         if (why := checkpoint_unlike(ckpt)) is None:
             steps.append(ckpt)
         else:
@@ -57,10 +58,12 @@ def rotate(
         if len(steps) - tried <= max(limit, len(protected)):
             break
         if ckpt not in protected:
-            tried += 1  # a folder that would not go still counts: a newer one is never deleted in its place
+            # a folder that would not go still counts: a newer one is never deleted in its place
+            tried += 1
             try:
                 remove(ckpt, CHECKPOINT_PURPOSE, shape=is_checkpoint_folder)
                 deleted.append(ckpt)
-            except (OSError, RefusedRemoval) as err:  # a file held open over NFS, a permission: never worth a run
+            # a file held open over NFS, a permission: never worth a run
+            except (OSError, RefusedRemoval) as err:
                 warn(f"save_total_limit: could not delete {ckpt.name} ({err}); delete it yourself")
     return deleted

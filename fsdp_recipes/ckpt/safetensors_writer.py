@@ -43,7 +43,8 @@ def _safetensors_header(
         layout.append((n, size))
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    # the data section starts 8-byte aligned, as safetensors writes it
+    raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw, layout
 
 
@@ -146,13 +147,14 @@ def write_weights(
             )
         else:
             shards.append((out_dir / filename, header, layout, plans))
+    # one bar: the first part's
     with tqdm(
         total=sum(infos[n].nbytes(dtype) for _, shard in mine for n in shard),
         unit="B",
         unit_scale=True,
         desc="Writing weights",
         disable=part[0] != 0,
-    ) as bar:  # one bar: the first part's
+    ) as bar:
         child, errors = _start_copies(copies) if copies else (None, None)
         try:
             for path, header, layout, plans in shards:
@@ -161,7 +163,8 @@ def write_weights(
                 _finish_copies(child, errors, copies, cancelled, bar.update)
         finally:
             if child is not None:
-                if child.poll() is None:  # an error or a cancel here: the copy stops too
+                # an error or a cancel here: the copy stops too
+                if child.poll() is None:
                     child.kill()
                 child.wait()
                 child.stdout.close()
@@ -191,7 +194,8 @@ def _write_shard(
     writer's buffer; the rest are read (and cast) in budgeted groups, in the order they are written."""
     slow = groups([n for n, _ in layout if plans.get(n) is None], infos, budget)
     loaded: dict = {}
-    out = DirectFile(path)  # fsynced at close: a renamed output folder is on disk
+    # fsynced at close: a renamed output folder is on disk
+    out = DirectFile(path)
     try:
         out.write(header)
         for n, size in layout:
@@ -210,14 +214,16 @@ def _write_shard(
             # into the next tensor's place in the file
             given = loaded.pop(n)
             t = given.to(torch_dtype(dtype or infos[n].dtype)).contiguous()
-            if tuple(t.shape) != tuple(infos[n].shape):  # with the stated dtype, the stated bytes
+            # with the stated dtype, the stated bytes
+            if tuple(t.shape) != tuple(infos[n].shape):
                 raise CheckpointError(
                     f"{n}: the checkpoint gave a tensor of shape {tuple(t.shape)}, where its "
                     f"metadata states {tuple(infos[n].shape)}: the checkpoint is inconsistent; copy it again"
                 )
             if t.numel():
                 raw = t.reshape(-1).view(torch_dtype("uint8")).numpy()
-                if not finite(raw, dtype or infos[n].dtype):  # a cast to a narrower float can make infinities too
+                # a cast to a narrower float can make infinities too
+                if not finite(raw, dtype or infos[n].dtype):
                     raise out_of_range_error(n, dtype, given) or non_finite_error(n, dtype or infos[n].dtype)
                 out.write(raw)
             progress(size)
@@ -277,7 +283,8 @@ def _start_copies(files: list[dict]) -> tuple[subprocess.Popen, object]:
         child.stdin.write(json.dumps({"files": files}))
         child.stdin.close()
     except BrokenPipeError:
-        pass  # it died at once: _finish_copies says why
+        # it died at once: _finish_copies says why
+        pass
     return child, errors
 
 
@@ -296,7 +303,8 @@ def _finish_copies(
     code = child.wait()
     errors.seek(0)
     said = [line.strip() for line in errors.read().splitlines() if line.strip()]
-    if code == FAILED:  # the copier's own one-line error (a truncated record, a full disk)
+    # the copier's own one-line error (a truncated record, a full disk)
+    if code == FAILED:
         raise CheckpointError(
             said[-1] if said else "the copy process failed without a word: nothing was published; run the merge again"
         )

@@ -13,7 +13,8 @@ from pathlib import Path
 
 # ----------------------------------------------------------------------------------------------- shard digests
 
-_DIGEST_SAMPLE = 1 << 20  # bytes hashed at each end of a .distcp file: cheap at any size, different on every rank
+# bytes hashed at each end of a .distcp file: cheap at any size, different on every rank
+_DIGEST_SAMPLE = 1 << 20
 
 
 def shard_digest(path: Path) -> dict:
@@ -54,9 +55,8 @@ def write_shard_digests(ckpt: Path, folders: tuple[str, ...]) -> None:
         for p in sorted((ckpt / folder).iterdir())
         if p.suffix == ".distcp" or p.name == ".metadata"
     }
-    step = step_of_name(
-        ckpt
-    )  # the record belongs to this step: another checkpoint's, copied in with its shards, is named
+    # the record belongs to this step: another checkpoint's, copied in with its shards, is named
+    step = step_of_name(ckpt)
     record = {
         "format": 1,
         "sample_bytes": _DIGEST_SAMPLE,
@@ -91,12 +91,14 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
     from fsdp_recipes.ckpt.layout import MANIFEST, SHARD_DIGESTS
 
     path = Path(ckpt) / SHARD_DIGESTS
-    try:  # our runs announce the digests in the manifest, which is written before any shard, and sealed with their step
+    # our runs announce the digests in the manifest, which is written before any shard, and sealed with their step
+    try:
         manifest = (
             load_json(Path(ckpt) / MANIFEST, MANIFEST, JSON_LIMIT) if os.path.lexists(Path(ckpt) / MANIFEST) else {}
         )
     except ValueError:
-        manifest = {}  # an unreadable manifest is named by description.recorded_changes
+        # an unreadable manifest is named by description.recorded_changes
+        manifest = {}
     if not os.path.lexists(path):
         return (
             [
@@ -110,21 +112,24 @@ def digest_problems(ckpt: Path, folders: tuple[str, ...]) -> list[str]:
         record = load_json(path, SHARD_DIGESTS, JSON_LIMIT)
         files = record["files"] if record.get("sample_bytes") == _DIGEST_SAMPLE else None
         if not isinstance(files, dict) or not all(_digest_form(v) for v in files.values()):
-            raise ValueError  # an entry that is no size and hash is no record of a file: not a swap
+            # an entry that is no size and hash is no record of a file: not a swap
+            raise ValueError
     except (ValueError, TypeError, KeyError, OSError):
         return [f"unreadable {SHARD_DIGESTS}: copy the checkpoint again"]
     # The step the record names must be the folder's (its name's, else trainer_state.json's) and the one the manifest
     # was sealed with; a sealed manifest also means the record names one (an older version's record names none).
     recorded, sealed = record.get("step"), manifest.get("shard_digests_step")
     for what, value in ((SHARD_DIGESTS, recorded), (f"{MANIFEST}'s shard_digests_step", sealed)):
-        if value is not None and not (type(value) is int and value >= 0):  # True == 1, 6.0 == 6: no step number
+        # True == 1, 6.0 == 6: no step number
+        if value is not None and not (type(value) is int and value >= 0):
             return [
                 f"{what} is {json.dumps(value)[:40]}, not a step number: the record was edited; copy the "
                 "checkpoint again"
             ]
     steps = [s for s in (_step_of(Path(ckpt)), sealed) if s is not None]
     if (recorded is not None or sealed is not None) and (wrong := [s for s in steps if s != recorded]):
-        if recorded == sealed == _state_step(Path(ckpt)) != wrong[0]:  # every record agrees but the folder's name
+        # every record agrees but the folder's name
+        if recorded == sealed == _state_step(Path(ckpt)) != wrong[0]:
             return [
                 f"{Path(ckpt).name} was renamed: its trainer_state.json, {SHARD_DIGESTS} and {MANIFEST} are of "
                 f"step {recorded}; "

@@ -60,8 +60,10 @@ from fsdp_recipes.errors import CheckpointError, UnknownToThisVersion, Unreadabl
 class CheckpointStatus:
     path: str
     step: int | None = None
-    state_dict_type: str | None = None  # SHARDED_STATE_DICT, FULL_STATE_DICT or PLAIN (saved without FSDP: DDP, ZeRO-1)
-    fsdp_version: int | None = None  # from our fsdp_report.json; None for checkpoints other scripts wrote
+    # SHARDED_STATE_DICT, FULL_STATE_DICT or PLAIN (saved without FSDP: DDP, ZeRO-1)
+    state_dict_type: str | None = None
+    # from our fsdp_report.json; None for checkpoints other scripts wrote
+    fsdp_version: int | None = None
     sharding_strategy: str | None = None
     world_size: int | None = None
     problems: list[str] = field(default_factory=list)
@@ -69,7 +71,8 @@ class CheckpointStatus:
     unreadable: str | None = None
     # a LoRA run's sharded model: "adapter only" (the frozen base is the base model's) or "whole model"; None otherwise
     lora: str | None = None
-    base_model: str | None = None  # an adapter-only checkpoint's base, as the run recorded it (ckpt.base_identity)
+    # an adapter-only checkpoint's base, as the run recorded it (ckpt.base_identity)
+    base_model: str | None = None
     # complete model weights and no optimizer state (state_dict_type WEIGHTS_ONLY, save_only_model's): a model,
     # not resumable
     weights_only: bool = False
@@ -165,12 +168,14 @@ def checkpoint_status(ckpt: str | os.PathLike) -> CheckpointStatus:
         return status
     try:
         _check(ckpt, status)
-    except OSError as err:  # a file vanished while we looked (another rank set the folder aside)
+    # a file vanished while we looked (another rank set the folder aside)
+    except OSError as err:
         status.problems.append(f"unreadable: {err.strerror} ({Path(err.filename or ckpt).name})")
     return status
 
 
-MAX_WORLD_SIZE = 65536  # processes; the rank files checked below are named from it, one per rank
+# processes; the rank files checked below are named from it, one per rank
+MAX_WORLD_SIZE = 65536
 
 
 def _whole(value, low: int, high: int | None) -> bool:
@@ -207,11 +212,13 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
         status.problems.append("not a training checkpoint (no trainer_state.json, model or optimizer state)")
         return
     report = ckpt / REPORT_NAME
-    if os.path.lexists(report) and (problem := _read_report(report, status)):  # optional, but when there, sound
+    # optional, but when there, sound
+    if os.path.lexists(report) and (problem := _read_report(report, status)):
         status.problems.append(problem)
 
     state = ckpt / "trainer_state.json"
-    finished = False  # trainer_state.json, which the Trainer writes last, is there and readable: the save finished
+    # trainer_state.json, which the Trainer writes last, is there and readable: the save finished
+    finished = False
     if not os.path.lexists(state):
         status.problems.append("missing trainer_state.json (the Trainer writes it last: the save did not finish)")
     else:
@@ -250,11 +257,13 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
             "convert them to safetensors where you trust the file, or move the checkpoint out of output_dir"
         )
         return
-    if weights_only_layout(ckpt):  # save_only_model's: judged by its weights alone (no scheduler or RNG state either)
+    # save_only_model's: judged by its weights alone (no scheduler or RNG state either)
+    if weights_only_layout(ckpt):
         status.state_dict_type = WEIGHTS_ONLY
         if weights := weights_problems(ckpt):
             status.problems += [f"model weights: {p}" for p in weights]
-        else:  # from the weights alone: a trainer_state.json missing or unreadable is said, and protects nothing less
+        # from the weights alone: a trainer_state.json missing or unreadable is said, and protects nothing less
+        else:
             status.weights_only = True
         if changes := _recorded_changes(ckpt):
             status.problems.append(changes)
@@ -262,7 +271,8 @@ def _check(ckpt: Path, status: CheckpointStatus) -> None:
     if not fsdp_files and (
         (ckpt / PLAIN_OPTIMIZER_FILE).exists() or (report.is_file() and status.fsdp_version is None)
     ):
-        status.state_dict_type = "PLAIN"  # the Trainer's own files: model.safetensors (+ index), optimizer.pt
+        # the Trainer's own files: model.safetensors (+ index), optimizer.pt
+        status.state_dict_type = "PLAIN"
         from fsdp_recipes.ckpt.readers import SafetensorsSource
 
         try:

@@ -79,18 +79,21 @@ def disk_full_problem(err: BaseException, output_dir: str | os.PathLike, export:
     out = Path(output_dir)
     errors = _errors_inside(err, out)
     codes = {e.errno for e in errors if isinstance(e, OSError)}
-    said = " ".join(map(repr, errors))  # not str: CheckpointException.__str__ fails on a failure not a pair
+    # not str: CheckpointException.__str__ fails on a failure not a pair
+    said = " ".join(map(repr, errors))
     quota = errno.EDQUOT in codes or os.strerror(errno.EDQUOT) in said
     errno_less = os.strerror(errno.ENOSPC) in said or (
         not codes and ("unexpected pos" in said or "iostream error" in said)
     )
     if not (quota or errno.ENOSPC in codes or errno_less):
-        return None  # before reading output_dir: any other error of the run passes through here
+        # before reading output_dir: any other error of the run passes through here
+        return None
     free = shutil.disk_usage(out).free
     chosen, _ = newest_resumable(out)
     size = sum(f.stat().st_size for f in Path(chosen.path).rglob("*") if f.is_file()) if chosen else 0
     kept = f"{Path(chosen.path).name} is intact" if chosen else "no complete checkpoint was written yet"
-    if quota:  # the filesystem's free space says nothing about a quota
+    # the filesystem's free space says nothing about a quota
+    if quota:
         where, room, fix = f"disk quota exceeded on {out}", "", "free space within your quota (or move output_dir)"
         need = f"a checkpoint takes {mb(size)}"
     elif errno.ENOSPC in codes or (errno_less and free < max(size, 1e6)):

@@ -144,9 +144,11 @@ def unknown_torch_name(module: str, name: str) -> str | None:
         import importlib
 
         try:
-            found = importlib.import_module(module).__dict__  # torch's own module: runs only torch's code
+            # torch's own module: runs only torch's code
+            found = importlib.import_module(module).__dict__
         except ImportError:
-            return "DCP class"  # a module of torch.distributed.checkpoint this torch does not have
+            # a module of torch.distributed.checkpoint this torch does not have
+            return "DCP class"
         return "DCP class" if name not in found else None
     return None
 

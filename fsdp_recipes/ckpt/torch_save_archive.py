@@ -45,7 +45,8 @@ class FileSlice(io.RawIOBase):
         return len(data)
 
 
-RECORD_LIMIT = 256 << 20  # bytes of one record's pickle (not its tensor data): DCP's are a few hundred bytes
+# bytes of one record's pickle (not its tensor data): DCP's are a few hundred bytes
+RECORD_LIMIT = 256 << 20
 
 
 _TORCH_SAVE_MEMBERS = {
@@ -57,7 +58,8 @@ _TORCH_SAVE_MEMBERS = {
     ".data/serialization_id",
 }
 _END, _END64, _LOCATOR64 = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
-_FILE_VERSIONS = range(1, 4)  # torch.save's record format versions up to torch 2.13's (3); a newer one goes to torch
+# torch.save's record format versions up to torch 2.13's (3); a newer one goes to torch
+_FILE_VERSIONS = range(1, 4)
 
 
 def torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None:
@@ -75,11 +77,13 @@ def torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None:
         return None
     disk, cd_disk, disk_entries, entries, cd_size, cd_offset, comment = struct.unpack("<HHHHIIH", end[4:22])
     if disk or cd_disk or disk_entries != entries or comment:
-        return None  # torch's reader refuses multi-disk archives
+        # torch's reader refuses multi-disk archives
+        return None
     end_at = length - 22
     record.seek(max(0, length - 42))
     locator = record.read(20)
-    if locator[:4] == _LOCATOR64:  # torch writes the zip64 end record (56 bytes) and its locator before the end record
+    # torch writes the zip64 end record (56 bytes) and its locator before the end record
+    if locator[:4] == _LOCATOR64:
         end_at = struct.unpack("<Q", locator[8:16])[0]
         record.seek(end_at)
         end64 = record.read(56)
@@ -102,13 +106,15 @@ def torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None:
             short not in (full, saturated)
             for short, full, saturated in zip((entries, cd_size, cd_offset), numbers, (0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF))
         ):
-            return None  # the two end records disagree: readers may differ on which they believe
+            # the two end records disagree: readers may differ on which they believe
+            return None
         entries, cd_size, cd_offset = numbers
     if entries != len(infos) or cd_offset + cd_size != end_at:
         return None
     record.seek(cd_offset)
     directory, at = record.read(cd_size), 0
-    for info in infos:  # the directory walked by its own lengths, as miniz walks it, names the members zipfile found
+    # the directory walked by its own lengths, as miniz walks it, names the members zipfile found
+    for info in infos:
         if directory[at : at + 4] != b"PK\x01\x02" or len(directory) < at + 46:
             return None
         name_len, extra_len, comment_len, disk_start, _, external = struct.unpack(
@@ -144,7 +150,8 @@ def torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None:
             return None
         members[name] = info
         position = member_start(record, info) + info.file_size
-        if info.flag_bits & 0x8:  # a data descriptor follows: signature, CRC, sizes (4 or 8 bytes each)
+        # a data descriptor follows: signature, CRC, sizes (4 or 8 bytes each)
+        if info.flag_bits & 0x8:
             record.seek(position)
             descriptor = record.read(4)
             position += (16 if not info.file_size >> 32 else 24) if descriptor == b"PK\x07\x08" else 0
@@ -162,7 +169,8 @@ def torch_save_layout(record, length: int) -> dict[str, zipfile.ZipInfo] | None:
         or "version" not in texts
         or int(texts["version"]) not in _FILE_VERSIONS
     ):
-        return None  # torch reads these as text and numbers (its version, the serialization id) and refuses the record
+        # torch reads these as text and numbers (its version, the serialization id) and refuses the record
+        return None
     return members
 
 
@@ -220,7 +228,8 @@ class RawTensor:
 
     dtype: str
     shape: tuple[int, ...]
-    data_offset: int  # in the .distcp file
+    # in the .distcp file
+    data_offset: int
     nbytes: int
 
 

@@ -58,8 +58,10 @@ class ShardFiles:
 
     def __init__(self):
         self.direct, self.page_cache, self.why = 0, 0, None
-        self.other_writer = None  # a save whose storage writer was not DCP's FileSystemWriter: left as it was
-        self._lock = threading.Lock()  # background saves write from DCP's threads
+        # a save whose storage writer was not DCP's FileSystemWriter: left as it was
+        self.other_writer = None
+        # background saves write from DCP's threads
+        self._lock = threading.Lock()
 
     def add(self, page_cache_why: str | None) -> None:
         with self._lock:
@@ -124,7 +126,8 @@ class _DirectShardFiles(_ShardFiles):
         try:
             yield stream
         except BaseException as err:
-            stream.abort()  # not written whole: no tail, no fsync; the save fails and the checkpoint stays incomplete
+            # not written whole: no tail, no fsync; the save fails and the checkpoint stays incomplete
+            stream.abort()
             # the write's own error, as _ShardFiles raises it (every later write fails because of the first)
             if isinstance(err, RuntimeError) and isinstance(stream.failure, OSError):
                 raise stream.failure from err
@@ -136,7 +139,8 @@ class _DirectShardFiles(_ShardFiles):
 
 
 def _our_files(storage_writer, files: ShardFiles, direct: bool):
-    if type(getattr(storage_writer, "fs", None)) is FileSystem:  # DCP's FileSystemWriter, as accelerate makes it
+    # DCP's FileSystemWriter, as accelerate makes it
+    if type(getattr(storage_writer, "fs", None)) is FileSystem:
         storage_writer.fs = _DirectShardFiles(storage_writer.sync_files, files) if direct else _ShardFiles()
     elif direct:
         files.other_writer = (
@@ -187,7 +191,8 @@ def checkpoint_saves(files: ShardFiles, *, direct: bool, background: Background 
         )
         background.in_place.append(stager.last_in_place)
         background.staged_bytes.append(0 if stager.last_in_place else local_bytes(state_dict))
-        return None  # accelerate does not read save's result (the metadata); the future holds it
+        # accelerate does not read save's result (the metadata); the future holds it
+        return None
 
     dcp.save = wrapped
     try:

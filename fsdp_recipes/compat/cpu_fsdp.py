@@ -115,7 +115,8 @@ def enable(trainer_fsdp: bool = False) -> bool:
         return True
     if not needed(trainer_fsdp):
         return False
-    internals.require(*CPU_PRIVATE)  # all or nothing: a half-patched run would be wrong without a word
+    # all or nothing: a half-patched run would be wrong without a word
+    internals.require(*CPU_PRIVATE)
     os.environ["ACCELERATE_USE_CPU"] = "true"
     _patch_accelerator_state()
     _patch_fsdp_plugin()
@@ -285,11 +286,15 @@ def read_cpuinfo() -> str:
 class CpuPrecision:
     """bf16 mixed precision asked for on a machine without an accelerator: which CPU, and what runs."""
 
-    asked_by: str  # where bf16 was asked for, as the user wrote it
+    # where bf16 was asked for, as the user wrote it
+    asked_by: str
     cpu: str
-    native_bf16: bool | None  # None: the CPU's instructions could not be read; bf16 is then kept, as asked
-    forced: bool  # --cpu_bf16 true
-    lacks: str = ""  # what /proc/cpuinfo would list if it had native bf16
+    # None: the CPU's instructions could not be read; bf16 is then kept, as asked
+    native_bf16: bool | None
+    # --cpu_bf16 true
+    forced: bool
+    # what /proc/cpuinfo would list if it had native bf16
+    lacks: str = ""
 
     @property
     def mixed_precision(self) -> str:
@@ -351,7 +356,8 @@ def choose_cpu_precision(bf16_flag: bool, force: bool, env=None, cpuinfo: str | 
     )
     decision = CpuPrecision(asked_by, cpu_name(text), native_bf16(text), force, _bf16_names(text))
     if decision.mixed_precision == "no":
-        env["ACCELERATE_MIXED_PRECISION"] = "no"  # read by TrainingArguments and AcceleratorState; the ranks' own copy
+        # read by TrainingArguments and AcceleratorState; the ranks' own copy
+        env["ACCELERATE_MIXED_PRECISION"] = "no"
     _CPU_PRECISION = decision
     return decision
 

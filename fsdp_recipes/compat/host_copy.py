@@ -44,21 +44,26 @@ class ReusedHostCopy:
     def __init__(self, in_place: bool = False, ahead: HostBuffers | None = None):
         self.copy, self.layout = None, None
         self.in_place, self.last_in_place = in_place, False
-        self.ahead = ahead  # buffers made before the first save (HostBuffers), for the first host copy only
-        self.made = 0  # host copies made: 1 for a whole run unless the state dict changed shape
+        # buffers made before the first save (HostBuffers), for the first host copy only
+        self.ahead = ahead
+        # host copies made: 1 for a whole run unless the state dict changed shape
+        self.made = 0
 
     @property
     def should_synchronize_after_execute(self) -> bool:
-        return False  # the copy is done when stage returns
+        # the copy is done when stage returns
+        return False
 
     def stage(self, state_dict):
         self.last_in_place = self.in_place and on_host(state_dict)
         if self.last_in_place:
-            self.copy, self.layout = None, None  # a copy made before (tensors moved since) is not kept for nothing
+            # a copy made before (tensors moved since) is not kept for nothing
+            self.copy, self.layout = None, None
             return state_dict
         layout = _layout(state_dict)
         if self.copy is None or layout != self.layout:
-            self.copy = None  # the old buffers go before the new ones are made
+            # the old buffers go before the new ones are made
+            self.copy = None
             ahead, self.ahead = self.ahead, None
             if ahead is not None:
                 self.copy = ahead.build(state_dict, layout)
@@ -100,11 +105,13 @@ class HostBuffers:
 
     def _make(self, shapes) -> None:
         began, made = time.monotonic(), []
-        try:  # what could be made is used, should memory run out part way
+        # what could be made is used, should memory run out part way
+        try:
+            # torch's pinned allocator: measured to hold up the training thread's CUDA calls
             for (
                 dtype,
                 shape,
-            ) in shapes:  # torch's pinned allocator: measured to hold up the training thread's CUDA calls
+            ) in shapes:
                 made.append(torch.empty(shape, dtype=dtype, pin_memory=self.pin == "allocator"))
         except Exception as error:  # noqa: BLE001 (the save makes what is missing, as without this)
             self.error = f"{type(error).__name__}: {error}"
@@ -129,12 +136,13 @@ class HostBuffers:
         why = None if _copyable(state_dict) else "a tensor type other than Tensor and DTensor"
         try:
             made = _host_copy(state_dict, self, {}) if why is None else None
+        # a torch where DTensor's empty_like or memory moved
         except (
             RuntimeError,
             TypeError,
             ValueError,
             InternalsChanged,
-        ) as error:  # a torch where DTensor's empty_like or memory moved
+        ) as error:
             made, why = None, f"{type(error).__name__}: {error}"
         if made is not None and _layout(made) != layout:
             made, why = None, "its layout differed from the state dict's"
@@ -170,9 +178,8 @@ class HostBuffers:
         }
 
 
-FAULT_THREADS = (
-    4  # the launcher gives each rank one OpenMP thread (OMP_NUM_THREADS=1), so zero_() alone faults in 1.3 GB/s
-)
+# the launcher gives each rank one OpenMP thread (OMP_NUM_THREADS=1), so zero_() alone faults in 1.3 GB/s
+FAULT_THREADS = 4
 
 
 def _fault_in(buffers, chunk_bytes: int = 64 * 2**20) -> None:
@@ -189,7 +196,8 @@ def _fault_in(buffers, chunk_bytes: int = 64 * 2**20) -> None:
                 chunk = next(chunks, None)
             if chunk is None:
                 return
-            chunk.zero_()  # without the GIL
+            # without the GIL
+            chunk.zero_()
 
     helpers = [
         threading.Thread(target=work, name="host-copy-ahead", daemon=True)
@@ -236,9 +244,8 @@ def _host_copy(state, ahead: HostBuffers, seen: dict):
     if isinstance(state, DTensor):
         if state.dim() == 0:
             return state
-        wrapper = torch.empty_like(
-            state, device="cpu"
-        )  # the DTensor's mesh and placements; its memory is replaced next
+        # the DTensor's mesh and placements; its memory is replaced next
+        wrapper = torch.empty_like(state, device="cpu")
         internals.set_attr(
             wrapper, "torch.distributed.tensor.DTensor._local_tensor", _host_tensor(state.to_local(), ahead, seen)
         )

@@ -24,7 +24,8 @@ from contextlib import contextmanager
 
 from fsdp_recipes.compat import internals
 
-WAITS = ("connect", "read", "write", "pool")  # httpx's timeouts, each a wait of its own
+# httpx's timeouts, each a wait of its own
+WAITS = ("connect", "read", "write", "pool")
 _installed: list[bool] = []
 
 
@@ -76,7 +77,8 @@ def through_http():
 def timed_out(err: BaseException) -> bool:
     """Whether ``err`` is a request that hit its deadline (httpx's timeouts, or an error huggingface_hub raised from
     one)."""
-    for _ in range(8):  # the exception and what it was raised from
+    # the exception and what it was raised from
+    for _ in range(8):
         if err is None:
             return False
         if "Timeout" in type(err).__name__:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import warnings
 
-CHECKPOINTING_ALIAS = r"`is_gradient_checkpointing` is deprecated"  # transformers 5.23, modeling_utils.py
+# transformers 5.23, modeling_utils.py
+CHECKPOINTING_ALIAS = r"`is_gradient_checkpointing` is deprecated"
 
 
 def get_peft_model(model, config):

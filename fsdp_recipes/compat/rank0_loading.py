@@ -54,7 +54,8 @@ def _scatter_shard(full: torch.Tensor | None, meta_param, world: int, rank: int)
         for r in range(world):
             start, n = min(r * per, rows), max(0, min(per, rows - r * per))
             piece = full.narrow(0, start, n)
-            if n < per:  # gloo scatter wants equal sizes: pad the short last chunks
+            # gloo scatter wants equal sizes: pad the short last chunks
+            if n < per:
                 piece = torch.cat([piece, piece.new_zeros((per - n, *rest))])
             chunks.append(piece.contiguous())
     dist.scatter(buf, chunks, src=0)
@@ -106,7 +107,8 @@ def load_full_state_dict(accelerator, model: torch.nn.Module, full_sd: dict, cpu
     return model
 
 
-_original = None  # accelerate's own function, once installed
+# accelerate's own function, once installed
+_original = None
 
 
 def install() -> None:
@@ -121,7 +123,8 @@ def hollow_weights(model: torch.nn.Module) -> torch.nn.Module:
     of its shape, dtype and requires_grad (pages the kernel gives only when written: no RAM until then), a tensor
     shared by modules (tied embeddings) one shared tensor. Not meta: accelerate's FSDP2 prepare tells parameters
     apart by data_ptr(), which is 0 for every meta tensor (the optimizer then steps one parameter of all)."""
-    hollow: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the original, alive till the end; its stand-in)
+    # id -> (the original, alive till the end; its stand-in)
+    hollow: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in hollow:
@@ -140,7 +143,8 @@ def receive_buffers(model: torch.nn.Module) -> torch.nn.Module:
     sync and accelerate's FSDP2 path both keep the buffers a rank has. A buffer shared by modules stays shared."""
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    received: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (this rank's, alive till the end; rank 0's)
+    # id -> (this rank's, alive till the end; rank 0's)
+    received: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for module in model.modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             if id(buffer) not in received:
@@ -151,9 +155,8 @@ def receive_buffers(model: torch.nn.Module) -> torch.nn.Module:
                 )
                 dist.broadcast(wire, src=0)
                 received[id(buffer)] = (buffer, buffer if rank == 0 else wire.to("cpu"))
-            setattr(
-                module, name, received[id(buffer)][1]
-            )  # an existing buffer's name: stays a buffer, persistence kept
+            # an existing buffer's name: stays a buffer, persistence kept
+            setattr(module, name, received[id(buffer)][1])
     return model
 
 
@@ -189,10 +192,12 @@ def _flat_param_from_rank0(self, tensors: list, aligned_numel: int, requires_gra
     )
     if groups is None or dist.get_rank() == 0:
         flat = _flatten_original(self, tensors, aligned_numel, requires_grad)
-        if groups is None:  # a unit whose parameters the sync did not leave to us
+        # a unit whose parameters the sync did not leave to us
+        if groups is None:
             return flat
     else:
-        numel = sum(t.numel() for t in tensors)  # the tensors as torch would flatten them, padding included
+        # the tensors as torch would flatten them, padding included
+        numel = sum(t.numel() for t in tensors)
         flat = internals.get("torch.distributed.fsdp._flat_param.FlatParameter")(
             torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device), requires_grad=requires_grad
         )
@@ -221,7 +226,8 @@ def _scatter_chunks(flat: torch.Tensor, group, keep: bool = False) -> torch.Tens
 
     mine = chunk(rank)
     kept = keep and rank != 0
-    buf = mine if mine.numel() == per and not kept else flat.new_empty(per)  # gloo scatters equal sizes
+    # gloo scatters equal sizes
+    buf = mine if mine.numel() == per and not kept else flat.new_empty(per)
     pieces = None
     if rank == 0:
         pieces = [

@@ -37,7 +37,8 @@ def install(vetted_metadata, vetted_byte_record, metadata_limit: int) -> None:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         path = metadata_path(self, kwargs.get("rank"))
-        try:  # a FIFO or a larger file put there since the checks would hang the read or fill memory
+        # a FIFO or a larger file put there since the checks would hang the read or fill memory
+        try:
             data = read_bytes(path, ".metadata", metadata_limit)
         except UnreadableFile as err:
             raise CheckpointError(

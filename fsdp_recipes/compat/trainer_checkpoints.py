@@ -38,7 +38,8 @@ _SET = "accelerate.utils.fsdp_utils._set_model_state_dict"
 
 @contextmanager
 def whole_model_fsdp_checkpoints():
-    ask = internals.patch(_ASK, dict)  # dict(): no keyword arguments, the whole model
+    # dict(): no keyword arguments, the whole model
+    ask = internals.patch(_ASK, dict)
     try:
         yield
     finally:
@@ -48,12 +49,12 @@ def whole_model_fsdp_checkpoints():
 def _options(sd_options, **changes):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return (
-        replace(sd_options, **changes) if sd_options is not None else StateDictOptions(**changes)
-    )  # None: FSDP1, sharded
+    # None: FSDP1, sharded
+    return replace(sd_options, **changes) if sd_options is not None else StateDictOptions(**changes)
 
 
-_WRAPPERS = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")  # as fsdp_recipes.ckpt.layout's
+# as fsdp_recipes.ckpt.layout's
+_WRAPPERS = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 
 
 def _frozen_names(model) -> set[str]:

@@ -17,7 +17,9 @@ from fsdp_recipes.config.flags import known_accelerate_keys
 from fsdp_recipes.config.fsdp_section import check_fsdp_keys
 from fsdp_recipes.config.problems import Checker, Problem, as_bool, suggest
 from fsdp_recipes.config.recipe_checks import ZERO1_UNDER_FSDP, check_model, check_with_recipe
-from fsdp_recipes.config.strategy import DDP_TYPES  # accelerate's distributed types for DistributedDataParallel
+
+# accelerate's distributed types for DistributedDataParallel
+from fsdp_recipes.config.strategy import DDP_TYPES
 from fsdp_recipes.errors import UnreadableFile
 
 MIXED_PRECISION = ["no", "fp16", "bf16", "fp8"]
@@ -104,16 +106,19 @@ def check_config(
     ``model``: a hub id, a local folder or a config.json; only its config is read (on the meta device).
     """
     c = Checker(str(config_path))
-    try:  # within bounds (fsdp_recipes.bounded): no folder, pipe, device, oversize or binary file, no YAML aliases
+    # within bounds (fsdp_recipes.bounded): no folder, pipe, device, oversize or binary file, no YAML aliases
+    try:
         raw = read_config_file(config_path)
         if recipe is None and recipe_path is not None:
             recipe = load_yaml(recipe_path, "recipe")
     except UnreadableFile as err:
         c.error("", err.reason, err.fix, file=err.path)
         return c.problems
-    if not raw:  # accelerate itself fails on an empty file with an AttributeError
+    # accelerate itself fails on an empty file with an AttributeError
+    if not raw:
         c.error("", "is empty: it holds no accelerate config", "copy one of accelerate_configs/ (zero3.yaml)")
-    if recipe_path is not None and not recipe:  # train_fsdp.py refuses it: no model_name_or_path nor config_name
+    # train_fsdp.py refuses it: no model_name_or_path nor config_name
+    if recipe_path is not None and not recipe:
         c.error(
             "",
             "is empty: it names no model (model_name_or_path or config_name), which train_fsdp.py then needs as a flag",
@@ -124,7 +129,8 @@ def check_config(
         return c.problems
     if recipe_path is not None and (problem := _recipe_problem(recipe, recipe_path)):
         c.error("", *problem, file=str(recipe_path))
-        if ACCELERATE_AS_RECIPE in problem[0]:  # the recipe's settings are none: nothing to check the config against
+        # the recipe's settings are none: nothing to check the config against
+        if ACCELERATE_AS_RECIPE in problem[0]:
             return c.problems
     return c.problems + check_settings(raw, str(config_path), recipe, str(recipe_path or "recipe"), model)
 
@@ -165,11 +171,11 @@ def check_settings(
             "parallelism_config", "must be a mapping", "indent the parallelism_config_* keys under parallelism_config:"
         )
         pc = {}
-    if c.problems:  # every other check reads these mappings: what it would say follows from this alone
+    # every other check reads these mappings: what it would say follows from this alone
+    if c.problems:
         return c.problems
-    if (
-        check_keys and raw and not set(raw) & top and set(raw) & _recipe_keys()
-    ):  # a recipe as the config: one line, not one per key
+    # a recipe as the config: one line, not one per key
+    if check_keys and raw and not set(raw) & top and set(raw) & _recipe_keys():
         c.error(
             "",
             "holds none of accelerate's config keys (it has "
@@ -200,7 +206,8 @@ def check_settings(
             "set compute_environment: LOCAL_MACHINE",
         )
     dist_type = raw.get("distributed_type")
-    ddp = dist_type in DDP_TYPES and not fsdp  # accelerate_configs/ddp.yaml: DDP, and ZeRO-1 with the recipe's zero1
+    # accelerate_configs/ddp.yaml: DDP, and ZeRO-1 with the recipe's zero1
+    ddp = dist_type in DDP_TYPES and not fsdp
     if dist_type != "FSDP" and not ddp:
         if fsdp:
             c.error(
@@ -300,9 +307,11 @@ def _check_dynamo(c: Checker, dynamo) -> None:
                 f"{value!r} is not a backend accelerate knows",
                 f"give one of {', '.join(backends)} (inductor compiles; no turns compilation off)",
             )
-        elif options[name].nargs == 0 and not _truth_value(value):  # the ranks read it with str_to_bool
+        # the ranks read it with str_to_bool
+        elif options[name].nargs == 0 and not _truth_value(value):
             c.error(where, f"{value!r} is not true or false", "give true or false")
-        elif name == "dynamo_mode" and value not in (None, "") and str(value) not in compile_modes():  # "": default
+        # "": default
+        elif name == "dynamo_mode" and value not in (None, "") and str(value) not in compile_modes():
             c.error(where, f"{value!r} is not a mode torch.compile knows", f"give one of {', '.join(compile_modes())}")
 
 
@@ -396,7 +405,8 @@ def _check_processes(c: Checker, raw: dict, fsdp: dict, pc: dict, version, strat
                 )
 
 
-MESH_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")  # parallelism_config_<name>, 1 when unset
+# parallelism_config_<name>, 1 when unset
+MESH_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
 
 
 def _mesh_sizes(c: Checker, pc: dict) -> tuple[int, ...] | None:
@@ -405,7 +415,8 @@ def _mesh_sizes(c: Checker, pc: dict) -> tuple[int, ...] | None:
     sizes = []
     for name in MESH_SIZES:
         key = f"parallelism_config_{name}"
-        value = 1 if pc.get(key) is None else pc[key]  # unset or null: accelerate's default
+        # unset or null: accelerate's default
+        value = 1 if pc.get(key) is None else pc[key]
         try:
             size = int(value) if isinstance(value, str) else value
         except ValueError:

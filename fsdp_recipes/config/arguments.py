@@ -49,17 +49,19 @@ def trl_spellings(name: str) -> list[str]:
     return [f"--{alias}" for alias, ours in TRL_ALIASES.items() if ours == name]
 
 
+# DataArguments' evaluation data
 EVAL_SOURCES = (
     "validation_file",
     "dataset_test_split",
     "validation_split_percentage",
-)  # DataArguments' evaluation data
+)
 
 
 @dataclass
 class DataArguments:
     _argument_group_name = "data (TRL's SFTConfig names are accepted where they mean the same)"
-    RULES = {  # rules.check, in __post_init__
+    # rules.check, in __post_init__
+    RULES = {
         "block_size": Rule(8, INF, "use at least 8 tokens"),
         "max_train_samples": Rule(1, INF, "keep at least 1 example, or leave it unset to train on all of them"),
         "preprocessing_num_workers": Rule(
@@ -127,7 +129,8 @@ class DataArguments:
             "wrapped is concat). A bare --packing is TRL's true.",
             "choices": ["concat", "padding_free", "true", "false"],
             "nargs": "?",
-            "const": "true",  # TRL's packing is a bool: its users write --packing alone for true
+            # TRL's packing is a bool: its users write --packing alone for true
+            "const": "true",
         },
     )
     packing_strategy: str | None = field(
@@ -187,7 +190,8 @@ class DataArguments:
     def __post_init__(self):
         check(self)
         if self.dataset_mixture is not None:
-            mixture_problem(self)  # a mixture is the one source: dataset_name and train_file are refused beside it
+            # a mixture is the one source: dataset_name and train_file are refused beside it
+            mixture_problem(self)
         elif (self.dataset_name is None) == (self.train_file is None):
             raise RecipeError(
                 "set exactly one of dataset_name (hub) and train_file (local); got "
@@ -203,14 +207,16 @@ class DataArguments:
                     f"train_file={self.train_file!r}: unsupported extension {path.suffix!r}; use one of "
                     f"{', '.join(sorted(DATA_EXTENSIONS))}"
                 )
-            if problem := train_file_problem(path, self):  # a missing path, a folder, a FIFO or device, named as such
+            # a missing path, a folder, a FIFO or device, named as such
+            if problem := train_file_problem(path, self):
                 raise RecipeError(f"train_file={self.train_file!r}: {problem}")
         if self.dataset_mixture is not None and (self.dataset_config_name is not None or self.dataset_split != "train"):
             raise RecipeError(
                 "dataset_config_name and dataset_split pick a configuration and a split of dataset_name; a mixture "
                 "gives each of its datasets its own (config, split): drop them"
             )
-        if problem := local_source_problem(self):  # a local source's splits and configurations, as datasets has them
+        # a local source's splits and configurations, as datasets has them
+        if problem := local_source_problem(self):
             raise RecipeError(problem)
         self._trl_names()
         if (
@@ -218,7 +224,8 @@ class DataArguments:
             and self.train_file is not None
             and (fmt := sniff_format(Path(self.train_file), self))
         ):
-            if problem := self.format_problem(fmt):  # else found only once the launch has loaded the data
+            # else found only once the launch has loaded the data
+            if problem := self.format_problem(fmt):
                 raise RecipeError(f"train_file={self.train_file!r} is {fmt} data: {problem}")
         if self.block_size is None:
             raise RecipeError(
@@ -251,7 +258,8 @@ class DataArguments:
     def _trl_names(self):
         """TRL's packing true/false and packing_strategy become our packing mode; what has no equivalent is refused
         here, or once the data's format is known (format_problem)."""
-        trl_packing = {"true": True, "false": False, "none": False}.get(str(self.packing).lower())  # unset: TRL's
+        # unset: TRL's
+        trl_packing = {"true": True, "false": False, "none": False}.get(str(self.packing).lower())
         if self.packing_strategy is not None and trl_packing is not True:
             raise RecipeError(
                 f"packing_strategy={self.packing_strategy} is TRL's choice for packing: true; packing is "

@@ -22,8 +22,10 @@ from fsdp_recipes.config.memory import ModelShape, Setup, estimate, human
 
 KEY = "per_device_train_batch_size"
 AUTO = "auto"
-MARGIN = 0.10  # of the device's memory left free: the estimate's error (up to +6%), CUDA's context, allocator slack
-MAX_AUTO_BATCH = 256  # sequences: past this a step is long enough that a larger batch buys no speed, only a coarser run
+# of the device's memory left free: the estimate's error (up to +6%), CUDA's context, allocator slack
+MARGIN = 0.10
+# sequences: past this a step is long enough that a larger batch buys no speed, only a coarser run
+MAX_AUTO_BATCH = 256
 
 
 def is_auto(value) -> bool:
@@ -33,7 +35,8 @@ def is_auto(value) -> bool:
 def take_auto(recipe: dict, argv: list[str]) -> tuple[dict, list[str], bool]:
     """The recipe and flags with an ``auto`` per_device_train_batch_size replaced by 1 (the placeholder the checks
     see until the preflight chooses), and whether auto is in force: a flag wins over the recipe, as everywhere."""
-    flags, argv, auto = (f"--{KEY}", f"--{KEY.replace('_', '-')}"), list(argv), None  # HfArgumentParser's two
+    # HfArgumentParser's two
+    flags, argv, auto = (f"--{KEY}", f"--{KEY.replace('_', '-')}"), list(argv), None
     for i, arg in enumerate(argv):
         flag, eq, value = arg.partition("=")
         if flag in flags and eq:
@@ -50,10 +53,14 @@ def take_auto(recipe: dict, argv: list[str]) -> tuple[dict, list[str], bool]:
 
 @dataclass
 class Choice:
-    batch: int  # sequences per process per micro-batch
-    need: float  # the estimate at that batch, bytes
-    budget: float  # (1 - margin) x the device's memory, bytes
-    next_need: float | None  # the estimate at batch + 1 (None: the cap stopped the search)
+    # sequences per process per micro-batch
+    batch: int
+    # the estimate at that batch, bytes
+    need: float
+    # (1 - margin) x the device's memory, bytes
+    budget: float
+    # the estimate at batch + 1 (None: the cap stopped the search)
+    next_need: float | None
 
 
 def choose(
@@ -74,7 +81,8 @@ def choose(
             "activation_checkpointing, or shard over more processes (tools/estimate_memory.py --gpu-memory lists "
             "the configs that fit)"
         )
-    low, high = 1, cap  # need(low) fits; find the largest that does
+    # need(low) fits; find the largest that does
+    low, high = 1, cap
     if need(high) <= budget:
         return Choice(high, need(high), budget, None)
     while high - low > 1:

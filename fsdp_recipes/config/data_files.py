@@ -11,11 +11,13 @@ from pathlib import Path
 
 from fsdp_recipes.bounded import file_kind
 
-SAMPLE_BYTES = 1 << 20  # the part of a data file checked before anything starts: the first MiB
+# the part of a data file checked before anything starts: the first MiB
+SAMPLE_BYTES = 1 << 20
 # locate_fault reads a line at a time; a longer "line" is not a record it can judge (a JSON array file on one line)
 LINE_LIMIT = 64 << 20
 JSON_LINE_FIX = "fix or drop that line: one JSON object per line"
-PARQUET_MAGIC = (b"PAR1", b"PARE")  # at both ends of every Parquet file (PARE: an encrypted footer)
+# at both ends of every Parquet file (PARE: an encrypted footer)
+PARQUET_MAGIC = (b"PAR1", b"PARE")
 
 
 class _NotAFile(Exception):
@@ -55,7 +57,8 @@ def _parquet_problem(path: Path, head: bytes, size: int) -> str | None:
     """Parquet is binary, its schema datasets' to check; but a file without Parquet's markers at both ends (text
     saved as .parquet) would be a pyarrow traceback on every rank."""
     tail = b""
-    if size >= 12:  # the smallest Parquet file: both markers and the footer's length
+    # the smallest Parquet file: both markers and the footer's length
+    if size >= 12:
         with open(path, "rb") as f:
             f.seek(size - 4)
             tail = f.read(4)
@@ -86,7 +89,8 @@ def other_format(record, args) -> str | None:
             f"{{{args.messages_column!r}: [{{'role': ..., 'content': ...}}]}} (from human -> role user, gpt -> "
             "assistant, system -> system; value -> content)"
         )
-        if first is None:  # column names alone: either kind
+        # column names alone: either kind
+        if first is None:
             return (
                 "has its chat under 'conversations': set messages_column: conversations if its turns are "
                 f"role/content; if they are {sharegpt}"
@@ -116,8 +120,10 @@ def locate_fault(path: Path) -> tuple[str, str] | None:
                 if not line:
                     return None
                 if len(line) == LINE_LIMIT and not line.endswith(b"\n"):
-                    return None  # too long to judge here
-                try:  # a newline byte is never inside a UTF-8 sequence, so each line decodes on its own
+                    # too long to judge here
+                    return None
+                # a newline byte is never inside a UTF-8 sequence, so each line decodes on its own
+                try:
                     text = line.decode("utf-8-sig" if number == 1 else "utf-8")
                 except UnicodeDecodeError as err:
                     return f"line {number} (byte {offset + err.start}) is not UTF-8 text", "save the file as UTF-8"
@@ -125,7 +131,8 @@ def locate_fault(path: Path) -> tuple[str, str] | None:
                 if not check_json or not text.strip():
                     continue
                 if number == 1 and path.suffix == ".json" and text.lstrip().startswith("["):
-                    check_json = False  # one JSON array: the loader's position is the file's
+                    # one JSON array: the loader's position is the file's
+                    check_json = False
                     continue
                 try:
                     record = json.loads(text)
@@ -153,7 +160,8 @@ def train_file_problem(path: Path, args) -> str | None:
         return "the file is empty: give a file with training examples"
     if path.suffix == ".parquet":
         return _parquet_problem(path, head, size)
-    try:  # utf-8-sig: a byte-order mark, which editors on Windows write and datasets accepts, is not text
+    # utf-8-sig: a byte-order mark, which editors on Windows write and datasets accepts, is not text
+    try:
         text = codecs.getincrementaldecoder("utf-8-sig")().decode(head, final=len(head) < SAMPLE_BYTES)
     except UnicodeDecodeError as err:
         line = head[: err.start].count(b"\n") + 1
@@ -250,7 +258,8 @@ def _json_records(text: str, cut: bool, suffix: str) -> tuple[list | None, str |
 
     lines = text.split("\n")
     if cut:
-        lines = lines[:-1]  # the last line may be cut
+        # the last line may be cut
+        lines = lines[:-1]
         if not lines:
             return None, None
     if suffix == ".json" and text.lstrip().startswith("["):
@@ -312,14 +321,17 @@ def _csv_problem(text: str, cut: bool, args) -> str | None:
 
     # newline="": a quoted cell may hold line breaks, and U+2028 is no line end (str.splitlines cut rows there)
     reader = csv.reader(io.StringIO(text, newline=""))
-    rows = []  # (the line a row ends on, the row)
+    # (the line a row ends on, the row)
+    rows = []
     try:
         for row in reader:
             rows.append((reader.line_num, row))
-    except csv.Error:  # e.g. a quote never closed: the loader's error, named with its line by train/data.py
+    # e.g. a quote never closed: the loader's error, named with its line by train/data.py
+    except csv.Error:
         pass
     if cut and rows:
-        rows.pop()  # the sample ends inside the last row read, maybe inside a quoted multi-line cell: not judged
+        # the sample ends inside the last row read, maybe inside a quoted multi-line cell: not judged
+        rows.pop()
     if not rows:
         return None
     header = rows[0][1]

@@ -33,13 +33,15 @@ def mapping_of(key: str, value, example: str | None = None) -> dict | None:
     if text.lstrip().startswith("{"):
         try:
             mapping = json.loads(text)
-        except (ValueError, RecursionError) as err:  # JSONDecodeError, or an integer past 4300 digits
+        # JSONDecodeError, or an integer past 4300 digits
+        except (ValueError, RecursionError) as err:
             raise RecipeError(f"--{key} is not valid JSON ({err}): give a JSON object") from None
     elif example is None:
         raise RecipeError(f"--{key} {text!r} is not a JSON object: give one, e.g. '{{}}'")
     elif not os.path.lexists(text):
         raise RecipeError(f"--{key} {text!r} does not exist: give a JSON file such as {example}, or JSON text")
-    else:  # a folder, FIFO, device or broken link: bounded names what it is
+    # a folder, FIFO, device or broken link: bounded names what it is
+    else:
         try:
             mapping = load_json(Path(text), f"--{key}", YAML_LIMIT)
         except UnreadableFile as err:
@@ -99,16 +101,19 @@ def _accepted(key: str, scheduler) -> tuple[str, set[str]] | None:
         from torch.utils.checkpoint import checkpoint
 
         named = set(inspect.signature(checkpoint).parameters) - {"function", "args", "kwargs"}
-        return "torch.utils.checkpoint.checkpoint", named | {"preserve_rng_state"}  # the last from its **kwargs
+        # the last from its **kwargs
+        return "torch.utils.checkpoint.checkpoint", named | {"preserve_rng_state"}
     from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
     from transformers.trainer_utils import SchedulerType
 
     try:
         function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(scheduler or "linear")]
     except ValueError:
-        return None  # an unknown lr_scheduler_type: its own check names it
+        # an unknown lr_scheduler_type: its own check names it
+        return None
     parameters = inspect.signature(function).parameters
     if "kwargs" in parameters:
-        return None  # the schedule passes any keyword on
+        # the schedule passes any keyword on
+        return None
     named = set(parameters) - {"optimizer", "num_warmup_steps", "num_training_steps"}
     return f"the {scheduler or 'linear'} schedule", named

@@ -41,7 +41,8 @@ def _checked(action):
     def value(text):
         try:
             out = convert(text)
-        except (TypeError, ValueError, RecursionError, argparse.ArgumentTypeError) as err:  # JSON nested too deep
+        # JSON nested too deep
+        except (TypeError, ValueError, RecursionError, argparse.ArgumentTypeError) as err:
             raise Refused(action.dest, text, _why(convert, text, err)) from None
         if action.choices is not None and out not in action.choices and str(out) not in map(str, action.choices):
             raise Refused(action.dest, text, f" is not one of {', '.join(map(str, action.choices))}")
@@ -77,13 +78,16 @@ def parse_flags(parser, argv: list[str]):
         return parser.parse_known_args(argv)
     except argparse.ArgumentError as err:
         action = next((a for a in parser._actions if "/".join(a.option_strings) == err.argument_name), None)
-        if action is None:  # an error of no one flag (none is required here, but argparse may add such)
+        # an error of no one flag (none is required here, but argparse may add such)
+        if action is None:
             raise RecipeError(err.message) from None
-        if err.message.startswith("expected"):  # no value, or one that starts with - and reads as a flag
+        # no value, or one that starts with - and reads as a flag
+        if err.message.startswith("expected"):
             raise RecipeError(_missing_value(action, argv)) from None
         if err.message.startswith("ignored explicit argument"):
             raise RecipeError(f"{action.dest} takes no value: give {action.option_strings[0]} alone") from None
-        refused = err.message.startswith(f"{action.dest}=")  # a Refused line
+        # a Refused line
+        refused = err.message.startswith(f"{action.dest}=")
         raise RecipeError(err.message if refused else f"{action.dest}: {err.message}") from None
 
 
@@ -103,7 +107,8 @@ def _missing_value(action, argv: list[str]) -> str:
     for i, arg in enumerate(argv):
         after = argv[i + 1] if i + 1 < len(argv) else "--"
         if arg in action.option_strings and after.startswith("-") and not _read_as_value(after):
-            if not after.startswith("--"):  # -inf, -1e-4: argparse takes them for a flag
+            # -inf, -1e-4: argparse takes them for a flag
+            if not after.startswith("--"):
                 return f"{action.dest}={after} would be read as a flag: write --{action.dest}={after}"
             break
     else:
@@ -131,7 +136,8 @@ TEXT_OR_BOOL = {"packing", "fsdp", "resume_from_checkpoint"}
 
 
 # keys whose null means something in another tool's recipes, refused with that meaning named (DataArguments)
-NULL_MEANS_MORE = {"block_size"}  # TRL's max_length: null, no truncation
+# TRL's max_length: null, no truncation
+NULL_MEANS_MORE = {"block_size"}
 
 
 # the words YAML 1.1 (PyYAML) reads as a bool, unquoted
@@ -142,12 +148,14 @@ def check_recipe_types(recipe: dict, parser) -> None:
     """Recipe values bypass argparse's conversion (they become defaults as they are): each is converted by its
     flag's own type (declare), and refused in the same words."""
     actions = {}
-    for a in parser._actions:  # a true-by-default flag has two: --name (typed) and --no_name (store_false, untyped)
+    # a true-by-default flag has two: --name (typed) and --no_name (store_false, untyped)
+    for a in parser._actions:
         if a.dest not in actions or actions[a.dest].type is None:
             actions[a.dest] = a
     for key, value in recipe.items():
         action = actions[key]
-        if value is None and action.default is not None and key not in NULL_MEANS_MORE:  # it would replace the default
+        # it would replace the default
+        if value is None and action.default is not None and key not in NULL_MEANS_MORE:
             # with None: a true-by-default bool read as false, a number as missing
             raise RecipeError(
                 f"recipe key {key}: null is not a value here (its default is {action.default!r}): give a value, "
@@ -157,7 +165,8 @@ def check_recipe_types(recipe: dict, parser) -> None:
             continue
         many = action.nargs in ("+", "*") or key in LIST_VALUED
         for v in value if many and isinstance(value, list) else [value]:
-            mapping = isinstance(v, dict) and action.type.__name__ == "JSON mapping"  # helptext.json_mapping
+            # helptext.json_mapping
+            mapping = isinstance(v, dict) and action.type.__name__ == "JSON mapping"
             if isinstance(v, (list, dict)) and not mapping:
                 raise RecipeError(
                     f"recipe key {key}: {value!r} is a {type(v).__name__}; give one {action.type.__name__}"
@@ -180,7 +189,8 @@ def check_recipe_types(recipe: dict, parser) -> None:
                 raise RecipeError(f"recipe key {key}: {v!r} is a {type(v).__name__}; give text (quote it in YAML)")
             try:
                 action.type(v if mapping or isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v))
-            except Refused as err:  # a mapping's problem is named inside it, without the whole value again
+            # a mapping's problem is named inside it, without the whole value again
+            except Refused as err:
                 why = err.why.removeprefix(": ") if mapping else f"{v!r}{err.why}"
                 raise RecipeError(f"recipe key {key}: {why}") from None
 
@@ -224,7 +234,8 @@ def known_accelerate_keys() -> tuple[set[str], set[str], set[str]]:
     )
 
 
-@functools.lru_cache(maxsize=1)  # a parser of ~100 options, built once for both callers
+# a parser of ~100 options, built once for both callers
+@functools.lru_cache(maxsize=1)
 def accelerate_launch_options() -> frozenset[str]:
     """The options of `accelerate launch` itself (config_file, num_processes, dynamo_backend, ...), by dest."""
     from accelerate.commands.launch import launch_command_parser
@@ -245,7 +256,8 @@ def with_hints(unknown: list[str], known, prefix: str = "", accelerate: bool = T
     section = {**dict.fromkeys(fsdp - top, "fsdp_config"), **dict.fromkeys(parallelism - top, "parallelism_config")}
 
     def hint(key: str) -> list[str]:
-        dest = key.replace("-", "_")  # accelerate launch takes --config-file for --config_file
+        # accelerate launch takes --config-file for --config_file
+        dest = key.replace("-", "_")
         if accelerate and dest in REPLACED:
             return [REPLACED[dest]]
         if accelerate and dest in top | fsdp | parallelism:

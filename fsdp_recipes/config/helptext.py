@@ -122,7 +122,8 @@ def json_mapping(value_type: type | None):
                 raise ValueError(f"{key}: {item!r} is not a {value_type.__name__}")
         return value
 
-    mapping.__name__ = "JSON mapping"  # as argparse and check_recipe_types name the type in their errors
+    # as argparse and check_recipe_types name the type in their errors
+    mapping.__name__ = "JSON mapping"
     return mapping
 
 
@@ -137,8 +138,10 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
         "(the newest complete checkpoint in output_dir) or a checkpoint-N folder. TRL's SFTConfig names are "
         "accepted where they mean the same (shown next to ours).",
         formatter_class=_Formatter,
-        allow_abbrev=False,  # --learn is no spelling of --learning_rate
-        exit_on_error=False,  # flags.parse_flags says each refusal in one line
+        # --learn is no spelling of --learning_rate
+        allow_abbrev=False,
+        # flags.parse_flags says each refusal in one line
+        exit_on_error=False,
     )
     for action in parser._actions:
         if action.type is dict or typing.get_origin(action.type) is dict:
@@ -168,17 +171,18 @@ def build_parser(show_all: bool = False) -> HfArgumentParser:
             f"{len(others)} more transformers TrainingArguments options (fsdp, optimizer, hub, logging "
             "details ...) are accepted too: --help-all lists them."
         )
-    for action in parser._actions:  # HfArgumentParser gives --no_<flag> the whole help of --<flag> again
+    # HfArgumentParser gives --no_<flag> the whole help of --<flag> again
+    for action in parser._actions:
         if (
             action.nargs == 0
             and action.const is False
             and action.option_strings[0].startswith("--no_")
             and action.help != argparse.SUPPRESS
         ):
-            action.help = (
-                f"the same as --{action.dest} false%(default).0s"  # %(default) in it: no "(default: False)" added
-            )
-    for dest, text in OUR_MEANING.items():  # what the option does in this script, not in the stock Trainer
+            # %(default) in it: no "(default: False)" added
+            action.help = f"the same as --{action.dest} false%(default).0s"
+    # what the option does in this script, not in the stock Trainer
+    for dest, text in OUR_MEANING.items():
         by_dest[dest].help = text
     data, run = groups[DataArguments._argument_group_name], groups[RunArguments._argument_group_name]
     parser._action_groups = [parser._positionals, default, model, lora, data, run, common, rest]

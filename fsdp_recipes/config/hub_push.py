@@ -65,7 +65,8 @@ def later(push: HubPush, output_dir: str) -> str:
 
 def _value(raw, name: str):
     value = getattr(raw, name, HUB_OPTIONS.get(name))
-    return getattr(value, "value", value)  # HubStrategy is an enum once TrainingArguments has seen it
+    # HubStrategy is an enum once TrainingArguments has seen it
+    return getattr(value, "value", value)
 
 
 def revision_problem(revision: str) -> str | None:
@@ -94,9 +95,8 @@ def push_plan(raw, explicit: set[str]) -> HubPush | None:
     set (hub_strategy's default, every_save, is no request for pushes at each save)."""
     from fsdp_recipes.errors import RecipeError
 
-    if not _value(
-        raw, "push_to_hub"
-    ):  # a TRL or handbook recipe keeps its hub keys with push_to_hub false: said, not refused
+    # a TRL or handbook recipe keeps its hub keys with push_to_hub false: said, not refused
+    if not _value(raw, "push_to_hub"):
         stray = [name for name, default in HUB_OPTIONS.items() if name in explicit and _value(raw, name) != default]
         if stray:
             say(
@@ -119,7 +119,8 @@ def push_plan(raw, explicit: set[str]) -> HubPush | None:
         for name in ("hub_strategy", "hub_always_push")
         if name in explicit and _value(raw, name) not in ("end", False)
     ]
-    if per_save:  # the handbook's recipes say hub_strategy: every_save
+    # the handbook's recipes say hub_strategy: every_save
+    if per_save:
         say(
             f"warning: {', '.join(f'{n}={_value(raw, n)}' for n in per_save)} asks for uploads at every save; a "
             "sharded run's "
@@ -185,7 +186,8 @@ def access_problem(push: HubPush, way_round: str) -> str | None:
                 )
             )
         return _unreachable(err, way_round)
-    except Exception as err:  # no network, a proxy, DNS, TLS: in its own words
+    # no network, a proxy, DNS, TLS: in its own words
+    except Exception as err:
         return _unreachable(err, way_round)
     access = (me.get("auth") or {}).get("accessToken") or {}
     if access.get("role") == "read":
@@ -207,11 +209,13 @@ def access_problem(push: HubPush, way_round: str) -> str | None:
                 f"give --hub_model_id {user}/{name}, {way_round}",
             )
         )
-    if push.private:  # create_repo(exist_ok=True) leaves an existing repository as it is: public stays public
+    # create_repo(exist_ok=True) leaves an existing repository as it is: public stays public
+    if push.private:
         try:
             info = api.repo_info(f"{namespace}/{name}")
         except RepositoryNotFoundError:
-            return None  # made private at the end
+            # made private at the end
+            return None
         except Exception as err:
             return _unreachable(err, way_round)
         if info.private is False:

@@ -25,9 +25,12 @@ from pathlib import Path
 from fsdp_recipes.console import say
 from fsdp_recipes.errors import RecipeError, UnreadableFile
 
-LAUNCH_FLAGS = "accelerate launch"  # Problem.file for a setting that came from a launch flag
-ENVIRONMENT = "environment"  # ... and for one that came from an FSDP_* variable
-RUN_ARGUMENTS = "train_fsdp.py's recipe or flags"  # ... and for one of this run's own settings
+# Problem.file for a setting that came from a launch flag
+LAUNCH_FLAGS = "accelerate launch"
+# ... and for one that came from an FSDP_* variable
+ENVIRONMENT = "environment"
+# ... and for one of this run's own settings
+RUN_ARGUMENTS = "train_fsdp.py's recipe or flags"
 # accelerate's launcher writes FSDP_<KEY> for fsdp_config's fsdp_<key>, except this one (accelerate/utils/launch.py)
 ENV_NAMES = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "fsdp_transformer_layer_cls_to_wrap"}
 # launch flags that set distributed_type rather than a key of the same name
@@ -55,11 +58,16 @@ class LaunchSettings:
     """The accelerate settings in force, as a config mapping (what an accelerate config YAML would hold)."""
 
     config: dict
-    config_file: Path | None = None  # the file they started from, if any
-    origin: dict[str, str] = field(default_factory=dict)  # checker key -> the flag or variable that set it
-    where: str = LAUNCH_FLAGS  # what origin's names are
-    named: bool = False  # the file was named on the command line (--config_file), not accelerate's default config
-    unread: dict[str, str] = field(default_factory=dict)  # flag given -> the launcher that alone reads it
+    # the file they started from, if any
+    config_file: Path | None = None
+    # checker key -> the flag or variable that set it
+    origin: dict[str, str] = field(default_factory=dict)
+    # what origin's names are
+    where: str = LAUNCH_FLAGS
+    # the file was named on the command line (--config_file), not accelerate's default config
+    named: bool = False
+    # flag given -> the launcher that alone reads it
+    unread: dict[str, str] = field(default_factory=dict)
 
     @property
     def ddp(self) -> bool:
@@ -111,7 +119,8 @@ def launch_arguments(cmdline: list[str]) -> list[str] | None:
 def find_accelerate_launch() -> tuple[list[str], Path] | None:
     """The arguments after `launch` of the `accelerate launch` that started this process, and its directory."""
     pid = os.getppid()
-    for _ in range(3):  # accelerate runs torchrun's agent in-process: usually the direct parent
+    # accelerate runs torchrun's agent in-process: usually the direct parent
+    for _ in range(3):
         try:
             args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
             cwd = Path(f"/proc/{pid}/cwd").resolve()
@@ -141,9 +150,11 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
         path = cwd / path
     config: dict = {}
     if path is not None and path.is_file():
-        config = read_config_file(path)  # or UnreadableFile
+        # or UnreadableFile
+        config = read_config_file(path)
     else:
-        path = None  # no file: accelerate's own defaults, set by flags
+        # no file: accelerate's own defaults, set by flags
+        path = None
         config = {"num_processes": int(os.environ.get("WORLD_SIZE", "1")), "num_machines": 1}
     settings = LaunchSettings(config, path, named=bool(args.config_file) and path is not None)
     top = set(ClusterConfig.__dataclass_fields__)
@@ -156,7 +167,8 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
     }
     for dest in sorted(given):
         flag, value = f"--{dest}", getattr(args, dest)
-        if dest in other:  # before the config's keys: downcast_bf16 and the tpu_* keys are TPU's alone
+        # before the config's keys: downcast_bf16 and the tpu_* keys are TPU's alone
+        if dest in other:
             unread[flag] = other[dest]
             continue
         if dest in TYPE_FLAGS and value:
@@ -173,13 +185,15 @@ def from_launch_args(argv: list[str], cwd: Path) -> LaunchSettings:
         elif dest in top:
             config[dest], key = value, dest
         else:
-            continue  # launcher-only flags (--main_process_port's peers, --debug, ...)
+            # launcher-only flags (--main_process_port's peers, --debug, ...)
+            continue
         settings.origin[key] = flag
     # a launch of that launcher reads them (--use_deepspeed, --use_megatron_lm, --tpu, or its config file)
     launched = config.get("distributed_type")
     settings.unread = {flag: name for flag, (name, kind) in unread.items() if kind != launched}
     if path is None and config.get("distributed_type") == "FSDP":
-        settings.origin.setdefault("fsdp_config.fsdp_version", "--fsdp_version")  # missing: say the flag to add
+        # missing: say the flag to add
+        settings.origin.setdefault("fsdp_config.fsdp_version", "--fsdp_version")
     return settings
 
 
@@ -187,11 +201,13 @@ def from_environment(env=None) -> LaunchSettings | None:
     """The settings of a launch that set ACCELERATE_USE_FSDP itself (torchrun, srun): its FSDP_* variables (``env``:
     this process's environment when None, read at the call: a default of os.environ would keep the object bound at
     import, which a replaced os.environ leaves behind)."""
-    from fsdp_recipes.compat.cpu_fsdp import fsdp_requested  # here, not at the top: it imports torch
+    # here, not at the top: it imports torch
+    from fsdp_recipes.compat.cpu_fsdp import fsdp_requested
 
     env = os.environ if env is None else env
     if not fsdp_requested(env) or "ACCELERATE_DYNAMO_BACKEND" in env:
-        return None  # the second: set by accelerate launch, whose variables carry defaults for every key
+        # the second: set by accelerate launch, whose variables carry defaults for every key
+        return None
     world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
     config = {
         "distributed_type": "FSDP",
@@ -217,9 +233,11 @@ def launch_settings() -> LaunchSettings | None:
     if (launch := find_accelerate_launch()) is not None:
         try:
             return from_launch_args(*launch)
-        except SystemExit:  # accelerate's parser refused its own command line: the launcher would have too
+        # accelerate's parser refused its own command line: the launcher would have too
+        except SystemExit:
             return None
-        except UnreadableFile as err:  # its config file: the error train_fsdp.py reports in one line
+        # its config file: the error train_fsdp.py reports in one line
+        except UnreadableFile as err:
             raise RecipeError(str(err)) from None
     return from_environment()
 
@@ -253,6 +271,7 @@ def check(settings: LaunchSettings, run_settings: dict, model: str | None) -> li
     return settings.attribute(problems)
 
 
+# what the rules compare (trust_remote_code: the warning naming the code it runs)
 RUN_SETTINGS = (
     "torch_compile",
     "torch_compile_backend",
@@ -270,7 +289,7 @@ RUN_SETTINGS = (
     "cpu_bf16",
     "optim",
     "trust_remote_code",
-)  # what the rules compare (trust_remote_code: the warning naming the code it runs)
+)
 
 
 def check_launch(raw) -> LaunchSettings | None:
@@ -281,19 +300,21 @@ def check_launch(raw) -> LaunchSettings | None:
     from fsdp_recipes.config.problems import errors
     from fsdp_recipes.config.recipe_checks import SAVE_ONLY_MODEL
 
-    if (
-        str(getattr(raw, "save_only_model", None)).lower() == "true"
-    ):  # under every launch, with or without FSDP or a config
+    # under every launch, with or without FSDP or a config
+    if str(getattr(raw, "save_only_model", None)).lower() == "true":
         raise RecipeError(f"save_only_model {SAVE_ONLY_MODEL[0]}: {SAVE_ONLY_MODEL[1]}")
     launch = launch_settings()
     if launch is None:
-        return None  # nothing to check (a launch without FSDP is refused by parse_args, by name)
+        # nothing to check (a launch without FSDP is refused by parse_args, by name)
+        return None
     fsdp_type = launch.config.get("distributed_type") == "FSDP"
     if not launch.ddp and (not (fsdp_type or "fsdp_config" in launch.config) or (raw.allow_no_fsdp and not fsdp_type)):
-        return launch  # neither FSDP nor a DDP config (refused by parse_args, by name), or no FSDP on purpose
+        # neither FSDP nor a DDP config (refused by parse_args, by name), or no FSDP on purpose
+        return launch
     model_name = raw.model_name_or_path or raw.config_name
     if model_name and missing_local_path(str(model_name)):
-        model_name = None  # the run's own check of its arguments names the missing folder, in one line, just after
+        # the run's own check of its arguments names the missing folder, in one line, just after
+        model_name = None
     problems = check(launch, {k: getattr(raw, k, None) for k in RUN_SETTINGS}, model_name)
     for problem in problems:
         if problem.level == "warning":
@@ -348,7 +369,8 @@ def one_process_note(settings: LaunchSettings | None, world: int) -> str | None:
         return None
     try:
         strategy = strategy_of(settings.config)
-    except (TypeError, ValueError, OverflowError):  # a value check_launch's rules name; nothing to advise on
+    # a value check_launch's rules name; nothing to advise on
+    except (TypeError, ValueError, OverflowError):
         return None
     if strategy.fsdp_version != 2 or strategy.name != "FULL_SHARD" or strategy.offload:
         return None
@@ -372,7 +394,9 @@ def tell_launcher(message: str) -> None:
     if not path:
         return
     try:
-        info = {"py_callstack": message, "timestamp": str(int(time.time()))}  # the launcher prints py_callstack
+        # the launcher prints py_callstack
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
         Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
-    except OSError as err:  # the launcher's report is then its default one; ours is already on stderr
+    # the launcher's report is then its default one; ours is already on stderr
+    except OSError as err:
         print(f"train_fsdp.py: could not write the launcher's error file {path}: {err}", file=sys.stderr)

@@ -21,9 +21,12 @@ from pathlib import Path
 from fsdp_recipes.bounded import JSON_LIMIT, load_json
 from fsdp_recipes.errors import UnreadableFile
 
-SAVED_DICT = "dataset_dict.json"  # save_to_disk of a DatasetDict
-SAVED_ONE = "state.json"  # save_to_disk of one Dataset
-ONE_FILE = "train"  # the one split datasets gives a data file
+# save_to_disk of a DatasetDict
+SAVED_DICT = "dataset_dict.json"
+# save_to_disk of one Dataset
+SAVED_ONE = "state.json"
+# the one split datasets gives a data file
+ONE_FILE = "train"
 
 
 def saved_splits(folder: Path) -> list[str] | None:
@@ -85,7 +88,8 @@ def local_source_problem(args) -> str | None:
         return f"{name} is a file: give it as train_file (one file is one split, {ONE_FILE})"
     try:
         configs, splits, saved = _configs_and_splits(folder, config)
-    except Exception as err:  # what datasets raises on a folder it cannot read (no data files, a bad README)
+    # what datasets raises on a folder it cannot read (no data files, a bad README)
+    except Exception as err:
         return f"{name} cannot be read as a dataset folder ({_said(err)}): give a folder of data files"
     if splits is None:
         if saved:

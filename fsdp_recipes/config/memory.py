@@ -18,9 +18,11 @@ from fsdp_recipes.compat import internals
 from fsdp_recipes.config.strategy import shipped_configs
 
 GiB = 1024**3
-OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd_momentum": 4, "sgd": 0}  # state bytes per parameter
+# state bytes per parameter
+OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd_momentum": 4, "sgd": 0}
 STRATEGIES = ["DDP", "ZERO1", "NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD"]
-REPLICATED = ("DDP", "ZERO1")  # no FSDP: whole parameters and gradients on every process
+# no FSDP: whole parameters and gradients on every process
+REPLICATED = ("DDP", "ZERO1")
 # Per-step communication, cheapest first: the order in which --gpu-memory lists the shipped configs.
 COMMUNICATION_ORDER = ["DDP", "NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD"]
 
@@ -32,14 +34,21 @@ class ModelShape:
     layers: int | None = None
     vocab: int | None = None
     heads: int | None = None
-    largest_unit: int | None = None  # parameters of the largest FSDP unit (a decoder layer or the embeddings)
-    intermediate: int | None = None  # the MLP's width
-    kv_width: int | None = None  # key/value heads x head dim (GQA: less than hidden)
-    gated: bool | None = None  # a gated MLP (down(act(gate(x)) * up(x)): Llama, Mistral, Qwen), RMSNorm decoders
-    q_width: int | None = None  # query heads x head dim (Qwen3, Gemma: not the hidden size); None: hidden
+    # parameters of the largest FSDP unit (a decoder layer or the embeddings)
+    largest_unit: int | None = None
+    # the MLP's width
+    intermediate: int | None = None
+    # key/value heads x head dim (GQA: less than hidden)
+    kv_width: int | None = None
+    # a gated MLP (down(act(gate(x)) * up(x)): Llama, Mistral, Qwen), RMSNorm decoders
+    gated: bool | None = None
+    # query heads x head dim (Qwen3, Gemma: not the hidden size); None: hidden
+    q_width: int | None = None
     kv_heads: int | None = None
-    qk_norm: bool = False  # an RMSNorm on each query and key head (Qwen3, OLMo2)
-    model_type: str | None = None  # config.model_type: whether Liger has kernels for the family
+    # an RMSNorm on each query and key head (Qwen3, OLMo2)
+    qk_norm: bool = False
+    # config.model_type: whether Liger has kernels for the family
+    model_type: str | None = None
 
 
 @dataclass
@@ -48,7 +57,8 @@ class Setup:
     nproc_per_node: int = 8
     nnodes: int = 1
     offload: bool = False
-    precision: str = "bf16"  # bf16/fp16 mixed precision with fp32 master weights, or fp32
+    # bf16/fp16 mixed precision with fp32 master weights, or fp32
+    precision: str = "bf16"
     optimizer: str = "adamw"
     micro_batch: int = 1
     seq_len: int = 2048
@@ -82,7 +92,8 @@ class Estimate:
 COUNT_LIKE = re.compile(r"\s*[-+]?(\d[\d.]*|\.\d+|nan|inf(inity)?)(e[-+]?\d+)?\s*[kmbt]?\s*", re.IGNORECASE)
 
 
-MAX_PARAMS = 10**14  # 100T: over ten times the largest model trained; a count beyond it is a typo, not a model
+# 100T: over ten times the largest model trained; a count beyond it is a typo, not a model
+MAX_PARAMS = 10**14
 
 
 def parse_count(text: str) -> int:
@@ -90,7 +101,8 @@ def parse_count(text: str) -> int:
     m = re.fullmatch(r"\s*([-+]?(?:[\d.]+(?:e[-+]?\d+)?|nan|inf(?:inity)?))\s*([kmbt]?)\s*", text, re.IGNORECASE)
     try:
         count = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()] if m else None
-    except ValueError:  # '1.2.3'
+    # '1.2.3'
+    except ValueError:
         count = None
     if count is None:
         raise ValueError(f"{text!r} is not a parameter count: give one such as 7B, 350M or 1.5e9")
@@ -120,7 +132,8 @@ def _local_config(model: str):
 
     from fsdp_recipes.bounded import JSON_LIMIT, load_json
 
-    path = os.path.expanduser(model)  # a str, as given: Path would drop a leading ./ from the messages
+    # a str, as given: Path would drop a leading ./ from the messages
+    path = os.path.expanduser(model)
     if not (os.path.lexists(path) or os.path.isabs(path) or model.startswith((".", "~"))):
         return None
     if os.path.isdir(path):
@@ -130,7 +143,8 @@ def _local_config(model: str):
                 "config.json, or a hub id"
             )
         path = os.path.join(path, "config.json")
-    load_json(path, "model config", JSON_LIMIT)  # UnreadableFile (a ValueError) names the file and what is wrong
+    # UnreadableFile (a ValueError) names the file and what is wrong
+    load_json(path, "model config", JSON_LIMIT)
     return Path(path)
 
 
@@ -139,7 +153,8 @@ def model_shape(model: str, revision: str | None = None) -> ModelShape:
     (only the config is read: meta device)."""
     if COUNT_LIKE.fullmatch(model):
         return ModelShape(params=parse_count(model))
-    if COUNT_LIKE.fullmatch(model.replace(",", "").replace("_", "")):  # 7,000,000,000: a count, written with separators
+    # 7,000,000,000: a count, written with separators
+    if COUNT_LIKE.fullmatch(model.replace(",", "").replace("_", "")):
         raise ValueError(f"{model!r}: write the parameter count without separators, e.g. 7e9 or 7B")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -246,11 +261,13 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     world = setup.nproc_per_node * setup.nnodes
     shard = {"NO_SHARD": 1, "DDP": 1, "ZERO1": 1, "HYBRID_SHARD": setup.nproc_per_node}.get(setup.strategy, world)
     P = shape.params
-    master = 4  # fp32 weights, also with bf16/fp16 mixed precision
+    # fp32 weights, also with bf16/fp16 mixed precision
+    master = 4
     compute = 4 if setup.precision == "fp32" else 2
     params, grads, optim = master * P / shard, master * P / shard, OPTIMIZER_BYTES[setup.optimizer] * P / shard
     if setup.strategy == "ZERO1":
-        optim = OPTIMIZER_BYTES[setup.optimizer] * P / world  # ZeroRedundancyOptimizer: 1/N of the state per rank
+        # ZeroRedundancyOptimizer: 1/N of the state per rank
+        optim = OPTIMIZER_BYTES[setup.optimizer] * P / world
     unit = shape.largest_unit or P / max(shape.layers or 32, 1)
     # the unit in use and the prefetched one; nothing is gathered without sharded parameters
     working = 0.0 if setup.strategy in ("NO_SHARD", *REPLICATED) else 2 * unit * compute
@@ -340,7 +357,8 @@ def parse_bytes(text: str) -> float:
             if m
             else None
         )
-    except ValueError:  # '1.2.3GiB'
+    # '1.2.3GiB'
+    except ValueError:
         size = None
     if size is None or not 0 < size < float("inf"):
         raise ValueError(f"{text!r} is not a size above 0 such as 80GiB")

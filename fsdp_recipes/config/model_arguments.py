@@ -24,7 +24,8 @@ from fsdp_recipes.errors import RecipeError
 @dataclass
 class ModelArguments:
     _argument_group_name = "model and LoRA (LoRA keys are TRL's ModelConfig names)"
-    RULES = {  # rules.check, in __post_init__; the LoRA ones even without use_peft: such a value is a typo either way
+    # rules.check, in __post_init__; the LoRA ones even without use_peft: such a value is a typo either way
+    RULES = {
         "lora_r": Rule(1, INF, "give the LoRA rank, e.g. 16"),
         "lora_alpha": Rule(1, INF, "give a positive alpha, e.g. twice lora_r (the update is scaled by alpha / r)"),
         "lora_dropout": Rule(0, 1, "give a dropout probability below 1, e.g. 0.05", high_open=True),
@@ -168,7 +169,8 @@ class ModelArguments:
                 raise RecipeError(problem)
         if self.config_name is not None and not Path(self.config_name).exists():
             raise RecipeError(f"config_name={self.config_name!r} does not exist: give a folder holding config.json")
-        revision = None if self.model_revision == "main" else self.model_revision  # the hub's checks look at it
+        # the hub's checks look at it
+        revision = None if self.model_revision == "main" else self.model_revision
         defaulted = self.tokenizer_name is None
         if defaulted:
             self.tokenizer_name = self.model_name_or_path or self.config_name

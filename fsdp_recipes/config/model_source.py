@@ -26,7 +26,8 @@ def qlora_problem() -> str | None:
     return None
 
 
-TOKENIZER_SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one loads
+# any one loads
+TOKENIZER_SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 WEIGHT_FILES = (
@@ -40,7 +41,8 @@ WEIGHT_FILES = (
 def model_source_problem(name: str, weights: bool, revision: str | None = None) -> str | None:
     """Why a local folder or hub id cannot be loaded, found without loading it (None when it looks loadable). A hub
     id is looked for at ``revision`` (None: main) in the local cache, then asked of the hub unless HF_HUB_OFFLINE."""
-    if not name.strip():  # Path("") is the folder you launch from
+    # Path("") is the folder you launch from
+    if not name.strip():
         return "is empty: give a local model folder or a hub id"
     path = Path(name).expanduser()
     if path.is_dir():
@@ -56,7 +58,8 @@ def model_source_problem(name: str, weights: bool, revision: str | None = None) 
         ):
             # a run folder, also one an earlier version wrote its model into: a resume since may have left that stale
             return f"is a training run's folder: its final model is {Path(name) / 'model'}; give that"
-        if not weights:  # a tokenizer: its own files, with or without a model's config.json
+        # a tokenizer: its own files, with or without a model's config.json
+        if not weights:
             if not any((path / f).is_file() for f in TOKENIZER_SOURCE_FILES):
                 return (
                     f"has no tokenizer files ({', '.join(TOKENIZER_SOURCE_FILES)}): pass --tokenizer_name with "
@@ -65,7 +68,8 @@ def model_source_problem(name: str, weights: bool, revision: str | None = None) 
                 )
             return None
         if not (path / "config.json").is_file():
-            if (path / "model" / "config.json").is_file():  # a run folder: its model has a folder of its own
+            # a run folder: its model has a folder of its own
+            if (path / "model" / "config.json").is_file():
                 return f"is a training run's folder: its final model is {Path(name) / 'model'}; give that"
             return (
                 "is a folder without config.json: give a folder written by save_pretrained or tools/merge_checkpoint.py"
@@ -82,17 +86,18 @@ def model_source_problem(name: str, weights: bool, revision: str | None = None) 
         return "does not exist (relative paths start where you launch): give a local model folder or a hub id"
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if problem := not_a_hub_id(
-        name, "model folder", "local folder"
-    ):  # 'my model', '-bad': every rank's from_pretrained would raise it
+    # 'my model', '-bad': every rank's from_pretrained would raise it
+    if problem := not_a_hub_id(name, "model folder", "local folder"):
         return one_line(problem)
     cached = try_to_load_from_cache(name, "config.json", revision=revision)
-    if constants.HF_HUB_OFFLINE:  # the cache is all there is
+    # the cache is all there is
+    if constants.HF_HUB_OFFLINE:
         if not isinstance(cached, str):
             return "is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE=1 forbids downloading it"
         return weights_problem(Path(cached).parent, name) if weights else None
     if not isinstance(cached, str):
-        return hub_problem(name, "config.json" if weights else None, revision=revision)  # a tokenizer's may lack it
+        # a tokenizer's may lack it
+        return hub_problem(name, "config.json" if weights else None, revision=revision)
     return None
 
 
@@ -104,8 +109,10 @@ def hub_config_problem(name: str, revision: str | None = None) -> tuple[str, str
 
     path = Path(name).expanduser()
     if path.exists() or name.startswith(("/", "./", "../", "~")):
-        return None  # a local path: its own checks
-    if problem := not_a_hub_id(name, "folder, its config.json"):  # 'seven billion'
+        # a local path: its own checks
+        return None
+    # 'seven billion'
+    if problem := not_a_hub_id(name, "folder, its config.json"):
         return problem
     if isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
         return None
@@ -127,7 +134,8 @@ def dataset_source_problem(name: str) -> str | None:
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE or config.HF_DATASETS_OFFLINE or is_local(name):
-        return None  # offline: datasets says what it lacks at once; a local folder or file: its own loader's
+        # offline: datasets says what it lacks at once; a local folder or file: its own loader's
+        return None
     if (Path(config.HF_DATASETS_CACHE) / name.replace("/", "___")).is_dir():
         return None
     return hub_problem(name, None, "dataset")
@@ -168,7 +176,8 @@ def _local_folder(name: str, revision: str | None = None) -> Path | None:
 
     try:
         cached = try_to_load_from_cache(name, "config.json", revision=revision)
-    except ValueError:  # not a hub id either ('a b', '..'): model_source_problem names it
+    # not a hub id either ('a b', '..'): model_source_problem names it
+    except ValueError:
         return None
     return Path(cached).parent if isinstance(cached, str) else None
 
@@ -200,10 +209,10 @@ def custom_code(name: str, tokenizer: bool = False, revision: str | None = None)
     record = load_json(folder / file, file, JSON_LIMIT)
     if not isinstance(record, dict):
         return [], None
-    entries = list(dict.fromkeys(_code_entries(record.get("auto_map"))))  # peft and the hub repeat slow and fast
-    if (
-        tokenizer
-    ):  # a class transformers lacks loads as its generic tokenizers backend, unless auto_map names code for it
+    # peft and the hub repeat slow and fast
+    entries = list(dict.fromkeys(_code_entries(record.get("auto_map"))))
+    # a class transformers lacks loads as its generic tokenizers backend, unless auto_map names code for it
+    if tokenizer:
         cls = record.get("tokenizer_class")
         known = (
             not entries
@@ -234,7 +243,8 @@ def remote_code_problem(
         return f"has an unreadable {Path(err.path).name} ({err.reason})", "restore it, or give another model folder"
     if unknown is None:
         return None
-    if not entries:  # no code to trust: transformers cannot load it whatever the flag says
+    # no code to trust: transformers cannot load it whatever the flag says
+    if not entries:
         return f"names {unknown}", "give a model transformers supports (a newer transformers may know this one)"
     if trust_remote_code:
         return None
@@ -260,15 +270,15 @@ def config_size_problem(name: str, revision: str | None = None) -> tuple[str, st
     if not isinstance(record, dict):
         return "has a config.json that is not a JSON object", "give a folder written by save_pretrained"
     configs = [record]
-    while configs:  # the config and every config inside it (text_config, vision_config, decoder ...)
+    # the config and every config inside it (text_config, vision_config, decoder ...)
+    while configs:
         config = configs.pop()
         configs.extend(v for v in config.values() if isinstance(v, dict))
         for key in LAYER_KEYS:
             if (value := config.get(key)) is None:
                 continue
-            if (
-                not isinstance(value, int) or isinstance(value, bool) or value < 0
-            ):  # "1000000", 1e6, -3: a traceback later
+            # "1000000", 1e6, -3: a traceback later
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 return (
                     f"has {key}: {value!r} in its config.json, which is not a number of layers",
                     "give a whole number",
@@ -296,7 +306,8 @@ def weights_problem(folder: Path, name: str) -> str | None:
     index naming "../x" or "/etc/passwd" makes from_pretrained read a file outside the folder without a word."""
     from fsdp_recipes.ckpt.readers import is_shard_name
 
-    if (folder / "model.safetensors").is_file():  # what from_pretrained reads when the folder holds it
+    # what from_pretrained reads when the folder holds it
+    if (folder / "model.safetensors").is_file():
         return _not_safetensors(folder / "model.safetensors")
     index = folder / "model.safetensors.index.json"
     if not index.is_file():
@@ -366,10 +377,10 @@ def model_positions(source: str | None, revision: str | None = None) -> int | No
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(
-            source, local_files_only=True, trust_remote_code=False, revision=revision
-        )  # never prompts
-    except Exception:  # an unreadable config is model_source_problem's to explain, or the load's
+        # never prompts
+        config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=False, revision=revision)
+    # an unreadable config is model_source_problem's to explain, or the load's
+    except Exception:
         return None
     config = getattr(config, "text_config", None) or config
     return getattr(config, "max_position_embeddings", None)

@@ -23,7 +23,8 @@ class Need:
     module: str
     helper: str | None = None
     helper_args: tuple = ()
-    device: str | None = None  # the device the helper also wants (flash attention: CUDA), named when it is missing
+    # the device the helper also wants (flash attention: CUDA), named when it is missing
+    device: str | None = None
 
 
 def _pip(name: str) -> str:
@@ -77,9 +78,11 @@ REPORTERS: dict[str, tuple[Need, ...]] = {
     "flyte": (Need(_pip("flytekit flytekitplugins-deck-standard"), "flytekit"),),
     "dvclive": (Need(_pip("dvclive"), "dvclive"),),
     "swanlab": (Need(_pip("swanlab"), "swanlab"),),
-    "kubeflow": (),  # no package: a Kubeflow TrainJob's environment (KUBEFLOW_TRAINER_SERVER_URL)
+    # no package: a Kubeflow TrainJob's environment (KUBEFLOW_TRAINER_SERVER_URL)
+    "kubeflow": (),
 }
-REPORTER_ALSO = {"dagshub": Need(_pip("mlflow"), "mlflow")}  # DagsHub logs through MLflow
+# DagsHub logs through MLflow
+REPORTER_ALSO = {"dagshub": Need(_pip("mlflow"), "mlflow")}
 
 
 FLASH = "a CUDA GPU (transformers' flash attention kernels run on GPUs only)"
@@ -118,13 +121,15 @@ def found(need: Need) -> bool:
 def module_found(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a broken install, or a module without a spec
+    # a broken install, or a module without a spec
+    except (ImportError, ValueError):
         return False
 
 
 def missing(option: str, need: Need, instead: str) -> str:
     """The one line for ``option`` (as it is written, e.g. optim=adamw_8bit), whose ``need`` is not met."""
-    if need.device is not None and not _cuda():  # installing the package would not help
+    # installing the package would not help
+    if need.device is not None and not _cuda():
         return f"{option} needs {need.device}, and this machine has none: {instead}"
     if module_found(need.module):
         upgrade = need.install.replace("pip install ", "pip install -U ", 1)
@@ -143,7 +148,8 @@ def optimizer_need(name: str) -> Need | None:
         from transformers.training_args import OptimizerNames
 
         builder = internals.get("transformers.trainer_optimizer._OPTIMIZER_HANDLERS")[OptimizerNames(name)]
-    except (ImportError, KeyError, ValueError):  # another transformers: its own error, later
+    # another transformers: its own error, later
+    except (ImportError, KeyError, ValueError):
         return None
     return OPTIMIZER_BUILDERS.get(getattr(builder, "__name__", ""))
 
@@ -163,14 +169,16 @@ def optim_args_problem(optim: str, optim_args: str | None) -> str | None:
         from transformers.training_args import OptimizerNames
 
         handlers = internals.get("transformers.trainer_optimizer._OPTIMIZER_HANDLERS")
+        # no package to add
         reads = {
             name.value
             for name, builder in handlers.items()
             if "optim_args" in inspect.getsource(builder) and optimizer_need(name.value) is None
-        }  # no package to add
+        }
         if "optim_args" in inspect.getsource(handlers[OptimizerNames(optim)]):
             return None
-    except (ImportError, KeyError, ValueError, OSError, TypeError):  # another transformers, or no source: not judged
+    # another transformers, or no source: not judged
+    except (ImportError, KeyError, ValueError, OSError, TypeError):
         return None
     adamw = " (AdamW's settings are adam_beta1, adam_beta2, adam_epsilon, weight_decay)" if "adam" in optim else ""
     return (
@@ -191,7 +199,8 @@ def report_to_problem(value) -> str | None:
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
     for name in reporters(value):
-        if name in ("all", "none"):  # all: the installed ones, by definition
+        # all: the installed ones, by definition
+        if name in ("all", "none"):
             continue
         if name not in INTEGRATION_TO_CALLBACK:
             return (
@@ -216,9 +225,11 @@ def report_to_problem(value) -> str | None:
 def attention_problem(value: str | None) -> str | None:
     if not value:
         return None
-    if "/" in value:  # a hub kernel (kernels-community/flash-attn): transformers loads it with the kernels package
+    # a hub kernel (kernels-community/flash-attn): transformers loads it with the kernels package
+    if "/" in value:
         if module_found("kernels"):
-            return None  # whether the hub has it is the load's to say
+            # whether the hub has it is the load's to say
+            return None
         return (
             f"attn_implementation={value!r} is a kernel from the hub, which transformers loads with the kernels "
             "package, not installed here: pip install kernels, or use --attn_implementation sdpa"
@@ -233,7 +244,8 @@ def attention_problem(value: str | None) -> str | None:
     if need is None or found(need):
         return None
     if need.device is not None and module_found("kernels") and _cuda():
-        return None  # transformers loads the kernels hub's build of it instead
+        # transformers loads the kernels hub's build of it instead
+        return None
     return missing(f"attn_implementation={value}", need, "use --attn_implementation sdpa (or leave it unset)")
 
 

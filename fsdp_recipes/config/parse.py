@@ -64,7 +64,8 @@ def expand_home(raw) -> None:
         if not (isinstance(value, str) and value.startswith("~")):
             continue
         expanded = os.path.expanduser(value)
-        if expanded.startswith("~"):  # ~name of no user, or no home known (HOME unset, no passwd entry)
+        # ~name of no user, or no home known (HOME unset, no passwd entry)
+        if expanded.startswith("~"):
             raise RecipeError(f"{key}={value!r}: {value.split('/')[0]} is no home folder here: give the full path")
         setattr(raw, key, expanded)
 
@@ -107,30 +108,42 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     else:
         recipe_path, recipe = DEFAULT_RECIPE, load_recipe(DEFAULT_RECIPE, anchor_paths=True)
     argv = trl_recipe.translate_flags(argv)
-    recipe = rename_recipe_keys(trl_recipe.translate(recipe, argv))  # TRL's and the handbook's keys, TRL's meaning
+    # TRL's and the handbook's keys, TRL's meaning
+    recipe = rename_recipe_keys(trl_recipe.translate(recipe, argv))
     if problem := recipe_keys_problem(recipe, {action.dest for action in parser._actions}, recipe_path):
-        what, fix = problem  # an accelerate config names its file; unknown keys are the recipe's
+        # an accelerate config names its file; unknown keys are the recipe's
+        what, fix = problem
         raise RecipeError(
             f"{recipe_path} {what}: {fix}" if what.startswith(ACCELERATE_AS_RECIPE) else f"recipe: {what}: {fix}"
         )
-    check_deepspeed(recipe.get("deepspeed"))  # before its type check: a mapping there is DeepSpeed's too
-    check_flag_aliases(argv, parser)  # on the values as typed: auto, not the placeholder
-    recipe, argv, auto_batch = batch_size.take_auto(recipe, argv)  # 1 until the preflight chooses
+    # before its type check: a mapping there is DeepSpeed's too
+    check_deepspeed(recipe.get("deepspeed"))
+    # on the values as typed: auto, not the placeholder
+    check_flag_aliases(argv, parser)
+    # 1 until the preflight chooses
+    recipe, argv, auto_batch = batch_size.take_auto(recipe, argv)
     check_recipe_types(recipe, parser)
-    options = by_option(parser)  # --output-dir too
+    # --output-dir too
+    options = by_option(parser)
     given = {options[a.split("=", 1)[0]].dest for a in argv if a.split("=", 1)[0] in options}
     for pair in (("model_name_or_path", "config_name"), ("dataset_name", "train_file")):
-        if given & set(pair):  # a source on the command line replaces the recipe's, whichever kind it is
+        # a source on the command line replaces the recipe's, whichever kind it is
+        if given & set(pair):
             for key in set(pair) - given:
                 recipe.pop(key, None)
-    set_keys = given | set(recipe)  # the keys a flag or the recipe set, as against argparse's defaults
+    # the keys a flag or the recipe set, as against argparse's defaults
+    set_keys = given | set(recipe)
     parser.set_defaults(**recipe)
-    raw, extras = parse_flags(parser, argv)  # plain values: no dataclass, no process group yet
+    # plain values: no dataclass, no process group yet
+    raw, extras = parse_flags(parser, argv)
     check_unknown_flags(extras, parser)
     expand_home(raw)
-    check_packages(raw)  # transformers would import them on every rank after start-up, and fail there
-    trainer_fsdp = check_trainer_fsdp(raw)  # the torchrun route: TrainingArguments' own --fsdp
-    check_dict_valued(raw)  # the other dict-valued fields, in every form
+    # transformers would import them on every rank after start-up, and fail there
+    check_packages(raw)
+    # the torchrun route: TrainingArguments' own --fsdp
+    trainer_fsdp = check_trainer_fsdp(raw)
+    # the other dict-valued fields, in every form
+    check_dict_valued(raw)
     if problem := cpu_fsdp.single_process_problem(trainer_fsdp):
         raise RecipeError(problem)
     plan = Plan(raw, trainer_fsdp, launch=launcher.check_launch(raw), auto_batch=auto_batch)
@@ -156,9 +169,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     # Which checkpoint a resume uses (reading its files), what it sets aside and the requeue record are decided once
     # per launch, on global rank 0 after the process group starts (fsdp_recipes.train.preflight.decide_resume): here
     # each rank would read every rank's files, and could see another newest checkpoint than its peers.
-    if (path := explicit(raw.resume_from_checkpoint)) is not None and not (
-        path.strip() and Path(path).is_dir()
-    ):  # no file read
+    # no file read
+    if (path := explicit(raw.resume_from_checkpoint)) is not None and not (path.strip() and Path(path).is_dir()):
         raise RecipeError(
             f"--resume_from_checkpoint {path!r} is not a folder: give a checkpoint-N folder, or true for the latest"
         )
@@ -182,7 +194,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
             "zero1 shards the optimizer state across processes and this launch has 1: launch with "
             "--config_file accelerate_configs/ddp.yaml (2+ processes), or drop zero1"
         )
-    if run_args.zero1 and fsdp:  # the accelerate-launch route is named by the config check above, by file and key
+    # the accelerate-launch route is named by the config check above, by file and key
+    if run_args.zero1 and fsdp:
         raise RecipeError(f"zero1 {ZERO1_UNDER_FSDP}: drop zero1, or launch with accelerate_configs/ddp.yaml")
     # last: it asks the hub. The Trainer's own push would upload output_dir at every save (hub_push's docstring)
     plan.push = push_plan(raw, explicit=set_keys)

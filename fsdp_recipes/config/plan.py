@@ -17,18 +17,28 @@ from fsdp_recipes.config.run_arguments import RunArguments
 
 @dataclass
 class Plan:
-    raw: Namespace | None = None  # the parsed flags and recipe values: TrainingArguments is built from them
-    trainer_fsdp: bool = False  # FSDP asked for through TrainingArguments' --fsdp (the torchrun route)
+    # the parsed flags and recipe values: TrainingArguments is built from them
+    raw: Namespace | None = None
+    # FSDP asked for through TrainingArguments' --fsdp (the torchrun route)
+    trainer_fsdp: bool = False
     # resume, set_aside and requeue_record: decided once per launch after the group starts (preflight.decide_resume)
-    resume: str | None = None  # the checkpoint to resume from
-    set_aside: list[SetAside] = field(default_factory=list)  # checkpoints to move out of the way first (renamed)
-    delete: list[Path] = field(default_factory=list)  # an earlier run's checkpoints --overwrite_output_dir deletes
-    launch: LaunchSettings | None = None  # the launcher's accelerate settings (fsdp_recipes.config.launcher)
-    auto_batch: bool = False  # per_device_train_batch_size: auto, chosen by preflight.start (config.batch_size)
-    auto_line: str | None = None  # that choice's line (rank 0), said once the training set is built (Run.build)
-    run_args: RunArguments | None = None  # this script's own options
-    notes: list[str] = field(default_factory=list)  # what the resume decision said, printed once output_dir is held
-    push: HubPush | None = None  # where --push_to_hub uploads the final model
-    requeue_record: dict | None = (
-        None  # a requeued SLURM job's progress, written to output_dir (ckpt.resume.check_requeue)
-    )
+    # the checkpoint to resume from
+    resume: str | None = None
+    # checkpoints to move out of the way first (renamed)
+    set_aside: list[SetAside] = field(default_factory=list)
+    # an earlier run's checkpoints --overwrite_output_dir deletes
+    delete: list[Path] = field(default_factory=list)
+    # the launcher's accelerate settings (fsdp_recipes.config.launcher)
+    launch: LaunchSettings | None = None
+    # per_device_train_batch_size: auto, chosen by preflight.start (config.batch_size)
+    auto_batch: bool = False
+    # that choice's line (rank 0), said once the training set is built (Run.build)
+    auto_line: str | None = None
+    # this script's own options
+    run_args: RunArguments | None = None
+    # what the resume decision said, printed once output_dir is held
+    notes: list[str] = field(default_factory=list)
+    # where --push_to_hub uploads the final model
+    push: HubPush | None = None
+    # a requeued SLURM job's progress, written to output_dir (ckpt.resume.check_requeue)
+    requeue_record: dict | None = None

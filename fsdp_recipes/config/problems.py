@@ -13,9 +13,11 @@ from fsdp_recipes.errors import bounded
 
 @dataclass
 class Problem:
-    level: str  # "error" or "warning"
+    # "error" or "warning"
+    level: str
     file: str
-    key: str  # "" for a problem of the whole file
+    # "" for a problem of the whole file
+    key: str
     message: str
     fix: str
 

@@ -40,7 +40,8 @@ ZERO1_UNDER_FSDP = (
     "is for DDP launches (accelerate_configs/ddp.yaml); under FSDP it would wrap a sharded "
     "optimizer in a second sharding"
 )
-LARGE_MODEL = 1_000_000_000  # parameters above which FULL_STATE_DICT gathering on rank 0 becomes a problem
+# parameters above which FULL_STATE_DICT gathering on rank 0 becomes a problem
+LARGE_MODEL = 1_000_000_000
 
 
 def check_with_recipe(c: Checker, recipe: dict, recipe_file: str, fsdp: dict, version, sd_type, mp, ddp: bool) -> None:
@@ -54,7 +55,8 @@ def check_with_recipe(c: Checker, recipe: dict, recipe_file: str, fsdp: dict, ve
                 f"drop {key} from the recipe, or set fsdp_activation_checkpointing: false",
                 file=recipe_file,
             )
-    if as_bool(recipe.get("save_only_model")):  # under every config: its checkpoints are models, no run resumes them
+    # under every config: its checkpoints are models, no run resumes them
+    if as_bool(recipe.get("save_only_model")):
         c.error("save_only_model", *SAVE_ONLY_MODEL, file=recipe_file)
     # QLoRA: FSDP shards the packed 4-bit weights as plain tensors (DDP replicates them as they are: any storage works)
     if as_bool(recipe.get("load_in_4bit")) and not ddp:
@@ -76,9 +78,8 @@ def check_with_recipe(c: Checker, recipe: dict, recipe_file: str, fsdp: dict, ve
                 "set bnb_4bit_quant_storage and dtype to the same dtype, e.g. both bfloat16",
                 file=recipe_file,
             )
-    if recipe.get("dtype") in ("bfloat16", "float16") and not as_bool(
-        recipe.get("load_in_4bit")
-    ):  # QLoRA: the base is frozen
+    # QLoRA: the base is frozen
+    if recipe.get("dtype") in ("bfloat16", "float16") and not as_bool(recipe.get("load_in_4bit")):
         c.warn(
             "dtype",
             f"{recipe['dtype']} keeps the master weights and the optimizer state in 16 bits: updates smaller than "
@@ -131,7 +132,8 @@ def check_model(
         why, _, fix = problem.partition(": ")
         c.error("model", f"{model} {why}", fix or "give the folder that holds the model's config.json")
         return
-    if problem := hub_config_problem(source, revision):  # the checks need its config; nothing here can fetch it
+    # the checks need its config; nothing here can fetch it
+    if problem := hub_config_problem(source, revision):
         c.warn("model", f"{model} {problem[0]}; model checks skipped", problem[1])
         return
     if problem := remote_code_problem(source, trust_remote_code, revision=revision) or config_size_problem(
@@ -147,9 +149,8 @@ def check_model(
             "keep it only for code you have read; models transformers has need none",
         )
     try:
-        config = AutoConfig.from_pretrained(
-            source, trust_remote_code=trust_remote_code, revision=revision
-        )  # False: never prompts, never runs code
+        # False: never prompts, never runs code
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError) as err:
         c.warn(
             "model",

@@ -21,7 +21,8 @@ class Rule:
 
     low: float
     high: float
-    fix: str  # what to give instead: the part of the message after the colon
+    # what to give instead: the part of the message after the colon
+    fix: str
     low_open: bool = False
     high_open: bool = False
     special: tuple = ()
@@ -32,9 +33,8 @@ class Rule:
 INF = float("inf")
 
 
-MAX_COUNT = (
-    2**63 - 1
-)  # the largest int64: whole numbers (counts, steps, sizes) beyond it overflow where torch keeps them
+# the largest int64: whole numbers (counts, steps, sizes) beyond it overflow where torch keeps them
+MAX_COUNT = 2**63 - 1
 
 
 # Worker processes (dataloader_num_workers per training process, preprocessing_num_workers for datasets.map) are
@@ -59,7 +59,8 @@ def shown(value) -> str:
 
 def _steps_strategy(raw, key: str) -> bool:
     value = getattr(raw, key, None)
-    return str(getattr(value, "value", value)).lower() == "steps"  # a string from argparse, an enum from a caller
+    # a string from argparse, an enum from a caller
+    return str(getattr(value, "value", value)).lower() == "steps"
 
 
 def problem(name: str, value, rule: Rule | None, raw=None) -> str | None:

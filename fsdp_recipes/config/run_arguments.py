@@ -10,13 +10,15 @@ from dataclasses import dataclass, field
 from fsdp_recipes.config.arguments import DTYPES
 from fsdp_recipes.config.rules import INF, Rule, check
 
-STAGING = ("auto", "copy")  # async_checkpoint_staging (fsdp_recipes.compat.host_copy.ReusedHostCopy)
+# async_checkpoint_staging (fsdp_recipes.compat.host_copy.ReusedHostCopy)
+STAGING = ("auto", "copy")
 
 
 @dataclass
 class RunArguments:
     _argument_group_name = "run"
-    RULES = {  # rules.check, in __post_init__
+    # rules.check, in __post_init__
+    RULES = {
         "peak_tflops": Rule(
             0, INF, "give the GPU's dense bf16 peak in TFLOPS (989 for an H100 SXM), or leave it unset", low_open=True
         ),

@@ -21,16 +21,20 @@ from fsdp_recipes.bounded import load_yaml
 from fsdp_recipes.tiny import REPO_ROOT
 
 CONFIG_DIR = REPO_ROOT / "accelerate_configs"
-DDP_TYPES = ("MULTI_GPU", "MULTI_CPU")  # accelerate's distributed types for DistributedDataParallel
-ZERO1_LAUNCH = " --zero1 true"  # a DDP config's label with the recipe flag that makes it ZeRO-1
+# accelerate's distributed types for DistributedDataParallel
+DDP_TYPES = ("MULTI_GPU", "MULTI_CPU")
+# a DDP config's label with the recipe flag that makes it ZeRO-1
+ZERO1_LAUNCH = " --zero1 true"
 
 
 @dataclass(frozen=True)
 class Strategy:
     # FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2 (FSDP1: as its file says), DDP, ZERO1
     name: str
-    offload: bool = False  # parameters, gradients and the optimizer step in CPU RAM (fsdp_offload_params)
-    fsdp_version: int | None = None  # None: DDP or ZERO1, no FSDP
+    # parameters, gradients and the optimizer step in CPU RAM (fsdp_offload_params)
+    offload: bool = False
+    # None: DDP or ZERO1, no FSDP
+    fsdp_version: int | None = None
 
     @property
     def memory_strategy(self) -> str:
@@ -49,7 +53,8 @@ class Strategy:
         return "NO_SHARD" if self.fsdp_version == 1 and alone else self.memory_strategy
 
 
-FSDP1_HYBRID = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2")  # as accelerate and torch name them
+# as accelerate and torch name them
+FSDP1_HYBRID = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2")
 
 
 def fsdp1_hybrid_problem(strategy: str | None, devices_per_process: int, local_world: int, world: int) -> str | None:

@@ -27,14 +27,16 @@ def trainer_fsdp_keys() -> frozenset[str] | None:
     method = internals.get("transformers.training_args.TrainingArguments._process_fsdp_args")
     try:
         source = inspect.getsource(method)
-    except (OSError, TypeError):  # an install without .py sources: the keys cannot be read, so they are not checked
+    # an install without .py sources: the keys cannot be read, so they are not checked
+    except (OSError, TypeError):
         say(
             "warning: transformers' source is not installed, so --fsdp_config keys are not checked against the ones "
             "TrainingArguments reads (a misspelt key would be ignored by it)"
         )
         return None
     keys = keys_read(source)
-    if len(keys) < 5:  # the method was rewritten in a way this reading no longer sees
+    # the method was rewritten in a way this reading no longer sees
+    if len(keys) < 5:
         raise internals.problem(
             "transformers.training_args.TrainingArguments._process_fsdp_args",
             f" reading fsdp_config keys as this repository expects (found {sorted(keys)})",
@@ -115,7 +117,8 @@ def check_trainer_fsdp(raw) -> bool:
             f"--fsdp_config) or some of {', '.join(o.value for o in FSDPOption)}"
         )
     if not raw.fsdp:
-        if raw.fsdp_config:  # TrainingArguments reads it only with fsdp: the run would train without it, silently
+        # TrainingArguments reads it only with fsdp: the run would train without it, silently
+        if raw.fsdp_config:
             raise RecipeError(
                 "fsdp_config is read only with --fsdp (TrainingArguments' FSDP, for torchrun without accelerate): "
                 "give --fsdp true, or drop fsdp_config (under accelerate launch the accelerate config's is in force)"

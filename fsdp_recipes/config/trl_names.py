@@ -50,7 +50,8 @@ def check_flag_aliases(argv: list[str], parser) -> None:
         flag, eq, text = arg.partition("=")
         if (action := actions.get(flag)) is None:
             continue
-        if action.nargs in ("+", "*"):  # a list: its values up to the next flag (argparse keeps the last list)
+        # a list: its values up to the next flag (argparse keeps the last list)
+        if action.nargs in ("+", "*"):
             values = [text] if eq else list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1 :]))
             text, value = " ".join(values), tuple(_read(action, v) for v in values)
         else:
@@ -65,7 +66,8 @@ def check_flag_aliases(argv: list[str], parser) -> None:
         if (earlier := seen.get(action.dest)) and earlier[2] != value:
             what = f"the same setting ({action.dest})" if earlier[0] != flag else "given twice"
             fix = "give one"
-            if action.nargs in ("+", "*"):  # what was likely meant: one list of both, each value as given
+            # what was likely meant: one list of both, each value as given
+            if action.nargs in ("+", "*"):
                 fix += f" list, e.g. {flag} {shlex.join(dict.fromkeys(earlier[3] + values))}"
             raise RecipeError(f"{earlier[1]} and {typed} are {what} with different values: {fix}")
         seen[action.dest] = (flag, typed, value, values)

@@ -132,18 +132,22 @@ def translate(recipe: dict, argv: list[str] | None = None, tell=say) -> dict:
     for key, (taken, _) in NO_EQUIVALENT.items():
         if key in out and any(out[key] == v and type(out[key]) is type(v) for v in taken):
             out.pop(key)
-    for key in NULL_IS_DEFAULT:  # TRL's and the handbook's null: the library's default, which ours is
+    # TRL's and the handbook's null: the library's default, which ours is
+    for key in NULL_IS_DEFAULT:
         if key in out and out[key] is None:
             out.pop(key)
     if out.get("packing_strategy") == "bfd" and out.get("packing") in (None, False, "false"):
-        out.pop("packing_strategy")  # TRL's default strategy, which TRL ignores without packing
-    for key in DICT_VALUED:  # as the JSON text a flag gives; dict_fields.check_dict_valued checks either
+        # TRL's default strategy, which TRL ignores without packing
+        out.pop("packing_strategy")
+    # as the JSON text a flag gives; dict_fields.check_dict_valued checks either
+    for key in DICT_VALUED:
         if isinstance(out.get(key), dict):
             out[key] = json.dumps(out[key])
     _model_init_kwargs(out)
     _older_handbook_defaults(out, notes)
     if "dataset_mixture" in out and out.get("chat_template") is None and out.get("chat_template_path") is None:
-        out.setdefault("default_chat_format", "chatml")  # the handbook's current sft.py, for a template-less tokenizer
+        # the handbook's current sft.py, for a template-less tokenizer
+        out.setdefault("default_chat_format", "chatml")
     _mixture(out, notes)
     _dataset_kwargs(out)
     if isinstance(out.get("packing_strategy"), str) and out["packing_strategy"] in PACKING_STRATEGIES:
@@ -171,7 +175,8 @@ def translate_flags(argv: list[str], tell=say) -> list[str]:
             continue
         given = value if eq else (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None)
         if flag.startswith("--") and name in NO_EQUIVALENT and given is not None and _taken(name, given):
-            skip = not eq  # a TRL flag at the value taken here (its default): dropped, as in a recipe
+            # a TRL flag at the value taken here (its default): dropped, as in a recipe
+            skip = not eq
             continue
         if flag.startswith("--") and name in renamed:
             if name in RENAMED:
@@ -287,7 +292,8 @@ def _mixture(out: dict, notes: list[str]) -> None:
     plan = normalize_mixture(out)
     if plan is None:
         if out.get("streaming") is False:
-            out.pop("streaming")  # TRL's default: nothing to stream
+            # TRL's default: nothing to stream
+            out.pop("streaming")
         return
     for key in (*MIXTURE_KEYS, "dataset_splits", "dataset_configs", "streaming", "test_split_size"):
         out.pop(key, None)

@@ -21,17 +21,21 @@ from fsdp_recipes.errors import RecipeError
 
 def check_training_values(raw, model_args: ModelArguments, data_args: DataArguments) -> None:
     """Values TrainingArguments accepts that train nothing, or the wrong thing, without a word."""
-    if raw.output_dir is not None and not str(raw.output_dir).strip():  # TrainingArguments would os.makedirs('')
+    # TrainingArguments would os.makedirs('')
+    if raw.output_dir is not None and not str(raw.output_dir).strip():
         raise RecipeError(f"output_dir={raw.output_dir!r} is empty: give the folder to write the run to")
     if raw.max_steps == 0:
         raise RecipeError(
             "max_steps=0 would still train one step and save checkpoint-1: give a positive number of "
             "steps, or leave max_steps at -1 to train num_train_epochs"
         )
-    check_value_ranges(raw)  # every numeric TrainingArguments field: finite, and within its rule
-    if raw.learning_rate == 0:  # a load check may want exactly this; a training run never does
+    # every numeric TrainingArguments field: finite, and within its rule
+    check_value_ranges(raw)
+    # a load check may want exactly this; a training run never does
+    if raw.learning_rate == 0:
         say("warning: learning_rate=0: the weights will not change (fine to check that a model loads; not training)")
-    if raw.learning_rate * raw.weight_decay >= 1:  # the decay multiplies each weight by 1 - lr x wd every step
+    # the decay multiplies each weight by 1 - lr x wd every step
+    if raw.learning_rate * raw.weight_decay >= 1:
         raise RecipeError(
             f"weight_decay={shown(raw.weight_decay)} with learning_rate={shown(raw.learning_rate)} would "
             "multiply every weight by 1 - learning_rate x weight_decay = "
@@ -45,7 +49,8 @@ def check_training_values(raw, model_args: ModelArguments, data_args: DataArgume
             f"eval_strategy={raw.eval_strategy} needs evaluation data: set validation_file, "
             "validation_split_percentage or dataset_test_split"
         )
-    if raw.torch_compile_mode and raw.torch_compile_mode not in compile_modes():  # torch.compile reads "" as default
+    # torch.compile reads "" as default
+    if raw.torch_compile_mode and raw.torch_compile_mode not in compile_modes():
         raise RecipeError(
             f"torch_compile_mode={raw.torch_compile_mode!r} is not a mode torch.compile knows: give one of "
             f"{', '.join(compile_modes())}"
@@ -116,7 +121,8 @@ def best_metric_direction(raw, explicit: set[str]) -> None:
         raw.greater_is_better = False
 
 
-SEED_MAX = 2**32 - 1  # transformers' set_seed seeds numpy, which refuses more
+# transformers' set_seed seeds numpy, which refuses more
+SEED_MAX = 2**32 - 1
 
 
 STEPS_FIX = "give a whole number of optimizer steps, or a fraction of the run below 1 (0.1: every tenth of it)"
@@ -191,7 +197,8 @@ TRAINING_RULES: dict[str, Rule] = {
 }
 
 
-OWN_RULES = {**ModelArguments.RULES, **DataArguments.RULES, **RunArguments.RULES}  # checked in each __post_init__
+# checked in each __post_init__
+OWN_RULES = {**ModelArguments.RULES, **DataArguments.RULES, **RunArguments.RULES}
 
 
 VALUE_RULES = {**TRAINING_RULES, **OWN_RULES}
@@ -201,7 +208,8 @@ VALUE_RULES = {**TRAINING_RULES, **OWN_RULES}
 FINITE_ONLY: dict[str, str] = {}
 
 
-_numeric: dict[str, type] = {}  # numeric_fields(), found once: the dataclasses do not change while we run
+# numeric_fields(), found once: the dataclasses do not change while we run
+_numeric: dict[str, type] = {}
 
 
 def numeric_fields() -> dict[str, type]:
@@ -212,9 +220,8 @@ def numeric_fields() -> dict[str, type]:
         for cls in (ModelArguments, DataArguments, RunArguments, TrainingArguments):
             hints = typing.get_type_hints(cls)
             for f in dataclasses.fields(cls):
-                kinds = set(typing.get_args(hints[f.name])) or {
-                    hints[f.name]
-                }  # bool is its own type, not in {int, float}
+                # bool is its own type, not in {int, float}
+                kinds = set(typing.get_args(hints[f.name])) or {hints[f.name]}
                 if f.init and kinds & {int, float}:
                     _numeric[f.name] = float if float in kinds else int
     return dict(_numeric)
@@ -277,7 +284,8 @@ def check_run_length(args, examples: int, profile_steps: str | None = None) -> i
             f"per_device_train_batch_size={size} leaves no batch with dataloader_drop_last ({source}): "
             "lower per_device_train_batch_size, drop dataloader_drop_last, or give more data"
         )
-    if batches < accumulation:  # every optimizer step would average `batches` micro-batches, not `accumulation`
+    # every optimizer step would average `batches` micro-batches, not `accumulation`
+    if batches < accumulation:
         raise RecipeError(
             f"gradient_accumulation_steps={accumulation} is more than the {batches} micro-batch"
             f"{'es' if batches > 1 else ''} an epoch gives each process ({source}): every optimizer step "
@@ -295,12 +303,14 @@ def check_run_length(args, examples: int, profile_steps: str | None = None) -> i
     if profile_steps:
         first, last = parse_steps(str(profile_steps))
         if last > total:
-            start = max(1, total - (last - first))  # as many steps, ending with the run
+            # as many steps, ending with the run
+            start = max(1, total - (last - first))
             raise RecipeError(
                 f"profile_steps={profile_steps} ends after the run's {total} optimizer steps ({length}): "
                 f"profile steps within the run, e.g. {start}-{total}"
             )
-    if epoch_based and args.warmup_steps >= 1:  # with max_steps, parse_args has warned already
+    # with max_steps, parse_args has warned already
+    if epoch_based and args.warmup_steps >= 1:
         warn_long_warmup(args.warmup_steps, total, args.learning_rate)
     return total
 

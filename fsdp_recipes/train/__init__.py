@@ -11,10 +11,12 @@
 - optimizer:  the optimizer settings a resume would override; the dtypes a run holds; ZeRO-1's optimizer
 - trainer:    FSDPTrainer: the Trainer plus the sharding proof, exact FSDP1/ZeRO-1 resumes, safe rotation
 - sharding:   proof that the prepared model is FSDP-wrapped and sharded (fsdp_report.json)
+- run_report: what the rest of the run adds to fsdp_report.json
 - preemption: SIGTERM/SIGUSR1 save a checkpoint and stop cleanly
 - async_checkpoints: checkpoints written in the background while training goes on
 - metrics, profiling: throughput and MFU, the loss plot; a profiled step range
-- export:     self-describing checkpoints, and the final export written by every rank in parallel
+- export:     self-describing checkpoints, and the final export (save_final_model)
+- export_parts: that export written by every rank in parallel, without a collective bounding its time
 - model_folder: a checkpoint to output_dir/model/ (the merge's code), and the one way a model folder is published
 - upload:     --push_to_hub: that folder (and a LoRA adapter) to the hub, once, after the run
 

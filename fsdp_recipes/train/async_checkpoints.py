@@ -56,25 +56,38 @@ class Pending:
     step: int
     futures: list
     started: float
-    staged_bytes: list = dataclasses.field(default_factory=list)  # per save (model, optimizer): this rank's host copy
-    in_place: list = dataclasses.field(default_factory=list)  # per save: written from the live tensors (no host copy)
-    optimizer_wait: float = 0.0  # seconds the next optimizer step waited for an in-place write
-    trainer_state: tuple[Path, object] | None = None  # rank 0: where trainer_state.json goes, and the state at the step
+    # per save (model, optimizer): this rank's host copy
+    staged_bytes: list = dataclasses.field(default_factory=list)
+    # per save: written from the live tensors (no host copy)
+    in_place: list = dataclasses.field(default_factory=list)
+    # seconds the next optimizer step waited for an in-place write
+    optimizer_wait: float = 0.0
+    # rank 0: where trainer_state.json goes, and the state at the step
+    trainer_state: tuple[Path, object] | None = None
 
 
 class AsyncCheckpoints(TrainerCallback):
     def __init__(self, trainer, enabled: bool, direct: bool = True, staging: str = "auto"):
         self.trainer, self.enabled, self.direct, self.staging = trainer, enabled, direct, staging
-        self.step_hook = None  # the optimizer step pre-hook while an in-place write is in flight
-        self.shard_files = ShardFiles()  # how this rank's shard files were written (direct or through the page cache)
-        self.groups: list = []  # a gloo group for each save of a checkpoint (compat.async_dcp), made on first use
-        self.stagers: list = []  # and its host copy (compat.host_copy.ReusedHostCopy), reused by every checkpoint
-        self.host_copies_made = 0  # by stagers already let go (release)
-        self.ahead: HostBuffers | None = None  # the first host copy's buffers, made after the first optimizer step
-        self.ahead_report: dict | None = None  # what making them ahead cost, and how much of the first copy they were
-        self.ahead_considered = False  # at the end of the first step this process runs
+        # the optimizer step pre-hook while an in-place write is in flight
+        self.step_hook = None
+        # how this rank's shard files were written (direct or through the page cache)
+        self.shard_files = ShardFiles()
+        # a gloo group for each save of a checkpoint (compat.async_dcp), made on first use
+        self.groups: list = []
+        # and its host copy (compat.host_copy.ReusedHostCopy), reused by every checkpoint
+        self.stagers: list = []
+        # by stagers already let go (release)
+        self.host_copies_made = 0
+        # the first host copy's buffers, made after the first optimizer step
+        self.ahead: HostBuffers | None = None
+        # what making them ahead cost, and how much of the first copy they were
+        self.ahead_report: dict | None = None
+        # at the end of the first step this process runs
+        self.ahead_considered = False
         self.pending: Pending | None = None
-        self.completed: list[dict] = []  # per checkpoint: step, seconds, the step training had reached (the report)
+        # per checkpoint: step, seconds, the step training had reached (the report)
+        self.completed: list[dict] = []
 
     def why_not(self) -> str | None:
         """Why checkpoints of this run cannot be asynchronous (None: they are)."""
@@ -122,9 +135,8 @@ class AsyncCheckpoints(TrainerCallback):
         """Staging auto, and an optimizer that changes the weights only in its step: a schedule-free optimizer's
         train()/eval(), which the Trainer calls around steps and evaluation, rewrite them in place (a save in flight
         would be torn), so such runs keep the host copy."""
-        inner = getattr(
-            self.trainer.optimizer, "optimizer", self.trainer.optimizer
-        )  # accelerate's wrapper has train() itself
+        # accelerate's wrapper has train() itself
+        inner = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
         moves_weights = "schedule_free" in str(self.trainer.args.optim) or callable(getattr(inner, "train", None))
         return self.staging == "auto" and not moves_weights
 
@@ -139,9 +151,11 @@ class AsyncCheckpoints(TrainerCallback):
         import torch.distributed as dist
 
         if self.pending is not None:
-            self.finish()  # at most one in flight
+            # at most one in flight
+            self.finish()
 
-        def group(i: int):  # every rank makes the same saves in the same order, so the i-th group matches
+        # every rank makes the same saves in the same order, so the i-th group matches
+        def group(i: int):
             while len(self.groups) <= i:
                 self.groups.append(dist.new_group(backend="gloo"))
             return self.groups[i]
@@ -154,12 +168,15 @@ class AsyncCheckpoints(TrainerCallback):
         pending = Pending(folder, step, [], time.monotonic())
         state = self.trainer.state
 
-        def hold(path):  # the state as it is now, written by its own save_to_json once every rank is done
+        # the state as it is now, written by its own save_to_json once every rank is done
+        def hold(path):
             held = copy.deepcopy(state)
-            del held.save_to_json  # the copy's own method again (deepcopy took this hold along)
+            # the copy's own method again (deepcopy took this hold along)
+            del held.save_to_json
             pending.trainer_state = (Path(path), held)
 
-        state.save_to_json = hold  # this instance only, for this save
+        # this instance only, for this save
+        state.save_to_json = hold
         # accelerate asks for sharded state dicts with cpu_offload (its ShardedStateDictConfig(offload_to_cpu=True)): on
         # a GPU, a copy of every shard into new pageable memory on the training thread at every save, whose tensors
         # then look host-resident, so the save went "in place" from them and the next optimizer step waited for the
@@ -181,7 +198,8 @@ class AsyncCheckpoints(TrainerCallback):
             if offload_to_cpu:
                 sd_config.offload_to_cpu = True
             del state.save_to_json
-            if self.ahead is not None:  # the first checkpoint's copies are made: what they did not take goes
+            # the first checkpoint's copies are made: what they did not take goes
+            if self.ahead is not None:
                 self.ahead_report, self.ahead = self.ahead.close(), None
         self.pending = pending
         if any(pending.in_place):
@@ -192,10 +210,12 @@ class AsyncCheckpoints(TrainerCallback):
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """Every optimizer step while an in-place write is in flight: wait for it (the step changes what it writes).
         Removed once the checkpoint completes (removing it here would change the hooks torch is iterating over)."""
-        pending = self.pending  # registered only while an in-place save is pending
+        # registered only while an in-place save is pending
+        pending = self.pending
         if pending is not None and not all(f.done() for f in pending.futures):
             began = time.monotonic()
-            concurrent.futures.wait(pending.futures)  # a failed write raises where the checkpoint completes
+            # a failed write raises where the checkpoint completes
+            concurrent.futures.wait(pending.futures)
             pending.optimizer_wait += time.monotonic() - began
 
     def _unhook(self) -> None:
@@ -213,7 +233,8 @@ class AsyncCheckpoints(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.ahead_considered:
             self.ahead_considered = True
-            if not self.stagers:  # no checkpoint yet
+            # no checkpoint yet
+            if not self.stagers:
                 self._make_host_copy_ahead(kwargs.get("model"), state)
         if self.pending is None:
             return
@@ -237,7 +258,8 @@ class AsyncCheckpoints(TrainerCallback):
             return
         save_steps = getattr(state, "save_steps", 0) or 0
         if str(self.trainer.args.save_strategy).endswith("steps") and state.max_steps and save_steps > state.max_steps:
-            return  # no checkpoint before the end: nothing to make ahead
+            # no checkpoint before the end: nothing to make ahead
+            return
         params = list(model.parameters())
         tensors = params if all(p.requires_grad for p in params) else []
         optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
@@ -259,14 +281,16 @@ class AsyncCheckpoints(TrainerCallback):
             future.result()
         self.trainer.accelerator.wait_for_everyone()
         self._complete(self.trainer.state.global_step)
-        self.trainer.accelerator.wait_for_everyone()  # no rank goes on (to say "saved", or exit) before it is complete
+        # no rank goes on (to say "saved", or exit) before it is complete
+        self.trainer.accelerator.wait_for_everyone()
 
     def release(self) -> None:
         """After the last save: the host copies are let go (the final export and what follows gain nothing from
         them)."""
         self.host_copies_made += sum(s.made for s in self.stagers)
         self.stagers.clear()
-        if self.ahead is not None:  # made for a checkpoint that never came
+        # made for a checkpoint that never came
+        if self.ahead is not None:
             self.ahead_report, self.ahead = self.ahead.close(), None
 
     def abandon(self) -> None:
@@ -286,7 +310,8 @@ class AsyncCheckpoints(TrainerCallback):
         pending, self.pending = self.pending, None
         self._unhook()
         for future in pending.futures:
-            future.result()  # a failed write raises here, on the rank that saw it
+            # a failed write raises here, on the rank that saw it
+            future.result()
         seconds = round(time.monotonic() - pending.started, 3)
         staged, in_place = sum(pending.staged_bytes), all(pending.in_place)
         self.completed.append(
@@ -300,12 +325,12 @@ class AsyncCheckpoints(TrainerCallback):
             }
         )
         if self.trainer.args.should_save:
-            self.trainer.describer.finish_checkpoint(
-                pending.folder
-            )  # shard_digests.json: every rank's files are written
+            # shard_digests.json: every rank's files are written
+            self.trainer.describer.finish_checkpoint(pending.folder)
             if pending.trainer_state is not None:
                 path, held = pending.trainer_state
-                held.save_to_json(str(path))  # last: the checkpoint is complete
+                # last: the checkpoint is complete
+                held.save_to_json(str(path))
             self.trainer.rotate_checkpoints()
         if self.trainer.is_world_process_zero():
             source = (
@@ -330,19 +355,21 @@ class AsyncCheckpoints(TrainerCallback):
                 **files,
             }
         done = self.completed
+        # the first copy's buffers, made after step 1
         return {
             "mode": "background",
             **files,
             "saves": len(done),
-            "staging": self.staging,  # auto: in place where the shards live in host memory; each save's in "last"
+            # auto: in place where the shards live in host memory; each save's in "last"
+            "staging": self.staging,
             "in_place_saves": sum(c["in_place"] for c in done),
             "optimizer_wait_seconds_max": max((c["optimizer_wait_seconds"] for c in done), default=0.0),
-            "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),  # rank 0's host copy per save
+            # rank 0's host copy per save
+            "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),
             "seconds_max": max((c["seconds"] for c in done), default=0.0),
             "host_copies_made": self.host_copies_made
-            + sum(s.made for s in self.stagers),  # one per save of a checkpoint (model, optimizer), reused
-            **(
-                {"host_copy_ahead": self.ahead_report} if self.ahead_report else {}
-            ),  # the first copy's buffers, made after step 1
+            # one per save of a checkpoint (model, optimizer), reused
+            + sum(s.made for s in self.stagers),
+            **({"host_copy_ahead": self.ahead_report} if self.ahead_report else {}),
             "last": done[-5:],
         }

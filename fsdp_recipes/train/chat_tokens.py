@@ -54,7 +54,8 @@ def apply_recipe_tokens(tokenizer: PreTrainedTokenizerBase, args: ModelArguments
         # the handbook sets the recipe's eos_token first and setup_chat_format then makes <|im_end|> the eos: the
         # only end the ChatML template writes, so the one generate() must stop at
         ignored = "" if eos in (None, CHATML_END) else f"; the recipe's eos_token {eos!r} gives way to it, as there"
-        eos = None  # the set-up's own, below
+        # the set-up's own, below
+        eos = None
         new = [t for t in (CHATML_START, CHATML_END) if t not in tokenizer.get_vocab()]
         tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token = CHATML_END, CHATML_END, CHATML_START
         tokenizer.add_special_tokens({"additional_special_tokens": [CHATML_START, CHATML_END]})
@@ -134,4 +135,5 @@ def fit_embeddings(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, a
     if not chatml_set_up(tokenizer, args) or len(tokenizer) <= rows:
         return
     meta = model.get_input_embeddings().weight.is_meta
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=not meta)  # the mean cannot be taken on meta
+    # the mean cannot be taken on meta
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=not meta)

@@ -68,9 +68,8 @@ def _loader_problem(err: BaseException, path: Path | None) -> str:
     said = f"{type(cause).__name__}: {said}" if said else type(cause).__name__
     if path is None:
         return f"cannot be loaded ({said}): check the dataset name, config and split"
-    if (
-        isinstance(cause, OSError) and not isinstance(cause, ArrowException) and cause.errno is not None
-    ):  # not pyarrow's "cannot parse"
+    # not pyarrow's "cannot parse"
+    if isinstance(cause, OSError) and not isinstance(cause, ArrowException) and cause.errno is not None:
         return f"cannot be loaded ({said}): check that it is readable and that the datasets cache has space"
     kind = DATA_EXTENSIONS[path.suffix]
     if (fault := locate_fault(path)) is None:
@@ -81,9 +80,11 @@ def _loader_problem(err: BaseException, path: Path | None) -> str:
 
 def load_raw(args: DataArguments, seed: int = 42) -> tuple[Dataset, Dataset | None]:
     """The raw training examples and the raw evaluation examples (None without an evaluation source)."""
-    if args.dataset_mixture is not None:  # TRL's or the handbook's mixture, loaded as their scripts load it
+    # TRL's or the handbook's mixture, loaded as their scripts load it
+    if args.dataset_mixture is not None:
         train, evaluation = load_mixture(args, seed)
-    elif args.train_file is not None:  # one file per call, so that an error names the file it is about
+    # one file per call, so that an error names the file it is about
+    elif args.train_file is not None:
         train = load_file(args.train_file, "train", "train_file")
         evaluation = load_file(args.validation_file, "validation", "validation_file") if args.validation_file else None
     else:
@@ -98,7 +99,8 @@ def load_raw(args: DataArguments, seed: int = 42) -> tuple[Dataset, Dataset | No
             raise RecipeError(f"dataset_name={args.dataset_name!r} {_loader_problem(err, None)}") from err
     if args.max_train_samples is not None:
         train = train.select(range(min(args.max_train_samples, len(train))))
-    if args.validation_split_percentage is not None:  # held out before tokenizing: no document is in both
+    # held out before tokenizing: no document is in both
+    if args.validation_split_percentage is not None:
         split = train.train_test_split(test_size=args.validation_split_percentage / 100, seed=seed)
         train, evaluation = split["train"], split["test"]
     return train, evaluation
@@ -113,7 +115,8 @@ def resolve_format(args: DataArguments, columns: list[str]) -> str:
         raise RecipeError(f"the data {other}")
     if needed not in columns:
         raise RecipeError(f"data_format={fmt}: column {needed!r} not in the dataset (columns: {', '.join(columns)})")
-    if problem := args.format_problem(fmt):  # a TRL setting that means nothing for this kind of data
+    # a TRL setting that means nothing for this kind of data
+    if problem := args.format_problem(fmt):
         raise RecipeError(problem)
     return fmt
 
@@ -183,7 +186,8 @@ def split_documents(raw: Dataset, tokenizer: PreTrainedTokenizerBase, args: Data
                 ids[i : i + args.block_size]
                 for i in range(0, args.block_size if truncate else len(ids), args.block_size)
             ]
-        pieces = [p for p in pieces if len(p) > 1]  # one token predicts nothing
+        # one token predicts nothing
+        pieces = [p for p in pieces if len(p) > 1]
         return {"input_ids": pieces, "labels": [list(p) for p in pieces]}
 
     return raw.map(
@@ -206,7 +210,8 @@ def assistant_mask(
     turn's prompt and up to its end, and the tokens between the two are the assistant's.
     """
 
-    extra = {k: v for k, v in (template_kwargs or {}).items() if v is not None}  # Arrow fills absent keys
+    # Arrow fills absent keys
+    extra = {k: v for k, v in (template_kwargs or {}).items() if v is not None}
 
     def render(msgs, **kw):
         return list(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, **kw, **extra)["input_ids"])
@@ -296,7 +301,8 @@ def tokenize_chat(
         )
 
     template = f"the chat template of tokenizer {tokenizer.name_or_path!r}"
-    whole = getattr(args, "assistant_only_loss", None) is False  # TRL's default: loss on the whole conversation
+    # TRL's default: loss on the whole conversation
+    whole = getattr(args, "assistant_only_loss", None) is False
     # the handbook's maybe_insert_system_message: only where the template renders system turns
     system = getattr(args, "auto_insert_empty_system_msg", False) and any(
         mark in tokenizer.chat_template for mark in ("system", "<|im_start|>")
@@ -317,7 +323,8 @@ def tokenize_chat(
                 f"{template} took over {CHAT_TEMPLATE_SECONDS:g} s to render one conversation (the limit): "
                 "is it the right template? fix or replace its chat_template.jinja"
             ) from None
-        except TemplateError as err:  # the template's own raise_exception ("roles must alternate ...") or its syntax
+        # the template's own raise_exception ("roles must alternate ...") or its syntax
+        except TemplateError as err:
             said = one_line((str(err).strip().splitlines() or [""])[0])[:200]
             raise RecipeError(
                 f"{template} fails on {label} ({type(err).__name__}: {said}): fix that record, or the template"
@@ -392,7 +399,8 @@ def build_datasets(
         prepare = split_documents if fmt == "text" else tokenize_chat
         collator = PaddingFreeCollator(return_position_ids=True, separator_id=IGNORE_INDEX)
     else:
-        rows = fmt == "chat" or args.trl_packing is False  # TRL's default: one example per row, truncated, padded
+        # TRL's default: one example per row, truncated, padded
+        rows = fmt == "chat" or args.trl_packing is False
         prepare = tokenize_chat if fmt == "chat" else split_documents if rows else pack_text
         collator = (
             DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)

@@ -67,7 +67,8 @@ def _load(entry: dict) -> Dataset:
         return load_split(entry["path"], entry.get("name"), entry["split"], **kwargs)
     except RecipeError:
         raise
-    except (DatasetsError, ArrowException, ValueError, OSError) as err:  # what datasets raises on data it cannot load
+    # what datasets raises on data it cannot load
+    except (DatasetsError, ArrowException, ValueError, OSError) as err:
         where = f"{entry['path']!r} (configuration {entry.get('name')!r}, split {entry['split']!r})"
         said = one_line((str(err).strip().splitlines() or [""])[0])[:200]
         raise RecipeError(

@@ -70,7 +70,8 @@ class Interrupted(KeyboardInterrupt):
 def training_errors(trainer, output_dir: str):
     """Ctrl-C becomes Interrupted, a full disk one RecipeError; the progress bar is closed first, so the line that
     follows starts a line of its own."""
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    # a BaseException
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from fsdp_recipes.ckpt.stop_advice import disk_full_problem, how_to_go_on
     from fsdp_recipes.train.preemption import was_interrupted
@@ -199,7 +200,8 @@ def run_as_script(main: Callable[[], None]) -> None:
         code[0] = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         raise
     except BaseException:
-        code[0] = 1  # Python prints the traceback before atexit runs
+        # Python prints the traceback before atexit runs
+        code[0] = 1
         raise
 
 

@@ -1,7 +1,7 @@
 """Saving from a live training run: every checkpoint self-describing, every run ending in a model folder.
 
 Each checkpoint gets its description, report and digests (DescribeCheckpoints). The final export is written by
-every rank in parallel (save_final_model: write_part, wait_for_parts) with the conversion of
+every rank in parallel (save_final_model, with fsdp_recipes.train.export_parts) with the conversion of
 ``fsdp_recipes.ckpt.merge``, the code behind tools/merge_checkpoint.py, and published as the one path to a model
 folder does (fsdp_recipes.train.model_folder).
 """
@@ -12,14 +12,13 @@ import copy
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
-from fsdp_recipes.bounded import JSON_LIMIT, STATE_LIMIT, load_json, read_text, short_json
+from fsdp_recipes.bounded import STATE_LIMIT, load_json, short_json
 from fsdp_recipes.ckpt import base_identity
 from fsdp_recipes.ckpt.description import describe_folder, seal_manifest, write_manifest
 from fsdp_recipes.ckpt.layout import (
@@ -34,12 +33,13 @@ from fsdp_recipes.ckpt.layout import (
     REPORT_NAME,
     step_of_name,
 )
-from fsdp_recipes.ckpt.merge import lora_merge_input, write_weight_part
-from fsdp_recipes.ckpt.readers import DCPSource, dtype_name
+from fsdp_recipes.ckpt.lora_input import lora_merge_input
+from fsdp_recipes.ckpt.readers import DCPSource
 from fsdp_recipes.ckpt.shard_digests import write_shard_digests
 from fsdp_recipes.compat.async_dcp import ShardFiles, checkpoint_saves
-from fsdp_recipes.errors import CheckpointError, RecipeError, UnreadableFile
-from fsdp_recipes.removal import make_folder, remove, replace_file
+from fsdp_recipes.errors import RecipeError, UnreadableFile
+from fsdp_recipes.removal import make_folder, remove
+from fsdp_recipes.train import export_parts
 from fsdp_recipes.train.model_folder import (
     publish,
     publish_adapter,
@@ -47,7 +47,8 @@ from fsdp_recipes.train.model_folder import (
     stage_adapter_folder,
     write_final_folder,
 )
-from fsdp_recipes.train.sharding import read_run_report, unwrapped_model_class, update_run_report
+from fsdp_recipes.train.run_report import read_run_report
+from fsdp_recipes.train.sharding import unwrapped_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +91,16 @@ class DescribeCheckpoints(TrainerCallback):
 
     def __init__(self, trainer, tokenizer):
         self.trainer, self.tokenizer = trainer, tokenizer
-        self.base_record = None  # a LoRA run's base identity (Run.build sets it)
+        # a LoRA run's base identity (Run.build sets it)
+        self.base_record = None
 
     def describe(self, folder: Path) -> None:
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         files = save_model_description(model, self.tokenizer, folder, self.base_record)
         try:
             write_manifest(folder, lora_parts(model)[0].config, files)
-        except Exception as err:  # only a shortcut for the merge, never worth a failed run
+        # only a shortcut for the merge, never worth a failed run
+        except Exception as err:
             logger.warning(
                 f"no {MANIFEST} in {folder} ({type(err).__name__}: {err}); merging it checks the config with "
                 "transformers"
@@ -124,8 +127,10 @@ class DescribeCheckpoints(TrainerCallback):
             if (report := read_run_report(run_report)) is not None:
                 report["state_dict_type"] = str(plugin.state_dict_type).split(".")[-1] if plugin else None
                 (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-        seal_manifest(folder)  # the description files as the run left them: a later change is then named
-        write_shard_digests(folder, (DCP_MODEL_DIR, OPTIMIZER_DIR))  # a swapped or replaced shard is then named
+        # the description files as the run left them: a later change is then named
+        seal_manifest(folder)
+        # a swapped or replaced shard is then named
+        write_shard_digests(folder, (DCP_MODEL_DIR, OPTIMIZER_DIR))
 
 
 def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
@@ -137,7 +142,7 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     (collective, as every checkpoint), then every rank streams its part of the safetensors files from those shards
     (memory bounded by the largest tensor): rank r writes shards r, r+N, ... (safetensors_writer.write_weights). A
     LoRA run's shards hold the base and the adapter: each rank merges the adapter into the base weights of its own
-    shards, tensor by tensor, as tools/merge_checkpoint.py does (ckpt.merge.lora_merge_input), and rank 0 also
+    shards, tensor by tensor, as tools/merge_checkpoint.py does (ckpt.lora_input.lora_merge_input), and rank 0 also
     writes the adapter folder. No rank waits on a collective after that, so no ``ddp_timeout`` bounds the
     conversion: each rank leaves a completion file in the staging folder and is done; rank 0 waits for those files
     (wait_for_parts: no deadline on the writing; a rank that fails says so in a file, one that dies or hangs stops
@@ -158,17 +163,21 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
     shards, staging = out / FINAL_SHARDS, out / MODEL_STAGING
     sharded = plugin is not None and "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
     via_shards = sharded or (plugin is not None and lora is not None)
-    gathered_lora = via_shards and not sharded  # FULL_STATE_DICT LoRA: rank 0 merges pytorch_model_fsdp.bin alone
+    # FULL_STATE_DICT LoRA: rank 0 merges pytorch_model_fsdp.bin alone
+    gathered_lora = via_shards and not sharded
     if accelerator.is_main_process:
         remove_export_leftovers(out, log=logger.info)
-        if not gathered_lora:  # write_final_folder merges into a staging folder of its own
+        # write_final_folder merges into a staging folder of its own
+        if not gathered_lora:
             make_folder(staging, EXPORT_STAGING)
         if via_shards:
             make_folder(shards, EXPORT_STAGING)
-            if lora is not None:  # the adapter's config (and the base's record) beside the shards, for every rank's
+            # the adapter's config (and the base's record) beside the shards, for every rank's
+            if lora is not None:
                 # merge: written before the barrier below
                 save_model_description(model, tokenizer, shards, trainer.describer.base_record)
-    if plugin is None and lora is not None:  # a run without FSDP (--allow_no_fsdp): the whole model is here
+    # a run without FSDP (--allow_no_fsdp): the whole model is here
+    if plugin is None and lora is not None:
         if accelerator.is_main_process:
             adapter_staging = out / ADAPTER_STAGING
             make_folder(adapter_staging, EXPORT_STAGING)
@@ -177,32 +186,38 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
                 base_identity.write(adapter_staging, trainer.describer.base_record)
             model.merge_and_unload().save_pretrained(str(staging))
             publish(staging, out, [*save_model_description(base, tokenizer, staging), *weight_files(staging)])
-            publish_adapter(adapter_staging, out)  # after the model it goes with, as the sharded export
-        return  # no barrier: the other ranks have nothing left to do (see the docstring)
+            # after the model it goes with, as the sharded export
+            publish_adapter(adapter_staging, out)
+        # no barrier: the other ranks have nothing left to do (see the docstring)
+        return
     if not via_shards:
-        accelerator.wait_for_everyone()  # the staging folder exists before any rank writes into it
-        trainer.save_model(str(staging))  # the gather inside is collective; rank 0's write after it is not
+        # the staging folder exists before any rank writes into it
+        accelerator.wait_for_everyone()
+        # the gather inside is collective; rank 0's write after it is not
+        trainer.save_model(str(staging))
         if accelerator.is_main_process:
-            described = save_model_description(
-                model, tokenizer, staging
-            )  # save_pretrained names the FSDP<Model> subclass
-            publish(
-                staging, out, [*described, *weight_files(staging)]
-            )  # not the Trainer's training_args.bin (a pickle)
+            # save_pretrained names the FSDP<Model> subclass
+            described = save_model_description(model, tokenizer, staging)
+            # not the Trainer's training_args.bin (a pickle)
+            publish(staging, out, [*described, *weight_files(staging)])
         return
     accelerator.wait_for_everyone()
-    with checkpoint_saves(ShardFiles(), direct=False):  # a failed write raises its own error (a full disk)
+    # a failed write raises its own error (a full disk)
+    with checkpoint_saves(ShardFiles(), direct=False):
         save_fsdp_model(plugin, accelerator, trainer.model, str(shards))
-    accelerator.wait_for_everyone()  # every rank's DCP shard is written: the last collective of the run
+    # every rank's DCP shard is written: the last collective of the run
+    accelerator.wait_for_everyone()
     if gathered_lora:
         if accelerator.is_main_process:
             write_final_folder(shards, out, log=logger.info, dtype=cast)
             remove(shards, EXPORT_STAGING)
-            record_export(out, {"dtype": dtype, "writers": 1, "seconds": round(time.monotonic() - started, 3)})
+            seconds = round(time.monotonic() - started, 3)
+            export_parts.record_export(out, {"dtype": dtype, "writers": 1, "seconds": seconds})
         return
     rank, world = accelerator.process_index, accelerator.num_processes
     said = logger.info if accelerator.is_main_process else lambda line: None
-    merged = []  # a LoRA run's resolved input: whether its base was dequantized (QLoRA)
+    # a LoRA run's resolved input: whether its base was dequantized (QLoRA)
+    merged = []
 
     def open_source():
         if lora is None:
@@ -210,53 +225,20 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
         merged.append(lora_merge_input(shards, log=said))
         return merged[0].source
 
-    model_cls, _, weight_names = write_part(open_source, staging, base.config, (rank, world), cast)
+    model_cls, _, weight_names = export_parts.write_part(open_source, staging, base.config, (rank, world), cast)
     if not accelerator.is_main_process:
         return
     # the adapter folder, as tools/merge_checkpoint.py --adapter-only writes it, published after the model
     adapter = stage_adapter_folder(shards, out, log=logger.info) if lora is not None else None
-    config, dequantized = copy.deepcopy(base.config), bool(merged) and merged[0].dequantized  # its dtype gets set
+    # its dtype gets set
+    config, dequantized = copy.deepcopy(base.config), bool(merged) and merged[0].dequantized
     generation = getattr(base, "generation_config", None)
 
     def describe(folder: Path) -> list[str]:
         return describe_folder(folder, model_cls, config, tokenizer, generation, dtype, dequantized)
 
-    publish_parts(staging, out, world, weight_names, describe, dtype, started, adapter)
+    export_parts.publish_parts(staging, out, world, weight_names, describe, dtype, started, adapter)
     remove(shards, EXPORT_STAGING)
-
-
-def publish_parts(staging: Path, out: Path, world: int, weight_names: list, describe, dtype, started, adapter=None):
-    """Rank 0's end of a parallel export: every rank's part written (wait_for_parts) and every weight file there, the
-    description written (``describe(staging)``: the names of its files), ``out/model/`` published, then a LoRA run's
-    staged ``adapter`` folder (nothing of this export is published when a part is missing), and the export recorded
-    in the run's fsdp_report.json (writers: the ranks that wrote a file). Returns that record."""
-    parts = wait_for_parts(staging, world, log=logger.info)
-    if missing := [n for n in weight_names if not (staging / n).is_file()]:
-        raise CheckpointError(
-            f"the final export finished without {', '.join(missing[:3])} in {staging}: nothing was published; "
-            "run the same command with --resume_from_checkpoint true to export the last checkpoint again"
-        )
-    described = describe(staging)
-    size = sum((staging / n).stat().st_size for n in weight_names if n.endswith(".safetensors"))
-    publish(staging, out, sorted(set(weight_names) | set(described)))
-    if adapter is not None:
-        publish_adapter(adapter, out)
-    seconds = round(time.monotonic() - started, 3)
-    writers = sum(1 for p in parts.values() if p["files"])
-    record = {
-        "dtype": dtype,
-        "writers": writers,
-        "shards": sum(n.endswith(".safetensors") for n in weight_names),
-        "bytes": size,
-        "seconds": seconds,
-        "ranks": {str(r): p for r, p in sorted(parts.items())},
-    }
-    record_export(out, record)
-    logger.info(
-        f"final model: {size / 1e6:,.1f} MB in {dtype}, written by {writers} of {world} rank(s) in parallel in "
-        f"{seconds:.1f} s (fsdp_report.json: export)"
-    )
-    return record
 
 
 def weight_files(folder: Path) -> list[str]:
@@ -266,25 +248,6 @@ def weight_files(folder: Path) -> list[str]:
         for p in folder.iterdir()
         if p.name.startswith("model") and p.name.endswith((".safetensors", ".safetensors.index.json"))
     )
-
-
-# Every shard of the final export is at most 5 GB (save_pretrained's default) and, above this size, about 1/N of the
-# model, so that N ranks each write a share; a smaller model is written in fewer, larger shards.
-PART_MIN_BYTES = 64 << 20
-PART_MAX_BYTES = 5 * 10**9
-PART_POLL_SECONDS = 1.0  # how often rank 0 looks for the other ranks' completion files
-PART_NOTE_LIMIT = 64 << 10  # a part's .failed message or .alive heartbeat: one line
-PART_LOG_SECONDS = 60.0  # how often it says whom it is waiting for
-# A writing rank rewrites .part-K.alive (a counter) from a thread every PART_BEAT_SECONDS, however slow its writes;
-# rank 0 gives up on a rank whose counter has not changed for PART_STALE_SECONDS by its own clock (no clock is
-# compared across machines): a rank on another node that died or hangs, where no launcher stops rank 0 for it.
-PART_BEAT_SECONDS = 10.0
-PART_STALE_SECONDS = 300.0
-
-
-def part_shard_size(total: int, world: int) -> int:
-    """The largest shard of an export of ``total`` bytes by ``world`` ranks: every rank gets a shard when it can."""
-    return min(PART_MAX_BYTES, max(PART_MIN_BYTES, -(-total // max(world, 1))))
 
 
 def parameter_dtype(model) -> str:
@@ -320,111 +283,6 @@ def save_dtype_problem(trainer, save_dtype: str) -> str | None:
     )
 
 
-def write_part(source, staging: Path, config, part: tuple[int, int], dtype, max_shard_size: int | None = None):
-    """This rank's shards of the final folder into ``staging``, then its completion file: ``.part-K.done`` (the files
-    and the seconds it took), or ``.part-K.failed`` (the error) before the error goes on up. ``source``: a checkpoint
-    source, or a function that opens one (its errors are this rank's failure too). ``max_shard_size``: by default
-    part_shard_size of the source's bytes (in ``dtype``) and the part's rank count. Returns what write_weight_part
-    returns."""
-    rank, started, stop = part[0], time.monotonic(), threading.Event()
-
-    def beat():
-        count = 0
-        while True:
-            count += 1
-            (staging / f".part-{rank}.alive").write_text(f"{count}\n")
-            if stop.wait(PART_BEAT_SECONDS):
-                return
-
-    beating = threading.Thread(target=beat, name="export-heartbeat", daemon=True)
-    beating.start()
-    try:
-        if callable(source):
-            source = source()
-        if max_shard_size is None:
-            size = sum(info.nbytes(dtype_name(dtype)) for info in source.tensors.values())
-            max_shard_size = part_shard_size(size, part[1])
-        result = write_weight_part(source, staging, config, part, dtype, max_shard_size)
-    except BaseException as err:
-        (staging / f".part-{rank}.failing").write_text(f"{type(err).__name__}: {err}"[:2000] + "\n")
-        replace_file(
-            staging / f".part-{rank}.failing", staging / f".part-{rank}.failed", EXPORT_STAGING
-        )  # whole: rank 0 reads it
-        raise
-    finally:
-        stop.set()
-        beating.join()
-    record = {"files": result[1], "seconds": round(time.monotonic() - started, 3)}
-    (staging / f".part-{rank}.tmp").write_text(json.dumps(record) + "\n")
-    replace_file(staging / f".part-{rank}.tmp", staging / f".part-{rank}.done", EXPORT_STAGING)  # whole, or absent
-    return result
-
-
-def wait_for_parts(staging: Path, world: int, log=print) -> dict[int, dict]:
-    """Rank 0's wait for every rank's completion file, without a collective and so without a deadline on the writing:
-    one that fails leaves ``.part-K.failed``, raised here; one that dies ends the launch on its machine (torch
-    elastic stops the others), and one whose heartbeat (``.part-K.alive``) stops changing for PART_STALE_SECONDS
-    is given up on, on any machine."""
-    parts: dict[int, dict] = {}
-    last_said = time.monotonic()
-    beats: dict[int, tuple[str | None, float]] = dict.fromkeys(range(world), (None, last_said))  # last seen, when
-    again = (
-        "nothing was published; run the same command with --resume_from_checkpoint true to export the last checkpoint"
-    )
-    while len(parts) < world:
-        for rank in sorted(set(range(world)) - set(parts)):
-            failed, done = staging / f".part-{rank}.failed", staging / f".part-{rank}.done"
-            if os.path.lexists(failed):  # in any form (a FIFO put there is named, not waited on)
-                try:
-                    why = read_text(failed, failed.name, PART_NOTE_LIMIT).strip()
-                except UnreadableFile as err:
-                    why = str(err)
-                raise CheckpointError(f"rank {rank} failed writing its part of the final model ({why}): {again}")
-            if os.path.lexists(done):
-                try:
-                    parts[rank] = load_json(done, done.name, JSON_LIMIT)
-                except UnreadableFile as err:
-                    raise CheckpointError(
-                        f"rank {rank}'s record of its part of the final model: {err}; {again}"
-                    ) from None
-                files = parts[rank].get("files")
-                if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
-                    raise CheckpointError(
-                        f"rank {rank}'s record of its part of the final model ({done}) names no list of files: {again}"
-                    )
-                continue
-            try:
-                beat = read_text(staging / f".part-{rank}.alive", f".part-{rank}.alive", PART_NOTE_LIMIT)
-            except (OSError, UnreadableFile):
-                beat = None
-            if beat != beats[rank][0]:
-                beats[rank] = (beat, time.monotonic())
-            elif time.monotonic() - beats[rank][1] > PART_STALE_SECONDS:
-                raise CheckpointError(
-                    f"rank {rank} has shown no sign of life for {PART_STALE_SECONDS:.0f} s while writing its part "
-                    f"of the final model ({staging / f'.part-{rank}.alive'} stopped changing): it died or "
-                    f"hangs; {again}"
-                )
-        if len(parts) < world:
-            if time.monotonic() - last_said >= PART_LOG_SECONDS:
-                log(
-                    "final model: waiting for rank(s) "
-                    f"{', '.join(str(r) for r in sorted(set(range(world)) - set(parts)))} "
-                    "to finish their shards (no timeout applies)"
-                )
-                last_said = time.monotonic()
-            time.sleep(PART_POLL_SECONDS)
-    return parts
-
-
-def record_export(out: Path, export: dict) -> None:
-    """The export's dtype, writers and time in the run's fsdp_report.json (rank 0; the report is the run's, when it
-    exists)."""
-    path = Path(out) / REPORT_NAME
-    if path.is_file():
-        update_run_report(path, lambda report: report.update(export=export))
-
-
 def finished_checkpoint_step(training_args) -> int | None:
     """The step of the checkpoint being resumed when it already reaches max_steps, else None.
 
@@ -435,7 +293,8 @@ def finished_checkpoint_step(training_args) -> int | None:
     ckpt = training_args.resume_from_checkpoint
     if not ckpt or training_args.max_steps <= 0:
         return None
-    try:  # the resume decision read it already; a file changed since is this one line, not a traceback
+    # the resume decision read it already; a file changed since is this one line, not a traceback
+    try:
         step = load_json(Path(ckpt) / "trainer_state.json", "trainer_state.json", STATE_LIMIT).get("global_step")
     except UnreadableFile as err:
         raise RecipeError(f"{err} (it changed after the resume was decided)") from None

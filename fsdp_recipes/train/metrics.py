@@ -68,23 +68,28 @@ def flops_per_token(model, seq_len: int) -> float:
     head = model.get_output_embeddings()
     head_params = {id(p) for p in head.parameters()} if head is not None else set()
     lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()} - head_params
-    matmul = sum(p.numel() for p in model.parameters() if id(p) not in lookups)  # parameters(): a tied one once
+    # parameters(): a tied one once
+    matmul = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 6 * matmul + 12 * config.num_hidden_layers * heads * head_dim * seq_len
 
 
 def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+    # exp overflows a float past ~709
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 class Throughput:
     """Tokens and training seconds since the last logging step, and since the start."""
 
     def __init__(self, flops_per_token: float | None = None, peak: float | None = None):
-        self.flops_per_token, self.peak = flops_per_token, peak  # peak in FLOPS; None: no MFU (CPU, unknown GPU)
-        self.tokens = 0  # this rank's, since the last logging step
-        self.excluded_seconds = 0.0  # of evaluation and saving since the last logging step
+        # peak in FLOPS; None: no MFU (CPU, unknown GPU)
+        self.flops_per_token, self.peak = flops_per_token, peak
+        # this rank's, since the last logging step
+        self.tokens = 0
+        # of evaluation and saving since the last logging step
+        self.excluded_seconds = 0.0
         self.started: float | None = None
         self.total_tokens = self.total_seconds = 0
 
@@ -138,7 +143,8 @@ def plot_losses(log_history: list[dict], path: Path) -> Path | None:
         return None
     import matplotlib
 
-    matplotlib.use("Agg")  # no display on a cluster node
+    # no display on a cluster node
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)

@@ -32,7 +32,8 @@ from fsdp_recipes.ckpt.layout import (
 from fsdp_recipes.direct_writes import sync_entries, sync_folder
 from fsdp_recipes.removal import MARKER, entries, make_room, move, remove, remove_inside, unmark
 
-logger = logging.getLogger("fsdp_recipes.train.export")  # the export's lines, wherever its step lives
+# the export's lines, wherever its step lives
+logger = logging.getLogger("fsdp_recipes.train.export")
 
 
 def remove_export_leftovers(out: Path, log=print) -> None:
@@ -52,15 +53,18 @@ def publish(staging: Path, out: Path, files: list[str]) -> Path:
     (make_room)."""
     for entry in staging.iterdir():
         if entry.name not in files and entry.name != MARKER:
-            remove_inside(staging, entry.name, EXPORT_STAGING)  # completion files, the Trainer's training_args.bin
+            # completion files, the Trainer's training_args.bin
+            remove_inside(staging, entry.name, EXPORT_STAGING)
     sync_folder(staging)
     final = make_room(
         out / FINAL_MODEL_DIR, "an earlier run's final model", is_model_folder, logger.warning, is_published
     )
-    written = entries(staging)  # before the rename: what is there after it and was not, is someone's
+    # before the rename: what is there after it and was not, is someone's
+    written = entries(staging)
     move(staging, final)
     sync_entries(out)
-    unmark(final, EXPORT_STAGING)  # the folder keeps its inode through the rename: still ours
+    # the folder keeps its inode through the rename: still ours
+    unmark(final, EXPORT_STAGING)
     record_published(out, final, written)
     return final
 
@@ -101,10 +105,12 @@ def write_final_folder(
 
     staging = out / MODEL_STAGING
     lora = (ckpt / ADAPTER_CONFIG).is_file()
-    result = merge_checkpoint(  # a checkpoint with a config.json describes itself: base_model only stands in for one
+    # a checkpoint with a config.json describes itself: base_model only stands in for one
+    result = merge_checkpoint(
         ckpt, staging, overwrite=True, config_fallback=base_model, dtype=dtype, log=log, output_purpose=EXPORT_STAGING
     )
-    adapter = stage_adapter_folder(ckpt, out, log) if lora else None  # a LoRA run: the adapter too, in its own folder
+    # a LoRA run: the adapter too, in its own folder
+    adapter = stage_adapter_folder(ckpt, out, log) if lora else None
     publish(staging, out, result.files)
     if adapter is not None:
         publish_adapter(adapter, out)

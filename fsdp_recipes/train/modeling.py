@@ -31,7 +31,8 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(
         args.tokenizer_name, trust_remote_code=args.trust_remote_code, revision=revision(args, args.tokenizer_name)
     )
-    apply_recipe_tokens(tokenizer, args)  # the recipe's chat_template and eos_token (TRL's)
+    # the recipe's chat_template and eos_token (TRL's)
+    apply_recipe_tokens(tokenizer, args)
     if problem := lora_growth_problem(tokenizer, args):
         raise RecipeError(problem)
     if tokenizer.pad_token is None:
@@ -43,7 +44,8 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
 def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     common = {"trust_remote_code": args.trust_remote_code, "attn_implementation": args.attn_implementation}
-    if args.load_in_4bit:  # QLoRA (CUDA only: arguments.qlora_problem refused anything else before we got here)
+    # QLoRA (CUDA only: arguments.qlora_problem refused anything else before we got here)
+    if args.load_in_4bit:
         from transformers import BitsAndBytesConfig
 
         common["quantization_config"] = BitsAndBytesConfig(
@@ -57,14 +59,18 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
     rank0_only = args.model_name_or_path is not None and not args.load_in_4bit and efficient_loading
     fsdp1 = expected_fsdp_version() == 1
     if rank0_only and not fsdp1:
-        rank0_loading.install()  # every rank: after wrapping, rank 0 scatters each rank its rows of every parameter
+        # every rank: after wrapping, rank 0 scatters each rank its rows of every parameter
+        rank0_loading.install()
     if rank0_only and fsdp1 and not cpu_fsdp.accelerator_present():
-        rank0_loading.install_fsdp1()  # the sync of module states never writes into the file's pages
-    receives = rank0_only and dist.is_initialized()  # rank 0 sends, every other rank receives what it holds
+        # the sync of module states never writes into the file's pages
+        rank0_loading.install_fsdp1()
+    # rank 0 sends, every other rank receives what it holds
+    receives = rank0_only and dist.is_initialized()
     other_rank = receives and dist.get_rank() != 0
     if args.model_name_or_path is not None:
         if other_rank:
-            common["device_map"] = "meta"  # rank 0 sends the weights; FSDP shards them as they arrive
+            # rank 0 sends the weights; FSDP shards them as they arrive
+            common["device_map"] = "meta"
         # safetensors only: a hub model's .bin would be unpickled here (a local or cached one is refused
         # before the launch)
         model = AutoModelForCausalLM.from_pretrained(
@@ -74,8 +80,10 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
             revision=revision(args, args.model_name_or_path),
             **common,
         )
-        problem = non_finite_weight(model, args.model_name_or_path, args.dtype)  # None where the weights are on meta
-        if receives:  # only rank 0 read the files: its verdict stops every rank alike, not rank 0 alone
+        # None where the weights are on meta
+        problem = non_finite_weight(model, args.model_name_or_path, args.dtype)
+        # only rank 0 read the files: its verdict stops every rank alike, not rank 0 alone
+        if receives:
             box = [problem]
             dist.broadcast_object_list(box, src=0)
             problem = box[0]
@@ -84,8 +92,10 @@ def load_model(args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreT
     else:
         config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype, **common)
-    fit_embeddings(model, tokenizer, args)  # the ChatML set-up's new tokens get rows
-    align_generation_eos(model, tokenizer, args)  # generate() of the saved model stops where a turn ends
+    # the ChatML set-up's new tokens get rows
+    fit_embeddings(model, tokenizer, args)
+    # generate() of the saved model stops where a turn ends
+    align_generation_eos(model, tokenizer, args)
     vocab = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
         raise RecipeError(
@@ -147,7 +157,8 @@ def add_lora(model: PreTrainedModel, args: ModelArguments):
     policy that keeps LoRA layers in units of their own (transformers' update_fsdp_plugin_peft)."""
     from peft import LoraConfig
 
-    from fsdp_recipes.compat.peft_lora import get_peft_model  # without peft's deprecated-alias warning
+    # without peft's deprecated-alias warning
+    from fsdp_recipes.compat.peft_lora import get_peft_model
 
     targets = args.lora_target_modules or "all-linear"
     try:
@@ -159,7 +170,8 @@ def add_lora(model: PreTrainedModel, args: ModelArguments):
             task_type="CAUSAL_LM",
         )
         return get_peft_model(model, config)
-    except ValueError as err:  # e.g. a target module name the model does not have
+    # e.g. a target module name the model does not have
+    except ValueError as err:
         raise RecipeError(f"LoRA: {err}") from None
 
 
@@ -203,7 +215,8 @@ def use_lora_base(args: ModelArguments, output_dir: str, log=print) -> None:
             problem = str(err)
     if dist.is_initialized():
         box = [problem]
-        dist.broadcast_object_list(box, src=0)  # also the barrier: no rank loads the base before it is there
+        # also the barrier: no rank loads the base before it is there
+        dist.broadcast_object_list(box, src=0)
         problem = box[0]
     if problem:
         raise RecipeError(problem)
@@ -238,21 +251,25 @@ def save_lora_base(args: ModelArguments, base: str, log=print) -> None:
         log(f"LoRA base: {base}, saved by an earlier run of this output_dir (built from {args.config_name})")
         return
     staging = out.parent / ".base-tmp"
-    if is_ours(staging, BASE_STAGING):  # a run killed while saving its base
+    # a run killed while saving its base
+    if is_ours(staging, BASE_STAGING):
         remove(staging, BASE_STAGING)
     make_folder(staging, BASE_STAGING)
     try:
         dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-        with torch.random.fork_rng(devices=[]):  # the ranks that do not build it keep the same RNG state as this one
+        # the ranks that do not build it keep the same RNG state as this one
+        with torch.random.fork_rng(devices=[]):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
         model.save_pretrained(str(staging))
         AutoTokenizer.from_pretrained(args.tokenizer_name, trust_remote_code=args.trust_remote_code).save_pretrained(
             str(staging)
         )
-        base_identity.write(staging, base_identity.identity(staging, name=base))  # a later run notices a changed base
+        # a later run notices a changed base
+        base_identity.write(staging, base_identity.identity(staging, name=base))
         move(staging, out)
     except BaseException:
-        if is_ours(staging, BASE_STAGING):  # nothing half-saved is left to block the next run
+        # nothing half-saved is left to block the next run
+        if is_ours(staging, BASE_STAGING):
             remove(staging, BASE_STAGING)
         raise
     unmark(out, BASE_STAGING)
@@ -274,7 +291,8 @@ def lora_base_identity(args: ModelArguments, resume_from_checkpoint: str | None,
     record = problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            at = revision(args, args.model_name_or_path)  # the snapshot the model was loaded from
+            # the snapshot the model was loaded from
+            at = revision(args, args.model_name_or_path)
             record, problem = _base_identity(args.model_name_or_path, resume_from_checkpoint, log, at)
         except (CheckpointError, OSError) as err:
             problem = f"the base model {args.model_name_or_path} cannot be checked: {err}"
@@ -290,9 +308,8 @@ def lora_base_identity(args: ModelArguments, resume_from_checkpoint: str | None,
 def _base_identity(name: str, ckpt: str | None, log, at: str | None = None) -> tuple[dict | None, str | None]:
     folder = base_identity.local_folder(name, at)
     if folder is None or not any(folder.glob("*.safetensors")):
-        if (
-            ckpt is not None and base_identity.read(ckpt) is not None
-        ):  # the checkpoint names its base: this one cannot be compared
+        # the checkpoint names its base: this one cannot be compared
+        if ckpt is not None and base_identity.read(ckpt) is not None:
             return None, (
                 f"{ckpt} records the base it was trained on, and the base model {name} has no local safetensors "
                 "weights "

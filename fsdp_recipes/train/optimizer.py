@@ -111,7 +111,8 @@ def zero1_optimizer_class():
             self.consolidated = True
 
         def state_dict(self):
-            if not self.consolidated and not self.optim.state:  # a fresh optimizer: no state anywhere yet
+            # a fresh optimizer: no state anywhere yet
+            if not self.consolidated and not self.optim.state:
                 return Optimizer.state_dict(self)
             return super().state_dict()
 

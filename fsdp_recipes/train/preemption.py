@@ -32,11 +32,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 class Preemption(TrainerCallback):
     def __init__(self):
-        self.received = 0  # the signal number, 0 while none came
-        self.stopped_at: int | None = None  # the step whose checkpoint was written because of it
+        # the signal number, 0 while none came
+        self.received = 0
+        # the step whose checkpoint was written because of it
+        self.stopped_at: int | None = None
         self.signal = 0
         self._group = None
-        stopped_before()  # a stop whose Stopped was lost (a finalizer swallows it) ends here, before training
+        # a stop whose Stopped was lost (a finalizer swallows it) ends here, before training
+        stopped_before()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
 
@@ -178,7 +181,8 @@ def stopped_before() -> None:
 # (a weakref callback from a deallocation in C) still swallows the exception: the unraisable hook below sends the
 # signal again the same way, without the traceback. At exit (atexit callbacks, the wait for threads) an interrupt
 # is reported as Python always did: a re-sent one would only abort the next exit callback.
-REDELIVER_AFTER = 0.01  # seconds
+# seconds
+REDELIVER_AFTER = 0.01
 
 
 def _send_again(signum: int) -> None:
@@ -231,7 +235,8 @@ def _redeliver(unraisable):
         _send_again(signum)
 
 
-_previous_hook: list = []  # the hook ours replaced, once installed
+# the hook ours replaced, once installed
+_previous_hook: list = []
 
 
 def _catch_lost_signals() -> None:
@@ -255,7 +260,8 @@ def stop_received() -> int:
 
     global _raise_on_stop
     _raise_on_stop = False
-    time.sleep(0.05)  # a call: the interpreter runs pending signal handlers
+    # a call: the interpreter runs pending signal handlers
+    time.sleep(0.05)
     return _stops[-1] if _stops else 0
 
 
@@ -265,7 +271,8 @@ def stop_received() -> int:
 # interrupt too, and is reported as one.
 _interrupts: list[int] = []
 _raise_on_interrupt = True
-_training = False  # set when the Trainer begins: what a Ctrl-C's line says was lost
+# set when the Trainer begins: what a Ctrl-C's line says was lost
+_training = False
 
 
 def training_began() -> bool:
@@ -292,7 +299,8 @@ def was_interrupted() -> bool:
 
     global _raise_on_interrupt
     _raise_on_interrupt = False
-    time.sleep(0.05)  # a call: the interpreter runs pending signal handlers
+    # a call: the interpreter runs pending signal handlers
+    time.sleep(0.05)
     return bool(_interrupts)
 
 
@@ -303,9 +311,11 @@ def wait_for_stop(seconds: float) -> None:
 
     global _raise_on_stop, _raise_on_interrupt
     _raise_on_stop = _raise_on_interrupt = False
-    watch_stops()  # the Preemption callback's handler, if training had started, would only note it
+    # the Preemption callback's handler, if training had started, would only note it
+    watch_stops()
     signal.signal(signal.SIGINT, _on_interrupt)
-    if _stops or _interrupts:  # the launcher is already ending the job (Ctrl-C, a stop): rank 0 needs a head start only
+    # the launcher is already ending the job (Ctrl-C, a stop): rank 0 needs a head start only
+    if _stops or _interrupts:
         seconds = min(seconds, 3)
     end, seen = time.monotonic() + seconds, len(_stops) + len(_interrupts)
     while time.monotonic() < end and len(_stops) + len(_interrupts) == seen:

@@ -43,7 +43,8 @@ from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.removal import remove
 from fsdp_recipes.train import run_lock
 
-ARGS_NAME = RUN_RECORD  # its presence marks an output_dir as a run of ours (ckpt.layout.foreign_entries)
+# its presence marks an output_dir as a run of ours (ckpt.layout.foreign_entries)
+ARGS_NAME = RUN_RECORD
 
 
 def start(plan: Plan):
@@ -51,7 +52,8 @@ def start(plan: Plan):
     what runs over gloo where there is no accelerator: "FSDP", "DDP" or None (an accelerator, or one process)."""
     from transformers import TrainingArguments
 
-    guard_torch_dcp()  # a resume's DCP load unpickles nothing our allow-lists have not vetted
+    # a resume's DCP load unpickles nothing our allow-lists have not vetted
+    guard_torch_dcp()
     # both must precede TrainingArguments, which creates accelerate's PartialState
     on_cpu = "FSDP" if cpu_fsdp.enable(plan.trainer_fsdp) else "DDP" if cpu_fsdp.enable_ddp(plan.trainer_fsdp) else None
     raw = plan.raw
@@ -71,10 +73,12 @@ def start(plan: Plan):
         # step for parameters a causal LM always uses; torch warns about it on every rank. FSDP ignores it.
         raw.ddp_find_unused_parameters = False
     if not cpu_fsdp.accelerator_present():
-        raw.dataloader_pin_memory = False  # nothing to pin to: torch warns once per DataLoader otherwise
+        # nothing to pin to: torch warns once per DataLoader otherwise
+        raw.dataloader_pin_memory = False
     try:
         training_args = build(TrainingArguments, raw)
-    except ValueError as err:  # TrainingArguments.__post_init__ checks
+    # TrainingArguments.__post_init__ checks
+    except ValueError as err:
         raise RecipeError(str(err).replace("\n", " ")) from None
     # Every rank has joined before any acts on what it finds next: a rank that refuses at once and exits would
     # break a peer still connecting to it (gloo's "Connection closed by peer"), whose line would be gloo's, not ours.
@@ -118,11 +122,13 @@ def strategy_name(value) -> str:
     """An FSDP1 sharding strategy as accelerate takes it (a name in any case, its 1-based number, torch's enum)."""
     from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
 
-    value = getattr(value, "name", value)  # torch.distributed.fsdp.ShardingStrategy
+    # torch.distributed.fsdp.ShardingStrategy
+    value = getattr(value, "name", value)
     text = str(value).strip()
     if text.isdigit() and 1 <= int(text) <= len(FSDP_SHARDING_STRATEGY):
         return FSDP_SHARDING_STRATEGY[int(text) - 1]
-    return text.upper().lstrip("_")  # torch's private _HYBRID_SHARD_ZERO2 is accelerate's HYBRID_SHARD_ZERO2
+    # torch's private _HYBRID_SHARD_ZERO2 is accelerate's HYBRID_SHARD_ZERO2
+    return text.upper().lstrip("_")
 
 
 def fsdp1_strategy(training_args, env=None) -> str | None:
@@ -155,7 +161,8 @@ def fsdp1_ignored_option(fsdp_option, runs: str | None) -> str | None:
         if isinstance(fsdp_option, (list, tuple))
         else []
     )
-    named = [strategy_name(w) for w in words if strategy_name(w) in STRATEGIES]  # --fsdp's words, upper-cased
+    # --fsdp's words, upper-cased
+    named = [strategy_name(w) for w in words if strategy_name(w) in STRATEGIES]
     if runs is None or not named or named[0] == runs:
         return None
     return (
@@ -215,11 +222,13 @@ def apply(plan: Plan, training_args, say=say) -> None:
 def carry_out(plan: Plan, say=say) -> None:
     """The moves and deletions themselves, in this process (``apply`` runs it on rank 0 of a launch)."""
     for note in plan.notes:
-        console.say(note)  # stderr, as every check's line: not the log's stdout
+        # stderr, as every check's line: not the log's stdout
+        console.say(note)
     for path, prefix, why in plan.set_aside:
         if path.is_dir():
             say(f"{why}: moved {path.name} to {set_aside(path, prefix).name} (nothing deleted)")
-    for path in plan.delete:  # checked by check_output_dir before anything started; checked again here
+    # checked by check_output_dir before anything started; checked again here
+    for path in plan.delete:
         remove(path, CHECKPOINT_PURPOSE, shape=is_checkpoint_folder)
     if plan.requeue_record is not None:
         out = Path(plan.raw.output_dir or "trainer_output")

@@ -27,8 +27,10 @@ from fsdp_recipes.compat import internals
 
 logger = logging.getLogger("train_fsdp")
 PROFILE_DIR = "profile"
-MEMORY_EVENTS = 100_000  # allocator events the CUDA memory history keeps (the newest)
-COLLECTIVES = {  # the share reported for each, by the names torch's process groups and NCCL give their work
+# allocator events the CUDA memory history keeps (the newest)
+MEMORY_EVENTS = 100_000
+# the share reported for each, by the names torch's process groups and NCCL give their work
+COLLECTIVES = {
     "all_gather": ("all_gather", "allgather", "_allgather_base"),
     "reduce_scatter": ("reduce_scatter", "reducescatter", "_reduce_scatter_base"),
     "all_reduce": ("all_reduce", "allreduce"),
@@ -215,9 +217,11 @@ class StepProfiler(TrainerCallback):
         if self.cuda:
             import pickle
 
-            snapshot = internals.get("torch.cuda.memory._snapshot")()  # what torch's _dump_snapshot pickles, taken once
+            # what torch's _dump_snapshot pickles, taken once
+            snapshot = internals.get("torch.cuda.memory._snapshot")()
             with open(self.folder / f"rank{self.rank}.memory.pickle", "wb") as f:
-                pickle.dump(snapshot, f)  # for PyTorch's memory viewer; nothing here reads it back
+                # for PyTorch's memory viewer; nothing here reads it back
+                pickle.dump(snapshot, f)
             device = torch.cuda.current_device()
             at_peak = live_at_peak(
                 snapshot["device_traces"][device],

@@ -32,7 +32,8 @@ from fsdp_recipes.train.profiling import StepProfiler
 from fsdp_recipes.train.trainer import FSDPTrainer
 from fsdp_recipes.train.upload import upload_final_model
 
-logger = logging.getLogger("train_fsdp")  # the run's lines carry the script's name
+# the run's lines carry the script's name
+logger = logging.getLogger("train_fsdp")
 
 INEXACT_RESUME = (
     "FSDP1 with fsdp_state_dict_type: FULL_STATE_DICT and fsdp_use_orig_params: true writes checkpoints that "
@@ -61,7 +62,8 @@ class Run:
         """Join the process group, decide the resume (rank 0, once), take output_dir, set aside what the checks
         decided. A new run writes its record first: it marks output_dir ours."""
         plan = self.plan
-        hub_deadline.install()  # transformers' and datasets' hub requests too: none waits forever for an answer
+        # transformers' and datasets' hub requests too: none waits forever for an answer
+        hub_deadline.install()
         # FSDP made real where there is no GPU, then the process group joined
         self.args, on_cpu = preflight.start(plan)
         self._set_up_logging(on_cpu)
@@ -96,7 +98,8 @@ class Run:
         logger.setLevel(logging.INFO if args.should_log else logging.WARNING)
         if on_cpu:
             logger.info(f"no accelerator found: running {on_cpu} over gloo on CPU (fsdp_recipes.compat.cpu_fsdp)")
-            apply_ddp_timeout(args.ddp_timeout)  # transformers gives a CPU process group none
+            # transformers gives a CPU process group none
+            apply_ddp_timeout(args.ddp_timeout)
         # fp32 (or bf16 kept by --cpu_bf16) on a CPU without native bf16, as preflight.start decided
         if (precision := cpu_precision()) is not None and (note := precision.line()):
             logger.info(note)
@@ -114,14 +117,16 @@ class Run:
         """Tokenizer, data, model and trainer, every check that needs them made before training, every rank alike."""
         args, run_args = self.args, self.run_args
         set_seed(args.seed)
-        self.tokenizer = load_tokenizer(self.model_args)  # first: what it refuses refuses before a base is built
+        # first: what it refuses refuses before a base is built
+        self.tokenizer = load_tokenizer(self.model_args)
         # LoRA on a config: its random base, saved once
         use_lora_base(self.model_args, args.output_dir, log=logger.info)
         with args.main_process_first(desc="dataset preprocessing"):
             train_dataset, self.eval_dataset, collator = build_datasets(self.data_args, self.tokenizer, args.seed)
         evaluated = f", evaluation examples: {len(self.eval_dataset):,}" if self.eval_dataset else ""
         logger.info(f"training examples: {len(train_dataset):,}{evaluated}")
-        if self.plan.auto_line is not None:  # per_device_train_batch_size auto, as preflight.start chose it
+        # per_device_train_batch_size auto, as preflight.start chose it
+        if self.plan.auto_line is not None:
             say(
                 with_examples(
                     self.plan.auto_line, args.per_device_train_batch_size, len(train_dataset), args.world_size

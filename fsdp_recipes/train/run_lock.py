@@ -34,9 +34,12 @@ from fsdp_recipes.locks import (
 from fsdp_recipes.removal import remove_lock_file
 
 NO_FOLDER_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
-_held: list[int] = []  # the locked folder's file descriptor, open until the process ends (or release())
-_mine: set[str] = set()  # the lock files this process created (its own pid in one it did not create is a recycled pid)
-KERNEL_HINT = " (a run that died holds nothing: its lock went with it"  # closed by the caller's parenthesis
+# the locked folder's file descriptor, open until the process ends (or release())
+_held: list[int] = []
+# the lock files this process created (its own pid in one it did not create is a recycled pid)
+_mine: set[str] = set()
+# closed by the caller's parenthesis
+KERNEL_HINT = " (a run that died holds nothing: its lock went with it"
 
 
 def _owner_line() -> str:
@@ -75,7 +78,8 @@ def take(out: Path, warn) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
-        if err.errno not in NO_FOLDER_LOCKS:  # EWOULDBLOCK: another process holds it
+        # EWOULDBLOCK: another process holds it
+        if err.errno not in NO_FOLDER_LOCKS:
             holder = flock_holder(os.fstat(fd)) or "another process"
             os.close(fd)
             return in_use(out, f"{holder}){KERNEL_HINT}")
@@ -117,7 +121,8 @@ def _stale(path: Path, text: bytes) -> bool:
 def _take_by_file(out: Path) -> str | None:
     path = out / OWNER_NAME
     fix = f"on a filesystem without POSIX locks: if that run is gone, delete {path}"
-    for _ in range(2):  # a stale lock is removed once, then taken
+    # a stale lock is removed once, then taken
+    for _ in range(2):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         except FileExistsError:
@@ -128,7 +133,8 @@ def _take_by_file(out: Path) -> str | None:
             if text and (len(text) > LINE_LIMIT or OWNER_LINE.fullmatch(text) is None):
                 return not_ours(out, path, f"it reads: {shown(text)}")
             if _stale(path, text):
-                remove_lock_file(path, text)  # that run is over: its lock is stale
+                # that run is over: its lock is stale
+                remove_lock_file(path, text)
                 continue
             return in_use(out, f"{shown(text)}; {fix}")
         except OSError as err:

@@ -15,14 +15,15 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
-from fsdp_recipes.bounded import REPORT_LIMIT, load_json
 from fsdp_recipes.ckpt.layout import PUBLISHED, REPORT_NAME, published
 from fsdp_recipes.compat import internals, rank0_loading
 from fsdp_recipes.compat.cpu_fsdp import cpu_precision, fsdp_requested, launched_world_size
 from fsdp_recipes.config.strategy import fsdp_strategy_name
-from fsdp_recipes.errors import NotShardedError, UnreadableFile
+from fsdp_recipes.errors import NotShardedError
+from fsdp_recipes.train.run_report import add_measured_bytes, add_peak_memory
 
-COMPILED_CALL = "torch.nn.Module._compiled_call_impl"  # set by module.compile(): accelerate's regional compilation
+# set by module.compile(): accelerate's regional compilation
+COMPILED_CALL = "torch.nn.Module._compiled_call_impl"
 logger = logging.getLogger("train_fsdp")
 
 
@@ -161,11 +162,11 @@ def precision_contract(model: torch.nn.Module, accelerator, saved_model: str | N
         "optimizer_state": None,
         "saved_model": saved_model or _dtype(master),
     }
-    if (cpu := cpu_precision()) is not None:  # bf16 asked for without an accelerator: this CPU, and what runs
+    # bf16 asked for without an accelerator: this CPU, and what runs
+    if (cpu := cpu_precision()) is not None:
         record = cpu.record()
-        if (
-            record["compute"] != contract["compute"]
-        ):  # bf16 weights (--dtype bfloat16) compute in bf16 whatever the decision
+        # bf16 weights (--dtype bfloat16) compute in bf16 whatever the decision
+        if record["compute"] != contract["compute"]:
             record["compute"] = contract["compute"]
             record["note"] = (
                 f"the model's weights are {contract['master_weights']}: they compute in {contract['compute']} "
@@ -192,7 +193,8 @@ def verify_and_report(
     rank0_loading.check_fsdp1_sent()
     kind = wrapper_kind(model)
     local, total = param_elements(model)
-    trainable_total = total if trainable_total is None else trainable_total  # counted before sharding (FSDPTrainer)
+    # counted before sharding (FSDPTrainer)
+    trainable_total = total if trainable_total is None else trainable_total
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     rank_info = {
         "rank": accelerator.process_index,
@@ -236,7 +238,8 @@ def verify_and_report(
         )
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        if earlier := published(Path(output_dir)):  # an earlier export's folders stay ours (layout.is_published)
+        # an earlier export's folders stay ours (layout.is_published)
+        if earlier := published(Path(output_dir)):
             report[PUBLISHED] = earlier
         (Path(output_dir) / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -261,7 +264,8 @@ def local_optimizer(optimizer):
 def optimizer_state_dtype(optimizer) -> str | None:
     for state in local_optimizer(optimizer).state.values():
         for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:  # Adam's moments, not its step counter
+            # Adam's moments, not its step counter
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
                 return _dtype(value.dtype)
     return None
 
@@ -299,61 +303,12 @@ def cuda_memory_now(phase: str) -> dict[str, int]:
     return {peak: torch.cuda.max_memory_allocated(), held: torch.cuda.memory_allocated()}
 
 
-def read_run_report(path: Path) -> dict | None:
-    """The run's fsdp_report.json at ``path``; one that is no longer readable (edited, replaced, cut short by a full
-    disk) is a warning and None, never the end of a run that trains or exports."""
-    try:
-        return load_json(path, REPORT_NAME, REPORT_LIMIT)
-    except UnreadableFile as err:
-        logger.warning(f"{err}: the run goes on without updating it or copying it into its checkpoints")
-        return None
-
-
-def update_run_report(path: Path, update) -> None:
-    """Apply ``update`` to the run's fsdp_report.json at ``path`` (read_run_report)."""
-    if (report := read_run_report(path)) is not None:
-        update(report)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-
-
-def _update_report(output_dir: str, accelerator, update) -> None:
-    """Apply ``update`` to fsdp_report.json, on the main process (the one that wrote it)."""
-    if accelerator.is_main_process:
-        update_run_report(Path(output_dir) / REPORT_NAME, update)
-
-
-def add_peak_memory(output_dir: str, accelerator, peaks: list[dict]) -> None:
-    def update(report):
-        for rank, peak in zip(report["ranks"], peaks):
-            rank["peak_memory"] = peak
-
-    _update_report(output_dir, accelerator, update)
-
-
-def add_checkpoint_writes(output_dir: str, accelerator, writes: dict) -> None:
-    """How the run's checkpoints were written (fsdp_recipes.train.async_checkpoints.AsyncCheckpoints.report)."""
-    _update_report(output_dir, accelerator, lambda report: report.update(checkpoint_writes=writes))
-
-
-def add_measured_bytes(
-    output_dir: str, accelerator, grads: list[int], states: list[dict], optimizer_dtype: str | None = None
-) -> None:
-    """Record each rank's measured bytes of model states (after the first optimizer step) in the report, and the
-    dtype of the optimizer state."""
-
-    def update(report):
-        report.setdefault("precision", {})["optimizer_state"] = optimizer_dtype
-        for rank, grad, state in zip(report["ranks"], grads, states):
-            rank["bytes"] = {**state, "grads": grad}
-
-    _update_report(output_dir, accelerator, update)
-
-
 def fsdp1_runs_as(model) -> str | None:
     """The strategy an FSDP1 root runs, which torch may have changed from the configured one: a shard group of one
     process (one GPU, or HYBRID_SHARD with one process per node) runs NO_SHARD. None for other wrappers."""
     strategy = getattr(model, "sharding_strategy", None) if wrapper_kind(model) == "FSDP1" else None
-    return strategy.name.lstrip("_") if strategy is not None else None  # torch's _HYBRID_SHARD_ZERO2 is accelerate's
+    # torch's _HYBRID_SHARD_ZERO2 is accelerate's
+    return strategy.name.lstrip("_") if strategy is not None else None
 
 
 def _strategy_name(plugin, parallelism_config=None, optimizer=None) -> str | None:
@@ -420,7 +375,8 @@ class ShardingReport(TrainerCallback):
         )
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.grad_bytes is None:  # gradients exist only between backward and the optimizer step
+        # gradients exist only between backward and the optimizer step
+        if self.grad_bytes is None:
             self.grad_bytes = state_bytes(self.trainer.model_wrapped)["grads"]
             self.cuda_phases |= cuda_memory_now("after_first_backward")
 
@@ -430,10 +386,10 @@ class ShardingReport(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save and phase_keys("before_first_save")[0] not in self.cuda_phases:
-            self.cuda_phases |= cuda_memory_now(
-                "before_first_save"
-            )  # DefaultFlowCallback has decided: the save follows
-        if state.global_step == 1:  # the optimizer state exists from the first step on
+            # DefaultFlowCallback has decided: the save follows
+            self.cuda_phases |= cuda_memory_now("before_first_save")
+        # the optimizer state exists from the first step on
+        if state.global_step == 1:
             self.cuda_phases |= cuda_memory_now("after_first_step")
             accelerator = self.trainer.accelerator
             measured = state_bytes(self.trainer.model_wrapped, self.trainer.optimizer)

@@ -56,7 +56,8 @@ from fsdp_recipes.train.export import DescribeCheckpoints, export_dtype, lora_pa
 from fsdp_recipes.train.metrics import Throughput, perplexity
 from fsdp_recipes.train.optimizer import held_dtypes, optimizer_settings, overridden_settings, zero1_optimizer_class
 from fsdp_recipes.train.preemption import Preemption, kill_warning
-from fsdp_recipes.train.sharding import ShardingReport, add_checkpoint_writes
+from fsdp_recipes.train.run_report import add_checkpoint_writes
+from fsdp_recipes.train.sharding import ShardingReport
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +83,11 @@ class FSDPTrainer(Trainer):
         async_checkpoint_staging: str = "auto",
         **kwargs,
     ):
-        internals.require(*OVERRIDES)  # a renamed base method would leave ours never called
+        # a renamed base method would leave ours never called
+        internals.require(*OVERRIDES)
         model = kwargs.get("model")
-        if zero1:  # the Trainer's own optimizer and settings, each rank stepping its 1/N of the parameters
+        # the Trainer's own optimizer and settings, each rank stepping its 1/N of the parameters
+        if zero1:
             optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(kwargs["args"], model)
             kwargs["optimizer_cls_and_kwargs"] = (
                 zero1_optimizer_class(),
@@ -94,23 +97,26 @@ class FSDPTrainer(Trainer):
         # the Trainer overwrites it with TrainingArguments.use_cache (off for training); saved configs keep the model's
         self.model_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         super().__init__(*args, **kwargs)
-        self.trainable_total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # before sharding
+        # before sharding
+        self.trainable_total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        # the final folder's (fsdp_report.json)
         self.save_dtype, self.export_dtype = (
             save_dtype,
             export_dtype(self.model, save_dtype),
-        )  # the final folder's (fsdp_report.json)
+        )
         # name -> full shape, before sharding: what a checkpoint resumed into this model must hold (model_mismatch)
         self.weight_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.omittable_names = omittable_names(self.model)
         self.add_callback(ShardingReport(self))
         self.describer = DescribeCheckpoints(self, self.processing_class)
         self.add_callback(self.describer)
-        self.preemption = Preemption()  # SIGTERM/SIGUSR1: checkpoint at the end of the current step, then stop
+        # SIGTERM/SIGUSR1: checkpoint at the end of the current step, then stop
+        self.preemption = Preemption()
         self.add_callback(self.preemption)
-        self.throughput = Throughput()  # Run.build sets its FLOPs per token and peak where MFU is known
-        self.async_saves = AsyncCheckpoints(
-            self, async_checkpoints, direct_io_checkpoints, async_checkpoint_staging
-        )  # checkpoints written while training goes on
+        # Run.build sets its FLOPs per token and peak where MFU is known
+        self.throughput = Throughput()
+        # checkpoints written while training goes on
+        self.async_saves = AsyncCheckpoints(self, async_checkpoints, direct_io_checkpoints, async_checkpoint_staging)
         self.add_callback(self.async_saves)
         self.run_dir, self.save_limit = Path(self.args.output_dir), self.args.save_total_limit
 
@@ -179,7 +185,8 @@ class FSDPTrainer(Trainer):
             logs.update(self.throughput.window(self._sum_over_ranks, self.accelerator.num_processes))
         if "eval_loss" in logs:
             logs["eval_perplexity"] = perplexity(logs["eval_loss"])
-        if "train_runtime" in logs:  # the end-of-run metrics; the steps after the last logging step count too
+        # the end-of-run metrics; the steps after the last logging step count too
+        if "train_runtime" in logs:
             self.throughput.window(self._sum_over_ranks, self.accelerator.num_processes)
             logs.update({f"train_{k}": v for k, v in self.throughput.averages(self.accelerator.num_processes).items()})
         super().log(logs, *args, **kwargs)
@@ -213,7 +220,8 @@ class FSDPTrainer(Trainer):
             yield
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.zero1:  # every rank sends its part to rank 0, which writes the whole state as one optimizer.pt
+        # every rank sends its part to rank 0, which writes the whole state as one optimizer.pt
+        if self.zero1:
             self.optimizer.optimizer.consolidate_state_dict(to=0)
         with self._lora_checkpoints():
             super()._save_optimizer_and_scheduler(output_dir)
@@ -288,9 +296,11 @@ class FSDPTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None and self._fsdp1_sharded():
             init_optim_state = internals.get("torch.distributed.checkpoint.state_dict._init_optim_state")
-            init_optim_state(self.optimizer.optimizer)  # the torch optimizer inside accelerate's wrapper
+            # the torch optimizer inside accelerate's wrapper
+            init_optim_state(self.optimizer.optimizer)
         asked = optimizer_settings(self.optimizer, self.lr_scheduler)
-        from torch.distributed.checkpoint.api import CheckpointException  # DCP's, a BaseException carrying each rank's
+        # DCP's, a BaseException carrying each rank's
+        from torch.distributed.checkpoint.api import CheckpointException
 
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
@@ -311,7 +321,8 @@ class FSDPTrainer(Trainer):
                 asked, optimizer_settings(self.optimizer, self.lr_scheduler), Path(checkpoint).name
             )
         ):
-            raise RecipeError(problem)  # every rank loaded the same groups: all stop alike, before the first step
+            # every rank loaded the same groups: all stop alike, before the first step
+            raise RecipeError(problem)
 
     def say_what_a_kill_loses(self, run_dir: Path, name: str) -> None:
         """The stop's save (rank 0): which checkpoints are still to be written, the background save in flight first,
@@ -341,21 +352,26 @@ class FSDPTrainer(Trainer):
             config.use_cache = training
 
     def _save_checkpoint(self, model, trial) -> None:
-        with self.throughput.excluded(), self.model_config_for_saving():  # writing a checkpoint is not training time
+        # writing a checkpoint is not training time
+        with self.throughput.excluded(), self.model_config_for_saving():
             run_dir = internals.get("transformers.Trainer._get_output_dir")(self, trial=trial)
             folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             background = self.async_saves.active
             self.say_what_a_kill_loses(Path(run_dir), folder.name)
             if background:
-                self.async_saves.finish()  # at most one save in flight: the previous one completes (and rotates) first
+                # at most one save in flight: the previous one completes (and rotates) first
+                self.async_saves.finish()
             if self.args.should_save:
-                if folder.exists():  # never rewrite a checkpoint in place: a kill midway would mix two runs' files
+                # never rewrite a checkpoint in place: a kill midway would mix two runs' files
+                if folder.exists():
                     moved = set_aside(folder, REPLACED_PREFIX)
                     logger.warning(
                         f"{folder} existed (another run's step {self.state.global_step}): moved it to {moved.name}"
                     )
-                make_folder(folder, CHECKPOINT_PURPOSE)  # marked: rotation and --overwrite_output_dir delete only ours
-                self.describer.describe(folder)  # before any shard, so before trainer_state.json
+                # marked: rotation and --overwrite_output_dir delete only ours
+                make_folder(folder, CHECKPOINT_PURPOSE)
+                # before any shard, so before trainer_state.json
+                self.describer.describe(folder)
             self.accelerator.wait_for_everyone()
             self.run_dir, self.save_limit = Path(run_dir), self.args.save_total_limit
             # the Trainer's own rotation would run before the other ranks finish: ours runs after (rotate_checkpoints)
@@ -367,7 +383,8 @@ class FSDPTrainer(Trainer):
                 ):
                     super()._save_checkpoint(model, trial)
             if background:
-                return  # complete, and rotated, once every rank has written it (AsyncCheckpoints)
+                # complete, and rotated, once every rank has written it (AsyncCheckpoints)
+                return
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 self.rotate_checkpoints()

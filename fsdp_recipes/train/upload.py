@@ -94,7 +94,8 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
         if path.is_file() and path.name not in NOT_UPLOADED
     ]
     log(f"uploading {len(operations)} file(s) of {', '.join(str(f) for f, _ in folders)} to the hub: {push.describe()}")
-    hub_deadline.install()  # a hub that never answers fails the upload, not the launcher's wait
+    # a hub that never answers fails the upload, not the launcher's wait
+    hub_deadline.install()
     api = HfApi(token=push.token)
     try:
         repo = api.create_repo(push.repo_id, private=push.private, exist_ok=True)
@@ -110,7 +111,8 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
                 f"delete {'it' if len(stale) == 1 else 'them'} on the hub (or give another --hub_model_id or "
                 f"--hub_revision), then `{by_hand}`"
             )
-        with hub_deadline.through_http():  # every byte under the deadline: hf_xet's shard upload has none
+        # every byte under the deadline: hf_xet's shard upload has none
+        with hub_deadline.through_http():
             commit = api.create_commit(
                 repo.repo_id,
                 operations,
@@ -119,7 +121,8 @@ def upload_final_model(push: HubPush, output_dir: str, step: int | None, log) ->
             )
     except RecipeError:
         raise
-    except Exception as err:  # the network, no answer, the hub's refusal, a quota: the model stays saved
+    # the network, no answer, the hub's refusal, a quota: the model stays saved
+    except Exception as err:
         raise RecipeError(
             f"the model is saved, but its upload to {push.describe()} failed ({hub_deadline.said(err, 200)}): "
             f"upload it with `{by_hand}`"

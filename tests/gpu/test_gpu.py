@@ -28,7 +28,8 @@ pytestmark = [
         not torch.cuda.is_available(), reason="needs CUDA: run `python -m pytest -m gpu tests` on a GPU node"
     ),
 ]
-HIDDEN, LAYERS, STEPS = 768, 14, 20  # 75M parameters with the tiny tokenizer's vocabulary
+# 75M parameters with the tiny tokenizer's vocabulary
+HIDDEN, LAYERS, STEPS = 768, 14, 20
 
 
 def gpus() -> int:
@@ -44,9 +45,11 @@ def strategy_and_shard(config: str, n: int) -> tuple[str, int]:
     """(the estimator's strategy name, processes one parameter is split over) on one node of n GPUs."""
     strategy = strategy_of(shipped(config))
     name = strategy.memory_strategy
-    if strategy.fsdp_version == 2 and name == "HYBRID_SHARD":  # FSDP2 HSDP on one node: 2 replicas of n/2
+    # FSDP2 HSDP on one node: 2 replicas of n/2
+    if strategy.fsdp_version == 2 and name == "HYBRID_SHARD":
         return name, n // 2
-    return name, {"NO_SHARD": 1, "DDP": 1}.get(name, n)  # FSDP1 HYBRID_SHARD on one node: the node's GPUs
+    # FSDP1 HYBRID_SHARD on one node: the node's GPUs
+    return name, {"NO_SHARD": 1, "DDP": 1}.get(name, n)
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +71,8 @@ def gpu_run(model_dir, tmp_path_factory):
     def get(config: str) -> Path:
         if config not in runs:
             out = tmp_path_factory.mktemp(config.replace("/", "_").removesuffix(".yaml"))
-            profile = (
-                ("--profile_steps", "1-1") if strategy_of(shipped(config)).offload else ()
-            )  # where offload's peak is
+            # where offload's peak is
+            profile = ("--profile_steps", "1-1") if strategy_of(shipped(config)).offload else ()
             launch(
                 config,
                 "--config_name",
@@ -112,7 +114,8 @@ def test_config_trains_sharded_in_bf16_within_the_estimate(gpu_run, model_dir, c
     assert report["world_size"] == n and report["device"].startswith("cuda")
     assert report["precision"]["compute"] == "bfloat16" and report["precision"]["master_weights"] == "float32"
     total = report["total_param_elements"]
-    assert total == model_shape(str(model_dir)).params  # transformers' count of the config's model, built on meta
+    # transformers' count of the config's model, built on meta
+    assert total == model_shape(str(model_dir)).params
     offload = strategy_of(shipped(config)).offload
     # FSDP2 HSDP on one node: 2 replicas of n/2 shards, which the formula calls 2 nodes of n/2
     nodes = 2 if strategy == "HYBRID_SHARD" and version == 2 else 1

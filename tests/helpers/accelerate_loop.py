@@ -41,4 +41,5 @@ full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True
 if accelerator.is_main_process:
     save_file({k: v.contiguous() for k, v in full.items()}, str(out) + ".truth.safetensors")
 accelerator.wait_for_everyone()
-accelerator.end_training()  # destroys the process group: gloo threads left to interpreter teardown can SIGABRT
+# destroys the process group: gloo threads left to interpreter teardown can SIGABRT
+accelerator.end_training()

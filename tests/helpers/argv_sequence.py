@@ -16,7 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-import trl_recipe_sequence as sequence  # beside this file, which is first on sys.path when run as a script
+# beside this file, which is first on sys.path when run as a script
+import trl_recipe_sequence as sequence
 
 from fsdp_recipes.config.parse import parse_args
 
@@ -28,5 +29,6 @@ def parse_command_line(argv: list[str]):
 
 
 if __name__ == "__main__":
-    sequence.parse_args = parse_command_line  # its loop, its reset and its results; only the parsing is ours
+    # its loop, its reset and its results; only the parsing is ours
+    sequence.parse_args = parse_command_line
     sequence.leave(sys.argv[1:])

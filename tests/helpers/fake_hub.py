@@ -28,8 +28,10 @@ MAX_BODY = 64 << 20
 NAME = r"[A-Za-z0-9][\w.-]*"
 SIMPLE = {("GET", "/api/whoami-v2"), ("POST", "/api/repos/create"), ("POST", "/api/validate-yaml")}
 REPO_ROUTE = re.compile(rf"/api/models/({NAME}/{NAME})/(preupload|commit|branch)/([^/]+)")
-INFO_ROUTE = re.compile(rf"/api/models/({NAME}/{NAME})")  # repo_info: does it exist, is it private
-TREE_ROUTE = re.compile(rf"/api/models/({NAME}/{NAME})/tree/([^/]+)")  # list_repo_files: the whole branch, recursive
+# repo_info: does it exist, is it private
+INFO_ROUTE = re.compile(rf"/api/models/({NAME}/{NAME})")
+# list_repo_files: the whole branch, recursive
+TREE_ROUTE = re.compile(rf"/api/models/({NAME}/{NAME})/tree/([^/]+)")
 # the real hub's words, in X-Error-Message too: hf_raise_for_status takes a 401 on an (https) repository URL for
 # RepositoryNotFoundError unless that header says this
 BAD_TOKEN = "Invalid credentials in Authorization header"
@@ -68,8 +70,10 @@ class FakeHub:
         self.url = ""
         self.requests: list[tuple[str, str]] = []
         self.unhandled: list[tuple[str, str]] = []
-        self.repos: dict[str, dict] = {}  # repo_id -> {"private": bool}, for the repos this server created
-        self._lock = threading.Lock()  # the server is threaded: commits and branch copies touch the same folders
+        # repo_id -> {"private": bool}, for the repos this server created
+        self.repos: dict[str, dict] = {}
+        # the server is threaded: commits and branch copies touch the same folders
+        self._lock = threading.Lock()
 
     def repo_folder(self, repo_id: str, revision: str = "main") -> Path:
         # one folder per branch, its name quoted: branch "a/b" must not land among branch "a"'s files
@@ -99,7 +103,8 @@ class FakeHub:
             raise HubError(401, BAD_TOKEN)
         if path == "/api/whoami-v2":
             token = {"displayName": "test", "role": self.role}
-            if self.scoped is not None:  # a fine-grained token's rights: [{"entity": {"type", "name"}, "permissions"}]
+            # a fine-grained token's rights: [{"entity": {"type", "name"}, "permissions"}]
+            if self.scoped is not None:
                 token["fineGrained"] = {"scoped": self.scoped, "global": []}
             return {
                 "name": self.user,
@@ -109,7 +114,8 @@ class FakeHub:
             }
         if path == "/api/repos/create":
             return self.create_repo(_json(body))
-        if path == "/api/validate-yaml":  # create_commit asks it about any README.md: every model card is fine here
+        # create_commit asks it about any README.md: every model card is fine here
+        if path == "/api/validate-yaml":
             return {"errors": [], "warnings": []}
         repo_id, action, revision = route.group(1), route.group(2), unquote(route.group(3))
         self._writable(repo_id.split("/")[0])
@@ -158,10 +164,12 @@ class FakeHub:
             raise HubError(400, f"invalid repository name {namespace}/{name}")
         self._writable(namespace)
         repo_id = f"{namespace}/{name}"
-        url = f"{self.url}/{repo_id}"  # the client takes repo_id from it: it must start with its HF_ENDPOINT
+        # the client takes repo_id from it: it must start with its HF_ENDPOINT
+        url = f"{self.url}/{repo_id}"
         with self._lock:
             if self._repo(repo_id).is_dir():
-                raise HubError(409, "You already created this model repo", url=url)  # exist_ok still reads "url"
+                # exist_ok still reads "url"
+                raise HubError(409, "You already created this model repo", url=url)
             self.repo_folder(repo_id).mkdir(parents=True)
             self.repos[repo_id] = {"private": payload.get("visibility") == "private"}
         return {"url": url, "name": repo_id}
@@ -183,7 +191,8 @@ class FakeHub:
             raise HubError(400, f"commit payload is not ndjson: {err}") from None
         if not lines or not isinstance(lines[0], dict) or lines[0].get("key") != "header":
             raise HubError(400, "commit payload must start with a header line")
-        changes = []  # all checked before anything is written: a bad line leaves the branch as it was
+        # all checked before anything is written: a bad line leaves the branch as it was
+        changes = []
         for line in lines[1:]:
             key, value = (line.get("key"), line.get("value")) if isinstance(line, dict) else (None, None)
             if key not in ("file", "deletedFile", "deletedFolder") or not isinstance(value, dict):
@@ -234,17 +243,20 @@ class _Handler(BaseHTTPRequestHandler):
             status, answer = 404, {"error": f"fake hub: {self.command} {url.path} is not implemented"}
         except HubError as err:
             status, answer, code = err.status, {"error": str(err), **err.extra}, err.code
-        except Exception as err:  # a bug here: told in the client's error rather than as a dropped connection
+        # a bug here: told in the client's error rather than as a dropped connection
+        except Exception as err:
             status, answer = 500, {"error": f"fake hub failed: {err!r}"}
         data = json.dumps(answer).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        if status >= 400:  # the client quotes it in its errors; a header line must be one line of ASCII
+        # the client quotes it in its errors; a header line must be one line of ASCII
+        if status >= 400:
             self.send_header(
                 "X-Error-Message", " ".join(answer["error"].encode("ascii", "replace").decode().split())[:500]
             )
-        if code:  # what hf_raise_for_status maps to RepositoryNotFoundError, RevisionNotFoundError
+        # what hf_raise_for_status maps to RepositoryNotFoundError, RevisionNotFoundError
+        if code:
             self.send_header("X-Error-Code", code)
         self.end_headers()
         if self.command != "HEAD":
@@ -262,7 +274,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _serve
 
-    def log_message(self, *args) -> None:  # the test's output is for the test
+    # the test's output is for the test
+    def log_message(self, *args) -> None:
         pass
 
 
@@ -301,7 +314,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     with serve(args.root, args.token, args.user, args.orgs or ("test-org",), args.role) as running:
         print(running.url, flush=True)
-        if args.port_file:  # written then renamed: a test polling for the file never reads half a URL
+        # written then renamed: a test polling for the file never reads half a URL
+        if args.port_file:
             partial = args.port_file.with_name(args.port_file.name + ".partial")
             partial.write_text(running.url)
             partial.replace(args.port_file)

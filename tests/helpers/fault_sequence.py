@@ -10,7 +10,8 @@ from __future__ import annotations
 import runpy
 import sys
 
-import argv_sequence  # beside this file, which is first on sys.path when run as a script
+# beside this file, which is first on sys.path when run as a script
+import argv_sequence
 import trl_recipe_sequence as sequence
 
 # train_with_fault.py makes its injections as it is imported, then runs train_fsdp.py: here the sequence runs instead

@@ -31,10 +31,14 @@ FAULT_SEQUENCE = HELPERS / "fault_sequence.py"
 
 @dataclass
 class SequencedRun:
-    stdout: str  # this run's part of the launch's stdout: after its marker line, before the next one
-    stderr: str  # ... and of its stderr (rank 0 prints the markers: another rank's lines may fall in a neighbour's)
-    launch_output: str  # the whole launch's stdout and stderr: a line only this run says is said once in all of it
-    refusal: str | None = None  # a refused run's line, as train_fsdp.py prints it ("train_fsdp.py: error: ...")
+    # this run's part of the launch's stdout: after its marker line, before the next one
+    stdout: str
+    # ... and of its stderr (rank 0 prints the markers: another rank's lines may fall in a neighbour's)
+    stderr: str
+    # the whole launch's stdout and stderr: a line only this run says is said once in all of it
+    launch_output: str
+    # a refused run's line, as train_fsdp.py prints it ("train_fsdp.py: error: ...")
+    refusal: str | None = None
 
 
 def launch_sequence(
@@ -61,7 +65,8 @@ def launch_sequence(
                     (folder / f"{each}.json").write_text(json.dumps(arguments))
                     commands.append(str(folder / f"{each}.json"))
                 launched = {"returncode": None, "stdout": "", "stderr": "the launch raised: see the first test's error"}
-                try:  # once, whatever happens: a second launch would find the first one's output folders
+                # once, whatever happens: a second launch would find the first one's output folders
+                try:
                     proc = launch(config, *commands, script=script, env=env, launch_args=launch_args, check=False)
                     launched = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
                 finally:

@@ -21,7 +21,7 @@ and a real SIGKILL at a chosen point.
                       elastic starts each rank in a session of its own: the launcher forwards it to them)
     FSDP_SLOW_SAVE=<step>:<seconds>  every rank's background write of checkpoint-<step> sleeps <seconds> before it
                                 reads or writes anything (combines with FSDP_FAULT)
-    FSDP_EXPORT_PART_MIN=<bytes>  the final export's smallest shard (export.PART_MIN_BYTES): the tiny model in
+    FSDP_EXPORT_PART_MIN=<bytes>  the final export's smallest shard (export_parts.PART_MIN_BYTES): the tiny model in
                                   shards for every rank
     FSDP_NOTE_BEFORE_CLEANUP=<name>  rank 0 writes a file <name> into the newest checkpoint-N just before the Trainer's
                                 end-of-training cleanup, as a user's tool that keeps its notes beside a checkpoint would
@@ -114,7 +114,8 @@ if os.environ.get("FSDP_FAULT"):
     elif point == "optimizer":
         import transformers.trainer
 
-        save_optimizer = transformers.trainer.save_fsdp_optimizer  # the Trainer saves model shards just before
+        # the Trainer saves model shards just before
+        save_optimizer = transformers.trainer.save_fsdp_optimizer
 
         def save_optimizer_or_die(*args, **kwargs):
             if Path(args[4]).name == f"checkpoint-{step}" and _dies(ranks):
@@ -143,7 +144,8 @@ if os.environ.get("FSDP_FAULT"):
                 os.kill(os.getpid(), getattr(signal, f"SIG{step}"))
             return load_model(*args, **kwargs)
 
-        load_model = fsdp_recipes.train.modeling.load_model  # run.py imports it by name after this
+        # run.py imports it by name after this
+        load_model = fsdp_recipes.train.modeling.load_model
         fsdp_recipes.train.modeling.load_model = load_model_after_signal
     elif point == "final":
         import fsdp_recipes.train.export
@@ -153,14 +155,16 @@ if os.environ.get("FSDP_FAULT"):
                 _die()
             return save_final_model(*args, **kwargs)
 
-        save_final_model = fsdp_recipes.train.export.save_final_model  # run.py imports it by name after this
+        # run.py imports it by name after this
+        save_final_model = fsdp_recipes.train.export.save_final_model
         fsdp_recipes.train.export.save_final_model = save_final_model_or_die
     elif point == "slowexport":
         import time
 
-        import fsdp_recipes.train.export
+        import fsdp_recipes.train.export_parts
 
-        write_part = fsdp_recipes.train.export.write_part  # save_final_model calls it through the module
+        # save_final_model calls it through the module
+        write_part = fsdp_recipes.train.export_parts.write_part
 
         def slow_write_part(*args, **kwargs):
             if _dies(ranks):
@@ -172,7 +176,7 @@ if os.environ.get("FSDP_FAULT"):
                 time.sleep(float(step))
             return write_part(*args, **kwargs)
 
-        fsdp_recipes.train.export.write_part = slow_write_part
+        fsdp_recipes.train.export_parts.write_part = slow_write_part
     elif point in ("heldsave", "killheldsave", "raiseheldsave", "sigtermheldsave"):
         import threading
 
@@ -191,7 +195,8 @@ if os.environ.get("FSDP_FAULT"):
                 if point == "killheldsave":
                     _die()
                 released.set()
-                if point == "sigtermheldsave" and os.environ["RANK"] == "0":  # as SLURM signals a job step
+                # as SLURM signals a job step
+                if point == "sigtermheldsave" and os.environ["RANK"] == "0":
                     for pid in _launcher_and_ranks():
                         os.kill(pid, signal.SIGTERM)
                 if point == "raiseheldsave":
@@ -212,12 +217,13 @@ if os.environ.get("FSDP_SLOW_SAVE"):
     _before_checkpoint_write(slow_step, lambda: time.sleep(float(slow_seconds)))
 
 if os.environ.get("FSDP_EXPORT_PART_MIN"):
-    import fsdp_recipes.train.export
+    import fsdp_recipes.train.export_parts
 
-    fsdp_recipes.train.export.PART_MIN_BYTES = int(os.environ["FSDP_EXPORT_PART_MIN"])
+    fsdp_recipes.train.export_parts.PART_MIN_BYTES = int(os.environ["FSDP_EXPORT_PART_MIN"])
 
 if os.environ.get("FSDP_NOTE_BEFORE_CLEANUP"):
-    finalize_training = Trainer._finalize_training  # FSDPTrainer's override calls it through super()
+    # FSDPTrainer's override calls it through super()
+    finalize_training = Trainer._finalize_training
 
     def note_then_finalize(self, *args, **kwargs):
         if os.environ["RANK"] == "0":
@@ -271,7 +277,8 @@ if os.environ.get("FSDP_COUNT_LOADS"):
     torch_load = torch.load
 
     def load_counted(f, *args, **kwargs):
-        if isinstance(name := getattr(f, "name", f), (str, os.PathLike)):  # a file (DCP also loads from memory)
+        # a file (DCP also loads from memory)
+        if isinstance(name := getattr(f, "name", f), (str, os.PathLike)):
             with open(Path(os.environ["FSDP_COUNT_LOADS"]) / f"rank{os.environ['RANK']}.txt", "a") as record:
                 record.write(f"{os.path.abspath(name)}\n")
         return torch_load(f, *args, **kwargs)

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # train_fsdp.py, not tests/helpers/, first
+# train_fsdp.py, not tests/helpers/, first
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import train_fsdp  # noqa: E402 (after the path)
 from fsdp_recipes.config.parse import parse_args  # noqa: E402
@@ -54,13 +55,15 @@ def train_each(recipes: list[str]) -> None:
             error = f"{type(err).__name__}: {err}"
             print(error, file=sys.stderr, flush=True)
         errors = [error]
-        if dist.is_initialized():  # every rank's error: a run that failed on rank 1 alone failed
+        # every rank's error: a run that failed on rank 1 alone failed
+        if dist.is_initialized():
             errors = [None] * dist.get_world_size()
             dist.all_gather_object(errors, error)
             error = next((e for e in errors if e is not None), None)
         if rank0:
             result = {"seconds": round(time.monotonic() - start, 1), "error": error, "errors": errors}
-            result["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))  # errors has every rank's once joined
+            # errors has every rank's once joined
+            result["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
             Path(f"{recipe}.result.json").write_text(json.dumps(result))
         reset_accelerate()
         run_lock.release()

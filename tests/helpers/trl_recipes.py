@@ -27,7 +27,8 @@ def tiny_model(root: Path) -> Path:
     tokenizer.add_special_tokens({"additional_special_tokens": CHAT_TOKENS})
     config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")
     config.vocab_size = len(tokenizer)
-    config.max_position_embeddings = 65536  # the recipes' max_length (rotary positions: no weights depend on it)
+    # the recipes' max_length (rotary positions: no weights depend on it)
+    config.max_position_embeddings = 65536
     AutoModelForCausalLM.from_config(config).save_pretrained(root / "tiny-model")
     tokenizer.save_pretrained(root / "tiny-model")
     return root / "tiny-model"

@@ -17,7 +17,8 @@ from conftest import QUICK, quick, shared_temp
 from helpers.launch_sequence import FAULT_SEQUENCE, SequencedRun, launch_sequence
 
 ZERO3 = "accelerate_configs/zero3.yaml"
-BF16 = ("--dtype", "bfloat16", "--cpu_bf16", "true")  # the "bf16" run's and its resume's
+# the "bf16" run's and its resume's
+BF16 = ("--dtype", "bfloat16", "--cpu_bf16", "true")
 
 
 def feature_runs(base: Path, folder: Path) -> dict[str, list[str]]:

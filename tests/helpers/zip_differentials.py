@@ -113,7 +113,8 @@ def case(record: bytes, evil_pickle: bytes) -> bytes:
     prefix = entries[0][0].split("/")[0]
     out = io.BytesIO()
     with warnings.catch_warnings(), zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
-        warnings.simplefilter("ignore", UserWarning)  # "Duplicate name": the point
+        # "Duplicate name": the point
+        warnings.simplefilter("ignore", UserWarning)
         for name, data in [(f"{prefix}/DATA.PKL", evil_pickle)] * 5 + entries:
             z.writestr(name, data)
     return out.getvalue()

@@ -21,11 +21,14 @@ from conftest import FAULT_SCRIPT, QUICK, REPO, launch, quick, read_json, shard_
 from helpers.launch_sequence import resumed_together
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow  # every test here launches real runs
+# every test here launches real runs
+pytestmark = pytest.mark.slow
 
 ZERO3 = "accelerate_configs/zero3.yaml"
-EVERY_3 = quick(save_steps="3")  # checkpoints 3, 6, 9, 12 of the same 12 steps as the session's reference run
-COPY = ("--async_checkpoint_staging", "copy")  # a host copy: the write can go on while later optimizer steps run
+# checkpoints 3, 6, 9, 12 of the same 12 steps as the session's reference run
+EVERY_3 = quick(save_steps="3")
+# a host copy: the write can go on while later optimizer steps run
+COPY = ("--async_checkpoint_staging", "copy")
 
 
 def limit_1(background: bool) -> list[str]:
@@ -83,13 +86,17 @@ def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
             r"checkpoint-(\d+) written in the background in [\d.]+ s while training went on to step (\d+)", run.stdout
         )
     }
-    assert sorted(written) == [3, 6, 9, 12] and written[3] >= 5, written  # its write finished only after step 5
+    # its write finished only after step 5
+    assert sorted(written) == [3, 6, 9, 12] and written[3] >= 5, written
     for step in (6, 9):
-        assert written[step] > step  # nothing held: still written while the next step trained
-    for step in (6, 9, 12):  # save_total_limit 3: the newest three, each complete
+        # nothing held: still written while the next step trained
+        assert written[step] > step
+    # save_total_limit 3: the newest three, each complete
+    for step in (6, 9, 12):
         assert read_json(out / f"checkpoint-{step}" / "trainer_state.json")["global_step"] == step
         assert (out / f"checkpoint-{step}" / "shard_digests.json").is_file()
-    assert not (out / "checkpoint-3").exists()  # rotated away once checkpoint-12 was complete
+    # rotated away once checkpoint-12 was complete
+    assert not (out / "checkpoint-3").exists()
     writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
     assert (
         writes["mode"] == "background"
@@ -97,23 +104,26 @@ def test_training_goes_on_while_a_checkpoint_is_written(trained, tmp_path):
         and writes["staging"] == "copy"
         and writes["in_place_saves"] == 0
     )
-    assert writes["host_copies_made"] == 2, (
-        writes
-    )  # the model's and the optimizer's, made at checkpoint-3, reused by 6, 9, 12
-    assert writes["direct_io"] is True and writes["shard_files"] == shard_files_written(8, out), (
-        writes
-    )  # rank 0: 4 x (model, optimizer)
-    rank0 = read_json(out / "fsdp_report.json")["ranks"][0]["bytes"]  # measured by the run from its own tensors
-    shards = rank0["params"] + rank0["optimizer"]  # this rank's weights and Adam's two moments
-    assert shards <= writes["staged_bytes_max"] <= shards + 4096, (writes, rank0)  # + Adam's step counters
-    ahead = writes["host_copy_ahead"]  # the first copy's buffers, made after step 1 on a thread, not at checkpoint-3
+    # the model's and the optimizer's, made at checkpoint-3, reused by 6, 9, 12
+    assert writes["host_copies_made"] == 2, writes
+    # rank 0: 4 x (model, optimizer)
+    assert writes["direct_io"] is True and writes["shard_files"] == shard_files_written(8, out), writes
+    # measured by the run from its own tensors
+    rank0 = read_json(out / "fsdp_report.json")["ranks"][0]["bytes"]
+    # this rank's weights and Adam's two moments
+    shards = rank0["params"] + rank0["optimizer"]
+    # + Adam's step counters
+    assert shards <= writes["staged_bytes_max"] <= shards + 4096, (writes, rank0)
+    # the first copy's buffers, made after step 1 on a thread, not at checkpoint-3
+    ahead = writes["host_copy_ahead"]
     assert (
         ahead["bytes"] == shards
         and ahead["bytes_not_taken"] == 0
         and ahead["tensors_made_at_save"] == 0
         and "error" not in ahead
     ), (ahead, rank0)
-    assert_same_model(out / "model", trained(ZERO3).model_dir)  # saving in the background changes no training step
+    # saving in the background changes no training step
+    assert_same_model(out / "model", trained(ZERO3).model_dir)
 
 
 def test_killed_while_a_checkpoint_is_written_resumes_from_the_one_before_to_the_same_bits(trained, interrupted):
@@ -131,7 +141,8 @@ def test_killed_while_a_checkpoint_is_written_resumes_from_the_one_before_to_the
 
     resumed = run.resume()
     assert f"resuming from {out / 'checkpoint-3'}" in resumed.stdout
-    assert (out / "incomplete-checkpoint-6").is_dir()  # set aside, never deleted
+    # set aside, never deleted
+    assert (out / "incomplete-checkpoint-6").is_dir()
     assert read_json(out / "trainer_state.json")["global_step"] == 12
     assert_same_model(out / "model", trained(ZERO3).model_dir)
 
@@ -173,16 +184,15 @@ def test_in_place_a_slow_write_holds_the_next_optimizer_step_so_the_checkpoint_i
     )
     assert done, killed.stdout[-3000:]
     seconds, reached, waited = float(done[1]), int(done[2]), float(done[3])
-    assert seconds >= 4 and reached == 4 and waited >= 2, done[
-        0
-    ]  # step 4's optimizer step held until the write was done
+    # step 4's optimizer step held until the write was done
+    assert seconds >= 4 and reached == 4 and waited >= 2, done[0]
     assert read_json(run.as_left / "checkpoint-3" / "trainer_state.json")["global_step"] == 3
     assert f"resuming from {out / 'checkpoint-3'}" in run.resume().stdout
     writes = read_json(out / "fsdp_report.json")["checkpoint_writes"]
-    assert writes["staging"] == "auto" and writes["in_place_saves"] == writes["saves"] == 3, (
-        writes
-    )  # 6, 9, 12 of the resumed run
-    assert writes["staged_bytes_max"] == 0 and writes["host_copies_made"] == 0, writes  # no host memory added
+    # 6, 9, 12 of the resumed run
+    assert writes["staging"] == "auto" and writes["in_place_saves"] == writes["saves"] == 3, writes
+    # no host memory added
+    assert writes["staged_bytes_max"] == 0 and writes["host_copies_made"] == 0, writes
     assert_same_model(out / "model", trained(ZERO3).model_dir)
 
 
@@ -202,7 +212,8 @@ def test_an_error_while_a_checkpoint_is_written_leaves_it_incomplete(tmp_path):
         check=False,
     )
     assert failed.returncode != 0 and "fault injection: an error in step 9" in failed.stderr, failed.stderr[-3000:]
-    assert time.monotonic() - began < 240  # not the 30 minutes of a collective timeout
+    # not the 30 minutes of a collective timeout
+    assert time.monotonic() - began < 240
     assert "checkpoint-6: its asynchronous save was abandoned; it stays incomplete" in failed.stdout + failed.stderr
     assert (
         not (out / "checkpoint-6" / "trainer_state.json").exists()
@@ -244,7 +255,8 @@ def test_the_trainers_end_of_training_cleanup_waits_for_the_save_in_flight_and_d
     )
     assert "checkpoints are written in the background while training goes on" in run.stdout
     assert read_json(out / "trainer_state.json")["best_model_checkpoint"] == str(out / "checkpoint-3")
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-3"]  # after the write
+    # after the write
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-3"]
     assert (out / "checkpoint-12" / "eval-notes.txt").read_text() == "a user's notes\n"
     assert (
         "save_total_limit: kept checkpoint-12, not a checkpoint holding nothing else (it holds eval-notes.txt"
@@ -269,7 +281,8 @@ def test_rank_killed_before_its_rng_file_leaves_the_previous_checkpoint(trained,
     assert (left / "checkpoint-6" / "trainer_state.json").is_file()
     resumed = run.resume()
     assert "skipping checkpoint-12" in resumed.stderr and f"resuming from {out / 'checkpoint-6'}" in resumed.stdout
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12"]  # the limit still holds
+    # the limit still holds
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12"]
     final, reference = (
         load_file(out / "model" / "model.safetensors"),
         load_file(trained(ZERO3).model_dir / "model.safetensors"),

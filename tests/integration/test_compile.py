@@ -13,7 +13,8 @@ from helpers.launch_sequence import run_and_resume
 REGIONAL = ("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation")
 
 
-@pytest.mark.slow  # one launch each: the run, then its resume
+# one launch each: the run, then its resume
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "launch_args, flags, compiled",
     [
@@ -43,7 +44,8 @@ def test_a_compiled_run_is_sharded_and_resumes_to_the_same_weights(tmp_path, lau
         assert 2 * rank["local_param_elements"] == report["total_param_elements"]
     resumed = runs("resumed")
     assert f"resuming from {out / 'checkpoint-2'}" in resumed.stdout + resumed.stderr
-    assert "does not support len()" not in resumed.launch_output  # every rank's output, both runs
+    # every rank's output, both runs
+    assert "does not support len()" not in resumed.launch_output
     assert read_json(resumed_out / "fsdp_report.json")["ranks"][0]["compiled_modules"] == compiled
     AutoModelForCausalLM.from_pretrained(resumed_out / "model")
     same_tensors(resumed_out / "model" / "model.safetensors", out / "model" / "model.safetensors")

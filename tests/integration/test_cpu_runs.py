@@ -11,7 +11,8 @@ from helpers.zero3_runs import zero3_runs as shared_zero3_runs
 from fsdp_recipes.compat.cpu_fsdp import native_bf16, read_cpuinfo
 
 
-@pytest.mark.slow  # a launch
+# a launch
+@pytest.mark.slow
 def test_single_process_fsdp_launch_on_cpu_stops_with_clear_error(tmp_path):
     """One process gets no gloo group, so accelerate would silently train unwrapped: the script refuses first."""
     proc = launch(
@@ -42,11 +43,11 @@ NOTE = "computes in fp32 here: this CPU"
 @pytest.mark.slow
 @without_native_bf16
 def test_shipped_bf16_config_runs_fp32_here_and_says_so_once(trained):
-    proc = trained("accelerate_configs/zero3.yaml")  # the session's run of the shipped config
+    # the session's run of the shipped config
+    proc = trained("accelerate_configs/zero3.yaml")
     assert (proc.stdout + proc.stderr).count(NOTE) == 1, proc.stderr[-3000:]
-    line = next(line for line in proc.stdout.splitlines() if NOTE in line).split(" INFO train_fsdp: ", 1)[
-        1
-    ]  # rank 0's log
+    # rank 0's log
+    line = next(line for line in proc.stdout.splitlines() if NOTE in line).split(" INFO train_fsdp: ", 1)[1]
     assert line.startswith("bf16 mixed precision (accelerate's mixed_precision: bf16) computes in fp32 here")
     assert line.endswith("--cpu_bf16 true keeps bf16")
     precision = proc.report["precision"]
@@ -58,7 +59,8 @@ def test_shipped_bf16_config_runs_fp32_here_and_says_so_once(trained):
 @pytest.mark.slow
 @without_native_bf16
 def test_cpu_bf16_true_keeps_bf16_here(trained):
-    proc = trained("accelerate_configs/zero3.yaml", "--cpu_bf16", "true")  # test_training's run of it
+    # test_training's run of it
+    proc = trained("accelerate_configs/zero3.yaml", "--cpu_bf16", "true")
     assert NOTE not in proc.stdout + proc.stderr
     assert (proc.stdout + proc.stderr).count("keeps bf16 compute (--cpu_bf16 true) although this CPU") == 1
     precision = proc.report["precision"]
@@ -103,14 +105,16 @@ def zero3_runs(trained, tmp_path_factory):
     return shared_zero3_runs(trained, tmp_path_factory)
 
 
-@pytest.mark.slow  # a launch
+# a launch
+@pytest.mark.slow
 def test_an_auto_batch_size_is_chosen_before_loading_said_once_and_trained(zero3_runs):
     """per_device_train_batch_size auto on 2 CPU processes: the host's memory over 2 leaves the tiny model the cap;
     rank 0 says the choice once, and the run records and trains that batch. The run shares its launch with others
     (its part of the output after its marker line): no other run says the choice, so the whole launch says it once."""
     from fsdp_recipes.config.batch_size import MAX_AUTO_BATCH
 
-    out, proc = zero3_runs("auto_batch")  # --max_steps 2 --save_strategy no --block_size 32
+    # --max_steps 2 --save_strategy no --block_size 32
+    out, proc = zero3_runs("auto_batch")
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "per_device_train_batch_size auto:" in line]
     assert len(said) == 1 and f"auto: {MAX_AUTO_BATCH} sequence(s) of 32 tokens" in said[0], said
     assert proc.launch_output.count("per_device_train_batch_size auto:") == 1, proc.launch_output[-3000:]

@@ -54,11 +54,13 @@ def runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.slow  # the shared launch
+# the shared launch
+@pytest.mark.slow
 def test_ddp_is_real_ddp_and_trains(runs):
     out, _ = runs("ddp")
     report = read_json(out / "fsdp_report.json")
-    assert report["distributed_type"] == "MULTI_CPU" and report["fsdp_version"] is None  # gloo DDP, not N lone runs
+    # gloo DDP, not N lone runs
+    assert report["distributed_type"] == "MULTI_CPU" and report["fsdp_version"] is None
     assert report["world_size"] == len(report["ranks"]) == 2 and report["sharding_strategy"] is None
     total = report["total_param_elements"]
     for rank in report["ranks"]:
@@ -73,22 +75,28 @@ def test_ddp_is_real_ddp_and_trains(runs):
     )
 
 
-@pytest.mark.slow  # the shared launch
+# the shared launch
+@pytest.mark.slow
 def test_zero1_holds_half_the_optimizer_state_per_rank(runs):
     ddp, zero1 = (read_json(runs(name)[0] / "fsdp_report.json") for name in ("ddp", "zero1"))
     assert zero1["sharding_strategy"] == "ZERO1"
     total = zero1["total_param_elements"]
     states = [rank["bytes"]["optimizer"] for rank in zero1["ranks"]]
-    assert sum(states) == 8 * total == ddp["ranks"][0]["bytes"]["optimizer"]  # all of Adam's m and v, once
+    # all of Adam's m and v, once
+    assert sum(states) == 8 * total == ddp["ranks"][0]["bytes"]["optimizer"]
     for rank in zero1["ranks"]:
-        assert rank["wrapper"] == "DistributedDataParallel" and rank["local_param_elements"] == total  # replicated
+        # replicated
+        assert rank["wrapper"] == "DistributedDataParallel" and rank["local_param_elements"] == total
         assert rank["bytes"]["params"] == rank["bytes"]["grads"] == 4 * total
-        assert rank["bytes"]["optimizer"] == pytest.approx(4 * total, rel=0.05)  # 1/2, as ZeRO partitions whole tensors
+        # 1/2, as ZeRO partitions whole tensors
+        assert rank["bytes"]["optimizer"] == pytest.approx(4 * total, rel=0.05)
         est = estimate(model_shape(str(REPO / "assets" / "tiny-llama")), Setup(strategy="ZERO1", nproc_per_node=2))
-        assert rank["bytes"]["optimizer"] == pytest.approx(est.optimizer, rel=0.05)  # tools/estimate_memory.py
+        # tools/estimate_memory.py
+        assert rank["bytes"]["optimizer"] == pytest.approx(est.optimizer, rel=0.05)
 
 
-@pytest.mark.slow  # the shared launch
+# the shared launch
+@pytest.mark.slow
 def test_zero1_trains_the_same_weights_as_ddp(runs):
     """Same gradients (DDP's all-reduce), the same AdamW update, each parameter updated by one rank and broadcast."""
     ddp, zero1 = (load_file(runs(name)[0] / "model" / "model.safetensors") for name in ("ddp", "zero1"))
@@ -97,7 +105,8 @@ def test_zero1_trains_the_same_weights_as_ddp(runs):
         torch.testing.assert_close(zero1[name], ddp[name], rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.slow  # the shared launch
+# the shared launch
+@pytest.mark.slow
 def test_zero1_checkpoint_is_whole_and_merges(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -108,16 +117,17 @@ def test_zero1_checkpoint_is_whole_and_merges(runs, tmp_path):
     assert status.resumable and status.state_dict_type == "PLAIN" and status.sharding_strategy == "ZERO1"
     optimizer = torch.load(out / "checkpoint-12" / "optimizer.pt", weights_only=True)
     params = len(list(AutoModelForCausalLM.from_pretrained(out / "model").parameters()))
-    assert not (
-        out / "model" / "training_args.bin"
-    ).exists()  # the Trainer's save_model writes it; the model folder ships without
-    assert sorted(optimizer["state"]) == list(range(params))  # every parameter's moments, gathered from both ranks
+    # the Trainer's save_model writes it; the model folder ships without
+    assert not (out / "model" / "training_args.bin").exists()
+    # every parameter's moments, gathered from both ranks
+    assert sorted(optimizer["state"]) == list(range(params))
     merge_checkpoint(out / "checkpoint-12", tmp_path / "merged", log=lambda _: None)
     merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert all(torch.equal(merged[k], final[k]) for k in final)
 
 
-@pytest.mark.slow  # the shared launch
+# the shared launch
+@pytest.mark.slow
 def test_zero1_resumed_run_ends_on_the_uninterrupted_weights(runs):
     """From the uninterrupted run's checkpoint-6, as a run stopped after step 6 leaves it (how a SIGKILL'd run gets
     back to its last checkpoint is test_fault_tolerance's; how `true` finds it, test_resume_decision's): the
@@ -134,18 +144,21 @@ def test_zero1_resumed_run_ends_on_the_uninterrupted_weights(runs):
     saved, again = (
         torch.load(d / "checkpoint-12" / "optimizer.pt", weights_only=True)["state"] for d in (reference, out)
     )
-    for index, moments in saved.items():  # Adam's moments came back on both ranks: they end equal too
+    # Adam's moments came back on both ranks: they end equal too
+    for index, moments in saved.items():
         assert all(torch.equal(again[index][k], v) for k, v in moments.items()), index
 
 
-@pytest.mark.slow  # the shared launch
+# the shared launch
+@pytest.mark.slow
 def test_a_ddp_checkpoint_is_not_resumed_under_fsdp(runs):
     from fsdp_recipes.ckpt.resume import _resumable
     from fsdp_recipes.errors import RecipeError
 
     status = checkpoint_status(runs("ddp")[0] / "checkpoint-6")
     with pytest.raises(RecipeError, match=r"was saved without FSDP \(DDP or ZeRO-1\): resume it with the same launch"):
-        _resumable(status, trainer_fsdp=True)  # what the resume decision (rank 0, preflight) does under an FSDP launch
+        # what the resume decision (rank 0, preflight) does under an FSDP launch
+        _resumable(status, trainer_fsdp=True)
     assert _resumable(status, trainer_fsdp=False) == status.path
 
 

@@ -15,9 +15,12 @@ from conftest import ALL_CONFIGS, REPO, logged_losses, run
 DOCS = REPO / "docs"
 NEEDS_HUB = "# needs hub + GPUs"
 NEEDS_THE_HUB = "# needs the hub"
-LONG = "# long"  # a full benchmark: a short form of it runs instead
-ON_GPU = "# on a GPU"  # without CUDA: its one line saying so, exit 1
-REFUSED = "# refused"  # shown to be refused: one line, exit status not 0
+# a full benchmark: a short form of it runs instead
+LONG = "# long"
+# without CUDA: its one line saying so, exit 1
+ON_GPU = "# on a GPU"
+# shown to be refused: one line, exit status not 0
+REFUSED = "# refused"
 TEST_COMMAND = "python -m pytest -q -n auto --dist loadfile tests"
 # What the pages skip, in page order: (page, a part of the command).
 SKIPPED = [
@@ -72,7 +75,8 @@ def test_readme_shows_setup_main_and_test_commands():
     assert "accelerate launch --config_file accelerate_configs/zero3.yaml train_fsdp.py" in commands
     assert TEST_COMMAND in commands
     ci = (REPO / ".ci" / "run").read_text()
-    assert TEST_COMMAND in ci  # CI runs exactly what the README says, test requirements included
+    # CI runs exactly what the README says, test requirements included
+    assert TEST_COMMAND in ci
     # and the full suite last: CI judges a run by its last summary, and the GPU smoke tests all skip without CUDA
     assert ci.strip().splitlines()[-1] == TEST_COMMAND
     test_setup = commands[commands.index(TEST_COMMAND) - 1]
@@ -132,7 +136,8 @@ def test_every_docs_command_runs(tmp_path):
             or command.startswith("pip install -r ")
             or command.startswith(f"{TEST_COMMAND.rsplit(' ', 1)[0]} -m ")
         ):
-            continue  # this is that command (or its quick tier); .ci/run runs the installs just before it (test above)
+            # this is that command (or its quick tier); .ci/run runs the installs just before it (test above)
+            continue
         if command.endswith((NEEDS_HUB, NEEDS_THE_HUB, LONG)):
             skipped.append((page, command))
             continue
@@ -197,7 +202,8 @@ def test_every_docs_command_runs(tmp_path):
             assert fragment.strip() in main, line
     run_dir = repo / "runs" / "tiny-llama-pretrain"
     losses = logged_losses(run_dir)
-    assert losses[-1] <= losses[0] * 2 / 3, losses  # falls by at least a third
+    # falls by at least a third
+    assert losses[-1] <= losses[0] * 2 / 3, losses
     # The losses the README shows, within a tolerance: another CPU (or BLAS) sums in another order.
     shown_losses = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", readme)]
     logged = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", main)]
@@ -242,7 +248,8 @@ def test_every_docs_command_runs(tmp_path):
         "python tools/check_config.py accelerate_configs/zero3.yaml"
     )
     estimated = output_of("python tools/estimate_memory.py 7B")
-    assert re.search(r"model states \(16P/S with Adam\)\s+26\.08 GiB", estimated)  # 16 bytes x 7e9 / 4 = 28e9 bytes
+    # 16 bytes x 7e9 / 4 = 28e9 bytes
+    assert re.search(r"model states \(16P/S with Adam\)\s+26\.08 GiB", estimated)
     assert "| 28 GB (26.1 GiB) |" in (DOCS / "configs.md").read_text()
     calibrated = output_of("python bench/estimate_calibration.py")
     assert "| accelerate_configs/zero3.yaml | 2 |" in calibrated and "(target: 5%)" in calibrated

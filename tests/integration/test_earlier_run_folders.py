@@ -37,7 +37,8 @@ def test_a_run_folder_of_the_earlier_layout_resumes_and_gets_its_model_folder(tr
     assert sorted(set(_snapshot(out)) - set(old)) == sorted(
         ["model", *(f"model/{p.name}" for p in reference.model_dir.iterdir())]
     )
-    assert (out / ".run.lock").read_text().startswith("host old")  # not ours to delete
+    # not ours to delete
+    assert (out / ".run.lock").read_text().startswith("host old")
     final, expected = (
         load_file(out / "model" / "model.safetensors"),
         load_file(reference.model_dir / "model.safetensors"),

@@ -30,14 +30,17 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fsdp_recipes.ckpt.merge import merge_checkpoint
 from fsdp_recipes.ckpt.readers import DCPSource
 
-pytestmark = pytest.mark.slow  # every test here launches real runs
+# every test here launches real runs
+pytestmark = pytest.mark.slow
 
 # (config, fault): which rank(s) die, at which point, after how many steps. The uninterrupted run
 # checkpoints at steps 6 and 12, so every fault lands between checkpoint-6 and the end.
 KILLS = [
-    ("accelerate_configs/zero3.yaml", "1:step:9"),  # FSDP2 FULL_SHARD: one rank dies, the launcher stops the rest
+    # FSDP2 FULL_SHARD: one rank dies, the launcher stops the rest
+    ("accelerate_configs/zero3.yaml", "1:step:9"),
     # FSDP2 SHARD_GRAD_OP: SIGTERM to the whole job in test_preempted_run_saves_its_step_and_resumes_exactly
-    ("accelerate_configs/fsdp1/zero3.yaml", "0:optimizer:12"),  # FSDP1 FULL_SHARD: dies while writing checkpoint-12
+    # FSDP1 FULL_SHARD: dies while writing checkpoint-12
+    ("accelerate_configs/fsdp1/zero3.yaml", "0:optimizer:12"),
     # FSDP1 SHARD_GRAD_OP resumes exactly in test_preempted_run_saves_its_step_and_resumes_exactly
 ]
 
@@ -49,6 +52,7 @@ def load_dcp(folder) -> dict:
 
 
 ZERO3 = "accelerate_configs/zero3.yaml"
+# 16 steps
 EPOCHS = (
     *quick(max_steps="-1"),
     "--num_train_epochs",
@@ -57,7 +61,7 @@ EPOCHS = (
     "epoch",
     "--max_train_samples",
     "600",
-)  # 16 steps
+)
 
 
 def remove_descriptions_and_leave_staging(out) -> None:
@@ -68,7 +72,8 @@ def remove_descriptions_and_leave_staging(out) -> None:
     for f in (out / "checkpoint-12").iterdir():
         if f.name.startswith(("config", "generation_config", "tokenizer", "chat_template", "model_description")):
             f.unlink()
-    for leftover in (".final-sharded", ".export-tmp"):  # marked, then written into
+    # marked, then written into
+    for leftover in (".final-sharded", ".export-tmp"):
         make_folder(out / leftover, "export staging")
         (out / leftover / "pytorch_model_fsdp_0").mkdir()
         (out / leftover / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"partial")
@@ -79,7 +84,8 @@ def killed_at_the_final_model(flags, then=None):
         killed = launch(
             ZERO3, *flags, "--output_dir", str(out), script=FAULT_SCRIPT, env={"FSDP_FAULT": "all:final:0"}, check=False
         )
-        if then is not None and out.is_dir():  # no folder: resumed_together says so, with the launch's output
+        # no folder: resumed_together says so, with the launch's output
+        if then is not None and out.is_dir():
             then(out)
         return killed
 
@@ -87,7 +93,8 @@ def killed_at_the_final_model(flags, then=None):
 
 
 def copy_of_the_sessions_run(trained):
-    def interrupt(out):  # no launch: run_args.json comes along, so the run is ours
+    # no launch: run_args.json comes along, so the run is ours
+    def interrupt(out):
         shutil.copytree(trained(ZERO3).output_dir, out, ignore=shutil.ignore_patterns("model"))
 
     return interrupt
@@ -98,7 +105,8 @@ def stopped_in_stages(trained):
     checkpoint-12 cut short after the model's shards, then checkpoint-6 cut short before any shard (Ctrl-C during the
     first save). What how_to_go_on said at each stage goes to ``<output_dir>-advice.json`` beside it, a list."""
 
-    def interrupt(out):  # no launch: run_args.json comes along, so the run is ours
+    # no launch: run_args.json comes along, so the run is ours
+    def interrupt(out):
         from fsdp_recipes.ckpt.stop_advice import how_to_go_on
 
         source, advice = trained(ZERO3).output_dir, []
@@ -108,9 +116,11 @@ def stopped_in_stages(trained):
         shutil.copytree(source / "checkpoint-6", out / "checkpoint-6")
         advice.append(how_to_go_on(out))
         shutil.copytree(source / "checkpoint-12", out / "checkpoint-12")
-        shutil.rmtree(out / "checkpoint-12" / "optimizer_0")  # cut short after the model's shards
+        # cut short after the model's shards
+        shutil.rmtree(out / "checkpoint-12" / "optimizer_0")
         advice.append(how_to_go_on(out))
-        shutil.rmtree(out / "checkpoint-6" / "pytorch_model_fsdp_0")  # cut short before any shard: the first save
+        # cut short before any shard: the first save
+        shutil.rmtree(out / "checkpoint-6" / "pytorch_model_fsdp_0")
         advice.append(how_to_go_on(out))
         out.with_name(f"{out.name}-advice.json").write_text(json.dumps(advice))
 
@@ -165,12 +175,14 @@ def resumed(trained, tmp_path_factory):
             [*QUICK, "--resume_from_checkpoint", str(root / "branch" / "checkpoint-6")],
         ),
         "killed": (killed_by(ZERO3, zero3_fault), [*QUICK, *resume]),
-        "cut-short": (stopped_in_stages(trained), [*QUICK, "--overwrite_output_dir", "true"]),  # starts over
+        # starts over
+        "cut-short": (stopped_in_stages(trained), [*QUICK, "--overwrite_output_dir", "true"]),
     }
     mounted = mount_tmpfs(root / "disk-full", "7800k")
     if mounted:
         cases["disk-full"] = (full_at_the_final_model, [*DISK_FULL, *resume])
-    env = {"FSDP_DUMP_OPTIMIZER": f"{root / 'optimizer-as-loaded'}:killed"}  # the kill's resume alone
+    # the kill's resume alone
+    env = {"FSDP_DUMP_OPTIMIZER": f"{root / 'optimizer-as-loaded'}:killed"}
     try:
         yield resumed_together(root, ZERO3, cases, script=FAULT_SEQUENCE, env=env)
     finally:
@@ -185,7 +197,8 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, request, confi
     zero3.yaml's resume is one of ``resumed``'s; fsdp1/zero3.yaml's a launch of its own."""
     uninterrupted = trained(config).output_dir
     if config == ZERO3:
-        case = request.getfixturevalue("resumed")["killed"]  # fsdp1's case does not need the shared launch
+        # fsdp1's case does not need the shared launch
+        case = request.getfixturevalue("resumed")["killed"]
         out, killed, left = case.out, case.killed, case.as_left
         as_loaded = out.parent / "optimizer-as-loaded" / out.name
     else:
@@ -193,7 +206,8 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, request, confi
         killed = killed_by(config, fault)(out)
         as_loaded = tmp_path / "optimizer-as-loaded" / out.name
     assert killed.returncode != 0 and "fault injection: SIGKILL" in killed.stderr, killed.stderr[-3000:]
-    assert not (left / "model").exists() and not list(left.glob(".run.lock*"))  # no model, and no lock file left
+    # no model, and no lock file left
+    assert not (left / "model").exists() and not list(left.glob(".run.lock*"))
 
     if config == ZERO3:
         said = case.resume()
@@ -202,7 +216,8 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(trained, request, confi
         resume = ["--output_dir", str(out), "--resume_from_checkpoint", "true"]
         said = launch(config, *QUICK, *resume, script=FAULT_SCRIPT, env=dump)
     assert f"resuming from {out / 'checkpoint-6'}" in said.stdout
-    if fault.endswith(":optimizer:12"):  # the torn checkpoint-12 is named, skipped and kept aside
+    # the torn checkpoint-12 is named, skipped and kept aside
+    if fault.endswith(":optimizer:12"):
         assert "skipping checkpoint-12" in said.stderr and "missing optimizer_0/" in said.stderr
         assert (out / "incomplete-checkpoint-12" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert read_json(out / "trainer_state.json")["global_step"] == 12
@@ -264,21 +279,22 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(trained, config, fault
         f"exitcode  : {code}" in stopped.stderr or "SignalException" in stopped.stderr
     ), stopped.stderr[-3000:]
     assert checkpoint_status(out / "checkpoint-9").resumable and not (out / "model").exists()
-    if "Root Cause (first observed failure)" in stopped.stderr:  # the launcher's report ends with our line
+    # the launcher's report ends with our line
+    if "Root Cause (first observed failure)" in stopped.stderr:
         assert elastic_root_cause(stopped.stderr).startswith(f"train_fsdp.py: stopped by {name} after step 9"), (
             stopped.stderr[-3000:]
         )
     resumed = launch(config, *QUICK, "--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert f"resuming from {out / 'checkpoint-9'}" in resumed.stdout
-    assert "pin_memory" not in resumed.stderr  # nothing to pin to on CPU: no warning per DataLoader
-    args = read_json(out / "run_args.json")  # the arguments in force, the accelerate config's text included
+    # nothing to pin to on CPU: no warning per DataLoader
+    assert "pin_memory" not in resumed.stderr
+    # the arguments in force, the accelerate config's text included
+    args = read_json(out / "run_args.json")
     assert args["accelerate_config_file"].endswith(config) and "fsdp_version" in args["accelerate_config"]
-    assert args["accelerate_settings"]["fsdp_config"]["fsdp_version"] == (
-        2 if "fsdp1" not in config else 1
-    )  # in force: file + flags
-    assert (
-        args["accelerate_settings_from"] == f"{REPO / config} + accelerate launch (--main_process_port)"
-    )  # the tests pick a free port
+    # in force: file + flags
+    assert args["accelerate_settings"]["fsdp_config"]["fsdp_version"] == (2 if "fsdp1" not in config else 1)
+    # the tests pick a free port
+    assert args["accelerate_settings_from"] == f"{REPO / config} + accelerate launch (--main_process_port)"
     assert args["training"]["resume_from_checkpoint"] == str(out / "checkpoint-9") and args["world_size"] == 2
     final, reference = (
         load_file(out / "model" / "model.safetensors"),
@@ -334,7 +350,8 @@ def test_what_to_run_after_a_stop_is_what_works_in_the_folder_left(resumed):
 
     case = resumed["cut-short"]
     out = case.out
-    none, six, twelve_cut, all_cut = read_json(out.with_name("cut-short-advice.json"))  # stopped_in_stages'
+    # stopped_in_stages'
+    none, six, twelve_cut, all_cut = read_json(out.with_name("cut-short-advice.json"))
     assert none == "no checkpoint was saved yet: run the same command again to start over"
     assert six == "run the same command with --resume_from_checkpoint true to continue from checkpoint-6"
     assert twelve_cut.endswith("continue from checkpoint-6")
@@ -420,17 +437,21 @@ def test_resume_on_more_processes_reshards(trained, config, tmp_path):
     source = DCPSource(uninterrupted / "checkpoint-6" / "pytorch_model_fsdp_0")
     at_6 = source.read(list(source.tensors))
     for name, tensor in reference.items():
-        moved = (tensor - at_6[f"model.{name}"]).norm()  # accelerate stores {"model": state_dict}
+        # accelerate stores {"model": state_dict}
+        moved = (tensor - at_6[f"model.{name}"]).norm()
         assert moved > 0, name
         assert (final[name] - tensor).norm() < 0.05 * moved, name
     resumed_losses, reference_losses = logged_losses(out), logged_losses(uninterrupted)
-    assert len(resumed_losses) == len(reference_losses) == 6  # steps 2-6 from the checkpoint's history, 8-12 new
-    assert resumed_losses[3] == pytest.approx(reference_losses[3], rel=0.01)  # step 8, the first after the resume
+    # steps 2-6 from the checkpoint's history, 8-12 new
+    assert len(resumed_losses) == len(reference_losses) == 6
+    # step 8, the first after the resume
+    assert resumed_losses[3] == pytest.approx(reference_losses[3], rel=0.01)
 
 
 TINY = "config_name: assets/tiny-llama\n"
 CORPUS = "train_file: assets/data/tiny_corpus.txt\n"
-BAD_INPUT = {  # case: (recipe or None for the default, extra flags, the one error line)
+# case: (recipe or None for the default, extra flags, the one error line)
+BAD_INPUT = {
     "missing dataset file": (
         None,
         ["--train_file", "/nonexistent/corpus.txt"],
@@ -475,13 +496,18 @@ def test_bad_input_stops_every_rank_before_anything_is_set_up(tmp_path, monkeypa
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     start = time.monotonic()
     proc = launch("accelerate_configs/zero3.yaml", *args, check=False)
-    assert proc.returncode != 0 and time.monotonic() - start < 60  # seconds, not a timeout
+    # seconds, not a timeout
+    assert proc.returncode != 0 and time.monotonic() - start < 60
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-    assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]  # one message, not one per rank
-    assert "running FSDP over gloo" not in proc.stdout  # main() never began
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+    # one message, not one per rank
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+    # main() never began
+    assert "running FSDP over gloo" not in proc.stdout
+    # nothing written
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
-    monkeypatch.chdir(REPO)  # the recipes' relative paths, as a launch from the repository root
+    # the recipes' relative paths, as a launch from the repository root
+    monkeypatch.chdir(REPO)
     for case in BAD_INPUT:
         folder = tmp_path / case.replace(" ", "-").replace("'", "")
         folder.mkdir()
@@ -542,7 +568,8 @@ def test_one_run_per_output_dir(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    hold_output_dir(SimpleNamespace(process_index=0, output_dir=str(out)))  # a killed run holds nothing
+    # a killed run holds nothing
+    hold_output_dir(SimpleNamespace(process_index=0, output_dir=str(out)))
 
 
 def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
@@ -589,9 +616,8 @@ def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes
     case = resumed["disk-full"]
     out, proc, left = case.out, case.killed, case.as_left
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-    assert proc.returncode != 0 and len(errors) == 1 and "[rank" not in proc.stderr, proc.stderr[
-        -3000:
-    ]  # no rank's traceback
+    # no rank's traceback
+    assert proc.returncode != 0 and len(errors) == 1 and "[rank" not in proc.stderr, proc.stderr[-3000:]
     assert f"no space left on {out} while writing the final model (" in errors[0], errors
     assert (
         "training had finished and checkpoint-4 is intact: free space (or move output_dir), then run the same "
@@ -599,8 +625,10 @@ def test_disk_full_while_writing_the_final_model_is_one_line_and_a_resume_writes
     )
     assert checkpoint_status(left / "checkpoint-4").resumable and not (left / "model").exists()
     said = case.resume()
-    assert f"model saved to {out / 'model'}" in said.stdout + said.stderr  # this run's line, not a neighbour's
-    assert load_file(out / "model" / "model.safetensors")  # the model, written without training again
+    # this run's line, not a neighbour's
+    assert f"model saved to {out / 'model'}" in said.stdout + said.stderr
+    # the model, written without training again
+    assert load_file(out / "model" / "model.safetensors")
     assert read_json(out / "trainer_state.json")["global_step"] == 4
 
 

@@ -19,7 +19,8 @@ def test_a_hub_silent_at_the_upload_fails_it_and_the_launch_returns_with_the_mod
     with serve(tmp_path / "hub") as hub:
         answer = hub.handle
 
-        def handle(method, path, *rest):  # whoami is answered before training; the upload's first request never is
+        # whoami is answered before training; the upload's first request never is
+        def handle(method, path, *rest):
             if path == "/api/repos/create":
                 release.wait()
                 raise NotServed

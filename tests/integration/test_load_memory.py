@@ -73,8 +73,10 @@ def stored_bytes(folder) -> dict[str, int]:
     return {name: t.numel() * t.element_size() for name, t in load_file(folder / "model.safetensors").items()}
 
 
-LR0 = ["--learning_rate", "0", "--max_steps", "2", "--save_steps", "2"]  # the final model: the loaded weights
-TRAINED = ["--dtype", "float32", "--max_steps", "3", "--save_steps", "3"]  # a tied bf16 folder, trained 3 steps
+# the final model: the loaded weights
+LR0 = ["--learning_rate", "0", "--max_steps", "2", "--save_steps", "2"]
+# a tied bf16 folder, trained 3 steps
+TRAINED = ["--dtype", "float32", "--max_steps", "3", "--save_steps", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +115,10 @@ def loaded(trained, tmp_path_factory):
     [
         ("zero3.yaml", False),
         ("fsdp1/zero3.yaml", False),
-        ("fsdp1/no_shard.yaml", False),  # FSDP1 keeps the whole flat parameter: broadcast whole, not scattered
-        ("fsdp1/hybrid_shard.yaml", False),  # two sync groups, across nodes then within: broadcast, then scattered
+        # FSDP1 keeps the whole flat parameter: broadcast whole, not scattered
+        ("fsdp1/no_shard.yaml", False),
+        # two sync groups, across nodes then within: broadcast, then scattered
+        ("fsdp1/hybrid_shard.yaml", False),
     ],
     ids=["fsdp2-untied", "fsdp1-untied", "fsdp1-no_shard", "fsdp1-hybrid"],
 )
@@ -124,7 +128,8 @@ def test_rank0_only_loading_gives_every_rank_the_files_weights(loaded, tmp_path,
     it equals the run where every rank loads the folder, its LM head still tied (one tensor saved, embed_tokens).
     zero3.yaml's and fsdp1/zero3.yaml's runs share a launch with the next test's (``loaded``)."""
     if config in ("zero3.yaml", "fsdp1/zero3.yaml"):
-        assert not tied  # the shared run's folder is untied
+        # the shared run's folder is untied
+        assert not tied
         folder, out = loaded(config, "lr0")
     else:
         folder, out = tmp_path / "model", tmp_path / "out"
@@ -144,7 +149,8 @@ def test_rank0_only_loading_trains_like_every_rank_loading(loaded, tmp_path, con
     frequencies) the final weights equal those of the same run with every rank loading the folder, bit for bit.
     A rank with wrong buffers or an untied LM head would compute other gradients."""
     text = (REPO / "accelerate_configs" / config).read_text()
-    assert "fsdp_cpu_ram_efficient_loading: true" in text  # the shared run (``loaded``) is the efficient one
+    # the shared run (``loaded``) is the efficient one
+    assert "fsdp_cpu_ram_efficient_loading: true" in text
     folder, efficient = loaded(config, "trained")
     copy, every_rank = tmp_path / "every-rank.yaml", tmp_path / "out-every-rank"
     copy.write_text(text.replace("fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false"))

@@ -83,7 +83,8 @@ SHARED = {
         "bfloat16",
     ],
 }
-SHARED["resumed"] = SHARED["whole"]  # and --resume_from_checkpoint (RESUMES)
+# and --resume_from_checkpoint (RESUMES)
+SHARED["resumed"] = SHARED["whole"]
 RUNS_OF = {CONFIGS[0]: ("whole", "resumed", "best", "tied", "bf16"), CONFIGS[1]: ("whole", "resumed", "best", "tied")}
 # a resume -> the run and checkpoint it resumes (--resume_from_checkpoint that checkpoint's path)
 RESUMES = {"resumed": ("whole", "checkpoint-6")}
@@ -158,16 +159,17 @@ def adapter_only_layout(folder: Path, world: int = 2) -> dict[str, int]:
     tensor's elements (read with the vetted reader, ckpt/dcp_pickles.py)."""
     layout = read_layout(folder)
     files = {stored.relative_path for stored in layout.storage.values()}
-    assert files == {f"__{r}_0.distcp" for r in range(world)}, files  # every rank wrote
+    # every rank wrote
+    assert files == {f"__{r}_0.distcp" for r in range(world)}, files
     assert all((folder / f).stat().st_size > 0 for f in files)
     elements = {}
     for name, entry in layout.tensors.items():
         total = math.prod(entry.shape)
-        assert sum(math.prod(c.sizes) for c in entry.chunks) == total, name  # no rank's slice is missing
+        # no rank's slice is missing
+        assert sum(math.prod(c.sizes) for c in entry.chunks) == total, name
         writers = {layout.storage[(name, c.offsets)].relative_path for c in entry.chunks if math.prod(c.sizes)}
-        if (
-            entry.shape and entry.shape[0] >= world
-        ):  # sharded by rows: each rank holds a non-empty slice (not a step count)
+        # sharded by rows: each rank holds a non-empty slice (not a step count)
+        if entry.shape and entry.shape[0] >= world:
             assert len(writers) == world, (name, writers)
         elements[name] = total
     return elements
@@ -179,16 +181,16 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(lora_runs, c
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    whole, base = lora_runs(config, "whole")  # base: a pre-trained model to adapt (the session's trained run)
+    # base: a pre-trained model to adapt (the session's trained run)
+    whole, base = lora_runs(config, "whole")
     losses = logged_losses(whole)
     assert losses[-1] < losses[0], losses
 
     report = read_json(whole / "fsdp_report.json")
     assert 0 < report["trainable_param_elements"] < report["total_param_elements"] / 5
     assert sum(r["local_trainable_elements"] for r in report["ranks"]) == report["trainable_param_elements"]
-    assert all(
-        0 < r["local_trainable_elements"] < report["trainable_param_elements"] for r in report["ranks"]
-    )  # sharded
+    # sharded
+    assert all(0 < r["local_trainable_elements"] < report["trainable_param_elements"] for r in report["ranks"])
     assert report["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in report["trainable"])
 
     # Adapter-only checkpoints: the adapter's weights and Adam's moments, every rank's slice, not the frozen base.
@@ -212,7 +214,8 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(lora_runs, c
     saved, loaded = DCPSource(ckpt / "optimizer_0"), DCPSource(out.parent / AS_LOADED / out.name / "optimizer_0")
     assert saved.tensors and set(saved.tensors) == set(loaded.tensors)
     saved_values, loaded_values = saved.read(sorted(saved.tensors)), loaded.read(sorted(saved.tensors))
-    assert all(torch.equal(saved_values[n], loaded_values[n]) for n in saved_values)  # Adam's state came back whole
+    # Adam's state came back whole
+    assert all(torch.equal(saved_values[n], loaded_values[n]) for n in saved_values)
     for name in ("model/model.safetensors", "adapter/adapter_model.safetensors"):
         resumed, reference = load_file(out / name), load_file(whole / name)
         assert set(resumed) == set(reference)
@@ -231,7 +234,8 @@ def test_lora_trains_resumes_exactly_and_ends_merged_and_as_adapter(lora_runs, c
     for key in by_peft:
         torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
         changed += not torch.equal(merged[key], untouched[key])
-    assert changed == 4 * 7  # every targeted linear of the 4 layers moved; nothing else did
+    # every targeted linear of the 4 layers moved; nothing else did
+    assert changed == 4 * 7
 
     # The merge tool: checkpoint + base (the one adapter_config.json records, or --base-model) -> the merged model,
     # equal to peft's merge of the adapter folder it writes from the same checkpoint.
@@ -279,7 +283,8 @@ def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(lora_recipe_run
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, set_seed
 
-    monkeypatch.chdir(lora_recipe_run)  # a fresh checkout the recipe was launched in
+    # a fresh checkout the recipe was launched in
+    monkeypatch.chdir(lora_recipe_run)
 
     # the new user's code, word for word
     adapter = "runs/tiny-llama-lora/adapter"
@@ -288,7 +293,8 @@ def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(lora_recipe_run
 
     assert base == "runs/tiny-llama-lora/base_model"
     base_weights = AutoModelForCausalLM.from_pretrained(base).state_dict()
-    set_seed(42)  # the recipe's seed: the base is the config's model as the run built it, random and frozen
+    # the recipe's seed: the base is the config's model as the run built it, random and frozen
+    set_seed(42)
     built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("assets/tiny-llama")).state_dict()
     assert set(built) == set(base_weights) and all(torch.equal(built[k], base_weights[k]) for k in built)
     merged = AutoModelForCausalLM.from_pretrained("runs/tiny-llama-lora/model").state_dict()
@@ -298,7 +304,8 @@ def test_lora_recipe_on_a_fresh_checkout_names_a_base_that_loads(lora_recipe_run
     for key in by_peft:
         torch.testing.assert_close(merged[key], by_peft[key], rtol=0, atol=1e-6)
         changed += not torch.equal(merged[key], base_weights[key])
-    assert changed == 4 * 7  # every targeted linear moved; the frozen rest is the base's, bit for bit
+    # every targeted linear moved; the frozen rest is the base's, bit for bit
+    assert changed == 4 * 7
 
 
 def test_only_an_exported_adapter_folder_is_replaced(tmp_path):
@@ -330,23 +337,27 @@ def test_a_lora_base_is_saved_once_and_another_models_is_refused(tmp_path):
     from fsdp_recipes.train.modeling import lora_base, save_lora_base, use_lora_base
 
     args = ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True)
-    assert lora_base(ModelArguments(config_name=args.config_name), str(tmp_path)) is None  # no LoRA: nothing to save
+    # no LoRA: nothing to save
+    assert lora_base(ModelArguments(config_name=args.config_name), str(tmp_path)) is None
     base = lora_base(args, str(tmp_path))
     assert base == str(tmp_path / "base_model")
     torch.manual_seed(0)
     before = torch.random.get_rng_state()
     use_lora_base(args, str(tmp_path), log=lambda _: None)
-    assert torch.equal(torch.random.get_rng_state(), before)  # every rank goes on from the same RNG state
+    # every rank goes on from the same RNG state
+    assert torch.equal(torch.random.get_rng_state(), before)
     assert (args.model_name_or_path, args.config_name) == (base, None)
     saved = AutoModelForCausalLM.from_pretrained(base).state_dict()
-    assert sorted(p.name for p in (tmp_path).iterdir()) == ["base_model"]  # its staging folder is gone
+    # its staging folder is gone
+    assert sorted(p.name for p in (tmp_path).iterdir()) == ["base_model"]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in Path(base).iterdir()}
 
     said = []
     save_lora_base(
         ModelArguments(config_name=str(REPO / "assets" / "tiny-llama"), use_peft=True), base, log=said.append
     )
-    assert "saved by an earlier run of this output_dir" in said[0]  # kept, not rebuilt
+    # kept, not rebuilt
+    assert "saved by an earlier run of this output_dir" in said[0]
     again = AutoModelForCausalLM.from_pretrained(base).state_dict()
     assert all(torch.equal(saved[k], again[k]) for k in saved)
 
@@ -444,7 +455,8 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.normal_()  # a trained adapter: the merge moves the weights
+                # a trained adapter: the merge moves the weights
+                param.normal_()
     adapter = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert len(adapter) == 4 * 2 * 2
     dcp.save({"model": adapter}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
@@ -461,7 +473,8 @@ def test_an_adapter_only_checkpoint_merges_onto_its_base(tmp_path):
         "layout: 16 LoRA adapter tensors (lora_A, lora_B) and no frozen base weight"
     )
     said = []
-    merge_checkpoint(ckpt, tmp_path / "merged", log=said.append)  # the base adapter_config.json records
+    # the base adapter_config.json records
+    merge_checkpoint(ckpt, tmp_path / "merged", log=said.append)
     assert f"adapter-only LoRA checkpoint: the frozen base's weights from {base_dir}" in said
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
     assert set(merged) == set(by_peft)
@@ -525,9 +538,8 @@ def test_full_state_dict_lora_checkpoints_hold_the_adapter_and_resume_exactly(tm
     saved = torch.load(whole / "checkpoint-3" / "pytorch_model_fsdp.bin", weights_only=True)
     lora = load_file(whole / "adapter" / "adapter_model.safetensors")
     assert len(saved) == len(lora) == 4 * 7 * 2 and all(".lora_A." in n or ".lora_B." in n for n in saved)
-    assert sum(t.numel() for t in saved.values()) == sum(
-        t.numel() for t in lora.values()
-    )  # whole tensors, not a rank's rows
+    # whole tensors, not a rank's rows
+    assert sum(t.numel() for t in saved.values()) == sum(t.numel() for t in lora.values())
     said = runs("resumed")
     assert f"resuming from {whole / 'checkpoint-3'}" in said.stdout + said.stderr
     # the base the checkpoint was trained on, built again (a copy of the folder stood for it)
@@ -549,7 +561,8 @@ def test_a_bf16_lora_run_ends_on_peft_s_merge_of_its_adapter(lora_runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    out, base = lora_runs(CONFIGS[0], "bf16")  # its base: the tiny Llama in bf16
+    # its base: the tiny Llama in bf16
+    out, base = lora_runs(CONFIGS[0], "bf16")
     final = load_file(out / "model" / "model.safetensors")
     by_peft = (
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), out / "adapter")
@@ -557,9 +570,8 @@ def test_a_bf16_lora_run_ends_on_peft_s_merge_of_its_adapter(lora_runs):
         .state_dict()
     )
     trained = [k for k in final if "q_proj" in k]
-    assert trained and any(
-        not torch.equal(final[k], load_file(base / "model.safetensors")[k]) for k in trained
-    )  # the adapter moved them
+    # the adapter moved them
+    assert trained and any(not torch.equal(final[k], load_file(base / "model.safetensors")[k]) for k in trained)
     for key in final:
         assert final[key].dtype == torch.bfloat16 and torch.equal(final[key], by_peft[key]), key
 
@@ -578,7 +590,8 @@ def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(lora_
     from fsdp_recipes.ckpt.merge import merge_checkpoint
     from fsdp_recipes.ckpt.model_match import model_mismatch, omittable_names
 
-    out, base = lora_runs(config, "tied")  # its base: the tiny Llama with tied embeddings
+    # its base: the tiny Llama with tied embeddings
+    out, base = lora_runs(config, "tied")
     names = adapter_only_layout(out / "checkpoint-2" / "pytorch_model_fsdp_0")
     assert names and all("lora_" in n for n in names), sorted(n for n in names if "lora_" not in n)
     assert "no frozen base weight" in inspect_checkpoint(out / "checkpoint-2")["layout"]
@@ -588,7 +601,8 @@ def test_a_tied_model_s_lora_checkpoint_holds_the_adapter_alone_and_merges(lora_
     assert model_mismatch(out / "checkpoint-2", shapes, omittable_names(lora)) is None
     merge_checkpoint(out / "checkpoint-2", tmp_path / "merged", log=lambda line: None)
     merged, final = load_file(tmp_path / "merged" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
-    assert set(merged) == set(final) and "lm_head.weight" not in final  # tied: written once
+    # tied: written once
+    assert set(merged) == set(final) and "lm_head.weight" not in final
     assert all(torch.equal(merged[k], final[k]) for k in final)
 
 
@@ -641,7 +655,8 @@ def test_a_lora_run_ends_on_its_best_checkpoint(lora_runs, config, tmp_path):
     """--load_best_model_at_end of a LoRA run loads the best checkpoint as a resume does (the Trainer's stock load asks
     peft for adapter names our adapter-only checkpoints do not keep): the run's model/ and adapter/ are the merge of
     that checkpoint exactly, on each FSDP version, the best checkpoint not the last."""
-    out, _ = lora_runs(config, "best")  # its base: the session's trained run
+    # its base: the session's trained run
+    out, _ = lora_runs(config, "best")
     state = read_json(out / "trainer_state.json")
     best = Path(state["best_model_checkpoint"])
     assert best.parent == out and best.name != "checkpoint-6", best
@@ -672,9 +687,11 @@ def test_a_lora_run_records_its_base_and_a_resume_on_another_base_is_refused(lor
     ), said.refusal
     assert "model.layers.1.self_attn.o_proj.weight" in said.refusal and not (out / "checkpoint-6").exists()
 
-    out, said = refused("rebuilt")  # a new base gets built, from another seed: not the checkpoints'
+    # a new base gets built, from another seed: not the checkpoints'
+    out, said = refused("rebuilt")
     assert f"is not the one {out / 'checkpoint-4'} was trained on" in said.refusal, said.refusal
-    assert "30 of 39 weight(s) hold other values" in said.refusal  # the norms are ones in both
+    # the norms are ones in both
+    assert "30 of 39 weight(s) hold other values" in said.refusal
     assert not (out / "checkpoint-6").exists()
 
 

@@ -17,7 +17,8 @@ from fsdp_recipes.ckpt.merge import merge_checkpoint
 
 pytestmark = pytest.mark.slow
 
-FAKE_SLURM = REPO / "tests" / "helpers" / "fake_slurm"  # srun, running each "node" as a local process
+# srun, running each "node" as a local process
+FAKE_SLURM = REPO / "tests" / "helpers" / "fake_slurm"
 
 
 def run_nodes(commands: list[list[str]], cwd: Path, env: dict | None = None) -> list[str]:
@@ -43,10 +44,10 @@ def assert_same_weights(model: Path, reference: Path) -> None:
 def assert_sharded(report: dict, world: int, shard_group: int, wrapper: str) -> None:
     assert report["world_size"] == world and report["distributed_type"] == "FSDP"
     total = report["total_param_elements"]
-    assert sum(rank["local_param_elements"] for rank in report["ranks"]) == total * (
-        world // shard_group
-    )  # once per replica
-    for rank in report["ranks"]:  # 1/shard_group each, give or take the 474 embedding rows split 119/119/118/118
+    # once per replica
+    assert sum(rank["local_param_elements"] for rank in report["ranks"]) == total * (world // shard_group)
+    # 1/shard_group each, give or take the 474 embedding rows split 119/119/118/118
+    for rank in report["ranks"]:
         assert rank["wrapper"] == wrapper and abs(rank["local_param_elements"] * shard_group - total) < 0.01 * total, (
             rank
         )
@@ -69,7 +70,8 @@ def test_sbatch_file_as_shipped_on_two_fake_nodes(trained, tmp_path):
     SLURM's GPU count (SLURM_GPUS_PER_NODE "cpu:1", typed as SLURM writes it), zero3 sharded over both, one log per
     node; the final model equals the same run on one machine, and the checkpoint both nodes wrote into one folder
     merges into it. (More processes per node through the same launch_node.sh: the hybrid test below.)"""
-    repo = tmp_path / "repo"  # the batch file writes logs/ where it is submitted from: a copy of the repository
+    # the batch file writes logs/ where it is submitted from: a copy of the repository
+    repo = tmp_path / "repo"
     shutil.copytree(
         REPO, repo, ignore=shutil.ignore_patterns(".git", "runs", "logs", "__pycache__", "*.egg-info", ".pytest_cache")
     )
@@ -92,9 +94,8 @@ def test_sbatch_file_as_shipped_on_two_fake_nodes(trained, tmp_path):
     assert_sharded(read_json(shared / "fsdp_report.json"), world=2, shard_group=2, wrapper="FSDP2")
     shards = shared / "checkpoint-12" / "pytorch_model_fsdp_0"
     assert sorted(p.name for p in shards.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(2)]
-    assert_same_weights(
-        shared / "model", trained("accelerate_configs/zero3.yaml").model_dir
-    )  # the session's one-machine run
+    # the session's one-machine run
+    assert_same_weights(shared / "model", trained("accelerate_configs/zero3.yaml").model_dir)
     merged = tmp_path / "merged"
     merge_checkpoint(shared / "checkpoint-12", merged, log=lambda *_: None)
     assert_same_weights(merged, shared / "model")
@@ -107,9 +108,8 @@ def test_hybrid_shard_shards_inside_each_node(trained, tmp_path):
     cmd = ["bash", str(REPO / "tools" / "slurm" / "launch_node.sh"), config, *QUICK, "--output_dir", str(shared)]
     run_nodes([["env", f"SLURM_NODEID={n}", *cmd] for n in (0, 1)], cwd=REPO, env=slurm_env(2, 2))
     assert_sharded(read_json(shared / "fsdp_report.json"), world=4, shard_group=2, wrapper="FSDP2")
-    assert_same_weights(
-        shared / "model", trained(config).model_dir
-    )  # the session's one-machine run of the same 2 x 2 mesh
+    # the session's one-machine run of the same 2 x 2 mesh
+    assert_same_weights(shared / "model", trained(config).model_dir)
 
 
 def test_fsdp1_on_two_nodes_by_hand(trained, tmp_path):

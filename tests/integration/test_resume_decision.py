@@ -54,13 +54,15 @@ def test_ranks_that_see_another_newest_checkpoint_stop_alike(trained, tmp_path):
         f"as the newest checkpoint, rank 1 ({HOST}) sees checkpoint-6: "
     ) in errors[0], errors[0]
     assert "nothing was moved or deleted" in errors[0] and "skipping checkpoint-18" not in proc.stderr
-    assert (tree(node0), tree(node1)) == before  # no set-aside, no lock, no run_args.json
+    # no set-aside, no lock, no run_args.json
+    assert (tree(node0), tree(node1)) == before
 
     rank0 = Counter(Path(p).relative_to(node0 / "run").as_posix() for p in (loads / "rank0.txt").read_text().split())
     assert {p: n for p, n in rank0.items() if "rng_state" in p} == {
         f"checkpoint-{step}/rng_state_{rank}.pth": 1 for step in (18, 12) for rank in (0, 1)
     }, rank0
-    assert not (loads / "rank1.txt").exists()  # rank 1 loaded nothing
+    # rank 1 loaded nothing
+    assert not (loads / "rank1.txt").exists()
 
 
 def test_a_resume_loads_each_rank_rng_state_once_to_check_and_once_to_use(trained, tmp_path):

@@ -42,7 +42,8 @@ def refused(trained, tmp_path_factory):
     launch (tests/helpers/launch_sequence.py), each of its own copy. Each refusal must be the same one-line error on
     every rank; its folder is read after the launch."""
     root = tmp_path_factory.mktemp("refused")
-    other = root / "other-heads"  # half the heads of twice the size (every weight shape the same), gelu
+    # half the heads of twice the size (every weight shape the same), gelu
+    other = root / "other-heads"
     config = json.loads((TINY / "config.json").read_text())
     heads = config["num_attention_heads"] // 2
     changes = {
@@ -134,12 +135,15 @@ def test_a_bf16_models_resume_under_mixed_precision_is_not_refused(zero3_runs):
     other runs; the resume ended normally, or zero3_runs would have failed the test with its error."""
     from fsdp_recipes.ckpt.dcp_pickles import read_layout
 
-    trained_bf16, _ = zero3_runs("bf16")  # quick(max_steps="2", save_steps="2") with BF16's flags
+    # quick(max_steps="2", save_steps="2") with BF16's flags
+    trained_bf16, _ = zero3_runs("bf16")
     # the resume writes into its own folder: the checkpoint it read is still as the run left it
     weights = read_layout(trained_bf16 / "checkpoint-2" / "pytorch_model_fsdp_0").tensors.values()
     assert {t.dtype for t in weights} == {"float32"}
-    run, said = zero3_runs("bf16-resumed")  # quick(max_steps="4", save_steps="2"), the same flags
-    assert f"resuming from {trained_bf16 / 'checkpoint-2'}" in said.stdout  # past the checks before the first step
+    # quick(max_steps="4", save_steps="2"), the same flags
+    run, said = zero3_runs("bf16-resumed")
+    # past the checks before the first step
+    assert f"resuming from {trained_bf16 / 'checkpoint-2'}" in said.stdout
     assert (run / "checkpoint-4").is_dir() and (run / "model").is_dir()
 
 
@@ -189,9 +193,11 @@ def test_fsdp1_full_state_dict_resumes_exactly_or_not_at_all(tmp_path):
     assert "writes checkpoints that do not resume exactly" in done.stdout + done.stderr
     assert (
         sorted(p.name for p in lora.glob("checkpoint-*")) == ["checkpoint-3"]
-        and "not a checkpoint holding nothing else" not in done.launch_output  # every rank's output, both runs
+        # every rank's output, both runs
+        and "not a checkpoint holding nothing else" not in done.launch_output
     )
-    assert (lora / "checkpoint-3" / "README.md").is_file()  # peft's model card: the reason it is a checkpoint's file
+    # peft's model card: the reason it is a checkpoint's file
+    assert (lora / "checkpoint-3" / "README.md").is_file()
     refused = runs("refused", refused=True).refusal
     assert "FSDP1 with fsdp_use_orig_params: true does not resume exactly" in refused, refused
     assert "SHARDED_STATE_DICT" in refused and not (lora / "checkpoint-4").exists()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from conftest import FAULT_SCRIPT, QUICK, launch
 
-pytestmark = pytest.mark.slow  # a real launch, killed
+# a real launch, killed
+pytestmark = pytest.mark.slow
 
 ZERO3 = "accelerate_configs/zero3.yaml"
 
@@ -25,8 +26,10 @@ def test_a_kill_during_the_stops_write_was_announced_and_the_resume_passes_over_
         str(out),
         script=FAULT_SCRIPT,
         env={
-            "FSDP_FAULT": "0:sigterm:8",  # SIGTERM to the launcher and every rank, as SLURM sends it
-            "FSDP_SLOW_SAVE": "9:120",  # the stop's checkpoint: its write outlasts the grace
+            # SIGTERM to the launcher and every rank, as SLURM sends it
+            "FSDP_FAULT": "0:sigterm:8",
+            # the stop's checkpoint: its write outlasts the grace
+            "FSDP_SLOW_SAVE": "9:120",
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10",
         },
         check=False,
@@ -40,5 +43,6 @@ def test_a_kill_during_the_stops_write_was_announced_and_the_resume_passes_over_
         "left incomplete and a resume starts from checkpoint-6" in said
     ), said[-3000:]
     assert (out / "checkpoint-9").is_dir() and not (out / "checkpoint-9" / "trainer_state.json").exists()
-    chosen, passed_over = newest_resumable(out)  # what --resume_from_checkpoint true takes
+    # what --resume_from_checkpoint true takes
+    chosen, passed_over = newest_resumable(out)
     assert chosen.path.endswith("checkpoint-6") and [s.path for s in passed_over] == [str(out / "checkpoint-9")]

@@ -29,9 +29,11 @@ def test_really_fsdp_and_sharded(trained, config):
     assert report["fsdp_version"] == run.fsdp_version
     assert report["world_size"] == run.world_size == len(report["ranks"])
     total = report["total_param_elements"]
-    assert total > 200_000  # the whole tiny model, not an empty or partial count
+    # the whole tiny model, not an empty or partial count
+    assert total > 200_000
     for rank in report["ranks"]:
-        assert rank["wrapper"] == f"FSDP{run.fsdp_version}" and rank["compiled_modules"] == 0  # eager
+        # eager
+        assert rank["wrapper"] == f"FSDP{run.fsdp_version}" and rank["compiled_modules"] == 0
         # exact: every weight dimension of the tiny model divides evenly by 2
         assert rank["local_param_elements"] * run.shard_group == total, rank
 
@@ -57,7 +59,8 @@ def check_precision_and_wrapping(run, forced: bool) -> None:
     mixed = yaml.safe_load((REPO / run.config).read_text())["mixed_precision"]
     layers = read_json(run.model_dir / "config.json")["num_hidden_layers"]
     units = run.report["wrapped_units"]
-    assert units["LlamaDecoderLayer"] == layers and units["LlamaForCausalLM"] == 1  # the wrap class, and the root
+    # the wrap class, and the root
+    assert units["LlamaDecoderLayer"] == layers and units["LlamaForCausalLM"] == 1
     # FSDP2 (accelerate's fsdp2_prepare_model) also makes the embeddings, the LM head and the final norm units
     assert set(units) - {"LlamaDecoderLayer", "LlamaForCausalLM"} == (
         {"Embedding", "Linear", "LlamaRMSNorm"} if run.fsdp_version == 2 else set()
@@ -181,7 +184,8 @@ def test_chat_sft_from_local_folder(zero3_runs):
     test_data.py proves no token attends across conversations): trains under FSDP2 and loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = zero3_runs("chat")  # over the session's trained zero3.yaml run
+    # over the session's trained zero3.yaml run
+    out = zero3_runs("chat")
     assert read_json(out / "run_args.json")["data"]["packing"] == "padding_free"
     losses = logged_losses(out)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
@@ -199,8 +203,10 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(zero3_runs):
     from matplotlib.image import imread
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = zero3_runs("evaluation")  # the sequence's first run
-    dumps = out.parent / "eval"  # FSDP_DUMP_EVAL's folder
+    # the sequence's first run
+    out = zero3_runs("evaluation")
+    # FSDP_DUMP_EVAL's folder
+    dumps = out.parent / "eval"
     final = read_json(out / "eval_results.json")
     assert math.isclose(final["eval_perplexity"], math.exp(final["eval_loss"]), rel_tol=1e-9)
     for step in (6, 12):
@@ -209,12 +215,14 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(zero3_runs):
             (ranks[0]["eval_loss"], ranks[0]["eval_perplexity"])
         ] * 2
     history = read_json(out / "trainer_state.json")["log_history"]
-    assert [e["step"] for e in history if "eval_loss" in e] == [6, 12, 12]  # eval_steps, and the final evaluation
+    # eval_steps, and the final evaluation
+    assert [e["step"] for e in history if "eval_loss" in e] == [6, 12, 12]
 
     train_logs = [e for e in history if "loss" in e]
     assert len(train_logs) == 6
     for entry in train_logs:
-        assert entry["tokens_per_second"] > 0 and "mfu" not in entry  # no MFU on CPU
+        # no MFU on CPU
+        assert entry["tokens_per_second"] > 0 and "mfu" not in entry
         assert math.isclose(entry["tokens_per_second"], 2 * entry["tokens_per_second_per_device"], rel_tol=1e-3)
     args, metrics = read_json(out / "run_args.json")["training"], read_json(out / "train_results.json")
     block_size = read_json(out / "run_args.json")["data"]["block_size"]
@@ -237,7 +245,8 @@ def test_evaluation_throughput_loss_plot_and_tensorboard(zero3_runs):
     assert summary["steps"] == [3, 4] and 0 < summary["all_gather_share"] <= summary["communication_share"] <= 1
     assert 0 <= summary["overlapped_share"] <= 1
 
-    scalars: dict[str, list] = {}  # the final evaluation, after training ended, opens a second event file
+    # the final evaluation, after training ended, opens a second event file
+    scalars: dict[str, list] = {}
     for events in (out / "runs").rglob("events.out.tfevents.*"):
         accumulator = EventAccumulator(str(events)).Reload()
         for tag in accumulator.Tags()["scalars"]:
@@ -259,7 +268,8 @@ def test_gpt2_with_tied_embeddings(gpt2_run):
     losses = logged_losses(out)
     assert losses[-1] < losses[0], losses
     saved = load_file(out / "model" / "model.safetensors")
-    assert "lm_head.weight" not in saved and "transformer.wte.weight" in saved  # tied: written once
+    # tied: written once
+    assert "lm_head.weight" not in saved and "transformer.wte.weight" in saved
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     assert torch.equal(model.transformer.wte.weight, saved["transformer.wte.weight"])

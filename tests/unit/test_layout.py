@@ -26,7 +26,8 @@ LIBRARIES = (
     "numpy",
     "tokenizers",
 )
-SIZE_LIMIT = 450  # lines: no module of the package is longer
+# lines: no module of the package is longer
+SIZE_LIMIT = 450
 
 
 def oversize(root: Path) -> dict[str, int]:
@@ -53,11 +54,12 @@ def _type_checking_only(node, parents) -> bool:
     return False
 
 
+# importlib.import_module("x"), __import__("x"), runpy.run_module("x")
 DYNAMIC = (
     "import_module",
     "__import__",
     "run_module",
-)  # importlib.import_module("x"), __import__("x"), runpy.run_module("x")
+)
 
 
 def imports(path: Path, known: dict[str, Path], own: str) -> dict[str, int]:
@@ -84,12 +86,14 @@ def imports(path: Path, known: dict[str, Path], own: str) -> dict[str, int]:
                 targets = [a.name for a in node.names]
             else:
                 base = node.module or ""
-                if node.level:  # relative: from the importing module's package
+                # relative: from the importing module's package
+                if node.level:
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
             for target in targets:
-                while target and target not in known:  # `import fsdp_recipes.ckpt.layout.x` style attribute paths
+                # `import fsdp_recipes.ckpt.layout.x` style attribute paths
+                while target and target not in known:
                     target = target.rpartition(".")[0]
                 if target and target != own:
                     found.setdefault(target, node.lineno)
@@ -125,7 +129,8 @@ def rule_breaks(root: Path) -> list[str]:
             continue
         for target, line in imports(path, known, module).items():
             inside = target == package or target.startswith(package + ".")
-            if package == PACKAGE:  # a shared top-level module: only what its rule names
+            # a shared top-level module: only what its rule names
+            if package == PACKAGE:
                 inside = False
             if not inside and not any(target == m or target.startswith(m + ".") for m in may):
                 breaks.append(f"{path.relative_to(root)}:{line} imports {target} (its rule: {', '.join(may)})")
@@ -140,7 +145,8 @@ def cycles(root: Path) -> list[list[str]]:
     stack: list[str] = []
     found = []
 
-    def connect(v):  # Tarjan: a strongly connected set of more than one module is a cycle
+    # Tarjan: a strongly connected set of more than one module is a cycle
+    def connect(v):
         index[v] = low[v] = len(index)
         stack.append(v)
         for w in graph[v]:
@@ -216,7 +222,8 @@ def test_only_compat_patches_other_libraries():
     files = [p for p in (REPO / PACKAGE).rglob("*.py") if "compat" not in p.parts]
     files += [REPO / "train_fsdp.py", *(REPO / "tools").glob("*.py")]
     assert [hit for f in files for hit in patches(f)] == []
-    assert len([hit for f in (REPO / PACKAGE / "compat").glob("*.py") for hit in patches(f)]) >= 3  # it sees them
+    # it sees them
+    assert len([hit for f in (REPO / PACKAGE / "compat").glob("*.py") for hit in patches(f)]) >= 3
 
 
 def test_checkpoint_toolkit_imports_no_torch_or_transformers():
@@ -273,14 +280,16 @@ BASE = {
 }
 
 
+# lazy counts
 @pytest.mark.parametrize(
     "bad, expected",
     [
         (
             "def f():\n    from fsdp_recipes.train import loop\n",
             "ckpt/layout.py:2 imports fsdp_recipes.train.loop",
-        ),  # lazy counts
-        ("from ..train.loop import x\n", "ckpt/layout.py:1 imports fsdp_recipes.train.loop"),  # relative
+        ),
+        # relative
+        ("from ..train.loop import x\n", "ckpt/layout.py:1 imports fsdp_recipes.train.loop"),
         ("import fsdp_recipes.train.loop\n", "ckpt/layout.py:1 imports fsdp_recipes.train.loop"),
         (
             "import importlib\nimportlib.import_module('fsdp_recipes.train.loop')\n",

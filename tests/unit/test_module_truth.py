@@ -55,7 +55,8 @@ def _tested(node: ast.AST) -> list[ast.AST]:
         tested = list(node.args)
     else:
         return []
-    for expr in tested:  # `if a or b:` tests b as well
+    # `if a or b:` tests b as well
+    for expr in tested:
         if isinstance(expr, ast.BoolOp):
             tested.append(expr.values[-1])
     return tested
@@ -64,7 +65,8 @@ def _tested(node: ast.AST) -> list[ast.AST]:
 def _scalar_annotation(annotation: ast.AST | None) -> bool:
     if annotation is None:
         return False
-    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):  # a quoted one: "str | None"
+    # a quoted one: "str | None"
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
         annotation = ast.parse(annotation.value, mode="eval").body
     names = {n.id for n in ast.walk(annotation) if isinstance(n, ast.Name)} | {
         n.attr for n in ast.walk(annotation) if isinstance(n, ast.Attribute)

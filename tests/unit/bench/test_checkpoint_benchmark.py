@@ -13,13 +13,18 @@ from bench.checkpoint_benchmark import first_and_later, queued, ranks_label, spl
 @pytest.mark.parametrize(
     "write, step, save_steps, need",
     [
-        (1.8, 0.02, 2, 90),  # the H200 run of bench/results/h200/checkpoint-stall-2: 0.04 s of training per 1.8 s write
+        # the H200 run of bench/results/h200/checkpoint-stall-2: 0.04 s of training per 1.8 s write
+        (1.8, 0.02, 2, 90),
         (2.0, 1.0, 1, 2),
         (2.1, 1.0, 1, 3),
-        (0.5, 0.02, 100, None),  # 2 s of training per save: the write overlaps it
-        (2.0, 1.0, 2, None),  # exactly as long: nothing waits
-        (None, 0.02, 2, None),  # no background write logged
-        (2.0, 0.0, 2, None),  # no step time to judge by
+        # 2 s of training per save: the write overlaps it
+        (0.5, 0.02, 100, None),
+        # exactly as long: nothing waits
+        (2.0, 1.0, 2, None),
+        # no background write logged
+        (None, 0.02, 2, None),
+        # no step time to judge by
+        (2.0, 0.0, 2, None),
     ],
 )
 def test_a_write_from_a_host_copy_longer_than_the_training_between_saves_is_named(write, step, save_steps, need):
@@ -31,9 +36,8 @@ def test_a_write_from_a_host_copy_longer_than_the_training_between_saves_is_name
             f"outlasts the training between saves ({step * save_steps:.2f} s)" in note
             and f"--save-steps {need} or more" in note
         )
-        assert (
-            queued(write, step, need) is None and queued(write, step, need - 1) is not None
-        )  # the least that leaves room
+        # the least that leaves room
+        assert queued(write, step, need) is None and queued(write, step, need - 1) is not None
 
 
 @pytest.mark.parametrize(
@@ -99,17 +103,18 @@ def test_each_saves_stall_is_found_in_generated_step_times(seed):
     warmup, k, saves = rng.randint(0, 4), rng.choice([1, 2, 3, 5, 100]), rng.randint(1, 7)
     steps = saves * k + warmup
     plain = [rng.uniform(0.01, 0.05) for _ in range(steps)]
-    paid = {m: rng.uniform(0.0, 3.0) for m in range(1, steps // k + 1)}  # the Trainer saves at every multiple of k
+    # the Trainer saves at every multiple of k
+    paid = {m: rng.uniform(0.0, 3.0) for m in range(1, steps // k + 1)}
     with_saves = list(plain)
     for m, stall in paid.items():
-        if m * k < steps:  # step m*k+1 holds save m; a save after the last step is after the last step time
+        # step m*k+1 holds save m; a save after the last step is after the last step time
+        if m * k < steps:
             with_saves[m * k] += stall
     ends = lambda durations: [sum(durations[: i + 1]) for i in range(steps)]  # noqa: E731
     a = argparse.Namespace(warmup=warmup, save_steps=k)
     found = stall_of_each_save({"step_end": ends(with_saves)}, {"step_end": ends(plain)}, a)
-    measurable = {
-        m: v for m, v in paid.items() if warmup < m * k < steps
-    }  # the step holding it (m*k+1) is timed after the warm-up
+    # the step holding it (m*k+1) is timed after the warm-up
+    measurable = {m: v for m, v in paid.items() if warmup < m * k < steps}
     assert found.keys() == measurable.keys()
     for m, stall in measurable.items():
         assert found[m] == pytest.approx(stall, abs=1e-9)

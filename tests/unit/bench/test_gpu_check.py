@@ -104,7 +104,8 @@ ROW = {
         ({"mfu": 0.9}, ["MFU"]),
         ({"mfu": 0.01}, ["MFU"]),
         ({"mfu": None}, ["MFU"]),
-        ({"offload": True, "mfu": 0.011}, []),  # the host's Adam bounds offload (an H200 with 16 host cores: 1.1%)
+        # the host's Adam bounds offload (an H200 with 16 host cores: 1.1%)
+        ({"offload": True, "mfu": 0.011}, []),
         ({"offload": True, "mfu": 0.001}, ["MFU"]),
         ({"offload": True, "mfu": 0.9}, ["MFU"]),
         ({"merge_equal": False}, ["merged checkpoint loads with the final weights"]),
@@ -114,20 +115,23 @@ ROW = {
 def test_config_checks_fail_when_a_number_is_off(change, failing):
     checks = gpu_check.config_checks({**ROW, **change})
     assert sorted(c["check"].split(": ", 1)[1] for c in checks if not c["passed"]) == sorted(failing)
-    assert len(checks) == 3 + ("merge_equal" in change) - bool(
-        change.get("offload")
-    )  # offload's states are in host memory
+    # offload's states are in host memory
+    assert len(checks) == 3 + ("merge_equal" in change) - bool(change.get("offload"))
 
 
 @pytest.mark.parametrize(
     "offload, on_gpu, in_place, staged, failing",
     [
         (True, True, 2, 0, []),
-        (True, True, 1, 0, ["background saves written in place"]),  # one save copied the offloaded shards
+        # one save copied the offloaded shards
+        (True, True, 1, 0, ["background saves written in place"]),
         (True, True, 2, 4096, ["host copy bytes of in-place saves"]),
-        (False, True, 0, 4096, []),  # GPU shards: a host copy
-        (False, True, 2, 0, ["background saves written from a host copy"]),  # GPU tensors handed to a thread live: torn
-        (False, False, 2, 0, []),  # the CPU run of this check: host shards
+        # GPU shards: a host copy
+        (False, True, 0, 4096, []),
+        # GPU tensors handed to a thread live: torn
+        (False, True, 2, 0, ["background saves written from a host copy"]),
+        # the CPU run of this check: host shards
+        (False, False, 2, 0, []),
     ],
 )
 def test_background_saves_must_stage_as_the_shards_live(offload, on_gpu, in_place, staged, failing):
@@ -142,7 +146,8 @@ def test_background_saves_must_stage_as_the_shards_live(offload, on_gpu, in_plac
     no_saves = gpu_check.staging_checks(
         {"config": "c", "offload": offload, "checkpoint_writes": {"mode": "background", "saves": 0}}, on_gpu
     )
-    assert not no_saves[0]["passed"]  # nothing saved proves nothing
+    # nothing saved proves nothing
+    assert not no_saves[0]["passed"]
 
 
 def test_offload_must_lower_the_peak():
@@ -155,7 +160,8 @@ def test_offload_must_lower_the_peak():
     rows["accelerate_configs/zero3_offload.yaml"]["peak_allocated"] = 100
     assert not gpu_check.offload_checks(rows)[0]["passed"]
     del rows["accelerate_configs/zero3_offload.yaml"]["peak_allocated"]
-    assert not gpu_check.offload_checks(rows)[0]["passed"]  # a run that failed proves nothing: not a pass
+    # a run that failed proves nothing: not a pass
+    assert not gpu_check.offload_checks(rows)[0]["passed"]
     # a visit that ran only one of the pair (--runs) compares nothing rather than failing a comparison it never made
     assert gpu_check.offload_checks({"accelerate_configs/zero3_offload.yaml": {"peak_allocated": 60}}) == []
     assert gpu_check.offload_checks({"accelerate_configs/zero3.yaml": {"peak_allocated": 60}}) == []
@@ -163,9 +169,8 @@ def test_offload_must_lower_the_peak():
         "accelerate_configs/zero3.yaml": {"peak_allocated": 100},
         "accelerate_configs/zero3_offload.yaml": {"error": "not run: budget"},
     }
-    assert (
-        gpu_check.offload_checks(skipped) == []
-    )  # its "ran" check fails; a comparison never made is not a second failure
+    # its "ran" check fails; a comparison never made is not a second failure
+    assert gpu_check.offload_checks(skipped) == []
 
 
 def test_the_report_shows_every_run_and_every_verdict():
@@ -190,7 +195,8 @@ def test_the_report_places_the_peak_in_the_phase_it_was_reached():
 
     gib = 2**30
     phases = {}
-    for i, phase in enumerate(CUDA_PHASES):  # peak so far i+1 GiB, held (i+1)/4 GiB
+    # peak so far i+1 GiB, held (i+1)/4 GiB
+    for i, phase in enumerate(CUDA_PHASES):
         peak, held = phase_keys(phase)
         phases[peak], phases[held] = (i + 1) * gib, (i + 1) * gib // 4
     rows = [{**ROW, "phases": phases, "peak_allocated": 7 * gib}, {**ROW, "config": "no phases (a CPU run)"}]
@@ -258,7 +264,8 @@ def test_the_wheel_list_is_what_the_download_script_reads():
     assert proc.returncode == 0 and proc.stdout.split() == gpu_check.wheel_list()
     script = (REPO / "bench" / "gpu_wheels.sh").read_text()
     assert "gpu_check.py --wheel-list" in script and "--no-deps" in script and "--python-version 3.12" in script
-    assert json.dumps(gpu_check.wheel_list())  # plain strings
+    # plain strings
+    assert json.dumps(gpu_check.wheel_list())
 
 
 @pytest.mark.slow
@@ -276,7 +283,8 @@ def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "SEQ", 64)
     monkeypatch.setattr(gpu_check, "RUN_SECONDS", 1)
     monkeypatch.setattr(gpu_check, "PROCESSES", 2)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the work folder main() removes: under tmp_path here
+    # the work folder main() removes: under tmp_path here
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     run = gpu_check.Check(tmp_path / "out", budget=900)
     assert run.work.parent == tmp_path
     gpu_check.make_work(run)
@@ -289,21 +297,24 @@ def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
     assert zero3["wrapper"] == "FSDP2" and zero3["tokens_per_second"] > 0 and zero3["states_bytes"] > 0
     assert zero3["estimate_states"] > 0 and zero3["merge_equal"] is True and zero3["profile"]["steps"] == [1, 2]
     assert rows["accelerate_configs/zero3_offload.yaml"]["offload"] is True
+    # on CUDA it says what its peak holds
     assert rows["accelerate_configs/zero3_offload.yaml"]["profile"]["steps"] == [
         1,
         1,
-    ]  # on CUDA it says what its peak holds
+    ]
     assert "error" not in rows["LoRA (zero3)"] and rows["QLoRA (zero3)"]["error"].startswith(
         "not run: bitsandbytes is not installed"
     )
     verdicts = {c["check"]: c["passed"] for c in run.checks}
     assert verdicts["accelerate_configs/zero3.yaml: merged checkpoint loads with the final weights"] is True
-    assert verdicts["accelerate_configs/zero3.yaml: model states / formula"] is True  # the formula holds on CPU too
+    # the formula holds on CPU too
+    assert verdicts["accelerate_configs/zero3.yaml: model states / formula"] is True
     assert verdicts["accelerate_configs/zero3.yaml: MFU"] is False and verdicts["LoRA: ran"] is True
+    # CPU: host shards, in place
     for config in (
         "accelerate_configs/zero3.yaml",
         "accelerate_configs/zero3_offload.yaml",
-    ):  # CPU: host shards, in place
+    ):
         assert verdicts[f"{config}: background saves written in place"] is True, rows[config]["checkpoint_writes"]
     report = (tmp_path / "out" / "report.md").read_text()
     assert report.count("| accelerate_configs/zero3.yaml |") == 1 and "| LoRA (zero3) |" in report
@@ -313,7 +324,8 @@ def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
         "report.md",
         "results.json",
     ]
-    assert not list(run.work.glob("accelerate*"))  # each run's GBs removed once its numbers are read
+    # each run's GBs removed once its numbers are read
+    assert not list(run.work.glob("accelerate*"))
 
 
 @pytest.mark.parametrize("kind", ["file", "non-empty folder", "link"])
@@ -341,7 +353,8 @@ def test_an_output_that_is_not_a_new_or_empty_folder_is_refused_in_one_line(tmp_
     assert (
         (out.read_text() == "mine") if kind == "file" else sorted(p.name for p in out.iterdir()) in ([], ["notes.txt"])
     )
-    assert sorted(p.name for p in Path(tempfile.gettempdir()).glob("gpu-check-*")) == before  # no work folder left
+    # no work folder left
+    assert sorted(p.name for p in Path(tempfile.gettempdir()).glob("gpu-check-*")) == before
 
 
 @pytest.mark.parametrize("runs, named", [("zero3", "'zero3'"), ("qlora,lora,typo", "'typo'"), (" , ", "'(none)'")])
@@ -407,7 +420,8 @@ def test_a_command_gets_the_interrupt_even_when_the_check_runs_with_sigint_ignor
     assert proc.returncode == 124 and "interrupted" in proc.stdout, proc
 
 
-@pytest.mark.slow  # 7 s waiting out a deadline: the full tier keeps the quick one under 3 minutes
+# 7 s waiting out a deadline: the full tier keeps the quick one under 3 minutes
+@pytest.mark.slow
 def test_a_command_at_its_deadline_is_interrupted_and_says_what_it_has(tmp_path, monkeypatch):
     """pytest killed at the budget left "FFFFFFsFF" and no reason; interrupted (SIGINT), it prints its failures. The
     command here stands for pytest: on the interrupt it prints its summary."""
@@ -473,9 +487,11 @@ sys.exit(1)
 @pytest.mark.parametrize(
     "pipes, launcher_sleeps, seconds",
     [
-        ("", 600, 3),  # a hung launcher, its worker holding the pipes: interrupted, then killed, worker and all
+        # a hung launcher, its worker holding the pipes: interrupted, then killed, worker and all
+        ("", 600, 3),
         (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 600, 3),
-        (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 1, 30),  # the launcher fails and leaves its worker
+        # the launcher fails and leaves its worker
+        (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 1, 30),
     ],
 )
 def test_nothing_a_command_started_outlives_it(tmp_path, monkeypatch, pipes, launcher_sleeps, seconds):
@@ -521,7 +537,8 @@ check_run.run([sys.executable, "-c", {LAUNCHER.format(pipes="", pid_file=str(pid
         while not pid_file.is_file() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
-        check.send_signal(signal.SIGINT)  # Ctrl-C
+        # Ctrl-C
+        check.send_signal(signal.SIGINT)
         assert check.wait(timeout=30) != 0
         assert _gone_soon(int(pid_file.read_text()))
     finally:
@@ -563,7 +580,8 @@ def test_the_report_places_what_was_live_at_a_profiled_peak():
     assert "12,345 allocator events" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and "GiB |" in line and "torch/x.py" in line]
     assert len(rows) == 8 and rows[0].startswith("| 9.00 GiB | 1 | torch/x.py:0 f | transformers/y.py:0 g |")
-    assert "| 2.00 GiB | | elsewhere | |" in text  # the ninth group (1 GiB) and the trace's own rest (1 GiB)
+    # the ninth group (1 GiB) and the trace's own rest (1 GiB)
+    assert "| 2.00 GiB | | elsewhere | |" in text
     assert "live at the CUDA peak" not in gpu_check.markdown([ROW], [], [])
 
 
@@ -597,7 +615,8 @@ def test_the_checkpoint_stall_is_held_to_issue_22s_target():
         and queued[1]["value"] is None
         and queued[1]["detail"].startswith("the background write")
     )
-    assert gpu_check.STALL_ARGS[gpu_check.STALL_ARGS.index("--save-steps") + 1] == "100"  # room between saves on a GPU
+    # room between saves on a GPU
+    assert gpu_check.STALL_ARGS[gpu_check.STALL_ARGS.index("--save-steps") + 1] == "100"
 
 
 def test_the_stall_rows_name_the_first_save_apart_from_the_later_ones():
@@ -615,9 +634,8 @@ def test_the_stall_rows_name_the_first_save_apart_from_the_later_ones():
 def test_stall_is_a_run_of_part_2_and_all():
     with pytest.raises(SystemExit):
         gpu_check.main(["--part", "1", "--runs", "stall", "--output", "/nonexistent-out"])
-    assert (
-        gpu_check.main(["--part", "2", "--runs", "stall", "--output", "/tmp/nonexistent-gpu-check-out"]) == 1
-    )  # no CUDA here
+    # no CUDA here
+    assert gpu_check.main(["--part", "2", "--runs", "stall", "--output", "/tmp/nonexistent-gpu-check-out"]) == 1
 
 
 def test_the_speed_model_is_llama_3_2_1b_with_its_vocabulary_and_tied_head():

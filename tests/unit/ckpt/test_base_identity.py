@@ -64,7 +64,8 @@ def edit_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **changes}))
 
 
-CHANGES = {  # name -> (edit of the base folder, what the difference names)
+# name -> (edit of the base folder, what the difference names)
+CHANGES = {
     "zeroed": (
         lambda f: rewrite_weights(f, lambda t: [v.zero_() for v in t.values()]),
         r"5 of 5 weight\(s\) hold other values",
@@ -118,7 +119,8 @@ def test_any_single_flipped_bit_is_seen(tmp_path):
     rng = random.Random(1234)
     make_base(tmp_path)
     recorded = base_identity.identity(tmp_path)
-    for _ in range(20):  # 20 places drawn at random: each a different base
+    # 20 places drawn at random: each a different base
+    for _ in range(20):
         make_base(tmp_path)
         name = flip_byte(tmp_path, rng)
         diff = base_identity.difference(recorded, base_identity.identity(tmp_path))
@@ -182,7 +184,8 @@ def test_a_record_that_is_not_one_is_refused(tmp_path, content):
     with pytest.raises(CheckpointError, match="is not a base identity record"):
         base_identity.read(tmp_path)
     (tmp_path / base_identity.BASE_IDENTITY).unlink()
-    (tmp_path / base_identity.BASE_IDENTITY).mkdir()  # a folder under its name
+    # a folder under its name
+    (tmp_path / base_identity.BASE_IDENTITY).mkdir()
     with pytest.raises(CheckpointError, match="is not a base identity record"):
         base_identity.read(tmp_path)
 
@@ -224,7 +227,8 @@ def test_a_merge_onto_another_base_than_the_recorded_one_stops_before_writing(tm
     from fsdp_recipes.ckpt.merge import merge_checkpoint
 
     base, ckpt = adapter_only_checkpoint(tmp_path)
-    merge_checkpoint(ckpt, tmp_path / "merged")  # the base adapter_config.json names, as recorded
+    # the base adapter_config.json names, as recorded
+    merge_checkpoint(ckpt, tmp_path / "merged")
     AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     rng = random.Random(7)
     for kind in ("one bit", "zeroed", "truncated"):
@@ -262,10 +266,13 @@ def test_a_merge_onto_another_base_than_the_recorded_one_stops_before_writing(tm
 
     from fsdp_recipes.ckpt.status import checkpoint_status
 
-    assert f"LoRA adapter only (base {base})" in checkpoint_status(ckpt).summary()  # what check_checkpoint.py prints
-    merge_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)  # the adapter folder keeps naming its base
+    # what check_checkpoint.py prints
+    assert f"LoRA adapter only (base {base})" in checkpoint_status(ckpt).summary()
+    # the adapter folder keeps naming its base
+    merge_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)
     assert base_identity.read(tmp_path / "adapter") == base_identity.read(ckpt)
-    (ckpt / base_identity.BASE_IDENTITY).unlink()  # a checkpoint of another tool: merged, and said it was not checked
+    # a checkpoint of another tool: merged, and said it was not checked
+    (ckpt / base_identity.BASE_IDENTITY).unlink()
     assert "LoRA adapter only (base not recorded: no base_identity.json)" in checkpoint_status(ckpt).summary()
     said = []
     merge_checkpoint(ckpt, tmp_path / "unchecked", base_model=str(tmp_path / "zeroed"), log=said.append)
@@ -283,7 +290,8 @@ def test_a_hub_base_is_found_in_the_local_cache_and_checked(tmp_path, monkeypatc
     cache = tmp_path / "hub"
     snapshot = cache / "models--someone--tiny" / "snapshots" / ("a" * 40)
     shutil.copytree(base, snapshot)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # a hub model's own tokenizer, which the merge copies
+    # a hub model's own tokenizer, which the merge copies
+    for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "assets" / "tiny-llama" / name, snapshot / name)
     (cache / "models--someone--tiny" / "refs").mkdir()
     (cache / "models--someone--tiny" / "refs" / "main").write_text("a" * 40)
@@ -292,7 +300,8 @@ def test_a_hub_base_is_found_in_the_local_cache_and_checked(tmp_path, monkeypatc
     import huggingface_hub.constants as constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: never a network try from this test
+    # read at import: never a network try from this test
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert base_identity.local_folder("someone/tiny") == snapshot
     assert base_identity.local_folder("someone/absent") is None
     said = []
@@ -317,7 +326,8 @@ def test_the_resume_check_compares_what_it_can_and_refuses_what_it_cannot(tmp_pa
     said = []
     record, problem = _base_identity(str(base), str(ckpt), said.append)
     assert problem is None and record["tensors"] == base_identity.read(ckpt)["tensors"]
-    record, problem = _base_identity(str(base), None, said.append)  # a fresh run: recorded, nothing to compare
+    # a fresh run: recorded, nothing to compare
+    record, problem = _base_identity(str(base), None, said.append)
     assert problem is None and record is not None
     make_base(base, seed=3)
     record, problem = _base_identity(str(base), str(ckpt), said.append)
@@ -329,7 +339,8 @@ def test_the_resume_check_compares_what_it_can_and_refuses_what_it_cannot(tmp_pa
     (base / "model.safetensors").rename(base / "pytorch_model.bin")
     record, problem = _base_identity(str(base), str(ckpt), said.append)
     assert record is None and "has no local safetensors weights to compare" in problem
-    (ckpt / base_identity.BASE_IDENTITY).unlink()  # an older checkpoint: nothing to compare, said once
+    # an older checkpoint: nothing to compare, said once
+    (ckpt / base_identity.BASE_IDENTITY).unlink()
     assert (
         _base_identity(str(base), str(ckpt), said.append) == (None, None)
         and "no local safetensors weights to record" in said[-1]
@@ -394,10 +405,10 @@ def test_a_base_with_tensors_from_pretrained_ignores_merges_without_them(tmp_pat
     with pytest.raises(
         CheckpointError, match=r"1 weight\(s\) it did not have \(e.g. model.layers.0.mlp.gate_proj.bias\)"
     ):
-        merge_checkpoint(
-            ckpt, tmp_path / "out-other", base_model=str(other)
-        )  # the recorded base's identity says so first
-    (ckpt / base_identity.BASE_IDENTITY).unlink()  # without that record, the model's own weights say so
+        # the recorded base's identity says so first
+        merge_checkpoint(ckpt, tmp_path / "out-other", base_model=str(other))
+    # without that record, the model's own weights say so
+    (ckpt / base_identity.BASE_IDENTITY).unlink()
     with pytest.raises(
         CheckpointError, match=r"weight\(s\) LlamaForCausalLM does not \(e.g. \S*model.layers.0.mlp.gate_proj.bias\)"
     ):
@@ -447,7 +458,6 @@ def test_only_what_transformers_drops_on_load_is_dropped(seed):
     for name in refused:
         with pytest.raises(CheckpointError, match="does not"):
             match_namespace(stored(picked + [name]), expected, tied, model_cls.__name__, ignorable)
-    with pytest.raises(
-        CheckpointError, match="does not"
-    ):  # without the rule (a caller that gives none) nothing is dropped
+    # without the rule (a caller that gives none) nothing is dropped
+    with pytest.raises(CheckpointError, match="does not"):
         match_namespace(stored(picked), expected, tied, model_cls.__name__)

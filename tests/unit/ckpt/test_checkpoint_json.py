@@ -68,7 +68,8 @@ def _timed_cli(argv: list[str], seconds: int = 60) -> int:
     "name", ["config.json", "model_description.json", "model.safetensors.index.json", "tokenizer_config.json"]
 )
 def test_any_json_beside_the_weights_merges_or_is_one_line(checkpoint, tmp_path, name, kind, capsys):
-    if name == "model.safetensors.index.json":  # a full (safetensors) checkpoint: the index names the shards
+    # a full (safetensors) checkpoint: the index names the shards
+    if name == "model.safetensors.index.json":
         full = tmp_path / "full"
         assert _timed_cli([str(checkpoint), str(full)]) == 0
         (full / "model.safetensors").rename(full / "model-00001-of-00001.safetensors")
@@ -81,7 +82,8 @@ def test_any_json_beside_the_weights_merges_or_is_one_line(checkpoint, tmp_path,
     code = _timed_cli([str(checkpoint), str(tmp_path / "out")])
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
-    if code == 0:  # the manifest is optional: without a usable one, transformers checks the weights instead
+    # the manifest is optional: without a usable one, transformers checks the weights instead
+    if code == 0:
         assert name == "model_description.json" and (tmp_path / "out" / "model.safetensors").is_file()
     else:
         lines = [line for line in captured.err.splitlines() if line.strip() and not line.startswith(("Writing", "\r"))]

@@ -34,7 +34,8 @@ class Payload:
 
 def poison_metadata(folder: Path, marker: Path) -> None:
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    metadata.planner_data = Payload(marker)  # an attribute DCP's own pickle.load restores as it comes
+    # an attribute DCP's own pickle.load restores as it comes
+    metadata.planner_data = Payload(marker)
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
@@ -51,7 +52,8 @@ def test_metadata_that_runs_code_is_refused_by_every_tool(run_dir, folder, tmp_p
     assert cli("check_checkpoint", [str(ckpt)]) == 1
     said = capsys.readouterr().out
     assert "refusing to unpickle it" in said and "posix.system" in said and len(said.strip().splitlines()) == 1, said
-    if folder == "pytorch_model_fsdp_0":  # the merge reads only the model's folder
+    # the merge reads only the model's folder
+    if folder == "pytorch_model_fsdp_0":
         for argv in (
             [str(ckpt), str(tmp_path / "out")],
             [str(ckpt), "--inspect"],
@@ -95,7 +97,8 @@ def test_tensor_record_and_full_state_dict_that_run_code(tmp_path, capsys):
     with pytest.raises(
         CheckpointError, match=r"__0_0.distcp: tensor record 'model.w' names posix.system: refusing to unpickle"
     ):
-        DCPSource(folder)  # every record is vetted before any is read
+        # every record is vetted before any is read
+        DCPSource(folder)
 
     full = tmp_path / "full"
     full.mkdir()

@@ -66,16 +66,19 @@ def test_a_nested_text_config_is_checked_too():
 
 def test_the_merge_refuses_it_at_once_and_leaves_nothing(run_dir, tmp_path, capsys):  # noqa: F811
     ckpt = run_dir / "checkpoint-12"
-    (ckpt / "model_description.json").unlink()  # as another tool's checkpoint: nothing recorded
+    # as another tool's checkpoint: nothing recorded
+    (ckpt / "model_description.json").unlink()
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
     began = time.monotonic()
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
-    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the copy's progress bar (it starts beside the check)
+    # after the copy's progress bar (it starts beside the check)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("merge_checkpoint.py: error: "), err
     assert "config.json says num_hidden_layers 1000000000" in err and "pass --base-model" in err, err
     assert time.monotonic() - began < 60 and not (tmp_path / "out").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging folder left beside it
+    # no staging folder left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 def test_every_count_of_layers_in_every_nested_config_is_checked():

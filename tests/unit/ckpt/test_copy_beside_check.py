@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 from fsdp_recipes.ckpt import merge
 
-WAIT = 15  # seconds the check waits for the copy to begin; the copy begins milliseconds after the check starts
+# seconds the check waits for the copy to begin; the copy begins milliseconds after the check starts
+WAIT = 15
 
 LLAMA = {
     "model_type": "llama",
@@ -96,4 +97,5 @@ def test_a_foreign_checkpoint_is_copied_while_transformers_checks_it(case, tmp_p
         got = {k: f.get_tensor(k) for k in f.keys()}
     assert sorted(got) == sorted(truth), case
     assert all(torch.equal(got[k], truth[k]) for k in truth), case
-    assert copies[-1] == sorted(truth) and len(copies) == copied, copies  # the checked weights, whatever was guessed
+    # the checked weights, whatever was guessed
+    assert copies[-1] == sorted(truth) and len(copies) == copied, copies

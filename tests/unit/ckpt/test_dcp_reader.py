@@ -38,7 +38,8 @@ def test_layout_and_raw_bytes_match_torch_on_real_checkpoints(trained, config):
     assert len(layout.tensors) == 39 and all(len(t.chunks) == 2 for t in layout.tensors.values())
     for stored in layout.storage.values():
         raw = raw_tensor(folder, stored)
-        assert raw is not None, stored  # the fast path is the one taken on real checkpoints
+        # the fast path is the one taken on real checkpoints
+        assert raw is not None, stored
         expected = record_tensor(folder, stored)
         with open(folder / stored.relative_path, "rb") as f:
             f.seek(raw.data_offset)
@@ -159,12 +160,14 @@ def test_records_saved_without_zip_crc_are_read_as_torch_reads_them(tmp_path, cr
         pkl = next(z for z in archive.infolist() if z.filename.endswith("data.pkl"))
         if crc:
             archive.read(pkl)
-        else:  # the case this test is for: Python's zip reader refuses the record torch reads
+        # the case this test is for: Python's zip reader refuses the record torch reads
+        else:
             with pytest.raises(Exception, match="CRC"):
                 archive.read(pkl)
     assert vet_records(tmp_path, layout) == []
     source = DCPSource(tmp_path)
-    assert all(source.copy_plan(f"model.{n}") is not None for n in state)  # the raw copy, not torch's slow path
+    # the raw copy, not torch's slow path
+    assert all(source.copy_plan(f"model.{n}") is not None for n in state)
     for name, tensor in state.items():
         [(src, offset, _, count)] = source.copy_plan(f"model.{name}")
         with open(src, "rb") as f:
@@ -173,7 +176,8 @@ def test_records_saved_without_zip_crc_are_read_as_torch_reads_them(tmp_path, cr
     loaded = {"model": {n: torch.empty_like(t) for n, t in state.items()}, "extra": dict.fromkeys(extras)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)  # torch's reader, through our guard where installed
+        # torch's reader, through our guard where installed
+        dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
     assert all(torch.equal(loaded["model"][n], t) for n, t in state.items()) and loaded["extra"] == extras
 
 
@@ -188,7 +192,8 @@ def _raw_copy_or_none(tmp_path, data: bytes):
     from fsdp_recipes.ckpt.dcp_layout import Stored
 
     path = tmp_path / "__0_0.distcp"
-    path.write_bytes(b"\x00" * 37 + data + b"\xff" * 64)  # other records before and after it, as in a .distcp file
+    # other records before and after it, as in a .distcp file
+    path.write_bytes(b"\x00" * 37 + data + b"\xff" * 64)
     raw = raw_tensor(tmp_path, Stored(path.name, 37, len(data), False))
     if raw is None:
         return None
@@ -218,7 +223,8 @@ def _hostile_variants(data: bytes) -> dict[str, bytes]:
     infos = {i.filename: i for i in zipfile.ZipFile(io.BytesIO(data)).infolist()}
     folder = next(iter(infos)).split("/")[0]
     out = {}
-    decoy = data.replace(f"{folder}/byteorder".encode(), f"{folder}/byteordeX".encode())  # a second byteorder-like name
+    # a second byteorder-like name
+    decoy = data.replace(f"{folder}/byteorder".encode(), f"{folder}/byteordeX".encode())
     out["renamed byteorder"] = decoy
     out["storage key renamed in the pickle"] = data.replace(b"X\x01\x00\x00\x000q", b"X\x01\x00\x00\x001q", 1)
     out["data member renamed"] = data.replace(f"{folder}/data/0".encode(), f"{folder}/data/1".encode())
@@ -226,7 +232,8 @@ def _hostile_variants(data: bytes) -> dict[str, bytes]:
     out["bytes prepended"] = b"PK\x03\x04junk" + data
     end = data.rfind(b"PK\x05\x06")
     out["second central directory"] = data[:end] + data[data.find(b"PK\x01\x02") : end] + data[end:]
-    directory = data.rfind(f"{folder}/data/0".encode())  # its central directory entry: the DOS "directory" attribute
+    # its central directory entry: the DOS "directory" attribute
+    directory = data.rfind(f"{folder}/data/0".encode())
     out["data member marked a directory"] = data[: directory - 8] + struct.pack("<I", 0x10) + data[directory - 4 :]
     info = infos[f"{folder}/data/0"]
     at = info.header_offset + 28
@@ -248,7 +255,8 @@ def test_a_raw_copy_is_always_the_tensor_torch_loads(tmp_path, dtype):
     assert _raw_copy_or_none(tmp_path, data) == _torch_bytes(data) is not None
     cases = _hostile_variants(data)
     rng = random.Random(0)
-    header_bytes = [i for i in range(len(data)) if data[i]]  # zip structures, names, pickle (not the zero padding)
+    # zip structures, names, pickle (not the zero padding)
+    header_bytes = [i for i in range(len(data)) if data[i]]
     for n in range(400):
         mutated = bytearray(data)
         for _ in range(rng.randint(1, 3)):
@@ -308,8 +316,10 @@ def test_records_torch_would_read_differently_or_refuse_are_never_copied_raw(tmp
     neg = _record(torch._neg_view(torch.arange(1.0, 7.0)))
     assert _torch_bytes(neg) is not None and _raw_copy_or_none(tmp_path, neg) is None
     plain = _record_with_pickle(_tensor_pickle((2, 3), (3, 1)), 6)
-    assert _raw_copy_or_none(tmp_path, plain) == _torch_bytes(plain) is not None  # the hand-made record is a good one
-    for tail in (b"N\x62", b"2", b"p0\n"):  # BUILD(None), DUP, a text PUT: a raw copy would not be torch's reading
+    # the hand-made record is a good one
+    assert _raw_copy_or_none(tmp_path, plain) == _torch_bytes(plain) is not None
+    # BUILD(None), DUP, a text PUT: a raw copy would not be torch's reading
+    for tail in (b"N\x62", b"2", b"p0\n"):
         assert _raw_copy_or_none(tmp_path, _record_with_pickle(_tensor_pickle((2, 3), (3, 1), tail), 6)) is None, tail
     many = _record_with_pickle(_tensor_pickle((1,) * 20000, (1,) * 20000), 1)
     started = time.perf_counter()

@@ -49,7 +49,7 @@ def test_torchs_reader_refuses_a_metadata_swapped_after_the_checks(tmp_path, kin
 
 @pytest.mark.parametrize("kind", [*SPECIAL, "not_json", "a_list"])
 def test_an_unreadable_run_report_is_a_warning_and_the_run_goes_on(tmp_path, kind, caplog, alarm):
-    from fsdp_recipes.train.sharding import read_run_report, update_run_report
+    from fsdp_recipes.train.run_report import read_run_report, update_run_report
 
     report = tmp_path / "fsdp_report.json"
     report.write_text(json.dumps({"world_size": 2}))
@@ -61,7 +61,8 @@ def test_an_unreadable_run_report_is_a_warning_and_the_run_goes_on(tmp_path, kin
         report.write_text('{"world_size": ' if kind == "not_json" else "[1, 2]")
     with caplog.at_level(logging.WARNING):
         assert read_run_report(report) is None
-        update_run_report(report, lambda r: r.update(export={}))  # no exception
+        # no exception
+        update_run_report(report, lambda r: r.update(export={}))
     assert "fsdp_report.json" in caplog.text and "the run goes on" in caplog.text
 
 
@@ -109,7 +110,7 @@ def test_a_chat_template_that_is_no_file_is_named_by_the_resume(tmp_path, kind, 
     "record", ["{}", '{"files": "model.safetensors"}', '{"files": [1]}', "fifo_done", "fifo_failed"]
 )
 def test_an_export_part_record_of_another_form_stops_the_wait_at_once(tmp_path, record, alarm):
-    from fsdp_recipes.train.export import wait_for_parts
+    from fsdp_recipes.train.export_parts import wait_for_parts
 
     staging = tmp_path / "staging"
     staging.mkdir()
@@ -172,7 +173,8 @@ def test_a_checkpoint_entry_that_is_no_regular_file_is_named_as_such(tmp_path, n
             os.mkfifo(ckpt / name)
         else:
             with socket.socket(socket.AF_UNIX) as sock:
-                monkeypatch.chdir((ckpt / name).parent)  # a socket's path is limited to 107 bytes
+                # a socket's path is limited to 107 bytes
+                monkeypatch.chdir((ckpt / name).parent)
                 sock.bind(name.rsplit("/", 1)[-1])
         said = checkpoint_unlike(ckpt)
         assert said == f"it holds {name}, which is not a regular file (a pipe, device or socket)", (alone, said)

@@ -125,7 +125,8 @@ def test_stock_trainer_checkpoint_without_config_or_tokenizer(trained, config_on
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "a")]) == 1
     err = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
     assert "no config.json in" in err and "pass --base-model" in err
-    assert not list(tmp_path.glob(".a*"))  # failed before any copy
+    # failed before any copy
+    assert not list(tmp_path.glob(".a*"))
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "a"), "--base-model", str(config_only), "--verify"]) == 0
 
 
@@ -158,13 +159,15 @@ def test_unreadable_layout_names_what_was_found(corpus, config_only, tmp_path, c
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+# FSDP2, full .bin
 ACCELERATE_LOOPS = [
-    ("accelerate_configs/fsdp1/zero3.yaml", (), 'weights under "model."'),  # FSDP1, sharded: pytorch_model_fsdp_0/
+    # FSDP1, sharded: pytorch_model_fsdp_0/
+    ("accelerate_configs/fsdp1/zero3.yaml", (), 'weights under "model."'),
     (
         "accelerate_configs/zero3.yaml",
         ("--fsdp_state_dict_type", "FULL_STATE_DICT"),
         "weights at the top level",
-    ),  # FSDP2, full .bin
+    ),
 ]
 
 

@@ -29,7 +29,8 @@ BAD_ADAPTER_VALUES = {
     "modules_to_save": ["lm_head", 1, {}],
     "layer_replication": ["0-4", 1, {}],
 }
-GOOD_ADAPTER_VALUES = {  # the ends of each range, and what peft itself writes
+# the ends of each range, and what peft itself writes
+GOOD_ADAPTER_VALUES = {
     "lora_alpha": [1, 0.5, 1e-3, 16, 2**20, 32.0],
     "r": [1, 8, 65536],
     "lora_dropout": [0, 0.0, 0.05, 0.999],
@@ -56,7 +57,8 @@ def peft_adapter_config(tmp_path) -> dict:
 
 def write_adapter_config(folder: Path, config: dict) -> Path:
     path = folder / "adapter_config.json"
-    path.write_text(json.dumps(config))  # NaN and Infinity as json writes (and reads) them
+    # NaN and Infinity as json writes (and reads) them
+    path.write_text(json.dumps(config))
     return path
 
 
@@ -135,25 +137,24 @@ def test_a_config_whose_r_is_not_the_adapters_is_refused(rank):
             CheckpointError, match=f"q.lora_A.default.weight has rank {rank} but adapter_config.json says r {other}"
         ):
             MergedLoraSource(source, {"r": other, "lora_alpha": 8})
-    MergedLoraSource(
-        source, {"r": rank + 1, "lora_alpha": 8, "rank_pattern": {"q": rank}}
-    )  # per-module ranks: peft's own
+    # per-module ranks: peft's own
+    MergedLoraSource(source, {"r": rank + 1, "lora_alpha": 8, "rank_pattern": {"q": rank}})
 
 
 def test_a_merge_that_overflows_is_refused_not_written():
     from fsdp_recipes.ckpt.lora_merge import MergedLoraSource
     from fsdp_recipes.errors import CheckpointError
 
-    source = FakeSource(2, scale=1e20)  # B @ A about 1e40: beyond float32
+    # B @ A about 1e40: beyond float32
+    source = FakeSource(2, scale=1e20)
     with pytest.raises(
         CheckpointError,
         match=r"^q.weight: merging lora_B @ lora_A x 4 into it gives values that are not finite in float32",
     ):
         MergedLoraSource(source, {"r": 2, "lora_alpha": 8}).read(["q.weight"])
     source = FakeSource(2)
-    source.values["q.base_layer.weight"][0, 0] = float(
-        "nan"
-    )  # the checkpoint's own NaN: passed on as stored, not blamed on the merge
+    # the checkpoint's own NaN: passed on as stored, not blamed on the merge
+    source.values["q.base_layer.weight"][0, 0] = float("nan")
     merged = MergedLoraSource(source, {"r": 2, "lora_alpha": 8}).read(["q.weight"])["q.weight"]
     assert merged[0, 0].isnan() and merged.isfinite().sum() == merged.numel() - 1
 

@@ -38,7 +38,8 @@ def tiny_peft(seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_()  # trained: lora_B is no longer zero, so the merge changes the weights
+                # trained: lora_B is no longer zero, so the merge changes the weights
+                p.normal_()
     return model
 
 
@@ -144,7 +145,8 @@ def test_a_quantized_checkpoint_on_another_base_of_the_same_shapes_is_refused(ba
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(other)
     ckpt = quantized_checkpoint(folder, base_dir, model, "4bit-bf16")
-    capsys.readouterr()  # DCP's own progress bars
+    # DCP's own progress bars
+    capsys.readouterr()
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out"), "--base-model", str(other)]) == 1
     error = one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
     assert "differs from the base model" in error and "give its base with --base-model" in error, error
@@ -264,12 +266,14 @@ def test_a_quantized_checkpoint_whose_run_rounded_its_fp32_base_merges(
         capsys.readouterr().err
     )
     got = load_file(tmp_path / "out" / "model.safetensors")
-    assert all(torch.equal(got[n], v) for n, v in truth.items())  # the base's own weights, the adapter merged
+    # the base's own weights, the adapter merged
+    assert all(torch.equal(got[n], v) for n, v in truth.items())
 
     norm = next(k for k in state if k.endswith("input_layernorm.weight"))
     base = load_file(base_dir / "model.safetensors")
     base_norm = norm.split("base_model.model.", 1)[1]
-    base[base_norm][0] = rounded[norm][0] = float("nan")  # the same NaN in both
+    # the same NaN in both
+    base[base_norm][0] = rounded[norm][0] = float("nan")
     nan_base = tmp_path / "nan-base"
     nan_base.mkdir()
     (nan_base / "config.json").write_bytes((base_dir / "config.json").read_bytes())

@@ -30,7 +30,8 @@ SHARDED = [
     "accelerate_configs/zero2.yaml",
     "accelerate_configs/fsdp1/zero3.yaml",
     "accelerate_configs/fsdp1/zero2.yaml",
-    "accelerate_configs/hybrid_shard.yaml",  # the last: 4 ranks, 2 replicas
+    # the last: 4 ranks, 2 replicas
+    "accelerate_configs/hybrid_shard.yaml",
 ]
 FULL = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
 
@@ -67,9 +68,8 @@ def assert_same_model(
     loaded = model.state_dict()
     for name, tensor in reference.items():
         assert torch.equal(loaded[name], tensor), name
-    expected = AutoModelForCausalLM.from_config(
-        AutoConfig.from_pretrained(folder)
-    ).eval()  # from_pretrained's mode: no dropout
+    # from_pretrained's mode: no dropout
+    expected = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).eval()
     expected.load_state_dict(reference, strict=not tied)
     assert torch.equal(logits(model, tokenizer), logits(expected, tokenizer))
 
@@ -129,7 +129,8 @@ def test_checkpoint_manifest_gives_the_same_folder_as_transformers(trained, tmp_
     assert (ckpt / MANIFEST).is_file()
     proc = run(["python", "-c", MERGE_AND_LIST_MODULES, str(ckpt), str(tmp_path / "fast")])
     assert proc.returncode == 0, proc.stderr
-    assert "transformers" in proc.stdout  # the manifest is a claim: config.json is still checked against the shards
+    # the manifest is a claim: config.json is still checked against the shards
+    assert "transformers" in proc.stdout
     # the path without a manifest in this process: only the first merge's module list needs a fresh interpreter
     merge_checkpoint(without_manifest(ckpt, tmp_path), tmp_path / "slow", log=lambda *_: None)
     assert folder_bytes(tmp_path / "fast") == folder_bytes(tmp_path / "slow")
@@ -197,9 +198,8 @@ def test_dtype_sharding_verify_and_inspect_through_the_cli(trained, tmp_path, ca
     assert "verified: 39 tensors equal the checkpoint" in capsys.readouterr().out
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) >= 3 and all(
-        (out / s).stat().st_size <= 200_000 + 64_000 for s in shards
-    )  # header + one tensor may exceed
+    # header + one tensor may exceed
+    assert len(shards) >= 3 and all((out / s).stat().st_size <= 200_000 + 64_000 for s in shards)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
     reference = reference_weights(run_dir / "checkpoint-12" / "pytorch_model_fsdp_0", tmp_path / "ref")
@@ -251,7 +251,8 @@ def break_checkpoint(ckpt: Path, how: str) -> tuple[Path, str]:
         return ckpt, "truncated"
     if how == "optimizer folder":
         return ckpt / "optimizer_0", "holds optimizer state, not model weights"
-    if how == "broken config":  # in another tool's checkpoint (ours records its files: "edited config" below)
+    # in another tool's checkpoint (ours records its files: "edited config" below)
+    if how == "broken config":
         (ckpt / MANIFEST).unlink()
         (ckpt / "config.json").write_text("{ not json")
         return ckpt, "config.json is not a model config"
@@ -313,7 +314,8 @@ def test_output_inside_input_and_existing_output(checkpoint, tmp_path):
         merge_checkpoint(checkpoint, existing, overwrite=True, log=lambda *_: None)
     assert (existing / "keep.txt").read_text() == "mine"
     (existing / "keep.txt").unlink()
-    (existing / "config.json").write_text("{}")  # an earlier model folder: replaced
+    # an earlier model folder: replaced
+    (existing / "config.json").write_text("{}")
     merge_checkpoint(checkpoint, existing, overwrite=True, log=lambda *_: None)
     assert (existing / "model.safetensors").is_file() and json.loads((existing / "config.json").read_text())[
         "model_type"
@@ -337,13 +339,16 @@ def test_an_output_changed_while_the_merge_runs_is_kept_in_sight(checkpoint, tmp
 
     out = tmp_path / "existing"
     out.mkdir()
-    (out / "config.json").write_text("{}")  # an earlier model folder: --overwrite may replace it
+    # an earlier model folder: --overwrite may replace it
+    (out / "config.json").write_text("{}")
     real_sync, changed = merge_module.sync_entries, []
 
-    def sync_after_the_user_wrote(folder):  # the first call is just before the output is moved aside
+    # the first call is just before the output is moved aside
+    def sync_after_the_user_wrote(folder):
         if not changed:
             CHANGED_WHILE_MERGING[change](out)
-            changed.append(_snapshot(out))  # the user's folder as it is now
+            # the user's folder as it is now
+            changed.append(_snapshot(out))
         real_sync(folder)
 
     monkeypatch.setattr(merge_module, "sync_entries", sync_after_the_user_wrote)
@@ -351,7 +356,8 @@ def test_an_output_changed_while_the_merge_runs_is_kept_in_sight(checkpoint, tmp
     merge_checkpoint(checkpoint, out, overwrite=True, log=lines.append)
     assert changed and (out / "model.safetensors").is_file() and _snapshot(tmp_path / "existing.kept-2") == changed[0]
     assert [line for line in lines if "existing.kept-2" in line and "changed while the merge ran" in line]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing", "existing.kept-2", "run"]  # nothing hidden left
+    # nothing hidden left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing", "existing.kept-2", "run"]
 
 
 def test_an_output_that_gets_a_mount_point_while_the_merge_runs_is_kept_and_said_so(checkpoint, tmp_path, monkeypatch):
@@ -423,10 +429,12 @@ def test_edited_config_or_manifest_is_still_checked(checkpoint, tmp_path):
     a manifest that disagrees with the weights is refused by the same check."""
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
-    with pytest.raises(CheckpointError, match="config.json is not as the run wrote it"):  # the manifest records it
+    # the manifest records it
+    with pytest.raises(CheckpointError, match="config.json is not as the run wrote it"):
         merge_checkpoint(checkpoint, tmp_path / "a", log=lambda *_: None)
     recorded = (checkpoint / MANIFEST).read_bytes()
-    (checkpoint / MANIFEST).unlink()  # the way past it that message names: transformers then checks it
+    # the way past it that message names: transformers then checks it
+    (checkpoint / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match="has shape .* in the checkpoint but .* in the config"):
         merge_checkpoint(checkpoint, tmp_path / "a", log=lambda *_: None)
     (checkpoint / MANIFEST).write_bytes(recorded)
@@ -476,10 +484,11 @@ def test_peak_memory_does_not_grow_with_model_size(synthetic, tmp_path):
     small, big = synthetic
     big_bytes = sum(f.stat().st_size for f in (big / "pytorch_model_fsdp_0").glob("*.distcp"))
     assert big_bytes > 300e6
+    # one interpreter each: peak RSS is a high-water mark, one path's would hide the other's
     for mode in (
         "raw",
         "cast",
-    ):  # one interpreter each: peak RSS is a high-water mark, one path's would hide the other's
+    ):
         proc = run(["python", "-c", MEASURE, str(small), str(big), str(tmp_path / mode), mode])
         assert proc.returncode == 0, proc.stderr
         base_kb, peak_kb = map(int, proc.stdout.split())
@@ -499,7 +508,8 @@ def test_output_never_destroys_or_mixes_with_the_input(checkpoint, tmp_path):
     link = tmp_path / "link"
     link.symlink_to(checkpoint)
     cases = {
-        str(run_dir): "holds the input",  # merging a checkpoint over its own run folder
+        # merging a checkpoint over its own run folder
+        str(run_dir): "holds the input",
         str(run_dir / ".." / run_dir.name / checkpoint.name): "is the input",
         str(link): "is the input",
         str(link / "merged"): "is inside the input",
@@ -532,7 +542,8 @@ def test_stale_staging_of_a_killed_merge_is_removed(checkpoint, tmp_path):
     dead.wait()
     host = socket.gethostname()
     stale = tmp_path / f".out.tmp-{host}-{dead.pid}"
-    live = tmp_path / f".out.tmp-{host}-{os.getppid()}"  # a process that is alive: its merge may be running
+    # a process that is alive: its merge may be running
+    live = tmp_path / f".out.tmp-{host}-{os.getppid()}"
     not_ours = tmp_path / f".out.tmp-otherhost-{dead.pid}"
     # named like ours, no marker, not a model folder: someone else's (an unmarked model folder there is the earlier
     # output a merge killed between its renames hid, and goes back: test_removal's killed-merge test)
@@ -540,7 +551,8 @@ def test_stale_staging_of_a_killed_merge_is_removed(checkpoint, tmp_path):
     from fsdp_recipes.removal import make_folder
 
     for folder in (stale, live, not_ours):
-        make_folder(folder, "merge staging")  # as a merge makes its staging folder
+        # as a merge makes its staging folder
+        make_folder(folder, "merge staging")
         (folder / "model.safetensors").write_bytes(b"partial")
     unmarked.mkdir()
     (unmarked / "notes.txt").write_bytes(b"theirs")
@@ -588,13 +600,15 @@ def test_output_on_another_filesystem_by_either_process_and_without_o_direct(che
 
     def no_direct_open(path, flags, *args):
         if flags & direct_writes.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")  # tmpfs before Linux 6.6, some FUSE mounts
+            # tmpfs before Linux 6.6, some FUSE mounts
+            raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", no_direct_open)
     merge_checkpoint(checkpoint, tmp_path / "refused", log=lambda *_: None)
     monkeypatch.undo()
-    assert len(children) == started  # the merges after the first wrote in this process
+    # the merges after the first wrote in this process
+    assert len(children) == started
     for folder in ("in-process", "no-o-direct", "refused"):
         assert folder_bytes(tmp_path / folder) == folder_bytes(reference), folder
 
@@ -616,12 +630,12 @@ def test_the_output_is_on_disk_before_it_is_renamed_into_place(checkpoint, tmp_p
     out = tmp_path / "out"
     merge_checkpoint(checkpoint, out, log=lambda *_: None)
     kinds = [e[0] for e in events]
-    assert kinds == ["files", "entries", "move", "entries"], (
-        events
-    )  # the staging folder's own entries after its marker left
+    # the staging folder's own entries after its marker left
+    assert kinds == ["files", "entries", "move", "entries"], events
     (_, staged, files), (_, unmarked), (_, moved, target), (_, parent) = events
     assert staged == unmarked == moved and target == out and parent == out.parent
-    assert set(files) >= {p.name for p in out.iterdir()}  # every published file was in the folder fsynced
+    # every published file was in the folder fsynced
+    assert set(files) >= {p.name for p in out.iterdir()}
 
 
 def test_the_copy_process_runs_this_package_whatever_the_current_folder(checkpoint, tmp_path, monkeypatch):
@@ -715,7 +729,8 @@ def test_ctrl_c_during_a_merge_is_one_line(checkpoint, tmp_path, monkeypatch, ca
     monkeypatch.setattr(writer, "_finish_copies", interrupted)
     assert cli_main([str(checkpoint), str(tmp_path / "out")]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "merge_checkpoint.py: interrupted: nothing was published"
-    assert started and started[0].poll() is not None  # the copy process was stopped, not left running
+    # the copy process was stopped, not left running
+    assert started and started[0].poll() is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
@@ -778,7 +793,8 @@ def test_a_stopped_merge_does_not_wait_for_the_check_beside_its_copy(checkpoint,
 
     monkeypatch.setattr(merge_module, "describe_with_transformers", slow_check)
     monkeypatch.setattr(writer, "_finish_copies", lambda *args: sigterm_self())
-    timer = threading.Timer(10, release.set)  # what the merge waited for before
+    # what the merge waited for before
+    timer = threading.Timer(10, release.set)
     timer.start()
     start = time.monotonic()
     try:
@@ -821,7 +837,8 @@ def test_sigterm_while_publishing_says_what_happened(checkpoint, tmp_path, monke
     assert signal.getsignal(signal.SIGTERM) is before
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")]
-    if where == "staging":  # the finished folder, unmarked or not, was never renamed into place: removed
+    # the finished folder, unmarked or not, was never renamed into place: removed
+    if where == "staging":
         assert last == "merge_checkpoint.py: stopped by SIGTERM: nothing was published" and not out.exists()
     else:
         assert last == f"merge_checkpoint.py: stopped by SIGTERM after {out} was written whole and moved into place", (
@@ -848,9 +865,11 @@ def test_stops_at_each_call_the_tool_makes_end_in_one_of_its_outcomes(checkpoint
 
     tool = _tool()
     own = {tool.main.__code__, tool._merge.__code__, tool._hand_back.__code__}
-    callers = []  # the caller's own handler: a SIGTERM after main handed it back is the caller's
+    # the caller's own handler: a SIGTERM after main handed it back is the caller's
+    callers = []
 
-    def run(out: Path, term_at: int, interrupt_at: int = -1) -> tuple[int, list[str]]:  # (exit code, calls seen)
+    # (exit code, calls seen)
+    def run(out: Path, term_at: int, interrupt_at: int = -1) -> tuple[int, list[str]]:
         seen = []
 
         def profile(frame, event, arg):
@@ -868,11 +887,13 @@ def test_stops_at_each_call_the_tool_makes_end_in_one_of_its_outcomes(checkpoint
         finally:
             sys.setprofile(None)
 
-    callers_sigint = signal.getsignal(signal.SIGINT)  # an xdist worker's is SIG_IGN
+    # an xdist worker's is SIG_IGN
+    callers_sigint = signal.getsignal(signal.SIGINT)
     before = signal.signal(signal.SIGTERM, lambda signum, frame: callers.append(signum))
     try:
         code, names = run(tmp_path / "whole", -1)
-        calls, merging = len(names), names.index("merge_checkpoint")  # a Ctrl-C there: the merge under way
+        # a Ctrl-C there: the merge under way
+        calls, merging = len(names), names.index("merge_checkpoint")
         assert code == 0 and calls > 3 and names[-1] == "signal", (code, names)
         runs = [(at, -1) for at in range(calls)] + [(at, merging) for at in range(merging + 1, calls)]
         outcomes = []
@@ -913,15 +934,18 @@ def test_a_stop_python_drops_inside_a_finalizer_still_ends_the_tool_stopped(
 
     class Finalized:
         def __del__(self):
-            os.kill(os.getpid(), getattr(signal, signame))  # os.kill runs this process's handler before it returns
+            # os.kill runs this process's handler before it returns
+            os.kill(os.getpid(), getattr(signal, signame))
 
     def merge(source, output, **kwargs):
-        Finalized()  # freed at once: the handler raises inside __del__
+        # freed at once: the handler raises inside __del__
+        Finalized()
         return SimpleNamespace(output=output, tensors=1, bytes=1, files=["model.safetensors"])
 
     monkeypatch.setattr(tool, "merge_checkpoint", merge)
     dropped = []
-    monkeypatch.setattr(sys, "unraisablehook", dropped.append)  # where Python reports what it dropped
+    # where Python reports what it dropped
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     assert tool.main([str(tmp_path / "in"), str(tmp_path / "out")]) == code
     assert [type(d.exc_value) for d in dropped] == [tool.Stopped if signame == "SIGTERM" else KeyboardInterrupt]
@@ -949,15 +973,19 @@ def merge_moments(whole: Path) -> dict:
     """Moments of a merge as seen from outside, (staging folder or None, output) -> reached, for the SIGTERM test;
     ``whole``: the output of the first moment's run, whose model.safetensors the later ones compare sizes with."""
 
-    def staged(staging, name) -> int | None:  # the size of a file in the staging folder, None while it has none
+    # the size of a file in the staging folder, None while it has none
+    def staged(staging, name) -> int | None:
         try:
             return None if staging is None else (staging / name).stat().st_size
-        except OSError:  # not yet written, or renamed away meanwhile
+        # not yet written, or renamed away meanwhile
+        except OSError:
             return None
 
     return {
-        "output in place": lambda staging, out: out.exists(),  # first: the whole merge, or stopped after it
-        "at its start": lambda staging, out: True,  # before the tool's handler, mostly: the signal's default, -15
+        # first: the whole merge, or stopped after it
+        "output in place": lambda staging, out: out.exists(),
+        # before the tool's handler, mostly: the signal's default, -15
+        "at its start": lambda staging, out: True,
         # not yet here: "staging folder made". A stop while make_folder makes it (between its mkdir and the end of
         # its marker, or before merge_checkpoint's try) leaves the folder behind: to fix in removal and merge
         "copy under way": lambda staging, out: staged(staging, "model.safetensors") is not None,
@@ -988,7 +1016,8 @@ def test_sigterm_at_any_moment_leaves_a_whole_output_or_none(checkpoint, tmp_pat
         try:
             while proc.poll() is None and not reached(next(tmp_path.glob(f".out{i}.tmp-*"), None), out):
                 time.sleep(0.002)
-            proc.send_signal(signal.SIGTERM)  # nothing, once it has ended
+            # nothing, once it has ended
+            proc.send_signal(signal.SIGTERM)
             stdout, stderr = proc.communicate(timeout=120)
         finally:
             proc.kill()
@@ -1007,10 +1036,12 @@ def test_sigterm_at_any_moment_leaves_a_whole_output_or_none(checkpoint, tmp_pat
         else:
             assert proc.returncode in (143, -signal.SIGTERM), (moment, proc.returncode, stderr)
             assert not out.exists(), moment
-            if proc.returncode == 143:  # after the handler is in place: one line
+            # after the handler is in place: one line
+            if proc.returncode == 143:
                 assert last == "merge_checkpoint.py: stopped by SIGTERM: nothing was published", (moment, stderr)
             outcomes[moment] = "stopped" if proc.returncode == 143 else "killed before its handler"
-    assert "stopped" in outcomes.values(), outcomes  # the moments met a merge under way
+    # the moments met a merge under way
+    assert "stopped" in outcomes.values(), outcomes
 
 
 def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, trained, tmp_path, monkeypatch):
@@ -1023,7 +1054,8 @@ def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, tr
 
     def truncate_first(files):
         src, offset, count, *_ = max((piece for f in files for piece in f["pieces"]), key=lambda piece: piece[2])
-        os.truncate(src, offset + count // 2)  # the record's bytes end halfway
+        # the record's bytes end halfway
+        os.truncate(src, offset + count // 2)
         return real_start(files)
 
     monkeypatch.setattr(writer, "_start_copies", truncate_first)
@@ -1041,9 +1073,8 @@ def test_the_copy_process_fails_in_one_line_and_publishes_nothing(checkpoint, tr
     shutil.copytree(
         trained("accelerate_configs/zero3.yaml").output_dir / "checkpoint-12", checkpoint, dirs_exist_ok=True
     )
-    monkeypatch.setattr(
-        writer, "_start_copies", lambda files: real_start([])
-    )  # a copy process that writes nothing, exit 0
+    # a copy process that writes nothing, exit 0
+    monkeypatch.setattr(writer, "_start_copies", lambda files: real_start([]))
     with pytest.raises(
         CheckpointError,
         match=r"^the copy process ended without writing model\.safetensors whole \(None of \d+ bytes\): nothing "

@@ -42,21 +42,22 @@ def test_an_adapter_merges_in_the_base_dtype_as_peft_merges_it(tmp_path, base_dt
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:
-                param.data = torch.randn_like(param, dtype=torch.float32).to(
-                    DTYPES[adapter_dtype]
-                )  # trained, in its dtype
+                # trained, in its dtype
+                param.data = torch.randn_like(param, dtype=torch.float32).to(DTYPES[adapter_dtype])
     adapter = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     assert {t.dtype for t in adapter.values()} == {DTYPES[adapter_dtype]}
     dcp.save({"model": adapter}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
     model.peft_config["default"].save_pretrained(str(ckpt))
-    by_peft = model.merge_and_unload().state_dict()  # peft's own merge of the same tensors
+    # peft's own merge of the same tensors
+    by_peft = model.merge_and_unload().state_dict()
 
     merge_checkpoint(ckpt, tmp_path / "merged", base_model=str(base_dir), log=lambda line: None)
     merged = load_file(tmp_path / "merged" / "model.safetensors")
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     for key, expected in by_peft.items():
         if key == "lm_head.weight" and key not in merged:
-            continue  # tied: written once, as save_pretrained does
+            # tied: written once, as save_pretrained does
+            continue
         assert merged[key].dtype == DTYPES[base_dtype], key
         assert torch.equal(merged[key], expected), key
 
@@ -74,7 +75,8 @@ class Source:
 def test_the_writer_casts_to_the_stated_dtype_and_refuses_another_shape(tmp_path):
     a, b = torch.randn(4, 3), torch.randn(5)
     stated = {"a": TensorInfo((4, 3), "bfloat16"), "b": TensorInfo((5,), "bfloat16")}
-    write_weights(Source({"a": a, "b": b}, stated), ["a", "b"], tmp_path)  # fp32 given where bf16 is stated
+    # fp32 given where bf16 is stated
+    write_weights(Source({"a": a, "b": b}, stated), ["a", "b"], tmp_path)
     out = load_file(tmp_path / "model.safetensors")
     assert torch.equal(out["a"], a.to(torch.bfloat16)) and torch.equal(out["b"], b.to(torch.bfloat16))
 

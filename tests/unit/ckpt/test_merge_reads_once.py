@@ -60,7 +60,8 @@ def _config_in_the_run_folder(ckpt: Path):
 def _final_export(ckpt: Path):
     from fsdp_recipes.train.model_folder import export_checkpoint
 
-    def export(out: Path) -> None:  # the run's own model source stands in only for a missing config.json
+    # the run's own model source stands in only for a missing config.json
+    def export(out: Path) -> None:
         export_checkpoint(ckpt, out.parent / "export", base_model=str(TINY), log=lambda *_: None)
         (out.parent / "export" / "model").rename(out)
 

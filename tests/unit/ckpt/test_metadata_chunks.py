@@ -26,7 +26,8 @@ from fsdp_recipes.errors import RecipeError
 
 META = Path("/ckpt/.metadata")
 
-VALID = {  # layouts writers make: (shape, [(offsets, sizes)])
+# layouts writers make: (shape, [(offsets, sizes)])
+VALID = {
     "rows over 3 ranks, uneven": ((10, 4), [((0, 0), (4, 4)), ((4, 0), (4, 4)), ((8, 0), (2, 4))]),
     "rows, listed out of order": ((9, 2), [((6, 0), (3, 2)), ((0, 0), (3, 2)), ((3, 0), (3, 2))]),
     "an empty chunk (a rank with no rows)": ((3, 5), [((0, 0), (3, 5)), ((3, 0), (0, 5))]),
@@ -56,7 +57,8 @@ def damaged(shape, chunks):
     """Every one-step damage of a valid layout: a chunk moved or grown by one along a dimension, shrunk by one,
     duplicated, dropped; each makes the chunks no longer the tensor."""
     for i, (offsets, sizes) in enumerate(chunks):
-        if 0 in sizes:  # an empty chunk holds nothing: moving it changes nothing
+        # an empty chunk holds nothing: moving it changes nothing
+        if 0 in sizes:
             continue
         others = chunks[:i] + chunks[i + 1 :]
         for d in range(len(shape)):
@@ -101,10 +103,12 @@ def test_a_record_smaller_than_its_chunk_is_refused(name):
     offsets, sizes = next((o, s) for o, s in chunks if math.prod(s))
     stored = built.storage[("w", tuple(offsets))]
     built.storage[("w", tuple(offsets))] = Stored(stored.relative_path, 0, math.prod(sizes) * 4 - 1, False)
-    assert chunk_problems(built, META) == []  # the tiling is sound: the record's size is checked after the vetting
+    # the tiling is sound: the record's size is checked after the vetting
+    assert chunk_problems(built, META) == []
     problems = record_size_problems(built, META)
     assert len(problems) == 1 and f"bytes, fewer than its {math.prod(sizes) * 4:,}" in problems[0], problems
-    built.storage[("w", tuple(offsets))] = Stored(stored.relative_path, 0, 1, True)  # compressed: torch decodes it
+    # compressed: torch decodes it
+    built.storage[("w", tuple(offsets))] = Stored(stored.relative_path, 0, 1, True)
     assert record_size_problems(built, META) == []
 
 
@@ -129,7 +133,8 @@ def test_a_brick_layout_is_refused_by_its_count_before_any_cell_is_walked(walked
     tensor to walk, minutes over a file of them): refused by its count, without walking one."""
     n, chunks = 1000, []
     for row in range(n):
-        cut = 1 + (row * 7919) % (n - 1)  # a different cut in every row
+        # a different cut in every row
+        cut = 1 + (row * 7919) % (n - 1)
         chunks += [((row, 0), (1, cut)), ((row, cut), (1, n - cut))]
     problems = chunk_problems(layout((n, n), chunks), META)
     assert len(problems) == 1 and "pieces, more than any writer's layout of 2,000 chunks" in problems[0], problems
@@ -140,9 +145,11 @@ def test_a_layout_cut_finer_than_any_writer_cuts_is_refused_not_walked(walked):
     """A made-up layout whose edges cut a tensor into far more grid cells than it has chunks: refused by counting
     them, not walked; a writer's layout of as many chunks is walked and taken."""
     n = 1100
-    rows = [((i, 0), (1, n)) for i in range(n)]  # 1100 row chunks and one column cut: edges 1101 x 3
+    # 1100 row chunks and one column cut: edges 1101 x 3
+    rows = [((i, 0), (1, n)) for i in range(n)]
     chunks = rows[:-1] + [((n - 1, 0), (1, 1)), ((n - 1, 1), (1, n - 1))]
-    assert chunk_problems(layout((n, n), chunks), META) == []  # 2,200 cells: walked and taken
+    # 2,200 cells: walked and taken
+    assert chunk_problems(layout((n, n), chunks), META) == []
     assert len(walked) == len(chunks)
     walked.clear()
     columns = [((i, 0), (1, i + 1)) for i in range(n)] + [((i, i + 1), (1, n - i - 1)) for i in range(n - 1)]
@@ -166,13 +173,15 @@ def rewrite_chunks(folder: Path, key: str, change) -> None:
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
-def same_offsets(chunks):  # rank 1's chunk claims rank 0's offsets
+# rank 1's chunk claims rank 0's offsets
+def same_offsets(chunks):
     return [chunks[0], ChunkStorageMetadata(offsets=chunks[0].offsets, sizes=chunks[1].sizes)]
 
 
+# rank 0's chunk a row longer, rank 1's a row shorter: as many elements, one row twice, one none
 def one_row_over(
     chunks,
-):  # rank 0's chunk a row longer, rank 1's a row shorter: as many elements, one row twice, one none
+):
     first, second = chunks
     return [
         ChunkStorageMetadata(offsets=first.offsets, sizes=torch.Size([first.sizes[0] + 1, *first.sizes[1:]])),
@@ -205,7 +214,8 @@ def test_a_real_checkpoints_metadata_whose_chunks_do_not_make_the_tensor_is_refu
     assert (
         f"the chunks of {key!r}" in said and "do not make up the tensor" in said and len(said.strip().splitlines()) == 1
     ), said
-    if folder == "pytorch_model_fsdp_0":  # the merge reads the model's folder only
+    # the merge reads the model's folder only
+    if folder == "pytorch_model_fsdp_0":
         for argv in (
             [str(ckpt), str(tmp_path / "out")],
             [str(ckpt), str(tmp_path / "out"), "--verify"],
@@ -256,9 +266,8 @@ def test_shard_folders_copied_in_from_another_checkpoint_with_their_digests_are_
     with pytest.raises(RecipeError, match="cannot resume from checkpoint-12 .*that of step 6"):
         resolve_resume(str(run / "checkpoint-12"), str(run))
 
-    (
-        run / "checkpoint-12" / "shard_digests.json"
-    ).unlink()  # without the digests: no record, so the manifest's announcement
+    # without the digests: no record, so the manifest's announcement
+    (run / "checkpoint-12" / "shard_digests.json").unlink()
     assert "missing shard_digests.json" in "; ".join(checkpoint_status(run / "checkpoint-12").problems)
 
 
@@ -276,7 +285,8 @@ def test_shard_folders_copied_in_with_digests_of_any_form_are_refused(trained, t
     sealed = json.loads((ckpt / "model_description.json").read_text())
     assert sealed["shard_digests_step"] == 12
     shutil.copytree(ckpt, tmp_path / "run" / "best")
-    assert checkpoint_status(tmp_path / "run" / "best").resumable  # renamed: its step is its trainer_state.json's
+    # renamed: its step is its trainer_state.json's
+    assert checkpoint_status(tmp_path / "run" / "best").resumable
 
     older = source / "checkpoint-6"
     if digests.startswith("checkpoint-6"):
@@ -285,7 +295,8 @@ def test_shard_folders_copied_in_with_digests_of_any_form_are_refused(trained, t
             shutil.copytree(older / name, ckpt / name)
     record = json.loads(((older if digests.startswith("checkpoint-6") else ckpt) / "shard_digests.json").read_text())
     if digests.endswith("without a step"):
-        del record["step"]  # as this repository wrote them before the digests named their step
+        # as this repository wrote them before the digests named their step
+        del record["step"]
     (ckpt / "shard_digests.json").write_text(json.dumps(record))
     if manifest == "checkpoint-6's":
         shutil.copy(older / "model_description.json", ckpt / "model_description.json")

@@ -99,10 +99,12 @@ def test_a_checkpoint_may_leave_out_a_second_name_and_frozen_weights_only(tmp_pa
     expected, omittable = shapes(model)
     trained_names = {n for n, p in model.named_parameters() if p.requires_grad}
     assert ("base_model.model.lm_head.weight" in omittable) == lora and trained_names.isdisjoint(omittable)
-    assert "lm_head.weight" not in omittable  # a full fine-tune's head, tied or not, is loaded: it must be there
+    # a full fine-tune's head, tied or not, is loaded: it must be there
+    assert "lm_head.weight" not in omittable
     state = model.state_dict()
     kept = [n for n in expected if n not in omittable]
-    for stored in (kept, list(expected)):  # the least a checkpoint may hold, and everything
+    # the least a checkpoint may hold, and everything
+    for stored in (kept, list(expected)):
         save_file({n: state[n].contiguous().clone() for n in stored}, tmp_path / "model.safetensors")
         assert model_mismatch(tmp_path, expected, omittable) is None
     for dropped in (kept[0], kept[-1]):
@@ -133,7 +135,8 @@ def test_shards_swapped_between_ranks_are_named(checkpoint, folder, tmp_path, mo
     assert (checkpoint / SHARD_DIGESTS).is_file() and checkpoint_status(checkpoint).resumable
     a, b = checkpoint / folder / "__0_0.distcp", checkpoint / folder / "__1_0.distcp"
     if folder == "pytorch_model_fsdp_0":
-        assert a.stat().st_size == b.stat().st_size  # same layout: nothing but the contents differs
+        # same layout: nothing but the contents differs
+        assert a.stat().st_size == b.stat().st_size
     a.rename(tmp_path / "swap")
     b.rename(a)
     (tmp_path / "swap").rename(b)
@@ -293,7 +296,8 @@ def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_
     plain = sorted(
         k for k in set(saved) - FREE_CONFIG_KEYS - {"model_type"} if isinstance(saved[k], (bool, int, float, str))
     )
-    for key in rng.sample(plain, 5):  # model_type is the class's, not a setting
+    # model_type is the class's, not a setting
+    for key in rng.sample(plain, 5):
         changed = AutoConfig.from_pretrained(TINY)
         value = saved[key]
         setattr(
@@ -353,10 +357,11 @@ def test_a_checkpoint_of_the_same_shapes_but_another_model_adapter_or_tokenizer_
             ckpt, _live(config)[0], lora.to_dict(), _with_model(tokenizer, {**model, "merges": merges})
         )
         assert problem and "another tokenizer" in problem, problem
+    # another tool's: nothing recorded
     assert (
         description_mismatch(tmp_path / "empty", _live(config)[0], lora.to_dict(), _with_model(tokenizer, shuffled))
         is None
-    )  # another tool's: nothing recorded
+    )
 
 
 def _other_tokenizers():
@@ -411,7 +416,8 @@ def test_a_checkpoint_saved_with_another_tokenizer_of_the_same_vocabulary_is_nam
     config, tokenizer = AutoConfig.from_pretrained(TINY), AutoTokenizer.from_pretrained(TINY)
     ckpt = _saved_like_a_checkpoint(tmp_path / "checkpoint-4", config, None, tokenizer)
     live = json.loads(config.to_json_string(use_diff=True))
-    tokenizer.backend_tokenizer.enable_truncation(16)  # set by the library as it encodes: not what the tokenizer is
+    # set by the library as it encodes: not what the tokenizer is
+    tokenizer.backend_tokenizer.enable_truncation(16)
     assert description_mismatch(ckpt, live, None, tokenizer_record(tokenizer)) is None
     folder = tmp_path / "other"
     shutil.copytree(TINY, folder)
@@ -466,7 +472,8 @@ def test_a_changed_optimizer_setting_is_named_never_dropped(seed):
         problem and flag in problem and "checkpoint-6 was trained with" in problem and f"param group {group}" in problem
     ), (key, problem)
 
-    class Optimizer:  # the scheduled lr and how torch computes (foreach, fused) are no settings
+    # the scheduled lr and how torch computes (foreach, fused) are no settings
+    class Optimizer:
         param_groups = [
             dict(ADAMW_GROUP, params=[], lr=1e-7, foreach=True, fused=None, capturable=False, differentiable=False)
         ]

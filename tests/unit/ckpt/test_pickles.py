@@ -57,7 +57,8 @@ def _poison_dcp(folder: Path, payload, where: str) -> None:
     """Point one entry of a DCP folder's metadata at a record holding the payload: an existing byte record (an
     optimizer's learning rate), a new byte entry, or a tensor record. The payload is a real torch.save record, as
     DCP writes them, in a file of its own."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo  # test-only: forging DCP metadata
+    # test-only: forging DCP metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
@@ -125,7 +126,8 @@ def test_dcp_records_with_payloads(checkpoint, folder, where, how, tmp_path, cap
         _plain_read(checkpoint / folder)
         assert marker.exists()
         marker.unlink()
-    merge_reads_it = folder == "pytorch_model_fsdp_0" and where == "tensor record"  # a merge reads tensors only
+    # a merge reads tensors only
+    merge_reads_it = folder == "pytorch_model_fsdp_0" and where == "tensor record"
     _assert_refused_everywhere(checkpoint, marker, capsys, merge_reads_it)
 
 
@@ -163,10 +165,12 @@ def test_torch_dcp_reader_is_guarded(tmp_path, how):
     marker = tmp_path / "code-ran"
     _quiet_save({"w": torch.ones(2, 2), "lr": 0.5, "evil": Payload(how, marker)}, tmp_path / "ckpt")
     guard_torch_dcp()
-    with pytest.raises(BaseException) as caught:  # DCP wraps its ranks' errors in a CheckpointException
+    # DCP wraps its ranks' errors in a CheckpointException
+    with pytest.raises(BaseException) as caught:
         dcp.load({"w": torch.zeros(2, 2), "lr": 0.0, "evil": None}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert "refusing to unpickle" in str(caught.value) and not marker.exists()
-    state = {"w": torch.zeros(2, 2), "lr": 0.0}  # the same checkpoint's plain entries still load
+    # the same checkpoint's plain entries still load
+    state = {"w": torch.zeros(2, 2), "lr": 0.0}
     dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert state["lr"] == 0.5 and torch.equal(state["w"], torch.ones(2, 2))
     poisoned = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata()
@@ -196,8 +200,10 @@ def test_zip_records_torch_reads_differently_from_zipfile(checkpoint, trick, tmp
     plain = io.BytesIO()
     torch.save(0.001, plain)
     evil = getattr(zip_differentials, trick)(plain.getvalue(), pickle.dumps(Payload("os.system", marker), protocol=2))
-    vet_record(io.BytesIO(evil), plain_data=True)  # zipfile sees only the float: the differential is real
-    torch.load(io.BytesIO(evil), weights_only=False)  # and torch's reader runs the payload
+    # zipfile sees only the float: the differential is real
+    vet_record(io.BytesIO(evil), plain_data=True)
+    # and torch's reader runs the payload
+    torch.load(io.BytesIO(evil), weights_only=False)
     assert marker.exists()
     marker.unlink()
 
@@ -205,7 +211,8 @@ def test_zip_records_torch_reads_differently_from_zipfile(checkpoint, trick, tmp
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     key = sorted(i.fqn for i in metadata.storage_data if "param_groups" in i.fqn)[0]
     (folder / "__9_0.distcp").write_bytes(evil)
-    from torch.distributed.checkpoint.filesystem import _StorageInfo  # test-only: forging DCP metadata
+    # test-only: forging DCP metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     for index in [i for i in metadata.storage_data if i.fqn == key]:
         metadata.storage_data[index] = _StorageInfo("__9_0.distcp", 0, len(evil))
@@ -279,7 +286,8 @@ def test_only_the_allow_listed_readers_unpickle():
         ("readers.py", "dcp.load"),
     }
     assert [c for c in calls if (c[0], c[2]) not in allowed] == []
-    assert {(c[0], c[2]) for c in calls} == allowed  # each allowed reader is still where this test says
+    # each allowed reader is still where this test says
+    assert {(c[0], c[2]) for c in calls} == allowed
     source = (repo / "fsdp_recipes" / "ckpt" / "readers.py").read_text()
     read = source[source.index("    def read(self, names") :]
     assert read.index("guard_torch_dcp()") < read.index("dcp.load(")

@@ -17,7 +17,8 @@ from conftest import REPO, cli, one_line_error, run_dir  # noqa: F401 (run_dir: 
 from fsdp_recipes.ckpt.resume import resolve_resume
 from fsdp_recipes.errors import RecipeError
 
-TINY_DIR = REPO / "assets" / "tiny-llama"  # the config the run was built from
+# the config the run was built from
+TINY_DIR = REPO / "assets" / "tiny-llama"
 RECORDED = ["chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
 
 
@@ -71,15 +72,18 @@ def test_a_recorded_file_changed_since_is_named_by_the_check_the_resume_and_the_
     assert said in out and len(out.strip().splitlines()) == 1, out
     with pytest.raises(RecipeError, match=f"cannot resume from checkpoint-12 .*{name}"):
         resolve_resume(str(ckpt), str(run_dir))
-    if change is made_a_folder:  # the merge's own check of its description files names it first
+    # the merge's own check of its description files names it first
+    if change is made_a_folder:
         assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")]) == 1
         assert "is not a regular file" in one_line_error(capsys.readouterr().err, "merge_checkpoint.py: error: ")
         return
-    if change is deleted and name != "config.json":  # a file gone is no tampering: the merge goes on, and names it
+    # a file gone is no tampering: the merge goes on, and names it
+    if change is deleted and name != "config.json":
         code = cli("merge_checkpoint", [str(ckpt), str(tmp_path / "out")])
         captured = capsys.readouterr()
         assert f"lacks {name}, which the run wrote there" in captured.out, captured
-        if name == "tokenizer.json":  # the rest of the tokenizer does not load without it: one line
+        # the rest of the tokenizer does not load without it: one line
+        if name == "tokenizer.json":
             assert code == 1 and "cannot load the tokenizer" in captured.err.splitlines()[-1], captured.err
         else:
             assert code == 0 and (tmp_path / "out" / "model.safetensors").is_file(), captured.err
@@ -97,15 +101,13 @@ def test_config_from_base_model_and_a_removed_record_let_the_merge_go_on(run_dir
     model_description.json the checkpoint is taken as it is."""
     ckpt = run_dir / "checkpoint-12"
     config = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(
-        json.dumps({**config, "rms_norm_eps": 0.1})
-    )  # edited (transformers reads it for the tokenizer too)
+    # edited (transformers reads it for the tokenizer too)
+    (ckpt / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.1}))
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "a"), "--base-model", str(TINY_DIR)]) == 0, (
         capsys.readouterr().err
     )
-    assert (
-        json.loads((tmp_path / "a" / "config.json").read_text())["rms_norm_eps"] == config["rms_norm_eps"]
-    )  # the base's
+    # the base's
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["rms_norm_eps"] == config["rms_norm_eps"]
     cut_short(ckpt / "chat_template.jinja")
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "b"), "--base-model", str(TINY_DIR)]) == 1
     assert "chat_template.jinja is not as the run wrote it" in capsys.readouterr().err

@@ -28,7 +28,8 @@ from fsdp_recipes.errors import RecipeError
 from fsdp_recipes.train import preflight
 
 CONFIG = "accelerate_configs/zero3.yaml"
-WORLD = 8  # the synthetic checkpoint's ranks
+# the synthetic checkpoint's ranks
+WORLD = 8
 HOST = socket.gethostname()
 
 
@@ -42,7 +43,8 @@ def opened(monkeypatch):
         if event == "open" and watch and isinstance(args[0], (str, Path)) and str(args[0]).startswith(str(watch[0])):
             seen.append(Path(args[0]).name)
 
-    sys.addaudithook(hook)  # cannot be removed: inert once ``watch`` is emptied
+    # cannot be removed: inert once ``watch`` is emptied
+    sys.addaudithook(hook)
     yield seen, watch
     watch.clear()
 
@@ -56,7 +58,8 @@ def test_rank_0_reads_each_rank_file_once_and_the_others_read_none(tmp_path, mon
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     run = tmp_path / "run"
     ckpt = plain_checkpoint(run, 4, WORLD)
-    (newer := plain_checkpoint(run, 8, WORLD)).joinpath("trainer_state.json").unlink()  # incomplete: skipped
+    # incomplete: skipped
+    (newer := plain_checkpoint(run, 8, WORLD)).joinpath("trainer_state.json").unlink()
     seen, watch = opened
     loads = Counter()
     torch_load = torch.load
@@ -66,14 +69,18 @@ def test_rank_0_reads_each_rank_file_once_and_the_others_read_none(tmp_path, mon
 
     plan = Plan(raw=type("Raw", (), {"resume_from_checkpoint": "true", "output_dir": str(run)})())
     watch.append(run)
-    preflight.decide_resume(plan)  # one process: global rank 0
+    # one process: global rank 0
+    preflight.decide_resume(plan)
     watch.clear()
     rng = Counter(name for name in seen if name.startswith("rng_state_"))
-    assert rng == {f"rng_state_{r}.pth": 2 for r in range(WORLD)}, rng  # once in each of the two folders weighed
-    assert sorted(Counter(str(p) for p in loads).values()) == [1] * len(loads)  # every file unpickled once
+    # once in each of the two folders weighed
+    assert rng == {f"rng_state_{r}.pth": 2 for r in range(WORLD)}, rng
+    # every file unpickled once
+    assert sorted(Counter(str(p) for p in loads).values()) == [1] * len(loads)
     assert plan.resume == str(ckpt) and [s.path for s in plan.set_aside] == [newer]
 
-    decision = decide("true", str(run))  # what rank 0 broadcasts
+    # what rank 0 broadcasts
+    decision = decide("true", str(run))
     monkeypatch.setattr(preflight, "_rank", lambda: 3)
     monkeypatch.setattr(preflight, "_broadcast", lambda value: decision)
     monkeypatch.setattr(preflight, "_all_gather", lambda value: [value] * WORLD)
@@ -83,7 +90,8 @@ def test_rank_0_reads_each_rank_file_once_and_the_others_read_none(tmp_path, mon
     watch.append(run)
     preflight.decide_resume(other)
     watch.clear()
-    assert seen == [] and not loads  # folder names only
+    # folder names only
+    assert seen == [] and not loads
     assert (other.resume, other.set_aside) == (plan.resume, plan.set_aside)
 
 
@@ -120,7 +128,8 @@ def test_rank_0s_refusal_reaches_every_rank_and_a_disagreement_comes_first(tmp_p
     """A rank that sees what rank 0 does stops with rank 0's line; one that sees otherwise stops every rank with the
     disagreement instead (rank 0's verdict may rest on a stale view)."""
     run = tmp_path / "run"
-    (run / "checkpoint-6").mkdir(parents=True)  # not a checkpoint: no complete one
+    # not a checkpoint: no complete one
+    (run / "checkpoint-6").mkdir(parents=True)
     raw = type("Raw", (), {"resume_from_checkpoint": "true", "output_dir": str(run)})()
     decision = decide("true", str(run))
     assert decision.error.startswith("--resume_from_checkpoint true: no complete checkpoint-N folder")
@@ -182,7 +191,8 @@ def test_a_folder_only_named_like_a_checkpoint_is_not_moved_aside(tmp_path, make
 def test_an_empty_checkpoint_folder_is_still_a_dead_save(tmp_path):
     from fsdp_recipes.ckpt.resume import resolve_resume
 
-    (tmp_path / "run" / "checkpoint-9").mkdir(parents=True)  # a save killed before its first file
+    # a save killed before its first file
+    (tmp_path / "run" / "checkpoint-9").mkdir(parents=True)
     with pytest.raises(RecipeError, match=r"no complete checkpoint-N folder .* \(incomplete: checkpoint-9\)"):
         resolve_resume("true", str(tmp_path / "run"))
 
@@ -236,13 +246,17 @@ def test_requeue_loop_without_progress_stops(tmp_path, monkeypatch):
     out.mkdir()
     ckpt = str(out / "checkpoint-9")
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    assert check_requeue(str(out), ckpt) is None  # not a requeued job: nothing recorded
-    for restart in range(1, MAX_STALLED_REQUEUES + 1):  # the first requeue, then attempts that start where it did
+    # not a requeued job: nothing recorded
+    assert check_requeue(str(out), ckpt) is None
+    # the first requeue, then attempts that start where it did
+    for restart in range(1, MAX_STALLED_REQUEUES + 1):
         monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
         record = check_requeue(str(out), ckpt)
         assert record == {"restart": restart, "step": 9, "stalled": restart - 1}
-        (out / REQUEUE_RECORD).write_text(json.dumps(record))  # what preflight writes on rank 0
+        # what preflight writes on rank 0
+        (out / REQUEUE_RECORD).write_text(json.dumps(record))
     monkeypatch.setenv("SLURM_RESTART_COUNT", str(MAX_STALLED_REQUEUES + 1))
     with pytest.raises(RecipeError, match=f"requeued {MAX_STALLED_REQUEUES} times in a row without a new checkpoint"):
         check_requeue(str(out), ckpt)
-    assert check_requeue(str(out), str(out / "checkpoint-12"))["stalled"] == 0  # a newer checkpoint: progress
+    # a newer checkpoint: progress
+    assert check_requeue(str(out), str(out / "checkpoint-12"))["stalled"] == 0

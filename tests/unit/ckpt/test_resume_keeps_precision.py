@@ -116,8 +116,10 @@ def test_the_verdict_is_the_casts():
     assert not rounds("int64", "float32") and not rounds("float32", "uint8") and not rounds(None, "bfloat16")
     held = {"a": "bfloat16", "b": "bfloat16", "c": "uint8"}
     assert narrowed({}, held, {"a", "b", "c"}, "float32") == ("a", "float32", "bfloat16")
-    assert narrowed({}, held, set(), "float32") is None  # trained weights a checkpoint lacks: model_mismatch's
-    assert narrowed({"a": "bfloat16"}, held, {"a", "c"}, "float32") is None  # stored beats recorded
+    # trained weights a checkpoint lacks: model_mismatch's
+    assert narrowed({}, held, set(), "float32") is None
+    # stored beats recorded
+    assert narrowed({"a": "bfloat16"}, held, {"a", "c"}, "float32") is None
     assert narrowed({"b": "float32"}, held, set(), None) == ("b", "float32", "bfloat16")
 
 

@@ -90,7 +90,8 @@ def test_damaged_newest_checkpoint_is_named_skipped_and_set_aside(run_dir, damag
     status = checkpoint_status(run_dir / "checkpoint-12")
     assert not status.resumable and any(problem in p for p in status.problems), status.problems
 
-    resume = resolve_resume("true", str(run_dir))  # decides; the preflight moves
+    # decides; the preflight moves
+    resume = resolve_resume("true", str(run_dir))
     assert resume.path == str(run_dir / "checkpoint-6") and (run_dir / "checkpoint-12").is_dir()
     preflight.carry_out(Plan(set_aside=resume.set_aside))
     err = capsys.readouterr().err
@@ -104,7 +105,8 @@ def test_explicit_incomplete_checkpoint_is_refused_with_the_alternative(run_dir)
     (run_dir / "checkpoint-12" / "rng_state_0.pth").unlink()
     with pytest.raises(RecipeError, match=f"resume from {run_dir / 'checkpoint-6'} \\(the newest complete one\\)"):
         resolve_resume(str(run_dir / "checkpoint-12"), str(run_dir))
-    assert (run_dir / "checkpoint-12").is_dir()  # a refused resume moves nothing
+    # a refused resume moves nothing
+    assert (run_dir / "checkpoint-12").is_dir()
     # an earlier checkpoint of the run starts a new branch: the later one is set aside, never rewritten in place
     resume = resolve_resume(str(run_dir / "checkpoint-6"), str(run_dir))
     assert resume.path == str(run_dir / "checkpoint-6") and (run_dir / "checkpoint-12").is_dir()
@@ -130,8 +132,10 @@ def test_sharded_checkpoint_outside_fsdp_is_refused(run_dir, monkeypatch):
 def test_output_dir_of_another_run(run_dir):
     with pytest.raises(RecipeError, match="already holds another run's checkpoints \\(checkpoint-12, checkpoint-6\\)"):
         check_output_dir(str(run_dir), resuming=False, overwrite=False)
-    check_output_dir(str(run_dir), resuming=True, overwrite=False)  # resuming it is fine
-    delete = check_output_dir(str(run_dir), resuming=False, overwrite=True)  # decides; the preflight deletes
+    # resuming it is fine
+    check_output_dir(str(run_dir), resuming=True, overwrite=False)
+    # decides; the preflight deletes
+    delete = check_output_dir(str(run_dir), resuming=False, overwrite=True)
     assert sorted(p.name for p in delete) == ["checkpoint-12", "checkpoint-6"] and (run_dir / "checkpoint-12").is_dir()
     preflight.carry_out(Plan(delete=delete))
     assert not list(run_dir.glob("checkpoint-*")) and (run_dir / "model" / "model.safetensors").is_file()
@@ -162,7 +166,8 @@ def test_cli_one_checkpoint_a_run_and_json(run_dir, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["resume_uses"] == str(run_dir / "checkpoint-6")
     assert [c["resumable"] for c in report["checkpoints"]] == [False, True]
-    assert (run_dir / "checkpoint-12").is_dir()  # the tool only looks
+    # the tool only looks
+    assert (run_dir / "checkpoint-12").is_dir()
     assert cli("check_checkpoint", [str(run_dir / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("check_checkpoint.py: error: ") and "is not a folder" in err

@@ -71,7 +71,8 @@ def failed_save(tmp_path, monkeypatch, *, direct: bool, code: int, at: int) -> B
 
         monkeypatch.setattr(FileSystem, "create_stream", failing)
     with pytest.raises(CheckpointException) as raised, checkpoint_saves(ShardFiles(), direct=direct):
-        shards = tmp_path / "run" / "checkpoint-12" / "pytorch_model_fsdp_0"  # inside output_dir, as a run writes it
+        # inside output_dir, as a run writes it
+        shards = tmp_path / "run" / "checkpoint-12" / "pytorch_model_fsdp_0"
         dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(shards)), no_dist=True)
     monkeypatch.undo()
     return pickle.loads(pickle.dumps(raised.value))
@@ -108,7 +109,8 @@ def _errors(code: int):
         except OSError:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
     except RuntimeError as err:
-        wrapped = err  # torch.save into a Python stream: the OSError is only the context
+        # torch.save into a Python stream: the OSError is only the context
+        wrapped = err
     return [
         ("the write's own", plain),
         ("torch.save's, the write's as its context", wrapped),
@@ -132,7 +134,8 @@ def test_every_shape_of_the_error_gives_the_same_line(tmp_path, code, kept, expo
     assert line.startswith(f"{LINES[code]} {tmp_path}"), line
     assert ("checkpoint-6 is intact" if kept else "no complete checkpoint was written yet") in line, line
     assert ("while writing the final model" in line) is export, line
-    assert ("MB free" in line or "MB is free" in line) is (code == errno.ENOSPC), line  # a quota is not the disk's
+    # a quota is not the disk's
+    assert ("MB free" in line or "MB is free" in line) is (code == errno.ENOSPC), line
 
 
 def torch_save_to_a_path(small: bool) -> RuntimeError:
@@ -172,7 +175,8 @@ def test_an_errno_less_error_is_a_full_disk_only_when_less_than_a_checkpoint_is_
     assert (line is None) is not full, line
 
 
-class ProcessFailure:  # torch elastic's record of a failed child, as ChildFailedError.failures holds it
+# torch elastic's record of a failed child, as ChildFailedError.failures holds it
+class ProcessFailure:
     pass
 
 

@@ -69,9 +69,8 @@ def make_checkpoint(run: Path, step: int, dtype: torch.dtype = torch.float32) ->
         ckpt / OPTIMIZER,
     )
     torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
-    torch.save(
-        {"python": [1], "numpy": [2], "cpu": torch.get_rng_state()}, ckpt / "rng_state.pth"
-    )  # the keys the Trainer reads
+    # the keys the Trainer reads
+    torch.save({"python": [1], "numpy": [2], "cpu": torch.get_rng_state()}, ckpt / "rng_state.pth")
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     return ckpt
 
@@ -173,7 +172,8 @@ def test_another_versions_metadata_is_unreadable_by_this_version_not_incomplete(
     else:
         with pytest.raises(UnknownToThisVersion, match=version):
             read_layout(ckpt / folder)
-    guard_torch_dcp()  # the resume's own load: torch's reader, guarded
+    # the resume's own load: torch's reader, guarded
+    guard_torch_dcp()
     with pytest.raises(UnknownToThisVersion, match=version):
         dcp.FileSystemReader(str(ckpt / folder)).read_metadata()
 
@@ -233,7 +233,8 @@ def test_another_versions_metadata_is_unreadable_by_this_version_not_incomplete(
             resolve_input(run_dir)
     else:
         assert resolve_input(run_dir).checkpoint_dir == ckpt
-    assert snapshot(run_dir) == before  # nothing was moved, set aside or deleted
+    # nothing was moved, set aside or deleted
+    assert snapshot(run_dir) == before
 
 
 def test_the_only_checkpoint_unreadable_by_this_version(tmp_path):
@@ -244,7 +245,8 @@ def test_the_only_checkpoint_unreadable_by_this_version(tmp_path):
         match="checkpoint-4 in .* is unreadable by this version \\(.*resume with the torch version that wrote it$",
     ) as err:
         resolve_resume("true", str(run))
-    assert "--resume_from_checkpoint <" not in str(err.value)  # no earlier checkpoint to offer: none is named
+    # no earlier checkpoint to offer: none is named
+    assert "--resume_from_checkpoint <" not in str(err.value)
     assert (run / "checkpoint-4").is_dir()
 
 
@@ -252,7 +254,8 @@ def test_the_only_checkpoint_unreadable_by_this_version(tmp_path):
     "renames,missing",
     [
         ([("float32", "float9_e9m9")], "rng_state.pth"),
-        ([(f"{DCP}.filesystem", f"{DCP}._fs_v3")], f"{MODEL}/__0_0.distcp"),  # the layout reads: its shards are checked
+        # the layout reads: its shards are checked
+        ([(f"{DCP}.filesystem", f"{DCP}._fs_v3")], f"{MODEL}/__0_0.distcp"),
     ],
 )
 def test_an_incomplete_checkpoint_that_is_also_unreadable_is_incomplete(run_dir, renames, missing):
@@ -265,7 +268,8 @@ def test_an_incomplete_checkpoint_that_is_also_unreadable_is_incomplete(run_dir,
     assert status.summary().endswith(
         f"INCOMPLETE: missing {missing}; and unreadable by this version: " + status.unreadable
     )
-    resume = resolve_resume("true", str(run_dir))  # a missing file is a problem in any version: set aside (moved)
+    # a missing file is a problem in any version: set aside (moved)
+    resume = resolve_resume("true", str(run_dir))
     assert resume.path == str(run_dir / "checkpoint-6") and [a.path.name for a in resume.set_aside] == ["checkpoint-12"]
 
 
@@ -326,7 +330,8 @@ def test_dtypes_this_torch_has_are_resumable(run_dir, name, tmp_path, capsys):
 
     source = DCPSource(ckpt / MODEL)
     expected = torch.arange(12, dtype=torch.float32).reshape(4, 3).to(dtype)
-    if name in ("float8_e4m3fn", "float8_e5m2", "bfloat16"):  # converted: read (through torch's guarded reader)
+    # converted: read (through torch's guarded reader)
+    if name in ("float8_e4m3fn", "float8_e5m2", "bfloat16"):
         got = source.read(["model.w"])["model.w"]
         assert got.dtype == dtype and torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
         return
@@ -410,16 +415,17 @@ def test_a_metadata_file_claiming_more_than_the_limit_is_not_read(tmp_path):
     folder = tmp_path / "pytorch_model_fsdp_0"
     folder.mkdir()
     with open(folder / ".metadata", "wb") as f:
-        f.write(b"\x80\x04\x8e" + (METADATA_LIMIT + 1).to_bytes(8, "little"))  # BINBYTES8 of the claimed length
-        f.truncate(METADATA_LIMIT + 64)  # a hole: nothing on disk
+        # BINBYTES8 of the claimed length
+        f.write(b"\x80\x04\x8e" + (METADATA_LIMIT + 1).to_bytes(8, "little"))
+        # a hole: nothing on disk
+        f.truncate(METADATA_LIMIT + 64)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     layout, problems = check_folder(folder)
     assert layout is None and problems == [
         f"unreadable {folder / '.metadata'} (1.0 GiB, over the 1 GiB this reader takes)"
     ]
-    assert (
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10
-    )  # KiB: nothing near the claim was read
+    # KiB: nothing near the claim was read
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10
 
 
 @pytest.mark.parametrize("kind", ["oversized", "missing keys", "not a mapping", "as the Trainer writes"])

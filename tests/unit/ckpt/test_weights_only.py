@@ -27,9 +27,11 @@ from fsdp_recipes.config.problems import errors
 from fsdp_recipes.errors import RecipeError
 
 TINY = REPO / "assets" / "tiny-llama"
-NO_FSDP = ("--allow_no_fsdp", "true")  # parse_args in this process: no launcher, no FSDP config
+# parse_args in this process: no launcher, no FSDP config
+NO_FSDP = ("--allow_no_fsdp", "true")
 STEP = 4
-SHARDED = "200KB"  # the tiny model's 0.24M fp32 parameters: 6 shards and an index
+# the tiny model's 0.24M fp32 parameters: 6 shards and an index
+SHARDED = "200KB"
 GOOD = ["single file", "indexed shards", "no config.json", "optimizer state removed"]
 DAMAGED = [
     "a missing shard",
@@ -53,7 +55,8 @@ def stock_saves(tmp_path_factory) -> dict[str, Path]:
     for kind, shard in (("single", None), ("indexed", SHARDED)):
         folder = tmp_path_factory.mktemp(kind) / f"checkpoint-{STEP}"
         model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
-        torch.save({"output_dir": "stock-run", "save_only_model": True}, folder / "training_args.bin")  # not read here
+        # not read here
+        torch.save({"output_dir": "stock-run", "save_only_model": True}, folder / "training_args.bin")
         TrainerState(global_step=STEP, max_steps=8, save_steps=STEP).save_to_json(str(folder / "trainer_state.json"))
         saves[kind] = folder
     assert (saves["indexed"] / "model.safetensors.index.json").is_file() and len(
@@ -79,7 +82,8 @@ def make(stock_saves, run: Path, case: str) -> Path:
     shutil.copytree(stock_saves[base], ckpt)
     if case == "no config.json":
         (ckpt / "config.json").unlink()
-    elif case == "optimizer state removed":  # a plain checkpoint whose optimizer.pt someone deleted to save space
+    # a plain checkpoint whose optimizer.pt someone deleted to save space
+    elif case == "optimizer state removed":
         torch.save({"last_epoch": STEP}, ckpt / "scheduler.pt")
         torch.save({"python": [0], "numpy": [0], "cpu": torch.zeros(2)}, ckpt / "rng_state.pth")
     elif case == "a missing shard":
@@ -132,9 +136,8 @@ def test_weights_only_checkpoint_is_its_own_kind(stock_saves, tmp_path, case, ca
     ), summary
     assert "INCOMPLETE" not in summary and "pytorch_model_fsdp_0" not in summary and "optimizer_0" not in summary
     assert f"tools/merge_checkpoint.py {ckpt} OUT" in summary
-    assert (f"--model_name_or_path {ckpt}" in summary) == (
-        case != "no config.json"
-    )  # from_pretrained needs config.json
+    # from_pretrained needs config.json
+    assert (f"--model_name_or_path {ckpt}" in summary) == (case != "no config.json")
     # tools/check_checkpoint.py: the checkpoint, and the run folder (where resume true stops)
     assert cli("check_checkpoint", [str(ckpt)]) == 1
     said = capsys.readouterr().out
@@ -191,7 +194,8 @@ def test_resuming_a_weights_only_checkpoint_is_refused_in_one_line(stock_saves, 
         f"--resume_from_checkpoint true: the newest checkpoint in {str(run)!r} cannot resume: checkpoint-{STEP} {WORDS}"
     ), text
     assert "nothing was skipped, set aside or deleted" in text and "start without" not in text
-    for value in (str(ckpt), "true"):  # the launch's one decision (global rank 0): an error, nothing to set aside
+    # the launch's one decision (global rank 0): an error, nothing to set aside
+    for value in (str(ckpt), "true"):
         decision = decide(value, str(run), trainer_fsdp=True)
         assert decision.path is None and decision.set_aside == [] and WORDS in decision.error, decision
     assert "overwrite_output_dir" not in how_to_go_on(run)
@@ -222,9 +226,8 @@ def test_damaged_weights_only_checkpoints_are_incomplete_as_before(stock_saves, 
     )
     text = refusal(lambda: check_output_dir(str(run), resuming=False, overwrite=False))
     assert "none of them complete" in text and "--overwrite_output_dir true to delete them" in text, text
-    assert check_output_dir(str(run), resuming=False, overwrite=True) == [
-        ckpt
-    ]  # what the flag is for: a save cut short
+    # what the flag is for: a save cut short
+    assert check_output_dir(str(run), resuming=False, overwrite=True) == [ckpt]
     text = refusal(lambda: resolve_resume(str(ckpt), str(run)))
     assert text.startswith(
         f"cannot resume from checkpoint-{STEP} (step {STEP}, WEIGHTS_ONLY): INCOMPLETE: model weights: "
@@ -293,7 +296,8 @@ def test_a_lora_adapter_saved_without_optimizer_state(stock_adapter, tmp_path, d
         ), status.summary()
         if damage == "truncated":
             assert check_output_dir(str(run), resuming=False, overwrite=True) == [ckpt]
-        else:  # peft's README.md without an adapter beside it: a user's folder, as before (layout.is_checkpoint_folder)
+        # peft's README.md without an adapter beside it: a user's folder, as before (layout.is_checkpoint_folder)
+        else:
             assert "not a training checkpoint holding nothing else" in refusal(
                 lambda: check_output_dir(str(run), resuming=False, overwrite=True)
             )
@@ -331,7 +335,8 @@ def test_a_complete_plain_checkpoint_is_still_resumable(tmp_path):
 def test_overwrite_never_deletes_a_checkpoint_unreadable_by_this_version(stock_saves, tmp_path, monkeypatch):
     """The other kind that may be good (another torch version's): refused by --overwrite_output_dir too."""
     run = tmp_path / "run"
-    make(stock_saves, run, "a missing shard")  # a checkpoint folder the flag would otherwise delete
+    # a checkpoint folder the flag would otherwise delete
+    make(stock_saves, run, "a missing shard")
     import fsdp_recipes.ckpt.resume as resume
 
     monkeypatch.setattr(
@@ -383,7 +388,8 @@ def test_save_only_model_is_refused_by_the_script(tmp_path):
     assert SAVE_ONLY_MODEL_WORDS in refusal(
         lambda: parse_args([str(recipe), "--output_dir", str(tmp_path / "out"), *NO_FSDP])
     )
-    parse_args(["--save_only_model", "false", "--output_dir", str(tmp_path / "out"), *NO_FSDP])  # false is fine
+    # false is fine
+    parse_args(["--save_only_model", "false", "--output_dir", str(tmp_path / "out"), *NO_FSDP])
 
 
 def full_state_dict(tmp_path: Path) -> str:

@@ -72,19 +72,22 @@ def _last(header: dict) -> str:
     return max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
 
 
-def _overlap(h, d):  # embed_tokens read from lm_head's bytes: a copy of it, where safetensors says "invalid offset"
+# embed_tokens read from lm_head's bytes: a copy of it, where safetensors says "invalid offset"
+def _overlap(h, d):
     h["model.embed_tokens.weight"]["data_offsets"] = list(h["lm_head.weight"]["data_offsets"])
     return h, d
 
 
-def _huge(h, d):  # 1000x1000 float32 in 4 bytes, as the last tensor
+# 1000x1000 float32 in 4 bytes, as the last tensor
+def _huge(h, d):
     last = _last(h)
     begin = h[last]["data_offsets"][0]
     h[last] = {"dtype": "F32", "shape": [1000, 1000], "data_offsets": [begin, begin + 4]}
     return h, d[: begin + 4]
 
 
-def _gap(h, d):  # the last tensor moved on by 4 bytes nobody accounts for
+# the last tensor moved on by 4 bytes nobody accounts for
+def _gap(h, d):
     last = _last(h)
     begin, end = h[last]["data_offsets"]
     h[last]["data_offsets"] = [begin + 4, end + 4]
@@ -95,7 +98,8 @@ def _tail(h, d):
     return h, d + b"\0" * 64
 
 
-def _fewer_elements(h, d):  # a shape whose bytes are fewer than its offsets span
+# a shape whose bytes are fewer than its offsets span
+def _fewer_elements(h, d):
     last = _last(h)
     h[last]["shape"] = [1]
     return h, d
@@ -117,7 +121,8 @@ def _dtype_not_text(h, d):
     return h, d
 
 
-def _other_dtype_size(h, d):  # F32 bytes said to be F16: half of them
+# F32 bytes said to be F16: half of them
+def _other_dtype_size(h, d):
     h[_last(h)]["dtype"] = "F16"
     return h, d
 
@@ -175,7 +180,8 @@ def safetensors_refuses(path: Path) -> bool:
 def test_a_header_safetensors_refuses_is_refused_everywhere_in_one_line(saves, tmp_path, lie, capsys):
     ckpt = weights_only(saves, tmp_path / "run")
     forge(ckpt, HEADER_LIES[lie])
-    assert safetensors_refuses(ckpt / "model.safetensors")  # the bar this check meets
+    # the bar this check meets
+    assert safetensors_refuses(ckpt / "model.safetensors")
     status = checkpoint_status(ckpt)
     assert not status.weights_only and status.problems, status
     assert status.problems[0].startswith("model weights: model.safetensors "), status.problems
@@ -200,7 +206,8 @@ def _index_names_one(ckpt: Path) -> None:
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-def _wrong_shape(ckpt: Path) -> None:  # the same bytes, the dimensions swapped: every byte accounted for
+# the same bytes, the dimensions swapped: every byte accounted for
+def _wrong_shape(ckpt: Path) -> None:
     def edit(h, d):
         entry = h["model.layers.0.mlp.up_proj.weight"]
         entry["shape"] = entry["shape"][::-1]
@@ -209,7 +216,8 @@ def _wrong_shape(ckpt: Path) -> None:  # the same bytes, the dimensions swapped:
     forge(ckpt, edit)
 
 
-def _integers(ckpt: Path) -> None:  # F32 bytes relabelled I32: the same size, huge values, no NaN
+# F32 bytes relabelled I32: the same size, huge values, no NaN
+def _integers(ckpt: Path) -> None:
     def edit(h, d):
         h["model.layers.0.self_attn.q_proj.weight"]["dtype"] = "I32"
         return h, d
@@ -241,7 +249,8 @@ def _no_tensors(ckpt: Path) -> None:
     write_header(ckpt / "model.safetensors", {"__metadata__": {"format": "pt"}}, b"")
 
 
-NOT_THE_MODEL = {  # headers safetensors reads, of weights that are not the model the folder describes
+# headers safetensors reads, of weights that are not the model the folder describes
+NOT_THE_MODEL = {
     "an index naming one tensor of many": ("sharded", _index_names_one, "the index is not this checkpoint's"),
     "a shape of the same bytes swapped": ("single", _wrong_shape, "describes another model"),
     "a renamed tensor": ("single", _renamed, "describes another model"),
@@ -265,7 +274,8 @@ def test_weights_that_are_not_the_model_beside_them_are_not_called_complete(save
     assert "INCOMPLETE: model weights: " in said and words in said, said
 
 
-TRAINER_STATES = {  # trainer_state.json beside whole weights, as a careless copy or a hostile user leaves it
+# trainer_state.json beside whole weights, as a careless copy or a hostile user leaves it
+TRAINER_STATES = {
     "a list": "[]",
     "null": "null",
     "cut short": '{"global_step": 4, "log_hist',
@@ -286,7 +296,8 @@ def test_whole_weights_are_never_deleted_whatever_trainer_state_holds(saves, tmp
     """--overwrite_output_dir deleted these weights when trainer_state.json was [], null, cut short or empty (and a
     save of ours without it), and kept the same folder with {}: the verdict now reads the weights alone."""
     run = tmp_path / "run"
-    ckpt = make_folder(run / f"checkpoint-{STEP}", CHECKPOINT_PURPOSE)  # a run of ours made it: its marker
+    # a run of ours made it: its marker
+    ckpt = make_folder(run / f"checkpoint-{STEP}", CHECKPOINT_PURPOSE)
     shutil.copytree(saves["single"], ckpt, dirs_exist_ok=True)
     if TRAINER_STATES[state] is None:
         (ckpt / "trainer_state.json").unlink()
@@ -294,7 +305,8 @@ def test_whole_weights_are_never_deleted_whatever_trainer_state_holds(saves, tmp
         (ckpt / "trainer_state.json").write_text(TRAINER_STATES[state])
     status = checkpoint_status(ckpt)
     assert status.weights_only and status.may_be_good and not status.resumable, status
-    assert "trainer_state.json" in "; ".join(status.problems)  # said, as what it is
+    # said, as what it is
+    assert "trainer_state.json" in "; ".join(status.problems)
     before = snapshot(run)
     for overwrite in (False, True):
         with pytest.raises(RecipeError) as caught:
@@ -303,7 +315,8 @@ def test_whole_weights_are_never_deleted_whatever_trainer_state_holds(saves, tmp
     assert snapshot(run) == before
 
 
-NON_FINITE = {  # (value written into one weight, --dtype of the merge)
+# (value written into one weight, --dtype of the merge)
+NON_FINITE = {
     "NaN": (float("nan"), None),
     "infinity": (float("inf"), None),
     "NaN cast to bfloat16": (float("nan"), "bfloat16"),
@@ -348,6 +361,7 @@ def test_a_copy_without_its_tokenizer_files_merges_and_says_which_are_missing(sa
     said = capsys.readouterr().out
     assert "lacks tokenizer.json, tokenizer_config.json" in said, said
     assert (out / "model.safetensors").is_file() and not (out / "tokenizer.json").exists()
-    (ckpt / "config.json").write_text((ckpt / "config.json").read_text().replace("64", "64 "))  # changed: refused
+    # changed: refused
+    (ckpt / "config.json").write_text((ckpt / "config.json").read_text().replace("64", "64 "))
     assert cli("merge_checkpoint", [str(ckpt), str(tmp_path / "again")]) == 1
     assert "config.json is not as the run wrote it" in capsys.readouterr().err

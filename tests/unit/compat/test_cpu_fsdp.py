@@ -41,7 +41,8 @@ def test_enable_applies_nowhere_else():
         {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "1"},
         {"ACCELERATE_USE_FSDP": "false", "WORLD_SIZE": "2"},
         {"WORLD_SIZE": "2"},
-        {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "SIMULATE_ACCELERATOR": "1"},  # a GPU node: the stock path
+        # a GPU node: the stock path
+        {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "SIMULATE_ACCELERATOR": "1"},
     ]
     assert probe(cases) == [["False", "False", "None", "False"]] * len(cases)
 
@@ -59,7 +60,8 @@ def test_unwrapped_model_under_an_fsdp_launch_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("FSDP_VERSION", "2")
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama"))
     with pytest.raises(NotShardedError, match="asks for FSDP2 but the model is LlamaForCausalLM"):
-        verify_and_report(model, Accelerator(cpu=True), str(tmp_path))  # this process: no FSDP
+        # this process: no FSDP
+        verify_and_report(model, Accelerator(cpu=True), str(tmp_path))
 
 
 def test_every_program_that_starts_a_process_group_ends_it():

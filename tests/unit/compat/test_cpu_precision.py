@@ -78,18 +78,21 @@ def test_native_bf16_from_cpuinfo(text, expected):
 
 def test_only_whole_instruction_names_count():
     assert native_bf16("flags\t\t: avx2 avx512_bf16x xavx512_bf16\n") is False
-    assert native_bf16("Features\t: fp asimd svebf16\n") is False  # SVE's bf16 alone is not the base BF16 feature
+    # SVE's bf16 alone is not the base BF16 feature
+    assert native_bf16("Features\t: fp asimd svebf16\n") is False
 
 
 def test_cpu_name():
     assert cpu_name(EPYC_AVX2) == "AMD EPYC 7B13"
-    assert cpu_name(NEOVERSE_V1)  # Arm has no model name: the machine's architecture stands in
+    # Arm has no model name: the machine's architecture stands in
+    assert cpu_name(NEOVERSE_V1)
 
 
 @pytest.fixture
 def no_accelerator(monkeypatch):
     monkeypatch.setattr(cpu_fsdp, "accelerator_present", lambda: False)
-    monkeypatch.setattr(cpu_fsdp, "_CPU_PRECISION", None)  # the decision is per process: none left to other tests
+    # the decision is per process: none left to other tests
+    monkeypatch.setattr(cpu_fsdp, "_CPU_PRECISION", None)
 
 
 def test_bf16_from_the_launcher_computes_in_fp32_without_native_bf16(no_accelerator):

@@ -32,19 +32,22 @@ def test_a_snapshot_reused_by_every_save_and_made_again_on_a_new_shape():
     stager = ReusedHostCopy()
     first = stager.stage(live)
     expected = {"w": live["w"].clone(), "exp_avg": live["optim"]["exp_avg"].clone()}
-    live["w"].add_(1.0)  # training goes on after the save started
+    # training goes on after the save started
+    live["w"].add_(1.0)
     live["optim"]["exp_avg"].mul_(2.0)
     assert torch.equal(first["w"], expected["w"]) and torch.equal(first["optim"]["exp_avg"], expected["exp_avg"])
     assert set(pointers(first)).isdisjoint(pointers(live))
 
-    for _step in range(25):  # the later saves copy into the same buffers
+    # the later saves copy into the same buffers
+    for _step in range(25):
         live["w"].add_(1.0)
         again = stager.stage(live)
         assert pointers(again) == pointers(first)
         assert torch.equal(again["w"], live["w"]) and torch.equal(again["optim"]["exp_avg"], live["optim"]["exp_avg"])
     assert stager.made == 1
 
-    live["w"] = torch.randn(32, 8)  # another shape: a new host copy, not a failed copy into the old one
+    # another shape: a new host copy, not a failed copy into the old one
+    live["w"] = torch.randn(32, 8)
     third = stager.stage(live)
     assert stager.made == 2 and third["w"].shape == (32, 8) and torch.equal(third["w"], live["w"])
 
@@ -73,7 +76,8 @@ def test_a_tied_weight_gets_one_host_buffer_and_is_counted_once():
     live = {"model": {"embed_tokens.weight": embedding, "lm_head.weight": embedding, "norm.weight": torch.ones(4)}}
     stager = ReusedHostCopy()
     staged = stager.stage(live)
-    assert staged["model"]["embed_tokens.weight"] is staged["model"]["lm_head.weight"]  # one buffer for both names
+    # one buffer for both names
+    assert staged["model"]["embed_tokens.weight"] is staged["model"]["lm_head.weight"]
     assert torch.equal(staged["model"]["lm_head.weight"], embedding)
     assert staged["model"]["norm.weight"].data_ptr() != staged["model"]["lm_head.weight"].data_ptr()
     assert local_bytes(live) == (10 * 4 + 4) * 4
@@ -97,9 +101,11 @@ def test_in_place_hands_host_tensors_to_the_writer_as_they_are_and_copies_nothin
         staged = stager.stage(live)
         assert staged is live and stager.last_in_place and stager.made == 0 and stager.copy is None
     assert on_host(live) and not on_host({"a": [torch.ones(2), torch.empty(2, device="meta")]})
-    assert on_host({"lr": 0.1, "names": ["w"]})  # no tensor at all: nothing to copy
+    # no tensor at all: nothing to copy
+    assert on_host({"lr": 0.1, "names": ["w"]})
 
-    copying = ReusedHostCopy()  # --async_checkpoint_staging copy
+    # --async_checkpoint_staging copy
+    copying = ReusedHostCopy()
     staged = copying.stage(live)
     assert not copying.last_in_place and copying.made == 1
     assert set(pointers(staged)).isdisjoint(pointers(live)) and torch.equal(staged["model"]["w"], live["model"]["w"])
@@ -122,14 +128,16 @@ def test_an_optimizer_that_moves_weights_outside_its_step_keeps_the_host_copy():
     params = [torch.nn.Parameter(torch.ones(2))]
 
     def decision(optim_name, inner, staging="auto"):
-        wrapper = SimpleNamespace(optimizer=inner, train=lambda: None)  # accelerate's wrapper has train() of its own
+        # accelerate's wrapper has train() of its own
+        wrapper = SimpleNamespace(optimizer=inner, train=lambda: None)
         trainer = SimpleNamespace(
             args=SimpleNamespace(optim=optim_name), optimizer=wrapper if inner is not None else None
         )
         return AsyncCheckpoints(trainer, True, staging=staging).in_place_allowed()
 
     assert decision("adamw_torch", torch.optim.AdamW(params))
-    assert decision("adamw_torch", None)  # before the optimizer exists (the run's first line)
+    # before the optimizer exists (the run's first line)
+    assert decision("adamw_torch", None)
     assert not decision("adamw_torch", ScheduleFreeLike(params, lr=0.1))
     assert not decision("schedule_free_adamw", None)
     assert not decision("adamw_torch", torch.optim.AdamW(params), staging="copy")
@@ -153,7 +161,8 @@ def test_background_saves_ask_accelerate_for_the_shards_where_they_live(fails):
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True
     )
-    assert _prepare_sd_options(plugin).cpu_offload  # accelerate's own choice, which the save must not inherit
+    # accelerate's own choice, which the save must not inherit
+    assert _prepare_sd_options(plugin).cpu_offload
     trainer = SimpleNamespace(
         accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)),
         state=SimpleNamespace(save_to_json=None),
@@ -200,7 +209,8 @@ def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torc
     ahead = HostBuffers(
         HostBuffers.shapes_of([embedding, norm, live["optim"]["state"]["norm.weight"]["exp_avg"]]), pin=None
     )
-    ahead.take(torch.int8, (1,))  # waits for the thread: what it made can be listed (a miss, counted below)
+    # waits for the thread: what it made can be listed (a miss, counted below)
+    ahead.take(torch.int8, (1,))
     foreseen = [b.data_ptr() for found in ahead.free.values() for b in found]
     stager = ReusedHostCopy(ahead=ahead)
     staged = stager.stage(live)
@@ -212,10 +222,13 @@ def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torc
         staged["model"]["norm.weight"].to_local().data_ptr(),
         staged["optim"]["state"]["norm.weight"]["exp_avg"].to_local().data_ptr(),
     }
-    assert taken == set(foreseen)  # each buffer made ahead is in the copy, and nothing else of those shapes was made
+    # each buffer made ahead is in the copy, and nothing else of those shapes was made
+    assert taken == set(foreseen)
+    # tied: one buffer
     assert (
         staged["model"]["lm_head.weight"].to_local().data_ptr() == staged["model"]["embed.weight"].to_local().data_ptr()
-    )  # tied: one buffer
+    )
+    # (3, 2) and int8: not foreseen
     assert report == {
         "bytes": (12 * 4 + 4 + 4) * 4,
         "seconds": report["seconds"],
@@ -224,14 +237,13 @@ def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torc
         "tensors_made_at_save": 2,
         "bytes_not_taken": 0,
         "save_waited_seconds": report["save_waited_seconds"],
-    }  # (3, 2) and int8: not foreseen
+    }
     assert isinstance(staged["model"]["norm.weight"], DTensor) and staged["model"]["norm.weight"].placements == (
         Shard(0),
     )
     scale = live["optim"]["state"]["norm.weight"]["scale"]
-    assert (
-        staged["optim"]["state"]["norm.weight"]["scale"] is scale
-    )  # a 0-dim DTensor: handed on as torch's helper does
+    # a 0-dim DTensor: handed on as torch's helper does
+    assert staged["optim"]["state"]["norm.weight"]["scale"] is scale
     assert set(pointers(staged)) & set(pointers(live)) == {scale.to_local().data_ptr()}
     for name in ("embed.weight", "norm.weight"):
         assert torch.equal(staged["model"][name].to_local(), live["model"][name].to_local())
@@ -242,7 +254,8 @@ def test_the_first_host_copy_is_built_around_buffers_made_ahead_and_matches_torc
         torch.equal(staged["optim"]["extra"][0], live["optim"]["extra"][0]) and staged["optim"]["extra"][1].numel() == 0
     )
 
-    embedding.to_local().add_(1.0)  # the next save: the same buffers, the new values
+    # the next save: the same buffers, the new values
+    embedding.to_local().add_(1.0)
     again = stager.stage(live)
     assert pointers(again) == pointers(staged) and stager.made == 1
     assert torch.equal(again["model"]["lm_head.weight"].to_local(), embedding.to_local())

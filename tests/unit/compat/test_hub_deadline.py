@@ -23,8 +23,10 @@ from conftest import REPO
 # a subprocess scenario of 35 s (the library retries some requests): the full tier's, the quick tier stays within 3 min
 pytestmark = pytest.mark.slow
 
-WATCHDOG = 60  # seconds a call may take in the child before it is reported as hung
-BOUND = 15  # seconds: the 1 s deadline and a loaded machine's slowness
+# seconds a call may take in the child before it is reported as hung
+WATCHDOG = 60
+# seconds: the 1 s deadline and a loaded machine's slowness
+BOUND = 15
 # huggingface_hub retries these requests on a timeout, 5 times, 1, 2, 4, 8 and 8 s apart: 6 deadlines and 23 s
 RETRIED = {"upload: list_repo_files", "upload: preupload"}
 RETRIED_BOUND = 6 * 1 + 23 + BOUND
@@ -221,9 +223,11 @@ def test_a_hub_that_never_answers_ends_each_call_in_time_with_one_line(outcomes,
     seconds, said = outcomes[case]["seconds"], outcomes[case]["said"]
     assert seconds < (RETRIED_BOUND if case in RETRIED else BOUND), f"{case}: {seconds:.1f} s, {outcomes[case]}"
     assert "\n" not in said and "no answer within the deadline" in said and "HF_HUB_DOWNLOAD_TIMEOUT" in said, said
-    if case.startswith("upload"):  # after training: the model is kept, and the command that uploads it is named
+    # after training: the model is kept, and the command that uploads it is named
+    if case.startswith("upload"):
         assert said.startswith("the model is saved, but its upload to tester/") and "`hf upload tester/" in said, said
-    elif case.startswith("push"):  # before training: stopped, with the way round
+    # before training: stopped, with the way round
+    elif case.startswith("push"):
         assert said.startswith("the hub cannot be reached (") and "WAY ROUND" in said, said
     else:
         assert "the hub cannot be reached (" in said and "HF_HUB_OFFLINE=1" in said, said

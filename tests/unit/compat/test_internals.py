@@ -95,7 +95,8 @@ def bypasses(sources: dict[str, str]) -> list[str]:
                         found.append(f"{name}:{node.lineno}: super().{node.attr} (override not registered)")
                 elif node.attr not in ours and node.attr not in STDLIB:
                     found.append(f"{name}:{node.lineno}: .{node.attr}")
-            elif (  # getattr(obj, "_name") and its kin: the same reach, spelled as a string
+            # getattr(obj, "_name") and its kin: the same reach, spelled as a string
+            elif (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
                 and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
@@ -160,7 +161,8 @@ def test_the_scanner_finds_what_it_must():
 def test_every_registered_name_is_used_and_every_used_name_registered():
     strings, unregistered = registry_strings(sources())
     assert unregistered == []
-    assert sorted(set(internals.PRIVATE) - strings) == []  # a stale entry would hide a real one
+    # a stale entry would hide a real one
+    assert sorted(set(internals.PRIVATE) - strings) == []
 
 
 def test_every_private_method_our_classes_override_is_registered():
@@ -175,9 +177,8 @@ def test_every_private_method_our_classes_override_is_registered():
             library_bases = [b for b in cls.__mro__[1:] if b.__module__.split(".")[0] in LIBRARIES]
             for name in vars(cls):
                 for base in library_bases:
-                    if (
-                        is_private(name) and name in vars(base) and name != "_abc_impl"
-                    ):  # ABCMeta sets it on every subclass
+                    # ABCMeta sets it on every subclass
+                    if is_private(name) and name in vars(base) and name != "_abc_impl":
                         top = base.__module__.split(".")[0]
                         if not any(
                             r.startswith(f"{top}.") and r.endswith(f".{base.__name__}.{name}") for r in registered
@@ -207,7 +208,8 @@ def test_a_missing_symbol_stops_cpu_fsdp_before_anything_is_patched():
     message, state = proc.stdout.strip().splitlines()
     assert "has no torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu" in message
     assert "torch==2.13.0" in message and "pip install -r requirements.txt" in message
-    assert state.split() == ["True", "None", "pin_memory"]  # nothing patched, still on the stock path
+    # nothing patched, still on the stock path
+    assert state.split() == ["True", "None", "pin_memory"]
 
 
 def test_a_renamed_trainer_method_stops_the_trainer_before_it_trains(monkeypatch):

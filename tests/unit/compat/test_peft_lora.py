@@ -21,7 +21,8 @@ def tiny_model():
 
 def alias_warnings(call) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # not just once per place: every warning the call raises
+        # not just once per place: every warning the call raises
+        warnings.simplefilter("always")
         result = call()
     return result, [str(w.message) for w in caught if issubclass(w.category, FutureWarning) and ALIAS in str(w.message)]
 

@@ -46,11 +46,14 @@ def scatter_as(monkeypatch, world: int):
 )
 def test_each_rank_keeps_torchs_padded_shard_as_received(monkeypatch, torch_get_shard, numel, world):
     me = scatter_as(monkeypatch, world)
-    full = torch.arange(1, numel + 1, dtype=torch.float32)  # no zero: padding is told apart
-    assert rank0_loading._scatter_chunks(full.clone(), None, keep=True) is None  # rank 0 sends, keeps its own
+    # no zero: padding is told apart
+    full = torch.arange(1, numel + 1, dtype=torch.float32)
+    # rank 0 sends, keeps its own
+    assert rank0_loading._scatter_chunks(full.clone(), None, keep=True) is None
     for rank in range(1, world):
         me["rank"] = rank
-        flat = torch.full((numel,), float("nan"))  # stands for the untouched flat parameter
+        # stands for the untouched flat parameter
+        flat = torch.full((numel,), float("nan"))
         received = rank0_loading._scatter_chunks(flat, None, keep=True)
         assert received is not None and flat.isnan().all(), "the flat parameter was written"
         monkeypatch.setitem(rank0_loading._kept, id(flat), (flat, received))
@@ -107,7 +110,8 @@ def test_fsdp_shards_a_unit_into_the_buffer_received(monkeypatch, torch_get_shar
         True,
     )
     flat = handle.flat_param
-    received = flat.detach().clone()  # one rank: its shard is the whole flat parameter, alignment padding included
+    # one rank: its shard is the whole flat parameter, alignment padding included
+    received = flat.detach().clone()
     monkeypatch.setitem(rank0_loading._kept, id(flat), (flat, received))
     handle.shard()
     assert handle.flat_param is flat and flat.data_ptr() == received.data_ptr(), "FSDP copied the shard received"

@@ -58,7 +58,8 @@ def lfs_hub(tmp_path, monkeypatch):
             if method == "PUT" and (put := LFS_PUT.fullmatch(path)):
                 hub.received[put.group(1)] = body
                 return {}
-            if method == "POST" and COMMIT.fullmatch(path):  # lfsFile lines: the bytes the PUT brought
+            # lfsFile lines: the bytes the PUT brought
+            if method == "POST" and COMMIT.fullmatch(path):
                 lines = [json.loads(line) for line in body.splitlines() if line.strip()]
                 for line in lines:
                     if line.get("key") == "lfsFile":
@@ -76,7 +77,8 @@ def lfs_hub(tmp_path, monkeypatch):
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
-        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", False)  # hf_xet would be used
+        # hf_xet would be used
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", False)
         monkeypatch.setenv("HF_TOKEN", hub.token)
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
         monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -108,7 +110,9 @@ def test_the_weights_go_up_over_http_not_hf_xet(tmp_path, lfs_hub, folder):
 
     xet = [request for request in lfs_hub.requests if "xet" in request[1].lower()]
     assert xet == [] and lfs_hub.unhandled == [], (xet, lfs_hub.unhandled)
-    assert sorted(lfs_hub.received.values()) == sorted(expected.values())  # each file's bytes, in one PUT
+    # each file's bytes, in one PUT
+    assert sorted(lfs_hub.received.values()) == sorted(expected.values())
     repo = lfs_hub.repo_folder("tester/pushed")
     assert {name: (repo / name).read_bytes() for name in expected} == expected
-    assert huggingface_hub.constants.HF_HUB_DISABLE_XET is False  # for this upload only
+    # for this upload only
+    assert huggingface_hub.constants.HF_HUB_DISABLE_XET is False

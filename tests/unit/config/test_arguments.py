@@ -23,7 +23,8 @@ from fsdp_recipes.train import preflight
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml"))
 TINY = f"config_name: {REPO}/assets/tiny-llama\n"
 CORPUS = f"train_file: {REPO}/assets/data/tiny_corpus.txt\n"
-NO_FSDP = ("--allow_no_fsdp", "true")  # parse_args in this process: no launcher, no FSDP config
+# parse_args in this process: no launcher, no FSDP config
+NO_FSDP = ("--allow_no_fsdp", "true")
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -35,10 +36,13 @@ def write(tmp_path: Path, text: str) -> str:
 def test_default_recipe_when_no_recipe_given(tmp_path):
     model_args, data_args, plan = parse_args(["--max_steps", "20", "--output_dir", str(tmp_path), *NO_FSDP])
     training_args, _ = preflight.start(plan)
-    assert model_args.config_name == str(REPO / "assets" / "tiny-llama")  # anchored to the repository
+    # anchored to the repository
+    assert model_args.config_name == str(REPO / "assets" / "tiny-llama")
     assert data_args.train_file == str(REPO / "assets" / "data" / "tiny_corpus.txt")
-    assert training_args.max_steps == 20  # flag overrides the recipe's 120
-    assert training_args.learning_rate == 3e-3  # from the recipe
+    # flag overrides the recipe's 120
+    assert training_args.max_steps == 20
+    # from the recipe
+    assert training_args.learning_rate == 3e-3
     assert DEFAULT_RECIPE.is_file()
 
 
@@ -49,25 +53,27 @@ def test_shipped_recipes_parse(recipe, monkeypatch):
     from fsdp_recipes.config import model_source
 
     monkeypatch.chdir(REPO)
-    for ask in ("file_exists", "repo_exists"):  # a hub that has the recipes' models (this machine cannot reach it)
+    # a hub that has the recipes' models (this machine cannot reach it)
+    for ask in ("file_exists", "repo_exists"):
         monkeypatch.setattr(huggingface_hub, ask, lambda *args, **kwargs: True)
-    monkeypatch.setattr(
-        model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__)
-    )  # its own answers
+    # its own answers
+    monkeypatch.setattr(model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__))
     text = recipe.read_text()
-    if "model_name_or_path: runs/" in text:  # a recipe that starts from the default run's output
+    # a recipe that starts from the default run's output
+    if "model_name_or_path: runs/" in text:
         pytest.skip("needs the default run's output; exercised by test_chat_sft_from_local_folder")
-    if "load_in_4bit: true" in text and (problem := qlora_problem()):  # QLoRA without CUDA: one clear line
+    # QLoRA without CUDA: one clear line
+    if "load_in_4bit: true" in text and (problem := qlora_problem()):
         with pytest.raises(RecipeError, match=re.escape(problem)):
             parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])
         return
-    if "use_liger_kernel: true" in text and not torch.cuda.is_available():  # Liger's kernels need a GPU
+    # Liger's kernels need a GPU
+    if "use_liger_kernel: true" in text and not torch.cuda.is_available():
         with pytest.raises(RecipeError, match=re.escape("use_liger_kernel=true needs ")):
             parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])
         return
-    preflight.start(
-        parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])[2]
-    )  # TrainingArguments' own checks too
+    # TrainingArguments' own checks too
+    preflight.start(parse_args([str(recipe), "--output_dir", "/tmp/unused", *NO_FSDP])[2])
 
 
 def test_recipe_sets_defaults_and_flags_override(tmp_path):
@@ -102,7 +108,8 @@ def test_bad_recipe_is_a_clear_error(tmp_path, text, message):
 def test_resume_true_without_checkpoint_is_a_clear_error(tmp_path):
     plan = parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "true", *NO_FSDP])[2]
     with pytest.raises(RecipeError, match="no complete checkpoint-N folder"):
-        preflight.decide_resume(plan)  # the resume is decided once the process group exists (here: one process)
+        # the resume is decided once the process group exists (here: one process)
+        preflight.decide_resume(plan)
 
 
 def test_help_lists_script_and_training_arguments(capsys, monkeypatch):
@@ -123,7 +130,8 @@ def test_help_lists_script_and_training_arguments(capsys, monkeypatch):
         "--allow_no_fsdp",
     ):
         assert flag in shown
-    text = " ".join(shown.split())  # argparse wraps lines
+    # argparse wraps lines
+    text = " ".join(shown.split())
     assert "train_fsdp.py [recipe.yaml] [--flag value ...]" in text and "--resume_from_checkpoint true" in text
 
 
@@ -156,19 +164,22 @@ def test_model_sources_that_cannot_load(trained, tmp_path, monkeypatch):
     from fsdp_recipes.config.model_source import model_source_problem
 
     run_dir = trained("accelerate_configs/zero3.yaml").output_dir
-    assert model_source_problem(str(run_dir / "model"), weights=True) is None  # a final model folder
+    # a final model folder
+    assert model_source_problem(str(run_dir / "model"), weights=True) is None
     assert f"is a training run's folder: its final model is {run_dir / 'model'}; give that" == model_source_problem(
         str(run_dir), weights=True
     )
     assert "is a sharded FSDP checkpoint: merge it first" in model_source_problem(
         str(run_dir / "checkpoint-6"), weights=True
     )
-    assert model_source_problem(str(run_dir / "checkpoint-6"), weights=False) is None  # its tokenizer is fine
+    # its tokenizer is fine
+    assert model_source_problem(str(run_dir / "checkpoint-6"), weights=False) is None
     assert "without config.json" in model_source_problem(str(tmp_path), weights=True)
     assert "is a file" in model_source_problem(str(run_dir / "model" / "config.json"), weights=True)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs").mkdir()
-    assert "does not exist" in model_source_problem("outputs/my-run", weights=True)  # a path, not a hub id
+    # a path, not a hub id
+    assert "does not exist" in model_source_problem("outputs/my-run", weights=True)
     # online and not in the cache: the hub is asked once (this machine cannot reach it: one line, not a minute of
     # retries)
     assert "the hub cannot be reached" in model_source_problem("meta-llama/Llama-3.2-1B", weights=True)
@@ -189,7 +200,8 @@ def test_a_torchrun_fsdp_config_key_trainingarguments_ignores_is_named_with_its_
 
     keys = trainer_fsdp_keys()
     ignored = sorted(k for k in accelerate_launch_options() if k.startswith("fsdp_") and k[5:] not in keys)
-    assert ignored  # accelerate has keys TrainingArguments does not read (fsdp_sharding_strategy, ...)
+    # accelerate has keys TrainingArguments does not read (fsdp_sharding_strategy, ...)
+    assert ignored
     for key in ignored:
         (path := tmp_path / "fsdp.json").write_text(json.dumps({"version": 2, key: "FULL_SHARD"}))
         with pytest.raises(RecipeError) as err:
@@ -205,7 +217,8 @@ def test_torchrun_route_fsdp_flags(tmp_path):
 
     shipped = str(REPO / "accelerate_configs" / "torchrun" / "zero3.json")
     raw = argparse.Namespace(fsdp="true", fsdp_config=shipped)
-    assert check_trainer_fsdp(raw) is True and raw.fsdp is True  # the string TrainingArguments would reject
+    # the string TrainingArguments would reject
+    assert check_trainer_fsdp(raw) is True and raw.fsdp is True
     assert check_trainer_fsdp(argparse.Namespace(fsdp="false", fsdp_config=None)) is False
     assert check_trainer_fsdp(argparse.Namespace(fsdp=None, fsdp_config=None)) is False
     typo = tmp_path / "fsdp.json"
@@ -234,7 +247,8 @@ FSDP_TYPOS = sorted(
         | {w.replace("_", "-") for w in FSDP_WORDS if "_" in w}
         | {w + "s" for w in FSDP_WORDS}
     )
-    - set(FSDP_WORDS)  # full_shard with its two l's swapped
+    # full_shard with its two l's swapped
+    - set(FSDP_WORDS)
 )
 
 
@@ -245,7 +259,8 @@ def test_an_fsdp_word_trainingarguments_refuses_is_named_before_the_process_coun
     as a flag and as a recipe's list."""
     from transformers import TrainingArguments
 
-    with pytest.raises(ValueError, match="Unknown `fsdp` option"):  # the oracle: transformers' own refusal
+    # the oracle: transformers' own refusal
+    with pytest.raises(ValueError, match="Unknown `fsdp` option"):
         TrainingArguments._apply_legacy_fsdp_to_config(f"auto_wrap {typo}", {"version": 1})
     (recipe := tmp_path / "r.yaml").write_text(f"fsdp: [auto_wrap, {typo}]\n")
     for argv in (["--fsdp", f"auto_wrap {typo}"], [str(recipe)]):
@@ -260,8 +275,10 @@ def test_every_fsdp_word_trainingarguments_takes_passes_the_check():
 
     from fsdp_recipes.config.trainer_fsdp import unknown_fsdp_options
 
-    assert FSDP_WORDS == [o.value for o in FSDPOption]  # a new option is added above, with its typos
-    taken = [*FSDP_WORDS, *FSDP_SHARDING_STRATEGY]  # TrainingArguments takes a strategy in upper case too
+    # a new option is added above, with its typos
+    assert FSDP_WORDS == [o.value for o in FSDPOption]
+    # TrainingArguments takes a strategy in upper case too
+    taken = [*FSDP_WORDS, *FSDP_SHARDING_STRATEGY]
     assert unknown_fsdp_options(" ".join(taken)) == [] and unknown_fsdp_options(taken) == []
     assert unknown_fsdp_options(True) == unknown_fsdp_options(None) == []
 
@@ -301,7 +318,8 @@ def test_fsdp_config_is_a_file_json_text_or_a_recipe_mapping_as_trainingargument
     recipe = tmp_path / "recipe.yaml"
     tiny = {"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt"}
     recipe.write_text(yaml.safe_dump({**tiny, "fsdp": "true", "fsdp_config": mapping}))
-    listed = tmp_path / "listed.yaml"  # fsdp as TrainingArguments' list of options, as recipes write it too
+    # fsdp as TrainingArguments' list of options, as recipes write it too
+    listed = tmp_path / "listed.yaml"
     listed.write_text(yaml.safe_dump({**tiny, "fsdp": ["full_shard"], "fsdp_config": mapping}))
     forms = {
         "file": ["--fsdp", "true", "--fsdp_config", str(TORCHRUN_ZERO3), "--train_file", tiny["train_file"]],
@@ -310,13 +328,16 @@ def test_fsdp_config_is_a_file_json_text_or_a_recipe_mapping_as_trainingargument
         "recipe list": [str(listed)],
     }
     monkeypatch.chdir(REPO)
-    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's 2 processes: FSDP over gloo needs them
+    # torchrun's 2 processes: FSDP over gloo needs them
+    monkeypatch.setenv("WORLD_SIZE", "2")
     plugins = {}
     for form, argv in forms.items():
         _, _, plan = parse_args([*argv, "--output_dir", str(tmp_path / "out")])
         assert plan.trainer_fsdp, form
-        with mock.patch.dict(os.environ):  # TrainingArguments with fsdp sets accelerate's FSDP_* variables
-            del os.environ["WORLD_SIZE"]  # the oracle is one process, no group
+        # TrainingArguments with fsdp sets accelerate's FSDP_* variables
+        with mock.patch.dict(os.environ):
+            # the oracle is one process, no group
+            del os.environ["WORLD_SIZE"]
             oracle = TrainingArguments(
                 output_dir=str(tmp_path / "oracle"), fsdp=plan.raw.fsdp, fsdp_config=plan.raw.fsdp_config, use_cpu=True
             )
@@ -347,7 +368,8 @@ def test_fsdp_config_is_a_file_json_text_or_a_recipe_mapping_as_trainingargument
     ],
 )
 def test_a_dict_valued_field_s_bad_mapping_is_one_line(tmp_path, monkeypatch, argv, said):
-    if isinstance(argv[0], dict):  # a recipe
+    # a recipe
+    if isinstance(argv[0], dict):
         (recipe := tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"config_name": "assets/tiny-llama", **argv[0]}))
         argv = [str(recipe)]
     monkeypatch.chdir(REPO)
@@ -364,7 +386,8 @@ GOOD_MAPPINGS = {
     "gradient_checkpointing_kwargs": {"use_reentrant": False},
     "lr_scheduler_kwargs": {"last_epoch": -1},
 }
-FILE_TAKEN = {"accelerator_config"}  # TrainingArguments reads a file only for these (and fsdp_config)
+# TrainingArguments reads a file only for these (and fsdp_config)
+FILE_TAKEN = {"accelerator_config"}
 
 
 def dict_forms(key: str, mapping, tmp_path: Path) -> dict[str, list[str]]:
@@ -415,11 +438,13 @@ def test_a_dict_valued_field_s_bad_value_is_one_line_in_every_form(key, tmp_path
     }
     cases["bad JSON"] = ([f"--{key}", '{"a": '], f"--{key} is not valid JSON")
     cases["too deep for json"] = ([f"--{key}", '{"a": ' * 10**5], f"--{key} is not valid JSON (maximum recursion")
-    deep = "{" + '"a": {' * 40 + "}" * 41  # json reads it; TrainingArguments' recursive conversion might not
+    # json reads it; TrainingArguments' recursive conversion might not
+    deep = "{" + '"a": {' * 40 + "}" * 41
     cases["deep JSON"] = ([f"--{key}", deep], f"--{key} nests deeper than 32 levels")
     wide = "{" + ", ".join(f'"k{i}": 1' for i in range(600)) + "}"
     cases["wide JSON"] = ([f"--{key}", wide], f"--{key} holds more than 1000 values")
-    if key in FILE_TAKEN:  # text not starting with { is a file's path to TrainingArguments
+    # text not starting with { is a file's path to TrainingArguments
+    if key in FILE_TAKEN:
         (tmp_path / "folder").mkdir()
         (tmp_path / "junk.json").write_text("not json")
         (tmp_path / "list.json").write_text("[1, 2]")
@@ -451,7 +476,8 @@ def test_launches_that_would_train_without_fsdp_stop_first(tmp_path, monkeypatch
 
     for key in [k for k in os.environ if k.startswith("ACCELERATE_")] + ["WORLD_SIZE"]:
         monkeypatch.delenv(key, raising=False)
-    home = tmp_path / "hf-home"  # no default accelerate config from this machine's user
+    # no default accelerate config from this machine's user
+    home = tmp_path / "hf-home"
     env = {"HF_HOME": str(home)}
     out = tmp_path / "out"
     multi_cpu = tmp_path / "multi_cpu.yaml"
@@ -478,11 +504,13 @@ def test_launches_that_would_train_without_fsdp_stop_first(tmp_path, monkeypatch
             or "MULTI_CPU" in why
         )
         assert not out.exists()
-    parse_args(["--max_steps", "2", "--output_dir", str(out), "--allow_no_fsdp", "true"])  # on purpose: allowed
+    # on purpose: allowed
+    parse_args(["--max_steps", "2", "--output_dir", str(out), "--allow_no_fsdp", "true"])
     with pytest.raises(
         RecipeError, match=r"no launcher: `python train_fsdp.py` runs one process\): launch with an FSDP config"
     ):
-        parse_args(["--max_steps", "2", "--output_dir", str(out)])  # this process: started by pytest, no launcher
+        # this process: started by pytest, no launcher
+        parse_args(["--max_steps", "2", "--output_dir", str(out)])
 
 
 # subprocess scenarios of 5-9 s: the full tier's, keeping the quick tier within 3 minutes
@@ -495,7 +523,8 @@ def test_flags_replace_the_recipes_model_and_data_source(tmp_path, monkeypatch):
 
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama")).save_pretrained(model)
     AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama").save_pretrained(model)
-    for flag in ("--model_name_or_path", "--model-name-or-path"):  # either spelling HfArgumentParser gives
+    # either spelling HfArgumentParser gives
+    for flag in ("--model_name_or_path", "--model-name-or-path"):
         model_args, data_args, _ = parse_args([flag, str(model), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
         assert (model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name) == (
             str(model),
@@ -507,7 +536,8 @@ def test_flags_replace_the_recipes_model_and_data_source(tmp_path, monkeypatch):
 
     from fsdp_recipes.config import model_source
 
-    monkeypatch.setattr(huggingface_hub, "repo_exists", lambda *args, **kwargs: True)  # a hub that has it
+    # a hub that has it
+    monkeypatch.setattr(huggingface_hub, "repo_exists", lambda *args, **kwargs: True)
     monkeypatch.setattr(model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__))
     _, data_args, _ = parse_args(["--dataset_name", "someone/data", "--output_dir", str(tmp_path / "o"), *NO_FSDP])
     assert (data_args.dataset_name, data_args.train_file) == ("someone/data", None)
@@ -654,7 +684,8 @@ TRANSFORMERS_4_NAMES = {
     "save_safetensors": None,
     "dispatch_batches": "accelerator_config",
     "split_batches": "accelerator_config",
-    "gradient_clipping": "max_grad_norm",  # accelerate launch's DeepSpeed option, not a transformers 4 name
+    # accelerate launch's DeepSpeed option, not a transformers 4 name
+    "gradient_clipping": "max_grad_norm",
 }
 
 
@@ -683,7 +714,8 @@ def test_a_transformers_4_name_is_told_its_transformers_5_replacement(tmp_path, 
     from transformers import TrainingArguments
 
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
-    assert name not in fields  # else this transformers still has it, and the table is stale
+    # else this transformers still has it, and the table is stale
+    assert name not in fields
     message = refusal_of(tmp_path, name, given_as)
     assert "\n" not in message and "did you mean" not in message.split(name, 1)[1].split(")", 1)[0], message
     if (new := TRANSFORMERS_4_NAMES[name]) is not None:
@@ -712,7 +744,8 @@ def test_an_accelerate_config_key_is_told_where_it_goes(tmp_path, given_as):
 
     theirs = sorted(set().union(*known_accelerate_keys()) - _recipe_keys())
     names = [k for k in ACCELERATE_SAMPLE if k in theirs] + random.Random(0).sample(theirs, 6)
-    assert len(set(names) & set(ACCELERATE_SAMPLE)) >= 4  # accelerate still has them: else the sample is stale
+    # accelerate still has them: else the sample is stale
+    assert len(set(names) & set(ACCELERATE_SAMPLE)) >= 4
     for name in dict.fromkeys(names):
         message = refusal_of(tmp_path, name, given_as)
         section = next((s for s in ("fsdp_config", "parallelism_config") if name.startswith(s.split("_")[0] + "_")), 0)
@@ -845,7 +878,8 @@ def test_the_trainers_fsdp_flag_beside_an_accelerate_fsdp_launch_is_refused(tmp_
         monkeypatch.setenv(name, value)
     with pytest.raises(RecipeError, match="FSDP are both given: set FSDP in one place"):
         parse_args(["--fsdp", fsdp, "--output_dir", str(tmp_path)])
-    parse_args(["--output_dir", str(tmp_path)])  # the launch's FSDP alone
+    # the launch's FSDP alone
+    parse_args(["--output_dir", str(tmp_path)])
 
 
 @pytest.mark.parametrize("metric", ["accuracy", "eval_ppl", "eval_f1", "bleu"])

@@ -81,7 +81,8 @@ def need(shape: ModelShape, setup: Setup, batch: int) -> float:
 
 def cases():
     for (name, shape), setup, card in itertools.product(SHAPES.items(), SETUPS, CARDS):
-        if need(shape, setup, 1) <= (1 - MARGIN) * card:  # the ones where nothing fits: the next test
+        # the ones where nothing fits: the next test
+        if need(shape, setup, 1) <= (1 - MARGIN) * card:
             yield pytest.param(shape, setup, card, id=f"{name}-{setup.strategy}-{setup.seq_len}-{card / GiB:.0f}GiB")
 
 
@@ -128,7 +129,8 @@ def test_nothing_fits_is_one_line_naming_the_fixes(name, card):
         ("auto", ["--per_device_train_batch_size", "8"], ["--per_device_train_batch_size", "8"], False),
         ("auto", ["--per_device_train_batch_size=8"], ["--per_device_train_batch_size=8"], False),
         (4, ["--per_device_eval_batch_size", "auto"], ["--per_device_eval_batch_size", "auto"], False),
-        (4, ["--per-device-train-batch-size", "auto"], ["--per-device-train-batch-size", "1"], True),  # dashed
+        # dashed
+        (4, ["--per-device-train-batch-size", "auto"], ["--per-device-train-batch-size", "1"], True),
         (4, ["--per-device-train-batch-size=auto"], ["--per-device-train-batch-size=1"], True),
         (4, [], [], False),
     ],
@@ -138,7 +140,8 @@ def test_auto_is_taken_from_the_recipe_or_a_flag_and_the_flag_wins(recipe_value,
     new_recipe, new_argv, asked = take_auto(recipe, list(argv))
     assert (new_argv, asked) == (expected_argv, auto)
     if batch_size.is_auto(recipe_value):
-        assert new_recipe["per_device_train_batch_size"] == 1  # the placeholder the type checks see
+        # the placeholder the type checks see
+        assert new_recipe["per_device_train_batch_size"] == 1
     else:
         assert new_recipe == recipe
 
@@ -172,7 +175,8 @@ def test_the_launch_is_estimated_as_it_runs(config, world, monkeypatch):
     cfg = yaml.safe_load((REPO / config).read_text())
     setup = setup_for_run(cfg, training_args(world), 2048)
     strategy = strategy_of(cfg)
-    assert setup.strategy == strategy.memory_strategy_on(world, world)  # FSDP1 alone: NO_SHARD, as torch runs it
+    # FSDP1 alone: NO_SHARD, as torch runs it
+    assert setup.strategy == strategy.memory_strategy_on(world, world)
     assert (setup.offload, setup.nproc_per_node * setup.nnodes, setup.seq_len) == (strategy.offload, world, 2048)
     assert setup.precision == {"no": "fp32"}.get(cfg.get("mixed_precision", "no"), cfg.get("mixed_precision"))
 
@@ -301,13 +305,16 @@ def fake_liger(monkeypatch, families):
     """liger_kernel's table of the model families it patches, as the installed package would hold it."""
     import sys
 
-    def fuses(fused_linear_cross_entropy=True, rms_norm=True):  # Liger's apply_liger_kernel_to_llama and most
+    # Liger's apply_liger_kernel_to_llama and most
+    def fuses(fused_linear_cross_entropy=True, rms_norm=True):
         pass
 
-    def does_not_by_default(fused_linear_cross_entropy=False, rms_norm=True):  # apply_liger_kernel_to_granite
+    # apply_liger_kernel_to_granite
+    def does_not_by_default(fused_linear_cross_entropy=False, rms_norm=True):
         pass
 
-    def has_none(rms_norm=True):  # apply_liger_kernel_to_pixtral
+    # apply_liger_kernel_to_pixtral
+    def has_none(rms_norm=True):
         pass
 
     table = SimpleNamespace(
@@ -326,9 +333,12 @@ def fake_liger(monkeypatch, families):
     "installed, model_type, changes, fused",
     [
         (True, "llama", {"use_liger_kernel": True}, True),
-        (True, "llama", {}, False),  # use_liger_kernel off
-        (True, "gpt2", {"use_liger_kernel": True}, False),  # no Liger kernels for the family: its logits are held
-        (True, None, {"use_liger_kernel": True}, False),  # a bare parameter count
+        # use_liger_kernel off
+        (True, "llama", {}, False),
+        # no Liger kernels for the family: its logits are held
+        (True, "gpt2", {"use_liger_kernel": True}, False),
+        # a bare parameter count
+        (True, None, {"use_liger_kernel": True}, False),
         (
             True,
             "llama",
@@ -336,24 +346,29 @@ def fake_liger(monkeypatch, families):
             False,
         ),
         (True, "llama", {"use_liger_kernel": True, "liger_kernel_config": {"rms_norm": False}}, True),
-        (True, "llama", {"use_liger_kernel": True, "label_smoothing_factor": 0.1}, False),  # the Trainer's loss
+        # the Trainer's loss
+        (True, "llama", {"use_liger_kernel": True, "label_smoothing_factor": 0.1}, False),
         (True, "llama", {"use_liger_kernel": True, "label_smoothing_factor": 0.0}, True),
-        (True, "granite", {"use_liger_kernel": True}, False),  # its fused loss is off by default
+        # its fused loss is off by default
+        (True, "granite", {"use_liger_kernel": True}, False),
         (
             True,
             "granite",
             {"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": True}},
             True,
         ),
-        (True, "pixtral", {"use_liger_kernel": True}, False),  # no fused loss at all
-        (False, "llama", {"use_liger_kernel": True}, False),  # not installed (the run refuses it before this)
+        # no fused loss at all
+        (True, "pixtral", {"use_liger_kernel": True}, False),
+        # not installed (the run refuses it before this)
+        (False, "llama", {"use_liger_kernel": True}, False),
     ],
 )
 def test_the_loss_is_counted_fused_only_where_liger_fuses_it(installed, model_type, changes, fused, monkeypatch):
     if installed:
         fake_liger(monkeypatch, ["llama", "qwen3", "mistral"])
     else:
-        monkeypatch.setitem(__import__("sys").modules, "liger_kernel", None)  # import fails as when missing
+        # import fails as when missing
+        monkeypatch.setitem(__import__("sys").modules, "liger_kernel", None)
     assert batch_size.liger_fuses_loss(model_type, training_args(1, **changes)) is fused
 
 

@@ -457,9 +457,8 @@ def test_launch_flags_override_the_file_and_are_named_in_the_problem(tmp_path, m
         tmp_path,
     )
     assert settings.config_file == config and settings.config["fsdp_config"]["fsdp_reshard_after_forward"] == "false"
-    assert (
-        settings.config["fsdp_config"]["fsdp_version"] == FSDP2["fsdp_config"]["fsdp_version"]
-    )  # the file's, untouched
+    # the file's, untouched
+    assert settings.config["fsdp_config"]["fsdp_version"] == FSDP2["fsdp_config"]["fsdp_version"]
     problems = errors(launcher.check(settings, {}, None))
     assert [(p.file, p.key) for p in problems] == [("accelerate launch", "--num_processes")], problems
     assert "3 processes do not split evenly over 2 machines" in problems[0].message
@@ -471,13 +470,15 @@ def test_launch_flags_override_the_file_and_are_named_in_the_problem(tmp_path, m
     ignored = launcher.from_launch_args(
         ["--config_file", str(config), "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "x.py"], tmp_path
     )
-    [problem] = errors(launcher.check(ignored, {}, None))  # FSDP2 would silently keep FULL_SHARD
+    # FSDP2 would silently keep FULL_SHARD
+    [problem] = errors(launcher.check(ignored, {}, None))
     assert (problem.key, problem.message) == (
         "--fsdp_sharding_strategy",
         "is an FSDP1 setting; fsdp_version: 2 ignores it",
     )
 
-    default = tmp_path / "hf" / "accelerate" / "default_config.yaml"  # `accelerate launch x.py`, no --config_file
+    # `accelerate launch x.py`, no --config_file
+    default = tmp_path / "hf" / "accelerate" / "default_config.yaml"
     default.parent.mkdir(parents=True)
     default.write_text(yaml.safe_dump(variant(FSDP2, fsdp_offload_param=True)))
     settings = launcher.from_launch_args(["x.py"], tmp_path)
@@ -488,7 +489,8 @@ def test_launch_flags_override_the_file_and_are_named_in_the_problem(tmp_path, m
         "fsdp_config.fsdp_offload_param",
     )
 
-    default.unlink()  # flags only: accelerate's defaults, and the missing fsdp_version named as the flag to add
+    # flags only: accelerate's defaults, and the missing fsdp_version named as the flag to add
+    default.unlink()
     settings = launcher.from_launch_args(["--use_fsdp", "--num_processes", "2", "x.py"], tmp_path)
     [problem] = errors(launcher.check(settings, {}, None))
     assert (settings.config_file, problem.file, problem.key) == (None, "accelerate launch", "--fsdp_version")
@@ -556,7 +558,8 @@ def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
             ["--config_file", str(config), *port, "--fsdp_sharding_strategy", "SHARD_GRAD_OP"],
             [f"{config}: {typo}", "accelerate launch: --fsdp_sharding_strategy: is an FSDP1 setting"],
         ),
-        (port, [f"{default}: {typo}"]),  # no --config_file: accelerate's default config
+        # no --config_file: accelerate's default config
+        (port, [f"{default}: {typo}"]),
     ]
     for launch_args, wanted in launches:
         proc = run(
@@ -564,10 +567,12 @@ def test_train_fsdp_runs_the_check_before_anything_loads(tmp_path):
             env={"HF_HOME": str(tmp_path / "hf")},
         )
         ours = [line for line in proc.stderr.splitlines() if line.startswith("train_fsdp.py: error:")]
-        assert proc.returncode != 0 and len(ours) == 1, proc.stderr[-3000:]  # one message per machine
+        # one message per machine
+        assert proc.returncode != 0 and len(ours) == 1, proc.stderr[-3000:]
         assert all(w in ours[0] for w in wanted), ours
         assert elastic_root_cause(proc.stderr) == ours[0]
-        assert "running FSDP over gloo" not in proc.stdout and not out.exists()  # stopped before the group or the model
+        # stopped before the group or the model
+        assert "running FSDP over gloo" not in proc.stdout and not out.exists()
 
 
 @pytest.mark.parametrize("value", ["fsdp_version: 2", [1, 2], 3, True])
@@ -609,7 +614,8 @@ def test_the_optimizers_refused_under_fsdp2_are_those_that_cannot_step_a_dtensor
             args = TrainingArguments(output_dir="unused", optim=name.value, report_to=[], use_cpu=True)
             built[name.value] = Trainer.get_optimizer_cls_and_kwargs(args)
         except (ImportError, ValueError):
-            continue  # a package or device this machine lacks
+            # a package or device this machine lacks
+            continue
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     verdicts = {}
@@ -627,12 +633,14 @@ def test_the_optimizers_refused_under_fsdp2_are_those_that_cannot_step_a_dtensor
                 verdicts[name] = "fails"
     finally:
         dist.destroy_process_group()
-    assert verdicts.get("adamw_torch") == "steps"  # the probe itself works
+    # the probe itself works
+    assert verdicts.get("adamw_torch") == "steps"
     from fsdp_recipes.config.recipe_checks import FSDP2_UNSTEPPABLE_OPTIMIZERS
 
     failing = {name for name, verdict in verdicts.items() if verdict == "fails"}
     assert failing == set(FSDP2_UNSTEPPABLE_OPTIMIZERS) & set(verdicts), verdicts
-    for name in verdicts:  # and the check says so, only for those
+    # and the check says so, only for those
+    for name in verdicts:
         problems = [
             p
             for p in check_config(REPO / "accelerate_configs" / "zero3.yaml", recipe={"optim": name})
@@ -686,7 +694,8 @@ def test_a_wrap_class_that_is_no_class_name_is_one_error_without_a_model(base, v
     wrap = [p for p in errors(problems) if p.key == "fsdp_config.fsdp_transformer_layer_cls_to_wrap"]
     assert len(wrap) == 1, [str(p) for p in problems]
     assert "is not a class name" in str(wrap[0]) and "\n" not in str(wrap[0]) and len(str(wrap[0])) < 500
-    for names in ("LlamaDecoderLayer", "LlamaDecoderLayer,LlamaMLP"):  # as accelerate reads them: taken
+    # as accelerate reads them: taken
+    for names in ("LlamaDecoderLayer", "LlamaDecoderLayer,LlamaMLP"):
         taken = check_settings(variant(base, fsdp_transformer_layer_cls_to_wrap=names), "x.yaml")
         assert not [p for p in errors(taken) if "is not a class name" in str(p)], [str(p) for p in taken]
 
@@ -724,7 +733,8 @@ TYPOS = {
 def test_a_recipe_key_train_fsdp_refuses_is_an_error_of_the_check(tmp_path, recipe, change):
     text = yaml.safe_load((REPO / recipe).read_text())
     if change == "mixed_precision added":
-        text["mixed_precision"] = "bf16"  # accelerate's key, in a recipe that is otherwise one
+        # accelerate's key, in a recipe that is otherwise one
+        text["mixed_precision"] = "bf16"
         wrong = "mixed_precision"
     elif change in text:
         text[TYPOS[change]] = text.pop(change)
@@ -797,7 +807,8 @@ def test_compilation_is_refused_under_fsdp1_alone(tmp_path, config, route):
         assert problem.file == str(recipe_path if recipe else path), problem
     else:
         assert found == []
-    if route == "torch_compile":  # and torch_compile: false compiles nothing
+    # and torch_compile: false compiles nothing
+    if route == "torch_compile":
         (recipe_path := tmp_path / "off.yaml").write_text(yaml.safe_dump({"torch_compile": False}))
         (path := tmp_path / "plain.yaml").write_text((REPO / config).read_text())
         assert not [p for p in errors(check_config(path, recipe_path=recipe_path)) if "compiles" in p.message]
@@ -849,10 +860,12 @@ def test_a_dynamo_config_without_accelerates_prefix_compiles_too(tmp_path, key):
     assert problem.key == f"dynamo_config.{key}"
 
 
-ENV_ROUTES = {  # launches that set accelerate's variables themselves (torchrun, srun), and TrainingArguments' --fsdp
+# launches that set accelerate's variables themselves (torchrun, srun), and TrainingArguments' --fsdp
+ENV_ROUTES = {
     "ACCELERATE_DYNAMO_BACKEND": ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, ()),
     "torch_compile": ({}, ("--torch_compile", "true")),
-    "torch_compile_backend": ({}, ("--torch_compile_backend", "")),  # an empty one turns compilation on too
+    # an empty one turns compilation on too
+    "torch_compile_backend": ({}, ("--torch_compile_backend", "")),
     "torch_compile_mode": ({}, ("--torch_compile_mode", "default")),
 }
 
@@ -874,7 +887,8 @@ def test_compilation_under_fsdp1_is_refused_by_accelerates_variables(tmp_path, m
         parse_args(argv)
 
 
-TRAINER_VERSIONS = {  # fsdp_config's version keys as a torchrun user may write them
+# fsdp_config's version keys as a torchrun user may write them
+TRAINER_VERSIONS = {
     "none": {},
     "1": {"version": 1},
     "2": {"version": 2},
@@ -901,9 +915,11 @@ def test_compilation_on_the_torchrun_route_is_refused_exactly_under_trainingargu
     config.pop("version")
     config.update(TRAINER_VERSIONS[case])
     (path := tmp_path / "fsdp.json").write_text(json.dumps(config))
-    with mock.patch.dict(os.environ):  # TrainingArguments with fsdp sets accelerate's FSDP_* variables: not for later
+    # TrainingArguments with fsdp sets accelerate's FSDP_* variables: not for later
+    with mock.patch.dict(os.environ):
         oracle = TrainingArguments(output_dir=str(tmp_path / "oracle"), fsdp=True, fsdp_config=str(path), use_cpu=True)
-    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's 2 processes (after the oracle: one process, no group)
+    # torchrun's 2 processes (after the oracle: one process, no group)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     argv = [
         "--fsdp",
         "true",

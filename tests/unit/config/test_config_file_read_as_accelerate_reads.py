@@ -17,7 +17,8 @@ from fsdp_recipes.config.problems import errors
 from fsdp_recipes.errors import UnreadableFile
 
 REFUSED = "unknown key (accelerate refuses the file)"
-EXTRA = {  # top-level keys a file may add: accelerate's fields, its older keys, and keys it does not know
+# top-level keys a file may add: accelerate's fields, its older keys, and keys it does not know
+EXTRA = {
     "fp16 true": {"fp16": True},
     "fp16 false": {"fp16": False},
     "dynamo_backend NO": {"dynamo_backend": "NO"},
@@ -51,12 +52,14 @@ def accelerate_refuses(path) -> bool:
 def test_a_key_is_called_refused_exactly_where_accelerate_refuses_the_file(tmp_path, config, extra):
     raw = yaml.safe_load((REPO / config).read_text())
     if "fp16" in EXTRA[extra]:
-        raw.pop("mixed_precision", None)  # accelerate reads fp16 only where mixed_precision is missing
+        # accelerate reads fp16 only where mixed_precision is missing
+        raw.pop("mixed_precision", None)
     (path := tmp_path / "config.yaml").write_text(yaml.safe_dump({**raw, **EXTRA[extra]}))
     problems = check_config(path)
     refused = [p.key for p in problems if p.message == REFUSED]
     assert bool(refused) == accelerate_refuses(path), problems
-    if not refused:  # a file accelerate takes is checked as what it becomes: nothing but FSDP1's compilation
+    # a file accelerate takes is checked as what it becomes: nothing but FSDP1's compilation
+    if not refused:
         compiles = [p for p in errors(problems) if "compiles the model" in p.message]
         assert errors(problems) == compiles, problems
         assert len(compiles) == (extra == "dynamo_backend INDUCTOR" and "fsdp1/" in config), problems
@@ -92,7 +95,8 @@ def test_a_launch_reads_the_older_keys_as_accelerate_converts_them(tmp_path, ext
     assert "fp16" not in settings.config and "dynamo_backend" not in settings.config
 
 
-DYNAMO = {  # dynamo_config entries: accelerate's options (with and without its dynamo_ prefix), wrong names, keys
+# dynamo_config entries: accelerate's options (with and without its dynamo_ prefix), wrong names, keys
+DYNAMO = {
     "backend inductor": {"dynamo_backend": "inductor"},
     "backend INDUCTOR unprefixed": {"backend": "INDUCTOR"},
     "backend eager": {"dynamo_backend": "EAGER"},
@@ -126,7 +130,8 @@ def test_a_dynamo_config_entry_is_refused_where_accelerate_fails_or_ignores_it(t
 
 def compile_modes_and_misspellings() -> list[str]:
     """torch.compile's modes, and for each: cut short by one letter, a letter doubled, upper case, underscores."""
-    from torch._inductor import list_mode_options  # the oracle's own list
+    # the oracle's own list
+    from torch._inductor import list_mode_options
 
     modes = list(list_mode_options())
     near = [m[:-1] for m in modes] + [m + m[-1] for m in modes] + [m.upper() for m in modes]
@@ -185,10 +190,12 @@ def test_a_top_level_dynamo_backend_beside_a_dynamo_config_is_one_error(tmp_path
     (path := tmp_path / "config.yaml").write_text(
         yaml.safe_dump({**raw, "dynamo_backend": "INDUCTOR", "dynamo_config": dynamo})
     )
-    assert load_config_from_file(str(path)).dynamo_config == {"dynamo_backend": "INDUCTOR"}  # what accelerate keeps
+    # what accelerate keeps
+    assert load_config_from_file(str(path)).dynamo_config == {"dynamo_backend": "INDUCTOR"}
     [problem] = errors(check_config(path))
     assert "drops every key of the second" in problem.message, problem
-    with pytest.raises(UnreadableFile, match="drops every key of the second"):  # a launch: one line (launch_settings)
+    # a launch: one line (launch_settings)
+    with pytest.raises(UnreadableFile, match="drops every key of the second"):
         from_launch_args(["--config_file", str(path), "x.py"], tmp_path)
 
 

@@ -30,8 +30,10 @@ TINY = REPO / "assets" / "tiny-llama"
 # The checks before the run read a file's first MiB; here its first 64 KiB, so that past them is 16 times fewer
 # records to write and load
 TEST_SAMPLE_BYTES = 64 << 10
-LATE_LINES = 4_000  # lines of good_lines past the sample and its 10 KB margin
-GUARD_SECONDS = 20  # a reader or render that regressed to hanging fails its case instead of the suite
+# lines of good_lines past the sample and its 10 KB margin
+LATE_LINES = 4_000
+# a reader or render that regressed to hanging fails its case instead of the suite
+GUARD_SECONDS = 20
 
 
 @pytest.fixture(autouse=True)
@@ -129,8 +131,10 @@ def test_a_fault_anywhere_in_the_file_is_one_line(tmp_path, tokenizer, fault, su
         build(tmp_path, tokenizer, "--train_file", str(path))
     message = one_line_error(err)
     assert f"train_file={str(path)!r}" in message and FAULTS[fault][2] in message, message
-    if fault not in ("csv_extra_fields", "csv_open_quote"):  # pandas counts the file's lines itself
-        assert re.search(rf"\b(line|record) {line}\b", message), message  # a JSON line's record number is its line's
+    # pandas counts the file's lines itself
+    if fault not in ("csv_extra_fields", "csv_open_quote"):
+        # a JSON line's record number is its line's
+        assert re.search(rf"\b(line|record) {line}\b", message), message
 
 
 # Characters str.splitlines ends a line at and JSON and CSV do not (json.dumps(ensure_ascii=False) writes them raw)
@@ -239,7 +243,8 @@ def test_the_loaders_errors_past_the_checks_are_one_line(tmp_path):
     real[4:-8] = b"\xff" * (len(real) - 12)
     path = tmp_path / "data.parquet"
     path.write_bytes(bytes(real))
-    assert train_file_problem(path, None) is None  # the markers are there
+    # the markers are there
+    assert train_file_problem(path, None) is None
     with pytest.raises(RecipeError) as err:
         data.load_file(str(path), "train", "train_file")
     assert one_line_error(err).startswith(f"train_file={str(path)!r} cannot be read as parquet data (")
@@ -321,7 +326,8 @@ def test_the_limits_alarm_at_any_of_its_calls_hands_back_the_callers_timer():
     def callers(signum, frame):
         raise AssertionError("the caller's alarm, not due yet")
 
-    def run(at: int) -> tuple[int, bool]:  # the guarded block, SIGALRM at the at-th call: (calls seen, limit hit)
+    # the guarded block, SIGALRM at the at-th call: (calls seen, limit hit)
+    def run(at: int) -> tuple[int, bool]:
         seen = 0
 
         def profile(frame, event, arg):
@@ -348,7 +354,8 @@ def test_the_limits_alarm_at_any_of_its_calls_hands_back_the_callers_timer():
     signal.setitimer(signal.ITIMER_REAL, 60)
     try:
         calls, hit = run(-1)
-        assert calls >= 2 and not hit, calls  # the arming and the cancelling
+        # the arming and the cancelling
+        assert calls >= 2 and not hit, calls
         for at in range(calls):
             assert run(at)[1], at
             assert signal.getsignal(signal.SIGALRM) is callers and 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 60, at
@@ -430,7 +437,8 @@ def test_files_datasets_reads_are_accepted(tmp_path):
     big.write_text(json.dumps({"text": "x" * (1 << 21)}) + "\n" + json.dumps({"text": "y"}) + "\n")
     for path in (bom, big):
         assert train_file_problem(path, _args()) is None, path
-        assert len(load_dataset("json", data_files=str(path), split="train")) == 2  # and datasets does read it
+        # and datasets does read it
+        assert len(load_dataset("json", data_files=str(path), split="train")) == 2
 
 
 NOT_A_FILE = {
@@ -467,7 +475,8 @@ CONVERSATIONAL_PC = {
 }
 SHAREGPT = {"conversations": [{"from": "human", "value": "What is 2 + 2?"}, {"from": "gpt", "value": "4"}]}
 ROLE_CONTENT = {"conversations": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}
-OTHER = {  # case -> (record, suffix, extra flags, what the line must say)
+# case -> (record, suffix, extra flags, what the line must say)
+OTHER = {
     "prompt_completion": (PROMPT_COMPLETION, ".jsonl", (), "prompt/completion"),
     "prompt_completion_chat_format": (PROMPT_COMPLETION, ".jsonl", ("--data_format", "chat"), "prompt/completion"),
     "conversational_prompt_completion": (CONVERSATIONAL_PC, ".jsonl", (), "prompt/completion"),

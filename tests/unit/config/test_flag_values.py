@@ -53,7 +53,8 @@ def test_a_value_a_flag_refuses_is_one_line_naming_it(flag, text):
         (["--weight_decay", "-1e-4"], "weight_decay=-1e-4 would be read as a flag: write --weight_decay=-1e-4"),
         (["--max_steps", "2", "--max_steps"], "max_steps has no value: give a whole number after --max_steps"),
         (["--no_remove_unused_columns=true"], "remove_unused_columns takes no value: give --no_remove_unused_columns"),
-        (["--liger_kernel_config", "[" * 50000], r"liger_kernel_config='\[\[\["),  # JSON deeper than Python's stack
+        # JSON deeper than Python's stack
+        (["--liger_kernel_config", "[" * 50000], r"liger_kernel_config='\[\[\["),
     ],
 )
 def test_argparse_refusals_are_one_line_with_the_fix(argv, message):
@@ -88,4 +89,5 @@ def test_words_after_a_lone_double_dash_are_refused_as_such():
 def test_what_no_flag_takes_is_handed_back():
     """Unknown flags and stray words are fsdp_recipes.config.trl_names.check_unknown_flags' to name."""
     assert parse_flags(PARSER, ["--learnig_rate", "1", "stray"])[1] == ["--learnig_rate", "1", "stray"]
-    assert parse_flags(PARSER, ["--learn", "1"])[1] == ["--learn", "1"]  # no abbreviation of --learning_rate
+    # no abbreviation of --learning_rate
+    assert parse_flags(PARSER, ["--learn", "1"])[1] == ["--learn", "1"]

@@ -19,11 +19,13 @@ def test_full_training_on_gpus_names_the_fused_adamw(path):
     recipe = yaml.safe_load(path.read_text())
     on_cpu = path.parent.name.startswith("tiny-")
     full = not recipe.get("use_peft")
-    if on_cpu or not full:  # a LoRA adapter's step is a sliver of the run: nothing to gain by naming it
+    # a LoRA adapter's step is a sliver of the run: nothing to gain by naming it
+    if on_cpu or not full:
         assert "optim" not in recipe
         return
     assert recipe["optim"] == "adamw_torch_fused" and unsteppable_optimizer(recipe["optim"]) is None
-    assert OptimizerNames(recipe["optim"]) is OptimizerNames.ADAMW_TORCH_FUSED  # a name transformers takes
+    # a name transformers takes
+    assert OptimizerNames(recipe["optim"]) is OptimizerNames.ADAMW_TORCH_FUSED
 
 
 # Liger patches these model families (liger_kernel.transformers.monkey_patch); GPT-2 is not among them

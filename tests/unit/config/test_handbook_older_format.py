@@ -104,7 +104,8 @@ def test_a_default_chat_template_is_for_a_tokenizer_without_one(tmp_path, capsys
     expected = TEMPLATES["roles_only"][0] if own else HANDBOOK_CHAT_TEMPLATE if default else None
     assert tokenizer.chat_template == expected
     assert ("has no chat template" in said) == (default and not own), said
-    if expected is None:  # no template: chat data is refused naming what gives one
+    # no template: chat data is refused naming what gives one
+    if expected is None:
         with pytest.raises(RecipeError) as err:
             tokenize_chat(Dataset.from_dict({"messages": [TURNS]}), tokenizer, DataArguments(train_file=CHAT))
         assert "chat_template" in str(err.value) and "chat_template_path" in str(err.value), err.value

@@ -58,7 +58,8 @@ def test_a_flag_is_refused_as_unread_only_where_accelerate_does_not_read_it(dest
         pytest.skip(f"accelerate refuses {' '.join(flags)} itself")
     refused = unread_errors(flags)
     if refused:
-        base = ranks_environment(CONFIG)  # here: the environment it copies names the test running
+        # here: the environment it copies names the test running
+        base = ranks_environment(CONFIG)
         assert environment == base, f"{flags} acts on the launch: {set(environment.items()) ^ set(base.items())}"
     if dest in OTHERS:
         if dest not in PARSER.parse_args([*CONFIG, *flags, "train_fsdp.py"]).nondefault:

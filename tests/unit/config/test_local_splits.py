@@ -50,10 +50,12 @@ def make_source(root: Path, kind: str) -> tuple[str, str]:
         return "train_file", str(path)
     folder = root / kind
     folder.mkdir()
-    if kind == "folder_of_files":  # datasets infers the splits train and test from the names
+    # datasets infers the splits train and test from the names
+    if kind == "folder_of_files":
         for split in ("train", "test"):
             write_file(folder / f"{split}.jsonl", split)
-    elif kind == "folder_with_configs":  # a README declares two configurations, as the hub's cards do
+    # a README declares two configurations, as the hub's cards do
+    elif kind == "folder_with_configs":
         for config in ("en", "nl"):
             (folder / config).mkdir()
             for split in ("train", "test"):
@@ -65,7 +67,8 @@ def make_source(root: Path, kind: str) -> tuple[str, str]:
         (folder / "README.md").write_text(f"---\n{yaml.safe_dump({'configs': configs})}---\n")
     elif kind == "saved_dataset_dict":
         DatasetDict({s: Dataset.from_list(records(s)) for s in ("train_sft", "test_sft")}).save_to_disk(folder)
-    elif kind == "saved_split_folders":  # the handbook's older mixer: load_from_disk(os.path.join(ds, split))
+    # the handbook's older mixer: load_from_disk(os.path.join(ds, split))
+    elif kind == "saved_split_folders":
         for split in ("train_sft", "test_sft"):
             Dataset.from_list(records(split)).save_to_disk(folder / split)
     elif kind == "saved_dataset":
@@ -122,11 +125,13 @@ def asked(kind: str, setting: str) -> list[tuple[str, str | None]]:
     """(value, the tag of the rows it loads; None: refused) for each value a case asks: one the source has, and
     one it has not."""
     configs, splits = SOURCES[kind]
-    prefix = f"{configs[-1]}-" if configs and len(configs) > 1 else ""  # the rows of the configuration asked
+    # the rows of the configuration asked
+    prefix = f"{configs[-1]}-" if configs and len(configs) > 1 else ""
     if setting == "config":
         return [(c, f"{c}-train" if len(configs) > 1 else "train") for c in (configs or [])[-1:]] + [("xx", None)]
     if setting == "test_split" and kind.startswith("train_file"):
-        return [("train", None), ("test", None)]  # a train_file's evaluation data is validation_file or a share
+        # a train_file's evaluation data is validation_file or a share
+        return [("train", None), ("test", None)]
     return [(splits[-1], prefix + splits[-1]), ("validation", None)]
 
 
@@ -146,7 +151,8 @@ def test_a_split_or_configuration_is_taken_from_what_the_source_has_or_refused(
         if setting != "config" and configs and len(configs) > 1:
             settings["dataset_config_name"] = configs[-1]
         if setting != "split" and splits[0] != "train":
-            settings["dataset_split"] = splits[0]  # default train is not one of its splits (that case is refused)
+            # default train is not one of its splits (that case is refused)
+            settings["dataset_split"] = splits[0]
         if tag is None:
             with pytest.raises(RecipeError) as err:
                 parsed(tmp_path, source, settings, flag)
@@ -156,7 +162,8 @@ def test_a_split_or_configuration_is_taken_from_what_the_source_has_or_refused(
                 continue
             ours = "dataset_test_split" if setting == "test_split" else SPELLINGS[setting][1]
             assert f"{ours}={value!r}" in message, message
-            named = (configs or ["configurations"]) if setting == "config" else splits  # what it has is named
+            # what it has is named
+            named = (configs or ["configurations"]) if setting == "config" else splits
             assert all(name in message for name in named), message
             continue
         train, evaluation = load_raw(parsed(tmp_path, source, settings, flag))

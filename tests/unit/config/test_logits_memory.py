@@ -40,7 +40,8 @@ def loss_peak(precision: str, vocab: int = 32768, tokens: int = 512) -> float:
             loss = model(input_ids=ids[:, :n], labels=ids[:, :n]).loss
         loss.backward()
 
-    step(16)  # the weights' gradients exist before the peak is read, as from a run's second step
+    # the weights' gradients exist before the peak is read, as from a run's second step
+    step(16)
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")
     before = peak_bytes()

@@ -24,9 +24,12 @@ def states(est) -> float:
 @pytest.mark.parametrize(
     "params, nproc, nnodes, strategy, expected",
     [
-        ("7B", 4, 1, "NO_SHARD", 112e9),  # 16 bytes x 7e9, on every GPU
-        ("7B", 4, 1, "FULL_SHARD", 28e9),  # 16 x 7e9 / 4
-        ("7B", 8, 2, "HYBRID_SHARD", 14e9),  # shard group = 8 GPUs of a node
+        # 16 bytes x 7e9, on every GPU
+        ("7B", 4, 1, "NO_SHARD", 112e9),
+        # 16 x 7e9 / 4
+        ("7B", 4, 1, "FULL_SHARD", 28e9),
+        # shard group = 8 GPUs of a node
+        ("7B", 8, 2, "HYBRID_SHARD", 14e9),
     ],
 )
 def test_zero_reference_points(params, nproc, nnodes, strategy, expected):
@@ -45,8 +48,10 @@ def test_strategy_extras_and_offload():
     shape = ModelShape(params=int(1e9), hidden=2048, layers=16, vocab=32000, largest_unit=int(65.5e6))
     full = estimate(shape, Setup(strategy="FULL_SHARD", nproc_per_node=8))
     zero2 = estimate(shape, Setup(strategy="SHARD_GRAD_OP", nproc_per_node=8))
-    assert zero2.gathered_params == 2e9 and full.gathered_params == 0  # bf16 parameters kept from forward to backward
-    for replicated in ("DDP", "ZERO1"):  # autocast's bf16 copies of the fp32 weights, saved for backward; none in fp32
+    # bf16 parameters kept from forward to backward
+    assert zero2.gathered_params == 2e9 and full.gathered_params == 0
+    # autocast's bf16 copies of the fp32 weights, saved for backward; none in fp32
+    for replicated in ("DDP", "ZERO1"):
         assert estimate(shape, Setup(strategy=replicated, nproc_per_node=8)).gathered_params == 2e9
         assert estimate(shape, Setup(strategy=replicated, nproc_per_node=8, precision="fp32")).gathered_params == 0
     assert full.all_gather_working_set == 2 * 65.5e6 * 2
@@ -54,14 +59,13 @@ def test_strategy_extras_and_offload():
     assert states(offload) == 0 and offload.cpu_offload_per_node == pytest.approx(16e9)
     ckpt = estimate(shape, Setup(activation_checkpointing=True, micro_batch=4))
     plain = estimate(shape, Setup(activation_checkpointing=False, micro_batch=4))
-    logits = (
-        2048 * 4 * (12 * 32000 + 8 * 2048)
-    )  # the loss's three fp32 tensors over the logits, the final norm: unaffected by checkpointing
+    # the loss's three fp32 tensors over the logits, the final norm: unaffected by checkpointing
+    logits = 2048 * 4 * (12 * 32000 + 8 * 2048)
     sbh = 2048 * 4 * 2048
-    assert (
-        plain.activations - logits == 34 * sbh * 16
-    )  # a shape without its MLP: the GPT formula, every layer's 34 sbh bytes kept
-    assert ckpt.activations - logits == 2 * sbh * 16 + 34 * sbh  # each layer's input, plus one layer recomputed
+    # a shape without its MLP: the GPT formula, every layer's 34 sbh bytes kept
+    assert plain.activations - logits == 34 * sbh * 16
+    # each layer's input, plus one layer recomputed
+    assert ckpt.activations - logits == 2 * sbh * 16 + 34 * sbh
 
 
 def test_model_shape_from_a_config_matches_the_real_model():
@@ -70,7 +74,8 @@ def test_model_shape_from_a_config_matches_the_real_model():
     assert shape.params == sum(p.numel() for p in model.parameters())
     layer = sum(p.numel() for p in model.model.layers[0].parameters())
     embedding = model.get_input_embeddings().weight.numel()
-    assert shape.largest_unit == max(layer, embedding) == 45440  # a decoder layer beats the 474 x 64 embedding
+    # a decoder layer beats the 474 x 64 embedding
+    assert shape.largest_unit == max(layer, embedding) == 45440
 
 
 def test_gpu_memory_lists_shipped_configs_cheapest_first():
@@ -116,9 +121,8 @@ def test_gpu_memory_lists_each_config_as_it_runs_on_one_process():
             == estimate(shape, Setup(**{**setup.__dict__, "strategy": name, "offload": strategy.offload})).gpu_total
         )
         assert fits == (need <= 5.9 * GiB)
-    assert {r[0]: r[2] for r in rows}[
-        "fsdp1/zero3_offload.yaml"
-    ]  # NO_SHARD + offload fits where FULL_SHARD + offload did not
+    # NO_SHARD + offload fits where FULL_SHARD + offload did not
+    assert {r[0]: r[2] for r in rows}["fsdp1/zero3_offload.yaml"]
     assert not {r[0]: r[2] for r in rows}["zero3_offload.yaml"]
     assert "hybrid_shard.yaml" in [r[0] for r in fitting_configs(shape, Setup(nproc_per_node=2, nnodes=2), 80 * GiB)]
 
@@ -126,8 +130,10 @@ def test_gpu_memory_lists_each_config_as_it_runs_on_one_process():
 def test_zero1_shards_only_the_optimizer_state():
     shape = ModelShape(params=int(7e9))
     ddp, zero1 = (estimate(shape, Setup(strategy=s, nproc_per_node=8)) for s in ("DDP", "ZERO1"))
-    assert (ddp.params, ddp.grads, ddp.optimizer) == (28e9, 28e9, 56e9)  # 16P on every GPU
-    assert (zero1.params, zero1.grads, zero1.optimizer) == (28e9, 28e9, 7e9)  # 8P + 8P/N
+    # 16P on every GPU
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (28e9, 28e9, 56e9)
+    # 8P + 8P/N
+    assert (zero1.params, zero1.grads, zero1.optimizer) == (28e9, 28e9, 7e9)
     assert zero1.all_gather_working_set == ddp.all_gather_working_set == 0
     with pytest.raises(ValueError, match="offload is an FSDP setting"):
         estimate(shape, Setup(strategy="ZERO1", offload=True))
@@ -158,7 +164,8 @@ def test_cli_text_and_json(capsys):
         ), name
     assert tool.main([TINY, "--config", str(REPO / "accelerate_configs" / "zero2.yaml"), "--nproc-per-node", "1"]) == 0
     out = capsys.readouterr().out
-    assert "SHARD_GRAD_OP" in out.splitlines()[0] and "runs NO_SHARD" not in out  # FSDP2 keeps it on one process
+    # FSDP2 keeps it on one process
+    assert "SHARD_GRAD_OP" in out.splitlines()[0] and "runs NO_SHARD" not in out
     with pytest.raises(SystemExit) as stop:
         tool.main(["--help"])
     assert stop.value.code == 0 and "16 bytes per parameter" in capsys.readouterr().out
@@ -181,7 +188,8 @@ def test_estimate_within_5_percent_of_measured_bytes(trained, config):
         assert measured["optimizer"] == pytest.approx(est.optimizer, rel=0.05)
 
 
-COUNT_PROBLEMS = {  # count -> what the message says is wrong
+# count -> what the message says is wrong
+COUNT_PROBLEMS = {
     **dict.fromkeys(
         ("9999999999999999999999999B", "101T", "1e15", "100000000000001", "1e6T", "100000001M"),
         "is not the size of any model: ",
@@ -199,7 +207,8 @@ def test_parameter_counts_beyond_any_model_or_below_one(count, capsys):
     with pytest.raises(ValueError, match=re.escape(COUNT_PROBLEMS[count])):
         parse_count(count)
     forms = [[count], ["--", count], [count, "--nproc-per-node", "2"]] if count.startswith("-") else [[count]]
-    for argv in forms:  # a negative count is the model argument, not an option argparse does not know
+    # a negative count is the model argument, not an option argparse does not know
+    for argv in forms:
         assert cli("estimate_memory", argv) == 2
         line = one_line_error(capsys.readouterr().err, f"estimate_memory.py: error: argument model: {count!r} ")
         assert COUNT_PROBLEMS[count] in line, (argv, line)

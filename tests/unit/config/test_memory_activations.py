@@ -42,10 +42,10 @@ def generated_shapes(count: int, seed: int):
     for i in range(count):
         heads = rng.choice([2, 4, 6, 8])
         head_dim = rng.choice([8, 16, 32, 64])
-        per_head = (
-            head_dim if i % 4 < 2 else rng.choice([d for d in (8, 16, 32, 64) if d != head_dim])
-        )  # half: q width != hidden
-        hidden = heads * per_head  # transformers wants hidden a multiple of the heads
+        # half: q width != hidden
+        per_head = head_dim if i % 4 < 2 else rng.choice([d for d in (8, 16, 32, 64) if d != head_dim])
+        # transformers wants hidden a multiple of the heads
+        hidden = heads * per_head
         kv_heads = rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0])
         intermediate = rng.choice([2 * hidden, 3 * hidden, int(hidden * 2.6875) // 8 * 8])
         yield (
@@ -83,7 +83,8 @@ def test_one_layer_saves_what_the_formula_counts(dtype, shape_args, tmp_path):
 
     one_layer = saved_bytes(config(2), dtype, batch, seq) - saved_bytes(config(1), dtype, batch, seq)
     config(1).save_pretrained(tmp_path)
-    shape = model_shape(str(tmp_path))  # read from the config as tools/estimate_memory.py reads it
+    # read from the config as tools/estimate_memory.py reads it
+    shape = model_shape(str(tmp_path))
     assert (shape.q_width, shape.qk_norm) == (heads * head_dim, family == "qwen3")
     expected = saved_per_token(shape, dtype.itemsize) * seq * batch
     assert one_layer == pytest.approx(expected, rel=0.01), (one_layer, expected)
@@ -104,7 +105,8 @@ def test_model_shape_reads_the_mlp_and_the_key_value_width(tmp_path):
     gpt = model_shape(str(tmp_path / "gpt2"))
     assert gpt.gated is False
     est = estimate(gpt, Setup(nproc_per_node=1, micro_batch=2, seq_len=32))
-    assert any("GPT formula" in note for note in est.notes)  # said, since only the gated family is measured
+    # said, since only the gated family is measured
+    assert any("GPT formula" in note for note in est.notes)
 
 
 def test_gradients_and_activations_are_not_counted_together():
@@ -119,7 +121,8 @@ def test_gradients_and_activations_are_not_counted_together():
         kv_width=512,
         gated=True,
     )
-    for seq in (64, 8192):  # gradients dominate, then activations
+    # gradients dominate, then activations
+    for seq in (64, 8192):
         est = estimate(shape, Setup(strategy="FULL_SHARD", nproc_per_node=1, seq_len=seq))
         parts = est.params + est.optimizer + est.gathered_params + est.all_gather_working_set
         assert est.gpu_total == pytest.approx(parts + max(est.grads, est.activations))
@@ -144,7 +147,8 @@ def test_estimate_within_10_percent_of_every_cuda_peak_on_record(row, tmp_path):
         import gpu_check
     finally:
         sys.path.remove(str(REPO / "bench"))
-    speed = row["config"].startswith("speed:")  # "speed: zero3, compiled + liger, batch auto"
+    # "speed: zero3, compiled + liger, batch auto"
+    speed = row["config"].startswith("speed:")
     levers = row.get("levers", [lever for lever in ("compiled", "liger") if speed and lever in row["config"]])
     gpu_check.model_config(gpu_check.LLAMA_1B if speed else None).save_pretrained(tmp_path)
     config = gpu_check.SPEED_CONFIG if speed else row["config"]

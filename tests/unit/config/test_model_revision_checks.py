@@ -21,7 +21,8 @@ from fsdp_recipes.errors import RecipeError
 
 REPO_ID = "someone/tiny-model"
 SANE = json.loads((REPO / "assets" / "tiny-llama" / "config.json").read_text())
-CONFIGS = {  # revision -> the config.json cached at it
+# revision -> the config.json cached at it
+CONFIGS = {
     "main": SANE,
     "deep": {**SANE, "num_hidden_layers": 10**7},
     "coded": {**SANE, "model_type": "mystery", "auto_map": {"AutoModelForCausalLM": "modeling_mystery.Mystery"}},
@@ -49,7 +50,8 @@ def hub_cache(root: Path) -> Path:
         (snapshot / "config.json").write_text(json.dumps(config))
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (snapshot / name).write_text((REPO / "assets" / "tiny-llama" / name).read_text())
-        save_file({"w": torch.full((2,), float(number))}, str(snapshot / "model.safetensors"))  # its own weights
+        # its own weights
+        save_file({"w": torch.full((2,), float(number))}, str(snapshot / "model.safetensors"))
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / revision).write_text(commit)
     return cache
@@ -90,7 +92,8 @@ def test_online_the_hub_is_asked_about_the_revision(tmp_path, monkeypatch, sourc
 
     def answer(name):
         def ask(repo_id, *args, **kwargs):
-            positional = args[-1] if args and name == "revision_exists" else None  # its second parameter
+            # its second parameter
+            positional = args[-1] if args and name == "revision_exists" else None
             asked.append((name, repo_id, kwargs.get("revision", positional)))
             return there
 
@@ -165,7 +168,8 @@ def test_every_reader_of_the_config_before_training_reads_the_revision(tmp_path,
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache(tmp_path)))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # transformers' own reads
+    # transformers' own reads
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     said = reader(revision, tmp_path)
     wanted = READERS[(reader, revision)]
     assert (said is None) if wanted is None else (said is not None and wanted in said), said

@@ -99,7 +99,8 @@ def entry_points(folder: Path, weights_from: Path, tmp_path: Path) -> dict:
         said["estimate_memory.py"] = None
     except ValueError as err:
         said["estimate_memory.py"] = str(err)
-    model_positions(str(folder))  # the launch-time check of block_size: never prompts, never fails
+    # the launch-time check of block_size: never prompts, never fails
+    model_positions(str(folder))
     return said
 
 
@@ -107,8 +108,10 @@ def entry_points(folder: Path, weights_from: Path, tmp_path: Path) -> dict:
 def test_a_folders_own_code_never_runs_and_is_named(kind, weights, tmp_path):
     folder = folder_with_code(tmp_path, kind)
     said = entry_points(folder, weights, tmp_path)
-    assert not (tmp_path / f"RAN-{kind}").exists(), said  # the folder's code did not run, "y" or not
-    if kind == "known":  # transformers has the class: the folder loads, its auto_map unused
+    # the folder's code did not run, "y" or not
+    assert not (tmp_path / f"RAN-{kind}").exists(), said
+    # transformers has the class: the folder loads, its auto_map unused
+    if kind == "known":
         assert said == {"train_fsdp.py": None, "check_config.py": None, "estimate_memory.py": None}, said
         return
     readers = ["train_fsdp.py"] if kind == "tokenizer" else ["train_fsdp.py", "check_config.py", "estimate_memory.py"]
@@ -157,7 +160,8 @@ def test_every_transformers_load_says_whether_code_may_run_and_weights_are_safet
                 continue
             calls += 1
             keywords = {k.arg for k in node.keywords}
-            if "trust_remote_code" not in keywords and None not in keywords:  # **common carries it (checked below)
+            # **common carries it (checked below)
+            if "trust_remote_code" not in keywords and None not in keywords:
                 missing.append(
                     f"{path.relative_to(REPO)}:{node.lineno} {name}.{node.func.attr} without trust_remote_code"
                 )
@@ -201,7 +205,8 @@ def test_a_shard_index_naming_a_file_outside_the_folder_or_no_shard_is_refused(e
     (folder / "model.safetensors").rename(folder / "model-1.safetensors")
     (tmp_path / "outside").mkdir()
     shutil.copy(folder / "model-1.safetensors", tmp_path / "outside" / "secret.safetensors")
-    weight_map = {"model.embed_tokens.weight": entry, "lm_head.weight": "model-1.safetensors"}  # the files are judged
+    # the files are judged
+    weight_map = {"model.embed_tokens.weight": entry, "lm_head.weight": "model-1.safetensors"}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     said = model_source_problem(str(folder), weights=True)
     assert said is not None and ("is not a .safetensors file inside the folder" in said or "lacks" in said), said
@@ -234,7 +239,8 @@ def test_weights_only_as_a_pickle_are_refused_before_anything_loads(files, weigh
     folder = tmp_path / "model"
     shutil.copytree(weights, folder)
     (folder / "model.safetensors").unlink()
-    for name in files:  # bytes that are no pickle: an attempt to unpickle them would fail loudly, not pass
+    # bytes that are no pickle: an attempt to unpickle them would fail loudly, not pass
+    for name in files:
         (folder / name).write_bytes(b"not a pickle")
     said = model_source_problem(str(folder), weights=True)
     assert said is not None and "holds its weights only as a pickle" in said and "save_pretrained" in said, said
@@ -273,7 +279,8 @@ def test_a_config_of_more_layers_than_any_model_is_one_line_not_a_hang(key, wher
         config[key] = 10**6
     elif where == "text_config":
         config["text_config"] = {key: 10**6}
-    else:  # a config inside a config inside it
+    # a config inside a config inside it
+    else:
         config["text_config"] = {"decoder": {key: 10**6}}
     (folder / "config.json").write_text(json.dumps(config))
     assert config_size_problem(str(folder)) is not None and "1000000" in config_size_problem(str(folder))[0]
@@ -282,7 +289,8 @@ def test_a_config_of_more_layers_than_any_model_is_one_line_not_a_hang(key, wher
     found = errors(check_config(REPO / "accelerate_configs" / "zero3.yaml", model=str(folder)))
     assert found and "more than any model has" in found[0].message
     config.pop("text_config", None)
-    config[key] = 32  # a real depth is taken
+    # a real depth is taken
+    config[key] = 32
     (folder / "config.json").write_text(json.dumps(config))
     assert config_size_problem(str(folder)) is None
 
@@ -310,9 +318,8 @@ def test_a_hub_id_not_in_the_cache_is_asked_of_the_hub_once_before_anything_star
 
     def hub(repo_id, *args, **kwargs):
         asked.append(repo_id)
-        if (
-            answer == "gated"
-        ):  # as huggingface_hub raises it for a 401/403 on a gated repository (built without a response)
+        # as huggingface_hub raises it for a 401/403 on a gated repository (built without a response)
+        if answer == "gated":
             gated = GatedRepoError.__new__(GatedRepoError)
             Exception.__init__(gated, "403 gated")
             raise gated
@@ -322,9 +329,8 @@ def test_a_hub_id_not_in_the_cache_is_asked_of_the_hub_once_before_anything_star
 
     monkeypatch.setattr(huggingface_hub, "file_exists", hub)
     monkeypatch.setattr(huggingface_hub, "repo_exists", hub)
-    monkeypatch.setattr(
-        model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__)
-    )  # its own answers
+    # its own answers
+    monkeypatch.setattr(model_source, "hub_problem", functools.lru_cache(model_source.hub_problem.__wrapped__))
     said = model_source.model_source_problem(f"someone/model-{answer}", weights=weights)
     expected = {
         "found": None,
@@ -344,7 +350,8 @@ def test_trust_remote_code_true_is_said_with_the_files_it_runs(tmp_path, weights
 
     from fsdp_recipes.config.accelerate_config import check_config
 
-    def not_here(*args, **kwargs):  # the load itself would import the folder's classes into this test process
+    # the load itself would import the folder's classes into this test process
+    def not_here(*args, **kwargs):
         raise OSError("the test stops here")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", not_here)
@@ -390,7 +397,8 @@ def test_a_hub_dataset_id_is_asked_of_the_hub_once_before_anything_starts(answer
     expected = "is not a dataset on the hub" if answer == "missing" else "--repo-type dataset) and set HF_HUB_OFFLINE=1"
     with pytest.raises(RecipeError, match=re.escape(expected)):
         parse_args(argv)
-    (tmp_path / "datasets-cache" / f"someone___data-{answer}").mkdir(parents=True)  # datasets has a copy: its to load
+    # datasets has a copy: its to load
+    (tmp_path / "datasets-cache" / f"someone___data-{answer}").mkdir(parents=True)
     assert parse_args(argv)[1].dataset_name == f"someone/data-{answer}"
 
 
@@ -425,7 +433,8 @@ def test_a_tokenizer_class_transformers_lacks_without_code_is_taken(tmp_path):
     tok["tokenizer_class"] = "BloomTokenizerFast"
     (folder / "tokenizer_config.json").write_text(json.dumps(tok))
     assert remote_code_problem(str(folder), trust_remote_code=False, tokenizer=True) is None
-    assert len(AutoTokenizer.from_pretrained(folder, trust_remote_code=False)) > 100  # transformers does load it
+    # transformers does load it
+    assert len(AutoTokenizer.from_pretrained(folder, trust_remote_code=False)) > 100
 
 
 def test_a_model_type_transformers_lacks_without_code_is_named_as_such(tmp_path):
@@ -436,7 +445,8 @@ def test_a_model_type_transformers_lacks_without_code_is_named_as_such(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "llama9"
     (folder / "config.json").write_text(json.dumps(config))
-    for trust in (False, True):  # no code to trust: the flag changes nothing
+    # no code to trust: the flag changes nothing
+    for trust in (False, True):
         why, fix = remote_code_problem(str(folder), trust_remote_code=trust)
         assert (
             why.startswith("names model_type 'llama9', which transformers")
@@ -465,7 +475,8 @@ def test_weights_that_are_no_safetensors_file_are_one_line(kind, sharded, weight
         )
     whole = target.read_bytes()
     target.unlink()
-    if kind == "truncated":  # a copy cut short: the header is whole, the tensors are not
+    # a copy cut short: the header is whole, the tensors are not
+    if kind == "truncated":
         target.write_bytes(whole[:-100])
     elif kind == "lfs_pointer":
         target.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 967936\n")

@@ -18,12 +18,16 @@ NAMES = ["a" * 300, "org/" + "b" * 300, "c" * 5000, "nul\x00name", "./" + "d" * 
 
 @pytest.mark.parametrize("name", NAMES, ids=range(len(NAMES)))
 def test_a_name_no_filesystem_takes_is_not_a_local_path(tmp_path, name):
-    missing_local_path(name)  # decided without raising: a path form with nothing there, or a hub id to check
-    assert revision(SimpleNamespace(model_revision="v1"), name) == "v1"  # not a local folder: a hub id's revision
+    # decided without raising: a path form with nothing there, or a hub id to check
+    missing_local_path(name)
+    # not a local folder: a hub id's revision
+    assert revision(SimpleNamespace(model_revision="v1"), name) == "v1"
     args = SimpleNamespace(
         train_file=None, dataset_name=name, dataset_config_name=None, dataset_split="train", dataset_test_split=None
     )
-    assert local_source_problem(args) is None  # no local source: the hub's to judge
+    # no local source: the hub's to judge
+    assert local_source_problem(args) is None
     adapter = tmp_path / "adapter_config.json"
     adapter.write_text(json.dumps({"base_model_name_or_path": name, "r": 8}))
-    assert isinstance(as_uploaded(adapter, log=lambda line: None), (str, bytes))  # the file, or a copy naming none
+    # the file, or a copy naming none
+    assert isinstance(as_uploaded(adapter, log=lambda line: None), (str, bytes))

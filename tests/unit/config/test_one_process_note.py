@@ -31,11 +31,13 @@ def test_only_fsdp2_full_shard_without_offload_on_one_process_is_told(path, worl
 @pytest.mark.parametrize(
     "fsdp, told",
     [
-        ({"fsdp_version": "2"}, True),  # FSDP_* variables are strings
+        # FSDP_* variables are strings
+        ({"fsdp_version": "2"}, True),
         ({"fsdp_version": "2", "fsdp_reshard_after_forward": "false"}, False),
         ({"fsdp_version": "2", "fsdp_offload_params": "true"}, False),
         ({"fsdp_version": "1"}, False),
-        ({"fsdp_version": "two"}, False),  # a bad value: check_launch's rules name it; no advice on it
+        # a bad value: check_launch's rules name it; no advice on it
+        ({"fsdp_version": "two"}, False),
     ],
 )
 def test_a_launch_from_variables_is_told_alike(fsdp, told):
@@ -48,7 +50,8 @@ def test_a_launch_from_variables_is_told_alike(fsdp, told):
 def test_the_note_is_printed_at_start_up(tmp_path, monkeypatch, capsys):
     for name, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cpu_fsdp, "accelerator_present", lambda: True)  # one GPU: no CPU refusal of one process
+    # one GPU: no CPU refusal of one process
+    monkeypatch.setattr(cpu_fsdp, "accelerator_present", lambda: True)
     parse_args(["--max_steps", "2", "--output_dir", str(tmp_path / "out")])
     assert "FSDP2 FULL_SHARD on 1 process (" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")

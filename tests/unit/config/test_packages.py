@@ -186,7 +186,8 @@ def test_an_optimizer_without_its_package_is_one_line(optim, packages, tmp_path)
         and "pip install" in message
         and "--optim adamw_torch" in message
     )
-    assert refused(tmp_path, recipe=f"optim: {optim}\n") == message  # a recipe key, the same line
+    # a recipe key, the same line
+    assert refused(tmp_path, recipe=f"optim: {optim}\n") == message
     packages(module)
     assert run(tmp_path, "--optim", optim)[2].raw.optim == optim
 
@@ -219,13 +220,15 @@ def test_a_reporting_integration_without_its_package_is_one_line(name, how, pack
     assert (
         f"report_to={name}" in message and module in message and "pip install" in message and f"drop {name}" in message
     )
-    packages(module, "mlflow")  # dagshub logs through mlflow
+    # dagshub logs through mlflow
+    packages(module, "mlflow")
     run(tmp_path, *given.get("flags", ()), recipe=given.get("recipe"))
 
 
 def test_report_to_checks(packages, tmp_path, monkeypatch):
     packages("tensorboardX")
-    run(tmp_path, "--report_to", "tensorboard")  # either package will do
+    # either package will do
+    run(tmp_path, "--report_to", "tensorboard")
     packages("dagshub")
     assert "mlflow" in refused(tmp_path, "--report_to", "dagshub")
     for value in ("all", "none"):
@@ -249,7 +252,8 @@ def test_flash_attention_needs_its_package_and_a_gpu(attn, packages, tmp_path):
     assert refused(tmp_path, recipe=f"attn_implementation: {attn}\n") == message
     packages(module, cuda=True)
     run(tmp_path, "--attn_implementation", attn)
-    packages("kernels", cuda=True)  # transformers falls back to the kernels hub's build
+    # transformers falls back to the kernels hub's build
+    packages("kernels", cuda=True)
     run(tmp_path, "--attn_implementation", attn)
 
 
@@ -351,10 +355,11 @@ def test_a_bare_true_false_flag_means_true(flag):
         check_flag_aliases([flag, flag, "false"], parser)
 
 
+# TRL's packing true takes chat data here
 CHAT_DATA = (
     "--train_file",
     str(REPO / "assets" / "data" / "tiny_chat.jsonl"),
-)  # TRL's packing true takes chat data here
+)
 
 
 @pytest.mark.parametrize("flags", [("--use_peft",), ("--gradient_checkpointing",), ("--packing",)])
@@ -376,7 +381,8 @@ def test_bare_packing_is_trls_true(tmp_path):
         == run(tmp_path, "--packing", "true", *CHAT_DATA)[1].packing
         == "padding_free"
     )
-    run(tmp_path, "--packing", "--packing", "true", *CHAT_DATA)  # the same value twice
+    # the same value twice
+    run(tmp_path, "--packing", "--packing", "true", *CHAT_DATA)
 
 
 @pytest.mark.parametrize(
@@ -394,7 +400,8 @@ def test_bare_packing_is_trls_true(tmp_path):
 )
 def test_a_flag_without_its_value_says_so(flags, message):
     with pytest.raises(RecipeError) as err:
-        parse_args([*NO_FSDP, *flags])  # no --output_dir after it: it would be read as the value
+        # no --output_dir after it: it would be read as the value
+        parse_args([*NO_FSDP, *flags])
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -445,7 +452,8 @@ def test_tilde_in_recipe_paths(home, tmp_path):
         "config_name: ~/tiny-llama\ntokenizer_name: ~/tiny-llama\ntrain_file: ~/corpus.txt\n"
         "output_dir: ~/out\nmax_steps: 2\n"
     )
-    model_args, data_args, plan = parse_args(["~/r.yaml", *NO_FSDP])  # quoted: no shell expanded it
+    # quoted: no shell expanded it
+    model_args, data_args, plan = parse_args(["~/r.yaml", *NO_FSDP])
     assert model_args.config_name == str(home / "tiny-llama") and model_args.tokenizer_name == str(home / "tiny-llama")
     assert data_args.train_file == str(home / "corpus.txt") and plan.raw.output_dir == str(home / "out")
     _no_tilde_folder()

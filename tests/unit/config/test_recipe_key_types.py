@@ -148,7 +148,8 @@ def test_an_unquoted_yaml_word_read_as_a_bool_where_text_belongs_says_to_quote_i
     there, or lists the choices where it is not (`hub_strategy: no`)."""
     recipe = tmp_path / "r.yaml"
     base = {"config_name": "assets/tiny-llama", "train_file": "assets/data/tiny_corpus.txt"}
-    recipe.write_text("".join(f"{k}: {v}\n" for k, v in {**base, key: word}.items()))  # unquoted, as written by hand
+    # unquoted, as written by hand
+    recipe.write_text("".join(f"{k}: {v}\n" for k, v in {**base, key: word}.items()))
     with pytest.raises(RecipeError) as err:
         parse_args([str(recipe), "--output_dir", str(tmp_path / "o"), *NO_FSDP])
     message, choices = str(err.value), _choices(key)
@@ -158,7 +159,8 @@ def test_an_unquoted_yaml_word_read_as_a_bool_where_text_belongs_says_to_quote_i
         assert message.endswith(": quote it"), message
     elif word == "no" and "no" in choices:
         assert message.endswith(f": quote it ({key}: 'no')"), message
-    else:  # quoting the word would be refused too: the line does not say to
+    # quoting the word would be refused too: the line does not say to
+    else:
         assert "quote it" not in message and message.endswith(f"give one of {', '.join(choices)}"), message
 
 

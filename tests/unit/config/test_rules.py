@@ -13,7 +13,8 @@ from fsdp_recipes.config.model_arguments import ModelArguments
 from fsdp_recipes.config.run_arguments import RunArguments
 from fsdp_recipes.errors import RecipeError
 
-VALID = {  # the least each dataclass needs to be built
+# the least each dataclass needs to be built
+VALID = {
     ModelArguments: {"config_name": str(REPO / "assets" / "tiny-llama")},
     DataArguments: {"train_file": str(REPO / "assets" / "data" / "tiny_corpus.txt")},
     RunArguments: {},
@@ -46,5 +47,6 @@ def test_a_value_a_field_does_not_take_is_one_line_naming_it(cls, name, value):
 def test_the_defaults_and_trls_packing_words_pass(cls):
     cls(**VALID[cls])
     if cls is DataArguments:
-        for packing in (True, False, "true", "concat"):  # TRL's bool, as YAML gives it, and our words
+        # TRL's bool, as YAML gives it, and our words
+        for packing in (True, False, "true", "concat"):
             cls(**VALID[cls], packing=packing)

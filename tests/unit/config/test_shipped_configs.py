@@ -31,7 +31,8 @@ def test_configs_are_found_recursively():
 
 @pytest.mark.parametrize("config", FSDP_CONFIGS)
 def test_loads_with_accelerate_loader(config):
-    loaded = load_config_from_file(str(REPO / config))  # raises on unknown top-level keys
+    # raises on unknown top-level keys
+    loaded = load_config_from_file(str(REPO / config))
     assert loaded.distributed_type == DistributedType.FSDP
     fsdp = loaded.fsdp_config
     assert fsdp["fsdp_version"] in (1, 2)

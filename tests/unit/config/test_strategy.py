@@ -168,7 +168,8 @@ def test_quoted_booleans_read_as_accelerate_reads_them(text, strategy, offload):
 
     from fsdp_recipes.config.strategy import strategy_of
 
-    assert bool(str_to_bool(text)) is offload  # what accelerate itself makes of the text
+    # what accelerate itself makes of the text
+    assert bool(str_to_bool(text)) is offload
     config = {
         "distributed_type": "FSDP",
         "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": text, "fsdp_offload_params": text},
@@ -222,13 +223,16 @@ def test_the_fsdp1_strategy_is_read_as_accelerate_and_transformers_pass_it():
 
     plain = SimpleNamespace(fsdp_plugin_args=None)
     fsdp = {"ACCELERATE_USE_FSDP": "true"}
-    for number, name in enumerate(FSDP_SHARDING_STRATEGY, start=1):  # accelerate's names and 1-based numbers
+    # accelerate's names and 1-based numbers
+    for number, name in enumerate(FSDP_SHARDING_STRATEGY, start=1):
         assert fsdp1_strategy(plain, {**fsdp, "FSDP_SHARDING_STRATEGY": name}) == name
         assert fsdp1_strategy(plain, {**fsdp, "FSDP_SHARDING_STRATEGY": str(number)}) == name
         assert fsdp1_strategy(plain, {**fsdp, "FSDP_SHARDING_STRATEGY": name.lower(), "FSDP_VERSION": "1"}) == name
         assert fsdp1_strategy(plain, {**fsdp, "FSDP_SHARDING_STRATEGY": name, "FSDP_VERSION": "2"}) is None
-        assert fsdp1_strategy(plain, {"FSDP_SHARDING_STRATEGY": name}) is None  # not an FSDP launch
-    assert fsdp1_strategy(plain, fsdp) == "FULL_SHARD"  # accelerate's default
+        # not an FSDP launch
+        assert fsdp1_strategy(plain, {"FSDP_SHARDING_STRATEGY": name}) is None
+    # accelerate's default
+    assert fsdp1_strategy(plain, fsdp) == "FULL_SHARD"
     # the torchrun route: accelerate's FSDP1 plugin runs FSDP_SHARDING_STRATEGY (default FULL_SHARD) and never the
     # --fsdp option transformers hands it as reshard_after_forward: read so, and the ignored option refused
     from transformers import TrainingArguments
@@ -249,15 +253,15 @@ def test_the_fsdp1_strategy_is_read_as_accelerate_and_transformers_pass_it():
         for env_value in (option.upper(), str(FSDP_SHARDING_STRATEGY.index(option.upper()) + 1)):
             runs = fsdp1_strategy(args, {"FSDP_SHARDING_STRATEGY": env_value})
             assert runs == option.upper() and fsdp1_ignored_option(f"{option} auto_wrap", runs) is None
-            assert (
-                fsdp1_ignored_option(True, runs) is None and fsdp1_ignored_option("true", runs) is None
-            )  # --fsdp true names none
+            # --fsdp true names none
+            assert fsdp1_ignored_option(True, runs) is None and fsdp1_ignored_option("true", runs) is None
     ignored = fsdp1_ignored_option("hybrid_shard auto_wrap", "FULL_SHARD")
     assert (
         ignored.startswith("--fsdp hybrid_shard would run as FULL_SHARD")
         and "FSDP_SHARDING_STRATEGY=HYBRID_SHARD" in ignored
     )
-    assert fsdp1_ignored_option("hybrid_shard auto_wrap", None) is None  # not FSDP1: not this rule's
+    # not FSDP1: not this rule's
+    assert fsdp1_ignored_option("hybrid_shard auto_wrap", None) is None
     args = TrainingArguments(
         output_dir="unused",
         fsdp=True,
@@ -295,7 +299,8 @@ def test_the_report_names_the_fsdp1_strategy_torch_runs():
     runs_as = {}
     try:
         for name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-            with warnings.catch_warnings():  # torch's own note that one process runs as NO_SHARD
+            # torch's own note that one process runs as NO_SHARD
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 wrapped = FSDP(
                     torch.nn.Linear(4, 4), sharding_strategy=ShardingStrategy[name], device_id=torch.device("cpu")
@@ -305,4 +310,5 @@ def test_the_report_names_the_fsdp1_strategy_torch_runs():
         dist.destroy_process_group()
     assert runs_as == {"FULL_SHARD": "NO_SHARD", "SHARD_GRAD_OP": "NO_SHARD", "NO_SHARD": "NO_SHARD"}
     assert fsdp1_runs_as(torch.nn.Linear(2, 2)) is None
-    assert Strategy("FULL_SHARD", fsdp_version=1).memory_strategy_on(1) == "NO_SHARD"  # the estimator agrees
+    # the estimator agrees
+    assert Strategy("FULL_SHARD", fsdp_version=1).memory_strategy_on(1) == "NO_SHARD"

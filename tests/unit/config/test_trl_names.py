@@ -46,7 +46,8 @@ def test_handbook_recipe_reads_as_our_settings(workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     model_args, data_args, plan = parse_args([str(FIXTURES / "sft_tiny_chat.yaml"), *NO_FSDP])
     assert (data_args.block_size, data_args.dataset_split, data_args.preprocessing_num_workers) == (64, "train", 1)
-    assert data_args.packing == "concat"  # TRL's packing false on chat data: one conversation per row, padded
+    # TRL's packing false on chat data: one conversation per row, padded
+    assert data_args.packing == "concat"
     assert (
         model_args.dtype == "float32" and model_args.use_peft and model_args.lora_target_modules == ["q_proj", "v_proj"]
     )
@@ -55,9 +56,8 @@ def test_handbook_recipe_reads_as_our_settings(workdir, monkeypatch):
 
     dataset, _, _ = build_datasets(data_args, AutoTokenizer.from_pretrained("tiny-model"))
     labels = dataset[0]["labels"]
-    assert (
-        len(dataset[0]["input_ids"]) <= 64 and IGNORE_INDEX in labels and set(labels) != {IGNORE_INDEX}
-    )  # assistant-only
+    # assistant-only
+    assert len(dataset[0]["input_ids"]) <= 64 and IGNORE_INDEX in labels and set(labels) != {IGNORE_INDEX}
 
 
 def test_keys_without_a_meaning_here_are_named_in_one_line(workdir, monkeypatch):
@@ -134,7 +134,8 @@ def test_alias_and_our_name_agreeing_is_fine(tmp_path):
     _, data_args, _ = parse_args(
         [write(tmp_path, TINY + CORPUS + "max_length: 64\nblock_size: 64\n"), "--max_seq_length", "48", *NO_FSDP]
     )
-    assert data_args.block_size == 48  # a flag overrides the recipe, whichever spelling
+    # a flag overrides the recipe, whichever spelling
+    assert data_args.block_size == 48
 
 
 @pytest.mark.parametrize(
@@ -155,9 +156,8 @@ def test_trl_packing_becomes_our_mode(tmp_path, text, packing):
     assert data_args.packing == packing
     from transformers import AutoTokenizer
 
-    build_datasets(
-        data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
-    )  # the data-format checks pass
+    # the data-format checks pass
+    build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))
 
 
 @pytest.mark.parametrize(
@@ -178,9 +178,8 @@ def test_trl_settings_without_an_equivalent_are_refused(tmp_path, text, message)
 
     with pytest.raises(RecipeError, match=re.escape(message)):
         _, data_args, _ = parse_args([write(tmp_path, TINY + text), *NO_FSDP])
-        build_datasets(
-            data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
-        )  # the format is known here
+        # the format is known here
+        build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))
 
 
 def data_files(root: Path) -> dict[str, Path]:
@@ -234,7 +233,8 @@ def test_a_trl_setting_the_data_cannot_take_is_refused_at_parse_time_as_loading_
 
     recipe = write(tmp_path, TINY + f"train_file: {data_files(tmp_path)[kind]}\nblock_size: 64\n" + setting)
     with monkeypatch.context() as later:
-        later.setattr(arguments, "sniff_format", lambda path, args: None)  # the format known only once loaded
+        # the format known only once loaded
+        later.setattr(arguments, "sniff_format", lambda path, args: None)
         _, data_args, _ = parse_args([recipe, *NO_FSDP])
         try:
             build_datasets(data_args, AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama"))
@@ -262,7 +262,8 @@ def help_text(argv, capsys) -> str:
 
 
 def test_help_is_grouped_with_aliases_and_the_rest_behind_help_all(capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal: CI's differs from a developer's
+    # argparse wraps to the terminal: CI's differs from a developer's
+    monkeypatch.setenv("COLUMNS", "100")
     short, full = help_text(["--help"], capsys), help_text(["--help-all"], capsys)
     titles = [line[:-1] for line in short.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert titles[1:] == [
@@ -274,7 +275,8 @@ def test_help_is_grouped_with_aliases_and_the_rest_behind_help_all(capsys, monke
     ], titles
     assert "--block_size BLOCK_SIZE, --max_length BLOCK_SIZE, --max_seq_length BLOCK_SIZE" in short
     assert "--text_column TEXT_COLUMN, --dataset_text_field TEXT_COLUMN" in short
-    assert "--output-dir" not in short and "--output-dir" not in full  # each option once
+    # each option once
+    assert "--output-dir" not in short and "--output-dir" not in full
     assert (
         "--fsdp_config" not in short and "--fsdp_config" in full and "--help-all lists them" in " ".join(short.split())
     )
@@ -304,7 +306,8 @@ def test_help_under_accelerate_launch_is_printed_once():
 
 def _two_values(action) -> tuple[str, str] | None:
     """Two different values argparse accepts for ``action`` (None: a flag without a single value)."""
-    convert = getattr(action.type, "__wrapped__", action.type)  # flags.declare's one-line refusals wrap it
+    # flags.declare's one-line refusals wrap it
+    convert = getattr(action.type, "__wrapped__", action.type)
     if action.choices:
         values = [str(c) for c in action.choices]
         return (values[0], values[1]) if len(values) > 1 else None
@@ -337,9 +340,11 @@ def test_a_flag_given_twice_with_different_values_is_an_error_for_every_flag():
                 match=re.escape(f"{flag} {a} and {flag} {b} are given twice with different values: give one"),
             ):
                 check_flag_aliases(argv, parser)
-        check_flag_aliases([flag, a, f"{flag}={a}"], parser)  # the same value twice
+        # the same value twice
+        check_flag_aliases([flag, a, f"{flag}={a}"], parser)
         checked += 1
-    assert checked > 80, checked  # 92 today: every single-valued TrainingArguments field, and ours
+    # 92 today: every single-valued TrainingArguments field, and ours
+    assert checked > 80, checked
 
 
 def test_a_list_flag_given_twice_with_other_values_is_one_line_naming_the_list_meant():
@@ -442,7 +447,8 @@ def test_text_is_one_document_per_row_unless_packing_is_asked_as_in_trl(tmp_path
         assert dataset[0]["input_ids"] == first[:8] == dataset[0]["labels"]
     batch = collator([dataset[i] for i in range(4)])
     assert batch["input_ids"].shape[0] == rows
-    if rows == 4 and one_per_document:  # padded rows: the padding is masked and ignored by the loss
+    # padded rows: the padding is masked and ignored by the loss
+    if rows == 4 and one_per_document:
         assert (batch["labels"] == IGNORE_INDEX).sum() == (batch["attention_mask"] == 0).sum()
 
 

@@ -23,8 +23,10 @@ CORPUS = sorted(p for p in FIXTURES.rglob("*.yaml") if p.parent != FIXTURES)
 NO_FSDP = ("--allow_no_fsdp", "true")
 # recipes refused here, and the words of the one line that says why
 REFUSED = {
-    "zephyr-7b-beta-config_qlora.yaml": "load_in_4bit",  # QLoRA: CUDA and bitsandbytes only
-    "smollm3-mid.yaml": "use_liger_kernel",  # where liger-kernel is not installed (TRL fails there too)
+    # QLoRA: CUDA and bitsandbytes only
+    "zephyr-7b-beta-config_qlora.yaml": "load_in_4bit",
+    # where liger-kernel is not installed (TRL fails there too)
+    "smollm3-mid.yaml": "use_liger_kernel",
     "smollm3-sft.yaml": "use_liger_kernel",
 }
 # keys set by the machine edits (their values are ours, not the recipe's)
@@ -69,7 +71,8 @@ def landed(key: str, value, model_args, data_args, plan, said: str) -> bool:
         return raw["warmup_steps"] == value and "warmup_ratio" in said
     if key in trl_recipe.RENAMED:
         return raw[trl_recipe.RENAMED[key]] == value and key in said
-    if key == "model_revision":  # a local folder: said
+    # a local folder: said
+    if key == "model_revision":
         return "model_revision" in said
     if key == "use_liger_kernel":
         return raw.get("use_liger_kernel") is True or "use_liger_kernel" in said
@@ -98,7 +101,8 @@ def test_each_recipe_is_read_with_trls_meaning_or_refused_in_one_line(path, root
         with pytest.raises(RecipeError) as err:
             parse_args([edited, *NO_FSDP])
         assert "\n" not in str(err.value) and refused in str(err.value), str(err.value)
-        recipe, edited = read(path, root, drop=refused)  # and every other key holds
+        # and every other key holds
+        recipe, edited = read(path, root, drop=refused)
     model_args, data_args, plan = parse_args([edited, *NO_FSDP])
     said = capsys.readouterr().err
     wrong = [
@@ -165,7 +169,8 @@ def test_each_mixture_loads_with_its_proportions_columns_and_test_split(path, ro
                 rows = int(12 * weight) if "train" in split else 12
                 assert Counter(tags(train if "train" in split else evaluation))[f"{hub_id}/{config}/{split}"] == rows
         assert train.column_names == ["messages"]
-    else:  # no columns given: every column kept
+    # no columns given: every column kept
+    else:
         assert both == Counter({f"{d['path']}/default/train": 12 for d in recipe["datasets"]}) and evaluation is None
         assert {"text", "source"} <= set(train.column_names)
 

@@ -29,7 +29,8 @@ from fsdp_recipes.config.values import (
 )
 from fsdp_recipes.errors import RecipeError
 
-NO_FSDP = ("--allow_no_fsdp", "true")  # parse_args in this process: no launcher, no FSDP config
+# parse_args in this process: no launcher, no FSDP config
+NO_FSDP = ("--allow_no_fsdp", "true")
 NUMERIC = numeric_fields()
 # What a field needs around it to be read at all: eval_steps only under eval_strategy steps, which needs eval data.
 CONTEXT = {"eval_steps": ("--eval_strategy", "steps", "--validation_split_percentage", "10")}
@@ -66,7 +67,8 @@ def test_every_numeric_field_has_a_decision():
         f"stale (no such numeric field): {sorted((set(VALUE_RULES) | set(FINITE_ONLY)) - set(NUMERIC))}"
     )
     assert not set(VALUE_RULES) & set(FINITE_ONLY)
-    assert all(why.strip() for why in FINITE_ONLY.values())  # "on purpose" says why
+    # "on purpose" says why
+    assert all(why.strip() for why in FINITE_ONLY.values())
     must_have_rules = {
         "max_steps",
         "num_train_epochs",
@@ -92,7 +94,8 @@ def test_every_numeric_field_has_a_decision():
         "validation_split_percentage",
     }
     assert must_have_rules <= set(VALUE_RULES)
-    assert len(NUMERIC) >= 30  # the derivation found the fields (dataclasses.fields, int and float types)
+    # the derivation found the fields (dataclasses.fields, int and float types)
+    assert len(NUMERIC) >= 30
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "abc", "True"])
@@ -121,7 +124,8 @@ BY_HAND = {
     "max_steps": (["-5", "-2", "0", str(2**63)], ["-1", "1", "1000"]),
     "per_device_train_batch_size": (["0", "-1"], ["1", "64"]),
     "per_device_eval_batch_size": (["0", "-3"], ["1", "16"]),
-    "gradient_accumulation_steps": (["0", "-1"], ["1", "1000"]),  # 1000 against the data: check_run_length
+    # 1000 against the data: check_run_length
+    "gradient_accumulation_steps": (["0", "-1"], ["1", "1000"]),
     "learning_rate": (["-1e-4", "1e30", "11"], ["0", "2e-5", "1"]),
     "weight_decay": (["-0.1", "1e30"], ["0", "0.1"]),
     "warmup_steps": (["-1", "2.5", "1e30"], ["0", "0.1", "10"]),
@@ -136,7 +140,8 @@ BY_HAND = {
     "save_steps": (["0", "-1", "2.5"], ["0.5", "1", "100"]),
     "eval_steps": (["0", "-1", "6.5"], ["0.25", "6"]),
     "save_total_limit": (["0", "-1"], ["1", "5"]),
-    "dataloader_num_workers": (["-1", "100000"], ["0", "2"]),  # 100000 forked until the machine stopped
+    # 100000 forked until the machine stopped
+    "dataloader_num_workers": (["-1", "100000"], ["0", "2"]),
     "preprocessing_num_workers": (["0", "-1", "100000"], ["1", "4"]),
     "block_size": (["0", "-1", "1"], ["8", "256"]),
     "lora_r": (["0", "-1"], ["1", "16"]),
@@ -195,7 +200,8 @@ def test_rule_boundaries(field, out):
             refused(out, field, _flag(_above(rule.high, kind), kind))
     elif kind is int:
         refused(out, field, str(MAX_COUNT + 1))
-    elif rule.high == MAX_COUNT:  # a float count of steps or epochs
+    # a float count of steps or epochs
+    elif rule.high == MAX_COUNT:
         refused(out, field, "1e19")
     if rule.fraction:
         accepted(out, field, "0.5")
@@ -211,7 +217,8 @@ def test_step_intervals_are_read_only_under_their_strategy(tmp_path):
     evaluating = ("--eval_strategy", "steps", "--validation_split_percentage", "10", "--logging_strategy", "no")
     refused(tmp_path, "logging_steps", "0", *evaluating)
     accepted(tmp_path, "logging_steps", "0", *evaluating, "--eval_steps", "5")
-    assert value_problem("save_steps", 0.0) is not None  # without the other values: read
+    # without the other values: read
+    assert value_problem("save_steps", 0.0) is not None
     assert value_problem("save_steps", 0.0, SimpleNamespace(save_strategy="epoch")) is None
 
 
@@ -225,13 +232,15 @@ def test_flag_forms(tmp_path):
     ):
         parse(tmp_path, "--max_steps", "-5")
     with pytest.raises(RecipeError, match=r"^weight_decay=-inf would be read as a flag: write --weight_decay=-inf$"):
-        parse(tmp_path, "--weight_decay", "-inf")  # -1e-4 too, where argparse reads it as a flag (3.11 does)
+        # -1e-4 too, where argparse reads it as a flag (3.11 does)
+        parse(tmp_path, "--weight_decay", "-inf")
     with pytest.raises(RecipeError, match=r"^max_steps='1e3' is not a whole number: write it as 1000$"):
         parse(tmp_path, "--max_steps", "1e3")
     with pytest.raises(RecipeError, match=r"^per_device_train_batch_size has no value"):
         parse(tmp_path, "--per_device_train_batch_size", "--max_steps", "5")
     with pytest.raises(RecipeError, match=r"^learning_rate=nan is not a finite number: give a rate such as 2e-5"):
-        parse(tmp_path, "--learning-rate", "nan")  # argparse's dashed alias of the same flag
+        # argparse's dashed alias of the same flag
+        parse(tmp_path, "--learning-rate", "nan")
     assert parse(tmp_path, "--max_steps", "-1", "--num_train_epochs", "0.5")[2].raw.max_steps == -1
 
 
@@ -293,9 +302,11 @@ def test_legitimate_but_surprising_values_are_warned(tmp_path, capsys):
     parse(tmp_path, "--max_steps", "120", "--warmup_steps", "120")
     assert "warning: warmup_steps=120 covers the whole run of 120 optimizer steps" in capsys.readouterr().err
     parse(tmp_path, "--max_steps", "120", "--warmup_steps", "119")
-    parse(tmp_path, "--max_steps", "120", "--warmup_steps", "0.5")  # a fraction: half the run
+    # a fraction: half the run
+    parse(tmp_path, "--max_steps", "120", "--warmup_steps", "0.5")
     assert "warmup_steps" not in capsys.readouterr().err
-    parse(tmp_path, "--learning_rate", "0", "--weight_decay", "1e6")  # no step at all: only the learning-rate warning
+    # no step at all: only the learning-rate warning
+    parse(tmp_path, "--learning_rate", "0", "--weight_decay", "1e6")
     assert "warning: learning_rate=0" in capsys.readouterr().err
 
 
@@ -305,13 +316,19 @@ def test_legitimate_but_surprising_values_are_warned(tmp_path, capsys):
 @pytest.mark.parametrize(
     "examples, batch, processes, drop_last, batches",
     [
-        (100, 8, 1, False, 13),  # ceil(100 / 8)
-        (100, 8, 2, False, 7),  # 13 batches over 2 processes: one wraps around
-        (100, 8, 2, True, 6),  # 12 full batches, 6 each
-        (37, 4, 3, False, 4),  # 10 batches: 4, 3 + 1 wrapped, 3 + 1 wrapped
-        (37, 4, 3, True, 3),  # 9 full batches
+        # ceil(100 / 8)
+        (100, 8, 1, False, 13),
+        # 13 batches over 2 processes: one wraps around
+        (100, 8, 2, False, 7),
+        # 12 full batches, 6 each
+        (100, 8, 2, True, 6),
+        # 10 batches: 4, 3 + 1 wrapped, 3 + 1 wrapped
+        (37, 4, 3, False, 4),
+        # 9 full batches
+        (37, 4, 3, True, 3),
         (16, 8, 2, False, 1),
-        (10, 8, 2, True, 0),  # one full batch for two processes: dropped
+        # one full batch for two processes: dropped
+        (10, 8, 2, True, 0),
         (1, 8, 4, False, 1),
     ],
 )
@@ -371,7 +388,8 @@ def run_args(**kw):
         "warmup_steps": 0,
         "learning_rate": 3e-3,
     } | kw
-    assert all(hasattr(TrainingArguments, k) for k in values)  # the same names as the real thing
+    # the same names as the real thing
+    assert all(hasattr(TrainingArguments, k) for k in values)
     return SimpleNamespace(**values)
 
 
@@ -386,10 +404,14 @@ def test_accumulation_longer_than_an_epoch_is_refused():
         "gradient_accumulation_steps 7 or less, a smaller per_device_train_batch_size, or more data"
     )
     with pytest.raises(RecipeError, match="gradient_accumulation_steps=8 is more than the 7 micro-batches"):
-        check_run_length(run_args(gradient_accumulation_steps=8, max_steps=50), 100)  # with max_steps too
-    assert check_run_length(run_args(gradient_accumulation_steps=7), 100) == 3  # 1 step an epoch, 3 epochs
-    assert check_run_length(run_args(gradient_accumulation_steps=3, num_train_epochs=2.0), 100) == 6  # ceil(7 / 3) x 2
-    assert check_run_length(run_args(num_train_epochs=0.5, world_size=1), 100) == 7  # ceil(13 x 0.5)
+        # with max_steps too
+        check_run_length(run_args(gradient_accumulation_steps=8, max_steps=50), 100)
+    # 1 step an epoch, 3 epochs
+    assert check_run_length(run_args(gradient_accumulation_steps=7), 100) == 3
+    # ceil(7 / 3) x 2
+    assert check_run_length(run_args(gradient_accumulation_steps=3, num_train_epochs=2.0), 100) == 6
+    # ceil(13 x 0.5)
+    assert check_run_length(run_args(num_train_epochs=0.5, world_size=1), 100) == 7
     with pytest.raises(RecipeError, match=r"^per_device_train_batch_size=8 leaves no batch with dataloader_drop_last"):
         check_run_length(run_args(dataloader_drop_last=True), 10)
 
@@ -399,12 +421,14 @@ def test_profile_steps_beyond_an_epoch_based_run_are_refused():
     two_epochs = run_args(gradient_accumulation_steps=3, num_train_epochs=2.0)
     with pytest.raises(RecipeError) as err:
         check_run_length(two_epochs, 100, "5-8")
+    # as many steps, ending with the run
     assert str(err.value) == (
         "profile_steps=5-8 ends after the run's 6 optimizer steps (num_train_epochs=2 x 3 steps an "
         "epoch): profile steps within the run, e.g. 3-6"
-    )  # as many steps, ending with the run
+    )
     assert check_run_length(two_epochs, 100, "5-6") == 6
-    assert check_run_length(run_args(max_steps=10), 100, "9-10") == 10  # max_steps sets the end, not the epochs
+    # max_steps sets the end, not the epochs
+    assert check_run_length(run_args(max_steps=10), 100, "9-10") == 10
     with pytest.raises(
         RecipeError,
         match=r"profile_steps=11 ends after the run's 10 optimizer steps \(max_steps=10\): profile steps within "
@@ -414,7 +438,8 @@ def test_profile_steps_beyond_an_epoch_based_run_are_refused():
 
 
 def test_warmup_longer_than_an_epoch_based_run_is_warned(capsys):
-    check_run_length(run_args(warmup_steps=30), 100)  # 7 steps an epoch x 3
+    # 7 steps an epoch x 3
+    check_run_length(run_args(warmup_steps=30), 100)
     assert "warning: warmup_steps=30 covers the whole run of 21 optimizer steps" in capsys.readouterr().err
     check_run_length(run_args(warmup_steps=20), 100)
     assert capsys.readouterr().err == ""
@@ -427,7 +452,8 @@ def _rules_on(monkeypatch, cpus):
         "fsdp_recipes._rules_probe", REPO / "fsdp_recipes" / "config" / "rules.py"
     )
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    # dataclasses look their module up there
+    monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
     return module
 
@@ -440,9 +466,8 @@ def test_worker_counts_are_bounded_by_the_machine(monkeypatch, cpus, bound, fiel
 
     assert VALUE_RULES[field].high == rules.MAX_WORKERS and rules.WORKERS_BOUND in VALUE_RULES[field].fix
     arguments = _rules_on(monkeypatch, cpus)
-    rule = arguments.Rule(
-        0, arguments.MAX_WORKERS, arguments.WORKERS_BOUND
-    )  # the bound the field's rule takes, on that machine
+    # the bound the field's rule takes, on that machine
+    rule = arguments.Rule(0, arguments.MAX_WORKERS, arguments.WORKERS_BOUND)
     assert arguments.problem(field, bound, rule) is None
     for value in (bound + 1, 100000, arguments.MAX_COUNT):
         problem = arguments.problem(field, value, rule)

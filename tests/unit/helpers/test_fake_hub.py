@@ -73,13 +73,14 @@ def test_whoami(hub):
 
 def test_upload_folder_stores_identical_files(hub, tmp_path):
     folder = tmp_path / "model"
+    # README: the client has it validated
     files = {
         "config.json": b'{"a": 1}\n',
         "model.safetensors": os.urandom(5000),
         "sub/deeper/notes.txt": b"nested\n",
         "empty.txt": b"",
         "README.md": b"---\nlicense: mit\n---\n# tiny\n",
-    }  # README: the client has it validated
+    }
     for name, data in files.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
@@ -156,8 +157,10 @@ def raw(hub, path: str, headers: dict, body: bytes = b"", method: str = "POST") 
 
 
 def test_bodies_are_bounded_and_paths_stay_inside(hub):
-    assert raw(hub, "/api/repos/create", {})[0] == 411  # no Content-Length
-    assert raw(hub, "/api/repos/create", {"Content-Length": str(MAX_BODY + 1)})[0] == 413  # not read at all
+    # no Content-Length
+    assert raw(hub, "/api/repos/create", {})[0] == 411
+    # not read at all
+    assert raw(hub, "/api/repos/create", {"Content-Length": str(MAX_BODY + 1)})[0] == 413
     body = json.dumps({"name": "tiny"}).encode()
     assert raw(hub, "/api/repos/create", {"Content-Length": str(len(body))}, body)[0] == 200
     for bad in ("../escape.txt", "/etc/x", "a/../../b", ".git/config"):

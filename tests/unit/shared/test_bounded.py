@@ -25,9 +25,11 @@ from fsdp_recipes.bounded import REPORT_LIMIT, STATE_LIMIT, YAML_LIMIT
 from fsdp_recipes.config.parse import load_recipe, parse_args
 from fsdp_recipes.errors import RecipeError
 
-CASE_SECONDS = 2  # the slowest case takes a fifth of that; a hang is stopped by the alarm at twice this
+# the slowest case takes a fifth of that; a hang is stopped by the alarm at twice this
+CASE_SECONDS = 2
 LAUGHS = "".join(
-    [  # 346 bytes that a YAML loader expanding aliases turns into 10^9 strings
+    # 346 bytes that a YAML loader expanding aliases turns into 10^9 strings
+    [
         'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n',
         *(f"{n}: &{n} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n" for p, n in zip("abcdefgh", "bcdefghi")),
     ]
@@ -55,11 +57,12 @@ WRONG_VALUES = {
     "list": [1],
     "object": {"a": 1},
 }
+# a DDP run's, as fsdp_recipes.train.sharding writes it
 REPORT = {
     "fsdp_version": None,
     "world_size": 1,
     "sharding_strategy": None,
-}  # a DDP run's, as fsdp_recipes.train.sharding writes it
+}
 STEP = 3
 
 
@@ -70,17 +73,20 @@ def special(path: Path, kind: str, limit: int) -> None:
     """Make ``path`` a hostile file of a kind in SPECIAL (for "missing": nothing)."""
     if kind in ("directory", "fifo", "link_to_dev_zero"):
         make_special(path, kind)
-    elif kind == "oversize":  # one byte over, sparse: refused by its size, never read
+    # one byte over, sparse: refused by its size, never read
+    elif kind == "oversize":
         with open(path, "wb") as f:
             f.truncate(limit + 1)
 
 
 SPECIAL = ["directory", "fifo", "link_to_dev_zero", "oversize", "missing"]
-BROKEN = {  # contents no reader may trip over
+# contents no reader may trip over
+BROKEN = {
     "binary": bytes(range(256)) * 4,
     "not_utf8": "learning_rate: caf\xe9\n".encode("latin-1"),
     "truncated_json": b'{"distributed_type": "FSDP", "num_proc',
-    "deep_nesting": b"a: " + b"[" * 3_000,  # deeper than the recursion limit of a parser without a bound
+    # deeper than the recursion limit of a parser without a bound
+    "deep_nesting": b"a: " + b"[" * 3_000,
     "int_of_5000_digits": b'{"a": ' + b"9" * 5000 + b"}",
     **{f"json_{name}": json.dumps(value).encode() for name, value in JSON_TOPS.items()},
 }
@@ -89,9 +95,11 @@ YAML_ONLY = {
     "one_harmless_alias": b"learning_rate: &lr 1.0e-4\nwarmup_ratio: *lr\n",
     "list_at_top": b"- learning_rate: 1.0e-4\n- block_size: 64\n",
     "key_that_is_a_number": b"1: one\n",
-    "10000_unknown_keys": "".join(f"unknown_key_{i}: {i}\n" for i in range(10_000)).encode(),  # within the size limit
+    # within the size limit
+    "10000_unknown_keys": "".join(f"unknown_key_{i}: {i}\n" for i in range(10_000)).encode(),
 }
-UNKNOWN_KEYS_60MB = "unknown_keys_60MB"  # 60 MB of `key: value` lines
+# 60 MB of `key: value` lines
+UNKNOWN_KEYS_60MB = "unknown_keys_60MB"
 
 
 def yaml_cases(folder: Path) -> dict[str, str]:
@@ -121,9 +129,8 @@ def fake_checkpoint(folder: Path) -> Path:
     save_file({"weight": torch.zeros(2)}, ckpt / "model.safetensors")
     torch.save({"state": {}, "param_groups": []}, ckpt / "optimizer.pt")
     torch.save({"last_epoch": STEP}, ckpt / "scheduler.pt")
-    torch.save(
-        {"python": [1, 2], "numpy": [3], "cpu": torch.zeros(2)}, ckpt / "rng_state.pth"
-    )  # the keys the Trainer reads
+    # the keys the Trainer reads
+    torch.save({"python": [1, 2], "numpy": [3], "cpu": torch.zeros(2)}, ckpt / "rng_state.pth")
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": STEP, "log_history": []}))
     (ckpt / "fsdp_report.json").write_text(json.dumps(REPORT))
     return ckpt
@@ -134,7 +141,8 @@ def checkpoint_plan() -> dict[str, tuple]:
     plan = {}
     for file in ("fsdp_report.json", "trainer_state.json"):
         for kind in SPECIAL:
-            if not (kind == "missing" and file == "fsdp_report.json"):  # optional: other scripts' checkpoints lack it
+            # optional: other scripts' checkpoints lack it
+            if not (kind == "missing" and file == "fsdp_report.json"):
                 plan[f"{file}-{kind}"] = (file, "special", kind)
         for name, content in BROKEN.items():
             plan[f"{file}-{name}"] = (file, "content", content)
@@ -142,11 +150,12 @@ def checkpoint_plan() -> dict[str, tuple]:
         ("trainer_state.json", "global_step")
     ]:
         for name, value in WRONG_VALUES.items():
+            # valid ones
             if (key, value) not in (
                 ("fsdp_version", None),
                 ("sharding_strategy", None),
                 ("sharding_strategy", "2"),
-            ):  # valid ones
+            ):
                 plan[f"{file}-{key}-{name}"] = (file, "value", key, value)
     return plan
 
@@ -183,8 +192,10 @@ def estimate_cases() -> dict[str, list[str]]:
     for option in ESTIMATE_OPTIONS:
         for value in BAD_NUMBERS:
             if option == "model":
-                if value != "abc":  # 'abc' is a hub id, looked up (tests/unit/config/test_memory.py: 'seven billion')
-                    cases[f"model={value}"] = ["--", value]  # `--`: argparse would take -1B for an option
+                # 'abc' is a hub id, looked up (tests/unit/config/test_memory.py: 'seven billion')
+                if value != "abc":
+                    # `--`: argparse would take -1B for an option
+                    cases[f"model={value}"] = ["--", value]
                     cases[f"model={value}B"] = ["--", f"{value}B"]
             else:
                 cases[f"{option}={value}"] = ["7B", f"{option}={value}"]
@@ -253,7 +264,8 @@ def yaml_files(tmp_path_factory) -> dict[str, str]:
     known_accelerate_keys()
     folder = tmp_path_factory.mktemp("bounded")
     (folder / "recipe.yaml").write_text("learning_rate: 1.0e-4\n")
-    with pytest.raises(RecipeError):  # the recipe names no model: refused after it was read
+    # the recipe names no model: refused after it was read
+    with pytest.raises(RecipeError):
         parse_args([str(folder / "recipe.yaml")])
     return yaml_cases(folder / "yaml")
 
@@ -276,7 +288,8 @@ def one_line(result: dict) -> str:
 # ----- the cases -----
 
 YAML_CASES = ["dev_zero", *SPECIAL, *BROKEN, *YAML_ONLY, UNKNOWN_KEYS_60MB]
-YAML_PATHS = {name: "/dev/zero" if name == "dev_zero" else f"/{name}.yaml" for name in YAML_CASES}  # the path's tail
+# the path's tail
+YAML_PATHS = {name: "/dev/zero" if name == "dev_zero" else f"/{name}.yaml" for name in YAML_CASES}
 
 
 @pytest.mark.parametrize("case", YAML_CASES)
@@ -285,7 +298,8 @@ def test_recipe(yaml_files, case, capsys):
     assert result["outcome"] == "RecipeError", result
     line = one_line(result)
     assert line.startswith("recipe '") and YAML_PATHS[case] in line, line
-    if case == UNKNOWN_KEYS_60MB:  # parsed whole, it took minutes
+    # parsed whole, it took minutes
+    if case == UNKNOWN_KEYS_60MB:
         assert result["seconds"] < 0.5 and "over the 262,144-byte limit" in line, result
 
 
@@ -348,7 +362,8 @@ def test_estimate_memory_config(yaml_files, case, capsys):
 @pytest.mark.parametrize("case", list(estimate_cases()))
 def test_estimate_memory_numbers(case, capsys):
     result = bounded(tool("estimate_memory"), estimate_cases()[case], capsys=capsys)
-    assert result["outcome"] == 2, result  # argparse's status for a bad argument
+    # argparse's status for a bad argument
+    assert result["outcome"] == 2, result
     option, value = case.split("=", 1)
     line = one_line(result)
     assert line.startswith(f"estimate_memory.py: error: argument {option}: {value!r} is not"), line
@@ -371,7 +386,8 @@ def test_check_checkpoint(checkpoints, case, capsys):
     if case == "trainer_state.json-missing":
         wanted = "missing trainer_state.json"
     elif "-global_step-" in case and type(step := WRONG_VALUES[case.rsplit("-", 1)[1]]) is int and step >= 0:
-        wanted = f"trainer_state.json says step {step}, the folder name step {STEP}"  # a step, not this folder's
+        # a step, not this folder's
+        wanted = f"trainer_state.json says step {step}, the folder name step {STEP}"
     else:
         wanted = f"unreadable {file} ("
     assert line.startswith(f"checkpoint-{STEP} (") and "INCOMPLETE: " in line and wanted in line, line
@@ -430,7 +446,8 @@ def test_in_range_numbers_are_accepted_and_help_shows_each_default_once(capsys):
         main(["--help"])
     assert stop.value.code == 0
     text = capsys.readouterr().out
-    options = re.split(r"\n(?=  -)", text.split("\noptions:\n")[1].split("\n\n")[0])  # one entry per option
+    # one entry per option
+    options = re.split(r"\n(?=  -)", text.split("\noptions:\n")[1].split("\n\n")[0])
     entries = {
         entry.split()[0].rstrip(","): " ".join(entry.split())
         for entry in options
@@ -487,7 +504,8 @@ def whole_file_reads() -> dict[tuple[str, str], int]:
 
 def test_no_file_is_read_whole_outside_the_bounded_readers():
     found = whole_file_reads()
-    assert len(found) >= len(UNBOUNDED_BY_DESIGN) > 0  # the scan sees the reads it allows
+    # the scan sees the reads it allows
+    assert len(found) >= len(UNBOUNDED_BY_DESIGN) > 0
     unbounded = {
         f"{file}:{line}: {call}" for (file, call), line in found.items() if (file, call) not in UNBOUNDED_BY_DESIGN
     }

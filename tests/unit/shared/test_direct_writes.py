@@ -40,10 +40,12 @@ def write_in_pieces(path, data: bytes, pieces: list[int], **kwargs) -> DirectFil
         assert f.write(data[at : at + size]) == len(data[at : at + size])
         at += size
         assert f.tell() == min(at, len(data))
-    f.write(memoryview(data)[at:])  # any buffer: bytes, memoryview (torch.save hands both)
+    # any buffer: bytes, memoryview (torch.save hands both)
+    f.write(memoryview(data)[at:])
     assert f.tell() == len(data)
     f.close()
-    f.close()  # twice: DCP closes the stream, and so does the context around it
+    # twice: DCP closes the stream, and so does the context around it
+    f.close()
     return f
 
 
@@ -137,7 +139,8 @@ def test_ctrl_c_at_any_line_of_sync_entries_leaks_no_descriptor(tmp_path, monkey
     the calls started has ended (one may not even have run when the interrupt reaches the caller), none is open."""
     started, ended = [], []
 
-    def start(function, args):  # counted here, outside the module the interrupts land in
+    # counted here, outside the module the interrupts land in
+    def start(function, args):
         started.append(args)
         return _thread.start_new_thread(lambda: (function(*args), ended.append(args)), ())
 
@@ -163,9 +166,11 @@ def test_ctrl_c_at_any_line_of_sync_entries_leaks_no_descriptor(tmp_path, monkey
         assert not leaked, f"descriptors left open by an interrupt at line event {at}: {leaked}"
         if not interrupted:
             break
-    assert not interrupted and at > 2 and started, (at, interrupts.seen)  # every line was reached, then it ran through
+    # every line was reached, then it ran through
+    assert not interrupted and at > 2 and started, (at, interrupts.seen)
 
 
+# copies that end a chunk, and start the next, either way
 @pytest.mark.parametrize(
     "pieces",
     [
@@ -175,7 +180,7 @@ def test_ctrl_c_at_any_line_of_sync_entries_leaks_no_descriptor(tmp_path, monkey
             GIL_FREE_COPY,
             1,
             GIL_FREE_COPY - 1,
-        ],  # copies that end a chunk, and start the next, either way
+        ],
     ],
 )
 def test_the_bytes_are_an_ordinary_writes_whichever_way_each_piece_is_copied(tmp_path, pieces):
@@ -186,7 +191,8 @@ def test_the_bytes_are_an_ordinary_writes_whichever_way_each_piece_is_copied(tmp
 
 
 def test_without_o_direct_it_writes_the_same_bytes_through_the_page_cache_and_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(direct_writes, "O_DIRECT", 0)  # as on macOS
+    # as on macOS
+    monkeypatch.setattr(direct_writes, "O_DIRECT", 0)
     data = os.urandom(CHUNK + 3)
     f = write_in_pieces(tmp_path / "x", data, [5, BLOCK], sync=False)
     assert (tmp_path / "x").read_bytes() == data and f.page_cache_why == "this platform has no O_DIRECT"
@@ -201,7 +207,8 @@ def test_a_filesystem_that_refuses_o_direct_gets_the_page_cache(tmp_path, monkey
 
     def refusing(fd, cmd, arg=0):
         if cmd == fcntl.F_SETFL and arg & direct_writes.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")  # what tmpfs before Linux 6.6 and some FUSE mounts say
+            # what tmpfs before Linux 6.6 and some FUSE mounts say
+            raise OSError(errno.EINVAL, "Invalid argument")
         return real_fcntl(fd, cmd, arg)
 
     monkeypatch.setattr(direct_writes.fcntl, "fcntl", refusing)
@@ -274,8 +281,10 @@ def test_another_error_is_raised_and_abort_writes_no_tail(tmp_path, monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         f.write(os.urandom(3 * CHUNK))
     f.abort()
-    assert (tmp_path / "x").stat().st_size == CHUNK  # what was written: never a file that looks whole
-    f.close()  # after abort: nothing, no error
+    # what was written: never a file that looks whole
+    assert (tmp_path / "x").stat().st_size == CHUNK
+    # after abort: nothing, no error
+    f.close()
 
 
 def test_the_caller_fills_one_buffer_while_the_other_is_written(tmp_path, monkeypatch):
@@ -288,7 +297,8 @@ def test_the_caller_fills_one_buffer_while_the_other_is_written(tmp_path, monkey
 
     def slow(fd, data, offset):
         if offset == 0:
-            seen.append(went_on.wait(timeout=10))  # the caller went on copying while this write was under way
+            # the caller went on copying while this write was under way
+            seen.append(went_on.wait(timeout=10))
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(direct_writes.os, "pwrite", slow)
@@ -330,7 +340,8 @@ def test_a_failed_write_fails_every_later_call_never_a_whole_looking_file(tmp_pa
     f = DirectFile(tmp_path / "x")
     f.write(os.urandom(CHUNK))
     with pytest.raises(OSError, match="No space left"):
-        f.write(os.urandom(CHUNK))  # waits for chunk 0's write, which failed
+        # waits for chunk 0's write, which failed
+        f.write(os.urandom(CHUNK))
     (tmp_path / "src").write_bytes(os.urandom(CHUNK + 3))
     with open(tmp_path / "src", "rb") as src:
         later = {
@@ -340,7 +351,8 @@ def test_a_failed_write_fails_every_later_call_never_a_whole_looking_file(tmp_pa
         for call in ([later[then]] if then in later else []) + [f.close]:
             with pytest.raises(OSError, match="an earlier write of this file failed"):
                 call()
-    f.close()  # closed by the failed close: nothing more, no error
+    # closed by the failed close: nothing more, no error
+    f.close()
     assert f.closed and (tmp_path / "x").stat().st_size < 2 * CHUNK
 
 
@@ -362,7 +374,8 @@ def test_a_signal_while_waiting_for_the_writer_leaves_its_write_to_the_next_wait
     f.write(os.urandom(CHUNK))
     real_until = direct_writes._until
 
-    def interrupted(done):  # as a SIGINT handler's KeyboardInterrupt out of the wait
+    # as a SIGINT handler's KeyboardInterrupt out of the wait
+    def interrupted(done):
         monkeypatch.setattr(direct_writes, "_until", real_until)
         raise KeyboardInterrupt
 
@@ -438,7 +451,8 @@ def test_abort_returns_only_after_the_write_under_way_has_ended(tmp_path, monkey
     monkeypatch.setattr(direct_writes.os, "pwrite", slow)
     f = DirectFile(tmp_path / "x")
     f.write(os.urandom(CHUNK + 5))
-    assert not ended  # the write is under way in the writer thread
+    # the write is under way in the writer thread
+    assert not ended
     f.abort()
     assert ended and ended[0] <= time.monotonic() and f.closed
 
@@ -450,7 +464,8 @@ def test_a_failed_close_is_raised_as_itself_and_never_closes_the_number_twice(tm
 
     def failing(self):
         closed.append(self.fileno()) if not self.closed else None
-        real_close(self)  # FileIO forgets its number before closing it
+        # FileIO forgets its number before closing it
+        real_close(self)
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(direct_writes._Descriptor, "close", failing)
@@ -464,7 +479,8 @@ def test_a_failed_close_is_raised_as_itself_and_never_closes_the_number_twice(tm
     f.abort()
     assert closed == [fd]
     with pytest.raises(OSError, match="Bad file descriptor"):
-        os.fstat(fd)  # freed
+        # freed
+        os.fstat(fd)
 
 
 def test_the_file_is_finished_where_it_was_opened_even_if_its_folder_moved(tmp_path):
@@ -545,8 +561,10 @@ def test_dcp_shard_files_are_the_same_files_and_load_the_same_tensors(tmp_path, 
     files = ShardFiles()
     with checkpoint_saves(files, direct=direct):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ours")), no_dist=True)
-    assert dcp.save is not None and dcp.save.__name__ == "save"  # put back
-    assert torch.serialization.get_crc32_options()  # put back: torch.save elsewhere in this thread writes its CRC
+    # put back
+    assert dcp.save is not None and dcp.save.__name__ == "save"
+    # put back: torch.save elsewhere in this thread writes its CRC
+    assert torch.serialization.get_crc32_options()
     shards = sorted(p.name for p in (tmp_path / "plain").glob("*.distcp"))
     assert shards and shards == sorted(p.name for p in (tmp_path / "ours").glob("*.distcp"))
     for name in shards:
@@ -609,15 +627,18 @@ def test_a_failed_dcp_write_raises_its_error_and_leaves_no_whole_looking_shard(t
     fail_direct_writes(monkeypatch, failing, code)
     with pytest.raises(CheckpointException) as raised, checkpoint_saves(ShardFiles(), direct=True):
         dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "ours")), no_dist=True)
-    error = raised.value.failures[0][0]  # (the exception, its stack)
+    # (the exception, its stack)
+    error = raised.value.failures[0][0]
     assert isinstance(error, OSError) and error.errno == code, repr(error)
-    assert not (tmp_path / "ours" / ".metadata").exists()  # DCP's own mark of a finished save
+    # DCP's own mark of a finished save
+    assert not (tmp_path / "ours" / ".metadata").exists()
     assert all(p.stat().st_size < whole.stat().st_size for p in (tmp_path / "ours").glob("*.distcp"))
 
 
 def test_a_path_that_cannot_be_opened_fails_as_open_does_and_leaves_nothing_open(tmp_path):
     before = len(os.listdir("/proc/self/fd"))
-    for bad in (tmp_path / "missing" / "x", tmp_path):  # no such folder; a folder
+    # no such folder; a folder
+    for bad in (tmp_path / "missing" / "x", tmp_path):
         with pytest.raises(OSError) as raised:
             DirectFile(bad)
         with pytest.raises(OSError) as plain:
@@ -657,10 +678,12 @@ def test_leaving_out_the_crc_in_a_writer_thread_leaves_other_threads_saves_alone
     writer = threading.Thread(target=save)
     writer.start()
     try:
-        assert inside.wait(30) and crc_in_writer == [False]  # the writer is inside its shard file, CRC off there
+        # the writer is inside its shard file, CRC off there
+        assert inside.wait(30) and crc_in_writer == [False]
         buffer = io.BytesIO()
         torch.save({"rng": torch.arange(5)}, buffer)
-        assert zipfile.ZipFile(buffer).testzip() is None  # every CRC present and right
+        # every CRC present and right
+        assert zipfile.ZipFile(buffer).testzip() is None
     finally:
         release.set()
         writer.join(60)
@@ -781,11 +804,11 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            if closed_ok and step == len(plan):  # the close cut short, and closing again succeeded: the whole file
+            # the close cut short, and closing again succeeded: the whole file
+            if closed_ok and step == len(plan):
                 assert path.read_bytes() == whole, (interrupt_at, step)
-            if closed_ok and step < len(
-                plan
-            ):  # every piece whole or absent: the cut one entirely in or out, never torn
+            # every piece whole or absent: the cut one entirely in or out, never torn
+            if closed_ok and step < len(plan):
                 later = set(later_ok)
                 allowed = {
                     b"".join(piece(i) for i in range(len(plan)) if i < step or i in later or (i == step and cut_in))
@@ -801,17 +824,20 @@ def test_an_exception_at_any_line_of_a_write_never_gives_a_whole_looking_file_no
         path = tmp_path / f"cut-{at}"
         f, step, _ = run(path, at)
         if f is None:
-            continue  # cut short in __init__: the caller has no file (its finalizer closes the descriptor)
+            # cut short in __init__: the caller has no file (its finalizer closes the descriptor)
+            continue
         assert f.closed and f.fd == -1
         if path.exists():
             size = path.stat().st_size
             time.sleep(0.001)
-            assert path.stat().st_size == size  # no write after abort returned
+            # no write after abort returned
+            assert path.stat().st_size == size
     import gc
 
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= fds
-    for _ in range(100):  # and no writer thread is left (they are _thread's: threading does not list them)
+    # and no writer thread is left (they are _thread's: threading does not list them)
+    for _ in range(100):
         if len(os.listdir("/proc/self/task")) <= tasks:
             break
         time.sleep(0.02)
@@ -860,9 +886,11 @@ def test_a_forked_child_does_not_wait_for_the_parents_writer_thread(tmp_path, mo
     data = os.urandom(CHUNK + 10)
     for how in ("close", "abort"):
         f = DirectFile(tmp_path / how, sync=False)
-        f.write(data)  # the first chunk is with the writer thread, which waits
+        # the first chunk is with the writer thread, which waits
+        f.write(data)
         pid = os.fork()
-        if pid == 0:  # the child: whatever happens, it leaves with a status the parent reads
+        # the child: whatever happens, it leaves with a status the parent reads
+        if pid == 0:
             code = 3
             try:
                 began = time.monotonic()
@@ -874,7 +902,8 @@ def test_a_forked_child_does_not_wait_for_the_parents_writer_thread(tmp_path, mo
                 code = code if time.monotonic() - began < 5 else 6
             finally:
                 os._exit(code)
-        for _ in range(200):  # 10 s
+        # 10 s
+        for _ in range(200):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 break

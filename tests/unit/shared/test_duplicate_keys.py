@@ -73,7 +73,8 @@ def test_an_accelerate_config_with_num_processes_twice(tmp_path, capsys):
     config = tmp_path / "config.yaml"
     text = (REPO / "accelerate_configs" / "zero3.yaml").read_text()
     config.write_text(text + "num_processes: 8\n")
-    assert "num_processes:" in text  # the shipped config's own count, then 8
+    # the shipped config's own count, then 8
+    assert "num_processes:" in text
     assert cli("check_config", [str(config)]) == 1
     assert "has the key 'num_processes' twice" in capsys.readouterr().err
     config.write_text(text)
@@ -84,6 +85,7 @@ def test_equal_keys_in_different_mappings_are_fine(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("a:\n  x: 1\nb:\n  x: 2\nc: [{x: 1}, {x: 2}]\n")
     assert load_yaml(path, "file") == {"a": {"x": 1}, "b": {"x": 2}, "c": [{"x": 1}, {"x": 2}]}
-    path.write_text("c: [{x: 1, 'x': 2}]\n")  # a quoted key is the same key
+    # a quoted key is the same key
+    path.write_text("c: [{x: 1, 'x': 2}]\n")
     with pytest.raises(UnreadableFile, match="has the key 'x' twice"):
         load_yaml(path, "file")

@@ -35,7 +35,8 @@ DELETING = {
     ("os", "removedirs"),
     ("os", "renames"),
 }
-PATH_METHODS = {"unlink", "rmdir", "rename"}  # Path methods no str or list has; Path.replace is checked by its arity
+# Path methods no str or list has; Path.replace is checked by its arity
+PATH_METHODS = {"unlink", "rmdir", "rename"}
 
 
 def _deleting_calls(path: Path) -> list[str]:
@@ -52,9 +53,8 @@ def _deleting_calls(path: Path) -> list[str]:
         name, owner = node.func.attr, node.func.value
         if isinstance(owner, ast.Name) and (owner.id, name) in DELETING:
             found.append(f"{path.name}:{node.lineno} {owner.id}.{name}")
-        elif name in PATH_METHODS or (
-            name == "replace" and len(node.args) == 1 and not node.keywords
-        ):  # str.replace takes 2
+        # str.replace takes 2
+        elif name in PATH_METHODS or (name == "replace" and len(node.args) == 1 and not node.keywords):
             found.append(f"{path.name}:{node.lineno} .{name}()")
     return found
 
@@ -108,13 +108,16 @@ def test_merge_overwrite_never_replaces_a_foreign_folder(merge_checkpoint_dir, t
 def test_merge_overwrite_replaces_a_model_folder(merge_checkpoint_dir, tmp_path):
     out = _model_folder(tmp_path / "out")
     merge_checkpoint(merge_checkpoint_dir, out, overwrite=True, log=lambda *_: None)
-    assert is_model_folder(out) and not (out / MARKER).exists()  # the result ships without our marker
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no staging left
+    # the result ships without our marker
+    assert is_model_folder(out) and not (out / MARKER).exists()
+    # no staging left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
 
 
 def test_staging_named_folders_of_others_are_kept(tmp_path):
     out = tmp_path / "merged"
-    dead = 2**22 + 12345  # no such process
+    # no such process
+    dead = 2**22 + 12345
     theirs = tmp_path / f".merged.tmp-{socket.gethostname()}-{dead}"
     _notes(theirs)
     ours = make_folder(tmp_path / f".merged.old-{socket.gethostname()}-{dead}", "merge staging")
@@ -134,9 +137,11 @@ def test_rotation_deletes_only_checkpoints(tmp_path):
     for step in (1, 2, 3, 4):
         _checkpoint(run / f"checkpoint-{step}", marked=step != 2)
     (run / "checkpoint-1" / "notes.txt").write_text("made by a run, then a file was added: no longer only a checkpoint")
-    _notes(run / "checkpoint-0")  # named like one, holds a user's files
+    # named like one, holds a user's files
+    _notes(run / "checkpoint-0")
     said = []
-    assert [p.name for p in rotate(run, 2, warn=said.append)] == ["checkpoint-2"]  # unmarked but checkpoint-shaped
+    # unmarked but checkpoint-shaped
+    assert [p.name for p in rotate(run, 2, warn=said.append)] == ["checkpoint-2"]
     assert (
         len(said) == 2
         and "kept checkpoint-1, not a checkpoint holding nothing else (it holds notes.txt, which a checkpoint does not)"
@@ -205,13 +210,15 @@ def test_a_folder_of_checkpoint_names_without_a_checkpoint_is_never_deleted(tmp_
     )
     with pytest.raises(RecipeError, match="checkpoint-5 is not a training checkpoint holding nothing else"):
         check_output_dir(str(run), resuming=False, overwrite=True)
-    with pytest.raises(RecipeError) as refused:  # and no message offers the deleting flag for it
+    # and no message offers the deleting flag for it
+    with pytest.raises(RecipeError) as refused:
         check_output_dir(str(run), resuming=False, overwrite=False)
     assert "overwrite_output_dir" not in str(refused.value)
     assert sorted(p.name for p in user.iterdir()) == sorted(names)
 
 
-STOCK_CHECKPOINTS = {  # what other writers leave, complete or cut short (no trainer_state.json, no marker)
+# what other writers leave, complete or cut short (no trainer_state.json, no marker)
+STOCK_CHECKPOINTS = {
     "incomplete sharded": [
         "rng_state_0.pth",
         "pytorch_model_fsdp_0/.metadata",
@@ -310,7 +317,8 @@ def test_a_copied_marker_proves_nothing(tmp_path):
     marker file copied into another folder, does not make that folder ours."""
     ours = make_folder(tmp_path / "ours", "merge staging")
     copy = tmp_path / "copy"
-    shutil.copytree(ours, copy)  # as cp -a
+    # as cp -a
+    shutil.copytree(ours, copy)
     (copy / "photo.jpg").write_bytes(b"x")
     with pytest.raises(RefusedRemoval, match="refusing"):
         remove(copy, "merge staging")
@@ -350,8 +358,10 @@ def test_resume_into_another_runs_output_dir_is_refused(tmp_path, launched):
     for overwrite in (False, True):
         with pytest.raises(RecipeError, match="holds another run's checkpoints .* the resume comes from"):
             check_output_dir(str(run_b), resuming=True, overwrite=overwrite, resume=str(ckpt_a))
-    check_output_dir(str(tmp_path / "c"), resuming=True, overwrite=False, resume=str(ckpt_a))  # a fresh folder: fine
-    check_output_dir(str(run_a), resuming=True, overwrite=False, resume=str(ckpt_a))  # its own folder: fine
+    # a fresh folder: fine
+    check_output_dir(str(tmp_path / "c"), resuming=True, overwrite=False, resume=str(ckpt_a))
+    # its own folder: fine
+    check_output_dir(str(run_a), resuming=True, overwrite=False, resume=str(ckpt_a))
 
 
 def test_overwrite_output_dir_refuses_a_checkpoint_holding_other_files(tmp_path, launched):
@@ -373,7 +383,8 @@ def test_output_dir_holding_someone_elses_files_is_refused(tmp_path, kind, launc
     run does not write (a home folder, a project) is refused before anything starts."""
     out = tmp_path / "out"
     FOREIGN[kind](out)
-    if kind in ("link to a model",):  # a link to a model folder holds only model files: a run may write there
+    # a link to a model folder holds only model files: a run may write there
+    if kind in ("link to a model",):
         return
     before = _snapshot(out)
     with pytest.raises(RecipeError, match="holds (files a training run does not write|another tool's model or run)"):
@@ -536,7 +547,8 @@ def test_every_delete_in_the_libraries_a_run_goes_through_is_known_and_cannot_re
     )
     from fsdp_recipes.train.trainer import FSDPTrainer
 
-    assert {"_finalize_training", "_save_checkpoint"} <= set(vars(FSDPTrainer))  # the two Trainer deletes, taken over
+    # the two Trainer deletes, taken over
+    assert {"_finalize_training", "_save_checkpoint"} <= set(vars(FSDPTrainer))
 
 
 def _stock_trainer_run(out: Path) -> None:
@@ -571,7 +583,8 @@ def test_a_stock_trainers_finished_run_is_not_taken_for_ours(tmp_path):
     run_args.json a run would overwrite or merge into them and put model/ beside its model."""
     out = tmp_path / "stock"
     _stock_trainer_run(out)
-    assert (out / "trainer_state.json").is_file() and (out / "all_results.json").is_file()  # the case is real
+    # the case is real
+    assert (out / "trainer_state.json").is_file() and (out / "all_results.json").is_file()
     before = _snapshot(out)
     for resuming in (False, True):
         with pytest.raises(
@@ -606,7 +619,8 @@ def test_a_record_of_a_finished_run_is_ours_only_beside_run_args(tmp_path, name)
     out = tmp_path / "out"
     out.mkdir()
     (out / name).write_text("x")
-    (out / "runs").mkdir()  # tensorboard's folder, which both write: no sign either way
+    # tensorboard's folder, which both write: no sign either way
+    (out / "runs").mkdir()
     with pytest.raises(RecipeError, match=f"holds another tool's model or run \\({re.escape(name)}"):
         check_output_dir(str(out), resuming=False, overwrite=False)
     (out / "run_args.json").write_text("{}")
@@ -616,7 +630,8 @@ def test_a_record_of_a_finished_run_is_ours_only_beside_run_args(tmp_path, name)
 @pytest.mark.parametrize("kind", ["old", "tmp"])
 @pytest.mark.parametrize("whose", ["dead here", "alive here", "another host"])
 @pytest.mark.parametrize("out_exists", [False, True])
-@pytest.mark.parametrize("name", ["out", "run[1]"])  # a name that globs as a pattern must not hide its neighbours
+# a name that globs as a pattern must not hide its neighbours
+@pytest.mark.parametrize("name", ["out", "run[1]"])
 def test_what_a_merge_moved_aside_is_restored_or_named_never_passed_over(tmp_path, kind, whose, out_exists, name):
     """A folder a merge into ``out`` moved aside (.old-) or finished (.tmp-): of a killed merge here, the earlier
     output goes back when ``out`` is missing, anything else is kept and named; of a merge on another host or of a
@@ -668,7 +683,8 @@ def test_a_merge_killed_between_its_renames_loses_nothing(merge_checkpoint_dir, 
     def killed_move(src, dst):
         calls.append(dst)
         if len(calls) == killed_at:
-            raise KeyboardInterrupt  # the except clause then removes only our marked staging: as a kill leaves it
+            # the except clause then removes only our marked staging: as a kill leaves it
+            raise KeyboardInterrupt
         return real_move(src, dst)
 
     monkeypatch.setattr(merge_module, "move", killed_move)
@@ -676,15 +692,19 @@ def test_a_merge_killed_between_its_renames_loses_nothing(merge_checkpoint_dir, 
         merge_checkpoint(merge_checkpoint_dir, out, overwrite=True, log=lambda *_: None)
     monkeypatch.setattr(merge_module, "move", real_move)
     hidden = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
-    if killed_at == 2:  # the state the probe found: no output, the earlier one hidden
+    # the state the probe found: no output, the earlier one hidden
+    if killed_at == 2:
         assert not out.exists() and any(".old-" in name for name in hidden), hidden
-    monkeypatch.setattr(merge_module.os, "getpid", lambda: 2**22 + 777)  # the next merge is another process
-    monkeypatch.setattr(merge_output, "process_alive", lambda pid: pid == 2**22 + 777)  # the killed one is gone
+    # the next merge is another process
+    monkeypatch.setattr(merge_module.os, "getpid", lambda: 2**22 + 777)
+    # the killed one is gone
+    monkeypatch.setattr(merge_output, "process_alive", lambda pid: pid == 2**22 + 777)
     said = []
     with pytest.raises(CheckpointError, match="already exists: choose another folder or pass --overwrite"):
         merge_checkpoint(merge_checkpoint_dir, out, log=said.append)
     assert _snapshot(out) == before and (out / "config.json").read_text() == '{"mine": true}'
-    if killed_at == 2:  # the finished result the interrupted merge had not moved in was removed by its own cleanup
+    # the finished result the interrupted merge had not moved in was removed by its own cleanup
+    if killed_at == 2:
         assert any(line.startswith(f"restored {out}") for line in said), said
         assert not any("finished result" in line for line in said) and not [
             p for p in tmp_path.iterdir() if ".tmp-" in p.name

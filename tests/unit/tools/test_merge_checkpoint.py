@@ -25,7 +25,8 @@ NOT_SIZES = [
     "GB",
     "5 G B",
 ]
-NOT_POSITIVE = ["0KB", "-5GB", "-0.1MB", "0.0001KB"]  # 0.0001KB is 0 bytes as huggingface_hub reads it
+# 0.0001KB is 0 bytes as huggingface_hub reads it
+NOT_POSITIVE = ["0KB", "-5GB", "-0.1MB", "0.0001KB"]
 SIZE_OPTIONS = {"--max-shard-size": ("100KB", "99.999KB", "5GB"), "--memory-budget": ("64MB", "63.9MB", "512MB")}
 
 

@@ -92,7 +92,8 @@ def write(path: Path, records: list[dict]) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        columns = dict.fromkeys(k for r in records for k in r)  # every record's fields, null where it has none
+        # every record's fields, null where it has none
+        columns = dict.fromkeys(k for r in records for k in r)
         pq.write_table(pa.Table.from_pydict({k: [r.get(k) for r in records] for k in columns}), path)
 
 
@@ -112,7 +113,8 @@ def test_a_bad_chat_record_anywhere_is_one_line_naming_it(tmp_path, tokenizer, k
     bad, _, expected = BAD[kind]
     path = tmp_path / f"chat.{fmt}"
     number = data_with(path, bad, late)
-    with pytest.raises(RecipeError) as err:  # before the run (DataArguments' checks) or as the data is rendered
+    # before the run (DataArguments' checks) or as the data is rendered
+    with pytest.raises(RecipeError) as err:
         build_datasets(DataArguments(train_file=str(path), block_size=32), tokenizer)
     message = str(err.value)
     assert "\n" not in message and len(message) < 600 and expected in message, message

@@ -37,7 +37,8 @@ def test_chat_labels_only_assistant_tokens(tokenizer):
     row = tokenize_chat(Dataset.from_dict({"messages": [messages]}), tokenizer, args)[0]
     trained = [t for t in row["labels"] if t != IGNORE_INDEX]
     assert tokenizer.decode(trained) == "Ada has 4 cats.<|end|>"
-    assert len(trained) < len(row["input_ids"])  # the user turn is not trained on
+    # the user turn is not trained on
+    assert len(trained) < len(row["input_ids"])
     kept = [i for i, t in zip(row["input_ids"], row["labels"]) if t != IGNORE_INDEX]
     assert kept == trained
 
@@ -142,13 +143,15 @@ def test_padding_free_batch_gives_each_document_its_own_logits(tokenizer, attent
     assert batch["input_ids"].shape == (1, sum(lengths)) and "attention_mask" not in batch
     assert batch["position_ids"][0].tolist() == [p for n in lengths for p in range(n)]
     starts = [sum(lengths[:i]) for i in range(3)]
-    assert all(batch["labels"][0, s] == IGNORE_INDEX for s in starts)  # no label predicted across a boundary
+    # no label predicted across a boundary
+    assert all(batch["labels"][0, s] == IGNORE_INDEX for s in starts)
 
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(REPO / "assets" / "tiny-llama", attn_implementation=attention)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]  # as the Trainer calls it
+        # as the Trainer calls it
+        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
         concatenated = model(input_ids=batch["input_ids"]).logits[0]
         for i, start in enumerate(starts):
             alone = model(input_ids=torch.tensor([dataset[i]["input_ids"]])).logits[0]

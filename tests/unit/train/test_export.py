@@ -1,4 +1,4 @@
-"""The final export (fsdp_recipes/train/export.py): every rank writes its part of the model folder, no
+"""The final export (fsdp_recipes/train/export_parts.py): every rank writes its part of the model folder, no
 rank waits on a collective bounded by --ddp_timeout while the others write, and --save_dtype sets the weights' dtype.
 (The same under real launches: tests/integration/test_final_export.py.)"""
 
@@ -11,7 +11,7 @@ from conftest import header_dtypes
 from fsdp_recipes.ckpt.readers import TensorInfo
 from fsdp_recipes.ckpt.safetensors_writer import weight_files, write_weights
 from fsdp_recipes.errors import CheckpointError
-from fsdp_recipes.train.export import part_shard_size, wait_for_parts
+from fsdp_recipes.train.export_parts import part_shard_size, wait_for_parts
 
 
 class MemorySource:
@@ -32,14 +32,14 @@ def test_parts_written_apart_make_the_folder_one_writer_makes(tmp_path, dtype):
     names = sorted(source.tensors)
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     whole.mkdir(), parts.mkdir()
-    size = 20_000 if dtype is None else 10_000  # about two tensors a shard: four shards for three parts
+    # about two tensors a shard: four shards for three parts
+    size = 20_000 if dtype is None else 10_000
     assert write_weights(source, names, whole, max_shard_size=size, dtype=dtype) == weight_files(
         source, names, size, dtype
     )
     written = [write_weights(source, names, parts, max_shard_size=size, dtype=dtype, part=(k, 3)) for k in range(3)]
-    assert all(written) and sorted(sum(written, [])) == sorted(
-        p.name for p in whole.iterdir()
-    )  # each rank some, none twice
+    # each rank some, none twice
+    assert all(written) and sorted(sum(written, [])) == sorted(p.name for p in whole.iterdir())
     assert "model.safetensors.index.json" in written[0]
     for p in whole.iterdir():
         assert (parts / p.name).read_bytes() == p.read_bytes(), p.name
@@ -48,9 +48,12 @@ def test_parts_written_apart_make_the_folder_one_writer_makes(tmp_path, dtype):
 
 
 def test_shard_size_gives_every_rank_a_share_of_a_large_model():
-    assert part_shard_size(10 << 30, 8) == -(-(10 << 30) // 8)  # 1.25 GiB each
-    assert part_shard_size(280 * 10**9, 8) == 5 * 10**9  # save_pretrained's largest shard
-    assert part_shard_size(1 << 20, 2) == 64 << 20  # a small model: one shard, one writer
+    # 1.25 GiB each
+    assert part_shard_size(10 << 30, 8) == -(-(10 << 30) // 8)
+    # save_pretrained's largest shard
+    assert part_shard_size(280 * 10**9, 8) == 5 * 10**9
+    # a small model: one shard, one writer
+    assert part_shard_size(1 << 20, 2) == 64 << 20
 
 
 def test_a_failed_rank_is_named_and_nothing_is_published(tmp_path):
@@ -63,12 +66,13 @@ def test_a_failed_rank_is_named_and_nothing_is_published(tmp_path):
 
 
 def test_a_rank_whose_heartbeat_stops_is_given_up_on(tmp_path, monkeypatch):
-    import fsdp_recipes.train.export as export
+    import fsdp_recipes.train.export_parts as export
 
     monkeypatch.setattr(export, "PART_POLL_SECONDS", 0.05)
     monkeypatch.setattr(export, "PART_STALE_SECONDS", 0.3)
     (tmp_path / ".part-0.done").write_text('{"files": [], "seconds": 1}\n')
-    (tmp_path / ".part-1.alive").write_text("7\n")  # written once, then never again
+    # written once, then never again
+    (tmp_path / ".part-1.alive").write_text("7\n")
     with pytest.raises(
         CheckpointError, match=r"rank 1 has shown no sign of life for 0 s .*\.part-1\.alive stopped changing"
     ):

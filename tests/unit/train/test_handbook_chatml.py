@@ -23,7 +23,8 @@ from fsdp_recipes.train.modeling import load_model, load_tokenizer
 
 TINY = REPO / "assets" / "tiny-llama"
 CORPUS = sorted(FIXTURES.glob("*/*.yaml"))
-REFUSED = {"use_liger_kernel", "load_in_4bit"}  # not installed here / CUDA only (tests/unit/config/test_trl_recipes.py)
+# not installed here / CUDA only (tests/unit/config/test_trl_recipes.py)
+REFUSED = {"use_liger_kernel", "load_in_4bit"}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ def test_the_chatml_set_up_reaches_the_tokenizer_the_embeddings_and_the_generati
     model = load_model(given, tokenizer)
     said = capsys.readouterr().err
     rows = model.get_input_embeddings().weight.shape[0]
-    if kind == "own_template":  # the tokenizer's own template wins: nothing changes
+    # the tokenizer's own template wins: nothing changes
+    if kind == "own_template":
         assert tokenizer.chat_template == before.chat_template and tokenizer.eos_token == before.eos_token
         assert len(tokenizer) == len(before) and rows == 474 and "ChatML" not in said
         return
@@ -102,11 +104,16 @@ def test_the_chatml_set_up_reaches_the_tokenizer_the_embeddings_and_the_generati
 @pytest.mark.parametrize(
     "kind, vocab_size, refused",
     [
-        ("plain", 474, True),  # the set-up adds both tokens: the embeddings would grow
-        ("chat_tokens", 474, True),  # the tokenizer holds them past the model's rows: they would grow too
-        ("chat_tokens", 476, False),  # the model has rows for them
-        ("plain", 480, False),  # a vocabulary padded beyond the tokenizer: room for the new tokens
-        ("own_template", 474, False),  # no set-up
+        # the set-up adds both tokens: the embeddings would grow
+        ("plain", 474, True),
+        # the tokenizer holds them past the model's rows: they would grow too
+        ("chat_tokens", 474, True),
+        # the model has rows for them
+        ("chat_tokens", 476, False),
+        # a vocabulary padded beyond the tokenizer: room for the new tokens
+        ("plain", 480, False),
+        # no set-up
+        ("own_template", 474, False),
     ],
 )
 def test_lora_is_refused_where_the_chatml_set_up_would_grow_the_embeddings(tmp_path, kind, vocab_size, refused):

@@ -94,7 +94,8 @@ def test_a_local_folder_is_loaded_as_its_files_are_now(way, change, tmp_path):
         write(folder / "default" / "train-more.jsonl", ["to be removed"])
     first = loaded(tmp_path, way, folder)
     assert sorted(m[0]["content"] for m in first["messages"]) == texts_now(folder)
-    again = loaded(tmp_path, way, folder)  # nothing changed: datasets' cache, not a second copy of the rows
+    # nothing changed: datasets' cache, not a second copy of the rows
+    again = loaded(tmp_path, way, folder)
     assert again.cache_files == first.cache_files
     folder = CHANGES[change](tmp_path, folder)
     now = loaded(tmp_path, way, folder)

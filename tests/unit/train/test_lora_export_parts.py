@@ -34,9 +34,11 @@ def lora_checkpoint(root: Path, tied: bool, dtype: str) -> tuple[Path, object, d
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_" in name:  # peft starts lora_B at zero: a merge of that would change nothing
+            # peft starts lora_B at zero: a merge of that would change nothing
+            if "lora_" in name:
                 param.copy_(torch.randn_like(param, dtype=torch.float32) * 0.1)
-                param.data = param.data.float()  # the adapter trains in fp32 over a bf16 base, as under FSDP
+                # the adapter trains in fp32 over a bf16 base, as under FSDP
+                param.data = param.data.float()
     dcp.save({"model": model.state_dict()}, checkpoint_id=folder / "pytorch_model_fsdp_0", no_dist=True)
     save_model_description(model, None, folder)
     merged = {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
@@ -46,9 +48,9 @@ def lora_checkpoint(root: Path, tied: bool, dtype: str) -> tuple[Path, object, d
 def write_parts(shards: Path, staging: Path, config, world: int, max_shard_size: int) -> list[tuple]:
     """Every rank's part, one after the other (each given only the shards folder, as on its own machine)."""
     from fsdp_recipes.ckpt.layout import EXPORT_STAGING
-    from fsdp_recipes.ckpt.merge import lora_merge_input
+    from fsdp_recipes.ckpt.lora_input import lora_merge_input
     from fsdp_recipes.removal import make_folder
-    from fsdp_recipes.train.export import write_part
+    from fsdp_recipes.train.export_parts import write_part
 
     make_folder(staging, EXPORT_STAGING)
     return [
@@ -76,17 +78,21 @@ def test_the_parts_of_every_rank_together_are_peft_s_merge(tmp_path_factory, wor
     staging = tmp_path_factory.mktemp("parts") / ".export-tmp"
     results = write_parts(shards, staging, config, world, shard_size(by_peft, 6))
     every = results[0][2]
-    assert all(result[2] == every for result in results)  # every rank plans the same folder
+    # every rank plans the same folder
+    assert all(result[2] == every for result in results)
     written = [name for _, files, _ in results for name in files]
-    assert sorted(written) == sorted(every)  # each file once, by one rank
-    assert all(files for _, files, _ in results)  # six shards: every rank writes some
+    # each file once, by one rank
+    assert sorted(written) == sorted(every)
+    # six shards: every rank writes some
+    assert all(files for _, files, _ in results)
     got = {}
     for name in every:
         if name.endswith(".safetensors"):
             got.update(load_file(staging / name))
     index = json.loads((staging / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(got)
-    assert set(got) == set(by_peft) - ({"lm_head.weight"} if tied else set())  # a tied head: written once
+    # a tied head: written once
+    assert set(got) == set(by_peft) - ({"lm_head.weight"} if tied else set())
     for name, tensor in by_peft.items():
         if name in got:
             assert got[name].dtype == getattr(torch, dtype) and torch.equal(got[name], tensor), name
@@ -97,7 +103,7 @@ def test_a_lora_export_records_every_rank_that_wrote_as_a_writer(tmp_path_factor
     from transformers import AutoModelForCausalLM
 
     from fsdp_recipes.ckpt.description import describe_folder
-    from fsdp_recipes.train.export import publish_parts
+    from fsdp_recipes.train.export_parts import publish_parts
 
     shards, config, by_peft = lora_checkpoint(tmp_path_factory.getbasetemp(), False, "float32")
     out, staging = tmp_path / "run", tmp_path / "run" / ".export-tmp"
@@ -129,7 +135,7 @@ def test_the_adapter_is_published_only_with_the_model_it_goes_with(tmp_path_fact
     neither folder replaced (an earlier run's model/ and adapter/ stay a pair); otherwise both are published."""
     from fsdp_recipes.ckpt.description import describe_folder
     from fsdp_recipes.errors import CheckpointError
-    from fsdp_recipes.train.export import publish_parts, write_part
+    from fsdp_recipes.train.export_parts import publish_parts, write_part
     from fsdp_recipes.train.model_folder import stage_adapter_folder
 
     shards, config, by_peft = lora_checkpoint(tmp_path_factory.getbasetemp(), False, "float32")
@@ -137,7 +143,8 @@ def test_the_adapter_is_published_only_with_the_model_it_goes_with(tmp_path_fact
     out.mkdir()
     (out / "fsdp_report.json").write_text(json.dumps({"world_size": 2}))
     results = write_parts(shards, staging, config, 2, shard_size(by_peft, 2))
-    if failed_rank is not None:  # that rank's part again, its source failing: it leaves .part-K.failed
+    # that rank's part again, its source failing: it leaves .part-K.failed
+    if failed_rank is not None:
         for leftover in staging.glob(f".part-{failed_rank}*"):
             leftover.unlink()
 

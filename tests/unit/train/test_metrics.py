@@ -57,7 +57,8 @@ def meta_model(model_type: str, shape: dict, rest: dict):
     import torch
 
     config = AutoConfig.for_model(model_type, **shape, **rest)
-    with torch.device("meta"):  # the count needs shapes only: a 1B model costs nothing here
+    # the count needs shapes only: a 1B model costs nothing here
+    with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
 
@@ -129,7 +130,8 @@ def test_peak_table_matches_the_most_specific_name(name, tflops):
 
 def test_mfu_from_tokens_flops_and_peak():
     throughput = Throughput(flops_per_token=1e9, peak=1e12)
-    throughput.total_tokens, throughput.total_seconds = 4000, 2.0  # 1000 tokens/s per device on 2 devices
+    # 1000 tokens/s per device on 2 devices
+    throughput.total_tokens, throughput.total_seconds = 4000, 2.0
     assert throughput.averages(world_size=2) == {
         "tokens": 4000,
         "tokens_per_second": 2000.0,

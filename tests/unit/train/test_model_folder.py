@@ -29,8 +29,10 @@ def _staging(out):
     staging = make_folder(out / ".export-tmp", EXPORT_STAGING)
     for name in MODEL_FILES:
         (staging / name).write_text("new")
-    (staging / ".part-0.done").write_text("{}")  # what the parallel writers leave beside the model
-    (staging / "training_args.bin").write_text("pickle")  # what the Trainer's save_model leaves
+    # what the parallel writers leave beside the model
+    (staging / ".part-0.done").write_text("{}")
+    # what the Trainer's save_model leaves
+    (staging / "training_args.bin").write_text("pickle")
     return staging
 
 
@@ -41,7 +43,8 @@ def test_publish_makes_a_model_folder_holding_only_the_model(tmp_path, earlier):
     out = tmp_path / "run"
     out.mkdir()
     (out / "fsdp_report.json").write_text("{}")
-    if earlier == "earlier export":  # differently sharded
+    # differently sharded
+    if earlier == "earlier export":
         sharded = _staging(out)
         (sharded / "model.safetensors").rename(sharded / "model-00002-of-00002.safetensors")
         (sharded / "model-00001-of-00002.safetensors").write_text("old")
@@ -111,15 +114,19 @@ def test_a_published_folder_changed_or_made_again_since_is_kept(tmp_path, change
     out.mkdir()
     (out / "fsdp_report.json").write_text("{}")
     publish(_staging(out), out, MODEL_FILES)
-    time.sleep(0.01)  # a later change time than the publish's, on a filesystem that keeps them to the 10 ms
+    # a later change time than the publish's, on a filesystem that keeps them to the 10 ms
+    time.sleep(0.01)
     inode = (out / "model").stat().st_ino
     TAKEN_OVER[change](out / "model")
-    assert (out / "model").stat().st_ino == inode  # what (device, inode) alone took for the published folder
+    # what (device, inode) alone took for the published folder
+    assert (out / "model").stat().st_ino == inode
     before = _snapshot(out / "model")
     assert publish(_staging(out), out, MODEL_FILES) == out / "model"
-    assert _snapshot(out / "model.kept-2") == before  # whole, nothing deleted
+    # whole, nothing deleted
+    assert _snapshot(out / "model.kept-2") == before
     assert "moved to model.kept-2 (nothing deleted)" in caplog.text
-    assert "is not the folder an export of this run published, as it left it" in caplog.text  # not "does not write"
+    # not "does not write"
+    assert "is not the folder an export of this run published, as it left it" in caplog.text
 
 
 # What someone can write into a folder just published, before its fingerprint is taken: content, for each folder kind
@@ -174,7 +181,8 @@ def test_a_change_in_the_moment_after_the_rename_is_never_recorded_as_the_export
     before = _snapshot(out / kind)
     publish_one()
     assert _snapshot(out / f"{kind}.kept-2") == before and f"moved to {kind}.kept-2 (nothing deleted)" in caplog.text
-    publish_one()  # and the export that published it untouched is replaced by the next
+    # and the export that published it untouched is replaced by the next
+    publish_one()
     assert not (out / f"{kind}.kept-3").exists()
 
 
@@ -212,8 +220,10 @@ def test_a_model_name_holding_anything_else_is_refused_before_the_run_and_moved_
     assert any(e == "model" or e.startswith("model/") for e in foreign_entries(out))
     with pytest.raises(RecipeError, match=r"holds files a training run does not write \(model"):
         check_output_dir(str(out), resuming=False, overwrite=False)
-    for n in (2, 3) if kind != "link to a model" else (2,):  # (that kind's target beside it exists once)
-        if n == 3:  # again, where the model just published was
+    # (that kind's target beside it exists once)
+    for n in (2, 3) if kind != "link to a model" else (2,):
+        # again, where the model just published was
+        if n == 3:
             (out / "model").rename(out / "published")
             FOREIGN[kind](out / "model")
             before = _snapshot(out / "model")
@@ -232,7 +242,8 @@ def test_the_aside_name_is_never_one_that_exists_and_names_are_one_line(tmp_path
     out = tmp_path / "run"
     out.mkdir()
     (out / "model").mkdir()
-    (out / "model" / "n\x1b[31m\nx.txt").write_text("mine")  # an escape sequence and a newline in a file name
+    # an escape sequence and a newline in a file name
+    (out / "model" / "n\x1b[31m\nx.txt").write_text("mine")
     (out / "model.kept-2").mkdir()
     (out / "model.kept-3").symlink_to(tmp_path)
     (out / "model.kept-4").write_text("a file")
@@ -249,7 +260,8 @@ def test_an_earlier_export_that_will_not_go_is_moved_aside_as_what_is_left(tmp_p
     out = tmp_path / "run"
     out.mkdir()
     (out / "fsdp_report.json").write_text("{}")
-    publish(_staging(out), out, MODEL_FILES)  # an earlier export
+    # an earlier export
+    publish(_staging(out), out, MODEL_FILES)
 
     def fails(path, *args, **kwargs):
         raise OSError(errno.EPERM, "Operation not permitted", str(path))
@@ -278,17 +290,20 @@ NOT_EXPORTED = {
 def test_model_folder_shape_is_exactly_what_the_export_writes(tmp_path, entry):
     out = tmp_path / "run"
     _model_folder(out / "model")
-    assert foreign_entries(out) == []  # the export's own folder: replaced by the next export
+    # the export's own folder: replaced by the next export
+    assert foreign_entries(out) == []
     NOT_EXPORTED[entry](out / "model")
     before = _snapshot(out / "model")
-    assert foreign_entries(out) == [f"model/{entry}"]  # named, so the user knows what to move
+    # named, so the user knows what to move
+    assert foreign_entries(out) == [f"model/{entry}"]
     with pytest.raises(
         RecipeError,
         match=f"holds files a training run does not write \\(model/{entry}\\): .* move them out of output_dir",
     ):
         check_output_dir(str(out), resuming=True, overwrite=False)
     assert publish(_staging(out), out, MODEL_FILES) == out / "model"
-    assert _snapshot(out / "model.kept-2") == before  # moved aside, whole
+    # moved aside, whole
+    assert _snapshot(out / "model.kept-2") == before
 
 
 def _exported_adapter(path):
@@ -312,13 +327,15 @@ def test_an_adapter_name_holding_anything_else_is_refused_before_the_run_and_at_
     out.mkdir()
     ADAPTER_KINDS[kind](out / "adapter")
     before = _snapshot(out / "adapter") if (out / "adapter").is_dir() else (out / "adapter").read_text()
-    found = foreign_entries(out)  # (a link's target lies beside it, as adapter-target)
+    # (a link's target lies beside it, as adapter-target)
+    found = foreign_entries(out)
     assert len([e for e in found if e == "adapter" or e.startswith("adapter/")]) == 1, found
     with pytest.raises(RecipeError, match=r"holds files a training run does not write \(adapter"):
         check_output_dir(str(out), resuming=True, overwrite=False)
     staging = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
     (staging / "adapter_config.json").write_text("{}")
-    assert publish_adapter(staging, out) == out / "adapter"  # and what was there moved aside, whole
+    # and what was there moved aside, whole
+    assert publish_adapter(staging, out) == out / "adapter"
     kept = out / "adapter.kept-2"
     assert (
         _snapshot(kept)
@@ -333,15 +350,19 @@ def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files
     out = tmp_path / "run"
     out.mkdir()
     (out / "fsdp_report.json").write_text("{}")
-    (out / "run_args.json").write_text("{}")  # every run of ours writes it first
+    # every run of ours writes it first
+    (out / "run_args.json").write_text("{}")
     earlier = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
     (earlier / "adapter_config.json").write_text("{}")
-    (earlier / "adapter_model-00001-of-00002.safetensors").write_text("old")  # differently sharded
-    publish_adapter(earlier, out)  # an earlier export (its identity recorded)
+    # differently sharded
+    (earlier / "adapter_model-00001-of-00002.safetensors").write_text("old")
+    # an earlier export (its identity recorded)
+    publish_adapter(earlier, out)
     assert foreign_entries(out) == []
     staging = make_folder(out / ".adapter-tmp", EXPORT_STAGING)
     for name in ("adapter_config.json", "adapter_model.safetensors", "README.md", "base_identity.json"):
-        (staging / name).write_text("new")  # README.md: the model card peft's save_pretrained writes
+        # README.md: the model card peft's save_pretrained writes
+        (staging / name).write_text("new")
     adapter = publish_adapter(staging, out)
     assert sorted(p.name for p in adapter.iterdir()) == [
         "adapter_config.json",
@@ -349,7 +370,8 @@ def test_publish_adapter_replaces_an_earlier_export_and_keeps_only_adapter_files
         "base_identity.json",
     ]
     assert (adapter / "adapter_model.safetensors").read_text() == "new" and not (out / ".adapter-tmp").exists()
-    assert not [p for p in out.iterdir() if "kept" in p.name]  # replaced, not moved aside
+    # replaced, not moved aside
+    assert not [p for p in out.iterdir() if "kept" in p.name]
 
 
 def test_a_run_folder_given_as_the_model_points_at_its_model_folder_in_either_layout(tmp_path):
@@ -359,9 +381,11 @@ def test_a_run_folder_given_as_the_model_points_at_its_model_folder_in_either_la
     for name, old_layout in (("new", False), ("old", True)):
         run = tmp_path / name
         _model_folder(run / "model")
-        save_file({"w": torch.zeros(1)}, run / "model" / "model.safetensors")  # weights with a header: read as such now
+        # weights with a header: read as such now
+        save_file({"w": torch.zeros(1)}, run / "model" / "model.safetensors")
         (run / "checkpoint-4").mkdir()
-        if old_layout:  # an earlier version's model at the top, resumed since: model/ is the newer one
+        # an earlier version's model at the top, resumed since: model/ is the newer one
+        if old_layout:
             for file in MODEL_FILES:
                 (run / file).write_text("{}")
         assert (
@@ -421,7 +445,8 @@ def test_check_checkpoint_names_the_final_model_in_either_layout(tmp_path):
     for run in (new, old, unfinished):
         (run / "checkpoint-4").mkdir(parents=True)
     _model_folder(new / "model")
-    for name in MODEL_FILES:  # as an earlier version left it: model files beside the checkpoints
+    # as an earlier version left it: model files beside the checkpoints
+    for name in MODEL_FILES:
         (old / name).write_text("{}")
     assert (
         final_model_folder(new) == new / "model"
@@ -467,7 +492,8 @@ def test_a_run_folder_as_the_model_is_one_error_naming_its_model_folder(tmp_path
     )
     assert model_source_problem(str(run), weights=True).startswith("is a training run's folder")
     missing = [p for p in check_settings(raw, "zero3.yaml", model=str(tmp_path / "nothing-here")) if p.key == "model"]
-    assert missing and "could not read the config" in str(missing[0])  # a path that is nothing at all still warns
+    # a path that is nothing at all still warns
+    assert missing and "could not read the config" in str(missing[0])
 
 
 def test_a_folder_that_cannot_be_moved_aside_is_one_line(tmp_path, monkeypatch):
@@ -522,7 +548,8 @@ def test_an_entry_of_a_run_s_name_that_is_not_a_file_or_folder_is_foreign(tmp_pa
         folder.mkdir()
         os.mkfifo(folder / name)
         assert foreign_entries(folder) == [f"{name} (not a regular file or folder)"], name
-    for name in names:  # a folder named run_args.json would crash the run when it writes the file
+    # a folder named run_args.json would crash the run when it writes the file
+    for name in names:
         folder = tmp_path / f"dir-{name}"
         (folder / name).mkdir(parents=True)
         want = (
@@ -553,8 +580,10 @@ def test_a_hard_linked_record_is_foreign_and_the_run_refused_before_it_writes(tm
     from fsdp_recipes.ckpt.resume import check_output_dir
     from fsdp_recipes.errors import RecipeError
 
-    def example(pattern: str) -> str:  # a name the pattern matches: its regex syntax made concrete
-        name = re.sub(r"\(([^()|]*)\|[^()]*\)", r"\1", pattern)  # first alternative
+    # a name the pattern matches: its regex syntax made concrete
+    def example(pattern: str) -> str:
+        # first alternative
+        name = re.sub(r"\(([^()|]*)\|[^()]*\)", r"\1", pattern)
         name = re.sub(r"\([^()]*\)\?", "", name).replace(r"\d+", "3").replace("\\", "")
         assert re.fullmatch(pattern, name), (pattern, name)
         return name
@@ -580,7 +609,8 @@ def test_a_hard_linked_record_is_foreign_and_the_run_refused_before_it_writes(tm
             and "hard link" in str(refused.value)
             and "file of its own" in str(refused.value)
         )
-        assert "does not write" not in str(refused.value)  # its own record, not named as if foreign
+        # its own record, not named as if foreign
+        assert "does not write" not in str(refused.value)
         assert elsewhere.read_text() == "the other file"
         os.unlink(out / name)
         (out / name).write_text("a file of its own")
@@ -600,7 +630,8 @@ def test_a_folder_named_like_a_staging_folder_is_someones_unless_a_run_made_it(t
     folder = out / name
     if kind == "ours":
         make_folder(folder, STAGING_FOLDERS[name])
-    elif kind == "marked for another purpose":  # a checkpoint-N of ours, renamed
+    # a checkpoint-N of ours, renamed
+    elif kind == "marked for another purpose":
         make_folder(folder, CHECKPOINT_PURPOSE)
     else:
         folder.mkdir()

@@ -26,6 +26,7 @@ def test_a_stop_while_torch_imports_is_one_line(tmp_path, sig):
 
     signum = getattr(signal, "SIG" + sig)
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    # a suite run with & ignores it
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "train_fsdp.py"), "--output_dir", str(tmp_path / "run")],
         env=env,
@@ -33,7 +34,7 @@ def test_a_stop_while_torch_imports_is_one_line(tmp_path, sig):
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # a suite run with & ignores it
+    )
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -138,7 +139,8 @@ def finalizer_outcomes() -> dict[str, str]:
     return _finalizer_scenarios(*FINALIZER_CASES, *(f"del:{pair}" for pair in SIGNAL_PAIRS))
 
 
-@pytest.mark.slow  # seconds of subprocess scenarios: the full tier keeps the quick one under 3 minutes
+# seconds of subprocess scenarios: the full tier keeps the quick one under 3 minutes
+@pytest.mark.slow
 # subprocess scenarios of 5-9 s: the full tier's, keeping the quick tier within 3 minutes
 @pytest.mark.slow
 def test_a_stop_that_lands_in_a_finalizer_still_stops_the_run_without_a_traceback(finalizer_outcomes):
@@ -174,7 +176,8 @@ def test_a_stop_recorded_before_the_trainer_takes_over_is_not_dropped():
             preemption.Preemption()
     finally:
         preemption._stops.clear()
-    preemption._interrupts.append(2)  # a Ctrl-C the same way
+    # a Ctrl-C the same way
+    preemption._interrupts.append(2)
     try:
         with pytest.raises(KeyboardInterrupt):
             preemption.Preemption()
@@ -199,7 +202,8 @@ atexit.register(os.kill, os.getpid(), signal.SIGINT)  # runs first: Ctrl-C as th
 """
 
 
-@pytest.mark.slow  # seconds of subprocess scenarios: the full tier keeps the quick one under 3 minutes
+# seconds of subprocess scenarios: the full tier keeps the quick one under 3 minutes
+@pytest.mark.slow
 def test_an_interrupt_at_exit_is_not_sent_again_into_the_next_exit_callback():
     """A KeyboardInterrupt in an atexit callback reaches the unraisable hook too: at exit it is reported as Python
     always does, not sent again (which would abort every later exit callback in turn, silently)."""

@@ -43,7 +43,8 @@ def test_on_gpus_the_device_kernels_count():
         event("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 0, 50, "CUDA"),
         event("ampere_sgemm_128x64_tn", 25, 100, "CUDA"),
         event("gloo:all_reduce", 0, 100),
-        event("aten::mm", 0, 100),  # host events: not the GPU's timeline
+        # host events: not the GPU's timeline
+        event("aten::mm", 0, 100),
     ]
     summary = summarize(events, wall_us=200, on_device=True)
     assert (
@@ -137,8 +138,10 @@ def test_blocks_allocated_before_the_recording_count_from_its_start():
     segments = [
         {
             "blocks": [
-                {"address": 8, "size": 3 * GIB, "state": "active_allocated"},  # held throughout
-                {"address": 2, "size": 2 * GIB, "state": "active_allocated"},  # the trace's own
+                # held throughout
+                {"address": 8, "size": 3 * GIB, "state": "active_allocated"},
+                # the trace's own
+                {"address": 2, "size": 2 * GIB, "state": "active_allocated"},
                 {"address": 9, "size": GIB, "state": "inactive"},
             ]
         }

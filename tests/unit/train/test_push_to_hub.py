@@ -105,7 +105,8 @@ def test_per_save_pushes_are_said_to_be_one_upload_at_the_end(tmp_path, hub, cap
 @pytest.mark.parametrize(
     "flags, repo_id",
     [
-        ((), "out"),  # the stock Trainer's rule: output_dir's name
+        # the stock Trainer's rule: output_dir's name
+        ((), "out"),
         (("--hub_model_id", "tester/tiny"), "tester/tiny"),
         (("--hub_model_id", "test-org/tiny", "--hub_strategy", "end"), "test-org/tiny"),
         (("--hub_model_id", "tiny", "--hub_private_repo", "true", "--hub_revision", "run-1"), "tiny"),
@@ -115,7 +116,8 @@ def test_a_push_the_hub_will_take_is_planned_and_the_trainer_does_not_push(tmp_p
     model_args, _, plan = parse_args(["--push_to_hub", "true", *flags, "--output_dir", str(tmp_path / "out"), *NO_FSDP])
     assert plan.push.repo_id == repo_id and plan.raw.push_to_hub is False
     assert plan.push.private == ("--hub_private_repo" in flags or None)
-    private_asks = ["/api/models/tester/tiny"] if "--hub_private_repo" in flags else []  # is it there, and public?
+    # is it there, and public?
+    private_asks = ["/api/models/tester/tiny"] if "--hub_private_repo" in flags else []
     assert [path for _, path in hub.requests] == ["/api/whoami-v2", *private_asks]
 
 
@@ -150,7 +152,8 @@ def test_what_stops_the_upload_is_one_line_before_anything_loads(tmp_path, hub, 
     make(monkeypatch, hub)
     message = refused(tmp_path, "--push_to_hub", "true", "--hub_model_id", "tester/tiny")
     assert words in message, message
-    assert f"hf upload tester/tiny {tmp_path / 'out' / 'model'}" in message  # the way round: train, upload after
+    # the way round: train, upload after
+    assert f"hf upload tester/tiny {tmp_path / 'out' / 'model'}" in message
 
 
 def test_a_namespace_the_token_cannot_write_to_is_refused_naming_one_it_can(tmp_path, hub):
@@ -237,13 +240,14 @@ def test_a_branch_name_git_refuses_is_refused_before_training(tmp_path, hub, bra
     import subprocess
 
     git_takes = subprocess.run(["git", "check-ref-format", f"refs/heads/{branch}"], capture_output=True).returncode == 0
+    # = : '-lead' is no flag
     flags = (
         "--push_to_hub",
         "true",
         "--hub_model_id",
         "tester/tiny",
         f"--hub_revision={branch}",
-    )  # = : '-lead' is no flag
+    )
     if git_takes:
         assert plan_of(tmp_path, *flags).push.revision == branch
     else:
@@ -342,7 +346,8 @@ def test_the_upload_is_the_model_folder_at_the_top_and_the_adapter_beside_in_one
     expected = files_of(out / "model") | (
         {f"adapter/{k}": v for k, v in files_of(out / "adapter").items()} if adapter else {}
     )
-    assert stored == expected  # no checkpoint, no run record
+    # no checkpoint, no run record
+    assert stored == expected
     assert url and [path for _, path in hub.requests].count("/api/models/tester/tiny/commit/main") == 1
     assert hub.repos["tester/tiny"]["private"] is True
     AutoModelForCausalLM.from_pretrained(hub.repo_folder("tester/tiny"))
@@ -381,11 +386,12 @@ def test_a_failed_upload_keeps_the_model_and_says_how_to_finish(
     assert files_of(out) == before
 
 
+# save_pretrained's max_shard_size (0.97 MB model)
 LAYOUTS = {
     "single file": None,
     "2 shards": "600KB",
     "4 shards": "300KB",
-}  # save_pretrained's max_shard_size (0.97 MB model)
+}
 
 
 def tiny_model(seed: int):
@@ -436,11 +442,13 @@ def test_an_upload_over_a_model_already_in_the_repository_loads_as_this_model_or
         upload_final_model(HubPush("tester/tiny"), str(out), step=2, log=lambda line: None)
     except RecipeError as err:
         assert "the model is saved, but not uploaded" in str(err) and "model.safetensors" in str(err)
-        assert files_of(repo) == before  # nothing committed
+        # nothing committed
+        assert files_of(repo) == before
         would_be = tmp_path / "would-be"
         shutil.copytree(repo, would_be)
         shutil.copytree(out / "model", would_be, dirs_exist_ok=True)
-        assert not same_weights(would_be, trained)  # the refusal was needed
+        # the refusal was needed
+        assert not same_weights(would_be, trained)
         return
     assert same_weights(repo, trained)
 
@@ -479,8 +487,10 @@ def test_an_earlier_adapter_in_the_repository_is_never_left_beside_this_model(tm
     save(tiny_model(2), repo, "single file")
     peft_adapter(repo if left == "an adapter at the top" else repo / "adapter")
     before = files_of(repo)
-    if left == "an adapter under adapter/" and ours_has_adapter:  # ours replaces adapter_config.json and its weights
-        (repo / "adapter" / "README.md").unlink()  # peft's model card: a file ours does not replace
+    # ours replaces adapter_config.json and its weights
+    if left == "an adapter under adapter/" and ours_has_adapter:
+        # peft's model card: a file ours does not replace
+        (repo / "adapter" / "README.md").unlink()
         before = files_of(repo)
         upload_final_model(HubPush("tester/tiny"), str(out), step=2, log=lambda line: None)
         assert (
@@ -499,7 +509,8 @@ def test_an_earlier_adapter_in_the_repository_is_never_left_beside_this_model(tm
         from transformers import AutoModelForCausalLM
 
         assert same_outputs(out / "model", AutoModelForCausalLM.from_pretrained(out / "model"))
-        assert not same_outputs(would_be, AutoModelForCausalLM.from_pretrained(out / "model"))  # the refusal was needed
+        # the refusal was needed
+        assert not same_outputs(would_be, AutoModelForCausalLM.from_pretrained(out / "model"))
 
 
 def test_the_record_of_a_lora_base_s_local_path_stays_local(tmp_path, hub):
@@ -548,19 +559,18 @@ def test_a_lora_run_with_push_to_hub_uploads_its_model_and_adapter_once_it_has_f
         )
     repo = hub.repo_folder("tester/tiny-lora")
     assert "uploaded to the hub" in proc.stdout
-    adapter = {
-        f"adapter/{k}": v for k, v in files_of(out / "adapter").items() if k != "base_identity.json"
-    }  # a local record
+    # a local record
+    adapter = {f"adapter/{k}": v for k, v in files_of(out / "adapter").items() if k != "base_identity.json"}
     uploaded = files_of(repo)
     # the base is a local folder: the uploaded adapter config names none (that path means nothing off this machine)
     config = json.loads(adapter.pop("adapter/adapter_config.json"))
     assert config["base_model_name_or_path"] == str(base)
     assert json.loads(uploaded.pop("adapter/adapter_config.json")) == {**config, "base_model_name_or_path": None}
     assert uploaded == files_of(out / "model") | adapter
-    assert [path for _, path in hub.requests].count("/api/models/tester/tiny-lora/commit/main") == 1  # none per save
-    assert (
-        not (out / "training_args.bin").exists() and not (out / "tokenizer.json").exists()
-    )  # the Trainer's push wrote none
+    # none per save
+    assert [path for _, path in hub.requests].count("/api/models/tester/tiny-lora/commit/main") == 1
+    # the Trainer's push wrote none
+    assert not (out / "training_args.bin").exists() and not (out / "tokenizer.json").exists()
     record = (out / "run_args.json").read_text()
     assert hub.token not in record
     assert json.loads(record)["push_to_hub"] == {"repo_id": "tester/tiny-lora", "private": None, "revision": None}

@@ -32,9 +32,8 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-@pytest.fixture(
-    params=[errno.ENOLCK, errno.EBADF]
-)  # Lustre without flock; NFS (flock as a POSIX lock, refused on a read-only fd)
+# Lustre without flock; NFS (flock as a POSIX lock, refused on a read-only fd)
+@pytest.fixture(params=[errno.ENOLCK, errno.EBADF])
 def no_posix_locks(monkeypatch, request):
     def refuse(fd, cmd, *args):
         raise OSError(request.param, os.strerror(request.param))
@@ -48,7 +47,8 @@ def test_a_filesystem_without_posix_locks_gets_a_lock_file_and_one_warning(tmp_p
     owner = tmp_path / run_lock.OWNER_NAME
     assert len(said) == 1 and "without folder locks" in said[0] and str(owner) in said[0]
     assert f"pid {os.getpid()}" in owner.read_text() and socket.gethostname() in owner.read_text()
-    with pytest.raises(RecipeError, match="is in use by another run .*pid"):  # a second run: refused, not a warning
+    # a second run: refused, not a warning
+    with pytest.raises(RecipeError, match="is in use by another run .*pid"):
         hold_output_dir(_args(tmp_path), warn=said.append)
 
 
@@ -79,7 +79,8 @@ def test_a_lock_held_elsewhere_is_in_use_not_a_filesystem_without_locks(tmp_path
     def held(fd, cmd, *args):
         raise OSError(errno.EWOULDBLOCK, os.strerror(errno.EWOULDBLOCK))
 
-    monkeypatch.setattr(fcntl, "flock", held)  # held by a process on another host: /proc/locks here does not name it
+    # held by a process on another host: /proc/locks here does not name it
+    monkeypatch.setattr(fcntl, "flock", held)
     said = []
     with pytest.raises(RecipeError, match=r"in use by another run \(another process\) \(a run that died holds nothing"):
         hold_output_dir(_args(tmp_path), warn=said.append)
@@ -101,8 +102,10 @@ def test_the_lock_file_is_removed_when_the_run_ends(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith("True")  # held while it ran
-    assert not (tmp_path / run_lock.OWNER_NAME).exists()  # and removed at its end
+    # held while it ran
+    assert proc.stdout.strip().endswith("True")
+    # and removed at its end
+    assert not (tmp_path / run_lock.OWNER_NAME).exists()
 
 
 def _make(path, kind):
@@ -117,7 +120,8 @@ def _make(path, kind):
         path.symlink_to(path.parent / "target")
     elif kind == "huge":
         with open(path, "wb") as f:
-            f.truncate(1 << 30)  # sparse: 1 GiB of NULs, read only as far as a lock line goes
+            # sparse: 1 GiB of NULs, read only as far as a lock line goes
+            f.truncate(1 << 30)
     elif kind == "overflowing pid":
         path.write_text(f"host {host}, pid 99999999999999999999, since then\n")
     elif kind == "unicode digit pid":
@@ -141,7 +145,8 @@ def test_a_broken_or_hostile_lock_file_is_one_line_and_left_alone(tmp_path, no_p
         hold_output_dir(_args(tmp_path), warn=lambda m: None)
     message = str(err.value)
     assert "\n" not in message and "\x1b" not in message and len(message) < 1000, message
-    assert owner.is_symlink() or owner.exists()  # nothing removed that this run cannot judge
+    # nothing removed that this run cannot judge
+    assert owner.is_symlink() or owner.exists()
 
 
 HOLD = """
@@ -182,12 +187,14 @@ def test_a_run_leaves_no_lock_file_however_it_ends_and_its_folder_is_free_again(
     proc.wait(timeout=60)
     assert proc.returncode == {"exit": 0, "raise": 1, "kill": -9}[end]
     assert list(out.iterdir()) == []
-    hold_output_dir(_args(out), warn=lambda m: None)  # free again
+    # free again
+    hold_output_dir(_args(out), warn=lambda m: None)
 
 
 def test_a_lock_naming_this_very_process_without_a_start_time_is_stale(tmp_path, no_posix_locks):
     owner = tmp_path / run_lock.OWNER_NAME
-    owner.write_text(f"host {socket.gethostname()}, pid {os.getpid()}, since then\n")  # a recycled pid: not held by us
+    # a recycled pid: not held by us
+    owner.write_text(f"host {socket.gethostname()}, pid {os.getpid()}, since then\n")
     hold_output_dir(_args(tmp_path), warn=lambda m: None)
     assert f"pid {os.getpid()}, started {start_time(os.getpid())}," in owner.read_text()
 
@@ -269,9 +276,8 @@ def test_the_start_time_is_field_22_of_the_processes_stat_whatever_its_name():
 
 def test_a_pid_no_process_can_have_is_stale_not_a_traceback(tmp_path, no_posix_locks):
     owner = tmp_path / run_lock.OWNER_NAME
-    owner.write_text(
-        f"host {socket.gethostname()}, pid 9999999999, since then\n"
-    )  # past any pid_max: os.kill overflows
+    # past any pid_max: os.kill overflows
+    owner.write_text(f"host {socket.gethostname()}, pid 9999999999, since then\n")
     hold_output_dir(_args(tmp_path), warn=lambda m: None)
     assert f"pid {os.getpid()}," in owner.read_text()
 
@@ -320,7 +326,8 @@ def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, ca
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
-    shared = _holding(run, "LOCK_SH")  # another tool's shared lock is no run
+    # another tool's shared lock is no run
+    shared = _holding(run, "LOCK_SH")
     try:
         cli("check_checkpoint", [str(run)])
         assert "training in it now" not in capsys.readouterr().out
@@ -331,7 +338,8 @@ def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, ca
         f"host {socket.gethostname()}, pid {_dead_pid()}, since 2026-01-01 00:00:00\n"
     )
     cli("check_checkpoint", [str(run)])
-    assert "training in it now" not in capsys.readouterr().out  # stale: that run died
+    # stale: that run died
+    assert "training in it now" not in capsys.readouterr().out
     (run / run_lock.OWNER_NAME).write_text("host elsewhere, pid 4242, since 2026-01-01 00:00:00\n")
     cli("check_checkpoint", [str(run)])
     said = capsys.readouterr().out
@@ -340,7 +348,8 @@ def test_check_checkpoint_says_when_a_run_is_training_in_the_folder(tmp_path, ca
         in said
     )
     assert f"if it is, delete {run / run_lock.OWNER_NAME})" in said
-    (run / run_lock.OWNER_NAME).write_text("hello \x1b[31m\n")  # not a lock file this project writes
+    # not a lock file this project writes
+    (run / run_lock.OWNER_NAME).write_text("hello \x1b[31m\n")
     cli("check_checkpoint", [str(run)])
     assert "training in it" not in capsys.readouterr().out
 
@@ -382,4 +391,5 @@ def test_a_released_folder_can_be_taken_again_by_the_same_process(tmp_path):
         run_lock.release()
         assert run_lock.take(tmp_path, warn=print) is None
     finally:
-        run_lock.release()  # nothing held into the next test
+        # nothing held into the next test
+        run_lock.release()

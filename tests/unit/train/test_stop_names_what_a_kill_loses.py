@@ -54,7 +54,8 @@ def test_the_line_names_what_is_cut_short_and_where_the_resume_then_starts(tmp_p
     run = run_folder(tmp_path, complete, damaged, names)
     line = kill_warning(stop, STEP, STEP, names, run, env=ELASTIC)
 
-    chosen, _ = newest_resumable(run)  # what --resume_from_checkpoint true takes after the kill
+    # what --resume_from_checkpoint true takes after the kill
+    chosen, _ = newest_resumable(run)
     resumed = None if chosen is None else os.path.basename(chosen.path)
     assert resumed == (f"checkpoint-{max(complete)}" if complete else None)
     assert line is not None and "\n" not in line
@@ -62,7 +63,8 @@ def test_the_line_names_what_is_cut_short_and_where_the_resume_then_starts(tmp_p
     assert all(name in line for name in names) and "left incomplete" in line and "killed" in line
     tail = f"from {resumed}" if resumed else "no complete checkpoint is left to resume from"
     assert line.endswith(tail), line
-    if len(names) > 1:  # the one in flight ends first: a kill after it leaves the resume there
+    # the one in flight ends first: a kill after it leaves the resume there
+    if len(names) > 1:
         assert f"once {names[0]} (still being written) is complete" in line
         assert f"a resume starts from {names[0]} if its write had ended" in line
     assert ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in line) == (stop == "SIGTERM")
@@ -71,10 +73,14 @@ def test_the_line_names_what_is_cut_short_and_where_the_resume_then_starts(tmp_p
 @pytest.mark.parametrize(
     "stopped_at, step, writing",
     [
-        (None, 6, ["checkpoint-6"]),  # a periodic save, no stop
-        (None, 9, ["checkpoint-6", "checkpoint-9"]),  # a periodic save while one is in flight, no stop
-        (9, 6, ["checkpoint-6"]),  # not the stop's step
-        (9, 9, []),  # nothing left to write
+        # a periodic save, no stop
+        (None, 6, ["checkpoint-6"]),
+        # a periodic save while one is in flight, no stop
+        (None, 9, ["checkpoint-6", "checkpoint-9"]),
+        # not the stop's step
+        (9, 6, ["checkpoint-6"]),
+        # nothing left to write
+        (9, 9, []),
     ],
 )
 def test_only_the_stops_own_save_says_it(tmp_path, stopped_at, step, writing):
@@ -84,7 +90,8 @@ def test_only_the_stops_own_save_says_it(tmp_path, stopped_at, step, writing):
 @pytest.mark.parametrize(
     "env, said",
     [
-        ({}, ""),  # not a torch elastic launch (srun, mpirun): its own grace, not known here
+        # not a torch elastic launch (srun, mpirun): its own grace, not known here
+        ({}, ""),
         (ELASTIC, " (the launcher kills the ranks 30 s after SIGTERM; TORCH_ELASTIC_SHUTDOWN_TIMEOUT sets it)"),
         (
             {**ELASTIC, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"},
@@ -98,7 +105,8 @@ def test_only_the_stops_own_save_says_it(tmp_path, stopped_at, step, writing):
 )
 def test_the_grace_is_the_launchers_and_names_its_setting(env, said):
     assert grace("SIGTERM", env) == said
-    assert grace("SIGUSR1", env) == ""  # SLURM's early warning: the kill comes at the time limit
+    # SLURM's early warning: the kill comes at the time limit
+    assert grace("SIGUSR1", env) == ""
 
 
 def test_the_grace_named_is_what_accelerate_launch_gives(monkeypatch):
