@@ -138,10 +138,7 @@ FSDP1 = [
     "accelerate_configs/ddp.yaml",
 ]
 # these also save and merge a checkpoint
-MERGED = {
-    "accelerate_configs/zero3.yaml",
-    "accelerate_configs/fsdp1/zero3.yaml",
-}
+MERGED = {"accelerate_configs/zero3.yaml", "accelerate_configs/fsdp1/zero3.yaml"}
 # these save in the background, the first checkpoint mid-run: from a host copy of the GPU shards (zero3) and from
 # the offloaded shards themselves, no copy, the next optimizer step waiting for the write (zero3_offload)
 BACKGROUND_SAVES = {"accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"}
@@ -925,10 +922,7 @@ class Check:
             )
             if config == "accelerate_configs/zero3.yaml":
                 # the trace summary: the last timed window is left out
-                args += [
-                    "--profile_steps",
-                    f"{STEPS - 3}-{STEPS - 2}",
-                ]
+                args += ["--profile_steps", f"{STEPS - 3}-{STEPS - 2}"]
             elif "offload" in config:
                 # offload peaks in step 1's forward+backward, about the fp32 model over its estimate (gpu-check-7):
                 # the profile of that step says what was live then (its window is left out of tokens/s and MFU)

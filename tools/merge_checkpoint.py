@@ -64,12 +64,7 @@ def size_type(parse_size, example: str, minimum: tuple[str, int]):
 
     def size(text: str) -> int:
         # '5': bytes? megabytes? save_pretrained wants a unit too
-        if text.strip()[-2:].upper() not in (
-            "KB",
-            "MB",
-            "GB",
-            "TB",
-        ):
+        if text.strip()[-2:].upper() not in ("KB", "MB", "GB", "TB"):
             raise argparse.ArgumentTypeError(
                 f"{text!r} has no unit: give a number and a unit (KB, MB, GB or TB), e.g. {example}"
             )

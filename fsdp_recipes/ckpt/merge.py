@@ -215,10 +215,7 @@ def merge_checkpoint(
             )
         size = sum(resolved.source.tensors[n].nbytes(dtype) for n in weights.names.values())
         # the description files, the filesystem's own
-        free, margin = (
-            shutil.disk_usage(out.parent).free,
-            min(64 << 20, (8 << 20) + size // 8),
-        )
+        free, margin = (shutil.disk_usage(out.parent).free, min(64 << 20, (8 << 20) + size // 8))
         if free < size + margin:
             raise CheckpointError(
                 f"not enough free disk space in {out.parent}: the merged weights need {_mb(size)} and a "

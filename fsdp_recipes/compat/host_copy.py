@@ -108,10 +108,7 @@ class HostBuffers:
         # what could be made is used, should memory run out part way
         try:
             # torch's pinned allocator: measured to hold up the training thread's CUDA calls
-            for (
-                dtype,
-                shape,
-            ) in shapes:
+            for dtype, shape in shapes:
                 made.append(torch.empty(shape, dtype=dtype, pin_memory=self.pin == "allocator"))
         except Exception as error:  # noqa: BLE001 (the save makes what is missing, as without this)
             self.error = f"{type(error).__name__}: {error}"
@@ -137,12 +134,7 @@ class HostBuffers:
         try:
             made = _host_copy(state_dict, self, {}) if why is None else None
         # a torch where DTensor's empty_like or memory moved
-        except (
-            RuntimeError,
-            TypeError,
-            ValueError,
-            InternalsChanged,
-        ) as error:
+        except (RuntimeError, TypeError, ValueError, InternalsChanged) as error:
             made, why = None, f"{type(error).__name__}: {error}"
         if made is not None and _layout(made) != layout:
             made, why = None, "its layout differed from the state dict's"

@@ -50,11 +50,7 @@ def trl_spellings(name: str) -> list[str]:
 
 
 # DataArguments' evaluation data
-EVAL_SOURCES = (
-    "validation_file",
-    "dataset_test_split",
-    "validation_split_percentage",
-)
+EVAL_SOURCES = ("validation_file", "dataset_test_split", "validation_split_percentage")
 
 
 @dataclass

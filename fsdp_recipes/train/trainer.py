@@ -100,10 +100,7 @@ class FSDPTrainer(Trainer):
         # before sharding
         self.trainable_total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         # the final folder's (fsdp_report.json)
-        self.save_dtype, self.export_dtype = (
-            save_dtype,
-            export_dtype(self.model, save_dtype),
-        )
+        self.save_dtype, self.export_dtype = (save_dtype, export_dtype(self.model, save_dtype))
         # name -> full shape, before sharding: what a checkpoint resumed into this model must hold (model_mismatch)
         self.weight_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.omittable_names = omittable_names(self.model)

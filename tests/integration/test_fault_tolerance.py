@@ -53,15 +53,7 @@ def load_dcp(folder) -> dict:
 
 ZERO3 = "accelerate_configs/zero3.yaml"
 # 16 steps
-EPOCHS = (
-    *quick(max_steps="-1"),
-    "--num_train_epochs",
-    "1",
-    "--save_strategy",
-    "epoch",
-    "--max_train_samples",
-    "600",
-)
+EPOCHS = (*quick(max_steps="-1"), "--num_train_epochs", "1", "--save_strategy", "epoch", "--max_train_samples", "600")
 
 
 def remove_descriptions_and_leave_staging(out) -> None:

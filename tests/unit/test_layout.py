@@ -55,11 +55,7 @@ def _type_checking_only(node, parents) -> bool:
 
 
 # importlib.import_module("x"), __import__("x"), runpy.run_module("x")
-DYNAMIC = (
-    "import_module",
-    "__import__",
-    "run_module",
-)
+DYNAMIC = ("import_module", "__import__", "run_module")
 
 
 def imports(path: Path, known: dict[str, Path], own: str) -> dict[str, int]:
@@ -284,10 +280,7 @@ BASE = {
 @pytest.mark.parametrize(
     "bad, expected",
     [
-        (
-            "def f():\n    from fsdp_recipes.train import loop\n",
-            "ckpt/layout.py:2 imports fsdp_recipes.train.loop",
-        ),
+        ("def f():\n    from fsdp_recipes.train import loop\n", "ckpt/layout.py:2 imports fsdp_recipes.train.loop"),
         # relative
         ("from ..train.loop import x\n", "ckpt/layout.py:1 imports fsdp_recipes.train.loop"),
         ("import fsdp_recipes.train.loop\n", "ckpt/layout.py:1 imports fsdp_recipes.train.loop"),

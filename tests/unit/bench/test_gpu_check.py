@@ -298,10 +298,7 @@ def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
     assert zero3["estimate_states"] > 0 and zero3["merge_equal"] is True and zero3["profile"]["steps"] == [1, 2]
     assert rows["accelerate_configs/zero3_offload.yaml"]["offload"] is True
     # on CUDA it says what its peak holds
-    assert rows["accelerate_configs/zero3_offload.yaml"]["profile"]["steps"] == [
-        1,
-        1,
-    ]
+    assert rows["accelerate_configs/zero3_offload.yaml"]["profile"]["steps"] == [1, 1]
     assert "error" not in rows["LoRA (zero3)"] and rows["QLoRA (zero3)"]["error"].startswith(
         "not run: bitsandbytes is not installed"
     )
@@ -311,10 +308,7 @@ def test_the_runs_the_check_launches_work_on_cpu(tmp_path, monkeypatch):
     assert verdicts["accelerate_configs/zero3.yaml: model states / formula"] is True
     assert verdicts["accelerate_configs/zero3.yaml: MFU"] is False and verdicts["LoRA: ran"] is True
     # CPU: host shards, in place
-    for config in (
-        "accelerate_configs/zero3.yaml",
-        "accelerate_configs/zero3_offload.yaml",
-    ):
+    for config in ("accelerate_configs/zero3.yaml", "accelerate_configs/zero3_offload.yaml"):
         assert verdicts[f"{config}: background saves written in place"] is True, rows[config]["checkpoint_writes"]
     report = (tmp_path / "out" / "report.md").read_text()
     assert report.count("| accelerate_configs/zero3.yaml |") == 1 and "| LoRA (zero3) |" in report

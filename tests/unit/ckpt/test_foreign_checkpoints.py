@@ -163,11 +163,7 @@ def test_unreadable_layout_names_what_was_found(corpus, config_only, tmp_path, c
 ACCELERATE_LOOPS = [
     # FSDP1, sharded: pytorch_model_fsdp_0/
     ("accelerate_configs/fsdp1/zero3.yaml", (), 'weights under "model."'),
-    (
-        "accelerate_configs/zero3.yaml",
-        ("--fsdp_state_dict_type", "FULL_STATE_DICT"),
-        "weights at the top level",
-    ),
+    ("accelerate_configs/zero3.yaml", ("--fsdp_state_dict_type", "FULL_STATE_DICT"), "weights at the top level"),
 ]
 
 

@@ -485,10 +485,7 @@ def test_peak_memory_does_not_grow_with_model_size(synthetic, tmp_path):
     big_bytes = sum(f.stat().st_size for f in (big / "pytorch_model_fsdp_0").glob("*.distcp"))
     assert big_bytes > 300e6
     # one interpreter each: peak RSS is a high-water mark, one path's would hide the other's
-    for mode in (
-        "raw",
-        "cast",
-    ):
+    for mode in ("raw", "cast"):
         proc = run(["python", "-c", MEASURE, str(small), str(big), str(tmp_path / mode), mode])
         assert proc.returncode == 0, proc.stderr
         base_kb, peak_kb = map(int, proc.stdout.split())

@@ -179,9 +179,7 @@ def same_offsets(chunks):
 
 
 # rank 0's chunk a row longer, rank 1's a row shorter: as many elements, one row twice, one none
-def one_row_over(
-    chunks,
-):
+def one_row_over(chunks):
     first, second = chunks
     return [
         ChunkStorageMetadata(offsets=first.offsets, sizes=torch.Size([first.sizes[0] + 1, *first.sizes[1:]])),

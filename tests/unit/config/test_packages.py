@@ -356,10 +356,7 @@ def test_a_bare_true_false_flag_means_true(flag):
 
 
 # TRL's packing true takes chat data here
-CHAT_DATA = (
-    "--train_file",
-    str(REPO / "assets" / "data" / "tiny_chat.jsonl"),
-)
+CHAT_DATA = ("--train_file", str(REPO / "assets" / "data" / "tiny_chat.jsonl"))
 
 
 @pytest.mark.parametrize("flags", [("--use_peft",), ("--gradient_checkpointing",), ("--packing",)])

@@ -58,11 +58,7 @@ WRONG_VALUES = {
     "object": {"a": 1},
 }
 # a DDP run's, as fsdp_recipes.train.sharding writes it
-REPORT = {
-    "fsdp_version": None,
-    "world_size": 1,
-    "sharding_strategy": None,
-}
+REPORT = {"fsdp_version": None, "world_size": 1, "sharding_strategy": None}
 STEP = 3
 
 
@@ -151,11 +147,7 @@ def checkpoint_plan() -> dict[str, tuple]:
     ]:
         for name, value in WRONG_VALUES.items():
             # valid ones
-            if (key, value) not in (
-                ("fsdp_version", None),
-                ("sharding_strategy", None),
-                ("sharding_strategy", "2"),
-            ):
+            if (key, value) not in (("fsdp_version", None), ("sharding_strategy", None), ("sharding_strategy", "2")):
                 plan[f"{file}-{key}-{name}"] = (file, "value", key, value)
     return plan
 

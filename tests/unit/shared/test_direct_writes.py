@@ -175,12 +175,7 @@ def test_ctrl_c_at_any_line_of_sync_entries_leaks_no_descriptor(tmp_path, monkey
     "pieces",
     [
         [GIL_FREE_COPY - 1, GIL_FREE_COPY, GIL_FREE_COPY + 1, 3, CHUNK - 2 * GIL_FREE_COPY - 3, GIL_FREE_COPY + BLOCK],
-        [
-            CHUNK - GIL_FREE_COPY + 1,
-            GIL_FREE_COPY,
-            1,
-            GIL_FREE_COPY - 1,
-        ],
+        [CHUNK - GIL_FREE_COPY + 1, GIL_FREE_COPY, 1, GIL_FREE_COPY - 1],
     ],
 )
 def test_the_bytes_are_an_ordinary_writes_whichever_way_each_piece_is_copied(tmp_path, pieces):

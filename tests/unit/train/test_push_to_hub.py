@@ -241,13 +241,7 @@ def test_a_branch_name_git_refuses_is_refused_before_training(tmp_path, hub, bra
 
     git_takes = subprocess.run(["git", "check-ref-format", f"refs/heads/{branch}"], capture_output=True).returncode == 0
     # = : '-lead' is no flag
-    flags = (
-        "--push_to_hub",
-        "true",
-        "--hub_model_id",
-        "tester/tiny",
-        f"--hub_revision={branch}",
-    )
+    flags = ("--push_to_hub", "true", "--hub_model_id", "tester/tiny", f"--hub_revision={branch}")
     if git_takes:
         assert plan_of(tmp_path, *flags).push.revision == branch
     else:
@@ -387,11 +381,7 @@ def test_a_failed_upload_keeps_the_model_and_says_how_to_finish(
 
 
 # save_pretrained's max_shard_size (0.97 MB model)
-LAYOUTS = {
-    "single file": None,
-    "2 shards": "600KB",
-    "4 shards": "300KB",
-}
+LAYOUTS = {"single file": None, "2 shards": "600KB", "4 shards": "300KB"}
 
 
 def tiny_model(seed: int):
