@@ -1013,7 +1013,6 @@ class Check:
             )
             return
         # QLoRA quantizes pre-trained weights: a bf16 folder of the model's (random) weights, as a hub model is
-        # the export merges the final sharded save
         row, out = self.train(
             "QLoRA (zero3)",
             "accelerate_configs/zero3.yaml",
@@ -1035,6 +1034,7 @@ class Check:
             "16",
             "--lora_alpha",
             "32",
+            # the export merges the final sharded save
             "--save_strategy",
             "no",
         )

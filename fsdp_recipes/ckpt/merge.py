@@ -214,8 +214,8 @@ def merge_checkpoint(
                 unconvertible_dtype(resolved.source.tensors[odd].dtype, f"{resolved.checkpoint_dir}: weight {odd!r}")
             )
         size = sum(resolved.source.tensors[n].nbytes(dtype) for n in weights.names.values())
-        # the description files, the filesystem's own
-        free, margin = (shutil.disk_usage(out.parent).free, min(64 << 20, (8 << 20) + size // 8))
+        # the margin: for the description files, and the filesystem's own
+        free, margin = shutil.disk_usage(out.parent).free, min(64 << 20, (8 << 20) + size // 8)
         if free < size + margin:
             raise CheckpointError(
                 f"not enough free disk space in {out.parent}: the merged weights need {_mb(size)} and a "

@@ -154,9 +154,8 @@ def check_recipe_types(recipe: dict, parser) -> None:
             actions[a.dest] = a
     for key, value in recipe.items():
         action = actions[key]
-        # it would replace the default
+        # it would replace the default with None: a true-by-default bool read as false, a number as missing
         if value is None and action.default is not None and key not in NULL_MEANS_MORE:
-            # with None: a true-by-default bool read as false, a number as missing
             raise RecipeError(
                 f"recipe key {key}: null is not a value here (its default is {action.default!r}): give a value, "
                 "or leave the key out for the default"

@@ -355,7 +355,6 @@ class AsyncCheckpoints(TrainerCallback):
                 **files,
             }
         done = self.completed
-        # the first copy's buffers, made after step 1
         return {
             "mode": "background",
             **files,
@@ -367,9 +366,9 @@ class AsyncCheckpoints(TrainerCallback):
             # rank 0's host copy per save
             "staged_bytes_max": max((c["staged_bytes"] for c in done), default=0),
             "seconds_max": max((c["seconds"] for c in done), default=0.0),
-            "host_copies_made": self.host_copies_made
             # one per save of a checkpoint (model, optimizer), reused
-            + sum(s.made for s in self.stagers),
+            "host_copies_made": self.host_copies_made + sum(s.made for s in self.stagers),
+            # the first copy's buffers, made after step 1
             **({"host_copy_ahead": self.ahead_report} if self.ahead_report else {}),
             "last": done[-5:],
         }

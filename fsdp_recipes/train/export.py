@@ -172,9 +172,9 @@ def save_final_model(trainer, tokenizer, save_dtype: str = "auto") -> None:
             make_folder(staging, EXPORT_STAGING)
         if via_shards:
             make_folder(shards, EXPORT_STAGING)
-            # the adapter's config (and the base's record) beside the shards, for every rank's
+            # the adapter's config (and the base's record) beside the shards, for every rank's merge: written
+            # before the barrier below
             if lora is not None:
-                # merge: written before the barrier below
                 save_model_description(model, tokenizer, shards, trainer.describer.base_record)
     # a run without FSDP (--allow_no_fsdp): the whole model is here
     if plugin is None and lora is not None:

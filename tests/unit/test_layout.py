@@ -276,10 +276,10 @@ BASE = {
 }
 
 
-# lazy counts
 @pytest.mark.parametrize(
     "bad, expected",
     [
+        # lazy counts
         ("def f():\n    from fsdp_recipes.train import loop\n", "ckpt/layout.py:2 imports fsdp_recipes.train.loop"),
         # relative
         ("from ..train.loop import x\n", "ckpt/layout.py:1 imports fsdp_recipes.train.loop"),

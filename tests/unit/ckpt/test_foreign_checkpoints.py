@@ -159,10 +159,10 @@ def test_unreadable_layout_names_what_was_found(corpus, config_only, tmp_path, c
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
-# FSDP2, full .bin
 ACCELERATE_LOOPS = [
     # FSDP1, sharded: pytorch_model_fsdp_0/
     ("accelerate_configs/fsdp1/zero3.yaml", (), 'weights under "model."'),
+    # FSDP2, full .bin
     ("accelerate_configs/zero3.yaml", ("--fsdp_state_dict_type", "FULL_STATE_DICT"), "weights at the top level"),
 ]
 

@@ -170,11 +170,11 @@ def test_ctrl_c_at_any_line_of_sync_entries_leaks_no_descriptor(tmp_path, monkey
     assert not interrupted and at > 2 and started, (at, interrupts.seen)
 
 
-# copies that end a chunk, and start the next, either way
 @pytest.mark.parametrize(
     "pieces",
     [
         [GIL_FREE_COPY - 1, GIL_FREE_COPY, GIL_FREE_COPY + 1, 3, CHUNK - 2 * GIL_FREE_COPY - 3, GIL_FREE_COPY + BLOCK],
+        # copies that end a chunk, and start the next, either way
         [CHUNK - GIL_FREE_COPY + 1, GIL_FREE_COPY, 1, GIL_FREE_COPY - 1],
     ],
 )

@@ -1,5 +1,5 @@
-"""A LoRA run's final export, written in parallel (fsdp_recipes/train/export.py): each rank merges the adapter into
-the base weights of its own shards, and the parts written together are peft's merge_and_unload, for any number of
+"""A LoRA run's final export, written in parallel (fsdp_recipes/train/export_parts.py): each rank merges the adapter
+into the base weights of its own shards, and the parts written together are peft's merge_and_unload, for any number of
 ranks, tied or untied, fp32 or bf16; the run's export record counts every rank that wrote as a writer. (The same
 under real launches: tests/integration/test_lora.py.)"""
 
